@@ -1,0 +1,348 @@
+"""ModelConfig: one frozen, normalised view of a checkpoint's config.json.
+
+This is the only code that reads config keys. It resolves every alias the
+families use (GPT-style n_embd / n_layer / n_head, the five norm-epsilon
+spellings, Transformers 5's rope_parameters, layer_types, ...) and turns each
+family's conventions (from its FamilySpec) into plain switches, so the decoder
+reads switches and sizes and never a family name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ster_dist.config_file import TEXT_WRAPPERS, family_of
+from ster_dist.errors import Refusal
+from ster_dist.families.registry import spec_for
+from ster_dist.families.spec import FamilySpec
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu2", "relu", "gelu_exact")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """The rotation one layer applies. rotary_dim is the rotated share of each head."""
+
+    theta: float
+    rotary_dim: int
+    interleaved: bool = False             # adjacent pairs (GPT-J, Cohere) rather than halves
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float = 1.0          # llama3
+    high_freq_factor: float = 4.0         # llama3
+    beta_fast: float = 32.0               # yarn
+    beta_slow: float = 1.0                # yarn
+    mscale: float | None = None           # yarn
+    mscale_all_dim: float | None = None   # yarn
+    truncate: bool = True                 # yarn
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()   # longrope
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int
+    # norms
+    norm_kind: str = "rms"                # "rms" | "layer"
+    norm_bias: bool = False
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
+    # block layout
+    pre_attn_norm: bool = True
+    pre_mlp_norm: bool = True
+    post_attn_norm: bool = False          # a norm over the attention output (Gemma 2, OLMo 2)
+    post_mlp_norm: bool = False
+    parallel_block: bool = False          # attention and feed-forward read the same input
+    parallel_shared_norm: bool = True     # one norm feeds both halves of a parallel block
+    # attention
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"                 # "none" | "head" (per head) | "proj" (whole projection)
+    qk_norm_kind: str = "rms"             # "rms" | "layer"
+    qk_norm_per_head_weight: bool = False  # a separate scale per head ([heads, head_dim])
+    qk_norm_bias: bool = False
+    attn_scale: float = 1.0
+    attn_softcap: float | None = None
+    clip_qkv: float | None = None
+    layer_rope: tuple[RopeConfig | None, ...] = ()   # None: the layer does not rotate
+    layer_window: tuple[int | None, ...] = ()        # sliding window per layer, None = full
+    learned_positions: bool = False
+    position_offset: int = 0
+    # feed-forward
+    mlp_gated: bool = True
+    hidden_act: str = "silu"
+    mlp_up_bias: bool = False
+    mlp_down_bias: bool = False
+    # embedding and head
+    embed_scale: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_multiplier: float = 1.0
+    logit_softcap: float | None = None
+    tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def spec(self) -> FamilySpec:
+        return spec_for(self.family)
+
+    def with_eos(self, eos: tuple[int, ...]) -> "ModelConfig":
+        return replace(self, eos_token_ids=eos)
+
+    def summary(self) -> dict:
+        return {
+            "family": self.family, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers, "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "max_position": self.max_position,
+            "hidden_act": self.hidden_act, "norm": self.norm_kind, "norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope": sorted({r.rope_type for r in self.layer_rope if r is not None}),
+            "sliding_window_layers": sum(w is not None for w in self.layer_window),
+        }
+
+
+class _Keys:
+    """Config lookups with aliases; unstated (missing or null) keys fall through."""
+
+    def __init__(self, raw: dict, path: str):
+        self.raw = raw
+        self.path = path
+
+    def get(self, *names: str, default=None):
+        for name in names:
+            value = self.raw.get(name)
+            if value is not None:
+                return value
+        return default
+
+    def need(self, *names: str):
+        value = self.get(*names)
+        if value is None:
+            raise Refusal(f"invalid model config {self.path}: missing {' / '.join(names)}")
+        return value
+
+
+def _text_config(raw: dict) -> dict:
+    """An image-text wrapper reads as its text_config, with a few keys from the outer config."""
+    if raw.get("model_type") not in TEXT_WRAPPERS:
+        return raw
+    text = dict(raw["text_config"])
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config"):
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
+    return text
+
+
+def _rope_sources(keys: _Keys) -> tuple[dict, dict]:
+    """(rotation of full-attention layers, rotation of sliding layers) as rope_parameters-shaped dicts.
+
+    Transformers 5 writes one rope_parameters object (or one per layer type);
+    older configs write rope_theta and rope_scaling at the top level, which win.
+    """
+    params = keys.get("rope_parameters", default={}) or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        sliding = dict(params.get("sliding_attention") or full)
+    else:
+        full, sliding = dict(params), None
+    scaling = keys.get("rope_scaling")
+    if isinstance(scaling, dict):
+        full = {**{k: v for k, v in full.items() if k in ("rope_theta", "partial_rotary_factor")}, **scaling}
+    theta = keys.get("rope_theta", "rotary_emb_base")
+    if theta is not None:
+        full["rope_theta"] = theta
+    if sliding is None:
+        sliding = dict(full)
+    local_base = keys.get("rope_local_base_freq")
+    if local_base is not None:
+        sliding = {"rope_type": "default", "rope_theta": local_base}
+    return full, sliding
+
+
+def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool, default_theta: float,
+          path: str, max_position: int) -> RopeConfig:
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise Refusal(f"invalid model config {path}: rope scaling type {rope_type!r} is not supported; "
+                      f"supported: {', '.join(ROPE_TYPES)}")
+    if partial is None:
+        partial = params.get("partial_rotary_factor") or 1.0
+    rotary_dim = int(head_dim * partial)
+    rotary_dim -= rotary_dim % 2
+    theta = float(params.get("rope_theta") or default_theta)
+    kw: dict = {}
+    if rope_type == "dynamic":
+        alpha = params.get("alpha")
+        if alpha:  # HunYuan: a fixed larger base; plain dynamic is the plain rotation within max_position
+            theta = theta * alpha ** (head_dim / (head_dim - 2))
+        rope_type = "default"
+    if rope_type != "default":
+        kw["factor"] = float(params.get("factor") or 1.0)
+        kw["original_max_position"] = params.get("original_max_position_embeddings")
+        kw["attention_factor"] = params.get("attention_factor")
+    if rope_type == "llama3":
+        kw.update(low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                  high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+    elif rope_type == "yarn":
+        kw.update(beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                  mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+                  truncate=bool(params.get("truncate", True)))
+        if params.get("factor") is None and kw["original_max_position"]:
+            kw["factor"] = max_position / kw["original_max_position"]
+    elif rope_type == "longrope":
+        kw.update(short_factor=tuple(params["short_factor"]), long_factor=tuple(params["long_factor"]))
+        if params.get("factor") is None and kw["original_max_position"]:
+            kw["factor"] = max_position / kw["original_max_position"]
+    if rope_type != "default" and rope_type != "linear" and not kw.get("original_max_position"):
+        kw["original_max_position"] = max_position
+    return RopeConfig(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, rope_type=rope_type, **kw)
+
+
+def _layer_types(keys: _Keys, spec: FamilySpec, num_layers: int) -> list[str]:
+    """Which layers attend through a sliding window: layer_types when stated, else the family's rule."""
+    stated = keys.get("layer_types")
+    if stated:
+        if len(stated) != num_layers:
+            raise Refusal(f"invalid model config {keys.path}: layer_types lists {len(stated)} layers "
+                          f"for {num_layers} hidden layers")
+        return list(stated)
+    window = keys.get("sliding_window")
+    rule = spec.sliding
+    kinds = ["full_attention"] * num_layers
+    if rule == "all" and window:
+        kinds = ["sliding_attention"] * num_layers
+    elif rule == "max_window_layers" and window and keys.get("use_sliding_window", default=False):
+        start = keys.get("max_window_layers", default=num_layers)
+        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    elif rule == "even" and window:
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    elif rule == "pattern" and window:
+        pattern = keys.get("sliding_window_pattern", "_sliding_window_pattern", default=6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    return kinds
+
+
+def _eos(keys: _Keys) -> tuple[int, ...]:
+    eos = keys.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
+    """Normalise a Transformers config.json dict (after the architecture gate) into a ModelConfig."""
+    family = family_of(raw)
+    raw = _text_config(raw)
+    spec = spec_for(family)
+    if spec is None:
+        raise Refusal(f"model architecture \"{family}\" is recognised but not yet runnable in this "
+                      "ster_dist build; `ster families` lists the runnable ones")
+    keys = _Keys({**spec.config_defaults, **raw}, path)
+    for key, why in spec.refuse_keys.items():
+        if keys.get(key):
+            raise Refusal(f"invalid model config {path}: {key} is set; {why}")
+
+    hidden = int(keys.need("hidden_size", "n_embd", "n_embed", "d_model"))
+    num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))
+    num_layers = int(keys.need("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    num_kv = int(keys.get("num_key_value_heads", "num_kv_heads", default=num_heads))
+    if keys.get("multi_query"):
+        num_kv = 1
+    head_dim = int(keys.get("head_dim", default=hidden // num_heads))
+    inner = keys.get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    intermediate = int(inner if inner is not None else 4 * hidden)
+    max_position = int(keys.get("max_position_embeddings", "n_positions", "seq_length", default=4096))
+    vocab = int(keys.need("vocab_size"))
+    eps = float(keys.get("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps", "layer_norm_epsilon",
+                         default=1e-6))
+    act = keys.get("hidden_act", "hidden_activation", "activation_function", default="silu")
+    act = spec.activation or act
+    if act not in ACTIVATIONS:
+        raise Refusal(f"invalid model config {path}: hidden_act {act!r} is not supported; "
+                      f"supported: {', '.join(ACTIVATIONS)}")
+
+    # rotation, per layer
+    kinds = _layer_types(keys, spec, num_layers)
+    window = keys.get("sliding_window")
+    full_rope, sliding_rope = _rope_sources(keys)
+    partial = keys.get("partial_rotary_factor", "rotary_pct")
+    if keys.get("rotary_dim") is not None:
+        partial = keys.get("rotary_dim") / head_dim
+    layer_rope: list[RopeConfig | None] = []
+    layer_window: list[int | None] = []
+    no_rope = keys.get("no_rope_layers")
+    for i, kind in enumerate(kinds):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise Refusal(f"invalid model config {path}: layer type {kind!r} (layer {i}) is not supported "
+                          f"for {family}")
+        sliding = kind == "sliding_attention" and window is not None
+        if spec.positions != "rope" or (no_rope is not None and not no_rope[i]):
+            layer_rope.append(None)
+        else:
+            layer_rope.append(_rope(sliding_rope if sliding else full_rope, head_dim, partial,
+                                    spec.rope_interleaved, spec.default_rope_theta, path, max_position))
+        layer_window.append(int(window) if sliding else None)
+
+    # attention scale and multipliers
+    attn_scale = head_dim ** -0.5
+    if keys.get("query_pre_attn_scalar") is not None:
+        attn_scale = float(keys.get("query_pre_attn_scalar")) ** -0.5
+    if keys.get("attention_multiplier") is not None:
+        attn_scale = float(keys.get("attention_multiplier"))
+    if spec.positions == "learned" and keys.get("scale_attn_weights") is False:
+        attn_scale = 1.0
+    embed_scale = math.sqrt(hidden) if spec.embed_scale_sqrt else float(keys.get("embedding_multiplier", default=1.0))
+    logit_multiplier = float(keys.get("logit_scale", default=1.0))
+    if keys.get("logits_scaling") is not None:
+        logit_multiplier = 1.0 / float(keys.get("logits_scaling"))
+
+    qkv_bias = bool(keys.get(*spec.qkv_bias_keys, default=spec.qkv_bias_default))
+    o_bias = bool(keys.get(*spec.o_bias_keys, default=spec.o_bias_default))
+    mlp_bias = bool(keys.get(*spec.mlp_bias_keys, default=spec.mlp_bias_default))
+    qk_norm = spec.qk_norm
+    if spec.qk_norm_key is not None and not keys.get(spec.qk_norm_key):
+        qk_norm = "none"
+    parallel = spec.parallel_block
+    if spec.parallel_key is not None:
+        parallel = bool(keys.get(spec.parallel_key, default=False))
+    pad = keys.get("pad_token_id")
+
+    return ModelConfig(
+        family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
+        norm_kind=spec.norm_kind, norm_bias=spec.norm_bias, norm_eps=eps, norm_offset=spec.norm_offset,
+        pre_attn_norm=spec.pre_norm, pre_mlp_norm=spec.pre_norm and not (parallel and spec.parallel_shared_norm),
+        post_attn_norm=spec.post_norm, post_mlp_norm=spec.post_norm,
+        parallel_block=parallel, parallel_shared_norm=spec.parallel_shared_norm,
+        qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, qk_norm_kind=spec.qk_norm_kind,
+        qk_norm_per_head_weight=spec.qk_norm_per_head_weight, qk_norm_bias=spec.qk_norm_bias, attn_scale=attn_scale,
+        attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
+        layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
+        learned_positions=spec.positions == "learned", position_offset=spec.position_offset,
+        mlp_gated=spec.mlp_gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
+        embed_scale=embed_scale, residual_multiplier=float(keys.get("residual_multiplier", default=1.0)),
+        logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
+        tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.tied_default)),
+        lm_head_bias=spec.lm_head_bias,
+        bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
+        pad_token_id=pad if isinstance(pad, int) else None,
+        torch_dtype=keys.get("torch_dtype", "dtype"), raw=raw,
+    )

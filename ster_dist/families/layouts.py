@@ -1,0 +1,62 @@
+"""Name maps shared by several families (data, built by small functions).
+
+Internal parameter names are the decoder's own: embed, pos_embed, layers.{i}.
+attn_norm / attn.{q,k,v,o} / attn.{q,k}_norm / post_attn_norm / mlp_norm /
+mlp.{gate,up,down} / post_mlp_norm, final_norm, lm_head.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.spec import Fused, Rule
+
+
+def weight_and_bias(checkpoint: str, target: str, transposed: bool = False) -> tuple[Rule, ...]:
+    """A module with .weight and .bias (the bias is loaded only when the config turns it on)."""
+    return (Rule(f"{checkpoint}.weight", f"{target}.weight", transposed),
+            Rule(f"{checkpoint}.bias", f"{target}.bias"))
+
+
+def llama_rules(
+    root: str = "model.",
+    attn: str = "self_attn",
+    q: str | None = "q_proj", k: str | None = "k_proj", v: str | None = "v_proj", o: str = "o_proj",
+    gate: str | None = "gate_proj", up: str | None = "up_proj", down: str = "down_proj", mlp: str = "mlp",
+    attn_norm: str = "input_layernorm", mlp_norm: str | None = "post_attention_layernorm",
+    post_attn_norm: str | None = None, post_mlp_norm: str | None = None,
+    q_norm: str | None = "q_norm", k_norm: str | None = "k_norm",
+    final_norm: str = "norm", embed: str = "embed_tokens",
+) -> tuple[Rule, ...]:
+    """Llama's layout; each argument renames one module, None drops it."""
+    layer = f"{root}layers.{{i}}."
+    rules: list[Rule] = [Rule(f"{root}{embed}.weight", "embed.weight"), Rule("lm_head.weight", "lm_head.weight"),
+                         Rule("lm_head.bias", "lm_head.bias")]
+    rules += weight_and_bias(f"{root}{final_norm}", "final_norm")
+    for name, target in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
+        if name:
+            rules += weight_and_bias(f"{layer}{attn}.{name}", f"layers.{{i}}.attn.{target}")
+    for name, target in ((gate, "gate"), (up, "up"), (down, "down")):
+        if name:
+            rules += weight_and_bias(f"{layer}{mlp}.{name}", f"layers.{{i}}.mlp.{target}")
+    for name, target in ((attn_norm, "attn_norm"), (mlp_norm, "mlp_norm"), (post_attn_norm, "post_attn_norm"),
+                         (post_mlp_norm, "post_mlp_norm")):
+        if name:
+            rules += weight_and_bias(f"{layer}{name}", f"layers.{{i}}.{target}")
+    for name, target in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+        if name:
+            rules += weight_and_bias(f"{layer}{attn}.{name}", f"layers.{{i}}.attn.{target}")
+    return tuple(rules)
+
+
+def fused_qkv(checkpoint: str, groups: str = "one", q_count: str = "heads", kv_count: str = "kv_heads",
+              transposed: bool = False) -> tuple[Rule, ...]:
+    """One tensor (and its bias) holding query, key and value rows in `groups` repetitions."""
+    layout = Fused((("layers.{i}.attn.q.weight", q_count), ("layers.{i}.attn.k.weight", kv_count),
+                    ("layers.{i}.attn.v.weight", kv_count)), groups=groups)
+    bias = Fused(tuple((p.replace(".weight", ".bias"), c) for p, c in layout.parts), groups=groups)
+    return (Rule(f"{checkpoint}.weight", layout, transposed), Rule(f"{checkpoint}.bias", bias))
+
+
+def fused_gate_up(checkpoint: str) -> tuple[Rule, ...]:
+    layout = Fused((("layers.{i}.mlp.gate.weight", "intermediate"), ("layers.{i}.mlp.up.weight", "intermediate")),
+                   unit="one")
+    return (Rule(f"{checkpoint}.weight", layout),)

@@ -1,0 +1,88 @@
+"""Grouped-query attention over this rank's heads: q/k/v projections (column-parallel),
+optional query/key norms, rotation, clipping, masks (causal, padding, sliding window),
+soft-capping, and the row-parallel output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ster_dist.config import ModelConfig
+from ster_dist.model.norm import Norm
+from ster_dist.model.rope import apply_rotary
+from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.shard.linear import ColumnLinear, RowLinear
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
+        super().__init__()
+        d, hidden = cfg.head_dim, cfg.hidden_size
+        h0, h1 = ctx.heads(cfg.num_heads)
+        k0, k1 = ctx.kv_heads(cfg.num_kv_heads)
+        self.local_heads, self.local_kv = h1 - h0, k1 - k0
+        self.head_dim, self.layer = d, layer
+        self.q = ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
+        self.k = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
+        self.v = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
+        self.o = RowLinear(cfg.num_heads * d, hidden, ctx, cfg.o_bias, cols=(h0 * d, h1 * d))
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm != "none":
+            common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
+                          ctx=ctx)
+            if cfg.qk_norm == "head":
+                per_head = cfg.qk_norm_per_head_weight
+                self.q_norm = Norm(d, heads=cfg.num_heads if per_head else 1, per_head_weight=per_head,
+                                   rows=((h0, h1),) if per_head else None, **common)
+                self.k_norm = Norm(d, heads=cfg.num_kv_heads if per_head else 1, per_head_weight=per_head,
+                                   rows=((k0, k1),) if per_head else None, **common)
+            else:  # over the whole projection, split like it
+                self.q_norm = Norm(cfg.num_heads * d, rows=((h0 * d, h1 * d),), **common)
+                self.k_norm = Norm(cfg.num_kv_heads * d, rows=((k0 * d, k1 * d),), **common)
+        self.per_head_norm = cfg.qk_norm == "head"
+        self.rope = cfg.layer_rope[layer]
+        self.window = cfg.layer_window[layer]
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_softcap
+        self.clip = cfg.clip_qkv
+
+    def forward(self, x: torch.Tensor, pos: "StepState", cache=None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.clip is not None:
+            q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
+        if self.q_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
+        if self.per_head_norm:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        if self.rope is not None:
+            cos, sin = pos.rotary(self.rope, q.dtype)
+            q = apply_rotary(q, cos, sin, self.rope.interleaved)
+            k = apply_rotary(k, cos, sin, self.rope.interleaved)
+        if cache is not None:
+            k, v = cache.write(self.layer, pos.slots, k, v)
+        mask = pos.mask(self.window)
+        out = self._attend(q, k, v, mask)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    @staticmethod
+    def _head_norm(norm: Norm, x: torch.Tensor) -> torch.Tensor:
+        # [b, heads, t, d] -> norm over d with each head's own scale where it has one
+        return norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, (x.shape[1], x.shape[3])).transpose(1, 2)
+
+    def _attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        groups = self.local_heads // self.local_kv
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=groups > 1)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

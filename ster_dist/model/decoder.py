@@ -1,0 +1,157 @@
+"""The decoder: one stack of blocks with switches from ModelConfig, for every family.
+
+Named hook sites sit on the residual stream after every layer ("layers.{i}"):
+capture and steering attach there through add_hook, and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ster_dist.config import ModelConfig, RopeConfig
+from ster_dist.model.attention import Attention
+from ster_dist.model.cache import KVCache
+from ster_dist.model.mlp import MLP
+from ster_dist.model.norm import Norm
+from ster_dist.model.rope import RotaryTables
+from ster_dist.shard.ctx import SINGLE, ParallelCtx, Shard
+from ster_dist.shard.linear import Replicated, ShardedModule, VocabEmbedding, VocabHead
+
+Hook = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+class StepState:
+    """What every layer of one forward step shares: positions, cache slots, masks and rotary tables."""
+
+    def __init__(self, positions: torch.Tensor, valid: torch.Tensor, tables: RotaryTables,
+                 cache: KVCache | None):
+        self.positions = positions
+        self.tables = tables
+        if cache is not None:
+            self.slots = cache.reserve(positions, valid)
+            key_pos, key_valid = cache.positions[:, : self.slots.stop], cache.valid[:, : self.slots.stop]
+            start = self.slots.start
+        else:
+            self.slots, key_pos, key_valid, start = None, positions, valid, 0
+        t, s = positions.shape[1], key_pos.shape[1]
+        query_slot = torch.arange(start, start + t).view(1, t, 1)
+        key_slot = torch.arange(s).view(1, 1, s)
+        self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
+        self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
+        self._distance = positions.unsqueeze(2) - key_pos.unsqueeze(1)
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self._masks:
+            allowed = self._base if window is None else self._base & (self._distance < window)
+            self._masks[window] = (allowed | self._diag).unsqueeze(1)
+        return self._masks[window]
+
+    def rotary(self, rope: RopeConfig, dtype: torch.dtype):
+        key = (rope, dtype)
+        if key not in self._rotary:
+            self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
+        return self._rotary[key]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
+        super().__init__()
+
+        def norm():
+            return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset)
+
+        self.attn_norm = norm() if cfg.pre_attn_norm else None
+        self.attn = Attention(cfg, layer, ctx)
+        self.post_attn_norm = norm() if cfg.post_attn_norm else None
+        self.mlp_norm = norm() if cfg.pre_mlp_norm else None
+        self.mlp = MLP(cfg, ctx)
+        self.post_mlp_norm = norm() if cfg.post_mlp_norm else None
+        self.parallel = cfg.parallel_block
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def forward(self, x: torch.Tensor, step: StepState, cache: KVCache | None) -> torch.Tensor:
+        a_in = self.attn_norm(x) if self.attn_norm is not None else x
+        a = self.attn(a_in, step, cache)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        if self.parallel:
+            m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
+            return x + (a + m) * self.residual_multiplier
+        h = x + a * self.residual_multiplier
+        m = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return h + m * self.residual_multiplier
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx = SINGLE):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        self.pos_embed = Replicated((cfg.max_position, cfg.hidden_size)) if cfg.learned_positions else None
+        self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset)
+        self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
+                                 self.embed if cfg.tie_word_embeddings else None)
+        self.tables = RotaryTables(cfg.max_position)
+        self.hooks: dict[int, list[Hook]] = {}
+
+    # -- parameters as the loader sees them -----------------------------------
+    def shards(self) -> dict[str, Shard]:
+        """Every parameter's name and Shard, in the decoder's own names."""
+        out: dict[str, Shard] = {}
+        for prefix, module in self.named_modules():
+            if isinstance(module, ShardedModule):
+                for name, shard in module.shards.items():
+                    out[f"{prefix}.{name}" if prefix else name] = shard
+        return out
+
+    # -- hook sites -----------------------------------------------------------
+    def add_hook(self, layer: int, hook: Hook) -> Callable[[], None]:
+        """Call hook(residual) after `layer`; a returned tensor replaces the residual. Returns a remover."""
+        if not 0 <= layer < self.cfg.num_layers:
+            raise IndexError(f"layer {layer} is outside the model's {self.cfg.num_layers} layers")
+        self.hooks.setdefault(layer, []).append(hook)
+        return lambda: self.hooks[layer].remove(hook)
+
+    # -- forward --------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        attn = self.layers[0].attn
+        dtype = dtype or self.embed.weight.dtype
+        return KVCache(len(self.layers), batch, attn.local_kv, attn.head_dim, capacity, dtype,
+                       self.embed.weight.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]."""
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+        if valid is None:
+            valid = torch.ones_like(ids, dtype=torch.bool)
+        step = StepState(positions, valid, self.tables, cache)
+        h = self.embed(ids)
+        if self.cfg.embed_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        if self.pos_embed is not None:
+            h = h + self.pos_embed.weight[positions + self.cfg.position_offset]
+        for i, block in enumerate(self.layers):
+            h = block(h, step, cache)
+            for hook in self.hooks.get(i, ()):
+                replaced = hook(h)
+                if replaced is not None:
+                    h = replaced
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.final_norm(h))
+        if self.cfg.logit_multiplier != 1.0:
+            logits = logits * self.cfg.logit_multiplier
+        if self.cfg.logit_softcap is not None:
+            logits = torch.tanh(logits / self.cfg.logit_softcap) * self.cfg.logit_softcap
+        return logits

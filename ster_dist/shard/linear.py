@@ -1,0 +1,110 @@
+"""Tensor-parallel layers. Each takes global sizes and a ParallelCtx and records,
+per parameter, the Shard of the global tensor it holds; the loader reads exactly that.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ster_dist.shard.ctx import ParallelCtx, Shard
+
+
+class ShardedModule(nn.Module):
+    """A module whose parameters carry Shards (global shape and this rank's ranges)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shards: dict[str, Shard] = {}
+
+    def _param(self, name: str, shard: Shard, dtype: torch.dtype | None = None) -> None:
+        self.shards[name] = shard
+        self.register_parameter(name, nn.Parameter(torch.empty(shard.local_shape(), dtype=dtype),
+                                                   requires_grad=False))
+
+
+class ColumnLinear(ShardedModule):
+    """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
+
+    def __init__(self, in_features: int, out_features: int, rows: tuple[tuple[int, int], ...], bias: bool):
+        super().__init__()
+        self._param("weight", Shard((out_features, in_features), 0, rows))
+        if bias:
+            self._param("bias", Shard((out_features,), 0, rows))
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(ShardedModule):
+    """y = all_reduce(x_local W_local^T) + b with W's input columns split; the bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelCtx, bias: bool,
+                 cols: tuple[int, int] | None = None):
+        super().__init__()
+        self.ctx = ctx
+        cols = cols or ctx.even(in_features, "the projection's input width")
+        self._param("weight", Shard((out_features, in_features), 1, (cols,)))
+        if bias:
+            self._param("bias", Shard((out_features,)))
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(ShardedModule):
+    """Embedding rows split over ranks (vocab padded to a multiple of tp); lookups all-reduced."""
+
+    def __init__(self, vocab_size: int, dim: int, ctx: ParallelCtx):
+        super().__init__()
+        self.ctx = ctx
+        self.start, self.stop, padded = ctx.vocab(vocab_size)
+        self._param("weight", Shard((vocab_size, dim), 0, ((self.start, self.stop),), pad_to=padded))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.stop - self.start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return self.ctx.all_reduce(out)
+
+
+class VocabHead(ShardedModule):
+    """The LM head: rows split like the embedding; logits gathered and the padding cut off.
+
+    With tied embeddings it reads the embedding's weight and owns no parameter.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, ctx: ParallelCtx, bias: bool, tied: VocabEmbedding | None):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.tied = [tied] if tied is not None else None  # a list, so the embedding is not registered twice
+        start, stop, padded = ctx.vocab(vocab_size)
+        if tied is None:
+            self._param("weight", Shard((vocab_size, dim), 0, ((start, stop),), pad_to=padded))
+        if bias:
+            self._param("bias", Shard((vocab_size,), 0, ((start, stop),), pad_to=padded))
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.tied[0].weight if self.tied else self.weight
+        logits = F.linear(x, weight, self.bias)
+        return self.ctx.all_gather_last(logits)[..., : self.vocab_size]
+
+
+class Replicated(ShardedModule):
+    """A parameter every rank holds whole (norm scales, learned positions)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self._param("weight", Shard(shape))

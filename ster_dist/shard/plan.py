@@ -1,0 +1,211 @@
+"""The shard plan: for each checkpoint tensor, which rows and columns this rank reads and
+where they land. A pure function of (FamilySpec, ModelConfig, the decoder's Shards, the
+checkpoint's names and shapes) — no I/O, so it is tested without a process group.
+
+The merge writer walks the same rules backwards; both read FamilySpec.rules only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ster_dist.config import ModelConfig
+from ster_dist.errors import Refusal
+from ster_dist.families.spec import FamilySpec, Fused, Rule
+from ster_dist.shard.ctx import Shard
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Copy source[rows, cols] (transposed when the source is inputs-first) into param[dst]."""
+
+    rows: slice | None
+    cols: slice | None
+    dst: tuple[slice | int, ...]
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class Read:
+    source: str
+    param: str
+    pieces: tuple[Piece, ...]
+    stacked: bool = False  # fills one row of a stacked parameter ({h} templates)
+
+
+@dataclass
+class Plan:
+    reads: list[Read]
+    skipped: list[str]        # checkpoint tensors that hold no weights of this rank (ignored, tied, other rows)
+    expected: dict[str, int]  # param -> how many reads fill it
+
+    def params(self) -> set[str]:
+        return {r.param for r in self.reads}
+
+
+def size_of(name: str, cfg: ModelConfig) -> int:
+    return {
+        "one": 1, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+        "heads_per_kv": cfg.num_heads // cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
+        "head_dim": cfg.head_dim,
+    }[name]
+
+
+def _runs(units: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive source units as (source start, source stop, destination offset) runs."""
+    runs: list[list[int]] = []
+    for offset, unit in enumerate(units):
+        if runs and runs[-1][1] == unit:
+            runs[-1][1] += 1
+        else:
+            runs.append([unit, unit + 1, offset])
+    return [tuple(r) for r in runs]
+
+
+def fused_source_rows(layout: Fused, part: int, dest_rows: tuple[int, int], cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """Source row runs (start, stop, destination row offset) for global rows of one fused part."""
+    unit = size_of(layout.unit, cfg)
+    counts = [size_of(c, cfg) for _, c in layout.parts]
+    group_size = sum(counts)
+    offset, count = sum(counts[:part]), counts[part]
+    a, b = dest_rows
+    if a % unit or b % unit:
+        raise ValueError(f"rows {dest_rows} are not whole units of {unit}")
+    units = [(u // count) * group_size + offset + u % count for u in range(a // unit, b // unit)]
+    return [(s * unit, e * unit, d * unit) for s, e, d in _runs(units)]
+
+
+def fused_rows_total(layout: Fused, cfg: ModelConfig) -> int:
+    groups = size_of(layout.groups, cfg)
+    return groups * sum(size_of(c, cfg) for _, c in layout.parts) * size_of(layout.unit, cfg)
+
+
+class _Matcher:
+    def __init__(self, spec: FamilySpec):
+        self.spec = spec
+        self.rules = [(rule, rule.pattern) for rule in spec.rules]
+        self.ignore = [re.compile(p) for p in spec.ignore + (r".*rotary_emb\.inv_freq$",)]
+
+    def match(self, name: str) -> tuple[Rule, dict] | None:
+        candidates = [name]
+        if self.spec.optional_prefix and not name.startswith(self.spec.optional_prefix):
+            candidates.append(self.spec.optional_prefix + name)
+        for candidate in candidates:
+            for rule, pattern in self.rules:
+                m = pattern.match(candidate)
+                if m:
+                    return rule, m.groupdict()
+        return None
+
+    def ignored(self, name: str) -> bool:
+        return any(p.match(name) for p in self.ignore)
+
+
+def _plain(rule: Rule, param: str, shard: Shard, shape: tuple[int, ...], stack: int | None) -> list[Piece] | None:
+    """Pieces for a one-to-one tensor; None when this rank holds none of it."""
+    t = rule.transposed
+    if stack is not None:  # the source is row `stack` of the parameter
+        if shard.dim is None:
+            return [Piece(None, None, (stack,))]
+        for a, b in shard.ranges:
+            if a <= stack < b:
+                return [Piece(None, None, (stack - a + _offset(shard, a),))]
+        return None
+    if shard.dim is None:
+        return [Piece(None, None, (), transpose=t)]
+    pieces, dst = [], 0
+    for a, b in shard.ranges:
+        window = slice(a, b)
+        local = slice(dst, dst + b - a)
+        if shard.dim == 0:
+            pieces.append(Piece(None, window, (local,), True) if t else Piece(window, None, (local,)))
+        else:
+            pieces.append(Piece(window, None, (slice(None), local), True) if t
+                          else Piece(None, window, (slice(None), local)))
+        dst += b - a
+    return pieces
+
+
+def _offset(shard: Shard, start: int) -> int:
+    total = 0
+    for a, b in shard.ranges:
+        if a == start:
+            return total
+        total += b - a
+    return total
+
+
+def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
+               shapes: dict[str, tuple[int, ...]]) -> Plan:
+    matcher = _Matcher(spec)
+    reads: list[Read] = []
+    skipped: list[str] = []
+    unmapped: list[str] = []
+    absent: list[str] = []
+    tied = cfg.tie_word_embeddings
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if matcher.ignored(name):
+            skipped.append(name)
+            continue
+        found = matcher.match(name)
+        if found is None:
+            unmapped.append(name)
+            continue
+        rule, groups = found
+        layer = groups.get("i")
+        if isinstance(rule.target, str):
+            param = rule.target.replace("{i}", layer) if layer is not None else rule.target
+            if param not in shards:
+                if param.startswith("lm_head.weight") and tied:
+                    skipped.append(name)  # a tied head: the embedding is the weight
+                else:
+                    absent.append(f"{name} (-> {param})")
+                continue
+            shard = shards[param]
+            stack = int(groups["h"]) if groups.get("h") is not None else None
+            want = shard.global_shape[1:] if stack is not None else shard.global_shape
+            got = tuple(reversed(shape)) if rule.transposed and len(shape) == 2 else tuple(shape)
+            if tuple(want) != got:
+                raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                              f"{list(want)} for {param}; the config and the weights disagree")
+            pieces = _plain(rule, param, shard, shape, stack)
+            if pieces is None:
+                skipped.append(name)
+            else:
+                reads.append(Read(name, param, tuple(pieces), stacked=stack is not None))
+            continue
+        layout: Fused = rule.target
+        total = fused_rows_total(layout, cfg)
+        rows_dim = 1 if rule.transposed else 0
+        if shape[rows_dim] != total or (len(shape) == 2 and shape[1 - rows_dim] != cfg.hidden_size):
+            raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                          f"{total} fused rows of width {cfg.hidden_size}; the config and the weights disagree")
+        for index, (template, _) in enumerate(layout.parts):
+            param = template.replace("{i}", layer) if layer is not None else template
+            if param not in shards:
+                absent.append(f"{name} (-> {param})")
+                continue
+            shard = shards[param]
+            ranges = shard.ranges if shard.dim == 0 else ((0, shard.global_shape[0]),)
+            pieces, dst = [], 0
+            for a, b in ranges:
+                for s, e, d in fused_source_rows(layout, index, (a, b), cfg):
+                    local = slice(dst + d, dst + d + e - s)
+                    pieces.append(Piece(None, slice(s, e), (local,), True) if rule.transposed
+                                  else Piece(slice(s, e), None, (local,)))
+                dst += b - a
+            reads.append(Read(name, param, tuple(pieces)))
+    if unmapped:
+        raise Refusal(f"checkpoint tensor {unmapped[0]} is not mapped by the {spec.name} name map "
+                      f"({len(unmapped)} unmapped in all: {', '.join(unmapped[:5])}); "
+                      "this checkpoint's layout is not the family's")
+    if absent:
+        raise Refusal(f"checkpoint tensor {absent[0]} has no parameter in this model "
+                      f"({len(absent)} in all); the config turns that part off (a bias or norm?) but the "
+                      "weights carry it")
+    expected: dict[str, int] = {}
+    for read in reads:
+        expected[read.param] = expected.get(read.param, 0) + 1
+    return Plan(reads, skipped, expected)

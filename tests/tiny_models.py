@@ -1,0 +1,92 @@
+"""Tiny random checkpoints of every Transformers-implemented family, built at test time.
+
+Each entry: (Transformers config class name, model class name, config kwargs). Sizes are
+small and odd where the family allows: key-value heads below heads, head_dim unlike
+hidden/heads, vocab not divisible by two, tied and untied heads, rope scaling variants.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 97
+_BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+             num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8],
+             "long_factor": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "original_max_position_embeddings": 32}
+
+TINY: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True,
+                                                             rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                              "rope_theta": 10000.0})),
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                      sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                                         query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
+                                                         final_logit_softcapping=3.0)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                                                  sliding_window_pattern=2, query_pre_attn_scalar=16)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, qk_layernorm=True, partial_rotary_factor=0.5)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, sliding_window=6, rope_parameters={
+        **_LONGROPE, "rope_theta": 10000.0, "partial_rotary_factor": 1.0})),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_key_value_heads=2, embedding_multiplier=3.0,
+                                                            residual_multiplier=0.5, attention_multiplier=0.2,
+                                                            logits_scaling=4.0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=2, qk_layernorm=True,
+                                                               use_qkv_bias=True, use_parallel_residual=True,
+                                                               partial_rotary_factor=0.5)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=5,
+                                                                     use_bias=True)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=48, n_layer=3, n_head=4, n_positions=128, n_inner=80)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=True)),
+    "gpt_neox_seq": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=False)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
+}
+
+
+def family_of_variant(variant: str) -> str:
+    return {"llama_linear": "llama", "llama_yarn": "llama", "gpt_neox_seq": "gpt_neox"}.get(variant, variant)
+
+
+def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Save a tiny random checkpoint (safetensors + config.json + a tokenizer) and return the Transformers model."""
+    import transformers
+
+    config_cls, model_cls, kwargs = TINY[variant]
+    base = {k: v for k, v in _BASE.items() if not (variant == "gpt2" and k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"))}
+    config = getattr(transformers, config_cls)(**{**base, **kwargs})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    from tests.tiny_tokenizer import build_tiny_tokenizer
+
+    build_tiny_tokenizer(Path(directory), vocab_size=VOCAB)
+    return model
+
+
+def _perturb_norms(model, seed: int) -> None:
+    """Random inits leave norm scales at one and biases at zero; perturb them so parity tests see them."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.1)
+
+
+def read_config(directory: Path) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
