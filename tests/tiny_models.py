@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 97
+from tests.tiny_tokenizer import TINY_VOCAB_SIZE
+
+VOCAB = TINY_VOCAB_SIZE + 1  # odd, and one row more than the tokenizer uses, as real checkpoints often have
 _BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
              num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8],
@@ -75,7 +77,7 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     model.save_pretrained(directory, safe_serialization=True)
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
-    build_tiny_tokenizer(Path(directory), vocab_size=VOCAB)
+    build_tiny_tokenizer(Path(directory))
     return model
 
 

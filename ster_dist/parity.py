@@ -1,0 +1,75 @@
+"""`ster parity`: the checkpoint through Transformers and through ster_dist on the same token ids,
+compared per layer (residual stream after each layer) and on the logits.
+
+Transformers is a test/reference dependency: it is imported here only, when parity runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ster_dist.engine import LoadedModel
+from ster_dist.errors import Refusal
+
+THRESHOLDS = {"f32": (1e-4, 0.9999), "bf16": (5e-2, 0.999), "f16": (1e-4, 0.9999)}
+
+
+def compare(ours: torch.Tensor, reference: torch.Tensor) -> dict:
+    ours, reference = ours.float(), reference.float()
+    rel = ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item()
+    cos = torch.nn.functional.cosine_similarity(ours.flatten(1) if ours.dim() > 1 else ours,
+                                                reference.flatten(1) if reference.dim() > 1 else reference,
+                                                dim=-1).mean().item()
+    return {"max_relative_error": rel, "mean_cosine": cos}
+
+
+def reference_model(loaded: LoadedModel, dtype: torch.dtype):
+    try:
+        import transformers
+    except ImportError:
+        raise Refusal("ster parity needs Transformers as its reference: pip install 'ster_dist[test]'") from None
+    ckpt = loaded.checkpoint
+    kwargs = {"dtype": dtype}
+    if ckpt.weight_format == "gguf":
+        kwargs["gguf_file"] = ckpt.weight_files[0].name
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.directory), **kwargs)
+    return model.eval()
+
+
+def token_ids(loaded: LoadedModel, length: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    low = 3 if loaded.cfg.vocab_size > 8 else 0
+    return torch.randint(low, loaded.cfg.vocab_size, (2, length), generator=gen)
+
+
+@torch.inference_mode()
+def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0) -> dict:
+    model = loaded.model
+    dtype = model.embed.weight.dtype
+    ids = token_ids(loaded, length, seed)
+    captured: list[torch.Tensor] = []
+    removers = [model.add_hook(i, lambda h: captured.append(h.clone())) for i in range(loaded.cfg.num_layers)]
+    try:
+        logits = model(ids)
+    finally:
+        for remove in removers:
+            remove()
+    reference = reference_model(loaded, dtype)
+    out = reference(ids, output_hidden_states=True)
+    ref_hidden = out.hidden_states
+    layers = []
+    for i, h in enumerate(captured):
+        # Transformers' last hidden state is taken after the final norm
+        ours = model.final_norm(h) if i == len(captured) - 1 else h
+        layers.append({"layer": i, **compare(ours, ref_hidden[i + 1])})
+    result = compare(logits, out.logits)
+    rel_limit, cos_limit = THRESHOLDS[loaded.precision]
+    worst = max([result["max_relative_error"]] + [l["max_relative_error"] for l in layers])
+    lowest = min([result["mean_cosine"]] + [l["mean_cosine"] for l in layers])
+    return {
+        "model": loaded.checkpoint.model, "model_revision": loaded.checkpoint.model_revision,
+        "family": loaded.cfg.family, "precision": loaded.precision, "tokens": list(ids.shape),
+        "logits": result, "layers": layers,
+        "threshold": {"max_relative_error": rel_limit, "mean_cosine": cos_limit},
+        "passed": worst <= rel_limit and lowest >= cos_limit,
+    }

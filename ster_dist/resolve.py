@@ -1,0 +1,282 @@
+"""Model resolution: a --model string (and --revision) -> Checkpoint.
+
+This module owns seeds/000's "Local directory" and "Hugging Face Hub" rules:
+which config, tokenizer and weight files a checkpoint is made of, and the order
+in which they are looked at. The architecture gate and the quantized refusal
+(config_file.gate) run on the config before any weight file is listed for
+loading or fetched, so a checkpoint ster_dist cannot run costs its config and
+tokenizer, never its shards. Nothing here reads a tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ster_dist import config_file
+from ster_dist.checkpoint import Checkpoint
+from ster_dist.errors import Refusal
+
+# Tokenizer files other families ship in place of tokenizer.json (PLaMo's .jsonl,
+# ChatGLM's sentencepiece model, Kimi's tiktoken file): named in the refusal.
+_OTHER_TOKENIZERS = ("tokenizer.jsonl", "tokenizer.model", "tiktoken.model")
+_PICKLED = (".bin", ".pt", ".pth")
+_OPTIONAL_HUB_FILES = ("tokenizer_config.json", "generation_config.json")
+_DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def resolve(model: str, revision: str | None = None) -> Checkpoint:
+    """Resolve a local directory (never sent to the network) or else a Hub model id."""
+    if os.path.isdir(model):
+        return _resolve_local(model, revision)
+    # A missing path-looking string is not a missing directory: seeds/000 treats
+    # it as a Hub id, so the refusal comes from the Hub and names the model.
+    return _resolve_hub(model, revision)
+
+
+def describe(checkpoint: Checkpoint) -> dict:
+    """A JSON-able summary of a resolved checkpoint (for `ster resolve` and artifacts)."""
+    return {
+        "model": checkpoint.model,
+        "model_revision": checkpoint.model_revision,
+        "source": checkpoint.source,
+        "directory": str(checkpoint.directory),
+        "weight_format": checkpoint.weight_format,
+        "files": [path.name for path in checkpoint.weight_files],
+        "family": config_file.family_of(gate_view(checkpoint.raw_config, checkpoint.weight_format)),
+    }
+
+
+def gate_view(raw: dict, weight_format: str) -> dict:
+    """The config the gate sees: Mistral's params.json states no model_type, so name its family.
+
+    As vLLM reads it, latent attention or experts make params.json deepseek_v3 and
+    a dense one mistral; its own `quantization` block counts as a quantization_config.
+    """
+    if weight_format != "mistral" or "model_type" in raw:
+        return raw
+    family = "deepseek_v3" if ("kv_lora_rank" in raw or "moe" in raw) else "mistral"
+    quant = raw.get("quantization_config")
+    if not quant and isinstance(raw.get("quantization"), dict):
+        quant = {"quant_method": raw["quantization"].get("qformat_weight", "unknown")}
+    return {**raw, "model_type": family, "quantization_config": quant}
+
+
+def _read_config(path: Path) -> dict:
+    # load_raw_config turns OSError and bad JSON into refusals; bytes that are not
+    # UTF-8 raise UnicodeDecodeError (a ValueError) before JSON parsing.
+    try:
+        return config_file.load_raw_config(path)
+    except UnicodeDecodeError:
+        raise Refusal(f"invalid model config {path}: the file is not UTF-8 text") from None
+
+
+# ---- file-name rules shared by both sources (pure: names in, names out) ----
+
+def _config_name(names: set[str]) -> tuple[str, str] | None:
+    """(config file, weight format) or None; params.json counts only with no config.json."""
+    if "config.json" in names:
+        return "config.json", "safetensors"
+    if "params.json" in names:
+        return "params.json", "mistral"
+    return None
+
+
+def _check_tokenizer(names: set[str], where: str) -> None:
+    if "tokenizer.json" in names:
+        return
+    for other in _OTHER_TOKENIZERS:
+        if other in names:
+            raise Refusal(f"tokenizer {where}/{other} is not supported by this ster_dist build "
+                          "yet; place the model's tokenizer.json (Hugging Face tokenizers format) "
+                          "beside it")
+    raise Refusal(f"tokenizer is missing: {where}/tokenizer.json; "
+                  "place the model's tokenizer.json beside its config")
+
+
+def _safetensors_names(names: set[str], weight_format: str) -> list[str]:
+    """Sorted weights: consolidated* for Mistral's format, every other one for Transformers'."""
+    mistral = weight_format == "mistral"
+    return sorted(n for n in names
+                  if n.endswith(".safetensors") and n.startswith("consolidated") == mistral
+                  and "optimizer" not in n and "training_args" not in n)
+
+
+def _format_hint(names: set[str], weight_format: str) -> str:
+    """Why .safetensors files present are not this format's, when that is the case."""
+    other = "safetensors" if weight_format == "mistral" else "mistral"
+    if not _safetensors_names(names, other):
+        return ""
+    if weight_format == "mistral":
+        return " (only Transformers-format files, which need a config.json)"
+    return (" (consolidated*.safetensors are Mistral's format, read only beside params.json "
+            "with no config.json)")
+
+
+# ---- local directory ----
+
+def _resolve_local(model: str, revision: str | None) -> Checkpoint:
+    directory = Path(model)
+    try:
+        names = {entry.name for entry in directory.iterdir() if entry.is_file()}
+    except OSError as exc:
+        raise Refusal(f"failed to list {directory}: {exc.strerror or exc}") from None
+
+    chosen = _config_name(names)
+    if chosen is None:
+        raise Refusal(f"model config is missing: {directory / 'config.json'}; "
+                      "place the model's config.json (or Mistral's params.json) in the directory")
+    config_name, weight_format = chosen
+    config_path = directory / config_name
+    raw = _read_config(config_path)
+    config_file.gate(gate_view(raw, weight_format), model)
+    _check_tokenizer(names, str(directory))
+
+    weights = _safetensors_names(names, weight_format)
+    if not weights:
+        weights, weight_format = _local_fallback(directory, names, weight_format)
+    return Checkpoint(
+        model=model, directory=directory, config_path=config_path,
+        tokenizer_path=directory / "tokenizer.json",
+        weight_files=tuple(directory / n for n in weights), weight_format=weight_format,
+        model_revision=revision,  # metadata only for a local directory: recorded verbatim
+        source="local", raw_config=raw,
+    )
+
+
+def _local_fallback(directory: Path, names: set[str], weight_format: str) -> tuple[list[str], str]:
+    """With no safetensors of the format: exactly one .gguf, or a refusal naming what is there."""
+    ggufs = sorted(n for n in names if n.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return ggufs, "gguf"
+    if ggufs:
+        raise Refusal(f"model directory {directory} contains {len(ggufs)} .gguf files; "
+                      "exactly one is read: keep one .gguf beside the config and tokenizer")
+    pickled = sorted(n for n in names if n.endswith(_PICKLED))
+    if pickled:
+        raise Refusal(f"model directory contains no safetensors weights: {directory} holds only "
+                      f"pickled weights ({', '.join(pickled)}), which ster_dist never reads; "
+                      "convert them to safetensors")
+    raise Refusal(f"model directory contains no safetensors weights: {directory}"
+                  f"{_format_hint(names, weight_format)}; add the model's .safetensors files")
+
+
+# ---- Hugging Face Hub ----
+
+def _resolve_hub(model: str, revision: str | None) -> Checkpoint:
+    hub = _Hub(model)
+    sha, names = hub.commit_files(revision or "main")
+    chosen = _config_name(names)
+    if chosen is None:
+        raise Refusal(f"model config is missing: {model}/config.json at {sha}; "
+                      "the repository publishes neither config.json nor params.json")
+    config_name, weight_format = chosen
+    config_path = hub.fetch(config_name, sha)
+    tokenizer_path = hub.fetch("tokenizer.json", sha) if "tokenizer.json" in names else None
+    raw = _read_config(config_path)
+    config_file.gate(gate_view(raw, weight_format), model)  # before any weight file is fetched
+    _check_tokenizer(names, f"{model}@{sha}")
+
+    weights = _safetensors_names(names, weight_format)
+    if not weights:
+        hint = _format_hint(names, weight_format)
+        if not hint and any(n.endswith(".gguf") for n in names):
+            hint = " (GGUF is read only from a local directory)"
+        raise Refusal(f"model {model} publishes no safetensors weights at {sha}{hint}; "
+                      "use a repository with .safetensors files")
+    for name in _OPTIONAL_HUB_FILES:
+        if name in names:
+            hub.fetch(name, sha)
+    weight_files = tuple(hub.fetch(name, sha) for name in weights)
+    directory = config_path.parent  # the snapshot directory of the resolved commit
+    return Checkpoint(
+        model=model, directory=directory, config_path=config_path,
+        tokenizer_path=tokenizer_path or directory / "tokenizer.json",
+        weight_files=weight_files, weight_format=weight_format,
+        model_revision=sha, source="hub", raw_config=raw,
+    )
+
+
+class _Hub:
+    """The huggingface_hub client for one repository, configured from the environment now.
+
+    huggingface_hub freezes HF_ENDPOINT and HF_HOME into its constants when it is
+    first imported, so endpoint, token and cache are read here and passed explicitly.
+    Its calls raise HTTP, transport, validation and OS errors alike; each is caught
+    at the call and turned into a one-line refusal.
+    """
+
+    def __init__(self, model: str):
+        self.model = model
+        self.endpoint = (os.environ.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/")
+        # None lets the client fall back to its saved token file.
+        self.token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
+        try:
+            from huggingface_hub import HfApi, hf_hub_download
+
+            self._api = HfApi(endpoint=self.endpoint, token=self.token)
+            self._download = hf_hub_download
+        except Exception as exc:
+            raise Refusal(f"failed to initialize Hugging Face Hub client: {_first_line(exc)}; "
+                          "reinstall huggingface_hub or pass a local directory") from None
+
+    def commit_files(self, revision: str) -> tuple[str, set[str]]:
+        """The commit SHA a revision resolves to, and the repository's top-level file names."""
+        try:
+            info = self._api.model_info(self.model, revision=revision)
+        except Exception as exc:
+            raise Refusal(f"failed to read model repository {self.model}: "
+                          f"{_hub_reason(exc, self.endpoint, revision)}") from None
+        if not info.sha:
+            raise Refusal(f"failed to read model repository {self.model}: {self.endpoint} returned "
+                          "no commit SHA; check that HF_ENDPOINT points at a Hugging Face Hub")
+        # Top-level files only, as for a local directory: the snapshot then reads the same way.
+        return info.sha, {s.rfilename for s in (info.siblings or []) if "/" not in s.rfilename}
+
+    def fetch(self, name: str, sha: str) -> Path:
+        """Download one file at the resolved SHA, so every file lands in one snapshot."""
+        try:
+            return Path(self._download(self.model, name, revision=sha, endpoint=self.endpoint,
+                                       token=self.token, cache_dir=_hub_cache_dir()))
+        except Exception as exc:
+            raise Refusal(f"failed to download {name}: "
+                          f"{_hub_reason(exc, self.endpoint, sha)}") from None
+
+
+def _hub_cache_dir() -> str:
+    """huggingface_hub's precedence (HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME), read now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(cache, "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def _hub_reason(exc: Exception, endpoint: str, revision: str) -> str:
+    """A short reason and fix for a huggingface_hub failure, for a one-line refusal."""
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.GatedRepoError):
+        return "the repository is gated; accept its terms on the Hub and set HF_TOKEN"
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return (f"repository not found on {endpoint}; check the model id, "
+                "or set HF_TOKEN for a private repository")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return f"revision {revision} not found; pass an existing branch, tag or commit SHA"
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
+        return f"the file is not published at {revision}"
+    if isinstance(exc, errors.HFValidationError):
+        return ("neither an existing directory nor a valid Hub repository id; "
+                "fix the path, or pass a Hub id like owner/name")
+    if isinstance(exc, errors.OfflineModeIsEnabled):
+        return "HF_HUB_OFFLINE is set; unset it, or pass a local directory"
+    if isinstance(exc, errors.HfHubHTTPError) and exc.response is not None:
+        return (f"HTTP {exc.response.status_code} from {endpoint}; "
+                "retry later, or pass a local directory")
+    return (f"cannot reach {endpoint} ({type(exc).__name__}: {_first_line(exc)}); "
+            "check the network and HF_ENDPOINT, or pass a local directory")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
