@@ -59,21 +59,42 @@ def cmd_inspect(args) -> dict:
     return out
 
 
-def _load(args):
-    from ster_dist.engine import load_model
-    from ster_dist.resolve import resolve
-    from ster_dist.tokenizer import Tokenizer
+class _Session:
+    """The driver's view of one run: checkpoint resolved once, tokenizer, config, and the ranks."""
 
-    progress(f"resolving {args.model}")
-    checkpoint = resolve(args.model, args.revision)
-    tokenizer = Tokenizer.from_directory(checkpoint.directory)
-    progress(f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files)")
-    loaded = load_model(checkpoint, args.precision, args.device)
-    return loaded, tokenizer
+    def __init__(self, args):
+        from ster_dist.engine import check_device, compute_dtype, model_config
+        from ster_dist.resolve import resolve
+        from ster_dist.tokenizer import Tokenizer
+        from ster_dist.workers.group import load_on, open_group
+
+        if args.tp < 1:
+            raise Refusal(f"--tp must be 1 or more, got {args.tp}")
+        check_device(args.device)
+        compute_dtype(args.precision, args.device)
+        progress(f"resolving {args.model}")
+        self.checkpoint = resolve(args.model, args.revision)
+        self.cfg = model_config(self.checkpoint)
+        self.tokenizer = Tokenizer.from_directory(self.checkpoint.directory)
+        where = f"{args.tp} ranks" if args.tp > 1 else "this process"
+        progress(f"loading {self.checkpoint.weight_format} weights ({len(self.checkpoint.weight_files)} files) "
+                 f"in {where}")
+        self.group = open_group(args.tp, args.device, args.address)
+        try:
+            self.loads = load_on(self.group, self.checkpoint, args.precision, args.device)
+        except BaseException:
+            self.group.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.group.close()
 
 
 def cmd_generate(args) -> dict:
-    from ster_dist.generate import Sampling, generate
+    from ster_dist.generate import Sampling
 
     if (args.prompt is None) == (args.prompts is None):
         raise Refusal("give exactly one of --prompt TEXT or --prompts FILE")
@@ -82,19 +103,20 @@ def cmd_generate(args) -> dict:
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed).check()
     system = _read_text(args.system, "--system") if args.system else None
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
-    loaded, tokenizer = _load(args)
-    encoded = [tokenizer.prompt_ids(p, system, args.chat_template) for p in prompts]
-    eos = loaded.cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    progress(f"generating for {len(prompts)} prompt(s), up to {sampling.max_new_tokens} tokens")
-    outputs = generate(loaded.model, encoded, sampling, eos, pad_id=tokenizer.pad_token_id or 0)
+    with _Session(args) as session:
+        tokenizer = session.tokenizer
+        encoded = [tokenizer.prompt_ids(p, system, args.chat_template) for p in prompts]
+        eos = session.cfg.eos_token_ids or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+        progress(f"generating for {len(prompts)} prompt(s), up to {sampling.max_new_tokens} tokens")
+        outputs = session.group.call("generate", encoded, sampling, eos, tokenizer.pad_token_id or 0)[0]
+        revision = session.checkpoint.model_revision
     results = []
     for prompt, ids, new in zip(prompts, encoded, outputs):
         finished = bool(new) and new[-1] in eos
         results.append({"prompt": prompt, "text": tokenizer.decode(new[:-1] if finished else new),
                         "prompt_tokens": len(ids), "completion_tokens": len(new),
                         "finish_reason": "stop" if finished else "length"})
-    header = {"model": args.model, "model_revision": loaded.checkpoint.model_revision,
-              "precision": args.precision, "chat_template": _template_state(tokenizer, args.chat_template),
+    header = {"model": args.model, "model_revision": revision, "precision": args.precision, "tp": args.tp, "chat_template": _template_state(tokenizer, args.chat_template),
               "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                            "top_p": sampling.top_p, "seed": sampling.seed}}
     if args.prompts is None:
@@ -105,11 +127,9 @@ def cmd_generate(args) -> dict:
 
 
 def cmd_parity(args) -> dict:
-    from ster_dist.parity import run_parity
-
-    loaded, _ = _load(args)
-    progress("running the reference (Transformers) and ster_dist on the same tokens")
-    result = run_parity(loaded, length=args.tokens, seed=args.seed)
+    with _Session(args) as session:
+        progress("running ster_dist and the reference (Transformers) on the same tokens")
+        result = session.group.call("parity", args.tokens, args.seed)[0]
     if not result["passed"]:
         args.exit_code = 1
         progress(f"parity FAILED: past the threshold {result['threshold']}")
@@ -177,6 +197,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Ray actors when above 1)")
+    p.add_argument("--address", default=None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)")
 
 
 def build_parser() -> argparse.ArgumentParser:

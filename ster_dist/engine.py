@@ -79,6 +79,7 @@ class LoadedModel:
     model: Decoder
     precision: str
     device: str
+    bytes_read: int = 0  # bytes this rank read from the weight files
 
 
 def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cpu",
@@ -89,6 +90,7 @@ def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cp
     source = open_source(checkpoint, dtype)
     try:
         model = load_decoder(cfg, source, ctx, dtype, device)
+        bytes_read = getattr(source, "bytes_read", 0)
     finally:
         source.close()
-    return LoadedModel(checkpoint, cfg, model, precision, device)
+    return LoadedModel(checkpoint, cfg, model, precision, device, bytes_read)

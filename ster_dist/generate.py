@@ -8,6 +8,7 @@ same output. Rows stop at their first EOS token; the loop stops when all have.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -61,8 +62,12 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
 
 @torch.inference_mode()
 def generate(model: Decoder, prompts: list[list[int]], sampling: Sampling, eos_ids: tuple[int, ...] = (),
-             pad_id: int = 0) -> list[list[int]]:
-    """New token ids for each prompt (EOS included when it ends a row)."""
+             pad_id: int = 0, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
+    """New token ids for each prompt (EOS included when it ends a row).
+
+    Under tensor parallelism every rank holds the gathered logits; `agree` hands
+    each step's tokens to rank 0's choice, so the ranks never drift apart.
+    """
     sampling.check()
     ids, positions, valid = left_pad(prompts, pad_id)
     batch = ids.shape[0]
@@ -77,6 +82,8 @@ def generate(model: Decoder, prompts: list[list[int]], sampling: Sampling, eos_i
     eos = torch.tensor(eos_ids or [-1], dtype=torch.long)
     for step in range(sampling.max_new_tokens):
         tokens = sample(logits, sampling, generator)
+        if agree is not None:
+            tokens = agree(tokens)
         for row in range(batch):
             if not done[row]:
                 outputs[row].append(int(tokens[row]))

@@ -43,9 +43,9 @@ def token_ids(loaded: LoadedModel, length: int, seed: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0) -> dict:
+def ours(loaded: LoadedModel, length: int = 24, seed: int = 0):
+    """(token ids, residual after every layer, logits) from ster_dist; every rank runs it."""
     model = loaded.model
-    dtype = model.embed.weight.dtype
     ids = token_ids(loaded, length, seed)
     captured: list[torch.Tensor] = []
     removers = [model.add_hook(i, lambda h: captured.append(h.clone())) for i in range(loaded.cfg.num_layers)]
@@ -54,6 +54,19 @@ def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0) -> dict:
     finally:
         for remove in removers:
             remove()
+    return ids, captured, logits
+
+
+@torch.inference_mode()
+def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0, tp: int = 1) -> dict:
+    ids, captured, logits = ours(loaded, length, seed)
+    return against_reference(loaded, ids, captured, logits, tp)
+
+
+@torch.inference_mode()
+def against_reference(loaded: LoadedModel, ids, captured, logits, tp: int = 1) -> dict:
+    model = loaded.model
+    dtype = model.embed.weight.dtype
     reference = reference_model(loaded, dtype)
     out = reference(ids, output_hidden_states=True)
     ref_hidden = out.hidden_states
@@ -68,7 +81,7 @@ def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0) -> dict:
     lowest = min([result["mean_cosine"]] + [l["mean_cosine"] for l in layers])
     return {
         "model": loaded.checkpoint.model, "model_revision": loaded.checkpoint.model_revision,
-        "family": loaded.cfg.family, "precision": loaded.precision, "tokens": list(ids.shape),
+        "family": loaded.cfg.family, "precision": loaded.precision, "tp": tp, "tokens": list(ids.shape),
         "logits": result, "layers": layers,
         "threshold": {"max_relative_error": rel_limit, "mean_cosine": cos_limit},
         "passed": worst <= rel_limit and lowest >= cos_limit,

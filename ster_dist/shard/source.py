@@ -3,15 +3,28 @@
 A source names its tensors as the checkpoint (or, for GGUF, as Transformers) names
 them, tells their shapes and dtypes without reading data, and reads a window of
 rows and columns of one tensor, so a rank never materialises another rank's rows.
+
+SafetensorsSource reads the safetensors layout itself with positioned reads
+(os.preadv straight into the returned tensor) rather than through a memory map:
+a mapped column window faults in every page of the tensor and leaves the file's
+pages counted in the rank's resident memory, so a rank reading half of each
+matrix would show the whole checkpoint resident. pread moves exactly the
+rank's bytes, and nothing stays mapped.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
-from safetensors import safe_open
+
+from ster_dist.errors import Refusal
 
 
 class TensorSource(Protocol):
@@ -28,54 +41,120 @@ class TensorSource(Protocol):
     def close(self) -> None: ...
 
 
-class SafetensorsSource:
-    """Memory-mapped safetensors files; reads go through get_slice."""
-
-    def __init__(self, files: list[Path] | tuple[Path, ...]):
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        self._where: dict[str, object] = {}
-        for handle, path in zip(self._handles, files):
-            for name in handle.keys():
-                if name in self._where:
-                    from ster_dist.errors import Refusal
-
-                    raise Refusal(f"tensor {name} appears in two weight files (the second is {path}); "
-                                  "remove the duplicate shard")
-                self._where[name] = handle
-        self.bytes_read = 0
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._where[name].get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._where[name].get_slice(name).get_dtype()]
-
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        view = self._where[name].get_slice(name)
-        ndim = len(view.get_shape())
-        if rows is None and cols is None:
-            out = view[:]
-        elif ndim == 1:
-            out = view[rows or slice(None)]
-        else:
-            out = view[rows or slice(None), cols or slice(None)]
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-    def close(self) -> None:
-        self._handles.clear()
-        self._where.clear()
-
-
-_SAFETENSORS_DTYPES = {
+DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+_MAX_HEADER = 100 * 1024 * 1024
 
 
-def iter_names(source: TensorSource) -> Iterator[str]:
-    yield from sorted(source.names())
+@dataclass(frozen=True)
+class _Entry:
+    fd: int
+    offset: int  # absolute byte offset of the tensor's data in its file
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(the safetensors JSON header, where the data starts) of one file."""
+    try:
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) != 8:
+                raise Refusal(f"failed to map {path}: not a safetensors file (too short)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _MAX_HEADER:
+                raise Refusal(f"failed to map {path}: its safetensors header claims {length} bytes")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise Refusal(f"failed to map {path}: {exc}") from None
+    return header, 8 + length
+
+
+class SafetensorsSource:
+    def __init__(self, files: list[Path] | tuple[Path, ...]):
+        self._fds: list[int] = []
+        self._entries: dict[str, _Entry] = {}
+        self.bytes_read = 0
+        for path in files:
+            header, data_start = read_header(Path(path))
+            fd = os.open(path, os.O_RDONLY)
+            self._fds.append(fd)
+            size = os.fstat(fd).st_size
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if name in self._entries:
+                    raise Refusal(f"tensor {name} appears in two weight files (the second is {path}); "
+                                  "remove the duplicate shard")
+                dtype = DTYPES.get(info.get("dtype"))
+                shape = tuple(info.get("shape", ()))
+                start, stop = info.get("data_offsets", (0, -1))
+                nbytes = math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
+                if dtype is None or stop - start != nbytes or data_start + stop > size:
+                    raise Refusal(f"failed to map {path}: tensor {name} has an unreadable entry "
+                                  f"(dtype {info.get('dtype')}, shape {list(shape)})")
+                self._entries[name] = _Entry(fd, data_start + start, shape, dtype)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name].dtype
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        entry = self._entries[name]
+        shape = entry.shape
+        if not shape:
+            rows = cols = None
+        r0, r1 = _bounds(rows, shape[0] if shape else 1)
+        item = entry.dtype.itemsize
+        row_bytes = math.prod(shape[1:]) * item
+        if cols is None or len(shape) < 2:
+            out = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=entry.dtype)
+            self._pread(entry.fd, out, entry.offset + r0 * row_bytes)
+            return out
+        if len(shape) != 2:
+            raise ValueError(f"column windows are read from matrices only; {name} has shape {list(shape)}")
+        c0, c1 = _bounds(cols, shape[1])
+        out = torch.empty((r1 - r0, c1 - c0), dtype=entry.dtype)
+        base = entry.offset + r0 * row_bytes + c0 * item
+        for i in range(r1 - r0):
+            self._pread(entry.fd, out[i], base + i * row_bytes)
+        return out
+
+    def _pread(self, fd: int, out: torch.Tensor, offset: int) -> None:
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        done, total = 0, len(view)
+        while done < total:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise Refusal(f"failed to read tensor data at byte {offset + done}: the file is truncated")
+            done += n
+        self.bytes_read += total
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        self._entries.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _bounds(window: slice | None, length: int) -> tuple[int, int]:
+    if window is None:
+        return 0, length
+    start, stop, step = window.indices(length)
+    if step != 1:
+        raise ValueError("strided windows are not read")
+    return start, max(start, stop)

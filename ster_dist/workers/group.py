@@ -1,0 +1,46 @@
+"""Driving a model across ranks: load once per rank, then generate / logits / parity.
+
+`open_ranks` picks the group: a single in-process Rank for tp == 1 (no Ray, no
+process group: the embedded default), Ray actors otherwise.
+"""
+
+from __future__ import annotations
+
+from ster_dist.checkpoint import Checkpoint
+from ster_dist.workers.rank import Rank
+
+
+class LocalGroup:
+    """One rank in this process: the same calls as RayGroup and SpawnGroup, no communication."""
+
+    def __init__(self):
+        self.rank = Rank(0, 1)
+
+    def call(self, method: str, *args) -> list:
+        return [getattr(self.rank, method)(*args)]
+
+    def close(self) -> None:
+        self.rank.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray"):
+    if tp == 1 and address is None:
+        return LocalGroup()
+    if launcher == "spawn":
+        from ster_dist.workers.spawn import SpawnGroup
+
+        return SpawnGroup(tp)
+    from ster_dist.workers.ray_group import RayGroup
+
+    return RayGroup(tp, device, address)
+
+
+def load_on(group, checkpoint: Checkpoint, precision: str, device: str) -> list[dict]:
+    """Every rank loads its shard of the checkpoint the driver resolved (once)."""
+    return group.call("load", checkpoint, precision, device)

@@ -1,0 +1,94 @@
+"""One tensor-parallel rank: joins the process group, stream-loads its shard, runs the decoder.
+
+The same class runs as a Ray actor (workers/ray_group.py) and in a spawned process
+(workers/spawn.py); it never decides placement, only does what its rank is told.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ster_dist.checkpoint import Checkpoint
+from ster_dist.engine import LoadedModel, load_model
+from ster_dist.generate import Sampling, generate
+from ster_dist.shard.ctx import ParallelCtx
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Rank:
+    def __init__(self, rank: int, world: int, threads: int | None = None):
+        self.rank, self.world = rank, world
+        self.loaded: LoadedModel | None = None
+        if threads:
+            torch.set_num_threads(threads)
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the group's rendezvous: this node's address and a free port."""
+        host = os.environ.get("STER_RENDEZVOUS_HOST")
+        if host is None:
+            try:
+                import ray
+
+                host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            except ImportError:
+                host = "127.0.0.1"
+        return host, free_port(host)
+
+    def join(self, host: str, port: int, backend: str, timeout_s: float = 120.0) -> int:
+        if self.world > 1:
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                    world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        return self.rank
+
+    def ctx(self) -> ParallelCtx:
+        return ParallelCtx(self.rank, self.world, None)
+
+    def load(self, checkpoint: Checkpoint, precision: str, device: str) -> dict:
+        rss_before = peak_rss_bytes()
+        start = time.perf_counter()
+        self.loaded = load_model(checkpoint, precision, device, self.ctx())
+        return {"rank": self.rank, "load_seconds": time.perf_counter() - start,
+                "bytes_read": self.loaded.bytes_read, "peak_rss_before": rss_before,
+                "peak_rss_after": peak_rss_bytes()}
+
+    def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.broadcast(tokens, src=0)
+        return tokens
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, eos: tuple[int, ...], pad_id: int):
+        out = generate(self.loaded.model, prompts, sampling, eos, pad_id, agree=self._agree)
+        return out if self.rank == 0 else None
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor | None:
+        out = self.loaded.model(ids)
+        return out if self.rank == 0 else None
+
+    def parity(self, length: int, seed: int) -> dict | None:
+        from ster_dist.parity import against_reference, ours
+
+        ids, captured, logits = ours(self.loaded, length, seed)
+        if self.rank != 0:
+            return None
+        return against_reference(self.loaded, ids, captured, logits, tp=self.world)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

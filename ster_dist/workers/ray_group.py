@@ -1,0 +1,139 @@
+"""The Ray worker group: N ranks as Ray actors in one placement group, forming one
+torch.distributed group (gloo on CPU, NCCL on CUDA) at an address rank 0 chooses.
+
+`ray.init()` starts an embedded local cluster when no --address / RAY_ADDRESS is
+given, bound to 127.0.0.1. Any rank failing surfaces as one Refusal naming it,
+after the whole group (actors, placement group, and the cluster if we started
+it) has been shut down.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ster_dist.errors import Refusal
+
+CALL_TIMEOUT_S = float(os.environ.get("STER_RANK_TIMEOUT", "1800"))
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Connect to (or start) Ray; True when this process started a local cluster it must stop."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep a local cluster on loopback
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except Exception as exc:
+            raise Refusal(f"failed to connect to the Ray cluster at {address}: {exc}; check --address") from None
+        return False
+    dashboard = os.environ.get("STER_RAY_DASHBOARD", "0") == "1"
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, dashboard_host="127.0.0.1",
+             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    return True
+
+
+class RayGroup:
+    def __init__(self, world: int, device: str = "cpu", address: str | None = None, threads: int | None = None):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ster_dist.workers.rank import Rank
+
+        self.world = world
+        self._remove_pg = remove_placement_group
+        self.started_ray = start_ray(address)
+        self.actors = []
+        self.pg = None
+        try:
+            if device == "cuda":
+                bundle, options = {"GPU": 1, "CPU": 1}, {"num_gpus": 1, "num_cpus": 1}
+                backend = "nccl"
+            else:
+                cpus = ray.cluster_resources().get("CPU", 1)
+                share = max(0.01, min(1.0, cpus / world))
+                bundle, options = {"CPU": share}, {"num_cpus": share}
+                backend = "gloo"
+                threads = threads or max(1, int(cpus // world))
+            self.pg = placement_group([bundle] * world, strategy="PACK")
+            ready, _ = ray.wait([self.pg.ready()], timeout=120)
+            if not ready:
+                raise Refusal(f"the Ray cluster cannot place {world} ranks of {bundle}; "
+                              "add nodes or lower --tp / --ep")
+            actor_cls = ray.remote(Rank)
+            self.actors = [
+                actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
+                                  max_concurrency=1, **options).remote(i, world, threads)
+                for i in range(world)
+            ]
+            host, port = self._get([self.actors[0].address.remote()], "address")[0]
+            self.call("join", host, port, backend)
+        except BaseException:
+            self.close()
+            raise
+
+    def _get(self, refs: list, method: str) -> list:
+        import ray
+
+        pending = list(refs)
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(1.0, deadline - time.monotonic()))
+            if not done:
+                self.close()
+                raise Refusal(f"ranks did not finish {method} within {CALL_TIMEOUT_S:.0f} s; the group was shut down")
+            try:
+                ray.get(done[0])
+            except BaseException as exc:
+                self.close()
+                raise _as_refusal(exc, refs.index(done[0]), method) from None
+        return ray.get(refs)
+
+    def call(self, method: str, *args) -> list:
+        import ray
+
+        shared = [ray.put(a) if _large(a) else a for a in args]
+        return self._get([getattr(actor, method).remote(*shared) for actor in self.actors], method)
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                self._remove_pg(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+            self.started_ray = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _large(value) -> bool:
+    return hasattr(value, "numel") and value.numel() > 1 << 16
+
+
+def _as_refusal(exc: BaseException, rank: int, method: str) -> Refusal:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, Refusal):
+        return cause
+    text = str(cause if cause is not None else exc).strip().splitlines()
+    detail = text[-1] if text else type(exc).__name__
+    return Refusal(f"rank {rank} failed during {method}: {detail[:300]}; the group was shut down")

@@ -1,0 +1,83 @@
+"""Ranks in processes spawned by torch.multiprocessing: the same Rank as the Ray actors,
+driven over pipes. For one machine without Ray (tests, benchmarks); the CLI uses Ray.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import traceback
+
+import torch.multiprocessing as mp
+
+from ster_dist.errors import Refusal
+from ster_dist.workers.rank import Rank, free_port
+
+
+def _serve(rank: int, world: int, threads: int | None, conn) -> None:
+    worker = Rank(rank, world, threads)
+    while True:
+        method, args = conn.recv()
+        if method is None:
+            worker.close()
+            conn.close()
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Refusal as refusal:
+            conn.send(("refusal", str(refusal)))
+        except BaseException as exc:  # sent back whole: the driver decides how to show it
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class SpawnGroup:
+    def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0):
+        ctx = mp.get_context("spawn")
+        self.world, self.timeout_s = world, timeout_s
+        self.conns, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world, threads, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        port = free_port("127.0.0.1")
+        self.call("join", "127.0.0.1", port, "gloo")
+
+    def call(self, method: str, *args) -> list:
+        for conn in self.conns:
+            conn.send((method, args))
+        results = []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(self.timeout_s):
+                self.close()
+                raise Refusal(f"rank {rank} did not answer {method} within {self.timeout_s:.0f} s; "
+                              "the group was shut down")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                self.close()
+                raise Refusal(f"rank {rank} died during {method}; the group was shut down") from None
+            if status != "ok":
+                self.close()
+                first = value.splitlines()[0]
+                raise Refusal(first if status == "refusal" else f"rank {rank} failed during {method}: {first}")
+            results.append(value)
+        return results
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send((None, ()))
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.conns, self.procs = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
