@@ -44,8 +44,12 @@ class SpawnGroup:
         self.call("join", "127.0.0.1", port, "gloo")
 
     def call(self, method: str, *args) -> list:
-        for conn in self.conns:
-            conn.send((method, args))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args))
+            except (OSError, BrokenPipeError):
+                self.close()
+                raise Refusal(f"rank {rank} died before {method}; the group was shut down") from None
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):

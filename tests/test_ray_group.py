@@ -1,0 +1,80 @@
+"""The Ray worker group on a real local Ray cluster: ranks as actors forming a gloo group,
+the CLI end to end with --tp 2, and a killed actor surfacing as one error with the group
+shut down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ster_dist.engine import load_model
+from ster_dist.errors import Refusal
+from ster_dist.parity import compare
+from ster_dist.resolve import resolve
+from tests.tiny_models import make_tiny
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gemma2")
+    make_tiny("gemma2", directory)
+    return directory
+
+
+def test_ray_ranks_match_one_rank(cluster, gemma2):
+    from ster_dist.workers.ray_group import RayGroup
+
+    checkpoint = resolve(str(gemma2))
+    ids = torch.randint(3, 300, (2, 30), generator=torch.Generator().manual_seed(0))
+    with RayGroup(2) as group:
+        stats = group.call("load", checkpoint, "f32", "cpu")
+        assert [s["rank"] for s in stats] == [0, 1]
+        logits = group.call("logits", ids)[0]
+    with torch.no_grad():
+        expected = load_model(checkpoint, "f32").model(ids)
+    assert compare(logits, expected)["max_relative_error"] < 1e-5
+
+
+def test_a_killed_actor_is_one_error_and_the_group_shuts_down(cluster, gemma2):
+    from ster_dist.workers.ray_group import RayGroup
+
+    group = RayGroup(2)
+    group.call("load", resolve(str(gemma2)), "f32", "cpu")
+    ray.kill(group.actors[1])
+    with pytest.raises(Refusal, match=r"rank 1 failed during logits: .*the group was shut down"):
+        group.call("logits", torch.ones(1, 3, dtype=torch.long))
+    assert group.actors == [] and group.pg is None
+
+
+def _ster(*argv, env=None):
+    proc = subprocess.run([sys.executable, "-m", "ster_dist.cli", *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+    return proc
+
+
+def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2):
+    args = ["generate", "--model", str(gemma2), "--prompt", "the capital of France", "--max-new-tokens", "8",
+            "--chat-template", "off"]
+    one = _ster(*args)
+    two = _ster(*args, "--tp", "2")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    assert b["tp"] == 2 and a["text"] == b["text"] and a["completion_tokens"] == b["completion_tokens"]
+    leftover = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.strip()
+    assert leftover == "" or ray.is_initialized(), "the CLI left a Ray cluster running"
