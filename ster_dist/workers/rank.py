@@ -89,6 +89,14 @@ class Rank:
             return None
         return against_reference(self.loaded, ids, captured, logits, tp=self.world)
 
+    def run(self, target: str, *args):
+        """Call `module:function(rank, *args)` on this rank: how capture, steering, adapters and
+        training add rank-side work without growing this class. Returns what the function returns."""
+        import importlib
+
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(self, *args)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
