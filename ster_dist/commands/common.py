@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -63,11 +65,63 @@ class Session:
         eos_id = self.tokenizer.eos_token_id
         return self.cfg.eos_token_ids or ((eos_id,) if eos_id is not None else ())
 
+    def close(self) -> None:
+        self.group.close()
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.group.close()
+        self.close()
+
+
+_POOL = None  # set by the scheduler: keeps sessions (worker groups) alive across jobs
+
+
+def use_pool(pool) -> None:
+    """Route session() through `pool.get(args)` (a scheduler's cache of worker groups); None resets."""
+    global _POOL
+    _POOL = pool
+
+
+@contextlib.contextmanager
+def session(args):
+    """The Session for these args: the scheduler's pooled one when a pool is set (left open for the
+    next job), else a fresh one closed on exit."""
+    if _POOL is not None:
+        yield _POOL.get(args)
+        return
+    own = Session(args)
+    try:
+        yield own
+    finally:
+        own.close()
+
+
+# Modifiers a run can carry into the ranks before it generates or captures: each is
+# (flag attribute, "module:function"); the function attaches its modifier to every rank of the
+# session (and to the session's provenance) and returns a detach callable, or refuses.
+MODIFIERS = (("vector", "ster_dist.steer.attach:attach_for_cli"),
+             ("adapter", "ster_dist.adapters.attach:attach_for_cli"))
+
+
+@contextlib.contextmanager
+def modifiers(session_: "Session", args):
+    detach = []
+    try:
+        for flag, target in MODIFIERS:
+            if getattr(args, flag, None) is None:
+                continue
+            module, _, name = target.partition(":")
+            try:
+                attach = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                raise Refusal(f"--{flag} is not available in this ster_dist build yet") from None
+            detach.append(attach(session_, args))
+        yield
+    finally:
+        for undo in reversed(detach):
+            undo()
 
 
 def read_text(path: str, flag: str) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ster_dist.commands.common import (Session, model_args, progress, read_json, read_text, runtime_args,
-                                       write_json_atomic)
+from ster_dist.commands.common import (model_args, modifiers, progress, read_json, read_text, runtime_args,
+                                       session, write_json_atomic)
 from ster_dist.errors import Refusal
 
 
@@ -43,13 +43,13 @@ def cmd_generate(args) -> dict:
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed).check()
     system = read_text(args.system, "--system") if args.system else None
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
-    with Session(args) as session:
-        tokenizer = session.tokenizer
+    with session(args) as run, modifiers(run, args):
+        tokenizer = run.tokenizer
         encoded = [tokenizer.prompt_ids(p, system, args.chat_template) for p in prompts]
-        eos = session.eos
+        eos = run.eos
         progress(f"generating for {len(prompts)} prompt(s), up to {sampling.max_new_tokens} tokens")
-        outputs = session.group.call("generate", encoded, sampling, eos, tokenizer.pad_token_id or 0)[0]
-        revision = session.checkpoint.model_revision
+        outputs = run.group.call("generate", encoded, sampling, eos, tokenizer.pad_token_id or 0)[0]
+        revision = run.checkpoint.model_revision
     results = []
     for prompt, ids, new in zip(prompts, encoded, outputs):
         finished = bool(new) and new[-1] in eos
@@ -75,9 +75,9 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def cmd_parity(args) -> dict:
-    with Session(args) as session:
+    with session(args) as run:
         progress("running ster_dist and the reference (Transformers) on the same tokens")
-        result = session.group.call("parity", args.tokens, args.seed)[0]
+        result = run.group.call("parity", args.tokens, args.seed)[0]
     if not result["passed"]:
         args.exit_code = 1
         progress(f"parity FAILED: past the threshold {result['threshold']}")
@@ -116,6 +116,9 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vector", default=None, help="a steering vector artifact (V.json) added during generation")
+    p.add_argument("--strength", type=float, default=None, help="the steering strength; required with --vector")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter applied unmerged")
     p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("parity", help="compare against Transformers per layer and on the logits")
