@@ -43,6 +43,10 @@ def check_device(device: str) -> str:
 
 
 def model_config(checkpoint: Checkpoint) -> ModelConfig:
+    if checkpoint.weight_format == "mistral":
+        raise Refusal(f"{checkpoint.model} is in Mistral's own format (params.json with consolidated "
+                      "safetensors), which this ster_dist build resolves but does not load yet; use the "
+                      "repository's Transformers-format files (config.json with model-*.safetensors)")
     cfg = from_hf(checkpoint.raw_config, str(checkpoint.config_path))
     eos = _generation_eos(checkpoint)
     return cfg.with_eos(eos) if eos else cfg
