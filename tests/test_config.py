@@ -377,11 +377,6 @@ def all_mismatches(mc: ModelConfig, ref: HF) -> dict:
 # Every runnable fixture against Transformers
 # --------------------------------------------------------------------------------------------------
 
-def cases(test: str, names) -> list:
-    """The parametrisation of one comparison (kept as a function so a future known gap can be pinned)."""
-    return list(names)
-
-
 # Transformers reads NaN / Infinity as floats where ster_dist reads them as unstated (seeds/000), so the
 # non-finite fixture has its own test below.
 RUNNABLE = [name for name, family in FIXTURE_FAMILIES.items()
@@ -392,22 +387,22 @@ def test_runnable_fixtures():
     assert len(RUNNABLE) == 25 and "mamba-codestral-7b" not in RUNNABLE
 
 
-@pytest.mark.parametrize("name", cases("fields", RUNNABLE))
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_fields_match_transformers(name):
     assert field_mismatches(ster(name), hf(name)) == {}
 
 
-@pytest.mark.parametrize("name", cases("activation", RUNNABLE))
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_activation_matches_transformers(name):
     assert activation_mismatches(ster(name), hf(name)) == {}
 
 
-@pytest.mark.parametrize("name", cases("windows", RUNNABLE))
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_layer_windows_match_transformers(name):
     assert window_mismatches(ster(name), hf(name)) == {}
 
 
-@pytest.mark.parametrize("name", cases("rotation", RUNNABLE))
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_layer_rotation_matches_transformers(name):
     assert rotation_mismatches(ster(name), hf(name)) == {}
 
@@ -423,7 +418,7 @@ def test_token_ids_match_transformers(name):
 RUNNABLE_FAMILIES = sorted({family for family in FIXTURE_FAMILIES.values() if spec_for(family) is not None})
 
 
-@pytest.mark.parametrize("family", cases("tie", RUNNABLE_FAMILIES))
+@pytest.mark.parametrize("family", RUNNABLE_FAMILIES)
 def test_tie_word_embeddings_unstated_reads_the_transformers_default(family):
     """A config that leaves tie_word_embeddings out (as starcoder2-3b's does) ties as Transformers' class says."""
     raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
@@ -478,7 +473,7 @@ def test_variant_matches_transformers(variant):
 LONGROPE = ["phi-3.5-mini-instruct", "phi-4-mini-instruct", "tf5-phi-4-mini"]
 
 
-@pytest.mark.parametrize("name", cases("longrope", LONGROPE))
+@pytest.mark.parametrize("name", LONGROPE)
 def test_longrope_short_and_long_tables_match_transformers(name):
     mc, ref = ster(name), hf(name)
     rope = mc.layer_rope[0]

@@ -51,6 +51,18 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_transformers(group, tiny_dir
     assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling, eos)
 
 
+@pytest.mark.parametrize("heads, kv, tp, expected", [
+    (9, 3, 2, [((0, 3), (0, 1)), ((3, 9), (1, 3))]),            # SmolLM2: balanced, not refused
+    (4, 1, 2, [((0, 2), (0, 1)), ((2, 4), (0, 1))]),            # one key-value head, replicated
+    (8, 2, 4, [((0, 2), (0, 1)), ((2, 4), (0, 1)), ((4, 6), (1, 2)), ((6, 8), (1, 2))]),
+    (8, 8, 2, [((0, 4), (0, 4)), ((4, 8), (4, 8))]),
+])
+def test_attention_heads_keep_each_query_head_with_its_key_value_head(heads, kv, tp, expected):
+    from ster_dist.shard.ctx import ParallelCtx
+
+    assert [ParallelCtx(r, tp).attention_heads(heads, kv) for r in range(tp)] == expected
+
+
 def _big_llama(directory, hidden=1024, layers=6, vocab=32001):
     """A checkpoint of a few hundred MB written without Transformers (random f32 tensors)."""
     import json
@@ -100,7 +112,7 @@ def test_each_rank_reads_its_share_within_the_memory_bound(tmp_path):
 
 
 def test_a_refusal_inside_the_ranks_surfaces_once():
-    with pytest.raises(Refusal, match="does not divide over 3 tensor-parallel ranks"):
+    with pytest.raises(Refusal, match="2 key-value heads cannot be replicated evenly over 3 ranks"):
         with SpawnGroup(3) as g:
             g.call("load", resolve(str(_tiny("llama"))), "f32", "cpu")
 
