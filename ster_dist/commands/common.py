@@ -30,6 +30,8 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Ray actors when above 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks for mixture-of-experts models (tp x ep ranks in all)")
     p.add_argument("--address", default=None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)")
 
 
@@ -44,16 +46,20 @@ class Session:
 
         if args.tp < 1:
             raise Refusal(f"--tp must be 1 or more, got {args.tp}")
+        ep = getattr(args, "ep", 1)
+        if ep < 1:
+            raise Refusal(f"--ep must be 1 or more, got {ep}")
         check_device(args.device)
         compute_dtype(args.precision, args.device)
         progress(f"resolving {args.model}")
         self.checkpoint = resolve(args.model, args.revision)
         self.cfg = model_config(self.checkpoint)
         self.tokenizer = Tokenizer.from_directory(self.checkpoint.directory)
-        where = f"{args.tp} ranks" if args.tp > 1 else "this process"
+        self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
+        where = f"{args.tp * ep} ranks" if args.tp * ep > 1 else "this process"
         progress(f"loading {self.checkpoint.weight_format} weights ({len(self.checkpoint.weight_files)} files) "
                  f"in {where}")
-        self.group = open_group(args.tp, args.device, args.address)
+        self.group = open_group(args.tp, args.device, args.address, ep=ep)
         try:
             self.loads = load_on(self.group, self.checkpoint, args.precision, args.device)
         except BaseException:

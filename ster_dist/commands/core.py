@@ -41,6 +41,9 @@ def cmd_generate(args) -> dict:
     if args.prompts is not None and args.output is None:
         raise Refusal("--prompts needs --output FILE for the answers")
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed).check()
+    from ster_dist.steer.attach import check_strength
+
+    check_strength(args.vector, args.strength)
     system = read_text(args.system, "--system") if args.system else None
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     with session(args) as run, modifiers(run, args):
@@ -50,6 +53,7 @@ def cmd_generate(args) -> dict:
         progress(f"generating for {len(prompts)} prompt(s), up to {sampling.max_new_tokens} tokens")
         outputs = run.group.call("generate", encoded, sampling, eos, tokenizer.pad_token_id or 0)[0]
         revision = run.checkpoint.model_revision
+        steering = getattr(run, "steering", None)
     results = []
     for prompt, ids, new in zip(prompts, encoded, outputs):
         finished = bool(new) and new[-1] in eos
@@ -60,6 +64,8 @@ def cmd_generate(args) -> dict:
               "chat_template": "on" if args.chat_template != "off" and tokenizer.chat_template else "off",
               "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                            "top_p": sampling.top_p, "seed": sampling.seed}}
+    if steering is not None:
+        header["steering"] = steering
     if args.prompts is None:
         return {**header, **results[0]}
     write_json_atomic(Path(args.output), {**header, "results": results})

@@ -1,0 +1,100 @@
+"""Adding strength x direction to the residual stream after the direction's layer, on every rank.
+
+The residual is replicated over tensor-parallel ranks, so every rank adds the same vector and the
+ranks stay identical. The hook runs on every forward, so the prompt pass and every cached decode
+step are steered. Each attachment has a token; detaching removes exactly its hooks, so a pooled
+session (the scheduler's) is left as it was found.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from ster_dist.errors import Refusal
+from ster_dist.steer.artifact import SteeringArtifact, check_for_run, load_artifact, provenance_warnings
+
+
+def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
+    return [(v.layer, v.values.float()) for v in artifact.vectors]
+
+
+def add_steering(model, vectors: list[tuple[int, torch.Tensor]], strength: float) -> list:
+    """Hook strength x vector onto `model` after each layer; returns the removers."""
+    removers = []
+    for layer, vector in vectors:
+        weight = model.embed.weight
+        shift = (vector.double() * float(strength)).to(weight.dtype).to(weight.device)
+
+        def hook(h: torch.Tensor, shift=shift):
+            return h + shift
+
+        removers.append(model.add_hook(layer, hook))
+    return removers
+
+
+def attach_on_rank(rank, vectors: list[tuple[int, torch.Tensor]], strength: float, token: str) -> int:
+    store = rank.__dict__.setdefault("_steering", {})
+    store[token] = add_steering(rank.loaded.model, vectors, strength)
+    return len(store[token])
+
+
+def detach_on_rank(rank, token: str) -> int:
+    removers = rank.__dict__.get("_steering", {}).pop(token, [])
+    for remove in removers:
+        remove()
+    return len(removers)
+
+
+def attach(group, artifact: SteeringArtifact, strength: float):
+    """Steer every rank of `group`; returns the detach callable."""
+    token = uuid.uuid4().hex
+    group.call("run", "ster_dist.steer.attach:attach_on_rank", payload(artifact), float(strength), token)
+    return lambda: group.call("run", "ster_dist.steer.attach:detach_on_rank", token)
+
+
+def check_strength(vector, strength) -> None:
+    if vector is not None and strength is None:
+        raise Refusal("--vector needs --strength S: Ster assumes no strength (try --strength 1, or a negative "
+                      "one written --strength=-1 to push away from the trait)")
+    if vector is None and strength is not None:
+        raise Refusal("--strength scales a steering vector and exists only with one: add --vector V.json or "
+                      "drop --strength")
+    if strength is not None and not torch.isfinite(torch.tensor(float(strength))):
+        raise Refusal(f"--strength must be a finite number, got {strength}")
+
+
+def attach_for_cli(session, args):
+    """`ster generate --vector V.json --strength S`: check the artifact against the loaded model,
+    warn on a precision or chat-template mismatch, steer every rank, record it on the session."""
+    from ster_dist.commands.common import progress
+    from ster_dist.steer.text import chat_status
+
+    check_strength(args.vector, args.strength)
+    artifact = load_artifact(args.vector)
+    check_for_run(artifact, args.model, session.cfg.hidden_size, session.cfg.num_layers)
+    chat = chat_status(session.tokenizer, getattr(args, "chat_template", "auto"))
+    for warning in provenance_warnings(artifact, args.precision, chat, "it steers"):
+        progress(warning)
+    detach = attach(session.group, artifact, args.strength)
+    info = {"vector": str(args.vector), "strength": float(args.strength), "trait_name": artifact.trait_name,
+            "method": artifact.method, "layers": artifact.layers}
+    provenance = getattr(session, "provenance", None)
+    if isinstance(provenance, dict):
+        provenance["steering"] = info
+    session.steering = info
+    progress(f"steering layers {artifact.layers} by {args.strength} x the {artifact.method} direction "
+             f"for {artifact.trait_name or '(unnamed)'}")
+
+    def undo():
+        try:
+            detach()
+        except Refusal:
+            pass  # the group is gone, and the hooks with it
+        finally:
+            session.steering = None
+            if isinstance(provenance, dict):
+                provenance.pop("steering", None)
+
+    return undo
