@@ -17,6 +17,8 @@ from ster_dist.errors import Refusal
 from ster_dist.families.registry import spec_for
 from ster_dist.families.spec import FamilySpec
 
+SCORINGS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu2", "relu", "gelu_exact")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic")
 
@@ -41,6 +43,40 @@ class RopeConfig:
     attention_factor: float | None = None
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()   # longrope
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward: how tokens are routed and how wide the experts are."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int                # one expert's width
+    scoring: str = "softmax"              # softmax | sigmoid, computed in f32
+    topk_method: str = "greedy"           # greedy | group_limited_greedy | noaux_tc
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = False             # chosen weights divided by their sum
+    scaling_factor: float = 1.0           # routed_scaling_factor, already resolved per family
+    router_bias: bool = False
+    correction_bias: bool = False         # e_score_correction_bias: added to choose, never to weigh
+    shared_intermediate_size: int = 0     # shared experts on every token (0: none)
+    shared_gate: bool = False             # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
+    expert_bias: bool = False
+    activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention sizes (DeepSeek-V2/V3, MiniCPM3)."""
+
+    q_lora_rank: int | None               # None: one q_proj without a query bottleneck
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -97,6 +133,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     torch_dtype: str | None = None
+    # mixture of experts, latent attention, sinks
+    moe: MoEConfig | None = None
+    moe_layers: tuple[bool, ...] = ()     # which layers route over experts (the rest keep the dense MLP)
+    mla: MLAConfig | None = None
+    attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -116,6 +157,10 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope": sorted({r.rope_type for r in self.layer_rope if r is not None}),
             "sliding_window_layers": sum(w is not None for w in self.layer_window),
+            **({"experts": self.moe.num_experts, "experts_per_token": self.moe.top_k,
+                "moe_layers": sum(self.moe_layers)} if self.moe else {}),
+            **({"latent_attention": {"kv_lora_rank": self.mla.kv_lora_rank, "q_lora_rank": self.mla.q_lora_rank}}
+               if self.mla else {}),
         }
 
 
@@ -247,6 +292,93 @@ def _layer_types(keys: _Keys, spec: FamilySpec, num_layers: int) -> list[str]:
     return kinds
 
 
+def _nested(raw: dict, spec: FamilySpec) -> dict:
+    """DBRX keeps attention and feed-forward settings in attn_config / ffn_config: read them beside the
+    top-level keys (a top-level key wins)."""
+    out = dict(raw)
+    for name in spec.nested_configs:
+        for key, value in (raw.get(name) or {}).items():
+            # ffn_config repeats the width as hidden_size; d_model, at the top, is the one to read
+            if out.get(key) is None and key != "hidden_size":
+                out[key] = value
+    return out
+
+
+def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
+    """The routing and expert sizes of a mixture-of-experts family, and which layers are sparse."""
+    path, ms = keys.path, spec.moe
+    num_experts = int(keys.need("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+    top_k = int(keys.need("num_experts_per_tok", "moe_top_k"))
+    if not 0 < top_k <= num_experts:
+        raise Refusal(f"invalid model config {path}: {top_k} experts per token out of {num_experts} experts")
+    scoring = keys.get("scoring_func", default=ms.scoring)
+    if scoring not in SCORINGS:
+        raise Refusal(f"invalid model config {path}: scoring_func {scoring!r} is not supported; "
+                      f"supported: {', '.join(SCORINGS)}")
+    method = keys.get("topk_method", default=ms.topk_method)
+    if method not in TOPK_METHODS:
+        raise Refusal(f"invalid model config {path}: topk_method {method!r} is not supported; "
+                      f"supported: {', '.join(TOPK_METHODS)}")
+    n_group, topk_group = int(keys.get("n_group", default=1)), int(keys.get("topk_group", default=1))
+    if method != "greedy":
+        if n_group < 1 or num_experts % n_group or not 0 < topk_group <= n_group:
+            raise Refusal(f"invalid model config {path}: {num_experts} experts do not form n_group {n_group} "
+                          f"groups of which topk_group {topk_group} are kept; set n_group to a divisor of the "
+                          "experts and topk_group to at most n_group")
+        if method == "noaux_tc" and num_experts // n_group < 2:
+            raise Refusal(f"invalid model config {path}: noaux_tc ranks each group by its best two experts but "
+                          f"n_group {n_group} leaves {num_experts // n_group} per group; lower n_group")
+        if topk_group * (num_experts // n_group) < top_k:
+            raise Refusal(f"invalid model config {path}: topk_group {topk_group} groups hold fewer than the "
+                          f"{top_k} experts each token chooses; raise topk_group")
+    renormalize = ms.renormalize if ms.renormalize is not None else bool(keys.get("norm_topk_prob", default=False))
+    if "moe_normalize_expert_weights" in keys.raw:  # DBRX: the chosen weights over their p-norm
+        power = keys.raw["moe_normalize_expert_weights"]
+        if power not in (None, 1):
+            raise Refusal(f"invalid model config {path}: moe_normalize_expert_weights {power} is not supported; "
+                          "only 1 (renormalise the chosen weights) is")
+        renormalize = power == 1
+    factor = float(keys.get("routed_scaling_factor", default=1.0))
+    if ms.scaling == "never" or (ms.scaling == "without_renormalize" and renormalize):
+        factor = 1.0
+    width = int(keys.get("moe_intermediate_size", default=intermediate))
+    shared = 0
+    if ms.shared == "deepseek":
+        shared = width * int(keys.get("n_shared_experts", default=0))
+    elif ms.shared == "qwen":
+        shared = int(keys.get("shared_expert_intermediate_size", default=0))
+    moe = MoEConfig(
+        num_experts=num_experts, top_k=top_k, intermediate_size=width, scoring=scoring, topk_method=method,
+        n_group=n_group, topk_group=topk_group, renormalize=renormalize, scaling_factor=factor,
+        router_bias=ms.router_bias, correction_bias=ms.correction_bias or method == "noaux_tc",
+        shared_intermediate_size=shared, shared_gate=ms.shared == "qwen" and shared > 0,
+        expert_bias=ms.expert_bias, activation=ms.activation,
+        swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
+                                                                                                default=1.702)))
+    # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
+    only = set(keys.get("mlp_only_layers", default=[]) or [])
+    step = int(keys.get("decoder_sparse_step", default=1) or 1)
+    first = int(keys.get("first_k_dense_replace", default=0) or 0)
+    freq = int(keys.get("moe_layer_freq", default=1) or 1)
+    layers = tuple(i not in only and (i + 1) % step == 0 and i >= first and i % freq == 0 for i in range(num_layers))
+    return moe, layers
+
+
+def _mla(keys: _Keys) -> MLAConfig:
+    q_rank = keys.get("q_lora_rank")
+    return MLAConfig(q_lora_rank=int(q_rank) if q_rank else None, kv_lora_rank=int(keys.need("kv_lora_rank")),
+                     qk_nope_head_dim=int(keys.need("qk_nope_head_dim")),
+                     qk_rope_head_dim=int(keys.need("qk_rope_head_dim")), v_head_dim=int(keys.need("v_head_dim")))
+
+
+def _yarn_mscale(rope: RopeConfig | None) -> float:
+    """DeepSeek sharpens latent attention's scores by the square of the YaRN temperature of mscale_all_dim."""
+    if rope is None or rope.rope_type == "default" or not rope.mscale_all_dim or rope.factor <= 1:
+        return 1.0
+    m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+    return m * m
+
+
 def _eos(keys: _Keys) -> tuple[int, ...]:
     eos = keys.get("eos_token_id")
     if eos is None:
@@ -262,7 +394,7 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
     if spec is None:
         raise Refusal(f"model architecture \"{family}\" is recognised but not yet runnable in this "
                       "ster_dist build; `ster families` lists the runnable ones")
-    keys = _Keys({**spec.config_defaults, **raw}, path)
+    keys = _Keys({**spec.config_defaults, **_nested(raw, spec)}, path)
     for key, why in spec.refuse_keys.items():
         if keys.get(key):
             raise Refusal(f"invalid model config {path}: {key} is set; {why}")
@@ -270,21 +402,27 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
     hidden = int(keys.need("hidden_size", "n_embd", "n_embed", "d_model"))
     num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))
     num_layers = int(keys.need("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-    num_kv = int(keys.get("num_key_value_heads", "num_kv_heads", default=num_heads))
+    num_kv = int(keys.get("num_key_value_heads", "num_kv_heads", "kv_n_heads", default=num_heads))
     if keys.get("multi_query"):
         num_kv = 1
     head_dim = int(keys.get("head_dim", default=hidden // num_heads))
     inner = keys.get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
     intermediate = int(inner if inner is not None else 4 * hidden)
-    max_position = int(keys.get("max_position_embeddings", "n_positions", "seq_length", default=4096))
+    max_position = int(keys.get("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", default=4096))
     vocab = int(keys.need("vocab_size"))
     eps = float(keys.get("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps", "layer_norm_epsilon",
                          default=1e-6))
-    act = keys.get("hidden_act", "hidden_activation", "activation_function", default="silu")
+    act = keys.get("hidden_act", "hidden_activation", "activation_function",
+                   default=(keys.get("ffn_act_fn") or {}).get("name", "silu"))
     act = spec.activation or act
     if act not in ACTIVATIONS:
         raise Refusal(f"invalid model config {path}: hidden_act {act!r} is not supported; "
                       f"supported: {', '.join(ACTIVATIONS)}")
+
+    mla = _mla(keys) if spec.latent_attention else None
+    if mla is not None:  # latent attention: every head has its own key; only qk_rope_head_dim rotates
+        num_kv, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    moe, moe_layers = _moe(keys, spec, intermediate, num_layers) if spec.moe else (None, ())
 
     # rotation, per layer
     kinds = _layer_types(keys, spec, num_layers)
@@ -293,6 +431,10 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
     partial = keys.get("partial_rotary_factor", "rotary_pct")
     if keys.get("rotary_dim") is not None:
         partial = keys.get("rotary_dim") / head_dim
+    rope_dim, interleaved = head_dim, spec.rope_interleaved
+    if mla is not None:
+        rope_dim, partial = mla.qk_rope_head_dim, 1.0
+        interleaved = bool(keys.get("rope_interleave", default=spec.rope_interleaved))
     layer_rope: list[RopeConfig | None] = []
     layer_window: list[int | None] = []
     no_rope = keys.get("no_rope_layers")
@@ -304,8 +446,8 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
         if spec.positions != "rope" or (no_rope is not None and not no_rope[i]):
             layer_rope.append(None)
         else:
-            layer_rope.append(_rope(sliding_rope if sliding else full_rope, head_dim, partial,
-                                    spec.rope_interleaved, spec.default_rope_theta, path, max_position))
+            layer_rope.append(_rope(sliding_rope if sliding else full_rope, rope_dim, partial,
+                                    interleaved, spec.default_rope_theta, path, max_position))
         layer_window.append(int(window) if sliding else None)
 
     # attention scale and multipliers
@@ -316,10 +458,18 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
         attn_scale = float(keys.get("attention_multiplier"))
     if spec.positions == "learned" and keys.get("scale_attn_weights") is False:
         attn_scale = 1.0
-    embed_scale = math.sqrt(hidden) if spec.embed_scale_sqrt else float(keys.get("embedding_multiplier", default=1.0))
+    if mla is not None:
+        attn_scale = head_dim ** -0.5 * _yarn_mscale(next((r for r in layer_rope if r is not None), None))
+    embed_scale = math.sqrt(hidden) if spec.embed_scale_sqrt else float(
+        keys.get("embedding_multiplier", "scale_emb", default=1.0))
     logit_multiplier = float(keys.get("logit_scale", default=1.0))
     if keys.get("logits_scaling") is not None:
         logit_multiplier = 1.0 / float(keys.get("logits_scaling"))
+    if keys.get("dim_model_base") is not None:  # MiniCPM's muP: the hidden state shrunk before the head
+        logit_multiplier = float(keys.get("dim_model_base")) / hidden
+    residual_multiplier = float(keys.get("residual_multiplier", default=1.0))
+    if keys.get("scale_depth") is not None:
+        residual_multiplier = float(keys.get("scale_depth")) / math.sqrt(num_layers)
 
     qkv_bias = bool(keys.get(*spec.qkv_bias_keys, default=spec.qkv_bias_default))
     o_bias = bool(keys.get(*spec.o_bias_keys, default=spec.o_bias_default))
@@ -345,11 +495,12 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
         learned_positions=spec.positions == "learned", position_offset=spec.position_offset,
         mlp_gated=spec.mlp_gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
-        embed_scale=embed_scale, residual_multiplier=float(keys.get("residual_multiplier", default=1.0)),
+        embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.tied_default)),
         lm_head_bias=spec.lm_head_bias,
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
-        torch_dtype=keys.get("torch_dtype", "dtype"), raw=raw,
+        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
+        attn_sinks=spec.attn_sinks, raw=raw,
     )

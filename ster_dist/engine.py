@@ -65,6 +65,18 @@ def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
+    """--ep splits experts: refused, before any weight is read, where there are none or too few."""
+    if ctx.ep_size == 1:
+        return
+    if cfg.moe is None:
+        raise Refusal(f"--ep {ctx.ep_size} splits experts, but {cfg.family} is not a mixture-of-experts model; "
+                      "use --tp to split it")
+    if ctx.ep_size > cfg.moe.num_experts:
+        raise Refusal(f"--ep {ctx.ep_size} is more than the model's {cfg.moe.num_experts} experts; "
+                      f"use at most --ep {cfg.moe.num_experts}")
+
+
 def open_source(checkpoint: Checkpoint, dtype: torch.dtype) -> TensorSource:
     if checkpoint.weight_format == "safetensors":
         return SafetensorsSource(checkpoint.weight_files)
@@ -91,6 +103,7 @@ def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cp
     device = check_device(device)
     dtype = compute_dtype(precision, device)
     cfg = model_config(checkpoint)
+    check_expert_parallel(cfg, ctx)
     source = open_source(checkpoint, dtype)
     try:
         model = load_decoder(cfg, source, ctx, dtype, device)

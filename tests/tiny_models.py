@@ -56,6 +56,49 @@ TINY: dict[str, tuple[str, str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=True)),
     "gpt_neox_seq": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=False)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
+    # mixture of experts and latent attention: 6-8 experts, top-2, so expert-parallel ranks get uneven loads
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=8,
+                                                            num_experts_per_tok=2, intermediate_size=24,
+                                                            sliding_window=6)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                                                      intermediate_size=24, clip_qkv=1.5)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24,
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(
+        d_model=48, n_layers=3, n_heads=4, max_seq_len=128, attn_config=dict(kv_n_heads=2, clip_qkv=0.3),
+        ffn_config=dict(ffn_hidden_size=24, moe_num_experts=6, moe_top_k=2))),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, kv_lora_rank=16,
+        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, kv_lora_rank=16,
+        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        use_qk_norm=True, attention_bias=True)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=0.1, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "original_max_position_embeddings": 32, "truncate": False,
+                                           "rope_theta": 10000.0})),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
+        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, scale_emb=2.0,
+        scale_depth=1.4, dim_model_base=32)),
 }
 
 
@@ -68,12 +111,15 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     import transformers
 
     config_cls, model_cls, kwargs = TINY[variant]
-    base = {k: v for k, v in _BASE.items() if not (variant == "gpt2" and k in (
+    base = {k: v for k, v in _BASE.items() if not (variant in ("gpt2", "dbrx") and k in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"))}
     config = getattr(transformers, config_cls)(**{**base, **kwargs})
+    if variant == "dbrx":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
+        config.attn_config.rope_theta = 10000.0
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
     _perturb_norms(model, seed)
+    _perturb_experts(model, variant, seed)
     model.save_pretrained(directory, safe_serialization=True)
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -88,6 +134,28 @@ def _perturb_norms(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 1 or "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.1)
+
+
+def _perturb_experts(model, variant: str, seed: int) -> None:
+    """Random inits leave DeepSeek-V3's selection bias and GPT-OSS's expert biases at zero; set them. In one
+    layer, steer the router away from the upper half of the experts, so that under two expert-parallel ranks
+    the second receives no token there."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+            if name.endswith("e_score_correction_bias") or (".experts." in name and name.endswith("_bias")):
+                t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
+        last = model.config.num_hidden_layers - 1
+        for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+            if f"layers.{last}." not in name:
+                continue
+            if variant == "deepseek_v3" and name.endswith("e_score_correction_bias"):
+                t[t.shape[0] // 2:] -= 10.0
+            if variant == "gpt_oss" and name.endswith("mlp.router.bias"):
+                t[t.shape[0] // 2:] -= 100.0
+
+
+STARVED = {"deepseek_v3", "gpt_oss"}  # their last layer routes no token to the upper half of the experts
 
 
 def read_config(directory: Path) -> dict:

@@ -8,10 +8,11 @@ compares every such family); every other name of the gate is "refused".
 from __future__ import annotations
 
 from ster_dist.families.dense import DENSE_FAMILIES
+from ster_dist.families.moe import MOE_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.spec import FamilySpec
 
-SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in DENSE_FAMILIES}
+SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in DENSE_FAMILIES + MOE_FAMILIES}
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)
 
 

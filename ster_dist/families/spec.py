@@ -5,8 +5,11 @@ keys switch biases or query/key norms on, how rotation is laid out) and its
 checkpoint name map. The map is two-way: the loader reads checkpoint tensors
 into decoder parameters through it, and the merge writer walks it backwards.
 
-Name templates use {i} for the layer and {h} for an index stacked along the
-parameter's first dimension (per-head norms, experts).
+Name templates use {i} for the layer, {h} for an index stacked along the
+parameter's first dimension (per-head norms) and {e} for an expert: a tensor
+named per expert fills that expert's row of a stacked [experts, ...]
+parameter, and only the rank holding that expert reads it. `Stacked` describes
+checkpoint tensors that hold every expert at once.
 """
 
 from __future__ import annotations
@@ -34,11 +37,44 @@ class Fused:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """A checkpoint tensor holding every expert's matrix (or bias) for one or more stacked parameters.
+
+    Each target parameter is [experts, P, Q] (output rows P, input columns Q) or
+    [experts, P] for a bias. The stored tensor is [experts, P * len(parts), Q]:
+    the parts' rows one block after another, or alternating row by row when
+    `interleaved` (GPT-OSS's gate_up). `transposed`: each expert's matrix is
+    stored inputs-first, [experts, Q, P * parts] (GPT-OSS, DBRX's w2). `flat`:
+    the expert dimension is merged into the next one (DBRX's [experts * rows, cols]).
+    """
+
+    parts: tuple[str, ...]  # parameter templates, in stored order
+    interleaved: bool = False
+    transposed: bool = False
+    flat: bool = False
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """How a mixture-of-experts family routes and computes, beyond what its config states."""
+
+    scoring: str = "softmax"              # "softmax" | "sigmoid" (config scoring_func wins)
+    topk_method: str = "greedy"           # "greedy" | "group_limited_greedy" | "noaux_tc" (config topk_method wins)
+    renormalize: bool | None = None       # None: norm_topk_prob decides; True: always (Mixtral, GraniteMoE)
+    scaling: str = "never"                # routed_scaling_factor: "never" | "always" | "without_renormalize"
+    router_bias: bool = False             # a bias on the router's logits (GPT-OSS)
+    correction_bias: bool = False         # e_score_correction_bias, added only to choose (DeepSeek-V3)
+    shared: str = "none"                  # "none" | "deepseek" (n_shared_experts wide) | "qwen" (sigmoid-gated)
+    expert_bias: bool = False             # biased expert projections (GPT-OSS)
+    activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's
+
+
+@dataclass(frozen=True)
 class Rule:
     """One checkpoint tensor template and where its data goes."""
 
     checkpoint: str
-    target: str | Fused
+    target: str | Fused | Stacked
     transposed: bool = False  # stored inputs-first (GPT-2's Conv1D)
 
     @property
@@ -47,7 +83,8 @@ class Rule:
 
 
 def _compile(template: str) -> re.Pattern:
-    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{h\}", r"(?P<h>\d+)")
+    escaped = (re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{h\}", r"(?P<h>\d+)")
+               .replace(r"\{e\}", r"(?P<e>\d+)"))
     return re.compile(escaped + r"$")
 
 
@@ -93,3 +130,7 @@ class FamilySpec:
     config_defaults: dict = field(default_factory=dict)
     refuse_keys: dict = field(default_factory=dict)  # config key -> why it is refused when truthy
     parity_reference: str | None = None   # the Transformers CausalLM class the parity tests compare with
+    moe: MoESpec | None = None            # a mixture-of-experts family: its routing conventions
+    latent_attention: bool = False        # multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)
+    attn_sinks: bool = False              # a learned sink logit per head (GPT-OSS)
+    nested_configs: tuple[str, ...] = ()  # config sub-objects read beside the top-level keys (DBRX)

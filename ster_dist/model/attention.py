@@ -1,6 +1,6 @@
 """Grouped-query attention over this rank's heads: q/k/v projections (column-parallel),
 optional query/key norms, rotation, clipping, masks (causal, padding, sliding window),
-soft-capping, and the row-parallel output projection.
+soft-capping, learned sinks (GPT-OSS), and the row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -12,8 +12,16 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
-from ster_dist.shard.ctx import ParallelCtx
-from ster_dist.shard.linear import ColumnLinear, RowLinear
+from ster_dist.shard.ctx import ParallelCtx, Shard
+from ster_dist.shard.linear import ColumnLinear, RowLinear, ShardedModule
+
+
+class HeadScalars(ShardedModule):
+    """One number per attention head, split with the heads (GPT-OSS's sinks)."""
+
+    def __init__(self, heads: int, rows: tuple[int, int]):
+        super().__init__()
+        self._param("weight", Shard((heads,), 0, (rows,)))
 
 
 class Attention(nn.Module):
@@ -46,14 +54,15 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
+        self.sinks = HeadScalars(cfg.num_heads, (h0, h1)) if cfg.attn_sinks else None
 
     def forward(self, x: torch.Tensor, pos: "StepState", cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.q_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
-        if self.q_norm is not None and not self.per_head_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
@@ -76,12 +85,17 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         groups = self.local_heads // self.local_kv
-        if self.softcap is None:
+        if self.softcap is None and self.sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=groups > 1)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        if self.sinks is not None:  # one more logit per head; its share of the softmax is dropped
+            sink = self.sinks.weight.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1).float(), dim=-1)[..., :-1]
+            return torch.matmul(probs.to(q.dtype), v)
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)

@@ -14,9 +14,11 @@ from torch import nn
 from ster_dist.config import ModelConfig, RopeConfig
 from ster_dist.model.attention import Attention
 from ster_dist.model.cache import KVCache
+from ster_dist.model.mla import LatentAttention, LatentCache
 from ster_dist.model.mlp import MLP
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import RotaryTables
+from ster_dist.moe.layer import MoE
 from ster_dist.shard.ctx import SINGLE, ParallelCtx, Shard
 from ster_dist.shard.linear import Replicated, ShardedModule, VocabEmbedding, VocabHead
 
@@ -66,10 +68,10 @@ class Block(nn.Module):
             return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset)
 
         self.attn_norm = norm() if cfg.pre_attn_norm else None
-        self.attn = Attention(cfg, layer, ctx)
+        self.attn = LatentAttention(cfg, layer, ctx) if cfg.mla is not None else Attention(cfg, layer, ctx)
         self.post_attn_norm = norm() if cfg.post_attn_norm else None
         self.mlp_norm = norm() if cfg.pre_mlp_norm else None
-        self.mlp = MLP(cfg, ctx)
+        self.mlp = MoE(cfg, ctx) if cfg.moe is not None and cfg.moe_layers[layer] else MLP(cfg, ctx)
         self.post_mlp_norm = norm() if cfg.post_mlp_norm else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
@@ -124,6 +126,9 @@ class Decoder(nn.Module):
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         attn = self.layers[0].attn
         dtype = dtype or self.embed.weight.dtype
+        if self.cfg.mla is not None:
+            return LatentCache(len(self.layers), batch, attn.rank, attn.rope_dim, capacity, dtype,
+                               self.embed.weight.device)
         return KVCache(len(self.layers), batch, attn.local_kv, attn.head_dim, capacity, dtype,
                        self.embed.weight.device)
 

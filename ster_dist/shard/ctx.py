@@ -1,7 +1,14 @@
-"""ParallelCtx: which tensor-parallel rank this process is, passed explicitly to every layer.
+"""ParallelCtx: which tensor- and expert-parallel rank this process is, passed explicitly to every layer.
 
 Layers take global sizes and ask the context for their local share; nothing
 reads a global rank. World size 1 runs the same code with no process group.
+
+World rank r of tp x ep ranks is tensor-parallel rank r % tp and expert-parallel
+rank r // tp: a tensor-parallel group is tp consecutive ranks (one node's GPUs),
+an expert-parallel group the ranks of one tensor-parallel position across them.
+Dense layers are split over the tp group and replicated over the ep group;
+experts are split in contiguous blocks over the ep group, and each expert's
+matrices over the tp group like a dense feed-forward.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ class Shard:
     dim: int | None = None
     ranges: tuple[tuple[int, int], ...] = ()
     pad_to: int | None = None  # local rows allocated (vocab padding); rows past the ranges stay zero
+    experts: tuple[int, int] | None = None  # a stacked expert parameter: the experts (dim 0) this rank holds
 
     def local_shape(self) -> tuple[int, ...]:
-        if self.dim is None:
-            return self.global_shape
         shape = list(self.global_shape)
-        shape[self.dim] = self.pad_to if self.pad_to is not None else sum(b - a for a, b in self.ranges)
+        if self.experts is not None:
+            shape[0] = self.experts[1] - self.experts[0]
+        if self.dim is not None:
+            shape[self.dim] = self.pad_to if self.pad_to is not None else sum(b - a for a, b in self.ranges)
         return tuple(shape)
 
 
@@ -34,6 +43,9 @@ class ParallelCtx:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: object | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: object | None = None
 
     # -- shares ---------------------------------------------------------------
     def split(self, total: int) -> tuple[int, int]:
@@ -77,6 +89,14 @@ class ParallelCtx:
         start = min(self.tp_rank * per_rank, vocab_size)
         return start, min(start + per_rank, vocab_size), per_rank
 
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        """The contiguous block of experts this expert-parallel rank holds (balanced: 5 over 2 is 2 + 3)."""
+        return self.ep_rank * num_experts // self.ep_size, (self.ep_rank + 1) * num_experts // self.ep_size
+
+    def token_share(self, tokens: int) -> tuple[int, int]:
+        """The rows of a replicated [tokens, hidden] batch this expert-parallel rank dispatches."""
+        return self.ep_rank * tokens // self.ep_size, (self.ep_rank + 1) * tokens // self.ep_size
+
     # -- collectives ----------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -90,6 +110,22 @@ class ParallelCtx:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    def ep_gather_rows(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Every expert-parallel rank's token share [its rows, ...] back into the whole [tokens, ...].
+
+        Shares differ by at most one row; gloo gathers only equal sizes, so each is padded
+        to the largest share and the padding cut away."""
+        if self.ep_size == 1:
+            return x
+        width = -(-tokens // self.ep_size)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        out = x.new_empty((width * self.ep_size, *x.shape[1:]))
+        dist.all_gather_single(out, padded, group=self.ep_group)
+        rows = [out[r * width: r * width + (r + 1) * tokens // self.ep_size - r * tokens // self.ep_size]
+                for r in range(self.ep_size)]
+        return torch.cat(rows)
 
 
 SINGLE = ParallelCtx()

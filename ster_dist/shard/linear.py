@@ -1,5 +1,9 @@
 """Tensor-parallel layers. Each takes global sizes and a ParallelCtx and records,
 per parameter, the Shard of the global tensor it holds; the loader reads exactly that.
+
+Column- and row-parallel projections also carry the low-rank adapters attached to them at run
+time (adapters/attach.py), each already cut to this rank's share: a column-parallel projection
+holds A whole and its own rows of B, a row-parallel one its own columns of A and B whole.
 """
 
 from __future__ import annotations
@@ -24,6 +28,17 @@ class ShardedModule(nn.Module):
                                                    requires_grad=False))
 
 
+class LowRank:
+    """An attached adapter: (x @ a^T) @ b^T * scale added to a projection's output, this rank's share."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float):
+        self.a, self.b, self.scale = a, b, scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x -> rank -> outputs, as PEFT computes it: the dense outputs x inputs product is never built
+        return F.linear(F.linear(x, self.a), self.b) * self.scale
+
+
 class ColumnLinear(ShardedModule):
     """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
 
@@ -34,9 +49,13 @@ class ColumnLinear(ShardedModule):
             self._param("bias", Shard((out_features,), 0, rows))
         else:
             self.bias = None
+        self.adapters: list[LowRank] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        for adapter in self.adapters:
+            y = y + adapter(x)
+        return y
 
 
 class RowLinear(ShardedModule):
@@ -52,9 +71,13 @@ class RowLinear(ShardedModule):
             self._param("bias", Shard((out_features,)))
         else:
             self.bias = None
+        self.adapters: list[LowRank] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        for adapter in self.adapters:
+            y = y + adapter(x)  # a partial sum over this rank's inputs, reduced with the base's
+        y = self.ctx.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

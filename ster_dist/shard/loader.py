@@ -1,11 +1,15 @@
 """The streaming loader: build the decoder on the meta device, then fill each parameter
 with this rank's rows, read one slice at a time through a TensorSource.
 
-A rank never reads another rank's rows; every checkpoint tensor must be consumed
-(or ignored by rule) and every parameter filled, or loading fails naming it.
+A rank never reads another rank's rows or experts; every checkpoint tensor must be
+consumed (or ignored by rule, or held by another rank) and every parameter filled,
+or loading fails naming it.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 
@@ -13,8 +17,8 @@ from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder
 from ster_dist.shard.ctx import SINGLE, ParallelCtx
-from ster_dist.shard.plan import Plan, build_plan
-from ster_dist.shard.source import TensorSource
+from ster_dist.shard.plan import Piece, Plan, build_plan
+from ster_dist.shard.source import SafetensorsSource, TensorSource
 
 
 def build_decoder(cfg: ModelConfig, ctx: ParallelCtx = SINGLE, dtype: torch.dtype = torch.float32,
@@ -40,9 +44,16 @@ def load_into(model: Decoder, source: TensorSource) -> Plan:
         if shard.pad_to is not None:
             params[name].data.zero_()  # vocabulary padding rows are never read; keep them zero
     stacked_rows: dict[str, int] = {}
+    last: tuple = (None, None)  # GPT-OSS's interleaved gate and up share one window: read it once
     for read in plan.reads:
         target = params[read.param].data
         for piece in read.pieces:
+            if piece.window is not None:
+                key = (read.source, piece.window)
+                data = last[1] if last[0] == key else read_window(source, read.source, piece.window)
+                last = (key, data)
+                target[piece.dst] = _arrange(data, piece)
+                continue
             data = source.read(read.source, piece.rows, piece.cols)
             if piece.transpose:
                 data = data.t()
@@ -54,6 +65,47 @@ def load_into(model: Decoder, source: TensorSource) -> Plan:
             raise Refusal(f"parameter {name} has {params[name].shape[0]} stacked rows but the checkpoint "
                           f"fills {count}; the weights lack some of its tensors")
     return plan
+
+
+def _arrange(data: torch.Tensor, piece: Piece) -> torch.Tensor:
+    if piece.take is not None:
+        axis, start, step = piece.take
+        index = [slice(None)] * data.dim()
+        index[axis] = slice(start, None, step)
+        data = data[tuple(index)]
+    return data.transpose(-1, -2) if piece.transpose else data
+
+
+def read_window(source: TensorSource, name: str, window: tuple[slice, ...]) -> torch.Tensor:
+    """A block of an N-d tensor (one slice per leading dimension), reading only its bytes.
+
+    TensorSource.read windows rows and columns of matrices; stacked experts are [experts, rows,
+    cols]. For safetensors the block is read as runs of contiguous bytes with positioned reads
+    (SafetensorsSource's own reader, until TensorSource grows a window read); other sources
+    read the leading rows and cut the rest in memory."""
+    shape = source.shape(name)
+    window = tuple(window) + (slice(None),) * (len(shape) - len(window))
+    if len(shape) <= 2:
+        return source.read(name, window[0], window[1] if len(shape) == 2 else None)
+    if not isinstance(source, SafetensorsSource):
+        return source.read(name, window[0])[(slice(None), *window[1:])]
+    entry = source._entries[name]
+    bounds = [w.indices(n)[:2] for w, n in zip(window, shape, strict=True)]
+    out = torch.empty([max(0, b - a) for a, b in bounds], dtype=entry.dtype)
+    if out.numel() == 0:
+        return out
+    # dimensions after `last` are read whole, so each run is contiguous: dim `last`'s range times them
+    last = len(shape) - 1
+    while last > 0 and bounds[last] == (0, shape[last]):
+        last -= 1
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    run = (bounds[last][1] - bounds[last][0]) * strides[last]
+    flat = out.view(-1)
+    item = entry.dtype.itemsize
+    for i, index in enumerate(itertools.product(*(range(a, b) for a, b in bounds[:last]))):
+        start = sum(c * strides[d] for d, c in enumerate(index)) + bounds[last][0] * strides[last]
+        source._pread(entry.fd, flat[i * run:(i + 1) * run], entry.offset + start * item)
+    return out
 
 
 def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,

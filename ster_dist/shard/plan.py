@@ -12,18 +12,24 @@ from dataclasses import dataclass
 
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.families.spec import FamilySpec, Fused, Rule
+from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked
 from ster_dist.shard.ctx import Shard
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Copy source[rows, cols] (transposed when the source is inputs-first) into param[dst]."""
+    """Copy source[rows, cols] (transposed when the source is inputs-first) into param[dst].
+
+    A piece with a `window` reads that block of an N-d tensor instead (stacked experts), keeps
+    every step-th entry from start along one axis when `take` = (axis, start, step) says so
+    (interleaved parts), and swaps its last two dimensions when `transpose`."""
 
     rows: slice | None
     cols: slice | None
     dst: tuple[slice | int, ...]
     transpose: bool = False
+    window: tuple[slice, ...] | None = None
+    take: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class Read:
     source: str
     param: str
     pieces: tuple[Piece, ...]
-    stacked: bool = False  # fills one row of a stacked parameter ({h} templates)
+    stacked: bool = False  # fills one row of a stacked parameter ({h} and {e} templates)
 
 
 @dataclass
@@ -136,6 +142,75 @@ def _offset(shard: Shard, start: int) -> int:
     return total
 
 
+def _expert_read(name: str, shape: tuple[int, ...], param: str, shard: Shard, expert: int) -> Read | None:
+    """One expert's tensor into its row of a stacked [local experts, ...] parameter; None: not this rank's."""
+    if shard.experts is None:
+        raise Refusal(f"checkpoint tensor {name} is one expert's but {param} is not a stacked expert parameter; "
+                      "the family's name map is inconsistent")
+    want = shard.global_shape[1:]
+    if tuple(want) != shape or not 0 <= expert < shard.global_shape[0]:
+        raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                      f"{shard.global_shape[0]} experts of {list(want)} for {param}; the config and the weights "
+                      "disagree")
+    e0, e1 = shard.experts
+    if not e0 <= expert < e1:
+        return None
+    window = [slice(None)] * len(shape)
+    if shard.dim is not None:  # this rank's tensor-parallel share within the expert
+        (a, b), = shard.ranges
+        window[shard.dim - 1] = slice(a, b)
+    return Read(name, param, (Piece(None, None, (expert - e0,), window=tuple(window)),), stacked=True)
+
+
+def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | None,
+                   shards: dict[str, Shard]) -> tuple[list[Read], list[str]]:
+    """Reads of this rank's experts (and tensor-parallel share) out of one tensor holding every expert."""
+    layout: Stacked = rule.target
+    n = len(layout.parts)
+    reads, absent = [], []
+    for j, template in enumerate(layout.parts):
+        param = template.replace("{i}", layer) if layer is not None else template
+        shard = shards.get(param)
+        if shard is None or shard.experts is None:
+            absent.append(f"{name} (-> {param})")
+            continue
+        num, per = shard.global_shape[0], shard.global_shape[1:]
+        p_total = per[0] * n
+        if len(per) == 1:
+            stored = (num, p_total)
+        else:
+            inner = (per[1], p_total) if layout.transposed else (p_total, per[1])
+            stored = (num * inner[0], inner[1]) if layout.flat else (num, *inner)
+        if shape != stored:
+            raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                          f"{list(stored)} for {num} experts' {', '.join(layout.parts)}; the config and the "
+                          "weights disagree")
+        a, b = shard.ranges[0] if shard.dim == 1 else (0, per[0])  # this rank's output rows of each expert
+        if layout.interleaved:
+            p_window, take = slice(a * n, b * n), j
+        else:
+            p_window, take = slice(j * per[0] + a, j * per[0] + b), None
+        e0, e1 = shard.experts
+        if len(per) == 1:
+            pieces = [Piece(None, None, (slice(None),), window=(slice(e0, e1), p_window),
+                            take=None if take is None else (-1, take, n))]
+        else:
+            q = slice(*shard.ranges[0]) if shard.dim == 2 else slice(0, per[1])
+            within = (q, p_window) if layout.transposed else (p_window, q)
+            p_axis = -1 if layout.transposed else -2
+            take_ = None if take is None else (p_axis, take, n)
+            if layout.flat:  # [experts * rows, cols]: one window per expert
+                rows = inner[0]
+                pieces = [Piece(None, None, (e - e0,), layout.transposed,
+                                window=(slice(e * rows + within[0].start, e * rows + within[0].stop), within[1]),
+                                take=take_) for e in range(e0, e1)]
+            else:
+                pieces = [Piece(None, None, (slice(None),), layout.transposed, window=(slice(e0, e1), *within),
+                                take=take_)]
+        reads.append(Read(name, param, tuple(pieces)))
+    return reads, absent
+
+
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]]) -> Plan:
     matcher = _Matcher(spec)
@@ -155,6 +230,25 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             continue
         rule, groups = found
         layer = groups.get("i")
+        if isinstance(rule.target, Stacked):
+            found_reads, found_absent = _stacked_reads(rule, name, tuple(shape), layer, shards)
+            absent += found_absent
+            if found_reads:
+                reads += found_reads
+            elif not found_absent:
+                skipped.append(name)
+            continue
+        if isinstance(rule.target, str) and groups.get("e") is not None:
+            param = rule.target.replace("{i}", layer) if layer is not None else rule.target
+            if param not in shards:
+                absent.append(f"{name} (-> {param})")
+                continue
+            read = _expert_read(name, tuple(shape), param, shards[param], int(groups["e"]))
+            if read is None:
+                skipped.append(name)  # another expert-parallel rank's expert: never read here
+            else:
+                reads.append(read)
+            continue
         if isinstance(rule.target, str):
             param = rule.target.replace("{i}", layer) if layer is not None else rule.target
             if param not in shards:

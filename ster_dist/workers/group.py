@@ -1,7 +1,7 @@
 """Driving a model across ranks: load once per rank, then generate / logits / parity.
 
-`open_ranks` picks the group: a single in-process Rank for tp == 1 (no Ray, no
-process group: the embedded default), Ray actors otherwise.
+`open_group` picks the group: a single in-process Rank for one rank (no Ray, no
+process group: the embedded default), Ray actors (or spawned processes) for tp x ep ranks.
 """
 
 from __future__ import annotations
@@ -29,16 +29,18 @@ class LocalGroup:
         self.close()
 
 
-def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray"):
-    if tp == 1 and address is None:
+def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray", ep: int = 1):
+    """tp x ep ranks: tensor-parallel groups of tp, expert-parallel groups of ep."""
+    world = tp * ep
+    if world == 1 and address is None:
         return LocalGroup()
     if launcher == "spawn":
         from ster_dist.workers.spawn import SpawnGroup
 
-        return SpawnGroup(tp)
+        return SpawnGroup(world, ep=ep)
     from ster_dist.workers.ray_group import RayGroup
 
-    return RayGroup(tp, device, address)
+    return RayGroup(world, device, address, ep=ep)
 
 
 def load_on(group, checkpoint: Checkpoint, precision: str, device: str) -> list[dict]:

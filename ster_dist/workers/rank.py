@@ -1,4 +1,5 @@
-"""One tensor-parallel rank: joins the process group, stream-loads its shard, runs the decoder.
+"""One rank: joins the process group (and its tensor- and expert-parallel subgroups), stream-loads
+its shard, runs the decoder.
 
 The same class runs as a Ray actor (workers/ray_group.py) and in a spawned process
 (workers/spawn.py); it never decides placement, only does what its rank is told.
@@ -32,8 +33,12 @@ def peak_rss_bytes() -> int:
 
 
 class Rank:
-    def __init__(self, rank: int, world: int, threads: int | None = None):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, threads: int | None = None, ep: int = 1):
+        """world = tp x ep ranks; this one is tensor-parallel rank rank % tp, expert-parallel rank rank // tp."""
+        if ep < 1 or world % ep:
+            raise ValueError(f"{world} ranks do not split into {ep} expert-parallel groups")
+        self.rank, self.world, self.ep = rank, world, ep
+        self._ctx = ParallelCtx(rank, world, None)
         self.loaded: LoadedModel | None = None
         if threads:
             torch.set_num_threads(threads)
@@ -54,10 +59,28 @@ class Rank:
         if self.world > 1:
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                     world_size=self.world, timeout=timedelta(seconds=timeout_s))
+            if self.ep > 1:
+                self._ctx = self._subgroups()
         return self.rank
 
+    def _subgroups(self) -> ParallelCtx:
+        """Tensor-parallel groups of tp consecutive ranks, expert-parallel groups across them. Every rank
+        creates every group, in the same order, as torch.distributed requires."""
+        tp = self.world // self.ep
+        tp_rank, ep_rank = self.rank % tp, self.rank // tp
+        tp_group = ep_group = None
+        for e in range(self.ep):
+            group = dist.new_group([e * tp + t for t in range(tp)]) if tp > 1 else None
+            if e == ep_rank:
+                tp_group = group
+        for t in range(tp):
+            group = dist.new_group([e * tp + t for e in range(self.ep)])
+            if t == tp_rank:
+                ep_group = group
+        return ParallelCtx(tp_rank, tp, tp_group, ep_rank, self.ep, ep_group)
+
     def ctx(self) -> ParallelCtx:
-        return ParallelCtx(self.rank, self.world, None)
+        return self._ctx
 
     def load(self, checkpoint: Checkpoint, precision: str, device: str) -> dict:
         rss_before = peak_rss_bytes()

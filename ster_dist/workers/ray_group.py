@@ -38,7 +38,8 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
 
 
 class RayGroup:
-    def __init__(self, world: int, device: str = "cpu", address: str | None = None, threads: int | None = None):
+    def __init__(self, world: int, device: str = "cpu", address: str | None = None, threads: int | None = None,
+                 ep: int = 1):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -68,7 +69,7 @@ class RayGroup:
             actor_cls = ray.remote(Rank)
             self.actors = [
                 actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-                                  max_concurrency=1, **options).remote(i, world, threads)
+                                  max_concurrency=1, **options).remote(i, world, threads, ep)
                 for i in range(world)
             ]
             host, port = self._get([self.actors[0].address.remote()], "address")[0]

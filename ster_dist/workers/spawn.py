@@ -13,8 +13,8 @@ from ster_dist.errors import Refusal
 from ster_dist.workers.rank import Rank, free_port
 
 
-def _serve(rank: int, world: int, threads: int | None, conn) -> None:
-    worker = Rank(rank, world, threads)
+def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1) -> None:
+    worker = Rank(rank, world, threads, ep)
     while True:
         method, args = conn.recv()
         if method is None:
@@ -30,13 +30,16 @@ def _serve(rank: int, world: int, threads: int | None, conn) -> None:
 
 
 class SpawnGroup:
-    def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0):
+    def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0, ep: int = 1):
+        """world ranks: world / ep tensor-parallel ranks times ep expert-parallel ranks."""
+        if ep < 1 or world % ep:
+            raise Refusal(f"{world} ranks do not split into --ep {ep} expert-parallel groups")
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world, threads, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, world, threads, child, ep), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

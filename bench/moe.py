@@ -1,0 +1,228 @@
+"""Mixture-of-experts decode: ster_dist at EP=1 and EP=2 against Transformers, and the bytes the
+all-to-all dispatch moves per token against an all-gather of the hidden states.
+
+    python bench/moe.py --quick          # 8 experts, hidden 256, 4 layers: about a minute
+    python bench/moe.py                  # 16 experts top-2, hidden 512, 6 layers, f32
+
+The checkpoint is a random Qwen3-MoE (every layer sparse, top-2, renormalised) built by
+Transformers. Decode tokens/s is measured the same way for every engine through its public
+generate(): (batch x (N - 1)) / (time of N new tokens - time of 1 new token), so the prefill
+cancels out; best of --repeats after a warm-up, engines alternating. EP=1 runs in this process
+with --threads threads; EP=2 runs two spawned ranks (gloo) with threads / 2 each, so both use
+the same cores. Transformers runs model.generate in this process with --threads threads.
+
+Bytes per token per MoE layer (measured at EP=2 from the ranks' dispatch counts, and projected
+to larger EP from the EP=1 routing decisions of the same decode):
+- all-to-all: every (token, expert) pair whose expert lives on another rank crosses twice (the
+  hidden state there, the expert's output back): 2 x pairs away x hidden x bytes, plus the
+  per-expert counts exchanged first;
+- the gather of the token shares ster_dist does after the layer (its residual is replicated
+  over the expert-parallel group): each token's output reaches ep - 1 ranks;
+- the all-gather alternative: every rank takes every token's hidden state ((ep - 1) x hidden x
+  bytes per token) and sends its experts' partial outputs back in a reduce-scatter (the same
+  again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/common.py: thread setting, timing, tokenizer)
+
+from ster_dist.engine import load_model  # noqa: E402
+from ster_dist.generate import Sampling, generate  # noqa: E402
+from ster_dist.resolve import resolve  # noqa: E402
+
+
+def build(directory: Path, args) -> None:
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
+        moe_intermediate_size=args.expert_width, num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64, num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(common.DTYPES[args.dtype]).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    model.save_pretrained(directory, safe_serialization=True)
+    common.write_wordlevel_tokenizer(directory, args.vocab)
+
+
+def decode_rates(runs: dict, batch: int, new_tokens: int, repeats: int) -> dict:
+    """name -> (decode tokens/s, the tokens of its last long run), from generate() timings: the time of
+    new_tokens tokens minus the time of one, best of `repeats`, the engines alternating run by run so
+    load from other processes hits them alike."""
+    best = {name: [float("inf"), float("inf"), None] for name in runs}
+    for run in runs.values():  # warm-up
+        run(2)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            long, tokens = _timed(lambda run=run: run(new_tokens))
+            short, _ = _timed(lambda run=run: run(1))
+            best[name] = [min(best[name][0], long), min(best[name][1], short), tokens]
+    return {name: (batch * (new_tokens - 1) / max(long - short, 1e-9), tokens)
+            for name, (long, short, tokens) in best.items()}
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def projected_pairs_away(ids_per_step: list[torch.Tensor], experts: int, ep: int) -> tuple[float, float]:
+    """(pairs crossing ranks per token, fraction) if these routing decisions ran over ep ranks."""
+    owner = torch.arange(experts) * ep // experts  # contiguous blocks (balanced when ep divides)
+    away = tokens = 0
+    for ids in ids_per_step:  # [tokens, top_k] of one layer's forward
+        n = ids.shape[0]
+        share = torch.tensor([next(r for r in range(ep) if t < (r + 1) * n // ep) for t in range(n)])
+        away += int((owner[ids] != share.unsqueeze(1)).sum())
+        tokens += n
+    pairs = sum(ids.numel() for ids in ids_per_step)
+    return away / max(tokens, 1), away / max(pairs, 1)
+
+
+def record_routing(model) -> list[torch.Tensor]:
+    """Wrap every router of an in-process model so its choices are kept."""
+    from ster_dist.moe.layer import MoE
+
+    seen: list[torch.Tensor] = []
+    for block in model.layers:
+        if isinstance(block.mlp, MoE):
+            router = block.mlp.router
+            original = router.forward
+
+            def forward(x, original=original):
+                weights, ids = original(x)
+                seen.append(ids.clone())
+                return weights, ids
+
+            router.forward = forward
+    return seen
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--expert-width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--dtype", choices=tuple(common.DTYPES), default="f32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="8 experts, hidden 256, 4 layers, 12 new tokens")
+    p.add_argument("--model-dir", type=Path, default=None, help="reuse (or build once) a checkpoint directory")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.experts, args.hidden, args.expert_width, args.layers, args.new_tokens = 8, 256, 256, 4, 12
+    common.set_threads(args.threads)
+    directory = args.model_dir or Path(tempfile.mkdtemp(prefix="moe-bench-"))
+    if not (directory / "config.json").is_file():
+        build(directory, args)
+    checkpoint = resolve(str(directory))
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, args.vocab, (args.batch, args.prompt_len), generator=gen).tolist()
+    load_before = os.getloadavg()[0]
+
+    # ---- engines ------------------------------------------------------------------------------
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=common.DTYPES[args.dtype]).eval()
+    ids = torch.tensor(prompts)
+
+    @torch.inference_mode()
+    def run_hf(n):
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    one = load_model(checkpoint, args.dtype)
+
+    def run_ep1(n):
+        return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
+
+    from ster_dist.workers.spawn import SpawnGroup
+
+    with SpawnGroup(2, threads=max(1, args.threads // 2), ep=2) as group:
+        group.call("load", checkpoint, args.dtype, "cpu")
+
+        def run_ep2(n):
+            return group.call("generate", prompts, Sampling(max_new_tokens=n), (), 0)[0]
+
+        results = decode_rates({"transformers": run_hf, "ster_ep1": run_ep1, "ster_ep2": run_ep2}, args.batch,
+                               args.new_tokens, args.repeats)
+        # traffic of one decode run at EP=2, counted by the ranks
+        group.call("run", "ster_dist.moe.layer:traffic", True)
+        run_ep2(args.new_tokens)
+        traffic = group.call("run", "ster_dist.moe.layer:traffic", True)
+    routing = record_routing(one.model)
+    run_ep1(args.new_tokens)
+
+    # ---- bytes per token per MoE layer ------------------------------------------------------------
+    item = common.DTYPES[args.dtype].itemsize
+    row = args.hidden * item
+    tokens = sum(t["tokens"] for t in traffic)           # token-layer visits, summed over the ranks' shares
+    away = sum(t["pairs_sent_away"] for t in traffic)
+    forwards = traffic[0]["forwards"]                      # per rank: MoE layer forwards of the run
+    counts_bytes = 2 * forwards * (args.experts * 8)      # each rank's per-expert counts, once per forward
+    a2a = (2 * away * row + counts_bytes) / tokens
+    measured = {"ep": 2, "all_to_all": a2a, "share_gather": 1 * row, "all_gather_alternative": 2 * 1 * row,
+                "pairs_away_per_token": away / tokens}
+    projected = []
+    for ep in (2, 4, 8, 16):
+        if ep > args.experts:
+            break
+        per_token, fraction = projected_pairs_away(routing, args.experts, ep)
+        projected.append({"ep": ep, "pairs_away_fraction": fraction, "all_to_all": 2 * per_token * row,
+                          "share_gather": (ep - 1) * row, "all_gather_alternative": 2 * (ep - 1) * row})
+
+    tokens_equal = results["ster_ep1"][1] == results["ster_ep2"][1] == results["transformers"][1]
+    report = {
+        "shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers", "vocab",
+                                                "dtype", "batch", "prompt_len", "new_tokens", "threads")},
+        "decode_tok_s": {name: rate for name, (rate, _) in results.items()},
+        "ratio_over_transformers": {name: results[name][0] / results["transformers"][0]
+                                    for name in ("ster_ep1", "ster_ep2")},
+        "greedy_tokens_equal": tokens_equal,
+        "bytes_per_token_per_moe_layer": {"measured": measured, "projected": projected},
+        "loadavg_before_after": [load_before, os.getloadavg()[0]],
+    }
+    print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads in all)")
+    for name, (rate, _) in results.items():
+        print(f"  {name:13s} {rate:9.1f}   x{rate / results['transformers'][0]:.2f} of Transformers")
+    print(f"greedy tokens equal across the three: {tokens_equal}")
+    print("bytes per token per MoE layer (hidden x dtype = %d B):" % row)
+    print(f"  {'ep':>3} {'pairs away':>10} {'all-to-all':>11} {'share gather':>13} {'all-gather alt.':>16}")
+    m = measured
+    print(f"  {2:>3} {m['pairs_away_per_token']:>10.2f} {m['all_to_all']:>11.0f} {m['share_gather']:>13.0f} "
+          f"{m['all_gather_alternative']:>16.0f}   (measured)")
+    for r in projected:
+        print(f"  {r['ep']:>3} {r['pairs_away_fraction'] * args.top_k:>10.2f} {r['all_to_all']:>11.0f} "
+              f"{r['share_gather']:>13.0f} {r['all_gather_alternative']:>16.0f}   (projected)")
+    print(f"1-minute load average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
+    print(json.dumps(report))
+    return 0 if tokens_equal or args.dtype != "f32" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

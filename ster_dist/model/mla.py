@@ -1,0 +1,111 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) over this rank's heads, and its cache.
+
+The query comes from q_a_proj -> q_a_layernorm -> q_b_proj (or one q_proj without
+a query rank). kv_a_proj_with_mqa yields a kv_lora_rank-wide latent and a
+qk_rope_head_dim-wide key part shared by every head; the latent passes
+kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
+and its value. Only the shared part and each query's last qk_rope_head_dim
+channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3).
+
+Under tensor parallelism the heads are split: q_b_proj (or q_proj) and kv_b_proj
+by their head rows, o_proj by its columns; the latent projections and norms are
+small and held whole. The cache keeps the normed latent and the rotated shared
+key part, not per-head keys and values: (kv_lora_rank + qk_rope_head_dim) numbers
+per token instead of heads * (qk + v), the memory saving MLA exists for.
+
+A decode step (one new token) never expands the cached latents: kv_b_proj's key
+half is absorbed into the query and its value half applied after attending, so a
+step costs heads * slots * kv_lora_rank instead of slots * kv_lora_rank * heads *
+(qk_nope + v) (DeepSeek's own inference form; equal up to rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ster_dist.config import ModelConfig
+from ster_dist.model.cache import KVCache
+from ster_dist.model.norm import Norm
+from ster_dist.model.rope import apply_rotary
+from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.shard.linear import ColumnLinear, RowLinear
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's and MiniCPM3's latent norms keep their default epsilon, not the config's
+
+
+class LatentCache(KVCache):
+    """Per layer: the normed latent [batch, 1, slots, kv_lora_rank] (as keys) and the rotated shared key
+    part [batch, 1, slots, qk_rope_head_dim] (as values); slots, positions and validity as KVCache."""
+
+    def __init__(self, num_layers: int, batch: int, kv_lora_rank: int, rope_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(num_layers, batch, 0, 0, capacity, dtype, device)
+        self.keys = [torch.zeros((batch, 1, capacity, kv_lora_rank), dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [torch.zeros((batch, 1, capacity, rope_dim), dtype=dtype, device=device)
+                       for _ in range(num_layers)]
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
+        super().__init__()
+        m, hidden, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+        (h0, h1), _ = ctx.attention_heads(heads, heads)
+        self.layer, self.local_heads = layer, h1 - h0
+        self.nope, self.rope_dim, self.v_dim, self.rank = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
+                                                          m.kv_lora_rank)
+        qk = self.nope + self.rope_dim
+        if m.q_lora_rank:
+            self.q_a = ColumnLinear(hidden, m.q_lora_rank, ((0, m.q_lora_rank),), cfg.qkv_bias)
+            self.q_a_norm = Norm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b = ColumnLinear(m.q_lora_rank, heads * qk, ((h0 * qk, h1 * qk),), False)
+            self.q = None
+        else:
+            self.q_a = self.q_a_norm = self.q_b = None
+            self.q = ColumnLinear(hidden, heads * qk, ((h0 * qk, h1 * qk),), False)
+        width = self.rank + self.rope_dim
+        self.kv_a = ColumnLinear(hidden, width, ((0, width),), cfg.qkv_bias)
+        self.kv_a_norm = Norm(self.rank, LATENT_NORM_EPS)
+        per_head = self.nope + self.v_dim
+        self.kv_b = ColumnLinear(self.rank, heads * per_head, ((h0 * per_head, h1 * per_head),), False)
+        self.o = RowLinear(heads * self.v_dim, hidden, ctx, cfg.o_bias, cols=(h0 * self.v_dim, h1 * self.v_dim))
+        self.rope = cfg.layer_rope[layer]
+        self.scale = cfg.attn_scale
+
+    def forward(self, x: torch.Tensor, pos, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x) if self.q is not None else self.q_b(self.q_a_norm(self.q_a(x)))
+        q = q.view(b, t, self.local_heads, self.nope + self.rope_dim).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_norm(latent).unsqueeze(1)  # [b, 1, t, rank]
+        k_rot = k_rot.unsqueeze(1)                   # [b, 1, t, rope]: one key part for every head
+        if self.rope is not None:
+            cos, sin = pos.rotary(self.rope, q.dtype)
+            q_rot = apply_rotary(q_rot, cos, sin, self.rope.interleaved)
+            k_rot = apply_rotary(k_rot, cos, sin, self.rope.interleaved)
+        if cache is not None:
+            latent, k_rot = cache.write(self.layer, pos.slots, latent, k_rot)
+        if t == 1 and latent.shape[2] > 1:
+            out = self._absorbed(q_nope, q_rot, latent, k_rot, pos.mask(None))
+            return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        s = latent.shape[2]
+        kv = self.kv_b(latent.squeeze(1)).view(b, s, self.local_heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, self.local_heads, -1, -1)), dim=-1)
+        query = torch.cat((q_nope, q_rot), dim=-1)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=pos.mask(None), scale=self.scale)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _absorbed(self, q_nope, q_rot, latent, k_rot, mask) -> torch.Tensor:
+        """Attention in the latent space: [b, heads, t, v_head_dim] without per-slot keys or values."""
+        w = self.kv_b.weight.view(self.local_heads, self.nope + self.v_dim, self.rank)
+        w_key, w_value = w[:, : self.nope], w[:, self.nope:]
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_key)
+        scores = (torch.einsum("bhtr,bsr->bhts", q_latent, latent[:, 0])
+                  + torch.einsum("bhtd,bsd->bhts", q_rot, k_rot[:, 0])) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
+        return torch.einsum("bhtr,hvr->bhtv", torch.einsum("bhts,bsr->bhtr", probs, latent[:, 0]), w_value)

@@ -1,0 +1,84 @@
+"""The mixture-of-experts feed-forward: router, dispatch, this rank's experts, combine, shared experts.
+
+The residual stream is replicated over the expert-parallel group (attention is
+split over tensor-parallel ranks only), so each expert-parallel rank takes a
+contiguous share of the batch's tokens, routes it, sends each (token, expert)
+pair to the expert's rank, weighs what comes back, adds the shared experts, and
+the shares are gathered again. Under tensor parallelism the routed and shared
+outputs are partial sums, all-reduced once on the share before the gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ster_dist.config import ModelConfig
+from ster_dist.model.mlp import MLP
+from ster_dist.moe.dispatch import combine, dispatch
+from ster_dist.moe.experts import Experts
+from ster_dist.moe.router import Router
+from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.shard.linear import Replicated
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx):
+        super().__init__()
+        moe = cfg.moe
+        self.ctx, self.num_experts, self.hidden = ctx, moe.num_experts, cfg.hidden_size
+        self.router = Router(moe, cfg.hidden_size)
+        self.experts = Experts(moe, cfg.hidden_size, cfg.hidden_act, ctx)
+        self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
+        self.received = 0  # rows this rank's experts took in the last forward (tests read it)
+        self.traffic = {"tokens": 0, "pairs_sent_away": 0, "forwards": 0}  # since load (benchmarks read it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.hidden)
+        tokens = flat.shape[0]
+        start, stop = self.ctx.token_share(tokens)
+        share = flat[start:stop]
+        weights, ids = self.router(share)
+        rows, local_ids, handle = dispatch(share, ids, self.num_experts, self.ctx)
+        self.received = rows.shape[0]
+        self.traffic["tokens"] += share.shape[0]
+        self.traffic["pairs_sent_away"] += sum(handle.sent) - handle.sent[self.ctx.ep_rank]
+        self.traffic["forwards"] += 1
+        back = combine(self.experts(rows, local_ids), handle)
+        out = (back.view(*ids.shape, self.hidden).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        if self.shared is not None:
+            out = out + self._shared(share)
+        if out.shape[0]:  # every rank of a tensor-parallel group holds the same share, so all skip together
+            out = self.ctx.all_reduce(out)
+        return self.ctx.ep_gather_rows(out, tokens).view(x.shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' partial sum (its down projection's all-reduce is the layer's)."""
+        mlp = self.shared
+        h = mlp.act(mlp.gate(x)) * mlp.up(x)
+        bias = mlp.down.bias if self.ctx.tp_rank == 0 else None  # added once: the partial sums are all-reduced
+        y = F.linear(h, mlp.down.weight, bias)
+        if self.shared_gate is not None:
+            y = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * y
+        return y
+
+
+def received_rows(rank) -> list[int]:
+    """Rank.run target: per MoE layer, the rows this rank's experts took in the last forward."""
+    return [block.mlp.received for block in rank.loaded.model.layers if isinstance(block.mlp, MoE)]
+
+
+def traffic(rank, reset: bool = False) -> dict:
+    """Rank.run target: this rank's dispatch counts summed over its MoE layers (and optionally zeroed):
+    tokens it dispatched, (token, expert) pairs it sent to other ranks, layer forwards."""
+    total = {"tokens": 0, "pairs_sent_away": 0, "forwards": 0, "moe_layers": 0}
+    for block in rank.loaded.model.layers:
+        if isinstance(block.mlp, MoE):
+            total["moe_layers"] += 1
+            for key, value in block.mlp.traffic.items():
+                total[key] += value
+                if reset:
+                    block.mlp.traffic[key] = 0
+    return total

@@ -1,0 +1,66 @@
+"""The router: which experts each token goes to, and with what weight.
+
+Every rank runs it, in f32, on the tokens it dispatches. One function covers
+every routing seeds/000 names: softmax or sigmoid scores; greedy top-k,
+DeepSeek-V2's group_limited_greedy (the topk_group best of n_group groups,
+ranked by their best expert) and DeepSeek-V3's noaux_tc (groups ranked by the
+sum of their best two, with e_score_correction_bias added only to choose);
+renormalisation of the chosen weights; routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ster_dist.config import MoEConfig
+from ster_dist.shard.ctx import Shard
+from ster_dist.shard.linear import ShardedModule
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens, experts]."""
+    logits = logits.float()
+    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores + correction.float() if correction is not None else scores
+    if moe.topk_method != "greedy":
+        grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+        if moe.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, True)
+        # the config check guarantees the kept groups hold at least top_k experts
+        choice = choice.masked_fill(~keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1), float("-inf"))
+    ids = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if moe.scaling_factor != 1.0:
+        weights = weights * moe.scaling_factor
+    return weights, ids
+
+
+class Router(ShardedModule):
+    """The router's weights, whole on every rank: weight [experts, hidden], optional logit bias and
+    selection bias (`correction`)."""
+
+    def __init__(self, moe: MoEConfig, hidden: int):
+        super().__init__()
+        self.moe = moe
+        self._param("weight", Shard((moe.num_experts, hidden)))
+        if moe.router_bias:
+            self._param("bias", Shard((moe.num_experts,)))
+        else:
+            self.bias = None
+        if moe.correction_bias:
+            self._param("correction", Shard((moe.num_experts,)))
+        else:
+            self.correction = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.bias.float() if self.bias is not None else None
+        logits = F.linear(x.float(), self.weight.float(), bias)
+        return route(logits, self.moe, self.correction)

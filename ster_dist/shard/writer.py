@@ -1,0 +1,283 @@
+"""The merge writer: the shard plan walked backwards, and safetensors shards written tensor by tensor.
+
+`placements` answers the inverse of the loader's question: for a decoder parameter, which
+checkpoint tensor holds its rows and which rows they are. It reads the same FamilySpec rules
+through the same matcher as shard/plan.py, and fused layouts through the same
+`fused_source_rows`, so a parameter's rows go back exactly where the loader took them from
+(rows of Phi-3's qkv_proj and gate_up_proj, GPT-NeoX's head-by-head query_key_value, the
+columns of GPT-2's inputs-first Conv1D).
+
+`write_shard` writes one safetensors file from source tensors: a tensor with no update is
+copied byte for byte from its source file (copy_file_range: the bytes never enter this
+process), a tensor with updates is read in row blocks with positioned reads, the low-rank
+deltas are added in f32 and the sum is cast back to the source dtype. The file is written
+beside its final name and renamed only when complete, so a finished shard is never half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ster_dist.config import ModelConfig
+from ster_dist.errors import Refusal
+from ster_dist.families.spec import FamilySpec, Fused
+from ster_dist.shard.plan import _Matcher, fused_source_rows, size_of
+from ster_dist.shard.source import DTYPES, SafetensorsSource
+
+_COPY_CHUNK = 16 << 20
+_WRITE_CHUNK = 1 << 20
+_BLOCK_BYTES = 8 << 20  # f32 bytes of one block of an updated tensor's rows
+_ALLOCATOR_SET = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a decoder parameter's rows live in the checkpoint."""
+
+    tensor: str
+    runs: tuple[tuple[int, int, int], ...] | None  # (tensor row start, stop, parameter row offset); None: all
+    transposed: bool = False  # stored inputs-first: the parameter's rows are the tensor's columns
+
+
+def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set[str]) -> dict[str, Placement]:
+    """The placement of each of `params` among the checkpoint tensor `names` (absent when none holds it)."""
+    matcher = _Matcher(spec)
+    out: dict[str, Placement] = {}
+    for name in names:
+        if matcher.ignored(name):
+            continue
+        found = matcher.match(name)
+        if found is None:
+            continue
+        rule, groups = found
+        layer = groups.get("i")
+        if groups.get("h") is not None:
+            continue  # one row of a stacked parameter (per-head norms): never a projection
+        if isinstance(rule.target, str):
+            param = rule.target.replace("{i}", layer) if layer is not None else rule.target
+            if param in params:
+                out[param] = Placement(name, None, rule.transposed)
+            continue
+        layout: Fused = rule.target
+        for index, (template, count) in enumerate(layout.parts):
+            param = template.replace("{i}", layer) if layer is not None else template
+            if param in params:
+                out[param] = Placement(name, tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg)),
+                                                                     cfg)), rule.transposed)
+    return out
+
+
+def part_rows(layout: Fused, count: str, cfg: ModelConfig) -> int:
+    """Global rows of one part of a fused tensor."""
+    return size_of(layout.groups, cfg) * size_of(count, cfg) * size_of(layout.unit, cfg)
+
+
+@dataclass(frozen=True)
+class Update:
+    """(b @ a) * scale added to some rows of a tensor, in its outputs-first orientation."""
+
+    a: torch.Tensor  # [rank, inputs]
+    b: torch.Tensor  # [rows, rank]: the parameter's rows in its own order
+    scale: float
+    runs: tuple[tuple[int, int, int], ...] | None  # see Placement.runs
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of an output shard: where its bytes come from, and what is added to it."""
+
+    name: str
+    dtype: str                 # safetensors dtype name, the source's
+    shape: tuple[int, ...]
+    file: str                  # the source weight file
+    offset: int                # absolute byte offset of its data there
+    nbytes: int
+    transposed: bool = False
+    updates: tuple[Update, ...] = ()
+
+
+def split_shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+    """Consecutive groups of at most max_bytes of data (a larger tensor gets a shard of its own)."""
+    shards: list[list[OutTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return shards if shards[0] else []
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def header_bytes(tensors: list[OutTensor]) -> bytes:
+    """The safetensors header of a shard, padded with spaces to a multiple of 8 (its data's alignment)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for tensor in tensors:
+        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def shard_size(tensors: list[OutTensor]) -> int:
+    return len(header_bytes(tensors)) + sum(t.nbytes for t in tensors)
+
+
+def write_shard(path: Path, tensors: list[OutTensor], durable: bool = True) -> int:
+    """Write one shard at `path` (through a temporary name); returns the bytes written."""
+    _return_large_blocks()
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp"
+    sources = sorted({t.file for t in tensors if t.updates})
+    reader = SafetensorsSource([Path(f) for f in sources]) if sources else None
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    inputs: dict[str, int] = {}
+    try:
+        with one_thread():
+            written = _write_all(fd, header_bytes(tensors))
+            for tensor in tensors:
+                if tensor.updates:
+                    for block in merged_blocks(reader, tensor):
+                        written += _write_all(fd, block)
+                    continue
+                if tensor.file not in inputs:
+                    inputs[tensor.file] = os.open(tensor.file, os.O_RDONLY)
+                written += copy_range(inputs[tensor.file], tensor.offset, tensor.nbytes, fd)
+        if durable:
+            os.fsync(fd)  # a shard renamed into place is a whole shard, even after a crash
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        return written
+    finally:
+        if fd >= 0:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+        for handle in inputs.values():
+            os.close(handle)
+        if reader is not None:
+            reader.close()
+
+
+def merged_blocks(reader: SafetensorsSource, tensor: OutTensor):
+    """The bytes of base + sum of updates, cast back to the base's dtype, in row blocks.
+
+    Outputs-first tensors go by blocks of rows: each row of (b @ a) is the same dot products
+    whatever block it is computed in, so the result is the whole-matrix product's bit for bit.
+    An inputs-first tensor (GPT-2's Conv1D) has its outputs as columns; a column block of the
+    product would not be bit-identical, so it is merged whole (such tensors are small).
+    """
+    dtype = DTYPES[tensor.dtype]
+    if len(tensor.shape) != 2:
+        raise ValueError(f"low-rank updates apply to matrices; {tensor.name} has shape {list(tensor.shape)}")
+    if tensor.transposed:
+        weight = reader.read(tensor.name).float()
+        for update in tensor.updates:
+            delta = (update.b @ update.a) * update.scale
+            for t0, t1, d in update.runs or ((0, delta.shape[0], 0),):
+                weight[:, t0:t1] += delta[d:d + t1 - t0].t()
+        yield _as_bytes(weight.to(dtype))
+        return
+    rows, cols = tensor.shape
+    step = max(1, min(rows, _BLOCK_BYTES // max(1, cols * 4)))
+    # buffers reused by every block: fresh pages fault in at a third of copy speed (ENV-NOTES)
+    delta = torch.empty(step, cols)
+    wide = torch.empty(step, cols) if dtype != torch.float32 else None
+    narrow = torch.empty(step, cols, dtype=dtype) if dtype != torch.float32 else None
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        block = reader.read(tensor.name, rows=slice(r0, r1))
+        weight = block if wide is None else wide[: r1 - r0].copy_(block)
+        for update in tensor.updates:
+            for t0, t1, d in update.runs or ((0, rows, 0),):
+                x0, x1 = max(t0, r0), min(t1, r1)
+                if x0 < x1:
+                    part = delta[: x1 - x0]
+                    torch.matmul(update.b[d + x0 - t0:d + x1 - t0], update.a, out=part)
+                    weight[x0 - r0:x1 - r0] += part.mul_(update.scale)  # (b @ a) * scale, as PEFT computes it
+        yield _as_bytes(weight if narrow is None else narrow[: r1 - r0].copy_(weight))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run memory-bound tensor arithmetic on one thread.
+
+    A merge's arithmetic moves bytes rather than multiplying much; one thread keeps pace with the
+    disk, while two OpenMP threads on busy cores stalled 10-40x at every barrier (measured).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _return_large_blocks() -> None:
+    """Have glibc map every block of 1 MB or more and give it back when freed.
+
+    By default glibc raises its mmap threshold each time a large block is freed, so the next
+    blocks of that size come from the heap and stay resident after use: a merge's peak RSS then
+    creeps toward the model's size although it holds a few blocks at a time (measured: 113 MB
+    against 60 MB with the threshold fixed, on a 545 MB checkpoint).
+    """
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+    _ALLOCATOR_SET = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, no longer adjusted
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator decides
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, data) -> int:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):  # in 1 MB writes: single writes of tens of MB ran 6x slower on ext4 (measured)
+        done += os.write(fd, view[done:done + _WRITE_CHUNK])
+    return done
+
+
+def copy_range(src: int, offset: int, count: int, dst: int) -> int:
+    """Append count bytes of src from offset to dst: in the kernel when it can, else in 16 MB chunks."""
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < count:
+                n = os.copy_file_range(src, dst, count - done, offset + done)
+                if n <= 0:
+                    raise Refusal(f"a weight file ended {count - done} bytes early; the checkpoint is truncated")
+                done += n
+            return done
+        except OSError as exc:
+            if done or exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+    while done < count:  # file systems without copy_file_range
+        chunk = os.pread(src, min(_COPY_CHUNK, count - done), offset + done)
+        if not chunk:
+            raise Refusal(f"a weight file ended {count - done} bytes early; the checkpoint is truncated")
+        done += _write_all(dst, chunk)
+    return done
