@@ -74,7 +74,7 @@ def test_prompt_set_answers_each_prompt_in_order(capsys, toy, tmp_path):
     (["generate", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be zero or more"),
     (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must lie in (0, 1]"),
     (["generate"], "give exactly one of --prompt TEXT or --prompts FILE"),
-    (["extract"], "not available in this ster_dist build yet"),
+    (["generate", "--prompt", "x", "--strength", "1"], "--strength scales a steering vector"),
 ])
 def test_refusals_are_one_line(capsys, toy, argv, message):
     command, rest = argv[0], argv[1:]

@@ -1,0 +1,112 @@
+"""Runtime adapters: a LoRA adapter applied unmerged, x @ A^T @ B^T * scale beside each projection.
+
+The driver opens and checks the adapter once against the session's model (another model or
+width, targets the family cannot take, a steering vector passed as an adapter), maps it onto
+decoder projections (targets.py) and sends the global factors to every rank. Each rank cuts its
+own share from the projection's Shard, the same record the loader read its weight slice by: a
+column-parallel projection (query, key, value, gate, up) keeps A whole and its own rows of B;
+a row-parallel one (output, down) keeps its own columns of A and B whole, and its partial sum is
+all-reduced together with the base's (shard/linear.py).
+
+attach_for_cli is what `--adapter` on generate, capture and steer calls (commands/common.py
+modifiers); attach is the same on one Decoder for library use.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from ster_dist.adapters.format import open_adapter
+from ster_dist.adapters.targets import (
+    Site,
+    check_model,
+    load_sites,
+    plan_sites,
+    refuse_family,
+    summary,
+)
+from ster_dist.errors import Refusal
+from ster_dist.shard.ctx import Shard
+from ster_dist.shard.linear import LowRank
+
+_ATTACHED: dict[str, Callable[[], None]] = {}  # token -> detach, per process (one rank per process)
+
+
+def share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's factors for a projection holding `shard` of its weight."""
+    if shard.dim == 0:  # output rows split: B's rows follow them, A is whole
+        b = torch.cat([b[s:e] for s, e in shard.ranges])
+    elif shard.dim == 1:  # input columns split: A's columns follow them, B is whole
+        a = torch.cat([a[:, s:e] for s, e in shard.ranges], dim=1)
+    return a.contiguous(), b.contiguous()
+
+
+def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
+    """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's); returns detach."""
+    modules = dict(model.named_modules())
+    attached: list[tuple[object, LowRank]] = []
+    for site in sites:
+        site = site if isinstance(site, dict) else vars(site)
+        module = modules.get(site["param"].rsplit(".", 1)[0])
+        if module is None or not hasattr(module, "adapters"):
+            raise Refusal(f"this model has no projection {site['param']} to attach the adapter to")
+        weight = module.weight
+        a, b = share(site["a"], site["b"], module.shards["weight"])
+        low = LowRank(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype), float(site["scale"]))
+        module.adapters.append(low)
+        attached.append((module, low))
+
+    def detach() -> None:
+        for module, low in attached:
+            module.adapters[:] = [x for x in module.adapters if x is not low]
+        attached.clear()
+
+    return detach
+
+
+def attach_on_rank(rank, payload: dict) -> dict:
+    """Rank side of attach_for_cli (called through Rank.run on every rank)."""
+    if rank.loaded is None:
+        raise Refusal("the adapter was sent before the model was loaded on this rank")
+    _ATTACHED[payload["token"]] = attach(rank.loaded.model, payload["sites"])
+    return {"rank": rank.rank, "sites": len(payload["sites"])}
+
+
+def detach_on_rank(rank, token: str) -> bool:
+    undo = _ATTACHED.pop(token, None)
+    if undo is not None:
+        undo()
+    return undo is not None
+
+
+def attach_for_cli(session, args) -> Callable[[], None]:
+    """Attach --adapter on every rank of the session; returns the detach callable."""
+    from ster_dist.commands.common import progress
+
+    adapter = open_adapter(args.adapter)
+    check_model(adapter, session.checkpoint.model)
+    refuse_family(session.cfg.family)
+    plans = plan_sites(adapter, session.cfg)
+    sites = load_sites(adapter, plans)
+    token = uuid.uuid4().hex
+    payload = {"token": token, "sites": [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites]}
+    info = {"adapter": str(args.adapter), "format": adapter.format, "rank": adapter.rank, "alpha": adapter.alpha,
+            "scale": adapter.scale, **summary(plans)}
+    progress(f"attaching adapter {args.adapter} ({len(sites)} projections) on every rank")
+    session.group.call("run", "ster_dist.adapters.attach:attach_on_rank", payload)
+    provenance = getattr(session, "provenance", None)
+    if isinstance(provenance, dict):
+        provenance["adapter"] = info
+
+    def detach() -> None:
+        try:
+            session.group.call("run", "ster_dist.adapters.attach:detach_on_rank", token)
+        except Refusal:
+            pass  # the group is gone, and the adapter with it
+        if isinstance(provenance, dict):
+            provenance.pop("adapter", None)
+
+    return detach
