@@ -1,8 +1,11 @@
-"""`ster toy-model DIR`: a tiny random Llama checkpoint with a real tokenizer, for trying the CLI.
+"""`ster toy-model DIR [--family llama|deepseek_v3]`: a tiny random checkpoint with a real
+tokenizer, for trying the CLI (deepseek_v3: latent attention, a sigmoid noaux_tc router over
+8 experts plus a shared one, a dense first layer and YaRN, for `--ep`).
 
 Weights are written under the family's own checkpoint names, found by walking the
-FamilySpec name map backwards from the decoder's parameters (the same map the
-loader reads), so a toy directory loads exactly like a downloaded one.
+FamilySpec name map backwards from the decoder's parameters (the same map the loader
+reads; experts one by one as published checkpoints store them), so a toy directory loads
+exactly like a downloaded one, in ster_dist and in Transformers.
 """
 
 from __future__ import annotations
@@ -35,17 +38,45 @@ CORPUS = (
 )
 
 
-def checkpoint_name(spec: FamilySpec, param: str) -> str:
-    """The checkpoint tensor that fills `param` through a one-to-one rule (the name map read backwards)."""
-    layer = None
+def llama_config(hidden: int, layers: int, experts: int) -> dict:
+    return {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+        "intermediate_size": hidden * 2 + 8, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+    }
+
+
+def deepseek_v3_config(hidden: int, layers: int, experts: int) -> dict:
+    if experts % 4 or experts < 8:
+        raise Refusal(f"--experts {experts}: the toy groups experts in 4 groups of at least 2; use 8, 12, 16, ...")
+    return {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": hidden, "intermediate_size": hidden * 2, "moe_intermediate_size": hidden // 2,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "rope_interleave": True, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
+    }
+
+
+PRESETS = {"llama": llama_config, "deepseek_v3": deepseek_v3_config}
+
+
+def checkpoint_names(spec: FamilySpec, param: str, rows: int) -> list[str]:
+    """The checkpoint tensors that fill `param` through a one-to-one rule (the name map read
+    backwards): one name, or one per expert ({e}) for a stacked expert parameter."""
     parts = param.split(".")
-    if parts[0] == "layers":
-        layer, generic = parts[1], ".".join(["layers", "{i}"] + parts[2:])
-    else:
-        generic = param
+    layer, generic = (parts[1], ".".join(["layers", "{i}"] + parts[2:])) if parts[0] == "layers" else (None, param)
     for rule in spec.rules:
         if rule.target == generic:
-            return rule.checkpoint.replace("{i}", layer) if layer is not None else rule.checkpoint
+            name = rule.checkpoint.replace("{i}", layer) if layer is not None else rule.checkpoint
+            return [name.replace("{e}", str(e)) for e in range(rows)] if "{e}" in name else [name]
     raise Refusal(f"{spec.name} has no one-to-one checkpoint name for {param}")
 
 
@@ -61,37 +92,37 @@ def _tokenizer(vocab_size: int):
     return tok
 
 
-def make_toy_model(directory: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+def make_toy_model(directory: Path, family: str = "llama", layers: int = 2, hidden: int = 64, experts: int = 8,
                    seed: int = 0) -> dict:
     directory = Path(directory)
+    if family not in PRESETS:
+        raise Refusal(f"--family {family!r}: the toy model comes as {', '.join(PRESETS)}")
     if directory.exists() and any(directory.iterdir()):
         raise Refusal(f"{directory} exists and is not empty; choose a new directory for the toy model")
     tok = _tokenizer(512)
-    vocab = tok.get_vocab_size()
-    eos = tok.token_to_id("<|im_end|>")
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": hidden * 2 + 8, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": tok.token_to_id("<|endoftext|>"),
-        "eos_token_id": eos, "torch_dtype": "float32", "hidden_act": "silu",
-    }
+    eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    config = {**PRESETS[family](hidden, layers, experts), "vocab_size": tok.get_vocab_size(),
+              "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"}
     cfg = from_hf(config)
     model = build_decoder(cfg)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, param in model.named_parameters():
-        scale = 0.0 if "norm" in name else 0.02
-        value = torch.randn(param.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0)
-        tensors[checkpoint_name(cfg.spec, name)] = value.contiguous()
+        norm = name.endswith("norm.weight")
+        value = (1.0 if norm else 0.0) + (0.1 if norm else 0.05) * torch.randn(param.shape, generator=gen)
+        names = checkpoint_names(cfg.spec, name, param.shape[0])
+        if len(names) > 1:
+            tensors.update({n: value[e].contiguous() for e, n in enumerate(names)})
+        else:
+            tensors[names[0]] = value.contiguous()
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=parent))
     try:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"],
-                                                                    "eos_token_id": eos}, indent=2))
+        (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos},
+                                                                   indent=2))
         tok.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "bos_token": "<|endoftext|>",
@@ -102,5 +133,6 @@ def make_toy_model(directory: Path, layers: int = 2, hidden: int = 64, heads: in
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {"output": str(directory), "family": "llama", "layers": layers, "hidden_size": hidden,
-            "vocab_size": vocab, "tensors": len(tensors)}
+    return {"output": str(directory), "family": family, "layers": layers, "hidden_size": hidden,
+            "vocab_size": config["vocab_size"], "tensors": len(tensors),
+            **({"experts": experts} if family != "llama" else {})}

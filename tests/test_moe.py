@@ -279,9 +279,9 @@ def test_a_missing_expert_and_a_wrong_expert_width_are_refused(tiny, tmp_path):
 def test_the_toy_deepseek_v3_checkpoint_is_read_alike_by_transformers(tmp_path):
     import transformers
 
-    from ster_dist.moe.toy import make_toy_deepseek_v3
+    from ster_dist.toy import make_toy_model
 
-    make_toy_deepseek_v3(tmp_path / "dsv3")
+    make_toy_model(tmp_path / "dsv3", family="deepseek_v3", layers=3)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dsv3"), dtype=torch.float32)
     loaded = load_model(resolve(str(tmp_path / "dsv3")))
     ids = _ids(seed=3)
@@ -295,8 +295,8 @@ def test_cli_generate_with_ep2_through_ray_equals_one_process(tmp_path):
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     directory = tmp_path / "dsv3"
-    made = subprocess.run([sys.executable, "-m", "ster_dist.moe.toy", str(directory)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    made = subprocess.run([sys.executable, "-m", "ster_dist.cli", "toy-model", str(directory), "--family",
+                           "deepseek_v3", "--layers", "3"], capture_output=True, text=True, timeout=120, env=env)
     assert made.returncode == 0, made.stderr
     args = ["generate", "--model", str(directory), "--prompt", "the capital of France", "--max-new-tokens", "8",
             "--chat-template", "off"]

@@ -61,6 +61,7 @@ def cmd_generate(args) -> dict:
                         "prompt_tokens": len(ids), "completion_tokens": len(new),
                         "finish_reason": "stop" if finished else "length"})
     header = {"model": args.model, "model_revision": revision, "precision": args.precision, "tp": args.tp,
+              "ep": getattr(args, "ep", 1),
               "chat_template": "on" if args.chat_template != "off" and tokenizer.chat_template else "off",
               "sampling": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                            "top_p": sampling.top_p, "seed": sampling.seed}}
@@ -93,7 +94,8 @@ def cmd_parity(args) -> dict:
 def cmd_toy_model(args) -> dict:
     from ster_dist.toy import make_toy_model
 
-    return make_toy_model(Path(args.directory), layers=args.layers, hidden=args.hidden, seed=args.seed)
+    return make_toy_model(Path(args.directory), family=args.family, layers=args.layers, hidden=args.hidden,
+                          experts=args.experts, seed=args.seed)
 
 
 def cmd_gguf_import(args) -> dict:
@@ -135,8 +137,10 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="JSON output (always on; kept for Ster's flag)")
     p.set_defaults(run=cmd_parity)
 
-    p = sub.add_parser("toy-model", help="write a tiny random Llama checkpoint with a tokenizer")
+    p = sub.add_parser("toy-model", help="write a tiny random checkpoint (Llama or DeepSeek-V3) with a tokenizer")
     p.add_argument("directory")
+    p.add_argument("--family", default="llama", choices=["llama", "deepseek_v3"])
+    p.add_argument("--experts", type=int, default=8, help="routed experts (deepseek_v3)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)

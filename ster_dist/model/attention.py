@@ -93,7 +93,8 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         if self.sinks is not None:  # one more logit per head; its share of the softmax is dropped
             sink = self.sinks.weight.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
             probs = torch.softmax(torch.cat((scores, sink), dim=-1).float(), dim=-1)[..., :-1]

@@ -43,14 +43,21 @@ class StepState:
         key_slot = torch.arange(s).view(1, 1, s)
         self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
         self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
-        self._distance = positions.unsqueeze(2) - key_pos.unsqueeze(1)
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._positions, self._key_pos = positions, key_pos
+        # a one-token step over keys that are all real sees every key: no mask to build or apply
+        self._unmasked = t == 1 and bool(key_valid.all())
+        self._masks: dict[int | None, torch.Tensor | None] = {}
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed."""
         if window not in self._masks:
-            allowed = self._base if window is None else self._base & (self._distance < window)
-            self._masks[window] = (allowed | self._diag).unsqueeze(1)
+            distance = None if window is None else self._positions.unsqueeze(2) - self._key_pos.unsqueeze(1)
+            if self._unmasked and (distance is None or bool((distance < window).all())):
+                self._masks[window] = None
+            else:
+                allowed = self._base if distance is None else self._base & (distance < window)
+                self._masks[window] = (allowed | self._diag).unsqueeze(1)
         return self._masks[window]
 
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
@@ -83,12 +90,16 @@ class Block(nn.Module):
             a = self.post_attn_norm(a)
         if self.parallel:
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
-            return x + (a + m) * self.residual_multiplier
-        h = x + a * self.residual_multiplier
+            return x + self._scaled(a + m)
+        h = x + self._scaled(a)
         m = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return h + m * self.residual_multiplier
+        return h + self._scaled(m)
+
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        # Granite's residual multiplier; one is the common case and costs nothing
+        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
 
 class Decoder(nn.Module):

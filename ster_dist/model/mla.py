@@ -106,6 +106,7 @@ class LatentAttention(nn.Module):
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_key)
         scores = (torch.einsum("bhtr,bsr->bhts", q_latent, latent[:, 0])
                   + torch.einsum("bhtd,bsd->bhts", q_rot, k_rot[:, 0])) * self.scale
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
         return torch.einsum("bhtr,hvr->bhtv", torch.einsum("bhts,bsr->bhtr", probs, latent[:, 0]), w_value)

@@ -8,9 +8,6 @@ or loading fails naming it.
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import torch
 
 from ster_dist.config import ModelConfig
@@ -18,16 +15,15 @@ from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder
 from ster_dist.shard.ctx import SINGLE, ParallelCtx
 from ster_dist.shard.plan import Piece, Plan, build_plan
-from ster_dist.shard.source import SafetensorsSource, TensorSource
+from ster_dist.shard.source import TensorSource
 
 
 def build_decoder(cfg: ModelConfig, ctx: ParallelCtx = SINGLE, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> Decoder:
     """An empty decoder: shapes only, parameters allocated but not initialised."""
     with torch.device("meta"):
-        model = Decoder(cfg, ctx)
-    model.to_empty(device=device)
-    return model.to(dtype)
+        model = Decoder(cfg, ctx).to(dtype)  # cast while shapes only: nothing is allocated twice
+    return model.to_empty(device=device)
 
 
 def load_into(model: Decoder, source: TensorSource) -> Plan:
@@ -41,8 +37,8 @@ def load_into(model: Decoder, source: TensorSource) -> Plan:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all: "
                       f"{', '.join(missing[:5])}); the weights lack tensors the config implies")
     for name, shard in shards.items():
-        if shard.pad_to is not None:
-            params[name].data.zero_()  # vocabulary padding rows are never read; keep them zero
+        if shard.pad_to is not None:  # vocabulary padding rows are never read; keep them zero
+            params[name].data[sum(b - a for a, b in shard.ranges):].zero_()
     stacked_rows: dict[str, int] = {}
     last: tuple = (None, None)  # GPT-OSS's interleaved gate and up share one window: read it once
     for read in plan.reads:
@@ -53,6 +49,9 @@ def load_into(model: Decoder, source: TensorSource) -> Plan:
                 data = last[1] if last[0] == key else read_window(source, read.source, piece.window)
                 last = (key, data)
                 target[piece.dst] = _arrange(data, piece)
+                continue
+            if not piece.transpose and hasattr(source, "read_into") and \
+                    source.read_into(read.source, target[piece.dst], piece.rows, piece.cols):
                 continue
             data = source.read(read.source, piece.rows, piece.cols)
             if piece.transpose:
@@ -77,35 +76,16 @@ def _arrange(data: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 def read_window(source: TensorSource, name: str, window: tuple[slice, ...]) -> torch.Tensor:
-    """A block of an N-d tensor (one slice per leading dimension), reading only its bytes.
-
-    TensorSource.read windows rows and columns of matrices; stacked experts are [experts, rows,
-    cols]. For safetensors the block is read as runs of contiguous bytes with positioned reads
-    (SafetensorsSource's own reader, until TensorSource grows a window read); other sources
+    """A block of an N-d tensor (one slice per leading dimension): stacked experts are [experts,
+    rows, cols]. Sources that can read a block directly do (safetensors: only its bytes); others
     read the leading rows and cut the rest in memory."""
     shape = source.shape(name)
     window = tuple(window) + (slice(None),) * (len(shape) - len(window))
     if len(shape) <= 2:
         return source.read(name, window[0], window[1] if len(shape) == 2 else None)
-    if not isinstance(source, SafetensorsSource):
-        return source.read(name, window[0])[(slice(None), *window[1:])]
-    entry = source._entries[name]
-    bounds = [w.indices(n)[:2] for w, n in zip(window, shape, strict=True)]
-    out = torch.empty([max(0, b - a) for a, b in bounds], dtype=entry.dtype)
-    if out.numel() == 0:
-        return out
-    # dimensions after `last` are read whole, so each run is contiguous: dim `last`'s range times them
-    last = len(shape) - 1
-    while last > 0 and bounds[last] == (0, shape[last]):
-        last -= 1
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    run = (bounds[last][1] - bounds[last][0]) * strides[last]
-    flat = out.view(-1)
-    item = entry.dtype.itemsize
-    for i, index in enumerate(itertools.product(*(range(a, b) for a, b in bounds[:last]))):
-        start = sum(c * strides[d] for d, c in enumerate(index)) + bounds[last][0] * strides[last]
-        source._pread(entry.fd, flat[i * run:(i + 1) * run], entry.offset + start * item)
-    return out
+    if hasattr(source, "read_window"):
+        return source.read_window(name, window)
+    return source.read(name, window[0])[(slice(None), *window[1:])]
 
 
 def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,

@@ -14,6 +14,7 @@ rank's bytes, and nothing stays mapped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -109,23 +110,69 @@ class SafetensorsSource:
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         entry = self._entries[name]
+        (r0, r1), (c0, c1) = self._window(entry, rows, cols)
+        shape = (r1 - r0, c1 - c0) if c1 is not None else ((r1 - r0, *entry.shape[1:]) if entry.shape else ())
+        out = torch.empty(shape, dtype=entry.dtype)
+        self._read(entry, out, r0, r1, c0, c1)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> bool:
+        """Read straight into `out` (no temporary) when it is contiguous and of the stored dtype and
+        shape; False when it is not, and the caller reads and converts instead."""
+        entry = self._entries[name]
+        if out.dtype != entry.dtype or not out.is_contiguous():
+            return False
+        (r0, r1), (c0, c1) = self._window(entry, rows, cols)
+        shape = (r1 - r0, c1 - c0) if c1 is not None else ((r1 - r0, *entry.shape[1:]) if entry.shape else ())
+        if tuple(out.shape) != tuple(shape):
+            return False
+        self._read(entry, out, r0, r1, c0, c1)
+        return True
+
+    @staticmethod
+    def _window(entry: _Entry, rows, cols):
         shape = entry.shape
         if not shape:
-            rows = cols = None
-        r0, r1 = _bounds(rows, shape[0] if shape else 1)
-        item = entry.dtype.itemsize
-        row_bytes = math.prod(shape[1:]) * item
+            return (0, 1), (0, None)
+        r0, r1 = _bounds(rows, shape[0])
         if cols is None or len(shape) < 2:
-            out = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=entry.dtype)
-            self._pread(entry.fd, out, entry.offset + r0 * row_bytes)
-            return out
+            return (r0, r1), (0, None)
         if len(shape) != 2:
-            raise ValueError(f"column windows are read from matrices only; {name} has shape {list(shape)}")
+            raise ValueError(f"column windows are read from matrices only; shape {list(shape)}")
         c0, c1 = _bounds(cols, shape[1])
-        out = torch.empty((r1 - r0, c1 - c0), dtype=entry.dtype)
+        if (c0, c1) == (0, shape[1]):
+            return (r0, r1), (0, None)  # every column: whole rows, one read
+        return (r0, r1), (c0, c1)
+
+    def _read(self, entry: _Entry, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int | None) -> None:
+        item = entry.dtype.itemsize
+        row_bytes = math.prod(entry.shape[1:]) * item
+        if c1 is None:
+            self._pread(entry.fd, out, entry.offset + r0 * row_bytes)
+            return
         base = entry.offset + r0 * row_bytes + c0 * item
         for i in range(r1 - r0):
             self._pread(entry.fd, out[i], base + i * row_bytes)
+
+    def read_window(self, name: str, window: tuple[slice, ...]) -> torch.Tensor:
+        """A block of an N-d tensor, one slice per dimension, read as runs of contiguous bytes."""
+        entry = self._entries[name]
+        shape = entry.shape
+        bounds = [w.indices(n)[:2] for w, n in zip(window, shape, strict=True)]
+        out = torch.empty([max(0, b - a) for a, b in bounds], dtype=entry.dtype)
+        if out.numel() == 0:
+            return out
+        # dimensions after `last` are read whole, so each run is contiguous: dim `last`'s range times them
+        last = len(shape) - 1
+        while last > 0 and bounds[last] == (0, shape[last]):
+            last -= 1
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        run = (bounds[last][1] - bounds[last][0]) * strides[last]
+        flat = out.view(-1)
+        item = entry.dtype.itemsize
+        for i, index in enumerate(itertools.product(*(range(a, b) for a, b in bounds[:last]))):
+            start = sum(c * strides[d] for d, c in enumerate(index)) + bounds[last][0] * strides[last]
+            self._pread(entry.fd, flat[i * run:(i + 1) * run], entry.offset + start * item)
         return out
 
     def _pread(self, fd: int, out: torch.Tensor, offset: int) -> None:
