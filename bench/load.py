@@ -3,12 +3,13 @@
 One random Llama checkpoint (about 400 MB in f32 by default) is written once; each
 measurement then runs in a fresh Python process so that loads do not share pages:
 
-  transformers   AutoModelForCausalLM.from_pretrained(dir, dtype=float32)
+  transformers   AutoModelForCausalLM.from_pretrained(dir, dtype=float32), then every weight
+                 read once (it maps the file lazily; reading makes the two loads comparable)
   ster tp=1      resolve + load_model in one process
   ster tp=2      two ranks (torch.multiprocessing, gloo), each loading its shard
 
-For every run it prints the load seconds and the growth of peak RSS over the process's
-baseline after imports, as ratios ster_dist / Transformers (lower is better), and for
+For every run it prints the load seconds and the growth of peak RSS (VmHWM, reset just
+before the load) over the process's RSS after imports, as ratios ster_dist / Transformers (lower is better), and for
 ster_dist the bytes each rank read from the weight files over the checkpoint size.
 
     python bench/load.py [--hidden 1024 --layers 12 --threads 2]
@@ -24,22 +25,25 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch
+from ster_dist.workers.rank import peak_rss_bytes, reset_peak_rss
 torch.set_num_threads(int(sys.argv[3]))
 kind, path = sys.argv[1], sys.argv[2]
-def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 if kind == "transformers":
     import transformers
-    base = rss(); start = time.perf_counter()
+    base = reset_peak_rss(); start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = {"seconds": time.perf_counter() - start, "rss_growth": rss() - base}
+    # Transformers leaves weights as lazy views of the mapped file: touch them so the load is comparable
+    total = sum(float(p.sum()) for p in model.parameters())
+    out = {"seconds": time.perf_counter() - start, "rss_growth": peak_rss_bytes() - base}
 elif kind == "ster1":
     from ster_dist.engine import load_model
     from ster_dist.resolve import resolve
-    base = rss(); start = time.perf_counter()
+    base = reset_peak_rss(); start = time.perf_counter()
     loaded = load_model(resolve(path), "f32")
-    out = {"seconds": time.perf_counter() - start, "rss_growth": rss() - base, "bytes_read": [loaded.bytes_read]}
+    out = {"seconds": time.perf_counter() - start, "rss_growth": peak_rss_bytes() - base,
+           "bytes_read": [loaded.bytes_read]}
 else:
     from ster_dist.resolve import resolve
     from ster_dist.workers.spawn import SpawnGroup

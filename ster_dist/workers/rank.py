@@ -28,8 +28,35 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> int:
+    """Restart the resident-memory high-water mark at the current RSS; returns that RSS.
+
+    ru_maxrss cannot measure a load: it survives fork and exec, so a spawned rank starts
+    with its parent's peak. Linux resets VmHWM through /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+    current = _status_bytes("VmRSS")
+    return current if current is not None else peak_rss_bytes()
+
+
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's resident-memory high-water mark (VmHWM; ru_maxrss where /proc is absent)."""
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class Rank:
@@ -83,7 +110,7 @@ class Rank:
         return self._ctx
 
     def load(self, checkpoint: Checkpoint, precision: str, device: str) -> dict:
-        rss_before = peak_rss_bytes()
+        rss_before = reset_peak_rss()
         start = time.perf_counter()
         self.loaded = load_model(checkpoint, precision, device, self.ctx())
         return {"rank": self.rank, "load_seconds": time.perf_counter() - start,
