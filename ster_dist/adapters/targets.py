@@ -23,6 +23,7 @@ import torch
 from ster_dist.adapters.format import TARGETS, Adapter, Factor, same_model
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
+from ster_dist.families.adapter_rules import REFUSED_FAMILIES
 from ster_dist.families.spec import Fused
 from ster_dist.shard.ctx import SINGLE, Shard
 from ster_dist.shard.plan import _Matcher, fused_rows_total, fused_source_rows
@@ -36,16 +37,7 @@ _FEED_FORWARD = ("gate", "up", "down")
 
 # Families whose layers have no projection an adapter could correct (seeds/000). This belongs
 # in FamilySpec as data once those families have specs; until then it is named here.
-_STATE_SPACE = "its state-space layers have no attention or feed-forward projection"
-REFUSED_FAMILIES = {
-    **{name: _STATE_SPACE for name in ("mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "nemotron_h",
-                                        "falcon_h1", "zamba2", "lfm2", "lfm2_moe")},
-    "qwen3_next": "its linear-attention layers have no attention projection to adapt",
-    "kimi_linear": "its linear-attention layers have no attention projection to adapt",
-    "nanbeige": "it is a looped model: one adapter would correct every pass of its layer",
-    "iquestloopcoder": "it is a looped model: one adapter would correct every pass of its layer",
-    "nemotron-nas": "no projection has one shape on every layer",
-}
+
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,270 @@
+"""Training LoRA factors with DeepSpeed on dp x tp ranks.
+
+The driver (tune/prepare.py, then `train` here) resolves the model, runs every refusal, tokenizes the
+examples and fixes the seeded order of steps, then drives the ranks one optimizer step per call, so it can draw the
+progress bar with each step's loss whether the ranks are Ray actors or spawned processes. Each rank
+(`setup_on_rank`, `step_on_rank`, `finish_on_rank`, through Rank.run) loads its tensor-parallel shard
+of the frozen base with the same streaming loader as inference (engine.load_model under a TrainCtx),
+attaches the factors (tune/lora.py) and hands DeepSpeed a module whose only parameters are the factors:
+DeepSpeed averages their gradients over the data-parallel group, partitions the optimizer state over
+it (ZeRO stage 1 or 2), accumulates micro-batches and keeps f32 master factors under bf16.
+
+The loss is token-weighted over each whole step: every micro-batch's summed completion NLL is scaled by
+dp x accumulation / (step tokens x tp), so after DeepSpeed's 1 / accumulation, its data-parallel mean
+and the tensor-parallel sum, the gradient is that of the mean NLL over every completion token of the
+step, however dp, tp and accumulation split it.
+
+DeepSpeed on CPU: its TorchBackend builds the shared-memory all-reduce op (a 34 s JIT compile on first
+use, ~66 MB per rank left in /dev/shm) for inference_all_reduce alone, which training never calls; the
+op is marked incompatible before the backend starts, so no op is built and nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ster_dist.checkpoint import Checkpoint
+from ster_dist.errors import Refusal
+from ster_dist.tune.data import Example, collate, micro_batches
+from ster_dist.tune.lora import Attached, LoraFactors, TrainSite
+from ster_dist.tune.loss import completion_nll
+from ster_dist.tune.parallel import forget_layouts, layout
+from ster_dist.tune.spec import TrainSettings
+
+_TARGET = "ster_dist.tune.train"
+
+
+@dataclass
+class TrainPlan:
+    """Everything the ranks need, decided on the driver (no rank re-reads the examples or the seed's order)."""
+
+    checkpoint: Checkpoint
+    settings: TrainSettings
+    sites: list[TrainSite]
+    examples: list[Example]
+    steps: list[list[int]]
+    pad_id: int
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None) -> dict:
+    """Run the plan on `group` (world = dp x tp ranks). Returns {"factors": {"a.i"/"b.j": f32 global factors},
+    "ranks": every rank's factors, "losses" and "tokens" per step, "gradients": the full factor gradients
+    of step `gradients_at` (before its update) when asked}."""
+    world = plan.settings.dp * plan.settings.tp
+    setup = group.call("run", f"{_TARGET}:setup_on_rank", plan)
+    if len(setup) != world:
+        raise Refusal(f"the worker group has {len(setup)} ranks; --dp {plan.settings.dp} x --tp "
+                      f"{plan.settings.tp} needs {world}")
+    losses, tokens, gradients = [], [], None
+    try:
+        for index in range(len(plan.steps)):
+            out = group.call("run", f"{_TARGET}:step_on_rank", plan.token, index, index == gradients_at)[0]
+            losses.append(out["loss"])
+            tokens.append(out["tokens"])
+            if out.get("gradients") is not None:
+                gradients = out["gradients"]
+            if on_step is not None:
+                on_step(index + 1, len(plan.steps), out)
+        ranks = group.call("run", f"{_TARGET}:finish_on_rank", plan.token)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            group.call("run", f"{_TARGET}:abandon_on_rank", plan.token)
+        raise
+    return {"factors": ranks[0], "ranks": ranks, "losses": losses, "tokens": tokens, "gradients": gradients,
+            "bytes_read": sum(s["bytes_read"] for s in setup)}
+
+
+# ---- ranks ------------------------------------------------------------------------------------
+
+class _Objective(nn.Module):
+    """What DeepSpeed wraps: only the factors are its parameters, so only they are broadcast, cast to
+    bf16 and partitioned; the frozen decoder is held beside them, unregistered."""
+
+    def __init__(self, factors: LoraFactors, decoder, attached: Attached):
+        super().__init__()
+        self.factors = factors
+        self.held = (decoder, attached)  # a tuple: nn.Module does not register what it holds
+        self.last = None
+
+    def forward(self, inputs, valid, targets, weight: float):
+        decoder, attached = self.held
+        attached.refresh()
+        nll, tokens = completion_nll(decoder, inputs, valid, targets)
+        self.last = (float(nll.detach().sum()), int(tokens.sum()))
+        return nll.sum() * weight
+
+
+@dataclass
+class _Run:
+    plan: TrainPlan
+    engine: object
+    objective: _Objective
+    attached: Attached
+    lay: object
+    own_group: bool
+
+
+_RUNS: dict[str, _Run] = {}
+
+
+class _Stderr:
+    """Whatever sys.stderr is when written to."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DeepSpeed prints and logs to stdout, where the CLI writes its JSON: send both to stderr, and
+    only its errors (its logger's handler holds the stdout of the moment it was imported)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        logger = logging.getLogger("DeepSpeed")
+        logger.setLevel(logging.ERROR)
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and not isinstance(handler.stream, _Stderr):
+                handler.setStream(_Stderr())
+        yield
+
+
+def _deepspeed(device: str):
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
+    # DeepSpeed insists on LOCAL_RANK; every rank here sees its one device as device 0 (Ray gives each
+    # actor one GPU; spawned ranks run on the CPU)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see the module docstring
+    return deepspeed
+
+
+def _ensure_group(world: int) -> bool:
+    """A one-rank run in this process has no process group yet: make one (True when made here)."""
+    if dist.is_initialized():
+        return False
+    if world != 1:
+        raise Refusal(f"a {world}-rank run needs a worker group of {world} ranks")
+    from ster_dist.workers.rank import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1)
+    return True
+
+
+def ds_config(s: TrainSettings) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": s.batch_size,
+        "gradient_accumulation_steps": s.accumulation,
+        "train_batch_size": s.step_examples,
+        "zero_optimization": {"stage": s.zero_stage},
+        "bf16": {"enabled": s.precision == "bf16"},
+        "gradient_clipping": s.max_grad_norm,
+        "zero_allow_untested_optimizer": True,  # torch's AdamW: no CPU-Adam op to JIT-build
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_on_rank(rank, plan: TrainPlan) -> dict:
+    from ster_dist.engine import load_model
+
+    s = plan.settings
+    deepspeed = _deepspeed(s.device)
+    with _quiet():
+        own = _ensure_group(s.dp * s.tp)
+        try:
+            lay = layout(s.dp, s.tp)
+            torch.manual_seed(s.seed)
+            loaded = load_model(plan.checkpoint, s.precision, s.device, lay.ctx())
+            factors = LoraFactors(plan.sites, s.rank, s.seed, s.b_init_std)
+            attached = Attached(loaded.model, factors, plan.sites, s.scale, lay.ctx())
+            objective = _Objective(factors, loaded.model, attached)
+            optimizer = torch.optim.AdamW(factors.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
+            engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config(s),
+                                              mpu=lay.mpu())
+        except BaseException:
+            if own:
+                dist.destroy_process_group()
+                forget_layouts()
+            raise
+    _RUNS[plan.token] = _Run(plan, engine, objective, attached, lay, own)
+    return {"rank": lay.rank, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank, "bytes_read": loaded.bytes_read,
+            "trainable": sum(p.numel() for p in factors.parameters())}
+
+
+def step_on_rank(rank, token: str, index: int, gradients: bool = False) -> dict:
+    """One optimizer step: this rank's micro-batches of step `index`; the step's token-weighted loss."""
+    from deepspeed.utils import safe_get_full_grad
+
+    run = _run(token)
+    plan, s, engine = run.plan, run.plan.settings, run.engine
+    step = plan.steps[index]
+    tokens = sum(plan.examples[i].completion_tokens for i in step)
+    weight = s.dp * s.accumulation / (tokens * s.tp)
+    nll = torch.zeros(2, dtype=torch.float64)
+    grads = None
+    with _quiet():
+        for micro in micro_batches(step, s.batch_size, s.accumulation, s.dp, run.lay.dp_rank):
+            # an empty slot (a short last step) still runs, weighted zero: every rank must reach each reduction
+            batch = [plan.examples[i] for i in micro] or [plan.examples[step[0]]]
+            inputs, valid, targets = collate(batch, plan.pad_id)
+            loss = engine(inputs, valid, targets, weight if micro else 0.0)
+            engine.backward(loss)
+            if micro:
+                nll += torch.tensor(run.objective.last, dtype=torch.float64)
+            if gradients and engine.is_gradient_accumulation_boundary():
+                grads = {n: safe_get_full_grad(p).float().clone() for n, p in run.objective.factors.named_parameters()}
+            engine.step()
+    dist.all_reduce(nll, group=run.lay.dp_group)
+    out = {"step": index + 1, "loss": float(nll[0] / nll[1]), "tokens": int(nll[1])}
+    if grads is not None and run.lay.rank == 0:
+        out["gradients"] = grads
+    return out
+
+
+def finish_on_rank(rank, token: str) -> dict[str, torch.Tensor]:
+    """The trained global factors (the f32 masters), from every rank; then the run is torn down."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    run = _run(token)
+    try:
+        with _quiet():
+            return {n: safe_get_full_fp32_param(p).float().clone() for n, p in run.objective.factors.named_parameters()}
+    finally:
+        abandon_on_rank(rank, token)
+
+
+def abandon_on_rank(rank, token: str) -> bool:
+    run = _RUNS.pop(token, None)
+    if run is None:
+        return False
+    run.attached.detach()
+    run.engine = run.objective = None
+    gc.collect()
+    if run.own_group:
+        dist.destroy_process_group()
+        forget_layouts()
+    return True
+
+
+def _run(token: str) -> _Run:
+    run = _RUNS.get(token)
+    if run is None:
+        raise Refusal("this rank holds no such training run; it was finished or never set up")
+    return run
