@@ -1,0 +1,191 @@
+"""The scheduler's cost: many short generate jobs through it against one direct batched call.
+
+What is built
+    A small random Llama (`ster toy-model`: --layers 4, --hidden 256 by default, a real BPE
+    tokenizer and chat template) unless --model names a directory. Everything runs in this process on the CPU with
+    the same torch thread count; the model is loaded once before any clock starts (a warm-up job
+    loads the scheduler's worker group; the direct path holds its own loaded Session).
+
+What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts in every case)
+    direct      one `ster generate --prompts` call over all prompts, through an already loaded
+                Session: the floor, one batched forward as the CLI runs it (best of --repeats).
+    scheduled   the same prompts as --jobs single-prompt jobs submitted at once to a Scheduler
+                (journal on disk, fsync per record): validation, journal, queue, batching into
+                one forward, splitting the answers back (best of --repeats).
+    unbatched   the same jobs through a Scheduler with max_batch=1: one forward per job, what
+                the queue would cost without batching.
+    latency     one job at a time, submit -> result, against the same single prompt called
+                directly (median of --latency-runs each): the scheduler's added latency per job.
+    ratio       jobs/s scheduled over jobs/s direct (1.0 = no overhead).
+The answers of every path are checked equal.
+
+    python bench/scheduler.py                       # about 20-40 s on 2 cores
+    python bench/scheduler.py --jobs 256 --new-tokens 8 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from ster_dist.commands import common  # noqa: E402
+from ster_dist.protocol import validate  # noqa: E402
+from ster_dist.scheduler import Scheduler  # noqa: E402
+
+
+class _Held:
+    """A pool of one loaded Session: the direct path's model stays loaded like the scheduler's."""
+
+    def __init__(self, args):
+        self.session = common.Session(args)
+
+    def get(self, args):
+        return self.session
+
+
+def _quiet(fn):
+    with contextlib.redirect_stderr(io.StringIO()):
+        return fn()
+
+
+def _in_thread(fn):
+    """Run fn on a fresh thread, as the scheduler's executor runs its jobs: with several torch
+    threads, a loaded machine slows the main thread's OpenMP team far more than another thread's
+    (measured here: one 4-layer forward 286 ms on the main thread, 6 ms on a second one), which
+    would credit the scheduler with a speed-up that is only a thread difference."""
+    box = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+def _direct(model: str, prompts: list[str], new_tokens: int, tmp: Path) -> list[str]:
+    path, out = tmp / "prompts.json", tmp / "answers.json"
+    path.write_text(json.dumps({"prompts": prompts}))
+    ns = validate({"kind": "generate", "model": model, "prompts": str(path), "output": str(out),
+                   "max_new_tokens": new_tokens}).namespace()
+    ns.run(ns)
+    return [r["text"] for r in json.loads(out.read_text())["results"]]
+
+
+def _scheduled(scheduler: Scheduler, model: str, prompts: list[str], new_tokens: int) -> list[str]:
+    ids = scheduler.submit_many([{"kind": "generate", "model": model, "prompt": p, "max_new_tokens": new_tokens}
+                                 for p in prompts])
+    return [scheduler.wait(i, 600)["result"]["text"] for i in ids]
+
+
+def _best(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a model directory (default: a toy Llama built here)")
+    p.add_argument("--layers", type=int, default=4, help="the toy model's layers")
+    p.add_argument("--hidden", type=int, default=256, help="the toy model's width")
+    p.add_argument("--jobs", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--latency-runs", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="ster-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = args.model
+        if model is None:
+            from ster_dist.toy import make_toy_model
+
+            model = str(tmp / "toy")
+            make_toy_model(Path(model), layers=args.layers, hidden=args.hidden, seed=0)
+        prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(args.jobs)]
+
+        # direct: one batched call through a loaded Session, on a thread of its own like the executor
+        def direct_runs():
+            held = _quiet(lambda: _Held(validate({"kind": "generate", "model": model, "prompt": "x"}).namespace()))
+            common.use_pool(held)
+            try:
+                _quiet(lambda: _direct(model, prompts[:2], args.new_tokens, tmp))  # warm
+                best = _best(lambda: _quiet(lambda: _direct(model, prompts, args.new_tokens, tmp)), args.repeats)
+                times = []
+                for i in range(args.latency_runs):
+                    prompt = prompts[i % len(prompts)]
+                    start = time.perf_counter()
+                    _quiet(lambda: _direct(model, [prompt], args.new_tokens, tmp))  # noqa: B023 (called at once)
+                    times.append(time.perf_counter() - start)
+                return best, times
+            finally:
+                common.use_pool(None)
+                held.session.close()
+
+        (direct_s, direct), single = _in_thread(direct_runs)
+
+        with Scheduler(tmp / "state") as scheduler:
+            _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))  # loads the group
+            scheduled_s, scheduled = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
+                                                                             args.new_tokens)), args.repeats)
+            latency = []
+            for i in range(args.latency_runs):
+                prompt = prompts[i % len(prompts)]
+                start = time.perf_counter()
+                _quiet(lambda: _scheduled(scheduler, model, [prompt], args.new_tokens))  # noqa: B023 (called at once)
+                latency.append(time.perf_counter() - start)
+            batches = scheduler.stats()["batches"]
+        with Scheduler(tmp / "state-unbatched", max_batch=1) as scheduler:
+            _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))
+            unbatched_s, unbatched = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
+                                                                             args.new_tokens)), 1)
+    assert scheduled == direct == unbatched, "the scheduler's answers differ from the direct call's"
+    report = {
+        "jobs": args.jobs, "new_tokens": args.new_tokens, "threads": args.threads,
+        "direct_s": round(direct_s, 4), "scheduled_s": round(scheduled_s, 4), "unbatched_s": round(unbatched_s, 4),
+        "direct_jobs_per_s": round(args.jobs / direct_s, 1), "scheduled_jobs_per_s": round(args.jobs / scheduled_s, 1),
+        "unbatched_jobs_per_s": round(args.jobs / unbatched_s, 1),
+        "ratio_scheduled_to_direct": round(direct_s / scheduled_s, 3),
+        "ratio_unbatched_to_direct": round(direct_s / unbatched_s, 3),
+        "single_direct_ms": round(1000 * statistics.median(single), 2),
+        "single_scheduled_ms": round(1000 * statistics.median(latency), 2),
+        "added_latency_ms": round(1000 * (statistics.median(latency) - statistics.median(single)), 2),
+        "largest_forward": max(batches),
+    }
+    print(f"{'path':<12}{'seconds':>10}{'jobs/s':>10}{'vs direct':>11}")
+    for name in ("direct", "scheduled", "unbatched"):
+        seconds = report[f"{name}_s"]
+        print(f"{name:<12}{seconds:>10.3f}{args.jobs / seconds:>10.1f}{direct_s / seconds:>11.3f}")
+    print(f"one job at a time: direct {report['single_direct_ms']} ms, scheduled {report['single_scheduled_ms']} ms, "
+          f"added {report['added_latency_ms']} ms per job")
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""submit, scheduler: the command line's way into the central scheduler.
+
+`ster submit SPEC...` is a thin wrapper over Ray job submission: it validates the specs here
+(a malformed one is refused before anything is sent), submits `python jobs/run.py
+msgpack:<specs>` with this source tree as the working directory, re-emits the job's progress
+lines as NDJSON on stderr and returns its result record(s). `--local` runs the specs through
+an in-process scheduler instead. `ster scheduler status|stop|journal` looks after the
+cluster's scheduler actor and reads a journal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import time
+from pathlib import Path
+
+from ster_dist.commands.common import progress
+from ster_dist.errors import Refusal
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def cmd_submit(args) -> dict:
+    from ster_dist.sched.client import with_ids
+    from ster_dist.sched.entry import read_specs
+
+    specs = with_ids(read_specs(args.specs))
+    if args.local:
+        return _local(args, specs)
+    return _ray_job(args, specs)
+
+
+def _local(args, specs: list[dict]) -> dict:
+    from ster_dist.sched.client import LocalClient, follow
+    from ster_dist.sched.events import emit
+    from ster_dist.scheduler import Scheduler
+
+    client = LocalClient(Scheduler(args.state).start())
+    try:
+        ids = client.submit_many(specs)
+        if args.no_wait:
+            raise Refusal("--no-wait needs a cluster: a --local scheduler ends with this command")
+        records = follow(client, ids, on_event=emit, timeout=args.timeout)
+    finally:
+        client.close()
+    return _outcome(args, records)
+
+
+def _outcome(args, records: list[dict]) -> dict:
+    args.exit_code = max([r["exit_code"] for r in records] + [0])
+    for record in records:
+        if record["status"] == "failed":
+            progress(f"job {record['id']} ({record['kind']}) failed: {record['error']}")
+    return records[0] if len(records) == 1 else {"jobs": records}
+
+
+def job_server(address: str | None) -> str:
+    address = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or ""
+    if not address.startswith(("http://", "https://")):
+        address = "http://127.0.0.1:8265"
+    return address
+
+
+def server_answers(url: str, timeout: float = 5.0) -> bool:
+    """Whether a Ray job server answers at url. Asked plainly over HTTP first: the SDK's client,
+    given a server that is not up, goes looking for other clusters on this machine instead."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=timeout) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _ray_job(args, specs: list[dict]) -> dict:
+    from ray.job_submission import JobSubmissionClient
+
+    from ster_dist.sched.entry import inline
+
+    if not (ROOT / "jobs" / "run.py").is_file():
+        raise Refusal(f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
+                      f"under {ROOT}; run it from a checkout, or use `ray job submit` yourself")
+    address = job_server(args.address)
+    if not server_answers(address):
+        raise Refusal(f"no Ray job server answers at {address}; start a cluster (docs/runbook.md) or give "
+                      "--address http://HEAD:8265")
+    try:
+        client = JobSubmissionClient(address)
+    except Exception as exc:  # the SDK raises ConnectionError, RuntimeError, ... for an absent server
+        raise Refusal(f"no Ray job server answers at {address}: {str(exc).splitlines()[0] if str(exc) else exc}; "
+                      "start a cluster (docs/runbook.md) or give --address http://HEAD:8265") from None
+    entrypoint = f"{args.python} jobs/run.py {inline(specs)}"
+    if args.state:
+        entrypoint += f" --state {shlex.quote(args.state)}"
+    # the SDK logs its packaging of the working directory as plain text; stderr here is NDJSON
+    for name in ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    submission = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(ROOT)})
+    progress(f"submitted Ray job {submission} to {address}", jobs=[s["id"] for s in specs])
+    if args.no_wait:
+        return {"submission_id": submission, "address": address, "jobs": [s["id"] for s in specs]}
+    return _follow_job(args, client, submission)
+
+
+def _follow_job(args, client, submission: str) -> dict:
+    from ster_dist.sched.events import as_event, emit
+
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    seen, result, last_text = 0, None, ""
+    while True:
+        status = str(client.get_job_status(submission)).split(".")[-1]
+        logs = client.get_job_logs(submission)
+        complete = logs[seen:].rpartition("\n")
+        if complete[1]:
+            seen += len(complete[0]) + 1
+            for line in complete[0].splitlines():
+                record = _record(line)
+                if record is not None:
+                    result = record
+                elif line.strip():
+                    emit(as_event(line))
+                    last_text = line if not line.lstrip().startswith("{") else last_text
+        if status in TERMINAL:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise Refusal(f"Ray job {submission} did not finish within {args.timeout} s; it keeps running "
+                          f"(`ray job logs {submission}`)")
+        time.sleep(0.5)
+    if result is not None:
+        records = result.get("jobs", [result])
+        return _outcome(args, records)
+    info = client.get_job_info(submission)
+    raise Refusal(last_text.strip() or f"Ray job {submission} ended {status}: {info.message}")
+
+
+def _record(line: str):
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(data, dict) and ("jobs" in data or ("status" in data and "kind" in data and "id" in data)):
+        return data
+    return None
+
+
+# ---- the scheduler actor -----------------------------------------------------------------------
+
+def _actor(args):
+    from ster_dist.sched.actor import existing
+    from ster_dist.workers.ray_group import start_ray
+
+    if not (args.address or os.environ.get("RAY_ADDRESS")):
+        raise Refusal("give --address HOST:PORT (or RAY_ADDRESS): the scheduler lives on a running Ray cluster")
+    start_ray(args.address)
+    actor = existing()
+    if actor is None:
+        raise Refusal("no ster scheduler runs on this cluster (one starts with the first submitted job)")
+    return actor
+
+
+def cmd_scheduler(args) -> dict:
+    from ster_dist import protocol
+
+    if args.action == "journal":
+        return _journal(args.state)
+    import ray
+
+    actor = _actor(args)
+    if args.action == "status":
+        return protocol.unpack(ray.get(actor.stats.remote(), timeout=60))
+    ray.get(actor.shutdown.remote(), timeout=600)
+    ray.kill(actor, no_restart=True)
+    return {"stopped": True}
+
+
+def _journal(state: str | None) -> dict:
+    from ster_dist.sched.actor import default_state_dir
+    from ster_dist.sched.journal import read
+
+    directory = state or default_state_dir()
+    entries = read(directory).entries
+    jobs = [{"id": job_id, "kind": e.spec.get("kind"), "attempts": e.attempts,
+             "status": (e.result or {}).get("status", "pending"), "error": (e.result or {}).get("error")}
+            for job_id, e in entries.items()]
+    return {"state": str(directory), "jobs": jobs}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("submit", help="submit job specs to the scheduler (a Ray job, or --local)")
+    p.add_argument("specs", nargs="+", help="job spec files (JSON or YAML; see jobs/examples)")
+    p.add_argument("--address", default=None,
+                   help="the Ray job server, http://HEAD:8265 (default RAY_API_SERVER_ADDRESS, else local)")
+    p.add_argument("--local", action="store_true", help="run through an in-process scheduler, no Ray")
+    p.add_argument("--state", default=None, help="the scheduler's state directory (journal) when it starts")
+    p.add_argument("--no-wait", action="store_true", help="print the submission id and return")
+    p.add_argument("--timeout", type=float, default=None, help="stop waiting after this many seconds")
+    p.add_argument("--python", default="python", help="the Python on the cluster's nodes (default python)")
+    p.set_defaults(run=cmd_submit)
+
+    p = sub.add_parser("scheduler", help="the cluster's scheduler actor: status, stop, or read a journal")
+    p.add_argument("action", choices=["status", "stop", "journal"])
+    p.add_argument("--address", default=None, help="the Ray cluster, HOST:PORT (default RAY_ADDRESS)")
+    p.add_argument("--state", default=None, help="journal: the state directory to read")
+    p.set_defaults(run=cmd_scheduler)

@@ -1,0 +1,113 @@
+"""Talking to a scheduler: in this process (LocalClient) or the cluster's actor (RayClient), with
+one `follow` that streams progress events and collects result records for both.
+
+Specs are validated here first, so a malformed one is refused before anything is sent or
+started, and again by the scheduler on arrival (it trusts no client).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from ster_dist import protocol
+from ster_dist.errors import Refusal
+
+
+def with_ids(specs: list[dict]) -> list[dict]:
+    """Validated specs, each with an id (given here when missing, so a resend is recognised)."""
+    out = []
+    for spec in specs:
+        spec = dict(spec)
+        spec.setdefault("id", uuid.uuid4().hex[:16])
+        protocol.validate(spec)
+        out.append(spec)
+    return out
+
+
+class LocalClient:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def submit_many(self, specs: list[dict]) -> list[str]:
+        return self.scheduler.submit_many(with_ids(specs))
+
+    def poll_many(self, cursors: dict[str, int], timeout: float = 0.0) -> dict[str, dict]:
+        return self.scheduler.poll_many(cursors, timeout)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+class RayClient:
+    """The cluster's scheduler actor. `address` as for ray.init (None: RAY_ADDRESS, as inside a Ray
+    job). Calls survive a restart of the actor: Ray retries them once it is back."""
+
+    def __init__(self, address: str | None = None, state_dir: str | None = None, options: dict | None = None):
+        from ster_dist.sched.actor import find_or_start
+        from ster_dist.workers.ray_group import start_ray
+
+        self._started_ray = start_ray(address)
+        self.actor = find_or_start(state_dir, options)
+
+    def _call(self, method: str, *args, timeout: float = 120.0):
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = protocol.unpack(ray.get(getattr(self.actor, method).remote(*args), timeout=timeout))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                if time.monotonic() > deadline:
+                    raise Refusal(f"the scheduler actor did not come back within {timeout:.0f} s: "
+                                  f"{str(exc).splitlines()[0]}") from None
+                time.sleep(0.5)
+                continue
+            if isinstance(reply, dict) and "refusal" in reply:
+                raise Refusal(reply["refusal"])
+            return reply
+
+    def submit_many(self, specs: list[dict]) -> list[str]:
+        return self._call("submit_many", protocol.pack(with_ids(specs)))["ids"]
+
+    def poll_many(self, cursors: dict[str, int], timeout: float = 0.0) -> dict[str, dict]:
+        return self._call("poll_many", cursors, timeout, timeout=timeout + 120.0)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def pid(self) -> int:
+        import ray
+
+        return ray.get(self.actor.pid.remote())
+
+    def close(self) -> None:
+        """Disconnect (the actor stays up for the next job)."""
+        import ray
+
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def follow(client, ids: list[str], on_event: Callable[[dict], None] | None = None,
+           timeout: float | None = None) -> list[dict]:
+    """Stream every job's events to on_event until all have results; the result records, in order."""
+    cursors = {job_id: 0 for job_id in ids}
+    results: dict[str, dict] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(results) < len(ids):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{len(ids) - len(results)} job(s) did not finish within {timeout} s")
+        replies = client.poll_many({i: cursors[i] for i in ids if i not in results}, 1.0)
+        for job_id, reply in replies.items():
+            cursors[job_id] = reply["cursor"]
+            if on_event is not None:
+                for event in reply["events"]:
+                    on_event({**event, "job": job_id})
+            if reply["result"] is not None:
+                results[job_id] = protocol.check_result(reply["result"])
+    return [results[job_id] for job_id in ids]

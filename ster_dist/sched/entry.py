@@ -1,0 +1,108 @@
+"""The job runner behind `jobs/run.py` (the `ray job submit` entrypoint) and `ster submit --local`:
+read specs, hand them to a scheduler, stream progress as NDJSON on stderr, print the result
+record(s) as one JSON line on stdout, and exit 0 (all done), 1 (a job failed) or 2 (refused).
+
+A SPEC argument is a JSON or YAML file (one spec, a list, or {"jobs": [...]}) or
+`msgpack:<base64>`, which is how `ster submit` passes specs inline so that they need not be
+inside the uploaded working directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import json
+import os
+import sys
+from pathlib import Path
+
+from ster_dist import protocol
+from ster_dist.errors import Refusal
+from ster_dist.sched.events import emit
+
+INLINE = "msgpack:"
+
+
+def inline(specs: list[dict]) -> str:
+    return INLINE + base64.urlsafe_b64encode(protocol.pack(specs)).decode("ascii")
+
+
+def read_specs(arguments: list[str]) -> list[dict]:
+    specs: list[dict] = []
+    for argument in arguments:
+        if argument.startswith(INLINE):
+            try:
+                data = protocol.unpack(base64.urlsafe_b64decode(argument[len(INLINE):]), "inline job spec")
+            except (binascii.Error, ValueError):
+                raise Refusal("the inline job spec is not base64 msgpack") from None
+            specs += data if isinstance(data, list) else [data]
+        else:
+            specs += protocol.load_spec_file(argument)
+    for spec in specs:
+        protocol.validate(spec)  # every one refused here, before any is sent or any model touched
+    return specs
+
+
+def anchor(specs: list[dict], base: Path) -> list[dict]:
+    """Relative paths that name something under `base` (the job's working directory: the uploaded
+    tree) made absolute: the scheduler actor's own working directory may be an older upload."""
+    out = []
+    for spec in specs:
+        spec = dict(spec)
+        for name, value in spec.items():
+            if name not in protocol.PROTOCOL_FIELDS and isinstance(value, str) and value and \
+                    not os.path.isabs(value) and len(value) < 4096 and (base / value).exists():
+                spec[name] = str((base / value).resolve())
+        out.append(spec)
+    return out
+
+
+def run(client, specs: list[dict], out=None, timeout: float | None = None) -> int:
+    """Submit, follow, print; the exit status."""
+    from ster_dist.sched.client import follow
+
+    out = out or sys.stdout
+    ids = client.submit_many(specs)
+    records = follow(client, ids, on_event=emit, timeout=timeout)
+    print(json.dumps(records[0] if len(records) == 1 else {"jobs": records}, ensure_ascii=False), file=out,
+          flush=True)
+    for record in records:
+        if record["status"] == "failed":
+            print(f"job {record['id']} ({record['kind']}) failed: {record['error']}", file=sys.stderr, flush=True)
+    return max([r["exit_code"] for r in records] + [0])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jobs/run.py", description="Run ster_dist job specs through the scheduler.")
+    p.add_argument("specs", nargs="+", help="job spec files (JSON or YAML), or msgpack:<base64>")
+    p.add_argument("--address", default=None, help="the Ray cluster (default RAY_ADDRESS, set inside a Ray job)")
+    p.add_argument("--local", action="store_true", help="an in-process scheduler, no Ray (for trying a spec)")
+    p.add_argument("--state", default=None, help="the scheduler's state directory (its journal), when it starts")
+    p.add_argument("--idle-s", type=float, default=300.0, help="release a worker group idle this long")
+    p.add_argument("--max-retries", type=int, default=2, help="retries of a job whose worker died")
+    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        specs = anchor(read_specs(args.specs), Path.cwd())
+        options = {"idle_s": args.idle_s, "max_retries": args.max_retries}
+        if args.local:
+            from ster_dist.sched.client import LocalClient
+            from ster_dist.scheduler import Scheduler
+
+            client = LocalClient(Scheduler(args.state, **options).start())
+        else:
+            from ster_dist.sched.client import RayClient
+
+            client = RayClient(args.address, args.state, options)
+        try:
+            return run(client, specs, timeout=args.timeout)
+        finally:
+            client.close()
+    except Refusal as refusal:
+        print(str(refusal), file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,95 @@
+"""Progress events of running jobs: what a command prints on stderr, kept per job.
+
+Commands report progress as NDJSON lines on stderr (commands.common.progress). The
+scheduler runs them on its executor thread; while it does, this module's stderr wrapper
+routes that thread's lines into the running job's event log (and on to the real stderr when
+asked), so a caller polling the scheduler, in this process or through the Ray actor, gets the
+same events `ster generate` would have printed. Other threads' writes pass through untouched.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+
+class _ThreadTee(io.TextIOBase):
+    def __init__(self, original):
+        self.original = original
+        self.sinks: dict[int, Callable[[str], None]] = {}
+        self._partial: dict[int, str] = {}
+
+    def write(self, text: str) -> int:
+        ident = threading.get_ident()
+        sink = self.sinks.get(ident)
+        if sink is None:
+            return self.original.write(text)
+        buffered = self._partial.get(ident, "") + text
+        *lines, rest = buffered.split("\n")
+        self._partial[ident] = rest
+        for line in lines:
+            if line.strip():
+                sink(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.original.flush()
+
+    def fileno(self) -> int:
+        return self.original.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.original, "encoding", "utf-8")
+
+    def isatty(self) -> bool:
+        return False
+
+
+_LOCK = threading.Lock()
+
+
+def capture(sink: Callable[[dict], None]) -> Callable[[], None]:
+    """Send this thread's stderr lines to sink (as event dicts) until the returned callable is called."""
+    with _LOCK:
+        if not isinstance(sys.stderr, _ThreadTee):
+            sys.stderr = _ThreadTee(sys.stderr)
+        tee = sys.stderr
+    ident = threading.get_ident()
+
+    def on_line(line: str) -> None:
+        sink(as_event(line))
+
+    tee.sinks[ident] = on_line
+
+    def stop() -> None:
+        tee.sinks.pop(ident, None)
+        tee._partial.pop(ident, None)
+
+    return stop
+
+
+def as_event(line: str) -> dict:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        event = {"event": "log", "time": round(time.time(), 3), "message": line}
+    return event
+
+
+def event(message: str, **fields) -> dict:
+    return {"event": "scheduler", "time": round(time.time(), 3), "message": message, **fields}
+
+
+def emit(event_: dict, stream=None) -> None:
+    """One NDJSON line on the real stderr (not the job capture)."""
+    stream = stream or sys.stderr
+    if isinstance(stream, _ThreadTee):
+        stream = stream.original
+    print(json.dumps(event_, ensure_ascii=False), file=stream, flush=True)

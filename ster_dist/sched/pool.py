@@ -1,0 +1,167 @@
+"""The scheduler's worker groups: one loaded model per (model, revision, precision, device, tp, ep),
+started once, reused by every later job with that key, released after an idle timeout, and
+restarted when one of its workers has died.
+
+Commands reach it through ster_dist.commands.common.session(), which hands out the pooled
+Session (left open) once the scheduler has called use_pool(pool). Without a cluster address a
+one-rank group runs in this process and larger ones on an embedded local Ray cluster the pool
+starts (and stops on close); with one, every group is Ray actors on that cluster, so a model
+never lives in the scheduler's own process there.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ster_dist.commands.common import Session, progress
+
+
+def rank_pid(rank) -> dict:
+    """Rank-side (Rank.run target): where this rank's process is, so a test or an operator can find it."""
+    import socket
+
+    return {"rank": rank.rank, "pid": os.getpid(), "host": socket.gethostname()}
+
+
+@dataclass
+class Pooled:
+    session: Session
+    key: tuple
+    started: float
+    last_used: float
+    workers: list = field(default_factory=list)
+    jobs: int = 0
+
+
+def group_key(args) -> tuple:
+    return (str(args.model), getattr(args, "revision", None), getattr(args, "precision", "f32"),
+            getattr(args, "device", "cpu"), int(getattr(args, "tp", 1) or 1), int(getattr(args, "ep", 1) or 1))
+
+
+class GroupPool:
+    def __init__(self, address: str | None = None, idle_s: float = 300.0, max_groups: int = 4):
+        self.address = address
+        self.idle_s = idle_s
+        self.max_groups = max(1, max_groups)
+        self.groups: dict[tuple, Pooled] = {}
+        self.starts = 0
+        self.releases = 0
+        self.history: list[tuple[str, tuple]] = []  # ("start" | "idle" | "dead" | "evict" | "close", key)
+        self._started_ray = False
+        self._lock = threading.RLock()
+
+    # -- what commands call ----------------------------------------------------------------
+    def get(self, args) -> Session:
+        key = group_key(args)
+        with self._lock:
+            pooled = self.groups.get(key)
+            if pooled is not None and not _alive(pooled.session.group):
+                self._drop(key, "dead")
+                pooled = None
+            if pooled is None:
+                pooled = self._start(key, args)
+            pooled.last_used = time.monotonic()
+            pooled.jobs += 1
+            return pooled.session
+
+    # -- what the scheduler calls ----------------------------------------------------------
+    def alive(self, args) -> bool:
+        with self._lock:
+            pooled = self.groups.get(group_key(args))
+            return pooled is not None and _alive(pooled.session.group)
+
+    def drop(self, args, why: str = "dead") -> None:
+        with self._lock:
+            if group_key(args) in self.groups:
+                self._drop(group_key(args), why)
+
+    def release_idle(self, now: float | None = None) -> list[tuple]:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [k for k, p in self.groups.items() if now - p.last_used >= self.idle_s]
+            for key in idle:
+                self._drop(key, "idle")
+            return idle
+
+    def describe(self) -> list[dict]:
+        """A snapshot, without the lock: callers ask while a group may be loading."""
+        now = time.monotonic()
+        return [{"model": k[0], "revision": k[1], "precision": k[2], "device": k[3], "tp": k[4], "ep": k[5],
+                 "jobs": p.jobs, "idle_s": round(now - p.last_used, 3), "workers": p.workers}
+                for k, p in list(self.groups.items())]
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self.groups):
+                self._drop(key, "close")
+            if self._started_ray:
+                import ray
+
+                if ray.is_initialized():
+                    ray.shutdown()
+                self._started_ray = False
+
+    # -- inside ------------------------------------------------------------------------------
+    def _start(self, key: tuple, args) -> Pooled:
+        while len(self.groups) >= self.max_groups:
+            oldest = min(self.groups.values(), key=lambda p: p.last_used)
+            self._drop(oldest.key, "evict")
+        own = copy.copy(args)
+        own.address = self.address
+        if self.address is not None or key[4] * key[5] > 1:
+            self._ensure_ray()
+        progress(f"starting a worker group for {key[0]} (tp {key[4]}, ep {key[5]}, {key[2]}, {key[3]})")
+        session = Session(own)
+        try:
+            workers = session.group.call("run", "ster_dist.sched.pool:rank_pid")
+        except BaseException:
+            session.close()
+            raise
+        now = time.monotonic()
+        pooled = Pooled(session, key, now, now, workers)
+        self.groups[key] = pooled
+        self.starts += 1
+        self.history.append(("start", key))
+        return pooled
+
+    def _drop(self, key: tuple, why: str) -> None:
+        pooled = self.groups.pop(key)
+        try:
+            pooled.session.close()
+        except Exception:  # a dead group may fail to close cleanly; it is gone either way
+            pass
+        self.releases += 1
+        self.history.append((why, key))
+        if why in ("idle", "dead", "evict"):
+            progress(f"released the worker group for {key[0]} (tp {key[4]}): {why}")
+
+    def _ensure_ray(self) -> None:
+        from ster_dist.workers.ray_group import start_ray
+
+        if start_ray(self.address):
+            self._started_ray = True
+
+
+def _alive(group) -> bool:
+    """Whether every worker of a group still answers (a failed call shuts a Ray or spawned group)."""
+    if hasattr(group, "actors"):
+        if not group.actors:
+            return False
+        import ray
+
+        refs = [actor.__ray_ready__.remote() for actor in group.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+        if len(ready) != len(refs):
+            return False
+        try:
+            ray.get(ready)
+        except Exception:
+            return False
+        return True
+    if hasattr(group, "procs"):
+        return bool(group.procs) and all(p.is_alive() for p in group.procs)
+    return True

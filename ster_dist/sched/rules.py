@@ -1,0 +1,106 @@
+"""What a queued job needs beyond the CLI's own checks, each refused naming its field before any
+model is touched: a token budget is not negative, tp / ep / batch sizes are at least one, a job
+that samples states its seed (so a retry or a re-run after a restart gives the same answer), an
+input file is not standard input, and the layers a job names exist (read from the model's
+config.json when the model is a local directory: no weight is read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ster_dist.errors import Refusal
+from ster_dist.sched.fields import is_int
+
+# kinds whose work draws random numbers even at their defaults: the spec must state the seed
+SEEDED_KINDS = {"steer-train", "steer-optimize"}
+_POSITIVE = ("tp", "ep")
+_FILE_FIELDS = ("request", "input", "pairs", "prompts", "system", "vector")
+
+
+def check(job, check_model: bool) -> None:
+    fields, kind = job.fields, job.kind
+    for dest, value in fields.items():
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if not is_int(item) and not isinstance(item, float):
+                continue
+            if ("tokens" in dest or "budget" in dest) and item < 0:
+                raise Refusal(f"job spec field {dest!r} is a token budget and must be zero or more, got {item}")
+            if (dest in _POSITIVE or dest.endswith("batch_size")) and item < 1:
+                raise Refusal(f"job spec field {dest!r} must be 1 or more, got {item}")
+            if dest == "seed" and item < 0:
+                raise Refusal(f"job spec field 'seed' must be zero or more, got {item}")
+    for dest in _FILE_FIELDS:
+        if fields.get(dest) == "-":
+            raise Refusal(f"job spec field {dest!r} is '-' (standard input), which a queued job does not have; "
+                          "give a file")
+    if "model" in fields and not str(fields["model"]).strip():
+        raise Refusal("job spec field 'model' is empty; give a model directory or a Hub id")
+    if kind == "generate":
+        _generate_rules(job)
+    from ster_dist.protocol import accepts
+
+    if kind in SEEDED_KINDS and accepts(kind, "seed") and "seed" not in fields:
+        raise Refusal(f"a {kind} job spec must state 'seed', so that a retried or re-run job gives the same result")
+    if check_model:
+        _check_layers(job)
+
+
+def _generate_rules(job) -> None:
+    from ster_dist.generate import Sampling
+
+    fields = job.fields
+    if ("prompt" in fields and fields["prompt"] is not None) == ("prompts" in fields and fields["prompts"] is not None):
+        raise Refusal("a generate job spec needs exactly one of the fields 'prompt' (text) or 'prompts' (a file)")
+    if fields.get("prompts") is not None and fields.get("output") is None:
+        raise Refusal("a generate job spec with 'prompts' needs 'output', the file for the answers")
+    ns = job.namespace()
+    if ns.temperature < 0:
+        raise Refusal(f"job spec field 'temperature' must be zero or more, got {ns.temperature}")
+    if not 0 < ns.top_p <= 1:
+        raise Refusal(f"job spec field 'top_p' must lie in (0, 1], got {ns.top_p}")
+    Sampling(ns.max_new_tokens, ns.temperature, ns.top_p, ns.seed).check()
+    if ns.temperature > 0 and "seed" not in fields:
+        raise Refusal(f"a generate job spec that samples (temperature {ns.temperature}) must state 'seed', "
+                      "so that a retried or re-run job gives the same answer")
+
+
+def _layers(dest: str, value, count: int) -> list[int]:
+    """The layers a field names, read with the --layers grammar of the commands (all, 5, 8..16,
+    comma lists), checked against `count` layers."""
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    try:
+        from ster_dist.steer.layers import parse_layers
+    except ImportError:  # a build without steering: plain indexes only
+        def parse_layers(spec: str, count: int) -> list[int]:
+            try:
+                layers = [int(part) for part in spec.split(",")]
+            except ValueError:
+                raise Refusal(f"invalid layer list {spec!r}; use indexes such as 3,5") from None
+            for layer in layers:
+                if not 0 <= layer < count:
+                    raise Refusal(f"layer {layer} is outside the model's 0..{count - 1} range")
+            return layers
+    try:
+        return parse_layers(text, count)
+    except Refusal as refusal:
+        raise Refusal(f"job spec field {dest!r}: {refusal}") from None
+
+
+def _check_layers(job) -> None:
+    """Layers written wrongly, always; a layer the model does not have, when the model is a local
+    directory (its config only: no weight is read)."""
+    layer_fields = {d: v for d, v in job.fields.items() if d in ("layer", "layers") and v is not None}
+    if not layer_fields:
+        return
+    for dest, value in layer_fields.items():
+        _layers(dest, value, 1 << 30)
+    model = job.fields.get("model")
+    if not isinstance(model, str) or not Path(model).is_dir():
+        return
+    from ster_dist.engine import model_config
+    from ster_dist.resolve import resolve
+
+    count = model_config(resolve(model, job.fields.get("revision"))).num_layers
+    for dest, value in layer_fields.items():
+        _layers(dest, value, count)

@@ -1,0 +1,399 @@
+"""The central scheduler: the one owner of worker groups, and the queue every job goes through.
+
+Jobs of every kind (generate, extract, steer train/evaluate, decide, merge, parity) are
+validated on arrival (ster_dist.protocol), journaled (sched/journal.py), queued by priority
+(higher first, then arrival order) and run one at a time by one executor thread, each as its
+CLI command (`ster <kind> ...`) with the scheduler's pool of worker groups (sched/pool.py)
+installed, so a model is loaded once and reused by every later job on the same group key.
+Greedy generate jobs with equal settings are batched into one forward (sched/batch.py). A
+job whose worker died is retried on a restarted group up to `max_retries` times, then fails
+with the worker's error. Progress events are kept per job (sched/events.py) for callers to
+stream; results are protocol result records.
+
+The same class runs in-process (the Python API, `ster submit --local`) and inside the named
+Ray actor (sched/actor.py) that `ray job submit ... jobs/run.py` and `ster submit` reach.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ster_dist import protocol
+from ster_dist.commands.common import use_pool
+from ster_dist.errors import Refusal
+from ster_dist.protocol import JobSpec
+from ster_dist.sched import events
+from ster_dist.sched.batch import batch_key, job_prompts, run_batch
+from ster_dist.sched.journal import Journal
+from ster_dist.sched.pool import GroupPool, group_key
+
+MAX_EVENTS = 1000  # per job; the oldest are dropped past this
+# how a worker group says one of its workers was lost (workers/ray_group.py, workers/spawn.py),
+# as opposed to a refusal the rank raised itself, which a retry would only repeat
+_WORKER_LOST = re.compile(r"^rank \d+ (failed during|died|did not answer)")
+_ACTIVE: list[Scheduler] = []
+
+
+@dataclass
+class Job:
+    spec: JobSpec
+    seq: int
+    ns: object = None
+    key: tuple | None = None
+    attempts: int = 0
+    state: str = "queued"  # queued | running | done | failed
+    solo: bool = False     # run alone even when batchable (after its batch was refused)
+    size: int | None = None  # prompts, once read (batching only)
+    events: list = field(default_factory=list)
+    dropped: int = 0       # events dropped from the front (cursors count them)
+    result: dict | None = None
+
+
+class Scheduler:
+    def __init__(self, state_dir=None, *, address: str | None = None, idle_s: float = 300.0,
+                 max_retries: int = 2, max_batch: int = 64, max_groups: int = 4, durable: bool = True):
+        self.max_retries = max_retries
+        self.max_batch = max_batch
+        self.pool = GroupPool(address, idle_s, max_groups)
+        self.journal = Journal(state_dir, durable)
+        self.jobs: dict[str, Job] = {}
+        self._queue: list[tuple[int, int, str]] = []
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.batches: list[int] = []  # size of every forward run, for tests and benchmarks
+        self._recover(self.journal.open())
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> Scheduler:
+        if _ACTIVE and _ACTIVE[0] is not self:
+            raise Refusal("a scheduler is already running in this process; close it or submit to it")
+        if self._thread is None:
+            _ACTIVE[:] = [self]
+            use_pool(self.pool)
+            self._thread = threading.Thread(target=self._loop, name="ster-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 600.0) -> None:
+        """Stop after the running job (queued jobs stay accepted in the journal), release every group."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if _ACTIVE and _ACTIVE[0] is self:
+            use_pool(None)
+            _ACTIVE.clear()
+        self.pool.close()
+        self.journal.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- what callers use ------------------------------------------------------------------------
+    def submit(self, spec) -> str:
+        return self.submit_many([spec])[0]
+
+    def submit_many(self, specs: list) -> list[str]:
+        """Validate every spec first (one refused: none accepted), then journal and queue them all."""
+        jobs = [protocol.validate(spec) for spec in specs]
+        ids = []
+        with self._cond:
+            for spec in jobs:
+                known = self.jobs.get(spec.id)
+                if known is not None:
+                    if _same(known.spec, spec):
+                        ids.append(spec.id)  # a client resending after a restart: already here, once
+                        continue
+                    raise Refusal(f"job id {spec.id!r} is already taken by another job; give a new id")
+                job = self._accept(spec)
+                self.journal.accepted(spec.id, spec.to_dict(), job.seq)
+                self._note(job, events.event(f"accepted {spec.kind} job {spec.id}", position=len(self._queue)))
+                ids.append(spec.id)
+            self.journal.commit()  # durable before the caller hears the ids or the executor sees them
+            self._cond.notify_all()
+        return ids
+
+    def poll(self, job_id: str, cursor: int = 0, timeout: float = 0.0) -> dict:
+        """The job's state, its events from `cursor` on, and its result once finished. With a timeout,
+        waits up to that long for something new."""
+        return self.poll_many({job_id: cursor}, timeout)[job_id]
+
+    def poll_many(self, cursors: dict[str, int], timeout: float = 0.0) -> dict[str, dict]:
+        """poll() for several jobs at once, waiting (up to timeout) until any of them has news."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            jobs = {job_id: self._job(job_id) for job_id in cursors}
+
+            def news() -> bool:
+                return any(j.dropped + len(j.events) > cursors[i] or j.result is not None for i, j in jobs.items())
+
+            while not news() and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            return {job_id: {"id": job_id, "state": j.state,
+                             "events": list(j.events[max(0, cursors[job_id] - j.dropped):]),
+                             "cursor": j.dropped + len(j.events), "result": j.result}
+                    for job_id, j in jobs.items()}
+
+    def wait(self, job_id: str, timeout: float | None = None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            job = self._job(job_id)
+            while job.result is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
+                self._cond.wait(left)
+            return job.result
+
+    def stats(self) -> dict:
+        groups = self.pool.describe()  # outside the queue's lock: a group may be loading
+        with self._cond:
+            states: dict[str, int] = {}
+            for job in self.jobs.values():
+                states[job.state] = states.get(job.state, 0) + 1
+            return {"queued": len(self._queue), "jobs": states, "group_starts": self.pool.starts,
+                    "group_releases": self.pool.releases, "groups": groups, "batches": list(self.batches)}
+
+    # -- inside ----------------------------------------------------------------------------------
+    def _job(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise Refusal(f"no job {job_id!r} is known to this scheduler")
+        return job
+
+    def _accept(self, spec: JobSpec, attempts: int = 0, seq: int | None = None) -> Job:
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        self._seq = max(self._seq, seq)
+        job = Job(spec, seq, attempts=attempts)
+        job.ns = spec.namespace()
+        job.key = batch_key(spec.kind, job.ns)
+        self.jobs[spec.id] = job
+        heapq.heappush(self._queue, (-spec.priority, seq, spec.id))
+        return job
+
+    def _recover(self, state) -> None:
+        """Queue again every accepted job the journal has no result for; keep the finished ones' results."""
+        for job_id, entry in sorted(state.entries.items(), key=lambda item: item[1].seq):
+            if entry.result is not None:
+                job = Job(_raw_spec(job_id, entry.spec), entry.seq, attempts=entry.attempts, result=entry.result)
+                job.state = entry.result.get("status", "done")
+                self.jobs[job_id] = job
+                self._seq = max(self._seq, entry.seq)
+                continue
+            try:
+                spec = protocol.validate(entry.spec, check_model=False)
+            except Refusal as refusal:
+                self._finish_recovered(job_id, entry, f"no longer a valid job in this build: {refusal}")
+                continue
+            if entry.attempts > self.max_retries:
+                self._finish_recovered(job_id, entry, f"the scheduler stopped during each of its "
+                                                      f"{entry.attempts} attempts; not retried again")
+                continue
+            job = self._accept(spec, entry.attempts, entry.seq)
+            self._note(job, events.event(f"re-queued after a scheduler restart ({entry.attempts} earlier "
+                                         "attempt(s))"))
+
+    def _finish_recovered(self, job_id: str, entry, error: str) -> None:
+        spec = _raw_spec(job_id, entry.spec)
+        job = Job(spec, entry.seq, attempts=entry.attempts)
+        self.jobs[job_id] = job
+        self._finish(job, protocol.make_result(spec, "failed", error=error, attempts=max(1, entry.attempts),
+                                               exit_code=2))
+
+    def _note(self, job: Job, event_: dict) -> None:
+        job.events.append(event_)
+        if len(job.events) > MAX_EVENTS:
+            extra = len(job.events) - MAX_EVENTS
+            del job.events[:extra]
+            job.dropped += extra
+
+    def _loop(self) -> None:
+        tick = max(0.05, min(1.0, self.pool.idle_s / 4))
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait(tick)
+                    self.pool.release_idle()
+                if self._stopping:
+                    return
+                _, _, job_id = heapq.heappop(self._queue)
+                job = self.jobs[job_id]
+            self._execute(job)
+            self.pool.release_idle()
+
+    def _execute(self, job: Job) -> None:
+        batch = [job]
+        if job.key is not None and not job.solo:
+            # Load (or find) the group first, so that jobs arriving during a load join this batch.
+            if not self._attempt([job], warm_only=True):
+                return
+            with self._cond:
+                batch += self._take_batchable(job)
+        self._attempt(batch)
+
+    def _take_batchable(self, first: Job) -> list[Job]:
+        """Queued jobs that can share first's forward, up to max_batch prompts in all."""
+        room = self.max_batch - (_size(first) or self.max_batch)
+        taken, keep = [], []
+        for entry in sorted(self._queue):
+            other = self.jobs[entry[2]]
+            size = _size(other) if other.key == first.key and not other.solo else None
+            if size is not None and size <= room:
+                taken.append(other)
+                room -= size
+            else:
+                keep.append(entry)
+        self._queue = keep
+        heapq.heapify(self._queue)
+        return taken
+
+    def _attempt(self, batch: list[Job], warm_only: bool = False) -> bool:
+        """Run the batch once (or only find its group); True when it got that far without failing."""
+        with self._cond:
+            for job in batch:
+                if not warm_only:
+                    job.attempts += 1
+                    job.state = "running"
+                    self.journal.running(job.spec.id, job.attempts)
+                    self._note(job, events.event(f"running (attempt {job.attempts} of {self.max_retries + 1})"
+                                                 + (f", batched with {len(batch) - 1} other job(s)" if len(batch) > 1
+                                                    else "")))
+            # no fsync here: a lost "running" record (power loss, not a killed process, which keeps
+            # the flushed page) only undercounts attempts; the job is re-run either way
+            self._cond.notify_all()
+
+        def sink(event_: dict) -> None:
+            with self._cond:
+                for job in batch:
+                    self._note(job, event_)
+                self._cond.notify_all()
+
+        stop = events.capture(sink)
+        try:
+            if warm_only:
+                self.pool.get(batch[0].ns)
+                return True
+            results = self._run(batch)
+        except BaseException as exc:  # every failure is the job's to report; the scheduler keeps going
+            stop()
+            self._failed(batch, exc, counted=not warm_only)
+            return False
+        stop()
+        with self._cond:
+            for job, (result, exit_code) in zip(batch, results):
+                self._finish(job, protocol.make_result(job.spec, "done", result, attempts=job.attempts,
+                                                       exit_code=exit_code, batch=len(batch)), commit=False)
+            self.journal.commit()
+            self._cond.notify_all()
+        return True
+
+    def _run(self, batch: list[Job]) -> list[tuple[dict, int]]:
+        if len(batch) == 1:
+            job = batch[0]
+            ns = job.spec.namespace()  # fresh: a command may write into its Namespace
+            result = ns.run(ns)
+            self.batches[:] = self.batches[-9999:] + [1]
+            return [(result, int(getattr(ns, "exit_code", 0) or 0))]
+        namespaces = [job.spec.namespace() for job in batch]
+        prompts = [job_prompts(ns) for ns in namespaces]
+        results = run_batch(namespaces, prompts)
+        self.batches[:] = self.batches[-9999:] + [sum(len(p) for p in prompts)]
+        return [(result, 0) for result in results]
+
+    def _failed(self, batch: list[Job], exc: BaseException, counted: bool) -> None:
+        message = str(exc) if isinstance(exc, Refusal) else f"{type(exc).__name__}: {exc}"
+        ns = batch[0].ns
+        had_group = group_key(ns) in self.pool.groups
+        lost = had_group and not self.pool.alive(ns)
+        if lost:
+            self.pool.drop(ns, "dead")
+        worker_died = lost and bool(_WORKER_LOST.match(message))
+        with self._cond:
+            for job in batch:
+                if not isinstance(exc, Refusal):
+                    self._note(job, events.event("error", traceback=traceback.format_exception(exc)[-3:]))
+                if worker_died and job.attempts <= self.max_retries:
+                    self._note(job, events.event(f"a worker died: {message}; retrying on a restarted group"))
+                    self._requeue(job)
+                elif len(batch) > 1 and not worker_died:
+                    job.solo = True  # find which job of the batch is at fault: each runs alone
+                    self._note(job, events.event(f"the batch failed ({message}); running this job alone"))
+                    self._requeue(job)
+                elif not counted and not worker_died:
+                    job.attempts = max(job.attempts, 1)
+                    self._finish(job, protocol.make_result(job.spec, "failed", error=message,
+                                                           attempts=job.attempts, exit_code=2))
+                else:
+                    error = f"{message} (gave up after {job.attempts} attempts)" if worker_died else message
+                    self._finish(job, protocol.make_result(job.spec, "failed", error=error, attempts=job.attempts,
+                                                           exit_code=2 if isinstance(exc, Refusal) else 1))
+            self._cond.notify_all()
+
+    def _requeue(self, job: Job) -> None:
+        job.state = "queued"
+        heapq.heappush(self._queue, (-job.spec.priority, job.seq, job.spec.id))
+
+    def _finish(self, job: Job, record: dict, commit: bool = True) -> None:
+        self.journal.finished(job.spec.id, record)
+        if commit:
+            self.journal.commit()
+        job.result = record
+        job.state = record["status"]
+        self._note(job, events.event(f"{record['status']}", status=record["status"]))
+        self._cond.notify_all()
+
+
+def run_cli(args) -> dict:
+    """A parsed `ster <kind> ...` command run as a job through a scheduler in this process: how the
+    command line goes through the same front door as the API and Ray jobs. Progress events go to
+    stderr as the command's own would; a failed job raises its error as a Refusal; the command's
+    exit status (parity's 1 when it fails) comes back in args.exit_code."""
+    from ster_dist.sched.client import LocalClient, follow
+
+    kind = protocol.kind_of(args)
+    if kind is None:
+        raise Refusal(f"`ster {getattr(args, 'command', '?')}` is not a job kind the scheduler runs")
+    client = LocalClient(Scheduler(None, address=getattr(args, "address", None)).start())
+    try:
+        (record,) = follow(client, client.submit_many([protocol.spec_from_args(kind, args)]),
+                           on_event=lambda e: events.emit({k: v for k, v in e.items() if k != "job"}))
+    finally:
+        client.close()
+    if record["status"] != "done":
+        raise Refusal(record["error"])
+    args.exit_code = record["exit_code"]
+    return record["result"]
+
+
+def _size(job: Job) -> int | None:
+    """How many prompts a generate job brings (None: its prompts file is refused; it runs alone)."""
+    if job.size is None:
+        try:
+            job.size = len(job_prompts(job.ns))
+        except Refusal:
+            job.solo = True
+            return None
+    return job.size
+
+
+def _same(a: JobSpec, b: JobSpec) -> bool:
+    return a.kind == b.kind and a.fields == b.fields
+
+
+def _raw_spec(job_id: str, spec: dict) -> JobSpec:
+    fields = {k: v for k, v in spec.items() if k not in protocol.PROTOCOL_FIELDS}
+    priority = spec.get("priority", 0)
+    return JobSpec(job_id, str(spec.get("kind", "?")), priority if isinstance(priority, int) else 0, fields)
