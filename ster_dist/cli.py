@@ -16,20 +16,6 @@ import sys
 import ster_dist.commands
 from ster_dist.errors import Refusal
 
-# commands later issues bring; until their module registers them they refuse clearly
-PLANNED = {
-    "extract": "capture of hidden states",
-    "steer": "steering vectors",
-    "decide": "decisions",
-    "merge": "LoRA adapter merges",
-    "submit": "Ray job submission",
-}
-
-
-def cmd_planned(args) -> dict:
-    raise Refusal(f"ster {args.command} ({PLANNED[args.command]}) is not available in this ster_dist build yet")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ster", description="Run Hugging Face decoder checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,11 +23,6 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"ster_dist.commands.{info.name}")
         if hasattr(module, "register"):
             module.register(sub)
-    for name, what in PLANNED.items():
-        if name not in sub.choices:
-            p = sub.add_parser(name, help=f"{what} (not in this build yet)")
-            p.add_argument("rest", nargs=argparse.REMAINDER)
-            p.set_defaults(run=cmd_planned)
     return parser
 
 
