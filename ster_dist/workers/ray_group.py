@@ -19,12 +19,13 @@ CALL_TIMEOUT_S = float(os.environ.get("STER_RANK_TIMEOUT", "1800"))
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
     """Connect to (or start) Ray; True when this process started a local cluster it must stop."""
+    # Ray reads this once, at import: set before importing it, so a 127.0.0.1 address stays loopback
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep a local cluster on loopback
     if address:
         try:
             ray.init(address=address, log_to_driver=False)
