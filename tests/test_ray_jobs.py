@@ -253,6 +253,7 @@ def _client(cluster):
     return RayClient(cluster["gcs"])
 
 
+@pytest.mark.slow  # timing: on an idle machine the job can finish before the kill lands
 def test_a_worker_killed_mid_job_is_restarted_and_the_job_completes(cluster, toy):
     from ster_dist.sched.client import follow
 
