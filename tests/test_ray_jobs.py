@@ -7,7 +7,6 @@ accepted job, none twice)."""
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -23,8 +22,7 @@ import pytest
 import torch
 
 from ster_dist import protocol
-from ster_dist.cli import main
-from ster_dist.toy import make_toy_model
+from tests.cli_run import cli_generate, make_toy
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.job_submission")
@@ -124,16 +122,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("toy") / "model"
-    make_toy_model(directory, layers=2, hidden=64, seed=0)
-    return str(directory)
+    return make_toy(tmp_path_factory)
 
-
-def cli_generate(*argv) -> dict:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        assert main(["generate", *argv]) == 0
-    return json.loads(out.getvalue())
 
 
 def records_in(stdout: str) -> list[dict]:

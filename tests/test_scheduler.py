@@ -4,8 +4,6 @@ process, and the Python API and `ster submit --local` on top."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -22,24 +20,15 @@ from ster_dist.cli import main
 from ster_dist.errors import Refusal
 from ster_dist.sched.journal import read
 from ster_dist.scheduler import Scheduler
-from ster_dist.toy import make_toy_model
+from tests.cli_run import cli_generate, make_toy
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("toy") / "model"
-    make_toy_model(directory, layers=2, hidden=64, seed=0)
-    return str(directory)
+    return make_toy(tmp_path_factory)
 
-
-def cli_generate(*argv) -> dict:
-    """`ster generate ...` run plainly: no scheduler, its own model load."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        assert main(["generate", *argv]) == 0
-    return json.loads(out.getvalue())
 
 
 def spec(toy, prompt, **fields) -> dict:

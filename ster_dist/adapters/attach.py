@@ -14,6 +14,7 @@ modifiers); attach is the same on one Decoder for library use.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable
 
@@ -102,10 +103,8 @@ def attach_for_cli(session, args) -> Callable[[], None]:
         provenance["adapter"] = info
 
     def detach() -> None:
-        try:
+        with contextlib.suppress(Refusal):  # the group is gone, and the adapter with it
             session.group.call("run", "ster_dist.adapters.attach:detach_on_rank", token)
-        except Refusal:
-            pass  # the group is gone, and the adapter with it
         if isinstance(provenance, dict):
             provenance.pop("adapter", None)
 

@@ -241,12 +241,10 @@ def _return_large_blocks() -> None:
     if _ALLOCATOR_SET:
         return
     _ALLOCATOR_SET = True
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator decides
         import ctypes
 
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, no longer adjusted
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator decides
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:

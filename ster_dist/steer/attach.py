@@ -8,6 +8,7 @@ session (the scheduler's) is left as it was found.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import torch
@@ -89,9 +90,8 @@ def attach_for_cli(session, args):
 
     def undo():
         try:
-            detach()
-        except Refusal:
-            pass  # the group is gone, and the hooks with it
+            with contextlib.suppress(Refusal):  # the group is gone, and the hooks with it
+                detach()
         finally:
             session.steering = None
             if isinstance(provenance, dict):
