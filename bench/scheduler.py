@@ -16,6 +16,10 @@ What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts
                 the queue would cost without batching.
     latency     one job at a time, submit -> result, against the same single prompt called
                 directly (median of --latency-runs each): the scheduler's added latency per job.
+    command     `ster generate --prompt` as a whole command line in this process (cli.main: an
+                in-process scheduler started, the model loaded, the job run, all closed) against
+                the generate command's function called directly with the same flags (its own
+                load too), median of --command-runs each: what the front door costs a command.
     ratio       jobs/s scheduled over jobs/s direct (1.0 = no overhead).
 The answers of every path are checked equal.
 
@@ -98,6 +102,26 @@ def _scheduled(scheduler: Scheduler, model: str, prompts: list[str], new_tokens:
     return [scheduler.wait(i, 600)["result"]["text"] for i in ids]
 
 
+def _command_runs(model: str, new_tokens: int, runs: int) -> tuple[list[float], list[float], str, str]:
+    """Seconds per whole `ster generate` through cli.main and through the command function."""
+    from ster_dist.cli import build_parser, main as cli_main
+
+    argv = ["generate", "--model", model, "--prompt", "Question 0", "--max-new-tokens", str(new_tokens)]
+    through, plain, texts = [], [], {}
+    for _ in range(runs):
+        out = io.StringIO()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(out):
+            assert _quiet(lambda: cli_main(argv)) == 0  # noqa: B023 (called at once)
+        through.append(time.perf_counter() - start)
+        texts["cli"] = json.loads(out.getvalue())["text"]
+        start = time.perf_counter()
+        ns = build_parser().parse_args(argv)
+        texts["plain"] = _in_thread(lambda: _quiet(lambda: ns.run(ns)))["text"]  # noqa: B023 (called at once)
+        plain.append(time.perf_counter() - start)
+    return through, plain, texts["cli"], texts["plain"]
+
+
 def _best(fn, repeats: int) -> tuple[float, object]:
     best, out = float("inf"), None
     for _ in range(repeats):
@@ -117,6 +141,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latency-runs", type=int, default=20)
+    p.add_argument("--command-runs", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="ster-bench-") as tmp_name:
@@ -164,7 +189,9 @@ def main(argv=None) -> dict:
             _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))
             unbatched_s, unbatched = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
                                                                              args.new_tokens)), 1)
+        through, plain, cli_text, plain_text = _command_runs(model, args.new_tokens, args.command_runs)
     assert scheduled == direct == unbatched, "the scheduler's answers differ from the direct call's"
+    assert cli_text == plain_text, "the command line's answer differs from the command function's"
     report = {
         "jobs": args.jobs, "new_tokens": args.new_tokens, "threads": args.threads,
         "direct_s": round(direct_s, 4), "scheduled_s": round(scheduled_s, 4), "unbatched_s": round(unbatched_s, 4),
@@ -176,6 +203,9 @@ def main(argv=None) -> dict:
         "single_scheduled_ms": round(1000 * statistics.median(latency), 2),
         "added_latency_ms": round(1000 * (statistics.median(latency) - statistics.median(single)), 2),
         "largest_forward": max(batches),
+        "command_cli_ms": round(1000 * statistics.median(through), 1),
+        "command_function_ms": round(1000 * statistics.median(plain), 1),
+        "ratio_command_function_to_cli": round(statistics.median(plain) / statistics.median(through), 3),
     }
     print(f"{'path':<12}{'seconds':>10}{'jobs/s':>10}{'vs direct':>11}")
     for name in ("direct", "scheduled", "unbatched"):
@@ -183,6 +213,8 @@ def main(argv=None) -> dict:
         print(f"{name:<12}{seconds:>10.3f}{args.jobs / seconds:>10.1f}{direct_s / seconds:>11.3f}")
     print(f"one job at a time: direct {report['single_direct_ms']} ms, scheduled {report['single_scheduled_ms']} ms, "
           f"added {report['added_latency_ms']} ms per job")
+    print(f"a whole command: through the scheduler {report['command_cli_ms']} ms, the command function "
+          f"{report['command_function_ms']} ms (ratio {report['ratio_command_function_to_cli']})")
     print(json.dumps(report))
     return report
 

@@ -31,7 +31,9 @@ class Engine:
             from ster_dist.sched.client import LocalClient
             from ster_dist.scheduler import Scheduler
 
-            self.client = LocalClient(Scheduler(state_dir, **scheduler_options).start())
+            scheduler = Scheduler(state_dir, **scheduler_options).start()
+            scheduler.pool.prepare(tp * ep)
+            self.client = LocalClient(scheduler)
         else:
             from ster_dist.sched.client import RayClient
 

@@ -8,6 +8,7 @@ traceback. Subcommands live in ster_dist/commands/, one module per area.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import pkgutil
@@ -30,15 +31,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.exit_code = 0
     try:
-        result = args.run(args)
+        # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
+        # worker, DeepSpeed's accelerator line) goes to stderr with the progress
+        with contextlib.redirect_stdout(sys.stderr):
+            result = _run(args)
         print(json.dumps(result, indent=2, ensure_ascii=False))
     except Refusal as refusal:
         print(str(refusal), file=sys.stderr)
-        return 2
+        return getattr(refusal, "exit_code", 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     return args.exit_code
+
+
+def _run(args):
+    """A job kind goes through the scheduler, the same front door as the API and Ray jobs; other
+    commands (families, inspect-model, toy-model, ...) run directly."""
+    from ster_dist import protocol
+
+    if protocol.kind_of(args) is None:
+        return args.run(args)
+    from ster_dist.scheduler import run_cli
+
+    return run_cli(args)
 
 
 if __name__ == "__main__":

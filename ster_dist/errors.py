@@ -14,3 +14,17 @@ class Refusal(Exception):
     @property
     def message(self) -> str:
         return str(self)
+
+
+class WorkerLost(Refusal):
+    """A worker process of a group died or stopped answering, so the group was shut down: not a
+    fault of the input, and a retry on a restarted group may succeed (the scheduler does so)."""
+
+
+class JobFailed(Refusal):
+    """A job the scheduler ran failed: its error in one line, and the exit status the command line
+    gives for it (2 for a refusal, 1 for an error inside ster_dist)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -186,8 +186,9 @@ def accepts(kind: str, name: str) -> bool:
 
 # ---- validation ------------------------------------------------------------------------------
 
-def validate(spec, check_model: bool = True) -> JobSpec:
-    """A JobSpec from a mapping (or msgpack bytes), or a Refusal naming the field at fault."""
+def validate(spec, check_model: bool = True, cli: bool = False) -> JobSpec:
+    """A JobSpec from a mapping (or msgpack bytes), or a Refusal naming the field at fault (as its
+    flag when `cli`: the spec is a command line being run now, see sched/rules.py)."""
     if isinstance(spec, (bytes, bytearray)):
         spec = unpack(spec, "job spec")
     if not isinstance(spec, dict):
@@ -229,7 +230,7 @@ def validate(spec, check_model: bool = True) -> JobSpec:
         if dest not in fields and required(action) and dest not in SUBMITTER_FIELDS:
             raise Refusal(f"a {kind} job spec is missing the required field {dest!r}")
     job = JobSpec(job_id, kind, int(priority), fields)
-    rules.check(job, check_model)
+    rules.check(job, check_model, cli)
     return job
 
 

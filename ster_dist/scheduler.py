@@ -17,7 +17,6 @@ Ray actor (sched/actor.py) that `ray job submit ... jobs/run.py` and `ster submi
 from __future__ import annotations
 
 import heapq
-import re
 import threading
 import time
 import traceback
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ster_dist import protocol
 from ster_dist.commands.common import use_pool
-from ster_dist.errors import Refusal
+from ster_dist.errors import JobFailed, Refusal, WorkerLost
 from ster_dist.protocol import JobSpec
 from ster_dist.sched import events
 from ster_dist.sched.batch import batch_key, job_prompts, run_batch
@@ -33,9 +32,6 @@ from ster_dist.sched.journal import Journal
 from ster_dist.sched.pool import GroupPool, group_key
 
 MAX_EVENTS = 1000  # per job; the oldest are dropped past this
-# how a worker group says one of its workers was lost (workers/ray_group.py, workers/spawn.py),
-# as opposed to a refusal the rank raised itself, which a retry would only repeat
-_WORKER_LOST = re.compile(r"^rank \d+ (failed during|died|did not answer)")
 _ACTIVE: list[Scheduler] = []
 
 
@@ -104,9 +100,10 @@ class Scheduler:
     def submit(self, spec) -> str:
         return self.submit_many([spec])[0]
 
-    def submit_many(self, specs: list) -> list[str]:
-        """Validate every spec first (one refused: none accepted), then journal and queue them all."""
-        jobs = [protocol.validate(spec) for spec in specs]
+    def submit_many(self, specs: list, cli: bool = False) -> list[str]:
+        """Validate every spec first (one refused: none accepted), then journal and queue them all.
+        `cli`: the specs are command lines of this process, refused in their flags' words."""
+        jobs = [protocol.validate(spec, cli=cli) for spec in specs]
         ids = []
         with self._cond:
             for spec in jobs:
@@ -320,17 +317,20 @@ class Scheduler:
         lost = had_group and not self.pool.alive(ns)
         if lost:
             self.pool.drop(ns, "dead")
-        worker_died = lost and bool(_WORKER_LOST.match(message))
+        # a lost worker (workers/ray_group.py, workers/spawn.py) is retried on a restarted group; a
+        # refusal a rank raised itself would only be repeated
+        # (only once the job ran: a group that cannot even start fails its job)
+        worker_died = isinstance(exc, WorkerLost) and counted
         with self._cond:
             for job in batch:
                 if not isinstance(exc, Refusal):
-                    self._note(job, events.event("error", traceback=traceback.format_exception(exc)[-3:]))
+                    self._note(job, events.event("error", notice=True, traceback=traceback.format_exception(exc)[-3:]))
                 if worker_died and job.attempts <= self.max_retries:
-                    self._note(job, events.event(f"a worker died: {message}; retrying on a restarted group"))
+                    self._note(job, events.event(f"a worker died: {message}; retrying on a restarted group", notice=True))
                     self._requeue(job)
                 elif len(batch) > 1 and not worker_died:
                     job.solo = True  # find which job of the batch is at fault: each runs alone
-                    self._note(job, events.event(f"the batch failed ({message}); running this job alone"))
+                    self._note(job, events.event(f"the batch failed ({message}); running this job alone", notice=True))
                     self._requeue(job)
                 elif not counted and not worker_died:
                     job.attempts = max(job.attempts, 1)
@@ -359,23 +359,41 @@ class Scheduler:
 def run_cli(args) -> dict:
     """A parsed `ster <kind> ...` command run as a job through a scheduler in this process: how the
     command line goes through the same front door as the API and Ray jobs. Progress events go to
-    stderr as the command's own would; a failed job raises its error as a Refusal; the command's
-    exit status (parity's 1 when it fails) comes back in args.exit_code."""
+    stderr as the command's own would; a failed job raises JobFailed with the command's exit
+    status; a finished one's status (parity's 1 when it fails) comes back in args.exit_code.
+    A scheduler already running in this process (an Engine's) takes the job; else one is started
+    for it and closed after (an interrupt closes it at once, with its worker groups)."""
     from ster_dist.sched.client import LocalClient, follow
 
     kind = protocol.kind_of(args)
     if kind is None:
         raise Refusal(f"`ster {getattr(args, 'command', '?')}` is not a job kind the scheduler runs")
-    client = LocalClient(Scheduler(None, address=getattr(args, "address", None)).start())
+    spec = protocol.spec_from_args(kind, args)
+    own = None if _ACTIVE else Scheduler(None, address=getattr(args, "address", None))
+    scheduler = own.start() if own is not None else _ACTIVE[0]
+    scheduler.pool.prepare(int(getattr(args, "tp", 1) or 1) * int(getattr(args, "ep", 1) or 1))
+    client = LocalClient(scheduler)
+    interrupted = False
     try:
-        (record,) = follow(client, client.submit_many([protocol.spec_from_args(kind, args)]),
-                           on_event=lambda e: events.emit({k: v for k, v in e.items() if k != "job"}))
+        (record,) = follow(client, client.submit_many([spec], cli=True), on_event=_cli_event)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        client.close()
+        if own is not None:
+            own.close(timeout=0 if interrupted else 600)
     if record["status"] != "done":
-        raise Refusal(record["error"])
+        raise JobFailed(record["error"], record["exit_code"] or 2)
     args.exit_code = record["exit_code"]
     return record["result"]
+
+
+def _cli_event(event_: dict) -> None:
+    """A job's event on a command line's stderr: the command's own progress, and the scheduler's
+    only where it says something happened (a retry, an error), not its bookkeeping."""
+    if event_.get("event") == "scheduler" and not event_.get("notice"):
+        return
+    events.emit({k: v for k, v in event_.items() if k != "job"})
 
 
 def _size(job: Job) -> int | None:

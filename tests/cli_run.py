@@ -6,16 +6,16 @@ import contextlib
 import io
 import json
 
-from ster_dist.cli import main
+from ster_dist.cli import build_parser
 from ster_dist.toy import make_toy_model
 
 
 def cli_generate(*argv) -> dict:
-    """`ster generate ...` run plainly: no scheduler, its own model load."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        assert main(["generate", *argv]) == 0
-    return json.loads(out.getvalue())
+    """`ster generate ...`'s command run directly, as the reference for jobs: no scheduler (the
+    command line goes through one), its own model load, its result as the command returns it."""
+    args = build_parser().parse_args(["generate", *argv])
+    with contextlib.redirect_stderr(io.StringIO()):
+        return json.loads(json.dumps(args.run(args)))
 
 
 def make_toy(tmp_path_factory) -> str:

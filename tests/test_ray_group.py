@@ -8,12 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from ster_dist.engine import load_model
-from ster_dist.errors import Refusal
+from ster_dist.errors import WorkerLost
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.tiny_models import make_tiny
@@ -56,7 +57,7 @@ def test_a_killed_actor_is_one_error_and_the_group_shuts_down(cluster, gemma2):
     group = RayGroup(2)
     group.call("load", resolve(str(gemma2)), "f32", "cpu")
     ray.kill(group.actors[1])
-    with pytest.raises(Refusal, match=r"rank 1 failed during logits: .*the group was shut down"):
+    with pytest.raises(WorkerLost, match=r"rank 1 died during logits: .*the group was shut down"):
         group.call("logits", torch.ones(1, 3, dtype=torch.long))
     assert group.actors == [] and group.pg is None
 
@@ -78,3 +79,45 @@ def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2):
     assert b["tp"] == 2 and a["text"] == b["text"] and a["completion_tokens"] == b["completion_tokens"]
     leftover = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.strip()
     assert leftover == "" or ray.is_initialized(), "the CLI left a Ray cluster running"
+
+
+def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_completes(gemma2, tmp_path):
+    """`ster generate --tp 2` runs as a job of an in-process scheduler: a rank killed while the
+    command holds its group is retried on a restarted group, and the command prints the answer an
+    undisturbed run prints."""
+    import threading
+
+    import psutil
+
+    from tests.held_vector import HeldVector
+
+    held = HeldVector(tmp_path, str(gemma2))
+    args = ["generate", "--model", str(gemma2), "--prompt", "the capital of France", "--max-new-tokens", "8",
+            "--chat-template", "off"]
+    proc = subprocess.Popen([sys.executable, "-m", "ster_dist.cli", *args, "--tp", "2", *held.flags()],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        fd = held.wait_for_reader()  # the command is inside its attempt, holding its two ranks
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::Rank")]
+        assert len(ranks) == 2, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+        ranks[1].kill()
+        ranks[1].wait(30)
+        held.release(fd)
+        deadline = time.monotonic() + 120
+        while not any("a worker died: rank" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            time.sleep(0.1)
+        held.release(held.wait_for_reader())  # the retry, on a restarted group
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    assert proc.returncode == 0, "".join(lines)
+    died = [line for line in lines if "a worker died: rank" in line]
+    assert len(died) == 1 and "died during run" in died[0]
+    result, plain = json.loads(out), json.loads(_ster(*args).stdout)
+    assert result["tp"] == 2 and result["text"] == plain["text"] and result["steering"]["strength"] == 1.0

@@ -23,12 +23,12 @@ import torch
 
 from ster_dist import protocol
 from tests.cli_run import cli_generate, make_toy
+from tests.held_vector import HeldVector
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.job_submission")
 
 ROOT = Path(__file__).resolve().parent.parent
-LONG = 320  # new tokens of a job a test kills a worker under: about 6 s of generation here
 
 
 def test_cluster_yaml_is_a_valid_ray_cluster_launcher_config():
@@ -243,59 +243,79 @@ def _client(cluster):
     return RayClient(cluster["gcs"])
 
 
-@pytest.mark.slow  # timing: on an idle machine the job can finish before the kill lands
-def test_a_worker_killed_mid_job_is_restarted_and_the_job_completes(cluster, toy):
+WORKER_DIED = "a worker died: rank 0 died during "
+
+
+def _until(poll, message: str, timeout: float = 120.0) -> list[dict]:
+    """A job's events up to the first that starts with message (poll: (cursor, timeout) -> reply)."""
+    seen, cursor, deadline = [], 0, time.monotonic() + timeout
+    while not any(e.get("message", "").startswith(message) for e in seen):
+        assert time.monotonic() < deadline, [e.get("message") for e in seen]
+        reply = poll(cursor, 1.0)
+        assert reply["result"] is None, reply["result"]
+        seen += reply["events"]
+        cursor = reply["cursor"]
+    return seen
+
+
+def _kill_and_wait(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _worker_pid(stats: dict, toy: str) -> int:
+    return [g for g in stats["groups"] if g["model"] == toy][0]["workers"][0]["pid"]
+
+
+def test_a_worker_killed_mid_job_is_restarted_and_the_job_completes(cluster, toy, tmp_path):
     from ster_dist.sched.client import follow
 
     client = _client(cluster)
-    # long enough (seconds, even on a loaded machine) that the kill lands inside the generate call
-    job = {"kind": "generate", "model": toy, "prompt": "a long answer", "max_new_tokens": LONG,
-           "chat_template": "off"}
+    held = HeldVector(tmp_path, toy)
+    (job_id,) = client.submit_many([held.job(toy, "a held answer")])
+    finished = lambda: client.poll_many({job_id: 0})[job_id]["result"]  # noqa: E731
+    fd = held.wait_for_reader(finished)  # attempt 1 holds its group
     starts = client.stats()["group_starts"]
-    (job_id,) = client.submit_many([job])
-    cursor, killed = 0, None
-    deadline = time.monotonic() + 120
-    while killed is None and time.monotonic() < deadline:
-        reply = client.poll_many({job_id: cursor}, 1.0)[job_id]
-        cursor = reply["cursor"]
-        assert reply["result"] is None, reply["result"]
-        if any(e.get("message", "").startswith("generating for") for e in reply["events"]):
-            group = [g for g in client.stats()["groups"] if g["model"] == toy][0]
-            killed = group["workers"][0]["pid"]
-            os.kill(killed, signal.SIGKILL)  # the rank actor's process, mid-generate
-    assert killed is not None
-    seen: list[dict] = []
+    killed = _worker_pid(client.stats(), toy)
+    _kill_and_wait(killed)  # the rank actor's process, mid-job
+    held.release(fd)
+    seen = _until(lambda cursor, timeout: client.poll_many({job_id: cursor}, timeout)[job_id], WORKER_DIED)
+    held.release(held.wait_for_reader(finished))  # attempt 2, on a restarted group
     (record,) = follow(client, [job_id], on_event=seen.append, timeout=180)
-    assert record["status"] == "done" and record["attempts"] == 2, (killed, seen, client.stats())
+    assert record["status"] == "done" and record["attempts"] == 2, (record["error"], [e.get("message") for e in seen])
     stats = client.stats()
-    assert stats["group_starts"] == starts + 1
-    assert [g for g in stats["groups"] if g["model"] == toy][0]["workers"][0]["pid"] != killed
-    assert record["result"] == cli_generate(f"--model={toy}", "--prompt=a long answer",
-                                            f"--max-new-tokens={LONG}", "--chat-template=off")
+    assert stats["group_starts"] == starts + 1 and _worker_pid(stats, toy) != killed
+    reference = cli_generate(f"--model={toy}", "--prompt=a held answer", "--max-new-tokens=12",
+                             "--chat-template=off")
+    assert record["result"]["text"] == reference["text"] and record["result"]["steering"]["strength"] == 1.0
 
 
-@pytest.mark.slow  # timing: on an idle machine the job can finish before the second kill lands
-def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_retries(cluster, toy):
+def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_retries(cluster, toy, tmp_path):
     from ster_dist.scheduler import Scheduler
 
-    job = {"kind": "generate", "model": toy, "prompt": "doomed", "max_new_tokens": LONG, "chat_template": "off"}
+    held = HeldVector(tmp_path, toy)
     killed: list[int] = []
     # a scheduler in this process on the cluster: its groups are Ray actors, as in the scheduler actor
     with Scheduler(None, address=cluster["gcs"], max_retries=1) as scheduler:
-        job_id, cursor = scheduler.submit(job), 0
-        deadline = time.monotonic() + 180
-        while scheduler.poll(job_id)["result"] is None and time.monotonic() < deadline:
-            reply = scheduler.poll(job_id, cursor, 1.0)
-            cursor = reply["cursor"]
-            if any(e.get("message", "").startswith("generating for") for e in reply["events"]):
-                pid = scheduler.stats()["groups"][0]["workers"][0]["pid"]
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        record = scheduler.wait(job_id, 60)
+        job_id = scheduler.submit(held.job(toy, "doomed"))
+        for _attempt in range(2):
+            fd = held.wait_for_reader(lambda: scheduler.poll(job_id)["result"])
+            killed.append(_worker_pid(scheduler.stats(), toy))
+            _kill_and_wait(killed[-1])
+            held.release(fd)
+            if not killed[1:]:  # the retry opens the pipe anew once the first attempt has failed
+                _until(lambda cursor, timeout: scheduler.poll(job_id, cursor, timeout), WORKER_DIED)
+        record = scheduler.wait(job_id, 120)
         starts = scheduler.stats()["group_starts"]
-    assert len(killed) == 2 and starts == 2
+    assert len(set(killed)) == 2 and starts == 2
     assert record["status"] == "failed" and record["attempts"] == 2 and record["exit_code"] == 2
-    assert record["error"].startswith("rank 0 failed during generate: ") and "gave up after 2 attempts" in record["error"]
+    assert record["error"].startswith("rank 0 died during run: ") and "gave up after 2 attempts" in record["error"]
 
 
 def test_the_scheduler_actor_killed_and_restarted_finishes_every_accepted_job_once(cluster, toy):

@@ -250,3 +250,23 @@ def test_a_command_line_run_through_the_scheduler_prints_what_the_command_prints
     assert any(e["message"].startswith("generating for 1 prompt") for e in events)
     with pytest.raises(Refusal, match="nowhere"):
         run_cli(build_parser().parse_args(["generate", "--model", "/nowhere/at/all", "--prompt", "x"]))
+
+
+def test_a_command_line_in_a_process_with_a_scheduler_is_one_of_its_jobs(toy, capsys):
+    """`ster generate` (cli.main) submits to the scheduler already running in its process: the
+    job reuses the group that scheduler has warm, and a refusal names the flag, not a spec field."""
+    from ster_dist.api import Engine
+
+    with Engine(toy) as engine:
+        first = engine.generate("warm", max_new_tokens=3)
+        capsys.readouterr()
+        assert main(["generate", "--model", toy, "--prompt", "warm", "--max-new-tokens", "3"]) == 0
+        out, err = capsys.readouterr()
+        stats = engine.stats()
+        assert json.loads(out) == first
+        assert stats["group_starts"] == 1 and stats["jobs"] == {"done": 2}
+        assert "starting a worker group" not in err and "resolving" not in err  # nothing loaded again
+        assert main(["generate", "--model", toy, "--prompt", "x", "--max-new-tokens", "-1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "--max-new-tokens must be zero or more (a token budget), got -1"
+        assert engine.stats()["jobs"] == {"done": 2}  # refused on arrival: never a job

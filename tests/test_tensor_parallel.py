@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from ster_dist.engine import load_model
-from ster_dist.errors import Refusal
+from ster_dist.errors import Refusal, WorkerLost
 from ster_dist.generate import Sampling, generate
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
@@ -134,7 +134,7 @@ def test_a_killed_rank_is_one_error_and_no_process_is_left():
     procs = list(g.procs)
     os.kill(procs[1].pid, signal.SIGKILL)
     procs[1].join(timeout=10)
-    with pytest.raises(Refusal, match=r"rank 1 died"):
+    with pytest.raises(WorkerLost, match=r"rank 1 died"):
         g.call("ctx")
     for proc in procs:
         proc.join(timeout=10)

@@ -56,7 +56,8 @@ class Session:
         self.cfg = model_config(self.checkpoint)
         self.tokenizer = Tokenizer.from_directory(self.checkpoint.directory)
         self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
-        where = f"{args.tp * ep} ranks" if args.tp * ep > 1 else "this process"
+        world = args.tp * ep
+        where = f"{world} ranks" if world > 1 else "1 Ray actor" if args.address else "this process"
         progress(f"loading {self.checkpoint.weight_format} weights ({len(self.checkpoint.weight_files)} files) "
                  f"in {where}")
         self.group = open_group(args.tp, args.device, args.address, ep=ep)

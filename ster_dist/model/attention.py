@@ -5,6 +5,8 @@ soft-capping, learned sinks (GPT-OSS), and the row-parallel output projection.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,9 @@ from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.shard.ctx import ParallelCtx, Shard
 from ster_dist.shard.linear import ColumnLinear, RowLinear, ShardedModule
+
+if TYPE_CHECKING:  # the decoder imports this module
+    from ster_dist.model.decoder import StepState
 
 
 class HeadScalars(ShardedModule):
@@ -56,7 +61,7 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.sinks = HeadScalars(cfg.num_heads, (h0, h1)) if cfg.attn_sinks else None
 
-    def forward(self, x: torch.Tensor, pos: "StepState", cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: StepState, cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.q_norm is not None and not self.per_head_norm:

@@ -15,13 +15,13 @@ from ster_dist import protocol
 from ster_dist.errors import Refusal
 
 
-def with_ids(specs: list[dict]) -> list[dict]:
+def with_ids(specs: list[dict], cli: bool = False) -> list[dict]:
     """Validated specs, each with an id (given here when missing, so a resend is recognised)."""
     out = []
     for spec in specs:
         spec = dict(spec)
         spec.setdefault("id", uuid.uuid4().hex[:16])
-        protocol.validate(spec)
+        protocol.validate(spec, cli=cli)
         out.append(spec)
     return out
 
@@ -30,8 +30,8 @@ class LocalClient:
     def __init__(self, scheduler):
         self.scheduler = scheduler
 
-    def submit_many(self, specs: list[dict]) -> list[str]:
-        return self.scheduler.submit_many(with_ids(specs))
+    def submit_many(self, specs: list[dict], cli: bool = False) -> list[str]:
+        return self.scheduler.submit_many(with_ids(specs, cli), cli)
 
     def poll_many(self, cursors: dict[str, int], timeout: float = 0.0) -> dict[str, dict]:
         return self.scheduler.poll_many(cursors, timeout)

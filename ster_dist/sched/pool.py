@@ -68,6 +68,14 @@ class GroupPool:
             pooled.jobs += 1
             return pooled.session
 
+    def prepare(self, world: int) -> None:
+        """Connect to (or start) Ray now, on the calling thread, when groups of `world` ranks will
+        need it: Ray installs its signal handlers only from the main thread, and a cluster it
+        started from the executor thread outlives a clean shutdown from another."""
+        if self.address is not None or world > 1:
+            with self._lock:
+                self._ensure_ray()
+
     # -- what the scheduler calls ----------------------------------------------------------
     def alive(self, args) -> bool:
         with self._lock:

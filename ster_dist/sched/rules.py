@@ -2,7 +2,11 @@
 model is touched: a token budget is not negative, tp / ep / batch sizes are at least one, a job
 that samples states its seed (so a retry or a re-run after a restart gives the same answer), an
 input file is not standard input, and the layers a job names exist (read from the model's
-config.json when the model is a local directory: no weight is read)."""
+config.json when the model is a local directory: no weight is read).
+
+A command line (`ster generate ...`, run through the scheduler by cli.py) is checked by the same
+rules, worded with its flags (`--max-new-tokens`) instead of spec fields, and without the rules
+that only a queued job needs (a stated seed, no standard input): it runs now, in this process."""
 
 from __future__ import annotations
 
@@ -15,9 +19,17 @@ from ster_dist.sched.fields import is_int
 SEEDED_KINDS = {"steer-train", "steer-optimize"}
 _POSITIVE = ("tp", "ep")
 _FILE_FIELDS = ("request", "input", "pairs", "prompts", "system", "vector")
+# the layer count assumed when only the grammar of a layer list is checked (a Hub model's config is
+# not read on arrival): above any real model, small enough that `all` can be listed
+_SYNTAX_ONLY = 1 << 16
 
 
-def check(job, check_model: bool) -> None:
+def label(dest: str, cli: bool) -> str:
+    """How a refusal names a field: as the flag of a command line, or as the spec's field."""
+    return f"--{dest.replace('_', '-')}" if cli else f"job spec field {dest!r}"
+
+
+def check(job, check_model: bool, cli: bool = False) -> None:
     fields, kind = job.fields, job.kind
     for dest, value in fields.items():
         values = value if isinstance(value, list) else [value]
@@ -25,47 +37,49 @@ def check(job, check_model: bool) -> None:
             if not is_int(item) and not isinstance(item, float):
                 continue
             if ("tokens" in dest or "budget" in dest) and item < 0:
-                raise Refusal(f"job spec field {dest!r} is a token budget and must be zero or more, got {item}")
+                raise Refusal(f"{label(dest, cli)} must be zero or more (a token budget), got {item}")
             if (dest in _POSITIVE or dest.endswith("batch_size")) and item < 1:
-                raise Refusal(f"job spec field {dest!r} must be 1 or more, got {item}")
+                raise Refusal(f"{label(dest, cli)} must be 1 or more, got {item}")
             if dest == "seed" and item < 0:
-                raise Refusal(f"job spec field 'seed' must be zero or more, got {item}")
+                raise Refusal(f"{label(dest, cli)} must be zero or more, got {item}")
     for dest in _FILE_FIELDS:
-        if fields.get(dest) == "-":
+        if fields.get(dest) == "-" and not cli:
             raise Refusal(f"job spec field {dest!r} is '-' (standard input), which a queued job does not have; "
                           "give a file")
     if "model" in fields and not str(fields["model"]).strip():
-        raise Refusal("job spec field 'model' is empty; give a model directory or a Hub id")
+        raise Refusal(f"{label('model', cli)} is empty; give a model directory or a Hub id")
     if kind == "generate":
-        _generate_rules(job)
+        _generate_rules(job, cli)
     from ster_dist.protocol import accepts
 
-    if kind in SEEDED_KINDS and accepts(kind, "seed") and "seed" not in fields:
+    if kind in SEEDED_KINDS and accepts(kind, "seed") and "seed" not in fields and not cli:
         raise Refusal(f"a {kind} job spec must state 'seed', so that a retried or re-run job gives the same result")
     if check_model:
-        _check_layers(job)
+        _check_layers(job, cli)
 
 
-def _generate_rules(job) -> None:
+def _generate_rules(job, cli: bool) -> None:
     from ster_dist.generate import Sampling
 
     fields = job.fields
     if ("prompt" in fields and fields["prompt"] is not None) == ("prompts" in fields and fields["prompts"] is not None):
-        raise Refusal("a generate job spec needs exactly one of the fields 'prompt' (text) or 'prompts' (a file)")
+        raise Refusal("give exactly one of --prompt TEXT or --prompts FILE" if cli else
+                      "a generate job spec needs exactly one of the fields 'prompt' (text) or 'prompts' (a file)")
     if fields.get("prompts") is not None and fields.get("output") is None:
-        raise Refusal("a generate job spec with 'prompts' needs 'output', the file for the answers")
+        raise Refusal("--prompts needs --output FILE for the answers" if cli else
+                      "a generate job spec with 'prompts' needs 'output', the file for the answers")
     ns = job.namespace()
     if ns.temperature < 0:
-        raise Refusal(f"job spec field 'temperature' must be zero or more, got {ns.temperature}")
+        raise Refusal(f"{label('temperature', cli)} must be zero or more, got {ns.temperature}")
     if not 0 < ns.top_p <= 1:
-        raise Refusal(f"job spec field 'top_p' must lie in (0, 1], got {ns.top_p}")
+        raise Refusal(f"{label('top_p', cli)} must lie in (0, 1], got {ns.top_p}")
     Sampling(ns.max_new_tokens, ns.temperature, ns.top_p, ns.seed).check()
-    if ns.temperature > 0 and "seed" not in fields:
+    if ns.temperature > 0 and "seed" not in fields and not cli:
         raise Refusal(f"a generate job spec that samples (temperature {ns.temperature}) must state 'seed', "
                       "so that a retried or re-run job gives the same answer")
 
 
-def _layers(dest: str, value, count: int) -> list[int]:
+def _layers(dest: str, value, count: int, cli: bool = False) -> list[int]:
     """The layers a field names, read with the --layers grammar of the commands (all, 5, 8..16,
     comma lists), checked against `count` layers."""
     text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
@@ -84,17 +98,17 @@ def _layers(dest: str, value, count: int) -> list[int]:
     try:
         return parse_layers(text, count)
     except Refusal as refusal:
-        raise Refusal(f"job spec field {dest!r}: {refusal}") from None
+        raise Refusal(f"{label(dest, cli)}: {refusal}") from None
 
 
-def _check_layers(job) -> None:
+def _check_layers(job, cli: bool) -> None:
     """Layers written wrongly, always; a layer the model does not have, when the model is a local
     directory (its config only: no weight is read)."""
     layer_fields = {d: v for d, v in job.fields.items() if d in ("layer", "layers") and v is not None}
     if not layer_fields:
         return
     for dest, value in layer_fields.items():
-        _layers(dest, value, 1 << 30)
+        _layers(dest, value, _SYNTAX_ONLY, cli)
     model = job.fields.get("model")
     if not isinstance(model, str) or not Path(model).is_dir():
         return
@@ -103,4 +117,4 @@ def _check_layers(job) -> None:
 
     count = model_config(resolve(model, job.fields.get("revision"))).num_layers
     for dest, value in layer_fields.items():
-        _layers(dest, value, count)
+        _layers(dest, value, count, cli)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from ster_dist.errors import Refusal
+from ster_dist.errors import Refusal, WorkerLost
 
 CALL_TIMEOUT_S = float(os.environ.get("STER_RANK_TIMEOUT", "1800"))
 
@@ -88,12 +88,17 @@ class RayGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(1.0, deadline - time.monotonic()))
             if not done:
                 self.close()
-                raise Refusal(f"ranks did not finish {method} within {CALL_TIMEOUT_S:.0f} s; the group was shut down")
+                raise WorkerLost(f"ranks did not finish {method} within {CALL_TIMEOUT_S:.0f} s; "
+                                 "the group was shut down")
             try:
                 ray.get(done[0])
             except BaseException as exc:
+                # a rank's collective fails when a peer dies: blame the dead one, not the messenger
+                failure = _as_refusal(exc, refs.index(done[0]), method)
+                if not isinstance(getattr(exc, "cause", None), Refusal):
+                    failure = _dead_rank(refs, method) or failure
                 self.close()
-                raise _as_refusal(exc, refs.index(done[0]), method) from None
+                raise failure from None
         return ray.get(refs)
 
     def call(self, method: str, *args) -> list:
@@ -132,10 +137,31 @@ def _large(value) -> bool:
     return hasattr(value, "numel") and value.numel() > 1 << 16
 
 
+def _dead_rank(refs: list, method: str, grace_s: float = 2.0) -> WorkerLost | None:
+    """WorkerLost for the first rank whose actor died during this call (within a short grace, for
+    the death to reach Ray), or None when every failure is a rank's own error."""
+    import ray
+
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            failure = _as_refusal(exc, refs.index(ref), method)
+            if isinstance(failure, WorkerLost):
+                return failure
+    return None
+
+
 def _as_refusal(exc: BaseException, rank: int, method: str) -> Refusal:
+    import ray
+
     cause = getattr(exc, "cause", None)
     if isinstance(cause, Refusal):
         return cause
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return WorkerLost(f"rank {rank} died during {method}: {detail[:200]}; the group was shut down")
     text = str(cause if cause is not None else exc).strip().splitlines()
     detail = text[-1] if text else type(exc).__name__
     return Refusal(f"rank {rank} failed during {method}: {detail[:300]}; the group was shut down")

@@ -4,12 +4,12 @@ driven over pipes. For one machine without Ray (tests, benchmarks); the CLI uses
 
 from __future__ import annotations
 
-import multiprocessing.connection
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
-from ster_dist.errors import Refusal
+from ster_dist.errors import Refusal, WorkerLost
 from ster_dist.workers.rank import Rank, free_port
 
 
@@ -52,24 +52,40 @@ class SpawnGroup:
                 conn.send((method, args))
             except (OSError, BrokenPipeError):
                 self.close()
-                raise Refusal(f"rank {rank} died before {method}; the group was shut down") from None
+                raise WorkerLost(f"rank {rank} died before {method}; the group was shut down") from None
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):
                 self.close()
-                raise Refusal(f"rank {rank} did not answer {method} within {self.timeout_s:.0f} s; "
+                raise WorkerLost(f"rank {rank} did not answer {method} within {self.timeout_s:.0f} s; "
                               "the group was shut down")
             try:
                 status, value = conn.recv()
             except EOFError:
                 self.close()
-                raise Refusal(f"rank {rank} died during {method}; the group was shut down") from None
+                raise self._lost(rank, method) from None
             if status != "ok":
-                self.close()
                 first = value.splitlines()[0]
+                # a rank's collective fails when a peer dies: blame the dead one, not the messenger
+                dead = self._dead_rank() if status == "error" else None
+                self.close()
+                if dead is not None:
+                    raise self._lost(dead, method)
                 raise Refusal(first if status == "refusal" else f"rank {rank} failed during {method}: {first}")
             results.append(value)
         return results
+
+    def _dead_rank(self, grace_s: float = 2.0) -> int | None:
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [rank for rank, proc in enumerate(self.procs) if not proc.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead[0] if dead else None
+            time.sleep(0.05)
+
+    def _lost(self, rank: int, method: str) -> WorkerLost:
+        self.close()
+        return WorkerLost(f"rank {rank} died during {method}; the group was shut down")
 
     def close(self) -> None:
         for conn in self.conns:

@@ -1,0 +1,53 @@
+"""A named pipe standing in for a generate job's --vector file, so a test can hold a job mid-attempt."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+class HeldVector:
+    """A named pipe standing in for a generate job's --vector file. The command reads it after its
+    worker group was handed out, so opening the pipe for writing returns exactly when the job is
+    inside its attempt (mid-job, with its group), and the job waits there until the test writes:
+    a kill lands mid-job every time, however fast the machine. The vector is zero, so the answer
+    is the unsteered one."""
+
+    def __init__(self, directory: Path, toy: str):
+        from ster_dist.steer.artifact import Direction, SteeringArtifact
+
+        self.path = directory / "held-vector.json"
+        os.mkfifo(self.path)
+        hidden = json.loads((Path(toy) / "config.json").read_text())["hidden_size"]
+        artifact = SteeringArtifact(model=toy, model_revision=None, trait_name="held", method="caa",
+                                    hidden_size=hidden, vectors=[Direction(0, torch.zeros(hidden), 1.0, 0.0)])
+        self.text = json.dumps(artifact.to_json())
+
+    def job(self, toy: str, prompt: str) -> dict:
+        return {"kind": "generate", "model": toy, "prompt": prompt, "max_new_tokens": 12, "chat_template": "off",
+                "vector": str(self.path), "strength": 1.0}
+
+    def flags(self) -> list[str]:
+        return ["--vector", str(self.path), "--strength", "1"]
+
+    def wait_for_reader(self, finished=None, timeout: float = 180.0) -> int:
+        """Block until the job opens the pipe; the open write end. finished() -> the job's result
+        record once it has one (a job that ended without reading the pipe fails the test at once)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: nobody reads it yet
+                record = finished() if finished is not None else None
+                assert record is None, f"the job ended before reading its --vector file: {record}"
+                assert time.monotonic() < deadline, "the job never reached its --vector file"
+                time.sleep(0.05)
+
+    def release(self, fd: int) -> None:
+        os.set_blocking(fd, True)
+        os.write(fd, self.text.encode())
+        os.close(fd)
