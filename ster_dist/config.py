@@ -138,10 +138,17 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()     # which layers route over experts (the rest keep the dense MLP)
     mla: MLAConfig | None = None
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
+    weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def spec(self) -> FamilySpec:
+        """The name map of this checkpoint's own tensors."""
+        return spec_for(self.family, self.weight_format)
+
+    @property
+    def transformers_spec(self) -> FamilySpec:
+        """The name map of Transformers' checkpoints of this family: the module names adapters use."""
         return spec_for(self.family)
 
     def with_eos(self, eos: tuple[int, ...]) -> "ModelConfig":
@@ -230,13 +237,13 @@ def _rope_sources(keys: _Keys, spec: FamilySpec) -> tuple[dict, dict]:
 
 
 def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool, default_theta: float,
-          path: str, max_position: int) -> RopeConfig:
+          path: str, max_position: int, default_share: float = 1.0) -> RopeConfig:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise Refusal(f"invalid model config {path}: rope scaling type {rope_type!r} is not supported; "
                       f"supported: {', '.join(ROPE_TYPES)}")
     if partial is None:
-        partial = params.get("partial_rotary_factor") or 1.0
+        partial = params.get("partial_rotary_factor") or default_share
     rotary_dim = int(head_dim * partial)
     rotary_dim -= rotary_dim % 2
     theta = float(params.get("rope_theta") or default_theta)
@@ -386,11 +393,14 @@ def _eos(keys: _Keys) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
-    """Normalise a Transformers config.json dict (after the architecture gate) into a ModelConfig."""
+def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetensors") -> ModelConfig:
+    """Normalise a Transformers config.json dict (after the architecture gate) into a ModelConfig.
+
+    weight_format chooses the family's name map, and with it the conventions of that format's tensors
+    (Mistral's own format stores query and key rows for rotation by adjacent pairs)."""
     family = family_of(raw)
     raw = _text_config(raw)
-    spec = spec_for(family)
+    spec = spec_for(family, weight_format)
     if spec is None:
         raise Refusal(f"model architecture \"{family}\" is recognised but not yet runnable in this "
                       "ster_dist build; `ster families` lists the runnable ones")
@@ -447,7 +457,7 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
             layer_rope.append(None)
         else:
             layer_rope.append(_rope(sliding_rope if sliding else full_rope, rope_dim, partial,
-                                    interleaved, spec.default_rope_theta, path, max_position))
+                                    interleaved, spec.default_rope_theta, path, max_position, spec.rotary_share))
         layer_window.append(int(window) if sliding else None)
 
     # attention scale and multipliers
@@ -502,5 +512,82 @@ def from_hf(raw: dict, path: str = "config.json") -> ModelConfig:
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
-        attn_sinks=spec.attn_sinks, raw=raw,
+        attn_sinks=spec.attn_sinks, weight_format=weight_format, raw=raw,
     )
+
+
+# ---- Mistral's own format -------------------------------------------------------------------------
+
+# params.json key -> the Transformers key it is read as (vLLM's adapter, transformers_utils/configs/mistral.py)
+_PARAMS_RENAMED = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                   "n_kv_heads": "num_key_value_heads", "hidden_dim": "intermediate_size",
+                   "norm_eps": "rms_norm_eps", "activation": "hidden_act", "tied_embeddings": "tie_word_embeddings"}
+_PARAMS_KEPT = ("head_dim", "vocab_size", "rope_theta", "max_position_embeddings", "max_seq_len", "layer_types")
+_USE_TRANSFORMERS = "use the repository's Transformers-format files (config.json with model-*.safetensors)"
+
+
+def from_params(raw: dict, path: str = "params.json") -> ModelConfig:
+    """Mistral's params.json put in the Transformers shape as vLLM reads it, then read by from_hf.
+
+    A dense params.json is mistral with its tensors under Mistral's names (weight_format "mistral").
+    Latent attention or experts are refused here, before any weight is read.
+    """
+    stated = raw.get("model_type")
+    if stated not in (None, "transformer", "mistral"):  # vLLM's default, for a params.json stating none
+        raise Refusal(f"{path} states model_type {stated!r}; ster_dist reads Mistral's own format for dense "
+                      f"transformers only; {_USE_TRANSFORMERS}")
+    moe = raw.get("moe") or {}
+    if moe and not (moe.get("num_shared_experts") or 0):
+        raise Refusal(f"{path} describes experts without a shared one (Mixtral's layout) in Mistral's own format, "
+                      f"which ster_dist refuses; {_USE_TRANSFORMERS}")
+    if moe or raw.get("qk_nope_head_dim") or raw.get("kv_lora_rank"):
+        raise Refusal(f"{path} describes latent attention and shared experts (Mistral Large 3, read as deepseek_v3) "
+                      f"in Mistral's own format, which this ster_dist build does not load yet; {_USE_TRANSFORMERS}")
+    if raw.get("vision_encoder") or (raw.get("multimodal") or {}).get("vision_encoder_args"):
+        raise Refusal(f"{path} describes an image-text model (vision_encoder) in Mistral's own format, which this "
+                      f"ster_dist build does not load; {_USE_TRANSFORMERS}")
+    if raw.get("llama_4_scaling"):
+        raise Refusal(f"{path} sets llama_4_scaling (Llama 4's query temperature), which ster_dist runs on no dense "
+                      f"model; {_USE_TRANSFORMERS}")
+    hf = {"model_type": "mistral"}
+    for key, value in raw.items():
+        if key in _PARAMS_RENAMED:
+            hf[_PARAMS_RENAMED[key]] = value
+        elif key in _PARAMS_KEPT:
+            hf[key] = value
+    if "max_position_embeddings" not in hf and "max_seq_len" not in hf:
+        hf["max_position_embeddings"] = 128_000  # vLLM's default when params.json states neither
+    hf.update(_params_window(raw, hf.get("num_hidden_layers"), path))
+    if raw.get("yarn"):
+        hf["rope_parameters"] = _params_yarn(raw["yarn"], path)
+    return from_hf(hf, path, weight_format="mistral")
+
+
+def _params_window(raw: dict, num_layers, path: str) -> dict:
+    """sliding_window: one window for every layer, or a per-layer pattern (None: full attention) repeated."""
+    window = raw.get("sliding_window")
+    if not isinstance(window, list):
+        return {"sliding_window": window} if window else {}
+    sizes = {w for w in window if w is not None}
+    if len(sizes) > 1 or not window or not isinstance(num_layers, int) or num_layers % len(window):
+        raise Refusal(f"invalid model config {path}: sliding_window {window} is not one window repeated over "
+                      f"{num_layers} layers")
+    pattern = window * (num_layers // len(window))
+    return {"sliding_window": sizes.pop() if sizes else None,
+            "layer_types": ["full_attention" if w is None else "sliding_attention" for w in pattern]}
+
+
+def _params_yarn(yarn: dict, path: str) -> dict:
+    """Mistral's yarn block as Transformers' rope_parameters (beta -> beta_fast, alpha -> beta_slow)."""
+    params = {"rope_type": "yarn", "mscale_all_dim": 1}
+    for key, name in (("factor", "factor"), ("original_max_position_embeddings", "original_max_position_embeddings"),
+                      ("beta", "beta_fast"), ("alpha", "beta_slow")):
+        if yarn.get(key) is not None:
+            params[name] = yarn[key]
+    if not yarn.get("apply_scale", True):
+        params["attention_factor"] = 1.0  # no magnitude correction
+    unread = set(yarn) - {"factor", "original_max_position_embeddings", "beta", "alpha", "apply_scale"}
+    if unread:
+        raise Refusal(f"invalid model config {path}: yarn sets {', '.join(sorted(unread))}, which ster_dist "
+                      "does not read")
+    return params

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ster_dist.checkpoint import Checkpoint
-from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config import ModelConfig, from_hf, from_params
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder
 from ster_dist.shard.ctx import SINGLE, ParallelCtx
@@ -44,12 +44,21 @@ def check_device(device: str) -> str:
 
 def model_config(checkpoint: Checkpoint) -> ModelConfig:
     if checkpoint.weight_format == "mistral":
-        raise Refusal(f"{checkpoint.model} is in Mistral's own format (params.json with consolidated "
-                      "safetensors), which this ster_dist build resolves but does not load yet; use the "
-                      "repository's Transformers-format files (config.json with model-*.safetensors)")
-    cfg = from_hf(checkpoint.raw_config, str(checkpoint.config_path))
-    eos = _generation_eos(checkpoint)
+        # params.json states no token ids: the end of sequence is the tokenizer config's eos_token
+        cfg = from_params(checkpoint.raw_config, str(checkpoint.config_path))
+        eos = _generation_eos(checkpoint) or _tokenizer_eos(checkpoint)
+    else:
+        cfg = from_hf(checkpoint.raw_config, str(checkpoint.config_path))
+        eos = _generation_eos(checkpoint)
     return cfg.with_eos(eos) if eos else cfg
+
+
+def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
+    """tokenizer_config.json's eos_token, as its id in tokenizer.json (read as Transformers reads them)."""
+    from ster_dist.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_directory(checkpoint.tokenizer_path.parent).eos_token_id
+    return () if eos is None else (eos,)
 
 
 def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
@@ -78,7 +87,7 @@ def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
 
 
 def open_source(checkpoint: Checkpoint, dtype: torch.dtype) -> TensorSource:
-    if checkpoint.weight_format == "safetensors":
+    if checkpoint.weight_format in ("safetensors", "mistral"):  # Mistral's consolidated files are safetensors
         return SafetensorsSource(checkpoint.weight_files)
     if checkpoint.weight_format == "gguf":
         from ster_dist.gguf.source import GGUFSource

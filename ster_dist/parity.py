@@ -29,6 +29,9 @@ def reference_model(loaded: LoadedModel, dtype: torch.dtype):
     except ImportError:
         raise Refusal("ster parity needs Transformers as its reference: pip install 'ster_dist[test]'") from None
     ckpt = loaded.checkpoint
+    if ckpt.weight_format == "mistral":
+        raise Refusal(f"{ckpt.model} is in Mistral's own format (params.json), which Transformers does not load, "
+                      "so it has no reference here; run parity on the repository's Transformers-format files")
     kwargs = {"dtype": dtype}
     if ckpt.weight_format == "gguf":
         kwargs["gguf_file"] = ckpt.weight_files[0].name

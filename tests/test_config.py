@@ -426,6 +426,24 @@ def test_tie_word_embeddings_unstated_reads_the_transformers_default(family):
     assert from_hf(raw).tie_word_embeddings == CONFIG_MAPPING[family].from_dict(dict(raw)).tie_word_embeddings
 
 
+@pytest.mark.parametrize("family", sorted(f for f in FAMILY_NAMES if spec_for(f) is not None and f in CONFIG_MAPPING))
+def test_rotated_share_unstated_reads_the_transformers_default(family):
+    """A config that leaves partial_rotary_factor (rotary_pct) out rotates the share of each head that
+    Transformers' class defaults to: all of it for most families, half for GLM-4-MoE, a quarter for
+    GPT-NeoX. Latent-attention families rotate their own qk_rope_head_dim, which they always state."""
+    raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128, "head_dim": 16}
+    if spec_for(family).moe is not None:
+        raw.update(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2)
+    ref = CONFIG_MAPPING[family].from_dict(dict(raw))
+    if spec_for(family).latent_attention or family in ("gpt2", "dbrx"):
+        pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")
+    share = ((getattr(ref, "rope_parameters", None) or {}).get("partial_rotary_factor")
+             or getattr(ref, "partial_rotary_factor", None) or getattr(ref, "rotary_pct", None) or 1.0)
+    rope = [r for r in from_hf(raw).layer_rope if r is not None][0]
+    assert rope.rotary_dim == int(16 * share)
+
+
 # Variants of the fixtures: keys the published configs of the same family state otherwise.
 VARIANTS = {
     "mistral-7b-v0.3 (sliding_window null)": ("mistral-7b-v0.1", {"sliding_window": None, "vocab_size": 32768,

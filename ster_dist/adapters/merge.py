@@ -8,6 +8,9 @@ shard/writer.write_shard: unadapted tensors are copied byte for byte, adapted on
 (alpha / r) * B @ A (alpha / sqrt(r) under rsLoRA) accumulated in f32 and cast back to their
 source dtype, in row blocks, so peak memory is a few blocks of the largest adapted tensor.
 
+A base in Mistral's own format is written back in it: consolidated*.safetensors under Mistral's
+tensor names (the same name map that loads it places the updates) beside its params.json.
+
 Everything is written into a work directory beside the output (.NAME.merging) and renamed into
 place only when complete: a killed merge leaves no output directory. The work directory keeps
 the shards already finished, with a fingerprint of the base, the adapter and the shard plan, so
@@ -52,9 +55,12 @@ from ster_dist.shard.writer import (
 
 DEFAULT_MAX_SHARD = "5GB"
 STATE = ".merge-state.json"
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+# copied beside the shards, after the base's own config file (config.json, or Mistral's params.json)
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-              "vocab.json", "merges.txt", "tokenizer.model")
+              "vocab.json", "merges.txt", "tokenizer.model", "tekken.json")
+# the output shards' file stem per base format: the resolver reads consolidated* only beside params.json
+SHARD_STEMS = {"safetensors": "model", "mistral": "consolidated"}
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 Progress = Callable[..., None]
 
@@ -75,6 +81,7 @@ class MergePlan:
     pending: list[int]
     side_files: list[Path]
     report: dict = field(default_factory=dict)
+    stem: str = "model"  # the shards' file stem: model, or consolidated for Mistral's format
 
     def shard_path(self, index: int) -> Path:
         return self.work / self.names[index]
@@ -114,9 +121,9 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     if checkpoint.weight_format == "gguf":
         raise Refusal(f"{model} is a GGUF checkpoint; an adapter is merged into safetensors weights only. Run the "
                       "adapter on it unmerged (--adapter), or merge into the base model's safetensors release")
-    if checkpoint.weight_format != "safetensors":
-        raise Refusal(f"{model} is in {checkpoint.weight_format} format (params.json); this ster_dist build merges "
-                      "Transformers-format checkpoints only: merge into the model's config.json release")
+    if checkpoint.weight_format not in SHARD_STEMS:
+        raise Refusal(f"{model} is in {checkpoint.weight_format} format; this ster_dist build merges "
+                      "Transformers-format or Mistral-format safetensors checkpoints only")
     refuse_family(family_of(gate_view(checkpoint.raw_config, checkpoint.weight_format)))
     cfg = model_config(checkpoint)
     shards = decoder_shards(cfg)
@@ -141,7 +148,8 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
         tensors.append(OutTensor(name, e["dtype"], e["shape"], e["file"], e["offset"], e["nbytes"],
                                  name in transposed, tuple(updates.get(name, ()))))
     out_shards = split_shards(tensors, max_bytes)
-    names = shard_names(len(out_shards))
+    stem = SHARD_STEMS[checkpoint.weight_format]
+    names = shard_names(len(out_shards), stem)
     work = output.parent / f".{output.name}.merging"
     fingerprint = _fingerprint(checkpoint, adapter.files(), out_shards)
     pending = _resume(work, fingerprint, names, out_shards)
@@ -156,8 +164,9 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
         "parameters": sum(math.prod(t.shape) for t in tensors), "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "shards": len(out_shards), "resumed_shards": len(out_shards) - len(pending),
     }
-    side = [checkpoint.directory / n for n in SIDE_FILES if (checkpoint.directory / n).is_file()]
-    return MergePlan(checkpoint, output, work, out_shards, names, pending, side, report)
+    side = [checkpoint.config_path] + [checkpoint.directory / n for n in SIDE_FILES
+                                       if (checkpoint.directory / n).is_file()]
+    return MergePlan(checkpoint, output, work, out_shards, names, pending, side, report, stem)
 
 
 def write_one(plan: MergePlan, index: int) -> int:
@@ -175,7 +184,7 @@ def finish(plan: MergePlan) -> dict:
             raise Refusal(f"merge shard {name} is missing or incomplete in {plan.work}; rerun the merge")
     weight_map = {t.name: name for name, shard in zip(plan.names, plan.shards) for t in shard}
     total = sum(t.nbytes for shard in plan.shards for t in shard)
-    write_json_atomic(plan.work / "model.safetensors.index.json",
+    write_json_atomic(plan.work / f"{plan.stem}.safetensors.index.json",
                       {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     for path in plan.side_files:
         shutil.copyfile(path, plan.work / path.name)

@@ -8,6 +8,11 @@ output, gate, up, down) names the decoder parameter directly. Either way the res
 Sites in the decoder's own names and global shapes: attach.py splits them over ranks, and the
 merge walks them back into the checkpoint's tensors through shard/writer.placements.
 
+Adapters are made on Transformers' checkpoints: PEFT modules are matched by the family's Transformers
+name map whatever the base's format, and their B rows are in Transformers' row order. A base whose
+query and key rows are stored in rotation-pair order (Mistral's own format, FamilySpec.pair_rows) gets
+those B rows put in that order once, here, so the merge and the runtime attach both see them right.
+
 Which targets a family takes is decided here, from the header and config alone, before any
 factor is read (seeds/000): a gate on a plain feed-forward, feed-forward targets on a
 mixture-of-experts layer, any adapter on a state-space family.
@@ -16,7 +21,7 @@ mixture-of-experts layer, any adapter on a state-space family.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +55,7 @@ class SitePlan:
     factor: Factor
     rows: tuple[tuple[int, int, int], ...] | None   # B rows of a fused PEFT module this part takes
     module_rows: int | None = None                  # all rows of that fused module's B
+    pairs: int | None = None                        # head_dim: B's rows go from halves to pair order per head
 
 
 @dataclass
@@ -94,7 +100,8 @@ def plan_sites(adapter: Adapter, cfg: ModelConfig, shards: dict[str, Shard] | No
     _check_targets(plans, cfg, shards)
     for plan in plans:
         _check_shape(plan, cfg, shards)
-    return plans
+    pairs = cfg.spec.pair_rows
+    return [replace(p, pairs=cfg.head_dim) if PARAMS[p.target] in pairs else p for p in plans]
 
 
 def load_sites(adapter: Adapter, plans: list[SitePlan]) -> list[Site]:
@@ -106,8 +113,17 @@ def load_sites(adapter: Adapter, plans: list[SitePlan]) -> list[Site]:
             a, b = (t.float() for t in factors[plan.factor.key])
             if plan.rows is not None:
                 b = torch.cat([b[s:e] for s, e, _ in plan.rows])
+            if plan.pairs:
+                b = halves_to_pairs(b, plan.pairs)
             sites.append(Site(plan.layer, plan.target, plan.param, a, b, plan.factor.scale, plan.factor.key))
     return sites
+
+
+def halves_to_pairs(b: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Each head's rows from Transformers' order (the first of every rotation pair, then the second) to
+    adjacent pairs (Mistral's native order): the inverse of Transformers' convert_mistral_weights permute."""
+    rows, rank = b.shape
+    return b.reshape(rows // head_dim, 2, head_dim // 2, rank).transpose(1, 2).reshape(rows, rank).contiguous()
 
 
 def sites_for(adapter: Adapter, cfg: ModelConfig, model: str) -> list[Site]:
@@ -131,7 +147,7 @@ def _ster_sites(adapter: Adapter) -> list[SitePlan]:
 
 
 def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
-    matcher = _Matcher(cfg.spec)
+    matcher = _Matcher(cfg.transformers_spec)
     plans = []
     for factor in adapter.factors:
         tensor = f"{factor.key}.weight"

@@ -24,12 +24,11 @@ def llama_rules(
     attn_norm: str = "input_layernorm", mlp_norm: str | None = "post_attention_layernorm",
     post_attn_norm: str | None = None, post_mlp_norm: str | None = None,
     q_norm: str | None = "q_norm", k_norm: str | None = "k_norm",
-    final_norm: str = "norm", embed: str = "embed_tokens",
+    final_norm: str = "norm", embed: str = "embed_tokens", head: str = "lm_head",
 ) -> tuple[Rule, ...]:
     """Llama's layout; each argument renames one module, None drops it."""
     layer = f"{root}layers.{{i}}."
-    rules: list[Rule] = [Rule(f"{root}{embed}.weight", "embed.weight"), Rule("lm_head.weight", "lm_head.weight"),
-                         Rule("lm_head.bias", "lm_head.bias")]
+    rules: list[Rule] = [Rule(f"{root}{embed}.weight", "embed.weight"), *weight_and_bias(head, "lm_head")]
     rules += weight_and_bias(f"{root}{final_norm}", "final_norm")
     for name, target in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         if name:

@@ -130,7 +130,7 @@ MOE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("glm4_moe", llama_rules() + expert_rules(_MLP) + router_rules(f"{_MLP}.gate")
                + shared_rules(f"{_MLP}.shared_experts"), qk_norm="head", qk_norm_key="use_qk_norm",
                o_bias_keys=(), mlp_bias_keys=(),
-               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True},
+               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True}, rotary_share=0.5,
                moe=_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
     FamilySpec("gpt_oss", _gpt_oss_rules(), attn_sinks=True, mlp_bias_keys=(),
                moe=MoESpec(renormalize=True, router_bias=True, expert_bias=True, activation="clamped_swiglu"),

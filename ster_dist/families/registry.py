@@ -8,16 +8,21 @@ compares every such family); every other name of the gate is "refused".
 from __future__ import annotations
 
 from ster_dist.families.dense import DENSE_FAMILIES
+from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.moe import MOE_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.spec import FamilySpec
 
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in DENSE_FAMILIES + MOE_FAMILIES}
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)
+# Name maps of checkpoint formats other than Transformers' (GGUF presents Transformers' names itself)
+FORMAT_SPECS: dict[str, dict[str, FamilySpec]] = {"mistral": {spec.name: spec for spec in MISTRAL_FORMAT_FAMILIES}}
+assert all(set(specs) <= set(SPECS) for specs in FORMAT_SPECS.values())
 
 
-def spec_for(family: str) -> FamilySpec | None:
-    return SPECS.get(family)
+def spec_for(family: str, weight_format: str = "safetensors") -> FamilySpec | None:
+    """The family's spec for checkpoints in `weight_format` (the Transformers spec unless the format has its own)."""
+    return FORMAT_SPECS.get(weight_format, SPECS).get(family)
 
 
 def status(family: str) -> str:

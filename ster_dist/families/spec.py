@@ -107,6 +107,7 @@ class FamilySpec:
     positions: str = "rope"               # "rope" | "learned" | "none"
     position_offset: int = 0
     rope_interleaved: bool = False
+    rotary_share: float = 1.0             # share of each head rotated when the config states none
     default_rope_theta: float = 10000.0
     default_local_rope_theta: float | None = None  # sliding layers' base when rope_local_base_freq is unstated
     sliding: str = "none"                 # "none" | "all" | "max_window_layers" | "even" | "pattern"
@@ -134,3 +135,11 @@ class FamilySpec:
     latent_attention: bool = False        # multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)
     attn_sinks: bool = False              # a learned sink logit per head (GPT-OSS)
     nested_configs: tuple[str, ...] = ()  # config sub-objects read beside the top-level keys (DBRX)
+    # The checkpoint format whose names `rules` reads: "safetensors" (Transformers') or "mistral" (Mistral's
+    # own consolidated files). Adapters always name Transformers' modules, so a map of another format
+    # places them through the family's Transformers spec.
+    weight_format: str = "safetensors"
+    # Projections (decoder names after "layers.{i}.") whose rows within each head are stored as adjacent
+    # rotation pairs where Transformers' checkpoints store halves: an adapter's B rows, made on Transformers'
+    # order, are put in pair order before they touch these weights.
+    pair_rows: tuple[str, ...] = ()

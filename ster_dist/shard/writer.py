@@ -116,10 +116,10 @@ def split_shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTenso
     return shards if shards[0] else []
 
 
-def shard_names(count: int) -> list[str]:
+def shard_names(count: int, stem: str = "model") -> list[str]:
     if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
 def header_bytes(tensors: list[OutTensor]) -> bytes:
