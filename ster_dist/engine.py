@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ster_dist.checkpoint import Checkpoint
-from ster_dist.config import ModelConfig, from_hf, from_params
+from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config_params import from_params
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder
 from ster_dist.shard.ctx import SINGLE, ParallelCtx

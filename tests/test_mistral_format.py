@@ -19,7 +19,8 @@ from ster_dist.adapters.attach import attach
 from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
-from ster_dist.config import from_hf, from_params
+from ster_dist.config import from_hf
+from ster_dist.config_params import from_params
 from ster_dist.engine import load_model, model_config
 from ster_dist.errors import Refusal
 from ster_dist.generate import Sampling, generate

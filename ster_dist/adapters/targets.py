@@ -188,8 +188,7 @@ def _check_targets(plans: list[SitePlan], cfg: ModelConfig, shards: dict[str, Sh
         if plan.layer >= cfg.num_layers:
             raise Refusal(f"layer {plan.layer} is outside the model's 0..{cfg.num_layers - 1} range; the adapter "
                           "was trained for a deeper model")
-        if plan.target in _FEED_FORWARD and any(n.startswith(f"layers.{plan.layer}.") and "expert" in n
-                                                for n in shards):
+        if plan.target in _FEED_FORWARD and cfg.moe_layers and cfg.moe_layers[plan.layer]:
             raise Refusal(f"adapters on {cfg.family} sit on attention only: layer {plan.layer}'s feed-forward "
                           f"is a mixture of experts, so the {plan.target} target is refused; train the adapter "
                           "on query, key, value and output")
