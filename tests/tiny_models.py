@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from tests.tiny_llama_variants import TINY_LLAMA_VARIANTS, VARIANT_FAMILY_LLAMA_VARIANTS
+from tests.tiny_moe_variants import TINY_MOE_VARIANTS, VARIANT_FAMILY_MOE_VARIANTS
+from tests.tiny_olmo_glm import TINY_OLMO_GLM, VARIANT_FAMILY_OLMO_GLM
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 
 VOCAB = TINY_VOCAB_SIZE + 1  # odd, and one row more than the tokenizer uses, as real checkpoints often have
@@ -102,8 +105,15 @@ TINY: dict[str, tuple[str, str, dict]] = {
 }
 
 
+TINY.update(TINY_OLMO_GLM)
+TINY.update(TINY_LLAMA_VARIANTS)
+TINY.update(TINY_MOE_VARIANTS)
+_VARIANT_FAMILY = {"llama_linear": "llama", "llama_yarn": "llama", "gpt_neox_seq": "gpt_neox",
+                   **VARIANT_FAMILY_OLMO_GLM, **VARIANT_FAMILY_LLAMA_VARIANTS, **VARIANT_FAMILY_MOE_VARIANTS}
+
+
 def family_of_variant(variant: str) -> str:
-    return {"llama_linear": "llama", "llama_yarn": "llama", "gpt_neox_seq": "gpt_neox"}.get(variant, variant)
+    return _VARIANT_FAMILY.get(variant, variant)
 
 
 def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -8,12 +8,17 @@ compares every such family); every other name of the gate is "refused".
 from __future__ import annotations
 
 from ster_dist.families.dense import DENSE_FAMILIES
+from ster_dist.families.llama_variants import LLAMA_VARIANT_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.moe import MOE_FAMILIES
+from ster_dist.families.moe_variants import MOE_VARIANT_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
+from ster_dist.families.olmo_glm import OLMO_GLM_FAMILIES
 from ster_dist.families.spec import FamilySpec
 
-SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in DENSE_FAMILIES + MOE_FAMILIES}
+_ALL = DENSE_FAMILIES + OLMO_GLM_FAMILIES + LLAMA_VARIANT_FAMILIES + MOE_FAMILIES + MOE_VARIANT_FAMILIES
+SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
+assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)
 # Name maps of checkpoint formats other than Transformers' (GGUF presents Transformers' names itself)
 FORMAT_SPECS: dict[str, dict[str, FamilySpec]] = {"mistral": {spec.name: spec for spec in MISTRAL_FORMAT_FAMILIES}}
