@@ -95,6 +95,7 @@ class ModelConfig:
     norm_bias: bool = False
     norm_eps: float = 1e-6
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
+    norm_affine: bool = True              # False: the block and final norms have no scale or bias (OLMo 1)
     # block layout
     pre_attn_norm: bool = True
     pre_mlp_norm: bool = True
@@ -109,6 +110,10 @@ class ModelConfig:
     qk_norm_kind: str = "rms"             # "rms" | "layer"
     qk_norm_per_head_weight: bool = False  # a separate scale per head ([heads, head_dim])
     qk_norm_bias: bool = False
+    qk_norm_after_rope: bool = False      # per-head query/key norms after the rotation rather than before (HunYuan)
+    # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor(position / length))
+    query_temperature_beta: float = 0.0
+    query_temperature_length: int | None = None
     attn_scale: float = 1.0
     attn_softcap: float | None = None
     clip_qkv: float | None = None
@@ -233,6 +238,8 @@ def _rope_sources(keys: _Keys, spec: FamilySpec) -> tuple[dict, dict]:
         local_base = spec.default_local_rope_theta
     if local_base is not None:
         sliding = {"rope_type": "default", "rope_theta": local_base}
+    elif spec.local_rope_unscaled and not nested:  # OLMo 3: rope_scaling is for the full-attention layers
+        sliding = {k: v for k, v in full.items() if k in ("rope_theta", "partial_rotary_factor")}
     return full, sliding
 
 
@@ -314,8 +321,8 @@ def _nested(raw: dict, spec: FamilySpec) -> dict:
 def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
     """The routing and expert sizes of a mixture-of-experts family, and which layers are sparse."""
     path, ms = keys.path, spec.moe
-    num_experts = int(keys.need("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
-    top_k = int(keys.need("num_experts_per_tok", "moe_top_k"))
+    num_experts = _per_layer(keys, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    top_k = _per_layer(keys, "num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk")
     if not 0 < top_k <= num_experts:
         raise Refusal(f"invalid model config {path}: {top_k} experts per token out of {num_experts} experts")
     scoring = keys.get("scoring_func", default=ms.scoring)
@@ -348,10 +355,14 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
     factor = float(keys.get("routed_scaling_factor", default=1.0))
     if ms.scaling == "never" or (ms.scaling == "without_renormalize" and renormalize):
         factor = 1.0
-    width = int(keys.get("moe_intermediate_size", default=intermediate))
+    width = _per_layer(keys, "moe_intermediate_size", default=intermediate)
     shared = 0
     if ms.shared == "deepseek":
-        shared = width * int(keys.get("n_shared_experts", default=0))
+        shared = width * int(keys.get("n_shared_experts", "moe_num_shared_experts", default=0))
+    elif ms.shared == "stated":
+        shared = int(keys.get("shared_intermediate_size", default=0))
+    elif ms.shared == "dense_width" and keys.get("use_mixed_mlp_moe", default=True):
+        shared = intermediate * _per_layer(keys, "num_shared_expert", default=1)
     elif ms.shared == "qwen":
         shared = int(keys.get("shared_expert_intermediate_size", default=0))
     moe = MoEConfig(
@@ -364,11 +375,34 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
                                                                                                 default=1.702)))
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])
-    step = int(keys.get("decoder_sparse_step", default=1) or 1)
-    first = int(keys.get("first_k_dense_replace", default=0) or 0)
+    # ERNIE 4.5: moe_layer_start_index / end (the last when negative) / interval; HunYuan: moe_layer_num_skipped
+    step = int(keys.get("decoder_sparse_step", "moe_layer_interval", default=1) or 1)
+    first = int(keys.get("first_k_dense_replace", "moe_layer_start_index", "moe_layer_num_skipped", default=0) or 0)
     freq = int(keys.get("moe_layer_freq", default=1) or 1)
-    layers = tuple(i not in only and (i + 1) % step == 0 and i >= first and i % freq == 0 for i in range(num_layers))
+    end = int(keys.get("moe_layer_end_index", default=-1))
+    end = num_layers - 1 if end < 0 else end
+    layers = tuple(i not in only and (i + 1) % step == 0 and first <= i <= end and i % freq == 0
+                   for i in range(num_layers))
+    kinds = keys.get("mlp_layer_types")  # GLM-4.7-Flash: stated per layer, "dense" or "sparse"
+    if kinds:
+        if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise Refusal(f"invalid model config {path}: mlp_layer_types must list \"dense\" or \"sparse\" for "
+                          f"each of the {num_layers} layers")
+        layers = tuple(kind == "sparse" for kind in kinds)
     return moe, layers
+
+
+def _per_layer(keys: _Keys, *names: str, default=None) -> int:
+    """A mixture-of-experts size stated once or once per layer (HunYuan's lists); differing values are refused."""
+    value = keys.get(*names, default=default)
+    if value is None:
+        keys.need(*names)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise Refusal(f"invalid model config {keys.path}: {' / '.join(names)} differs between layers "
+                          f"({value}); only one value for every layer is supported")
+        value = value[0]
+    return int(value)
 
 
 def _mla(keys: _Keys) -> MLAConfig:
@@ -422,6 +456,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     vocab = int(keys.need("vocab_size"))
     eps = float(keys.get("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps", "layer_norm_epsilon",
                          default=1e-6))
+    if spec.norm_eps is not None:
+        eps = spec.norm_eps
     act = keys.get("hidden_act", "hidden_activation", "activation_function",
                    default=(keys.get("ffn_act_fn") or {}).get("name", "silu"))
     act = spec.activation or act
@@ -453,7 +489,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
             raise Refusal(f"invalid model config {path}: layer type {kind!r} (layer {i}) is not supported "
                           f"for {family}")
         sliding = kind == "sliding_attention" and window is not None
-        if spec.positions != "rope" or (no_rope is not None and not no_rope[i]):
+        if spec.positions != "rope" or (no_rope is not None and not no_rope[i]) or (
+                spec.rope_layers == "sliding" and window is not None and not sliding):
             layer_rope.append(None)
         else:
             layer_rope.append(_rope(sliding_rope if sliding else full_rope, rope_dim, partial,
@@ -491,16 +528,26 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if spec.parallel_key is not None:
         parallel = bool(keys.get(spec.parallel_key, default=False))
     pad = keys.get("pad_token_id")
+    temperature_beta, temperature_length = 0.0, None
+    if spec.query_temperature and full_rope.get("llama_4_scaling_beta") is not None:
+        temperature_beta = float(full_rope["llama_4_scaling_beta"])
+        temperature_length = full_rope.get("original_max_position_embeddings")
+        if not temperature_length:
+            raise Refusal(f"invalid model config {path}: llama_4_scaling_beta is stated without the "
+                          "original_max_position_embeddings its query temperature counts positions in")
 
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
         norm_kind=spec.norm_kind, norm_bias=spec.norm_bias, norm_eps=eps, norm_offset=spec.norm_offset,
+        norm_affine=spec.norm_affine,
         pre_attn_norm=spec.pre_norm, pre_mlp_norm=spec.pre_norm and not (parallel and spec.parallel_shared_norm),
         post_attn_norm=spec.post_norm, post_mlp_norm=spec.post_norm,
         parallel_block=parallel, parallel_shared_norm=spec.parallel_shared_norm,
         qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, qk_norm_kind=spec.qk_norm_kind,
         qk_norm_per_head_weight=spec.qk_norm_per_head_weight, qk_norm_bias=spec.qk_norm_bias, attn_scale=attn_scale,
+        qk_norm_after_rope=spec.qk_norm_after_rope, query_temperature_beta=temperature_beta,
+        query_temperature_length=int(temperature_length) if temperature_length else None,
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
         learned_positions=spec.positions == "learned", position_offset=spec.position_offset,
@@ -508,7 +555,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.tied_default)),
-        lm_head_bias=spec.lm_head_bias,
+        lm_head_bias=spec.lm_head_bias or bool(keys.get(*spec.lm_head_bias_keys, default=False)),
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,

@@ -128,7 +128,7 @@ def test_dispatch_over_three_ranks_with_uneven_expert_blocks():
 
 # -- every family at EP=2 --------------------------------------------------------------------------
 
-_STACKED = re.compile(r"(experts\.(gate_up_proj|down_proj)(_bias)?|input_linear\.weight|output_linear\.weight"
+_STACKED = re.compile(r"(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight"
                       r"|experts\.mlp\.(w1|v1|w2))$")
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
+from tests.tiny_classic import TINY_CLASSIC, VARIANT_FAMILY_CLASSIC
+from tests.tiny_dense_extra import TINY_DENSE_EXTRA, VARIANT_FAMILY_DENSE_EXTRA
 from tests.tiny_llama_variants import TINY_LLAMA_VARIANTS, VARIANT_FAMILY_LLAMA_VARIANTS
+from tests.tiny_moe_extra import TINY_MOE_EXTRA, VARIANT_FAMILY_MOE_EXTRA
 from tests.tiny_moe_variants import TINY_MOE_VARIANTS, VARIANT_FAMILY_MOE_VARIANTS
 from tests.tiny_olmo_glm import TINY_OLMO_GLM, VARIANT_FAMILY_OLMO_GLM
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
@@ -108,8 +111,12 @@ TINY: dict[str, tuple[str, str, dict]] = {
 TINY.update(TINY_OLMO_GLM)
 TINY.update(TINY_LLAMA_VARIANTS)
 TINY.update(TINY_MOE_VARIANTS)
+TINY.update(TINY_CLASSIC)
+TINY.update(TINY_DENSE_EXTRA)
+TINY.update(TINY_MOE_EXTRA)
 _VARIANT_FAMILY = {"llama_linear": "llama", "llama_yarn": "llama", "gpt_neox_seq": "gpt_neox",
-                   **VARIANT_FAMILY_OLMO_GLM, **VARIANT_FAMILY_LLAMA_VARIANTS, **VARIANT_FAMILY_MOE_VARIANTS}
+                   **VARIANT_FAMILY_OLMO_GLM, **VARIANT_FAMILY_LLAMA_VARIANTS, **VARIANT_FAMILY_MOE_VARIANTS,
+                   **VARIANT_FAMILY_CLASSIC, **VARIANT_FAMILY_DENSE_EXTRA, **VARIANT_FAMILY_MOE_EXTRA}
 
 
 def family_of_variant(variant: str) -> str:
@@ -159,13 +166,14 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue
-            if variant == "deepseek_v3" and name.endswith("e_score_correction_bias"):
-                t[t.shape[0] // 2:] -= 10.0
+            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe") and name.endswith("e_score_correction_bias"):
+                t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "gpt_oss" and name.endswith("mlp.router.bias"):
                 t[t.shape[0] // 2:] -= 100.0
 
 
-STARVED = {"deepseek_v3", "gpt_oss"}  # their last layer routes no token to the upper half of the experts
+# their last layer routes no token to the upper half of the experts
+STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe"}
 
 
 def read_config(directory: Path) -> dict:

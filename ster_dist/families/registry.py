@@ -7,16 +7,20 @@ compares every such family); every other name of the gate is "refused".
 
 from __future__ import annotations
 
+from ster_dist.families.classic import CLASSIC_FAMILIES
 from ster_dist.families.dense import DENSE_FAMILIES
+from ster_dist.families.dense_extra import DENSE_EXTRA_FAMILIES
 from ster_dist.families.llama_variants import LLAMA_VARIANT_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.moe import MOE_FAMILIES
+from ster_dist.families.moe_extra import MOE_EXTRA_FAMILIES
 from ster_dist.families.moe_variants import MOE_VARIANT_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.olmo_glm import OLMO_GLM_FAMILIES
 from ster_dist.families.spec import FamilySpec
 
-_ALL = DENSE_FAMILIES + OLMO_GLM_FAMILIES + LLAMA_VARIANT_FAMILIES + MOE_FAMILIES + MOE_VARIANT_FAMILIES
+_ALL = (DENSE_FAMILIES + OLMO_GLM_FAMILIES + LLAMA_VARIANT_FAMILIES + DENSE_EXTRA_FAMILIES + CLASSIC_FAMILIES
+        + MOE_FAMILIES + MOE_VARIANT_FAMILIES + MOE_EXTRA_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

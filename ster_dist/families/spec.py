@@ -65,6 +65,8 @@ class MoESpec:
     router_bias: bool = False             # a bias on the router's logits (GPT-OSS)
     correction_bias: bool = False         # e_score_correction_bias, added only to choose (DeepSeek-V3)
     shared: str = "none"                  # "none" | "deepseek" (n_shared_experts wide) | "qwen" (sigmoid-gated)
+    #                                       | "stated" (shared_intermediate_size wide: GraniteMoE shared)
+    #                                       | "dense_width" (num_shared_expert x intermediate_size: HunYuan)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
     activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's
 
@@ -99,6 +101,8 @@ class FamilySpec:
     norm_kind: str = "rms"
     norm_bias: bool = False
     norm_offset: float = 0.0
+    norm_affine: bool = True              # False: norms with neither scale nor bias (OLMo 1)
+    norm_eps: float | None = None         # an epsilon Transformers fixes whatever the config states (OLMo 1)
     pre_norm: bool = True
     post_norm: bool = False
     parallel_block: bool = False
@@ -110,7 +114,12 @@ class FamilySpec:
     rotary_share: float = 1.0             # share of each head rotated when the config states none
     default_rope_theta: float = 10000.0
     default_local_rope_theta: float | None = None  # sliding layers' base when rope_local_base_freq is unstated
+    # a top-level rope_scaling applies to full-attention layers only; sliding ones rotate plainly at rope_theta (OLMo 3)
+    local_rope_unscaled: bool = False
     sliding: str = "none"                 # "none" | "all" | "max_window_layers" | "even" | "pattern"
+    # "all": every layer rotates; "sliding": where the config states a sliding_window, only sliding-window
+    # layers rotate and full-attention ones apply no rotation (Cohere 2, EXAONE 4)
+    rope_layers: str = "all"
     embed_scale_sqrt: bool = False
     activation: str | None = None         # fixed activation overriding the config's
     mlp_gated: bool = True
@@ -126,8 +135,13 @@ class FamilySpec:
     qk_norm_kind: str = "rms"
     qk_norm_per_head_weight: bool = False
     qk_norm_bias: bool = False
+    qk_norm_after_rope: bool = False      # per-head query/key norms applied after the rotation (HunYuan)
+    # Llama 4's query temperature: queries times 1 + beta * ln(1 + floor(position / length)), beta and length
+    # read from the rotation's llama_4_scaling_beta and original_max_position_embeddings (Ministral 3)
+    query_temperature: bool = False
     tied_default: bool = False
     lm_head_bias: bool = False
+    lm_head_bias_keys: tuple[str, ...] = ()  # config keys that turn the head's bias on (ERNIE 4.5 MoE's use_bias)
     config_defaults: dict = field(default_factory=dict)
     refuse_keys: dict = field(default_factory=dict)  # config key -> why it is refused when truthy
     parity_reference: str | None = None   # the Transformers CausalLM class the parity tests compare with

@@ -1,6 +1,7 @@
 """Grouped-query attention over this rank's heads: q/k/v projections (column-parallel),
-optional query/key norms, rotation, clipping, masks (causal, padding, sliding window),
-soft-capping, learned sinks (GPT-OSS), and the row-parallel output projection.
+optional query/key norms (before or after the rotation), rotation, Llama 4's query temperature,
+clipping, masks (causal, padding, sliding window), soft-capping, learned sinks (GPT-OSS), and the
+row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Attention(nn.Module):
                 self.q_norm = Norm(cfg.num_heads * d, rows=((h0 * d, h1 * d),), **common)
                 self.k_norm = Norm(cfg.num_kv_heads * d, rows=((k0 * d, k1 * d),), **common)
         self.per_head_norm = cfg.qk_norm == "head"
+        self.norm_after_rope = cfg.qk_norm_after_rope
+        self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
         self.rope = cfg.layer_rope[layer]
         self.window = cfg.layer_window[layer]
         self.scale = cfg.attn_scale
@@ -71,17 +74,27 @@ class Attention(nn.Module):
         q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
-        if self.per_head_norm:
+        if self.per_head_norm and not self.norm_after_rope:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
             q = apply_rotary(q, cos, sin, self.rope.interleaved)
             k = apply_rotary(k, cos, sin, self.rope.interleaved)
+        if self.per_head_norm and self.norm_after_rope:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        if self.temperature[0]:
+            q = q * self._query_temperature(pos.positions).to(q.dtype)
         if cache is not None:
             k, v = cache.write(self.layer, pos.slots, k, v)
         mask = pos.mask(self.window)
         out = self._attend(q, k, v, mask)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        # Llama 4's temperature from absolute positions, so a cached decode step scales as the whole read does
+        beta, length = self.temperature
+        scale = 1 + beta * torch.log(1 + torch.floor(positions.float() / length))
+        return scale[:, None, :, None]
 
     @staticmethod
     def _head_norm(norm: Norm, x: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,8 @@ class Block(nn.Module):
         super().__init__()
 
         def norm():
-            return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset)
+            return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
+                        affine=cfg.norm_affine)
 
         self.attn_norm = norm() if cfg.pre_attn_norm else None
         self.attn = LatentAttention(cfg, layer, ctx) if cfg.mla is not None else Attention(cfg, layer, ctx)
@@ -109,7 +110,8 @@ class Decoder(nn.Module):
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.pos_embed = Replicated((cfg.max_position, cfg.hidden_size)) if cfg.learned_positions else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
-        self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset)
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
+                               affine=cfg.norm_affine)
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None)
         self.tables = RotaryTables(cfg.max_position)

@@ -55,6 +55,8 @@ def size_of(name: str, cfg: ModelConfig) -> int:
         "one": 1, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
         "heads_per_kv": cfg.num_heads // cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
         "head_dim": cfg.head_dim,
+        # the shared experts' width, for a fused shared gate/up (GraniteMoE shared's shared_mlp.input_linear)
+        "shared_intermediate": cfg.moe.shared_intermediate_size if cfg.moe is not None else 0,
     }[name]
 
 
@@ -261,6 +263,8 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             stack = int(groups["h"]) if groups.get("h") is not None else None
             want = shard.global_shape[1:] if stack is not None else shard.global_shape
             got = tuple(reversed(shape)) if rule.transposed and len(shape) == 2 else tuple(shape)
+            if stack is None and got == (1, *want):  # a leading dimension of one (ERNIE's [1, experts] bias)
+                got = got[1:]
             if tuple(want) != got:
                 raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
                               f"{list(want)} for {param}; the config and the weights disagree")
