@@ -418,6 +418,10 @@ def _big_llama(directory: Path, hidden=1024, layers=6, inner=2816, vocab=32001, 
 _MEASURED_MERGE = textwrap.dedent("""
     import json, sys
     from ster_dist.adapters.merge import merge
+    # what a first use costs once per process, paid before the mark because it is not the merge's
+    # memory: the modules the merge imports lazily, and torch's first matmul (its thread pool)
+    import torch, ster_dist.commands.common, ster_dist.config_params, ster_dist.engine, ster_dist.resolve
+    torch.ones(64, 64) @ torch.ones(64, 64)
     def status(field):
         for line in open("/proc/self/status"):
             if line.startswith(field + ":"):
@@ -446,9 +450,9 @@ def test_peak_memory_is_a_small_multiple_of_the_largest_tensor(big):
     report = measured["report"]
     assert report["merged_tensors"] == 42 and report["shards"] >= 7
     # the embedding and head (131 MB each) are copied without entering the process, adapted
-    # tensors (11.5 MB at most) pass through in 8 MB row blocks: measured 42 MB, adapter included
+    # tensors (11.5 MB at most) pass through in 8 MB row blocks: measured 36 MB, adapter included
     assert measured["growth"] < sizes["largest"] / 2, f"peak RSS grew by {measured['growth'] / 1e6:.0f} MB"
-    assert measured["growth"] < 0.1 * sizes["total"]
+    assert measured["growth"] < 0.1 * sizes["total"], f"peak RSS grew by {measured['growth'] / 1e6:.0f} MB"
     source, ours = read_dir(root / "base"), read_dir(root / "fresh")
     factors = load_file(root / "adapter" / "adapter_model.safetensors")
     name = "model.layers.3.mlp.down_proj"
