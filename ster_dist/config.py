@@ -19,7 +19,7 @@ from ster_dist.families.spec import FamilySpec
 
 SCORINGS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu2", "relu", "gelu_exact")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu2", "relu", "gelu_exact", "xielu")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic")
 
 
@@ -66,6 +66,7 @@ class MoEConfig:
     activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ class ModelConfig:
     layer_window: tuple[int | None, ...] = ()        # sliding window per layer, None = full
     learned_positions: bool = False
     position_offset: int = 0
+    # ALiBi: each head adds slope x the key's absolute position to its scores (slopes by global head index)
+    alibi: bool = False
+    alibi_before_scale: bool = False      # added before the scores are scaled (Falcon)
+    alibi_bf16: bool = False              # slopes and bias rounded to bf16 (Falcon)
+    embed_norm: bool = False              # a norm after the token embedding (BLOOM)
     # feed-forward
     mlp_gated: bool = True
     hidden_act: str = "silu"
@@ -303,7 +309,28 @@ def _layer_types(keys: _Keys, spec: FamilySpec, num_layers: int) -> list[str]:
     elif rule == "pattern" and window:
         pattern = keys.get("sliding_window_pattern", "_sliding_window_pattern", default=6)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    elif rule == "pattern_first" and window:  # Granite SWA: the first layer of each pattern attends fully
+        pattern = keys.get("sliding_window_pattern", default=4)
+        kinds = ["full_attention" if i % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     return kinds
+
+
+def _layer_bases(keys: _Keys, bases: list, kinds: list[str], window, full: dict, sliding: dict,
+                 spec: FamilySpec) -> dict:
+    """Check layer_rope_theta against the two rotations a config holds (full-attention layers at rope_theta,
+    sliding-window layers at one base) and return the sliding layers' rotation at their stated base."""
+    if len(bases) != len(kinds):
+        raise Refusal(f"invalid model config {keys.path}: layer_rope_theta lists {len(bases)} bases "
+                      f"for {len(kinds)} hidden layers")
+    full_theta = float(full.get("rope_theta") or spec.default_rope_theta)
+    slides = [kind == "sliding_attention" and window is not None for kind in kinds]
+    full_bases = {float(b) for b, slide in zip(bases, slides) if b and not slide}
+    sliding_bases = {float(b) for b, slide in zip(bases, slides) if b and slide}
+    if full_bases - {full_theta} or len(sliding_bases) > 1:
+        raise Refusal(f"invalid model config {keys.path}: layer_rope_theta {bases} is not supported; "
+                      f"full-attention layers must rotate at rope_theta ({full_theta:g}) or not at all, and "
+                      "sliding-window layers at one base or not at all")
+    return {**sliding, "rope_theta": sliding_bases.pop()} if sliding_bases else sliding
 
 
 def _nested(raw: dict, spec: FamilySpec) -> dict:
@@ -325,7 +352,7 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
     top_k = _per_layer(keys, "num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk")
     if not 0 < top_k <= num_experts:
         raise Refusal(f"invalid model config {path}: {top_k} experts per token out of {num_experts} experts")
-    scoring = keys.get("scoring_func", default=ms.scoring)
+    scoring = keys.get(*ms.scoring_keys, default=ms.scoring)
     if scoring not in SCORINGS:
         raise Refusal(f"invalid model config {path}: scoring_func {scoring!r} is not supported; "
                       f"supported: {', '.join(SCORINGS)}")
@@ -346,6 +373,8 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
             raise Refusal(f"invalid model config {path}: topk_group {topk_group} groups hold fewer than the "
                           f"{top_k} experts each token chooses; raise topk_group")
     renormalize = ms.renormalize if ms.renormalize is not None else bool(keys.get("norm_topk_prob", default=False))
+    if ms.softmax_renormalized and scoring == "softmax":  # a softmax over the chosen experts' logits
+        renormalize = True
     if "moe_normalize_expert_weights" in keys.raw:  # DBRX: the chosen weights over their p-norm
         power = keys.raw["moe_normalize_expert_weights"]
         if power not in (None, 1):
@@ -358,19 +387,26 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
     width = _per_layer(keys, "moe_intermediate_size", default=intermediate)
     shared = 0
     if ms.shared == "deepseek":
-        shared = width * int(keys.get("n_shared_experts", "moe_num_shared_experts", default=0))
+        shared = width * int(keys.get("n_shared_experts", "moe_num_shared_experts", "num_shared_experts", default=0))
     elif ms.shared == "stated":
         shared = int(keys.get("shared_intermediate_size", default=0))
     elif ms.shared == "dense_width" and keys.get("use_mixed_mlp_moe", default=True):
         shared = intermediate * _per_layer(keys, "num_shared_expert", default=1)
     elif ms.shared == "qwen":
         shared = int(keys.get("shared_expert_intermediate_size", default=0))
+    average = False
+    if ms.shared_combination_key is not None:
+        strategy = keys.get(ms.shared_combination_key, default="sum")
+        if strategy not in ("sum", "average"):
+            raise Refusal(f"invalid model config {path}: {ms.shared_combination_key} {strategy!r} is not supported; "
+                          "supported: sum, average")
+        average = strategy == "average"
     moe = MoEConfig(
         num_experts=num_experts, top_k=top_k, intermediate_size=width, scoring=scoring, topk_method=method,
         n_group=n_group, topk_group=topk_group, renormalize=renormalize, scaling_factor=factor,
         router_bias=ms.router_bias, correction_bias=ms.correction_bias or method == "noaux_tc",
         shared_intermediate_size=shared, shared_gate=ms.shared == "qwen" and shared > 0,
-        expert_bias=ms.expert_bias, activation=ms.activation,
+        expert_bias=ms.expert_bias, activation=ms.activation, shared_average=shared > 0 and average,
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
                                                                                                 default=1.702)))
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
@@ -442,16 +478,28 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     for key, why in spec.refuse_keys.items():
         if keys.get(key):
             raise Refusal(f"invalid model config {path}: {key} is set; {why}")
+    for key, (value, why) in spec.require_values.items():
+        if keys.get(key) is not None and keys.get(key) != value:
+            raise Refusal(f"invalid model config {path}: {key} is {keys.get(key)!r}; {why}")
 
     hidden = int(keys.need("hidden_size", "n_embd", "n_embed", "d_model"))
     num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))
     num_layers = int(keys.need("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-    num_kv = int(keys.get("num_key_value_heads", "num_kv_heads", "kv_n_heads", default=num_heads))
-    if keys.get("multi_query"):
+    num_kv = int(keys.get("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv", default=num_heads))
+    grouped = spec.grouped_kv_key is not None and bool(keys.get(spec.grouped_kv_key))
+    if keys.get("multi_query") and not grouped:
         num_kv = 1
+    elif spec.grouped_kv_key is not None and not grouped:  # Falcon: a stated count applies to the new layout only
+        num_kv = num_heads
     head_dim = int(keys.get("head_dim", default=hidden // num_heads))
     inner = keys.get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    if inner is None and keys.get("expansion_ratio") is not None:  # MPT
+        inner = int(keys.get("expansion_ratio") * hidden)
     intermediate = int(inner if inner is not None else 4 * hidden)
+    for key in spec.width_keys:
+        if keys.get(key) is not None and int(keys.get(key)) != hidden:
+            raise Refusal(f"invalid model config {path}: {key} {keys.get(key)} differs from the model width "
+                          f"{hidden}; projecting the embedding in and out is not supported")
     max_position = int(keys.get("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", default=4096))
     vocab = int(keys.need("vocab_size"))
     eps = float(keys.get("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps", "layer_norm_epsilon",
@@ -469,11 +517,19 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if mla is not None:  # latent attention: every head has its own key; only qk_rope_head_dim rotates
         num_kv, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
     moe, moe_layers = _moe(keys, spec, intermediate, num_layers) if spec.moe else (None, ())
+    if spec.dense_intermediate_keys:  # intermediate_size is the experts' width; the dense layers state their own
+        intermediate = int(keys.get(*spec.dense_intermediate_keys, default=intermediate))
+    norm_kind = spec.norm_kind
+    if spec.rms_norm_key is not None and keys.get(spec.rms_norm_key) is not None:
+        norm_kind = "rms"
 
     # rotation, per layer
     kinds = _layer_types(keys, spec, num_layers)
     window = keys.get("sliding_window")
     full_rope, sliding_rope = _rope_sources(keys, spec)
+    layer_bases = keys.get("layer_rope_theta")  # Granite SWA: a base per layer, zero for no rotation
+    if layer_bases is not None:
+        sliding_rope = _layer_bases(keys, layer_bases, kinds, window, full_rope, sliding_rope, spec)
     partial = keys.get("partial_rotary_factor", "rotary_pct")
     if keys.get("rotary_dim") is not None:
         partial = keys.get("rotary_dim") / head_dim
@@ -484,13 +540,18 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     layer_rope: list[RopeConfig | None] = []
     layer_window: list[int | None] = []
     no_rope = keys.get("no_rope_layers")
+    alibi = spec.positions == "alibi" or (spec.alibi_key is not None and bool(keys.get(spec.alibi_key)))
     for i, kind in enumerate(kinds):
         if kind not in ("full_attention", "sliding_attention"):
             raise Refusal(f"invalid model config {path}: layer type {kind!r} (layer {i}) is not supported "
                           f"for {family}")
         sliding = kind == "sliding_attention" and window is not None
-        if spec.positions != "rope" or (no_rope is not None and not no_rope[i]) or (
-                spec.rope_layers == "sliding" and window is not None and not sliding):
+        # Cohere 2 MoE: the dense layers rotate as sliding ones do under its dense_rope_key
+        dense_rotates = (spec.dense_rope_key is not None and keys.get(spec.dense_rope_key) == 1
+                         and moe is not None and not moe_layers[i])
+        if spec.positions != "rope" or alibi or (no_rope is not None and not no_rope[i]) or (
+                layer_bases is not None and not layer_bases[i]) or (
+                spec.rope_layers == "sliding" and window is not None and not sliding and not dense_rotates):
             layer_rope.append(None)
         else:
             layer_rope.append(_rope(sliding_rope if sliding else full_rope, rope_dim, partial,
@@ -512,6 +573,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     logit_multiplier = float(keys.get("logit_scale", default=1.0))
     if keys.get("logits_scaling") is not None:
         logit_multiplier = 1.0 / float(keys.get("logits_scaling"))
+        if spec.logits_scaling_multiplies:  # HyperCLOVA X multiplies where Granite divides
+            logit_multiplier = float(keys.get("logits_scaling"))
     if keys.get("dim_model_base") is not None:  # MiniCPM's muP: the hidden state shrunk before the head
         logit_multiplier = float(keys.get("dim_model_base")) / hidden
     residual_multiplier = float(keys.get("residual_multiplier", default=1.0))
@@ -524,9 +587,15 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     qk_norm = spec.qk_norm
     if spec.qk_norm_key is not None and not keys.get(spec.qk_norm_key):
         qk_norm = "none"
+    post_norm = spec.post_norm
+    if spec.post_norm_key is not None:
+        post_norm = bool(keys.get(spec.post_norm_key, default=False))
     parallel = spec.parallel_block
     if spec.parallel_key is not None:
         parallel = bool(keys.get(spec.parallel_key, default=False))
+    shared_norm = spec.parallel_shared_norm
+    if spec.parallel_norms_key is not None:  # Falcon: two norms in the new architecture unless it states one
+        shared_norm = not keys.get(spec.parallel_norms_key) or keys.get("num_ln_in_parallel_attn") == 1
     pad = keys.get("pad_token_id")
     temperature_beta, temperature_length = 0.0, None
     if spec.query_temperature and full_rope.get("llama_4_scaling_beta") is not None:
@@ -539,18 +608,20 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
-        norm_kind=spec.norm_kind, norm_bias=spec.norm_bias, norm_eps=eps, norm_offset=spec.norm_offset,
+        norm_kind=norm_kind, norm_bias=spec.norm_bias, norm_eps=eps, norm_offset=spec.norm_offset,
         norm_affine=spec.norm_affine,
-        pre_attn_norm=spec.pre_norm, pre_mlp_norm=spec.pre_norm and not (parallel and spec.parallel_shared_norm),
-        post_attn_norm=spec.post_norm, post_mlp_norm=spec.post_norm,
-        parallel_block=parallel, parallel_shared_norm=spec.parallel_shared_norm,
+        pre_attn_norm=spec.pre_norm, pre_mlp_norm=spec.pre_norm and not (parallel and shared_norm),
+        post_attn_norm=post_norm, post_mlp_norm=post_norm,
+        parallel_block=parallel, parallel_shared_norm=shared_norm,
         qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, qk_norm_kind=spec.qk_norm_kind,
         qk_norm_per_head_weight=spec.qk_norm_per_head_weight, qk_norm_bias=spec.qk_norm_bias, attn_scale=attn_scale,
         qk_norm_after_rope=spec.qk_norm_after_rope, query_temperature_beta=temperature_beta,
         query_temperature_length=int(temperature_length) if temperature_length else None,
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
-        learned_positions=spec.positions == "learned", position_offset=spec.position_offset,
+        learned_positions=spec.positions == "learned" and not alibi, position_offset=spec.position_offset,
+        alibi=alibi, alibi_before_scale=spec.alibi_before_scale, alibi_bf16=spec.alibi_bf16,
+        embed_norm=spec.embed_norm,
         mlp_gated=spec.mlp_gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),

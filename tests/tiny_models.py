@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny_classic import TINY_CLASSIC, VARIANT_FAMILY_CLASSIC
+from tests.tiny_classic import TINY_CLASSIC, UNSTATED_BASE_CLASSIC, VARIANT_FAMILY_CLASSIC
 from tests.tiny_dense_extra import TINY_DENSE_EXTRA, VARIANT_FAMILY_DENSE_EXTRA
 from tests.tiny_llama_variants import TINY_LLAMA_VARIANTS, VARIANT_FAMILY_LLAMA_VARIANTS
 from tests.tiny_moe_extra import TINY_MOE_EXTRA, VARIANT_FAMILY_MOE_EXTRA
@@ -130,6 +130,7 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     config_cls, model_cls, kwargs = TINY[variant]
     base = {k: v for k, v in _BASE.items() if not (variant in ("gpt2", "dbrx") and k in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"))}
+    base = {k: v for k, v in base.items() if k not in UNSTATED_BASE_CLASSIC.get(variant, ())}
     config = getattr(transformers, config_cls)(**{**base, **kwargs})
     if variant == "dbrx":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
         config.attn_config.rope_theta = 10000.0
@@ -166,14 +167,15 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue
-            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe") and name.endswith("e_score_correction_bias"):
+            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe") \
+                    and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "gpt_oss" and name.endswith("mlp.router.bias"):
                 t[t.shape[0] // 2:] -= 100.0
 
 
 # their last layer routes no token to the upper half of the experts
-STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe"}
+STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe"}
 
 
 def read_config(directory: Path) -> dict:

@@ -69,6 +69,12 @@ class MoESpec:
     #                                       | "dense_width" (num_shared_expert x intermediate_size: HunYuan)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
     activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's
+    scoring_keys: tuple[str, ...] = ("scoring_func",)  # config keys naming the scoring (Cohere 2 MoE's own)
+    # softmax over the chosen experts' logits: softmax scores are always renormalised, sigmoid ones under
+    # norm_topk_prob (Cohere 2 MoE)
+    softmax_renormalized: bool = False
+    # config key whose value "average" halves the sum of the routed and shared experts ("sum" keeps it: Cohere 2 MoE)
+    shared_combination_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,10 +111,11 @@ class FamilySpec:
     norm_eps: float | None = None         # an epsilon Transformers fixes whatever the config states (OLMo 1)
     pre_norm: bool = True
     post_norm: bool = False
+    post_norm_key: str | None = None      # config key that turns the post norms on (HyperCLOVA X's use_post_norm)
     parallel_block: bool = False
     parallel_key: str | None = None       # config key that turns the parallel block on
     parallel_shared_norm: bool = True
-    positions: str = "rope"               # "rope" | "learned" | "none"
+    positions: str = "rope"               # "rope" | "learned" | "none" | "alibi"
     position_offset: int = 0
     rope_interleaved: bool = False
     rotary_share: float = 1.0             # share of each head rotated when the config states none
@@ -117,6 +124,7 @@ class FamilySpec:
     # a top-level rope_scaling applies to full-attention layers only; sliding ones rotate plainly at rope_theta (OLMo 3)
     local_rope_unscaled: bool = False
     sliding: str = "none"                 # "none" | "all" | "max_window_layers" | "even" | "pattern"
+    #                                       | "pattern_first" (full attention on the first of each pattern: Granite SWA)
     # "all": every layer rotates; "sliding": where the config states a sliding_window, only sliding-window
     # layers rotate and full-attention ones apply no rotation (Cohere 2, EXAONE 4)
     rope_layers: str = "all"
@@ -142,6 +150,7 @@ class FamilySpec:
     tied_default: bool = False
     lm_head_bias: bool = False
     lm_head_bias_keys: tuple[str, ...] = ()  # config keys that turn the head's bias on (ERNIE 4.5 MoE's use_bias)
+    logits_scaling_multiplies: bool = False  # logits_scaling multiplies the logits rather than dividing (HyperCLOVA X)
     config_defaults: dict = field(default_factory=dict)
     refuse_keys: dict = field(default_factory=dict)  # config key -> why it is refused when truthy
     parity_reference: str | None = None   # the Transformers CausalLM class the parity tests compare with
@@ -157,3 +166,25 @@ class FamilySpec:
     # rotation pairs where Transformers' checkpoints store halves: an adapter's B rows, made on Transformers'
     # order, are put in pair order before they touch these weights.
     pair_rows: tuple[str, ...] = ()
+    # config key whose stated value makes the block and final norms RMS norms, else `norm_kind` (Cohere 2 MoE's
+    # rms_norm_eps beside bias-free LayerNorms)
+    rms_norm_key: str | None = None
+    # under rope_layers "sliding", layers with a dense feed-forward rotate too when this config key is 1
+    # (Cohere 2 MoE's prefix_dense_sliding_window_pattern)
+    dense_rope_key: str | None = None
+    # config keys stating the dense feed-forward's width where intermediate_size is the experts' (Cohere 2 MoE)
+    dense_intermediate_keys: tuple[str, ...] = ()
+    # ALiBi (positions "alibi", or alibi_key truthy in the config): each head adds its slope times the key's
+    # absolute position to the scores, in place of the family's positions (Falcon's alibi, MPT's attn_config.alibi)
+    alibi_key: str | None = None
+    alibi_before_scale: bool = False      # the bias is added before the scores are scaled by 1/sqrt(head_dim) (Falcon)
+    alibi_bf16: bool = False              # slopes and bias rounded to bf16, as Falcon builds them
+    embed_norm: bool = False              # a norm right after the token embedding (BLOOM's word_embeddings_layernorm)
+    # a config key under which the stated key-value head count applies; without it a multi_query config has one
+    # key-value head and any other every head (Falcon's new_decoder_architecture)
+    grouped_kv_key: str | None = None
+    # a config key that gives each half of a parallel block its own norm unless num_ln_in_parallel_attn is 1
+    # (Falcon's new_decoder_architecture)
+    parallel_norms_key: str | None = None
+    require_values: dict = field(default_factory=dict)  # config key -> (the one supported value, why), when stated
+    width_keys: tuple[str, ...] = ()      # config keys that must equal the model width when stated (OPT)

@@ -1,11 +1,12 @@
 """Grouped-query attention over this rank's heads: q/k/v projections (column-parallel),
 optional query/key norms (before or after the rotation), rotation, Llama 4's query temperature,
-clipping, masks (causal, padding, sliding window), soft-capping, learned sinks (GPT-OSS), and the
-row-parallel output projection.
+clipping, masks (causal, padding, sliding window), soft-capping, learned sinks (GPT-OSS), ALiBi biases
+(BLOOM, MPT, Falcon), and the row-parallel output projection.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,20 @@ class HeadScalars(ShardedModule):
     def __init__(self, heads: int, rows: tuple[int, int]):
         super().__init__()
         self._param("weight", Shard((heads,), 0, (rows,)))
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's slope of every head, by global head index, as BLOOM computes them in f32 (MPT's are the same):
+    2^(-8i/n) for a power of two n, else those of the power below followed by every other one of the next."""
+    closest = 2 ** math.floor(math.log2(heads))
+    cpu = dict(device="cpu")  # the decoder is built under the meta device; these are numbers, never weights
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32, **cpu)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32, **cpu))
+    if closest != heads:
+        extra = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, **cpu)
+        remaining = min(closest, heads - closest)
+        slopes = torch.cat([slopes, torch.pow(extra, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, **cpu))])
+    return slopes.tolist()
 
 
 class Attention(nn.Module):
@@ -63,6 +78,9 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
         self.sinks = HeadScalars(cfg.num_heads, (h0, h1)) if cfg.attn_sinks else None
+        # ALiBi: this rank's heads' slopes (their global indices), kept as numbers so meta construction has none
+        self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
+        self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
 
     def forward(self, x: torch.Tensor, pos: StepState, cache=None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -87,7 +105,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.write(self.layer, pos.slots, k, v)
         mask = pos.mask(self.window)
-        out = self._attend(q, k, v, mask)
+        bias = self._alibi(pos.key_positions) if self.alibi is not None else None
+        out = self._attend(q, k, v, mask, bias)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
     def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
@@ -96,19 +115,31 @@ class Attention(nn.Module):
         scale = 1 + beta * torch.log(1 + torch.floor(positions.float() / length))
         return scale[:, None, :, None]
 
+    def _alibi(self, key_pos: torch.Tensor) -> torch.Tensor:
+        """[batch, local heads, 1, keys]: slope x absolute key position, so a cached step adds what the whole read
+        does (a per-query offset would cancel in the softmax)."""
+        slopes = torch.tensor(self.alibi, dtype=torch.float32, device=key_pos.device).view(1, -1, 1, 1)
+        if self.alibi_bf16:  # Falcon builds slopes and bias in bf16
+            bias = (slopes.bfloat16() * key_pos[:, None, None, :]).float()
+        else:
+            bias = slopes * key_pos[:, None, None, :].float()
+        return bias * self.scale if self.alibi_before_scale else bias
+
     @staticmethod
     def _head_norm(norm: Norm, x: torch.Tensor) -> torch.Tensor:
         # [b, heads, t, d] -> norm over d with each head's own scale where it has one
         return norm(x.transpose(1, 2).flatten(-2)).unflatten(-1, (x.shape[1], x.shape[3])).transpose(1, 2)
 
-    def _attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q, k, v, mask: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         groups = self.local_heads // self.local_kv
-        if self.softcap is None and self.sinks is None:
+        if self.softcap is None and self.sinks is None and bias is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=groups > 1)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:

@@ -60,6 +60,11 @@ class StepState:
                 self._masks[window] = (allowed | self._diag).unsqueeze(1)
         return self._masks[window]
 
+    @property
+    def key_positions(self) -> torch.Tensor:
+        """[batch, keys]: the absolute positions of the keys this step attends (ALiBi's biases)."""
+        return self._key_pos
+
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)
         if key not in self._rotary:
@@ -108,7 +113,11 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
-        self.pos_embed = Replicated((cfg.max_position, cfg.hidden_size)) if cfg.learned_positions else None
+        # OPT's table holds position_offset rows before position zero
+        self.pos_embed = (Replicated((cfg.max_position + cfg.position_offset, cfg.hidden_size))
+                          if cfg.learned_positions else None)
+        self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
+                               affine=cfg.norm_affine) if cfg.embed_norm else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine)
@@ -159,6 +168,8 @@ class Decoder(nn.Module):
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         if self.pos_embed is not None:
             h = h + self.pos_embed.weight[positions + self.cfg.position_offset]
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
         for i, block in enumerate(self.layers):
             h = block(h, step, cache)
             for hook in self.hooks.get(i, ()):

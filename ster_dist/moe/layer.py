@@ -32,6 +32,7 @@ class MoE(nn.Module):
         self.experts = Experts(moe, cfg.hidden_size, cfg.hidden_act, ctx)
         self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
+        self.shared_average = moe.shared_average
         self.received = 0  # rows this rank's experts took in the last forward (tests read it)
         self.traffic = {"tokens": 0, "pairs_sent_away": 0, "forwards": 0}  # since load (benchmarks read it)
 
@@ -50,6 +51,8 @@ class MoE(nn.Module):
         out = (back.view(*ids.shape, self.hidden).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared is not None:
             out = out + self._shared(share)
+            if self.shared_average:  # Cohere 2 MoE: the mean of the routed and the shared experts
+                out = out * 0.5
         if out.shape[0]:  # every rank of a tensor-parallel group holds the same share, so all skip together
             out = self.ctx.all_reduce(out)
         return self.ctx.ep_gather_rows(out, tokens).view(x.shape)
