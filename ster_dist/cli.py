@@ -17,6 +17,7 @@ import sys
 import ster_dist.commands
 from ster_dist.errors import Refusal
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ster", description="Run Hugging Face decoder checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -481,6 +481,13 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     for key, (value, why) in spec.require_values.items():
         if keys.get(key) is not None and keys.get(key) != value:
             raise Refusal(f"invalid model config {path}: {key} is {keys.get(key)!r}; {why}")
+    # MiniMax's layer kinds: 1 is softmax attention, 0 lightning (linear) attention, which no spec runs
+    kinds = keys.get("attn_type_list")
+    if isinstance(kinds, list) and 0 in kinds:
+        lightning = [i for i, kind in enumerate(kinds) if kind == 0]
+        raise Refusal(f"invalid model config {path}: attn_type_list marks layers {lightning} as lightning "
+                      "(linear) attention, which ster_dist does not run; only softmax-attention layers (1) "
+                      "are supported")
 
     hidden = int(keys.need("hidden_size", "n_embd", "n_embed", "d_model"))
     num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))

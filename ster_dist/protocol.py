@@ -27,7 +27,15 @@ import msgpack
 
 from ster_dist.errors import Refusal
 from ster_dist.sched import rules
-from ster_dist.sched.fields import check_value, convert, default, is_int, kind_of_value, required, shown
+from ster_dist.sched.fields import (
+    check_value,
+    convert,
+    default,
+    is_int,
+    kind_of_value,
+    required,
+    shown,
+)
 
 # job kind -> the CLI command path it runs
 JOB_KINDS: dict[str, tuple[str, ...]] = {

@@ -75,3 +75,10 @@ def test_an_ernie_selection_bias_not_of_the_expert_count_is_refused(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(Refusal, match=r"e_score_correction_bias has shape \[1, 9\]"):
         load_model(resolve(str(tmp_path)))
+
+
+def test_minimax_lightning_attention_layers_are_refused_by_their_indexes():
+    moe = dict(num_local_experts=8, num_experts_per_tok=2)
+    assert _cfg("minimax_m2", **moe, attn_type_list=[1, 1, 1, 1]).moe.num_experts == 8
+    with pytest.raises(Refusal, match=r"attn_type_list marks layers \[0, 2\] as lightning \(linear\) attention"):
+        _cfg("minimax_m2", **moe, attn_type_list=[0, 1, 0, 1])

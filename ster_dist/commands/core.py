@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ster_dist.commands.common import (model_args, modifiers, progress, read_json, read_text, runtime_args,
-                                       session, write_json_atomic)
+from ster_dist.commands.common import (
+    model_args,
+    modifiers,
+    progress,
+    read_json,
+    read_text,
+    runtime_args,
+    session,
+    write_json_atomic,
+)
 from ster_dist.errors import Refusal
 
 

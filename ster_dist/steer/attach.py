@@ -14,7 +14,12 @@ import uuid
 import torch
 
 from ster_dist.errors import Refusal
-from ster_dist.steer.artifact import SteeringArtifact, check_for_run, load_artifact, provenance_warnings
+from ster_dist.steer.artifact import (
+    SteeringArtifact,
+    check_for_run,
+    load_artifact,
+    provenance_warnings,
+)
 
 
 def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
