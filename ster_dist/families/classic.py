@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ster_dist.families.layouts import fused_qkv, weight_and_bias
+from ster_dist.families.layouts import fused_qkv, gpt2_rules, weight_and_bias
 from ster_dist.families.spec import FamilySpec, Rule
 
 _LAYER_NORM = dict(norm_kind="layer", norm_bias=True, mlp_gated=False)
@@ -23,21 +23,6 @@ def _gptj_rules() -> tuple[Rule, ...]:
           for src, dst in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "o"))),
         *weight_and_bias(f"{h}mlp.fc_in", "layers.{i}.mlp.up"),
         *weight_and_bias(f"{h}mlp.fc_out", "layers.{i}.mlp.down"),
-        *weight_and_bias("transformer.ln_f", "final_norm"),
-    )
-
-
-def _bigcode_rules() -> tuple[Rule, ...]:
-    h = "transformer.h.{i}."
-    return (
-        Rule("transformer.wte.weight", "embed.weight"), Rule("transformer.wpe.weight", "pos_embed.weight"),
-        Rule("lm_head.weight", "lm_head.weight"),
-        *weight_and_bias(f"{h}ln_1", "layers.{i}.attn_norm"),
-        *fused_qkv(f"{h}attn.c_attn", **_PER_KV_GROUP),
-        *weight_and_bias(f"{h}attn.c_proj", "layers.{i}.attn.o"),
-        *weight_and_bias(f"{h}ln_2", "layers.{i}.mlp_norm"),
-        *weight_and_bias(f"{h}mlp.c_fc", "layers.{i}.mlp.up"),
-        *weight_and_bias(f"{h}mlp.c_proj", "layers.{i}.mlp.down"),
         *weight_and_bias("transformer.ln_f", "final_norm"),
     )
 
@@ -105,7 +90,7 @@ CLASSIC_FAMILIES: tuple[FamilySpec, ...] = (
                mlp_bias_keys=(), mlp_bias_default=True,
                config_defaults={**_EPS, "activation_function": "gelu_new"}, parity_reference="GPTJForCausalLM"),
     # GPT-2's block with ordinary linear weights; c_attn grouped by key-value head (one when multi_query)
-    FamilySpec("gpt_bigcode", _bigcode_rules(), optional_prefix="transformer.", ignore=_BUFFERS, **_LAYER_NORM,
+    FamilySpec("gpt_bigcode", gpt2_rules(transposed=False, **_PER_KV_GROUP), optional_prefix="transformer.", ignore=_BUFFERS, **_LAYER_NORM,
                positions="learned", tied_default=True, **_ALL_BIAS,
                config_defaults={**_EPS, "activation_function": "gelu_pytorch_tanh"},
                parity_reference="GPTBigCodeForCausalLM"),

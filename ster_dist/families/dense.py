@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from ster_dist.families.layouts import fused_gate_up, fused_qkv, llama_rules, weight_and_bias
+from ster_dist.families.layouts import (
+    fused_gate_up,
+    fused_qkv,
+    gpt2_rules,
+    llama_rules,
+    weight_and_bias,
+)
 from ster_dist.families.spec import FamilySpec, Rule
 
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
@@ -20,21 +26,6 @@ _GEMMA3_TEXT_DEFAULTS = {
 }
 _GEMMA2_RULES = llama_rules(mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
                             post_mlp_norm="post_feedforward_layernorm", q_norm="q_norm", k_norm="k_norm")
-
-
-def _gpt2_rules() -> tuple[Rule, ...]:
-    h = "transformer.h.{i}."
-    return (
-        Rule("transformer.wte.weight", "embed.weight"), Rule("transformer.wpe.weight", "pos_embed.weight"),
-        Rule("lm_head.weight", "lm_head.weight"),
-        *weight_and_bias(f"{h}ln_1", "layers.{i}.attn_norm"),
-        *fused_qkv(f"{h}attn.c_attn", kv_count="heads", transposed=True),
-        *weight_and_bias(f"{h}attn.c_proj", "layers.{i}.attn.o", transposed=True),
-        *weight_and_bias(f"{h}ln_2", "layers.{i}.mlp_norm"),
-        *weight_and_bias(f"{h}mlp.c_fc", "layers.{i}.mlp.up", transposed=True),
-        *weight_and_bias(f"{h}mlp.c_proj", "layers.{i}.mlp.down", transposed=True),
-        *weight_and_bias("transformer.ln_f", "final_norm"),
-    )
 
 
 def _gpt_neox_rules() -> tuple[Rule, ...]:
@@ -96,7 +87,7 @@ DENSE_FAMILIES: tuple[FamilySpec, ...] = (
                                     post_mlp_norm="post_feedforward_layernorm"),
                pre_norm=False, post_norm=True, qk_norm="proj", mlp_bias_keys=(),
                parity_reference="Olmo2ForCausalLM"),
-    FamilySpec("gpt2", _gpt2_rules(), optional_prefix="transformer.", ignore=(r".*\.attn\.(masked_)?bias$",),
+    FamilySpec("gpt2", gpt2_rules(transposed=True, kv_count="heads"), optional_prefix="transformer.", ignore=(r".*\.attn\.(masked_)?bias$",),
                norm_kind="layer", norm_bias=True, positions="learned", mlp_gated=False, tied_default=True,
                **_ALL_BIAS, refuse_keys={"scale_attn_by_inverse_layer_idx":
                                          "ster_dist does not run GPT-2 attention scaled by the inverse layer index"},

@@ -59,3 +59,21 @@ def fused_gate_up(checkpoint: str) -> tuple[Rule, ...]:
     layout = Fused((("layers.{i}.mlp.gate.weight", "intermediate"), ("layers.{i}.mlp.up.weight", "intermediate")),
                    unit="one")
     return (Rule(f"{checkpoint}.weight", layout),)
+
+
+def gpt2_rules(transposed: bool, **qkv_layout) -> tuple[Rule, ...]:
+    """GPT-2's layout below transformer.h (learned positions, fused c_attn, c_fc/c_proj), stored
+    inputs-first as Conv1D (GPT-2) or as plain linears (GPT-BigCode, whose c_attn groups each
+    key-value head's queries with it)."""
+    h = "transformer.h.{i}."
+    return (
+        Rule("transformer.wte.weight", "embed.weight"), Rule("transformer.wpe.weight", "pos_embed.weight"),
+        Rule("lm_head.weight", "lm_head.weight"),
+        *weight_and_bias(f"{h}ln_1", "layers.{i}.attn_norm"),
+        *fused_qkv(f"{h}attn.c_attn", transposed=transposed, **qkv_layout),
+        *weight_and_bias(f"{h}attn.c_proj", "layers.{i}.attn.o", transposed=transposed),
+        *weight_and_bias(f"{h}ln_2", "layers.{i}.mlp_norm"),
+        *weight_and_bias(f"{h}mlp.c_fc", "layers.{i}.mlp.up", transposed=transposed),
+        *weight_and_bias(f"{h}mlp.c_proj", "layers.{i}.mlp.down", transposed=transposed),
+        *weight_and_bias("transformer.ln_f", "final_norm"),
+    )
