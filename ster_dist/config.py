@@ -43,6 +43,8 @@ class RopeConfig:
     attention_factor: float | None = None
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()   # longrope
+    short_mscale: float | None = None     # longrope: cos/sin scale of the short table, in place of attention_factor
+    long_mscale: float | None = None      # longrope: the long table's (PhiMoE)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")
+    sparsemixer_eps: float | None = None  # SparseMixer's eval-time selection at this router_jitter_noise (PhiMoE)
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,9 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
             kw["factor"] = max_position / kw["original_max_position"]
     elif rope_type == "longrope":
         kw.update(short_factor=tuple(params["short_factor"]), long_factor=tuple(params["long_factor"]))
+        if params.get("short_mscale") is not None or params.get("long_mscale") is not None:
+            kw.update(short_mscale=float(params.get("short_mscale", 1.0)),
+                      long_mscale=float(params.get("long_mscale", 1.0)))
         if params.get("factor") is None and kw["original_max_position"]:
             kw["factor"] = max_position / kw["original_max_position"]
     if rope_type != "default" and rope_type != "linear" and not kw.get("original_max_position"):
@@ -401,6 +407,15 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
             raise Refusal(f"invalid model config {path}: {ms.shared_combination_key} {strategy!r} is not supported; "
                           "supported: sum, average")
         average = strategy == "average"
+    sparsemixer_eps = None
+    if ms.sparsemixer:
+        if top_k != 2:
+            raise Refusal(f"invalid model config {path}: SparseMixer routes each token to two experts, not {top_k}; "
+                          "set num_experts_per_tok to 2")
+        if keys.get("router_jitter_noise") is None:
+            raise Refusal(f"invalid model config {path}: router_jitter_noise is not stated; SparseMixer's "
+                          "selection needs it")
+        sparsemixer_eps = float(keys.get("router_jitter_noise"))
     moe = MoEConfig(
         num_experts=num_experts, top_k=top_k, intermediate_size=width, scoring=scoring, topk_method=method,
         n_group=n_group, topk_group=topk_group, renormalize=renormalize, scaling_factor=factor,
@@ -408,7 +423,8 @@ def _moe(keys: _Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> t
         shared_intermediate_size=shared, shared_gate=ms.shared == "qwen" and shared > 0,
         expert_bias=ms.expert_bias, activation=ms.activation, shared_average=shared > 0 and average,
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
-                                                                                                default=1.702)))
+                                                                                                default=1.702)),
+        sparsemixer_eps=sparsemixer_eps)
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])
     # ERNIE 4.5: moe_layer_start_index / end (the last when negative) / interval; HunYuan: moe_layer_num_skipped

@@ -434,7 +434,8 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
     raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
            "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128, "head_dim": 16}
     if spec_for(family).moe is not None:
-        raw.update(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2)
+        raw.update(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+                   router_jitter_noise=0.01)  # PhiMoE's SparseMixer refuses a config without it
     if spec_for(family).positions != "rope":
         pytest.skip("positions are not rotations (learned or ALiBi)")
     if family == "falcon":  # FalconConfig derives head_dim and refuses it stated

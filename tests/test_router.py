@@ -98,7 +98,7 @@ def _transformers_router(module: str, cls: str, config_cls: str, **kwargs):
     with torch.no_grad():
         for _, t in list(router.named_parameters()) + list(router.named_buffers()):
             t.copy_(torch.randn(t.shape, generator=gen) * (0.5 if t.dim() > 1 else 0.2))
-    return router
+    return router.eval()  # PhiMoE's SparseMixer samples in training
 
 
 def _ours(router, moe: MoEConfig) -> Router:
@@ -148,6 +148,12 @@ TRANSFORMERS_ROUTERS = {
                        routed_scaling_factor=1.8)),
                  dict(num_experts=16, top_k=4, scoring="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1,
                       renormalize=True, scaling_factor=1.8, correction_bias=True)),
+    "phimoe": (("phimoe", "PhimoeTopKRouter", "PhimoeConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                                   router_jitter_noise=0.01)),
+               dict(num_experts=8, top_k=2, sparsemixer_eps=0.01)),
+    "phimoe_jitter": (("phimoe", "PhimoeTopKRouter", "PhimoeConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                                          router_jitter_noise=0.5)),
+                      dict(num_experts=8, top_k=2, sparsemixer_eps=0.5)),
 }
 
 
@@ -262,3 +268,23 @@ def test_dbrx_refuses_other_normalisation_powers():
     raw["ffn_config"]["moe_normalize_expert_weights"] = 1.0
     cfg = from_hf(raw)
     assert cfg.moe.renormalize and cfg.moe.num_experts == 4 and cfg.num_kv_heads == 2 and cfg.norm_eps == 1e-5
+
+
+def test_phimoe_sparsemixer_masks_by_the_jitter_and_refuses_other_configs():
+    logits = torch.tensor([[4.0, 3.9, 1.0, -2.0]])
+    moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=8, sparsemixer_eps=0.5)
+    weights, ids = route(logits, moe)
+    assert ids.tolist() == [[0, 1]]
+    # round one: experts 0, 1 and 2 lie within 2 * 0.5 of 4.0 relative to max(|logit|, 4.0); round two: 1 and 2
+    first = torch.softmax(torch.tensor([4.0, 3.9, 1.0]), 0)[0]
+    second = torch.softmax(torch.tensor([3.9, 1.0]), 0)[0]
+    assert torch.allclose(weights, torch.stack([first, second]).unsqueeze(0))
+    small = route(logits, MoEConfig(num_experts=4, top_k=2, intermediate_size=8, sparsemixer_eps=0.001))[0]
+    assert torch.allclose(small, torch.ones(1, 2))
+    base = {"model_type": "phimoe", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 64, "num_local_experts": 8}
+    assert from_hf({**base, "num_experts_per_tok": 2, "router_jitter_noise": 0.01}).moe.sparsemixer_eps == 0.01
+    with pytest.raises(Refusal, match="two experts, not 3"):
+        from_hf({**base, "num_experts_per_tok": 3, "router_jitter_noise": 0.01})
+    with pytest.raises(Refusal, match="router_jitter_noise is not stated"):
+        from_hf({**base, "num_experts_per_tok": 2})

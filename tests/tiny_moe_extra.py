@@ -51,6 +51,22 @@ TINY_MOE_EXTRA: dict[str, tuple[str, str, dict]] = {
         num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
         use_qk_norm=True, attention_bias=True, initializer_range=0.02)),
+    # Mixtral's tensors under biased LayerNorms, biased attention and head, SparseMixer with a small jitter, and
+    # LongRoPE whose short and long tables (sequences past 32 positions) have their own mscale. The factors are
+    # equal: Transformers' PhiMoE rotation recomputes the short table whatever the length.
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
+        num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24,
+        router_jitter_noise=0.01, attention_bias=True, lm_head_bias=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                         "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8], "long_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8],
+                         "short_mscale": 1.1, "long_mscale": 1.3})),
+    # a jitter large enough that SparseMixer's masking changes the weights; no head bias, no attention bias
+    "phimoe_jitter": ("PhimoeConfig", "PhimoeForCausalLM", dict(
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=24,
+        router_jitter_noise=0.5,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                         "short_factor": [1.0] * 6, "long_factor": [1.0] * 6,
+                         "short_mscale": 0.9, "long_mscale": 1.2})),
 }
 # variant name -> family, for variants not named after their family
-VARIANT_FAMILY_MOE_EXTRA: dict[str, str] = {"cohere2_moe_sigmoid": "cohere2_moe"}
+VARIANT_FAMILY_MOE_EXTRA: dict[str, str] = {"cohere2_moe_sigmoid": "cohere2_moe", "phimoe_jitter": "phimoe"}

@@ -1,4 +1,4 @@
-"""Further mixture-of-experts families (Mellum, MiniMax-M2, GraniteMoE SWA, Cohere 2 MoE, Sarvam MoE, EXAONE MoE).
+"""Further mixture-of-experts families (Mellum, MiniMax-M2, GraniteMoE SWA, Cohere 2 MoE, Sarvam MoE, EXAONE MoE, PhiMoE).
 
 Mellum is Qwen3-MoE whose layer kinds (layer_types, mlp_layer_types) and per-kind rope_parameters
 the shared config reading already covers; MiniMax-M2 is Mixtral's block_sparse_moe names with
@@ -14,7 +14,7 @@ query/key norms) over GLM-4-MoE's router, which Transformers runs it as.
 from __future__ import annotations
 
 from ster_dist.families.layouts import fused_qkv, llama_rules
-from ster_dist.families.moe import _V3_ROUTER, expert_rules, router_rules, shared_rules
+from ster_dist.families.moe import _V3_ROUTER, _mixtral_rules, expert_rules, router_rules, shared_rules
 from ster_dist.families.moe_variants import _granitemoeshared_rules
 from ster_dist.families.spec import FamilySpec, MoESpec, Rule
 
@@ -86,4 +86,9 @@ MOE_EXTRA_FAMILIES: tuple[FamilySpec, ...] = (
                config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": True,
                                 "routed_scaling_factor": 2.5},
                moe=_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
+    # PhiMoE: Mixtral's tensors (Transformers 5 saves the router as mlp.router) under biased LayerNorms, biased
+    # attention, an optional head bias, LongRoPE with short_mscale / long_mscale, and SparseMixer's routing
+    FamilySpec("phimoe", _mixtral_rules() + router_rules(f"{_MLP}.router"), norm_kind="layer", norm_bias=True,
+               sliding="all", mlp_bias_keys=(), lm_head_bias_keys=("lm_head_bias",), default_rope_theta=1000000.0,
+               moe=MoESpec(sparsemixer=True), parity_reference="PhimoeForCausalLM"),
 )

@@ -75,6 +75,9 @@ class MoESpec:
     softmax_renormalized: bool = False
     # config key whose value "average" halves the sum of the routed and shared experts ("sum" keeps it: Cohere 2 MoE)
     shared_combination_key: str | None = None
+    # SparseMixer as Transformers runs it outside training: two rounds, each taking the best logit not yet chosen,
+    # weighed by its softmax over the experts within 2 * router_jitter_noise of it (PhiMoE)
+    sparsemixer: bool = False
 
 
 @dataclass(frozen=True)

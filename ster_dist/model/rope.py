@@ -35,6 +35,8 @@ def inverse_frequencies(rope: RopeConfig, long: bool = False) -> tuple[torch.Ten
         attn = rope.attention_factor
         if attn is None:
             attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position))
+        if rope.short_mscale is not None:  # PhiMoE: each table has its own scale, in place of the factor's
+            attn = rope.long_mscale if long else rope.short_mscale
         ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
         return 1.0 / (ext * base ** exponents), attn
     if kind == "yarn":

@@ -22,6 +22,8 @@ def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None 
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens, experts]."""
     logits = logits.float()
+    if moe.sparsemixer_eps is not None:
+        return _sparsemixer(logits, moe.sparsemixer_eps)
     scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores + correction.float() if correction is not None else scores
     if moe.topk_method != "greedy":
@@ -41,6 +43,22 @@ def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None 
     if moe.scaling_factor != 1.0:
         weights = weights * moe.scaling_factor
     return weights, ids
+
+
+def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's SparseMixer outside training: two rounds, each choosing the best logit not yet chosen and
+    weighing it by its softmax over the experts whose logit lies within 2 * eps of that best, relative to
+    max(|logit|, best)."""
+    weights, ids = [], []
+    remaining = logits
+    for _ in range(2):
+        best, index = remaining.max(dim=-1, keepdim=True)
+        factor = logits.abs().clamp(min=best)
+        masked = remaining.masked_fill((best - logits) / factor > 2 * eps, float("-inf"))
+        weights.append(torch.softmax(masked, dim=-1).gather(1, index))
+        ids.append(index)
+        remaining = remaining.scatter(1, index, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 class Router(ShardedModule):
