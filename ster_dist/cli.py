@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import pkgutil
@@ -18,6 +19,7 @@ import ster_dist.commands
 from ster_dist.errors import Refusal
 
 
+@functools.cache  # one per process: cli.main and the scheduler's protocol read the same definitions
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ster", description="Run Hugging Face decoder checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -23,13 +23,15 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
 
-    def check(self) -> "Sampling":
+    def check(self, name: Callable[[str], str] = lambda field: f"--{field.replace('_', '-')}") -> "Sampling":
+        """Refuse what cannot be sampled; `name` words a field (a flag by default, a job spec's
+        field for the scheduler's rules)."""
         if self.max_new_tokens < 0:
-            raise Refusal(f"--max-new-tokens must be zero or more, got {self.max_new_tokens}")
+            raise Refusal(f"{name('max_new_tokens')} must be zero or more, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise Refusal(f"--temperature must be zero or more, got {self.temperature}")
+            raise Refusal(f"{name('temperature')} must be zero or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise Refusal(f"--top-p must lie in (0, 1], got {self.top_p}")
+            raise Refusal(f"{name('top_p')} must lie in (0, 1], got {self.top_p}")
         return self
 
 

@@ -91,9 +91,8 @@ class JobSpec:
 
 # ---- the command definitions -------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
 def _root() -> argparse.ArgumentParser:
-    from ster_dist.cli import build_parser
+    from ster_dist.cli import build_parser  # cached there: one parser per process
 
     return build_parser()
 

@@ -41,13 +41,17 @@ def cmd_inspect(args) -> dict:
     return out
 
 
+def check_prompt_flags(prompt, prompts, output) -> None:
+    if (prompt is None) == (prompts is None):
+        raise Refusal("give exactly one of --prompt TEXT or --prompts FILE")
+    if prompts is not None and output is None:
+        raise Refusal("--prompts needs --output FILE for the answers")
+
+
 def cmd_generate(args) -> dict:
     from ster_dist.generate import Sampling
 
-    if (args.prompt is None) == (args.prompts is None):
-        raise Refusal("give exactly one of --prompt TEXT or --prompts FILE")
-    if args.prompts is not None and args.output is None:
-        raise Refusal("--prompts needs --output FILE for the answers")
+    check_prompt_flags(args.prompt, args.prompts, args.output)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed).check()
     from ster_dist.steer.attach import check_strength
 

@@ -54,11 +54,11 @@ _QWEN = llama_rules(q_norm=None, k_norm=None) + expert_rules(_MLP) + router_rule
 _DEEPSEEK = (llama_rules(q=None, k=None, v=None, q_norm=None, k_norm=None) + latent_rules() + expert_rules(_MLP)
              + router_rules(f"{_MLP}.gate") + shared_rules(f"{_MLP}.shared_experts"))
 _MLA_BIAS = dict(qkv_bias_keys=("attention_bias",), o_bias_keys=("attention_bias",), mlp_bias_keys=())
-_V3_ROUTER = MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True,
+V3_ROUTER = MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True,
                      shared="deepseek")
 
 
-def _mixtral_rules() -> tuple[Rule, ...]:
+def mixtral_rules() -> tuple[Rule, ...]:
     moe = "model.layers.{i}.block_sparse_moe"
     return (llama_rules(q_norm=None, k_norm=None, gate=None, up=None, down=None)
             + expert_rules(moe, "w1", "w3", "w2", stacked=_MLP) + router_rules(f"{moe}.gate")
@@ -103,7 +103,7 @@ def _gpt_oss_rules() -> tuple[Rule, ...]:
 
 
 MOE_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mixtral", _mixtral_rules(), sliding="all", qkv_bias_keys=(), o_bias_keys=(), mlp_bias_keys=(),
+    FamilySpec("mixtral", mixtral_rules(), sliding="all", qkv_bias_keys=(), o_bias_keys=(), mlp_bias_keys=(),
                moe=MoESpec(renormalize=True), parity_reference="MixtralForCausalLM"),
     FamilySpec("qwen2_moe", _QWEN + shared_rules(f"{_MLP}.shared_expert")
                + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),),
@@ -126,12 +126,12 @@ MOE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v3", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_MLA_BIAS,
                config_defaults={"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                 "first_k_dense_replace": 3, "norm_topk_prob": True},
-               moe=_V3_ROUTER, parity_reference="DeepseekV3ForCausalLM"),
+               moe=V3_ROUTER, parity_reference="DeepseekV3ForCausalLM"),
     FamilySpec("glm4_moe", llama_rules() + expert_rules(_MLP) + router_rules(f"{_MLP}.gate")
                + shared_rules(f"{_MLP}.shared_experts"), qk_norm="head", qk_norm_key="use_qk_norm",
                o_bias_keys=(), mlp_bias_keys=(),
                config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True}, rotary_share=0.5,
-               moe=_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
+               moe=V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
     FamilySpec("gpt_oss", _gpt_oss_rules(), attn_sinks=True, mlp_bias_keys=(),
                moe=MoESpec(renormalize=True, router_bias=True, expert_bias=True, activation="clamped_swiglu"),
                parity_reference="GptOssForCausalLM"),

@@ -14,8 +14,14 @@ query/key norms) over GLM-4-MoE's router, which Transformers runs it as.
 from __future__ import annotations
 
 from ster_dist.families.layouts import fused_qkv, llama_rules
-from ster_dist.families.moe import _V3_ROUTER, _mixtral_rules, expert_rules, router_rules, shared_rules
-from ster_dist.families.moe_variants import _granitemoeshared_rules
+from ster_dist.families.moe import (
+    V3_ROUTER,
+    expert_rules,
+    mixtral_rules,
+    router_rules,
+    shared_rules,
+)
+from ster_dist.families.moe_variants import granitemoeshared_rules
 from ster_dist.families.spec import FamilySpec, MoESpec, Rule
 
 _MLP = "model.layers.{i}.mlp"
@@ -60,13 +66,13 @@ MOE_EXTRA_FAMILIES: tuple[FamilySpec, ...] = (
                                "use_routing_bias": (True, "routing without the selection bias is not supported")},
                moe=MoESpec(scoring="sigmoid", renormalize=True, correction_bias=True),
                parity_reference="MiniMaxM2ForCausalLM"),
-    FamilySpec("granitemoe_swa", _granitemoeshared_rules() + (_SINKS,), attn_sinks=True, mlp_bias_keys=(),
+    FamilySpec("granitemoe_swa", granitemoeshared_rules() + (_SINKS,), attn_sinks=True, mlp_bias_keys=(),
                moe=MoESpec(renormalize=True, shared="stated"), parity_reference="GraniteMoeSWAForCausalLM"),
     FamilySpec("exaone_moe", _exaone_moe_rules(), qk_norm="head", qkv_bias_keys=(), o_bias_keys=(), mlp_bias_keys=(),
                sliding="pattern", rope_layers="sliding", ignore=(r"mtp\..*",),
                config_defaults={"sliding_window": 4096, "sliding_window_pattern": 4, "first_k_dense_replace": 1,
                                 "num_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
-               moe=_V3_ROUTER, parity_reference="ExaoneMoeForCausalLM"),
+               moe=V3_ROUTER, parity_reference="ExaoneMoeForCausalLM"),
     FamilySpec("cohere2_moe", llama_rules(mlp_norm=None, q_norm=None, k_norm=None) + _moe_rules(), norm_kind="layer",
                rms_norm_key="rms_norm_eps", parallel_block=True, rope_interleaved=True, tied_default=True,
                mlp_bias_keys=(), sliding="pattern", rope_layers="sliding",
@@ -85,10 +91,10 @@ MOE_EXTRA_FAMILIES: tuple[FamilySpec, ...] = (
                default_rope_theta=8000000.0,
                config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": True,
                                 "routed_scaling_factor": 2.5},
-               moe=_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
+               moe=V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
     # PhiMoE: Mixtral's tensors (Transformers 5 saves the router as mlp.router) under biased LayerNorms, biased
     # attention, an optional head bias, LongRoPE with short_mscale / long_mscale, and SparseMixer's routing
-    FamilySpec("phimoe", _mixtral_rules() + router_rules(f"{_MLP}.router"), norm_kind="layer", norm_bias=True,
+    FamilySpec("phimoe", mixtral_rules() + router_rules(f"{_MLP}.router"), norm_kind="layer", norm_bias=True,
                sliding="all", mlp_bias_keys=(), lm_head_bias_keys=("lm_head_bias",), default_rope_theta=1000000.0,
                moe=MoESpec(sparsemixer=True), parity_reference="PhimoeForCausalLM"),
 )

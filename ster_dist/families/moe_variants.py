@@ -13,7 +13,7 @@ from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe import (
     _DEEPSEEK,
     _MLA_BIAS,
-    _V3_ROUTER,
+    V3_ROUTER,
     _granitemoe_rules,
     expert_rules,
     router_rules,
@@ -25,7 +25,7 @@ _MLP = "model.layers.{i}.mlp"
 _SHARED = "layers.{i}.mlp.shared."
 
 
-def _granitemoeshared_rules() -> tuple[Rule, ...]:
+def granitemoeshared_rules() -> tuple[Rule, ...]:
     shared = "model.layers.{i}.shared_mlp"
     gate_up = Fused(((f"{_SHARED}gate.weight", "shared_intermediate"), (f"{_SHARED}up.weight", "shared_intermediate")),
                     unit="one")
@@ -55,13 +55,13 @@ _ERNIE_BIAS = dict(qkv_bias_keys=("use_bias",), o_bias_keys=("use_bias",), mlp_b
                    lm_head_bias_keys=("use_bias",))
 
 MOE_VARIANT_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("granitemoeshared", _granitemoeshared_rules(), mlp_bias_keys=(),
+    FamilySpec("granitemoeshared", granitemoeshared_rules(), mlp_bias_keys=(),
                moe=MoESpec(renormalize=True, shared="stated"), parity_reference="GraniteMoeSharedForCausalLM"),
     FamilySpec("flex_olmo", _flex_olmo_rules(), pre_norm=False, post_norm=True, qk_norm="proj", mlp_bias_keys=(),
                moe=MoESpec(), parity_reference="FlexOlmoForCausalLM"),
     FamilySpec("glm4_moe_lite", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_MLA_BIAS,
                config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True},
-               moe=_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
+               moe=V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
     FamilySpec("ernie4_5_moe", _ernie_rules(), rope_interleaved=True, tied_default=True,
                default_rope_theta=500000.0, **_ERNIE_BIAS,
                moe=MoESpec(renormalize=True, correction_bias=True, shared="deepseek"),

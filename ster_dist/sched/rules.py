@@ -59,21 +59,18 @@ def check(job, check_model: bool, cli: bool = False) -> None:
 
 
 def _generate_rules(job, cli: bool) -> None:
+    from ster_dist.commands.core import check_prompt_flags
     from ster_dist.generate import Sampling
 
     fields = job.fields
-    if ("prompt" in fields and fields["prompt"] is not None) == ("prompts" in fields and fields["prompts"] is not None):
-        raise Refusal("give exactly one of --prompt TEXT or --prompts FILE" if cli else
-                      "a generate job spec needs exactly one of the fields 'prompt' (text) or 'prompts' (a file)")
-    if fields.get("prompts") is not None and fields.get("output") is None:
-        raise Refusal("--prompts needs --output FILE for the answers" if cli else
-                      "a generate job spec with 'prompts' needs 'output', the file for the answers")
+    if cli:
+        check_prompt_flags(fields.get("prompt"), fields.get("prompts"), fields.get("output"))
+    elif (fields.get("prompt") is None) == (fields.get("prompts") is None):
+        raise Refusal("a generate job spec needs exactly one of the fields 'prompt' (text) or 'prompts' (a file)")
+    elif fields.get("prompts") is not None and fields.get("output") is None:
+        raise Refusal("a generate job spec with 'prompts' needs 'output', the file for the answers")
     ns = job.namespace()
-    if ns.temperature < 0:
-        raise Refusal(f"{label('temperature', cli)} must be zero or more, got {ns.temperature}")
-    if not 0 < ns.top_p <= 1:
-        raise Refusal(f"{label('top_p', cli)} must lie in (0, 1], got {ns.top_p}")
-    Sampling(ns.max_new_tokens, ns.temperature, ns.top_p, ns.seed).check()
+    Sampling(ns.max_new_tokens, ns.temperature, ns.top_p, ns.seed).check(lambda dest: label(dest, cli))
     if ns.temperature > 0 and "seed" not in fields and not cli:
         raise Refusal(f"a generate job spec that samples (temperature {ns.temperature}) must state 'seed', "
                       "so that a retried or re-run job gives the same answer")
