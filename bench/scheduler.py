@@ -46,19 +46,10 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from ster_dist.commands import common  # noqa: E402
-from ster_dist.protocol import validate  # noqa: E402
+from ster_dist import ops  # noqa: E402
+from ster_dist.schema import GenerateRequest  # noqa: E402
 from ster_dist.scheduler import Scheduler  # noqa: E402
-
-
-class _Held:
-    """A pool of one loaded Session: the direct path's model stays loaded like the scheduler's."""
-
-    def __init__(self, args):
-        self.session = common.Session(args)
-
-    def get(self, args):
-        return self.session
+from ster_dist.session import Session  # noqa: E402
 
 
 def _quiet(fn):
@@ -87,13 +78,10 @@ def _in_thread(fn):
     return box["out"]
 
 
-def _direct(model: str, prompts: list[str], new_tokens: int, tmp: Path) -> list[str]:
-    path, out = tmp / "prompts.json", tmp / "answers.json"
-    path.write_text(json.dumps({"prompts": prompts}))
-    ns = validate({"kind": "generate", "model": model, "prompts": str(path), "output": str(out),
-                   "max_new_tokens": new_tokens}).namespace()
-    ns.run(ns)
-    return [r["text"] for r in json.loads(out.read_text())["results"]]
+def _direct(session: Session, model: str, prompts: list[str], new_tokens: int) -> list[str]:
+    """The operation itself on a loaded session: every prompt one request, answered in one forward."""
+    requests = [GenerateRequest(model=model, prompt=p, max_new_tokens=new_tokens) for p in prompts]
+    return [r.results[0].text for r in ops.generate_many(session, requests)]
 
 
 def _scheduled(scheduler: Scheduler, model: str, prompts: list[str], new_tokens: int) -> list[str]:
@@ -103,8 +91,9 @@ def _scheduled(scheduler: Scheduler, model: str, prompts: list[str], new_tokens:
 
 
 def _command_runs(model: str, new_tokens: int, runs: int) -> tuple[list[float], list[float], str, str]:
-    """Seconds per whole `ster generate` through cli.main and through the command function."""
-    from ster_dist.cli import build_parser, main as cli_main
+    """Seconds per whole `ster generate` through cli.main and through the operation on a fresh session."""
+    from ster_dist.cli import main as cli_main
+    from ster_dist.cli import parse
 
     argv = ["generate", "--model", model, "--prompt", "Question 0", "--max-new-tokens", str(new_tokens)]
     through, plain, texts = [], [], {}
@@ -116,8 +105,13 @@ def _command_runs(model: str, new_tokens: int, runs: int) -> tuple[list[float], 
         through.append(time.perf_counter() - start)
         texts["cli"] = json.loads(out.getvalue())["text"]
         start = time.perf_counter()
-        ns = build_parser().parse_args(argv)
-        texts["plain"] = _in_thread(lambda: _quiet(lambda: ns.run(ns)))["text"]  # noqa: B023 (called at once)
+        request = parse(argv)
+
+        def plain_run():
+            with Session(request) as session:
+                return ops.generate(session, request).results[0].text  # noqa: B023 (called at once)
+
+        texts["plain"] = _in_thread(lambda: _quiet(plain_run))
         plain.append(time.perf_counter() - start)
     return through, plain, texts["cli"], texts["plain"]
 
@@ -156,21 +150,19 @@ def main(argv=None) -> dict:
 
         # direct: one batched call through a loaded Session, on a thread of its own like the executor
         def direct_runs():
-            held = _quiet(lambda: _Held(validate({"kind": "generate", "model": model, "prompt": "x"}).namespace()))
-            common.use_pool(held)
+            held = Session(GenerateRequest(model=model, prompt="x"))
             try:
-                _quiet(lambda: _direct(model, prompts[:2], args.new_tokens, tmp))  # warm
-                best = _best(lambda: _quiet(lambda: _direct(model, prompts, args.new_tokens, tmp)), args.repeats)
+                _quiet(lambda: _direct(held, model, prompts[:2], args.new_tokens))  # warm: loads the model
+                best = _best(lambda: _quiet(lambda: _direct(held, model, prompts, args.new_tokens)), args.repeats)
                 times = []
                 for i in range(args.latency_runs):
                     prompt = prompts[i % len(prompts)]
                     start = time.perf_counter()
-                    _quiet(lambda: _direct(model, [prompt], args.new_tokens, tmp))  # noqa: B023 (called at once)
+                    _quiet(lambda: _direct(held, model, [prompt], args.new_tokens))  # noqa: B023 (called at once)
                     times.append(time.perf_counter() - start)
                 return best, times
             finally:
-                common.use_pool(None)
-                held.session.close()
+                held.close()
 
         (direct_s, direct), single = _in_thread(direct_runs)
 

@@ -117,7 +117,8 @@ def batch_merge(spec: dict, progress=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ster_dist.commands.common import progress, read_json
+    from ster_dist.events import progress
+    from ster_dist.inputs import read_json
 
     parser = argparse.ArgumentParser(description="Batch LoRA merges over a Ray cluster.")
     parser.add_argument("spec", help='a JSON file: {"merges": [{"model", "adapter", "output"}, ...]}')

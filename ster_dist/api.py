@@ -1,28 +1,33 @@
-"""The Python API: an Engine over one model, every call a job through the central scheduler.
+"""The Python API: an Engine over one model, every call a typed request run as a job through the
+job queue.
 
     from ster_dist.api import Engine
 
     with Engine("models/smollm2", tp=2) as engine:
         answer = engine.generate("What is the capital of France?", max_new_tokens=16)
         answers = engine.generate(["one", "two", "three"])        # one batched forward
+        report = engine.run(ExtractRequest(model=..., input=..., output=...))
 
-Without `address` the scheduler runs in this process (one-rank groups here, larger ones on an
-embedded local Ray cluster); with one, calls go to the cluster's scheduler actor, the same
-one `ray job submit ... jobs/run.py` and `ster submit` reach. Keyword arguments are the CLI
-command's flags (max_new_tokens=..., layer=..., ...); a method whose command this build does
-not register refuses clearly. A failed job raises a Refusal carrying the job's error.
+Without `address` the job queue runs in this process (one-rank groups here, larger ones on an
+embedded local Ray cluster); with one, calls go to the cluster's job-queue actor, the same one
+`ray job submit ... jobs/run.py` and `ster submit` reach. Keyword arguments are the request
+model's fields (ster_dist/schema: max_new_tokens=..., layers=..., ...), validated as a queued
+job's are. A failed job raises a Refusal carrying the job's error.
 """
 
 from __future__ import annotations
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
+from ster_dist.schema import JOB_REQUESTS, Request
+
+_SETTINGS = ("model", "revision", "precision", "device", "tp", "ep")
 
 
 class Engine:
     def __init__(self, model: str, *, revision: str | None = None, tp: int = 1, ep: int = 1,
                  precision: str = "f32", device: str = "cpu", address: str | None = None,
-                 state_dir: str | None = None, on_event=None, **scheduler_options):
+                 state_dir: str | None = None, on_event=None, **queue_options):
         self.model = model
         self.settings = {"model": model, "revision": revision, "precision": precision, "device": device,
                          "tp": tp, "ep": ep}
@@ -31,59 +36,66 @@ class Engine:
             from ster_dist.sched.client import LocalClient
             from ster_dist.scheduler import Scheduler
 
-            scheduler = Scheduler(state_dir, **scheduler_options).start()
+            scheduler = Scheduler(state_dir, **queue_options).start()
             scheduler.pool.prepare(tp * ep)
             self.client = LocalClient(scheduler)
         else:
             from ster_dist.sched.client import RayClient
 
-            self.client = RayClient(address, state_dir, scheduler_options)
+            self.client = RayClient(address, state_dir, queue_options)
 
-    # -- one method per job kind ---------------------------------------------------------------
-    def generate(self, prompt: str | list[str], **flags):
+    # -- one method per operation --------------------------------------------------------------
+    def generate(self, prompt: str | list[str], **fields):
         """One prompt: its result mapping. A list: one job per prompt (batched into one forward when
         greedy) and the list of their results, in order."""
         if isinstance(prompt, list):
-            return self.run_many([self.spec("generate", prompt=p, **flags) for p in prompt])
-        return self.run("generate", prompt=prompt, **flags)
+            return self.run_many([self.request("generate", prompt=p, **fields) for p in prompt])
+        return self.run(self.request("generate", prompt=prompt, **fields))
 
-    def extract(self, **flags) -> dict:
-        return self.run("extract", **flags)
+    def extract(self, **fields) -> dict:
+        return self.run(self.request("extract", **fields))
 
-    def steer(self, action: str = "train", **flags) -> dict:
-        return self.run(f"steer-{action}", **flags)
+    def steer(self, action: str = "train", **fields) -> dict:
+        return self.run(self.request(f"steer-{action}", **fields))
 
-    def decide(self, **flags) -> dict:
-        return self.run("decide", **flags)
+    def decide(self, **fields) -> dict:
+        return self.run(self.request("decide", **fields))
 
-    def merge(self, **flags) -> dict:
-        return self.run("merge", **flags)
+    def merge(self, **fields) -> dict:
+        return self.run(self.request("merge", **fields))
 
-    def parity(self, **flags) -> dict:
-        return self.run("parity", **flags)
+    def parity(self, **fields) -> dict:
+        return self.run(self.request("parity", **fields))
+
+    def tune(self, action: str = "sft", **fields) -> dict:
+        return self.run(self.request(f"tune-{action}", **fields))
 
     # -- underneath ------------------------------------------------------------------------------
-    def spec(self, kind: str, **flags) -> dict:
-        """The job spec for kind: this engine's model settings (those the command takes), then the
-        flags given."""
-        protocol.command_parsers(kind)  # refuses a kind this build does not have, naming it
-        spec = {"kind": kind}
-        for name, value in self.settings.items():
+    def request(self, kind: str, **fields) -> Request:
+        """The typed request of `kind`: this engine's model settings (those the request takes), then
+        the fields given, validated as a queued job's."""
+        if kind not in JOB_REQUESTS:
+            raise Refusal(f"unknown job kind {kind!r}; give one of: {', '.join(JOB_REQUESTS)}")
+        cls = JOB_REQUESTS[kind]
+        data = {}
+        for name in _SETTINGS:
+            value = self.settings[name]
             if value is None:
                 continue
-            if protocol.accepts(kind, name):
-                spec[name] = value
+            if name in cls.model_fields:
+                data[name] = value
             elif name in ("tp", "ep") and value != 1:
-                raise Refusal(f"{kind} jobs take no {name!r} in this ster_dist build; use {name}=1")
-        spec.update(flags)
-        return spec
+                raise Refusal(f"{kind} jobs take no {name!r}; use {name}=1")
+        data.update(fields)
+        return protocol.validate({"kind": kind, **data}).request
 
-    def run(self, kind: str, **flags) -> dict:
-        return self.run_many([self.spec(kind, **flags)])[0]
+    def run(self, request: Request) -> dict:
+        return self.run_many([request])[0]
 
-    def run_many(self, specs: list[dict]) -> list[dict]:
+    def run_many(self, requests: list[Request]) -> list[dict]:
         from ster_dist.sched.client import follow
 
+        specs = [{"kind": r.kind, **r.given()} for r in requests]
         records = follow(self.client, self.client.submit_many(specs), on_event=self.on_event)
         for record in records:
             if record["status"] != "done":

@@ -1,8 +1,13 @@
-"""The `ster` command line: thin argument parsing over the library.
+"""The `ster` command line, generated from the typed requests of ster_dist/schema.
 
-Every command prints its result as JSON on stdout and progress on stderr. A
-Refusal is printed once, as one line on stderr, with exit status 2: never a
-traceback. Subcommands live in ster_dist/commands/, one module per area.
+Every command is one request model: its fields become the command's flags (help text, defaults,
+choices), and what the command line states is validated by that model, refused in the flags'
+words. Job kinds run as jobs through a job queue in this process (ster_dist.scheduler.run_cli), the
+same front door as job specs and the Python API; the other commands call their operation directly.
+
+Every command prints its result as JSON on stdout and progress events (one JSON object per line)
+on stderr. A refusal is printed once, as one line on stderr, with exit status 2 (3 for running
+out of memory): never a traceback. This is the only module that touches argparse.
 """
 
 from __future__ import annotations
@@ -10,34 +15,134 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import json
-import pkgutil
 import sys
+import types
+import typing
+from importlib.metadata import PackageNotFoundError, version
 
-import ster_dist.commands
 from ster_dist.errors import Refusal
+from ster_dist.schema import REQUESTS, Request, SchedulerRequest, SubmitRequest
 
 
-@functools.cache  # one per process: cli.main and the scheduler's protocol read the same definitions
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # one line, like every other refusal (argparse would print its usage block and exit itself)
+        raise Refusal(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
+def _version() -> str:
+    try:
+        return version("ster_dist")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@functools.cache
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ster", description="Run Hugging Face decoder checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for info in sorted(pkgutil.iter_modules(ster_dist.commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"ster_dist.commands.{info.name}")
-        if hasattr(module, "register"):
-            module.register(sub)
+    parser = _Parser(prog="ster", description="Run Hugging Face decoder checkpoints: generate, capture, steer, "
+                                              "decide, merge, across tensor- and expert-parallel ranks.")
+    parser.add_argument("--version", action="version", version=f"ster_dist {_version()}")
+    root = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for cls in REQUESTS:
+        *parents, name = cls.command
+        sub = root
+        for parent in parents:  # `ster steer train`: one parser for "steer", its verbs below it
+            if parent not in groups:
+                holder = root.add_parser(parent, help=f"{parent}: " + ", ".join(
+                    c.command[-1] for c in REQUESTS if c.command[:-1] == (parent,)))
+                groups[parent] = holder.add_subparsers(dest=f"{parent}_command", required=True,
+                                                       parser_class=_Parser)
+            sub = groups[parent]
+        command = sub.add_parser(name, help=cls.summary, description=cls.summary)
+        for field_name, info in cls.model_fields.items():
+            _add_field(command, field_name, info)
+        command.set_defaults(request_class=cls)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:
+    meta = (info.json_schema_extra or {}).get("cli", {})
+    annotation = _unoptional(info.annotation)
+    kwargs: dict = {"dest": name, "help": info.description or ""}
+    if not info.is_required():
+        kwargs["default"] = argparse.SUPPRESS  # only what the line states reaches the request
+        if info.default is not None and annotation is not bool:
+            kwargs["help"] += f" (default: {info.default})"
+    if annotation is bool:
+        kwargs["action"] = "store_true"
+    elif typing.get_origin(annotation) is typing.Literal:
+        kwargs["choices"] = list(typing.get_args(annotation))
+    elif annotation in (int, float):
+        kwargs["type"] = annotation
+    elif typing.get_origin(annotation) is list and meta.get("nargs"):
+        kwargs["nargs"] = meta["nargs"]
+    # anything else (text, a comma list of numbers) is taken as its text; the request parses it
+    if meta.get("positional"):
+        kwargs.pop("dest")
+        kwargs.pop("default", None)
+        parser.add_argument(name, **kwargs)
+        return
+    if "action" not in kwargs and "choices" not in kwargs:
+        kwargs["metavar"] = name.upper()
+    parser.add_argument(meta.get("flag", "--" + name.replace("_", "-")), required=info.is_required(), **kwargs)
+
+
+def _unoptional(annotation):
+    """X for `X | None`."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def parse(argv: list[str] | None = None) -> Request:
+    """The typed request of a command line, or a one-line Refusal in the flags' words."""
     args = build_parser().parse_args(argv)
-    args.exit_code = 0
+    cls = args.request_class
+    given = {name: value for name, value in vars(args).items()
+             if name in cls.model_fields and not name.endswith("_command")}
+    return cls.parse(given, cli=True)
+
+
+def parse_command(cls: type[Request], argv: list[str] | None, prog: str) -> Request:
+    """One request's command line on its own (jobs/run.py, the `ray job submit` entrypoint)."""
+    parser = _Parser(prog=prog, description=cls.summary)
+    for field_name, info in cls.model_fields.items():
+        _add_field(parser, field_name, info)
+    given = {name: value for name, value in vars(parser.parse_args(argv)).items() if name in cls.model_fields}
+    return cls.parse(given, cli=True)
+
+
+def run(request: Request) -> tuple[object, int]:
+    """(result, exit status) of one request, through the job queue when it is a job kind."""
+    if isinstance(request, SubmitRequest):
+        from ster_dist.sched.submit import submit
+
+        return submit(request)
+    if isinstance(request, SchedulerRequest):
+        from ster_dist.sched.submit import scheduler_action
+
+        return scheduler_action(request), 0
+    if request.kind is not None:
+        from ster_dist.scheduler import run_cli
+
+        return run_cli(request)
+    from ster_dist import ops
+
+    result = ops.OPERATIONS[type(request)].run(request)
+    return result, ops.exit_code(request, result)
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
+        request = parse(argv)  # --help and --version print on stdout and exit here
         # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
         # worker, DeepSpeed's accelerator line) goes to stderr with the progress
         with contextlib.redirect_stdout(sys.stderr):
-            result = _run(args)
+            result, code = run(request)
         print(json.dumps(result, indent=2, ensure_ascii=False))
     except Refusal as refusal:
         print(str(refusal), file=sys.stderr)
@@ -45,19 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return args.exit_code
-
-
-def _run(args):
-    """A job kind goes through the scheduler, the same front door as the API and Ray jobs; other
-    commands (families, inspect-model, toy-model, ...) run directly."""
-    from ster_dist import protocol
-
-    if protocol.kind_of(args) is None:
-        return args.run(args)
-    from ster_dist.scheduler import run_cli
-
-    return run_cli(args)
+    return code
 
 
 if __name__ == "__main__":

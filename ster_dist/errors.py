@@ -28,3 +28,11 @@ class JobFailed(Refusal):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class OutOfMemory(Refusal):
+    """A rank (or this process) ran out of memory: reported whole, with Ray's memory line when Ray
+    killed it, and an exit status of its own (3), since neither the input nor ster_dist is at fault
+    and the fix is more memory or a smaller share per rank."""
+
+    exit_code = 3

@@ -1,14 +1,14 @@
 """The central scheduler: the one owner of worker groups, and the queue every job goes through.
 
-Jobs of every kind (generate, extract, steer train/evaluate, decide, merge, parity) are
-validated on arrival (ster_dist.protocol), journaled (sched/journal.py), queued by priority
-(higher first, then arrival order) and run one at a time by one executor thread, each as its
-CLI command (`ster <kind> ...`) with the scheduler's pool of worker groups (sched/pool.py)
-installed, so a model is loaded once and reused by every later job on the same group key.
-Greedy generate jobs with equal settings are batched into one forward (sched/batch.py). A
-job whose worker died is retried on a restarted group up to `max_retries` times, then fails
-with the worker's error. Progress events are kept per job (sched/events.py) for callers to
-stream; results are protocol result records.
+Jobs of every kind (generate, extract, steer train/evaluate/optimize, decide, merge, parity,
+tune) are validated on arrival (ster_dist.protocol: a typed request per job), journaled
+(sched/journal.py), queued by priority (higher first, then arrival order) and run one at a time
+by one executor thread, each as its operation (ster_dist.ops) over a session from the pool of
+worker groups (sched/pool.py), so a model is loaded once and reused by every later job on the
+same group key. Greedy generate jobs with equal settings share one forward (ops.generate_many,
+merged in memory). A job whose worker died is retried on a restarted group up to `max_retries`
+times, then fails with the worker's error. Progress events are kept per job (sched/events.py)
+for callers to stream; results are protocol result records.
 
 The same class runs in-process (the Python API, `ster submit --local`) and inside the named
 Ray actor (sched/actor.py) that `ray job submit ... jobs/run.py` and `ster submit` reach.
@@ -22,25 +22,41 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ster_dist import protocol
-from ster_dist.commands.common import use_pool
-from ster_dist.errors import JobFailed, Refusal, WorkerLost
+from ster_dist import ops, protocol
+from ster_dist.errors import JobFailed, OutOfMemory, Refusal, WorkerLost
+from ster_dist.ops.generate import batch_key, check_inputs, generate_many, prompts_of
 from ster_dist.protocol import JobSpec
+from ster_dist.schema import GenerateRequest, Request
 from ster_dist.sched import events
-from ster_dist.sched.batch import batch_key, job_prompts, run_batch
 from ster_dist.sched.journal import Journal
-from ster_dist.sched.pool import GroupPool, group_key
+from ster_dist.sched.pool import GroupPool
 
 MAX_EVENTS = 1000  # per job; the oldest are dropped past this
 _ACTIVE: list[Scheduler] = []
 
 
+@dataclass(frozen=True)
+class RawSpec:
+    """A journaled job that no longer validates (or already finished): kept by id and kind only."""
+
+    id: str
+    kind: str
+    priority: int
+    spec: dict
+
+    def to_dict(self) -> dict:
+        return self.spec
+
+    @property
+    def fields(self) -> dict:
+        return {k: v for k, v in self.spec.items() if k not in protocol.PROTOCOL_FIELDS}
+
+
 @dataclass
 class Job:
-    spec: JobSpec
+    spec: JobSpec | RawSpec
     seq: int
-    ns: object = None
-    key: tuple | None = None
+    key: tuple | None = None  # the batch key of a greedy generate job
     attempts: int = 0
     state: str = "queued"  # queued | running | done | failed
     solo: bool = False     # run alone even when batchable (after its batch was refused)
@@ -72,7 +88,6 @@ class Scheduler:
             raise Refusal("a scheduler is already running in this process; close it or submit to it")
         if self._thread is None:
             _ACTIVE[:] = [self]
-            use_pool(self.pool)
             self._thread = threading.Thread(target=self._loop, name="ster-scheduler", daemon=True)
             self._thread.start()
         return self
@@ -85,7 +100,6 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
         if _ACTIVE and _ACTIVE[0] is self:
-            use_pool(None)
             _ACTIVE.clear()
         self.pool.close()
         self.journal.close()
@@ -103,7 +117,10 @@ class Scheduler:
     def submit_many(self, specs: list, cli: bool = False) -> list[str]:
         """Validate every spec first (one refused: none accepted), then journal and queue them all.
         `cli`: the specs are command lines of this process, refused in their flags' words."""
-        jobs = [protocol.validate(spec, cli=cli) for spec in specs]
+        return self.submit_jobs([protocol.validate(spec, cli=cli) for spec in specs])
+
+    def submit_jobs(self, jobs: list[JobSpec]) -> list[str]:
+        """Journal and queue jobs already validated (a command line's typed request)."""
         ids = []
         with self._cond:
             for spec in jobs:
@@ -175,8 +192,8 @@ class Scheduler:
             seq = self._seq
         self._seq = max(self._seq, seq)
         job = Job(spec, seq, attempts=attempts)
-        job.ns = spec.namespace()
-        job.key = batch_key(spec.kind, job.ns)
+        request = spec.request
+        job.key = batch_key(request) if isinstance(request, GenerateRequest) else None
         self.jobs[spec.id] = job
         heapq.heappush(self._queue, (-spec.priority, seq, spec.id))
         return job
@@ -185,7 +202,7 @@ class Scheduler:
         """Queue again every accepted job the journal has no result for; keep the finished ones' results."""
         for job_id, entry in sorted(state.entries.items(), key=lambda item: item[1].seq):
             if entry.result is not None:
-                job = Job(_raw_spec(job_id, entry.spec), entry.seq, attempts=entry.attempts, result=entry.result)
+                job = Job(raw_spec(job_id, entry.spec), entry.seq, attempts=entry.attempts, result=entry.result)
                 job.state = entry.result.get("status", "done")
                 self.jobs[job_id] = job
                 self._seq = max(self._seq, entry.seq)
@@ -204,7 +221,7 @@ class Scheduler:
                                          "attempt(s))"))
 
     def _finish_recovered(self, job_id: str, entry, error: str) -> None:
-        spec = _raw_spec(job_id, entry.spec)
+        spec = raw_spec(job_id, entry.spec)
         job = Job(spec, entry.seq, attempts=entry.attempts)
         self.jobs[job_id] = job
         self._finish(job, protocol.make_result(spec, "failed", error=error, attempts=max(1, entry.attempts),
@@ -233,7 +250,7 @@ class Scheduler:
 
     def _execute(self, job: Job) -> None:
         batch = [job]
-        if job.key is not None and not job.solo:
+        if job.key is not None and not job.solo and _size(job) is not None:
             # Load (or find) the group first, so that jobs arriving during a load join this batch.
             if not self._attempt([job], warm_only=True):
                 return
@@ -281,7 +298,7 @@ class Scheduler:
         stop = events.capture(sink)
         try:
             if warm_only:
-                self.pool.get(batch[0].ns)
+                self.pool.get(batch[0].spec.request).load()
                 return True
             results = self._run(batch)
         except BaseException as exc:  # every failure is the job's to report; the scheduler keeps going
@@ -298,25 +315,31 @@ class Scheduler:
         return True
 
     def _run(self, batch: list[Job]) -> list[tuple[dict, int]]:
+        requests = [job.spec.request for job in batch]
         if len(batch) == 1:
-            job = batch[0]
-            ns = job.spec.namespace()  # fresh: a command may write into its Namespace
-            result = ns.run(ns)
+            request = requests[0]
+            operation = ops.OPERATIONS[type(request)]
+            if operation.needs_session:
+                result = operation.run(self.pool.get(request), request)
+                self.pool.note_used(request)
+            else:
+                result = operation.run(request)
+            shown = ops.shown(request, result)
             self.batches[:] = self.batches[-9999:] + [1]
-            return [(result, int(getattr(ns, "exit_code", 0) or 0))]
-        namespaces = [job.spec.namespace() for job in batch]
-        prompts = [job_prompts(ns) for ns in namespaces]
-        results = run_batch(namespaces, prompts)
-        self.batches[:] = self.batches[-9999:] + [sum(len(p) for p in prompts)]
-        return [(result, 0) for result in results]
+            return [(shown, ops.exit_code(request, shown))]
+        results = generate_many(self.pool.get(requests[0]), requests)
+        self.pool.note_used(requests[0])
+        self.batches[:] = self.batches[-9999:] + [sum(_size(job) for job in batch)]
+        return [(result.shown(request), 0) for request, result in zip(requests, results)]
 
     def _failed(self, batch: list[Job], exc: BaseException, counted: bool) -> None:
+        if isinstance(exc, MemoryError):
+            exc = OutOfMemory(f"this process ran out of memory: {exc or 'MemoryError'}; give it more memory or "
+                              "spread the model over more ranks (--tp / --ep)")
         message = str(exc) if isinstance(exc, Refusal) else f"{type(exc).__name__}: {exc}"
-        ns = batch[0].ns
-        had_group = group_key(ns) in self.pool.groups
-        lost = had_group and not self.pool.alive(ns)
-        if lost:
-            self.pool.drop(ns, "dead")
+        request = batch[0].spec.request
+        if self.pool.holds(request) and not self.pool.alive(request):
+            self.pool.drop(request, "dead")
         # a lost worker (workers/ray_group.py, workers/spawn.py) is retried on a restarted group; a
         # refusal a rank raised itself would only be repeated
         # (only once the job ran: a group that cannot even start fails its job)
@@ -338,8 +361,9 @@ class Scheduler:
                                                            attempts=job.attempts, exit_code=2))
                 else:
                     error = f"{message} (gave up after {job.attempts} attempts)" if worker_died else message
+                    code = getattr(exc, "exit_code", 2) if isinstance(exc, Refusal) else 1
                     self._finish(job, protocol.make_result(job.spec, "failed", error=error, attempts=job.attempts,
-                                                           exit_code=2 if isinstance(exc, Refusal) else 1))
+                                                           exit_code=code))
             self._cond.notify_all()
 
     def _requeue(self, job: Job) -> None:
@@ -356,26 +380,24 @@ class Scheduler:
         self._cond.notify_all()
 
 
-def run_cli(args) -> dict:
-    """A parsed `ster <kind> ...` command run as a job through a scheduler in this process: how the
+def run_cli(request: Request) -> tuple[dict, int]:
+    """A command line's typed request run as a job through a job queue in this process: how the
     command line goes through the same front door as the API and Ray jobs. Progress events go to
-    stderr as the command's own would; a failed job raises JobFailed with the command's exit
-    status; a finished one's status (parity's 1 when it fails) comes back in args.exit_code.
-    A scheduler already running in this process (an Engine's) takes the job; else one is started
-    for it and closed after (an interrupt closes it at once, with its worker groups)."""
-    from ster_dist.sched.client import LocalClient, follow
+    stderr as the command's own would; a failed job raises JobFailed with its exit status; a
+    finished one returns (its result, its exit status: parity's 1 when it fails).
+    A queue already running in this process (an Engine's) takes the job; else one is started for
+    it and closed after (an interrupt closes it at once, with its worker groups)."""
+    from ster_dist.sched.client import follow
 
-    kind = protocol.kind_of(args)
-    if kind is None:
-        raise Refusal(f"`ster {getattr(args, 'command', '?')}` is not a job kind the scheduler runs")
-    spec = protocol.spec_from_args(kind, args)
-    own = None if _ACTIVE else Scheduler(None, address=getattr(args, "address", None))
+    if request.kind is None:
+        raise Refusal(f"`ster {' '.join(request.command)}` is not a job kind the job queue runs")
+    own = None if _ACTIVE else Scheduler(None, address=getattr(request, "address", None))
     scheduler = own.start() if own is not None else _ACTIVE[0]
-    scheduler.pool.prepare(int(getattr(args, "tp", 1) or 1) * int(getattr(args, "ep", 1) or 1))
-    client = LocalClient(scheduler)
+    scheduler.pool.prepare(int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)))
     interrupted = False
     try:
-        (record,) = follow(client, client.submit_many([spec], cli=True), on_event=_cli_event)
+        ids = scheduler.submit_jobs([protocol.job_from_request(request)])
+        (record,) = follow(scheduler, ids, on_event=_cli_event)
     except KeyboardInterrupt:
         interrupted = True
         raise
@@ -384,8 +406,7 @@ def run_cli(args) -> dict:
             own.close(timeout=0 if interrupted else 600)
     if record["status"] != "done":
         raise JobFailed(record["error"], record["exit_code"] or 2)
-    args.exit_code = record["exit_code"]
-    return record["result"]
+    return record["result"], record["exit_code"]
 
 
 def _cli_event(event_: dict) -> None:
@@ -397,21 +418,22 @@ def _cli_event(event_: dict) -> None:
 
 
 def _size(job: Job) -> int | None:
-    """How many prompts a generate job brings (None: its prompts file is refused; it runs alone)."""
+    """How many prompts a generate job brings, its inputs checked before any model is loaded (None:
+    an input is refused; the job runs alone and reports it)."""
     if job.size is None:
         try:
-            job.size = len(job_prompts(job.ns))
+            check_inputs(job.spec.request)
+            job.size = len(prompts_of(job.spec.request))
         except Refusal:
             job.solo = True
             return None
     return job.size
 
 
-def _same(a: JobSpec, b: JobSpec) -> bool:
+def _same(a, b) -> bool:
     return a.kind == b.kind and a.fields == b.fields
 
 
-def _raw_spec(job_id: str, spec: dict) -> JobSpec:
-    fields = {k: v for k, v in spec.items() if k not in protocol.PROTOCOL_FIELDS}
+def raw_spec(job_id: str, spec: dict) -> RawSpec:
     priority = spec.get("priority", 0)
-    return JobSpec(job_id, str(spec.get("kind", "?")), priority if isinstance(priority, int) else 0, fields)
+    return RawSpec(job_id, str(spec.get("kind", "?")), priority if isinstance(priority, int) else 0, spec)

@@ -6,16 +6,19 @@ import contextlib
 import io
 import json
 
-from ster_dist.cli import build_parser
+from ster_dist import ops
+from ster_dist.cli import parse
+from ster_dist.session import Session
 from ster_dist.toy import make_toy_model
 
 
 def cli_generate(*argv) -> dict:
-    """`ster generate ...`'s command run directly, as the reference for jobs: no scheduler (the
-    command line goes through one), its own model load, its result as the command returns it."""
-    args = build_parser().parse_args(["generate", *argv])
-    with contextlib.redirect_stderr(io.StringIO()):
-        return json.loads(json.dumps(args.run(args)))
+    """`ster generate ...`'s operation run directly, as the reference for jobs: no job queue (the
+    command line goes through one), its own session and model load, its result as the command
+    line shows it."""
+    request = parse(["generate", *argv])
+    with contextlib.redirect_stderr(io.StringIO()), Session(request) as session:
+        return json.loads(json.dumps(ops.generate(session, request).shown(request)))
 
 
 def make_toy(tmp_path_factory) -> str:

@@ -95,6 +95,42 @@ def test_refusal_from_a_real_process_has_no_traceback(tmp_path):
     assert proc.stderr.startswith('model architecture "plamo2" is unsupported by this ster_dist build')
 
 
-def test_toy_model_refuses_a_non_empty_directory(capsys, toy):
-    code, _, err = run(capsys, "toy-model", str(toy))
-    assert code == 2 and "exists and is not empty" in err
+def test_toy_model_again_is_a_no_op_another_is_refused_and_force_replaces(capsys, tmp_path):
+    directory = tmp_path / "toy"
+    code, made, _ = run(capsys, "toy-model", str(directory))
+    assert code == 0 and "unchanged" not in made
+    weights = (directory / "model.safetensors").stat().st_mtime_ns
+    code, again, err = run(capsys, "toy-model", str(directory))
+    assert code == 0 and again["unchanged"] is True and "nothing to do" in err
+    assert (directory / "model.safetensors").stat().st_mtime_ns == weights  # not rewritten
+    code, _, err = run(capsys, "toy-model", str(directory), "--layers", "3")
+    assert code == 2 and "exists and is not empty" in err and "--force" in err
+    assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == 2
+    code, replaced, _ = run(capsys, "toy-model", str(directory), "--layers", "3", "--force")
+    assert code == 0 and replaced["replaced"] is True and replaced["output"] == str(directory)
+    assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy"]  # no staging directory left behind
+
+
+def test_help_shows_every_flag_with_its_meaning_and_default(capsys):
+    with pytest.raises(SystemExit) as shown:
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert shown.value.code == 0
+    from ster_dist.schema import GenerateRequest
+
+    for name, info in GenerateRequest.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in out and info.description.split()[0] in out, name
+    assert "(default: 64)" in out and "{auto,on,off}" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as shown:
+        main(["--version"])
+    assert shown.value.code == 0 and capsys.readouterr().out.startswith("ster_dist ")
+
+
+def test_a_bad_flag_is_one_line(capsys):
+    code, out, err = run(capsys, "generate", "--model", "m", "--prompt", "x", "--max-new-tokens", "ten")
+    assert code == 2 and out is None and err.count("\n") == 1 and "--max-new-tokens" in err

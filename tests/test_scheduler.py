@@ -240,16 +240,15 @@ def test_ster_submit_local_and_jobs_run_local(toy, tmp_path, capsys):
 
 
 def test_a_command_line_run_through_the_scheduler_prints_what_the_command_prints(toy, capsys):
-    from ster_dist.cli import build_parser
+    from ster_dist.cli import parse
     from ster_dist.scheduler import run_cli
 
     argv = ["generate", "--model", toy, "--prompt", "through the front door", "--max-new-tokens", "4"]
-    args = build_parser().parse_args(argv)
-    assert run_cli(args) == cli_generate(*argv[1:]) and args.exit_code == 0
+    assert run_cli(parse(argv)) == (cli_generate(*argv[1:]), 0)
     events = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
     assert any(e["message"].startswith("generating for 1 prompt") for e in events)
     with pytest.raises(Refusal, match="nowhere"):
-        run_cli(build_parser().parse_args(["generate", "--model", "/nowhere/at/all", "--prompt", "x"]))
+        run_cli(parse(["generate", "--model", "/nowhere/at/all", "--prompt", "x"]))
 
 
 def test_a_command_line_in_a_process_with_a_scheduler_is_one_of_its_jobs(toy, capsys):
@@ -268,5 +267,5 @@ def test_a_command_line_in_a_process_with_a_scheduler_is_one_of_its_jobs(toy, ca
         assert "starting a worker group" not in err and "resolving" not in err  # nothing loaded again
         assert main(["generate", "--model", toy, "--prompt", "x", "--max-new-tokens", "-1"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == "--max-new-tokens must be zero or more (a token budget), got -1"
+        assert err == "--max-new-tokens must be zero or more, got an integer -1"
         assert engine.stats()["jobs"] == {"done": 2}  # refused on arrival: never a job

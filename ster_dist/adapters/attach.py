@@ -85,7 +85,7 @@ def detach_on_rank(rank, token: str) -> bool:
 
 def attach_for_cli(session, args) -> Callable[[], None]:
     """Attach --adapter on every rank of the session; returns the detach callable."""
-    from ster_dist.commands.common import progress
+    from ster_dist.events import progress
 
     adapter = open_adapter(args.adapter)
     check_model(adapter, session.checkpoint.model)

@@ -176,7 +176,7 @@ def write_one(plan: MergePlan, index: int) -> int:
 
 def finish(plan: MergePlan) -> dict:
     """Index, config and tokenizer files beside the shards, then the rename into place."""
-    from ster_dist.commands.common import write_json_atomic
+    from ster_dist.atomic import write_json as write_json_atomic
 
     for index, name in enumerate(plan.names):
         path = plan.shard_path(index)

@@ -9,7 +9,6 @@ inside the uploaded working directory.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import json
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
+from ster_dist.schema.jobs import RunJobsRequest
 from ster_dist.sched.events import emit
 
 INLINE = "msgpack:"
@@ -73,36 +73,32 @@ def run(client, specs: list[dict], out=None, timeout: float | None = None) -> in
     return max([r["exit_code"] for r in records] + [0])
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jobs/run.py", description="Run ster_dist job specs through the scheduler.")
-    p.add_argument("specs", nargs="+", help="job spec files (JSON or YAML), or msgpack:<base64>")
-    p.add_argument("--address", default=None, help="the Ray cluster (default RAY_ADDRESS, set inside a Ray job)")
-    p.add_argument("--local", action="store_true", help="an in-process scheduler, no Ray (for trying a spec)")
-    p.add_argument("--state", default=None, help="the scheduler's state directory (its journal), when it starts")
-    p.add_argument("--idle-s", type=float, default=300.0, help="release a worker group idle this long")
-    p.add_argument("--max-retries", type=int, default=2, help="retries of a job whose worker died")
-    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def run_jobs(request: RunJobsRequest) -> int:
+    """jobs/run.py: the specs through the cluster's job-queue actor (or an in-process one with
+    `local`); the exit status."""
     try:
-        specs = anchor(read_specs(args.specs), Path.cwd())
-        options = {"idle_s": args.idle_s, "max_retries": args.max_retries}
-        if args.local:
+        specs = anchor(read_specs(request.specs), Path.cwd())
+        options = {"idle_s": request.idle_s, "max_retries": request.max_retries}
+        if request.local:
             from ster_dist.sched.client import LocalClient
             from ster_dist.scheduler import Scheduler
 
-            client = LocalClient(Scheduler(args.state, **options).start())
+            scheduler = Scheduler(request.state, **options).start()
+            scheduler.pool.prepare(max(_world(spec) for spec in specs))
+            client = LocalClient(scheduler)
         else:
             from ster_dist.sched.client import RayClient
 
-            client = RayClient(args.address, args.state, options)
+            client = RayClient(request.address, request.state, options)
         try:
-            return run(client, specs, timeout=args.timeout)
+            return run(client, specs, timeout=request.timeout)
         finally:
             client.close()
     except Refusal as refusal:
         print(str(refusal), file=sys.stderr, flush=True)
-        return 2
+        return getattr(refusal, "exit_code", 2)
+
+
+def _world(spec: dict) -> int:
+    request = protocol.validate(spec, check_model=False).request
+    return int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "dp", 1))

@@ -1,7 +1,7 @@
-"""Progress events of running jobs: what a command prints on stderr, kept per job.
+"""Progress events of running jobs: what an operation prints on stderr, kept per job.
 
-Commands report progress as NDJSON lines on stderr (commands.common.progress). The
-scheduler runs them on its executor thread; while it does, this module's stderr wrapper
+Operations report progress as NDJSON lines on stderr (ster_dist.events.progress). The
+job queue runs them on its executor thread; while it does, this module's stderr wrapper
 routes that thread's lines into the running job's event log (and on to the real stderr when
 asked), so a caller polling the scheduler, in this process or through the Ray actor, gets the
 same events `ster generate` would have printed. Other threads' writes pass through untouched.
@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+from ster_dist.events import as_event
 
 
 class _ThreadTee(io.TextIOBase):
@@ -71,16 +73,6 @@ def capture(sink: Callable[[dict], None]) -> Callable[[], None]:
         tee._partial.pop(ident, None)
 
     return stop
-
-
-def as_event(line: str) -> dict:
-    try:
-        event = json.loads(line)
-    except ValueError:
-        event = None
-    if not isinstance(event, dict):
-        event = {"event": "log", "time": round(time.time(), 3), "message": line}
-    return event
 
 
 def event(message: str, **fields) -> dict:

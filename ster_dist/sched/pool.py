@@ -1,27 +1,28 @@
-"""The scheduler's worker groups: one loaded model per (model, revision, precision, device, tp, ep),
-started once, reused by every later job with that key, released after an idle timeout, and
+"""The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
+device, tp, ep), reused by every later job with that key, released after an idle timeout, and
 restarted when one of its workers has died.
 
-Commands reach it through ster_dist.commands.common.session(), which hands out the pooled
-Session (left open) once the scheduler has called use_pool(pool). Without a cluster address a
-one-rank group runs in this process and larger ones on an embedded local Ray cluster the pool
-starts (and stops on close); with one, every group is Ray actors on that cluster, so a model
-never lives in the scheduler's own process there.
+A session is handed out unloaded: its operation checks its inputs first and loads the model on
+first use, so a refused input never costs a load. Without a cluster address a one-rank group runs
+in this process and larger ones on an embedded local Ray cluster the pool starts (and stops on
+close); with one, every group is Ray actors on that cluster, so a model never lives in the job
+queue's own process there.
 """
 
 from __future__ import annotations
 
-import copy
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ster_dist.commands.common import Session, progress
+from ster_dist.events import progress
+from ster_dist.schema.common import Runtime
+from ster_dist.session import Session
 
 
 def rank_pid(rank) -> dict:
     """Rank-side (Rank.run target): where this rank's process is, so a test or an operator can find it."""
+    import os
     import socket
 
     return {"rank": rank.rank, "pid": os.getpid(), "host": socket.gethostname()}
@@ -35,11 +36,7 @@ class Pooled:
     last_used: float
     workers: list = field(default_factory=list)
     jobs: int = 0
-
-
-def group_key(args) -> tuple:
-    return (str(args.model), getattr(args, "revision", None), getattr(args, "precision", "f32"),
-            getattr(args, "device", "cpu"), int(getattr(args, "tp", 1) or 1), int(getattr(args, "ep", 1) or 1))
+    counted: bool = False  # its load counted in `starts`
 
 
 class GroupPool:
@@ -54,19 +51,32 @@ class GroupPool:
         self._started_ray = False
         self._lock = threading.RLock()
 
-    # -- what commands call ----------------------------------------------------------------
-    def get(self, args) -> Session:
-        key = group_key(args)
+    # -- what operations are given -----------------------------------------------------------
+    def get(self, runtime: Runtime) -> Session:
+        """The session for this runtime (unloaded when new: it loads on first use)."""
+        key = runtime.group_key()
         with self._lock:
             pooled = self.groups.get(key)
-            if pooled is not None and not _alive(pooled.session.group):
+            if pooled is not None and pooled.session.loaded and not _alive(pooled.session.group):
                 self._drop(key, "dead")
                 pooled = None
             if pooled is None:
-                pooled = self._start(key, args)
+                pooled = self._start(key, runtime)
             pooled.last_used = time.monotonic()
             pooled.jobs += 1
             return pooled.session
+
+    def note_used(self, runtime: Runtime) -> None:
+        """After a job ran: count a group that loaded for it and note where its ranks are."""
+        with self._lock:
+            pooled = self.groups.get(runtime.group_key())
+            if pooled is None or not pooled.session.loaded or pooled.counted:
+                return
+            pooled.counted = True
+            self.starts += 1
+            self.history.append(("start", pooled.key))
+            pooled.workers = pooled.session.group.call("run", "ster_dist.sched.pool:rank_pid")
+            pooled.last_used = time.monotonic()
 
     def prepare(self, world: int) -> None:
         """Connect to (or start) Ray now, on the calling thread, when groups of `world` ranks will
@@ -76,16 +86,21 @@ class GroupPool:
             with self._lock:
                 self._ensure_ray()
 
-    # -- what the scheduler calls ----------------------------------------------------------
-    def alive(self, args) -> bool:
+    # -- what the job queue calls ------------------------------------------------------------
+    def holds(self, runtime: Runtime) -> bool:
         with self._lock:
-            pooled = self.groups.get(group_key(args))
-            return pooled is not None and _alive(pooled.session.group)
+            pooled = self.groups.get(_key(runtime))
+            return pooled is not None and pooled.session.loaded
 
-    def drop(self, args, why: str = "dead") -> None:
+    def alive(self, runtime: Runtime) -> bool:
         with self._lock:
-            if group_key(args) in self.groups:
-                self._drop(group_key(args), why)
+            pooled = self.groups.get(_key(runtime))
+            return pooled is not None and pooled.session.loaded and _alive(pooled.session.group)
+
+    def drop(self, runtime: Runtime, why: str = "dead") -> None:
+        with self._lock:
+            if _key(runtime) in self.groups:
+                self._drop(_key(runtime), why)
 
     def release_idle(self, now: float | None = None) -> list[tuple]:
         now = time.monotonic() if now is None else now
@@ -96,11 +111,11 @@ class GroupPool:
             return idle
 
     def describe(self) -> list[dict]:
-        """A snapshot, without the lock: callers ask while a group may be loading."""
+        """A snapshot of the loaded groups, without the lock: callers ask while a group may be loading."""
         now = time.monotonic()
         return [{"model": k[0], "revision": k[1], "precision": k[2], "device": k[3], "tp": k[4], "ep": k[5],
                  "jobs": p.jobs, "idle_s": round(now - p.last_used, 3), "workers": p.workers}
-                for k, p in list(self.groups.items())]
+                for k, p in list(self.groups.items()) if p.counted]
 
     def close(self) -> None:
         with self._lock:
@@ -114,26 +129,16 @@ class GroupPool:
                 self._started_ray = False
 
     # -- inside ------------------------------------------------------------------------------
-    def _start(self, key: tuple, args) -> Pooled:
+    def _start(self, key: tuple, runtime: Runtime) -> Pooled:
         while len(self.groups) >= self.max_groups:
             oldest = min(self.groups.values(), key=lambda p: p.last_used)
             self._drop(oldest.key, "evict")
-        own = copy.copy(args)
-        own.address = self.address
-        if self.address is not None or key[4] * key[5] > 1:
+        if self.address is not None or runtime.tp * runtime.ep > 1:
             self._ensure_ray()
-        progress(f"starting a worker group for {key[0]} (tp {key[4]}, ep {key[5]}, {key[2]}, {key[3]})")
-        session = Session(own)
-        try:
-            workers = session.group.call("run", "ster_dist.sched.pool:rank_pid")
-        except BaseException:
-            session.close()
-            raise
+        session = Session(runtime, address=self.address)
         now = time.monotonic()
-        pooled = Pooled(session, key, now, now, workers)
+        pooled = Pooled(session, key, now, now)
         self.groups[key] = pooled
-        self.starts += 1
-        self.history.append(("start", key))
         return pooled
 
     def _drop(self, key: tuple, why: str) -> None:
@@ -142,6 +147,8 @@ class GroupPool:
             pooled.session.close()
         except Exception:  # a dead group may fail to close cleanly; it is gone either way
             pass
+        if not pooled.counted:
+            return  # never loaded: nothing was started, nothing is released
         self.releases += 1
         self.history.append((why, key))
         if why in ("idle", "dead", "evict"):
@@ -152,6 +159,10 @@ class GroupPool:
 
         if start_ray(self.address):
             self._started_ray = True
+
+
+def _key(runtime: Runtime) -> tuple:
+    return runtime.group_key() if hasattr(runtime, "group_key") else ()
 
 
 def _alive(group) -> bool:

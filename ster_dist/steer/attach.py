@@ -74,7 +74,7 @@ def check_strength(vector, strength) -> None:
 def attach_for_cli(session, args):
     """`ster generate --vector V.json --strength S`: check the artifact against the loaded model,
     warn on a precision or chat-template mismatch, steer every rank, record it on the session."""
-    from ster_dist.commands.common import progress
+    from ster_dist.events import progress
     from ster_dist.steer.text import chat_status
 
     check_strength(args.vector, args.strength)
@@ -89,7 +89,6 @@ def attach_for_cli(session, args):
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["steering"] = info
-    session.steering = info
     progress(f"steering layers {artifact.layers} by {args.strength} x the {artifact.method} direction "
              f"for {artifact.trait_name or '(unnamed)'}")
 
@@ -98,7 +97,6 @@ def attach_for_cli(session, args):
             with contextlib.suppress(Refusal):  # the group is gone, and the hooks with it
                 detach()
         finally:
-            session.steering = None
             if isinstance(provenance, dict):
                 provenance.pop("steering", None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def bar(what: str, width: int = 24):
-    from ster_dist.commands.common import progress
+    from ster_dist.events import progress
 
     def update(done: int, total: int) -> None:
         filled = width * done // max(total, 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from ster_dist.errors import Refusal, WorkerLost
+from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
 
 CALL_TIMEOUT_S = float(os.environ.get("STER_RANK_TIMEOUT", "1800"))
 
@@ -159,9 +159,23 @@ def _as_refusal(exc: BaseException, rank: int, method: str) -> Refusal:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, Refusal):
         return cause
+    if _out_of_memory(exc, cause):
+        whole = " ".join(str(cause if isinstance(cause, MemoryError) else exc).split())
+        return OutOfMemory(f"rank {rank} ran out of memory during {method}: {whole}; the group was shut down. "
+                           "Give the ranks more memory, spread them over more nodes (--tp / --ep), or load a "
+                           "smaller precision")
     if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return WorkerLost(f"rank {rank} died during {method}: {detail[:200]}; the group was shut down")
     text = str(cause if cause is not None else exc).strip().splitlines()
     detail = text[-1] if text else type(exc).__name__
-    return Refusal(f"rank {rank} failed during {method}: {detail[:300]}; the group was shut down")
+    return Refusal(f"rank {rank} failed during {method}: {detail}; the group was shut down")
+
+
+def _out_of_memory(exc: BaseException, cause) -> bool:
+    """Ray's memory monitor killed the worker, or the rank itself raised a memory error."""
+    import ray
+
+    if isinstance(exc, getattr(ray.exceptions, "OutOfMemoryError", ())):
+        return True
+    return isinstance(cause, MemoryError) or type(cause).__name__ == "OutOfMemoryError"

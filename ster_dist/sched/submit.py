@@ -1,4 +1,4 @@
-"""submit, scheduler: the command line's way into the central scheduler.
+"""submit, scheduler: the command line's way into the job queue.
 
 `ster submit SPEC...` is a thin wrapper over Ray job submission: it validates the specs here
 (a malformed one is refused before anything is sent), submits `python jobs/run.py
@@ -17,45 +17,57 @@ import shlex
 import time
 from pathlib import Path
 
-from ster_dist.commands.common import progress
 from ster_dist.errors import Refusal
+from ster_dist.events import progress
+from ster_dist.schema.jobs import SchedulerRequest, SubmitRequest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
-def cmd_submit(args) -> dict:
+def submit(request: SubmitRequest) -> tuple[dict, int]:
+    """(the result record, or {"jobs": [...]} for several; the worst exit status among them)."""
     from ster_dist.sched.client import with_ids
     from ster_dist.sched.entry import read_specs
 
-    specs = with_ids(read_specs(args.specs))
-    if args.local:
-        return _local(args, specs)
-    return _ray_job(args, specs)
+    specs = with_ids(read_specs(request.specs))
+    if request.local:
+        return _local(request, specs)
+    return _ray_job(request, specs)
 
 
-def _local(args, specs: list[dict]) -> dict:
+def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ster_dist.sched.client import LocalClient, follow
     from ster_dist.sched.events import emit
     from ster_dist.scheduler import Scheduler
 
-    client = LocalClient(Scheduler(args.state).start())
+    scheduler = Scheduler(request.state).start()
+    # Ray, when a job needs ranks, is started here on the main thread: started from the queue's
+    # executor thread it outlived the queue's shutdown and the command hung on exit
+    scheduler.pool.prepare(max(_world(spec) for spec in specs))
+    client = LocalClient(scheduler)
     try:
         ids = client.submit_many(specs)
-        if args.no_wait:
+        if request.no_wait:
             raise Refusal("--no-wait needs a cluster: a --local scheduler ends with this command")
-        records = follow(client, ids, on_event=emit, timeout=args.timeout)
+        records = follow(client, ids, on_event=emit, timeout=request.timeout)
     finally:
         client.close()
-    return _outcome(args, records)
+    return _outcome(records)
 
 
-def _outcome(args, records: list[dict]) -> dict:
-    args.exit_code = max([r["exit_code"] for r in records] + [0])
+def _world(spec: dict) -> int:
+    from ster_dist import protocol
+
+    request = protocol.validate(spec, check_model=False).request
+    return int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "dp", 1))
+
+
+def _outcome(records: list[dict]) -> tuple[dict, int]:
     for record in records:
         if record["status"] == "failed":
             progress(f"job {record['id']} ({record['kind']}) failed: {record['error']}")
-    return records[0] if len(records) == 1 else {"jobs": records}
+    return records[0] if len(records) == 1 else {"jobs": records}, max([r["exit_code"] for r in records] + [0])
 
 
 def job_server(address: str | None) -> str:
@@ -78,7 +90,7 @@ def server_answers(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def _ray_job(args, specs: list[dict]) -> dict:
+def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ray.job_submission import JobSubmissionClient
 
     from ster_dist.sched.entry import inline
@@ -86,7 +98,7 @@ def _ray_job(args, specs: list[dict]) -> dict:
     if not (ROOT / "jobs" / "run.py").is_file():
         raise Refusal(f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
                       f"under {ROOT}; run it from a checkout, or use `ray job submit` yourself")
-    address = job_server(args.address)
+    address = job_server(request.address)
     if not server_answers(address):
         raise Refusal(f"no Ray job server answers at {address}; start a cluster (docs/runbook.md) or give "
                       "--address http://HEAD:8265")
@@ -95,24 +107,24 @@ def _ray_job(args, specs: list[dict]) -> dict:
     except Exception as exc:  # the SDK raises ConnectionError, RuntimeError, ... for an absent server
         raise Refusal(f"no Ray job server answers at {address}: {str(exc).splitlines()[0] if str(exc) else exc}; "
                       "start a cluster (docs/runbook.md) or give --address http://HEAD:8265") from None
-    entrypoint = f"{args.python} jobs/run.py {inline(specs)}"
-    if args.state:
-        entrypoint += f" --state {shlex.quote(args.state)}"
+    entrypoint = f"{request.python} jobs/run.py {inline(specs)}"
+    if request.state:
+        entrypoint += f" --state {shlex.quote(request.state)}"
     # the SDK logs its packaging of the working directory as plain text; stderr here is NDJSON
     for name in ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
                  "ray._private.runtime_env.packaging"):
         logging.getLogger(name).setLevel(logging.ERROR)
     submission = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(ROOT)})
     progress(f"submitted Ray job {submission} to {address}", jobs=[s["id"] for s in specs])
-    if args.no_wait:
-        return {"submission_id": submission, "address": address, "jobs": [s["id"] for s in specs]}
-    return _follow_job(args, client, submission)
+    if request.no_wait:
+        return {"submission_id": submission, "address": address, "jobs": [s["id"] for s in specs]}, 0
+    return _follow_job(request, client, submission)
 
 
-def _follow_job(args, client, submission: str) -> dict:
+def _follow_job(request: SubmitRequest, client, submission: str) -> tuple[dict, int]:
     from ster_dist.sched.events import as_event, emit
 
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    deadline = None if request.timeout is None else time.monotonic() + request.timeout
     seen, result, last_text = 0, None, ""
     while True:
         status = str(client.get_job_status(submission)).split(".")[-1]
@@ -130,12 +142,12 @@ def _follow_job(args, client, submission: str) -> dict:
         if status in TERMINAL:
             break
         if deadline is not None and time.monotonic() > deadline:
-            raise Refusal(f"Ray job {submission} did not finish within {args.timeout} s; it keeps running "
+            raise Refusal(f"Ray job {submission} did not finish within {request.timeout} s; it keeps running "
                           f"(`ray job logs {submission}`)")
         time.sleep(0.5)
     if result is not None:
         records = result.get("jobs", [result])
-        return _outcome(args, records)
+        return _outcome(records)
     info = client.get_job_info(submission)
     raise Refusal(last_text.strip() or f"Ray job {submission} ended {status}: {info.message}")
 
@@ -152,28 +164,28 @@ def _record(line: str):
 
 # ---- the scheduler actor -----------------------------------------------------------------------
 
-def _actor(args):
+def _actor(request):
     from ster_dist.sched.actor import existing
     from ster_dist.workers.ray_group import start_ray
 
-    if not (args.address or os.environ.get("RAY_ADDRESS")):
+    if not (request.address or os.environ.get("RAY_ADDRESS")):
         raise Refusal("give --address HOST:PORT (or RAY_ADDRESS): the scheduler lives on a running Ray cluster")
-    start_ray(args.address)
+    start_ray(request.address)
     actor = existing()
     if actor is None:
         raise Refusal("no ster scheduler runs on this cluster (one starts with the first submitted job)")
     return actor
 
 
-def cmd_scheduler(args) -> dict:
+def scheduler_action(request: SchedulerRequest) -> dict:
     from ster_dist import protocol
 
-    if args.action == "journal":
-        return _journal(args.state)
+    if request.action == "journal":
+        return _journal(request.state)
     import ray
 
-    actor = _actor(args)
-    if args.action == "status":
+    actor = _actor(request)
+    if request.action == "status":
         return protocol.unpack(ray.get(actor.stats.remote(), timeout=60))
     ray.get(actor.shutdown.remote(), timeout=600)
     ray.kill(actor, no_restart=True)
@@ -190,22 +202,3 @@ def _journal(state: str | None) -> dict:
              "status": (e.result or {}).get("status", "pending"), "error": (e.result or {}).get("error")}
             for job_id, e in entries.items()]
     return {"state": str(directory), "jobs": jobs}
-
-
-def register(sub) -> None:
-    p = sub.add_parser("submit", help="submit job specs to the scheduler (a Ray job, or --local)")
-    p.add_argument("specs", nargs="+", help="job spec files (JSON or YAML; see jobs/examples)")
-    p.add_argument("--address", default=None,
-                   help="the Ray job server, http://HEAD:8265 (default RAY_API_SERVER_ADDRESS, else local)")
-    p.add_argument("--local", action="store_true", help="run through an in-process scheduler, no Ray")
-    p.add_argument("--state", default=None, help="the scheduler's state directory (journal) when it starts")
-    p.add_argument("--no-wait", action="store_true", help="print the submission id and return")
-    p.add_argument("--timeout", type=float, default=None, help="stop waiting after this many seconds")
-    p.add_argument("--python", default="python", help="the Python on the cluster's nodes (default python)")
-    p.set_defaults(run=cmd_submit)
-
-    p = sub.add_parser("scheduler", help="the cluster's scheduler actor: status, stop, or read a journal")
-    p.add_argument("action", choices=["status", "stop", "journal"])
-    p.add_argument("--address", default=None, help="the Ray cluster, HOST:PORT (default RAY_ADDRESS)")
-    p.add_argument("--state", default=None, help="journal: the state directory to read")
-    p.set_defaults(run=cmd_scheduler)

@@ -1,0 +1,91 @@
+"""Every operation as a plain function over typed requests: `ops.generate(session, GenerateRequest)`,
+`ops.merge(MergeRequest)`, and so on. The command line, the job queue, jobs/run.py, the Python
+API (and the server of a later issue) call these; nothing runs an operation any other way.
+
+OPERATIONS maps each request class to its function and whether it needs a model session (a
+worker group the job queue pools by the request's runtime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ster_dist.ops.capture import extract
+from ster_dist.ops.decide import decide
+from ster_dist.ops.generate import generate, generate_many, parity
+from ster_dist.ops.merge import batch_merge, merge
+from ster_dist.ops.steer import evaluate as steer_evaluate
+from ster_dist.ops.steer import inspect as steer_inspect
+from ster_dist.ops.steer import optimize as steer_optimize
+from ster_dist.ops.steer import train as steer_train
+from ster_dist.ops.tools import families, gguf_import, inspect_model, toy_model
+from ster_dist.ops.tune import evaluate as tune_evaluate
+from ster_dist.ops.tune import sft as tune_sft
+from ster_dist.schema import (
+    BatchMergeRequest,
+    DecideRequest,
+    ExtractRequest,
+    FamiliesRequest,
+    GenerateRequest,
+    GgufImportRequest,
+    InspectModelRequest,
+    MergeRequest,
+    ParityRequest,
+    Request,
+    SteerEvaluateRequest,
+    SteerInspectRequest,
+    SteerOptimizeRequest,
+    SteerTrainRequest,
+    ToyModelRequest,
+    TuneEvaluateRequest,
+    TuneSftRequest,
+)
+
+
+@dataclass(frozen=True)
+class Operation:
+    run: Callable
+    needs_session: bool
+
+
+OPERATIONS: dict[type[Request], Operation] = {
+    GenerateRequest: Operation(generate, True),
+    ParityRequest: Operation(parity, True),
+    ExtractRequest: Operation(extract, True),
+    SteerTrainRequest: Operation(steer_train, True),
+    SteerOptimizeRequest: Operation(steer_optimize, True),
+    SteerEvaluateRequest: Operation(steer_evaluate, True),
+    SteerInspectRequest: Operation(steer_inspect, False),
+    DecideRequest: Operation(decide, True),
+    MergeRequest: Operation(merge, False),
+    BatchMergeRequest: Operation(batch_merge, False),
+    TuneSftRequest: Operation(tune_sft, False),
+    TuneEvaluateRequest: Operation(tune_evaluate, True),
+    FamiliesRequest: Operation(families, False),
+    InspectModelRequest: Operation(inspect_model, False),
+    ToyModelRequest: Operation(toy_model, False),
+    GgufImportRequest: Operation(gguf_import, False),
+}
+
+
+def shown(request: Request, result) -> dict:
+    """A result as JSON: what the command line prints and a job's record carries."""
+    if isinstance(request, GenerateRequest):
+        return result.shown(request)
+    return result
+
+
+def exit_code(request: Request, result: dict) -> int:
+    """0, or 1 for a result that reports a failure of what it checked (parity past its threshold, a
+    batch merge with a failed merge)."""
+    if isinstance(request, ParityRequest) and not result.get("passed", True):
+        return 1
+    if isinstance(request, BatchMergeRequest) and result.get("failed"):
+        return 1
+    return 0
+
+
+__all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_many", "parity", "extract",
+           "decide", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
+           "tune_sft", "tune_evaluate", "families", "inspect_model", "toy_model", "gguf_import"]

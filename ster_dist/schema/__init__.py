@@ -1,0 +1,31 @@
+"""One typed request per operation (pydantic): the command line, job specs, the Python API and the
+server all take these. REQUESTS lists them in the order `ster --help` shows them; JOB_REQUESTS
+maps each job kind to its request."""
+
+from __future__ import annotations
+
+from ster_dist.schema.base import Request
+from ster_dist.schema.capture import ExtractRequest
+from ster_dist.schema.decide import DecideRequest
+from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
+from ster_dist.schema.jobs import RunJobsRequest, SchedulerRequest, SubmitRequest
+from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
+from ster_dist.schema.steer import SteerEvaluateRequest, SteerInspectRequest, SteerOptimizeRequest, SteerTrainRequest
+from ster_dist.schema.tools import FamiliesRequest, GgufImportRequest, InspectModelRequest, ToyModelRequest
+from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
+
+REQUESTS: tuple[type[Request], ...] = (
+    FamiliesRequest, InspectModelRequest, GenerateRequest, ParityRequest, ExtractRequest,
+    SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
+    MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
+    SubmitRequest, SchedulerRequest,
+)
+JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
+
+__all__ = [
+    "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ParityRequest",
+    "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest", "SteerInspectRequest",
+    "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest", "TuneEvaluateRequest",
+    "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest", "SubmitRequest",
+    "SchedulerRequest", "RunJobsRequest",
+]

@@ -1,0 +1,91 @@
+"""tune sft | evaluate: LoRA adapters trained across ranks, and completion-token evaluation.
+
+The training numbers keep their range checks in ster_dist/tune/spec.py (Ster's wording); the
+schema states their types, defaults and help."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ValidationInfo, model_validator
+
+from ster_dist.errors import Refusal
+from ster_dist.schema.base import field
+from ster_dist.schema.common import ChatTemplate, ModelRef, Runtime, chat_template_field, no_stdin
+
+EXAMPLES_HELP = 'a {"examples": [{"prompt", "completion"}, ...]} JSON file'
+SYSTEM_HELP = "a file holding the system message of every example"
+# numbers without defaults: a missing one is named, with an example (Ster's refusal)
+REQUIRED = (("learning_rate", "1e-4"), ("epochs", "3"), ("seed", "0"))
+
+
+class TuneSftRequest(ModelRef):
+    kind = "tune-sft"
+    command = ("tune", "sft")
+    summary = "supervised fine-tuning of LoRA factors (the base frozen)"
+    submitter_fields = {"address": "give the cluster to `ster submit --address` or Engine(address=...), "
+                                   "not to a job"}
+
+    examples: str = field(help=EXAMPLES_HELP)
+    output: str = field(help="the PEFT adapter directory to write (must not exist)")
+    learning_rate: float | None = field(None, allow_inf_nan=False, help="required: AdamW's learning rate")
+    epochs: int | None = field(None, help="required: passes over the examples")
+    seed: int | None = field(None, help="required: seeds the factors' start and the order")
+    rank: int = field(8, help="LoRA rank r")
+    alpha: float = field(16.0, allow_inf_nan=False, help="LoRA alpha; the update is scaled by alpha / r")
+    targets: str = field("q,k,v,o", help="projections to adapt: q,k,v,o,gate,up,down")
+    adapter_layers: str = field("all", help="all, a comma list, or START..END (end excluded)")
+    batch_size: int = field(1, help="examples per micro-batch on each data-parallel rank")
+    accumulation: int = field(1, help="micro-batches per optimizer step")
+    max_sequence: int | None = field(None, help="tokens per example, prompt and completion "
+                                                "(default: the model's positions)")
+    dp: int = field(1, help="data-parallel ranks (world = dp x tp)")
+    tp: int = field(1, help="tensor-parallel ranks")
+    zero: int = field(2, help="DeepSpeed ZeRO stage: 1 or 2")
+    precision: str = field("f32", help="f32 or bf16 (f32 master factors either way)")
+    max_grad_norm: float = field(1.0, allow_inf_nan=False, help="gradient clipping (0: none)")
+    weight_decay: float = field(0.0, allow_inf_nan=False, help="AdamW's weight decay")
+    device: str = field("cpu", help="cpu or cuda")
+    address: str | None = field(None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)")
+    launcher: Literal["ray", "spawn"] = field("ray", help="ranks as Ray actors, or as local processes "
+                                                          "(one machine, no Ray)")
+    chat_template: ChatTemplate = chat_template_field()
+    system: str | None = field(None, help=SYSTEM_HELP)
+
+    @model_validator(mode="after")
+    def _numbers_given(self, info: ValidationInfo):
+        missing = [name for name, _ in REQUIRED if getattr(self, name) is None]
+        if missing:
+            flags = [self._named(name, info) for name in missing]
+            example = " ".join(f"{self._named(name, info)} {value}" for name, value in REQUIRED if name in missing)
+            one = len(missing) == 1
+            raise Refusal(f"{', '.join(flags)} {'is' if one else 'are'} required and has no default; "
+                          f"pass {'it' if one else 'them'}, e.g. {example}")
+        no_stdin(self, ("examples", "system"), info)
+        return self
+
+    @staticmethod
+    def _named(name: str, info: ValidationInfo) -> str:
+        from ster_dist.schema.base import label_in
+
+        return label_in(info, name)
+
+
+class TuneEvaluateRequest(Runtime):
+    kind = "tune-evaluate"
+    command = ("tune", "evaluate")
+    summary = "loss and perplexity over completion tokens; nothing written"
+
+    examples: str = field(help=EXAMPLES_HELP)
+    adapter: str | None = field(None, help="a LoRA adapter applied unmerged")
+    batch_size: int = field(8, help="examples per forward pass")
+    max_sequence: int | None = field(None, help="tokens per example (default: the model's positions)")
+    chat_template: ChatTemplate = chat_template_field()
+    system: str | None = field(None, help=SYSTEM_HELP)
+
+    @model_validator(mode="after")
+    def _files(self, info: ValidationInfo):
+        if self.batch_size < 1:
+            raise Refusal(f"--batch-size must be a whole number of at least 1, got {self.batch_size}")
+        no_stdin(self, ("examples", "system"), info)
+        return self

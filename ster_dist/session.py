@@ -1,0 +1,113 @@
+"""The driver's view of one model run: the checkpoint resolved once, its config and tokenizer, and
+the worker group that holds the weights.
+
+Everything is resolved on first use, so an operation checks its own inputs (files, flags) before
+it touches the session, and a refused input never costs a download or a model load. The job queue
+keeps sessions in its pool (sched/pool.py) and hands the same one to every job on that model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from ster_dist.events import progress
+from ster_dist.schema.common import Runtime
+
+
+class Session:
+    def __init__(self, runtime: Runtime, address: str | None = None):
+        from ster_dist.engine import check_device, compute_dtype
+
+        self.runtime = runtime
+        self.address = address if address is not None else runtime.address
+        check_device(runtime.device)
+        compute_dtype(runtime.precision, runtime.device)
+        self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
+        self._group = None
+
+    @functools.cached_property
+    def checkpoint(self):
+        from ster_dist.resolve import resolve
+
+        progress(f"resolving {self.runtime.model}")
+        return resolve(self.runtime.model, self.runtime.revision)
+
+    @functools.cached_property
+    def cfg(self):
+        from ster_dist.engine import model_config
+
+        return model_config(self.checkpoint)
+
+    @functools.cached_property
+    def tokenizer(self):
+        from ster_dist.tokenizer import Tokenizer
+
+        return Tokenizer.from_directory(self.checkpoint.directory)
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        eos_id = self.tokenizer.eos_token_id
+        return self.cfg.eos_token_ids or ((eos_id,) if eos_id is not None else ())
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+    @property
+    def loaded(self) -> bool:
+        return self._group is not None
+
+    @property
+    def group(self):
+        """The ranks holding this model, loaded on first use."""
+        if self._group is None:
+            self.load()
+        return self._group
+
+    def load(self) -> list[dict]:
+        from ster_dist.workers.group import load_on, open_group
+
+        rt = self.runtime
+        checkpoint, _ = self.checkpoint, self.cfg  # resolved and gated before any rank starts
+        world = rt.tp * rt.ep
+        where = f"{world} ranks" if world > 1 else "1 Ray actor" if self.address else "this process"
+        progress(f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files) in {where}")
+        group = open_group(rt.tp, rt.device, self.address, ep=rt.ep)
+        try:
+            self.loads = load_on(group, checkpoint, rt.precision, rt.device)
+        except BaseException:
+            group.close()
+            raise
+        self._group = group
+        return self.loads
+
+    def close(self) -> None:
+        if self._group is not None:
+            group, self._group = self._group, None
+            group.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@contextlib.contextmanager
+def modifiers(session: Session, request, steering: bool = True):
+    """Attach the request's adapter (and, for generation, its steering vector) to every rank for the
+    block, and detach them after, so a pooled group is clean for the next job."""
+    from ster_dist.adapters.attach import attach_for_cli as attach_adapter
+    from ster_dist.steer.attach import attach_for_cli as attach_vector
+
+    detach = []
+    try:
+        if steering and getattr(request, "vector", None) is not None:
+            detach.append(attach_vector(session, request))
+        if getattr(request, "adapter", None) is not None:
+            detach.append(attach_adapter(session, request))
+        yield
+    finally:
+        for undo in reversed(detach):
+            undo()
