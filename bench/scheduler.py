@@ -47,8 +47,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from ster_dist import ops  # noqa: E402
-from ster_dist.schema import GenerateRequest  # noqa: E402
 from ster_dist.scheduler import Scheduler  # noqa: E402
+from ster_dist.schema import GenerateRequest  # noqa: E402
 from ster_dist.session import Session  # noqa: E402
 
 

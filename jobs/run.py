@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ster_dist.cli import parse_command  # noqa: E402
 from ster_dist.errors import Refusal  # noqa: E402
-from ster_dist.schema.jobs import RunJobsRequest  # noqa: E402
 from ster_dist.sched.entry import run_jobs  # noqa: E402
+from ster_dist.schema.jobs import RunJobsRequest  # noqa: E402
 
 
 def main(argv=None) -> int:

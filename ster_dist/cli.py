@@ -22,6 +22,7 @@ import typing
 from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
+from ster_dist.events import json_stderr
 from ster_dist.schema import REQUESTS, Request, SchedulerRequest, SubmitRequest
 
 
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         request = parse(argv)  # --help and --version print on stdout and exit here
         # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
-        # worker, DeepSpeed's accelerator line) goes to stderr with the progress
-        with contextlib.redirect_stdout(sys.stderr):
+        # worker, DeepSpeed's accelerator line) goes to stderr with the progress, as log events
+        with json_stderr(), contextlib.redirect_stdout(sys.stderr):
             result, code = run(request)
         print(json.dumps(result, indent=2, ensure_ascii=False))
     except Refusal as refusal:

@@ -6,8 +6,12 @@ polling the queue, in this process or through the Ray actor, sees what the comma
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import sys
+import threading
 import time
 
 
@@ -25,3 +29,60 @@ def as_event(line: str) -> dict:
     if not isinstance(event, dict):
         event = {"event": "log", "time": round(time.time(), 3), "message": line}
     return event
+
+
+class JsonLines(io.TextIOBase):
+    """A stderr that keeps the promise of one JSON object per line: a line that is one passes
+    through, any other text a library prints (Ray's notices, a warning) becomes a log event, and a
+    carriage return ends a line too, so a progress bar cannot smear the stream."""
+
+    def __init__(self, original):
+        self.original = original
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._partial = (self._partial + text).replace("\r", "\n").split("\n")
+            for line in lines:
+                if line.strip():
+                    self.original.write(_as_json_line(line) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.original.flush()
+
+    def fileno(self) -> int:
+        return self.original.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.original, "encoding", "utf-8")
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _as_json_line(line: str) -> str:
+    stripped = line.strip()
+    if stripped.startswith("{"):
+        try:
+            if isinstance(json.loads(stripped), dict):
+                return stripped
+        except ValueError:
+            pass
+    return json.dumps({"event": "log", "time": round(time.time(), 3), "message": stripped}, ensure_ascii=False)
+
+
+@contextlib.contextmanager
+def json_stderr():
+    """sys.stderr as JsonLines for the block (the command line's progress stream); progress bars of
+    the Hub client and Transformers are turned off, since they redraw one line many times."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    original, sys.stderr = sys.stderr, JsonLines(sys.stderr)
+    try:
+        yield original
+    finally:
+        sys.stderr.flush()
+        sys.stderr = original

@@ -29,9 +29,29 @@ def resolve(model: str, revision: str | None = None) -> Checkpoint:
     """Resolve a local directory (never sent to the network) or else a Hub model id."""
     if os.path.isdir(model):
         return _resolve_local(model, revision)
+    _refuse_near_miss(model)
     # A missing path-looking string is not a missing directory: seeds/000 treats
     # it as a Hub id, so the refusal comes from the Hub and names the model.
     return _resolve_hub(model, revision)
+
+
+def _refuse_near_miss(model: str) -> None:
+    """A path whose parent directory exists here (models/smolm2 beside models/smollm2) is a
+    misspelled directory far more often than a Hub id: say so before any network request, with the
+    closest name the parent holds."""
+    import difflib
+
+    parent, name = os.path.split(os.path.normpath(model))
+    if not parent or not name or not os.path.isdir(parent):
+        return
+    try:
+        entries = sorted(e.name for e in os.scandir(parent) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return
+    close = difflib.get_close_matches(name, entries, n=1, cutoff=0.6)
+    hint = f"did you mean {os.path.join(parent, close[0])}? " if close else ""
+    raise Refusal(f"no directory {model}: {parent}/ exists here and holds no {name!r}; {hint}"
+                  f"(a Hub id whose owner is also a directory here is not fetched: run from another directory)")
 
 
 def describe(checkpoint: Checkpoint) -> dict:

@@ -26,10 +26,10 @@ from ster_dist import ops, protocol
 from ster_dist.errors import JobFailed, OutOfMemory, Refusal, WorkerLost
 from ster_dist.ops.generate import batch_key, check_inputs, generate_many, prompts_of
 from ster_dist.protocol import JobSpec
-from ster_dist.schema import GenerateRequest, Request
 from ster_dist.sched import events
 from ster_dist.sched.journal import Journal
 from ster_dist.sched.pool import GroupPool
+from ster_dist.schema import GenerateRequest, Request
 
 MAX_EVENTS = 1000  # per job; the oldest are dropped past this
 _ACTIVE: list[Scheduler] = []

@@ -77,6 +77,8 @@ def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2):
     assert two.returncode == 0, two.stderr
     a, b = json.loads(one.stdout), json.loads(two.stdout)
     assert b["tp"] == 2 and a["text"] == b["text"] and a["completion_tokens"] == b["completion_tokens"]
+    for line in two.stderr.splitlines():  # Ray's own notices arrive as log events, never as plain text
+        assert isinstance(json.loads(line), dict), line
     leftover = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.strip()
     assert leftover == "" or ray.is_initialized(), "the CLI left a Ray cluster running"
 

@@ -242,3 +242,13 @@ def test_missing_absolute_path_is_refused_as_a_hub_id(tmp_path, monkeypatch):
         assert hub.requests == []  # not a valid repo id: the client refuses it before any request
     assert message.startswith(f"failed to read model repository {missing}: ")
     assert "neither an existing directory nor a valid Hub repository id" in message
+
+
+def test_a_misspelled_directory_is_named_before_any_hub_request(tmp_path, monkeypatch):
+    (tmp_path / "models" / "smollm2").mkdir(parents=True)
+    with serving(monkeypatch, tmp_path) as hub:
+        monkeypatch.chdir(tmp_path)
+        message = refusal("models/smolm2")
+        assert hub.requests == []  # the parent exists here: a typo, not a Hub id
+    assert message.startswith("no directory models/smolm2: models/ exists here")
+    assert "did you mean models/smollm2?" in message

@@ -13,7 +13,12 @@ from pathlib import Path
 from ster_dist.atomic import write_json
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.schema.tools import FamiliesRequest, GgufImportRequest, InspectModelRequest, ToyModelRequest
+from ster_dist.schema.tools import (
+    FamiliesRequest,
+    GgufImportRequest,
+    InspectModelRequest,
+    ToyModelRequest,
+)
 
 MARKER = ".ster-made.json"  # what made a directory: compared by a rerun
 

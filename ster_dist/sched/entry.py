@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
-from ster_dist.schema.jobs import RunJobsRequest
 from ster_dist.sched.events import emit
+from ster_dist.schema.jobs import RunJobsRequest
 
 INLINE = "msgpack:"
 

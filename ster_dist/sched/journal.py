@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
 
+from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
 
 KEEP_FINISHED = 2000  # finished jobs kept across compactions (their results stay answerable)
@@ -97,26 +97,18 @@ class Journal:
     def _rewrite(self, state: State) -> None:
         finished = [k for k, e in state.entries.items() if e.result is not None]
         drop = set(finished[:-KEEP_FINISHED]) if len(finished) > KEEP_FINISHED else set()
-        fd, tmp = tempfile.mkstemp(prefix=".journal.", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for job_id, e in state.entries.items():
-                    if job_id in drop:
-                        continue
-                    out.write(msgpack.packb({"op": "accepted", "id": job_id, "spec": e.spec, "seq": e.seq},
+        with replacing(self.path, binary=True, durable=True) as out:
+            for job_id, e in state.entries.items():
+                if job_id in drop:
+                    continue
+                out.write(msgpack.packb({"op": "accepted", "id": job_id, "spec": e.spec, "seq": e.seq},
+                                        use_bin_type=True))
+                if e.attempts:
+                    out.write(msgpack.packb({"op": "running", "id": job_id, "attempt": e.attempts},
                                             use_bin_type=True))
-                    if e.attempts:
-                        out.write(msgpack.packb({"op": "running", "id": job_id, "attempt": e.attempts},
-                                                use_bin_type=True))
-                    if e.result is not None:
-                        out.write(msgpack.packb({"op": "finished", "id": job_id, "result": e.result},
-                                                use_bin_type=True))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+                if e.result is not None:
+                    out.write(msgpack.packb({"op": "finished", "id": job_id, "result": e.result},
+                                            use_bin_type=True))
         for job_id in drop:
             del state.entries[job_id]
 

@@ -10,8 +10,18 @@ from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.schema.jobs import RunJobsRequest, SchedulerRequest, SubmitRequest
 from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
-from ster_dist.schema.steer import SteerEvaluateRequest, SteerInspectRequest, SteerOptimizeRequest, SteerTrainRequest
-from ster_dist.schema.tools import FamiliesRequest, GgufImportRequest, InspectModelRequest, ToyModelRequest
+from ster_dist.schema.steer import (
+    SteerEvaluateRequest,
+    SteerInspectRequest,
+    SteerOptimizeRequest,
+    SteerTrainRequest,
+)
+from ster_dist.schema.tools import (
+    FamiliesRequest,
+    GgufImportRequest,
+    InspectModelRequest,
+    ToyModelRequest,
+)
 from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
 
 REQUESTS: tuple[type[Request], ...] = (

@@ -7,7 +7,14 @@ from typing import Literal
 from pydantic import ValidationInfo, model_validator
 
 from ster_dist.schema.base import field
-from ster_dist.schema.common import ChatTemplate, LayersMixin, Runtime, adapter_field, chat_template_field, no_stdin
+from ster_dist.schema.common import (
+    ChatTemplate,
+    LayersMixin,
+    Runtime,
+    adapter_field,
+    chat_template_field,
+    no_stdin,
+)
 
 
 class ExtractRequest(LayersMixin, Runtime):

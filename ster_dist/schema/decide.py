@@ -5,7 +5,13 @@ from __future__ import annotations
 from pydantic import ValidationInfo, model_validator
 
 from ster_dist.schema.base import field
-from ster_dist.schema.common import ChatTemplate, Runtime, adapter_field, chat_template_field, no_stdin
+from ster_dist.schema.common import (
+    ChatTemplate,
+    Runtime,
+    adapter_field,
+    chat_template_field,
+    no_stdin,
+)
 
 
 class DecideRequest(Runtime):

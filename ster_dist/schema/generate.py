@@ -5,8 +5,14 @@ from __future__ import annotations
 from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
 
 from ster_dist.errors import Refusal
-from ster_dist.schema.base import Request, context_of, field, label_in
-from ster_dist.schema.common import ChatTemplate, Runtime, adapter_field, chat_template_field, no_stdin
+from ster_dist.schema.base import context_of, field, label_in
+from ster_dist.schema.common import (
+    ChatTemplate,
+    Runtime,
+    adapter_field,
+    chat_template_field,
+    no_stdin,
+)
 
 
 class GenerateRequest(Runtime):

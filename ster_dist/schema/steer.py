@@ -6,7 +6,14 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ster_dist.errors import Refusal
 from ster_dist.schema.base import Request, field, label_in
-from ster_dist.schema.common import ChatTemplate, LayersMixin, Runtime, adapter_field, chat_template_field, no_stdin
+from ster_dist.schema.common import (
+    ChatTemplate,
+    LayersMixin,
+    Runtime,
+    adapter_field,
+    chat_template_field,
+    no_stdin,
+)
 
 PAIRS_HELP = 'a {"trait_name": ..., "pairs": [{"positive", "negative"}]} file'
 LAYERS_HELP = "all, a comma list, or a half-open range such as 8..16"
@@ -43,8 +50,8 @@ class SteerOptimizeRequest(LayersMixin, PairRun):
 
     layers: str = field("all", help=LAYERS_HELP)
     output: str = field(help="the steering artifact (V.json) to write")
-    holdout: float | None = field(None, gt=0, lt=1, allow_inf_nan=False,
-                                  help="the fraction of pairs held out to rank on (required)")
+    # its range is checked with Ster's words where the pairs are split (steer/optimize.py)
+    holdout: float | None = field(None, help="the fraction of pairs held out to rank on (required)")
     batch_size: int = field(8, ge=1, help="prompts per forward pass")
 
     @model_validator(mode="after")
