@@ -77,7 +77,7 @@ def _epoch_losses(result: dict, per_epoch: int) -> list[float]:
 def cmd_evaluate(args) -> dict:
     from ster_dist.steer.text import chat_status
     from ster_dist.tune.data import encode_examples, read_examples
-    from ster_dist.tune.evaluate import summarise
+    from ster_dist.tune.evaluate import LossesOnRank, summarise
 
     if args.batch_size < 1:
         raise Refusal(f"--batch-size must be a whole number of at least 1, got {args.batch_size}")
@@ -90,8 +90,7 @@ def cmd_evaluate(args) -> dict:
         max_sequence = args.max_sequence or cfg.max_position
         examples, truncated = encode_examples(tokenizer, rows, args.chat_template, system, run.eos, max_sequence)
         progress(f"scoring {len(examples)} examples")
-        per_example = run.group.call("run", "ster_dist.tune.evaluate:losses_on_rank", examples,
-                                     tokenizer.pad_token_id or 0, args.batch_size)[0]
+        per_example = run.group.on(LossesOnRank).losses(examples, tokenizer.pad_token_id or 0, args.batch_size)[0]
         revision = run.checkpoint.model_revision
     summary = summarise(per_example)
     if not math.isfinite(summary["loss"]):

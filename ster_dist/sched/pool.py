@@ -12,19 +12,11 @@ never lives in the scheduler's own process there.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 from ster_dist.commands.common import Session, progress
-
-
-def rank_pid(rank) -> dict:
-    """Rank-side (Rank.run target): where this rank's process is, so a test or an operator can find it."""
-    import socket
-
-    return {"rank": rank.rank, "pid": os.getpid(), "host": socket.gethostname()}
 
 
 @dataclass
@@ -125,7 +117,7 @@ class GroupPool:
         progress(f"starting a worker group for {key[0]} (tp {key[4]}, ep {key[5]}, {key[2]}, {key[3]})")
         session = Session(own)
         try:
-            workers = session.group.call("run", "ster_dist.sched.pool:rank_pid")
+            workers = session.group.call("whereabouts")
         except BaseException:
             session.close()
             raise
