@@ -41,6 +41,7 @@ import common  # noqa: E402  (bench/common.py: thread setting, timing, tokenizer
 from ster_dist.engine import load_model  # noqa: E402
 from ster_dist.generate import Sampling, generate  # noqa: E402
 from ster_dist.resolve import resolve  # noqa: E402
+from tests.moe_probe import DispatchProbe  # noqa: E402  (counts on the ranks what dispatch moves)
 
 
 def build(directory: Path, args) -> None:
@@ -172,9 +173,9 @@ def main(argv=None) -> int:
         results = decode_rates({"transformers": run_hf, "ster_ep1": run_ep1, "ster_ep2": run_ep2}, args.batch,
                                args.new_tokens, args.repeats)
         # traffic of one decode run at EP=2, counted by the ranks
-        group.call("run", "ster_dist.moe.layer:traffic", True)
+        group.on(DispatchProbe).reset()
         run_ep2(args.new_tokens)
-        traffic = group.call("run", "ster_dist.moe.layer:traffic", True)
+        traffic = group.on(DispatchProbe).traffic()
     routing = record_routing(one.model)
     run_ep1(args.new_tokens)
 

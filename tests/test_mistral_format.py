@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ster_dist.adapters.attach import attach
+from ster_dist.adapters.attach import AdaptersOnRank, attach
 from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
@@ -209,9 +209,9 @@ def test_runtime_adapter_on_the_mistral_format_equals_peft(group, tiny, adapted)
     assert report["max_relative_error"] < 1e-4 and report["mean_cosine"] > 0.9999, report
     group.call("load", resolve(str(native)), "f32", "cpu")
     payload = {"token": "t", "sites": [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites]}
-    group.call("run", "ster_dist.adapters.attach:attach_on_rank", payload)
+    group.on(AdaptersOnRank).attach(payload)
     tp2 = group.call("logits", IDS)[0]
-    group.call("run", "ster_dist.adapters.attach:detach_on_rank", "t")
+    group.on(AdaptersOnRank).detach("t")
     assert compare(tp2, tp1)["max_relative_error"] < 1e-5
 
 

@@ -28,7 +28,9 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.shard.ctx import ParallelCtx
 from ster_dist.shard.source import read_header
+from ster_dist.workers.extension import RankExtension
 from ster_dist.workers.spawn import SpawnGroup
+from tests.moe_probe import DispatchProbe
 from tests.tiny_models import STARVED, TINY, family_of_variant, make_tiny
 
 MOE_VARIANTS = sorted(v for v in TINY if SPECS[family_of_variant(v)].moe is not None)
@@ -68,18 +70,21 @@ def _global_experts(num: int, seed: int = 5) -> dict[str, torch.Tensor]:
             "down": torch.randn(num, HIDDEN, INNER, generator=gen)}
 
 
-def dispatch_on_rank(rank, x: torch.Tensor, ids: torch.Tensor, num: int) -> dict:
-    """Rank.run target: this rank's share of x through dispatch, its experts and combine."""
-    ctx = rank.ctx()
-    experts = Experts(MoEConfig(num_experts=num, top_k=ids.shape[1], intermediate_size=INNER), HIDDEN, "silu", ctx)
-    first, last = ctx.experts(num)
-    with torch.no_grad():
-        for name, weight in _global_experts(num).items():
-            getattr(experts, name).copy_(weight[first:last])
-    start, stop = ctx.token_share(x.shape[0])
-    rows, local_ids, handle = dispatch(x[start:stop], ids[start:stop], num, ctx)
-    back = combine(experts(rows, local_ids), handle)
-    return {"share": (start, stop), "received": rows.shape[0], "sent": handle.sent, "back": back}
+class DispatchOnRank(RankExtension):
+    """Runs dispatch, this rank's experts and combine on its share of x, with no model loaded."""
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, num: int) -> dict:
+        ctx = self.rank.ctx()
+        moe = MoEConfig(num_experts=num, top_k=ids.shape[1], intermediate_size=INNER)
+        experts = Experts(moe, HIDDEN, "silu", ctx)
+        first, last = ctx.experts(num)
+        with torch.no_grad():
+            for name, weight in _global_experts(num).items():
+                getattr(experts, name).copy_(weight[first:last])
+        start, stop = ctx.token_share(x.shape[0])
+        rows, local_ids, handle = dispatch(x[start:stop], ids[start:stop], num, ctx)
+        back = combine(experts(rows, local_ids), handle)
+        return {"share": (start, stop), "received": rows.shape[0], "sent": handle.sent, "back": back}
 
 
 def _expected(x: torch.Tensor, ids: torch.Tensor, num: int) -> torch.Tensor:
@@ -100,7 +105,7 @@ def test_dispatch_and_combine_over_two_ranks(ep2, case):
     if case == "all_to_rank_0":
         # experts 0-3 live on rank 0: rank 1 receives nothing
         ids = torch.stack([torch.tensor([0, 1, 2, 3])[torch.randperm(4, generator=gen)[:3]] for _ in range(tokens)])
-    results = ep2.call("run", "tests.test_moe:dispatch_on_rank", x, ids, num)
+    results = ep2.on(DispatchOnRank).run(x, ids, num)
     if case == "all_to_rank_0":
         assert results[1]["received"] == 0 and results[0]["received"] == 3 * tokens
     if case == "fewer_tokens_than_ranks":
@@ -118,7 +123,7 @@ def test_dispatch_over_three_ranks_with_uneven_expert_blocks():
     ids = torch.stack([torch.randperm(num, generator=gen)[:2] for _ in range(tokens)])
     ids[:, 0] = torch.where(ids[:, 1] == 4, 3, 4)  # the last rank's experts take most rows
     with SpawnGroup(3, ep=3) as group:
-        results = group.call("run", "tests.test_moe:dispatch_on_rank", x, ids, num)
+        results = group.on(DispatchOnRank).run(x, ids, num)
     assert [r["share"] for r in results] == [(0, 3), (3, 7), (7, 11)]
     assert sum(r["received"] for r in results) == 2 * tokens
     for result in results:
@@ -163,13 +168,14 @@ def test_ep2_equals_ep1_and_transformers(ep2, tiny, variant):
     single = load_model(checkpoint, "f32")
     stats = ep2.call("load", checkpoint, "f32", "cpu")
     ids = _ids()
+    ep2.on(DispatchProbe).reset()  # counts from here: the one forward below, per MoE layer
     logits = ep2.call("logits", ids)[0]
     with torch.no_grad():
         one = single.model(ids)
         theirs = reference(ids).logits
     assert compare(logits, one)["max_relative_error"] < 1e-5
     assert compare(logits, theirs)["max_relative_error"] < 1e-4
-    received = ep2.call("run", "ster_dist.moe.layer:received_rows")
+    received = ep2.on(DispatchProbe).received_rows()
     routed = ids.numel() * single.cfg.moe.top_k
     assert [a + b for a, b in zip(*received, strict=True)] == [routed] * len(received[0])  # every pair went somewhere once
     if variant in STARVED:  # the tiny checkpoint's last layer routes nothing to the upper half of the experts

@@ -32,8 +32,7 @@ from ster_dist.adapters.targets import (
 from ster_dist.errors import Refusal
 from ster_dist.shard.ctx import Shard
 from ster_dist.shard.linear import LowRank
-
-_ATTACHED: dict[str, Callable[[], None]] = {}  # token -> detach, per process (one rank per process)
+from ster_dist.workers.extension import RankExtension
 
 
 def share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,19 +67,27 @@ def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
     return detach
 
 
-def attach_on_rank(rank, payload: dict) -> dict:
-    """Rank side of attach_for_cli (called through Rank.run on every rank)."""
-    if rank.loaded is None:
-        raise Refusal("the adapter was sent before the model was loaded on this rank")
-    _ATTACHED[payload["token"]] = attach(rank.loaded.model, payload["sites"])
-    return {"rank": rank.rank, "sites": len(payload["sites"])}
+class AdaptersOnRank(RankExtension):
+    """The adapters attached on one rank: token -> that attachment's detach."""
 
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.attached: dict[str, Callable[[], None]] = {}
 
-def detach_on_rank(rank, token: str) -> bool:
-    undo = _ATTACHED.pop(token, None)
-    if undo is not None:
-        undo()
-    return undo is not None
+    def attach(self, payload: dict) -> dict:
+        """Rank side of attach_for_cli: payload is {"token", "sites": global factors per projection}."""
+        self.attached[payload["token"]] = attach(self.model, payload["sites"])
+        return {"rank": self.rank.rank, "sites": len(payload["sites"])}
+
+    def detach(self, token: str) -> bool:
+        undo = self.attached.pop(token, None)
+        if undo is not None:
+            undo()
+        return undo is not None
+
+    def close(self) -> None:
+        for token in list(self.attached):
+            self.detach(token)
 
 
 def attach_for_cli(session, args) -> Callable[[], None]:
@@ -97,14 +104,14 @@ def attach_for_cli(session, args) -> Callable[[], None]:
     info = {"adapter": str(args.adapter), "format": adapter.format, "rank": adapter.rank, "alpha": adapter.alpha,
             "scale": adapter.scale, **summary(plans)}
     progress(f"attaching adapter {args.adapter} ({len(sites)} projections) on every rank")
-    session.group.call("run", "ster_dist.adapters.attach:attach_on_rank", payload)
+    session.group.on(AdaptersOnRank).attach(payload)
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["adapter"] = info
 
     def detach() -> None:
         with contextlib.suppress(Refusal):  # the group is gone, and the adapter with it
-            session.group.call("run", "ster_dist.adapters.attach:detach_on_rank", token)
+            session.group.on(AdaptersOnRank).detach(token)
         if isinstance(provenance, dict):
             provenance.pop("adapter", None)
 

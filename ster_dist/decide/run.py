@@ -20,6 +20,7 @@ from ster_dist.decide.prompt import LABELS, orders, render
 from ster_dist.decide.request import Request
 from ster_dist.errors import Refusal
 from ster_dist.steer.text import encode_prompt
+from ster_dist.workers.extension import RankExtension
 
 
 def label_tokens(tokenizer, label: str) -> list[int]:
@@ -86,9 +87,11 @@ def letter_logits(model, prefix: list[int], suffixes: list[list[int]], labels: l
     return out
 
 
-def letter_logits_on_rank(rank, prefix, suffixes, labels, pad_id, chunk):
-    out = letter_logits(rank.loaded.model, prefix, suffixes, labels, pad_id, chunk)
-    return out if rank.rank == 0 else None
+class LetterLogitsOnRank(RankExtension):
+    """Reads the option letters' logits on one rank; the shared prefix's cache lives only for one call."""
+
+    def letter_logits(self, prefix, suffixes, labels, pad_id, chunk):
+        return self.first_rank_only(letter_logits(self.model, prefix, suffixes, labels, pad_id, chunk))
 
 
 def decide(group, tokenizer, cfg, request: Request, permutations: int, chat_template: str, explain: bool,
@@ -117,8 +120,7 @@ def decide(group, tokenizer, cfg, request: Request, permutations: int, chat_temp
     between = sum(len(s) for s in suffixes)
     progress(f"reading the state once ({shared} tokens), then {len(rows)} question renderings "
              f"({between} tokens between them)")
-    read = group.call("run", "ster_dist.decide.run:letter_logits_on_rank", rows[0][:shared], suffixes, labels,
-                      pad_id, chunk)[0]
+    read = group.on(LetterLogitsOnRank).letter_logits(rows[0][:shared], suffixes, labels, pad_id, chunk)[0]
     per_question: list[tuple[list, list]] = [([], []) for _ in request.questions]
     for owner, order, row in zip(owners, row_orders, read):
         canonical = [0.0] * len(order)

@@ -33,8 +33,6 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
-        self.received = 0  # rows this rank's experts took in the last forward (tests read it)
-        self.traffic = {"tokens": 0, "pairs_sent_away": 0, "forwards": 0}  # since load (benchmarks read it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden)
@@ -43,10 +41,6 @@ class MoE(nn.Module):
         share = flat[start:stop]
         weights, ids = self.router(share)
         rows, local_ids, handle = dispatch(share, ids, self.num_experts, self.ctx)
-        self.received = rows.shape[0]
-        self.traffic["tokens"] += share.shape[0]
-        self.traffic["pairs_sent_away"] += sum(handle.sent) - handle.sent[self.ctx.ep_rank]
-        self.traffic["forwards"] += 1
         back = combine(self.experts(rows, local_ids), handle)
         out = (back.view(*ids.shape, self.hidden).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared is not None:
@@ -67,21 +61,3 @@ class MoE(nn.Module):
             y = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * y
         return y
 
-
-def received_rows(rank) -> list[int]:
-    """Rank.run target: per MoE layer, the rows this rank's experts took in the last forward."""
-    return [block.mlp.received for block in rank.loaded.model.layers if isinstance(block.mlp, MoE)]
-
-
-def traffic(rank, reset: bool = False) -> dict:
-    """Rank.run target: this rank's dispatch counts summed over its MoE layers (and optionally zeroed):
-    tokens it dispatched, (token, expert) pairs it sent to other ranks, layer forwards."""
-    total = {"tokens": 0, "pairs_sent_away": 0, "forwards": 0, "moe_layers": 0}
-    for block in rank.loaded.model.layers:
-        if isinstance(block.mlp, MoE):
-            total["moe_layers"] += 1
-            for key, value in block.mlp.traffic.items():
-                total[key] += value
-                if reset:
-                    block.mlp.traffic[key] = 0
-    return total

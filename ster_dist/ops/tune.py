@@ -65,7 +65,7 @@ def _epoch_losses(result: dict, per_epoch: int) -> list[float]:
 def evaluate(session: Session, request: TuneEvaluateRequest) -> dict:
     from ster_dist.steer.text import chat_status
     from ster_dist.tune.data import encode_examples, read_examples
-    from ster_dist.tune.evaluate import summarise
+    from ster_dist.tune.evaluate import LossesOnRank, summarise
 
     rows = read_examples(request.examples)
     system = read_text(request.system, request.label("system")) if request.system else None
@@ -76,8 +76,7 @@ def evaluate(session: Session, request: TuneEvaluateRequest) -> dict:
         examples, truncated = encode_examples(tokenizer, rows, request.chat_template, system, session.eos,
                                               max_sequence)
         progress(f"scoring {len(examples)} examples")
-        per_example = session.group.call("run", "ster_dist.tune.evaluate:losses_on_rank", examples,
-                                         session.pad_id, request.batch_size)[0]
+        per_example = session.group.on(LossesOnRank).losses(examples, session.pad_id, request.batch_size)[0]
         revision = session.checkpoint.model_revision
     summary = summarise(per_example)
     if not math.isfinite(summary["loss"]):

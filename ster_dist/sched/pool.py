@@ -20,14 +20,6 @@ from ster_dist.schema.common import Runtime
 from ster_dist.session import Session
 
 
-def rank_pid(rank) -> dict:
-    """Rank-side (Rank.run target): where this rank's process is, so a test or an operator can find it."""
-    import os
-    import socket
-
-    return {"rank": rank.rank, "pid": os.getpid(), "host": socket.gethostname()}
-
-
 @dataclass
 class Pooled:
     session: Session
@@ -75,7 +67,7 @@ class GroupPool:
             pooled.counted = True
             self.starts += 1
             self.history.append(("start", pooled.key))
-            pooled.workers = pooled.session.group.call("run", "ster_dist.sched.pool:rank_pid")
+            pooled.workers = pooled.session.group.call("whereabouts")
             pooled.last_used = time.monotonic()
 
     def prepare(self, world: int) -> None:

@@ -20,6 +20,7 @@ from ster_dist.steer.artifact import (
     load_artifact,
     provenance_warnings,
 )
+from ster_dist.workers.extension import RankExtension
 
 
 def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
@@ -40,24 +41,33 @@ def add_steering(model, vectors: list[tuple[int, torch.Tensor]], strength: float
     return removers
 
 
-def attach_on_rank(rank, vectors: list[tuple[int, torch.Tensor]], strength: float, token: str) -> int:
-    store = rank.__dict__.setdefault("_steering", {})
-    store[token] = add_steering(rank.loaded.model, vectors, strength)
-    return len(store[token])
+class SteeringOnRank(RankExtension):
+    """The steering attached on one rank: token -> the removers of that attachment's hooks."""
 
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.attached: dict[str, list] = {}
 
-def detach_on_rank(rank, token: str) -> int:
-    removers = rank.__dict__.get("_steering", {}).pop(token, [])
-    for remove in removers:
-        remove()
-    return len(removers)
+    def attach(self, vectors: list[tuple[int, torch.Tensor]], strength: float, token: str) -> int:
+        self.attached[token] = add_steering(self.model, vectors, strength)
+        return len(self.attached[token])
+
+    def detach(self, token: str) -> int:
+        removers = self.attached.pop(token, [])
+        for remove in removers:
+            remove()
+        return len(removers)
+
+    def close(self) -> None:
+        for token in list(self.attached):
+            self.detach(token)
 
 
 def attach(group, artifact: SteeringArtifact, strength: float):
     """Steer every rank of `group`; returns the detach callable."""
     token = uuid.uuid4().hex
-    group.call("run", "ster_dist.steer.attach:attach_on_rank", payload(artifact), float(strength), token)
-    return lambda: group.call("run", "ster_dist.steer.attach:detach_on_rank", token)
+    group.on(SteeringOnRank).attach(payload(artifact), float(strength), token)
+    return lambda: group.on(SteeringOnRank).detach(token)
 
 
 def check_strength(vector, strength) -> None:

@@ -1,6 +1,6 @@
 """Reading the residual stream at the hook sites (after layer i), on the ranks.
 
-`capture_on_rank` runs on every rank through Rank.run: a left-padded batch goes through the
+`CaptureOnRank.capture` runs on every rank (a rank extension): a left-padded batch goes through the
 decoder with a hook per requested layer, and the forward stops right after the deepest one (no
 later layer, no head). The residual is replicated over tensor-parallel ranks, so every rank stops
 at the same layer and only rank 0 returns what it read. Rows are F32 whatever the precision.
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from ster_dist.generate import left_pad
+from ster_dist.workers.extension import RankExtension
 
 POSITIONS = ("last", "all")
 
@@ -50,9 +51,11 @@ def read_hidden(model, prompts: list[list[int]], layers: list[int], positions: s
     return out
 
 
-def capture_on_rank(rank, prompts: list[list[int]], layers: list[int], positions: str, pad_id: int):
-    rows = read_hidden(rank.loaded.model, prompts, layers, positions, pad_id)
-    return rows if rank.rank == 0 else None
+class CaptureOnRank(RankExtension):
+    """Reads the residual on one rank; it holds nothing between calls (each read removes its hooks)."""
+
+    def capture(self, prompts: list[list[int]], layers: list[int], positions: str, pad_id: int):
+        return self.first_rank_only(read_hidden(self.model, prompts, layers, positions, pad_id))
 
 
 def capture(group, encoded: list[list[int]], layers: list[int], positions: str, pad_id: int,
@@ -60,8 +63,7 @@ def capture(group, encoded: list[list[int]], layers: list[int], positions: str, 
     """(first prompt index, {layer: rows}) per batch of `batch_size` prompts, in order."""
     for start in range(0, len(encoded), batch_size):
         batch = encoded[start:start + batch_size]
-        yield start, group.call("run", "ster_dist.steer.capture:capture_on_rank", batch, layers, positions,
-                                pad_id)[0]
+        yield start, group.on(CaptureOnRank).capture(batch, layers, positions, pad_id)[0]
 
 
 def last_token_rows(group, encoded: list[list[int]], layers: list[int], pad_id: int,

@@ -22,6 +22,7 @@ from ster_dist.steer.attach import attach
 from ster_dist.steer.fit import evaluate_direction
 from ster_dist.steer.pairs import PairSet
 from ster_dist.steer.text import encode_response
+from ster_dist.workers.extension import RankExtension
 
 
 def score_layers(artifact: SteeringArtifact, positive: dict[int, torch.Tensor],
@@ -43,9 +44,11 @@ def sequence_logprobs(model, rows: list[list[int]], pad_id: int = 0) -> list[flo
     return (token.double() * scored).sum(-1).tolist()
 
 
-def logprobs_on_rank(rank, rows: list[list[int]], pad_id: int):
-    out = sequence_logprobs(rank.loaded.model, rows, pad_id)
-    return out if rank.rank == 0 else None
+class LogprobsOnRank(RankExtension):
+    """Scores sequences on one rank (every rank holds the same gathered logits)."""
+
+    def logprobs(self, rows: list[list[int]], pad_id: int) -> list[float] | None:
+        return self.first_rank_only(sequence_logprobs(self.model, rows, pad_id))
 
 
 def check_strength_options(strengths, batch_size, max_sequence) -> list[float]:
@@ -92,7 +95,7 @@ def _pair_scores(group, kept, batch_size: int, pad_id: int) -> list[tuple[float,
         rows = []
         for _, positive, negative in kept[start:start + batch_size]:
             rows += [positive, negative]
-        values = group.call("run", "ster_dist.steer.evaluate:logprobs_on_rank", rows, pad_id)[0]
+        values = group.on(LogprobsOnRank).logprobs(rows, pad_id)[0]
         out += list(zip(values[0::2], values[1::2]))
     return out
 

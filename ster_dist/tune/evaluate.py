@@ -15,17 +15,21 @@ import torch
 
 from ster_dist.tune.data import Example, collate
 from ster_dist.tune.loss import completion_nll
+from ster_dist.workers.extension import RankExtension
 
 
-@torch.inference_mode()
-def losses_on_rank(rank, examples: list[Example], pad_id: int, batch_size: int) -> list[tuple[float, int]] | None:
-    """(summed NLL, completion tokens) per example, from rank 0 (every rank computes the same logits)."""
-    out = []
-    for start in range(0, len(examples), batch_size):
-        inputs, valid, targets = collate(examples[start:start + batch_size], pad_id)
-        nll, tokens = completion_nll(rank.loaded.model, inputs, valid, targets)
-        out += [(float(n), int(t)) for n, t in zip(nll.double(), tokens)]
-    return out if rank.rank == 0 else None
+class LossesOnRank(RankExtension):
+    """Scores examples on one rank; it holds nothing between calls."""
+
+    @torch.inference_mode()
+    def losses(self, examples: list[Example], pad_id: int, batch_size: int) -> list[tuple[float, int]] | None:
+        """(summed NLL, completion tokens) per example, from rank 0 (every rank computes the same logits)."""
+        out = []
+        for start in range(0, len(examples), batch_size):
+            inputs, valid, targets = collate(examples[start:start + batch_size], pad_id)
+            nll, tokens = completion_nll(self.model, inputs, valid, targets)
+            out += [(float(n), int(t)) for n, t in zip(nll.double(), tokens)]
+        return self.first_rank_only(out)
 
 
 def summarise(per_example: list[tuple[float, int]]) -> dict:

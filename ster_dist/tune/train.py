@@ -3,7 +3,7 @@
 The driver (tune/prepare.py, then `train` here) resolves the model, runs every refusal, tokenizes the
 examples and fixes the seeded order of steps, then drives the ranks one optimizer step per call, so it can draw the
 progress bar with each step's loss whether the ranks are Ray actors or spawned processes. Each rank
-(`setup_on_rank`, `step_on_rank`, `finish_on_rank`, through Rank.run) loads its tensor-parallel shard
+(`TrainingOnRank`, a rank extension: setup, step, finish) loads its tensor-parallel shard
 of the frozen base with the same streaming loader as inference (engine.load_model under a TrainCtx),
 attaches the factors (tune/lora.py) and hands DeepSpeed a module whose only parameters are the factors:
 DeepSpeed averages their gradients over the data-parallel group, partitions the optimizer state over
@@ -40,8 +40,7 @@ from ster_dist.tune.lora import Attached, LoraFactors, TrainSite
 from ster_dist.tune.loss import completion_nll
 from ster_dist.tune.parallel import forget_layouts, layout
 from ster_dist.tune.spec import TrainSettings
-
-_TARGET = "ster_dist.tune.train"
+from ster_dist.workers.extension import RankExtension
 
 
 @dataclass
@@ -64,24 +63,25 @@ def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None)
     "ranks": every rank's factors, "losses" and "tokens" per step, "gradients": the full factor gradients
     of step `gradients_at` (before its update) when asked}."""
     world = plan.settings.dp * plan.settings.tp
-    setup = group.call("run", f"{_TARGET}:setup_on_rank", plan)
+    training = group.on(TrainingOnRank)
+    setup = training.setup(plan)
     if len(setup) != world:
         raise Refusal(f"the worker group has {len(setup)} ranks; --dp {plan.settings.dp} x --tp "
                       f"{plan.settings.tp} needs {world}")
     losses, tokens, gradients = [], [], None
     try:
         for index in range(len(plan.steps)):
-            out = group.call("run", f"{_TARGET}:step_on_rank", plan.token, index, index == gradients_at)[0]
+            out = training.step(plan.token, index, index == gradients_at)[0]
             losses.append(out["loss"])
             tokens.append(out["tokens"])
             if out.get("gradients") is not None:
                 gradients = out["gradients"]
             if on_step is not None:
                 on_step(index + 1, len(plan.steps), out)
-        ranks = group.call("run", f"{_TARGET}:finish_on_rank", plan.token)
+        ranks = training.finish(plan.token)
     except BaseException:
         with contextlib.suppress(BaseException):
-            group.call("run", f"{_TARGET}:abandon_on_rank", plan.token)
+            training.abandon(plan.token)
         raise
     return {"factors": ranks[0], "ranks": ranks, "losses": losses, "tokens": tokens, "gradients": gradients,
             "bytes_read": sum(s["bytes_read"] for s in setup)}
@@ -115,9 +115,6 @@ class _Run:
     attached: Attached
     lay: object
     own_group: bool
-
-
-_RUNS: dict[str, _Run] = {}
 
 
 class _Stderr:
@@ -181,90 +178,100 @@ def ds_config(s: TrainSettings) -> dict:
     }
 
 
-def setup_on_rank(rank, plan: TrainPlan) -> dict:
-    from ster_dist.engine import load_model
+class TrainingOnRank(RankExtension):
+    """The training runs set up on one rank: token -> its DeepSpeed engine, factors and layout. Closing
+    the rank abandons any run left (a driver that died mid-run), releasing its process group."""
 
-    s = plan.settings
-    deepspeed = _deepspeed(s.device)
-    with _quiet():
-        own = _ensure_group(s.dp * s.tp)
-        try:
-            lay = layout(s.dp, s.tp)
-            torch.manual_seed(s.seed)
-            loaded = load_model(plan.checkpoint, s.precision, s.device, lay.ctx())
-            factors = LoraFactors(plan.sites, s.rank, s.seed, s.b_init_std)
-            attached = Attached(loaded.model, factors, plan.sites, s.scale, lay.ctx())
-            objective = _Objective(factors, loaded.model, attached)
-            optimizer = torch.optim.AdamW(factors.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
-            engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config(s),
-                                              mpu=lay.mpu())
-        except BaseException:
-            if own:
-                dist.destroy_process_group()
-                forget_layouts()
-            raise
-    _RUNS[plan.token] = _Run(plan, engine, objective, attached, lay, own)
-    return {"rank": lay.rank, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank, "bytes_read": loaded.bytes_read,
-            "trainable": sum(p.numel() for p in factors.parameters())}
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.runs: dict[str, _Run] = {}
 
+    def setup(self, plan: TrainPlan) -> dict:
+        from ster_dist.engine import load_model
 
-def step_on_rank(rank, token: str, index: int, gradients: bool = False) -> dict:
-    """One optimizer step: this rank's micro-batches of step `index`; the step's token-weighted loss."""
-    from deepspeed.utils import safe_get_full_grad
-
-    run = _run(token)
-    plan, s, engine = run.plan, run.plan.settings, run.engine
-    step = plan.steps[index]
-    tokens = sum(plan.examples[i].completion_tokens for i in step)
-    weight = s.dp * s.accumulation / (tokens * s.tp)
-    nll = torch.zeros(2, dtype=torch.float64)
-    grads = None
-    with _quiet():
-        for micro in micro_batches(step, s.batch_size, s.accumulation, s.dp, run.lay.dp_rank):
-            # an empty slot (a short last step) still runs, weighted zero: every rank must reach each reduction
-            batch = [plan.examples[i] for i in micro] or [plan.examples[step[0]]]
-            inputs, valid, targets = collate(batch, plan.pad_id)
-            loss = engine(inputs, valid, targets, weight if micro else 0.0)
-            engine.backward(loss)
-            if micro:
-                nll += torch.tensor(run.objective.last, dtype=torch.float64)
-            if gradients and engine.is_gradient_accumulation_boundary():
-                grads = {n: safe_get_full_grad(p).float().clone() for n, p in run.objective.factors.named_parameters()}
-            engine.step()
-    dist.all_reduce(nll, group=run.lay.dp_group)
-    out = {"step": index + 1, "loss": float(nll[0] / nll[1]), "tokens": int(nll[1])}
-    if grads is not None and run.lay.rank == 0:
-        out["gradients"] = grads
-    return out
-
-
-def finish_on_rank(rank, token: str) -> dict[str, torch.Tensor]:
-    """The trained global factors (the f32 masters), from every rank; then the run is torn down."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    run = _run(token)
-    try:
+        s = plan.settings
+        deepspeed = _deepspeed(s.device)
         with _quiet():
-            return {n: safe_get_full_fp32_param(p).float().clone() for n, p in run.objective.factors.named_parameters()}
-    finally:
-        abandon_on_rank(rank, token)
+            own = _ensure_group(s.dp * s.tp)
+            try:
+                lay = layout(s.dp, s.tp)
+                torch.manual_seed(s.seed)
+                loaded = load_model(plan.checkpoint, s.precision, s.device, lay.ctx())
+                factors = LoraFactors(plan.sites, s.rank, s.seed, s.b_init_std)
+                attached = Attached(loaded.model, factors, plan.sites, s.scale, lay.ctx())
+                objective = _Objective(factors, loaded.model, attached)
+                optimizer = torch.optim.AdamW(factors.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
+                engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config(s),
+                                                  mpu=lay.mpu())
+            except BaseException:
+                if own:
+                    dist.destroy_process_group()
+                    forget_layouts()
+                raise
+        self.runs[plan.token] = _Run(plan, engine, objective, attached, lay, own)
+        return {"rank": lay.rank, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank, "bytes_read": loaded.bytes_read,
+                "trainable": sum(p.numel() for p in factors.parameters())}
 
+    def step(self, token: str, index: int, gradients: bool = False) -> dict:
+        """One optimizer step: this rank's micro-batches of step `index`; the step's token-weighted loss."""
+        from deepspeed.utils import safe_get_full_grad
 
-def abandon_on_rank(rank, token: str) -> bool:
-    run = _RUNS.pop(token, None)
-    if run is None:
-        return False
-    run.attached.detach()
-    run.engine = run.objective = None
-    gc.collect()
-    if run.own_group:
-        dist.destroy_process_group()
-        forget_layouts()
-    return True
+        run = self._run(token)
+        plan, s, engine = run.plan, run.plan.settings, run.engine
+        step = plan.steps[index]
+        tokens = sum(plan.examples[i].completion_tokens for i in step)
+        weight = s.dp * s.accumulation / (tokens * s.tp)
+        nll = torch.zeros(2, dtype=torch.float64)
+        grads = None
+        with _quiet():
+            for micro in micro_batches(step, s.batch_size, s.accumulation, s.dp, run.lay.dp_rank):
+                # an empty slot (a short last step) still runs, weighted zero: every rank must reach each reduction
+                batch = [plan.examples[i] for i in micro] or [plan.examples[step[0]]]
+                inputs, valid, targets = collate(batch, plan.pad_id)
+                loss = engine(inputs, valid, targets, weight if micro else 0.0)
+                engine.backward(loss)
+                if micro:
+                    nll += torch.tensor(run.objective.last, dtype=torch.float64)
+                if gradients and engine.is_gradient_accumulation_boundary():
+                    grads = {n: safe_get_full_grad(p).float().clone()
+                             for n, p in run.objective.factors.named_parameters()}
+                engine.step()
+        dist.all_reduce(nll, group=run.lay.dp_group)
+        out = {"step": index + 1, "loss": float(nll[0] / nll[1]), "tokens": int(nll[1])}
+        if grads is not None and run.lay.rank == 0:
+            out["gradients"] = grads
+        return out
 
+    def finish(self, token: str) -> dict[str, torch.Tensor]:
+        """The trained global factors (the f32 masters), from every rank; then the run is torn down."""
+        from deepspeed.utils import safe_get_full_fp32_param
 
-def _run(token: str) -> _Run:
-    run = _RUNS.get(token)
-    if run is None:
-        raise Refusal("this rank holds no such training run; it was finished or never set up")
-    return run
+        run = self._run(token)
+        try:
+            with _quiet():
+                return {n: safe_get_full_fp32_param(p).float().clone()
+                        for n, p in run.objective.factors.named_parameters()}
+        finally:
+            self.abandon(token)
+
+    def abandon(self, token: str) -> bool:
+        run = self.runs.pop(token, None)
+        if run is None:
+            return False
+        run.attached.detach()
+        run.engine = run.objective = None
+        gc.collect()
+        if run.own_group:
+            dist.destroy_process_group()
+            forget_layouts()
+        return True
+
+    def close(self) -> None:
+        for token in list(self.runs):
+            self.abandon(token)
+
+    def _run(self, token: str) -> _Run:
+        run = self.runs.get(token)
+        if run is None:
+            raise Refusal("this rank holds no such training run; it was finished or never set up")
+        return run

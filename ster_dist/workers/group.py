@@ -2,11 +2,14 @@
 
 `open_group` picks the group: a single in-process Rank for one rank (no Ray, no
 process group: the embedded default), Ray actors (or spawned processes) for tp x ep ranks.
+Every group has `call(method, *args)` for Rank's own methods and `on(cls)` for a rank
+extension's (workers/extension.py).
 """
 
 from __future__ import annotations
 
 from ster_dist.checkpoint import Checkpoint
+from ster_dist.workers.extension import OnRanks
 from ster_dist.workers.rank import Rank
 
 
@@ -18,6 +21,9 @@ class LocalGroup:
 
     def call(self, method: str, *args) -> list:
         return [getattr(self.rank, method)(*args)]
+
+    def on(self, cls: type) -> OnRanks:
+        return OnRanks(self, cls)
 
     def close(self) -> None:
         self.rank.close()

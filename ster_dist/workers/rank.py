@@ -2,7 +2,9 @@
 its shard, runs the decoder.
 
 The same class runs as a Ray actor (workers/ray_group.py) and in a spawned process
-(workers/spawn.py); it never decides placement, only does what its rank is told.
+(workers/spawn.py); it never decides placement, only does what its rank is told. Work that
+packages above add (capture, steering, adapters, training) runs as rank extensions
+(workers/extension.py), each owning its state on this rank, closed when the rank closes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ster_dist.checkpoint import Checkpoint
 from ster_dist.engine import LoadedModel, load_model
 from ster_dist.generate import Sampling, generate
 from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.workers.extension import RankExtension, check_extension, check_method
 
 
 def free_port(host: str) -> int:
@@ -67,6 +70,7 @@ class Rank:
         self.rank, self.world, self.ep = rank, world, ep
         self._ctx = ParallelCtx(rank, world, None)
         self.loaded: LoadedModel | None = None
+        self._extensions: dict[type, RankExtension] = {}  # one per class, in the order they were made
         if threads:
             torch.set_num_threads(threads)
 
@@ -139,14 +143,34 @@ class Rank:
             return None
         return against_reference(self.loaded, ids, captured, logits, tp=self.world)
 
-    def run(self, target: str, *args):
-        """Call `module:function(rank, *args)` on this rank: how capture, steering, adapters and
-        training add rank-side work without growing this class. Returns what the function returns."""
-        import importlib
+    def whereabouts(self) -> dict:
+        """Where this rank's process is, so a test or an operator can find it."""
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
 
-        module, _, name = target.partition(":")
-        return getattr(importlib.import_module(module), name)(self, *args)
+    def extension(self, cls: type) -> RankExtension:
+        """This rank's instance of extension `cls`, made on first use."""
+        made = self._extensions.get(cls)
+        if made is None:
+            check_extension(cls)
+            made = self._extensions[cls] = cls(self)
+        return made
+
+    def call_extension(self, cls: type, method: str, *args):
+        """What `group.on(cls).method(*args)` runs on each rank; returns the method's result."""
+        check_method(cls, method)  # the driver checked too; a rank called directly must refuse alike
+        return getattr(self.extension(cls), method)(*args)
 
     def close(self) -> None:
+        """Close the extensions (newest first: a later one may use an earlier one's state), then leave
+        the process group; an extension failing to close stops neither."""
+        failure = None
+        extensions, self._extensions = list(self._extensions.values()), {}
+        for made in reversed(extensions):
+            try:
+                made.close()
+            except Exception as exc:
+                failure = failure or exc
         if dist.is_initialized():
             dist.destroy_process_group()
+        if failure is not None:
+            raise failure

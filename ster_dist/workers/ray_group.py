@@ -13,8 +13,10 @@ import os
 import time
 
 from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
+from ster_dist.workers.extension import OnRanks, describe
 
 CALL_TIMEOUT_S = float(os.environ.get("STER_RANK_TIMEOUT", "1800"))
+CLOSE_GRACE_S = 10.0  # how long a healthy group's ranks get to close their extensions before the kill
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
@@ -52,6 +54,7 @@ class RayGroup:
         self.started_ray = start_ray(address)
         self.actors = []
         self.pg = None
+        self.healthy = True  # False once a call failed: its ranks may be dead or stuck, so close only kills
         try:
             if device == "cuda":
                 bundle, options = {"GPU": 1, "CPU": 1}, {"num_gpus": 1, "num_cpus": 1}
@@ -76,6 +79,7 @@ class RayGroup:
             host, port = self._get([self.actors[0].address.remote()], "address")[0]
             self.call("join", host, port, backend)
         except BaseException:
+            self.healthy = False
             self.close()
             raise
 
@@ -87,6 +91,7 @@ class RayGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(1.0, deadline - time.monotonic()))
             if not done:
+                self.healthy = False
                 self.close()
                 raise WorkerLost(f"ranks did not finish {method} within {CALL_TIMEOUT_S:.0f} s; "
                                  "the group was shut down")
@@ -97,19 +102,30 @@ class RayGroup:
                 failure = _as_refusal(exc, refs.index(done[0]), method)
                 if not isinstance(getattr(exc, "cause", None), Refusal):
                     failure = _dead_rank(refs, method) or failure
+                self.healthy = False
                 self.close()
                 raise failure from None
         return ray.get(refs)
+
+    def on(self, cls: type) -> OnRanks:
+        return OnRanks(self, cls)
 
     def call(self, method: str, *args) -> list:
         import ray
 
         shared = [ray.put(a) if _large(a) else a for a in args]
-        return self._get([getattr(actor, method).remote(*shared) for actor in self.actors], method)
+        return self._get([getattr(actor, method).remote(*shared) for actor in self.actors], describe(method, args))
 
     def close(self) -> None:
         import ray
 
+        if self.actors and self.healthy:
+            # Rank.close closes the rank's extensions (training runs, hooks); a kill alone would skip it
+            try:
+                ray.wait([actor.close.remote() for actor in self.actors], num_returns=len(self.actors),
+                         timeout=CLOSE_GRACE_S)
+            except Exception:
+                pass
         for actor in self.actors:
             try:
                 ray.kill(actor)

@@ -10,6 +10,7 @@ import traceback
 import torch.multiprocessing as mp
 
 from ster_dist.errors import Refusal, WorkerLost
+from ster_dist.workers.extension import OnRanks, describe
 from ster_dist.workers.rank import Rank, free_port
 
 
@@ -46,13 +47,17 @@ class SpawnGroup:
         port = free_port("127.0.0.1")
         self.call("join", "127.0.0.1", port, "gloo")
 
+    def on(self, cls: type) -> OnRanks:
+        return OnRanks(self, cls)
+
     def call(self, method: str, *args) -> list:
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))
             except (OSError, BrokenPipeError):
                 self.close()
-                raise WorkerLost(f"rank {rank} died before {method}; the group was shut down") from None
+                raise WorkerLost(f"rank {rank} died before {describe(method, args)}; the group was shut down") from None
+        method = describe(method, args)  # the errors below name an extension's method, not call_extension
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):

@@ -1,0 +1,53 @@
+"""A rank extension that counts what the expert-parallel dispatch moves, for tests and bench/moe.py.
+
+The counters live here, not in the model: on first use on a rank, DispatchProbe swaps the
+`dispatch` name moe/layer.py calls for a wrapper that records each call, and puts the original
+back when the rank closes. A rank is one process on Ray and under SpawnGroup, so each rank counts
+only its own dispatches; in a LocalGroup the swap covers every model in the driver's process.
+"""
+
+from __future__ import annotations
+
+from ster_dist.moe import layer
+from ster_dist.workers.extension import RankExtension
+
+_ZERO = {"tokens": 0, "pairs_sent_away": 0, "forwards": 0}
+
+
+class DispatchProbe(RankExtension):
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.received: list[int] = []  # rows this rank's experts took, per dispatch since the last reset
+        self.totals = dict(_ZERO)
+        self._original = layer.dispatch
+        layer.dispatch = self._dispatch
+
+    def _dispatch(self, x, ids, num_experts, ctx):
+        rows, local_ids, handle = self._original(x, ids, num_experts, ctx)
+        self.received.append(rows.shape[0])
+        self.totals["tokens"] += x.shape[0]  # this rank's share of the tokens
+        self.totals["pairs_sent_away"] += sum(handle.sent) - handle.sent[ctx.ep_rank]
+        self.totals["forwards"] += 1
+        return rows, local_ids, handle
+
+    def reset(self) -> None:
+        """Start counting afresh (also installs the probe, when this is its first use on the rank)."""
+        self.received.clear()
+        self.totals = dict(_ZERO)
+
+    def received_rows(self) -> list[int]:
+        """Rows this rank's experts took per dispatch since the reset: per MoE layer, after one forward."""
+        return list(self.received)
+
+    def traffic(self, reset: bool = False) -> dict:
+        """This rank's dispatch counts since the reset, summed over its MoE layers: tokens it dispatched,
+        (token, expert) pairs it sent to other ranks, layer forwards; and how many MoE layers it holds."""
+        moe_layers = sum(isinstance(block.mlp, layer.MoE) for block in self.model.layers)
+        out = {**self.totals, "moe_layers": moe_layers}
+        if reset:
+            self.reset()
+        return out
+
+    def close(self) -> None:
+        if layer.dispatch == self._dispatch:  # not replaced again since: put the original back
+            layer.dispatch = self._original
