@@ -420,7 +420,7 @@ _MEASURED_MERGE = textwrap.dedent("""
     from ster_dist.adapters.merge import merge
     # what a first use costs once per process, paid before the mark because it is not the merge's
     # memory: the modules the merge imports lazily, and torch's first matmul (its thread pool)
-    import torch, ster_dist.commands.common, ster_dist.config_params, ster_dist.engine, ster_dist.resolve
+    import torch, ster_dist.atomic, ster_dist.config_params, ster_dist.engine, ster_dist.resolve
     torch.ones(64, 64) @ torch.ones(64, 64)
     def status(field):
         for line in open("/proc/self/status"):

@@ -77,7 +77,7 @@ def cluster(tmp_path_factory):
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
     try:
-        from ster_dist.commands.submit import server_answers
+        from ster_dist.sched.submit import server_answers
 
         deadline = time.monotonic() + 90
         while not server_answers(url, timeout=2.0):

@@ -381,7 +381,8 @@ def test_evaluate_scores_layers_and_strengths(llama, pairs_file, tmp_path, capsy
                          "--strengths=0,2,-2", "--batch-size", 2, "--max-sequence", 80)
     assert code == 0, err
     assert out["layers"][0]["accuracy"] == trained["layers"][0]["train_accuracy"]
-    assert abs(out["layers"][0]["margin"] - trained["layers"][0]["train_margin"]) < 1e-9
+    # the same residuals read again, possibly in other batches: equal up to f32 summation order
+    assert out["layers"][0]["margin"] == pytest.approx(trained["layers"][0]["train_margin"], rel=1e-5)
     report = out["strength"]
     assert report["scored_pairs"] == 5 and report["skipped_long"] == 0 and report["layers"] == [1]
     zero, plus, minus = report["candidates"]

@@ -1,0 +1,62 @@
+"""The README's "Using it" blocks, run as written: every ```bash block, in order, from a copy of the
+repository's root (its jobs/ and README beside a stand-in for the main job's models/smollm2: a toy
+Llama with SmolLM2's 30 layers, so the example specs' layer numbers hold) with `.venv/bin/ster`,
+`.venv/bin/python` and `.venv/bin/pip` standing for this interpreter's. A block that fails fails
+the test with its command and stderr."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ster_dist.toy import make_toy_model
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def bash_blocks() -> list[str]:
+    return BLOCK.findall((REPO / "README.md").read_text(encoding="utf-8"))
+
+
+def _shim(path: Path, body: str) -> None:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("readme")
+    venv = root / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    _shim(venv / "ster", f'exec "{sys.executable}" -m ster_dist.cli "$@"')
+    _shim(venv / "python", f'exec "{sys.executable}" "$@"')
+    _shim(venv / "pip", "exit 0  # the test's interpreter has the test extra already")
+    (root / "jobs").symlink_to(REPO / "jobs")
+    make_toy_model(root / "models" / "smollm2", layers=30, hidden=64, seed=0)
+    return root
+
+
+def test_the_readme_has_runnable_blocks():
+    blocks = bash_blocks()
+    assert len(blocks) >= 5 and all(".venv/bin/" in block for block in blocks)
+
+
+def test_every_readme_block_runs_as_written(root):
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    for index, block in enumerate(bash_blocks()):
+        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=root, capture_output=True, text=True,
+                              timeout=900, env=env)
+        assert done.returncode == 0, f"README block {index} failed:\n{block}\nstderr:\n{done.stderr[-3000:]}"
+        for line in done.stderr.splitlines():  # progress is one JSON object per line, whatever ran
+            assert line.startswith("{"), f"README block {index}: stderr line is not JSON: {line!r}"
+    scratch = root / "scratch"
+    for made in ("answers.json", "hidden.safetensors", "calm.json", "adapter", "merged", "merged-job"):
+        assert (scratch / made).exists(), made
