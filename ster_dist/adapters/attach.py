@@ -6,7 +6,7 @@ decoder projections (targets.py) and sends the global factors to every rank. Eac
 own share from the projection's Shard, the same record the loader read its weight slice by: a
 column-parallel projection (query, key, value, gate, up) keeps A whole and its own rows of B;
 a row-parallel one (output, down) keeps its own columns of A and B whole, and its partial sum is
-all-reduced together with the base's (shard/linear.py).
+all-reduced together with the base's (parallel/linear.py).
 
 attach_for_cli is what `--adapter` on generate, capture and steer calls (commands/common.py
 modifiers); attach is the same on one Decoder for library use.
@@ -30,8 +30,9 @@ from ster_dist.adapters.targets import (
     summary,
 )
 from ster_dist.errors import Refusal
-from ster_dist.shard.ctx import Shard
-from ster_dist.shard.linear import LowRank
+from ster_dist.parallel.ctx import Shard
+from ster_dist.parallel.linear import LowRank
+from ster_dist.progress import progress
 
 _ATTACHED: dict[str, Callable[[], None]] = {}  # token -> detach, per process (one rank per process)
 
@@ -85,8 +86,6 @@ def detach_on_rank(rank, token: str) -> bool:
 
 def attach_for_cli(session, args) -> Callable[[], None]:
     """Attach --adapter on every rank of the session; returns the detach callable."""
-    from ster_dist.commands.common import progress
-
     adapter = open_adapter(args.adapter)
     check_model(adapter, session.checkpoint.model)
     refuse_family(session.cfg.family)

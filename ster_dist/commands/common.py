@@ -39,7 +39,8 @@ class Session:
     """The driver's view of one run: checkpoint resolved once, tokenizer, config, and the ranks."""
 
     def __init__(self, args):
-        from ster_dist.engine import check_device, compute_dtype, model_config
+        from ster_dist.config_load import model_config
+        from ster_dist.load import check_device, compute_dtype
         from ster_dist.resolve import resolve
         from ster_dist.tokenizer import Tokenizer
         from ster_dist.workers.group import load_on, open_group

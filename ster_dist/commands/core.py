@@ -28,7 +28,7 @@ def cmd_families(args) -> dict:
 
 
 def cmd_inspect(args) -> dict:
-    from ster_dist.engine import model_config
+    from ster_dist.config_load import model_config
     from ster_dist.resolve import describe, resolve
 
     checkpoint = resolve(args.model, args.revision)

@@ -109,7 +109,7 @@ def _check_layers(job, cli: bool) -> None:
     model = job.fields.get("model")
     if not isinstance(model, str) or not Path(model).is_dir():
         return
-    from ster_dist.engine import model_config
+    from ster_dist.config_load import model_config
     from ster_dist.resolve import resolve
 
     count = model_config(resolve(model, job.fields.get("revision"))).num_layers

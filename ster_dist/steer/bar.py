@@ -3,10 +3,10 @@ the bar drawn in the message and done / total as fields for machines)."""
 
 from __future__ import annotations
 
+from ster_dist.progress import progress
+
 
 def bar(what: str, width: int = 24):
-    from ster_dist.commands.common import progress
-
     def update(done: int, total: int) -> None:
         filled = width * done // max(total, 1)
         progress(f"{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", done=done, total=total)

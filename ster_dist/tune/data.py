@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ster_dist.commands.common import read_json
+from ster_dist.inputs import read_json
 from ster_dist.errors import Refusal
 from ster_dist.tokenizer import Tokenizer
 
