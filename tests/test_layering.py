@@ -1,6 +1,7 @@
 """The package's import arrows point one way: each module imports only modules of its own layer or
 below, and no set of modules imports itself round (every import counts, including those inside
-functions, since a function-level import is still a dependency, only a later one).
+functions, since a function-level import is still a dependency, only a later one, and a
+"ster_dist.mod:function" string a rank runs by name).
 
 LAYERS is the one table to edit: module prefixes (relative to ster_dist, `*` allowed in the first
 component), bottom to top. A module named by no prefix fails the test, so a new module must be
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = "ster_dist"
+CALL_BY_NAME = re.compile(PACKAGE + r"(\.\w+)+:\w+")
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # bottom to top: (prefixes, why the layer sits where it does)
@@ -87,6 +90,9 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 # `from pkg import mod` imports the module pkg.mod when there is one, else pkg
                 names = [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
                 names = [n if _relative(n) in files else base for n in names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and CALL_BY_NAME.fullmatch(node.value):
+                # "ster_dist.steer.attach:attach_on_rank", run on the ranks by name: a dependency all the same
+                names = [node.value.partition(":")[0]]
             else:
                 continue
             for name in names:
@@ -259,6 +265,7 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("from . import leaf\n")
     (pkg / "sub" / "leaf.py").write_text("def f():\n    from ster_dist import top\n")
     (pkg / "top.py").write_text("import ster_dist.sub.leaf as x\nfrom ster_dist.sub.leaf import f\n")
+    (pkg / "caller.py").write_text('TARGET = "ster_dist.top:run"\n')
     graph = import_graph(pkg)
-    assert graph == {"": set(), "sub": {"sub.leaf"}, "sub.leaf": {"top"}, "top": {"sub.leaf"}}
+    assert graph == {"": set(), "caller": {"top"}, "sub": {"sub.leaf"}, "sub.leaf": {"top"}, "top": {"sub.leaf"}}
     assert cycles(graph) == [["sub.leaf", "top"]]
