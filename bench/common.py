@@ -157,7 +157,7 @@ def warm_page_cache(directory: Path) -> None:
 
 def load_ster(model_dir: Path, precision: str):
     """ster_dist's load path: resolve + load_model. Returns the LoadedModel."""
-    from ster_dist.engine import load_model
+    from ster_dist.load import load_model
     from ster_dist.resolve import resolve
 
     return load_model(resolve(str(model_dir)), precision, "cpu")
@@ -198,7 +198,7 @@ def _child_load(engine: str, model_dir: Path, precision: str, threads: int) -> d
     """Runs in the child: import everything first, then time and measure only the load."""
     set_threads(threads)
     if engine == "ster":
-        import ster_dist.engine
+        import ster_dist.load
         import ster_dist.resolve  # noqa: F401
         load = load_ster
     else:

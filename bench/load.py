@@ -38,7 +38,7 @@ if kind == "transformers":
     total = sum(float(p.sum()) for p in model.parameters())
     out = {"seconds": time.perf_counter() - start, "rss_growth": peak_rss_bytes() - base}
 elif kind == "ster1":
-    from ster_dist.engine import load_model
+    from ster_dist.load import load_model
     from ster_dist.resolve import resolve
     base = reset_peak_rss(); start = time.perf_counter()
     loaded = load_model(resolve(path), "f32")

@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/common.py: thread setting, timing, tokenizer)
 
-from ster_dist.engine import load_model  # noqa: E402
 from ster_dist.generate import Sampling, generate  # noqa: E402
+from ster_dist.load import load_model  # noqa: E402
 from ster_dist.resolve import resolve  # noqa: E402
 from tests.moe_probe import DispatchProbe  # noqa: E402  (counts on the ranks what dispatch moves)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ster_dist.engine import LoadedModel
 from ster_dist.errors import Refusal
+from ster_dist.load import LoadedModel
 
 THRESHOLDS = {"f32": (1e-4, 0.9999), "bf16": (5e-2, 0.999), "f16": (1e-4, 0.9999)}
 

@@ -17,7 +17,7 @@ from ster_dist.schema.common import Runtime
 
 class Session:
     def __init__(self, runtime: Runtime, address: str | None = None):
-        from ster_dist.engine import check_device, compute_dtype
+        from ster_dist.load import check_device, compute_dtype
 
         self.runtime = runtime
         self.address = address if address is not None else runtime.address
@@ -35,7 +35,7 @@ class Session:
 
     @functools.cached_property
     def cfg(self):
-        from ster_dist.engine import model_config
+        from ster_dist.config_load import model_config
 
         return model_config(self.checkpoint)
 

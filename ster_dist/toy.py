@@ -11,18 +11,16 @@ exactly like a downloaded one, in ster_dist and in Transformers.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from ster_dist.atomic import staging_dir
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec
-from ster_dist.shard.loader import build_decoder
+from ster_dist.model.decoder import meta_decoder
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -104,7 +102,7 @@ def make_toy_model(directory: Path, family: str = "llama", layers: int = 2, hidd
     config = {**PRESETS[family](hidden, layers, experts), "vocab_size": tok.get_vocab_size(),
               "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"}
     cfg = from_hf(config)
-    model = build_decoder(cfg)
+    model = meta_decoder(cfg)  # shapes and names only: the values are drawn below
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, param in model.named_parameters():
@@ -115,10 +113,8 @@ def make_toy_model(directory: Path, family: str = "llama", layers: int = 2, hidd
             tensors.update({n: value[e].contiguous() for e, n in enumerate(names)})
         else:
             tensors[names[0]] = value.contiguous()
-    parent = directory.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=parent))
-    try:
+    # an empty directory named by the user is swapped for the filled one (a non-empty one was refused above)
+    with staging_dir(directory, replace=True) as staging:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos},
@@ -127,12 +123,6 @@ def make_toy_model(directory: Path, family: str = "llama", layers: int = 2, hidd
         (staging / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "bos_token": "<|endoftext|>",
             "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 512}, indent=2))
-        if directory.exists():
-            directory.rmdir()
-        os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return {"output": str(directory), "family": family, "layers": layers, "hidden_size": hidden,
             "vocab_size": config["vocab_size"], "tensors": len(tensors),
             **({"experts": experts} if family != "llama" else {})}

@@ -16,8 +16,9 @@ from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
 from ster_dist.cli import main
-from ster_dist.engine import load_model, model_config
+from ster_dist.config_load import model_config
 from ster_dist.errors import Refusal
+from ster_dist.load import load_model
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
 from tests.test_merge import IDS, PEFT_CASES, max_relative, peft_adapter, ster_adapter

@@ -122,7 +122,7 @@ def test_capture_on_a_mixture_of_experts_at_ep2_equals_transformers(tmp_path):
 
 
 def test_capture_stops_after_the_deepest_layer_and_leaves_no_hook(llama):
-    from ster_dist.engine import load_model
+    from ster_dist.load import load_model
 
     directory, _ = llama
     model = load_model(resolve(str(directory))).model

@@ -42,7 +42,7 @@ from ster_dist.config_file import family_of, gate, load_raw_config
 from ster_dist.errors import Refusal
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.registry import spec_for
-from ster_dist.model.mlp import activation
+from ster_dist.layers.activation import activation
 from ster_dist.model.rope import RotaryTables, inverse_frequencies
 
 transformers = pytest.importorskip("transformers")

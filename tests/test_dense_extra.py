@@ -8,7 +8,7 @@ import torch
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
-from ster_dist.model.mlp import XIELU
+from ster_dist.layers.activation import XIELU
 
 transformers = pytest.importorskip("transformers")
 from transformers import CONFIG_MAPPING  # noqa: E402

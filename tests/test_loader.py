@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import fused_qkv
+from ster_dist.load import load_decoder
 from ster_dist.model.decoder import Decoder
-from ster_dist.shard.ctx import ParallelCtx
-from ster_dist.shard.loader import load_decoder
+from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.shard.plan import build_plan, fused_source_rows
 from ster_dist.shard.source import SafetensorsSource
 from tests.tiny_models import make_tiny, read_config

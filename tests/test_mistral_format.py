@@ -20,10 +20,11 @@ from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
 from ster_dist.config import from_hf
+from ster_dist.config_load import model_config
 from ster_dist.config_params import from_params
-from ster_dist.engine import load_model, model_config
 from ster_dist.errors import Refusal
 from ster_dist.generate import Sampling, generate
+from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup

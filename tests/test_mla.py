@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ster_dist.config import from_hf
-from ster_dist.engine import load_model
+from ster_dist.load import load_model
 from ster_dist.model.decoder import Decoder
+from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.shard.ctx import ParallelCtx
 from tests.tiny_models import TINY, make_tiny
 
 

@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ster_dist.config import MoEConfig
-from ster_dist.engine import load_model
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import SPECS
 from ster_dist.generate import Sampling, generate
+from ster_dist.load import load_model
 from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
+from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.shard.ctx import ParallelCtx
-from ster_dist.shard.source import read_header
+from ster_dist.shard.safetensors_header import read_header
 from ster_dist.workers.extension import RankExtension
 from ster_dist.workers.spawn import SpawnGroup
 from tests.moe_probe import DispatchProbe
@@ -145,10 +145,7 @@ def expected_bytes(directory, num_experts: int, ep: int) -> list[int]:
         first, last = ParallelCtx(ep_rank=rank, ep_size=ep).experts(num_experts)
         total = 0
         for path in sorted(directory.glob("*.safetensors")):
-            header, _ = read_header(path)
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
+            for name, info in read_header(path).tensors.items():
                 size = info["data_offsets"][1] - info["data_offsets"][0]
                 per_expert = _PER_EXPERT.search(name)
                 if per_expert:
@@ -229,7 +226,7 @@ def _stacked_copy(reference, source_dir, directory):
 def test_transformers_stacked_layout_loads_under_ep_and_tp(tp2_ep2, ep2, tiny, tmp_path, variant):
     directory, reference = tiny(variant)
     stacked = _stacked_copy(reference, directory, tmp_path / "stacked")
-    names = read_header(stacked / "model.safetensors")[0]
+    names = read_header(stacked / "model.safetensors").tensors
     assert any(n.endswith("experts.gate_up_proj") for n in names) and not any(_PER_EXPERT.search(n) for n in names)
     checkpoint = resolve(str(stacked))
     single = load_model(checkpoint, "f32")

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.config import from_hf
-from ster_dist.engine import load_model
 from ster_dist.errors import Refusal
+from ster_dist.load import load_model
 from ster_dist.resolve import resolve
 from tests.tiny_models import make_tiny
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ster_dist.engine import load_model
 from ster_dist.families.registry import SPECS
 from ster_dist.generate import Sampling, generate
+from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.tiny_models import TINY, family_of_variant, make_tiny

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from ster_dist.engine import load_model
 from ster_dist.errors import WorkerLost
+from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.tiny_models import make_tiny

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ster_dist.engine import load_model
 from ster_dist.generate import Sampling, generate
 from ster_dist.gguf.importer import import_gguf
+from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer

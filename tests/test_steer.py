@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ster_dist.cli import main
-from ster_dist.engine import load_model
 from ster_dist.errors import Refusal
 from ster_dist.generate import Sampling, generate
+from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.steer.artifact import (

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ster_dist.engine import load_model
 from ster_dist.errors import Refusal, WorkerLost
 from ster_dist.generate import Sampling, generate
+from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
@@ -58,7 +58,7 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_transformers(group, tiny_dir
     (8, 8, 2, [((0, 4), (0, 4)), ((4, 8), (4, 8))]),
 ])
 def test_attention_heads_keep_each_query_head_with_its_key_value_head(heads, kv, tp, expected):
-    from ster_dist.shard.ctx import ParallelCtx
+    from ster_dist.parallel.ctx import ParallelCtx
 
     assert [ParallelCtx(r, tp).attention_heads(heads, kv) for r in range(tp)] == expected
 

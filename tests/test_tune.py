@@ -26,7 +26,7 @@ from ster_dist.adapters.attach import attach
 from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.targets import sites_for
 from ster_dist.cli import main
-from ster_dist.engine import load_model
+from ster_dist.load import load_model
 from ster_dist.resolve import resolve
 from ster_dist.tune.lora import Attached, LoraFactors
 from ster_dist.tune.parallel import TrainCtx

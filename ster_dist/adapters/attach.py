@@ -6,7 +6,7 @@ decoder projections (targets.py) and sends the global factors to every rank. Eac
 own share from the projection's Shard, the same record the loader read its weight slice by: a
 column-parallel projection (query, key, value, gate, up) keeps A whole and its own rows of B;
 a row-parallel one (output, down) keeps its own columns of A and B whole, and its partial sum is
-all-reduced together with the base's (shard/linear.py).
+all-reduced together with the base's (parallel/linear.py).
 
 attach_for_cli is what `--adapter` on generate, capture and steer calls (commands/common.py
 modifiers); attach is the same on one Decoder for library use.
@@ -30,8 +30,8 @@ from ster_dist.adapters.targets import (
     summary,
 )
 from ster_dist.errors import Refusal
-from ster_dist.shard.ctx import Shard
-from ster_dist.shard.linear import LowRank
+from ster_dist.parallel.ctx import Shard
+from ster_dist.parallel.linear import LowRank
 from ster_dist.workers.extension import RankExtension
 
 

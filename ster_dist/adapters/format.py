@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ster_dist.errors import Refusal
-from ster_dist.shard.source import DTYPES, SafetensorsSource, read_header
+from ster_dist.shard.safetensors_header import DTYPES, read_header
+from ster_dist.shard.source import SafetensorsSource
 
 TARGETS = ("query", "key", "value", "output", "gate", "up", "down")
 # Ster accepts the short name and the Hugging Face projection name for each target
@@ -163,11 +164,8 @@ def _read_json(path: Path, what: str):
 def _header(weights: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if not weights.is_file():
         raise Refusal(f"failed to read adapter weights {weights}: no such file; the adapter is incomplete")
-    header, _ = read_header(weights)
     out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    for name, info in read_header(weights).tensors.items():
         dtype = DTYPES.get(info.get("dtype"))
         if dtype not in _FLOATS:
             raise Refusal(f"adapter tensor {name} in {weights} is {info.get('dtype')}; LoRA factors must be "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -39,14 +38,15 @@ from ster_dist.adapters.targets import (
     refuse_family,
     summary,
 )
+from ster_dist.atomic import finish_dir, write_json
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
-from ster_dist.shard.source import DTYPES
+from ster_dist.shard.safetensors_header import entries, read_header
 from ster_dist.shard.writer import (
     OutTensor,
     Update,
-    header_bytes,
     placements,
+    shard_header,
     shard_names,
     shard_size,
     split_shards,
@@ -106,7 +106,7 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
             max_shard_size: str | int = DEFAULT_MAX_SHARD, checkpoint: Checkpoint | None = None) -> MergePlan:
     """Every refusal, the shard plan and the resume state; reads headers and the adapter only."""
     from ster_dist.config_file import family_of
-    from ster_dist.engine import model_config
+    from ster_dist.config_load import model_config
     from ster_dist.resolve import gate_view, resolve
     from ster_dist.shard.plan import build_plan
 
@@ -176,22 +176,20 @@ def write_one(plan: MergePlan, index: int) -> int:
 
 def finish(plan: MergePlan) -> dict:
     """Index, config and tokenizer files beside the shards, then the rename into place."""
-    from ster_dist.atomic import write_json as write_json_atomic
-
     for index, name in enumerate(plan.names):
         path = plan.shard_path(index)
         if not path.is_file() or path.stat().st_size != shard_size(plan.shards[index]):
             raise Refusal(f"merge shard {name} is missing or incomplete in {plan.work}; rerun the merge")
     weight_map = {t.name: name for name, shard in zip(plan.names, plan.shards) for t in shard}
     total = sum(t.nbytes for shard in plan.shards for t in shard)
-    write_json_atomic(plan.work / f"{plan.stem}.safetensors.index.json",
+    write_json(plan.work / f"{plan.stem}.safetensors.index.json",
                       {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     for path in plan.side_files:
         shutil.copyfile(path, plan.work / path.name)
     (plan.work / STATE).unlink(missing_ok=True)
     if plan.output.exists():
         raise Refusal(f"output {plan.output} appeared while merging; the merge is kept in {plan.work}")
-    os.rename(plan.work, plan.output)
+    finish_dir(plan.work, plan.output)
     files = sorted(p.name for p in plan.output.iterdir())
     return {**plan.report, "files": files}
 
@@ -219,47 +217,22 @@ def index_weights(files: list[Path]) -> dict[str, dict]:
 
     A tensor named twice — in one header or in two files — is refused rather than half-merged.
     """
-    entries: dict[str, dict] = {}
+    found: dict[str, dict] = {}
     for path in files:
-        twice: list[str] = []
-
-        def pairs(items, twice=twice):
-            out = {}
-            for key, value in items:
-                if key in out:
-                    twice.append(key)
-                out[key] = value
-            return out
-
-        try:
-            with open(path, "rb") as handle:
-                length = int.from_bytes(handle.read(8), "little")
-                if length <= 0 or length > 100 << 20:
-                    raise ValueError(f"header length {length}")
-                header = json.loads(handle.read(length), object_pairs_hook=pairs)
-            size = path.stat().st_size
-        except (OSError, ValueError) as exc:
-            raise Refusal(f"failed to map {path}: {exc}") from None
-        if twice:
-            raise Refusal(f"model weight {twice[0]} appears twice in {path.name}; the weight file is corrupt: "
+        path = Path(path)
+        header = read_header(path)
+        if header.twice:
+            raise Refusal(f"model weight {header.twice[0]} appears twice in {path.name}; the weight file is corrupt: "
                           "re-export it")
-        start = 8 + length
-        rows = []
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if name in entries:
-                raise Refusal(f"model weight {name} appears in more than one weight file ({entries[name]['file'].name} "
-                              f"and {path.name}); remove the duplicate shard")
-            dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))
-            a, b = info.get("data_offsets", (0, -1))
-            if dtype not in DTYPES or b - a != math.prod(shape) * DTYPES[dtype].itemsize or start + b > size:
-                raise Refusal(f"failed to map {path}: tensor {name} has an unreadable entry")
-            rows.append((a, name, {"file": path, "offset": start + a, "nbytes": b - a, "dtype": dtype,
-                                   "shape": shape}))
-        for _, name, entry in sorted(rows, key=lambda r: r[0]):
-            entries[name] = entry
-    return entries
+        listed = entries(path, header)
+        for entry in listed:
+            if entry.name in found:
+                raise Refusal(f"model weight {entry.name} appears in more than one weight file "
+                              f"({found[entry.name]['file'].name} and {path.name}); remove the duplicate shard")
+        for entry in sorted(listed, key=lambda e: e.offset):  # data order: the copy reads each file forwards
+            found[entry.name] = {"file": path, "offset": entry.offset, "nbytes": entry.nbytes, "dtype": entry.dtype,
+                                 "shape": entry.shape}
+    return found
 
 
 # ---- resume ----------------------------------------------------------------------------------
@@ -275,7 +248,7 @@ def _fingerprint(checkpoint: Checkpoint, adapter_files: list[Path], shards: list
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     for shard in shards:
-        digest.update(hashlib.sha256(header_bytes(shard)).digest())
+        digest.update(hashlib.sha256(shard_header(shard)).digest())
     return digest.hexdigest()
 
 
@@ -289,12 +262,11 @@ def _resume(work: Path, fingerprint: str, names: list[str], shards: list[list[Ou
     if work.exists() and not same:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob(".*.tmp"):  # a shard a killed writer left half-written
-        stale.unlink(missing_ok=True)
+    for stale in work.glob(".*"):  # a shard (or state file) a killed writer left half-written beside its name
+        if stale.name != STATE:
+            stale.unlink(missing_ok=True)
     if not same:
-        tmp = work / f"{STATE}.tmp"
-        tmp.write_text(json.dumps({"fingerprint": fingerprint, "shards": names}))
-        os.replace(tmp, state)
+        write_json(state, {"fingerprint": fingerprint, "shards": names})
     pending = []
     for index, name in enumerate(names):
         path = work / name
@@ -305,6 +277,6 @@ def _resume(work: Path, fingerprint: str, names: list[str], shards: list[list[Ou
 
 
 def _header_matches(path: Path, shard: list[OutTensor]) -> bool:
-    expected = header_bytes(shard)
+    expected = shard_header(shard)
     with open(path, "rb") as handle:
         return handle.read(len(expected)) == expected

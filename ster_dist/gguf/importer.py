@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from gguf import GGUFReader
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from ster_dist.atomic import staging_dir
 from ster_dist.errors import Refusal
 from ster_dist.gguf.names import GGUFFamily
 from ster_dist.gguf.source import GGUFSource, family_of, field_value, open_reader
@@ -55,25 +55,18 @@ def import_gguf(gguf_file: Path, out_dir: Path, to_safetensors: bool = False,
               "dtype": str(dtype).removeprefix("torch."),
               "tensors": len(source.names()), "quant_types": source.quant_types()}
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
     try:
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        if to_safetensors:
-            _write_safetensors(source, tmp)
-        else:
-            _place(gguf_file, tmp / gguf_file.name)
-        report["files"] = sorted(p.name for p in tmp.iterdir())
-        if out_dir.exists():
-            out_dir.rmdir()                 # empty (checked above); the rename needs it gone
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        # an existing out_dir is empty (checked above) and is swapped for the filled one
+        with staging_dir(out_dir, replace=True) as tmp:
+            _write_json(tmp / "config.json", config)
+            _write_json(tmp / "generation_config.json", generation)
+            _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+            tokenizer.save(str(tmp / "tokenizer.json"))
+            if to_safetensors:
+                _write_safetensors(source, tmp)
+            else:
+                _place(gguf_file, tmp / gguf_file.name)
+            report["files"] = sorted(p.name for p in tmp.iterdir())
     finally:
         source.close()
     return report

@@ -7,7 +7,6 @@ clipping, masks (causal, padding, sliding window), soft-capping, learned sinks (
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +15,10 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
-from ster_dist.shard.ctx import ParallelCtx, Shard
-from ster_dist.shard.linear import ColumnLinear, RowLinear, ShardedModule
+from ster_dist.model.step import StepState
+from ster_dist.parallel.ctx import ParallelCtx, Shard
+from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
-if TYPE_CHECKING:  # the decoder imports this module
-    from ster_dist.model.decoder import StepState
 
 
 class HeadScalars(ShardedModule):

@@ -29,8 +29,8 @@ from ster_dist.config import ModelConfig
 from ster_dist.model.cache import KVCache
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
-from ster_dist.shard.ctx import ParallelCtx
-from ster_dist.shard.linear import ColumnLinear, RowLinear
+from ster_dist.parallel.ctx import ParallelCtx
+from ster_dist.parallel.linear import ColumnLinear, RowLinear
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's and MiniCPM3's latent norms keep their default epsilon, not the config's
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ster_dist.shard.ctx import SINGLE, ParallelCtx, Shard
-from ster_dist.shard.linear import ShardedModule
+from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
+from ster_dist.parallel.linear import ShardedModule
 
 
 class Norm(ShardedModule):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.parallel.ctx import ParallelCtx
 
 
 @dataclass

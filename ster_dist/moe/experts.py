@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ster_dist.config import MoEConfig
-from ster_dist.model.mlp import activation
-from ster_dist.shard.ctx import ParallelCtx, Shard
-from ster_dist.shard.linear import ShardedModule
+from ster_dist.layers.activation import activation
+from ster_dist.parallel.ctx import ParallelCtx, Shard
+from ster_dist.parallel.linear import ShardedModule
 
 
 class Experts(ShardedModule):

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig
-from ster_dist.model.mlp import MLP
+from ster_dist.layers.mlp import MLP
 from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.router import Router
-from ster_dist.shard.ctx import ParallelCtx
-from ster_dist.shard.linear import Replicated
+from ster_dist.parallel.ctx import ParallelCtx
+from ster_dist.parallel.linear import Replicated
 
 
 class MoE(nn.Module):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ster_dist.config import MoEConfig
-from ster_dist.shard.ctx import Shard
-from ster_dist.shard.linear import ShardedModule
+from ster_dist.parallel.ctx import Shard
+from ster_dist.parallel.linear import ShardedModule
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None

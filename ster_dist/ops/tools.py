@@ -34,7 +34,7 @@ def families(request: FamiliesRequest) -> dict:
 
 
 def inspect_model(request: InspectModelRequest) -> dict:
-    from ster_dist.engine import model_config
+    from ster_dist.config_load import model_config
     from ster_dist.resolve import describe, resolve
 
     checkpoint = resolve(request.model, request.revision)

@@ -1,34 +1,31 @@
-"""The streaming loader: build the decoder on the meta device, then fill each parameter
+"""The streaming loader: allocate a model built on the meta device, then fill each parameter
 with this rank's rows, read one slice at a time through a TensorSource.
 
-A rank never reads another rank's rows or experts; every checkpoint tensor must be
-consumed (or ignored by rule, or held by another rank) and every parameter filled,
+The loader knows no model class: it is given the module (its caller builds it) and reads each
+parameter's Shard from the module's ShardedModules, so weight I/O sits above the model and the
+model never imports it. A rank never reads another rank's rows or experts; every checkpoint
+tensor must be consumed (or ignored by rule, or held by another rank) and every parameter filled,
 or loading fails naming it.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.model.decoder import Decoder
-from ster_dist.shard.ctx import SINGLE, ParallelCtx
+from ster_dist.parallel.linear import module_shards
 from ster_dist.shard.plan import Piece, Plan, build_plan
 from ster_dist.shard.source import TensorSource
 
 
-def build_decoder(cfg: ModelConfig, ctx: ParallelCtx = SINGLE, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu") -> Decoder:
-    """An empty decoder: shapes only, parameters allocated but not initialised."""
-    with torch.device("meta"):
-        model = Decoder(cfg, ctx).to(dtype)  # cast while shapes only: nothing is allocated twice
-    return model.to_empty(device=device)
-
-
-def load_into(model: Decoder, source: TensorSource) -> Plan:
-    cfg = model.cfg
-    shards = model.shards()
+def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
+                device: str | torch.device = "cpu") -> Plan:
+    """Allocate `model` on `device` (built on the meta device: shapes only) and fill every parameter
+    from `source` through cfg's name map; returns the plan it read by."""
+    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
+    shards = module_shards(model)
     shapes = {name: source.shape(name) for name in source.names()}
     plan = build_plan(cfg.spec, cfg, shards, shapes)
     params = dict(model.named_parameters())
@@ -86,11 +83,3 @@ def read_window(source: TensorSource, name: str, window: tuple[slice, ...]) -> t
     if hasattr(source, "read_window"):
         return source.read_window(name, window)
     return source.read(name, window[0])[(slice(None), *window[1:])]
-
-
-def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
-    model = build_decoder(cfg, ctx, dtype, device)
-    load_into(model, source)
-    model.eval()
-    return model

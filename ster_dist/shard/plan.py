@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked
-from ster_dist.shard.ctx import Shard
+from ster_dist.parallel.ctx import Shard
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,10 @@ def fused_rows_total(layout: Fused, cfg: ModelConfig) -> int:
     return groups * sum(size_of(c, cfg) for _, c in layout.parts) * size_of(layout.unit, cfg)
 
 
-class _Matcher:
+class NameMatcher:
+    """A family's checkpoint names matched against its rules (and its ignore list), shared by the
+    plan, the merge writer and the adapter targets so all three read a name the same way."""
+
     def __init__(self, spec: FamilySpec):
         self.spec = spec
         self.rules = [(rule, rule.pattern) for rule in spec.rules]
@@ -215,7 +218,7 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]]) -> Plan:
-    matcher = _Matcher(spec)
+    matcher = NameMatcher(spec)
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []

@@ -15,10 +15,8 @@ rank's bytes, and nothing stays mapped.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +24,7 @@ from typing import Protocol
 import torch
 
 from ster_dist.errors import Refusal
+from ster_dist.shard.safetensors_header import DTYPES, entries
 
 
 class TensorSource(Protocol):
@@ -42,14 +41,6 @@ class TensorSource(Protocol):
     def close(self) -> None: ...
 
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_MAX_HEADER = 100 * 1024 * 1024
-
-
 @dataclass(frozen=True)
 class _Entry:
     fd: int
@@ -58,46 +49,20 @@ class _Entry:
     dtype: torch.dtype
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """(the safetensors JSON header, where the data starts) of one file."""
-    try:
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) != 8:
-                raise Refusal(f"failed to map {path}: not a safetensors file (too short)")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > _MAX_HEADER:
-                raise Refusal(f"failed to map {path}: its safetensors header claims {length} bytes")
-            header = json.loads(handle.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise Refusal(f"failed to map {path}: {exc}") from None
-    return header, 8 + length
-
-
 class SafetensorsSource:
     def __init__(self, files: list[Path] | tuple[Path, ...]):
         self._fds: list[int] = []
         self._entries: dict[str, _Entry] = {}
         self.bytes_read = 0
         for path in files:
-            header, data_start = read_header(Path(path))
+            found = entries(path)  # the header, each entry checked against the file's size
             fd = os.open(path, os.O_RDONLY)
             self._fds.append(fd)
-            size = os.fstat(fd).st_size
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if name in self._entries:
-                    raise Refusal(f"tensor {name} appears in two weight files (the second is {path}); "
+            for entry in found:
+                if entry.name in self._entries:
+                    raise Refusal(f"tensor {entry.name} appears in two weight files (the second is {path}); "
                                   "remove the duplicate shard")
-                dtype = DTYPES.get(info.get("dtype"))
-                shape = tuple(info.get("shape", ()))
-                start, stop = info.get("data_offsets", (0, -1))
-                nbytes = math.prod(shape) * (dtype.itemsize if dtype is not None else 0)
-                if dtype is None or stop - start != nbytes or data_start + stop > size:
-                    raise Refusal(f"failed to map {path}: tensor {name} has an unreadable entry "
-                                  f"(dtype {info.get('dtype')}, shape {list(shape)})")
-                self._entries[name] = _Entry(fd, data_start + start, shape, dtype)
+                self._entries[entry.name] = _Entry(fd, entry.offset, entry.shape, DTYPES[entry.dtype])
 
     def names(self) -> list[str]:
         return list(self._entries)

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ster_dist.atomic import replacing
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec, Fused
-from ster_dist.shard.plan import _Matcher, fused_source_rows, size_of
-from ster_dist.shard.source import DTYPES, SafetensorsSource
+from ster_dist.shard.plan import NameMatcher, fused_source_rows, size_of
+from ster_dist.shard.safetensors_header import DTYPES, header_bytes
+from ster_dist.shard.source import SafetensorsSource
 
 _COPY_CHUNK = 16 << 20
 _WRITE_CHUNK = 1 << 20
@@ -48,7 +49,7 @@ class Placement:
 
 def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set[str]) -> dict[str, Placement]:
     """The placement of each of `params` among the checkpoint tensor `names` (absent when none holds it)."""
-    matcher = _Matcher(spec)
+    matcher = NameMatcher(spec)
     out: dict[str, Placement] = {}
     for name in names:
         if matcher.ignored(name):
@@ -122,35 +123,26 @@ def shard_names(count: int, stem: str = "model") -> list[str]:
     return [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def header_bytes(tensors: list[OutTensor]) -> bytes:
-    """The safetensors header of a shard, padded with spaces to a multiple of 8 (its data's alignment)."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for tensor in tensors:
-        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape),
-                               "data_offsets": [offset, offset + tensor.nbytes]}
-        offset += tensor.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
+def shard_header(tensors: list[OutTensor]) -> bytes:
+    """The safetensors header of a shard holding `tensors` in order, with Transformers' format tag."""
+    return header_bytes(((t.name, t.dtype, t.shape) for t in tensors), {"format": "pt"})
 
 
 def shard_size(tensors: list[OutTensor]) -> int:
-    return len(header_bytes(tensors)) + sum(t.nbytes for t in tensors)
+    return len(shard_header(tensors)) + sum(t.nbytes for t in tensors)
 
 
 def write_shard(path: Path, tensors: list[OutTensor], durable: bool = True) -> int:
-    """Write one shard at `path` (through a temporary name); returns the bytes written."""
+    """Write one shard at `path` (beside it, renamed when whole); returns the bytes written.
+    `durable`: fsync before the rename, so a shard renamed into place is a whole shard even after a crash."""
     _return_large_blocks()
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp"
     sources = sorted({t.file for t in tensors if t.updates})
     reader = SafetensorsSource([Path(f) for f in sources]) if sources else None
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     inputs: dict[str, int] = {}
     try:
-        with one_thread():
-            written = _write_all(fd, header_bytes(tensors))
+        with replacing(path, binary=True, durable=durable) as handle, one_thread():
+            fd = handle.fileno()  # raw writes and copy_file_range only: the handle's buffer stays empty
+            written = _write_all(fd, shard_header(tensors))
             for tensor in tensors:
                 if tensor.updates:
                     for block in merged_blocks(reader, tensor):
@@ -159,16 +151,8 @@ def write_shard(path: Path, tensors: list[OutTensor], durable: bool = True) -> i
                 if tensor.file not in inputs:
                     inputs[tensor.file] = os.open(tensor.file, os.O_RDONLY)
                 written += copy_range(inputs[tensor.file], tensor.offset, tensor.nbytes, fd)
-        if durable:
-            os.fsync(fd)  # a shard renamed into place is a whole shard, even after a crash
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
         return written
     finally:
-        if fd >= 0:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
         for handle in inputs.values():
             os.close(handle)
         if reader is not None:

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
+from ster_dist.shard.safetensors_header import read_header
 from ster_dist.steer.layers import check_layers
 
 SCHEMA_VERSION = 1
@@ -159,16 +158,10 @@ class SteeringArtifact:
         except OSError as exc:
             raise Refusal(f"failed to create {path.parent}: {exc.strerror or exc}") from None
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with replacing(path) as handle:
+                json.dump(self.to_json(), handle, separators=(",", ":"), ensure_ascii=False)
         except OSError as exc:
             raise Refusal(f"failed to write steering artifact {path}: {exc.strerror or exc}") from None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(self.to_json(), handle, separators=(",", ":"), ensure_ascii=False)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
 
 def load_artifact(path: str) -> SteeringArtifact:
@@ -224,14 +217,9 @@ def _adapter_kind(path: Path) -> str | None:
 
 def _safetensors_names(path: Path) -> list[str]:
     try:
-        with path.open("rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            if size > 100_000_000:
-                return []
-            header = json.loads(handle.read(size))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        return list(read_header(path).tensors)
+    except Refusal:  # not a safetensors file: no names to recognise it by
         return []
-    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
 
 
 def is_steering_artifact(path: str) -> bool:

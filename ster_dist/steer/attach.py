@@ -14,6 +14,7 @@ import uuid
 import torch
 
 from ster_dist.errors import Refusal
+from ster_dist.events import progress
 from ster_dist.steer.artifact import (
     SteeringArtifact,
     check_for_run,
@@ -84,7 +85,6 @@ def check_strength(vector, strength) -> None:
 def attach_for_cli(session, args):
     """`ster generate --vector V.json --strength S`: check the artifact against the loaded model,
     warn on a precision or chat-template mismatch, steer every rank, record it on the session."""
-    from ster_dist.events import progress
     from ster_dist.steer.text import chat_status
 
     check_strength(args.vector, args.strength)

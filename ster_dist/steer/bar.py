@@ -3,9 +3,10 @@ the bar drawn in the message and done / total as fields for machines)."""
 
 from __future__ import annotations
 
+from ster_dist.events import progress
+
 
 def bar(what: str, width: int = 24):
-    from ster_dist.events import progress
 
     def update(done: int, total: int) -> None:
         filled = width * done // max(total, 1)

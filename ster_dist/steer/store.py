@@ -1,50 +1,46 @@
 """A safetensors file written in pieces: the header first (every shape is known once the prompts
 are tokenized), then each batch's rows at their offsets, so a large capture never sits in memory
-whole. Written beside the target and renamed at the end: a reader never sees half a file.
+whole. Written beside the target and renamed at the end (atomic.replacing): a reader never sees
+half a file.
 
-The layout is plain safetensors (8-byte little-endian header length, JSON header padded with
-spaces to a multiple of 8, then the data), so `safetensors.safe_open` reads it back.
+The header comes from shard/safetensors_header.py, the one writer of that format, so
+`safetensors.safe_open` reads the file back.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
-_DTYPES = {torch.float32: ("F32", 4), torch.int64: ("I64", 8)}
+from ster_dist.atomic import replacing
+from ster_dist.shard.safetensors_header import TAGS, data_offsets, header_bytes
 
 
 class StreamedSafetensors:
     def __init__(self, path: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str]):
         self.path = Path(path)
-        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        header: dict[str, object] = {"__metadata__": dict(metadata)}
-        offset = 0
-        for name, (dtype, shape) in tensors.items():
-            tag, size = _DTYPES[dtype]
-            count = 1
-            for dim in shape:
-                count *= dim
-            header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + count * size]}
-            self.layout[name] = (dtype, tuple(shape), offset, count * size)
-            offset += count * size
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        self.data_start = 8 + len(text)
+        specs = [(name, TAGS[dtype], tuple(shape)) for name, (dtype, shape) in tensors.items()]
+        offsets = data_offsets(specs)
+        self.layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {
+            name: (dtype, tuple(shape), offsets[name][0], offsets[name][1] - offsets[name][0])
+            for name, (dtype, shape) in tensors.items()}
+        header = header_bytes(specs, metadata)
+        self.data_start = len(header)
         self.written = {name: 0 for name in tensors}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        # held open across calls (commit renames, abort removes), so entered by hand rather than with `with`
+        self._target = replacing(self.path, binary=True, durable=True)
+        self.fd = self._target.__enter__().fileno()  # positioned writes only: the handle's buffer stays empty
         try:
-            os.write(self.fd, struct.pack("<Q", len(text)) + text)
-            os.ftruncate(self.fd, self.data_start + offset)
-        except BaseException:
-            self.abort()
+            view, at = memoryview(header), 0
+            while view:
+                done = os.pwrite(self.fd, view, at)
+                view, at = view[done:], at + done
+            os.ftruncate(self.fd, self.data_start + sum(size for *_, size in self.layout.values()))
+        except BaseException as exc:
+            self._finish(exc)
             raise
 
     def write_rows(self, name: str, first_row: int, rows: torch.Tensor) -> None:
@@ -65,16 +61,20 @@ class StreamedSafetensors:
         if short:
             self.abort()
             raise ValueError(f"tensors not fully written: {', '.join(short)}")
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        os.replace(self.tmp, self.path)
+        self._finish(None)
 
     def abort(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        Path(self.tmp).unlink(missing_ok=True)
+        self._finish(RuntimeError(f"writing {self.path} was abandoned"))
+
+    def _finish(self, error: BaseException | None) -> None:
+        """Leave the replacing block: renamed into place (fsynced first) without an error, removed with one."""
+        if self.fd is None:
+            return
+        self.fd = None
+        if error is None:
+            self._target.__exit__(None, None, None)
+        else:
+            self._target.__exit__(type(error), error, error.__traceback__)
 
     def __enter__(self):
         return self

@@ -4,7 +4,7 @@ spec.py      the run's settings and every refusal that needs only the config and
 data.py      examples -> token ids through the chat template as generation applies it, a completion-only
              loss mask, and the seeded order of optimizer steps
 lora.py      trainable factors on the decoder's column- and row-parallel projections (the runtime
-             adapter mechanism of shard/linear.py and adapters/attach.py, with nn.Parameters)
+             adapter mechanism of parallel/linear.py and adapters/attach.py, with nn.Parameters)
 parallel.py  the dp x tp layout: subgroups, the training ParallelCtx whose collectives carry gradients,
              and the model-parallel view DeepSpeed asks for
 loss.py      summed negative log-likelihood over completion tokens

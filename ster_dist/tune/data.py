@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ster_dist.inputs import read_json
 from ster_dist.errors import Refusal
+from ster_dist.inputs import read_json
 from ster_dist.tokenizer import Tokenizer
 
 IGNORE = -100  # a target position without loss (Transformers' ignore_index)

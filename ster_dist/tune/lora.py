@@ -26,7 +26,7 @@ from ster_dist.adapters.targets import PARAMS, decoder_shards
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.shard.linear import LowRank
+from ster_dist.parallel.linear import LowRank
 from ster_dist.shard.writer import placements
 
 

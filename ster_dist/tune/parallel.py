@@ -1,7 +1,7 @@
 """The dp x tp layout of a training run, and collectives that carry gradients.
 
 World rank r of dp x tp ranks is tensor-parallel rank r % tp and data-parallel rank r // tp, as
-shard/ctx.py lays out tp x ep: a tensor-parallel group is tp consecutive ranks, a data-parallel group
+parallel/ctx.py lays out tp x ep: a tensor-parallel group is tp consecutive ranks, a data-parallel group
 the ranks of one tensor-parallel position across them. Every rank creates every group, in the same
 order, as torch.distributed requires; the groups are kept per process, so a rank that trains twice
 reuses them.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.parallel.ctx import ParallelCtx
 
 
 class _AllReduce(torch.autograd.Function):

@@ -19,7 +19,8 @@ def prepare(model: str, examples: str, settings: TrainSettings, layers: str = "a
             chat_template: str = "auto", system: str | None = None,
             output: str | Path | None = None) -> tuple[TrainPlan, dict]:
     """(the plan, the report's header: model, revision, targets, layers, examples, steps, chat_template)."""
-    from ster_dist.engine import check_device, model_config
+    from ster_dist.config_load import model_config
+    from ster_dist.load import check_device
     from ster_dist.resolve import resolve
     from ster_dist.steer.layers import parse_layers
     from ster_dist.steer.text import chat_status

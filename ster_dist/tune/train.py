@@ -4,7 +4,7 @@ The driver (tune/prepare.py, then `train` here) resolves the model, runs every r
 examples and fixes the seeded order of steps, then drives the ranks one optimizer step per call, so it can draw the
 progress bar with each step's loss whether the ranks are Ray actors or spawned processes. Each rank
 (`TrainingOnRank`, a rank extension: setup, step, finish) loads its tensor-parallel shard
-of the frozen base with the same streaming loader as inference (engine.load_model under a TrainCtx),
+of the frozen base with the same streaming loader as inference (load.load_model under a TrainCtx),
 attaches the factors (tune/lora.py) and hands DeepSpeed a module whose only parameters are the factors:
 DeepSpeed averages their gradients over the data-parallel group, partitions the optimizer state over
 it (ZeRO stage 1 or 2), accumulates micro-batches and keeps f32 master factors under bf16.
@@ -187,7 +187,7 @@ class TrainingOnRank(RankExtension):
         self.runs: dict[str, _Run] = {}
 
     def setup(self, plan: TrainPlan) -> dict:
-        from ster_dist.engine import load_model
+        from ster_dist.load import load_model
 
         s = plan.settings
         deepspeed = _deepspeed(s.device)

@@ -16,7 +16,6 @@ The directory is written beside its final name and renamed into place when compl
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ster_dist.adapters.format import SCHEMA_VERSION
+from ster_dist.atomic import finish_dir, write_bytes, write_json
 from ster_dist.errors import Refusal
 from ster_dist.tune.lora import TrainSite, global_factors, modules_of
 
@@ -84,7 +84,7 @@ def adapter_config(sites: list[TrainSite], report: dict, num_layers: int) -> dic
 def write_adapter(output: str | Path, sites: list[TrainSite], factors: dict[str, torch.Tensor], report: dict,
                   num_layers: int) -> list[str]:
     """Write the adapter directory at `output` (refused if it exists); returns its file names."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     output = Path(output)
     if output.exists():
@@ -94,16 +94,17 @@ def write_adapter(output: str | Path, sites: list[TrainSite], factors: dict[str,
         if not torch.isfinite(tensor).all():
             raise Refusal(f"training produced a non-finite value in {name}; lower --learning-rate and retrain")
     output.parent.mkdir(parents=True, exist_ok=True)
+    # not atomic.staging_dir: when the output appears meanwhile the trained adapter is kept in `work`
     work = output.parent / f".{output.name}.writing-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        save_file(tensors, str(work / WEIGHTS), metadata={"format": "pt"})
-        os.chmod(work / WEIGHTS, 0o644)  # safetensors writes owner-only; an adapter is read by servers too
-        (work / CONFIG).write_text(json.dumps(adapter_config(sites, report, num_layers), indent=2), encoding="utf-8")
+        # through atomic: the umask's mode (safetensors alone writes owner-only; servers read adapters too)
+        write_bytes(work / WEIGHTS, save(tensors, metadata={"format": "pt"}))
+        write_json(work / CONFIG, adapter_config(sites, report, num_layers))
         if output.exists():
             raise Refusal(f"output {output} appeared while training; the adapter is kept in {work}")
-        os.rename(work, output)
+        finish_dir(work, output)
     except BaseException:
         if work.exists() and not output.exists():
             shutil.rmtree(work, ignore_errors=True)

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ster_dist.checkpoint import Checkpoint
-from ster_dist.engine import LoadedModel, load_model
 from ster_dist.generate import Sampling, generate
-from ster_dist.shard.ctx import ParallelCtx
+from ster_dist.load import LoadedModel, load_model
+from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.workers.extension import RankExtension, check_extension, check_method
 
 

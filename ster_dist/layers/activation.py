@@ -1,15 +1,13 @@
-"""Feed-forwards: gated (act(gate) * up) or plain (act(up)), column- then row-parallel; xIELU, the activation
-with learned parameters per layer (Apertus)."""
+"""Activation functions by their config name, and xIELU, the activation with learned parameters per
+layer (Apertus). Dense feed-forwards and experts both pick theirs here."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ster_dist.config import ModelConfig
-from ster_dist.shard.ctx import ParallelCtx, Shard
-from ster_dist.shard.linear import ColumnLinear, RowLinear, ShardedModule
+from ster_dist.parallel.ctx import Shard
+from ster_dist.parallel.linear import ShardedModule
 
 
 def activation(name: str):
@@ -41,19 +39,3 @@ class XIELU(ShardedModule):
         alpha_n = self.beta + F.softplus(self.alpha_n)
         return torch.where(x > 0, alpha_p * x * x + self.beta * x,
                            (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None):
-        super().__init__()
-        inner = intermediate or cfg.intermediate_size
-        rows = (ctx.split(inner),)
-        self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
-        self.up = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias)
-        self.down = RowLinear(inner, cfg.hidden_size, ctx, cfg.mlp_down_bias, cols=rows[0])
-        self.act = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        h = self.act(self.gate(x)) * h if self.gate is not None else self.act(h)
-        return self.down(h)

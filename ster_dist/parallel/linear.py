@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ster_dist.shard.ctx import ParallelCtx, Shard
+from ster_dist.parallel.ctx import ParallelCtx, Shard
 
 
 class ShardedModule(nn.Module):
@@ -26,6 +26,16 @@ class ShardedModule(nn.Module):
         self.shards[name] = shard
         self.register_parameter(name, nn.Parameter(torch.empty(shard.local_shape(), dtype=dtype),
                                                    requires_grad=False))
+
+
+def module_shards(root: nn.Module) -> dict[str, Shard]:
+    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules."""
+    out: dict[str, Shard] = {}
+    for prefix, module in root.named_modules():
+        if isinstance(module, ShardedModule):
+            for name, shard in module.shards.items():
+                out[f"{prefix}.{name}" if prefix else name] = shard
+    return out
 
 
 class LowRank:

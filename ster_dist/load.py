@@ -1,4 +1,6 @@
-"""Loading a model for one process: resolve -> ModelConfig -> tokenizer -> decoder filled from its source.
+"""Loading a model on one rank: ModelConfig -> the decoder built on the meta device -> filled from its
+weight source by the streaming loader (shard/loader.py), plus the checks that come first (device,
+precision, expert-parallel split).
 
 The same steps run in every tensor-parallel rank with that rank's ParallelCtx;
 resolution (and any download) happens once, in the driver, before ranks start.
@@ -6,18 +8,17 @@ resolution (and any download) happens once, in the driver, before ranks start.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
 
 from ster_dist.checkpoint import Checkpoint
-from ster_dist.config import ModelConfig, from_hf
-from ster_dist.config_params import from_params
+from ster_dist.config import ModelConfig
+from ster_dist.config_load import model_config
 from ster_dist.errors import Refusal
-from ster_dist.model.decoder import Decoder
-from ster_dist.shard.ctx import SINGLE, ParallelCtx
-from ster_dist.shard.loader import load_decoder
+from ster_dist.model.decoder import Decoder, meta_decoder
+from ster_dist.parallel.ctx import SINGLE, ParallelCtx
+from ster_dist.shard.loader import fill_module
 from ster_dist.shard.source import SafetensorsSource, TensorSource
 
 PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -43,38 +44,6 @@ def check_device(device: str) -> str:
     raise Refusal(f"--device {device!r} is not one of cpu, cuda")
 
 
-def model_config(checkpoint: Checkpoint) -> ModelConfig:
-    if checkpoint.weight_format == "mistral":
-        # params.json states no token ids: the end of sequence is the tokenizer config's eos_token
-        cfg = from_params(checkpoint.raw_config, str(checkpoint.config_path))
-        eos = _generation_eos(checkpoint) or _tokenizer_eos(checkpoint)
-    else:
-        cfg = from_hf(checkpoint.raw_config, str(checkpoint.config_path))
-        eos = _generation_eos(checkpoint)
-    return cfg.with_eos(eos) if eos else cfg
-
-
-def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
-    """tokenizer_config.json's eos_token, as its id in tokenizer.json (read as Transformers reads them)."""
-    from ster_dist.tokenizer import Tokenizer
-
-    eos = Tokenizer.from_directory(checkpoint.tokenizer_path.parent).eos_token_id
-    return () if eos is None else (eos,)
-
-
-def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
-    path = checkpoint.generation_config_path
-    if not path.is_file():
-        return ()
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError):
-        return ()
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
 def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
     """--ep splits experts: refused, before any weight is read, where there are none or too few."""
     if ctx.ep_size == 1:
@@ -96,6 +65,14 @@ def open_source(checkpoint: Checkpoint, dtype: torch.dtype) -> TensorSource:
         return GGUFSource(checkpoint.weight_files[0], checkpoint.raw_config, dtype)
     raise Refusal(f"weights in {checkpoint.weight_format} format are not loadable by this ster_dist build yet; "
                   "use a checkpoint in Transformers' safetensors layout")
+
+
+def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
+    """This rank's decoder, built on the meta device and filled from `source`, in eval mode."""
+    model = meta_decoder(cfg, ctx, dtype)
+    fill_module(model, cfg, source, device)
+    return model.eval()
 
 
 @dataclass

@@ -1,0 +1,43 @@
+"""A checkpoint's ModelConfig: config.json (or Mistral's params.json) read through config.py, with the
+end-of-sequence ids generation_config.json (or the tokenizer config) states. Every process that needs
+a model's config without its weights (the driver, the job queue's checks) reads it here."""
+
+from __future__ import annotations
+
+import json
+
+from ster_dist.checkpoint import Checkpoint
+from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config_params import from_params
+
+
+def model_config(checkpoint: Checkpoint) -> ModelConfig:
+    if checkpoint.weight_format == "mistral":
+        # params.json states no token ids: the end of sequence is the tokenizer config's eos_token
+        cfg = from_params(checkpoint.raw_config, str(checkpoint.config_path))
+        eos = _generation_eos(checkpoint) or _tokenizer_eos(checkpoint)
+    else:
+        cfg = from_hf(checkpoint.raw_config, str(checkpoint.config_path))
+        eos = _generation_eos(checkpoint)
+    return cfg.with_eos(eos) if eos else cfg
+
+
+def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
+    """tokenizer_config.json's eos_token, as its id in tokenizer.json (read as Transformers reads them)."""
+    from ster_dist.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_directory(checkpoint.tokenizer_path.parent).eos_token_id
+    return () if eos is None else (eos,)
+
+
+def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
+    path = checkpoint.generation_config_path
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return ()
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -1,0 +1,28 @@
+"""The tensor-parallel feed-forward: gated (act(gate) * up) or plain (act(up)), column- then
+row-parallel. The decoder's dense layers and the experts' shared feed-forward both build it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ster_dist.config import ModelConfig
+from ster_dist.layers.activation import XIELU, activation
+from ster_dist.parallel.ctx import ParallelCtx
+from ster_dist.parallel.linear import ColumnLinear, RowLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None):
+        super().__init__()
+        inner = intermediate or cfg.intermediate_size
+        rows = (ctx.split(inner),)
+        self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
+        self.up = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias)
+        self.down = RowLinear(inner, cfg.hidden_size, ctx, cfg.mlp_down_bias, cols=rows[0])
+        self.act = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = self.act(self.gate(x)) * h if self.gate is not None else self.act(h)
+        return self.down(h)

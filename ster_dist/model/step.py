@@ -1,0 +1,58 @@
+"""StepState: what every layer of one forward step shares (positions, cache slots, masks by window,
+rotary tables by rope and dtype). Built once per step by the decoder, read by every attention kind;
+it sits in its own module so attention need not import the decoder."""
+
+from __future__ import annotations
+
+import torch
+
+from ster_dist.config import RopeConfig
+from ster_dist.model.cache import KVCache
+from ster_dist.model.rope import RotaryTables
+
+
+class StepState:
+    """What every layer of one forward step shares: positions, cache slots, masks and rotary tables."""
+
+    def __init__(self, positions: torch.Tensor, valid: torch.Tensor, tables: RotaryTables,
+                 cache: KVCache | None):
+        self.positions = positions
+        self.tables = tables
+        if cache is not None:
+            self.slots = cache.reserve(positions, valid)
+            key_pos, key_valid = cache.positions[:, : self.slots.stop], cache.valid[:, : self.slots.stop]
+            start = self.slots.start
+        else:
+            self.slots, key_pos, key_valid, start = None, positions, valid, 0
+        t, s = positions.shape[1], key_pos.shape[1]
+        query_slot = torch.arange(start, start + t).view(1, t, 1)
+        key_slot = torch.arange(s).view(1, 1, s)
+        self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
+        self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
+        self._positions, self._key_pos = positions, key_pos
+        # a one-token step over keys that are all real sees every key: no mask to build or apply
+        self._unmasked = t == 1 and bool(key_valid.all())
+        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed."""
+        if window not in self._masks:
+            distance = None if window is None else self._positions.unsqueeze(2) - self._key_pos.unsqueeze(1)
+            if self._unmasked and (distance is None or bool((distance < window).all())):
+                self._masks[window] = None
+            else:
+                allowed = self._base if distance is None else self._base & (distance < window)
+                self._masks[window] = (allowed | self._diag).unsqueeze(1)
+        return self._masks[window]
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        """[batch, keys]: the absolute positions of the keys this step attends (ALiBi's biases)."""
+        return self._key_pos
+
+    def rotary(self, rope: RopeConfig, dtype: torch.dtype):
+        key = (rope, dtype)
+        if key not in self._rotary:
+            self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
+        return self._rotary[key]
