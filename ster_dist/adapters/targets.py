@@ -31,7 +31,7 @@ from ster_dist.errors import Refusal
 from ster_dist.families.adapter_rules import REFUSED_FAMILIES
 from ster_dist.families.spec import Fused
 from ster_dist.shard.ctx import SINGLE, Shard
-from ster_dist.shard.plan import _Matcher, fused_rows_total, fused_source_rows
+from ster_dist.shard.plan import NameMatcher, fused_rows_total, fused_source_rows
 from ster_dist.shard.writer import one_thread, part_rows
 
 PARAMS = {"query": "attn.q", "key": "attn.k", "value": "attn.v", "output": "attn.o",
@@ -147,7 +147,7 @@ def _ster_sites(adapter: Adapter) -> list[SitePlan]:
 
 
 def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
-    matcher = _Matcher(cfg.transformers_spec)
+    matcher = NameMatcher(cfg.transformers_spec)
     plans = []
     for factor in adapter.factors:
         tensor = f"{factor.key}.weight"

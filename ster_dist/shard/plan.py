@@ -89,7 +89,11 @@ def fused_rows_total(layout: Fused, cfg: ModelConfig) -> int:
     return groups * sum(size_of(c, cfg) for _, c in layout.parts) * size_of(layout.unit, cfg)
 
 
-class _Matcher:
+class NameMatcher:
+    """A checkpoint name -> the spec's first rule whose template matches it (trying the name with the
+    spec's optional prefix too), and whether the spec ignores the name. The plan, the merge writer and
+    adapter placement all match names through it, so they agree on which rule owns a tensor."""
+
     def __init__(self, spec: FamilySpec):
         self.spec = spec
         self.rules = [(rule, rule.pattern) for rule in spec.rules]
@@ -215,7 +219,7 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]]) -> Plan:
-    matcher = _Matcher(spec)
+    matcher = NameMatcher(spec)
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []

@@ -28,7 +28,7 @@ import torch
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec, Fused
-from ster_dist.shard.plan import _Matcher, fused_source_rows, size_of
+from ster_dist.shard.plan import NameMatcher, fused_source_rows, size_of
 from ster_dist.shard.source import DTYPES, SafetensorsSource
 
 _COPY_CHUNK = 16 << 20
@@ -48,7 +48,7 @@ class Placement:
 
 def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set[str]) -> dict[str, Placement]:
     """The placement of each of `params` among the checkpoint tensor `names` (absent when none holds it)."""
-    matcher = _Matcher(spec)
+    matcher = NameMatcher(spec)
     out: dict[str, Placement] = {}
     for name in names:
         if matcher.ignored(name):
