@@ -23,7 +23,7 @@ from ster_dist.steer.text import encode_prompt
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.group import LocalGroup
 from ster_dist.workers.spawn import SpawnGroup
-from tests.tiny_models import _BASE, TINY, _perturb_norms
+from tests.tiny_models import BASE_CONFIG, TINY, perturb_norms
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 REQUEST = {
@@ -50,10 +50,10 @@ def make_tiny(variant: str, directory, seed: int = 0):
     import transformers
 
     config_cls, model_cls, kwargs = TINY[variant]
-    config = getattr(transformers, config_cls)(**{**_BASE, **kwargs, "max_position_embeddings": 512})
+    config = getattr(transformers, config_cls)(**{**BASE_CONFIG, **kwargs, "max_position_embeddings": 512})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    _perturb_norms(model, seed)
+    perturb_norms(model, seed)
     model.save_pretrained(directory, safe_serialization=True)
     build_tiny_tokenizer(directory)
     return model

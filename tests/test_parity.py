@@ -5,6 +5,8 @@ batched generation equal to one prompt at a time.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from tests.tiny_models import TINY, family_of_variant, make_tiny
+from tests.tiny_models import LINEAGES, TINY, family_of_variant, make_tiny
 
 VARIANTS = sorted(TINY)
 
@@ -22,6 +24,14 @@ def test_every_parity_checked_family_has_a_tiny_checkpoint():
     checked = {name for name, spec in SPECS.items() if spec.parity_reference}
     covered = {family_of_variant(v) for v in VARIANTS}
     assert checked <= covered, f"families marked parity-checked without a test: {checked - covered}"
+
+
+@pytest.mark.parametrize("lineage", sorted(LINEAGES))
+def test_each_tiny_module_holds_its_family_modules_families(lineage):
+    """tests/tiny/<lineage>.py checks the families of ster_dist/families/<lineage>.py, all of them."""
+    specs = getattr(importlib.import_module(f"ster_dist.families.{lineage}"), f"{lineage.upper()}_FAMILIES")
+    specified = {spec.name for spec in specs}
+    assert {family_of_variant(v) for v in LINEAGES[lineage].TINY} == specified
 
 
 @pytest.fixture(scope="module", params=VARIANTS)

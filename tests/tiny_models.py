@@ -1,8 +1,10 @@
 """Tiny random checkpoints of every Transformers-implemented family, built at test time.
 
-Each entry: (Transformers config class name, model class name, config kwargs). Sizes are
-small and odd where the family allows: key-value heads below heads, head_dim unlike
-hidden/heads, vocab not divisible by two, tied and untied heads, rope scaling variants.
+TINY gathers tests/tiny/<lineage>.py, one module per ster_dist/families/<lineage>.py. Each entry:
+(Transformers config class name, model class name, config kwargs over BASE_CONFIG). Sizes are small
+and odd where the family allows: key-value heads below heads, head_dim unlike hidden/heads, vocab not
+divisible by two, tied and untied heads, rope scaling variants; mixture-of-experts checkpoints have 6-8
+experts, top-2, so expert-parallel ranks get uneven loads.
 """
 
 from __future__ import annotations
@@ -12,115 +14,51 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny_classic import TINY_CLASSIC, UNSTATED_BASE_CLASSIC, VARIANT_FAMILY_CLASSIC
-from tests.tiny_dense_extra import TINY_DENSE_EXTRA, VARIANT_FAMILY_DENSE_EXTRA
-from tests.tiny_llama_variants import TINY_LLAMA_VARIANTS, VARIANT_FAMILY_LLAMA_VARIANTS
-from tests.tiny_moe_extra import TINY_MOE_EXTRA, VARIANT_FAMILY_MOE_EXTRA
-from tests.tiny_moe_variants import TINY_MOE_VARIANTS, VARIANT_FAMILY_MOE_VARIANTS
-from tests.tiny_olmo_glm import TINY_OLMO_GLM, VARIANT_FAMILY_OLMO_GLM
+from tests.tiny import (
+    bloom_falcon,
+    cohere,
+    deepseek,
+    ernie,
+    exaone,
+    gemma,
+    glm,
+    gpt2,
+    gptj_neox,
+    granite,
+    hunyuan,
+    llama,
+    mixtral,
+    mpt,
+    nemotron,
+    olmo,
+    opt,
+    phi,
+    qwen,
+)
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 
 VOCAB = TINY_VOCAB_SIZE + 1  # odd, and one row more than the tokenizer uses, as real checkpoints often have
-_BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-             num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8],
-             "long_factor": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "original_max_position_embeddings": 32}
+BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                   num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-TINY: dict[str, tuple[str, str, dict]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
-    "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True,
-                                                             rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                                              "rope_theta": 10000.0})),
-    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
-                                                      sliding_window=4, max_window_layers=1)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
-                                                         query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
-                                                         final_logit_softcapping=3.0)),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
-                                                                  sliding_window_pattern=2, query_pre_attn_scalar=16)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=4, qk_layernorm=True, partial_rotary_factor=0.5)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, sliding_window=6, rope_parameters={
-        **_LONGROPE, "rope_theta": 10000.0, "partial_rotary_factor": 1.0})),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(num_key_value_heads=2, embedding_multiplier=3.0,
-                                                            residual_multiplier=0.5, attention_multiplier=0.2,
-                                                            logits_scaling=4.0)),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=2, qk_layernorm=True,
-                                                               use_qkv_bias=True, use_parallel_residual=True,
-                                                               partial_rotary_factor=0.5)),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=5,
-                                                                     use_bias=True)),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=48, n_layer=3, n_head=4, n_positions=128, n_inner=80)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=True)),
-    "gpt_neox_seq": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=False)),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
-    # mixture of experts and latent attention: 6-8 experts, top-2, so expert-parallel ranks get uneven loads
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=8,
-                                                            num_experts_per_tok=2, intermediate_size=24,
-                                                            sliding_window=6)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
-        shared_expert_intermediate_size=40, mlp_only_layers=[1])),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
-                                                      intermediate_size=24, clip_qkv=1.5)),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
-        num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24,
-        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
-    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(
-        d_model=48, n_layers=3, n_heads=4, max_seq_len=128, attn_config=dict(kv_n_heads=2, clip_qkv=0.3),
-        ffn_config=dict(ffn_hidden_size=24, moe_num_experts=6, moe_top_k=2))),
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, kv_lora_rank=16,
-        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
-        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                         "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0})),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, kv_lora_rank=16,
-        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
-        n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
-        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
-        use_qk_norm=True, attention_bias=True)),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24,
-        sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        swiglu_limit=0.1, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                           "original_max_position_embeddings": 32, "truncate": False,
-                                           "rope_theta": 10000.0})),
-    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
-        kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, scale_emb=2.0,
-        scale_depth=1.4, dim_model_base=32)),
-}
-
-
-TINY.update(TINY_OLMO_GLM)
-TINY.update(TINY_LLAMA_VARIANTS)
-TINY.update(TINY_MOE_VARIANTS)
-TINY.update(TINY_CLASSIC)
-TINY.update(TINY_DENSE_EXTRA)
-TINY.update(TINY_MOE_EXTRA)
-_VARIANT_FAMILY = {"llama_linear": "llama", "llama_yarn": "llama", "gpt_neox_seq": "gpt_neox",
-                   **VARIANT_FAMILY_OLMO_GLM, **VARIANT_FAMILY_LLAMA_VARIANTS, **VARIANT_FAMILY_MOE_VARIANTS,
-                   **VARIANT_FAMILY_CLASSIC, **VARIANT_FAMILY_DENSE_EXTRA, **VARIANT_FAMILY_MOE_EXTRA}
+# named as ster_dist/families/ names them (tests/test_parity.py checks each holds its module's families)
+LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
+    llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
+    gptj_neox, bloom_falcon, mpt, opt)}
+TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
+assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
+# VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
+_VARIANT_FAMILY = {v: f for m in LINEAGES.values() for v, f in getattr(m, "VARIANT_FAMILY", {}).items()}
+_UNSTATED_BASE = {v: keys for m in LINEAGES.values() for v, keys in getattr(m, "UNSTATED_BASE", {}).items()}
 
 
 def family_of_variant(variant: str) -> str:
     return _VARIANT_FAMILY.get(variant, variant)
+
+
+def unstated_base(variant: str) -> tuple[str, ...]:
+    """Keys of BASE_CONFIG the variant's config class does not take (it states those sizes under its own names)."""
+    return _UNSTATED_BASE.get(variant, ())
 
 
 def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -128,15 +66,13 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     import transformers
 
     config_cls, model_cls, kwargs = TINY[variant]
-    base = {k: v for k, v in _BASE.items() if not (variant in ("gpt2", "dbrx") and k in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"))}
-    base = {k: v for k, v in base.items() if k not in UNSTATED_BASE_CLASSIC.get(variant, ())}
+    base = {k: v for k, v in BASE_CONFIG.items() if k not in unstated_base(variant)}
     config = getattr(transformers, config_cls)(**{**base, **kwargs})
     if variant == "dbrx":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
         config.attn_config.rope_theta = 10000.0
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
-    _perturb_norms(model, seed)
+    perturb_norms(model, seed)
     _perturb_experts(model, variant, seed)
     model.save_pretrained(directory, safe_serialization=True)
     from tests.tiny_tokenizer import build_tiny_tokenizer
@@ -145,7 +81,7 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     return model
 
 
-def _perturb_norms(model, seed: int) -> None:
+def perturb_norms(model, seed: int) -> None:
     """Random inits leave norm scales at one and biases at zero; perturb them so parity tests see them."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

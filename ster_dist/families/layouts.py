@@ -10,6 +10,18 @@ from __future__ import annotations
 from ster_dist.families.spec import Fused, Rule
 
 
+# OLMo 2's block as renames for llama_rules: no norm before a sublayer, one over each sublayer's output
+# (OLMo 2 and 3, FlexOlmo, EXAONE 4)
+OLMO2_POST_NORMS = dict(attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
+                        post_mlp_norm="post_feedforward_layernorm")
+# query, key and value rows grouped by key-value head: each group that head's queries, then its key and value.
+# With one key-value head this is all queries, then the key and the value (multi-query); with one per head it
+# is each head's query, key and value in turn (BLOOM, Falcon without multi_query, GPT-BigCode without it).
+QKV_PER_KV_GROUP = dict(groups="kv_heads", q_count="heads_per_kv", kv_count="one")
+# GPT-OSS's learned sink per head, also stored by Granite SWA and GraniteMoE SWA
+ATTENTION_SINKS = Rule("model.layers.{i}.self_attn.sinks", "layers.{i}.attn.sinks.weight")
+
+
 def weight_and_bias(checkpoint: str, target: str, transposed: bool = False) -> tuple[Rule, ...]:
     """A module with .weight and .bias (the bias is loaded only when the config turns it on)."""
     return (Rule(f"{checkpoint}.weight", f"{target}.weight", transposed),

@@ -7,20 +7,34 @@ compares every such family); every other name of the gate is "refused".
 
 from __future__ import annotations
 
-from ster_dist.families.classic import CLASSIC_FAMILIES
-from ster_dist.families.dense import DENSE_FAMILIES
-from ster_dist.families.dense_extra import DENSE_EXTRA_FAMILIES
-from ster_dist.families.llama_variants import LLAMA_VARIANT_FAMILIES
+from ster_dist.families.bloom_falcon import BLOOM_FALCON_FAMILIES
+from ster_dist.families.cohere import COHERE_FAMILIES
+from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
+from ster_dist.families.ernie import ERNIE_FAMILIES
+from ster_dist.families.exaone import EXAONE_FAMILIES
+from ster_dist.families.gemma import GEMMA_FAMILIES
+from ster_dist.families.glm import GLM_FAMILIES
+from ster_dist.families.gpt2 import GPT2_FAMILIES
+from ster_dist.families.gptj_neox import GPTJ_NEOX_FAMILIES
+from ster_dist.families.granite import GRANITE_FAMILIES
+from ster_dist.families.hunyuan import HUNYUAN_FAMILIES
+from ster_dist.families.llama import LLAMA_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
-from ster_dist.families.moe import MOE_FAMILIES
-from ster_dist.families.moe_extra import MOE_EXTRA_FAMILIES
-from ster_dist.families.moe_variants import MOE_VARIANT_FAMILIES
+from ster_dist.families.mixtral import MIXTRAL_FAMILIES
+from ster_dist.families.mpt import MPT_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
-from ster_dist.families.olmo_glm import OLMO_GLM_FAMILIES
+from ster_dist.families.nemotron import NEMOTRON_FAMILIES
+from ster_dist.families.olmo import OLMO_FAMILIES
+from ster_dist.families.opt import OPT_FAMILIES
+from ster_dist.families.phi import PHI_FAMILIES
+from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.spec import FamilySpec
 
-_ALL = (DENSE_FAMILIES + OLMO_GLM_FAMILIES + LLAMA_VARIANT_FAMILIES + DENSE_EXTRA_FAMILIES + CLASSIC_FAMILIES
-        + MOE_FAMILIES + MOE_VARIANT_FAMILIES + MOE_EXTRA_FAMILIES)
+# one module per lineage (the Transformers classes a family is built from); see each module's docstring
+_ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MIXTRAL_FAMILIES + DEEPSEEK_FAMILIES
+        + PHI_FAMILIES + OLMO_FAMILIES + GLM_FAMILIES + COHERE_FAMILIES + GRANITE_FAMILIES + EXAONE_FAMILIES
+        + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
+        + MPT_FAMILIES + OPT_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

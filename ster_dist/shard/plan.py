@@ -90,8 +90,9 @@ def fused_rows_total(layout: Fused, cfg: ModelConfig) -> int:
 
 
 class NameMatcher:
-    """A family's checkpoint names matched against its rules (and its ignore list), shared by the
-    plan, the merge writer and the adapter targets so all three read a name the same way."""
+    """A checkpoint name -> the spec's first rule whose template matches it (trying the name with the
+    spec's optional prefix too), and whether the spec ignores the name. The plan, the merge writer and
+    adapter placement all match names through it, so they agree on which rule owns a tensor."""
 
     def __init__(self, spec: FamilySpec):
         self.spec = spec

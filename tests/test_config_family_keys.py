@@ -1,5 +1,5 @@
-"""Config switches of the families in ster_dist/families/dense_extra.py that the tiny parity checkpoints cannot
-reach (keys Transformers writes itself or refuses): each against Transformers' config class where it has one."""
+"""Dense families' own config keys that the tiny parity checkpoints cannot reach (keys Transformers writes itself
+or refuses), each against Transformers' config class where it has one; sections follow ster_dist/families/."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ _SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
 
 def _raw(family: str, **keys) -> dict:
     return {"model_type": family, **_SMALL, **keys}
+
+
+# --------------------------------------------------------------------------------------------------
+# granite.py: Granite SWA's layer kinds and bases, HyperCLOVA X's post norms
+# --------------------------------------------------------------------------------------------------
 
 
 def test_granite_swa_unstated_layer_types_are_the_config_class_ones():
@@ -53,6 +58,11 @@ def test_hyperclovax_post_norms_and_logit_multiplier(use_post_norm):
     assert mc.logit_multiplier == 0.25 and mc.pre_attn_norm
 
 
+# --------------------------------------------------------------------------------------------------
+# exaone.py: EXAONE 3's own key names
+# --------------------------------------------------------------------------------------------------
+
+
 def test_exaone_own_keys():
     raw = {"model_type": "exaone", "hidden_size": 64, "num_attention_heads": 4, "num_layers": 3, "vocab_size": 256,
            "intermediate_size": 128, "layer_norm_epsilon": 1e-6, "activation_function": "silu"}
@@ -65,11 +75,21 @@ def test_exaone_own_keys():
     assert unstated.norm_eps == CONFIG_MAPPING["exaone"].from_dict({}).rms_norm_eps
 
 
+# --------------------------------------------------------------------------------------------------
+# llama.py: IQuest-Coder's keys Transformers' config class refuses
+# --------------------------------------------------------------------------------------------------
+
+
 def test_iquestcoder_clip_and_sliding_window():
     mc = from_hf(_raw("iquestcoder", clip_qkv=8.0, use_sliding_window=True, sliding_window=16, max_window_layers=4,
                       mlp_bias=True))
     assert mc.clip_qkv == 8.0 and mc.mlp_up_bias and mc.mlp_down_bias
     assert mc.layer_window == (None,) * 4 + (16, 16)
+
+
+# --------------------------------------------------------------------------------------------------
+# nemotron.py: Jais 2's and Apertus's defaults, Apertus's xIELU
+# --------------------------------------------------------------------------------------------------
 
 
 def test_jais2_and_apertus_defaults_are_the_config_class_ones():

@@ -1,0 +1,53 @@
+"""BLOOM and Falcon, which kept BLOOM's names: biased LayerNorms, one self_attention.query_key_value tensor grouped
+by key-value head, a plain dense_h_to_4h / dense_4h_to_h feed-forward, ALiBi or rotation.
+
+- bloom: ALiBi in place of rotation, a norm after the embedding, every projection biased; residuals taken after
+  the norm are refused.
+- falcon: all three layouts: the new decoder architecture (grouped key-value heads, ln_attn and ln_mlp before a
+  parallel block), Falcon-7B (multi-query, one norm before a parallel block) and Falcon-RW (ALiBi added before
+  the scores are scaled, in bf16, sequential blocks); `bias` switches every projection's bias.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, weight_and_bias
+from ster_dist.families.spec import FamilySpec, Rule
+from ster_dist.families.switches import ALWAYS_BIASED, BIASED_LAYER_NORM_PLAIN_MLP, LAYER_NORM_EPSILON_DEFAULT
+
+
+def _bloom_falcon_rules(embed_norm: bool) -> tuple[Rule, ...]:
+    """BLOOM's names; Falcon's are the same without the embedding norm, with ln_attn / ln_mlp in its new
+    architecture."""
+    h = "transformer.h.{i}."
+    extra = weight_and_bias("transformer.word_embeddings_layernorm", "embed_norm") if embed_norm else (
+        *weight_and_bias(f"{h}ln_attn", "layers.{i}.attn_norm"), *weight_and_bias(f"{h}ln_mlp", "layers.{i}.mlp_norm"))
+    return (
+        Rule("transformer.word_embeddings.weight", "embed.weight"), Rule("lm_head.weight", "lm_head.weight"),
+        *extra,
+        *weight_and_bias(f"{h}input_layernorm", "layers.{i}.attn_norm"),
+        *weight_and_bias(f"{h}post_attention_layernorm", "layers.{i}.mlp_norm"),
+        *fused_qkv(f"{h}self_attention.query_key_value", **QKV_PER_KV_GROUP),
+        *weight_and_bias(f"{h}self_attention.dense", "layers.{i}.attn.o"),
+        *weight_and_bias(f"{h}mlp.dense_h_to_4h", "layers.{i}.mlp.up"),
+        *weight_and_bias(f"{h}mlp.dense_4h_to_h", "layers.{i}.mlp.down"),
+        *weight_and_bias("transformer.ln_f", "final_norm"),
+    )
+
+
+BLOOM_FALCON_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("bloom", _bloom_falcon_rules(embed_norm=True), optional_prefix="transformer.",
+               **BIASED_LAYER_NORM_PLAIN_MLP, positions="alibi", embed_norm=True, activation="gelu_pytorch_tanh",
+               tied_default=True, **ALWAYS_BIASED, config_defaults=LAYER_NORM_EPSILON_DEFAULT,
+               refuse_keys={"apply_residual_connection_post_layernorm":
+                            "residuals taken after the norm are not supported"},
+               parity_reference="BloomForCausalLM"),
+    # parallel blocks (parallel_attn), two norms in the new architecture, grouped key-value heads there and one
+    # under multi_query; alibi replaces rotation, added before the scores are scaled
+    FamilySpec("falcon", _bloom_falcon_rules(embed_norm=False), optional_prefix="transformer.",
+               **BIASED_LAYER_NORM_PLAIN_MLP, parallel_key="parallel_attn",
+               parallel_norms_key="new_decoder_architecture", grouped_kv_key="new_decoder_architecture",
+               alibi_key="alibi", alibi_before_scale=True, alibi_bf16=True, activation="gelu", tied_default=True,
+               qkv_bias_keys=("bias",), o_bias_keys=("bias",), mlp_bias_keys=("bias",),
+               config_defaults={**LAYER_NORM_EPSILON_DEFAULT, "multi_query": True, "parallel_attn": True},
+               parity_reference="FalconForCausalLM"),
+)

@@ -1,0 +1,52 @@
+"""DeepSeek's latent attention and its router, and the families Transformers builds from them.
+
+Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,kv_a_norm,kv_b,o}.
+
+- deepseek_v2: latent attention over softmax routing (greedy or group-limited) and shared experts, scaled
+  without renormalising.
+- deepseek_v3: DeepSeek-V2 with a sigmoid router, a selection bias beside it and group-limited noaux_tc
+  selection (`DEEPSEEK_V3_ROUTER`, which GLM-4-MoE, EXAONE MoE and Sarvam MoE reuse).
+- glm4_moe_lite (GLM-4.7-Flash): DeepSeek-V3's attention and router, its sparse layers named by
+  mlp_layer_types (Transformers builds it from DeepseekV3 and Glm4Moe classes).
+- minicpm3: DeepSeek-V2's latent attention in a dense block with MiniCPM's multipliers and a tied head.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.layouts import llama_rules, weight_and_bias
+from ster_dist.families.moe_layouts import deepseek_moe_rules
+from ster_dist.families.spec import FamilySpec, MoESpec, Rule
+
+# DeepSeek-V3's router: sigmoid scores, a selection bias, group-limited top-k, always scaled, shared experts
+DEEPSEEK_V3_ROUTER = MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True,
+                             shared="deepseek")
+
+
+def latent_rules(attn: str = "model.layers.{i}.self_attn") -> tuple[Rule, ...]:
+    rules: list[Rule] = []
+    for name, target in (("q_a_proj", "q_a"), ("q_a_layernorm", "q_a_norm"), ("q_b_proj", "q_b"), ("q_proj", "q"),
+                         ("kv_a_proj_with_mqa", "kv_a"), ("kv_a_layernorm", "kv_a_norm"), ("kv_b_proj", "kv_b")):
+        rules += weight_and_bias(f"{attn}.{name}", f"layers.{{i}}.attn.{target}")
+    return tuple(rules)
+
+
+# Llama's block with latent attention in place of q/k/v
+_LATENT_BLOCK = llama_rules(q=None, k=None, v=None, q_norm=None, k_norm=None) + latent_rules()
+_DEEPSEEK = _LATENT_BLOCK + deepseek_moe_rules()
+# attention_bias switches every attention projection's bias; the feed-forward has none
+_LATENT_BIAS = dict(qkv_bias_keys=("attention_bias",), o_bias_keys=("attention_bias",), mlp_bias_keys=())
+
+DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("deepseek_v2", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_LATENT_BIAS,
+               moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
+               parity_reference="DeepseekV2ForCausalLM"),
+    FamilySpec("deepseek_v3", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_LATENT_BIAS,
+               config_defaults={"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                                "first_k_dense_replace": 3, "norm_topk_prob": True},
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV3ForCausalLM"),
+    FamilySpec("glm4_moe_lite", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_LATENT_BIAS,
+               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True},
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
+    FamilySpec("minicpm3", _LATENT_BLOCK, latent_attention=True, tied_default=True, **_LATENT_BIAS,
+               parity_reference="MiniCPM3ForCausalLM"),
+)

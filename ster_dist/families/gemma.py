@@ -1,0 +1,43 @@
+"""Gemma and its descendants: RMS norms stored as an offset from one, the embedding scaled by sqrt(hidden),
+a tied head and no biases.
+
+- gemma: Llama's names with a GELU-tanh gated feed-forward.
+- gemma2: a norm over each sublayer's output as well as before it, every other layer sliding, soft-capped scores
+  and logits.
+- gemma3_text: Gemma 2 with per-head query/key norms, sliding layers by pattern and a local rotation base of
+  their own; image-text configs leave most of text_config to Gemma3TextConfig's defaults.
+- vaultgemma: Gemma 2 without the norms over each sublayer's output.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.layouts import llama_rules
+from ster_dist.families.spec import FamilySpec
+from ster_dist.families.switches import NEVER_BIASED
+
+_GEMMA = dict(norm_offset=1.0, embed_scale_sqrt=True, tied_default=True, **NEVER_BIASED)
+# Gemma 3's image-text configs leave most of text_config to Gemma3TextConfig's defaults
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6,
+}
+_VAULTGEMMA_DEFAULTS = {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                        "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA2_RULES = llama_rules(mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+                            post_mlp_norm="post_feedforward_layernorm", q_norm="q_norm", k_norm="k_norm")
+
+GEMMA_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("gemma", llama_rules(q_norm=None, k_norm=None), activation="gelu_pytorch_tanh", **_GEMMA,
+               parity_reference="GemmaForCausalLM"),
+    FamilySpec("gemma2", _GEMMA2_RULES, post_norm=True, sliding="even", **_GEMMA,
+               parity_reference="Gemma2ForCausalLM"),
+    FamilySpec("gemma3_text", _GEMMA2_RULES, post_norm=True, sliding="pattern", qk_norm="head", **_GEMMA,
+               default_rope_theta=1_000_000.0, default_local_rope_theta=10_000.0,
+               config_defaults=_GEMMA3_TEXT_DEFAULTS, parity_reference="Gemma3ForCausalLM"),
+    # Gemma 2 without the norms over each sublayer's output
+    FamilySpec("vaultgemma", llama_rules(mlp_norm="pre_feedforward_layernorm", q_norm=None, k_norm=None),
+               sliding="even", norm_offset=1.0, embed_scale_sqrt=True, tied_default=True, **NEVER_BIASED,
+               config_defaults=_VAULTGEMMA_DEFAULTS, parity_reference="VaultGemmaForCausalLM"),
+)

@@ -1,0 +1,54 @@
+"""Zhipu's GLM families, and Sarvam MoE, which Transformers runs as GLM-4-MoE.
+
+- glm: one gate_up_proj, biased query/key/value only, adjacent pairs rotating over half of each head.
+- glm4 (GLM-4-0414): GLM with a norm over each sublayer's output as well as before it.
+- glm4_moe: Llama's names with optional per-head query/key norms, half of each head rotated by halves, over
+  DeepSeek-V3's router and shared experts.
+- sarvam_moe: Ling 2.0's layout (a fused query_key_value, per-head query/key norms, the router's expert_bias)
+  over GLM-4-MoE's router; Glm4MoeForCausalLM is its parity reference.
+
+GLM-4.7-Flash (glm4_moe_lite) is DeepSeek-V3's latent attention and lives in deepseek.py.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.deepseek import DEEPSEEK_V3_ROUTER
+from ster_dist.families.layouts import fused_gate_up, fused_qkv, llama_rules
+from ster_dist.families.moe_layouts import ROUTER_CORRECTION, deepseek_moe_rules
+from ster_dist.families.spec import FamilySpec, Rule
+
+# GLM: one gate_up_proj, biased query/key/value only, adjacent pairs rotating over half of each head
+_GLM = dict(qkv_bias_keys=("attention_bias",), qkv_bias_default=True, o_bias_keys=(), mlp_bias_keys=(),
+            rope_interleaved=True, rotary_share=0.5, config_defaults={"head_dim": 128})
+
+
+def _glm_rules(post_norms: bool) -> tuple[Rule, ...]:
+    extra = dict(post_attn_norm="post_self_attn_layernorm", post_mlp_norm="post_mlp_layernorm") if post_norms else {}
+    return (llama_rules(gate=None, up=None, q_norm=None, k_norm=None, **extra)
+            + fused_gate_up("model.layers.{i}.mlp.gate_up_proj"))
+
+
+def _sarvam_moe_rules() -> tuple[Rule, ...]:
+    # Ling 2.0's names: word_embeddings, attention.query_key_value ([q | k | v]), attention.dense, the per-head
+    # query_layernorm / key_layernorm and the router's expert_bias
+    return (llama_rules(attn="attention", q=None, k=None, v=None, o="dense", q_norm="query_layernorm",
+                        k_norm="key_layernorm", embed="word_embeddings")
+            + fused_qkv("model.layers.{i}.attention.query_key_value") + deepseek_moe_rules()
+            + (Rule("model.layers.{i}.mlp.gate.expert_bias", ROUTER_CORRECTION),))
+
+
+GLM_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("glm", _glm_rules(post_norms=False), **_GLM, parity_reference="GlmForCausalLM"),
+    # GLM-4-0414: GLM with a norm over each sublayer's output as well as before it
+    FamilySpec("glm4", _glm_rules(post_norms=True), post_norm=True, **_GLM, parity_reference="Glm4ForCausalLM"),
+    FamilySpec("glm4_moe", llama_rules() + deepseek_moe_rules(), qk_norm="head", qk_norm_key="use_qk_norm",
+               o_bias_keys=(), mlp_bias_keys=(),
+               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True}, rotary_share=0.5,
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
+    FamilySpec("sarvam_moe", _sarvam_moe_rules(), qk_norm="head", qk_norm_key="use_qk_norm",
+               qkv_bias_keys=("attention_bias", "use_qkv_bias"), o_bias_keys=(), mlp_bias_keys=(),
+               default_rope_theta=8000000.0,
+               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": True,
+                                "routed_scaling_factor": 2.5},
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
+)

@@ -1,0 +1,49 @@
+"""Llama and the families Transformers builds from Llama's or Mistral's classes with Llama's names.
+
+- llama: the reference block (RMS norms, gated SiLU feed-forward, rotated halves).
+- mistral: Llama with a sliding window on every layer.
+- ministral3: Mistral with Llama 4's query temperature (rope_parameters' llama_4_scaling_beta).
+- smollm3: Llama whose no_rope_layers leave some layers unrotated, Qwen2's max_window_layers window, a tied head.
+- seed_oss: Llama with query/key/value biased by default and the output's bias under its own key.
+- iquestcoder: Llama with mlp_bias, clip_qkv and Qwen2's max_window_layers window; Transformers has no model
+  class of its own and runs it as LlamaForCausalLM, its parity reference.
+- starcoder2: Mistral's block with biased LayerNorms and a plain c_fc / c_proj feed-forward.
+
+Mistral's own checkpoint format (params.json) is mistral_format.py; Mixtral is mixtral.py.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.layouts import llama_rules
+from ster_dist.families.spec import FamilySpec
+
+_LLAMA = llama_rules(q_norm=None, k_norm=None)
+# what Transformers' config classes assume where a config is silent
+_MINISTRAL3_DEFAULTS = {
+    "head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                        "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1},
+}
+_IQUESTCODER_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-5}
+
+LLAMA_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("llama", _LLAMA, parity_reference="LlamaForCausalLM"),
+    FamilySpec("mistral", _LLAMA, sliding="all", parity_reference="MistralForCausalLM"),
+    # Mistral's block with Llama 4's query temperature (rope_parameters' llama_4_scaling_beta)
+    FamilySpec("ministral3", _LLAMA, sliding="all", query_temperature=True, config_defaults=_MINISTRAL3_DEFAULTS,
+               parity_reference="Ministral3ForCausalLM"),
+    FamilySpec("smollm3", _LLAMA, sliding="max_window_layers", tied_default=True,
+               parity_reference="SmolLM3ForCausalLM"),
+    # biased query/key/value by default; the output's bias has its own key
+    FamilySpec("seed_oss", _LLAMA, qkv_bias_default=True, o_bias_keys=("attention_out_bias",),
+               config_defaults={"head_dim": 128, "num_key_value_heads": 8}, parity_reference="SeedOssForCausalLM"),
+    # IQuest-Coder: Llama with mlp_bias, clip_qkv and Qwen2's max_window_layers sliding window (the last two are
+    # refused by Transformers' config class, so parity covers the biases only)
+    FamilySpec("iquestcoder", _LLAMA, sliding="max_window_layers", config_defaults=_IQUESTCODER_DEFAULTS,
+               parity_reference="LlamaForCausalLM"),
+    FamilySpec("starcoder2", llama_rules(gate=None, up="c_fc", down="c_proj", q_norm=None, k_norm=None),
+               norm_kind="layer", norm_bias=True, mlp_gated=False, sliding="all", tied_default=True,
+               qkv_bias_keys=("use_bias",), o_bias_keys=("use_bias",), mlp_bias_keys=("use_bias",),
+               parity_reference="Starcoder2ForCausalLM"),
+)
