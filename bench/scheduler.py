@@ -9,10 +9,10 @@ What is built
 What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts in every case)
     direct      one `ster generate --prompts` call over all prompts, through an already loaded
                 Session: the floor, one batched forward as the CLI runs it (best of --repeats).
-    scheduled   the same prompts as --jobs single-prompt jobs submitted at once to a Scheduler
+    scheduled   the same prompts as --jobs single-prompt jobs submitted at once to a JobQueue
                 (journal on disk, fsync per record): validation, journal, queue, batching into
                 one forward, splitting the answers back (best of --repeats).
-    unbatched   the same jobs through a Scheduler with max_batch=1: one forward per job, what
+    unbatched   the same jobs through a JobQueue with max_batch=1: one forward per job, what
                 the queue would cost without batching.
     latency     one job at a time, submit -> result, against the same single prompt called
                 directly (median of --latency-runs each): the scheduler's added latency per job.
@@ -47,7 +47,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from ster_dist import ops  # noqa: E402
-from ster_dist.scheduler import Scheduler  # noqa: E402
+from ster_dist.jobqueue.queue import JobQueue  # noqa: E402
 from ster_dist.schema import GenerateRequest  # noqa: E402
 from ster_dist.session import Session  # noqa: E402
 
@@ -84,7 +84,7 @@ def _direct(session: Session, model: str, prompts: list[str], new_tokens: int) -
     return [r.results[0].text for r in ops.generate_many(session, requests)]
 
 
-def _scheduled(scheduler: Scheduler, model: str, prompts: list[str], new_tokens: int) -> list[str]:
+def _scheduled(scheduler: JobQueue, model: str, prompts: list[str], new_tokens: int) -> list[str]:
     ids = scheduler.submit_many([{"kind": "generate", "model": model, "prompt": p, "max_new_tokens": new_tokens}
                                  for p in prompts])
     return [scheduler.wait(i, 600)["result"]["text"] for i in ids]
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
 
         (direct_s, direct), single = _in_thread(direct_runs)
 
-        with Scheduler(tmp / "state") as scheduler:
+        with JobQueue(tmp / "state") as scheduler:
             _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))  # loads the group
             scheduled_s, scheduled = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
                                                                              args.new_tokens)), args.repeats)
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
                 _quiet(lambda: _scheduled(scheduler, model, [prompt], args.new_tokens))  # noqa: B023 (called at once)
                 latency.append(time.perf_counter() - start)
             batches = scheduler.stats()["batches"]
-        with Scheduler(tmp / "state-unbatched", max_batch=1) as scheduler:
+        with JobQueue(tmp / "state-unbatched", max_batch=1) as scheduler:
             _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))
             unbatched_s, unbatched = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
                                                                              args.new_tokens)), 1)

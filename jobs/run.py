@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ster_dist.cli import parse_command  # noqa: E402
 from ster_dist.errors import Refusal  # noqa: E402
-from ster_dist.sched.entry import run_jobs  # noqa: E402
+from ster_dist.jobqueue.entry import run_jobs  # noqa: E402
 from ster_dist.schema.jobs import RunJobsRequest  # noqa: E402
 
 

@@ -33,14 +33,14 @@ class Engine:
                          "tp": tp, "ep": ep}
         self.on_event = on_event
         if address is None:
-            from ster_dist.sched.client import LocalClient
-            from ster_dist.scheduler import Scheduler
+            from ster_dist.jobqueue.client import LocalClient
+            from ster_dist.jobqueue.queue import JobQueue
 
-            scheduler = Scheduler(state_dir, **queue_options).start()
-            scheduler.pool.prepare(tp * ep)
-            self.client = LocalClient(scheduler)
+            queue = JobQueue(state_dir, **queue_options).start()
+            queue.pool.prepare(tp * ep)
+            self.client = LocalClient(queue)
         else:
-            from ster_dist.sched.client import RayClient
+            from ster_dist.jobqueue.client import RayClient
 
             self.client = RayClient(address, state_dir, queue_options)
 
@@ -93,7 +93,7 @@ class Engine:
         return self.run_many([request])[0]
 
     def run_many(self, requests: list[Request]) -> list[dict]:
-        from ster_dist.sched.client import follow
+        from ster_dist.jobqueue.follow import follow
 
         specs = [{"kind": r.kind, **r.given()} for r in requests]
         records = follow(self.client, self.client.submit_many(specs), on_event=self.on_event)

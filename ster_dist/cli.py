@@ -2,7 +2,7 @@
 
 Every command is one request model: its fields become the command's flags (help text, defaults,
 choices), and what the command line states is validated by that model, refused in the flags'
-words. Job kinds run as jobs through a job queue in this process (ster_dist.scheduler.run_cli), the
+words. Job kinds run as jobs through a job queue in this process (ster_dist.jobqueue.queue.run_cli), the
 same front door as job specs and the Python API; the other commands call their operation directly.
 
 Every command prints its result as JSON on stdout and progress events (one JSON object per line)
@@ -23,7 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
 from ster_dist.events import json_stderr
-from ster_dist.schema import REQUESTS, Request, SchedulerRequest, SubmitRequest
+from ster_dist.schema import REQUESTS, QueueRequest, Request, SubmitRequest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,15 +120,15 @@ def parse_command(cls: type[Request], argv: list[str] | None, prog: str) -> Requ
 def run(request: Request) -> tuple[object, int]:
     """(result, exit status) of one request, through the job queue when it is a job kind."""
     if isinstance(request, SubmitRequest):
-        from ster_dist.sched.submit import submit
+        from ster_dist.jobqueue.submit import submit
 
         return submit(request)
-    if isinstance(request, SchedulerRequest):
-        from ster_dist.sched.submit import scheduler_action
+    if isinstance(request, QueueRequest):
+        from ster_dist.jobqueue.submit import queue_action
 
-        return scheduler_action(request), 0
+        return queue_action(request), 0
     if request.kind is not None:
-        from ster_dist.scheduler import run_cli
+        from ster_dist.jobqueue.in_process import run_cli
 
         return run_cli(request)
     from ster_dist import ops

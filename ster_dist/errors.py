@@ -18,11 +18,11 @@ class Refusal(Exception):
 
 class WorkerLost(Refusal):
     """A worker process of a group died or stopped answering, so the group was shut down: not a
-    fault of the input, and a retry on a restarted group may succeed (the scheduler does so)."""
+    fault of the input, and a retry on a restarted group may succeed (the job queue does so)."""
 
 
 class JobFailed(Refusal):
-    """A job the scheduler ran failed: its error in one line, and the exit status the command line
+    """A job the job queue ran failed: its error in one line, and the exit status the command line
     gives for it (2 for a refusal, 1 for an error inside ster_dist)."""
 
     def __init__(self, message: str, exit_code: int = 2):

@@ -1,6 +1,6 @@
 """Progress events: one JSON object per line on stderr, what every operation reports as it goes.
 
-The job queue routes a running job's lines into that job's event log (sched/events.py), so a caller
+The job queue routes a running job's lines into that job's event log (jobqueue/events.py), so a caller
 polling the queue, in this process or through the Ray actor, sees what the command line would show.
 """
 

@@ -25,7 +25,7 @@ class Sampling:
 
     def check(self, name: Callable[[str], str] = lambda field: f"--{field.replace('_', '-')}") -> "Sampling":
         """Refuse what cannot be sampled; `name` words a field (a flag by default, a job spec's
-        field for the scheduler's rules)."""
+        field for the job queue's rules)."""
         if self.max_new_tokens < 0:
             raise Refusal(f"{name('max_new_tokens')} must be zero or more, got {self.max_new_tokens}")
         if self.temperature < 0:

@@ -153,7 +153,7 @@ def make_result(job: JobSpec, status: str, result=None, error: str | None = None
 
 
 def check_result(record) -> dict:
-    """A result as it arrives from a scheduler: its fields and their types, or a Refusal."""
+    """A result as it arrives from a job queue: its fields and their types, or a Refusal."""
     if not isinstance(record, dict):
         raise Refusal(f"a job result must be a mapping, got {kind_of_value(record)}")
     for name, kind in RESULT_FIELDS.items():

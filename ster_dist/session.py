@@ -3,7 +3,7 @@ the worker group that holds the weights.
 
 Everything is resolved on first use, so an operation checks its own inputs (files, flags) before
 it touches the session, and a refused input never costs a download or a model load. The job queue
-keeps sessions in its pool (sched/pool.py) and hands the same one to every job on that model.
+keeps sessions in its pool (jobqueue/pool.py) and hands the same one to every job on that model.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import fnmatch
 import re
 from pathlib import Path
 
-import pytest
 
 PACKAGE = "ster_dist"
 CALL_BY_NAME = re.compile(PACKAGE + r"(\.\w+)+:\w+")
@@ -53,7 +52,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "every operation as a plain function over a session and its typed request"),
     (("protocol",),
      "job specs and results: typed requests as msgpack, JSON and YAML"),
-    (("sched", "scheduler"),
+    (("jobqueue",),
      "the job queue: pool of sessions, journal, batching, retries, the Ray actor"),
     (("api",),
      "the Python entry point over the job queue"),

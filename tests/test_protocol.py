@@ -100,10 +100,10 @@ def test_the_corpus_is_large_enough():
 
 
 def test_a_scheduler_given_malformed_specs_starts_and_journals_nothing(tmp_path, config_only):
-    from ster_dist.sched.journal import read
-    from ster_dist.scheduler import Scheduler
+    from ster_dist.jobqueue.journal import read
+    from ster_dist.jobqueue.queue import JobQueue
 
-    with Scheduler(tmp_path / "state") as scheduler:
+    with JobQueue(tmp_path / "state") as scheduler:
         for spec, _, needs in CORPUS:
             if needs is not None and needs not in protocol.available_kinds():
                 continue

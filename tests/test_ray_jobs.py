@@ -77,7 +77,7 @@ def cluster(tmp_path_factory):
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
     try:
-        from ster_dist.sched.submit import server_answers
+        from ster_dist.jobqueue.submit import server_answers
 
         deadline = time.monotonic() + 90
         while not server_answers(url, timeout=2.0):
@@ -238,7 +238,7 @@ def test_the_python_api_with_an_address_uses_the_clusters_scheduler(cluster, toy
 
 
 def _client(cluster):
-    from ster_dist.sched.client import RayClient
+    from ster_dist.jobqueue.client import RayClient
 
     return RayClient(cluster["gcs"])
 
@@ -274,7 +274,7 @@ def _worker_pid(stats: dict, toy: str) -> int:
 
 
 def test_a_worker_killed_mid_job_is_restarted_and_the_job_completes(cluster, toy, tmp_path):
-    from ster_dist.sched.client import follow
+    from ster_dist.jobqueue.follow import follow
 
     client = _client(cluster)
     held = HeldVector(tmp_path, toy)
@@ -297,12 +297,12 @@ def test_a_worker_killed_mid_job_is_restarted_and_the_job_completes(cluster, toy
 
 
 def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_retries(cluster, toy, tmp_path):
-    from ster_dist.scheduler import Scheduler
+    from ster_dist.jobqueue.queue import JobQueue
 
     held = HeldVector(tmp_path, toy)
     killed: list[int] = []
     # a scheduler in this process on the cluster: its groups are Ray actors, as in the scheduler actor
-    with Scheduler(None, address=cluster["gcs"], max_retries=1) as scheduler:
+    with JobQueue(None, address=cluster["gcs"], max_retries=1) as scheduler:
         job_id = scheduler.submit(held.job(toy, "doomed"))
         for _attempt in range(2):
             fd = held.wait_for_reader(lambda: scheduler.poll(job_id)["result"])
@@ -319,7 +319,7 @@ def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_r
 
 
 def test_the_scheduler_actor_killed_and_restarted_finishes_every_accepted_job_once(cluster, toy):
-    from ster_dist.sched.client import follow
+    from ster_dist.jobqueue.follow import follow
 
     client = _client(cluster)
     specs = [{"kind": "generate", "model": toy, "prompt": f"job {i}", "max_new_tokens": 48 + i,
@@ -346,10 +346,10 @@ def test_the_scheduler_actor_killed_and_restarted_finishes_every_accepted_job_on
 
 
 def test_ster_scheduler_status_and_stop(cluster):
-    from ster_dist.sched.actor import existing
+    from ster_dist.jobqueue.actor import existing
 
     def ster(*argv):
-        return subprocess.run([sys.executable, "-m", "ster_dist.cli", "scheduler", *argv, "--address", cluster["gcs"]],
+        return subprocess.run([sys.executable, "-m", "ster_dist.cli", "queue", *argv, "--address", cluster["gcs"]],
                               cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=120)
 
     status = ster("status")

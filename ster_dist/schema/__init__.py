@@ -8,7 +8,7 @@ from ster_dist.schema.base import Request
 from ster_dist.schema.capture import ExtractRequest
 from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
-from ster_dist.schema.jobs import RunJobsRequest, SchedulerRequest, SubmitRequest
+from ster_dist.schema.jobs import RunJobsRequest, QueueRequest, SubmitRequest
 from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
 from ster_dist.schema.steer import (
     SteerEvaluateRequest,
@@ -28,7 +28,7 @@ REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, GenerateRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
     MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
-    SubmitRequest, SchedulerRequest,
+    SubmitRequest, QueueRequest,
 )
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
 
@@ -37,5 +37,5 @@ __all__ = [
     "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest", "SteerInspectRequest",
     "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest", "TuneEvaluateRequest",
     "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest", "SubmitRequest",
-    "SchedulerRequest", "RunJobsRequest",
+    "QueueRequest", "RunJobsRequest",
 ]

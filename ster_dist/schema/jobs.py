@@ -1,4 +1,4 @@
-"""submit, scheduler: the command line's way into the job queue."""
+"""submit, queue: the command line's way into the job queue."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ class SubmitRequest(Request):
     python: str = field("python", help="the Python on the cluster's nodes")
 
 
-class SchedulerRequest(Request):
-    command = ("scheduler",)
+class QueueRequest(Request):
+    command = ("queue",)
     summary = "the cluster's job-queue actor: status, stop, or read a journal"
 
     action: Literal["status", "stop", "journal"] = field(help="what to do", cli={"positional": True})

@@ -3,7 +3,7 @@
 The residual is replicated over tensor-parallel ranks, so every rank adds the same vector and the
 ranks stay identical. The hook runs on every forward, so the prompt pass and every cached decode
 step are steered. Each attachment has a token; detaching removes exactly its hooks, so a pooled
-session (the scheduler's) is left as it was found.
+session (the job queue's) is left as it was found.
 """
 
 from __future__ import annotations

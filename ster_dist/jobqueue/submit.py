@@ -1,11 +1,11 @@
-"""submit, scheduler: the command line's way into the job queue.
+"""submit, queue: the command line's way into the job queue.
 
 `ster submit SPEC...` is a thin wrapper over Ray job submission: it validates the specs here
 (a malformed one is refused before anything is sent), submits `python jobs/run.py
 msgpack:<specs>` with this source tree as the working directory, re-emits the job's progress
 lines as NDJSON on stderr and returns its result record(s). `--local` runs the specs through
-an in-process scheduler instead. `ster scheduler status|stop|journal` looks after the
-cluster's scheduler actor and reads a journal.
+an in-process job queue instead. `ster queue status|stop|journal` looks after the
+cluster's job-queue actor and reads a journal.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.schema.jobs import SchedulerRequest, SubmitRequest
+from ster_dist.schema.jobs import QueueRequest, SubmitRequest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -27,8 +27,8 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 def submit(request: SubmitRequest) -> tuple[dict, int]:
     """(the result record, or {"jobs": [...]} for several; the worst exit status among them)."""
-    from ster_dist.sched.client import with_ids
-    from ster_dist.sched.entry import read_specs
+    from ster_dist.jobqueue.client import with_ids
+    from ster_dist.jobqueue.entry import read_specs
 
     specs = with_ids(read_specs(request.specs))
     if request.local:
@@ -37,19 +37,20 @@ def submit(request: SubmitRequest) -> tuple[dict, int]:
 
 
 def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
-    from ster_dist.sched.client import LocalClient, follow
-    from ster_dist.sched.events import emit
-    from ster_dist.scheduler import Scheduler
+    from ster_dist.jobqueue.client import LocalClient
+    from ster_dist.jobqueue.events import emit
+    from ster_dist.jobqueue.follow import follow
+    from ster_dist.jobqueue.queue import JobQueue
 
-    scheduler = Scheduler(request.state).start()
+    queue = JobQueue(request.state).start()
     # Ray, when a job needs ranks, is started here on the main thread: started from the queue's
     # executor thread it outlived the queue's shutdown and the command hung on exit
-    scheduler.pool.prepare(max(_world(spec) for spec in specs))
-    client = LocalClient(scheduler)
+    queue.pool.prepare(max(_world(spec) for spec in specs))
+    client = LocalClient(queue)
     try:
         ids = client.submit_many(specs)
         if request.no_wait:
-            raise Refusal("--no-wait needs a cluster: a --local scheduler ends with this command")
+            raise Refusal("--no-wait needs a cluster: a --local queue ends with this command")
         records = follow(client, ids, on_event=emit, timeout=request.timeout)
     finally:
         client.close()
@@ -93,7 +94,7 @@ def server_answers(url: str, timeout: float = 5.0) -> bool:
 def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ray.job_submission import JobSubmissionClient
 
-    from ster_dist.sched.entry import inline
+    from ster_dist.jobqueue.entry import inline
 
     if not (ROOT / "jobs" / "run.py").is_file():
         raise Refusal(f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
@@ -122,7 +123,7 @@ def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
 
 
 def _follow_job(request: SubmitRequest, client, submission: str) -> tuple[dict, int]:
-    from ster_dist.sched.events import as_event, emit
+    from ster_dist.jobqueue.events import as_event, emit
 
     deadline = None if request.timeout is None else time.monotonic() + request.timeout
     seen, result, last_text = 0, None, ""
@@ -162,22 +163,22 @@ def _record(line: str):
     return None
 
 
-# ---- the scheduler actor -----------------------------------------------------------------------
+# ---- the job queue actor -----------------------------------------------------------------------
 
 def _actor(request):
-    from ster_dist.sched.actor import existing
+    from ster_dist.jobqueue.actor import existing
     from ster_dist.workers.ray_group import start_ray
 
     if not (request.address or os.environ.get("RAY_ADDRESS")):
-        raise Refusal("give --address HOST:PORT (or RAY_ADDRESS): the scheduler lives on a running Ray cluster")
+        raise Refusal("give --address HOST:PORT (or RAY_ADDRESS): the job queue lives on a running Ray cluster")
     start_ray(request.address)
     actor = existing()
     if actor is None:
-        raise Refusal("no ster scheduler runs on this cluster (one starts with the first submitted job)")
+        raise Refusal("no ster queue runs on this cluster (one starts with the first submitted job)")
     return actor
 
 
-def scheduler_action(request: SchedulerRequest) -> dict:
+def queue_action(request: QueueRequest) -> dict:
     from ster_dist import protocol
 
     if request.action == "journal":
@@ -193,8 +194,8 @@ def scheduler_action(request: SchedulerRequest) -> dict:
 
 
 def _journal(state: str | None) -> dict:
-    from ster_dist.sched.actor import default_state_dir
-    from ster_dist.sched.journal import read
+    from ster_dist.jobqueue.actor import default_state_dir
+    from ster_dist.jobqueue.journal import read
 
     directory = state or default_state_dir()
     entries = read(directory).entries

@@ -1,5 +1,5 @@
 """The job runner behind `jobs/run.py` (the `ray job submit` entrypoint) and `ster submit --local`:
-read specs, hand them to a scheduler, stream progress as NDJSON on stderr, print the result
+read specs, hand them to a job queue, stream progress as NDJSON on stderr, print the result
 record(s) as one JSON line on stdout, and exit 0 (all done), 1 (a job failed) or 2 (refused).
 
 A SPEC argument is a JSON or YAML file (one spec, a list, or {"jobs": [...]}) or
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
-from ster_dist.sched.events import emit
+from ster_dist.jobqueue.events import emit
 from ster_dist.schema.jobs import RunJobsRequest
 
 INLINE = "msgpack:"
@@ -46,7 +46,7 @@ def read_specs(arguments: list[str]) -> list[dict]:
 
 def anchor(specs: list[dict], base: Path) -> list[dict]:
     """Relative paths that name something under `base` (the job's working directory: the uploaded
-    tree) made absolute: the scheduler actor's own working directory may be an older upload."""
+    tree) made absolute: the job queue actor's own working directory may be an older upload."""
     out = []
     for spec in specs:
         spec = dict(spec)
@@ -60,7 +60,7 @@ def anchor(specs: list[dict], base: Path) -> list[dict]:
 
 def run(client, specs: list[dict], out=None, timeout: float | None = None) -> int:
     """Submit, follow, print; the exit status."""
-    from ster_dist.sched.client import follow
+    from ster_dist.jobqueue.follow import follow
 
     out = out or sys.stdout
     ids = client.submit_many(specs)
@@ -80,14 +80,14 @@ def run_jobs(request: RunJobsRequest) -> int:
         specs = anchor(read_specs(request.specs), Path.cwd())
         options = {"idle_s": request.idle_s, "max_retries": request.max_retries}
         if request.local:
-            from ster_dist.sched.client import LocalClient
-            from ster_dist.scheduler import Scheduler
+            from ster_dist.jobqueue.client import LocalClient
+            from ster_dist.jobqueue.queue import JobQueue
 
-            scheduler = Scheduler(request.state, **options).start()
-            scheduler.pool.prepare(max(_world(spec) for spec in specs))
-            client = LocalClient(scheduler)
+            queue = JobQueue(request.state, **options).start()
+            queue.pool.prepare(max(_world(spec) for spec in specs))
+            client = LocalClient(queue)
         else:
-            from ster_dist.sched.client import RayClient
+            from ster_dist.jobqueue.client import RayClient
 
             client = RayClient(request.address, request.state, options)
         try:

@@ -1,11 +1,11 @@
-"""The scheduler's journal: an append-only msgpack log of accepted, running and finished jobs.
+"""The job queue's journal: an append-only msgpack log of accepted, running and finished jobs.
 
-A scheduler that restarts on the same state directory replays it: every accepted job
+A job queue that restarts on the same state directory replays it: every accepted job
 without a finished record is queued again (a job that was running re-runs from the start;
 its outputs are written by rename, so a re-run replaces, never doubles, them), and a finished
-job is never run again. Records are fsynced (once per batch of them) before the scheduler acts
+job is never run again. Records are fsynced (once per batch of them) before the job queue acts
 on them, and a caller learns of an accepted job only after that. A process killed mid-append
-leaves at most a torn last record, which replay cuts off. One scheduler owns a state
+leaves at most a torn last record, which replay cuts off. One queue owns a state
 directory at a time (an flock the kernel drops when the process dies).
 """
 
@@ -56,7 +56,7 @@ class Journal:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise Refusal(f"another scheduler holds the state directory {self.directory}; stop it or give "
+            raise Refusal(f"another queue holds the state directory {self.directory}; stop it or give "
                           "another state directory") from None
 
     def open(self) -> State:
@@ -74,7 +74,7 @@ class Journal:
         return read(self.path)
 
     # Each append is written and flushed at once; commit() makes everything appended so far
-    # durable (one fsync for a whole batch of records, before the scheduler acts on any of them).
+    # durable (one fsync for a whole batch of records, before the job queue acts on any of them).
     def accepted(self, job_id: str, spec: dict, seq: int) -> None:
         self._append({"op": "accepted", "id": job_id, "spec": spec, "seq": seq, "time": time.time()})
 
@@ -122,7 +122,7 @@ class Journal:
 
 
 def read(path: str | os.PathLike) -> State:
-    """The jobs a journal file records (read only: safe beside the scheduler that owns it)."""
+    """The jobs a journal file records (read only: safe beside the job queue that owns it)."""
     state = State()
     path = Path(path)
     if path.is_dir():

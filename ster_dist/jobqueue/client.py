@@ -1,15 +1,14 @@
-"""Talking to a scheduler: in this process (LocalClient) or the cluster's actor (RayClient), with
-one `follow` that streams progress events and collects result records for both.
+"""Talking to a job queue: in this process (LocalClient) or the cluster's actor (RayClient); both
+answer jobqueue/follow.py's `follow`.
 
 Specs are validated here first, so a malformed one is refused before anything is sent or
-started, and again by the scheduler on arrival (it trusts no client).
+started, and again by the job queue on arrival (it trusts no client).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
@@ -27,28 +26,28 @@ def with_ids(specs: list[dict], cli: bool = False) -> list[dict]:
 
 
 class LocalClient:
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, queue):
+        self.queue = queue
 
     def submit_many(self, specs: list[dict], cli: bool = False) -> list[str]:
-        return self.scheduler.submit_many(with_ids(specs, cli), cli)
+        return self.queue.submit_many(with_ids(specs, cli), cli)
 
     def poll_many(self, cursors: dict[str, int], timeout: float = 0.0) -> dict[str, dict]:
-        return self.scheduler.poll_many(cursors, timeout)
+        return self.queue.poll_many(cursors, timeout)
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        return self.queue.stats()
 
     def close(self) -> None:
-        self.scheduler.close()
+        self.queue.close()
 
 
 class RayClient:
-    """The cluster's scheduler actor. `address` as for ray.init (None: RAY_ADDRESS, as inside a Ray
+    """The cluster's job-queue actor. `address` as for ray.init (None: RAY_ADDRESS, as inside a Ray
     job). Calls survive a restart of the actor: Ray retries them once it is back."""
 
     def __init__(self, address: str | None = None, state_dir: str | None = None, options: dict | None = None):
-        from ster_dist.sched.actor import find_or_start
+        from ster_dist.jobqueue.actor import find_or_start
         from ster_dist.workers.ray_group import start_ray
 
         self._started_ray = start_ray(address)
@@ -63,7 +62,7 @@ class RayClient:
                 reply = protocol.unpack(ray.get(getattr(self.actor, method).remote(*args), timeout=timeout))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 if time.monotonic() > deadline:
-                    raise Refusal(f"the scheduler actor did not come back within {timeout:.0f} s: "
+                    raise Refusal(f"the job queue actor did not come back within {timeout:.0f} s: "
                                   f"{str(exc).splitlines()[0]}") from None
                 time.sleep(0.5)
                 continue
@@ -91,23 +90,3 @@ class RayClient:
 
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def follow(client, ids: list[str], on_event: Callable[[dict], None] | None = None,
-           timeout: float | None = None) -> list[dict]:
-    """Stream every job's events to on_event until all have results; the result records, in order."""
-    cursors = {job_id: 0 for job_id in ids}
-    results: dict[str, dict] = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while len(results) < len(ids):
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"{len(ids) - len(results)} job(s) did not finish within {timeout} s")
-        replies = client.poll_many({i: cursors[i] for i in ids if i not in results}, 1.0)
-        for job_id, reply in replies.items():
-            cursors[job_id] = reply["cursor"]
-            if on_event is not None:
-                for event in reply["events"]:
-                    on_event({**event, "job": job_id})
-            if reply["result"] is not None:
-                results[job_id] = protocol.check_result(reply["result"])
-    return [results[job_id] for job_id in ids]

@@ -1,17 +1,17 @@
-"""The central scheduler: the one owner of worker groups, and the queue every job goes through.
+"""The central queue: the one owner of worker groups, and the queue every job goes through.
 
 Jobs of every kind (generate, extract, steer train/evaluate/optimize, decide, merge, parity,
 tune) are validated on arrival (ster_dist.protocol: a typed request per job), journaled
-(sched/journal.py), queued by priority (higher first, then arrival order) and run one at a time
+(jobqueue/journal.py), queued by priority (higher first, then arrival order) and run one at a time
 by one executor thread, each as its operation (ster_dist.ops) over a session from the pool of
-worker groups (sched/pool.py), so a model is loaded once and reused by every later job on the
+worker groups (jobqueue/pool.py), so a model is loaded once and reused by every later job on the
 same group key. Greedy generate jobs with equal settings share one forward (ops.generate_many,
 merged in memory). A job whose worker died is retried on a restarted group up to `max_retries`
-times, then fails with the worker's error. Progress events are kept per job (sched/events.py)
+times, then fails with the worker's error. Progress events are kept per job (jobqueue/events.py)
 for callers to stream; results are protocol result records.
 
 The same class runs in-process (the Python API, `ster submit --local`) and inside the named
-Ray actor (sched/actor.py) that `ray job submit ... jobs/run.py` and `ster submit` reach.
+Ray actor (jobqueue/actor.py) that `ray job submit ... jobs/run.py` and `ster submit` reach.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import traceback
 from dataclasses import dataclass, field
 
 from ster_dist import ops, protocol
-from ster_dist.errors import JobFailed, OutOfMemory, Refusal, WorkerLost
+from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
+from ster_dist.jobqueue import events
+from ster_dist.jobqueue.journal import Journal
+from ster_dist.jobqueue.pool import GroupPool
 from ster_dist.ops.generate import batch_key, check_inputs, generate_many, prompts_of
 from ster_dist.protocol import JobSpec
-from ster_dist.sched import events
-from ster_dist.sched.journal import Journal
-from ster_dist.sched.pool import GroupPool
-from ster_dist.schema import GenerateRequest, Request
+from ster_dist.schema import GenerateRequest
 
 MAX_EVENTS = 1000  # per job; the oldest are dropped past this
-_ACTIVE: list[Scheduler] = []
+_ACTIVE: list[JobQueue] = []
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Job:
     result: dict | None = None
 
 
-class Scheduler:
+class JobQueue:
     def __init__(self, state_dir=None, *, address: str | None = None, idle_s: float = 300.0,
                  max_retries: int = 2, max_batch: int = 64, max_groups: int = 4, durable: bool = True):
         self.max_retries = max_retries
@@ -83,12 +83,12 @@ class Scheduler:
         self._recover(self.journal.open())
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> Scheduler:
+    def start(self) -> JobQueue:
         if _ACTIVE and _ACTIVE[0] is not self:
-            raise Refusal("a scheduler is already running in this process; close it or submit to it")
+            raise Refusal("a job queue is already running in this process; close it or submit to it")
         if self._thread is None:
             _ACTIVE[:] = [self]
-            self._thread = threading.Thread(target=self._loop, name="ster-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="ster-queue", daemon=True)
             self._thread.start()
         return self
 
@@ -183,7 +183,7 @@ class Scheduler:
     def _job(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            raise Refusal(f"no job {job_id!r} is known to this scheduler")
+            raise Refusal(f"no job {job_id!r} is known to this queue")
         return job
 
     def _accept(self, spec: JobSpec, attempts: int = 0, seq: int | None = None) -> Job:
@@ -213,11 +213,11 @@ class Scheduler:
                 self._finish_recovered(job_id, entry, f"no longer a valid job in this build: {refusal}")
                 continue
             if entry.attempts > self.max_retries:
-                self._finish_recovered(job_id, entry, f"the scheduler stopped during each of its "
+                self._finish_recovered(job_id, entry, f"the job queue stopped during each of its "
                                                       f"{entry.attempts} attempts; not retried again")
                 continue
             job = self._accept(spec, entry.attempts, entry.seq)
-            self._note(job, events.event(f"re-queued after a scheduler restart ({entry.attempts} earlier "
+            self._note(job, events.event(f"re-queued after a job queue restart ({entry.attempts} earlier "
                                          "attempt(s))"))
 
     def _finish_recovered(self, job_id: str, entry, error: str) -> None:
@@ -301,7 +301,7 @@ class Scheduler:
                 self.pool.get(batch[0].spec.request).load()
                 return True
             results = self._run(batch)
-        except BaseException as exc:  # every failure is the job's to report; the scheduler keeps going
+        except BaseException as exc:  # every failure is the job's to report; the job queue keeps going
             stop()
             self._failed(batch, exc, counted=not warm_only)
             return False
@@ -380,41 +380,9 @@ class Scheduler:
         self._cond.notify_all()
 
 
-def run_cli(request: Request) -> tuple[dict, int]:
-    """A command line's typed request run as a job through a job queue in this process: how the
-    command line goes through the same front door as the API and Ray jobs. Progress events go to
-    stderr as the command's own would; a failed job raises JobFailed with its exit status; a
-    finished one returns (its result, its exit status: parity's 1 when it fails).
-    A queue already running in this process (an Engine's) takes the job; else one is started for
-    it and closed after (an interrupt closes it at once, with its worker groups)."""
-    from ster_dist.sched.client import follow
-
-    if request.kind is None:
-        raise Refusal(f"`ster {' '.join(request.command)}` is not a job kind the job queue runs")
-    own = None if _ACTIVE else Scheduler(None, address=getattr(request, "address", None))
-    scheduler = own.start() if own is not None else _ACTIVE[0]
-    scheduler.pool.prepare(int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)))
-    interrupted = False
-    try:
-        ids = scheduler.submit_jobs([protocol.job_from_request(request)])
-        (record,) = follow(scheduler, ids, on_event=_cli_event)
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        if own is not None:
-            own.close(timeout=0 if interrupted else 600)
-    if record["status"] != "done":
-        raise JobFailed(record["error"], record["exit_code"] or 2)
-    return record["result"], record["exit_code"]
-
-
-def _cli_event(event_: dict) -> None:
-    """A job's event on a command line's stderr: the command's own progress, and the scheduler's
-    only where it says something happened (a retry, an error), not its bookkeeping."""
-    if event_.get("event") == "scheduler" and not event_.get("notice"):
-        return
-    events.emit({k: v for k, v in event_.items() if k != "job"})
+def running() -> JobQueue | None:
+    """The job queue started in this process, if any (an Engine's): a command line joins it."""
+    return _ACTIVE[0] if _ACTIVE else None
 
 
 def _size(job: Job) -> int | None:

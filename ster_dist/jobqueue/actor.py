@@ -1,4 +1,4 @@
-"""The scheduler as a named, detached Ray actor: one per cluster, found or started by whoever
+"""The job queue as a named, detached Ray actor: one per cluster, found or started by whoever
 submits first (`jobs/run.py` under `ray job submit`, `ster submit`, Engine(address=...)).
 
 It lives on the head node (where its journal is), asks for no CPU (its worker groups are
@@ -17,55 +17,55 @@ from pathlib import Path
 from ster_dist import protocol
 from ster_dist.errors import Refusal
 
-ACTOR_NAME = "ster_scheduler"
+ACTOR_NAME = "ster_job_queue"
 NAMESPACE = "ster"
 
 
 def default_state_dir() -> str:
-    return os.environ.get("STER_STATE_DIR") or str(Path.home() / ".cache" / "ster_dist" / "scheduler")
+    return os.environ.get("STER_STATE_DIR") or str(Path.home() / ".cache" / "ster_dist" / "job_queue")
 
 
-class SchedulerActor:
+class JobQueueActor:
     def __init__(self, state_dir: str, options: dict):
         import ray
 
-        from ster_dist.scheduler import Scheduler
+        from ster_dist.jobqueue.queue import JobQueue
 
         address = ray.get_runtime_context().gcs_address
-        self.scheduler = Scheduler(state_dir, address=address, **options).start()
+        self.queue = JobQueue(state_dir, address=address, **options).start()
 
     def submit_many(self, packed: bytes) -> bytes:
         try:
             specs = protocol.unpack(packed, "job spec list")
             if not isinstance(specs, list):
-                raise Refusal("the scheduler takes a list of job specs")
-            return protocol.pack({"ids": self.scheduler.submit_many(specs)})
+                raise Refusal("the job queue takes a list of job specs")
+            return protocol.pack({"ids": self.queue.submit_many(specs)})
         except Refusal as refusal:
             return protocol.pack({"refusal": str(refusal)})
 
     def poll_many(self, cursors: dict, timeout: float) -> bytes:
         try:
-            return protocol.pack(self.scheduler.poll_many(cursors, min(timeout, 30.0)))
+            return protocol.pack(self.queue.poll_many(cursors, min(timeout, 30.0)))
         except Refusal as refusal:
             return protocol.pack({"refusal": str(refusal)})
 
     def stats(self) -> bytes:
-        return protocol.pack({**self.scheduler.stats(), "pid": os.getpid()})
+        return protocol.pack({**self.queue.stats(), "pid": os.getpid()})
 
     def pid(self) -> int:
         return os.getpid()
 
     def shutdown(self) -> bool:
         """Release every worker group and stop the queue (accepted jobs stay in the journal)."""
-        self.scheduler.close()
+        self.queue.close()
         return True
 
 
 def find_or_start(state_dir: str | None = None, options: dict | None = None):
-    """The cluster's scheduler actor (started here when there is none yet). Needs ray.init first."""
+    """The cluster's job-queue actor (started here when there is none yet). Needs ray.init first."""
     import ray
 
-    cls = ray.remote(SchedulerActor)
+    cls = ray.remote(JobQueueActor)
     # "node:__internal_head__" pins it to the head node, whose disk holds the journal across restarts
     return cls.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                        max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=64,
@@ -74,7 +74,7 @@ def find_or_start(state_dir: str | None = None, options: dict | None = None):
 
 
 def existing():
-    """The cluster's scheduler actor, or None."""
+    """The cluster's job-queue actor, or None."""
     import ray
 
     try:

@@ -3,7 +3,7 @@
 Operations report progress as NDJSON lines on stderr (ster_dist.events.progress). The
 job queue runs them on its executor thread; while it does, this module's stderr wrapper
 routes that thread's lines into the running job's event log (and on to the real stderr when
-asked), so a caller polling the scheduler, in this process or through the Ray actor, gets the
+asked), so a caller polling the job queue, in this process or through the Ray actor, gets the
 same events `ster generate` would have printed. Other threads' writes pass through untouched.
 """
 
@@ -76,7 +76,7 @@ def capture(sink: Callable[[dict], None]) -> Callable[[], None]:
 
 
 def event(message: str, **fields) -> dict:
-    return {"event": "scheduler", "time": round(time.time(), 3), "message": message, **fields}
+    return {"event": "queue", "time": round(time.time(), 3), "message": message, **fields}
 
 
 def emit(event_: dict, stream=None) -> None:

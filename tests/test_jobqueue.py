@@ -18,8 +18,8 @@ import pytest
 
 from ster_dist.cli import main
 from ster_dist.errors import Refusal
-from ster_dist.sched.journal import read
-from ster_dist.scheduler import Scheduler
+from ster_dist.jobqueue.journal import read
+from ster_dist.jobqueue.queue import JobQueue
 from tests.cli_run import cli_generate, make_toy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def fifty(toy) -> list[dict]:
 
 def test_fifty_jobs_at_once_share_one_group_and_equal_running_them_one_by_one(toy, tmp_path):
     specs = fifty(toy)
-    scheduler = Scheduler(tmp_path / "batched")
+    scheduler = JobQueue(tmp_path / "batched")
     ids: list[str | None] = [None] * len(specs)
     barrier = threading.Barrier(len(specs))
 
@@ -66,7 +66,7 @@ def test_fifty_jobs_at_once_share_one_group_and_equal_running_them_one_by_one(to
     # otherwise depend on their batch-mates)
     assert sorted(stats["batches"]) == [1, 1, 1, 1, 6, 40]
 
-    with Scheduler(tmp_path / "one-by-one", max_batch=1) as alone:
+    with JobQueue(tmp_path / "one-by-one", max_batch=1) as alone:
         one_by_one = [alone.wait(alone.submit(s), 120) for s in specs]
         assert alone.stats()["batches"] == [1] * 50 and alone.stats()["group_starts"] == 1
     assert [r["result"] for r in batched] == [r["result"] for r in one_by_one]
@@ -78,7 +78,7 @@ def test_fifty_jobs_at_once_share_one_group_and_equal_running_them_one_by_one(to
 
 
 def test_higher_priority_runs_first_and_results_come_back_in_submission_order(toy, tmp_path):
-    scheduler = Scheduler(tmp_path / "state")
+    scheduler = JobQueue(tmp_path / "state")
     low = scheduler.submit(spec(toy, "low", max_new_tokens=2, id="low"))
     high = scheduler.submit(spec(toy, "high", max_new_tokens=3, priority=5, id="high"))
     mid = scheduler.submit(spec(toy, "mid", max_new_tokens=4, priority=1, id="mid"))
@@ -95,7 +95,7 @@ def _raw_ops(state: Path) -> list[dict]:
 
 
 def test_an_idle_group_is_released_and_a_later_job_starts_it_again(toy, tmp_path):
-    with Scheduler(None, idle_s=0.3) as scheduler:
+    with JobQueue(None, idle_s=0.3) as scheduler:
         scheduler.wait(scheduler.submit(spec(toy, "one", max_new_tokens=2)), 60)
         deadline = time.monotonic() + 10
         while scheduler.stats()["groups"] and time.monotonic() < deadline:
@@ -109,7 +109,7 @@ def test_an_idle_group_is_released_and_a_later_job_starts_it_again(toy, tmp_path
 def test_a_refused_job_in_a_batch_fails_alone_and_the_others_finish(toy, tmp_path):
     good = [spec(toy, f"fine {i}", max_new_tokens=3, chat_template="off") for i in range(3)]
     bad = spec(toy, "", max_new_tokens=3, chat_template="off")  # encodes to no tokens: refused at generate
-    scheduler = Scheduler(tmp_path / "state")
+    scheduler = JobQueue(tmp_path / "state")
     ids = scheduler.submit_many([good[0], bad, good[1], good[2]])
     with scheduler.start():
         records = [scheduler.wait(i, 60) for i in ids]
@@ -119,7 +119,7 @@ def test_a_refused_job_in_a_batch_fails_alone_and_the_others_finish(toy, tmp_pat
 
 
 def test_a_missing_model_fails_its_job_without_a_retry_and_the_queue_goes_on(toy, tmp_path):
-    with Scheduler(tmp_path / "state") as scheduler:
+    with JobQueue(tmp_path / "state") as scheduler:
         missing = scheduler.submit(spec(str(tmp_path / "nowhere"), "x", max_new_tokens=2))
         fine = scheduler.submit(spec(toy, "x", max_new_tokens=2))
         first, second = scheduler.wait(missing, 60), scheduler.wait(fine, 60)
@@ -129,23 +129,23 @@ def test_a_missing_model_fails_its_job_without_a_retry_and_the_queue_goes_on(toy
 
 def test_the_same_job_sent_twice_runs_once_and_a_reused_id_is_refused(toy, tmp_path):
     job = spec(toy, "once", max_new_tokens=2, id="only-once")
-    with Scheduler(tmp_path / "state") as scheduler:
+    with JobQueue(tmp_path / "state") as scheduler:
         assert scheduler.submit(job) == scheduler.submit(dict(job)) == "only-once"
         with pytest.raises(Refusal, match="already taken"):
             scheduler.submit({**job, "prompt": "another"})
         scheduler.wait("only-once", 60)
         assert scheduler.stats()["jobs"] == {"done": 1}
     # a scheduler restarted on the journal still knows it: resending is not a second run
-    with Scheduler(tmp_path / "state") as again:
+    with JobQueue(tmp_path / "state") as again:
         assert again.submit(job) == "only-once" and again.poll("only-once")["result"]["status"] == "done"
         assert again.stats()["group_starts"] == 0
 
 
 KILLED_SCHEDULER = """
 import sys, time
-from ster_dist.scheduler import Scheduler
+from ster_dist.jobqueue.queue import JobQueue
 state, model = sys.argv[1], sys.argv[2]
-scheduler = Scheduler(state).start()
+scheduler = JobQueue(state).start()
 scheduler.submit_many([{"kind": "generate", "model": model, "prompt": f"job {i}", "max_new_tokens": 24 + i,
                         "chat_template": "off", "id": f"job-{i}"} for i in range(6)])
 time.sleep(600)
@@ -170,7 +170,7 @@ def test_a_killed_scheduler_process_restarted_finishes_every_accepted_job_once(t
     finished_before = {k for k, e in before.items() if e.result is not None}
     assert len(before) == 6 and 2 <= len(finished_before) < 6
 
-    with Scheduler(state) as restarted:
+    with JobQueue(state) as restarted:
         records = {f"job-{i}": restarted.wait(f"job-{i}", 120) for i in range(6)}
         reruns = [k for k in finished_before if restarted.jobs[k].events]
     assert all(r["status"] == "done" for r in records.values())
@@ -185,20 +185,20 @@ def test_a_killed_scheduler_process_restarted_finishes_every_accepted_job_once(t
 
 def test_a_torn_last_record_is_cut_off_on_restart(toy, tmp_path):
     state = tmp_path / "state"
-    with Scheduler(state) as scheduler:
+    with JobQueue(state) as scheduler:
         scheduler.wait(scheduler.submit(spec(toy, "kept", max_new_tokens=2, id="kept")), 60)
     record = msgpack.packb({"op": "accepted", "id": "torn", "spec": spec(toy, "torn"), "seq": 9})
     with open(state / "journal.msgpack", "ab") as handle:
         handle.write(record[: len(record) // 2])
-    with Scheduler(state) as again:
+    with JobQueue(state) as again:
         assert set(again.jobs) == {"kept"} and again.poll("kept")["result"]["status"] == "done"
 
 
 def test_one_state_directory_has_one_scheduler(tmp_path):
-    first = Scheduler(tmp_path / "state")
+    first = JobQueue(tmp_path / "state")
     try:
         with pytest.raises(Refusal, match="another scheduler holds"):
-            Scheduler(tmp_path / "state")
+            JobQueue(tmp_path / "state")
     finally:
         first.close()
 
@@ -241,7 +241,7 @@ def test_ster_submit_local_and_jobs_run_local(toy, tmp_path, capsys):
 
 def test_a_command_line_run_through_the_scheduler_prints_what_the_command_prints(toy, capsys):
     from ster_dist.cli import parse
-    from ster_dist.scheduler import run_cli
+    from ster_dist.jobqueue.in_process import run_cli
 
     argv = ["generate", "--model", toy, "--prompt", "through the front door", "--max-new-tokens", "4"]
     assert run_cli(parse(argv)) == (cli_generate(*argv[1:]), 0)

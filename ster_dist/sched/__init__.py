@@ -1,1 +1,0 @@
-"""The scheduler's parts: journal, worker-group pool, generate batching, progress events, the Ray actor."""
