@@ -31,23 +31,11 @@ def as_event(line: str) -> dict:
     return event
 
 
-class JsonLines(io.TextIOBase):
-    """A stderr that keeps the promise of one JSON object per line: a line that is one passes
-    through, any other text a library prints (Ray's notices, a warning) becomes a log event, and a
-    carriage return ends a line too, so a progress bar cannot smear the stream."""
+class StreamWrapper(io.TextIOBase):
+    """A text stream standing in for stderr that hands its lines on to `original`."""
 
     def __init__(self, original):
         self.original = original
-        self._partial = ""
-        self._lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            *lines, self._partial = (self._partial + text).replace("\r", "\n").split("\n")
-            for line in lines:
-                if line.strip():
-                    self.original.write(_as_json_line(line) + "\n")
-        return len(text)
 
     def flush(self) -> None:
         self.original.flush()
@@ -61,6 +49,25 @@ class JsonLines(io.TextIOBase):
 
     def isatty(self) -> bool:
         return False
+
+
+class JsonLines(StreamWrapper):
+    """A stderr that keeps the promise of one JSON object per line: a line that is one passes
+    through, any other text a library prints (Ray's notices, a warning) becomes a log event, and a
+    carriage return ends a line too, so a progress bar cannot smear the stream."""
+
+    def __init__(self, original):
+        super().__init__(original)
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._partial = (self._partial + text).replace("\r", "\n").split("\n")
+            for line in lines:
+                if line.strip():
+                    self.original.write(_as_json_line(line) + "\n")
+        return len(text)
 
 
 def _as_json_line(line: str) -> str:

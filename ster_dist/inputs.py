@@ -54,3 +54,15 @@ def writable_file(path: str | None, where: str, what: str = "file") -> None:
         parent = parent.parent
     if parent.exists() and not parent.is_dir():
         raise Refusal(f"{where} {path}: {parent} is a file, not a directory")
+
+
+def existing_file(path: str | None, where: str) -> None:
+    """An input that is read later (a steering artifact, read by the ranks' driver once the model is
+    up) exists and is not a directory; checked by its metadata alone, so a named pipe is not drained."""
+    if path is None:
+        return
+    file = Path(path)
+    if not file.exists():
+        raise Refusal(f"{where} {path}: No such file or directory")
+    if file.is_dir():
+        raise Refusal(f"{where} {path} is a directory; name a file")

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, weight_and_bias
 from ster_dist.families.spec import FamilySpec, Rule
-from ster_dist.families.switches import ALWAYS_BIASED, BIASED_LAYER_NORM_PLAIN_MLP, LAYER_NORM_EPSILON_DEFAULT
+from ster_dist.families.switches import (
+    ALWAYS_BIASED,
+    BIASED_LAYER_NORM_PLAIN_MLP,
+    LAYER_NORM_EPSILON_DEFAULT,
+)
 
 
 def _bloom_falcon_rules(embed_norm: bool) -> tuple[Rule, ...]:

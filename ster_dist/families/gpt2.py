@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import QKV_PER_KV_GROUP, gpt2_rules
 from ster_dist.families.spec import FamilySpec
-from ster_dist.families.switches import ALWAYS_BIASED, BIASED_LAYER_NORM_PLAIN_MLP, LAYER_NORM_EPSILON_DEFAULT
+from ster_dist.families.switches import (
+    ALWAYS_BIASED,
+    BIASED_LAYER_NORM_PLAIN_MLP,
+    LAYER_NORM_EPSILON_DEFAULT,
+)
 
 # the causal-mask buffers older checkpoints saved beside the weights
 _BUFFERS = (r".*\.attn\.(masked_)?bias$", r"transformer\.bias$")

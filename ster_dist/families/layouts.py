@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from ster_dist.families.spec import Fused, Rule
 
-
 # OLMo 2's block as renames for llama_rules: no norm before a sublayer, one over each sublayer's output
 # (OLMo 2 and 3, FlexOlmo, EXAONE 4)
 OLMO2_POST_NORMS = dict(attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",

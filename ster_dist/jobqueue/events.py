@@ -9,19 +9,18 @@ same events `ster generate` would have printed. Other threads' writes pass throu
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-from ster_dist.events import as_event
+from ster_dist.events import StreamWrapper, as_event
 
 
-class _ThreadTee(io.TextIOBase):
+class _ThreadTee(StreamWrapper):
     def __init__(self, original):
-        self.original = original
+        super().__init__(original)
         self.sinks: dict[int, Callable[[str], None]] = {}
         self._partial: dict[int, str] = {}
 
@@ -37,19 +36,6 @@ class _ThreadTee(io.TextIOBase):
             if line.strip():
                 sink(line)
         return len(text)
-
-    def flush(self) -> None:
-        self.original.flush()
-
-    def fileno(self) -> int:
-        return self.original.fileno()
-
-    @property
-    def encoding(self):
-        return getattr(self.original, "encoding", "utf-8")
-
-    def isatty(self) -> bool:
-        return False
 
 
 _LOCK = threading.Lock()

@@ -20,7 +20,6 @@ from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
 
-
 class HeadScalars(ShardedModule):
     """One number per attention head, split with the heads (GPT-OSS's sinks)."""
 

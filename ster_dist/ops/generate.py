@@ -12,7 +12,7 @@ from pathlib import Path
 from ster_dist.atomic import write_json
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.inputs import read_prompts, read_text, writable_file
+from ster_dist.inputs import existing_file, read_prompts, read_text, writable_file
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.session import Session, modifiers
 
@@ -40,10 +40,7 @@ def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
     writable_file(request.output, request.label("output"), "JSON file")
     prompts = prompts_of(request)
     system = read_text(request.system, request.label("system")) if request.system else None
-    if request.vector is not None:
-        from ster_dist.steer.artifact import load_artifact
-
-        load_artifact(request.vector)
+    existing_file(request.vector, request.label("vector"))
     if request.adapter is not None:
         from ster_dist.adapters.format import open_adapter
 

@@ -8,7 +8,7 @@ from ster_dist.schema.base import Request
 from ster_dist.schema.capture import ExtractRequest
 from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
-from ster_dist.schema.jobs import RunJobsRequest, QueueRequest, SubmitRequest
+from ster_dist.schema.jobs import QueueRequest, RunJobsRequest, SubmitRequest
 from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
 from ster_dist.schema.steer import (
     SteerEvaluateRequest,

@@ -32,27 +32,29 @@ class PairRun(Runtime):
         return self
 
 
-class SteerTrainRequest(LayersMixin, PairRun):
+class FitRun(LayersMixin, PairRun):
+    """What the operations that fit and write an artifact take."""
+
+    layers: str = field("all", help=LAYERS_HELP)
+    output: str = field(help="the steering artifact (V.json) to write")
+    batch_size: int = field(8, ge=1, help="prompts per forward pass")
+
+
+class SteerTrainRequest(FitRun):
     kind = "steer-train"
     command = ("steer", "train")
     summary = "fit a direction per layer from contrastive pairs"
 
-    layers: str = field("all", help=LAYERS_HELP)
-    output: str = field(help="the steering artifact (V.json) to write")
     method: str = field("caa", help="caa (mean difference), pca, or logistic (a probe)")
-    batch_size: int = field(8, ge=1, help="prompts per forward pass")
 
 
-class SteerOptimizeRequest(LayersMixin, PairRun):
+class SteerOptimizeRequest(FitRun):
     kind = "steer-optimize"
     command = ("steer", "optimize")
     summary = "rank every layer x method on a holdout and write the winner"
 
-    layers: str = field("all", help=LAYERS_HELP)
-    output: str = field(help="the steering artifact (V.json) to write")
     # its range is checked with Ster's words where the pairs are split (steer/optimize.py)
     holdout: float | None = field(None, help="the fraction of pairs held out to rank on (required)")
-    batch_size: int = field(8, ge=1, help="prompts per forward pass")
 
     @model_validator(mode="after")
     def _holdout_given(self, info: ValidationInfo):

@@ -1,10 +1,10 @@
-"""The scheduler's cost: many short generate jobs through it against one direct batched call.
+"""The job queue's cost: many short generate jobs through it against one direct batched call.
 
 What is built
     A small random Llama (`ster toy-model`: --layers 4, --hidden 256 by default, a real BPE
     tokenizer and chat template) unless --model names a directory. Everything runs in this process on the CPU with
     the same torch thread count; the model is loaded once before any clock starts (a warm-up job
-    loads the scheduler's worker group; the direct path holds its own loaded Session).
+    loads the job queue's worker group; the direct path holds its own loaded Session).
 
 What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts in every case)
     direct      one `ster generate --prompts` call over all prompts, through an already loaded
@@ -15,16 +15,16 @@ What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts
     unbatched   the same jobs through a JobQueue with max_batch=1: one forward per job, what
                 the queue would cost without batching.
     latency     one job at a time, submit -> result, against the same single prompt called
-                directly (median of --latency-runs each): the scheduler's added latency per job.
+                directly (median of --latency-runs each): the job queue's added latency per job.
     command     `ster generate --prompt` as a whole command line in this process (cli.main: an
-                in-process scheduler started, the model loaded, the job run, all closed) against
+                in-process job queue started, the model loaded, the job run, all closed) against
                 the generate command's function called directly with the same flags (its own
                 load too), median of --command-runs each: what the front door costs a command.
     ratio       jobs/s scheduled over jobs/s direct (1.0 = no overhead).
 The answers of every path are checked equal.
 
-    python bench/scheduler.py                       # about 20-40 s on 2 cores
-    python bench/scheduler.py --jobs 256 --new-tokens 8 --threads 2
+    python bench/jobqueue.py                       # about 20-40 s on 2 cores
+    python bench/jobqueue.py --jobs 256 --new-tokens 8 --threads 2
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def _quiet(fn):
 
 
 def _in_thread(fn):
-    """Run fn on a fresh thread, as the scheduler's executor runs its jobs: with several torch
+    """Run fn on a fresh thread, as the job queue's executor runs its jobs: with several torch
     threads, a loaded machine slows the main thread's OpenMP team far more than another thread's
     (measured here: one 4-layer forward 286 ms on the main thread, 6 ms on a second one), which
-    would credit the scheduler with a speed-up that is only a thread difference."""
+    would credit the job queue with a speed-up that is only a thread difference."""
     box = {}
 
     def target():
@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
             unbatched_s, unbatched = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
                                                                              args.new_tokens)), 1)
         through, plain, cli_text, plain_text = _command_runs(model, args.new_tokens, args.command_runs)
-    assert scheduled == direct == unbatched, "the scheduler's answers differ from the direct call's"
+    assert scheduled == direct == unbatched, "the job queue's answers differ from the direct call's"
     assert cli_text == plain_text, "the command line's answer differs from the command function's"
     report = {
         "jobs": args.jobs, "new_tokens": args.new_tokens, "threads": args.threads,
@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
         print(f"{name:<12}{seconds:>10.3f}{args.jobs / seconds:>10.1f}{direct_s / seconds:>11.3f}")
     print(f"one job at a time: direct {report['single_direct_ms']} ms, scheduled {report['single_scheduled_ms']} ms, "
           f"added {report['added_latency_ms']} ms per job")
-    print(f"a whole command: through the scheduler {report['command_cli_ms']} ms, the command function "
+    print(f"a whole command: through the job queue {report['command_cli_ms']} ms, the command function "
           f"{report['command_function_ms']} ms (ratio {report['ratio_command_function_to_cli']})")
     print(json.dumps(report))
     return report
