@@ -49,31 +49,31 @@ class Engine:
         """One prompt: its result mapping. A list: one job per prompt (batched into one forward when
         greedy) and the list of their results, in order."""
         if isinstance(prompt, list):
-            return self.run_many([self.request("generate", prompt=p, **fields) for p in prompt])
-        return self.run(self.request("generate", prompt=prompt, **fields))
+            return self.run_many([self.job("generate", prompt=p, **fields) for p in prompt])
+        return self.run(self.job("generate", prompt=prompt, **fields))
 
     def extract(self, **fields) -> dict:
-        return self.run(self.request("extract", **fields))
+        return self.run(self.job("extract", **fields))
 
     def steer(self, action: str = "train", **fields) -> dict:
-        return self.run(self.request(f"steer-{action}", **fields))
+        return self.run(self.job(f"steer-{action}", **fields))
 
     def decide(self, **fields) -> dict:
-        return self.run(self.request("decide", **fields))
+        return self.run(self.job("decide", **fields))
 
     def merge(self, **fields) -> dict:
-        return self.run(self.request("merge", **fields))
+        return self.run(self.job("merge", **fields))
 
     def parity(self, **fields) -> dict:
-        return self.run(self.request("parity", **fields))
+        return self.run(self.job("parity", **fields))
 
     def tune(self, action: str = "sft", **fields) -> dict:
-        return self.run(self.request(f"tune-{action}", **fields))
+        return self.run(self.job(f"tune-{action}", **fields))
 
     # -- underneath ------------------------------------------------------------------------------
-    def request(self, kind: str, **fields) -> Request:
-        """The typed request of `kind`: this engine's model settings (those the request takes), then
-        the fields given, validated as a queued job's."""
+    def job(self, kind: str, **fields) -> protocol.JobSpec:
+        """The job of `kind`: this engine's model settings (those its request takes), then the fields
+        given (and `id` / `priority` when given), validated as a queued job's."""
         if kind not in JOB_REQUESTS:
             raise Refusal(f"unknown job kind {kind!r}; give one of: {', '.join(JOB_REQUESTS)}")
         cls = JOB_REQUESTS[kind]
@@ -87,15 +87,16 @@ class Engine:
             elif name in ("tp", "ep") and value != 1:
                 raise Refusal(f"{kind} jobs take no {name!r}; use {name}=1")
         data.update(fields)
-        return protocol.validate({"kind": kind, **data}).request
+        return protocol.validate({"kind": kind, **data})
 
-    def run(self, request: Request) -> dict:
+    def run(self, request: Request | protocol.JobSpec) -> dict:
+        """One typed request (or job) run as a job; its result."""
         return self.run_many([request])[0]
 
-    def run_many(self, requests: list[Request]) -> list[dict]:
+    def run_many(self, requests: list[Request | protocol.JobSpec]) -> list[dict]:
         from ster_dist.jobqueue.follow import follow
 
-        specs = [{"kind": r.kind, **r.given()} for r in requests]
+        specs = [r.to_dict() if isinstance(r, protocol.JobSpec) else {"kind": r.kind, **r.given()} for r in requests]
         records = follow(self.client, self.client.submit_many(specs), on_event=self.on_event)
         for record in records:
             if record["status"] != "done":

@@ -23,7 +23,20 @@ def _umask() -> int:
 
 
 def _fix_mode(path: Path, directory: bool) -> None:
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+    """The umask's mode on a file, or on a directory and everything in it (writers such as
+    safetensors' save_file create their files 0600 whatever the umask)."""
+    mask = _umask()
+    os.chmod(path, (0o777 if directory else 0o666) & ~mask)
+    if not directory:
+        return
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            file = os.path.join(root, name)
+            # a link, or a hard link to a file outside (an imported .gguf) keeps its owner's mode
+            if not os.path.islink(file) and os.stat(file).st_nlink == 1:
+                os.chmod(file, 0o666 & ~mask)
 
 
 @contextlib.contextmanager

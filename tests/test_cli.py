@@ -134,3 +134,19 @@ def test_version(capsys):
 def test_a_bad_flag_is_one_line(capsys):
     code, out, err = run(capsys, "generate", "--model", "m", "--prompt", "x", "--max-new-tokens", "ten")
     assert code == 2 and out is None and err.count("\n") == 1 and "--max-new-tokens" in err
+
+
+def test_outputs_take_the_process_umask(tmp_path):
+    """Every output file gets the mode the umask gives a new file (some used to be 0600)."""
+    script = ("import os, sys; os.umask(0o027); from ster_dist.cli import main; "
+              "sys.exit(main(sys.argv[1:]))")
+    toy, prompts = tmp_path / "toy", tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["one"]}))
+    for argv in (["toy-model", str(toy)],
+                 ["generate", "--model", str(toy), "--prompts", str(prompts), "--output", str(tmp_path / "a.json"),
+                  "--max-new-tokens", "2"]):
+        done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    for path in (tmp_path / "a.json", toy / "config.json", toy / "model.safetensors", toy / ".ster-made.json"):
+        assert path.stat().st_mode & 0o777 == 0o640, (path, oct(path.stat().st_mode))
+    assert toy.stat().st_mode & 0o777 == 0o750

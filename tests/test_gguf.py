@@ -322,3 +322,25 @@ def test_smollm2_tensors_match_transformers(smollm2_dir, smollm2_state):
     assert torch.equal(src.read(q, rows=slice(192, 320)), state[q][192:320])
     assert torch.equal(src.read(EMBED, rows=slice(1000, 1100), cols=slice(64, 320)),
                        state[EMBED][1000:1100, 64:320])
+
+
+def test_gguf_import_command_again_is_a_no_op_and_force_replaces(tmp_path, capsys):
+    """The README's main job can be run twice: the same import into the same directory says so and
+    writes nothing; another import there is refused unless --force, which swaps it in whole."""
+    from ster_dist.cli import main
+
+    write_llama(tmp_path / "m.gguf", qtype=Q.Q8_0)
+    out = tmp_path / "out"
+    assert main(["gguf-import", str(tmp_path / "m.gguf"), str(out)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    placed = (out / "m.gguf").stat().st_mtime_ns
+    assert main(["gguf-import", str(tmp_path / "m.gguf"), str(out)]) == 0
+    again, err = capsys.readouterr()
+    assert json.loads(again)["unchanged"] is True and "nothing to do" in err
+    assert json.loads(again)["tensors"] == first["tensors"] and (out / "m.gguf").stat().st_mtime_ns == placed
+    assert main(["gguf-import", str(tmp_path / "m.gguf"), str(out), "--safetensors"]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["gguf-import", str(tmp_path / "m.gguf"), str(out), "--safetensors", "--force"]) == 0
+    assert json.loads(capsys.readouterr().out)["replaced"] is True
+    assert (out / "model.safetensors").is_file() and not (out / "m.gguf").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "out"]  # nothing half-written beside it

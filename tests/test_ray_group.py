@@ -123,3 +123,17 @@ def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_complet
     assert len(died) == 1 and "died during run" in died[0]
     result, plain = json.loads(out), json.loads(_ster(*args).stdout)
     assert result["tp"] == 2 and result["text"] == plain["text"] and result["steering"]["strength"] == 1.0
+
+
+def test_a_rank_out_of_memory_is_reported_whole_with_its_own_exit_status(cluster):
+    from ster_dist.errors import OutOfMemory
+    from ster_dist.workers.ray_group import RayGroup
+    from tests.rank_faults import AllocatesTooMuch
+
+    with RayGroup(2) as group:
+        with pytest.raises(OutOfMemory) as raised:
+            group.on(AllocatesTooMuch).allocate()
+    message = str(raised.value)
+    assert raised.value.exit_code == 3 and "\n" not in message
+    assert message.startswith("rank ") and "ran out of memory during AllocatesTooMuch.allocate: MemoryError" in message
+    assert message.endswith("or load a smaller precision")  # never cut mid-word

@@ -176,7 +176,10 @@ def _as_refusal(exc: BaseException, rank: int, method: str) -> Refusal:
     if isinstance(cause, Refusal):
         return cause
     if _out_of_memory(exc, cause):
-        whole = " ".join(str(cause if isinstance(cause, MemoryError) else exc).split())
+        if isinstance(cause, BaseException) and not isinstance(exc, getattr(ray.exceptions, "OutOfMemoryError", ())):
+            whole = f"{type(cause).__name__}: {cause}" if str(cause) else f"{type(cause).__name__} (an allocation failed)"
+        else:  # Ray's memory monitor killed the worker: its message names the node's memory, kept whole
+            whole = " ".join(str(exc).split())
         return OutOfMemory(f"rank {rank} ran out of memory during {method}: {whole}; the group was shut down. "
                            "Give the ranks more memory, spread them over more nodes (--tp / --ep), or load a "
                            "smaller precision")
