@@ -16,7 +16,7 @@ from ster_dist.schema.common import Runtime
 
 
 class Session:
-    def __init__(self, runtime: Runtime, address: str | None = None):
+    def __init__(self, runtime: Runtime, address: str | None = None, on_load=None):
         from ster_dist.load import check_device, compute_dtype
 
         self.runtime = runtime
@@ -25,6 +25,7 @@ class Session:
         compute_dtype(runtime.precision, runtime.device)
         self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
         self._group = None
+        self._on_load = on_load  # called with the session once its ranks hold the model (the pool counts it)
 
     @functools.cached_property
     def checkpoint(self):
@@ -66,8 +67,12 @@ class Session:
         return self._group
 
     def load(self) -> list[dict]:
+        """Open the worker group and load the model on every rank (once: a loaded session returns
+        what its load reported)."""
         from ster_dist.workers.group import load_on, open_group
 
+        if self._group is not None:
+            return self.loads
         rt = self.runtime
         checkpoint, _ = self.checkpoint, self.cfg  # resolved and gated before any rank starts
         world = rt.tp * rt.ep
@@ -80,6 +85,8 @@ class Session:
             group.close()
             raise
         self._group = group
+        if self._on_load is not None:
+            self._on_load(self)
         return self.loads
 
     def close(self) -> None:

@@ -197,7 +197,7 @@ def test_a_torn_last_record_is_cut_off_on_restart(toy, tmp_path):
 def test_one_state_directory_has_one_scheduler(tmp_path):
     first = JobQueue(tmp_path / "state")
     try:
-        with pytest.raises(Refusal, match="another scheduler holds"):
+        with pytest.raises(Refusal, match="another job queue holds"):
             JobQueue(tmp_path / "state")
     finally:
         first.close()

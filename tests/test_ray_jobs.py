@@ -315,10 +315,10 @@ def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_r
         starts = scheduler.stats()["group_starts"]
     assert len(set(killed)) == 2 and starts == 2
     assert record["status"] == "failed" and record["attempts"] == 2 and record["exit_code"] == 2
-    assert record["error"].startswith("rank 0 died during run: ") and "gave up after 2 attempts" in record["error"]
+    assert record["error"].startswith("rank 0 died during SteeringOnRank.attach: ") and "gave up after 2 attempts" in record["error"]
 
 
-def test_the_scheduler_actor_killed_and_restarted_finishes_every_accepted_job_once(cluster, toy):
+def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_once(cluster, toy):
     from ster_dist.jobqueue.follow import follow
 
     client = _client(cluster)
@@ -345,7 +345,7 @@ def test_the_scheduler_actor_killed_and_restarted_finishes_every_accepted_job_on
                                                     f"--max-new-tokens={48 + i}", "--chat-template=off")
 
 
-def test_ster_scheduler_status_and_stop(cluster):
+def test_ster_queue_status_and_stop(cluster):
     from ster_dist.jobqueue.actor import existing
 
     def ster(*argv):
@@ -360,4 +360,4 @@ def test_ster_scheduler_status_and_stop(cluster):
     assert stopped.returncode == 0 and json.loads(stopped.stdout) == {"stopped": True}
     assert existing() is None
     again = ster("status")
-    assert again.returncode == 2 and "no ster scheduler runs on this cluster" in again.stderr
+    assert again.returncode == 2 and "no ster job queue runs on this cluster" in again.stderr

@@ -56,7 +56,7 @@ class Journal:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise Refusal(f"another queue holds the state directory {self.directory}; stop it or give "
+            raise Refusal(f"another job queue holds the state directory {self.directory}; stop it or give "
                           "another state directory") from None
 
     def open(self) -> State:

@@ -59,16 +59,24 @@ class GroupPool:
             return pooled.session
 
     def note_used(self, runtime: Runtime) -> None:
-        """After a job ran: count a group that loaded for it and note where its ranks are."""
+        """After a job ran on a session: its group is not idle from here."""
         with self._lock:
             pooled = self.groups.get(runtime.group_key())
-            if pooled is None or not pooled.session.loaded or pooled.counted:
+            if pooled is not None:
+                pooled.last_used = time.monotonic()
+
+    def _loaded(self, key: tuple, session: Session) -> None:
+        """A session's ranks hold the model: count the start and note where its ranks run (for stats,
+        and for an operator who needs the processes)."""
+        workers = session.group.call("whereabouts")
+        with self._lock:
+            pooled = self.groups.get(key)
+            if pooled is None or pooled.session is not session:
                 return
-            pooled.counted = True
-            self.starts += 1
-            self.history.append(("start", pooled.key))
-            pooled.workers = pooled.session.group.call("whereabouts")
+            pooled.workers, pooled.counted = workers, True
             pooled.last_used = time.monotonic()
+            self.starts += 1
+            self.history.append(("start", key))
 
     def prepare(self, world: int) -> None:
         """Connect to (or start) Ray now, on the calling thread, when groups of `world` ranks will
@@ -127,7 +135,7 @@ class GroupPool:
             self._drop(oldest.key, "evict")
         if self.address is not None or runtime.tp * runtime.ep > 1:
             self._ensure_ray()
-        session = Session(runtime, address=self.address)
+        session = Session(runtime, address=self.address, on_load=lambda loaded: self._loaded(key, loaded))
         now = time.monotonic()
         pooled = Pooled(session, key, now, now)
         self.groups[key] = pooled

@@ -174,7 +174,7 @@ def _actor(request):
     start_ray(request.address)
     actor = existing()
     if actor is None:
-        raise Refusal("no ster queue runs on this cluster (one starts with the first submitted job)")
+        raise Refusal("no ster job queue runs on this cluster (one starts with the first submitted job)")
     return actor
 
 
