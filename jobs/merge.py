@@ -12,7 +12,7 @@ complete, so a killed job rerun with the same SPEC writes only the shards still 
 output that already exists counts as done. Progress goes to stderr as JSON lines, the report to
 stdout. The output directories must be on storage every node writes to.
 
-The scheduler calls batch_merge(spec, progress) directly.
+The job queue calls batch_merge(spec, progress) directly (ster_dist/ops/merge.py).
 """
 
 from __future__ import annotations

@@ -261,3 +261,15 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     graph = import_graph(pkg)
     assert graph == {"": set(), "caller": {"top"}, "sub": {"sub.leaf"}, "sub.leaf": {"top"}, "top": {"sub.leaf"}}
     assert cycles(graph) == [["sub.leaf", "top"]]
+
+
+def test_the_architecture_drawing_is_this_table():
+    """docs/architecture.md draws the layers top to bottom, one row per layer: its module prefixes,
+    then two or more spaces and what the layer holds. The drawing and LAYERS may not drift apart."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Layers: arrows point down", 1)[1]
+    block = section.split("```", 2)[1]
+    drawn = [tuple(re.split(r"\s{2,}", line.strip(), maxsplit=1)[0].split()) for line in block.splitlines()
+             if line.strip()]
+    table = [tuple(p for p in prefixes if p) for prefixes, _ in reversed(LAYERS)]
+    assert drawn == table
