@@ -18,7 +18,7 @@ import pytest
 
 from ster_dist.cli import main
 from ster_dist.errors import Refusal
-from ster_dist.jobqueue.journal import read
+from ster_dist.jobqueue.journal import read, records
 from ster_dist.jobqueue.queue import JobQueue
 from tests.cli_run import cli_generate, make_toy
 
@@ -90,8 +90,7 @@ def test_higher_priority_runs_first_and_results_come_back_in_submission_order(to
 
 
 def _raw_ops(state: Path) -> list[dict]:
-    with open(state / "journal.msgpack", "rb") as handle:
-        return [json.loads(json.dumps(r)) for r in msgpack.Unpacker(handle, raw=False)]
+    return [json.loads(json.dumps(r)) for r in records((state / "journal.msgpack").read_bytes())]
 
 
 def test_an_idle_group_is_released_and_a_later_job_starts_it_again(toy, tmp_path):

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 
@@ -337,8 +336,9 @@ def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_on
     records = follow(client, ids, timeout=240)  # calls wait for Ray to restart the actor
     assert client.pid() != pid
     assert [r["status"] for r in records] == ["done"] * 5
-    with open(cluster["state"] / "journal.msgpack", "rb") as handle:
-        finished = [r["id"] for r in msgpack.Unpacker(handle, raw=False) if r["op"] == "finished"]
+    from ster_dist.jobqueue.journal import records as journal_records
+
+    finished = [r["id"] for r in journal_records((cluster["state"] / "journal.msgpack").read_bytes()) if r["op"] == "finished"]
     assert sorted(i for i in finished if i.startswith("restart-")) == sorted(ids)  # each once
     for i in (0, 4):
         assert records[i]["result"] == cli_generate(f"--model={toy}", f"--prompt=job {i}",

@@ -17,6 +17,7 @@ Ray actor (jobqueue/actor.py) that `ray job submit ... jobs/run.py` and `ster su
 from __future__ import annotations
 
 import heapq
+import sys
 import threading
 import time
 import traceback
@@ -80,7 +81,9 @@ class JobQueue:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.batches: list[int] = []  # size of every forward run, for tests and benchmarks
-        self._recover(self.journal.open())
+        state = self.journal.open()
+        with self._cond:  # recovery finishes jobs, and finishing notifies waiters under the lock
+            self._recover(state)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> JobQueue:
@@ -121,22 +124,50 @@ class JobQueue:
 
     def submit_jobs(self, jobs: list[JobSpec]) -> list[str]:
         """Journal and queue jobs already validated (a command line's typed request)."""
-        ids = []
+        ids, new = [], []
         with self._cond:
             for spec in jobs:
-                known = self.jobs.get(spec.id)
+                known = self.jobs[spec.id].spec if spec.id in self.jobs else \
+                    next((s for s in new if s.id == spec.id), None)  # or sent twice in this batch
                 if known is not None:
-                    if _same(known.spec, spec):
+                    if _same(known, spec):
                         ids.append(spec.id)  # a client resending after a restart: already here, once
                         continue
                     raise Refusal(f"job id {spec.id!r} is already taken by another job; give a new id")
-                job = self._accept(spec)
-                self.journal.accepted(spec.id, spec.to_dict(), job.seq)
-                self._note(job, events.event(f"accepted {spec.kind} job {spec.id}", position=len(self._queue)))
+                new.append(spec)
                 ids.append(spec.id)
-            self.journal.commit()  # durable before the caller hears the ids or the executor sees them
+            # journaled (and durable) before the caller hears the ids or the executor sees the jobs;
+            # a batch the journal cannot hold is cut from it again and refused whole: it never runs
+            seqs = self._journal_accepted(new)
+            for spec, seq in zip(new, seqs):
+                job = self._accept(spec, seq=seq)
+                self._note(job, events.event(f"accepted {spec.kind} job {spec.id}", position=len(self._queue)))
             self._cond.notify_all()
         return ids
+
+    def _journal_accepted(self, specs: list[JobSpec]) -> list[int]:
+        """Journal a batch of new jobs and fsync it: their seqs, or a Refusal with nothing kept."""
+        seqs = list(range(self._seq + 1, self._seq + 1 + len(specs)))
+        if not specs:
+            return seqs
+        offset = None
+        try:
+            offset = self.journal.mark()
+            for spec, seq in zip(specs, seqs):
+                self.journal.accepted(spec.id, spec.to_dict(), seq)
+            self.journal.commit()
+        except OSError as exc:
+            if offset is not None:
+                self._undo(offset)
+            raise self.journal.refusal(exc) from None
+        return seqs
+
+    def _undo(self, offset: int) -> None:
+        try:
+            self.journal.undo(offset)
+        except OSError as exc:  # the file keeps records of a refused batch: say so, loudly
+            print(f"ster job queue: could not cut refused jobs from the journal at {self.journal.directory} "
+                  f"({exc}); a restart may run them", file=sys.stderr, flush=True)
 
     def poll(self, job_id: str, cursor: int = 0, timeout: float = 0.0) -> dict:
         """The job's state, its events from `cursor` on, and its result once finished. With a timeout,
@@ -177,7 +208,8 @@ class JobQueue:
             for job in self.jobs.values():
                 states[job.state] = states.get(job.state, 0) + 1
             return {"queued": len(self._queue), "jobs": states, "group_starts": self.pool.starts,
-                    "group_releases": self.pool.releases, "groups": groups, "batches": list(self.batches)}
+                    "group_releases": self.pool.releases, "groups": groups, "batches": list(self.batches),
+                    "journal_behind": self.journal.behind, "journal_notices": list(self.journal.notices)}
 
     # -- inside ----------------------------------------------------------------------------------
     def _job(self, job_id: str) -> Job:
@@ -201,6 +233,9 @@ class JobQueue:
     def _recover(self, state) -> None:
         """Queue again every accepted job the journal has no result for; keep the finished ones' results."""
         for job_id, entry in sorted(state.entries.items(), key=lambda item: item[1].seq):
+            if entry.broken is not None:
+                self._finish_recovered(job_id, entry, f"the journal entry is malformed: {entry.broken}")
+                continue
             if entry.result is not None:
                 job = Job(raw_spec(job_id, entry.spec), entry.seq, attempts=entry.attempts, result=entry.result)
                 job.state = entry.result.get("status", "done")
@@ -211,6 +246,9 @@ class JobQueue:
                 spec = protocol.validate(entry.spec, check_model=False)
             except Refusal as refusal:
                 self._finish_recovered(job_id, entry, f"no longer a valid job in this build: {refusal}")
+                continue
+            except Exception as exc:  # a journaled spec no validator foresaw: fail it, never the start-up
+                self._finish_recovered(job_id, entry, f"the journal entry is malformed: {type(exc).__name__}: {exc}")
                 continue
             if entry.attempts > self.max_retries:
                 self._finish_recovered(job_id, entry, f"the job queue stopped during each of its "
@@ -245,8 +283,17 @@ class JobQueue:
                     return
                 _, _, job_id = heapq.heappop(self._queue)
                 job = self.jobs[job_id]
-            self._execute(job)
-            self.pool.release_idle()
+            try:
+                self._execute(job)
+                self.pool.release_idle()
+            except Exception as exc:  # the executor outlives any one job's bookkeeping failure
+                print(f"ster job queue: job {job_id}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                with self._cond:
+                    if job.result is None:
+                        job.result = protocol.make_result(job.spec, "failed", error=f"{type(exc).__name__}: {exc}",
+                                                          attempts=max(1, job.attempts), exit_code=1)
+                        job.state = "failed"
+                    self._cond.notify_all()
 
     def _execute(self, job: Job) -> None:
         batch = [job]
@@ -281,7 +328,7 @@ class JobQueue:
                 if not warm_only:
                     job.attempts += 1
                     job.state = "running"
-                    self.journal.running(job.spec.id, job.attempts)
+                    self._journal(job, self.journal.running, job.spec.id, job.attempts)
                     self._note(job, events.event(f"running (attempt {job.attempts} of {self.max_retries + 1})"
                                                  + (f", batched with {len(batch) - 1} other job(s)" if len(batch) > 1
                                                     else "")))
@@ -310,9 +357,31 @@ class JobQueue:
             for job, (result, exit_code) in zip(batch, results):
                 self._finish(job, protocol.make_result(job.spec, "done", result, attempts=job.attempts,
                                                        exit_code=exit_code, batch=len(batch)), commit=False)
-            self.journal.commit()
+            self._commit(*batch)
             self._cond.notify_all()
         return True
+
+    def _journal(self, job: Job, write, *args) -> bool:
+        """Write one journal record; a write error becomes a notice on the job, never the executor's end."""
+        try:
+            write(*args)
+            return True
+        except OSError as exc:
+            self._behind(exc, job)
+            return False
+
+    def _commit(self, *jobs: Job) -> None:
+        try:
+            self.journal.commit()
+        except OSError as exc:
+            self._behind(exc, *jobs)
+
+    def _behind(self, exc: OSError, *jobs: Job) -> None:
+        message = (f"{self.journal.refusal(exc)}; the journal is behind: a restart before it catches up "
+                   "may run this job again")
+        for job in jobs:
+            self._note(job, events.event(message, notice=True, journal_behind=True))
+        print(f"ster job queue: {message}", file=sys.stderr, flush=True)
 
     def _run(self, batch: list[Job]) -> list[tuple[dict, int]]:
         requests = [job.spec.request for job in batch]
@@ -371,9 +440,11 @@ class JobQueue:
         heapq.heappush(self._queue, (-job.spec.priority, job.seq, job.spec.id))
 
     def _finish(self, job: Job, record: dict, commit: bool = True) -> None:
-        self.journal.finished(job.spec.id, record)
+        # the waiting caller gets the result even when the disk cannot take it (the journal keeps
+        # the record in memory and writes it first once it can)
+        self._journal(job, self.journal.finished, job.spec.id, record)
         if commit:
-            self.journal.commit()
+            self._commit(job)
         job.result = record
         job.state = record["status"]
         self._note(job, events.event(f"{record['status']}", status=record["status"]))
