@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import msgpack

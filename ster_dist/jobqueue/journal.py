@@ -106,6 +106,7 @@ class Journal:
             # unbuffered: a failed write leaves nothing in a buffer to reach the file later
             self._handle = open(self.path, "ab", buffering=0)
         except OSError as exc:
+            self.close()  # a refused start-up leaves the state directory free for the next try
             raise self.refusal(exc) from None
         return state
 
