@@ -78,3 +78,11 @@ def test_dbrx_nested_config_must_be_an_object():
 def test_sane_values_still_read():
     mc = from_hf(llama(num_hidden_layers=10_000, rms_norm_eps=1e-6, head_dim=32))
     assert (mc.num_layers, mc.head_dim, mc.num_kv_heads) == (10_000, 32, 2)
+
+
+@pytest.mark.parametrize("model_type", [{"llama": 1}, ["llama"], 7])
+def test_a_model_type_that_is_not_a_string_is_refused(model_type):
+    with pytest.raises(Refusal, match="unsupported by this ster_dist build"):
+        from_hf(llama(model_type=model_type))
+    with pytest.raises(Refusal, match="unsupported by this ster_dist build"):
+        from_hf({"model_type": "gemma3", "text_config": {"model_type": model_type}})
