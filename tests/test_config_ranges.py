@@ -86,3 +86,18 @@ def test_a_model_type_that_is_not_a_string_is_refused(model_type):
         from_hf(llama(model_type=model_type))
     with pytest.raises(Refusal, match="unsupported by this ster_dist build"):
         from_hf({"model_type": "gemma3", "text_config": {"model_type": model_type}})
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("n_layers", 10 ** 9, "n_layers is 1000000000"),
+    ("sliding_window", [8, [1]], "must list window sizes"),
+    ("moe", [1], "moe is not a JSON object"),
+    ("yarn", "x", "yarn is not a JSON object"),
+])
+def test_params_json_sizes_are_checked_before_the_pattern_is_built(key, value, named):
+    from ster_dist.config_params import from_params
+
+    raw = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 128,
+           "norm_eps": 1e-5, "vocab_size": 1000, "sliding_window": [8, None]}
+    with pytest.raises(Refusal, match=named):
+        from_params({**raw, key: value})

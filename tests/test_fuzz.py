@@ -215,3 +215,21 @@ def test_any_job_spec_of_a_known_kind_is_validated_or_refused(spec):
                                      json_values | st.sampled_from(KINDS), max_size=4))
 def test_any_json_value_as_a_job_spec_is_validated_or_refused(spec):
     _validated_or_refused(spec)
+
+
+# Mistral's params.json is put in the Transformers shape before from_hf reads it: fuzzed the same way
+TINY_PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 128,
+               "norm_eps": 1e-5, "vocab_size": 1000, "rope_theta": 10000.0, "sliding_window": [8, None]}
+PARAMS_KEYS = sorted(set(TINY_PARAMS) | {"moe", "multimodal", "yarn", "model_type", "vision_encoder",
+                                         "llama_4_scaling", "max_seq_len", "tied_embeddings", "activation"})
+
+
+@FUZZ
+@given(st.sampled_from(PARAMS_KEYS), json_values | st.integers(min_value=-(10 ** 12), max_value=10 ** 12))
+def test_one_params_json_key_replaced_by_any_json_value(key, value):
+    from ster_dist.config_params import from_params
+
+    try:
+        from_params({**TINY_PARAMS, key: value})
+    except Refusal as exc:
+        assert "\n" not in str(exc)
