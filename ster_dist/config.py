@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ster_dist.config_file import TEXT_WRAPPERS, family_of
+from ster_dist.config_ranges import check_sizes, check_stated
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import spec_for
 from ster_dist.families.spec import FamilySpec
@@ -339,11 +340,13 @@ def _layer_bases(keys: _Keys, bases: list, kinds: list[str], window, full: dict,
     return {**sliding, "rope_theta": sliding_bases.pop()} if sliding_bases else sliding
 
 
-def _nested(raw: dict, spec: FamilySpec) -> dict:
+def _nested(raw: dict, spec: FamilySpec, path: str) -> dict:
     """DBRX keeps attention and feed-forward settings in attn_config / ffn_config: read them beside the
     top-level keys (a top-level key wins)."""
     out = dict(raw)
     for name in spec.nested_configs:
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            raise Refusal(f"invalid model config {path}: {name} is not a JSON object; correct it in config.json")
         for key, value in (raw.get(name) or {}).items():
             # ffn_config repeats the width as hidden_size; d_model, at the top, is the one to read
             if out.get(key) is None and key != "hidden_size":
@@ -490,7 +493,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if spec is None:
         raise Refusal(f"model architecture \"{family}\" is recognised but not yet runnable in this "
                       "ster_dist build; `ster families` lists the runnable ones")
-    keys = _Keys({**spec.config_defaults, **_nested(raw, spec)}, path)
+    own = _nested(raw, spec, path)
+    keys = _Keys({**spec.config_defaults, **own}, path)
+    # types and ranges first: nothing below may divide by, index with or loop over a bad value
+    check_stated(keys.raw, path, spec.width_keys + spec.dense_intermediate_keys)
     for key, why in spec.refuse_keys.items():
         if keys.get(key):
             raise Refusal(f"invalid model config {path}: {key} is set; {why}")
@@ -529,6 +535,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
                          default=1e-6))
     if spec.norm_eps is not None:
         eps = spec.norm_eps
+    check_sizes(path, hidden=hidden, heads=num_heads, kv_heads=num_kv, head_dim=head_dim,
+                head_dim_stated=keys.get("head_dim") is not None or spec.latent_attention, layers=num_layers,
+                kv_stated=any(own.get(k) is not None for k in ("num_key_value_heads", "num_kv_heads", "kv_n_heads",
+                                                               "n_head_kv", "multi_query")),
+                no_rope_layers=keys.get("no_rope_layers"))
     act = keys.get("hidden_act", "hidden_activation", "activation_function",
                    default=(keys.get("ffn_act_fn") or {}).get("name", "silu"))
     act = spec.activation or act

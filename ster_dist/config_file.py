@@ -40,12 +40,14 @@ def architecture_message(model_type: object) -> str:
 def family_of(raw: dict) -> str:
     """The family a config belongs to, after unwrapping image-text wrappers; refuses the rest."""
     model_type = raw.get("model_type")
+    if not isinstance(model_type, str):  # a list or object is no family name (and is unhashable)
+        raise Refusal(architecture_message(model_type))
     if model_type in TEXT_WRAPPERS:
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise Refusal(architecture_message(model_type))
         model_type = text.get("model_type") or TEXT_WRAPPERS[model_type]
-    if model_type not in FAMILY_NAMES:
+    if not isinstance(model_type, str) or model_type not in FAMILY_NAMES:
         raise Refusal(architecture_message(model_type))
     return model_type
 

@@ -5,6 +5,7 @@ config.json: config.py stays the one reader of Transformers' keys, this file of 
 from __future__ import annotations
 
 from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config_ranges import LAYERS, check_int
 from ster_dist.errors import Refusal
 
 # params.json key -> the Transformers key it is read as (vLLM's adapter, transformers_utils/configs/mistral.py)
@@ -21,6 +22,9 @@ def from_params(raw: dict, path: str = "params.json") -> ModelConfig:
     A dense params.json is mistral with its tensors under Mistral's names (weight_format "mistral").
     Latent attention or experts are refused here, before any weight is read.
     """
+    for key in ("moe", "multimodal", "yarn"):  # the blocks read below with .get
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise Refusal(f"invalid model config {path}: {key} is not a JSON object; correct it in params.json")
     stated = raw.get("model_type")
     if stated not in (None, "transformer", "mistral"):  # vLLM's default, for a params.json stating none
         raise Refusal(f"{path} states model_type {stated!r}; ster_dist reads Mistral's own format for dense "
@@ -57,8 +61,13 @@ def _params_window(raw: dict, num_layers, path: str) -> dict:
     window = raw.get("sliding_window")
     if not isinstance(window, list):
         return {"sliding_window": window} if window else {}
+    if num_layers is not None:  # the pattern is repeated over the layers: a billion would build a billion
+        check_int(path, "n_layers", num_layers, *LAYERS)
+    if not all(w is None or (isinstance(w, int) and not isinstance(w, bool)) for w in window):
+        raise Refusal(f"invalid model config {path}: sliding_window {str(window)[:80]} must list window sizes "
+                      "(integers) or null per layer; correct it in params.json")
     sizes = {w for w in window if w is not None}
-    if len(sizes) > 1 or not window or not isinstance(num_layers, int) or num_layers % len(window):
+    if len(sizes) > 1 or not window or num_layers is None or num_layers % len(window):
         raise Refusal(f"invalid model config {path}: sliding_window {window} is not one window repeated over "
                       f"{num_layers} layers")
     pattern = window * (num_layers // len(window))

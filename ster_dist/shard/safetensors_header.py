@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +51,21 @@ class Header:
     twice: tuple[str, ...] = ()  # names the JSON states more than once (json.loads keeps the last)
 
 
+FIX = "the file is damaged or not safetensors; re-download it"
+
+
+def _refusal(path, why: str) -> Refusal:
+    return Refusal(f"failed to map {path}: {why}; {FIX}")
+
+
+def _shown(name: str) -> str:
+    # a fuzzed or damaged name can be megabytes long: the refusal stays one readable line
+    return name if len(name) <= 120 else name[:117] + "..."
+
+
 def read_header(path) -> Header:
-    """The header of one file; a file that is not safetensors is refused as `failed to map PATH: why`."""
+    """The header of one file, every entry checked against the format and the file's size before any
+    tensor is read; a file that is not safetensors is refused as `failed to map PATH: why; fix`."""
     path = Path(path)
     twice: list[str] = []
 
@@ -65,40 +79,77 @@ def read_header(path) -> Header:
 
     try:
         with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             if len(prefix) != 8:
-                raise Refusal(f"failed to map {path}: not a safetensors file (too short)")
+                raise _refusal(path, "not a safetensors file (shorter than its 8-byte header length)")
             (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER:
-                raise Refusal(f"failed to map {path}: its safetensors header claims {length} bytes")
+            if length > MAX_HEADER or 8 + length > size:
+                raise _refusal(path, f"its safetensors header claims {length} bytes of a {size}-byte file")
             header = json.loads(handle.read(length), object_pairs_hook=pairs)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise Refusal(f"failed to map {path}: {exc}") from None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: deeply nested JSON, which no safetensors writer produces
+        raise _refusal(path, f"its header is not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(header, dict):
-        raise Refusal(f"failed to map {path}: its safetensors header is not a JSON object")
-    metadata = header.pop(METADATA, None) or {}
+        raise _refusal(path, f"its safetensors header is a JSON {type(header).__name__}, not an object")
+    metadata = _metadata(path, header.pop(METADATA, None))
+    _check_entries(path, header, size - 8 - length)
     return Header(header, metadata, 8 + length, tuple(twice))
 
 
+def _metadata(path, metadata) -> dict:
+    """__metadata__ is an object of strings by the format; anything else is a damaged header."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _refusal(path, "its __metadata__ is not an object of strings")
+    return metadata
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a size
+
+
+def _check_entry(path, name: str, info, data_size: int) -> tuple[int, int]:
+    """One tensor's entry: a known dtype, a shape of sizes, offsets inside the data that fit the shape.
+    Returns its (begin, end) relative to the data's start."""
+    where = f"tensor {_shown(name)}"
+    if not isinstance(info, dict):
+        raise _refusal(path, f"{where} has a JSON {type(info).__name__} for its entry, not an object")
+    tag, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(tag, str) or tag not in DTYPES:
+        raise _refusal(path, f"{where} has dtype {str(tag)[:40]!r}, not one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        raise _refusal(path, f"{where} has shape {str(shape)[:80]}, not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
+        raise _refusal(path, f"{where} has data_offsets {str(offsets)[:80]}, not two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise _refusal(path, f"{where} has data_offsets [{begin}, {end}] outside its {data_size}-byte data")
+    if end - begin != math.prod(shape) * DTYPES[tag].itemsize:
+        raise _refusal(path, f"{where} has {end - begin} bytes of data for shape {shape} in {tag}")
+    return begin, end
+
+
+def _check_entries(path, tensors: dict, data_size: int) -> None:
+    """Every entry checked, then no two tensors' data overlapping (one would be read as the other)."""
+    spans = sorted((*_check_entry(path, name, info, data_size), name) for name, info in tensors.items())
+    last_end, last_name = 0, None
+    for begin, end, name in spans:
+        if begin == end:  # an empty tensor has no bytes to share
+            continue
+        if begin < last_end:
+            raise _refusal(path, f"tensor {_shown(name)}'s data overlaps tensor {_shown(last_name)}'s")
+        last_end, last_name = end, name
+
+
 def entries(path, header: Header | None = None) -> list[Entry]:
-    """Every tensor of one file, in the header's order, each checked: a known dtype, data offsets
-    that match its shape, data inside the file. One that fails is refused by name."""
-    path = Path(path)
+    """Every tensor of one file, in the header's order; read_header has checked each one."""
     header = header or read_header(path)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise Refusal(f"failed to map {path}: {exc}") from None
     out = []
     for name, info in header.tensors.items():
-        tag = info.get("dtype") if isinstance(info, dict) else None
-        shape = tuple(info.get("shape", ())) if isinstance(info, dict) else ()
-        start, stop = info.get("data_offsets", (0, -1)) if isinstance(info, dict) else (0, -1)
-        if tag not in DTYPES or stop - start != math.prod(shape) * DTYPES[tag].itemsize \
-                or header.data_start + stop > size:
-            raise Refusal(f"failed to map {path}: tensor {name} has an unreadable entry "
-                          f"(dtype {tag}, shape {list(shape)})")
-        out.append(Entry(name, tag, shape, header.data_start + start, stop - start))
+        start, stop = info["data_offsets"]
+        out.append(Entry(name, info["dtype"], tuple(info["shape"]), header.data_start + start, stop - start))
     return out
 
 
