@@ -353,6 +353,15 @@ def test_a_side_file_linking_out_of_the_model_directory_is_refused_before_anythi
     assert not out.exists() and not list(tmp_path.glob(".merged.merging"))
 
 
+@pytest.mark.parametrize("into", ["base", "adapter"])
+def test_a_merge_into_the_model_or_the_adapter_directory_is_refused(llama, capsys, into):
+    out = llama / into / "merged"
+    code = main(["merge", "--model", str(llama / "base"), "--adapter", str(llama / "adapter"), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {out} is inside" in err and "write somewhere else" in err, err
+    assert not out.exists() and not list((llama / into).glob(".merged.merging"))
+
+
 def test_a_tensor_named_twice_in_one_header_is_refused(llama, tmp_path):
     from ster_dist.adapters.merge import index_weights
 
