@@ -41,6 +41,7 @@ from ster_dist.adapters.targets import (
 from ster_dist.atomic import finish_dir, write_json
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
+from ster_dist.inputs import not_an_input
 from ster_dist.shard.safetensors_header import entries, read_header
 from ster_dist.shard.writer import (
     OutTensor,
@@ -114,6 +115,8 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     output = Path(output)
     if output.exists():
         raise Refusal(f"output {output} already exists; remove it or choose another --output")
+    # batch merges (jobs/merge.py) come here without ops.merge's check: never into what is read
+    not_an_input(str(output), "output", [("model", "model", model), ("adapter", "adapter", adapter_path)])
     adapter = open_adapter(adapter_path)
     check_model(adapter, model)
     if checkpoint is None:
