@@ -66,3 +66,34 @@ def existing_file(path: str | None, where: str) -> None:
         raise Refusal(f"{where} {path}: No such file or directory")
     if file.is_dir():
         raise Refusal(f"{where} {path} is a directory; name a file")
+
+
+# the fields operations read files or directories from; an output may be none of them
+INPUT_FIELDS = ("model", "input", "pairs", "prompts", "request", "system", "examples", "adapter", "vector")
+
+
+def output_not_an_input(request) -> None:
+    """A request's output is none of its own inputs (duck-typed: any request with .output and .label)."""
+    inputs = [(name, request.label(name), getattr(request, name, None)) for name in INPUT_FIELDS]
+    not_an_input(getattr(request, "output", None), request.label("output"), inputs)
+
+
+def not_an_input(output: str | None, where: str, inputs: list[tuple[str, str, str | None]]) -> None:
+    """Refuse an output that is, or lies inside, an input (name, label, path): writing it would
+    replace what the command reads (ster extract --output MODEL/model.safetensors replaced the weights).
+    Paths are compared resolved, so a symlink or a relative spelling of an input is caught too."""
+    if output is None:
+        return
+    target = Path(output).resolve()
+    for name, label, path in inputs:
+        if not path or path == "-" or not Path(path).exists():  # a Hub id or standard input: no local file
+            continue
+        source = Path(path).resolve()
+        if target == source or (target.exists() and target.samefile(source)):
+            what = "the model" if name == "model" else "an input"
+        elif source.is_dir() and target.is_relative_to(source):
+            what = ("the model's own file" if target.exists() else "inside the model directory") if name == "model" \
+                else "inside an input"
+        else:
+            continue
+        raise Refusal(f"{where} {output} is {what} ({label} {path}); write somewhere else")

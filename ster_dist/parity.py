@@ -35,7 +35,15 @@ def reference_model(loaded: LoadedModel, dtype: torch.dtype):
     kwargs = {"dtype": dtype}
     if ckpt.weight_format == "gguf":
         kwargs["gguf_file"] = ckpt.weight_files[0].name
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.directory), **kwargs)
+    else:
+        # without it Transformers falls back to a pytorch_model.bin beside the safetensors (when their
+        # names are not its own), and a .bin is a pickle: never unpickle what ster_dist did not read
+        kwargs["use_safetensors"] = True
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.directory), **kwargs)
+    except OSError as exc:
+        raise Refusal(f"Transformers cannot load the reference from {ckpt.directory}: {str(exc).splitlines()[0]} "
+                      "(it reads model.safetensors or model.safetensors.index.json only); name the weights so") from None
     return model.eval()
 
 

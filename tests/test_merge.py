@@ -331,6 +331,37 @@ def test_refusals_name_the_problem_and_write_nothing(llama, tmp_path, capsys):
         assert not out.exists() and not list(tmp_path.glob(f".{out.name}.merging")), what
 
 
+def test_a_side_file_linking_out_of_the_model_directory_is_refused_before_anything_is_written(llama, tmp_path, capsys):
+    """Issue 19: a merge copied a symlinked tokenizer_config.json's target (any file the user can read)
+    into its output."""
+    secret = tmp_path / "elsewhere" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("not the model's")
+    base = tmp_path / "base"
+    base.mkdir()
+    for item in (llama / "base").iterdir():
+        if item.name != "tokenizer_config.json":
+            (base / item.name).write_bytes(item.read_bytes())
+    (base / "tokenizer.json").rename(base / "tokenizer.real.json")
+    (base / "tokenizer.json").symlink_to("tokenizer.real.json")  # a link within the directory is fine
+    (base / "tokenizer_config.json").symlink_to(secret)
+    out = tmp_path / "merged"
+    code = main(["merge", "--model", str(base), "--adapter", str(llama / "adapter"), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{base / 'tokenizer_config.json'} is a symlink to {secret}, outside the model directory" in err
+    assert not out.exists() and not list(tmp_path.glob(".merged.merging"))
+
+
+@pytest.mark.parametrize("into", ["base", "adapter"])
+def test_a_merge_into_the_model_or_the_adapter_directory_is_refused(llama, capsys, into):
+    out = llama / into / "merged"
+    code = main(["merge", "--model", str(llama / "base"), "--adapter", str(llama / "adapter"), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {out} is inside" in err and "write somewhere else" in err, err
+    assert not out.exists() and not list((llama / into).glob(".merged.merging"))
+
+
 def test_a_tensor_named_twice_in_one_header_is_refused(llama, tmp_path):
     from ster_dist.adapters.merge import index_weights
 

@@ -41,6 +41,7 @@ from ster_dist.adapters.targets import (
 from ster_dist.atomic import finish_dir, write_json
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
+from ster_dist.inputs import not_an_input
 from ster_dist.shard.safetensors_header import entries, read_header
 from ster_dist.shard.writer import (
     OutTensor,
@@ -114,6 +115,8 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     output = Path(output)
     if output.exists():
         raise Refusal(f"output {output} already exists; remove it or choose another --output")
+    # batch merges (jobs/merge.py) come here without ops.merge's check: never into what is read
+    not_an_input(str(output), "output", [("model", "model", model), ("adapter", "adapter", adapter_path)])
     adapter = open_adapter(adapter_path)
     check_model(adapter, model)
     if checkpoint is None:
@@ -125,6 +128,7 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
         raise Refusal(f"{model} is in {checkpoint.weight_format} format; this ster_dist build merges "
                       "Transformers-format or Mistral-format safetensors checkpoints only")
     refuse_family(family_of(gate_view(checkpoint.raw_config, checkpoint.weight_format)))
+    side = side_files(checkpoint)  # refused here, before the work directory exists
     cfg = model_config(checkpoint)
     shards = decoder_shards(cfg)
     plans = plan_sites(adapter, cfg, shards)
@@ -164,9 +168,29 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
         "parameters": sum(math.prod(t.shape) for t in tensors), "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "shards": len(out_shards), "resumed_shards": len(out_shards) - len(pending),
     }
-    side = [checkpoint.config_path] + [checkpoint.directory / n for n in SIDE_FILES
-                                       if (checkpoint.directory / n).is_file()]
     return MergePlan(checkpoint, output, work, out_shards, names, pending, side, report, stem)
+
+
+def side_files(checkpoint: Checkpoint) -> list[Path]:
+    """The config and tokenizer files to copy beside the shards, each inside the model's own files.
+
+    A side file is copied by its content, so a symlink out of the model directory
+    (tokenizer_config.json -> ~/.ssh/id_rsa) would carry whatever it names into the merged output."""
+    files = [checkpoint.config_path] + [checkpoint.directory / n for n in SIDE_FILES
+                                        if (checkpoint.directory / n).is_file()]
+    root = _model_root(checkpoint)
+    for path in files:
+        if not path.resolve().is_relative_to(root):
+            raise Refusal(f"{path} is a symlink to {path.resolve()}, outside the model directory; "
+                          "replace it with the file itself")
+    return files
+
+
+def _model_root(checkpoint: Checkpoint) -> Path:
+    """Where the model's files may live: its directory, or for a Hub snapshot the repository's cache
+    folder, whose snapshots/<sha>/ links into blobs/."""
+    directory = checkpoint.directory.resolve()
+    return directory.parent.parent if checkpoint.source == "hub" else directory
 
 
 def write_one(plan: MergePlan, index: int) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.inputs import writable_file
+from ster_dist.inputs import output_not_an_input, writable_file
 from ster_dist.schema.capture import ExtractRequest
 from ster_dist.session import Session, modifiers
 
@@ -31,6 +31,7 @@ def extract(session: Session, request: ExtractRequest) -> dict:
 
     positions, mode, batch_size = request.positions, request.chat_template, request.batch_size
     writable_file(request.output, request.label("output"), ".safetensors file")
+    output_not_an_input(request)
     output = Path(request.output)
     prompts = load_prompts(request.input)
     cfg = session.cfg

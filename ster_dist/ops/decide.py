@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ster_dist.atomic import write_json
 from ster_dist.events import progress
-from ster_dist.inputs import writable_file
+from ster_dist.inputs import output_not_an_input, writable_file
 from ster_dist.schema.decide import DecideRequest
 from ster_dist.session import Session, modifiers
 
@@ -18,6 +18,7 @@ def decide(session: Session, request: DecideRequest) -> dict:
     from ster_dist.steer.text import chat_status
 
     writable_file(request.output, request.label("output"), "JSON file")
+    output_not_an_input(request)
     questions = load_request(request.request)
     mode = request.chat_template
     with modifiers(session, request, steering=False):

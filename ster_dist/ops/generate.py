@@ -12,7 +12,7 @@ from pathlib import Path
 from ster_dist.atomic import write_json
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.inputs import existing_file, read_prompts, read_text, writable_file
+from ster_dist.inputs import existing_file, output_not_an_input, read_prompts, read_text, writable_file
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.session import Session, modifiers
 
@@ -38,6 +38,7 @@ def prompts_of(request: GenerateRequest) -> list[str]:
 def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
     """Every input of a generate request, refused before the model is touched."""
     writable_file(request.output, request.label("output"), "JSON file")
+    output_not_an_input(request)
     prompts = prompts_of(request)
     system = read_text(request.system, request.label("system")) if request.system else None
     existing_file(request.vector, request.label("vector"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
+from ster_dist.inputs import output_not_an_input
 from ster_dist.schema.merge import BatchMergeRequest, MergeRequest
 
 JOBS_MERGE = Path(__file__).resolve().parent.parent.parent / "jobs" / "merge.py"
@@ -16,6 +17,7 @@ JOBS_MERGE = Path(__file__).resolve().parent.parent.parent / "jobs" / "merge.py"
 def merge(request: MergeRequest) -> dict:
     from ster_dist.adapters.merge import merge as merge_adapter
 
+    output_not_an_input(request)  # a merged checkpoint is never written into the model or the adapter
     progress(f"merging {request.adapter} into {request.model}")
     return merge_adapter(request.model, request.adapter, request.output, request.revision, request.max_shard_size,
                          progress)

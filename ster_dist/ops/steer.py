@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ster_dist.events import progress
-from ster_dist.inputs import writable_file
+from ster_dist.inputs import output_not_an_input, writable_file
 from ster_dist.schema.steer import (
     PairRun,
     SteerEvaluateRequest,
@@ -19,6 +19,7 @@ from ster_dist.session import Session, modifiers
 
 def _output(request) -> Path:
     writable_file(request.output, request.label("output"), "V.json file")
+    output_not_an_input(request)
     return Path(request.output)
 
 

@@ -8,7 +8,7 @@ import math
 import time
 
 from ster_dist.events import progress
-from ster_dist.inputs import read_text
+from ster_dist.inputs import output_not_an_input, read_text
 from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
 from ster_dist.session import Session, modifiers
 
@@ -27,6 +27,7 @@ def sft(request: TuneSftRequest) -> dict:
     from ster_dist.workers.group import open_group
 
     r = request
+    output_not_an_input(r)
     settings = TrainSettings(
         rank=r.rank, alpha=r.alpha, targets=parse_targets(r.targets), layers=(), epochs=r.epochs,
         learning_rate=r.learning_rate, seed=r.seed, batch_size=r.batch_size, accumulation=r.accumulation,

@@ -158,9 +158,8 @@ def _ensure_group(world: int) -> bool:
         return False
     if world != 1:
         raise Refusal(f"a {world}-rank run needs a worker group of {world} ranks")
-    from ster_dist.workers.rank import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1)
+    # one rank has no one to meet: an in-process store, not a TCPStore listening on every interface
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 

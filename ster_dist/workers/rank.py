@@ -31,6 +31,20 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's rendezvous store, rank 0 listening on host alone.
+
+    init_method="tcp://HOST:PORT" makes rank 0's TCPStore listen on every interface (*:PORT) whatever
+    HOST is, so anyone who can reach the node could join or poison the group. TCPStore cannot be told
+    an address to bind, but it takes a listening socket: rank 0 binds host:port itself and hands the
+    descriptor over (master_listen_fd); the other ranks connect as before."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family)
+    return dist.TCPStore(host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+
+
 def _status_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as status:
@@ -88,8 +102,10 @@ class Rank:
 
     def join(self, host: str, port: int, backend: str, timeout_s: float = 120.0) -> int:
         if self.world > 1:
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                    world_size=self.world, timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            store = rendezvous_store(host, port, self.rank, self.world, timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
+                                    timeout=timeout)
             if self.ep > 1:
                 self._ctx = self._subgroups()
         return self.rank
