@@ -275,8 +275,9 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
         kw["original_max_position"] = params.get("original_max_position_embeddings")
         kw["attention_factor"] = params.get("attention_factor")
     if rope_type == "llama3":
-        kw.update(low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                  high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+        # a stated null is the default, as for the other rope fields read with `or`
+        low, high = params.get("low_freq_factor"), params.get("high_freq_factor")
+        kw.update(low_freq_factor=float(1.0 if low is None else low), high_freq_factor=float(4.0 if high is None else high))
     elif rope_type == "yarn":
         kw.update(beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                   mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
@@ -286,8 +287,8 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
     elif rope_type == "longrope":
         kw.update(short_factor=tuple(params["short_factor"]), long_factor=tuple(params["long_factor"]))
         if params.get("short_mscale") is not None or params.get("long_mscale") is not None:
-            kw.update(short_mscale=float(params.get("short_mscale", 1.0)),
-                      long_mscale=float(params.get("long_mscale", 1.0)))
+            short, long = params.get("short_mscale"), params.get("long_mscale")
+            kw.update(short_mscale=float(1.0 if short is None else short), long_mscale=float(1.0 if long is None else long))
         if params.get("factor") is None and kw["original_max_position"]:
             kw["factor"] = max_position / kw["original_max_position"]
     if rope_type != "default" and rope_type != "linear" and not kw.get("original_max_position"):
@@ -537,8 +538,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         eps = spec.norm_eps
     check_sizes(path, hidden=hidden, heads=num_heads, kv_heads=num_kv, head_dim=head_dim,
                 head_dim_stated=keys.get("head_dim") is not None or spec.latent_attention, layers=num_layers,
-                kv_stated=any(own.get(k) is not None for k in ("num_key_value_heads", "num_kv_heads", "kv_n_heads",
-                                                               "n_head_kv", "multi_query")),
+                # latent attention gives every head its own key: its stated key/value count means nothing
+                kv_stated=not spec.latent_attention and any(
+                    own.get(k) is not None for k in ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv",
+                                                     "multi_query")),
                 no_rope_layers=keys.get("no_rope_layers"))
     act = keys.get("hidden_act", "hidden_activation", "activation_function",
                    default=(keys.get("ffn_act_fn") or {}).get("name", "silu"))

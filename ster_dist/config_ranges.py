@@ -29,7 +29,8 @@ INTS: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), LAYERS),
     **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), SIZE),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "seq_length", "max_seq_len",
-                     "original_max_position_embeddings", "sliding_window"), POSITIONS),
+                     "original_max_position_embeddings"), POSITIONS),
+    "sliding_window": (0, POSITIONS[1]),  # 0: no window (Qwen2-MoE and others write it so)
     "head_dim": SIZE, "vocab_size": VOCAB, "rotary_dim": SIZE,
     "max_window_layers": (0, LAYERS[1]), "sliding_window_pattern": LAYERS, "_sliding_window_pattern": LAYERS,
     "decoder_sparse_step": LAYERS, "moe_layer_interval": LAYERS, "moe_layer_freq": LAYERS,

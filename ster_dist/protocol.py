@@ -166,12 +166,29 @@ def check_result(record) -> dict:
     return record
 
 
+MAX_SPEC_FILE_BYTES = 16 << 20  # a spec file past this is refused before it is parsed
+
+
 def load_spec_file(path: str) -> list[dict]:
-    """The job specs in a JSON or YAML file: one spec, a list of specs, or {"jobs": [...]}."""
+    """The job specs in a JSON or YAML file: one spec, a list of specs, or {"jobs": [...]}. Bounded:
+    the file's size, YAML aliases (a "billion laughs" expands from a few lines) and nesting depth."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_SPEC_FILE_BYTES:
+            raise Refusal(f"job spec file {path} is {size} bytes, more than the {MAX_SPEC_FILE_BYTES >> 20} MiB a "
+                          "spec file may hold; name prompts in a prompts file instead")
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise Refusal(f"job spec file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise Refusal(f"job spec file {path} is not UTF-8 text") from None
+    try:
+        return _specs_in(text, path)
+    except RecursionError:
+        raise Refusal(f"job spec file {path} nests too deeply; a spec is a flat mapping of fields") from None
+
+
+def _specs_in(text: str, path: str) -> list[dict]:
     suffix = Path(path).suffix.lower()
     data = None
     if suffix in (".yaml", ".yml"):
@@ -197,8 +214,18 @@ def load_spec_file(path: str) -> list[dict]:
 def _yaml(text: str, path: str):
     import yaml
 
+    class NoAliases(yaml.SafeLoader):
+        """The safe loader without aliases: a spec never needs one, and an alias of an alias of ...
+        expands a few lines into gigabytes."""
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.events.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise Refusal(f"job spec file {path} uses a YAML alias at line {mark.line + 1}; write the value out")
+            return super().compose_node(parent, index)
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=NoAliases)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

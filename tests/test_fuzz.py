@@ -8,6 +8,8 @@ on two cores; `--hypothesis-seed` reproduces a failure hypothesis reports.
 
 from __future__ import annotations
 
+import os
+
 import atexit
 import json
 import math
@@ -30,7 +32,10 @@ from ster_dist.shard.safetensors_header import DTYPES, entries, header_bytes, re
 from ster_dist.shard.source import SafetensorsSource  # noqa: E402
 
 # one deadline per example: a parser that loops over a stated size shows up as a deadline failure
-FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+# CI (CI=true) draws the same examples every run, so a red CI names a reproducible input; a developer's
+# run draws new ones and may find new bugs
+FUZZ = settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
+                derandomize=bool(os.environ.get("CI")))
 # one scratch file for every example: pytest's tmp_path is per test, not per example
 SCRATCH = Path(tempfile.mkdtemp(prefix="ster-fuzz-"))
 atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)

@@ -207,3 +207,23 @@ def test_every_example_spec_validates_for_the_kinds_this_build_has():
             kinds.add(spec["kind"])
             protocol.validate(spec)
     assert kinds >= {"generate", "extract", "steer-train", "steer-evaluate", "decide", "merge", "parity"}
+
+
+def test_spec_files_are_bounded(tmp_path):
+    """A YAML alias bomb, a deeply nested spec and an oversized file end in one-line refusals, fast."""
+    bomb = tmp_path / "bomb.yaml"
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]"
+              for i in range(1, 10)]
+    bomb.write_text("\n".join(lines) + "\nkind: generate\nmodel: m\nprompt: *a9\n")
+    with pytest.raises(Refusal, match="YAML alias at line 2"):
+        protocol.load_spec_file(str(bomb))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(Refusal, match="nests too deeply"):
+        protocol.load_spec_file(str(deep))
+    big = tmp_path / "big.json"
+    with open(big, "wb") as handle:
+        handle.truncate(protocol.MAX_SPEC_FILE_BYTES + 1)
+    with pytest.raises(Refusal, match="more than the 16 MiB"):
+        protocol.load_spec_file(str(big))
