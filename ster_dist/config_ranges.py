@@ -32,7 +32,9 @@ INTS: dict[str, tuple[int, int]] = {
                      "original_max_position_embeddings"), POSITIONS),
     "sliding_window": (0, POSITIONS[1]),  # 0: no window (Qwen2-MoE and others write it so)
     "head_dim": SIZE, "vocab_size": VOCAB, "rotary_dim": SIZE,
-    "max_window_layers": (0, LAYERS[1]), "sliding_window_pattern": LAYERS, "_sliding_window_pattern": LAYERS,
+    # 0 for a pattern: none (Transformers writes it so for EXAONE 4 without sliding layers)
+    "max_window_layers": (0, LAYERS[1]),
+    "sliding_window_pattern": (0, LAYERS[1]), "_sliding_window_pattern": (0, LAYERS[1]),
     "decoder_sparse_step": LAYERS, "moe_layer_interval": LAYERS, "moe_layer_freq": LAYERS,
     "first_k_dense_replace": (0, LAYERS[1]), "moe_layer_start_index": (0, LAYERS[1]),
     "moe_layer_num_skipped": (0, LAYERS[1]), "moe_layer_end_index": (-1, LAYERS[1]),
