@@ -84,7 +84,7 @@ def run_jobs(request: RunJobsRequest) -> int:
             from ster_dist.jobqueue.queue import JobQueue
 
             queue = JobQueue(request.state, **options).start()
-            queue.pool.prepare(max(_world(spec) for spec in specs))
+            queue.pool.prepare(max(ranks_of(spec) for spec in specs))
             client = LocalClient(queue)
         else:
             from ster_dist.jobqueue.client import RayClient
@@ -99,6 +99,7 @@ def run_jobs(request: RunJobsRequest) -> int:
         return getattr(refusal, "exit_code", 2)
 
 
-def _world(spec: dict) -> int:
+def ranks_of(spec: dict) -> int:
+    """How many ranks a spec's job runs on (tp x ep x dp): whether Ray must be started first."""
     request = protocol.validate(spec, check_model=False).request
     return int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "dp", 1))

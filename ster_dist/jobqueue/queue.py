@@ -28,7 +28,7 @@ from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
 from ster_dist.jobqueue import events
 from ster_dist.jobqueue.journal import Journal
 from ster_dist.jobqueue.pool import GroupPool
-from ster_dist.ops.generate import batch_key, check_inputs, generate_many, prompts_of
+from ster_dist.ops.generate import batch_key, check_inputs, generate_many
 from ster_dist.protocol import JobSpec
 from ster_dist.schema import GenerateRequest
 
@@ -461,8 +461,7 @@ def _size(job: Job) -> int | None:
     an input is refused; the job runs alone and reports it)."""
     if job.size is None:
         try:
-            check_inputs(job.spec.request)
-            job.size = len(prompts_of(job.spec.request))
+            job.size = len(check_inputs(job.spec.request)[0])  # reads the prompts once
         except Refusal:
             job.solo = True
             return None

@@ -38,6 +38,7 @@ def submit(request: SubmitRequest) -> tuple[dict, int]:
 
 def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ster_dist.jobqueue.client import LocalClient
+    from ster_dist.jobqueue.entry import ranks_of
     from ster_dist.jobqueue.events import emit
     from ster_dist.jobqueue.follow import follow
     from ster_dist.jobqueue.queue import JobQueue
@@ -45,7 +46,7 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     queue = JobQueue(request.state).start()
     # Ray, when a job needs ranks, is started here on the main thread: started from the queue's
     # executor thread it outlived the queue's shutdown and the command hung on exit
-    queue.pool.prepare(max(_world(spec) for spec in specs))
+    queue.pool.prepare(max(ranks_of(spec) for spec in specs))
     client = LocalClient(queue)
     try:
         ids = client.submit_many(specs)
@@ -55,13 +56,6 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     finally:
         client.close()
     return _outcome(records)
-
-
-def _world(spec: dict) -> int:
-    from ster_dist import protocol
-
-    request = protocol.validate(spec, check_model=False).request
-    return int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "dp", 1))
 
 
 def _outcome(records: list[dict]) -> tuple[dict, int]:

@@ -12,7 +12,13 @@ from pathlib import Path
 from ster_dist.atomic import write_json
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.inputs import existing_file, output_not_an_input, read_prompts, read_text, writable_file
+from ster_dist.inputs import (
+    existing_file,
+    output_not_an_input,
+    read_prompts,
+    read_text,
+    writable_file,
+)
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.session import Session, modifiers
 

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import ValidationInfo, model_validator
 
 from ster_dist.errors import Refusal
-from ster_dist.schema.base import field
+from ster_dist.schema.base import field, label_in
 from ster_dist.schema.common import ChatTemplate, ModelRef, Runtime, chat_template_field, no_stdin
 
 EXAMPLES_HELP = 'a {"examples": [{"prompt", "completion"}, ...]} JSON file'
@@ -56,19 +56,14 @@ class TuneSftRequest(ModelRef):
     def _numbers_given(self, info: ValidationInfo):
         missing = [name for name, _ in REQUIRED if getattr(self, name) is None]
         if missing:
-            flags = [self._named(name, info) for name in missing]
-            example = " ".join(f"{self._named(name, info)} {value}" for name, value in REQUIRED if name in missing)
+            flags = [label_in(info, name) for name in missing]
+            example = " ".join(f"{label_in(info, name)} {value}" for name, value in REQUIRED if name in missing)
             one = len(missing) == 1
             raise Refusal(f"{', '.join(flags)} {'is' if one else 'are'} required and has no default; "
                           f"pass {'it' if one else 'them'}, e.g. {example}")
         no_stdin(self, ("examples", "system"), info)
         return self
 
-    @staticmethod
-    def _named(name: str, info: ValidationInfo) -> str:
-        from ster_dist.schema.base import label_in
-
-        return label_in(info, name)
 
 
 class TuneEvaluateRequest(Runtime):
