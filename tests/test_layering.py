@@ -41,6 +41,9 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "toy builds a decoder to name its parameters"),
     (("generate", "parity", "workers"),
      "running a loaded model on one rank and across ranks"),
+    (("engine",),
+     "the token-level engine: paged KV blocks, prefix cache, scheduler and sampler (driver side) and "
+     "the model runner (a rank extension)"),
     (("steer", "adapters", "decide", "tune"),
      "features over a running model"),
     (("schema",),
