@@ -45,9 +45,14 @@ class Engine:
             self.client = RayClient(address, state_dir, queue_options)
 
     # -- one method per operation --------------------------------------------------------------
-    def generate(self, prompt: str | list[str], **fields):
-        """One prompt: its result mapping. A list: one job per prompt (batched into one forward when
-        greedy) and the list of their results, in order."""
+    def generate(self, prompt: str | list[str], stream: bool = False, **fields):
+        """One prompt: its result mapping. A list: one job per prompt (sharing the token engine's
+        batch) and the list of their results, in order. stream=True (one prompt): an iterator of the
+        answer's text as it is generated."""
+        if stream:
+            if isinstance(prompt, list):
+                raise Refusal("stream=True streams one prompt's answer; give one prompt")
+            return self._stream(self.job("generate", prompt=prompt, stream=True, **fields))
         if isinstance(prompt, list):
             return self.run_many([self.job("generate", prompt=p, **fields) for p in prompt])
         return self.run(self.job("generate", prompt=prompt, **fields))
@@ -102,6 +107,39 @@ class Engine:
             if record["status"] != "done":
                 raise Refusal(f"{record['kind']} job {record['id']} failed: {record['error']}")
         return [record["result"] for record in records]
+
+    def _stream(self, spec: protocol.JobSpec):
+        """The job's text events as they arrive (a thread follows the job); its failure is raised."""
+        import queue
+        import threading
+
+        from ster_dist.jobqueue.follow import follow
+
+        texts: queue.SimpleQueue = queue.SimpleQueue()
+        end = object()
+
+        def on_event(event: dict) -> None:
+            if event.get("event") == "text":
+                texts.put(event["text"])
+            elif self.on_event is not None:
+                self.on_event(event)
+
+        def run() -> None:
+            try:
+                (record,) = follow(self.client, self.client.submit_many([spec.to_dict()]), on_event=on_event)
+                texts.put(Refusal(f"generate job {record['id']} failed: {record['error']}")
+                          if record["status"] != "done" else end)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                texts.put(exc)
+
+        threading.Thread(target=run, name="ster-stream", daemon=True).start()
+        while True:
+            item = texts.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def stats(self) -> dict:
         return self.client.stats()

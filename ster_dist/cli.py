@@ -79,6 +79,10 @@ def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:
         kwargs["type"] = annotation
     elif typing.get_origin(annotation) is list and meta.get("nargs"):
         kwargs["nargs"] = meta["nargs"]
+    elif typing.get_origin(annotation) is list and meta.get("append"):
+        kwargs["action"] = "append"  # the flag repeated, a value each time
+        if meta.get("int"):
+            kwargs["type"] = int
     # anything else (text, a comma list of numbers) is taken as its text; the request parses it
     if meta.get("positional"):
         kwargs.pop("dest")
@@ -144,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         # worker, DeepSpeed's accelerator line) goes to stderr with the progress, as log events
         with json_stderr(), contextlib.redirect_stdout(sys.stderr):
             result, code = run(request)
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        if getattr(request, "stream", False):
+            print()  # the answer went out as it came (its record is the job's, not this stream's)
+        else:
+            print(json.dumps(result, indent=2, ensure_ascii=False))
     except Refusal as refusal:
         print(str(refusal), file=sys.stderr)
         return getattr(refusal, "exit_code", 2)

@@ -20,6 +20,12 @@ def progress(message: str, **fields) -> None:
                      ensure_ascii=False), file=sys.stderr, flush=True)
 
 
+def text_delta(text: str) -> None:
+    """A piece of generated text as it comes (`generate --stream`): the command line prints it on stdout."""
+    print(json.dumps({"event": "text", "time": round(time.time(), 3), "text": text}, ensure_ascii=False),
+          file=sys.stderr, flush=True)
+
+
 def as_event(line: str) -> dict:
     """A line of stderr as an event: itself when it is one, else a log event carrying it."""
     try:

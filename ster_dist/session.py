@@ -25,6 +25,7 @@ class Session:
         compute_dtype(runtime.precision, runtime.device)
         self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
         self._group = None
+        self._engine = None
         self._on_load = on_load  # called with the session once its ranks hold the model (the pool counts it)
 
     @functools.cached_property
@@ -89,7 +90,26 @@ class Session:
             self._on_load(self)
         return self.loads
 
+    def engine(self, kv_cache_memory: int | None = None, max_step_tokens: int = 512):
+        """The token engine over this session's ranks (engine/loop.py), made on first use; other options
+        rebuild it once the running one has nothing in flight."""
+        from ster_dist.engine.loop import EngineConfig, TokenEngine
+
+        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens)
+        if self._engine is not None and self._engine.config != config and self._engine.idle:
+            self._engine.close()
+            self._engine = None
+        if self._engine is None:
+            self._engine = TokenEngine(self.group, self.cfg, self.tokenizer, self.eos, config)
+            blocks = self._engine.pool.stats()["total"]
+            progress(f"KV cache: {blocks} blocks of {config.block_size} tokens "
+                     f"({blocks * self._engine.block_bytes / 2**20:.0f} MiB per rank)")
+        return self._engine
+
     def close(self) -> None:
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.close()
         if self._group is not None:
             group, self._group = self._group, None
             group.close()

@@ -30,18 +30,8 @@ from ster_dist.adapters.targets import (
     summary,
 )
 from ster_dist.errors import Refusal
-from ster_dist.parallel.ctx import Shard
-from ster_dist.parallel.linear import LowRank
+from ster_dist.parallel.linear import LowRank, low_rank_share as share
 from ster_dist.workers.extension import RankExtension
-
-
-def share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's factors for a projection holding `shard` of its weight."""
-    if shard.dim == 0:  # output rows split: B's rows follow them, A is whole
-        b = torch.cat([b[s:e] for s, e in shard.ranges])
-    elif shard.dim == 1:  # input columns split: A's columns follow them, B is whole
-        a = torch.cat([a[:, s:e] for s, e in shard.ranges], dim=1)
-    return a.contiguous(), b.contiguous()
 
 
 def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
@@ -90,21 +80,28 @@ class AdaptersOnRank(RankExtension):
             self.detach(token)
 
 
-def attach_for_cli(session, args) -> Callable[[], None]:
-    """Attach --adapter on every rank of the session; returns the detach callable."""
+def prepare(session, request) -> tuple[list[dict], dict]:
+    """`--adapter` opened and checked against the session's model: its global factors per projection
+    (what every rank cuts its share from) and the provenance a result records."""
     from ster_dist.events import progress
 
-    adapter = open_adapter(args.adapter)
+    adapter = open_adapter(request.adapter)
     check_model(adapter, session.checkpoint.model)
     refuse_family(session.cfg.family)
     plans = plan_sites(adapter, session.cfg)
     sites = load_sites(adapter, plans)
-    token = uuid.uuid4().hex
-    payload = {"token": token, "sites": [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites]}
-    info = {"adapter": str(args.adapter), "format": adapter.format, "rank": adapter.rank, "alpha": adapter.alpha,
+    info = {"adapter": str(request.adapter), "format": adapter.format, "rank": adapter.rank, "alpha": adapter.alpha,
             "scale": adapter.scale, **summary(plans)}
-    progress(f"attaching adapter {args.adapter} ({len(sites)} projections) on every rank")
-    session.group.on(AdaptersOnRank).attach(payload)
+    progress(f"attaching adapter {request.adapter} ({len(sites)} projections) on every rank")
+    return [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites], info
+
+
+def attach_for_cli(session, request) -> Callable[[], None]:
+    """Attach --adapter on every rank of the session for a whole operation; returns the detach callable.
+    Generation routes adapters per request in the token engine instead (ops/generate.py)."""
+    sites, info = prepare(session, request)
+    token = uuid.uuid4().hex
+    session.group.on(AdaptersOnRank).attach({"token": token, "sites": sites})
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["adapter"] = info

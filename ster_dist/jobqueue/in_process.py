@@ -3,6 +3,8 @@ the other job commands go through the same front door as job specs and the Pytho
 
 from __future__ import annotations
 
+import sys
+
 from ster_dist import protocol
 from ster_dist.errors import JobFailed, Refusal
 from ster_dist.jobqueue import events
@@ -43,6 +45,10 @@ def _cli_event(event_: dict) -> None:
     """A job's event on a command line's stderr: the command's own progress, and the job queue's
     only where it says something happened (a retry, an error), not its bookkeeping."""
     if event_.get("event") == "queue" and not event_.get("notice"):
+        return
+    if event_.get("event") == "text":  # generate --stream: the answer itself, on the real stdout
+        sys.__stdout__.write(event_["text"])
+        sys.__stdout__.flush()
         return
     events.emit({k: v for k, v in event_.items() if k != "job"})
 

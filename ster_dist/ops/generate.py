@@ -1,17 +1,25 @@
 """generate and parity as plain functions over a session.
 
-`generate_many` answers several requests that share a worker group and their sampling settings in
-one forward over all their prompts (the job queue merges greedy jobs this way, in memory); each
-request gets exactly what it would have got alone.
+Every prompt is a request of the session's token engine (engine/loop.py): it joins the running
+batch at the next step, samples by its own settings and seed, and carries its own steering vector
+and adapter, so requests of different settings share forwards. `generate_many` answers several
+requests (the job queue's batch of generate jobs) together; each gets exactly what it would have
+got alone. A prompts file is fed to the engine a window at a time and its answers are written as
+they finish, so memory does not grow with the number of prompts.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from ster_dist.atomic import write_json
+from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
-from ster_dist.events import progress
+from ster_dist.events import progress, text_delta
 from ster_dist.inputs import (
     existing_file,
     output_not_an_input,
@@ -20,18 +28,13 @@ from ster_dist.inputs import (
     writable_file,
 )
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
-from ster_dist.session import Session, modifiers
-
-# what must be equal for requests to share one forward (everything but their prompts and outputs)
-PER_REQUEST = {"prompt", "prompts", "output"}
+from ster_dist.session import Session
 
 
-def batch_key(request: GenerateRequest) -> tuple | None:
-    """The key of requests that can share a forward, or None when this one runs alone: a sampled
-    request draws from one seeded generator per batch, so its tokens would depend on its neighbours."""
-    if request.temperature > 0:
-        return None
-    return tuple(sorted((name, repr(value)) for name, value in request if name not in PER_REQUEST))
+def batch_key(request: GenerateRequest) -> tuple:
+    """Generate requests on the same worker group with the same engine options share the engine's
+    batch, whatever their sampling, steering or adapter."""
+    return (request.group_key(), request.engine_options())
 
 
 def prompts_of(request: GenerateRequest) -> list[str]:
@@ -55,60 +58,147 @@ def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
     return prompts, system
 
 
+def sampling_params(request: GenerateRequest, index: int = 0):
+    """The engine's settings for prompt `index` of the request (its seed offset by the index)."""
+    from ster_dist.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=request.max_new_tokens, temperature=request.temperature, top_p=request.top_p,
+        top_k=request.top_k, min_p=request.min_p, seed=request.seed + index, stop=tuple(request.stop or ()),
+        stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
+        repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, logprobs=request.logprobs).check(request.label)
+
+
+@dataclass
+class _Prepared:
+    """One request ready for the engine: its prompts, modifiers registered, and its result header."""
+
+    request: GenerateRequest
+    prompts: list[str]
+    system: str | None
+    steering: tuple[str, float] | None
+    adapter: str | None
+    header: dict
+
+
 def generate(session: Session, request: GenerateRequest) -> GenerateResult:
     return generate_many(session, [request])[0]
 
 
 def generate_many(session: Session, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    from ster_dist.generate import Sampling
-
-    first = requests[0]
-    key = batch_key(first)
-    if len(requests) > 1 and any(batch_key(r) != key or key is None for r in requests):
-        raise Refusal("only greedy generate requests with equal settings share one forward")
+    key = batch_key(requests[0])
+    if any(batch_key(r) != key for r in requests):
+        raise Refusal("only generate requests on one worker group with equal engine options share the engine")
     inputs = [check_inputs(r) for r in requests]
-    system = inputs[0][1]
-    prompts = [p for prompt_list, _ in inputs for p in prompt_list]
-    sampling = Sampling(first.max_new_tokens, first.temperature, first.top_p, first.seed).check(first.label)
-    with modifiers(session, first):
-        tokenizer = session.tokenizer
-        encoded = [tokenizer.prompt_ids(p, system, first.chat_template) for p in prompts]
-        _check_context(session, encoded, first)
-        eos = session.eos
-        progress(f"generating for {len(prompts)} prompt(s), up to {sampling.max_new_tokens} tokens")
-        outputs = session.group.call("generate", encoded, sampling, eos, session.pad_id)[0]
-        provenance = dict(session.provenance)
-    completions = []
-    for prompt, ids, new in zip(prompts, encoded, outputs):
-        finished = bool(new) and new[-1] in eos
-        completions.append(Completion(prompt=prompt, text=tokenizer.decode(new[:-1] if finished else new),
-                                      prompt_tokens=len(ids), completion_tokens=len(new),
-                                      finish_reason="stop" if finished else "length"))
-    header = dict(model=first.model, model_revision=session.checkpoint.model_revision, precision=first.precision,
-                  tp=first.tp, ep=first.ep,
-                  chat_template="on" if first.chat_template != "off" and tokenizer.chat_template else "off",
-                  sampling={"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                            "top_p": sampling.top_p, "seed": sampling.seed},
-                  steering=provenance.get("steering"), adapter=provenance.get("adapter"))
-    results, start = [], 0
-    for request, (prompt_list, _) in zip(requests, inputs):
-        result = GenerateResult(**header, results=completions[start:start + len(prompt_list)])
-        start += len(prompt_list)
-        if request.prompts is not None:
-            write_json(Path(request.output), result.written())
+    for request in requests:
+        sampling_params(request)  # refused before the model loads
+    engine = session.engine(*requests[0].engine_options())
+    prepared = [_prepare(session, engine, r, prompts, system) for r, (prompts, system) in zip(requests, inputs)]
+    total = sum(len(p.prompts) for p in prepared)
+    progress(f"generating for {total} prompt(s), up to {max(r.max_new_tokens for r in requests)} tokens each")
+    answers = _answers(session, engine, prepared)
+    results = []
+    for item in prepared:
+        result = GenerateResult(**item.header)
+        if item.request.prompts is None:
+            result.results = [next(answers)]
+        else:
+            result.answered = _write_answers(Path(item.request.output), result, answers, len(item.prompts))
         results.append(result)
     return results
 
 
-def _check_context(session: Session, encoded: list[list[int]], request: GenerateRequest) -> None:
-    """A prompt and its budget fit the model's positions, refused before the forward."""
-    limit = session.cfg.max_position
-    longest = max(len(ids) for ids in encoded)
-    if longest > limit:
-        raise Refusal(f"a prompt encodes to {longest} tokens, more than the model's {limit} positions; shorten it")
-    if longest + request.max_new_tokens > limit:
-        raise Refusal(f"{request.label('max_new_tokens')} {request.max_new_tokens} past a {longest}-token prompt "
-                      f"runs beyond the model's {limit} positions; give at most {limit - longest}")
+def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[str], system) -> _Prepared:
+    steering = adapter = None
+    info = {}
+    if request.vector is not None:
+        from ster_dist.steer.attach import prepare as prepare_vector
+
+        vectors, info["steering"] = prepare_vector(session, request)
+        key = _digest(vectors)
+        engine.add_vector(key, vectors)
+        steering = (key, float(request.strength))
+    if request.adapter is not None:
+        from ster_dist.adapters.attach import prepare as prepare_adapter
+
+        sites, info["adapter"] = prepare_adapter(session, request)
+        adapter = _digest([(s["param"], s["a"], s["b"], s["scale"]) for s in sites])
+        engine.add_adapter(adapter, sites)
+    tokenizer = session.tokenizer
+    params = sampling_params(request)
+    sampling = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                "seed": request.seed}
+    extra = {name: value for name, value in (("top_k", params.top_k), ("min_p", params.min_p),
+                                             ("stop", list(params.stop)), ("stop_token_ids", list(params.stop_token_ids)),
+                                             ("ignore_eos", params.ignore_eos),
+                                             ("repetition_penalty", params.repetition_penalty),
+                                             ("presence_penalty", params.presence_penalty),
+                                             ("frequency_penalty", params.frequency_penalty),
+                                             ("logprobs", params.logprobs))
+             if value != type(value)() and not (name == "repetition_penalty" and value == 1.0)}
+    header = dict(model=request.model, model_revision=session.checkpoint.model_revision, precision=request.precision,
+                  tp=request.tp, ep=request.ep,
+                  chat_template="on" if request.chat_template != "off" and tokenizer.chat_template else "off",
+                  sampling={**sampling, **extra}, steering=info.get("steering"), adapter=info.get("adapter"))
+    return _Prepared(request, prompts, system, steering, adapter, header)
+
+
+def _digest(parts) -> str:
+    """A key naming a vector or an adapter by its content, so an edited file is registered anew."""
+    import torch
+
+    digest = hashlib.sha256()
+    for part in parts:
+        for value in part if isinstance(part, tuple) else (part,):
+            if isinstance(value, torch.Tensor):
+                digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(repr(value).encode())
+    return digest.hexdigest()[:32]
+
+
+def _answers(session: Session, engine, prepared: list[_Prepared]) -> Iterator[Completion]:
+    """Every prompt's completion in order, at most a window of prompts in the engine at once."""
+    window = max(64, 4 * engine.config.max_running)
+    pending: collections.deque = collections.deque()
+    tokenizer, stream_text = session.tokenizer, prepared[0].request.stream
+
+    def finished(prompt: str, stream) -> Completion:
+        done = stream.result(on_delta=(lambda delta: delta.text and text_delta(delta.text)) if stream_text else None)
+        logprobs = None
+        if done.logprobs and any(lp is not None for lp in done.logprobs):
+            logprobs = [{"token": lp[0], "logprob": lp[1], "top": [list(alt) for alt in lp[2]]} if lp else None
+                        for lp in done.logprobs]
+        return Completion(prompt=prompt, text=done.text, prompt_tokens=done.prompt_tokens,
+                          completion_tokens=len(done.token_ids), finish_reason=done.finish_reason,
+                          cached_tokens=done.cached_tokens, logprobs=logprobs)
+
+    try:
+        for item in prepared:
+            for index, prompt in enumerate(item.prompts):
+                ids = tokenizer.prompt_ids(prompt, item.system, item.request.chat_template)
+                stream = engine.submit(ids, sampling_params(item.request, index), steering=item.steering,
+                                       adapter=item.adapter)
+                pending.append((prompt, stream))
+                if len(pending) >= window:
+                    yield finished(*pending.popleft())
+        while pending:
+            yield finished(*pending.popleft())
+    finally:
+        for _, stream in pending:  # a failure or an interrupt frees what is still in flight
+            stream.cancel()
+
+
+def _write_answers(path: Path, result: GenerateResult, answers: Iterator[Completion], count: int) -> int:
+    """The output file, written as answers finish (whole or not at all): the header, then each answer."""
+    with replacing(path) as out:
+        out.write(json.dumps(result.header(), indent=2, ensure_ascii=False)[:-2] + ',\n  "results": [')
+        for i in range(count):
+            answer = json.dumps(next(answers).model_dump(exclude_none=True), ensure_ascii=False)
+            out.write(("\n    " if i == 0 else ",\n    ") + answer)
+        out.write("\n  ]\n}\n")
+    return count
 
 
 def parity(session: Session, request: ParityRequest) -> dict:

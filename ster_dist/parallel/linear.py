@@ -49,6 +49,15 @@ class LowRank:
         return F.linear(F.linear(x, self.a), self.b) * self.scale
 
 
+def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's adapter factors for a projection holding `shard` of its weight."""
+    if shard.dim == 0:  # output rows split: B's rows follow them, A is whole
+        b = torch.cat([b[s:e] for s, e in shard.ranges])
+    elif shard.dim == 1:  # input columns split: A's columns follow them, B is whole
+        a = torch.cat([a[:, s:e] for s, e in shard.ranges], dim=1)
+    return a.contiguous(), b.contiguous()
+
+
 class ColumnLinear(ShardedModule):
     """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
 

@@ -28,7 +28,29 @@ class GenerateRequest(Runtime):
     max_new_tokens: int = field(64, ge=0, help="the most tokens generated per prompt")
     temperature: float = field(0.0, ge=0, allow_inf_nan=False, help="0 is greedy; above 0 samples")
     top_p: float = field(1.0, allow_inf_nan=False, help="nucleus sampling: the probability mass kept, in (0, 1]")
-    seed: int = field(0, ge=0, help="the sampling seed (a queued job that samples must state it)")
+    top_k: int = field(0, ge=0, help="sample among the k most likely tokens only; 0 keeps them all")
+    min_p: float = field(0.0, ge=0, le=1, allow_inf_nan=False,
+                         help="drop tokens less likely than min_p x the likeliest one's probability")
+    seed: int = field(0, ge=0, help="the sampling seed; prompt i of a file draws from seed + i (a queued job "
+                                    "that samples must state it)")
+    stop: list[str] | None = field(None, help="a text that ends the answer where it appears (not shown); repeat "
+                                              "the flag for several", cli={"append": True})
+    stop_token_ids: list[int] | None = field(None, help="a token id that ends the answer; repeat the flag for several",
+                                             cli={"append": True, "int": True})
+    ignore_eos: bool = field(False, help="keep generating past end-of-sequence tokens (benchmarks)")
+    repetition_penalty: float = field(1.0, gt=0, allow_inf_nan=False,
+                                      help="divide the logits of tokens already in the prompt or answer (1 is off)")
+    presence_penalty: float = field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                    help="subtracted from the logits of tokens already in the answer")
+    frequency_penalty: float = field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                     help="subtracted per occurrence from the logits of tokens already in the answer")
+    logprobs: int | None = field(None, ge=0, le=20, help="report each chosen token's log-probability and this many "
+                                                       "likeliest alternatives")
+    stream: bool = field(False, help="print the answer's text on stdout as it is generated (with --prompt; a job "
+                                     "sends it as text events)")
+    kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank, e.g. 2GiB or 500MB (default: a "
+                                                   "tenth of the memory free at start)")
+    max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
     vector: str | None = field(None, help="a steering vector artifact (V.json) added during generation")
     strength: float | None = field(None, allow_inf_nan=False, help="the steering strength; required with --vector")
     adapter: str | None = adapter_field()
@@ -58,8 +80,36 @@ class GenerateRequest(Runtime):
         if context_of(info, "queued") and self.temperature > 0 and "seed" not in self.model_fields_set:
             raise Refusal(f"a generate job spec that samples (temperature {self.temperature}) must state 'seed', "
                           "so that a retried or re-run job gives the same answer")
+        if self.stream and self.prompts is not None:
+            raise Refusal(f"{label_in(info, 'stream')} prints one answer as it comes; use it with "
+                          f"{label_in(info, 'prompt')}")
+        if self.kv_cache_memory is not None:
+            memory_bytes(self.kv_cache_memory, label_in(info, "kv_cache_memory"))
         no_stdin(self, ("prompts", "system", "vector"), info)
         return self
+
+    def engine_options(self) -> tuple:
+        """What the session's token engine is built with (requests with other options rebuild it)."""
+        memory = memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
+        return (memory, self.max_step_tokens)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def memory_bytes(text: str, where: str) -> int:
+    """'2GiB', '500MB', '1.5gb' or a plain byte count, as bytes; refused in one line otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise Refusal(f"{where} takes a size such as 2GiB, 500MB or a byte count, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise Refusal(f"{where} must be more than zero bytes, got {text!r}")
+    return value
 
 
 class Completion(BaseModel):
@@ -69,7 +119,9 @@ class Completion(BaseModel):
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop" (an end-of-sequence token) or "length" (the budget ran out)
+    finish_reason: str  # "stop" (an end-of-sequence token, a stop token or text) or "length" (the budget ran out)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
+    logprobs: list | None = None  # per token: {"token", "logprob", "top": [[id, logprob], ...]}
 
 
 class GenerateResult(BaseModel):
@@ -86,9 +138,10 @@ class GenerateResult(BaseModel):
     steering: dict | None = None
     adapter: dict | None = None
     results: list[Completion] = []
+    answered: int = 0  # a --prompts request's answers, written to its output file as they finished
 
     def header(self) -> dict:
-        header = self.model_dump(exclude={"results"})
+        header = self.model_dump(exclude={"results", "answered"})
         for optional in ("steering", "adapter"):  # present only when the run carried one
             if header[optional] is None:
                 del header[optional]
@@ -98,11 +151,8 @@ class GenerateResult(BaseModel):
         """The JSON a command line prints: one prompt's fields inline, or the output file's name."""
         header = self.header()
         if request.prompts is None:
-            return {**header, **self.results[0].model_dump()}
-        return {**header, "output": request.output, "prompts": len(self.results)}
-
-    def written(self) -> dict:
-        return {**self.header(), "results": [c.model_dump() for c in self.results]}
+            return {**header, **self.results[0].model_dump(exclude_none=True)}
+        return {**header, "output": request.output, "prompts": self.answered}
 
 
 class ParityRequest(Runtime):

@@ -82,30 +82,38 @@ def check_strength(vector, strength) -> None:
         raise Refusal(f"--strength must be a finite number, got {strength}")
 
 
-def attach_for_cli(session, args):
-    """`ster generate --vector V.json --strength S`: check the artifact against the loaded model,
-    warn on a precision or chat-template mismatch, steer every rank, record it on the session."""
+def prepare(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
+    """`--vector V.json --strength S` checked against the loaded model (a precision or chat-template
+    mismatch is warned about): the per-layer vectors to add, and the provenance a result records."""
     from ster_dist.steer.text import chat_status
 
-    check_strength(args.vector, args.strength)
-    artifact = load_artifact(args.vector)
-    check_for_run(artifact, args.model, session.cfg.hidden_size, session.cfg.num_layers)
-    chat = chat_status(session.tokenizer, getattr(args, "chat_template", "auto"))
-    for warning in provenance_warnings(artifact, args.precision, chat, "it steers"):
+    check_strength(request.vector, request.strength)
+    artifact = load_artifact(request.vector)
+    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers)
+    chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
+    for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
         progress(warning)
-    detach = attach(session.group, artifact, args.strength)
-    info = {"vector": str(args.vector), "strength": float(args.strength), "trait_name": artifact.trait_name,
+    info = {"vector": str(request.vector), "strength": float(request.strength), "trait_name": artifact.trait_name,
             "method": artifact.method, "layers": artifact.layers}
+    progress(f"steering layers {artifact.layers} by {request.strength} x the {artifact.method} direction "
+             f"for {artifact.trait_name or '(unnamed)'}")
+    return payload(artifact), info
+
+
+def attach_for_cli(session, request):
+    """Steer every rank for the whole of an operation (capture, steer's own runs); returns undo.
+    Generation steers per request in the token engine instead (ops/generate.py)."""
+    vectors, info = prepare(session, request)
+    token = uuid.uuid4().hex
+    session.group.on(SteeringOnRank).attach(vectors, float(request.strength), token)
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["steering"] = info
-    progress(f"steering layers {artifact.layers} by {args.strength} x the {artifact.method} direction "
-             f"for {artifact.trait_name or '(unnamed)'}")
 
     def undo():
         try:
             with contextlib.suppress(Refusal):  # the group is gone, and the hooks with it
-                detach()
+                session.group.on(SteeringOnRank).detach(token)
         finally:
             if isinstance(provenance, dict):
                 provenance.pop("steering", None)

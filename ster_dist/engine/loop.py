@@ -1,0 +1,272 @@
+"""The token-level engine: continuous batching over a worker group, on the driver.
+
+One thread owns the group. Every step it takes new requests and cancellations, lets the scheduler
+pick the step's chunks (decodes first, then chunked prefills under a token budget; preemption by
+recompute when blocks run out), runs one forward on every rank (engine/runner.py), and hands each
+sampled token to its request: detokenized incrementally, checked against end-of-sequence, stop
+tokens, stop strings and max_tokens, streamed out, and retired at once (its blocks freed) when done.
+
+    engine = TokenEngine(group, cfg, tokenizer, eos, EngineConfig())
+    stream = engine.submit(prompt_ids, SamplingParams(max_tokens=64))
+    for delta in stream: print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ster_dist.engine.blocks import BlockPool
+from ster_dist.engine.detok import Detokenizer
+from ster_dist.engine.runner import ModelRunner
+from ster_dist.engine.sampling import SamplingParams
+from ster_dist.engine.scheduler import Scheduler, Sequence
+from ster_dist.engine.stream import Delta, RequestStream
+from ster_dist.engine.work import NewSequence, StepWork
+from ster_dist.errors import Refusal
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_memory: int | None = None   # bytes of KV blocks per rank; None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.1
+    block_size: int = 16
+    max_step_tokens: int = 512           # tokens one forward may carry (decodes + prefill chunks)
+    max_running: int = 256
+    prefix_caching: bool = True
+    max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
+
+
+@dataclass
+class _Live:
+    """A request in flight: its sequence, stream, settings and detokenizer."""
+
+    seq: Sequence
+    stream: RequestStream
+    params: SamplingParams
+    detok: Detokenizer
+    steering: tuple[str, float] | None
+    adapter: str | None
+    sent: bool = False   # the ranks know it (its sampler state exists on rank 0)
+    logprobs: list = field(default_factory=list)
+
+
+class TokenEngine:
+    def __init__(self, group, cfg, tokenizer, eos: tuple[int, ...], config: EngineConfig = EngineConfig()):
+        self.group, self.cfg, self.tokenizer, self.eos = group, cfg, tokenizer, tuple(eos)
+        self.config = config
+        runners = group.on(ModelRunner)
+        sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction)
+        blocks = min(s["blocks"] for s in sizes)
+        # never more than every running request could fill at the model's full context (plus the null block)
+        per_seq = -(-cfg.max_position // config.block_size)
+        blocks = min(blocks, per_seq * config.max_running + 1)
+        if config.max_blocks is not None:
+            blocks = min(blocks, config.max_blocks)
+        if blocks < 2:
+            raise Refusal(f"the KV cache budget holds {blocks} blocks of {config.block_size} tokens "
+                          f"({sizes[0]['block_bytes']} bytes each); give --kv-cache-memory more bytes")
+        runners.start(blocks, config.block_size)
+        self.block_bytes = sizes[0]["block_bytes"]
+        self.pool = BlockPool(blocks, config.block_size, config.prefix_caching)
+        windows = set(cfg.layer_window)
+        window = windows.pop() if len(windows) == 1 and None not in windows else None
+        self.scheduler = Scheduler(self.pool, config.max_step_tokens, config.max_running, window=window)
+        self._live: dict[str, _Live] = {}
+        self._inbox: list[_Live] = []
+        self._cancels: list[str] = []
+        self._removed: list[str] = []
+        self._vectors: set[str] = set()
+        self._adapters: set[str] = set()
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._group_lock = threading.Lock()  # one call on the ranks at a time: steps and registrations
+        self._closing = False
+        self._error: BaseException | None = None
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prompt_tokens": 0,
+                         "generated_tokens": 0, "preemptions": 0}
+        self._thread = threading.Thread(target=self._run, name="ster-token-engine", daemon=True)
+        self._thread.start()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_vector(self, key: str, vectors) -> None:
+        """Register a steering vector ([(layer, tensor)]) under `key` on every rank, once."""
+        with self._group_lock:
+            if key not in self._vectors:
+                self.group.on(ModelRunner).register_vector(key, vectors)
+                self._vectors.add(key)
+
+    def add_adapter(self, name: str, sites: list[dict]) -> None:
+        """Register a LoRA adapter's global factors per projection under `name` on every rank, once."""
+        with self._group_lock:
+            if name not in self._adapters:
+                self.group.on(ModelRunner).register_adapter(name, sites)
+                self._adapters.add(name)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), *,
+               steering: tuple[str, float] | None = None, adapter: str | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Queue one request; returns its stream at once. Refused here, before it is queued: an empty
+        prompt, one past the model's positions, or one the whole cache could never hold."""
+        params.check()
+        self._check(prompt_ids, params)
+        if steering is not None and steering[0] not in self._vectors:
+            raise Refusal(f"steering vector {steering[0]!r} is not registered with the engine")
+        if adapter is not None and adapter not in self._adapters:
+            raise Refusal(f"adapter {adapter!r} is not registered with the engine")
+        request_id = request_id or f"r{next(self._ids)}"
+        stream = RequestStream(request_id, len(prompt_ids), self.cancel)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params.max_tokens)
+        detok = Detokenizer(self.tokenizer, list(prompt_ids), params.stop)
+        live = _Live(seq, stream, params, detok, steering, adapter)
+        with self._cond:
+            if self._error is not None or self._closing:
+                raise Refusal(f"the engine has stopped: {self._error or 'closed'}")
+            self._inbox.append(live)
+            self._cond.notify_all()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            self._cancels.append(request_id)
+            self._cond.notify_all()
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        limit = self.cfg.max_position
+        if not prompt_ids:
+            raise Refusal("a prompt encodes to no tokens; give it some text or turn the chat template on")
+        if len(prompt_ids) > limit:
+            raise Refusal(f"a prompt encodes to {len(prompt_ids)} tokens, more than the model's {limit} positions; "
+                          "shorten it")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise Refusal(f"max_tokens {params.max_tokens} past a {len(prompt_ids)}-token prompt runs beyond the "
+                          f"model's {limit} positions; give at most {limit - len(prompt_ids)}")
+        if not self.scheduler.fits_ever(len(prompt_ids) + params.max_tokens):
+            raise Refusal(f"a {len(prompt_ids)}-token prompt with max_tokens {params.max_tokens} needs more KV blocks "
+                          f"than the whole cache holds ({self.pool.stats()['total']} of {self.config.block_size} "
+                          "tokens); give --kv-cache-memory more bytes or ask for fewer tokens")
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not (self._inbox or self._live)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {**self.counters, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)
+                    + len(self._inbox), "kv_blocks": self.pool.stats(), "block_bytes": self.block_bytes}
+
+    def close(self) -> None:
+        """Finish nothing more: every request still in flight ends with "abort"; the ranks drop the cache."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._group_lock:
+            try:
+                self.group.on(ModelRunner).stop()
+            except Exception:  # the group may already be gone; the cache goes with it
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._cancels or self.scheduler.has_work or self._closing):
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    cancels, self._cancels = self._cancels, []
+                for live in inbox:
+                    self._live[live.seq.id] = live
+                    self.scheduler.add(live.seq)
+                    self.counters["requests"] += 1
+                for request_id in cancels:
+                    self._abort(request_id)
+                if self.scheduler.has_work:
+                    self._step()
+        except BaseException as exc:  # a rank died or a step failed: every consumer hears it
+            self._error = exc
+            for live in list(self._live.values()) + self._inbox:
+                live.stream.put(exc)
+            self._live.clear()
+            return
+        for live in list(self._live.values()) + self._inbox:
+            live.stream.put(Delta("", [], "abort"))
+        self._live.clear()
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.scheduler.abort(request_id)
+        if live.sent:
+            self._removed.append(request_id)
+        self.counters["aborted"] += 1
+        live.stream.put(Delta(live.detok.flush(), [], "abort"))
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.counters["preemptions"] += len(plan.preempted)
+        if not plan.chunks:
+            time.sleep(0.001)  # nothing fits until something finishes; cannot happen with work running
+            return
+        work = StepWork(ids=[], chunks=[], samples=[], removed=self._removed)
+        self._removed = []
+        bs = self.config.block_size
+        for i, chunk in enumerate(plan.chunks):
+            seq, live = chunk.seq, self._live[chunk.seq.id]
+            end = chunk.start + chunk.length
+            work.ids.extend(seq.tokens[chunk.start:end])
+            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length))
+            if chunk.samples:
+                work.samples.append((i, seq.id))
+            if not live.sent:
+                work.added.append(NewSequence(seq.id, live.params, seq.tokens[: seq.prompt_len]))
+                live.sent = True
+                live.stream.cached_tokens = chunk.start
+                self.counters["prompt_tokens"] += seq.prompt_len
+            if live.steering is not None:
+                work.steering.append((i, *live.steering))
+            if live.adapter is not None:
+                work.adapters.append((i, live.adapter))
+        with self._group_lock:
+            result = self.group.on(ModelRunner).step(work)[0]
+        self.scheduler.after_step(plan)
+        self.counters["steps"] += 1
+        for (i, seq_id), token, logprob in zip(work.samples, result.tokens, result.logprobs):
+            self._take(self._live[seq_id], token, logprob)
+
+    def _take(self, live: _Live, token: int, logprob) -> None:
+        """One sampled token for `live`: stream its text, retire the request when it is done."""
+        seq, params = live.seq, live.params
+        self.scheduler.append(seq, token)
+        self.counters["generated_tokens"] += 1
+        reason = None
+        text = ""
+        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"  # the token ends the text; it is counted, not shown
+        else:
+            text = live.detok.add(token)
+            if live.detok.stopped is not None:
+                reason = "stop"
+        if reason is None and len(seq.tokens) - seq.prompt_len >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            text += live.detok.flush()
+            self.scheduler.finish(seq)
+            self._live.pop(seq.id, None)
+            self._removed.append(seq.id)
+            self.counters["finished"] += 1
+        live.stream.put(Delta(text, [token], reason, [logprob] if params.logprobs is not None else []))

@@ -1,0 +1,115 @@
+"""Per-request steering and adapters inside one packed batch, on one rank.
+
+Each request of a step may carry its own steering vector and strength and its own LoRA adapter.
+Vectors and adapters are registered once under a key; each step names, per key, the packed token
+rows it applies to. Steering adds strength x vector to those rows of the residual after the
+vector's layer; an adapter adds (x A^T) B^T x scale to those rows of each projection it targets,
+gathered per adapter as S-LoRA and Punica batch them, so requests without it pay nothing but an
+index. Rows are set before a step's forward and cleared after, so a forward outside the engine
+(capture, parity) sees neither.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ster_dist.errors import Refusal
+from ster_dist.parallel.linear import LowRank, low_rank_share
+
+
+class RowSteering:
+    """Registered vectors and, for the step running now, which rows each (vector, strength) steers."""
+
+    def __init__(self, model):
+        self.model = model
+        self.vectors: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._shifts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> (rows, shift)
+        self._hooked: dict[int, object] = {}  # layer -> remover
+
+    def register(self, key: str, vectors: list[tuple[int, torch.Tensor]]) -> None:
+        self.vectors[key] = vectors
+        for layer, _ in vectors:
+            if layer not in self._hooked:
+                self._hooked[layer] = self.model.add_hook(layer, self._hook(layer))
+
+    def set_rows(self, groups: dict[tuple[str, float], torch.Tensor]) -> None:
+        """groups: (vector key, strength) -> packed token rows it steers this step."""
+        self._shifts = {}
+        weight = self.model.embed.weight
+        for (key, strength), rows in groups.items():
+            for layer, vector in self.vectors[key]:
+                # the same rounding as steering a whole batch (steer/attach.py), so a request steers alike alone
+                shift = (vector.double() * float(strength)).to(weight.dtype).to(weight.device)
+                self._shifts.setdefault(layer, []).append((rows, shift))
+
+    def clear(self) -> None:
+        self._shifts = {}
+
+    def _hook(self, layer: int):
+        def hook(h: torch.Tensor):
+            for rows, shift in self._shifts.get(layer, ()):
+                h[0, rows] += shift
+            return None
+        return hook
+
+    def close(self) -> None:
+        for remove in self._hooked.values():
+            remove()
+        self._hooked, self.vectors, self._shifts = {}, {}, {}
+
+
+class RoutedLowRank(LowRank):
+    """An adapter that applies only to the packed rows its routing names for the current step."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float, routing: dict, name: str):
+        super().__init__(a, b, scale)
+        self.routing, self.name = routing, name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | float:
+        rows = self.routing.get(self.name)
+        if rows is None:
+            return 0.0
+        picked = x[0, rows]
+        out = x.new_zeros(*x.shape[:-1], self.b.shape[0])
+        out[0, rows] = F.linear(F.linear(picked, self.a), self.b) * self.scale
+        return out
+
+
+class RowAdapters:
+    """Registered adapters (name -> the routed factors attached to each projection) and this step's routing."""
+
+    def __init__(self, model):
+        self.model = model
+        self.routing: dict[str, torch.Tensor] = {}
+        self.attached: dict[str, list[tuple[object, RoutedLowRank]]] = {}
+
+    def register(self, name: str, sites: list[dict]) -> None:
+        if name in self.attached:
+            return
+        modules = dict(self.model.named_modules())
+        attached = []
+        for site in sites:
+            module = modules.get(site["param"].rsplit(".", 1)[0])
+            if module is None or not hasattr(module, "adapters"):
+                raise Refusal(f"this model has no projection {site['param']} to attach adapter {name} to")
+            weight = module.weight
+            a, b = low_rank_share(site["a"], site["b"], module.shards["weight"])
+            low = RoutedLowRank(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype),
+                                float(site["scale"]), self.routing, name)
+            module.adapters.append(low)
+            attached.append((module, low))
+        self.attached[name] = attached
+
+    def set_rows(self, groups: dict[str, torch.Tensor]) -> None:
+        self.routing.clear()
+        self.routing.update(groups)
+
+    def clear(self) -> None:
+        self.routing.clear()
+
+    def close(self) -> None:
+        for attached in self.attached.values():
+            for module, low in attached:
+                module.adapters[:] = [x for x in module.adapters if x is not low]
+        self.attached = {}

@@ -1,0 +1,124 @@
+"""The rank side of the token-level engine: this rank's paged KV cache, and one forward per step.
+
+Every rank runs the same step on the same packed tokens and block tables (each holding its own
+key-value heads, or the latent for latent attention, in blocks of the same ids); rank 0 alone
+samples, since the logits are gathered on every rank, and sends back one token per sampling chunk.
+The driver (engine/loop.py) decides everything else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ster_dist.engine.modifiers import RowAdapters, RowSteering
+from ster_dist.engine.sampling import Sampler
+from ster_dist.engine.work import StepResult, StepWork
+from ster_dist.errors import Refusal
+from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.workers.extension import RankExtension
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this rank could still allocate: free accelerator memory, else the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner(RankExtension):
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.cache: PagedCache | None = None
+        self.sampler: Sampler | None = None
+        self.steering: RowSteering | None = None
+        self.adapters: RowAdapters | None = None
+
+    def capacity(self, block_size: int, memory: int | None, fraction: float) -> dict:
+        """How many blocks this rank can hold: `memory` bytes, else `fraction` of what is free now."""
+        model = self.model
+        per_block = PagedCache.block_bytes(model, block_size)
+        budget = memory if memory is not None else int(fraction * available_memory(model.embed.weight.device))
+        return {"block_bytes": per_block, "blocks": budget // per_block}
+
+    def start(self, num_blocks: int, block_size: int) -> int:
+        """Allocate the cache (the same block count on every rank: the driver takes the smallest)."""
+        model = self.model
+        self.cache = PagedCache(model, num_blocks, block_size)
+        self.sampler = Sampler() if self.rank.rank == 0 else None
+        self.steering = self.steering or RowSteering(model)
+        self.adapters = self.adapters or RowAdapters(model)
+        return num_blocks
+
+    def register_vector(self, key: str, vectors: list[tuple[int, torch.Tensor]]) -> None:
+        self._started().steering.register(key, vectors)
+
+    def register_adapter(self, name: str, sites: list[dict]) -> None:
+        self._started().adapters.register(name, sites)
+
+    @torch.inference_mode()
+    def step(self, work: StepWork) -> StepResult | None:
+        self._started()
+        if self.sampler is not None:
+            for seq_id in work.removed:
+                self.sampler.remove(seq_id)
+            for new in work.added:
+                self.sampler.add(new.id, new.params, new.prompt)
+        if not work.chunks:
+            return self.first_rank_only(StepResult([], []))
+        chunks = [Chunk(tuple(blocks), start, length) for blocks, start, length in work.chunks]
+        rows = _chunk_rows(chunks)
+        self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
+        self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
+        try:
+            logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache)
+        finally:
+            self.steering.clear()
+            self.adapters.clear()
+        if self.sampler is None:
+            return None
+        picked = [i for i, _ in work.samples]
+        tokens, logprobs = self.sampler.sample(logits[picked], [seq_id for _, seq_id in work.samples])
+        return StepResult(tokens.tolist(), logprobs)
+
+    def stop(self) -> None:
+        """Drop the cache and every registration (the group stays loaded)."""
+        self.close()
+
+    def _started(self) -> ModelRunner:
+        if self.cache is None:
+            raise Refusal(f"the engine runner on rank {self.rank.rank} was used before start()")
+        return self
+
+    def close(self) -> None:
+        if self.steering is not None:
+            self.steering.close()
+        if self.adapters is not None:
+            self.adapters.close()
+        self.cache = self.sampler = self.steering = self.adapters = None
+
+
+def _chunk_rows(chunks: list[Chunk]) -> list[torch.Tensor]:
+    """The packed token rows of each chunk."""
+    rows, start = [], 0
+    for chunk in chunks:
+        rows.append(torch.arange(start, start + chunk.length))
+        start += chunk.length
+    return rows
+
+
+def _group(rows: list[torch.Tensor], keyed: list[tuple[object, int]]) -> dict:
+    """key -> the packed rows of every chunk carrying it."""
+    by_key: dict = {}
+    for key, chunk in keyed:
+        by_key.setdefault(key, []).append(rows[chunk])
+    return {key: torch.cat(parts) for key, parts in by_key.items()}

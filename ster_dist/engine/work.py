@@ -1,0 +1,42 @@
+"""What the driver sends the ranks each step, and what rank 0 sends back: plain data, pickled by Ray
+(or passed as is in one process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ster_dist.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A sequence the ranks have not seen: rank 0's sampler keeps its generator and penalty counts."""
+
+    id: str
+    params: SamplingParams
+    prompt: list[int]
+
+
+@dataclass
+class StepWork:
+    """One forward: the new tokens of every scheduled chunk, packed in chunk order.
+
+    chunks[i] = (block table covering the chunk's last position, start, length); `samples` names the
+    chunks whose last token's logits choose their sequence's next token. Steering and adapters are per
+    chunk, by the key they were registered under."""
+
+    ids: list[int]
+    chunks: list[tuple[tuple[int, ...], int, int]]
+    samples: list[tuple[int, str]]                  # (chunk index, sequence id)
+    added: list[NewSequence] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    steering: list[tuple[int, str, float]] = field(default_factory=list)  # (chunk index, vector key, strength)
+    adapters: list[tuple[int, str]] = field(default_factory=list)         # (chunk index, adapter name)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Rank 0's choices, one per sampling chunk in `StepWork.samples` order."""
+
+    tokens: list[int]
+    logprobs: list  # per sample: None, or (chosen id, its logprob, [(id, logprob), ...])

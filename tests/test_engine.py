@@ -1,0 +1,224 @@
+"""The token-level engine end to end on real tiny checkpoints: continuous batching equals
+one-at-a-time greedy decoding on the static cache (TP=1, TP=2 on a gloo group, EP=2 on a MoE),
+prefix caching, preemption, cancellation, per-request steering, adapters and seeds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ster_dist.engine.loop import EngineConfig, TokenEngine
+from ster_dist.engine.sampling import SamplingParams
+from ster_dist.errors import Refusal
+from ster_dist.generate import Sampling, generate
+from ster_dist.load import load_model
+from ster_dist.resolve import resolve
+from ster_dist.steer.attach import add_steering
+from ster_dist.tokenizer import Tokenizer
+from ster_dist.workers.group import LocalGroup
+from ster_dist.workers.spawn import SpawnGroup
+from tests.tiny_models import make_tiny
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    make_tiny("llama", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """The same checkpoint on one rank with the static cache: what each request alone must equal."""
+    return load_model(resolve(str(llama)), "f32")
+
+
+def open_engine(directory, group=None, **config) -> TokenEngine:
+    checkpoint = resolve(str(directory))
+    if group is None:
+        group = LocalGroup()
+    group.call("load", checkpoint, "f32", "cpu")
+    cfg = group_cfg(checkpoint)
+    return TokenEngine(group, cfg, Tokenizer.from_directory(checkpoint.directory), cfg.eos_token_ids or (2,),
+                       EngineConfig(**{"kv_cache_memory": 4 << 20, "block_size": 4, **config}))
+
+
+def group_cfg(checkpoint):
+    from ster_dist.config_load import model_config
+
+    return model_config(checkpoint)
+
+
+def prompts(count: int, seed: int = 0, lo: int = 2, hi: int = 30) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (count,), generator=g).tolist()
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone(model, prompt: list[int], n: int, eos=()) -> list[int]:
+    return generate(model, [prompt], Sampling(max_new_tokens=n), eos)[0]
+
+
+def run_all(engine: TokenEngine, requests, **submit) -> list[list[int]]:
+    streams = [engine.submit(p, params, **submit) for p, params in requests]
+    return [s.result().token_ids for s in streams]
+
+
+def test_continuous_batching_equals_one_at_a_time_greedy(llama, reference):
+    ps = prompts(9)
+    lengths = [3, 8, 12, 5, 9, 1, 7, 12, 4]
+    with open_engine(llama, max_step_tokens=24) as engine:
+        collected = {}
+
+        def consume(i, stream):
+            collected[i] = [t for d in stream for t in d.token_ids]
+
+        threads = []
+        for wave in range(3):  # requests arrive while others are mid-generation
+            for i in range(wave * 3, wave * 3 + 3):
+                stream = engine.submit(ps[i], SamplingParams(max_tokens=lengths[i], ignore_eos=True))
+                threads.append(threading.Thread(target=consume, args=(i, stream)))
+                threads[-1].start()
+            while engine.stats()["steps"] < 2 * (wave + 1):
+                time.sleep(0.005)
+        for t in threads:
+            t.join(60)
+        stats = engine.stats()
+    for i, p in enumerate(ps):
+        assert collected[i] == alone(reference.model, p, lengths[i]), i
+    assert stats["steps"] < sum(lengths)  # requests shared steps
+    assert stats["kv_blocks"]["used"] == 0  # every finished request freed its blocks
+
+
+def test_paged_step_equals_static_cache_with_eos(llama, reference):
+    eos = tuple(reference.cfg.eos_token_ids or (2,))
+    ps = prompts(6, seed=3)
+    with open_engine(llama) as engine:
+        got = run_all(engine, [(p, SamplingParams(max_tokens=12)) for p in ps])
+    for p, tokens in zip(ps, got):
+        assert tokens == alone(reference.model, p, 12, eos)
+
+
+def test_prefix_cached_request_equals_cold_and_counts_the_hit(llama, reference):
+    shared = prompts(1, seed=5, lo=21, hi=22)[0]
+    first, second = shared + [7, 8, 9], shared + [11, 12]
+    with open_engine(llama) as engine:
+        cold = run_all(engine, [(first, SamplingParams(max_tokens=6))])[0]
+        before = engine.stats()["kv_blocks"]
+        stream = engine.submit(second, SamplingParams(max_tokens=6))
+        warm = stream.result()
+        after = engine.stats()["kv_blocks"]
+    assert cold == alone(reference.model, first, 6, (2,))
+    assert warm.token_ids == alone(reference.model, second, 6, (2,))
+    assert warm.cached_tokens == 20  # five whole 4-token blocks of the shared 21 tokens
+    assert after["prefix_hits"] - before["prefix_hits"] == 20
+
+
+def test_preemption_under_a_tiny_block_budget_gives_the_same_tokens(llama, reference):
+    ps = prompts(6, seed=7, lo=8, hi=16)
+    with open_engine(llama, max_blocks=16, prefix_caching=False) as engine:
+        got = run_all(engine, [(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in ps])
+        stats = engine.stats()
+    assert stats["preemptions"] > 0
+    for p, tokens in zip(ps, got):
+        assert tokens == alone(reference.model, p, 20)
+
+
+def test_cancel_frees_blocks_at_once(llama):
+    with open_engine(llama) as engine:
+        stream = engine.submit(prompts(1)[0], SamplingParams(max_tokens=100, ignore_eos=True))
+        next(stream)
+        assert engine.stats()["kv_blocks"]["used"] > 0
+        stream.cancel()
+        deltas = list(stream)
+        assert deltas[-1].finish_reason == "abort"
+        assert engine.stats()["kv_blocks"]["used"] == 0
+
+
+def test_seeded_sampling_is_the_same_alone_or_batched(llama):
+    ps = prompts(5, seed=11)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(5)]
+    with open_engine(llama) as engine:
+        batched = run_all(engine, list(zip(ps, params)))
+        single = [run_all(engine, [(p, q)])[0] for p, q in zip(ps, params)]
+    assert batched == single
+    assert len({tuple(t) for t in batched}) > 1
+
+
+def test_per_request_steering_in_one_batch_equals_each_alone(llama, reference):
+    hidden, layers = reference.cfg.hidden_size, reference.cfg.num_layers
+    g = torch.Generator().manual_seed(1)
+    vectors = {"a": [(1, torch.randn(hidden, generator=g))], "b": [(0, torch.randn(hidden, generator=g)),
+                                                                   (2, torch.randn(hidden, generator=g))]}
+    ps = prompts(3, seed=13)
+    plan = [("a", 2.0), None, ("b", -1.5)]
+    with open_engine(llama) as engine:
+        for key, vecs in vectors.items():
+            engine.add_vector(key, vecs)
+        streams = [engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True), steering=s) for p, s in zip(ps, plan)]
+        got = [s.result().token_ids for s in streams]
+    for p, s, tokens in zip(ps, plan, got):
+        removers = add_steering(reference.model, vectors[s[0]], s[1]) if s else []
+        try:
+            assert tokens == alone(reference.model, p, 8)
+        finally:
+            for remove in removers:
+                remove()
+    assert layers == 3
+
+
+def test_per_request_adapters_in_one_batch_equal_each_alone(llama, reference):
+    from ster_dist.adapters.attach import attach
+
+    g = torch.Generator().manual_seed(2)
+    hidden = reference.cfg.hidden_size
+
+    def sites(scale):
+        out = []
+        for layer in range(reference.cfg.num_layers):
+            for proj in ("q", "v"):
+                weight = dict(reference.model.named_parameters())[f"layers.{layer}.attn.{proj}.weight"]
+                out.append({"param": f"layers.{layer}.attn.{proj}.weight", "a": torch.randn(4, hidden, generator=g) * 0.3,
+                            "b": torch.randn(weight.shape[0], 4, generator=g) * 0.3, "scale": scale})
+        return out
+
+    adapters = {"x": sites(1.0), "y": sites(2.0)}
+    ps = prompts(3, seed=17)
+    plan = ["x", None, "y"]
+    with open_engine(llama) as engine:
+        for name, s in adapters.items():
+            engine.add_adapter(name, s)
+        streams = [engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True), adapter=a) for p, a in zip(ps, plan)]
+        got = [s.result().token_ids for s in streams]
+    for p, a, tokens in zip(ps, plan, got):
+        detach = attach(reference.model, adapters[a]) if a else (lambda: None)
+        try:
+            assert tokens == alone(reference.model, p, 8)
+        finally:
+            detach()
+
+
+def test_refusals_before_queueing(llama):
+    with open_engine(llama) as engine:
+        with pytest.raises(Refusal, match="no tokens"):
+            engine.submit([], SamplingParams())
+        with pytest.raises(Refusal, match="positions"):
+            engine.submit([5] * 100, SamplingParams(max_tokens=100))
+        with pytest.raises(Refusal, match="not registered"):
+            engine.submit([5, 6], SamplingParams(), steering=("nope", 1.0))
+
+
+@pytest.mark.parametrize("variant, tp, ep", [("llama", 2, 1), ("qwen3_moe", 1, 2)])
+def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp, ep):
+    make_tiny(variant, tmp_path)
+    single = load_model(resolve(str(tmp_path)), "f32")
+    ps = prompts(5, seed=19)
+    lengths = [6, 3, 9, 4, 7]
+    with SpawnGroup(tp * ep, ep=ep) as group:
+        with open_engine(tmp_path, group=group, max_step_tokens=20) as engine:
+            got = run_all(engine, [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lengths)])
+    for p, n, tokens in zip(ps, lengths, got):
+        assert tokens == alone(single.model, p, n)
