@@ -237,6 +237,20 @@ def test_prefix_caching_off():
     assert pool.stats()["prefix_queries"] == 0
 
 
+def test_forget_prefixes_empties_the_cache():
+    pool = BlockPool(num_blocks=6, block_size=2)
+    held, released = pool.allocate(2), pool.allocate(2)
+    pool.commit([1, 2, 3, 4], held)
+    pool.commit([5, 6, 7, 8], released)
+    pool.release(released)
+    pool.forget_prefixes()
+    assert pool.stats()["cached"] == 0 and pool.stats()["free"] == 3
+    assert pool.match_prefix([5, 6, 7, 8, 0]) == [] and pool.match_prefix([1, 2, 3, 4, 0]) == []
+    pool.release(held)
+    assert pool.stats()["free"] == 5  # unregistered now: free, not cached
+    held_states_add_up(pool)
+
+
 def test_pool_size_checked():
     with pytest.raises(ValueError):
         BlockPool(num_blocks=1, block_size=4)

@@ -12,7 +12,6 @@ import pytest
 from ster_dist.engine.blocks import NULL_BLOCK, BlockPool
 from ster_dist.engine.scheduler import Scheduler, Sequence, Status, StepPlan
 
-
 _fresh_tokens = itertools.count(10_000, 1000)
 
 
@@ -225,7 +224,7 @@ def test_a_preempted_sequence_recomputes_prompt_and_output_with_cache_help():
     assert b.cached == 4
     sched.after_step(plan)
     sched.append(b, fake_token(b))
-    done, _ = run_all(sched)
+    run_all(sched)
     assert a.output == expected_output(a) and b.output == expected_output(b)
 
 
@@ -337,6 +336,23 @@ def test_a_running_sequence_shares_its_prefix_with_a_newcomer():
     b_chunk = next(c for c in plan.chunks if c.seq is b)
     assert (b_chunk.start, b_chunk.length) == (16, 1)
     assert b.blocks[:4] == a.blocks[:4] and all(pool.refs(x) == 2 for x in a.blocks[:4])
+
+
+def test_finishing_a_sharer_leaves_the_owner_its_blocks():
+    pool = BlockPool(50, 4)
+    sched = Scheduler(pool, max_step_tokens=64)
+    a = make_seq("a", 17, 10)
+    sched.add(a)
+    step(sched)
+    used_before = pool.stats()["used"]
+    b = Sequence("b", a.tokens[:17], 17, 3)
+    sched.add(b)
+    step(sched)
+    assert pool.stats()["used"] == used_before + len(b.blocks) - 4  # 4 blocks shared
+    sched.finish(b)
+    assert pool.stats()["used"] == used_before
+    assert all(pool.refs(x) == 1 for x in a.blocks)
+    check_invariants(sched)
 
 
 def test_generated_tokens_are_cached_too():

@@ -72,7 +72,8 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         self._refs = [0] * num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # count-0 registered blocks, oldest release first
+        # count-0 registered blocks, oldest release first
+        self._cached: OrderedDict[int, None] = OrderedDict()
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._queried_tokens = 0
@@ -144,7 +145,8 @@ class BlockPool:
         self._queried_tokens += queried_tokens
         self._hit_tokens += hit_tokens
 
-    def register(self, blocks: list[int], digests: list[bytes], start: int = 0, stop: int | None = None) -> None:
+    def register(self, blocks: list[int], digests: list[bytes], start: int = 0,
+                 stop: int | None = None) -> None:
         """Register blocks[i] under digests[i] for start <= i < stop: the blocks must be held and their
         k/v computed. A NULL_BLOCK entry is skipped; a digest some other block already holds leaves
         this block unregistered (it stays private and goes free on release); re-registering a block
@@ -176,6 +178,14 @@ class BlockPool:
             return
         hashes = hashes if hashes is not None else BlockHashes(self.block_size)
         self.register(blocks, hashes.extend(tokens))
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache (cached blocks go free, held ones private): for when the k/v a
+        prefix gave no longer hold, e.g. the weights changed in place."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._digest_of.clear()
+        self._block_of.clear()
 
     # ---- handing out and taking back
 

@@ -26,6 +26,13 @@ Policy, each schedule():
 The engine loop around this: plan = schedule(); run the chunks; after_step(plan) (marks k/v computed,
 registers full blocks in the prefix cache); for each sampling chunk, append(seq, token), then
 finish(seq) when it is done (eos, stop string, max_tokens). Nothing here decides when a sequence ends.
+One plan is in flight at a time: after_step(plan) comes before the next schedule(). A sequence
+finished or aborted while its step ran is skipped by after_step.
+
+Sliding window: blocks wholly before (chunk start - window) are released and their table entries
+become NULL_BLOCK; the ranks must mask those positions (they are outside the window anyway).
+Prefix matching still walks from the first block, so a long windowed sequence whose head blocks
+were evicted gets no hit; fine for now, vLLM's right-to-left window matching would lift that.
 
 Block bookkeeping: a sequence holds one pool reference per non-null entry of its block table, and
 nothing else holds any (the prefix cache holds no references, it only remembers released blocks).
@@ -118,6 +125,8 @@ class Scheduler:
         latest would wait on the earliest holding their blocks."""
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError("max_step_tokens and max_running must be positive")
+        if max_prefill_chunk is not None and max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be positive, got {max_prefill_chunk}")
         if window is not None and window < 1:
             raise ValueError(f"window must be positive, got {window}")
         self.pool = pool
