@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
 
-    def forward(self, x: torch.Tensor, pos: StepState, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.q_norm is not None and not self.per_head_norm:
@@ -99,12 +99,12 @@ class Attention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        if cache is not None:
-            k, v = cache.write(self.layer, pos.slots, k, v)
-        mask = pos.mask(self.window)
-        bias = self._alibi(pos.key_positions) if self.alibi is not None else None
-        out = self._attend(q, k, v, mask, bias)
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend_at(self, q, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
+        bias = self._alibi(key_pos) if self.alibi is not None else None
+        return self._attend(q, k, v, mask, bias)
 
     def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         # Llama 4's temperature from absolute positions, so a cached decode step scales as the whole read does

@@ -17,6 +17,8 @@ from ster_dist.model.attention import Attention
 from ster_dist.model.cache import KVCache
 from ster_dist.model.mla import LatentAttention, LatentCache
 from ster_dist.model.norm import Norm
+from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import StepState
 from ster_dist.moe.layer import MoE
@@ -43,9 +45,9 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
 
-    def forward(self, x: torch.Tensor, step: StepState, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
-        a = self.attn(a_in, step, cache)
+        a = self.attn(a_in, step)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         if self.parallel:
@@ -112,6 +114,20 @@ class Decoder(nn.Module):
         if valid is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
         step = StepState(positions, valid, self.tables, cache)
+        h = self._layers(self._embed(ids, positions), step)
+        if last_only:
+            h = h[:, -1:]
+        return self._logits(h)
+
+    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of each chunk's last token, for ids [tokens]: every chunk's new tokens,
+        concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them
+        by sequence (PagedStep)."""
+        step = PagedStep(chunks, cache, self.tables, ids)
+        h = self._layers(self._embed(ids.unsqueeze(0), step.positions), step)
+        return self._logits(h[:, step.last_tokens])[0]
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
         if self.cfg.embed_scale != 1.0:
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
@@ -119,14 +135,18 @@ class Decoder(nn.Module):
             h = h + self.pos_embed.weight[positions + self.cfg.position_offset]
         if self.embed_norm is not None:
             h = self.embed_norm(h)
+        return h
+
+    def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         for i, block in enumerate(self.layers):
-            h = block(h, step, cache)
+            h = block(h, step)
             for hook in self.hooks.get(i, ()):
                 replaced = hook(h)
                 if replaced is not None:
                     h = replaced
-        if last_only:
-            h = h[:, -1:]
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(h))
         if self.cfg.logit_multiplier != 1.0:
             logits = logits * self.cfg.logit_multiplier

@@ -74,7 +74,7 @@ class LatentAttention(nn.Module):
         self.rope = cfg.layer_rope[layer]
         self.scale = cfg.attn_scale
 
-    def forward(self, x: torch.Tensor, pos, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x) if self.q is not None else self.q_b(self.q_a_norm(self.q_a(x)))
         q = q.view(b, t, self.local_heads, self.nope + self.rope_dim).transpose(1, 2)
@@ -86,18 +86,22 @@ class LatentAttention(nn.Module):
             cos, sin = pos.rotary(self.rope, q.dtype)
             q_rot = apply_rotary(q_rot, cos, sin, self.rope.interleaved)
             k_rot = apply_rotary(k_rot, cos, sin, self.rope.interleaved)
-        if cache is not None:
-            latent, k_rot = cache.write(self.layer, pos.slots, latent, k_rot)
+        out = pos.attend(self.layer, (q_nope, q_rot), latent, k_rot, None, self._attend_latent)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend_latent(self, q, latent, k_rot, mask, key_pos) -> torch.Tensor:
+        """[b, heads, t, v_head_dim]: one-token steps in the latent space (no per-key expansion), longer ones
+        with each key's heads expanded from the latent."""
+        q_nope, q_rot = q
+        b, _, t, _ = q_nope.shape
         if t == 1 and latent.shape[2] > 1:
-            out = self._absorbed(q_nope, q_rot, latent, k_rot, pos.mask(None))
-            return self.o(out.transpose(1, 2).reshape(b, t, -1))
+            return self._absorbed(q_nope, q_rot, latent, k_rot, mask)
         s = latent.shape[2]
         kv = self.kv_b(latent.squeeze(1)).view(b, s, self.local_heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.local_heads, -1, -1)), dim=-1)
         query = torch.cat((q_nope, q_rot), dim=-1)
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=pos.mask(None), scale=self.scale)
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=self.scale)
 
     def _absorbed(self, q_nope, q_rot, latent, k_rot, mask) -> torch.Tensor:
         """Attention in the latent space: [b, heads, t, v_head_dim] without per-slot keys or values."""

@@ -1,6 +1,9 @@
 """StepState: what every layer of one forward step shares (positions, cache slots, masks by window,
 rotary tables by rope and dtype). Built once per step by the decoder, read by every attention kind;
-it sits in its own module so attention need not import the decoder."""
+it sits in its own module so attention need not import the decoder.
+
+Attention reaches its keys only through `attend`, so a step over a paged cache (PagedStep) can
+store and gather them its own way while the attention math stays the layer's."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ class StepState:
                  cache: KVCache | None):
         self.positions = positions
         self.tables = tables
+        self.cache = cache
         if cache is not None:
             self.slots = cache.reserve(positions, valid)
             key_pos, key_valid = cache.positions[:, : self.slots.stop], cache.valid[:, : self.slots.stop]
@@ -45,6 +49,13 @@ class StepState:
                 allowed = self._base if distance is None else self._base & (distance < window)
                 self._masks[window] = (allowed | self._diag).unsqueeze(1)
         return self._masks[window]
+
+    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn):
+        """fn(q, keys, values, mask, key_positions) over every key this step sees: this step's keys and
+        values [batch, heads, seq, width] are stored in the cache first, where there is one."""
+        if self.cache is not None:
+            k, v = self.cache.write(layer, self.slots, k, v)
+        return fn(q, k, v, self.mask(window), self._key_pos)
 
     @property
     def key_positions(self) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The paged KV cache: per layer, this rank's keys and values in fixed-size blocks that the driver hands
+to sequences, and Chunk, one sequence's share of a paged step.
+
+A sequence's keys live in the blocks of its block table, position p in block p // block_size at offset
+p % block_size, so a key's slot within the gathered table is its position. Block ids are the driver's and
+the same on every rank; each rank stores only its own key-value heads (or, for latent attention, the
+latent and the shared rotated key part, which every rank holds whole), so tensor parallelism needs no
+exchange of keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ster_dist.model.decoder import Decoder
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's share of a paged step."""
+    blocks: tuple[int, ...]  # physical block ids covering positions [0, start + length); block i holds positions [i*bs, (i+1)*bs)
+    start: int               # tokens of this sequence already in the cache = position of its first new token
+    length: int              # new tokens this step, >= 1
+
+
+def _slot_shapes(model: Decoder) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per layer, the shapes one position's key and value take on this rank."""
+    shapes = []
+    for block in model.layers:
+        attn = block.attn
+        if model.cfg.mla is not None:  # the normed latent and the rotated key part every head shares
+            shapes.append(((attn.rank,), (attn.rope_dim,)))
+        else:
+            shapes.append(((attn.local_kv, attn.head_dim), (attn.local_kv, attn.head_dim)))
+    return shapes
+
+
+class PagedCache:
+    """Per layer, this rank's keys and values in fixed-size blocks: [num_blocks, block_size, local_kv_heads, head_dim]
+    (latent attention: the normed latent [num_blocks, block_size, kv_lora_rank] and the rotated shared key part
+    [num_blocks, block_size, rope_dim], as LatentCache keeps them)."""
+
+    NULL_BLOCK = 0  # never handed out by the driver; stands in for blocks a sliding window has released (masked anyway)
+
+    def __init__(self, model: Decoder, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
+        if block_size < 1 or num_blocks < 2:
+            raise ValueError(f"a paged cache needs block_size >= 1 and num_blocks >= 2 (block {self.NULL_BLOCK} is "
+                             f"the null block); got block_size {block_size}, num_blocks {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype or model.embed.weight.dtype
+        device = model.embed.weight.device
+        shapes = _slot_shapes(model)
+        self.keys = [torch.zeros((num_blocks, block_size, *k), dtype=self.dtype, device=device) for k, _ in shapes]
+        self.values = [torch.zeros((num_blocks, block_size, *v), dtype=self.dtype, device=device) for _, v in shapes]
+
+    @staticmethod
+    def block_bytes(model: Decoder, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """What one block costs on this rank, all layers."""
+        itemsize = (dtype or model.embed.weight.dtype).itemsize
+        per_position = sum(math.prod(k) + math.prod(v) for k, v in _slot_shapes(model))
+        return per_position * block_size * itemsize
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the keys and values [1, heads, tokens, width] of packed tokens at flat slots [tokens]
+        (block * block_size + offset)."""
+        for store, x in ((self.keys[layer], k), (self.values[layer], v)):
+            flat = store.view(-1, *store.shape[2:])
+            flat.index_copy_(0, slots, x[0].transpose(0, 1).reshape(-1, *store.shape[2:]).to(store.dtype))
+
+    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [sequences, heads, blocks * block_size, width] of block tables [sequences, blocks];
+        slot i of a row holds that sequence's position i."""
+        return self._read(self.keys[layer], table), self._read(self.values[layer], table)
+
+    @staticmethod
+    def _read(store: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        rows = store[table]  # [n, blocks, block_size, *slot]
+        n, slots = rows.shape[0], rows.shape[1] * rows.shape[2]
+        # latent attention's slots have no head axis: one shared "head", as LatentCache keeps it
+        return rows.view(n, slots, -1, store.shape[-1]).transpose(1, 2)

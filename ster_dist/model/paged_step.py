@@ -1,0 +1,141 @@
+"""PagedStep: what every layer of one packed step over a PagedCache shares, as StepState is for the static
+cache: positions of the packed tokens, their cache slots, rotary tables, and how attention splits the
+packed tokens by sequence.
+
+Token-wise layers see the step's tokens packed as [1, tokens, hidden], so no sequence is padded to the
+longest. Only attention needs them by sequence: each attend call gathers its sequences' keys from their
+block tables and runs the layer's own attention over them. One-token chunks (decodes) share one call,
+one query each, their tables padded with the null block to the longest; every longer chunk (prefill) gets
+its own call, so no query is padding and the key padding is bounded by the decodes' spread of lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ster_dist.config import RopeConfig
+from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.model.rope import RotaryTables
+
+
+class _AttendGroup:
+    """Sequences that share one attend call: their queries' packed indices, block tables [n, blocks] and
+    query positions [n, queries]; masks by window, built on first use."""
+
+    def __init__(self, tokens: slice | torch.Tensor, table: torch.Tensor, query_pos: torch.Tensor,
+                 block_size: int):
+        self.tokens, self.table, self.query_pos = tokens, table, query_pos
+        self.one_token = query_pos.shape[1] == 1 and table.shape[0] > 1  # queries come from n sequences
+        keys = table.shape[1] * block_size
+        # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
+        self.key_pos = torch.arange(keys, device=table.device).expand(table.shape[0], keys)
+        self._masks: dict[int | None, torch.Tensor | None] = {}
+
+    def take(self, x):
+        """This group's queries [n, heads, q, width] from packed x [1, heads, tokens, width] (or a tuple of such)."""
+        if isinstance(x, tuple):
+            return tuple(self.take(part) for part in x)
+        if self.one_token:
+            return x[0][:, self.tokens].transpose(0, 1).unsqueeze(2)
+        return x[:, :, self.tokens]
+
+    def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """Write this group's outputs y [n, heads, q, width] into packed out [1, heads, tokens, width]."""
+        if self.one_token:
+            out[0][:, self.tokens] = y[:, :, 0].transpose(0, 1)
+        else:
+            out[:, :, self.tokens] = y
+
+    def packed(self, y: torch.Tensor) -> torch.Tensor:
+        """y [n, heads, q, width] as packed [1, heads, tokens, width] when this group is the whole step."""
+        return y[:, :, 0].transpose(0, 1).unsqueeze(0) if self.one_token else y
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[n, 1, queries, keys] of allowed pairs (causal within the sequence, inside the window), or None
+        when every key is allowed. Causality alone excludes the padding slots: they lie past every query."""
+        if window not in self._masks:
+            distance = self.query_pos.unsqueeze(2) - self.key_pos[:, None, :]
+            allowed = distance >= 0
+            if window is not None:
+                allowed &= distance < window
+            self._masks[window] = None if bool(allowed.all()) else allowed.unsqueeze(1)
+        return self._masks[window]
+
+
+class PagedStep:
+    """One packed step over a PagedCache: positions [1, tokens], cache slots, attend groups, rotary tables."""
+
+    def __init__(self, chunks: list[Chunk], cache: PagedCache, tables: RotaryTables, ids: torch.Tensor):
+        if not chunks:
+            raise ValueError("a paged step needs at least one chunk")
+        total = sum(c.length for c in chunks)
+        if tuple(ids.shape) != (total,):
+            raise ValueError(f"ids of shape {tuple(ids.shape)} for chunks of {total} new tokens in all")
+        bs, device = cache.block_size, ids.device
+        self.cache, self.tables = cache, tables
+        positions: list[int] = []
+        slots: list[int] = []
+        needed: list[int] = []
+        for c in chunks:
+            end = c.start + c.length
+            need = -(-end // bs)
+            if c.length < 1 or c.start < 0 or len(c.blocks) < need:
+                raise ValueError(f"{c}: needs length >= 1, start >= 0 and {need} blocks of {bs} positions")
+            written = c.blocks[c.start // bs: need]
+            if PagedCache.NULL_BLOCK in written or not all(0 < b < cache.num_blocks for b in written):
+                raise ValueError(f"{c}: new tokens go to blocks {written}; the null block {PagedCache.NULL_BLOCK} "
+                                 f"and ids outside [1, {cache.num_blocks}) cannot be written")
+            positions.extend(range(c.start, end))
+            slots.extend(c.blocks[p // bs] * bs + p % bs for p in range(c.start, end))
+            needed.append(need)
+        self.positions = torch.tensor(positions, device=device).unsqueeze(0)
+        self.slots = torch.tensor(slots, device=device)
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + c.length)
+        self.last_tokens = torch.tensor(offsets[1:], device=device) - 1
+        self.total = total
+        self.groups = self._groups(chunks, offsets, needed, bs, device)
+        self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _groups(chunks: list[Chunk], offsets: list[int], needed: list[int], bs: int, device) -> list[_AttendGroup]:
+        groups = []
+        decodes = [i for i, c in enumerate(chunks) if c.length == 1]
+        if decodes:
+            at = [offsets[i] for i in decodes]
+            contiguous = at == list(range(at[0], at[0] + len(at)))
+            tokens = slice(at[0], at[0] + len(at)) if contiguous else torch.tensor(at, device=device)
+            width = max(needed[i] for i in decodes)
+            table = [list(chunks[i].blocks[:needed[i]]) + [PagedCache.NULL_BLOCK] * (width - needed[i])
+                     for i in decodes]
+            starts = [[chunks[i].start] for i in decodes]
+            groups.append(_AttendGroup(tokens, torch.tensor(table, device=device),
+                                       torch.tensor(starts, device=device), bs))
+        for i, c in enumerate(chunks):
+            if c.length > 1:
+                table = torch.tensor([c.blocks[:needed[i]]], device=device)
+                query_pos = torch.arange(c.start, c.start + c.length, device=device).unsqueeze(0)
+                groups.append(_AttendGroup(slice(offsets[i], offsets[i + 1]), table, query_pos, bs))
+        return groups
+
+    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn) -> torch.Tensor:
+        """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys, values, mask,
+        key_positions) per group over its sequences' gathered keys; outputs packed [1, heads, tokens, width]."""
+        self.cache.write(layer, self.slots, k, v)
+        outs = []
+        for group in self.groups:
+            keys, values = self.cache.gather(layer, group.table)
+            outs.append(fn(group.take(q), keys, values, group.mask(window), group.key_pos))
+        if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
+            return self.groups[0].packed(outs[0])
+        out = outs[0].new_empty((1, outs[0].shape[1], self.total, outs[0].shape[3]))
+        for group, y in zip(self.groups, outs):
+            group.put(out, y)
+        return out
+
+    def rotary(self, rope: RopeConfig, dtype: torch.dtype):
+        key = (rope, dtype)
+        if key not in self._rotary:
+            self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
+        return self._rotary[key]

@@ -1,0 +1,199 @@
+"""The paged KV cache and the packed forward: every step's logits equal the static path's over the whole
+sequence so far, for families that exercise each attention switch (grouped and multi-query heads, sliding
+windows, soft-capping, sinks, ALiBi, learned positions, Llama 4's query temperature, experts, latent
+attention); a mixed step equals its chunks run one by one; released sliding-window blocks may be
+reused; block_bytes is what the cache allocates."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ster_dist.load import load_model
+from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.parity import compare
+from ster_dist.resolve import resolve
+from tests.tiny_models import make_tiny
+
+BLOCK = 4
+VARIANTS = [
+    "llama",          # grouped-query heads, llama3 rope
+    "falcon_mq",      # one key-value head for all, parallel block
+    "gemma2",         # sliding window on alternate layers, attention and final soft-capping
+    "gemma3_text",    # sliding pattern, per-head query/key norms
+    "gpt_oss",        # sinks, sliding layers, experts
+    "bloom",          # ALiBi
+    "opt",            # learned positions
+    "mixtral",        # experts, sliding window everywhere
+    "qwen3_moe",      # experts after a dense layer
+    "deepseek_v3",    # latent attention: absorbed decodes, expanded prefills
+    "ministral3",     # Llama 4's query temperature, sliding everywhere
+]
+# one step = (sequence, new tokens) in chunk order: uneven prefill chunks first, decodes mixed in,
+# then decodes out of order and not adjacent in the packed tokens, then all sequences decoding together
+SCHEDULE = [
+    [("A", 5), ("B", 3)],
+    [("C", 9), ("B", 4), ("A", 6)],
+    [("B", 1), ("C", 7), ("A", 2)],
+    [("A", 1), ("C", 6), ("B", 1)],
+    *[[("A", 1), ("B", 1), ("C", 1)]] * 3,
+    [("C", 1), ("A", 1), ("B", 1)],
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    built = {}
+
+    def get(variant: str):
+        if variant not in built:
+            directory = tmp_path_factory.mktemp(variant)
+            make_tiny(variant, directory)
+            built[variant] = load_model(resolve(str(directory)), "f32").model
+        return built[variant]
+
+    return get
+
+
+class Driver:
+    """The driver's share, as plainly as the tests need it: scattered blocks handed out as sequences grow."""
+
+    def __init__(self, cache: PagedCache, seed: int = 0):
+        self.cache = cache
+        self.free = list(range(1, cache.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[str, list[int]] = {}
+        self.length: dict[str, int] = {}
+
+    def chunk(self, name: str, length: int) -> Chunk:
+        start = self.length.get(name, 0)
+        blocks = self.blocks.setdefault(name, [])
+        while len(blocks) * BLOCK < start + length:
+            blocks.append(self.free.pop())
+        self.length[name] = start + length
+        return Chunk(tuple(blocks), start, length)
+
+
+def _tokens(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randint(3, 300, (40,), generator=gen) for name in "ABC"}
+
+
+def _step(model, driver: Driver, tokens, step, release=None):
+    chunks = [driver.chunk(name, n) for name, n in step]
+    if release is not None:
+        chunks = [release(c) for c in chunks]
+    ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
+    with torch.no_grad():
+        return chunks, model.forward_paged(ids, chunks, driver.cache)
+
+
+def _whole(model, tokens, name: str, end: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens[name][None, :end])[0, -1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_paged_steps_match_the_whole_sequence(models, variant):
+    model = models(variant)
+    driver, tokens = Driver(PagedCache(model, 40, BLOCK)), _tokens()
+    for step in SCHEDULE:
+        chunks, logits = _step(model, driver, tokens, step)
+        assert logits.shape == (len(step), model.cfg.vocab_size)
+        for row, ((name, _), c) in enumerate(zip(step, chunks)):
+            result = compare(logits[row], _whole(model, tokens, name, c.start + c.length))
+            assert result["max_relative_error"] < 1e-5, (variant, step, name, result)
+
+
+@pytest.mark.parametrize("variant", ["llama", "deepseek_v3", "bloom"])
+def test_a_mixed_step_equals_its_chunks_one_by_one(models, variant):
+    model = models(variant)
+    tokens = _tokens(1)
+    caches = [PagedCache(model, 30, BLOCK), PagedCache(model, 30, BLOCK)]
+    drivers = [Driver(cache, seed=3) for cache in caches]
+    prefill = [("A", 6), ("B", 9)]
+    for driver in drivers:
+        _step(model, driver, tokens, prefill)
+    mixed = [("A", 1), ("C", 11), ("B", 1)]
+    _, together = _step(model, drivers[0], tokens, mixed)
+    apart = torch.cat([_step(model, drivers[1], tokens, [part])[1] for part in mixed])
+    assert compare(together, apart)["max_relative_error"] < 1e-5
+    for layer in range(model.cfg.num_layers):  # and both wrote the same keys where the driver put them
+        torch.testing.assert_close(caches[0].keys[layer], caches[1].keys[layer], rtol=0, atol=1e-6)
+        torch.testing.assert_close(caches[0].values[layer], caches[1].values[layer], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["mistral", "ministral3"])
+def test_blocks_outside_every_window_can_be_released_and_reused(models, variant):
+    model = models(variant)
+    windows = model.cfg.layer_window
+    assert all(w is not None for w in windows), "the test needs every layer to slide"
+    window, tokens = max(windows), _tokens(2)
+    kept, released = Driver(PagedCache(model, 40, BLOCK)), Driver(PagedCache(model, 40, BLOCK))
+    nulled: set[int] = set()
+
+    def release(c: Chunk) -> Chunk:
+        # a block is out of reach when its last position is outside the window of this chunk's first query
+        blocks = tuple(PagedCache.NULL_BLOCK if (i + 1) * BLOCK - 1 <= c.start - window else b
+                       for i, b in enumerate(c.blocks))
+        nulled.update(b for b, new in zip(c.blocks, blocks) if new != b)
+        return Chunk(blocks, c.start, c.length)
+
+    for step in SCHEDULE:
+        _, expected = _step(model, kept, tokens, step)
+        _, logits = _step(model, released, tokens, step, release)
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+        for block in nulled:  # the driver may hand a released block to another sequence: scribble on it
+            for store in released.cache.keys + released.cache.values:
+                store[block].normal_()
+    assert nulled, "no block ever left the window: the test saw nothing"
+
+
+@pytest.mark.parametrize("variant", ["llama", "deepseek_v3"])
+def test_block_bytes_are_what_the_cache_allocates(models, variant):
+    model = models(variant)
+    for dtype in (None, torch.bfloat16):
+        cache = PagedCache(model, 7, 5, dtype)
+        allocated = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+        assert allocated == 7 * PagedCache.block_bytes(model, 5, dtype)
+    if variant == "deepseek_v3":  # the latent and the shared key part, not per-head keys
+        mla = model.cfg.mla
+        assert cache.keys[0].shape == (7, 5, mla.kv_lora_rank) and cache.values[0].shape == (7, 5, mla.qk_rope_head_dim)
+    else:
+        attn = model.layers[0].attn
+        assert cache.keys[0].shape == (7, 5, attn.local_kv, attn.head_dim)
+
+
+def test_hooks_see_the_packed_residual_and_steer_it(models):
+    model = models("llama")
+    tokens, seen = _tokens(4), []
+    push = torch.randn(model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+
+    def steer(h):
+        seen.append(tuple(h.shape))
+        return h + push
+
+    remove = model.add_hook(1, steer)
+    try:
+        driver = Driver(PagedCache(model, 20, BLOCK))
+        chunks, logits = _step(model, driver, tokens, [("A", 7), ("B", 1)])
+        assert seen == [(1, 8, model.cfg.hidden_size)]
+        for row, name in enumerate("AB"):
+            c = chunks[row]
+            assert compare(logits[row], _whole(model, tokens, name, c.start + c.length))["max_relative_error"] < 1e-5
+    finally:
+        remove()
+
+
+def test_bad_chunks_are_refused(models):
+    model = models("llama")
+    cache = PagedCache(model, 8, BLOCK)
+    ids = torch.arange(3, 8)
+    with pytest.raises(ValueError, match="blocks"):  # 5 tokens need two blocks
+        model.forward_paged(ids, [Chunk((3,), 0, 5)], cache)
+    with pytest.raises(ValueError, match="null block"):
+        model.forward_paged(ids, [Chunk((3, PagedCache.NULL_BLOCK), 0, 5)], cache)
+    with pytest.raises(ValueError, match="new tokens"):
+        model.forward_paged(ids[:4], [Chunk((3, 4), 0, 5)], cache)
