@@ -183,6 +183,7 @@ class Sampler:
     def add(self, seq_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
         if seq_id in self._requests:
             raise ValueError(f"sequence {seq_id!r} is already in the sampler")
+        params.check()  # the engine checks with its own field names first; this is the backstop
         seeded = params.seed is not None
         seed = params.seed if seeded else secrets.randbits(63)
         # Repetition penalty reads the prompt; the others do not, so only it keeps a copy.
