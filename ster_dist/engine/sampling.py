@@ -50,7 +50,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
-    seed: int | None = None  # None: drawn at random when the request is added
+    seed: int | None = None  # None: drawn from the sampler's shared generator, random per run
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -176,8 +176,6 @@ class _GrowingIds:
 @dataclass
 class _Request:
     params: SamplingParams
-    seed: int
-    seeded: bool
     prompt_ids: torch.Tensor  # the prompt's distinct ids, when repetition penalty reads them
     output_ids: _GrowingIds = field(default_factory=_GrowingIds)
     generator: torch.Generator | None = None  # built on the logits' device at the first draw
@@ -209,12 +207,10 @@ class Sampler:
         if seq_id in self._requests:
             raise ValueError(f"sequence {seq_id!r} is already in the sampler")
         params.check()  # the engine checks with its own field names first; this is the backstop
-        seeded = params.seed is not None
-        seed = params.seed if seeded else secrets.randbits(63)
         # Repetition penalty reads the prompt; the others do not, so only it keeps a copy.
         prompt = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
         prompt = torch.tensor(prompt, dtype=torch.long)
-        self._requests[seq_id] = _Request(params, seed, seeded, prompt)
+        self._requests[seq_id] = _Request(params, prompt)
 
     def remove(self, seq_id: str) -> None:
         self._requests.pop(seq_id, None)
@@ -284,13 +280,13 @@ class Sampler:
         # The exponential race: argmax(p / q), q ~ Exp(1) iid, draws a token with probability p.
         # Seeded rows fill their q from their own generator, so a row's draw is its own.
         q = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if not r.seeded]
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
         if unseeded:
             block = torch.empty((len(unseeded), probs.shape[1]), device=device)
             block.exponential_(generator=self._shared_generator(device))
             q[torch.tensor(unseeded, device=device)] = block
         for i, request in enumerate(requests):
-            if request.seeded:
+            if request.params.seed is not None:
                 q[i].exponential_(generator=self._generator(request, device))
         q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exponential of 0 would make 0/0 win argmax
         return probs.div_(q).argmax(-1)
@@ -298,7 +294,7 @@ class Sampler:
     def _generator(self, request: _Request, device: torch.device) -> torch.Generator:
         if request.generator is None:
             request.generator = torch.Generator(device=device)
-            request.generator.manual_seed(request.seed)
+            request.generator.manual_seed(request.params.seed)
         elif request.generator.device != device:
             raise ValueError(
                 f"a request seeded on {request.generator.device} cannot draw on {device}"
