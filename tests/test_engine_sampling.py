@@ -27,6 +27,9 @@ from ster_dist.engine.sampling import (
 from ster_dist.errors import Refusal
 
 VOCAB = 50
+# The determinism contract on each device there is: CUDA generators draw differently from CPU
+# ones, but each must still be independent of the batch.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def step_logits(seq: str, step: int, vocab: int = VOCAB) -> torch.Tensor:
@@ -48,9 +51,10 @@ def draw_counts(params: SamplingParams, logits: torch.Tensor, draws: int = 4000)
 # ---- greedy ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_greedy_is_argmax(dtype):
-    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(0)).to(dtype)
+def test_greedy_is_argmax(dtype, device):
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     before = logits.clone()
     sampler = Sampler(seed=0)
     ids = [f"s{i}" for i in range(7)]
@@ -187,7 +191,7 @@ def test_presence_and_frequency_follow_the_openai_formula():
         "a", SamplingParams(presence_penalty=presence, frequency_penalty=frequency), [4, 4, 9]
     )
     outputs: list[int] = []
-    for step in range(15):
+    for step in range(100):  # past the 64 ids a request's buffer starts with
         logits = step_logits("a", step) / 6
         expected = logits.clone()
         for token in set(outputs):  # OpenAI: mu[j] - c[j] * frequency - (c[j] > 0) * presence
@@ -231,7 +235,9 @@ OTHERS = {
 }
 
 
-def run_steps(batches: list[list[str]], steps: int = 6) -> dict[str, list[int]]:
+def run_steps(
+    batches: list[list[str]], steps: int = 6, device: str = "cpu"
+) -> dict[str, list[int]]:
     """Sample every step with each batch (a list of seq ids, in row order); tokens per seq."""
     sampler = Sampler(seed=99)
     every = {**SEEDED, **OTHERS}
@@ -241,35 +247,38 @@ def run_steps(batches: list[list[str]], steps: int = 6) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {s: [] for s in seqs}
     for step in range(steps):
         for batch in batches:
-            logits = torch.stack([step_logits(s, step) for s in batch])
+            logits = torch.stack([step_logits(s, step) for s in batch]).to(device)
             tokens, _ = sampler.sample(logits, batch)
             for seq, token in zip(batch, tokens.tolist()):
                 out[seq].append(token)
     return out
 
 
-def test_seeded_rows_draw_the_same_alone_batched_and_reordered():
-    alone = {s: run_steps([[s]])[s] for s in SEEDED}
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_draw_the_same_alone_batched_and_reordered(device):
+    alone = {s: run_steps([[s]], device=device)[s] for s in SEEDED}
     everyone = list(SEEDED) + list(OTHERS)
-    batched = run_steps([everyone])
-    reordered = run_steps([everyone[::-1]])
-    split = run_steps([["u1", "s3"], ["s2", "g1", "s1", "s9"], ["u2"]])
+    batched = run_steps([everyone], device=device)
+    reordered = run_steps([everyone[::-1]], device=device)
+    split = run_steps([["u1", "s3"], ["s2", "g1", "s1", "s9"], ["u2"]], device=device)
     for seq in SEEDED:
         assert alone[seq] == batched[seq] == reordered[seq] == split[seq], seq
     assert len(set(alone["s1"])) > 1  # the generator moved on between steps
 
 
-def test_a_seeded_row_is_the_exponential_race_on_its_own_generator():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_is_the_exponential_race_on_its_own_generator(device):
     """The contract spelled out: q ~ Exp(1) from Generator(seed), token = argmax(softmax(l/T) / q)."""
     params = SamplingParams(temperature=0.8, seed=2024)
     sampler = Sampler(seed=0)
     sampler.add("a", params, [])
     sampler.add("b", SamplingParams(temperature=1.0), [])
-    reference = torch.Generator().manual_seed(2024)
+    reference = torch.Generator(device=device).manual_seed(2024)
     for step in range(8):
-        logits = step_logits("a", step)
-        tokens, _ = sampler.sample(torch.stack([step_logits("b", step), logits]), ["b", "a"])
-        q = torch.empty(VOCAB).exponential_(generator=reference)
+        logits = step_logits("a", step).to(device)
+        both = torch.stack([step_logits("b", step).to(device), logits])
+        tokens, _ = sampler.sample(both, ["b", "a"])
+        q = torch.empty(VOCAB, device=device).exponential_(generator=reference)
         assert tokens[1].item() == (torch.softmax(logits / 0.8, -1) / q).argmax().item()
 
 
@@ -286,8 +295,11 @@ def test_unseeded_requests_get_fresh_randomness():
 # ---- logprobs ------------------------------------------------------------------------------
 
 
-def test_logprobs_come_from_the_raw_logits():
-    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_come_from_the_raw_logits(device):
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7)).to(
+        device, torch.bfloat16
+    )
     sampler = Sampler(seed=0)
     sampler.add(
         "a",
@@ -332,6 +344,8 @@ def test_add_remove_and_unknown_sequences():
         sampler.sample(torch.zeros(1, VOCAB), ["b"])
     with pytest.raises(ValueError):
         sampler.sample(torch.zeros(2, VOCAB), ["a"])
+    with pytest.raises(Refusal, match="top-p"):
+        sampler.add("c", SamplingParams(top_p=0.0), [])
     sampler.remove("a")
     sampler.remove("a")  # removing twice is harmless: a finished request may be aborted too
     assert "a" not in sampler and len(sampler) == 0

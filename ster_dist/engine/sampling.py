@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ster_dist.errors import Refusal
 
@@ -49,7 +50,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
-    seed: int | None = None  # None: drawn at random when the request is added
+    seed: int | None = None  # None: drawn from the sampler's shared generator, random per run
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -154,14 +155,36 @@ class Logprobs(NamedTuple):
     top: list[tuple[int, float]]  # (id, logprob), most likely first; equal logprobs: lower id first
 
 
+class _GrowingIds:
+    """Token ids appended one a step, kept in a tensor so that a step's penalty table is built by
+    one copy per batch, not by converting every request's Python list every step."""
+
+    def __init__(self):
+        self._buffer = torch.empty(64, dtype=torch.long)
+        self._length = 0
+
+    def append(self, token_id: int) -> None:
+        if self._length == len(self._buffer):
+            self._buffer = torch.cat([self._buffer, torch.empty_like(self._buffer)])
+        self._buffer[self._length] = token_id
+        self._length += 1
+
+    def tensor(self) -> torch.Tensor:
+        return self._buffer[: self._length]
+
+
 @dataclass
 class _Request:
     params: SamplingParams
-    seed: int
-    seeded: bool
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    prompt_ids: torch.Tensor  # the prompt's distinct ids, when repetition penalty reads them
+    output_ids: _GrowingIds = field(default_factory=_GrowingIds)
     generator: torch.Generator | None = None  # built on the logits' device at the first draw
+    prompt_on_device: torch.Tensor | None = None  # prompt_ids copied once to the logits' device
+
+    def prompt_ids_on(self, device: torch.device) -> torch.Tensor:
+        if self.prompt_on_device is None or self.prompt_on_device.device != device:
+            self.prompt_on_device = self.prompt_ids.to(device)
+        return self.prompt_on_device
 
 
 class Sampler:
@@ -183,18 +206,18 @@ class Sampler:
     def add(self, seq_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
         if seq_id in self._requests:
             raise ValueError(f"sequence {seq_id!r} is already in the sampler")
-        seeded = params.seed is not None
-        seed = params.seed if seeded else secrets.randbits(63)
+        params.check()  # the engine checks with its own field names first; this is the backstop
         # Repetition penalty reads the prompt; the others do not, so only it keeps a copy.
         prompt = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
-        self._requests[seq_id] = _Request(params, seed, seeded, prompt)
+        prompt = torch.tensor(prompt, dtype=torch.long)
+        self._requests[seq_id] = _Request(params, prompt)
 
     def remove(self, seq_id: str) -> None:
         self._requests.pop(seq_id, None)
 
     def output_ids(self, seq_id: str) -> list[int]:
         """The tokens sampled so far for a penalized request (others keep none)."""
-        return list(self._requests[seq_id].output_ids)
+        return self._requests[seq_id].output_ids.tensor().tolist()
 
     @torch.inference_mode()
     def sample(
@@ -257,13 +280,13 @@ class Sampler:
         # The exponential race: argmax(p / q), q ~ Exp(1) iid, draws a token with probability p.
         # Seeded rows fill their q from their own generator, so a row's draw is its own.
         q = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if not r.seeded]
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
         if unseeded:
             block = torch.empty((len(unseeded), probs.shape[1]), device=device)
             block.exponential_(generator=self._shared_generator(device))
             q[torch.tensor(unseeded, device=device)] = block
         for i, request in enumerate(requests):
-            if request.seeded:
+            if request.params.seed is not None:
                 q[i].exponential_(generator=self._generator(request, device))
         q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exponential of 0 would make 0/0 win argmax
         return probs.div_(q).argmax(-1)
@@ -271,7 +294,7 @@ class Sampler:
     def _generator(self, request: _Request, device: torch.device) -> torch.Generator:
         if request.generator is None:
             request.generator = torch.Generator(device=device)
-            request.generator.manual_seed(request.seed)
+            request.generator.manual_seed(request.params.seed)
         elif request.generator.device != device:
             raise ValueError(
                 f"a request seeded on {request.generator.device} cannot draw on {device}"
@@ -286,17 +309,13 @@ class Sampler:
         return self._shared[device]
 
 
-def _token_table(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """counts [len(id_lists), vocab]: how often each id occurs in each list."""
-    counts = torch.zeros((len(id_lists), vocab + 1), dtype=torch.int32, device=device)
-    width = max((len(ids) for ids in id_lists), default=0)
-    if width:
+def _token_table(id_rows: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
+    """counts [len(id_rows), vocab]: how often each id occurs in each row of ids (1-D tensors,
+    all on one device)."""
+    counts = torch.zeros((len(id_rows), vocab + 1), dtype=torch.int32, device=device)
+    if any(row.numel() for row in id_rows):
         # Padding goes to the extra column `vocab`, dropped below; ids outside the vocab likewise.
-        padded = torch.full((len(id_lists), width), vocab, dtype=torch.long)
-        for row, ids in enumerate(id_lists):
-            if ids:
-                padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        padded = padded.to(device)
+        padded = pad_sequence(id_rows, batch_first=True, padding_value=vocab).to(device)
         padded.masked_fill_((padded < 0) | (padded > vocab), vocab)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
     return counts[:, :vocab]
@@ -309,9 +328,10 @@ def _apply_penalties(scores: torch.Tensor, rows: list[int], requests: list[_Requ
     index = torch.tensor(rows, device=device)
     picked = scores[index]
     params = [requests[i].params for i in rows]
-    output_counts = _token_table([requests[i].output_ids for i in rows], vocab, device)
+    output_counts = _token_table([requests[i].output_ids.tensor() for i in rows], vocab, device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = _token_table([requests[i].prompt_ids for i in rows], vocab, device) > 0
+        prompts = [requests[i].prompt_ids_on(device) for i in rows]
+        seen = _token_table(prompts, vocab, device) > 0
         seen |= output_counts > 0
         penalty = torch.tensor(
             [p.repetition_penalty for p in params], dtype=torch.float32, device=device
