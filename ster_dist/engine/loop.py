@@ -28,10 +28,13 @@ from ster_dist.engine.work import NewSequence, StepWork
 from ster_dist.errors import Refusal
 
 
+DEFAULT_KV_CAP = 1 << 30
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    kv_cache_memory: int | None = None   # bytes of KV blocks per rank; None: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.1
+    kv_cache_memory: int | None = None   # bytes of KV blocks per rank; None: kv_cache_fraction of free memory,
+    kv_cache_fraction: float = 0.1       # at most DEFAULT_KV_CAP (a server gives its own figure)
     block_size: int = 16
     max_step_tokens: int = 512           # tokens one forward may carry (decodes + prefill chunks)
     max_running: int = 256
@@ -58,7 +61,8 @@ class TokenEngine:
         self.group, self.cfg, self.tokenizer, self.eos = group, cfg, tokenizer, tuple(eos)
         self.config = config
         runners = group.on(ModelRunner)
-        sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction)
+        sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
+                                 DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
         blocks = min(s["blocks"] for s in sizes)
         # never more than every running request could fill at the model's full context (plus the null block)
         per_seq = -(-cfg.max_position // config.block_size)
@@ -118,7 +122,12 @@ class TokenEngine:
             raise Refusal(f"adapter {adapter!r} is not registered with the engine")
         request_id = request_id or f"r{next(self._ids)}"
         stream = RequestStream(request_id, len(prompt_ids), self.cancel)
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params.max_tokens)
+        if params.max_tokens == 0:  # nothing to generate: done before it starts
+            stream.put(Delta("", [], "length"))
+            return stream
+        # steered or adapted keys differ from plain ones: the prefix cache keeps them apart
+        salt = repr((steering, adapter)) if steering is not None or adapter is not None else ""
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params.max_tokens, cache_salt=salt)
         detok = Detokenizer(self.tokenizer, list(prompt_ids), params.stop)
         live = _Live(seq, stream, params, detok, steering, adapter)
         with self._cond:

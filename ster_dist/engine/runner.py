@@ -43,11 +43,14 @@ class ModelRunner(RankExtension):
         self.steering: RowSteering | None = None
         self.adapters: RowAdapters | None = None
 
-    def capacity(self, block_size: int, memory: int | None, fraction: float) -> dict:
-        """How many blocks this rank can hold: `memory` bytes, else `fraction` of what is free now."""
+    def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
+        """How many blocks this rank can hold: `memory` bytes, else `fraction` of what is free now
+        (at most `cap` bytes)."""
         model = self.model
         per_block = PagedCache.block_bytes(model, block_size)
         budget = memory if memory is not None else int(fraction * available_memory(model.embed.weight.device))
+        if cap is not None:
+            budget = min(budget, cap)
         return {"block_bytes": per_block, "blocks": budget // per_block}
 
     def start(self, num_blocks: int, block_size: int) -> int:

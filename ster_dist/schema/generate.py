@@ -49,7 +49,7 @@ class GenerateRequest(Runtime):
     stream: bool = field(False, help="print the answer's text on stdout as it is generated (with --prompt; a job "
                                      "sends it as text events)")
     kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank, e.g. 2GiB or 500MB (default: a "
-                                                   "tenth of the memory free at start)")
+                                                   "tenth of the memory free at start, at most 1GiB)")
     max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
     vector: str | None = field(None, help="a steering vector artifact (V.json) added during generation")
     strength: float | None = field(None, allow_inf_nan=False, help="the steering strength; required with --vector")
