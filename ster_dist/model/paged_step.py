@@ -126,6 +126,8 @@ class PagedStep:
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)
+            if keys.dtype != k.dtype:  # a cache kept narrower than the model attends in the model's dtype
+                keys, values = keys.to(k.dtype), values.to(k.dtype)
             outs.append(fn(group.take(q), keys, values, group.mask(window), group.key_pos))
         if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
             return self.groups[0].packed(outs[0])
