@@ -15,7 +15,7 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
 from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
-from tests.tiny_models import make_tiny
+from tests.tiny_models import TINY, make_tiny
 
 VARIANTS = [
     "llama",          # grouped-query heads, llama3 rope
@@ -106,6 +106,22 @@ def test_a_mixed_step_equals_its_chunks_one_by_one(models, variant):
     for layer in range(model.cfg.num_layers):  # and both wrote the same keys where the driver put them
         torch.testing.assert_close(caches[0].keys[layer], caches[1].keys[layer], rtol=0, atol=1e-6)
         torch.testing.assert_close(caches[0].values[layer], caches[1].values[layer], rtol=0, atol=1e-6)
+
+
+def test_longrope_picks_each_sequences_own_table(monkeypatch, tmp_path):
+    """A sequence past the switch point beside ones short of it: each rotates as when stepped alone."""
+    config_cls, model_cls, kwargs = TINY["phi3"]  # Phi-3's own key sets the switch point: 32, not 4096
+    monkeypatch.setitem(TINY, "phi3", (config_cls, model_cls, {**kwargs, "original_max_position_embeddings": 32}))
+    make_tiny("phi3", tmp_path)
+    model = load_model(resolve(str(tmp_path)), "f32").model
+    rope = model.cfg.layer_rope[0]
+    assert rope.rope_type == "longrope" and rope.original_max_position == 32
+    tokens, driver = _tokens(8), Driver(PagedCache(model, 40, BLOCK))
+    for step in ([("A", 34)], [("B", 5)], [("A", 1), ("B", 1), ("C", 3)], [("C", 1), ("A", 1)]):
+        chunks, logits = run_step(model, driver, tokens, step)
+        for row, ((name, _), c) in enumerate(zip(step, chunks)):
+            result = compare(logits[row], _whole(model, tokens, name, c.start + c.length))
+            assert result["max_relative_error"] < 1e-5, (step, name, result)
 
 
 @pytest.mark.parametrize("variant", ["mistral", "ministral3"])
