@@ -2,7 +2,7 @@
 sequence so far, for families that exercise each attention switch (grouped and multi-query heads, sliding
 windows, soft-capping, sinks, ALiBi, learned positions, Llama 4's query temperature, experts, latent
 attention); a mixed step equals its chunks run one by one; released sliding-window blocks may be
-reused; block_bytes is what the cache allocates."""
+reused; block_bytes is what the cache allocates; tensor- and expert-parallel ranks agree with one."""
 
 from __future__ import annotations
 
@@ -225,3 +225,15 @@ def test_tensor_parallel_ranks_keep_their_own_heads_and_agree_with_one_rank(chec
                 assert [r["key_shape"] for r in ranks] == [(*whole[:2], whole[2] // 2, whole[3])] * 2
             else:
                 assert [r["key_shape"] for r in ranks] == [whole] * 2
+
+
+def test_expert_parallel_ranks_take_shares_of_the_packed_tokens(checkpoints, models):
+    """Experts route the packed tokens of a step, split over two expert-parallel ranks, as one rank does."""
+    tokens = _tokens(9)
+    with SpawnGroup(2, ep=2) as group:
+        group.call("load", checkpoints("qwen3_moe"), "f32", "cpu")
+        ranks = group.on(PagedOnRank).run(tokens, SCHEDULE, 40)
+    model = models("qwen3_moe")
+    single = Driver(PagedCache(model, 40, BLOCK))
+    for step, ep2 in zip(SCHEDULE, ranks[0]["logits"]):
+        assert compare(ep2, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
