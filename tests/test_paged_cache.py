@@ -2,11 +2,9 @@
 sequence so far, for families that exercise each attention switch (grouped and multi-query heads, sliding
 windows, soft-capping, sinks, ALiBi, learned positions, Llama 4's query temperature, experts, latent
 attention); a mixed step equals its chunks run one by one; released sliding-window blocks may be
-reused; block_bytes is what the cache allocates."""
+reused; block_bytes is what the cache allocates; tensor- and expert-parallel ranks agree with one."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -15,9 +13,10 @@ from ster_dist.load import load_model
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from tests.tiny_models import make_tiny
+from ster_dist.workers.spawn import SpawnGroup
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
+from tests.tiny_models import TINY, make_tiny
 
-BLOCK = 4
 VARIANTS = [
     "llama",          # grouped-query heads, llama3 rope
     "falcon_mq",      # one key-value head for all, parallel block
@@ -44,50 +43,34 @@ SCHEDULE = [
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(variant: str):
+        if variant not in made:
+            directory = tmp_path_factory.mktemp(variant)
+            make_tiny(variant, directory)
+            made[variant] = resolve(str(directory))
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
     built = {}
 
     def get(variant: str):
         if variant not in built:
-            directory = tmp_path_factory.mktemp(variant)
-            make_tiny(variant, directory)
-            built[variant] = load_model(resolve(str(directory)), "f32").model
+            built[variant] = load_model(checkpoints(variant), "f32").model
         return built[variant]
 
     return get
 
 
-class Driver:
-    """The driver's share, as plainly as the tests need it: scattered blocks handed out as sequences grow."""
-
-    def __init__(self, cache: PagedCache, seed: int = 0):
-        self.cache = cache
-        self.free = list(range(1, cache.num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.blocks: dict[str, list[int]] = {}
-        self.length: dict[str, int] = {}
-
-    def chunk(self, name: str, length: int) -> Chunk:
-        start = self.length.get(name, 0)
-        blocks = self.blocks.setdefault(name, [])
-        while len(blocks) * BLOCK < start + length:
-            blocks.append(self.free.pop())
-        self.length[name] = start + length
-        return Chunk(tuple(blocks), start, length)
-
-
 def _tokens(seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {name: torch.randint(3, 300, (40,), generator=gen) for name in "ABC"}
-
-
-def _step(model, driver: Driver, tokens, step, release=None):
-    chunks = [driver.chunk(name, n) for name, n in step]
-    if release is not None:
-        chunks = [release(c) for c in chunks]
-    ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
-    with torch.no_grad():
-        return chunks, model.forward_paged(ids, chunks, driver.cache)
 
 
 def _whole(model, tokens, name: str, end: int) -> torch.Tensor:
@@ -100,7 +83,7 @@ def test_paged_steps_match_the_whole_sequence(models, variant):
     model = models(variant)
     driver, tokens = Driver(PagedCache(model, 40, BLOCK)), _tokens()
     for step in SCHEDULE:
-        chunks, logits = _step(model, driver, tokens, step)
+        chunks, logits = run_step(model, driver, tokens, step)
         assert logits.shape == (len(step), model.cfg.vocab_size)
         for row, ((name, _), c) in enumerate(zip(step, chunks)):
             result = compare(logits[row], _whole(model, tokens, name, c.start + c.length))
@@ -115,14 +98,30 @@ def test_a_mixed_step_equals_its_chunks_one_by_one(models, variant):
     drivers = [Driver(cache, seed=3) for cache in caches]
     prefill = [("A", 6), ("B", 9)]
     for driver in drivers:
-        _step(model, driver, tokens, prefill)
+        run_step(model, driver, tokens, prefill)
     mixed = [("A", 1), ("C", 11), ("B", 1)]
-    _, together = _step(model, drivers[0], tokens, mixed)
-    apart = torch.cat([_step(model, drivers[1], tokens, [part])[1] for part in mixed])
+    _, together = run_step(model, drivers[0], tokens, mixed)
+    apart = torch.cat([run_step(model, drivers[1], tokens, [part])[1] for part in mixed])
     assert compare(together, apart)["max_relative_error"] < 1e-5
     for layer in range(model.cfg.num_layers):  # and both wrote the same keys where the driver put them
         torch.testing.assert_close(caches[0].keys[layer], caches[1].keys[layer], rtol=0, atol=1e-6)
         torch.testing.assert_close(caches[0].values[layer], caches[1].values[layer], rtol=0, atol=1e-6)
+
+
+def test_longrope_picks_each_sequences_own_table(monkeypatch, tmp_path):
+    """A sequence past the switch point beside ones short of it: each rotates as when stepped alone."""
+    config_cls, model_cls, kwargs = TINY["phi3"]  # Phi-3's own key sets the switch point: 32, not 4096
+    monkeypatch.setitem(TINY, "phi3", (config_cls, model_cls, {**kwargs, "original_max_position_embeddings": 32}))
+    make_tiny("phi3", tmp_path)
+    model = load_model(resolve(str(tmp_path)), "f32").model
+    rope = model.cfg.layer_rope[0]
+    assert rope.rope_type == "longrope" and rope.original_max_position == 32
+    tokens, driver = _tokens(8), Driver(PagedCache(model, 40, BLOCK))
+    for step in ([("A", 34)], [("B", 5)], [("A", 1), ("B", 1), ("C", 3)], [("C", 1), ("A", 1)]):
+        chunks, logits = run_step(model, driver, tokens, step)
+        for row, ((name, _), c) in enumerate(zip(step, chunks)):
+            result = compare(logits[row], _whole(model, tokens, name, c.start + c.length))
+            assert result["max_relative_error"] < 1e-5, (step, name, result)
 
 
 @pytest.mark.parametrize("variant", ["mistral", "ministral3"])
@@ -142,8 +141,8 @@ def test_blocks_outside_every_window_can_be_released_and_reused(models, variant)
         return Chunk(blocks, c.start, c.length)
 
     for step in SCHEDULE:
-        _, expected = _step(model, kept, tokens, step)
-        _, logits = _step(model, released, tokens, step, release)
+        _, expected = run_step(model, kept, tokens, step)
+        _, logits = run_step(model, released, tokens, step, release)
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
         for block in nulled:  # the driver may hand a released block to another sequence: scribble on it
             for store in released.cache.keys + released.cache.values:
@@ -166,6 +165,16 @@ def test_block_bytes_are_what_the_cache_allocates(models, variant):
         assert cache.keys[0].shape == (7, 5, attn.local_kv, attn.head_dim)
 
 
+def test_a_cache_narrower_than_the_model_attends_in_the_models_dtype(models):
+    model = models("llama")
+    tokens, driver = _tokens(7), Driver(PagedCache(model, 40, BLOCK, torch.bfloat16))
+    for step in SCHEDULE[:5]:
+        chunks, logits = run_step(model, driver, tokens, step)
+        assert logits.dtype == torch.float32
+        for row, ((name, _), c) in enumerate(zip(step, chunks)):  # bf16 keys: about 1e-2 off, not more
+            assert compare(logits[row], _whole(model, tokens, name, c.start + c.length))["max_relative_error"] < 3e-2
+
+
 def test_hooks_see_the_packed_residual_and_steer_it(models):
     model = models("llama")
     tokens, seen = _tokens(4), []
@@ -178,7 +187,7 @@ def test_hooks_see_the_packed_residual_and_steer_it(models):
     remove = model.add_hook(1, steer)
     try:
         driver = Driver(PagedCache(model, 20, BLOCK))
-        chunks, logits = _step(model, driver, tokens, [("A", 7), ("B", 1)])
+        chunks, logits = run_step(model, driver, tokens, [("A", 7), ("B", 1)])
         assert seen == [(1, 8, model.cfg.hidden_size)]
         for row, name in enumerate("AB"):
             c = chunks[row]
@@ -197,3 +206,34 @@ def test_bad_chunks_are_refused(models):
         model.forward_paged(ids, [Chunk((3, PagedCache.NULL_BLOCK), 0, 5)], cache)
     with pytest.raises(ValueError, match="new tokens"):
         model.forward_paged(ids[:4], [Chunk((3, 4), 0, 5)], cache)
+
+
+def test_tensor_parallel_ranks_keep_their_own_heads_and_agree_with_one_rank(checkpoints, models):
+    """Each rank caches only its key-value heads (latent attention: the whole latent) under the same block
+    ids; the gathered logits equal one rank's."""
+    tokens = _tokens(6)
+    with SpawnGroup(2) as group:
+        for variant in ("llama", "gpt_oss", "deepseek_v3"):
+            group.call("load", checkpoints(variant), "f32", "cpu")
+            ranks = group.on(PagedOnRank).run(tokens, SCHEDULE, 40)
+            model = models(variant)
+            single = Driver(PagedCache(model, 40, BLOCK))
+            for step, tp2 in zip(SCHEDULE, ranks[0]["logits"]):
+                assert compare(tp2, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+            whole = tuple(single.cache.keys[0].shape)
+            if model.cfg.mla is None:
+                assert [r["key_shape"] for r in ranks] == [(*whole[:2], whole[2] // 2, whole[3])] * 2
+            else:
+                assert [r["key_shape"] for r in ranks] == [whole] * 2
+
+
+def test_expert_parallel_ranks_take_shares_of_the_packed_tokens(checkpoints, models):
+    """Experts route the packed tokens of a step, split over two expert-parallel ranks, as one rank does."""
+    tokens = _tokens(9)
+    with SpawnGroup(2, ep=2) as group:
+        group.call("load", checkpoints("qwen3_moe"), "f32", "cpu")
+        ranks = group.on(PagedOnRank).run(tokens, SCHEDULE, 40)
+    model = models("qwen3_moe")
+    single = Driver(PagedCache(model, 40, BLOCK))
+    for step, ep2 in zip(SCHEDULE, ranks[0]["logits"]):
+        assert compare(ep2, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5

@@ -5,19 +5,16 @@ A sequence's keys live in the blocks of its block table, position p in block p /
 p % block_size, so a key's slot within the gathered table is its position. Block ids are the driver's and
 the same on every rank; each rank stores only its own key-value heads (or, for latent attention, the
 latent and the shared rotated key part, which every rank holds whole), so tensor parallelism needs no
-exchange of keys.
+exchange of keys. `model` is a Decoder, typed as a module: the decoder imports this one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from ster_dist.model.decoder import Decoder
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -28,7 +25,7 @@ class Chunk:
     length: int              # new tokens this step, >= 1
 
 
-def _slot_shapes(model: Decoder) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Per layer, the shapes one position's key and value take on this rank."""
     shapes = []
     for block in model.layers:
@@ -47,7 +44,7 @@ class PagedCache:
 
     NULL_BLOCK = 0  # never handed out by the driver; stands in for blocks a sliding window has released (masked anyway)
 
-    def __init__(self, model: Decoder, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
         if block_size < 1 or num_blocks < 2:
             raise ValueError(f"a paged cache needs block_size >= 1 and num_blocks >= 2 (block {self.NULL_BLOCK} is "
                              f"the null block); got block_size {block_size}, num_blocks {num_blocks}")
@@ -59,7 +56,7 @@ class PagedCache:
         self.values = [torch.zeros((num_blocks, block_size, *v), dtype=self.dtype, device=device) for _, v in shapes]
 
     @staticmethod
-    def block_bytes(model: Decoder, block_size: int, dtype: torch.dtype | None = None) -> int:
+    def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
         """What one block costs on this rank, all layers."""
         itemsize = (dtype or model.embed.weight.dtype).itemsize
         per_position = sum(math.prod(k) + math.prod(v) for k, v in _slot_shapes(model))

@@ -94,6 +94,7 @@ class PagedStep:
         for c in chunks:
             offsets.append(offsets[-1] + c.length)
         self.last_tokens = torch.tensor(offsets[1:], device=device) - 1
+        self._offsets, self._ends = offsets, [c.start + c.length for c in chunks]
         self.total = total
         self.groups = self._groups(chunks, offsets, needed, bs, device)
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -126,6 +127,8 @@ class PagedStep:
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)
+            if keys.dtype != k.dtype:  # a cache kept narrower than the model attends in the model's dtype
+                keys, values = keys.to(k.dtype), values.to(k.dtype)
             outs.append(fn(group.take(q), keys, values, group.mask(window), group.key_pos))
         if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
             return self.groups[0].packed(outs[0])
@@ -137,5 +140,12 @@ class PagedStep:
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)
         if key not in self._rotary:
-            self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
+            # longrope picks its table by how far a sequence reaches: each chunk its own, as when stepped
+            # alone, not the furthest sequence's for all
+            if rope.rope_type == "longrope" and len({end > rope.original_max_position for end in self._ends}) > 1:
+                parts = [self.tables.lookup(rope, self.positions[:, a:b], dtype)
+                         for a, b in zip(self._offsets, self._offsets[1:])]
+                self._rotary[key] = tuple(torch.cat(tables, dim=1) for tables in zip(*parts))
+            else:
+                self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
         return self._rotary[key]

@@ -1,0 +1,53 @@
+"""Paged steps as the tests drive them: a plain block driver that hands out scattered blocks as sequences
+grow, one step of chunks through Decoder.forward_paged, and the same as a rank extension, so tensor-parallel
+ranks run a schedule on their own caches."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.workers.extension import RankExtension
+
+BLOCK = 4
+
+
+class Driver:
+    """The driver's share, as plainly as the tests need it: blocks from a shuffled free list, so no
+    sequence's blocks are contiguous or in order."""
+
+    def __init__(self, cache: PagedCache, seed: int = 0):
+        self.cache = cache
+        self.free = list(range(1, cache.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[str, list[int]] = {}
+        self.length: dict[str, int] = {}
+
+    def chunk(self, name: str, length: int) -> Chunk:
+        start = self.length.get(name, 0)
+        blocks = self.blocks.setdefault(name, [])
+        while len(blocks) * self.cache.block_size < start + length:
+            blocks.append(self.free.pop())
+        self.length[name] = start + length
+        return Chunk(tuple(blocks), start, length)
+
+
+def run_step(model, driver: Driver, tokens: dict[str, torch.Tensor], step, release=None):
+    """(chunks, logits [chunks, vocab]) of one step [(sequence, new tokens), ...]; `release` may rewrite
+    each chunk's blocks (a sliding window's released ones) before the forward."""
+    chunks = [driver.chunk(name, n) for name, n in step]
+    if release is not None:
+        chunks = [release(c) for c in chunks]
+    ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
+    with torch.inference_mode():
+        return chunks, model.forward_paged(ids, chunks, driver.cache)
+
+
+class PagedOnRank(RankExtension):
+    def run(self, tokens: dict[str, torch.Tensor], schedule, num_blocks: int) -> dict | None:
+        """Every step's logits and the shape of this rank's layer-0 keys, on its own cache."""
+        driver = Driver(PagedCache(self.model, num_blocks, BLOCK))
+        logits = [run_step(self.model, driver, tokens, step)[1] for step in schedule]
+        return {"logits": self.first_rank_only(logits), "key_shape": tuple(driver.cache.keys[0].shape)}
