@@ -144,7 +144,7 @@ KILLED_SCHEDULER = """
 import sys, time
 from ster_dist.jobqueue.queue import JobQueue
 state, model = sys.argv[1], sys.argv[2]
-scheduler = JobQueue(state).start()
+scheduler = JobQueue(state, max_batch=1).start()  # one job at a time, so the kill lands between them
 scheduler.submit_many([{"kind": "generate", "model": model, "prompt": f"job {i}", "max_new_tokens": 24 + i,
                         "chat_template": "off", "id": f"job-{i}"} for i in range(6)])
 time.sleep(600)

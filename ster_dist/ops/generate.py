@@ -172,7 +172,7 @@ def _answers(session: Session, engine, prepared: list[_Prepared]) -> Iterator[Co
                         for lp in done.logprobs]
         return Completion(prompt=prompt, text=done.text, prompt_tokens=done.prompt_tokens,
                           completion_tokens=len(done.token_ids), finish_reason=done.finish_reason,
-                          cached_tokens=done.cached_tokens, logprobs=logprobs)
+                          logprobs=logprobs)
 
     try:
         for item in prepared:

@@ -120,7 +120,6 @@ class Completion(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or text) or "length" (the budget ran out)
-    cached_tokens: int = 0  # prompt tokens the prefix cache served
     logprobs: list | None = None  # per token: {"token", "logprob", "top": [[id, logprob], ...]}
 
 
