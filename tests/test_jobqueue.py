@@ -77,6 +77,24 @@ def test_fifty_jobs_at_once_share_one_group_and_equal_running_them_one_by_one(to
         assert cli_generate(*argv) == batched[i]["result"], i
 
 
+def test_a_generate_job_arriving_mid_generation_joins_the_running_batch(toy, tmp_path):
+    with JobQueue(tmp_path / "state") as scheduler:
+        long = scheduler.submit(spec(toy, "a long answer", max_new_tokens=400, ignore_eos=True,
+                                     chat_template="off"))
+        deadline = time.monotonic() + 60
+        while scheduler.poll(long)["events"] == [] or not any(
+                "generating" in e.get("message", "") for e in scheduler.poll(long)["events"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        short = scheduler.wait(scheduler.submit(spec(toy, "short", max_new_tokens=2, chat_template="off")), 60)
+        assert scheduler.poll(long)["result"] is None  # the short job did not wait for the long one
+        assert short["status"] == "done"
+        done = scheduler.wait(long, 120)
+    assert done["status"] == "done" and done["result"]["completion_tokens"] == 400
+    alone = cli_generate(f"--model={toy}", "--prompt=short", "--max-new-tokens=2", "--chat-template=off")
+    assert short["result"] == alone
+
+
 def test_higher_priority_runs_first_and_results_come_back_in_submission_order(toy, tmp_path):
     scheduler = JobQueue(tmp_path / "state")
     low = scheduler.submit(spec(toy, "low", max_new_tokens=2, id="low"))
@@ -144,7 +162,7 @@ KILLED_SCHEDULER = """
 import sys, time
 from ster_dist.jobqueue.queue import JobQueue
 state, model = sys.argv[1], sys.argv[2]
-scheduler = JobQueue(state, max_batch=1).start()  # one job at a time, so the kill lands between them
+scheduler = JobQueue(state, max_batch=1, max_lanes=1).start()  # one job at a time: the kill lands between them
 scheduler.submit_many([{"kind": "generate", "model": model, "prompt": f"job {i}", "max_new_tokens": 24 + i,
                         "chat_template": "off", "id": f"job-{i}"} for i in range(6)])
 time.sleep(600)

@@ -5,8 +5,9 @@ tune) are validated on arrival (ster_dist.protocol: a typed request per job), jo
 (jobqueue/journal.py), queued by priority (higher first, then arrival order) and run one at a time
 by one executor thread, each as its operation (ster_dist.ops) over a session from the pool of
 worker groups (jobqueue/pool.py), so a model is loaded once and reused by every later job on the
-same group key. Greedy generate jobs with equal settings share one forward (ops.generate_many,
-merged in memory). A job whose worker died is retried on a restarted group up to `max_retries`
+same group key. Generate jobs on one group are batched (ops.generate_many) and run in lanes beside the
+executor, all feeding the session's token engine, so a generate job arriving mid-generation joins the
+running batch at the next step; other kinds wait for the lanes and run alone. A job whose worker died is retried on a restarted group up to `max_retries`
 times, then fails with the worker's error. Progress events are kept per job (jobqueue/events.py)
 for callers to stream; results are protocol result records.
 
@@ -69,9 +70,12 @@ class Job:
 
 class JobQueue:
     def __init__(self, state_dir=None, *, address: str | None = None, idle_s: float = 300.0,
-                 max_retries: int = 2, max_batch: int = 64, max_groups: int = 4, durable: bool = True):
+                 max_retries: int = 2, max_batch: int = 64, max_groups: int = 4, durable: bool = True,
+                 max_lanes: int = 8):
         self.max_retries = max_retries
         self.max_batch = max_batch
+        self.max_lanes = max_lanes
+        self._lanes: set[threading.Thread] = set()
         self.pool = GroupPool(address, idle_s, max_groups)
         self.journal = Journal(state_dir, durable)
         self.jobs: dict[str, Job] = {}
@@ -102,6 +106,7 @@ class JobQueue:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._wait_lanes(timeout)
         if _ACTIVE and _ACTIVE[0] is self:
             _ACTIVE.clear()
         self.pool.close()
@@ -278,14 +283,16 @@ class JobQueue:
             with self._cond:
                 while not self._queue and not self._stopping:
                     self._cond.wait(tick)
-                    self.pool.release_idle()
+                    if not self._lanes:
+                        self.pool.release_idle()
                 if self._stopping:
                     return
                 _, _, job_id = heapq.heappop(self._queue)
                 job = self.jobs[job_id]
             try:
                 self._execute(job)
-                self.pool.release_idle()
+                if not self._lanes:
+                    self.pool.release_idle()
             except Exception as exc:  # the executor outlives any one job's bookkeeping failure
                 print(f"ster job queue: job {job_id}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 with self._cond:
@@ -298,12 +305,51 @@ class JobQueue:
     def _execute(self, job: Job) -> None:
         batch = [job]
         if job.key is not None and not job.solo and _size(job) is not None:
+            if not self.pool.holds(job.spec.request):
+                self._wait_lanes()  # starting a group may evict another: never one a lane is generating on
             # Load (or find) the group first, so that jobs arriving during a load join this batch.
             if not self._attempt([job], warm_only=True):
                 return
             with self._cond:
                 batch += self._take_batchable(job)
+            self._start_lane(batch)
+            return
+        self._wait_lanes()
         self._attempt(batch)
+
+    # Generate batches run in lanes beside the executor: their requests join the session's token
+    # engine, whose batch changes at every step, so a generate job arriving while another batch is
+    # generating starts at once instead of waiting for it. Every other kind runs alone: it waits for
+    # the lanes to drain, so nothing else uses a group while its engine steps.
+    def _start_lane(self, batch: list[Job]) -> None:
+        with self._cond:
+            while len(self._lanes) >= self.max_lanes:
+                self._cond.wait(0.1)
+            lane = threading.Thread(target=self._lane, args=(batch,), name="ster-queue-lane", daemon=True)
+            self._lanes.add(lane)
+        lane.start()
+
+    def _lane(self, batch: list[Job]) -> None:
+        try:
+            self._attempt(batch)
+        except Exception as exc:  # as the executor: a bookkeeping failure fails the batch, not the queue
+            print(f"ster job queue: lane: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            with self._cond:
+                for job in batch:
+                    if job.result is None:
+                        job.result = protocol.make_result(job.spec, "failed", error=f"{type(exc).__name__}: {exc}",
+                                                          attempts=max(1, job.attempts), exit_code=1)
+                        job.state = "failed"
+        finally:
+            with self._cond:
+                self._lanes.discard(threading.current_thread())
+                self._cond.notify_all()
+
+    def _wait_lanes(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._lanes and (deadline is None or time.monotonic() < deadline):
+                self._cond.wait(0.1)
 
     def _take_batchable(self, first: Job) -> list[Job]:
         """Queued jobs that can share first's forward, up to max_batch prompts in all."""
