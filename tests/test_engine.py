@@ -211,14 +211,56 @@ def test_refusals_before_queueing(llama):
             engine.submit([5, 6], SamplingParams(), steering=("nope", 1.0))
 
 
+def test_a_stream_reads_with_async_for(llama, reference):
+    import asyncio
+
+    prompt = prompts(1, seed=23)[0]
+
+    async def read(engine):
+        texts, ids = [], []
+        async for delta in engine.submit(prompt, SamplingParams(max_tokens=7, ignore_eos=True)):
+            texts.append(delta.text)
+            ids += delta.token_ids
+        return ids
+
+    with open_engine(llama) as engine:
+        ids = asyncio.run(read(engine))
+    assert ids == alone(reference.model, prompt, 7)
+
+
 @pytest.mark.parametrize("variant, tp, ep", [("llama", 2, 1), ("qwen3_moe", 1, 2)])
 def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp, ep):
+    """Every request alone on one rank, static cache, equals its row of one batch across ranks: plain,
+    steered, and with an adapter on the attention projections (cut per rank as the loader cuts)."""
+    from ster_dist.adapters.attach import attach
+
     make_tiny(variant, tmp_path)
     single = load_model(resolve(str(tmp_path)), "f32")
+    hidden = single.cfg.hidden_size
+    g = torch.Generator().manual_seed(29)
+    vector = [(1, torch.randn(hidden, generator=g))]
+    params = dict(single.model.named_parameters())
+    sites = [{"param": f"layers.{i}.attn.{p}.weight", "a": torch.randn(4, hidden, generator=g) * 0.3,
+              "b": torch.randn(params[f"layers.{i}.attn.{p}.weight"].shape[0], 4, generator=g) * 0.3, "scale": 1.0}
+             for i in range(single.cfg.num_layers) for p in ("q", "v")]
+    sites += [{"param": f"layers.{i}.attn.o.weight", "a": torch.randn(4, params[f"layers.{i}.attn.o.weight"].shape[1],
+                                                                      generator=g) * 0.3,
+               "b": torch.randn(hidden, 4, generator=g) * 0.3, "scale": 1.0} for i in range(single.cfg.num_layers)]
     ps = prompts(5, seed=19)
     lengths = [6, 3, 9, 4, 7]
+    modifiers = [{}, {"steering": ("v", 2.0)}, {}, {"adapter": "x"}, {}]
     with SpawnGroup(tp * ep, ep=ep) as group:
         with open_engine(tmp_path, group=group, max_step_tokens=20) as engine:
-            got = run_all(engine, [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lengths)])
-    for p, n, tokens in zip(ps, lengths, got):
-        assert tokens == alone(single.model, p, n)
+            engine.add_vector("v", vector)
+            engine.add_adapter("x", sites)
+            streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), **m)
+                       for p, n, m in zip(ps, lengths, modifiers)]
+            got = [s.result().token_ids for s in streams]
+    for p, n, m, tokens in zip(ps, lengths, modifiers, got):
+        undo = [attach(single.model, sites)] if "adapter" in m else []
+        undo += add_steering(single.model, vector, 2.0) if "steering" in m else []
+        try:
+            assert tokens == alone(single.model, p, n)
+        finally:
+            for remove in undo:
+                remove()
