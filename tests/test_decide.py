@@ -1,7 +1,8 @@
 """Decisions: Ster's request refusals and rendering; probabilities equal to the softmax over letter
-logits Transformers computes on the same renderings (read whole, no shared cache), at one rank and
-at TP=2 on a real gloo group; every cyclic order cancels a letter bias planted in the head; and
-`ster decide` end to end."""
+logits Transformers computes on the same renderings (read whole, no shared cache), read through the
+token engine at one rank and at TP=2 on a real gloo group; the state served from the prefix cache
+for every rendering after the first; every cyclic order cancels a letter bias planted in the head;
+and `ster decide` end to end."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ster_dist.cli import main
 from ster_dist.decide.answer import log_softmax, probabilities, softmax
 from ster_dist.decide.prompt import LABELS, orders, render
 from ster_dist.decide.request import parse_request
-from ster_dist.decide.run import decide, label_tokens, shared_prefix
+from ster_dist.decide.run import decide, label_tokens, read, shared_prefix
+from ster_dist.engine.loop import EngineConfig, TokenEngine
 from ster_dist.errors import Refusal
 from ster_dist.resolve import resolve
 from ster_dist.steer.text import encode_prompt
@@ -113,6 +115,24 @@ def test_shared_prefix_leaves_every_row_a_token():
     assert shared_prefix([[1, 2], [1, 2, 3]]) == 1
 
 
+def engine_on(group, tokenizer, **config) -> TokenEngine:
+    """A fresh token engine over a loaded group (its prefix cache empty); one per group at a time."""
+    cfg = group.rank.loaded.cfg if isinstance(group, LocalGroup) else config.pop("cfg")
+    return TokenEngine(group, cfg, tokenizer, cfg.eos_token_ids or (2,),
+                       EngineConfig(**{"kv_cache_memory": 8 << 20, **config}))
+
+
+def _renderings(tokenizer, request, permutations, mode):
+    """Every rendering's tokens and letter spellings, in decide's order."""
+    rows, labels = [], []
+    for question in request.questions:
+        options = question.options()
+        for order in orders(len(options), permutations):
+            rows.append(encode_prompt(tokenizer, render(request, question, options, order), mode))
+            labels.append([label_tokens(tokenizer, LABELS[p]) for p in range(len(options))])
+    return rows, labels
+
+
 def _hf_probabilities(reference, tokenizer, request, permutations, mode):
     """Ster's arithmetic on Transformers' logits, every rendering read whole."""
     out = {}
@@ -154,7 +174,9 @@ def test_probabilities_equal_transformers_letter_softmax(llama, permutations, mo
     _, reference, tokenizer, group = llama
     request = parse_request(REQUEST)
     cfg = group.rank.loaded.cfg
-    result = decide(group, tokenizer, cfg, request, permutations, mode, True, 0, quiet, chunk=2)
+    # a small step budget: the renderings prefill in chunks and share steps
+    with engine_on(group, tokenizer, max_step_tokens=48) as engine:
+        result = decide(engine, tokenizer, cfg, request, permutations, mode, True, quiet)
     want = _hf_probabilities(reference, tokenizer, request, permutations, mode)
     for qid, answer in result["answers"].items():
         assert _probs(answer) == pytest.approx(want[qid][0], abs=1e-5), qid
@@ -168,15 +190,73 @@ def test_probabilities_equal_transformers_letter_softmax(llama, permutations, mo
     assert frustration["score"] == pytest.approx(sum(int(k) * p for k, p in frustration["probabilities"].items()))
     assert frustration["legend"]["2"] == '{\n  "level": "angry"\n}'
     usage = result["usage"]
-    assert usage["output_tokens"] == 0 and usage["forward_passes"] == 1 + (8 if permutations == 0 else
-                                                                          3 if permutations == 1 else 6)
+    rows, _ = _renderings(tokenizer, request, permutations, mode)
+    assert usage["output_tokens"] == 0 and usage["forward_passes"] == len(rows) == (8 if permutations == 0 else
+                                                                                   3 if permutations == 1 else 6)
+    assert usage["input_tokens"] < sum(len(r) for r in rows)  # the prefix cache served the state
+
+
+def test_the_state_comes_from_the_prefix_cache_after_the_first_rendering(llama):
+    """The first rendering is read alone, so every later one finds the shared prefix's whole blocks
+    cached; the engine's counters and decide's usage agree on what was computed."""
+    _, _, tokenizer, group = llama
+    request = parse_request(REQUEST)
+    rows, labels = _renderings(tokenizer, request, 0, "auto")
+    block = 16
+    aligned = shared_prefix(rows) // block * block
+    assert aligned >= 4 * block  # the header and the state: several whole blocks
+    with engine_on(group, tokenizer, block_size=block) as engine:
+        readings = read(engine, rows, labels)
+        stats = engine.stats()["kv_blocks"]
+    cached = [finished.cached_tokens for _, finished in readings]
+    assert cached[0] == 0 and all(c >= aligned for c in cached[1:]), cached
+    assert stats["prefix_queries"] == sum(len(r) for r in rows) and stats["prefix_hits"] == sum(cached)
+    with engine_on(group, tokenizer, block_size=block) as engine:
+        usage = decide(engine, tokenizer, group.rank.loaded.cfg, request, 0, "auto", False, quiet)["usage"]
+        stats = engine.stats()["kv_blocks"]
+    assert stats["prefix_hits"] >= (len(rows) - 1) * aligned
+    assert usage["input_tokens"] == stats["prefix_queries"] - stats["prefix_hits"]
+    assert usage["forward_passes"] == len(rows)
+
+
+def test_an_adapter_goes_to_decides_requests_only(llama):
+    """An adapter registered with the engine reads as the same adapter attached to the whole model,
+    leaves nothing attached, and its blocks are keyed apart from plain ones (no hits across)."""
+    from ster_dist.adapters.attach import attach
+
+    _, _, tokenizer, group = llama
+    model, cfg = group.rank.loaded.model, group.rank.loaded.cfg
+    g = torch.Generator().manual_seed(4)
+    params = dict(model.named_parameters())
+    sites = [{"param": f"layers.{layer}.attn.{proj}.weight", "a": torch.randn(4, cfg.hidden_size, generator=g) * 0.3,
+              "b": torch.randn(params[f"layers.{layer}.attn.{proj}.weight"].shape[0], 4, generator=g) * 0.3,
+              "scale": 1.0} for layer in range(cfg.num_layers) for proj in ("q", "v")]
+    request = parse_request(REQUEST)
+    with engine_on(group, tokenizer) as engine:
+        plain = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet)
+        engine.add_adapter("a", sites)
+        adapted = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet, adapter="a")
+    assert not any(getattr(m, "adapters", None) for m in model.modules())
+    detach = attach(model, sites)
+    try:
+        with engine_on(group, tokenizer) as engine:
+            whole = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet)
+    finally:
+        detach()
+    assert adapted["usage"] == whole["usage"] == plain["usage"]  # the plain blocks served none of it
+    for qid in whole["answers"]:
+        assert _probs(adapted["answers"][qid]) == pytest.approx(_probs(whole["answers"][qid]), abs=1e-7), qid
+    # the tiny model is near uniform over letters: the adapter moves it by about 1e-3
+    assert any(_probs(adapted["answers"][q]) != pytest.approx(_probs(plain["answers"][q]), abs=1e-4)
+               for q in plain["answers"])
 
 
 def test_a_question_past_the_context_is_refused(llama):
     _, _, tokenizer, group = llama
     request = parse_request({**REQUEST, "state": "word " * 600})
-    with pytest.raises(Refusal, match=r"question 'department' renders to \d+ tokens, past the 512 this model"):
-        decide(group, tokenizer, group.rank.loaded.cfg, request, 0, "off", False, 0, quiet)
+    with engine_on(group, tokenizer) as engine, \
+            pytest.raises(Refusal, match=r"question 'department' renders to \d+ tokens, past the 512 this model"):
+        decide(engine, tokenizer, group.rank.loaded.cfg, request, 0, "off", False, quiet)
 
 
 def test_permutations_cancel_a_letter_bias_planted_in_the_head(tmp_path):
@@ -195,9 +275,10 @@ def test_permutations_cancel_a_letter_bias_planted_in_the_head(tmp_path):
         with LocalGroup() as group:
             group.call("load", resolve(str(directory)), "f32", "cpu")
             cfg = group.rank.loaded.cfg
-            for permutations in (0, 1):
-                answers[name, permutations] = decide(group, tokenizer, cfg, request, permutations, "auto", False, 0,
-                                                     quiet)["answers"]
+            with engine_on(group, tokenizer) as engine:
+                for permutations in (0, 1):
+                    answers[name, permutations] = decide(engine, tokenizer, cfg, request, permutations, "auto", False,
+                                                         quiet)["answers"]
     for qid in answers["plain", 0]:
         unbiased = _probs(answers["plain", 0][qid])
         assert _probs(answers["biased", 0][qid]) == pytest.approx(unbiased, abs=1e-6), qid
@@ -208,10 +289,13 @@ def test_permutations_cancel_a_letter_bias_planted_in_the_head(tmp_path):
 def test_decide_at_tp2_equals_one_rank(llama):
     directory, _, tokenizer, local = llama
     request = parse_request(REQUEST)
-    want = decide(local, tokenizer, local.rank.loaded.cfg, request, 0, "auto", False, 0, quiet)
+    cfg = local.rank.loaded.cfg
+    with engine_on(local, tokenizer) as engine:
+        want = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet)
     with SpawnGroup(2) as group:
         group.call("load", resolve(str(directory)), "f32", "cpu")
-        got = decide(group, tokenizer, local.rank.loaded.cfg, request, 0, "auto", False, 0, quiet, chunk=3)
+        with engine_on(group, tokenizer, cfg=cfg) as engine:
+            got = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet)
     assert got["usage"] == want["usage"]
     for qid in want["answers"]:
         assert _probs(got["answers"][qid]) == pytest.approx(_probs(want["answers"][qid]), abs=1e-6)

@@ -117,6 +117,26 @@ def test_prefix_cached_request_equals_cold_and_counts_the_hit(llama, reference):
     assert after["prefix_hits"] - before["prefix_hits"] == 20
 
 
+def test_logits_of_reports_the_raw_logits_at_each_sampled_position(llama, reference):
+    """A request asking logits_of gets those ids' logits, unchanged by its sampling, at every sampled
+    position; a request beside it that asks nothing gets none (and its step result carries none)."""
+    prompt, ids = prompts(1, seed=7, lo=9, hi=10)[0], (5, 0, 250, 5)
+    with open_engine(llama) as engine:
+        scored = engine.submit(prompt, SamplingParams(max_tokens=3, temperature=2.0, seed=1,
+                                                      repetition_penalty=1.5, logits_of=ids))
+        plain = engine.submit(prompt, SamplingParams(max_tokens=3))
+        got, other = scored.result(), plain.result()
+        with pytest.raises(Refusal, match="past this model's"):
+            engine.submit(prompt, SamplingParams(logits_of=(engine.cfg.vocab_size,)))
+    assert other.scores == [] and len(got.scores) == 3
+    with torch.no_grad():
+        tokens = torch.tensor([prompt + got.token_ids])
+        logits = reference.model(tokens)[0].double()
+    for step, scores in enumerate(got.scores):
+        want = logits[len(prompt) - 1 + step, list(ids)].tolist()
+        assert scores == pytest.approx(want, abs=1e-4)
+
+
 def test_preemption_under_a_tiny_block_budget_gives_the_same_tokens(llama, reference):
     ps = prompts(6, seed=7, lo=8, hi=16)
     with open_engine(llama, max_blocks=16, prefix_caching=False) as engine:

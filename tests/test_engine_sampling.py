@@ -379,6 +379,9 @@ BAD = [
     ("stop", (3,)),
     ("stop_token_ids", (-1,)),
     ("ignore_eos", "yes"),
+    ("logits_of", (-1,)),
+    ("logits_of", (1.0,)),
+    ("logits_of", (0,) * 1025),
 ]
 
 
@@ -406,8 +409,10 @@ def test_check_accepts_the_edges():
         presence_penalty=-2,
         frequency_penalty=2,
         logprobs=20,
+        logits_of=(0,) * 1024,
     )
     assert edges.check() is edges
+    assert SamplingParams(logits_of=[3, 4]).logits_of == (3, 4)  # JSON lists stand for tuples
     assert SamplingParams(stop="END", stop_token_ids=[5]).check() == SamplingParams(
         stop=("END",), stop_token_ids=(5,)
     )

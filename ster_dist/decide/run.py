@@ -1,14 +1,13 @@
-"""Answering a decide request on the ranks.
+"""Answering a decide request through the token engine (engine/loop.py).
 
-Every question in every order is rendered and tokenized first. The renderings all begin with the
-header and the state, so the longest run of tokens they share (found on the tokens, not the text:
-a tokenizer may merge across the point where two texts diverge; each rendering keeps at least its
-last token) goes through the model once into the KV cache. The cache is then forked per batch of
-renderings and each rendering runs only its own suffix, left-padded after the shared slots (padding
-is masked and positions skip it), so every row ends at the same slot and only the last position's
-logits are computed. Every rank runs the same steps (the logits are gathered on every rank); rank 0
-reduces each row to its letters' logits (log-sum-exp over the spellings of each letter) and
-returns only those.
+Every question in every order is rendered and tokenized first. Each rendering is then one engine
+request: its whole tokens, one greedy token (the answer itself is never used), and the raw logits
+of every spelling of its option letters at its last position (SamplingParams.logits_of), which
+rank 0 sends back beside the token. The renderings all begin with the header and the state, so the
+prefix cache serves those blocks: the first rendering is read alone, and the rest are submitted
+only once it is done, since requests admitted in the same step would all miss the blocks none of
+them has computed yet. Each later rendering then computes only what follows the cached blocks.
+The driver reduces each row to its letters' logits (log-sum-exp over the spellings of each letter).
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import torch
 from ster_dist.decide import answer as arithmetic
 from ster_dist.decide.prompt import LABELS, orders, render
 from ster_dist.decide.request import Request
+from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.steer.text import encode_prompt
-from ster_dist.workers.extension import RankExtension
 
 
 def label_tokens(tokenizer, label: str) -> list[int]:
@@ -50,53 +49,46 @@ def shared_prefix(rows: list[list[int]]) -> int:
     return min(common, min(len(r) for r in rows) - 1)
 
 
-def _fork(model, cache, rows: int, capacity: int):
-    """A cache of `rows` rows holding `cache`'s one row of shared slots, ready for suffixes."""
-    fork = model.new_cache(rows, capacity)
-    used = cache.length
-    for layer in range(len(fork.keys)):
-        fork.keys[layer][:, :, :used] = cache.keys[layer][:, :, :used]
-        fork.values[layer][:, :, :used] = cache.values[layer][:, :, :used]
-    fork.positions[:, :used] = cache.positions[:, :used]
-    fork.valid[:, :used] = cache.valid[:, :used]
-    fork.length = used
-    return fork
-
-
-@torch.inference_mode()
-def letter_logits(model, prefix: list[int], suffixes: list[list[int]], labels: list[list[list[int]]],
-                  pad_id: int = 0, chunk: int = 8) -> list[list[float]]:
-    """Per suffix, per answer position, the log-sum-exp of that letter's spellings' logits."""
-    width = max(len(s) for s in suffixes)
-    shared = model.new_cache(1, len(prefix) + 1)
-    if prefix:
-        model(torch.tensor([prefix]), cache=shared, last_only=True)
-    out = []
-    for start in range(0, len(suffixes), chunk):
-        group = suffixes[start:start + chunk]
-        cache = _fork(model, shared, len(group), len(prefix) + width)
-        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        valid = torch.zeros((len(group), width), dtype=torch.bool)
-        for row, suffix in enumerate(group):
-            ids[row, width - len(suffix):] = torch.tensor(suffix)
-            valid[row, width - len(suffix):] = True
-        positions = len(prefix) + (valid.long().cumsum(1) - 1).clamp(min=0)
-        logits = model(ids, positions, valid, cache, last_only=True)[:, -1].double()
-        for row, label_ids in enumerate(labels[start:start + chunk]):
-            out.append([float(torch.logsumexp(logits[row, ids_], 0)) for ids_ in label_ids])
+def _letters(scores: list[float], label_ids: list[list[int]]) -> list[float]:
+    """Per answer position, the log-sum-exp of its spellings' logits (scores in logits_of order: every
+    spelling of position 0, then of position 1, ...)."""
+    out, at = [], 0
+    for ids in label_ids:
+        out.append(float(torch.logsumexp(torch.tensor(scores[at:at + len(ids)], dtype=torch.float64), 0)))
+        at += len(ids)
     return out
 
 
-class LetterLogitsOnRank(RankExtension):
-    """Reads the option letters' logits on one rank; the shared prefix's cache lives only for one call."""
+def read(engine, rows: list[list[int]], labels: list[list[list[int]]], adapter: str | None = None) -> list:
+    """Each row's letter logits and the engine's Finished for it: the first row alone, then the rest."""
+    def submit(row, label_ids):
+        params = SamplingParams(max_tokens=1, ignore_eos=True,
+                                logits_of=tuple(i for ids in label_ids for i in ids))
+        return engine.submit(row, params, adapter=adapter)
 
-    def letter_logits(self, prefix, suffixes, labels, pad_id, chunk):
-        return self.first_rank_only(letter_logits(self.model, prefix, suffixes, labels, pad_id, chunk))
+    streams = []
+    try:
+        streams.append(submit(rows[0], labels[0]))
+        done = [streams[0].result()]  # its full blocks are in the prefix cache once it is done
+        streams.extend(submit(row, label_ids) for row, label_ids in zip(rows[1:], labels[1:]))
+        done.extend(stream.result() for stream in streams[1:])
+    except BaseException:  # a failure or an interrupt frees what is still in flight
+        for stream in streams:
+            stream.cancel()
+        raise
+    out = []
+    for finished, label_ids in zip(done, labels):
+        if not finished.scores or finished.scores[0] is None:
+            raise Refusal(f"the engine ended a decide reading with {finished.finish_reason!r} before its letters "
+                          "were read")
+        out.append((_letters(finished.scores[0], label_ids), finished))
+    return out
 
 
-def decide(group, tokenizer, cfg, request: Request, permutations: int, chat_template: str, explain: bool,
-           pad_id: int, progress, chunk: int = 8) -> dict:
-    """answers, explain (optional) and usage for `request` on `group`'s ranks."""
+def decide(engine, tokenizer, cfg, request: Request, permutations: int, chat_template: str, explain: bool,
+           progress, adapter: str | None = None) -> dict:
+    """answers, explain (optional) and usage for `request`, read through `engine` (a TokenEngine);
+    `adapter` names one registered with it (engine.add_adapter)."""
     if permutations < 0:
         raise Refusal(f"--permutations must be 0 (every order) or more, got {permutations}")
     rows, owners, row_orders, labels = [], [], [], []
@@ -108,21 +100,21 @@ def decide(group, tokenizer, cfg, request: Request, permutations: int, chat_temp
                 spellings[position] = label_tokens(tokenizer, LABELS[position])
         for order in orders(len(options), permutations):
             ids = encode_prompt(tokenizer, render(request, question, options, order), chat_template)
-            if len(ids) > cfg.max_position:
+            if len(ids) + 1 > cfg.max_position:  # the letter is read as the next position's token
                 raise Refusal(f"question '{question.id}' renders to {len(ids)} tokens, past the {cfg.max_position} "
-                              "this model was built for; shorten the state or the question")
+                              "this model was built for once the answer's position is counted; shorten the state "
+                              "or the question")
             rows.append(ids)
             owners.append(index)
             row_orders.append(order)
             labels.append([spellings[p] for p in range(len(options))])
     shared = shared_prefix(rows)
-    suffixes = [r[shared:] for r in rows]
-    between = sum(len(s) for s in suffixes)
-    progress(f"reading the state once ({shared} tokens), then {len(rows)} question renderings "
-             f"({between} tokens between them)")
-    read = group.on(LetterLogitsOnRank).letter_logits(rows[0][:shared], suffixes, labels, pad_id, chunk)[0]
+    between = sum(len(r) - shared for r in rows)
+    progress(f"reading the state once ({shared} tokens; the prefix cache serves it after), then {len(rows)} "
+             f"question renderings ({between} tokens between them)")
+    readings = read(engine, rows, labels, adapter)
     per_question: list[tuple[list, list]] = [([], []) for _ in request.questions]
-    for owner, order, row in zip(owners, row_orders, read):
+    for owner, order, (row, _) in zip(owners, row_orders, readings):
         canonical = [0.0] * len(order)
         for position, option in enumerate(order):
             canonical[option] = row[position]
@@ -136,6 +128,8 @@ def decide(group, tokenizer, cfg, request: Request, permutations: int, chat_temp
     out = {"answers": answers}
     if explain:
         out["explain"] = explained
-    out["usage"] = {"input_tokens": shared + between, "forward_passes": int(shared > 0) + len(rows),
-                    "output_tokens": 0}
+    # input_tokens: prompt tokens the model computed (the prefix cache's hits are not); one forward
+    # pass per rendering (the step it shares with others counts once for each)
+    computed = sum(f.prompt_tokens - f.cached_tokens for _, f in readings)
+    out["usage"] = {"input_tokens": computed, "forward_passes": len(rows), "output_tokens": 0}
     return out

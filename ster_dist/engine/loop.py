@@ -152,6 +152,10 @@ class TokenEngine:
         if len(prompt_ids) + params.max_tokens > limit:
             raise Refusal(f"max_tokens {params.max_tokens} past a {len(prompt_ids)}-token prompt runs beyond the "
                           f"model's {limit} positions; give at most {limit - len(prompt_ids)}")
+        vocab = self.cfg.vocab_size
+        if any(i >= vocab for i in params.logits_of):
+            raise Refusal(f"logits_of asks for token id {max(params.logits_of)}, past this model's {vocab}-token "
+                          "vocabulary")
         if not self.scheduler.fits_ever(len(prompt_ids) + params.max_tokens):
             raise Refusal(f"a {len(prompt_ids)}-token prompt with max_tokens {params.max_tokens} needs more KV blocks "
                           f"than the whole cache holds ({self.pool.stats()['total']} of {self.config.block_size} "
@@ -254,10 +258,10 @@ class TokenEngine:
             result = self.group.on(ModelRunner).step(work)[0]
         self.scheduler.after_step(plan)
         self.counters["steps"] += 1
-        for (i, seq_id), token, logprob in zip(work.samples, result.tokens, result.logprobs):
-            self._take(self._live[seq_id], token, logprob)
+        for n, ((i, seq_id), token, logprob) in enumerate(zip(work.samples, result.tokens, result.logprobs)):
+            self._take(self._live[seq_id], token, logprob, result.scores.get(n))
 
-    def _take(self, live: _Live, token: int, logprob) -> None:
+    def _take(self, live: _Live, token: int, logprob, scores: list[float] | None = None) -> None:
         """One sampled token for `live`: stream its text, retire the request when it is done."""
         seq, params = live.seq, live.params
         self.scheduler.append(seq, token)
@@ -278,4 +282,5 @@ class TokenEngine:
             self._live.pop(seq.id, None)
             self._removed.append(seq.id)
             self.counters["finished"] += 1
-        live.stream.put(Delta(text, [token], reason, [logprob] if params.logprobs is not None else []))
+        live.stream.put(Delta(text, [token], reason, [logprob] if params.logprobs is not None else [],
+                              [scores] if params.logits_of else []))

@@ -91,7 +91,12 @@ class ModelRunner(RankExtension):
             return None
         picked = [i for i, _ in work.samples]
         tokens, logprobs = self.sampler.sample(logits[picked], [seq_id for _, seq_id in work.samples])
-        return StepResult(tokens.tolist(), logprobs)
+        scores = {}
+        for n, (row, seq_id) in enumerate(work.samples):
+            ids = self.sampler.params(seq_id).logits_of
+            if ids:  # the raw logits, before any sampling setting; float64 so the driver reduces them in double
+                scores[n] = logits[row, list(ids)].double().tolist()
+        return StepResult(tokens.tolist(), logprobs, scores)
 
     def stop(self) -> None:
         """Drop the cache and every registration (the group stays loaded)."""

@@ -23,6 +23,7 @@ from ster_dist.errors import Refusal
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGITS_OF = 1024  # ids a request may read raw logits of (decide reads a few per answer letter)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
@@ -58,6 +59,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # over output tokens, as OpenAI
     frequency_penalty: float = 0.0  # times each output token's count, as OpenAI
     logprobs: int | None = None  # k: the chosen token's logprob and the top k (at most 20)
+    # raw logits of these ids at every sampled position, before penalties and temperature (decide)
+    logits_of: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Requests arrive as JSON: a lone stop string or lists stand for tuples.
@@ -65,8 +68,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop_token_ids", "logits_of"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def check(self, name: Callable[[str], str] = _flag) -> SamplingParams:
         """Refuse what cannot be sampled, in one line naming the field through `name` (a flag by
@@ -130,6 +134,12 @@ class SamplingParams:
             raise Refusal(
                 f"{name('stop_token_ids')} must be a list of token ids (integers, 0 or more), got {self.stop_token_ids!r}"
             )
+        if not isinstance(self.logits_of, tuple) or not all(_is_int(t) and t >= 0 for t in self.logits_of):
+            raise Refusal(
+                f"{name('logits_of')} must be a list of token ids (integers, 0 or more), got {self.logits_of!r}"
+            )
+        if len(self.logits_of) > MAX_LOGITS_OF:
+            raise Refusal(f"{name('logits_of')} takes at most {MAX_LOGITS_OF} ids, got {len(self.logits_of)}")
         if not isinstance(self.ignore_eos, bool):
             raise Refusal(f"{name('ignore_eos')} must be true or false, got {self.ignore_eos!r}")
         return self
@@ -211,6 +221,9 @@ class Sampler:
         prompt = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
         prompt = torch.tensor(prompt, dtype=torch.long)
         self._requests[seq_id] = _Request(params, prompt)
+
+    def params(self, seq_id: str) -> SamplingParams:
+        return self._requests[seq_id].params
 
     def remove(self, seq_id: str) -> None:
         self._requests.pop(seq_id, None)

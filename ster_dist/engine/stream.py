@@ -19,6 +19,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None   # "stop" | "length" | "abort", on the last delta only
     logprobs: list = field(default_factory=list)  # per token: None or (id, logprob, [(id, logprob), ...])
+    scores: list = field(default_factory=list)    # per token, when logits_of was asked: those ids' raw logits
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Finished:
     prompt_tokens: int
     logprobs: list
     cached_tokens: int = 0
+    scores: list = field(default_factory=list)  # per token: the raw logits of SamplingParams.logits_of
 
 
 class RequestStream:
@@ -94,12 +96,14 @@ class RequestStream:
 
     def result(self, on_delta=None) -> Finished:
         """Wait for the whole output (handing each delta to `on_delta` as it comes)."""
-        text, ids, logprobs, reason = [], [], [], None
+        text, ids, logprobs, scores, reason = [], [], [], [], None
         for delta in self:
             if on_delta is not None:
                 on_delta(delta)
             text.append(delta.text)
             ids.extend(delta.token_ids)
             logprobs.extend(delta.logprobs)
+            scores.extend(delta.scores)
             reason = delta.finish_reason or reason
-        return Finished("".join(text), ids, reason or "abort", self.prompt_tokens, logprobs, self.cached_tokens)
+        return Finished("".join(text), ids, reason or "abort", self.prompt_tokens, logprobs, self.cached_tokens,
+                        scores)

@@ -40,3 +40,6 @@ class StepResult:
 
     tokens: list[int]
     logprobs: list  # per sample: None, or (chosen id, its logprob, [(id, logprob), ...])
+    # sample index -> raw logits of its request's `logits_of` ids; only samples that asked (so a
+    # step of plain requests sends nothing more back)
+    scores: dict[int, list[float]] = field(default_factory=dict)

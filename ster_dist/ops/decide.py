@@ -9,25 +9,34 @@ from ster_dist.atomic import write_json
 from ster_dist.events import progress
 from ster_dist.inputs import output_not_an_input, writable_file
 from ster_dist.schema.decide import DecideRequest
-from ster_dist.session import Session, modifiers
+from ster_dist.session import Session
 
 
 def decide(session: Session, request: DecideRequest) -> dict:
+    """Every rendering is a request of the session's token engine, so the state is read once and
+    served from the prefix cache after; --adapter is registered with the engine and routed to these
+    requests alone (nothing attached on the ranks for the whole operation)."""
     from ster_dist.decide.request import load_request
     from ster_dist.decide.run import decide as run_decide
+    from ster_dist.ops.generate import register_adapter
     from ster_dist.steer.text import chat_status
 
     writable_file(request.output, request.label("output"), "JSON file")
     output_not_an_input(request)
     questions = load_request(request.request)
+    if request.adapter is not None:  # a bad adapter file is refused before any weight is read
+        from ster_dist.adapters.format import open_adapter
+
+        open_adapter(request.adapter)
     mode = request.chat_template
-    with modifiers(session, request, steering=False):
-        chat = chat_status(session.tokenizer, mode)
-        result = run_decide(session.group, session.tokenizer, session.cfg, questions, request.permutations, mode,
-                            request.explain, session.pad_id, progress)
-        revision = session.checkpoint.model_revision
-    response = {"model": request.model, "revision": revision, "chat_template": chat, "precision": request.precision,
-                "temperature": 1.0, "calibration": None, "permutations": request.permutations, **result}
+    engine = session.engine()
+    adapter = register_adapter(session, engine, request)[0] if request.adapter is not None else None
+    chat = chat_status(session.tokenizer, mode)
+    result = run_decide(engine, session.tokenizer, session.cfg, questions, request.permutations, mode,
+                        request.explain, progress, adapter=adapter)
+    response = {"model": request.model, "revision": session.checkpoint.model_revision, "chat_template": chat,
+                "precision": request.precision, "temperature": 1.0, "calibration": None,
+                "permutations": request.permutations, **result}
     if request.output is not None:
         write_json(Path(request.output), response)
     return response

@@ -120,11 +120,7 @@ def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[s
         engine.add_vector(key, vectors)
         steering = (key, float(request.strength))
     if request.adapter is not None:
-        from ster_dist.adapters.attach import prepare as prepare_adapter
-
-        sites, info["adapter"] = prepare_adapter(session, request)
-        adapter = _digest([(s["param"], s["a"], s["b"], s["scale"]) for s in sites])
-        engine.add_adapter(adapter, sites)
+        adapter, info["adapter"] = register_adapter(session, engine, request)
     tokenizer = session.tokenizer
     params = sampling_params(request)
     sampling = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature, "top_p": request.top_p,
@@ -142,6 +138,17 @@ def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[s
                   chat_template="on" if request.chat_template != "off" and tokenizer.chat_template else "off",
                   sampling={**sampling, **extra}, steering=info.get("steering"), adapter=info.get("adapter"))
     return _Prepared(request, prompts, system, steering, adapter, header)
+
+
+def register_adapter(session: Session, engine, request) -> tuple[str, dict]:
+    """`request.adapter` checked against the session's model and registered with the engine under a
+    name digesting its content (nothing is attached globally); the name and the adapter's provenance."""
+    from ster_dist.adapters.attach import prepare
+
+    sites, info = prepare(session, request)
+    name = _digest([(s["param"], s["a"], s["b"], s["scale"]) for s in sites])
+    engine.add_adapter(name, sites)
+    return name, info
 
 
 def _digest(parts) -> str:
