@@ -120,7 +120,7 @@ def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_complet
     reader.join(10)
     assert proc.returncode == 0, "".join(lines)
     died = [line for line in lines if "a worker died: rank" in line]
-    assert len(died) == 1 and "died during SteeringOnRank.attach" in died[0]
+    assert len(died) == 1 and "died during ModelRunner.register_vector" in died[0]
     result, plain = json.loads(out), json.loads(_ster(*args).stdout)
     assert result["tp"] == 2 and result["text"] == plain["text"] and result["steering"]["strength"] == 1.0
 

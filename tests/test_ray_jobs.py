@@ -314,7 +314,7 @@ def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_r
         starts = scheduler.stats()["group_starts"]
     assert len(set(killed)) == 2 and starts == 2
     assert record["status"] == "failed" and record["attempts"] == 2 and record["exit_code"] == 2
-    assert record["error"].startswith("rank 0 died during SteeringOnRank.attach: ") and "gave up after 2 attempts" in record["error"]
+    assert record["error"].startswith("rank 0 died during ModelRunner.register_vector: ") and "gave up after 2 attempts" in record["error"]
 
 
 def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_once(cluster, toy):

@@ -111,9 +111,10 @@ class TokenEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), *,
                steering: tuple[str, float] | None = None, adapter: str | None = None,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, on_finish=None) -> RequestStream:
         """Queue one request; returns its stream at once. Refused here, before it is queued: an empty
-        prompt, one past the model's positions, or one the whole cache could never hold."""
+        prompt, one past the model's positions, or one the whole cache could never hold. `on_finish(stream)`
+        is called from the engine's thread once the stream's last delta is in."""
         params.check()
         self._check(prompt_ids, params)
         if steering is not None and steering[0] not in self._vectors:
@@ -121,7 +122,7 @@ class TokenEngine:
         if adapter is not None and adapter not in self._adapters:
             raise Refusal(f"adapter {adapter!r} is not registered with the engine")
         request_id = request_id or f"r{next(self._ids)}"
-        stream = RequestStream(request_id, len(prompt_ids), self.cancel)
+        stream = RequestStream(request_id, len(prompt_ids), self.cancel, on_finish)
         if params.max_tokens == 0:  # nothing to generate: done before it starts
             stream.put(Delta("", [], "length"))
             return stream

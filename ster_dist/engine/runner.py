@@ -79,9 +79,10 @@ class ModelRunner(RankExtension):
         if not work.chunks:
             return self.first_rank_only(StepResult([], []))
         chunks = [Chunk(tuple(blocks), start, length) for blocks, start, length in work.chunks]
-        rows = _chunk_rows(chunks)
-        self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
-        self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
+        if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
+            rows = _chunk_rows(chunks)
+            self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
+            self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
         try:
             logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache)
         finally:

@@ -36,8 +36,9 @@ class Finished:
 
 
 class RequestStream:
-    def __init__(self, request_id: str, prompt_tokens: int, cancel):
+    def __init__(self, request_id: str, prompt_tokens: int, cancel, on_finish=None):
         self.id = request_id
+        self._on_finish = on_finish  # called once, from the engine's thread, when the last delta is in
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0  # prompt tokens the prefix cache served (set at admission)
         self._cancel = cancel
@@ -54,6 +55,9 @@ class RequestStream:
             wakers, self._wakers = self._wakers, []
         for wake in wakers:
             wake()
+        if self._on_finish is not None and (isinstance(item, BaseException) or item.finish_reason is not None):
+            on_finish, self._on_finish = self._on_finish, None
+            on_finish(self)
 
     # -- the consumer's side --------------------------------------------------------------------
     def cancel(self) -> None:
