@@ -46,7 +46,7 @@ Figures are wall times on a shared 2-core machine: read the ratios, not the abso
 watch the printed load average (above --threads, other processes were competing for the cores).
 Output: one table per backend, a ratio table against llama-server, and one final JSON line.
 
-    python bench/serving.py --quick                       # about a minute per backend
+    python bench/serving.py --smollm2 --quick             # smoke run: ~1 min per backend on an idle machine
     python bench/serving.py --smollm2                      # the real SmolLM2-135M, 32 requests
     python bench/serving.py --model-dir DIR --gguf DIR.f32.gguf --rates 1 4 inf --concurrency 32
 """
@@ -96,6 +96,7 @@ class Record:
 
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     error: str | None = None
 
 
@@ -125,9 +126,9 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 # ---- the client: one thread per request ---------------------------------------------------------
 
-# A backend's stream function: given a request, yields the number of tokens that just arrived,
-# once per chunk the backend delivers (the caller timestamps each yield).
-StreamFn = Callable[[Request], Iterator[int]]
+# A backend's stream function: given a request, yields the token ids that just arrived, once per
+# chunk the backend delivers (the caller timestamps each yield).
+StreamFn = Callable[[Request], Iterator[list[int]]]
 
 
 def drive(requests: list[Request], arrivals: list[float], stream: StreamFn, concurrency: int) -> tuple[list[Record], float, float]:
@@ -139,9 +140,10 @@ def drive(requests: list[Request], arrivals: list[float], stream: StreamFn, conc
         with slots:
             rec.sent = time.perf_counter()
             try:
-                for count in stream(req):
+                for ids in stream(req):
                     now = time.perf_counter()
-                    rec.token_times.extend([now] * count)
+                    rec.token_times.extend([now] * len(ids))
+                    rec.tokens.extend(ids)
             except Exception as exc:  # noqa: BLE001  (a failed request is reported, not fatal)
                 rec.error = f"{type(exc).__name__}: {exc}"
 
@@ -266,11 +268,10 @@ class LlamaServer:
         finally:
             conn.close()
 
-    def stream(self, req: Request) -> Iterator[int]:
+    def stream(self, req: Request) -> Iterator[list[int]]:
         for chunk in self.completion(req.prompt, req.new_tokens):
-            count = len(chunk.get("tokens") or ()) if "tokens" in chunk else (0 if chunk.get("stop") else 1)
-            if count:
-                yield count
+            if chunk.get("tokens"):   # return_tokens: the ids of this chunk (one token per chunk)
+                yield list(chunk["tokens"])
 
     def prefix_ttft(self, prompt: list[int]) -> tuple[float, dict]:
         """TTFT of one request (cache_prompt on) and the server's timings (cache_n: prompt tokens reused)."""
@@ -331,11 +332,11 @@ class HFContinuous:
             if out.error:
                 q.put(RuntimeError(out.error))
                 continue
-            new = len(out.generated_tokens) - seen.get(out.request_id, 0)
+            new = out.generated_tokens[seen.get(out.request_id, 0):]
             seen[out.request_id] = len(out.generated_tokens)
             q.put((new, out.is_finished()))
 
-    def stream(self, req: Request) -> Iterator[int]:
+    def stream(self, req: Request) -> Iterator[list[int]]:
         q: queue.Queue = queue.Queue()
         with self.lock:
             self.counter += 1
@@ -349,7 +350,7 @@ class HFContinuous:
                 if isinstance(item, Exception):
                     raise item
                 new, finished = item
-                if new > 0:
+                if new:
                     yield new
                 if finished:
                     return
@@ -390,10 +391,10 @@ class SterEngine:
             self.session.close()
             raise
 
-    def stream(self, req: Request) -> Iterator[int]:
+    def stream(self, req: Request) -> Iterator[list[int]]:
         for delta in self.engine.submit(req.prompt, self.SamplingParams(max_tokens=req.new_tokens, ignore_eos=True)):
             if delta.token_ids:
-                yield len(delta.token_ids)
+                yield list(delta.token_ids)
 
     def stats(self) -> dict:
         try:
@@ -434,6 +435,7 @@ class SterStatic:
             for req, out in zip(batch, outs):
                 records[req.index].sent = sent
                 records[req.index].token_times = [done] * len(out)   # all tokens arrive with the batch
+                records[req.index].tokens = list(out)
         return records, start, time.perf_counter()
 
     def close(self) -> None:
@@ -442,9 +444,9 @@ class SterStatic:
 
 # ---- scenarios ----------------------------------------------------------------------------------
 
-def run_rates(backend, requests: list[Request], rates: list[float], concurrency: int, seed: int) -> dict:
-    """Per rate: drive the requests against the backend; its summary."""
-    results = {}
+def run_rates(backend, requests: list[Request], rates: list[float], concurrency: int, seed: int) -> tuple[dict, dict]:
+    """Per rate: drive the requests against the backend; its summary, and the token ids each request got."""
+    results, tokens = {}, {}
     for rate in rates:
         key = "inf" if math.isinf(rate) else f"{rate:g}"
         if isinstance(backend, SterStatic):
@@ -456,17 +458,21 @@ def run_rates(backend, requests: list[Request], rates: list[float], concurrency:
             arrivals = poisson_arrivals(len(requests), rate, seed)
             records, start, end = drive(requests, arrivals, backend.stream, concurrency)
             results[key] = summarize(records, start, end)
+        tokens[key] = [rec.tokens for rec in records]
         r = results[key]
         print(f"  {backend.name:12s} rate {key:>4s}: {r['completed']} done, {r['failed']} failed, "
               f"{r['duration_s']:.1f} s, {r['output_throughput']:.1f} out tok/s", flush=True)
-    return results
+    return results, tokens
 
 
 def first_token_ms(backend, prompt: list[int]) -> float:
-    sent = time.perf_counter()
+    """TTFT of one 4-token request; the stream is read to its end, so the next request starts on an idle backend."""
+    sent, first = time.perf_counter(), None
     for _ in backend.stream(Request(-1, prompt, 4)):
-        return (time.perf_counter() - sent) * 1e3
-    raise RuntimeError("no token")
+        first = first or time.perf_counter()
+    if first is None:
+        raise RuntimeError("no token")
+    return (first - sent) * 1e3
 
 
 def prefix_scenario(backend, args, vocab: int, low: int) -> dict:
@@ -534,7 +540,8 @@ def run_backend(name: str, args, model_dir: Path, gguf, requests, vocab: int, lo
         return {"skipped": backend}
     try:
         warm_up(backend, low, vocab)
-        out = {"rates": run_rates(backend, requests, args.rates, args.concurrency, args.seed)}
+        out = {}
+        out["rates"], out["tokens"] = run_rates(backend, requests, args.rates, args.concurrency, args.seed)
         if backend.prefix_caching and not args.no_prefix:
             out["prefix"] = prefix_scenario(backend, args, vocab, low)
         if isinstance(backend, LlamaServer):
@@ -600,9 +607,34 @@ def print_tables(result: dict) -> None:
             if "warm_cached_tokens" in p:
                 note = f"server reused {p['warm_cached_tokens']} prompt tokens on the warm request"
             print(f"{name:12s} {p['cold_ttft_ms']:8.0f} {p['warm_ttft_ms']:8.0f} {p['speedup']:9.2f}  {note}")
+    if result["tokens_agreement"]:
+        print(f"\ngreedy tokens against {result['tokens_reference']}'s (f32 kernels differ, so a near-tied argmax can flip "
+              "and a flipped row diverges from there on): same first token / same whole output, of requests")
+        for name, per_rate in result["tokens_agreement"].items():
+            cells = ", ".join(f"rate {rate}: {a['first_token_same']} / {a['all_tokens_same']} of {a['requests']}"
+                              for rate, a in per_rate.items())
+            print(f"{name:12s} {cells}")
     la = result["loadavg_1min"]
     busy = "  (above the thread count: other processes competed, figures are noisy)" if max(la) > result["threads"] else ""
     print(f"\n1-min load average before/after: {la[0]:.1f} / {la[1]:.1f}{busy}\n")
+
+
+def agreement(backends: dict) -> tuple[str | None, dict]:
+    """Greedy token ids of each backend against the reference's (llama-server, else ster-static), per rate:
+    how many requests got the same first token and the same whole output. Drops the ids from `backends`."""
+    tokens = {name: b.pop("tokens") for name, b in backends.items() if "tokens" in b}
+    ref_name = next((n for n in ("llama-server", "ster-static") if n in tokens), None)
+    if ref_name is None:
+        return None, {}
+    ref = tokens[ref_name].get("inf") or next(iter(tokens[ref_name].values()))
+    out = {}
+    for name, per_rate in tokens.items():
+        if name == ref_name:
+            continue
+        out[name] = {rate: {"first_token_same": sum(bool(a) and a[:1] == b[:1] for a, b in zip(ids, ref)),
+                            "all_tokens_same": sum(bool(a) and a == b for a, b in zip(ids, ref)),
+                            "requests": len(ref)} for rate, ids in per_rate.items()}
+    return ref_name, out
 
 
 def ratios(backends: dict) -> dict:
@@ -708,12 +740,14 @@ def main(argv=None) -> int:
         for name in args.backends:
             print(f"== {name}", flush=True)
             backends[name] = run_backend(name, args, model_dir, gguf, requests, vocab, low, Path(tmp))
+    reference, agree = agreement(backends)
     result = {"model_dir": str(model_dir), "gguf": str(gguf), "requests": len(requests), "dtype": args.dtype,
               "prompt_lens": {"min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)},
               "new_tokens": args.new_tokens, "concurrency": args.concurrency, "threads": args.threads,
               "rates": ["inf" if math.isinf(r) else r for r in args.rates], "seed": args.seed,
               "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
               "backends": backends, "ratios_vs_llama_server": ratios(backends),
+              "tokens_reference": reference, "tokens_agreement": agree,
               "loadavg_1min": [loadavg_before, os.getloadavg()[0]]}
     print_tables(result)
     print(json.dumps(result))
