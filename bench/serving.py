@@ -220,7 +220,7 @@ class LlamaServer:
                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
                "--cont-batching", "-ctk", "f32", "-ctv", "f32", "--no-webui", "--metrics"]
         self.cmd = cmd
-        self.log = open(log, "w")
+        self.log = open(log, "w")  # noqa: SIM115  (open for the server's life; closed in close())
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready(timeout=300)
@@ -376,17 +376,21 @@ class SterEngine:
     def __init__(self, model_dir: Path, precision: str, kv_cache_memory: int | None):
         from ster_dist.engine.loop import EngineConfig, TokenEngine
         from ster_dist.engine.sampling import SamplingParams
+
         from ster_dist.schema.common import Runtime
         from ster_dist.session import Session
 
         self.SamplingParams = SamplingParams
         self.session = Session(Runtime(model=str(model_dir), precision=precision))
+        # Two shapes of the API: the session makes (and owns, and closes) its engine, or the engine
+        # is made over the session and closed here.
+        self.owned = not hasattr(self.session, "engine")
         try:
-            if hasattr(self.session, "engine"):   # the session makes (and owns) its engine
-                self.engine = self.session.engine(kv_cache_memory=kv_cache_memory, max_step_tokens=512)
-            else:
+            if self.owned:
                 self.engine = TokenEngine(self.session, EngineConfig(kv_cache_memory=kv_cache_memory,
                                                                      max_step_tokens=512))
+            else:
+                self.engine = self.session.engine(kv_cache_memory=kv_cache_memory, max_step_tokens=512)
         except BaseException:
             self.session.close()
             raise
@@ -404,7 +408,8 @@ class SterEngine:
 
     def close(self) -> None:
         try:
-            self.engine.close()
+            if self.owned:
+                self.engine.close()
         finally:
             self.session.close()
 
@@ -524,7 +529,7 @@ def make_backend(name: str, args, model_dir: Path, gguf: Path | None, ctx_per_sl
         return SterStatic(model_dir, args.dtype)
     if name == "ster-engine":
         try:
-            import ster_dist.engine.loop  # noqa: F401
+            import ster_dist.engine.loop
             import ster_dist.engine.sampling  # noqa: F401
         except ImportError as exc:
             return f"engine: not available ({exc})"
