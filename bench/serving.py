@@ -374,23 +374,14 @@ class SterEngine:
     prefix_caching = True
 
     def __init__(self, model_dir: Path, precision: str, kv_cache_memory: int | None):
-        from ster_dist.engine.loop import EngineConfig, TokenEngine
         from ster_dist.engine.sampling import SamplingParams
-
         from ster_dist.schema.common import Runtime
         from ster_dist.session import Session
 
         self.SamplingParams = SamplingParams
         self.session = Session(Runtime(model=str(model_dir), precision=precision))
-        # Two shapes of the API: the session makes (and owns, and closes) its engine, or the engine
-        # is made over the session and closed here.
-        self.owned = not hasattr(self.session, "engine")
-        try:
-            if self.owned:
-                self.engine = TokenEngine(self.session, EngineConfig(kv_cache_memory=kv_cache_memory,
-                                                                     max_step_tokens=512))
-            else:
-                self.engine = self.session.engine(kv_cache_memory=kv_cache_memory, max_step_tokens=512)
+        try:  # the session makes, owns and closes its engine
+            self.engine = self.session.engine(kv_cache_memory=kv_cache_memory, max_step_tokens=512)
         except BaseException:
             self.session.close()
             raise
@@ -407,11 +398,7 @@ class SterEngine:
             return {}
 
     def close(self) -> None:
-        try:
-            if self.owned:
-                self.engine.close()
-        finally:
-            self.session.close()
+        self.session.close()
 
 
 # ---- backend: ster_dist's static batching (today's generate()) ------------------------------------

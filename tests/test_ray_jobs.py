@@ -321,7 +321,7 @@ def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_on
     from ster_dist.jobqueue.follow import follow
 
     client = _client(cluster)
-    specs = [{"kind": "generate", "model": toy, "prompt": f"job {i}", "max_new_tokens": 48 + i,
+    specs = [{"kind": "generate", "model": toy, "prompt": f"job {i}", "max_new_tokens": 48 + 60 * i, "ignore_eos": True,
               "chat_template": "off", "id": f"restart-{i}"} for i in range(5)]
     ids = client.submit_many(specs)
     pid = client.pid()
@@ -342,7 +342,8 @@ def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_on
     assert sorted(i for i in finished if i.startswith("restart-")) == sorted(ids)  # each once
     for i in (0, 4):
         assert records[i]["result"] == cli_generate(f"--model={toy}", f"--prompt=job {i}",
-                                                    f"--max-new-tokens={48 + i}", "--chat-template=off")
+                                                    f"--max-new-tokens={48 + 60 * i}", "--ignore-eos",
+                                                    "--chat-template=off")
 
 
 def test_ster_queue_status_and_stop(cluster):

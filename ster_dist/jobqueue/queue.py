@@ -385,7 +385,8 @@ class JobQueue:
         def sink(event_: dict) -> None:
             with self._cond:
                 for job in batch:
-                    self._note(job, event_)
+                    if job.result is None:
+                        self._note(job, event_)
                 self._cond.notify_all()
 
         stop = events.capture(sink)
@@ -400,12 +401,22 @@ class JobQueue:
             return False
         stop()
         with self._cond:
+            unfinished = [job for job in batch if job.result is None]  # a batch's jobs may have finished early
             for job, (result, exit_code) in zip(batch, results):
-                self._finish(job, protocol.make_result(job.spec, "done", result, attempts=job.attempts,
-                                                       exit_code=exit_code, batch=len(batch)), commit=False)
-            self._commit(*batch)
+                if job.result is None:
+                    self._finish(job, protocol.make_result(job.spec, "done", result, attempts=job.attempts,
+                                                           exit_code=exit_code, batch=len(batch)), commit=False)
+            self._commit(*unfinished)
             self._cond.notify_all()
         return True
+
+    def _finished_early(self, batch: list[Job], index: int, shown: dict) -> None:
+        """One job of a running generate batch has its answer: finish it now, not with its batch."""
+        job = batch[index]
+        with self._cond:
+            self._finish(job, protocol.make_result(job.spec, "done", shown, attempts=job.attempts, exit_code=0,
+                                                   batch=len(batch)))
+            self._cond.notify_all()
 
     def _journal(self, job: Job, write, *args) -> bool:
         """Write one journal record; a write error becomes a notice on the job, never the executor's end."""
@@ -442,12 +453,16 @@ class JobQueue:
             shown = ops.shown(request, result)
             self.batches[:] = self.batches[-9999:] + [1]
             return [(shown, ops.exit_code(request, shown))]
-        results = generate_many(self.pool.get(requests[0]), requests)
+        results = generate_many(self.pool.get(requests[0]), requests,
+                                on_result=lambda i, result: self._finished_early(batch, i, result.shown(requests[i])))
         self.pool.note_used(requests[0])
         self.batches[:] = self.batches[-9999:] + [sum(_size(job) for job in batch)]
         return [(result.shown(request), 0) for request, result in zip(requests, results)]
 
     def _failed(self, batch: list[Job], exc: BaseException, counted: bool) -> None:
+        batch = [job for job in batch if job.result is None]  # jobs that finished before the failure stay done
+        if not batch:
+            return
         if isinstance(exc, MemoryError):
             exc = OutOfMemory(f"this process ran out of memory: {exc or 'MemoryError'}; give it more memory or "
                               "spread the model over more ranks (--tp / --ep)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,9 @@ from ster_dist.session import Session
 
 def batch_key(request: GenerateRequest) -> tuple:
     """Generate requests on the same worker group with the same engine options share the engine's
-    batch, whatever their sampling, steering or adapter."""
-    return (request.group_key(), request.engine_options())
+    batch, whatever their sampling, steering or adapter; a streaming one runs alone (its text events
+    are its own)."""
+    return (request.group_key(), request.engine_options(), id(request) if request.stream else None)
 
 
 def prompts_of(request: GenerateRequest) -> list[str]:
@@ -86,7 +88,9 @@ def generate(session: Session, request: GenerateRequest) -> GenerateResult:
     return generate_many(session, [request])[0]
 
 
-def generate_many(session: Session, requests: list[GenerateRequest]) -> list[GenerateResult]:
+def generate_many(session: Session, requests: list[GenerateRequest], on_result=None) -> list[GenerateResult]:
+    """Every request's result, in order. `on_result(index, result)` hears each one as soon as its own
+    answers are in (a one-prompt request does not wait for a longer batch-mate)."""
     key = batch_key(requests[0])
     if any(batch_key(r) != key for r in requests):
         raise Refusal("only generate requests on one worker group with equal engine options share the engine")
@@ -97,16 +101,57 @@ def generate_many(session: Session, requests: list[GenerateRequest]) -> list[Gen
     prepared = [_prepare(session, engine, r, prompts, system) for r, (prompts, system) in zip(requests, inputs)]
     total = sum(len(p.prompts) for p in prepared)
     progress(f"generating for {total} prompt(s), up to {max(r.max_new_tokens for r in requests)} tokens each")
-    answers = _answers(session, engine, prepared)
-    results = []
-    for item in prepared:
-        result = GenerateResult(**item.header)
-        if item.request.prompts is None:
-            result.results = [next(answers)]
-        else:
-            result.answered = _write_answers(Path(item.request.output), result, answers, len(item.prompts))
-        results.append(result)
+    results: list[GenerateResult | None] = [None] * len(prepared)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    singles = {}  # index -> the stream of a one-prompt request, all in the engine at once
+    try:
+        for index, item in enumerate(prepared):
+            if item.request.prompts is None:
+                singles[index] = _submit(session, engine, item, 0, on_finish=lambda _, i=index: done.put(i))
+        for index, item in enumerate(prepared):  # prompts files in order, beside the one-prompt requests
+            if item.request.prompts is not None:
+                result = GenerateResult(**item.header)
+                result.answered = _write_answers(Path(item.request.output), result,
+                                                 _file_answers(session, engine, item), len(item.prompts))
+                results[index] = _heard(on_result, index, result)
+        for index in [i for i in singles if prepared[i].request.stream]:  # read live: its text goes out as it comes
+            item = prepared[index]
+            results[index] = _heard(on_result, index, GenerateResult(
+                **item.header, results=[_completion(item.prompts[0], singles.pop(index), stream_text=True)]))
+        while singles:  # the other one-prompt requests as they finish
+            index = done.get()
+            if index in singles:
+                item = prepared[index]
+                results[index] = _heard(on_result, index, GenerateResult(
+                    **item.header, results=[_completion(item.prompts[0], singles.pop(index))]))
+    finally:
+        for stream in singles.values():  # a failure or an interrupt frees what is still in flight
+            stream.cancel()
     return results
+
+
+def _heard(on_result, index: int, result: GenerateResult) -> GenerateResult:
+    if on_result is not None:
+        on_result(index, result)
+    return result
+
+
+def _submit(session: Session, engine, item: _Prepared, index: int, on_finish=None):
+    prompt = item.prompts[index]
+    ids = session.tokenizer.prompt_ids(prompt, item.system, item.request.chat_template)
+    return engine.submit(ids, sampling_params(item.request, index), steering=item.steering, adapter=item.adapter,
+                         on_finish=on_finish)
+
+
+def _completion(prompt: str, stream, stream_text: bool = False) -> Completion:
+    """A finished stream as its prompt's answer (its text sent on as events while it comes, for --stream)."""
+    done = stream.result(on_delta=(lambda delta: delta.text and text_delta(delta.text)) if stream_text else None)
+    logprobs = None
+    if done.logprobs and any(lp is not None for lp in done.logprobs):
+        logprobs = [{"token": lp[0], "logprob": lp[1], "top": [list(alt) for alt in lp[2]]} if lp else None
+                    for lp in done.logprobs]
+    return Completion(prompt=prompt, text=done.text, prompt_tokens=done.prompt_tokens,
+                      completion_tokens=len(done.token_ids), finish_reason=done.finish_reason, logprobs=logprobs)
 
 
 def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[str], system) -> _Prepared:
@@ -165,33 +210,17 @@ def _digest(parts) -> str:
     return digest.hexdigest()[:32]
 
 
-def _answers(session: Session, engine, prepared: list[_Prepared]) -> Iterator[Completion]:
-    """Every prompt's completion in order, at most a window of prompts in the engine at once."""
+def _file_answers(session: Session, engine, item: _Prepared) -> Iterator[Completion]:
+    """A prompts file's answers in order, at most a window of its prompts in the engine at once."""
     window = max(64, 4 * engine.config.max_running)
     pending: collections.deque = collections.deque()
-    tokenizer, stream_text = session.tokenizer, prepared[0].request.stream
-
-    def finished(prompt: str, stream) -> Completion:
-        done = stream.result(on_delta=(lambda delta: delta.text and text_delta(delta.text)) if stream_text else None)
-        logprobs = None
-        if done.logprobs and any(lp is not None for lp in done.logprobs):
-            logprobs = [{"token": lp[0], "logprob": lp[1], "top": [list(alt) for alt in lp[2]]} if lp else None
-                        for lp in done.logprobs]
-        return Completion(prompt=prompt, text=done.text, prompt_tokens=done.prompt_tokens,
-                          completion_tokens=len(done.token_ids), finish_reason=done.finish_reason,
-                          logprobs=logprobs)
-
     try:
-        for item in prepared:
-            for index, prompt in enumerate(item.prompts):
-                ids = tokenizer.prompt_ids(prompt, item.system, item.request.chat_template)
-                stream = engine.submit(ids, sampling_params(item.request, index), steering=item.steering,
-                                       adapter=item.adapter)
-                pending.append((prompt, stream))
-                if len(pending) >= window:
-                    yield finished(*pending.popleft())
+        for index, prompt in enumerate(item.prompts):
+            pending.append((prompt, _submit(session, engine, item, index)))
+            if len(pending) >= window:
+                yield _completion(*pending.popleft())
         while pending:
-            yield finished(*pending.popleft())
+            yield _completion(*pending.popleft())
     finally:
         for _, stream in pending:  # a failure or an interrupt frees what is still in flight
             stream.cancel()
