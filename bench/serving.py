@@ -5,7 +5,8 @@ Methodology (vLLM's benchmarks/benchmark_serving.py, reduced to what this CPU ma
               ids excluded), lengths drawn uniformly from [--min-prompt, --max-prompt] by a seeded
               RNG, each asking for exactly --new-tokens tokens (greedy, end-of-sequence ignored).
               Every backend gets the same token ids: prompts are token ids, never text.
-    Arrivals  a Poisson process per request rate (--rates, requests/s; "inf" = all at t=0): the
+    Arrivals  (each rate has its own prompts, drawn as above from seed + 1000 x its index, so no cache
+              warmed by one rate serves the next) a Poisson process per request rate (--rates, requests/s; "inf" = all at t=0): the
               gaps are exponential with mean 1/rate, drawn from a seeded RNG, the same schedule
               for every backend. --concurrency caps the requests in flight (vLLM's
               --max-concurrency): a request that arrives while the cap is reached waits for a
@@ -436,10 +437,12 @@ class SterStatic:
 
 # ---- scenarios ----------------------------------------------------------------------------------
 
-def run_rates(backend, requests: list[Request], rates: list[float], concurrency: int, seed: int) -> tuple[dict, dict]:
-    """Per rate: drive the requests against the backend; its summary, and the token ids each request got."""
+def run_rates(backend, request_sets: list[list[Request]], rates: list[float], concurrency: int,
+              seed: int) -> tuple[dict, dict]:
+    """Per rate: drive that rate's requests against the backend; its summary, and the token ids each request got.
+    Each rate has its own prompts, so a prefix cache warmed by one rate's run cannot serve the next."""
     results, tokens = {}, {}
-    for rate in rates:
+    for rate, requests in zip(rates, request_sets):
         key = "inf" if math.isinf(rate) else f"{rate:g}"
         if isinstance(backend, SterStatic):
             if not math.isinf(rate):
@@ -524,7 +527,7 @@ def make_backend(name: str, args, model_dir: Path, gguf: Path | None, ctx_per_sl
     raise ValueError(name)
 
 
-def run_backend(name: str, args, model_dir: Path, gguf, requests, vocab: int, low: int, logdir: Path) -> dict:
+def run_backend(name: str, args, model_dir: Path, gguf, request_sets, vocab: int, low: int, logdir: Path) -> dict:
     ctx_per_slot = max(args.max_prompt, args.prefix_len + args.suffix_len) + args.new_tokens + 16
     backend = make_backend(name, args, model_dir, gguf, ctx_per_slot, logdir)
     if isinstance(backend, str):
@@ -533,7 +536,7 @@ def run_backend(name: str, args, model_dir: Path, gguf, requests, vocab: int, lo
     try:
         warm_up(backend, low, vocab)
         out = {}
-        out["rates"], out["tokens"] = run_rates(backend, requests, args.rates, args.concurrency, args.seed)
+        out["rates"], out["tokens"] = run_rates(backend, request_sets, args.rates, args.concurrency, args.seed)
         if backend.prefix_caching and not args.no_prefix:
             out["prefix"] = prefix_scenario(backend, args, vocab, low)
         if isinstance(backend, LlamaServer):
@@ -618,14 +621,14 @@ def agreement(backends: dict) -> tuple[str | None, dict]:
     ref_name = next((n for n in ("llama-server", "ster-static") if n in tokens), None)
     if ref_name is None:
         return None, {}
-    ref = tokens[ref_name].get("inf") or next(iter(tokens[ref_name].values()))
+    ref = tokens[ref_name]  # per rate: each rate has its own prompts
     out = {}
     for name, per_rate in tokens.items():
         if name == ref_name:
             continue
-        out[name] = {rate: {"first_token_same": sum(bool(a) and a[:1] == b[:1] for a, b in zip(ids, ref)),
-                            "all_tokens_same": sum(bool(a) and a == b for a, b in zip(ids, ref)),
-                            "requests": len(ref)} for rate, ids in per_rate.items()}
+        out[name] = {rate: {"first_token_same": sum(bool(a) and a[:1] == b[:1] for a, b in zip(ids, ref[rate])),
+                            "all_tokens_same": sum(bool(a) and a == b for a, b in zip(ids, ref[rate])),
+                            "requests": len(ref[rate])} for rate, ids in per_rate.items() if rate in ref}
     return ref_name, out
 
 
@@ -724,14 +727,16 @@ def main(argv=None) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     vocab = config["vocab_size"]
     low = min(vocab // 2, 100)    # no special tokens (SmolLM2's are ids 0..16)
-    requests = make_requests(args.num_requests, args.min_prompt, args.max_prompt, args.new_tokens, vocab, low, args.seed)
+    request_sets = [make_requests(args.num_requests, args.min_prompt, args.max_prompt, args.new_tokens, vocab, low,
+                                  args.seed + 1000 * i) for i in range(len(args.rates))]
+    requests = request_sets[0]
     lens = [len(r.prompt) for r in requests]
     loadavg_before = os.getloadavg()[0]
     backends = {}
     with tempfile.TemporaryDirectory(prefix="ster_serving_") as tmp:
         for name in args.backends:
             print(f"== {name}", flush=True)
-            backends[name] = run_backend(name, args, model_dir, gguf, requests, vocab, low, Path(tmp))
+            backends[name] = run_backend(name, args, model_dir, gguf, request_sets, vocab, low, Path(tmp))
     reference, agree = agreement(backends)
     result = {"model_dir": str(model_dir), "gguf": str(gguf), "requests": len(requests), "dtype": args.dtype,
               "prompt_lens": {"min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)},
