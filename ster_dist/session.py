@@ -92,11 +92,11 @@ class Session:
 
     def engine(self, kv_cache_memory: int | None = None, max_step_tokens: int = 512):
         """The token engine over this session's ranks (engine/loop.py), made on first use; other options
-        rebuild it once the running one has nothing in flight."""
+        rebuild it once the running one has nothing in flight, and one a failed step stopped is replaced."""
         from ster_dist.engine.loop import EngineConfig, TokenEngine
 
         config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens)
-        if self._engine is not None and self._engine.config != config and self._engine.idle:
+        if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):
             self._engine.close()
             self._engine = None
         if self._engine is None:

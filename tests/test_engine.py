@@ -284,3 +284,30 @@ def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp,
         finally:
             for remove in undo:
                 remove()
+
+
+def test_a_reused_request_id_is_refused_alone(llama, reference):
+    with open_engine(llama) as engine:
+        first = engine.submit([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), request_id="same")
+        second = engine.submit([8, 9], SamplingParams(max_tokens=3), request_id="same")
+        with pytest.raises(Refusal, match="request same"):
+            second.result()
+        assert first.result().token_ids == alone(reference.model, [5, 6, 7], 30)
+        assert engine.submit([8, 9], SamplingParams(max_tokens=3)).result().token_ids == alone(reference.model, [8, 9], 3, (2,))
+
+
+def test_a_session_replaces_an_engine_a_failed_step_stopped(llama):
+    from ster_dist.engine.runner import ModelRunner
+    from ster_dist.schema.common import Runtime
+    from ster_dist.session import Session
+
+    with Session(Runtime(model=str(llama))) as session:
+        engine = session.engine(4 << 20)
+        session.group.on(ModelRunner).stop()  # the ranks lose their cache under the running engine
+        with pytest.raises(Refusal, match="before start"):
+            engine.submit([5, 6], SamplingParams(max_tokens=2)).result()
+        assert engine.stopped
+        with pytest.raises(Refusal, match="engine has stopped"):
+            engine.submit([5, 6], SamplingParams(max_tokens=2))
+        fresh = session.engine(4 << 20)
+        assert fresh is not engine and len(fresh.submit([5, 6], SamplingParams(max_tokens=2)).result().token_ids) == 2

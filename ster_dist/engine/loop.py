@@ -164,6 +164,11 @@ class TokenEngine:
 
     # -- state ------------------------------------------------------------------------------------
     @property
+    def stopped(self) -> bool:
+        """A step failed (a rank died, memory ran out) and the engine took no more requests."""
+        return self._error is not None
+
+    @property
     def idle(self) -> bool:
         with self._cond:
             return not (self._inbox or self._live)
@@ -203,8 +208,12 @@ class TokenEngine:
                     inbox, self._inbox = self._inbox, []
                     cancels, self._cancels = self._cancels, []
                 for live in inbox:
+                    try:
+                        self.scheduler.add(live.seq)
+                    except ValueError as exc:  # this request alone is refused (a reused id, ...)
+                        live.stream.put(Refusal(f"request {live.seq.id}: {exc}"))
+                        continue
                     self._live[live.seq.id] = live
-                    self.scheduler.add(live.seq)
                     self.counters["requests"] += 1
                 for request_id in cancels:
                     self._abort(request_id)
