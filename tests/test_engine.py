@@ -62,6 +62,19 @@ def alone(model, prompt: list[int], n: int, eos=()) -> list[int]:
     return generate(model, [prompt], Sampling(max_new_tokens=n), eos)[0]
 
 
+def random_sites(model, projections: tuple[str, ...], g: torch.Generator, scale: float) -> list[dict]:
+    """A random rank-4 adapter on every layer's attention `projections`, global factors as the engine takes them."""
+    params = dict(model.named_parameters())
+    sites = []
+    for layer in range(model.cfg.num_layers):
+        for proj in projections:
+            out_features, in_features = params[f"layers.{layer}.attn.{proj}.weight"].shape
+            sites.append({"param": f"layers.{layer}.attn.{proj}.weight",
+                          "a": torch.randn(4, in_features, generator=g) * 0.3,
+                          "b": torch.randn(out_features, 4, generator=g) * 0.3, "scale": scale})
+    return sites
+
+
 def run_all(engine: TokenEngine, requests, **submit) -> list[list[int]]:
     streams = [engine.submit(p, params, **submit) for p, params in requests]
     return [s.result().token_ids for s in streams]
@@ -194,18 +207,8 @@ def test_per_request_adapters_in_one_batch_equal_each_alone(llama, reference):
     from ster_dist.adapters.attach import attach
 
     g = torch.Generator().manual_seed(2)
-    hidden = reference.cfg.hidden_size
-
-    def sites(scale):
-        out = []
-        for layer in range(reference.cfg.num_layers):
-            for proj in ("q", "v"):
-                weight = dict(reference.model.named_parameters())[f"layers.{layer}.attn.{proj}.weight"]
-                out.append({"param": f"layers.{layer}.attn.{proj}.weight", "a": torch.randn(4, hidden, generator=g) * 0.3,
-                            "b": torch.randn(weight.shape[0], 4, generator=g) * 0.3, "scale": scale})
-        return out
-
-    adapters = {"x": sites(1.0), "y": sites(2.0)}
+    adapters = {"x": random_sites(reference.model, ("q", "v"), g, 1.0),
+                "y": random_sites(reference.model, ("q", "v"), g, 2.0)}
     ps = prompts(3, seed=17)
     plan = ["x", None, "y"]
     with open_engine(llama) as engine:
@@ -259,13 +262,7 @@ def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp,
     hidden = single.cfg.hidden_size
     g = torch.Generator().manual_seed(29)
     vector = [(1, torch.randn(hidden, generator=g))]
-    params = dict(single.model.named_parameters())
-    sites = [{"param": f"layers.{i}.attn.{p}.weight", "a": torch.randn(4, hidden, generator=g) * 0.3,
-              "b": torch.randn(params[f"layers.{i}.attn.{p}.weight"].shape[0], 4, generator=g) * 0.3, "scale": 1.0}
-             for i in range(single.cfg.num_layers) for p in ("q", "v")]
-    sites += [{"param": f"layers.{i}.attn.o.weight", "a": torch.randn(4, params[f"layers.{i}.attn.o.weight"].shape[1],
-                                                                      generator=g) * 0.3,
-               "b": torch.randn(hidden, 4, generator=g) * 0.3, "scale": 1.0} for i in range(single.cfg.num_layers)]
+    sites = random_sites(single.model, ("q", "v", "o"), g, 1.0)
     ps = prompts(5, seed=19)
     lengths = [6, 3, 9, 4, 7]
     modifiers = [{}, {"steering": ("v", 2.0)}, {}, {"adapter": "x"}, {}]

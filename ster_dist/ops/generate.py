@@ -11,6 +11,7 @@ they finish, so memory does not grow with the number of prompts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import queue
@@ -60,13 +61,13 @@ def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
     return prompts, system
 
 
-def sampling_params(request: GenerateRequest, index: int = 0):
-    """The engine's settings for prompt `index` of the request (its seed offset by the index)."""
+def sampling_params(request: GenerateRequest):
+    """The engine's settings for the request's first prompt (prompt i draws from seed + i)."""
     from ster_dist.engine.sampling import SamplingParams
 
     return SamplingParams(
         max_tokens=request.max_new_tokens, temperature=request.temperature, top_p=request.top_p,
-        top_k=request.top_k, min_p=request.min_p, seed=request.seed + index, stop=tuple(request.stop or ()),
+        top_k=request.top_k, min_p=request.min_p, seed=request.seed, stop=tuple(request.stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty, logprobs=request.logprobs).check(request.label)
@@ -77,6 +78,7 @@ class _Prepared:
     """One request ready for the engine: its prompts, modifiers registered, and its result header."""
 
     request: GenerateRequest
+    params: object  # its SamplingParams, checked once; prompt i draws from seed + i
     prompts: list[str]
     system: str | None
     steering: tuple[str, float] | None
@@ -95,10 +97,10 @@ def generate_many(session: Session, requests: list[GenerateRequest], on_result=N
     if any(batch_key(r) != key for r in requests):
         raise Refusal("only generate requests on one worker group with equal engine options share the engine")
     inputs = [check_inputs(r) for r in requests]
-    for request in requests:
-        sampling_params(request)  # refused before the model loads
+    params = [sampling_params(r) for r in requests]  # refused before the model loads
     engine = session.engine(*requests[0].engine_options())
-    prepared = [_prepare(session, engine, r, prompts, system) for r, (prompts, system) in zip(requests, inputs)]
+    prepared = [_prepare(session, engine, r, p, prompts, system)
+                for r, p, (prompts, system) in zip(requests, params, inputs)]
     total = sum(len(p.prompts) for p in prepared)
     progress(f"generating for {total} prompt(s), up to {max(r.max_new_tokens for r in requests)} tokens each")
     results: list[GenerateResult | None] = [None] * len(prepared)
@@ -139,7 +141,8 @@ def _heard(on_result, index: int, result: GenerateResult) -> GenerateResult:
 def _submit(session: Session, engine, item: _Prepared, index: int, on_finish=None):
     prompt = item.prompts[index]
     ids = session.tokenizer.prompt_ids(prompt, item.system, item.request.chat_template)
-    return engine.submit(ids, sampling_params(item.request, index), steering=item.steering, adapter=item.adapter,
+    params = dataclasses.replace(item.params, seed=item.params.seed + index) if index else item.params
+    return engine.submit(ids, params, steering=item.steering, adapter=item.adapter,
                          on_finish=on_finish)
 
 
@@ -154,7 +157,7 @@ def _completion(prompt: str, stream, stream_text: bool = False) -> Completion:
                       completion_tokens=len(done.token_ids), finish_reason=done.finish_reason, logprobs=logprobs)
 
 
-def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[str], system) -> _Prepared:
+def _prepare(session: Session, engine, request: GenerateRequest, params, prompts: list[str], system) -> _Prepared:
     steering = adapter = None
     info = {}
     if request.vector is not None:
@@ -167,7 +170,6 @@ def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[s
     if request.adapter is not None:
         adapter, info["adapter"] = register_adapter(session, engine, request)
     tokenizer = session.tokenizer
-    params = sampling_params(request)
     sampling = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature, "top_p": request.top_p,
                 "seed": request.seed}
     extra = {name: value for name, value in (("top_k", params.top_k), ("min_p", params.min_p),
@@ -182,7 +184,7 @@ def _prepare(session: Session, engine, request: GenerateRequest, prompts: list[s
                   tp=request.tp, ep=request.ep,
                   chat_template="on" if request.chat_template != "off" and tokenizer.chat_template else "off",
                   sampling={**sampling, **extra}, steering=info.get("steering"), adapter=info.get("adapter"))
-    return _Prepared(request, prompts, system, steering, adapter, header)
+    return _Prepared(request, params, prompts, system, steering, adapter, header)
 
 
 def register_adapter(session: Session, engine, request) -> tuple[str, dict]:
