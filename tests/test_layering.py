@@ -57,8 +57,10 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "job specs and results: typed requests as msgpack, JSON and YAML"),
     (("jobqueue",),
      "the job queue: pool of sessions, journal, batching, retries, the Ray actor"),
-    (("api",),
-     "the Python entry point over the job queue"),
+    (("api", "chat"),
+     "the Python entry point over the job queue, and the terminal chat over a session's engine"),
+    (("serve",),
+     "the HTTP server: OpenAI's API over the token engine, Ster's serve API over the job queue, replicas"),
     (("cli",),
      "the command line, generated from the schema: imported by nobody"),
 ]
