@@ -199,6 +199,15 @@ def test_missing_files_are_a_404_in_the_command_lines_words(served):
     assert not (root / "never.json").exists()
 
 
+def test_a_job_that_fails_once_its_stream_began_ends_with_an_error_line(served):
+    empty = served["root"] / "empty-model"  # a directory, so the job starts (and says so), then is refused
+    empty.mkdir()
+    want = cli_refusal("generate", "--model", empty, "--prompt", "hi")
+    status, _, lines = call(served, "/v1/generate", {"model": str(empty), "prompt": "hi"})
+    assert status == 200 and lines[0]["event"] == "log", lines
+    assert lines[-1] == {"event": "error", "error": {"message": want}}
+
+
 def test_malformed_bodies_and_unknown_paths_answer_in_the_envelope(served):
     code, _, body = call(served, "/v1/generate", b'{"prompt": "hi",')
     assert code == 400 and body["error"]["code"] == 400 and "not JSON" in body["error"]["message"]
@@ -210,6 +219,20 @@ def test_malformed_bodies_and_unknown_paths_answer_in_the_envelope(served):
     assert code == 404 and body["error"]["code"] == 404 and "/v1/train/now" in body["error"]["message"]
     code, headers, body = call(served, "/v1/train", method="GET")
     assert code == 405 and headers["allow"] == "POST" and body["error"]["code"] == 405
+
+
+def test_the_served_settings_fill_only_what_a_body_leaves_out_for_the_served_model(served):
+    from ster_dist.schema import GenerateRequest
+    from ster_dist.serve.ster_api import SterApi
+
+    api = SterApi(served["client"], {**served["defaults"], "precision": "bf16"})
+    toy = served["toy"]
+    assert api.spec(GenerateRequest, {"prompt": "x", "precision": "f16"}) == {
+        "kind": "generate", "model": toy, "device": "cpu", "tp": 1, "ep": 1, "prompt": "x", "precision": "f16"}
+    assert api.spec(GenerateRequest, {"model": toy, "prompt": "x"}) == {
+        "kind": "generate", "model": toy, "precision": "bf16", "device": "cpu", "tp": 1, "ep": 1, "prompt": "x"}
+    assert api.spec(GenerateRequest, {"model": "other/model", "prompt": "x"}) == {
+        "kind": "generate", "model": "other/model", "prompt": "x"}
 
 
 def test_health(served):
