@@ -6,8 +6,9 @@ words. Job kinds run as jobs through a job queue in this process (ster_dist.jobq
 same front door as job specs and the Python API; the other commands call their operation directly.
 
 Every command prints its result as JSON on stdout and progress events (one JSON object per line)
-on stderr. A refusal is printed once, as one line on stderr, with exit status 2 (3 for running
-out of memory): never a traceback. This is the only module that touches argparse.
+on stderr (`ster chat` alone keeps stdout for the conversation and prints its totals on stderr). A
+refusal is printed once, as one line on stderr, with exit status 2 (3 for running out of memory):
+never a traceback. This is the only module that touches argparse.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
 from ster_dist.events import json_stderr
-from ster_dist.schema import REQUESTS, QueueRequest, Request, SubmitRequest
+from ster_dist.schema import REQUESTS, ChatRequest, QueueRequest, Request, SubmitRequest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -131,6 +132,10 @@ def run(request: Request) -> tuple[object, int]:
         from ster_dist.jobqueue.submit import queue_action
 
         return queue_action(request), 0
+    if isinstance(request, ChatRequest):
+        from ster_dist.chat import chat
+
+        return chat(request), 0
     if request.kind is not None:
         from ster_dist.jobqueue.in_process import run_cli
 
@@ -148,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         # worker, DeepSpeed's accelerator line) goes to stderr with the progress, as log events
         with json_stderr(), contextlib.redirect_stdout(sys.stderr):
             result, code = run(request)
-        if getattr(request, "stream", False):
+        if isinstance(request, ChatRequest):
+            print(json.dumps(result), file=sys.stderr)  # stdout held the conversation; its totals go with the events
+        elif getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
         else:
             print(json.dumps(result, indent=2, ensure_ascii=False))
