@@ -251,3 +251,43 @@ def test_key_queue_limit_body_limit_and_drain(toy):
         assert any("draining" in line for line in proc.stderr)
     finally:
         proc.stop()
+
+
+def test_ster_endpoints_share_the_server_and_pause_its_engine_between_steps(server, toy, tmp_path):
+    """Ster's /v1/extract on the served model runs while an OpenAI stream is generating: the stream
+    waits between steps (the ranks are the extract's alone meanwhile) and still gives its exact text;
+    /v1/generate joins the server's own engine (no second model load, no rebuilt engine)."""
+    import threading
+
+    expected = cli_generate(f"--model={toy}", "--prompt=keep talking", "--max-new-tokens=240", "--chat-template=off",
+                            "--ignore-eos")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["one", "two"]}))
+    streamed: list[str] = []
+
+    def stream():
+        body = {"model": toy, "prompt": "keep talking", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line[6:])["choices"][0]["text"])
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    wait_for(lambda: streamed, timeout=60, step=0.01)
+    extract = httpx.post(f"{server.url}/v1/extract", timeout=120, json={
+        "input": str(prompts), "output": str(tmp_path / "acts.safetensors"), "layers": "1"})
+    assert extract.status_code == 200, extract.text
+    assert len(streamed) < 240  # it ran while the stream was generating
+    events = [json.loads(line) for line in extract.text.splitlines()]
+    assert events[-1]["event"] == "result"
+    thread.join(120)
+    assert "".join(streamed) == expected["text"]
+    assert (tmp_path / "acts.safetensors").is_file()
+    generated = httpx.post(f"{server.url}/v1/generate", timeout=120, json={
+        "prompt": "hello there", "maxNewTokens": 12, "chatTemplate": "off", "kvCacheMemory": "1MiB"})
+    result = [json.loads(line) for line in generated.text.splitlines()][-1]["result"]
+    assert result["text"] == cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12",
+                                          "--chat-template=off")["text"]
+    assert metric(server.url, "ster:kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
