@@ -100,8 +100,10 @@ def test_chat_and_completions_streamed_or_not_equal_ster_generate(server, client
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat_ref["finish_reason"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat_ref["completion_tokens"]
-    text = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0)
+    text = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True})
     assert text.choices[0].text == text_ref["text"]
+    assert len(text.choices[0].model_extra["token_ids"]) == text_ref["completion_tokens"]
     streamed = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text_ref["text"]
 
