@@ -293,3 +293,28 @@ def test_ster_endpoints_share_the_server_and_pause_its_engine_between_steps(serv
     assert result["text"] == cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12",
                                           "--chat-template=off")["text"]
     assert metric(server.url, "ster:kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
+
+
+def test_several_prompts_token_ids_and_streamed_choices(client, toy):
+    from ster_dist.tokenizer import Tokenizer
+    from pathlib import Path
+
+    expected = reference(toy, ["hello there", "tell me"], "--max-new-tokens=8", "--chat-template=off")
+    many = client.completions.create(model=toy, prompt=["hello there", "tell me"], max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == expected
+    ids = Tokenizer.from_directory(Path(toy)).encode("tell me")
+    by_ids = client.completions.create(model=toy, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == expected[1]
+    sampled = reference(toy, ["hello", "hello"], "--max-new-tokens=8", "--chat-template=on", "--temperature=0.9",
+                        "--seed=11")
+    chunks = client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                            temperature=0.9, seed=11, n=2, stream=True, logprobs=True,
+                                            top_logprobs=1)
+    texts, logprob_tokens = {0: "", 1: ""}, {0: 0, 1: 0}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                logprob_tokens[choice.index] += len(choice.logprobs.content)
+    assert [texts[0], texts[1]] == sampled
+    assert logprob_tokens[0] > 0 and logprob_tokens[1] > 0
