@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ster_dist.config_file import TEXT_WRAPPERS, family_of
+from ster_dist.config_quant import BlockFP8, quantization
 from ster_dist.config_ranges import check_sizes, check_stated
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import spec_for
@@ -154,6 +155,10 @@ class ModelConfig:
     mla: MLAConfig | None = None
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
+    quant: BlockFP8 | None = None         # FP8 weights with block scales, dequantized while loading
+    # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's num_nextn_predict_layers):
+    # layer indices num_layers .. num_layers + mtp_layers - 1, never loaded for plain decoding
+    mtp_layers: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -183,6 +188,8 @@ class ModelConfig:
                 "moe_layers": sum(self.moe_layers)} if self.moe else {}),
             **({"latent_attention": {"kv_lora_rank": self.mla.kv_lora_rank, "q_lora_rank": self.mla.q_lora_rank}}
                if self.mla else {}),
+            **({"mtp_layers": self.mtp_layers} if self.mtp_layers else {}),
+            **({"quantization": self.quant.summary()} if self.quant else {}),
         }
 
 
@@ -668,4 +675,12 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
         attn_sinks=spec.attn_sinks, weight_format=weight_format, raw=raw,
+        quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
     )
+
+
+def _mtp_layers(keys: _Keys, path: str) -> int:
+    n = keys.get("num_nextn_predict_layers", default=0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise Refusal(f"invalid model config {path}: num_nextn_predict_layers is {n!r}, not a count of layers")
+    return n

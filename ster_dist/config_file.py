@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ster_dist.config_quant import quantization
 from ster_dist.errors import Refusal
 from ster_dist.families.names import FAMILY_NAMES
 
@@ -53,13 +54,10 @@ def family_of(raw: dict) -> str:
 
 
 def gate(raw: dict, model: str) -> str:
-    """The architecture gate and the quantized-checkpoint refusal; returns the family name."""
+    """The architecture gate and the quantized-checkpoint refusal (config_quant); returns the family name."""
     family = family_of(raw)
     quant = raw.get("quantization_config")
     if quant is None and isinstance(raw.get("text_config"), dict):
         quant = raw["text_config"].get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise Refusal(f"model {model} is a quantized checkpoint (quantization_config: {method}); "
-                      "ster_dist runs unquantized safetensors weights only: use a BF16, F16 or F32 export")
+    quantization(quant, model)  # refuses every quantization but FP8 with block scales
     return family

@@ -18,6 +18,7 @@ from ster_dist.config_load import model_config
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder, meta_decoder
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx
+from ster_dist.shard.fp8 import Fp8Source
 from ster_dist.shard.loader import fill_module
 from ster_dist.shard.source import SafetensorsSource, TensorSource
 
@@ -56,9 +57,17 @@ def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
                       f"use at most --ep {cfg.moe.num_experts}")
 
 
-def open_source(checkpoint: Checkpoint, dtype: torch.dtype) -> TensorSource:
+def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | None = None) -> TensorSource:
+    """The checkpoint's tensors; FP8 block-quantized ones (cfg.quant) dequantized to `dtype` as read."""
     if checkpoint.weight_format in ("safetensors", "mistral"):  # Mistral's consolidated files are safetensors
-        return SafetensorsSource(checkpoint.weight_files)
+        source = SafetensorsSource(checkpoint.weight_files)
+        if cfg is not None and cfg.quant is not None:
+            try:
+                return Fp8Source(source, cfg.quant, dtype)
+            except Refusal:
+                source.close()
+                raise
+        return source
     if checkpoint.weight_format == "gguf":
         from ster_dist.gguf.source import GGUFSource
 
@@ -91,7 +100,7 @@ def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cp
     dtype = compute_dtype(precision, device)
     cfg = model_config(checkpoint)
     check_expert_parallel(cfg, ctx)
-    source = open_source(checkpoint, dtype)
+    source = open_source(checkpoint, dtype, cfg)
     try:
         model = load_decoder(cfg, source, ctx, dtype, device)
         bytes_read = getattr(source, "bytes_read", 0)

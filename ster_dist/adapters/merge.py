@@ -1,7 +1,7 @@
 """Streaming LoRA merges: the base read tensor by tensor and written back in its own layout.
 
 A merge never builds a decoder and never holds the model. `prepare` resolves the base, runs
-every refusal (adapter for another model or width, targets the family cannot take, a GGUF base,
+every refusal (adapter for another model or width, targets the family cannot take, a GGUF or FP8 base,
 a source naming one tensor twice, a checkpoint the loader would not load) and plans the output
 shards from the safetensors headers alone. Each output shard is then written by
 shard/writer.write_shard: unadapted tensors are copied byte for byte, adapted ones get
@@ -130,6 +130,9 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     refuse_family(family_of(gate_view(checkpoint.raw_config, checkpoint.weight_format)))
     side = side_files(checkpoint)  # refused here, before the work directory exists
     cfg = model_config(checkpoint)
+    if cfg.quant is not None:  # its weights are FP8 with block scales: a merge would have to requantize them
+        raise Refusal(f"{model} is an FP8 checkpoint (weight_block_size {list(cfg.quant.block)}); merge onto an "
+                      "FP8 checkpoint is not supported: merge into a BF16 export of the model")
     shards = decoder_shards(cfg)
     plans = plan_sites(adapter, cfg, shards)
     entries = index_weights(list(checkpoint.weight_files))

@@ -114,6 +114,15 @@ class NameMatcher:
         return any(p.match(name) for p in self.ignore)
 
 
+def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
+    """The tensors of the multi-token-prediction layers stored after the decoder's (DeepSeek-V3's layer 61:
+    eh_proj, enorm, hnorm, shared_head and a whole decoder layer): recognised, and never loaded for decoding."""
+    if not cfg.mtp_layers:
+        return None
+    indices = "|".join(str(cfg.num_layers + k) for k in range(cfg.mtp_layers))
+    return re.compile(rf"(.*\.)?layers\.({indices})\.")
+
+
 def _plain(rule: Rule, param: str, shard: Shard, shape: tuple[int, ...], stack: int | None) -> list[Piece] | None:
     """Pieces for a one-to-one tensor; None when this rank holds none of it."""
     t = rule.transposed
@@ -225,9 +234,10 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
     unmapped: list[str] = []
     absent: list[str] = []
     tied = cfg.tie_word_embeddings
+    mtp = mtp_layer_pattern(cfg)
     for name in sorted(shapes):
         shape = shapes[name]
-        if matcher.ignored(name):
+        if matcher.ignored(name) or (mtp is not None and mtp.match(name)):
             skipped.append(name)
             continue
         found = matcher.match(name)

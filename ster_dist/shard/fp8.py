@@ -1,0 +1,115 @@
+"""FP8 block-quantized weights read as plain ones: a TensorSource over a checkpoint's source that
+dequantizes each window it is asked for.
+
+A quantized tensor W (float8_e4m3fn, [..., rows, cols]) has a companion W_scale_inv (float32,
+[..., ceil(rows / b0), ceil(cols / b1)]): the value at (r, c) is W[r, c] times the scale of block
+(r // b0, c // b1). A window of W is read as its own FP8 bytes plus the scale entries of the blocks
+that cover it (a window starting or ending inside a block reads that block's scale), so a rank
+reads its share of the weights and of the scales and nothing more. The companions are consumed
+here: the name map never sees them. Which tensors are quantized is what the files say (a
+companion beside it), as in the published checkpoints, whose norms, embeddings, routers and head
+stay BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ster_dist.config_quant import BlockFP8
+from ster_dist.errors import Refusal
+from ster_dist.shard import loader
+from ster_dist.shard.source import TensorSource
+
+SCALE = "_scale_inv"
+FP8 = torch.float8_e4m3fn
+
+
+class Fp8Source:
+    """`inner`'s tensors with each quantized one dequantized to `dtype` as it is read."""
+
+    def __init__(self, inner: TensorSource, quant: BlockFP8, dtype: torch.dtype):
+        self.inner, self.block, self.dtype_out = inner, quant.block, dtype
+        names = set(inner.names())
+        self.scales: dict[str, str] = {}  # quantized tensor -> its scale tensor
+        for name in sorted(names):
+            scale = name + SCALE
+            stored = inner.dtype(name)
+            if name.endswith(SCALE):
+                if name[:-len(SCALE)] not in names:
+                    raise Refusal(f"checkpoint tensor {name} scales no tensor (there is no {name[:-len(SCALE)]}); "
+                                  "the checkpoint is incomplete")
+                continue
+            if scale not in names:
+                if stored in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    raise Refusal(f"checkpoint tensor {name} is stored as {stored} without {scale}; an FP8 "
+                                  "checkpoint scales every quantized weight per block")
+                continue
+            if not quant.converts(name):
+                raise Refusal(f"checkpoint tensor {name} is quantized (it has {scale}) but its module is in "
+                              "quantization_config.modules_to_not_convert; the config and the weights disagree")
+            self._check(name, scale, stored)
+            self.scales[name] = scale
+
+    def _check(self, name: str, scale: str, stored: torch.dtype) -> None:
+        shape, got = self.inner.shape(name), self.inner.shape(scale)
+        if stored != FP8:
+            raise Refusal(f"checkpoint tensor {name} has {scale} but is stored as {stored}, not float8_e4m3fn; "
+                          "the checkpoint is not FP8 e4m3")
+        if len(shape) < 2:
+            raise Refusal(f"checkpoint tensor {name} of shape {list(shape)} has {scale}, but blocks scale matrices "
+                          "only")
+        want = (*shape[:-2], *(-(-n // b) for n, b in zip(shape[-2:], self.block)))
+        if tuple(got) != want:
+            raise Refusal(f"checkpoint tensor {scale} has shape {list(got)} but {name} {list(shape)} in blocks of "
+                          f"{list(self.block)} needs {list(want)}; the weight_block_size and the weights disagree")
+
+    # -- TensorSource ------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        hidden = set(self.scales.values())
+        return [n for n in self.inner.names() if n not in hidden]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.dtype_out if name in self.scales else self.inner.dtype(name)
+
+    @property
+    def bytes_read(self) -> int:
+        return getattr(self.inner, "bytes_read", 0)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        if name not in self.scales:
+            return self.inner.read(name, rows, cols)
+        shape = self.inner.shape(name)
+        window = (rows or slice(None), cols or slice(None), *(slice(None),) * (len(shape) - 2))
+        return self.read_window(name, window)
+
+    def read_into(self, name: str, out: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> bool:
+        if name in self.scales or not hasattr(self.inner, "read_into"):
+            return False
+        return self.inner.read_into(name, out, rows, cols)
+
+    def read_window(self, name: str, window: tuple[slice, ...]) -> torch.Tensor:
+        """A block of the tensor (one slice per dimension), dequantized when it is quantized."""
+        if name not in self.scales:
+            return loader.read_window(self.inner, name, window)
+        shape = self.inner.shape(name)
+        window = tuple(window) + (slice(None),) * (len(shape) - len(window))
+        bounds = [w.indices(n)[:2] for w, n in zip(window, shape, strict=True)]
+        (r0, r1), (c0, c1) = bounds[-2:]
+        values = loader.read_window(self.inner, name, window)
+        if values.numel() == 0:
+            return values.to(self.dtype_out)
+        b0, b1 = self.block
+        s_rows, s_cols = slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1))
+        scale = loader.read_window(self.inner, self.scales[name], (*window[:-2], s_rows, s_cols)).float()
+        # each scale entry spread over its block, then cut to the window's offset inside its first block
+        scale = scale.repeat_interleave(b0, -2).repeat_interleave(b1, -1)
+        scale = scale[..., r0 - s_rows.start * b0:r1 - s_rows.start * b0, c0 - s_cols.start * b1:c1 - s_cols.start * b1]
+        return (values.float() * scale).to(self.dtype_out)
+
+    def close(self) -> None:
+        self.inner.close()
+
