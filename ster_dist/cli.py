@@ -23,7 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
 from ster_dist.events import json_stderr
-from ster_dist.schema import REQUESTS, QueueRequest, Request, SubmitRequest
+from ster_dist.schema import REQUESTS, QueueRequest, Request, ServeRequest, SubmitRequest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -131,6 +131,10 @@ def run(request: Request) -> tuple[object, int]:
         from ster_dist.jobqueue.submit import queue_action
 
         return queue_action(request), 0
+    if isinstance(request, ServeRequest):
+        from ster_dist.serve.run import serve
+
+        return serve(request), 0
     if request.kind is not None:
         from ster_dist.jobqueue.in_process import run_cli
 
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             result, code = run(request)
         if getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
+        elif not request.result_on_stdout:
+            print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
         else:
             print(json.dumps(result, indent=2, ensure_ascii=False))
     except Refusal as refusal:

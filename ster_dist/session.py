@@ -106,6 +106,17 @@ class Session:
                      f"({blocks * self._engine.block_bytes / 2**20:.0f} MiB per rank)")
         return self._engine
 
+    @contextlib.contextmanager
+    def exclusive(self):
+        """The ranks to the caller alone for the block: a running token engine finishes its step, then
+        waits (its requests stay in flight) until the block ends."""
+        engine = self._engine
+        if engine is None:
+            yield
+            return
+        with engine.paused():
+            yield
+
     def close(self) -> None:
         if self._engine is not None:
             engine, self._engine = self._engine, None

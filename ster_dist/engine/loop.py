@@ -13,6 +13,7 @@ tokens, stop strings and max_tokens, streamed out, and retired at once (its bloc
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -177,6 +178,12 @@ class TokenEngine:
         with self._cond:
             return {**self.counters, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)
                     + len(self._inbox), "kv_blocks": self.pool.stats(), "block_bytes": self.block_bytes}
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No step runs inside the block (another operation has the ranks); requests keep queueing."""
+        with self._group_lock:
+            yield
 
     def close(self) -> None:
         """Finish nothing more: every request still in flight ends with "abort"; the ranks drop the cache."""

@@ -29,6 +29,7 @@ class Pooled:
     workers: list = field(default_factory=list)
     jobs: int = 0
     counted: bool = False  # its load counted in `starts`
+    pinned: bool = False   # a server's model: never released for idleness nor evicted
 
 
 class GroupPool:
@@ -57,6 +58,13 @@ class GroupPool:
             pooled.last_used = time.monotonic()
             pooled.jobs += 1
             return pooled.session
+
+    def pin(self, runtime: Runtime) -> Session:
+        """The session for this runtime, kept loaded until the pool closes (`ster serve`'s model)."""
+        session = self.get(runtime)
+        with self._lock:
+            self.groups[runtime.group_key()].pinned = True
+        return session
 
     def note_used(self, runtime: Runtime) -> None:
         """After a job ran on a session: its group is not idle from here."""
@@ -105,7 +113,7 @@ class GroupPool:
     def release_idle(self, now: float | None = None) -> list[tuple]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            idle = [k for k, p in self.groups.items() if now - p.last_used >= self.idle_s]
+            idle = [k for k, p in self.groups.items() if now - p.last_used >= self.idle_s and not p.pinned]
             for key in idle:
                 self._drop(key, "idle")
             return idle
@@ -130,8 +138,8 @@ class GroupPool:
 
     # -- inside ------------------------------------------------------------------------------
     def _start(self, key: tuple, runtime: Runtime) -> Pooled:
-        while len(self.groups) >= self.max_groups:
-            oldest = min(self.groups.values(), key=lambda p: p.last_used)
+        while len(self.groups) >= self.max_groups and any(not p.pinned for p in self.groups.values()):
+            oldest = min((p for p in self.groups.values() if not p.pinned), key=lambda p: p.last_used)
             self._drop(oldest.key, "evict")
         if self.address is not None or runtime.tp * runtime.ep > 1:
             self._ensure_ray()

@@ -17,6 +17,7 @@ Ray actor (jobqueue/actor.py) that `ray job submit ... jobs/run.py` and `ster su
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import sys
 import threading
@@ -446,7 +447,11 @@ class JobQueue:
             request = requests[0]
             operation = ops.OPERATIONS[type(request)]
             if operation.needs_session:
-                result = operation.run(self.pool.get(request), request)
+                session = self.pool.get(request)
+                # an operation that does not go through the token engine has the ranks to itself: a
+                # running engine (a server's) pauses between steps until it is done
+                with contextlib.nullcontext() if operation.engine else session.exclusive():
+                    result = operation.run(session, request)
                 self.pool.note_used(request)
             else:
                 result = operation.run(request)

@@ -47,17 +47,18 @@ from ster_dist.schema import (
 class Operation:
     run: Callable
     needs_session: bool
+    engine: bool = False  # runs through the session's token engine (shares the ranks with its other requests)
 
 
 OPERATIONS: dict[type[Request], Operation] = {
-    GenerateRequest: Operation(generate, True),
+    GenerateRequest: Operation(generate, True, engine=True),
     ParityRequest: Operation(parity, True),
     ExtractRequest: Operation(extract, True),
     SteerTrainRequest: Operation(steer_train, True),
     SteerOptimizeRequest: Operation(steer_optimize, True),
     SteerEvaluateRequest: Operation(steer_evaluate, True),
     SteerInspectRequest: Operation(steer_inspect, False),
-    DecideRequest: Operation(decide, True),
+    DecideRequest: Operation(decide, True, engine=True),
     MergeRequest: Operation(merge, False),
     BatchMergeRequest: Operation(batch_merge, False),
     TuneSftRequest: Operation(tune_sft, False),

@@ -198,6 +198,11 @@ def register_adapter(session: Session, engine, request) -> tuple[str, dict]:
     return name, info
 
 
+def vector_key(vectors) -> str:
+    """The engine's key of a steering vector ([(layer, tensor)]): its content's digest."""
+    return _digest(vectors)
+
+
 def _digest(parts) -> str:
     """A key naming a vector or an adapter by its content, so an edited file is registered anew."""
     import torch

@@ -10,6 +10,7 @@ from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.schema.jobs import QueueRequest, RunJobsRequest, SubmitRequest
 from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
+from ster_dist.schema.serve import ServeRequest
 from ster_dist.schema.steer import (
     SteerEvaluateRequest,
     SteerInspectRequest,
@@ -28,7 +29,7 @@ REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, GenerateRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
     MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
-    SubmitRequest, QueueRequest,
+    SubmitRequest, QueueRequest, ServeRequest,
 )
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
 
@@ -37,5 +38,5 @@ __all__ = [
     "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest", "SteerInspectRequest",
     "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest", "TuneEvaluateRequest",
     "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest", "SubmitRequest",
-    "QueueRequest", "RunJobsRequest",
+    "QueueRequest", "RunJobsRequest", "ServeRequest",
 ]

@@ -50,6 +50,8 @@ class Request(BaseModel):
     summary: ClassVar[str] = ""
     # fields that belong to whoever submits, not to a queued job (the job queue decides them)
     submitter_fields: ClassVar[dict[str, str]] = {}
+    # False for a command whose stdout is its own (a server's ready line): its result goes to stderr
+    result_on_stdout: ClassVar[bool] = True
 
     _cli: bool = PrivateAttr(default=False)
 

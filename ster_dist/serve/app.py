@@ -1,0 +1,180 @@
+"""The server's FastAPI application over a started ServerState.
+
+Routes: OpenAI's (serve/openai_api.py), Ster's serve API (serve/ster_api.py), `/health` and
+`/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
+never buffers a stream) checks, in this order: the bearer key, the server draining, the body size,
+and the limit of requests in flight (429 with Retry-After); it counts every answer by endpoint and
+status for /metrics. Every error body is OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from ster_dist.serve import errors
+from ster_dist.serve.errors import ApiError
+
+OPEN_PATHS = ("/health", "/v1/health")   # answered without a key: load balancers probe them
+LIMITED = ("/v1/chat/completions", "/v1/completions")  # what the in-flight limit counts
+# the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up path)
+KNOWN = (*LIMITED, *OPEN_PATHS, "/v1/models", "/metrics", "/v1/train", "/v1/optimize", "/v1/evaluate",
+         "/v1/generate", "/v1/extract", "/v1/inspect")
+
+
+def build_app(state) -> FastAPI:
+    from ster_dist.serve.openai_api import router as openai_router
+
+    app = FastAPI(title="ster serve", docs_url=None, redoc_url=None, openapi_url=None)
+    state.started = time.time()
+    app.state.ster = state
+    app.include_router(openai_router(state))
+    _mount_ster_api(app, state)
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return errors.shutting_down().response()
+        if state.engine is None or state.engine.stopped:
+            return ApiError(503, "the engine has stopped; restart the server", type="server_error").response()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return errors.bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                                      .rstrip(": "), code="invalid_json").response()
+        param = errors.param_of(tuple(first.get("loc", ())))
+        message = first.get("msg", "invalid request")
+        return errors.bad_request(f"{param}: {message}" if param else message, param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(_, exc: Exception):
+        return ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error").response()
+
+    return _Guard(app, state)
+
+
+def _mount_ster_api(app: FastAPI, state) -> None:
+    try:
+        from ster_dist.serve.ster_api import ster_router
+    except ImportError:  # not in this build
+        return
+    request = state.request
+    defaults = {"model": request.model, "revision": request.revision, "precision": request.precision,
+                "device": request.device, "tp": request.tp, "ep": request.ep}
+    app.include_router(ster_router(state.client, defaults))
+
+
+class _Guard:
+    """Key, draining, body size and in-flight limit, before the app sees a request; counts answers."""
+
+    def __init__(self, app: FastAPI, state):
+        self.app, self.state = app, state
+        self.key = state.request.api_key
+        self.body_limit = state.request.body_limit()
+
+    def __getattr__(self, name):  # uvicorn and tests reach the FastAPI app's attributes through the guard
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, state = scope["path"], self.state
+        status = [500]
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                return await _send_error(refusal, counted_send)
+            body = await self._body(receive)
+            if body is None:
+                return await _send_error(errors.too_large(self.body_limit), counted_send)
+            replay = _replaying(body, receive)
+            if path not in LIMITED:
+                return await self.app(scope, replay, counted_send)
+            if state.in_flight >= state.max_queue:
+                return await _send_error(errors.too_many(1, state.max_queue), counted_send)
+            state.in_flight += 1
+            try:
+                await self.app(scope, replay, counted_send)
+            finally:
+                state.in_flight -= 1
+        finally:
+            state.metrics.requests.labels(path if path in KNOWN else "other", str(status[0])).inc()
+
+    def _refusal(self, scope, path: str) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.key is not None and path not in OPEN_PATHS:
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
+                return errors.unauthorized()
+        if self.state.draining and path not in OPEN_PATHS:
+            return errors.shutting_down()
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.body_limit:
+            return errors.too_large(self.body_limit)
+        return None
+
+    async def _body(self, receive) -> bytes | None:
+        """The whole request body, or None once it grows past the limit (a body sent in chunks, without
+        a content-length, is counted as it comes)."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(parts)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.body_limit:
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+def _replaying(body: bytes, receive):
+    """A `receive` that hands the app the body read already, then passes on what the client sends
+    next (its disconnect)."""
+    sent = [False]
+
+    async def replay():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(error: ApiError, send) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

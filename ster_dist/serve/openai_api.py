@@ -1,0 +1,389 @@
+"""OpenAI's /v1/chat/completions, /v1/completions and /v1/models over the token engine.
+
+A request becomes one engine request per choice (`n`), all submitted at once so they share the
+engine's batch with every other client's. Its settings are checked in the engine's own words
+(SamplingParams.check, TokenEngine.submit) and refused as OpenAI's 400 naming the field. Answers
+stream as server-sent events exactly as OpenAI's do: a first chunk with the role, content deltas, a
+chunk with the finish reason, an optional usage chunk, then `data: [DONE]`. A client that goes away
+cancels its engine requests, which frees their KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ster_dist.engine.sampling import GREEDY_TEMPERATURE, SamplingParams
+from ster_dist.errors import Refusal
+from ster_dist.serve.errors import ApiError, bad_request, not_found, param_of
+from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
+
+# OpenAI's names for the engine's fields, so a refusal points at what the client sent
+_PARAMS = {"max_tokens": "max_tokens", "top_k": "top_k", "logprobs": "top_logprobs", "seed": "seed",
+           "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature", "top_p": "top_p"}
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """One API request ready for the engine: its prompts' ids, settings, modifiers and bookkeeping."""
+
+    kind: str                    # "chat" | "text"
+    model: str
+    prompts: list[list[int]]     # one per prompt (completions may send several); n choices each
+    params: SamplingParams
+    n: int
+    steering: tuple[str, float] | None
+    adapter: str | None
+    id: str
+    created: int
+    arrived: float
+    include_usage: bool
+
+
+def router(state) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/models")
+    async def models():
+        created = int(state.started)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "ster",
+             "root": state.request.model, "parent": None if name == state.name else state.name,
+             "max_model_len": state.session.cfg.max_position}
+            for name in state.models()]}
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = parse_body(ChatCompletionRequest, await request.body())
+        return await _answer(state, await _prepared(_prepare_chat, state, body), request, body.stream)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        body = parse_body(CompletionRequest, await request.body())
+        return await _answer(state, await _prepared(_prepare_text, state, body), request, body.stream)
+
+    return api
+
+
+# -- a request's inputs -------------------------------------------------------------------------------
+def parse_body(model, raw: bytes):
+    """The body as `model`, whatever content type the client declared (curl sends form's); a
+    malformed body or field is OpenAI's 400 naming the field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}",
+                              code="invalid_json") from None
+        param = param_of(tuple(first["loc"]))
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+async def _prepared(prepare, state, body) -> _Prepared:
+    """prepare(state, body); off the event loop when a steering vector must be read and registered
+    (registering waits for the engine's step to end)."""
+    if body.steering is not None:
+        return await asyncio.to_thread(prepare, state, body)
+    return prepare(state, body)
+
+
+def _modifiers(state, body) -> tuple[str | None, tuple[str, float] | None]:
+    if body.model == state.name:
+        adapter = None
+    elif body.model in state.adapters:
+        adapter = state.adapters[body.model]
+    else:
+        raise not_found(f"The model `{body.model}` does not exist; this server serves: "
+                        f"{', '.join(state.models())}", param="model", code="model_not_found")
+    steering = None
+    if body.steering is not None:
+        steering = (_steering_key(state, body.steering), body.steering.strength)
+    return adapter, steering
+
+
+def _steering_key(state, steering) -> str:
+    from ster_dist.steer.artifact import SteeringArtifact
+
+    if (steering.vector is None) == (steering.artifact is None):
+        raise bad_request("steering takes exactly one of 'vector' (a name from the server's --vectors) or "
+                          "'artifact' (a Ster steering artifact inline)", param="steering")
+    try:
+        if steering.vector is not None:
+            return state.named_vector(steering.vector)
+        return state.steering_key(SteeringArtifact.from_json(steering.artifact, "steering.artifact"), "inline")
+    except LookupError as exc:
+        raise not_found(str(exc.args[0]), param="steering.vector", code="vector_not_found") from None
+    except Refusal as exc:
+        raise bad_request(str(exc), param="steering") from None
+
+
+def _sampling(state, body, prompt_len: int, logprobs: int | None) -> SamplingParams:
+    limit = body.limit()
+    if limit is None:  # OpenAI: up to the context left after the longest prompt
+        limit = max(0, state.session.cfg.max_position - prompt_len)
+    top_k = body.top_k if body.top_k not in (None, -1) else 0
+    temperature = 1.0 if body.temperature is None else body.temperature
+    try:
+        return SamplingParams(
+            max_tokens=limit, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k, min_p=body.min_p, seed=body.seed, stop=tuple(body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logprobs=logprobs).check(lambda name: f"'{name}'")
+    except Refusal as exc:
+        raise bad_request(str(exc), param=next((p for f, p in _PARAMS.items() if f"'{f}'" in str(exc)), None)) \
+            from None
+
+
+def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
+    if body.tools:
+        raise bad_request("tools are not served by ster serve; send the request without 'tools'", param="tools")
+    adapter, steering = _modifiers(state, body)
+    tokenizer = state.session.tokenizer
+    if not tokenizer.has_chat_template:
+        raise bad_request(f"{state.request.model} has no chat template, so chat messages cannot be rendered; "
+                          "send the text to /v1/completions", param="messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                            **(body.chat_template_kwargs or {}))
+    except Refusal as exc:
+        raise bad_request(str(exc), param="messages") from None
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    return _Prepared("chat", body.model, [ids], _sampling(state, body, len(ids), logprobs), body.n, steering,
+                     adapter, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(),
+                     bool(body.stream_options and body.stream_options.include_usage))
+
+
+def _prepare_text(state, body: CompletionRequest) -> _Prepared:
+    for name, refused in (("echo", body.echo), ("suffix", body.suffix is not None),
+                          ("best_of", body.best_of not in (None, body.n))):
+        if refused:
+            raise bad_request(f"'{name}' is not served by ster serve; send the request without it", param=name)
+    adapter, steering = _modifiers(state, body)
+    tokenizer, vocab = state.session.tokenizer, state.session.cfg.vocab_size
+    prompts = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompts.append(tokenizer.encode(prompt))
+        elif all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            prompts.append(list(prompt))
+        else:
+            raise bad_request(f"a prompt of token ids must hold ids in [0, {vocab}) for this model", param="prompt")
+    if not prompts:
+        raise bad_request("'prompt' is empty; give a text or a list of token ids", param="prompt")
+    if len(prompts) * body.n > state.max_queue:
+        raise bad_request(f"{len(prompts)} prompts x n {body.n} is more than this server's {state.max_queue} "
+                          "requests in flight; send fewer at once", param="prompt")
+    longest = max(len(p) for p in prompts)
+    return _Prepared("text", body.model, prompts, _sampling(state, body, longest, body.logprobs), body.n, steering,
+                     adapter, f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(),
+                     bool(body.stream_options and body.stream_options.include_usage))
+
+
+# -- running and answering --------------------------------------------------------------------------
+def _submit(state, prep: _Prepared) -> list:
+    """One engine stream per choice (prompt-major, as OpenAI numbers them); a refusal cancels the rest."""
+    streams = []
+    try:
+        for ids in prep.prompts:
+            for i in range(prep.n):
+                params = prep.params
+                if params.seed is not None and i:  # choices of one seeded request differ, reproducibly
+                    params = dataclasses.replace(params, seed=params.seed + i)
+                streams.append(state.engine.submit(ids, params, steering=prep.steering, adapter=prep.adapter))
+    except Refusal as exc:
+        for stream in streams:
+            stream.cancel()
+        text = str(exc)
+        code = "context_length_exceeded" if "positions" in text or "KV blocks" in text else None
+        raise bad_request(text, param="messages" if prep.kind == "chat" else "prompt", code=code) from None
+    return streams
+
+
+async def _answer(state, prep: _Prepared, request: Request, stream: bool):
+    streams = _submit(state, prep)
+    if stream:
+        return StreamingResponse(_events(state, prep, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(await _whole(state, prep, streams, request))
+
+
+async def _merged(state, prep: _Prepared, streams: list):
+    """(choice index, delta) as they come from every stream; metrics noted on the way."""
+    queue: asyncio.Queue = asyncio.Queue()
+    first = [True] * len(streams)
+    last = [prep.arrived] * len(streams)
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except BaseException as exc:  # noqa: BLE001 - an engine failure reaches the answer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            now = time.monotonic()
+            if item.token_ids:
+                if first[index]:
+                    state.metrics.ttft.observe(now - prep.arrived)
+                    first[index] = False
+                else:
+                    state.metrics.itl.observe((now - last[index]) / len(item.token_ids))
+                last[index] = now
+                state.metrics.generation_tokens.inc(len(item.token_ids))
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.cancel()  # a no-op for a finished one; frees the blocks of one a client left
+        state.metrics.e2e.observe(time.monotonic() - prep.arrived)
+
+
+def _usage(prep: _Prepared, streams: list, completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prep.prompts)
+    cached = sum(s.cached_tokens for s in streams[:: prep.n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dict:
+    texts = [[] for _ in streams]
+    logprobs = [[] for _ in streams]
+    reasons: list[str | None] = [None] * len(streams)
+    counts = [0] * len(streams)
+    state.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    merged = _merged(state, prep, streams)
+    try:
+        async for index, delta in merged:
+            texts[index].append(delta.text)
+            logprobs[index].extend(delta.logprobs)
+            counts[index] += len(delta.token_ids)
+            reasons[index] = delta.finish_reason or reasons[index]
+            if watcher.done():
+                raise ConnectionError("client disconnected")
+    finally:
+        watcher.cancel()
+        await merged.aclose()
+    tokenizer = state.session.tokenizer
+    choices = []
+    for index in range(len(streams)):
+        text = "".join(texts[index])
+        choice = {"index": index, "finish_reason": _finish(reasons[index]), "logprobs": None}
+        if prep.params.logprobs is not None:
+            choice["logprobs"] = (_chat_logprobs if prep.kind == "chat" else _text_logprobs)(tokenizer, logprobs[index])
+        if prep.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
+    return {"id": prep.id, "object": "chat.completion" if prep.kind == "chat" else "text_completion",
+            "created": prep.created, "model": prep.model, "choices": choices, "system_fingerprint": None,
+            "usage": _usage(prep, streams, sum(counts))}
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def _events(state, prep: _Prepared, streams: list):
+    chunk_object = "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
+    tokenizer = state.session.tokenizer
+    counts = [0] * len(streams)
+    state.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
+
+    def chunk(choices: list, usage=None) -> str:
+        body = {"id": prep.id, "object": chunk_object, "created": prep.created, "model": prep.model,
+                "system_fingerprint": None, "choices": choices}
+        if prep.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    if prep.kind == "chat":  # OpenAI opens each choice with its role
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(len(streams))])
+    merged = _merged(state, prep, streams)
+    try:
+        async for index, delta in merged:
+            counts[index] += len(delta.token_ids)
+            if not delta.text and delta.finish_reason is None:
+                continue  # a token whose text is not whole yet (a split UTF-8 character)
+            choice = {"index": index, "logprobs": None, "finish_reason": _finish(delta.finish_reason)}
+            if prep.params.logprobs is not None and delta.logprobs:
+                choice["logprobs"] = (_chat_logprobs if prep.kind == "chat" else _text_logprobs)(
+                    tokenizer, delta.logprobs)
+            if prep.kind == "chat":
+                choice["delta"] = {"content": delta.text} if delta.text else {}
+            else:
+                choice["text"] = delta.text
+            yield chunk([choice])
+    except Refusal as exc:
+        error = ApiError(500, str(exc), type="server_error")
+        yield f"data: {json.dumps(error.body())}\n\n"
+    finally:
+        await merged.aclose()
+    if prep.include_usage:
+        yield chunk([], _usage(prep, streams, sum(counts)))
+    yield "data: [DONE]\n\n"
+
+
+# -- logprobs in OpenAI's two shapes ------------------------------------------------------------------
+def _token(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(tokenizer, entries: list) -> dict:
+    content = []
+    for entry in entries:
+        if entry is None:
+            continue
+        token_id, logprob, top = entry
+        text = _token(tokenizer, token_id)
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": lp,
+                                          "bytes": list(t.encode())} for i, lp in top]})
+    return {"content": content}
+
+
+def _text_logprobs(tokenizer, entries: list) -> dict:
+    tokens, token_logprobs, top_logprobs = [], [], []
+    for entry in entries:
+        if entry is None:
+            continue
+        token_id, logprob, top = entry
+        tokens.append(_token(tokenizer, token_id))
+        token_logprobs.append(logprob)
+        top_logprobs.append({_token(tokenizer, i): lp for i, lp in top})
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

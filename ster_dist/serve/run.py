@@ -1,0 +1,103 @@
+"""`ster serve`: check the settings, load the model, listen, say so in one line, drain on SIGTERM.
+
+The listening socket is bound before the model loads, so a taken port is refused at once; the
+ready line `{"port":N,"ready":true}` is printed on stdout (the only line there) once the model is
+loaded and the server accepts requests. SIGTERM or SIGINT stops accepting (new requests on open
+connections get 503), lets the requests in flight finish for up to --drain-seconds, then exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import uvicorn
+
+from ster_dist.errors import Refusal
+from ster_dist.events import progress
+from ster_dist.schema.serve import ServeRequest, is_loopback
+from ster_dist.serve.app import build_app
+from ster_dist.serve.state import ServerState
+
+
+def check_exposure(request: ServeRequest) -> ServeRequest:
+    """The key from STER_API_KEY when none is given; a non-loopback address refused without one."""
+    if request.api_key is None and os.environ.get("STER_API_KEY"):
+        request = request.model_copy(update={"api_key": os.environ["STER_API_KEY"]})
+    if request.api_key is not None and not request.api_key.strip():
+        raise Refusal(f"{request.label('api_key')} is empty; give a key clients will send as 'Authorization: "
+                      "Bearer KEY'")
+    if not is_loopback(request.host) and request.api_key is None:
+        raise Refusal(f"{request.label('host')} {request.host} listens beyond this machine; give "
+                      f"{request.label('api_key')} KEY (or set STER_API_KEY) so only clients holding it are "
+                      "answered, or keep the default 127.0.0.1")
+    return request
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise Refusal(f"cannot listen on {host}:{port}: {exc.strerror or exc}; give another --port (0 picks a "
+                      "free one) or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def ready_line(port: int) -> None:
+    sys.__stdout__.write(json.dumps({"port": port, "ready": True}, separators=(",", ":")) + "\n")
+    sys.__stdout__.flush()
+
+
+def serve(request: ServeRequest) -> dict:
+    request = check_exposure(request)
+    if request.replicas > 1:
+        return _serve_replicas(request)
+    sock = listen(request.host, request.port)
+    state = None
+    try:
+        state = ServerState(request).start()
+        app = build_app(state)
+        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=int(request.drain_seconds) or None,
+                                        timeout_keep_alive=5), state)
+        progress(f"serving {state.name} on http://{request.host}:{sock.getsockname()[1]}"
+                 + (f" with adapters {', '.join(state.adapters)}" if state.adapters else ""))
+        server.run(sockets=[sock])
+        stats = state.engine.stats() if state.engine is not None else {}
+        return {"served": state.name, "requests": stats.get("requests", 0),
+                "generated_tokens": stats.get("generated_tokens", 0)}
+    finally:
+        sock.close()
+        if state is not None:
+            state.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, printing the ready line once it accepts and marking the state draining on a
+    signal (so requests still arriving on open connections are answered 503, not dropped)."""
+
+    def __init__(self, config, state):
+        super().__init__(config)
+        self.state = state
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets=sockets)
+        if self.started:
+            ready_line(sockets[0].getsockname()[1])
+
+    def handle_exit(self, sig, frame):
+        self.state.draining = True
+        progress("draining: finishing the requests in flight, then exiting")
+        super().handle_exit(sig, frame)
+
+
+def _serve_replicas(request: ServeRequest) -> dict:
+    raise Refusal("--replicas above 1 needs Ray Serve replicas, which this build lacks; serve with --replicas 1")
