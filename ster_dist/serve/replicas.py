@@ -34,7 +34,7 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # the url names the proxy as 127.0.0.1 t
 ROUTE_WAIT_S = 30.0
 
 
-def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float):
+def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, max_ongoing_requests: int):
     from ray import serve
 
     @serve.ingress()
@@ -51,7 +51,7 @@ def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float):
     # give up after one failure per replica instead of Serve's 20 tries
     return serve.deployment(Replica, name=name, num_replicas=replicas,
                             ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-                            max_ongoing_requests=MAX_ONGOING_REQUESTS, max_constructor_retry_count=replicas)
+                            max_ongoing_requests=max_ongoing_requests, max_constructor_retry_count=replicas)
 
 
 @dataclass
@@ -97,7 +97,7 @@ class ReplicaSet:
 
 def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port: int,
            address: str | None = None, num_cpus: float = 0.0, num_gpus: float = 0.0,
-           name: str = "ster") -> ReplicaSet:
+           name: str = "ster", max_ongoing_requests: int = MAX_ONGOING_REQUESTS) -> ReplicaSet:
     """Run `replicas` copies of the app `app_builder()` builds (each builds its own) behind one
     HTTP endpoint on host:port (port 0: a free one), on the Ray cluster at `address` (None: a local
     one started here). Returns once every replica has built its app and run its startup.
@@ -105,6 +105,7 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
     `app_builder` travels to the replicas by pickle: a module-level function (or a partial of
     one) importable on every node. num_cpus / num_gpus are each replica's own reservation; a
     replica whose model runs on Ray ranks (--tp > 1) reserves nothing itself, its ranks do.
+    max_ongoing_requests: requests one replica is given at once; Serve queues the rest.
     """
     if replicas < 1:
         raise Refusal(f"--replicas {replicas} serves nothing; give 1 or more")
@@ -113,14 +114,15 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
     started_ray = start_ray(address)
     running = ReplicaSet(name=name, host=host, port=port, replicas=replicas, started_ray=started_ray)
     try:
-        _start(app_builder, running, num_cpus=num_cpus, num_gpus=num_gpus)
+        _start(app_builder, running, num_cpus=num_cpus, num_gpus=num_gpus, max_ongoing_requests=max_ongoing_requests)
     except BaseException:
         running.shutdown()
         raise
     return running
 
 
-def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus: float, num_gpus: float) -> None:
+def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus: float, num_gpus: float,
+           max_ongoing_requests: int) -> None:
     from ray import serve
     from ray.serve.config import HTTPOptions
     from ray.serve.schema import ApplicationStatus
@@ -128,8 +130,8 @@ def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus:
     # one proxy, on the head node: one endpoint to expose and to firewall
     serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host=running.host, port=running.port))
     _check_proxy_port(running)
-    app = _deployment(name=running.name, replicas=running.replicas, num_cpus=num_cpus,
-                      num_gpus=num_gpus).bind(app_builder)
+    app = _deployment(name=running.name, replicas=running.replicas, num_cpus=num_cpus, num_gpus=num_gpus,
+                      max_ongoing_requests=max_ongoing_requests).bind(app_builder)
     serve.run_many([serve.RunTarget(target=app, name=running.name, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     deadline = time.monotonic() + READY_TIMEOUT_S
