@@ -63,13 +63,20 @@ def request_class(kind, fields: dict) -> type[Request]:
     return JOB_REQUESTS[kind]
 
 
+def camel(name: str) -> str:
+    """A snake_case field name as Ster's serve API spells it: max_new_tokens -> maxNewTokens."""
+    head, *rest = name.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
 def names(cls: type[Request]) -> dict[str, str]:
-    """Every spelling a spec may use for a field (max_new_tokens, max-new-tokens, --max-new-tokens)."""
+    """Every spelling a spec may use for a field (max_new_tokens, max-new-tokens, --max-new-tokens,
+    maxNewTokens)."""
     out = {}
     for name, info in cls.model_fields.items():
         for spelling in {name, info.alias or name}:
             dashed = spelling.replace("_", "-")
-            out[spelling] = out[dashed] = out["--" + dashed] = info.alias or name
+            out[spelling] = out[dashed] = out["--" + dashed] = out[camel(spelling)] = info.alias or name
     return out
 
 
@@ -91,23 +98,33 @@ def validate(spec, check_model: bool = True, cli: bool = False) -> JobSpec:
     priority = spec.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise Refusal(f"job spec field 'priority' must be an integer, got {kind_of_value(priority)}")
-    spelled, fields = names(cls), {}
+    fields = {key: value for key, value in spec.items() if key not in PROTOCOL_FIELDS}
+    request = parse_fields(cls, fields, f"{spec['kind']} jobs", cli=cli, check_model=check_model)
+    return JobSpec(job_id, spec["kind"], priority, request)
+
+
+def parse_fields(cls: type[Request], spec: dict, what: str, cli: bool = False, check_model: bool = True) -> Request:
+    """The typed request of a mapping of fields in any spelling names() knows, validated as a queued
+    job's (as a command line's when `cli`); a refusal names a field as the mapping wrote it. `what`
+    names the requests in the refusal of an unknown field ("generate jobs")."""
+    spelled, fields, written = names(cls), {}, {}
     for key, value in spec.items():
-        if key in PROTOCOL_FIELDS:
-            continue
         if not isinstance(key, str):
             raise Refusal(f"job spec field names must be strings, got {kind_of_value(key)}")
         name = spelled.get(key)
         if name is None:
-            known = ", ".join(sorted(n for n in cls.model_fields if n not in cls.submitter_fields))
-            raise Refusal(f"unknown field {key!r} for {spec['kind']} jobs; known fields: {known}")
+            known = sorted(n for n in cls.model_fields if n not in cls.submitter_fields)
+            if key != key.lower():  # a camelCase spec hears of the fields in camelCase
+                known = sorted(map(camel, known))
+            raise Refusal(f"unknown field {key!r} for {what}; known fields: {', '.join(known)}")
         if name in cls.submitter_fields and not cli:
             raise Refusal(f"job spec field {key!r} is not a job setting: {cls.submitter_fields[name]}")
         if name in fields:
             raise Refusal(f"job spec gives the field {name!r} twice (as {key!r} too); keep one")
         fields[name] = value
-    request = cls.parse(fields, cli=cli, queued=not cli, check_model=check_model)
-    return JobSpec(job_id, spec["kind"], priority, request)
+        if key != name:
+            written[name] = key
+    return cls.parse(fields, cli=cli, queued=not cli, check_model=check_model, written=written)
 
 
 def job_from_request(request: Request, job_id: str | None = None, priority: int = 0) -> JobSpec:

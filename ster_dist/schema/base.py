@@ -4,7 +4,8 @@ One pydantic model per operation is the single statement of what an operation ac
 fields with their help text, defaults and constraints. The command line is generated from it
 (ster_dist/cli.py), job specs validate against it (ster_dist/protocol.py), and the HTTP server
 of a later issue reuses it. A refusal names the field the way its reader wrote it: `--top-p`
-on a command line, `job spec field 'top_p'` in a spec (`Request.label`).
+on a command line, `job spec field 'top_p'` in a spec (`Request.label`), `job spec field 'topP'`
+in a spec that spelled it so (the context's `written`: field name -> the key as written).
 
 Validation takes a context: `cli` (a command line being run now, in this process), `queued` (a
 job that may run later, elsewhere: it must state its seed and may not read standard input),
@@ -26,13 +27,15 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def label(name: str, cli: bool) -> str:
-    """How a refusal names a field: as the flag of a command line, or as the spec's field."""
-    return flag(name) if cli else f"job spec field {name!r}"
+def label(name: str, cli: bool, written: dict[str, str] | None = None) -> str:
+    """How a refusal names a field: as the flag of a command line, or as the spec's field, spelled
+    as the spec wrote it (maxNewTokens, max-new-tokens) when `written` says so."""
+    return flag(name) if cli else f"job spec field {(written or {}).get(name, name)!r}"
 
 
 def label_in(info: ValidationInfo | None, name: str) -> str:
-    return label(name, bool(info and info.context and info.context.get("cli")))
+    context = (info.context if info is not None else None) or {}
+    return label(name, bool(context.get("cli")), context.get("written"))
 
 
 def context_of(info: ValidationInfo | None, key: str, default: bool = False) -> bool:
@@ -63,13 +66,14 @@ class Request(BaseModel):
         return self.model_dump(include=self.model_fields_set, mode="json", by_alias=True)
 
     @classmethod
-    def parse(cls, data: dict, *, cli: bool = False, queued: bool = False, check_model: bool = True) -> Request:
-        """The request, or a one-line Refusal naming the field at fault."""
-        context = {"cli": cli, "queued": queued, "check_model": check_model}
+    def parse(cls, data: dict, *, cli: bool = False, queued: bool = False, check_model: bool = True,
+              written: dict[str, str] | None = None) -> Request:
+        """The request, or a one-line Refusal naming the field at fault (as `written` spells it)."""
+        context = {"cli": cli, "queued": queued, "check_model": check_model, "written": written or {}}
         try:
             request = cls.model_validate(data, context=context)
         except ValidationError as exc:
-            raise Refusal(explain(cls, exc, cli)) from None
+            raise Refusal(explain(cls, exc, cli, written)) from None
         request._cli = cli
         return request
 
@@ -99,11 +103,11 @@ _PHRASES = {
 }
 
 
-def explain(cls: type[Request], exc: ValidationError, cli: bool) -> str:
+def explain(cls: type[Request], exc: ValidationError, cli: bool, written: dict[str, str] | None = None) -> str:
     """The first error of a validation, in one line naming its field and what it got."""
     error = exc.errors(include_url=False)[0]
     loc = [part for part in error["loc"] if not isinstance(part, int)]
-    where = _where(error["loc"], cli)
+    where = _where(error["loc"], cli, written)
     kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
     if kind == "missing":
         if cli:
@@ -125,10 +129,10 @@ def explain(cls: type[Request], exc: ValidationError, cli: bool) -> str:
     return f"{where} {phrase}, got {shown(got)}"
 
 
-def _where(loc: tuple, cli: bool) -> str:
+def _where(loc: tuple, cli: bool, written: dict[str, str] | None = None) -> str:
     if not loc:
         return "the request"
-    head = label(str(loc[0]), cli)
+    head = label(str(loc[0]), cli, written)
     rest = "".join(f" item {p}" if isinstance(p, int) else f" field {p!r}" for p in loc[1:])
     return head + rest
 

@@ -95,7 +95,7 @@ def no_stdin(request: Request, names: tuple[str, ...], info: ValidationInfo | No
         return
     for name in names:
         if getattr(request, name, None) == "-":
-            raise Refusal(f"job spec field {name!r} is '-' (standard input), which a queued job does not have; "
+            raise Refusal(f"{label_in(info, name)} is '-' (standard input), which a queued job does not have; "
                           "give a file")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 
@@ -97,6 +98,9 @@ class _Server(uvicorn.Server):
         self.state.draining = True
         progress("draining: finishing the requests in flight, then exiting")
         super().handle_exit(sig, frame)
+        # uvicorn raises a caught SIGTERM again once it has stopped, which would kill the process
+        # before the worker group is closed; a drained server exits on its own, with status 0
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 def _serve_replicas(request: ServeRequest) -> dict:

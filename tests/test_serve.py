@@ -1,0 +1,253 @@
+"""`ster serve` from the outside: the official openai client against a live server on the toy model,
+every answer checked against `ster generate`'s (the engine's own reference, read in another process
+state), and the server's safety: its key, its limits, a client that leaves, SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ster_dist import ops
+from ster_dist.cli import parse
+from ster_dist.session import Session
+from tests.cli_run import cli_generate, make_toy
+from tests.serve_process import ROOT, ServeProcess, metric, wait_for
+from tests.test_steer import PAIRS
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return make_toy(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def modifiers(toy, tmp_path_factory):
+    """A steering vector trained on the toy (in --vectors DIR as calm.json) and a PEFT adapter."""
+    from tests.test_merge import peft_adapter
+
+    root = tmp_path_factory.mktemp("modifiers")
+    vectors = root / "vectors"
+    vectors.mkdir()
+    pairs = root / "pairs.json"
+    pairs.write_text(json.dumps(PAIRS))
+    request = parse(["steer", "train", f"--model={toy}", f"--pairs={pairs}", f"--output={vectors / 'calm.json'}",
+                     "--layers=1"])
+    with contextlib.redirect_stderr(io.StringIO()), Session(request) as session:
+        ops.steer_train(session, request)
+    adapter = root / "lora"
+    peft_adapter(toy, adapter, ["q_proj", "v_proj", "gate_proj"], r=4, lora_alpha=8)
+    return vectors, adapter
+
+
+@pytest.fixture(scope="module")
+def server(toy, modifiers):
+    vectors, adapter = modifiers
+    proc = ServeProcess("--model", toy, "--vectors", vectors, "--adapter", f"lora={adapter}")
+    yield proc
+    assert proc.stop() == 0, "".join(proc.stderr)[-2000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reference(toy, prompts: list[str], *flags) -> list[str]:
+    """`ster generate --prompts` answers (one model load for them all)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as directory:
+        path, out = Path(directory) / "p.json", Path(directory) / "o.json"
+        path.write_text(json.dumps({"prompts": prompts}))
+        request = parse(["generate", f"--model={toy}", f"--prompts={path}", f"--output={out}", *flags])
+        with contextlib.redirect_stderr(io.StringIO()), Session(request) as session:
+            ops.generate(session, request)
+        return [r["text"] for r in json.loads(out.read_text())["results"]]
+
+
+def test_ready_line_is_the_one_line_on_stdout(server):
+    assert server.ready == {"port": server.port, "ready": True}
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_chat_and_completions_streamed_or_not_equal_ster_generate(server, client, toy):
+    chat_ref = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on")
+    text_ref = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=off")
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=toy, messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == chat_ref["text"]
+    assert whole.choices[0].finish_reason == chat_ref["finish_reason"]
+    assert whole.usage.prompt_tokens == chat_ref["prompt_tokens"]
+    assert whole.usage.completion_tokens == chat_ref["completion_tokens"]
+    chunks = list(client.chat.completions.create(model=toy, messages=messages, max_completion_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat_ref["finish_reason"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat_ref["completion_tokens"]
+    text = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0)
+    assert text.choices[0].text == text_ref["text"]
+    streamed = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text_ref["text"]
+
+
+def test_models_lists_the_model_and_its_adapters(client, toy):
+    assert [m.id for m in client.models.list().data] == [toy, "lora"]
+
+
+def test_sampling_fields_reach_the_engine(client, toy):
+    ref = cli_generate(f"--model={toy}", "--prompt=tell me", "--max-new-tokens=10", "--chat-template=off",
+                       "--temperature=0.8", "--seed=7", "--top-k=20", "--logprobs=2")
+    answer = client.completions.create(model=toy, prompt="tell me", max_tokens=10, temperature=0.8, seed=7,
+                                       logprobs=2, extra_body={"top_k": 20})
+    assert answer.choices[0].text == ref["text"]
+    assert answer.choices[0].logprobs.token_logprobs == pytest.approx([lp["logprob"] for lp in ref["logprobs"]],
+                                                                       abs=1e-5)
+    assert all(len(top) <= 2 for top in answer.choices[0].logprobs.top_logprobs)
+    # n choices of a seeded request are seeds seed, seed + 1, ...: the second is prompt 1 of a file
+    two = client.completions.create(model=toy, prompt="tell me", max_tokens=10, temperature=0.8, seed=7, n=2,
+                                    extra_body={"top_k": 20})
+    files = reference(toy, ["tell me", "tell me"], "--max-new-tokens=10", "--chat-template=off", "--temperature=0.8",
+                      "--seed=7", "--top-k=20")
+    assert [c.text for c in two.choices] == files
+    stop_ref = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=off",
+                            "--stop=un")
+    stopped = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0, stop=["un"])
+    assert stopped.choices[0].text == stop_ref["text"]
+
+
+def test_sixty_four_concurrent_streams_all_complete_correctly(server, toy):
+    prompts = [f"question number {i} about {'abcdefgh'[i % 8]}" for i in range(64)]
+    expected = reference(toy, prompts, "--max-new-tokens=8", "--chat-template=on")
+
+    async def one(client, prompt):
+        stream = await client.chat.completions.create(model=toy, messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=8, temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(all_of_them()) == expected
+
+
+def test_steering_and_adapter_fields_equal_the_cli_flags(client, toy, modifiers):
+    vectors, adapter = modifiers
+    steered = cli_generate(f"--model={toy}", "--prompt=hello", "--max-new-tokens=10", "--chat-template=on",
+                           f"--vector={vectors / 'calm.json'}", "--strength=4")
+    plain = cli_generate(f"--model={toy}", "--prompt=hello", "--max-new-tokens=10", "--chat-template=on")
+    adapted = cli_generate(f"--model={toy}", "--prompt=hello", "--max-new-tokens=10", "--chat-template=on",
+                           f"--adapter={adapter}")
+    assert steered["text"] != plain["text"] and adapted["text"] != plain["text"]  # both change the answer here
+    messages = [{"role": "user", "content": "hello"}]
+    by_name = client.chat.completions.create(model=toy, messages=messages, max_tokens=10, temperature=0,
+                                             extra_body={"steering": {"vector": "calm", "strength": 4}})
+    assert by_name.choices[0].message.content == steered["text"]
+    inline = client.chat.completions.create(model=toy, messages=messages, max_tokens=10, temperature=0, extra_body={
+        "steering": {"artifact": json.loads((vectors / "calm.json").read_text()), "strength": 4}})
+    assert inline.choices[0].message.content == steered["text"]
+    lora = client.chat.completions.create(model="lora", messages=messages, max_tokens=10, temperature=0)
+    assert lora.choices[0].message.content == adapted["text"]
+
+
+def test_bad_requests_get_openai_shaped_errors(server, client, toy):
+    raw = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": ', timeout=10)
+    assert raw.status_code == 400
+    assert raw.json()["error"]["code"] == "invalid_json" and "not valid JSON" in raw.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.completions.create(model=toy, prompt="word " * 600, max_tokens=4)
+    assert long_prompt.value.body["code"] == "context_length_exceeded"
+    assert "positions" in long_prompt.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as vector:
+        client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"steering": {"vector": "nope", "strength": 1}})
+    assert vector.value.body["code"] == "vector_not_found" and "nope.json" in vector.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as temperature:
+        client.completions.create(model=toy, prompt="hi", temperature=3)
+    assert temperature.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as lone:
+        client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+    assert lone.value.body["param"] == "top_logprobs"
+
+
+def test_a_client_that_leaves_frees_its_blocks(server, toy):
+    body = {"model": toy, "prompt": "go on and on", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert metric(server.url, "ster:kv_cache_blocks_in_use") > 0
+    wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
+             and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster:http_requests_in_flight") == 0
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client, toy):
+    client.completions.create(model=toy, prompt="count me", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in ("ster:requests_total{", "ster:generation_tokens_total", "ster:prompt_tokens_total",
+                 "ster:time_to_first_token_seconds_count", "ster:inter_token_latency_seconds_count",
+                 "ster:kv_cache_blocks_total", "ster:prefix_cache_hit_rate", "ster:num_requests_waiting"):
+        assert name in text, name
+    assert metric(server.url, "ster:generation_tokens_total") >= 3
+    assert 'ster:requests_total{endpoint="/v1/completions",status="200"}' in text
+
+
+def test_a_non_loopback_address_needs_a_key(toy):
+    done = subprocess.run([sys.executable, "-m", "ster_dist.cli", "serve", "--model", toy, "--host", "0.0.0.0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1].startswith("--host 0.0.0.0 listens beyond this machine; give --api-key")
+
+
+def test_key_queue_limit_body_limit_and_drain(toy):
+    proc = ServeProcess("--model", toy, "--max-queue", "1", "--max-body", "2KiB", env={"STER_API_KEY": KEY})
+    try:
+        url, auth = proc.url, {"Authorization": f"Bearer {KEY}"}
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            wrong.models.list()
+        assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # probes need no key
+        big = httpx.post(f"{url}/v1/completions", headers=auth, timeout=10,
+                         json={"model": toy, "prompt": "x" * 4000})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        body = {"model": toy, "prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=120) as first:
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")
+            second = httpx.post(f"{url}/v1/completions", headers=auth, timeout=10,
+                                json={"model": toy, "prompt": "me too", "max_tokens": 2})
+            assert second.status_code == 429 and second.headers["retry-after"] == "1"
+            assert second.json()["error"]["type"] == "rate_limit_error"
+            proc.proc.send_signal(signal.SIGTERM)  # drains: the stream in flight still finishes whole
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        pieces = [json.loads(line[6:]) for line in rest[:-1]]
+        assert pieces[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.proc.wait(60) == 0
+        assert proc.rest_of_stdout() == ""  # the ready line stayed the only line on stdout
+        assert any("draining" in line for line in proc.stderr)
+    finally:
+        proc.stop()
