@@ -1,37 +1,46 @@
 """`ster serve --replicas N` (ster_dist.serve.replicas): N app replicas on a real local Ray cluster
 behind Ray Serve's one proxy port.
 
-The app here is a small FastAPI app (its lifespan stands for the server's model load), so these
-tests see Serve's routing, streaming, startup failures and shutdown on their own; the server
-proper is checked through the same path by the integration test further down.
+A small FastAPI app (its lifespan standing for a model load) shows Serve's routing, streaming,
+startup failures and shutdown on their own; then the real server on the toy checkpoint, two
+replicas through one port, answers the openai client as `ster generate` does.
 """
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from ster_dist.cli import parse
 from ster_dist.errors import Refusal
+from ster_dist.serve.replica_server import deploy_server
 from ster_dist.serve.replicas import REPLICA_HEADER, deploy
+from tests.cli_run import cli_generate, make_toy
+
+openai = pytest.importorskip("openai")
 
 CHUNKS = 4
 CHUNK_GAP_S = 0.4
 
 
-def small_app():
+def small_app(stopped: Path):
     """Builds the test app in a replica: /who names the replica's process and what its lifespan
-    set up; /echo streams CHUNKS server-sent events, CHUNK_GAP_S apart."""
+    set up; /echo streams CHUNKS server-sent events, CHUNK_GAP_S apart. Its lifespan's end (where
+    the server closes its engine) leaves a file named by the process in `stopped`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield {"started_in": os.getpid()}
+        (stopped / str(os.getpid())).touch()
 
     app = FastAPI(lifespan=lifespan)
 
@@ -67,16 +76,16 @@ def test_zero_replicas_are_refused_before_ray_starts():
     import ray
 
     with pytest.raises(Refusal, match="--replicas 0"):
-        deploy(small_app, replicas=0, host="127.0.0.1", port=0)
+        deploy(functools.partial(small_app, Path("/nowhere")), replicas=0, host="127.0.0.1", port=0)
     assert not ray.is_initialized()
 
 
-def test_two_replicas_answer_through_one_port_and_stream_in_pieces():
+def test_two_replicas_answer_through_one_port_and_stream_in_pieces(tmp_path):
     import ray
 
     assert not ray.is_initialized()
     started = time.monotonic()
-    served = deploy(small_app, replicas=2, host="127.0.0.1", port=0)
+    served = deploy(functools.partial(small_app, tmp_path), replicas=2, host="127.0.0.1", port=0)
     print(f"two replicas ready in {time.monotonic() - started:.1f} s")
     try:
         assert served.port > 0 and served.url == f"http://127.0.0.1:{served.port}"
@@ -112,6 +121,7 @@ def test_two_replicas_answer_through_one_port_and_stream_in_pieces():
     finally:
         served.shutdown()
 
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(map(str, pids.values()))  # each app was stopped
     assert not ray.is_initialized()  # what deploy started, shutdown stopped
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", served.port), timeout=5).close()
@@ -138,3 +148,47 @@ def test_a_replica_that_cannot_start_is_one_refusal_naming_why(ray_cluster):
     with pytest.raises(Refusal, match="no checkpoint at /nowhere/model; give --model a model directory"):
         deploy(app_that_cannot_start, replicas=1, host="127.0.0.1", port=0)
     assert ray.is_initialized()  # a cluster deploy did not start, it leaves running
+
+
+def test_two_server_replicas_answer_the_openai_client_as_ster_generate(ray_cluster, tmp_path_factory):
+    """The real server (`ster serve`'s settings, each replica with its own toy model and engine)
+    behind one port: every answer, from either replica, streamed or not, is `ster generate`'s."""
+    toy = make_toy(tmp_path_factory)
+    reference = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on")
+    messages = [{"role": "user", "content": "hello there"}]
+
+    started = time.monotonic()
+    served = deploy_server(parse(["serve", f"--model={toy}", "--replicas=2"]))
+    print(f"two server replicas ready in {time.monotonic() - started:.1f} s")
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(_):
+            raw = client.chat.completions.with_raw_response.create(model=toy, messages=messages, max_tokens=12,
+                                                                   temperature=0)
+            return raw.headers[REPLICA_HEADER], raw.parse()
+
+        replicas = set()
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(6):
+                for replica, answer in pool.map(ask, range(8)):
+                    assert answer.choices[0].message.content == reference["text"]
+                    assert answer.usage.completion_tokens == reference["completion_tokens"]
+                    replicas.add(replica)
+                if len(replicas) == 2:
+                    break
+        assert len(replicas) == 2, replicas
+
+        # a second deployment on this cluster is refused without touching the running one
+        other = functools.partial(small_app, tmp_path_factory.mktemp("unused"))
+        with pytest.raises(Refusal, match="a Serve application named ster already runs on this cluster"):
+            deploy(other, replicas=1, host="127.0.0.1", port=served.port)
+        with pytest.raises(Refusal, match=f"Ray Serve already runs on this cluster with its proxy on 127.0.0.1:{served.port}"):
+            deploy(other, replicas=1, host="127.0.0.1", port=0, name="another")
+
+        chunks = list(client.chat.completions.create(model=toy, messages=messages, max_tokens=12, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["text"]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference["finish_reason"]
+    finally:
+        served.shutdown()

@@ -22,7 +22,7 @@ def deploy_server(request: ServeRequest) -> ReplicaSet:
     one_rank_on_gpu = request.device == "cuda" and request.tp * request.ep == 1
     return deploy(functools.partial(server_app, request), replicas=request.replicas, host=request.host,
                   port=request.port, address=request.address, num_gpus=1.0 if one_rank_on_gpu else 0.0,
-                  max_ongoing_requests=request.max_queue)
+                  max_ongoing_requests=request.max_queue, drain_s=request.drain_seconds)
 
 
 def server_app(request: ServeRequest):

@@ -34,7 +34,8 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # the url names the proxy as 127.0.0.1 t
 ROUTE_WAIT_S = 30.0
 
 
-def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, max_ongoing_requests: int):
+def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, max_ongoing_requests: int,
+                drain_s: float):
     from ray import serve
 
     @serve.ingress()
@@ -51,7 +52,8 @@ def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, m
     # give up after one failure per replica instead of Serve's 20 tries
     return serve.deployment(Replica, name=name, num_replicas=replicas,
                             ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-                            max_ongoing_requests=max_ongoing_requests, max_constructor_retry_count=replicas)
+                            max_ongoing_requests=max_ongoing_requests, max_constructor_retry_count=replicas,
+                            graceful_shutdown_timeout_s=drain_s)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ReplicaSet:
     port: int
     replicas: int
     started_ray: bool  # deploy started a local Ray cluster: shutdown stops it
+    deployed: bool = False  # the app is ours to remove (never another deployment's of the same name)
 
     @property
     def url(self) -> str:
@@ -79,10 +82,12 @@ class ReplicaSet:
         if not ray.is_initialized():
             return
         try:
-            serve.delete(self.name)
-            # Serve is cluster-wide: another team's app on a shared cluster keeps it running
-            if not serve.status().applications:
-                serve.shutdown()
+            if self.deployed:
+                self.deployed = False
+                serve.delete(self.name)
+                # Serve is cluster-wide: another application on a shared cluster keeps it running
+                if not serve.status().applications:
+                    serve.shutdown()
         finally:
             if self.started_ray:
                 ray.shutdown()
@@ -97,7 +102,8 @@ class ReplicaSet:
 
 def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port: int,
            address: str | None = None, num_cpus: float = 0.0, num_gpus: float = 0.0,
-           name: str = "ster", max_ongoing_requests: int = MAX_ONGOING_REQUESTS) -> ReplicaSet:
+           name: str = "ster", max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+           drain_s: float = 20.0) -> ReplicaSet:
     """Run `replicas` copies of the app `app_builder()` builds (each builds its own) behind one
     HTTP endpoint on host:port (port 0: a free one), on the Ray cluster at `address` (None: a local
     one started here). Returns once every replica has built its app and run its startup.
@@ -105,7 +111,8 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
     `app_builder` travels to the replicas by pickle: a module-level function (or a partial of
     one) importable on every node. num_cpus / num_gpus are each replica's own reservation; a
     replica whose model runs on Ray ranks (--tp > 1) reserves nothing itself, its ranks do.
-    max_ongoing_requests: requests one replica is given at once; Serve queues the rest.
+    max_ongoing_requests: requests one replica is given at once; Serve queues the rest. drain_s:
+    how long a stopping replica waits for its requests in flight.
     """
     if replicas < 1:
         raise Refusal(f"--replicas {replicas} serves nothing; give 1 or more")
@@ -114,7 +121,8 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
     started_ray = start_ray(address)
     running = ReplicaSet(name=name, host=host, port=port, replicas=replicas, started_ray=started_ray)
     try:
-        _start(app_builder, running, num_cpus=num_cpus, num_gpus=num_gpus, max_ongoing_requests=max_ongoing_requests)
+        _start(app_builder, running, num_cpus=num_cpus, num_gpus=num_gpus, max_ongoing_requests=max_ongoing_requests,
+               drain_s=drain_s)
     except BaseException:
         running.shutdown()
         raise
@@ -122,7 +130,7 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
 
 
 def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus: float, num_gpus: float,
-           max_ongoing_requests: int) -> None:
+           max_ongoing_requests: int, drain_s: float) -> None:
     from ray import serve
     from ray.serve.config import HTTPOptions
     from ray.serve.schema import ApplicationStatus
@@ -130,8 +138,12 @@ def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus:
     # one proxy, on the head node: one endpoint to expose and to firewall
     serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host=running.host, port=running.port))
     _check_proxy_port(running)
+    if running.name in serve.status().applications:
+        raise Refusal(f"a Serve application named {running.name} already runs on this cluster; stop that "
+                      "server first (or `serve delete` it)")
+    running.deployed = True
     app = _deployment(name=running.name, replicas=running.replicas, num_cpus=num_cpus, num_gpus=num_gpus,
-                      max_ongoing_requests=max_ongoing_requests).bind(app_builder)
+                      max_ongoing_requests=max_ongoing_requests, drain_s=drain_s).bind(app_builder)
     serve.run_many([serve.RunTarget(target=app, name=running.name, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     deadline = time.monotonic() + READY_TIMEOUT_S
