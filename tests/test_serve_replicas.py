@@ -72,11 +72,18 @@ def app_that_cannot_start():
     return FastAPI(lifespan=lifespan)
 
 
-def test_zero_replicas_are_refused_before_ray_starts():
+def test_zero_replicas_or_a_taken_port_are_refused_before_ray_starts():
     import ray
 
+    builder = functools.partial(small_app, Path("/nowhere"))
     with pytest.raises(Refusal, match="--replicas 0"):
-        deploy(functools.partial(small_app, Path("/nowhere")), replicas=0, host="127.0.0.1", port=0)
+        deploy(builder, replicas=0, host="127.0.0.1", port=0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(Refusal, match=f"cannot listen on 127.0.0.1:{port}"):
+            deploy(builder, replicas=2, host="127.0.0.1", port=port)
     assert not ray.is_initialized()
 
 
@@ -183,7 +190,8 @@ def test_two_server_replicas_answer_the_openai_client_as_ster_generate(ray_clust
         other = functools.partial(small_app, tmp_path_factory.mktemp("unused"))
         with pytest.raises(Refusal, match="a Serve application named ster already runs on this cluster"):
             deploy(other, replicas=1, host="127.0.0.1", port=served.port)
-        with pytest.raises(Refusal, match=f"Ray Serve already runs on this cluster with its proxy on 127.0.0.1:{served.port}"):
+        elsewhere = f"Ray Serve already runs on this cluster with its proxy on 127.0.0.1:{served.port}"
+        with pytest.raises(Refusal, match=elsewhere):
             deploy(other, replicas=1, host="127.0.0.1", port=0, name="another")
 
         chunks = list(client.chat.completions.create(model=toy, messages=messages, max_tokens=12, temperature=0,

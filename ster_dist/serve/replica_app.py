@@ -10,7 +10,8 @@ wrapper's lifespan: startup is already done, shutdown runs the app's.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ASGIApp = Callable[..., Any]  # an ASGI application: async (scope, receive, send) -> None
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ster_dist import errors
 from ster_dist.errors import Refusal
@@ -93,7 +93,7 @@ class ReplicaSet:
                 ray.shutdown()
                 self.started_ray = False
 
-    def __enter__(self) -> "ReplicaSet":
+    def __enter__(self) -> ReplicaSet:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -118,6 +118,9 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
         raise Refusal(f"--replicas {replicas} serves nothing; give 1 or more")
     if port == 0:
         port = free_port(host)
+    elif address is None and not _ray_running():
+        # a cluster started here gets a fresh proxy, which would fail to bind a taken port unseen
+        _check_free(host, port)
     started_ray = start_ray(address)
     running = ReplicaSet(name=name, host=host, port=port, replicas=replicas, started_ray=started_ray)
     try:
@@ -152,13 +155,19 @@ def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus:
         if status is not None and status.status == ApplicationStatus.RUNNING:
             break
         if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
-            raise _start_failure(status.deployments[running.name].message)
+            raise _start_failure(_deployment_message(status, running.name))
         if time.monotonic() > deadline:
-            message = _first_lines(status.deployments[running.name].message) if status is not None else "no status"
+            message = _first_lines(_deployment_message(status, running.name)) if status is not None else "no status"
             raise Refusal(f"the replicas were not ready within {READY_TIMEOUT_S:.0f} s ({message}); "
                           "check the cluster's free resources, or raise STER_REPLICAS_READY_TIMEOUT")
         time.sleep(0.5)
     _wait_for_route(running)
+
+
+def _deployment_message(status, name: str) -> str:
+    """What Serve says of the deployment (a replica's constructor error), else of the app."""
+    deployment = status.deployments.get(name)
+    return (deployment.message if deployment is not None else "") or status.message
 
 
 def _check_proxy_port(running: ReplicaSet) -> None:
@@ -217,10 +226,28 @@ def _start_failure(message: str) -> Refusal:
     last line of its traceback."""
     last = next((line.strip() for line in reversed((message or "").splitlines()) if line.strip()), "no message")
     kind, _, text = last.partition(": ")
-    refusal = getattr(errors, kind.removeprefix("ster_dist.errors."), None) if kind.startswith("ster_dist.errors.") else None
+    module, _, name = kind.rpartition(".")
+    refusal = getattr(errors, name, None) if module == "ster_dist.errors" else None
     if isinstance(refusal, type) and issubclass(refusal, Refusal) and refusal is not errors.JobFailed and text:
         return refusal(text)
     return Refusal(f"the replicas failed to start: {last}; their logs are in the Ray session's logs/serve/")
+
+
+def _ray_running() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def _check_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise Refusal(f"cannot listen on {host}:{port}: {exc.strerror or exc}; give another --port (0 picks a "
+                          "free one) or --host") from None
 
 
 def _first_lines(message: str, lines: int = 3) -> str:
