@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
@@ -72,7 +73,7 @@ def app_that_cannot_start():
     return FastAPI(lifespan=lifespan)
 
 
-def test_zero_replicas_or_a_taken_port_are_refused_before_ray_starts():
+def test_what_cannot_run_here_is_refused_before_ray_starts():
     import ray
 
     builder = functools.partial(small_app, Path("/nowhere"))
@@ -84,6 +85,10 @@ def test_zero_replicas_or_a_taken_port_are_refused_before_ray_starts():
         port = taken.getsockname()[1]
         with pytest.raises(Refusal, match=f"cannot listen on 127.0.0.1:{port}"):
             deploy(builder, replicas=2, host="127.0.0.1", port=port)
+    gpus = torch.cuda.device_count()
+    with pytest.raises(Refusal, match=f"2 replicas holding {gpus + 1} GPU each need {2 * gpus + 2} GPUs and "
+                                      f"this machine has {gpus}"):
+        deploy(builder, replicas=2, host="127.0.0.1", port=0, num_gpus=gpus + 1)
     assert not ray.is_initialized()
 
 

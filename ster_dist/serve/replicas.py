@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ster_dist import errors
 from ster_dist.errors import Refusal
+from ster_dist.events import progress
 from ster_dist.serve.replica_app import REPLICA_HEADER, ASGIApp, build_replica_app
 from ster_dist.workers.ray_group import start_ray
 
@@ -116,11 +117,13 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
     """
     if replicas < 1:
         raise Refusal(f"--replicas {replicas} serves nothing; give 1 or more")
+    if address is None and not _ray_running():
+        # a cluster started on this machine: refuse now what would otherwise fail unseen later
+        _check_fits_here(replicas, num_gpus)
+        if port != 0:
+            _check_free(host, port)  # its fresh proxy would fail to bind a taken port
     if port == 0:
         port = free_port(host)
-    elif address is None and not _ray_running():
-        # a cluster started here gets a fresh proxy, which would fail to bind a taken port unseen
-        _check_free(host, port)
     started_ray = start_ray(address)
     running = ReplicaSet(name=name, host=host, port=port, replicas=replicas, started_ray=started_ray)
     try:
@@ -150,10 +153,18 @@ def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus:
     serve.run_many([serve.RunTarget(target=app, name=running.name, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     deadline = time.monotonic() + READY_TIMEOUT_S
+    said = ""
     while True:
         status = serve.status().applications.get(running.name)
         if status is not None and status.status == ApplicationStatus.RUNNING:
             break
+        if status is not None and status.status != ApplicationStatus.DEPLOY_FAILED:
+            # Serve's notes while it waits (replicas not yet placed, and on what resources) are the
+            # user's only clue to a start that takes long: pass each new one on
+            note = _first_lines(_deployment_message(status, running.name), lines=1)
+            if note and note != said:
+                progress(f"replicas: {note}")
+                said = note
         if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
             raise _start_failure(_deployment_message(status, running.name))
         if time.monotonic() > deadline:
@@ -231,6 +242,19 @@ def _start_failure(message: str) -> Refusal:
     if isinstance(refusal, type) and issubclass(refusal, Refusal) and refusal is not errors.JobFailed and text:
         return refusal(text)
     return Refusal(f"the replicas failed to start: {last}; their logs are in the Ray session's logs/serve/")
+
+
+def _check_fits_here(replicas: int, num_gpus: float) -> None:
+    """On a cluster of this machine alone (no autoscaler to add a node), replicas that cannot all
+    be placed would only wait for their timeout: refuse them now."""
+    if not num_gpus:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if replicas * num_gpus > gpus:
+        raise Refusal(f"{replicas} replicas holding {num_gpus:g} GPU each need {replicas * num_gpus:g} GPUs and "
+                      f"this machine has {gpus:g}; serve fewer replicas, or on a Ray cluster (--address)")
 
 
 def _ray_running() -> bool:
