@@ -402,6 +402,131 @@ class SterEngine:
         self.session.close()
 
 
+# ---- backends over HTTP: `ster serve` and `transformers serve` -----------------------------------
+
+def sse_chunks(port: int, path: str, body: dict, headers: dict | None = None) -> Iterator[dict]:
+    """The parsed `data:` chunks of one OpenAI-style streaming request, as they arrive."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
+                                                                   **(headers or {})})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                return
+            line = line.strip()
+            if line == b"data: [DONE]":
+                return
+            if line.startswith(b"data:"):
+                yield json.loads(line[5:])
+    finally:
+        conn.close()
+
+
+class SterServe:
+    """`ster serve` as a child process (the same engine as ster-engine, behind uvicorn and OpenAI's
+    API): POST /v1/completions with the prompt's token ids, stream and return_token_ids on, so each
+    chunk's tokens are timestamped as they reach the client. Its ratio to ster-engine is the server's
+    own cost."""
+
+    name = "ster-serve"
+    prefix_caching = True
+
+    def __init__(self, model_dir: Path, precision: str, kv_cache_memory: int | None, threads: int, log: Path):
+        cmd = [sys.executable, "-m", "ster_dist.cli", "serve", "--model", str(model_dir), "--precision", precision,
+               "--max-queue", "100000", "--max-step-tokens", "512"]
+        if kv_cache_memory:
+            cmd += ["--kv-cache-memory", str(kv_cache_memory)]
+        self.model = str(model_dir)
+        self.log = open(log, "w")  # noqa: SIM115  (open for the server's life; closed in close())
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.close()
+            raise RuntimeError(f"ster serve exited ({self.proc.poll()}); log: {log}\n" + log.read_text()[-2000:])
+        self.port = json.loads(line)["port"]
+
+    def stream(self, req: Request) -> Iterator[list[int]]:
+        body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.new_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        for chunk in sse_chunks(self.port, "/v1/completions", body):
+            for choice in chunk.get("choices", ()):
+                if choice.get("token_ids"):
+                    yield list(choice["token_ids"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: it drains (nothing is in flight) and exits
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class TransformersServe:
+    """`transformers serve --continuous-batching` (Transformers' OpenAI-compatible server) as a child
+    process. Its /v1/completions takes text, so each prompt's ids are decoded to text first (its own
+    tokenizer may re-encode them a few tokens differently), and each streamed chunk with text counts
+    as one token: its token ids are not comparable with the others'."""
+
+    name = "transformers-serve"
+    prefix_caching = False
+
+    def __init__(self, model_dir: Path, precision: str, threads: int, log: Path):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.port = free_port()
+        self.model = str(model_dir)
+        binary = Path(sys.executable).parent / "transformers"
+        cmd = [str(binary), "serve", str(model_dir), "--continuous-batching", "--host", "127.0.0.1", "--port",
+               str(self.port), "--device", "cpu", "--dtype", {"f32": "float32"}.get(precision, precision)]
+        self.cmd = cmd
+        self.log = open(log, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited ({self.proc.returncode}); log: {log}\n"
+                                   + log.read_text()[-2000:])
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"transformers serve not ready after 300 s; log: {log}")
+            time.sleep(0.5)
+
+    def stream(self, req: Request) -> Iterator[list[int]]:
+        body = {"model": self.model, "prompt": self.tokenizer.decode(req.prompt), "max_tokens": req.new_tokens,
+                "temperature": 0, "stream": True}
+        for chunk in sse_chunks(self.port, "/v1/completions", body):
+            for choice in chunk.get("choices", ()):
+                if choice.get("text"):
+                    yield [-1]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
 # ---- backend: ster_dist's static batching (today's generate()) ------------------------------------
 
 class SterStatic:
@@ -517,6 +642,11 @@ def make_backend(name: str, args, model_dir: Path, gguf: Path | None, ctx_per_sl
         return HFContinuous(model_dir, args.dtype, args.concurrency, ctx_per_slot)
     if name == "ster-static":
         return SterStatic(model_dir, args.dtype)
+    if name == "ster-serve":
+        return SterServe(model_dir, args.dtype, args.kv_cache_mb * common.MB if args.kv_cache_mb else None,
+                         args.threads, logdir / "ster-serve.log")
+    if name == "transformers-serve":
+        return TransformersServe(model_dir, args.dtype, args.threads, logdir / "transformers-serve.log")
     if name == "ster-engine":
         try:
             import ster_dist.engine.loop
@@ -618,6 +748,7 @@ def agreement(backends: dict) -> tuple[str | None, dict]:
     """Greedy token ids of each backend against the reference's (llama-server, else ster-static), per rate:
     how many requests got the same first token and the same whole output. Drops the ids from `backends`."""
     tokens = {name: b.pop("tokens") for name, b in backends.items() if "tokens" in b}
+    tokens.pop("transformers-serve", None)  # counted chunks, not ids: nothing to compare
     ref_name = next((n for n in ("llama-server", "ster-static") if n in tokens), None)
     if ref_name is None:
         return None, {}
@@ -648,6 +779,18 @@ def ratios(backends: dict) -> dict:
     return out
 
 
+def server_cost(backends: dict) -> dict:
+    """What the HTTP server adds to its engine, per rate: ster-serve's output throughput over
+    ster-engine's, and the milliseconds it adds to TTFT at p50 (targets: >= 0.95 and <= 2 ms)."""
+    engine, served = backends.get("ster-engine", {}).get("rates"), backends.get("ster-serve", {}).get("rates")
+    if not engine or not served:
+        return {}
+    return {rate: {"throughput_ratio": served[rate]["output_throughput"] / engine[rate]["output_throughput"],
+                   "ttft_p50_added_ms": served[rate]["ttft_p50_ms"] - engine[rate]["ttft_p50_ms"]}
+            for rate in served if rate in engine and engine[rate].get("output_throughput")
+            and served[rate].get("ttft_p50_ms") is not None and engine[rate].get("ttft_p50_ms") is not None}
+
+
 # ---- main --------------------------------------------------------------------------------------
 
 def parse_rate(text: str) -> float:
@@ -664,8 +807,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the same weights as an f32 GGUF for llama-server (default: /work/llama/gguf/<name>-f32.gguf)")
     p.add_argument("--llama-server", type=Path, default=LLAMA_SERVER_DEFAULT,
                    help=f"the llama-server binary (default {LLAMA_SERVER_DEFAULT}); skipped if absent")
-    p.add_argument("--backends", nargs="+", default=["llama-server", "ster-engine", "hf-cb", "ster-static"],
-                   choices=["llama-server", "ster-engine", "hf-cb", "ster-static"])
+    p.add_argument("--backends", nargs="+", default=["llama-server", "ster-engine", "ster-serve", "hf-cb",
+                                                     "transformers-serve", "ster-static"],
+                   choices=["llama-server", "ster-engine", "ster-serve", "hf-cb", "transformers-serve", "ster-static"])
     p.add_argument("--dtype", choices=("f32",), default="f32", help="f32 only: the GGUF and the KV cache are f32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=None, help="default 32 (--quick 8)")
@@ -744,9 +888,13 @@ def main(argv=None) -> int:
               "rates": ["inf" if math.isinf(r) else r for r in args.rates], "seed": args.seed,
               "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
               "backends": backends, "ratios_vs_llama_server": ratios(backends),
+              "server_vs_engine": server_cost(backends),
               "tokens_reference": reference, "tokens_agreement": agree,
               "loadavg_1min": [loadavg_before, os.getloadavg()[0]]}
     print_tables(result)
+    for rate, cost in result["server_vs_engine"].items():
+        print(f"ster serve over its engine, rate {rate}: throughput x{cost['throughput_ratio']:.3f}, "
+              f"TTFT p50 {cost['ttft_p50_added_ms']:+.1f} ms")
     print(json.dumps(result))
     return 0
 

@@ -6,8 +6,9 @@ words. Job kinds run as jobs through a job queue in this process (ster_dist.jobq
 same front door as job specs and the Python API; the other commands call their operation directly.
 
 Every command prints its result as JSON on stdout and progress events (one JSON object per line)
-on stderr. A refusal is printed once, as one line on stderr, with exit status 2 (3 for running
-out of memory): never a traceback. This is the only module that touches argparse.
+on stderr (`ster chat` alone keeps stdout for the conversation and prints its totals on stderr). A
+refusal is printed once, as one line on stderr, with exit status 2 (3 for running out of memory):
+never a traceback. This is the only module that touches argparse.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
 from ster_dist.events import json_stderr
-from ster_dist.schema import REQUESTS, QueueRequest, Request, ServeRequest, SubmitRequest
+from ster_dist.schema import REQUESTS, ChatRequest, QueueRequest, Request, ServeRequest, SubmitRequest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,6 +136,10 @@ def run(request: Request) -> tuple[object, int]:
         from ster_dist.serve.run import serve
 
         return serve(request), 0
+    if isinstance(request, ChatRequest):
+        from ster_dist.chat import chat
+
+        return chat(request), 0
     if request.kind is not None:
         from ster_dist.jobqueue.in_process import run_cli
 
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             result, code = run(request)
         if getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
-        elif not request.result_on_stdout:
+        elif not request.result_on_stdout:  # stdout held the conversation or the ready line: totals go with the events
             print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
         else:
             print(json.dumps(result, indent=2, ensure_ascii=False))

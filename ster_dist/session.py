@@ -26,6 +26,7 @@ class Session:
         self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
         self._group = None
         self._engine = None
+        self.fixed_engine = False  # set by `ster serve`: jobs' engine options never rebuild its engine
         self._on_load = on_load  # called with the session once its ranks hold the model (the pool counts it)
 
     @functools.cached_property
@@ -96,6 +97,8 @@ class Session:
         from ster_dist.engine.loop import EngineConfig, TokenEngine
 
         config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens)
+        if self.fixed_engine and self._engine is not None and not self._engine.stopped:
+            return self._engine  # a server's: its clients hold streams of it, whatever a job asks
         if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):
             self._engine.close()
             self._engine = None

@@ -100,8 +100,10 @@ def test_chat_and_completions_streamed_or_not_equal_ster_generate(server, client
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat_ref["finish_reason"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat_ref["completion_tokens"]
-    text = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0)
+    text = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True})
     assert text.choices[0].text == text_ref["text"]
+    assert len(text.choices[0].model_extra["token_ids"]) == text_ref["completion_tokens"]
     streamed = client.completions.create(model=toy, prompt="hello there", max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text_ref["text"]
 
@@ -251,3 +253,68 @@ def test_key_queue_limit_body_limit_and_drain(toy):
         assert any("draining" in line for line in proc.stderr)
     finally:
         proc.stop()
+
+
+def test_ster_endpoints_share_the_server_and_pause_its_engine_between_steps(server, toy, tmp_path):
+    """Ster's /v1/extract on the served model runs while an OpenAI stream is generating: the stream
+    waits between steps (the ranks are the extract's alone meanwhile) and still gives its exact text;
+    /v1/generate joins the server's own engine (no second model load, no rebuilt engine)."""
+    import threading
+
+    expected = cli_generate(f"--model={toy}", "--prompt=keep talking", "--max-new-tokens=240", "--chat-template=off",
+                            "--ignore-eos")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["one", "two"]}))
+    streamed: list[str] = []
+
+    def stream():
+        body = {"model": toy, "prompt": "keep talking", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line[6:])["choices"][0]["text"])
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    wait_for(lambda: streamed, timeout=60, step=0.01)
+    extract = httpx.post(f"{server.url}/v1/extract", timeout=120, json={
+        "input": str(prompts), "output": str(tmp_path / "acts.safetensors"), "layers": "1"})
+    assert extract.status_code == 200, extract.text
+    assert len(streamed) < 240  # it ran while the stream was generating
+    events = [json.loads(line) for line in extract.text.splitlines()]
+    assert events[-1]["event"] == "result"
+    thread.join(120)
+    assert "".join(streamed) == expected["text"]
+    assert (tmp_path / "acts.safetensors").is_file()
+    generated = httpx.post(f"{server.url}/v1/generate", timeout=120, json={
+        "prompt": "hello there", "maxNewTokens": 12, "chatTemplate": "off", "kvCacheMemory": "1MiB"})
+    result = [json.loads(line) for line in generated.text.splitlines()][-1]["result"]
+    assert result["text"] == cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12",
+                                          "--chat-template=off")["text"]
+    assert metric(server.url, "ster:kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
+
+
+def test_several_prompts_token_ids_and_streamed_choices(client, toy):
+    from ster_dist.tokenizer import Tokenizer
+    from pathlib import Path
+
+    expected = reference(toy, ["hello there", "tell me"], "--max-new-tokens=8", "--chat-template=off")
+    many = client.completions.create(model=toy, prompt=["hello there", "tell me"], max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == expected
+    ids = Tokenizer.from_directory(Path(toy)).encode("tell me")
+    by_ids = client.completions.create(model=toy, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == expected[1]
+    sampled = reference(toy, ["hello", "hello"], "--max-new-tokens=8", "--chat-template=on", "--temperature=0.9",
+                        "--seed=11")
+    chunks = client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                            temperature=0.9, seed=11, n=2, stream=True, logprobs=True,
+                                            top_logprobs=1)
+    texts, logprob_tokens = {0: "", 1: ""}, {0: 0, 1: 0}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                logprob_tokens[choice.index] += len(choice.logprobs.content)
+    assert [texts[0], texts[1]] == sampled
+    assert logprob_tokens[0] > 0 and logprob_tokens[1] > 0

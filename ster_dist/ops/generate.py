@@ -161,12 +161,7 @@ def _prepare(session: Session, engine, request: GenerateRequest, params, prompts
     steering = adapter = None
     info = {}
     if request.vector is not None:
-        from ster_dist.steer.attach import prepare as prepare_vector
-
-        vectors, info["steering"] = prepare_vector(session, request)
-        key = _digest(vectors)
-        engine.add_vector(key, vectors)
-        steering = (key, float(request.strength))
+        steering, info["steering"] = register_vector(session, engine, request)
     if request.adapter is not None:
         adapter, info["adapter"] = register_adapter(session, engine, request)
     tokenizer = session.tokenizer
@@ -185,6 +180,18 @@ def _prepare(session: Session, engine, request: GenerateRequest, params, prompts
                   chat_template="on" if request.chat_template != "off" and tokenizer.chat_template else "off",
                   sampling={**sampling, **extra}, steering=info.get("steering"), adapter=info.get("adapter"))
     return _Prepared(request, params, prompts, system, steering, adapter, header)
+
+
+def register_vector(session: Session, engine, request) -> tuple[tuple[str, float], dict]:
+    """`request.vector` checked against the session's model and registered with the engine under a key
+    digesting its content (nothing is attached globally); (key, strength) for `engine.submit(steering=...)`
+    and the vector's provenance."""
+    from ster_dist.steer.attach import prepare
+
+    vectors, info = prepare(session, request)
+    key = _digest(vectors)
+    engine.add_vector(key, vectors)
+    return (key, float(request.strength)), info
 
 
 def register_adapter(session: Session, engine, request) -> tuple[str, dict]:

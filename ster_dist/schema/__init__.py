@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ster_dist.schema.base import Request
 from ster_dist.schema.capture import ExtractRequest
+from ster_dist.schema.chat import ChatRequest
 from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.schema.jobs import QueueRequest, RunJobsRequest, SubmitRequest
@@ -26,7 +27,7 @@ from ster_dist.schema.tools import (
 from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
 
 REQUESTS: tuple[type[Request], ...] = (
-    FamiliesRequest, InspectModelRequest, GenerateRequest, ParityRequest, ExtractRequest,
+    FamiliesRequest, InspectModelRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
     MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
     SubmitRequest, QueueRequest, ServeRequest,
@@ -34,9 +35,9 @@ REQUESTS: tuple[type[Request], ...] = (
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
 
 __all__ = [
-    "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ParityRequest",
-    "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest", "SteerInspectRequest",
-    "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest", "TuneEvaluateRequest",
-    "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest", "SubmitRequest",
-    "QueueRequest", "RunJobsRequest", "ServeRequest",
+    "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ChatRequest",
+    "ParityRequest", "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest",
+    "SteerInspectRequest", "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
+    "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest",
+    "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest",
 ]

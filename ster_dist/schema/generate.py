@@ -58,9 +58,7 @@ class GenerateRequest(Runtime):
     @field_validator("top_p")
     @classmethod
     def _top_p_range(cls, value: float, info: ValidationInfo) -> float:
-        if not 0 < value <= 1:
-            raise Refusal(f"{label_in(info, 'top_p')} must lie in (0, 1], got {value}")
-        return value
+        return top_p_in_range(value, info)
 
     @model_validator(mode="after")
     def _one_source(self, info: ValidationInfo):
@@ -71,27 +69,49 @@ class GenerateRequest(Runtime):
         if self.prompts is not None and self.output is None:
             raise Refusal("--prompts needs --output FILE for the answers" if cli else
                           "a generate job spec with 'prompts' needs 'output', the file for the answers")
-        if self.vector is not None and self.strength is None:
-            raise Refusal(f"{label_in(info, 'vector')} needs {label_in(info, 'strength')}: Ster assumes no "
-                          "strength (try 1, or a negative one to push away from the trait)")
-        if self.vector is None and self.strength is not None:
-            raise Refusal(f"{label_in(info, 'strength')} scales a steering vector and exists only with one: add "
-                          f"{label_in(info, 'vector')} or drop it")
+        check_vector_strength(self, info)
         if context_of(info, "queued") and self.temperature > 0 and "seed" not in self.model_fields_set:
             raise Refusal(f"a generate job spec that samples (temperature {self.temperature}) must state 'seed', "
                           "so that a retried or re-run job gives the same answer")
         if self.stream and self.prompts is not None:
             raise Refusal(f"{label_in(info, 'stream')} prints one answer as it comes; use it with "
                           f"{label_in(info, 'prompt')}")
-        if self.kv_cache_memory is not None:
-            memory_bytes(self.kv_cache_memory, label_in(info, "kv_cache_memory"))
+        check_kv_cache_memory(self, info)
         no_stdin(self, ("prompts", "system", "vector"), info)
         return self
 
     def engine_options(self) -> tuple:
         """What the session's token engine is built with (requests with other options rebuild it)."""
-        memory = memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
-        return (memory, self.max_step_tokens)
+        return engine_options(self)
+
+
+# -- checks and options generation requests share (generate, chat) ------------------------------
+
+def top_p_in_range(value: float, info: ValidationInfo) -> float:
+    if not 0 < value <= 1:
+        raise Refusal(f"{label_in(info, 'top_p')} must lie in (0, 1], got {value}")
+    return value
+
+
+def check_vector_strength(request, info: ValidationInfo) -> None:
+    """--vector and --strength come together: Ster assumes no strength, and a strength alone scales nothing."""
+    if request.vector is not None and request.strength is None:
+        raise Refusal(f"{label_in(info, 'vector')} needs {label_in(info, 'strength')}: Ster assumes no "
+                      "strength (try 1, or a negative one to push away from the trait)")
+    if request.vector is None and request.strength is not None:
+        raise Refusal(f"{label_in(info, 'strength')} scales a steering vector and exists only with one: add "
+                      f"{label_in(info, 'vector')} or drop it")
+
+
+def check_kv_cache_memory(request, info: ValidationInfo) -> None:
+    if request.kv_cache_memory is not None:
+        memory_bytes(request.kv_cache_memory, label_in(info, "kv_cache_memory"))
+
+
+def engine_options(request) -> tuple:
+    """(KV cache bytes or None, max step tokens): what a session's token engine is built with."""
+    memory = memory_bytes(request.kv_cache_memory, "kv_cache_memory") if request.kv_cache_memory else None
+    return (memory, request.max_step_tokens)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,

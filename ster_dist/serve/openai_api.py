@@ -45,6 +45,7 @@ class _Prepared:
     created: int
     arrived: float
     include_usage: bool
+    token_ids: bool = False      # return_token_ids: the choices carry their tokens' ids
 
 
 def router(state) -> APIRouter:
@@ -162,7 +163,7 @@ def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     return _Prepared("chat", body.model, [ids], _sampling(state, body, len(ids), logprobs), body.n, steering,
                      adapter, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(),
-                     bool(body.stream_options and body.stream_options.include_usage))
+                     bool(body.stream_options and body.stream_options.include_usage), body.return_token_ids)
 
 
 def _prepare_text(state, body: CompletionRequest) -> _Prepared:
@@ -188,7 +189,7 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
     longest = max(len(p) for p in prompts)
     return _Prepared("text", body.model, prompts, _sampling(state, body, longest, body.logprobs), body.n, steering,
                      adapter, f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(),
-                     bool(body.stream_options and body.stream_options.include_usage))
+                     bool(body.stream_options and body.stream_options.include_usage), body.return_token_ids)
 
 
 # -- running and answering --------------------------------------------------------------------------
@@ -275,6 +276,7 @@ def _finish(reason: str | None) -> str | None:
 
 async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dict:
     texts = [[] for _ in streams]
+    ids = [[] for _ in streams]
     logprobs = [[] for _ in streams]
     reasons: list[str | None] = [None] * len(streams)
     counts = [0] * len(streams)
@@ -284,6 +286,7 @@ async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dic
     try:
         async for index, delta in merged:
             texts[index].append(delta.text)
+            ids[index].extend(delta.token_ids)
             logprobs[index].extend(delta.logprobs)
             counts[index] += len(delta.token_ids)
             reasons[index] = delta.finish_reason or reasons[index]
@@ -303,6 +306,8 @@ async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dic
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if prep.token_ids:
+            choice["token_ids"] = ids[index]
         choices.append(choice)
     return {"id": prep.id, "object": "chat.completion" if prep.kind == "chat" else "text_completion",
             "created": prep.created, "model": prep.model, "choices": choices, "system_fingerprint": None,
@@ -334,7 +339,7 @@ async def _events(state, prep: _Prepared, streams: list):
     try:
         async for index, delta in merged:
             counts[index] += len(delta.token_ids)
-            if not delta.text and delta.finish_reason is None:
+            if not delta.text and delta.finish_reason is None and not prep.token_ids:
                 continue  # a token whose text is not whole yet (a split UTF-8 character)
             choice = {"index": index, "logprobs": None, "finish_reason": _finish(delta.finish_reason)}
             if prep.params.logprobs is not None and delta.logprobs:
@@ -344,6 +349,8 @@ async def _events(state, prep: _Prepared, streams: list):
                 choice["delta"] = {"content": delta.text} if delta.text else {}
             else:
                 choice["text"] = delta.text
+            if prep.token_ids:
+                choice["token_ids"] = delta.token_ids
             yield chunk([choice])
     except Refusal as exc:
         error = ApiError(500, str(exc), type="server_error")

@@ -50,6 +50,7 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False   # each choice (and chunk) carries its tokens' ids
     # ours
     steering: Steering | None = None
 

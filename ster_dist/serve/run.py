@@ -8,6 +8,7 @@ connections get 503), lets the requests in flight finish for up to --drain-secon
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -104,4 +105,31 @@ class _Server(uvicorn.Server):
 
 
 def _serve_replicas(request: ServeRequest) -> dict:
-    raise Refusal("--replicas above 1 needs Ray Serve replicas, which this build lacks; serve with --replicas 1")
+    """N replicas behind one port (Ray Serve): each builds its own state (its own worker group,
+    with tp x ep ranks as Ray actors when above 1) and app. The ready line comes once every replica
+    is ready; SIGTERM or SIGINT shuts the deployment down."""
+    import threading
+
+    from ster_dist.serve.replicas import deploy
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    replicas = deploy(functools.partial(replica_app, request), replicas=request.replicas, host=request.host,
+                      port=request.port, address=request.address,
+                      num_gpus=float(request.tp * request.ep) if request.device == "cuda" else 0.0)
+    try:
+        progress(f"serving {request.name()} on {replicas.url} with {request.replicas} replicas")
+        ready_line(replicas.port)
+        while not stop.wait(0.5):  # a timed wait: the signal handler runs between waits
+            pass
+        progress("draining: shutting the replicas down")
+    finally:
+        replicas.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return {"served": request.name(), "replicas": request.replicas}
+
+
+def replica_app(request: ServeRequest):
+    """One replica's app (run inside its Ray Serve replica): the model loaded, the engine started."""
+    return build_app(ServerState(request).start())
