@@ -2,13 +2,15 @@
 behind Ray Serve's one proxy port.
 
 A small FastAPI app (its lifespan standing for a model load) shows Serve's routing, streaming,
-startup failures and shutdown on their own; then the real server on the toy checkpoint, two
-replicas through one port, answers the openai client as `ster generate` does.
+startup failures and shutdown on their own; then the real server (`ster serve`'s settings) on the
+toy checkpoint, two replicas through one port, answers the openai client as `ster generate` does,
+in this process and (marked slow) as the `ster serve --replicas 2` command.
 """
 
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import socket
 import time
@@ -26,6 +28,7 @@ from ster_dist.errors import Refusal
 from ster_dist.serve.replica_server import deploy_server
 from ster_dist.serve.replicas import REPLICA_HEADER, deploy
 from tests.cli_run import cli_generate, make_toy
+from tests.serve_process import ServeProcess
 
 openai = pytest.importorskip("openai")
 
@@ -205,3 +208,36 @@ def test_two_server_replicas_answer_the_openai_client_as_ster_generate(ray_clust
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference["finish_reason"]
     finally:
         served.shutdown()
+
+
+@pytest.mark.slow
+def test_the_command_serves_replicas_on_a_given_cluster_and_stops_on_sigterm(ray_cluster, tmp_path_factory):
+    """`ster serve --replicas 2 --address CLUSTER` as a user runs it: ready line, both replicas
+    answering as `ster generate`, SIGTERM stopping the replicas (status 0, the result line) and
+    leaving the cluster it was given running. (About 45 s on 2 cores: a process importing torch
+    and Ray, then two model loads.)"""
+    import ray
+
+    toy = make_toy(tmp_path_factory)
+    reference = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on")
+    messages = [{"role": "user", "content": "hello there"}]
+    server = ServeProcess("--model", toy, "--replicas", "2", "--address", ray.get_runtime_context().gcs_address)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(_):
+            raw = client.chat.completions.with_raw_response.create(model=toy, messages=messages, max_tokens=12,
+                                                                   temperature=0)
+            return raw.headers[REPLICA_HEADER], raw.parse().choices[0].message.content
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = [answer for _ in range(4) for answer in pool.map(ask, range(8))]
+        assert {text for _, text in answers} == {reference["text"]}
+        assert len({replica for replica, _ in answers}) == 2
+    finally:
+        status = server.stop()
+    assert status == 0, "".join(server.stderr)[-3000:]
+    assert {"served": toy, "replicas": 2} in [json.loads(line) for line in server.stderr if line.startswith("{")]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    assert ray.cluster_resources().get("CPU") == 2  # the cluster it was given is still there
