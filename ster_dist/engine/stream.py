@@ -64,6 +64,11 @@ class RequestStream:
         """Stop generating; the stream ends with finish_reason "abort" (its blocks are freed at once)."""
         self._cancel(self.id)
 
+    @property
+    def finished(self) -> bool:
+        """The consumer has read the last delta (or the failure)."""
+        return self._done
+
     def __iter__(self):
         return self
 

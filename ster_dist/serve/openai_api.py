@@ -222,9 +222,35 @@ async def _answer(state, prep: _Prepared, request: Request, stream: bool):
 
 async def _merged(state, prep: _Prepared, streams: list):
     """(choice index, delta) as they come from every stream; metrics noted on the way."""
-    queue: asyncio.Queue = asyncio.Queue()
     first = [True] * len(streams)
     last = [prep.arrived] * len(streams)
+    try:
+        async for index, item in _interleaved(streams):
+            now = time.monotonic()
+            if item.token_ids:
+                if first[index]:
+                    state.metrics.ttft.observe(now - prep.arrived)
+                    first[index] = False
+                else:
+                    state.metrics.itl.observe((now - last[index]) / len(item.token_ids))
+                last[index] = now
+                state.metrics.generation_tokens.inc(len(item.token_ids))
+            yield index, item
+    finally:
+        for stream in streams:
+            if not stream.finished:
+                stream.cancel()  # a client that left: its blocks are freed at once
+        state.metrics.e2e.observe(time.monotonic() - prep.arrived)
+
+
+async def _interleaved(streams: list):
+    """(index, delta) of several streams in arrival order; one stream is read directly (the common
+    case, with no task or queue between the engine and the client)."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream) -> None:
         try:
@@ -242,25 +268,13 @@ async def _merged(state, prep: _Prepared, streams: list):
             index, item = await queue.get()
             if item is None:
                 open_streams -= 1
-                continue
-            if isinstance(item, BaseException):
+            elif isinstance(item, BaseException):
                 raise item
-            now = time.monotonic()
-            if item.token_ids:
-                if first[index]:
-                    state.metrics.ttft.observe(now - prep.arrived)
-                    first[index] = False
-                else:
-                    state.metrics.itl.observe((now - last[index]) / len(item.token_ids))
-                last[index] = now
-                state.metrics.generation_tokens.inc(len(item.token_ids))
-            yield index, item
+            else:
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()
-        for stream in streams:
-            stream.cancel()  # a no-op for a finished one; frees the blocks of one a client left
-        state.metrics.e2e.observe(time.monotonic() - prep.arrived)
 
 
 def _usage(prep: _Prepared, streams: list, completion_tokens: int) -> dict:
