@@ -8,7 +8,6 @@ connections get 503), lets the requests in flight finish for up to --drain-secon
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -105,31 +104,31 @@ class _Server(uvicorn.Server):
 
 
 def _serve_replicas(request: ServeRequest) -> dict:
-    """N replicas behind one port (Ray Serve): each builds its own state (its own worker group,
-    with tp x ep ranks as Ray actors when above 1) and app. The ready line comes once every replica
-    is ready; SIGTERM or SIGINT shuts the deployment down."""
-    import threading
+    """N replicas behind one port (Ray Serve, serve/replica_server.py): each builds its own state
+    (its own worker group, with tp x ep ranks as Ray actors when above 1) and app. The ready line
+    comes once every replica is ready; SIGTERM or SIGINT shuts the deployment down, the replicas
+    finishing their requests in flight for up to --drain-seconds."""
+    import time
 
-    from ster_dist.serve.replicas import deploy
+    from ster_dist.serve.replica_server import deploy_server
 
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    replicas = deploy(functools.partial(replica_app, request), replicas=request.replicas, host=request.host,
-                      port=request.port, address=request.address,
-                      num_gpus=float(request.tp * request.ep) if request.device == "cuda" else 0.0)
+    # while the replicas load, a signal raises (KeyboardInterrupt, or SystemExit from the SIGTERM
+    # handler ray.init installs), and deploy removes what it started before passing it on
+    replicas = deploy_server(request)
+    stop: list[int] = []
+    # then plain Python handlers, set after ray.init's: they replace its SIGTERM handler, under
+    # which the process aborts without shutting the replicas down. A list, not an Event: setting
+    # an Event from a handler can deadlock on the lock its own wait holds
+    previous = {sig: signal.signal(sig, lambda number, _: stop.append(number))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         progress(f"serving {request.name()} on {replicas.url} with {request.replicas} replicas")
         ready_line(replicas.port)
-        while not stop.wait(0.5):  # a timed wait: the signal handler runs between waits
-            pass
-        progress("draining: shutting the replicas down")
+        while not stop:
+            time.sleep(0.2)
+        progress("draining: the replicas finish the requests in flight, then exit")
     finally:
         replicas.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return {"served": request.name(), "replicas": request.replicas}
-
-
-def replica_app(request: ServeRequest):
-    """One replica's app (run inside its Ray Serve replica): the model loaded, the engine started."""
-    return build_app(ServerState(request).start())
