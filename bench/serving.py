@@ -208,6 +208,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sse_chunks(port: int, path: str, body: dict, headers: dict | None = None) -> Iterator[dict]:
+    """The parsed `data:` chunks of one OpenAI-style streaming request, as they arrive."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
+                                                                   **(headers or {})})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                return
+            line = line.strip()
+            if line == b"data: [DONE]":
+                return
+            if line.startswith(b"data:"):
+                yield json.loads(line[5:])
+    finally:
+        conn.close()
+
+
+def wait_healthy(proc, port: int, name: str, log: Path, timeout: float) -> None:
+    """Until GET /health answers 200 (a child server is ready), or its exit / the timeout, raised."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}); log: {log}\n" + log.read_text()[-2000:])
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready after {timeout}s; log: {log}")
+
+
+def stop_child(proc, log, timeout: float) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL past the timeout; its log closed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
 class LlamaServer:
     """llama-server as a child process; stream() posts one streaming /completion request."""
 
@@ -224,50 +275,19 @@ class LlamaServer:
         self.log = open(log, "w")  # noqa: SIM115  (open for the server's life; closed in close())
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         try:
-            self._wait_ready(timeout=300)
+            wait_healthy(self.proc, self.port, "llama-server", self.log_path, timeout=300)
         except BaseException:
             self.close()
             raise
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}); log: {self.log_path}\n"
-                                   + self.log_path.read_text()[-2000:])
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"llama-server not ready after {timeout}s; log: {self.log_path}")
-
     def completion(self, prompt: list[int], new_tokens: int, cache_prompt: bool = True) -> Iterator[dict]:
         """The SSE chunks of one streaming /completion request, parsed, as they arrive."""
-        body = json.dumps({"prompt": prompt, "n_predict": new_tokens, "ignore_eos": True, "stream": True,
-                           "temperature": 0.0, "top_k": 1, "cache_prompt": cache_prompt,
-                           "return_tokens": True})
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        try:
-            conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-            while True:
-                line = resp.readline()
-                if not line:
-                    return
-                line = line.strip()
-                if line.startswith(b"data:"):
-                    chunk = json.loads(line[5:])
-                    yield chunk
-                    if chunk.get("stop"):
-                        return
-        finally:
-            conn.close()
+        body = {"prompt": prompt, "n_predict": new_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0,
+                "top_k": 1, "cache_prompt": cache_prompt, "return_tokens": True}
+        for chunk in sse_chunks(self.port, "/completion", body):
+            yield chunk
+            if chunk.get("stop"):
+                return
 
     def stream(self, req: Request) -> Iterator[list[int]]:
         for chunk in self.completion(req.prompt, req.new_tokens):
@@ -284,14 +304,7 @@ class LlamaServer:
         return (first - sent) * 1e3, {"cache_n": timings.get("cache_n"), "prompt_n": timings.get("prompt_n")}
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop_child(self.proc, self.log, 20)
 
 
 # ---- backend: Transformers continuous batching ---------------------------------------------------
@@ -404,28 +417,6 @@ class SterEngine:
 
 # ---- backends over HTTP: `ster serve` and `transformers serve` -----------------------------------
 
-def sse_chunks(port: int, path: str, body: dict, headers: dict | None = None) -> Iterator[dict]:
-    """The parsed `data:` chunks of one OpenAI-style streaming request, as they arrive."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
-                                                                   **(headers or {})})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        while True:
-            line = resp.readline()
-            if not line:
-                return
-            line = line.strip()
-            if line == b"data: [DONE]":
-                return
-            if line.startswith(b"data:"):
-                yield json.loads(line[5:])
-    finally:
-        conn.close()
-
-
 class SterServe:
     """`ster serve` as a child process (the same engine as ster-engine, behind uvicorn and OpenAI's
     API): POST /v1/completions with the prompt's token ids, stream and return_token_ids on, so each
@@ -459,14 +450,7 @@ class SterServe:
                     yield list(choice["token_ids"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: it drains (nothing is in flight) and exits
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop_child(self.proc, self.log, 60)
 
 
 class TransformersServe:
@@ -491,22 +475,11 @@ class TransformersServe:
         self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited ({self.proc.returncode}); log: {log}\n"
-                                   + log.read_text()[-2000:])
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(f"transformers serve not ready after 300 s; log: {log}")
-            time.sleep(0.5)
+        try:
+            wait_healthy(self.proc, self.port, "transformers serve", log, timeout=300)
+        except BaseException:
+            self.close()
+            raise
 
     def stream(self, req: Request) -> Iterator[list[int]]:
         body = {"model": self.model, "prompt": self.tokenizer.decode(req.prompt), "max_tokens": req.new_tokens,
@@ -517,14 +490,7 @@ class TransformersServe:
                     yield [-1]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop_child(self.proc, self.log, 30)
 
 
 # ---- backend: ster_dist's static batching (today's generate()) ------------------------------------

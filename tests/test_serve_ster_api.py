@@ -26,13 +26,8 @@ from ster_dist.jobqueue.queue import JobQueue
 from ster_dist.schema import SteerInspectRequest
 from ster_dist.serve.ster_api import camel_keys, ster_router
 from tests.cli_run import cli_generate, make_toy
+from tests.test_steer import PAIRS
 
-PAIRS = {"trait_name": "calm", "pairs": [
-    {"positive": "the sea is calm and quiet tonight .", "negative": "the storm waves crash loud against the rocks ."},
-    {"positive": "the water lies still in the harbor .", "negative": "the wind howls hard over the dark hills ."},
-    {"positive": "a gentle breeze drifts over the lake .", "negative": "thunder rolls loud over the harbor tonight ."},
-    {"positive": "the boat rests at anchor on still water .", "negative": "the waves churn white foam on the boat ."},
-    {"positive": "the evening air is soft and warm .", "negative": "the cold rain falls hard and fast ."}]}
 
 
 @pytest.fixture(scope="module")

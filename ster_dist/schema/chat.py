@@ -7,19 +7,14 @@ functions; only `system` differs: here it is the system message's text, not a fi
 
 from __future__ import annotations
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import ValidationInfo, field_validator
 
 from ster_dist.schema.base import field
-from ster_dist.schema.common import Runtime, adapter_field
-from ster_dist.schema.generate import (
-    check_kv_cache_memory,
-    check_vector_strength,
-    engine_options,
-    top_p_in_range,
-)
+from ster_dist.schema.common import Runtime
+from ster_dist.schema.engine_fields import EngineFields, ModifierFields, top_p_in_range
 
 
-class ChatRequest(Runtime):
+class ChatRequest(Runtime, EngineFields, ModifierFields):
     kind = None
     command = ("chat",)
     summary = "chat with a model in the terminal, answers streamed as they are generated"
@@ -31,24 +26,8 @@ class ChatRequest(Runtime):
     top_p: float = field(1.0, allow_inf_nan=False, help="nucleus sampling: the probability mass kept, in (0, 1]")
     top_k: int = field(0, ge=0, help="sample among the k most likely tokens only; 0 keeps them all")
     seed: int = field(0, ge=0, help="the sampling seed; turn i of a conversation draws from seed + i")
-    kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank, e.g. 2GiB or 500MB (default: a "
-                                                   "tenth of the memory free at start, at most 1GiB)")
-    max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
-    vector: str | None = field(None, help="a steering vector artifact (V.json) added to every answer")
-    strength: float | None = field(None, allow_inf_nan=False, help="the steering strength; required with --vector")
-    adapter: str | None = adapter_field()
 
     @field_validator("top_p")
     @classmethod
     def _top_p_range(cls, value: float, info: ValidationInfo) -> float:
         return top_p_in_range(value, info)
-
-    @model_validator(mode="after")
-    def _pairs(self, info: ValidationInfo):
-        check_vector_strength(self, info)
-        check_kv_cache_memory(self, info)
-        return self
-
-    def engine_options(self) -> tuple:
-        """What the session's token engine is built with."""
-        return engine_options(self)

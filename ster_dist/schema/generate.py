@@ -6,16 +6,11 @@ from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
 
 from ster_dist.errors import Refusal
 from ster_dist.schema.base import context_of, field, label_in
-from ster_dist.schema.common import (
-    ChatTemplate,
-    Runtime,
-    adapter_field,
-    chat_template_field,
-    no_stdin,
-)
+from ster_dist.schema.common import ChatTemplate, Runtime, chat_template_field, no_stdin
+from ster_dist.schema.engine_fields import EngineFields, ModifierFields, top_p_in_range
 
 
-class GenerateRequest(Runtime):
+class GenerateRequest(Runtime, EngineFields, ModifierFields):
     kind = "generate"
     command = ("generate",)
     summary = "generate text"
@@ -48,12 +43,6 @@ class GenerateRequest(Runtime):
                                                        "likeliest alternatives")
     stream: bool = field(False, help="print the answer's text on stdout as it is generated (with --prompt; a job "
                                      "sends it as text events)")
-    kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank, e.g. 2GiB or 500MB (default: a "
-                                                   "tenth of the memory free at start, at most 1GiB)")
-    max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
-    vector: str | None = field(None, help="a steering vector artifact (V.json) added during generation")
-    strength: float | None = field(None, allow_inf_nan=False, help="the steering strength; required with --vector")
-    adapter: str | None = adapter_field()
 
     @field_validator("top_p")
     @classmethod
@@ -69,67 +58,14 @@ class GenerateRequest(Runtime):
         if self.prompts is not None and self.output is None:
             raise Refusal("--prompts needs --output FILE for the answers" if cli else
                           "a generate job spec with 'prompts' needs 'output', the file for the answers")
-        check_vector_strength(self, info)
         if context_of(info, "queued") and self.temperature > 0 and "seed" not in self.model_fields_set:
             raise Refusal(f"a generate job spec that samples (temperature {self.temperature}) must state 'seed', "
                           "so that a retried or re-run job gives the same answer")
         if self.stream and self.prompts is not None:
             raise Refusal(f"{label_in(info, 'stream')} prints one answer as it comes; use it with "
                           f"{label_in(info, 'prompt')}")
-        check_kv_cache_memory(self, info)
         no_stdin(self, ("prompts", "system", "vector"), info)
         return self
-
-    def engine_options(self) -> tuple:
-        """What the session's token engine is built with (requests with other options rebuild it)."""
-        return engine_options(self)
-
-
-# -- checks and options generation requests share (generate, chat) ------------------------------
-
-def top_p_in_range(value: float, info: ValidationInfo) -> float:
-    if not 0 < value <= 1:
-        raise Refusal(f"{label_in(info, 'top_p')} must lie in (0, 1], got {value}")
-    return value
-
-
-def check_vector_strength(request, info: ValidationInfo) -> None:
-    """--vector and --strength come together: Ster assumes no strength, and a strength alone scales nothing."""
-    if request.vector is not None and request.strength is None:
-        raise Refusal(f"{label_in(info, 'vector')} needs {label_in(info, 'strength')}: Ster assumes no "
-                      "strength (try 1, or a negative one to push away from the trait)")
-    if request.vector is None and request.strength is not None:
-        raise Refusal(f"{label_in(info, 'strength')} scales a steering vector and exists only with one: add "
-                      f"{label_in(info, 'vector')} or drop it")
-
-
-def check_kv_cache_memory(request, info: ValidationInfo) -> None:
-    if request.kv_cache_memory is not None:
-        memory_bytes(request.kv_cache_memory, label_in(info, "kv_cache_memory"))
-
-
-def engine_options(request) -> tuple:
-    """(KV cache bytes or None, max step tokens): what a session's token engine is built with."""
-    memory = memory_bytes(request.kv_cache_memory, "kv_cache_memory") if request.kv_cache_memory else None
-    return (memory, request.max_step_tokens)
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
-
-
-def memory_bytes(text: str, where: str) -> int:
-    """'2GiB', '500MB', '1.5gb' or a plain byte count, as bytes; refused in one line otherwise."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise Refusal(f"{where} takes a size such as 2GiB, 500MB or a byte count, got {text!r}")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise Refusal(f"{where} must be more than zero bytes, got {text!r}")
-    return value
 
 
 class Completion(BaseModel):

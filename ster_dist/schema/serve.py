@@ -10,7 +10,7 @@ from pydantic import ValidationInfo, model_validator
 from ster_dist.errors import Refusal
 from ster_dist.schema.base import field, label_in
 from ster_dist.schema.common import Runtime
-from ster_dist.schema.generate import memory_bytes
+from ster_dist.schema.engine_fields import EngineFields, memory_bytes
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
@@ -25,7 +25,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class ServeRequest(Runtime):
+class ServeRequest(Runtime, EngineFields):
     command = ("serve",)
     summary = "serve the model over HTTP: OpenAI's chat and completions API, steering and adapters per request"
     result_on_stdout = False
@@ -41,9 +41,6 @@ class ServeRequest(Runtime):
                                                  "for several", cli={"append": True})
     max_queue: int = field(256, ge=1, help="requests waiting or running at once; more are answered 429")
     max_body: str = field("4MiB", help="the largest request body accepted, e.g. 1MiB")
-    kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank, e.g. 2GiB (default: a tenth of the "
-                                                   "memory free at start, at most 1GiB)")
-    max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
     replicas: int = field(1, ge=1, help="engine replicas behind the one endpoint (Ray Serve, above 1)")
     drain_seconds: float = field(30.0, ge=0, allow_inf_nan=False,
                                  help="how long SIGTERM waits for requests in flight before it exits")
@@ -53,8 +50,6 @@ class ServeRequest(Runtime):
         if not self.host.strip():
             raise Refusal(f"{label_in(info, 'host')} is empty; give 127.0.0.1 or an address of this machine")
         memory_bytes(self.max_body, label_in(info, "max_body"))
-        if self.kv_cache_memory is not None:
-            memory_bytes(self.kv_cache_memory, label_in(info, "kv_cache_memory"))
         names = set()
         for item in self.adapter or ():
             name, sep, directory = item.partition("=")
@@ -74,10 +69,6 @@ class ServeRequest(Runtime):
 
     def name(self) -> str:
         return self.served_model_name or self.model
-
-    def engine_options(self) -> tuple:
-        memory = memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
-        return (memory, self.max_step_tokens)
 
     def body_limit(self) -> int:
         return memory_bytes(self.max_body, "max_body")
