@@ -102,6 +102,32 @@ def test_a_job_past_its_timeout_fails_and_the_jobs_behind_it_run_on_a_fresh_grou
     assert thread_ends("ster-job-stuck")
 
 
+def test_a_job_sharing_the_dropped_group_runs_again_on_a_fresh_one(toy, tmp_path):
+    for name in ("late", "sharer"):
+        (tmp_path / name).mkdir()
+    late, sharer = HeldVector(tmp_path / "late", toy), HeldVector(tmp_path / "sharer", toy)
+    with JobQueue(tmp_path / "state") as queue:
+        stuck = queue.submit({**late.job(toy, "stuck"), "id": "late", "timeout_s": 10})
+        fd_late = late.wait_for_reader(lambda: queue.poll(stuck)["result"], timeout=60)
+        # a generate job in a lane of its own on the same group (its token engine): held too, no timeout
+        other = queue.submit({**sharer.job(toy, "sharing its group"), "id": "sharer"})
+        fd_sharer = sharer.wait_for_reader(lambda: queue.poll(other)["result"], timeout=60)
+        sharer.path.unlink()  # only its first attempt holds the pipe; a second one reads a plain file
+        sharer.path.write_text(sharer.text)
+        failed = queue.wait(stuck, 60)
+        done = queue.wait(other, 120)
+        events = messages(queue, other)
+    assert failed["status"] == "failed" and failed["error"].startswith("job late ran past its timeout of 10 s")
+    # closing the dropped group under it would have ended it early (or, as here, never): it ran again
+    assert done["status"] == "done" and done["attempts"] == 2, done
+    assert any(m.startswith("the worker group this job ran on was dropped (job(s) late ran past") for m in events)
+    plain = cli_generate(f"--model={toy}", "--prompt=sharing its group", "--max-new-tokens=12", "--chat-template=off")
+    assert done["result"]["text"] == plain["text"] and done["result"]["steering"]["strength"] == 1.0
+    for fd, name in ((fd_late, "late"), (fd_sharer, "sharer")):
+        os.close(fd)
+        assert thread_ends(f"ster-job-{name}")
+
+
 def test_the_queue_default_timeout_frees_the_executor_and_a_spec_overrides_it(toy, tmp_path):
     held = HeldVector(tmp_path, toy)
     pairs = tmp_path / "pairs.json"
@@ -247,3 +273,27 @@ def _tensors(directory: Path) -> dict:
     for path in sorted(directory.glob("*.safetensors")):
         out.update(load_file(str(path)))
     return out
+
+
+@pytest.mark.slow
+def test_a_ray_group_a_job_timed_out_on_is_killed_and_its_cpus_return(small_cluster, tmp_path):
+    import ray
+
+    toys, _ = small_cluster
+    toy = str(toys[0])
+    held = HeldVector(tmp_path, toy)
+    with JobQueue(None, idle_s=600) as queue:
+        first = queue.wait(queue.submit(generate(toy, "loads the group", tp=2)), 180)
+        stuck = queue.submit({**held.job(toy, "stuck"), "tp": 2, "id": "stuck-on-ranks", "timeout_s": 5})
+        failed = queue.wait(stuck, 60)
+        deadline = time.monotonic() + 30  # the ranks are killed and their placement group removed
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        freed = ray.available_resources().get("CPU", 0)
+        after = queue.wait(queue.submit(generate(toy, "on a fresh group", tp=2)), 180)
+        starts = queue.stats()["group_starts"]
+    assert first["status"] == "done" and failed["status"] == "failed", failed
+    assert failed["error"].startswith("job stuck-on-ranks ran past its timeout of 5 s; ") and freed == 2
+    assert after["status"] == "done" and starts == 2
+    unblock(held)
+    assert thread_ends("ster-job-stuck-on-ranks")

@@ -1,6 +1,7 @@
 """The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
-device, tp, ep), reused by every later job with that key, released after an idle timeout, and
-restarted when one of its workers has died.
+device, tp, ep), reused by every later job with that key, released after an idle timeout (or
+sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted when
+one of its workers has died, and dropped when a job on it ran past its timeout.
 
 A session is handed out unloaded: its operation checks its inputs first and loads the model on
 first use, so a refused input never costs a load. Without a cluster address a one-rank group runs
@@ -110,6 +111,10 @@ class GroupPool:
         with self._lock:
             if _key(runtime) in self.groups:
                 self._drop(_key(runtime), why)
+
+    def pinned(self, session: Session) -> bool:
+        with self._lock:
+            return any(p.session is session and p.pinned for p in self.groups.values())
 
     def abandon(self, session: Session) -> bool:
         """Drop the group a job ran past its timeout on: it was mid-operation and cannot be trusted, and

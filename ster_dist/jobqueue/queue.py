@@ -89,6 +89,7 @@ class JobQueue:
         self.max_batch = max_batch
         self.max_lanes = max_lanes
         self._lanes: set[threading.Thread] = set()
+        self._running: dict[Attempt, list[Job]] = {}  # attempts being waited for, and their jobs
         self.pool = GroupPool(address, idle_s, max_groups)
         self.journal = Journal(state_dir, durable)
         self.jobs: dict[str, Job] = {}
@@ -417,13 +418,19 @@ class JobQueue:
 
         started = time.monotonic()
         deadline = self._deadline(batch, started)
-        attempt = Attempt(work, name=f"ster-job-{batch[0].spec.id}").start()
-        if not attempt.wait(deadline):
-            with self._cond:
-                attempt.abandoned = True
-            if not attempt.wait(0):  # (one that ended right at its deadline keeps its outcome)
-                self._timed_out(batch, attempt, started, deadline)
+        attempt = Attempt(work, name=f"ster-job-{batch[0].spec.id}")
+        with self._cond:
+            self._running[attempt] = batch
+        ended = attempt.start().wait(deadline)
+        with self._cond:
+            del self._running[attempt]
+            if attempt.abandoned:  # another attempt's timeout dropped the group it ran on: its jobs are queued again
                 return False
+            if not ended:
+                attempt.abandon()
+        if not ended:
+            self._timed_out(batch, attempt, started, deadline)
+            return False
         try:
             results = attempt.outcome()
         except BaseException as exc:  # every failure is the job's to report; the job queue keeps going
@@ -524,9 +531,11 @@ class JobQueue:
         worker, a job that ran out of time would most likely run out of it again."""
         dropped = kept = False
         if attempt.session is not None:
-            dropped = self.pool.abandon(attempt.session)
-            kept = not dropped
-            if dropped:  # whatever the abandoned thread loads on it again is closed when it ends
+            kept = self.pool.pinned(attempt.session)
+            if not kept:
+                self._abandon_sharers(attempt, ", ".join(job.spec.id for job in batch))
+                dropped = self.pool.abandon(attempt.session)
+                # whatever the abandoned thread loads on it again is closed when it ends
                 attempt.after_abandoned(attempt.session.close)
         what = ("its worker group was dropped" if dropped else
                 "the served model's worker group was kept" if kept else "its thread was left behind")
@@ -548,6 +557,23 @@ class JobQueue:
                     self._note(job, events.event("a job batched with this one ran past its timeout; running this "
                                                  "job alone", notice=True))
                     self._requeue(job)
+            self._cond.notify_all()
+
+    def _abandon_sharers(self, late: Attempt, late_ids: str) -> None:
+        """Other attempts on the group being dropped (generate lanes on its token engine, a group being
+        warmed): closing it would end their requests early, as if answered. Abandoned too, their jobs
+        run again, on a fresh group; they were not at fault."""
+        with self._cond:
+            for other, batch in list(self._running.items()):
+                if other is late or other.abandoned or other.session is not late.session:
+                    continue
+                other.abandon()
+                for job in batch:
+                    if job.result is None:
+                        self._note(job, events.event(f"the worker group this job ran on was dropped (job(s) "
+                                                     f"{late_ids} ran past a timeout); running it again on a "
+                                                     "fresh one", notice=True))
+                        self._requeue(job)
             self._cond.notify_all()
 
     def _failed(self, batch: list[Job], exc: BaseException, counted: bool) -> None:

@@ -1,5 +1,5 @@
 """One attempt of a job, run on a thread of its own that the job queue waits for until the job's
-deadline and abandons past it.
+deadline and abandons past it (or sooner: when another attempt's timeout dropped the group it ran on).
 
 Python cannot stop a thread: a job stuck in a looping chat template or in a call to a rank that
 never answers keeps its thread. So the job queue's executor (and each generate lane) never runs an
@@ -22,6 +22,7 @@ class Attempt:
         self.session = None     # the pooled session the work was handed: the group to drop if abandoned
         self._work = work
         self._done = threading.Event()
+        self._settled = threading.Event()  # the work ended, or the attempt was abandoned: stop waiting
         self._value = None
         self._error: BaseException | None = None
         self._cleanups: list[Callable[[], None]] = []
@@ -33,11 +34,16 @@ class Attempt:
         return self
 
     def wait(self, deadline: float | None) -> bool:
-        """True once the work ended (returned or raised); False when the deadline (monotonic) passed first."""
-        if deadline is None:
-            self._done.wait()
-            return True
-        return self._done.wait(max(0.0, deadline - time.monotonic()))
+        """True once the work ended (returned or raised); False when the deadline (monotonic) passed or
+        the attempt was abandoned first."""
+        self._settled.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._done.is_set()
+
+    def abandon(self) -> None:
+        """Nothing the thread does from here reaches a job; whoever waits stops waiting. (Under the job
+        queue's lock, which the thread's callbacks take before they read `abandoned`.)"""
+        self.abandoned = True
+        self._settled.set()
 
     def outcome(self):
         """What the work returned, or its exception raised here (only after wait() said it ended)."""
@@ -61,6 +67,7 @@ class Attempt:
         finally:
             with self._lock:
                 self._done.set()
+                self._settled.set()
                 cleanups, self._cleanups = self._cleanups, []
             for cleanup in cleanups:
                 _quietly(cleanup)
