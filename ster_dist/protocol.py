@@ -1,9 +1,12 @@
 """Job specs and results: what the job queue accepts and what it hands back.
 
 A job spec is a typed request of its kind (ster_dist/schema) as a mapping of field names to
-values, plus `kind` and optional `id` and `priority`:
+values, plus `kind` and optional `id`, `priority` and `timeout_s`:
 
-    {"kind": "generate", "model": "models/smollm2", "prompt": "Hi", "max_new_tokens": 8}
+    {"kind": "generate", "model": "models/smollm2", "prompt": "Hi", "max_new_tokens": 8, "timeout_s": 60}
+
+`timeout_s` is how long the job may run (the job queue fails it past that and goes on to the next);
+it is not `ster submit --timeout`, which only stops the submitter waiting.
 
 It is validated on arrival against the request model of its kind (the same model the command line
 is generated from, so the job queue, the CLI and the Python API can never disagree on a field),
@@ -27,18 +30,21 @@ from ster_dist.errors import Refusal
 from ster_dist.schema import JOB_REQUESTS, BatchMergeRequest, Request
 from ster_dist.schema.base import kind_of_value, shown
 
-PROTOCOL_FIELDS = ("kind", "id", "priority")
+PROTOCOL_FIELDS = ("kind", "id", "priority", "timeout_s")
+MAX_TIMEOUT_S = 365 * 86400.0  # a job's timeout_s: a year is "none"; leave the field out instead
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A validated job: its id, kind, priority and typed request."""
+    """A validated job: its id, kind, priority, typed request and how long it may run (None: the
+    job queue's default)."""
 
     id: str
     kind: str
     priority: int
     request: Request
+    timeout_s: float | None = None
 
     @property
     def fields(self) -> dict:
@@ -46,7 +52,8 @@ class JobSpec:
         return self.request.given()
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "id": self.id, "priority": self.priority, **self.fields}
+        timeout = {} if self.timeout_s is None else {"timeout_s": self.timeout_s}
+        return {"kind": self.kind, "id": self.id, "priority": self.priority, **timeout, **self.fields}
 
 
 def available_kinds() -> list[str]:
@@ -98,9 +105,14 @@ def validate(spec, check_model: bool = True, cli: bool = False) -> JobSpec:
     priority = spec.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise Refusal(f"job spec field 'priority' must be an integer, got {kind_of_value(priority)}")
+    timeout_s = spec.get("timeout_s")
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                                  or not 0 < timeout_s < MAX_TIMEOUT_S):
+        raise Refusal(f"job spec field 'timeout_s' must be a number of seconds above 0 and below "
+                      f"{MAX_TIMEOUT_S:.0f}, got {shown(timeout_s)}")
     fields = {key: value for key, value in spec.items() if key not in PROTOCOL_FIELDS}
     request = parse_fields(cls, fields, f"{spec['kind']} jobs", cli=cli, check_model=check_model)
-    return JobSpec(job_id, spec["kind"], priority, request)
+    return JobSpec(job_id, spec["kind"], priority, request, None if timeout_s is None else float(timeout_s))
 
 
 def parse_fields(cls: type[Request], spec: dict, what: str, cli: bool = False, check_model: bool = True) -> Request:

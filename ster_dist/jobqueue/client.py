@@ -38,8 +38,9 @@ class LocalClient:
     def stats(self) -> dict:
         return self.queue.stats()
 
-    def close(self) -> None:
-        self.queue.close()
+    def close(self, wait: bool = True) -> None:
+        """Stop the queue: after its running job, or (wait=False) at once, abandoning it."""
+        self.queue.close(timeout=600.0 if wait else 0.0)
 
 
 class RayClient:
@@ -84,8 +85,8 @@ class RayClient:
 
         return ray.get(self.actor.pid.remote())
 
-    def close(self) -> None:
-        """Disconnect (the actor stays up for the next job)."""
+    def close(self, wait: bool = True) -> None:
+        """Disconnect (the actor stays up for the next job, with its running one)."""
         import ray
 
         if self._started_ray and ray.is_initialized():

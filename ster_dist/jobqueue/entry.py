@@ -78,7 +78,7 @@ def run_jobs(request: RunJobsRequest) -> int:
     `local`); the exit status."""
     try:
         specs = anchor(read_specs(request.specs), Path.cwd())
-        options = {"idle_s": request.idle_s, "max_retries": request.max_retries}
+        options = {"idle_s": request.idle_s, "max_retries": request.max_retries, "job_timeout": request.job_timeout}
         if request.local:
             from ster_dist.jobqueue.client import LocalClient
             from ster_dist.jobqueue.queue import JobQueue
@@ -90,10 +90,16 @@ def run_jobs(request: RunJobsRequest) -> int:
             from ster_dist.jobqueue.client import RayClient
 
             client = RayClient(request.address, request.state, options)
+        waited_out = False
         try:
             return run(client, specs, timeout=request.timeout)
+        except TimeoutError as exc:
+            from ster_dist.jobqueue.follow import stopped_waiting
+
+            waited_out = True
+            raise Refusal(stopped_waiting(exc, request.local)) from None
         finally:
-            client.close()
+            client.close(wait=not waited_out)
     except Refusal as refusal:
         print(str(refusal), file=sys.stderr, flush=True)
         return getattr(refusal, "exit_code", 2)

@@ -27,3 +27,12 @@ def follow(client, ids: list[str], on_event: Callable[[dict], None] | None = Non
             if reply["result"] is not None:
                 results[job_id] = protocol.check_result(reply["result"])
     return [results[job_id] for job_id in ids]
+
+
+def stopped_waiting(exc: TimeoutError, local: bool) -> str:
+    """A submitter's --timeout, run out: what that means for the jobs, in one line."""
+    where = ("the in-process job queue stopped with this command, without waiting for its running job (jobs "
+             "not finished stay accepted in its --state journal, if one was given)" if local else
+             "the jobs go on in the cluster's job queue")
+    return (f"{exc}; stopped waiting (--timeout): {where}; a job spec's timeout_s is what fails a job "
+            "that runs too long")

@@ -1,6 +1,7 @@
 """The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
-device, tp, ep), reused by every later job with that key, released after an idle timeout, and
-restarted when one of its workers has died.
+device, tp, ep), reused by every later job with that key, released after an idle timeout (or
+sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted when
+one of its workers has died, and dropped when a job on it ran past its timeout.
 
 A session is handed out unloaded: its operation checks its inputs first and loads the model on
 first use, so a refused input never costs a load. Without a cluster address a one-rank group runs
@@ -11,6 +12,7 @@ queue's own process there.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ class GroupPool:
         self.groups: dict[tuple, Pooled] = {}
         self.starts = 0
         self.releases = 0
-        self.history: list[tuple[str, tuple]] = []  # ("start" | "idle" | "dead" | "evict" | "close", key)
+        self.history: list[tuple[str, tuple]] = []  # ("start" | "idle" | "dead" | "evict" | "cpus" | "timeout" | "close", key)
         self._started_ray = False
         self._lock = threading.RLock()
 
@@ -110,6 +112,32 @@ class GroupPool:
             if _key(runtime) in self.groups:
                 self._drop(_key(runtime), why)
 
+    def pinned(self, session: Session) -> bool:
+        with self._lock:
+            return any(p.session is session and p.pinned for p in self.groups.values())
+
+    def abandon(self, session: Session) -> bool:
+        """Drop the group a job ran past its timeout on: it was mid-operation and cannot be trusted, and
+        the next job on its model gets a fresh session. Closed on a thread of its own, never waited for:
+        closing may block on what is stuck (a token engine paused by the stuck operation, a rank that
+        answers nothing). False when the session is pinned (a server's model stays: the server owns it)."""
+        with self._lock:
+            pooled = next((p for p in self.groups.values() if p.session is session), None)
+            if pooled is not None and pooled.pinned:
+                return False
+            if pooled is not None:
+                del self.groups[pooled.key]
+                if pooled.counted:
+                    self.releases += 1
+                    self.history.append(("timeout", pooled.key))
+        group = session.group if session.loaded else None
+        if group is not None and hasattr(group, "healthy"):
+            group.healthy = False  # a Ray group then kills its ranks at once instead of asking them to close
+        threading.Thread(target=_close_quietly, args=(session,), name="ster-pool-drop", daemon=True).start()
+        if pooled is not None and pooled.counted:
+            progress(f"released the worker group for {pooled.key[0]} (tp {pooled.key[4]}): a job ran past its timeout")
+        return True
+
     def release_idle(self, now: float | None = None) -> list[tuple]:
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -117,6 +145,30 @@ class GroupPool:
             for key in idle:
                 self._drop(key, "idle")
             return idle
+
+    def make_room(self, cpus: float = 1.0) -> list[tuple]:
+        """Release idle groups (least recently used first; never a pinned one) until the Ray cluster has
+        `cpus` CPUs that no group reserves: the job queue calls it, with no job on the pool's groups,
+        before an operation that brings Ray work of its own (a batch merge's shard tasks each need a
+        CPU), which would otherwise wait for the idle timeout. Each group leaves a CPU unreserved
+        (workers/ray_group.py cpus_per_rank), so this only releases where several groups fill a small
+        cluster. The keys released."""
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return []  # no cluster: nothing of this pool's holds a CPU another operation could need
+        free = ray.available_resources().get("CPU", 0.0)
+        released = []
+        with self._lock:
+            for pooled in sorted(self.groups.values(), key=lambda p: p.last_used):
+                held = getattr(pooled.session.group, "reserved_cpus", 0.0) if pooled.session.loaded else 0.0
+                if free >= cpus:
+                    break
+                if pooled.pinned or held <= 0:
+                    continue
+                self._drop(pooled.key, "cpus")
+                free += held  # counted here: Ray's own view of what is free lags the release
+                released.append(pooled.key)
+        return released
 
     def describe(self) -> list[dict]:
         """A snapshot of the loaded groups, without the lock: callers ask while a group may be loading."""
@@ -161,12 +213,21 @@ class GroupPool:
         self.history.append((why, key))
         if why in ("idle", "dead", "evict"):
             progress(f"released the worker group for {key[0]} (tp {key[4]}): {why}")
+        elif why == "cpus":
+            progress(f"released the idle worker group for {key[0]} (tp {key[4]}): the next job needs its CPUs")
 
     def _ensure_ray(self) -> None:
         from ster_dist.workers.ray_group import start_ray
 
         if start_ray(self.address):
             self._started_ray = True
+
+
+def _close_quietly(session: Session) -> None:
+    try:
+        session.close()
+    except Exception:  # a group dropped mid-operation may fail to close cleanly; it is gone either way
+        pass
 
 
 def _key(runtime: Runtime) -> tuple:

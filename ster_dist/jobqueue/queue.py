@@ -8,8 +8,11 @@ worker groups (jobqueue/pool.py), so a model is loaded once and reused by every 
 same group key. Generate jobs on one group are batched (ops.generate_many) and run in lanes beside the
 executor, all feeding the session's token engine, so a generate job arriving mid-generation joins the
 running batch at the next step; other kinds wait for the lanes and run alone. A job whose worker died is retried on a restarted group up to `max_retries`
-times, then fails with the worker's error. Progress events are kept per job (jobqueue/events.py)
-for callers to stream; results are protocol result records.
+times, then fails with the worker's error. Every attempt runs on a thread of its own
+(jobqueue/watch.py), so a job that runs past its timeout (its spec's `timeout_s`, else the queue's
+`job_timeout`) is failed and abandoned with its worker group, and the next job runs. Progress
+events are kept per job (jobqueue/events.py) for callers to stream; results are protocol result
+records.
 
 The same class runs in-process (the Python API, `ster submit --local`) and inside the named
 Ray actor (jobqueue/actor.py) that `ray job submit ... jobs/run.py` and `ster submit` reach.
@@ -30,6 +33,7 @@ from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
 from ster_dist.jobqueue import events
 from ster_dist.jobqueue.journal import Journal
 from ster_dist.jobqueue.pool import GroupPool
+from ster_dist.jobqueue.watch import Attempt
 from ster_dist.ops.generate import batch_key, check_inputs, generate_many
 from ster_dist.protocol import JobSpec
 from ster_dist.schema import GenerateRequest
@@ -49,6 +53,10 @@ class RawSpec:
 
     def to_dict(self) -> dict:
         return self.spec
+
+    @property
+    def timeout_s(self):
+        return self.spec.get("timeout_s")
 
     @property
     def fields(self) -> dict:
@@ -72,11 +80,16 @@ class Job:
 class JobQueue:
     def __init__(self, state_dir=None, *, address: str | None = None, idle_s: float = 300.0,
                  max_retries: int = 2, max_batch: int = 64, max_groups: int = 4, durable: bool = True,
-                 max_lanes: int = 8):
+                 max_lanes: int = 8, job_timeout: float | None = None):
+        if job_timeout is not None and not job_timeout > 0:
+            raise Refusal(f"the job queue's job_timeout must be a number of seconds above 0 (or None), "
+                          f"got {job_timeout!r}")
         self.max_retries = max_retries
+        self.job_timeout = job_timeout  # seconds a job without its own timeout_s may run; None: no limit
         self.max_batch = max_batch
         self.max_lanes = max_lanes
         self._lanes: set[threading.Thread] = set()
+        self._running: dict[Attempt, list[Job]] = {}  # attempts being waited for, and their jobs
         self.pool = GroupPool(address, idle_s, max_groups)
         self.journal = Journal(state_dir, durable)
         self.jobs: dict[str, Job] = {}
@@ -383,24 +396,48 @@ class JobQueue:
             # the flushed page) only undercounts attempts; the job is re-run either way
             self._cond.notify_all()
 
-        def sink(event_: dict) -> None:
-            with self._cond:
-                for job in batch:
-                    if job.result is None:
-                        self._note(job, event_)
-                self._cond.notify_all()
+        def work(attempt: Attempt):
+            def sink(event_: dict) -> None:
+                with self._cond:
+                    if attempt.abandoned:  # a thread past its deadline speaks for no job any more
+                        return
+                    for job in batch:
+                        if job.result is None:
+                            self._note(job, event_)
+                    self._cond.notify_all()
 
-        stop = events.capture(sink)
+            stop = events.capture(sink)  # the operation's progress lines, on its own thread, are the jobs' events
+            try:
+                if warm_only:
+                    attempt.session = self.pool.get(batch[0].spec.request)
+                    attempt.session.load()
+                    return None
+                return self._run(batch, attempt)
+            finally:
+                stop()
+
+        started = time.monotonic()
+        deadline = self._deadline(batch, started)
+        attempt = Attempt(work, name=f"ster-job-{batch[0].spec.id}")
+        with self._cond:
+            self._running[attempt] = batch
+        ended = attempt.start().wait(deadline)
+        with self._cond:
+            del self._running[attempt]
+            if attempt.abandoned:  # another attempt's timeout dropped the group it ran on: its jobs are queued again
+                return False
+            if not ended:
+                attempt.abandon()
+        if not ended:
+            self._timed_out(batch, attempt, started, deadline)
+            return False
         try:
-            if warm_only:
-                self.pool.get(batch[0].spec.request).load()
-                return True
-            results = self._run(batch)
+            results = attempt.outcome()
         except BaseException as exc:  # every failure is the job's to report; the job queue keeps going
-            stop()
             self._failed(batch, exc, counted=not warm_only)
             return False
-        stop()
+        if warm_only:
+            return True
         with self._cond:
             unfinished = [job for job in batch if job.result is None]  # a batch's jobs may have finished early
             for job, (result, exit_code) in zip(batch, results):
@@ -411,10 +448,12 @@ class JobQueue:
             self._cond.notify_all()
         return True
 
-    def _finished_early(self, batch: list[Job], index: int, shown: dict) -> None:
+    def _finished_early(self, batch: list[Job], index: int, shown: dict, attempt: Attempt) -> None:
         """One job of a running generate batch has its answer: finish it now, not with its batch."""
         job = batch[index]
         with self._cond:
+            if attempt.abandoned or job.result is not None:
+                return
             self._finish(job, protocol.make_result(job.spec, "done", shown, attempts=job.attempts, exit_code=0,
                                                    batch=len(batch)))
             self._cond.notify_all()
@@ -441,28 +480,101 @@ class JobQueue:
             self._note(job, events.event(message, notice=True, journal_behind=True))
         print(f"ster job queue: {message}", file=sys.stderr, flush=True)
 
-    def _run(self, batch: list[Job]) -> list[tuple[dict, int]]:
+    def _run(self, batch: list[Job], attempt: Attempt) -> list[tuple[dict, int]]:
         requests = [job.spec.request for job in batch]
         if len(batch) == 1:
             request = requests[0]
             operation = ops.OPERATIONS[type(request)]
             if operation.needs_session:
-                session = self.pool.get(request)
+                session = attempt.session = self.pool.get(request)
                 # an operation that does not go through the token engine has the ranks to itself: a
                 # running engine (a server's) pauses between steps until it is done
                 with contextlib.nullcontext() if operation.engine else session.exclusive():
                     result = operation.run(session, request)
                 self.pool.note_used(request)
             else:
+                # it may bring Ray work of its own (a batch merge's tasks, tune's ranks): idle pooled groups
+                # must not hold the CPUs it waits for (it runs alone: no lane is using them)
+                self.pool.make_room()
                 result = operation.run(request)
             shown = ops.shown(request, result)
-            self.batches[:] = self.batches[-9999:] + [1]
+            self._count_batch(attempt, 1)
             return [(shown, ops.exit_code(request, shown))]
-        results = generate_many(self.pool.get(requests[0]), requests,
-                                on_result=lambda i, result: self._finished_early(batch, i, result.shown(requests[i])))
+        attempt.session = self.pool.get(requests[0])
+        results = generate_many(attempt.session, requests, on_result=lambda i, result: self._finished_early(
+            batch, i, result.shown(requests[i]), attempt))
         self.pool.note_used(requests[0])
-        self.batches[:] = self.batches[-9999:] + [sum(_size(job) for job in batch)]
+        self._count_batch(attempt, sum(_size(job) for job in batch))
         return [(result.shown(request), 0) for request, result in zip(requests, results)]
+
+    def _count_batch(self, attempt: Attempt, size: int) -> None:
+        with self._cond:
+            if not attempt.abandoned:
+                self.batches[:] = self.batches[-9999:] + [size]
+
+    # -- timeouts --------------------------------------------------------------------------------
+    def _limit(self, job: Job) -> float | None:
+        """How long this job may run: its spec's timeout_s, else the queue's job_timeout (None: no limit)."""
+        own = job.spec.timeout_s
+        return float(own) if own is not None else self.job_timeout
+
+    def _deadline(self, batch: list[Job], started: float) -> float | None:
+        """When the attempt is abandoned: at the first of its jobs' timeouts (monotonic), or never."""
+        limits = [limit for limit in map(self._limit, batch) if limit is not None]
+        return started + min(limits) if limits else None
+
+    def _timed_out(self, batch: list[Job], attempt: Attempt, started: float, deadline: float) -> None:
+        """The attempt ran past its deadline and was abandoned: its thread may run on (Python cannot stop
+        it; nothing it does reaches a job now), the group it was using is dropped (mid-operation, it
+        cannot be trusted: the next job on the model gets a fresh session), the jobs whose own time ran
+        out fail, and their batch-mates run again alone. A timed-out job is not retried: unlike a lost
+        worker, a job that ran out of time would most likely run out of it again."""
+        dropped = kept = False
+        if attempt.session is not None:
+            kept = self.pool.pinned(attempt.session)
+            if not kept:
+                self._abandon_sharers(attempt, ", ".join(job.spec.id for job in batch))
+                dropped = self.pool.abandon(attempt.session)
+                # whatever the abandoned thread loads on it again is closed when it ends
+                attempt.after_abandoned(attempt.session.close)
+        what = ("its worker group was dropped" if dropped else
+                "the served model's worker group was kept" if kept else "its thread was left behind")
+        now = max(time.monotonic(), deadline)
+        with self._cond:
+            for job in batch:
+                if job.result is not None:
+                    continue
+                limit = self._limit(job)
+                if limit is not None and started + limit <= now:
+                    job.attempts = max(job.attempts, 1)
+                    error = (f"job {job.spec.id} ran past its timeout of {limit:g} s; the job queue stopped "
+                             f"waiting for it ({what}) and went on; give it a longer timeout_s if it needs the time")
+                    self._note(job, events.event(error, notice=True, timed_out=True))
+                    self._finish(job, protocol.make_result(job.spec, "failed", error=error, attempts=job.attempts,
+                                                           exit_code=1))
+                else:
+                    job.solo = True
+                    self._note(job, events.event("a job batched with this one ran past its timeout; running this "
+                                                 "job alone", notice=True))
+                    self._requeue(job)
+            self._cond.notify_all()
+
+    def _abandon_sharers(self, late: Attempt, late_ids: str) -> None:
+        """Other attempts on the group being dropped (generate lanes on its token engine, a group being
+        warmed): closing it would end their requests early, as if answered. Abandoned too, their jobs
+        run again, on a fresh group; they were not at fault."""
+        with self._cond:
+            for other, batch in list(self._running.items()):
+                if other is late or other.abandoned or other.session is not late.session:
+                    continue
+                other.abandon()
+                for job in batch:
+                    if job.result is None:
+                        self._note(job, events.event(f"the worker group this job ran on was dropped (job(s) "
+                                                     f"{late_ids} ran past a timeout); running it again on a "
+                                                     "fresh one", notice=True))
+                        self._requeue(job)
+            self._cond.notify_all()
 
     def _failed(self, batch: list[Job], exc: BaseException, counted: bool) -> None:
         batch = [job for job in batch if job.result is None]  # jobs that finished before the failure stay done
@@ -535,7 +647,7 @@ def _size(job: Job) -> int | None:
 
 
 def _same(a, b) -> bool:
-    return a.kind == b.kind and a.fields == b.fields
+    return a.kind == b.kind and a.fields == b.fields and a.timeout_s == b.timeout_s
 
 
 def raw_spec(job_id: str, spec: dict) -> RawSpec:

@@ -40,7 +40,7 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ster_dist.jobqueue.client import LocalClient
     from ster_dist.jobqueue.entry import ranks_of
     from ster_dist.jobqueue.events import emit
-    from ster_dist.jobqueue.follow import follow
+    from ster_dist.jobqueue.follow import follow, stopped_waiting
     from ster_dist.jobqueue.queue import JobQueue
 
     queue = JobQueue(request.state).start()
@@ -48,13 +48,17 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     # executor thread it outlived the queue's shutdown and the command hung on exit
     queue.pool.prepare(max(ranks_of(spec) for spec in specs))
     client = LocalClient(queue)
+    waited_out = False
     try:
         ids = client.submit_many(specs)
         if request.no_wait:
             raise Refusal("--no-wait needs a cluster: a --local queue ends with this command")
         records = follow(client, ids, on_event=emit, timeout=request.timeout)
+    except TimeoutError as exc:
+        waited_out = True  # the command ends now: never wait on for the job that outlasted --timeout
+        raise Refusal(stopped_waiting(exc, local=True)) from None
     finally:
-        client.close()
+        client.close(wait=not waited_out)
     return _outcome(records)
 
 

@@ -44,4 +44,6 @@ class RunJobsRequest(Request):
     state: str | None = field(None, help="the job queue's state directory (its journal), when it starts")
     idle_s: float = field(300.0, gt=0, help="release a worker group idle this long")
     max_retries: int = field(2, ge=0, help="retries of a job whose worker died")
+    job_timeout: float | None = field(None, gt=0, help="fail a job that runs longer than this many seconds and go "
+                                                       "on to the next (a spec's timeout_s overrides it)")
     timeout: float | None = field(None, gt=0, help="give up waiting after this many seconds")

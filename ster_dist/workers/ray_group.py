@@ -40,6 +40,18 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
+def cpus_per_rank(world: int, cluster_cpus: float) -> float:
+    """The CPUs each rank of a CPU group reserves in Ray: one where the cluster has CPUs to spare, else
+    an even share of all its CPUs but one. Why never all of them: a pooled group stays loaded, idle, for
+    the next job (for its idle timeout; a served one for good), and Ray work queued behind it (a batch
+    merge's shard tasks, num_cpus=1 each) would wait for a CPU that whole time. Releasing idle groups
+    instead (the job queue also does that, jobqueue/pool.py make_room) cannot free a pinned group or
+    one in use, and costs the next job a reload; a reservation is only Ray's bookkeeping (an idle rank
+    uses no CPU, a busy one its threads), so leaving one CPU unreserved costs nothing. (On a one-CPU
+    cluster no share leaves a whole CPU: there only released groups make room.)"""
+    return max(0.01, min(1.0, (cluster_cpus - 1) / world))
+
+
 class RayGroup:
     def __init__(self, world: int, device: str = "cpu", address: str | None = None, threads: int | None = None,
                  ep: int = 1):
@@ -55,17 +67,19 @@ class RayGroup:
         self.actors = []
         self.pg = None
         self.healthy = True  # False once a call failed: its ranks may be dead or stuck, so close only kills
+        self.reserved_cpus = 0.0  # what its placement group holds of the cluster's CPUs (the pool makes room by it)
         try:
             if device == "cuda":
                 bundle, options = {"GPU": 1, "CPU": 1}, {"num_gpus": 1, "num_cpus": 1}
                 backend = "nccl"
             else:
                 cpus = ray.cluster_resources().get("CPU", 1)
-                share = max(0.01, min(1.0, cpus / world))
+                share = cpus_per_rank(world, cpus)
                 bundle, options = {"CPU": share}, {"num_cpus": share}
                 backend = "gloo"
                 threads = threads or max(1, int(cpus // world))
             self.pg = placement_group([bundle] * world, strategy="PACK")
+            self.reserved_cpus = bundle["CPU"] * world
             ready, _ = ray.wait([self.pg.ready()], timeout=120)
             if not ready:
                 raise Refusal(f"the Ray cluster cannot place {world} ranks of {bundle}; "
