@@ -23,9 +23,10 @@ from ster_dist.cli import main
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
-from ster_dist.ops.plan import place
+from ster_dist.ops.plan import place, verdict
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.resolve import resolve
+from ster_dist.schema.plan import PlanRequest
 from ster_dist.shard.footprint import Tensor, rank_footprint, sort_tensors
 from ster_dist.shard.safetensors_header import DTYPES, header_bytes
 from tests.cli_run import make_toy
@@ -254,6 +255,10 @@ def test_deepseek_v3_fp8_plans_fp8_bytes_and_the_scale_blocks_covering_each_slic
         params, read = expected_bytes(tensors, raw, tp, t, ep, e, 2)
         assert (fp.parameter_bytes, fp.read_bytes) == (params, read)
         assert 0 < fp.scale_bytes < read / 100  # one F32 per 128 x 128 FP8 block
+        request = PlanRequest(model="dsv3", tp=tp, ep=ep, gpu_memory=141.0)
+        said = verdict(request, from_hf(raw), [fp], 0, 4096, 141 << 30, fp8=True)
+        assert said.startswith(f"does not fit: rank {r} needs ") and \
+            f"kept in FP8 as stored they would take about {fp.read_bytes / 2**30:.1f} GiB" in said
 
 
 def test_kimi_k2_fp8_over_expert_parallel_ranks():
@@ -318,6 +323,21 @@ def test_toy_deepseek_plan_equals_a_real_load_over_ep2(tmp_path):
         fp = rank_footprint(cfg, planned, ctx, torch.float32, r)
         assert fp.read_bytes == loaded.bytes_read
         assert fp.parameter_bytes == sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+
+def test_a_hub_model_is_planned_from_its_headers_by_range_requests(tmp_path_factory, tmp_path, monkeypatch, capsys):
+    from tests.hub_server import serving
+
+    toy = Path(make_toy(tmp_path_factory))
+    _, local, _ = run(capsys, "plan", "--model", str(toy), "--tp", "2")
+    with serving(monkeypatch, tmp_path) as hub:
+        hub.add("owner/toy", {p.name: p.read_bytes() for p in toy.iterdir() if p.is_file()})
+        code, out, err = run(capsys, "plan", "--model", "owner/toy", "--tp", "2")
+        assert code == 0, err
+        weights = [r for r in hub.requests if r.method == "GET" and r.path.endswith("model.safetensors")]
+        # the client asks for the header's bytes only (this test server answers such a request whole)
+        assert weights and all(r.headers.get("range", "").startswith("bytes=0-") for r in weights)
+    assert out["ranks"] == local["ranks"] and out["verdict"] == local["verdict"]
 
 
 def _entries(checkpoint):

@@ -58,7 +58,7 @@ def plan(request: PlanRequest) -> dict:
         "kv_tokens": tokens, "max_model_len_sequences": tokens // max_len,
         "ranks": [{**_rank_json(rank, placement[rank.rank]), "kv_tokens": n} for rank, n in zip(ranks, kv)],
         "nodes": _nodes(placement),
-        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory),
+        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, fp8=checkpoint.block is not None),
     }
 
 
@@ -110,9 +110,16 @@ def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor]
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
     try:
         from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-        found = HfApi(endpoint=endpoint, token=token).get_safetensors_metadata(model, revision=revision)
-        config = hf_hub_download(model, "config.json", revision=revision, endpoint=endpoint, token=token)
+        quiet = are_progress_bars_disabled()
+        disable_progress_bars()  # stderr carries JSON events only
+        try:
+            found = HfApi(endpoint=endpoint, token=token).get_safetensors_metadata(model, revision=revision)
+            config = hf_hub_download(model, "config.json", revision=revision, endpoint=endpoint, token=token)
+        finally:
+            if not quiet:
+                enable_progress_bars()
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise Refusal(f"failed to read the headers of {model} from {endpoint} ({type(exc).__name__}: {first}); "
@@ -159,7 +166,7 @@ def _nodes(placement: list[tuple[int, int]]) -> list[dict]:
 
 
 def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], tokens: int, max_len: int,
-            memory: int) -> str:
+            memory: int, fp8: bool = False) -> str:
     worst = max(ranks, key=lambda r: r.parameter_bytes)
     need = worst.parameter_bytes / GIB
     room = (memory - ACTIVATION_RESERVE) / GIB
@@ -167,7 +174,11 @@ def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], 
         return (f"does not fit: --gpu-memory {request.gpu_memory:g} GiB leaves nothing beside the "
                 f"{ACTIVATION_RESERVE // GIB} GiB held for activations; give the GPUs' real memory")
     if worst.parameter_bytes + ACTIVATION_RESERVE > memory:
-        return (f"does not fit: rank {worst.rank} needs {need:.1f} GiB of weights, more than --gpu-memory "
+        stored = ""
+        if fp8:  # the weights are planned dequantized to --precision, as the loader's default holds them
+            stored = (f" (dequantized to {request.precision}; kept in FP8 as stored they would take about "
+                      f"{worst.read_bytes / GIB:.1f} GiB)")
+        return (f"does not fit: rank {worst.rank} needs {need:.1f} GiB of weights{stored}, more than --gpu-memory "
                 f"{request.gpu_memory:g} GiB less the {ACTIVATION_RESERVE // GIB} GiB reserve; "
                 f"try {_more_ranks(request, cfg, math.ceil(need / max(room, 1e-9)))}")
     if tokens < max_len:
