@@ -307,6 +307,16 @@ def test_toy_plan_equals_a_real_load_at_tp2(tmp_path_factory, capsys):
     assert out["kv_tokens"] == out["ranks"][0]["kv_tokens"] > 0
 
 
+def test_a_kv_cache_shorter_than_one_sequence_does_not_fit(tmp_path_factory, capsys):
+    toy = make_toy(tmp_path_factory)
+    code, out, err = run(capsys, "plan", "--model", toy, "--gpu-memory", "4.001", "--max-model-len", "100000")
+    assert code == 0, err
+    room = int(4.001 * 2**30) - out["ranks"][0]["parameter_bytes"] - out["activation_reserve_bytes"]
+    assert out["kv_tokens"] == room // out["kv_cache"]["bytes_per_token_per_rank"] < 100000
+    assert out["verdict"].startswith(f"does not fit: beside rank 0's 0.0 GiB of weights the KV cache holds "
+                                     f"{out['kv_tokens']} tokens, fewer than --max-model-len 100000")
+
+
 def test_toy_deepseek_plan_equals_a_real_load_over_ep2(tmp_path):
     from ster_dist.toy import make_toy_model
 

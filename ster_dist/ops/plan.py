@@ -17,11 +17,12 @@ from pathlib import Path
 from ster_dist.config import ModelConfig, from_hf
 from ster_dist.config_file import load_raw_config
 from ster_dist.errors import Refusal
+from ster_dist.events import progress
 from ster_dist.load import PRECISIONS, check_expert_parallel
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.shard.footprint import RankFootprint, Tensor, rank_footprint, sort_tensors
-from ster_dist.shard.safetensors_header import entries
+from ster_dist.shard.safetensors_header import DTYPES, entries
 
 GIB = 1 << 30
 # held back on every GPU before the KV cache is sized: the CUDA context, NCCL's buffers and one
@@ -38,6 +39,8 @@ def plan(request: PlanRequest) -> dict:
     check_expert_parallel(cfg, ctxs[0])
     checkpoint = sort_tensors(cfg, raw, tensors)
     dtype = PRECISIONS[request.precision]
+    progress(f"planning {len(ctxs)} rank(s) of {cfg.family} over {len(tensors)} checkpoint tensors "
+             "(a meta-device decoder and the shard plan per rank)")
     ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r) for r, ctx in enumerate(ctxs)]
     memory = int(request.gpu_memory * GIB)
     max_len = request.max_model_len or cfg.max_position
@@ -126,6 +129,10 @@ def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor]
                       "check the model id, HF_ENDPOINT and HF_TOKEN, or pass a local directory") from None
     tensors = {name: Tensor(info.dtype, tuple(info.shape))
                for file in found.files_metadata.values() for name, info in file.tensors.items()}
+    odd = sorted(name for name, t in tensors.items() if t.dtype not in DTYPES)
+    if odd:
+        raise Refusal(f"tensor {odd[0]} of {model} has dtype {tensors[odd[0]].dtype}, not one of {', '.join(DTYPES)}; "
+                      "ster plan cannot size it")
     return load_raw_config(Path(config)), tensors, f"{model}/config.json"
 
 
@@ -182,13 +189,14 @@ def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], 
                 f"{request.gpu_memory:g} GiB less the {ACTIVATION_RESERVE // GIB} GiB reserve; "
                 f"try {_more_ranks(request, cfg, math.ceil(need / max(room, 1e-9)))}")
     if tokens < max_len:
+        length = (f"--max-model-len {max_len}" if request.max_model_len
+                  else f"one sequence of the config's {max_len} positions")
         return (f"does not fit: beside rank {worst.rank}'s {need:.1f} GiB of weights the KV cache holds {tokens} "
-                f"tokens, fewer than --max-model-len {max_len}; lower --max-model-len, or "
+                f"tokens, fewer than {length}; give a smaller --max-model-len, or "
                 f"try {_more_ranks(request, cfg, 2)}")
-    gpus = request.tp * request.ep
-    return (f"fits: {gpus} rank(s) on {-(-gpus // request.gpus_per_node)} node(s), at most {need:.1f} GiB of "
-            f"weights per rank (rank {worst.rank}), KV cache for {tokens} tokens ({tokens // max_len} "
-            f"sequence(s) of {max_len})")
+    nodes = len({node for node, _ in place(request.tp, request.ep, request.nodes, request.gpus_per_node)})
+    return (f"fits: {len(ranks)} rank(s) on {nodes} node(s), at most {need:.1f} GiB of weights per rank "
+            f"(rank {worst.rank}), KV cache for {tokens} tokens ({tokens // max_len} sequence(s) of {max_len})")
 
 
 def _more_ranks(request: PlanRequest, cfg: ModelConfig, factor: int) -> str:
