@@ -113,7 +113,11 @@ def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor]
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
     try:
         from huggingface_hub import HfApi, hf_hub_download
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+        from huggingface_hub.utils import (
+            are_progress_bars_disabled,
+            disable_progress_bars,
+            enable_progress_bars,
+        )
 
         quiet = are_progress_bars_disabled()
         disable_progress_bars()  # stderr carries JSON events only
