@@ -292,6 +292,18 @@ def test_qwen3_235b_replicates_key_value_heads_over_tp8():
         assert fp.kv_bytes_per_token == 94 * 2 * 1 * 128 * 2  # one key-value head of 128, keys and values
 
 
+def test_sliding_window_layers_are_noted():
+    from ster_dist.ops.plan import kv_summary
+    from ster_dist.shard.footprint import RankFootprint
+
+    # Qwen3's switch: the layers from max_window_layers on attend through the window
+    raw = {**published("qwen3-235b-a22b.json"), "use_sliding_window": True, "sliding_window": 4096,
+           "max_window_layers": 28}
+    summary = kv_summary(from_hf(raw), RankFootprint(0, 0, 0, 0, 0, 0, 1), "bf16")
+    assert summary["sliding_window_layers"] == 94 - 28
+    assert summary["sliding_window"].startswith("66 of 94 layers attend through a window of 4096 tokens")
+
+
 # ---- a toy model: the plan equals what the loader reads ----
 
 def test_toy_plan_equals_a_real_load_at_tp2(tmp_path_factory, capsys):

@@ -56,7 +56,7 @@ def plan(request: PlanRequest) -> dict:
         "mtp_bytes": sum(tensors[name].nbytes for name in checkpoint.mtp),  # never read by plain decoding
         "read_bytes_all_ranks": sum(r.read_bytes for r in ranks),
         "gpu_memory_bytes": memory, "activation_reserve_bytes": ACTIVATION_RESERVE,
-        "kv_cache": _kv_summary(cfg, ranks[0], request.precision),
+        "kv_cache": kv_summary(cfg, ranks[0], request.precision),
         "max_model_len": max_len,
         "kv_tokens": tokens, "max_model_len_sequences": tokens // max_len,
         "ranks": [{**_rank_json(rank, placement[rank.rank]), "kv_tokens": n} for rank, n in zip(ranks, kv)],
@@ -145,7 +145,7 @@ def _kv_tokens(memory: int, rank: RankFootprint) -> int:
     return max(0, free) // rank.kv_bytes_per_token if rank.kv_bytes_per_token else 0
 
 
-def _kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
+def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
     sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
     if cfg.mla is not None:
         what = (f"latent attention: per layer the normed latent ({cfg.mla.kv_lora_rank}) and the rotated key "
