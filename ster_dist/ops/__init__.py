@@ -15,6 +15,7 @@ from ster_dist.ops.capture import extract
 from ster_dist.ops.decide import decide
 from ster_dist.ops.generate import generate, generate_many, parity
 from ster_dist.ops.merge import batch_merge, merge
+from ster_dist.ops.plan import plan
 from ster_dist.ops.steer import evaluate as steer_evaluate
 from ster_dist.ops.steer import inspect as steer_inspect
 from ster_dist.ops.steer import optimize as steer_optimize
@@ -32,6 +33,7 @@ from ster_dist.schema import (
     InspectModelRequest,
     MergeRequest,
     ParityRequest,
+    PlanRequest,
     Request,
     SteerEvaluateRequest,
     SteerInspectRequest,
@@ -65,6 +67,7 @@ OPERATIONS: dict[type[Request], Operation] = {
     TuneEvaluateRequest: Operation(tune_evaluate, True),
     FamiliesRequest: Operation(families, False),
     InspectModelRequest: Operation(inspect_model, False),
+    PlanRequest: Operation(plan, False),
     ToyModelRequest: Operation(toy_model, False),
     GgufImportRequest: Operation(gguf_import, False),
 }
@@ -89,4 +92,4 @@ def exit_code(request: Request, result: dict) -> int:
 
 __all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_many", "parity", "extract",
            "decide", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
-           "tune_sft", "tune_evaluate", "families", "inspect_model", "toy_model", "gguf_import"]
+           "tune_sft", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]

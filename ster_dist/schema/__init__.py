@@ -11,6 +11,7 @@ from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.schema.jobs import QueueRequest, RunJobsRequest, SubmitRequest
 from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
+from ster_dist.schema.plan import PlanRequest
 from ster_dist.schema.serve import ServeRequest
 from ster_dist.schema.steer import (
     SteerEvaluateRequest,
@@ -27,7 +28,7 @@ from ster_dist.schema.tools import (
 from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
 
 REQUESTS: tuple[type[Request], ...] = (
-    FamiliesRequest, InspectModelRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
+    FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
     MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
     SubmitRequest, QueueRequest, ServeRequest,
@@ -39,5 +40,5 @@ __all__ = [
     "ParityRequest", "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest",
     "SteerInspectRequest", "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
     "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest",
-    "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest",
+    "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
 ]

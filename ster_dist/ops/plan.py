@@ -1,0 +1,219 @@
+"""ster plan: how a model would sit on tp x ep ranks over nodes, from its config.json and its
+safetensors headers alone (a local directory's headers, or a Hub repository's read by range requests):
+each rank's parameter and read bytes from the real shard plan (shard/footprint.py), its KV cache per
+token, how many tokens of KV fit beside its weights, where each rank runs, and a one-line verdict.
+
+A plan that does not fit is still an answer (exit status 0); only inputs that cannot be planned
+(a placement that breaks a TP group across nodes, more ranks than GPUs, a config or checkpoint
+that is not a model) are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config_file import load_raw_config
+from ster_dist.errors import Refusal
+from ster_dist.events import progress
+from ster_dist.load import PRECISIONS, check_expert_parallel
+from ster_dist.parallel.ctx import ParallelCtx
+from ster_dist.schema.plan import PlanRequest
+from ster_dist.shard.footprint import RankFootprint, Tensor, rank_footprint, sort_tensors
+from ster_dist.shard.safetensors_header import DTYPES, entries
+
+GIB = 1 << 30
+# held back on every GPU before the KV cache is sized: the CUDA context, NCCL's buffers and one
+# step's activations (a 256-token prefill chunk beside the decodes); stated in every plan
+ACTIVATION_RESERVE = 4 * GIB
+
+
+def plan(request: PlanRequest) -> dict:
+    placement = place(request.tp, request.ep, request.nodes, request.gpus_per_node)
+    raw, tensors, where = read_model(request.model, request.revision)
+    cfg = from_hf(raw, where)
+    ctxs = [ParallelCtx(tp_rank=r % request.tp, tp_size=request.tp, ep_rank=r // request.tp, ep_size=request.ep)
+            for r in range(request.tp * request.ep)]
+    check_expert_parallel(cfg, ctxs[0])
+    checkpoint = sort_tensors(cfg, raw, tensors)
+    dtype = PRECISIONS[request.precision]
+    progress(f"planning {len(ctxs)} rank(s) of {cfg.family} over {len(tensors)} checkpoint tensors "
+             "(a meta-device decoder and the shard plan per rank)")
+    ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r) for r, ctx in enumerate(ctxs)]
+    memory = int(request.gpu_memory * GIB)
+    max_len = request.max_model_len or cfg.max_position
+    kv = [_kv_tokens(memory, rank) for rank in ranks]
+    tokens = min(kv)  # block ids are the same on every rank: the smallest cache bounds them all
+    return {
+        "model": request.model, "family": cfg.family, "precision": request.precision,
+        "tp": request.tp, "ep": request.ep, "world_size": len(ranks),
+        "quantization": "fp8" if checkpoint.block else None,
+        "fp8_weight_block_size": list(checkpoint.block) if checkpoint.block else None,
+        "file_bytes": sum(t.nbytes for t in tensors.values()),
+        "mtp_tensors": len(checkpoint.mtp),
+        "mtp_bytes": sum(tensors[name].nbytes for name in checkpoint.mtp),  # never read by plain decoding
+        "read_bytes_all_ranks": sum(r.read_bytes for r in ranks),
+        "gpu_memory_bytes": memory, "activation_reserve_bytes": ACTIVATION_RESERVE,
+        "kv_cache": kv_summary(cfg, ranks[0], request.precision),
+        "max_model_len": max_len,
+        "kv_tokens": tokens, "max_model_len_sequences": tokens // max_len,
+        "ranks": [{**_rank_json(rank, placement[rank.rank]), "kv_tokens": n} for rank, n in zip(ranks, kv)],
+        "nodes": _nodes(placement),
+        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, fp8=checkpoint.block is not None),
+    }
+
+
+def place(tp: int, ep: int, nodes: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(node, GPU) of every rank: whole TP groups (tp consecutive ranks) packed into nodes, since a TP
+    group all-reduces in every layer and must not cross the slower link between nodes."""
+    world, gpus = tp * ep, nodes * gpus_per_node
+    if tp > gpus_per_node:
+        raise Refusal(f"--tp {tp} is more than --gpus-per-node {gpus_per_node}: a tensor-parallel group must sit "
+                      f"inside one node; use --tp {gpus_per_node} or less and split the rest with --ep")
+    if world > gpus:
+        raise Refusal(f"--tp {tp} x --ep {ep} is {world} ranks, more than --nodes {nodes} x --gpus-per-node "
+                      f"{gpus_per_node} = {gpus} GPUs; use --nodes {-(-world // gpus_per_node)} or a smaller --ep")
+    per_node = gpus_per_node // tp  # TP groups one node holds
+    if ep > nodes * per_node:
+        raise Refusal(f"{ep} TP groups of {tp} do not fit whole in {nodes} node(s) of {gpus_per_node} GPUs "
+                      f"({per_node} per node); use a --tp that divides {gpus_per_node}, or --nodes "
+                      f"{-(-ep // per_node)}")
+    return [((r // tp) // per_node, ((r // tp) % per_node) * tp + r % tp) for r in range(world)]
+
+
+def read_model(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor], str]:
+    """(config, every tensor's header entry, where the config came from): a local directory's
+    config.json and *.safetensors headers, else a Hub repository's through range requests."""
+    directory = Path(model)
+    if not directory.is_dir():
+        return _read_hub(model, revision)
+    config = directory / "config.json"
+    if not config.is_file():
+        raise Refusal(f"model config is missing: {config}; ster plan reads a checkpoint's config.json")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise Refusal(f"model directory contains no safetensors weights: {directory}; "
+                      "ster plan reads the headers of its .safetensors files")
+    tensors: dict[str, Tensor] = {}
+    for path in files:
+        for entry in entries(path):  # the header only, checked against the file's size; no data read
+            if entry.name in tensors:
+                raise Refusal(f"tensor {entry.name} appears in two weight files (the second is {path}); "
+                              "remove the duplicate shard")
+            tensors[entry.name] = Tensor(entry.dtype, entry.shape)
+    return load_raw_config(config), tensors, str(config)
+
+
+def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor], str]:
+    """The config and every header of a Hub repository; huggingface_hub reads each header with a range
+    request, so no weight is downloaded."""
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub.utils import (
+            are_progress_bars_disabled,
+            disable_progress_bars,
+            enable_progress_bars,
+        )
+
+        quiet = are_progress_bars_disabled()
+        disable_progress_bars()  # stderr carries JSON events only
+        try:
+            found = HfApi(endpoint=endpoint, token=token).get_safetensors_metadata(model, revision=revision)
+            config = hf_hub_download(model, "config.json", revision=revision, endpoint=endpoint, token=token)
+        finally:
+            if not quiet:
+                enable_progress_bars()
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise Refusal(f"failed to read the headers of {model} from {endpoint} ({type(exc).__name__}: {first}); "
+                      "check the model id, HF_ENDPOINT and HF_TOKEN, or pass a local directory") from None
+    tensors = {name: Tensor(info.dtype, tuple(info.shape))
+               for file in found.files_metadata.values() for name, info in file.tensors.items()}
+    odd = sorted(name for name, t in tensors.items() if t.dtype not in DTYPES)
+    if odd:
+        raise Refusal(f"tensor {odd[0]} of {model} has dtype {tensors[odd[0]].dtype}, not one of {', '.join(DTYPES)}; "
+                      "ster plan cannot size it")
+    return load_raw_config(Path(config)), tensors, f"{model}/config.json"
+
+
+def _kv_tokens(memory: int, rank: RankFootprint) -> int:
+    free = memory - rank.parameter_bytes - ACTIVATION_RESERVE
+    return max(0, free) // rank.kv_bytes_per_token if rank.kv_bytes_per_token else 0
+
+
+def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
+    sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
+    if cfg.mla is not None:
+        what = (f"latent attention: per layer the normed latent ({cfg.mla.kv_lora_rank}) and the rotated key "
+                f"({cfg.mla.qk_rope_head_dim}), whole on every rank (not split by --tp)")
+    else:
+        what = "per layer this rank's key-value heads x head_dim, keys and values"
+    out = {"bytes_per_token_per_rank": rank.kv_bytes_per_token, "dtype": precision, "layers": cfg.num_layers,
+           "holds": what, "sliding_window_layers": len(sliding)}
+    if sliding:
+        windows = sorted({cfg.layer_window[i] for i in sliding})
+        out["sliding_window"] = (f"{len(sliding)} of {cfg.num_layers} layers attend through a window of "
+                                 f"{', '.join(map(str, windows))} tokens; the paged cache still keeps their "
+                                 "positions in every block, so they are counted in full")
+    return out
+
+
+def _rank_json(rank: RankFootprint, where: tuple[int, int]) -> dict:
+    return {"rank": rank.rank, "tp_rank": rank.tp_rank, "ep_rank": rank.ep_rank, "node": where[0], "gpu": where[1],
+            "parameter_bytes": rank.parameter_bytes, "parameter_gib": round(rank.parameter_bytes / GIB, 2),
+            "read_bytes": rank.read_bytes, "scale_bytes": rank.scale_bytes,
+            "kv_bytes_per_token": rank.kv_bytes_per_token}
+
+
+def _nodes(placement: list[tuple[int, int]]) -> list[dict]:
+    out: dict[int, list[int]] = {}
+    for rank, (node, _) in enumerate(placement):
+        out.setdefault(node, []).append(rank)
+    return [{"node": node, "ranks": ranks} for node, ranks in sorted(out.items())]
+
+
+def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], tokens: int, max_len: int,
+            memory: int, fp8: bool = False) -> str:
+    worst = max(ranks, key=lambda r: r.parameter_bytes)
+    need = worst.parameter_bytes / GIB
+    room = (memory - ACTIVATION_RESERVE) / GIB
+    if memory <= ACTIVATION_RESERVE:
+        return (f"does not fit: --gpu-memory {request.gpu_memory:g} GiB leaves nothing beside the "
+                f"{ACTIVATION_RESERVE // GIB} GiB held for activations; give the GPUs' real memory")
+    if worst.parameter_bytes + ACTIVATION_RESERVE > memory:
+        stored = ""
+        if fp8:  # the weights are planned dequantized to --precision, as the loader's default holds them
+            stored = (f" (dequantized to {request.precision}; kept in FP8 as stored they would take about "
+                      f"{worst.read_bytes / GIB:.1f} GiB)")
+        return (f"does not fit: rank {worst.rank} needs {need:.1f} GiB of weights{stored}, more than --gpu-memory "
+                f"{request.gpu_memory:g} GiB less the {ACTIVATION_RESERVE // GIB} GiB reserve; "
+                f"try {_more_ranks(request, cfg, math.ceil(need / max(room, 1e-9)))}")
+    if tokens < max_len:
+        length = (f"--max-model-len {max_len}" if request.max_model_len
+                  else f"one sequence of the config's {max_len} positions")
+        return (f"does not fit: beside rank {worst.rank}'s {need:.1f} GiB of weights the KV cache holds {tokens} "
+                f"tokens, fewer than {length}; give a smaller --max-model-len, or "
+                f"try {_more_ranks(request, cfg, 2)}")
+    nodes = len({node for node, _ in place(request.tp, request.ep, request.nodes, request.gpus_per_node)})
+    return (f"fits: {len(ranks)} rank(s) on {nodes} node(s), at most {need:.1f} GiB of weights per rank "
+            f"(rank {worst.rank}), KV cache for {tokens} tokens ({tokens // max_len} sequence(s) of {max_len})")
+
+
+def _more_ranks(request: PlanRequest, cfg: ModelConfig, factor: int) -> str:
+    """Where the missing room would come from: experts over more EP ranks, or a wider TP group; an
+    estimate (weights shrink about as the ranks grow), which the suggested plan then states exactly."""
+    factor = max(factor, 2)
+    options = []
+    if cfg.moe is not None and request.ep * factor <= cfg.moe.num_experts:
+        ep = request.ep * factor
+        options.append(f"--ep {ep} ({request.tp * ep} GPUs, --nodes {-(-request.tp * ep // request.gpus_per_node)})")
+    tp = request.tp * factor
+    if tp <= request.gpus_per_node:
+        options.append(f"--tp {tp}")
+    if not options:
+        options.append("more --ep ranks over more nodes, or GPUs with more memory")
+    return " / ".join(options)
