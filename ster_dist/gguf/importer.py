@@ -4,7 +4,10 @@ It owns reading config.json, generation_config.json, tokenizer.json and
 tokenizer_config.json back out of a GGUF's metadata, and placing either the
 .gguf itself or its dequantized tensors (as safetensors under Transformers
 names) beside them. The output appears whole or not at all: everything is
-written into a temporary directory beside out_dir and renamed into place.
+written into a temporary directory beside out_dir and renamed into place, and a
+write that fails for want of space ends in one refusal line with the temporary
+directory removed (safetensors files are written here, through Python's own file
+writes, so such a failure is an OSError with its errno, not a serializer's string).
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGUFReader
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ster_dist.atomic import staging_dir
+from ster_dist.atomic import refusing_full_disk, staging_dir
 from ster_dist.errors import Refusal
 from ster_dist.gguf.names import GGUFFamily
 from ster_dist.gguf.source import GGUFSource, family_of, field_value, open_reader
@@ -55,9 +57,12 @@ def import_gguf(gguf_file: Path, out_dir: Path, to_safetensors: bool = False,
               "dtype": str(dtype).removeprefix("torch."),
               "tensors": len(source.names()), "quant_types": source.quant_types()}
 
+    size = torch.empty((), dtype=dtype).element_size()
+    needed = (sum(int(np.prod(source.shape(n))) * size for n in source.names()) if to_safetensors
+              else gguf_file.stat().st_size)  # a copy when a hard link cannot be made
     try:
         # an existing out_dir is empty (checked above) and is swapped for the filled one
-        with staging_dir(out_dir, replace=True) as tmp:
+        with refusing_full_disk(out_dir, needed), staging_dir(out_dir, replace=True) as tmp:
             _write_json(tmp / "config.json", config)
             _write_json(tmp / "generation_config.json", generation)
             _write_json(tmp / "tokenizer_config.json", tokenizer_config)
@@ -173,13 +178,34 @@ def _write_safetensors(source: GGUFSource, out: Path) -> None:
     weight_map = {}
     for index, shard in enumerate(shards, 1):
         file = "model.safetensors" if total == 1 else f"model-{index:05d}-of-{total:05d}.safetensors"
-        save_file({name: source.read(name).contiguous() for name in shard}, str(out / file),
-                  metadata={"format": "pt"})
+        _save_safetensors({name: source.read(name).contiguous() for name in shard}, out / file)
         weight_map.update(dict.fromkeys(shard, file))
     if total > 1:
         total_size = sum(int(np.prod(source.shape(n))) * size for n in names)
         _write_json(out / "model.safetensors.index.json",
                     {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """The bytes safetensors' save_file writes for tensors of one dtype (name order, header padded
+    with spaces to 8 bytes), written with Python's own writes so a full disk raises OSError."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text)
+        for name in sorted(tensors):
+            handle.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
 
 
 # -- tokenizer ----------------------------------------------------------------
