@@ -28,6 +28,7 @@ from ster_dist.gguf.names import GGUFFamily
 from ster_dist.gguf.source import GGUFSource, family_of, field_value, open_reader
 
 _SHARD_BYTES = 2 << 30                  # safetensors output is split past 2 GiB per file
+_MAX_SIZE = 1 << 31                     # any size in a GGUF's metadata (layers, widths, context)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,33 +89,43 @@ def gguf_config(reader: GGUFReader, family: GGUFFamily, dtype: torch.dtype = tor
         if isinstance(value, list):
             raise Refusal(f"GGUF metadata {arch}.{key} varies per layer ({value[:4]}...); "
                           "ster_dist reads only uniform layers from GGUF")
+        if value is not None and (not isinstance(value, (int, float)) or value != value):
+            raise Refusal(f"GGUF metadata {arch}.{key} is {str(value)[:40]!r}, not a number; "
+                          "the file is damaged")
         return value
 
-    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
-    if int(meta("attention.value_length", head_dim)) != head_dim:
+    def size(key, default=None, required=True):
+        value = meta(key, default, required)
+        if value is not None and not (isinstance(value, int) and 0 < value <= _MAX_SIZE):
+            raise Refusal(f"GGUF metadata {arch}.{key} is {value}, not a size between 1 and {_MAX_SIZE}; "
+                          "the file is damaged")
+        return value
+
+    hidden, heads = size("embedding_length"), size("attention.head_count")
+    head_dim = size("attention.key_length", hidden // heads)
+    if size("attention.value_length", head_dim) != head_dim:
         raise Refusal(f"GGUF file has key length {head_dim} but value length "
                       f"{meta('attention.value_length')}; ster_dist reads only equal ones")
-    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+    if size("rope.dimension_count", head_dim) != head_dim:
         raise Refusal(f"GGUF file rotates {meta('rope.dimension_count')} of {head_dim} head dimensions; "
                       f"the {family.model_type} family rotates all of them")
     names = {t.name for t in reader.tensors}
-    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    tokens = field_value(reader, "tokenizer.ggml.tokens", expect="strs") or []
     config = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": size("feed_forward_length"),
+        "num_hidden_layers": size("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "num_key_value_heads": size("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
         # float32 in the file; the shortest float32 spelling gives back the config's 1e-05.
         "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon")),
         "rope_theta": _f32(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length")),
-        "vocab_size": int(meta("vocab_size", len(tokens), required=False) or len(tokens)),
+        "max_position_embeddings": size("context_length"),
+        "vocab_size": size("vocab_size", len(tokens) or None, required=False) or len(tokens),
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -125,24 +136,28 @@ def gguf_config(reader: GGUFReader, family: GGUFFamily, dtype: torch.dtype = tor
     if scaling:
         config["rope_scaling"] = scaling
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        value = field_value(reader, f"tokenizer.ggml.{name}_token_id")
+        value = field_value(reader, f"tokenizer.ggml.{name}_token_id", expect="int")
         if value is not None:
             config[key] = int(value)
     return config
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
-    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
-    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    kind = field_value(reader, f"{arch}.rope.scaling.type", "none", expect="str")
+    factor = field_value(reader, f"{arch}.rope.scaling.factor", expect="number")
     if kind == "none" or (factor is not None and float(factor) == 1.0 and kind == "linear"):
         return None
+    if kind not in ("linear", "yarn"):
+        raise Refusal(f"GGUF file uses rope scaling {kind!r}; ster_dist imports none, linear or yarn")
+    if factor is None or not factor > 0:
+        raise Refusal(f"GGUF file uses {kind!r} rope scaling with factor {factor}; it cannot be imported")
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(factor)}
-    if kind == "yarn":
-        original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": _f32(factor),
-                "original_max_position_embeddings": int(original)}
-    raise Refusal(f"GGUF file uses rope scaling {kind!r}; ster_dist imports none, linear or yarn")
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length", expect="int")
+    if original is None:
+        raise Refusal("GGUF file uses yarn rope scaling without rope.scaling.original_context_length; "
+                      "it cannot be imported")
+    return {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": int(original)}
 
 
 def _f32(value) -> float:
@@ -229,35 +244,37 @@ _PRE_SPLITS = {
 
 def gguf_tokenizer(reader: GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
     """(tokenizer, tokenizer_config) from tokenizer.ggml.* and tokenizer.chat_template."""
-    kind = field_value(reader, "tokenizer.ggml.model")
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    types = field_value(reader, "tokenizer.ggml.token_type") or []
+    kind = field_value(reader, "tokenizer.ggml.model", expect="str")
+    tokens = field_value(reader, "tokenizer.ggml.tokens", expect="strs")
+    types = field_value(reader, "tokenizer.ggml.token_type", expect="ints") or []
     if not tokens:
         raise Refusal(f"GGUF file {path} holds no tokenizer (tokenizer.ggml.tokens); "
                       "it cannot be imported")
-    merges = field_value(reader, "tokenizer.ggml.merges")
+    merges = field_value(reader, "tokenizer.ggml.merges", expect="strs")
     if kind == "gpt2":
-        tokenizer = _byte_level(tokens, merges, field_value(reader, "tokenizer.ggml.pre"))
-        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", False))
+        tokenizer = _built(path, _byte_level, tokens, merges, field_value(reader, "tokenizer.ggml.pre",
+                                                                           expect="str"))
+        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", False, expect="bool"))
     elif kind == "llama":
-        tokenizer = _sentencepiece(tokens, merges, field_value(reader, "tokenizer.ggml.scores"))
+        tokenizer = _built(path, _sentencepiece, tokens, merges,
+                           field_value(reader, "tokenizer.ggml.scores", expect="numbers"))
         # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", True))
+        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", True, expect="bool"))
     else:
         raise Refusal(f"GGUF file {path} has a {kind!r} tokenizer; ster_dist imports gpt2 (byte-level "
                       "BPE) and llama (SentencePiece BPE) tokenizers; download the model's tokenizer.json")
-    add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
-    _add_tokens(tokenizer, tokens, types, byte_level=kind == "gpt2")
+    add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False, expect="bool"))
+    _built(path, _add_tokens, tokenizer, tokens, types, byte_level=kind == "gpt2")
 
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast",
                     "clean_up_tokenization_spaces": False}
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        token_id = field_value(reader, f"tokenizer.ggml.{key}_token_id")
+        token_id = field_value(reader, f"tokenizer.ggml.{key}_token_id", expect="int")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             config[f"{role}_token"] = tokens[int(token_id)]
     add_bos, add_eos = add_bos and "bos_token" in config, add_eos and "eos_token" in config
     config.update(add_bos_token=add_bos, add_eos_token=add_eos)
-    template = field_value(reader, "tokenizer.chat_template")
+    template = field_value(reader, "tokenizer.chat_template", expect="str")
     if template is not None:
         config["chat_template"] = template
     # The role tokens are special even when the file types them otherwise (SentencePiece's <unk>).
@@ -266,8 +283,20 @@ def gguf_tokenizer(reader: GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
                           if k in config)
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                   for t in roles if t not in added])
-    tokenizer.post_processor = _post_processor(tokenizer, config, add_bos, add_eos)
+    tokenizer.post_processor = _built(path, _post_processor, tokenizer, config, add_bos, add_eos)
     return tokenizer, config
+
+
+def _built(path: Path, build, *args, **kwargs):
+    """build(...) with the tokenizers library's errors (plain Exceptions: a merge naming a token
+    the vocabulary lacks, say) turned into a refusal naming the file."""
+    try:
+        return build(*args, **kwargs)
+    except Refusal:
+        raise
+    except Exception as exc:  # noqa: BLE001 (tokenizers raises bare Exception)
+        raise Refusal(f"GGUF file {path} holds a tokenizer that cannot be built: "
+                      f"{' '.join(str(exc).split())[:200]}; the file is damaged") from None
 
 
 def _byte_alphabet() -> dict[int, str]:
