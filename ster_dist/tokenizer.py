@@ -434,7 +434,8 @@ class _Budget:
     def size(self, chars: int, what: str) -> None:
         if chars > self.chars:
             raise _TemplateLimit(f"would build {what} of {chars} characters or more, past its budget of "
-                                 f"{self.chars} ({TEMPLATE_MIN_CHARS} or {TEMPLATE_INPUT_FACTOR}x the messages)")
+                                 f"{self.chars} ({TEMPLATE_MIN_CHARS}, or {TEMPLATE_INPUT_FACTOR}x the messages "
+                                 "when larger)")
 
     def value(self, value: Any, what: str) -> Any:
         if not isinstance(value, str) or len(value) > self.chars:
@@ -579,7 +580,7 @@ def _bounded_environment_class():
             budget = _CONTEXT_BUDGET.get()
             if budget is not None:
                 budget.tick()
-                budget.size(sum(map(len, parts)), "a block's text")
+                budget.size(sum(map(len, parts)), "a joined string")
             return "".join(parts)
 
         def bounded_join(self, parts):
