@@ -382,6 +382,9 @@ TEMPLATE_MAX_DEPTH = 60                 # nested template calls (a macro calling
 _SAFE_RANGE = 100_000                   # jinja2.sandbox.MAX_RANGE: a range's items at most
 _CONTEXT_BUDGET: contextvars.ContextVar = contextvars.ContextVar("chat_template_budget", default=None)
 _DIGIT_RUN = re.compile(r"\d+")
+# filters that write out a whole value (a literal list of large strings, say): its size is checked first
+_SERIALISING_FILTERS = frozenset({"string", "pprint", "urlencode", "xmlattr", "escape", "e", "forceescape",
+                                  "safe", "list"})
 _NESTED_FIELD = re.compile(r"\{[^{}]*\{")
 
 
@@ -393,21 +396,24 @@ class _TemplateLimit(Exception):
         self.detail = detail
 
 
-def _weight(value: Any, limit: int) -> int:
-    """About how many characters `value` would take rendered; stops counting past `limit`."""
+def _weight(value: Any, limit: int, known: dict[int, int] | None = None) -> int:
+    """About how many characters `value` would take rendered; stops counting past `limit`. `known`:
+    weights already counted, by id, of containers that stay alive and unchanged meanwhile."""
     total, stack = 0, [value]
     while stack and total <= limit:
         item = stack.pop()
-        if isinstance(item, str):
+        if known and id(item) in known:
+            total += known[id(item)]
+        elif isinstance(item, str):
             total += len(item)
         elif isinstance(item, bool) or item is None:
             total += 5
         elif isinstance(item, int):
             total += item.bit_length() * 3 // 10 + 1
-        elif isinstance(item, (list, tuple, set, frozenset, Mapping)):
+        elif isinstance(item, (dict, list, tuple, set, frozenset)) or isinstance(item, Mapping):
             total += 2 + 2 * len(item)
             if total <= limit:
-                stack.extend(item.items() if isinstance(item, Mapping) else item)
+                stack.extend(item.items() if isinstance(item, (dict, Mapping)) else item)
         else:
             total += 8
     return total
@@ -421,11 +427,24 @@ def _int_arg(values, default: int = 0) -> int:
 class _Budget:
     """One render's limits: the deadline, the size any value may reach, the call depth."""
 
-    def __init__(self, inputs_weight: int):
+    def __init__(self, inputs: dict):
         self.seconds = TEMPLATE_SECONDS
         self.deadline = time.monotonic() + TEMPLATE_SECONDS
-        self.chars = max(TEMPLATE_MIN_CHARS, TEMPLATE_INPUT_FACTOR * inputs_weight)
         self.depth = 0
+        # The inputs and their items (each message, each tool) are measured once: the render holds
+        # them and the sandbox cannot change them, so a template passing `tools` to tojson costs nothing.
+        self.known: dict[int, int] = {}
+        for value in inputs.values():
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, (dict, list, tuple)):
+                        self.known[id(item)] = _weight(item, 1 << 62)
+            if isinstance(value, (dict, list, tuple)):
+                self.known[id(value)] = _weight(value, 1 << 62, self.known)
+        self.chars = max(TEMPLATE_MIN_CHARS, TEMPLATE_INPUT_FACTOR * _weight(inputs, 1 << 62, self.known))
+
+    def weight(self, value: Any) -> int:
+        return _weight(value, self.chars, self.known)
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
@@ -439,7 +458,7 @@ class _Budget:
 
     def value(self, value: Any, what: str) -> Any:
         if not isinstance(value, str) or len(value) > self.chars:
-            self.size(_weight(value, self.chars), what)
+            self.size(self.weight(value), what)
         return value
 
     def formatting(self, fmt: str, args: list, star: bool) -> None:
@@ -450,7 +469,7 @@ class _Budget:
         if star:
             widest = max(widest, _int_arg(args))
         fields = fmt.count("%") + fmt.count("{")
-        self.size(len(fmt) + fields * (max((_weight(a, self.chars) for a in args), default=0) + widest),
+        self.size(len(fmt) + fields * (max((self.weight(a) for a in args), default=0) + widest),
                   "a formatted string")
 
 
@@ -473,13 +492,13 @@ def _project_str_method(budget: _Budget, text: str, name: str, args: tuple, kwar
         budget.size(len(text) + count * max(0, len(new) - len(old)), "a string with replacements")
     elif name == "join" and args:
         items = list(args[0])
-        budget.size(sum(_weight(i, budget.chars) for i in items) + len(text) * len(items), "a joined string")
+        budget.size(sum(budget.weight(i) for i in items) + len(text) * len(items), "a joined string")
         args = (items, *args[1:])
     elif name in ("format", "format_map"):
         budget.formatting(text, [v for a in values for v in _format_args(a)] if name == "format_map" else values,
                           bool(_NESTED_FIELD.search(text)))
     elif name == "translate" and args and isinstance(args[0], Mapping):
-        budget.size(len(text) * (1 + max((_weight(v, budget.chars) for v in args[0].values()), default=0)),
+        budget.size(len(text) * (1 + max((budget.weight(v) for v in args[0].values()), default=0)),
                     "a translated string")
     return args
 
@@ -489,7 +508,8 @@ def _project_filter(budget: _Budget, name: str, value: Any, args: tuple, kwargs:
     def arg(index: int, key: str, default=None):
         return args[index] if len(args) > index else kwargs.get(key, default)
 
-    budget.value(value, "a filtered value")
+    if name in _SERIALISING_FILTERS:
+        budget.value(value, "a filtered value")
     if name == "center":
         budget.size(_int_arg([arg(0, "width", 80)]), "a centred string")
     elif name == "indent" and isinstance(value, str):
@@ -498,21 +518,21 @@ def _project_filter(budget: _Budget, name: str, value: Any, args: tuple, kwargs:
         budget.size(len(value) + lines * (len(width) if isinstance(width, str) else _int_arg([width])),
                     "an indented string")
     elif name == "wordwrap" and isinstance(value, str):
-        budget.size(len(value) * (1 + _weight(arg(2, "wrapstring", "\n"), budget.chars)), "a wrapped string")
+        budget.size(len(value) * (1 + budget.weight(arg(2, "wrapstring", "\n"))), "a wrapped string")
     elif name == "format" and isinstance(value, str):
         budget.formatting(value, list(args) + list(kwargs.values()), "*" in value)
     elif name == "replace" and isinstance(value, str):
         _project_str_method(budget, value, "replace", args[:2], {})
     elif name == "join":
         value = list(value) if not isinstance(value, (str, Mapping)) else value
-        budget.size(_weight(value, budget.chars) + _weight(arg(0, "d", ""), budget.chars) * len(value),
+        budget.size(budget.weight(value) + budget.weight(arg(0, "d", "")) * len(value),
                     "a joined string")
     elif name in ("batch", "slice"):
         fill = arg(1, "fill_with")
         budget.size(_int_arg([arg(0, "linecount" if name == "batch" else "slices", 0)])
-                    * (2 + _weight(fill, budget.chars)), f"the lists of {name}")
+                    * (2 + budget.weight(fill)), f"the lists of {name}")
     elif name == "tojson":
-        budget.size(_weight(value, budget.chars) * (1 + _int_arg([arg(1, "indent", 0) or 0])), "a JSON string")
+        budget.size(budget.weight(value) * (1 + _int_arg([arg(1, "indent", 0) or 0])), "a JSON string")
     return value
 
 
@@ -643,14 +663,19 @@ def _project_binop(budget: _Budget, operator: str, left: Any, right: Any) -> Non
     if operator == "*":
         if isinstance(left, int) and isinstance(right, int):
             budget.size((left.bit_length() + right.bit_length()) * 3 // 10, "a number")
-        elif isinstance(right, int) and isinstance(left, (str, list, tuple)):
-            budget.size(_weight(left, budget.chars) * max(right, 0), "a repeated value")
+        elif isinstance(right, int) and isinstance(left, str):
+            budget.size(len(left) * max(right, 0), "a repeated value")
+        elif isinstance(right, int) and isinstance(left, (list, tuple)):
+            budget.size(budget.weight(left) * max(right, 0), "a repeated value")
         elif isinstance(left, int) and isinstance(right, (str, list, tuple)):
-            budget.size(_weight(right, budget.chars) * max(left, 0), "a repeated value")
+            budget.size(budget.weight(right) * max(left, 0), "a repeated value")
     elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
         budget.size(left.bit_length() * right * 3 // 10, "a number")
     elif operator == "+":
-        budget.size(_weight(left, budget.chars) + _weight(right, budget.chars), "a sum")
+        if isinstance(left, str) and isinstance(right, str):
+            budget.size(len(left) + len(right), "a sum")
+        elif not (isinstance(left, (int, float)) and isinstance(right, (int, float))):  # numbers add bits, not digits
+            budget.size(budget.weight(left) + budget.weight(right), "a sum")
     elif operator == "%" and isinstance(left, str):
         budget.formatting(left, _format_args(right), "*" in left)
 
@@ -670,7 +695,10 @@ def _bounded_filter(name: str, func):
         lead = {"context": (context,), "eval_context": (context.eval_ctx,),
                 "environment": (context.environment,)}.get(passed, ())
         result = func(*lead, value, *args, **kwargs)
-        return result if budget is None else budget.value(result, f"the {name} filter's result")
+        # a string result is measured (free); a container's items were measured going in
+        if budget is not None and isinstance(result, str):
+            budget.size(len(result), f"the {name} filter's result")
+        return result
 
     return jinja2.pass_context(functools.wraps(func)(bounded))
 
@@ -1087,7 +1115,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-        budget = _Budget(_weight(inputs, 1 << 62))
+        budget = _Budget(inputs)
         token = _CONTEXT_BUDGET.set(budget)
         try:
             parts, size = [], 0
