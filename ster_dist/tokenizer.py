@@ -379,6 +379,7 @@ TEMPLATE_SECONDS = 10.0                 # wall time one render may take
 TEMPLATE_MIN_CHARS = 4 << 20            # any value or output may reach this many characters...
 TEMPLATE_INPUT_FACTOR = 8               # ...or this many times the size of what it was given
 TEMPLATE_MAX_DEPTH = 60                 # nested template calls (a macro calling itself)
+TEMPLATE_MAX_INT_BITS = 1 << 16         # a number's size (Python prints at most 4300 digits anyway)
 _SAFE_RANGE = 100_000                   # jinja2.sandbox.MAX_RANGE: a range's items at most
 _CONTEXT_BUDGET: contextvars.ContextVar = contextvars.ContextVar("chat_template_budget", default=None)
 _DIGIT_RUN = re.compile(r"\d+")
@@ -410,7 +411,7 @@ def _weight(value: Any, limit: int, known: dict[int, int] | None = None) -> int:
             total += 5
         elif isinstance(item, int):
             total += item.bit_length() * 3 // 10 + 1
-        elif isinstance(item, (dict, list, tuple, set, frozenset)) or isinstance(item, Mapping):
+        elif isinstance(item, (dict, list, tuple, set, frozenset, Mapping)):
             total += 2 + 2 * len(item)
             if total <= limit:
                 stack.extend(item.items() if isinstance(item, (dict, Mapping)) else item)
@@ -622,12 +623,12 @@ def _bounded_environment_class():
                 _project_binop(budget, operator, left, right)
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's own signature)
+        def call(self, context, obj, /, *args, **kwargs):
             budget = _CONTEXT_BUDGET.get()
             if budget is None:
-                return super().call(__context, __obj, *args, **kwargs)
+                return super().call(context, obj, *args, **kwargs)
             budget.tick()
-            method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands out str.format wrapped
+            method = getattr(obj, "__wrapped__", obj)  # the sandbox hands out str.format wrapped
             owner = getattr(method, "__self__", None)
             if isinstance(owner, str):
                 args = _project_str_method(budget, owner, getattr(method, "__name__", ""), args, kwargs)
@@ -635,7 +636,7 @@ def _bounded_environment_class():
             try:
                 if budget.depth > TEMPLATE_MAX_DEPTH:
                     raise _TemplateLimit(f"nested calls deeper than {TEMPLATE_MAX_DEPTH} (a macro calling itself?)")
-                result = super().call(__context, __obj, *args, **kwargs)
+                result = super().call(context, obj, *args, **kwargs)
             finally:
                 budget.depth -= 1
             return budget.value(result, "a call's result")
@@ -662,7 +663,7 @@ def _bounded_environment_class():
 def _project_binop(budget: _Budget, operator: str, left: Any, right: Any) -> None:
     if operator == "*":
         if isinstance(left, int) and isinstance(right, int):
-            budget.size((left.bit_length() + right.bit_length()) * 3 // 10, "a number")
+            _bits(left.bit_length() + right.bit_length())
         elif isinstance(right, int) and isinstance(left, str):
             budget.size(len(left) * max(right, 0), "a repeated value")
         elif isinstance(right, int) and isinstance(left, (list, tuple)):
@@ -670,7 +671,7 @@ def _project_binop(budget: _Budget, operator: str, left: Any, right: Any) -> Non
         elif isinstance(left, int) and isinstance(right, (str, list, tuple)):
             budget.size(budget.weight(right) * max(left, 0), "a repeated value")
     elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-        budget.size(left.bit_length() * right * 3 // 10, "a number")
+        _bits(left.bit_length() * right)
     elif operator == "+":
         if isinstance(left, str) and isinstance(right, str):
             budget.size(len(left) + len(right), "a sum")
@@ -678,6 +679,12 @@ def _project_binop(budget: _Budget, operator: str, left: Any, right: Any) -> Non
             budget.size(budget.weight(left) + budget.weight(right), "a sum")
     elif operator == "%" and isinstance(left, str):
         budget.formatting(left, _format_args(right), "*" in left)
+
+
+def _bits(bits: int) -> None:
+    # one multiplication of numbers this long takes microseconds; of millions of bits, seconds
+    if bits > TEMPLATE_MAX_INT_BITS:
+        raise _TemplateLimit(f"would build a number of {bits} bits, past its limit of {TEMPLATE_MAX_INT_BITS}")
 
 
 def _bounded_filter(name: str, func):

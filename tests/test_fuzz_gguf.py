@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from ster_dist.errors import Refusal  # noqa: E402
-from ster_dist.gguf.importer import gguf_config, gguf_tokenizer, import_gguf  # noqa: E402
-from ster_dist.gguf.source import GGUFSource, family_of, open_reader  # noqa: E402
-from tests.gguf_fixtures import write_llama  # noqa: E402
+from ster_dist.errors import Refusal
+from ster_dist.gguf.importer import gguf_config, gguf_tokenizer, import_gguf
+from ster_dist.gguf.source import GGUFSource, family_of, open_reader
+from tests.gguf_fixtures import write_llama
 
 FAST = settings(max_examples=120, deadline=3000, suppress_health_check=[HealthCheck.too_slow],
                 derandomize=bool(os.environ.get("CI")))

@@ -13,6 +13,7 @@ writes, so such a failure is an OSError with its errno, not a serializer's strin
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -89,7 +90,7 @@ def gguf_config(reader: GGUFReader, family: GGUFFamily, dtype: torch.dtype = tor
         if isinstance(value, list):
             raise Refusal(f"GGUF metadata {arch}.{key} varies per layer ({value[:4]}...); "
                           "ster_dist reads only uniform layers from GGUF")
-        if value is not None and (not isinstance(value, (int, float)) or value != value):
+        if value is not None and (not isinstance(value, (int, float)) or math.isnan(value)):
             raise Refusal(f"GGUF metadata {arch}.{key} is {str(value)[:40]!r}, not a number; "
                           "the file is damaged")
         return value
