@@ -14,7 +14,9 @@ tensor names (the same name map that loads it places the updates) beside its par
 Everything is written into a work directory beside the output (.NAME.merging) and renamed into
 place only when complete: a killed merge leaves no output directory. The work directory keeps
 the shards already finished, with a fingerprint of the base, the adapter and the shard plan, so
-a rerun (or a batch job resumed on a cluster, jobs/merge.py) writes only the rest.
+a rerun (or a batch job resumed on a cluster, jobs/merge.py) writes only the rest. A write that
+fails for want of space is the exception: it ends in one refusal line and removes the work
+directory, since the space its finished shards hold is what the rerun needs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ster_dist.adapters.targets import (
     refuse_family,
     summary,
 )
-from ster_dist.atomic import finish_dir, write_json
+from ster_dist.atomic import finish_dir, refusing_full_disk, write_json
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
 from ster_dist.inputs import not_an_input
@@ -157,7 +159,7 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     out_shards = split_shards(tensors, max_bytes)
     stem = SHARD_STEMS[checkpoint.weight_format]
     names = shard_names(len(out_shards), stem)
-    work = output.parent / f".{output.name}.merging"
+    work = work_dir(output)
     fingerprint = _fingerprint(checkpoint, adapter.files(), out_shards)
     pending = _resume(work, fingerprint, names, out_shards)
     merged = [t for t in tensors if t.updates]
@@ -172,6 +174,11 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
         "shards": len(out_shards), "resumed_shards": len(out_shards) - len(pending),
     }
     return MergePlan(checkpoint, output, work, out_shards, names, pending, side, report, stem)
+
+
+def work_dir(output: Path) -> Path:
+    """Where a merge into `output` is written before its rename (kept across runs to resume)."""
+    return output.parent / f".{output.name}.merging"
 
 
 def side_files(checkpoint: Checkpoint) -> list[Path]:
@@ -225,14 +232,17 @@ def merge(model: str, adapter: str, output: str | Path, revision: str | None = N
           max_shard_size: str | int = DEFAULT_MAX_SHARD, progress: Progress = _quiet) -> dict:
     """Merge in this process, shard after shard."""
     start = time.perf_counter()
-    plan = prepare(model, adapter, output, revision, max_shard_size)
+    with refusing_full_disk(output, cleanup=[work_dir(Path(output))]):  # its state file is written here
+        plan = prepare(model, adapter, output, revision, max_shard_size)
     if plan.report["resumed_shards"]:
         progress(f"resuming: {plan.report['resumed_shards']} of {len(plan.names)} shards already written")
     written = 0
-    for done, index in enumerate(plan.pending, 1):
-        written += write_one(plan, index)
-        progress(f"wrote {plan.names[index]}", shard=done, shards=len(plan.pending), bytes=written)
-    report = finish(plan)
+    needed = sum(shard_size(shard) for shard in plan.shards)
+    with refusing_full_disk(plan.output, needed, cleanup=[plan.work]):
+        for done, index in enumerate(plan.pending, 1):
+            written += write_one(plan, index)
+            progress(f"wrote {plan.names[index]}", shard=done, shards=len(plan.pending), bytes=written)
+        report = finish(plan)
     seconds = time.perf_counter() - start
     return {**report, "bytes_written": written, "seconds": round(seconds, 3)}
 

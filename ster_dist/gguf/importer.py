@@ -4,12 +4,16 @@ It owns reading config.json, generation_config.json, tokenizer.json and
 tokenizer_config.json back out of a GGUF's metadata, and placing either the
 .gguf itself or its dequantized tensors (as safetensors under Transformers
 names) beside them. The output appears whole or not at all: everything is
-written into a temporary directory beside out_dir and renamed into place.
+written into a temporary directory beside out_dir and renamed into place, and a
+write that fails for want of space ends in one refusal line with the temporary
+directory removed (safetensors files are written here, through Python's own file
+writes, so such a failure is an OSError with its errno, not a serializer's string).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -17,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGUFReader
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ster_dist.atomic import staging_dir
+from ster_dist.atomic import refusing_full_disk, staging_dir
 from ster_dist.errors import Refusal
 from ster_dist.gguf.names import GGUFFamily
 from ster_dist.gguf.source import GGUFSource, family_of, field_value, open_reader
 
 _SHARD_BYTES = 2 << 30                  # safetensors output is split past 2 GiB per file
+_MAX_SIZE = 1 << 31                     # any size in a GGUF's metadata (layers, widths, context)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,9 +59,12 @@ def import_gguf(gguf_file: Path, out_dir: Path, to_safetensors: bool = False,
               "dtype": str(dtype).removeprefix("torch."),
               "tensors": len(source.names()), "quant_types": source.quant_types()}
 
+    size = torch.empty((), dtype=dtype).element_size()
+    needed = (sum(int(np.prod(source.shape(n))) * size for n in source.names()) if to_safetensors
+              else gguf_file.stat().st_size)  # a copy when a hard link cannot be made
     try:
         # an existing out_dir is empty (checked above) and is swapped for the filled one
-        with staging_dir(out_dir, replace=True) as tmp:
+        with refusing_full_disk(out_dir, needed), staging_dir(out_dir, replace=True) as tmp:
             _write_json(tmp / "config.json", config)
             _write_json(tmp / "generation_config.json", generation)
             _write_json(tmp / "tokenizer_config.json", tokenizer_config)
@@ -83,33 +90,43 @@ def gguf_config(reader: GGUFReader, family: GGUFFamily, dtype: torch.dtype = tor
         if isinstance(value, list):
             raise Refusal(f"GGUF metadata {arch}.{key} varies per layer ({value[:4]}...); "
                           "ster_dist reads only uniform layers from GGUF")
+        if value is not None and (not isinstance(value, (int, float)) or math.isnan(value)):
+            raise Refusal(f"GGUF metadata {arch}.{key} is {str(value)[:40]!r}, not a number; "
+                          "the file is damaged")
         return value
 
-    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
-    if int(meta("attention.value_length", head_dim)) != head_dim:
+    def size(key, default=None, required=True):
+        value = meta(key, default, required)
+        if value is not None and not (isinstance(value, int) and 0 < value <= _MAX_SIZE):
+            raise Refusal(f"GGUF metadata {arch}.{key} is {value}, not a size between 1 and {_MAX_SIZE}; "
+                          "the file is damaged")
+        return value
+
+    hidden, heads = size("embedding_length"), size("attention.head_count")
+    head_dim = size("attention.key_length", hidden // heads)
+    if size("attention.value_length", head_dim) != head_dim:
         raise Refusal(f"GGUF file has key length {head_dim} but value length "
                       f"{meta('attention.value_length')}; ster_dist reads only equal ones")
-    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+    if size("rope.dimension_count", head_dim) != head_dim:
         raise Refusal(f"GGUF file rotates {meta('rope.dimension_count')} of {head_dim} head dimensions; "
                       f"the {family.model_type} family rotates all of them")
     names = {t.name for t in reader.tensors}
-    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    tokens = field_value(reader, "tokenizer.ggml.tokens", expect="strs") or []
     config = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": size("feed_forward_length"),
+        "num_hidden_layers": size("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "num_key_value_heads": size("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
         # float32 in the file; the shortest float32 spelling gives back the config's 1e-05.
         "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon")),
         "rope_theta": _f32(meta("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta("context_length")),
-        "vocab_size": int(meta("vocab_size", len(tokens), required=False) or len(tokens)),
+        "max_position_embeddings": size("context_length"),
+        "vocab_size": size("vocab_size", len(tokens) or None, required=False) or len(tokens),
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -120,24 +137,28 @@ def gguf_config(reader: GGUFReader, family: GGUFFamily, dtype: torch.dtype = tor
     if scaling:
         config["rope_scaling"] = scaling
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
-        value = field_value(reader, f"tokenizer.ggml.{name}_token_id")
+        value = field_value(reader, f"tokenizer.ggml.{name}_token_id", expect="int")
         if value is not None:
             config[key] = int(value)
     return config
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
-    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
-    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    kind = field_value(reader, f"{arch}.rope.scaling.type", "none", expect="str")
+    factor = field_value(reader, f"{arch}.rope.scaling.factor", expect="number")
     if kind == "none" or (factor is not None and float(factor) == 1.0 and kind == "linear"):
         return None
+    if kind not in ("linear", "yarn"):
+        raise Refusal(f"GGUF file uses rope scaling {kind!r}; ster_dist imports none, linear or yarn")
+    if factor is None or not factor > 0:
+        raise Refusal(f"GGUF file uses {kind!r} rope scaling with factor {factor}; it cannot be imported")
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(factor)}
-    if kind == "yarn":
-        original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": _f32(factor),
-                "original_max_position_embeddings": int(original)}
-    raise Refusal(f"GGUF file uses rope scaling {kind!r}; ster_dist imports none, linear or yarn")
+    original = field_value(reader, f"{arch}.rope.scaling.original_context_length", expect="int")
+    if original is None:
+        raise Refusal("GGUF file uses yarn rope scaling without rope.scaling.original_context_length; "
+                      "it cannot be imported")
+    return {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": int(original)}
 
 
 def _f32(value) -> float:
@@ -173,13 +194,34 @@ def _write_safetensors(source: GGUFSource, out: Path) -> None:
     weight_map = {}
     for index, shard in enumerate(shards, 1):
         file = "model.safetensors" if total == 1 else f"model-{index:05d}-of-{total:05d}.safetensors"
-        save_file({name: source.read(name).contiguous() for name in shard}, str(out / file),
-                  metadata={"format": "pt"})
+        _save_safetensors({name: source.read(name).contiguous() for name in shard}, out / file)
         weight_map.update(dict.fromkeys(shard, file))
     if total > 1:
         total_size = sum(int(np.prod(source.shape(n))) * size for n in names)
         _write_json(out / "model.safetensors.index.json",
                     {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """The bytes safetensors' save_file writes for tensors of one dtype (name order, header padded
+    with spaces to 8 bytes), written with Python's own writes so a full disk raises OSError."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text)
+        for name in sorted(tensors):
+            handle.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
 
 
 # -- tokenizer ----------------------------------------------------------------
@@ -203,35 +245,37 @@ _PRE_SPLITS = {
 
 def gguf_tokenizer(reader: GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
     """(tokenizer, tokenizer_config) from tokenizer.ggml.* and tokenizer.chat_template."""
-    kind = field_value(reader, "tokenizer.ggml.model")
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    types = field_value(reader, "tokenizer.ggml.token_type") or []
+    kind = field_value(reader, "tokenizer.ggml.model", expect="str")
+    tokens = field_value(reader, "tokenizer.ggml.tokens", expect="strs")
+    types = field_value(reader, "tokenizer.ggml.token_type", expect="ints") or []
     if not tokens:
         raise Refusal(f"GGUF file {path} holds no tokenizer (tokenizer.ggml.tokens); "
                       "it cannot be imported")
-    merges = field_value(reader, "tokenizer.ggml.merges")
+    merges = field_value(reader, "tokenizer.ggml.merges", expect="strs")
     if kind == "gpt2":
-        tokenizer = _byte_level(tokens, merges, field_value(reader, "tokenizer.ggml.pre"))
-        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", False))
+        tokenizer = _built(path, _byte_level, tokens, merges, field_value(reader, "tokenizer.ggml.pre",
+                                                                           expect="str"))
+        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", False, expect="bool"))
     elif kind == "llama":
-        tokenizer = _sentencepiece(tokens, merges, field_value(reader, "tokenizer.ggml.scores"))
+        tokenizer = _built(path, _sentencepiece, tokens, merges,
+                           field_value(reader, "tokenizer.ggml.scores", expect="numbers"))
         # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", True))
+        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", True, expect="bool"))
     else:
         raise Refusal(f"GGUF file {path} has a {kind!r} tokenizer; ster_dist imports gpt2 (byte-level "
                       "BPE) and llama (SentencePiece BPE) tokenizers; download the model's tokenizer.json")
-    add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))
-    _add_tokens(tokenizer, tokens, types, byte_level=kind == "gpt2")
+    add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False, expect="bool"))
+    _built(path, _add_tokens, tokenizer, tokens, types, byte_level=kind == "gpt2")
 
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast",
                     "clean_up_tokenization_spaces": False}
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        token_id = field_value(reader, f"tokenizer.ggml.{key}_token_id")
+        token_id = field_value(reader, f"tokenizer.ggml.{key}_token_id", expect="int")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             config[f"{role}_token"] = tokens[int(token_id)]
     add_bos, add_eos = add_bos and "bos_token" in config, add_eos and "eos_token" in config
     config.update(add_bos_token=add_bos, add_eos_token=add_eos)
-    template = field_value(reader, "tokenizer.chat_template")
+    template = field_value(reader, "tokenizer.chat_template", expect="str")
     if template is not None:
         config["chat_template"] = template
     # The role tokens are special even when the file types them otherwise (SentencePiece's <unk>).
@@ -240,8 +284,20 @@ def gguf_tokenizer(reader: GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
                           if k in config)
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                   for t in roles if t not in added])
-    tokenizer.post_processor = _post_processor(tokenizer, config, add_bos, add_eos)
+    tokenizer.post_processor = _built(path, _post_processor, tokenizer, config, add_bos, add_eos)
     return tokenizer, config
+
+
+def _built(path: Path, build, *args, **kwargs):
+    """build(...) with the tokenizers library's errors (plain Exceptions: a merge naming a token
+    the vocabulary lacks, say) turned into a refusal naming the file."""
+    try:
+        return build(*args, **kwargs)
+    except Refusal:
+        raise
+    except Exception as exc:  # noqa: BLE001 (tokenizers raises bare Exception)
+        raise Refusal(f"GGUF file {path} holds a tokenizer that cannot be built: "
+                      f"{' '.join(str(exc).split())[:200]}; the file is damaged") from None
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from ster_dist.errors import Refusal
 from ster_dist.gguf.dequant import SUPPORTED, dequantize_window, row_bytes, window_bytes
+from ster_dist.gguf.layout import check_layout
 from ster_dist.gguf.names import DERIVED, FAMILIES, GGUFFamily, Mapped, symbols, to_gguf, to_hf
 
 
@@ -31,21 +32,50 @@ class _Entry:
 
 
 def open_reader(path: Path) -> GGUFReader:
+    """GGUFReader over a file whose header check_layout has bounded (see gguf/layout.py)."""
+    check_layout(path)
     try:
         return GGUFReader(path, "r")
     except (OSError, ValueError, KeyError, IndexError) as exc:
-        raise Refusal(f"cannot read GGUF file {path}: {exc}") from None
+        raise Refusal(f"cannot read GGUF file {path}: {' '.join(str(exc).split())[:300]}") from None
 
 
-def field_value(reader: GGUFReader, key: str, default=None):
-    """A metadata value (scalar, string or list), or default when the file lacks the key."""
+# what a metadata value may be, by the name field_value's `expect` gives it
+_EXPECT = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int),
+    "number": lambda v: isinstance(v, (int, float)),
+    "bool": lambda v: isinstance(v, (bool, int)),
+    "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "ints": lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
+    "numbers": lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) for x in v),
+}
+
+
+def field_value(reader: GGUFReader, key: str, default=None, expect: str | None = None):
+    """A metadata value (scalar, string or list), or default when the file lacks the key; with
+    `expect` (a key of _EXPECT), a value of another kind is refused."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        value = field.contents()
+    except (ValueError, IndexError, TypeError) as exc:
+        raise Refusal(f"GGUF metadata {key} cannot be read ({exc}); the file is damaged") from None
+    if expect is not None and not _EXPECT[expect](value):
+        shown = repr(value)
+        raise Refusal(f"GGUF metadata {key} is {shown[:60]}{'...' if len(shown) > 60 else ''}, not "
+                      f"{_EXPECT_NAMES[expect]}; the file is damaged or not a llama.cpp model")
+    return value
+
+
+_EXPECT_NAMES = {"str": "a string", "int": "an integer", "number": "a number", "bool": "a boolean",
+                 "strs": "a list of strings", "ints": "a list of integers", "numbers": "a list of numbers"}
 
 
 def family_of(reader: GGUFReader, path: Path) -> GGUFFamily:
     arch = field_value(reader, "general.architecture")
-    if arch not in FAMILIES:
+    if not isinstance(arch, str) or arch not in FAMILIES:
         raise Refusal(f"GGUF file {path} has architecture {arch!r}; ster_dist reads GGUF files of "
                       f"architecture {', '.join(FAMILIES)}; use the model's safetensors checkpoint")
     return FAMILIES[arch]

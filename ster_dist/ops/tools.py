@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ster_dist.atomic import write_json
+from ster_dist.atomic import partial_prefix, refusing_full_disk, sweep_stale, write_json
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.schema.tools import (
@@ -66,8 +66,10 @@ def gguf_import(request: GgufImportRequest) -> dict:
         raise Refusal(f"{request.label('file')} {source}: {exc.strerror or exc}") from None
     made = {"maker": "gguf-import", "source": str(source.resolve()), "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns, "safetensors": request.safetensors}
-    return _made_once(Path(request.directory), made, request.force,
-                      lambda out: import_gguf(source, out, to_safetensors=request.safetensors))
+    directory = Path(request.directory)
+    with refusing_full_disk(directory):
+        return _made_once(directory, made, request.force,
+                          lambda out: import_gguf(source, out, to_safetensors=request.safetensors))
 
 
 def _made_once(directory: Path, made: dict, force: bool, make) -> dict:
@@ -84,12 +86,13 @@ def _made_once(directory: Path, made: dict, force: bool, make) -> dict:
         if not force:
             raise Refusal(f"{directory} exists and is not empty (it holds another model); choose a new directory, "
                           "or give --force to replace it")
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.new.", dir=directory.parent))
+        sweep_stale(directory)
+        staging = Path(tempfile.mkdtemp(prefix=partial_prefix(directory), dir=directory.parent))
         out = staging / directory.name
         try:
             report = make(out)
             write_json(out / MARKER, {"made": made, "report": report})
-            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=directory.parent))
+            old = Path(tempfile.mkdtemp(prefix=partial_prefix(directory), dir=directory.parent))
             os.replace(directory, old / directory.name)
             os.replace(out, directory)
             shutil.rmtree(old, ignore_errors=True)
@@ -97,7 +100,11 @@ def _made_once(directory: Path, made: dict, force: bool, make) -> dict:
             shutil.rmtree(staging, ignore_errors=True)
         return {**_rehome(report, out, directory), "replaced": True}
     report = make(directory)
-    write_json(marker, {"made": made, "report": report})
+    try:
+        write_json(marker, {"made": made, "report": report})
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)  # made here (it was absent or empty): no half output
+        raise
     return report
 
 
