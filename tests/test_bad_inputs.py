@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from ster_dist import atomic
-from ster_dist import tokenizer as tokenizer_module
+from ster_dist import chat_template as template_module
 from ster_dist.cli import main
 from ster_dist.errors import Refusal
 from ster_dist.tokenizer import Tokenizer
@@ -114,7 +114,7 @@ def _refused_in_bounds(tok: Tokenizer, budget: float) -> str:
 
 @pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
 def test_a_hostile_chat_template_is_refused_in_time_and_memory(name, tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenizer_module, "TEMPLATE_SECONDS", SHORT_BUDGET)
+    monkeypatch.setattr(template_module, "TEMPLATE_SECONDS", SHORT_BUDGET)
     tok = Tokenizer.from_directory(_template_dir(tmp_path, name, HOSTILE_TEMPLATES[name]))
     message = _refused_in_bounds(tok, SHORT_BUDGET)
     assert "chat template" in message and ("--chat-template off" in message or "rejected" in message)
@@ -126,11 +126,11 @@ def test_the_default_budget_stops_three_nested_ranges_on_another_thread(tmp_path
     tok = Tokenizer.from_directory(_template_dir(tmp_path, "nested", HOSTILE_TEMPLATES["three nested range(99999)"]))
     found = {}
     thread = threading.Thread(target=lambda: found.setdefault("message", _refused_in_bounds(
-        tok, tokenizer_module.TEMPLATE_SECONDS)))
+        tok, template_module.TEMPLATE_SECONDS)))
     thread.start()
-    thread.join(tokenizer_module.TEMPLATE_SECONDS + 2 * SLACK)
+    thread.join(template_module.TEMPLATE_SECONDS + 2 * SLACK)
     assert not thread.is_alive()
-    assert f"ran past its {tokenizer_module.TEMPLATE_SECONDS:g} s budget" in found["message"]
+    assert f"ran past its {template_module.TEMPLATE_SECONDS:g} s budget" in found["message"]
 
 
 def test_an_ordinary_template_renders_as_before_and_a_long_conversation_fits(tmp_path):
