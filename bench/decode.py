@@ -277,8 +277,11 @@ def measure_llama_cpp(args: argparse.Namespace, model_dir: Path, weight_bytes: i
     try:
         tools = llama_cpp.ensure_built(args.llama_cpp_cache, args.llama_cpp_build)
         gguf = llama_cpp.ensure_gguf(model_dir, args.dtype, tools["source"], args.llama_cpp_cache)
-        print("measuring llama.cpp (llama-bench, llama-batched-bench) ...", file=sys.stderr)
-        steps = args.new_tokens - 1
+    except llama_cpp.Unavailable as e:
+        return {"note": f"llama.cpp: skipped ({e})"}
+    print("measuring llama.cpp (llama-bench, llama-batched-bench) ...", file=sys.stderr)
+    steps = args.new_tokens - 1
+    try:
         f = llama_cpp.bench_batch1(tools["llama-bench"], gguf, args.threads, args.prefill_len, args.prompt_len,
                                    steps, 2 * args.repeats, args.dtype)
         try:
@@ -289,7 +292,7 @@ def measure_llama_cpp(args: argparse.Namespace, model_dir: Path, weight_bytes: i
     except llama_cpp.Unavailable as e:
         return {"note": f"llama.cpp: skipped ({e})"}
     finally:
-        if args.model_dir is None and "gguf" in locals():  # a temporary checkpoint: its GGUF is never reused
+        if args.model_dir is None:  # a temporary checkpoint: its GGUF would never be reused
             gguf.unlink(missing_ok=True)
     f["gguf"] = str(gguf)
     f["decode_b1_s_per_tok"] = 1.0 / f["decode_b1_tok_s"]
@@ -437,7 +440,7 @@ def print_table(r: dict) -> None:
               f"tg{r['new_tokens'] - 1} at depth {r['prompt_len']} (KV {ll['kv_type_llama_bench']}); batch-"
               f"{r['batch']} decode = llama-batched-bench S_TG (KV {ll['kv_type_batched_bench']})")
     print(f"tokens equal: {r['tokens_equal']}")
-    busy = max(r["loadavg_1min"])
+    busy = max(*r["loadavg_1min"], r["loadavg_1min_after_llama_cpp"])
     note = "  (the machine was busy: figures are noisy)" if busy > r["threads"] + 0.5 else ""
     print(f"1-min load average before/after the timed runs: "
           f"{r['loadavg_1min'][0]:.1f} / {r['loadavg_1min'][1]:.1f} (after llama.cpp: "

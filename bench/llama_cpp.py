@@ -58,7 +58,7 @@ def default_cache() -> Path:
 def _run(cmd: list[str], what: str, timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
     """Run cmd; a failure becomes an Unavailable naming `what` and the last line the tool printed."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kw)
     except FileNotFoundError:
         raise Unavailable(f"{what}: {cmd[0]} not found") from None
     except subprocess.TimeoutExpired:
@@ -190,7 +190,7 @@ def _converter_env(source: Path, cache_dir: Path) -> dict[str, str]:
     sentencepiece (imported before the converter looks for a tokenizer.model) from cache_dir/pydeps."""
     pydeps = cache_dir / "pydeps"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(pydeps)]))
-    probe = subprocess.run([sys.executable, "-c", "import sentencepiece"], env=env, capture_output=True)
+    probe = subprocess.run([sys.executable, "-c", "import sentencepiece"], env=env, capture_output=True, check=False)
     if probe.returncode != 0:
         print(f"llama.cpp: installing sentencepiece into {pydeps} (for the GGUF converter) ...", file=sys.stderr)
         _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(pydeps), "--no-deps",

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import common  # noqa: E402  (bench/common.py)
-import llama_cpp  # noqa: E402
+import common  # bench/common.py
+import llama_cpp
 
 SHAPE = common.LlamaShape(hidden=64, layers=1, heads=1, kv_heads=1, intermediate=128, vocab=512)
 
