@@ -15,8 +15,8 @@ Nothing here is downloaded at import or when a cache is already filled. The piec
         cache_dir/gguf/<dir name>-<key>-<dtype>.gguf, the key hashing the directory's path and its
         weight files' sizes and mtimes. A checkpoint whose tokenizer the converter does not know
         (the benchmarks' WordLevel stand-in) is converted from a staging directory: links to its
-        weights plus a Llama-style byte-fallback BPE tokenizer of the same vocabulary size;
-        nothing measured here tokenizes text.
+        weights plus a Llama-style byte-fallback BPE tokenizer of the same vocabulary size
+        (removed after the conversion); nothing measured here tokenizes text.
     bench_batch1(...), bench_batched(...)
         llama-bench (prefill and batch-1 decode) and llama-batched-bench (batch-N decode), each
         parsed from its JSON output, the fastest of the repetitions kept.
@@ -220,6 +220,8 @@ def ensure_gguf(checkpoint: Path, dtype: str, source: Path, cache_dir: Path) -> 
     _run([sys.executable, str(converter), str(staged), "--outtype", dtype, "--outfile", str(partial)],
          "convert_hf_to_gguf.py", env=env)
     partial.rename(out)
+    if staged != checkpoint:  # only the conversion reads it
+        shutil.rmtree(staged)
     return out
 
 
