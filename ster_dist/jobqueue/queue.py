@@ -501,10 +501,12 @@ class JobQueue:
             self._count_batch(attempt, 1)
             return [(shown, ops.exit_code(request, shown))]
         attempt.session = self.pool.get(requests[0])
+        # counted before it runs: its jobs finish one by one as their answers come, and a caller that
+        # saw them all finish must see the batch counted
+        self._count_batch(attempt, sum(_size(job) for job in batch))
         results = generate_many(attempt.session, requests, on_result=lambda i, result: self._finished_early(
             batch, i, result.shown(requests[i]), attempt))
         self.pool.note_used(requests[0])
-        self._count_batch(attempt, sum(_size(job) for job in batch))
         return [(result.shown(request), 0) for request, result in zip(requests, results)]
 
     def _count_batch(self, attempt: Attempt, size: int) -> None:
