@@ -318,3 +318,26 @@ def test_several_prompts_token_ids_and_streamed_choices(client, toy):
                 logprob_tokens[choice.index] += len(choice.logprobs.content)
     assert [texts[0], texts[1]] == sampled
     assert logprob_tokens[0] > 0 and logprob_tokens[1] > 0
+
+
+def test_inline_vectors_are_bounded_per_server(client, toy, modifiers, monkeypatch):
+    """Each distinct inline artifact is registered on every rank for the engine's life: past the
+    server's limit a new one is refused (400), a known one still steers."""
+    from ster_dist.serve import state as state_module
+
+    vectors, _ = modifiers
+    artifact = json.loads((vectors / "calm.json").read_text())
+    messages = [{"role": "user", "content": "hi"}]
+    accepted = 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        for i in range(state_module.MAX_VECTORS + 1):
+            scaled = {**artifact, "vectors": [{**v, "values": [x * (1 + i / 1000) for x in v["values"]]}
+                                              for v in artifact["vectors"]]}
+            client.chat.completions.create(model=toy, messages=messages, max_tokens=1, temperature=0,
+                                           extra_body={"steering": {"artifact": scaled, "strength": 1}})
+            accepted += 1
+    assert accepted < state_module.MAX_VECTORS + 1
+    assert "distinct steering vectors" in refused.value.body["message"]
+    again = client.chat.completions.create(model=toy, messages=messages, max_tokens=1, temperature=0,
+                                           extra_body={"steering": {"vector": "calm", "strength": 1}})
+    assert again.choices[0].finish_reason in ("length", "stop")

@@ -119,7 +119,7 @@ def _steering_key(state, steering) -> str:
     try:
         if steering.vector is not None:
             return state.named_vector(steering.vector)
-        return state.steering_key(SteeringArtifact.from_json(steering.artifact, "steering.artifact"), "inline")
+        return state.steering_key(SteeringArtifact.from_json(steering.artifact, "steering.artifact"))
     except LookupError as exc:
         raise not_found(str(exc.args[0]), param="steering.vector", code="vector_not_found") from None
     except Refusal as exc:

@@ -20,6 +20,11 @@ from ster_dist.schema.serve import ServeRequest
 from ster_dist.serve.metrics import Metrics
 
 
+# steering vectors registered with the engine at most (it keeps each one for its life): clients send
+# inline artifacts, and each new one would otherwise grow every rank's memory without bound
+MAX_VECTORS = 64
+
+
 class ServerState:
     def __init__(self, request: ServeRequest, state_dir: str | None = None):
         self.request = request
@@ -31,7 +36,8 @@ class ServerState:
         self.engine = None
         self.adapters: dict[str, str] = {}      # served name -> the engine's adapter key
         self._vectors: dict[tuple, str] = {}    # (path, mtime, size) -> the engine's vector key
-        self._vector_lock = threading.Lock()
+        self._registered: set[str] = set()       # vector keys the engine holds
+        self._vector_lock = threading.Lock()  # handlers register from worker threads
         self.in_flight = 0
         self.draining = False
         self.metrics = Metrics(self)
@@ -64,8 +70,9 @@ class ServerState:
     def models(self) -> list[str]:
         return [self.name, *self.adapters]
 
-    def steering_key(self, artifact, where: str) -> str:
-        """`artifact` (a SteeringArtifact) checked against the served model and registered once."""
+    def steering_key(self, artifact) -> str:
+        """`artifact` (a SteeringArtifact) checked against the served model and registered once; a
+        new one past MAX_VECTORS is refused."""
         from ster_dist.steer.artifact import check_for_run
         from ster_dist.steer.attach import payload
 
@@ -73,6 +80,11 @@ class ServerState:
         check_for_run(artifact, self.request.model, cfg.hidden_size, cfg.num_layers)
         vectors = payload(artifact)
         key = vector_key(vectors)
+        with self._vector_lock:
+            if key not in self._registered and len(self._registered) >= MAX_VECTORS:
+                raise Refusal(f"this server already holds {MAX_VECTORS} distinct steering vectors; name one of "
+                              "--vectors DIR's or restart the server to register others")
+            self._registered.add(key)
         self.engine.add_vector(key, vectors)
         return key
 
@@ -92,10 +104,9 @@ class ServerState:
             raise LookupError(f"no steering vector named {name!r}: {path.name} is not in the server's --vectors "
                               "directory") from None
         stamp = (str(path), stat.st_mtime_ns, stat.st_size)
-        with self._vector_lock:
-            if stamp not in self._vectors:
-                self._vectors[stamp] = self.steering_key(load_artifact(str(path)), name)
-            return self._vectors[stamp]
+        if stamp not in self._vectors:
+            self._vectors[stamp] = self.steering_key(load_artifact(str(path)))
+        return self._vectors[stamp]
 
     def close(self) -> None:
         self.queue.close(timeout=30)
