@@ -22,6 +22,7 @@ from ster_dist.checkpoint import Checkpoint
 from ster_dist.generate import Sampling, generate
 from ster_dist.load import LoadedModel, load_model
 from ster_dist.parallel.ctx import ParallelCtx
+from ster_dist.workers.bind import bind_collectives_to
 from ster_dist.workers.extension import RankExtension, check_extension, check_method
 
 
@@ -103,6 +104,8 @@ class Rank:
     def join(self, host: str, port: int, backend: str, timeout_s: float = 120.0) -> int:
         if self.world > 1:
             timeout = timedelta(seconds=timeout_s)
+            if backend == "gloo":
+                bind_collectives_to(host)
             store = rendezvous_store(host, port, self.rank, self.world, timeout)
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
                                     timeout=timeout)

@@ -9,6 +9,7 @@ it) has been shut down.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -35,9 +36,32 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
             raise Refusal(f"failed to connect to the Ray cluster at {address}: {exc}; check --address") from None
         return False
     dashboard = os.environ.get("STER_RAY_DASHBOARD", "0") == "1"
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    with _loopback_node():
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    node = ray.util.get_node_ip_address()
+    if not node.startswith("127."):
+        ray.shutdown()
+        raise Refusal(f"the local Ray cluster came up on {node}, not loopback; start one with "
+                      "`ray start --head --node-ip-address 127.0.0.1` and pass --address")
     return True
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """Keep a local cluster's node on 127.0.0.1 even where Ray was imported before start_ray.
+
+    Ray turns _node_ip_address="127.0.0.1" into the host's routable address unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER was "0" when it was imported; every server of the cluster
+    (GCS, raylet, agents, workers) then listens on that address or on all interfaces."""
+    from ray._private import ray_constants
+
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
 
 
 def cpus_per_rank(world: int, cluster_cpus: float) -> float:

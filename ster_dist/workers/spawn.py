@@ -31,8 +31,9 @@ def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1) -> Non
 
 
 class SpawnGroup:
-    def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0, ep: int = 1):
-        """world ranks: world / ep tensor-parallel ranks times ep expert-parallel ranks."""
+    def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0, ep: int = 1,
+                 host: str = "127.0.0.1"):
+        """world ranks: world / ep tensor-parallel ranks times ep expert-parallel ranks, meeting at host."""
         if ep < 1 or world % ep:
             raise Refusal(f"{world} ranks do not split into --ep {ep} expert-parallel groups")
         ctx = mp.get_context("spawn")
@@ -44,8 +45,7 @@ class SpawnGroup:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        port = free_port("127.0.0.1")
-        self.call("join", "127.0.0.1", port, "gloo")
+        self.call("join", host, free_port(host), "gloo")
 
     def on(self, cls: type) -> OnRanks:
         return OnRanks(self, cls)
