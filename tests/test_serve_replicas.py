@@ -28,6 +28,7 @@ from ster_dist.errors import Refusal
 from ster_dist.serve.replica_server import deploy_server
 from ster_dist.serve.replicas import REPLICA_HEADER, deploy
 from tests.cli_run import cli_generate, make_toy
+from tests.listeners import descendants, listening, who_listens_beyond_loopback
 from tests.serve_process import ServeProcess
 
 openai = pytest.importorskip("openai")
@@ -120,6 +121,11 @@ def test_two_replicas_answer_through_one_port_and_stream_in_pieces(tmp_path):
                     break
         assert len(pids) == 2, pids
         assert len(set(pids.values())) == 2  # each replica is its own process with its own app
+        # Ray's servers, Serve's controller, proxy and replicas: none beyond loopback
+        ours = descendants(os.getpid())
+        assert served.port in {int(address.split(":")[1], 16) for address in listening(ours)}
+        wide = who_listens_beyond_loopback(ours)
+        assert not wide, f"listening beyond loopback: {wide}"
 
         # a stream arrives event by event, in order, as the replica sends it
         arrivals = []

@@ -44,6 +44,7 @@ def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, m
         """One copy of the app, built and started in the replica's constructor."""
 
         def __init__(self, app_builder: Callable[[], ASGIApp]):
+            _bind_replica_grpc_to_node()
             self.app_builder = app_builder
 
         async def __serve_build_asgi_app__(self) -> ASGIApp:
@@ -55,6 +56,27 @@ def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, m
                             ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                             max_ongoing_requests=max_ongoing_requests, max_constructor_retry_count=replicas,
                             graceful_shutdown_timeout_s=drain_s)
+
+
+def _bind_replica_grpc_to_node() -> None:
+    """Make this replica's inter-deployment gRPC server listen on its node's cluster address.
+
+    Serve starts that server in every replica, after the constructor, on "[::]:0": every interface,
+    unauthenticated, although nothing here calls it (the proxy talks to replicas over Ray). Bound
+    to the node address (127.0.0.1 on a local cluster) it stays where the rest of the cluster is.
+    tests/test_serve_replicas.py reads every listener of a served cluster, so a Serve that changes
+    this is caught."""
+    import ray
+    from ray.serve._private import replica
+
+    node = ray.util.get_node_ip_address()
+    node = f"[{node}]" if ":" in node else node
+    add_port = replica.add_port_to_grpc_server
+
+    def add_port_on_node(server, address: str):
+        return add_port(server, f"{node}:0" if address == "[::]:0" else address)
+
+    replica.add_port_to_grpc_server = add_port_on_node
 
 
 @dataclass
