@@ -85,6 +85,12 @@ class MLAConfig:
     v_head_dim: int
 
 
+# the layer kinds a config may pick (model/kinds.py builds them); attention kinds keep keys per position
+ATTENTION_MIXERS = ("attention", "latent_attention")
+MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv")
+FEED_FORWARD_KINDS = ("dense", "moe", "none")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -159,7 +165,21 @@ class ModelConfig:
     # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's num_nextn_predict_layers):
     # layer indices num_layers .. num_layers + mtp_layers - 1, never loaded for plain decoding
     mtp_layers: int = 0
+    # the kind of each layer's token mixer and feed-forward (model/kinds.py); empty: attention (latent where
+    # mla is set) in every layer, and experts where moe_layers says, else the dense feed-forward
+    mixers: tuple[str, ...] = ()
+    feed_forwards: tuple[str, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def mixer(self, layer: int) -> str:
+        if self.mixers:
+            return self.mixers[layer]
+        return "latent_attention" if self.mla is not None else "attention"
+
+    def feed_forward(self, layer: int) -> str:
+        if self.feed_forwards:
+            return self.feed_forwards[layer]
+        return "moe" if self.moe is not None and self.moe_layers[layer] else "dense"
 
     @property
     def spec(self) -> FamilySpec:
@@ -501,6 +521,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if spec is None:
         raise Refusal(f"model architecture \"{family}\" is recognised but not yet runnable in this "
                       "ster_dist build; `ster families` lists the runnable ones")
+    if spec.normalize is not None:
+        raw = spec.normalize(raw)
     own = _nested(raw, spec, path)
     keys = _Keys({**spec.config_defaults, **own}, path)
     # types and ranges first: nothing below may divide by, index with or loop over a bad value
@@ -520,15 +542,19 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
                       "are supported")
 
     hidden = int(keys.need("hidden_size", "n_embd", "n_embed", "d_model"))
-    num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))
     num_layers = int(keys.need("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    mixers, feed_forwards = _layer_kinds(keys, spec, num_layers, path)
+    attends = not mixers or any(kind in ATTENTION_MIXERS for kind in mixers)
+    if not attends:  # no attention layer (Mamba): no head sizes to read
+        keys.raw.setdefault("num_attention_heads", 0)
+    num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))
     num_kv = int(keys.get("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv", default=num_heads))
     grouped = spec.grouped_kv_key is not None and bool(keys.get(spec.grouped_kv_key))
     if keys.get("multi_query") and not grouped:
         num_kv = 1
     elif spec.grouped_kv_key is not None and not grouped:  # Falcon: a stated count applies to the new layout only
         num_kv = num_heads
-    head_dim = int(keys.get("head_dim", default=hidden // num_heads))
+    head_dim = int(keys.get("head_dim", default=hidden // num_heads if num_heads else 0))
     inner = keys.get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
     if inner is None and keys.get("expansion_ratio") is not None:  # MPT
         inner = int(keys.get("expansion_ratio") * hidden)
@@ -543,13 +569,14 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
                          default=1e-6))
     if spec.norm_eps is not None:
         eps = spec.norm_eps
-    check_sizes(path, hidden=hidden, heads=num_heads, kv_heads=num_kv, head_dim=head_dim,
-                head_dim_stated=keys.get("head_dim") is not None or spec.latent_attention, layers=num_layers,
-                # latent attention gives every head its own key: its stated key/value count means nothing
-                kv_stated=not spec.latent_attention and any(
-                    own.get(k) is not None for k in ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv",
-                                                     "multi_query")),
-                no_rope_layers=keys.get("no_rope_layers"))
+    if attends:
+        check_sizes(path, hidden=hidden, heads=num_heads, kv_heads=num_kv, head_dim=head_dim,
+                    head_dim_stated=keys.get("head_dim") is not None or spec.latent_attention, layers=num_layers,
+                    # latent attention gives every head its own key: its stated key/value count means nothing
+                    kv_stated=not spec.latent_attention and any(
+                        own.get(k) is not None for k in ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv",
+                                                         "multi_query")),
+                    no_rope_layers=keys.get("no_rope_layers"))
     act = keys.get("hidden_act", "hidden_activation", "activation_function",
                    default=(keys.get("ffn_act_fn") or {}).get("name", "silu"))
     act = spec.activation or act
@@ -586,6 +613,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     no_rope = keys.get("no_rope_layers")
     alibi = spec.positions == "alibi" or (spec.alibi_key is not None and bool(keys.get(spec.alibi_key)))
     for i, kind in enumerate(kinds):
+        if mixers and mixers[i] not in ATTENTION_MIXERS:  # a recurrent layer: no rotation, no window
+            layer_rope.append(None)
+            layer_window.append(None)
+            continue
         if kind not in ("full_attention", "sliding_attention"):
             raise Refusal(f"invalid model config {path}: layer type {kind!r} (layer {i}) is not supported "
                           f"for {family}")
@@ -676,7 +707,24 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
         attn_sinks=spec.attn_sinks, weight_format=weight_format, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
+        mixers=mixers, feed_forwards=feed_forwards,
     )
+
+
+def _layer_kinds(keys: _Keys, spec: FamilySpec, num_layers: int, path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Each layer's mixer and feed-forward kind as the family states them; empty where it states none."""
+    if spec.layer_kinds is None:
+        return (), ()
+    mixers, feed_forwards = spec.layer_kinds(keys.raw, num_layers)
+    for kinds, known, what in ((mixers, MIXER_KINDS, "token mixer"), (feed_forwards, FEED_FORWARD_KINDS,
+                                                                        "feed-forward")):
+        if len(kinds) != num_layers:
+            raise Refusal(f"invalid model config {path}: the layer pattern gives {len(kinds)} {what} kinds for "
+                          f"{num_layers} layers")
+        unknown = sorted(set(kinds) - set(known))
+        if unknown:
+            raise Refusal(f"invalid model config {path}: {what} kind {unknown[0]!r} is not supported for {spec.name}")
+    return tuple(mixers), tuple(feed_forwards)
 
 
 def _mtp_layers(keys: _Keys, path: str) -> int:

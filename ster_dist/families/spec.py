@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -191,3 +192,10 @@ class FamilySpec:
     parallel_norms_key: str | None = None
     require_values: dict = field(default_factory=dict)  # config key -> (the one supported value, why), when stated
     width_keys: tuple[str, ...] = ()      # config keys that must equal the model width when stated (OPT)
+    # The family's config normalisation: its text config (after the gate) -> the same dict with the keys the
+    # shared reader knows filled in (its own names for sizes, its defaults). Runs before anything is read.
+    normalize: Callable[[dict], dict] | None = None
+    # The kind of each layer's token mixer and feed-forward (model/kinds.py), from the normalised config and
+    # the layer count: (mixers, feed_forwards), a name per layer each. None: attention and the dense (or
+    # moe_layers') feed-forward everywhere. May raise Refusal for a pattern it cannot read.
+    layer_kinds: Callable[[dict, int], tuple[tuple[str, ...], tuple[str, ...]]] | None = None

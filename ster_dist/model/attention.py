@@ -49,6 +49,8 @@ class Attention(nn.Module):
         (h0, h1), (k0, k1) = ctx.attention_heads(cfg.num_heads, cfg.num_kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
         self.head_dim, self.layer = d, layer
+        # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
+        self.kv_shape = ((self.local_kv, d), (self.local_kv, d))
         self.q = ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
         self.k = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
         self.v = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)

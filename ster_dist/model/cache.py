@@ -1,21 +1,30 @@
-"""The static KV cache: per layer, this rank's key and value heads for every slot of a batch.
+"""The static cache of a batch: per attention layer, this rank's key and value heads for every slot,
+and per recurrent layer, each row's state.
 
 Slots are shared by the batch (prompts are left-padded to one length); each row
 keeps its own positions and which slots hold real tokens, so padding is never
-attended and positions skip it.
+attended and positions skip it. A recurrent layer (Mamba, gated delta, short
+convolution) keeps no slots, only the state its scan left (`states`), row by row.
 """
 
 from __future__ import annotations
 
 import torch
 
+# per layer: ((key heads, key width), (value heads, value width)) one position keeps, or None (no attention)
+KVShapes = list[tuple[tuple[int, int], tuple[int, int]] | None]
+
 
 class KVCache:
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, shapes: KVShapes, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        def slots(heads_width):
+            heads, width = heads_width
+            return torch.zeros((batch, heads, capacity, width), dtype=dtype, device=device)
+
+        self.keys = [slots(shape[0]) if shape is not None else None for shape in shapes]
+        self.values = [slots(shape[1]) if shape is not None else None for shape in shapes]
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}  # recurrent layer -> its state, rows first
         self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.length = 0

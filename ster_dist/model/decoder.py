@@ -1,4 +1,5 @@
-"""The decoder: one stack of blocks with switches from ModelConfig, for every family.
+"""The decoder: one stack of blocks, each of the layer kinds the config picks, with switches from
+ModelConfig, for every family.
 
 Named hook sites sit on the residual stream after every layer ("layers.{i}"):
 capture and steering attach there through add_hook, and nowhere else.
@@ -12,16 +13,13 @@ import torch
 from torch import nn
 
 from ster_dist.config import ModelConfig
-from ster_dist.layers.mlp import MLP
-from ster_dist.model.attention import Attention
 from ster_dist.model.cache import KVCache
-from ster_dist.model.mla import LatentAttention, LatentCache
+from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import StepState
-from ster_dist.moe.layer import MoE
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
 from ster_dist.parallel.linear import Replicated, VocabEmbedding, VocabHead, module_shards
 
@@ -29,6 +27,9 @@ Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 class Block(nn.Module):
+    """One layer: a token mixer (attention, or a recurrent kind) and a feed-forward (dense, experts or
+    none), each behind its norms, of the kinds the config picks for this layer (model/kinds.py)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
 
@@ -36,20 +37,29 @@ class Block(nn.Module):
             return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                         affine=cfg.norm_affine)
 
+        kind = MIXERS[cfg.mixer(layer)]
+        self.site = kind.site
         self.attn_norm = norm() if cfg.pre_attn_norm else None
-        self.attn = LatentAttention(cfg, layer, ctx) if cfg.mla is not None else Attention(cfg, layer, ctx)
+        setattr(self, kind.site, kind.build(cfg, layer, ctx))
         self.post_attn_norm = norm() if cfg.post_attn_norm else None
-        self.mlp_norm = norm() if cfg.pre_mlp_norm else None
-        self.mlp = MoE(cfg, ctx) if cfg.moe is not None and cfg.moe_layers[layer] else MLP(cfg, ctx)
-        self.post_mlp_norm = norm() if cfg.post_mlp_norm else None
+        self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
+        self.mlp_norm = norm() if cfg.pre_mlp_norm and self.mlp is not None else None
+        self.post_mlp_norm = norm() if cfg.post_mlp_norm and self.mlp is not None else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
 
+    @property
+    def token_mixer(self) -> nn.Module:
+        """The layer's attention or recurrent mixer, whichever site it sits at."""
+        return getattr(self, self.site)
+
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
-        a = self.attn(a_in, step)
+        a = self.token_mixer(a_in, step)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
+        if self.mlp is None:
+            return x + self._scaled(a)
         if self.parallel:
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
             return x + self._scaled(a + m)
@@ -97,13 +107,8 @@ class Decoder(nn.Module):
 
     # -- forward --------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
-        attn = self.layers[0].attn
-        dtype = dtype or self.embed.weight.dtype
-        if self.cfg.mla is not None:
-            return LatentCache(len(self.layers), batch, attn.rank, attn.rope_dim, capacity, dtype,
-                               self.embed.weight.device)
-        return KVCache(len(self.layers), batch, attn.local_kv, attn.head_dim, capacity, dtype,
-                       self.embed.weight.device)
+        shapes = [getattr(block.token_mixer, "kv_shape", None) for block in self.layers]
+        return KVCache(shapes, batch, capacity, dtype or self.embed.weight.dtype, self.embed.weight.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                 cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:

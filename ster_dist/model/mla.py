@@ -26,26 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig
-from ster_dist.model.cache import KVCache
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import ColumnLinear, RowLinear
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's and MiniCPM3's latent norms keep their default epsilon, not the config's
-
-
-class LatentCache(KVCache):
-    """Per layer: the normed latent [batch, 1, slots, kv_lora_rank] (as keys) and the rotated shared key
-    part [batch, 1, slots, qk_rope_head_dim] (as values); slots, positions and validity as KVCache."""
-
-    def __init__(self, num_layers: int, batch: int, kv_lora_rank: int, rope_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        super().__init__(num_layers, batch, 0, 0, capacity, dtype, device)
-        self.keys = [torch.zeros((batch, 1, capacity, kv_lora_rank), dtype=dtype, device=device)
-                     for _ in range(num_layers)]
-        self.values = [torch.zeros((batch, 1, capacity, rope_dim), dtype=dtype, device=device)
-                       for _ in range(num_layers)]
 
 
 class LatentAttention(nn.Module):
@@ -73,6 +59,9 @@ class LatentAttention(nn.Module):
         self.o = RowLinear(heads * self.v_dim, hidden, ctx, cfg.o_bias, cols=(h0 * self.v_dim, h1 * self.v_dim))
         self.rope = cfg.layer_rope[layer]
         self.scale = cfg.attn_scale
+        # the cache keeps the normed latent (as the key) and the rotated key part every head shares
+        # (as the value): one shared "head" each
+        self.kv_shape = ((1, self.rank), (1, self.rope_dim))
 
     def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
         b, t, _ = x.shape

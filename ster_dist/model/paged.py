@@ -23,44 +23,64 @@ class Chunk:
     blocks: tuple[int, ...]  # physical block ids covering positions [0, start + length); block i holds positions [i*bs, (i+1)*bs)
     start: int               # tokens of this sequence already in the cache = position of its first new token
     length: int              # new tokens this step, >= 1
+    state: int = -1          # the sequence's state slot in recurrent layers (-1: the model has none)
 
 
-def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per layer, the shapes one position's key and value take on this rank."""
-    shapes = []
-    for block in model.layers:
-        attn = block.attn
-        if model.cfg.mla is not None:  # the normed latent and the rotated key part every head shares
-            shapes.append(((attn.rank,), (attn.rope_dim,)))
-        else:
-            shapes.append(((attn.local_kv, attn.head_dim), (attn.local_kv, attn.head_dim)))
-    return shapes
+def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
+    """Per layer, the (heads, width) one position's key and value take on this rank; None where the layer
+    keeps no keys (a recurrent layer)."""
+    return [getattr(block.token_mixer, "kv_shape", None) for block in model.layers]
+
+
+def state_shapes(model: nn.Module) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Per recurrent layer, the shapes of one sequence's state on this rank."""
+    return {i: block.token_mixer.state_shapes() for i, block in enumerate(model.layers)
+            if hasattr(block.token_mixer, "state_shapes")}
 
 
 class PagedCache:
-    """Per layer, this rank's keys and values in fixed-size blocks: [num_blocks, block_size, local_kv_heads, head_dim]
-    (latent attention: the normed latent [num_blocks, block_size, kv_lora_rank] and the rotated shared key part
-    [num_blocks, block_size, rope_dim], as LatentCache keeps them)."""
+    """Per attention layer, this rank's keys and values in fixed-size blocks: [num_blocks, block_size, local_kv_heads,
+    head_dim] (latent attention: the normed latent [num_blocks, block_size, 1, kv_lora_rank] and the rotated shared
+    key part [num_blocks, block_size, 1, rope_dim], one shared "head" each); per recurrent layer, `state_slots`
+    sequences' states, [state_slots, *shape] each, a slot per running sequence (Chunk.state)."""
 
     NULL_BLOCK = 0  # never handed out by the driver; stands in for blocks a sliding window has released (masked anyway)
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                 state_slots: int = 0):
         if block_size < 1 or num_blocks < 2:
             raise ValueError(f"a paged cache needs block_size >= 1 and num_blocks >= 2 (block {self.NULL_BLOCK} is "
                              f"the null block); got block_size {block_size}, num_blocks {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype or model.embed.weight.dtype
         device = model.embed.weight.device
+
+        def blocks(shape):
+            return torch.zeros((num_blocks, block_size, *shape), dtype=self.dtype, device=device)
+
         shapes = _slot_shapes(model)
-        self.keys = [torch.zeros((num_blocks, block_size, *k), dtype=self.dtype, device=device) for k, _ in shapes]
-        self.values = [torch.zeros((num_blocks, block_size, *v), dtype=self.dtype, device=device) for _, v in shapes]
+        self.keys = [blocks(kv[0]) if kv is not None else None for kv in shapes]
+        self.values = [blocks(kv[1]) if kv is not None else None for kv in shapes]
+        # recurrent state is kept in the model's dtype: a scan's state accumulates, and rounding it to a narrower
+        # cache dtype every step would drift from the whole read
+        state_dtype = model.embed.weight.dtype
+        self.state_slots = state_slots
+        self.states = {layer: tuple(torch.zeros((state_slots, *shape), dtype=state_dtype, device=device)
+                                    for shape in layer_shapes)
+                       for layer, layer_shapes in state_shapes(model).items()}
 
     @staticmethod
     def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
         """What one block costs on this rank, all layers."""
         itemsize = (dtype or model.embed.weight.dtype).itemsize
-        per_position = sum(math.prod(k) + math.prod(v) for k, v in _slot_shapes(model))
+        per_position = sum(math.prod(kv[0]) + math.prod(kv[1]) for kv in _slot_shapes(model) if kv is not None)
         return per_position * block_size * itemsize
+
+    @staticmethod
+    def state_bytes(model: nn.Module) -> int:
+        """What one sequence's recurrent state costs on this rank, all layers (0 for attention-only models)."""
+        itemsize = model.embed.weight.dtype.itemsize
+        return sum(math.prod(shape) for shapes in state_shapes(model).values() for shape in shapes) * itemsize
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the keys and values [1, heads, tokens, width] of packed tokens at flat slots [tokens]
@@ -78,5 +98,4 @@ class PagedCache:
     def _read(store: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         rows = store[table]  # [n, blocks, block_size, *slot]
         n, slots = rows.shape[0], rows.shape[1] * rows.shape[2]
-        # latent attention's slots have no head axis: one shared "head", as LatentCache keeps it
         return rows.view(n, slots, -1, store.shape[-1]).transpose(1, 2)

@@ -97,6 +97,7 @@ class PagedStep:
         self._offsets, self._ends = offsets, [c.start + c.length for c in chunks]
         self.total = total
         self.groups = self._groups(chunks, offsets, needed, bs, device)
+        self._scans = self._scan_groups(chunks, offsets, device) if cache.states else []
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -119,6 +120,41 @@ class PagedStep:
                 query_pos = torch.arange(c.start, c.start + c.length, device=device).unsqueeze(0)
                 groups.append(_AttendGroup(slice(offsets[i], offsets[i + 1]), table, query_pos, bs))
         return groups
+
+    @staticmethod
+    def _scan_groups(chunks: list[Chunk], offsets: list[int], device) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]]:
+        """Chunks of one length scan together: (packed token indices [n, length], state slots [n], which of
+        them start their sequence [n])."""
+        by_length: dict[int, list[int]] = {}
+        for i, c in enumerate(chunks):
+            if c.state < 0:
+                raise ValueError(f"{c}: a model with recurrent layers needs each sequence's state slot")
+            by_length.setdefault(c.length, []).append(i)
+        groups = []
+        for length, members in by_length.items():
+            tokens = torch.tensor([list(range(offsets[i], offsets[i] + length)) for i in members], device=device)
+            slots = torch.tensor([chunks[i].state for i in members], device=device)
+            starts = torch.tensor([chunks[i].start == 0 for i in members], device=device)
+            groups.append((tokens, slots, starts))
+        return groups
+
+    def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
+        """A recurrent layer's output for packed x [1, tokens, hidden]: scan(x, None, state) -> (y, state) per
+        group of sequences with as many new tokens, each sequence's state read from and written back to its
+        slot (a sequence's first chunk starts from fresh state). No token is padding."""
+        stored = self.cache.states[layer]
+        out = torch.empty_like(x)
+        for tokens, slots, starts in self._scans:
+            state = tuple(s[slots] for s in stored)
+            if bool(starts.any()):
+                state = tuple(torch.where(starts.view(-1, *[1] * (s.dim() - 1)), new.to(s.dtype), s)
+                              for s, new in zip(state, fresh(len(slots))))
+            y, state = scan(x[0][tokens], None, state)
+            for store, s in zip(stored, state):
+                store[slots] = s.to(store.dtype)
+            out[0][tokens] = y
+        return out
 
     def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn) -> torch.Tensor:
         """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys, values, mask,

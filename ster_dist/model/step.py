@@ -20,6 +20,7 @@ class StepState:
     def __init__(self, positions: torch.Tensor, valid: torch.Tensor, tables: RotaryTables,
                  cache: KVCache | None):
         self.positions = positions
+        self.padding = None if bool(valid.all()) else valid  # [batch, seq] where some token is padding
         self.tables = tables
         self.cache = cache
         if cache is not None:
@@ -56,6 +57,19 @@ class StepState:
         if self.cache is not None:
             k, v = self.cache.write(layer, self.slots, k, v)
         return fn(q, k, v, self.mask(window), self._key_pos)
+
+    def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
+        """A recurrent layer's output for x [batch, seq, hidden]: scan(x, valid, state) -> (y, state) over the
+        whole batch, state being each row's (fresh(batch) at the first step, else what the last step left in
+        the cache). valid [batch, seq] is None when every token is real; a padding token must leave a row's
+        state as it was (left padding comes before a row's first token, and its output is never read)."""
+        state = self.cache.states.get(layer) if self.cache is not None else None
+        if state is None:
+            state = fresh(x.shape[0])
+        y, state = scan(x, self.padding, state)
+        if self.cache is not None:
+            self.cache.states[layer] = state
+        return y
 
     @property
     def key_positions(self) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""Layer kinds: the token mixers and feed-forwards a block can hold, picked per layer from the config.
+
+A family states which kind each layer is (ModelConfig.mixers / feed_forwards, filled by the family's
+config normalisation from `layer_types`, `hybrid_override_pattern`, `layers_block_type`, ...); the
+block looks the kind up here and builds it. A mixer is one of two sorts:
+
+- attention (keeps keys and values per position): has `kv_shape`, ((heads, width), (heads, width))
+  of one position on this rank, and reaches its keys through `step.attend`;
+- recurrent (keeps one state per sequence: Mamba, gated delta, short convolution): has
+  `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
+  `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state.
+
+Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
+projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its
+sort: `layers.{i}.attn.*` for attention, `layers.{i}.mixer.*` for recurrent kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, ModelConfig
+from ster_dist.layers.mlp import MLP
+from ster_dist.model.attention import Attention
+from ster_dist.model.mla import LatentAttention
+from ster_dist.moe.layer import MoE
+from ster_dist.parallel.ctx import ParallelCtx
+
+Build = Callable[[ModelConfig, int, ParallelCtx], nn.Module]
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    build: Build
+    site: str  # the block attribute (and parameter-name segment) the mixer lives at: "attn" | "mixer"
+
+    @property
+    def attention(self) -> bool:
+        return self.site == "attn"
+
+
+MIXERS: dict[str, MixerKind] = {
+    "attention": MixerKind(Attention, "attn"),
+    "latent_attention": MixerKind(LatentAttention, "attn"),
+}
+
+FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
+    "dense": lambda cfg, layer, ctx: MLP(cfg, ctx),
+    "moe": lambda cfg, layer, ctx: MoE(cfg, ctx),
+    "none": lambda cfg, layer, ctx: None,  # a block of the mixer alone (Mamba)
+}
+
+assert set(MIXERS) <= set(MIXER_KINDS) and set(FEED_FORWARDS) == set(FEED_FORWARD_KINDS)
+assert {name for name, kind in MIXERS.items() if kind.attention} == set(ATTENTION_MIXERS)
