@@ -16,6 +16,14 @@ class Refusal(Exception):
         return str(self)
 
 
+class InvalidField(Refusal):
+    """A refusal of one field of a request, which it names (an API error's `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class WorkerLost(Refusal):
     """A worker process of a group died or stopped answering, so the group was shut down: not a
     fault of the input, and a retry on a restarted group may succeed (the job queue does so)."""

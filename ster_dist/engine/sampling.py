@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ster_dist.errors import Refusal
+from ster_dist.errors import InvalidField
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -76,72 +76,72 @@ class SamplingParams:
         """Refuse what cannot be sampled, in one line naming the field through `name` (a flag by
         default) and the fix; ranges as vLLM's SamplingParams._verify_args."""
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
-            raise Refusal(
+            raise InvalidField('max_tokens',
                 f"{name('max_tokens')} must be an integer, zero or more, got {self.max_tokens!r}"
             )
         if not _within(self.temperature, 0, math.inf) or math.isinf(self.temperature):
-            raise Refusal(
+            raise InvalidField('temperature',
                 f"{name('temperature')} must be zero (greedy) or a finite number above it, got {self.temperature!r}"
             )
         if not _within(self.top_p, 0, 1) or self.top_p == 0:
-            raise Refusal(f"{name('top_p')} must lie in (0, 1], got {self.top_p!r}")
+            raise InvalidField('top_p',f"{name('top_p')} must lie in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise Refusal(
+            raise InvalidField('top_k',
                 f"{name('top_k')} must be an integer, 0 (off) or more, got {self.top_k!r}"
             )
         if not _within(self.min_p, 0, 1):
-            raise Refusal(f"{name('min_p')} must lie in [0, 1], got {self.min_p!r}")
+            raise InvalidField('min_p',f"{name('min_p')} must lie in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (
             _is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]
         ):
-            raise Refusal(
+            raise InvalidField('seed',
                 f"{name('seed')} must be an integer in [-2**63, 2**64) or none, got {self.seed!r}"
             )
         if not _within(self.repetition_penalty, 0, math.inf) or self.repetition_penalty in (
             0,
             math.inf,
         ):
-            raise Refusal(
+            raise InvalidField('repetition_penalty',
                 f"{name('repetition_penalty')} must be a finite number above 0 (1 is off), got {self.repetition_penalty!r}"
             )
         for penalty in ("presence_penalty", "frequency_penalty"):
             if not _within(getattr(self, penalty), -2, 2):
-                raise Refusal(
+                raise InvalidField(penalty,
                     f"{name(penalty)} must lie in [-2, 2], got {getattr(self, penalty)!r}"
                 )
         if self.logprobs is not None and not (
             _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise Refusal(
+            raise InvalidField('logprobs',
                 f"{name('logprobs')} must be an integer in [0, {MAX_LOGPROBS}] or none, got {self.logprobs!r}"
             )
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise Refusal(f"{name('stop')} must be a list of strings, got {self.stop!r}")
+            raise InvalidField('stop',f"{name('stop')} must be a list of strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise Refusal(
+            raise InvalidField('stop',
                 f"{name('stop')} takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
             )
         for text in self.stop:
             if not text:
-                raise Refusal(f"{name('stop')} strings must not be empty; drop the empty one")
+                raise InvalidField('stop',f"{name('stop')} strings must not be empty; drop the empty one")
             if len(text) > MAX_STOP_STRING_CHARS:
-                raise Refusal(
+                raise InvalidField('stop',
                     f"{name('stop')} strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(text)}"
                 )
         if not isinstance(self.stop_token_ids, tuple) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise Refusal(
+            raise InvalidField('stop_token_ids',
                 f"{name('stop_token_ids')} must be a list of token ids (integers, 0 or more), got {self.stop_token_ids!r}"
             )
         if not isinstance(self.logits_of, tuple) or not all(_is_int(t) and t >= 0 for t in self.logits_of):
-            raise Refusal(
+            raise InvalidField('logits_of',
                 f"{name('logits_of')} must be a list of token ids (integers, 0 or more), got {self.logits_of!r}"
             )
         if len(self.logits_of) > MAX_LOGITS_OF:
-            raise Refusal(f"{name('logits_of')} takes at most {MAX_LOGITS_OF} ids, got {len(self.logits_of)}")
+            raise InvalidField('logits_of',f"{name('logits_of')} takes at most {MAX_LOGITS_OF} ids, got {len(self.logits_of)}")
         if not isinstance(self.ignore_eos, bool):
-            raise Refusal(f"{name('ignore_eos')} must be true or false, got {self.ignore_eos!r}")
+            raise InvalidField('ignore_eos',f"{name('ignore_eos')} must be true or false, got {self.ignore_eos!r}")
         return self
 
     @property

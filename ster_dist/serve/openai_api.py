@@ -20,14 +20,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from ster_dist.engine.sampling import GREEDY_TEMPERATURE, SamplingParams
-from ster_dist.errors import Refusal
+from ster_dist.engine.sampling import SamplingParams
+from ster_dist.errors import InvalidField, Refusal
 from ster_dist.serve.errors import ApiError, bad_request, not_found, param_of
 from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
 
 # OpenAI's names for the engine's fields, so a refusal points at what the client sent
-_PARAMS = {"max_tokens": "max_tokens", "top_k": "top_k", "logprobs": "top_logprobs", "seed": "seed",
-           "stop": "stop", "stop_token_ids": "stop_token_ids", "temperature": "temperature", "top_p": "top_p"}
+# the API's name of a sampling field where it differs from the engine's
+_PARAMS = {"logprobs": "top_logprobs"}
 
 
 @dataclasses.dataclass
@@ -139,9 +139,8 @@ def _sampling(state, body, prompt_len: int, logprobs: int | None) -> SamplingPar
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logprobs=logprobs).check(lambda name: f"'{name}'")
-    except Refusal as exc:
-        raise bad_request(str(exc), param=next((p for f, p in _PARAMS.items() if f"'{f}'" in str(exc)), None)) \
-            from None
+    except InvalidField as exc:
+        raise bad_request(str(exc), param=_PARAMS.get(exc.field, exc.field)) from None
 
 
 def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:

@@ -14,7 +14,6 @@ when deploy started it (a local cluster), never a cluster it was pointed at.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from ster_dist import errors
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.serve.replica_app import REPLICA_HEADER, ASGIApp, build_replica_app
+from ster_dist.serve.sockets import check_free, free_port
 from ster_dist.workers.ray_group import start_ray
 
 __all__ = ["REPLICA_HEADER", "ReplicaSet", "deploy", "free_port"]
@@ -143,7 +143,7 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
         # a cluster started on this machine: refuse now what would otherwise fail unseen later
         _check_fits_here(replicas, num_gpus)
         if port != 0:
-            _check_free(host, port)  # its fresh proxy would fail to bind a taken port
+            check_free(host, port)  # its fresh proxy would fail to bind a taken port
     if port == 0:
         port = free_port(host)
     started_ray = start_ray(address)
@@ -245,14 +245,6 @@ def _on_head_node() -> bool:
         return False
 
 
-def free_port(host: str) -> int:
-    """A port free on `host` now (Serve's proxy cannot bind port 0 itself)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 def _start_failure(message: str) -> Refusal:
     """The replicas' constructor error as one refusal: a Refusal raised in a replica (the server
     could not load its model, say) is passed on as it was worded; anything else is named by the
@@ -283,17 +275,6 @@ def _ray_running() -> bool:
     import ray
 
     return ray.is_initialized()
-
-
-def _check_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise Refusal(f"cannot listen on {host}:{port}: {exc.strerror or exc}; give another --port (0 picks a "
-                          "free one) or --host") from None
 
 
 def _first_lines(message: str, lines: int = 3) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 
 import uvicorn
@@ -20,6 +19,7 @@ from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.schema.serve import ServeRequest, is_loopback
 from ster_dist.serve.app import build_app
+from ster_dist.serve.sockets import listen
 from ster_dist.serve.state import ServerState
 
 
@@ -35,21 +35,6 @@ def check_exposure(request: ServeRequest) -> ServeRequest:
                       f"{request.label('api_key')} KEY (or set STER_API_KEY) so only clients holding it are "
                       "answered, or keep the default 127.0.0.1")
     return request
-
-
-def listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise Refusal(f"cannot listen on {host}:{port}: {exc.strerror or exc}; give another --port (0 picks a "
-                      "free one) or --host") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def ready_line(port: int) -> None:
