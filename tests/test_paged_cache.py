@@ -157,9 +157,10 @@ def test_block_bytes_are_what_the_cache_allocates(models, variant):
         cache = PagedCache(model, 7, 5, dtype)
         allocated = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
         assert allocated == 7 * PagedCache.block_bytes(model, 5, dtype)
-    if variant == "deepseek_v3":  # the latent and the shared key part, not per-head keys
+    if variant == "deepseek_v3":  # the latent and the shared key part (one shared "head"), not per-head keys
         mla = model.cfg.mla
-        assert cache.keys[0].shape == (7, 5, mla.kv_lora_rank) and cache.values[0].shape == (7, 5, mla.qk_rope_head_dim)
+        assert cache.keys[0].shape == (7, 5, 1, mla.kv_lora_rank)
+        assert cache.values[0].shape == (7, 5, 1, mla.qk_rope_head_dim)
     else:
         attn = model.layers[0].attn
         assert cache.keys[0].shape == (7, 5, attn.local_kv, attn.head_dim)
