@@ -22,12 +22,24 @@ from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
 
 
-@pytest.fixture(scope="module", params=["lfm2", "lfm2_biased"])
-def tiny(request, tmp_path_factory):
-    """(checkpoint directory, the model on one rank with the static cache: what each request alone must equal)."""
-    directory = tmp_path_factory.mktemp(request.param)
-    make_tiny(request.param, directory)
-    return directory, load_model(resolve(str(directory)), "f32").model
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """variant -> (checkpoint directory, the model on one rank with the static cache: what each request alone
+    must equal), each made once."""
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            directory = tmp_path_factory.mktemp(variant)
+            make_tiny(variant, directory)
+            cache[variant] = directory, load_model(resolve(str(directory)), "f32").model
+        return cache[variant]
+
+    return get
+
+
+# lfm2_biased: a kernel of four, biased convolutions; the costlier checks run on lfm2 alone
+BOTH = pytest.mark.parametrize("variant", ["lfm2", "lfm2_biased"])
 
 
 def open_engine(directory, group=None, **config) -> TokenEngine:
@@ -54,8 +66,9 @@ def run_all(engine: TokenEngine, ps: list[list[int]], lengths: list[int]) -> lis
     return [s.result().token_ids for s in streams]
 
 
-def test_chunked_prefills_in_a_continuous_batch_equal_each_alone(tiny):
-    directory, reference = tiny
+@BOTH
+def test_chunked_prefills_in_a_continuous_batch_equal_each_alone(made, variant):
+    directory, reference = made(variant)
     ps = prompts(6, seed=1, lo=3, hi=30)
     lengths = [9, 4, 12, 1, 7, 10]
     # six tokens a step: long prompts are read in several chunks, beside other requests' decodes
@@ -70,8 +83,9 @@ def test_chunked_prefills_in_a_continuous_batch_equal_each_alone(tiny):
     assert stats["steps"] < sum(lengths)  # requests shared steps
 
 
-def test_prefix_caching_is_off_and_a_repeated_prompt_is_read_again(tiny):
-    directory, reference = tiny
+@BOTH
+def test_prefix_caching_is_off_and_a_repeated_prompt_is_read_again(made, variant):
+    directory, reference = made(variant)
     prompt = prompts(1, seed=2, lo=21, hi=22)[0]
     with open_engine(directory) as engine:  # the engine's default asks for prefix caching
         first = engine.submit(prompt, SamplingParams(max_tokens=5, ignore_eos=True)).result()
@@ -82,8 +96,8 @@ def test_prefix_caching_is_off_and_a_repeated_prompt_is_read_again(tiny):
     assert first.token_ids == second.token_ids == alone(reference, prompt, 5)
 
 
-def test_preemption_under_a_tiny_block_budget_gives_the_same_tokens(tiny):
-    directory, reference = tiny
+def test_preemption_under_a_tiny_block_budget_gives_the_same_tokens(made):
+    directory, reference = made("lfm2")
     ps = prompts(6, seed=7, lo=8, hi=16)
     with open_engine(directory, max_blocks=16, max_step_tokens=16) as engine:
         got = run_all(engine, ps, [20] * 6)
@@ -95,8 +109,9 @@ def test_preemption_under_a_tiny_block_budget_gives_the_same_tokens(tiny):
         assert tokens == alone(reference, p, 20)
 
 
-def test_a_cancelled_request_gives_its_slot_back_and_the_next_one_starts_fresh(tiny):
-    directory, reference = tiny
+@BOTH
+def test_a_cancelled_request_gives_its_slot_back_and_the_next_one_starts_fresh(made, variant):
+    directory, reference = made(variant)
     first, second = prompts(2, seed=5, lo=6, hi=12)
     with open_engine(directory, max_running=1) as engine:  # one slot: the next request takes the same one
         stream = engine.submit(first, SamplingParams(max_tokens=100, ignore_eos=True))
@@ -109,8 +124,8 @@ def test_a_cancelled_request_gives_its_slot_back_and_the_next_one_starts_fresh(t
     assert after.token_ids == alone(reference, second, 8)
 
 
-def test_two_tensor_parallel_ranks_equal_one(tiny):
-    directory, reference = tiny
+def test_two_tensor_parallel_ranks_equal_one(made):
+    directory, reference = made("lfm2")
     ps = prompts(4, seed=9, lo=3, hi=20)
     lengths = [6, 3, 9, 5]
     with SpawnGroup(2) as group:
