@@ -1,11 +1,14 @@
 """The short convolution (LFM2): a long prompt read in chunks through the cache equals one pass, the state
 each tensor-parallel rank keeps, the family's config rules (layer kinds, the derived feed-forward width) and
-the refusal of a bad kernel width. Parity with Transformers is tests/test_parity.py's (variants lfm2*)."""
+the refusals of a bad kernel width and of an LFM2-MoE selection bias of the wrong length. Parity with Transformers is tests/test_parity.py's (variants lfm2*)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
@@ -18,11 +21,22 @@ from ster_dist.resolve import resolve
 from tests.tiny_models import make_tiny
 
 
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            cache[variant] = tmp_path_factory.mktemp(variant)
+            make_tiny(variant, cache[variant])
+        return cache[variant]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["lfm2", "lfm2_biased", "lfm2_moe"])
-def loaded(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    make_tiny(request.param, directory)
-    return load_model(resolve(str(directory)), "f32")
+def loaded(request, made):
+    return load_model(resolve(str(made(request.param))), "f32")
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
@@ -76,3 +90,14 @@ def test_layer_kinds_and_the_derived_feed_forward_width():
 def test_a_bad_config_value_is_refused_by_name(keys, named):
     with pytest.raises(Refusal, match=named):
         meta_decoder(from_hf(_raw(**keys)))
+
+
+def test_a_selection_bias_not_one_per_expert_is_refused_by_name(made, tmp_path):
+    shutil.copytree(made("lfm2_moe"), tmp_path / "short")
+    path = tmp_path / "short" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.2.feed_forward.expert_bias"
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(path))
+    with pytest.raises(Refusal, match=name.replace(".", r"\.")):
+        load_model(resolve(str(tmp_path / "short")))

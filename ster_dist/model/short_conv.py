@@ -35,7 +35,9 @@ class _DepthwiseKernels(ShardedModule):
 class ShortConv(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
-        kernel, bias = cfg.raw.get("conv_L_cache", 3), cfg.raw.get("conv_bias", False)
+        # unstated (missing or null) keys take Transformers' defaults
+        kernel, bias = cfg.raw.get("conv_L_cache"), cfg.raw.get("conv_bias")
+        kernel, bias = 3 if kernel is None else kernel, False if bias is None else bias
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
             raise Refusal(f"invalid model config: conv_L_cache is {kernel!r}; state the short convolution's "
                           "kernel width as a positive integer")
