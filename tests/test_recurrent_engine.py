@@ -1,8 +1,9 @@
 """The token engine on a model with recurrent layers (a tiny LFM2: short convolutions around attention):
 every request of a continuous batch equals its greedy tokens alone on the static cache, with prompts read
 in chunks under a small token budget, under preemption by recompute (few blocks), and across two
-tensor-parallel ranks; each running request holds a state slot, given back when it finishes or is
-cancelled; prefix caching is off and reported so."""
+tensor-parallel ranks; each running request holds a state slot, given back when it finishes, is
+cancelled or is preempted; slots share the cache budget with blocks; prefix caching is off and reported
+so."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from ster_dist.config_load import model_config
+from ster_dist.engine.blocks import BlockPool
 from ster_dist.engine.loop import EngineConfig, TokenEngine, cache_sizes
 from ster_dist.engine.sampling import SamplingParams
+from ster_dist.engine.scheduler import Scheduler, Sequence
 from ster_dist.errors import Refusal
 from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
@@ -149,3 +152,27 @@ def test_state_slots_share_the_budget_with_blocks():
     assert cache_sizes([{"budget": 10_000, "block_bytes": 0, "state_bytes": 300}], config, 640) == (8 * 160 + 1, 8)
     with pytest.raises(Refusal, match="recurrent state takes 6000 bytes"):
         cache_sizes([{"budget": 10_000, "block_bytes": 100, "state_bytes": 6_000}], config, 640)
+
+
+def test_the_scheduler_takes_a_slot_at_admission_and_gives_it_back_on_preemption_and_finish():
+    pool = BlockPool(6, 4, prefix_caching=False)  # five usable blocks of four positions
+    sched = Scheduler(pool, max_step_tokens=32, max_running=8, state_slots=2)
+    assert sched.max_running == 2  # no more running than slots
+    a, b, c = (Sequence(name, [5] * 6, 6, 10) for name in "abc")
+    for seq in (a, b, c):
+        sched.add(seq)
+    plan = sched.schedule()
+    assert [chunk.seq for chunk in plan.chunks] == [a, b] and (a.state, b.state, c.state) == (0, 1, -1)
+    sched.after_step(plan)
+    for seq in (a, b):
+        for _ in range(3):
+            sched.append(seq, 7)
+    plan = sched.schedule()  # a takes the last block; b finds none and is preempted, its slot back
+    assert plan.preempted == [b] and b.state == -1 and sched.slots.free == 1
+    sched.after_step(plan)
+    sched.finish(a)
+    assert a.state == -1 and sched.slots.free == 2
+    plan = sched.schedule()
+    assert [(chunk.seq, chunk.start) for chunk in plan.chunks] == [(b, 0), (c, 0)] and {b.state, c.state} == {0, 1}
+    with pytest.raises(ValueError, match="cannot share prefixes"):
+        Scheduler(BlockPool(6, 4), state_slots=2)
