@@ -76,6 +76,14 @@ def test_layer_kinds_and_the_derived_feed_forward_width():
     assert cfg.intermediate_size == 256  # 2/3 of 96 = 64, rounded up to block_multiple_of 256
     assert from_hf(_raw(block_auto_adjust_ff_dim=False)).intermediate_size == 96
     assert from_hf(_raw(block_multiple_of=10, block_ffn_dim_multiplier=1.5)).intermediate_size == 100
+    assert from_hf(_raw(block_ffn_dim_multiplier=None)).intermediate_size == 64  # a null multiplier: no rounding
+    # LFM2-MoE: num_dense_layers dense feed-forwards (of intermediate_size as stated), then experts
+    moe = from_hf(_raw(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                       use_expert_bias=None))
+    assert moe.feed_forwards == ("dense", "moe", "moe") and moe.intermediate_size == 96
+    assert moe.moe.topk_method == "noaux_tc" and moe.moe.correction_bias and moe.moe.renormalize
+    assert from_hf(_raw(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2,
+                        use_expert_bias=False)).moe.topk_method == "greedy"
     # without layer_types, full_attn_idxs names the attention layers
     cfg = from_hf({k: v for k, v in _raw(full_attn_idxs=[2]).items() if k != "layer_types"})
     assert cfg.mixers == ("short_conv", "short_conv", "attention")
@@ -86,6 +94,9 @@ def test_layer_kinds_and_the_derived_feed_forward_width():
     (dict(conv_L_cache=0), "conv_L_cache"),
     (dict(conv_bias="yes"), "conv_bias"),
     (dict(layer_types=["conv", "mamba", "conv"]), "layer_types"),
+    (dict(block_multiple_of=0), "block_multiple_of"),
+    (dict(block_ffn_dim_multiplier="x"), "block_ffn_dim_multiplier"),
+    (dict(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2, num_dense_layers=-1), "num_dense_layers"),
 ])
 def test_a_bad_config_value_is_refused_by_name(keys, named):
     with pytest.raises(Refusal, match=named):

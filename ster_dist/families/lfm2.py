@@ -29,6 +29,11 @@ _MOE = expert_rules(f"{_LAYER}feed_forward", gate="w1", up="w3", down="w2") + (
 _MIXERS = {"conv": "short_conv", "full_attention": "attention"}
 
 
+def _stated(raw: dict, key: str, default):
+    """The config's value, or Transformers' default where it is missing or null."""
+    return default if raw.get(key) is None else raw[key]
+
+
 def _normalize(raw: dict) -> dict:
     """LFM2's own names and defaults, as Transformers' config classes read them."""
     raw = dict(raw)
@@ -36,10 +41,13 @@ def _normalize(raw: dict) -> dict:
         raw["intermediate_size"] = raw["block_ff_dim"]
     if raw.get("tie_embedding") is not None:
         raw["tie_word_embeddings"] = raw["tie_embedding"]
-    raw.setdefault("norm_eps", 1e-5)
+    raw["norm_eps"] = _stated(raw, "norm_eps", 1e-5)
     layers = raw.get("num_hidden_layers")
     if raw.get("layer_types") is None and isinstance(layers, int):
         attention = raw.get("full_attn_idxs")
+        if attention is not None and not isinstance(attention, list):
+            raise Refusal(f"invalid model config: full_attn_idxs is {attention!r}; list the attention layers' "
+                          "indices, or state layer_types")
         attention = range(layers) if attention is None else attention
         raw["layer_types"] = ["full_attention" if i in attention else "conv" for i in range(layers)]
     params = raw.get("rope_parameters") or {}
@@ -52,14 +60,17 @@ def _dense_width(raw: dict) -> dict:
     """LFM2's feed-forward width: two thirds of intermediate_size, times the multiplier, rounded up to
     block_multiple_of, when block_auto_adjust_ff_dim (the default) asks."""
     raw = _normalize(raw)
-    inner = raw.get("intermediate_size", 12288)
-    if raw.get("block_auto_adjust_ff_dim", True) and isinstance(inner, int):
+    inner = _stated(raw, "intermediate_size", 12288)
+    if _stated(raw, "block_auto_adjust_ff_dim", True) and isinstance(inner, int):
         inner = int(2 * inner / 3)
-        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)  # a stated null keeps two thirds as they are
         if multiplier is not None:
-            multiple = raw.get("block_multiple_of", 256)
+            multiple = _stated(raw, "block_multiple_of", 256)
             if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
                 raise Refusal(f"invalid model config: block_multiple_of is {multiple!r}; state a positive integer")
+            if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or multiplier <= 0:
+                raise Refusal(f"invalid model config: block_ffn_dim_multiplier is {multiplier!r}; state a positive "
+                              "number, or null for none")
             inner = int(multiplier * inner)
             inner = multiple * ((inner + multiple - 1) // multiple)
     raw["intermediate_size"] = inner
@@ -68,10 +79,14 @@ def _dense_width(raw: dict) -> dict:
 
 def _moe_config(raw: dict) -> dict:
     raw = _normalize(raw)
-    raw.setdefault("first_k_dense_replace", raw.get("num_dense_layers", 2))
-    raw.setdefault("norm_topk_prob", True)
-    # without expert_bias the sigmoid scores choose alone
-    raw.setdefault("topk_method", "noaux_tc" if raw.get("use_expert_bias", True) else "greedy")
+    dense = _stated(raw, "num_dense_layers", 2)
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        raise Refusal(f"invalid model config: num_dense_layers is {dense!r}; state how many leading layers keep "
+                      "the dense feed-forward as a count")
+    raw["first_k_dense_replace"] = dense
+    raw["norm_topk_prob"] = _stated(raw, "norm_topk_prob", True)
+    # the selection bias (expert_bias) joins the sigmoid scores to choose; without it they choose alone
+    raw["topk_method"] = "noaux_tc" if _stated(raw, "use_expert_bias", True) else "greedy"
     return raw
 
 
@@ -89,7 +104,7 @@ def _dense_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str
 
 
 def _moe_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    dense = raw.get("first_k_dense_replace", 2)
+    dense = raw["first_k_dense_replace"]  # num_dense_layers, checked by _moe_config
     return _mixers(raw, num_layers), tuple("dense" if i < dense else "moe" for i in range(num_layers))
 
 
