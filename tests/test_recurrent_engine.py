@@ -1,7 +1,7 @@
 """The token engine on a model with recurrent layers (a tiny LFM2: short convolutions around attention):
 every request of a continuous batch equals its greedy tokens alone on the static cache, with prompts read
-in chunks under a small token budget, under preemption by recompute (few blocks), and across two
-tensor-parallel ranks; each running request holds a state slot, given back when it finishes, is
+in chunks under a small token budget, under preemption by recompute (few blocks), steered beside a
+plain request, and across two tensor-parallel ranks; each running request holds a state slot, given back when it finishes, is
 cancelled or is preempted; slots share the cache budget with blocks; prefix caching is off and reported
 so."""
 
@@ -19,6 +19,7 @@ from ster_dist.errors import Refusal
 from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.resolve import resolve
+from ster_dist.steer.attach import add_steering
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.group import LocalGroup
 from ster_dist.workers.spawn import SpawnGroup
@@ -125,6 +126,26 @@ def test_a_cancelled_request_gives_its_slot_back_and_the_next_one_starts_fresh(m
         assert engine.scheduler.slots.free == 1
         after = engine.submit(second, SamplingParams(max_tokens=8, ignore_eos=True)).result()
     assert after.token_ids == alone(reference, second, 8)
+
+
+def test_a_steered_request_beside_a_plain_one_equals_each_alone(made):
+    """A vector after a short-convolution layer changes what the next layers' states hold for that request only."""
+    directory, reference = made("lfm2")
+    vector = [(0, torch.randn(reference.cfg.hidden_size, generator=torch.Generator().manual_seed(3)))]
+    steered, plain = prompts(2, seed=11, lo=5, hi=15)
+    with open_engine(directory, max_step_tokens=8) as engine:
+        engine.add_vector("v", vector)
+        streams = [engine.submit(steered, SamplingParams(max_tokens=8, ignore_eos=True), steering=("v", 3.0)),
+                   engine.submit(plain, SamplingParams(max_tokens=8, ignore_eos=True))]
+        got = [s.result().token_ids for s in streams]
+    assert got[1] == alone(reference, plain, 8)
+    unsteered = alone(reference, steered, 8)
+    removers = add_steering(reference, vector, 3.0)
+    try:
+        assert got[0] == alone(reference, steered, 8) != unsteered  # the vector took effect
+    finally:
+        for remove in removers:
+            remove()
 
 
 def test_two_tensor_parallel_ranks_equal_one(made):
