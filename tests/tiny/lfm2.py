@@ -13,7 +13,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
     "lfm2_biased": ("Lfm2Config", "Lfm2ForCausalLM", dict(
         **_LAYERS, num_key_value_heads=1, conv_L_cache=4, conv_bias=True, block_auto_adjust_ff_dim=False,
         tie_word_embeddings=False)),
-    # two dense layers, then experts chosen by sigmoid scores with a selection bias
+    # one dense layer, then experts chosen by sigmoid scores with a selection bias
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
         **_LAYERS, num_key_value_heads=2, num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
         moe_intermediate_size=24, routed_scaling_factor=1.5)),
