@@ -104,9 +104,12 @@ class Session:
             self._engine = None
         if self._engine is None:
             self._engine = TokenEngine(self.group, self.cfg, self.tokenizer, self.eos, config)
-            blocks = self._engine.pool.stats()["total"]
+            blocks, slots = self._engine.pool.stats()["total"], self._engine.stats()["state_slots"]
+            # a model with recurrent layers: a state per running request, and no prefix sharing (engine/scheduler.py)
+            states = (f"; {slots} recurrent-state slots ({slots * self._engine.state_bytes / 2**20:.0f} MiB per rank), "
+                      "prefix caching off" if slots else "")
             progress(f"KV cache: {blocks} blocks of {config.block_size} tokens "
-                     f"({blocks * self._engine.block_bytes / 2**20:.0f} MiB per rank)")
+                     f"({blocks * self._engine.block_bytes / 2**20:.0f} MiB per rank){states}")
         return self._engine
 
     @contextlib.contextmanager

@@ -16,7 +16,8 @@ BLOCK = 4
 
 class Driver:
     """The driver's share, as plainly as the tests need it: blocks from a shuffled free list, so no
-    sequence's blocks are contiguous or in order."""
+    sequence's blocks are contiguous or in order, and a recurrent-state slot per sequence (in the order
+    sequences first appear; a cache of a model with recurrent layers needs as many state_slots)."""
 
     def __init__(self, cache: PagedCache, seed: int = 0):
         self.cache = cache
@@ -24,6 +25,7 @@ class Driver:
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[str, list[int]] = {}
         self.length: dict[str, int] = {}
+        self.slots: dict[str, int] = {}
 
     def chunk(self, name: str, length: int) -> Chunk:
         start = self.length.get(name, 0)
@@ -31,7 +33,7 @@ class Driver:
         while len(blocks) * self.cache.block_size < start + length:
             blocks.append(self.free.pop())
         self.length[name] = start + length
-        return Chunk(tuple(blocks), start, length)
+        return Chunk(tuple(blocks), start, length, self.slots.setdefault(name, len(self.slots)))
 
 
 def run_step(model, driver: Driver, tokens: dict[str, torch.Tensor], step, release=None):

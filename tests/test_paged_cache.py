@@ -1,8 +1,9 @@
 """The paged KV cache and the packed forward: every step's logits equal the static path's over the whole
 sequence so far, for families that exercise each attention switch (grouped and multi-query heads, sliding
 windows, soft-capping, sinks, ALiBi, learned positions, Llama 4's query temperature, experts, latent
-attention); a mixed step equals its chunks run one by one; released sliding-window blocks may be
-reused; block_bytes is what the cache allocates; tensor- and expert-parallel ranks agree with one."""
+attention) and a recurrent kind's state slots (LFM2's short convolutions); a mixed step equals its chunks
+run one by one; released sliding-window blocks may be reused; block_bytes is what the cache allocates;
+tensor- and expert-parallel ranks agree with one."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ VARIANTS = [
     "qwen3_moe",      # experts after a dense layer
     "deepseek_v3",    # latent attention: absorbed decodes, expanded prefills
     "ministral3",     # Llama 4's query temperature, sliding everywhere
+    "lfm2",           # short convolutions beside attention: a state slot per sequence, continued chunk by chunk
 ]
 # one step = (sequence, new tokens) in chunk order: uneven prefill chunks first, decodes mixed in,
 # then decodes out of order and not adjacent in the packed tokens, then all sequences decoding together
@@ -81,7 +83,7 @@ def _whole(model, tokens, name: str, end: int) -> torch.Tensor:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_paged_steps_match_the_whole_sequence(models, variant):
     model = models(variant)
-    driver, tokens = Driver(PagedCache(model, 40, BLOCK)), _tokens()
+    driver, tokens = Driver(PagedCache(model, 40, BLOCK, state_slots=3)), _tokens()
     for step in SCHEDULE:
         chunks, logits = run_step(model, driver, tokens, step)
         assert logits.shape == (len(step), model.cfg.vocab_size)

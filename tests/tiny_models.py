@@ -26,6 +26,7 @@ from tests.tiny import (
     gptj_neox,
     granite,
     hunyuan,
+    lfm2,
     llama,
     mixtral,
     mpt,
@@ -44,7 +45,7 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 # named as ster_dist/families/ names them (tests/test_parity.py checks each holds its module's families)
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
-    gptj_neox, bloom_falcon, mpt, opt)}
+    gptj_neox, bloom_falcon, mpt, opt, lfm2)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -91,13 +92,14 @@ def perturb_norms(model, seed: int) -> None:
 
 
 def _perturb_experts(model, variant: str, seed: int) -> None:
-    """Random inits leave DeepSeek-V3's selection bias and GPT-OSS's expert biases at zero; set them. In one
+    """Random inits leave DeepSeek-V3's and LFM2-MoE's selection biases and GPT-OSS's expert biases at zero; set them. In one
     layer, steer the router away from the upper half of the experts, so that under two expert-parallel ranks
     the second receives no token there."""
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
-            if name.endswith("e_score_correction_bias") or (".experts." in name and name.endswith("_bias")):
+            if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")) or (
+                    ".experts." in name and name.endswith("_bias")):
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
         last = model.config.num_hidden_layers - 1
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):

@@ -5,6 +5,8 @@ pick the step's chunks (decodes first, then chunked prefills under a token budge
 recompute when blocks run out), runs one forward on every rank (engine/runner.py), and hands each
 sampled token to its request: detokenized incrementally, checked against end-of-sequence, stop
 tokens, stop strings and max_tokens, streamed out, and retired at once (its blocks freed) when done.
+A model with recurrent layers also keeps a state slot per running request (cache_sizes counts them
+against the cache budget) and runs without prefix caching (engine/scheduler.py says why).
 
     engine = TokenEngine(group, cfg, tokenizer, eos, EngineConfig())
     stream = engine.submit(prompt_ids, SamplingParams(max_tokens=64))
@@ -39,8 +41,38 @@ class EngineConfig:
     block_size: int = 16
     max_step_tokens: int = 512           # tokens one forward may carry (decodes + prefill chunks)
     max_running: int = 256
-    prefix_caching: bool = True
+    prefix_caching: bool = True          # switched off for models with recurrent layers whatever this says
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
+
+
+def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> tuple[int, int]:
+    """(KV blocks, recurrent-state slots) every rank can hold, from each rank's capacity (engine/runner.py).
+
+    Recurrent states come out of the same per-rank budget as the blocks (kv_cache_memory or
+    kv_cache_fraction): a model with recurrent layers gets a slot per request it may run at once
+    (max_running, held to max_step_tokens), fewer where those would take more than half a rank's
+    budget; the rest is blocks.
+    Never more blocks than every running request could fill at the model's full context (plus the null
+    block): a model whose layers are all recurrent keeps no keys, and its blocks cost nothing."""
+    slots = 0
+    with_state = [s for s in sizes if s["state_bytes"]]
+    if with_state:
+        slots = min(config.max_running, config.max_step_tokens,
+                    *(s["budget"] // 2 // s["state_bytes"] for s in with_state))
+        if slots < 1:
+            worst = min(with_state, key=lambda s: s["budget"] // s["state_bytes"])
+            raise Refusal(f"one sequence's recurrent state takes {worst['state_bytes']} bytes, more than half the "
+                          f"{worst['budget']}-byte cache budget; give --kv-cache-memory more bytes")
+    blocks = -(-max_position // config.block_size) * (slots or config.max_running) + 1
+    for s in sizes:
+        if s["block_bytes"]:
+            blocks = min(blocks, (s["budget"] - slots * s["state_bytes"]) // s["block_bytes"])
+    if config.max_blocks is not None:
+        blocks = min(blocks, config.max_blocks)
+    if blocks < 2:
+        raise Refusal(f"the KV cache budget holds {blocks} blocks of {config.block_size} tokens "
+                      f"({sizes[0]['block_bytes']} bytes each); give --kv-cache-memory more bytes")
+    return blocks, slots
 
 
 @dataclass
@@ -64,21 +96,16 @@ class TokenEngine:
         runners = group.on(ModelRunner)
         sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
                                  DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
-        blocks = min(s["blocks"] for s in sizes)
-        # never more than every running request could fill at the model's full context (plus the null block)
-        per_seq = -(-cfg.max_position // config.block_size)
-        blocks = min(blocks, per_seq * config.max_running + 1)
-        if config.max_blocks is not None:
-            blocks = min(blocks, config.max_blocks)
-        if blocks < 2:
-            raise Refusal(f"the KV cache budget holds {blocks} blocks of {config.block_size} tokens "
-                          f"({sizes[0]['block_bytes']} bytes each); give --kv-cache-memory more bytes")
-        runners.start(blocks, config.block_size)
+        blocks, slots = cache_sizes(sizes, config, cfg.max_position)
+        runners.start(blocks, config.block_size, slots)
         self.block_bytes = sizes[0]["block_bytes"]
-        self.pool = BlockPool(blocks, config.block_size, config.prefix_caching)
+        self.state_bytes = sizes[0]["state_bytes"]
+        # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state
+        self.pool = BlockPool(blocks, config.block_size, config.prefix_caching and not slots)
         windows = set(cfg.layer_window)
         window = windows.pop() if len(windows) == 1 and None not in windows else None
-        self.scheduler = Scheduler(self.pool, config.max_step_tokens, config.max_running, window=window)
+        self.scheduler = Scheduler(self.pool, config.max_step_tokens, config.max_running, window=window,
+                                   state_slots=slots)
         self._live: dict[str, _Live] = {}
         self._inbox: list[_Live] = []
         self._cancels: list[str] = []
@@ -177,7 +204,9 @@ class TokenEngine:
     def stats(self) -> dict:
         with self._cond:
             return {**self.counters, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)
-                    + len(self._inbox), "kv_blocks": self.pool.stats(), "block_bytes": self.block_bytes}
+                    + len(self._inbox), "kv_blocks": self.pool.stats(), "block_bytes": self.block_bytes,
+                    "prefix_caching": self.pool.prefix_caching, "state_slots": self.scheduler.stats()["state_slots"],
+                    "state_bytes": self.state_bytes}
 
     @contextlib.contextmanager
     def paused(self):
@@ -259,7 +288,7 @@ class TokenEngine:
             seq, live = chunk.seq, self._live[chunk.seq.id]
             end = chunk.start + chunk.length
             work.ids.extend(seq.tokens[chunk.start:end])
-            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length))
+            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length, seq.state))
             if chunk.samples:
                 work.samples.append((i, seq.id))
             if not live.sent:

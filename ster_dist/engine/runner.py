@@ -1,7 +1,8 @@
 """The rank side of the token-level engine: this rank's paged KV cache, and one forward per step.
 
 Every rank runs the same step on the same packed tokens and block tables (each holding its own
-key-value heads, or the latent for latent attention, in blocks of the same ids); rank 0 alone
+key-value heads, or the latent for latent attention, in blocks of the same ids; and, for recurrent
+layers, its share of each running sequence's state in the slot the driver named); rank 0 alone
 samples, since the logits are gathered on every rank, and sends back one token per sampling chunk.
 The driver (engine/loop.py) decides everything else.
 """
@@ -44,19 +45,20 @@ class ModelRunner(RankExtension):
         self.adapters: RowAdapters | None = None
 
     def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
-        """How many blocks this rank can hold: `memory` bytes, else `fraction` of what is free now
-        (at most `cap` bytes)."""
+        """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
+        bytes), and what one block and one sequence's recurrent state (0 without recurrent layers) cost here.
+        The driver splits the budget between blocks and state slots (engine/loop.py cache_sizes)."""
         model = self.model
-        per_block = PagedCache.block_bytes(model, block_size)
         budget = memory if memory is not None else int(fraction * available_memory(model.embed.weight.device))
         if cap is not None:
             budget = min(budget, cap)
-        return {"block_bytes": per_block, "blocks": budget // per_block}
+        return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
+                "state_bytes": PagedCache.state_bytes(model)}
 
-    def start(self, num_blocks: int, block_size: int) -> int:
-        """Allocate the cache (the same block count on every rank: the driver takes the smallest)."""
+    def start(self, num_blocks: int, block_size: int, state_slots: int = 0) -> int:
+        """Allocate the cache: the same block and state-slot counts on every rank (the driver's)."""
         model = self.model
-        self.cache = PagedCache(model, num_blocks, block_size)
+        self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
         self.sampler = Sampler() if self.rank.rank == 0 else None
         self.steering = self.steering or RowSteering(model)
         self.adapters = self.adapters or RowAdapters(model)
@@ -78,7 +80,7 @@ class ModelRunner(RankExtension):
                 self.sampler.add(new.id, new.params, new.prompt)
         if not work.chunks:
             return self.first_rank_only(StepResult([], []))
-        chunks = [Chunk(tuple(blocks), start, length) for blocks, start, length in work.chunks]
+        chunks = [Chunk(tuple(blocks), start, length, state) for blocks, start, length, state in work.chunks]
         if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
             rows = _chunk_rows(chunks)
             self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))

@@ -37,6 +37,13 @@ were evicted gets no hit; fine for now, vLLM's right-to-left window matching wou
 Block bookkeeping: a sequence holds one pool reference per non-null entry of its block table, and
 nothing else holds any (the prefix cache holds no references, it only remembers released blocks).
 A waiting or finished sequence holds no blocks.
+
+Recurrent state (a model with Mamba, gated delta or short-convolution layers): each running sequence
+also holds a state slot (engine/state_slots.py), taken at admission and given back with its blocks
+(finish, abort, preemption). There are as many slots as running sequences allowed, so admission never
+waits on one. Such a model runs without prefix caching: a cached prefix's blocks hold its keys, not the
+state its recurrent layers reached, so a sequence always starts at position 0, and a preempted one is
+recomputed from there on fresh state.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ster_dist.engine.blocks import NULL_BLOCK, BlockHashes, BlockPool
+from ster_dist.engine.state_slots import StateSlots
 
 
 class Status(enum.Enum):
@@ -71,6 +79,7 @@ class Sequence:
     arrival: int = -1          # order of add(), set by the scheduler
     preemptions: int = 0
     cached: int = 0            # tokens served from the prefix cache, over all admissions
+    state: int = -1            # its recurrent-state slot while running (-1: none, or the model keeps no state)
     # scheduler-private: digests of full blocks, and how far the table is registered / window-trimmed
     hashes: BlockHashes | None = field(default=None, repr=False)
     registered_blocks: int = field(default=0, repr=False)
@@ -117,22 +126,27 @@ def _ceil_div(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_step_tokens: int = 512, max_running: int = 256,
-                 window: int | None = None, max_prefill_chunk: int | None = None):
+                 window: int | None = None, max_prefill_chunk: int | None = None, state_slots: int = 0):
         """window: set only when EVERY layer attends over at most `window` keys; blocks wholly
         before the window of a sequence's next position are then released. max_prefill_chunk caps
         one chunk's tokens (default: the step budget). max_running is held to max_step_tokens: more
         running sequences than the budget has tokens could not all decode in one step, and the
-        latest would wait on the earliest holding their blocks."""
+        latest would wait on the earliest holding their blocks. state_slots: the model's recurrent
+        layers keep this many sequences' states (0: it has none); max_running is held to it too."""
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError("max_step_tokens and max_running must be positive")
         if max_prefill_chunk is not None and max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be positive, got {max_prefill_chunk}")
         if window is not None and window < 1:
             raise ValueError(f"window must be positive, got {window}")
+        if state_slots and pool.prefix_caching:
+            raise ValueError("a model with recurrent state cannot share prefixes: a cached block holds keys, "
+                             "not the state its sequence reached; make the pool without prefix caching")
         self.pool = pool
         self.block_size = pool.block_size
         self.max_step_tokens = max_step_tokens
-        self.max_running = min(max_running, max_step_tokens)
+        self.max_running = min(max_running, max_step_tokens, state_slots or max_running)
+        self.slots = StateSlots(state_slots) if state_slots else None
         self.window = window
         self.max_chunk = min(max_step_tokens, max_prefill_chunk or max_step_tokens)
         self._waiting: deque[Sequence] = deque()
@@ -161,7 +175,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"waiting": len(self._waiting), "running": len(self._running), "steps": self._steps,
-                "preemptions": self._preemptions, "pool": self.pool.stats()}
+                "preemptions": self._preemptions, "pool": self.pool.stats(),
+                "state_slots": self.slots.count if self.slots is not None else 0}
 
     def blocks_at_peak(self, n_tokens: int) -> int:
         """The most blocks one sequence of n_tokens (prompt + max_tokens) ever holds at once."""
@@ -181,7 +196,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.id in self._by_id:
             raise ValueError(f"sequence {seq.id!r} is already scheduled")
-        if seq.status is not Status.WAITING or seq.blocks or seq.computed:
+        if seq.status is not Status.WAITING or seq.blocks or seq.computed or seq.state >= 0:
             raise ValueError(f"sequence {seq.id!r} is not fresh")
         if not seq.tokens or not 0 < seq.prompt_len <= len(seq.tokens):
             raise ValueError(f"sequence {seq.id!r} needs a prompt of at least one token")
@@ -276,6 +291,8 @@ class Scheduler:
             seq.cached += start
             self._waiting.popleft()
             seq.status = Status.RUNNING
+            if self.slots is not None:
+                seq.state = self.slots.take()
             self._insert_running(seq)
             plan.chunks.append(ScheduledChunk(seq, start, length, start + length == len(seq.tokens)))
             budget -= length
@@ -309,6 +326,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
         self._drop_blocks(seq)
+        self._drop_state(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self._preemptions += 1
@@ -321,6 +339,11 @@ class Scheduler:
         seq.registered_blocks = 0
         seq.released_blocks = 0
 
+    def _drop_state(self, seq: Sequence) -> None:
+        if seq.state >= 0:
+            self.slots.give_back(seq.state)
+            seq.state = -1
+
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self._running, seq, key=lambda s: s.arrival)
 
@@ -332,5 +355,6 @@ class Scheduler:
         else:
             self._waiting.remove(seq)
         self._drop_blocks(seq)
+        self._drop_state(seq)
         seq.status = Status.FINISHED
         del self._by_id[seq.id]

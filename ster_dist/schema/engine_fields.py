@@ -29,8 +29,9 @@ def memory_bytes(text: str, where: str) -> int:
 
 
 class EngineFields(Request):
-    kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank, e.g. 2GiB or 500MB (default: a "
-                                                   "tenth of the memory free at start, at most 1GiB)")
+    kv_cache_memory: str | None = field(None, help="bytes of KV cache per rank (recurrent layers' states included), "
+                                                   "e.g. 2GiB or 500MB (default: a tenth of the memory free at "
+                                                   "start, at most 1GiB)")
     max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
 
     @model_validator(mode="after")
