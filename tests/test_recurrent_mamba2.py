@@ -1,5 +1,5 @@
 """The Mamba-2 layer kind beyond tests/test_parity.py: a long prompt read in chunks (static cache, and paged
-steps with a state slot per sequence) equals one pass and Transformers; each tensor-parallel rank holds whole
+steps with a state slot per sequence) equals one pass and Transformers, for every family of the kind; each tensor-parallel rank holds whole
 groups or a share of a replicated one, and its state is its heads' only; bad config values and a tensor
 parallelism that would split a group unevenly are refused in one line."""
 
@@ -21,7 +21,7 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.tiny_models import make_tiny
 
-VARIANTS = ["mamba2", "bamba"]
+VARIANTS = ["mamba2", "bamba", "nemotron_h"]
 LONG = 150  # crosses the scan's 64-token chunks twice and Transformers' 16-token ones many times
 
 
@@ -89,6 +89,7 @@ def test_paged_steps_carry_each_sequences_state_in_its_slot(tiny, variant):
     # one group over two ranks: replicated, its eight heads split
     ("bamba", 2, [((0, 4), (0, 1)), ((4, 8), (0, 1))]),
     ("mamba2", 4, [((0, 2), (0, 1)), ((2, 4), (0, 1)), ((4, 6), (1, 2)), ((6, 8), (1, 2))]),
+    ("nemotron_h", 2, [((0, 4), (0, 1)), ((4, 8), (1, 2))]),
 ])
 def test_each_rank_holds_its_heads_groups_and_state(tiny, variant, tp, expected):
     _, _, raw = tiny[variant]
@@ -126,6 +127,9 @@ def _refusal(raw: dict, tp: int = 1) -> str:
     ("bamba", {"attn_layer_indices": [5]}, "attn_layer_indices"),
     ("bamba", {"mamba_n_groups": 3}, "n_groups"),
     ("bamba", {"mamba_d_conv": -1}, "mamba_d_conv"),
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "expert layers (E)"),
+    ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*X"}, "layer pattern"),
+    ("nemotron_h", {"mamba_num_heads": 5}, "n_groups"),
 ])
 def test_bad_config_values_are_refused(tiny, variant, change, words):
     assert words in _refusal({**tiny[variant][2], **change})

@@ -5,6 +5,9 @@ mixer reads.
 - mamba2: every layer a norm and a Mamba-2 mixer, no feed-forward (state-spaces' Mamba-2, Codestral Mamba).
 - bamba: Llama's blocks whose token mixer is Mamba-2 except at attn_layer_indices, where it is attention
   rotating half of each head.
+- nemotron_h: one norm and one sublayer per layer, as hybrid_override_pattern (or layers_block_type) says:
+  M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward; E (experts whose
+  feed-forward has no gate) is refused. Its dt is clamped below at time_step_min, as Transformers does.
 
 Codestral's config states norm_before_gate true; Transformers ignores it (the gate always multiplies before
 the norm), and so does ster_dist.
@@ -90,4 +93,69 @@ MAMBA2_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("bamba", llama_rules(mlp="feed_forward", mlp_norm="pre_ff_layernorm", final_norm="final_layernorm",
                                     q_norm=None, k_norm=None) + _mixer_rules("model.layers.{i}.mamba"),
                normalize=_normalize_bamba, layer_kinds=_bamba_layers, parity_reference="BambaForCausalLM"),
+)
+
+
+# Nemotron-H's layer letters (hybrid_override_pattern) and names (layers_block_type, old and new) -> kinds
+_NEMOTRON_H_KINDS = {"M": "mamba2", "mamba": "mamba2", "linear_attention": "mamba2",
+                     "*": "attention", "attention": "attention", "full_attention": "attention",
+                     "-": "none", "mlp": "none", "E": "moe", "moe": "moe"}
+# NemotronHConfig's names (its legacy spellings first) and defaults
+_NEMOTRON_H_NAMES = {"mamba_num_heads": "mamba_n_heads", "mamba_head_dim": "mamba_d_head",
+                     "ssm_state_size": "mamba_d_state", "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
+                     "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
+                     "mamba_hidden_act": "mamba_hidden_act"}
+_NEMOTRON_H_LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
+                      "mamba_dt_min": "time_step_min"}
+_NEMOTRON_H_DEFAULTS = {"mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                        "conv_kernel": 4, "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu"}
+
+
+def _nemotron_h_pattern(raw: dict) -> list[str]:
+    stated = raw.get("layers_block_type")
+    if stated is None:
+        stated = list(raw.get("hybrid_override_pattern") or "")
+    if not isinstance(stated, list) or not stated or not all(kind in _NEMOTRON_H_KINDS for kind in stated):
+        raise Refusal(f"invalid model config: the Nemotron-H layer pattern {stated!r} is not a list of M, *, - "
+                      "(or their layers_block_type names); correct hybrid_override_pattern")
+    return [_NEMOTRON_H_KINDS[kind] for kind in stated]
+
+
+def _normalize_nemotron_h(raw: dict) -> dict:
+    # a legacy spelling wins over the current one, as NemotronHConfig reads them
+    raw = {**raw, **{new: raw[old] for old, new in _NEMOTRON_H_LEGACY.items() if raw.get(old) is not None}}
+    out = _rename(raw, _NEMOTRON_H_NAMES, _NEMOTRON_H_DEFAULTS)
+    out["mamba_expand"] = None  # the mixer's width is its heads x head_dim, whatever expand says
+    # the layer pattern decides the count (Transformers ignores a num_hidden_layers that disagrees)
+    out["num_hidden_layers"] = len(_nemotron_h_pattern(raw))
+    out["time_step_limit"] = [raw.get("time_step_min", 0.001), None]
+    out["hidden_act"] = raw.get("mlp_hidden_act", "relu2")
+    out["attention_bias"] = False  # Transformers' attention has no biases whatever the config says
+    for key, value in (("layer_norm_epsilon", 1e-5), ("num_attention_heads", 32), ("num_key_value_heads", 8),
+                       ("head_dim", 128), ("intermediate_size", 21504), ("max_position_embeddings", 4096)):
+        out.setdefault(key, value)
+    return out
+
+
+def _nemotron_h_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    kinds = _nemotron_h_pattern(raw)
+    if "moe" in kinds:
+        raise Refusal("Nemotron-H's expert layers (E) are not supported: their experts have no gate, which ster_dist's "
+                      "experts need; use a Nemotron-H checkpoint of M, * and - layers")
+    return tuple(kinds), tuple("dense" if kind == "none" else "none" for kind in kinds)
+
+
+_NEMOTRON_H_RULES = (
+    Rule("backbone.embeddings.weight", "embed.weight"), Rule("lm_head.weight", "lm_head.weight"),
+    Rule("backbone.norm_f.weight", "final_norm.weight"),
+    Rule("backbone.layers.{i}.norm.weight", "layers.{i}.attn_norm.weight"),
+    *(rule for src, dst in (("q_proj", "attn.q"), ("k_proj", "attn.k"), ("v_proj", "attn.v"), ("o_proj", "attn.o"),
+                            ("up_proj", "mlp.up"), ("down_proj", "mlp.down"))
+      for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.{src}", f"layers.{{i}}.{dst}")),
+    *_mixer_rules("backbone.layers.{i}.mixer"),
+)
+
+MAMBA2_FAMILIES += (
+    FamilySpec("nemotron_h", _NEMOTRON_H_RULES, positions="none", mlp_gated=False, normalize=_normalize_nemotron_h,
+               layer_kinds=_nemotron_h_layers, parity_reference="NemotronHForCausalLM"),
 )

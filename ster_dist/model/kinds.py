@@ -47,6 +47,7 @@ MIXERS: dict[str, MixerKind] = {
     "attention": MixerKind(Attention, "attn"),
     "latent_attention": MixerKind(LatentAttention, "attn"),
     "mamba2": MixerKind(Mamba2Mixer, "mixer"),
+    "none": MixerKind(lambda cfg, layer, ctx: None, "mixer"),  # the feed-forward alone (Nemotron-H's "-" layers)
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

@@ -16,3 +16,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
         mamba_expand=2, mamba_chunk_size=16, attn_layer_indices=[1])),
 }
 UNSTATED_BASE = {"mamba2": _NO_ATTENTION}
+TINY["nemotron_h"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
+    # every layer kind but experts: Mamba-2, attention without rotation, the plain squared-ReLU feed-forward
+    layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"], num_key_value_heads=2,
+    head_dim=16, mamba_num_heads=8, mamba_head_dim=12, ssm_state_size=16, n_groups=2, chunk_size=16))
