@@ -1,7 +1,7 @@
-"""The Mamba-2 layer kind beyond tests/test_parity.py: a long prompt read in chunks (static cache, and paged
-steps with a state slot per sequence) equals one pass and Transformers, for every family of the kind; each tensor-parallel rank holds whole
-groups or a share of a replicated one, and its state is its heads' only; bad config values and a tensor
-parallelism that would split a group unevenly are refused in one line."""
+"""The Mamba-2 layer kind beyond tests/test_parity.py, for every family of the kind: a long prompt read in
+chunks (static cache, and paged steps with a state slot per sequence) equals one pass and Transformers; each
+tensor-parallel rank holds whole groups or a share of a replicated one, and its state is its heads' only; bad
+config values and a tensor parallelism that would split a group unevenly are refused in one line."""
 
 from __future__ import annotations
 

@@ -23,8 +23,9 @@ from ster_dist.families.spec import FamilySpec, Rule
 def _mixer_rules(layer: str) -> tuple[Rule, ...]:
     """One Mamba-2 mixer's tensors under `layer` (a template with {i}), into layers.{i}.mixer."""
     into = "layers.{i}.mixer"
-    return (*weight_and_bias(f"{layer}.in_proj", f"{into}.in_proj"), *weight_and_bias(f"{layer}.conv1d", f"{into}.conv1d"),
-            *weight_and_bias(f"{layer}.out_proj", f"{into}.out_proj"), Rule(f"{layer}.norm.weight", f"{into}.norm.weight"),
+    return (*(rule for name in ("in_proj", "conv1d", "out_proj")
+              for rule in weight_and_bias(f"{layer}.{name}", f"{into}.{name}")),
+            Rule(f"{layer}.norm.weight", f"{into}.norm.weight"),
             *(Rule(f"{layer}.{name}", f"{into}.{name}") for name in ("A_log", "D", "dt_bias")))
 
 

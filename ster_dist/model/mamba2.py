@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.layers.causal_conv import causal_conv
@@ -142,19 +143,19 @@ class Mamba2Mixer(ShardedModule):
         sh = self.shares = Mamba2Shares(s, ctx)
         self.layer, self.ctx, self.eps = layer, ctx, cfg.norm_eps
         inner, gn, p, n = s.inner, s.groups * s.state, s.head_dim, s.state
-        xs = (sh.h0 * p, sh.h1 * p)
+        x_rows = (sh.h0 * p, sh.h1 * p)
         bs, cs = (sh.g0 * n, sh.g1 * n), (gn + sh.g0 * n, gn + sh.g1 * n)
         # in_proj's rows: z [inner], x [inner], B [groups * state], C [groups * state], dt [heads]
-        conv_rows = (xs, (inner + bs[0], inner + bs[1]), (inner + cs[0], inner + cs[1]))
+        conv_rows = (x_rows, (inner + bs[0], inner + bs[1]), (inner + cs[0], inner + cs[1]))
         dt_rows = (2 * inner + 2 * gn + sh.h0, 2 * inner + 2 * gn + sh.h1)
         self.in_proj = ColumnLinear(cfg.hidden_size, 2 * inner + 2 * gn + s.heads,
-                                    (xs,) + tuple((inner + a, inner + b) for a, b in conv_rows) + (dt_rows,),
+                                    (x_rows,) + tuple((inner + a, inner + b) for a, b in conv_rows) + (dt_rows,),
                                     s.proj_bias)
         self.conv1d = ConvWeights(inner + 2 * gn, s.kernel, conv_rows, s.conv_bias)
         for name in ("A_log", "D", "dt_bias"):
             self._param(name, Shard((s.heads,), 0, ((sh.h0, sh.h1),)))
-        self.norm = NormScale(inner, xs)
-        self.out_proj = RowLinear(inner, cfg.hidden_size, ctx, s.proj_bias, cols=xs)
+        self.norm = NormScale(inner, x_rows)
+        self.out_proj = RowLinear(inner, cfg.hidden_size, ctx, s.proj_bias, cols=x_rows)
         self.local_inner, self.local_bc = sh.heads * p, sh.groups * n
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -180,9 +181,9 @@ class Mamba2Mixer(ShardedModule):
         if valid is not None:  # padding: no input and no decay, so the state passes through unchanged
             keep = valid.unsqueeze(-1).to(dt.dtype)
             dt, xs = dt * keep, xs * keep
-        group = sh.head_group.to(x.device)
-        y, ssm_state = ssd_scan(xs.view(n, t, sh.heads, s.head_dim), dt, -torch.exp(self.A_log.float()),
-                                b.view(n, t, sh.groups, s.state)[:, :, group], c.view(n, t, sh.groups, s.state)[:, :, group],
+        group = sh.head_group.to(x.device)  # B and C of each local head's group
+        b, c = (part.view(n, t, sh.groups, s.state)[:, :, group] for part in (b, c))
+        y, ssm_state = ssd_scan(xs.view(n, t, sh.heads, s.head_dim), dt, -torch.exp(self.A_log.float()), b, c,
                                 self.D.float(), state[1].float())
         y = self._gated_norm(y.reshape(n, t, -1), z)
         return self.out_proj(y.to(x.dtype)), (conv_state.to(state[0].dtype), ssm_state.to(state[1].dtype))
