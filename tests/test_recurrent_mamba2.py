@@ -19,6 +19,8 @@ from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from ster_dist.workers.extension import RankExtension
+from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
 
 VARIANTS = ["mamba2", "bamba", "nemotron_h"]
@@ -32,7 +34,7 @@ def tiny(tmp_path_factory):
         directory = tmp_path_factory.mktemp(variant)
         reference = make_tiny(variant, directory)
         raw = json.loads((directory / "config.json").read_text())
-        made[variant] = (reference, load_model(resolve(str(directory)), "f32").model, raw)
+        made[variant] = (reference, load_model(resolve(str(directory)), "f32").model, raw, directory)
     return made
 
 
@@ -42,7 +44,7 @@ def _ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
-    reference, model, _ = tiny[variant]
+    reference, model = tiny[variant][:2]
     ids = _ids(LONG, batch=2)
     with torch.no_grad():
         whole = model(ids)
@@ -57,30 +59,74 @@ def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
     assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_paged_steps_carry_each_sequences_state_in_its_slot(tiny, variant):
-    """Prefill chunks of two sequences in their own slots, packed with each other's decodes, equal whole reads."""
-    _, model, _ = tiny[variant]
-    tokens = {"A": _ids(80, seed=1)[0], "B": _ids(80, seed=2)[0]}
-    slots = {"A": 2, "B": 0}
+# (sequence, new tokens) per step: prefills longer than the scan's chunk, packed with the other's decodes
+SCHEDULE = [[("A", 70)], [("B", 33), ("A", 1)], [("A", 1), ("B", 40)], [("B", 1), ("A", 1)]]
+SLOTS = {"A": 2, "B": 0}
+
+
+def _paged_tokens() -> dict[str, torch.Tensor]:
+    return {"A": _ids(80, seed=1)[0], "B": _ids(80, seed=2)[0]}
+
+
+def run_paged(model, tokens: dict[str, torch.Tensor]) -> tuple[list[list[Chunk]], list[torch.Tensor], PagedCache]:
+    """SCHEDULE through forward_paged, each sequence in its SLOTS state slot: (chunks, logits) per step."""
     cache = PagedCache(model, num_blocks=64, block_size=4, state_slots=3)
     free = list(range(1, 64))
     blocks: dict[str, list[int]] = {"A": [], "B": []}
     length = {"A": 0, "B": 0}
-    schedule = [[("A", 70)], [("B", 33), ("A", 1)], [("A", 1), ("B", 40)], [("B", 1), ("A", 1)]]
-    for step in schedule:
+    all_chunks, all_logits = [], []
+    for step in SCHEDULE:
         chunks = []
         for name, n in step:
             while len(blocks[name]) * 4 < length[name] + n:
                 blocks[name].append(free.pop())
-            chunks.append(Chunk(tuple(blocks[name]), length[name], n, state=slots[name]))
+            chunks.append(Chunk(tuple(blocks[name]), length[name], n, state=SLOTS[name]))
             length[name] += n
         ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
         with torch.no_grad():
-            logits = model.forward_paged(ids, chunks, cache)
-            for (name, _), c, got in zip(step, chunks, logits):
+            all_logits.append(model.forward_paged(ids, chunks, cache))
+        all_chunks.append(chunks)
+    return all_chunks, all_logits, cache
+
+
+class PagedStatesOnRank(RankExtension):
+    def run(self, tokens: dict[str, torch.Tensor]) -> dict:
+        """This rank's paged logits of SCHEDULE and the shapes of its first recurrent layer's state slots."""
+        _, logits, cache = run_paged(self.model, tokens)
+        first = min(cache.states)
+        return {"logits": self.first_rank_only(logits), "state_shapes": [tuple(s.shape) for s in cache.states[first]]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_paged_steps_carry_each_sequences_state_in_its_slot(tiny, variant):
+    """Prefill chunks of two sequences in their own slots, packed with each other's decodes, equal whole reads."""
+    model = tiny[variant][1]
+    tokens = _paged_tokens()
+    chunks, logits, _ = run_paged(model, tokens)
+    for step, step_chunks, step_logits in zip(SCHEDULE, chunks, logits):
+        for (name, _), c, got in zip(step, step_chunks, step_logits):
+            with torch.no_grad():
                 whole = model(tokens[name][None, :c.start + c.length])[0, -1]
-                assert compare(got[None], whole[None])["max_relative_error"] < 1e-5, (variant, name, c)
+            assert compare(got[None], whole[None])["max_relative_error"] < 1e-5, (variant, name, c)
+
+
+def test_tensor_parallel_ranks_keep_their_heads_states_and_agree_with_one_rank(tiny):
+    """Paged steps at TP=2 (two whole groups, and one group split over the ranks) equal one rank's; each rank's
+    state slots hold its own heads' states."""
+    tokens = _paged_tokens()
+    with SpawnGroup(2) as group:
+        for variant in ("mamba2", "bamba"):
+            group.call("load", resolve(str(tiny[variant][3])), "f32", "cpu")
+            ranks = group.on(PagedStatesOnRank).run(tokens)
+            _, single, cache = run_paged(tiny[variant][1], tokens)
+            for tp2, tp1 in zip(ranks[0]["logits"], single):
+                assert compare(tp2, tp1)["max_relative_error"] < 1e-5, variant
+            (conv_slots, conv_channels, kernel), (ssm_slots, heads, head_dim, state) = (
+                tuple(s.shape) for s in cache.states[min(cache.states)])
+            bc = conv_channels - heads * head_dim  # B and C channels: replicated when one group is split
+            local_bc = bc // 2 if variant == "mamba2" else bc
+            assert [r["state_shapes"] for r in ranks] == [
+                [(conv_slots, heads // 2 * head_dim + local_bc, kernel), (ssm_slots, heads // 2, head_dim, state)]] * 2
 
 
 @pytest.mark.parametrize("variant, tp, expected", [
@@ -92,7 +138,7 @@ def test_paged_steps_carry_each_sequences_state_in_its_slot(tiny, variant):
     ("nemotron_h", 2, [((0, 4), (0, 1)), ((4, 8), (1, 2))]),
 ])
 def test_each_rank_holds_its_heads_groups_and_state(tiny, variant, tp, expected):
-    _, _, raw = tiny[variant]
+    raw = tiny[variant][2]
     cfg = from_hf(raw)
     got = []
     for rank in range(tp):
@@ -145,7 +191,7 @@ def test_a_tensor_parallelism_that_would_split_a_group_is_refused(tiny, variant,
 
 def test_bad_state_never_leaks_into_a_fresh_sequence(tiny):
     """A slot reused by a new sequence starts from zero state, whatever its last owner left there."""
-    _, model, _ = tiny["mamba2"]
+    model = tiny["mamba2"][1]
     cache = PagedCache(model, num_blocks=16, block_size=4, state_slots=1)
     for states in cache.states.values():
         for s in states:
