@@ -13,6 +13,7 @@ import torch
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
+from ster_dist.layers.ssd_scan import ssd_scan
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.paged import Chunk, PagedCache
@@ -40,6 +41,30 @@ def tiny(tmp_path_factory):
 
 def _ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_chunked_scan_equals_the_recurrence_token_by_token():
+    """The closed form over 64-token chunks equals S_t = exp(dt_t a) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t
+    stepped token by token; a token with dt = 0 and x = 0 leaves the state as it was."""
+    gen = torch.Generator().manual_seed(0)
+    n, t, h, p, k = 2, 150, 3, 4, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, b, c, state = randn(n, t, h, p), randn(n, t, h, k), randn(n, t, h, k), randn(n, h, p, k)
+    dt, a, d = torch.rand(n, t, h, generator=gen, dtype=torch.float64), -torch.rand(h, dtype=torch.float64), randn(h)
+    dt[0, 70:90], x[0, 70:90] = 0, 0  # padding inside a sequence: the state passes through
+    y, final = ssd_scan(x, dt, a, b, c, d, state)
+    s, ys = state.clone(), []
+    for i in range(t):
+        s = s * (dt[:, i] * a).exp()[..., None, None] + (dt[:, i, :, None] * x[:, i])[..., None] * b[:, i, :, None]
+        ys.append(torch.einsum("nhpk,nhk->nhp", s, c[:, i]) + d[:, None] * x[:, i])
+        if i == 69:
+            before = s[0].clone()
+    assert torch.allclose(y, torch.stack(ys, dim=1), atol=1e-10) and torch.allclose(final, s, atol=1e-10)
+    _, held = ssd_scan(x[:, 70:90], dt[:, 70:90], a, b[:, 70:90], c[:, 70:90], d, before.expand(n, -1, -1, -1))
+    assert torch.allclose(held[0], before, atol=1e-12)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

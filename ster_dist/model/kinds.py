@@ -8,7 +8,8 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
   of one position on this rank, and reaches its keys through `step.attend`;
 - recurrent (keeps one state per sequence: Mamba, gated delta, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
-  `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state.
+  `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
+- none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers).
 
 Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
 projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its
