@@ -87,7 +87,8 @@ class MLAConfig:
 
 # the layer kinds a config may pick (model/kinds.py builds them); attention kinds keep keys per position
 ATTENTION_MIXERS = ("attention", "latent_attention")
-MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv")
+# "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers)
+MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none")
 FEED_FORWARD_KINDS = ("dense", "moe", "none")
 
 

@@ -379,8 +379,10 @@ def all_mismatches(mc: ModelConfig, ref: HF) -> dict:
 
 # Transformers reads NaN / Infinity as floats where ster_dist reads them as unstated (seeds/000), so the
 # non-finite fixture has its own test below.
+# Codestral Mamba has no attention or feed-forward for these comparisons; test_mamba2_fixture_reads_as_transformers
+# below and tests/test_recurrent_mamba2.py check its mixer.
 RUNNABLE = [name for name, family in FIXTURE_FAMILIES.items()
-            if spec_for(family) is not None and name != "tinyllama-nonfinite"]
+            if spec_for(family) is not None and name not in ("tinyllama-nonfinite", "mamba-codestral-7b")]
 
 
 def test_runnable_fixtures():
@@ -423,6 +425,8 @@ def test_tie_word_embeddings_unstated_reads_the_transformers_default(family):
     """A config that leaves tie_word_embeddings out (as starcoder2-3b's does) ties as Transformers' class says."""
     raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
            "vocab_size": 300000, "intermediate_size": 128}
+    if family == "mamba2":  # Mamba2Config's default heads do not fit this width
+        raw.update(num_heads=2, head_dim=64)
     assert from_hf(raw).tie_word_embeddings == CONFIG_MAPPING[family].from_dict(dict(raw)).tie_word_embeddings
 
 
@@ -440,6 +444,10 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
         pytest.skip("positions are not rotations (learned or ALiBi)")
     if family == "falcon":  # FalconConfig derives head_dim and refuses it stated
         raw.pop("head_dim")
+    if family == "mamba2":
+        pytest.skip("no attention layer")
+    if family == "bamba":  # attention only where attn_layer_indices says
+        raw["attn_layer_indices"] = [0]
     ref = CONFIG_MAPPING[family].from_dict(dict(raw))
     if spec_for(family).latent_attention or family in ("gpt2", "dbrx"):
         pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")
@@ -962,8 +970,18 @@ def test_family_without_spec_refused_clearly(name):
     assert f'"{name}"' in message and "not yet runnable" in message
 
 
-def test_mamba2_fixture_refused_by_from_hf():
-    assert '"mamba2"' in refusal(from_hf, raw_config("mamba-codestral-7b"))
+def test_mamba2_fixture_reads_as_transformers():
+    """Codestral Mamba: every layer a Mamba-2 mixer without feed-forward, of the sizes Transformers' config has."""
+    from ster_dist.model.mamba2 import Mamba2Settings
+
+    mc, ref = ster("mamba-codestral-7b"), hf("mamba-codestral-7b").config
+    assert mc.mixers == ("mamba2",) * ref.num_hidden_layers and set(mc.feed_forwards) == {"none"}
+    s = Mamba2Settings(mc)
+    assert (s.heads, s.head_dim, s.state, s.groups, s.kernel, s.conv_bias, s.proj_bias) == (
+        ref.num_heads, ref.head_dim, ref.state_size, ref.n_groups, ref.conv_kernel, ref.use_conv_bias, ref.use_bias)
+    assert s.dt_limit == tuple(ref.time_step_limit) and mc.norm_eps == ref.layer_norm_epsilon
+    assert (mc.hidden_size, mc.vocab_size, mc.tie_word_embeddings) == (ref.hidden_size, ref.vocab_size,
+                                                                        ref.tie_word_embeddings)
 
 
 # --------------------------------------------------------------------------------------------------

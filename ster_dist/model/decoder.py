@@ -39,22 +39,27 @@ class Block(nn.Module):
 
         kind = MIXERS[cfg.mixer(layer)]
         self.site = kind.site
+        mixer = kind.build(cfg, layer, ctx)
         self.attn_norm = norm() if cfg.pre_attn_norm else None
-        setattr(self, kind.site, kind.build(cfg, layer, ctx))
-        self.post_attn_norm = norm() if cfg.post_attn_norm else None
+        setattr(self, kind.site, mixer)
+        self.post_attn_norm = norm() if cfg.post_attn_norm and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
-        self.mlp_norm = norm() if cfg.pre_mlp_norm and self.mlp is not None else None
+        # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
+        self.mlp_norm = norm() if cfg.pre_mlp_norm and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm() if cfg.post_mlp_norm and self.mlp is not None else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
 
     @property
-    def token_mixer(self) -> nn.Module:
-        """The layer's attention or recurrent mixer, whichever site it sits at."""
+    def token_mixer(self) -> nn.Module | None:
+        """The layer's attention or recurrent mixer, whichever site it sits at (None: the feed-forward alone)."""
         return getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
+        if self.token_mixer is None:  # the feed-forward alone, behind the block's first norm
+            m = self.mlp(a_in)
+            return x + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
         a = self.token_mixer(a_in, step)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)

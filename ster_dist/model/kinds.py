@@ -8,7 +8,8 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
   of one position on this rank, and reaches its keys through `step.attend`;
 - recurrent (keeps one state per sequence: Mamba, gated delta, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
-  `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state.
+  `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
+- none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers).
 
 Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
 projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its
@@ -25,6 +26,7 @@ from torch import nn
 from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, ModelConfig
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
+from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
 from ster_dist.model.short_conv import ShortConv
 from ster_dist.moe.layer import MoE
@@ -47,6 +49,8 @@ MIXERS: dict[str, MixerKind] = {
     "attention": MixerKind(Attention, "attn"),
     "latent_attention": MixerKind(LatentAttention, "attn"),
     "short_conv": MixerKind(ShortConv, "mixer"),
+    "mamba2": MixerKind(Mamba2Mixer, "mixer"),
+    "none": MixerKind(lambda cfg, layer, ctx: None, "mixer"),  # the feed-forward alone (Nemotron-H's "-" layers)
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

@@ -1,0 +1,162 @@
+"""Mamba-2 and the hybrids Transformers builds from its mixer (model/mamba2.py): each normalisation maps the
+family's own names for the mixer's settings onto Bamba's (mamba_n_heads, mamba_d_head, ...), which the
+mixer reads.
+
+- mamba2: every layer a norm and a Mamba-2 mixer, no feed-forward (state-spaces' Mamba-2, Codestral Mamba).
+- bamba: Llama's blocks whose token mixer is Mamba-2 except at attn_layer_indices, where it is attention
+  rotating half of each head.
+- nemotron_h: one norm and one sublayer per layer, as hybrid_override_pattern (or layers_block_type) says:
+  M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward; E (experts whose
+  feed-forward has no gate) is refused. Its dt is clamped below at time_step_min, as Transformers does.
+
+Codestral's config states norm_before_gate true; Transformers ignores it (the gate always multiplies before
+the norm), and so does ster_dist.
+"""
+
+from __future__ import annotations
+
+from ster_dist.errors import Refusal
+from ster_dist.families.layouts import llama_rules, weight_and_bias
+from ster_dist.families.spec import FamilySpec, Rule
+
+
+def _mixer_rules(layer: str) -> tuple[Rule, ...]:
+    """One Mamba-2 mixer's tensors under `layer` (a template with {i}), into layers.{i}.mixer."""
+    into = "layers.{i}.mixer"
+    return (*(rule for name in ("in_proj", "conv1d", "out_proj")
+              for rule in weight_and_bias(f"{layer}.{name}", f"{into}.{name}")),
+            Rule(f"{layer}.norm.weight", f"{into}.norm.weight"),
+            *(Rule(f"{layer}.{name}", f"{into}.{name}") for name in ("A_log", "D", "dt_bias")))
+
+
+def _rename(raw: dict, names: dict[str, str], defaults: dict) -> dict:
+    """raw with each family key's value (or Transformers' default where unstated) under the mixer's name."""
+    out = dict(raw)
+    for own, mixer in names.items():
+        value = raw.get(own)
+        out[mixer] = defaults[own] if value is None else value
+    return out
+
+
+# Mamba2Config's names and defaults
+_MAMBA2_NAMES = {"num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state_size": "mamba_d_state",
+                 "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "expand": "mamba_expand",
+                 "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias", "hidden_act": "mamba_hidden_act"}
+_MAMBA2_DEFAULTS = {"num_heads": 128, "head_dim": 64, "state_size": 128, "n_groups": 8, "conv_kernel": 4, "expand": 2,
+                    "use_conv_bias": True, "use_bias": False, "hidden_act": "silu"}
+
+
+def _normalize_mamba2(raw: dict) -> dict:
+    out = _rename(raw, _MAMBA2_NAMES, _MAMBA2_DEFAULTS)
+    out.setdefault("layer_norm_epsilon", 1e-5)
+    if isinstance(out.get("hidden_size"), int) and isinstance(out["mamba_expand"], int):
+        out["intermediate_size"] = out["mamba_expand"] * out["hidden_size"]
+    return out
+
+
+def _every_layer_mamba2(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return ("mamba2",) * layers, ("none",) * layers
+
+
+# BambaConfig's defaults (its names are the mixer's); mamba_d_head "auto" is expand x hidden / heads
+_BAMBA_DEFAULTS = {"mamba_n_heads": 128, "mamba_d_head": "auto", "mamba_n_groups": 1, "mamba_d_state": 256,
+                   "mamba_d_conv": 4, "mamba_expand": 2, "mamba_conv_bias": True, "mamba_proj_bias": False}
+
+
+def _normalize_bamba(raw: dict) -> dict:
+    out = _rename(raw, {key: key for key in _BAMBA_DEFAULTS}, _BAMBA_DEFAULTS)
+    if out["mamba_d_head"] == "auto" and isinstance(out.get("hidden_size"), int):
+        out["mamba_d_head"] = out["mamba_expand"] * out["hidden_size"] // out["mamba_n_heads"]
+    out["mamba_hidden_act"] = raw.get("hidden_act") or "silu"
+    for key, value in (("rms_norm_eps", 1e-5), ("num_key_value_heads", 8), ("max_position_embeddings", 262144),
+                       ("partial_rotary_factor", 0.5)):
+        if out.get(key) is None:
+            out[key] = value
+    return out
+
+
+def _bamba_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    indices = raw.get("attn_layer_indices") or []
+    if not isinstance(indices, list) or not all(isinstance(i, int) and 0 <= i < layers for i in indices):
+        raise Refusal(f"invalid model config: attn_layer_indices {indices!r} must list layer indices below "
+                      f"num_hidden_layers ({layers}); correct it")
+    return tuple("attention" if i in indices else "mamba2" for i in range(layers)), ("dense",) * layers
+
+
+MAMBA2_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("mamba2", (Rule("backbone.embeddings.weight", "embed.weight"),
+                          Rule("backbone.embedding.weight", "embed.weight"),  # the original checkpoints' name
+                          Rule("lm_head.weight", "lm_head.weight"),
+                          Rule("backbone.norm_f.weight", "final_norm.weight"),
+                          Rule("backbone.layers.{i}.norm.weight", "layers.{i}.attn_norm.weight"),
+                          *_mixer_rules("backbone.layers.{i}.mixer")),
+               normalize=_normalize_mamba2, layer_kinds=_every_layer_mamba2, parity_reference="Mamba2ForCausalLM"),
+    FamilySpec("bamba", llama_rules(mlp="feed_forward", mlp_norm="pre_ff_layernorm", final_norm="final_layernorm",
+                                    q_norm=None, k_norm=None) + _mixer_rules("model.layers.{i}.mamba"),
+               normalize=_normalize_bamba, layer_kinds=_bamba_layers, parity_reference="BambaForCausalLM"),
+)
+
+
+# Nemotron-H's layer letters (hybrid_override_pattern) and names (layers_block_type, old and new) -> kinds
+_NEMOTRON_H_KINDS = {"M": "mamba2", "mamba": "mamba2", "linear_attention": "mamba2",
+                     "*": "attention", "attention": "attention", "full_attention": "attention",
+                     "-": "none", "mlp": "none", "E": "moe", "moe": "moe"}
+# NemotronHConfig's names (its legacy spellings first) and defaults
+_NEMOTRON_H_NAMES = {"mamba_num_heads": "mamba_n_heads", "mamba_head_dim": "mamba_d_head",
+                     "ssm_state_size": "mamba_d_state", "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
+                     "use_conv_bias": "mamba_conv_bias", "use_bias": "mamba_proj_bias",
+                     "mamba_hidden_act": "mamba_hidden_act"}
+_NEMOTRON_H_LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
+                      "mamba_dt_min": "time_step_min"}
+_NEMOTRON_H_DEFAULTS = {"mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                        "conv_kernel": 4, "use_conv_bias": True, "use_bias": False, "mamba_hidden_act": "silu"}
+
+
+def _nemotron_h_pattern(raw: dict) -> list[str]:
+    stated = raw.get("layers_block_type")
+    if stated is None:
+        stated = list(raw.get("hybrid_override_pattern") or "")
+    if not isinstance(stated, list) or not stated or not all(kind in _NEMOTRON_H_KINDS for kind in stated):
+        raise Refusal(f"invalid model config: the Nemotron-H layer pattern {stated!r} is not a list of M, *, - "
+                      "(or their layers_block_type names); correct hybrid_override_pattern")
+    return [_NEMOTRON_H_KINDS[kind] for kind in stated]
+
+
+def _normalize_nemotron_h(raw: dict) -> dict:
+    # a legacy spelling wins over the current one, as NemotronHConfig reads them
+    raw = {**raw, **{new: raw[old] for old, new in _NEMOTRON_H_LEGACY.items() if raw.get(old) is not None}}
+    out = _rename(raw, _NEMOTRON_H_NAMES, _NEMOTRON_H_DEFAULTS)
+    out["mamba_expand"] = None  # the mixer's width is its heads x head_dim, whatever expand says
+    # the layer pattern decides the count (Transformers ignores a num_hidden_layers that disagrees)
+    out["num_hidden_layers"] = len(_nemotron_h_pattern(raw))
+    out["time_step_limit"] = [raw.get("time_step_min", 0.001), None]
+    out["hidden_act"] = raw.get("mlp_hidden_act", "relu2")
+    out["attention_bias"] = False  # Transformers' attention has no biases whatever the config says
+    for key, value in (("layer_norm_epsilon", 1e-5), ("num_attention_heads", 32), ("num_key_value_heads", 8),
+                       ("head_dim", 128), ("intermediate_size", 21504), ("max_position_embeddings", 4096)):
+        out.setdefault(key, value)
+    return out
+
+
+def _nemotron_h_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    kinds = _nemotron_h_pattern(raw)
+    if "moe" in kinds:
+        raise Refusal("Nemotron-H's expert layers (E) are not supported: their experts have no gate, which ster_dist's "
+                      "experts need; use a Nemotron-H checkpoint of M, * and - layers")
+    return tuple(kinds), tuple("dense" if kind == "none" else "none" for kind in kinds)
+
+
+_NEMOTRON_H_RULES = (
+    Rule("backbone.embeddings.weight", "embed.weight"), Rule("lm_head.weight", "lm_head.weight"),
+    Rule("backbone.norm_f.weight", "final_norm.weight"),
+    Rule("backbone.layers.{i}.norm.weight", "layers.{i}.attn_norm.weight"),
+    *(rule for src, dst in (("q_proj", "attn.q"), ("k_proj", "attn.k"), ("v_proj", "attn.v"), ("o_proj", "attn.o"),
+                            ("up_proj", "mlp.up"), ("down_proj", "mlp.down"))
+      for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.{src}", f"layers.{{i}}.{dst}")),
+    *_mixer_rules("backbone.layers.{i}.mixer"),
+)
+
+MAMBA2_FAMILIES += (
+    FamilySpec("nemotron_h", _NEMOTRON_H_RULES, positions="none", mlp_gated=False, normalize=_normalize_nemotron_h,
+               layer_kinds=_nemotron_h_layers, parity_reference="NemotronHForCausalLM"),
+)

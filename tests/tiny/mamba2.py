@@ -1,0 +1,22 @@
+"""Tiny checkpoints of ster_dist/families/mamba2.py's families: chunk sizes below the test prompts' lengths, so
+Transformers' chunked scan carries its state across chunks."""
+
+from __future__ import annotations
+
+_NO_ATTENTION = ("num_attention_heads", "intermediate_size", "max_position_embeddings")
+
+TINY: dict[str, tuple[str, str, dict]] = {
+    # two groups of four heads (TP=2 keeps each group whole), biased projections, tied head
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        num_heads=8, head_dim=12, n_groups=2, state_size=16, conv_kernel=4, expand=2, chunk_size=16,
+        use_bias=True, tie_word_embeddings=True)),
+    # one group (TP=2 replicates it and splits its heads), attention in the middle layer rotating half a head
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        num_key_value_heads=2, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=16, attn_layer_indices=[1])),
+}
+UNSTATED_BASE = {"mamba2": _NO_ATTENTION}
+TINY["nemotron_h"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
+    # every layer kind but experts: Mamba-2, attention without rotation, the plain squared-ReLU feed-forward
+    layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"], num_key_value_heads=2,
+    head_dim=16, mamba_num_heads=8, mamba_head_dim=12, ssm_state_size=16, n_groups=2, chunk_size=16))
