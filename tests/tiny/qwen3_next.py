@@ -1,0 +1,14 @@
+"""Tiny checkpoints of ster_dist/families/qwen3_next.py's families."""
+
+from __future__ import annotations
+
+TINY: dict[str, tuple[str, str, dict]] = {
+    # linear attention around one full-attention layer; two value heads per key head (so tensor-parallel
+    # ranks split key-head groups), key and value widths unlike each other and the attention head_dim;
+    # a dense first layer before the experts
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, mlp_only_layers=[0])),
+}
