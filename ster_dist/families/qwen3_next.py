@@ -6,6 +6,11 @@
   each full_attention_interval-th) run the gated delta rule (model/gated_delta.py), whose in_proj_qkvz
   and in_proj_ba group rows by key head; the experts are Qwen2-MoE's with a sigmoid-gated shared expert.
   Its multi-token-prediction tensors (mtp.*) are ignored.
+- qwen3_5_text: Qwen3-Next's attention and dense feed-forward with the linear attention's projections stored
+  apart (in_proj_qkv: every query, then key, then value, as the convolution orders them; in_proj_z, in_proj_b,
+  in_proj_a); the output gate follows attn_output_gate (on by default); the multimodal rotation sections
+  rotate text as the plain rotation does.
+- qwen3_5_moe_text: qwen3_5_text over Qwen3-Next's experts, renormalised unless norm_topk_prob is false.
 """
 
 from __future__ import annotations
@@ -29,54 +34,86 @@ def _gated_query(checkpoint: str) -> tuple[Rule, ...]:
 
 
 def _delta_rules() -> tuple[Rule, ...]:
-    """linear_attn's tensors; in_proj_qkvz and in_proj_ba hold one group of rows per key head (its query and key,
+    """Qwen3-Next's linear_attn: in_proj_qkvz and in_proj_ba hold one group of rows per key head (its query and key,
     then its value heads' values and output gates; its value heads' b, then their a)."""
     qkvz = Fused(((f"{_MIXER}.q.weight", "linear_key_head_dim"), (f"{_MIXER}.k.weight", "linear_key_head_dim"),
                   (f"{_MIXER}.v.weight", "linear_value_group"), (f"{_MIXER}.z.weight", "linear_value_group")),
                  groups="linear_key_heads", unit="one")
     ba = Fused(((f"{_MIXER}.b.weight", "linear_values_per_key"), (f"{_MIXER}.a.weight", "linear_values_per_key")),
                groups="linear_key_heads", unit="one")
-    return (Rule(f"{_LINEAR}.in_proj_qkvz.weight", qkvz), Rule(f"{_LINEAR}.in_proj_ba.weight", ba),
-            Rule(f"{_LINEAR}.conv1d.weight", f"{_MIXER}.conv_weight"),
+    return (Rule(f"{_LINEAR}.in_proj_qkvz.weight", qkvz), Rule(f"{_LINEAR}.in_proj_ba.weight", ba)) + _delta_common()
+
+
+def _split_delta_rules() -> tuple[Rule, ...]:
+    """Qwen3.5's linear_attn: in_proj_qkv holds every query, then every key, then every value (the convolution's
+    channel order); in_proj_z, in_proj_b and in_proj_a one row per value-head row each."""
+    qkv = Fused(((f"{_MIXER}.q.weight", "linear_key_dim"), (f"{_MIXER}.k.weight", "linear_key_dim"),
+                 (f"{_MIXER}.v.weight", "linear_value_dim")), unit="one")
+    return ((Rule(f"{_LINEAR}.in_proj_qkv.weight", qkv),)
+            + tuple(Rule(f"{_LINEAR}.in_proj_{p}.weight", f"{_MIXER}.{p}.weight") for p in ("z", "b", "a"))
+            + _delta_common())
+
+
+def _delta_common() -> tuple[Rule, ...]:
+    return (Rule(f"{_LINEAR}.conv1d.weight", f"{_MIXER}.conv_weight"),
             Rule(f"{_LINEAR}.A_log", f"{_MIXER}.A_log"), Rule(f"{_LINEAR}.dt_bias", f"{_MIXER}.dt_bias"),
             Rule(f"{_LINEAR}.norm.weight", f"{_MIXER}.norm_weight"),
             Rule(f"{_LINEAR}.out_proj.weight", f"{_MIXER}.out.weight"))
 
 
-def _normalize(raw: dict) -> dict:
+def _normalize(raw: dict, gate_key: bool = False, renormalize: bool = False) -> dict:
+    """Transformers' defaults the shared reader does not know: the attention output gate (always on, or where
+    gate_key, on unless attn_output_gate says otherwise), a quarter of each head rotated, and (Qwen3.5-MoE)
+    renormalised expert weights unless norm_topk_prob says otherwise."""
     out = dict(raw)
-    out["attn_output_gate"] = True
-    # Transformers rotates a quarter of each head unless the config says otherwise
+    if not gate_key or out.get("attn_output_gate") is None:
+        out["attn_output_gate"] = True
     if out.get("partial_rotary_factor") is None and not (out.get("rope_parameters") or {}).get("partial_rotary_factor"):
         out["partial_rotary_factor"] = 0.25
+    if renormalize and out.get("norm_topk_prob") is None:
+        out["norm_topk_prob"] = True
     return out
 
 
-def _layer_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    types = raw.get("layer_types")
-    if types is None:
-        interval = raw.get("full_attention_interval")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise Refusal(f"invalid model config: neither layer_types nor a positive full_attention_interval is "
-                          f"stated (full_attention_interval is {interval!r}); state which layers attend")
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    unknown = sorted({str(t) for t in types} - set(_MIXERS))
-    if unknown:
-        raise Refusal(f"invalid model config: layer type {unknown[0]!r} is not supported for qwen3_next; "
-                      "its layer_types lists linear_attention and full_attention only")
-    only = set(raw.get("mlp_only_layers") or [])
-    step = int(raw.get("decoder_sparse_step") or 1)
-    experts = int(raw.get("num_experts") or 0)
-    feed_forwards = tuple("moe" if experts > 0 and i not in only and (i + 1) % step == 0 else "dense"
-                          for i in range(num_layers))
-    return tuple(_MIXERS[t] for t in types), feed_forwards
+def _layer_kinds(family: str):
+    def kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        types = raw.get("layer_types")
+        if types is None:
+            interval = raw.get("full_attention_interval")
+            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+                raise Refusal(f"invalid model config: neither layer_types nor a positive full_attention_interval is "
+                              f"stated (full_attention_interval is {interval!r}); state which layers attend")
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+        unknown = sorted({str(t) for t in types} - set(_MIXERS))
+        if unknown:
+            raise Refusal(f"invalid model config: layer type {unknown[0]!r} is not supported for {family}; "
+                          "its layer_types lists linear_attention and full_attention only")
+        only = set(raw.get("mlp_only_layers") or [])
+        step = int(raw.get("decoder_sparse_step") or 1)
+        experts = int(raw.get("num_experts") or 0)
+        feed_forwards = tuple("moe" if experts > 0 and i not in only and (i + 1) % step == 0 else "dense"
+                              for i in range(num_layers))
+        return tuple(_MIXERS[t] for t in types), feed_forwards
+    return kinds
 
+
+_ATTENTION = llama_rules(q=None) + _gated_query("model.layers.{i}.self_attn.q_proj")
+_SPARSE = (expert_rules(_MLP) + router_rules(f"{_MLP}.gate") + shared_rules(f"{_MLP}.shared_expert")
+           + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),))
+_COMMON = dict(norm_offset=1.0, qk_norm="head", mlp_bias_keys=(), ignore=(r"mtp\..*",))
+# q_proj is read as query and gate rows (_gated_query); a checkpoint without the gate rows has another layout
+_GATED = dict(require_values={"attn_output_gate": (True, "only the gated attention layout (q_proj holding each "
+                                                         "head's query and gate rows) is supported")})
 
 QWEN3_NEXT_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("qwen3_next", llama_rules(q=None) + _gated_query("model.layers.{i}.self_attn.q_proj") + _delta_rules()
-               + expert_rules(_MLP) + router_rules(f"{_MLP}.gate") + shared_rules(f"{_MLP}.shared_expert")
-               + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),),
-               norm_offset=1.0, qk_norm="head", mlp_bias_keys=(), ignore=(r"mtp\..*",),
-               moe=MoESpec(shared="qwen"), parity_reference="Qwen3NextForCausalLM",
-               normalize=_normalize, layer_kinds=_layer_kinds),
+    FamilySpec("qwen3_next", _ATTENTION + _delta_rules() + _SPARSE, moe=MoESpec(shared="qwen"),
+               parity_reference="Qwen3NextForCausalLM", normalize=_normalize,
+               layer_kinds=_layer_kinds("qwen3_next"), **_COMMON),
+    FamilySpec("qwen3_5_text", _ATTENTION + _split_delta_rules(), parity_reference="Qwen3_5ForCausalLM",
+               normalize=lambda raw: _normalize(raw, gate_key=True), layer_kinds=_layer_kinds("qwen3_5_text"),
+               **_COMMON, **_GATED),
+    FamilySpec("qwen3_5_moe_text", _ATTENTION + _split_delta_rules() + _SPARSE, moe=MoESpec(shared="qwen"),
+               parity_reference="Qwen3_5MoeForCausalLM",
+               normalize=lambda raw: _normalize(raw, gate_key=True, renormalize=True),
+               layer_kinds=_layer_kinds("qwen3_5_moe_text"), **_COMMON, **_GATED),
 )

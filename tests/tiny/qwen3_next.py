@@ -12,3 +12,17 @@ TINY: dict[str, tuple[str, str, dict]] = {
         linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=40, mlp_only_layers=[0])),
 }
+TINY.update({
+    # the projections stored apart; attention layers first and last, so both sorts meet the cache at once
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                         "full_attention"],
+        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=10, linear_conv_kernel_dim=3, tie_word_embeddings=True)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40)),
+})
+UNSTATED_BASE = {"qwen3_5_moe_text": ("intermediate_size",)}
