@@ -1,4 +1,4 @@
-"""The gated delta-rule layer kind (model/gated_delta.py) on a tiny Qwen3-Next checkpoint: its scan against
+"""The gated delta-rule layer kind (model/gated_delta.py) on tiny Qwen3-Next and Qwen3.5 checkpoints: its scan against
 Transformers' own delta-rule functions, a long prompt read in chunks (static cache and paged state slots)
 equal to one pass, left padding leaving the state alone, each tensor-parallel rank's share of heads, channels
 and checkpoint rows, and refusals of configs it cannot run."""
@@ -140,6 +140,31 @@ def test_tensor_parallel_ranks_hold_whole_key_head_groups_and_read_only_their_ro
         assert [(p.rows.start, p.rows.stop) for p in conv.pieces] == [
             (rank * dk, (rank + 1) * dk), (key_dim + rank * dk, key_dim + (rank + 1) * dk),
             (2 * key_dim + rank * per_key * dv, 2 * key_dim + (rank + 1) * per_key * dv)]
+
+
+def test_qwen3_5_ranks_read_their_rows_of_each_part_of_in_proj_qkv(tmp_path):
+    """Qwen3.5 stores every query, then every key, then every value: a rank's query, key and value rows are
+    three runs of that tensor, each its own key head's (or its value heads') share."""
+    make_tiny("qwen3_5_text", tmp_path)
+    cfg = from_hf(read_config(tmp_path))
+    dk, dv, per_key = 8, 10, 3
+    key_dim, value_dim = 2 * dk, 2 * per_key * dv
+    shapes = {"model.layers.1.linear_attn.in_proj_qkv.weight": (2 * key_dim + value_dim, cfg.hidden_size),
+              "model.layers.1.linear_attn.in_proj_z.weight": (value_dim, cfg.hidden_size)}
+    for rank in range(2):
+        plan = build_plan(cfg.spec, cfg, meta_decoder(cfg, ParallelCtx(rank, 2)).shards(), shapes)
+        rows = {read.param.rsplit(".", 2)[-2]: [(p.rows.start, p.rows.stop) for p in read.pieces]
+                for read in plan.reads}
+        values = (2 * key_dim + rank * per_key * dv, 2 * key_dim + (rank + 1) * per_key * dv)
+        assert rows == {"q": [(rank * dk, (rank + 1) * dk)], "k": [(key_dim + rank * dk, key_dim + (rank + 1) * dk)],
+                        "v": [values], "z": [(rank * per_key * dv, (rank + 1) * per_key * dv)]}
+
+
+def test_qwen3_5_without_the_attention_output_gate_is_refused(tmp_path):
+    make_tiny("qwen3_5_text", tmp_path / "model")
+    directory = _edited(tmp_path / "model", tmp_path, attn_output_gate=False)
+    with pytest.raises(Refusal, match="attn_output_gate is False; only the gated attention layout"):
+        load_model(resolve(str(directory)), "f32")
 
 
 def _edited(tiny, tmp_path, **changes):
