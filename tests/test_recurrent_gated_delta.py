@@ -16,7 +16,7 @@ from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
-from ster_dist.model.gated_delta import gated_delta_rule, l2norm
+from ster_dist.model.gated_delta import delta_rule_chunked, delta_rule_recurrent, l2norm
 from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
@@ -42,8 +42,8 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("length", [1, 5, 70])
-def test_scan_equals_transformers_chunked_and_recurrent_delta_rule(length):
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_both_scans_equal_transformers_chunked_and_recurrent_delta_rule(length):
     from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
     gen = torch.Generator().manual_seed(length)
@@ -53,12 +53,16 @@ def test_scan_equals_transformers_chunked_and_recurrent_delta_rule(length):
     g = -torch.rand(n, length, value_heads, generator=gen) * 2
     beta = torch.rand(n, length, value_heads, generator=gen)
     state = torch.randn(n, value_heads, dk, dv, generator=gen)
-    ours, ours_state = gated_delta_rule(l2norm(q) * dk ** -0.5, l2norm(k), v, g, beta, state)
-    for fn in (ref.torch_chunk_gated_delta_rule, ref.torch_recurrent_gated_delta_rule):
-        theirs, theirs_state = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True)
-        assert compare(ours, theirs)["max_relative_error"] < 1e-4, fn.__name__
-        assert compare(ours_state, theirs_state)["max_relative_error"] < 1e-4, fn.__name__
+    groups = value_heads // key_heads
+    mine = (l2norm(q).repeat_interleave(groups, 2) * dk ** -0.5, l2norm(k).repeat_interleave(groups, 2), v, g, beta,
+            state)
+    for ours_fn in (delta_rule_recurrent, delta_rule_chunked):
+        ours, ours_state = ours_fn(*mine)
+        for fn in (ref.torch_chunk_gated_delta_rule, ref.torch_recurrent_gated_delta_rule):
+            theirs, theirs_state = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+            assert compare(ours, theirs)["max_relative_error"] < 1e-4, (ours_fn.__name__, fn.__name__)
+            assert compare(ours_state, theirs_state)["max_relative_error"] < 1e-4, (ours_fn.__name__, fn.__name__)
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):

@@ -102,8 +102,8 @@ _SPARSE = (expert_rules(_MLP) + router_rules(f"{_MLP}.gate") + shared_rules(f"{_
            + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),))
 _COMMON = dict(norm_offset=1.0, qk_norm="head", mlp_bias_keys=(), ignore=(r"mtp\..*",))
 # q_proj is read as query and gate rows (_gated_query); a checkpoint without the gate rows has another layout
-_GATED = dict(require_values={"attn_output_gate": (True, "only the gated attention layout (q_proj holding each "
-                                                         "head's query and gate rows) is supported")})
+_GATED = dict(require_values={"attn_output_gate": (True, ("only the gated attention layout (q_proj holding "
+                                                          "each head's query and gate rows) is supported"))})
 
 QWEN3_NEXT_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("qwen3_next", _ATTENTION + _delta_rules() + _SPARSE, moe=MoESpec(shared="qwen"),

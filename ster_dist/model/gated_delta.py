@@ -11,8 +11,9 @@ tensor parallelism splits those groups as vLLM does: each rank holds whole key h
 heads, so its projections are column shares, its convolution its own channels, its state its own heads,
 and only the output projection reduces across ranks.
 
-The scan is a plain recurrence over tokens in f32. Transformers' chunked form is the same sum in
-another order; the two agree to rounding.
+The scan runs in f32: token by token for short reads (decoding), in blocks of 64 tokens for longer ones
+(each block's corrections one triangular solve, the state carried from block to block). Both are the
+same sum in another order, and agree with Transformers' chunked and recurrent forms to rounding.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+CHUNK = 64          # tokens per block of the chunked form
+CHUNKED_FROM = 16   # shorter reads (decoding) run the plain recurrence
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs [n, t, value heads, value width] and the new state [n, value heads, key width, value width]
@@ -61,6 +66,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     groups = v.shape[2] // k.shape[2]
     if groups > 1:  # each key head serves its consecutive value heads
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    scan = delta_rule_chunked if v.shape[1] >= CHUNKED_FROM else delta_rule_recurrent
+    return scan(q, k, v, g, beta, state)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token, with as many key heads as value heads."""
     decay = g.exp()
     out = torch.empty_like(v)
     for i in range(v.shape[1]):
@@ -71,6 +82,36 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         state = state + k_i * delta.unsqueeze(-2)
         out[:, i] = (state * q[:, i].unsqueeze(-1)).sum(-2)
     return out, state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule a block of CHUNK tokens at a time. Within a block, with G_i the decay from the block's start
+    to token i and S the state before it, each token's correction d_i = beta_i (v_i - G_i S^T k_i
+    - sum_{j<i} G_i/G_j (k_i . k_j) d_j) is a unit lower-triangular system, solved for every block at once;
+    only the step from block to block (through S) is sequential. Trailing padding tokens (g = beta = 0) leave
+    the state alone."""
+    n, t, heads, _ = v.shape
+    pad = -t % CHUNK
+    q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)).unflatten(2, (-1, CHUNK)) for x in (q, k, v))
+    g, beta = (F.pad(x.transpose(1, 2), (0, pad)).unflatten(2, (-1, CHUNK)) for x in (g, beta))
+    log_decay = g.cumsum(-1)                                          # [n, heads, blocks, CHUNK]
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
+    # G_i / G_j for j <= i (zero above the diagonal)
+    between = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    system = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * between  # its diagonal is taken as one
+    written = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    from_state = torch.linalg.solve_triangular(system, k * (beta * log_decay.exp()).unsqueeze(-1), upper=False,
+                                               unitriangular=True)
+    reads = (q @ k.transpose(-1, -2)) * between
+    q_from_start = q * log_decay.exp().unsqueeze(-1)
+    k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)
+    block_decay = log_decay[..., -1].exp()
+    out = torch.empty_like(v)
+    for c in range(v.shape[2]):
+        delta = written[:, :, c] - from_state[:, :, c] @ state
+        out[:, :, c] = q_from_start[:, :, c] @ state + reads[:, :, c] @ delta
+        state = state * block_decay[:, :, c, None, None] + k_to_end[:, :, c].transpose(-1, -2) @ delta
+    return out.flatten(2, 3)[:, :, :t].transpose(1, 2), state
 
 
 class GatedDeltaNet(ShardedModule):
