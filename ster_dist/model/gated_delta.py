@@ -90,7 +90,7 @@ def delta_rule_chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Ten
     - sum_{j<i} G_i/G_j (k_i . k_j) d_j) is a unit lower-triangular system, solved for every block at once;
     only the step from block to block (through S) is sequential. Trailing padding tokens (g = beta = 0) leave
     the state alone."""
-    n, t, heads, _ = v.shape
+    t = v.shape[1]
     pad = -t % CHUNK
     q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)).unflatten(2, (-1, CHUNK)) for x in (q, k, v))
     g, beta = (F.pad(x.transpose(1, 2), (0, pad)).unflatten(2, (-1, CHUNK)) for x in (g, beta))
@@ -124,7 +124,7 @@ class GatedDeltaNet(ShardedModule):
         hidden, per_key = cfg.hidden_size, value_heads // key_heads
         g0, g1 = ctx.split(key_heads)
         v0, v1 = g0 * per_key, g1 * per_key
-        self.layer, self.ctx = layer, ctx
+        self.layer = layer
         self.key_width, self.value_width, self.kernel = dk, dv, kernel
         self.local_key_heads, self.local_value_heads = g1 - g0, v1 - v0
         key_rows, value_rows = ((g0 * dk, g1 * dk),), ((v0 * dv, v1 * dv),)
