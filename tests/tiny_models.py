@@ -100,7 +100,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if name.endswith("e_score_correction_bias") or (".experts." in name and name.endswith("_bias")):
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
-        last = model.config.num_hidden_layers - 1
+        last = model.config.get_text_config().num_hidden_layers - 1  # an image-text wrapper: its text decoder's
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue
