@@ -207,3 +207,39 @@ def test_more_ranks_than_key_heads_is_refused(tiny):
     cfg = from_hf(read_config(tiny))
     with pytest.raises(Refusal, match="2 key heads, fewer than the 4 tensor-parallel ranks"):
         meta_decoder(cfg, ParallelCtx(0, 4))
+
+
+# the sizes Qwen3-Next-80B-A3B's config.json states (no layer_types: every fourth layer attends)
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "intermediate_size": 5120, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+}
+
+
+def test_the_published_qwen3_next_sizes_split_over_eight_ranks():
+    cfg = from_hf(QWEN3_NEXT_80B)
+    assert cfg.mixers == ("gated_delta", "gated_delta", "gated_delta", "attention") * 12
+    assert set(cfg.feed_forwards) == {"moe"} and cfg.moe.shared_gate and cfg.moe.renormalize
+    assert cfg.attn_output_gate and cfg.layer_rope[3].rotary_dim == 64 and cfg.layer_rope[0] is None
+    hidden, group = 2048, 2 * 128 + 2 * 2 * 128  # one key head's rows of in_proj_qkvz: q, k, two values, two gates
+    shapes = {"model.layers.0.linear_attn.in_proj_qkvz.weight": (16 * group, hidden),
+              "model.layers.3.self_attn.q_proj.weight": (16 * 2 * 256, hidden)}
+    for rank in (0, 7):
+        decoder = meta_decoder(cfg, ParallelCtx(rank, 8), torch.bfloat16)
+        # two key heads and their four value heads per rank: 2 x 128 query and key channels, 4 x 128 values
+        assert decoder.layers[0].token_mixer.state_shapes() == ((2 * 256 + 512, 3), (4, 128, 128))
+        plan = build_plan(cfg.spec, cfg, decoder.shards(), shapes)
+        rows = {read.param: [(p.rows.start, p.rows.stop) for p in read.pieces] for read in plan.reads}
+        first = 2 * rank * group
+        assert rows["layers.0.mixer.q.weight"] == [(first, first + 128), (first + group, first + group + 128)]
+        # two key-value heads over eight ranks: each rank two query heads (and their gates) of q_proj
+        assert rows["layers.3.attn.q.weight"] == [(2 * rank * 512, 2 * rank * 512 + 256),
+                                                  ((2 * rank + 1) * 512, (2 * rank + 1) * 512 + 256)]
+        assert rows["layers.3.attn.gate.weight"] == [(2 * rank * 512 + 256, (2 * rank + 1) * 512),
+                                                     ((2 * rank + 1) * 512 + 256, (2 * rank + 2) * 512)]
