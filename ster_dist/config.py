@@ -124,6 +124,10 @@ class ModelConfig:
     qk_norm_per_head_weight: bool = False  # a separate scale per head ([heads, head_dim])
     qk_norm_bias: bool = False
     qk_norm_after_rope: bool = False      # per-head query/key norms after the rotation rather than before (HunYuan)
+    # q_proj yields each head's query rows and then as many gate rows; the attention output is multiplied by
+    # the gate's sigmoid before o_proj (Qwen3-Next, Qwen3.5: a config's attn_output_gate, which their
+    # normalisation states)
+    attn_output_gate: bool = False
     # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor(position / length))
     query_temperature_beta: float = 0.0
     query_temperature_length: int | None = None
@@ -693,6 +697,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         qk_norm_per_head_weight=spec.qk_norm_per_head_weight, qk_norm_bias=spec.qk_norm_bias, attn_scale=attn_scale,
         qk_norm_after_rope=spec.qk_norm_after_rope, query_temperature_beta=temperature_beta,
         query_temperature_length=int(temperature_length) if temperature_length else None,
+        attn_output_gate=bool(keys.get("attn_output_gate", default=False)),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
         learned_positions=spec.positions == "learned" and not alibi, position_offset=spec.position_offset,

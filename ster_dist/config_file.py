@@ -14,7 +14,8 @@ from ster_dist.families.names import FAMILY_NAMES
 
 # Image-text wrappers whose language model is one of the families (seeds/000):
 # the text_config is read, its weights below language_model.
-TEXT_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "gemma4_unified": "gemma4_unified_text"}
+TEXT_WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "gemma4_unified": "gemma4_unified_text",
+                 "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def load_raw_config(path: Path) -> dict:

@@ -36,6 +36,7 @@ from tests.tiny import (
     opt,
     phi,
     qwen,
+    qwen3_next,
 )
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
 
@@ -46,7 +47,7 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 # named as ster_dist/families/ names them (tests/test_parity.py checks each holds its module's families)
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
-    gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba2)}
+    gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba2, qwen3_next)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -102,7 +103,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
             if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")) or (
                     ".experts." in name and name.endswith("_bias")):
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
-        last = model.config.num_hidden_layers - 1
+        last = model.config.get_text_config().num_hidden_layers - 1  # an image-text wrapper: its text decoder's
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue

@@ -1,7 +1,7 @@
 """Grouped-query attention over this rank's heads: q/k/v projections (column-parallel),
 optional query/key norms (before or after the rotation), rotation, Llama 4's query temperature,
 clipping, masks (causal, padding, sliding window), soft-capping, learned sinks (GPT-OSS), ALiBi biases
-(BLOOM, MPT, Falcon), and the row-parallel output projection.
+(BLOOM, MPT, Falcon), an output gate (Qwen3-Next), and the row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ class Attention(nn.Module):
         self.k = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
         self.v = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
         self.o = RowLinear(cfg.num_heads * d, hidden, ctx, cfg.o_bias, cols=(h0 * d, h1 * d))
+        # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o
+        self.gate = (ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
+                     if cfg.attn_output_gate else None)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm != "none":
             common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
@@ -101,8 +104,10 @@ class Attention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at)
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at).transpose(1, 2).reshape(b, t, -1)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(x))
+        return self.o(out)
 
     def _attend_at(self, q, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
         bias = self._alibi(key_pos) if self.alibi is not None else None

@@ -26,6 +26,7 @@ from torch import nn
 from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, ModelConfig
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
+from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
 from ster_dist.model.short_conv import ShortConv
@@ -51,6 +52,7 @@ MIXERS: dict[str, MixerKind] = {
     "short_conv": MixerKind(ShortConv, "mixer"),
     "mamba2": MixerKind(Mamba2Mixer, "mixer"),
     "none": MixerKind(lambda cfg, layer, ctx: None, "mixer"),  # the feed-forward alone (Nemotron-H's "-" layers)
+    "gated_delta": MixerKind(GatedDeltaNet, "mixer"),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

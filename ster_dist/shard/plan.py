@@ -51,12 +51,28 @@ class Plan:
 
 
 def size_of(name: str, cfg: ModelConfig) -> int:
+    if name.startswith("linear_"):
+        return _linear_size(name, cfg)
     return {
         "one": 1, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
         "heads_per_kv": cfg.num_heads // cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
         "head_dim": cfg.head_dim,
         # the shared experts' width, for a fused shared gate/up (GraniteMoE shared's shared_mlp.input_linear)
         "shared_intermediate": cfg.moe.shared_intermediate_size if cfg.moe is not None else 0,
+    }[name]
+
+
+def _linear_size(name: str, cfg: ModelConfig) -> int:
+    """Sizes of gated delta-rule layers (Qwen3-Next's in_proj_qkvz and in_proj_ba group rows by key head)."""
+    raw = cfg.raw
+    key_heads, value_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+    return {
+        "linear_key_heads": key_heads,
+        "linear_key_head_dim": raw["linear_key_head_dim"],
+        "linear_values_per_key": value_heads // key_heads,  # the value heads one key head serves
+        "linear_value_group": value_heads // key_heads * raw["linear_value_head_dim"],  # their rows
+        "linear_key_dim": key_heads * raw["linear_key_head_dim"],
+        "linear_value_dim": value_heads * raw["linear_value_head_dim"],
     }[name]
 
 
