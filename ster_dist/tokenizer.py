@@ -44,6 +44,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 
 from ster_dist.chat_template import _compile_chat_template, render
 from ster_dist.errors import Refusal
+from ster_dist import tokenizer_files
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 
@@ -399,12 +400,14 @@ class Tokenizer:
     @classmethod
     def from_directory(cls, directory: Path) -> Tokenizer:
         directory = Path(directory)
+        config_file = directory / "tokenizer_config.json"
+        config = _read_json(config_file, "tokenizer config") if config_file.is_file() else {}
+        if not isinstance(config, dict):
+            raise Refusal(f"failed to read tokenizer config {config_file}: not a JSON object")
+        config = dict(config)
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise Refusal(
-                f"failed to load tokenizer {tokenizer_file}: file not found (ster_dist reads "
-                "tokenizer.json only; save the tokenizer with Transformers' save_pretrained)"
-            )
+            return cls._from_rank_file(directory, config)
         try:
             text = tokenizer_file.read_text(encoding="utf-8")
             backend = _BackendTokenizer.from_str(text)
@@ -412,11 +415,6 @@ class Tokenizer:
             detail = " ".join(str(exc)[:2000].split())[:300] or type(exc).__name__
             raise Refusal(f"failed to load tokenizer {tokenizer_file}: {detail}") from None
 
-        config_file = directory / "tokenizer_config.json"
-        config = _read_json(config_file, "tokenizer config") if config_file.is_file() else {}
-        if not isinstance(config, dict):
-            raise Refusal(f"failed to read tokenizer config {config_file}: not a JSON object")
-        config = dict(config)
         model_config_file = directory / "config.json"
         model_config = (
             _read_json(model_config_file, "model config") if model_config_file.is_file() else {}
@@ -455,7 +453,34 @@ class Tokenizer:
 
         if padding_pad_token is not None and "pad_token" not in config:
             config["pad_token"] = padding_pad_token
+        return cls._finish(backend, directory, config, added_entries, backend_class)
 
+    @classmethod
+    def _from_rank_file(cls, directory: Path, config: dict) -> Tokenizer:
+        """A tiktoken rank file its tokenizer_config.json's class reads (tokenizer_files.py), in place
+        of tokenizer.json; refused, naming the file, for any other tokenizer file."""
+        names = {entry.name for entry in directory.iterdir() if entry.is_file()} - {"tokenizer.json"}
+        if not names & set(tokenizer_files.OTHER_FILES):
+            raise Refusal(
+                f"failed to load tokenizer {directory / 'tokenizer.json'}: file not found (ster_dist "
+                "reads tokenizer.json, or the tiktoken file of GLM-4 or Kimi; save the tokenizer with "
+                "Transformers' save_pretrained)"
+            )
+        name = tokenizer_files.tokenizer_file(names, config.get("tokenizer_class"), str(directory))
+        declared = config["tokenizer_class"]
+        declared = declared[: -len("Fast")] if declared.endswith("Fast") else declared
+        if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
+            config["extra_special_tokens"] = config.pop("additional_special_tokens")
+        added_entries = _added_token_entries(directory, config, _BackendTokenizer(models.BPE()))
+        added = {i: _token_content(t) for i, t in added_entries if _token_content(t) is not None}
+        backend = tokenizer_files.tiktoken_backend(directory / name, tokenizer_files.TIKTOKEN_CLASSES[declared],
+                                                   added)
+        return cls._finish(backend, directory, config, added_entries, declared)
+
+    @classmethod
+    def _finish(cls, backend: _BackendTokenizer, directory: Path, config: dict,
+                added_entries: list[tuple[int, Any]], backend_class: str) -> Tokenizer:
+        """Special and added tokens registered as TokenizersBackend does, then the chat template."""
         special_tokens = _collect_special_tokens(config)
         _register_added_tokens(
             backend, added_entries, special_tokens, _extra_special_tokens(config)
