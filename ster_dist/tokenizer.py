@@ -9,7 +9,9 @@ This module owns turning text and chat messages into token ids (and ids back int
   its token ids (rendered with Transformers' sandboxed Jinja environment, then encoded with
   add_special_tokens=False).
 
-What it reads: tokenizer.json (through the `tokenizers` library), tokenizer_config.json,
+What it reads: tokenizer.json (through the `tokenizers` library), or where there is none the tiktoken
+rank file tokenizer_config.json's class reads (GLM-4's tokenizer.model, Kimi's tiktoken.model; built into
+the same `tokenizers` pipeline by tokenizer_files.py), tokenizer_config.json,
 special_tokens_map.json (only when Transformers would: no added_tokens_decoder in the config),
 config.json (model_type / tokenizer_class, to pick the class Transformers would build), and the chat
 template from chat_template.jinja + additional_chat_templates/*.jinja, else tokenizer_config.json,
@@ -20,7 +22,7 @@ Rendering is bounded (ster_dist/chat_template.py): a template that loops, grows 
 or floods its output is refused in one line within a time budget, on any thread.
 
 What it never does: execute remote code (an `auto_map` in the config is ignored; tokenizer.json is
-the tokenizer), read pickles or SentencePiece .model files.
+the tokenizer), read pickles, SentencePiece .model files or PLaMo's tokenizer.jsonl.
 
 How Transformers 5 decides special tokens: with a tokenizer.json present it drops add_bos_token /
 add_eos_token from the config and keeps tokenizer.json's post-processor (TokenizersBackend). Two

@@ -21,7 +21,7 @@ from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.tokenizer_files import TIKTOKEN_CLASSES
 from tests.cli_run import cli_generate
-from tests.hub_server import config_json
+from tests.hub_server import config_json, safetensors_bytes, serving
 from tests.tiny.deepseek import TINY as DEEPSEEK_TINY
 from tests.tiny_models import BASE_CONFIG
 from tests.tiny_tokenizer import build_tiny_tokenizer
@@ -183,6 +183,19 @@ def test_resolve_takes_the_rank_file_its_class_reads(ranks, tmp_path, writer):
     directory = writer(_model_dir(tmp_path / "m"), ranks)
     checkpoint = resolve(str(directory))
     assert checkpoint.tokenizer_path == directory / ("tiktoken.model" if writer is write_kimi else "tokenizer.model")
+
+
+def test_a_hub_repository_fetches_the_class_then_its_rank_file(ranks, tmp_path, monkeypatch):
+    files = write_kimi(tmp_path / "files", ranks)
+    with serving(monkeypatch, tmp_path / "hub") as hub:
+        hub.add("moonshot-tiny/kimi", {"config.json": config_json(), "model.safetensors": safetensors_bytes(),
+                                       "tiktoken.model": (files / "tiktoken.model").read_bytes(),
+                                       "tokenizer_config.json": (files / "tokenizer_config.json").read_bytes()})
+        checkpoint = resolve("moonshot-tiny/kimi")
+        assert hub.fetched() == ["config.json", "tokenizer_config.json", "tiktoken.model", "model.safetensors"]
+    assert checkpoint.tokenizer_path.name == "tiktoken.model"
+    text = "Hello 中文 it's"
+    assert Tokenizer.from_directory(checkpoint.directory).encode(text) == Tokenizer.from_directory(files).encode(text)
 
 
 def test_a_sentencepiece_tokenizer_model_is_refused_by_its_class(tmp_path):
