@@ -20,6 +20,8 @@ from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from ster_dist.tokenizer import Tokenizer
+from tests.cli_run import cli_generate
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 ORIGINAL = 16  # original_max_position_embeddings: the temperature steps at positions 16 and 48
@@ -117,6 +119,19 @@ def test_mistral_large3_loads_as_deepseek_v3_and_matches_transformers(large3):
         want = reference.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
     got = generate(loaded.model, [prompt[0].tolist()], Sampling(max_new_tokens=8), cfg.eos_token_ids)[0]
     assert got == want
+
+
+def test_the_token_engine_answers_as_transformers_does(large3):
+    """`ster generate` (the paged token engine) past the temperature's first step, against Transformers."""
+    directory, reference = large3
+    prompt = "The quick brown fox jumps over the lazy dog. Hello world! This is a tiny tokenizer"
+    ids = Tokenizer.from_directory(directory).encode(prompt)
+    assert len(ids) > ORIGINAL
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    got = cli_generate(f"--model={directory}", f"--prompt={prompt}", "--chat-template=off", "--max-new-tokens=8")
+    assert got["prompt_tokens"] == len(ids) and got["completion_tokens"] == len(want)
+    assert got["text"] == Tokenizer.from_directory(directory).decode(want)
 
 
 @pytest.mark.parametrize("change, message", [
