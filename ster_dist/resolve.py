@@ -11,6 +11,7 @@ tokenizer, never its shards. Nothing here reads a tensor.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ster_dist import config_file
@@ -100,18 +101,18 @@ def _config_name(names: set[str]) -> tuple[str, str] | None:
     return None
 
 
-def _tokenizer_name(names: set[str], where: str, tokenizer_config) -> str:
+def _tokenizer_name(names: set[str], where: str, tokenizer_config: Callable[[], Path]) -> str:
     """The tokenizer file (tokenizer_files.tokenizer_file); `tokenizer_config()` gives the path of
     tokenizer_config.json, whose tokenizer_class is read only when no tokenizer.json decides it."""
-    declared = None
+    declared: object = None
     if "tokenizer.json" not in names and names & set(OTHER_FILES) and "tokenizer_config.json" in names:
         path = tokenizer_config()
         try:
             raw = config_file.load_raw_config(path)
         except (Refusal, UnicodeDecodeError):
-            raise Refusal(f"failed to read tokenizer config {path}: not a JSON object; "
-                          "it names the class that reads the tokenizer file") from None
-        declared = raw.get("tokenizer_class") if isinstance(raw.get("tokenizer_class"), str) else None
+            raise Refusal(f"failed to read tokenizer config {path}: it is not a JSON object, and its "
+                          "tokenizer_class names the class that reads the tokenizer file; correct it") from None
+        declared = raw.get("tokenizer_class")
     return tokenizer_file(names, declared, where)
 
 

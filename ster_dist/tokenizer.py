@@ -469,8 +469,7 @@ class Tokenizer:
                 "Transformers' save_pretrained)"
             )
         name = tokenizer_files.tokenizer_file(names, config.get("tokenizer_class"), str(directory))
-        declared = config["tokenizer_class"]
-        declared = declared[: -len("Fast")] if declared.endswith("Fast") else declared
+        declared = tokenizer_files.class_name(config.get("tokenizer_class"))
         if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
             config["extra_special_tokens"] = config.pop("additional_special_tokens")
         added_entries = _added_token_entries(directory, config, _BackendTokenizer(models.BPE()))

@@ -57,15 +57,17 @@ TIKTOKEN_CLASSES: dict[str, TiktokenClass] = {
     "ChatGLM4Tokenizer": TiktokenClass("tokenizer.model", _CL100K_PATTERN, prefix=("[gMASK]", "<sop>")),
     "TikTokenTokenizer": TiktokenClass("tiktoken.model", _KIMI_PATTERN, reserved=256),
 }
+# special ids after the ranks, at most (Kimi has 256): every id up to the last one named becomes a token
+_MAX_SPECIALS = 1 << 16
 # files other tokenizers ship in place of tokenizer.json: each is refused unless its class reads it
 OTHER_FILES = ("tokenizer.jsonl", "tokenizer.model", "tiktoken.model")
 
 
-def tokenizer_file(names: set[str], tokenizer_class: str | None, where: str) -> str:
+def tokenizer_file(names: set[str], tokenizer_class: object, where: str) -> str:
     """The file among `names` the tokenizer is read from, given tokenizer_config.json's tokenizer_class."""
     if "tokenizer.json" in names:
         return "tokenizer.json"
-    declared = _strip_fast(tokenizer_class)
+    declared = class_name(tokenizer_class)
     known = TIKTOKEN_CLASSES.get(declared)
     if known is not None and known.file in names and "tokenizer.jsonl" not in names:
         return known.file
@@ -86,8 +88,9 @@ def _why_not(name: str, declared: str) -> str:
     return f"read as a tiktoken file when tokenizer_config.json names {readers}; it {named}"
 
 
-def _strip_fast(name: str | None) -> str:
-    name = name or ""
+def class_name(name: object) -> str:
+    """A tokenizer_class without its Fast suffix; "" for none (or for a value that is no name)."""
+    name = name if isinstance(name, str) else ""
     return name[: -len("Fast")] if name.endswith("Fast") else name
 
 
@@ -112,34 +115,36 @@ def read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte (ByteLevel's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
+def _byte_table() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (ByteLevel's alphabet), as a str.translate table over the
+    bytes read as latin-1."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
     for b in range(256):
         if b in printable:
-            chars[b] = chr(b)
+            table[b] = chr(b)
         else:
-            chars[b] = chr(256 + extra)
+            table[b] = chr(256 + extra)
             extra += 1
-    return chars
+    return table
+
+
+_BYTE_TABLE = _byte_table()
 
 
 def _vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    chars = _byte_chars()
-
-    def text(token: bytes) -> str:
-        return "".join(chars[b] for b in token)
-
+    text = {token: token.decode("latin-1").translate(_BYTE_TABLE) for token in ranks}
     merges: list[tuple[int, int, int, bytes, bytes]] = []
     for token, rank in ranks.items():
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ranks and right in ranks:
-                merges.append((rank, ranks[left], ranks[right], left, right))
-    merges.sort()
-    return {text(t): r for t, r in ranks.items()}, [(text(a), text(b)) for *_, a, b in merges]
+            left = ranks.get(token[:cut])
+            if left is None:
+                continue
+            right = ranks.get(token[cut:])
+            if right is not None:
+                merges.append((rank, left, right, token[:cut], token[cut:]))
+    merges.sort(key=lambda m: m[:3])
+    return {text[t]: r for t, r in ranks.items()}, [(text[a], text[b]) for *_, a, b in merges]
 
 
 def tiktoken_backend(path: Path, kind: TiktokenClass, added: dict[int, str]) -> _BackendTokenizer:
@@ -158,6 +163,10 @@ def tiktoken_backend(path: Path, kind: TiktokenClass, added: dict[int, str]) -> 
     backend.decoder = decoders.ByteLevel()
     base = len(ranks)
     last = max([base + kind.reserved - 1, *(i for i in added if i >= base)])
+    if last - base >= _MAX_SPECIALS:  # each id up to the last named one becomes a token
+        raise Refusal(f"failed to load tokenizer {path}: tokenizer_config.json's added_tokens_decoder names id "
+                      f"{last}, {last - base + 1} ids past the {base} ranks; at most {_MAX_SPECIALS} special ids "
+                      "follow the ranks")
     specials = [added.get(i, f"<|reserved_token_{i}|>") for i in range(base, last + 1)]
     if specials:
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
@@ -175,4 +184,4 @@ def tiktoken_backend(path: Path, kind: TiktokenClass, added: dict[int, str]) -> 
     return backend
 
 
-__all__ = ["OTHER_FILES", "TIKTOKEN_CLASSES", "TiktokenClass", "read_ranks", "tiktoken_backend", "tokenizer_file"]
+__all__ = ["OTHER_FILES", "TIKTOKEN_CLASSES", "class_name", "TiktokenClass", "read_ranks", "tiktoken_backend", "tokenizer_file"]
