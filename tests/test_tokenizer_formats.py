@@ -266,3 +266,19 @@ def test_a_tokenizer_json_still_wins(ranks, tmp_path):
     assert resolve(str(directory)).tokenizer_path.name == "tokenizer.json"
     text = "the quick brown fox"
     assert Tokenizer.from_directory(directory).encode(text) == Tokenizer.from_directory(tmp_path / "tiny").encode(text)
+
+
+def test_a_tokenizer_class_that_is_no_name_reads_as_none(ranks, tmp_path):
+    directory = write_kimi(_model_dir(tmp_path / "m"), ranks)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": ["TikTokenTokenizer"]}))
+    assert "it names no tokenizer_class" in _refusal(directory)
+
+
+def test_a_special_id_far_past_the_ranks_is_refused(ranks, tmp_path):
+    directory = write_kimi(tmp_path / "kimi", ranks)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"][str(10 ** 9)] = _entry("<|far|>")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(Refusal, match="at most 65536 special ids follow the ranks"):
+        Tokenizer.from_directory(directory)
