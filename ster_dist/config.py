@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ster_dist.config_file import TEXT_WRAPPERS, family_of
+from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
 from ster_dist.config_quant import BlockFP8, quantization
 from ster_dist.config_ranges import check_sizes, check_stated
 from ster_dist.errors import Refusal
@@ -174,6 +174,9 @@ class ModelConfig:
     # mla is set) in every layer, and experts where moe_layers says, else the dense feed-forward
     mixers: tuple[str, ...] = ()
     feed_forwards: tuple[str, ...] = ()
+    # the wrapper model_type (config_file.TEXT_WRAPPERS) whose text decoder this is: its weights carry the
+    # wrapper's prefixes and its towers are never mapped; None for a plain checkpoint
+    wrapper: str | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def mixer(self, layer: int) -> str:
@@ -237,17 +240,6 @@ class _Keys:
         if value is None:
             raise Refusal(f"invalid model config {self.path}: missing {' / '.join(names)}")
         return value
-
-
-def _text_config(raw: dict) -> dict:
-    """An image-text wrapper reads as its text_config, with a few keys from the outer config."""
-    if raw.get("model_type") not in TEXT_WRAPPERS:
-        return raw
-    text = dict(raw["text_config"])
-    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config"):
-        if text.get(key) is None and raw.get(key) is not None:
-            text[key] = raw[key]
-    return text
 
 
 def _rope_sources(keys: _Keys, spec: FamilySpec) -> tuple[dict, dict]:
@@ -521,11 +513,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     weight_format chooses the family's name map, and with it the conventions of that format's tensors
     (Mistral's own format stores query and key rows for rotation by adjacent pairs)."""
     family = family_of(raw)
-    raw = _text_config(raw)
+    wrapper = wrapper_of(raw)
     spec = spec_for(family, weight_format)
     if spec is None:
-        raise Refusal(f"model architecture \"{family}\" is recognised but not yet runnable in this "
-                      "ster_dist build; `ster families` lists the runnable ones")
+        raise not_runnable(raw, family)
+    raw = text_config(raw)
     if spec.normalize is not None:
         raw = spec.normalize(raw)
     own = _nested(raw, spec, path)
@@ -711,7 +703,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
-        attn_sinks=spec.attn_sinks, weight_format=weight_format, raw=raw,
+        attn_sinks=spec.attn_sinks, weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards,
     )

@@ -1,6 +1,8 @@
 """Mistral's own params.json put in the Transformers shape, as vLLM's adapter reads it
 (vllm/transformers_utils/configs/mistral.py), then normalised by config.from_hf like any
-config.json: config.py stays the one reader of Transformers' keys, this file of params.json's."""
+config.json: config.py stays the one reader of Transformers' keys, this file of params.json's.
+A dense params.json becomes mistral; Mistral Large 3's (latent attention, experts beside a shared
+one) becomes deepseek_v3."""
 
 from __future__ import annotations
 
@@ -13,14 +15,24 @@ _PARAMS_RENAMED = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_hea
                    "n_kv_heads": "num_key_value_heads", "hidden_dim": "intermediate_size",
                    "norm_eps": "rms_norm_eps", "activation": "hidden_act", "tied_embeddings": "tie_word_embeddings"}
 _PARAMS_KEPT = ("head_dim", "vocab_size", "rope_theta", "max_position_embeddings", "max_seq_len", "layer_types")
+# Mistral Large 3's latent attention sizes, kept as they are named
+_LATENT_KEPT = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# its moe block -> Transformers' DeepSeek keys (vLLM's _remap_moe_args)
+_MOE_RENAMED = {"route_every_n": "moe_layer_freq", "first_k_dense_replace": "first_k_dense_replace",
+                "num_experts_per_tok": "num_experts_per_tok", "num_experts": "n_routed_experts",
+                "expert_hidden_dim": "moe_intermediate_size", "routed_scale": "routed_scaling_factor",
+                "num_shared_experts": "n_shared_experts", "num_expert_groups": "n_group",
+                "num_expert_groups_per_tok": "topk_group"}
 _USE_TRANSFORMERS = "use the repository's Transformers-format files (config.json with model-*.safetensors)"
 
 
 def from_params(raw: dict, path: str = "params.json") -> ModelConfig:
     """Mistral's params.json put in the Transformers shape as vLLM reads it, then read by from_hf.
 
-    A dense params.json is mistral with its tensors under Mistral's names (weight_format "mistral").
-    Latent attention or experts are refused here, before any weight is read.
+    A dense params.json is mistral with its tensors under Mistral's names (weight_format "mistral"); one
+    with experts beside a shared one is Mistral Large 3, deepseek_v3 (`_large3`). Experts without a shared
+    one, image-text models and Llama 4's temperature on a dense model are refused here, before any weight
+    is read.
     """
     for key in ("moe", "multimodal", "yarn"):  # the blocks read below with .get
         if raw.get(key) is not None and not isinstance(raw[key], dict):
@@ -33,27 +45,61 @@ def from_params(raw: dict, path: str = "params.json") -> ModelConfig:
     if moe and not (moe.get("num_shared_experts") or 0):
         raise Refusal(f"{path} describes experts without a shared one (Mixtral's layout) in Mistral's own format, "
                       f"which ster_dist refuses; {_USE_TRANSFORMERS}")
-    if moe or raw.get("qk_nope_head_dim") or raw.get("kv_lora_rank"):
-        raise Refusal(f"{path} describes latent attention and shared experts (Mistral Large 3, read as deepseek_v3) "
-                      f"in Mistral's own format, which this ster_dist build does not load yet; {_USE_TRANSFORMERS}")
     if raw.get("vision_encoder") or (raw.get("multimodal") or {}).get("vision_encoder_args"):
         raise Refusal(f"{path} describes an image-text model (vision_encoder) in Mistral's own format, which this "
                       f"ster_dist build does not load; {_USE_TRANSFORMERS}")
-    if raw.get("llama_4_scaling"):
+    large3 = bool(moe)
+    if not large3 and (raw.get("qk_nope_head_dim") or raw.get("kv_lora_rank")):
+        raise Refusal(f"{path} describes latent attention without experts in Mistral's own format, which ster_dist "
+                      f"reads only as Mistral Large 3 (experts beside a shared one); {_USE_TRANSFORMERS}")
+    if raw.get("llama_4_scaling") and not large3:
         raise Refusal(f"{path} sets llama_4_scaling (Llama 4's query temperature), which ster_dist runs on no dense "
                       f"model; {_USE_TRANSFORMERS}")
-    hf = {"model_type": "mistral"}
+    hf = {"model_type": "deepseek_v3" if large3 else "mistral"}
     for key, value in raw.items():
         if key in _PARAMS_RENAMED:
             hf[_PARAMS_RENAMED[key]] = value
-        elif key in _PARAMS_KEPT:
+        elif key in _PARAMS_KEPT or (large3 and key in _LATENT_KEPT):
             hf[key] = value
     if "max_position_embeddings" not in hf and "max_seq_len" not in hf:
         hf["max_position_embeddings"] = 128_000  # vLLM's default when params.json states neither
     hf.update(_params_window(raw, hf.get("num_hidden_layers"), path))
     if raw.get("yarn"):
         hf["rope_parameters"] = _params_yarn(raw["yarn"], path)
+    if large3:
+        hf.update(_large3(raw, hf.get("rope_parameters") or {}, path))
     return from_hf(hf, path, weight_format="mistral")
+
+
+def _large3(raw: dict, rope: dict, path: str) -> dict:
+    """Mistral Large 3's moe and llama_4_scaling blocks as DeepSeek-V3's keys (vLLM's adapter): softmax scores,
+    the chosen weights renormalised, Llama 4's query temperature in the rotation's parameters."""
+    moe = dict(raw["moe"])
+    hf = {_MOE_RENAMED[key]: moe.pop(key) for key in list(moe) if key in _MOE_RENAMED}
+    if moe:
+        raise Refusal(f"invalid model config {path}: moe sets {', '.join(sorted(moe))}, which ster_dist does not read")
+    if (hf.get("n_group") or 1) != 1 or (hf.get("topk_group") or 1) != 1:
+        raise Refusal(f"invalid model config {path}: moe routes within expert groups (num_expert_groups "
+                      f"{hf.get('n_group')}), which ster_dist does not read in Mistral's own format; "
+                      f"{_USE_TRANSFORMERS}")
+    hf.update(scoring_func="softmax", norm_topk_prob=True)
+    if rope.get("rope_type") == "yarn":  # vLLM's deepseek_yarn: mscale one unless stated, so the tables keep
+        rope = {"mscale": 1, **rope}    # their size and only the scores are sharpened (by mscale_all_dim)
+        hf["rope_parameters"] = rope
+    scaling = raw.get("llama_4_scaling")
+    if scaling is None:
+        return hf
+    if not isinstance(scaling, dict) or scaling.get("beta") is None or not scaling.get(
+            "original_max_position_embeddings"):
+        raise Refusal(f"invalid model config {path}: llama_4_scaling must state beta and "
+                      "original_max_position_embeddings")
+    length = scaling["original_max_position_embeddings"]
+    if rope.get("original_max_position_embeddings", length) != length:
+        raise Refusal(f"invalid model config {path}: llama_4_scaling counts positions in {length}, the yarn block "
+                      f"in {rope['original_max_position_embeddings']}; ster_dist reads one length for both")
+    hf["rope_parameters"] = {**rope, "llama_4_scaling_beta": scaling["beta"],
+                             "original_max_position_embeddings": length}
+    return hf
 
 
 def _params_window(raw: dict, num_layers, path: str) -> dict:

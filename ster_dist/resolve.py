@@ -11,15 +11,14 @@ tokenizer, never its shards. Nothing here reads a tensor.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ster_dist import config_file
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
+from ster_dist.tokenizer_files import OTHER_FILES, tokenizer_file
 
-# Tokenizer files other families ship in place of tokenizer.json (PLaMo's .jsonl,
-# ChatGLM's sentencepiece model, Kimi's tiktoken file): named in the refusal.
-_OTHER_TOKENIZERS = ("tokenizer.jsonl", "tokenizer.model", "tiktoken.model")
 _PICKLED = (".bin", ".pt", ".pth")
 _OPTIONAL_HUB_FILES = ("tokenizer_config.json", "generation_config.json")
 _DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -102,16 +101,19 @@ def _config_name(names: set[str]) -> tuple[str, str] | None:
     return None
 
 
-def _check_tokenizer(names: set[str], where: str) -> None:
-    if "tokenizer.json" in names:
-        return
-    for other in _OTHER_TOKENIZERS:
-        if other in names:
-            raise Refusal(f"tokenizer {where}/{other} is not supported by this ster_dist build "
-                          "yet; place the model's tokenizer.json (Hugging Face tokenizers format) "
-                          "beside it")
-    raise Refusal(f"tokenizer is missing: {where}/tokenizer.json; "
-                  "place the model's tokenizer.json beside its config")
+def _tokenizer_name(names: set[str], where: str, tokenizer_config: Callable[[], Path]) -> str:
+    """The tokenizer file (tokenizer_files.tokenizer_file); `tokenizer_config()` gives the path of
+    tokenizer_config.json, whose tokenizer_class is read only when no tokenizer.json decides it."""
+    declared: object = None
+    if "tokenizer.json" not in names and names & set(OTHER_FILES) and "tokenizer_config.json" in names:
+        path = tokenizer_config()
+        try:
+            raw = config_file.load_raw_config(path)
+        except (Refusal, UnicodeDecodeError):
+            raise Refusal(f"failed to read tokenizer config {path}: it is not a JSON object, and its "
+                          "tokenizer_class names the class that reads the tokenizer file; correct it") from None
+        declared = raw.get("tokenizer_class")
+    return tokenizer_file(names, declared, where)
 
 
 def _safetensors_names(names: set[str], weight_format: str) -> list[str]:
@@ -150,14 +152,14 @@ def _resolve_local(model: str, revision: str | None) -> Checkpoint:
     config_path = directory / config_name
     raw = _read_config(config_path)
     config_file.gate(gate_view(raw, weight_format), model)
-    _check_tokenizer(names, str(directory))
+    tokenizer = _tokenizer_name(names, str(directory), lambda: directory / "tokenizer_config.json")
 
     weights = _safetensors_names(names, weight_format)
     if not weights:
         weights, weight_format = _local_fallback(directory, names, weight_format)
     return Checkpoint(
         model=model, directory=directory, config_path=config_path,
-        tokenizer_path=directory / "tokenizer.json",
+        tokenizer_path=directory / tokenizer,
         weight_files=tuple(directory / n for n in weights), weight_format=weight_format,
         model_revision=revision,  # metadata only for a local directory: recorded verbatim
         source="local", raw_config=raw,
@@ -195,7 +197,9 @@ def _resolve_hub(model: str, revision: str | None) -> Checkpoint:
     tokenizer_path = hub.fetch("tokenizer.json", sha) if "tokenizer.json" in names else None
     raw = _read_config(config_path)
     config_file.gate(gate_view(raw, weight_format), model)  # before any weight file is fetched
-    _check_tokenizer(names, f"{model}@{sha}")
+    tokenizer = _tokenizer_name(names, f"{model}@{sha}", lambda: hub.fetch("tokenizer_config.json", sha))
+    if tokenizer_path is None:
+        tokenizer_path = hub.fetch(tokenizer, sha)
 
     weights = _safetensors_names(names, weight_format)
     if not weights:
@@ -211,7 +215,7 @@ def _resolve_hub(model: str, revision: str | None) -> Checkpoint:
     directory = config_path.parent  # the snapshot directory of the resolved commit
     return Checkpoint(
         model=model, directory=directory, config_path=config_path,
-        tokenizer_path=tokenizer_path or directory / "tokenizer.json",
+        tokenizer_path=tokenizer_path,
         weight_files=weight_files, weight_format=weight_format,
         model_revision=sha, source="hub", raw_config=raw,
     )

@@ -9,7 +9,9 @@ This module owns turning text and chat messages into token ids (and ids back int
   its token ids (rendered with Transformers' sandboxed Jinja environment, then encoded with
   add_special_tokens=False).
 
-What it reads: tokenizer.json (through the `tokenizers` library), tokenizer_config.json,
+What it reads: tokenizer.json (through the `tokenizers` library), or where there is none the tiktoken
+rank file tokenizer_config.json's class reads (GLM-4's tokenizer.model, Kimi's tiktoken.model; built into
+the same `tokenizers` pipeline by tokenizer_files.py), tokenizer_config.json,
 special_tokens_map.json (only when Transformers would: no added_tokens_decoder in the config),
 config.json (model_type / tokenizer_class, to pick the class Transformers would build), and the chat
 template from chat_template.jinja + additional_chat_templates/*.jinja, else tokenizer_config.json,
@@ -20,7 +22,7 @@ Rendering is bounded (ster_dist/chat_template.py): a template that loops, grows 
 or floods its output is refused in one line within a time budget, on any thread.
 
 What it never does: execute remote code (an `auto_map` in the config is ignored; tokenizer.json is
-the tokenizer), read pickles or SentencePiece .model files.
+the tokenizer), read pickles, SentencePiece .model files or PLaMo's tokenizer.jsonl.
 
 How Transformers 5 decides special tokens: with a tokenizer.json present it drops add_bos_token /
 add_eos_token from the config and keeps tokenizer.json's post-processor (TokenizersBackend). Two
@@ -44,6 +46,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 
 from ster_dist.chat_template import _compile_chat_template, render
 from ster_dist.errors import Refusal
+from ster_dist import tokenizer_files
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 
@@ -399,12 +402,14 @@ class Tokenizer:
     @classmethod
     def from_directory(cls, directory: Path) -> Tokenizer:
         directory = Path(directory)
+        config_file = directory / "tokenizer_config.json"
+        config = _read_json(config_file, "tokenizer config") if config_file.is_file() else {}
+        if not isinstance(config, dict):
+            raise Refusal(f"failed to read tokenizer config {config_file}: not a JSON object")
+        config = dict(config)
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise Refusal(
-                f"failed to load tokenizer {tokenizer_file}: file not found (ster_dist reads "
-                "tokenizer.json only; save the tokenizer with Transformers' save_pretrained)"
-            )
+            return cls._from_rank_file(directory, config)
         try:
             text = tokenizer_file.read_text(encoding="utf-8")
             backend = _BackendTokenizer.from_str(text)
@@ -412,11 +417,6 @@ class Tokenizer:
             detail = " ".join(str(exc)[:2000].split())[:300] or type(exc).__name__
             raise Refusal(f"failed to load tokenizer {tokenizer_file}: {detail}") from None
 
-        config_file = directory / "tokenizer_config.json"
-        config = _read_json(config_file, "tokenizer config") if config_file.is_file() else {}
-        if not isinstance(config, dict):
-            raise Refusal(f"failed to read tokenizer config {config_file}: not a JSON object")
-        config = dict(config)
         model_config_file = directory / "config.json"
         model_config = (
             _read_json(model_config_file, "model config") if model_config_file.is_file() else {}
@@ -455,7 +455,33 @@ class Tokenizer:
 
         if padding_pad_token is not None and "pad_token" not in config:
             config["pad_token"] = padding_pad_token
+        return cls._finish(backend, directory, config, added_entries, backend_class)
 
+    @classmethod
+    def _from_rank_file(cls, directory: Path, config: dict) -> Tokenizer:
+        """A tiktoken rank file its tokenizer_config.json's class reads (tokenizer_files.py), in place
+        of tokenizer.json; refused, naming the file, for any other tokenizer file."""
+        names = {entry.name for entry in directory.iterdir() if entry.is_file()} - {"tokenizer.json"}
+        if not names & set(tokenizer_files.OTHER_FILES):
+            raise Refusal(
+                f"failed to load tokenizer {directory / 'tokenizer.json'}: file not found (ster_dist "
+                "reads tokenizer.json, or the tiktoken file of GLM-4 or Kimi; save the tokenizer with "
+                "Transformers' save_pretrained)"
+            )
+        name = tokenizer_files.tokenizer_file(names, config.get("tokenizer_class"), str(directory))
+        declared = tokenizer_files.class_name(config.get("tokenizer_class"))
+        if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
+            config["extra_special_tokens"] = config.pop("additional_special_tokens")
+        added_entries = _added_token_entries(directory, config, _BackendTokenizer(models.BPE()))
+        added = {i: _token_content(t) for i, t in added_entries if _token_content(t) is not None}
+        backend = tokenizer_files.tiktoken_backend(directory / name, tokenizer_files.TIKTOKEN_CLASSES[declared],
+                                                   added)
+        return cls._finish(backend, directory, config, added_entries, declared)
+
+    @classmethod
+    def _finish(cls, backend: _BackendTokenizer, directory: Path, config: dict,
+                added_entries: list[tuple[int, Any]], backend_class: str) -> Tokenizer:
+        """Special and added tokens registered as TokenizersBackend does, then the chat template."""
         special_tokens = _collect_special_tokens(config)
         _register_added_tokens(
             backend, added_entries, special_tokens, _extra_special_tokens(config)

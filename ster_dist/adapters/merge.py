@@ -61,7 +61,7 @@ STATE = ".merge-state.json"
 # copied beside the shards, after the base's own config file (config.json, or Mistral's params.json)
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-              "vocab.json", "merges.txt", "tokenizer.model", "tekken.json")
+              "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model", "tekken.json")
 # the output shards' file stem per base format: the resolver reads consolidated* only beside params.json
 SHARD_STEMS = {"safetensors": "model", "mistral": "consolidated"}
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")

@@ -147,7 +147,7 @@ def _ster_sites(adapter: Adapter) -> list[SitePlan]:
 
 
 def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
-    matcher = NameMatcher(cfg.transformers_spec)
+    matcher = NameMatcher(cfg.transformers_spec, cfg.wrapper)
     plans = []
     for factor in adapter.factors:
         tensor = f"{factor.key}.weight"

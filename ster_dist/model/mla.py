@@ -5,7 +5,8 @@ a query rank). kv_a_proj_with_mqa yields a kv_lora_rank-wide latent and a
 qk_rope_head_dim-wide key part shared by every head; the latent passes
 kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
 and its value. Only the shared part and each query's last qk_rope_head_dim
-channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3).
+channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies
+every query by Llama 4's temperature at its absolute position.
 
 Under tensor parallelism the heads are split: q_b_proj (or q_proj) and kv_b_proj
 by their head rows, o_proj by its columns; the latent projections and norms are
@@ -59,6 +60,8 @@ class LatentAttention(nn.Module):
         self.o = RowLinear(heads * self.v_dim, hidden, ctx, cfg.o_bias, cols=(h0 * self.v_dim, h1 * self.v_dim))
         self.rope = cfg.layer_rope[layer]
         self.scale = cfg.attn_scale
+        # Llama 4's query temperature (Mistral Large 3): every query channel times 1 + beta ln(1 + floor(p / length))
+        self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
         # the cache keeps the normed latent (as the key) and the rotated key part every head shares
         # (as the value): one shared "head" each
         self.kv_shape = ((1, self.rank), (1, self.rope_dim))
@@ -75,6 +78,10 @@ class LatentAttention(nn.Module):
             cos, sin = pos.rotary(self.rope, q.dtype)
             q_rot = apply_rotary(q_rot, cos, sin, self.rope.interleaved)
             k_rot = apply_rotary(k_rot, cos, sin, self.rope.interleaved)
+        if self.temperature[0]:
+            beta, length = self.temperature  # absolute positions: a cached step scales as the whole read does
+            scale = (1 + beta * torch.log(1 + torch.floor(pos.positions.float() / length)))[:, None, :, None]
+            q_nope, q_rot = q_nope * scale.to(q.dtype), q_rot * scale.to(q.dtype)
         out = pos.attend(self.layer, (q_nope, q_rot), latent, k_rot, None, self._attend_latent)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from ster_dist.config import ModelConfig
+from ster_dist.config_file import text_weight_names
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked
 from ster_dist.parallel.ctx import Shard
@@ -108,17 +109,26 @@ def fused_rows_total(layout: Fused, cfg: ModelConfig) -> int:
 class NameMatcher:
     """A checkpoint name -> the spec's first rule whose template matches it (trying the name with the
     spec's optional prefix too), and whether the spec ignores the name. The plan, the merge writer and
-    adapter placement all match names through it, so they agree on which rule owns a tensor."""
+    adapter placement all match names through it, so they agree on which rule owns a tensor.
 
-    def __init__(self, spec: FamilySpec):
+    Inside a text wrapper (`wrapper`, ModelConfig.wrapper) a name is matched as the text model's names
+    for it (config_file.text_weight_names), and a tensor of the wrapper's towers is ignored."""
+
+    def __init__(self, spec: FamilySpec, wrapper: str | None = None):
         self.spec = spec
+        self.wrapper = wrapper
         self.rules = [(rule, rule.pattern) for rule in spec.rules]
         self.ignore = [re.compile(p) for p in spec.ignore + (r".*rotary_emb\.inv_freq$",)]
 
+    def _names(self, name: str) -> list[str]:
+        return text_weight_names(self.wrapper, name) if self.wrapper else [name]
+
     def match(self, name: str) -> tuple[Rule, dict] | None:
-        candidates = [name]
-        if self.spec.optional_prefix and not name.startswith(self.spec.optional_prefix):
-            candidates.append(self.spec.optional_prefix + name)
+        candidates = []
+        for text_name in self._names(name):
+            candidates.append(text_name)
+            if self.spec.optional_prefix and not text_name.startswith(self.spec.optional_prefix):
+                candidates.append(self.spec.optional_prefix + text_name)
         for candidate in candidates:
             for rule, pattern in self.rules:
                 m = pattern.match(candidate)
@@ -127,7 +137,8 @@ class NameMatcher:
         return None
 
     def ignored(self, name: str) -> bool:
-        return any(p.match(name) for p in self.ignore)
+        names = self._names(name)
+        return not names or any(p.match(n) for n in names for p in self.ignore)
 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
@@ -244,7 +255,7 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]]) -> Plan:
-    matcher = NameMatcher(spec)
+    matcher = NameMatcher(spec, cfg.wrapper)
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []

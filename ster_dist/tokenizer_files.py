@@ -1,0 +1,187 @@
+"""Which file a checkpoint's tokenizer is read from, and the tiktoken rank files read in place of tokenizer.json.
+
+seeds/000's "Local directory" list: tokenizer.json; or else a tokenizer.model that tokenizer_config.json
+names ChatGLM4Tokenizer (GLM-4); or else a tiktoken.model it names TikTokenTokenizer (Kimi). Both are
+tiktoken rank files: one `base64(bytes) rank` line per token id. Any other tokenizer.model (SentencePiece's,
+named LlamaTokenizer and the like) is refused by its class, as is PLaMo's tokenizer.jsonl: Transformers
+reads it only through the checkpoint's own Python code, which ster_dist never runs, so no reference
+checks a reader of it.
+
+A rank file becomes the `tokenizers` pipeline tiktoken runs, as Transformers' TikTokenConverter builds
+it: the class's split pattern, then byte-level BPE whose merges are recovered from the ranks (a token
+is the merge of the two shorter tokens that spell it, ordered by its own rank, then theirs); a piece
+that is itself a token stays whole (ignore_merges). The special tokens take the ids after the ranks.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _BackendTokenizer
+
+from ster_dist.errors import Refusal
+
+# tiktoken's cl100k split, which GLM-4's ChatGLM4Tokenizer.pat_str is
+_CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Kimi's TikTokenTokenizer.pat_str (tokenization_kimi.py): Han runs apart, cased words with their suffixes
+_KIMI_PATTERN = "|".join((
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+))
+
+
+@dataclass(frozen=True)
+class TiktokenClass:
+    """A tokenizer class whose vocabulary is a tiktoken rank file."""
+
+    file: str                      # the rank file's name in the checkpoint
+    pattern: str                   # the class's pat_str
+    reserved: int = 0              # special ids after the ranks at least (Kimi: 256, unnamed ones reserved)
+    prefix: tuple[str, ...] = ()   # special tokens before every sequence encoded with special tokens
+
+
+TIKTOKEN_CLASSES: dict[str, TiktokenClass] = {
+    "ChatGLM4Tokenizer": TiktokenClass("tokenizer.model", _CL100K_PATTERN, prefix=("[gMASK]", "<sop>")),
+    "TikTokenTokenizer": TiktokenClass("tiktoken.model", _KIMI_PATTERN, reserved=256),
+}
+# special ids after the ranks, at most (Kimi has 256): every id up to the last one named becomes a token
+_MAX_SPECIALS = 1 << 16
+# files other tokenizers ship in place of tokenizer.json: each is refused unless its class reads it
+OTHER_FILES = ("tokenizer.jsonl", "tokenizer.model", "tiktoken.model")
+
+
+def tokenizer_file(names: set[str], tokenizer_class: object, where: str) -> str:
+    """The file among `names` the tokenizer is read from, given tokenizer_config.json's tokenizer_class."""
+    if "tokenizer.json" in names:
+        return "tokenizer.json"
+    declared = class_name(tokenizer_class)
+    known = TIKTOKEN_CLASSES.get(declared)
+    if known is not None and known.file in names and "tokenizer.jsonl" not in names:
+        return known.file
+    for other in OTHER_FILES:
+        if other in names:
+            raise Refusal(f"tokenizer {where}/{other} is not supported by this ster_dist build "
+                          f"({_why_not(other, declared)}); place the model's tokenizer.json "
+                          "(Hugging Face tokenizers format) beside it")
+    raise Refusal(f"tokenizer is missing: {where}/tokenizer.json; "
+                  "place the model's tokenizer.json beside its config")
+
+
+def _why_not(name: str, declared: str) -> str:
+    if name == "tokenizer.jsonl":
+        return "PLaMo's tokenizer.jsonl is read by Transformers only through the checkpoint's own code"
+    readers = " or ".join(c for c, k in TIKTOKEN_CLASSES.items() if k.file == name)
+    named = f"names {declared}" if declared else "names no tokenizer_class"
+    return f"read as a tiktoken file when tokenizer_config.json names {readers}; it {named}"
+
+
+def class_name(name: object) -> str:
+    """A tokenizer_class without its Fast suffix; "" for none (or for a value that is no name)."""
+    name = name if isinstance(name, str) else ""
+    return name[: -len("Fast")] if name.endswith("Fast") else name
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken rank file: one `base64(bytes) rank` line per token; the ranks must be 0 .. n-1."""
+    ranks: dict[bytes, int] = {}
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise Refusal(f"failed to load tokenizer {path}: {exc.strerror or exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise Refusal(f"failed to load tokenizer {path}: line {number} is not `base64-token rank`") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise Refusal(f"failed to load tokenizer {path}: its ranks are not the ids 0 to {len(ranks) - 1}, "
+                      "each once")
+    return ranks
+
+
+def _byte_table() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (ByteLevel's alphabet), as a str.translate table over the
+    bytes read as latin-1."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TABLE = _byte_table()
+
+
+def _vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    text = {token: token.decode("latin-1").translate(_BYTE_TABLE) for token in ranks}
+    merges: list[tuple[int, int, int, bytes, bytes]] = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left = ranks.get(token[:cut])
+            if left is None:
+                continue
+            right = ranks.get(token[cut:])
+            if right is not None:
+                merges.append((rank, left, right, token[:cut], token[cut:]))
+    merges.sort(key=lambda m: m[:3])
+    return {text[t]: r for t, r in ranks.items()}, [(text[a], text[b]) for *_, a, b in merges]
+
+
+def tiktoken_backend(path: Path, kind: TiktokenClass, added: dict[int, str]) -> _BackendTokenizer:
+    """The `tokenizers` pipeline of a rank file, its special tokens at the ids after the ranks.
+
+    `added` is tokenizer_config.json's added_tokens_decoder (id -> content): every id from the first
+    after the ranks to the last it names (and at least `kind.reserved` ids) becomes a special token,
+    named by it or `<|reserved_token_{id}|>` where it names none."""
+    ranks = read_ranks(path)
+    vocab, merges = _vocab_and_merges(ranks)
+    backend = _BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(kind.pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    base = len(ranks)
+    last = max([base + kind.reserved - 1, *(i for i in added if i >= base)])
+    if last - base >= _MAX_SPECIALS:  # each id up to the last named one becomes a token
+        raise Refusal(f"failed to load tokenizer {path}: tokenizer_config.json's added_tokens_decoder names id "
+                      f"{last}, {last - base + 1} ids past the {base} ranks; at most {_MAX_SPECIALS} special ids "
+                      "follow the ranks")
+    specials = [added.get(i, f"<|reserved_token_{i}|>") for i in range(base, last + 1)]
+    if specials:
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    if kind.prefix:
+        missing = [t for t in kind.prefix if backend.token_to_id(t) is None]
+        if missing:
+            raise Refusal(f"failed to load tokenizer {path}: tokenizer_config.json's added_tokens_decoder "
+                          f"names no {missing[0]}, which starts every sequence")
+        single = " ".join([*kind.prefix, "$A"])
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} $B:1",
+            special_tokens=[(t, backend.token_to_id(t)) for t in kind.prefix])
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
+__all__ = ["OTHER_FILES", "TIKTOKEN_CLASSES", "class_name", "TiktokenClass", "read_ranks", "tiktoken_backend", "tokenizer_file"]
