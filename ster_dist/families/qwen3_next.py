@@ -9,8 +9,8 @@
 - qwen3_5_text: Qwen3-Next's attention and dense feed-forward with the linear attention's projections stored
   apart (in_proj_qkv: every query, then key, then value, as the convolution orders them; in_proj_z, in_proj_b,
   in_proj_a); the output gate follows attn_output_gate (on by default); the multimodal rotation sections
-  rotate text as the plain rotation does. Its image-text wrapper (qwen3_5) is read as its text decoder, below
-  model.language_model; the vision tower is ignored.
+  rotate text as the plain rotation does. Its image-text wrapper (qwen3_5) is read as its text decoder
+  (config_file.text_weight_names: below model.language_model; the vision tower is skipped).
 - qwen3_5_moe_text: qwen3_5_text over Qwen3-Next's experts, renormalised unless norm_topk_prob is false (its
   wrapper qwen3_5_moe likewise).
 """
@@ -23,9 +23,6 @@ from ster_dist.families.moe_layouts import expert_rules, router_rules, shared_ru
 from ster_dist.families.spec import FamilySpec, Fused, MoESpec, Rule
 
 _MIXER = "layers.{i}.mixer"
-# where the decoder's tensors sit: Transformers' text models, and Qwen3.5's image-text wrappers (qwen3_5,
-# qwen3_5_moe), whose text decoder is model.language_model beside the vision tower model.visual
-_ROOTS = ("model.", "model.language_model.")
 _MIXERS = {"linear_attention": "gated_delta", "full_attention": "attention"}
 
 
@@ -115,16 +112,16 @@ _COMMON = dict(norm_offset=1.0, qk_norm="head", mlp_bias_keys=(), ignore=(r"mtp\
 # q_proj is read as query and gate rows (_gated_query); a checkpoint without the gate rows has another layout
 _GATED = dict(require_values={"attn_output_gate": (True, ("only the gated attention layout (q_proj holding "
                                                           "each head's query and gate rows) is supported"))},
-              ignore=(r"mtp\..*", r"model\.visual\..*"))  # the wrappers' vision tower: text is all ster_dist reads
+              ignore=(r"mtp\..*",))
 
 QWEN3_NEXT_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("qwen3_next", _rules("model.", _delta_rules, sparse=True), moe=MoESpec(shared="qwen"),
                parity_reference="Qwen3NextForCausalLM", normalize=_normalize,
                layer_kinds=_layer_kinds("qwen3_next"), **_COMMON),
-    FamilySpec("qwen3_5_text", sum((_rules(root, _split_delta_rules, sparse=False) for root in _ROOTS), ()),
+    FamilySpec("qwen3_5_text", _rules("model.", _split_delta_rules, sparse=False),
                parity_reference="Qwen3_5ForCausalLM", normalize=lambda raw: _normalize(raw, gate_key=True),
                layer_kinds=_layer_kinds("qwen3_5_text"), **{**_COMMON, **_GATED}),
-    FamilySpec("qwen3_5_moe_text", sum((_rules(root, _split_delta_rules, sparse=True) for root in _ROOTS), ()),
+    FamilySpec("qwen3_5_moe_text", _rules("model.", _split_delta_rules, sparse=True),
                moe=MoESpec(shared="qwen"), parity_reference="Qwen3_5MoeForCausalLM",
                normalize=lambda raw: _normalize(raw, gate_key=True, renormalize=True),
                layer_kinds=_layer_kinds("qwen3_5_moe_text"), **{**_COMMON, **_GATED}),
