@@ -25,6 +25,7 @@ from torch import nn
 from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, ModelConfig
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
+from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mla import LatentAttention
 from ster_dist.moe.layer import MoE
 from ster_dist.parallel.ctx import ParallelCtx
@@ -45,6 +46,7 @@ class MixerKind:
 MIXERS: dict[str, MixerKind] = {
     "attention": MixerKind(Attention, "attn"),
     "latent_attention": MixerKind(LatentAttention, "attn"),
+    "mamba": MixerKind(MambaMixer, "mixer"),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

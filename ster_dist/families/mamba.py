@@ -1,0 +1,84 @@
+"""The Mamba-1 lineage (Transformers' MambaMixer): Mamba and Falcon Mamba, every block a norm, the
+Mamba mixer (model/mamba.py) and the residual, with no attention and no feed-forward; names below
+backbone., the head tied to the embedding unless stated otherwise.
+
+Normalisation restates each family's mixer settings under the keys the mixer reads (Jamba's names:
+mamba_d_state, mamba_d_conv, mamba_dt_rank, ...) with Transformers' defaults, and the inner width as
+Transformers computes it, expand x hidden_size (it ignores a stated intermediate_size).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ster_dist.errors import Refusal
+from ster_dist.families.spec import FamilySpec, Fused, Rule
+
+
+def mamba_mixer_rules(layer: str, target: str = "layers.{i}.mixer") -> tuple[Rule, ...]:
+    """A MambaMixer's tensors below `layer` (a template ending in "."): in_proj holds x, then z."""
+    in_proj = Fused(((f"{target}.in_x.weight", "mamba_intermediate"), (f"{target}.in_z.weight", "mamba_intermediate")),
+                    unit="one")
+    in_bias = Fused(((f"{target}.in_x.bias", "mamba_intermediate"), (f"{target}.in_z.bias", "mamba_intermediate")),
+                    unit="one")
+    m = f"{layer}mixer."
+    return (
+        Rule(f"{m}in_proj.weight", in_proj), Rule(f"{m}in_proj.bias", in_bias),
+        Rule(f"{m}conv1d.weight", f"{target}.conv_weight"), Rule(f"{m}conv1d.bias", f"{target}.conv_bias"),
+        Rule(f"{m}x_proj.weight", f"{target}.x_proj.weight"),
+        Rule(f"{m}dt_proj.weight", f"{target}.dt_proj.weight"), Rule(f"{m}dt_proj.bias", f"{target}.dt_proj.bias"),
+        Rule(f"{m}A_log", f"{target}.A_log"), Rule(f"{m}D", f"{target}.D"),
+        Rule(f"{m}out_proj.weight", f"{target}.out_proj.weight"), Rule(f"{m}out_proj.bias", f"{target}.out_proj.bias"),
+    )
+
+
+def _mamba_rules() -> tuple[Rule, ...]:
+    b = "backbone."
+    return (
+        Rule(f"{b}embeddings.weight", "embed.weight"),
+        Rule(f"{b}embedding.weight", "embed.weight"),  # the original checkpoints' name (Transformers renames it)
+        Rule("lm_head.weight", "lm_head.weight"),
+        Rule(f"{b}norm_f.weight", "final_norm.weight"),
+        Rule(f"{b}layers.{{i}}.norm.weight", "layers.{i}.attn_norm.weight"),
+        *mamba_mixer_rules(f"{b}layers.{{i}}."),
+    )
+
+
+def _positive(raw: dict, key: str, default):
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise Refusal(f"invalid model config: {key} is {value!r}; it must be a positive number")
+    return value
+
+
+def _normalize(raw: dict, dt_norm: str) -> dict:
+    hidden = _positive(raw, "hidden_size", None)
+    if not isinstance(hidden, int):
+        raise Refusal(f"invalid model config: hidden_size is {hidden!r}; it must be a whole number")
+    rank = raw.get("time_step_rank", "auto")
+    out = dict(raw)
+    out.update(
+        mamba_intermediate_size=int(_positive(raw, "expand", 2) * hidden),
+        mamba_dt_rank=math.ceil(hidden / 16) if rank == "auto" else rank,
+        mamba_d_state=raw.get("state_size", 16), mamba_d_conv=raw.get("conv_kernel", 4),
+        mamba_conv_bias=raw.get("use_conv_bias", True), mamba_proj_bias=raw.get("use_bias", False),
+        mamba_dt_norm=dt_norm, mamba_norm_eps=raw.get("mixer_rms_eps", 1e-6),
+    )
+    out.setdefault("residual_in_fp32", True)
+    out.setdefault("layer_norm_epsilon", 1e-5)
+    out.setdefault("hidden_act", "silu")
+    return out
+
+
+def _pure_mamba(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return ("mamba",) * num_layers, ("none",) * num_layers
+
+
+MAMBA_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("mamba", _mamba_rules(), tied_default=True, normalize=lambda raw: _normalize(raw, "none"),
+               layer_kinds=_pure_mamba, parity_reference="MambaForCausalLM"),
+    # Falcon Mamba: RMS norms without weights over dt, B and C (at mixer_rms_eps) before the scan
+    FamilySpec("falcon_mamba", _mamba_rules(), tied_default=True,
+               normalize=lambda raw: _normalize(raw, "weightless"), layer_kinds=_pure_mamba,
+               parity_reference="FalconMambaForCausalLM"),
+)
