@@ -44,25 +44,32 @@ def _mamba_rules() -> tuple[Rule, ...]:
     )
 
 
-def _positive(raw: dict, key: str, default):
+def _positive(raw: dict, key: str, default, whole: bool = True):
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise Refusal(f"invalid model config: {key} is {value!r}; it must be a positive number")
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value <= 0:
+        kind = "whole number" if whole else "number"
+        raise Refusal(f"invalid model config: {key} is {value!r}; Mamba needs a positive {kind} there")
+    return value
+
+
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise Refusal(f"invalid model config: {key} is {value!r}; state true or false")
     return value
 
 
 def _normalize(raw: dict, dt_norm: str) -> dict:
+    """The mixer's settings under its own keys, checked here under the names the config states them by."""
     hidden = _positive(raw, "hidden_size", None)
-    if not isinstance(hidden, int):
-        raise Refusal(f"invalid model config: hidden_size is {hidden!r}; it must be a whole number")
     rank = raw.get("time_step_rank", "auto")
     out = dict(raw)
     out.update(
-        mamba_intermediate_size=int(_positive(raw, "expand", 2) * hidden),
-        mamba_dt_rank=math.ceil(hidden / 16) if rank == "auto" else rank,
-        mamba_d_state=raw.get("state_size", 16), mamba_d_conv=raw.get("conv_kernel", 4),
-        mamba_conv_bias=raw.get("use_conv_bias", True), mamba_proj_bias=raw.get("use_bias", False),
-        mamba_dt_norm=dt_norm, mamba_norm_eps=raw.get("mixer_rms_eps", 1e-6),
+        mamba_intermediate_size=int(_positive(raw, "expand", 2, whole=False) * hidden),
+        mamba_dt_rank=math.ceil(hidden / 16) if rank == "auto" else _positive(raw, "time_step_rank", None),
+        mamba_d_state=_positive(raw, "state_size", 16), mamba_d_conv=_positive(raw, "conv_kernel", 4),
+        mamba_conv_bias=_flag(raw, "use_conv_bias", True), mamba_proj_bias=_flag(raw, "use_bias", False),
+        mamba_dt_norm=dt_norm, mamba_norm_eps=_positive(raw, "mixer_rms_eps", 1e-6, whole=False),
     )
     out.setdefault("residual_in_fp32", True)
     out.setdefault("layer_norm_epsilon", 1e-5)
