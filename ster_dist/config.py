@@ -590,6 +590,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if mla is not None:  # latent attention: every head has its own key; only qk_rope_head_dim rotates
         num_kv, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
     moe, moe_layers = _moe(keys, spec, intermediate, num_layers) if spec.moe else (None, ())
+    if moe is not None and feed_forwards:  # the family's layer pattern says which layers route (Jamba)
+        moe_layers = tuple(kind == "moe" for kind in feed_forwards)
     if spec.dense_intermediate_keys:  # intermediate_size is the experts' width; the dense layers state their own
         intermediate = int(keys.get(*spec.dense_intermediate_keys, default=intermediate))
     norm_kind = spec.norm_kind
