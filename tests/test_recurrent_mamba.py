@@ -22,7 +22,7 @@ from ster_dist.resolve import resolve
 from tests.paged_steps import Driver
 from tests.tiny_models import make_tiny, read_config
 
-VARIANTS = ["mamba", "mamba_biased", "falcon_mamba"]
+VARIANTS = ["mamba", "mamba_biased", "falcon_mamba", "jamba"]
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +70,10 @@ def test_a_long_prompt_read_in_chunks_equals_one_pass(models, variant):
     assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5, variant
 
 
-@pytest.mark.parametrize("variant", ["mamba", "falcon_mamba"])
+@pytest.mark.parametrize("variant", ["mamba", "falcon_mamba", "jamba"])
 def test_paged_state_slots_continue_each_sequence(models, variant):
     """Sequences read in chunks of different lengths through the packed forward, each with its own state slot
-    (slots out of order), equal each sequence read whole."""
+    (slots out of order) and, for Jamba's attention layer, its own blocks, equal each sequence read whole."""
     model = models(variant)
     tokens = {name: _ids(1, 30, seed)[0] for seed, name in enumerate("ABC")}
     slots = {"A": 2, "B": 0, "C": 1}
@@ -124,6 +124,22 @@ def test_tensor_parallel_ranks_hold_uneven_channel_shares_of_the_state(checkpoin
                                         ("expand", 0), ("use_conv_bias", "yes"), ("state_size", 2.5)])
 def test_bad_mixer_settings_are_refused_naming_the_key(checkpoints, key, value):
     raw = {**read_config(checkpoints("mamba")), key: value}
+    with pytest.raises(Refusal, match=key):
+        meta_decoder(from_hf(raw))
+
+
+def test_jamba_layer_pattern_places_attention_and_experts(checkpoints):
+    cfg = from_hf(read_config(checkpoints("jamba")))  # attention 3k + 1, experts 2k + 1, four layers
+    assert cfg.mixers == ("mamba", "attention", "mamba", "mamba")
+    assert cfg.feed_forwards == ("dense", "moe", "dense", "moe") and cfg.moe_layers == (False, True, False, True)
+    dense = from_hf({**read_config(checkpoints("jamba")), "num_experts": 1})
+    assert dense.feed_forwards == ("dense",) * 4 and not any(dense.moe_layers)
+
+
+@pytest.mark.parametrize("key, value", [("attn_layer_offset", 3), ("expert_layer_offset", -1),
+                                        ("attn_layer_period", 0), ("mamba_d_state", 0), ("mamba_proj_bias", 1)])
+def test_bad_jamba_settings_are_refused_naming_the_key(checkpoints, key, value):
+    raw = {**read_config(checkpoints("jamba")), key: value}
     with pytest.raises(Refusal, match=key):
         meta_decoder(from_hf(raw))
 
