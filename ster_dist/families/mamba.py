@@ -115,8 +115,8 @@ def _normalize_jamba(raw: dict) -> dict:
             raise Refusal(f"invalid model config: {key} is {value!r}; it must be a whole number below "
                           f"{period} ({out[period]})")
         out[key] = value
-    out.setdefault("num_experts", 16)
-    out.setdefault("num_experts_per_tok", 2)
+    out["num_experts"] = _positive(raw, "num_experts", 16)
+    out["num_experts_per_tok"] = _positive(raw, "num_experts_per_tok", 2)
     if out["num_experts"] == 1:  # every layer dense: the routing Transformers never builds must still read
         out["num_experts_per_tok"] = 1
     return out
@@ -138,10 +138,11 @@ def _pure_mamba(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str,
 
 
 MAMBA_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mamba", _mamba_rules(), tied_default=True, normalize=lambda raw: _normalize(raw, "none"),
-               layer_kinds=_pure_mamba, parity_reference="MambaForCausalLM"),
+    FamilySpec("mamba", _mamba_rules(), positions="none", tied_default=True,
+               normalize=lambda raw: _normalize(raw, "none"), layer_kinds=_pure_mamba,
+               parity_reference="MambaForCausalLM"),
     # Falcon Mamba: RMS norms without weights over dt, B and C (at mixer_rms_eps) before the scan
-    FamilySpec("falcon_mamba", _mamba_rules(), tied_default=True,
+    FamilySpec("falcon_mamba", _mamba_rules(), positions="none", tied_default=True,
                normalize=lambda raw: _normalize(raw, "weightless"), layer_kinds=_pure_mamba,
                parity_reference="FalconMambaForCausalLM"),
     # attention without positions; experts from a softmax over all, the chosen weights left as they are
