@@ -17,7 +17,7 @@ from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parity import compare
+from ster_dist.parity import compare, run_parity
 from ster_dist.resolve import resolve
 from tests.paged_steps import Driver
 from tests.tiny_models import make_tiny, read_config
@@ -110,6 +110,15 @@ def test_left_padding_leaves_the_state_unchanged(models):
             alone = model(torch.cat([p, follow[row]])[None])[0, len(p) - 1:]
             got = torch.stack([b[row] for b in batched])
             assert compare(got, alone)["max_relative_error"] < 1e-5, row
+
+
+@pytest.mark.parametrize("variant", ["mamba", "jamba"])
+def test_the_parity_report_lines_up_every_layer_with_transformers(checkpoints, variant):
+    """Transformers' Mamba lists no embedding state before the layers' (Jamba does): `ster parity` pairs
+    each layer with its own output either way."""
+    loaded = load_model(resolve(str(checkpoints(variant))), "f32")
+    result = run_parity(loaded)
+    assert result["passed"] and len(result["layers"]) == loaded.cfg.num_layers, result
 
 
 def test_tensor_parallel_ranks_hold_uneven_channel_shares_of_the_state(checkpoints):
