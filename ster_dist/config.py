@@ -151,6 +151,8 @@ class ModelConfig:
     # embedding and head
     embed_scale: float = 1.0
     residual_multiplier: float = 1.0
+    # the residual stream kept in f32 while the layers compute in the model's dtype (Mamba's residual_in_fp32)
+    residual_fp32: bool = False
     logit_multiplier: float = 1.0
     logit_softcap: float | None = None
     tie_word_embeddings: bool = False
@@ -585,6 +587,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if mla is not None:  # latent attention: every head has its own key; only qk_rope_head_dim rotates
         num_kv, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
     moe, moe_layers = _moe(keys, spec, intermediate, num_layers) if spec.moe else (None, ())
+    if moe is not None and feed_forwards:  # the family's layer pattern says which layers route (Jamba)
+        moe_layers = tuple(kind == "moe" for kind in feed_forwards)
     if spec.dense_intermediate_keys:  # intermediate_size is the experts' width; the dense layers state their own
         intermediate = int(keys.get(*spec.dense_intermediate_keys, default=intermediate))
     norm_kind = spec.norm_kind
@@ -631,7 +635,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_window.append(int(window) if sliding else None)
 
     # attention scale and multipliers
-    attn_scale = head_dim ** -0.5
+    attn_scale = head_dim ** -0.5 if head_dim else 1.0  # no attention layer (Mamba): no head width
     if keys.get("query_pre_attn_scalar") is not None:
         attn_scale = float(keys.get("query_pre_attn_scalar")) ** -0.5
     if keys.get("attention_multiplier") is not None:
@@ -697,6 +701,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         embed_norm=spec.embed_norm,
         mlp_gated=spec.mlp_gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
+        residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.tied_default)),
         lm_head_bias=spec.lm_head_bias or bool(keys.get(*spec.lm_head_bias_keys, default=False)),

@@ -11,6 +11,9 @@ import torch
 from ster_dist.errors import Refusal
 from ster_dist.load import LoadedModel
 
+# Transformers' Mamba models list every layer's output and then the final norm's, with no embedding state
+# first (the others: the embeddings, each layer's output, the last one replaced by the final norm's)
+_NO_EMBEDDING_STATE = {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 THRESHOLDS = {"f32": (1e-4, 0.9999), "bf16": (5e-2, 0.999), "f16": (1e-4, 0.9999)}
 
 
@@ -81,11 +84,14 @@ def against_reference(loaded: LoadedModel, ids, captured, logits, tp: int = 1) -
     reference = reference_model(loaded, dtype)
     out = reference(ids, output_hidden_states=True)
     ref_hidden = out.hidden_states
+    if type(reference).__name__ in _NO_EMBEDDING_STATE:
+        ref_hidden = (None, *ref_hidden)
     layers = []
     for i, h in enumerate(captured):
         # Transformers' last hidden state is taken after the final norm
-        ours = model.final_norm(h) if i == len(captured) - 1 else h
-        layers.append({"layer": i, **compare(ours, ref_hidden[i + 1])})
+        last = i == len(captured) - 1
+        ours = model.final_norm(h) if last else h
+        layers.append({"layer": i, **compare(ours, ref_hidden[-1] if last else ref_hidden[i + 1])})
     result = compare(logits, out.logits)
     rel_limit, cos_limit = THRESHOLDS[loaded.precision]
     worst = max([result["max_relative_error"]] + [l["max_relative_error"] for l in layers])

@@ -49,6 +49,7 @@ class Block(nn.Module):
         self.post_mlp_norm = norm() if cfg.post_mlp_norm and self.mlp is not None else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
+        self.residual_fp32 = cfg.residual_fp32
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -56,19 +57,22 @@ class Block(nn.Module):
         return getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        residual = x
+        if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
+            residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
         if self.token_mixer is None:  # the feed-forward alone, behind the block's first norm
             m = self.mlp(a_in)
-            return x + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
+            return residual + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
         a = self.token_mixer(a_in, step)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         if self.mlp is None:
-            return x + self._scaled(a)
+            return residual + self._scaled(a)
         if self.parallel:
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
-            return x + self._scaled(a + m)
-        h = x + self._scaled(a)
+            return residual + self._scaled(a + m)
+        h = residual + self._scaled(a)
         m = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
@@ -157,7 +161,8 @@ class Decoder(nn.Module):
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.final_norm(h))
+        # an f32 residual stream (residual_fp32) meets the head in the model's dtype, as Transformers casts it
+        logits = self.lm_head(self.final_norm(h).to(self.embed.weight.dtype))
         if self.cfg.logit_multiplier != 1.0:
             logits = logits * self.cfg.logit_multiplier
         if self.cfg.logit_softcap is not None:

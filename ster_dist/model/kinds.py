@@ -27,6 +27,7 @@ from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, 
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
 from ster_dist.model.gated_delta import GatedDeltaNet
+from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
 from ster_dist.model.short_conv import ShortConv
@@ -53,6 +54,7 @@ MIXERS: dict[str, MixerKind] = {
     "mamba2": MixerKind(Mamba2Mixer, "mixer"),
     "none": MixerKind(lambda cfg, layer, ctx: None, "mixer"),  # the feed-forward alone (Nemotron-H's "-" layers)
     "gated_delta": MixerKind(GatedDeltaNet, "mixer"),
+    "mamba": MixerKind(MambaMixer, "mixer"),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

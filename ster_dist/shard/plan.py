@@ -56,10 +56,12 @@ def size_of(name: str, cfg: ModelConfig) -> int:
         return _linear_size(name, cfg)
     return {
         "one": 1, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-        "heads_per_kv": cfg.num_heads // cfg.num_kv_heads, "intermediate": cfg.intermediate_size,
+        "heads_per_kv": cfg.num_heads // cfg.num_kv_heads if cfg.num_kv_heads else 0, "intermediate": cfg.intermediate_size,
         "head_dim": cfg.head_dim,
         # the shared experts' width, for a fused shared gate/up (GraniteMoE shared's shared_mlp.input_linear)
         "shared_intermediate": cfg.moe.shared_intermediate_size if cfg.moe is not None else 0,
+        # a Mamba layer's inner width, for its in_proj's x and z halves (the family's normalisation states it)
+        "mamba_intermediate": int(cfg.raw.get("mamba_intermediate_size") or 0),
     }[name]
 
 
