@@ -448,6 +448,8 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
         pytest.skip("no attention layer")
     if family == "bamba":  # attention only where attn_layer_indices says
         raw["attn_layer_indices"] = [0]
+    if family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):  # attention only where layer_types says
+        raw["layer_types"] = ["linear_attention", "full_attention"]
     ref = CONFIG_MAPPING[family].from_dict(dict(raw))
     if spec_for(family).latent_attention or family in ("gpt2", "dbrx"):
         pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")
