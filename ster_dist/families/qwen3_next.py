@@ -90,10 +90,10 @@ def _layer_kinds(family: str):
     def kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         types = raw.get("layer_types")
         if types is None:
-            interval = raw.get("full_attention_interval", 4)  # Transformers' default
+            interval = raw.get("full_attention_interval")
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-                raise Refusal(f"invalid model config: without layer_types, full_attention_interval must be a positive "
-                              f"count of layers (it is {interval!r}); state which layers attend")
+                raise Refusal(f"invalid model config: neither layer_types nor a positive full_attention_interval is "
+                              f"stated (full_attention_interval is {interval!r}); state which layers attend")
             types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
         unknown = sorted({str(t) for t in types} - set(_MIXERS))
         if unknown:
