@@ -13,7 +13,7 @@ the family's Transformers spec, and their query and key B rows put in pair order
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.spec import FamilySpec
+from ster_dist.families.spec import AttentionSpec, FamilySpec, PositionSpec
 
 _MISTRAL_NAMES = llama_rules(
     root="", attn="attention", q="wq", k="wk", v="wv", o="wo",
@@ -23,6 +23,6 @@ _MISTRAL_NAMES = llama_rules(
 )
 
 MISTRAL_FORMAT_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mistral", _MISTRAL_NAMES, sliding="all", rope_interleaved=True, weight_format="mistral",
-               pair_rows=("attn.q", "attn.k")),
+    FamilySpec("mistral", _MISTRAL_NAMES, attention=AttentionSpec(sliding="all"),
+               positions=PositionSpec(interleaved=True), weight_format="mistral", pair_rows=("attn.q", "attn.k")),
 )
