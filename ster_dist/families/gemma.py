@@ -41,12 +41,13 @@ _GEMMA2_RULES = llama_rules(mlp_norm="pre_feedforward_layernorm", post_attn_norm
                             post_mlp_norm="post_feedforward_layernorm", q_norm="q_norm", k_norm="k_norm")
 
 GEMMA_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("gemma", llama_rules(q_norm=None, k_norm=None), feed_forward=FeedForwardSpec(activation="gelu_pytorch_tanh"),
-               norms=_NORMS, embedding=_EMBEDDING, normalize=never_biased, parity_reference="GemmaForCausalLM"),
+    FamilySpec("gemma", llama_rules(q_norm=None, k_norm=None),
+               feed_forward=FeedForwardSpec(activation="gelu_pytorch_tanh"), norms=_NORMS, embedding=_EMBEDDING, normalize=never_biased, parity_reference="GemmaForCausalLM"),
     FamilySpec("gemma2", _GEMMA2_RULES, attention=AttentionSpec(sliding="even"), norms=_GEMMA2_NORMS,
                embedding=_EMBEDDING, normalize=never_biased, parity_reference="Gemma2ForCausalLM"),
     FamilySpec("gemma3_text", _GEMMA2_RULES, attention=AttentionSpec(sliding="pattern", qk_norm=QKNormSpec("head")),
-               norms=_GEMMA2_NORMS, embedding=_EMBEDDING, positions=PositionSpec(theta=1_000_000.0, local_theta=10_000.0),
+               norms=_GEMMA2_NORMS, embedding=_EMBEDDING,
+               positions=PositionSpec(theta=1_000_000.0, local_theta=10_000.0),
                normalize=lambda raw: never_biased(with_defaults(raw, _GEMMA3_TEXT_DEFAULTS)),
                parity_reference="Gemma3ForCausalLM"),
     # Gemma 2 without the norms over each sublayer's output

@@ -86,7 +86,8 @@ _UNBIASED_LAYER_NORMS = NormSpec(kind="layer")
 
 MPT_FAMILIES: tuple[FamilySpec, ...] = (
     # ALiBi (attn_config.alibi, on unless stated off) or a learned wpe; unbiased, with unbiased LayerNorms
-    FamilySpec("mpt", _mpt_rules(), norms=_UNBIASED_LAYER_NORMS, feed_forward=FeedForwardSpec(gated=False, activation="gelu"),
+    FamilySpec("mpt", _mpt_rules(), norms=_UNBIASED_LAYER_NORMS,
+               feed_forward=FeedForwardSpec(gated=False, activation="gelu"),
                positions=PositionSpec(kind="learned"), embedding=EmbeddingSpec(tied=True), normalize=_mpt,
                refuse_keys={"qk_ln": "query/key norms in MPT's attention are not supported",
                             "clip_qkv": "MPT's clip_qkv is not supported",

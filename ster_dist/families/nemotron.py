@@ -51,7 +51,8 @@ NEMOTRON_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("nemotron", _PLAIN, norms=NormSpec(kind="layer", bias=True, offset=1.0), feed_forward=_UNGATED,
                positions=PositionSpec(rotary_share=0.5), normalize=defaults({"hidden_act": "relu2", "norm_eps": 1e-5}),
                parity_reference="NemotronForCausalLM"),
-    FamilySpec("arcee", _PLAIN, feed_forward=_UNGATED, normalize=defaults({"hidden_act": "relu2", "rms_norm_eps": 1e-5}),
+    FamilySpec("arcee", _PLAIN, feed_forward=_UNGATED,
+               normalize=defaults({"hidden_act": "relu2", "rms_norm_eps": 1e-5}),
                parity_reference="ArceeForCausalLM"),
     # Jais 2: Arcee's plain squared-ReLU feed-forward under biased LayerNorms; biases on by default
     FamilySpec("jais2", _PLAIN, norms=NormSpec(kind="layer", bias=True), feed_forward=_UNGATED, normalize=_jais2,

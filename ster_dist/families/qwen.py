@@ -39,7 +39,8 @@ QWEN_FAMILIES: tuple[FamilySpec, ...] = (
                + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),),
                attention=_MAX_WINDOW_LAYERS, normalize=_qwen2_moe, moe=MoESpec(shared="qwen"),
                parity_reference="Qwen2MoeForCausalLM"),
-    FamilySpec("qwen3_moe", _QWEN3_MOE, attention=_QWEN3_ATTENTION, moe=MoESpec(), parity_reference="Qwen3MoeForCausalLM"),
+    FamilySpec("qwen3_moe", _QWEN3_MOE, attention=_QWEN3_ATTENTION, moe=MoESpec(),
+               parity_reference="Qwen3MoeForCausalLM"),
     FamilySpec("mellum", _QWEN3_MOE, attention=AttentionSpec(qk_norm=QKNormSpec("head")), ignore=(r"mtp\..*",),
                moe=MoESpec(), parity_reference="MellumForCausalLM"),
 )

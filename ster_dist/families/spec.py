@@ -201,7 +201,8 @@ class FamilySpec:
     moe: MoESpec | None = None            # a mixture-of-experts family: its routing conventions
     # The family's config normalisation: its text config (after the gate) -> a new dict with the generic keys the
     # shared reader knows (families/normalize.py lists them) filled from the family's own names, its
-    # Transformers class's defaults and its fixed choices. Runs before anything is read.
+    # Transformers class's defaults and its fixed choices. Runs before anything is read; raises
+    # normalize.ConfigProblem for a value it cannot read.
     normalize: Callable[[dict], dict] | None = None
     # The kind of each layer's token mixer and feed-forward (model/kinds.py), from the normalised config and
     # the layer count: (mixers, feed_forwards), a name per layer each. None: attention and the dense (or
