@@ -207,10 +207,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
                       "ster_dist build; `ster families` lists the runnable ones")
     kv_stated = _states_kv_heads(raw)  # a family's default count (EXAONE's 8) is not the config's statement
     written, raw = raw, _normalized(raw, spec, path)
-    # types and ranges first, of any value the normalisation replaced (as written, under its own name) and of
-    # the config as normalised: nothing below may divide by, index with or loop over a bad value
-    check_stated({key: value for key, value in written.items() if raw.get(key) is not value}, path)
-    check_stated(raw, path)
+    # types and ranges first, of the normalised config with any value the normalisation replaced put back as
+    # written (the config's own statement, under its own name): nothing below may divide by, index with or
+    # loop over a bad value
+    check_stated({**raw, **{key: value for key, value in written.items() if raw.get(key) is not value}}, path)
     keys = Keys(raw, path)
     for key, why in spec.refuse_keys.items():
         if keys.get(key):
