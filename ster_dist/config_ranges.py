@@ -32,6 +32,8 @@ INTS: dict[str, tuple[int, int]] = {
                      "original_max_position_embeddings"), POSITIONS),
     "sliding_window": (0, POSITIONS[1]),  # 0: no window (Qwen2-MoE and others write it so)
     "head_dim": SIZE, "vocab_size": VOCAB, "rotary_dim": SIZE,
+    # widths one family states beside hidden_size / intermediate_size (OPT; Cohere 2 MoE, and its generic name)
+    **dict.fromkeys(("word_embed_proj_dim", "prefix_dense_intermediate_size", "dense_intermediate_size"), SIZE),
     # 0 for a pattern: none (Transformers writes it so for EXAONE 4 without sliding layers)
     "max_window_layers": (0, LAYERS[1]),
     "sliding_window_pattern": (0, LAYERS[1]), "_sliding_window_pattern": (0, LAYERS[1]),
@@ -151,15 +153,12 @@ def check_rope(path: str, key: str, params) -> None:
             _check_list(path, f"{key}.{name}", params.get(name), _number_item)
 
 
-def check_stated(raw: dict, path: str, size_keys: tuple[str, ...] = ()) -> None:
-    """Every stated value config.py reads has its type and range. `size_keys`: a family's own keys that
-    state a width (width_keys, dense_intermediate_keys)."""
+def check_stated(raw: dict, path: str) -> None:
+    """Every stated value config.py reads has its type and range."""
     stated = {key: value for key, value in raw.items() if value is not None}
     for key, value in stated.items():
         if key in INTS:
             check_int(path, key, value, *INTS[key])
-        elif key in size_keys:
-            check_int(path, key, value, *SIZE)
         elif key in PER_LAYER:
             _check_per_layer(path, key, value, *PER_LAYER[key])
         elif key in POSITIVE or key in FINITE:

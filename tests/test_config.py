@@ -440,7 +440,7 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
     if spec_for(family).moe is not None:
         raw.update(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
                    router_jitter_noise=0.01)  # PhiMoE's SparseMixer refuses a config without it
-    if spec_for(family).positions != "rope":
+    if spec_for(family).positions.kind != "rope":
         pytest.skip("positions are not rotations (learned or ALiBi)")
     if family == "falcon":  # FalconConfig derives head_dim and refuses it stated
         raw.pop("head_dim")
@@ -451,7 +451,7 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
     if family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):  # attention only where layer_types says
         raw["layer_types"] = ["linear_attention", "full_attention"]
     ref = CONFIG_MAPPING[family].from_dict(dict(raw))
-    if spec_for(family).latent_attention or family in ("gpt2", "dbrx"):
+    if spec_for(family).attention.latent or family in ("gpt2", "dbrx"):
         pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")
     share = ((getattr(ref, "rope_parameters", None) or {}).get("partial_rotary_factor")
              or getattr(ref, "partial_rotary_factor", None) or getattr(ref, "rotary_pct", None) or 1.0)

@@ -25,7 +25,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
     (("", "errors", "atomic", "events", "inputs"),
      "leaves: refusals, whole-or-nothing writes, progress events and input files; import nothing of ours"),
     (("families",),
-     "families are data (FamilySpec, name maps); read by the config and by every name-map user"),
+     "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user"),
     (("checkpoint", "config*", "resolve", "tokenizer*", "chat_template"),
      "checkpoint and config level: what a model is, read from its files before any weight"),
     (("parallel",),

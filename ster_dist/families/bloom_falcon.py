@@ -10,12 +10,26 @@ by key-value head, a plain dense_h_to_4h / dense_4h_to_h feed-forward, ALiBi or 
 
 from __future__ import annotations
 
-from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, weight_and_bias
-from ster_dist.families.spec import FamilySpec, Rule
-from ster_dist.families.switches import (
-    ALWAYS_BIASED,
-    BIASED_LAYER_NORM_PLAIN_MLP,
+from ster_dist.families.gpt2 import (
+    BIASED_LAYER_NORMS,
     LAYER_NORM_EPSILON_DEFAULT,
+)
+from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, weight_and_bias
+from ster_dist.families.normalize import (
+    KV_HEAD_KEYS,
+    always_biased,
+    biases_from,
+    stated,
+    switch,
+    with_defaults,
+)
+from ster_dist.families.spec import (
+    EmbeddingSpec,
+    FamilySpec,
+    FeedForwardSpec,
+    NormSpec,
+    PositionSpec,
+    Rule,
 )
 
 
@@ -38,20 +52,35 @@ def _bloom_falcon_rules(embed_norm: bool) -> tuple[Rule, ...]:
     )
 
 
+def _falcon(raw: dict) -> dict:
+    """`bias` switches every projection, parallel_attn the parallel block. The new decoder architecture reads
+    the stated key-value head count and gives each half of the block its own norm unless num_ln_in_parallel_attn
+    is 1; the older layouts have one key-value head under multi_query, else one per head, and one norm."""
+    raw = with_defaults(raw, {**LAYER_NORM_EPSILON_DEFAULT, "multi_query": True, "parallel_attn": True})
+    new = switch(raw, "new_decoder_architecture")
+    out = {**biases_from(raw, "bias"), "use_parallel_residual": switch(raw, "parallel_attn"),
+           "num_ln_in_parallel_attn": 1 if not new or stated(raw, "num_ln_in_parallel_attn") == 1 else 2}
+    if new:
+        return {**out, "multi_query": False}
+    return {**out, **dict.fromkeys(KV_HEAD_KEYS)}
+
+
+_FALCON_FEED_FORWARD = FeedForwardSpec(gated=False, activation="gelu")
+
 BLOOM_FALCON_FAMILIES: tuple[FamilySpec, ...] = (
+    # ALiBi in place of rotation, a norm after the embedding, every projection biased
     FamilySpec("bloom", _bloom_falcon_rules(embed_norm=True), optional_prefix="transformer.",
-               **BIASED_LAYER_NORM_PLAIN_MLP, positions="alibi", embed_norm=True, activation="gelu_pytorch_tanh",
-               tied_default=True, **ALWAYS_BIASED, config_defaults=LAYER_NORM_EPSILON_DEFAULT,
+               norms=NormSpec(kind="layer", bias=True, embed=True),
+               feed_forward=FeedForwardSpec(gated=False, activation="gelu_pytorch_tanh"),
+               positions=PositionSpec(kind="alibi"), embedding=EmbeddingSpec(tied=True),
+               normalize=lambda raw: always_biased(with_defaults(raw, LAYER_NORM_EPSILON_DEFAULT)),
                refuse_keys={"apply_residual_connection_post_layernorm":
                             "residuals taken after the norm are not supported"},
                parity_reference="BloomForCausalLM"),
     # parallel blocks (parallel_attn), two norms in the new architecture, grouped key-value heads there and one
     # under multi_query; alibi replaces rotation, added before the scores are scaled
     FamilySpec("falcon", _bloom_falcon_rules(embed_norm=False), optional_prefix="transformer.",
-               **BIASED_LAYER_NORM_PLAIN_MLP, parallel_key="parallel_attn",
-               parallel_norms_key="new_decoder_architecture", grouped_kv_key="new_decoder_architecture",
-               alibi_key="alibi", alibi_before_scale=True, alibi_bf16=True, activation="gelu", tied_default=True,
-               qkv_bias_keys=("bias",), o_bias_keys=("bias",), mlp_bias_keys=("bias",),
-               config_defaults={**LAYER_NORM_EPSILON_DEFAULT, "multi_query": True, "parallel_attn": True},
-               parity_reference="FalconForCausalLM"),
+               norms=BIASED_LAYER_NORMS, feed_forward=_FALCON_FEED_FORWARD,
+               positions=PositionSpec(alibi_before_scale=True, alibi_bf16=True), embedding=EmbeddingSpec(tied=True),
+               normalize=_falcon, parity_reference="FalconForCausalLM"),
 )

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import deepseek_moe_rules
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule
+from ster_dist.families.normalize import with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    EmbeddingSpec,
+    FamilySpec,
+    MoESpec,
+    PositionSpec,
+    Rule,
+)
 
 # DeepSeek-V3's router: sigmoid scores, a selection bias, group-limited top-k, always scaled, shared experts
 DEEPSEEK_V3_ROUTER = MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True,
@@ -33,20 +41,27 @@ def latent_rules(attn: str = "model.layers.{i}.self_attn") -> tuple[Rule, ...]:
 # Llama's block with latent attention in place of q/k/v
 _LATENT_BLOCK = llama_rules(q=None, k=None, v=None, q_norm=None, k_norm=None) + latent_rules()
 _DEEPSEEK = _LATENT_BLOCK + deepseek_moe_rules()
-# attention_bias switches every attention projection's bias; the feed-forward has none
-_LATENT_BIAS = dict(qkv_bias_keys=("attention_bias",), o_bias_keys=("attention_bias",), mlp_bias_keys=())
+# latent attention, its rotation by adjacent pairs
+_LATENT = dict(attention=AttentionSpec(latent=True), positions=PositionSpec(interleaved=True))
+
+
+def latent_biases(raw: dict, defaults: dict | None = None) -> dict:
+    """attention_bias switches every attention projection's bias; the feed-forward has none, whatever mlp_bias
+    (which DeepseekV2Config and MiniCPM3's state) says."""
+    return {**with_defaults(raw, defaults or {}), "mlp_bias": False}
+
 
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("deepseek_v2", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_LATENT_BIAS,
+    FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
                parity_reference="DeepseekV2ForCausalLM"),
-    FamilySpec("deepseek_v3", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_LATENT_BIAS,
-               config_defaults={"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-                                "first_k_dense_replace": 3, "norm_topk_prob": True},
+    FamilySpec("deepseek_v3", _DEEPSEEK, **_LATENT,
+               normalize=lambda raw: latent_biases(raw, {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                                                         "first_k_dense_replace": 3, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV3ForCausalLM"),
-    FamilySpec("glm4_moe_lite", _DEEPSEEK, latent_attention=True, rope_interleaved=True, **_LATENT_BIAS,
-               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True},
+    FamilySpec("glm4_moe_lite", _DEEPSEEK, **_LATENT,
+               normalize=lambda raw: latent_biases(raw, {"first_k_dense_replace": 1, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
-    FamilySpec("minicpm3", _LATENT_BLOCK, latent_attention=True, tied_default=True, **_LATENT_BIAS,
-               parity_reference="MiniCPM3ForCausalLM"),
+    FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
+               normalize=latent_biases, parity_reference="MiniCPM3ForCausalLM"),
 )

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import ROUTER_CORRECTION, expert_rules, router_rules
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule
+from ster_dist.families.normalize import biases_from, with_defaults
+from ster_dist.families.spec import EmbeddingSpec, FamilySpec, MoESpec, PositionSpec, Rule
 
 _MLP = "model.layers.{i}.mlp"
-_USE_BIAS = dict(qkv_bias_keys=("use_bias",), o_bias_keys=("use_bias",), mlp_bias_keys=("use_bias",))
+# adjacent pairs rotating, a tied head
+_CONVENTIONS = dict(positions=PositionSpec(interleaved=True, theta=500000.0), embedding=EmbeddingSpec(tied=True))
+_ERNIE_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
 
 
 def _ernie_moe_rules() -> tuple[Rule, ...]:
@@ -24,12 +27,13 @@ def _ernie_moe_rules() -> tuple[Rule, ...]:
 
 
 ERNIE_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("ernie4_5", llama_rules(q_norm=None, k_norm=None), rope_interleaved=True, tied_default=True,
-               default_rope_theta=500000.0, **_USE_BIAS,
-               config_defaults={"head_dim": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5},
+    # use_bias switches every projection
+    FamilySpec("ernie4_5", llama_rules(q_norm=None, k_norm=None), **_CONVENTIONS,
+               normalize=lambda raw: biases_from(with_defaults(raw, _ERNIE_DEFAULTS), "use_bias"),
                parity_reference="Ernie4_5ForCausalLM"),
-    FamilySpec("ernie4_5_moe", _ernie_moe_rules(), rope_interleaved=True, tied_default=True,
-               default_rope_theta=500000.0, **_USE_BIAS, lm_head_bias_keys=("use_bias",),
+    # use_bias switches every projection and the head
+    FamilySpec("ernie4_5_moe", _ernie_moe_rules(), **_CONVENTIONS,
+               normalize=lambda raw: biases_from(raw, "use_bias", head=True),
                moe=MoESpec(renormalize=True, correction_bias=True, shared="deepseek"),
                parity_reference="Ernie4_5_MoeForCausalLM"),
 )

@@ -13,7 +13,15 @@ from __future__ import annotations
 from ster_dist.families.deepseek import DEEPSEEK_V3_ROUTER
 from ster_dist.families.layouts import OLMO2_POST_NORMS, llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import ROUTER_CORRECTION, deepseek_moe_rules
-from ster_dist.families.spec import FamilySpec, Rule
+from ster_dist.families.normalize import defaults, never_biased, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+    Rule,
+)
 
 
 def _exaone_rules() -> tuple[Rule, ...]:
@@ -33,17 +41,23 @@ def _exaone_rules() -> tuple[Rule, ...]:
 _EXAONE_DEFAULTS = {"num_key_value_heads": 8, "layer_norm_epsilon": 1e-5, "eos_token_id": 361, "pad_token_id": 0}
 _SLIDING_EVERY_FOURTH_FULL = {"sliding_window": 4096, "sliding_window_pattern": 4}
 
+# EXAONE 4's attention: per-head query/key norms, sliding layers by pattern and only they rotate
+_EXAONE4_ATTENTION = AttentionSpec(qk_norm=QKNormSpec("head"), sliding="pattern")
+_SLIDING_ROTATE = PositionSpec(layers="sliding")
+_EXAONE_MOE_DEFAULTS = {**_SLIDING_EVERY_FOURTH_FULL, "first_k_dense_replace": 1, "num_shared_experts": 1,
+                        "norm_topk_prob": True, "routed_scaling_factor": 2.5}
+
 EXAONE_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("exaone", _exaone_rules(), default_rope_theta=500_000.0, config_defaults=_EXAONE_DEFAULTS,
+    FamilySpec("exaone", _exaone_rules(), positions=PositionSpec(theta=500_000.0), normalize=defaults(_EXAONE_DEFAULTS),
                parity_reference="LlamaForCausalLM"),
-    FamilySpec("exaone4", llama_rules(**OLMO2_POST_NORMS), pre_norm=False, post_norm=True, qk_norm="head",
-               qkv_bias_keys=(), o_bias_keys=(), mlp_bias_keys=(), sliding="pattern", rope_layers="sliding",
-               config_defaults=_SLIDING_EVERY_FOURTH_FULL, parity_reference="Exaone4ForCausalLM"),
+    # no projection biased, whatever the config says
+    FamilySpec("exaone4", llama_rules(**OLMO2_POST_NORMS), norms=NormSpec(pre=False, post=True),
+               attention=_EXAONE4_ATTENTION, positions=_SLIDING_ROTATE,
+               normalize=lambda raw: never_biased(with_defaults(raw, _SLIDING_EVERY_FOURTH_FULL)),
+               parity_reference="Exaone4ForCausalLM"),
     FamilySpec("exaone_moe", llama_rules() + deepseek_moe_rules()
                + (Rule("model.layers.{i}.mlp.e_score_correction_bias", ROUTER_CORRECTION),),
-               qk_norm="head", qkv_bias_keys=(), o_bias_keys=(), mlp_bias_keys=(),
-               sliding="pattern", rope_layers="sliding", ignore=(r"mtp\..*",),
-               config_defaults={**_SLIDING_EVERY_FOURTH_FULL, "first_k_dense_replace": 1,
-                                "num_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+               attention=_EXAONE4_ATTENTION, positions=_SLIDING_ROTATE, ignore=(r"mtp\..*",),
+               normalize=lambda raw: never_biased(with_defaults(raw, _EXAONE_MOE_DEFAULTS)),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="ExaoneMoeForCausalLM"),
 )

@@ -12,10 +12,22 @@ a tied head and no biases.
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.spec import FamilySpec
-from ster_dist.families.switches import NEVER_BIASED
+from ster_dist.families.normalize import never_biased, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    EmbeddingSpec,
+    FamilySpec,
+    FeedForwardSpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+)
 
-_GEMMA = dict(norm_offset=1.0, embed_scale_sqrt=True, tied_default=True, **NEVER_BIASED)
+# RMS norms stored as an offset from one (Gemma 2 and 3: over each sublayer's output too), the embedding scaled
+# by sqrt(hidden), a tied head
+_NORMS = NormSpec(offset=1.0)
+_GEMMA2_NORMS = NormSpec(offset=1.0, post=True)
+_EMBEDDING = EmbeddingSpec(tied=True, scale_sqrt=True)
 # Gemma 3's image-text configs leave most of text_config to Gemma3TextConfig's defaults
 _GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -29,15 +41,18 @@ _GEMMA2_RULES = llama_rules(mlp_norm="pre_feedforward_layernorm", post_attn_norm
                             post_mlp_norm="post_feedforward_layernorm", q_norm="q_norm", k_norm="k_norm")
 
 GEMMA_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("gemma", llama_rules(q_norm=None, k_norm=None), activation="gelu_pytorch_tanh", **_GEMMA,
-               parity_reference="GemmaForCausalLM"),
-    FamilySpec("gemma2", _GEMMA2_RULES, post_norm=True, sliding="even", **_GEMMA,
-               parity_reference="Gemma2ForCausalLM"),
-    FamilySpec("gemma3_text", _GEMMA2_RULES, post_norm=True, sliding="pattern", qk_norm="head", **_GEMMA,
-               default_rope_theta=1_000_000.0, default_local_rope_theta=10_000.0,
-               config_defaults=_GEMMA3_TEXT_DEFAULTS, parity_reference="Gemma3ForCausalLM"),
+    FamilySpec("gemma", llama_rules(q_norm=None, k_norm=None),
+               feed_forward=FeedForwardSpec(activation="gelu_pytorch_tanh"), norms=_NORMS, embedding=_EMBEDDING, normalize=never_biased, parity_reference="GemmaForCausalLM"),
+    FamilySpec("gemma2", _GEMMA2_RULES, attention=AttentionSpec(sliding="even"), norms=_GEMMA2_NORMS,
+               embedding=_EMBEDDING, normalize=never_biased, parity_reference="Gemma2ForCausalLM"),
+    FamilySpec("gemma3_text", _GEMMA2_RULES, attention=AttentionSpec(sliding="pattern", qk_norm=QKNormSpec("head")),
+               norms=_GEMMA2_NORMS, embedding=_EMBEDDING,
+               positions=PositionSpec(theta=1_000_000.0, local_theta=10_000.0),
+               normalize=lambda raw: never_biased(with_defaults(raw, _GEMMA3_TEXT_DEFAULTS)),
+               parity_reference="Gemma3ForCausalLM"),
     # Gemma 2 without the norms over each sublayer's output
     FamilySpec("vaultgemma", llama_rules(mlp_norm="pre_feedforward_layernorm", q_norm=None, k_norm=None),
-               sliding="even", norm_offset=1.0, embed_scale_sqrt=True, tied_default=True, **NEVER_BIASED,
-               config_defaults=_VAULTGEMMA_DEFAULTS, parity_reference="VaultGemmaForCausalLM"),
+               attention=AttentionSpec(sliding="even"), norms=_NORMS, embedding=_EMBEDDING,
+               normalize=lambda raw: never_biased(with_defaults(raw, _VAULTGEMMA_DEFAULTS)),
+               parity_reference="VaultGemmaForCausalLM"),
 )

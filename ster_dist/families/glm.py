@@ -15,11 +15,41 @@ from __future__ import annotations
 from ster_dist.families.deepseek import DEEPSEEK_V3_ROUTER
 from ster_dist.families.layouts import fused_gate_up, fused_qkv, llama_rules
 from ster_dist.families.moe_layouts import ROUTER_CORRECTION, deepseek_moe_rules
-from ster_dist.families.spec import FamilySpec, Rule
+from ster_dist.families.normalize import biases, stated, switch, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+    Rule,
+)
 
-# GLM: one gate_up_proj, biased query/key/value only, adjacent pairs rotating over half of each head
-_GLM = dict(qkv_bias_keys=("attention_bias",), qkv_bias_default=True, o_bias_keys=(), mlp_bias_keys=(),
-            rope_interleaved=True, rotary_share=0.5, config_defaults={"head_dim": 128})
+# adjacent pairs rotating over half of each head
+_GLM_POSITIONS = PositionSpec(interleaved=True, rotary_share=0.5)
+_HEAD_QK_NORMS = AttentionSpec(qk_norm=QKNormSpec("head"))
+_GLM4_MOE_DEFAULTS = {"first_k_dense_replace": 1, "norm_topk_prob": True}
+
+
+def _glm(raw: dict) -> dict:
+    """Query/key/value biased unless attention_bias says not; the output and the feed-forward never."""
+    raw = with_defaults(raw, {"head_dim": 128})
+    return biases(raw, bool(stated(raw, "attention_bias", default=True)), out=False)
+
+
+def _glm4_moe(raw: dict) -> dict:
+    """attention_bias biases query/key/value only; the query/key norms only under use_qk_norm."""
+    raw = with_defaults(raw, _GLM4_MOE_DEFAULTS)
+    return {**biases(raw, bool(stated(raw, "attention_bias", default=False)), out=False),
+            "use_qk_norm": switch(raw, "use_qk_norm")}
+
+
+def _sarvam_moe(raw: dict) -> dict:
+    """Query/key/value biased under attention_bias or use_qkv_bias; the query/key norms on unless use_qk_norm says
+    not."""
+    raw = with_defaults(raw, {**_GLM4_MOE_DEFAULTS, "use_qk_norm": True, "routed_scaling_factor": 2.5})
+    return {**biases(raw, bool(stated(raw, "attention_bias", "use_qkv_bias", default=False)), out=False),
+            "use_qk_norm": switch(raw, "use_qk_norm")}
 
 
 def _glm_rules(post_norms: bool) -> tuple[Rule, ...]:
@@ -38,17 +68,14 @@ def _sarvam_moe_rules() -> tuple[Rule, ...]:
 
 
 GLM_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("glm", _glm_rules(post_norms=False), **_GLM, parity_reference="GlmForCausalLM"),
+    FamilySpec("glm", _glm_rules(post_norms=False), positions=_GLM_POSITIONS, normalize=_glm,
+               parity_reference="GlmForCausalLM"),
     # GLM-4-0414: GLM with a norm over each sublayer's output as well as before it
-    FamilySpec("glm4", _glm_rules(post_norms=True), post_norm=True, **_GLM, parity_reference="Glm4ForCausalLM"),
-    FamilySpec("glm4_moe", llama_rules() + deepseek_moe_rules(), qk_norm="head", qk_norm_key="use_qk_norm",
-               o_bias_keys=(), mlp_bias_keys=(),
-               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True}, rotary_share=0.5,
-               moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
-    FamilySpec("sarvam_moe", _sarvam_moe_rules(), qk_norm="head", qk_norm_key="use_qk_norm",
-               qkv_bias_keys=("attention_bias", "use_qkv_bias"), o_bias_keys=(), mlp_bias_keys=(),
-               default_rope_theta=8000000.0,
-               config_defaults={"first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": True,
-                                "routed_scaling_factor": 2.5},
-               moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
+    FamilySpec("glm4", _glm_rules(post_norms=True), norms=NormSpec(post=True), positions=_GLM_POSITIONS,
+               normalize=_glm, parity_reference="Glm4ForCausalLM"),
+    FamilySpec("glm4_moe", llama_rules() + deepseek_moe_rules(), attention=_HEAD_QK_NORMS,
+               positions=PositionSpec(rotary_share=0.5), normalize=_glm4_moe, moe=DEEPSEEK_V3_ROUTER,
+               parity_reference="Glm4MoeForCausalLM"),
+    FamilySpec("sarvam_moe", _sarvam_moe_rules(), attention=_HEAD_QK_NORMS, positions=PositionSpec(theta=8000000.0),
+               normalize=_sarvam_moe, moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
 )

@@ -11,9 +11,21 @@ parallel residual, part of each head rotated.
 
 from __future__ import annotations
 
+from ster_dist.families.gpt2 import (
+    BIASED_LAYER_NORMS,
+    LAYER_NORM_EPSILON_DEFAULT,
+    PLAIN_FEED_FORWARD,
+)
 from ster_dist.families.layouts import fused_qkv, llama_rules, weight_and_bias
-from ster_dist.families.spec import FamilySpec, Rule
-from ster_dist.families.switches import BIASED_LAYER_NORM_PLAIN_MLP, LAYER_NORM_EPSILON_DEFAULT
+from ster_dist.families.normalize import biases, stated, switch, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+    Rule,
+)
 
 
 def _gptj_rules() -> tuple[Rule, ...]:
@@ -50,22 +62,38 @@ def _stablelm_rules() -> tuple[Rule, ...]:
     return llama_rules(q_norm=None, k_norm=None) + per_head
 
 
+def _gptj(raw: dict) -> dict:
+    """Unbiased attention, a biased feed-forward and head, whatever the config says."""
+    raw = with_defaults(raw, {**LAYER_NORM_EPSILON_DEFAULT, "activation_function": "gelu_new"})
+    return {**biases(raw, False, mlp=True), "lm_head_bias": True}
+
+
+def _gpt_neox(raw: dict) -> dict:
+    """The attention biased unless attention_bias says not, the feed-forward always; parallel unless
+    use_parallel_residual says not."""
+    raw = with_defaults(raw, {"use_parallel_residual": True})
+    return biases(raw, bool(stated(raw, "attention_bias", default=True)), mlp=True)
+
+
+def _stablelm(raw: dict) -> dict:
+    """use_qkv_bias biases query/key/value only; the query/key LayerNorms only under qk_layernorm."""
+    return {**biases(raw, switch(raw, "use_qkv_bias"), out=False), "use_qk_norm": switch(raw, "qk_layernorm")}
+
+
+# a quarter of each head rotated unless stated
+_QUARTER = PositionSpec(rotary_share=0.25)
+
 GPTJ_NEOX_FAMILIES: tuple[FamilySpec, ...] = (
     # one norm before a parallel block, unbiased attention, adjacent pairs rotating over rotary_dim, biased head
     FamilySpec("gptj", _gptj_rules(), optional_prefix="transformer.",
-               ignore=(r".*\.attn\.(masked_)?bias$", r"transformer\.bias$"), **BIASED_LAYER_NORM_PLAIN_MLP,
-               parallel_block=True, rope_interleaved=True, lm_head_bias=True, qkv_bias_keys=(), o_bias_keys=(),
-               mlp_bias_keys=(), mlp_bias_default=True,
-               config_defaults={**LAYER_NORM_EPSILON_DEFAULT, "activation_function": "gelu_new"},
-               parity_reference="GPTJForCausalLM"),
+               ignore=(r".*\.attn\.(masked_)?bias$", r"transformer\.bias$"),
+               norms=NormSpec(kind="layer", bias=True, parallel=True), feed_forward=PLAIN_FEED_FORWARD,
+               positions=PositionSpec(interleaved=True), normalize=_gptj, parity_reference="GPTJForCausalLM"),
+    # a norm per branch of the parallel block
     FamilySpec("gpt_neox", _gpt_neox_rules(), ignore=(r".*\.attention\.(masked_)?bias$",),
-               norm_kind="layer", norm_bias=True, parallel_key="use_parallel_residual", parallel_shared_norm=False,
-               mlp_gated=False, qkv_bias_keys=("attention_bias",), qkv_bias_default=True,
-               o_bias_keys=("attention_bias",), o_bias_default=True, mlp_bias_keys=(), mlp_bias_default=True,
-               config_defaults={"use_parallel_residual": True}, rotary_share=0.25,
-               parity_reference="GPTNeoXForCausalLM"),
-    FamilySpec("stablelm", _stablelm_rules(), norm_kind="layer", norm_bias=True, parallel_key="use_parallel_residual",
-               qk_norm="head", qk_norm_key="qk_layernorm", qk_norm_kind="layer", qk_norm_per_head_weight=True,
-               qkv_bias_keys=("use_qkv_bias",), o_bias_keys=(), mlp_bias_keys=(), rotary_share=0.25,
-               parity_reference="StableLmForCausalLM"),
+               norms=NormSpec(kind="layer", bias=True, parallel_shared=False), feed_forward=PLAIN_FEED_FORWARD,
+               positions=_QUARTER, normalize=_gpt_neox, parity_reference="GPTNeoXForCausalLM"),
+    FamilySpec("stablelm", _stablelm_rules(), norms=BIASED_LAYER_NORMS,
+               attention=AttentionSpec(qk_norm=QKNormSpec("head", kind="layer", per_head_weight=True)),
+               positions=_QUARTER, normalize=_stablelm, parity_reference="StableLmForCausalLM"),
 )

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import ATTENTION_SINKS, llama_rules
 from ster_dist.families.moe_layouts import EXPERTS, expert_rules, router_rules
-from ster_dist.families.spec import FamilySpec, Fused, MoESpec, Rule, Stacked
+from ster_dist.families.normalize import defaults, stated, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    EmbeddingSpec,
+    FamilySpec,
+    Fused,
+    MoESpec,
+    Rule,
+    Stacked,
+)
 
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
 _GRANITE_SWA_DEFAULTS = {"num_key_value_heads": 4, "rms_norm_eps": 1e-5, "sliding_window": 128,
@@ -38,21 +47,31 @@ def _granitemoeshared_rules() -> tuple[Rule, ...]:
                                   Rule(f"{shared}.output_linear.weight", f"{_SHARED}down.weight"))
 
 
+def _hyperclovax(raw: dict) -> dict:
+    """The post norms on unless use_post_norm says not; logits_scaling multiplies the logits (Granite's divides),
+    so it is read as logit_scale."""
+    raw = with_defaults(raw, {"use_post_norm": True})
+    if stated(raw, "logits_scaling") is None:
+        return raw
+    return {**raw, "logit_scale": raw["logits_scaling"], "logits_scaling": None}
+
+
+# Granite SWA's learned sink per head and sliding layers (all but the first of each four when layer_types is
+# unstated); layer_rope_theta's zero leaves a layer unrotated
+_SWA = AttentionSpec(sinks=True, sliding="pattern_first")
+
 GRANITE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("granite", _LLAMA, parity_reference="GraniteForCausalLM"),
-    # Granite SWA: Granite with a learned sink per head, sliding layers (all but the first of each four when
-    # layer_types is unstated) and layer_rope_theta (zero: the layer does not rotate)
-    FamilySpec("granite_swa", _LLAMA + (ATTENTION_SINKS,), attn_sinks=True, sliding="pattern_first",
-               tied_default=True, config_defaults=_GRANITE_SWA_DEFAULTS, parity_reference="GraniteSWAForCausalLM"),
+    FamilySpec("granite_swa", _LLAMA + (ATTENTION_SINKS,), attention=_SWA, embedding=EmbeddingSpec(tied=True),
+               normalize=defaults(_GRANITE_SWA_DEFAULTS), parity_reference="GraniteSWAForCausalLM"),
     # HyperCLOVA X: Granite with a norm over each sublayer's output (use_post_norm) and logits_scaling multiplying
     FamilySpec("hyperclovax", llama_rules(post_attn_norm="post_norm1", post_mlp_norm="post_norm2", q_norm=None,
                                           k_norm=None),
-               post_norm_key="use_post_norm", logits_scaling_multiplies=True,
-               config_defaults={"use_post_norm": True}, parity_reference="HyperCLOVAXForCausalLM"),
-    FamilySpec("granitemoe", _granitemoe_rules(), mlp_bias_keys=(), moe=MoESpec(renormalize=True),
+               normalize=_hyperclovax, parity_reference="HyperCLOVAXForCausalLM"),
+    FamilySpec("granitemoe", _granitemoe_rules(), moe=MoESpec(renormalize=True),
                parity_reference="GraniteMoeForCausalLM"),
-    FamilySpec("granitemoeshared", _granitemoeshared_rules(), mlp_bias_keys=(),
-               moe=MoESpec(renormalize=True, shared="stated"), parity_reference="GraniteMoeSharedForCausalLM"),
-    FamilySpec("granitemoe_swa", _granitemoeshared_rules() + (ATTENTION_SINKS,), attn_sinks=True, mlp_bias_keys=(),
+    FamilySpec("granitemoeshared", _granitemoeshared_rules(), moe=MoESpec(renormalize=True, shared="stated"),
+               parity_reference="GraniteMoeSharedForCausalLM"),
+    FamilySpec("granitemoe_swa", _granitemoeshared_rules() + (ATTENTION_SINKS,), attention=AttentionSpec(sinks=True),
                moe=MoESpec(renormalize=True, shared="stated"), parity_reference="GraniteMoeSWAForCausalLM"),
 )

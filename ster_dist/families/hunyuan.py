@@ -10,21 +10,29 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
 from ster_dist.families.moe_layouts import expert_rules, router_rules, shared_rules
-from ster_dist.families.spec import FamilySpec, MoESpec
+from ster_dist.families.normalize import defaults, switch, with_defaults
+from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, QKNormSpec
 
 _MLP = "model.layers.{i}.mlp"
 _QK_NORMS = dict(q_norm="query_layernorm", k_norm="key_layernorm")
 _REFUSED = {"use_cla": "cross-layer attention (keys and values shared between layers) is not supported",
             "use_mla": "HunYuan's latent attention is not supported"}
 
+# per-head query/key norms applied after the rotation
+_ATTENTION = AttentionSpec(qk_norm=QKNormSpec("head", after_rope=True))
+
+
+def _hunyuan_v1_dense(raw: dict) -> dict:
+    """The query/key norms on unless use_qk_norm says not: Transformers always builds them."""
+    raw = with_defaults(raw, {"use_qk_norm": True, "rms_norm_eps": 1e-5})
+    return {**raw, "use_qk_norm": switch(raw, "use_qk_norm")}
+
+
 HUNYUAN_FAMILIES: tuple[FamilySpec, ...] = (
-    # per-head query/key norms applied after the rotation; Transformers always builds them, so unstated is on
-    FamilySpec("hunyuan_v1_dense", llama_rules(**_QK_NORMS), qk_norm="head", qk_norm_key="use_qk_norm",
-               qk_norm_after_rope=True, config_defaults={"use_qk_norm": True, "rms_norm_eps": 1e-5},
+    FamilySpec("hunyuan_v1_dense", llama_rules(**_QK_NORMS), attention=_ATTENTION, normalize=_hunyuan_v1_dense,
                refuse_keys=_REFUSED, parity_reference="HunYuanDenseV1ForCausalLM"),
     FamilySpec("hunyuan_v1_moe", llama_rules(**_QK_NORMS) + expert_rules(_MLP) + router_rules(f"{_MLP}.gate.wg")
                + shared_rules(f"{_MLP}.shared_mlp"),
-               qk_norm="head", qk_norm_after_rope=True, mlp_bias_keys=(), config_defaults={"rms_norm_eps": 1e-5},
-               refuse_keys=_REFUSED, moe=MoESpec(renormalize=True, shared="dense_width"),
-               parity_reference="HunYuanMoEV1ForCausalLM"),
+               attention=_ATTENTION, normalize=defaults({"rms_norm_eps": 1e-5}), refuse_keys=_REFUSED,
+               moe=MoESpec(renormalize=True, shared="dense_width"), parity_reference="HunYuanMoEV1ForCausalLM"),
 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import ROUTER_CORRECTION, expert_rules
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule
+from ster_dist.families.spec import AttentionSpec, EmbeddingSpec, FamilySpec, MoESpec, QKNormSpec, Rule
 
 _LAYER = "model.layers.{i}."
 _BLOCK = llama_rules(o="out_proj", gate="w1", up="w3", down="w2", mlp="feed_forward", attn_norm="operator_norm",
@@ -108,10 +108,13 @@ def _moe_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, 
     return _mixers(raw, num_layers), tuple("dense" if i < dense else "moe" for i in range(num_layers))
 
 
+# per-head query/key norms, a head tied to the embedding unless the config says otherwise
+_LFM2 = dict(attention=AttentionSpec(qk_norm=QKNormSpec("head")), embedding=EmbeddingSpec(tied=True))
+
 LFM2_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("lfm2", _BLOCK + _SHORT_CONV, qk_norm="head", tied_default=True, normalize=_dense_width,
+    FamilySpec("lfm2", _BLOCK + _SHORT_CONV, **_LFM2, normalize=_dense_width,
                layer_kinds=_dense_kinds, parity_reference="Lfm2ForCausalLM"),
-    FamilySpec("lfm2_moe", _BLOCK + _SHORT_CONV + _MOE, qk_norm="head", tied_default=True, normalize=_moe_config,
+    FamilySpec("lfm2_moe", _BLOCK + _SHORT_CONV + _MOE, **_LFM2, normalize=_moe_config,
                layer_kinds=_moe_kinds, moe=MoESpec(scoring="sigmoid", scaling="always"),
                parity_reference="Lfm2MoeForCausalLM"),
 )

@@ -15,9 +15,18 @@ Mistral's own checkpoint format (params.json) is mistral_format.py; Mixtral is m
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.spec import FamilySpec
+from ster_dist.families.normalize import biases_from, defaults, stated, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    EmbeddingSpec,
+    FamilySpec,
+    FeedForwardSpec,
+    NormSpec,
+)
 
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
+_SLIDING = AttentionSpec(sliding="all")
+_MAX_WINDOW_LAYERS = AttentionSpec(sliding="max_window_layers")
 # what Transformers' config classes assume where a config is silent
 _MINISTRAL3_DEFAULTS = {
     "head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
@@ -27,23 +36,29 @@ _MINISTRAL3_DEFAULTS = {
 }
 _IQUESTCODER_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-5}
 
+
+def _seed_oss(raw: dict) -> dict:
+    """Query/key/value biased unless attention_bias says not; the output's bias under its own key, off by default."""
+    raw = with_defaults(raw, {"head_dim": 128, "num_key_value_heads": 8})
+    return {**raw, "attention_bias": bool(stated(raw, "attention_bias", default=True)),
+            "attention_out_bias": bool(stated(raw, "attention_out_bias", default=False))}
+
+
 LLAMA_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("llama", _LLAMA, parity_reference="LlamaForCausalLM"),
-    FamilySpec("mistral", _LLAMA, sliding="all", parity_reference="MistralForCausalLM"),
+    FamilySpec("mistral", _LLAMA, attention=_SLIDING, parity_reference="MistralForCausalLM"),
     # Mistral's block with Llama 4's query temperature (rope_parameters' llama_4_scaling_beta)
-    FamilySpec("ministral3", _LLAMA, sliding="all", query_temperature=True, config_defaults=_MINISTRAL3_DEFAULTS,
-               parity_reference="Ministral3ForCausalLM"),
-    FamilySpec("smollm3", _LLAMA, sliding="max_window_layers", tied_default=True,
+    FamilySpec("ministral3", _LLAMA, attention=AttentionSpec(sliding="all", query_temperature=True),
+               normalize=defaults(_MINISTRAL3_DEFAULTS), parity_reference="Ministral3ForCausalLM"),
+    FamilySpec("smollm3", _LLAMA, attention=_MAX_WINDOW_LAYERS, embedding=EmbeddingSpec(tied=True),
                parity_reference="SmolLM3ForCausalLM"),
-    # biased query/key/value by default; the output's bias has its own key
-    FamilySpec("seed_oss", _LLAMA, qkv_bias_default=True, o_bias_keys=("attention_out_bias",),
-               config_defaults={"head_dim": 128, "num_key_value_heads": 8}, parity_reference="SeedOssForCausalLM"),
+    FamilySpec("seed_oss", _LLAMA, normalize=_seed_oss, parity_reference="SeedOssForCausalLM"),
     # IQuest-Coder: Llama with mlp_bias, clip_qkv and Qwen2's max_window_layers sliding window (the last two are
     # refused by Transformers' config class, so parity covers the biases only)
-    FamilySpec("iquestcoder", _LLAMA, sliding="max_window_layers", config_defaults=_IQUESTCODER_DEFAULTS,
+    FamilySpec("iquestcoder", _LLAMA, attention=_MAX_WINDOW_LAYERS, normalize=defaults(_IQUESTCODER_DEFAULTS),
                parity_reference="LlamaForCausalLM"),
     FamilySpec("starcoder2", llama_rules(gate=None, up="c_fc", down="c_proj", q_norm=None, k_norm=None),
-               norm_kind="layer", norm_bias=True, mlp_gated=False, sliding="all", tied_default=True,
-               qkv_bias_keys=("use_bias",), o_bias_keys=("use_bias",), mlp_bias_keys=("use_bias",),
+               norms=NormSpec(kind="layer", bias=True), feed_forward=FeedForwardSpec(gated=False), attention=_SLIDING,
+               embedding=EmbeddingSpec(tied=True), normalize=lambda raw: biases_from(raw, "use_bias"),
                parity_reference="Starcoder2ForCausalLM"),
 )

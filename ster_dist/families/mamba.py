@@ -21,7 +21,7 @@ import math
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules
 from ster_dist.families.moe_layouts import expert_rules, router_rules
-from ster_dist.families.spec import FamilySpec, Fused, MoESpec, Rule
+from ster_dist.families.spec import EmbeddingSpec, FamilySpec, Fused, MoESpec, PositionSpec, Rule
 
 
 def mamba_mixer_rules(layer: str, module: str = "mixer", target: str = "layers.{i}.mixer") -> tuple[Rule, ...]:
@@ -137,15 +137,17 @@ def _pure_mamba(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str,
     return ("mamba",) * num_layers, ("none",) * num_layers
 
 
+_UNROTATED = PositionSpec(kind="none")  # positions enter only through the recurrence (and Jamba's causal order)
+
 MAMBA_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mamba", _mamba_rules(), positions="none", tied_default=True,
+    FamilySpec("mamba", _mamba_rules(), positions=_UNROTATED, embedding=EmbeddingSpec(tied=True),
                normalize=lambda raw: _normalize(raw, "none"), layer_kinds=_pure_mamba,
                parity_reference="MambaForCausalLM"),
     # Falcon Mamba: RMS norms without weights over dt, B and C (at mixer_rms_eps) before the scan
-    FamilySpec("falcon_mamba", _mamba_rules(), positions="none", tied_default=True,
+    FamilySpec("falcon_mamba", _mamba_rules(), positions=_UNROTATED, embedding=EmbeddingSpec(tied=True),
                normalize=lambda raw: _normalize(raw, "weightless"), layer_kinds=_pure_mamba,
                parity_reference="FalconMambaForCausalLM"),
     # attention without positions; experts from a softmax over all, the chosen weights left as they are
-    FamilySpec("jamba", _jamba_rules(), positions="none", moe=MoESpec(renormalize=False),
+    FamilySpec("jamba", _jamba_rules(), positions=_UNROTATED, moe=MoESpec(renormalize=False),
                normalize=_normalize_jamba, layer_kinds=_jamba_layers, parity_reference="JambaForCausalLM"),
 )

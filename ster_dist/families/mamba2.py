@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules, weight_and_bias
-from ster_dist.families.spec import FamilySpec, Rule
+from ster_dist.families.spec import FamilySpec, FeedForwardSpec, PositionSpec, Rule
 
 
 def _mixer_rules(layer: str) -> tuple[Rule, ...]:
@@ -157,6 +157,7 @@ _NEMOTRON_H_RULES = (
 )
 
 MAMBA2_FAMILIES += (
-    FamilySpec("nemotron_h", _NEMOTRON_H_RULES, positions="none", mlp_gated=False, normalize=_normalize_nemotron_h,
+    FamilySpec("nemotron_h", _NEMOTRON_H_RULES, positions=PositionSpec(kind="none"),
+               feed_forward=FeedForwardSpec(gated=False), normalize=_normalize_nemotron_h,
                layer_kinds=_nemotron_h_layers, parity_reference="NemotronHForCausalLM"),
 )

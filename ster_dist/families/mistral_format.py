@@ -19,10 +19,10 @@ adjacent pairs), so they too load as stored.
 
 from __future__ import annotations
 
-from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
+from ster_dist.families.deepseek import latent_biases
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import expert_rules
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule
+from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, PositionSpec, Rule
 
 _MISTRAL_NAMES = llama_rules(
     root="", attn="attention", q="wq", k="wk", v="wv", o="wo",
@@ -30,7 +30,6 @@ _MISTRAL_NAMES = llama_rules(
     attn_norm="attention_norm", mlp_norm="ffn_norm", q_norm=None, k_norm=None,
     final_norm="norm", embed="tok_embeddings", head="output",
 )
-
 
 
 def _latent_names() -> tuple[Rule, ...]:
@@ -47,14 +46,12 @@ def _latent_names() -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-_DEEPSEEK_V3 = next(spec for spec in DEEPSEEK_FAMILIES if spec.name == "deepseek_v3")
-
 MISTRAL_FORMAT_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mistral", _MISTRAL_NAMES, sliding="all", rope_interleaved=True, weight_format="mistral",
-               pair_rows=("attn.q", "attn.k")),
-    FamilySpec("deepseek_v3", _latent_names(), latent_attention=True, rope_interleaved=True, query_temperature=True,
-               qkv_bias_keys=_DEEPSEEK_V3.qkv_bias_keys, o_bias_keys=_DEEPSEEK_V3.o_bias_keys, mlp_bias_keys=(),
-               config_defaults={"n_group": 1, "topk_group": 1, "first_k_dense_replace": 0},
+    FamilySpec("mistral", _MISTRAL_NAMES, attention=AttentionSpec(sliding="all"),
+               positions=PositionSpec(interleaved=True), weight_format="mistral", pair_rows=("attn.q", "attn.k")),
+    FamilySpec("deepseek_v3", _latent_names(), attention=AttentionSpec(latent=True, query_temperature=True),
+               positions=PositionSpec(interleaved=True),
+               normalize=lambda raw: latent_biases(raw, {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 0}),
                moe=MoESpec(scoring="softmax", renormalize=True, scaling="always", shared="deepseek"),
                weight_format="mistral"),
 )

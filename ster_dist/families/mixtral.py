@@ -14,7 +14,17 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import ATTENTION_SINKS, llama_rules
 from ster_dist.families.moe_layouts import EXPERTS, ROUTER_CORRECTION, expert_rules, router_rules
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule, Stacked
+from ster_dist.families.normalize import never_biased, switch, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    MoESpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+    Rule,
+    Stacked,
+)
 
 _MLP = "model.layers.{i}.mlp"
 _SPARSE = "model.layers.{i}.block_sparse_moe"
@@ -45,24 +55,32 @@ def _gpt_oss_rules() -> tuple[Rule, ...]:
                Rule(f"{experts}down_proj_bias", Stacked((f"{EXPERTS}down_bias",)))))
 
 
+def _minimax_m2(raw: dict) -> dict:
+    """No projection biased; the query/key norms on unless use_qk_norm says not (Transformers always norms, and
+    MiniMax's configs leave the key out)."""
+    raw = never_biased(with_defaults(raw, {"use_qk_norm": True}))
+    return {**raw, "use_qk_norm": switch(raw, "use_qk_norm")}
+
+
 MIXTRAL_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mixtral", _mixtral_rules(), sliding="all", qkv_bias_keys=(), o_bias_keys=(), mlp_bias_keys=(),
+    # no projection biased, whatever the config says
+    FamilySpec("mixtral", _mixtral_rules(), attention=AttentionSpec(sliding="all"), normalize=never_biased,
                moe=MoESpec(renormalize=True), parity_reference="MixtralForCausalLM"),
     # PhiMoE: Mixtral's tensors (Transformers 5 saves the router as mlp.router) under biased LayerNorms, biased
-    # attention, an optional head bias, LongRoPE with short_mscale / long_mscale, and SparseMixer's routing
-    FamilySpec("phimoe", _mixtral_rules() + router_rules(f"{_MLP}.router"), norm_kind="layer", norm_bias=True,
-               sliding="all", mlp_bias_keys=(), lm_head_bias_keys=("lm_head_bias",), default_rope_theta=1000000.0,
+    # attention, an optional head bias (lm_head_bias), LongRoPE with short_mscale / long_mscale, and SparseMixer's
+    # routing
+    FamilySpec("phimoe", _mixtral_rules() + router_rules(f"{_MLP}.router"), norms=NormSpec(kind="layer", bias=True),
+               attention=AttentionSpec(sliding="all"), positions=PositionSpec(theta=1000000.0),
                moe=MoESpec(sparsemixer=True), parity_reference="PhimoeForCausalLM"),
-    FamilySpec("minimax_m2", _minimax_m2_rules(), qk_norm="proj", qk_norm_key="use_qk_norm", qkv_bias_keys=(),
-               o_bias_keys=(), mlp_bias_keys=(), default_rope_theta=5000000.0,
-               config_defaults={"use_qk_norm": True},  # Transformers always norms; MiniMax's configs leave it out
+    FamilySpec("minimax_m2", _minimax_m2_rules(), attention=AttentionSpec(qk_norm=QKNormSpec("proj")),
+               positions=PositionSpec(theta=5000000.0), normalize=_minimax_m2,
                refuse_keys={"shared_intermediate_size": "MiniMax's shared experts are not supported"},
                require_values={"scoring_func": ("sigmoid", "only MiniMax-M2's sigmoid scores are supported"),
                                "qk_norm_type": ("per_layer", "only whole-projection query/key norms are supported"),
                                "use_routing_bias": (True, "routing without the selection bias is not supported")},
                moe=MoESpec(scoring="sigmoid", renormalize=True, correction_bias=True),
                parity_reference="MiniMaxM2ForCausalLM"),
-    FamilySpec("gpt_oss", _gpt_oss_rules(), attn_sinks=True, mlp_bias_keys=(),
+    FamilySpec("gpt_oss", _gpt_oss_rules(), attention=AttentionSpec(sinks=True),
                moe=MoESpec(renormalize=True, router_bias=True, expert_bias=True, activation="clamped_swiglu"),
                parity_reference="GptOssForCausalLM"),
 )

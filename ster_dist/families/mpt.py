@@ -9,10 +9,20 @@ ffn_config), unbiased.
 
 from __future__ import annotations
 
+from ster_dist.families.gpt2 import LAYER_NORM_EPSILON_DEFAULT
 from ster_dist.families.layouts import fused_qkv, weight_and_bias
 from ster_dist.families.moe_layouts import EXPERTS
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule, Stacked
-from ster_dist.families.switches import LAYER_NORM_EPSILON_DEFAULT, NEVER_BIASED
+from ster_dist.families.normalize import ConfigProblem, never_biased, with_defaults
+from ster_dist.families.spec import (
+    EmbeddingSpec,
+    FamilySpec,
+    FeedForwardSpec,
+    MoESpec,
+    NormSpec,
+    PositionSpec,
+    Rule,
+    Stacked,
+)
 
 
 def _mpt_rules() -> tuple[Rule, ...]:
@@ -47,11 +57,38 @@ def _dbrx_rules() -> tuple[Rule, ...]:
     )
 
 
+def _flattened(raw: dict, *names: str) -> dict:
+    """The attention and feed-forward settings MPT and DBRX keep in attn_config / ffn_config, read beside the
+    top-level keys (a top-level key wins)."""
+    out = dict(raw)
+    for name in names:
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            raise ConfigProblem(f"{name} is not a JSON object; correct it in config.json")
+        for key, value in (raw.get(name) or {}).items():
+            # ffn_config repeats the width as hidden_size; d_model, at the top, is the one to read
+            if out.get(key) is None and key != "hidden_size":
+                out[key] = value
+    return out
+
+
+def _mpt(raw: dict) -> dict:
+    """ALiBi unless attn_config.alibi says not; no projection biased."""
+    return never_biased(with_defaults(_flattened(raw, "attn_config"), {**LAYER_NORM_EPSILON_DEFAULT, "alibi": True}))
+
+
+def _dbrx(raw: dict) -> dict:
+    """No projection biased; the chosen experts' weights renormalised unless moe_normalize_expert_weights says not."""
+    defaults = {"layer_norm_eps": 1e-5, "moe_normalize_expert_weights": 1.0}
+    return never_biased(with_defaults(_flattened(raw, "attn_config", "ffn_config"), defaults))
+
+
+_UNBIASED_LAYER_NORMS = NormSpec(kind="layer")
+
 MPT_FAMILIES: tuple[FamilySpec, ...] = (
     # ALiBi (attn_config.alibi, on unless stated off) or a learned wpe; unbiased, with unbiased LayerNorms
-    FamilySpec("mpt", _mpt_rules(), norm_kind="layer", mlp_gated=False, positions="learned", alibi_key="alibi",
-               activation="gelu", tied_default=True, **NEVER_BIASED, nested_configs=("attn_config",),
-               config_defaults={**LAYER_NORM_EPSILON_DEFAULT, "alibi": True},
+    FamilySpec("mpt", _mpt_rules(), norms=_UNBIASED_LAYER_NORMS,
+               feed_forward=FeedForwardSpec(gated=False, activation="gelu"),
+               positions=PositionSpec(kind="learned"), embedding=EmbeddingSpec(tied=True), normalize=_mpt,
                refuse_keys={"qk_ln": "query/key norms in MPT's attention are not supported",
                             "clip_qkv": "MPT's clip_qkv is not supported",
                             "softmax_scale": "MPT's softmax_scale is not supported",
@@ -59,8 +96,6 @@ MPT_FAMILIES: tuple[FamilySpec, ...] = (
                require_values={"attn_type": ("multihead_attention", "only MPT's multi-head attention is supported"),
                                "alibi_bias_max": (8, "only alibi_bias_max 8 is supported")},
                parity_reference="MptForCausalLM"),
-    FamilySpec("dbrx", _dbrx_rules(), norm_kind="layer", norm_bias=False, **NEVER_BIASED,
-               nested_configs=("attn_config", "ffn_config"),
-               config_defaults={"layer_norm_eps": 1e-5, "moe_normalize_expert_weights": 1.0},
-               moe=MoESpec(), parity_reference="DbrxForCausalLM"),
+    FamilySpec("dbrx", _dbrx_rules(), norms=_UNBIASED_LAYER_NORMS, normalize=_dbrx, moe=MoESpec(),
+               parity_reference="DbrxForCausalLM"),
 )

@@ -15,10 +15,20 @@ parity against.
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.spec import FamilySpec, Rule
+from ster_dist.families.normalize import defaults, stated, with_defaults
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    FeedForwardSpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+    Rule,
+)
 
 # a plain feed-forward: down(act(up(x))), squared ReLU unless the config says otherwise
 _PLAIN = llama_rules(gate=None, q_norm=None, k_norm=None)
+_UNGATED = FeedForwardSpec(gated=False)
 # what Transformers' config classes assume where a config is silent
 _APERTUS_DEFAULTS = {"hidden_act": "xielu", "rms_norm_eps": 1e-5, "max_position_embeddings": 65536, "pad_token_id": 3,
                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
@@ -28,19 +38,28 @@ _APERTUS_DEFAULTS = {"hidden_act": "xielu", "rms_norm_eps": 1e-5, "max_position_
 _XIELU = tuple(Rule(f"model.layers.{{i}}.mlp.act_fn.{name}", f"layers.{{i}}.mlp.act.{name}")
                for name in ("alpha_p", "alpha_n", "beta", "eps"))
 
+
+def _jais2(raw: dict) -> dict:
+    """Every projection biased unless attention_bias / mlp_bias say not."""
+    raw = with_defaults(raw, {"hidden_act": "relu2", "layer_norm_eps": 1e-5})
+    return {**raw, "attention_bias": bool(stated(raw, "attention_bias", default=True)),
+            "mlp_bias": bool(stated(raw, "mlp_bias", default=True))}
+
+
 NEMOTRON_FAMILIES: tuple[FamilySpec, ...] = (
     # LayerNorm1P: a biased LayerNorm whose scale is stored as an offset from one; half of each head rotates
-    FamilySpec("nemotron", _PLAIN, norm_kind="layer", norm_bias=True, norm_offset=1.0, mlp_gated=False,
-               rotary_share=0.5, config_defaults={"hidden_act": "relu2", "norm_eps": 1e-5},
+    FamilySpec("nemotron", _PLAIN, norms=NormSpec(kind="layer", bias=True, offset=1.0), feed_forward=_UNGATED,
+               positions=PositionSpec(rotary_share=0.5), normalize=defaults({"hidden_act": "relu2", "norm_eps": 1e-5}),
                parity_reference="NemotronForCausalLM"),
-    FamilySpec("arcee", _PLAIN, mlp_gated=False, config_defaults={"hidden_act": "relu2", "rms_norm_eps": 1e-5},
+    FamilySpec("arcee", _PLAIN, feed_forward=_UNGATED,
+               normalize=defaults({"hidden_act": "relu2", "rms_norm_eps": 1e-5}),
                parity_reference="ArceeForCausalLM"),
     # Jais 2: Arcee's plain squared-ReLU feed-forward under biased LayerNorms; biases on by default
-    FamilySpec("jais2", _PLAIN, norm_kind="layer", norm_bias=True,
-               mlp_gated=False, qkv_bias_default=True, o_bias_default=True, mlp_bias_default=True,
-               config_defaults={"hidden_act": "relu2", "layer_norm_eps": 1e-5}, parity_reference="Jais2ForCausalLM"),
+    FamilySpec("jais2", _PLAIN, norms=NormSpec(kind="layer", bias=True), feed_forward=_UNGATED, normalize=_jais2,
+               parity_reference="Jais2ForCausalLM"),
     # Apertus: per-head query/key norms, norms named for their sublayers, a plain xIELU feed-forward without biases
     FamilySpec("apertus", llama_rules(gate=None, attn_norm="attention_layernorm", mlp_norm="feedforward_layernorm")
-               + _XIELU, qk_norm="head", mlp_gated=False, mlp_bias_keys=(), default_rope_theta=12_000_000.0,
-               config_defaults=_APERTUS_DEFAULTS, parity_reference="ApertusForCausalLM"),
+               + _XIELU, attention=AttentionSpec(qk_norm=QKNormSpec("head")), feed_forward=_UNGATED,
+               positions=PositionSpec(theta=12_000_000.0), normalize=defaults(_APERTUS_DEFAULTS),
+               parity_reference="ApertusForCausalLM"),
 )

@@ -5,9 +5,10 @@ projection of the embedding width (word_embed_proj_dim). Its post-norm and norm-
 
 from __future__ import annotations
 
+from ster_dist.families.gpt2 import PLAIN_FEED_FORWARD
 from ster_dist.families.layouts import weight_and_bias
-from ster_dist.families.spec import FamilySpec, Rule
-from ster_dist.families.switches import BIASED_LAYER_NORM_PLAIN_MLP
+from ster_dist.families.normalize import biases_from, with_defaults
+from ster_dist.families.spec import EmbeddingSpec, FamilySpec, NormSpec, PositionSpec, Rule
 
 
 def _opt_rules() -> tuple[Rule, ...]:
@@ -25,14 +26,14 @@ def _opt_rules() -> tuple[Rule, ...]:
     )
 
 
-_ENABLE_BIAS = dict(qkv_bias_keys=("enable_bias",), qkv_bias_default=True, o_bias_keys=("enable_bias",),
-                    o_bias_default=True, mlp_bias_keys=("enable_bias",), mlp_bias_default=True)
-
 OPT_FAMILIES: tuple[FamilySpec, ...] = (
-    # learned positions read two rows in, enable_bias on every projection, LayerNorms at Transformers' epsilon
-    FamilySpec("opt", _opt_rules(), optional_prefix="model.", **BIASED_LAYER_NORM_PLAIN_MLP, norm_eps=1e-5,
-               positions="learned", position_offset=2, tied_default=True, **_ENABLE_BIAS,
-               width_keys=("word_embed_proj_dim",), config_defaults={"activation_function": "relu"},
+    # learned positions read two rows in, enable_bias (on unless stated off) on every projection, LayerNorms at
+    # Transformers' epsilon; word_embed_proj_dim must be the model width
+    FamilySpec("opt", _opt_rules(), optional_prefix="model.", norms=NormSpec(kind="layer", bias=True, eps=1e-5),
+               feed_forward=PLAIN_FEED_FORWARD, positions=PositionSpec(kind="learned", offset=2),
+               embedding=EmbeddingSpec(tied=True),
+               normalize=lambda raw: biases_from(with_defaults(raw, {"activation_function": "relu"}), "enable_bias",
+                                                 default=True),
                require_values={
                    "do_layer_norm_before": (True, "OPT's post-norm blocks are not supported"),
                    "_remove_final_layer_norm": (False, "OPT without its final norm is not supported"),

@@ -8,16 +8,29 @@
 from __future__ import annotations
 
 from ster_dist.families.layouts import fused_gate_up, fused_qkv, llama_rules
-from ster_dist.families.spec import FamilySpec
-from ster_dist.families.switches import ALWAYS_BIASED, NEVER_BIASED
+from ster_dist.families.normalize import always_biased, never_biased, switch
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    FeedForwardSpec,
+    NormSpec,
+    PositionSpec,
+    QKNormSpec,
+)
+
+
+def _phi(raw: dict) -> dict:
+    """Every projection and the head biased; the query/key LayerNorms only under qk_layernorm."""
+    return {**always_biased(raw), "lm_head_bias": True, "use_qk_norm": switch(raw, "qk_layernorm")}
+
 
 PHI_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("phi", llama_rules(o="dense", gate=None, up="fc1", down="fc2", mlp_norm=None,
                                   final_norm="final_layernorm", q_norm="q_layernorm", k_norm="k_layernorm"),
-               norm_kind="layer", norm_bias=True, parallel_block=True, mlp_gated=False, lm_head_bias=True,
-               qk_norm="head", qk_norm_key="qk_layernorm", qk_norm_kind="layer", qk_norm_bias=True,
-               **ALWAYS_BIASED, rotary_share=0.5, parity_reference="PhiForCausalLM"),
+               norms=NormSpec(kind="layer", bias=True, parallel=True), feed_forward=FeedForwardSpec(gated=False),
+               attention=AttentionSpec(qk_norm=QKNormSpec("head", kind="layer", bias=True)),
+               positions=PositionSpec(rotary_share=0.5), normalize=_phi, parity_reference="PhiForCausalLM"),
     FamilySpec("phi3", llama_rules(q=None, k=None, v=None, gate=None, up=None, q_norm=None, k_norm=None)
                + fused_qkv("model.layers.{i}.self_attn.qkv_proj") + fused_gate_up("model.layers.{i}.mlp.gate_up_proj"),
-               sliding="all", **NEVER_BIASED, parity_reference="Phi3ForCausalLM"),
+               attention=AttentionSpec(sliding="all"), normalize=never_biased, parity_reference="Phi3ForCausalLM"),
 )

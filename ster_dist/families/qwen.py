@@ -12,24 +12,35 @@ from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
 from ster_dist.families.moe_layouts import expert_rules, router_rules, shared_rules
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule
+from ster_dist.families.normalize import biases, stated
+from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, QKNormSpec, Rule
 
 _MLP = "model.layers.{i}.mlp"
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
 _QWEN3_MOE = llama_rules() + expert_rules(_MLP) + router_rules(f"{_MLP}.gate")
+_MAX_WINDOW_LAYERS = AttentionSpec(sliding="max_window_layers")
+_QWEN3_ATTENTION = AttentionSpec(sliding="max_window_layers", qk_norm=QKNormSpec("head"))
+
+
+def _qwen2_moe(raw: dict) -> dict:
+    """Query/key/value biased unless qkv_bias says not; the output and the feed-forward never."""
+    return biases(raw, bool(stated(raw, "qkv_bias", default=True)), out=False)
+
 
 QWEN_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("qwen2", _LLAMA, sliding="max_window_layers", qkv_bias_keys=(), qkv_bias_default=True,
-               o_bias_keys=(), mlp_bias_keys=(), parity_reference="Qwen2ForCausalLM"),
-    FamilySpec("qwen3", llama_rules(), sliding="max_window_layers", qk_norm="head", o_bias_keys=(),
-               mlp_bias_keys=(), parity_reference="Qwen3ForCausalLM"),
+    # query/key/value always biased, the output and the feed-forward never
+    FamilySpec("qwen2", _LLAMA, attention=_MAX_WINDOW_LAYERS, normalize=lambda raw: biases(raw, True, out=False),
+               parity_reference="Qwen2ForCausalLM"),
+    # attention_bias biases query/key/value only
+    FamilySpec("qwen3", llama_rules(), attention=_QWEN3_ATTENTION,
+               normalize=lambda raw: {**raw, "attention_out_bias": False}, parity_reference="Qwen3ForCausalLM"),
     FamilySpec("qwen2_moe", _LLAMA + expert_rules(_MLP) + router_rules(f"{_MLP}.gate")
                + shared_rules(f"{_MLP}.shared_expert")
                + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),),
-               sliding="max_window_layers", qkv_bias_keys=("qkv_bias",), qkv_bias_default=True, o_bias_keys=(),
-               mlp_bias_keys=(), moe=MoESpec(shared="qwen"), parity_reference="Qwen2MoeForCausalLM"),
-    FamilySpec("qwen3_moe", _QWEN3_MOE, sliding="max_window_layers", qk_norm="head", mlp_bias_keys=(),
-               moe=MoESpec(), parity_reference="Qwen3MoeForCausalLM"),
-    FamilySpec("mellum", _QWEN3_MOE, qk_norm="head", mlp_bias_keys=(), ignore=(r"mtp\..*",), moe=MoESpec(),
-               parity_reference="MellumForCausalLM"),
+               attention=_MAX_WINDOW_LAYERS, normalize=_qwen2_moe, moe=MoESpec(shared="qwen"),
+               parity_reference="Qwen2MoeForCausalLM"),
+    FamilySpec("qwen3_moe", _QWEN3_MOE, attention=_QWEN3_ATTENTION, moe=MoESpec(),
+               parity_reference="Qwen3MoeForCausalLM"),
+    FamilySpec("mellum", _QWEN3_MOE, attention=AttentionSpec(qk_norm=QKNormSpec("head")), ignore=(r"mtp\..*",),
+               moe=MoESpec(), parity_reference="MellumForCausalLM"),
 )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules
 from ster_dist.families.moe_layouts import expert_rules, router_rules, shared_rules
-from ster_dist.families.spec import FamilySpec, Fused, MoESpec, Rule
+from ster_dist.families.spec import AttentionSpec, FamilySpec, Fused, MoESpec, NormSpec, QKNormSpec, Rule
 
 _MIXER = "layers.{i}.mixer"
 _MIXERS = {"linear_attention": "gated_delta", "full_attention": "attention"}
@@ -76,7 +76,7 @@ def _normalize(raw: dict, gate_key: bool = False, renormalize: bool = False) -> 
     """Transformers' defaults the shared reader does not know: the attention output gate (always on, or where
     gate_key, on unless attn_output_gate says otherwise), a quarter of each head rotated, and (Qwen3.5-MoE)
     renormalised expert weights unless norm_topk_prob says otherwise."""
-    out = dict(raw)
+    out = dict(raw, mlp_bias=False)  # no feed-forward bias, whatever mlp_bias says
     if not gate_key or out.get("attn_output_gate") is None:
         out["attn_output_gate"] = True
     if out.get("partial_rotary_factor") is None and not (out.get("rope_parameters") or {}).get("partial_rotary_factor"):
@@ -108,7 +108,7 @@ def _layer_kinds(family: str):
     return kinds
 
 
-_COMMON = dict(norm_offset=1.0, qk_norm="head", mlp_bias_keys=(), ignore=(r"mtp\..*",))
+_COMMON = dict(norms=NormSpec(offset=1.0), attention=AttentionSpec(qk_norm=QKNormSpec("head")), ignore=(r"mtp\..*",))
 # q_proj is read as query and gate rows (_gated_query); a checkpoint without the gate rows has another layout
 _GATED = dict(require_values={"attn_output_gate": (True, ("only the gated attention layout (q_proj holding "
                                                           "each head's query and gate rows) is supported"))},

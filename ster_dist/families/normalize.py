@@ -1,0 +1,93 @@
+"""Config normalisation: the generic keys config.from_hf reads, and the helpers family normalisers share.
+
+A family's `normalize(raw) -> raw` (FamilySpec.normalize) returns a new dict in which the keys below
+mean what this table says, whatever the family itself calls them: it renames the family's own keys,
+fills what its Transformers config class assumes where a config is silent, and fixes what the family
+never reads from its config. from_hf reads these keys for every family, so a family whose config
+class holds one with another meaning (or which Transformers ignores) sets it here. A key that is
+unstated (missing or null) after normalisation takes the default in the right-hand column.
+Sizes, epsilons, rotations, multipliers and the MoE counts keep Transformers' usual names
+(hidden_size, rms_norm_eps, rope_parameters, ...) and the aliases config.py lists.
+"""
+
+from __future__ import annotations
+
+GENERIC_KEYS: dict[str, str] = {
+    "attention_bias": "the query, key and value projections are biased (and the output one, unless "
+                      "attention_out_bias says otherwise); default false",
+    "attention_out_bias": "the attention output projection is biased; default: attention_bias",
+    "mlp_bias": "the dense feed-forward's projections are biased; default false",
+    "lm_head_bias": "the head is biased; default false",
+    "use_qk_norm": "the family's query/key norms (AttentionSpec.qk_norm) are applied; default true",
+    "use_post_norm": "a norm over each sublayer's output; default NormSpec.post",
+    "use_parallel_residual": "attention and feed-forward read the same input; default NormSpec.parallel",
+    "num_ln_in_parallel_attn": "a parallel block's norms: 1 shared, any other number one per half; "
+                               "default NormSpec.parallel_shared",
+    "norm_kind": "the block and final norms: \"rms\" or \"layer\"; default NormSpec.kind",
+    "multi_query": "one key-value head, whatever count is stated; default false",
+    "alibi": "ALiBi in place of learned or rotated positions; default PositionSpec.kind == \"alibi\"",
+    "dense_layers_rotate": "under PositionSpec.layers \"sliding\", layers with a dense feed-forward in an "
+                           "MoE model rotate too; default false",
+    "dense_intermediate_size": "the dense feed-forward's width where intermediate_size is the experts'; "
+                               "default intermediate_size",
+    "scoring_func": "the router's scores: \"softmax\" or \"sigmoid\"; default MoESpec.scoring",
+    "shared_expert_combination_strategy": "\"average\" halves routed plus shared experts' output, \"sum\" "
+                                          "keeps it; default \"sum\"",
+    "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
+}
+# the spellings of a key-value head count config.py reads
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv")
+
+
+class ConfigProblem(Exception):
+    """A value a normaliser cannot read: one line naming the key and the fix. from_hf refuses it with the
+    config's path (normalisers see the config, not where it came from)."""
+
+
+def stated(raw: dict, *names: str, default=None):
+    """The first of `names` the config states (null is unstated), else default."""
+    for name in names:
+        if raw.get(name) is not None:
+            return raw[name]
+    return default
+
+
+def with_defaults(raw: dict, defaults: dict) -> dict:
+    """raw over what the family's Transformers config class assumes for keys a config leaves out (a stated
+    null stays null, as Transformers reads it)."""
+    return {**defaults, **raw}
+
+
+def defaults(values: dict):
+    """A normaliser that only fills the family's Transformers class defaults."""
+    return lambda raw: with_defaults(raw, values)
+
+
+def biases(raw: dict, attention: bool, out: bool | None = None, mlp: bool = False) -> dict:
+    """raw with every projection's bias fixed by the family: the attention's (its output's too unless `out`
+    differs) and the feed-forward's."""
+    return {**raw, "attention_bias": attention, "attention_out_bias": attention if out is None else out,
+            "mlp_bias": mlp}
+
+
+def always_biased(raw: dict) -> dict:
+    """Every projection biased, with no config key to turn the biases off (GPT-2, BLOOM, Phi)."""
+    return biases(raw, True, mlp=True)
+
+
+def never_biased(raw: dict) -> dict:
+    """No projection biased, whatever the config says (Gemma, Phi-3, MPT)."""
+    return biases(raw, False)
+
+
+def biases_from(raw: dict, key: str, default: bool = False, head: bool = False) -> dict:
+    """Every projection's bias (and the head's too when `head`) switched by one config key of the family's own
+    (StarCoder2 and ERNIE's use_bias, Falcon's bias, OPT's enable_bias)."""
+    on = bool(stated(raw, key, default=default))
+    out = biases(raw, on, mlp=on)
+    return {**out, "lm_head_bias": on} if head else out
+
+
+def switch(raw: dict, key: str) -> bool:
+    """A family's own on/off key, off when unstated (after its defaults are filled)."""
+    return bool(stated(raw, key, default=False))
