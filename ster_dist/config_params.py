@@ -83,6 +83,12 @@ def _large3(raw: dict, rope: dict, path: str) -> dict:
                       f"{hf.get('n_group')}), which ster_dist does not read in Mistral's own format; "
                       f"{_USE_TRANSFORMERS}")
     hf.update(scoring_func="softmax", norm_topk_prob=True)
+    # what vLLM reads where the moe block is silent (one expert group, no dense layers, no scaling), stated
+    # here so DeepSeek-V3's own normalisation (Transformers' defaults) does not fill them
+    for key, value in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 0),
+                       ("routed_scaling_factor", 1.0)):
+        if hf.get(key) is None:
+            hf[key] = value
     if rope.get("rope_type") == "yarn":  # vLLM's deepseek_yarn: mscale one unless stated, so the tables keep
         rope = {"mscale": 1, **rope}    # their size and only the scores are sharpened (by mscale_all_dim)
         hf["rope_parameters"] = rope

@@ -45,23 +45,23 @@ _DEEPSEEK = _LATENT_BLOCK + deepseek_moe_rules()
 _LATENT = dict(attention=AttentionSpec(latent=True), positions=PositionSpec(interleaved=True))
 
 
-def latent_biases(raw: dict, defaults: dict | None = None) -> dict:
+def _latent_biases(raw: dict, defaults: dict | None = None) -> dict:
     """attention_bias switches every attention projection's bias; the feed-forward has none, whatever mlp_bias
     (which DeepseekV2Config and MiniCPM3's state) says."""
     return {**with_defaults(raw, defaults or {}), "mlp_bias": False}
 
 
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=latent_biases,
+    FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=_latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
                parity_reference="DeepseekV2ForCausalLM"),
     FamilySpec("deepseek_v3", _DEEPSEEK, **_LATENT,
-               normalize=lambda raw: latent_biases(raw, {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+               normalize=lambda raw: _latent_biases(raw, {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                                          "first_k_dense_replace": 3, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV3ForCausalLM"),
     FamilySpec("glm4_moe_lite", _DEEPSEEK, **_LATENT,
-               normalize=lambda raw: latent_biases(raw, {"first_k_dense_replace": 1, "norm_topk_prob": True}),
+               normalize=lambda raw: _latent_biases(raw, {"first_k_dense_replace": 1, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
-               normalize=latent_biases, parity_reference="MiniCPM3ForCausalLM"),
+               normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
 )

@@ -19,7 +19,7 @@ adjacent pairs), so they too load as stored.
 
 from __future__ import annotations
 
-from ster_dist.families.deepseek import latent_biases
+from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import expert_rules
 from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, PositionSpec, Rule
@@ -51,7 +51,7 @@ MISTRAL_FORMAT_FAMILIES: tuple[FamilySpec, ...] = (
                positions=PositionSpec(interleaved=True), weight_format="mistral", pair_rows=("attn.q", "attn.k")),
     FamilySpec("deepseek_v3", _latent_names(), attention=AttentionSpec(latent=True, query_temperature=True),
                positions=PositionSpec(interleaved=True),
-               normalize=lambda raw: latent_biases(raw, {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 0}),
+               normalize=next(spec for spec in DEEPSEEK_FAMILIES if spec.name == "deepseek_v3").normalize,
                moe=MoESpec(scoring="softmax", renormalize=True, scaling="always", shared="deepseek"),
                weight_format="mistral"),
 )
