@@ -167,12 +167,21 @@ class GatedDeltaNet(ShardedModule):
         key_dim = key_heads * dk
         self.channels = (key_rows[0], (key_dim + g0 * dk, key_dim + g1 * dk),
                          (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv))
-        self._param("conv_weight", Shard((2 * key_dim + value_heads * dv, 1, kernel), 0, self.channels))
+        # OLMo Hybrid stores each of the three convolutions apart (q_conv1d, k_conv1d, v_conv1d)
+        self.separate_convs = bool(cfg.raw.get("linear_separate_convs"))
+        if self.separate_convs:
+            for name, total, rows in (("q_conv", key_dim, key_rows[0]), ("k_conv", key_dim, key_rows[0]),
+                                      ("v_conv", value_heads * dv, value_rows[0])):
+                self._param(name, Shard((total, 1, kernel), 0, (rows,)))
+        else:
+            self._param("conv_weight", Shard((2 * key_dim + value_heads * dv, 1, kernel), 0, self.channels))
         self._param("A_log", Shard((value_heads,), 0, ((v0, v1),)))
         self._param("dt_bias", Shard((value_heads,), 0, ((v0, v1),)))
         self._param("norm_weight", Shard((dv,)))  # one scale for every head's read-out
         self.out = RowLinear(value_heads * dv, hidden, ctx, False, cols=(v0 * dv, v1 * dv))
-        self.eps = cfg.norm_eps
+        # OLMo Hybrid: the read-out norm's own epsilon, and write strengths up to two (negative eigenvalues)
+        self.eps = float(cfg.raw.get("linear_norm_eps") or cfg.norm_eps)
+        self.beta_scale = 2.0 if cfg.raw.get("linear_allow_neg_eigval") else 1.0
         self.act = activation(cfg.hidden_act)
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -184,7 +193,7 @@ class GatedDeltaNet(ShardedModule):
         return step.recur(self.layer, x, self._scan, self._fresh)
 
     def _fresh(self, n: int) -> tuple[torch.Tensor, ...]:
-        dtype, device = self.A_log.dtype, self.A_log.device
+        dtype, device = self.dt_bias.dtype, self.dt_bias.device
         return tuple(torch.zeros((n, *shape), dtype=dtype, device=device) for shape in self.state_shapes())
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, ...]):
@@ -193,7 +202,8 @@ class GatedDeltaNet(ShardedModule):
         if valid is not None:  # left padding reads as nothing, as Transformers masks it
             x = x * valid.unsqueeze(-1).to(x.dtype)
         mixed = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-        mixed, conv_state = causal_conv(mixed, self.conv_weight[:, 0], None, conv_state, valid)
+        weight = (torch.cat([self.q_conv, self.k_conv, self.v_conv]) if self.separate_convs else self.conv_weight)
+        mixed, conv_state = causal_conv(mixed, weight[:, 0], None, conv_state, valid)
         mixed = self.act(mixed)
         local_k = self.local_key_heads * self.key_width
         q, k, v = mixed.split([local_k, local_k, mixed.shape[-1] - 2 * local_k], dim=-1)
@@ -201,6 +211,8 @@ class GatedDeltaNet(ShardedModule):
         k = l2norm(k.view(n, t, -1, self.key_width).float())
         v = v.view(n, t, -1, self.value_width).float()
         beta = self.b(x).float().sigmoid()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(self.a(x).float() + self.dt_bias.float())
         if valid is not None:  # padding leaves the state as it was: no decay, no write
             keep = valid.unsqueeze(-1)
