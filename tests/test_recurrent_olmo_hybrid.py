@@ -98,11 +98,15 @@ def test_tensor_parallel_ranks_read_their_heads_rows_of_each_convolution(tiny):
         assert rows["layers.0.mixer.v_conv"] == rows["layers.0.mixer.z.weight"] == values
 
 
-def test_unstated_layer_types_attend_every_fourth_layer_and_no_rope_theta_means_no_rotation(tiny):
-    config = {**read_config(tiny), "layer_types": None, "num_hidden_layers": 8, "rope_parameters": None}
+def test_unstated_layer_types_attend_every_fourth_layer_and_a_null_rope_theta_means_no_rotation(tiny):
+    config = {**read_config(tiny), "layer_types": None, "num_hidden_layers": 8,
+              "rope_parameters": {"rope_type": "default", "rope_theta": None}}
     cfg = from_hf(config)
     assert cfg.mixers == ("gated_delta",) * 3 + ("attention",) + ("gated_delta",) * 3 + ("attention",)
     assert all(rope is None for rope in cfg.layer_rope)
+    # as Transformers reads it, a config stating no rotation rotates at 10000
+    unstated = from_hf({**config, "rope_parameters": None})
+    assert unstated.layer_rope[3] is not None and unstated.layer_rope[3].theta == 10000.0
 
 
 def test_an_unknown_layer_type_is_refused(tiny, tmp_path):

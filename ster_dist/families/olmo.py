@@ -12,8 +12,8 @@
   post_attention_layernorm before the feed-forward, or OLMo-core's attention_layer_norm and
   feedforward_layer_norm); separate q/k/v_proj through OLMo-core's q/k/v_conv1d, as Transformers saves them
   (a joined conv1d is not mapped yet), g_proj the SiLU gate, write strength doubled under linear_allow_neg_eigval, o_norm at
-  epsilon 1e-5. Its other layers are OLMo 3's post-norm attention, rotated only when rope_parameters states a
-  rope_theta. post_attention_layernorm is a post-norm in attention layers and a pre-norm in the others: the
+  epsilon 1e-5. Its other layers are OLMo 3's post-norm attention, unrotated when rope_parameters states
+  rope_theta null (Transformers rotates at 10000 when it states none). post_attention_layernorm is a post-norm in attention layers and a pre-norm in the others: the
   loader takes the rule whose parameter the layer has (shard/plan.py).
 """
 
@@ -59,7 +59,8 @@ def _hybrid_types(raw: dict, num_layers: int) -> list[str]:
 
 def _hybrid_normalize(raw: dict) -> dict:
     """Transformers' defaults for OLMo Hybrid: the linear layers' sizes from the attention's, negative
-    eigenvalues allowed, o_norm's fixed epsilon, pre-norm linear layers, and no rotation without a rope_theta."""
+    eigenvalues allowed, o_norm's fixed epsilon, pre-norm linear layers, and no rotation where
+    rope_parameters states rope_theta null."""
     out = dict(raw)
     heads, hidden, layers = out.get("num_attention_heads"), out.get("hidden_size"), out.get("num_hidden_layers")
     for key in ("linear_num_key_heads", "linear_num_value_heads"):
@@ -77,7 +78,8 @@ def _hybrid_normalize(raw: dict) -> dict:
     if isinstance(layers, int) and layers > 0:
         out["layer_types"] = _hybrid_types(out, layers)
         rope = out.get("rope_parameters")
-        if not (isinstance(rope, dict) and rope.get("rope_theta") is not None):
+        # Transformers fills rope_theta 10000 into an unstated rotation; only a stated null turns it off
+        if isinstance(rope, dict) and "rope_theta" in rope and rope["rope_theta"] is None:
             out["no_rope_layers"] = [0] * layers
     return out
 
