@@ -109,6 +109,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     # the residual stream kept in f32 while the layers compute in the model's dtype (Mamba's residual_in_fp32)
     residual_fp32: bool = False
+    # recurrent layers run pre-norm (norm before each sublayer) in an otherwise post-norm family (OLMo Hybrid)
+    recurrent_pre_norm: bool = False
     logit_multiplier: float = 1.0
     logit_softcap: float | None = None
     tie_word_embeddings: bool = False
@@ -339,6 +341,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
+        recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.embedding.tied)),
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),

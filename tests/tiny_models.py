@@ -26,6 +26,7 @@ from tests.tiny import (
     gptj_neox,
     granite,
     hunyuan,
+    kimi,
     lfm2,
     llama,
     mamba,
@@ -48,7 +49,7 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 # named as ster_dist/families/ names them (tests/test_parity.py checks each holds its module's families)
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
-    gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next)}
+    gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -108,7 +109,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue
-            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe") \
+            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "gpt_oss" and name.endswith("mlp.router.bias"):
@@ -116,7 +117,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
 
 
 # their last layer routes no token to the upper half of the experts
-STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe"}
+STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear"}
 
 
 def read_config(directory: Path) -> dict:

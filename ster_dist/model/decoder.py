@@ -40,13 +40,17 @@ class Block(nn.Module):
         kind = MIXERS[cfg.mixer(layer)]
         self.site = kind.site
         mixer = kind.build(cfg, layer, ctx)
-        self.attn_norm = norm() if cfg.pre_attn_norm else None
+        pre_attn, post_attn, pre_mlp, post_mlp = (cfg.pre_attn_norm, cfg.post_attn_norm, cfg.pre_mlp_norm,
+                                                  cfg.post_mlp_norm)
+        if cfg.recurrent_pre_norm and not kind.attention and mixer is not None:
+            pre_attn, post_attn, pre_mlp, post_mlp = True, False, True, False
+        self.attn_norm = norm() if pre_attn else None
         setattr(self, kind.site, mixer)
-        self.post_attn_norm = norm() if cfg.post_attn_norm and mixer is not None else None
+        self.post_attn_norm = norm() if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
-        self.mlp_norm = norm() if cfg.pre_mlp_norm and self.mlp is not None and mixer is not None else None
-        self.post_mlp_norm = norm() if cfg.post_mlp_norm and self.mlp is not None else None
+        self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
+        self.post_mlp_norm = norm() if post_mlp and self.mlp is not None else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
         self.residual_fp32 = cfg.residual_fp32

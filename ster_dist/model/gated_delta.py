@@ -61,8 +61,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs [n, t, value heads, value width] and the new state [n, value heads, key width, value width]
     for queries and keys [n, t, key heads, key width] (already normalised and scaled), values
-    [n, t, value heads, value width], log-decays g and strengths beta [n, t, value heads], all f32.
-    A token with g = 0 and beta = 0 leaves the state as it was."""
+    [n, t, value heads, value width], log-decays g [n, t, value heads] (one per head, Qwen3-Next) or
+    [n, t, value heads, key width] (one per key channel, Kimi's delta attention) and strengths beta
+    [n, t, value heads], all f32. A token with g = 0 and beta = 0 leaves the state as it was."""
     groups = v.shape[2] // k.shape[2]
     if groups > 1:  # each key head serves its consecutive value heads
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
@@ -73,10 +74,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 def delta_rule_recurrent(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule token by token, with as many key heads as value heads."""
     decay = g.exp()
+    if decay.dim() == 3:  # one decay per head: the same for each of its key channels
+        decay = decay.unsqueeze(-1)
     out = torch.empty_like(v)
     for i in range(v.shape[1]):
         k_i = k[:, i].unsqueeze(-1)                                  # [n, heads, key, 1]
-        state = state * decay[:, i, :, None, None]
+        state = state * decay[:, i, :, :, None]
         remembered = (state * k_i).sum(-2)                           # what the state predicts for this key
         delta = (v[:, i] - remembered) * beta[:, i, :, None]
         state = state + k_i * delta.unsqueeze(-2)
@@ -88,30 +91,56 @@ def delta_rule_chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Ten
     """The same rule a block of CHUNK tokens at a time. Within a block, with G_i the decay from the block's start
     to token i and S the state before it, each token's correction d_i = beta_i (v_i - G_i S^T k_i
     - sum_{j<i} G_i/G_j (k_i . k_j) d_j) is a unit lower-triangular system, solved for every block at once;
-    only the step from block to block (through S) is sequential. Trailing padding tokens (g = beta = 0) leave
-    the state alone."""
+    only the step from block to block (through S) is sequential. A decay per key channel makes G_i/G_j a
+    diagonal, inside the dot product (k_i . G_i/G_j k_j); its pairs are formed one block at a time, as a
+    [CHUNK, CHUNK, key width] tensor of every block at once would be large. Trailing padding tokens
+    (g = beta = 0) leave the state alone."""
     t = v.shape[1]
     pad = -t % CHUNK
+    per_channel = g.dim() == 4
     q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)).unflatten(2, (-1, CHUNK)) for x in (q, k, v))
-    g, beta = (F.pad(x.transpose(1, 2), (0, pad)).unflatten(2, (-1, CHUNK)) for x in (g, beta))
-    log_decay = g.cumsum(-1)                                          # [n, heads, blocks, CHUNK]
+    g = F.pad(g.transpose(1, 2), (0, 0, 0, pad) if per_channel else (0, pad)).unflatten(2, (-1, CHUNK))
+    beta = F.pad(beta.transpose(1, 2), (0, pad)).unflatten(2, (-1, CHUNK))
+    log_decay = g.cumsum(3)                                # [n, heads, blocks, CHUNK(, key)]
+    # over key channels: the per-head decay broadcast, or each channel's own
+    channel_decay = log_decay if per_channel else log_decay.unsqueeze(-1)
+    q_from_start = q * channel_decay.exp()
+    k_to_end = k * (channel_decay[..., -1:, :] - channel_decay).exp()
+    k_from_start = k * (beta.unsqueeze(-1) * channel_decay.exp())
+    block_decay = channel_decay[..., -1, :].exp()          # [n, heads, blocks, 1 or key]
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
-    # G_i / G_j for j <= i (zero above the diagonal)
-    between = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    system = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * between  # its diagonal is taken as one
-    written = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    from_state = torch.linalg.solve_triangular(system, k * (beta * log_decay.exp()).unsqueeze(-1), upper=False,
-                                               unitriangular=True)
-    reads = (q @ k.transpose(-1, -2)) * between
-    q_from_start = q * log_decay.exp().unsqueeze(-1)
-    k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)
-    block_decay = log_decay[..., -1].exp()
+    if not per_channel:
+        pairs = _block_pairs(q, k, v, beta, log_decay, k_from_start, causal, False)
     out = torch.empty_like(v)
     for c in range(v.shape[2]):
-        delta = written[:, :, c] - from_state[:, :, c] @ state
-        out[:, :, c] = q_from_start[:, :, c] @ state + reads[:, :, c] @ delta
-        state = state * block_decay[:, :, c, None, None] + k_to_end[:, :, c].transpose(-1, -2) @ delta
+        if per_channel:
+            written, from_state, reads = _block_pairs(q[:, :, c], k[:, :, c], v[:, :, c], beta[:, :, c],
+                                                      log_decay[:, :, c], k_from_start[:, :, c], causal, True)
+        else:
+            written, from_state, reads = (x[:, :, c] for x in pairs)
+        delta = written - from_state @ state
+        out[:, :, c] = q_from_start[:, :, c] @ state + reads @ delta
+        state = state * block_decay[:, :, c, :, None] + k_to_end[:, :, c].transpose(-1, -2) @ delta
     return out.flatten(2, 3)[:, :, :t].transpose(1, 2), state
+
+
+def _block_pairs(q, k, v, beta, log_decay, k_from_start, causal, per_channel):
+    """Within blocks: the corrections written from the values alone, what each correction takes from the
+    state before the block (both through the triangular system), and each query's reads of the block's keys."""
+    if per_channel:  # G_i/G_j per key channel, zero above the diagonal: [..., CHUNK, CHUNK, key]
+        between = (log_decay.unsqueeze(-2) - log_decay.unsqueeze(-3)).masked_fill(~causal[..., None],
+                                                                                   float("-inf")).exp()
+        keys = (k.unsqueeze(-2) * k.unsqueeze(-3) * between).sum(-1)
+        reads = (q.unsqueeze(-2) * k.unsqueeze(-3) * between).sum(-1)
+        system = beta.unsqueeze(-1) * keys
+    else:  # G_i / G_j for j <= i (zero above the diagonal)
+        between = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+        system = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * between
+        reads = (q @ k.transpose(-1, -2)) * between
+    # the system's diagonal is taken as one
+    written = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    from_state = torch.linalg.solve_triangular(system, k_from_start, upper=False, unitriangular=True)
+    return written, from_state, reads
 
 
 class GatedDeltaNet(ShardedModule):
@@ -138,12 +167,21 @@ class GatedDeltaNet(ShardedModule):
         key_dim = key_heads * dk
         self.channels = (key_rows[0], (key_dim + g0 * dk, key_dim + g1 * dk),
                          (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv))
-        self._param("conv_weight", Shard((2 * key_dim + value_heads * dv, 1, kernel), 0, self.channels))
+        # OLMo Hybrid stores each of the three convolutions apart (q_conv1d, k_conv1d, v_conv1d)
+        self.separate_convs = bool(cfg.raw.get("linear_separate_convs"))
+        if self.separate_convs:
+            for name, total, rows in (("q_conv", key_dim, key_rows[0]), ("k_conv", key_dim, key_rows[0]),
+                                      ("v_conv", value_heads * dv, value_rows[0])):
+                self._param(name, Shard((total, 1, kernel), 0, (rows,)))
+        else:
+            self._param("conv_weight", Shard((2 * key_dim + value_heads * dv, 1, kernel), 0, self.channels))
         self._param("A_log", Shard((value_heads,), 0, ((v0, v1),)))
         self._param("dt_bias", Shard((value_heads,), 0, ((v0, v1),)))
         self._param("norm_weight", Shard((dv,)))  # one scale for every head's read-out
         self.out = RowLinear(value_heads * dv, hidden, ctx, False, cols=(v0 * dv, v1 * dv))
-        self.eps = cfg.norm_eps
+        # OLMo Hybrid: the read-out norm's own epsilon, and write strengths up to two (negative eigenvalues)
+        self.eps = float(cfg.raw.get("linear_norm_eps") or cfg.norm_eps)
+        self.beta_scale = 2.0 if cfg.raw.get("linear_allow_neg_eigval") else 1.0
         self.act = activation(cfg.hidden_act)
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -155,7 +193,7 @@ class GatedDeltaNet(ShardedModule):
         return step.recur(self.layer, x, self._scan, self._fresh)
 
     def _fresh(self, n: int) -> tuple[torch.Tensor, ...]:
-        dtype, device = self.A_log.dtype, self.A_log.device
+        dtype, device = self.dt_bias.dtype, self.dt_bias.device
         return tuple(torch.zeros((n, *shape), dtype=dtype, device=device) for shape in self.state_shapes())
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, ...]):
@@ -164,7 +202,8 @@ class GatedDeltaNet(ShardedModule):
         if valid is not None:  # left padding reads as nothing, as Transformers masks it
             x = x * valid.unsqueeze(-1).to(x.dtype)
         mixed = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-        mixed, conv_state = causal_conv(mixed, self.conv_weight[:, 0], None, conv_state, valid)
+        weight = (torch.cat([self.q_conv, self.k_conv, self.v_conv]) if self.separate_convs else self.conv_weight)
+        mixed, conv_state = causal_conv(mixed, weight[:, 0], None, conv_state, valid)
         mixed = self.act(mixed)
         local_k = self.local_key_heads * self.key_width
         q, k, v = mixed.split([local_k, local_k, mixed.shape[-1] - 2 * local_k], dim=-1)
@@ -172,6 +211,8 @@ class GatedDeltaNet(ShardedModule):
         k = l2norm(k.view(n, t, -1, self.key_width).float())
         v = v.view(n, t, -1, self.value_width).float()
         beta = self.b(x).float().sigmoid()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(self.a(x).float() + self.dt_bias.float())
         if valid is not None:  # padding leaves the state as it was: no decay, no write
             keep = valid.unsqueeze(-1)

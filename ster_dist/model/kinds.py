@@ -6,7 +6,7 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 
 - attention (keeps keys and values per position): has `kv_shape`, ((heads, width), (heads, width))
   of one position on this rank, and reaches its keys through `step.attend`;
-- recurrent (keeps one state per sequence: Mamba, gated delta, short convolution): has
+- recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
   `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
 - none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers).
@@ -27,6 +27,7 @@ from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, 
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
 from ster_dist.model.gated_delta import GatedDeltaNet
+from ster_dist.model.kimi_delta import KimiDeltaAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
@@ -55,6 +56,7 @@ MIXERS: dict[str, MixerKind] = {
     "none": MixerKind(lambda cfg, layer, ctx: None, "mixer"),  # the feed-forward alone (Nemotron-H's "-" layers)
     "gated_delta": MixerKind(GatedDeltaNet, "mixer"),
     "mamba": MixerKind(MambaMixer, "mixer"),
+    "kimi_delta": MixerKind(KimiDeltaAttention, "mixer"),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

@@ -125,7 +125,11 @@ class NameMatcher:
     def _names(self, name: str) -> list[str]:
         return text_weight_names(self.wrapper, name) if self.wrapper else [name]
 
-    def match(self, name: str) -> tuple[Rule, dict] | None:
+    def match(self, name: str, params: set[str] | dict | None = None) -> tuple[Rule, dict] | None:
+        """The first rule matching `name`; given the model's `params`, the first whose plain target is one of
+        them, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some
+        layers and the delta attention's in others)."""
+        first = None
         candidates = []
         for text_name in self._names(name):
             candidates.append(text_name)
@@ -134,13 +138,21 @@ class NameMatcher:
         for candidate in candidates:
             for rule, pattern in self.rules:
                 m = pattern.match(candidate)
-                if m:
-                    return rule, m.groupdict()
-        return None
+                if not m:
+                    continue
+                groups = m.groupdict()
+                if params is None or not isinstance(rule.target, str) or _target(rule.target, groups) in params:
+                    return rule, groups
+                first = first or (rule, groups)
+        return first
 
     def ignored(self, name: str) -> bool:
         names = self._names(name)
         return not names or any(p.match(n) for n in names for p in self.ignore)
+
+
+def _target(template: str, groups: dict) -> str:
+    return template.replace("{i}", groups["i"]) if groups.get("i") is not None else template
 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
@@ -269,7 +281,7 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
         if matcher.ignored(name) or (mtp is not None and mtp.match(name)):
             skipped.append(name)
             continue
-        found = matcher.match(name)
+        found = matcher.match(name, shards)
         if found is None:
             unmapped.append(name)
             continue

@@ -54,7 +54,7 @@ def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set
     for name in names:
         if matcher.ignored(name):
             continue
-        found = matcher.match(name)
+        found = matcher.match(name, params)
         if found is None:
             continue
         rule, groups = found
