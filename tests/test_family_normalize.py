@@ -14,7 +14,8 @@ from ster_dist.families.registry import FORMAT_SPECS, SPECS
 CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
           "vocab_size": 256, "intermediate_size": 128, "attn_config": {"kv_n_heads": 2}, "use_bias": True,
           "bias": True, "qk_layernorm": True, "logits_scaling": 2.0, "new_decoder_architecture": True,
-          "hybrid_override_pattern": "M*"}
+          "hybrid_override_pattern": "M*", "kv_lora_rank": 16,
+          "linear_attn_config": {"kda_layers": [1], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}}
 NORMALISED = sorted({spec.name for spec in SPECS.values() if spec.normalize is not None})
 
 
