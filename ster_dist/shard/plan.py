@@ -116,9 +116,12 @@ class NameMatcher:
     Inside a text wrapper (`wrapper`, ModelConfig.wrapper) a name is matched as the text model's names
     for it (config_file.text_weight_names), and a tensor of the wrapper's towers is ignored."""
 
-    def __init__(self, spec: FamilySpec, wrapper: str | None = None):
+    def __init__(self, spec: FamilySpec, wrapper: str | None = None, params: set[str] | None = None):
         self.spec = spec
         self.wrapper = wrapper
+        # the model's parameters, when known: a tensor two rules match goes to the one whose parameter the model
+        # has (Granite 4.0's shared_mlp is the dense feed-forward without experts, the shared expert beside them)
+        self.params = params
         self.rules = [(rule, rule.pattern) for rule in spec.rules]
         self.ignore = [re.compile(p) for p in spec.ignore + (r".*rotary_emb\.inv_freq$",)]
 
@@ -131,12 +134,23 @@ class NameMatcher:
             candidates.append(text_name)
             if self.spec.optional_prefix and not text_name.startswith(self.spec.optional_prefix):
                 candidates.append(self.spec.optional_prefix + text_name)
+        first = None
         for candidate in candidates:
             for rule, pattern in self.rules:
                 m = pattern.match(candidate)
                 if m:
-                    return rule, m.groupdict()
-        return None
+                    if self.params is None or self._present(rule, m.groupdict()):
+                        return rule, m.groupdict()
+                    first = first or (rule, m.groupdict())
+        return first
+
+    def _present(self, rule: Rule, groups: dict) -> bool:
+        """Whether the model has the (first) parameter `rule` fills for this layer."""
+        target = rule.target
+        template = target if isinstance(target, str) else target.parts[0]
+        template = template if isinstance(template, str) else template[0]
+        layer = groups.get("i")
+        return (template.replace("{i}", layer) if layer is not None else template) in self.params
 
     def ignored(self, name: str) -> bool:
         names = self._names(name)
@@ -257,7 +271,7 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]]) -> Plan:
-    matcher = NameMatcher(spec, cfg.wrapper)
+    matcher = NameMatcher(spec, cfg.wrapper, set(shards))
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []
