@@ -10,8 +10,9 @@ All carry Granite's multipliers (embedding, residual, attention, logits_scaling 
 - granitemoe_swa: GraniteMoE shared with Granite SWA's sinks, layer_types and layer_rope_theta.
 - granitemoehybrid (Granite 4.0): GraniteMoE shared whose token mixer is Mamba-2 (mamba, Bamba's mamba_* keys) on
   the layers layer_types calls mamba and attention (rotating only under position_embedding_type rope) on the
-  rest. Without experts (num_local_experts 0) its shared_mlp is the dense feed-forward: shared_mlp's tensors then
-  fill mlp.gate / up / down, which the shard plan prefers when the model has them (shard/plan.py NameMatcher).
+  rest. Without experts (num_local_experts 0) it is a dense model whose shared_mlp is the feed-forward:
+  shared_mlp's tensors then fill mlp.gate / up / down, which the shard plan prefers when the model has them
+  (shard/plan.py NameMatcher).
 """
 
 from __future__ import annotations
@@ -67,17 +68,16 @@ def _normalize_granitemoehybrid(raw: dict) -> dict:
     out.setdefault("rms_norm_eps", 1e-6)
     if positions != "rope":  # Transformers builds no rotary embedding: attention sees no positions
         out["no_rope_layers"] = [0] * len(stated)
-    if not out.get("num_local_experts", 8):
-        # no experts: shared_mlp alone is the dense feed-forward, as wide as shared_intermediate_size; the
-        # family's router reads one expert of one that no layer routes to (every layer_kinds is dense)
-        out.update(intermediate_size=out["shared_intermediate_size"], num_local_experts=1, num_experts_per_tok=1,
-                   shared_mlp_only=True)
+    out.setdefault("num_local_experts", 8)  # Transformers' default
+    if not out["num_local_experts"]:  # no experts (the key goes: a stated count is at least one)
+        del out["num_local_experts"]
+        out["intermediate_size"] = out["shared_intermediate_size"]  # shared_mlp alone is the dense feed-forward
     return out
 
 
 def _granitemoehybrid_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     mixers = tuple("mamba2" if kind == "linear_attention" else "attention" for kind in raw["layer_types"])
-    return mixers, ("dense" if raw.get("shared_mlp_only") else "moe",) * layers
+    return mixers, ("moe" if raw.get("num_local_experts") else "dense",) * layers
 
 
 def _granitemoehybrid_rules() -> tuple[Rule, ...]:
