@@ -266,7 +266,9 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     mla = _mla(keys) if attention.latent else None
     if mla is not None:  # latent attention: every head has its own key; only qk_rope_head_dim rotates
         num_kv, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    moe, moe_layers = moe_config(keys, spec, intermediate, num_layers) if spec.moe else (None, ())
+    # a family of experts whose layer pattern routes no layer (Granite 4.0 without experts) is a dense model
+    routes = spec.moe is not None and (not feed_forwards or "moe" in feed_forwards)
+    moe, moe_layers = moe_config(keys, spec, intermediate, num_layers) if routes else (None, ())
     if moe is not None and feed_forwards:  # the family's layer pattern says which layers route (Jamba)
         moe_layers = tuple(kind == "moe" for kind in feed_forwards)
     # where intermediate_size is the experts' width, the dense layers may state their own

@@ -450,6 +450,8 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
         raw["attn_layer_indices"] = [0]
     if family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):  # attention only where layer_types says
         raw["layer_types"] = ["linear_attention", "full_attention"]
+    if family == "granitemoehybrid":  # attention where layer_types says, rotating only under rope
+        raw.update(layer_types=["mamba", "attention"], shared_intermediate_size=64, position_embedding_type="rope")
     ref = CONFIG_MAPPING[family].from_dict(dict(raw))
     if spec_for(family).attention.latent or family in ("gpt2", "dbrx"):
         pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")

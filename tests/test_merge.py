@@ -1,5 +1,5 @@
 """LoRA merges against PEFT: merged tensors equal PEFT's merge_and_unload() on tiny bases of the
-five layouts (plain, Conv1D, fused head-by-head, fused qkv / gate_up) with rsLoRA and rank /
+five layouts (plain, Conv1D, fused head-by-head, fused qkv / gate_up, Granite 4.0's shared_mlp) with rsLoRA and rank /
 alpha patterns; Ster-format adapters land on the rows their projections live in; the merged
 directory loads in Transformers with PEFT's logits; a killed merge leaves no output and resumes;
 peak memory stays a small multiple of the largest tensor; a batch merges over a local Ray
@@ -39,6 +39,8 @@ PEFT_CASES = {
     "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
              {"r": 4, "lora_alpha": 8, "use_rslora": True, "rank_pattern": {"qkv_proj": 6},
               "alpha_pattern": {"gate_up_proj": 2.0}}),
+    # Granite 4.0 without experts: its shared_mlp (gate and up fused in input_linear) is the dense feed-forward
+    "granitemoehybrid_dense": (["q_proj", "o_proj", "input_linear", "output_linear"], {"r": 4, "lora_alpha": 8}),
 }
 IDS = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
 

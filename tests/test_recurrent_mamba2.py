@@ -24,7 +24,7 @@ from ster_dist.workers.extension import RankExtension
 from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
 
-VARIANTS = ["mamba2", "bamba", "nemotron_h"]
+VARIANTS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "granitemoehybrid_dense"]
 LONG = 150  # crosses the scan's 64-token chunks twice and Transformers' 16-token ones many times
 
 
@@ -161,6 +161,7 @@ def test_tensor_parallel_ranks_keep_their_heads_states_and_agree_with_one_rank(t
     ("bamba", 2, [((0, 4), (0, 1)), ((4, 8), (0, 1))]),
     ("mamba2", 4, [((0, 2), (0, 1)), ((2, 4), (0, 1)), ((4, 6), (1, 2)), ((6, 8), (1, 2))]),
     ("nemotron_h", 2, [((0, 4), (0, 1)), ((4, 8), (1, 2))]),
+    ("granitemoehybrid", 2, [((0, 4), (0, 1)), ((4, 8), (1, 2))]),
 ])
 def test_each_rank_holds_its_heads_groups_and_state(tiny, variant, tp, expected):
     raw = tiny[variant][2]
@@ -201,6 +202,11 @@ def _refusal(raw: dict, tp: int = 1) -> str:
     ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "expert layers (E)"),
     ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*X"}, "layer pattern"),
     ("nemotron_h", {"mamba_num_heads": 5}, "n_groups"),
+    ("granitemoehybrid", {"layer_types": None}, "layer_types"),
+    ("granitemoehybrid", {"layer_types": ["mamba", "attention", "moe"]}, "layer_types"),
+    ("granitemoehybrid", {"shared_intermediate_size": None}, "shared_intermediate_size"),
+    ("granitemoehybrid", {"position_embedding_type": "alibi"}, "position_embedding_type"),
+    ("granitemoehybrid_dense", {"mamba_n_groups": 3}, "n_groups"),
 ])
 def test_bad_config_values_are_refused(tiny, variant, change, words):
     assert words in _refusal({**tiny[variant][2], **change})

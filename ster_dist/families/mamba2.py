@@ -20,7 +20,7 @@ from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.spec import FamilySpec, FeedForwardSpec, PositionSpec, Rule
 
 
-def _mixer_rules(layer: str) -> tuple[Rule, ...]:
+def mamba2_mixer_rules(layer: str) -> tuple[Rule, ...]:
     """One Mamba-2 mixer's tensors under `layer` (a template with {i}), into layers.{i}.mixer."""
     into = "layers.{i}.mixer"
     return (*(rule for name in ("in_proj", "conv1d", "out_proj")
@@ -63,11 +63,17 @@ _BAMBA_DEFAULTS = {"mamba_n_heads": 128, "mamba_d_head": "auto", "mamba_n_groups
                    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_conv_bias": True, "mamba_proj_bias": False}
 
 
-def _normalize_bamba(raw: dict) -> dict:
+def bamba_mixer_keys(raw: dict) -> dict:
+    """raw with Bamba's mamba_* keys filled as BambaConfig fills them (GraniteMoeHybridConfig has the same)."""
     out = _rename(raw, {key: key for key in _BAMBA_DEFAULTS}, _BAMBA_DEFAULTS)
     if out["mamba_d_head"] == "auto" and isinstance(out.get("hidden_size"), int):
         out["mamba_d_head"] = out["mamba_expand"] * out["hidden_size"] // out["mamba_n_heads"]
     out["mamba_hidden_act"] = raw.get("hidden_act") or "silu"
+    return out
+
+
+def _normalize_bamba(raw: dict) -> dict:
+    out = bamba_mixer_keys(raw)
     for key, value in (("rms_norm_eps", 1e-5), ("num_key_value_heads", 8), ("max_position_embeddings", 262144),
                        ("partial_rotary_factor", 0.5)):
         if out.get(key) is None:
@@ -89,10 +95,10 @@ MAMBA2_FAMILIES: tuple[FamilySpec, ...] = (
                           Rule("lm_head.weight", "lm_head.weight"),
                           Rule("backbone.norm_f.weight", "final_norm.weight"),
                           Rule("backbone.layers.{i}.norm.weight", "layers.{i}.attn_norm.weight"),
-                          *_mixer_rules("backbone.layers.{i}.mixer")),
+                          *mamba2_mixer_rules("backbone.layers.{i}.mixer")),
                normalize=_normalize_mamba2, layer_kinds=_every_layer_mamba2, parity_reference="Mamba2ForCausalLM"),
     FamilySpec("bamba", llama_rules(mlp="feed_forward", mlp_norm="pre_ff_layernorm", final_norm="final_layernorm",
-                                    q_norm=None, k_norm=None) + _mixer_rules("model.layers.{i}.mamba"),
+                                    q_norm=None, k_norm=None) + mamba2_mixer_rules("model.layers.{i}.mamba"),
                normalize=_normalize_bamba, layer_kinds=_bamba_layers, parity_reference="BambaForCausalLM"),
 )
 
@@ -153,7 +159,7 @@ _NEMOTRON_H_RULES = (
     *(rule for src, dst in (("q_proj", "attn.q"), ("k_proj", "attn.k"), ("v_proj", "attn.v"), ("o_proj", "attn.o"),
                             ("up_proj", "mlp.up"), ("down_proj", "mlp.down"))
       for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.{src}", f"layers.{{i}}.{dst}")),
-    *_mixer_rules("backbone.layers.{i}.mixer"),
+    *mamba2_mixer_rules("backbone.layers.{i}.mixer"),
 )
 
 MAMBA2_FAMILIES += (

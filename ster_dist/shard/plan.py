@@ -116,43 +116,48 @@ class NameMatcher:
     Inside a text wrapper (`wrapper`, ModelConfig.wrapper) a name is matched as the text model's names
     for it (config_file.text_weight_names), and a tensor of the wrapper's towers is ignored."""
 
-    def __init__(self, spec: FamilySpec, wrapper: str | None = None):
+    def __init__(self, spec: FamilySpec, wrapper: str | None = None, params: set[str] | None = None):
         self.spec = spec
         self.wrapper = wrapper
+        # the model's parameters, when known: a tensor two rules match goes to the one whose parameter the
+        # model has
+        self.params = params
         self.rules = [(rule, rule.pattern) for rule in spec.rules]
         self.ignore = [re.compile(p) for p in spec.ignore + (r".*rotary_emb\.inv_freq$",)]
 
     def _names(self, name: str) -> list[str]:
         return text_weight_names(self.wrapper, name) if self.wrapper else [name]
 
-    def match(self, name: str, params: set[str] | dict | None = None) -> tuple[Rule, dict] | None:
-        """The first rule matching `name`; given the model's `params`, the first whose plain target is one of
-        them, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some
-        layers and the delta attention's in others)."""
-        first = None
+    def match(self, name: str) -> tuple[Rule, dict] | None:
+        """The first rule matching `name`; given the model's parameters, the first whose parameter the model
+        has, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some layers and
+        the delta attention's in others; Granite 4.0's shared_mlp the dense feed-forward without experts)."""
         candidates = []
         for text_name in self._names(name):
             candidates.append(text_name)
             if self.spec.optional_prefix and not text_name.startswith(self.spec.optional_prefix):
                 candidates.append(self.spec.optional_prefix + text_name)
+        first = None
         for candidate in candidates:
             for rule, pattern in self.rules:
                 m = pattern.match(candidate)
-                if not m:
-                    continue
-                groups = m.groupdict()
-                if params is None or not isinstance(rule.target, str) or _target(rule.target, groups) in params:
-                    return rule, groups
-                first = first or (rule, groups)
+                if m:
+                    if self.params is None or self._present(rule, m.groupdict()):
+                        return rule, m.groupdict()
+                    first = first or (rule, m.groupdict())
         return first
+
+    def _present(self, rule: Rule, groups: dict) -> bool:
+        """Whether the model has the (first) parameter `rule` fills for this layer."""
+        target = rule.target
+        template = target if isinstance(target, str) else target.parts[0]
+        template = template if isinstance(template, str) else template[0]
+        layer = groups.get("i")
+        return (template.replace("{i}", layer) if layer is not None else template) in self.params
 
     def ignored(self, name: str) -> bool:
         names = self._names(name)
         return not names or any(p.match(n) for n in names for p in self.ignore)
-
-
-def _target(template: str, groups: dict) -> str:
-    return template.replace("{i}", groups["i"]) if groups.get("i") is not None else template
 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
@@ -269,7 +274,7 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]]) -> Plan:
-    matcher = NameMatcher(spec, cfg.wrapper)
+    matcher = NameMatcher(spec, cfg.wrapper, set(shards))
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []
@@ -281,7 +286,7 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
         if matcher.ignored(name) or (mtp is not None and mtp.match(name)):
             skipped.append(name)
             continue
-        found = matcher.match(name, shards)
+        found = matcher.match(name)
         if found is None:
             unmapped.append(name)
             continue

@@ -49,12 +49,12 @@ class Placement:
 
 def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set[str]) -> dict[str, Placement]:
     """The placement of each of `params` among the checkpoint tensor `names` (absent when none holds it)."""
-    matcher = NameMatcher(spec, cfg.wrapper)
+    matcher = NameMatcher(spec, cfg.wrapper, params)
     out: dict[str, Placement] = {}
     for name in names:
         if matcher.ignored(name):
             continue
-        found = matcher.match(name, params)
+        found = matcher.match(name)
         if found is None:
             continue
         rule, groups = found

@@ -31,4 +31,14 @@ TINY: dict[str, tuple[str, str, dict]] = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
         layer_rope_theta=[10000.0, 2000.0, 0, 0])),
 }
-VARIANT_FAMILY: dict[str, str] = {"hyperclovax_no_post_norm": "hyperclovax"}
+# Granite 4.0: Mamba-2 layers (two groups of four heads) around an attention layer, Granite's multipliers
+_HYBRID = dict(num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_n_groups=2,
+               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, shared_intermediate_size=40,
+               **_MULTIPLIERS)
+# experts beside the shared_mlp, rotating attention
+TINY["granitemoehybrid"] = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+    **_HYBRID, num_local_experts=6, num_experts_per_tok=2, intermediate_size=24, position_embedding_type="rope"))
+# no experts: the shared_mlp is the dense feed-forward; attention without positions
+TINY["granitemoehybrid_dense"] = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+    **_HYBRID, num_local_experts=0, position_embedding_type="nope"))
+VARIANT_FAMILY: dict[str, str] = {"hyperclovax_no_post_norm": "hyperclovax", "granitemoehybrid_dense": "granitemoehybrid"}
