@@ -9,6 +9,7 @@ import copy
 import pytest
 
 from ster_dist.config import from_hf
+from ster_dist.errors import Refusal
 from ster_dist.families.registry import FORMAT_SPECS, SPECS
 
 CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -23,7 +24,10 @@ NORMALISED = sorted({spec.name for spec in SPECS.values() if spec.normalize is n
 def test_normaliser_leaves_its_input_unchanged(family):
     raw = {"model_type": family, **copy.deepcopy(CONFIG)}
     before = copy.deepcopy(raw)
-    out = SPECS[family].normalize(raw)
+    try:
+        out = SPECS[family].normalize(raw)
+    except Refusal:  # a normaliser may refuse what it cannot read (Granite 4.0 without layer_types)
+        out = None
     assert raw == before and out is not raw
 
 
