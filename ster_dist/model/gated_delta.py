@@ -25,6 +25,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.layers.activation import activation
 from ster_dist.layers.causal_conv import causal_conv
+from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
@@ -143,7 +144,7 @@ def _block_pairs(q, k, v, beta, log_decay, k_from_start, causal, per_channel):
     return written, from_state, reads
 
 
-class GatedDeltaNet(ShardedModule):
+class GatedDeltaNet(RecurrentMixer, ShardedModule):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
         key_heads, value_heads, dk, dv, kernel = linear_sizes(cfg.raw)
@@ -188,13 +189,6 @@ class GatedDeltaNet(ShardedModule):
         conv_channels = sum(b - a for a, b in self.channels)
         return ((conv_channels, self.kernel - 1),
                 (self.local_value_heads, self.key_width, self.value_width))
-
-    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        return step.recur(self.layer, x, self._scan, self._fresh)
-
-    def _fresh(self, n: int) -> tuple[torch.Tensor, ...]:
-        dtype, device = self.dt_bias.dtype, self.dt_bias.device
-        return tuple(torch.zeros((n, *shape), dtype=dtype, device=device) for shape in self.state_shapes())
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, ...]):
         conv_state, recurrent = state

@@ -23,6 +23,7 @@ from ster_dist.errors import Refusal
 from ster_dist.layers.activation import activation
 from ster_dist.layers.causal_conv import causal_conv
 from ster_dist.model.gated_delta import gated_delta_rule
+from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
@@ -47,7 +48,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class KimiDeltaAttention(ShardedModule):
+class KimiDeltaAttention(RecurrentMixer, ShardedModule):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
         heads, dk, kernel = kda_sizes(cfg.raw)
@@ -80,13 +81,6 @@ class KimiDeltaAttention(ShardedModule):
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         return ((3 * self.local_heads * self.head_dim, self.kernel - 1),
                 (self.local_heads, self.head_dim, self.head_dim))
-
-    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        return step.recur(self.layer, x, self._scan, self._fresh)
-
-    def _fresh(self, n: int) -> tuple[torch.Tensor, ...]:
-        dtype, device = self.dt_bias.dtype, self.dt_bias.device
-        return tuple(torch.zeros((n, *shape), dtype=dtype, device=device) for shape in self.state_shapes())
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, ...]):
         conv_state, recurrent = state

@@ -24,6 +24,7 @@ from ster_dist.errors import Refusal
 from ster_dist.layers.activation import activation
 from ster_dist.layers.causal_conv import causal_conv
 from ster_dist.model.norm import Norm
+from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
@@ -44,7 +45,7 @@ def _flag(raw: dict, key: str) -> bool:
     return value
 
 
-class MambaMixer(ShardedModule):
+class MambaMixer(RecurrentMixer, ShardedModule):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
         raw = cfg.raw
@@ -92,14 +93,6 @@ class MambaMixer(ShardedModule):
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         return (self.channels, self.kernel - 1), (self.channels, self.state_size)
-
-    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        return step.recur(self.layer, x, self._scan, self._fresh)
-
-    def _fresh(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        like = self.D
-        return (like.new_zeros((n, self.channels, self.kernel - 1)),
-                like.new_zeros((n, self.channels, self.state_size)))
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, torch.Tensor]):
         conv_state, ssm_state = state

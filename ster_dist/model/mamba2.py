@@ -25,6 +25,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.layers.causal_conv import causal_conv
 from ster_dist.layers.ssd_scan import ssd_scan
+from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
@@ -134,7 +135,7 @@ class NormScale(ShardedModule):
         self._param("weight", Shard((inner,), 0, (rows,)))
 
 
-class Mamba2Mixer(ShardedModule):
+class Mamba2Mixer(RecurrentMixer, ShardedModule):
     """One Mamba-2 layer on this rank's heads; A_log, D and dt_bias (one number per head) are its own."""
 
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
@@ -162,13 +163,6 @@ class Mamba2Mixer(ShardedModule):
         """(conv1d's last kernel - 1 inputs per local channel, the SSM state per local head)."""
         s, sh = self.settings, self.shares
         return ((self.local_inner + 2 * self.local_bc, s.kernel - 1), (sh.heads, s.head_dim, s.state))
-
-    def _fresh(self, n: int) -> tuple[torch.Tensor, ...]:
-        w = self.in_proj.weight
-        return tuple(torch.zeros((n, *shape), dtype=w.dtype, device=w.device) for shape in self.state_shapes())
-
-    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        return step.recur(self.layer, x, self._scan, self._fresh)
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, torch.Tensor]):
         s, sh = self.settings, self.shares

@@ -15,6 +15,7 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.layers.causal_conv import causal_conv
+from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
@@ -32,7 +33,7 @@ class _DepthwiseKernels(ShardedModule):
             self.bias = None
 
 
-class ShortConv(nn.Module):
+class ShortConv(RecurrentMixer, nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
         # unstated (missing or null) keys take Transformers' defaults
@@ -54,13 +55,6 @@ class ShortConv(nn.Module):
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         return ((self.channels, self.kernel - 1),)
-
-    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        return step.recur(self.layer, x, self._scan, self._fresh)
-
-    def _fresh(self, n: int) -> tuple[torch.Tensor, ...]:
-        w = self.conv.weight
-        return (torch.zeros((n, self.channels, self.kernel - 1), dtype=w.dtype, device=w.device),)
 
     def _scan(self, x: torch.Tensor, valid: torch.Tensor | None,
               state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
