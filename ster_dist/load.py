@@ -81,6 +81,7 @@ def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SING
     """This rank's decoder, built on the meta device and filled from `source`, in eval mode."""
     model = meta_decoder(cfg, ctx, dtype)
     fill_module(model, cfg, source, device)
+    model.fuse_projections()
     return model.eval()
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.layers.activation import XIELU, activation
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import ColumnLinear, RowLinear
+from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear
 
 
 class MLP(nn.Module):
@@ -21,8 +21,12 @@ class MLP(nn.Module):
         self.up = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias)
         self.down = RowLinear(inner, cfg.hidden_size, ctx, cfg.mlp_down_bias, cols=rows[0])
         self.act = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
+        self.gate_up = FusedColumns(self.gate, self.up)  # one product once loaded (Decoder.fuse_projections)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """What the down projection reads: act(gate) * up, or act(up)."""
+        gate, up = self.gate_up(x)
+        return self.act(gate) * up if gate is not None else self.act(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        h = self.act(self.gate(x)) * h if self.gate is not None else self.act(h)
-        return self.down(h)
+        return self.down(self.hidden(x))

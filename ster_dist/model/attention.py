@@ -17,7 +17,7 @@ from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import ParallelCtx, Shard
-from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
+from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear, ShardedModule
 
 
 class HeadScalars(ShardedModule):
@@ -58,6 +58,7 @@ class Attention(nn.Module):
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o
         self.gate = (ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
                      if cfg.attn_output_gate else None)
+        self.qkv = FusedColumns(self.q, self.k, self.v, self.gate)  # one product once loaded
         self.q_norm = self.k_norm = None
         if cfg.qk_norm != "none":
             common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
@@ -86,7 +87,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v, gate = self.qkv(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -105,8 +106,8 @@ class Attention(nn.Module):
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
         out = pos.attend(self.layer, q, k, v, self.window, self._attend_at).transpose(1, 2).reshape(b, t, -1)
-        if self.gate is not None:
-            out = out * torch.sigmoid(self.gate(x))
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o(out)
 
     def _attend_at(self, q, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
-from ster_dist.parallel.linear import Replicated, VocabEmbedding, VocabHead, module_shards
+from ster_dist.parallel.linear import FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards
 
 Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -109,6 +109,12 @@ class Decoder(nn.Module):
     def shards(self) -> dict[str, Shard]:
         """Every parameter's name and Shard, in the decoder's own names."""
         return module_shards(self)
+
+    def fuse_projections(self) -> None:
+        """Once filled: q/k/v and gate/up each become one product (their parameters views of it)."""
+        for module in self.modules():
+            if isinstance(module, FusedColumns):
+                module.fuse()
 
     # -- hook sites -----------------------------------------------------------
     def add_hook(self, layer: int, hook: Hook) -> Callable[[], None]:

@@ -11,7 +11,6 @@ outputs are partial sums, all-reduced once on the share before the gather.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig
@@ -20,7 +19,7 @@ from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.router import Router
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import Replicated
+from ster_dist.parallel.linear import Replicated, dense
 
 
 class MoE(nn.Module):
@@ -54,10 +53,10 @@ class MoE(nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' partial sum (its down projection's all-reduce is the layer's)."""
         mlp = self.shared
-        h = mlp.act(mlp.gate(x)) * mlp.up(x)
+        h = mlp.hidden(x)
         bias = mlp.down.bias if self.ctx.tp_rank == 0 else None  # added once: the partial sums are all-reduced
-        y = F.linear(h, mlp.down.weight, bias)
+        y = dense(h, mlp.down.weight, bias)
         if self.shared_gate is not None:
-            y = torch.sigmoid(F.linear(x, self.shared_gate.weight)) * y
+            y = torch.sigmoid(dense(x, self.shared_gate.weight)) * y
         return y
 

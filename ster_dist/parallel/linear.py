@@ -58,6 +58,27 @@ def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torc
     return a.contiguous(), b.contiguous()
 
 
+# A product of few rows (decode) with an f32 weight on a CPU runs as one batched product over as many row
+# blocks of the weight as there are threads: MKL's matrix-vector kernel on a non-Intel AVX2 CPU streams the
+# weight at about half the bandwidth the same product reaches split into a batch whose items run on separate
+# cores (bench/decode.py measures it; bf16 weights already reach oneDNN's kernel and are left to F.linear).
+SPLIT_ROWS_MAX = 64
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) through the kernel that streams W fastest for x's shape."""
+    inner = x.shape[-1]
+    rows = x.numel() // inner if inner else 0
+    parts = torch.get_num_threads()
+    if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
+        out = weight.shape[0]
+        y = torch.bmm(weight.view(parts, out // parts, inner), x.reshape(rows, inner).t().expand(parts, inner, rows))
+        y = y.view(out, rows).t().reshape(*x.shape[:-1], out)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
 class ColumnLinear(ShardedModule):
     """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
 
@@ -71,10 +92,56 @@ class ColumnLinear(ShardedModule):
         self.adapters: list[LowRank] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
         for adapter in self.adapters:
             y = y + adapter(x)
         return y
+
+
+class FusedColumns(nn.Module):
+    """Column-parallel projections of one input (q, k, v; gate, up) as one product over a weight holding
+    their rows one part after another. Each part keeps its own parameters as views of the fused ones,
+    so the loader, the name map, adapters and capture still see the parts; before fuse() (a model on the
+    meta device, or one being filled) each part runs alone."""
+
+    def __init__(self, *parts: ColumnLinear | None):
+        super().__init__()
+        self.parts = tuple(parts)  # a tuple: the parts stay registered where their owner put them
+        self.register_buffer("weight", None, persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+        self.sizes: list[int] = []
+
+    def fuse(self) -> None:
+        """Put the parts' weights (and biases) into one tensor and make each part's a view of it."""
+        parts = [p for p in self.parts if p is not None]
+        if self.weight is not None or len(parts) < 2 or any(p.weight.is_meta for p in parts):
+            return
+        if len({p.bias is None for p in parts}) > 1 or len({p.weight.dtype for p in parts}) > 1:
+            return
+        self.sizes = [p.weight.shape[0] for p in parts]
+        self.weight = torch.cat([p.weight.detach() for p in parts])
+        for part, view in zip(parts, self.weight.split(self.sizes)):
+            part.weight = nn.Parameter(view, requires_grad=False)
+        if parts[0].bias is not None:
+            self.bias = torch.cat([p.bias.detach() for p in parts])
+            for part, view in zip(parts, self.bias.split(self.sizes)):
+                part.bias = nn.Parameter(view, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each part's output (None for a part that is None), as each part alone would give it."""
+        if self.weight is None:
+            return [p(x) if p is not None else None for p in self.parts]
+        outputs = iter(dense(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        result = []
+        for part in self.parts:
+            if part is None:
+                result.append(None)
+                continue
+            y = next(outputs)
+            for adapter in part.adapters:
+                y = y + adapter(x)
+            result.append(y)
+        return result
 
 
 class RowLinear(ShardedModule):
@@ -93,7 +160,7 @@ class RowLinear(ShardedModule):
         self.adapters: list[LowRank] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = dense(x, self.weight)
         for adapter in self.adapters:
             y = y + adapter(x)  # a partial sum over this rank's inputs, reduced with the base's
         y = self.ctx.all_reduce(y)
@@ -140,7 +207,7 @@ class VocabHead(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.tied[0].weight if self.tied else self.weight
-        logits = F.linear(x, weight, self.bias)
+        logits = dense(x, weight, self.bias)
         return self.ctx.all_gather_last(logits)[..., : self.vocab_size]
 
 
