@@ -29,13 +29,48 @@ class ShardedModule(nn.Module):
 
 
 def module_shards(root: nn.Module) -> dict[str, Shard]:
-    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules."""
+    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules.
+    A parameter tied to another (tie_parameters) is listed once, under its first name, as named_parameters
+    lists it."""
     out: dict[str, Shard] = {}
+    seen: set[int] = set()
     for prefix, module in root.named_modules():
         if isinstance(module, ShardedModule):
             for name, shard in module.shards.items():
+                param = module._parameters.get(name)
+                if param is not None:
+                    if id(param) in seen:
+                        continue
+                    seen.add(id(param))
                 out[f"{prefix}.{name}" if prefix else name] = shard
     return out
+
+
+def tie_parameters(module: nn.Module, owner: nn.Module) -> None:
+    """Make every parameter of `module` the very tensor of the same name in `owner`, a module built alike
+    (Zamba2's shared transformer block, one set of weights used by several layers): read once, held once."""
+    mine, theirs = dict(module.named_modules()), dict(owner.named_modules())
+    for name, sub in mine.items():
+        if isinstance(sub, ShardedModule):
+            for param in sub.shards:
+                sub._parameters[param] = theirs[name]._parameters[param]
+
+
+def tied_parameters(root: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
+    """(module, attribute, its own name, the name it is first listed under) of every tied copy of a
+    parameter, so a loader can drop the copies before allocating and put the filled tensor back after."""
+    first: dict[int, str] = {}
+    copies = []
+    for prefix, module in root.named_modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            if id(param) in first:
+                copies.append((module, name, full, first[id(param)]))
+            else:
+                first[id(param)] = full
+    return copies
 
 
 class LowRank:
