@@ -1,6 +1,6 @@
 """Zamba2's hybrid layer kind (a shared transformer block, then Mamba-2) beyond tests/test_parity.py: a long
 prompt read in chunks (static cache, and paged steps with a state slot per sequence) equals one pass and
-Transformers; a block several layers share is one tensor on every rank, read once even where the checkpoint
+Transformers, and so does the token engine's continuous batch; a block several layers share is one tensor on every rank, read once even where the checkpoint
 stores every copy; TP=2 equals one rank; bad config values are refused in one line."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.test_recurrent_engine import alone, open_engine, prompts, run_all
 from tests.test_recurrent_mamba2 import SCHEDULE, PagedStatesOnRank, _paged_tokens, run_paged
 from tests.tiny_models import make_tiny
 
@@ -59,7 +60,7 @@ def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
     assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [pytest.param("zamba2", marks=pytest.mark.slow), "zamba2_plain"])
 def test_paged_steps_carry_each_sequences_state_and_keys(tiny, variant):
     """Prefill chunks of two sequences, packed with each other's decodes, equal whole reads: each hybrid layer
     keeps its keys in the paged cache and its Mamba-2 state in the sequence's slot."""
@@ -71,6 +72,20 @@ def test_paged_steps_carry_each_sequences_state_and_keys(tiny, variant):
             with torch.no_grad():
                 whole = model(tokens[name][None, :c.start + c.length])[0, -1]
             assert compare(got[None], whole[None])["max_relative_error"] < 1e-5, (variant, name, c)
+
+
+def test_the_token_engine_reads_prompts_in_chunks_beside_decodes_as_each_alone(tiny):
+    """Continuous batching with chunked prefill: each hybrid layer's keys in blocks and its state in the request's
+    slot; prefix caching off."""
+    directory, reference = tiny["zamba2_plain"][3], tiny["zamba2_plain"][1]
+    ps = prompts(4, seed=1, lo=3, hi=30)
+    lengths = [9, 4, 12, 7]
+    with open_engine(directory, max_step_tokens=6) as engine:
+        got = run_all(engine, ps, lengths)
+        stats = engine.stats()
+    for p, n, tokens in zip(ps, lengths, got):
+        assert tokens == alone(reference, p, n)
+    assert stats["prefix_caching"] is False and stats["state_bytes"] > 0 and stats["kv_blocks"]["used"] == 0
 
 
 def test_tied_blocks_are_one_tensor_and_untied_ones_their_own(tiny):
