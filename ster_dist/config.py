@@ -43,8 +43,12 @@ class MLAConfig:
 
 # the layer kinds a config may pick (model/kinds.py builds them); attention kinds keep keys per position
 ATTENTION_MIXERS = ("attention", "latent_attention")
-# "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers)
-MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none")
+# "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
+# layer fed by a transformer block several layers share (Zamba2's hybrid layers)
+MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
+                                  "mamba2_shared_block")
+# the kinds whose layer attends, so head sizes and rotations apply to it
+ATTENDING_MIXERS = ATTENTION_MIXERS + ("mamba2_shared_block",)
 FEED_FORWARD_KINDS = ("dense", "moe", "none")
 
 
@@ -231,7 +235,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     hidden = int(keys.need("hidden_size", "n_embd", "n_embed", "d_model"))
     num_layers = int(keys.need("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
     mixers, feed_forwards = _layer_kinds(keys, spec, num_layers, path)
-    attends = not mixers or any(kind in ATTENTION_MIXERS for kind in mixers)
+    attends = not mixers or any(kind in ATTENDING_MIXERS for kind in mixers)
     if not attends:  # no attention layer (Mamba): no head sizes to read
         keys.raw.setdefault("num_attention_heads", 0)
     num_heads = int(keys.need("num_attention_heads", "n_head", "n_heads"))
@@ -279,7 +283,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
 
     alibi = positions.kind == "alibi" or bool(keys.get("alibi"))
     layer_rope, layer_window, full_rope = rotations(
-        keys, spec, num_layers, tuple(kind in ATTENTION_MIXERS for kind in mixers), moe_layers, head_dim,
+        keys, spec, num_layers, tuple(kind in ATTENDING_MIXERS for kind in mixers), moe_layers, head_dim,
         mla.qk_rope_head_dim if mla is not None else None, max_position, alibi)
 
     # attention scale and multipliers

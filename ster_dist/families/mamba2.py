@@ -20,9 +20,8 @@ from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.spec import FamilySpec, FeedForwardSpec, PositionSpec, Rule
 
 
-def mamba2_mixer_rules(layer: str) -> tuple[Rule, ...]:
-    """One Mamba-2 mixer's tensors under `layer` (a template with {i}), into layers.{i}.mixer."""
-    into = "layers.{i}.mixer"
+def mamba2_mixer_rules(layer: str, into: str = "layers.{i}.mixer") -> tuple[Rule, ...]:
+    """One Mamba-2 mixer's tensors under `layer` (a template with {i}), into `into` (layers.{i}.mixer)."""
     return (*(rule for name in ("in_proj", "conv1d", "out_proj")
               for rule in weight_and_bias(f"{layer}.{name}", f"{into}.{name}")),
             Rule(f"{layer}.norm.weight", f"{into}.norm.weight"),

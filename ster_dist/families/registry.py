@@ -34,13 +34,14 @@ from ster_dist.families.phi import PHI_FAMILIES
 from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.qwen3_next import QWEN3_NEXT_FAMILIES
 from ster_dist.families.spec import FamilySpec
+from ster_dist.families.zamba2 import ZAMBA2_FAMILIES
 
 # one module per lineage (the Transformers classes a family is built from); see each module's docstring
 _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MIXTRAL_FAMILIES + DEEPSEEK_FAMILIES
         + PHI_FAMILIES + OLMO_FAMILIES + GLM_FAMILIES + COHERE_FAMILIES + GRANITE_FAMILIES + EXAONE_FAMILIES
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
-        + KIMI_FAMILIES)
+        + KIMI_FAMILIES + ZAMBA2_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

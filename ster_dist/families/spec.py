@@ -9,8 +9,9 @@ and its checkpoint name map. The map is two-way: the loader reads checkpoint
 tensors into decoder parameters through it, and the merge writer walks it
 backwards.
 
-Name templates use {i} for the layer, {h} for an index stacked along the
-parameter's first dimension (per-head norms) and {e} for an expert: a tensor
+Name templates use {i} for the layer, {s} for a numbered submodule carried
+into the target's name as is (Zamba2's adapter slots), {h} for an index stacked
+along the parameter's first dimension (per-head norms) and {e} for an expert: a tensor
 named per expert fills that expert's row of a stacked [experts, ...]
 parameter, and only the rank holding that expert reads it. `Stacked` describes
 checkpoint tensors that hold every expert at once.
@@ -178,9 +179,18 @@ class Rule:
 
 
 def _compile(template: str) -> re.Pattern:
-    escaped = (re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{h\}", r"(?P<h>\d+)")
+    escaped = (re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{s\}", r"(?P<s>\d+)")
+               .replace(r"\{h\}", r"(?P<h>\d+)")
                .replace(r"\{e\}", r"(?P<e>\d+)"))
     return re.compile(escaped + r"$")
+
+
+def target_name(template: str, groups: dict) -> str:
+    """A rule's target template with the matched layer ({i}) and slot ({s}) filled in."""
+    for key in ("i", "s"):
+        if groups.get(key) is not None:
+            template = template.replace("{%s}" % key, groups[key])
+    return template
 
 
 @dataclass(frozen=True)

@@ -43,17 +43,18 @@ def alibi_slopes(heads: int) -> list[float]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx, in_features: int | None = None):
         super().__init__()
         d, hidden = cfg.head_dim, cfg.hidden_size
+        width = in_features or hidden  # what q, k and v read: Zamba2's shared block reads twice the hidden width
         (h0, h1), (k0, k1) = ctx.attention_heads(cfg.num_heads, cfg.num_kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
         self.head_dim, self.layer = d, layer
         # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
         self.kv_shape = ((self.local_kv, d), (self.local_kv, d))
-        self.q = ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
-        self.k = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
-        self.v = ColumnLinear(hidden, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
+        self.q = ColumnLinear(width, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
+        self.k = ColumnLinear(width, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
+        self.v = ColumnLinear(width, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
         self.o = RowLinear(cfg.num_heads * d, hidden, ctx, cfg.o_bias, cols=(h0 * d, h1 * d))
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o
         self.gate = (ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)

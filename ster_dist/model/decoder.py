@@ -21,7 +21,8 @@ from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
-from ster_dist.parallel.linear import FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards
+from ster_dist.parallel.linear import (FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards,
+                                       tie_parameters)
 
 Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -44,6 +45,8 @@ class Block(nn.Module):
                                                   cfg.post_mlp_norm)
         if cfg.recurrent_pre_norm and not kind.attention and mixer is not None:
             pre_attn, post_attn, pre_mlp, post_mlp = True, False, True, False
+        if not kind.normed:  # the mixer norms its own input (Zamba2's hybrid layers)
+            pre_attn = False
         self.attn_norm = norm() if pre_attn else None
         setattr(self, kind.site, mixer)
         self.post_attn_norm = norm() if post_attn and mixer is not None else None
@@ -98,6 +101,10 @@ class Decoder(nn.Module):
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine) if cfg.embed_norm else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
+        for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
+            owner = getattr(block.token_mixer, "shares_with", None)
+            if owner is not None:
+                tie_parameters(block.token_mixer.shared, self.layers[owner].token_mixer.shared)
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine)
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
@@ -112,9 +119,10 @@ class Decoder(nn.Module):
 
     def fuse_projections(self) -> None:
         """Once filled: q/k/v and gate/up each become one product (their parameters views of it)."""
+        done: dict = {}  # a block several layers share is fused once
         for module in self.modules():
             if isinstance(module, FusedColumns):
-                module.fuse()
+                module.fuse(done)
 
     # -- hook sites -----------------------------------------------------------
     def add_hook(self, layer: int, hook: Hook) -> Callable[[], None]:
@@ -162,6 +170,7 @@ class Decoder(nn.Module):
         return h
 
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
         for i, block in enumerate(self.layers):
             h = block(h, step)
             for hook in self.hooks.get(i, ()):

@@ -9,7 +9,9 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 - recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
   `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
-- none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers).
+- none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers);
+- both (Zamba2's hybrid layers, model/shared_block.py): keys and values of a shared attention block, and a
+  Mamba-2 state, under the same layer index.
 
 Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
 projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its
@@ -31,6 +33,7 @@ from ster_dist.model.kimi_delta import KimiDeltaAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
+from ster_dist.model.shared_block import Mamba2SharedBlock
 from ster_dist.model.short_conv import ShortConv
 from ster_dist.moe.layer import MoE
 from ster_dist.parallel.ctx import ParallelCtx
@@ -42,6 +45,7 @@ Build = Callable[[ModelConfig, int, ParallelCtx], nn.Module]
 class MixerKind:
     build: Build
     site: str  # the block attribute (and parameter-name segment) the mixer lives at: "attn" | "mixer"
+    normed: bool = True  # False: the block has no norm before the mixer, which reads its input as is
 
     @property
     def attention(self) -> bool:
@@ -57,6 +61,8 @@ MIXERS: dict[str, MixerKind] = {
     "gated_delta": MixerKind(GatedDeltaNet, "mixer"),
     "mamba": MixerKind(MambaMixer, "mixer"),
     "kimi_delta": MixerKind(KimiDeltaAttention, "mixer"),
+    # Zamba2's hybrid layers: the shared block reads the un-normed input; the Mamba-2 layer's norm is the mixer's
+    "mamba2_shared_block": MixerKind(Mamba2SharedBlock, "mixer", normed=False),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {

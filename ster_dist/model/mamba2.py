@@ -5,7 +5,8 @@ in_proj to z, x, B, C and dt; a causal depthwise conv1d and SiLU over x, B and C
 
 Settings come from the normalised config under Bamba's names (each family's normalisation maps its own):
 mamba_n_heads, mamba_d_head, mamba_d_state, mamba_n_groups, mamba_d_conv, mamba_expand, mamba_conv_bias,
-mamba_proj_bias, mamba_hidden_act, time_step_limit; the gated norm's epsilon is the model's.
+mamba_proj_bias, mamba_hidden_act, time_step_limit, mamba_norm_eps (the gated norm's epsilon; default the
+model's).
 
 Tensor parallelism splits as vLLM's MambaMixer2: heads (z, x, dt, A_log, D, dt_bias, the norm's scale) and
 their groups (B, C) go to ranks together, so with at least as many groups as ranks each rank holds whole
@@ -142,7 +143,8 @@ class Mamba2Mixer(RecurrentMixer, ShardedModule):
         super().__init__()
         s = self.settings = Mamba2Settings(cfg)
         sh = self.shares = Mamba2Shares(s, ctx)
-        self.layer, self.ctx, self.eps = layer, ctx, cfg.norm_eps
+        # the gated norm's epsilon: the model's, unless the family fixes its own (Zamba2's 1e-5)
+        self.layer, self.ctx, self.eps = layer, ctx, float(cfg.raw.get("mamba_norm_eps") or cfg.norm_eps)
         inner, gn, p, n = s.inner, s.groups * s.state, s.head_dim, s.state
         x_rows = (sh.h0 * p, sh.h1 * p)
         bs, cs = (sh.g0 * n, sh.g1 * n), (gn + sh.g0 * n, gn + sh.g1 * n)

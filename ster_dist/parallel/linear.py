@@ -29,13 +29,48 @@ class ShardedModule(nn.Module):
 
 
 def module_shards(root: nn.Module) -> dict[str, Shard]:
-    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules."""
+    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules.
+    A parameter tied to another (tie_parameters) is listed once, under its first name, as named_parameters
+    lists it."""
     out: dict[str, Shard] = {}
+    seen: set[int] = set()
     for prefix, module in root.named_modules():
         if isinstance(module, ShardedModule):
             for name, shard in module.shards.items():
+                param = module._parameters.get(name)
+                if param is not None:
+                    if id(param) in seen:
+                        continue
+                    seen.add(id(param))
                 out[f"{prefix}.{name}" if prefix else name] = shard
     return out
+
+
+def tie_parameters(module: nn.Module, owner: nn.Module) -> None:
+    """Make every parameter of `module` the very tensor of the same name in `owner`, a module built alike
+    (Zamba2's shared transformer block, one set of weights used by several layers): read once, held once."""
+    mine, theirs = dict(module.named_modules()), dict(owner.named_modules())
+    for name, sub in mine.items():
+        if isinstance(sub, ShardedModule):
+            for param in sub.shards:
+                sub._parameters[param] = theirs[name]._parameters[param]
+
+
+def tied_parameters(root: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
+    """(module, attribute, its own name, the name it is first listed under) of every tied copy of a
+    parameter, so a loader can drop the copies before allocating and put the filled tensor back after."""
+    first: dict[int, str] = {}
+    copies = []
+    for prefix, module in root.named_modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            if id(param) in first:
+                copies.append((module, name, full, first[id(param)]))
+            else:
+                first[id(param)] = full
+    return copies
 
 
 class LowRank:
@@ -111,12 +146,21 @@ class FusedColumns(nn.Module):
         self.register_buffer("bias", None, persistent=False)
         self.sizes: list[int] = []
 
-    def fuse(self) -> None:
-        """Put the parts' weights (and biases) into one tensor and make each part's a view of it."""
+    def fuse(self, done: dict | None = None) -> None:
+        """Put the parts' weights (and biases) into one tensor and make each part's a view of it. `done`
+        maps parts already fused elsewhere (a block several layers share, tie_parameters) to their fused
+        module, whose tensors this one then shares: tied parts stay one tensor."""
         parts = [p for p in self.parts if p is not None]
         if self.weight is not None or len(parts) < 2 or any(p.weight.is_meta for p in parts):
             return
         if len({p.bias is None for p in parts}) > 1 or len({p.weight.dtype for p in parts}) > 1:
+            return
+        key = tuple(id(p.weight) for p in parts)
+        if done is not None and key in done:
+            donor = done[key]
+            self.sizes, self.weight, self.bias = donor.sizes, donor.weight, donor.bias
+            for part, twin in zip(parts, [p for p in donor.parts if p is not None]):
+                part.weight, part.bias = twin.weight, twin.bias
             return
         self.sizes = [p.weight.shape[0] for p in parts]
         self.weight = torch.cat([p.weight.detach() for p in parts])
@@ -126,6 +170,8 @@ class FusedColumns(nn.Module):
             self.bias = torch.cat([p.bias.detach() for p in parts])
             for part, view in zip(parts, self.bias.split(self.sizes)):
                 part.bias = nn.Parameter(view, requires_grad=False)
+        if done is not None:
+            done[key] = self
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Each part's output (None for a part that is None), as each part alone would give it."""

@@ -26,7 +26,7 @@ from ster_dist.errors import Refusal
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import module_shards
+from ster_dist.parallel.linear import module_shards, tied_parameters
 from ster_dist.shard.plan import Piece, build_plan
 from ster_dist.shard.safetensors_header import DTYPES
 
@@ -138,7 +138,8 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
                    rank: int) -> RankFootprint:
     model = meta_decoder(cfg, ctx, dtype)
     shards = module_shards(model)
-    plan = build_plan(cfg.spec, cfg, shards, {name: t.shape for name, t in checkpoint.planned.items()})
+    plan = build_plan(cfg.spec, cfg, shards, {name: t.shape for name, t in checkpoint.planned.items()},
+                      tied_copies={name for _, _, name, _ in tied_parameters(model)})
     missing = sorted(set(shards) - set(plan.expected))
     if missing:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "

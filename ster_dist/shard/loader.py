@@ -15,7 +15,7 @@ from torch import nn
 
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.parallel.linear import module_shards
+from ster_dist.parallel.linear import module_shards, tied_parameters
 from ster_dist.shard.plan import Piece, Plan, build_plan
 from ster_dist.shard.source import TensorSource
 
@@ -24,11 +24,18 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
                 device: str | torch.device = "cpu") -> Plan:
     """Allocate `model` on `device` (built on the meta device: shapes only) and fill every parameter
     from `source` through cfg's name map; returns the plan it read by."""
-    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
     shards = module_shards(model)
+    # a tied copy (a tensor several layers use) is listed once, under its first name; the copies are dropped
+    # before allocating and given the filled tensor after, so it is read once and held once
+    copies = tied_parameters(model)
+    for module, attr, _, _ in copies:
+        module._parameters[attr] = None
+    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
     shapes = {name: source.shape(name) for name in source.names()}
-    plan = build_plan(cfg.spec, cfg, shards, shapes)
+    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies})
     params = dict(model.named_parameters())
+    for module, attr, _, owner in copies:
+        module._parameters[attr] = params[owner]
     missing = [name for name in shards if name not in plan.expected]
     if missing:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all: "

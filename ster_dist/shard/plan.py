@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ster_dist.config import ModelConfig
 from ster_dist.config_file import text_weight_names
 from ster_dist.errors import Refusal
-from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked
+from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked, target_name
 from ster_dist.parallel.ctx import Shard
 
 
@@ -273,7 +273,9 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
 
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
-               shapes: dict[str, tuple[int, ...]]) -> Plan:
+               shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset()) -> Plan:
+    """`tied_copies`: parameters that are tied copies of another (parallel/linear.py tie_parameters); a checkpoint
+    that stores their tensor too has it skipped, so the shared tensor is read once."""
     matcher = NameMatcher(spec, cfg.wrapper, set(shards))
     reads: list[Read] = []
     skipped: list[str] = []
@@ -312,7 +314,10 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                 reads.append(read)
             continue
         if isinstance(rule.target, str):
-            param = rule.target.replace("{i}", layer) if layer is not None else rule.target
+            param = target_name(rule.target, groups)
+            if param in tied_copies:
+                skipped.append(name)  # a tied copy: the tensor of the layer it is tied to fills it
+                continue
             if param not in shards:
                 if param.startswith("lm_head.weight") and tied:
                     skipped.append(name)  # a tied head: the embedding is the weight
@@ -340,8 +345,11 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
         if shape[rows_dim] != total or (len(shape) == 2 and shape[1 - rows_dim] != cfg.hidden_size):
             raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
                           f"{total} fused rows of width {cfg.hidden_size}; the config and the weights disagree")
+        if all(target_name(template, groups) in tied_copies for template, _ in layout.parts):
+            skipped.append(name)  # a tied copy, as above
+            continue
         for index, (template, _) in enumerate(layout.parts):
-            param = template.replace("{i}", layer) if layer is not None else template
+            param = target_name(template, groups)
             if param not in shards:
                 absent.append(f"{name} (-> {param})")
                 continue

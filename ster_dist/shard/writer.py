@@ -27,7 +27,7 @@ import torch
 from ster_dist.atomic import replacing
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.families.spec import FamilySpec, Fused
+from ster_dist.families.spec import FamilySpec, Fused, target_name
 from ster_dist.shard.plan import NameMatcher, fused_source_rows, size_of
 from ster_dist.shard.safetensors_header import DTYPES, header_bytes
 from ster_dist.shard.source import SafetensorsSource
@@ -58,17 +58,16 @@ def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set
         if found is None:
             continue
         rule, groups = found
-        layer = groups.get("i")
         if groups.get("h") is not None:
             continue  # one row of a stacked parameter (per-head norms): never a projection
         if isinstance(rule.target, str):
-            param = rule.target.replace("{i}", layer) if layer is not None else rule.target
+            param = target_name(rule.target, groups)
             if param in params:
                 out[param] = Placement(name, None, rule.transposed)
             continue
         layout: Fused = rule.target
         for index, (template, count) in enumerate(layout.parts):
-            param = template.replace("{i}", layer) if layer is not None else template
+            param = target_name(template, groups)
             if param in params:
                 out[param] = Placement(name, tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg)),
                                                                      cfg)), rule.transposed)
