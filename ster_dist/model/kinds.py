@@ -6,7 +6,7 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 
 - attention (keeps keys and values per position): has `kv_shape`, ((heads, width), (heads, width))
   of one position on this rank, and reaches its keys through `step.attend`;
-- recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, short convolution): has
+- recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, lightning, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
   `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
 - none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers).
@@ -28,6 +28,7 @@ from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
 from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.kimi_delta import KimiDeltaAttention
+from ster_dist.model.lightning import LightningAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
@@ -57,6 +58,7 @@ MIXERS: dict[str, MixerKind] = {
     "gated_delta": MixerKind(GatedDeltaNet, "mixer"),
     "mamba": MixerKind(MambaMixer, "mixer"),
     "kimi_delta": MixerKind(KimiDeltaAttention, "mixer"),
+    "lightning": MixerKind(LightningAttention, "mixer"),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
