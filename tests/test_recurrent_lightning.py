@@ -1,7 +1,8 @@
 """The lightning-attention layer kind (model/lightning.py) on tiny MiniMax checkpoints: its block scan against
 Transformers' lightning attention (its block form and its recurrent decode form), a long prompt read in chunks
-(static cache and paged state slots) equal to one pass, left padding leaving the state alone, each
-tensor-parallel rank's share of heads and checkpoint rows, and refusals of configs it cannot run."""
+(static cache and paged state slots, and the token engine's continuous batch) equal to one pass, left padding
+leaving the state alone, each tensor-parallel rank's share of heads and checkpoint rows, MiniMax-Text-01's own
+config, and refusals of configs it cannot run."""
 
 from __future__ import annotations
 
@@ -218,3 +219,18 @@ def test_without_postnorm_the_residual_is_the_sublayers_input(text_01, tmp_path)
     ids = _ids(1, 6, seed=7)
     with torch.no_grad():
         assert compare(plain.model(ids), normed.model(ids))["max_relative_error"] > 1e-2
+
+
+def test_the_token_engine_reads_prompts_in_chunks_beside_decodes_as_each_alone(tiny, loaded):
+    """A continuous batch on MiniMax (lightning state slots beside attention blocks), six tokens a step, equals
+    each request's greedy tokens alone; prefix caching is off."""
+    from tests.test_recurrent_engine import alone, open_engine, prompts, run_all
+
+    ps = prompts(4, seed=8, lo=3, hi=25)
+    lengths = [6, 3, 8, 5]
+    with open_engine(tiny, max_step_tokens=6) as engine:
+        got = run_all(engine, ps, lengths)
+        stats = engine.stats()
+    assert stats["prefix_caching"] is False and stats["state_slots"] > 0
+    for p, n, tokens in zip(ps, lengths, got):
+        assert tokens == alone(loaded.model, p, n)
