@@ -202,6 +202,12 @@ def test_minimax_text_01_reads_attn_type_list_and_its_own_factors(text_01):
     assert cfg.residual_factors[0] == (0.9, 1.2, 1.1, 0.8) and cfg.residual_from_norm
 
 
+def test_minimax_text_01_rotates_its_stated_rotary_dim(text_01, tmp_path):
+    """MiniMax-Text-01 rotates rotary_dim of each head (64 of 128 in the release), as its own code does."""
+    cfg = from_hf(read_config(_edited(text_01, tmp_path, rotary_dim=8)))
+    assert [rope.rotary_dim if rope else None for rope in cfg.layer_rope] == [8, None, None, 8]
+
+
 @pytest.mark.parametrize("changes, words", [
     (dict(attn_type_list=None), "neither attn_type_list nor layer_types is stated"),
     (dict(attn_type_list=[1, 0, 2, 1]), r"attn_type_list is \[1, 0, 2, 1\]; it must mark each layer 0"),

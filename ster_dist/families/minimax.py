@@ -12,8 +12,10 @@ against its residual.
   are recomputed, not read.
 - minimax_text_01 (MiniMax's own release of the same model): attn_type_list marks each layer 0 (lightning) or 1
   (softmax attention), the factors are layernorm_linear_attention_*, layernorm_full_attention_* and
-  layernorm_mlp_*, the residual is the normed input only under postnorm, and attention rotates rotary_dim of
-  each head.
+  layernorm_mlp_*, and the residual is the normed input only under postnorm.
+Attention in both rotates rotary_dim of each head where the config states it (MiniMax-Text-01 states 64 of 128),
+as MiniMax's own code and vLLM do; Transformers' MiniMax ignores rotary_dim and rotates whole heads, so the two
+agree only where rotary_dim is the head width (as in the tiny parity checkpoints).
 Shared experts (shared_intermediate_size above zero) and a sliding window are refused; adapters are refused
 for both (families/adapter_rules.py).
 """
