@@ -115,6 +115,11 @@ class ModelConfig:
     residual_fp32: bool = False
     # recurrent layers run pre-norm (norm before each sublayer) in an otherwise post-norm family (OLMo Hybrid)
     recurrent_pre_norm: bool = False
+    # each sublayer joins the residual as residual * alpha + output * beta: (mixer alpha, mixer beta,
+    # feed-forward alpha, feed-forward beta) per layer (MiniMax); empty: plain sums
+    residual_factors: tuple[tuple[float, float, float, float], ...] = ()
+    # the residual a sublayer joins is its normed input rather than its input (MiniMax's postnorm)
+    residual_from_norm: bool = False
     logit_multiplier: float = 1.0
     logit_softcap: float | None = None
     tie_word_embeddings: bool = False
@@ -348,6 +353,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
         recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
+        residual_factors=_residual_factors(keys, num_layers),
+        residual_from_norm=bool(keys.get("residual_from_norm", default=False)),
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.embedding.tied)),
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),
@@ -393,6 +400,18 @@ def _layer_kinds(keys: Keys, spec: FamilySpec, num_layers: int, path: str) -> tu
         if unknown:
             raise Refusal(f"invalid model config {path}: {what} kind {unknown[0]!r} is not supported for {spec.name}")
     return tuple(mixers), tuple(feed_forwards)
+
+
+def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, float, float], ...]:
+    factors = keys.get("residual_factors")
+    if factors is None:
+        return ()
+    if not isinstance(factors, (list, tuple)) or len(factors) != num_layers or any(
+            not isinstance(f, (list, tuple)) or len(f) != 4 or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                                   for x in f) for f in factors):
+        raise Refusal(f"invalid model config {keys.path}: residual_factors must give four numbers (mixer alpha, "
+                      f"mixer beta, feed-forward alpha, feed-forward beta) for each of the {num_layers} layers")
+    return tuple(tuple(float(x) for x in f) for f in factors)
 
 
 def _mtp_layers(keys: Keys, path: str) -> int:

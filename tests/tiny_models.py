@@ -31,6 +31,7 @@ from tests.tiny import (
     llama,
     mamba,
     mamba2,
+    minimax,
     mixtral,
     mpt,
     nemotron,
@@ -50,12 +51,14 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 # named as ster_dist/families/ names them (tests/test_parity.py checks each holds its module's families)
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
-    gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2)}
+    gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
 _VARIANT_FAMILY = {v: f for m in LINEAGES.values() for v, f in getattr(m, "VARIANT_FAMILY", {}).items()}
 _UNSTATED_BASE = {v: keys for m in LINEAGES.values() for v, keys in getattr(m, "UNSTATED_BASE", {}).items()}
+# a variant saved as its family's own release rather than as Transformers saves it: a rewrite of the directory
+_SAVED_AS = {v: rewrite for m in LINEAGES.values() for v, rewrite in getattr(m, "SAVED_AS", {}).items()}
 
 
 def family_of_variant(variant: str) -> str:
@@ -81,6 +84,8 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     perturb_norms(model, seed)
     _perturb_experts(model, variant, seed)
     model.save_pretrained(directory, safe_serialization=True)
+    if variant in _SAVED_AS:
+        _SAVED_AS[variant](Path(directory))
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
     build_tiny_tokenizer(Path(directory))

@@ -33,6 +33,9 @@ GENERIC_KEYS: dict[str, str] = {
     "scoring_func": "the router's scores: \"softmax\" or \"sigmoid\"; default MoESpec.scoring",
     "shared_expert_combination_strategy": "\"average\" halves routed plus shared experts' output, \"sum\" "
                                           "keeps it; default \"sum\"",
+    "residual_factors": "per layer, [mixer alpha, mixer beta, feed-forward alpha, feed-forward beta]: each "
+                        "sublayer joins the residual as residual * alpha + output * beta (MiniMax); default none",
+    "residual_from_norm": "the residual a sublayer joins is its normed input (MiniMax's postnorm); default false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads

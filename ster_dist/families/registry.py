@@ -23,6 +23,7 @@ from ster_dist.families.lfm2 import LFM2_FAMILIES
 from ster_dist.families.llama import LLAMA_FAMILIES
 from ster_dist.families.mamba import MAMBA_FAMILIES
 from ster_dist.families.mamba2 import MAMBA2_FAMILIES
+from ster_dist.families.minimax import MINIMAX_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.mixtral import MIXTRAL_FAMILIES
 from ster_dist.families.mpt import MPT_FAMILIES
@@ -41,7 +42,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + PHI_FAMILIES + OLMO_FAMILIES + GLM_FAMILIES + COHERE_FAMILIES + GRANITE_FAMILIES + EXAONE_FAMILIES
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
-        + KIMI_FAMILIES + ZAMBA2_FAMILIES)
+        + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -57,6 +57,9 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
         self.residual_fp32 = cfg.residual_fp32
+        # MiniMax: residual * alpha + output * beta per sublayer, the residual its normed input under postnorm
+        self.factors = cfg.residual_factors[layer] if cfg.residual_factors else None
+        self.residual_from_norm = cfg.residual_from_norm
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -72,6 +75,8 @@ class Block(nn.Module):
             m = self.mlp(a_in)
             return residual + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
         a = self.token_mixer(a_in, step)
+        if self.factors is not None:
+            return self._weighted(x, a_in, a)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         if self.mlp is None:
@@ -84,6 +89,14 @@ class Block(nn.Module):
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         return h + self._scaled(m)
+
+    def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then
+        the feed-forward behind mlp_norm)."""
+        mixer_alpha, mixer_beta, mlp_alpha, mlp_beta = self.factors
+        h = (a_in if self.residual_from_norm else x) * mixer_alpha + a * mixer_beta
+        m_in = self.mlp_norm(h)
+        return (m_in if self.residual_from_norm else h) * mlp_alpha + self.mlp(m_in) * mlp_beta
 
     def _scaled(self, y: torch.Tensor) -> torch.Tensor:
         # Granite's residual multiplier; one is the common case and costs nothing

@@ -6,7 +6,7 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 
 - attention (keeps keys and values per position): has `kv_shape`, ((heads, width), (heads, width))
   of one position on this rank, and reaches its keys through `step.attend`;
-- recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, short convolution): has
+- recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, lightning, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
   `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
 - none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers);
@@ -30,6 +30,7 @@ from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
 from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.kimi_delta import KimiDeltaAttention
+from ster_dist.model.lightning import LightningAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
@@ -63,6 +64,7 @@ MIXERS: dict[str, MixerKind] = {
     "kimi_delta": MixerKind(KimiDeltaAttention, "mixer"),
     # Zamba2's hybrid layers: the shared block reads the un-normed input; the Mamba-2 layer's norm is the mixer's
     "mamba2_shared_block": MixerKind(Mamba2SharedBlock, "mixer", normed=False),
+    "lightning": MixerKind(LightningAttention, "mixer"),
 }
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
