@@ -33,6 +33,8 @@ GENERIC_KEYS: dict[str, str] = {
     "scoring_func": "the router's scores: \"softmax\" or \"sigmoid\"; default MoESpec.scoring",
     "shared_expert_combination_strategy": "\"average\" halves routed plus shared experts' output, \"sum\" "
                                           "keeps it; default \"sum\"",
+    "mlp_multipliers": "two numbers scaling the dense feed-forward's gate output (before its activation) and its "
+                       "output (Falcon-H1's muP); default [1, 1]",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads

@@ -21,8 +21,14 @@ class MLP(nn.Module):
         self.up = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias)
         self.down = RowLinear(inner, cfg.hidden_size, ctx, cfg.mlp_down_bias, cols=rows[0])
         self.act = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
+        # Falcon-H1's muP: the gate's output before the activation and the output, scaled (one elsewhere)
+        self.gate_multiplier, self.down_multiplier = cfg.mlp_multipliers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        h = self.act(self.gate(x)) * h if self.gate is not None else self.act(h)
-        return self.down(h)
+        h = self.act(self._scaled(self.gate(x), self.gate_multiplier)) * h if self.gate is not None else self.act(h)
+        return self._scaled(self.down(h), self.down_multiplier)
+
+    @staticmethod
+    def _scaled(y: torch.Tensor, multiplier: float) -> torch.Tensor:
+        return y if multiplier == 1.0 else y * multiplier

@@ -9,7 +9,10 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 - recurrent (keeps one state per sequence: Mamba, gated delta, Kimi delta, short convolution): has
   `state_shapes()`, the shapes of one sequence's state on this rank, and runs its scan through
   `step.recur(layer, x, scan, fresh)` (model/step.py), which hands it each sequence's state;
-- none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers).
+- none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers);
+- side by side (`parts`): several of the kinds above on the same input, summed, each times the multipliers
+  the config states under the part's keys (Falcon-H1's attention beside Mamba-2; model/side_by_side.py).
+  Each part lives at its own site, so the layer keeps the keys of its attention and the state of its scan.
 
 Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
 projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its
@@ -32,6 +35,7 @@ from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
 from ster_dist.model.short_conv import ShortConv
+from ster_dist.model.side_by_side import SideBySide
 from ster_dist.moe.layer import MoE
 from ster_dist.parallel.ctx import ParallelCtx
 
@@ -42,10 +46,25 @@ Build = Callable[[ModelConfig, int, ParallelCtx], nn.Module]
 class MixerKind:
     build: Build
     site: str  # the block attribute (and parameter-name segment) the mixer lives at: "attn" | "mixer"
+    # side by side: (kind, its input multiplier's config key, its output multiplier's) per part; `site` is then
+    # the attention part's, and the block places every part at its own kind's site
+    parts: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def attention(self) -> bool:
         return self.site == "attn"
+
+
+def side_by_side(*parts: tuple[str, str, str]) -> MixerKind:
+    """A kind running `parts` (kind, input multiplier key, output multiplier key) on one input, summed."""
+
+    def build(cfg: ModelConfig, layer: int, ctx: ParallelCtx) -> SideBySide:
+        return SideBySide(cfg, tuple((kind, MIXERS[kind].build(cfg, layer, ctx), into, out)
+                                     for kind, into, out in parts))
+
+    sites = [MIXERS[kind].site for kind, _, _ in parts]
+    assert len(set(sites)) == len(sites), "two parts of a side-by-side kind at one site"
+    return MixerKind(build, "attn" if "attn" in sites else sites[0], parts)
 
 
 MIXERS: dict[str, MixerKind] = {
@@ -58,6 +77,9 @@ MIXERS: dict[str, MixerKind] = {
     "mamba": MixerKind(MambaMixer, "mixer"),
     "kimi_delta": MixerKind(KimiDeltaAttention, "mixer"),
 }
+# Falcon-H1's layers, under its config's names for the multipliers
+MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),
+                                          ("mamba2", "ssm_in_multiplier", "ssm_out_multiplier"))
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
     "dense": lambda cfg, layer, ctx: MLP(cfg, ctx),
