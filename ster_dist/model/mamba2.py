@@ -188,7 +188,8 @@ class Mamba2Mixer(RecurrentMixer, ShardedModule):
         n, t, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([self.local_inner, self.local_inner + 2 * self.local_bc, sh.heads], -1)
         if s.in_multipliers is not None:  # Falcon-H1's muP scales of in_proj's parts, this rank's rows of each
-            mz, mx, mb, mc, mdt = s.in_multipliers
+            # in the activations' dtype, as Transformers holds them (a buffer cast with the model)
+            mz, mx, mb, mc, mdt = (torch.tensor(m, dtype=x.dtype, device=x.device) for m in s.in_multipliers)
             xs, b, c = xbc.split([self.local_inner, self.local_bc, self.local_bc], -1)
             z, xbc, dt = z * mz, torch.cat([xs * mx, b * mb, c * mc], -1), dt * mdt
         xbc, conv_state = causal_conv(xbc, self.conv1d.weight.flatten(1), self.conv1d.bias, state[0], valid)
