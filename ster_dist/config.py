@@ -42,7 +42,8 @@ class MLAConfig:
 
 
 # the layer kinds a config may pick (model/kinds.py builds them); attention kinds keep keys per position
-ATTENTION_MIXERS = ("attention", "latent_attention")
+# "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -108,6 +109,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     mlp_up_bias: bool = False
     mlp_down_bias: bool = False
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # the gate's output and the feed-forward's (Falcon-H1's muP)
     # embedding and head
     embed_scale: float = 1.0
     residual_multiplier: float = 1.0
@@ -350,6 +352,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
         embed_norm=norms.embed,
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
+        mlp_multipliers=_mlp_multipliers(keys, path),
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
         recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
@@ -412,6 +415,13 @@ def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, 
         raise Refusal(f"invalid model config {keys.path}: residual_factors must give four numbers (mixer alpha, "
                       f"mixer beta, feed-forward alpha, feed-forward beta) for each of the {num_layers} layers")
     return tuple(tuple(float(x) for x in f) for f in factors)
+def _mlp_multipliers(keys: Keys, path: str) -> tuple[float, float]:
+    stated = keys.get("mlp_multipliers", default=[1.0, 1.0])
+    if not isinstance(stated, (list, tuple)) or len(stated) != 2 or not all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) for m in stated):
+        raise Refusal(f"invalid model config {path}: mlp_multipliers is {stated!r}; it must be two numbers (the "
+                      "gate's and the feed-forward output's scale); correct it or leave it out")
+    return float(stated[0]), float(stated[1])
 
 
 def _mtp_layers(keys: Keys, path: str) -> int:

@@ -22,11 +22,17 @@ class MLP(nn.Module):
         self.down = RowLinear(inner, cfg.hidden_size, ctx, cfg.mlp_down_bias, cols=rows[0])
         self.act = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
         self.gate_up = FusedColumns(self.gate, self.up)  # one product once loaded (Decoder.fuse_projections)
+        # Falcon-H1's muP: the gate's output before the activation and the output, scaled (one elsewhere)
+        self.gate_multiplier, self.down_multiplier = cfg.mlp_multipliers
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """What the down projection reads: act(gate) * up, or act(up)."""
         gate, up = self.gate_up(x)
-        return self.act(gate) * up if gate is not None else self.act(up)
+        return self.act(self._scaled(gate, self.gate_multiplier)) * up if gate is not None else self.act(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.hidden(x))
+        return self._scaled(self.down(self.hidden(x)), self.down_multiplier)
+
+    @staticmethod
+    def _scaled(y: torch.Tensor, multiplier: float) -> torch.Tensor:
+        return y if multiplier == 1.0 else y * multiplier

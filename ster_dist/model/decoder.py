@@ -41,6 +41,8 @@ class Block(nn.Module):
         kind = MIXERS[cfg.mixer(layer)]
         self.site = kind.site
         mixer = kind.build(cfg, layer, ctx)
+        # side by side (model/side_by_side.py): each part at its own site; the sum of them is no module
+        self.side_by_side = mixer if kind.parts else None
         pre_attn, post_attn, pre_mlp, post_mlp = (cfg.pre_attn_norm, cfg.post_attn_norm, cfg.pre_mlp_norm,
                                                   cfg.post_mlp_norm)
         if cfg.recurrent_pre_norm and not kind.attention and mixer is not None:
@@ -48,7 +50,10 @@ class Block(nn.Module):
         if not kind.normed:  # the mixer norms its own input (Zamba2's hybrid layers)
             pre_attn = False
         self.attn_norm = norm() if pre_attn else None
-        setattr(self, kind.site, mixer)
+        sites = ({MIXERS[name].site: part for name, part in mixer.parts.items()} if kind.parts
+                 else {kind.site: mixer})
+        for site, part in sites.items():
+            setattr(self, site, part)
         self.post_attn_norm = norm() if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
@@ -63,8 +68,9 @@ class Block(nn.Module):
 
     @property
     def token_mixer(self) -> nn.Module | None:
-        """The layer's attention or recurrent mixer, whichever site it sits at (None: the feed-forward alone)."""
-        return getattr(self, self.site)
+        """The layer's attention or recurrent mixer, whichever site it sits at, or its side-by-side parts
+        (None: the feed-forward alone)."""
+        return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         residual = x

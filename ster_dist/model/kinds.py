@@ -12,6 +12,9 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 - none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers);
 - both (Zamba2's hybrid layers, model/shared_block.py): keys and values of a shared attention block, and a
   Mamba-2 state, under the same layer index.
+- side by side (`parts`): several of the kinds above on the same input, summed, each times the multipliers
+  the config states under the part's keys (Falcon-H1's attention beside Mamba-2; model/side_by_side.py).
+  Each part lives at its own site, so the layer keeps the keys of its attention and the state of its scan.
 
 Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
 projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its
@@ -36,6 +39,7 @@ from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
 from ster_dist.model.shared_block import Mamba2SharedBlock
 from ster_dist.model.short_conv import ShortConv
+from ster_dist.model.side_by_side import SideBySide
 from ster_dist.moe.layer import MoE
 from ster_dist.parallel.ctx import ParallelCtx
 
@@ -47,10 +51,25 @@ class MixerKind:
     build: Build
     site: str  # the block attribute (and parameter-name segment) the mixer lives at: "attn" | "mixer"
     normed: bool = True  # False: the block has no norm before the mixer, which reads its input as is
+    # side by side: (kind, its input multiplier's config key, its output multiplier's) per part; `site` is then
+    # the attention part's, and the block places every part at its own kind's site
+    parts: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def attention(self) -> bool:
         return self.site == "attn"
+
+
+def side_by_side(*parts: tuple[str, str, str]) -> MixerKind:
+    """A kind running `parts` (kind, input multiplier key, output multiplier key) on one input, summed."""
+
+    def build(cfg: ModelConfig, layer: int, ctx: ParallelCtx) -> SideBySide:
+        return SideBySide(cfg, tuple((kind, MIXERS[kind].build(cfg, layer, ctx), into, out)
+                                     for kind, into, out in parts))
+
+    sites = [MIXERS[kind].site for kind, _, _ in parts]
+    assert len(set(sites)) == len(sites), "two parts of a side-by-side kind at one site"
+    return MixerKind(build, "attn" if "attn" in sites else sites[0], parts=parts)
 
 
 MIXERS: dict[str, MixerKind] = {
@@ -66,6 +85,9 @@ MIXERS: dict[str, MixerKind] = {
     "mamba2_shared_block": MixerKind(Mamba2SharedBlock, "mixer", normed=False),
     "lightning": MixerKind(LightningAttention, "mixer"),
 }
+# Falcon-H1's layers, under its config's names for the multipliers
+MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),
+                                          ("mamba2", "ssm_in_multiplier", "ssm_out_multiplier"))
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
     "dense": lambda cfg, layer, ctx: MLP(cfg, ctx),

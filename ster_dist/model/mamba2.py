@@ -6,7 +6,11 @@ in_proj to z, x, B, C and dt; a causal depthwise conv1d and SiLU over x, B and C
 Settings come from the normalised config under Bamba's names (each family's normalisation maps its own):
 mamba_n_heads, mamba_d_head, mamba_d_state, mamba_n_groups, mamba_d_conv, mamba_expand, mamba_conv_bias,
 mamba_proj_bias, mamba_hidden_act, time_step_limit, mamba_norm_eps (the gated norm's epsilon; default the
-model's).
+model's). Falcon-H1's mixer
+adds four, which no other family states: mamba_out_proj_bias (out_proj's bias apart from in_proj's; default
+mamba_proj_bias), mamba_rms_norm false (no gated norm: the scan's output times silu(z)), mamba_norm_before_gate
+(the norm before the gate, norm(y) * silu(z); default false) and ssm_multipliers (five muP scales of in_proj's
+z, x, B, C and dt rows, applied to its output in forward so the checkpoint's in_proj stays as stored).
 
 Tensor parallelism splits as vLLM's MambaMixer2: heads (z, x, dt, A_log, D, dt_bias, the norm's scale) and
 their groups (B, C) go to ranks together, so with at least as many groups as ranks each rank holds whole
@@ -64,6 +68,17 @@ def _time_step_limit(raw: dict) -> tuple[float, float]:
     return bounds
 
 
+def _multipliers(stated) -> tuple[float, ...] | None:
+    """ssm_multipliers: five numbers (z, x, B, C, dt), or None where unstated or all one."""
+    if stated is None:
+        return None
+    if not isinstance(stated, (list, tuple)) or len(stated) != 5 or not all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) for m in stated):
+        raise Refusal(f"invalid model config: ssm_multipliers is {stated!r}; it must be five numbers (the scales of "
+                      "in_proj's z, x, B, C and dt rows); correct it or leave it out")
+    return None if all(m == 1 for m in stated) else tuple(float(m) for m in stated)
+
+
 class Mamba2Settings:
     """The layer's sizes from the normalised config, checked once."""
 
@@ -85,6 +100,10 @@ class Mamba2Settings:
         if self.heads % self.groups:
             raise Refusal(f"invalid model config: {self.heads} Mamba-2 heads do not split into n_groups "
                           f"{self.groups} groups; n_groups must divide the head count")
+        self.out_bias = bool(raw.get("mamba_out_proj_bias", self.proj_bias))
+        self.gated_norm = bool(raw.get("mamba_rms_norm", True))
+        self.norm_before_gate = bool(raw.get("mamba_norm_before_gate", False))
+        self.in_multipliers = _multipliers(raw.get("ssm_multipliers"))
         act = raw.get("mamba_hidden_act", "silu")
         if act != "silu":
             raise Refusal(f"invalid model config: the Mamba-2 activation {act!r} is not supported; only silu is")
@@ -157,8 +176,8 @@ class Mamba2Mixer(RecurrentMixer, ShardedModule):
         self.conv1d = ConvWeights(inner + 2 * gn, s.kernel, conv_rows, s.conv_bias)
         for name in ("A_log", "D", "dt_bias"):
             self._param(name, Shard((s.heads,), 0, ((sh.h0, sh.h1),)))
-        self.norm = NormScale(inner, x_rows)
-        self.out_proj = RowLinear(inner, cfg.hidden_size, ctx, s.proj_bias, cols=x_rows)
+        self.norm = NormScale(inner, x_rows) if s.gated_norm else None
+        self.out_proj = RowLinear(inner, cfg.hidden_size, ctx, s.out_bias, cols=x_rows)
         self.local_inner, self.local_bc = sh.heads * p, sh.groups * n
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -170,6 +189,11 @@ class Mamba2Mixer(RecurrentMixer, ShardedModule):
         s, sh = self.settings, self.shares
         n, t, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([self.local_inner, self.local_inner + 2 * self.local_bc, sh.heads], -1)
+        if s.in_multipliers is not None:  # Falcon-H1's muP scales of in_proj's parts, this rank's rows of each
+            # in the activations' dtype, as Transformers holds them (a buffer cast with the model)
+            mz, mx, mb, mc, mdt = (torch.tensor(m, dtype=x.dtype, device=x.device) for m in s.in_multipliers)
+            xs, b, c = xbc.split([self.local_inner, self.local_bc, self.local_bc], -1)
+            z, xbc, dt = z * mz, torch.cat([xs * mx, b * mb, c * mc], -1), dt * mdt
         xbc, conv_state = causal_conv(xbc, self.conv1d.weight.flatten(1), self.conv1d.bias, state[0], valid)
         xbc = F.silu(xbc).float()
         xs, b, c = xbc.split([self.local_inner, self.local_bc, self.local_bc], -1)
@@ -185,9 +209,19 @@ class Mamba2Mixer(RecurrentMixer, ShardedModule):
         return self.out_proj(y.to(x.dtype)), (conv_state.to(state[0].dtype), ssm_state.to(state[1].dtype))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMS norm of y * silu(z) over each group of inner / n_groups channels, times the scale."""
+        """RMS norm of y * silu(z) over each group of inner / n_groups channels, times the scale (or, as the
+        settings say, y * silu(z) alone, or the norm of y times the scale, then times silu(z))."""
+        s = self.settings
+        gate = F.silu(z.float())
+        if self.norm is None:
+            return y * gate
+        if s.norm_before_gate:
+            return self._group_norm(y) * gate
+        return self._group_norm(y * gate)
+
+    def _group_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """RMS norm over each group of inner / n_groups channels, times the scale."""
         s, sh = self.settings, self.shares
-        h = y * F.silu(z.float())
         width = s.inner // s.groups
         if sh.split_group:  # this rank holds part of one group: sum the group's squares over its ranks
             sums = h.new_zeros((*h.shape[:-1], s.groups))
