@@ -125,7 +125,7 @@ def quantization(quant: object, model: str) -> Quantization | None:
     if method == "compressed-tensors":
         return _compressed(quant, model)
     raise Refusal(f"model {model} is a quantized checkpoint (quantization_config: {method}); "
-                  f"ster_dist runs unquantized safetensors weights and {LOADED} only: use a BF16, F16 or F32 export")
+                  f"ster_dist runs unquantized safetensors weights only, besides {LOADED}: use a BF16, F16 or F32 export")
 
 
 def _names(quant: dict, key: str, model: str) -> tuple[str, ...]:
@@ -200,11 +200,18 @@ def _compressed(quant: dict, model: str) -> CompressedFP8:
             strategies.append(strategy)
         for key in ("input_activations", "output_activations"):
             scheme = group.get(key)
+            if scheme and not isinstance(scheme, dict):
+                raise refuse(f"{key} {scheme!r} (config group {group_name})")
             if scheme:
                 what = f"{key} {'dynamic' if scheme.get('dynamic') else 'static'}"
                 if what not in activations:
                     activations.append(what)
+    ignore = _names(quant, "ignore", model)
+    for entry in ignore:
+        try:
+            re.compile(entry[3:]) if entry.startswith("re:") else None
+        except re.error:
+            raise Refusal(f"model {model}'s quantization_config.ignore entry {entry!r} is not a valid pattern") from None
     if len(blocks) > 1:
         raise refuse(f"block_structures {sorted(blocks)} (one per checkpoint loads)")
-    return CompressedFP8(tuple(strategies), next(iter(blocks), None), _names(quant, "ignore", model),
-                         top, tuple(activations))
+    return CompressedFP8(tuple(strategies), next(iter(blocks), None), ignore, top, tuple(activations))
