@@ -262,3 +262,10 @@ def test_a_scale_unlike_every_strategy_is_refused_naming_the_tensor(checkpoints,
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(Refusal, match=rf"{name} has shape \[3, 2\], which fits none of the config's strategies"):
         load_model(resolve(str(broken)), "f32")
+
+
+def test_a_quantized_module_the_config_ignores_is_refused(checkpoints, tmp_path):
+    directory, _ = checkpoints["llama"]
+    wrong = _with_quant(directory, tmp_path / "wrong", ignore=[*IGNORE, "re:.*o_proj$"])
+    with pytest.raises(Refusal, match=r"o_proj\.weight is quantized .*quantization_config\.ignore"):
+        load_model(resolve(str(wrong)), "f32")

@@ -28,6 +28,7 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.schema.tools import InspectModelRequest
+from ster_dist.shard.safetensors_header import read_header
 from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import BASE_CONFIG, TINY, _perturb_experts, perturb_norms
 from tests.tiny_tokenizer import build_tiny_tokenizer
@@ -124,15 +125,13 @@ def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
     """One rank's share, counted from the shard plan: its window of every plain tensor in the stored dtype, and
     of every packed expert stack 16 bytes and one exponent per 32-value group of its experts, rows and inputs
     (the interleaved gate and up share one window, read once)."""
-    from safetensors import safe_open
-
     from ster_dist.config_load import model_config
     from ster_dist.model.decoder import meta_decoder
     from ster_dist.parallel.linear import module_shards
     from ster_dist.shard.plan import build_plan
 
-    with safe_open(str(directory / "model.safetensors"), "pt") as f:
-        stored = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in f.keys()}
+    stored = {n: (info["dtype"], tuple(info["shape"]))
+              for n, info in read_header(directory / "model.safetensors").tensors.items()}
     shapes = {n: s for n, (_, s) in stored.items() if not n.endswith(("_blocks", "_scales"))}
     for name, (_, shape) in stored.items():
         if name.endswith("_blocks"):

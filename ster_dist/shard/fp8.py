@@ -85,9 +85,9 @@ class Fp8Source:
                                   "checkpoint scales every quantized weight")
                 continue
             if not quant.converts(name):
+                listed = "ignore" if isinstance(quant, CompressedFP8) else "modules_to_not_convert"
                 raise Refusal(f"checkpoint tensor {name} is quantized (it has {scale}) but its module is in "
-                              f"quantization_config.{'ignore' if isinstance(quant, CompressedFP8) else 'modules_to_not_convert'}; "
-                              "the config and the weights disagree")
+                              f"quantization_config.{listed}; the config and the weights disagree")
             if stored != FP8:
                 raise Refusal(f"checkpoint tensor {name} has {scale} but is stored as {stored}, not float8_e4m3fn; "
                               "the checkpoint is not FP8 e4m3")
