@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
 from ster_dist.config_keys import Keys
 from ster_dist.config_moe import MoEConfig, moe_config
-from ster_dist.config_quant import BlockFP8, quantization
+from ster_dist.config_quant import Quantization, quantization
 from ster_dist.config_ranges import check_sizes, check_stated
 from ster_dist.config_rope import RopeConfig, rotations, yarn_mscale
 from ster_dist.errors import Refusal
@@ -137,7 +137,7 @@ class ModelConfig:
     mla: MLAConfig | None = None
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
-    quant: BlockFP8 | None = None         # FP8 weights with block scales, dequantized while loading
+    quant: Quantization | None = None     # FP8 or MXFP4 weights (config_quant.py), dequantized while loading
     # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's num_nextn_predict_layers):
     # layer indices num_layers .. num_layers + mtp_layers - 1, never loaded for plain decoding
     mtp_layers: int = 0

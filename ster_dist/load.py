@@ -18,8 +18,8 @@ from ster_dist.config_load import model_config
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder, meta_decoder
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx
-from ster_dist.shard.fp8 import Fp8Source
 from ster_dist.shard.loader import fill_module
+from ster_dist.shard.quantized import dequantizing
 from ster_dist.shard.source import SafetensorsSource, TensorSource
 
 PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -58,12 +58,12 @@ def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
 
 
 def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | None = None) -> TensorSource:
-    """The checkpoint's tensors; FP8 block-quantized ones (cfg.quant) dequantized to `dtype` as read."""
+    """The checkpoint's tensors; quantized ones (cfg.quant: FP8, MXFP4) dequantized to `dtype` as read."""
     if checkpoint.weight_format in ("safetensors", "mistral"):  # Mistral's consolidated files are safetensors
         source = SafetensorsSource(checkpoint.weight_files)
         if cfg is not None and cfg.quant is not None:
             try:
-                return Fp8Source(source, cfg.quant, dtype)
+                return dequantizing(source, cfg.quant, dtype)
             except Refusal:
                 source.close()
                 raise

@@ -256,7 +256,7 @@ def test_deepseek_v3_fp8_plans_fp8_bytes_and_the_scale_blocks_covering_each_slic
         assert (fp.parameter_bytes, fp.read_bytes) == (params, read)
         assert 0 < fp.scale_bytes < read / 100  # one F32 per 128 x 128 FP8 block
         request = PlanRequest(model="dsv3", tp=tp, ep=ep, gpu_memory=141.0)
-        said = verdict(request, from_hf(raw), [fp], 0, 4096, 141 << 30, fp8=True)
+        said = verdict(request, from_hf(raw), [fp], 0, 4096, 141 << 30, quantized="FP8")
         assert said.startswith(f"does not fit: rank {r} needs ") and \
             f"kept in FP8 as stored they would take about {fp.read_bytes / 2**30:.1f} GiB" in said
 
@@ -390,9 +390,9 @@ def test_placement_refusals_are_one_line_naming_the_fix(capsys, tmp_path, argv, 
 
 def test_other_quantizations_are_refused(tmp_path, capsys):
     raw = {**published("qwen3-235b-a22b.json"), "num_hidden_layers": 1, "num_experts": 2,
-           "num_experts_per_tok": 2, "quantization_config": {"quant_method": "mxfp4"}}
+           "num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq"}}
     write_sparse(tmp_path / "q", raw, tensors_of(*qwen3_moe_tensors(raw), fp8=False), files=1)
     code, _, err = run(capsys, "plan", "--model", str(tmp_path / "q"))
     # the architecture gate refuses it first, in the seed's words, before any header is read
-    assert code == 2 and "is a quantized checkpoint (quantization_config: mxfp4)" in err
+    assert code == 2 and "is a quantized checkpoint (quantization_config: awq)" in err
     shutil.rmtree(tmp_path / "q")

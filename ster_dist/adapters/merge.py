@@ -132,9 +132,9 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     refuse_family(family_of(gate_view(checkpoint.raw_config, checkpoint.weight_format)))
     side = side_files(checkpoint)  # refused here, before the work directory exists
     cfg = model_config(checkpoint)
-    if cfg.quant is not None:  # its weights are FP8 with block scales: a merge would have to requantize them
-        raise Refusal(f"{model} is an FP8 checkpoint (weight_block_size {list(cfg.quant.block)}); merge onto an "
-                      "FP8 checkpoint is not supported: merge into a BF16 export of the model")
+    if cfg.quant is not None:  # its weights are quantized: a merge would have to requantize them
+        raise Refusal(f"{model} is {cfg.quant.describe()}; merge onto {cfg.quant.label} is not supported: merge "
+                      "into a BF16 export of the model")
     shards = decoder_shards(cfg)
     plans = plan_sites(adapter, cfg, shards)
     entries = index_weights(list(checkpoint.weight_files))

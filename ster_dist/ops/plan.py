@@ -28,6 +28,8 @@ GIB = 1 << 30
 # held back on every GPU before the KV cache is sized: the CUDA context, NCCL's buffers and one
 # step's activations (a 256-token prefill chunk beside the decodes); stated in every plan
 ACTIVATION_RESERVE = 4 * GIB
+# how a quantization's weights are stored, as the verdict names it
+STORED = {"fp8": "FP8", "mxfp4": "MXFP4", "compressed-tensors": "FP8"}
 
 
 def plan(request: PlanRequest) -> dict:
@@ -49,11 +51,13 @@ def plan(request: PlanRequest) -> dict:
     return {
         "model": request.model, "family": cfg.family, "precision": request.precision,
         "tp": request.tp, "ep": request.ep, "world_size": len(ranks),
-        "quantization": "fp8" if checkpoint.block else None,
+        "quantization": checkpoint.method,
+        "quantization_config": cfg.quant.summary() if cfg.quant else None,
         "fp8_weight_block_size": list(checkpoint.block) if checkpoint.block else None,
         "file_bytes": sum(t.nbytes for t in tensors.values()),
         "mtp_tensors": len(checkpoint.mtp),
         "mtp_bytes": sum(tensors[name].nbytes for name in checkpoint.mtp),  # never read by plain decoding
+        "activation_scale_tensors": len(checkpoint.unread),  # compressed-tensors' activation scales: never read
         "read_bytes_all_ranks": sum(r.read_bytes for r in ranks),
         "gpu_memory_bytes": memory, "activation_reserve_bytes": ACTIVATION_RESERVE,
         "kv_cache": kv_summary(cfg, ranks[0], request.precision),
@@ -61,7 +65,7 @@ def plan(request: PlanRequest) -> dict:
         "kv_tokens": tokens, "max_model_len_sequences": tokens // max_len,
         "ranks": [{**_rank_json(rank, placement[rank.rank]), "kv_tokens": n} for rank, n in zip(ranks, kv)],
         "nodes": _nodes(placement),
-        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, fp8=checkpoint.block is not None),
+        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, quantized=STORED.get(checkpoint.method)),
     }
 
 
@@ -177,7 +181,7 @@ def _nodes(placement: list[tuple[int, int]]) -> list[dict]:
 
 
 def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], tokens: int, max_len: int,
-            memory: int, fp8: bool = False) -> str:
+            memory: int, quantized: str | None = None) -> str:
     worst = max(ranks, key=lambda r: r.parameter_bytes)
     need = worst.parameter_bytes / GIB
     room = (memory - ACTIVATION_RESERVE) / GIB
@@ -186,8 +190,8 @@ def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], 
                 f"{ACTIVATION_RESERVE // GIB} GiB held for activations; give the GPUs' real memory")
     if worst.parameter_bytes + ACTIVATION_RESERVE > memory:
         stored = ""
-        if fp8:  # the weights are planned dequantized to --precision, as the loader's default holds them
-            stored = (f" (dequantized to {request.precision}; kept in FP8 as stored they would take about "
+        if quantized:  # the weights are planned dequantized to --precision, as the loader holds them
+            stored = (f" (dequantized to {request.precision}; kept in {quantized} as stored they would take about "
                       f"{worst.read_bytes / GIB:.1f} GiB)")
         return (f"does not fit: rank {worst.rank} needs {need:.1f} GiB of weights{stored}, more than --gpu-memory "
                 f"{request.gpu_memory:g} GiB less the {ACTIVATION_RESERVE // GIB} GiB reserve; "

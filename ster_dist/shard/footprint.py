@@ -6,31 +6,38 @@ The rank's decoder is built on the meta device with that rank's ParallelCtx and 
 the loader's, not a formula's: parameter bytes are what the rank allocates (at the compute dtype,
 vocabulary padding included), read bytes are the windows its pieces read, in the files' dtypes.
 
-Two kinds of checkpoint tensor are set aside before the plan sees them:
+Some checkpoint tensors are set aside or renamed before the plan sees them:
 - multi-token-prediction layers (config `num_nextn_predict_layers`: `model.layers.{N..}` past the
   decoder's layers), which plain decoding never reads; they are counted apart;
-- FP8 block scales (`X.weight_scale_inv` beside a float8 `X.weight`, `quant_method: fp8` with
-  `weight_block_size`): a rank reads exactly the scale blocks that cover its slices of X.weight.
+- FP8 scales (`X.weight_scale_inv` beside a float8 `X.weight` for quant_method fp8, `X.weight_scale`
+  for compressed-tensors): a rank reads exactly the scale entries whose blocks cover its slices of
+  X.weight (shard/fp8.py's scale_block says which block an entry covers); compressed-tensors'
+  activation scales are never read;
+- MXFP4 pairs (`X_blocks` and `X_scales`, quant_method mxfp4) are planned as the one tensor X the
+  loader presents (shard/mxfp4.py): a rank reads the bytes and exponents of its experts, rows and
+  32-value groups.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ster_dist.config import ModelConfig
+from ster_dist.config_quant import BlockFP8, CompressedFP8, Mxfp4
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import module_shards, tied_parameters
+from ster_dist.shard import mxfp4
+from ster_dist.shard.fp8 import ACTIVATION_SCALES, scale_block
 from ster_dist.shard.plan import Piece, build_plan
 from ster_dist.shard.safetensors_header import DTYPES
 
-SCALE_SUFFIX = "_scale_inv"  # X.weight_scale_inv holds the inverse scales of X.weight's blocks
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
@@ -48,13 +55,17 @@ class Tensor:
 
 @dataclass(frozen=True)
 class CheckpointTensors:
-    """A checkpoint's tensors sorted into what the plan reads, FP8 scales and MTP layers."""
+    """A checkpoint's tensors sorted into what the plan reads, scales, set-aside tensors and MTP layers."""
 
     planned: dict[str, Tensor]
-    scales: dict[str, str]  # the weight's name -> its scale tensor's name
+    scales: dict[str, str]  # an FP8 weight's name -> its scale tensor's name
     mtp: tuple[str, ...]    # multi-token-prediction tensors, never read by plain decoding
-    block: tuple[int, int] | None  # FP8 weight_block_size (rows, columns)
+    block: tuple[int, int] | None  # FP8 weight_block_size (rows, columns) of quant_method fp8
     tensors: dict[str, Tensor]
+    method: str | None = None  # the quantization: fp8, mxfp4, compressed-tensors
+    scale_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # FP8 weight -> block one scale covers
+    packed: dict[str, tuple[str, str]] = field(default_factory=dict)  # MXFP4: X -> (X_blocks, X_scales)
+    unread: tuple[str, ...] = ()  # activation scales: stated by the checkpoint, never read
 
 
 @dataclass(frozen=True)
@@ -64,45 +75,40 @@ class RankFootprint:
     ep_rank: int
     parameter_bytes: int     # what the rank allocates for its parameters at the compute dtype
     read_bytes: int          # what it reads from the files (weights and scales), in the files' dtypes
-    scale_bytes: int         # of which FP8 block scales
+    scale_bytes: int         # of which FP8 scales or MXFP4 exponents
     kv_bytes_per_token: int  # its paged KV cache per token, all layers, at the compute dtype
 
 
-def fp8_block(raw: dict) -> tuple[int, int] | None:
-    """The block (rows, columns) of a `quant_method: fp8` config; None for an unquantized one. Every
-    other quantization is refused: the plan would count bytes it cannot name."""
-    quant = raw.get("quantization_config")
-    if quant is None and isinstance(raw.get("text_config"), dict):
-        quant = raw["text_config"].get("quantization_config")
-    if not quant:
-        return None
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-    if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-        return block[0], block[1]
-    raise Refusal(f"quantization_config {method!r}{'' if method != 'fp8' else ' without a weight_block_size'} "
-                  "is not planned; ster plan reads unquantized checkpoints and FP8 block-quantized ones "
-                  "(quant_method fp8 with weight_block_size)")
-
-
 def sort_tensors(cfg: ModelConfig, raw: dict, tensors: dict[str, Tensor]) -> CheckpointTensors:
-    block = fp8_block(raw)
+    """The tensors sorted by cfg.quant (config_quant.py has already refused a quantization that does not load)."""
+    quant = cfg.quant
     nextn = raw.get("num_nextn_predict_layers") or 0
-    planned, scales, mtp = {}, {}, []
+    planned, scales, blocks, mtp, unread = {}, {}, {}, [], []
+    packed = mxfp4.packed_pairs({n: t.shape for n, t in tensors.items()}, {n: t.dtype for n, t in tensors.items()}) \
+        if isinstance(quant, Mxfp4) else {}
+    hidden = {n for pair in packed.values() for n in pair}
+    suffix = quant.scale_suffix if isinstance(quant, (BlockFP8, CompressedFP8)) else None
     for name, tensor in tensors.items():
         layer = _LAYER.match(name)
         if nextn and layer and cfg.num_layers <= int(layer.group(1)) < cfg.num_layers + nextn:
             mtp.append(name)
-        elif block is not None and name.endswith(SCALE_SUFFIX):
-            weight = name[:-len(SCALE_SUFFIX)]
+        elif name in hidden:
+            continue
+        elif isinstance(quant, CompressedFP8) and quant.activations and name.endswith(ACTIVATION_SCALES):
+            unread.append(name)
+        elif suffix and name.endswith(suffix):
+            weight = name[:-len(suffix)]
             if weight not in tensors or not tensors[weight].dtype.startswith("F8"):
                 raise Refusal(f"checkpoint tensor {name} scales no float8 tensor {weight}; "
-                              "the checkpoint is not FP8 block-quantized as its config says")
+                              f"the checkpoint is not FP8-quantized as its config ({quant.method}) says")
             scales[weight] = name
+            blocks[weight] = scale_block(quant, weight, tensors[weight].shape, tensor.shape)
         else:
             planned[name] = tensor
-    return CheckpointTensors(planned, scales, tuple(sorted(mtp)), block, tensors)
+    for name, (blocks_name, _) in packed.items():
+        planned[name] = Tensor("U8", mxfp4.presented_shape(tensors[blocks_name].shape))
+    return CheckpointTensors(planned, scales, tuple(sorted(mtp)), quant.block if isinstance(quant, BlockFP8) else None,
+                             tensors, quant.method if quant else None, blocks, packed, tuple(sorted(unread)))
 
 
 def _extent(piece: Piece, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -118,8 +124,18 @@ def _extent(piece: Piece, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
+def _packed_groups(name: str, extent: list[tuple[int, int]], inputs: int) -> int:
+    """How many 32-value groups (each 16 bytes and one exponent) a window [experts, inputs, rows] of MXFP4 X reads."""
+    (e0, e1), (q0, q1), (p0, p1) = extent
+    g0, g1 = mxfp4.check_window(name, inputs, q0, q1) if q1 > q0 else (0, 0)
+    return max(0, e1 - e0) * max(0, p1 - p0) * (g1 - g0)
+
+
 def _scale_blocks(extents: list[list[tuple[int, int]]], scale: Tensor, block: tuple[int, int]) -> int:
     """How many scale entries cover the given windows of the weight (its last two dims blocked)."""
+    if len(scale.shape) < len(extents[0]):  # one scale for the tensor, stored as [] or [1]
+        return 1
+
     def blocked(extent):
         lead = extent[:-2]
         (r0, r1), (c0, c1) = extent[-2:]
@@ -146,7 +162,7 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
                       "the weights lack tensors the config implies")
     seen: set[tuple] = set()
     extents: dict[str, list] = {}
-    read = 0
+    read = packed_scales = 0
     for r in plan.reads:
         tensor = checkpoint.planned[r.source]
         for piece in r.pieces:
@@ -155,13 +171,18 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
             if key in seen:  # one window serving interleaved parts is read once (the loader's rule)
                 continue
             seen.add(key)
+            if r.source in checkpoint.packed:
+                exponents = _packed_groups(r.source, extent, tensor.shape[1])
+                read += exponents * mxfp4.GROUP_BYTES
+                packed_scales += exponents
+                continue
             read += math.prod(b - a for a, b in extent) * DTYPES[tensor.dtype].itemsize
             if r.source in checkpoint.scales:
                 extents.setdefault(r.source, []).append(extent)
-    scale_bytes = 0
+    scale_bytes = packed_scales
     for weight, windows in extents.items():
         scale = checkpoint.tensors[checkpoint.scales[weight]]
-        scale_bytes += _scale_blocks(windows, scale, checkpoint.block) * DTYPES[scale.dtype].itemsize
+        scale_bytes += _scale_blocks(windows, scale, checkpoint.scale_blocks[weight]) * DTYPES[scale.dtype].itemsize
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, read + scale_bytes, scale_bytes,
                          PagedCache.block_bytes(model, 1, dtype))

@@ -1,72 +1,103 @@
-"""FP8 block-quantized weights read as plain ones: a TensorSource over a checkpoint's source that
-dequantizes each window it is asked for.
+"""FP8 weights read as plain ones: a TensorSource over a checkpoint's source that dequantizes each window it
+is asked for. Two layouts: block-scaled FP8 (quant_method fp8: `W_scale_inv` beside W) and compressed-tensors
+FP8 (`W_scale` beside W, per output channel, per tensor or per block).
 
-A quantized tensor W (float8_e4m3fn, [..., rows, cols]) has a companion W_scale_inv (float32,
-[..., ceil(rows / b0), ceil(cols / b1)]): the value at (r, c) is W[r, c] times the scale of block
-(r // b0, c // b1). A window of W is read as its own FP8 bytes plus the scale entries of the blocks
-that cover it (a window starting or ending inside a block reads that block's scale), so a rank
-reads its share of the weights and of the scales and nothing more. The companions are consumed
-here: the name map never sees them. Which tensors are quantized is what the files say (a
-companion beside it), as in the published checkpoints, whose norms, embeddings, routers and head
-stay BF16.
+A quantized tensor W (float8_e4m3fn, [..., rows, cols]) has a companion scale S ([..., ceil(rows / b0),
+ceil(cols / b1)]): the value at (r, c) is W[r, c] times S at block (r // b0, c // b1). Block FP8 states
+(b0, b1) in its config; a compressed-tensors scale's shape says its strategy: [rows, 1] per channel
+(b = (1, cols)), one entry per tensor (b = (rows, cols)), else the config's block_structure. A window of W
+is read as its own FP8 bytes plus the scale entries of the blocks that cover it (a window starting or
+ending inside a block reads that block's scale), so a rank reads its share of the weights and of the
+scales and nothing more. The companions are consumed here: the name map never sees them. Which tensors
+are quantized is what the files say (a companion beside it), as in the published checkpoints, whose
+norms, embeddings, routers and head stay BF16. compressed-tensors' activation scales (`input_scale`) are
+set aside: activation schemes are not applied (shard/quantized.py says so once).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ster_dist.config_quant import BlockFP8
+from ster_dist.config_quant import BlockFP8, CompressedFP8
 from ster_dist.errors import Refusal
 from ster_dist.shard import loader
 from ster_dist.shard.source import TensorSource
 
 SCALE = "_scale_inv"
 FP8 = torch.float8_e4m3fn
+ACTIVATION_SCALES = (".input_scale", ".output_scale")  # compressed-tensors' static activation scales
+
+
+def scale_block(quant: BlockFP8 | CompressedFP8, name: str, shape: tuple[int, ...],
+                scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The (rows, cols) block one scale entry of `name` covers; refuses a scale whose shape fits no strategy."""
+    scale = name + quant.scale_suffix
+    if len(shape) < 2:
+        raise Refusal(f"checkpoint tensor {name} of shape {list(shape)} has {scale}, but blocks scale matrices "
+                      "only")
+    rows, cols = shape[-2:]
+    if isinstance(quant, BlockFP8):
+        block = quant.block
+        blocked = (*shape[:-2], *(-(-n // b) for n, b in zip(shape[-2:], block)))
+        if tuple(scale_shape) != blocked:
+            raise Refusal(f"checkpoint tensor {scale} has shape {list(scale_shape)} but {name} {list(shape)} in "
+                          f"blocks of {list(block)} needs {list(blocked)}; the weight_block_size and the weights "
+                          "disagree")
+        return block
+    lead = tuple(shape[:-2])
+    if "tensor" in quant.strategies and math.prod(scale_shape) == math.prod(lead):
+        return rows, cols
+    if "channel" in quant.strategies and tuple(scale_shape) == (*lead, rows, 1):
+        return 1, cols
+    if quant.block and tuple(scale_shape) == (*lead, *(-(-n // b) for n, b in zip((rows, cols), quant.block))):
+        return quant.block
+    raise Refusal(f"checkpoint tensor {scale} has shape {list(scale_shape)}, which fits none of the config's "
+                  f"strategies ({', '.join(quant.strategies)}) for {name} {list(shape)}; the quantization_config "
+                  "and the weights disagree")
 
 
 class Fp8Source:
     """`inner`'s tensors with each quantized one dequantized to `dtype` as it is read."""
 
-    def __init__(self, inner: TensorSource, quant: BlockFP8, dtype: torch.dtype):
-        self.inner, self.block, self.dtype_out = inner, quant.block, dtype
+    def __init__(self, inner: TensorSource, quant: BlockFP8 | CompressedFP8, dtype: torch.dtype):
+        self.inner, self.dtype_out = inner, dtype
+        suffix = quant.scale_suffix
         names = set(inner.names())
         self.scales: dict[str, str] = {}  # quantized tensor -> its scale tensor
+        self.blocks: dict[str, tuple[int, int]] = {}  # quantized tensor -> the block one scale entry covers
+        self.hidden: set[str] = set()  # activation scales, never loaded
         for name in sorted(names):
-            scale = name + SCALE
+            scale = name + suffix
             stored = inner.dtype(name)
-            if name.endswith(SCALE):
-                if name[:-len(SCALE)] not in names:
-                    raise Refusal(f"checkpoint tensor {name} scales no tensor (there is no {name[:-len(SCALE)]}); "
+            if isinstance(quant, CompressedFP8) and quant.activations and name.endswith(ACTIVATION_SCALES):
+                self.hidden.add(name)
+                continue
+            if name.endswith(suffix):
+                if name[:-len(suffix)] not in names:
+                    raise Refusal(f"checkpoint tensor {name} scales no tensor (there is no {name[:-len(suffix)]}); "
                                   "the checkpoint is incomplete")
                 continue
             if scale not in names:
                 if stored in (torch.float8_e4m3fn, torch.float8_e5m2):
                     raise Refusal(f"checkpoint tensor {name} is stored as {stored} without {scale}; an FP8 "
-                                  "checkpoint scales every quantized weight per block")
+                                  "checkpoint scales every quantized weight")
                 continue
             if not quant.converts(name):
+                listed = "ignore" if isinstance(quant, CompressedFP8) else "modules_to_not_convert"
                 raise Refusal(f"checkpoint tensor {name} is quantized (it has {scale}) but its module is in "
-                              "quantization_config.modules_to_not_convert; the config and the weights disagree")
-            self._check(name, scale, stored)
+                              f"quantization_config.{listed}; the config and the weights disagree")
+            if stored != FP8:
+                raise Refusal(f"checkpoint tensor {name} has {scale} but is stored as {stored}, not float8_e4m3fn; "
+                              "the checkpoint is not FP8 e4m3")
+            self.blocks[name] = scale_block(quant, name, tuple(inner.shape(name)), tuple(inner.shape(scale)))
             self.scales[name] = scale
-
-    def _check(self, name: str, scale: str, stored: torch.dtype) -> None:
-        shape, got = self.inner.shape(name), self.inner.shape(scale)
-        if stored != FP8:
-            raise Refusal(f"checkpoint tensor {name} has {scale} but is stored as {stored}, not float8_e4m3fn; "
-                          "the checkpoint is not FP8 e4m3")
-        if len(shape) < 2:
-            raise Refusal(f"checkpoint tensor {name} of shape {list(shape)} has {scale}, but blocks scale matrices "
-                          "only")
-        want = (*shape[:-2], *(-(-n // b) for n, b in zip(shape[-2:], self.block)))
-        if tuple(got) != want:
-            raise Refusal(f"checkpoint tensor {scale} has shape {list(got)} but {name} {list(shape)} in blocks of "
-                          f"{list(self.block)} needs {list(want)}; the weight_block_size and the weights disagree")
 
     # -- TensorSource ------------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        hidden = set(self.scales.values())
+        hidden = set(self.scales.values()) | self.hidden
         return [n for n in self.inner.names() if n not in hidden]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -102,9 +133,13 @@ class Fp8Source:
         values = loader.read_window(self.inner, name, window)
         if values.numel() == 0:
             return values.to(self.dtype_out)
-        b0, b1 = self.block
+        b0, b1 = self.blocks[name]
         s_rows, s_cols = slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1))
-        scale = loader.read_window(self.inner, self.scales[name], (*window[:-2], s_rows, s_cols)).float()
+        scale_name = self.scales[name]
+        if len(self.inner.shape(scale_name)) < len(shape):  # one scale per tensor, stored as [] or [1]
+            scale = self.inner.read(scale_name).float().reshape(*values.shape[:-2], 1, 1)
+        else:
+            scale = loader.read_window(self.inner, scale_name, (*window[:-2], s_rows, s_cols)).float()
         # each scale entry spread over its block, then cut to the window's offset inside its first block
         scale = scale.repeat_interleave(b0, -2).repeat_interleave(b1, -1)
         scale = scale[..., r0 - s_rows.start * b0:r1 - s_rows.start * b0, c0 - s_cols.start * b1:c1 - s_cols.start * b1]
@@ -112,4 +147,3 @@ class Fp8Source:
 
     def close(self) -> None:
         self.inner.close()
-
