@@ -220,7 +220,9 @@ class FamilySpec:
     layer_kinds: Callable[[dict, int], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
     refuse_keys: dict = field(default_factory=dict)  # config key -> why it is refused when truthy
     require_values: dict = field(default_factory=dict)  # config key -> (the one supported value, why), when stated
-    parity_reference: str | None = None   # the Transformers CausalLM class the parity tests compare with
+    # the Transformers CausalLM class the parity tests compare with, or, for a family Transformers lacks (remote
+    # code on the Hub), the test file whose hand-written reference it is checked against ("tests/test_x.py")
+    parity_reference: str | None = None
     # the name map's own conventions
     # where the family's root prefix may be missing (GPT-2's h.0... beside transformer.h.0...)
     optional_prefix: str = ""
