@@ -27,7 +27,7 @@ from ster_dist.layers.activation import activation
 from ster_dist.layers.causal_conv import causal_conv
 from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
-from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
+from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear, ShardedModule
 
 SIZE_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
              "linear_conv_kernel_dim")
@@ -161,6 +161,7 @@ class GatedDeltaNet(RecurrentMixer, ShardedModule):
         self.q = ColumnLinear(hidden, key_heads * dk, key_rows, False)
         self.k = ColumnLinear(hidden, key_heads * dk, key_rows, False)
         self.v = ColumnLinear(hidden, value_heads * dv, value_rows, False)
+        self.qkv = FusedColumns(self.q, self.k, self.v)  # one product once loaded
         self.z = ColumnLinear(hidden, value_heads * dv, value_rows, False)  # the output gate
         self.b = ColumnLinear(hidden, value_heads, ((v0, v1),), False)      # write strength
         self.a = ColumnLinear(hidden, value_heads, ((v0, v1),), False)      # decay input
@@ -195,7 +196,7 @@ class GatedDeltaNet(RecurrentMixer, ShardedModule):
         n, t, _ = x.shape
         if valid is not None:  # left padding reads as nothing, as Transformers masks it
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        mixed = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        mixed = torch.cat(self.qkv(x), dim=-1)
         weight = (torch.cat([self.q_conv, self.k_conv, self.v_conv]) if self.separate_convs else self.conv_weight)
         mixed, conv_state = causal_conv(mixed, weight[:, 0], None, conv_state, valid)
         mixed = self.act(mixed)

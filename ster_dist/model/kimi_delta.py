@@ -25,7 +25,7 @@ from ster_dist.layers.causal_conv import causal_conv
 from ster_dist.model.gated_delta import gated_delta_rule
 from ster_dist.model.recurrent import RecurrentMixer
 from ster_dist.parallel.ctx import ParallelCtx, Shard
-from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
+from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear, ShardedModule
 
 # the family's normalisation (families/kimi.py) reads them from linear_attn_config under Transformers' names
 SIZE_KEYS = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
@@ -62,6 +62,7 @@ class KimiDeltaAttention(RecurrentMixer, ShardedModule):
         self.q = ColumnLinear(hidden, width, rows, False)
         self.k = ColumnLinear(hidden, width, rows, False)
         self.v = ColumnLinear(hidden, width, rows, False)
+        self.qkv = FusedColumns(self.q, self.k, self.v)  # one product once loaded
         for name in ("q_conv", "k_conv", "v_conv"):
             self._param(name, Shard((width, 1, kernel), 0, rows))
         self.f_a = ColumnLinear(hidden, dk, ((0, dk),), False)   # the decay's narrow first projection, whole
@@ -88,7 +89,7 @@ class KimiDeltaAttention(RecurrentMixer, ShardedModule):
         if valid is not None:  # left padding reads as nothing, as Transformers masks it
             x = x * valid.unsqueeze(-1).to(x.dtype)
         # the three convolutions are independent channels: run them as one over query, key, then value
-        mixed = torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        mixed = torch.cat(self.qkv(x), dim=-1)
         weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])[:, 0]
         mixed, conv_state = causal_conv(mixed, weight, None, conv_state, valid)
         q, k, v = (part.view(n, t, -1, self.head_dim).float() for part in self.act(mixed).chunk(3, dim=-1))

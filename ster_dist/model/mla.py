@@ -30,7 +30,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import ColumnLinear, RowLinear
+from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's and MiniCPM3's latent norms keep their default epsilon, not the config's
 
@@ -55,6 +55,8 @@ class LatentAttention(nn.Module):
         width = self.rank + self.rope_dim
         self.kv_a = ColumnLinear(hidden, width, ((0, width),), cfg.qkv_bias)
         self.kv_a_norm = Norm(self.rank, LATENT_NORM_EPS)
+        # the query's first projection and the latent's read the same input: one product once loaded
+        self.q_kv = FusedColumns(self.q_a if self.q_a is not None else self.q, self.kv_a)
         per_head = self.nope + self.v_dim
         self.kv_b = ColumnLinear(self.rank, heads * per_head, ((h0 * per_head, h1 * per_head),), False)
         self.o = RowLinear(heads * self.v_dim, hidden, ctx, cfg.o_bias, cols=(h0 * self.v_dim, h1 * self.v_dim))
@@ -68,10 +70,11 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q(x) if self.q is not None else self.q_b(self.q_a_norm(self.q_a(x)))
+        q, kv = self.q_kv(x)
+        q = q if self.q is not None else self.q_b(self.q_a_norm(q))
         q = q.view(b, t, self.local_heads, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_rot = self.kv_a(x).split([self.rank, self.rope_dim], dim=-1)
+        latent, k_rot = kv.split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_norm(latent).unsqueeze(1)  # [b, 1, t, rank]
         k_rot = k_rot.unsqueeze(1)                   # [b, 1, t, rope]: one key part for every head
         if self.rope is not None:
