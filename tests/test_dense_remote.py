@@ -30,7 +30,7 @@ from ster_dist.workers.spawn import SpawnGroup
 from tests.cli_run import cli_generate
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
-HIDDEN, HEADS, KV_HEADS, INNER, LAYERS, THETA = 48, 4, 2, 80, 3, 10000.0
+HIDDEN, HEADS, KV_HEADS, INNER, LAYERS, THETA = 48, 4, 2, 80, 4, 10000.0
 HEAD_DIM = HIDDEN // HEADS
 SIZES = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INNER, num_hidden_layers=LAYERS,
              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
@@ -49,6 +49,9 @@ class Reference:
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # Solar's block skips: kept before the layers of the first two lists, mixed in before those of the last two
+    bskcn: tuple[tuple[int, ...], ...] = ((), (), (), ())
+    bskcn_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ FAMILIES = {
                         "dim_model_base": 16, "rms_norm_eps": 1e-5},
                        Reference(eps=1e-5, tied=True, embed_scale=12.0, residual_scale=1.4 / math.sqrt(LAYERS),
                                  logit_scale=16 / HIDDEN)), _llama_names),
+    # slot 1 keeps before 0 and 2 and mixes before 1 and 3; slot 2 keeps before 1 (ahead of slot 1's mix there)
+    # and mixes before 3, after slot 1
+    "solar": (Family({"architectures": ["SolarForCausalLM"], "rms_norm_eps": 1e-5, "bskcn_1": [0, 2],
+                      "bskcn_2": [1], "bskcn_3": [1, 3], "bskcn_4": [3], "bskcn_tv": [0.9, 0.7]},
+                     Reference(eps=1e-5, bskcn=((0, 2), (1,), (1, 3), (3,)), bskcn_weight=0.7)), _llama_names),
     "orion": (Family({"architectures": ["OrionForCausalLM"], "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
                      Reference(norm="layer", eps=1e-5)), _llama_names),
 }
@@ -166,7 +174,17 @@ def reference_logits(w: dict, ref: Reference, ids: torch.Tensor) -> torch.Tensor
     positions = torch.arange(seq)
     h = w["model.embed_tokens.weight"][ids] * ref.embed_scale
     causal = torch.full((seq, seq), float("-inf")).triu(1)
+    kept_1 = kept_2 = None
+    keep_1, keep_2, mix_1, mix_2 = ref.bskcn
     for i in range(LAYERS):
+        if i in keep_1:
+            kept_1 = h
+        if i in keep_2:
+            kept_2 = h
+        if i in mix_1:
+            h = ref.bskcn_weight * kept_1 + (1 - ref.bskcn_weight) * h
+        if i in mix_2:
+            h = ref.bskcn_weight * kept_2 + (1 - ref.bskcn_weight) * h
         p = f"model.layers.{i}."
         x = _norm(h, w, f"{p}input_layernorm", ref)
         q, k, v = (_linear(x, w, f"{p}self_attn.{n}_proj").view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
@@ -255,21 +273,32 @@ def test_batched_generation_equals_one_by_one(checkpoints, name):
     assert generate(model, prompts, sampling, ()) == [generate(model, [p], sampling, ())[0] for p in prompts]
 
 
-def test_tp2_equals_tp1(checkpoints):
-    with SpawnGroup(2) as group:
-        for name in NAMES:
-            directory, _, single = checkpoints[name]
-            group.call("load", resolve(str(directory)), "f32", "cpu")
-            ids = _ids(2, 24, seed=3)
-            with torch.no_grad():
-                tp1 = single.model(ids)
-            assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5, name
-            prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-            sampling = Sampling(max_new_tokens=8)
-            assert group.call("generate", prompts, sampling, (), 0)[0] == generate(single.model, prompts, sampling, ())
+@pytest.fixture(scope="module")
+def group():
+    with SpawnGroup(2) as g:
+        yield g
 
 
-@pytest.mark.parametrize("name", NAMES)
+# InternLM2's grouped wqkv (each rank reads its key-value groups' rows) and Solar's skips run by default; the rest
+# add only switches TP does not touch and run under -m slow
+def _by_default(*names):
+    return [name if name in names else pytest.param(name, marks=pytest.mark.slow) for name in NAMES]
+
+
+@pytest.mark.parametrize("name", _by_default("internlm2", "solar"))
+def test_tp2_equals_tp1(checkpoints, group, name):
+    directory, _, single = checkpoints[name]
+    group.call("load", resolve(str(directory)), "f32", "cpu")
+    ids = _ids(2, 24, seed=3)
+    with torch.no_grad():
+        tp1 = single.model(ids)
+    assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5
+    prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
+    sampling = Sampling(max_new_tokens=8)
+    assert group.call("generate", prompts, sampling, (), 0)[0] == generate(single.model, prompts, sampling, ())
+
+
+@pytest.mark.parametrize("name", _by_default("internlm2", "solar"))
 def test_the_token_engine_answers_as_the_reference(checkpoints, name):
     """`ster generate` (the paged token engine, tokenizer and all) against the reference's greedy tokens."""
     directory, weights, _ = checkpoints[name]
@@ -299,6 +328,20 @@ def test_internlm3_reads_transformers_aliases_of_its_bias_keys(tmp_path):
     raw = {"model_type": "internlm3", **SIZES, "attention_bias": True, "mlp_bias": False}
     cfg = from_hf(raw)
     assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_up_bias) == (True, False, False)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bskcn_4": None}, "solar needs bskcn_1, bskcn_2, bskcn_3 and bskcn_4"),
+    ({"bskcn_tv": [0.9]}, "solar needs bskcn_1"),
+    ({"bskcn_3": [1, LAYERS]}, "block_skips must list"),
+    ({"bskcn_1": [2], "bskcn_3": [1]}, "block_skips must list"),  # mixed in before anything was kept
+])
+def test_solar_skips_it_cannot_read_are_refused(tmp_path, change, message):
+    directory = tmp_path / "m"
+    write_checkpoint("solar", directory, **change)
+    with pytest.raises(Refusal) as refused:
+        load_model(resolve(str(directory)))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_minicpm_moe_is_refused_before_any_weight(tmp_path):

@@ -10,12 +10,16 @@ plain-torch reference in tests/test_dense_remote.py.
   scale_depth / sqrt(layers) and the logits times dim_model_base / hidden_size (config.from_hf reads these three
   keys for every family). MiniCPM-MoE's experts are refused.
 - orion: Llama's names with biased LayerNorms (epsilon under rms_norm_eps).
+- solar (Solar Pro): Llama with block skip connections: the hidden state kept before the layers bskcn_1 (and
+  bskcn_2) list is mixed back in before those bskcn_3 (and bskcn_4) list, weighted by bskcn_tv's second number
+  (the inference weight; the first is training's), written as the generic block_skips.
 """
 
 from __future__ import annotations
 
 from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, llama_rules
 from ster_dist.families.normalize import biases, stated, with_defaults
+from ster_dist.errors import Refusal
 from ster_dist.families.spec import EmbeddingSpec, FamilySpec, NormSpec
 
 _REFERENCE = "tests/test_dense_remote.py"
@@ -51,6 +55,16 @@ def _orion(raw: dict) -> dict:
     return biases(raw, bool(stated(raw, "attention_bias", default=False)))
 
 
+def _solar(raw: dict) -> dict:
+    skips = [raw.get(key) for key in ("bskcn_1", "bskcn_2", "bskcn_3", "bskcn_4")]
+    weights = raw.get("bskcn_tv")
+    if any(not isinstance(s, list) for s in skips) or not isinstance(weights, list) or len(weights) != 2:
+        raise Refusal("invalid model config: solar needs bskcn_1, bskcn_2, bskcn_3 and bskcn_4 (lists of layers) "
+                      "and bskcn_tv (the training and inference weights); state them as Solar Pro's config does")
+    keep_1, keep_2, mix_1, mix_2 = skips
+    return {**raw, "block_skips": [[keep_1, mix_1, weights[1]], [keep_2, mix_2, weights[1]]]}
+
+
 _MOE = "MiniCPM-MoE's experts are not supported; use a dense MiniCPM checkpoint"
 DENSE_REMOTE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("internlm2", _INTERNLM2, normalize=_internlm2, parity_reference=_REFERENCE),
@@ -59,4 +73,5 @@ DENSE_REMOTE_FAMILIES: tuple[FamilySpec, ...] = (
                refuse_keys={"num_experts": _MOE}, parity_reference=_REFERENCE),
     FamilySpec("orion", _LLAMA, norms=NormSpec(kind="layer", bias=True), normalize=_orion,
                parity_reference=_REFERENCE),
+    FamilySpec("solar", _LLAMA, normalize=_solar, parity_reference=_REFERENCE),
 )
