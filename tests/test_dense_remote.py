@@ -1,6 +1,7 @@
 """Dense families Transformers has no model class for (families/dense_remote.py), each against a plain-torch
 reference written here from the seed's description: a tiny random checkpoint in the family's real tensor names and
-config keys, then logits, greedy generation, decoding from the cache, batched generation, TP=2 and the token engine.
+config keys, then logits, greedy generation, decoding from the cache, batched generation, TP=2, the token engine
+and a PEFT adapter on InternLM2's fused wqkv.
 
 The reference reads canonical weights (the `_canonical` dict below, never ster_dist's names); each family's writer
 stores them under the family's own names and layout (InternLM2's wqkv grouped by key-value head), so a wrong name
@@ -350,3 +351,54 @@ def test_minicpm_moe_is_refused_before_any_weight(tmp_path):
     with pytest.raises(Refusal) as refused:
         load_model(resolve(str(directory)))
     assert "num_experts" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_peft_adapter_on_internlm2s_fused_wqkv_equals_the_reference_merged_by_hand(tmp_path):
+    """A PEFT adapter names InternLM2's own modules (attention.wqkv, feed_forward.w2); its B rows on wqkv split
+    into query, key and value by the same grouped layout the loader reads. The reference merges W + s * B @ A
+    into the stored tensors and un-fuses them itself."""
+    from ster_dist.adapters.attach import attach
+    from ster_dist.adapters.format import open_adapter
+    from ster_dist.adapters.targets import sites_for
+
+    base = tmp_path / "base"
+    weights = write_checkpoint("internlm2", base, seed=7)
+    stored = _internlm2_names(weights)
+    rank, alpha = 4, 8
+    gen = torch.Generator().manual_seed(5)
+    factors, merged = {}, dict(stored)
+    for name in ("model.layers.0.attention.wqkv", "model.layers.2.attention.wqkv", "model.layers.1.feed_forward.w2"):
+        rows, cols = stored[f"{name}.weight"].shape
+        a, b = torch.randn(rank, cols, generator=gen) * 0.1, torch.randn(rows, rank, generator=gen) * 0.1
+        factors[f"base_model.model.{name}.lora_A.weight"] = a
+        factors[f"base_model.model.{name}.lora_B.weight"] = b
+        merged[f"{name}.weight"] = stored[f"{name}.weight"] + alpha / rank * b @ a
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["wqkv", "w2"]}))
+    save_file(factors, str(adapter / "adapter_model.safetensors"))
+    reference = _unfuse_internlm2(merged, weights)
+
+    loaded = load_model(resolve(str(base)), "f32")
+    ids = _ids(2, 16, seed=4)
+    with torch.no_grad():
+        want = reference_logits(reference, FAMILIES["internlm2"][0].reference, ids)
+        assert compare(loaded.model(ids), want)["max_relative_error"] > 1e-2  # the adapter changes the logits
+        attach(loaded.model, sites_for(open_adapter(adapter), loaded.cfg, str(base)))
+        result = compare(loaded.model(ids), want)
+    assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, result
+
+
+def _unfuse_internlm2(stored: dict, canonical: dict) -> dict:
+    """The canonical weights with every layer's wqkv and w2 read back from InternLM2's stored tensors."""
+    out = dict(canonical)
+    per_kv = HEADS // KV_HEADS
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        groups = stored[f"{p}attention.wqkv.weight"].reshape(KV_HEADS, (per_kv + 2) * HEAD_DIM, HIDDEN)
+        out[f"{p}self_attn.q_proj.weight"] = groups[:, :per_kv * HEAD_DIM].reshape(-1, HIDDEN)
+        out[f"{p}self_attn.k_proj.weight"] = groups[:, per_kv * HEAD_DIM:(per_kv + 1) * HEAD_DIM].reshape(-1, HIDDEN)
+        out[f"{p}self_attn.v_proj.weight"] = groups[:, (per_kv + 1) * HEAD_DIM:].reshape(-1, HIDDEN)
+        out[f"{p}mlp.down_proj.weight"] = stored[f"{p}feed_forward.w2.weight"]
+    return out

@@ -17,9 +17,9 @@ plain-torch reference in tests/test_dense_remote.py.
 
 from __future__ import annotations
 
+from ster_dist.errors import Refusal
 from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, llama_rules
 from ster_dist.families.normalize import biases, stated, with_defaults
-from ster_dist.errors import Refusal
 from ster_dist.families.spec import EmbeddingSpec, FamilySpec, NormSpec
 
 _REFERENCE = "tests/test_dense_remote.py"
