@@ -345,12 +345,16 @@ def test_solar_skips_it_cannot_read_are_refused(tmp_path, change, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_minicpm_moe_is_refused_before_any_weight(tmp_path):
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts is set; MiniCPM-MoE"),
+    ({"use_mup": False}, "use_mup is False; MiniCPM without its muP scales"),
+])
+def test_minicpm_it_cannot_run_is_refused_before_any_weight(tmp_path, change, message):
     directory = tmp_path / "m"
-    write_checkpoint("minicpm", directory, num_experts=8, num_experts_per_tok=2)
+    write_checkpoint("minicpm", directory, **change)
     with pytest.raises(Refusal) as refused:
         load_model(resolve(str(directory)))
-    assert "num_experts" in str(refused.value) and "\n" not in str(refused.value)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_a_peft_adapter_on_internlm2s_fused_wqkv_equals_the_reference_merged_by_hand(tmp_path):

@@ -8,7 +8,7 @@ plain-torch reference in tests/test_dense_remote.py.
   config class aliases them as attention_bias and mlp_bias, so a config it rewrote is read under those names.
 - minicpm: Llama's names, a tied head by default, the embedding times scale_emb, each sublayer's output times
   scale_depth / sqrt(layers) and the logits times dim_model_base / hidden_size (config.from_hf reads these three
-  keys for every family). MiniCPM-MoE's experts are refused.
+  keys for every family). MiniCPM-MoE's experts, and MiniCPM 4's use_mup false, are refused.
 - orion: Llama's names with biased LayerNorms (epsilon under rms_norm_eps).
 - solar (Solar Pro): Llama with block skip connections: the hidden state kept before the layers bskcn_1 (and
   bskcn_2) list is mixed back in before those bskcn_3 (and bskcn_4) list, weighted by bskcn_tv's second number
@@ -66,11 +66,14 @@ def _solar(raw: dict) -> dict:
 
 
 _MOE = "MiniCPM-MoE's experts are not supported; use a dense MiniCPM checkpoint"
+# MiniCPM 4's switch for its muP scales; ster_dist applies them always, as the seed describes MiniCPM
+_NO_MUP = "MiniCPM without its muP scales is not supported; use a checkpoint that applies them (use_mup true)"
 DENSE_REMOTE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("internlm2", _INTERNLM2, normalize=_internlm2, parity_reference=_REFERENCE),
     FamilySpec("internlm3", _LLAMA, normalize=_internlm3, parity_reference=_REFERENCE),
     FamilySpec("minicpm", _LLAMA, embedding=EmbeddingSpec(tied=True), normalize=_minicpm,
-               refuse_keys={"num_experts": _MOE}, parity_reference=_REFERENCE),
+               refuse_keys={"num_experts": _MOE}, require_values={"use_mup": (True, _NO_MUP)},
+               parity_reference=_REFERENCE),
     FamilySpec("orion", _LLAMA, norms=NormSpec(kind="layer", bias=True), normalize=_orion,
                parity_reference=_REFERENCE),
     FamilySpec("solar", _LLAMA, normalize=_solar, parity_reference=_REFERENCE),
