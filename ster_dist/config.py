@@ -122,6 +122,9 @@ class ModelConfig:
     residual_factors: tuple[tuple[float, float, float, float], ...] = ()
     # the residual a sublayer joins is its normed input rather than its input (MiniMax's postnorm)
     residual_from_norm: bool = False
+    # block skip connections (Solar Pro), per slot: (layers before which the hidden state is kept, layers before
+    # which it becomes w * kept + (1 - w) * hidden, w); every slot keeps before any mixes at the same layer
+    block_skips: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...] = ()
     logit_multiplier: float = 1.0
     logit_softcap: float | None = None
     tie_word_embeddings: bool = False
@@ -358,6 +361,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
         residual_factors=_residual_factors(keys, num_layers),
         residual_from_norm=bool(keys.get("residual_from_norm", default=False)),
+        block_skips=_block_skips(keys, num_layers),
         logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.embedding.tied)),
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),
@@ -415,6 +419,27 @@ def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, 
         raise Refusal(f"invalid model config {keys.path}: residual_factors must give four numbers (mixer alpha, "
                       f"mixer beta, feed-forward alpha, feed-forward beta) for each of the {num_layers} layers")
     return tuple(tuple(float(x) for x in f) for f in factors)
+def _block_skips(keys: Keys, num_layers: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...]:
+    skips = keys.get("block_skips")
+    if skips is None:
+        return ()
+    problem = (f"invalid model config {keys.path}: block_skips must list, per skip, the layers keeping the hidden "
+               f"state, the layers mixing it back in (each after a keeping one, all below {num_layers}) and a "
+               "weight between 0 and 1")
+    out = []
+    for skip in skips if isinstance(skips, (list, tuple)) else [None]:
+        if not isinstance(skip, (list, tuple)) or len(skip) != 3:
+            raise Refusal(problem)
+        keep, mix, weight = skip
+        layers = [*keep, *mix] if isinstance(keep, (list, tuple)) and isinstance(mix, (list, tuple)) else [None]
+        if (any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in layers)
+                or isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1
+                or (mix and (not keep or min(mix) < min(keep)))):
+            raise Refusal(problem)
+        out.append((tuple(keep), tuple(mix), float(weight)))
+    return tuple(out)
+
+
 def _mlp_multipliers(keys: Keys, path: str) -> tuple[float, float]:
     stated = keys.get("mlp_multipliers", default=[1.0, 1.0])
     if not isinstance(stated, (list, tuple)) or len(stated) != 2 or not all(

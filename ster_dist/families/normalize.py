@@ -36,6 +36,8 @@ GENERIC_KEYS: dict[str, str] = {
     "residual_factors": "per layer, [mixer alpha, mixer beta, feed-forward alpha, feed-forward beta]: each "
                         "sublayer joins the residual as residual * alpha + output * beta (MiniMax); default none",
     "residual_from_norm": "the residual a sublayer joins is its normed input (MiniMax's postnorm); default false",
+    "block_skips": "block skip connections: per skip [layers before which the hidden state is kept, layers "
+                   "before which it becomes w * kept + (1 - w) * hidden, w] (Solar Pro); default none",
     "mlp_multipliers": "two numbers scaling the dense feed-forward's gate output (before its activation) and its "
                        "output (Falcon-H1's muP); default [1, 1]",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",

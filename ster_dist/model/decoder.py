@@ -190,12 +190,26 @@ class Decoder(nn.Module):
 
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
+        kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
         for i, block in enumerate(self.layers):
+            if self.cfg.block_skips:
+                h = self._skip(i, h, kept)
             h = block(h, step)
             for hook in self.hooks.get(i, ()):
                 replaced = hook(h)
                 if replaced is not None:
                     h = replaced
+        return h
+
+    def _skip(self, layer: int, h: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Before `layer`: every skip keeping here keeps h, then every skip mixing here mixes its kept state in.
+        Token-wise, so the cached and paged reads match the whole one."""
+        for slot, (keep, _, _) in enumerate(self.cfg.block_skips):
+            if layer in keep:
+                kept[slot] = h
+        for slot, (_, mix, weight) in enumerate(self.cfg.block_skips):
+            if layer in mix:
+                h = kept[slot] * weight + h * (1 - weight)
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
