@@ -18,7 +18,8 @@ reference), timed alternately with the engines, so "grouped over loop" is a same
 ratio. Then the experts alone, per step over --layers stacks of cold weights at decode rows (1, 2,
 4, 8 tokens x top-k) and prefill rows (256 tokens x top-k): the loop, the grouped computation, and
 the other candidate for few rows, gathering the selected experts' weights into one bmm (`gathered`,
-decode rows only: it copies a matrix per row). The size rule in ster_dist/moe/experts.py rests on it.
+decode rows only: it copies a matrix per row), and which of them the size rule in
+ster_dist/moe/experts.py picks there (ster_ep1 runs the rule).
 
 Bytes per token per MoE layer (measured at EP=2 from the ranks' dispatch counts, and projected
 to larger EP from the EP=1 routing decisions of the same decode):
@@ -92,6 +93,21 @@ def decode_rates(runs: dict, batch: int, new_tokens: int, repeats: int) -> dict:
             for name, (long, short, tokens) in best.items()}
 
 
+def paired_decode_ratio(base, other, new_tokens: int, repeats: int) -> float:
+    """The median over repeats of other's decode rate over base's, each repeat timing the two back to
+    back (N tokens minus one token, as decode_rates does): on a shared machine the best-of rates can
+    come from quiet moments of different lengths, a pair shares its moment."""
+    ratios = []
+    for _ in range(repeats):
+        seconds = []
+        for run in (base, other):
+            long, _ = _timed(lambda run=run: run(new_tokens))
+            short, _ = _timed(lambda run=run: run(1))
+            seconds.append(max(long - short, 1e-9))
+        ratios.append(seconds[0] / seconds[1])
+    return statistics.median(ratios)
+
+
 def _timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -160,12 +176,20 @@ def loop_forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor
     return out
 
 
-def gathered_forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-    """The candidate for rows << experts: each row's expert weights gathered (copied) into one bmm per
-    projection, no sort and no offsets (SwiGLU without biases: the bench's Qwen3-MoE)."""
-    column = x.unsqueeze(-1)
-    h = self.act(torch.bmm(self.gate[local_ids], column)) * torch.bmm(self.up[local_ids], column)
-    return torch.bmm(self.down[local_ids], h).squeeze(-1)
+def _with_threshold(gather_bytes: int):
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        threshold, self.gather_bytes = self.gather_bytes, gather_bytes
+        try:
+            return Experts.forward(self, x, local_ids)
+        finally:
+            self.gather_bytes = threshold
+    return forward
+
+
+# Experts.forward held to one branch of its size rule: grouped_mm at every row count, or each row's
+# expert weights gathered (copied) into one bmm per projection at every row count
+grouped_forward = _with_threshold(0)
+gathered_forward = _with_threshold(1 << 62)
 
 
 class loop_experts:
@@ -194,7 +218,7 @@ def experts_ab(args, repeats: int) -> list[dict]:
             for p in experts.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         layers.append(experts.to(dtype))
-    variants = {"loop": loop_forward, "grouped": Experts.forward, "gathered": gathered_forward}
+    variants = {"loop": loop_forward, "grouped": grouped_forward, "gathered": gathered_forward}
     table = []
     for tokens in (1, 2, 4, 8, 256):
         rows = tokens * args.top_k
@@ -213,7 +237,7 @@ def experts_ab(args, repeats: int) -> list[dict]:
                         forward(layer, x, ids)
                     times[name].append(time.perf_counter() - start)
         over = {name: statistics.median(a / g for a, g in zip(t, times["grouped"])) for name, t in times.items()}
-        table.append({"tokens": tokens, "rows": rows, "ms": {k: min(t) * 1e3 for k, t in times.items()},
+        table.append({"tokens": tokens, "rows": rows, "rule": layers[0].branch(x), "ms": {k: min(t) * 1e3 for k, t in times.items()},
                       "loop_over_grouped": over["loop"], "gathered_over_grouped": over.get("gathered")})
     return table
 
@@ -221,25 +245,29 @@ def experts_ab(args, repeats: int) -> list[dict]:
 def print_experts_ab(table: list[dict], layers: int) -> None:
     print(f"experts alone, ms per step ({layers} layers, best of repeats; ratios: median of paired repeats):")
     print(f"  {'tokens':>6} {'rows':>5} {'loop':>9} {'grouped':>9} {'gathered':>9} {'loop/grouped':>13} "
-          f"{'gathered/grouped':>17}")
+          f"{'gathered/grouped':>17}  size rule picks")
     for r in table:
         ms, g = r["ms"], r["gathered_over_grouped"]
         print(f"  {r['tokens']:>6} {r['rows']:>5} {ms['loop']:>9.2f} {ms['grouped']:>9.2f} "
               f"{ms.get('gathered', float('nan')):>9.2f} {r['loop_over_grouped']:>13.2f} "
-              f"{'-' if g is None else f'{g:.2f}':>17}")
+              f"{'-' if g is None else f'{g:.2f}':>17}  {r['rule']}")
 
 
-def report_ab(args, results: dict, table: list[dict], load_before: float) -> int:
-    """--ab-only's report: the decode ratio and the experts-alone table; fails if the two decodes differ."""
+def report_ab(args, results: dict, paired: float, table: list[dict], load_before: float) -> int:
+    """--ab-only's report: the decode rates and ratios, the experts-alone table; fails if the two
+    greedy decodes differ."""
     loop, grouped = results["ster_ep1_loop"], results["ster_ep1"]
-    print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads)")
+    print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads), best of repeats")
     print(f"  ster_ep1_loop {loop[0]:9.1f}\n  ster_ep1      {grouped[0]:9.1f}   x{grouped[0] / loop[0]:.2f} grouped over loop")
+    print(f"  grouped over loop, median of {args.repeats} paired repeats: x{paired:.2f}")
     print_experts_ab(table, args.layers)
     print(f"greedy tokens equal, grouped and loop: {loop[1] == grouped[1]}")
     print(f"1-minute load average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
-    print(json.dumps({"decode_tok_s": {"ster_ep1_loop": loop[0], "ster_ep1": grouped[0]},
-                      "grouped_over_loop_decode": grouped[0] / loop[0], "experts_ab": table,
-                      "greedy_tokens_equal": loop[1] == grouped[1]}))
+    print(json.dumps({"shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers",
+                                                               "dtype", "batch", "new_tokens", "threads")},
+                      "decode_tok_s": {"ster_ep1_loop": loop[0], "ster_ep1": grouped[0]},
+                      "grouped_over_loop_decode": grouped[0] / loop[0], "grouped_over_loop_decode_paired": paired,
+                      "experts_ab": table, "greedy_tokens_equal": loop[1] == grouped[1]}))
     return 0 if loop[1] == grouped[1] or args.dtype != "f32" else 1
 
 
@@ -287,7 +315,8 @@ def main(argv=None) -> int:
     if args.ab_only:
         results = decode_rates({"ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1}, args.batch, args.new_tokens,
                                args.repeats)
-        return report_ab(args, results, experts_ab(args, args.repeats), load_before)
+        paired = paired_decode_ratio(run_ep1_loop, run_ep1, args.new_tokens, args.repeats)
+        return report_ab(args, results, paired, experts_ab(args, args.repeats), load_before)
 
     import transformers
 

@@ -9,19 +9,22 @@ a partial sum the MoE layer all-reduces once, together with the shared experts.
 
 Rows are sorted by expert and each projection is one `grouped_mm` over the
 stacked weights with the running row counts as offsets: no per-expert Python
-loop and no host sync (the offsets stay a tensor). The size rule (measured with
-bench/moe.py's loop/grouped/gathered A/B on this CPU build):
-- grouped_mm wherever it accepts the layout, at every row count: decode's
-  handful of rows and prefill's hundreds alike. It reads each selected
-  expert's weights once, as the per-expert loop did, minus the loop's per-expert
-  Python overhead and the bincount(...).tolist() sync.
-- Gathering the selected experts' weights row by row into one bmm (the other
-  candidate for rows << experts) is never taken: the gather copies every
-  selected matrix, so each decode step moves its expert weights three times
-  (read, write, read again) and ran 3-5x slower than the loop at 1-16 rows.
+loop and no host sync (the offsets stay a tensor). The size rule, measured with
+`bench/moe.py --ab-only` (the loop, grouped and gathered variants interleaved):
+- grouped_mm by default, at decode's handful of rows and prefill's hundreds
+  alike: it reads each selected expert's weights once, as the per-expert loop
+  did, without the loop's Python overhead per expert or its host sync.
+- Gathering each row's expert weights into one bmm per projection, while the
+  rows are few and the experts small: rows x one expert's three matrices at
+  most GATHER_BYTES x local experts. grouped_mm's CPU kernel spends about
+  1.5 us on every group, empty or not, per projection, which tiny experts at
+  decode feel (64 local experts of 128 x 64 at 8 rows: gathered 0.7x the time);
+  the gather copies what it reads, so once the copy outweighs the empty groups
+  it loses, 3-5x at 16 experts of 512 x 512 for 2-16 rows.
 - grouped_mm refuses strides that are not multiples of 16 bytes (an odd
-  hidden or intermediate share: tiny test models, uneven TP shares); those
-  layouts keep the per-expert loop, which runs any shape.
+  hidden size or intermediate share: tiny test models, uneven TP shares);
+  past the gather's size those layouts run the per-expert loop, which takes
+  any shape.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GROUPED_ALIGN = 16  # bytes: grouped_mm's rule for every non-unit stride of its operands and output
+# the gather copies rows x an expert's three matrices; grouped_mm pays ~3 x 1.5 us per local expert: at a
+# few GB/s the two cross near 10-20 KiB of copy per local expert (the module docstring's measurements)
+GATHER_BYTES = 16 * 1024
 
 
 class Experts(ShardedModule):
@@ -64,19 +70,34 @@ class Experts(ShardedModule):
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.act = activation(hidden_act)
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
+        self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
         if x.shape[0] == 0:
             return x.new_empty((0, self.down.shape[1]))
+        branch = self.branch(x)
+        if branch == "gathered":
+            return self._mlp(x, local_ids, self._gathered(local_ids))
         order = torch.argsort(local_ids, stable=True)
         ids = local_ids[order]
-        counts = torch.bincount(local_ids, minlength=self.local)
-        project = self._grouped(counts) if self.groupable(x) else self._per_expert(counts)
+        # expert e's rows are [ends[e-1], ends[e]); searchsorted, unlike bincount, sizes its output
+        # without reading the ids on the host (bincount on CUDA syncs for their maximum)
+        experts = torch.arange(self.local, device=ids.device, dtype=ids.dtype)
+        ends = torch.searchsorted(ids, experts, right=True, out_int32=True)
+        project = self._grouped(ends) if branch == "grouped" else self._per_expert(ends)
         y = self._mlp(x[order], ids, project)
         out = torch.empty_like(y)
         out[order] = y
         return out
+
+    def branch(self, x: torch.Tensor) -> str:
+        """The size rule (module docstring): "gathered", "grouped" or "per_expert" for these rows."""
+        matrices = (self.gate, self.up, self.down)
+        expert_bytes = sum(w[0].numel() for w in matrices) * x.element_size()
+        if x.shape[0] * expert_bytes <= self.local * self.gather_bytes:
+            return "gathered"
+        return "grouped" if self.groupable(x) else "per_expert"
 
     def groupable(self, x: torch.Tensor) -> bool:
         """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride of
@@ -93,7 +114,7 @@ class Experts(ShardedModule):
         return all(s * x.element_size() % GROUPED_ALIGN == 0 for s in strides)
 
     def _mlp(self, x: torch.Tensor, ids: torch.Tensor, project: Project) -> torch.Tensor:
-        """The experts' feed-forward on rows sorted by expert (ids [rows], sorted)."""
+        """The experts' feed-forward on rows (ids [rows]: each row's expert, in the order project wants)."""
         gate, up = project(x, self.gate), project(x, self.up)
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[ids], up + self.up_bias[ids]
@@ -108,21 +129,24 @@ class Experts(ShardedModule):
         return y
 
     @staticmethod
-    def _grouped(counts: torch.Tensor) -> Project:
-        ends = torch.cumsum(counts, 0, dtype=torch.int32)  # group e is rows [ends[e-1], ends[e])
+    def _gathered(ids: torch.Tensor) -> Project:
+        return lambda rows, weight: torch.bmm(weight[ids], rows.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def _grouped(ends: torch.Tensor) -> Project:
         return lambda rows, weight: F.grouped_mm(rows, weight.transpose(1, 2), offs=ends)
 
     @staticmethod
-    def _per_expert(counts: torch.Tensor) -> Project:
-        sizes = counts.tolist()  # a host sync, on the layouts grouped_mm refuses only
+    def _per_expert(ends: torch.Tensor) -> Project:
+        bounds = ends.tolist()  # a host sync, on the layouts grouped_mm refuses only
 
         def project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             out = rows.new_empty((rows.shape[0], weight.shape[1]))
             start = 0
-            for e, n in enumerate(sizes):
-                if n:
-                    torch.mm(rows[start:start + n], weight[e].t(), out=out[start:start + n])
-                    start += n
+            for e, stop in enumerate(bounds):
+                if stop > start:
+                    torch.mm(rows[start:stop], weight[e].t(), out=out[start:stop])
+                start = stop
             return out
 
         return project
