@@ -3,6 +3,7 @@ all-to-all dispatch moves per token against an all-gather of the hidden states.
 
     python bench/moe.py --quick          # 8 experts, hidden 256, 4 layers: about a minute
     python bench/moe.py                  # 16 experts top-2, hidden 512, 6 layers, f32
+    python bench/moe.py --threads 1 --ab-only   # only the grouped/loop A/B below
 
 The checkpoint is a random Qwen3-MoE (every layer sparse, top-2, renormalised) built by
 Transformers. Decode tokens/s is measured the same way for every engine through its public
@@ -10,6 +11,15 @@ generate(): (batch x (N - 1)) / (time of N new tokens - time of 1 new token), so
 cancels out; best of --repeats after a warm-up, engines alternating. EP=1 runs in this process
 with --threads threads; EP=2 runs two spawned ranks (gloo) with threads / 2 each, so both use
 the same cores. Transformers runs model.generate in this process with --threads threads.
+
+The experts' A/B, in this process: `ster_ep1_loop` is ster_ep1 with Experts.forward swapped for
+the per-expert Python loop it ran before the grouped computation (loop_forward below, kept as the
+reference), timed alternately with the engines, so "grouped over loop" is a same-process decode
+ratio. Then the experts alone, per step over --layers stacks of cold weights at decode rows (1, 2,
+4, 8 tokens x top-k) and prefill rows (256 tokens x top-k): the loop, the grouped computation, and
+the other candidate for few rows, gathering the selected experts' weights into one bmm (`gathered`,
+decode rows only: it copies a matrix per row), and which of them the size rule in
+ster_dist/moe/experts.py picks there (ster_ep1 runs the rule).
 
 Bytes per token per MoE layer (measured at EP=2 from the ranks' dispatch counts, and projected
 to larger EP from the EP=1 routing decisions of the same decode):
@@ -28,18 +38,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/common.py: thread setting, timing, tokenizer)
 
 from ster_dist.generate import Sampling, generate  # noqa: E402
+from ster_dist.config import MoEConfig  # noqa: E402
 from ster_dist.load import load_model  # noqa: E402
+from ster_dist.moe.experts import Experts  # noqa: E402
+from ster_dist.parallel.ctx import ParallelCtx  # noqa: E402
 from ster_dist.resolve import resolve  # noqa: E402
 from tests.moe_probe import DispatchProbe  # noqa: E402  (counts on the ranks what dispatch moves)
 
@@ -76,6 +91,21 @@ def decode_rates(runs: dict, batch: int, new_tokens: int, repeats: int) -> dict:
             best[name] = [min(best[name][0], long), min(best[name][1], short), tokens]
     return {name: (batch * (new_tokens - 1) / max(long - short, 1e-9), tokens)
             for name, (long, short, tokens) in best.items()}
+
+
+def paired_decode_ratio(base, other, new_tokens: int, repeats: int) -> float:
+    """The median over repeats of other's decode rate over base's, each repeat timing the two back to
+    back (N tokens minus one token, as decode_rates does): on a shared machine the best-of rates can
+    come from quiet moments of different lengths, a pair shares its moment."""
+    ratios = []
+    for _ in range(repeats):
+        seconds = []
+        for run in (base, other):
+            long, _ = _timed(lambda run=run: run(new_tokens))
+            short, _ = _timed(lambda run=run: run(1))
+            seconds.append(max(long - short, 1e-9))
+        ratios.append(seconds[0] / seconds[1])
+    return statistics.median(ratios)
 
 
 def _timed(fn):
@@ -116,6 +146,131 @@ def record_routing(model) -> list[torch.Tensor]:
     return seen
 
 
+# ---- the experts' A/B: the per-expert loop, the grouped computation, gathered weights ------------
+
+def loop_forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """Experts.forward as it was before the grouped computation: a Python loop over experts, one
+    F.linear per expert per projection, after a bincount(...).tolist() host sync."""
+    out = x.new_empty((x.shape[0], self.down.shape[1]))
+    if x.shape[0] == 0:
+        return out
+    order = torch.argsort(local_ids, stable=True)
+    counts = torch.bincount(local_ids, minlength=self.local).tolist()
+    grouped = x[order]
+    results = torch.empty_like(out)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = grouped[start:start + count]
+            gate = F.linear(rows, self.gate[e], None if self.gate_bias is None else self.gate_bias[e])
+            up = F.linear(rows, self.up[e], None if self.up_bias is None else self.up_bias[e])
+            if self.clamped:
+                gate = gate.clamp(max=self.limit)
+                h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            else:
+                h = self.act(gate) * up
+            bias = self.down_bias[e] if self.down_bias is not None and self.add_down_bias else None
+            results[start:start + count] = F.linear(h, self.down[e], bias)
+            start += count
+    out[order] = results
+    return out
+
+
+def _with_threshold(gather_bytes: int):
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        threshold, self.gather_bytes = self.gather_bytes, gather_bytes
+        try:
+            return Experts.forward(self, x, local_ids)
+        finally:
+            self.gather_bytes = threshold
+    return forward
+
+
+# Experts.forward held to one branch of its size rule: grouped_mm at every row count, or each row's
+# expert weights gathered (copied) into one bmm per projection at every row count
+grouped_forward = _with_threshold(0)
+gathered_forward = _with_threshold(1 << 62)
+
+
+class loop_experts:
+    """Within the block every Experts module runs loop_forward (the class attribute is swapped)."""
+
+    def __enter__(self):
+        self.grouped = Experts.forward
+        Experts.forward = loop_forward
+
+    def __exit__(self, *exc):
+        Experts.forward = self.grouped
+
+
+def experts_ab(args, repeats: int) -> list[dict]:
+    """Per step (every layer's experts once) at decode and prefill rows: ms of each variant (best of
+    `repeats`) and the ratios to grouped (the median over repeats of each repeat's ratio: the variants
+    run back to back within a repeat, so load from other processes hits a pair alike). The layers
+    hold separate weights so each step streams them from memory as a decode step does."""
+    dtype = common.DTYPES[args.dtype]
+    moe = MoEConfig(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.expert_width)
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        experts = Experts(moe, args.hidden, "silu", ParallelCtx())
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        layers.append(experts.to(dtype))
+    variants = {"loop": loop_forward, "grouped": grouped_forward, "gathered": gathered_forward}
+    table = []
+    for tokens in (1, 2, 4, 8, 256):
+        rows = tokens * args.top_k
+        x = torch.randn(rows, args.hidden, generator=gen).to(dtype)
+        ids = torch.randint(0, args.experts, (rows,), generator=gen)
+        chosen = {k: f for k, f in variants.items() if k != "gathered" or tokens <= 8}
+        times: dict[str, list[float]] = {name: [] for name in chosen}
+        with torch.inference_mode():
+            reference = loop_forward(layers[0], x, ids)
+            for name, forward in chosen.items():
+                torch.testing.assert_close(forward(layers[0], x, ids), reference, rtol=2e-2, atol=2e-2)
+            for _ in range(repeats if tokens <= 8 else max(1, repeats // 2)):
+                for name, forward in chosen.items():
+                    start = time.perf_counter()
+                    for layer in layers:
+                        forward(layer, x, ids)
+                    times[name].append(time.perf_counter() - start)
+        over = {name: statistics.median(a / g for a, g in zip(t, times["grouped"])) for name, t in times.items()}
+        table.append({"tokens": tokens, "rows": rows, "rule": layers[0].branch(x), "ms": {k: min(t) * 1e3 for k, t in times.items()},
+                      "loop_over_grouped": over["loop"], "gathered_over_grouped": over.get("gathered")})
+    return table
+
+
+def print_experts_ab(table: list[dict], layers: int) -> None:
+    print(f"experts alone, ms per step ({layers} layers, best of repeats; ratios: median of paired repeats):")
+    print(f"  {'tokens':>6} {'rows':>5} {'loop':>9} {'grouped':>9} {'gathered':>9} {'loop/grouped':>13} "
+          f"{'gathered/grouped':>17}  size rule picks")
+    for r in table:
+        ms, g = r["ms"], r["gathered_over_grouped"]
+        print(f"  {r['tokens']:>6} {r['rows']:>5} {ms['loop']:>9.2f} {ms['grouped']:>9.2f} "
+              f"{ms.get('gathered', float('nan')):>9.2f} {r['loop_over_grouped']:>13.2f} "
+              f"{'-' if g is None else f'{g:.2f}':>17}  {r['rule']}")
+
+
+def report_ab(args, results: dict, paired: float, table: list[dict], load_before: float) -> int:
+    """--ab-only's report: the decode rates and ratios, the experts-alone table; fails if the two
+    greedy decodes differ."""
+    loop, grouped = results["ster_ep1_loop"], results["ster_ep1"]
+    print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads), best of repeats")
+    print(f"  ster_ep1_loop {loop[0]:9.1f}\n  ster_ep1      {grouped[0]:9.1f}   x{grouped[0] / loop[0]:.2f} grouped over loop")
+    print(f"  grouped over loop, median of {args.repeats} paired repeats: x{paired:.2f}")
+    print_experts_ab(table, args.layers)
+    print(f"greedy tokens equal, grouped and loop: {loop[1] == grouped[1]}")
+    print(f"1-minute load average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
+    print(json.dumps({"shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers",
+                                                               "dtype", "batch", "new_tokens", "threads")},
+                      "decode_tok_s": {"ster_ep1_loop": loop[0], "ster_ep1": grouped[0]},
+                      "grouped_over_loop_decode": grouped[0] / loop[0], "grouped_over_loop_decode_paired": paired,
+                      "experts_ab": table, "greedy_tokens_equal": loop[1] == grouped[1]}))
+    return 0 if loop[1] == grouped[1] or args.dtype != "f32" else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -133,6 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="8 experts, hidden 256, 4 layers, 12 new tokens")
     p.add_argument("--model-dir", type=Path, default=None, help="reuse (or build once) a checkpoint directory")
+    p.add_argument("--ab-only", action="store_true",
+                   help="only the experts' A/B: ster_ep1 grouped against its per-expert loop, then the experts alone")
     args = p.parse_args(argv)
     if args.quick:
         args.experts, args.hidden, args.expert_width, args.layers, args.new_tokens = 8, 256, 256, 4, 12
@@ -146,6 +303,21 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
 
     # ---- engines ------------------------------------------------------------------------------
+    one = load_model(checkpoint, args.dtype)
+
+    def run_ep1(n):
+        return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
+
+    def run_ep1_loop(n):
+        with loop_experts():
+            return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
+
+    if args.ab_only:
+        results = decode_rates({"ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1}, args.batch, args.new_tokens,
+                               args.repeats)
+        paired = paired_decode_ratio(run_ep1_loop, run_ep1, args.new_tokens, args.repeats)
+        return report_ab(args, results, paired, experts_ab(args, args.repeats), load_before)
+
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=common.DTYPES[args.dtype]).eval()
@@ -157,11 +329,6 @@ def main(argv=None) -> int:
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         return out[:, ids.shape[1]:].tolist()
 
-    one = load_model(checkpoint, args.dtype)
-
-    def run_ep1(n):
-        return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
-
     from ster_dist.workers.spawn import SpawnGroup
 
     with SpawnGroup(2, threads=max(1, args.threads // 2), ep=2) as group:
@@ -170,8 +337,8 @@ def main(argv=None) -> int:
         def run_ep2(n):
             return group.call("generate", prompts, Sampling(max_new_tokens=n), (), 0)[0]
 
-        results = decode_rates({"transformers": run_hf, "ster_ep1": run_ep1, "ster_ep2": run_ep2}, args.batch,
-                               args.new_tokens, args.repeats)
+        results = decode_rates({"transformers": run_hf, "ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1,
+                                "ster_ep2": run_ep2}, args.batch, args.new_tokens, args.repeats)
         # traffic of one decode run at EP=2, counted by the ranks
         group.on(DispatchProbe).reset()
         run_ep2(args.new_tokens)
@@ -197,13 +364,16 @@ def main(argv=None) -> int:
         projected.append({"ep": ep, "pairs_away_fraction": fraction, "all_to_all": 2 * per_token * row,
                           "share_gather": (ep - 1) * row, "all_gather_alternative": 2 * (ep - 1) * row})
 
+    ab = experts_ab(args, args.repeats)
     tokens_equal = results["ster_ep1"][1] == results["ster_ep2"][1] == results["transformers"][1]
     report = {
         "shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers", "vocab",
                                                 "dtype", "batch", "prompt_len", "new_tokens", "threads")},
         "decode_tok_s": {name: rate for name, (rate, _) in results.items()},
         "ratio_over_transformers": {name: results[name][0] / results["transformers"][0]
-                                    for name in ("ster_ep1", "ster_ep2")},
+                                    for name in ("ster_ep1_loop", "ster_ep1", "ster_ep2")},
+        "grouped_over_loop_decode": results["ster_ep1"][0] / results["ster_ep1_loop"][0],
+        "experts_ab": ab,
         "greedy_tokens_equal": tokens_equal,
         "bytes_per_token_per_moe_layer": {"measured": measured, "projected": projected},
         "loadavg_before_after": [load_before, os.getloadavg()[0]],
@@ -211,6 +381,9 @@ def main(argv=None) -> int:
     print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads in all)")
     for name, (rate, _) in results.items():
         print(f"  {name:13s} {rate:9.1f}   x{rate / results['transformers'][0]:.2f} of Transformers")
+    print(f"grouped experts over the per-expert loop, ster_ep1 decode: "
+          f"x{results['ster_ep1'][0] / results['ster_ep1_loop'][0]:.2f}")
+    print_experts_ab(ab, args.layers)
     print(f"greedy tokens equal across the three: {tokens_equal}")
     print("bytes per token per MoE layer (hidden x dtype = %d B):" % row)
     print(f"  {'ep':>3} {'pairs away':>10} {'all-to-all':>11} {'share gather':>13} {'all-gather alt.':>16}")

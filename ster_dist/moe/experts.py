@@ -1,13 +1,40 @@
 """This rank's experts, stacked: gate and up [local experts, intermediate share, hidden], down
-[local experts, hidden, intermediate share], and GPT-OSS's biases.
+[local experts, hidden, intermediate share], and GPT-OSS's biases; and the one grouped computation
+that runs every row through its expert.
 
 Experts are split in contiguous blocks over the expert-parallel group; within
 each expert the matrices are split over the tensor-parallel group like a dense
 feed-forward (gate/up by output rows, down by input columns), so the output is
 a partial sum the MoE layer all-reduces once, together with the shared experts.
+
+Rows are sorted by expert and each projection is one `grouped_mm` over the
+stacked weights with the running row counts as offsets: no per-expert Python
+loop and no host sync (the offsets stay a tensor). The size rule, measured with
+`bench/moe.py --ab-only` (the loop, grouped and gathered variants interleaved):
+- grouped_mm by default, at decode's handful of rows and prefill's hundreds
+  alike: it reads each selected expert's weights once, as the per-expert loop
+  did, without the loop's Python overhead per expert or its host sync. At
+  16 experts of 512 x 512 (f32, one thread) it ran the experts 1.1-1.2x as
+  fast as the loop from 8 rows up, 1.05-1.1x at prefill, about even at 4 rows
+  and 0.8-0.95x at 2: torch's CPU grouped_mm walks every group (a slice, an
+  offset read and an mm each, empty or not), which costs more than the loop's
+  Python for one or two busy experts. Kept there for the missing host sync.
+- Gathering each row's expert weights into one bmm per projection, while the
+  rows are few and the experts small: rows x one expert's three matrices at
+  most GATHER_BYTES x local experts. grouped_mm's CPU kernel spends about
+  1.5 us on every group, empty or not, per projection, which tiny experts at
+  decode feel (64 local experts of 128 x 64 at 8 rows: gathered 0.7x the time);
+  the gather copies what it reads, so once the copy outweighs the empty groups
+  it loses, 3-5x at 16 experts of 512 x 512 for 2-16 rows.
+- grouped_mm refuses strides that are not multiples of 16 bytes (an odd
+  hidden size or intermediate share: tiny test models, uneven TP shares);
+  past the gather's size those layouts run the per-expert loop, which takes
+  any shape.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +43,15 @@ from ster_dist.config import MoEConfig
 from ster_dist.layers.activation import activation
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ShardedModule
+
+# rows [m, in] and a stacked weight [experts, out, in] -> each row times its expert's weight, [m, out]
+Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUPED_ALIGN = 16  # bytes: grouped_mm's rule for every non-unit stride of its operands and output
+# the gather copies rows x an expert's three matrices; grouped_mm pays ~3 x 1.5 us per local expert: at a
+# few GB/s the two cross near 10-20 KiB of copy per local expert (the module docstring's measurements)
+GATHER_BYTES = 16 * 1024
 
 
 class Experts(ShardedModule):
@@ -39,31 +75,83 @@ class Experts(ShardedModule):
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.act = activation(hidden_act)
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
+        self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
-        out = x.new_empty((x.shape[0], self.down.shape[1]))
         if x.shape[0] == 0:
-            return out
+            return x.new_empty((0, self.down.shape[1]))
+        branch = self.branch(x)
+        if branch == "gathered":
+            return self._mlp(x, local_ids, self._gathered(local_ids))
         order = torch.argsort(local_ids, stable=True)
-        counts = torch.bincount(local_ids, minlength=self.local).tolist()
-        grouped = x[order]
-        results = torch.empty_like(out)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                results[start:start + count] = self._expert(e, grouped[start:start + count])
-                start += count
-        out[order] = results
+        ids = local_ids[order]
+        # expert e's rows are [ends[e-1], ends[e]); searchsorted, unlike bincount, sizes its output
+        # without reading the ids on the host (bincount on CUDA syncs for their maximum)
+        experts = torch.arange(self.local, device=ids.device, dtype=ids.dtype)
+        ends = torch.searchsorted(ids, experts, right=True, out_int32=True)
+        project = self._grouped(ends) if branch == "grouped" else self._per_expert(ends)
+        y = self._mlp(x[order], ids, project)
+        out = torch.empty_like(y)
+        out[order] = y
         return out
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate = F.linear(x, self.gate[e], None if self.gate_bias is None else self.gate_bias[e])
-        up = F.linear(x, self.up[e], None if self.up_bias is None else self.up_bias[e])
+    def branch(self, x: torch.Tensor) -> str:
+        """The size rule (module docstring): "gathered", "grouped" or "per_expert" for these rows."""
+        matrices = (self.gate, self.up, self.down)
+        expert_bytes = sum(w[0].numel() for w in matrices) * x.element_size()
+        if x.shape[0] * expert_bytes <= self.local * self.gather_bytes:
+            return "gathered"
+        return "grouped" if self.groupable(x) else "per_expert"
+
+    def groupable(self, x: torch.Tensor) -> bool:
+        """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride of
+        its operands and outputs a multiple of 16 bytes (the rows and outputs are contiguous [rows,
+        hidden or inner share]; each weight is read transposed, so its two outer strides count)."""
+        if x.device.type not in ("cpu", "cuda"):
+            return False
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False  # grouped_mm's CUDA kernels start at SM80
+        weights = (self.gate, self.up, self.down)
+        if x.dtype not in GROUPED_DTYPES or any(w.dtype != x.dtype or w.stride(-1) != 1 for w in weights):
+            return False
+        strides = [self.gate.shape[1], self.down.shape[1], *(s for w in weights for s in w.stride()[:2])]
+        return all(s * x.element_size() % GROUPED_ALIGN == 0 for s in strides)
+
+    def _mlp(self, x: torch.Tensor, ids: torch.Tensor, project: Project) -> torch.Tensor:
+        """The experts' feed-forward on rows (ids [rows]: each row's expert, in the order project wants)."""
+        gate, up = project(x, self.gate), project(x, self.up)
+        if self.gate_bias is not None:
+            gate, up = gate + self.gate_bias[ids], up + self.up_bias[ids]
         if self.clamped:  # GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
             gate = gate.clamp(max=self.limit)
             h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
         else:
             h = self.act(gate) * up
-        bias = self.down_bias[e] if self.down_bias is not None and self.add_down_bias else None
-        return F.linear(h, self.down[e], bias)
+        y = project(h, self.down)
+        if self.down_bias is not None and self.add_down_bias:
+            y = y + self.down_bias[ids]
+        return y
+
+    @staticmethod
+    def _gathered(ids: torch.Tensor) -> Project:
+        return lambda rows, weight: torch.bmm(weight[ids], rows.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def _grouped(ends: torch.Tensor) -> Project:
+        return lambda rows, weight: F.grouped_mm(rows, weight.transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def _per_expert(ends: torch.Tensor) -> Project:
+        bounds = ends.tolist()  # a host sync, on the layouts grouped_mm refuses only
+
+        def project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            out = rows.new_empty((rows.shape[0], weight.shape[1]))
+            start = 0
+            for e, stop in enumerate(bounds):
+                if stop > start:
+                    torch.mm(rows[start:stop], weight[e].t(), out=out[start:stop])
+                start = stop
+            return out
+
+        return project

@@ -1,0 +1,113 @@
+"""The grouped experts (ster_dist/moe/experts.py) against a plain per-expert reference written here:
+random routing that leaves experts empty, one row, many rows, f32 and bf16, GPT-OSS's biases and
+clamped SwiGLU, TP rank 0 (adds the down bias) and rank 1 (does not), on every branch of the size
+rule: the gathered bmm, grouped_mm where its 16-byte stride rule holds, the per-expert loop where it
+does not. Each branch is reached at every row count by setting the module's gather threshold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ster_dist.config import MoEConfig
+from ster_dist.moe.experts import Experts
+from ster_dist.parallel.ctx import ParallelCtx
+
+ALIGNED = (64, 48)     # hidden, expert width: every stride a multiple of 16 bytes in f32 and bf16
+MISALIGNED = (36, 21)  # 21 values are 84 (f32) or 42 (bf16) bytes: grouped_mm refuses, the loop runs
+
+
+def _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=0, seed=0) -> Experts:
+    moe = MoEConfig(num_experts=num, top_k=2, intermediate_size=inner, expert_bias=biased,
+                    activation="clamped_swiglu" if clamped else "glu", swiglu_limit=1.5)
+    experts = Experts(moe, hidden, "silu", ParallelCtx(tp_rank=tp_rank))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return experts.to(dtype)
+
+
+def _reference(experts: Experts, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row by row, in f32: gate/up, the activation, down, the biases where the module has them."""
+    out = []
+    for row, e in zip(x.float(), ids.tolist()):
+        gate, up = experts.gate[e].float() @ row, experts.up[e].float() @ row
+        if experts.gate_bias is not None:
+            gate, up = gate + experts.gate_bias[e].float(), up + experts.up_bias[e].float()
+        if experts.clamped:
+            gate = gate.clamp(max=experts.limit)
+            h = (up.clamp(-experts.limit, experts.limit) + 1) * gate * torch.sigmoid(experts.alpha * gate)
+        else:
+            h = F.silu(gate) * up
+        y = experts.down[e].float() @ h
+        if experts.down_bias is not None and experts.add_down_bias:
+            y = y + experts.down_bias[e].float()
+        out.append(y)
+    return torch.stack(out) if out else x.new_zeros((0, experts.down.shape[1])).float()
+
+
+# branch -> (hidden, expert width, gather threshold per local expert)
+BRANCHES = {"gathered": (*ALIGNED, 1 << 30), "grouped": (*ALIGNED, 0), "per_expert": (*MISALIGNED, 0),
+            "gathered_misaligned": (*MISALIGNED, 1 << 30)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("branch", sorted(BRANCHES))
+@pytest.mark.parametrize("rows", [0, 1, 3, 200])
+@pytest.mark.parametrize("kind", ["glu", "gpt_oss_rank0", "gpt_oss_rank1"])
+def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
+    hidden, inner, gather_bytes = BRANCHES[branch]
+    num = 8
+    biased = clamped = kind != "glu"
+    experts = _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=1 if kind == "gpt_oss_rank1" else 0)
+    experts.gather_bytes = gather_bytes
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    # routing over 5 of the 8 experts (three stay empty), shuffled as dispatch from several ranks leaves it
+    ids = torch.randint(1, 6, (rows,), generator=torch.Generator().manual_seed(rows + 1))
+    if rows:
+        assert experts.branch(x) == branch.removesuffix("_misaligned")
+    with torch.inference_mode():
+        got = experts(x, ids)
+    want = _reference(experts, x, ids)
+    assert got.shape == (rows, hidden) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    scale = max(1.0, float(want.abs().max())) if rows else 1.0
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * scale)
+
+
+def test_the_size_rule_gathers_few_rows_of_small_experts_only():
+    """The default threshold: one row of 64-wide experts gathers, a decode step of 512 x 512 experts
+    (the bench's) and prefill rows do not."""
+    small = _experts(*ALIGNED, 8, torch.float32, biased=False, clamped=False)
+    wide = _experts(512, 512, 4, torch.float32, biased=False, clamped=False)
+    assert small.branch(torch.zeros(1, ALIGNED[0])) == "gathered"
+    assert small.branch(torch.zeros(200, ALIGNED[0])) == "grouped"
+    assert wide.branch(torch.zeros(1, 512)) == "grouped"
+
+
+def test_every_expert_empty_but_one_and_all_experts_busy():
+    experts = _experts(*ALIGNED, 4, torch.float32, biased=True, clamped=False)
+    experts.gather_bytes = 0
+    x = torch.randn(64, ALIGNED[0], generator=torch.Generator().manual_seed(5))
+    for ids in (torch.full((64,), 3), torch.arange(64) % 4):
+        with torch.inference_mode():
+            torch.testing.assert_close(experts(x, ids), _reference(experts, x, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_strided_weight_view_is_judged_by_its_strides():
+    """A gate that is a view into a wider tensor (a fused gate/up, say) is grouped when its strides
+    allow, and falls back when they do not."""
+    experts = _experts(*ALIGNED, 4, torch.float32, biased=False, clamped=False)
+    experts.gather_bytes = 0
+    x = torch.randn(5, ALIGNED[0])
+    ids = torch.tensor([0, 2, 2, 3, 0])
+    want = _reference(experts, x, ids)
+    for pad in (4, 1):  # 4 f32 columns keep 16-byte strides, 1 does not
+        wide = torch.zeros(4, ALIGNED[1], ALIGNED[0] + pad)
+        wide[..., :ALIGNED[0]] = experts.gate.data
+        experts.gate.data = wide[..., :ALIGNED[0]]
+        assert experts.branch(x) == ("grouped" if pad == 4 else "per_expert")
+        with torch.inference_mode():
+            torch.testing.assert_close(experts(x, ids), want, rtol=1e-4, atol=1e-4)
