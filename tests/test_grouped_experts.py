@@ -48,9 +48,9 @@ def _reference(experts: Experts, x: torch.Tensor, ids: torch.Tensor) -> torch.Te
     return torch.stack(out) if out else x.new_zeros((0, experts.down.shape[1])).float()
 
 
-# branch -> (hidden, expert width, gather threshold per local expert)
-BRANCHES = {"gathered": (*ALIGNED, 1 << 30), "grouped": (*ALIGNED, 0), "per_expert": (*MISALIGNED, 0),
-            "gathered_misaligned": (*MISALIGNED, 1 << 30)}
+# branch -> (hidden, expert width, gather threshold per local expert, rows a CPU runs expert by expert)
+BRANCHES = {"gathered": (*ALIGNED, 1 << 30, 0), "grouped": (*ALIGNED, 0, 0), "per_expert": (*MISALIGNED, 0, 0),
+            "gathered_misaligned": (*MISALIGNED, 1 << 30, 0), "per_expert_few": (*ALIGNED, 0, 1 << 30)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -58,16 +58,16 @@ BRANCHES = {"gathered": (*ALIGNED, 1 << 30), "grouped": (*ALIGNED, 0), "per_expe
 @pytest.mark.parametrize("rows", [0, 1, 3, 200])
 @pytest.mark.parametrize("kind", ["glu", "gpt_oss_rank0", "gpt_oss_rank1"])
 def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
-    hidden, inner, gather_bytes = BRANCHES[branch]
+    hidden, inner, gather_bytes, few_rows = BRANCHES[branch]
     num = 8
     biased = clamped = kind != "glu"
     experts = _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=1 if kind == "gpt_oss_rank1" else 0)
-    experts.gather_bytes = gather_bytes
+    experts.gather_bytes, experts.few_rows = gather_bytes, few_rows
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(dtype)
     # routing over 5 of the 8 experts (three stay empty), shuffled as dispatch from several ranks leaves it
     ids = torch.randint(1, 6, (rows,), generator=torch.Generator().manual_seed(rows + 1))
     if rows:
-        assert experts.branch(x) == branch.removesuffix("_misaligned")
+        assert experts.branch(x) == branch.removesuffix("_misaligned").removesuffix("_few")
     with torch.inference_mode():
         got = experts(x, ids)
     want = _reference(experts, x, ids)
@@ -78,13 +78,14 @@ def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
 
 
 def test_the_size_rule_gathers_few_rows_of_small_experts_only():
-    """The default threshold: one row of 64-wide experts gathers, a decode step of 512 x 512 experts
-    (the bench's) and prefill rows do not."""
+    """The default thresholds: one row of 64-wide experts gathers; a CPU decode step of 512 x 512 experts
+    (the bench's) runs expert by expert through dense, and prefill rows are grouped."""
     small = _experts(*ALIGNED, 8, torch.float32, biased=False, clamped=False)
     wide = _experts(512, 512, 4, torch.float32, biased=False, clamped=False)
     assert small.branch(torch.zeros(1, ALIGNED[0])) == "gathered"
     assert small.branch(torch.zeros(200, ALIGNED[0])) == "grouped"
-    assert wide.branch(torch.zeros(1, 512)) == "grouped"
+    assert wide.branch(torch.zeros(1, 512)) == "per_expert"
+    assert wide.branch(torch.zeros(200, 512)) == "grouped"
 
 
 def test_every_expert_empty_but_one_and_all_experts_busy():
@@ -100,7 +101,7 @@ def test_a_strided_weight_view_is_judged_by_its_strides():
     """A gate that is a view into a wider tensor (a fused gate/up, say) is grouped when its strides
     allow, and falls back when they do not."""
     experts = _experts(*ALIGNED, 4, torch.float32, biased=False, clamped=False)
-    experts.gather_bytes = 0
+    experts.gather_bytes = experts.few_rows = 0
     x = torch.randn(5, ALIGNED[0])
     ids = torch.tensor([0, 2, 2, 3, 0])
     want = _reference(experts, x, ids)

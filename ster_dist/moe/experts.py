@@ -26,6 +26,11 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   decode feel (64 local experts of 128 x 64 at 8 rows: gathered 0.7x the time);
   the gather copies what it reads, so once the copy outweighs the empty groups
   it loses, 3-5x at 16 experts of 512 x 512 for 2-16 rows.
+- On a CPU, a decode's few rows (at most SPLIT_ROWS_MAX) run the per-expert
+  loop through `dense`, whose row-block batched product streams each busy
+  expert's f32 weights on every thread (parallel/linear.py): grouped_mm's CPU
+  kernel runs one mm per group, and reading the counts costs nothing where
+  there is no device to wait for.
 - grouped_mm refuses strides that are not multiples of 16 bytes (an odd
   hidden size or intermediate share: tiny test models, uneven TP shares);
   past the gather's size those layouts run the per-expert loop, which takes
@@ -42,7 +47,7 @@ import torch.nn.functional as F
 from ster_dist.config import MoEConfig
 from ster_dist.layers.activation import activation
 from ster_dist.parallel.ctx import ParallelCtx, Shard
-from ster_dist.parallel.linear import ShardedModule
+from ster_dist.parallel.linear import SPLIT_ROWS_MAX, ShardedModule, dense
 
 # rows [m, in] and a stacked weight [experts, out, in] -> each row times its expert's weight, [m, out]
 Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,6 +81,7 @@ class Experts(ShardedModule):
         self.act = activation(hidden_act)
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
         self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
+        self.few_rows = SPLIT_ROWS_MAX  # on a CPU, at most this many rows run expert by expert through dense
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
@@ -102,6 +108,8 @@ class Experts(ShardedModule):
         expert_bytes = sum(w[0].numel() for w in matrices) * x.element_size()
         if x.shape[0] * expert_bytes <= self.local * self.gather_bytes:
             return "gathered"
+        if x.device.type == "cpu" and x.shape[0] <= self.few_rows:
+            return "per_expert"
         return "grouped" if self.groupable(x) else "per_expert"
 
     def groupable(self, x: torch.Tensor) -> bool:
@@ -143,14 +151,14 @@ class Experts(ShardedModule):
 
     @staticmethod
     def _per_expert(ends: torch.Tensor) -> Project:
-        bounds = ends.tolist()  # a host sync, on the layouts grouped_mm refuses only
+        bounds = ends.tolist()  # a host sync where there is a device: on the layouts grouped_mm refuses only
 
         def project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             out = rows.new_empty((rows.shape[0], weight.shape[1]))
             start = 0
             for e, stop in enumerate(bounds):
                 if stop > start:
-                    torch.mm(rows[start:stop], weight[e].t(), out=out[start:stop])
+                    out[start:stop] = dense(rows[start:stop], weight[e])
                 start = stop
             return out
 
