@@ -17,6 +17,8 @@ GENERIC_KEYS: dict[str, str] = {
                       "attention_out_bias says otherwise); default false",
     "attention_out_bias": "the attention output projection is biased; default: attention_bias",
     "mlp_bias": "the dense feed-forward's projections are biased; default false",
+    "mlp_down_bias": "the dense feed-forward's down projection is biased; default: mlp_bias (TeleChat biases it "
+                     "alone)",
     "lm_head_bias": "the head is biased; default false",
     "use_qk_norm": "the family's query/key norms (AttentionSpec.qk_norm) are applied; default true",
     "use_post_norm": "a norm over each sublayer's output; default NormSpec.post",
