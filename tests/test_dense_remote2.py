@@ -7,7 +7,8 @@ biases (its key_value rows interleaved per key-value head), TeleChat3 is Llama w
 0.07 ln(factor) + 1 (passed to Transformers as attention_factor, the checkpoint stating telechat3-yarn),
 TeleFLM is Llama with its embeddings and logits multiplied here, MiMo is Qwen2 beside random MTP tensors,
 openPangu-Embedded without sandwich_norm is Llama with every attention projection biased. openPangu-Embedded
-under sandwich_norm has no Transformers counterpart, so a plain-torch forward below is its reference.
+under sandwich_norm and Nanbeige (a looped model: its stored layers run num_loops times) have no Transformers
+counterpart, so a plain-torch forward below is their reference.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
@@ -38,8 +39,9 @@ SIZES = dict(vocab_size=384, hidden_size=32, intermediate_size=48, num_hidden_la
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
 YARN = {"rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 MUP = {"use_mup": True, "input_mult": 3.0, "output_mult": 2.0, "mup_scale_factor": 4.0}
-VARIANTS = ("telechat", "telechat3", "TeleFLM", "mimo", "PanguEmbedded", "PanguEmbedded-sandwich")
-FAMILIES = ("telechat", "telechat3", "TeleFLM", "mimo", "PanguEmbedded")
+VARIANTS = ("telechat", "telechat3", "TeleFLM", "mimo", "PanguEmbedded", "PanguEmbedded-sandwich", "nanbeige",
+            "nanbeige-skip-norm")
+FAMILIES = ("telechat", "telechat3", "TeleFLM", "mimo", "PanguEmbedded", "nanbeige")
 
 
 @dataclass
@@ -119,10 +121,13 @@ def _plain_llama(model, config: dict) -> tuple[dict, dict]:
     return _state(model), config
 
 
-def _sandwich_forward(state: dict, ids: torch.Tensor) -> torch.Tensor:
-    """openPangu-Embedded under sandwich_norm, from seeds/000: Llama's block with biased attention projections
-    and mlp_bias, attention's output normed by post_attention_layernorm, the feed-forward reading
-    pre_mlp_layernorm and its output normed by post_mlp_layernorm."""
+def _plain_forward(state: dict, ids: torch.Tensor, sandwich: bool = False, loops: int = 1,
+                   pass_norm: bool = False) -> torch.Tensor:
+    """Llama's block written out, with what seeds/000 adds. openPangu-Embedded under sandwich_norm: biased
+    attention projections and mlp_bias, attention's output normed by post_attention_layernorm, the feed-forward
+    reading pre_mlp_layernorm and its output normed by post_mlp_layernorm. Nanbeige: each head's query and key
+    RMS-normed by q_layernorm and k_layernorm before the rotation, the stored layers run `loops` times, the
+    final norm closing every pass under `pass_norm`."""
     heads, kv, hd, eps = 4, 2, 8, SIZES["rms_norm_eps"]
 
     def rms(x, name):
@@ -140,25 +145,33 @@ def _sandwich_forward(state: dict, ids: torch.Tensor) -> torch.Tensor:
         half = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1)
         return x * cos + half * sin
 
+    def heads_of(x, name, count):
+        x = linear(x, name).view(b, t, count, hd)
+        norm = name.replace("_proj", "_layernorm")
+        return (rms(x, norm) if f"{norm}.weight" in state else x).transpose(1, 2)
+
     h = state["model.embed_tokens.weight"][ids]
-    for i in range(SIZES["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        x = rms(h, f"{p}input_layernorm")
-        q = rotate(linear(x, f"{p}self_attn.q_proj").view(b, t, heads, hd).transpose(1, 2))
-        k = rotate(linear(x, f"{p}self_attn.k_proj").view(b, t, kv, hd).transpose(1, 2))
-        v = linear(x, f"{p}self_attn.v_proj").view(b, t, kv, hd).transpose(1, 2)
-        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        a = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * hd)
-        h = h + rms(linear(a, f"{p}self_attn.o_proj"), f"{p}post_attention_layernorm")
-        x = rms(h, f"{p}pre_mlp_layernorm")
-        m = linear(F.silu(linear(x, f"{p}mlp.gate_proj")) * linear(x, f"{p}mlp.up_proj"), f"{p}mlp.down_proj")
-        h = h + rms(m, f"{p}post_mlp_layernorm")
+    for loop in range(loops):
+        for i in range(SIZES["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            x = rms(h, f"{p}input_layernorm")
+            q = rotate(heads_of(x, f"{p}self_attn.q_proj", heads))
+            k = rotate(heads_of(x, f"{p}self_attn.k_proj", kv))
+            v = linear(x, f"{p}self_attn.v_proj").view(b, t, kv, hd).transpose(1, 2)
+            k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+            scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            a = linear((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * hd), f"{p}self_attn.o_proj")
+            h = h + (rms(a, f"{p}post_attention_layernorm") if sandwich else a)
+            x = rms(h, f"{p}pre_mlp_layernorm" if sandwich else f"{p}post_attention_layernorm")
+            m = linear(F.silu(linear(x, f"{p}mlp.gate_proj")) * linear(x, f"{p}mlp.up_proj"), f"{p}mlp.down_proj")
+            h = h + (rms(m, f"{p}post_mlp_layernorm") if sandwich else m)
+        if pass_norm and loop < loops - 1:
+            h = rms(h, "model.norm")
     return linear(rms(h, "model.norm"), "lm_head")
 
 
-def _sandwich_state() -> dict[str, torch.Tensor]:
+def _random_state(sandwich: bool = False, biased: bool = False, qk_norm: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     hidden, inner, hd = SIZES["hidden_size"], SIZES["intermediate_size"], 8
 
@@ -167,15 +180,22 @@ def _sandwich_state() -> dict[str, torch.Tensor]:
 
     state = {"model.embed_tokens.weight": r(384, hidden, scale=1.0), "model.norm.weight": r(hidden, base=1.0),
              "lm_head.weight": r(384, hidden)}
+    norms = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_mlp_layernorm", "post_mlp_layernorm") if sandwich else ())
     for i in range(SIZES["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for name, rows, cols in (("self_attn.q_proj", 4 * hd, hidden), ("self_attn.k_proj", 2 * hd, hidden),
                                  ("self_attn.v_proj", 2 * hd, hidden), ("self_attn.o_proj", hidden, 4 * hd),
                                  ("mlp.gate_proj", inner, hidden), ("mlp.up_proj", inner, hidden),
                                  ("mlp.down_proj", hidden, inner)):
-            state[f"{p}{name}.weight"], state[f"{p}{name}.bias"] = r(rows, cols), r(rows)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"):
+            state[f"{p}{name}.weight"] = r(rows, cols)
+            if biased:
+                state[f"{p}{name}.bias"] = r(rows)
+        for name in norms:
             state[f"{p}{name}.weight"] = r(hidden, base=1.0)
+        if qk_norm:
+            state[f"{p}self_attn.q_layernorm.weight"] = r(hd, base=1.0)
+            state[f"{p}self_attn.k_layernorm.weight"] = r(hd, base=1.0)
     return state
 
 
@@ -226,11 +246,17 @@ def make(variant: str, directory: Path) -> Reference:
         tensors = _state(model)
         config = _llama_config("PanguEmbedded", "PanguEmbeddedForCausalLM", mlp_bias=True, sandwich_norm=False)
         reference = Reference(lambda ids: model(ids).logits)
-    else:
-        tensors = _sandwich_state()
+    elif variant == "PanguEmbedded-sandwich":
+        tensors = _random_state(sandwich=True, biased=True)
         config = _llama_config("PanguEmbedded", "PanguEmbeddedForCausalLM", mlp_bias=True, qkv_bias=True,
                                sandwich_norm=True)
-        reference = Reference(lambda ids: _sandwich_forward(tensors, ids))
+        reference = Reference(lambda ids: _plain_forward(tensors, ids, sandwich=True))
+    else:  # nanbeige: two passes over the stored layers, the final norm between them unless skipped
+        skip = variant == "nanbeige-skip-norm"
+        tensors = _random_state(qk_norm=True)
+        config = _llama_config("nanbeige", "NanbeigeForCausalLM", qk_layernorm=True, num_loops=2,
+                               skip_loop_final_norm=skip)
+        reference = Reference(lambda ids: _plain_forward(tensors, ids, loops=2, pass_norm=not skip))
     (directory / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
     build_tiny_tokenizer(directory, vocab_size=SIZES["vocab_size"])
@@ -298,7 +324,7 @@ def test_tp2_equals_tp1(built):
                                                                                   eos), variant
 
 
-@pytest.mark.parametrize("variant", ["telechat", "PanguEmbedded-sandwich"])
+@pytest.mark.parametrize("variant", ["telechat", "PanguEmbedded-sandwich", "nanbeige"])
 def test_the_token_engine_answers_as_the_reference_does(built, variant):
     directory, reference, loaded = built[variant]
     prompt = "The quick brown fox jumps over the lazy dog."
@@ -308,6 +334,18 @@ def test_the_token_engine_answers_as_the_reference_does(built, variant):
     assert got["prompt_tokens"] == len(ids)
     assert got["text"] == Tokenizer.from_directory(directory).decode(
         [t for t in want if t not in loaded.cfg.eos_token_ids])
+
+
+@pytest.mark.parametrize("variant", ["nanbeige", "nanbeige-skip-norm"])
+def test_a_looped_model_counts_every_pass_and_holds_its_stored_weights_once(built, variant):
+    directory, _, loaded = built[variant]
+    stored = SIZES["num_hidden_layers"]
+    assert (loaded.cfg.num_layers, loaded.cfg.loop_layers) == (2 * stored, stored)
+    assert loaded.cfg.loop_pass_norm == (variant == "nanbeige")
+    tensors = load_file(str(directory / "model.safetensors"))
+    assert sum(p.numel() for p in loaded.model.parameters()) == sum(t.numel() for t in tensors.values())
+    second = loaded.model.layers[stored].token_mixer.q.weight
+    assert second is loaded.model.layers[0].token_mixer.q.weight
 
 
 def test_ster_families_lists_each_family_as_parity_checked_against_this_file():
@@ -323,6 +361,7 @@ def test_ster_families_lists_each_family_as_parity_checked_against_this_file():
     ("TeleFLM", {"output_mult": None}, "use_mup is set without output_mult"),
     ("TeleFLM", {"mup_scale_factor": 0}, "mup_scale_factor is 0"),
     ("telechat3", {"rope_scaling": {"rope_type": "telechat3-yarn", "factor": "big"}}, "telechat3-yarn states factor"),
+    ("nanbeige", {"num_loops": 0}, "num_loops is 0"),
 ])
 def test_what_these_families_cannot_state_is_refused_before_any_weight(built, tmp_path, variant, change, message):
     source = built[variant][0]

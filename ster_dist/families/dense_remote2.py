@@ -9,6 +9,9 @@
 - mimo: Qwen2 whose next-token-prediction layers (model.mtp_layers) are recognised and never read.
 - PanguEmbedded: Llama with biased attention projections (qkv_bias for query, key and value), mlp_bias, and
   under sandwich_norm a norm over each sublayer's output beside pre_mlp_layernorm before the feed-forward.
+- nanbeige: Llama with per-head q_layernorm and k_layernorm under qk_layernorm, a looped model whose stored
+  layers run num_loops times (num_hidden_layers counts every pass's), the final norm closing every pass unless
+  skip_loop_final_norm.
 
 ster_dist never runs their remote code: each is checked against the reference written in
 tests/test_dense_remote2.py from seeds/000's description (Transformers' Llama or Qwen2 on renamed weights
@@ -23,7 +26,7 @@ from dataclasses import replace
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.normalize import ConfigProblem, biases, stated, switch
 from ster_dist.families.qwen import QWEN_FAMILIES
-from ster_dist.families.spec import FamilySpec, Fused, Rule
+from ster_dist.families.spec import AttentionSpec, FamilySpec, Fused, QKNormSpec, Rule
 
 _REFERENCE = "tests/test_dense_remote2.py"
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
@@ -109,6 +112,18 @@ def _pangu(raw: dict) -> dict:
     return {**biases(raw, qkv, out=True, mlp=switch(raw, "mlp_bias")), "use_post_norm": switch(raw, "sandwich_norm")}
 
 
+def _nanbeige(raw: dict) -> dict:
+    """qk_layernorm as the generic query/key-norm switch; num_loops passes over the stored layers."""
+    out = {**raw, "use_qk_norm": switch(raw, "qk_layernorm")}
+    loops, stored = stated(raw, "num_loops", default=1), raw.get("num_hidden_layers")
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise ConfigProblem(f"num_loops is {loops!r}; state how many times the layers run, a whole number from 1")
+    if loops == 1 or isinstance(stored, bool) or not isinstance(stored, int):
+        return out  # not looped, or a layer count the shared reader refuses
+    return {**out, "num_hidden_layers": stored * loops, "loop_layers": stored,
+            "loop_pass_norm": not switch(raw, "skip_loop_final_norm")}
+
+
 DENSE_REMOTE2_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("telechat", _TELECHAT, normalize=_telechat, refuse_keys=_TELECHAT_REFUSED,
                parity_reference=_REFERENCE),
@@ -117,4 +132,7 @@ DENSE_REMOTE2_FAMILIES: tuple[FamilySpec, ...] = (
     # Qwen2 (qwen.py) with model.mtp_layers recognised and never read
     replace(_QWEN2, name="mimo", ignore=(r"model\.mtp_layers\.",), parity_reference=_REFERENCE),
     FamilySpec("PanguEmbedded", _PANGU, normalize=_pangu, parity_reference=_REFERENCE),
+    FamilySpec("nanbeige", llama_rules(q_norm="q_layernorm", k_norm="k_layernorm"),
+               attention=AttentionSpec(qk_norm=QKNormSpec("head")), normalize=_nanbeige,
+               parity_reference=_REFERENCE),
 )

@@ -40,6 +40,9 @@ GENERIC_KEYS: dict[str, str] = {
     "residual_from_norm": "the residual a sublayer joins is its normed input (MiniMax's postnorm); default false",
     "mlp_multipliers": "two numbers scaling the dense feed-forward's gate output (before its activation) and its "
                        "output (Falcon-H1's muP); default [1, 1]",
+    "loop_layers": "a looped model's stored layer count, which its layers repeat over (num_hidden_layers then "
+                   "counts every pass's layers: Nanbeige); default 0, not looped",
+    "loop_pass_norm": "a looped model's final norm closes every pass, not only the last; default false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads
