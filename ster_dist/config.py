@@ -144,6 +144,11 @@ class ModelConfig:
     # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's num_nextn_predict_layers):
     # layer indices num_layers .. num_layers + mtp_layers - 1, never loaded for plain decoding
     mtp_layers: int = 0
+    # a looped model (Nanbeige) runs its loop_layers stored layers num_layers / loop_layers times: layer i
+    # holds stored layer i % loop_layers' weights (read once, held once) and its own cache; 0: not looped.
+    # loop_pass_norm: the final norm closes every pass, not only the last
+    loop_layers: int = 0
+    loop_pass_norm: bool = False
     # the kind of each layer's token mixer and feed-forward (model/kinds.py); empty: attention (latent where
     # mla is set) in every layer, and experts where moe_layers says, else the dense feed-forward
     mixers: tuple[str, ...] = ()
@@ -191,6 +196,7 @@ class ModelConfig:
             **({"latent_attention": {"kv_lora_rank": self.mla.kv_lora_rank, "q_lora_rank": self.mla.q_lora_rank}}
                if self.mla else {}),
             **({"mtp_layers": self.mtp_layers} if self.mtp_layers else {}),
+            **({"loop_layers": self.loop_layers} if self.loop_layers else {}),
             **({"quantization": self.quant.summary()} if self.quant else {}),
         }
 
@@ -354,7 +360,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
         embed_norm=norms.embed,
-        mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias, mlp_down_bias=mlp_bias,
+        mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias,
+        mlp_down_bias=bool(keys.get("mlp_down_bias", default=mlp_bias)),
         mlp_multipliers=_mlp_multipliers(keys, path),
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
@@ -370,7 +377,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
         attn_sinks=attention.sinks, weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
-        mixers=mixers, feed_forwards=feed_forwards,
+        mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
+        loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
     )
 
 
@@ -447,6 +455,14 @@ def _mlp_multipliers(keys: Keys, path: str) -> tuple[float, float]:
         raise Refusal(f"invalid model config {path}: mlp_multipliers is {stated!r}; it must be two numbers (the "
                       "gate's and the feed-forward output's scale); correct it or leave it out")
     return float(stated[0]), float(stated[1])
+
+
+def _loop_layers(keys: Keys, num_layers: int, path: str) -> int:
+    n = keys.get("loop_layers", default=0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n and num_layers % n):
+        raise Refusal(f"invalid model config {path}: the looped model's {n!r} stored layers do not divide its "
+                      f"{num_layers} layers of every pass; state a whole number of loops")
+    return n
 
 
 def _mtp_layers(keys: Keys, path: str) -> int:

@@ -17,6 +17,8 @@ GENERIC_KEYS: dict[str, str] = {
                       "attention_out_bias says otherwise); default false",
     "attention_out_bias": "the attention output projection is biased; default: attention_bias",
     "mlp_bias": "the dense feed-forward's projections are biased; default false",
+    "mlp_down_bias": "the dense feed-forward's down projection is biased; default: mlp_bias (TeleChat biases it "
+                     "alone)",
     "lm_head_bias": "the head is biased; default false",
     "use_qk_norm": "the family's query/key norms (AttentionSpec.qk_norm) are applied; default true",
     "use_post_norm": "a norm over each sublayer's output; default NormSpec.post",
@@ -40,6 +42,9 @@ GENERIC_KEYS: dict[str, str] = {
                    "before which it becomes w * kept + (1 - w) * hidden, w] (Solar Pro); default none",
     "mlp_multipliers": "two numbers scaling the dense feed-forward's gate output (before its activation) and its "
                        "output (Falcon-H1's muP); default [1, 1]",
+    "loop_layers": "a looped model's stored layer count, which its layers repeat over (num_hidden_layers then "
+                   "counts every pass's layers: Nanbeige); default 0, not looped",
+    "loop_pass_norm": "a looped model's final norm closes every pass, not only the last; default false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads

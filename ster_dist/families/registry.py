@@ -11,6 +11,7 @@ from ster_dist.families.bloom_falcon import BLOOM_FALCON_FAMILIES
 from ster_dist.families.cohere import COHERE_FAMILIES
 from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
 from ster_dist.families.dense_remote import DENSE_REMOTE_FAMILIES
+from ster_dist.families.dense_remote2 import DENSE_REMOTE2_FAMILIES
 from ster_dist.families.ernie import ERNIE_FAMILIES
 from ster_dist.families.exaone import EXAONE_FAMILIES
 from ster_dist.families.falcon_h1 import FALCON_H1_FAMILIES
@@ -44,7 +45,8 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + PHI_FAMILIES + OLMO_FAMILIES + GLM_FAMILIES + COHERE_FAMILIES + GRANITE_FAMILIES + EXAONE_FAMILIES
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
-        + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES)
+        + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
+        + DENSE_REMOTE2_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -124,6 +124,12 @@ class Decoder(nn.Module):
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
                 tie_parameters(block.token_mixer.shared, self.layers[owner].token_mixer.shared)
+        for i in range(cfg.loop_layers, cfg.num_layers if cfg.loop_layers else 0):
+            # a looped model's later passes run the stored layers again: their weights, each layer its own cache
+            tie_parameters(self.layers[i], self.layers[i % cfg.loop_layers])
+        # the layers after which the final norm closes a pass that is not the last (Nanbeige)
+        self.pass_ends = (frozenset(range(cfg.loop_layers - 1, cfg.num_layers - 1, cfg.loop_layers))
+                          if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine)
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
@@ -195,6 +201,8 @@ class Decoder(nn.Module):
             if self.cfg.block_skips:
                 h = self._skip(i, h, kept)
             h = block(h, step)
+            if i in self.pass_ends:
+                h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
                 replaced = hook(h)
                 if replaced is not None:
