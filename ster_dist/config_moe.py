@@ -30,7 +30,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0     # shared experts on every token (0: none)
     shared_gate: bool = False             # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
     expert_bias: bool = False
-    activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS)
+    activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS) | ungated (Nemotron-H: act(up))
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")

@@ -18,6 +18,7 @@ from ster_dist.layers.mlp import MLP
 from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.router import Router
+from ster_dist.moe.ungated_experts import UngatedExperts
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import Replicated, dense
 
@@ -28,7 +29,8 @@ class MoE(nn.Module):
         moe = cfg.moe
         self.ctx, self.num_experts, self.hidden = ctx, moe.num_experts, cfg.hidden_size
         self.router = Router(moe, cfg.hidden_size)
-        self.experts = Experts(moe, cfg.hidden_size, cfg.hidden_act, ctx)
+        experts = UngatedExperts if moe.activation == "ungated" else Experts  # Nemotron-H's: act(up) alone
+        self.experts = experts(moe, cfg.hidden_size, cfg.hidden_act, ctx)
         self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
