@@ -211,6 +211,6 @@ def _ling_layer_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tupl
 
 KIMI_FAMILIES += (
     FamilySpec("bailing_hybrid", _ling_rules(), attention=AttentionSpec(latent=True),
-               positions=PositionSpec(interleaved=True), moe=DEEPSEEK_V3_ROUTER, parity_reference="BailingHybridForCausalLM",
-               normalize=_normalize_ling, layer_kinds=_ling_layer_kinds),
+               positions=PositionSpec(interleaved=True), moe=DEEPSEEK_V3_ROUTER,
+               parity_reference="BailingHybridForCausalLM", normalize=_normalize_ling, layer_kinds=_ling_layer_kinds),
 )

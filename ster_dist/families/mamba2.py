@@ -9,7 +9,8 @@ mixer reads.
   M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward, E experts without a
   gate (moe/ungated_experts.py) routed by sigmoid scores over groups (noaux_tc: groups ranked by their best
   two, e_score_correction_bias added only to choose), renormalised under norm_topk_prob and scaled by
-  routed_scaling_factor, beside one ungated shared expert moe_shared_expert_intermediate_size wide. Its dt is
+  routed_scaling_factor, beside one ungated shared expert moe_shared_expert_intermediate_size wide; under
+  moe_latent_size the routed experts work on fc1_latent_proj(x) and return through fc2_latent_proj. Its dt is
   clamped below at time_step_min, as Transformers does.
 
 Codestral's config states norm_before_gate true; Transformers ignores it (the gate always multiplies before
@@ -156,9 +157,6 @@ def _normalize_nemotron_h(raw: dict) -> dict:
 
 def _nemotron_h_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     kinds = _nemotron_h_pattern(raw)
-    if "moe" in kinds and raw.get("moe_latent_size") is not None:
-        raise Refusal(f"Nemotron-H's expert latent projection (moe_latent_size {raw['moe_latent_size']}) is not "
-                      "supported; use a checkpoint whose experts read the hidden state itself (moe_latent_size null)")
     # a letter names the layer's one sublayer: a mixer (M, *) or a feed-forward (-, E) behind no mixer
     mixers = tuple("none" if kind == "moe" else kind for kind in kinds)
     return mixers, tuple({"none": "dense", "moe": "moe"}.get(kind, "none") for kind in kinds)
@@ -173,10 +171,14 @@ _NEMOTRON_H_RULES = (
       for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.{src}", f"layers.{{i}}.{dst}")),
     *mamba2_mixer_rules("backbone.layers.{i}.mixer"),
     # E layers: per-expert tensors, as published and as Transformers saves them (no gate anywhere)
-    *(Rule(f"backbone.layers.{{i}}.mixer.experts.{{e}}.{name}_proj.weight", f"{EXPERTS}{name}") for name in ("up", "down")),
-    *router_rules("backbone.layers.{i}.mixer.gate"),
-    *(Rule(f"backbone.layers.{{i}}.mixer.shared_experts.{name}_proj.weight", f"layers.{{i}}.mlp.shared.{name}.weight")
+    *(Rule(f"backbone.layers.{{i}}.mixer.experts.{{e}}.{name}_proj.weight", f"{EXPERTS}{name}")
       for name in ("up", "down")),
+    *router_rules("backbone.layers.{i}.mixer.gate"),
+    *weight_and_bias("backbone.layers.{i}.mixer.fc1_latent_proj", "layers.{i}.mlp.latent_in"),
+    *weight_and_bias("backbone.layers.{i}.mixer.fc2_latent_proj", "layers.{i}.mlp.latent_out"),
+    *(rule for name in ("up", "down")
+      for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.shared_experts.{name}_proj",
+                                  f"layers.{{i}}.mlp.shared.{name}")),
 )
 
 MAMBA2_FAMILIES += (
