@@ -13,6 +13,11 @@ mixer reads.
   moe_latent_size the routed experts work on fc1_latent_proj(x) and return through fc2_latent_proj. Its dt is
   clamped below at time_step_min, as Transformers does.
 
+- nemotron_h_puzzle (Nemotron Puzzle): Nemotron-H below `model` rather than `backbone`, its layers listed in
+  block_configs (block_type mamba, attention, mlp, moe; or layers_block_type), each moe block stating its own
+  experts (n_routed_experts, num_experts_per_tok, moe_intermediate_size, moe_latent_size, ...), which its
+  layer builds (ModelConfig.layer_moe). Any other per-block key is refused.
+
 Codestral's config states norm_before_gate true; Transformers ignores it (the gate always multiplies before
 the norm), and so does ster_dist.
 """
@@ -181,10 +186,70 @@ _NEMOTRON_H_RULES = (
                                   f"layers.{{i}}.mlp.shared.{name}")),
 )
 
+# sigmoid scores grouped as DeepSeek-V3's (noaux_tc), always scaled, one shared expert of its stated width
+_NEMOTRON_H_MOE = MoESpec(scoring="sigmoid", topk_method="noaux_tc", correction_bias=True, scaling="always",
+                          shared="stated", activation="ungated")
+
 MAMBA2_FAMILIES += (
     FamilySpec("nemotron_h", _NEMOTRON_H_RULES, positions=PositionSpec(kind="none"),
                feed_forward=FeedForwardSpec(gated=False), normalize=_normalize_nemotron_h,
-               moe=MoESpec(scoring="sigmoid", topk_method="noaux_tc", correction_bias=True, scaling="always",
-                           shared="stated", activation="ungated"),
+               moe=_NEMOTRON_H_MOE,
                layer_kinds=_nemotron_h_layers, parity_reference="NemotronHForCausalLM"),
+)
+
+
+# Nemotron Puzzle -------------------------------------------------------------------------------------------------
+
+# the per-block keys an expert layer may state over the model's; anything else in a block is refused
+_PUZZLE_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_latent_size",
+                    "moe_shared_expert_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
+                    "norm_topk_prob")
+
+
+def _puzzle_blocks(raw: dict) -> list[dict]:
+    blocks = raw.get("block_configs")
+    if not isinstance(blocks, list) or not blocks or not all(
+            isinstance(b, dict) and b.get("block_type") in ("mamba", "attention", "mlp", "moe") for b in blocks):
+        raise Refusal("invalid model config: block_configs must list one block a layer, each with block_type "
+                      "mamba, attention, mlp or moe")
+    for i, block in enumerate(blocks):
+        allowed = _PUZZLE_MOE_KEYS if block["block_type"] == "moe" else ()
+        other = sorted(set(block) - {"block_type", *allowed})
+        if other:
+            raise Refusal(f"block_configs[{i}] ({block['block_type']}) states {', '.join(other)} per layer, which "
+                          "ster_dist does not build per layer; use a checkpoint whose blocks state only their "
+                          "experts' settings")
+    return blocks
+
+
+def _normalize_nemotron_h_puzzle(raw: dict) -> dict:
+    blocks = _puzzle_blocks(raw)
+    out = dict(raw, layers_block_type=raw.get("layers_block_type") or [b["block_type"] for b in blocks])
+    if len(out["layers_block_type"]) != len(blocks):
+        raise Refusal(f"invalid model config: layers_block_type lists {len(out['layers_block_type'])} layers but "
+                      f"block_configs {len(blocks)}; correct one of them")
+    # the model-wide expert keys Puzzle leaves to its blocks: the first expert block's
+    first = next((b for b in blocks if b["block_type"] == "moe"), {})
+    for key in _PUZZLE_MOE_KEYS:
+        if out.get(key) is None and key in first:
+            out[key] = first[key]
+    out = _normalize_nemotron_h(out)
+    out["layer_moe_keys"] = [_puzzle_moe_keys(b) if b["block_type"] == "moe" else None for b in blocks]
+    return out
+
+
+def _puzzle_moe_keys(block: dict) -> dict:
+    """A block's expert keys under the names the experts' reader knows (the shared expert's width renamed)."""
+    own = {key: block[key] for key in _PUZZLE_MOE_KEYS if key in block}
+    if "moe_shared_expert_intermediate_size" in own:
+        own["shared_intermediate_size"] = own.pop("moe_shared_expert_intermediate_size")
+    return own
+
+
+MAMBA2_FAMILIES += (
+    FamilySpec("nemotron_h_puzzle", tuple(Rule(rule.checkpoint.replace("backbone.", "model.", 1), rule.target)
+                                          for rule in _NEMOTRON_H_RULES),
+               positions=PositionSpec(kind="none"), feed_forward=FeedForwardSpec(gated=False),
+               moe=_NEMOTRON_H_MOE, normalize=_normalize_nemotron_h_puzzle, layer_kinds=_nemotron_h_layers,
+               parity_reference="tests/test_nemotron_h_puzzle.py"),
 )

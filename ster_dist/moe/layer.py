@@ -26,9 +26,9 @@ from ster_dist.parallel.linear import ColumnLinear, Replicated, dense
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, layer: int):
         super().__init__()
-        moe = cfg.moe
+        moe = cfg.moe_of(layer)
         self.ctx, self.num_experts, self.hidden = ctx, moe.num_experts, cfg.hidden_size
         self.router = Router(moe, cfg.hidden_size)
         # Nemotron-H's latent projection: the routed experts work in a narrower width, projected in and out
