@@ -137,6 +137,8 @@ class ModelConfig:
     # mixture of experts, latent attention, sinks
     moe: MoEConfig | None = None
     moe_layers: tuple[bool, ...] = ()     # which layers route over experts (the rest keep the dense MLP)
+    # a layer's own experts where the config states them per layer (Nemotron Puzzle); None: `moe`
+    layer_moe: tuple[MoEConfig | None, ...] = ()
     mla: MLAConfig | None = None
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
@@ -162,6 +164,11 @@ class ModelConfig:
         if self.mixers:
             return self.mixers[layer]
         return "latent_attention" if self.mla is not None else "attention"
+
+    def moe_of(self, layer: int) -> MoEConfig | None:
+        """The experts of `layer`: its own where the config states them per layer, else the model's."""
+        own = self.layer_moe[layer] if self.layer_moe else None
+        return own or self.moe
 
     def feed_forward(self, layer: int) -> str:
         if self.feed_forwards:
@@ -291,6 +298,12 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     moe, moe_layers = moe_config(keys, spec, intermediate, num_layers) if routes else (None, ())
     if moe is not None and feed_forwards:  # the family's layer pattern says which layers route (Jamba)
         moe_layers = tuple(kind == "moe" for kind in feed_forwards)
+    # layer_moe_keys (a family's normalisation writes it): per layer, None or the config keys that layer's
+    # experts state over the model's (Nemotron Puzzle's block_configs)
+    overrides = raw.get("layer_moe_keys") or ()
+    layer_moe = tuple(moe_config(Keys({**raw, **own}, f"{path} layer {i}"), spec, intermediate, num_layers)[0]
+                      if own and moe is not None and moe_layers[i] else None
+                      for i, own in enumerate(overrides))
     # where intermediate_size is the experts' width, the dense layers may state their own
     intermediate = int(keys.get("dense_intermediate_size", default=intermediate))
     norm_kind = keys.get("norm_kind", default=norms.kind)
@@ -374,7 +387,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
-        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, mla=mla,
+        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
         attn_sinks=attention.sinks, weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),

@@ -30,11 +30,12 @@ class MoEConfig:
     shared_intermediate_size: int = 0     # shared experts on every token (0: none)
     shared_gate: bool = False             # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
     expert_bias: bool = False
-    activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS)
+    activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS) | ungated (Nemotron-H: act(up))
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")
     sparsemixer_eps: float | None = None  # SparseMixer's eval-time selection at this router_jitter_noise (PhiMoE)
+    latent_size: int = 0                  # moe_latent_size: the routed experts' width (Nemotron-H; 0: hidden)
 
 
 def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
@@ -108,7 +109,7 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
         expert_bias=ms.expert_bias, activation=ms.activation, shared_average=shared > 0 and average,
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
                                                                                                 default=1.702)),
-        sparsemixer_eps=sparsemixer_eps)
+        sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys))
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])
     # ERNIE 4.5: moe_layer_start_index / end (the last when negative) / interval; HunYuan: moe_layer_num_skipped
@@ -139,3 +140,14 @@ def _per_layer(keys: Keys, *names: str, default=None) -> int:
                           f"({value}); only one value for every layer is supported")
         value = value[0]
     return int(value)
+
+
+def _latent_size(keys: Keys) -> int:
+    """moe_latent_size: the routed experts read fc1_latent_proj(x) this wide and return through fc2_latent_proj."""
+    value = keys.get("moe_latent_size", default=None)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise Refusal(f"invalid model config {keys.path}: moe_latent_size {value!r} is not a positive integer; "
+                      "set it to the experts' latent width or null")
+    return value

@@ -199,7 +199,7 @@ def _refusal(raw: dict, tp: int = 1) -> str:
     ("bamba", {"attn_layer_indices": [5]}, "attn_layer_indices"),
     ("bamba", {"mamba_n_groups": 3}, "n_groups"),
     ("bamba", {"mamba_d_conv": -1}, "mamba_d_conv"),
-    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "expert layers (E)"),
+    ("nemotron_h", {"moe_latent_size": 0}, "moe_latent_size"),
     ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*X"}, "layer pattern"),
     ("nemotron_h", {"mamba_num_heads": 5}, "n_groups"),
     ("granitemoehybrid", {"layer_types": None}, "layer_types"),

@@ -9,6 +9,12 @@
   shared_experts. The checkpoint's q_proj and o_proj names are latent attention's in attention layers and
   the delta attention's in the others: shard/plan.py picks the rule whose parameter the layer has.
   Kimi-K3's switches (kimi_k3 wraps this decoder) are refused until they are built.
+- bailing_hybrid (Ling 3.0): layer_types (by default the last layer of every layer_group_size a latent attention
+  layer, the rest Kimi delta attention), all under `attention` as Ling publishes them (word_embeddings, dense as
+  the output projection, q/k/v_conv1d; Transformers fuses the three convolutions only in memory). Its delta
+  attention has full-rank f_proj and g_proj and the bounded decay under kda_safe_gate; its latent attention gates
+  each head by sigmoid(g_proj(x)). After first_k_dense_replace dense layers (or as mlp_layer_types says),
+  DeepSeek-V3's experts whose selection bias is gate.expert_bias, under Ling's names for the routing keys.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 from ster_dist.errors import Refusal
 from ster_dist.families.deepseek import DEEPSEEK_V3_ROUTER, latent_rules
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.moe_layouts import expert_rules, router_rules, shared_rules
+from ster_dist.families.moe_layouts import ROUTER_CORRECTION, expert_rules, router_rules, shared_rules
 from ster_dist.families.spec import AttentionSpec, FamilySpec, PositionSpec, Rule
 
 _ATTN, _MIXER = "model.layers.{i}.self_attn", "layers.{i}.mixer"
@@ -120,4 +126,91 @@ def _layer_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str
 KIMI_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("kimi_linear", _RULES, attention=AttentionSpec(latent=True), positions=PositionSpec(interleaved=True),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="KimiLinearForCausalLM", normalize=_normalize, layer_kinds=_layer_kinds),
+)
+
+
+# Ling 3.0 ------------------------------------------------------------------------------------------------------
+
+_LING_ATTN, _LING_MLP = "model.layers.{i}.attention", "model.layers.{i}.mlp"
+
+
+def _ling_rules() -> tuple[Rule, ...]:
+    delta = (("q_proj.weight", "q.weight"), ("k_proj.weight", "k.weight"), ("v_proj.weight", "v.weight"),
+             ("q_conv1d.weight", "q_conv"), ("k_conv1d.weight", "k_conv"), ("v_conv1d.weight", "v_conv"),
+             ("f_proj.weight", "f.weight"), ("A_log", "A_log"), ("dt_bias", "dt_bias"), ("b_proj.weight", "b.weight"),
+             ("g_proj.weight", "g.weight"), ("o_norm.weight", "norm_weight"), ("dense.weight", "out.weight"))
+    # q_proj, g_proj and dense name both kinds' tensors: shard/plan.py picks the rule whose parameter the layer has
+    return (llama_rules(attn="attention", q=None, k=None, v=None, o="dense", q_norm=None, k_norm=None,
+                        embed="word_embeddings")
+            + latent_rules(_LING_ATTN) + (Rule(f"{_LING_ATTN}.g_proj.weight", "layers.{i}.attn.head_gate.weight"),)
+            + tuple(Rule(f"{_LING_ATTN}.{name}", f"{_MIXER}.{target}") for name, target in delta)
+            + expert_rules(_LING_MLP) + router_rules(f"{_LING_MLP}.gate")
+            + (Rule(f"{_LING_MLP}.gate.expert_bias", ROUTER_CORRECTION),) + shared_rules(f"{_LING_MLP}.shared_experts"))
+
+
+# BailingHybridConfig's Ling names -> the generic ones, and its defaults
+_LING_NAMES = (("num_experts_per_token", "num_experts_per_tok"), ("moe_renormalize", "norm_topk_prob"),
+               ("num_shared_experts", "n_shared_experts"), ("num_expert_group", "n_group"),
+               ("model_max_length", "max_position_embeddings"))
+_LING_DEFAULTS = {"num_experts": 512, "num_experts_per_tok": 8, "norm_topk_prob": True, "n_shared_experts": 1,
+                  "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 2,
+                  "rms_norm_eps": 1e-6, "layer_group_size": 6, "short_conv_kernel_size": 4, "kda_safe_gate": True,
+                  "kda_lower_bound": -5.0, "rope_theta": 6_000_000.0, "moe_intermediate_size": 768}
+
+
+def _ling_layer_types(raw: dict, layers: int) -> list[str]:
+    stated = raw.get("layer_types")
+    if stated is None:
+        group = raw["layer_group_size"]
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise Refusal(f"invalid model config: layer_group_size is {group!r}; it must be a positive integer")
+        stated = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(layers)]
+    if (not isinstance(stated, list) or len(stated) != layers
+            or not set(stated) <= {"full_attention", "linear_attention"}):
+        raise Refusal(f"invalid model config: layer_types must list \"full_attention\" or \"linear_attention\" "
+                      f"for each of the {layers} layers")
+    return stated
+
+
+def _normalize_ling(raw: dict) -> dict:
+    out = dict(raw, mlp_bias=False, scoring_func="sigmoid")
+    for ling, generic in _LING_NAMES:
+        if out.get(ling) is not None:
+            out[generic] = out[ling]
+    for key, value in _LING_DEFAULTS.items():
+        if out.get(key) is None:
+            out[key] = value
+    if not out.get("kv_lora_rank"):
+        raise Refusal("invalid model config: kv_lora_rank is not stated; Ling 3.0's latent attention layers need it")
+    # the delta attention's sizes: Transformers keeps the delta head width as linear_head_dim once it has
+    # turned head_dim into the latent heads' rotated width; Ling's own configs state it as head_dim
+    out["linear_num_heads"] = out.get("linear_num_heads") or out.get("num_attention_heads")
+    out["linear_head_dim"] = out.get("linear_head_dim") or out.get("head_dim")
+    out["linear_conv_kernel_dim"] = out.get("linear_conv_kernel_dim") or out["short_conv_kernel_size"]
+    out["kda_full_rank_gates"] = True
+    out["mla_head_gate"] = True
+    layers = out.get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0:
+        out["layer_types"] = _ling_layer_types(out, layers)
+    return out
+
+
+def _ling_layer_kinds(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    mixers = tuple("latent_attention" if kind == "full_attention" else "kimi_delta"
+                   for kind in _ling_layer_types(raw, num_layers))
+    sparse = raw.get("mlp_layer_types")
+    if sparse is None:
+        first_dense = int(raw["first_k_dense_replace"])
+        sparse = ["dense" if i < first_dense else "sparse" for i in range(num_layers)]
+    if len(sparse) != num_layers or not set(sparse) <= {"dense", "sparse"}:
+        raise Refusal(f"invalid model config: mlp_layer_types must list \"dense\" or \"sparse\" for each of the "
+                      f"{num_layers} layers")
+    experts = int(raw.get("num_experts") or 0)
+    return mixers, tuple("moe" if experts and kind == "sparse" else "dense" for kind in sparse)
+
+
+KIMI_FAMILIES += (
+    FamilySpec("bailing_hybrid", _ling_rules(), attention=AttentionSpec(latent=True),
+               positions=PositionSpec(interleaved=True), moe=DEEPSEEK_V3_ROUTER,
+               parity_reference="BailingHybridForCausalLM", normalize=_normalize_ling, layer_kinds=_ling_layer_kinds),
 )

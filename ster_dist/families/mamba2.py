@@ -6,8 +6,17 @@ mixer reads.
 - bamba: Llama's blocks whose token mixer is Mamba-2 except at attn_layer_indices, where it is attention
   rotating half of each head.
 - nemotron_h: one norm and one sublayer per layer, as hybrid_override_pattern (or layers_block_type) says:
-  M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward; E (experts whose
-  feed-forward has no gate) is refused. Its dt is clamped below at time_step_min, as Transformers does.
+  M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward, E experts without a
+  gate (moe/ungated_experts.py) routed by sigmoid scores over groups (noaux_tc: groups ranked by their best
+  two, e_score_correction_bias added only to choose), renormalised under norm_topk_prob and scaled by
+  routed_scaling_factor, beside one ungated shared expert moe_shared_expert_intermediate_size wide; under
+  moe_latent_size the routed experts work on fc1_latent_proj(x) and return through fc2_latent_proj. Its dt is
+  clamped below at time_step_min, as Transformers does.
+
+- nemotron_h_puzzle (Nemotron Puzzle): Nemotron-H below `model` rather than `backbone`, its layers listed in
+  block_configs (block_type mamba, attention, mlp, moe; or layers_block_type), each moe block stating its own
+  experts (n_routed_experts, num_experts_per_tok, moe_intermediate_size, moe_latent_size, ...), which its
+  layer builds (ModelConfig.layer_moe). Any other per-block key is refused.
 
 Codestral's config states norm_before_gate true; Transformers ignores it (the gate always multiplies before
 the norm), and so does ster_dist.
@@ -17,7 +26,8 @@ from __future__ import annotations
 
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules, weight_and_bias
-from ster_dist.families.spec import FamilySpec, FeedForwardSpec, PositionSpec, Rule
+from ster_dist.families.moe_layouts import EXPERTS, router_rules
+from ster_dist.families.spec import FamilySpec, FeedForwardSpec, MoESpec, PositionSpec, Rule
 
 
 def mamba2_mixer_rules(layer: str, into: str = "layers.{i}.mixer") -> tuple[Rule, ...]:
@@ -122,7 +132,7 @@ def _nemotron_h_pattern(raw: dict) -> list[str]:
     if stated is None:
         stated = list(raw.get("hybrid_override_pattern") or "")
     if not isinstance(stated, list) or not stated or not all(kind in _NEMOTRON_H_KINDS for kind in stated):
-        raise Refusal(f"invalid model config: the Nemotron-H layer pattern {stated!r} is not a list of M, *, - "
+        raise Refusal(f"invalid model config: the Nemotron-H layer pattern {stated!r} is not a list of M, *, -, E "
                       "(or their layers_block_type names); correct hybrid_override_pattern")
     return [_NEMOTRON_H_KINDS[kind] for kind in stated]
 
@@ -137,6 +147,13 @@ def _normalize_nemotron_h(raw: dict) -> dict:
     out["time_step_limit"] = [raw.get("time_step_min", 0.001), None]
     out["hidden_act"] = raw.get("mlp_hidden_act", "relu2")
     out["attention_bias"] = False  # Transformers' attention has no biases whatever the config says
+    # the experts' routing as NemotronHConfig fills it; its one shared expert is this wide, whatever
+    # n_shared_experts says
+    for key, value in (("n_routed_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 7688),
+                       ("norm_topk_prob", True), ("routed_scaling_factor", 1.0), ("n_group", 1), ("topk_group", 1)):
+        if out.get(key) is None:
+            out[key] = value
+    out["shared_intermediate_size"] = raw.get("moe_shared_expert_intermediate_size") or 7688
     for key, value in (("layer_norm_epsilon", 1e-5), ("num_attention_heads", 32), ("num_key_value_heads", 8),
                        ("head_dim", 128), ("intermediate_size", 21504), ("max_position_embeddings", 4096)):
         out.setdefault(key, value)
@@ -145,10 +162,9 @@ def _normalize_nemotron_h(raw: dict) -> dict:
 
 def _nemotron_h_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     kinds = _nemotron_h_pattern(raw)
-    if "moe" in kinds:
-        raise Refusal("Nemotron-H's expert layers (E) are not supported: their experts have no gate, which ster_dist's "
-                      "experts need; use a Nemotron-H checkpoint of M, * and - layers")
-    return tuple(kinds), tuple("dense" if kind == "none" else "none" for kind in kinds)
+    # a letter names the layer's one sublayer: a mixer (M, *) or a feed-forward (-, E) behind no mixer
+    mixers = tuple("none" if kind == "moe" else kind for kind in kinds)
+    return mixers, tuple({"none": "dense", "moe": "moe"}.get(kind, "none") for kind in kinds)
 
 
 _NEMOTRON_H_RULES = (
@@ -159,10 +175,81 @@ _NEMOTRON_H_RULES = (
                             ("up_proj", "mlp.up"), ("down_proj", "mlp.down"))
       for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.{src}", f"layers.{{i}}.{dst}")),
     *mamba2_mixer_rules("backbone.layers.{i}.mixer"),
+    # E layers: per-expert tensors, as published and as Transformers saves them (no gate anywhere)
+    *(Rule(f"backbone.layers.{{i}}.mixer.experts.{{e}}.{name}_proj.weight", f"{EXPERTS}{name}")
+      for name in ("up", "down")),
+    *router_rules("backbone.layers.{i}.mixer.gate"),
+    *weight_and_bias("backbone.layers.{i}.mixer.fc1_latent_proj", "layers.{i}.mlp.latent_in"),
+    *weight_and_bias("backbone.layers.{i}.mixer.fc2_latent_proj", "layers.{i}.mlp.latent_out"),
+    *(rule for name in ("up", "down")
+      for rule in weight_and_bias(f"backbone.layers.{{i}}.mixer.shared_experts.{name}_proj",
+                                  f"layers.{{i}}.mlp.shared.{name}")),
 )
+
+# sigmoid scores grouped as DeepSeek-V3's (noaux_tc), always scaled, one shared expert of its stated width
+_NEMOTRON_H_MOE = MoESpec(scoring="sigmoid", topk_method="noaux_tc", correction_bias=True, scaling="always",
+                          shared="stated", activation="ungated")
 
 MAMBA2_FAMILIES += (
     FamilySpec("nemotron_h", _NEMOTRON_H_RULES, positions=PositionSpec(kind="none"),
                feed_forward=FeedForwardSpec(gated=False), normalize=_normalize_nemotron_h,
+               moe=_NEMOTRON_H_MOE,
                layer_kinds=_nemotron_h_layers, parity_reference="NemotronHForCausalLM"),
+)
+
+
+# Nemotron Puzzle -------------------------------------------------------------------------------------------------
+
+# the per-block keys an expert layer may state over the model's; anything else in a block is refused
+_PUZZLE_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_latent_size",
+                    "moe_shared_expert_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
+                    "norm_topk_prob")
+
+
+def _puzzle_blocks(raw: dict) -> list[dict]:
+    blocks = raw.get("block_configs")
+    if not isinstance(blocks, list) or not blocks or not all(
+            isinstance(b, dict) and b.get("block_type") in ("mamba", "attention", "mlp", "moe") for b in blocks):
+        raise Refusal("invalid model config: block_configs must list one block a layer, each with block_type "
+                      "mamba, attention, mlp or moe")
+    for i, block in enumerate(blocks):
+        allowed = _PUZZLE_MOE_KEYS if block["block_type"] == "moe" else ()
+        other = sorted(set(block) - {"block_type", *allowed})
+        if other:
+            raise Refusal(f"block_configs[{i}] ({block['block_type']}) states {', '.join(other)} per layer, which "
+                          "ster_dist does not build per layer; use a checkpoint whose blocks state only their "
+                          "experts' settings")
+    return blocks
+
+
+def _normalize_nemotron_h_puzzle(raw: dict) -> dict:
+    blocks = _puzzle_blocks(raw)
+    out = dict(raw, layers_block_type=raw.get("layers_block_type") or [b["block_type"] for b in blocks])
+    if len(out["layers_block_type"]) != len(blocks):
+        raise Refusal(f"invalid model config: layers_block_type lists {len(out['layers_block_type'])} layers but "
+                      f"block_configs {len(blocks)}; correct one of them")
+    # the model-wide expert keys Puzzle leaves to its blocks: the first expert block's
+    first = next((b for b in blocks if b["block_type"] == "moe"), {})
+    for key in _PUZZLE_MOE_KEYS:
+        if out.get(key) is None and key in first:
+            out[key] = first[key]
+    out = _normalize_nemotron_h(out)
+    out["layer_moe_keys"] = [_puzzle_moe_keys(b) if b["block_type"] == "moe" else None for b in blocks]
+    return out
+
+
+def _puzzle_moe_keys(block: dict) -> dict:
+    """A block's expert keys under the names the experts' reader knows (the shared expert's width renamed)."""
+    own = {key: block[key] for key in _PUZZLE_MOE_KEYS if key in block}
+    if "moe_shared_expert_intermediate_size" in own:
+        own["shared_intermediate_size"] = own.pop("moe_shared_expert_intermediate_size")
+    return own
+
+
+MAMBA2_FAMILIES += (
+    FamilySpec("nemotron_h_puzzle", tuple(Rule(rule.checkpoint.replace("backbone.", "model.", 1), rule.target)
+                                          for rule in _NEMOTRON_H_RULES),
+               positions=PositionSpec(kind="none"), feed_forward=FeedForwardSpec(gated=False),
+               moe=_NEMOTRON_H_MOE, normalize=_normalize_nemotron_h_puzzle, layer_kinds=_nemotron_h_layers,
+               parity_reference="tests/test_nemotron_h_puzzle.py"),
 )

@@ -156,7 +156,7 @@ class MoESpec:
     #                                       | "stated" (shared_intermediate_size wide: GraniteMoE shared)
     #                                       | "dense_width" (num_shared_expert x intermediate_size: HunYuan)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
-    activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's
+    activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's | "ungated": act(up)
     # softmax over the chosen experts' logits: softmax scores are always renormalised, sigmoid ones under
     # norm_topk_prob (Cohere 2 MoE)
     softmax_renormalized: bool = False

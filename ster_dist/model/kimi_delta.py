@@ -7,6 +7,10 @@ dt_bias), A_log one number per head and dt_bias one per channel; and the read-ou
 (o_norm) and gated by sigmoid(g_b_proj(g_a_proj(x))) before o_proj. Every head has its own key, value and
 state (num_heads of head_dim each); the write strength is sigmoid(b_proj(x)).
 
+Ling 3.0 (bailing_hybrid; its normalisation sets kda_full_rank_gates) differs in three ways: the decay and the
+output gate come from one full-width projection each (f_proj, g_proj) instead of a narrow pair; A_log is stored
+[heads]; and under kda_safe_gate the decay is bounded, g = kda_lower_bound * sigmoid(exp(A_log) * (f + dt_bias)).
+
 Tensor parallelism splits the heads as vLLM does: q/k/v, f_b, g_b and b projections are column shares by head,
 each convolution its own channels, dt_bias its heads' entries, o_proj its columns (the one
 reduction); the narrow f_a and g_a projections, the norm's scale and A_log (a number a head) are held
@@ -43,6 +47,14 @@ def kda_sizes(raw: dict, path: str = "config.json") -> tuple[int, int, int]:
     return tuple(values)
 
 
+def _lower_bound(raw: dict) -> float:
+    bound = raw.get("kda_lower_bound", -5.0)
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound < 0:
+        raise Refusal(f"invalid model config: kda_lower_bound is {bound!r}; the bounded decay needs a negative "
+                      "number (Ling 3.0's default is -5.0)")
+    return float(bound)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # as FLA's KDA kernels and Transformers compute it: x / sqrt(sum x^2 + eps)
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -65,15 +77,22 @@ class KimiDeltaAttention(RecurrentMixer, ShardedModule):
         self.qkv = FusedColumns(self.q, self.k, self.v)  # one product once loaded
         for name in ("q_conv", "k_conv", "v_conv"):
             self._param(name, Shard((width, 1, kernel), 0, rows))
-        self.f_a = ColumnLinear(hidden, dk, ((0, dk),), False)   # the decay's narrow first projection, whole
-        self.f_b = ColumnLinear(dk, width, rows, False)
-        # stored [1, 1, heads, 1]: one number a head, read whole (the loader windows a tensor's first dim only)
-        self._param("A_log", Shard((1, 1, heads, 1)))
+        self.full_rank = bool(cfg.raw.get("kda_full_rank_gates"))
+        if self.full_rank:  # Ling 3.0
+            self.f = ColumnLinear(hidden, width, rows, False)
+            self.g = ColumnLinear(hidden, width, rows, False)
+            self._param("A_log", Shard((heads,), 0, ((h0, h1),)))
+            self.bound = _lower_bound(cfg.raw) if cfg.raw.get("kda_safe_gate", True) else None
+        else:
+            self.f_a = ColumnLinear(hidden, dk, ((0, dk),), False)   # the decay's narrow first projection, whole
+            self.f_b = ColumnLinear(dk, width, rows, False)
+            self.g_a = ColumnLinear(hidden, dk, ((0, dk),), False)   # the output gate's narrow first projection
+            self.g_b = ColumnLinear(dk, width, rows, False)
+            # stored [1, 1, heads, 1]: one number a head, read whole (the loader windows a tensor's first dim only)
+            self._param("A_log", Shard((1, 1, heads, 1)))
         self.heads = (h0, h1)
         self._param("dt_bias", Shard((width,), 0, rows))
         self.b = ColumnLinear(hidden, heads, ((h0, h1),), False)  # write strength
-        self.g_a = ColumnLinear(hidden, dk, ((0, dk),), False)   # the output gate's narrow first projection
-        self.g_b = ColumnLinear(dk, width, rows, False)
         self._param("norm_weight", Shard((dk,)))  # one scale for every head's read-out
         self.out = RowLinear(width, hidden, ctx, False, cols=rows[0])
         self.eps = cfg.norm_eps
@@ -96,15 +115,27 @@ class KimiDeltaAttention(RecurrentMixer, ShardedModule):
         q = l2norm(q) * self.head_dim ** -0.5
         k = l2norm(k)
         beta = self.b(x).float().sigmoid()
-        decay_in = (self.f_b(self.f_a(x)).float() + self.dt_bias.float()).view(n, t, -1, self.head_dim)
-        g = -self.A_log.float().view(-1)[self.heads[0]:self.heads[1]].view(1, 1, -1, 1).exp() * F.softplus(decay_in)
+        g = self._decay(x).view(n, t, -1, self.head_dim)
         if valid is not None:  # padding leaves the state as it was: no decay, no write
             keep = valid.unsqueeze(-1)
             beta, g = beta * keep, g * keep.unsqueeze(-1)
         y, recurrent = gated_delta_rule(q, k, v, g, beta, recurrent.float())
-        gate = self.g_b(self.g_a(x)).view(n, t, -1, self.head_dim)
+        gate = (self.g(x) if self.full_rank else self.g_b(self.g_a(x))).view(n, t, -1, self.head_dim)
         y = self._gated_norm(y.to(x.dtype), gate)
         return self.out(y.reshape(n, t, -1)), (conv_state, recurrent.to(state[1].dtype))
+
+    def _decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The log decay of every key channel, [n, t, local heads, head_dim], in f32."""
+        n, t, _ = x.shape
+        if self.full_rank:
+            rate = self.A_log.float().exp().view(1, 1, -1, 1)
+            decay_in = (self.f(x).float() + self.dt_bias.float()).view(n, t, -1, self.head_dim)
+            if self.bound is not None:
+                return self.bound * torch.sigmoid(rate * decay_in)
+            return -rate * F.softplus(decay_in)
+        decay_in = (self.f_b(self.f_a(x)).float() + self.dt_bias.float()).view(n, t, -1, self.head_dim)
+        rate = self.A_log.float().view(-1)[self.heads[0]:self.heads[1]].view(1, 1, -1, 1).exp()
+        return -rate * F.softplus(decay_in)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # Transformers' KimiLinearRMSNormGated: normalise, scale and gate by sigmoid all in f32

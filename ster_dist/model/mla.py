@@ -6,7 +6,8 @@ qk_rope_head_dim-wide key part shared by every head; the latent passes
 kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
 and its value. Only the shared part and each query's last qk_rope_head_dim
 channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies
-every query by Llama 4's temperature at its absolute position.
+every query by Llama 4's temperature at its absolute position. Ling 3.0 gates each head's output by
+sigmoid(g_proj(x)) (one number a head, split with the heads).
 
 Under tensor parallelism the heads are split: q_b_proj (or q_proj) and kv_b_proj
 by their head rows, o_proj by its columns; the latent projections and norms are
@@ -60,6 +61,8 @@ class LatentAttention(nn.Module):
         per_head = self.nope + self.v_dim
         self.kv_b = ColumnLinear(self.rank, heads * per_head, ((h0 * per_head, h1 * per_head),), False)
         self.o = RowLinear(heads * self.v_dim, hidden, ctx, cfg.o_bias, cols=(h0 * self.v_dim, h1 * self.v_dim))
+        # Ling 3.0 (its normalisation sets mla_head_gate): each head's output times sigmoid(g_proj(x)), one a head
+        self.head_gate = ColumnLinear(hidden, heads, ((h0, h1),), False) if cfg.raw.get("mla_head_gate") else None
         self.rope = cfg.layer_rope[layer]
         self.scale = cfg.attn_scale
         # Llama 4's query temperature (Mistral Large 3): every query channel times 1 + beta ln(1 + floor(p / length))
@@ -86,6 +89,8 @@ class LatentAttention(nn.Module):
             scale = (1 + beta * torch.log(1 + torch.floor(pos.positions.float() / length)))[:, None, :, None]
             q_nope, q_rot = q_nope * scale.to(q.dtype), q_rot * scale.to(q.dtype)
         out = pos.attend(self.layer, (q_nope, q_rot), latent, k_rot, None, self._attend_latent)
+        if self.head_gate is not None:  # the gate in f32, as Transformers computes it
+            out = out * torch.sigmoid(self.head_gate(x).float()).to(out.dtype).transpose(1, 2).unsqueeze(-1)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
     def _attend_latent(self, q, latent, k_rot, mask, key_pos) -> torch.Tensor:

@@ -6,6 +6,8 @@ contiguous share of the batch's tokens, routes it, sends each (token, expert)
 pair to the expert's rank, weighs what comes back, adds the shared experts, and
 the shares are gathered again. Under tensor parallelism the routed and shared
 outputs are partial sums, all-reduced once on the share before the gather.
+Nemotron-H's experts may work in a latent width (moe_latent_size): the share is
+projected in before dispatch and the weighed sum projected out after combine.
 """
 
 from __future__ import annotations
@@ -18,17 +20,27 @@ from ster_dist.layers.mlp import MLP
 from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.router import Router
+from ster_dist.moe.ungated_experts import UngatedExperts
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import Replicated, dense
+from ster_dist.parallel.linear import ColumnLinear, Replicated, dense
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, layer: int):
         super().__init__()
-        moe = cfg.moe
+        moe = cfg.moe_of(layer)
         self.ctx, self.num_experts, self.hidden = ctx, moe.num_experts, cfg.hidden_size
         self.router = Router(moe, cfg.hidden_size)
-        self.experts = Experts(moe, cfg.hidden_size, cfg.hidden_act, ctx)
+        # Nemotron-H's latent projection: the routed experts work in a narrower width, projected in and out
+        # (both small, whole on every rank); the router and the shared experts read the hidden state itself
+        self.width = moe.latent_size or cfg.hidden_size
+        if moe.latent_size:
+            self.latent_in = ColumnLinear(cfg.hidden_size, self.width, ((0, self.width),), cfg.mlp_up_bias)
+            self.latent_out = ColumnLinear(self.width, cfg.hidden_size, ((0, cfg.hidden_size),), cfg.mlp_down_bias)
+        else:
+            self.latent_in = self.latent_out = None
+        experts = UngatedExperts if moe.activation == "ungated" else Experts  # Nemotron-H's: act(up) alone
+        self.experts = experts(moe, self.width, cfg.hidden_act, ctx)
         self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
@@ -39,9 +51,13 @@ class MoE(nn.Module):
         start, stop = self.ctx.token_share(tokens)
         share = flat[start:stop]
         weights, ids = self.router(share)
-        rows, local_ids, handle = dispatch(share, ids, self.num_experts, self.ctx)
+        inputs = self.latent_in(share) if self.latent_in is not None else share
+        rows, local_ids, handle = dispatch(inputs, ids, self.num_experts, self.ctx)
         back = combine(self.experts(rows, local_ids), handle)
-        out = (back.view(*ids.shape, self.hidden).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        out = (back.view(*ids.shape, self.width).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        if self.latent_out is not None:  # a partial sum under TP, like the experts': add the bias once
+            bias = self.latent_out.bias if self.ctx.tp_rank == 0 else None
+            out = dense(out, self.latent_out.weight, bias)
         if self.shared is not None:
             out = out + self._shared(share)
             if self.shared_average:  # Cohere 2 MoE: the mean of the routed and the shared experts
