@@ -109,3 +109,19 @@ def test_parts_that_cannot_share_one_product_stay_apart():
     x = torch.randn(2, 8)
     y = module(x)
     assert y[2] is None and torch.allclose(y[0], with_bias(x)) and torch.allclose(y[1], without(x))
+
+
+def test_half_precision_prefill_products_run_upcast_block_by_block(monkeypatch):
+    """The f32 route of bf16 products of many rows, in blocks of weight rows smaller than the weight (the
+    last block partial), equals the product computed in f32 and rounded once."""
+    from ster_dist.parallel import linear
+
+    monkeypatch.setattr(linear, "NATIVE_HALF_PRODUCTS", False)
+    monkeypatch.setattr(linear, "UPCAST_BLOCK", 40 * 7)  # 7 weight rows a block: 97 rows is 14 blocks
+    x = torch.randn(2, linear.UPCAST_ROWS_MIN, 40).bfloat16()
+    weight, bias = torch.randn(97, 40).bfloat16(), torch.randn(97).bfloat16()
+    want = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
+    got = dense(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(dense(x[:, :1], weight, bias), F.linear(x[:, :1], weight, bias))  # one row: bf16 kernel

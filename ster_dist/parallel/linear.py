@@ -100,10 +100,22 @@ def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torc
 SPLIT_ROWS_MAX = 64
 
 
+# bf16 / f16 products of many rows (prefill) on a CPU whose instructions lack a native bf16 product (AVX2 and
+# below: oneDNN's bf16 kernels need AVX-512 or AVX-NE-CONVERT) run in f32 over an upcast copy of the weight, a
+# block of rows at a time: torch's fallback bf16 kernel there reads a 256-token prompt about 5x slower than f32.
+# The products are exact in f32 either way; only the rounding of the sums' order differs.
+UPCAST_ROWS_MIN = 16
+UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the copy stays in cache
+NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) through the kernel that streams W fastest for x's shape."""
     inner = x.shape[-1]
     rows = x.numel() // inner if inner else 0
+    if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
+        return _upcast(x, weight, bias)
     parts = torch.get_num_threads()
     if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
@@ -112,6 +124,14 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         y = y.view(out, rows).t().reshape(*x.shape[:-1], out)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    wide = x.float()
+    step = max(1, UPCAST_BLOCK // inner) if (inner := weight.shape[1]) else weight.shape[0]
+    parts = [dense(wide, weight[i:i + step].float(), None if bias is None else bias[i:i + step].float())
+             for i in range(0, weight.shape[0], step)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
 
 class ColumnLinear(ShardedModule):
