@@ -18,9 +18,9 @@ ALIGNED = (64, 48)     # hidden, expert width: every stride a multiple of 16 byt
 MISALIGNED = (36, 21)  # 21 values are 84 (f32) or 42 (bf16) bytes: grouped_mm refuses, the loop runs
 
 
-def _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=0, seed=0) -> Experts:
+def _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=0, seed=0, gated=True) -> Experts:
     moe = MoEConfig(num_experts=num, top_k=2, intermediate_size=inner, expert_bias=biased,
-                    activation="clamped_swiglu" if clamped else "glu", swiglu_limit=1.5)
+                    activation="clamped_swiglu" if clamped else "glu" if gated else "ungated", swiglu_limit=1.5)
     experts = Experts(moe, hidden, "silu", ParallelCtx(tp_rank=tp_rank))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -33,6 +33,9 @@ def _reference(experts: Experts, x: torch.Tensor, ids: torch.Tensor) -> torch.Te
     """Row by row, in f32: gate/up, the activation, down, the biases where the module has them."""
     out = []
     for row, e in zip(x.float(), ids.tolist()):
+        if experts.gate is None:  # Nemotron-H's: act(up) alone
+            out.append(experts.down[e].float() @ experts.act(experts.up[e].float() @ row))
+            continue
         gate, up = experts.gate[e].float() @ row, experts.up[e].float() @ row
         if experts.gate_bias is not None:
             gate, up = gate + experts.gate_bias[e].float(), up + experts.up_bias[e].float()
@@ -56,12 +59,13 @@ BRANCHES = {"gathered": (*ALIGNED, 1 << 30, 0), "grouped": (*ALIGNED, 0, 0), "pe
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("branch", sorted(BRANCHES))
 @pytest.mark.parametrize("rows", [0, 1, 3, 200])
-@pytest.mark.parametrize("kind", ["glu", "gpt_oss_rank0", "gpt_oss_rank1"])
+@pytest.mark.parametrize("kind", ["glu", "gpt_oss_rank0", "gpt_oss_rank1", "ungated"])
 def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
     hidden, inner, gather_bytes, few_rows = BRANCHES[branch]
     num = 8
-    biased = clamped = kind != "glu"
-    experts = _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=1 if kind == "gpt_oss_rank1" else 0)
+    biased = clamped = kind.startswith("gpt_oss")
+    experts = _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=1 if kind == "gpt_oss_rank1" else 0,
+                       gated=kind != "ungated")
     experts.gather_bytes, experts.few_rows = gather_bytes, few_rows
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(dtype)
     # routing over 5 of the 8 experts (three stay empty), shuffled as dispatch from several ranks leaves it

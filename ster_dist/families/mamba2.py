@@ -7,7 +7,7 @@ mixer reads.
   rotating half of each head.
 - nemotron_h: one norm and one sublayer per layer, as hybrid_override_pattern (or layers_block_type) says:
   M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward, E experts without a
-  gate (moe/ungated_experts.py) routed by sigmoid scores over groups (noaux_tc: groups ranked by their best
+  gate (moe/experts.py, activation "ungated") routed by sigmoid scores over groups (noaux_tc: groups ranked by their best
   two, e_score_correction_bias added only to choose), renormalised under norm_topk_prob and scaled by
   routed_scaling_factor, beside one ungated shared expert moe_shared_expert_intermediate_size wide; under
   moe_latent_size the routed experts work on fc1_latent_proj(x) and return through fc2_latent_proj. Its dt is

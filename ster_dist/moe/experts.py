@@ -1,5 +1,6 @@
 """This rank's experts, stacked: gate and up [local experts, intermediate share, hidden], down
-[local experts, hidden, intermediate share], and GPT-OSS's biases; and the one grouped computation
+[local experts, hidden, intermediate share] (no gate for Nemotron-H's ungated experts), and GPT-OSS's
+biases; and the one grouped computation
 that runs every row through its expert.
 
 Experts are split in contiguous blocks over the expert-parallel group; within
@@ -67,7 +68,10 @@ class Experts(ShardedModule):
         self.local = last - self.first
         rows = (ctx.split(inner),)
         block = (self.first, last)
-        self._param("gate", Shard((num, inner, hidden), 1, rows, experts=block))
+        if moe.activation == "ungated":  # Nemotron-H's experts: act(up x), no gate
+            self.gate = None
+        else:
+            self._param("gate", Shard((num, inner, hidden), 1, rows, experts=block))
         self._param("up", Shard((num, inner, hidden), 1, rows, experts=block))
         self._param("down", Shard((num, hidden, inner), 2, rows, experts=block))
         if moe.expert_bias:
@@ -104,7 +108,7 @@ class Experts(ShardedModule):
 
     def branch(self, x: torch.Tensor) -> str:
         """The size rule (module docstring): "gathered", "grouped" or "per_expert" for these rows."""
-        matrices = (self.gate, self.up, self.down)
+        matrices = self._weights()
         expert_bytes = sum(w[0].numel() for w in matrices) * x.element_size()
         if x.shape[0] * expert_bytes <= self.local * self.gather_bytes:
             return "gathered"
@@ -120,14 +124,16 @@ class Experts(ShardedModule):
             return False
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
             return False  # grouped_mm's CUDA kernels start at SM80
-        weights = (self.gate, self.up, self.down)
+        weights = self._weights()
         if x.dtype not in GROUPED_DTYPES or any(w.dtype != x.dtype or w.stride(-1) != 1 for w in weights):
             return False
-        strides = [self.gate.shape[1], self.down.shape[1], *(s for w in weights for s in w.stride()[:2])]
+        strides = [self.up.shape[1], self.down.shape[1], *(s for w in weights for s in w.stride()[:2])]
         return all(s * x.element_size() % GROUPED_ALIGN == 0 for s in strides)
 
     def _mlp(self, x: torch.Tensor, ids: torch.Tensor, project: Project) -> torch.Tensor:
         """The experts' feed-forward on rows (ids [rows]: each row's expert, in the order project wants)."""
+        if self.gate is None:  # ungated: act(up) alone
+            return self._down(project, self.act(project(x, self.up)), ids)
         gate, up = project(x, self.gate), project(x, self.up)
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[ids], up + self.up_bias[ids]
@@ -136,10 +142,16 @@ class Experts(ShardedModule):
             h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
         else:
             h = self.act(gate) * up
+        return self._down(project, h, ids)
+
+    def _down(self, project: Project, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         y = project(h, self.down)
         if self.down_bias is not None and self.add_down_bias:
             y = y + self.down_bias[ids]
         return y
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(w for w in (self.gate, self.up, self.down) if w is not None)
 
     @staticmethod
     def _gathered(ids: torch.Tensor) -> Project:

@@ -20,7 +20,6 @@ from ster_dist.layers.mlp import MLP
 from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.router import Router
-from ster_dist.moe.ungated_experts import UngatedExperts
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import ColumnLinear, Replicated, dense
 
@@ -39,8 +38,7 @@ class MoE(nn.Module):
             self.latent_out = ColumnLinear(self.width, cfg.hidden_size, ((0, cfg.hidden_size),), cfg.mlp_down_bias)
         else:
             self.latent_in = self.latent_out = None
-        experts = UngatedExperts if moe.activation == "ungated" else Experts  # Nemotron-H's: act(up) alone
-        self.experts = experts(moe, self.width, cfg.hidden_act, ctx)
+        self.experts = Experts(moe, self.width, cfg.hidden_act, ctx)
         self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
