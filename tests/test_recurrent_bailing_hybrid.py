@@ -5,7 +5,6 @@ chunks (static cache and paged state slots) equal to one pass and to Transformer
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
@@ -16,29 +15,22 @@ from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
-from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.shard.plan import build_plan
-from tests.paged_steps import Driver
-from tests.tiny_models import BASE_CONFIG, TINY, make_tiny, read_config
+from tests.recurrent_checks import check_chunks_equal_one_pass, check_driver_slots, make_checkpoint, random_ids
+from tests.tiny_models import BASE_CONFIG, TINY, read_config
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("bailing_hybrid")
-    reference = make_tiny("bailing_hybrid", directory)
-    return directory, reference
+    return make_checkpoint(tmp_path_factory, "bailing_hybrid")
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny):
     return load_model(resolve(str(tiny[0])), "f32")
-
-
-def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_the_layer_types_and_mlp_layer_types_pick_the_kinds(tiny):
@@ -50,35 +42,14 @@ def test_the_layer_types_and_mlp_layer_types_pick_the_kinds(tiny):
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass_and_transformers(tiny, loaded):
-    model = loaded.model
-    ids = _ids(2, 90, seed=3)
-    with torch.no_grad():
-        whole = model(ids)
-        theirs = tiny[1](ids).logits
-        cache = model.new_cache(2, 96)
-        parts, start = [], 0
-        for size in (17, 1, 40, 29, 1, 1, 1):
-            parts.append(model(ids[:, start:start + size], cache=cache))
-            start += size
-    assert compare(whole, theirs)["max_relative_error"] < 1e-4
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-4
+    check_chunks_equal_one_pass(loaded.model, random_ids(90, seed=3, batch=2), (17, 1, 40, 29, 1, 1, 1), 96, 1e-4,
+                                tiny[1])
 
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
-    model = loaded.model
-    tokens = {"long": _ids(1, 50, seed=4)[0], "short": _ids(1, 10, seed=5)[0]}
-    slots = {"long": 1, "short": 0}
-    driver = Driver(PagedCache(model, 64, 4, state_slots=2))
+    tokens = {"long": random_ids(50, seed=4)[0], "short": random_ids(10, seed=5)[0]}
     schedule = [[("long", 23), ("short", 8)], [("long", 20), ("short", 1)], [("short", 1), ("long", 7)]]
-    with torch.no_grad():
-        whole = {name: model(ids.unsqueeze(0))[0] for name, ids in tokens.items()}
-        for step in schedule:
-            chunks = [dataclasses.replace(driver.chunk(name, size), state=slots[name]) for name, size in step]
-            ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
-            logits = model.forward_paged(ids, chunks, driver.cache)
-            for (name, _), chunk, row in zip(step, chunks, logits):
-                expected = whole[name][chunk.start + chunk.length - 1]
-                assert compare(row, expected)["max_relative_error"] < 1e-4, (name, chunk)
+    check_driver_slots(loaded.model, tokens, schedule)
 
 
 def test_the_unbounded_decay_equals_transformers(tmp_path):
@@ -92,7 +63,7 @@ def test_the_unbounded_decay_equals_transformers(tmp_path):
     reference = getattr(transformers, model_cls)(config).eval()
     reference.save_pretrained(tmp_path, safe_serialization=True)
     build_tiny_tokenizer(tmp_path)
-    ids = _ids(2, 30, seed=7)
+    ids = random_ids(30, seed=7, batch=2)
     with torch.no_grad():
         ours = load_model(resolve(str(tmp_path)), "f32").model(ids)
         theirs = reference(ids).logits

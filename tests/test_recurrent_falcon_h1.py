@@ -7,66 +7,34 @@ multipliers act in forward); bad config values are refused in one line naming th
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors import safe_open
 
 from ster_dist.config import from_hf
-from ster_dist.errors import Refusal
-from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.recurrent_checks import (LONG, PagedStatesOnRank, check_long_prompt_in_chunks, check_paged_steps,
+                                    one_line_refusal, paged_tokens, run_paged, variants_fixture)
 from tests.test_recurrent_engine import alone, open_engine, prompts, run_all
-from tests.test_recurrent_mamba2 import SCHEDULE, PagedStatesOnRank, run_paged
-from tests.tiny_models import make_tiny
 
 # falcon_h1: no gated norm, two Mamba groups; falcon_h1_normed: the norm before the gate, one group, biased out_proj
 VARIANTS = ["falcon_h1", "falcon_h1_normed"]
-LONG = 150  # crosses the scan's 64-token chunks twice and Transformers' 16-token ones many times
 # the tiny sizes (tests/tiny/falcon_h1.py): Mamba heads, head width, state; attention's heads, key-value heads, width
 HEADS, HEAD_DIM, STATE = 8, 12, 16
 ATTN_HEADS, KV_HEADS, ATTN_DIM = 4, 2, {"falcon_h1": 16, "falcon_h1_normed": 12}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    made = {}
-    for variant in VARIANTS:
-        directory = tmp_path_factory.mktemp(variant)
-        reference = make_tiny(variant, directory)
-        raw = json.loads((directory / "config.json").read_text())
-        made[variant] = (reference, load_model(resolve(str(directory)), "f32").model, raw, directory)
-    return made
-
-
-def _ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _tokens() -> dict[str, torch.Tensor]:
-    return {"A": _ids(80, seed=1)[0], "B": _ids(80, seed=2)[0]}
+tiny = variants_fixture(VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
     reference, model = tiny[variant][:2]
-    ids = _ids(LONG, batch=2)
-    with torch.no_grad():
-        whole = model(ids)
-        theirs = reference(ids).logits
-        cache = model.new_cache(2, LONG + 1)
-        parts, at = [], 0
-        for size in (37, 64, 1, 30, 18):  # uneven, one of them a single token
-            parts.append(model(ids[:, at:at + size], cache=cache))
-            at += size
-    assert at == LONG
-    assert compare(whole, theirs)["max_relative_error"] < 1e-4
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
+    cache = check_long_prompt_in_chunks(model, reference)
     # every layer kept its keys (all LONG positions) and its scan's state
     assert set(cache.states) == set(range(len(model.layers)))
     assert all(keys is not None and bool(cache.valid[:, :LONG].all()) for keys in cache.keys)
@@ -77,14 +45,8 @@ def test_paged_steps_carry_each_sequences_state_beside_its_keys(tiny):
     reads; the paged cache holds blocks of keys and a state per slot for every layer."""
     variant = "falcon_h1"
     model = tiny[variant][1]
-    tokens = _tokens()
-    chunks, logits, cache = run_paged(model, tokens)
+    cache = check_paged_steps(model, paged_tokens(), variant)
     assert all(k is not None for k in cache.keys) and set(cache.states) == set(range(len(model.layers)))
-    for step, step_chunks, step_logits in zip(SCHEDULE, chunks, logits):
-        for (name, _), c, got in zip(step, step_chunks, step_logits):
-            with torch.no_grad():
-                whole = model(tokens[name][None, :c.start + c.length])[0, -1]
-            assert compare(got[None], whole[None])["max_relative_error"] < 1e-5, (variant, name, c)
 
 
 def test_engine_batch_equals_each_alone_with_prefix_caching_off(tiny):
@@ -135,7 +97,7 @@ def test_tensor_parallel_ranks_keep_their_states_and_agree_with_one_rank(tiny):
     """Paged steps at TP=2 with Falcon-H1's one group split over the ranks (its B and C replicated, its gated
     norm's statistics summed across them) equal one rank's; each rank's state slots hold its own heads' states.
     (Whole groups at TP=2: tests/test_tensor_parallel.py and the shapes above.)"""
-    variant, tokens = "falcon_h1_normed", _tokens()
+    variant, tokens = "falcon_h1_normed", paged_tokens()
     with SpawnGroup(2) as group:
         group.call("load", resolve(str(tiny[variant][3])), "f32", "cpu")
         ranks = group.on(PagedStatesOnRank).run(tokens)
@@ -162,14 +124,6 @@ def test_the_checkpoints_tensors_are_loaded_as_stored(tiny, variant):
             assert torch.equal(f.get_tensor(name), param.detach()), name
 
 
-def _refusal(raw: dict) -> str:
-    with pytest.raises(Refusal) as caught:
-        meta_decoder(from_hf(raw))
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
-
-
 @pytest.mark.parametrize("change, words", [
     ({"ssm_multipliers": [1.0, 1.0, 1.0, 1.0]}, "ssm_multipliers"),
     ({"mlp_multipliers": [1.0, 1.0, 1.0]}, "mlp_multipliers"),
@@ -183,4 +137,4 @@ def _refusal(raw: dict) -> str:
     ({"hidden_act": "gelu"}, "activation"),
 ])
 def test_bad_config_values_are_refused(tiny, change, words):
-    assert words in _refusal({**tiny["falcon_h1"][2], **change})
+    assert words in one_line_refusal({**tiny["falcon_h1"][2], **change})

@@ -5,10 +5,6 @@ and checkpoint rows, and refusals of configs it cannot run."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -17,29 +13,15 @@ from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.gated_delta import delta_rule_chunked, delta_rule_recurrent, l2norm
-from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.shard.plan import build_plan
-from tests.paged_steps import Driver
+from tests.recurrent_checks import (check_chunks_equal_one_pass, check_driver_slots, check_left_padding,
+                                    checkpoint_fixtures, edited_copy, random_ids)
 from tests.tiny_models import make_tiny, read_config
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_next")
-    make_tiny("qwen3_next", directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    return load_model(resolve(str(tiny)), "f32")
-
-
-def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+tiny, loaded = checkpoint_fixtures("qwen3_next")
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 150])
@@ -66,53 +48,20 @@ def test_both_scans_equal_transformers_chunked_and_recurrent_delta_rule(length):
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
-    model = loaded.model
-    ids = _ids(2, 90, seed=3)
-    with torch.no_grad():
-        whole = model(ids)
-        cache = model.new_cache(2, 96)
-        parts, start = [], 0
-        for size in (17, 1, 40, 29, 1, 1, 1):
-            parts.append(model(ids[:, start:start + size], cache=cache))
-            start += size
-    assert start == ids.shape[1]
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-4
+    check_chunks_equal_one_pass(loaded.model, random_ids(90, seed=3, batch=2), (17, 1, 40, 29, 1, 1, 1), 96, 1e-4)
 
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
     """Two sequences through state slots: one read in uneven chunks beside the other's prompt and decoding;
     each step's last-token logits equal the whole read's at that position."""
-    model = loaded.model
-    tokens = {"long": _ids(1, 60, seed=4)[0], "short": _ids(1, 12, seed=5)[0]}
-    slots = {"long": 1, "short": 0}
-    driver = Driver(PagedCache(model, 64, 4, state_slots=2))
+    tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
     schedule = [[("long", 23), ("short", 9)], [("long", 20), ("short", 1)], [("short", 1), ("long", 17)],
                 [("short", 1)]]
-    with torch.no_grad():
-        whole = {name: model(ids.unsqueeze(0))[0] for name, ids in tokens.items()}
-        for step in schedule:
-            chunks = [dataclasses.replace(driver.chunk(name, size), state=slots[name]) for name, size in step]
-            ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
-            logits = model.forward_paged(ids, chunks, driver.cache)
-            for (name, _), chunk, row in zip(step, chunks, logits):
-                expected = whole[name][chunk.start + chunk.length - 1]
-                assert compare(row, expected)["max_relative_error"] < 1e-4, (name, chunk)
+    check_driver_slots(loaded.model, tokens, schedule)
 
 
 def test_left_padding_leaves_the_state_of_a_fresh_sequence(loaded):
-    model = loaded.model
-    ids = _ids(1, 9, seed=6)
-    padded = torch.cat([torch.zeros(1, 4, dtype=ids.dtype), ids], dim=1)
-    valid = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 9, dtype=torch.bool)], dim=1)
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        alone_cache, padded_cache = model.new_cache(1, 16), model.new_cache(1, 16)
-        alone = model(ids, cache=alone_cache)
-        ours = model(padded, positions=positions, valid=valid, cache=padded_cache)
-    assert compare(ours[:, 4:], alone)["max_relative_error"] < 1e-4
-    for layer, state in alone_cache.states.items():
-        for mine, theirs in zip(padded_cache.states[layer], state):
-            assert compare(mine, theirs)["max_relative_error"] < 1e-4, layer
+    check_left_padding(loaded.model)
 
 
 def test_tensor_parallel_ranks_hold_whole_key_head_groups_and_read_only_their_rows(tiny):
@@ -166,22 +115,9 @@ def test_qwen3_5_ranks_read_their_rows_of_each_part_of_in_proj_qkv(tmp_path):
 
 def test_qwen3_5_without_the_attention_output_gate_is_refused(tmp_path):
     make_tiny("qwen3_5_text", tmp_path / "model")
-    directory = _edited(tmp_path / "model", tmp_path, attn_output_gate=False)
+    directory = edited_copy(tmp_path / "model", tmp_path, attn_output_gate=False)
     with pytest.raises(Refusal, match="attn_output_gate is False; only the gated attention layout"):
         load_model(resolve(str(directory)), "f32")
-
-
-def _edited(tiny, tmp_path, **changes):
-    directory = tmp_path / "edited"
-    shutil.copytree(tiny, directory)
-    config = read_config(directory)
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -194,11 +130,11 @@ def _edited(tiny, tmp_path, **changes):
 ])
 def test_configs_it_cannot_run_are_refused(tiny, tmp_path, changes, words):
     with pytest.raises(Refusal, match=words.replace("(", r"\(")):
-        load_model(resolve(str(_edited(tiny, tmp_path, **changes))), "f32")
+        load_model(resolve(str(edited_copy(tiny, tmp_path, **changes))), "f32")
 
 
 def test_a_stated_full_attention_interval_places_the_attention_layers(tiny, tmp_path):
-    cfg = from_hf(read_config(_edited(tiny, tmp_path, layer_types=None, full_attention_interval=2)))
+    cfg = from_hf(read_config(edited_copy(tiny, tmp_path, layer_types=None, full_attention_interval=2)))
     assert cfg.mixers == ("gated_delta", "attention", "gated_delta")
     assert cfg.feed_forwards == ("dense", "moe", "moe")
 

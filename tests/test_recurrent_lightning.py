@@ -6,10 +6,6 @@ config, and refusals of configs it cannot run."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -18,29 +14,15 @@ from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.lightning import lightning_scan, slopes
-from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.shard.plan import build_plan
-from tests.paged_steps import Driver
-from tests.tiny_models import make_tiny, read_config
+from tests.recurrent_checks import (check_chunks_equal_one_pass, check_driver_slots, check_left_padding,
+                                    checkpoint_fixtures, edited_copy, make_checkpoint, random_ids)
+from tests.tiny_models import read_config
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("minimax")
-    make_tiny("minimax", directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    return load_model(resolve(str(tiny)), "f32")
-
-
-def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+tiny, loaded = checkpoint_fixtures("minimax")
 
 
 @pytest.mark.parametrize("length", [1, 7, 8, 29])
@@ -80,54 +62,20 @@ def test_the_scan_equals_transformers_block_form_and_its_decode_form(length):
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
-    model = loaded.model
-    ids = _ids(2, 90, seed=3)
-    with torch.no_grad():
-        whole = model(ids)
-        cache = model.new_cache(2, 96)
-        parts, start = [], 0
-        for size in (17, 1, 40, 29, 1, 1, 1):
-            parts.append(model(ids[:, start:start + size], cache=cache))
-            start += size
-    assert start == ids.shape[1]
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-4
+    check_chunks_equal_one_pass(loaded.model, random_ids(90, seed=3, batch=2), (17, 1, 40, 29, 1, 1, 1), 96, 1e-4)
 
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
     """Two sequences through state slots: one read in uneven chunks beside the other's prompt and decoding;
     each step's last-token logits equal the whole read's at that position."""
-    model = loaded.model
-    tokens = {"long": _ids(1, 60, seed=4)[0], "short": _ids(1, 12, seed=5)[0]}
-    slots = {"long": 1, "short": 0}
-    driver = Driver(PagedCache(model, 64, 4, state_slots=2))
+    tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
     schedule = [[("long", 23), ("short", 9)], [("long", 20), ("short", 1)], [("short", 1), ("long", 17)],
                 [("short", 1)]]
-    with torch.no_grad():
-        whole = {name: model(ids.unsqueeze(0))[0] for name, ids in tokens.items()}
-        for step in schedule:
-            chunks = [dataclasses.replace(driver.chunk(name, size), state=slots[name]) for name, size in step]
-            ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
-            logits = model.forward_paged(ids, chunks, driver.cache)
-            for (name, _), chunk, row in zip(step, chunks, logits):
-                expected = whole[name][chunk.start + chunk.length - 1]
-                assert compare(row, expected)["max_relative_error"] < 1e-4, (name, chunk)
+    check_driver_slots(loaded.model, tokens, schedule)
 
 
 def test_left_padding_leaves_the_state_of_a_fresh_sequence(loaded):
-    model = loaded.model
-    ids = _ids(1, 9, seed=6)
-    padded = torch.cat([torch.zeros(1, 4, dtype=ids.dtype), ids], dim=1)
-    valid = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 9, dtype=torch.bool)], dim=1)
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        alone_cache, padded_cache = model.new_cache(1, 16), model.new_cache(1, 16)
-        alone = model(ids, cache=alone_cache)
-        ours = model(padded, positions=positions, valid=valid, cache=padded_cache)
-    assert compare(ours[:, 4:], alone)["max_relative_error"] < 1e-4
-    assert alone_cache.states
-    for layer, state in alone_cache.states.items():
-        for mine, theirs in zip(padded_cache.states[layer], state):
-            assert compare(mine, theirs)["max_relative_error"] < 1e-4, layer
+    assert check_left_padding(loaded.model).states
 
 
 def test_tensor_parallel_ranks_hold_whole_heads_and_read_only_their_rows(tiny):
@@ -156,19 +104,6 @@ def test_more_ranks_than_heads_is_refused(tiny):
         meta_decoder(cfg, ParallelCtx(0, 8))
 
 
-def _edited(tiny, tmp_path, **changes):
-    directory = tmp_path / "edited"
-    shutil.copytree(tiny, directory)
-    config = read_config(directory)
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.mark.parametrize("changes, words", [
     (dict(block_size=0), "block_size is 0"),
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "linear_attention"]),
@@ -179,20 +114,18 @@ def _edited(tiny, tmp_path, **changes):
 ])
 def test_configs_it_cannot_run_are_refused(tiny, tmp_path, changes, words):
     with pytest.raises(Refusal, match=words.replace("(", r"\(")):
-        load_model(resolve(str(_edited(tiny, tmp_path, **changes))), "f32")
+        load_model(resolve(str(edited_copy(tiny, tmp_path, **changes))), "f32")
 
 
 def test_without_layer_types_every_second_layer_is_lightning(tiny, tmp_path):
-    cfg = from_hf(read_config(_edited(tiny, tmp_path, layer_types=None)))
+    cfg = from_hf(read_config(edited_copy(tiny, tmp_path, layer_types=None)))
     assert cfg.mixers == ("attention", "lightning", "attention", "lightning")
     assert cfg.residual_from_norm and cfg.residual_factors[1] == (1.3, 0.7, 1.1, 0.8)
 
 
 @pytest.fixture(scope="module")
 def text_01(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("minimax_text_01")
-    make_tiny("minimax_text_01", directory)
-    return directory
+    return make_checkpoint(tmp_path_factory, "minimax_text_01")[0]
 
 
 def test_minimax_text_01_reads_attn_type_list_and_its_own_factors(text_01):
@@ -204,7 +137,7 @@ def test_minimax_text_01_reads_attn_type_list_and_its_own_factors(text_01):
 
 def test_minimax_text_01_rotates_its_stated_rotary_dim(text_01, tmp_path):
     """MiniMax-Text-01 rotates rotary_dim of each head (64 of 128 in the release), as its own code does."""
-    cfg = from_hf(read_config(_edited(text_01, tmp_path, rotary_dim=8)))
+    cfg = from_hf(read_config(edited_copy(text_01, tmp_path, rotary_dim=8)))
     assert [rope.rotary_dim if rope else None for rope in cfg.layer_rope] == [8, None, None, 8]
 
 
@@ -214,15 +147,15 @@ def test_minimax_text_01_rotates_its_stated_rotary_dim(text_01, tmp_path):
 ])
 def test_minimax_text_01_configs_it_cannot_run_are_refused(text_01, tmp_path, changes, words):
     with pytest.raises(Refusal, match=words):
-        load_model(resolve(str(_edited(text_01, tmp_path, **changes))), "f32")
+        load_model(resolve(str(edited_copy(text_01, tmp_path, **changes))), "f32")
 
 
 def test_without_postnorm_the_residual_is_the_sublayers_input(text_01, tmp_path):
     """MiniMax's own postnorm false: the residual is each sublayer's input, not its normed input."""
     normed = load_model(resolve(str(text_01)), "f32")
-    plain = load_model(resolve(str(_edited(text_01, tmp_path, postnorm=False))), "f32")
+    plain = load_model(resolve(str(edited_copy(text_01, tmp_path, postnorm=False))), "f32")
     assert not plain.cfg.residual_from_norm
-    ids = _ids(1, 6, seed=7)
+    ids = random_ids(6, seed=7)
     with torch.no_grad():
         assert compare(plain.model(ids), normed.model(ids))["max_relative_error"] > 1e-2
 

@@ -5,42 +5,26 @@ config values and a tensor parallelism that would split a group unevenly are ref
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 from ster_dist.config import from_hf
-from ster_dist.errors import Refusal
 from ster_dist.layers.ssd_scan import ssd_scan
-from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.workers.extension import RankExtension
 from ster_dist.workers.spawn import SpawnGroup
-from tests.tiny_models import make_tiny
+from tests.recurrent_checks import (PagedStatesOnRank, check_long_prompt_in_chunks, check_paged_steps,
+                                    one_line_refusal, paged_tokens, random_ids, run_paged, variants_fixture)
 
 VARIANTS = ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "granitemoehybrid_dense"]
-LONG = 150  # crosses the scan's 64-token chunks twice and Transformers' 16-token ones many times
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    made = {}
-    for variant in VARIANTS:
-        directory = tmp_path_factory.mktemp(variant)
-        reference = make_tiny(variant, directory)
-        raw = json.loads((directory / "config.json").read_text())
-        made[variant] = (reference, load_model(resolve(str(directory)), "f32").model, raw, directory)
-    return made
-
-
-def _ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+tiny = variants_fixture(VARIANTS)
 
 
 def test_chunked_scan_equals_the_recurrence_token_by_token():
@@ -70,75 +54,19 @@ def test_chunked_scan_equals_the_recurrence_token_by_token():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
     reference, model = tiny[variant][:2]
-    ids = _ids(LONG, batch=2)
-    with torch.no_grad():
-        whole = model(ids)
-        theirs = reference(ids).logits
-        cache = model.new_cache(2, LONG + 1)
-        parts, at = [], 0
-        for size in (37, 64, 1, 30, 18):  # uneven, one of them a single token
-            parts.append(model(ids[:, at:at + size], cache=cache))
-            at += size
-    assert at == LONG
-    assert compare(whole, theirs)["max_relative_error"] < 1e-4
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
-
-
-# (sequence, new tokens) per step: prefills longer than the scan's chunk, packed with the other's decodes
-SCHEDULE = [[("A", 70)], [("B", 33), ("A", 1)], [("A", 1), ("B", 40)], [("B", 1), ("A", 1)]]
-SLOTS = {"A": 2, "B": 0}
-
-
-def _paged_tokens() -> dict[str, torch.Tensor]:
-    return {"A": _ids(80, seed=1)[0], "B": _ids(80, seed=2)[0]}
-
-
-def run_paged(model, tokens: dict[str, torch.Tensor]) -> tuple[list[list[Chunk]], list[torch.Tensor], PagedCache]:
-    """SCHEDULE through forward_paged, each sequence in its SLOTS state slot: (chunks, logits) per step."""
-    cache = PagedCache(model, num_blocks=64, block_size=4, state_slots=3)
-    free = list(range(1, 64))
-    blocks: dict[str, list[int]] = {"A": [], "B": []}
-    length = {"A": 0, "B": 0}
-    all_chunks, all_logits = [], []
-    for step in SCHEDULE:
-        chunks = []
-        for name, n in step:
-            while len(blocks[name]) * 4 < length[name] + n:
-                blocks[name].append(free.pop())
-            chunks.append(Chunk(tuple(blocks[name]), length[name], n, state=SLOTS[name]))
-            length[name] += n
-        ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
-        with torch.no_grad():
-            all_logits.append(model.forward_paged(ids, chunks, cache))
-        all_chunks.append(chunks)
-    return all_chunks, all_logits, cache
-
-
-class PagedStatesOnRank(RankExtension):
-    def run(self, tokens: dict[str, torch.Tensor]) -> dict:
-        """This rank's paged logits of SCHEDULE and the shapes of its first recurrent layer's state slots."""
-        _, logits, cache = run_paged(self.model, tokens)
-        first = min(cache.states)
-        return {"logits": self.first_rank_only(logits), "state_shapes": [tuple(s.shape) for s in cache.states[first]]}
+    check_long_prompt_in_chunks(model, reference)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_paged_steps_carry_each_sequences_state_in_its_slot(tiny, variant):
     """Prefill chunks of two sequences in their own slots, packed with each other's decodes, equal whole reads."""
-    model = tiny[variant][1]
-    tokens = _paged_tokens()
-    chunks, logits, _ = run_paged(model, tokens)
-    for step, step_chunks, step_logits in zip(SCHEDULE, chunks, logits):
-        for (name, _), c, got in zip(step, step_chunks, step_logits):
-            with torch.no_grad():
-                whole = model(tokens[name][None, :c.start + c.length])[0, -1]
-            assert compare(got[None], whole[None])["max_relative_error"] < 1e-5, (variant, name, c)
+    check_paged_steps(tiny[variant][1], paged_tokens(), variant)
 
 
 def test_tensor_parallel_ranks_keep_their_heads_states_and_agree_with_one_rank(tiny):
     """Paged steps at TP=2 (two whole groups, and one group split over the ranks) equal one rank's; each rank's
     state slots hold its own heads' states."""
-    tokens = _paged_tokens()
+    tokens = paged_tokens()
     with SpawnGroup(2) as group:
         for variant in ("mamba2", "bamba"):
             group.call("load", resolve(str(tiny[variant][3])), "f32", "cpu")
@@ -179,15 +107,6 @@ def test_each_rank_holds_its_heads_groups_and_state(tiny, variant, tp, expected)
     assert got == expected
 
 
-def _refusal(raw: dict, tp: int = 1) -> str:
-    with pytest.raises(Refusal) as caught:
-        for rank in range(tp):
-            meta_decoder(from_hf(raw), ParallelCtx(rank, tp))
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
-
-
 @pytest.mark.parametrize("variant, change, words", [
     ("mamba2", {"n_groups": 3}, "n_groups"),
     ("mamba2", {"num_heads": 0}, "mamba_n_heads"),
@@ -209,7 +128,7 @@ def _refusal(raw: dict, tp: int = 1) -> str:
     ("granitemoehybrid_dense", {"mamba_n_groups": 3}, "n_groups"),
 ])
 def test_bad_config_values_are_refused(tiny, variant, change, words):
-    assert words in _refusal({**tiny[variant][2], **change})
+    assert words in one_line_refusal({**tiny[variant][2], **change})
 
 
 @pytest.mark.parametrize("variant, change, tp", [
@@ -217,7 +136,7 @@ def test_bad_config_values_are_refused(tiny, variant, change, words):
     ("bamba", {"mamba_n_heads": 2, "mamba_d_head": 48}, 4),     # one group of two heads over four ranks
 ])
 def test_a_tensor_parallelism_that_would_split_a_group_is_refused(tiny, variant, change, tp):
-    assert "--tp" in _refusal({**tiny[variant][2], **change}, tp)
+    assert "--tp" in one_line_refusal({**tiny[variant][2], **change}, tp)
 
 
 def test_bad_state_never_leaks_into_a_fresh_sequence(tiny):
@@ -227,7 +146,7 @@ def test_bad_state_never_leaks_into_a_fresh_sequence(tiny):
     for states in cache.states.values():
         for s in states:
             s.fill_(3.0)
-    ids = _ids(9, seed=3)[0]
+    ids = random_ids(9, seed=3)[0]
     with torch.no_grad():
         got = model.forward_paged(ids, [replace(Chunk(tuple(range(1, 4)), 0, 9), state=0)], cache)
         whole = model(ids[None])[0, -1]

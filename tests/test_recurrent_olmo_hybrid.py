@@ -5,70 +5,30 @@ norms each layer kind gets, and refusals of configs it cannot run."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
-
 import pytest
-import torch
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
-from ster_dist.model.paged import PagedCache
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.shard.plan import build_plan
-from tests.paged_steps import Driver
-from tests.tiny_models import make_tiny, read_config
+from tests.recurrent_checks import (check_chunks_equal_one_pass, check_driver_slots, checkpoint_fixtures, edited_copy,
+                                    random_ids)
+from tests.tiny_models import read_config
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("olmo_hybrid")
-    make_tiny("olmo_hybrid", directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    return load_model(resolve(str(tiny)), "f32")
-
-
-def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+tiny, loaded = checkpoint_fixtures("olmo_hybrid")
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
-    model = loaded.model
-    ids = _ids(2, 90, seed=3)
-    with torch.no_grad():
-        whole = model(ids)
-        cache = model.new_cache(2, 96)
-        parts, start = [], 0
-        for size in (17, 1, 40, 29, 1, 1, 1):
-            parts.append(model(ids[:, start:start + size], cache=cache))
-            start += size
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-4
+    check_chunks_equal_one_pass(loaded.model, random_ids(90, seed=3, batch=2), (17, 1, 40, 29, 1, 1, 1), 96, 1e-4)
 
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
-    model = loaded.model
-    tokens = {"long": _ids(1, 60, seed=4)[0], "short": _ids(1, 12, seed=5)[0]}
-    slots = {"long": 1, "short": 0}
-    driver = Driver(PagedCache(model, 64, 4, state_slots=2))
+    tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
     schedule = [[("long", 23), ("short", 9)], [("long", 20), ("short", 1)], [("short", 1), ("long", 17)]]
-    with torch.no_grad():
-        whole = {name: model(ids.unsqueeze(0))[0] for name, ids in tokens.items()}
-        for step in schedule:
-            chunks = [dataclasses.replace(driver.chunk(name, size), state=slots[name]) for name, size in step]
-            ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
-            logits = model.forward_paged(ids, chunks, driver.cache)
-            for (name, _), chunk, row in zip(step, chunks, logits):
-                expected = whole[name][chunk.start + chunk.length - 1]
-                assert compare(row, expected)["max_relative_error"] < 1e-4, (name, chunk)
+    check_driver_slots(loaded.model, tokens, schedule)
 
 
 def test_linear_layers_are_pre_norm_and_attention_layers_post_norm(tiny):
@@ -110,10 +70,6 @@ def test_unstated_layer_types_attend_every_fourth_layer_and_a_null_rope_theta_me
 
 
 def test_an_unknown_layer_type_is_refused(tiny, tmp_path):
-    directory = tmp_path / "edited"
-    shutil.copytree(tiny, directory)
-    config = read_config(directory)
-    config["layer_types"] = ["linear_attention", "sliding_attention", "linear_attention"]
-    (directory / "config.json").write_text(json.dumps(config))
+    directory = edited_copy(tiny, tmp_path, layer_types=["linear_attention", "sliding_attention", "linear_attention"])
     with pytest.raises(Refusal, match="layer type 'sliding_attention' is not supported for olmo_hybrid"):
         load_model(resolve(str(directory)), "f32")

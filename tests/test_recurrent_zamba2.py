@@ -5,73 +5,39 @@ stores every copy; TP=2 equals one rank; bad config values are refused in one li
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.config import from_hf
-from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.recurrent_checks import (PagedStatesOnRank, check_long_prompt_in_chunks, check_paged_steps,
+                                    one_line_refusal, paged_tokens, random_ids, run_paged, variants_fixture)
 from tests.test_recurrent_engine import alone, open_engine, prompts, run_all
-from tests.test_recurrent_mamba2 import SCHEDULE, PagedStatesOnRank, _paged_tokens, run_paged
-from tests.tiny_models import make_tiny
 
 # "zamba2": untied head, so Transformers ties no block (each hybrid layer its own); "zamba2_plain": tied blocks
 VARIANTS = ["zamba2", "zamba2_plain"]
-LONG = 150  # crosses the scan's 64-token chunks twice and Transformers' 16-token ones many times
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    made = {}
-    for variant in VARIANTS:
-        directory = tmp_path_factory.mktemp(variant)
-        reference = make_tiny(variant, directory)
-        raw = json.loads((directory / "config.json").read_text())
-        made[variant] = (reference, load_model(resolve(str(directory)), "f32").model, raw, directory)
-    return made
-
-
-def _ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+tiny = variants_fixture(VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
     reference, model = tiny[variant][:2]
-    ids = _ids(LONG, batch=2)
-    with torch.no_grad():
-        whole = model(ids)
-        theirs = reference(ids).logits
-        cache = model.new_cache(2, LONG + 1)
-        parts, at = [], 0
-        for size in (37, 64, 1, 30, 18):  # uneven, one of them a single token
-            parts.append(model(ids[:, at:at + size], cache=cache))
-            at += size
-    assert at == LONG
-    assert compare(whole, theirs)["max_relative_error"] < 1e-4
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
+    check_long_prompt_in_chunks(model, reference)
 
 
 @pytest.mark.parametrize("variant", [pytest.param("zamba2", marks=pytest.mark.slow), "zamba2_plain"])
 def test_paged_steps_carry_each_sequences_state_and_keys(tiny, variant):
     """Prefill chunks of two sequences, packed with each other's decodes, equal whole reads: each hybrid layer
     keeps its keys in the paged cache and its Mamba-2 state in the sequence's slot."""
-    model = tiny[variant][1]
-    tokens = _paged_tokens()
-    chunks, logits, _ = run_paged(model, tokens)
-    for step, step_chunks, step_logits in zip(SCHEDULE, chunks, logits):
-        for (name, _), c, got in zip(step, step_chunks, step_logits):
-            with torch.no_grad():
-                whole = model(tokens[name][None, :c.start + c.length])[0, -1]
-            assert compare(got[None], whole[None])["max_relative_error"] < 1e-5, (variant, name, c)
+    check_paged_steps(tiny[variant][1], paged_tokens(), variant)
 
 
 def test_the_token_engine_reads_prompts_in_chunks_beside_decodes_as_each_alone(tiny):
@@ -110,7 +76,7 @@ def test_a_checkpoint_storing_every_tied_copy_is_read_once(tiny, tmp_path):
                     for name, t in tensors.items() if name.startswith(first)})
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     loaded = load_model(resolve(str(tmp_path)), "f32")
-    ids = _ids(20)
+    ids = random_ids(20)
     with torch.no_grad():
         assert torch.equal(loaded.model(ids), tiny["zamba2_plain"][1](ids))
 
@@ -118,7 +84,7 @@ def test_a_checkpoint_storing_every_tied_copy_is_read_once(tiny, tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_paged_steps_agree_with_one_rank(tiny):
     """Paged steps at TP=2 equal one rank's (tests/test_tensor_parallel.py compares whole reads and greedy)."""
-    tokens = _paged_tokens()
+    tokens = paged_tokens()
     with SpawnGroup(2) as group:
         for variant in VARIANTS:
             group.call("load", resolve(str(tiny[variant][3])), "f32", "cpu")
@@ -140,14 +106,6 @@ def test_each_rank_holds_its_share_of_a_hybrid_layer(tiny):
         assert tuple(shared.gate_up_adapters["0"].b.shape) == (56, 6) and tuple(mixer.linear.weight.shape) == (48, 48)
 
 
-def _refusal(raw: dict) -> str:
-    with pytest.raises(Refusal) as caught:
-        meta_decoder(from_hf(raw))
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
-
-
 @pytest.mark.parametrize("variant, change, words", [
     ("zamba2", {"num_key_value_heads": 2}, "use_shared_attention_adapter"),
     ("zamba2", {"layers_block_type": ["mamba", "attention"]}, "layers_block_type"),
@@ -158,4 +116,4 @@ def _refusal(raw: dict) -> str:
     ("zamba2_plain", {"n_mamba_heads": 3}, "n_groups"),
 ])
 def test_bad_config_values_are_refused(tiny, variant, change, words):
-    assert words in _refusal({**tiny[variant][2], **change})
+    assert words in one_line_refusal({**tiny[variant][2], **change})
