@@ -58,7 +58,11 @@ def _normalize(raw: dict) -> dict:
     if out.get("intermediate_size") is None and isinstance(hidden, int):
         out["intermediate_size"] = 4 * hidden
     if isinstance(hidden, int) and isinstance(attention_heads, int) and attention_heads > 0:
-        out["head_dim"] = 2 * hidden // attention_heads  # the shared block reads [hidden state, embeddings]
+        # the shared block reads [hidden state, embeddings]: 2 * hidden / heads wide unless the config states a
+        # width (Transformers' attention_head_dim, or head_dim mapped onto it), which then wins as it does there
+        stated = out.get("attention_head_dim", out.get("head_dim"))
+        out["head_dim"] = (stated if isinstance(stated, int) and not isinstance(stated, bool) and stated > 0
+                           else 2 * hidden // attention_heads)
         out["query_pre_attn_scalar"] = out["head_dim"] / 2
     if not out["use_mem_rope"]:
         out["no_rope_layers"] = [0] * len(pattern)
