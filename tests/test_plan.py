@@ -396,3 +396,50 @@ def test_other_quantizations_are_refused(tmp_path, capsys):
     # the architecture gate refuses it first, in the seed's words, before any header is read
     assert code == 2 and "is a quantized checkpoint (quantization_config: awq)" in err
     shutil.rmtree(tmp_path / "q")
+
+
+# ---- recurrent state: a slot per sequence, whatever its length ----
+
+@pytest.mark.parametrize("variant, tp", [("mamba", 2), ("jamba", 1)])
+def test_recurrent_state_per_sequence_equals_the_engine_cache_slot(tmp_path, capsys, variant, tp):
+    """A pure state-space model keeps no keys: the plan sizes sequences by one state slot each (a plan that
+    counted KV alone would call it unfit); a hybrid pays both. The state bytes equal what a real paged
+    cache allocates for one slot on each rank of a real load."""
+    from ster_dist.model.paged import PagedCache
+    from tests.tiny_models import make_tiny
+
+    make_tiny(variant, tmp_path / variant)
+    capsys.readouterr()  # what building the checkpoint printed
+    memory = 4.5
+    code, out, err = run(capsys, "plan", "--model", str(tmp_path / variant), "--tp", str(tp), "--precision", "f32",
+                         "--gpu-memory", str(memory), "--max-model-len", "64")
+    assert code == 0, err
+    checkpoint = resolve(str(tmp_path / variant))
+    for rank in out["ranks"]:
+        loaded = load_model(checkpoint, "f32", "cpu", ParallelCtx(tp_rank=rank["tp_rank"], tp_size=tp))
+        cache = PagedCache(loaded.model, num_blocks=2, block_size=1, state_slots=1)
+        slot = sum(t.numel() * t.element_size() for states in cache.states.values() for t in states)
+        assert rank["state_bytes_per_sequence"] == slot > 0
+    state = out["recurrent_state"]
+    worst = max(out["ranks"], key=lambda r: r["parameter_bytes"])
+    free = int(memory * 2**30) - worst["parameter_bytes"] - out["activation_reserve_bytes"]
+    each = 64 * worst["kv_bytes_per_token"] + worst["state_bytes_per_sequence"]
+    assert out["max_model_len_sequences"] == free // each
+    assert state["bytes_per_sequence_per_rank"] == out["ranks"][0]["state_bytes_per_sequence"]
+    assert out["verdict"].startswith("fits:") and f"({free // each} sequence(s) of 64, a " in out["verdict"]
+    if variant == "mamba":
+        assert out["kv_tokens"] == 0 and "no KV cache (every layer recurrent)" in out["verdict"]
+        assert state["layers"] == len(read_layers(tmp_path / variant))
+    else:
+        assert out["kv_tokens"] == (free - free // each * worst["state_bytes_per_sequence"]) // worst["kv_bytes_per_token"]
+        assert state["kinds"] == ["mamba"]
+
+
+def test_an_attention_model_reports_no_recurrent_state(tmp_path_factory, capsys):
+    code, out, _ = run(capsys, "plan", "--model", make_toy(tmp_path_factory), "--precision", "f32")
+    assert code == 0 and out["recurrent_state"] is None
+    assert out["ranks"][0]["state_bytes_per_sequence"] == 0
+
+
+def read_layers(directory: Path) -> list:
+    return list(range(json.loads((directory / "config.json").read_text())["num_hidden_layers"]))

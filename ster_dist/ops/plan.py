@@ -29,6 +29,8 @@ GIB = 1 << 30
 # step's activations (a 256-token prefill chunk beside the decodes); stated in every plan
 ACTIVATION_RESERVE = 4 * GIB
 # how a quantization's weights are stored, as the verdict names it
+# the layer kinds that keep nothing per sequence beyond keys and values
+STATELESS_MIXERS = ("attention", "latent_attention", "none")
 STORED = {"fp8": "FP8", "mxfp4": "MXFP4", "compressed-tensors": "FP8"}
 
 
@@ -46,7 +48,8 @@ def plan(request: PlanRequest) -> dict:
     ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r) for r, ctx in enumerate(ctxs)]
     memory = int(request.gpu_memory * GIB)
     max_len = request.max_model_len or cfg.max_position
-    kv = [_kv_tokens(memory, rank) for rank in ranks]
+    sequences = min(_sequences(memory, rank, max_len) for rank in ranks)
+    kv = [_kv_tokens(memory, rank, sequences) for rank in ranks]
     tokens = min(kv)  # block ids are the same on every rank: the smallest cache bounds them all
     return {
         "model": request.model, "family": cfg.family, "precision": request.precision,
@@ -62,10 +65,12 @@ def plan(request: PlanRequest) -> dict:
         "gpu_memory_bytes": memory, "activation_reserve_bytes": ACTIVATION_RESERVE,
         "kv_cache": kv_summary(cfg, ranks[0], request.precision),
         "max_model_len": max_len,
-        "kv_tokens": tokens, "max_model_len_sequences": tokens // max_len,
+        "recurrent_state": state_summary(cfg, ranks[0], request.precision),
+        "kv_tokens": tokens, "max_model_len_sequences": sequences,
         "ranks": [{**_rank_json(rank, placement[rank.rank]), "kv_tokens": n} for rank, n in zip(ranks, kv)],
         "nodes": _nodes(placement),
-        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, quantized=STORED.get(checkpoint.method)),
+        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, quantized=STORED.get(checkpoint.method),
+                           sequences=sequences),
     }
 
 
@@ -144,8 +149,21 @@ def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor]
     return load_raw_config(Path(config)), tensors, f"{model}/config.json"
 
 
-def _kv_tokens(memory: int, rank: RankFootprint) -> int:
-    free = memory - rank.parameter_bytes - ACTIVATION_RESERVE
+def _free(memory: int, rank: RankFootprint) -> int:
+    return max(0, memory - rank.parameter_bytes - ACTIVATION_RESERVE)
+
+
+def _sequences(memory: int, rank: RankFootprint, max_len: int) -> int:
+    """Sequences of max_len tokens the rank holds at once: each takes its keys and values for every
+    position and, in a model with recurrent layers, one state slot (the engine takes slots from the same
+    budget as blocks)."""
+    each = max_len * rank.kv_bytes_per_token + rank.state_bytes_per_sequence
+    return _free(memory, rank) // each if each else 0
+
+
+def _kv_tokens(memory: int, rank: RankFootprint, sequences: int) -> int:
+    """Tokens of KV cache beside the weights and the state slots of `sequences` sequences."""
+    free = _free(memory, rank) - sequences * rank.state_bytes_per_sequence
     return max(0, free) // rank.kv_bytes_per_token if rank.kv_bytes_per_token else 0
 
 
@@ -166,11 +184,25 @@ def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
     return out
 
 
+def state_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict | None:
+    """A model with recurrent layers keeps, per running sequence, a state whose size does not grow with
+    its length: the conv window and the scan state of every recurrent layer, this rank's share."""
+    if not rank.state_bytes_per_sequence:
+        return None
+    recurrent = [kind for kind in cfg.mixers if kind not in STATELESS_MIXERS]
+    kinds = sorted(set(recurrent))
+    return {"bytes_per_sequence_per_rank": rank.state_bytes_per_sequence, "dtype": precision,
+            "layers": len(recurrent), "kinds": kinds,
+            "holds": "per sequence, whatever its length: each recurrent layer's conv window and scan state "
+                     "(this rank's channels or heads), one slot per running sequence"}
+
+
 def _rank_json(rank: RankFootprint, where: tuple[int, int]) -> dict:
     return {"rank": rank.rank, "tp_rank": rank.tp_rank, "ep_rank": rank.ep_rank, "node": where[0], "gpu": where[1],
             "parameter_bytes": rank.parameter_bytes, "parameter_gib": round(rank.parameter_bytes / GIB, 2),
             "read_bytes": rank.read_bytes, "scale_bytes": rank.scale_bytes,
-            "kv_bytes_per_token": rank.kv_bytes_per_token}
+            "kv_bytes_per_token": rank.kv_bytes_per_token,
+            "state_bytes_per_sequence": rank.state_bytes_per_sequence}
 
 
 def _nodes(placement: list[tuple[int, int]]) -> list[dict]:
@@ -181,7 +213,7 @@ def _nodes(placement: list[tuple[int, int]]) -> list[dict]:
 
 
 def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], tokens: int, max_len: int,
-            memory: int, quantized: str | None = None) -> str:
+            memory: int, quantized: str | None = None, sequences: int | None = None) -> str:
     worst = max(ranks, key=lambda r: r.parameter_bytes)
     need = worst.parameter_bytes / GIB
     room = (memory - ACTIVATION_RESERVE) / GIB
@@ -196,15 +228,29 @@ def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], 
         return (f"does not fit: rank {worst.rank} needs {need:.1f} GiB of weights{stored}, more than --gpu-memory "
                 f"{request.gpu_memory:g} GiB less the {ACTIVATION_RESERVE // GIB} GiB reserve; "
                 f"try {_more_ranks(request, cfg, math.ceil(need / max(room, 1e-9)))}")
-    if tokens < max_len:
+    sequences = tokens // max_len if sequences is None else sequences
+    state = worst.state_bytes_per_sequence
+    if sequences < 1 and not worst.kv_bytes_per_token:  # every layer recurrent: no keys, a state per sequence
+        return (f"does not fit: beside rank {worst.rank}'s {need:.1f} GiB of weights no sequence's recurrent state "
+                f"({_size(state)}) fits; try {_more_ranks(request, cfg, 2)}")
+    if sequences < 1:
         length = (f"--max-model-len {max_len}" if request.max_model_len
                   else f"one sequence of the config's {max_len} positions")
         return (f"does not fit: beside rank {worst.rank}'s {need:.1f} GiB of weights the KV cache holds {tokens} "
                 f"tokens, fewer than {length}; give a smaller --max-model-len, or "
                 f"try {_more_ranks(request, cfg, 2)}")
     nodes = len({node for node, _ in place(request.tp, request.ep, request.nodes, request.gpus_per_node)})
+    held = f"KV cache for {tokens} tokens" if worst.kv_bytes_per_token else "no KV cache (every layer recurrent)"
+    states = f", a {_size(state)} recurrent state each" if state else ""
     return (f"fits: {len(ranks)} rank(s) on {nodes} node(s), at most {need:.1f} GiB of weights per rank "
-            f"(rank {worst.rank}), KV cache for {tokens} tokens ({tokens // max_len} sequence(s) of {max_len})")
+            f"(rank {worst.rank}), {held} ({sequences} sequence(s) of {max_len}{states})")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _more_ranks(request: PlanRequest, cfg: ModelConfig, factor: int) -> str:

@@ -77,6 +77,7 @@ class RankFootprint:
     read_bytes: int          # what it reads from the files (weights and scales), in the files' dtypes
     scale_bytes: int         # of which FP8 scales or MXFP4 exponents
     kv_bytes_per_token: int  # its paged KV cache per token, all layers, at the compute dtype
+    state_bytes_per_sequence: int = 0  # one sequence's recurrent state (Mamba, delta rule, ...), all layers
 
 
 def sort_tensors(cfg: ModelConfig, raw: dict, tensors: dict[str, Tensor]) -> CheckpointTensors:
@@ -185,4 +186,4 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
         scale_bytes += _scale_blocks(windows, scale, checkpoint.scale_blocks[weight]) * DTYPES[scale.dtype].itemsize
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, read + scale_bytes, scale_bytes,
-                         PagedCache.block_bytes(model, 1, dtype))
+                         PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model))
