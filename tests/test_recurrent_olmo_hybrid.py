@@ -73,3 +73,32 @@ def test_an_unknown_layer_type_is_refused(tiny, tmp_path):
     directory = edited_copy(tiny, tmp_path, layer_types=["linear_attention", "sliding_attention", "linear_attention"])
     with pytest.raises(Refusal, match="layer type 'sliding_attention' is not supported for olmo_hybrid"):
         load_model(resolve(str(directory)), "f32")
+
+
+def test_transformers_joined_convolution_loads_as_the_three_apart(tiny, loaded, tmp_path):
+    """Transformers' in-memory layout joins q/k/v_conv1d into one conv1d (queries, keys, values); a
+    checkpoint saved so is split back: every rank holds the same parameters as from the separate three."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    joined = tmp_path / "joined"
+    shutil.copytree(tiny, joined)
+    for path in joined.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith(".q_conv1d.weight")]:
+            stem = name[: -len("q_conv1d.weight")]
+            tensors[stem + "conv1d.weight"] = torch.cat([tensors.pop(f"{stem}{p}_conv1d.weight") for p in "qkv"])
+        assert not any("_conv1d" in n for n in tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    for rank, tp in ((0, 1), (0, 2), (1, 2)):
+        ctx = ParallelCtx(rank, tp)
+        apart = dict(load_model(resolve(str(tiny)), "f32", "cpu", ctx).model.named_parameters())
+        together = dict(load_model(resolve(str(joined)), "f32", "cpu", ctx).model.named_parameters())
+        assert apart.keys() == together.keys()
+        assert all(torch.equal(apart[n], together[n]) for n in apart)
+    ids = random_ids(12, seed=7)
+    whole = load_model(resolve(str(joined)), "f32").model
+    with torch.no_grad():
+        assert torch.equal(whole(ids), loaded.model(ids))

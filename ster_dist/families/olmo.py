@@ -11,7 +11,7 @@
   fourth from the fourth attending when it lists none) in a pre-norm block (input_layernorm, then
   post_attention_layernorm before the feed-forward, or OLMo-core's attention_layer_norm and
   feedforward_layer_norm); separate q/k/v_proj through OLMo-core's q/k/v_conv1d, as Transformers saves them
-  (a joined conv1d is not mapped yet), g_proj the SiLU gate, write strength doubled under linear_allow_neg_eigval, o_norm at
+  (or Transformers' joined conv1d, split back into the three), g_proj the SiLU gate, write strength doubled under linear_allow_neg_eigval, o_norm at
   epsilon 1e-5. Its other layers are OLMo 3's post-norm attention, unrotated when rope_parameters states
   rope_theta null (Transformers rotates at 10000 when it states none). post_attention_layernorm is a post-norm in attention layers and a pre-norm in the others: the
   loader takes the rule whose parameter the layer has (shard/plan.py).
@@ -24,6 +24,7 @@ from ster_dist.families.moe_layouts import expert_rules, router_rules
 from ster_dist.errors import Refusal
 from ster_dist.families.normalize import defaults
 from ster_dist.families.spec import (
+    Fused,
     AttentionSpec,
     FamilySpec,
     MoESpec,
@@ -52,7 +53,11 @@ _HYBRID = (llama_rules(**OLMO2_POST_NORMS)
                ("g_proj.weight", "z.weight"), ("a_proj.weight", "a.weight"), ("b_proj.weight", "b.weight"),
                ("q_conv1d.weight", "q_conv"), ("k_conv1d.weight", "k_conv"), ("v_conv1d.weight", "v_conv"),
                ("A_log", "A_log"), ("dt_bias", "dt_bias"),
-               ("o_norm.weight", "norm_weight"), ("o_proj.weight", "out.weight"))))
+               ("o_norm.weight", "norm_weight"), ("o_proj.weight", "out.weight")))
+           # Transformers' own layout joins the three convolutions into one, queries then keys then values
+           + (Rule(f"{_LINEAR}.conv1d.weight", Fused(((f"{_MIXER}.q_conv", "linear_key_dim"),
+                                                      (f"{_MIXER}.k_conv", "linear_key_dim"),
+                                                      (f"{_MIXER}.v_conv", "linear_value_dim")), unit="one")),))
 _HYBRID_MIXERS = {"linear_attention": "gated_delta", "full_attention": "attention"}
 
 
