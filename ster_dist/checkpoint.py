@@ -17,7 +17,7 @@ class Checkpoint:
     model: str                      # the --model string as given
     directory: Path                 # local directory holding (or caching) the files
     config_path: Path               # config.json, or params.json for Mistral's format
-    tokenizer_path: Path            # tokenizer.json, or the tiktoken file its class reads (tokenizer_files.py)
+    tokenizer_path: Path            # tokenizer.json, PLaMo's tokenizer.jsonl, or the tiktoken file its class reads
     weight_files: tuple[Path, ...]  # sorted; exactly one for gguf
     weight_format: str
     model_revision: str | None      # commit SHA on the Hub; --revision verbatim locally; else None

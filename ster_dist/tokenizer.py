@@ -9,9 +9,10 @@ This module owns turning text and chat messages into token ids (and ids back int
   its token ids (rendered with Transformers' sandboxed Jinja environment, then encoded with
   add_special_tokens=False).
 
-What it reads: tokenizer.json (through the `tokenizers` library), or where there is none the tiktoken
-rank file tokenizer_config.json's class reads (GLM-4's tokenizer.model, Kimi's tiktoken.model; built into
-the same `tokenizers` pipeline by tokenizer_files.py), tokenizer_config.json,
+What it reads: tokenizer.json (through the `tokenizers` library), or where there is none PLaMo's
+tokenizer.jsonl or the tiktoken rank file tokenizer_config.json's class reads (GLM-4's tokenizer.model,
+Kimi's tiktoken.model); tokenizer_files.py builds those into the same `tokenizers` pipeline. Also
+tokenizer_config.json,
 special_tokens_map.json (only when Transformers would: no added_tokens_decoder in the config),
 config.json (model_type / tokenizer_class, to pick the class Transformers would build), and the chat
 template from chat_template.jinja + additional_chat_templates/*.jinja, else tokenizer_config.json,
@@ -22,7 +23,7 @@ Rendering is bounded (ster_dist/chat_template.py): a template that loops, grows 
 or floods its output is refused in one line within a time budget, on any thread.
 
 What it never does: execute remote code (an `auto_map` in the config is ignored; tokenizer.json is
-the tokenizer), read pickles, SentencePiece .model files or PLaMo's tokenizer.jsonl.
+the tokenizer), read pickles or SentencePiece .model files.
 
 How Transformers 5 decides special tokens: with a tokenizer.json present it drops add_bos_token /
 add_eos_token from the config and keeps tokenizer.json's post-processor (TokenizersBackend). Two
@@ -459,20 +460,23 @@ class Tokenizer:
 
     @classmethod
     def _from_rank_file(cls, directory: Path, config: dict) -> Tokenizer:
-        """A tiktoken rank file its tokenizer_config.json's class reads (tokenizer_files.py), in place
-        of tokenizer.json; refused, naming the file, for any other tokenizer file."""
+        """PLaMo's tokenizer.jsonl, or a tiktoken rank file its tokenizer_config.json's class reads
+        (tokenizer_files.py), in place of tokenizer.json; refused, naming the file, for any other."""
         names = {entry.name for entry in directory.iterdir() if entry.is_file()} - {"tokenizer.json"}
         if not names & set(tokenizer_files.OTHER_FILES):
             raise Refusal(
                 f"failed to load tokenizer {directory / 'tokenizer.json'}: file not found (ster_dist "
-                "reads tokenizer.json, or the tiktoken file of GLM-4 or Kimi; save the tokenizer with "
-                "Transformers' save_pretrained)"
+                "reads tokenizer.json, PLaMo's tokenizer.jsonl, or the tiktoken file of GLM-4 or Kimi; "
+                "save the tokenizer with Transformers' save_pretrained)"
             )
         name = tokenizer_files.tokenizer_file(names, config.get("tokenizer_class"), str(directory))
         declared = tokenizer_files.class_name(config.get("tokenizer_class"))
         if "additional_special_tokens" in config and not config.get("extra_special_tokens"):
             config["extra_special_tokens"] = config.pop("additional_special_tokens")
         added_entries = _added_token_entries(directory, config, _BackendTokenizer(models.BPE()))
+        if name == tokenizer_files.PLAMO_FILE:
+            backend = tokenizer_files.plamo_backend(directory / name, config)
+            return cls._finish(backend, directory, config, added_entries, declared or "PlamoTokenizer")
         added = {i: _token_content(t) for i, t in added_entries if _token_content(t) is not None}
         backend = tokenizer_files.tiktoken_backend(directory / name, tokenizer_files.TIKTOKEN_CLASSES[declared],
                                                    added)

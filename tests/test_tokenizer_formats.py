@@ -215,15 +215,6 @@ def test_a_rank_file_without_its_class_is_refused(ranks, tmp_path):
         Tokenizer.from_directory(directory)
 
 
-def test_plamo_tokenizer_jsonl_stays_refused(tmp_path):
-    """Transformers reads PLaMo's tokenizer.jsonl only through the checkpoint's own code (remote code, which
-    ster_dist never runs), so no reference checks a reader: the refusal stays, naming the file."""
-    directory = _model_dir(tmp_path / "m")
-    (directory / "tokenizer.jsonl").write_text('["<unk>", 0.0, "UNKNOWN"]\n')
-    message = _refusal(directory)
-    assert message.startswith(f"tokenizer {directory}/tokenizer.jsonl is not supported") and "PLaMo" in message
-
-
 # ---- Kimi-K2: deepseek_v3 under its own model_type, with its tiktoken tokenizer ----
 
 def test_kimi_k2_generates_as_transformers_does(ranks, tmp_path):
