@@ -35,6 +35,7 @@ from ster_dist.families.nemotron import NEMOTRON_FAMILIES
 from ster_dist.families.olmo import OLMO_FAMILIES
 from ster_dist.families.opt import OPT_FAMILIES
 from ster_dist.families.phi import PHI_FAMILIES
+from ster_dist.families.plamo import PLAMO_FAMILIES
 from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.qwen3_next import QWEN3_NEXT_FAMILIES
 from ster_dist.families.spec import FamilySpec
@@ -46,7 +47,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
-        + DENSE_REMOTE2_FAMILIES)
+        + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -103,6 +103,9 @@ class NormSpec:
     kind: str = "rms"                     # "rms" | "layer" (the generic key norm_kind, when stated, wins)
     bias: bool = False
     offset: float = 0.0                   # 1.0 where the stored scale is an offset from one (Gemma)
+    # the norms over attention's and the feed-forward's outputs where their offsets differ from `offset`
+    # (PLaMo 3: 1/5 and 5^-1.5)
+    post_offsets: tuple[float, float] | None = None
     affine: bool = True                   # False: norms with neither scale nor bias (OLMo 1)
     eps: float | None = None              # an epsilon Transformers fixes whatever the config states (OLMo 1)
     pre: bool = True                      # a norm before each sublayer

@@ -34,9 +34,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
 
-        def norm():
-            return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
-                        affine=cfg.norm_affine)
+        def norm(offset: float = cfg.norm_offset):
+            return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine)
+
+        post_offsets = cfg.post_norm_offsets or (cfg.norm_offset, cfg.norm_offset)
 
         kind = MIXERS[cfg.mixer(layer)]
         self.site = kind.site
@@ -54,11 +55,11 @@ class Block(nn.Module):
                  else {kind.site: mixer})
         for site, part in sites.items():
             setattr(self, site, part)
-        self.post_attn_norm = norm() if post_attn and mixer is not None else None
+        self.post_attn_norm = norm(post_offsets[0]) if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
-        self.post_mlp_norm = norm() if post_mlp and self.mlp is not None else None
+        self.post_mlp_norm = norm(post_offsets[1]) if post_mlp and self.mlp is not None else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
         self.residual_fp32 = cfg.residual_fp32
