@@ -180,7 +180,7 @@ def rotations(keys: Keys, spec: FamilySpec, num_layers: int, attends: tuple[bool
     partial = keys.get("partial_rotary_factor", "rotary_pct")
     if keys.get("rotary_dim") is not None:
         partial = keys.get("rotary_dim") / head_dim
-    rope_dim, interleaved = head_dim, positions.interleaved
+    rope_dim, interleaved = head_dim, bool(keys.get("rotate_adjacent_pairs", default=positions.interleaved))
     if latent_rope_dim is not None:
         rope_dim, partial = latent_rope_dim, 1.0
         interleaved = bool(keys.get("rope_interleave", default=positions.interleaved))

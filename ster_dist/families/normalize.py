@@ -45,6 +45,8 @@ GENERIC_KEYS: dict[str, str] = {
     "loop_layers": "a looped model's stored layer count, which its layers repeat over (num_hidden_layers then "
                    "counts every pass's layers: Nanbeige); default 0, not looped",
     "loop_pass_norm": "a looped model's final norm closes every pass, not only the last; default false",
+    "rotate_adjacent_pairs": "each head's rotated dimensions turn as adjacent pairs rather than halves (ChatGLM's "
+                             "original_rope); default PositionSpec.interleaved",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads

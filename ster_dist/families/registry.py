@@ -8,6 +8,7 @@ compares every such family); every other name of the gate is "refused".
 from __future__ import annotations
 
 from ster_dist.families.bloom_falcon import BLOOM_FALCON_FAMILIES
+from ster_dist.families.chatglm import CHATGLM_FAMILIES
 from ster_dist.families.cohere import COHERE_FAMILIES
 from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
 from ster_dist.families.dense_remote import DENSE_REMOTE_FAMILIES
@@ -47,7 +48,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
-        + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES)
+        + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)
