@@ -234,6 +234,7 @@ def test_calibrate_as_a_job_through_the_queue_writes_what_the_command_line_write
     assert json.loads(output.read_text()) == fitted
 
 
+@pytest.mark.slow  # a MoE checkpoint of its own and two spawned ranks: about 40 s on two busy cores
 def test_ep2_on_a_tiny_moe_fits_what_one_rank_fits(tmp_path, llama):
     directory = tmp_path / "mixtral"
     tokenizer = tiny_decider("mixtral", directory)
