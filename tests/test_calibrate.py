@@ -372,5 +372,5 @@ def test_the_artifact_is_written_whole_and_reads_back(tmp_path):
         calibration.save(artifact(temperature=100.0), str(tmp_path / "b.json"))
     assert not (tmp_path / "b.json").exists()
     assert calibration.warnings(artifact(), "bf16", "applied", 0) == [
-        "warning: this temperature was fitted with precision f32 and this run reads decisions with bf16, so its "
-        "probabilities are scaled by a fit made on other numbers"]
+        ("warning: this temperature was fitted with precision f32 and this run reads decisions with bf16, so its "
+         "probabilities are scaled by a fit made on other numbers")]

@@ -65,7 +65,8 @@ def load(path: str, field: str) -> dict:
 
 
 def check_for_run(artifact: dict, model: str, where: str) -> None:
-    from ster_dist.steer.artifact import same_model  # one rule for "the same model" across artifacts
+    # one rule for "the same model" across artifacts
+    from ster_dist.steer.artifact import same_model
 
     if not same_model(artifact["model"], model):
         raise Refusal(f'{where} was fitted for model "{artifact["model"]}", current model is "{model}": load the '
