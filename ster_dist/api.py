@@ -66,6 +66,9 @@ class Engine:
     def decide(self, **fields) -> dict:
         return self.run(self.job("decide", **fields))
 
+    def calibrate(self, **fields) -> dict:
+        return self.run(self.job("calibrate", **fields))
+
     def merge(self, **fields) -> dict:
         return self.run(self.job("merge", **fields))
 

@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             result, code = run(request)
         if getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
+        elif getattr(request, "format", "json") == "text":
+            print(result["text"])  # generate --format text: the answer alone, its record left to the job
         elif not request.result_on_stdout:  # stdout held the conversation or the ready line: totals go with the events
             print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
         else:

@@ -69,7 +69,8 @@ def existing_file(path: str | None, where: str) -> None:
 
 
 # the fields operations read files or directories from; an output may be none of them
-INPUT_FIELDS = ("model", "input", "pairs", "prompts", "request", "system", "examples", "adapter", "vector")
+INPUT_FIELDS = ("model", "input", "pairs", "prompts", "request", "system", "examples", "adapter", "vector",
+                "decisions", "control", "calibration")
 
 
 def output_not_an_input(request) -> None:

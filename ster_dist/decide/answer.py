@@ -31,12 +31,18 @@ def log_sum_exp(values: list[float]) -> float:
     return top + math.log(sum(math.exp(v - top) for v in values))
 
 
-def probabilities(rows: list[list[float]], temperature: float = 1.0) -> list[float]:
+def mean_log_probs(rows: list[list[float]]) -> list[float]:
+    """The orders' log-probabilities averaged: the logits a decision's softmax (and a calibration's
+    temperature) is applied to."""
     mean = [0.0] * len(rows[0])
     for row in rows:
         for i, value in enumerate(log_softmax(row)):
             mean[i] += value / len(rows)
-    return softmax(mean, temperature)
+    return mean
+
+
+def probabilities(rows: list[list[float]], temperature: float = 1.0) -> list[float]:
+    return softmax(mean_log_probs(rows), temperature)
 
 
 def confidence(probs: list[float]) -> float:

@@ -85,10 +85,10 @@ def read(engine, rows: list[list[int]], labels: list[list[list[int]]], adapter: 
     return out
 
 
-def decide(engine, tokenizer, cfg, request: Request, permutations: int, chat_template: str, explain: bool,
-           progress, adapter: str | None = None) -> dict:
-    """answers, explain (optional) and usage for `request`, read through `engine` (a TokenEngine);
-    `adapter` names one registered with it (engine.add_adapter)."""
+def read_questions(engine, tokenizer, cfg, request: Request, permutations: int, chat_template: str, progress,
+                   adapter: str | None = None) -> tuple[list[tuple[list, list]], dict]:
+    """Per question (in request order): its rows (letter logits in canonical option order, one per
+    order) and those orders; and the usage. What decide answers from and calibrate fits on."""
     if permutations < 0:
         raise Refusal(f"--permutations must be 0 (every order) or more, got {permutations}")
     rows, owners, row_orders, labels = [], [], [], []
@@ -120,16 +120,26 @@ def decide(engine, tokenizer, cfg, request: Request, permutations: int, chat_tem
             canonical[option] = row[position]
         per_question[owner][0].append(canonical)
         per_question[owner][1].append(order)
+    # input_tokens: prompt tokens the model computed (the prefix cache's hits are not); one forward
+    # pass per rendering (the step it shares with others counts once for each)
+    computed = sum(f.prompt_tokens - f.cached_tokens for _, f in readings)
+    return per_question, {"input_tokens": computed, "forward_passes": len(rows), "output_tokens": 0}
+
+
+def decide(engine, tokenizer, cfg, request: Request, permutations: int, chat_template: str, explain: bool,
+           progress, adapter: str | None = None, temperature: float = 1.0) -> dict:
+    """answers, explain (optional) and usage for `request`, read through `engine` (a TokenEngine);
+    `adapter` names one registered with it (engine.add_adapter); `temperature` divides the logits
+    (a calibration's; explain's per-order probabilities stay raw)."""
+    per_question, usage = read_questions(engine, tokenizer, cfg, request, permutations, chat_template, progress,
+                                         adapter)
     answers, explained = {}, {}
     for question, (question_rows, question_orders) in zip(request.questions, per_question):
-        answers[question.id] = arithmetic.answer(question, arithmetic.probabilities(question_rows))
+        answers[question.id] = arithmetic.answer(question, arithmetic.probabilities(question_rows, temperature))
         if explain:
             explained[question.id] = arithmetic.explanation(question, question_rows, question_orders)
     out = {"answers": answers}
     if explain:
         out["explain"] = explained
-    # input_tokens: prompt tokens the model computed (the prefix cache's hits are not); one forward
-    # pass per rendering (the step it shares with others counts once for each)
-    computed = sum(f.prompt_tokens - f.cached_tokens for _, f in readings)
-    out["usage"] = {"input_tokens": computed, "forward_passes": len(rows), "output_tokens": 0}
+    out["usage"] = usage
     return out

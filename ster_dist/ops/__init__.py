@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ster_dist.ops.calibrate import calibrate
 from ster_dist.ops.capture import extract
 from ster_dist.ops.decide import decide
 from ster_dist.ops.generate import generate, generate_many, parity
@@ -25,6 +26,7 @@ from ster_dist.ops.tune import evaluate as tune_evaluate
 from ster_dist.ops.tune import sft as tune_sft
 from ster_dist.schema import (
     BatchMergeRequest,
+    CalibrateRequest,
     DecideRequest,
     ExtractRequest,
     FamiliesRequest,
@@ -61,6 +63,7 @@ OPERATIONS: dict[type[Request], Operation] = {
     SteerEvaluateRequest: Operation(steer_evaluate, True),
     SteerInspectRequest: Operation(steer_inspect, False),
     DecideRequest: Operation(decide, True, engine=True),
+    CalibrateRequest: Operation(calibrate, True, engine=True),
     MergeRequest: Operation(merge, False),
     BatchMergeRequest: Operation(batch_merge, False),
     TuneSftRequest: Operation(tune_sft, False),
@@ -91,5 +94,5 @@ def exit_code(request: Request, result: dict) -> int:
 
 
 __all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_many", "parity", "extract",
-           "decide", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
+           "decide", "calibrate", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
            "tune_sft", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]

@@ -5,6 +5,7 @@ maps each job kind to its request."""
 from __future__ import annotations
 
 from ster_dist.schema.base import Request
+from ster_dist.schema.calibrate import CalibrateRequest
 from ster_dist.schema.capture import ExtractRequest
 from ster_dist.schema.chat import ChatRequest
 from ster_dist.schema.decide import DecideRequest
@@ -30,7 +31,7 @@ from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
 REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
-    MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
+    CalibrateRequest, MergeRequest, TuneSftRequest, TuneEvaluateRequest, ToyModelRequest, GgufImportRequest,
     SubmitRequest, QueueRequest, ServeRequest,
 )
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
@@ -38,7 +39,7 @@ JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if c
 __all__ = [
     "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ChatRequest",
     "ParityRequest", "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest",
-    "SteerInspectRequest", "DecideRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
+    "SteerInspectRequest", "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
     "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest", "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
 ]

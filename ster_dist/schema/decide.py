@@ -26,6 +26,8 @@ class DecideRequest(Runtime):
     explain: bool = field(False, help="add each order's letters and probabilities")
     output: str | None = field(None, help="also write the response to this file")
     adapter: str | None = adapter_field()
+    calibration: str | None = field(None, help="a ster-calibration/1 file (ster calibrate): probabilities at its "
+                                               "temperature")
 
     @model_validator(mode="after")
     def _files(self, info: ValidationInfo):

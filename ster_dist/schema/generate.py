@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
 
 from ster_dist.errors import Refusal
@@ -43,6 +45,9 @@ class GenerateRequest(Runtime, EngineFields, ModifierFields):
                                                        "likeliest alternatives")
     stream: bool = field(False, help="print the answer's text on stdout as it is generated (with --prompt; a job "
                                      "sends it as text events)")
+    # how a command line prints the result; a job's record is the same JSON either way
+    format: Literal["json", "text"] = field("json", help="json prints the answer with its run's record; text prints "
+                                                         "the answer's text alone (with --prompt)")
 
     @field_validator("top_p")
     @classmethod
@@ -64,6 +69,10 @@ class GenerateRequest(Runtime, EngineFields, ModifierFields):
         if self.stream and self.prompts is not None:
             raise Refusal(f"{label_in(info, 'stream')} prints one answer as it comes; use it with "
                           f"{label_in(info, 'prompt')}")
+        if self.format == "text" and self.prompts is not None:
+            raise Refusal(f"{label_in(info, 'format')} text prints one answer's text; use it with "
+                          f"{label_in(info, 'prompt')} (the answers to {label_in(info, 'prompts')} go to its output "
+                          "file)")
         no_stdin(self, ("prompts", "system", "vector"), info)
         return self
 
