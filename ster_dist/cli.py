@@ -57,11 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[parent] = holder.add_subparsers(dest=f"{parent}_command", required=True,
                                                        parser_class=_Parser)
             sub = groups[parent]
-        command = sub.add_parser(name, help=cls.summary, description=cls.summary)
-        for field_name, info in cls.model_fields.items():
-            _add_field(command, field_name, info)
-        command.set_defaults(request_class=cls)
+        _command(sub, name, cls, cls.summary)
+        if cls.ster_name is not None:  # Ster's spelling, beside ster_dist's grouped one
+            _command(root, cls.ster_name, cls, f"{cls.summary} (Ster's name for `ster {' '.join(cls.command)}`)")
     return parser
+
+
+def _command(sub: argparse._SubParsersAction, name: str, cls: type[Request], summary: str) -> None:
+    command = sub.add_parser(name, help=summary, description=summary)
+    for field_name, info in cls.model_fields.items():
+        _add_field(command, field_name, info)
+    command.set_defaults(request_class=cls)
 
 
 def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:

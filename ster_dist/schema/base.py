@@ -50,6 +50,9 @@ class Request(BaseModel):
 
     kind: ClassVar[str | None] = None
     command: ClassVar[tuple[str, ...]] = ()
+    # Ster's own top-level name for the command, where ster_dist files it under a group (`ster train` for
+    # `ster steer train`): the command line takes both, and Ster's serve API names its endpoint so
+    ster_name: ClassVar[str | None] = None
     summary: ClassVar[str] = ""
     # fields that belong to whoever submits, not to a queued job (the job queue decides them)
     submitter_fields: ClassVar[dict[str, str]] = {}

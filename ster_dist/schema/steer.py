@@ -43,6 +43,7 @@ class FitRun(LayersMixin, PairRun):
 class SteerTrainRequest(FitRun):
     kind = "steer-train"
     command = ("steer", "train")
+    ster_name = "train"
     summary = "fit a direction per layer from contrastive pairs"
 
     method: str = field("caa", help="caa (mean difference), pca, or logistic (a probe)")
@@ -51,6 +52,7 @@ class SteerTrainRequest(FitRun):
 class SteerOptimizeRequest(FitRun):
     kind = "steer-optimize"
     command = ("steer", "optimize")
+    ster_name = "optimize"
     summary = "rank every layer x method on a holdout and write the winner"
 
     # its range is checked with Ster's words where the pairs are split (steer/optimize.py)
@@ -67,6 +69,7 @@ class SteerOptimizeRequest(FitRun):
 class SteerEvaluateRequest(PairRun):
     kind = "steer-evaluate"
     command = ("steer", "evaluate")
+    ster_name = "evaluate"
     summary = "score an artifact on pairs, and strengths with --strengths"
 
     vector: str = field(help="the steering artifact (V.json)")
@@ -105,6 +108,7 @@ class SteerEvaluateRequest(PairRun):
 class SteerInspectRequest(Request):
     kind = None  # reads one small file: no job
     command = ("steer", "inspect")
+    ster_name = "inspect"
     summary = "validate an artifact and summarise it without the floats"
 
     artifact: str = field(help="the steering artifact (V.json)", cli={"positional": True})

@@ -39,15 +39,11 @@ from ster_dist.schema import (
 )
 from ster_dist.schema.base import kind_of_value
 
-# endpoint name -> the request its body is (a job kind, except inspect: one small file read here)
-ENDPOINTS = {
-    "train": SteerTrainRequest,
-    "optimize": SteerOptimizeRequest,
-    "evaluate": SteerEvaluateRequest,
-    "generate": GenerateRequest,
-    "extract": ExtractRequest,
-    "inspect": SteerInspectRequest,
-}
+# endpoint name (Ster's command name) -> the request its body is (a job kind, except inspect: one small
+# file read here)
+ENDPOINTS = {cls.ster_name or cls.command[-1]: cls for cls in (
+    SteerTrainRequest, SteerOptimizeRequest, SteerEvaluateRequest, GenerateRequest, ExtractRequest,
+    SteerInspectRequest)}
 SETTINGS = ("model", "revision", "precision", "device", "tp", "ep")
 NDJSON = "application/x-ndjson"
 POLL_S = 1.0  # one poll's longest wait; news wakes it at once
