@@ -20,7 +20,7 @@ from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_
 from ster_dist.config_keys import Keys
 from ster_dist.config_moe import MoEConfig, moe_config
 from ster_dist.config_quant import Quantization, quantization
-from ster_dist.config_ranges import check_sizes, check_stated
+from ster_dist.config_ranges import FIX, check_sizes, check_stated
 from ster_dist.config_rope import RopeConfig, rotations, yarn_mscale
 from ster_dist.errors import Refusal
 from ster_dist.families.normalize import KV_HEAD_KEYS, ConfigProblem
@@ -64,6 +64,12 @@ class ModelConfig:
     head_dim: int
     intermediate_size: int
     max_position: int
+    # per-layer attention sizes where layers differ (MiMo-V2-Flash's key-value heads, Laguna's query heads);
+    # empty: num_heads / num_kv_heads in every layer
+    layer_heads: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
+    value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
     norm_bias: bool = False
@@ -86,18 +92,28 @@ class ModelConfig:
     qk_norm_per_head_weight: bool = False  # a separate scale per head ([heads, head_dim])
     qk_norm_bias: bool = False
     qk_norm_after_rope: bool = False      # per-head query/key norms after the rotation rather than before (HunYuan)
+    qk_norm_affine: bool = True           # False: the query/key norms have no scale (Llama 4's L2 norm)
+    layer_qk_norm: tuple[bool, ...] = ()  # which layers norm queries and keys (Llama 4: rotating ones); empty: all
     # q_proj yields each head's query rows and then as many gate rows; the attention output is multiplied by
     # the gate's sigmoid before o_proj (Qwen3-Next, Qwen3.5: a config's attn_output_gate, which their
     # normalisation states)
     attn_output_gate: bool = False
-    # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor(position / length))
+    # Laguna's g_proj: each head's output times the softplus of its own logit ("head") or of one per channel
+    # ("element"), before o_proj; "none": no such gate
+    softplus_gate: str = "none"
+    # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor((position + offset) /
+    # length)), in the layers layer_query_temperature marks (empty: every layer)
     query_temperature_beta: float = 0.0
     query_temperature_length: int | None = None
+    query_temperature_offset: int = 0
+    layer_query_temperature: tuple[bool, ...] = ()
     attn_scale: float = 1.0
     attn_softcap: float | None = None
     clip_qkv: float | None = None
     layer_rope: tuple[RopeConfig | None, ...] = ()   # None: the layer does not rotate
     layer_window: tuple[int | None, ...] = ()        # sliding window per layer, None = full
+    # attention by chunks per layer (Llama 4): a query sees the keys of its own chunk of this many positions
+    layer_chunk: tuple[int | None, ...] = ()
     learned_positions: bool = False
     position_offset: int = 0
     # ALiBi: each head adds slope x the key's absolute position to its scores (slopes by global head index)
@@ -142,6 +158,7 @@ class ModelConfig:
     layer_moe: tuple[MoEConfig | None, ...] = ()
     mla: MLAConfig | None = None
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
+    layer_sinks: tuple[bool, ...] = ()    # which layers have sinks (MiMo-V2-Flash: sliding ones); empty: attn_sinks
     weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
     quant: Quantization | None = None     # FP8 or MXFP4 weights (config_quant.py), dequantized while loading
     # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's num_nextn_predict_layers):
@@ -160,6 +177,17 @@ class ModelConfig:
     # wrapper's prefixes and its towers are never mapped; None for a plain checkpoint
     wrapper: str | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def heads(self, layer: int) -> int:
+        """The query heads of `layer`."""
+        return self.layer_heads[layer] if self.layer_heads else self.num_heads
+
+    def kv_heads(self, layer: int) -> int:
+        """The key-value heads of `layer`."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def sinks(self, layer: int) -> bool:
+        return self.layer_sinks[layer] if self.layer_sinks else self.attn_sinks
 
     def mixer(self, layer: int) -> str:
         if self.mixers:
@@ -199,6 +227,8 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope": sorted({r.rope_type for r in self.layer_rope if r is not None}),
             "sliding_window_layers": sum(w is not None for w in self.layer_window),
+            **({"chunked_attention_layers": sum(c is not None for c in self.layer_chunk)}
+               if any(self.layer_chunk) else {}),
             **({"experts": self.moe.num_experts, "experts_per_token": self.moe.top_k,
                 "moe_layers": sum(self.moe_layers)} if self.moe else {}),
             **({"latent_attention": {"kv_lora_rank": self.mla.kv_lora_rank, "q_lora_rank": self.mla.q_lora_rank}}
@@ -312,7 +342,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         raise Refusal(f"invalid model config {path}: norm_kind {norm_kind!r} is not supported; supported: rms, layer")
 
     alibi = positions.kind == "alibi" or bool(keys.get("alibi"))
-    layer_rope, layer_window, full_rope = rotations(
+    layer_rope, layer_window, layer_chunk, full_rope = rotations(
         keys, spec, num_layers, tuple(kind in ATTENDING_MIXERS for kind in mixers), moe_layers, head_dim,
         mla.qk_rope_head_dim if mla is not None else None, max_position, alibi)
 
@@ -349,12 +379,23 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     shared_norm = norms.parallel_shared if parallel_norms is None else parallel_norms == 1
     pad = keys.get("pad_token_id")
     temperature_beta, temperature_length = 0.0, None
-    if attention.query_temperature and full_rope.get("llama_4_scaling_beta") is not None:
+    if keys.get("query_temperature_beta") is not None:  # stated by the family's normalisation (Llama 4)
+        temperature_beta = float(keys.get("query_temperature_beta"))
+        temperature_length = keys.need("query_temperature_length")
+    elif attention.query_temperature and full_rope.get("llama_4_scaling_beta") is not None:
         temperature_beta = float(full_rope["llama_4_scaling_beta"])
         temperature_length = full_rope.get("original_max_position_embeddings")
         if not temperature_length:
             raise Refusal(f"invalid model config {path}: llama_4_scaling_beta is stated without the "
                           "original_max_position_embeddings its query temperature counts positions in")
+
+    layer_heads, layer_kv_heads = (_layer_counts(keys, "layer_heads", num_layers),
+                                   _layer_counts(keys, "layer_kv_heads", num_layers))
+    for i in range(num_layers if layer_heads or layer_kv_heads else 0):
+        heads, kv = (layer_heads or [num_heads] * num_layers)[i], (layer_kv_heads or [num_kv] * num_layers)[i]
+        if heads % kv:
+            raise Refusal(f"invalid model config {path}: layer {i}'s {heads} attention heads do not group over its "
+                          f"{kv} key-value heads; each key/value head must serve whole query heads; {FIX}")
 
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
@@ -369,9 +410,12 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         qk_norm_per_head_weight=qk.per_head_weight, qk_norm_bias=qk.bias, attn_scale=attn_scale,
         qk_norm_after_rope=qk.after_rope, query_temperature_beta=temperature_beta,
         query_temperature_length=int(temperature_length) if temperature_length else None,
-        attn_output_gate=bool(keys.get("attn_output_gate", default=False)),
+        query_temperature_offset=int(keys.get("query_temperature_offset", default=0)),
+        layer_query_temperature=_layer_switches(keys, "query_temperature_layers", num_layers),
+        qk_norm_affine=qk.affine, layer_qk_norm=_layer_switches(keys, "qk_norm_layers", num_layers),
+        attn_output_gate=bool(keys.get("attn_output_gate", default=False)), softplus_gate=_softplus_gate(keys),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
-        layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
+        layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
         embed_norm=norms.embed,
@@ -390,7 +434,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
-        attn_sinks=attention.sinks, weight_format=weight_format, wrapper=wrapper, raw=raw,
+        attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
+        layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
+        value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
+        weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
@@ -430,6 +477,37 @@ def _layer_kinds(keys: Keys, spec: FamilySpec, num_layers: int, path: str) -> tu
         if unknown:
             raise Refusal(f"invalid model config {path}: {what} kind {unknown[0]!r} is not supported for {spec.name}")
     return tuple(mixers), tuple(feed_forwards)
+
+
+def _layer_switches(keys: Keys, key: str, num_layers: int) -> tuple[bool, ...]:
+    """A per-layer on/off list a family's normalisation states (0/1 or booleans); empty when unstated."""
+    stated = keys.get(key)
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers:
+        raise Refusal(f"invalid model config {keys.path}: {key} must list 0 or 1 for each of the {num_layers} "
+                      "layers")
+    return tuple(bool(x) for x in stated)
+
+
+def _softplus_gate(keys: Keys) -> str:
+    gate = keys.get("softplus_output_gate", default="none")
+    if gate not in ("none", "head", "element"):
+        raise Refusal(f"invalid model config {keys.path}: softplus_output_gate {gate!r} is not one of none, head, "
+                      "element")
+    return gate
+
+
+def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:
+    """A per-layer head count a family's normalisation states; empty when unstated."""
+    stated = keys.get(key)
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stated):
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive head count for each of the "
+                      f"{num_layers} layers")
+    return tuple(stated)
 
 
 def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, float, float], ...]:

@@ -36,6 +36,7 @@ class MoEConfig:
     shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")
     sparsemixer_eps: float | None = None  # SparseMixer's eval-time selection at this router_jitter_noise (PhiMoE)
     latent_size: int = 0                  # moe_latent_size: the routed experts' width (Nemotron-H; 0: hidden)
+    weight_input: bool = False            # the weight scales each expert's input, not its output (Llama 4)
 
 
 def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
@@ -109,13 +110,18 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
         expert_bias=ms.expert_bias, activation=ms.activation, shared_average=shared > 0 and average,
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
                                                                                                 default=1.702)),
-        sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys))
+        sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys),
+        weight_input=bool(keys.get("moe_apply_router_weight_on_input", default=ms.weight_input)))
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])
     # ERNIE 4.5: moe_layer_start_index / end (the last when negative) / interval; HunYuan: moe_layer_num_skipped
     step = int(keys.get("decoder_sparse_step", "moe_layer_interval", default=1) or 1)
     first = int(keys.get("first_k_dense_replace", "moe_layer_start_index", "moe_layer_num_skipped", default=0) or 0)
-    freq = int(keys.get("moe_layer_freq", default=1) or 1)
+    freq = keys.get("moe_layer_freq", default=1) or 1
+    if isinstance(freq, list):
+        raise Refusal(f"invalid model config {path}: moe_layer_freq lists layers, which {spec.name} does not "
+                      "read; state the interval between sparse layers, or mlp_layer_types")
+    freq = int(freq)
     end = int(keys.get("moe_layer_end_index", default=-1))
     end = num_layers - 1 if end < 0 else end
     layers = tuple(i not in only and (i + 1) % step == 0 and first <= i <= end and i % freq == 0

@@ -37,14 +37,14 @@ INTS: dict[str, tuple[int, int]] = {
     # 0 for a pattern: none (Transformers writes it so for EXAONE 4 without sliding layers)
     "max_window_layers": (0, LAYERS[1]),
     "sliding_window_pattern": (0, LAYERS[1]), "_sliding_window_pattern": (0, LAYERS[1]),
-    "decoder_sparse_step": LAYERS, "moe_layer_interval": LAYERS, "moe_layer_freq": LAYERS,
+    "decoder_sparse_step": LAYERS, "moe_layer_interval": LAYERS,
     "first_k_dense_replace": (0, LAYERS[1]), "moe_layer_start_index": (0, LAYERS[1]),
     "moe_layer_num_skipped": (0, LAYERS[1]), "moe_layer_end_index": (-1, LAYERS[1]),
     "n_group": EXPERTS, "topk_group": EXPERTS,
     **dict.fromkeys(("n_shared_experts", "moe_num_shared_experts", "num_shared_experts"), COUNT),
     "shared_intermediate_size": COUNT, "shared_expert_intermediate_size": COUNT,
     "q_lora_rank": COUNT, "kv_lora_rank": SIZE, "qk_nope_head_dim": COUNT, "qk_rope_head_dim": SIZE,
-    "v_head_dim": SIZE, "bos_token_id": (0, VOCAB[1]),
+    "v_head_dim": SIZE, "value_head_dim": SIZE, "bos_token_id": (0, VOCAB[1]),
 }
 # mixture-of-experts sizes stated once or once per layer (HunYuan's lists)
 PER_LAYER: dict[str, tuple[int, int]] = {
@@ -53,6 +53,8 @@ PER_LAYER: dict[str, tuple[int, int]] = {
     "num_local_experts": (0, EXPERTS[1]),
     **dict.fromkeys(("num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk"), EXPERTS),
     "moe_intermediate_size": SIZE, "num_shared_expert": COUNT,
+    # DeepSeek's interval, or MiMo-V2-Flash's 0/1 per layer (its normalisation turns that into mlp_layer_types)
+    "moe_layer_freq": (0, LAYERS[1]),
 }
 # numbers that must be finite and > 0 (a zero base, epsilon or scale is a damaged config, not "none")
 POSITIVE = ("rope_theta", "rotary_emb_base", "rope_local_base_freq", "rms_norm_eps", "layer_norm_eps",
@@ -61,7 +63,8 @@ POSITIVE = ("rope_theta", "rotary_emb_base", "rope_local_base_freq", "rms_norm_e
             "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv", "swiglu_limit", "swiglu_alpha")
 # numbers that must only be finite
 FINITE = ("attention_multiplier", "embedding_multiplier", "scale_emb", "logit_scale", "residual_multiplier",
-          "scale_depth", "routed_scaling_factor", "router_jitter_noise")
+          "scale_depth", "routed_scaling_factor", "router_jitter_noise",
+          "attention_value_scale", "query_temperature_beta")
 # lists and objects config.py indexes into
 INT_LISTS = ("mlp_only_layers", "attn_type_list", "no_rope_layers")
 STR_LISTS = ("layer_types", "mlp_layer_types")

@@ -1,4 +1,5 @@
-"""Rotations read from a config: each layer's RopeConfig and sliding window (config.py's rotation part).
+"""Rotations read from a config: each layer's RopeConfig, sliding window and attention chunk (config.py's
+rotation part).
 
 Transformers 5's rope_parameters (one object, or one per layer type), the older top-level rope_theta and
 rope_scaling, layer_types or the family's sliding rule (AttentionSpec.sliding), and the family's
@@ -166,9 +167,9 @@ def _layer_bases(keys: Keys, bases: list, kinds: list[str], window, full: dict, 
 
 def rotations(keys: Keys, spec: FamilySpec, num_layers: int, attends: tuple[bool, ...], moe_layers: tuple[bool, ...],
               head_dim: int, latent_rope_dim: int | None, max_position: int,
-              alibi: bool) -> tuple[list[RopeConfig | None], list[int | None], dict]:
-    """Each layer's rotation (None: it does not rotate) and sliding window (None: full attention), and the
-    full-attention layers' rotation parameters as stated. `attends`: whether each layer attends (empty: all
+              alibi: bool) -> tuple[list[RopeConfig | None], list[int | None], list[int | None], dict]:
+    """Each layer's rotation (None: it does not rotate), sliding window and attention chunk (None: full
+    attention), and the full-attention layers' rotation parameters as stated. `attends`: whether each layer attends (empty: all
     do); `latent_rope_dim`: latent attention's rotated width, which rotates whole."""
     path, positions = keys.path, spec.positions
     kinds = _layer_types(keys, spec.attention, num_layers)
@@ -186,13 +187,19 @@ def rotations(keys: Keys, spec: FamilySpec, num_layers: int, attends: tuple[bool
         interleaved = bool(keys.get("rope_interleave", default=positions.interleaved))
     layer_rope: list[RopeConfig | None] = []
     layer_window: list[int | None] = []
+    layer_chunk: list[int | None] = []
+    chunk = keys.get("attention_chunk_size")
+    if "chunked_attention" in kinds and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise Refusal(f"invalid model config {path}: layer_types lists chunked_attention layers but "
+                      f"attention_chunk_size is {chunk!r}; state a positive number of positions per chunk")
     no_rope = keys.get("no_rope_layers")
     for i, kind in enumerate(kinds):
         if attends and not attends[i]:  # a recurrent layer: no rotation, no window
             layer_rope.append(None)
             layer_window.append(None)
+            layer_chunk.append(None)
             continue
-        if kind not in ("full_attention", "sliding_attention"):
+        if kind not in ("full_attention", "sliding_attention", "chunked_attention"):
             raise Refusal(f"invalid model config {path}: layer type {kind!r} (layer {i}) is not supported "
                           f"for {spec.name}")
         sliding = kind == "sliding_attention" and window is not None
@@ -206,7 +213,8 @@ def rotations(keys: Keys, spec: FamilySpec, num_layers: int, attends: tuple[bool
             layer_rope.append(_rope(sliding_rope if sliding else full_rope, rope_dim, partial,
                                     interleaved, positions.theta, path, max_position, positions.rotary_share))
         layer_window.append(int(window) if sliding else None)
-    return layer_rope, layer_window, full_rope
+        layer_chunk.append(chunk if kind == "chunked_attention" else None)
+    return layer_rope, layer_window, layer_chunk, full_rope
 
 
 def yarn_mscale(rope: RopeConfig | None) -> float:

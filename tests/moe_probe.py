@@ -22,10 +22,10 @@ class DispatchProbe(RankExtension):
         self._original = layer.dispatch
         layer.dispatch = self._dispatch
 
-    def _dispatch(self, x, ids, num_experts, ctx):
-        rows, local_ids, handle = self._original(x, ids, num_experts, ctx)
+    def _dispatch(self, x, ids, num_experts, ctx, pairs=False):
+        rows, local_ids, handle = self._original(x, ids, num_experts, ctx, pairs=pairs)
         self.received.append(rows.shape[0])
-        self.totals["tokens"] += x.shape[0]  # this rank's share of the tokens
+        self.totals["tokens"] += ids.shape[0]  # this rank's share of the tokens (x has a row per pair under pairs)
         self.totals["pairs_sent_away"] += sum(handle.sent) - handle.sent[ctx.ep_rank]
         self.totals["forwards"] += 1
         return rows, local_ids, handle

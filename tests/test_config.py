@@ -454,13 +454,17 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
         raw.update(layer_types=["mamba", "attention"], shared_intermediate_size=64, position_embedding_type="rope")
     if family == "zamba2":  # its shared block where layers_block_type says, rotating only under use_mem_rope
         raw.update(layers_block_type=["mamba", "hybrid"], use_mem_rope=True)
+    if family == "mimo_v2_flash":  # its default third of a head is a whole number of pairs at 24, not 16
+        raw["head_dim"] = 24
     ref = CONFIG_MAPPING[family].from_dict(dict(raw))
     if spec_for(family).attention.latent or family in ("gpt2", "dbrx"):
         pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")
-    share = ((getattr(ref, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    params = getattr(ref, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)  # one rotation per layer kind (MiMo-V2-Flash, Laguna): layer 0's
+    share = (params.get("partial_rotary_factor")
              or getattr(ref, "partial_rotary_factor", None) or getattr(ref, "rotary_pct", None) or 1.0)
     rope = [r for r in from_hf(raw).layer_rope if r is not None][0]
-    head = getattr(ref, "attention_head_dim", None) or 16  # Zamba2's heads are 2 * hidden / heads wide
+    head = getattr(ref, "attention_head_dim", None) or raw.get("head_dim", 16)  # Zamba2's: 2 * hidden / heads
     assert rope.rotary_dim == int(head * share)
 
 

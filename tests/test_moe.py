@@ -198,7 +198,7 @@ def tp2_ep2():
         yield group
 
 
-@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe", "nemotron_h"])
+@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe", "nemotron_h", "llama4_text"])
 def test_tp2_x_ep2_on_four_ranks(tp2_ep2, tiny, variant):
     directory, reference = tiny(variant)
     checkpoint = resolve(str(directory))

@@ -31,6 +31,9 @@ VARIANTS = [
     "deepseek_v3",    # latent attention: absorbed decodes, expanded prefills
     "ministral3",     # Llama 4's query temperature, sliding everywhere
     "lfm2",           # short convolutions beside attention: a state slot per sequence, continued chunk by chunk
+    "llama4_text",    # chunked attention on rotating layers, query temperature on unrotated ones, input-weighed experts
+    "mimo_v2_flash",  # key-value heads per layer, values narrower than keys, sinks on sliding layers only
+    "laguna",         # query heads per layer, a softplus gate per head
 ]
 # one step = (sequence, new tokens) in chunk order: uneven prefill chunks first, decodes mixed in,
 # then decodes out of order and not adjacent in the packed tokens, then all sequences decoding together

@@ -2,9 +2,9 @@
 family runs, from each layout wrapped weights are stored in, with its towers never mapped; a wrapper whose
 text family does not run yet is refused naming that family.
 
-The references are Transformers' own image-text models (Mistral3ForConditionalGeneration, and
+The references are Transformers' own image-text models (Mistral3ForConditionalGeneration,
 Kimi_K25ForConditionalGeneration over a DeepSeek-V3 decoder whose text_config says kimi_k2, as Kimi-K2.5's
-does), built tiny here and run on text alone.
+does, and Llama4ForConditionalGeneration over a llama4_text decoder), built tiny here and run on text alone.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.tiny.deepseek import TINY as DEEPSEEK_TINY
+from tests.tiny.llama4 import TINY as LLAMA4_TINY
 from tests.tiny_models import BASE_CONFIG
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -47,9 +48,19 @@ def _rename(name: str, layout: str) -> str:
     return tower + name[len("model."):]
 
 
+def _as_transformers5(name: str) -> str:
+    """A state-dict name of a model that keeps its text model whole below language_model (Llama 4's) as
+    Transformers 5's other wrappers name it."""
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name[len("language_model.model."):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
+
+
 def _save(model, directory: Path, layout: str, text_model_type: str | None = None) -> Path:
     directory.mkdir(parents=True)
-    state = {_rename(k, layout): v.detach().clone() for k, v in model.state_dict().items()}
+    state = {_rename(_as_transformers5(k), layout): v.detach().clone() for k, v in model.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"))
     config = model.config.to_dict()
     if text_model_type is not None:
@@ -90,9 +101,25 @@ def _tiny_kimi_k25():
     return model, "kimi_k2"  # Kimi-K2.5's text_config names its decoder kimi_k2
 
 
-BUILDERS = {"mistral3": _tiny_mistral3, "kimi_k25": _tiny_kimi_k25}
+def _tiny_llama4():
+    """Llama 4's image-text model over the tiny llama4_text decoder (chunked, unrotated and expert layers)."""
+    import transformers
+
+    _, _, kwargs = LLAMA4_TINY["llama4_text"]
+    text = transformers.Llama4TextConfig(**{**BASE_CONFIG, **kwargs})
+    vision = transformers.Llama4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=16, patch_size=8, vision_output_dim=16,
+                                             projector_input_dim=16, projector_output_dim=16)
+    config = transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Llama4ForConditionalGeneration(config).eval(), None
+
+
+BUILDERS = {"mistral3": _tiny_mistral3, "kimi_k25": _tiny_kimi_k25, "llama4": _tiny_llama4}
 CASES = [("mistral3", "transformers5"), ("mistral3", "language_model"), ("mistral3", "hyperclovax"),
-         ("kimi_k25", "language_model"), ("kimi_k25", "transformers5")]
+         ("kimi_k25", "language_model"), ("kimi_k25", "transformers5"), ("llama4", "transformers5"),
+         ("llama4", "language_model")]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +131,8 @@ def references():
 def test_wrapped_checkpoint_matches_transformers(references, tmp_path, wrapper, layout):
     reference, text_model_type = references[wrapper]
     directory = _save(reference, tmp_path / "model", layout, text_model_type)
+    if wrapper == "llama4":  # Transformers' Llama 4 image-text model fails on text alone (its output has no
+        reference = reference.language_model  # image_outputs); its language model holds the same text weights
     loaded = load_model(resolve(str(directory)), "f32")
     assert loaded.cfg.wrapper == wrapper
     assert loaded.cfg.family == family_of(json.loads((directory / "config.json").read_text()))

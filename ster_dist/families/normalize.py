@@ -47,6 +47,24 @@ GENERIC_KEYS: dict[str, str] = {
     "loop_pass_norm": "a looped model's final norm closes every pass, not only the last; default false",
     "rotate_adjacent_pairs": "each head's rotated dimensions turn as adjacent pairs rather than halves (ChatGLM's "
                              "original_rope); default PositionSpec.interleaved",
+    "query_temperature_beta": "Llama 4's query temperature: queries times 1 + beta * ln(1 + floor((position + "
+                              "query_temperature_offset) / query_temperature_length)); default none (Ministral 3 "
+                              "states it in rope_parameters' llama_4_scaling_beta)",
+    "query_temperature_length": "the positions one step of the query temperature spans; needed with its beta",
+    "query_temperature_offset": "added to a query's position before the temperature counts it; default 0",
+    "query_temperature_layers": "per layer, 0 or 1: which layers scale their queries by the temperature; "
+                                "default every layer",
+    "qk_norm_layers": "per layer, 0 or 1: which layers apply the family's query/key norms; default every layer",
+    "layer_heads": "per layer, its query head count, where layers differ (Laguna); default num_attention_heads",
+    "layer_kv_heads": "per layer, its key-value head count, where layers differ (MiMo-V2-Flash); default "
+                      "num_key_value_heads",
+    "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
+    "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
+    "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "
+                   "everywhere",
+    "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "
+                            "projection's logit for the head (or channel) before the output projection (Laguna); "
+                            "default \"none\"",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads

@@ -23,10 +23,13 @@ from ster_dist.families.gptj_neox import GPTJ_NEOX_FAMILIES
 from ster_dist.families.granite import GRANITE_FAMILIES
 from ster_dist.families.hunyuan import HUNYUAN_FAMILIES
 from ster_dist.families.kimi import KIMI_FAMILIES
+from ster_dist.families.laguna import LAGUNA_FAMILIES
 from ster_dist.families.lfm2 import LFM2_FAMILIES
 from ster_dist.families.llama import LLAMA_FAMILIES
+from ster_dist.families.llama4 import LLAMA4_FAMILIES
 from ster_dist.families.mamba import MAMBA_FAMILIES
 from ster_dist.families.mamba2 import MAMBA2_FAMILIES
+from ster_dist.families.mimo_v2 import MIMO_V2_FAMILIES
 from ster_dist.families.minimax import MINIMAX_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.mixtral import MIXTRAL_FAMILIES
@@ -48,7 +51,8 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
-        + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES)
+        + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
+        + LAGUNA_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -69,6 +69,7 @@ class QKNormSpec:
     per_head_weight: bool = False         # a separate scale per head ([heads, head_dim]: Cohere, StableLM)
     bias: bool = False
     after_rope: bool = False              # applied after the rotation rather than before (HunYuan)
+    affine: bool = True                   # False: no scale, a plain L2 (RMS) norm (Llama 4)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,9 @@ class MoESpec:
     # SparseMixer as Transformers runs it outside training: two rounds, each taking the best logit not yet chosen,
     # weighed by its softmax over the experts within 2 * router_jitter_noise of it (PhiMoE)
     sparsemixer: bool = False
+    # each expert reads its input already multiplied by the token's weight for it, and its output is summed
+    # unweighted (Llama 4; the config key moe_apply_router_weight_on_input wins)
+    weight_input: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""Grouped-query attention over this rank's heads: q/k/v projections (column-parallel),
-optional query/key norms (before or after the rotation), rotation, Llama 4's query temperature,
-clipping, masks (causal, padding, sliding window), soft-capping, learned sinks (GPT-OSS), ALiBi biases
-(BLOOM, MPT, Falcon), an output gate (Qwen3-Next), and the row-parallel output projection.
+"""Grouped-query attention over this rank's heads: q/k/v projections (column-parallel) with this layer's
+own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), optional query/key norms
+(before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
+query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
+learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
+sigmoid, Laguna's softplus), and the row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -46,42 +48,54 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx, in_features: int | None = None):
         super().__init__()
         d, hidden = cfg.head_dim, cfg.hidden_size
+        dv = cfg.value_head_dim or d  # MiMo-V2-Flash's values are narrower than its queries and keys
+        heads, kv_heads = cfg.heads(layer), cfg.kv_heads(layer)  # this layer's own counts where layers differ
         width = in_features or hidden  # what q, k and v read: Zamba2's shared block reads twice the hidden width
-        (h0, h1), (k0, k1) = ctx.attention_heads(cfg.num_heads, cfg.num_kv_heads)
+        (h0, h1), (k0, k1) = ctx.attention_heads(heads, kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
-        self.head_dim, self.layer = d, layer
+        self.head_dim, self.value_dim, self.layer = d, dv, layer
         # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
-        self.kv_shape = ((self.local_kv, d), (self.local_kv, d))
-        self.q = ColumnLinear(width, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
-        self.k = ColumnLinear(width, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
-        self.v = ColumnLinear(width, cfg.num_kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
-        self.o = RowLinear(cfg.num_heads * d, hidden, ctx, cfg.o_bias, cols=(h0 * d, h1 * d))
-        # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o
-        self.gate = (ColumnLinear(hidden, cfg.num_heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
-                     if cfg.attn_output_gate else None)
+        self.kv_shape = ((self.local_kv, d), (self.local_kv, dv))
+        self.q = ColumnLinear(width, heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
+        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
+        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+        self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
+        self.value_scale = cfg.value_scale
+        # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
+        # softplus of one logit per head (or per channel)
+        self.softplus_gate = cfg.softplus_gate
+        if cfg.attn_output_gate or cfg.softplus_gate == "element":
+            self.gate = ColumnLinear(hidden, heads * dv, ((h0 * dv, h1 * dv),), cfg.qkv_bias and cfg.attn_output_gate)
+        elif cfg.softplus_gate == "head":
+            self.gate = ColumnLinear(hidden, heads, ((h0, h1),), False)
+        else:
+            self.gate = None
         self.qkv = FusedColumns(self.q, self.k, self.v, self.gate)  # one product once loaded
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm != "none":
+        if cfg.qk_norm != "none" and (not cfg.layer_qk_norm or cfg.layer_qk_norm[layer]):
             common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
-                          ctx=ctx)
+                          affine=cfg.qk_norm_affine, ctx=ctx)
             if cfg.qk_norm == "head":
                 per_head = cfg.qk_norm_per_head_weight
-                self.q_norm = Norm(d, heads=cfg.num_heads if per_head else 1, per_head_weight=per_head,
+                self.q_norm = Norm(d, heads=heads if per_head else 1, per_head_weight=per_head,
                                    rows=((h0, h1),) if per_head else None, **common)
-                self.k_norm = Norm(d, heads=cfg.num_kv_heads if per_head else 1, per_head_weight=per_head,
+                self.k_norm = Norm(d, heads=kv_heads if per_head else 1, per_head_weight=per_head,
                                    rows=((k0, k1),) if per_head else None, **common)
             else:  # over the whole projection, split like it
-                self.q_norm = Norm(cfg.num_heads * d, rows=((h0 * d, h1 * d),), **common)
-                self.k_norm = Norm(cfg.num_kv_heads * d, rows=((k0 * d, k1 * d),), **common)
+                self.q_norm = Norm(heads * d, rows=((h0 * d, h1 * d),), **common)
+                self.k_norm = Norm(kv_heads * d, rows=((k0 * d, k1 * d),), **common)
         self.per_head_norm = cfg.qk_norm == "head"
         self.norm_after_rope = cfg.qk_norm_after_rope
-        self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
+        tempered = not cfg.layer_query_temperature or cfg.layer_query_temperature[layer]
+        self.temperature = (cfg.query_temperature_beta if tempered else 0.0, cfg.query_temperature_length,
+                            cfg.query_temperature_offset)
         self.rope = cfg.layer_rope[layer]
         self.window = cfg.layer_window[layer]
+        self.chunk = cfg.layer_chunk[layer] if cfg.layer_chunk else None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
-        self.sinks = HeadScalars(cfg.num_heads, (h0, h1)) if cfg.attn_sinks else None
+        self.sinks = HeadScalars(heads, (h0, h1)) if cfg.sinks(layer) else None
         # ALiBi: this rank's heads' slopes (their global indices), kept as numbers so meta construction has none
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
@@ -95,19 +109,28 @@ class Attention(nn.Module):
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
         q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
-        if self.per_head_norm and not self.norm_after_rope:
+        v = v.view(b, t, self.local_kv, self.value_dim).transpose(1, 2)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
+        per_head = self.per_head_norm and self.q_norm is not None
+        if per_head and not self.norm_after_rope:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
             q = apply_rotary(q, cos, sin, self.rope.interleaved)
             k = apply_rotary(k, cos, sin, self.rope.interleaved)
-        if self.per_head_norm and self.norm_after_rope:
+        if per_head and self.norm_after_rope:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at).transpose(1, 2).reshape(b, t, -1)
-        if gate is not None:
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        if self.softplus_gate == "head":
+            gate = F.softplus(gate.float()).to(out.dtype)
+            out = (out.unflatten(-1, (self.local_heads, self.value_dim)) * gate.unsqueeze(-1)).flatten(-2)
+        elif self.softplus_gate == "element":
+            out = out * F.softplus(gate.float()).to(out.dtype)
+        elif gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)
 
@@ -117,8 +140,8 @@ class Attention(nn.Module):
 
     def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         # Llama 4's temperature from absolute positions, so a cached decode step scales as the whole read does
-        beta, length = self.temperature
-        scale = 1 + beta * torch.log(1 + torch.floor(positions.float() / length))
+        beta, length, offset = self.temperature
+        scale = 1 + beta * torch.log(1 + torch.floor((positions.float() + offset) / length))
         return scale[:, None, :, None]
 
     def _alibi(self, key_pos: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ class _AttendGroup:
         keys = table.shape[1] * block_size
         # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
         self.key_pos = torch.arange(keys, device=table.device).expand(table.shape[0], keys)
-        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
 
     def take(self, x):
         """This group's queries [n, heads, q, width] from packed x [1, heads, tokens, width] (or a tuple of such)."""
@@ -50,16 +50,19 @@ class _AttendGroup:
         """y [n, heads, q, width] as packed [1, heads, tokens, width] when this group is the whole step."""
         return y[:, :, 0].transpose(0, 1).unsqueeze(0) if self.one_token else y
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[n, 1, queries, keys] of allowed pairs (causal within the sequence, inside the window), or None
-        when every key is allowed. Causality alone excludes the padding slots: they lie past every query."""
-        if window not in self._masks:
+    def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor | None:
+        """[n, 1, queries, keys] of allowed pairs (causal within the sequence, inside the window and the
+        query's chunk), or None when every key is allowed. Causality alone excludes the padding slots: they
+        lie past every query."""
+        if (window, chunk) not in self._masks:
             distance = self.query_pos.unsqueeze(2) - self.key_pos[:, None, :]
             allowed = distance >= 0
             if window is not None:
                 allowed &= distance < window
-            self._masks[window] = None if bool(allowed.all()) else allowed.unsqueeze(1)
-        return self._masks[window]
+            if chunk is not None:  # Llama 4's chunked layers: keys of the query's own chunk only
+                allowed &= self.query_pos.unsqueeze(2) // chunk == self.key_pos[:, None, :] // chunk
+            self._masks[window, chunk] = None if bool(allowed.all()) else allowed.unsqueeze(1)
+        return self._masks[window, chunk]
 
 
 class PagedStep:
@@ -156,16 +159,18 @@ class PagedStep:
             out[0][tokens] = y
         return out
 
-    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn) -> torch.Tensor:
+    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn,
+               chunk: int | None = None) -> torch.Tensor:
         """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys, values, mask,
-        key_positions) per group over its sequences' gathered keys; outputs packed [1, heads, tokens, width]."""
+        key_positions) per group over its sequences' gathered keys (within `window` and the query's `chunk`);
+        outputs packed [1, heads, tokens, width]."""
         self.cache.write(layer, self.slots, k, v)
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)
             if keys.dtype != k.dtype:  # a cache kept narrower than the model attends in the model's dtype
                 keys, values = keys.to(k.dtype), values.to(k.dtype)
-            outs.append(fn(group.take(q), keys, values, group.mask(window), group.key_pos))
+            outs.append(fn(group.take(q), keys, values, group.mask(window, chunk), group.key_pos))
         if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
             return self.groups[0].packed(outs[0])
         out = outs[0].new_empty((1, outs[0].shape[1], self.total, outs[0].shape[3]))

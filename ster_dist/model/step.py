@@ -1,5 +1,5 @@
-"""StepState: what every layer of one forward step shares (positions, cache slots, masks by window,
-rotary tables by rope and dtype). Built once per step by the decoder, read by every attention kind;
+"""StepState: what every layer of one forward step shares (positions, cache slots, masks by window and
+chunk, rotary tables by rope and dtype). Built once per step by the decoder, read by every attention kind;
 it sits in its own module so attention need not import the decoder.
 
 Attention reaches its keys only through `attend`, so a step over a paged cache (PagedStep) can
@@ -37,26 +37,34 @@ class StepState:
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
-        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed."""
-        if window not in self._masks:
-            distance = None if window is None else self._positions.unsqueeze(2) - self._key_pos.unsqueeze(1)
-            if self._unmasked and (distance is None or bool((distance < window).all())):
-                self._masks[window] = None
+    def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor | None:
+        """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed. `chunk`: a query
+        sees only keys whose position lies in its own chunk of that many positions (Llama 4)."""
+        if (window, chunk) not in self._masks:
+            near = None
+            if window is not None:
+                near = self._positions.unsqueeze(2) - self._key_pos.unsqueeze(1) < window
+            if chunk is not None:
+                same = self._positions.unsqueeze(2) // chunk == self._key_pos.unsqueeze(1) // chunk
+                near = same if near is None else near & same
+            if self._unmasked and (near is None or bool(near.all())):
+                self._masks[window, chunk] = None
             else:
-                allowed = self._base if distance is None else self._base & (distance < window)
-                self._masks[window] = (allowed | self._diag).unsqueeze(1)
-        return self._masks[window]
+                allowed = self._base if near is None else self._base & near
+                self._masks[window, chunk] = (allowed | self._diag).unsqueeze(1)
+        return self._masks[window, chunk]
 
-    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn):
-        """fn(q, keys, values, mask, key_positions) over every key this step sees: this step's keys and
-        values [batch, heads, seq, width] are stored in the cache first, where there is one."""
+    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn,
+               chunk: int | None = None):
+        """fn(q, keys, values, mask, key_positions) over every key this step sees (within `window` positions
+        and the query's `chunk`, where stated): this step's keys and values [batch, heads, seq, width] are
+        stored in the cache first, where there is one."""
         if self.cache is not None:
             k, v = self.cache.write(layer, self.slots, k, v)
-        return fn(q, k, v, self.mask(window), self._key_pos)
+        return fn(q, k, v, self.mask(window, chunk), self._key_pos)
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for x [batch, seq, hidden]: scan(x, valid, state) -> (y, state) over the

@@ -38,9 +38,10 @@ def _exchange(ctx: ParallelCtx, data: torch.Tensor, out_rows: list[int], in_rows
     return out
 
 
-def dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int, ctx: ParallelCtx
+def dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int, ctx: ParallelCtx, pairs: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
-    """Send x [tokens, hidden]'s rows to the ranks holding their experts (ids [tokens, top_k]).
+    """Send x [tokens, hidden]'s rows to the ranks holding their experts (ids [tokens, top_k]); with `pairs`,
+    x is [tokens * top_k, hidden], a row of its own for each (token, slot) pair in (token, slot) order.
 
     Returns (received rows [m, hidden], each row's expert among this rank's (0-based) [m],
     the handle for combine)."""
@@ -62,7 +63,7 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int, ctx: Parallel
         counts = per_expert.view(1, num_experts)
     sent = [int(c.sum()) for c in per_expert.split(blocks)]
     received = counts.sum(1).tolist()
-    rows = _exchange(ctx, x[order // top_k], received, sent)
+    rows = _exchange(ctx, x[order if pairs else order // top_k], received, sent)
     local_ids = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(ctx.ep_size),
                                         counts.reshape(-1))
     return rows, local_ids, Dispatched(ctx, order, sent, received)

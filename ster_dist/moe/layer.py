@@ -7,7 +7,9 @@ pair to the expert's rank, weighs what comes back, adds the shared experts, and
 the shares are gathered again. Under tensor parallelism the routed and shared
 outputs are partial sums, all-reduced once on the share before the gather.
 Nemotron-H's experts may work in a latent width (moe_latent_size): the share is
-projected in before dispatch and the weighed sum projected out after combine.
+projected in before dispatch and the weighed sum projected out after combine. Llama 4 weighs each
+expert's input instead (moe_apply_router_weight_on_input): every (token, expert) pair travels as its own
+row, already scaled, and what comes back is summed as is.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
+        self.weight_input = moe.weight_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden)
@@ -50,9 +53,11 @@ class MoE(nn.Module):
         share = flat[start:stop]
         weights, ids = self.router(share)
         inputs = self.latent_in(share) if self.latent_in is not None else share
-        rows, local_ids, handle = dispatch(inputs, ids, self.num_experts, self.ctx)
-        back = combine(self.experts(rows, local_ids), handle)
-        out = (back.view(*ids.shape, self.width).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        if self.weight_input:  # Llama 4: each (token, expert) pair's input scaled by its weight, summed as is
+            inputs = (inputs.unsqueeze(1) * weights.unsqueeze(-1).to(inputs.dtype)).flatten(0, 1)
+        rows, local_ids, handle = dispatch(inputs, ids, self.num_experts, self.ctx, pairs=self.weight_input)
+        back = combine(self.experts(rows, local_ids), handle).view(*ids.shape, self.width).float()
+        out = (back if self.weight_input else back * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.latent_out is not None:  # a partial sum under TP, like the experts': add the bias once
             bias = self.latent_out.bias if self.ctx.tp_rank == 0 else None
             out = dense(out, self.latent_out.weight, bias)

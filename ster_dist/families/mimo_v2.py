@@ -1,0 +1,104 @@
+"""MiMo-V2-Flash: Llama's block whose sliding and full-attention layers differ in key-value heads and sinks,
+over DeepSeek-V3's router.
+
+- mimo_v2_flash: the layers layer_types calls sliding_attention (hybrid_layer_pattern's 1s in Xiaomi's own
+  config; Transformers' rule without either: the first and every sixth layer attend fully) attend through
+  sliding_window positions (sliding_window_size + 1 where that is stated) with swa_num_key_value_heads
+  key-value heads (Transformers: twice num_key_value_heads) and a learned sink per head
+  (self_attn.sinks, or attention_sink_bias; on by add_swa_attention_sink_bias, and on the full layers by
+  add_full_attention_sink_bias); each kind rotates by its own rope_parameters (or rope_theta / swa_rope_theta)
+  over its partial_rotary_factor share (0.334 when unstated), by halves. Query and key heads are head_dim
+  wide, value heads v_head_dim, and every value is multiplied by attention_value_scale. The layers
+  mlp_layer_types calls sparse (moe_layer_freq's 1s; by default all but the first) route by DeepSeek-V3's
+  sigmoid scores with a selection bias (mlp.gate.e_score_correction_bias) over n_routed_experts experts,
+  renormalised under norm_topk_prob and scaled by routed_scaling_factor, with no shared expert. Its
+  multi-token-prediction layers (model.mtp.*) are never read.
+
+Sliding layers whose query heads differ in count or width from the full ones (swa_num_attention_heads,
+swa_head_dim, swa_v_head_dim) are refused, and so is the fused qkv_proj layout.
+"""
+
+from __future__ import annotations
+
+from ster_dist.families.layouts import ATTENTION_SINKS, llama_rules
+from ster_dist.families.moe_layouts import expert_rules, router_rules
+from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
+from ster_dist.families.spec import FamilySpec, MoESpec, PositionSpec, Rule
+
+_LAYER = "model.layers.{i}"
+# what MiMoV2FlashConfig assumes where a config is silent
+_DEFAULTS = {
+    "head_dim": 192, "v_head_dim": 128, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "sliding_window": 129,
+    "attention_value_scale": 0.707, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+    "moe_intermediate_size": 2048, "num_experts_per_tok": 8, "n_routed_experts": 256,
+}
+_SHARE = 0.334  # the rotated share of each head when a rotation states none
+
+
+def _layer_kinds(raw: dict, layers: int) -> list[str]:
+    if raw.get("layer_types"):
+        return list(raw["layer_types"])
+    pattern = raw.get("hybrid_layer_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, list) or len(pattern) != layers:
+            raise ConfigProblem(f"hybrid_layer_pattern must list 0 (full) or 1 (sliding) for each of the {layers} "
+                                "layers")
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    return ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+
+
+def _rotations(raw: dict) -> dict:
+    """rope_parameters per layer kind, from Xiaomi's rope_theta / swa_rope_theta where not nested already."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, sliding = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full = {"rope_type": "default", **params, "rope_theta": stated(raw, "rope_theta", default=5_000_000.0)}
+        sliding = {"rope_type": "default", "rope_theta": stated(raw, "swa_rope_theta", default=10_000.0)}
+    share = stated(raw, "partial_rotary_factor", default=_SHARE)
+    return {"full_attention": {"partial_rotary_factor": share, **full},
+            "sliding_attention": {"partial_rotary_factor": share, **sliding}}
+
+
+def _mimo_v2_flash(raw: dict) -> dict:
+    raw = with_defaults(raw, _DEFAULTS)
+    layers = raw.get("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        return raw  # the shared reader refuses the layer count itself
+    for key, full in (("swa_num_attention_heads", "num_attention_heads"), ("swa_head_dim", "head_dim"),
+                      ("swa_v_head_dim", "v_head_dim")):
+        if raw.get(key) is not None and raw[key] != raw.get(full):
+            raise ConfigProblem(f"{key} {raw[key]} differs from {full} {raw.get(full)}; sliding layers with their "
+                                "own query heads are not supported")
+    if raw.get("attention_projection_layout") not in (None, "separate"):
+        raise ConfigProblem(f"attention_projection_layout {raw['attention_projection_layout']!r} is not supported; "
+                            "only separate q_proj / k_proj / v_proj are")
+    kinds = _layer_kinds(raw, layers)
+    sliding = [kind == "sliding_attention" for kind in kinds]
+    kv = raw["num_key_value_heads"]
+    swa_kv = stated(raw, "swa_num_key_value_heads", default=2 * kv if isinstance(kv, int) else kv)
+    swa_sinks = bool(stated(raw, "add_swa_attention_sink_bias", default=True))
+    full_sinks = bool(stated(raw, "add_full_attention_sink_bias", default=False))
+    freq = raw.get("moe_layer_freq")
+    sparse = raw.get("mlp_layer_types") or (
+        ["sparse" if f else "dense" for f in freq] if isinstance(freq, list)
+        else ["dense"] + ["sparse"] * (layers - 1))
+    window = raw["sliding_window_size"] + 1 if raw.get("sliding_window_size") is not None else raw["sliding_window"]
+    out = {k: v for k, v in raw.items() if k not in ("rope_theta", "moe_layer_freq", "partial_rotary_factor")}
+    return {**out, "layer_types": kinds, "sliding_window": window, "rope_parameters": _rotations(raw),
+            "layer_kv_heads": [swa_kv if s else kv for s in sliding],
+            "sink_layers": [int(swa_sinks if s else full_sinks) for s in sliding],
+            "value_head_dim": raw["v_head_dim"], "mlp_layer_types": sparse, "attention_out_bias": False,
+            "routed_scaling_factor": stated(raw, "routed_scaling_factor", default=1.0)}
+
+
+def _rules() -> tuple[Rule, ...]:
+    return (llama_rules(q_norm=None, k_norm=None) + expert_rules(f"{_LAYER}.mlp") + router_rules(f"{_LAYER}.mlp.gate")
+            + (ATTENTION_SINKS, Rule(f"{_LAYER}.self_attn.attention_sink_bias", "layers.{i}.attn.sinks.weight")))
+
+
+MIMO_V2_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("mimo_v2_flash", _rules(), positions=PositionSpec(rotary_share=_SHARE), normalize=_mimo_v2_flash,
+               moe=MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True),
+               ignore=(r"model\.mtp\.",), parity_reference="MiMoV2FlashForCausalLM"),
+)
