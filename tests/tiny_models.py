@@ -116,7 +116,8 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue
-            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear") \
+            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
+                           "hy_v3") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "gpt_oss" and name.endswith("mlp.router.bias"):
@@ -124,7 +125,8 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
 
 
 # their last layer routes no token to the upper half of the experts
-STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear"}
+STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
+           "hy_v3"}
 
 
 def read_config(directory: Path) -> dict:
