@@ -75,6 +75,9 @@ class ModelConfig:
     pre_mlp_norm: bool = True
     post_attn_norm: bool = False          # a norm over the attention output (Gemma 2, OLMo 2)
     post_mlp_norm: bool = False
+    # per layer, whether the feed-forward's output is normed where that differs by layer (A.X-K1: only the layers
+    # with experts); empty: post_mlp_norm on every layer
+    post_mlp_norm_layers: tuple[bool, ...] = ()
     parallel_block: bool = False          # attention and feed-forward read the same input
     parallel_shared_norm: bool = True     # one norm feeds both halves of a parallel block
     # attention
@@ -164,6 +167,9 @@ class ModelConfig:
         if self.mixers:
             return self.mixers[layer]
         return "latent_attention" if self.mla is not None else "attention"
+
+    def post_mlp_norm_at(self, layer: int) -> bool:
+        return self.post_mlp_norm_layers[layer] if self.post_mlp_norm_layers else self.post_mlp_norm
 
     def moe_of(self, layer: int) -> MoEConfig | None:
         """The experts of `layer`: its own where the config states them per layer, else the model's."""
@@ -362,6 +368,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         norm_affine=norms.affine,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
         post_attn_norm=post_norm, post_mlp_norm=post_norm,
+        post_mlp_norm_layers=moe_layers if keys.get("post_mlp_norm_sparse_only", default=False) else (),
         parallel_block=parallel, parallel_shared_norm=shared_norm,
         qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, qk_norm_kind=qk.kind,
         qk_norm_per_head_weight=qk.per_head_weight, qk_norm_bias=qk.bias, attn_scale=attn_scale,

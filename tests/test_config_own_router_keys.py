@@ -1,4 +1,4 @@
-"""Routing and layer-pattern keys of Hy3, AFMoE and Sarvam-105B that their tiny parity checkpoints cannot reach
+"""Routing and layer-pattern keys of Hy3, AFMoE, Sarvam-105B and A.X-K1 that their tiny parity checkpoints cannot reach
 (keys Transformers' classes ignore or rewrite when saving), read from hand-written configs."""
 
 from __future__ import annotations
@@ -62,3 +62,14 @@ def test_sarvam_mla_own_spellings():
     assert greedy.moe.topk_method == "greedy" and not greedy.moe.correction_bias and greedy.moe.scoring == "softmax"
     with pytest.raises(Refusal, match="moe_router_enable_expert_bias"):
         from_hf({**raw, "moe_router_enable_expert_bias": False, "n_group": 2, "topk_group": 1})
+
+
+def test_axk1_groups_ranked_by_best_expert_without_a_bias_and_sparse_post_norms():
+    mc = from_hf(_raw("axk1", **{**_LATENT, "q_lora_rank": 24}, n_group=4, topk_group=2,
+                      mlp_layer_types=["dense", "sparse", "dense", "sparse"]))
+    assert mc.moe.topk_method == "group_limited_greedy" and not mc.moe.correction_bias
+    assert mc.moe.scoring == "sigmoid" and mc.moe.renormalize and mc.moe.scaling_factor == 2.5
+    assert [mc.post_mlp_norm_at(i) for i in range(4)] == [False, True, False, True] and not mc.post_attn_norm
+    stated = from_hf(_raw("axk1", **{**_LATENT, "q_lora_rank": 24}, n_group=4, topk_group=2, topk_method="noaux_tc"))
+    assert stated.moe.topk_method == "noaux_tc" and stated.moe.correction_bias
+    assert [stated.post_mlp_norm_at(i) for i in range(4)] == [False, True, True, True]

@@ -111,6 +111,8 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+            if variant == "axk1" and name.endswith("e_score_correction_bias"):
+                continue  # A.X-K1 routes without a selection bias: its releases store none
             if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")) or (
                     ".experts." in name and name.endswith("_bias")):
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)

@@ -13,6 +13,9 @@ Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,
   rotating, Sarvam's own config spellings (a deepseek_yarn rope_scaling, score_function,
   moe_router_enable_expert_bias, moe_shared_expert_intermediate_size, a head_dim meant for vLLM) read as
   DeepSeek-V3's keys.
+- axk1 (A.X-K1): DeepSeek-V3's latent attention (always a compressed query) with a post_mlp_layernorm over each
+  sparse layer's feed-forward output (dense layers store one too and never apply it); its topk_method none is
+  group-limited greedy over sigmoid scores without a selection bias, each group ranked by its best expert.
 """
 
 from __future__ import annotations
@@ -84,6 +87,24 @@ def _sarvam_mla(raw: dict) -> dict:
             "topk_method": method, "shared_intermediate_size": width * shared}
 
 
+_AXK1_DEFAULTS = {"first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8,
+                  "topk_group": 4, "rope_interleave": True, "rms_norm_eps": 1e-6, "scoring_func": "sigmoid",
+                  "topk_method": "none"}
+
+
+def _axk1(raw: dict) -> dict:
+    """AXK1Config's defaults; topk_method none (A.X-K1's own) is group-limited greedy without a selection bias, as
+    A.X-K1's vLLM code routes. Transformers' class ranks groups by their best two experts' sum over a zero
+    bias instead: the two agree whenever topk_group keeps every group."""
+    raw = with_defaults(raw, _AXK1_DEFAULTS)
+    method = "group_limited_greedy" if raw["topk_method"] in (None, "none") else raw["topk_method"]
+    return {**_latent_biases(raw), "topk_method": method, "post_mlp_norm_sparse_only": True}
+
+
+# A.X-K1's norm over a sparse layer's feed-forward output, stored in every layer
+_AXK1_RULES = _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in weight_and_bias(
+    "model.layers.{i}.post_mlp_layernorm", "layers.{i}.post_mlp_norm"))
+
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=_latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
@@ -97,6 +118,8 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
     FamilySpec("sarvam_mla", _DEEPSEEK, **_LATENT, normalize=_sarvam_mla,
                moe=MoESpec(scaling="always", shared="stated"), parity_reference="DeepseekV3ForCausalLM"),
+    FamilySpec("axk1", _AXK1_RULES, **_LATENT, normalize=_axk1,
+               moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference="AXK1ForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
                normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
 )

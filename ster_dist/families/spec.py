@@ -172,6 +172,9 @@ class Rule:
     checkpoint: str
     target: str | Fused | Stacked
     transposed: bool = False  # stored inputs-first (GPT-2's Conv1D)
+    # stored also in layers that never apply it (A.X-K1's dense layers keep a post_mlp_layernorm): skipped where
+    # the layer has no such parameter, rather than refused
+    optional: bool = False
 
     @property
     def pattern(self) -> re.Pattern:

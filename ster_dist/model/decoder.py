@@ -44,7 +44,7 @@ class Block(nn.Module):
         # side by side (model/side_by_side.py): each part at its own site; the sum of them is no module
         self.side_by_side = mixer if kind.parts else None
         pre_attn, post_attn, pre_mlp, post_mlp = (cfg.pre_attn_norm, cfg.post_attn_norm, cfg.pre_mlp_norm,
-                                                  cfg.post_mlp_norm)
+                                                  cfg.post_mlp_norm_at(layer))
         if cfg.recurrent_pre_norm and not kind.attention and mixer is not None:
             pre_attn, post_attn, pre_mlp, post_mlp = True, False, True, False
         if not kind.normed:  # the mixer norms its own input (Zamba2's hybrid layers)
