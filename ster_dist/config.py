@@ -88,6 +88,7 @@ class ModelConfig:
     qk_norm_per_head_weight: bool = False  # a separate scale per head ([heads, head_dim])
     qk_norm_bias: bool = False
     qk_norm_after_rope: bool = False      # per-head query/key norms after the rotation rather than before (HunYuan)
+    qk_norm_affine: bool = True           # False: query/key norms without a scale (Muse Glimmer)
     # q_proj yields each head's query rows and then as many gate rows; the attention output is multiplied by
     # the gate's sigmoid before o_proj (Qwen3-Next, Qwen3.5: a config's attn_output_gate, which their
     # normalisation states)
@@ -107,6 +108,9 @@ class ModelConfig:
     alibi_before_scale: bool = False      # added before the scores are scaled (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16 (Falcon)
     embed_norm: bool = False              # a norm after the token embedding (BLOOM)
+    embed_norm_affine: bool = True        # False: that norm has no scale (Muse Glimmer)
+    final_norm_offset: float | None = None  # the final norm's offset from one where it differs (None: norm_offset)
+    post_norm_eps: float | None = None    # the norms over each sublayer's output at their own epsilon (None: norm_eps)
     # feed-forward
     mlp_gated: bool = True
     hidden_act: str = "silu"
@@ -372,14 +376,15 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         parallel_block=parallel, parallel_shared_norm=shared_norm,
         qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, qk_norm_kind=qk.kind,
         qk_norm_per_head_weight=qk.per_head_weight, qk_norm_bias=qk.bias, attn_scale=attn_scale,
-        qk_norm_after_rope=qk.after_rope, query_temperature_beta=temperature_beta,
+        qk_norm_after_rope=qk.after_rope, qk_norm_affine=qk.affine, query_temperature_beta=temperature_beta,
         query_temperature_length=int(temperature_length) if temperature_length else None,
         attn_output_gate=bool(keys.get("attn_output_gate", default=False)),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
-        embed_norm=norms.embed,
+        embed_norm=norms.embed, embed_norm_affine=norms.embed_affine, final_norm_offset=norms.final_offset,
+        post_norm_eps=keys.get("post_norm_eps"),
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias,
         mlp_down_bias=bool(keys.get("mlp_down_bias", default=mlp_bias)),
         mlp_multipliers=_mlp_multipliers(keys, path),

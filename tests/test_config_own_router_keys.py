@@ -1,5 +1,6 @@
-"""Routing and layer-pattern keys of Hy3, AFMoE, Sarvam-105B and A.X-K1 that their tiny parity checkpoints cannot reach
-(keys Transformers' classes ignore or rewrite when saving), read from hand-written configs."""
+"""Routing, layer-pattern and attention keys of Hy3, AFMoE, Sarvam-105B, A.X-K1 and Muse Glimmer that their tiny
+parity checkpoints cannot reach (keys Transformers' classes ignore or rewrite when saving), read from
+hand-written configs."""
 
 from __future__ import annotations
 
@@ -73,3 +74,22 @@ def test_axk1_groups_ranked_by_best_expert_without_a_bias_and_sparse_post_norms(
     stated = from_hf(_raw("axk1", **{**_LATENT, "q_lora_rank": 24}, n_group=4, topk_group=2, topk_method="noaux_tc"))
     assert stated.moe.topk_method == "noaux_tc" and stated.moe.correction_bias
     assert [stated.post_mlp_norm_at(i) for i in range(4)] == [False, True, True, True]
+
+
+def test_muse_glimmer_text_switches_transformers_lacks():
+    raw = {"model_type": "muse_glimmer_text", **{k: v for k, v in _SMALL.items() if "expert" not in k},
+           "num_hidden_layers": 8, "rope_theta": 5000.0}
+    mc = from_hf(raw)
+    # every fourth layer from the last attends fully and unrotated
+    assert [w is None for w in mc.layer_window] == [False, False, False, True] * 2
+    assert [r is None for r in mc.layer_rope] == [False, False, False, True] * 2
+    assert mc.layer_rope[0].theta == 5000.0 and mc.attn_output_gate and mc.qk_norm == "head"
+    assert mc.attn_scale == pytest.approx(3.87 / 4) and mc.post_norm_eps == 1e-8 and mc.final_norm_offset == 0.0
+    assert mc.logit_softcap == 20.0 and mc.logit_multiplier == pytest.approx(0.19611613513818404)
+    # the native schema's factor holds sqrt(head_dim) already; scale_query_by wins over both
+    assert from_hf({**raw, "qk_scale_factor": 8.0}).attn_scale == pytest.approx(8.0 / 4 / 4)
+    assert from_hf({**raw, "scale_query_by": 2.0}).attn_scale == pytest.approx(2.0 / 4)
+    off = from_hf({**raw, "use_qk_norm": False, "use_attn_output_gate": False})
+    assert off.qk_norm == "none" and not off.attn_output_gate and off.attn_scale == pytest.approx(0.25)
+    with pytest.raises(Refusal, match="attention_bias"):
+        from_hf({**raw, "attention_bias": True})

@@ -7,6 +7,12 @@
   Layers from num_dense_layers route by score_func scores (sigmoid unless stated) that mlp.expert_bias moves to
   choose, renormalised under route_norm when they are sigmoids, scaled by route_scale, beside num_shared_experts
   shared experts; mup_enabled multiplies the embedding by sqrt(hidden_size).
+- muse_glimmer_text (Muse Glimmer; also the text decoder inside the muse_glimmer wrapper): Gemma 2's sandwich
+  block with scales stored as offsets from one and the output norms at post_norm_eps, a weightless norm after
+  the embedding, a final norm storing its scale as is, weightless per-head query/key norms with the query
+  multiplied (scale_query_by, else qk_scale_factor), the gate from self_attn.gate_proj (unless
+  use_attn_output_gate is false), sliding layers per layer_types, a base per layer (layer_rope_theta, zero
+  unrotated), and logits times output_multiplier under final_logit_softcapping.
 """
 
 from __future__ import annotations
@@ -49,9 +55,46 @@ _AFMOE_RULES = (llama_rules(mlp_norm="pre_mlp_layernorm", post_attn_norm="post_a
                 + (_GATE,) + expert_rules(_MLP) + router_rules(f"{_MLP}.router.gate")
                 + (Rule(f"{_MLP}.expert_bias", ROUTER_CORRECTION),) + shared_rules(f"{_MLP}.shared_experts"))
 
+_MUSE_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-5, "post_norm_eps": 1e-8, "sliding_window": 2048,
+                  "final_logit_softcapping": 20.0, "qk_scale_factor": 3.87,
+                  "output_multiplier": 0.19611613513818404, "hidden_activation": "silu"}
+
+
+def _muse_glimmer_text(raw: dict) -> dict:
+    """MuseGlimmerTextConfig's defaults and layer pattern (every fourth layer from the last attends fully and
+    unrotated), and the seed's switches Transformers' class lacks (use_qk_norm, use_attn_output_gate,
+    scale_query_by). The query multiplier joins the score scale; a qk_scale_factor of at least sqrt(head_dim)
+    is the native schema's, which already holds it."""
+    raw = with_defaults(raw, _MUSE_DEFAULTS)
+    n, root = int(raw["num_hidden_layers"]), math.sqrt(raw["head_dim"])
+    full = [(n - 1 - i) % 4 == 0 for i in range(n)]
+    theta = stated(raw, "rope_theta", default=(raw.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    qk_norm = bool(stated(raw, "use_qk_norm", default=True))
+    out = {**raw, "use_qk_norm": qk_norm, "attn_output_gate": bool(stated(raw, "use_attn_output_gate", default=True)),
+           "layer_types": raw.get("layer_types") or ["full_attention" if f else "sliding_attention" for f in full],
+           "layer_rope_theta": raw.get("layer_rope_theta") or [0 if f else theta for f in full],
+           "logit_scale": raw["output_multiplier"], "mlp_bias": False}
+    if qk_norm:
+        multiplier = stated(raw, "scale_query_by")
+        if multiplier is None:
+            multiplier = raw["qk_scale_factor"]
+            multiplier = multiplier / root if multiplier >= root else multiplier
+        out["attention_multiplier"] = multiplier / root
+    return out
+
+
+_MUSE_RULES = llama_rules(mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+                          post_mlp_norm="post_feedforward_layernorm", q_norm=None, k_norm=None) + (_GATE,)
+# sandwich norms stored as offsets from one, the output ones at post_norm_eps; a weightless norm after the
+# embedding; a final norm storing its scale as is
+_MUSE_NORMS = NormSpec(offset=1.0, post=True, embed=True, embed_affine=False, final_offset=0.0)
+
 GATED_ATTENTION_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("afmoe", _AFMOE_RULES, attention=AttentionSpec(qk_norm=QKNormSpec("head")), norms=NormSpec(post=True),
                normalize=_afmoe, require_values=_UNBIASED_GATE,
                moe=MoESpec(correction_bias=True, scaling="always", shared="deepseek"),
                parity_reference="AfmoeForCausalLM"),
+    FamilySpec("muse_glimmer_text", _MUSE_RULES, attention=AttentionSpec(qk_norm=QKNormSpec("head", affine=False)),
+               norms=_MUSE_NORMS, normalize=_muse_glimmer_text, require_values=_UNBIASED_GATE,
+               parity_reference="MuseGlimmerForConditionalGeneration"),
 )
