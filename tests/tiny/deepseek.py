@@ -72,7 +72,8 @@ def _as_sarvam_release(directory: Path) -> None:
     config["num_experts"], config["num_shared_experts"] = config.pop("n_routed_experts"), config.pop("n_shared_experts")
     config.pop("qk_head_dim", None)
     config.update(head_dim=config["kv_lora_rank"] + config["qk_rope_head_dim"], score_function="sigmoid",
-                  moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=config["moe_intermediate_size"])
+                  moe_router_enable_expert_bias=True,
+                  moe_shared_expert_intermediate_size=config["moe_intermediate_size"])
     path.write_text(json.dumps(config, indent=2))
 
 

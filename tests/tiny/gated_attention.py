@@ -18,8 +18,8 @@ TINY: dict[str, tuple[str, str, dict]] = {
 # epsilon far from the others' so that it shows; a query multiplier under sqrt(head_dim); a logit multiplier
 # and soft cap
 _MUSE_TEXT = dict(vocab_size=TINY_VOCAB_SIZE + 1, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2, sliding_window=5, qk_scale_factor=3.0, output_multiplier=0.7,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=5, qk_scale_factor=3.0, output_multiplier=0.7,
                   final_logit_softcapping=5.0, post_norm_eps=1e-3, rms_norm_eps=1e-6)
 TINY["muse_glimmer"] = ("MuseGlimmerConfig", "MuseGlimmerForConditionalGeneration", dict(
     text_config=_MUSE_TEXT, out_hidden_size=16, projector_hidden_size=16,
