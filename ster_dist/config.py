@@ -82,6 +82,9 @@ class ModelConfig:
     pre_mlp_norm: bool = True
     post_attn_norm: bool = False          # a norm over the attention output (Gemma 2, OLMo 2)
     post_mlp_norm: bool = False
+    # per layer, whether the feed-forward's output is normed where that differs by layer (A.X-K1: only the layers
+    # with experts); empty: post_mlp_norm on every layer
+    post_mlp_norm_layers: tuple[bool, ...] = ()
     parallel_block: bool = False          # attention and feed-forward read the same input
     parallel_shared_norm: bool = True     # one norm feeds both halves of a parallel block
     # attention
@@ -92,7 +95,7 @@ class ModelConfig:
     qk_norm_per_head_weight: bool = False  # a separate scale per head ([heads, head_dim])
     qk_norm_bias: bool = False
     qk_norm_after_rope: bool = False      # per-head query/key norms after the rotation rather than before (HunYuan)
-    qk_norm_affine: bool = True           # False: the query/key norms have no scale (Llama 4's L2 norm)
+    qk_norm_affine: bool = True           # False: the query/key norms have no scale (Llama 4's L2 norm, Muse Glimmer)
     layer_qk_norm: tuple[bool, ...] = ()  # which layers norm queries and keys (Llama 4: rotating ones); empty: all
     # q_proj yields each head's query rows and then as many gate rows; the attention output is multiplied by
     # the gate's sigmoid before o_proj (Qwen3-Next, Qwen3.5: a config's attn_output_gate, which their
@@ -121,6 +124,9 @@ class ModelConfig:
     alibi_before_scale: bool = False      # added before the scores are scaled (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16 (Falcon)
     embed_norm: bool = False              # a norm after the token embedding (BLOOM)
+    embed_norm_affine: bool = True        # False: that norm has no scale (Muse Glimmer)
+    final_norm_offset: float | None = None  # the final norm's offset from one where it differs (None: norm_offset)
+    post_norm_eps: float | None = None    # the norms over each sublayer's output at their own epsilon (None: norm_eps)
     # feed-forward
     mlp_gated: bool = True
     hidden_act: str = "silu"
@@ -193,6 +199,9 @@ class ModelConfig:
         if self.mixers:
             return self.mixers[layer]
         return "latent_attention" if self.mla is not None else "attention"
+
+    def post_mlp_norm_at(self, layer: int) -> bool:
+        return self.post_mlp_norm_layers[layer] if self.post_mlp_norm_layers else self.post_mlp_norm
 
     def moe_of(self, layer: int) -> MoEConfig | None:
         """The experts of `layer`: its own where the config states them per layer, else the model's."""
@@ -405,6 +414,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         norm_affine=norms.affine,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
         post_attn_norm=post_norm, post_mlp_norm=post_norm,
+        post_mlp_norm_layers=moe_layers if keys.get("post_mlp_norm_sparse_only", default=False) else (),
         parallel_block=parallel, parallel_shared_norm=shared_norm,
         qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, qk_norm_kind=qk.kind,
         qk_norm_per_head_weight=qk.per_head_weight, qk_norm_bias=qk.bias, attn_scale=attn_scale,
@@ -418,7 +428,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
-        embed_norm=norms.embed,
+        embed_norm=norms.embed, embed_norm_affine=norms.embed_affine, final_norm_offset=norms.final_offset,
+        post_norm_eps=keys.get("post_norm_eps"),
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias,
         mlp_down_bias=bool(keys.get("mlp_down_bias", default=mlp_bias)),
         mlp_multipliers=_mlp_multipliers(keys, path),

@@ -49,6 +49,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "minimax_m3_vl": TextWrapper("minimax_m3_vl_text"),
     "glm5_next": TextWrapper("glm5_next_text"),
     "step3_vl": TextWrapper("step3_text", text_at_root=True),
+    "muse_glimmer": TextWrapper("muse_glimmer_text"),
 }
 # model_types that are another family's checkpoints under their own name: Kimi-K2 is DeepSeek-V3
 # (Transformers' Kimi_K25Config reads a kimi_k2 text_config as deepseek_v3 too)

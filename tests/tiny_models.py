@@ -21,6 +21,7 @@ from tests.tiny import (
     ernie,
     exaone,
     falcon_h1,
+    gated_attention,
     gemma,
     glm,
     gpt2,
@@ -56,7 +57,7 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
     gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax, falcon_h1,
-    llama4, mimo_v2, laguna)}
+    llama4, mimo_v2, laguna, gated_attention)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -113,22 +114,30 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+            if variant == "axk1" and name.endswith("e_score_correction_bias"):
+                continue  # A.X-K1 routes without a selection bias: its releases store none
             if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")) or (
                     ".experts." in name and name.endswith("_bias")):
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
+            if name.endswith("router.gate.weight") and not t.any():  # AFMoE's class starts its router at zero
+                t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.2)
         last = model.config.get_text_config().num_hidden_layers - 1  # an image-text wrapper: its text decoder's
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:
                 continue
-            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear") \
+            if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
+                           "hy_v3", "sarvam_mla") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
+            if variant == "afmoe" and name.endswith("mlp.expert_bias"):
+                t[t.shape[0] // 2:] -= 10.0
             if variant == "gpt_oss" and name.endswith("mlp.router.bias"):
                 t[t.shape[0] // 2:] -= 100.0
 
 
 # their last layer routes no token to the upper half of the experts
-STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear"}
+STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
+           "hy_v3", "afmoe", "sarvam_mla"}
 
 
 def read_config(directory: Path) -> dict:

@@ -9,13 +9,20 @@ Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,
 - glm4_moe_lite (GLM-4.7-Flash): DeepSeek-V3's attention and router, its sparse layers named by
   mlp_layer_types (Transformers builds it from DeepseekV3 and Glm4Moe classes).
 - minicpm3: DeepSeek-V2's latent attention in a dense block with MiniCPM's multipliers and a tied head.
+- sarvam_mla (Sarvam-105B, which Transformers runs as DeepSeek-V3): DeepSeek-V3's names, adjacent pairs
+  rotating, Sarvam's own config spellings (a deepseek_yarn rope_scaling, score_function,
+  moe_router_enable_expert_bias, moe_shared_expert_intermediate_size, a head_dim meant for vLLM) read as
+  DeepSeek-V3's keys.
+- axk1 (A.X-K1): DeepSeek-V3's latent attention (always a compressed query) with a post_mlp_layernorm over each
+  sparse layer's feed-forward output (dense layers store one too and never apply it); its topk_method none is
+  group-limited greedy over sigmoid scores without a selection bias, each group ranked by its best expert.
 """
 
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import deepseek_moe_rules
-from ster_dist.families.normalize import with_defaults
+from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
 from ster_dist.families.spec import (
     AttentionSpec,
     EmbeddingSpec,
@@ -51,6 +58,53 @@ def _latent_biases(raw: dict, defaults: dict | None = None) -> dict:
     return {**with_defaults(raw, defaults or {}), "mlp_bias": False}
 
 
+_SARVAM_MLA_DEFAULTS = {"first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                        "n_group": 1, "topk_group": 1, "rope_interleave": True, "rms_norm_eps": 1e-6,
+                        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                        "v_head_dim": 128, "moe_intermediate_size": 2048, "n_shared_experts": 1}
+
+
+def _sarvam_mla(raw: dict) -> dict:
+    """SarvamMLAConfig's defaults, and Sarvam's own spellings as DeepSeek-V3's: deepseek_yarn is YaRN; the
+    selection bias (on unless moe_router_enable_expert_bias says not) chooses within groups as DeepSeek-V3 does;
+    without it the experts are chosen greedily, which only one group allows."""
+    own = {"n_routed_experts": stated(raw, "n_routed_experts", "num_experts"),
+           "n_shared_experts": stated(raw, "n_shared_experts", "num_shared_experts")}
+    raw = {**raw, **{k: v for k, v in own.items() if v is not None}}  # Sarvam's spellings before the defaults
+    raw = {k: v for k, v in with_defaults(raw, _SARVAM_MLA_DEFAULTS).items() if k not in ("head_dim", "q_head_dim")}
+    scaling = raw.get("rope_scaling") or {}
+    if "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type")):
+        raw["rope_scaling"] = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn"}
+    width = stated(raw, "moe_shared_expert_intermediate_size", default=raw["moe_intermediate_size"])
+    shared = int(stated(raw, "n_shared_experts", default=0))
+    method = "noaux_tc"
+    if not stated(raw, "moe_router_enable_expert_bias", default=True):
+        if int(raw["n_group"] or 1) > 1:
+            raise ConfigProblem("moe_router_enable_expert_bias is false with n_group above one: groups are ranked "
+                                "only with the selection bias; set n_group to 1 or enable the bias")
+        method = "greedy"
+    return {**_latent_biases(raw), "scoring_func": stated(raw, "score_function", default="sigmoid"),
+            "topk_method": method, "shared_intermediate_size": width * shared}
+
+
+_AXK1_DEFAULTS = {"first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8,
+                  "topk_group": 4, "rope_interleave": True, "rms_norm_eps": 1e-6, "scoring_func": "sigmoid",
+                  "topk_method": "none"}
+
+
+def _axk1(raw: dict) -> dict:
+    """AXK1Config's defaults; topk_method none (A.X-K1's own) is group-limited greedy without a selection bias, as
+    A.X-K1's vLLM code routes. Transformers' class ranks groups by their best two experts' sum over a zero
+    bias instead: the two agree whenever topk_group keeps every group."""
+    raw = with_defaults(raw, _AXK1_DEFAULTS)
+    method = "group_limited_greedy" if raw["topk_method"] in (None, "none") else raw["topk_method"]
+    return {**_latent_biases(raw), "topk_method": method, "post_mlp_norm_sparse_only": True}
+
+
+# A.X-K1's norm over a sparse layer's feed-forward output, stored in every layer
+_AXK1_RULES = _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in weight_and_bias(
+    "model.layers.{i}.post_mlp_layernorm", "layers.{i}.post_mlp_norm"))
+
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=_latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
@@ -62,6 +116,10 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("glm4_moe_lite", _DEEPSEEK, **_LATENT,
                normalize=lambda raw: _latent_biases(raw, {"first_k_dense_replace": 1, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
+    FamilySpec("sarvam_mla", _DEEPSEEK, **_LATENT, normalize=_sarvam_mla,
+               moe=MoESpec(scaling="always", shared="stated"), parity_reference="DeepseekV3ForCausalLM"),
+    FamilySpec("axk1", _AXK1_RULES, **_LATENT, normalize=_axk1,
+               moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference="AXK1ForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
                normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
 )

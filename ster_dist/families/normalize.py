@@ -35,6 +35,9 @@ GENERIC_KEYS: dict[str, str] = {
     "scoring_func": "the router's scores: \"softmax\" or \"sigmoid\"; default MoESpec.scoring",
     "shared_expert_combination_strategy": "\"average\" halves routed plus shared experts' output, \"sum\" "
                                           "keeps it; default \"sum\"",
+    "post_mlp_norm_sparse_only": "a norm over the feed-forward's output on the layers with experts only, whatever "
+                                 "use_post_norm says (A.X-K1); default false",
+    "post_norm_eps": "the epsilon of the norms over each sublayer's output (Muse Glimmer); default rms_norm_eps",
     "residual_factors": "per layer, [mixer alpha, mixer beta, feed-forward alpha, feed-forward beta]: each "
                         "sublayer joins the residual as residual * alpha + output * beta (MiniMax); default none",
     "residual_from_norm": "the residual a sublayer joins is its normed input (MiniMax's postnorm); default false",

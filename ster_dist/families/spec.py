@@ -69,7 +69,7 @@ class QKNormSpec:
     per_head_weight: bool = False         # a separate scale per head ([heads, head_dim]: Cohere, StableLM)
     bias: bool = False
     after_rope: bool = False              # applied after the rotation rather than before (HunYuan)
-    affine: bool = True                   # False: no scale, a plain L2 (RMS) norm (Llama 4)
+    affine: bool = True                   # False: no scale, a plain L2 (RMS) norm (Llama 4, Muse Glimmer)
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,8 @@ class NormSpec:
     pre: bool = True                      # a norm before each sublayer
     post: bool = False                    # a norm over each sublayer's output (the generic key use_post_norm wins)
     embed: bool = False                   # a norm right after the token embedding (BLOOM)
+    embed_affine: bool = True             # False: that norm has no scale (Muse Glimmer)
+    final_offset: float | None = None     # the final norm's offset where it differs from the block's (Muse Glimmer)
     # attention and feed-forward read the same input (the generic key use_parallel_residual wins), from one
     # shared norm or one each (the generic key num_ln_in_parallel_attn wins: 1 shared, else one each)
     parallel: bool = False
@@ -179,6 +181,9 @@ class Rule:
     checkpoint: str
     target: str | Fused | Stacked
     transposed: bool = False  # stored inputs-first (GPT-2's Conv1D)
+    # stored also in layers that never apply it (A.X-K1's dense layers keep a post_mlp_layernorm): skipped where
+    # the layer has no such parameter, rather than refused
+    optional: bool = False
 
     @property
     def pattern(self) -> re.Pattern:

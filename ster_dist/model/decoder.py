@@ -34,10 +34,11 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
 
-        def norm(offset: float = cfg.norm_offset):
-            return Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine)
+        def norm(offset: float = cfg.norm_offset, eps: float = cfg.norm_eps):
+            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine)
 
         post_offsets = cfg.post_norm_offsets or (cfg.norm_offset, cfg.norm_offset)
+        post_eps = cfg.norm_eps if cfg.post_norm_eps is None else cfg.post_norm_eps
 
         kind = MIXERS[cfg.mixer(layer)]
         self.site = kind.site
@@ -45,7 +46,7 @@ class Block(nn.Module):
         # side by side (model/side_by_side.py): each part at its own site; the sum of them is no module
         self.side_by_side = mixer if kind.parts else None
         pre_attn, post_attn, pre_mlp, post_mlp = (cfg.pre_attn_norm, cfg.post_attn_norm, cfg.pre_mlp_norm,
-                                                  cfg.post_mlp_norm)
+                                                  cfg.post_mlp_norm_at(layer))
         if cfg.recurrent_pre_norm and not kind.attention and mixer is not None:
             pre_attn, post_attn, pre_mlp, post_mlp = True, False, True, False
         if not kind.normed:  # the mixer norms its own input (Zamba2's hybrid layers)
@@ -55,11 +56,11 @@ class Block(nn.Module):
                  else {kind.site: mixer})
         for site, part in sites.items():
             setattr(self, site, part)
-        self.post_attn_norm = norm(post_offsets[0]) if post_attn and mixer is not None else None
+        self.post_attn_norm = norm(post_offsets[0], post_eps) if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
-        self.post_mlp_norm = norm(post_offsets[1]) if post_mlp and self.mlp is not None else None
+        self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
         self.residual_fp32 = cfg.residual_fp32
@@ -119,7 +120,7 @@ class Decoder(nn.Module):
         self.pos_embed = (Replicated((cfg.max_position + cfg.position_offset, cfg.hidden_size))
                           if cfg.learned_positions else None)
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
-                               affine=cfg.norm_affine) if cfg.embed_norm else None
+                               affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
@@ -131,7 +132,8 @@ class Decoder(nn.Module):
         # the layers after which the final norm closes a pass that is not the last (Nanbeige)
         self.pass_ends = (frozenset(range(cfg.loop_layers - 1, cfg.num_layers - 1, cfg.loop_layers))
                           if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
-        self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
+        final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
                                affine=cfg.norm_affine)
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None)

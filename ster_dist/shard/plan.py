@@ -321,6 +321,8 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             if param not in shards:
                 if param.startswith("lm_head.weight") and tied:
                     skipped.append(name)  # a tied head: the embedding is the weight
+                elif rule.optional:
+                    skipped.append(name)  # stored in a layer that never applies it
                 else:
                     absent.append(f"{name} (-> {param})")
                 continue
