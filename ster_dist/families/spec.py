@@ -155,6 +155,7 @@ class MoESpec:
     shared: str = "none"                  # "none" | "deepseek" (n_shared_experts wide) | "qwen" (sigmoid-gated)
     #                                       | "stated" (shared_intermediate_size wide: GraniteMoE shared)
     #                                       | "dense_width" (num_shared_expert x intermediate_size: HunYuan)
+    #                                       | "routed" (n_shared_experts experts the router scores too: Inkling)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
     activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's | "ungated": act(up)
     # softmax over the chosen experts' logits: softmax scores are always renormalised, sigmoid ones under
@@ -163,6 +164,7 @@ class MoESpec:
     # SparseMixer as Transformers runs it outside training: two rounds, each taking the best logit not yet chosen,
     # weighed by its softmax over the experts within 2 * router_jitter_noise of it (PhiMoE)
     sparsemixer: bool = False
+    router_scale: bool = False            # the routing weights times the router's stored scale (Inkling)
 
 
 @dataclass(frozen=True)
