@@ -56,10 +56,11 @@ def test_left_padding_leaves_every_window_as_a_fresh_sequences(tiny):
     check_left_padding(tiny["inkling_text"][1])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_paged_steps_carry_each_sequences_windows_beside_its_keys(tiny, variant):
+def test_paged_steps_carry_each_sequences_windows_beside_its_keys(tiny):
     """Prefill chunks of two sequences in their own state slots, packed with each other's decodes, equal whole
-    reads; the paged cache holds blocks of keys and a window per slot for every convolution."""
+    reads; the paged cache holds blocks of keys and a window per slot for every convolution (the variant with
+    a dense layer and routed ones)."""
+    variant = "inkling_text_moe"
     model = tiny[variant][1]
     cache = check_paged_steps(model, paged_tokens(), variant)
     assert all(k is not None for k in cache.keys) and set(cache.states) == _conv_keys(len(model.layers))
@@ -82,8 +83,8 @@ def test_ster_generate_answers_as_transformers(tiny):
 
 def test_engine_batch_equals_each_alone(tiny):
     directory, model = tiny["inkling_text_moe"][3], tiny["inkling_text_moe"][1]
-    ps = prompts(4, seed=1, lo=3, hi=30)
-    lengths = [6, 3, 8, 5]
+    ps = prompts(3, seed=1, lo=3, hi=20)
+    lengths = [5, 3, 6]
     with open_engine(directory, max_step_tokens=6) as engine:  # long prompts read in several chunks
         got = run_all(engine, ps, lengths)
         stats = engine.stats()
