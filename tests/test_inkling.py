@@ -90,7 +90,7 @@ def test_engine_batch_equals_each_alone(tiny):
         stats = engine.stats()
     for p, n, tokens in zip(ps, lengths, got):
         assert tokens == alone(model, p, n)
-    assert stats["state_bytes"] > 0
+    assert stats["state_bytes"] > 0 and stats["prefix_caching"] is False
 
 
 def test_each_rank_holds_its_heads_and_their_convolution_channels(tiny):
@@ -141,6 +141,20 @@ def test_thinking_machines_config_keys_read_as_transformers_reads_them(tiny, tmp
     ids = random_ids(20)
     with torch.no_grad():
         assert torch.equal(loaded.model(ids), model(ids))
+
+
+@pytest.mark.parametrize("stated, windows, feed_forwards", [
+    ({"local_layer_ids": [1], "dense_mlp_idx": 2}, [None, 8, None], ("dense", "dense", "moe")),
+    ({}, [8, 8, 8], ("moe", "moe", "moe")),  # Transformers' defaults: all but every sixth slide, all routed
+])
+def test_layer_kinds_without_layer_types(tiny, stated, windows, feed_forwards):
+    """Thinking Machines' configs state local_layer_ids and dense_mlp_idx where Transformers writes
+    layer_types and mlp_layer_types."""
+    raw = tiny["inkling_text_moe"][2]
+    text = {k: v for k, v in raw["text_config"].items() if k not in ("layer_types", "mlp_layer_types")}
+    cfg = from_hf({**raw, "text_config": {**text, **stated}})
+    assert cfg.feed_forwards == feed_forwards
+    assert [block.attn.window for block in meta_decoder(cfg).layers] == windows
 
 
 def test_adapters_are_refused(tiny):

@@ -9,12 +9,13 @@ norms, k_sconv and v_sconv); layer_types marks the sliding ones ("hybrid_sliding
 else all but every sixth). Attention's and the feed-forward's outputs pass residual short convolutions
 (attn_sconv, mlp_sconv: ModelConfig.sublayer_conv). The dense feed-forward stores gate and up interleaved
 row by row in mlp.w13_dn and multiplies its output by mlp.global_scale. The routed one (mlp_layer_types
-"sparse", else every layer from dense_mlp_idx) scores n_routed_experts + n_shared_experts logits with mlp.gate,
-chooses the top num_experts_per_tok routed experts by sigmoid + mlp.gate.bias, and weighs every chosen and shared
-expert by its sigmoid over the sum of theirs, times route_scale and mlp.gate.global_scale (moe/router.py
-route_with_shared); experts and shared experts store gate and up interleaved too (w13_weight, shared_w13_weight). Thinking Machines' own config is
-read as Transformers reads it: dense_intermediate_size is the dense width, intermediate_size the experts',
-sconv_kernel_size the convolutions', model_max_length the context.
+"sparse", else every layer from dense_mlp_idx) scores n_routed_experts + n_shared_experts logits with
+mlp.gate, chooses the top num_experts_per_tok routed experts by sigmoid + mlp.gate.bias, and weighs every
+chosen and shared expert by its sigmoid over the sum of theirs, times route_scale and mlp.gate.global_scale
+(moe/router.py route_with_shared); experts and shared experts store gate and up interleaved too (w13_weight,
+shared_w13_weight). Thinking Machines' own config is read as Transformers reads it: dense_intermediate_size
+is the dense width, intermediate_size the experts', sconv_kernel_size the convolutions', model_max_length
+the context.
 
 Decoder parameters beyond the common ones: layers.{i}.attn.{r,rel,k_sconv,v_sconv},
 layers.{i}.{attn_sconv,mlp_sconv}, layers.{i}.mlp.scale, layers.{i}.mlp.router.scale,
@@ -53,7 +54,8 @@ def _layer_types(out: dict, layers: int) -> list[str]:
         local = out.get("local_layer_ids")
         local = set(local) if local is not None else {i for i in range(layers) if (i + 1) % 6}
         types = ["hybrid_sliding" if i in local else "hybrid" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or set(types) - {"hybrid", "hybrid_sliding"}:
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("hybrid", "hybrid_sliding") for t in types)):
         raise ConfigProblem(f"layer_types is {types!r}; state \"hybrid\" or \"hybrid_sliding\" for each of the "
                             f"{layers} layers")
     return types
@@ -64,7 +66,7 @@ def _mlp_types(out: dict, layers: int) -> list[str]:
     if types is None:
         first = out.get("dense_mlp_idx") or 0
         types = ["dense" if i < first else "sparse" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or set(types) - {"dense", "sparse"}:
+    if not isinstance(types, list) or len(types) != layers or any(t not in ("dense", "sparse") for t in types):
         raise ConfigProblem(f"mlp_layer_types is {types!r}; state \"dense\" or \"sparse\" for each of the "
                             f"{layers} layers")
     return types
@@ -78,7 +80,8 @@ def _normalize(raw: dict) -> dict:
     if out.get("model_max_length") is not None:
         out["max_position_embeddings"] = out["model_max_length"]
     if out.get("dense_intermediate_size") is not None:  # intermediate_size is then the experts' width
-        out["moe_intermediate_size"], out["intermediate_size"] = out["intermediate_size"], out["dense_intermediate_size"]
+        out["moe_intermediate_size"] = out["intermediate_size"]
+        out["intermediate_size"] = out["dense_intermediate_size"]
     out["dense_intermediate_size"] = None
     for key in _POSITIVE:
         _positive(out, key)
@@ -121,9 +124,9 @@ _RULES = (
       for name in ("attn_norm", "mlp_norm", "attn_sconv", "mlp_sconv")),
     *(Rule(f"{_LAYER}attn.{name}.weight", f"layers.{{i}}.attn.{target}.weight") for name, target in _ATTN.items()),
     Rule(f"{_LAYER}attn.rel_logits_proj.proj", "layers.{i}.attn.rel.weight"),
-    # gate and up alternate row by row
-    Rule(f"{_LAYER}mlp.w13_dn.weight", Fused((("layers.{i}.mlp.gate.weight", "one"), ("layers.{i}.mlp.up.weight", "one")),
-                                             groups="intermediate", unit="one")),
+    # gate and up alternate row by row: `intermediate` groups of one gate row and one up row
+    Rule(f"{_LAYER}mlp.w13_dn.weight", Fused((("layers.{i}.mlp.gate.weight", "one"),
+                                              ("layers.{i}.mlp.up.weight", "one")), groups="intermediate", unit="one")),
     Rule(f"{_LAYER}mlp.w2_md.weight", "layers.{i}.mlp.down.weight"),
     Rule(f"{_LAYER}mlp.global_scale", "layers.{i}.mlp.scale.weight"),
     # the routed feed-forward: the router scores the routed experts, then the shared ones
@@ -132,7 +135,8 @@ _RULES = (
     Rule(f"{_LAYER}mlp.gate.global_scale", "layers.{i}.mlp.router.scale"),
     Rule(f"{_LAYER}mlp.experts.w13_weight", Stacked((f"{EXPERTS}gate", f"{EXPERTS}up"), interleaved=True)),
     Rule(f"{_LAYER}mlp.experts.w2_weight", Stacked((f"{EXPERTS}down",))),
-    Rule(f"{_LAYER}mlp.shared_experts.shared_w13_weight", Stacked((f"{_SHARED}gate", f"{_SHARED}up"), interleaved=True)),
+    Rule(f"{_LAYER}mlp.shared_experts.shared_w13_weight",
+         Stacked((f"{_SHARED}gate", f"{_SHARED}up"), interleaved=True)),
     Rule(f"{_LAYER}mlp.shared_experts.shared_w2_weight", Stacked((f"{_SHARED}down",))),
 )
 
