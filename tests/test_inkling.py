@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 
-from ster_dist.config import from_hf
 from ster_dist.adapters.targets import refuse_family
+from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder

@@ -61,7 +61,7 @@ class InklingAttention(nn.Module):
         v = self.v_sconv(self.v(x), step).view(b, t, self.local_kv, self.head_dim).transpose(1, 2)
         q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)
         r = self.r(x).view(b, t, self.local_heads, -1).transpose(1, 2)
-        positions = step.positions.view(-1, 1, t, 1).expand(b, 1, t, 1)
+        positions = step.positions.reshape(-1, 1, t, 1).expand(b, 1, t, 1)
         out = step.attend(self.layer, (q, r, positions), k, v, self.window, self._attend)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -11,7 +11,6 @@ the projection they convolve (`rows`), or held whole where the input is the full
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ster_dist.layers.causal_conv import causal_conv
 from ster_dist.parallel.ctx import Shard
