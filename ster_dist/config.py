@@ -43,7 +43,9 @@ class MLAConfig:
 
 # the layer kinds a config may pick (model/kinds.py builds them); attention kinds keep keys per position
 # "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
-ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2")
+# "inkling_attention": Inkling's attention (a distance bias mixed per query, short convolutions over keys and
+# values), keeping keys as well as its convolutions' windows
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -149,6 +151,14 @@ class ModelConfig:
     # which it becomes w * kept + (1 - w) * hidden, w); every slot keeps before any mixes at the same layer
     block_skips: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...] = ()
     logit_multiplier: float = 1.0
+    # only the first scored_vocab tokens are scored; the head's rows past them are padding (Inkling's
+    # unpadded_vocab_size); None: every row
+    scored_vocab: int | None = None
+    # attention's and the feed-forward's outputs each pass a residual short convolution of this kernel width
+    # before joining the residual stream, continued across steps (Inkling's attn_sconv, mlp_sconv); 0: none
+    sublayer_conv: int = 0
+    # the dense feed-forward's output times a stored scale (Inkling's mlp.global_scale)
+    mlp_output_scale: bool = False
     logit_softcap: float | None = None
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
@@ -439,7 +449,9 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         residual_factors=_residual_factors(keys, num_layers),
         residual_from_norm=bool(keys.get("residual_from_norm", default=False)),
         block_skips=_block_skips(keys, num_layers),
-        logit_multiplier=logit_multiplier, logit_softcap=keys.get("final_logit_softcapping"),
+        logit_multiplier=logit_multiplier, scored_vocab=_scored_vocab(keys, vocab),
+        sublayer_conv=_sublayer_conv(keys), mlp_output_scale=bool(keys.get("mlp_output_scale", default=False)),
+        logit_softcap=keys.get("final_logit_softcapping"),
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", default=spec.embedding.tied)),
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
@@ -453,6 +465,26 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
     )
+
+
+def _scored_vocab(keys: Keys, vocab: int) -> int | None:
+    scored = keys.get("scored_vocab_size")
+    if scored is None or scored >= vocab:
+        return None
+    if isinstance(scored, bool) or not isinstance(scored, int) or scored < 1:
+        raise Refusal(f"invalid model config {keys.path}: scored_vocab_size is {scored!r}; state a positive "
+                      f"integer no larger than vocab_size {vocab}")
+    return scored
+
+
+def _sublayer_conv(keys: Keys) -> int:
+    kernel = keys.get("sublayer_conv_kernel")
+    if kernel is None:
+        return 0
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
+        raise Refusal(f"invalid model config {keys.path}: the short convolutions' kernel is {kernel!r}; state "
+                      "it as a positive integer")
+    return kernel
 
 
 def _normalized(raw: dict, spec: FamilySpec, path: str) -> dict:

@@ -8,7 +8,8 @@ names below the language model. Which names those are is one rule for every wrap
 (`text_weight_names`): Transformers' older saves put the text model's names below `language_model.`
 (language_model.model.layers.0..., language_model.lm_head), Transformers 5 writes model.language_model.*
 for the text model's `model.*` and keeps lm_head at the root, and HyperCLOVA X SEED keeps the whole text
-model below model.language_model (model.language_model.model.layers.0..., model.language_model.lm_head).
+model below model.language_model (model.language_model.model.layers.0..., model.language_model.lm_head);
+Inkling keeps its text model below model.llm, which its family's map names as it stands.
 Every other tensor of a wrapped checkpoint belongs to a tower (vision, audio) or its projector and is
 never mapped.
 """
@@ -31,6 +32,8 @@ class TextWrapper:
     text_family: str
     # the text weights lie at the root (model.*, lm_head.*) rather than below language_model (Step3-VL)
     text_at_root: bool = False
+    # the text weights are the names below this prefix, kept whole (Inkling's model.llm.); every other is a tower's
+    text_prefix: str | None = None
 
 
 # Wrappers whose language model is one of the families (seeds/000). A wrapper loads whenever its text
@@ -50,6 +53,7 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "glm5_next": TextWrapper("glm5_next_text"),
     "step3_vl": TextWrapper("step3_text", text_at_root=True),
     "muse_glimmer": TextWrapper("muse_glimmer_text"),
+    "inkling_mm_model": TextWrapper("inkling_text", text_prefix="model.llm."),
 }
 # model_types that are another family's checkpoints under their own name: Kimi-K2 is DeepSeek-V3
 # (Transformers' Kimi_K25Config reads a kimi_k2 text_config as deepseek_v3 too)
@@ -128,6 +132,8 @@ def text_weight_names(wrapper: str, name: str) -> list[str]:
     One rule for every wrapper (the module docstring): below language_model, below
     model.language_model (as the text model's model.* or as the whole text model), or the root's
     lm_head; at the root for a wrapper whose text weights lie there."""
+    if TEXT_WRAPPERS[wrapper].text_prefix:
+        return [name] if name.startswith(TEXT_WRAPPERS[wrapper].text_prefix) else []
     if TEXT_WRAPPERS[wrapper].text_at_root:
         return [name] if name.startswith(("model.", "lm_head.")) else []
     if name.startswith("model.language_model."):

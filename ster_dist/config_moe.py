@@ -37,6 +37,10 @@ class MoEConfig:
     sparsemixer_eps: float | None = None  # SparseMixer's eval-time selection at this router_jitter_noise (PhiMoE)
     latent_size: int = 0                  # moe_latent_size: the routed experts' width (Nemotron-H; 0: hidden)
     weight_input: bool = False            # the weight scales each expert's input, not its output (Llama 4)
+    # shared experts the router scores beside the routed ones (its last rows), each weighed like a chosen expert
+    # (Inkling: sigmoids over the sum of the chosen and shared ones); 0: none
+    shared_routed: int = 0
+    router_scale: bool = False            # the routing weights times a stored scale (Inkling's gate.global_scale)
 
 
 def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
@@ -88,6 +92,7 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
         shared = intermediate * _per_layer(keys, "num_shared_expert", default=1)
     elif ms.shared == "qwen":
         shared = int(keys.get("shared_expert_intermediate_size", default=0))
+    shared_routed = int(keys.get("n_shared_experts", default=0)) if ms.shared == "routed" else 0
     strategy = keys.get("shared_expert_combination_strategy", default="sum")
     if strategy not in ("sum", "average"):
         raise Refusal(f"invalid model config {path}: shared_expert_combination_strategy {strategy!r} is not "
@@ -110,7 +115,8 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
         expert_bias=ms.expert_bias, activation=ms.activation, shared_average=shared > 0 and average,
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
                                                                                                 default=1.702)),
-        sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys),
+        sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys), shared_routed=shared_routed,
+        router_scale=ms.router_scale,
         weight_input=bool(keys.get("moe_apply_router_weight_on_input", default=ms.weight_input)))
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ster_dist.config import MoEConfig
+from ster_dist.config_file import text_weight_names
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import SPECS
 from ster_dist.generate import Sampling, generate
@@ -34,8 +35,10 @@ from tests.moe_probe import DispatchProbe
 from tests.tiny_models import STARVED, TINY, family_of_variant, make_tiny
 
 # a family of experts whose checkpoint has none (Granite 4.0 with num_local_experts 0) is a dense model here
+# nor is one whose mlp_layer_types routes no layer (Inkling's dense variant)
 MOE_VARIANTS = sorted(v for v in TINY if SPECS[family_of_variant(v)].moe is not None
-                      and TINY[v][2].get("num_local_experts") != 0)
+                      and TINY[v][2].get("num_local_experts") != 0
+                      and "sparse" in TINY[v][2].get("mlp_layer_types", ["sparse"]))
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +139,15 @@ def test_dispatch_over_three_ranks_with_uneven_expert_blocks():
 # -- every family at EP=2 --------------------------------------------------------------------------
 
 _STACKED = re.compile(r"(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight"
-                      r"|experts\.mlp\.(w1|v1|w2))$")
+                      r"|experts\.mlp\.(w1|v1|w2)|mlp\.experts\.(w13|w2)_weight)$")
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def expected_bytes(directory, num_experts: int, ep: int, ignored: tuple[str, ...] = ()) -> list[int]:
+def expected_bytes(directory, num_experts: int, ep: int, ignored: tuple[str, ...] = (),
+                   wrapper: str | None = None) -> list[int]:
     """What each expert-parallel rank (tp 1) must read: every dense tensor whole but those the family ignores
-    (`ignored`: its spec's patterns, such as MiniMax's saved decay buffers), and only its experts."""
+    (`ignored`: its spec's patterns, such as MiniMax's saved decay buffers) and a wrapper's towers, and only its
+    experts."""
     skip = [re.compile(pattern) for pattern in ignored]
     out = []
     for rank in range(ep):
@@ -150,7 +155,7 @@ def expected_bytes(directory, num_experts: int, ep: int, ignored: tuple[str, ...
         total = 0
         for path in sorted(directory.glob("*.safetensors")):
             for name, info in read_header(path).tensors.items():
-                if any(pattern.match(name) for pattern in skip):
+                if any(pattern.match(name) for pattern in skip) or (wrapper and not text_weight_names(wrapper, name)):
                     continue
                 size = info["data_offsets"][1] - info["data_offsets"][0]
                 per_expert = _PER_EXPERT.search(name)
@@ -189,7 +194,7 @@ def test_ep2_equals_ep1_and_transformers(ep2, tiny, variant):
     for prompts in ([ids[0, :7].tolist(), ids[1, :4].tolist()], [ids[0, :5].tolist()]):
         assert ep2.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling, eos)
     assert [s["bytes_read"] for s in stats] == expected_bytes(directory, single.cfg.moe.num_experts, 2,
-                                                              single.cfg.spec.ignore)
+                                                              single.cfg.spec.ignore, single.cfg.wrapper)
 
 
 @pytest.fixture(scope="module")

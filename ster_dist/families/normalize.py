@@ -68,6 +68,12 @@ GENERIC_KEYS: dict[str, str] = {
     "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "
                             "projection's logit for the head (or channel) before the output projection (Laguna); "
                             "default \"none\"",
+    "scored_vocab_size": "only the first this many tokens are scored, the head's rows past them being padding "
+                         "(Inkling's unpadded_vocab_size); default: every row",
+    "sublayer_conv_kernel": "attention's and the feed-forward's outputs each pass a residual short convolution "
+                            "of this kernel width (Inkling); default none",
+    "mlp_output_scale": "the dense feed-forward's output times a stored scale (Inkling's global_scale); default "
+                        "false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
 }
 # the spellings of a key-value head count config.py reads

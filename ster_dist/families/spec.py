@@ -161,6 +161,7 @@ class MoESpec:
     shared: str = "none"                  # "none" | "deepseek" (n_shared_experts wide) | "qwen" (sigmoid-gated)
     #                                       | "stated" (shared_intermediate_size wide: GraniteMoE shared)
     #                                       | "dense_width" (num_shared_expert x intermediate_size: HunYuan)
+    #                                       | "routed" (n_shared_experts experts the router scores too: Inkling)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
     activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's | "ungated": act(up)
     # softmax over the chosen experts' logits: softmax scores are always renormalised, sigmoid ones under
@@ -172,6 +173,7 @@ class MoESpec:
     # each expert reads its input already multiplied by the token's weight for it, and its output is summed
     # unweighted (Llama 4; the config key moe_apply_router_weight_on_input wins)
     weight_input: bool = False
+    router_scale: bool = False            # the routing weights times the router's stored scale (Inkling)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.layers.activation import XIELU, activation
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear
+from ster_dist.parallel.linear import ColumnLinear, FusedColumns, Replicated, RowLinear
 
 
 class MLP(nn.Module):
@@ -24,6 +24,8 @@ class MLP(nn.Module):
         self.gate_up = FusedColumns(self.gate, self.up)  # one product once loaded (Decoder.fuse_projections)
         # Falcon-H1's muP: the gate's output before the activation and the output, scaled (one elsewhere)
         self.gate_multiplier, self.down_multiplier = cfg.mlp_multipliers
+        # Inkling's global_scale: the output times a stored scale (a shared feed-forward never has one)
+        self.scale = Replicated((1,)) if cfg.mlp_output_scale and intermediate is None else None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """What the down projection reads: act(gate) * up, or act(up)."""
@@ -31,7 +33,8 @@ class MLP(nn.Module):
         return self.act(self._scaled(gate, self.gate_multiplier)) * up if gate is not None else self.act(up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._scaled(self.down(self.hidden(x)), self.down_multiplier)
+        y = self._scaled(self.down(self.hidden(x)), self.down_multiplier)
+        return y * self.scale.weight if self.scale is not None else y
 
     @staticmethod
     def _scaled(y: torch.Tensor, multiplier: float) -> torch.Tensor:

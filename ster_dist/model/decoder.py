@@ -18,6 +18,7 @@ from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
+from ster_dist.model.residual_conv import ResidualConv
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
@@ -61,6 +62,11 @@ class Block(nn.Module):
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
+        # Inkling: each sublayer's output passes a residual short convolution before joining the residual
+        self.attn_sconv = self.mlp_sconv = None
+        if cfg.sublayer_conv:
+            self.attn_sconv = ResidualConv(cfg.hidden_size, cfg.sublayer_conv, (layer, "attn_sconv"))
+            self.mlp_sconv = ResidualConv(cfg.hidden_size, cfg.sublayer_conv, (layer, "mlp_sconv"))
         self.parallel = cfg.parallel_block
         self.residual_multiplier = cfg.residual_multiplier
         self.residual_fp32 = cfg.residual_fp32
@@ -83,6 +89,8 @@ class Block(nn.Module):
             m = self.mlp(a_in)
             return residual + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
         a = self.token_mixer(a_in, step)
+        if self.attn_sconv is not None:
+            a = self.attn_sconv(a, step)
         if self.factors is not None:
             return self._weighted(x, a_in, a)
         if self.post_attn_norm is not None:
@@ -94,6 +102,8 @@ class Block(nn.Module):
             return residual + self._scaled(a + m)
         h = residual + self._scaled(a)
         m = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
+        if self.mlp_sconv is not None:
+            m = self.mlp_sconv(m, step)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         return h + self._scaled(m)
@@ -230,6 +240,8 @@ class Decoder(nn.Module):
             logits = logits * self.cfg.logit_multiplier
         if self.cfg.logit_softcap is not None:
             logits = torch.tanh(logits / self.cfg.logit_softcap) * self.cfg.logit_softcap
+        if self.cfg.scored_vocab is not None:  # the head's rows past it are padding (Inkling)
+            logits = logits[..., : self.cfg.scored_vocab]
         return logits
 
 

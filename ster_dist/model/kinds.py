@@ -12,6 +12,8 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 - none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-" layers);
 - both (Zamba2's hybrid layers, model/shared_block.py): keys and values of a shared attention block, and a
   Mamba-2 state, under the same layer index.
+- Inkling's attention (model/inkling.py): keys and values like attention, and the windows of its short
+  convolutions, each a state of its own under a (layer, name) key (model/residual_conv.py).
 - side by side (`parts`): several of the kinds above on the same input, summed, each times the multipliers
   the config states under the part's keys (Falcon-H1's attention beside Mamba-2; model/side_by_side.py).
   Each part lives at its own site, so the layer keeps the keys of its attention and the state of its scan.
@@ -32,6 +34,7 @@ from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, 
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
 from ster_dist.model.gated_delta import GatedDeltaNet
+from ster_dist.model.inkling import InklingAttention
 from ster_dist.model.kimi_delta import KimiDeltaAttention
 from ster_dist.model.lightning import LightningAttention
 from ster_dist.model.mamba import MambaMixer
@@ -84,6 +87,7 @@ MIXERS: dict[str, MixerKind] = {
     # Zamba2's hybrid layers: the shared block reads the un-normed input; the Mamba-2 layer's norm is the mixer's
     "mamba2_shared_block": MixerKind(Mamba2SharedBlock, "mixer", normed=False),
     "lightning": MixerKind(LightningAttention, "mixer"),
+    "inkling_attention": MixerKind(InklingAttention, "attn"),
 }
 # Falcon-H1's layers, under its config's names for the multipliers
 MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),

@@ -32,10 +32,17 @@ def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int
     return [getattr(block.token_mixer, "kv_shape", None) for block in model.layers]
 
 
-def state_shapes(model: nn.Module) -> dict[int, tuple[tuple[int, ...], ...]]:
-    """Per recurrent layer, the shapes of one sequence's state on this rank."""
-    return {i: block.token_mixer.state_shapes() for i, block in enumerate(model.layers)
-            if hasattr(block.token_mixer, "state_shapes")}
+def state_shapes(model: nn.Module) -> dict[int | tuple[int, str], tuple[tuple[int, ...], ...]]:
+    """Per recurrent layer (its index), and per module keeping a state of its own within a layer (its
+    `state_key`: Inkling's short convolutions, model/residual_conv.py), the shapes of one sequence's state
+    on this rank."""
+    shapes = {i: block.token_mixer.state_shapes() for i, block in enumerate(model.layers)
+              if hasattr(block.token_mixer, "state_shapes")}
+    for module in model.modules():
+        key = getattr(module, "state_key", None)
+        if key is not None:
+            shapes[key] = module.state_shapes()
+    return shapes
 
 
 class PagedCache:

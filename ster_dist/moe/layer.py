@@ -10,9 +10,12 @@ Nemotron-H's experts may work in a latent width (moe_latent_size): the share is
 projected in before dispatch and the weighed sum projected out after combine. Llama 4 weighs each
 expert's input instead (moe_apply_router_weight_on_input): every (token, expert) pair travels as its own
 row, already scaled, and what comes back is summed as is.
+Inkling's shared experts are weighed by the router (moe/router.py route_with_shared).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -45,6 +48,12 @@ class MoE(nn.Module):
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
         self.weight_input = moe.weight_input
+        # Inkling: shared experts the router weighs too, stacked like the routed ones and whole on every
+        # expert-parallel rank (each runs them on its own share of the tokens)
+        self.shared_experts = (Experts(replace(moe, num_experts=moe.shared_routed, expert_bias=False), self.width,
+                                       cfg.hidden_act, replace(ctx, ep_rank=0, ep_size=1, ep_group=None))
+                               if moe.shared_routed else None)
+        self.top_k = moe.top_k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden)
@@ -52,6 +61,7 @@ class MoE(nn.Module):
         start, stop = self.ctx.token_share(tokens)
         share = flat[start:stop]
         weights, ids = self.router(share)
+        weights, gammas = weights[:, : self.top_k], weights[:, self.top_k:]
         inputs = self.latent_in(share) if self.latent_in is not None else share
         if self.weight_input:  # Llama 4: each (token, expert) pair's input scaled by its weight, summed as is
             inputs = (inputs.unsqueeze(1) * weights.unsqueeze(-1).to(inputs.dtype)).flatten(0, 1)
@@ -61,6 +71,8 @@ class MoE(nn.Module):
         if self.latent_out is not None:  # a partial sum under TP, like the experts': add the bias once
             bias = self.latent_out.bias if self.ctx.tp_rank == 0 else None
             out = dense(out, self.latent_out.weight, bias)
+        if self.shared_experts is not None:
+            out = out + self._routed_shared(share, gammas)
         if self.shared is not None:
             out = out + self._shared(share)
             if self.shared_average:  # Cohere 2 MoE: the mean of the routed and the shared experts
@@ -68,6 +80,14 @@ class MoE(nn.Module):
         if out.shape[0]:  # every rank of a tensor-parallel group holds the same share, so all skip together
             out = self.ctx.all_reduce(out)
         return self.ctx.ep_gather_rows(out, tokens).view(x.shape)
+
+    def _routed_shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        """Every token through every shared expert, weighed by the router's gammas [tokens, shared] (a partial sum
+        under TP, like the routed experts')."""
+        n, s = gammas.shape
+        ids = torch.arange(s, device=x.device).repeat(n)  # token t's row for expert j is t * s + j
+        y = self.shared_experts(x.repeat_interleave(s, dim=0), ids)
+        return (y.view(n, s, y.shape[-1]).float() * gammas.unsqueeze(-1)).sum(1).to(x.dtype)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' partial sum (its down projection's all-reduce is the layer's)."""

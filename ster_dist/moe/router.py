@@ -5,7 +5,8 @@ every routing seeds/000 names: softmax or sigmoid scores; greedy top-k,
 DeepSeek-V2's group_limited_greedy (the topk_group best of n_group groups,
 ranked by their best expert) and DeepSeek-V3's noaux_tc (groups ranked by the
 sum of their best two, with e_score_correction_bias added only to choose);
-renormalisation of the chosen weights; routed_scaling_factor.
+renormalisation of the chosen weights; routed_scaling_factor; and Inkling's
+shared experts scored by the router beside the routed ones (route_with_shared).
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None 
     return weights, ids
 
 
+def route_with_shared(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inkling's routing, for logits [tokens, experts + shared] whose last columns score the shared experts:
+    the top_k routed experts by sigmoid + correction, then every chosen and shared expert weighed by its
+    sigmoid over the sum of theirs, times scaling_factor. (weights [tokens, top_k + shared] f32, the chosen
+    experts first; expert ids [tokens, top_k])."""
+    logits = logits.float()
+    routed, shared = logits[:, : moe.num_experts], logits[:, moe.num_experts:]
+    scores = torch.sigmoid(routed)
+    ids = (scores + correction.float() if correction is not None else scores).topk(moe.top_k, dim=-1).indices
+    # sigmoid / sum of sigmoids, through log-sigmoids as Inkling computes it
+    chosen = F.logsigmoid(torch.cat([routed.gather(1, ids), shared], dim=-1))
+    weights = torch.exp(chosen - torch.logsumexp(chosen, dim=-1, keepdim=True))
+    return weights * moe.scaling_factor, ids
+
+
 def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PhiMoE's SparseMixer outside training: two rounds, each choosing the best logit not yet chosen and
     weighing it by its softmax over the experts whose logit lies within 2 * eps of that best, relative to
@@ -68,7 +85,7 @@ class Router(ShardedModule):
     def __init__(self, moe: MoEConfig, hidden: int):
         super().__init__()
         self.moe = moe
-        self._param("weight", Shard((moe.num_experts, hidden)))
+        self._param("weight", Shard((moe.num_experts + moe.shared_routed, hidden)))
         if moe.router_bias:
             self._param("bias", Shard((moe.num_experts,)))
         else:
@@ -77,8 +94,18 @@ class Router(ShardedModule):
             self._param("correction", Shard((moe.num_experts,)))
         else:
             self.correction = None
+        if moe.router_scale:
+            self._param("scale", Shard((1,)))
+        else:
+            self.scale = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the router scores
+        shared experts too (route_with_shared)."""
         bias = self.bias.float() if self.bias is not None else None
         logits = F.linear(x.float(), self.weight.float(), bias)
-        return route(logits, self.moe, self.correction)
+        if self.moe.shared_routed:
+            weights, ids = route_with_shared(logits, self.moe, self.correction)
+        else:
+            weights, ids = route(logits, self.moe, self.correction)
+        return (weights * self.scale.float() if self.scale is not None else weights), ids
