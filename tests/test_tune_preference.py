@@ -4,7 +4,7 @@ sft training loop, against PEFT and Transformers.
 On a tiny llama: the first step's loss is the identity each objective starts at (DPO and the reward
 model ln 2, IPO 1 / (4 beta^2)), since LoRA's B and the reward head start at zero; the loss falls on a
 planted preference (the chosen completion always the same words); one step's gradients (factors and
-head) at TP=2 and at --dp 2 equal TP=1's on real gloo ranks; the DPO adapter loads in PEFT with the
+head) at TP=2 equal TP=1's on real gloo ranks (--dp 2, accumulation and IPO's marked slow); the DPO adapter loads in PEFT with the
 logits the runtime attach gives, the reward model loads in PEFT as a sequence-classification adapter
 with the rewards the run's head gives; `--adapter` refuses a reward model; every refusal of the pairs
 and the settings comes before a weight is read.
@@ -237,9 +237,11 @@ def _gradient_runs(llama: Path, objective, groups) -> None:
         got = run(group, **extra)
         assert got["losses"] == pytest.approx(reference["losses"], rel=1e-6)
         _close(got["gradients"], reference["gradients"], 1e-5)
-        # AdamW's first step divides each element by its own magnitude, so elements whose gradient is near
-        # zero carry their rounding into the update: a looser bound than the gradients'
-        _close(got["factors"], reference["factors"], 1e-3)
+        # one AdamW step from the same gradients; its first step moves each element by lr * g / (|g| + 1e-8),
+        # so an element whose gradient is rounding-sized (near eps) is left out
+        kept = {k: g.abs() > 1e-6 for k, g in reference["gradients"].items()}
+        _close({k: v[kept[k]] for k, v in got["factors"].items()},
+               {k: v[kept[k]] for k, v in reference["factors"].items()}, 1e-4)
 
 
 @pytest.mark.parametrize("objective", [DirectPreference("dpo", 0.1), RewardModel()], ids=["dpo", "reward"])
