@@ -104,8 +104,8 @@ def test_first_losses_are_each_objectives_identity(runs):
 
 @pytest.mark.parametrize("beta", [0.05, 2.0])
 def test_ipo_starts_at_its_own_value_for_any_beta(llama, beta):
-    plan, header = prepare_pairs(str(llama / "base"), str(llama / "planted.jsonl"), _settings(),
-                                 DirectPreference("ipo", beta))
+    plan, _ = prepare_pairs(str(llama / "base"), str(llama / "planted.jsonl"), _settings(),
+                            DirectPreference("ipo", beta))
     out = train(LocalGroup(), plan)
     assert out["losses"][0] == pytest.approx(1 / (4 * beta ** 2), rel=1e-6)
 

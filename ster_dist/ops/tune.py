@@ -10,7 +10,12 @@ import time
 
 from ster_dist.events import progress
 from ster_dist.inputs import output_not_an_input, read_text
-from ster_dist.schema.tune import TuneDpoRequest, TuneEvaluateRequest, TuneRewardRequest, TuneSftRequest
+from ster_dist.schema.tune import (
+    TuneDpoRequest,
+    TuneEvaluateRequest,
+    TuneRewardRequest,
+    TuneSftRequest,
+)
 from ster_dist.session import Session, modifiers
 
 
