@@ -195,7 +195,8 @@ def _open_ster(weights: Path, sidecar: Path, document) -> Adapter:
         raise Refusal(f"adapter artifact belongs to product {document['product']!r}, not Ster")
     kind = document.get("kind", "adapter")
     if kind != "adapter":
-        raise Refusal(f"adapter artifact is a {kind} model, not a generation adapter")
+        raise Refusal(f"adapter artifact is a {kind} model, not a generation adapter; pass a generation adapter "
+                      "(tune sft or tune dpo writes one)")
     rank, alpha, hidden = document["rank"], document["alpha"], document["hidden_size"]
     if not isinstance(rank, int) or rank <= 0:
         raise Refusal(f"adapter artifact declares rank {rank}, which stores nothing; retrain with rank >= 1")
@@ -256,6 +257,9 @@ def _open_peft(directory: Path) -> Adapter:
     kind = str(config.get("peft_type") or "LORA").upper()
     if kind != "LORA":
         raise Refusal(f"adapter {directory} is a PEFT {kind} adapter; only LoRA adapters are merged or attached")
+    if config.get("kind", "adapter") != "adapter":  # before modules_to_save: a reward model carries its head so
+        raise Refusal(f"adapter artifact is a {config['kind']} model, not a generation adapter; pass a generation "
+                      "adapter (tune sft or tune dpo writes one)")
     refused = {
         "use_dora": "it is a DoRA adapter (a learned magnitude per row), which is not a plain low-rank update",
         "modules_to_save": "it carries whole trained modules (modules_to_save), which are not low-rank updates",
@@ -269,8 +273,6 @@ def _open_peft(directory: Path) -> Adapter:
     if config.get("bias", "none") not in ("none", None):
         raise Refusal(f"adapter {directory} cannot be applied: it trains biases (bias={config['bias']!r}); "
                       "export a plain LoRA adapter with bias='none'")
-    if config.get("kind", "adapter") != "adapter":
-        raise Refusal(f"adapter artifact is a {config['kind']} model, not a generation adapter")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank <= 0:
         raise Refusal(f"adapter config {directory / 'adapter_config.json'} gives r={rank}; LoRA needs r >= 1")

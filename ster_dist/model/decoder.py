@@ -189,6 +189,13 @@ class Decoder(nn.Module):
             h = h[:, -1:]
         return self._logits(h)
 
+    def final_hidden(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [batch, seq, hidden] for right-padded ids: what the head reads, and what a
+        reward head (tune/preference.py) reads instead of it."""
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None))
+        return self.final_norm(h).to(self.embed.weight.dtype)
+
     def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor:
         """Logits [len(chunks), vocab] of each chunk's last token, for ids [tokens]: every chunk's new tokens,
         concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them

@@ -22,7 +22,9 @@ from ster_dist.ops.steer import inspect as steer_inspect
 from ster_dist.ops.steer import optimize as steer_optimize
 from ster_dist.ops.steer import train as steer_train
 from ster_dist.ops.tools import families, gguf_import, inspect_model, toy_model
+from ster_dist.ops.tune import dpo as tune_dpo
 from ster_dist.ops.tune import evaluate as tune_evaluate
+from ster_dist.ops.tune import reward as tune_reward
 from ster_dist.ops.tune import sft as tune_sft
 from ster_dist.schema import (
     BatchMergeRequest,
@@ -42,7 +44,9 @@ from ster_dist.schema import (
     SteerOptimizeRequest,
     SteerTrainRequest,
     ToyModelRequest,
+    TuneDpoRequest,
     TuneEvaluateRequest,
+    TuneRewardRequest,
     TuneSftRequest,
 )
 
@@ -67,6 +71,8 @@ OPERATIONS: dict[type[Request], Operation] = {
     MergeRequest: Operation(merge, False),
     BatchMergeRequest: Operation(batch_merge, False),
     TuneSftRequest: Operation(tune_sft, False),
+    TuneDpoRequest: Operation(tune_dpo, False),
+    TuneRewardRequest: Operation(tune_reward, False),
     TuneEvaluateRequest: Operation(tune_evaluate, True),
     FamiliesRequest: Operation(families, False),
     InspectModelRequest: Operation(inspect_model, False),
@@ -95,4 +101,4 @@ def exit_code(request: Request, result: dict) -> int:
 
 __all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_many", "parity", "extract",
            "decide", "calibrate", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
-           "tune_sft", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]
+           "tune_sft", "tune_dpo", "tune_reward", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]

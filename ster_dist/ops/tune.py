@@ -1,6 +1,7 @@
-"""tune sft | evaluate: LoRA adapters trained across dp x tp ranks with DeepSpeed (the base frozen,
-loaded by the streaming loader), and loss over completion tokens. sft writes a PEFT adapter
-directory and returns the run's report; evaluate writes nothing."""
+"""tune sft | dpo | reward | evaluate: LoRA adapters trained across dp x tp ranks with DeepSpeed (the base
+frozen, loaded by the streaming loader), and loss over completion tokens. sft and dpo write a PEFT
+adapter directory, reward a PEFT sequence-classification adapter (kind "reward"), each returning the
+run's report; evaluate writes nothing."""
 
 from __future__ import annotations
 
@@ -9,18 +10,59 @@ import time
 
 from ster_dist.events import progress
 from ster_dist.inputs import output_not_an_input, read_text
-from ster_dist.schema.tune import TuneEvaluateRequest, TuneSftRequest
+from ster_dist.schema.tune import (
+    TuneDpoRequest,
+    TuneEvaluateRequest,
+    TuneRewardRequest,
+    TuneSftRequest,
+)
 from ster_dist.session import Session, modifiers
 
 
 def _bar(step: int, steps: int, out: dict, width: int = 24) -> None:
     filled = width * step // max(steps, 1)
     progress(f"training [{'#' * filled}{'.' * (width - filled)}] {step}/{steps} loss {out['loss']:.4f}",
-             step=step, steps=steps, loss=out["loss"], tokens=out["tokens"])
+             step=step, steps=steps, **{k: v for k, v in out.items() if k not in ("step", "units")})
 
 
 def sft(request: TuneSftRequest) -> dict:
     from ster_dist.tune.prepare import prepare
+
+    system = _system(request)
+    return _train(request, lambda settings: prepare(request.model, request.examples, settings, request.adapter_layers,
+                                                    request.revision, request.chat_template, system,
+                                                    request.output))
+
+
+def dpo(request: TuneDpoRequest) -> dict:
+    from ster_dist.tune.preference import DirectPreference
+    from ster_dist.tune.spec import check_beta
+
+    objective = DirectPreference(request.loss, check_beta(request.beta))
+    return _train(request, _pairs(request, objective), {"beta": request.beta})
+
+
+def reward(request: TuneRewardRequest) -> dict:
+    from ster_dist.tune.preference import RewardModel
+
+    return _train(request, _pairs(request, RewardModel()))
+
+
+def _system(request) -> str | None:
+    return read_text(request.system, request.label("system")) if request.system else None
+
+
+def _pairs(request, objective):
+    from ster_dist.tune.prepare import prepare_pairs
+
+    system = _system(request)
+    return lambda settings: prepare_pairs(request.model, request.pairs, settings, objective, request.adapter_layers,
+                                          request.revision, request.chat_template, system, request.output)
+
+
+def _train(request, prepare, extra: dict | None = None) -> dict:
+    """Every training command's run: settings, the plan (refused before any rank starts), the ranks,
+    the report, the adapter directory."""
     from ster_dist.tune.spec import TrainSettings, parse_targets
     from ster_dist.tune.train import train
     from ster_dist.tune.writer import write_adapter
@@ -33,13 +75,13 @@ def sft(request: TuneSftRequest) -> dict:
         learning_rate=r.learning_rate, seed=r.seed, batch_size=r.batch_size, accumulation=r.accumulation,
         max_sequence=r.max_sequence, dp=r.dp, tp=r.tp, precision=r.precision, zero_stage=r.zero,
         max_grad_norm=r.max_grad_norm, weight_decay=r.weight_decay, device=r.device)
-    system = read_text(r.system, r.label("system")) if r.system else None
     progress(f"resolving {r.model}")
-    plan, header = prepare(r.model, r.examples, settings, r.adapter_layers, r.revision, r.chat_template, system,
-                           r.output)
+    plan, header = prepare(settings)
+    header = {**header, **(extra or {})}
     world = settings.dp * settings.tp
+    items = header.get("pairs", header.get("examples"))
     progress(f"training {len(plan.sites)} projections on {world} rank(s) (dp {settings.dp} x tp {settings.tp}): "
-             f"{header['examples']} examples, {header['steps']} steps")
+             f"{items} {'pairs' if 'pairs' in header else 'examples'}, {header['steps']} steps")
     start = time.perf_counter()
     group = open_group(world, r.device, r.address, r.launcher)
     try:
@@ -48,17 +90,26 @@ def sft(request: TuneSftRequest) -> dict:
         group.close()
     report = {**header, "final_loss": result["losses"][-1], "first_loss": result["losses"][0],
               "epoch_losses": _epoch_losses(result, header["steps"] // settings.epochs),
-              "output": str(r.output), "seconds": round(time.perf_counter() - start, 3)}
+              **_last_metrics(result), "output": str(r.output), "seconds": round(time.perf_counter() - start, 3)}
     files = write_adapter(r.output, plan.sites, result["factors"], report, header["num_layers"])
-    progress(f"wrote adapter {r.output}")
+    progress(f"wrote {'reward model' if 'score.weight' in result['factors'] else 'adapter'} {r.output}")
     return {**report, "files": files}
 
 
+def _last_metrics(result: dict) -> dict:
+    """A preference run's reward numbers (margin, accuracy, ...) of its first and final steps."""
+    from ster_dist.tune.preference import METRICS
+
+    first, last = result["steps"][0], result["steps"][-1]
+    return {f"{when}_{name}": step[name] for name in METRICS if name in last
+            for when, step in (("first", first), ("final", last))}
+
+
 def _epoch_losses(result: dict, per_epoch: int) -> list[float]:
-    """Token-weighted loss of each epoch (its steps' losses weighted by their completion tokens)."""
+    """Each epoch's loss (its steps' losses weighted by their units: completion tokens, or pairs)."""
     out = []
     for start in range(0, len(result["losses"]), per_epoch):
-        losses, tokens = result["losses"][start:start + per_epoch], result["tokens"][start:start + per_epoch]
+        losses, tokens = result["losses"][start:start + per_epoch], result["units"][start:start + per_epoch]
         out.append(sum(x * t for x, t in zip(losses, tokens)) / sum(tokens))
     return out
 

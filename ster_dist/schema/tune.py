@@ -1,4 +1,5 @@
-"""tune sft | evaluate: LoRA adapters trained across ranks, and completion-token evaluation.
+"""tune sft | dpo | reward | evaluate: LoRA adapters (and reward models) trained across ranks, and
+completion-token evaluation.
 
 The training numbers keep their range checks in ster_dist/tune/spec.py (Ster's wording); the
 schema states their types, defaults and help."""
@@ -14,19 +15,18 @@ from ster_dist.schema.base import field, label_in
 from ster_dist.schema.common import ChatTemplate, ModelRef, Runtime, chat_template_field, no_stdin
 
 EXAMPLES_HELP = 'a {"examples": [{"prompt", "completion"}, ...]} JSON file'
+PAIRS_HELP = 'a JSONL file of {"prompt", "chosen", "rejected"} objects, one per line'
 SYSTEM_HELP = "a file holding the system message of every example"
 # numbers without defaults: a missing one is named, with an example (Ster's refusal)
 REQUIRED = (("learning_rate", "1e-4"), ("epochs", "3"), ("seed", "0"))
 
 
-class TuneSftRequest(ModelRef):
-    kind = "tune-sft"
-    command = ("tune", "sft")
-    summary = "supervised fine-tuning of LoRA factors (the base frozen)"
+class _TrainRequest(ModelRef):
+    """What every training command takes besides its data: the factors, the ranks, the optimizer."""
+
     submitter_fields = {"address": "give the cluster to `ster submit --address` or Engine(address=...), "
                                    "not to a job"}
 
-    examples: str = field(help=EXAMPLES_HELP)
     output: str = field(help="the PEFT adapter directory to write (must not exist)")
     learning_rate: float | None = field(None, allow_inf_nan=False, help="required: AdamW's learning rate")
     epochs: int | None = field(None, help="required: passes over the examples")
@@ -61,9 +61,35 @@ class TuneSftRequest(ModelRef):
             one = len(missing) == 1
             raise Refusal(f"{', '.join(flags)} {'is' if one else 'are'} required and has no default; "
                           f"pass {'it' if one else 'them'}, e.g. {example}")
-        no_stdin(self, ("examples", "system"), info)
+        no_stdin(self, ("examples", "pairs", "system"), info)
         return self
 
+
+class TuneSftRequest(_TrainRequest):
+    kind = "tune-sft"
+    command = ("tune", "sft")
+    summary = "supervised fine-tuning of LoRA factors (the base frozen)"
+
+    examples: str = field(help=EXAMPLES_HELP)
+
+
+class TuneDpoRequest(_TrainRequest):
+    kind = "tune-dpo"
+    command = ("tune", "dpo")
+    summary = "preference tuning of LoRA factors, DPO or IPO, against the base as the frozen reference"
+
+    pairs: str = field(help=PAIRS_HELP)
+    loss: Literal["dpo", "ipo"] = field("dpo", help="dpo (summed log-probabilities) or ipo (mean per token)")
+    beta: float = field(0.1, allow_inf_nan=False, help="how far from the reference the factors may move "
+                                                       "(DPO's beta; IPO's regulariser)")
+
+
+class TuneRewardRequest(_TrainRequest):
+    kind = "tune-reward"
+    command = ("tune", "reward")
+    summary = "a Bradley-Terry reward model: LoRA factors and a scalar head, written as a reward adapter"
+
+    pairs: str = field(help=PAIRS_HELP)
 
 
 class TuneEvaluateRequest(Runtime):

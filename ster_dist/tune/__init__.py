@@ -1,4 +1,5 @@
-"""LoRA adapter training across ranks (`ster tune sft`) and completion-token evaluation (`ster tune evaluate`).
+"""LoRA adapter training across ranks (`ster tune sft`, preference tuning with `ster tune dpo` and reward
+models with `ster tune reward`) and completion-token evaluation (`ster tune evaluate`).
 
 spec.py      the run's settings and every refusal that needs only the config and the arguments
 data.py      examples -> token ids through the chat template as generation applies it, a completion-only
@@ -8,7 +9,12 @@ lora.py      trainable factors on the decoder's column- and row-parallel project
 parallel.py  the dp x tp layout: subgroups, the training ParallelCtx whose collectives carry gradients,
              and the model-parallel view DeepSpeed asks for
 loss.py      summed negative log-likelihood over completion tokens
+objective.py what a run minimises (units, collation, loss, report, an optional head); sft's own
+pairs.py     preference pairs (prompt, chosen, rejected) as token ids, refused by line, never cut
+preference.py  DPO and IPO against the adapters-skipped reference, and the Bradley-Terry reward head
+prepare.py   the driver's half before any rank starts: resolve, refuse, plan sites, tokenize
 train.py     the DeepSpeed engine on every rank (ZeRO 1/2, accumulation, bf16/f32) and the driver loop
-writer.py    the trained factors as a PEFT adapter directory (with Ster's sidecar fields)
+writer.py    the trained factors as a PEFT adapter directory (with Ster's sidecar fields); a reward
+             model's head as PEFT's sequence-classification `score`
 evaluate.py  loss and perplexity over completion tokens, with or without an adapter
 """

@@ -15,6 +15,7 @@ of that module does, and each part's B is its rows of the module's lora_B.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -119,6 +120,18 @@ class Attached:
             dtype = module.weight.dtype
             b_used = self.ctx.sum_grad(self.factors.b[index])
             low.a, low.b = share(a_used[self.factors.a_of[index]].to(dtype), b_used.to(dtype), module.shards["weight"])
+
+    @contextlib.contextmanager
+    def skipped(self):
+        """The decoder without these factors, for the duration: the frozen base, which DPO's reference is."""
+        kept = [(module, list(module.adapters)) for module, _ in self.entries]
+        for module, low in self.entries:
+            module.adapters[:] = [x for x in module.adapters if x is not low]
+        try:
+            yield
+        finally:
+            for module, adapters in kept:
+                module.adapters[:] = adapters
 
     def detach(self) -> None:
         for module, low in self.entries:

@@ -1,4 +1,4 @@
-"""The driver's half of `ster tune sft` before any rank starts: resolve, refuse, plan, tokenize.
+"""The driver's half of `ster tune sft | dpo | reward` before any rank starts: resolve, refuse, plan, tokenize.
 
 Everything here reads the config, the safetensors headers, the tokenizer and the examples, never a
 weight: a run that would be refused is refused before a rank is started or a byte of weights is read.
@@ -6,11 +6,12 @@ weight: a run that would be refused is refused before a rank is started or a byt
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ster_dist.errors import Refusal
-from ster_dist.tune.data import encode_examples, read_examples, schedule
+from ster_dist.tune.data import schedule
+from ster_dist.tune.objective import SFT, Objective
 from ster_dist.tune.spec import TrainSettings, check_values, refuse_checkpoint
 from ster_dist.tune.train import TrainPlan
 
@@ -18,7 +19,47 @@ from ster_dist.tune.train import TrainPlan
 def prepare(model: str, examples: str, settings: TrainSettings, layers: str = "all", revision: str | None = None,
             chat_template: str = "auto", system: str | None = None,
             output: str | Path | None = None) -> tuple[TrainPlan, dict]:
-    """(the plan, the report's header: model, revision, targets, layers, examples, steps, chat_template)."""
+    """`tune sft`'s (the plan, the report's header: model, revision, targets, layers, examples, steps,
+    chat_template, ...)."""
+    from ster_dist.tune.data import encode_examples, read_examples
+
+    rows = read_examples(examples)
+    base = _base(model, settings, layers, revision, chat_template, output)
+    encoded, truncated = encode_examples(base.tokenizer, rows, chat_template, system, base.eos,
+                                         base.settings.max_sequence)
+    return _plan(base, encoded, SFT, {"examples": len(encoded), "truncated_examples": truncated,
+                                      "completion_tokens": sum(e.completion_tokens for e in encoded)})
+
+
+def prepare_pairs(model: str, pairs: str, settings: TrainSettings, objective: Objective, layers: str = "all",
+                  revision: str | None = None, chat_template: str = "auto", system: str | None = None,
+                  output: str | Path | None = None) -> tuple[TrainPlan, dict]:
+    """`tune dpo` / `tune reward`'s plan and header (the pairs and the objective instead of examples)."""
+    from ster_dist.tune.pairs import encode_pairs, read_pairs
+
+    rows = read_pairs(pairs)
+    base = _base(model, settings, layers, revision, chat_template, output)
+    encoded = encode_pairs(base.tokenizer, rows, chat_template, system, base.eos, base.settings.max_sequence)
+    return _plan(base, encoded, objective, {"objective": objective.name, "pairs": len(encoded),
+                                            "completion_tokens": sum(p.completion_tokens for p in encoded)})
+
+
+@dataclass(frozen=True)
+class _Base:
+    model: str                     # as the request named it (the adapter records it so)
+    checkpoint: object
+    cfg: object
+    settings: TrainSettings
+    sites: list
+    tokenizer: object
+    eos: tuple[int, ...]
+    chat: str
+
+
+def _base(model: str, settings: TrainSettings, layers: str, revision: str | None, chat_template: str,
+          output: str | Path | None) -> _Base:
+    """What every objective's run needs: the settings and output refused, the model resolved and refused,
+    the sites planned, the tokenizer read."""
     from ster_dist.config_load import model_config
     from ster_dist.load import check_device
     from ster_dist.resolve import resolve
@@ -45,17 +86,20 @@ def prepare(model: str, examples: str, settings: TrainSettings, layers: str = "a
     tokenizer = Tokenizer.from_directory(checkpoint.directory)
     chat = chat_status(tokenizer, chat_template)
     eos = cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
-    encoded, truncated = encode_examples(tokenizer, read_examples(examples), chat_template, system, eos,
-                                         settings.max_sequence)
-    steps = schedule(len(encoded), settings.epochs, settings.step_examples, settings.seed)
-    plan = TrainPlan(checkpoint, settings, sites, encoded, steps, tokenizer.pad_token_id or 0)
-    header = {"model": model, "model_revision": checkpoint.model_revision, "family": cfg.family,
-              "rank": settings.rank, "alpha": settings.alpha, "targets": list(settings.targets),
-              "layers": list(chosen), "examples": len(encoded), "truncated_examples": truncated,
-              "completion_tokens": sum(e.completion_tokens for e in encoded), "epochs": settings.epochs,
-              "steps": len(steps), "step_examples": settings.step_examples, "batch_size": settings.batch_size,
-              "accumulation": settings.accumulation, "learning_rate": settings.learning_rate, "seed": settings.seed,
+    return _Base(model, checkpoint, cfg, settings, sites, tokenizer, eos, chat)
+
+
+def _plan(base: _Base, items: list, objective: Objective, counts: dict) -> tuple[TrainPlan, dict]:
+    settings, cfg = base.settings, base.cfg
+    steps = schedule(len(items), settings.epochs, settings.step_examples, settings.seed)
+    plan = TrainPlan(base.checkpoint, settings, base.sites, items, steps, base.tokenizer.pad_token_id or 0, objective)
+    header = {"model": base.model, "model_revision": base.checkpoint.model_revision,
+              "family": cfg.family, "rank": settings.rank, "alpha": settings.alpha,
+              "targets": list(settings.targets), "layers": list(settings.layers), **counts,
+              "epochs": settings.epochs, "steps": len(steps), "step_examples": settings.step_examples,
+              "batch_size": settings.batch_size, "accumulation": settings.accumulation,
+              "learning_rate": settings.learning_rate, "seed": settings.seed,
               "max_sequence": settings.max_sequence, "dp": settings.dp, "tp": settings.tp,
-              "zero_stage": settings.zero_stage, "precision": settings.precision, "chat_template": chat,
+              "zero_stage": settings.zero_stage, "precision": settings.precision, "chat_template": base.chat,
               "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers}
     return plan, header

@@ -53,6 +53,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     device: str = "cpu"
     b_init_std: float = 0.0        # PEFT starts B at zero; tests start it elsewhere so A's first gradient is not zero
+    head_init_std: float = 0.0     # the reward head starts at zero (a first loss of ln 2); tests start it elsewhere
 
     @property
     def step_examples(self) -> int:
@@ -107,6 +108,13 @@ def check_values(s: TrainSettings) -> TrainSettings:
         raise Refusal(f"--zero {s.zero_stage}: LoRA factors train under ZeRO stage 1 or 2; stage 3 would partition "
                       "factors that every rank's shard reads whole")
     return s
+
+
+def check_beta(beta: float) -> float:
+    """DPO's beta scales the log-ratio, IPO's divides its target: zero or less means nothing."""
+    if not math.isfinite(beta) or beta <= 0:
+        raise Refusal(f"--beta must be a positive number, got {beta}; DPO's usual is --beta 0.1")
+    return beta
 
 
 def refuse_checkpoint(checkpoint: Checkpoint, targets: tuple[str, ...]) -> None:

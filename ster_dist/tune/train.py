@@ -9,10 +9,12 @@ attaches the factors (tune/lora.py) and hands DeepSpeed a module whose only para
 DeepSpeed averages their gradients over the data-parallel group, partitions the optimizer state over
 it (ZeRO stage 1 or 2), accumulates micro-batches and keeps f32 master factors under bf16.
 
-The loss is token-weighted over each whole step: every micro-batch's summed completion NLL is scaled by
-dp x accumulation / (step tokens x tp), so after DeepSpeed's 1 / accumulation, its data-parallel mean
-and the tensor-parallel sum, the gradient is that of the mean NLL over every completion token of the
-step, however dp, tp and accumulation split it.
+What is minimised is the plan's objective (tune/objective.py: sft's completion NLL, tune/preference.py:
+DPO, IPO and the reward model's Bradley-Terry loss); the loop is theirs in common. The loss is weighted
+over each whole step: every micro-batch's summed loss is scaled by dp x accumulation / (step units x tp),
+the units being the objective's (completion tokens, or pairs), so after DeepSpeed's 1 / accumulation,
+its data-parallel mean and the tensor-parallel sum, the gradient is that of the mean loss over every
+unit of the step, however dp, tp and accumulation split it.
 
 DeepSpeed on CPU: its TorchBackend builds the shared-memory all-reduce op (a 34 s JIT compile on first
 use, ~66 MB per rank left in /dev/shm) for inference_all_reduce alone, which training never calls; the
@@ -35,9 +37,9 @@ from torch import nn
 
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
-from ster_dist.tune.data import Example, collate, micro_batches
+from ster_dist.tune.data import micro_batches
 from ster_dist.tune.lora import Attached, LoraFactors, TrainSite
-from ster_dist.tune.loss import completion_nll
+from ster_dist.tune.objective import SFT, Objective
 from ster_dist.tune.parallel import forget_layouts, layout
 from ster_dist.tune.spec import TrainSettings
 from ster_dist.workers.extension import RankExtension
@@ -50,32 +52,35 @@ class TrainPlan:
     checkpoint: Checkpoint
     settings: TrainSettings
     sites: list[TrainSite]
-    examples: list[Example]
+    examples: list             # the objective's items: Examples for sft, Pairs for dpo / ipo / reward
     steps: list[list[int]]
     pad_id: int
+    objective: Objective = SFT
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 # ---- driver -----------------------------------------------------------------------------------
 
 def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None) -> dict:
-    """Run the plan on `group` (world = dp x tp ranks). Returns {"factors": {"a.i"/"b.j": f32 global factors},
-    "ranks": every rank's factors, "losses" and "tokens" per step, "gradients": the full factor gradients
-    of step `gradients_at` (before its update) when asked}."""
+    """Run the plan on `group` (world = dp x tp ranks). Returns {"factors": {"a.i"/"b.j" (and the objective's
+    head, "score.weight"): f32 global values}, "ranks": every rank's, "losses", "tokens" and "units" per step,
+    "steps": each step's report, "gradients": the full gradients of step `gradients_at` (before its update)
+    when asked}."""
     world = plan.settings.dp * plan.settings.tp
     training = group.on(TrainingOnRank)
     setup = training.setup(plan)
     if len(setup) != world:
         raise Refusal(f"the worker group has {len(setup)} ranks; --dp {plan.settings.dp} x --tp "
                       f"{plan.settings.tp} needs {world}")
-    losses, tokens, gradients = [], [], None
+    losses, tokens, reports, gradients = [], [], [], None
     try:
         for index in range(len(plan.steps)):
             out = training.step(plan.token, index, index == gradients_at)[0]
             losses.append(out["loss"])
-            tokens.append(out["tokens"])
+            tokens.append(out.get("tokens"))
             if out.get("gradients") is not None:
-                gradients = out["gradients"]
+                gradients = out.pop("gradients")
+            reports.append(out)
             if on_step is not None:
                 on_step(index + 1, len(plan.steps), out)
         ranks = training.finish(plan.token)
@@ -83,28 +88,39 @@ def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None)
         with contextlib.suppress(BaseException):
             training.abandon(plan.token)
         raise
-    return {"factors": ranks[0], "ranks": ranks, "losses": losses, "tokens": tokens, "gradients": gradients,
+    return {"factors": ranks[0], "ranks": ranks, "losses": losses, "tokens": tokens,
+            "units": [r["units"] for r in reports], "steps": reports, "gradients": gradients,
             "bytes_read": sum(s["bytes_read"] for s in setup)}
 
 
 # ---- ranks ------------------------------------------------------------------------------------
 
 class _Objective(nn.Module):
-    """What DeepSpeed wraps: only the factors are its parameters, so only they are broadcast, cast to
-    bf16 and partitioned; the frozen decoder is held beside them, unregistered."""
+    """What DeepSpeed wraps: only the factors (and the objective's head, if it has one) are its parameters,
+    so only they are broadcast, cast to bf16 and partitioned; the frozen decoder is held beside them,
+    unregistered. What is minimised is the plan's Objective (tune/objective.py)."""
 
-    def __init__(self, factors: LoraFactors, decoder, attached: Attached):
+    def __init__(self, factors: LoraFactors, head: nn.Module | None, decoder, attached: Attached,
+                 objective: Objective):
         super().__init__()
         self.factors = factors
-        self.held = (decoder, attached)  # a tuple: nn.Module does not register what it holds
+        self.score = head  # "score": the name Transformers' sequence-classification models give the head
+        self.held = (decoder, attached, objective)  # a tuple: nn.Module does not register what it holds
         self.last = None
 
-    def forward(self, inputs, valid, targets, weight: float):
-        decoder, attached = self.held
+    def trainable(self) -> dict[str, nn.Parameter]:
+        """Every trained value by the name the run returns it under: "a.i", "b.j", "score.weight"."""
+        out = dict(self.factors.named_parameters())
+        if self.score is not None:
+            out |= {f"score.{n}": p for n, p in self.score.named_parameters()}
+        return out
+
+    def forward(self, *batch_and_weight):
+        *batch, weight = batch_and_weight
+        decoder, attached, objective = self.held
         attached.refresh()
-        nll, tokens = completion_nll(decoder, inputs, valid, targets)
-        self.last = (float(nll.detach().sum()), int(tokens.sum()))
-        return nll.sum() * weight
+        loss, self.last = objective.loss(decoder, attached, self.score, tuple(batch))
+        return loss * weight
 
 
 @dataclass
@@ -197,9 +213,10 @@ class TrainingOnRank(RankExtension):
                 torch.manual_seed(s.seed)
                 loaded = load_model(plan.checkpoint, s.precision, s.device, lay.ctx())
                 factors = LoraFactors(plan.sites, s.rank, s.seed, s.b_init_std)
+                head = plan.objective.head(loaded.cfg.hidden_size, s.seed, s.head_init_std)
                 attached = Attached(loaded.model, factors, plan.sites, s.scale, lay.ctx())
-                objective = _Objective(factors, loaded.model, attached)
-                optimizer = torch.optim.AdamW(factors.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
+                objective = _Objective(factors, head, loaded.model, attached, plan.objective)
+                optimizer = torch.optim.AdamW(objective.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
                 engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config(s),
                                                   mpu=lay.mpu())
             except BaseException:
@@ -209,47 +226,45 @@ class TrainingOnRank(RankExtension):
                 raise
         self.runs[plan.token] = _Run(plan, engine, objective, attached, lay, own)
         return {"rank": lay.rank, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank, "bytes_read": loaded.bytes_read,
-                "trainable": sum(p.numel() for p in factors.parameters())}
+                "trainable": sum(p.numel() for p in objective.parameters())}
 
     def step(self, token: str, index: int, gradients: bool = False) -> dict:
-        """One optimizer step: this rank's micro-batches of step `index`; the step's token-weighted loss."""
+        """One optimizer step: this rank's micro-batches of step `index`; the step's report (its loss
+        weighted by the objective's units: tokens or pairs)."""
         from deepspeed.utils import safe_get_full_grad
 
         run = self._run(token)
         plan, s, engine = run.plan, run.plan.settings, run.engine
         step = plan.steps[index]
-        tokens = sum(plan.examples[i].completion_tokens for i in step)
-        weight = s.dp * s.accumulation / (tokens * s.tp)
-        nll = torch.zeros(2, dtype=torch.float64)
+        units = plan.objective.units([plan.examples[i] for i in step])
+        weight = s.dp * s.accumulation / (units * s.tp)
+        sums = torch.zeros(plan.objective.width, dtype=torch.float64)
         grads = None
         with _quiet():
             for micro in micro_batches(step, s.batch_size, s.accumulation, s.dp, run.lay.dp_rank):
                 # an empty slot (a short last step) still runs, weighted zero: every rank must reach each reduction
                 batch = [plan.examples[i] for i in micro] or [plan.examples[step[0]]]
-                inputs, valid, targets = collate(batch, plan.pad_id)
-                loss = engine(inputs, valid, targets, weight if micro else 0.0)
+                loss = engine(*plan.objective.collate(batch, plan.pad_id), weight if micro else 0.0)
                 engine.backward(loss)
                 if micro:
-                    nll += torch.tensor(run.objective.last, dtype=torch.float64)
+                    sums += run.objective.last
                 if gradients and engine.is_gradient_accumulation_boundary():
-                    grads = {n: safe_get_full_grad(p).float().clone()
-                             for n, p in run.objective.factors.named_parameters()}
+                    grads = {n: safe_get_full_grad(p).float().clone() for n, p in run.objective.trainable().items()}
                 engine.step()
-        dist.all_reduce(nll, group=run.lay.dp_group)
-        out = {"step": index + 1, "loss": float(nll[0] / nll[1]), "tokens": int(nll[1])}
+        dist.all_reduce(sums, group=run.lay.dp_group)
+        out = {"step": index + 1, **plan.objective.report(sums)}
         if grads is not None and run.lay.rank == 0:
             out["gradients"] = grads
         return out
 
     def finish(self, token: str) -> dict[str, torch.Tensor]:
-        """The trained global factors (the f32 masters), from every rank; then the run is torn down."""
+        """The trained global factors and head (the f32 masters), from every rank; then the run is torn down."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         run = self._run(token)
         try:
             with _quiet():
-                return {n: safe_get_full_fp32_param(p).float().clone()
-                        for n, p in run.objective.factors.named_parameters()}
+                return {n: safe_get_full_fp32_param(p).float().clone() for n, p in run.objective.trainable().items()}
         finally:
             self.abandon(token)
 

@@ -11,6 +11,11 @@ alpha / r, no rsLoRA) plus the fields adapters/format.py checks when the adapter
 (schema_version, product, kind, model, model_revision, hidden_size) and the run's report under "train".
 PEFT ignores keys it does not know, with a warning.
 
+A reward model (`tune reward`) is written as PEFT writes a sequence-classification LoRA: its head as
+base_model.model.score.weight [1, hidden] (what modules_to_save=["score"] saves; `score` is the head of
+Transformers' *ForSequenceClassification models, loaded with num_labels=1), task_type SEQ_CLS, and
+Ster's kind "reward", which `--adapter` refuses for generation (adapters/format.py).
+
 The directory is written beside its final name and renamed into place when complete.
 """
 
@@ -29,6 +34,7 @@ from ster_dist.errors import Refusal
 from ster_dist.tune.lora import TrainSite, global_factors, modules_of
 
 PREFIX = "base_model.model."
+HEAD = "score.weight"  # the trained reward head, as the run returns it and as PEFT saves it (after PREFIX)
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 
@@ -49,6 +55,8 @@ def peft_tensors(sites: list[TrainSite], factors: dict[str, torch.Tensor], rank:
                 b[start:stop] = b_site[offset:offset + stop - start]
         out[f"{PREFIX}{module}.lora_A.weight"] = a.float().contiguous()
         out[f"{PREFIX}{module}.lora_B.weight"] = b.contiguous()
+    if HEAD in factors:
+        out[PREFIX + HEAD] = factors[HEAD].float().contiguous()
     return out
 
 
@@ -63,19 +71,19 @@ def target_modules(sites: list[TrainSite]) -> list[str]:
     return sorted(set(out))
 
 
-def adapter_config(sites: list[TrainSite], report: dict, num_layers: int) -> dict:
+def adapter_config(sites: list[TrainSite], report: dict, num_layers: int, reward: bool = False) -> dict:
     layers = sorted({site.layer for site in sites})
     return {
         # PEFT's LoraConfig
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": report["rank"], "lora_alpha": report["alpha"],
+        "peft_type": "LORA", "task_type": "SEQ_CLS" if reward else "CAUSAL_LM", "r": report["rank"], "lora_alpha": report["alpha"],
         "target_modules": target_modules(sites),
         "layers_to_transform": None if layers == list(range(num_layers)) else layers,
         "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False,
         "fan_in_fan_out": any(site.transposed for site in sites), "init_lora_weights": True,
-        "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
+        "modules_to_save": ["score"] if reward else None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
         "base_model_name_or_path": report["model"],
         # Ster's sidecar fields
-        "schema_version": SCHEMA_VERSION, "product": "ster_dist", "kind": "adapter", "model": report["model"],
+        "schema_version": SCHEMA_VERSION, "product": "ster_dist", "kind": "reward" if reward else "adapter", "model": report["model"],
         "model_revision": report.get("model_revision"), "hidden_size": report["hidden_size"],
         "targets": report["targets"], "layers": layers, "train": report,
     }
@@ -101,7 +109,7 @@ def write_adapter(output: str | Path, sites: list[TrainSite], factors: dict[str,
     try:
         # through atomic: the umask's mode (safetensors alone writes owner-only; servers read adapters too)
         write_bytes(work / WEIGHTS, save(tensors, metadata={"format": "pt"}))
-        write_json(work / CONFIG, adapter_config(sites, report, num_layers))
+        write_json(work / CONFIG, adapter_config(sites, report, num_layers, HEAD in factors))
         if output.exists():
             raise Refusal(f"output {output} appeared while training; the adapter is kept in {work}")
         finish_dir(work, output)
