@@ -1,5 +1,5 @@
 """The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
-device, tp, ep), reused by every later job with that key, released after an idle timeout (or
+device, tp, ep, weights), reused by every later job with that key, released after an idle timeout (or
 sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted when
 one of its workers has died, and dropped when a job on it ran past its timeout.
 

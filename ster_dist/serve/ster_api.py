@@ -48,7 +48,7 @@ ENDPOINTS = {
     "extract": ExtractRequest,
     "inspect": SteerInspectRequest,
 }
-SETTINGS = ("model", "revision", "precision", "device", "tp", "ep")
+SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "weights")
 NDJSON = "application/x-ndjson"
 POLL_S = 1.0  # one poll's longest wait; news wakes it at once
 _SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
@@ -57,7 +57,7 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 def ster_router(client, defaults: dict) -> APIRouter:
     """The router for an app to include. `client` is a job-queue client (LocalClient, RayClient);
-    `defaults` the served model's settings (model, revision, precision, device, tp, ep)."""
+    `defaults` the served model's settings (model, revision, precision, device, tp, ep, weights)."""
     api = SterApi(client, defaults)
     router = APIRouter()
     for name, cls in ENDPOINTS.items():
