@@ -157,6 +157,9 @@ def test_kept_fp8_under_tp2_and_ep2_equals_dequantized_and_reads_the_same_bytes(
         assert held_fp8_bytes(model) == (elements, entries * 4)
         held = sum(p.numel() * p.element_size() for p in model.parameters()) + held_fp8_bytes(model)[1]
         assert out["ranks"][r]["parameter_bytes"] == held  # ster plan --weights fp8 states what the rank holds
+    ep_rank = ParallelCtx(ep_rank=1, ep_size=2)  # its experts only, each whole
+    elements, entries, _ = share_of_quantized(fp8_dir, ep_rank)
+    assert held_fp8_bytes(load_model(checkpoint, "f32", ctx=ep_rank, weights="fp8").model) == (elements, entries * 4)
 
 
 def test_stacked_fp8_experts_kept_and_split_inside_blocks_under_tp2(checkpoints, tp2):

@@ -157,7 +157,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
                 _blockwise_failed.add(where)
                 progress(f"blockwise FP8 scaled_mm is not available on {where} ({str(error).splitlines()[0]}); "
                          "FP8 weights are dequantized per product there")
-        weight = weight.dequantize(x.dtype)
+        weight = weight.dequantize()  # to its compute dtype, as a dequantizing load holds it
     inner = x.shape[-1]
     rows = x.numel() // inner if inner else 0
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"

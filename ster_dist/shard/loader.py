@@ -36,22 +36,21 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
     copies = tied_parameters(model)
     for module, attr, _, _ in copies:
         module._parameters[attr] = None
-    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
     shapes = {name: source.shape(name) for name in source.names()}
     plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies})
     kept = {}
     if keep_fp8:
         quantized = set(getattr(source, "scales", {}))  # Fp8Source: quantized tensor -> its scale tensor
-        tied = {name for _, _, name, owner in copies} | {owner for _, _, _, owner in copies}
+        tied = {name for _, _, name, _ in copies} | {owner for _, _, _, owner in copies}
         kept = kept_parameters(model, plan, shapes, quantized, tied)
     modules = dict(model.named_modules())
-    grids: dict[str, ScaleGrid] = {}
-    for name, spans in kept.items():
+    for name in kept:  # still on the meta device: allocated below as FP8, never at the compute dtype
         prefix, _, attr = name.rpartition(".")
-        shape = shards[name].local_shape()
-        modules[prefix]._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=FP8, device=device),
-                                                         requires_grad=False)
-        grids[name] = ScaleGrid(spans, source.blocks, shape, device)
+        modules[prefix]._parameters[attr] = nn.Parameter(
+            torch.empty(shards[name].local_shape(), dtype=FP8, device="meta"), requires_grad=False)
+    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
+    grids = {name: ScaleGrid(spans, source.blocks, shards[name].local_shape(), device)
+             for name, spans in kept.items()}
     params = dict(model.named_parameters())
     for module, attr, _, owner in copies:
         module._parameters[attr] = params[owner]
