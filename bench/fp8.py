@@ -144,7 +144,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bf16, fp8 = write_twins(Path(tmp), args.hidden, args.layers, args.block)
         out["file_bytes"] = {p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (bf16, fp8)}
-        print(f"checkpoints: BF16 {out['file_bytes']['bf16'] / 1e6:.0f} MB, FP8 {out['file_bytes']['fp8'] / 1e6:.0f} MB")
+        sizes = out["file_bytes"]
+        print(f"checkpoints: BF16 {sizes['bf16'] / 1e6:.0f} MB, FP8 {sizes['fp8'] / 1e6:.0f} MB")
         print(f"{'load':<28}{'s':>8}{'x bf16':>8}{'RSS MB':>9}{'x bf16':>8}{'read MB/rank':>14}{'x bf16':>8}")
         for tp in args.tp:
             runs = {"bf16 twin": load_in_child(bf16, args.dtype, "dequantize", tp, args.threads),

@@ -153,7 +153,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
         if where not in _blockwise_failed and blockwise_ok(x, weight):
             try:
                 return scaled_product(x, weight, bias)
-            except RuntimeError as error:  # a torch build or driver without the kernel: say so once
+            except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:  # no such kernel: say so once
                 _blockwise_failed.add(where)
                 progress(f"blockwise FP8 scaled_mm is not available on {where} ({str(error).splitlines()[0]}); "
                          "FP8 weights are dequantized per product there")
