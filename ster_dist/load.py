@@ -1,6 +1,9 @@
 """Loading a model on one rank: ModelConfig -> the decoder built on the meta device -> filled from its
 weight source by the streaming loader (shard/loader.py), plus the checks that come first (device,
-precision, expert-parallel split).
+precision, expert-parallel split, the weights mode).
+
+`--weights dequantize` (the default) holds an FP8 checkpoint's weights dequantized to --precision;
+`--weights fp8` keeps its projections and experts in FP8 beside their block scales (shard/fp8_kept.py).
 
 The same steps run in every tensor-parallel rank with that rank's ParallelCtx;
 resolution (and any download) happens once, in the driver, before ranks start.
@@ -15,6 +18,7 @@ import torch
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig
 from ster_dist.config_load import model_config
+from ster_dist.config_quant import Mxfp4
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder, meta_decoder
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx
@@ -23,6 +27,7 @@ from ster_dist.shard.quantized import dequantizing
 from ster_dist.shard.source import SafetensorsSource, TensorSource
 
 PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+WEIGHTS = ("dequantize", "fp8")
 
 
 def compute_dtype(precision: str, device: str) -> torch.dtype:
@@ -57,6 +62,20 @@ def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
                       f"use at most --ep {cfg.moe.num_experts}")
 
 
+def check_weights(cfg: ModelConfig, weights: str, model: str) -> None:
+    """--weights fp8 needs FP8 weights to keep: refused, before any weight is read, on anything else."""
+    if weights not in WEIGHTS:
+        raise Refusal(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
+    if weights == "dequantize":
+        return
+    if cfg.quant is None:
+        raise Refusal(f"--weights fp8 keeps FP8 weights, but {model} has none (its config states no FP8 "
+                      "quantization); use --weights dequantize")
+    if isinstance(cfg.quant, Mxfp4):
+        raise Refusal(f"--weights fp8 keeps FP8 weights, but {model} is {cfg.quant.describe()}, which loads "
+                      "dequantized only; use --weights dequantize")
+
+
 def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | None = None) -> TensorSource:
     """The checkpoint's tensors; quantized ones (cfg.quant: FP8, MXFP4) dequantized to `dtype` as read."""
     if checkpoint.weight_format in ("safetensors", "mistral"):  # Mistral's consolidated files are safetensors
@@ -77,10 +96,11 @@ def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | N
 
 
 def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 keep_fp8: bool = False) -> Decoder:
     """This rank's decoder, built on the meta device and filled from `source`, in eval mode."""
     model = meta_decoder(cfg, ctx, dtype)
-    fill_module(model, cfg, source, device)
+    fill_module(model, cfg, source, device, keep_fp8)
     model.fuse_projections()
     return model.eval()
 
@@ -93,18 +113,20 @@ class LoadedModel:
     precision: str
     device: str
     bytes_read: int = 0  # bytes this rank read from the weight files
+    weights: str = "dequantize"
 
 
 def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cpu",
-               ctx: ParallelCtx = SINGLE) -> LoadedModel:
+               ctx: ParallelCtx = SINGLE, weights: str = "dequantize") -> LoadedModel:
     device = check_device(device)
     dtype = compute_dtype(precision, device)
     cfg = model_config(checkpoint)
     check_expert_parallel(cfg, ctx)
+    check_weights(cfg, weights, checkpoint.model)
     source = open_source(checkpoint, dtype, cfg)
     try:
-        model = load_decoder(cfg, source, ctx, dtype, device)
+        model = load_decoder(cfg, source, ctx, dtype, device, keep_fp8=weights == "fp8")
         bytes_read = getattr(source, "bytes_read", 0)
     finally:
         source.close()
-    return LoadedModel(checkpoint, cfg, model, precision, device, bytes_read)
+    return LoadedModel(checkpoint, cfg, model, precision, device, bytes_read, weights)

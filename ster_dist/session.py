@@ -71,18 +71,20 @@ class Session:
     def load(self) -> list[dict]:
         """Open the worker group and load the model on every rank (once: a loaded session returns
         what its load reported)."""
+        from ster_dist.load import check_weights
         from ster_dist.workers.group import load_on, open_group
 
         if self._group is not None:
             return self.loads
         rt = self.runtime
-        checkpoint, _ = self.checkpoint, self.cfg  # resolved and gated before any rank starts
+        checkpoint, cfg = self.checkpoint, self.cfg  # resolved and gated before any rank starts
+        check_weights(cfg, rt.weights, rt.model)
         world = rt.tp * rt.ep
         where = f"{world} ranks" if world > 1 else "1 Ray actor" if self.address else "this process"
         progress(f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files) in {where}")
         group = open_group(rt.tp, rt.device, self.address, ep=rt.ep)
         try:
-            self.loads = load_on(group, checkpoint, rt.precision, rt.device)
+            self.loads = load_on(group, checkpoint, rt.precision, rt.device, rt.weights)
         except BaseException:
             group.close()
             raise

@@ -43,9 +43,9 @@ def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
         module = modules.get(site["param"].rsplit(".", 1)[0])
         if module is None or not hasattr(module, "adapters"):
             raise Refusal(f"this model has no projection {site['param']} to attach the adapter to")
-        weight = module.weight
+        device, dtype = module.weight.device, module.dtype_of()  # a kept FP8 weight's compute dtype
         a, b = share(site["a"], site["b"], module.shards["weight"])
-        low = LowRank(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype), float(site["scale"]))
+        low = LowRank(a.to(device, dtype), b.to(device, dtype), float(site["scale"]))
         module.adapters.append(low)
         attached.append((module, low))
 

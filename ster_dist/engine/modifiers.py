@@ -93,9 +93,9 @@ class RowAdapters:
             module = modules.get(site["param"].rsplit(".", 1)[0])
             if module is None or not hasattr(module, "adapters"):
                 raise Refusal(f"this model has no projection {site['param']} to attach adapter {name} to")
-            weight = module.weight
+            device, dtype = module.weight.device, module.dtype_of()  # a kept FP8 weight's compute dtype
             a, b = low_rank_share(site["a"], site["b"], module.shards["weight"])
-            low = RoutedLowRank(a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype),
+            low = RoutedLowRank(a.to(device, dtype), b.to(device, dtype),
                                 float(site["scale"]), self.routing, name)
             module.adapters.append(low)
             attached.append((module, low))

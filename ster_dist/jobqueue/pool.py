@@ -1,5 +1,5 @@
 """The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
-device, tp, ep), reused by every later job with that key, released after an idle timeout (or
+device, tp, ep, weights), reused by every later job with that key, released after an idle timeout (or
 sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted when
 one of its workers has died, and dropped when a job on it ran past its timeout.
 
@@ -174,6 +174,7 @@ class GroupPool:
         """A snapshot of the loaded groups, without the lock: callers ask while a group may be loading."""
         now = time.monotonic()
         return [{"model": k[0], "revision": k[1], "precision": k[2], "device": k[3], "tp": k[4], "ep": k[5],
+                 "weights": k[6],
                  "jobs": p.jobs, "idle_s": round(now - p.last_used, 3), "workers": p.workers}
                 for k, p in list(self.groups.items()) if p.counted]
 

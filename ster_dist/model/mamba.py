@@ -108,7 +108,7 @@ class MambaMixer(RecurrentMixer, ShardedModule):
         dt, b, c = torch.split(self.x_proj(xs), [self.dt_rank, self.state_size, self.state_size], dim=-1)
         if self.dt_norm is not None:
             dt, b, c = self.dt_norm(dt), self.b_norm(b), self.c_norm(c)
-        dt = F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.float())  # [n, t, channels]
+        dt = F.softplus(F.linear(dt, self.dt_proj.plain()) + self.dt_proj.bias.float())  # [n, t, channels]
         if mask is not None:
             dt = dt * mask  # a padding step: decay exp(0) = 1 and no input, the state passes unchanged
         a = -torch.exp(self.A_log.float())  # [channels, state]

@@ -109,7 +109,7 @@ class LatentAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_rot, latent, k_rot, mask) -> torch.Tensor:
         """Attention in the latent space: [b, heads, t, v_head_dim] without per-slot keys or values."""
-        w = self.kv_b.weight.view(self.local_heads, self.nope + self.v_dim, self.rank)
+        w = self.kv_b.plain().view(self.local_heads, self.nope + self.v_dim, self.rank)
         w_key, w_value = w[:, : self.nope], w[:, self.nope:]
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_key)
         scores = (torch.einsum("bhtr,bsr->bhts", q_latent, latent[:, 0])

@@ -36,6 +36,10 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   hidden size or intermediate share: tiny test models, uneven TP shares);
   past the gather's size those layouts run the per-expert loop, which takes
   any shape.
+- Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
+  busy expert's matrices go through `dense` as FP8 with their block scales,
+  so only the experts a step uses are dequantized (or multiplied in FP8),
+  one matrix at a time, and the stack is never widened.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ import torch.nn.functional as F
 from ster_dist.config import MoEConfig
 from ster_dist.layers.activation import activation
 from ster_dist.parallel.ctx import ParallelCtx, Shard
+from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import SPLIT_ROWS_MAX, ShardedModule, dense
 
 # rows [m, in] and a stacked weight [experts, out, in] -> each row times its expert's weight, [m, out]
-Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (a kept FP8 stack runs the per-expert projection only)
+Project = Callable[[torch.Tensor, torch.Tensor | Fp8Weight], torch.Tensor]
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GROUPED_ALIGN = 16  # bytes: grouped_mm's rule for every non-unit stride of its operands and output
@@ -61,6 +67,8 @@ GATHER_BYTES = 16 * 1024
 
 
 class Experts(ShardedModule):
+    fp8_params = ("gate", "up", "down")
+
     def __init__(self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx):
         super().__init__()
         num, inner = moe.num_experts, moe.intermediate_size
@@ -108,6 +116,8 @@ class Experts(ShardedModule):
 
     def branch(self, x: torch.Tensor) -> str:
         """The size rule (module docstring): "gathered", "grouped" or "per_expert" for these rows."""
+        if self.fp8:
+            return "per_expert"
         matrices = self._weights()
         expert_bytes = sum(w[0].numel() for w in matrices) * x.element_size()
         if x.shape[0] * expert_bytes <= self.local * self.gather_bytes:
@@ -133,8 +143,8 @@ class Experts(ShardedModule):
     def _mlp(self, x: torch.Tensor, ids: torch.Tensor, project: Project) -> torch.Tensor:
         """The experts' feed-forward on rows (ids [rows]: each row's expert, in the order project wants)."""
         if self.gate is None:  # ungated: act(up) alone
-            return self._down(project, self.act(project(x, self.up)), ids)
-        gate, up = project(x, self.gate), project(x, self.up)
+            return self._down(project, self.act(project(x, self.matrix("up"))), ids)
+        gate, up = project(x, self.matrix("gate")), project(x, self.matrix("up"))
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[ids], up + self.up_bias[ids]
         if self.clamped:  # GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
@@ -145,7 +155,7 @@ class Experts(ShardedModule):
         return self._down(project, h, ids)
 
     def _down(self, project: Project, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        y = project(h, self.down)
+        y = project(h, self.matrix("down"))
         if self.down_bias is not None and self.add_down_bias:
             y = y + self.down_bias[ids]
         return y

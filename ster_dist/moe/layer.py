@@ -70,7 +70,7 @@ class MoE(nn.Module):
         out = (back if self.weight_input else back * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.latent_out is not None:  # a partial sum under TP, like the experts': add the bias once
             bias = self.latent_out.bias if self.ctx.tp_rank == 0 else None
-            out = dense(out, self.latent_out.weight, bias)
+            out = dense(out, self.latent_out.matrix(), bias)
         if self.shared_experts is not None:
             out = out + self._routed_shared(share, gammas)
         if self.shared is not None:
@@ -94,7 +94,7 @@ class MoE(nn.Module):
         mlp = self.shared
         h = mlp.hidden(x)
         bias = mlp.down.bias if self.ctx.tp_rank == 0 else None  # added once: the partial sums are all-reduced
-        y = dense(h, mlp.down.weight, bias)
+        y = dense(h, mlp.down.matrix(), bias)
         if self.shared_gate is not None:
             y = torch.sigmoid(dense(x, self.shared_gate.weight)) * y
         return y

@@ -177,6 +177,7 @@ def _prepare(session: Session, engine, request: GenerateRequest, params, prompts
              if value != type(value)() and not (name == "repetition_penalty" and value == 1.0)}
     header = dict(model=request.model, model_revision=session.checkpoint.model_revision, precision=request.precision,
                   tp=request.tp, ep=request.ep,
+                  **({"weights": request.weights} if request.weights != "dequantize" else {}),  # kept FP8: say so
                   chat_template="on" if request.chat_template != "off" and tokenizer.chat_template else "off",
                   sampling={**sampling, **extra}, steering=info.get("steering"), adapter=info.get("adapter"))
     return _Prepared(request, params, prompts, system, steering, adapter, header)

@@ -18,7 +18,7 @@ from ster_dist.config import ModelConfig, from_hf
 from ster_dist.config_file import load_raw_config
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
-from ster_dist.load import PRECISIONS, check_expert_parallel
+from ster_dist.load import PRECISIONS, check_expert_parallel, check_weights
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.shard.footprint import RankFootprint, Tensor, rank_footprint, sort_tensors
@@ -41,18 +41,20 @@ def plan(request: PlanRequest) -> dict:
     ctxs = [ParallelCtx(tp_rank=r % request.tp, tp_size=request.tp, ep_rank=r // request.tp, ep_size=request.ep)
             for r in range(request.tp * request.ep)]
     check_expert_parallel(cfg, ctxs[0])
+    check_weights(cfg, request.weights, request.model)
     checkpoint = sort_tensors(cfg, raw, tensors)
     dtype = PRECISIONS[request.precision]
     progress(f"planning {len(ctxs)} rank(s) of {cfg.family} over {len(tensors)} checkpoint tensors "
              "(a meta-device decoder and the shard plan per rank)")
-    ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r) for r, ctx in enumerate(ctxs)]
+    ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r, keep_fp8=request.weights == "fp8")
+             for r, ctx in enumerate(ctxs)]
     memory = int(request.gpu_memory * GIB)
     max_len = request.max_model_len or cfg.max_position
     sequences = min(_sequences(memory, rank, max_len) for rank in ranks)
     kv = [_kv_tokens(memory, rank, sequences) for rank in ranks]
     tokens = min(kv)  # block ids are the same on every rank: the smallest cache bounds them all
     return {
-        "model": request.model, "family": cfg.family, "precision": request.precision,
+        "model": request.model, "family": cfg.family, "precision": request.precision, "weights": request.weights,
         "tp": request.tp, "ep": request.ep, "world_size": len(ranks),
         "quantization": checkpoint.method,
         "quantization_config": cfg.quant.summary() if cfg.quant else None,
@@ -222,7 +224,7 @@ def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], 
                 f"{ACTIVATION_RESERVE // GIB} GiB held for activations; give the GPUs' real memory")
     if worst.parameter_bytes + ACTIVATION_RESERVE > memory:
         stored = ""
-        if quantized:  # the weights are planned dequantized to --precision, as the loader holds them
+        if quantized and request.weights == "dequantize":  # planned dequantized to --precision, as loaded
             stored = (f" (dequantized to {request.precision}; kept in {quantized} as stored they would take about "
                       f"{worst.read_bytes / GIB:.1f} GiB)")
         return (f"does not fit: rank {worst.rank} needs {need:.1f} GiB of weights{stored}, more than --gpu-memory "

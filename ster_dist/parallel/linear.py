@@ -4,6 +4,9 @@ per parameter, the Shard of the global tensor it holds; the loader reads exactly
 Column- and row-parallel projections also carry the low-rank adapters attached to them at run
 time (adapters/attach.py), each already cut to this rank's share: a column-parallel projection
 holds A whole and its own rows of B, a row-parallel one its own columns of A and B whole.
+
+A module names the parameters it can hold as FP8 (`fp8_params`); under `--weights fp8` the loader keeps
+those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the pair.
 """
 
 from __future__ import annotations
@@ -12,20 +15,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ster_dist.events import progress
 from ster_dist.parallel.ctx import ParallelCtx, Shard
+from ster_dist.parallel.fp8 import Fp8Weight, blockwise_ok, scaled_product
 
 
 class ShardedModule(nn.Module):
     """A module whose parameters carry Shards (global shape and this rank's ranges)."""
 
+    fp8_params: tuple[str, ...] = ()  # parameters whose every use goes through matrix(): FP8 may be kept
+
     def __init__(self):
         super().__init__()
         self.shards: dict[str, Shard] = {}
+        # kept FP8 parameters: name -> (row group sizes, col group sizes, compute dtype); the scales are the
+        # buffers `<name>_scale`, so they follow the module to its device and count among its tensors
+        self.fp8: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
 
     def _param(self, name: str, shard: Shard, dtype: torch.dtype | None = None) -> None:
         self.shards[name] = shard
         self.register_parameter(name, nn.Parameter(torch.empty(shard.local_shape(), dtype=dtype),
                                                    requires_grad=False))
+
+    def keep_fp8(self, name: str, scale: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        """Parameter `name` (already FP8) is kept: `scale` [..., len(rows), len(cols)] scales its groups."""
+        self.register_buffer(f"{name}_scale", scale, persistent=False)
+        self.fp8[name] = (rows, cols, dtype)
+
+    def matrix(self, name: str = "weight") -> torch.Tensor | Fp8Weight:
+        """What `dense` multiplies by: the parameter, or the kept FP8 matrix with its scales."""
+        if name not in self.fp8:
+            return getattr(self, name)
+        rows, cols, dtype = self.fp8[name]
+        return Fp8Weight(getattr(self, name), getattr(self, f"{name}_scale"), rows, cols, dtype)
+
+    def plain(self, name: str = "weight") -> torch.Tensor:
+        """The parameter as a tensor of its compute dtype (a kept FP8 one dequantized: for uses other than
+        a product, such as MLA's absorbed key and value halves)."""
+        held = self.matrix(name)
+        return held.dequantize() if isinstance(held, Fp8Weight) else held
+
+    def dtype_of(self, name: str = "weight") -> torch.dtype:
+        """The dtype the parameter computes in (an adapter beside a kept FP8 weight is made in it)."""
+        return self.fp8[name][2] if name in self.fp8 else getattr(self, name).dtype
 
 
 def module_shards(root: nn.Module) -> dict[str, Shard]:
@@ -109,8 +142,22 @@ UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the co
 NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) through the kernel that streams W fastest for x's shape."""
+_blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) through the kernel that streams W fastest for x's shape; a kept FP8 W through blockwise
+    scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py)."""
+    if isinstance(weight, Fp8Weight):
+        where = str(x.device)
+        if where not in _blockwise_failed and blockwise_ok(x, weight):
+            try:
+                return scaled_product(x, weight, bias)
+            except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:  # no such kernel: say so once
+                _blockwise_failed.add(where)
+                progress(f"blockwise FP8 scaled_mm is not available on {where} ({str(error).splitlines()[0]}); "
+                         "FP8 weights are dequantized per product there")
+        weight = weight.dequantize()  # to its compute dtype, as a dequantizing load holds it
     inner = x.shape[-1]
     rows = x.numel() // inner if inner else 0
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
@@ -137,6 +184,8 @@ def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class ColumnLinear(ShardedModule):
     """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
 
+    fp8_params = ("weight",)
+
     def __init__(self, in_features: int, out_features: int, rows: tuple[tuple[int, int], ...], bias: bool):
         super().__init__()
         self._param("weight", Shard((out_features, in_features), 0, rows))
@@ -147,7 +196,7 @@ class ColumnLinear(ShardedModule):
         self.adapters: list[LowRank] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, self.bias)
+        y = dense(x, self.matrix(), self.bias)
         for adapter in self.adapters:
             y = y + adapter(x)
         return y
@@ -157,7 +206,9 @@ class FusedColumns(nn.Module):
     """Column-parallel projections of one input (q, k, v; gate, up) as one product over a weight holding
     their rows one part after another. Each part keeps its own parameters as views of the fused ones,
     so the loader, the name map, adapters and capture still see the parts; before fuse() (a model on the
-    meta device, or one being filled) each part runs alone."""
+    meta device, or one being filled) each part runs alone. Parts kept in FP8 stay unfused: each runs its
+    own product through its own scales (rows of parts concatenate, but their scale groups would line up
+    only where every part's rows are whole blocks)."""
 
     def __init__(self, *parts: ColumnLinear | None):
         super().__init__()
@@ -174,6 +225,8 @@ class FusedColumns(nn.Module):
         if self.weight is not None or len(parts) < 2 or any(p.weight.is_meta for p in parts):
             return
         if len({p.bias is None for p in parts}) > 1 or len({p.weight.dtype for p in parts}) > 1:
+            return
+        if any(p.fp8 for p in parts):
             return
         key = tuple(id(p.weight) for p in parts)
         if done is not None and key in done:
@@ -213,6 +266,8 @@ class FusedColumns(nn.Module):
 class RowLinear(ShardedModule):
     """y = all_reduce(x_local W_local^T) + b with W's input columns split; the bias is added once."""
 
+    fp8_params = ("weight",)
+
     def __init__(self, in_features: int, out_features: int, ctx: ParallelCtx, bias: bool,
                  cols: tuple[int, int] | None = None):
         super().__init__()
@@ -226,7 +281,7 @@ class RowLinear(ShardedModule):
         self.adapters: list[LowRank] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight)
+        y = dense(x, self.matrix())
         for adapter in self.adapters:
             y = y + adapter(x)  # a partial sum over this rank's inputs, reduced with the base's
         y = self.ctx.all_reduce(y)

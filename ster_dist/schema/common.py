@@ -18,6 +18,7 @@ SYNTAX_ONLY = 1 << 16
 ChatTemplate = Literal["auto", "on", "off"]
 Precision = Literal["f32", "bf16", "f16"]
 Device = Literal["cpu", "cuda"]
+Weights = Literal["dequantize", "fp8"]
 
 
 class ModelRef(Request):
@@ -40,12 +41,14 @@ class Runtime(ModelRef):
 
     precision: Precision = field("f32", help="the dtype weights are held and multiplied in")
     device: Device = field("cpu", help="cpu or cuda")
+    weights: Weights = field("dequantize", help="an FP8 checkpoint's weights: dequantize (to --precision, while "
+                             "loading) or fp8 (kept as stored, with their block scales, and multiplied through them)")
     tp: int = field(1, ge=1, help="tensor-parallel ranks (Ray actors when above 1)")
     ep: int = field(1, ge=1, help="expert-parallel ranks for mixture-of-experts models (tp x ep ranks in all)")
     address: str | None = field(None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)")
 
     def group_key(self) -> tuple:
-        return (self.model, self.revision, self.precision, self.device, self.tp, self.ep)
+        return (self.model, self.revision, self.precision, self.device, self.tp, self.ep, self.weights)
 
 
 def layers_text(value) -> str:

@@ -97,6 +97,7 @@ class GenerateResult(BaseModel):
     precision: str
     tp: int
     ep: int
+    weights: str | None = None  # "fp8" when an FP8 checkpoint's weights were kept as stored
     chat_template: str
     sampling: dict
     steering: dict | None = None
@@ -106,7 +107,7 @@ class GenerateResult(BaseModel):
 
     def header(self) -> dict:
         header = self.model_dump(exclude={"results", "answered"})
-        for optional in ("steering", "adapter"):  # present only when the run carried one
+        for optional in ("weights", "steering", "adapter"):  # present only when the run carried one
             if header[optional] is None:
                 del header[optional]
         return header

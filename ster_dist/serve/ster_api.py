@@ -44,7 +44,7 @@ from ster_dist.schema.base import kind_of_value
 ENDPOINTS = {cls.ster_name or cls.command[-1]: cls for cls in (
     SteerTrainRequest, SteerOptimizeRequest, SteerEvaluateRequest, GenerateRequest, ExtractRequest,
     SteerInspectRequest)}
-SETTINGS = ("model", "revision", "precision", "device", "tp", "ep")
+SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "weights")
 NDJSON = "application/x-ndjson"
 POLL_S = 1.0  # one poll's longest wait; news wakes it at once
 _SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
@@ -53,7 +53,7 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 def ster_router(client, defaults: dict) -> APIRouter:
     """The router for an app to include. `client` is a job-queue client (LocalClient, RayClient);
-    `defaults` the served model's settings (model, revision, precision, device, tp, ep)."""
+    `defaults` the served model's settings (model, revision, precision, device, tp, ep, weights)."""
     api = SterApi(client, defaults)
     router = APIRouter()
     for name, cls in ENDPOINTS.items():

@@ -16,6 +16,9 @@ Some checkpoint tensors are set aside or renamed before the plan sees them:
 - MXFP4 pairs (`X_blocks` and `X_scales`, quant_method mxfp4) are planned as the one tensor X the
   loader presents (shard/mxfp4.py): a rank reads the bytes and exponents of its experts, rows and
   32-value groups.
+
+With `keep_fp8` (`--weights fp8`) the parameters the loader would keep (shard/fp8_kept.py, the same
+rule over the same plan) count one byte an element plus their float32 scale groups.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import module_shards, tied_parameters
 from ster_dist.shard import mxfp4
 from ster_dist.shard.fp8 import ACTIVATION_SCALES, scale_block
+from ster_dist.shard.fp8_kept import kept_parameters, kept_scale_bytes
 from ster_dist.shard.plan import Piece, build_plan
 from ster_dist.shard.safetensors_header import DTYPES
 
@@ -73,7 +77,7 @@ class RankFootprint:
     rank: int
     tp_rank: int
     ep_rank: int
-    parameter_bytes: int     # what the rank allocates for its parameters at the compute dtype
+    parameter_bytes: int     # what the rank allocates for its parameters at the compute dtype (kept FP8 as FP8)
     read_bytes: int          # what it reads from the files (weights and scales), in the files' dtypes
     scale_bytes: int         # of which FP8 scales or MXFP4 exponents
     kv_bytes_per_token: int  # its paged KV cache per token, all layers, at the compute dtype
@@ -152,11 +156,12 @@ def _scale_blocks(extents: list[list[tuple[int, int]]], scale: Tensor, block: tu
 
 
 def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: ParallelCtx, dtype: torch.dtype,
-                   rank: int) -> RankFootprint:
+                   rank: int, keep_fp8: bool = False) -> RankFootprint:
     model = meta_decoder(cfg, ctx, dtype)
     shards = module_shards(model)
-    plan = build_plan(cfg.spec, cfg, shards, {name: t.shape for name, t in checkpoint.planned.items()},
-                      tied_copies={name for _, _, name, _ in tied_parameters(model)})
+    copies = tied_parameters(model)
+    shapes = {name: t.shape for name, t in checkpoint.planned.items()}
+    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies})
     missing = sorted(set(shards) - set(plan.expected))
     if missing:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "
@@ -185,5 +190,11 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
         scale = checkpoint.tensors[checkpoint.scales[weight]]
         scale_bytes += _scale_blocks(windows, scale, checkpoint.scale_blocks[weight]) * DTYPES[scale.dtype].itemsize
     params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if keep_fp8:  # the loader's own choice of kept parameters: one byte an element, plus their scale groups
+        tied = {name for _, _, name, _ in copies} | {owner for _, _, _, owner in copies}
+        kept = kept_parameters(model, plan, shapes, set(checkpoint.scales), tied)
+        for name, spans in kept.items():
+            shape = shards[name].local_shape()
+            params += math.prod(shape) * (1 - dtype.itemsize) + kept_scale_bytes(spans, checkpoint.scale_blocks, shape)
     return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, read + scale_bytes, scale_bytes,
                          PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model))

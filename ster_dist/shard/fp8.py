@@ -12,6 +12,9 @@ scales and nothing more. The companions are consumed here: the name map never se
 are quantized is what the files say (a companion beside it), as in the published checkpoints, whose
 norms, embeddings, routers and head stay BF16. compressed-tensors' activation scales (`input_scale`) are
 set aside: activation schemes are not applied (shard/quantized.py says so once).
+
+Under `--weights fp8` the loader reads the tensors it keeps through `read_kept` instead: the same window's
+FP8 bytes and covering scale entries, as stored (shard/fp8_kept.py places them).
 """
 
 from __future__ import annotations
@@ -122,28 +125,41 @@ class Fp8Source:
             return False
         return self.inner.read_into(name, out, rows, cols)
 
+    def read_kept(self, name: str, window: tuple[slice, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A window of quantized tensor `name` as stored: its FP8 values, and the scale entries of the blocks
+        covering it [..., block rows, block cols] in float32."""
+        values, scale, _ = self._window(name, window)
+        return values, scale
+
     def read_window(self, name: str, window: tuple[slice, ...]) -> torch.Tensor:
         """A block of the tensor (one slice per dimension), dequantized when it is quantized."""
         if name not in self.scales:
             return loader.read_window(self.inner, name, window)
+        values, scale, (r0, r1, c0, c1, s_rows, s_cols) = self._window(name, window)
+        if values.numel() == 0:
+            return values.to(self.dtype_out)
+        b0, b1 = self.blocks[name]
+        # each scale entry spread over its block, then cut to the window's offset inside its first block
+        scale = scale.repeat_interleave(b0, -2).repeat_interleave(b1, -1)
+        scale = scale[..., r0 - s_rows.start * b0:r1 - s_rows.start * b0, c0 - s_cols.start * b1:c1 - s_cols.start * b1]
+        return (values.float() * scale).to(self.dtype_out)
+
+    def _window(self, name: str, window: tuple[slice, ...]):
         shape = self.inner.shape(name)
         window = tuple(window) + (slice(None),) * (len(shape) - len(window))
         bounds = [w.indices(n)[:2] for w, n in zip(window, shape, strict=True)]
         (r0, r1), (c0, c1) = bounds[-2:]
         values = loader.read_window(self.inner, name, window)
-        if values.numel() == 0:
-            return values.to(self.dtype_out)
         b0, b1 = self.blocks[name]
         s_rows, s_cols = slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1))
         scale_name = self.scales[name]
+        if values.numel() == 0:
+            return values, None, (r0, r1, c0, c1, s_rows, s_cols)
         if len(self.inner.shape(scale_name)) < len(shape):  # one scale per tensor, stored as [] or [1]
             scale = self.inner.read(scale_name).float().reshape(*values.shape[:-2], 1, 1)
         else:
             scale = loader.read_window(self.inner, scale_name, (*window[:-2], s_rows, s_cols)).float()
-        # each scale entry spread over its block, then cut to the window's offset inside its first block
-        scale = scale.repeat_interleave(b0, -2).repeat_interleave(b1, -1)
-        scale = scale[..., r0 - s_rows.start * b0:r1 - s_rows.start * b0, c0 - s_cols.start * b1:c1 - s_cols.start * b1]
-        return (values.float() * scale).to(self.dtype_out)
+        return values, scale, (r0, r1, c0, c1, s_rows, s_cols)
 
     def close(self) -> None:
         self.inner.close()

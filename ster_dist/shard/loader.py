@@ -6,6 +6,9 @@ parameter's Shard from the module's ShardedModules, so weight I/O sits above the
 model never imports it. A rank never reads another rank's rows or experts; every checkpoint
 tensor must be consumed (or ignored by rule, or held by another rank) and every parameter filled,
 or loading fails naming it.
+
+With `keep_fp8` (`--weights fp8`) the parameters shard/fp8_kept.py keeps are allocated as float8_e4m3fn and
+filled with the stored bytes of the same windows, their covering scale entries gathered beside them.
 """
 
 from __future__ import annotations
@@ -15,24 +18,39 @@ from torch import nn
 
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
+from ster_dist.parallel.fp8 import FP8
 from ster_dist.parallel.linear import module_shards, tied_parameters
+from ster_dist.shard.fp8_kept import ScaleGrid, kept_parameters, span_of
 from ster_dist.shard.plan import Piece, Plan, build_plan
 from ster_dist.shard.source import TensorSource
 
 
 def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
-                device: str | torch.device = "cpu") -> Plan:
+                device: str | torch.device = "cpu", keep_fp8: bool = False) -> Plan:
     """Allocate `model` on `device` (built on the meta device: shapes only) and fill every parameter
-    from `source` through cfg's name map; returns the plan it read by."""
+    from `source` through cfg's name map; returns the plan it read by. `keep_fp8`: a quantized source's
+    FP8 tensors stay FP8 where the module docstring says."""
     shards = module_shards(model)
     # a tied copy (a tensor several layers use) is listed once, under its first name; the copies are dropped
     # before allocating and given the filled tensor after, so it is read once and held once
     copies = tied_parameters(model)
     for module, attr, _, _ in copies:
         module._parameters[attr] = None
-    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
     shapes = {name: source.shape(name) for name in source.names()}
     plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies})
+    kept = {}
+    if keep_fp8:
+        quantized = set(getattr(source, "scales", {}))  # Fp8Source: quantized tensor -> its scale tensor
+        tied = {name for _, _, name, _ in copies} | {owner for _, _, _, owner in copies}
+        kept = kept_parameters(model, plan, shapes, quantized, tied)
+    modules = dict(model.named_modules())
+    for name in kept:  # still on the meta device: allocated below as FP8, never at the compute dtype
+        prefix, _, attr = name.rpartition(".")
+        modules[prefix]._parameters[attr] = nn.Parameter(
+            torch.empty(shards[name].local_shape(), dtype=FP8, device="meta"), requires_grad=False)
+    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
+    grids = {name: ScaleGrid(spans, source.blocks, shards[name].local_shape(), device)
+             for name, spans in kept.items()}
     params = dict(model.named_parameters())
     for module, attr, _, owner in copies:
         module._parameters[attr] = params[owner]
@@ -47,6 +65,11 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
     last: tuple = (None, None)  # GPT-OSS's interleaved gate and up share one window: read it once
     for read in plan.reads:
         target = params[read.param].data
+        if read.param in grids:
+            _fill_kept(source, read.source, read.pieces, target, grids[read.param], shapes[read.source])
+            if read.stacked:
+                stacked_rows[read.param] = stacked_rows.get(read.param, 0) + 1
+            continue
         for piece in read.pieces:
             if piece.window is not None:
                 key = (read.source, piece.window)
@@ -67,7 +90,21 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
         if count != params[name].shape[0]:
             raise Refusal(f"parameter {name} has {params[name].shape[0]} stacked rows but the checkpoint "
                           f"fills {count}; the weights lack some of its tensors")
+    for name, grid in grids.items():
+        prefix, _, attr = name.rpartition(".")
+        rows, cols = grid.sizes()
+        modules[prefix].keep_fp8(attr, grid.scale, rows, cols, source.dtype_out)
     return plan
+
+
+def _fill_kept(source: TensorSource, name: str, pieces: tuple[Piece, ...], target: torch.Tensor, grid: ScaleGrid,
+               shape: tuple[int, ...]) -> None:
+    """A kept parameter's pieces: the FP8 bytes into the parameter, the covering scale entries into its grid."""
+    for piece in pieces:
+        span = span_of(piece, shape, tuple(target.shape))
+        values, entries = source.read_kept(name, span.window)
+        target[piece.dst] = values
+        grid.put(span, source.blocks[name], entries)
 
 
 def _arrange(data: torch.Tensor, piece: Piece) -> torch.Tensor:

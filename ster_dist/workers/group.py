@@ -49,6 +49,6 @@ def open_group(tp: int, device: str = "cpu", address: str | None = None, launche
     return RayGroup(world, device, address, ep=ep)
 
 
-def load_on(group, checkpoint: Checkpoint, precision: str, device: str) -> list[dict]:
+def load_on(group, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> list[dict]:
     """Every rank loads its shard of the checkpoint the driver resolved (once)."""
-    return group.call("load", checkpoint, precision, device)
+    return group.call("load", checkpoint, precision, device, weights)

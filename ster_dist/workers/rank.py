@@ -132,10 +132,10 @@ class Rank:
     def ctx(self) -> ParallelCtx:
         return self._ctx
 
-    def load(self, checkpoint: Checkpoint, precision: str, device: str) -> dict:
+    def load(self, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> dict:
         rss_before = reset_peak_rss()
         start = time.perf_counter()
-        self.loaded = load_model(checkpoint, precision, device, self.ctx())
+        self.loaded = load_model(checkpoint, precision, device, self.ctx(), weights)
         return {"rank": self.rank, "load_seconds": time.perf_counter() - start,
                 "bytes_read": self.loaded.bytes_read, "peak_rss_before": rss_before,
                 "peak_rss_after": peak_rss_bytes()}
