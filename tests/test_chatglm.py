@@ -21,7 +21,7 @@ from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.workers.spawn import SpawnGroup
+from tests.remote_checks import check_cache_and_batches, check_tp2_equals_tp1, random_ids
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 HEADS, GROUPS, HEAD_DIM, HIDDEN, FFN, LAYERS, VOCAB = 4, 2, 16, 32, 48, 2, 384
@@ -107,19 +107,15 @@ def built(tmp_path_factory):
     return out
 
 
-def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_and_greedy_tokens_equal_transformers_glm(built, variant):
     _, reference, loaded = built[variant]
     assert loaded.cfg.family == "chatglm" and loaded.cfg.num_kv_heads == GROUPS
-    ids = _ids(2, 30)
+    ids = random_ids(2, 30)
     with torch.no_grad():
         result = compare(loaded.model(ids), reference(ids).logits)
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, (variant, result)
-    prompt = _ids(1, 7, seed=1)[0]
+    prompt = random_ids(1, 7, seed=1)[0]
     want = reference.generate(prompt[None], max_new_tokens=10, do_sample=False, eos_token_id=2,
                               pad_token_id=0)[0, 7:].tolist()
     got = generate(loaded.model, [prompt.tolist()], Sampling(max_new_tokens=10), loaded.cfg.eos_token_ids)[0]
@@ -128,27 +124,11 @@ def test_logits_and_greedy_tokens_equal_transformers_glm(built, variant):
 
 @pytest.mark.parametrize("variant", ["glm4", "halves"])
 def test_decoding_from_cache_equals_reading_whole_and_batches_equal_one_by_one(built, variant):
-    model = built[variant][2].model
-    ids = _ids(2, 20, seed=2)
-    with torch.no_grad():
-        whole = model(ids)
-        cache = model.new_cache(2, 20)
-        parts = [model(ids[:, :12], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(12, 20)]
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
-    prompts = [_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
-    sampling, eos = Sampling(max_new_tokens=8), built[variant][2].cfg.eos_token_ids
-    assert generate(model, prompts, sampling, eos) == [generate(model, [p], sampling, eos)[0] for p in prompts]
+    check_cache_and_batches(built[variant][2], variant)
 
 
 def test_tp2_equals_tp1(built):
-    ids = _ids(2, 24, seed=4)
-    with SpawnGroup(2) as group:
-        for variant in VARIANTS:
-            directory, _, single = built[variant]
-            group.call("load", resolve(str(directory)), "f32", "cpu")
-            with torch.no_grad():
-                tp1 = single.model(ids)
-            assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5, variant
+    check_tp2_equals_tp1({variant: (directory, loaded) for variant, (directory, _, loaded) in built.items()})
 
 
 def test_ster_families_lists_chatglm_as_parity_checked_against_this_file():

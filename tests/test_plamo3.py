@@ -11,7 +11,6 @@ Transformers has no PLaMo class, and ster_dist never runs the checkpoint's own c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,13 @@ from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
-from ster_dist.workers.spawn import SpawnGroup
 from tests.cli_run import cli_generate
+from tests.remote_checks import (
+    check_cache_and_batches,
+    check_tp2_equals_tp1,
+    greedy_by_rereading,
+    random_ids,
+)
 from tests.test_tokenizer_plamo import make_rows, write_plamo
 
 SIZES = dict(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -123,18 +127,7 @@ def built(tmp_path_factory):
 
 
 def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(4, 500, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _greedy(reference, prompt: list[int], n: int, eos: int) -> list[int]:
-    ids, out = list(prompt), []
-    for _ in range(n):
-        token = int(reference(torch.tensor([ids]))[0, -1].argmax())
-        out.append(token)
-        ids.append(token)
-        if token == eos:
-            break
-    return out
+    return random_ids(batch, length, seed, low=4, high=500)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -147,37 +140,16 @@ def test_logits_and_greedy_tokens_match_the_reference(built, variant):
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, (variant, result)
     prompt = _ids(1, 7, seed=1)[0].tolist()
     eos = loaded.cfg.eos_token_ids
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=12), eos)[0] == _greedy(reference, prompt, 12, eos[0])
+    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=12), eos)[0] == greedy_by_rereading(reference, prompt, 12, eos[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_from_cache_equals_reading_whole_and_batches_equal_one_by_one(built, variant):
-    model = built[variant][2].model
-    ids = _ids(2, 20, seed=2)
-    with torch.no_grad():
-        whole = model(ids)
-        cache = model.new_cache(2, 20)
-        parts = [model(ids[:, :12], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(12, 20)]
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5, variant
-    prompts = [_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
-    sampling, eos = Sampling(max_new_tokens=8), built[variant][2].cfg.eos_token_ids
-    assert generate(model, prompts, sampling, eos) == [generate(model, [p], sampling, eos)[0] for p in prompts]
+    check_cache_and_batches(built[variant][2], variant)
 
 
 def test_tp2_equals_tp1(built):
-    ids = _ids(2, 24, seed=4)
-    prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling = Sampling(max_new_tokens=8)
-    with SpawnGroup(2) as group:
-        for variant in VARIANTS:
-            directory, _, single = built[variant]
-            group.call("load", resolve(str(directory)), "f32", "cpu")
-            with torch.no_grad():
-                tp1 = single.model(ids)
-            assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5, variant
-            eos = single.cfg.eos_token_ids
-            assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling,
-                                                                                  eos), variant
+    check_tp2_equals_tp1({variant: (directory, loaded) for variant, (directory, _, loaded) in built.items()})
 
 
 def test_the_token_engine_reads_its_jsonl_tokenizer_and_answers_as_the_reference(built):
@@ -186,7 +158,7 @@ def test_the_token_engine_reads_its_jsonl_tokenizer_and_answers_as_the_reference
     tokenizer = Tokenizer.from_directory(directory)
     ids = tokenizer.encode(prompt)
     assert ids[0] == tokenizer.backend.token_to_id("<|plamo:bos|>")  # add_bos_token
-    want = _greedy(reference, ids, 8, loaded.cfg.eos_token_ids[0])
+    want = greedy_by_rereading(reference, ids, 8, loaded.cfg.eos_token_ids[0])
     got = cli_generate(f"--model={directory}", f"--prompt={prompt}", "--chat-template=off", "--max-new-tokens=8")
     assert got["prompt_tokens"] == len(ids)
     assert got["text"] == tokenizer.decode([t for t in want if t not in loaded.cfg.eos_token_ids])

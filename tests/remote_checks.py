@@ -1,0 +1,62 @@
+"""Checks the families tested against a hand-made reference share (tests/test_dense_remote2.py,
+test_plamo3.py, test_chatglm.py): random ids, greedy decoding by whole re-reads of a reference forward,
+decoding from the cache equal to the whole read with batches equal to one at a time, and TP=2 equal to
+TP=1 on a spawned gloo group."""
+
+from __future__ import annotations
+
+import torch
+
+from ster_dist.generate import Sampling, generate
+from ster_dist.parity import compare
+from ster_dist.resolve import resolve
+from ster_dist.workers.spawn import SpawnGroup
+
+
+def random_ids(batch: int, length: int, seed: int = 0, low: int = 3, high: int = 300) -> torch.Tensor:
+    return torch.randint(low, high, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy_by_rereading(forward, prompt: list[int], n: int, eos: int) -> list[int]:
+    """Greedy tokens of a reference forward over ids (logits [1, t, vocab]), reading the whole text each step."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            token = int(forward(torch.tensor([ids]))[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+        if token == eos:
+            break
+    return out
+
+
+def check_cache_and_batches(loaded, what: str = "") -> None:
+    """Prompt then one token at a time through the cache equals the whole read; prompts of different lengths
+    batched (left-padded) generate what each does alone."""
+    model = loaded.model
+    ids = random_ids(2, 20, seed=2)
+    with torch.no_grad():
+        whole = model(ids)
+        cache = model.new_cache(2, 20)
+        parts = [model(ids[:, :12], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(12, 20)]
+    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5, what
+    prompts = [random_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
+    sampling, eos = Sampling(max_new_tokens=8), loaded.cfg.eos_token_ids
+    assert generate(model, prompts, sampling, eos) == [generate(model, [p], sampling, eos)[0] for p in prompts], what
+
+
+def check_tp2_equals_tp1(checkpoints: dict) -> None:
+    """Each (directory, loaded one-rank model) of `checkpoints` on one spawned group of two ranks: logits and
+    greedy tokens equal the one-rank model's."""
+    ids = random_ids(2, 24, seed=4)
+    prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
+    sampling = Sampling(max_new_tokens=8)
+    with SpawnGroup(2) as group:
+        for name, (directory, single) in checkpoints.items():
+            group.call("load", resolve(str(directory)), "f32", "cpu")
+            with torch.no_grad():
+                tp1 = single.model(ids)
+            assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5, name
+            eos = single.cfg.eos_token_ids
+            assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling,
+                                                                                  eos), name
