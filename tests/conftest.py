@@ -4,8 +4,29 @@ Ray reads its token-authentication mode once per process, so a process that talk
 clusters (an embedded one a test started, then the `ray start --head` one of test_ray_jobs.py)
 must see one mode for both: the actors it creates on the second die at start when the modes
 differ. Every cluster here is ours, on 127.0.0.1, so authentication is off for all of them.
+
+`tp2` and `ep2`: a spawned gloo group of two tensor-parallel ranks, and one of two expert-parallel ranks,
+each shared by the tests of one module.
 """
 
 import os
 
+import pytest
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    from ster_dist.workers.spawn import SpawnGroup
+
+    with SpawnGroup(2) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def ep2():
+    from ster_dist.workers.spawn import SpawnGroup
+
+    with SpawnGroup(2, ep=2) as group:
+        yield group

@@ -37,7 +37,6 @@ from ster_dist.schema.tools import InspectModelRequest
 from ster_dist.shard import quantized
 from ster_dist.shard.plan import build_plan
 from ster_dist.shard.safetensors_header import DTYPES, read_header
-from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
 
 E4M3_MAX = 448.0
@@ -133,18 +132,6 @@ def checkpoints(tmp_path_factory):
         out[variant] = (root / "ct", transformers.AutoModelForCausalLM.from_pretrained(
             root / "ref", dtype=torch.float32).eval())
     return out
-
-
-@pytest.fixture(scope="module")
-def tp2():
-    with SpawnGroup(2) as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def ep2():
-    with SpawnGroup(2, ep=2) as group:
-        yield group
 
 
 def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:

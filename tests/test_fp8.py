@@ -33,7 +33,6 @@ from ster_dist.resolve import resolve
 from ster_dist.schema.tools import InspectModelRequest
 from ster_dist.shard.plan import build_plan
 from ster_dist.shard.safetensors_header import DTYPES, read_header
-from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
 
 E4M3_MAX = 448.0
@@ -126,18 +125,6 @@ def checkpoints(tmp_path_factory):
         assert type(reference) is type(model)
         out[variant] = (root / "fp8", root / "ref", reference)
     return out
-
-
-@pytest.fixture(scope="module")
-def tp2():
-    with SpawnGroup(2) as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def ep2():
-    with SpawnGroup(2, ep=2) as group:
-        yield group
 
 
 def expected_bytes(directory: Path, ctx: ParallelCtx) -> int:

@@ -33,7 +33,6 @@ from ster_dist.resolve import resolve
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.shard.plan import build_plan
 from ster_dist.shard.safetensors_header import read_header
-from ster_dist.workers.spawn import SpawnGroup
 from tests.cli_run import cli_generate
 from tests.test_fp8 import BLOCKS, IDS, expected_bytes, mtp_tensors, write_fp8
 from tests.tiny_models import make_tiny
@@ -124,18 +123,6 @@ def test_kept_fp8_equals_dequantized_and_holds_fp8_bytes_and_covering_scales(che
         ours = load_model(checkpoint, "bf16", weights="fp8").model(IDS).float()
         theirs = load_model(checkpoint, "bf16").model(IDS).float()
     assert compare(ours, theirs)["mean_cosine"] > 0.9999
-
-
-@pytest.fixture(scope="module")
-def tp2():
-    with SpawnGroup(2) as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def ep2():
-    with SpawnGroup(2, ep=2) as group:
-        yield group
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe"])

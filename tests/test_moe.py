@@ -54,12 +54,6 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module")
-def ep2():
-    with SpawnGroup(2, ep=2) as group:
-        yield group
-
-
 def _ids(batch=2, length=40, seed=0):
     return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
 

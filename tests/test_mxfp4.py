@@ -29,7 +29,6 @@ from ster_dist.resolve import resolve
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.schema.tools import InspectModelRequest
 from ster_dist.shard.safetensors_header import read_header
-from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import BASE_CONFIG, TINY, _perturb_experts, perturb_norms
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -107,18 +106,6 @@ def checkpoint(tmp_path_factory):
     for name, w in unpacked.items():  # the packing here is the format Transformers reads
         assert torch.equal(state[name].float(), w), name
     return root / "mxfp4", reference
-
-
-@pytest.fixture(scope="module")
-def tp2():
-    with SpawnGroup(2) as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def ep2():
-    with SpawnGroup(2, ep=2) as group:
-        yield group
 
 
 def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
