@@ -24,6 +24,7 @@ from ster_dist.ops.steer import train as steer_train
 from ster_dist.ops.tools import families, gguf_import, inspect_model, toy_model
 from ster_dist.ops.tune import dpo as tune_dpo
 from ster_dist.ops.tune import evaluate as tune_evaluate
+from ster_dist.ops.tune import grpo as tune_grpo
 from ster_dist.ops.tune import reward as tune_reward
 from ster_dist.ops.tune import sft as tune_sft
 from ster_dist.schema import (
@@ -46,6 +47,7 @@ from ster_dist.schema import (
     ToyModelRequest,
     TuneDpoRequest,
     TuneEvaluateRequest,
+    TuneGrpoRequest,
     TuneRewardRequest,
     TuneSftRequest,
 )
@@ -73,6 +75,7 @@ OPERATIONS: dict[type[Request], Operation] = {
     TuneSftRequest: Operation(tune_sft, False),
     TuneDpoRequest: Operation(tune_dpo, False),
     TuneRewardRequest: Operation(tune_reward, False),
+    TuneGrpoRequest: Operation(tune_grpo, False),
     TuneEvaluateRequest: Operation(tune_evaluate, True),
     FamiliesRequest: Operation(families, False),
     InspectModelRequest: Operation(inspect_model, False),
@@ -101,4 +104,4 @@ def exit_code(request: Request, result: dict) -> int:
 
 __all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_many", "parity", "extract",
            "decide", "calibrate", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
-           "tune_sft", "tune_dpo", "tune_reward", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]
+           "tune_sft", "tune_dpo", "tune_reward", "tune_grpo", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]

@@ -1,6 +1,6 @@
-"""tune sft | dpo | reward | evaluate: LoRA adapters trained across dp x tp ranks with DeepSpeed (the base
-frozen, loaded by the streaming loader), and loss over completion tokens. sft and dpo write a PEFT
-adapter directory, reward a PEFT sequence-classification adapter (kind "reward"), each returning the
+"""tune sft | dpo | reward | grpo | evaluate: LoRA adapters trained across dp x tp ranks with DeepSpeed (the
+base frozen, loaded by the streaming loader), and loss over completion tokens. sft, dpo and grpo write a
+PEFT adapter directory, reward a PEFT sequence-classification adapter (kind "reward"), each returning the
 run's report; evaluate writes nothing."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ster_dist.inputs import output_not_an_input, read_text
 from ster_dist.schema.tune import (
     TuneDpoRequest,
     TuneEvaluateRequest,
+    TuneGrpoRequest,
     TuneRewardRequest,
     TuneSftRequest,
 )
@@ -48,6 +49,17 @@ def reward(request: TuneRewardRequest) -> dict:
     return _train(request, _pairs(request, RewardModel()))
 
 
+def grpo(request: TuneGrpoRequest) -> dict:
+    from ster_dist.tune.prepare import prepare_prompts
+
+    system = _system(request)
+    rollout = {"group_size": request.group_size, "max_new_tokens": request.max_new_tokens,
+               "temperature": request.temperature, "beta": request.beta, "reward": request.reward}
+    return _train(request, lambda settings: prepare_prompts(request.model, request.prompts, settings, rollout,
+                                                            request.adapter_layers, request.revision,
+                                                            request.chat_template, system, request.output))
+
+
 def _system(request) -> str | None:
     return read_text(request.system, request.label("system")) if request.system else None
 
@@ -79,9 +91,9 @@ def _train(request, prepare, extra: dict | None = None) -> dict:
     plan, header = prepare(settings)
     header = {**header, **(extra or {})}
     world = settings.dp * settings.tp
-    items = header.get("pairs", header.get("examples"))
+    what = next(k for k in ("pairs", "prompts", "examples") if k in header)
     progress(f"training {len(plan.sites)} projections on {world} rank(s) (dp {settings.dp} x tp {settings.tp}): "
-             f"{items} {'pairs' if 'pairs' in header else 'examples'}, {header['steps']} steps")
+             f"{header[what]} {what}, {header['steps']} steps")
     start = time.perf_counter()
     group = open_group(world, r.device, r.address, r.launcher)
     try:
@@ -97,11 +109,13 @@ def _train(request, prepare, extra: dict | None = None) -> dict:
 
 
 def _last_metrics(result: dict) -> dict:
-    """A preference run's reward numbers (margin, accuracy, ...) of its first and final steps."""
-    from ster_dist.tune.preference import METRICS
+    """A preference or grpo run's reward numbers (margin, accuracy, mean reward, KL, ...) of its first and final
+    steps."""
+    from ster_dist.tune.grpo import METRICS as GRPO
+    from ster_dist.tune.preference import METRICS as PREFERENCE
 
     first, last = result["steps"][0], result["steps"][-1]
-    return {f"{when}_{name}": step[name] for name in METRICS if name in last
+    return {f"{when}_{name}": step[name] for name in PREFERENCE + GRPO if name in last
             for when, step in (("first", first), ("final", last))}
 
 

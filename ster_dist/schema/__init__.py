@@ -26,12 +26,19 @@ from ster_dist.schema.tools import (
     InspectModelRequest,
     ToyModelRequest,
 )
-from ster_dist.schema.tune import TuneDpoRequest, TuneEvaluateRequest, TuneRewardRequest, TuneSftRequest
+from ster_dist.schema.tune import (
+    TuneDpoRequest,
+    TuneEvaluateRequest,
+    TuneGrpoRequest,
+    TuneRewardRequest,
+    TuneSftRequest,
+)
 
 REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
-    CalibrateRequest, MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneEvaluateRequest, ToyModelRequest,
+    CalibrateRequest, MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
+    ToyModelRequest,
     GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest,
 )
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
@@ -40,7 +47,7 @@ __all__ = [
     "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ChatRequest",
     "ParityRequest", "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest",
     "SteerInspectRequest", "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
-    "TuneDpoRequest", "TuneRewardRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
+    "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
 ]

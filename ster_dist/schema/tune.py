@@ -1,4 +1,4 @@
-"""tune sft | dpo | reward | evaluate: LoRA adapters (and reward models) trained across ranks, and
+"""tune sft | dpo | reward | grpo | evaluate: LoRA adapters (and reward models) trained across ranks, and
 completion-token evaluation.
 
 The training numbers keep their range checks in ster_dist/tune/spec.py (Ster's wording); the
@@ -16,6 +16,7 @@ from ster_dist.schema.common import ChatTemplate, ModelRef, Runtime, chat_templa
 
 EXAMPLES_HELP = 'a {"examples": [{"prompt", "completion"}, ...]} JSON file'
 PAIRS_HELP = 'a JSONL file of {"prompt", "chosen", "rejected"} objects, one per line'
+PROMPTS_HELP = 'a JSONL file of {"prompt"} objects (optional "system"), one per line'
 SYSTEM_HELP = "a file holding the system message of every example"
 # numbers without defaults: a missing one is named, with an example (Ster's refusal)
 REQUIRED = (("learning_rate", "1e-4"), ("epochs", "3"), ("seed", "0"))
@@ -90,6 +91,44 @@ class TuneRewardRequest(_TrainRequest):
     summary = "a Bradley-Terry reward model: LoRA factors and a scalar head, written as a reward adapter"
 
     pairs: str = field(help=PAIRS_HELP)
+
+
+class TuneGrpoRequest(_TrainRequest):
+    kind = "tune-grpo"
+    command = ("tune", "grpo")
+    summary = ("GRPO of LoRA factors: groups of completions sampled from the policy, group-relative "
+               "advantages, a k3 KL to the base")
+
+    prompts: str = field(help=PROMPTS_HELP)
+    reward: str = field("length", help="length (completion tokens before the stop token) or a reward model "
+                                       "directory written by `ster tune reward`")
+    group_size: int = field(4, help="completions sampled per prompt (at least 2: advantages are within a group)")
+    max_new_tokens: int = field(16, help="tokens sampled per completion at most")
+    temperature: float = field(1.0, allow_inf_nan=False, help="sampling temperature (positive)")
+    beta: float = field(0.04, allow_inf_nan=False, help="weight of the k3 KL to the base (0: none)")
+    turns: int = field(1, help="conversation turns per rollout (only 1 is supported yet)")
+    user_model: str | None = field(None, help="the model playing the user in --turns > 1 conversations "
+                                              "(not supported yet)")
+
+    @model_validator(mode="after")
+    def _rollout(self, info: ValidationInfo):
+        if self.turns != 1 or self.user_model is not None:
+            given = (f"{label_in(info, 'turns')} {self.turns}" if self.turns != 1 else
+                     f"{label_in(info, 'user_model')} {self.user_model}")
+            raise Refusal(f"{given}: multi-turn GRPO conversations are not supported yet; run single-turn "
+                          f"rollouts ({label_in(info, 'turns')} 1, no {label_in(info, 'user_model')})")
+        if self.group_size < 2:
+            raise Refusal(f"{label_in(info, 'group_size')} must be at least 2 (an advantage is a completion's "
+                          f"reward against its group's), got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise Refusal(f"{label_in(info, 'max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise Refusal(f"{label_in(info, 'temperature')} must be positive (greedy groups are all the same "
+                          f"completion, with no advantage), got {self.temperature}")
+        if self.beta < 0:
+            raise Refusal(f"{label_in(info, 'beta')} must be zero (no KL) or positive, got {self.beta}")
+        no_stdin(self, ("prompts", "reward"), info)
+        return self
 
 
 class TuneEvaluateRequest(Runtime):

@@ -1,9 +1,10 @@
-"""What a training run minimises, apart from how it is run: the one part `tune sft`, `tune dpo` and
-`tune reward` do not share.
+"""What a training run minimises, apart from how it is run: the one part `tune sft`, `tune dpo`,
+`tune reward` and `tune grpo` do not share.
 
 The training loop (tune/train.py) knows nothing of examples or losses. It asks the run's objective
 how many units a step is averaged over (completion tokens for sft, pairs for preference objectives),
-how a micro-batch of items becomes tensors, the micro-batch's summed loss with a vector of sums
+how a micro-batch of items becomes tensors (on the rank, where a sampling objective draws them from
+the decoder), the micro-batch's summed loss with a vector of sums
 beside it (the loss sum and the unit count first, then the objective's own), and, once those sums
 are added over the data-parallel ranks, the step's report. An objective may also bring a trainable
 head of its own (the reward head), trained and written beside the factors.
@@ -29,6 +30,11 @@ class Objective:
 
     def collate(self, items: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
         return collate(items, pad_id)
+
+    def inputs(self, decoder, attached, items: list, pad_id: int, step: int) -> tuple[torch.Tensor, ...]:
+        """A micro-batch's tensors on the rank, before its forward: the items collated, or, for an objective
+        that samples them (grpo), drawn from the policy as it stands at step `step`."""
+        return self.collate(items, pad_id)
 
     def head(self, hidden_size: int, seed: int, std: float) -> nn.Module | None:
         """A trainable module beside the factors, or None."""

@@ -1,7 +1,8 @@
-"""The driver's half of `ster tune sft | dpo | reward` before any rank starts: resolve, refuse, plan, tokenize.
+"""The driver's half of `ster tune sft | dpo | reward | grpo` before any rank starts: resolve, refuse, plan, tokenize.
 
-Everything here reads the config, the safetensors headers, the tokenizer and the examples, never a
-weight: a run that would be refused is refused before a rank is started or a byte of weights is read.
+Everything here reads the config, the safetensors headers, the tokenizer and the examples (pairs, prompts,
+a reward model's factors), never a base weight: a run that would be refused is refused before a rank is
+started or a byte of base weights is read.
 """
 
 from __future__ import annotations
@@ -42,6 +43,32 @@ def prepare_pairs(model: str, pairs: str, settings: TrainSettings, objective: Ob
     encoded = encode_pairs(base.tokenizer, rows, chat_template, system, base.eos, base.settings.max_sequence)
     return _plan(base, encoded, objective, {"objective": objective.name, "pairs": len(encoded),
                                             "completion_tokens": sum(p.completion_tokens for p in encoded)})
+
+
+def prepare_prompts(model: str, prompts: str, settings: TrainSettings, rollout: dict, layers: str = "all",
+                    revision: str | None = None, chat_template: str = "auto", system: str | None = None,
+                    output: str | Path | None = None) -> tuple[TrainPlan, dict]:
+    """`tune grpo`'s plan and header: the prompts, and the objective that samples and scores their groups
+    (rollout: group_size, max_new_tokens, temperature, beta, reward: "length" or a reward model directory)."""
+    from ster_dist.tune.grpo import Grpo
+    from ster_dist.tune.rollout import encode_prompts, open_reward, read_prompts, reward_config
+
+    rows = read_prompts(prompts)
+    scorer = None if rollout["reward"] == "length" else reward_config(rollout["reward"])
+    base = _base(model, settings, layers, revision, chat_template, output)
+    if not base.eos:
+        raise Refusal(f"{model} names no end-of-sequence token, so a sampled completion could never stop; add "
+                      "eos_token to tokenizer_config.json")
+    reward = None if scorer is None else open_reward(rollout["reward"], scorer, base.cfg, base.checkpoint, model)
+    encoded = encode_prompts(base.tokenizer, rows, chat_template, system, rollout["max_new_tokens"],
+                             base.settings.max_sequence)
+    objective = Grpo(rollout["group_size"], rollout["max_new_tokens"], rollout["temperature"], rollout["beta"],
+                     base.settings.seed, frozenset(base.eos), reward)
+    return _plan(base, encoded, objective, {"objective": "grpo", "prompts": len(encoded),
+                                            "group_size": objective.group_size,
+                                            "max_new_tokens": objective.max_new_tokens,
+                                            "temperature": objective.temperature, "beta": objective.beta,
+                                            "reward": "length" if reward is None else reward.path})
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ DeepSpeed averages their gradients over the data-parallel group, partitions the 
 it (ZeRO stage 1 or 2), accumulates micro-batches and keeps f32 master factors under bf16.
 
 What is minimised is the plan's objective (tune/objective.py: sft's completion NLL, tune/preference.py:
-DPO, IPO and the reward model's Bradley-Terry loss); the loop is theirs in common. The loss is weighted
+DPO, IPO and the reward model's Bradley-Terry loss, tune/grpo.py: GRPO over completions it samples
+on the rank); the loop is theirs in common. The loss is weighted
 over each whole step: every micro-batch's summed loss is scaled by dp x accumulation / (step units x tp),
-the units being the objective's (completion tokens, or pairs), so after DeepSpeed's 1 / accumulation,
+the units being the objective's (completion tokens, pairs, or sampled completions), so after DeepSpeed's 1 / accumulation,
 its data-parallel mean and the tensor-parallel sum, the gradient is that of the mean loss over every
 unit of the step, however dp, tp and accumulation split it.
 
@@ -52,7 +53,7 @@ class TrainPlan:
     checkpoint: Checkpoint
     settings: TrainSettings
     sites: list[TrainSite]
-    examples: list             # the objective's items: Examples for sft, Pairs for dpo / ipo / reward
+    examples: list             # the objective's items: Examples for sft, Pairs for dpo / ipo / reward, Prompts for grpo
     steps: list[list[int]]
     pad_id: int
     objective: Objective = SFT
@@ -244,7 +245,9 @@ class TrainingOnRank(RankExtension):
             for micro in micro_batches(step, s.batch_size, s.accumulation, s.dp, run.lay.dp_rank):
                 # an empty slot (a short last step) still runs, weighted zero: every rank must reach each reduction
                 batch = [plan.examples[i] for i in micro] or [plan.examples[step[0]]]
-                loss = engine(*plan.objective.collate(batch, plan.pad_id), weight if micro else 0.0)
+                decoder, attached, _ = run.objective.held
+                inputs = plan.objective.inputs(decoder, attached, batch, plan.pad_id, index)
+                loss = engine(*inputs, weight if micro else 0.0)
                 engine.backward(loss)
                 if micro:
                     sums += run.objective.last

@@ -1,0 +1,102 @@
+"""GRPO (Shao et al., DeepSeekMath): group-relative policy optimisation of LoRA factors on the shared loop.
+
+Each step's items are prompts. On the rank, before the step's forward, every prompt gets a group of G
+completions sampled from the current policy (base plus the factors as they stand) and their rewards
+(tune/rollout.py); each completion's advantage is its reward against its group's:
+A = (r - mean_group) / (std_group + 1e-4), std the unbiased one, as TRL's GRPOTrainer takes it.
+
+The loss of a completion is the mean over its tokens of -(ratio - 1) * A + beta * k3, and a step's loss
+the mean over its completions (the paper's 1/G sum_i 1/|o_i| sum_t). ratio = exp(logp - logp.detach())
+is one on-policy (one update per sampled batch) and carries the policy gradient; the -1 changes no
+gradient and removes only -mean(A) from the value, which the group-mean-zero advantage makes zero,
+so the value is not left with its rounding. k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman's
+estimator of KL(policy || ref)), ref the same decoder with the factors skipped (Attached.skipped), as
+DPO's reference. At the first step B is zero, so logp == ref bit for bit: every k3 is zero and the
+loss is exactly zero, Ster's identity check.
+
+The report holds the step's loss, mean reward, mean KL (k3 per token, averaged per completion) and
+mean completion length in tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ster_dist.tune.data import IGNORE, Example, collate
+from ster_dist.tune.objective import Objective
+from ster_dist.tune.rollout import Prompt, RewardArtifact, generator_for, length_rewards, model_rewards, sample_group
+
+METRICS = ("reward", "kl", "completion_length")
+EPS = 1e-4
+
+
+@dataclass
+class Grpo(Objective):
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    beta: float
+    seed: int
+    stops: frozenset[int]
+    reward: RewardArtifact | None = None   # None: the length reward
+
+    name = "grpo"
+    width = 5  # (summed loss, completions, summed reward, summed kl, completion tokens)
+
+    def units(self, items: list[Prompt]) -> int:
+        return len(items) * self.group_size
+
+    def inputs(self, decoder, attached, items: list[Prompt], pad_id: int, step: int) -> tuple[torch.Tensor, ...]:
+        """Sample each prompt's group from the policy as it stands, score it, and collate it with its advantages."""
+        with torch.no_grad():
+            attached.refresh()
+        examples, advantages, rewards = [], [], []
+        for prompt in items:
+            completions = sample_group(decoder, attached.ctx, prompt.ids, self.group_size, self.max_new_tokens,
+                                       self.temperature, self.stops,
+                                       generator_for(self.seed, step, prompt.index))
+            if self.reward is None:
+                r = length_rewards(completions, self.stops)
+            else:
+                r = model_rewards(decoder, attached.ctx, self.reward, attached,
+                                  [list(prompt.ids) + c for c in completions], pad_id)
+            examples += [Example(prompt.ids + tuple(c), len(prompt.ids)) for c in completions]
+            advantages.append(group_advantages(torch.tensor(r, dtype=torch.float64)))
+            rewards += r
+        return (*collate(examples, pad_id), torch.cat(advantages), torch.tensor(rewards, dtype=torch.float64))
+
+    def loss(self, decoder, attached, head, batch):
+        inputs, valid, targets, advantages, rewards = batch
+        with torch.no_grad(), attached.skipped():
+            reference = token_logps(decoder, inputs, valid, targets)
+        logp = token_logps(decoder, inputs, valid, targets)
+        counted = targets != IGNORE
+        ratio = torch.exp(logp - logp.detach())
+        gap = reference - logp
+        k3 = torch.exp(gap) - gap - 1
+        per_token = -(ratio - 1) * advantages.to(logp.dtype)[:, None] + self.beta * k3
+        tokens = counted.sum(-1)
+        losses = (per_token * counted).sum(-1) / tokens
+        kl = ((k3.detach() * counted).sum(-1) / tokens).double()
+        sums = torch.stack([losses.detach().double().sum(), torch.tensor(float(len(losses)), dtype=torch.float64),
+                            rewards.double().sum(), kl.sum(), tokens.double().sum()])
+        return losses.sum(), sums
+
+    def report(self, sums: torch.Tensor) -> dict:
+        n = float(sums[1])
+        return {"loss": float(sums[0]) / n, "completions": int(n), "units": int(n), "reward": float(sums[2]) / n,
+                "kl": float(sums[3]) / n, "completion_length": float(sums[4]) / n, "tokens": int(sums[4])}
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    return (rewards - rewards.mean()) / (rewards.std() + EPS)
+
+
+def token_logps(decoder, inputs: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at every position [batch, width] in f32, zero where no target is counted."""
+    logits = decoder(inputs, None, valid)
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    return -nll.view(targets.shape)

@@ -1,0 +1,190 @@
+"""GRPO's prompts, the groups of completions sampled for them from the policy being trained, and their rewards.
+
+The prompts file is JSONL, one {"prompt": "...", "system": "..."} (system optional) per line, each
+prompt encoded exactly as `ster generate` encodes it (Tokenizer.prompt_ids). Refusals name the line
+and come before a weight is read.
+
+Sampling runs in the training process, on the rank's own decoder with the factors attached as they
+stand at the step (not through the token engine: the engine holds its own model on its own ranks,
+and the factors change every step). Each prompt's group is drawn from a generator seeded by (run
+seed, step, prompt index), so a step samples the same completions however dp and accumulation split
+it; the tensor-parallel ranks take tensor-parallel rank 0's tokens, so their sequences never part.
+Each new token re-reads the whole sequence (no cache): rollouts are short and this stays simple.
+
+Rewards: `length` is the number of completion tokens before the stop token (a completion cut at
+--max-new-tokens counts all of them); a reward model written by `ster tune reward` scores prompt plus
+completion as it was trained to, its factors attached in place of the policy's and its head reading
+the last token's final hidden state (tune/preference.rewards).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ster_dist.errors import Refusal
+from ster_dist.inputs import read_text
+from ster_dist.tokenizer import Tokenizer
+
+SHAPE = '{"prompt": "..."}'
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    index: int               # its place in the file: part of the seed its groups are drawn with
+    completion_tokens: int = 0  # unknown until sampled (the loop's units are completions, not tokens)
+
+
+def read_prompts(path: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(read_text(path, "--prompts").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--prompts {path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise Refusal(f"{where} is not JSON ({exc.msg}); write one {SHAPE} object per line") from None
+        if not isinstance(row, dict):
+            raise Refusal(f"{where} is not an object; write one {SHAPE} object per line")
+        if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise Refusal(f"{where} has no prompt text; give every line a prompt")
+        if row.get("system") is not None and not isinstance(row["system"], str):
+            raise Refusal(f"{where}: system must be text")
+        rows.append({**row, "line": number})
+    if not rows:
+        raise Refusal(f"--prompts {path} holds no prompts; write one {SHAPE} object per line")
+    return rows
+
+
+def encode_prompts(tokenizer: Tokenizer, rows: list[dict], chat_template: str, system: str | None,
+                   max_new_tokens: int, max_sequence: int) -> list[Prompt]:
+    out = []
+    for index, row in enumerate(rows):
+        ids = tokenizer.prompt_ids(row["prompt"], row.get("system", system), chat_template)
+        if len(ids) + max_new_tokens > max_sequence:
+            raise Refusal(f"prompt on line {row['line']} is {len(ids)} tokens, and with --max-new-tokens "
+                          f"{max_new_tokens} passes --max-sequence {max_sequence}; raise --max-sequence, lower "
+                          "--max-new-tokens or shorten the prompt")
+        out.append(Prompt(tuple(ids), index))
+    return out
+
+
+def generator_for(seed: int, step: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_003 + index) % (1 << 62))
+
+
+@torch.no_grad()
+def sample_group(decoder, ctx, prompt: tuple[int, ...], group: int, max_new_tokens: int, temperature: float,
+                 stops: frozenset[int], generator: torch.Generator) -> list[list[int]]:
+    """`group` completions of `prompt`, each ending at its first stop token (kept) or at max_new_tokens."""
+    device = decoder.embed.weight.device
+    ids = torch.tensor([prompt] * group, dtype=torch.long, device=device)
+    out: list[list[int]] = [[] for _ in range(group)]
+    done = [False] * group
+    for _ in range(max_new_tokens):
+        logits = decoder(ids, None, torch.ones_like(ids, dtype=torch.bool))[:, -1].float().cpu()
+        tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(-1)
+        if ctx.tp_size > 1:  # rank 0's draw for all: rounding must not let the ranks' sequences part
+            dist.broadcast(tokens, dist.get_global_rank(ctx.tp_group, 0), group=ctx.tp_group)
+        for row, token in enumerate(tokens.tolist()):
+            if not done[row]:
+                out[row].append(token)
+                done[row] = token in stops
+        if all(done):
+            break
+        # a finished row keeps being fed its draws, unread, so the group stays one rectangle
+        ids = torch.cat([ids, tokens.to(device)[:, None]], dim=1)
+    return out
+
+
+# ---- rewards ------------------------------------------------------------------------------------
+
+def length_rewards(completions: list[list[int]], stops: frozenset[int]) -> list[float]:
+    return [float(len(c) - (1 if c and c[-1] in stops else 0)) for c in completions]
+
+
+@dataclass(frozen=True)
+class RewardArtifact:
+    """A `tune reward` directory read on the driver: its sites on this model, factors and head."""
+
+    path: str
+    sites: list
+    factors: dict[str, torch.Tensor]
+    head: torch.Tensor
+    scale: float
+
+
+def reward_config(path: str) -> dict:
+    """The adapter_config.json of the reward model at `path`, refused unless `tune reward` wrote it; the
+    base's config is not needed yet, so this comes before the model is read."""
+    from ster_dist.tune.writer import CONFIG
+
+    config_path = Path(path) / CONFIG
+    if not config_path.is_file():
+        raise Refusal(f"--reward {path} is neither `length` nor a reward model directory (no {CONFIG}); pass "
+                      "--reward length or a directory written by `ster tune reward`")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise Refusal(f"--reward {path}: {CONFIG} is not readable JSON ({exc}); rewrite it with `ster tune reward`")
+    if not isinstance(config, dict) or config.get("kind") != "reward":
+        kind = config.get("kind", "adapter") if isinstance(config, dict) else "unknown"
+        raise Refusal(f"--reward {path} is not a reward model (its kind is {kind!r}); pass one written by "
+                      "`ster tune reward`, or --reward length")
+    return config
+
+
+def open_reward(path: str, config: dict, cfg, checkpoint, model: str) -> RewardArtifact:
+    """The reward model at `path` (its config read by reward_config), refused unless trained on this model."""
+    from safetensors.torch import load_file
+
+    from ster_dist.adapters.format import same_model
+    from ster_dist.tune.lora import modules_of, plan_sites
+    from ster_dist.tune.writer import HEAD, PREFIX, WEIGHTS
+
+    if config.get("hidden_size") != cfg.hidden_size or not same_model(config.get("model"), model):
+        raise Refusal(f"--reward {path} was trained on {config.get('model')} (hidden size "
+                      f"{config.get('hidden_size')}), not on {model}; train a reward model on this base")
+    from ster_dist.tune.spec import parse_targets
+
+    sites = plan_sites(cfg, checkpoint, parse_targets(",".join(config["targets"])), tuple(config["layers"]))
+    tensors = load_file(Path(path) / WEIGHTS)
+    factors = {f"a.{i}": tensors[f"{PREFIX}{m}.lora_A.weight"] for i, m in enumerate(modules_of(sites))}
+    for j, site in enumerate(sites):
+        b = tensors[f"{PREFIX}{site.module}.lora_B.weight"]
+        if site.runs is not None:  # this site's rows of a fused module's B (the inverse of writer.peft_tensors)
+            parts = torch.zeros(site.outputs, b.shape[1])
+            for start, stop, offset in site.runs:
+                parts[offset:offset + stop - start] = b[start:stop]
+            b = parts
+        factors[f"b.{j}"] = b
+    return RewardArtifact(str(path), sites, factors, tensors[PREFIX + HEAD], config["lora_alpha"] / config["r"])
+
+
+@torch.no_grad()
+def model_rewards(decoder, ctx, artifact: RewardArtifact, policy, sequences: list[list[int]],
+                  pad_id: int) -> list[float]:
+    """The reward model's score of each whole sequence: its factors attached in place of the policy's."""
+    from ster_dist.tune.lora import Attached, LoraFactors
+    from ster_dist.tune.pairs import collate_whole
+    from ster_dist.tune.data import Example
+    from ster_dist.tune.preference import rewards
+
+    rank = next(iter(artifact.factors.values())).shape[0] if artifact.factors else 1
+    factors = LoraFactors(artifact.sites, rank, 0)
+    factors.load_state_dict(artifact.factors)
+    with policy.skipped():
+        scorer = Attached(decoder, factors, artifact.sites, artifact.scale, ctx)
+        try:
+            scorer.refresh()
+            ids, valid = collate_whole([Example(tuple(s), 0) for s in sequences], pad_id)
+            device = decoder.embed.weight.device
+            return rewards(decoder, artifact.head.to(device), ids.to(device), valid.to(device)).tolist()
+        finally:
+            scorer.detach()
