@@ -1,5 +1,6 @@
-"""LoRA adapter training across ranks (`ster tune sft`, preference tuning with `ster tune dpo` and reward
-models with `ster tune reward`) and completion-token evaluation (`ster tune evaluate`).
+"""LoRA adapter training across ranks (`ster tune sft`, preference tuning with `ster tune dpo`, reward
+models with `ster tune reward`, GRPO with `ster tune grpo`) and completion-token evaluation
+(`ster tune evaluate`).
 
 spec.py      the run's settings and every refusal that needs only the config and the arguments
 data.py      examples -> token ids through the chat template as generation applies it, a completion-only
@@ -12,6 +13,10 @@ loss.py      summed negative log-likelihood over completion tokens
 objective.py what a run minimises (units, collation, loss, report, an optional head); sft's own
 pairs.py     preference pairs (prompt, chosen, rejected) as token ids, refused by line, never cut
 preference.py  DPO and IPO against the adapters-skipped reference, and the Bradley-Terry reward head
+rollout.py   grpo's prompts, the groups of completions sampled on the rank from the policy, their rewards
+             (length, or a `tune reward` model)
+grpo.py      GRPO: group-relative advantages, the on-policy ratio and a k3 KL against the adapters-skipped
+             reference
 prepare.py   the driver's half before any rank starts: resolve, refuse, plan sites, tokenize
 train.py     the DeepSpeed engine on every rank (ZeRO 1/2, accumulation, bf16/f32) and the driver loop
 writer.py    the trained factors as a PEFT adapter directory (with Ster's sidecar fields); a reward

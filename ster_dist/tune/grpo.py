@@ -27,7 +27,14 @@ import torch.nn.functional as F
 
 from ster_dist.tune.data import IGNORE, Example, collate
 from ster_dist.tune.objective import Objective
-from ster_dist.tune.rollout import Prompt, RewardArtifact, generator_for, length_rewards, model_rewards, sample_group
+from ster_dist.tune.rollout import (
+    Prompt,
+    RewardArtifact,
+    generator_for,
+    length_rewards,
+    model_rewards,
+    sample_group,
+)
 
 METRICS = ("reward", "kl", "completion_length")
 EPS = 1e-4

@@ -37,7 +37,6 @@ SHAPE = '{"prompt": "..."}'
 class Prompt:
     ids: tuple[int, ...]
     index: int               # its place in the file: part of the seed its groups are drawn with
-    completion_tokens: int = 0  # unknown until sampled (the loop's units are completions, not tokens)
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -91,7 +90,9 @@ def sample_group(decoder, ctx, prompt: tuple[int, ...], group: int, max_new_toke
         logits = decoder(ids, None, torch.ones_like(ids, dtype=torch.bool))[:, -1].float().cpu()
         tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(-1)
         if ctx.tp_size > 1:  # rank 0's draw for all: rounding must not let the ranks' sequences part
-            dist.broadcast(tokens, dist.get_global_rank(ctx.tp_group, 0), group=ctx.tp_group)
+            drawn = tokens.to(device)  # on the group's device (NCCL broadcasts device tensors only)
+            dist.broadcast(drawn, dist.get_global_rank(ctx.tp_group, 0), group=ctx.tp_group)
+            tokens = drawn.cpu()
         for row, token in enumerate(tokens.tolist()):
             if not done[row]:
                 out[row].append(token)
@@ -171,9 +172,9 @@ def open_reward(path: str, config: dict, cfg, checkpoint, model: str) -> RewardA
 def model_rewards(decoder, ctx, artifact: RewardArtifact, policy, sequences: list[list[int]],
                   pad_id: int) -> list[float]:
     """The reward model's score of each whole sequence: its factors attached in place of the policy's."""
+    from ster_dist.tune.data import Example
     from ster_dist.tune.lora import Attached, LoraFactors
     from ster_dist.tune.pairs import collate_whole
-    from ster_dist.tune.data import Example
     from ster_dist.tune.preference import rewards
 
     rank = next(iter(artifact.factors.values())).shape[0] if artifact.factors else 1
