@@ -33,7 +33,6 @@ from ster_dist.tune.rollout import model_rewards, open_reward, reward_config
 from ster_dist.tune.spec import TrainSettings
 from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
-from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
 
 PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
@@ -183,7 +182,7 @@ def _settings(**extra) -> TrainSettings:
     return TrainSettings(**{**s, **extra})
 
 
-def test_gradients_at_tp2_equal_tp1(llama):
+def test_gradients_at_tp2_equal_tp1(llama, tp2):
     """The same seeded groups are sampled at TP=2 (the rewards and lengths agree) and give the same gradients."""
     def step(group, **extra):
         # B away from zero: every factor has a gradient, and the KL term is not zero
@@ -194,8 +193,7 @@ def test_gradients_at_tp2_equal_tp1(llama):
 
     reference = step(LocalGroup())
     assert all(g.abs().max() > 0 for g in reference["gradients"].values())
-    with SpawnGroup(2) as pair:
-        got = step(pair, tp=2)
+    got = step(tp2, tp=2)
     for key in ("reward", "completion_length", "tokens", "completions"):
         assert got["steps"][0][key] == reference["steps"][0][key], key
     assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
