@@ -1,5 +1,5 @@
-"""pangu_ultra_moe and deepseek (families/moe_remote.py) against references written here from seeds/000's
-description, since Transformers has neither class.
+"""pangu_ultra_moe, deepseek and bailing_moe (families/moe_remote.py) against references written here from
+seeds/000's description, since Transformers has none of their classes.
 
 openPangu-Ultra-MoE is DeepSeek-V3 (latent attention, adjacent pairs rotating) under Pangu's key names, its
 router sigmoid without a selection bias: the reference is Transformers' DeepseekV3 with one expert group and
@@ -7,8 +7,10 @@ its zero correction bias (greedy over sigmoid scores), renormalised and scaled. 
 DeepSeek-V3 lacks (over attention's and the feed-forward's outputs) are added to it by forward hooks, and
 its post_attention_layernorm is stored as Pangu's pre_mlp_layernorm. DeepSeek-MoE (deepseek) is Llama's
 attention with DeepSeek's experts: the reference is Transformers' Llama whose sparse layers' feed-forward is
-Transformers' DeepseekV2Moe (softmax, greedy, routed_scaling_factor 1, ungated shared experts). Each is
-written to the checkpoint under the family's own tensor names and config keys by the maps below.
+Transformers' DeepseekV2Moe (softmax, greedy, routed_scaling_factor 1, ungated shared experts). Ling 2.0
+(bailing_moe with score_function sigmoid) is Transformers' GLM-4-MoE block (as Sarvam MoE is); Ling 1.x is
+Llama with DeepSeek-V2's sparse blocks. Each is written to the checkpoint under the family's own tensor names
+and config keys by the maps below.
 """
 
 from __future__ import annotations
@@ -42,15 +44,22 @@ VARIANTS = {
     "pangu_ultra_moe-sandwich": ("pangu_ultra_moe", {"sandwich_norm": True}),
     "pangu_ultra_moe": ("pangu_ultra_moe", {"sandwich_norm": False}),
     "deepseek": ("deepseek", {"first_k_dense_replace": 1, "moe_layer_freq": 2}),
+    "bailing_moe-2.0": ("bailing_moe", {"score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                                        "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.0,
+                                        "num_shared_experts": 1, "use_qk_norm": True, "use_qkv_bias": True,
+                                        "head_dim": 16, "partial_rotary_factor": 0.5, "norm_topk_prob": True,
+                                        "use_bias": False}),
+    # use_bias unstated: Ling 1.x's config class biases the output projection, as Llama's attention_bias does
+    "bailing_moe-1.x": ("bailing_moe", {"num_shared_experts": 2, "norm_topk_prob": False, "use_qkv_bias": True}),
 }
-FAMILIES = ("pangu_ultra_moe", "deepseek")
+FAMILIES = ("pangu_ultra_moe", "deepseek", "bailing_moe")
 
 
 def _noisy(module: torch.nn.Module, scale: float = 0.2) -> None:
-    """Norms away from one, so a norm read into the wrong place shows."""
+    """Norms away from one and biases away from zero, so a tensor read into the wrong place shows."""
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 param.add_(torch.randn(param.shape) * scale)
 
 
@@ -139,20 +148,18 @@ def _deepseek_config(extra: dict) -> dict:
             "hidden_act": "silu", "attention_bias": False, **extra}
 
 
-def _deepseek(directory, extra: dict):
-    """Transformers' Llama whose sparse layers (from first_k_dense_replace, every moe_layer_freq-th) hold
-    Transformers' DeepseekV2Moe; its weights written under DeepSeek-MoE's names. Returns the reference forward."""
+def _llama_with_experts(sparse: list[int], seed: int, n_shared: int, **config):
+    """Transformers' Llama whose `sparse` layers' feed-forward is Transformers' DeepseekV2Moe (softmax, greedy,
+    unscaled, ungated shared experts), and its state with each expert's tensors apart, as DeepSeek names them."""
     import transformers
 
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **COMMON, num_hidden_layers=DEEPSEEK_LAYERS, num_key_value_heads=2, initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
+        **{**COMMON, "num_key_value_heads": 2, "initializer_range": 0.1,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **config})).eval()
     moe_config = transformers.DeepseekV2Config(
         hidden_size=HIDDEN, moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        n_shared_experts=DEEPSEEK_SHARED, routed_scaling_factor=1.0, topk_method="greedy", hidden_act="silu")
-    sparse = [i for i in range(DEEPSEEK_LAYERS)
-              if i >= extra["first_k_dense_replace"] and i % extra["moe_layer_freq"] == 0]
+        n_shared_experts=n_shared, routed_scaling_factor=1.0, topk_method="greedy", hidden_act="silu")
     for i in sparse:
         block = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(moe_config)
         with torch.no_grad():
@@ -164,12 +171,91 @@ def _deepseek(directory, extra: dict):
     state = {k: v for k, v in s.items() if not any(f"layers.{i}.mlp." in k for i in sparse)}
     for i in sparse:
         state |= _experts(s, f"model.layers.{i}.mlp.", f"model.layers.{i}.mlp.")
+    return model, state
+
+
+def _deepseek(directory, extra: dict):
+    """Llama with DeepSeek-V2's sparse blocks from first_k_dense_replace, every moe_layer_freq-th layer, written
+    under DeepSeek-MoE's names. Returns the reference forward."""
+    sparse = [i for i in range(DEEPSEEK_LAYERS)
+              if i >= extra["first_k_dense_replace"] and i % extra["moe_layer_freq"] == 0]
+    model, state = _llama_with_experts(sparse, 1, DEEPSEEK_SHARED, num_hidden_layers=DEEPSEEK_LAYERS)
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(_deepseek_config(extra)))
     return lambda ids: model(ids).logits
 
 
-BUILDERS = {"pangu_ultra_moe": _pangu, "deepseek": _deepseek}
+# --- Ling (bailing_moe): 2.0 is GLM-4-MoE's block, 1.x Llama with DeepSeek-V2's sparse blocks -------------------
+
+LING_LAYERS, LING_DENSE, LING_SCALE, LING_KV, LING_HEAD_DIM = 3, 1, 2.0, 2, 16
+# Transformers' names (Llama, GLM-4-MoE) -> Ling's
+_LING_NAMES = (("model.embed_tokens.", "model.word_embeddings."), ("self_attn.o_proj.", "attention.dense."),
+               ("self_attn.q_norm.", "attention.query_layernorm."),
+               ("self_attn.k_norm.", "attention.key_layernorm."),
+               ("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias"))
+
+
+def _as_ling(state: dict, heads: int, kv: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """Query, key and value in one attention.query_key_value ([q | k | v] rows), every other name renamed."""
+    out = {}
+    for name, tensor in state.items():
+        if any(f"self_attn.{n}_proj." in name for n in ("k", "v")):
+            continue
+        if "self_attn.q_proj." in name:
+            parts = [state[name.replace("q_proj", f"{n}_proj")] for n in "qkv"]
+            assert [len(t) for t in parts] == [heads * head_dim, kv * head_dim, kv * head_dim]
+            out[name.replace("self_attn.q_proj", "attention.query_key_value")] = torch.cat(parts)
+            continue
+        for theirs, ours in _LING_NAMES:
+            name = name.replace(theirs, ours)
+        out[name] = tensor
+    return out
+
+
+def _ling_config(extra: dict) -> dict:
+    v2 = extra.get("score_function") == "sigmoid"
+    return {"model_type": "bailing_moe", "architectures": ["BailingMoeV2ForCausalLM" if v2 else "BailingMoeForCausalLM"],
+            **COMMON, "num_hidden_layers": LING_LAYERS, "num_key_value_heads": LING_KV,
+            "moe_intermediate_size": EXPERT_FFN, "num_experts": EXPERTS, "num_experts_per_tok": TOP_K,
+            "first_k_dense_replace": LING_DENSE, "rope_theta": 10000.0, "hidden_act": "silu", **extra}
+
+
+def _ling(directory, extra: dict):
+    """Ling 2.0: Transformers' GLM-4-MoE (per-head query/key norms, half of each head rotated, biased query, key
+    and value, grouped sigmoid routing over a selection bias); Ling 1.x: Llama with DeepSeek-V2's sparse blocks.
+    Written under Ling's names. Returns the reference forward."""
+    import transformers
+
+    if extra.get("score_function") != "sigmoid":
+        model, state = _llama_with_experts(list(range(LING_DENSE, LING_LAYERS)), 2, extra["num_shared_experts"],
+                                           num_hidden_layers=LING_LAYERS, attention_bias=True)
+        state = _as_ling(state, HEADS, LING_KV, HIDDEN // HEADS)
+    else:
+        torch.manual_seed(3)
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+            **COMMON, num_hidden_layers=LING_LAYERS, num_key_value_heads=LING_KV, head_dim=LING_HEAD_DIM,
+            moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
+            n_shared_experts=extra["num_shared_experts"], first_k_dense_replace=LING_DENSE, n_group=extra["n_group"],
+            topk_group=extra["topk_group"], routed_scaling_factor=LING_SCALE, norm_topk_prob=True, use_qk_norm=True,
+            attention_bias=True, initializer_range=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})).eval()
+        _noisy(model)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # zero at init: give the selection its bias
+                    buffer.copy_(torch.randn(buffer.shape) * 0.1)
+        s = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state = {k: v for k, v in s.items() if ".experts." not in k and ".shared_experts." not in k
+                 and not k.endswith("mlp.gate.weight")}
+        for i in range(LING_DENSE, LING_LAYERS):
+            state |= _experts(s, f"model.layers.{i}.mlp.", f"model.layers.{i}.mlp.")
+        state = _as_ling(state, HEADS, LING_KV, LING_HEAD_DIM)
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(_ling_config(extra)))
+    return lambda ids: model(ids).logits
+
+
+BUILDERS = {"pangu_ultra_moe": _pangu, "deepseek": _deepseek, "bailing_moe": _ling}
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +299,8 @@ def test_ep2_equals_one_rank(built, ep2):
 def test_sparse_layers_follow_the_config(built):
     assert built["pangu_ultra_moe"][2].cfg.moe_layers == tuple(i >= PANGU_DENSE for i in range(PANGU_LAYERS))
     assert built["deepseek"][2].cfg.moe_layers == (False, False, True, False, True)
+    for variant in ("bailing_moe-2.0", "bailing_moe-1.x"):
+        assert built[variant][2].cfg.moe_layers == tuple(i >= LING_DENSE for i in range(LING_LAYERS))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -226,6 +314,10 @@ def test_ster_families_lists_each_as_parity_checked_against_this_file(family):
     ("pangu_ultra_moe", {"use_mome": True}, "use_mome is set"),
     ("deepseek", {"scoring_func": "sigmoid"}, "scoring_func is 'sigmoid'"),
     ("deepseek", {"topk_method": "noaux_tc"}, "topk_method is 'noaux_tc'"),
+    ("bailing_moe-2.0", {"norm_head": True}, "norm_head is set"),
+    ("bailing_moe-2.0", {"norm_softmax": True}, "norm_softmax is set"),
+    ("bailing_moe-2.0", {"score_function": "tanh"}, "score_function is 'tanh'"),
+    ("bailing_moe-2.0", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias is false"),
 ])
 def test_what_each_cannot_state_is_refused_before_any_weight(built, tmp_path, variant, change, message):
     source = built[variant][0]

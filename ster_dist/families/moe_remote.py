@@ -11,19 +11,27 @@
   DeepSeek's experts: softmax over n_routed_experts, greedy, renormalised only under norm_topk_prob and never
   scaled, beside n_shared_experts ungated shared ones; dense before first_k_dense_replace and off
   moe_layer_freq.
+- bailing_moe (Ling 1.x and Ling 2.0): Llama's block under Ling's names (glm.ling_rules: word_embeddings, one
+  attention.query_key_value biased under use_qkv_bias, per-head query/key norms under use_qk_norm,
+  attention.dense biased under use_bias), the first first_k_dense_replace layers dense, the rest routing
+  beside num_shared_experts shared experts. Ling 1.x scores by softmax, greedy, renormalised under
+  norm_topk_prob; Ling 2.0's score_function sigmoid chooses by the scores plus mlp.gate.expert_bias (under
+  moe_router_enable_expert_bias) within its best topk_group of n_group groups, always renormalised and
+  scaled by routed_scaling_factor.
 
 ster_dist never runs their remote code: each is checked against the reference written in
-tests/test_moe_remote.py from seeds/000's description (Transformers' DeepSeek-V3, and Llama with
-DeepSeek-V2's sparse blocks, on renamed weights).
+tests/test_moe_remote.py from seeds/000's description (Transformers' DeepSeek-V3, GLM-4-MoE, and Llama
+with DeepSeek-V2's sparse blocks, on renamed weights).
 """
 
 from __future__ import annotations
 
 from ster_dist.families.deepseek import latent_rules
+from ster_dist.families.glm import ling_rules
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import deepseek_moe_rules
-from ster_dist.families.normalize import stated, switch, with_defaults
-from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, PositionSpec
+from ster_dist.families.normalize import ConfigProblem, biases, stated, switch, with_defaults
+from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, PositionSpec, QKNormSpec
 
 _REFERENCE = "tests/test_moe_remote.py"
 
@@ -72,6 +80,38 @@ _DEEPSEEK_REQUIRED = {
     "topk_method": ("greedy", "DeepSeek-MoE chooses its experts greedily only"),
 }
 
+
+
+def _bailing_moe(raw: dict) -> dict:
+    """Ling 1.x (softmax: greedy, renormalised under norm_topk_prob, unscaled) or Ling 2.0 (score_function
+    sigmoid: grouped selection by the biased scores, always renormalised, scaled); use_qkv_bias biases query,
+    key and value, use_bias the output projection."""
+    scoring = stated(raw, "score_function", default="softmax")
+    # BailingMoeConfig (Ling 1.x, which states no score_function) biases the output projection unless told not;
+    # BailingMoeV2Config does not
+    raw = with_defaults(raw, {"first_k_dense_replace": 0, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                              "use_bias": "score_function" not in raw})
+    out = {**biases(raw, switch(raw, "use_qkv_bias"), out=switch(raw, "use_bias")),
+           "use_qk_norm": switch(raw, "use_qk_norm")}
+    if scoring == "softmax":
+        return {**out, "scoring_func": "softmax", "topk_method": "greedy", "routed_scaling_factor": 1.0}
+    if scoring != "sigmoid":
+        raise ConfigProblem(f"score_function is {scoring!r}; Ling scores its experts by softmax (Ling 1.x) or "
+                            "sigmoid (Ling 2.0) only")
+    method = "noaux_tc"
+    if not stated(raw, "moe_router_enable_expert_bias", default=True):
+        if int(raw["n_group"] or 1) > 1:
+            raise ConfigProblem("moe_router_enable_expert_bias is false with n_group above one: groups are ranked "
+                                "only with the selection bias here; set n_group to 1 or enable the bias")
+        method = "greedy"
+    return {**out, "scoring_func": "sigmoid", "topk_method": method, "norm_topk_prob": True}
+
+
+_BAILING_REFUSED = {
+    "norm_head": "Ling's normalised head (norm_head) is not supported; use a checkpoint without it",
+    "norm_softmax": "Ling's normalised softmax (norm_softmax) is not supported; use a checkpoint without it",
+}
+
 MOE_REMOTE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("pangu_ultra_moe", _PANGU_RULES, attention=AttentionSpec(latent=True),
                positions=PositionSpec(interleaved=True), normalize=_pangu_ultra_moe,
@@ -79,4 +119,7 @@ MOE_REMOTE_FAMILIES: tuple[FamilySpec, ...] = (
                parity_reference=_REFERENCE),
     FamilySpec("deepseek", llama_rules(q_norm=None, k_norm=None) + deepseek_moe_rules(), normalize=_deepseek,
                moe=MoESpec(shared="deepseek"), require_values=_DEEPSEEK_REQUIRED, parity_reference=_REFERENCE),
+    FamilySpec("bailing_moe", ling_rules(), attention=AttentionSpec(qk_norm=QKNormSpec("head")),
+               normalize=_bailing_moe, moe=MoESpec(scaling="always", shared="deepseek"),
+               refuse_keys=_BAILING_REFUSED, parity_reference=_REFERENCE),
 )
