@@ -1,5 +1,5 @@
-"""pangu_ultra_moe, deepseek and bailing_moe (families/moe_remote.py) against references written here from
-seeds/000's description, since Transformers has none of their classes.
+"""pangu_ultra_moe, deepseek, bailing_moe and param2moe (families/moe_remote.py) against references written
+here from seeds/000's description, since Transformers (as installed) has none of their classes.
 
 openPangu-Ultra-MoE is DeepSeek-V3 (latent attention, adjacent pairs rotating) under Pangu's key names, its
 router sigmoid without a selection bias: the reference is Transformers' DeepseekV3 with one expert group and
@@ -8,9 +8,9 @@ DeepSeek-V3 lacks (over attention's and the feed-forward's outputs) are added to
 its post_attention_layernorm is stored as Pangu's pre_mlp_layernorm. DeepSeek-MoE (deepseek) is Llama's
 attention with DeepSeek's experts: the reference is Transformers' Llama whose sparse layers' feed-forward is
 Transformers' DeepseekV2Moe (softmax, greedy, routed_scaling_factor 1, ungated shared experts). Ling 2.0
-(bailing_moe with score_function sigmoid) is Transformers' GLM-4-MoE block (as Sarvam MoE is); Ling 1.x is
-Llama with DeepSeek-V2's sparse blocks. Each is written to the checkpoint under the family's own tensor names
-and config keys by the maps below.
+(bailing_moe with score_function sigmoid) and Param2-MoE (Ling 2.0 under Param2MoEConfig's defaults) are
+Transformers' GLM-4-MoE block (as Sarvam MoE is); Ling 1.x is Llama with DeepSeek-V2's sparse blocks. Each
+is written to the checkpoint under the family's own tensor names and config keys by the maps below.
 """
 
 from __future__ import annotations
@@ -51,8 +51,12 @@ VARIANTS = {
                                         "use_bias": False}),
     # use_bias unstated: Ling 1.x's config class biases the output projection, as Llama's attention_bias does
     "bailing_moe-1.x": ("bailing_moe", {"num_shared_experts": 2, "norm_topk_prob": False, "use_qkv_bias": True}),
+    # sigmoid scores, query/key norms, one dense layer and the scaling unstated: Param2MoEConfig's defaults
+    "param2moe": ("param2moe", {"moe_router_enable_expert_bias": True, "n_group": 2, "topk_group": 1,
+                                "num_shared_experts": 1, "use_qkv_bias": True,
+                                "head_dim": 16, "rope_theta": 10000.0}),
 }
-FAMILIES = ("pangu_ultra_moe", "deepseek", "bailing_moe")
+FAMILIES = ("pangu_ultra_moe", "deepseek", "bailing_moe", "param2moe")
 
 
 def _noisy(module: torch.nn.Module, scale: float = 0.2) -> None:
@@ -187,7 +191,7 @@ def _deepseek(directory, extra: dict):
 
 # --- Ling (bailing_moe): 2.0 is GLM-4-MoE's block, 1.x Llama with DeepSeek-V2's sparse blocks -------------------
 
-LING_LAYERS, LING_DENSE, LING_SCALE, LING_KV, LING_HEAD_DIM = 3, 1, 2.0, 2, 16
+LING_LAYERS, LING_DENSE, LING_KV, LING_HEAD_DIM = 3, 1, 2, 16
 # Transformers' names (Llama, GLM-4-MoE) -> Ling's
 _LING_NAMES = (("model.embed_tokens.", "model.word_embeddings."), ("self_attn.o_proj.", "attention.dense."),
                ("self_attn.q_norm.", "attention.query_layernorm."),
@@ -212,21 +216,25 @@ def _as_ling(state: dict, heads: int, kv: int, head_dim: int) -> dict[str, torch
     return out
 
 
-def _ling_config(extra: dict) -> dict:
-    v2 = extra.get("score_function") == "sigmoid"
-    return {"model_type": "bailing_moe", "architectures": ["BailingMoeV2ForCausalLM" if v2 else "BailingMoeForCausalLM"],
+LING_ARCHITECTURES = {"bailing_moe": ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM"),
+                      "param2moe": ("Param2MoEForCausalLM",) * 2}
+
+
+def _ling_config(family: str, extra: dict) -> dict:
+    v2 = extra.get("score_function") == "sigmoid" or family == "param2moe"
+    return {"model_type": family, "architectures": [LING_ARCHITECTURES[family][v2]],
             **COMMON, "num_hidden_layers": LING_LAYERS, "num_key_value_heads": LING_KV,
             "moe_intermediate_size": EXPERT_FFN, "num_experts": EXPERTS, "num_experts_per_tok": TOP_K,
             "first_k_dense_replace": LING_DENSE, "rope_theta": 10000.0, "hidden_act": "silu", **extra}
 
 
-def _ling(directory, extra: dict):
+def _ling(directory, extra: dict, family: str = "bailing_moe"):
     """Ling 2.0: Transformers' GLM-4-MoE (per-head query/key norms, half of each head rotated, biased query, key
     and value, grouped sigmoid routing over a selection bias); Ling 1.x: Llama with DeepSeek-V2's sparse blocks.
     Written under Ling's names. Returns the reference forward."""
     import transformers
 
-    if extra.get("score_function") != "sigmoid":
+    if extra.get("score_function") != "sigmoid" and family != "param2moe":
         model, state = _llama_with_experts(list(range(LING_DENSE, LING_LAYERS)), 2, extra["num_shared_experts"],
                                            num_hidden_layers=LING_LAYERS, attention_bias=True)
         state = _as_ling(state, HEADS, LING_KV, HIDDEN // HEADS)
@@ -236,9 +244,10 @@ def _ling(directory, extra: dict):
             **COMMON, num_hidden_layers=LING_LAYERS, num_key_value_heads=LING_KV, head_dim=LING_HEAD_DIM,
             moe_intermediate_size=EXPERT_FFN, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
             n_shared_experts=extra["num_shared_experts"], first_k_dense_replace=LING_DENSE, n_group=extra["n_group"],
-            topk_group=extra["topk_group"], routed_scaling_factor=LING_SCALE, norm_topk_prob=True, use_qk_norm=True,
-            attention_bias=True, initializer_range=0.1,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})).eval()
+            topk_group=extra["topk_group"], routed_scaling_factor=extra.get("routed_scaling_factor", 2.5),
+            norm_topk_prob=True, use_qk_norm=True, attention_bias=True, initializer_range=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": extra.get("partial_rotary_factor", 1.0)})).eval()
         _noisy(model)
         with torch.no_grad():
             for name, buffer in model.named_buffers():
@@ -251,11 +260,12 @@ def _ling(directory, extra: dict):
             state |= _experts(s, f"model.layers.{i}.mlp.", f"model.layers.{i}.mlp.")
         state = _as_ling(state, HEADS, LING_KV, LING_HEAD_DIM)
     save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(_ling_config(extra)))
+    (directory / "config.json").write_text(json.dumps(_ling_config(family, extra)))
     return lambda ids: model(ids).logits
 
 
-BUILDERS = {"pangu_ultra_moe": _pangu, "deepseek": _deepseek, "bailing_moe": _ling}
+BUILDERS = {"pangu_ultra_moe": _pangu, "deepseek": _deepseek, "bailing_moe": _ling,
+            "param2moe": lambda directory, extra: _ling(directory, extra, "param2moe")}
 
 
 @pytest.fixture(scope="module")
@@ -288,18 +298,22 @@ def test_decoding_from_cache_equals_reading_whole_and_batches_equal_one_by_one(b
     check_cache_and_batches(built[variant][2], variant)
 
 
+def _one_rank(built: dict) -> dict:
+    return {variant: (directory, loaded) for variant, (directory, _, loaded) in built.items()}
+
+
 def test_tp2_equals_tp1(built, tp2):
-    check_group_equals_one_rank(tp2, {variant: (directory, loaded) for variant, (directory, _, loaded) in built.items()})
+    check_group_equals_one_rank(tp2, _one_rank(built))
 
 
 def test_ep2_equals_one_rank(built, ep2):
-    check_group_equals_one_rank(ep2, {variant: (directory, loaded) for variant, (directory, _, loaded) in built.items()})
+    check_group_equals_one_rank(ep2, _one_rank(built))
 
 
 def test_sparse_layers_follow_the_config(built):
     assert built["pangu_ultra_moe"][2].cfg.moe_layers == tuple(i >= PANGU_DENSE for i in range(PANGU_LAYERS))
     assert built["deepseek"][2].cfg.moe_layers == (False, False, True, False, True)
-    for variant in ("bailing_moe-2.0", "bailing_moe-1.x"):
+    for variant in ("bailing_moe-2.0", "bailing_moe-1.x", "param2moe"):
         assert built[variant][2].cfg.moe_layers == tuple(i >= LING_DENSE for i in range(LING_LAYERS))
 
 
@@ -318,6 +332,7 @@ def test_ster_families_lists_each_as_parity_checked_against_this_file(family):
     ("bailing_moe-2.0", {"norm_softmax": True}, "norm_softmax is set"),
     ("bailing_moe-2.0", {"score_function": "tanh"}, "score_function is 'tanh'"),
     ("bailing_moe-2.0", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias is false"),
+    ("param2moe", {"scoring_func": "softmax"}, "score_function is 'softmax'"),
 ])
 def test_what_each_cannot_state_is_refused_before_any_weight(built, tmp_path, variant, change, message):
     source = built[variant][0]

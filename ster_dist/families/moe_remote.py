@@ -18,9 +18,12 @@
   norm_topk_prob; Ling 2.0's score_function sigmoid chooses by the scores plus mlp.gate.expert_bias (under
   moe_router_enable_expert_bias) within its best topk_group of n_group groups, always renormalised and
   scaled by routed_scaling_factor.
+- param2moe (Param2-MoE): Ling 2.0's block and router under Ling's names, its sigmoid scores stated or not,
+  with Param2MoEConfig's defaults (query/key norms on, first_k_dense_replace 1, routed_scaling_factor 2.5,
+  rope_theta 1e6, a tied head).
 
 ster_dist never runs their remote code: each is checked against the reference written in
-tests/test_moe_remote.py from seeds/000's description (Transformers' DeepSeek-V3, GLM-4-MoE, and Llama
+tests/test_moe_remote.py from seeds/000's description (Transformers' DeepSeek-V3, GLM-4-MoE and Llama
 with DeepSeek-V2's sparse blocks, on renamed weights).
 """
 
@@ -31,7 +34,7 @@ from ster_dist.families.glm import ling_rules
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.moe_layouts import deepseek_moe_rules
 from ster_dist.families.normalize import ConfigProblem, biases, stated, switch, with_defaults
-from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, PositionSpec, QKNormSpec
+from ster_dist.families.spec import AttentionSpec, EmbeddingSpec, FamilySpec, MoESpec, PositionSpec, QKNormSpec
 
 _REFERENCE = "tests/test_moe_remote.py"
 
@@ -107,6 +110,18 @@ def _bailing_moe(raw: dict) -> dict:
     return {**out, "scoring_func": "sigmoid", "topk_method": method, "norm_topk_prob": True}
 
 
+def _param2moe(raw: dict) -> dict:
+    """Ling 2.0's reading under Param2MoEConfig's defaults; its score function (score_function, or
+    scoring_func as Transformers' class spells it) must be sigmoid."""
+    scoring = stated(raw, "score_function", "scoring_func", default="sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigProblem(f"score_function is {scoring!r}; Param2-MoE scores its experts by sigmoid only")
+    raw = with_defaults(raw, {"first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "use_qk_norm": True,
+                              "use_bias": False})
+    qkv_bias = stated(raw, "use_qkv_bias", "attention_bias", default=False)
+    return _bailing_moe({**raw, "score_function": "sigmoid", "use_qkv_bias": qkv_bias})
+
+
 _BAILING_REFUSED = {
     "norm_head": "Ling's normalised head (norm_head) is not supported; use a checkpoint without it",
     "norm_softmax": "Ling's normalised softmax (norm_softmax) is not supported; use a checkpoint without it",
@@ -122,4 +137,8 @@ MOE_REMOTE_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("bailing_moe", ling_rules(), attention=AttentionSpec(qk_norm=QKNormSpec("head")),
                normalize=_bailing_moe, moe=MoESpec(scaling="always", shared="deepseek"),
                refuse_keys=_BAILING_REFUSED, parity_reference=_REFERENCE),
+    FamilySpec("param2moe", ling_rules(), attention=AttentionSpec(qk_norm=QKNormSpec("head")),
+               positions=PositionSpec(theta=1000000.0), embedding=EmbeddingSpec(tied=True), normalize=_param2moe,
+               moe=MoESpec(scaling="always", shared="deepseek"), refuse_keys=_BAILING_REFUSED,
+               parity_reference=_REFERENCE),
 )
