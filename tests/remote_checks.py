@@ -1,7 +1,7 @@
 """Checks the families tested against a hand-made reference share (tests/test_dense_remote2.py,
 test_plamo3.py, test_chatglm.py): random ids, greedy decoding by whole re-reads of a reference forward,
 decoding from the cache equal to the whole read with batches equal to one at a time, and TP=2 equal to
-TP=1 on a spawned gloo group."""
+TP=1 (or EP=2 equal to one rank) on a spawned gloo group."""
 
 from __future__ import annotations
 
@@ -48,15 +48,21 @@ def check_cache_and_batches(loaded, what: str = "") -> None:
 def check_tp2_equals_tp1(checkpoints: dict) -> None:
     """Each (directory, loaded one-rank model) of `checkpoints` on one spawned group of two ranks: logits and
     greedy tokens equal the one-rank model's."""
+    with SpawnGroup(2) as group:
+        check_group_equals_one_rank(group, checkpoints)
+
+
+def check_group_equals_one_rank(group, checkpoints: dict) -> None:
+    """Each (directory, loaded one-rank model) of `checkpoints` loaded on a spawned group (tensor- or
+    expert-parallel): logits and greedy tokens equal the one-rank model's."""
     ids = random_ids(2, 24, seed=4)
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
     sampling = Sampling(max_new_tokens=8)
-    with SpawnGroup(2) as group:
-        for name, (directory, single) in checkpoints.items():
-            group.call("load", resolve(str(directory)), "f32", "cpu")
-            with torch.no_grad():
-                tp1 = single.model(ids)
-            assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5, name
-            eos = single.cfg.eos_token_ids
-            assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling,
-                                                                                  eos), name
+    for name, (directory, single) in checkpoints.items():
+        group.call("load", resolve(str(directory)), "f32", "cpu")
+        with torch.no_grad():
+            one = single.model(ids)
+        assert compare(group.call("logits", ids)[0], one)["max_relative_error"] < 1e-5, name
+        eos = single.cfg.eos_token_ids
+        assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling,
+                                                                              eos), name

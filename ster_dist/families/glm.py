@@ -58,7 +58,8 @@ def _glm_rules(post_norms: bool) -> tuple[Rule, ...]:
             + fused_gate_up("model.layers.{i}.mlp.gate_up_proj"))
 
 
-def _sarvam_moe_rules() -> tuple[Rule, ...]:
+def ling_rules() -> tuple[Rule, ...]:
+    """Ling's layout, which Sarvam MoE and bailing_moe (families/moe_remote.py) keep."""
     # Ling 2.0's names: word_embeddings, attention.query_key_value ([q | k | v]), attention.dense, the per-head
     # query_layernorm / key_layernorm and the router's expert_bias
     return (llama_rules(attn="attention", q=None, k=None, v=None, o="dense", q_norm="query_layernorm",
@@ -76,6 +77,6 @@ GLM_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("glm4_moe", llama_rules() + deepseek_moe_rules(), attention=_HEAD_QK_NORMS,
                positions=PositionSpec(rotary_share=0.5), normalize=_glm4_moe, moe=DEEPSEEK_V3_ROUTER,
                parity_reference="Glm4MoeForCausalLM"),
-    FamilySpec("sarvam_moe", _sarvam_moe_rules(), attention=_HEAD_QK_NORMS, positions=PositionSpec(theta=8000000.0),
+    FamilySpec("sarvam_moe", ling_rules(), attention=_HEAD_QK_NORMS, positions=PositionSpec(theta=8000000.0),
                normalize=_sarvam_moe, moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeForCausalLM"),
 )

@@ -35,6 +35,7 @@ from ster_dist.families.mimo_v2 import MIMO_V2_FAMILIES
 from ster_dist.families.minimax import MINIMAX_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.mixtral import MIXTRAL_FAMILIES
+from ster_dist.families.moe_remote import MOE_REMOTE_FAMILIES
 from ster_dist.families.mpt import MPT_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.nemotron import NEMOTRON_FAMILIES
@@ -54,7 +55,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES)
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)
