@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ster_dist.config import from_hf
 from ster_dist.engine.sampling import SamplingParams
+from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
@@ -112,6 +114,9 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny, variant):
                 whole = model(tokens[name][None, :c.start + c.length])[0, -1]
             assert compare(logits[row], whole)["max_relative_error"] < 1e-5, (step, name)
     assert driver.length["A"] > TOPK and driver.length["C"] > TOPK
+    # each position keeps the latent, the shared rotated key and, on layers with an indexer, the indexer's key
+    indexed = [kind == "full" for kind in model.cfg.raw["indexer_types"]]
+    assert PagedCache.block_bytes(model, 1) == 4 * sum(16 + 4 + 16 * full for full in indexed)
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
@@ -126,3 +131,42 @@ def test_the_token_engine_answers_as_ster_generate(tiny):
                    for p in prompts]
         got = [s.result().text for s in streams]
     assert got == want
+
+
+# --------------------------------------------------------------------------------------------------
+# the configs: which layers index, how the indexer rotates, what is refused
+# --------------------------------------------------------------------------------------------------
+
+_SPARSE = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 256,
+           "intermediate_size": 128, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+           "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 16, "n_group": 4, "topk_group": 2, "index_topk": 8, "index_n_heads": 4, "index_head_dim": 16}
+
+
+@pytest.mark.parametrize("keys", [{}, {"index_topk_freq": 2}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+                                  {"index_topk_pattern": "FFSFSS"}])
+def test_glm_indexer_types_are_the_config_class_ones(keys):
+    from transformers import GlmMoeDsaConfig
+
+    ours = from_hf({"model_type": "glm_moe_dsa", **_SPARSE, **keys})
+    assert ours.raw["indexer_types"] == GlmMoeDsaConfig(**_SPARSE, **keys).indexer_types
+    assert ours.raw["index_rope_interleave"]
+
+
+def test_indexer_rotation_is_halves_for_deepseek_and_pairs_for_glm_unless_stated():
+    assert not from_hf({"model_type": "deepseek_v32", **_SPARSE}).raw["index_rope_interleave"]
+    assert not from_hf({"model_type": "glm_moe_dsa", **_SPARSE,
+                        "indexer_rope_interleave": False}).raw["index_rope_interleave"]
+
+
+@pytest.mark.parametrize("family, keys, message", [
+    ("deepseek_v32", {"q_lora_rank": None}, "state q_lora_rank"),
+    ("glm_moe_dsa", {"indexer_types": ["shared"] + ["full"] * 5}, "the first full"),
+    ("glm_moe_dsa", {"indexer_types": ["full"] * 5}, "each of the 6 layers"),
+    ("deepseek_v32", {"index_head_dim": 2}, "narrower than the rotated"),
+    ("deepseek_v32", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "load a BF16 export"),
+])
+def test_unreadable_sparse_attention_configs_are_refused(family, keys, message):
+    with pytest.raises(Refusal, match=message):
+        from_hf({"model_type": family, **_SPARSE, **keys})

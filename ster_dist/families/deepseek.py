@@ -10,10 +10,12 @@ Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,
   mlp_layer_types (Transformers builds it from DeepseekV3 and Glm4Moe classes).
 - deepseek_v32 (DeepSeek-V3.2): DeepSeek-V3 (GLM-4.7-Flash's config class) with DeepSeek Sparse Attention: every
   layer's indexer (layers.{i}.attn.indexer.{wq_b,wk,k_norm,weights_proj}, model/indexer.py) keeps each query's
-  index_topk best keys, rotating its own heads by halves.
-- glm_moe_dsa (GLM-5): DeepSeek-V3.2 whose indexers rotate adjacent pairs and run only on the layers
-  indexer_types marks "full" (else derived from index_topk_pattern, or index_topk_freq and
-  index_skip_topk_offset, as GlmMoeDsaConfig derives it); a "shared" layer reuses the last full layer's choice.
+  index_topk best keys, rotating its own heads by halves. DeepSeek's own releases are FP8 (quantization_config)
+  and refused; their BF16 exports load.
+- glm_moe_dsa (GLM-5): DeepSeek-V3.2 whose indexers rotate adjacent pairs (indexer_rope_interleave, on unless
+  stated off) and run only on the layers indexer_types marks "full" (else derived from index_topk_pattern, or
+  index_topk_freq and index_skip_topk_offset, as GlmMoeDsaConfig derives it); a "shared" layer reuses the last
+  full layer's choice.
 - minicpm3: DeepSeek-V2's latent attention in a dense block with MiniCPM's multipliers and a tied head.
 - sarvam_mla (Sarvam-105B, which Transformers runs as DeepSeek-V3): DeepSeek-V3's names, adjacent pairs
   rotating, Sarvam's own config spellings (a deepseek_yarn rope_scaling, score_function,
@@ -117,7 +119,7 @@ _SPARSE_DEFAULTS = {"routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "n
                     "index_topk": 2048, "index_head_dim": 128}
 
 
-def _sparse_attention(raw: dict, defaults: dict, kinds, interleave: bool) -> dict:
+def _sparse_attention(raw: dict, defaults: dict, kinds) -> dict:
     """DeepSeek Sparse Attention's keys over the latent families': the indexers' sizes, which layers run one
     (indexer_types) and how they rotate. Latent attention always rotates adjacent pairs here (the config
     classes drop rope_interleave) and the layer_types Transformers writes only name the cache's kind."""
@@ -136,8 +138,8 @@ def _sparse_attention(raw: dict, defaults: dict, kinds, interleave: bool) -> dic
     if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
         raise ConfigProblem(f"indexer_types {kinds} must name \"full\" or \"shared\" for each of the {layers} "
                             f"layers, the first full (a shared layer reuses the last full layer's choice)")
-    return {**raw, "indexer_types": kinds, "index_rope_interleave": interleave, "rope_interleave": True,
-            "layer_types": None}
+    return {**raw, "indexer_types": kinds, "index_rope_interleave": bool(raw["indexer_rope_interleave"]),
+            "rope_interleave": True, "layer_types": None}
 
 
 def _glm_indexer_types(raw: dict, layers: int) -> list[str]:
@@ -170,14 +172,18 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference="AXK1ForCausalLM"),
     FamilySpec("deepseek_v32", _DEEPSEEK + _INDEXER_RULES, **_LATENT,
                normalize=lambda raw: _sparse_attention(
-                   raw, {"n_group": 8, "topk_group": 4, "index_n_heads": 64, "rms_norm_eps": 1e-6},
-                   lambda raw, layers: ["full"] * layers, interleave=False),
-               moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV32ForCausalLM"),
+                   raw, {"n_group": 8, "topk_group": 4, "index_n_heads": 64, "rms_norm_eps": 1e-6,
+                         "indexer_rope_interleave": False},
+                   lambda raw, layers: ["full"] * layers),
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV32ForCausalLM",
+               refuse_keys={"quantization_config": "DeepSeek's own V3.2 checkpoints are FP8, which is not read for "
+                                                   "this family; load a BF16 export"}),
     FamilySpec("glm_moe_dsa", _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in _INDEXER_RULES),
                **_LATENT,
                normalize=lambda raw: _sparse_attention(
-                   raw, {"n_group": 1, "topk_group": 1, "index_n_heads": 32, "rms_norm_eps": 1e-5},
-                   _glm_indexer_types, interleave=True),
+                   raw, {"n_group": 1, "topk_group": 1, "index_n_heads": 32, "rms_norm_eps": 1e-5,
+                         "indexer_rope_interleave": True},
+                   _glm_indexer_types),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="GlmMoeDsaForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
                normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
