@@ -58,7 +58,8 @@ def _rewrite(source: Path, target: Path, config_change, drop_indexer: bool = Fal
     path.write_text(json.dumps(config_change(json.loads(path.read_text())), indent=2))
     if drop_indexer:
         for file in target.glob("*.safetensors"):
-            save_file({k: v for k, v in load_file(file).items() if ".indexer." not in k}, file, metadata={"format": "pt"})
+            kept = {k: v for k, v in load_file(file).items() if ".indexer." not in k}
+            save_file(kept, file, metadata={"format": "pt"})
     return target
 
 
@@ -140,7 +141,8 @@ def test_the_token_engine_answers_as_ster_generate(tiny):
 _SPARSE = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 256,
            "intermediate_size": 128, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
            "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 16, "n_group": 4, "topk_group": 2, "index_topk": 8, "index_n_heads": 4, "index_head_dim": 16}
+           "moe_intermediate_size": 16, "n_group": 4, "topk_group": 2, "index_topk": 8, "index_n_heads": 4,
+           "index_head_dim": 16}
 
 
 @pytest.mark.parametrize("keys", [{}, {"index_topk_freq": 2}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},

@@ -28,6 +28,7 @@ from ster_dist.model.rope import apply_rotary
 from ster_dist.parallel.linear import ColumnLinear
 
 INDEX_KEY_NORM_EPS = 1e-6  # the indexer's k_norm keeps LayerNorm's fixed epsilon in both releases
+SCORE_BLOCK = 1 << 26  # f32 per-head scores held at once while choosing (256 MiB)
 
 
 class Indexer(nn.Module):
@@ -57,11 +58,22 @@ class Indexer(nn.Module):
         """The allowed pairs [n, 1, t, s] narrowed to each query's index_topk best keys (`mask`: those
         causality allows, None for all); `mask` itself when no query sees more keys than that."""
         q, weights = queries
-        if keys.shape[2] <= self.topk:
+        n, _, t, _ = q.shape
+        s = keys.shape[2]
+        if s <= self.topk:
             return mask
-        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.head_dim ** -0.5)
-        index = torch.matmul(weights[:, 0].unsqueeze(-2), scores.transpose(1, 2)).squeeze(-2)  # [n, t, s]
+        keys = keys.float().transpose(-1, -2)
+        # the per-head scores [n, heads, queries, s] of a long prefill are far larger than their sum: a block of
+        # queries at a time (each query's row is computed alike whatever the block)
+        block = max(1, SCORE_BLOCK // (n * self.heads * s))
+        index = torch.cat([self._scores(q[:, :, i:i + block], weights[:, :, i:i + block], keys)
+                           for i in range(0, t, block)], dim=1)  # [n, t, s]
         if mask is not None:
             index = index.masked_fill(~mask[:, 0], float("-inf"))
         chosen = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, index.topk(self.topk, dim=-1).indices, True)
         return chosen.unsqueeze(1) if mask is None else mask & chosen.unsqueeze(1)
+
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[n, t, s]: each query's weighted sum over the heads of relu(q_h . k / sqrt(d)); keys [n, 1, d, s]."""
+        scores = F.relu(torch.matmul(q.float(), keys) * self.head_dim ** -0.5)  # [n, heads, t, s]
+        return torch.matmul(weights[:, 0].unsqueeze(-2), scores.transpose(1, 2)).squeeze(-2)
