@@ -23,7 +23,7 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, run_step
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
 from tests.test_engine import open_engine
 from tests.tiny_models import TINY, make_tiny
 
@@ -107,17 +107,32 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny, variant):
     _, _, model = tiny(variant)
     gen = torch.Generator().manual_seed(3)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
+    with torch.no_grad():  # a causal read: position p's logits are those of the first p + 1 tokens read whole
+        whole = {name: model(t[None])[0] for name, t in tokens.items()}
     driver = Driver(PagedCache(model, 40, BLOCK))
     for step in SCHEDULE:
         chunks, logits = run_step(model, driver, tokens, step)
         for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            with torch.no_grad():
-                whole = model(tokens[name][None, :c.start + c.length])[0, -1]
-            assert compare(logits[row], whole)["max_relative_error"] < 1e-5, (step, name)
+            expected = whole[name][c.start + c.length - 1]
+            assert compare(logits[row], expected)["max_relative_error"] < 1e-5, (step, name)
     assert driver.length["A"] > TOPK and driver.length["C"] > TOPK
     # each position keeps the latent, the shared rotated key and, on layers with an indexer, the indexer's key
     indexed = [kind == "full" for kind in model.cfg.raw["indexer_types"]]
     assert PagedCache.block_bytes(model, 1) == 4 * sum(16 + 4 + 16 * full for full in indexed)
+
+
+def test_tensor_parallel_ranks_choose_alike_from_their_paged_caches(tiny, tp2):
+    """Each rank holds the whole indexer and caches its keys whole: two ranks' paged steps (GLM-5's shared
+    layer included) equal one rank's."""
+    directory, _, model = tiny("glm_moe_dsa")
+    gen = torch.Generator().manual_seed(4)
+    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
+    tp2.call("load", resolve(str(directory)), "f32", "cpu")
+    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
+    single = Driver(PagedCache(model, 40, BLOCK))
+    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
+        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+    assert [r["key_shape"] for r in ranks] == [tuple(single.cache.keys[0].shape)] * 2
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
