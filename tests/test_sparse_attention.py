@@ -177,7 +177,7 @@ def test_indexer_rotation_is_halves_for_deepseek_and_pairs_for_glm_unless_stated
 
 
 @pytest.mark.parametrize("family, keys, message", [
-    ("deepseek_v32", {"q_lora_rank": None}, "state q_lora_rank"),
+    ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank is null"),
     ("glm_moe_dsa", {"indexer_types": ["shared"] + ["full"] * 5}, "the first full"),
     ("glm_moe_dsa", {"indexer_types": ["full"] * 5}, "each of the 6 layers"),
     ("deepseek_v32", {"index_head_dim": 2}, "narrower than the rotated"),

@@ -116,7 +116,7 @@ _AXK1_RULES = _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for 
 _INDEXER_RULES = tuple(rule for name in ("wq_b", "wk", "k_norm", "weights_proj") for rule in weight_and_bias(
     f"model.layers.{{i}}.self_attn.indexer.{name}", f"layers.{{i}}.attn.indexer.{name}"))
 _SPARSE_DEFAULTS = {"routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
-                    "index_topk": 2048, "index_head_dim": 128}
+                    "index_topk": 2048, "index_head_dim": 128, "qk_rope_head_dim": 64}
 
 
 def _sparse_attention(raw: dict, defaults: dict, kinds) -> dict:
@@ -125,12 +125,12 @@ def _sparse_attention(raw: dict, defaults: dict, kinds) -> dict:
     classes drop rope_interleave) and the layer_types Transformers writes only name the cache's kind."""
     raw = _latent_biases(raw, {**_SPARSE_DEFAULTS, **defaults})
     if not raw.get("q_lora_rank"):
-        raise ConfigProblem("q_lora_rank is unstated: the sparse-attention indexer reads the query's compressed "
-                            "latent; state q_lora_rank")
+        raise ConfigProblem("q_lora_rank is null: the sparse-attention indexer reads the query's compressed latent; "
+                            "state q_lora_rank")
     for key in ("index_topk", "index_n_heads", "index_head_dim"):
-        if not isinstance(raw[key], int) or raw[key] < 1:
+        if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 1:
             raise ConfigProblem(f"{key} is {raw[key]!r}: state a positive integer")
-    if raw["index_head_dim"] < raw["qk_rope_head_dim"]:
+    if raw["index_head_dim"] < (raw["qk_rope_head_dim"] or 0):
         raise ConfigProblem(f"index_head_dim {raw['index_head_dim']} is narrower than the rotated qk_rope_head_dim "
                             f"{raw['qk_rope_head_dim']}: state an index_head_dim at least that wide")
     layers = raw["num_hidden_layers"]
@@ -173,7 +173,7 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v32", _DEEPSEEK + _INDEXER_RULES, **_LATENT,
                normalize=lambda raw: _sparse_attention(
                    raw, {"n_group": 8, "topk_group": 4, "index_n_heads": 64, "rms_norm_eps": 1e-6,
-                         "indexer_rope_interleave": False},
+                         "indexer_rope_interleave": False, "num_hidden_layers": 61, "q_lora_rank": 1536},
                    lambda raw, layers: ["full"] * layers),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV32ForCausalLM",
                refuse_keys={"quantization_config": "DeepSeek's own V3.2 checkpoints are FP8, which is not read for "
@@ -182,7 +182,7 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                **_LATENT,
                normalize=lambda raw: _sparse_attention(
                    raw, {"n_group": 1, "topk_group": 1, "index_n_heads": 32, "rms_norm_eps": 1e-5,
-                         "indexer_rope_interleave": True},
+                         "indexer_rope_interleave": True, "num_hidden_layers": 78, "q_lora_rank": 2048},
                    _glm_indexer_types),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="GlmMoeDsaForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
