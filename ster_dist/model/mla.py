@@ -98,14 +98,14 @@ class LatentAttention(nn.Module):
             cos, sin = pos.rotary(self.rope, q.dtype)
             q_rot = apply_rotary(q_rot, cos, sin, self.rope.interleaved)
             k_rot = apply_rotary(k_rot, cos, sin, self.rope.interleaved)
-        queries = (q_nope, q_rot)
-        if self.indexer is not None:
-            index_queries, index_keys = self.indexer.project(x, q_latent, cos, sin)
-            queries, k_rot = queries + (index_queries,), torch.cat((k_rot, index_keys.to(k_rot.dtype)), dim=-1)
         if self.temperature[0]:
             beta, length = self.temperature  # absolute positions: a cached step scales as the whole read does
             scale = (1 + beta * torch.log(1 + torch.floor(pos.positions.float() / length)))[:, None, :, None]
             q_nope, q_rot = q_nope * scale.to(q.dtype), q_rot * scale.to(q.dtype)
+        queries = (q_nope, q_rot)
+        if self.indexer is not None:
+            index_queries, index_keys = self.indexer.project(x, q_latent, cos, sin)
+            queries, k_rot = queries + (index_queries,), torch.cat((k_rot, index_keys.to(k_rot.dtype)), dim=-1)
         out = pos.attend(self.layer, queries, latent, k_rot, None, partial(self._attend_latent, pos))
         if self.head_gate is not None:  # the gate in f32, as Transformers computes it
             out = out * torch.sigmoid(self.head_gate(x).float()).to(out.dtype).transpose(1, 2).unsqueeze(-1)
