@@ -127,7 +127,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
             if f"layers.{last}." not in name:
                 continue
             if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
-                           "hy_v3", "sarvam_mla") \
+                           "hy_v3", "sarvam_mla", "deepseek_v32", "glm_moe_dsa") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "afmoe" and name.endswith("mlp.expert_bias"):
@@ -138,7 +138,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
 
 # their last layer routes no token to the upper half of the experts
 STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
-           "hy_v3", "afmoe", "sarvam_mla"}
+           "hy_v3", "afmoe", "sarvam_mla", "deepseek_v32", "glm_moe_dsa"}
 
 
 def read_config(directory: Path) -> dict:

@@ -8,6 +8,14 @@ Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,
   selection (`DEEPSEEK_V3_ROUTER`, which GLM-4-MoE, EXAONE MoE and Sarvam MoE reuse).
 - glm4_moe_lite (GLM-4.7-Flash): DeepSeek-V3's attention and router, its sparse layers named by
   mlp_layer_types (Transformers builds it from DeepseekV3 and Glm4Moe classes).
+- deepseek_v32 (DeepSeek-V3.2): DeepSeek-V3 (GLM-4.7-Flash's config class) with DeepSeek Sparse Attention: every
+  layer's indexer (layers.{i}.attn.indexer.{wq_b,wk,k_norm,weights_proj}, model/indexer.py) keeps each query's
+  index_topk best keys, rotating its own heads by halves. DeepSeek's own releases are FP8 (quantization_config)
+  and refused; their BF16 exports load.
+- glm_moe_dsa (GLM-5): DeepSeek-V3.2 whose indexers rotate adjacent pairs (indexer_rope_interleave, on unless
+  stated off) and run only on the layers indexer_types marks "full" (else derived from index_topk_pattern, or
+  index_topk_freq and index_skip_topk_offset, as GlmMoeDsaConfig derives it); a "shared" layer reuses the last
+  full layer's choice.
 - minicpm3: DeepSeek-V2's latent attention in a dense block with MiniCPM's multipliers and a tied head.
 - sarvam_mla (Sarvam-105B, which Transformers runs as DeepSeek-V3): DeepSeek-V3's names, adjacent pairs
   rotating, Sarvam's own config spellings (a deepseek_yarn rope_scaling, score_function,
@@ -105,6 +113,48 @@ def _axk1(raw: dict) -> dict:
 _AXK1_RULES = _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in weight_and_bias(
     "model.layers.{i}.post_mlp_layernorm", "layers.{i}.post_mlp_norm"))
 
+_INDEXER_RULES = tuple(rule for name in ("wq_b", "wk", "k_norm", "weights_proj") for rule in weight_and_bias(
+    f"model.layers.{{i}}.self_attn.indexer.{name}", f"layers.{{i}}.attn.indexer.{name}"))
+_SPARSE_DEFAULTS = {"routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                    "index_topk": 2048, "index_head_dim": 128, "qk_rope_head_dim": 64}
+
+
+def _sparse_attention(raw: dict, defaults: dict, kinds) -> dict:
+    """DeepSeek Sparse Attention's keys over the latent families': the indexers' sizes, which layers run one
+    (indexer_types) and how they rotate. Latent attention always rotates adjacent pairs here (the config
+    classes drop rope_interleave) and the layer_types Transformers writes only name the cache's kind."""
+    raw = _latent_biases(raw, {**_SPARSE_DEFAULTS, **defaults})
+    if not raw.get("q_lora_rank"):
+        raise ConfigProblem("q_lora_rank is null: the sparse-attention indexer reads the query's compressed latent; "
+                            "state q_lora_rank")
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 1:
+            raise ConfigProblem(f"{key} is {raw[key]!r}: state a positive integer")
+    if raw["index_head_dim"] < (raw["qk_rope_head_dim"] or 0):
+        raise ConfigProblem(f"index_head_dim {raw['index_head_dim']} is narrower than the rotated qk_rope_head_dim "
+                            f"{raw['qk_rope_head_dim']}: state an index_head_dim at least that wide")
+    layers = raw["num_hidden_layers"]
+    kinds = list(kinds(raw, layers))
+    if len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+        raise ConfigProblem(f"indexer_types {kinds} must name \"full\" or \"shared\" for each of the {layers} "
+                            f"layers, the first full (a shared layer reuses the last full layer's choice)")
+    return {**raw, "indexer_types": kinds, "index_rope_interleave": bool(raw["indexer_rope_interleave"]),
+            "rope_interleave": True, "layer_types": None}
+
+
+def _glm_indexer_types(raw: dict, layers: int) -> list[str]:
+    """GlmMoeDsaConfig's derivation: stated, from index_topk_pattern ("F"/"S" per layer), or full on every
+    index_topk_freq-th layer from index_skip_topk_offset - 1 (and every layer before it)."""
+    if raw.get("indexer_types"):
+        return raw["indexer_types"]
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    freq, offset = max(int(stated(raw, "index_topk_freq", default=1)), 1), stated(raw, "index_skip_topk_offset",
+                                                                                   default=2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+
+
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=_latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
@@ -120,6 +170,21 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                moe=MoESpec(scaling="always", shared="stated"), parity_reference="DeepseekV3ForCausalLM"),
     FamilySpec("axk1", _AXK1_RULES, **_LATENT, normalize=_axk1,
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference="AXK1ForCausalLM"),
+    FamilySpec("deepseek_v32", _DEEPSEEK + _INDEXER_RULES, **_LATENT,
+               normalize=lambda raw: _sparse_attention(
+                   raw, {"n_group": 8, "topk_group": 4, "index_n_heads": 64, "rms_norm_eps": 1e-6,
+                         "indexer_rope_interleave": False, "num_hidden_layers": 61, "q_lora_rank": 1536},
+                   lambda raw, layers: ["full"] * layers),
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV32ForCausalLM",
+               refuse_keys={"quantization_config": "DeepSeek's own V3.2 checkpoints are FP8, which is not read for "
+                                                   "this family; load a BF16 export"}),
+    FamilySpec("glm_moe_dsa", _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in _INDEXER_RULES),
+               **_LATENT,
+               normalize=lambda raw: _sparse_attention(
+                   raw, {"n_group": 1, "topk_group": 1, "index_n_heads": 32, "rms_norm_eps": 1e-5,
+                         "indexer_rope_interleave": True, "num_hidden_layers": 78, "q_lora_rank": 2048},
+                   _glm_indexer_types),
+               moe=DEEPSEEK_V3_ROUTER, parity_reference="GlmMoeDsaForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
                normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
 )

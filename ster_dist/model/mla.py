@@ -7,7 +7,9 @@ kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
 and its value. Only the shared part and each query's last qk_rope_head_dim
 channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies
 every query by Llama 4's temperature at its absolute position. Ling 3.0 gates each head's output by
-sigmoid(g_proj(x)) (one number a head, split with the heads).
+sigmoid(g_proj(x)) (one number a head, split with the heads). DeepSeek Sparse Attention (deepseek_v32,
+glm_moe_dsa) narrows each query's keys to those its indexer chooses (model/indexer.py); GLM-DSA's "shared"
+layers have no indexer and reuse the choice of the last layer that has one, handed on through the step.
 
 Under tensor parallelism the heads are split: q_b_proj (or q_proj) and kv_b_proj
 by their head rows, o_proj by its columns; the latent projections and norms are
@@ -19,15 +21,21 @@ A decode step (one new token) never expands the cached latents: kv_b_proj's key
 half is absorbed into the query and its value half applied after attending, so a
 step costs heads * slots * kv_lora_rank instead of slots * kv_lora_rank * heads *
 (qk_nope + v) (DeepSeek's own inference form; equal up to rounding).
+
+A layer with an indexer caches the indexer's key (index_head_dim wide, whole on every rank) after the shared
+rotated key part in its value slot: both caches keep it without a store of their own, in the same blocks.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig
+from ster_dist.model.indexer import Indexer
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.parallel.ctx import ParallelCtx
@@ -67,19 +75,25 @@ class LatentAttention(nn.Module):
         self.scale = cfg.attn_scale
         # Llama 4's query temperature (Mistral Large 3): every query channel times 1 + beta ln(1 + floor(p / length))
         self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
+        # DeepSeek Sparse Attention: this layer's own indexer, or (GLM-DSA's "shared" layers) the last one's choice
+        kinds = cfg.raw.get("indexer_types")
+        self.indexer = Indexer(cfg) if kinds and kinds[layer] == "full" else None
+        self.shares_choice = bool(kinds) and kinds[layer] == "shared"
         # the cache keeps the normed latent (as the key) and the rotated key part every head shares
-        # (as the value): one shared "head" each
-        self.kv_shape = ((1, self.rank), (1, self.rope_dim))
+        # (as the value, followed by the indexer's key where there is one): one shared "head" each
+        self.kv_shape = ((1, self.rank), (1, self.rope_dim + (self.indexer.head_dim if self.indexer else 0)))
 
     def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
         b, t, _ = x.shape
         q, kv = self.q_kv(x)
-        q = q if self.q is not None else self.q_b(self.q_a_norm(q))
+        q_latent = self.q_a_norm(q) if self.q is None else None
+        q = q if self.q is not None else self.q_b(q_latent)
         q = q.view(b, t, self.local_heads, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = kv.split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_norm(latent).unsqueeze(1)  # [b, 1, t, rank]
         k_rot = k_rot.unsqueeze(1)                   # [b, 1, t, rope]: one key part for every head
+        cos = sin = None
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
             q_rot = apply_rotary(q_rot, cos, sin, self.rope.interleaved)
@@ -88,15 +102,26 @@ class LatentAttention(nn.Module):
             beta, length = self.temperature  # absolute positions: a cached step scales as the whole read does
             scale = (1 + beta * torch.log(1 + torch.floor(pos.positions.float() / length)))[:, None, :, None]
             q_nope, q_rot = q_nope * scale.to(q.dtype), q_rot * scale.to(q.dtype)
-        out = pos.attend(self.layer, (q_nope, q_rot), latent, k_rot, None, self._attend_latent)
+        queries = (q_nope, q_rot)
+        if self.indexer is not None:
+            index_queries, index_keys = self.indexer.project(x, q_latent, cos, sin)
+            queries, k_rot = queries + (index_queries,), torch.cat((k_rot, index_keys.to(k_rot.dtype)), dim=-1)
+        out = pos.attend(self.layer, queries, latent, k_rot, None, partial(self._attend_latent, pos))
         if self.head_gate is not None:  # the gate in f32, as Transformers computes it
             out = out * torch.sigmoid(self.head_gate(x).float()).to(out.dtype).transpose(1, 2).unsqueeze(-1)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend_latent(self, q, latent, k_rot, mask, key_pos) -> torch.Tensor:
+    def _attend_latent(self, pos, q, latent, k_rot, mask, key_pos) -> torch.Tensor:
         """[b, heads, t, v_head_dim]: one-token steps in the latent space (no per-key expansion), longer ones
         with each key's heads expanded from the latent."""
-        q_nope, q_rot = q
+        q_nope, q_rot = q[:2]
+        if self.indexer is not None:
+            k_rot, index_keys = k_rot.split([self.rope_dim, self.indexer.head_dim], dim=-1)
+            mask = self.indexer.choose(q[2], index_keys, mask)
+            # a step's key positions are one tensor per group of sequences: the choice's key for later layers
+            pos.handed_on[("dsa_choice", id(key_pos))] = mask
+        elif self.shares_choice:
+            mask = pos.handed_on[("dsa_choice", id(key_pos))]
         b, _, t, _ = q_nope.shape
         if t == 1 and latent.shape[2] > 1:
             return self._absorbed(q_nope, q_rot, latent, k_rot, mask)

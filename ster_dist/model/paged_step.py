@@ -102,6 +102,8 @@ class PagedStep:
         self.groups = self._groups(chunks, offsets, needed, bs, device)
         self._scans = self._scan_groups(chunks, offsets, device) if cache.states else []
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # what a layer hands on to later layers of this step (GLM-DSA's shared top-k choice, model/mla.py)
+        self.handed_on: dict = {}
 
     @staticmethod
     def _groups(chunks: list[Chunk], offsets: list[int], needed: list[int], bs: int, device) -> list[_AttendGroup]:

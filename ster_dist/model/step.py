@@ -39,6 +39,8 @@ class StepState:
         self._unmasked = t == 1 and bool(key_valid.all())
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # what a layer hands on to later layers of this step (GLM-DSA's shared top-k choice, model/mla.py)
+        self.handed_on: dict = {}
 
     def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor | None:
         """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed. `chunk`: a query

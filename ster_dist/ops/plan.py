@@ -169,11 +169,18 @@ def _kv_tokens(memory: int, rank: RankFootprint, sequences: int) -> int:
     return max(0, free) // rank.kv_bytes_per_token if rank.kv_bytes_per_token else 0
 
 
+def _indexer_keys(cfg: ModelConfig) -> str:
+    """DeepSeek Sparse Attention's layers also cache their indexer's key (model/indexer.py)."""
+    kinds = cfg.raw.get("indexer_types") or ()
+    full = sum(kind == "full" for kind in kinds)
+    return f" and, on {full} layers, the indexer's key ({cfg.raw['index_head_dim']})" if full else ""
+
+
 def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
     sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
     if cfg.mla is not None:
         what = (f"latent attention: per layer the normed latent ({cfg.mla.kv_lora_rank}) and the rotated key "
-                f"({cfg.mla.qk_rope_head_dim}), whole on every rank (not split by --tp)")
+                f"({cfg.mla.qk_rope_head_dim}){_indexer_keys(cfg)}, whole on every rank (not split by --tp)")
     else:
         what = "per layer this rank's key-value heads x head_dim, keys and values"
     out = {"bytes_per_token_per_rank": rank.kv_bytes_per_token, "dtype": precision, "layers": cfg.num_layers,

@@ -27,6 +27,20 @@ TINY: dict[str, tuple[str, str, dict]] = {
         routed_scaling_factor=1.8, mlp_layer_types=["sparse", "dense", "sparse"],
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    # DeepSeek Sparse Attention: fewer indexer keys (index_topk) than the parity prompts' 40 tokens, so the
+    # indexer's choice shapes every later query; eight indexer heads keep exact ties in its scores rare
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, kv_lora_rank=16,
+        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, index_topk=12, index_n_heads=8, index_head_dim=16,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    # its middle layer reuses the first layer's choice (indexer_types "shared")
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, kv_lora_rank=16,
+        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+        n_group=1, topk_group=1, routed_scaling_factor=1.5, index_topk=12, index_n_heads=8, index_head_dim=16,
+        indexer_types=["full", "shared", "full"])),
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
         kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, scale_emb=2.0,
         scale_depth=1.4, dim_model_base=32)),
