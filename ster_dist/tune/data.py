@@ -13,12 +13,14 @@ The examples file is JSON: {"examples": [{"prompt": "...", "completion": "...", 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ster_dist.errors import Refusal
-from ster_dist.inputs import read_json
+from ster_dist.inputs import read_json, read_text
 from ster_dist.tokenizer import Tokenizer
 
 IGNORE = -100  # a target position without loss (Transformers' ignore_index)
@@ -51,6 +53,22 @@ def read_examples(path: str) -> list[dict]:
         if row.get("system") is not None and not isinstance(row["system"], str):
             raise Refusal(f"--examples {path}: example {index}'s system must be text")
     return rows
+
+
+def jsonl_objects(path: str, flag: str, shape: str) -> Iterator[tuple[int, dict, str]]:
+    """(line number, object, where) for every non-blank line of the JSONL file `path` given as `flag`; a line
+    that is not a JSON object is refused by its number, naming the `shape` each line should have."""
+    for number, line in enumerate(read_text(path, flag).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{flag} {path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise Refusal(f"{where} is not JSON ({exc.msg}); write one {shape} object per line") from None
+        if not isinstance(row, dict):
+            raise Refusal(f"{where} is not an object; write one {shape} object per line")
+        yield number, row, where
 
 
 def stop_token(tokenizer: Tokenizer, eos: tuple[int, ...]) -> int:

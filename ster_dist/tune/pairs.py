@@ -10,15 +10,13 @@ one whose completions are the same. Every refusal names the line and comes befor
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
 
 from ster_dist.errors import Refusal
-from ster_dist.inputs import read_text
 from ster_dist.tokenizer import Tokenizer
-from ster_dist.tune.data import Example, stop_token
+from ster_dist.tune.data import Example, jsonl_objects, stop_token
 
 FIELDS = ("prompt", "chosen", "rejected")
 SHAPE = '{"prompt": "...", "chosen": "...", "rejected": "..."}'
@@ -37,16 +35,7 @@ class Pair:
 def read_pairs(path: str) -> list[dict]:
     """The pairs of the JSONL file `path`, each refused by its line number when it cannot teach a preference."""
     rows = []
-    for number, line in enumerate(read_text(path, "--pairs").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"--pairs {path} line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise Refusal(f"{where} is not JSON ({exc.msg}); write one {SHAPE} object per line") from None
-        if not isinstance(row, dict):
-            raise Refusal(f"{where} is not an object; write one {SHAPE} object per line")
+    for number, row, where in jsonl_objects(path, "--pairs", SHAPE):
         for key in FIELDS:
             if not isinstance(row.get(key), str) or not row[key].strip():
                 raise Refusal(f"{where} has no {key} text; give every pair a prompt, a chosen and a rejected "

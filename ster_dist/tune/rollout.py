@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ster_dist.errors import Refusal
-from ster_dist.inputs import read_text
 from ster_dist.tokenizer import Tokenizer
+from ster_dist.tune.data import jsonl_objects
 
 SHAPE = '{"prompt": "..."}'
 
@@ -41,16 +41,7 @@ class Prompt:
 
 def read_prompts(path: str) -> list[dict]:
     rows = []
-    for number, line in enumerate(read_text(path, "--prompts").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"--prompts {path} line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise Refusal(f"{where} is not JSON ({exc.msg}); write one {SHAPE} object per line") from None
-        if not isinstance(row, dict):
-            raise Refusal(f"{where} is not an object; write one {SHAPE} object per line")
+    for number, row, where in jsonl_objects(path, "--prompts", SHAPE):
         if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise Refusal(f"{where} has no prompt text; give every line a prompt")
         if row.get("system") is not None and not isinstance(row["system"], str):
