@@ -34,6 +34,9 @@ from ster_dist.tune.spec import TrainSettings
 from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
 from tests.tiny_models import make_tiny
+from tests.tune_checks import relative as _rel
+from tests.tune_checks import run_cli as _cli
+from tests.tune_checks import write_jsonl as _jsonl
 
 PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
 PAIRS = [{"prompt": f"question {i}", "chosen": "yes it is", "rejected": f"answer {i * 7}"} for i in range(2)]
@@ -44,27 +47,12 @@ ROLLOUT = {"group_size": 4, "max_new_tokens": 8, "temperature": 1.0, "beta": 0.0
 pytestmark = pytest.mark.filterwarnings("ignore:Unexpected keyword arguments:UserWarning")
 
 
-def _jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def _cli(capsys, *argv) -> tuple[int, dict | None, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, (json.loads(captured.out) if code == 0 else None), captured.err
-
-
 def _quiet_cli(*argv) -> dict:
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(list(argv))
     assert code == 0, stderr.getvalue()
     return json.loads(stdout.getvalue())
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def _plant_early_stops(model, directory: Path) -> None:

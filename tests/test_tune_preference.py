@@ -35,6 +35,9 @@ from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
 from ster_dist.workers.spawn import SpawnGroup
 from tests.tiny_models import make_tiny
+from tests.tune_checks import relative as _rel
+from tests.tune_checks import run_cli as _cli
+from tests.tune_checks import write_jsonl as _jsonl
 
 # the planted preference: whatever the question, the chosen answer is the same three words
 PLANTED = [{"prompt": f"question {i} about the weather", "chosen": "yes it is",
@@ -42,21 +45,6 @@ PLANTED = [{"prompt": f"question {i} about the weather", "chosen": "yes it is",
 ALL = ("query", "key", "value", "output", "gate", "up", "down")
 IDS = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
 pytestmark = pytest.mark.filterwarnings("ignore:Unexpected keyword arguments:UserWarning")
-
-
-def _jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def _cli(capsys, *argv) -> tuple[int, dict | None, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, (json.loads(captured.out) if code == 0 else None), captured.err
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def _settings(**extra) -> TrainSettings:
