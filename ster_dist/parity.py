@@ -80,7 +80,7 @@ def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0, tp: int = 1
 @torch.inference_mode()
 def against_reference(loaded: LoadedModel, ids, captured, logits, tp: int = 1) -> dict:
     model = loaded.model
-    dtype = model.embed.weight.dtype
+    dtype = model.dtype
     reference = reference_model(loaded, dtype)
     out = reference(ids, output_hidden_states=True)
     ref_hidden = out.hidden_states

@@ -301,7 +301,7 @@ class TokenEngine:
             if live.adapter is not None:
                 work.adapters.append((i, live.adapter))
         with self._group_lock:
-            result = self.group.on(ModelRunner).step(work)[0]
+            result = self.group.on(ModelRunner).step(work)[self.group.lead]
         self.scheduler.after_step(plan)
         self.counters["steps"] += 1
         for n, ((i, seq_id), token, logprob) in enumerate(zip(work.samples, result.tokens, result.logprobs)):

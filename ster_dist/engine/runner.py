@@ -49,7 +49,7 @@ class ModelRunner(RankExtension):
         bytes), and what one block and one sequence's recurrent state (0 without recurrent layers) cost here.
         The driver splits the budget between blocks and state slots (engine/loop.py cache_sizes)."""
         model = self.model
-        budget = memory if memory is not None else int(fraction * available_memory(model.embed.weight.device))
+        budget = memory if memory is not None else int(fraction * available_memory(model.device))
         if cap is not None:
             budget = min(budget, cap)
         return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
@@ -59,7 +59,7 @@ class ModelRunner(RankExtension):
         """Allocate the cache: the same block and state-slot counts on every rank (the driver's)."""
         model = self.model
         self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
-        self.sampler = Sampler() if self.rank.rank == 0 else None
+        self.sampler = Sampler() if self.rank.lead else None
         self.steering = self.steering or RowSteering(model)
         self.adapters = self.adapters or RowAdapters(model)
         return num_blocks

@@ -24,6 +24,7 @@ from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
 from ster_dist.parallel.linear import (FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards,
                                        tie_parameters)
+from ster_dist.parallel.pipeline import stage_layers
 
 Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -121,17 +122,31 @@ class Block(nn.Module):
         return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
 
+class Elsewhere(nn.Module):
+    """A layer another pipeline stage holds: no weights, no cache, never run here."""
+
+    token_mixer = None
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx = SINGLE):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        # this pipeline stage's layers (all of them without --pp); the others are Elsewhere, keeping indexes
+        self.stage = stage_layers(cfg, ctx.pp_rank, ctx.pp_size)
+        first, last = ctx.first_stage, ctx.last_stage
+        # the dtype and device of this stage's weights, whichever modules it holds
+        self.register_buffer("anchor", torch.empty(0), persistent=False)
+        # the last stage holds the embedding too when the head is tied to it
+        self.embed = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+                      if first or (last and cfg.tie_word_embeddings) else None)
         # OPT's table holds position_offset rows before position zero
         self.pos_embed = (Replicated((cfg.max_position + cfg.position_offset, cfg.hidden_size))
-                          if cfg.learned_positions else None)
+                          if cfg.learned_positions and first else None)
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
-                               affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm else None
-        self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
+                               affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm and first else None
+        self.layers = nn.ModuleList(Block(cfg, i, ctx) if self.stage[0] <= i < self.stage[1] else Elsewhere()
+                                    for i in range(cfg.num_layers))
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
@@ -144,11 +159,30 @@ class Decoder(nn.Module):
                           if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
-                               affine=cfg.norm_affine)
+                               affine=cfg.norm_affine) if last or self.pass_ends else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
-                                 self.embed if cfg.tie_word_embeddings else None)
+                                 self.embed if cfg.tie_word_embeddings else None) if last else None
         self.tables = RotaryTables(cfg.max_position)
         self.hooks: dict[int, list[Hook]] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype this stage's weights are held in (and its cache and stage output, unless f32 by design)."""
+        return self.anchor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def elsewhere(self, param: str) -> bool:
+        """Whether parameter `param` (the decoder's name) belongs to another pipeline stage: its tensor is
+        not read here."""
+        if self.ctx.pp_size == 1:
+            return False
+        top, _, rest = param.partition(".")
+        if top == "layers":
+            return isinstance(self.layers[int(rest.partition(".")[0])], Elsewhere)
+        return top in ("embed", "pos_embed", "embed_norm", "final_norm", "lm_head") and getattr(self, top) is None
 
     # -- parameters as the loader sees them -----------------------------------
     def shards(self) -> dict[str, Shard]:
@@ -173,18 +207,21 @@ class Decoder(nn.Module):
     # -- forward --------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         shapes = [getattr(block.token_mixer, "kv_shape", None) for block in self.layers]
-        return KVCache(shapes, batch, capacity, dtype or self.embed.weight.dtype, self.embed.weight.device)
+        return KVCache(shapes, batch, capacity, dtype or self.dtype, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]."""
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor | None:
+        """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]; None on a pipeline stage but the last,
+        which hands its output on instead."""
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         if valid is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
         step = StepState(positions, valid, self.tables, cache)
-        h = self._layers(self._embed(ids, positions), step)
+        h = self._stage(ids, positions, step)
+        if h is None:
+            return None
         if last_only:
             h = h[:, -1:]
         return self._logits(h)
@@ -194,15 +231,30 @@ class Decoder(nn.Module):
         reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
         h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None))
-        return self.final_norm(h).to(self.embed.weight.dtype)
+        return self.final_norm(h).to(self.dtype)
 
-    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor:
+    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] of each chunk's last token, for ids [tokens]: every chunk's new tokens,
         concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them
-        by sequence (PagedStep)."""
+        by sequence (PagedStep). None on a pipeline stage but the last."""
         step = PagedStep(chunks, cache, self.tables, ids)
-        h = self._layers(self._embed(ids.unsqueeze(0), step.positions), step)
-        return self._logits(h[:, step.last_tokens])[0]
+        h = self._stage(ids.unsqueeze(0), step.positions, step)
+        return None if h is None else self._logits(h[:, step.last_tokens])[0]
+
+    def _stage(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor | None:
+        """This stage's layers over the embedding (the first stage) or the previous stage's output; the
+        output goes on to the next stage (None here) or, on the last, is returned for the head."""
+        ctx = self.ctx
+        if ctx.first_stage:
+            h = self._embed(ids, positions)
+        else:  # the residual stream: f32 where the model keeps it so (residual_fp32)
+            dtype = torch.float32 if self.cfg.residual_fp32 else self.dtype
+            h = ctx.recv_prev((*ids.shape, self.cfg.hidden_size), dtype, self.device)
+        h = self._layers(h, step)
+        if ctx.last_stage:
+            return h
+        ctx.send_next(h)
+        return None
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
@@ -217,7 +269,8 @@ class Decoder(nn.Module):
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
-        for i, block in enumerate(self.layers):
+        for i in range(*self.stage):
+            block = self.layers[i]
             if self.cfg.block_skips:
                 h = self._skip(i, h, kept)
             h = block(h, step)
@@ -242,7 +295,7 @@ class Decoder(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # an f32 residual stream (residual_fp32) meets the head in the model's dtype, as Transformers casts it
-        logits = self.lm_head(self.final_norm(h).to(self.embed.weight.dtype))
+        logits = self.lm_head(self.final_norm(h).to(self.dtype))
         if self.cfg.logit_multiplier != 1.0:
             logits = logits * self.cfg.logit_multiplier
         if self.cfg.logit_softcap is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from ster_dist.config import ModelConfig
 from ster_dist.config_file import text_weight_names
@@ -272,10 +273,21 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
     return reads, absent
 
 
+def _first_target(rule: Rule, groups: dict) -> str:
+    """The (first) parameter a rule's tensor fills, its layer filled in: where the tensor belongs."""
+    target = rule.target
+    template = target if isinstance(target, str) else target.parts[0]
+    if not isinstance(template, str):  # a Fused part: (template, count)
+        template = template[0]
+    return target_name(template, groups)
+
+
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
-               shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset()) -> Plan:
+               shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset(),
+               elsewhere: Callable[[str], bool] | None = None) -> Plan:
     """`tied_copies`: parameters that are tied copies of another (parallel/linear.py tie_parameters); a checkpoint
-    that stores their tensor too has it skipped, so the shared tensor is read once."""
+    that stores their tensor too has it skipped, so the shared tensor is read once. `elsewhere(param)`: whether
+    a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped, never read."""
     matcher = NameMatcher(spec, cfg.wrapper, set(shards))
     reads: list[Read] = []
     skipped: list[str] = []
@@ -294,6 +306,9 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             continue
         rule, groups = found
         layer = groups.get("i")
+        if elsewhere is not None and elsewhere(_first_target(rule, groups)):
+            skipped.append(name)  # another pipeline stage's tensor
+            continue
         if isinstance(rule.target, Stacked):
             found_reads, found_absent = _stacked_reads(rule, name, tuple(shape), layer, shards)
             absent += found_absent
