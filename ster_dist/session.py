@@ -72,6 +72,7 @@ class Session:
         """Open the worker group and load the model on every rank (once: a loaded session returns
         what its load reported)."""
         from ster_dist.load import check_weights
+        from ster_dist.parallel.pipeline import check_pipeline
         from ster_dist.workers.group import load_on, open_group
 
         if self._group is not None:
@@ -79,10 +80,11 @@ class Session:
         rt = self.runtime
         checkpoint, cfg = self.checkpoint, self.cfg  # resolved and gated before any rank starts
         check_weights(cfg, rt.weights, rt.model)
-        world = rt.tp * rt.ep
+        check_pipeline(cfg, rt.pp)
+        world = rt.tp * rt.ep * rt.pp
         where = f"{world} ranks" if world > 1 else "1 Ray actor" if self.address else "this process"
         progress(f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files) in {where}")
-        group = open_group(rt.tp, rt.device, self.address, ep=rt.ep)
+        group = open_group(rt.tp, rt.device, self.address, ep=rt.ep, pp=rt.pp)
         try:
             self.loads = load_on(group, checkpoint, rt.precision, rt.device, rt.weights)
         except BaseException:

@@ -137,3 +137,26 @@ def test_families_whose_layers_cannot_be_cut_are_refused(tmp_path):
         check_pipeline(cfg, 2)
     with pytest.raises(Refusal, match=f"--pp {cfg.num_layers + 1} is more than the model's"):
         check_pipeline(cfg, cfg.num_layers + 1)
+
+
+def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen3):
+    from ster_dist.config_load import model_config
+    from ster_dist.engine.loop import EngineConfig, TokenEngine
+    from ster_dist.engine.sampling import SamplingParams
+    from ster_dist.tokenizer import Tokenizer
+
+    checkpoint, _ = qwen3
+    single = load_model(checkpoint, "f32")
+    pp2.call("load", checkpoint, "f32", "cpu")
+    cfg = model_config(checkpoint)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 3)]
+    lengths = [6, 3, 9, 5]
+    with TokenEngine(pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,),
+                     EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_step_tokens=16)) as engine:
+        streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        got = [s.result().token_ids for s in streams]
+        steps = engine.stats()["steps"]
+    for p, n, tokens in zip(prompts, lengths, got):
+        assert tokens == generate(single.model, [p], Sampling(max_new_tokens=n))[0]
+    assert steps < sum(lengths)  # the requests shared steps

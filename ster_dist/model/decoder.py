@@ -24,7 +24,7 @@ from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
 from ster_dist.parallel.linear import (FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards,
                                        tie_parameters)
-from ster_dist.parallel.pipeline import stage_layers
+from ster_dist.parallel.pipeline import stage_bounds
 
 Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -120,6 +120,18 @@ class Block(nn.Module):
     def _scaled(self, y: torch.Tensor) -> torch.Tensor:
         # Granite's residual multiplier; one is the common case and costs nothing
         return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
+
+
+def stage_layers(cfg: ModelConfig, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers pipeline stage `pp_rank` of `pp_size` holds, balanced by parameter count
+    (each layer built on the meta device: nothing allocated). The first stage counts the embedding, the
+    last the norm and head (the embedding again when tied: the last stage holds it as its head)."""
+    if pp_size == 1:
+        return 0, cfg.num_layers
+    with torch.device("meta"):
+        sizes = [sum(p.numel() for p in Block(cfg, i, SINGLE).parameters()) for i in range(cfg.num_layers)]
+    embed = cfg.vocab_size * cfg.hidden_size
+    return stage_bounds(sizes, embed, embed + 2 * cfg.hidden_size, pp_size)[pp_rank]
 
 
 class Elsewhere(nn.Module):

@@ -2,15 +2,14 @@
 
 The first stage also holds the embedding, the last the final norm and the head (the embedding again
 when the head is tied to it), so those count in the balance. Each stage reads only its layers' tensors;
-activations pass stage to stage point to point (ParallelCtx.send_next / recv_prev).
+activations pass stage to stage point to point (ParallelCtx.send_next / recv_prev). The decoder
+(model/decoder.py stage_layers) measures its layers and asks stage_bounds for its share.
 
 A family whose layers read more than the one hidden state the previous layer hands on cannot be cut
 between layers this way, and is refused before any weight is read.
 """
 
 from __future__ import annotations
-
-import torch
 
 from ster_dist.errors import Refusal
 
@@ -72,27 +71,3 @@ def stage_bounds(layer_sizes: list[int], first_extra: int, last_extra: int, pp: 
         end = start
     bounds.append((0, end))
     return bounds[::-1]
-
-
-def layer_sizes(cfg) -> tuple[list[int], int, int]:
-    """(parameter count of each layer, of the embedding, of the norm and head) at one rank, on the meta
-    device (nothing allocated). A tied head counts the embedding again: the last stage holds it."""
-    from ster_dist.model.decoder import Block
-    from ster_dist.parallel.ctx import SINGLE
-
-    def count(module) -> int:
-        return sum(p.numel() for p in module.parameters())
-
-    with torch.device("meta"):
-        sizes = [count(Block(cfg, i, SINGLE)) for i in range(cfg.num_layers)]
-    embed = cfg.vocab_size * cfg.hidden_size
-    head = embed + 2 * cfg.hidden_size
-    return sizes, embed, head
-
-
-def stage_layers(cfg, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of the layers stage `pp_rank` of `pp_size` holds."""
-    if pp_size == 1:
-        return 0, cfg.num_layers
-    sizes, embed, head = layer_sizes(cfg)
-    return stage_bounds(sizes, embed, head, pp_size)[pp_rank]
