@@ -185,8 +185,17 @@ class Rank:
         return against_reference(self.loaded, ids, captured, logits, tp=self.world)
 
     def whereabouts(self) -> dict:
-        """Where this rank's process is, so a test or an operator can find it."""
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        """Where this rank's process is, so a test or an operator can find it: its Ray node too, when it is
+        an actor (several nodes may share one host)."""
+        out = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        try:
+            import ray
+
+            if ray.is_initialized():
+                out["node"] = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return out
 
     def extension(self, cls: type) -> RankExtension:
         """This rank's instance of extension `cls`, made on first use."""

@@ -109,6 +109,7 @@ class RayGroup:
                 bundle, options = {"CPU": share}, {"num_cpus": share}
                 backend = "gloo"
                 threads = threads or max(1, int(cpus // world))
+            _check_a_node_holds(bundle, tp)
             self.pgs = [placement_group([bundle] * tp, strategy="STRICT_PACK") for _ in range(world // tp)]
             self.reserved_cpus = bundle["CPU"] * world
             ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=120)
@@ -192,6 +193,18 @@ class RayGroup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_a_node_holds(bundle: dict, tp: int) -> None:
+    """Refuse at once, rather than after the placement wait, a tensor-parallel group no node can hold."""
+    import ray
+
+    need = {key: value * tp for key, value in bundle.items()}
+    for node in ray.nodes():
+        if node.get("Alive") and all(node["Resources"].get(key, 0) >= value for key, value in need.items()):
+            return
+    raise Refusal(f"no node of the Ray cluster has {need} for a tensor-parallel group of {tp} ranks, which must "
+                  "sit inside one node; lower --tp, or add a node that large")
 
 
 def _large(value) -> bool:
