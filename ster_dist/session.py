@@ -100,7 +100,9 @@ class Session:
         rebuild it once the running one has nothing in flight, and one a failed step stopped is replaced."""
         from ster_dist.engine.loop import EngineConfig, TokenEngine
 
-        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens)
+        # one step in flight per pipeline stage, so the stages work at once on different requests
+        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens,
+                              micro_batches=self.runtime.pp)
         if self.fixed_engine and self._engine is not None and not self._engine.stopped:
             return self._engine  # a server's: its clients hold streams of it, whatever a job asks
         if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):

@@ -152,11 +152,14 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 3)]
     lengths = [6, 3, 9, 5]
-    with TokenEngine(pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,),
-                     EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_step_tokens=16)) as engine:
-        streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
-        got = [s.result().token_ids for s in streams]
-        steps = engine.stats()["steps"]
-    for p, n, tokens in zip(prompts, lengths, got):
-        assert tokens == generate(single.model, [p], Sampling(max_new_tokens=n))[0]
-    assert steps < sum(lengths)  # the requests shared steps
+    for micro_batches in (1, 2):  # two: a step in flight per stage, on disjoint requests
+        config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_step_tokens=16, micro_batches=micro_batches)
+        with TokenEngine(pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,), config) as engine:
+            streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                       for p, n in zip(prompts, lengths)]
+            got = [s.result().token_ids for s in streams]
+            steps, overlapped = engine.stats()["steps"], engine.stats()["overlapped_steps"]
+        assert (overlapped > 0) == (micro_batches > 1)
+        for p, n, tokens in zip(prompts, lengths, got):
+            assert tokens == generate(single.model, [p], Sampling(max_new_tokens=n))[0], micro_batches
+        assert steps < sum(lengths)  # the requests shared steps

@@ -15,6 +15,7 @@ against the cache budget) and runs without prefix caching (engine/scheduler.py s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -43,6 +44,7 @@ class EngineConfig:
     max_running: int = 256
     prefix_caching: bool = True          # switched off for models with recurrent layers whatever this says
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
+    micro_batches: int = 1               # steps in flight at once, on disjoint requests: one per pipeline stage
 
 
 def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> tuple[int, int]:
@@ -118,7 +120,7 @@ class TokenEngine:
         self._closing = False
         self._error: BaseException | None = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "preemptions": 0}
+                         "generated_tokens": 0, "preemptions": 0, "overlapped_steps": 0}
         self._thread = threading.Thread(target=self._run, name="ster-token-engine", daemon=True)
         self._thread.start()
 
@@ -276,11 +278,37 @@ class TokenEngine:
         live.stream.put(Delta(live.detok.flush(), [], "abort"))
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
-        self.counters["preemptions"] += len(plan.preempted)
-        if not plan.chunks:
-            time.sleep(0.001)  # nothing fits until something finishes; cannot happen with work running
-            return
+        """Steps over the ranks. With one micro-batch (the default) one step, there and back. With more
+        (one per pipeline stage), up to that many steps in flight on disjoint requests, each submitted as
+        soon as one comes back, so every stage works on one while the next works on another (vLLM's
+        virtual engines); new requests and cancellations wait until the steps in flight are back."""
+        inflight: collections.deque = collections.deque()
+        with self._group_lock:
+            while True:
+                while len(inflight) < self.config.micro_batches and not (inflight and self._arrivals()):
+                    busy = frozenset(c.seq.id for plan, _, _ in inflight for c in plan.chunks)
+                    plan = self.scheduler.schedule(busy, self.config.micro_batches)
+                    self.counters["preemptions"] += len(plan.preempted)
+                    if not plan.chunks:
+                        break
+                    work = self._work(plan)
+                    self.counters["overlapped_steps"] += bool(inflight)  # sent while another is in flight
+                    inflight.append((plan, work, self.group.submit("call_extension", ModelRunner, "step", work)))
+                if not inflight:
+                    time.sleep(0.001)  # nothing fits until something finishes; cannot happen with work running
+                    return
+                plan, work, handle = inflight.popleft()
+                self._finish(plan, work, self.group.collect(handle)[self.group.lead])
+                if not inflight:
+                    return
+
+    def _arrivals(self) -> bool:
+        """New requests or cancellations are waiting for the loop."""
+        with self._cond:
+            return bool(self._inbox or self._cancels or self._closing)
+
+    def _work(self, plan) -> StepWork:
+        """What the ranks need of a step: the packed new tokens, block tables, which rows to sample."""
         work = StepWork(ids=[], chunks=[], samples=[], removed=self._removed)
         self._removed = []
         bs = self.config.block_size
@@ -300,8 +328,10 @@ class TokenEngine:
                 work.steering.append((i, *live.steering))
             if live.adapter is not None:
                 work.adapters.append((i, live.adapter))
-        with self._group_lock:
-            result = self.group.on(ModelRunner).step(work)[self.group.lead]
+        return work
+
+    def _finish(self, plan, work: StepWork, result) -> None:
+        """A step is back: its keys are in the cache, its sampled tokens go to their requests."""
         self.scheduler.after_step(plan)
         self.counters["steps"] += 1
         for n, ((i, seq_id), token, logprob) in enumerate(zip(work.samples, result.tokens, result.logprobs)):

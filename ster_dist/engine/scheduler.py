@@ -225,12 +225,16 @@ class Scheduler:
             self._remove(seq)
         return seq
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, busy: frozenset[str] = frozenset(), parts: int = 1) -> StepPlan:
+        """The next step's chunks. `busy`: sequences a step still in flight carries (pipeline micro-batches):
+        neither scheduled again nor preempted until that step is back. `parts`: micro-batches in flight at
+        once; each step takes at most its share of the sequences, so the others fill the next one."""
         plan = StepPlan()
         budget = self.max_step_tokens
-        self._schedule_running(plan, budget)
+        cap = -(-(len(self._running) + len(self._waiting)) // parts)
+        self._schedule_running(plan, budget, busy, cap)
         budget -= plan.num_tokens
-        self._admit_waiting(plan, budget)
+        self._admit_waiting(plan, budget, cap)
         if not plan.is_empty:
             self._steps += 1
         return plan
@@ -252,18 +256,20 @@ class Scheduler:
 
     # ---- policy
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_running(self, plan: StepPlan, budget: int, busy: frozenset[str], cap: int) -> None:
         i = 0
-        while i < len(self._running) and budget > 0:
+        while i < len(self._running) and budget > 0 and len(plan.chunks) < cap:
             seq = self._running[i]
             length = min(seq.uncomputed, budget, self.max_chunk)
-            if length <= 0:  # its sampled token has not been appended yet
+            if length <= 0 or seq.id in busy:  # its sampled token has not been appended yet
                 i += 1
                 continue
             start = seq.computed
             self._release_outside_window(seq, start)
             while not self._cover(seq, start + length):
-                victim = self._running[-1]
+                victim = next((s for s in reversed(self._running) if s.id not in busy), None)
+                if victim is None:
+                    return  # every other one is in flight: this one waits for their blocks
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -274,8 +280,8 @@ class Scheduler:
             budget -= length
             i += 1
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self._running) < self.max_running:
+    def _admit_waiting(self, plan: StepPlan, budget: int, cap: int) -> None:
+        while self._waiting and budget > 0 and len(self._running) < self.max_running and len(plan.chunks) < cap:
             seq = self._waiting[0]
             matched = self.pool.match_prefix(seq.tokens, seq.hashes, record=False)
             seq.blocks = matched

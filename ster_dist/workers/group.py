@@ -2,9 +2,10 @@
 
 `open_group` picks the group: a single in-process Rank for one rank (no Ray, no
 process group: the embedded default), Ray actors (or spawned processes) for tp x ep x pp ranks.
-Every group has `call(method, *args)` for Rank's own methods, `on(cls)` for a rank
-extension's (workers/extension.py), and `lead`, the index of the rank whose answer is the
-group's (the last pipeline stage's first rank; 0 without --pp).
+Every group has `call(method, *args)` for Rank's own methods (and `submit` / `collect`, the same
+call in two halves, so several can be in flight: pipeline stages then work on different ones),
+`on(cls)` for a rank extension's (workers/extension.py), and `lead`, the index of the rank whose
+answer is the group's (the last pipeline stage's first rank; 0 without --pp).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ class LocalGroup:
 
     def call(self, method: str, *args) -> list:
         return [getattr(self.rank, method)(*args)]
+
+    def submit(self, method: str, *args) -> list:
+        """As the other groups' submit; one rank in this process has answered by the time it returns."""
+        return self.call(method, *args)
+
+    def collect(self, handle: list) -> list:
+        return handle
 
     def on(self, cls: type) -> OnRanks:
         return OnRanks(self, cls)

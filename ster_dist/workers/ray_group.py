@@ -157,10 +157,19 @@ class RayGroup:
         return OnRanks(self, cls)
 
     def call(self, method: str, *args) -> list:
+        return self.collect(self.submit(method, *args))
+
+    def submit(self, method: str, *args) -> tuple[list, str]:
+        """Start a call on every rank without waiting (its handle for collect); each actor runs its calls
+        one at a time, in the order they were made."""
         import ray
 
         shared = [ray.put(a) if _large(a) else a for a in args]
-        return self._get([getattr(actor, method).remote(*shared) for actor in self.actors], describe(method, args))
+        return [getattr(actor, method).remote(*shared) for actor in self.actors], describe(method, args)
+
+    def collect(self, handle: tuple[list, str]) -> list:
+        refs, method = handle
+        return self._get(refs, method)
 
     def close(self) -> None:
         import ray

@@ -53,13 +53,21 @@ class SpawnGroup:
         return OnRanks(self, cls)
 
     def call(self, method: str, *args) -> list:
+        return self.collect(self.submit(method, *args))
+
+    def submit(self, method: str, *args) -> str:
+        """Send a call to every rank without waiting (its handle for collect). Ranks answer calls in the
+        order they were sent: collect them in that order, and call nothing else in between."""
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))
             except (OSError, BrokenPipeError):
                 self.close()
                 raise WorkerLost(f"rank {rank} died before {describe(method, args)}; the group was shut down") from None
-        method = describe(method, args)  # the errors below name an extension's method, not call_extension
+        return describe(method, args)  # the errors below name an extension's method, not call_extension
+
+    def collect(self, method: str) -> list:
+        """Every rank's answer to the oldest call submitted and not yet collected."""
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):
