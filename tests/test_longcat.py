@@ -124,3 +124,12 @@ def test_the_config_reads_as_transformers_and_vllm_read_it():
 def test_unreadable_configs_are_refused(keys, message):
     with pytest.raises(Refusal, match=message):
         from_hf({**_CONFIG, **keys})
+
+
+def test_identity_experts_beside_what_they_do_not_combine_with_are_refused():
+    with pytest.raises(Refusal, match="zero_expert_num 2 identity experts are supported only"):
+        from_hf({"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+                 "vocab_size": 256, "intermediate_size": 96, "kv_lora_rank": 16, "q_lora_rank": 24,
+                 "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 8,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4, "topk_group": 2,
+                 "zero_expert_num": 2})
