@@ -11,7 +11,8 @@ backwards.
 
 Name templates use {i} for the layer, {s} for a numbered submodule carried
 into the target's name as is (Zamba2's adapter slots), {h} for an index stacked
-along the parameter's first dimension (per-head norms) and {e} for an expert: a tensor
+along the parameter's first dimension (per-head norms), {half} for one of the two decoder layers a stored
+layer holds (FamilySpec.halved_layers) and {e} for an expert: a tensor
 named per expert fills that expert's row of a stacked [experts, ...]
 parameter, and only the rank holding that expert reads it. `Stacked` describes
 checkpoint tensors that hold every expert at once.
@@ -194,9 +195,18 @@ class Rule:
 
 def _compile(template: str) -> re.Pattern:
     escaped = (re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{s\}", r"(?P<s>\d+)")
-               .replace(r"\{h\}", r"(?P<h>\d+)")
+               .replace(r"\{h\}", r"(?P<h>\d+)").replace(r"\{half\}", r"(?P<half>[01])")
                .replace(r"\{e\}", r"(?P<e>\d+)"))
     return re.compile(escaped + r"$")
+
+
+def halved(groups: dict) -> dict:
+    """A match in a family whose stored layer k holds decoder layers 2k and 2k + 1 (FamilySpec.halved_layers),
+    with {i} made the decoder's layer: the {half} the name states, or the first half for what the stored
+    layer holds once (LongCat-Flash's shortcut experts)."""
+    if groups.get("i") is None:
+        return groups
+    return {**groups, "i": str(2 * int(groups["i"]) + int(groups.get("half") or 0))}
 
 
 def target_name(template: str, groups: dict) -> str:
@@ -249,3 +259,6 @@ class FamilySpec:
     # rotation pairs where Transformers' checkpoints store halves: an adapter's B rows, made on Transformers'
     # order, are put in pair order before they touch these weights.
     pair_rows: tuple[str, ...] = ()
+    # each stored layer k runs as decoder layers 2k and 2k + 1 (LongCat-Flash): the name map's {i} is the stored
+    # layer and {half} picks one of its two (`halved`)
+    halved_layers: bool = False

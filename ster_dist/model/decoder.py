@@ -20,6 +20,7 @@ from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.residual_conv import ResidualConv
 from ster_dist.model.rope import RotaryTables
+from ster_dist.model.shortcut import HANDED_ON, joins_shortcut, shortcut_experts
 from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
 from ster_dist.parallel.linear import (FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards,
@@ -60,6 +61,9 @@ class Block(nn.Module):
             setattr(self, site, part)
         self.post_attn_norm = norm(post_offsets[0], post_eps) if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
+        # LongCat-Flash: experts over this feed-forward's input, joining the residual a layer later
+        self.shortcut = shortcut_experts(cfg, layer, ctx)
+        self.joins_shortcut = joins_shortcut(cfg, layer)
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
@@ -102,12 +106,16 @@ class Block(nn.Module):
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
             return residual + self._scaled(a + m)
         h = residual + self._scaled(a)
-        m = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
+        m_in = self.mlp_norm(h) if self.mlp_norm is not None else h
+        m = self.mlp(m_in)
+        if self.shortcut is not None:
+            step.handed_on[HANDED_ON] = self.shortcut(m_in)
         if self.mlp_sconv is not None:
             m = self.mlp_sconv(m, step)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return h + self._scaled(m)
+        out = h + self._scaled(m)
+        return out + step.handed_on.pop(HANDED_ON) if self.joins_shortcut else out
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then

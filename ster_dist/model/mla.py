@@ -7,7 +7,8 @@ kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
 and its value. Only the shared part and each query's last qk_rope_head_dim
 channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies
 every query by Llama 4's temperature at its absolute position. Ling 3.0 gates each head's output by
-sigmoid(g_proj(x)) (one number a head, split with the heads). DeepSeek Sparse Attention (deepseek_v32,
+sigmoid(g_proj(x)) (one number a head, split with the heads). LongCat-Flash multiplies the query and the
+normed latent by sqrt(hidden_size / rank) of their bottlenecks. DeepSeek Sparse Attention (deepseek_v32,
 glm_moe_dsa) narrows each query's keys to those its indexer chooses (model/indexer.py); GLM-DSA's "shared"
 layers have no indexer and reuse the choice of the last layer that has one, handed on through the step.
 
@@ -73,6 +74,11 @@ class LatentAttention(nn.Module):
         self.head_gate = ColumnLinear(hidden, heads, ((h0, h1),), False) if cfg.raw.get("mla_head_gate") else None
         self.rope = cfg.layer_rope[layer]
         self.scale = cfg.attn_scale
+        # LongCat-Flash (mla_scale_q_lora / mla_scale_kv_lora): the query and the normed latent times
+        # sqrt(hidden / their bottleneck's rank)
+        self.q_lora_scale = ((hidden / m.q_lora_rank) ** 0.5
+                             if cfg.raw.get("mla_scale_q_lora") and m.q_lora_rank else 1.0)
+        self.kv_lora_scale = (hidden / self.rank) ** 0.5 if cfg.raw.get("mla_scale_kv_lora") else 1.0
         # Llama 4's query temperature (Mistral Large 3): every query channel times 1 + beta ln(1 + floor(p / length))
         self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
         # DeepSeek Sparse Attention: this layer's own indexer, or (GLM-DSA's "shared" layers) the last one's choice
@@ -88,10 +94,14 @@ class LatentAttention(nn.Module):
         q, kv = self.q_kv(x)
         q_latent = self.q_a_norm(q) if self.q is None else None
         q = q if self.q is not None else self.q_b(q_latent)
+        if self.q_lora_scale != 1.0:
+            q = q * self.q_lora_scale
         q = q.view(b, t, self.local_heads, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = kv.split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_norm(latent).unsqueeze(1)  # [b, 1, t, rank]
+        if self.kv_lora_scale != 1.0:
+            latent = latent * self.kv_lora_scale
         k_rot = k_rot.unsqueeze(1)                   # [b, 1, t, rope]: one key part for every head
         cos = sin = None
         if self.rope is not None:

@@ -14,7 +14,7 @@ from typing import Callable
 from ster_dist.config import ModelConfig
 from ster_dist.config_file import text_weight_names
 from ster_dist.errors import Refusal
-from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked, target_name
+from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked, halved, target_name
 from ster_dist.parallel.ctx import Shard
 
 
@@ -143,9 +143,10 @@ class NameMatcher:
             for rule, pattern in self.rules:
                 m = pattern.match(candidate)
                 if m:
-                    if self.params is None or self._present(rule, m.groupdict()):
-                        return rule, m.groupdict()
-                    first = first or (rule, m.groupdict())
+                    groups = halved(m.groupdict()) if self.spec.halved_layers else m.groupdict()
+                    if self.params is None or self._present(rule, groups):
+                        return rule, groups
+                    first = first or (rule, groups)
         return first
 
     def _present(self, rule: Rule, groups: dict) -> bool:
