@@ -83,6 +83,7 @@ class ModelConfig:
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
     post_norm_offsets: tuple[float, float] | None = None  # the post norms' own offsets (PLaMo 3)
     norm_affine: bool = True              # False: the block and final norms have no scale or bias (OLMo 1)
+    norm_scale_f32: bool = False          # RMS norms apply their scale in f32, then cast (Gemma 3n)
     # block layout
     pre_attn_norm: bool = True
     pre_mlp_norm: bool = True
@@ -441,7 +442,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
         norm_kind=norm_kind, norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
         post_norm_offsets=norms.post_offsets,
-        norm_affine=norms.affine,
+        norm_affine=norms.affine, norm_scale_f32=norms.scale_f32,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
         post_attn_norm=post_norm, post_mlp_norm=post_norm,
         post_mlp_norm_layers=moe_layers if keys.get("post_mlp_norm_sparse_only", default=False) else (),

@@ -28,6 +28,7 @@ INTS: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv"), SIZE),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), LAYERS),
     **dict.fromkeys(("n_inner", "ffn_dim", "ffn_hidden_size"), SIZE),
+    "laurel_rank": SIZE,  # Gemma 3n
     **dict.fromkeys(("max_position_embeddings", "n_positions", "seq_length", "max_seq_len",
                      "original_max_position_embeddings"), POSITIONS),
     "sliding_window": (0, POSITIONS[1]),  # 0: no window (Qwen2-MoE and others write it so)

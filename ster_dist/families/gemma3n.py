@@ -107,7 +107,7 @@ _RULES = (llama_rules(k=None, v=None, k_norm=None, mlp_norm="pre_feedforward_lay
 
 GEMMA3N_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("gemma3n_text", _RULES, attention=AttentionSpec(qk_norm=QKNormSpec("head")),
-               norms=NormSpec(post=True),
+               norms=NormSpec(post=True, scale_f32=True),
                embedding=EmbeddingSpec(tied=True, scale_sqrt=True),
                positions=PositionSpec(theta=1_000_000.0, local_theta=10_000.0), normalize=_normalize,
                require_values={"altup_active_idx": (0, "the blocks run on AltUp's first copy only; state 0")},

@@ -45,7 +45,8 @@ class AltUpStream(nn.Module):
         self.hidden = hidden
         self.per_layer_embed = VocabEmbedding(alt.per_layer_vocab, cfg.num_layers * alt.per_layer_width, ctx)
         self.per_layer_projection = Replicated((cfg.num_layers * alt.per_layer_width, hidden))
-        self.per_layer_norm = Norm(alt.per_layer_width, cfg.norm_eps, offset=cfg.norm_offset)
+        self.per_layer_norm = Norm(alt.per_layer_width, cfg.norm_eps, offset=cfg.norm_offset,
+                                   scale_f32=cfg.norm_scale_f32)
         self.projections = nn.ModuleList(Replicated((hidden, hidden)) for _ in range(alt.copies - 1))
         self.unembed_projections = nn.ModuleList(Replicated((hidden, hidden)) for _ in range(alt.copies - 1))
 
@@ -85,10 +86,10 @@ class AltUpLayer(nn.Module):
         self.correction_coefs = Replicated((alt.copies, alt.copies))
         self.prediction_coefs = Replicated((alt.copies ** 2, alt.copies))
         self.modality_router = Replicated((alt.copies, hidden))
-        self.router_norm = Norm(hidden, cfg.norm_eps, offset=cfg.norm_offset)
+        self.router_norm = Norm(hidden, cfg.norm_eps, offset=cfg.norm_offset, scale_f32=cfg.norm_scale_f32)
         self.input_gate = Replicated((alt.per_layer_width, hidden))
         self.input_projection = Replicated((hidden, alt.per_layer_width))
-        self.input_norm = Norm(hidden, cfg.norm_eps, offset=cfg.norm_offset)
+        self.input_norm = Norm(hidden, cfg.norm_eps, offset=cfg.norm_offset, scale_f32=cfg.norm_scale_f32)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, stream: torch.Tensor, step, block: Callable[[torch.Tensor, object], torch.Tensor]

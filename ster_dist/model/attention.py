@@ -85,7 +85,7 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         if cfg.qk_norm != "none" and (not cfg.layer_qk_norm or cfg.layer_qk_norm[layer]):
             common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
-                          affine=cfg.qk_norm_affine, ctx=ctx)
+                          affine=cfg.qk_norm_affine, ctx=ctx, scale_f32=cfg.norm_scale_f32)
             if cfg.qk_norm == "head":
                 per_head = cfg.qk_norm_per_head_weight
                 self.q_norm = Norm(d, heads=heads if per_head else 1, per_head_weight=per_head,
