@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ster_dist.config_altup import AltUpConfig, altup_config
 from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
 from ster_dist.config_keys import Keys
 from ster_dist.config_moe import MoEConfig, moe_config
@@ -72,6 +73,9 @@ class ModelConfig:
     layer_kv_heads: tuple[int, ...] = ()
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
+    value_norm: bool = False              # a scale-free RMS norm over each value head (Gemma 3n)
+    # per layer, the earlier layer whose keys and values it attends, None for its own (Gemma 3n); empty: its own
+    layer_kv_source: tuple[int | None, ...] = ()
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
     norm_bias: bool = False
@@ -79,6 +83,7 @@ class ModelConfig:
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
     post_norm_offsets: tuple[float, float] | None = None  # the post norms' own offsets (PLaMo 3)
     norm_affine: bool = True              # False: the block and final norms have no scale or bias (OLMo 1)
+    norm_scale_f32: bool = False          # RMS norms apply their scale in f32, then cast (Gemma 3n)
     # block layout
     pre_attn_norm: bool = True
     pre_mlp_norm: bool = True
@@ -135,6 +140,13 @@ class ModelConfig:
     mlp_up_bias: bool = False
     mlp_down_bias: bool = False
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # the gate's output and the feed-forward's (Falcon-H1's muP)
+    # per layer, p: the gate keeps only what lies above its mean plus Phi^-1(p) standard deviations where p > 0
+    # (Gemma 3n's activation sparsity); empty: no layer
+    layer_gate_sparsity: tuple[float, ...] = ()
+    # Gemma 3n: AltUp's copies of the hidden state with per-layer inputs (config_altup.py), and the width of
+    # Laurel's low-rank residual beside attention (0: none)
+    altup: AltUpConfig | None = None
+    laurel_rank: int = 0
     # embedding and head
     embed_scale: float = 1.0
     residual_multiplier: float = 1.0
@@ -204,6 +216,10 @@ class ModelConfig:
 
     def sinks(self, layer: int) -> bool:
         return self.layer_sinks[layer] if self.layer_sinks else self.attn_sinks
+
+    def gate_sparsity(self, layer: int) -> float:
+        """The sparsity p of `layer`'s feed-forward gate (0: dense)."""
+        return self.layer_gate_sparsity[layer] if self.layer_gate_sparsity else 0.0
 
     def mixer(self, layer: int) -> str:
         if self.mixers:
@@ -315,6 +331,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     num_kv = 1 if keys.get("multi_query") else int(keys.get(*KV_HEAD_KEYS, default=num_heads))
     head_dim = int(keys.get("head_dim", default=hidden // num_heads if num_heads else 0))
     inner = keys.get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    if isinstance(inner, list):  # a width per layer (Gemma 3n): one for all is what runs
+        if len(set(inner)) != 1:
+            raise Refusal(f"invalid model config {path}: intermediate_size gives layers different widths "
+                          f"{sorted(set(inner))}; only one feed-forward width for every layer is supported")
+        inner = inner[0]
     if inner is None and keys.get("expansion_ratio") is not None:  # MPT
         inner = int(keys.get("expansion_ratio") * hidden)
     intermediate = int(inner if inner is not None else 4 * hidden)
@@ -421,7 +442,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
         norm_kind=norm_kind, norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
         post_norm_offsets=norms.post_offsets,
-        norm_affine=norms.affine,
+        norm_affine=norms.affine, norm_scale_f32=norms.scale_f32,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
         post_attn_norm=post_norm, post_mlp_norm=post_norm,
         post_mlp_norm_layers=moe_layers if keys.get("post_mlp_norm_sparse_only", default=False) else (),
@@ -460,11 +481,38 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
         value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
+        value_norm=bool(keys.get("value_norm", default=False)),
+        layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
+        altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
         weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
     )
+
+
+def _layer_kv_source(keys: Keys, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer, the earlier layer whose keys and values it reads (None: its own); empty when unstated."""
+    stated = keys.get("kv_source_layers")
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            src is not None and (isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < i
+                                 or stated[src] is not None) for i, src in enumerate(stated)):
+        raise Refusal(f"invalid model config {keys.path}: kv_source_layers must name, for each of the {num_layers} "
+                      "layers, null or an earlier layer that makes its own keys and values")
+    return tuple(stated)
+
+
+def _gate_sparsity(keys: Keys, num_layers: int) -> tuple[float, ...]:
+    stated = keys.get("gate_sparsity_layers")
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1 for p in stated):
+        raise Refusal(f"invalid model config {keys.path}: activation_sparsity_pattern must give a sparsity in [0, 1) "
+                      f"for each of the {num_layers} layers")
+    return tuple(float(p) for p in stated)
 
 
 def _scored_vocab(keys: Keys, vocab: int) -> int | None:

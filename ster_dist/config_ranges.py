@@ -27,7 +27,8 @@ INTS: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads"), SIZE),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv"), SIZE),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), LAYERS),
-    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), SIZE),
+    **dict.fromkeys(("n_inner", "ffn_dim", "ffn_hidden_size"), SIZE),
+    "laurel_rank": SIZE,  # Gemma 3n
     **dict.fromkeys(("max_position_embeddings", "n_positions", "seq_length", "max_seq_len",
                      "original_max_position_embeddings"), POSITIONS),
     "sliding_window": (0, POSITIONS[1]),  # 0: no window (Qwen2-MoE and others write it so)
@@ -53,6 +54,8 @@ PER_LAYER: dict[str, tuple[int, int]] = {
     "num_local_experts": (0, EXPERTS[1]),
     **dict.fromkeys(("num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk"), EXPERTS),
     "moe_intermediate_size": SIZE, "num_shared_expert": COUNT,
+    # Gemma 3n states a width per layer (config.py refuses widths that differ)
+    "intermediate_size": SIZE,
     # DeepSeek's interval, or MiMo-V2-Flash's 0/1 per layer (its normalisation turns that into mlp_layer_types)
     "moe_layer_freq": (0, LAYERS[1]),
 }

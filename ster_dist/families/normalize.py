@@ -75,6 +75,12 @@ GENERIC_KEYS: dict[str, str] = {
     "mlp_output_scale": "the dense feed-forward's output times a stored scale (Inkling's global_scale); default "
                         "false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
+    "value_norm": "a scale-free RMS norm over each value head (Gemma 3n); default false",
+    "kv_source_layers": "per layer, null or the earlier layer whose keys and values it attends, making none of its "
+                        "own (Gemma 3n's num_kv_shared_layers); default: every layer its own",
+    "gate_sparsity_layers": "per layer, p in [0, 1): where above 0, the dense feed-forward's gate keeps only what "
+                            "lies above its mean plus Phi^-1(p) deviations (Gemma 3n); default none",
+    "laurel_rank": "the width of Laurel's low-rank residual beside attention (Gemma 3n); default 0, none",
 }
 # the spellings of a key-value head count config.py reads
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv")

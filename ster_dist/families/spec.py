@@ -109,6 +109,7 @@ class NormSpec:
     # (PLaMo 3: 1/5 and 5^-1.5)
     post_offsets: tuple[float, float] | None = None
     affine: bool = True                   # False: norms with neither scale nor bias (OLMo 1)
+    scale_f32: bool = False               # RMS norms apply their scale in f32 before casting back (Gemma 3n)
     eps: float | None = None              # an epsilon Transformers fixes whatever the config states (OLMo 1)
     pre: bool = True                      # a norm before each sublayer
     post: bool = False                    # a norm over each sublayer's output (the generic key use_post_norm wins)

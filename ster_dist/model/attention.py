@@ -4,6 +4,10 @@ own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), o
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
 learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
 sigmoid, Laguna's softplus), and the row-parallel output projection.
+
+A layer may norm each value head without a scale (Gemma 3n's value_norm), and may read an earlier layer's
+keys and values rather than make its own (Gemma 3n's shared layers, `layer_kv_source`): such a layer has no
+key or value projection and keeps nothing in the cache; the step hands it the source layer's.
 """
 
 from __future__ import annotations
@@ -54,11 +58,18 @@ class Attention(nn.Module):
         (h0, h1), (k0, k1) = ctx.attention_heads(heads, kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
         self.head_dim, self.value_dim, self.layer = d, dv, layer
+        # the earlier layer whose keys and values this one attends (None: its own), and whether a later layer
+        # reads this one's
+        self.kv_source = cfg.layer_kv_source[layer] if cfg.layer_kv_source else None
+        self.keeps_kv = layer in cfg.layer_kv_source
+        own = self.kv_source is None
         # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
-        self.kv_shape = ((self.local_kv, d), (self.local_kv, dv))
+        self.kv_shape = ((self.local_kv, d), (self.local_kv, dv)) if own else None
         self.q = ColumnLinear(width, heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
-        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
-        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias) if own else None
+        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias) if own else None
+        # a scale-free RMS norm over each value head (Gemma 3n)
+        self.v_norm = Norm(dv, eps=cfg.norm_eps, affine=False) if cfg.value_norm and own else None
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
@@ -74,13 +85,13 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         if cfg.qk_norm != "none" and (not cfg.layer_qk_norm or cfg.layer_qk_norm[layer]):
             common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
-                          affine=cfg.qk_norm_affine, ctx=ctx)
+                          affine=cfg.qk_norm_affine, ctx=ctx, scale_f32=cfg.norm_scale_f32)
             if cfg.qk_norm == "head":
                 per_head = cfg.qk_norm_per_head_weight
                 self.q_norm = Norm(d, heads=heads if per_head else 1, per_head_weight=per_head,
                                    rows=((h0, h1),) if per_head else None, **common)
                 self.k_norm = Norm(d, heads=kv_heads if per_head else 1, per_head_weight=per_head,
-                                   rows=((k0, k1),) if per_head else None, **common)
+                                   rows=((k0, k1),) if per_head else None, **common) if own else None
             else:  # over the whole projection, split like it
                 self.q_norm = Norm(heads * d, rows=((h0 * d, h1 * d),), **common)
                 self.k_norm = Norm(kv_heads * d, rows=((k0 * d, k1 * d),), **common)
@@ -103,6 +114,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, gate = self.qkv(x)
+        if self.kv_source is not None:
+            return self._shared_forward(q, gate, pos)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -112,6 +125,8 @@ class Attention(nn.Module):
         v = v.view(b, t, self.local_kv, self.value_dim).transpose(1, 2)
         if self.value_scale != 1.0:
             v = v * self.value_scale
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         per_head = self.per_head_norm and self.q_norm is not None
         if per_head and not self.norm_after_rope:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
@@ -123,7 +138,26 @@ class Attention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk, keep=self.keeps_kv)
+        return self._output(out, gate)
+
+    def _shared_forward(self, q: torch.Tensor, gate: torch.Tensor | None, pos: StepState) -> torch.Tensor:
+        """A layer attending its source layer's keys and values: its own queries only, normed and rotated as
+        the source's keys were."""
+        b, t, _ = q.shape
+        if self.q_norm is not None and not self.per_head_norm:
+            q = self.q_norm(q)
+        q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.per_head_norm:
+            q = self._head_norm(self.q_norm, q)
+        if self.rope is not None:
+            cos, sin = pos.rotary(self.rope, q.dtype)
+            q = apply_rotary(q, cos, sin, self.rope.interleaved)
+        out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
+        return self._output(out, gate)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        b, t = out.shape[0], out.shape[2]
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)

@@ -2,11 +2,13 @@
 ModelConfig, for every family.
 
 Named hook sites sit on the residual stream after every layer ("layers.{i}"):
-capture and steering attach there through add_hook, and nowhere else.
+capture and steering attach there through add_hook, and nowhere else. Where the stream is AltUp's copies
+(Gemma 3n, model/altup.py), the site is the first copy, the one each block computes on.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -14,7 +16,9 @@ from torch import nn
 
 from ster_dist.config import ModelConfig
 from ster_dist.model.cache import KVCache
+from ster_dist.model.altup import AltUpLayer, AltUpStream
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
+from ster_dist.model.laurel import Laurel
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
@@ -38,7 +42,8 @@ class Block(nn.Module):
         super().__init__()
 
         def norm(offset: float = cfg.norm_offset, eps: float = cfg.norm_eps):
-            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine)
+            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine,
+                        scale_f32=cfg.norm_scale_f32)
 
         post_offsets = cfg.post_norm_offsets or (cfg.norm_offset, cfg.norm_offset)
         post_eps = cfg.norm_eps if cfg.post_norm_eps is None else cfg.post_norm_eps
@@ -78,6 +83,9 @@ class Block(nn.Module):
         # MiniMax: residual * alpha + output * beta per sublayer, the residual its normed input under postnorm
         self.factors = cfg.residual_factors[layer] if cfg.residual_factors else None
         self.residual_from_norm = cfg.residual_from_norm
+        # Gemma 3n: Laurel beside attention, and the block inside AltUp's predict and correct
+        self.laurel = Laurel(cfg) if cfg.laurel_rank else None
+        self.altup = AltUpLayer(cfg, layer) if cfg.altup is not None else None
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -86,6 +94,12 @@ class Block(nn.Module):
         return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        """x: the residual stream [batch, seq, hidden], or AltUp's copies of it [copies, batch, seq, hidden]."""
+        if self.altup is not None:
+            return self.altup(x, step, self._block)
+        return self._block(x, step)
+
+    def _block(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         residual = x
         if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
             residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
@@ -106,6 +120,8 @@ class Block(nn.Module):
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
             return residual + self._scaled(a + m)
         h = residual + self._scaled(a)
+        if self.laurel is not None:  # Gemma 3n: attention's residual sum averaged with Laurel's
+            h = (h + self.laurel(a_in)) / math.sqrt(2)
         m_in = self.mlp_norm(h) if self.mlp_norm is not None else h
         m = self.mlp(m_in)
         if self.shortcut is not None:
@@ -167,6 +183,7 @@ class Decoder(nn.Module):
                                affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm and first else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) if self.stage[0] <= i < self.stage[1] else Elsewhere()
                                     for i in range(cfg.num_layers))
+        self.altup = AltUpStream(cfg, ctx) if cfg.altup is not None else None
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
@@ -179,7 +196,7 @@ class Decoder(nn.Module):
                           if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
-                               affine=cfg.norm_affine) if last or self.pass_ends else None
+                               affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32) if last or self.pass_ends else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None) if last else None
         self.tables = RotaryTables(cfg.max_position)
@@ -250,7 +267,7 @@ class Decoder(nn.Module):
         """The final norm's output [batch, seq, hidden] for right-padded ids: what the head reads, and what a
         reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None))
+        h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None), ids)
         return self.final_norm(h).to(self.dtype)
 
     def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor | None:
@@ -270,7 +287,7 @@ class Decoder(nn.Module):
         else:  # the residual stream: f32 where the model keeps it so (residual_fp32)
             dtype = torch.float32 if self.cfg.residual_fp32 else self.dtype
             h = ctx.recv_prev((*ids.shape, self.cfg.hidden_size), dtype, self.device)
-        h = self._layers(h, step)
+        h = self._layers(h, step, ids)
         if ctx.last_stage:
             return h
         ctx.send_next(h)
@@ -286,8 +303,11 @@ class Decoder(nn.Module):
             h = self.embed_norm(h)
         return h
 
-    def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
+        if self.altup is not None:  # Gemma 3n: the per-layer inputs, and the stream as AltUp's copies
+            step.per_layer_inputs = self.altup.per_layer_inputs(ids, h)
+            h = self.altup.expand(h)
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
         for i in range(*self.stage):
             block = self.layers[i]
@@ -297,10 +317,16 @@ class Decoder(nn.Module):
             if i in self.pass_ends:
                 h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
-                replaced = hook(h)
-                if replaced is not None:
-                    h = replaced
-        return h
+                h = self._hooked(hook, h)
+        return self.altup.collapse(h) if self.altup is not None else h
+
+    def _hooked(self, hook: Hook, h: torch.Tensor) -> torch.Tensor:
+        """h after `hook`, which reads (and may replace) the residual stream: AltUp's first copy, where the
+        stream is its copies."""
+        replaced = hook(h[0] if self.altup is not None else h)
+        if replaced is None:
+            return h
+        return torch.cat((replaced.unsqueeze(0), h[1:])) if self.altup is not None else replaced
 
     def _skip(self, layer: int, h: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
         """Before `layer`: every skip keeping here keeps h, then every skip mixing here mixes its kept state in.

@@ -1,6 +1,8 @@
 """Norms: RMSNorm and LayerNorm, with or without bias, scales stored as-is or as an offset from one.
 
-`heads` > 0 normalises each head_dim slice separately (per-head query/key norms);
+An RMS norm scales in the input's dtype after casting back (Llama), or in f32 before it (`scale_f32`:
+Gemma 3n; a scale stored as an offset from one is always applied in f32). `heads` > 0 normalises each head_dim
+slice separately (per-head query/key norms);
 per_head_weight gives each head its own scale ([heads, head_dim]). A norm over a
 projection split across ranks (OLMo 2's whole-projection query/key norm) sums its
 statistics over the ranks.
@@ -18,10 +20,11 @@ from ster_dist.parallel.linear import ShardedModule
 class Norm(ShardedModule):
     def __init__(self, dim: int, eps: float, kind: str = "rms", bias: bool = False, offset: float = 0.0,
                  affine: bool = True, heads: int = 0, per_head_weight: bool = False,
-                 rows: tuple[tuple[int, int], ...] | None = None, ctx: ParallelCtx = SINGLE):
+                 rows: tuple[tuple[int, int], ...] | None = None, ctx: ParallelCtx = SINGLE, scale_f32: bool = False):
         """dim: the normalised width. rows: this rank's share of a weight split like a projection."""
         super().__init__()
         self.eps, self.kind, self.offset, self.heads, self.ctx = eps, kind, offset, heads, ctx
+        self.scale_f32 = scale_f32
         self.split = rows is not None and not heads  # a whole projection split over ranks
         if per_head_weight:
             shape, shard = (heads, dim), Shard((heads, dim), 0, rows) if rows else Shard((heads, dim))
@@ -54,7 +57,7 @@ class Norm(ShardedModule):
             w = self.weight.float()
             if self.offset:
                 h = h * (self.offset + w)
-            elif self.kind == "rms":  # Llama casts back before scaling; kept for bf16 parity
+            elif self.kind == "rms" and not self.scale_f32:  # Llama casts back before scaling; kept for bf16 parity
                 h = h.to(dtype) * self.weight
             else:
                 h = h * w

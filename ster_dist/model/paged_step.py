@@ -161,17 +161,20 @@ class PagedStep:
             out[0][tokens] = y
         return out
 
-    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn,
-               chunk: int | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q, k: torch.Tensor | None, v: torch.Tensor | None, window: int | None, fn,
+               chunk: int | None = None, keep: bool = False) -> torch.Tensor:
         """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys, values, mask,
         key_positions) per group over its sequences' gathered keys (within `window` and the query's `chunk`);
-        outputs packed [1, heads, tokens, width]."""
-        self.cache.write(layer, self.slots, k, v)
+        outputs packed [1, heads, tokens, width]. k and v None: attend `layer`'s stored keys and values
+        (Gemma 3n's shared layers); `keep` needs nothing here, the cache holding every layer's."""
+        if k is not None:
+            self.cache.write(layer, self.slots, k, v)
+        dtype = (k if k is not None else q).dtype
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)
-            if keys.dtype != k.dtype:  # a cache kept narrower than the model attends in the model's dtype
-                keys, values = keys.to(k.dtype), values.to(k.dtype)
+            if keys.dtype != dtype:  # a cache kept narrower than the model attends in the model's dtype
+                keys, values = keys.to(dtype), values.to(dtype)
             outs.append(fn(group.take(q), keys, values, group.mask(window, chunk), group.key_pos))
         if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
             return self.groups[0].packed(outs[0])

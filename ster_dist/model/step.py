@@ -59,13 +59,19 @@ class StepState:
                 self._masks[window, chunk] = (allowed | self._diag).unsqueeze(1)
         return self._masks[window, chunk]
 
-    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn,
-               chunk: int | None = None):
+    def attend(self, layer: int, q, k: torch.Tensor | None, v: torch.Tensor | None, window: int | None, fn,
+               chunk: int | None = None, keep: bool = False):
         """fn(q, keys, values, mask, key_positions) over every key this step sees (within `window` positions
         and the query's `chunk`, where stated): this step's keys and values [batch, heads, seq, width] are
-        stored in the cache first, where there is one."""
-        if self.cache is not None:
-            k, v = self.cache.write(layer, self.slots, k, v)
+        stored in the cache first, where there is one. `keep`: a later layer reads these keys and values, which
+        the step holds for it; k and v None: attend what `layer` kept (Gemma 3n's shared layers)."""
+        if k is None:
+            k, v = self.handed_on["kv", layer]
+        else:
+            if self.cache is not None:
+                k, v = self.cache.write(layer, self.slots, k, v)
+            if keep:
+                self.handed_on["kv", layer] = k, v
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:

@@ -25,6 +25,9 @@ def pipeline_refusal(cfg, pp: int) -> str | None:
         (cfg.block_skips, "keeps hidden states across layers (block skip connections)"),
         (any(cfg.mixer(i).endswith("shared_block") for i in range(cfg.num_layers)),
          "shares blocks between layers that read the embedding"),
+        (getattr(cfg, "altup", None) is not None, "carries AltUp's copies of the hidden state and per-layer inputs"),
+        (any(s is not None for s in getattr(cfg, "layer_kv_source", ())), "reuses earlier layers' keys and values"),
+        (getattr(cfg, "halved_layers", False), "hands shortcut experts' output from one layer to the next"),
     )
     for applies, why in reasons:
         if applies:
