@@ -75,6 +75,9 @@ GENERIC_KEYS: dict[str, str] = {
     "mlp_output_scale": "the dense feed-forward's output times a stored scale (Inkling's global_scale); default "
                         "false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
+    "hyper_streams": "the residual as this many hyper-connected streams, read with hyper_mixing, hyper_eps, "
+                     "hyper_post_scale, hyper_post_eps, hyper_sinkhorn_iters and hyper_head (model/hyper_connection"
+                     ".py: HY V4, DeepSeek-V4); default 0, one residual",
 }
 # the spellings of a key-value head count config.py reads
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv")

@@ -14,6 +14,7 @@ from torch import nn
 
 from ster_dist.config import ModelConfig
 from ster_dist.model.cache import KVCache
+from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
@@ -73,6 +74,9 @@ class Block(nn.Module):
         # MiniMax: residual * alpha + output * beta per sublayer, the residual its normed input under postnorm
         self.factors = cfg.residual_factors[layer] if cfg.residual_factors else None
         self.residual_from_norm = cfg.residual_from_norm
+        # hyper-connections (model/hyper_connection.py): the residual is several streams, each sublayer's own
+        self.attn_hc = HyperConnection(cfg) if cfg.hyper_streams else None
+        self.mlp_hc = HyperConnection(cfg) if cfg.hyper_streams else None
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -81,6 +85,8 @@ class Block(nn.Module):
         return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        if self.attn_hc is not None:
+            return self._hyper(x, step)
         residual = x
         if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
             residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
@@ -107,6 +113,14 @@ class Block(nn.Module):
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         return h + self._scaled(m)
+
+    def _hyper(self, streams: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        """A pre-norm block over hyper-connected streams [..., streams, hidden]: each sublayer reads their
+        collapse and its output is spread back over them."""
+        a_in, weights = self.attn_hc(streams)
+        streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
+        m_in, weights = self.mlp_hc(streams)
+        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in)), weights)
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then
@@ -145,6 +159,7 @@ class Decoder(nn.Module):
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
                                affine=cfg.norm_affine)
+        self.hc_head = HyperHead(cfg) if cfg.hyper_streams else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None)
         self.tables = RotaryTables(cfg.max_position)
@@ -217,6 +232,8 @@ class Decoder(nn.Module):
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
+        if self.hc_head is not None:
+            h = spread(h, self.cfg.hyper_streams)
         for i, block in enumerate(self.layers):
             if self.cfg.block_skips:
                 h = self._skip(i, h, kept)
@@ -224,10 +241,13 @@ class Decoder(nn.Module):
             if i in self.pass_ends:
                 h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
+                if self.hc_head is not None:
+                    h = hooked(h, hook)
+                    continue
                 replaced = hook(h)
                 if replaced is not None:
                     h = replaced
-        return h
+        return self.hc_head(h) if self.hc_head is not None else h
 
     def _skip(self, layer: int, h: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
         """Before `layer`: every skip keeping here keeps h, then every skip mixing here mixes its kept state in.
