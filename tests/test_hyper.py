@@ -167,3 +167,36 @@ def test_unstated_keys_read_as_the_config_class_defaults():
 def test_unreadable_configs_are_refused(keys, message):
     with pytest.raises(Refusal, match=message):
         from_hf({**_CONFIG, **keys})
+
+
+@pytest.mark.parametrize("module", ["glm5_next.modeling_glm5_next.Glm5NextTextHyperConnection",
+                                    "deepseek_v4.modeling_deepseek_v4.DeepseekV4HyperConnection"])
+def test_the_mixing_form_equals_transformers_hyper_connection(module):
+    """The form with comb (Sinkhorn-Knopp), which GLM-5-Next and DeepSeek-V4 use, on one module's weights:
+    the collapse, and the outgoing streams as their decoder layers join them."""
+    import importlib
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from ster_dist.model.hyper_connection import HyperConnection
+
+    path, name = module.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"transformers.models.{path}"), name)
+    n, hidden, eps = 3, 64, 1e-5
+    theirs = cls(SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=eps, hidden_size=hidden))
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    cfg = from_hf(_CONFIG)
+    cfg = replace(cfg, norm_eps=eps, raw={**cfg.raw, "hyper_mixing": True, "hyper_sinkhorn_iters": 20,
+                                          "hyper_post_scale": 2.0, "hyper_post_eps": 0.0, "hyper_eps": 1e-6})
+    ours = HyperConnection(replace(cfg, hyper_streams=n))
+    ours.load_state_dict({k: v.clone() for k, v in theirs.state_dict().items()})
+    streams, out = torch.randn(2, 5, n, hidden, generator=gen), torch.randn(2, 5, hidden, generator=gen)
+    with torch.no_grad():
+        post, comb, collapsed = theirs(streams)
+        joined = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+        our_collapsed, weights = ours(streams)
+        assert compare(our_collapsed, collapsed)["max_relative_error"] < 1e-5
+        assert compare(ours.join(streams, out, weights), joined)["max_relative_error"] < 1e-5
