@@ -200,3 +200,33 @@ def test_the_mixing_form_equals_transformers_hyper_connection(module):
         our_collapsed, weights = ours(streams)
         assert compare(our_collapsed, collapsed)["max_relative_error"] < 1e-5
         assert compare(ours.join(streams, out, weights), joined)["max_relative_error"] < 1e-5
+
+
+def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
+    """Heads, sinks and the output gate split across two ranks, the streams and their weights whole on each:
+    two ranks' paged steps equal one rank's."""
+    from tests.paged_steps import PagedOnRank
+
+    directory, _, model = hy_v4
+    gen = torch.Generator().manual_seed(4)
+    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
+    tp2.call("load", resolve(str(directory)), "f32", "cpu")
+    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
+    single = Driver(PagedCache(model, 40, BLOCK))
+    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
+        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+
+
+def test_rotating_pairs_on_transformers_own_rows_is_not_its_reading(hy_v4, tmp_path):
+    """The seed's convention, not Transformers': the release's rotated rows are in pair order, which vLLM
+    rotates by adjacent pairs. Transformers rotates halves, so its own save (rows by halves) read here
+    differs from it, while the same weights in the release's order (tests/tiny/hyper.py) match it."""
+    directory, reference, ours = hy_v4
+    own = tmp_path / "transformers_order"
+    shutil.copytree(directory, own)
+    reference.save_pretrained(own, safe_serialization=True)  # its own rows over the release's
+    halves = load_model(resolve(str(own)), "f32").model
+    with torch.no_grad():
+        theirs = reference(_ids(16)).logits
+        assert compare(ours(_ids(16)), theirs)["max_relative_error"] < 1e-4
+        assert compare(halves(_ids(16)), theirs)["max_relative_error"] > 1e-3
