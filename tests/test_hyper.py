@@ -2,7 +2,7 @@
 (tests/tiny/hyper.py: logits, greedy, static cache, batching; TP=2 and EP=2 in their own files): capture and
 steering on the streams against Transformers' own streams, both spellings of the tensors, decodes continued
 from the paged cache and the token engine equal to the whole read, the logit cap, the configs' defaults and
-refusals."""
+refusals; TP=2 over paged caches under -m slow."""
 
 from __future__ import annotations
 
@@ -202,6 +202,7 @@ def test_the_mixing_form_equals_transformers_hyper_connection(module):
         assert compare(ours.join(streams, out, weights), joined)["max_relative_error"] < 1e-5
 
 
+@pytest.mark.slow  # TP=2 logits are tests/test_tensor_parallel.py's; this adds the paged steps (~1 min)
 def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
     """Heads, sinks and the output gate split across two ranks, the streams and their weights whole on each:
     two ranks' paged steps equal one rank's."""
