@@ -231,3 +231,17 @@ def test_rotating_pairs_on_transformers_own_rows_is_not_its_reading(hy_v4, tmp_p
         theirs = reference(_ids(16)).logits
         assert compare(ours(_ids(16)), theirs)["max_relative_error"] < 1e-4
         assert compare(halves(_ids(16)), theirs)["max_relative_error"] > 1e-3
+
+
+def test_the_mean_head_equals_glm5_next_hyper_head():
+    from dataclasses import replace
+
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperHead
+
+    from ster_dist.model.hyper_connection import HyperHead
+
+    cfg = from_hf(_CONFIG)
+    ours = HyperHead(replace(cfg, hyper_streams=3, raw={**cfg.raw, "hyper_head": "mean"}))
+    streams = torch.randn(2, 5, 3, 64, generator=torch.Generator().manual_seed(7))
+    assert not list(ours.parameters())
+    assert compare(ours(streams), Glm5NextTextHyperHead()(streams))["max_relative_error"] < 1e-6
