@@ -152,6 +152,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     # the residual stream kept in f32 while the layers compute in the model's dtype (Mamba's residual_in_fp32)
     residual_fp32: bool = False
+    hyper_streams: int = 0                # the residual as this many streams (model/hyper_connection.py); 0: one
     # recurrent layers run pre-norm (norm before each sublayer) in an otherwise post-norm family (OLMo Hybrid)
     recurrent_pre_norm: bool = False
     # each sublayer joins the residual as residual * alpha + output * beta: (mixer alpha, mixer beta,
@@ -465,7 +466,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         mlp_down_bias=bool(keys.get("mlp_down_bias", default=mlp_bias)),
         mlp_multipliers=_mlp_multipliers(keys, path),
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
-        residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
+        residual_fp32=bool(keys.get("residual_in_fp32", default=False)), hyper_streams=_hyper_streams(keys),
         recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
         residual_factors=_residual_factors(keys, num_layers),
         residual_from_norm=bool(keys.get("residual_from_norm", default=False)),
@@ -513,6 +514,14 @@ def _gate_sparsity(keys: Keys, num_layers: int) -> tuple[float, ...]:
         raise Refusal(f"invalid model config {keys.path}: activation_sparsity_pattern must give a sparsity in [0, 1) "
                       f"for each of the {num_layers} layers")
     return tuple(float(p) for p in stated)
+
+
+def _hyper_streams(keys: Keys) -> int:
+    n = keys.get("hyper_streams", default=0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise Refusal(f"invalid model config {keys.path}: the hyper-connections' stream count is {n!r}; state "
+                      "hc_mult as a positive integer")
+    return n
 
 
 def _scored_vocab(keys: Keys, vocab: int) -> int | None:

@@ -31,6 +31,7 @@ class MoEConfig:
     shared_gate: bool = False             # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
     expert_bias: bool = False
     activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS) | ungated (Nemotron-H: act(up))
+    #                                       | limited_swiglu (HY V4: act(min(gate, limit)) * clamp(up, +-limit))
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")

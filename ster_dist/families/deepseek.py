@@ -113,13 +113,13 @@ def _axk1(raw: dict) -> dict:
 _AXK1_RULES = _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in weight_and_bias(
     "model.layers.{i}.post_mlp_layernorm", "layers.{i}.post_mlp_norm"))
 
-_INDEXER_RULES = tuple(rule for name in ("wq_b", "wk", "k_norm", "weights_proj") for rule in weight_and_bias(
+INDEXER_RULES = tuple(rule for name in ("wq_b", "wk", "k_norm", "weights_proj") for rule in weight_and_bias(
     f"model.layers.{{i}}.self_attn.indexer.{name}", f"layers.{{i}}.attn.indexer.{name}"))
 _SPARSE_DEFAULTS = {"routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
                     "index_topk": 2048, "index_head_dim": 128, "qk_rope_head_dim": 64}
 
 
-def _sparse_attention(raw: dict, defaults: dict, kinds) -> dict:
+def sparse_attention_keys(raw: dict, defaults: dict, kinds) -> dict:
     """DeepSeek Sparse Attention's keys over the latent families': the indexers' sizes, which layers run one
     (indexer_types) and how they rotate. Latent attention always rotates adjacent pairs here (the config
     classes drop rope_interleave) and the layer_types Transformers writes only name the cache's kind."""
@@ -170,17 +170,17 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                moe=MoESpec(scaling="always", shared="stated"), parity_reference="DeepseekV3ForCausalLM"),
     FamilySpec("axk1", _AXK1_RULES, **_LATENT, normalize=_axk1,
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference="AXK1ForCausalLM"),
-    FamilySpec("deepseek_v32", _DEEPSEEK + _INDEXER_RULES, **_LATENT,
-               normalize=lambda raw: _sparse_attention(
+    FamilySpec("deepseek_v32", _DEEPSEEK + INDEXER_RULES, **_LATENT,
+               normalize=lambda raw: sparse_attention_keys(
                    raw, {"n_group": 8, "topk_group": 4, "index_n_heads": 64, "rms_norm_eps": 1e-6,
                          "indexer_rope_interleave": False, "num_hidden_layers": 61, "q_lora_rank": 1536},
                    lambda raw, layers: ["full"] * layers),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV32ForCausalLM",
                refuse_keys={"quantization_config": "DeepSeek's own V3.2 checkpoints are FP8, which is not read for "
                                                    "this family; load a BF16 export"}),
-    FamilySpec("glm_moe_dsa", _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in _INDEXER_RULES),
+    FamilySpec("glm_moe_dsa", _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in INDEXER_RULES),
                **_LATENT,
-               normalize=lambda raw: _sparse_attention(
+               normalize=lambda raw: sparse_attention_keys(
                    raw, {"n_group": 1, "topk_group": 1, "index_n_heads": 32, "rms_norm_eps": 1e-5,
                          "indexer_rope_interleave": True, "num_hidden_layers": 78, "q_lora_rank": 2048},
                    _glm_indexer_types),

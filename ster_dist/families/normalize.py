@@ -81,6 +81,9 @@ GENERIC_KEYS: dict[str, str] = {
     "gate_sparsity_layers": "per layer, p in [0, 1): where above 0, the dense feed-forward's gate keeps only what "
                             "lies above its mean plus Phi^-1(p) deviations (Gemma 3n); default none",
     "laurel_rank": "the width of Laurel's low-rank residual beside attention (Gemma 3n); default 0, none",
+    "hyper_streams": "the residual as this many hyper-connected streams, read with hyper_mixing, hyper_eps, "
+                     "hyper_post_scale, hyper_post_eps, hyper_sinkhorn_iters and hyper_head (model/hyper_connection"
+                     ".py: HY V4, DeepSeek-V4); default 0, one residual",
 }
 # the spellings of a key-value head count config.py reads
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv")

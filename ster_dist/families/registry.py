@@ -24,6 +24,7 @@ from ster_dist.families.gpt2 import GPT2_FAMILIES
 from ster_dist.families.gptj_neox import GPTJ_NEOX_FAMILIES
 from ster_dist.families.granite import GRANITE_FAMILIES
 from ster_dist.families.hunyuan import HUNYUAN_FAMILIES
+from ster_dist.families.hyper import HYPER_FAMILIES
 from ster_dist.families.inkling import INKLING_FAMILIES
 from ster_dist.families.kimi import KIMI_FAMILIES
 from ster_dist.families.laguna import LAGUNA_FAMILIES
@@ -57,7 +58,8 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES)
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
+        + HYPER_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

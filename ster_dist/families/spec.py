@@ -166,6 +166,7 @@ class MoESpec:
     #                                       | "routed" (n_shared_experts experts the router scores too: Inkling)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
     activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's | "ungated": act(up)
+    #                                       | "limited_swiglu": act(min(gate, limit)) * clamp(up, +-limit) (HY V4)
     # softmax over the chosen experts' logits: softmax scores are always renormalised, sigmoid ones under
     # norm_topk_prob (Cohere 2 MoE)
     softmax_renormalized: bool = False

@@ -17,6 +17,7 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.model.cache import KVCache
 from ster_dist.model.altup import AltUpLayer, AltUpStream
+from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.laurel import Laurel
 from ster_dist.model.norm import Norm
@@ -86,6 +87,9 @@ class Block(nn.Module):
         # Gemma 3n: Laurel beside attention, and the block inside AltUp's predict and correct
         self.laurel = Laurel(cfg) if cfg.laurel_rank else None
         self.altup = AltUpLayer(cfg, layer) if cfg.altup is not None else None
+        # hyper-connections (model/hyper_connection.py): the residual is several streams, each sublayer's own
+        self.attn_hc = HyperConnection(cfg) if cfg.hyper_streams else None
+        self.mlp_hc = HyperConnection(cfg) if cfg.hyper_streams else None
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -94,9 +98,12 @@ class Block(nn.Module):
         return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
-        """x: the residual stream [batch, seq, hidden], or AltUp's copies of it [copies, batch, seq, hidden]."""
+        """x: the residual stream [batch, seq, hidden], AltUp's copies of it [copies, batch, seq, hidden], or
+        hyper-connected streams [..., streams, hidden]."""
         if self.altup is not None:
             return self.altup(x, step, self._block)
+        if self.attn_hc is not None:
+            return self._hyper(x, step)
         return self._block(x, step)
 
     def _block(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
@@ -132,6 +139,14 @@ class Block(nn.Module):
             m = self.post_mlp_norm(m)
         out = h + self._scaled(m)
         return out + step.handed_on.pop(HANDED_ON) if self.joins_shortcut else out
+
+    def _hyper(self, streams: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        """A pre-norm block over hyper-connected streams [..., streams, hidden]: each sublayer reads their
+        collapse and its output is spread back over them."""
+        a_in, weights = self.attn_hc(streams)
+        streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
+        m_in, weights = self.mlp_hc(streams)
+        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in)), weights)
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then
@@ -197,6 +212,7 @@ class Decoder(nn.Module):
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
                                affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32) if last or self.pass_ends else None
+        self.hc_head = HyperHead(cfg) if cfg.hyper_streams and last else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None) if last else None
         self.tables = RotaryTables(cfg.max_position)
@@ -309,6 +325,8 @@ class Decoder(nn.Module):
             step.per_layer_inputs = self.altup.per_layer_inputs(ids, h)
             h = self.altup.expand(h)
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
+        if self.cfg.hyper_streams:
+            h = spread(h, self.cfg.hyper_streams)
         for i in range(*self.stage):
             block = self.layers[i]
             if self.cfg.block_skips:
@@ -318,11 +336,15 @@ class Decoder(nn.Module):
                 h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
                 h = self._hooked(hook, h)
-        return self.altup.collapse(h) if self.altup is not None else h
+        if self.altup is not None:
+            return self.altup.collapse(h)
+        return self.hc_head(h) if self.hc_head is not None else h
 
     def _hooked(self, hook: Hook, h: torch.Tensor) -> torch.Tensor:
         """h after `hook`, which reads (and may replace) the residual stream: AltUp's first copy, where the
-        stream is its copies."""
+        stream is its copies; the streams' mean, where they are hyper-connected (model/hyper_connection.py)."""
+        if self.cfg.hyper_streams:
+            return hooked(h, hook)
         replaced = hook(h[0] if self.altup is not None else h)
         if replaced is None:
             return h

@@ -7,10 +7,12 @@ kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
 and its value. Only the shared part and each query's last qk_rope_head_dim
 channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies
 every query by Llama 4's temperature at its absolute position. Ling 3.0 gates each head's output by
-sigmoid(g_proj(x)) (one number a head, split with the heads). LongCat-Flash multiplies the query and the
-normed latent by sqrt(hidden_size / rank) of their bottlenecks. DeepSeek Sparse Attention (deepseek_v32,
-glm_moe_dsa) narrows each query's keys to those its indexer chooses (model/indexer.py); GLM-DSA's "shared"
-layers have no indexer and reuse the choice of the last layer that has one, handed on through the step.
+sigmoid(g_proj(x)) (one number a head, split with the heads); HY V4 every output channel by
+sigmoid(linear_gate(x)), and adds a learned sink logit per head to every softmax (its share dropped).
+LongCat-Flash multiplies the query and the normed latent by sqrt(hidden_size / rank) of their bottlenecks.
+DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa, hy_v4) narrows each query's keys to those its indexer
+chooses (model/indexer.py); "shared" layers have no indexer and reuse the choice of the last layer that has
+one, handed on through the step.
 
 Under tensor parallelism the heads are split: q_b_proj (or q_proj) and kv_b_proj
 by their head rows, o_proj by its columns; the latent projections and norms are
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig
+from ster_dist.model.attention import HeadScalars
 from ster_dist.model.indexer import Indexer
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
@@ -72,6 +75,12 @@ class LatentAttention(nn.Module):
         self.o = RowLinear(heads * self.v_dim, hidden, ctx, cfg.o_bias, cols=(h0 * self.v_dim, h1 * self.v_dim))
         # Ling 3.0 (its normalisation sets mla_head_gate): each head's output times sigmoid(g_proj(x)), one a head
         self.head_gate = ColumnLinear(hidden, heads, ((h0, h1),), False) if cfg.raw.get("mla_head_gate") else None
+        # HY V4's gated MLA (mla_output_gate): every output channel times sigmoid(linear_gate(x)), before o_proj
+        v_rows = (h0 * self.v_dim, h1 * self.v_dim)
+        self.gate = (ColumnLinear(hidden, heads * self.v_dim, (v_rows,), False) if cfg.raw.get("mla_output_gate")
+                     else None)
+        # HY V4: a learned sink logit per head joins every softmax, its share dropped
+        self.sinks = HeadScalars(heads, (h0, h1)) if cfg.sinks(layer) else None
         self.rope = cfg.layer_rope[layer]
         self.scale = cfg.attn_scale
         # LongCat-Flash (mla_scale_q_lora / mla_scale_kv_lora): the query and the normed latent times
@@ -119,7 +128,10 @@ class LatentAttention(nn.Module):
         out = pos.attend(self.layer, queries, latent, k_rot, None, partial(self._attend_latent, pos))
         if self.head_gate is not None:  # the gate in f32, as Transformers computes it
             out = out * torch.sigmoid(self.head_gate(x).float()).to(out.dtype).transpose(1, 2).unsqueeze(-1)
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        out = out.transpose(1, 2)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(x)).view(b, t, self.local_heads, self.v_dim)
+        return self.o(out.reshape(b, t, -1))
 
     def _attend_latent(self, pos, q, latent, k_rot, mask, key_pos) -> torch.Tensor:
         """[b, heads, t, v_head_dim]: one-token steps in the latent space (no per-key expansion), longer ones
@@ -140,7 +152,10 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.local_heads, -1, -1)), dim=-1)
         query = torch.cat((q_nope, q_rot), dim=-1)
-        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=self.scale)
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=self.scale)
+        probs = self._probs(torch.matmul(query, k.transpose(-1, -2)) * self.scale, mask)
+        return torch.matmul(probs.to(v.dtype), v)
 
     def _absorbed(self, q_nope, q_rot, latent, k_rot, mask) -> torch.Tensor:
         """Attention in the latent space: [b, heads, t, v_head_dim] without per-slot keys or values."""
@@ -149,7 +164,15 @@ class LatentAttention(nn.Module):
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_key)
         scores = (torch.einsum("bhtr,bsr->bhts", q_latent, latent[:, 0])
                   + torch.einsum("bhtd,bsd->bhts", q_rot, k_rot[:, 0])) * self.scale
+        probs = self._probs(scores, mask).to(latent.dtype)
+        return torch.einsum("bhtr,hvr->bhtv", torch.einsum("bhts,bsr->bhtr", probs, latent[:, 0]), w_value)
+
+    def _probs(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The softmax over each query's allowed keys in f32, with the head's sink logit beside them when it has
+        one (its share dropped)."""
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
-        return torch.einsum("bhtr,hvr->bhtv", torch.einsum("bhts,bsr->bhtr", probs, latent[:, 0]), w_value)
+        if self.sinks is None:
+            return torch.softmax(scores.float(), dim=-1)
+        sink = self.sinks.weight.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat((scores.float(), sink), dim=-1), dim=-1)[..., :-1]

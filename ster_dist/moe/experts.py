@@ -89,6 +89,7 @@ class Experts(ShardedModule):
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
         self.clamped = moe.activation == "clamped_swiglu"
+        self.limited = moe.activation == "limited_swiglu" and moe.swiglu_limit > 0
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.act = activation(hidden_act)
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
@@ -150,6 +151,8 @@ class Experts(ShardedModule):
         if self.clamped:  # GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
             gate = gate.clamp(max=self.limit)
             h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        elif self.limited:  # HY V4: act(min(gate, limit)) * clamp(up, +-limit)
+            h = self.act(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
         else:
             h = self.act(gate) * up
         return self._down(project, h, ids)
