@@ -10,6 +10,7 @@ The driver (engine/loop.py) decides everything else.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -43,6 +44,7 @@ class ModelRunner(RankExtension):
         self.sampler: Sampler | None = None
         self.steering: RowSteering | None = None
         self.adapters: RowAdapters | None = None
+        self.step_s = 0.0
 
     def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
@@ -72,6 +74,13 @@ class ModelRunner(RankExtension):
 
     @torch.inference_mode()
     def step(self, work: StepWork) -> StepResult | None:
+        start = time.perf_counter()
+        try:
+            return self._step(work)
+        finally:
+            self.step_s += time.perf_counter() - start
+
+    def _step(self, work: StepWork) -> StepResult | None:
         self._started()
         if self.sampler is not None:
             for seq_id in work.removed:
@@ -100,6 +109,10 @@ class ModelRunner(RankExtension):
             if ids:  # the raw logits, before any sampling setting; float64 so the driver reduces them in double
                 scores[n] = logits[row, list(ids)].double().tolist()
         return StepResult(tokens.tolist(), logprobs, scores)
+
+    def timings(self) -> dict:
+        """Seconds this rank spent in steps, and of those waiting for the previous pipeline stage."""
+        return {"rank": self.rank.rank, "step_s": self.step_s, "wait_s": self.model.stage_wait_s}
 
     def stop(self) -> None:
         """Drop the cache and every registration (the group stays loaded)."""

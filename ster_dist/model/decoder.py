@@ -9,6 +9,7 @@ capture and steering attach there through add_hook, and nowhere else. Where the 
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -217,6 +218,7 @@ class Decoder(nn.Module):
                                  self.embed if cfg.tie_word_embeddings else None) if last else None
         self.tables = RotaryTables(cfg.max_position)
         self.hooks: dict[int, list[Hook]] = {}
+        self.stage_wait_s = 0.0  # seconds spent waiting for the previous stage (bench/pipeline.py reads it)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -302,7 +304,9 @@ class Decoder(nn.Module):
             h = self._embed(ids, positions)
         else:  # the residual stream: f32 where the model keeps it so (residual_fp32)
             dtype = torch.float32 if self.cfg.residual_fp32 else self.dtype
+            waited = time.perf_counter()
             h = ctx.recv_prev((*ids.shape, self.cfg.hidden_size), dtype, self.device)
+            self.stage_wait_s += time.perf_counter() - waited  # the pipeline's bubble, as this stage sees it
         h = self._layers(h, step, ids)
         if ctx.last_stage:
             return h
