@@ -15,6 +15,7 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.model.cache import KVCache
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
+from ster_dist.model.loop import loop_plan
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
@@ -131,17 +132,24 @@ class Decoder(nn.Module):
                           if cfg.learned_positions else None)
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm else None
+        # a looped model's passes (model/loop.py): the stacks they run, held before the layers so that their
+        # parameters are listed (and read) under the stacks' names, once
+        self.loop = loop_plan(cfg)
+        if self.loop.stacks:
+            n = cfg.loop_layers
+            self.stacks = nn.ModuleList(nn.ModuleList(Block(cfg, self.loop.first_layer(s, j), ctx) for j in range(n))
+                                        for s in range(self.loop.stacks))
+        self.loop_init = Replicated((cfg.hidden_size,)) if self.loop.init else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
                 tie_parameters(block.token_mixer.shared, self.layers[owner].token_mixer.shared)
-        for i in range(cfg.loop_layers, cfg.num_layers if cfg.loop_layers else 0):
-            # a looped model's later passes run the stored layers again: their weights, each layer its own cache
-            tie_parameters(self.layers[i], self.layers[i % cfg.loop_layers])
-        # the layers after which the final norm closes a pass that is not the last (Nanbeige)
-        self.pass_ends = (frozenset(range(cfg.loop_layers - 1, cfg.num_layers - 1, cfg.loop_layers))
-                          if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
+        # a looped model's later passes run the stored layers again: their weights, each layer its own cache
+        for i, owner in self.loop.tied.items():
+            tie_parameters(self.layers[i], self.layers[owner])
+        for i, (stack, j) in enumerate(self.loop.held):
+            tie_parameters(self.layers[i], self.stacks[stack][j])
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
                                affine=cfg.norm_affine)
@@ -217,16 +225,27 @@ class Decoder(nn.Module):
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
+        # a looped model's states (HRM-Text's high one from the embedding, its low one from loop_init)
+        states = {0: h}
+        if self.loop_init is not None:
+            states[1] = self.loop_init.weight.to(h.dtype).expand_as(h)
         for i, block in enumerate(self.layers):
             if self.cfg.block_skips:
                 h = self._skip(i, h, kept)
+            if i in self.loop.reads:  # a pass of a looped model of several states begins on their sum
+                first, *rest = self.loop.reads[i]
+                h = states[first]
+                for state in rest:
+                    h = h + states[state]
             h = block(h, step)
-            if i in self.pass_ends:
+            if i in self.loop.ends:
                 h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
                 replaced = hook(h)
                 if replaced is not None:
                     h = replaced
+            if i in self.loop.writes:
+                states[self.loop.writes[i]] = h
         return h
 
     def _skip(self, layer: int, h: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
