@@ -189,6 +189,9 @@ class ModelConfig:
     # loop_layers stored layers on the sum of the states `reads` and its output replaces state `state`; state 0
     # starts as the embedding, state 1 as the decoder's loop_init vector. Empty: stack 0 on state 0 (Nanbeige)
     loop_schedule: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # a prompt read whole from position zero attends both ways within itself (HRM-Text's prefix_lm); decode
+    # steps, later tokens and reads without a cache attend causally
+    bidirectional_prompt: bool = False
     # the kind of each layer's token mixer and feed-forward (model/kinds.py); empty: attention (latent where
     # mla is set) in every layer, and experts where moe_layers says, else the dense feed-forward
     mixers: tuple[str, ...] = ()
@@ -469,6 +472,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
         loop_schedule=_loop_schedule(keys, num_layers, path),
+        bidirectional_prompt=bool(keys.get("bidirectional_prompt", default=False)),
     )
 
 

@@ -74,7 +74,7 @@ def _hrm_text(raw: dict) -> dict:
     return {**out, "num_hidden_layers": per_stack * len(schedule), "loop_layers": per_stack,
             "loop_schedule": schedule, "loop_pass_norm": True, "num_key_value_heads": out["num_attention_heads"],
             "attn_output_gate": True, "embedding_multiplier": float(scale),
-            "attention_out_bias": out["attention_bias"]}
+            "attention_out_bias": out["attention_bias"], "bidirectional_prompt": bool(out["prefix_lm"])}
 
 
 LOOPED_FAMILIES: tuple[FamilySpec, ...] = (

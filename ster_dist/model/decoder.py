@@ -191,7 +191,7 @@ class Decoder(nn.Module):
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         if valid is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
-        step = StepState(positions, valid, self.tables, cache)
+        step = StepState(positions, valid, self.tables, cache, self.cfg.bidirectional_prompt)
         h = self._layers(self._embed(ids, positions), step)
         if last_only:
             h = h[:, -1:]

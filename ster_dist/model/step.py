@@ -18,7 +18,7 @@ class StepState:
     """What every layer of one forward step shares: positions, cache slots, masks and rotary tables."""
 
     def __init__(self, positions: torch.Tensor, valid: torch.Tensor, tables: RotaryTables,
-                 cache: KVCache | None):
+                 cache: KVCache | None, bidirectional_prompt: bool = False):
         self.positions = positions
         self.padding = None if bool(valid.all()) else valid  # [batch, seq] where some token is padding
         self.tables = tables
@@ -33,6 +33,9 @@ class StepState:
         query_slot = torch.arange(start, start + t).view(1, t, 1)
         key_slot = torch.arange(s).view(1, 1, s)
         self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
+        if bidirectional_prompt and cache is not None and start == 0 and t > 1:
+            # a prompt read whole from position zero (a prefix LM's): each of its tokens sees all of its tokens
+            self._base = key_valid.unsqueeze(1).expand(-1, t, -1)
         self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
