@@ -45,7 +45,7 @@ class MLAConfig:
 # "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
 # "inkling_attention": Inkling's attention (a distance bias mixed per query, short convolutions over keys and
 # values), keeping keys as well as its convolutions' windows
-ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention")
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",

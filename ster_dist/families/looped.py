@@ -10,11 +10,20 @@
   it) and replaces its own state; the last high state is what the head reads. Every pass is its own run of
   layers with its own cache slots and hook sites, num_layers_per_stack x H_cycles x (L_cycles + 1) in all.
 
-The reference is Transformers' HrmTextForCausalLM (tests/tiny/looped.py, tests/test_looped.py).
+- iquestloopcoder: IQuest-LoopCoder, Llama's block (IQuest-Coder's defaults) whose num_hidden_layers stored
+  layers run loop_num times (default 2), with no norm between passes. On every later pass a layer's attention
+  (model/loop_attention.py) is g * global + (1 - g) * local: global over the first pass's keys and values of the
+  same layer, local over its own pass's within loop_window_size (default 64) positions, g = sigmoid(w_h . q_h +
+  b_h) per head of the rotated query, w and b from model.gate_projections.{layer}.
+
+hrm_text's reference is Transformers' HrmTextForCausalLM (tests/tiny/looped.py, tests/test_looped.py);
+iquestloopcoder, which Transformers lacks, is checked against the reference tests/test_looped.py writes from
+the seed's text.
 """
 
 from __future__ import annotations
 
+from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
 from ster_dist.families.spec import FamilySpec, Fused, NormSpec, Rule
 
@@ -77,7 +86,34 @@ def _hrm_text(raw: dict) -> dict:
             "attention_out_bias": out["attention_bias"], "bidirectional_prompt": bool(out["prefix_lm"])}
 
 
+_LOOPCODER_DEFAULTS = dict(head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-5, loop_num=2, loop_window_size=64)
+_LOOPCODER = llama_rules(q_norm=None, k_norm=None) + weight_and_bias("model.gate_projections.{i}",
+                                                                    "layers.{i}.attn.loop_gate")
+
+
+def _loopcoder(raw: dict) -> dict:
+    """loop_num passes over the stored layers, the later passes' local reads within loop_window_size (their
+    layers' sliding window)."""
+    out = with_defaults(raw, _LOOPCODER_DEFAULTS)
+    loops, stored, window = out["loop_num"], out.get("num_hidden_layers"), out["loop_window_size"]
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise ConfigProblem(f"loop_num is {loops!r}; state how many times the layers run, a whole number from 1")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigProblem(f"loop_window_size is {window!r}; state the later passes' local window, a whole "
+                            "number of positions from 1")
+    if loops == 1 or isinstance(stored, bool) or not isinstance(stored, int):
+        return out  # not looped, or a layer count the shared reader refuses
+    return {**out, "num_hidden_layers": stored * loops, "loop_layers": stored, "sliding_window": window,
+            "layer_types": ["full_attention"] * stored + ["sliding_attention"] * (stored * (loops - 1))}
+
+
+def _loopcoder_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return ("loop_attention" if raw.get("loop_layers") else "attention",) * layers, ("dense",) * layers
+
+
 LOOPED_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("hrm_text", _HRM, norms=NormSpec(affine=False), normalize=_hrm_text,
                parity_reference="HrmTextForCausalLM"),
+    FamilySpec("iquestloopcoder", _LOOPCODER, normalize=_loopcoder, layer_kinds=_loopcoder_layers,
+               parity_reference="tests/test_looped.py"),
 )

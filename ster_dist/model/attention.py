@@ -101,6 +101,13 @@ class Attention(nn.Module):
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
 
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
+        q, k, v, gate = self._project(x, pos)
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
+        return self._output(out, gate)
+
+    def _project(self, x: torch.Tensor, pos: StepState):
+        """(queries, keys, values [batch, heads, seq, width], the output gate's logits or None): projected,
+        normed, clipped and rotated as the config says."""
         b, t, _ = x.shape
         q, k, v, gate = self.qkv(x)
         if self.q_norm is not None and not self.per_head_norm:
@@ -123,7 +130,11 @@ class Attention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
+        return q, k, v, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention's output [batch, heads, seq, width] gated as the config says, then projected."""
+        b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)

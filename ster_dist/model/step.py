@@ -71,6 +71,13 @@ class StepState:
             k, v = self.cache.write(layer, self.slots, k, v)
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
 
+    def attend_again(self, layer: int, q: torch.Tensor, fn, fresh: tuple[torch.Tensor, torch.Tensor] | None):
+        """fn(q, keys, values, causal mask, key_positions) over the keys an earlier layer of this step stored
+        (a looped model's first pass, model/loop_attention.py): its cache, or without one the keys and values
+        it handed on (`fresh`)."""
+        k, v = self.cache.read(layer, self.slots.stop) if self.cache is not None else fresh
+        return fn(q, k, v, self.mask(None), self._key_pos)
+
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for x [batch, seq, hidden]: scan(x, valid, state) -> (y, state) over the
         whole batch, state being each row's (fresh(batch) at the first step, else what the last step left in
