@@ -187,6 +187,10 @@ class TokenEngine:
         if any(i >= vocab for i in params.logits_of):
             raise Refusal(f"logits_of asks for token id {max(params.logits_of)}, past this model's {vocab}-token "
                           "vocabulary")
+        if self.scheduler.whole_prompt and len(prompt_ids) > self.scheduler.max_chunk:
+            raise Refusal(f"a {len(prompt_ids)}-token prompt attends both ways (prefix_lm) and is read in one step, "
+                          f"which holds at most {self.scheduler.max_chunk} tokens; give --max-step-tokens more "
+                          "or shorten the prompt")
         if not self.scheduler.fits_ever(len(prompt_ids) + params.max_tokens):
             raise Refusal(f"a {len(prompt_ids)}-token prompt with max_tokens {params.max_tokens} needs more KV blocks "
                           f"than the whole cache holds ({self.pool.stats()['total']} of {self.config.block_size} "

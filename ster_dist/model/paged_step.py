@@ -171,19 +171,19 @@ class PagedStep:
         key_positions) per group over its sequences' gathered keys (within `window` and the query's `chunk`);
         outputs packed [1, heads, tokens, width]."""
         self.cache.write(layer, self.slots, k, v)
-        return self._each_group(layer, q, fn, window, chunk)
+        return self._each_group(layer, q, fn, window, chunk, k.dtype)
 
     def attend_again(self, layer: int, q: torch.Tensor, fn, fresh=None) -> torch.Tensor:
         """fn(q, keys, values, causal mask, key_positions) per group over the keys an earlier layer of this step
         stored in the cache (a looped model's first pass, model/loop_attention.py); outputs packed like attend's."""
-        return self._each_group(layer, q, fn, None, None)
+        return self._each_group(layer, q, fn, None, None, q.dtype)
 
-    def _each_group(self, layer: int, q: torch.Tensor, fn, window: int | None, chunk: int | None) -> torch.Tensor:
+    def _each_group(self, layer: int, q, fn, window: int | None, chunk: int | None, dtype: torch.dtype) -> torch.Tensor:
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)
-            if keys.dtype != q.dtype:  # a cache kept narrower than the model attends in the model's dtype
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if keys.dtype != dtype:  # a cache kept narrower than the model attends in the model's dtype
+                keys, values = keys.to(dtype), values.to(dtype)
             outs.append(fn(group.take(q), keys, values, group.mask(window, chunk), group.key_pos))
         if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
             return self.groups[0].packed(outs[0])
