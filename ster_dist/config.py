@@ -46,7 +46,7 @@ class MLAConfig:
 # "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
 # "inkling_attention": Inkling's attention (a distance bias mixed per query, short convolutions over keys and
 # values), keeping keys as well as its convolutions' windows
-ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention")
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -198,6 +198,13 @@ class ModelConfig:
     # loop_pass_norm: the final norm closes every pass, not only the last
     loop_layers: int = 0
     loop_pass_norm: bool = False
+    # a looped model of several stacks (HRM-Text), per pass (stack, state, reads): the pass runs stack `stack`'s
+    # loop_layers stored layers on the sum of the states `reads` and its output replaces state `state`; state 0
+    # starts as the embedding, state 1 as the decoder's loop_init vector. Empty: stack 0 on state 0 (Nanbeige)
+    loop_schedule: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # a prompt read whole from position zero attends both ways within itself (HRM-Text's prefix_lm); decode
+    # steps, later tokens and reads without a cache attend causally
+    bidirectional_prompt: bool = False
     # the kind of each layer's token mixer and feed-forward (model/kinds.py); empty: attention (latent where
     # mla is set) in every layer, and experts where moe_layers says, else the dense feed-forward
     mixers: tuple[str, ...] = ()
@@ -489,6 +496,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
+        loop_schedule=_loop_schedule(keys, num_layers, path),
+        bidirectional_prompt=bool(keys.get("bidirectional_prompt", default=False)),
     )
 
 
@@ -656,6 +665,21 @@ def _loop_layers(keys: Keys, num_layers: int, path: str) -> int:
         raise Refusal(f"invalid model config {path}: the looped model's {n!r} stored layers do not divide its "
                       f"{num_layers} layers of every pass; state a whole number of loops")
     return n
+
+
+def _loop_schedule(keys: Keys, num_layers: int, path: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    stated = keys.get("loop_schedule", default=())
+    stored = keys.get("loop_layers", default=0)
+    try:
+        schedule = tuple((int(stack), int(state), tuple(int(r) for r in reads)) for stack, state, reads in stated)
+    except (TypeError, ValueError):
+        schedule = None
+    if schedule is None or (schedule and (len(schedule) * stored != num_layers or any(
+            stack < 0 or state not in (0, 1) or not reads or not set(reads) <= {0, 1}
+            for stack, state, reads in schedule))):
+        raise Refusal(f"invalid model config {path}: the loop schedule {stated!r} does not run {stored!r} stored "
+                      f"layers a pass over {num_layers} layers from states 0 and 1; state whole counts of cycles")
+    return schedule
 
 
 def _mtp_layers(keys: Keys, path: str) -> int:

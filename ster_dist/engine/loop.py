@@ -102,12 +102,14 @@ class TokenEngine:
         runners.start(blocks, config.block_size, slots)
         self.block_bytes = sizes[0]["block_bytes"]
         self.state_bytes = sizes[0]["state_bytes"]
-        # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state
-        self.pool = BlockPool(blocks, config.block_size, config.prefix_caching and not slots)
+        # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state; nor
+        # where a prompt attends both ways, its first blocks' keys then depending on the tokens after them
+        self.pool = BlockPool(blocks, config.block_size,
+                              config.prefix_caching and not slots and not cfg.bidirectional_prompt)
         windows = set(cfg.layer_window)
         window = windows.pop() if len(windows) == 1 and None not in windows else None
         self.scheduler = Scheduler(self.pool, config.max_step_tokens, config.max_running, window=window,
-                                   state_slots=slots)
+                                   state_slots=slots, whole_prompt=cfg.bidirectional_prompt)
         self._live: dict[str, _Live] = {}
         self._inbox: list[_Live] = []
         self._cancels: list[str] = []
@@ -187,6 +189,10 @@ class TokenEngine:
         if any(i >= vocab for i in params.logits_of):
             raise Refusal(f"logits_of asks for token id {max(params.logits_of)}, past this model's {vocab}-token "
                           "vocabulary")
+        if self.scheduler.whole_prompt and len(prompt_ids) > self.scheduler.max_chunk:
+            raise Refusal(f"a {len(prompt_ids)}-token prompt attends both ways (prefix_lm) and is read in one step, "
+                          f"which holds at most {self.scheduler.max_chunk} tokens; give --max-step-tokens more "
+                          "or shorten the prompt")
         if not self.scheduler.fits_ever(len(prompt_ids) + params.max_tokens):
             raise Refusal(f"a {len(prompt_ids)}-token prompt with max_tokens {params.max_tokens} needs more KV blocks "
                           f"than the whole cache holds ({self.pool.stats()['total']} of {self.config.block_size} "
@@ -316,7 +322,8 @@ class TokenEngine:
             seq, live = chunk.seq, self._live[chunk.seq.id]
             end = chunk.start + chunk.length
             work.ids.extend(seq.tokens[chunk.start:end])
-            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length, seq.state))
+            prefix = seq.prompt_len if self.cfg.bidirectional_prompt and chunk.start == 0 else 0
+            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length, seq.state, prefix))
             if chunk.samples:
                 work.samples.append((i, seq.id))
             if not live.sent:

@@ -89,7 +89,8 @@ class ModelRunner(RankExtension):
                 self.sampler.add(new.id, new.params, new.prompt)
         if not work.chunks:
             return self.first_rank_only(StepResult([], []))
-        chunks = [Chunk(tuple(blocks), start, length, state) for blocks, start, length, state in work.chunks]
+        chunks = [Chunk(tuple(blocks), start, length, state, prefix)
+                  for blocks, start, length, state, prefix in work.chunks]
         if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
             rows = _chunk_rows(chunks)
             self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))

@@ -48,6 +48,10 @@ GENERIC_KEYS: dict[str, str] = {
     "loop_layers": "a looped model's stored layer count, which its layers repeat over (num_hidden_layers then "
                    "counts every pass's layers: Nanbeige); default 0, not looped",
     "loop_pass_norm": "a looped model's final norm closes every pass, not only the last; default false",
+    "loop_schedule": "a looped model of several stacks: per pass [stack, the state it replaces, the states it "
+                     "reads summed] (HRM-Text); default every pass stack 0 on state 0",
+    "bidirectional_prompt": "a prompt read whole from position zero attends both ways within itself, later "
+                            "tokens causally (HRM-Text's prefix_lm); default false",
     "rotate_adjacent_pairs": "each head's rotated dimensions turn as adjacent pairs rather than halves (ChatGLM's "
                              "original_rope); default PositionSpec.interleaved",
     "query_temperature_beta": "Llama 4's query temperature: queries times 1 + beta * ln(1 + floor((position + "

@@ -32,6 +32,7 @@ from ster_dist.families.lfm2 import LFM2_FAMILIES
 from ster_dist.families.longcat import LONGCAT_FAMILIES
 from ster_dist.families.llama import LLAMA_FAMILIES
 from ster_dist.families.llama4 import LLAMA4_FAMILIES
+from ster_dist.families.looped import LOOPED_FAMILIES
 from ster_dist.families.mamba import MAMBA_FAMILIES
 from ster_dist.families.mamba2 import MAMBA2_FAMILIES
 from ster_dist.families.mimo_v2 import MIMO_V2_FAMILIES
@@ -59,7 +60,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
         + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
-        + HYPER_FAMILIES)
+        + HYPER_FAMILIES + LOOPED_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -112,10 +112,19 @@ class Attention(nn.Module):
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
 
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
+        if self.kv_source is not None:  # Gemma 3n's shared layers: its own queries over its source's keys
+            q, gate = self._shared_queries(x, pos)
+            out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
+            return self._output(out, gate)
+        q, k, v, gate = self._project(x, pos)
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk, keep=self.keeps_kv)
+        return self._output(out, gate)
+
+    def _project(self, x: torch.Tensor, pos: StepState):
+        """(queries, keys, values [batch, heads, seq, width], the output gate's logits or None): projected,
+        normed, clipped and rotated as the config says."""
         b, t, _ = x.shape
         q, k, v, gate = self.qkv(x)
-        if self.kv_source is not None:
-            return self._shared_forward(q, gate, pos)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -138,13 +147,13 @@ class Attention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk, keep=self.keeps_kv)
-        return self._output(out, gate)
+        return q, k, v, gate
 
-    def _shared_forward(self, q: torch.Tensor, gate: torch.Tensor | None, pos: StepState) -> torch.Tensor:
+    def _shared_queries(self, x: torch.Tensor, pos: StepState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A layer attending its source layer's keys and values: its own queries only, normed and rotated as
-        the source's keys were."""
-        b, t, _ = q.shape
+        the source's keys were, and the output gate's logits."""
+        b, t, _ = x.shape
+        q, _, _, gate = self.qkv(x)
         if self.q_norm is not None and not self.per_head_norm:
             q = self.q_norm(q)
         q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
@@ -153,11 +162,11 @@ class Attention(nn.Module):
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
             q = apply_rotary(q, cos, sin, self.rope.interleaved)
-        out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
-        return self._output(out, gate)
+        return q, gate
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        b, t = out.shape[0], out.shape[2]
+        """Attention's output [batch, heads, seq, width] gated as the config says, then projected."""
+        b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)

@@ -21,6 +21,7 @@ from ster_dist.model.altup import AltUpLayer, AltUpStream
 from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.laurel import Laurel
+from ster_dist.model.loop import loop_plan
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
@@ -197,6 +198,14 @@ class Decoder(nn.Module):
                           if cfg.learned_positions and first else None)
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm and first else None
+        # a looped model's passes (model/loop.py): the stacks they run, held before the layers so that their
+        # parameters are listed (and read) under the stacks' names, once (looped models run as one stage)
+        self.loop = loop_plan(cfg)
+        if self.loop.stacks:
+            n = cfg.loop_layers
+            self.stacks = nn.ModuleList(nn.ModuleList(Block(cfg, self.loop.first_layer(s, j), ctx) for j in range(n))
+                                        for s in range(self.loop.stacks))
+        self.loop_init = Replicated((cfg.hidden_size,)) if self.loop.init else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) if self.stage[0] <= i < self.stage[1] else Elsewhere()
                                     for i in range(cfg.num_layers))
         self.altup = AltUpStream(cfg, ctx) if cfg.altup is not None else None
@@ -204,15 +213,14 @@ class Decoder(nn.Module):
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
                 tie_parameters(block.token_mixer.shared, self.layers[owner].token_mixer.shared)
-        for i in range(cfg.loop_layers, cfg.num_layers if cfg.loop_layers else 0):
-            # a looped model's later passes run the stored layers again: their weights, each layer its own cache
-            tie_parameters(self.layers[i], self.layers[i % cfg.loop_layers])
-        # the layers after which the final norm closes a pass that is not the last (Nanbeige)
-        self.pass_ends = (frozenset(range(cfg.loop_layers - 1, cfg.num_layers - 1, cfg.loop_layers))
-                          if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
+        # a looped model's later passes run the stored layers again: their weights, each layer its own cache
+        for i, owner in self.loop.tied.items():
+            tie_parameters(self.layers[i], self.layers[owner])
+        for i, (stack, j) in enumerate(self.loop.held):
+            tie_parameters(self.layers[i], self.stacks[stack][j])
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
-                               affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32) if last or self.pass_ends else None
+                               affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32) if last or self.loop.ends else None
         self.hc_head = HyperHead(cfg) if cfg.hyper_streams and last else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None) if last else None
@@ -273,7 +281,7 @@ class Decoder(nn.Module):
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         if valid is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
-        step = StepState(positions, valid, self.tables, cache)
+        step = StepState(positions, valid, self.tables, cache, self.cfg.bidirectional_prompt)
         h = self._stage(ids, positions, step)
         if h is None:
             return None
@@ -331,15 +339,26 @@ class Decoder(nn.Module):
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
         if self.cfg.hyper_streams:
             h = spread(h, self.cfg.hyper_streams)
+        # a looped model's states (HRM-Text's high one from the embedding, its low one from loop_init)
+        states = {0: h}
+        if self.loop_init is not None:
+            states[1] = self.loop_init.weight.to(h.dtype).expand_as(h)
         for i in range(*self.stage):
             block = self.layers[i]
             if self.cfg.block_skips:
                 h = self._skip(i, h, kept)
+            if i in self.loop.reads:  # a pass of a looped model of several states begins on their sum
+                first, *rest = self.loop.reads[i]
+                h = states[first]
+                for state in rest:
+                    h = h + states[state]
             h = block(h, step)
-            if i in self.pass_ends:
+            if i in self.loop.ends:
                 h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
                 h = self._hooked(hook, h)
+            if i in self.loop.writes:
+                states[self.loop.writes[i]] = h
         if self.altup is not None:
             return self.altup.collapse(h)
         return self.hc_head(h) if self.hc_head is not None else h

@@ -37,6 +37,7 @@ from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.inkling import InklingAttention
 from ster_dist.model.kimi_delta import KimiDeltaAttention
 from ster_dist.model.lightning import LightningAttention
+from ster_dist.model.loop_attention import LoopAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
@@ -88,6 +89,7 @@ MIXERS: dict[str, MixerKind] = {
     "mamba2_shared_block": MixerKind(Mamba2SharedBlock, "mixer", normed=False),
     "lightning": MixerKind(LightningAttention, "mixer"),
     "inkling_attention": MixerKind(InklingAttention, "attn"),
+    "loop_attention": MixerKind(LoopAttention, "attn"),
 }
 # Falcon-H1's layers, under its config's names for the multipliers
 MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),

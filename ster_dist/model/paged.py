@@ -24,6 +24,8 @@ class Chunk:
     start: int               # tokens of this sequence already in the cache = position of its first new token
     length: int              # new tokens this step, >= 1
     state: int = -1          # the sequence's state slot in recurrent layers (-1: the model has none)
+    # a prefix LM's prompt length: positions below it attend each other both ways (the chunk reads them all)
+    prefix: int = 0
 
 
 def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:

@@ -21,7 +21,7 @@ def pipeline_refusal(cfg, pp: int) -> str | None:
     if pp > cfg.num_layers:
         return f"--pp {pp} is more than the model's {cfg.num_layers} layers; use at most --pp {cfg.num_layers}"
     reasons = (
-        (cfg.loop_layers, "runs its stored layers more than once"),
+        (cfg.loop_layers or getattr(cfg, "loop_schedule", ()), "runs its stored layers more than once"),
         (cfg.block_skips, "keeps hidden states across layers (block skip connections)"),
         (any(cfg.mixer(i).endswith("shared_block") for i in range(cfg.num_layers)),
          "shares blocks between layers that read the embedding"),
