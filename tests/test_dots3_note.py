@@ -1,7 +1,7 @@
 """Dots3-Note (families/sparse_attention.py) beyond the parity checks every family takes: past index_topk keys
 the full layers follow their indexers' choice (Transformers' sparse reading is matched, its dense reading of
 the same weights is not); decodes continued from the paged cache, on one rank and on two, and the token engine
-equal the whole read; the layer kinds Transformers derives, and the refusals the seed states. The tiny
+equal the whole read; the layer kinds Transformers derives, and the refusals the seed states (attention adapters included). The tiny
 checkpoint (tests/tiny/sparse_attention.py) runs indexed, sliding, indexed layers with index_topk 12 and a
 window of 8."""
 
@@ -119,6 +119,19 @@ def test_the_token_engine_answers_as_ster_generate(tiny):
                    for p in prompts]
         got = [s.result().text for s in streams]
     assert got == want
+
+
+def test_an_attention_adapter_is_refused_at_attach(tiny, tmp_path):
+    """The output projection exists on both kinds of layer, but in two shapes: seeds/000 refuses attention
+    targets (training refuses them too, tune/spec.py)."""
+    from ster_dist.adapters.format import open_adapter
+    from ster_dist.adapters.targets import sites_for
+    from tests.test_merge import ster_adapter
+
+    directory, _, model = tiny
+    ster_adapter(tmp_path / "o.safetensors", directory, ["output"], [0])
+    with pytest.raises(Refusal, match="the output target is refused on dots3_note: its two kinds of attention"):
+        sites_for(open_adapter(tmp_path / "o.safetensors"), model.cfg, str(directory))
 
 
 # --------------------------------------------------------------------------------------------------
