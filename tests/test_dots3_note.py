@@ -97,6 +97,7 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     assert PagedCache.block_bytes(model, 1) == 4 * ((16 + 4 + 16) * 2 + 12 + 4)
 
 
+@pytest.mark.slow  # TP=2 over the static cache is tests/test_tensor_parallel.py's; this adds the paged one
 def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
     """Two ranks split each kind's heads (4 and 2) and each hold the whole indexer."""
     directory, _, model = tiny
