@@ -165,6 +165,19 @@ def test_rope_scaling_is_not_applied():
     assert {r.rope_type for r in cfg.layer_rope} == {"default"}
 
 
+@pytest.mark.parametrize("keys, bases", [
+    ({}, (80_000_000.0, 50_000.0)),  # Dots3NoteTextConfig's
+    ({"rope_theta": 1e6, "swa_rope_theta": 1e4}, (1e6, 1e4)),  # the released config's keys
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 2e6}}, (2e6, 50_000.0)),
+    ({"rope_parameters": {"indexed_attention": {"rope_theta": 3e6}, "sliding_attention": {"rope_theta": 3e4}}},
+     (3e6, 3e4)),  # as Transformers saves them
+])
+def test_each_kind_rotates_at_its_base(keys, bases):
+    cfg = from_hf({**_CONFIG, **keys})
+    assert {(r.theta, w is not None) for r, w in zip(cfg.layer_rope, cfg.layer_window)} == {
+        (bases[0], False), (bases[1], True)}
+
+
 @pytest.mark.parametrize("keys, message", [
     ({"attention_gate_type": "elementwise"}, "attention_gate_type is 'elementwise'"),
     ({"swa_attention_gate_type": "none"}, "swa_attention_gate_type is 'none'"),

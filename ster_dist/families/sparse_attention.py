@@ -28,7 +28,7 @@ _DOTS3_DEFAULTS = {"vocab_size": 152064, "hidden_size": 5120, "intermediate_size
                    "qk_nope_head_dim": 128, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
                    "norm_topk_prob": True, "rms_norm_eps": 1e-5, "index_topk": 2048, "index_head_dim": 128,
                    "index_n_heads": 64, "first_k_dense_replace": 1, "indexer_rope_interleave": True,
-                   "apply_mla_qkv_lora_rescale": True, "rope_theta": 80_000_000.0, "swa_rope_theta": 50_000.0,
+                   "apply_mla_qkv_lora_rescale": True,
                    "shared_experts_intermediate_size": 1536,
                    # the MTP layer stored after the decoder's (Transformers skips model.layers.46)
                    "num_nextn_predict_layers": 1}
@@ -48,11 +48,15 @@ def _layer_types(raw: dict, layers: int) -> list[str]:
     return ["full_attention" if not sliding or i < 2 or i % 4 == 1 else "sliding_attention" for i in range(layers)]
 
 
-def _theta(raw: dict, key: str, *kinds: str) -> float:
-    """A layer kind's base: Transformers' per-kind rope_parameters where saved so, else the top-level key."""
-    params = raw.get("rope_parameters")
-    nested = [params[kind] for kind in kinds if isinstance(params, dict) and isinstance(params.get(kind), dict)]
-    return float((nested[0] if nested else {}).get("rope_theta") or raw[key])
+def _theta(raw: dict, key: str, kinds: tuple[str, ...], default: float) -> float:
+    """A layer kind's base: Transformers' per-kind rope_parameters where saved so, else the top-level key (the
+    released config's), else a flat rope_parameters' (the full layers'), else Dots3NoteTextConfig's."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    for kind in kinds:
+        if isinstance(params.get(kind), dict) and params[kind].get("rope_theta"):
+            return float(params[kind]["rope_theta"])
+    flat = params.get("rope_theta") if key == "rope_theta" else None
+    return float(stated(raw, key, default=flat or default))
 
 
 def _dots3_note(raw: dict) -> dict:
@@ -92,9 +96,10 @@ def _dots3_note(raw: dict) -> dict:
     shared = int(stated(raw, "n_shared_experts", default=0))
     width = stated(raw, "moe_shared_expert_intermediate_size", "shared_experts_intermediate_size")
     # the plain base whatever rope_scaling states, as vLLM rotates
-    rope = {"full_attention": {"rope_type": "default",
-                               "rope_theta": _theta(raw, "rope_theta", "indexed_attention", "full_attention")},
-            "sliding_attention": {"rope_type": "default", "rope_theta": _theta(raw, "swa_rope_theta", "sliding_attention")}}
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": _theta(
+                raw, "rope_theta", ("indexed_attention", "full_attention"), 80_000_000.0)},
+            "sliding_attention": {"rope_type": "default", "rope_theta": _theta(
+                raw, "swa_rope_theta", ("sliding_attention",), 50_000.0)}}
     out = {k: v for k, v in raw.items() if k not in ("head_dim", "rope_scaling", "rope_theta")}
     return {**out, "mlp_bias": False, "layer_types": ["sliding_attention" if s else "full_attention" for s in slides],
             "sliding_window": int(window) if any(slides) else None, "rope_parameters": rope,
