@@ -186,6 +186,8 @@ class ModelConfig:
     # a layer's own experts where the config states them per layer (Nemotron Puzzle); None: `moe`
     layer_moe: tuple[MoEConfig | None, ...] = ()
     mla: MLAConfig | None = None
+    # a layer's own latent sizes where they differ from `mla` (Dots3-Note's sliding layers); None: `mla`
+    layer_mla: tuple[MLAConfig | None, ...] = ()
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     layer_sinks: tuple[bool, ...] = ()    # which layers have sinks (MiMo-V2-Flash: sliding ones); empty: attn_sinks
     weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
@@ -221,6 +223,11 @@ class ModelConfig:
     def kv_heads(self, layer: int) -> int:
         """The key-value heads of `layer`."""
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def mla_of(self, layer: int) -> MLAConfig | None:
+        """The latent attention sizes of `layer`: its own where the config states them per layer, else the model's."""
+        own = self.layer_mla[layer] if self.layer_mla else None
+        return own or self.mla
 
     def sinks(self, layer: int) -> bool:
         return self.layer_sinks[layer] if self.layer_sinks else self.attn_sinks
@@ -287,6 +294,14 @@ def _mla(keys: Keys) -> MLAConfig:
     return MLAConfig(q_lora_rank=int(q_rank) if q_rank else None, kv_lora_rank=int(keys.need("kv_lora_rank")),
                      qk_nope_head_dim=int(keys.need("qk_nope_head_dim")),
                      qk_rope_head_dim=int(keys.need("qk_rope_head_dim")), v_head_dim=int(keys.need("v_head_dim")))
+
+
+def _layer_mla(raw: dict, mla: MLAConfig | None, path: str) -> tuple[MLAConfig | None, ...]:
+    """layer_latent (a family's normalisation writes it): per layer, None or the latent keys that layer states
+    over the model's."""
+    own = raw.get("layer_latent") or ()
+    return tuple(_mla(Keys({**raw, **keys}, f"{path} layer {i}")) if keys and mla is not None else None
+                 for i, keys in enumerate(own))
 
 
 def _eos(keys: Keys) -> tuple[int, ...]:
@@ -486,6 +501,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
+        layer_mla=_layer_mla(raw, mla, path),
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
         value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),

@@ -461,6 +461,7 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
     ref = CONFIG_MAPPING[family].from_dict(dict(raw))
     if spec_for(family).attention.latent or family in ("gpt2", "dbrx"):
         pytest.skip("no rotation (gpt2), or one the config always states (latent attention, dbrx's attn_config)")
+    ref = CONFIG_MAPPING[family].from_dict(dict(raw))
     params = getattr(ref, "rope_parameters", None) or {}
     params = params.get("full_attention", params)  # one rotation per layer kind (MiMo-V2-Flash, Laguna): layer 0's
     share = (params.get("partial_rotary_factor")

@@ -28,7 +28,7 @@ import torch
 from ster_dist.adapters.format import TARGETS, Adapter, Factor, same_model
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.families.adapter_rules import REFUSED_FAMILIES
+from ster_dist.families.adapter_rules import REFUSED_FAMILIES, TARGETS_REFUSED
 from ster_dist.families.spec import Fused
 from ster_dist.parallel.ctx import SINGLE, Shard
 from ster_dist.shard.plan import NameMatcher, fused_rows_total, fused_source_rows
@@ -179,6 +179,11 @@ def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
 # ---- checks ------------------------------------------------------------------------------------
 
 def _check_targets(plans: list[SitePlan], cfg: ModelConfig, shards: dict[str, Shard]) -> None:
+    refused, why = TARGETS_REFUSED.get(cfg.family, ((), ""))
+    named = [t for t in PARAMS if t in refused and any(p.target == t for p in plans)]
+    if named:
+        raise Refusal(f"the {', '.join(named)} target{'s are' if len(named) > 1 else ' is'} refused on "
+                      f"{cfg.family}: {why}")
     if not cfg.mlp_gated and any(p.target == "gate" for p in plans):
         raise Refusal(f"the {cfg.family} feed-forward is plain (no gate), so an adapter naming gate is refused; "
                       "drop gate from the adapter's targets")

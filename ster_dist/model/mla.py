@@ -25,6 +25,11 @@ half is absorbed into the query and its value half applied after attending, so a
 step costs heads * slots * kv_lora_rank instead of slots * kv_lora_rank * heads *
 (qk_nope + v) (DeepSeek's own inference form; equal up to rounding).
 
+Dots3-Note's layers (its normalisation states the switches in the config) differ per layer: sliding layers have
+their own sizes (ModelConfig.mla_of), heads and scale and attend within their window; every layer norms the
+shared key part before it rotates (k_rope_norm), scales both normed latents by sqrt(hidden / rank)
+(mla_lora_rescale; the indexer reads the scaled query latent) and norms its latents with the config's epsilon.
+
 A layer with an indexer caches the indexer's key (index_head_dim wide, whole on every rank) after the shared
 rotated key part in its value slot: both caches keep it without a store of their own, in the same blocks.
 """
@@ -51,15 +56,17 @@ LATENT_NORM_EPS = 1e-6  # DeepSeek's and MiniCPM3's latent norms keep their defa
 class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
-        m, hidden, heads = cfg.mla, cfg.hidden_size, cfg.num_heads
+        m, hidden, heads = cfg.mla_of(layer), cfg.hidden_size, cfg.heads(layer)
         (h0, h1), _ = ctx.attention_heads(heads, heads)
+        raw = cfg.raw
+        latent_eps = raw.get("latent_norm_eps", LATENT_NORM_EPS)
         self.layer, self.local_heads = layer, h1 - h0
         self.nope, self.rope_dim, self.v_dim, self.rank = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                                           m.kv_lora_rank)
         qk = self.nope + self.rope_dim
         if m.q_lora_rank:
             self.q_a = ColumnLinear(hidden, m.q_lora_rank, ((0, m.q_lora_rank),), cfg.qkv_bias)
-            self.q_a_norm = Norm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_norm = Norm(m.q_lora_rank, latent_eps)
             self.q_b = ColumnLinear(m.q_lora_rank, heads * qk, ((h0 * qk, h1 * qk),), False)
             self.q = None
         else:
@@ -67,7 +74,7 @@ class LatentAttention(nn.Module):
             self.q = ColumnLinear(hidden, heads * qk, ((h0 * qk, h1 * qk),), False)
         width = self.rank + self.rope_dim
         self.kv_a = ColumnLinear(hidden, width, ((0, width),), cfg.qkv_bias)
-        self.kv_a_norm = Norm(self.rank, LATENT_NORM_EPS)
+        self.kv_a_norm = Norm(self.rank, latent_eps)
         # the query's first projection and the latent's read the same input: one product once loaded
         self.q_kv = FusedColumns(self.q_a if self.q_a is not None else self.q, self.kv_a)
         per_head = self.nope + self.v_dim
@@ -81,13 +88,17 @@ class LatentAttention(nn.Module):
                      else None)
         # HY V4: a learned sink logit per head joins every softmax, its share dropped
         self.sinks = HeadScalars(heads, (h0, h1)) if cfg.sinks(layer) else None
-        self.rope = cfg.layer_rope[layer]
-        self.scale = cfg.attn_scale
-        # LongCat-Flash (mla_scale_q_lora / mla_scale_kv_lora): the query and the normed latent times
-        # sqrt(hidden / their bottleneck's rank)
+        # Dots3-Note: the shared key part normed before it rotates
+        self.k_rope_norm = Norm(self.rope_dim, cfg.norm_eps) if raw.get("k_rope_norm") else None
+        # both bottlenecks' normed outputs times sqrt(hidden / their rank): LongCat-Flash (mla_scale_q_lora,
+        # mla_scale_kv_lora) and Dots3-Note (mla_lora_rescale, both); the indexer reads the scaled query latent
+        both = bool(raw.get("mla_lora_rescale"))
         self.q_lora_scale = ((hidden / m.q_lora_rank) ** 0.5
-                             if cfg.raw.get("mla_scale_q_lora") and m.q_lora_rank else 1.0)
-        self.kv_lora_scale = (hidden / self.rank) ** 0.5 if cfg.raw.get("mla_scale_kv_lora") else 1.0
+                             if (both or raw.get("mla_scale_q_lora")) and m.q_lora_rank else 1.0)
+        self.kv_lora_scale = (hidden / self.rank) ** 0.5 if both or raw.get("mla_scale_kv_lora") else 1.0
+        self.rope, self.window = cfg.layer_rope[layer], cfg.layer_window[layer]
+        # a layer of its own sizes scores over its own head width (the model's scale carries any YaRN factor)
+        self.scale = cfg.attn_scale * ((cfg.head_dim / qk) ** 0.5 if cfg.mla and qk != cfg.head_dim else 1.0)
         # Llama 4's query temperature (Mistral Large 3): every query channel times 1 + beta ln(1 + floor(p / length))
         self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
         # DeepSeek Sparse Attention: this layer's own indexer, or (GLM-DSA's "shared" layers) the last one's choice
@@ -102,9 +113,9 @@ class LatentAttention(nn.Module):
         b, t, _ = x.shape
         q, kv = self.q_kv(x)
         q_latent = self.q_a_norm(q) if self.q is None else None
-        q = q if self.q is not None else self.q_b(q_latent)
         if self.q_lora_scale != 1.0:
-            q = q * self.q_lora_scale
+            q_latent = q_latent * self.q_lora_scale
+        q = q if self.q is not None else self.q_b(q_latent)
         q = q.view(b, t, self.local_heads, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = kv.split([self.rank, self.rope_dim], dim=-1)
@@ -112,6 +123,8 @@ class LatentAttention(nn.Module):
         if self.kv_lora_scale != 1.0:
             latent = latent * self.kv_lora_scale
         k_rot = k_rot.unsqueeze(1)                   # [b, 1, t, rope]: one key part for every head
+        if self.k_rope_norm is not None:
+            k_rot = self.k_rope_norm(k_rot)
         cos = sin = None
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
@@ -125,7 +138,7 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             index_queries, index_keys = self.indexer.project(x, q_latent, cos, sin)
             queries, k_rot = queries + (index_queries,), torch.cat((k_rot, index_keys.to(k_rot.dtype)), dim=-1)
-        out = pos.attend(self.layer, queries, latent, k_rot, None, partial(self._attend_latent, pos))
+        out = pos.attend(self.layer, queries, latent, k_rot, self.window, partial(self._attend_latent, pos))
         if self.head_gate is not None:  # the gate in f32, as Transformers computes it
             out = out * torch.sigmoid(self.head_gate(x).float()).to(out.dtype).transpose(1, 2).unsqueeze(-1)
         out = out.transpose(1, 2)

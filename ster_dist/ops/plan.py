@@ -187,7 +187,9 @@ def _indexer_keys(cfg: ModelConfig) -> str:
 def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
     sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
     if cfg.mla is not None:
-        what = (f"latent attention: per layer the normed latent ({cfg.mla.kv_lora_rank}) and the rotated key "
+        # Dots3-Note's sliding layers keep latents of their own rank
+        ranks = "/".join(str(r) for r in sorted({cfg.mla_of(i).kv_lora_rank for i in range(cfg.num_layers)}))
+        what = (f"latent attention: per layer the normed latent ({ranks}) and the rotated key "
                 f"({cfg.mla.qk_rope_head_dim}){_indexer_keys(cfg)}, whole on every rank (not split by --tp)")
     else:
         what = "per layer this rank's key-value heads x head_dim, keys and values"
