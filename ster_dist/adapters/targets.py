@@ -162,9 +162,10 @@ def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
             parts = [(rule.target.replace("{i}", layer or ""), None)]
         else:
             layout: Fused = rule.target
-            total = fused_rows_total(layout, cfg)
+            at = int(layer) if layer is not None else None
+            total = fused_rows_total(layout, cfg, at)
             parts = [(template.replace("{i}", layer or ""),
-                      tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg)), cfg)))
+                      tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg, at)), cfg, at)))
                      for index, (template, count) in enumerate(layout.parts)]
         for param, rows in parts:
             m = _PARAM.fullmatch(param) if groups.get("h") is None else None
