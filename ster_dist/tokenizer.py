@@ -101,7 +101,6 @@ _REGISTERED_CLASS: dict[str, str] = {
             "hyperclovax",
             "olmo_hybrid",
             "mimo_v2_flash",
-            "mimo_v2",
             "ministral3",
         ),
         "TokenizersBackend",
