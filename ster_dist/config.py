@@ -45,7 +45,8 @@ class MLAConfig:
 # "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
 # "inkling_attention": Inkling's attention (a distance bias mixed per query, short convolutions over keys and
 # values), keeping keys as well as its convolutions' windows
-ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention")
+# "bottleneck_attention": attention whose query passes a narrow normed projection first (Step3)
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "bottleneck_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -71,6 +72,7 @@ class ModelConfig:
     layer_heads: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
+    query_bottleneck: int | None = None   # the width queries narrow to before q (Step3's share_q_dim); None: none
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
@@ -459,7 +461,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
-        value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
+        value_head_dim=keys.get("value_head_dim"), query_bottleneck=keys.get("query_bottleneck"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
         weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),

@@ -168,6 +168,8 @@ def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
                       tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg, at)), cfg, at)))
                      for index, (template, count) in enumerate(layout.parts)]
         for param, rows in parts:
+            if param.endswith(".attn.q_down.weight"):  # q_proj of a query bottleneck (Step3)
+                _refuse_query_on_a_bottleneck(cfg)
             m = _PARAM.fullmatch(param) if groups.get("h") is None else None
             if m is None:
                 raise Refusal(f"adapter module {factor.key} adapts {param}, which is not an attention or "
@@ -179,7 +181,15 @@ def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
 
 # ---- checks ------------------------------------------------------------------------------------
 
+def _refuse_query_on_a_bottleneck(cfg: ModelConfig) -> None:
+    if cfg.query_bottleneck:
+        raise Refusal(f"an adapter on query is refused for {cfg.family}: q reads the query bottleneck rather than "
+                      "the hidden state; train the adapter on key, value, output, gate, up and down")
+
+
 def _check_targets(plans: list[SitePlan], cfg: ModelConfig, shards: dict[str, Shard]) -> None:
+    if any(p.target == "query" for p in plans):
+        _refuse_query_on_a_bottleneck(cfg)
     if not cfg.mlp_gated and any(p.target == "gate" for p in plans):
         raise Refusal(f"the {cfg.family} feed-forward is plain (no gate), so an adapter naming gate is refused; "
                       "drop gate from the adapter's targets")

@@ -62,6 +62,8 @@ GENERIC_KEYS: dict[str, str] = {
     "layer_kv_heads": "per layer, its key-value head count, where layers differ (MiMo-V2-Flash); default "
                       "num_key_value_heads",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
+    "query_bottleneck": "the width each query narrows to (and is RMS-normed at) before q widens it to every head, "
+                        "on the layers of the bottleneck_attention kind (Step3's share_q_dim); default none",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
     "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "
                    "everywhere",

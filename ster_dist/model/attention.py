@@ -100,9 +100,13 @@ class Attention(nn.Module):
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys, values and the output gate's logits (None without one) from the layer's input."""
+        return tuple(self.qkv(x))
+
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v, gate = self.qkv(x)
+        q, k, v, gate = self.project(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
