@@ -73,6 +73,10 @@ class ModelConfig:
     layer_kv_heads: tuple[int, ...] = ()
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
     query_bottleneck: int | None = None   # the width queries narrow to before q (Step3's share_q_dim); None: none
+    # per layer, the bound of min(act(gate), L) * clamp(up, +-L) in the routed experts and in the shared or dense
+    # feed-forward (Step 3.5's swiglu_limits, swiglu_limits_shared); 0: unclamped; empty: none anywhere
+    layer_glu_limits: tuple[float, ...] = ()
+    layer_shared_glu_limits: tuple[float, ...] = ()
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
@@ -108,6 +112,7 @@ class ModelConfig:
     # Laguna's g_proj: each head's output times the softplus of its own logit ("head") or of one per channel
     # ("element"), before o_proj; "none": no such gate
     softplus_gate: str = "none"
+    sigmoid_head_gate: bool = False       # Step 3.5's g_proj: each head's output times the sigmoid of its own logit
     # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor((position + offset) /
     # length)), in the layers layer_query_temperature marks (empty: every layer)
     query_temperature_beta: float = 0.0
@@ -436,6 +441,9 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_query_temperature=_layer_switches(keys, "query_temperature_layers", num_layers),
         qk_norm_affine=qk.affine, layer_qk_norm=_layer_switches(keys, "qk_norm_layers", num_layers),
         attn_output_gate=bool(keys.get("attn_output_gate", default=False)), softplus_gate=_softplus_gate(keys),
+        sigmoid_head_gate=bool(keys.get("sigmoid_head_gate", default=False)),
+        layer_glu_limits=_layer_limits(keys, "glu_limit_layers", num_layers),
+        layer_shared_glu_limits=_layer_limits(keys, "shared_glu_limit_layers", num_layers),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
@@ -541,6 +549,18 @@ def _softplus_gate(keys: Keys) -> str:
         raise Refusal(f"invalid model config {keys.path}: softplus_output_gate {gate!r} is not one of none, head, "
                       "element")
     return gate
+
+
+def _layer_limits(keys: Keys, key: str, num_layers: int) -> tuple[float, ...]:
+    """A per-layer clamp bound a family's normalisation states (0: none); empty when unstated."""
+    stated = keys.get(key)
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 for n in stated):
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a bound of zero or more for each of the "
+                      f"{num_layers} layers")
+    return tuple(float(n) for n in stated)
 
 
 def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:

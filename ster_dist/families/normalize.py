@@ -70,6 +70,12 @@ GENERIC_KEYS: dict[str, str] = {
     "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "
                             "projection's logit for the head (or channel) before the output projection (Laguna); "
                             "default \"none\"",
+    "sigmoid_head_gate": "each head's output times the sigmoid of its own logit of the gate projection, before "
+                         "the output projection (Step 3.5's g_proj); default false",
+    "glu_limit_layers": "per layer, L of min(act(gate), L) * clamp(up, -L, L) in the routed experts, 0 for none "
+                        "(Step 3.5's swiglu_limits); default none",
+    "shared_glu_limit_layers": "per layer, the same bound in the shared experts' feed-forward (Step 3.5's "
+                               "swiglu_limits_shared); default none",
     "scored_vocab_size": "only the first this many tokens are scored, the head's rows past them being padding "
                          "(Inkling's unpadded_vocab_size); default: every row",
     "sublayer_conv_kernel": "attention's and the feed-forward's outputs each pass a residual short convolution "

@@ -13,17 +13,33 @@
   is refused; an adapter on query is refused (adapters/targets.py), because q reads the bottleneck rather than
   the hidden state.
 
-ster_dist never runs StepFun's remote code: the family is checked against the reference written in
-tests/test_step3.py from seeds/000's description.
+- step3p5 (Step 3.5): Llama's block under RMS norms scaled by 1 + weight throughout, per-head query and key
+  norms, and each head's output times the sigmoid of its self_attn.g_proj logit (use_head_wise_attn_gate).
+  layer_types alternates full and sliding_window attention (vLLM's rule without it: the even layers slide);
+  the layers of attention_other_setting's attention_type take its num_attention_heads and
+  num_attention_groups, the others num_attention_heads and num_attention_groups. Each kind rotates its
+  partial_rotary_factors share by halves at its own base from the per-layer rope_theta, rope_scaling only
+  where yarn_only_types lists the kind, and use_rope_layers' false entries leave layers unrotated. The layers
+  moe_layers_enum lists route by moe_router_activation scores (sigmoid unless stated) that moe.router_bias
+  moves to choose, renormalised under norm_expert_weight and scaled by moe_router_scaling_factor, over stacked
+  experts (as step3_text's) beside share_expert; swiglu_limits / swiglu_limits_shared clamp the routed /
+  shared expert of a layer to min(silu(gate), L) * clamp(up, +-L). Per-layer lists longer than
+  num_hidden_layers also cover the multi-token-prediction layers, which are never read. A kind whose layers
+  list different rotated shares or bases, rotation scaling on sliding-window layers, a clamped dense layer, a
+  second kind with its own head_dim, or use_moe_router_bias false is refused.
+
+ster_dist never runs StepFun's remote code: both are checked against the reference written in
+tests/test_step3.py from seeds/000's description (and step3p5 also against Transformers' Step-3.7 text model
+where their configs overlap).
 """
 
 from __future__ import annotations
 
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.moe_layouts import EXPERTS, shared_rules
-from ster_dist.families.normalize import ConfigProblem, with_defaults
-from ster_dist.families.spec import FamilySpec, MoESpec, Rule, Stacked
+from ster_dist.families.moe_layouts import EXPERTS, ROUTER_CORRECTION, shared_rules
+from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
+from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, NormSpec, QKNormSpec, Rule, Stacked
 
 _REFERENCE = "tests/test_step3.py"
 _LAYER = "model.layers.{i}"
@@ -35,7 +51,9 @@ _DEFAULTS = {
 }
 
 
-def _sparse_layers(raw: dict, layers: int) -> set[int]:
+def _sparse_layers(raw: dict, layers: int, beyond: int = 0) -> set[int]:
+    """The layers moe_layers_enum lists; entries naming the `beyond` layers after the decoder's (Step 3.5's
+    multi-token-prediction layers) are dropped."""
     listed = raw.get("moe_layers_enum")
     if listed is None:
         return set(range(1, layers))
@@ -50,10 +68,11 @@ def _sparse_layers(raw: dict, layers: int) -> set[int]:
             index = int(item.strip() if isinstance(item, str) else item)
         except (TypeError, ValueError):
             index = None
-        if isinstance(item, bool) or index is None or not 0 <= index < layers:
+        if isinstance(item, bool) or index is None or not 0 <= index < layers + beyond:
             raise ConfigProblem(f"moe_layers_enum entry {item!r} names no layer of the {layers}; list layer "
                                 f"indices from 0 to {layers - 1}")
-        sparse.add(index)
+        if index < layers:
+            sparse.add(index)
     return sparse
 
 
@@ -77,18 +96,105 @@ def _layer_kinds(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[str, ..
     return ("bottleneck_attention",) * layers, tuple("moe" if kind == "sparse" else "dense" for kind in sparse)
 
 
+def _per_layer(raw: dict, key: str, layers: int, default=None) -> list:
+    """A per-layer list cut to the decoder's layers (Step 3.5's lists go on over its MTP layers), or `default`
+    for every layer when unstated or empty."""
+    value = raw.get(key)
+    if value is None or (isinstance(value, list) and not value):
+        return [default] * layers
+    if not isinstance(value, list):
+        return [value] * layers
+    if len(value) < layers:
+        raise ConfigProblem(f"{key} lists {len(value)} values for {layers} layers; list one per layer")
+    return list(value[:layers])
+
+
+def _step3p5_rotations(raw: dict, kinds: list[str], layers: int) -> dict:
+    """rope_parameters per kind from the per-layer rope_theta and partial_rotary_factors, each kind's layers
+    agreeing; rope_scaling on the kinds yarn_only_types names (every kind when it is unstated)."""
+    thetas = _per_layer(raw, "rope_theta", layers, 10000.0)
+    shares = _per_layer(raw, "partial_rotary_factors", layers, 1.0)
+    scaling, scaled = raw.get("rope_scaling"), raw.get("yarn_only_types") or ["full_attention", "sliding_attention"]
+    out = {}
+    for kind in dict.fromkeys(kinds):
+        stated_pairs = {(thetas[i], shares[i]) for i in range(layers) if kinds[i] == kind}
+        if len(stated_pairs) > 1:
+            raise ConfigProblem(f"the {kind} layers list different rotated shares or bases {sorted(stated_pairs)}; "
+                                "one rotation per kind of layer is supported")
+        (theta, share), = stated_pairs
+        out[kind] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": share}
+        if isinstance(scaling, dict) and kind in scaled:
+            if kind == "sliding_attention":
+                raise ConfigProblem("rope_scaling reaches the sliding_attention layers (yarn_only_types); rotation "
+                                    "scaling on sliding-window layers is not supported")
+            out[kind] = {**scaling, "rope_theta": theta, "partial_rotary_factor": share}
+    return out
+
+
+def _step3p5(raw: dict) -> dict:
+    raw = with_defaults(raw, {"rms_norm_eps": 1e-5, "moe_router_activation": "sigmoid", "norm_expert_weight": True,
+                              "moe_router_scaling_factor": 1.0})
+    layers = raw.get("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        return raw  # the shared reader refuses the layer count itself
+    if raw.get("use_moe_router_bias") is False:
+        raise ConfigProblem("use_moe_router_bias is false; Step 3.5's router always chooses with moe.router_bias")
+    kinds = _per_layer(raw, "layer_types", layers) if raw.get("layer_types") else [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    other = raw.get("attention_other_setting") or {}
+    heads, groups = raw.get("num_attention_heads"), stated(raw, "num_attention_groups", "num_key_value_heads")
+    other_kind = other.get("attention_type", "sliding_attention")
+    if other.get("head_dim") is not None and other["head_dim"] != raw.get("head_dim"):
+        raise ConfigProblem(f"attention_other_setting's head_dim {other['head_dim']} differs from head_dim "
+                            f"{raw.get('head_dim')}; layers of their own head width are not supported")
+    mine = [kind == other_kind for kind in kinds]
+    mtp = raw.get("num_nextn_predict_layers")
+    sparse = _sparse_layers(raw, layers, mtp if isinstance(mtp, int) and not isinstance(mtp, bool) else 0)
+    limits = [float(x or 0) for x in _per_layer(raw, "swiglu_limits", layers, 0)]
+    shared_limits = [float(x or 0) for x in _per_layer(raw, "swiglu_limits_shared", layers, 0)]
+    for i in range(layers):
+        if i not in sparse and (limits[i] or shared_limits[i]):
+            raise ConfigProblem(f"layer {i} is dense but swiglu_limits or swiglu_limits_shared clamps it; a clamped "
+                                "dense layer is not supported")
+    use_rope = _per_layer(raw, "use_rope_layers", layers, True)
+    dropped = ("moe_layers_enum", "rope_theta", "rope_scaling", "partial_rotary_factors", "partial_rotary_factor",
+               "layer_types", "swiglu_limits", "swiglu_limits_shared", "use_rope_layers")
+    out = {k: v for k, v in raw.items() if k not in dropped}
+    return {**out, "layer_types": kinds, "rope_parameters": _step3p5_rotations(raw, kinds, layers),
+            "layer_heads": [other.get("num_attention_heads", heads) if m else heads for m in mine],
+            "layer_kv_heads": [other.get("num_attention_groups", groups) if m else groups for m in mine],
+            "num_key_value_heads": groups, "no_rope_layers": [int(bool(u)) for u in use_rope],
+            "sigmoid_head_gate": bool(raw.get("use_head_wise_attn_gate", False)),
+            "scoring_func": raw["moe_router_activation"], "norm_topk_prob": raw["norm_expert_weight"],
+            "routed_scaling_factor": raw["moe_router_scaling_factor"],
+            "shared_intermediate_size": raw.get("share_expert_dim"), "glu_limit_layers": limits,
+            "shared_glu_limit_layers": shared_limits, "attention_bias": False, "mlp_bias": False,
+            "mlp_layer_types": ["sparse" if i in sparse else "dense" for i in range(layers)]}
+
+
+# one [experts, rows, columns] tensor per projection, the router and the shared expert
+_STACKED_MOE = (
+    Rule(f"{_LAYER}.moe.gate.weight", "layers.{i}.mlp.router.weight"),
+    *(Rule(f"{_LAYER}.moe.{name}_proj.weight", Stacked((f"{EXPERTS}{name}",))) for name in ("gate", "up", "down")),
+    *shared_rules(f"{_LAYER}.share_expert"),
+)
+
 _RULES = (
     llama_rules(q=None, q_norm=None, k_norm=None)
     + (Rule(f"{_LAYER}.self_attn.q_proj.weight", "layers.{i}.attn.q_down.weight"),
        Rule(f"{_LAYER}.self_attn.inter_norm.weight", "layers.{i}.attn.q_down_norm.weight"),
-       Rule(f"{_LAYER}.self_attn.wq.weight", "layers.{i}.attn.q.weight"),
-       Rule(f"{_LAYER}.moe.gate.weight", "layers.{i}.mlp.router.weight"))
-    # one [experts, rows, columns] tensor per projection
-    + tuple(Rule(f"{_LAYER}.moe.{name}_proj.weight", Stacked((f"{EXPERTS}{name}",))) for name in ("gate", "up", "down"))
-    + shared_rules(f"{_LAYER}.share_expert")
+       Rule(f"{_LAYER}.self_attn.wq.weight", "layers.{i}.attn.q.weight"))
+    + _STACKED_MOE
 )
+_STEP3P5_RULES = (llama_rules() + _STACKED_MOE
+                  + (Rule(f"{_LAYER}.self_attn.g_proj.weight", "layers.{i}.attn.gate.weight"),
+                     Rule(f"{_LAYER}.moe.router_bias", ROUTER_CORRECTION)))
 
 STEP3_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("step3_text", _RULES, normalize=_step3_text, layer_kinds=_layer_kinds, moe=MoESpec(shared="stated"),
+               parity_reference=_REFERENCE),
+    FamilySpec("step3p5", _STEP3P5_RULES, normalize=_step3p5,
+               attention=AttentionSpec(qk_norm=QKNormSpec()), norms=NormSpec(offset=1.0),
+               moe=MoESpec(scoring="sigmoid", shared="stated", correction_bias=True, scaling="always"),
                parity_reference=_REFERENCE),
 )

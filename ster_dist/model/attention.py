@@ -3,7 +3,7 @@ own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), o
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
 learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus), and the row-parallel output projection.
+sigmoid, Laguna's softplus, Step 3.5's sigmoid per head), and the row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ class Attention(nn.Module):
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
         # softplus of one logit per head (or per channel)
         self.softplus_gate = cfg.softplus_gate
+        self.sigmoid_head_gate = cfg.sigmoid_head_gate  # Step 3.5: the sigmoid of one logit per head
         if cfg.attn_output_gate or cfg.softplus_gate == "element":
             self.gate = ColumnLinear(hidden, heads * dv, ((h0 * dv, h1 * dv),), cfg.qkv_bias and cfg.attn_output_gate)
-        elif cfg.softplus_gate == "head":
+        elif cfg.softplus_gate == "head" or cfg.sigmoid_head_gate:  # one logit per head
             self.gate = ColumnLinear(hidden, heads, ((h0, h1),), False)
         else:
             self.gate = None
@@ -132,6 +133,9 @@ class Attention(nn.Module):
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)
             out = (out.unflatten(-1, (self.local_heads, self.value_dim)) * gate.unsqueeze(-1)).flatten(-2)
+        elif self.sigmoid_head_gate:
+            heads = out.unflatten(-1, (self.local_heads, self.value_dim))
+            out = (heads * torch.sigmoid(gate).unsqueeze(-1)).flatten(-2)
         elif self.softplus_gate == "element":
             out = out * F.softplus(gate.float()).to(out.dtype)
         elif gate is not None:
