@@ -25,15 +25,20 @@ from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.paged_steps import BLOCK, Driver, run_step
-from tests.remote_checks import check_cache_and_batches, check_group_equals_one_rank, greedy_by_rereading, random_ids
+from tests.remote_checks import (
+    check_cache_and_batches,
+    check_group_equals_one_rank,
+    greedy_by_rereading,
+    random_ids,
+)
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, LAYERS = 384, 64, 4, 16, 3
 # step3: one key-value group as Step3 ships, two sparse layers listed as a string, weights not renormalised;
 # groups: two key-value groups, moe_layers_enum absent (every layer but the first), weights renormalised
 VARIANTS = {
-    "step3": dict(num_attention_groups=1, moe_layers_enum="1,2", norm_expert_weight=False),
-    "groups": dict(num_attention_groups=2, norm_expert_weight=True),
+    "step3": {"num_attention_groups": 1, "moe_layers_enum": "1,2", "norm_expert_weight": False},
+    "groups": {"num_attention_groups": 2, "norm_expert_weight": True},
 }
 
 

@@ -39,7 +39,15 @@ from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules
 from ster_dist.families.moe_layouts import EXPERTS, ROUTER_CORRECTION, shared_rules
 from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
-from ster_dist.families.spec import AttentionSpec, FamilySpec, MoESpec, NormSpec, QKNormSpec, Rule, Stacked
+from ster_dist.families.spec import (
+    AttentionSpec,
+    FamilySpec,
+    MoESpec,
+    NormSpec,
+    QKNormSpec,
+    Rule,
+    Stacked,
+)
 
 _REFERENCE = "tests/test_step3.py"
 _LAYER = "model.layers.{i}"
@@ -109,11 +117,19 @@ def _per_layer(raw: dict, key: str, layers: int, default=None) -> list:
     return list(value[:layers])
 
 
+def _numbers(raw: dict, key: str, layers: int, default: float, low: float = 0.0) -> list[float]:
+    """A per-layer list of numbers of at least `low` (null: `default`)."""
+    values = [default if x is None else x for x in _per_layer(raw, key, layers, default)]
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < low for x in values):
+        raise ConfigProblem(f"{key} must list a number of at least {low} for each layer")
+    return [float(x) for x in values]
+
+
 def _step3p5_rotations(raw: dict, kinds: list[str], layers: int) -> dict:
     """rope_parameters per kind from the per-layer rope_theta and partial_rotary_factors, each kind's layers
     agreeing; rope_scaling on the kinds yarn_only_types names (every kind when it is unstated)."""
-    thetas = _per_layer(raw, "rope_theta", layers, 10000.0)
-    shares = _per_layer(raw, "partial_rotary_factors", layers, 1.0)
+    thetas = _per_layer(raw, "rope_theta", layers, 10000.0)  # config_ranges checks each is above zero
+    shares = _numbers(raw, "partial_rotary_factors", layers, 1.0)
     scaling, scaled = raw.get("rope_scaling"), raw.get("yarn_only_types") or ["full_attention", "sliding_attention"]
     out = {}
     for kind in dict.fromkeys(kinds):
@@ -144,14 +160,16 @@ def _step3p5(raw: dict) -> dict:
     other = raw.get("attention_other_setting") or {}
     heads, groups = raw.get("num_attention_heads"), stated(raw, "num_attention_groups", "num_key_value_heads")
     other_kind = other.get("attention_type", "sliding_attention")
-    if other.get("head_dim") is not None and other["head_dim"] != raw.get("head_dim"):
+    hidden = raw.get("hidden_size")
+    head_dim = raw.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                       and heads > 0 else None)
+    if other.get("head_dim") is not None and other["head_dim"] != head_dim:
         raise ConfigProblem(f"attention_other_setting's head_dim {other['head_dim']} differs from head_dim "
-                            f"{raw.get('head_dim')}; layers of their own head width are not supported")
+                            f"{head_dim}; layers of their own head width are not supported")
     mine = [kind == other_kind for kind in kinds]
     mtp = raw.get("num_nextn_predict_layers")
     sparse = _sparse_layers(raw, layers, mtp if isinstance(mtp, int) and not isinstance(mtp, bool) else 0)
-    limits = [float(x or 0) for x in _per_layer(raw, "swiglu_limits", layers, 0)]
-    shared_limits = [float(x or 0) for x in _per_layer(raw, "swiglu_limits_shared", layers, 0)]
+    limits, shared_limits = (_numbers(raw, key, layers, 0.0) for key in ("swiglu_limits", "swiglu_limits_shared"))
     for i in range(layers):
         if i not in sparse and (limits[i] or shared_limits[i]):
             raise ConfigProblem(f"layer {i} is dense but swiglu_limits or swiglu_limits_shared clamps it; a clamped "
