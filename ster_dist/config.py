@@ -46,7 +46,9 @@ class MLAConfig:
 # "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
 # "inkling_attention": Inkling's attention (a distance bias mixed per query, short convolutions over keys and
 # values), keeping keys as well as its convolutions' windows
-ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention")
+# "bottleneck_attention": attention whose query passes a narrow normed projection first (Step3)
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention",
+                    "bottleneck_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -72,6 +74,11 @@ class ModelConfig:
     layer_heads: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
+    query_bottleneck: int | None = None   # the width queries narrow to before q (Step3's share_q_dim); None: none
+    # per layer, the bound of min(act(gate), L) * clamp(up, +-L) in the routed experts and in the shared or dense
+    # feed-forward (Step 3.5's swiglu_limits, swiglu_limits_shared); 0: unclamped; empty: none anywhere
+    layer_glu_limits: tuple[float, ...] = ()
+    layer_shared_glu_limits: tuple[float, ...] = ()
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     value_norm: bool = False              # a scale-free RMS norm over each value head (Gemma 3n)
     # per layer, the earlier layer whose keys and values it attends, None for its own (Gemma 3n); empty: its own
@@ -111,6 +118,7 @@ class ModelConfig:
     # Laguna's g_proj: each head's output times the softplus of its own logit ("head") or of one per channel
     # ("element"), before o_proj; "none": no such gate
     softplus_gate: str = "none"
+    sigmoid_head_gate: bool = False       # Step 3.5's g_proj: each head's output times the sigmoid of its own logit
     # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor((position + offset) /
     # length)), in the layers layer_query_temperature marks (empty: every layer)
     query_temperature_beta: float = 0.0
@@ -478,6 +486,9 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_query_temperature=_layer_switches(keys, "query_temperature_layers", num_layers),
         qk_norm_affine=qk.affine, layer_qk_norm=_layer_switches(keys, "qk_norm_layers", num_layers),
         attn_output_gate=bool(keys.get("attn_output_gate", default=False)), softplus_gate=_softplus_gate(keys),
+        sigmoid_head_gate=bool(keys.get("sigmoid_head_gate", default=False)),
+        layer_glu_limits=_layer_limits(keys, "glu_limit_layers", num_layers),
+        layer_shared_glu_limits=_layer_limits(keys, "shared_glu_limit_layers", num_layers),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
@@ -504,7 +515,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_mla=_layer_mla(raw, mla, path),
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
-        value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
+        value_head_dim=keys.get("value_head_dim"), query_bottleneck=keys.get("query_bottleneck"),
+        value_scale=float(keys.get("attention_value_scale", default=1.0)),
         value_norm=bool(keys.get("value_norm", default=False)),
         layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
         altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
@@ -621,6 +633,18 @@ def _softplus_gate(keys: Keys) -> str:
         raise Refusal(f"invalid model config {keys.path}: softplus_output_gate {gate!r} is not one of none, head, "
                       "element")
     return gate
+
+
+def _layer_limits(keys: Keys, key: str, num_layers: int) -> tuple[float, ...]:
+    """A per-layer clamp bound a family's normalisation states (0: none); empty when unstated."""
+    stated = keys.get(key)
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 for n in stated):
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a bound of zero or more for each of the "
+                      f"{num_layers} layers")
+    return tuple(float(n) for n in stated)
 
 
 def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:

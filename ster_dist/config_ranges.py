@@ -64,6 +64,8 @@ POSITIVE = ("rope_theta", "rotary_emb_base", "rope_local_base_freq", "rms_norm_e
             "norm_epsilon", "norm_eps", "layer_norm_epsilon", "partial_rotary_factor", "rotary_pct",
             "query_pre_attn_scalar", "logits_scaling", "dim_model_base", "expansion_ratio",
             "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv", "swiglu_limit", "swiglu_alpha")
+# numbers a config may also state once per layer (Step 3.5's rope_theta; its normalisation reads the list)
+PER_LAYER_NUMBERS = ("rope_theta",)
 # numbers that must only be finite
 FINITE = ("attention_multiplier", "embedding_multiplier", "scale_emb", "logit_scale", "residual_multiplier",
           "scale_depth", "routed_scaling_factor", "router_jitter_noise",
@@ -169,6 +171,9 @@ def check_stated(raw: dict, path: str) -> None:
             check_int(path, key, value, *INTS[key])
         elif key in PER_LAYER:
             _check_per_layer(path, key, value, *PER_LAYER[key])
+        elif key in PER_LAYER_NUMBERS and isinstance(value, list) and value:
+            for item in value:
+                _check_number(path, key, item, key in POSITIVE)
         elif key in POSITIVE or key in FINITE:
             _check_number(path, key, value, key in POSITIVE)
         elif key in INT_LISTS:

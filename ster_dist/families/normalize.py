@@ -66,12 +66,20 @@ GENERIC_KEYS: dict[str, str] = {
     "layer_kv_heads": "per layer, its key-value head count, where layers differ (MiMo-V2-Flash); default "
                       "num_key_value_heads",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
+    "query_bottleneck": "the width each query narrows to (and is RMS-normed at) before q widens it to every head, "
+                        "on the layers of the bottleneck_attention kind (Step3's share_q_dim); default none",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
     "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "
                    "everywhere",
     "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "
                             "projection's logit for the head (or channel) before the output projection (Laguna); "
                             "default \"none\"",
+    "sigmoid_head_gate": "each head's output times the sigmoid of its own logit of the gate projection, before "
+                         "the output projection (Step 3.5's g_proj); default false",
+    "glu_limit_layers": "per layer, L of min(act(gate), L) * clamp(up, -L, L) in the routed experts, 0 for none "
+                        "(Step 3.5's swiglu_limits); default none",
+    "shared_glu_limit_layers": "per layer, the same bound in the shared experts' feed-forward (Step 3.5's "
+                               "swiglu_limits_shared); default none",
     "scored_vocab_size": "only the first this many tokens are scored, the head's rows past them being padding "
                          "(Inkling's unpadded_vocab_size); default: every row",
     "sublayer_conv_kernel": "attention's and the feed-forward's outputs each pass a residual short convolution "

@@ -19,8 +19,11 @@ from ster_dist.parallel.linear import ColumnLinear, FusedColumns, Replicated, Ro
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None, sparsity: float = 0.0):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None, sparsity: float = 0.0,
+                 limit: float = 0.0):
+        """limit: min(act(gate), limit) * clamp(up, +-limit) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
+        self.limit = limit
         inner = intermediate or cfg.intermediate_size
         rows = (ctx.split(inner),)
         self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
@@ -41,9 +44,13 @@ class MLP(nn.Module):
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """What the down projection reads: act(gate) * up, or act(up)."""
         gate, up = self.gate_up(x)
-        if gate is not None and self.cutoff_deviations is not None:
+        if gate is None:
+            return self.act(up)
+        if self.cutoff_deviations is not None:
             gate = self._sparse(gate)
-        return self.act(self._scaled(gate, self.gate_multiplier)) * up if gate is not None else self.act(up)
+        if self.limit:
+            return self.act(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
+        return self.act(self._scaled(gate, self.gate_multiplier)) * up
 
     def _sparse(self, gate: torch.Tensor) -> torch.Tensor:
         deviations = torch.tensor(self.cutoff_deviations, dtype=gate.dtype, device=gate.device)

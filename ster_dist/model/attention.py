@@ -3,7 +3,7 @@ own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), o
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
 learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus), and the row-parallel output projection.
+sigmoid, Laguna's softplus, Step 3.5's sigmoid per head), and the row-parallel output projection.
 
 A layer may norm each value head without a scale (Gemma 3n's value_norm), and may read an earlier layer's
 keys and values rather than make its own (Gemma 3n's shared layers, `layer_kv_source`): such a layer has no
@@ -75,9 +75,10 @@ class Attention(nn.Module):
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
         # softplus of one logit per head (or per channel)
         self.softplus_gate = cfg.softplus_gate
+        self.sigmoid_head_gate = cfg.sigmoid_head_gate  # Step 3.5: the sigmoid of one logit per head
         if cfg.attn_output_gate or cfg.softplus_gate == "element":
             self.gate = ColumnLinear(hidden, heads * dv, ((h0 * dv, h1 * dv),), cfg.qkv_bias and cfg.attn_output_gate)
-        elif cfg.softplus_gate == "head":
+        elif cfg.softplus_gate == "head" or cfg.sigmoid_head_gate:  # one logit per head
             self.gate = ColumnLinear(hidden, heads, ((h0, h1),), False)
         else:
             self.gate = None
@@ -111,6 +112,10 @@ class Attention(nn.Module):
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys, values and the output gate's logits (None without one) from the layer's input."""
+        return tuple(self.qkv(x))
+
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         if self.kv_source is not None:  # Gemma 3n's shared layers: its own queries over its source's keys
             q, gate = self._shared_queries(x, pos)
@@ -124,7 +129,7 @@ class Attention(nn.Module):
         """(queries, keys, values [batch, heads, seq, width], the output gate's logits or None): projected,
         normed, clipped and rotated as the config says."""
         b, t, _ = x.shape
-        q, k, v, gate = self.qkv(x)
+        q, k, v, gate = self.project(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -171,6 +176,9 @@ class Attention(nn.Module):
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)
             out = (out.unflatten(-1, (self.local_heads, self.value_dim)) * gate.unsqueeze(-1)).flatten(-2)
+        elif self.sigmoid_head_gate:
+            heads = out.unflatten(-1, (self.local_heads, self.value_dim))
+            out = (heads * torch.sigmoid(gate).unsqueeze(-1)).flatten(-2)
         elif self.softplus_gate == "element":
             out = out * F.softplus(gate.float()).to(out.dtype)
         elif gate is not None:

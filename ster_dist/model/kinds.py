@@ -41,6 +41,7 @@ from ster_dist.model.loop_attention import LoopAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
+from ster_dist.model.query_bottleneck import BottleneckAttention
 from ster_dist.model.shared_block import Mamba2SharedBlock
 from ster_dist.model.short_conv import ShortConv
 from ster_dist.model.side_by_side import SideBySide
@@ -90,6 +91,7 @@ MIXERS: dict[str, MixerKind] = {
     "lightning": MixerKind(LightningAttention, "mixer"),
     "inkling_attention": MixerKind(InklingAttention, "attn"),
     "loop_attention": MixerKind(LoopAttention, "attn"),
+    "bottleneck_attention": MixerKind(BottleneckAttention, "attn"),  # Step3's query bottleneck
 }
 # Falcon-H1's layers, under its config's names for the multipliers
 MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),

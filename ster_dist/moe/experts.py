@@ -69,8 +69,10 @@ GATHER_BYTES = 16 * 1024
 class Experts(ShardedModule):
     fp8_params = ("gate", "up", "down")
 
-    def __init__(self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx):
+    def __init__(self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx, glu_limit: float = 0.0):
+        """glu_limit: min(act(gate), L) * clamp(up, +-L) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
+        self.glu_limit = glu_limit
         num, inner = moe.num_experts, moe.intermediate_size
         self.first, last = ctx.experts(num)
         self.local = last - self.first
@@ -153,6 +155,8 @@ class Experts(ShardedModule):
             h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
         elif self.limited:  # HY V4: act(min(gate, limit)) * clamp(up, +-limit)
             h = self.act(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+        elif self.glu_limit:
+            h = self.act(gate).clamp(max=self.glu_limit) * up.clamp(-self.glu_limit, self.glu_limit)
         else:
             h = self.act(gate) * up
         return self._down(project, h, ids)

@@ -45,8 +45,10 @@ class MoE(nn.Module):
             self.latent_out = ColumnLinear(self.width, cfg.hidden_size, ((0, cfg.hidden_size),), cfg.mlp_down_bias)
         else:
             self.latent_in = self.latent_out = None
-        self.experts = Experts(moe, self.width, cfg.hidden_act, ctx)
-        self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        limits, shared_limits = cfg.layer_glu_limits, cfg.layer_shared_glu_limits  # Step 3.5's clamped layers
+        self.experts = Experts(moe, self.width, cfg.hidden_act, ctx, limits[layer] if limits else 0.0)
+        self.shared = (MLP(cfg, ctx, moe.shared_intermediate_size, limit=shared_limits[layer] if shared_limits else 0.0)
+                       if moe.shared_intermediate_size else None)
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
         self.weight_input = moe.weight_input
