@@ -163,3 +163,26 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
         for p, n, tokens in zip(prompts, lengths, got):
             assert tokens == generate(single.model, [p], Sampling(max_new_tokens=n))[0], micro_batches
         assert steps < sum(lengths)  # the requests shared steps
+
+
+def test_an_adapter_on_every_layer_attaches_across_stages(pp2, qwen3):
+    from ster_dist.adapters.attach import AdaptersOnRank, attach
+
+    checkpoint, _ = qwen3
+    single = load_model(checkpoint, "f32")
+    pp2.call("load", checkpoint, "f32", "cpu")
+    g = torch.Generator().manual_seed(7)
+    params = dict(single.model.named_parameters())
+    sites = []
+    for layer in range(single.cfg.num_layers):
+        out_features, in_features = params[f"layers.{layer}.attn.q.weight"].shape
+        sites.append({"param": f"layers.{layer}.attn.q.weight", "a": torch.randn(4, in_features, generator=g) * 0.3,
+                      "b": torch.randn(out_features, 4, generator=g) * 0.3, "scale": 1.0})
+    pp2.on(AdaptersOnRank).attach({"token": "a", "sites": sites})
+    detach = attach(single.model, sites)
+    ids = _ids(3)
+    adapted = pp2.call("logits", ids)[pp2.lead]
+    with torch.no_grad():
+        assert compare(adapted, single.model(ids))["max_relative_error"] < 1e-5
+    detach()
+    pp2.on(AdaptersOnRank).detach("a")

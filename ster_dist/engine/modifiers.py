@@ -90,6 +90,8 @@ class RowAdapters:
         modules = dict(self.model.named_modules())
         attached = []
         for site in sites:
+            if self.model.elsewhere(site["param"]):  # another pipeline stage's projection
+                continue
             module = modules.get(site["param"].rsplit(".", 1)[0])
             if module is None or not hasattr(module, "adapters"):
                 raise Refusal(f"this model has no projection {site['param']} to attach adapter {name} to")
