@@ -163,6 +163,15 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
         for p, n, tokens in zip(prompts, lengths, got):
             assert tokens == generate(single.model, [p], Sampling(max_new_tokens=n))[0], micro_batches
         assert steps < sum(lengths)  # the requests shared steps
+    # what decide reads: the raw logits of chosen ids, from the last stage
+    ids = (5, 0, 250)
+    with TokenEngine(pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,),
+                     EngineConfig(kv_cache_memory=4 << 20, block_size=4, micro_batches=2)) as engine:
+        scored = engine.submit(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True, logits_of=ids)).result()
+    with torch.no_grad():
+        logits = single.model(torch.tensor([prompts[0] + scored.token_ids]))[0].double()
+    for step, scores in enumerate(scored.scores):
+        assert scores == pytest.approx(logits[len(prompts[0]) - 1 + step, list(ids)].tolist(), abs=1e-4)
 
 
 def test_an_adapter_on_every_layer_attaches_across_stages(pp2, qwen3):
