@@ -169,10 +169,16 @@ def stage_layers(cfg: ModelConfig, pp_rank: int, pp_size: int) -> tuple[int, int
     last the norm and head (the embedding again when tied: the last stage holds it as its head)."""
     if pp_size == 1:
         return 0, cfg.num_layers
-    with torch.device("meta"):
-        sizes = [sum(p.numel() for p in Block(cfg, i, SINGLE).parameters()) for i in range(cfg.num_layers)]
+    held, sizes = _LAYER_SIZES
+    if held is not cfg:  # every rank of a plan asks for the same config: measured once
+        with torch.device("meta"):
+            sizes = [sum(p.numel() for p in Block(cfg, i, SINGLE).parameters()) for i in range(cfg.num_layers)]
+        _LAYER_SIZES[:] = [cfg, sizes]
     embed = cfg.vocab_size * cfg.hidden_size
     return stage_bounds(sizes, embed, embed + 2 * cfg.hidden_size, pp_size)[pp_rank]
+
+
+_LAYER_SIZES: list = [None, []]  # (the config last measured, its layers' parameter counts)
 
 
 class Elsewhere(nn.Module):
