@@ -70,6 +70,7 @@ class ModelConfig:
     # empty: num_heads / num_kv_heads in every layer
     layer_heads: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()  # each layer's dense feed-forward width where layers differ (DeciLM)
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     # norms
@@ -125,6 +126,7 @@ class ModelConfig:
     alibi: bool = False
     alibi_before_scale: bool = False      # added before the scores are scaled (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16 (Falcon)
+    alibi_sqrt: bool = False              # the bias is -slope x sqrt(query position - key position) (Step1)
     embed_norm: bool = False              # a norm after the token embedding (BLOOM)
     embed_norm_affine: bool = True        # False: that norm has no scale (Muse Glimmer)
     final_norm_offset: float | None = None  # the final norm's offset from one where it differs (None: norm_offset)
@@ -438,6 +440,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
+        alibi_sqrt=alibi and positions.alibi_sqrt,
         embed_norm=norms.embed, embed_norm_affine=norms.embed_affine, final_norm_offset=norms.final_offset,
         post_norm_eps=keys.get("post_norm_eps"),
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias,
@@ -459,6 +462,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
+        layer_intermediate=_layer_counts(keys, "layer_intermediate_size", num_layers),
         value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
         weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
@@ -542,13 +546,14 @@ def _softplus_gate(keys: Keys) -> str:
 
 
 def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:
-    """A per-layer head count a family's normalisation states; empty when unstated."""
+    """A per-layer count (heads, feed-forward width) a family's normalisation states; empty when unstated."""
     stated = keys.get(key)
     if stated is None:
         return ()
     if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
             isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stated):
-        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive head count for each of the "
+        what = "width" if "intermediate" in key else "head count"
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive {what} for each of the "
                       f"{num_layers} layers")
     return tuple(stated)
 

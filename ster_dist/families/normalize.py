@@ -61,6 +61,8 @@ GENERIC_KEYS: dict[str, str] = {
     "layer_heads": "per layer, its query head count, where layers differ (Laguna); default num_attention_heads",
     "layer_kv_heads": "per layer, its key-value head count, where layers differ (MiMo-V2-Flash); default "
                       "num_key_value_heads",
+    "layer_intermediate_size": "per layer, its dense feed-forward's width, where layers differ (DeciLM); default "
+                               "intermediate_size",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
     "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "

@@ -45,6 +45,7 @@ from ster_dist.families.phi import PHI_FAMILIES
 from ster_dist.families.plamo import PLAMO_FAMILIES
 from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.qwen3_next import QWEN3_NEXT_FAMILIES
+from ster_dist.families.remote_variants import REMOTE_VARIANTS_FAMILIES
 from ster_dist.families.spec import FamilySpec
 from ster_dist.families.zamba2 import ZAMBA2_FAMILIES
 
@@ -55,7 +56,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES)
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + REMOTE_VARIANTS_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -2,7 +2,8 @@
 own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), optional query/key norms
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
-learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
+learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon; Step1's by the square root of the
+distance), an output gate (Qwen3-Next's
 sigmoid, Laguna's softplus), and the row-parallel output projection.
 """
 
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         # ALiBi: this rank's heads' slopes (their global indices), kept as numbers so meta construction has none
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
+        self.alibi_sqrt = cfg.alibi_sqrt
 
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
@@ -123,6 +125,8 @@ class Attention(nn.Module):
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
+        if self.alibi_sqrt:  # its bias depends on each query's own position: hand them with the queries
+            q = (q, pos.positions.reshape(-1, 1, t, 1).expand(b, 1, t, 1))
         out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.softplus_gate == "head":
@@ -135,8 +139,19 @@ class Attention(nn.Module):
         return self.o(out)
 
     def _attend_at(self, q, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
+        if self.alibi_sqrt:
+            q, query_pos = q
+            return self._attend(q, k, v, mask, self._alibi_sqrt(query_pos, key_pos))
         bias = self._alibi(key_pos) if self.alibi is not None else None
         return self._attend(q, k, v, mask, bias)
+
+    def _alibi_sqrt(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[batch, local heads, queries, keys]: -slope x sqrt(query position - key position) (Step1), from
+        absolute positions, so a cached step adds what the whole read does. Keys after the query are masked;
+        their distance is clamped only to keep the root finite."""
+        slopes = torch.tensor(self.alibi, dtype=torch.float32, device=key_pos.device).view(1, -1, 1, 1)
+        distance = (query_pos - key_pos[:, None, None, :]).clamp(min=0).float()
+        return -slopes * torch.sqrt(distance)
 
     def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         # Llama 4's temperature from absolute positions, so a cached decode step scales as the whole read does

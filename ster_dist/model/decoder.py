@@ -59,6 +59,8 @@ class Block(nn.Module):
             setattr(self, site, part)
         self.post_attn_norm = norm(post_offsets[0], post_eps) if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
+        if mixer is None and self.mlp is None:  # neither half (DeciLM's no_op layers): the residual passes as is
+            self.attn_norm = None
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
@@ -85,6 +87,8 @@ class Block(nn.Module):
         if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
             residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
+        if self.token_mixer is None and self.mlp is None:
+            return x
         if self.token_mixer is None:  # the feed-forward alone, behind the block's first norm
             m = self.mlp(a_in)
             return residual + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
