@@ -75,6 +75,7 @@ class ModelConfig:
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
+    norm_groups: int = 1                  # the hidden-width RMS norms normalise this many equal groups apart (K2-Horizon)
     norm_bias: bool = False
     norm_eps: float = 1e-6
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
@@ -107,6 +108,9 @@ class ModelConfig:
     # Laguna's g_proj: each head's output times the softplus of its own logit ("head") or of one per channel
     # ("element"), before o_proj; "none": no such gate
     softplus_gate: str = "none"
+    # K2-Horizon's gate_proj: each output channel times silu or log2(1 + 2^g) of its own logit ("silu" |
+    # "softplus_ln2"); "none": no such gate
+    output_gate: str = "none"
     # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor((position + offset) /
     # length)), in the layers layer_query_temperature marks (empty: every layer)
     query_temperature_beta: float = 0.0
@@ -174,6 +178,9 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()     # which layers route over experts (the rest keep the dense MLP)
     # a layer's own experts where the config states them per layer (Nemotron Puzzle); None: `moe`
     layer_moe: tuple[MoEConfig | None, ...] = ()
+    # K2-Horizon's MoVA: on the layers with experts, each value is the weighted sum of value experts' SiLU outputs,
+    # routed like this (num_experts, top_k, scores, choice); None: a value projection everywhere
+    value_experts: MoEConfig | None = None
     mla: MLAConfig | None = None
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     layer_sinks: tuple[bool, ...] = ()    # which layers have sinks (MiMo-V2-Flash: sliding ones); empty: attn_sinks
@@ -356,6 +363,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     layer_moe = tuple(moe_config(Keys({**raw, **own}, f"{path} layer {i}"), spec, intermediate, num_layers)[0]
                       if own and moe is not None and moe_layers[i] else None
                       for i, own in enumerate(overrides))
+    # value_expert_keys (a family's normalisation writes it): the config keys K2-Horizon's value experts state
+    # over the model's experts' (their count and how many each token takes)
+    value_keys = raw.get("value_expert_keys")
+    value_experts = (moe_config(Keys({**raw, **value_keys}, f"{path} value experts"), spec, intermediate,
+                                num_layers)[0] if value_keys and moe is not None else None)
     # where intermediate_size is the experts' width, the dense layers may state their own
     intermediate = int(keys.get("dense_intermediate_size", default=intermediate))
     norm_kind = keys.get("norm_kind", default=norms.kind)
@@ -421,7 +433,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
-        norm_kind=norm_kind, norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
+        norm_kind=norm_kind, norm_groups=_norm_groups(keys, hidden), norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
         post_norm_offsets=norms.post_offsets,
         norm_affine=norms.affine,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
@@ -436,6 +448,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_query_temperature=_layer_switches(keys, "query_temperature_layers", num_layers),
         qk_norm_affine=qk.affine, layer_qk_norm=_layer_switches(keys, "qk_norm_layers", num_layers),
         attn_output_gate=bool(keys.get("attn_output_gate", default=False)), softplus_gate=_softplus_gate(keys),
+        output_gate=_output_gate(keys),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
@@ -459,7 +472,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
-        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
+        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, value_experts=value_experts, mla=mla,
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
         layer_intermediate=_layer_counts(keys, "layer_intermediate_size", num_layers),
@@ -543,6 +556,22 @@ def _softplus_gate(keys: Keys) -> str:
         raise Refusal(f"invalid model config {keys.path}: softplus_output_gate {gate!r} is not one of none, head, "
                       "element")
     return gate
+
+
+def _output_gate(keys: Keys) -> str:
+    gate = keys.get("output_gate_func", default="none")
+    if gate not in ("none", "silu", "softplus_ln2"):
+        raise Refusal(f"invalid model config {keys.path}: output_gate_func {gate!r} is not one of none, silu, "
+                      "softplus_ln2")
+    return gate
+
+
+def _norm_groups(keys: Keys, hidden: int) -> int:
+    groups = keys.get("norm_groups", default=1)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or hidden % groups:
+        raise Refusal(f"invalid model config {keys.path}: norm_groups {groups!r} does not split hidden_size "
+                      f"{hidden} into equal groups; state a divisor of it")
+    return groups
 
 
 def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:

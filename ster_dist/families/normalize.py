@@ -63,6 +63,13 @@ GENERIC_KEYS: dict[str, str] = {
                       "num_key_value_heads",
     "layer_intermediate_size": "per layer, its dense feed-forward's width, where layers differ (DeciLM); default "
                                "intermediate_size",
+    "norm_groups": "the hidden-width RMS norms normalise this many equal groups of the width apart before the "
+                   "stored scale (K2-Horizon's layernorm_num_groups); default 1",
+    "output_gate_func": "\"silu\" or \"softplus_ln2\": attention's output, channel by channel, times that "
+                        "function (log2(1 + 2^g) for the latter) of self_attn.gate_proj's logit before the output "
+                        "projection (K2-Horizon); default \"none\"",
+    "value_expert_keys": "the keys (num_experts, num_experts_per_tok) K2-Horizon's value experts state over the "
+                         "experts': on the layers with experts each value is their routed sum (MoVA); default none",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
     "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "

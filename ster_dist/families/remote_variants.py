@@ -10,6 +10,14 @@ is a position bias or per-layer data, as data.
   per-layer keys layer_kv_heads and layer_intermediate_size. An entry whose attention or ffn is no_op has no such
   half (no norm, no weights: the layer-kind "none"), and the residual passes through it; its feed-forward's
   norm, post_attention_layernorm, is then the block's only norm.
+- k2_horizon (K2-Horizon): Llama's block whose hidden-width RMS norms normalise layernorm_num_groups equal groups
+  apart (norm_groups), every attention projection biased under attention_bias, and under attention_gate_func
+  attention's output times silu or log2(1 + 2^g) of self_attn.gate_proj (output_gate_func). The layers neither in
+  mlp_only_layers nor off decoder_sparse_step route over num_experts experts by router_score_func scores, which
+  mlp.gate.bias moves only to choose under moe_gate_bias (noaux_tc over one group), renormalised under
+  norm_topk_prob and scaled by router_scaling_factor, beside num_shared_experts shared ones. Under
+  mova_num_experts those layers' values come from value experts (value_expert_keys: model/value_experts.py),
+  routed by self_attn.v_router the same way; they have no v_proj, so no value adapter has a place there.
 
 ster_dist never runs their remote code: each is checked against the reference written in
 tests/test_remote_variants.py from seeds/000's description.
@@ -19,8 +27,9 @@ from __future__ import annotations
 
 from ster_dist.errors import Refusal
 from ster_dist.families.layouts import llama_rules
+from ster_dist.families.moe_layouts import ROUTER_CORRECTION, expert_rules, shared_rules
 from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
-from ster_dist.families.spec import FamilySpec, PositionSpec, Rule
+from ster_dist.families.spec import FamilySpec, MoESpec, PositionSpec, Rule
 
 _REFERENCE = "tests/test_remote_variants.py"
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
@@ -112,6 +121,65 @@ def _nemotron_nas_layers(raw: dict, num_layers: int) -> tuple[tuple[str, ...], t
             tuple("none" if ffn.get("no_op") else "dense" for _, ffn in blocks))
 
 
+# what mlx-lm's K2-Horizon model arguments assume where a config is silent (the published configs state each)
+_K2_DEFAULTS = {
+    "num_experts": 100, "decoder_sparse_step": 1, "mova_num_experts": 64, "mova_num_experts_per_tok": 4,
+    "num_experts_per_tok": 8, "head_dim": 128, "attention_bias": False, "attention_gate_func": None,
+    "query_key_norm": False, "rms_norm_eps": 1e-6, "moe_gate_bias": True, "router_score_func": "sigmoid",
+    "norm_topk_prob": True, "num_shared_experts": 1, "moe_intermediate_size": 768, "intermediate_size": 6144,
+    "layernorm_num_groups": 2,
+}
+_K2_GATES = {None: "none", "silu": "silu", "softplus": "softplus_ln2"}
+
+
+def _k2_horizon(raw: dict) -> dict:
+    """K2-Horizon's keys as the generic ones; its router as noaux_tc over one group when the gate's bias chooses."""
+    raw = with_defaults(raw, _K2_DEFAULTS)
+    if raw.get("query_key_norm"):
+        raise ConfigProblem("query_key_norm is set: K2-Horizon's grouped query/key norms are not supported; use a "
+                            "config with it false")
+    rope, head = raw.get("rope_head_dim"), raw.get("head_dim")
+    if rope is not None and rope != head:
+        raise ConfigProblem(f"rope_head_dim {rope} is narrower than head_dim {head}: a partial rotation of "
+                            "K2-Horizon's layout is not supported; use a config rotating the whole head")
+    gate = raw.get("attention_gate_func")
+    if gate not in _K2_GATES:
+        raise ConfigProblem(f"attention_gate_func {gate!r} is not supported; supported: silu, softplus, null")
+    chooses = bool(raw.get("moe_gate_bias"))
+    scaling = raw.get("router_scaling_factor")
+    out = {**raw, "norm_groups": raw["layernorm_num_groups"], "output_gate_func": _K2_GATES[gate],
+           "mlp_bias": False, "scoring_func": raw["router_score_func"],
+           "topk_method": "noaux_tc" if chooses else "greedy", "n_group": 1, "topk_group": 1,
+           "routed_scaling_factor": 1.0 if scaling is None else scaling,
+           "n_shared_experts": raw["num_shared_experts"]}
+    if raw.get("mova_num_experts"):
+        out["value_expert_keys"] = {"num_experts": raw["mova_num_experts"],
+                                    "num_experts_per_tok": raw["mova_num_experts_per_tok"]}
+    return out
+
+
+def _k2_horizon_layers(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Experts on the layers neither in mlp_only_layers nor off decoder_sparse_step, where num_experts > 0."""
+    only, step = set(raw.get("mlp_only_layers") or ()), raw.get("decoder_sparse_step") or 1
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise Refusal(f"invalid model config: decoder_sparse_step is {step!r}; state a positive integer")
+    routes = bool(raw.get("num_experts"))
+    return (("attention",) * num_layers,
+            tuple("moe" if routes and i not in only and (i + 1) % step == 0 else "dense" for i in range(num_layers)))
+
+
+def _k2_rules() -> tuple[Rule, ...]:
+    mlp, attn, values = "model.layers.{i}.mlp", "model.layers.{i}.self_attn", "layers.{i}.attn.value_experts."
+    return (_LLAMA + expert_rules(mlp) + shared_rules(f"{mlp}.shared_experts")
+            + (Rule(f"{attn}.gate_proj.weight", "layers.{i}.attn.gate.weight"),
+               Rule(f"{mlp}.gate.weight", "layers.{i}.mlp.router.weight"),
+               # the gate's bias moves the scores only to choose: a selection bias, not a logit bias
+               Rule(f"{mlp}.gate.bias", ROUTER_CORRECTION),
+               Rule(f"{attn}.v_router.weight", f"{values}router"),
+               Rule(f"{attn}.v_router.bias", f"{values}correction"),
+               Rule(f"{attn}.v_experts.{{e}}.weight", f"{values}experts")))
+
+
 REMOTE_VARIANTS_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("step1", _LLAMA, positions=PositionSpec(kind="alibi", alibi_sqrt=True), normalize=_step1,
                parity_reference=_REFERENCE),
@@ -119,4 +187,6 @@ REMOTE_VARIANTS_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("nemotron-nas", _LLAMA + (Rule("model.layers.{i}.post_attention_layernorm.weight",
                                               "layers.{i}.attn_norm.weight"),),
                normalize=_nemotron_nas, layer_kinds=_nemotron_nas_layers, parity_reference=_REFERENCE),
+    FamilySpec("k2_horizon", _k2_rules(), normalize=_k2_horizon, layer_kinds=_k2_horizon_layers,
+               moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference=_REFERENCE),
 )

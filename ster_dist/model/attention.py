@@ -4,7 +4,8 @@ own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), o
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
 learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon; Step1's by the square root of the
 distance), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus), and the row-parallel output projection.
+sigmoid, Laguna's softplus, K2-Horizon's silu or base-2 softplus), value experts in place of the value projection
+(K2-Horizon's MoVA, model/value_experts.py), and the row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.model.step import StepState
+from ster_dist.model.value_experts import ValueExperts
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear, ShardedModule
 
@@ -59,13 +61,16 @@ class Attention(nn.Module):
         self.kv_shape = ((self.local_kv, d), (self.local_kv, dv))
         self.q = ColumnLinear(width, heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
         self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
-        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+        # K2-Horizon's MoVA: on the layers with experts, value experts stand where the value projection would
+        mova = cfg.value_experts is not None and cfg.feed_forward(layer) == "moe"
+        self.v = None if mova else ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+        self.value_experts = ValueExperts(cfg.value_experts, width, kv_heads * dv, (k0 * dv, k1 * dv)) if mova else None
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
         # softplus of one logit per head (or per channel)
-        self.softplus_gate = cfg.softplus_gate
-        if cfg.attn_output_gate or cfg.softplus_gate == "element":
+        self.softplus_gate, self.output_gate = cfg.softplus_gate, cfg.output_gate
+        if cfg.attn_output_gate or cfg.softplus_gate == "element" or cfg.output_gate != "none":
             self.gate = ColumnLinear(hidden, heads * dv, ((h0 * dv, h1 * dv),), cfg.qkv_bias and cfg.attn_output_gate)
         elif cfg.softplus_gate == "head":
             self.gate = ColumnLinear(hidden, heads, ((h0, h1),), False)
@@ -105,6 +110,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, gate = self.qkv(x)
+        if self.value_experts is not None:
+            v = self.value_experts(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -134,6 +141,10 @@ class Attention(nn.Module):
             out = (out.unflatten(-1, (self.local_heads, self.value_dim)) * gate.unsqueeze(-1)).flatten(-2)
         elif self.softplus_gate == "element":
             out = out * F.softplus(gate.float()).to(out.dtype)
+        elif self.output_gate == "silu":
+            out = out * F.silu(gate)
+        elif self.output_gate == "softplus_ln2":  # log2(1 + 2^g): a softplus of slope ln 2
+            out = out * F.softplus(gate.float(), beta=math.log(2)).to(out.dtype)
         elif gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)

@@ -36,7 +36,8 @@ class Block(nn.Module):
         super().__init__()
 
         def norm(offset: float = cfg.norm_offset, eps: float = cfg.norm_eps):
-            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine)
+            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine,
+                        groups=cfg.norm_groups)
 
         post_offsets = cfg.post_norm_offsets or (cfg.norm_offset, cfg.norm_offset)
         post_eps = cfg.norm_eps if cfg.post_norm_eps is None else cfg.post_norm_eps
@@ -148,7 +149,7 @@ class Decoder(nn.Module):
                           if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
-                               affine=cfg.norm_affine)
+                               affine=cfg.norm_affine, groups=cfg.norm_groups)
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None)
         self.tables = RotaryTables(cfg.max_position)
