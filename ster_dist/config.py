@@ -75,7 +75,7 @@ class ModelConfig:
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
-    norm_groups: int = 1                  # the hidden-width RMS norms normalise this many equal groups apart (K2-Horizon)
+    norm_groups: int = 1                  # hidden-width RMS norms over this many equal groups apart (K2-Horizon)
     norm_bias: bool = False
     norm_eps: float = 1e-6
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
@@ -433,7 +433,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
-        norm_kind=norm_kind, norm_groups=_norm_groups(keys, hidden), norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
+        norm_kind=norm_kind, norm_groups=_norm_groups(keys, hidden), norm_bias=norms.bias, norm_eps=eps,
+        norm_offset=norms.offset,
         post_norm_offsets=norms.post_offsets,
         norm_affine=norms.affine,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
@@ -472,7 +473,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         lm_head_bias=bool(keys.get("lm_head_bias", default=False)),
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
-        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, value_experts=value_experts, mla=mla,
+        torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
+        value_experts=value_experts,
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
         layer_intermediate=_layer_counts(keys, "layer_intermediate_size", num_layers),

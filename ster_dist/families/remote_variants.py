@@ -91,8 +91,8 @@ def _nemotron_nas(raw: dict) -> dict:
     if isinstance(heads, bool) or not isinstance(heads, int) or isinstance(hidden, bool) or not isinstance(
             hidden, int):
         return raw  # the shared reader refuses the sizes themselves
-    kv_heads, widths = [], []
-    for i, (attention, ffn) in enumerate(_deci_blocks(raw)):
+    blocks, kv_heads, widths = _deci_blocks(raw), [], []
+    for i, (attention, ffn) in enumerate(blocks):
         group = attention.get("n_heads_in_group")
         if attention.get("no_op"):
             group = heads  # no attention: a placeholder count the layer never builds
@@ -110,7 +110,7 @@ def _nemotron_nas(raw: dict) -> dict:
         widths.append(width)
     fallback = max((w for w in widths if w), default=4 * hidden)
     widths = [w or fallback for w in widths]  # no_op feed-forwards: a placeholder width never built
-    attending = [kv for kv, (attention, _) in zip(kv_heads, _deci_blocks(raw)) if not attention.get("no_op")]
+    attending = [kv for kv, (attention, _) in zip(kv_heads, blocks) if not attention.get("no_op")]
     return {**raw, "num_key_value_heads": attending[0] if attending else heads, "intermediate_size": fallback,
             "layer_kv_heads": kv_heads, "layer_intermediate_size": widths}
 

@@ -3,9 +3,9 @@ own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), o
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
 learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon; Step1's by the square root of the
-distance), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus, K2-Horizon's silu or base-2 softplus), value experts in place of the value projection
-(K2-Horizon's MoVA, model/value_experts.py), and the row-parallel output projection.
+distance), an output gate (Qwen3-Next's sigmoid, Laguna's softplus, K2-Horizon's silu or base-2 softplus),
+value experts in place of the value projection (K2-Horizon's MoVA, model/value_experts.py), and the
+row-parallel output projection.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Attention(nn.Module):
         # K2-Horizon's MoVA: on the layers with experts, value experts stand where the value projection would
         mova = cfg.value_experts is not None and cfg.feed_forward(layer) == "moe"
         self.v = None if mova else ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
-        self.value_experts = ValueExperts(cfg.value_experts, width, kv_heads * dv, (k0 * dv, k1 * dv)) if mova else None
+        self.value_experts = (ValueExperts(cfg.value_experts, width, kv_heads * dv, (k0 * dv, k1 * dv)) if mova
+                              else None)
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
