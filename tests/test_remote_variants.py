@@ -11,7 +11,8 @@ K2-Horizon: RMS norms over each of layernorm_num_groups groups apart, then the s
 projection biased; attention's output times silu or log2(1 + 2^g) of gate_proj; experts on the layers neither
 in mlp_only_layers nor off decoder_sparse_step, chosen by score + mlp.gate.bias (under moe_gate_bias), weighed
 by the scores, renormalised under norm_topk_prob, times router_scaling_factor, plus the shared experts; under
-mova_num_experts those layers' values are the weighted sum of SiLU(v_experts.{e}(x)) routed by v_router alike.
+mova_num_experts those layers' values are the weighted sum of SiLU(v_experts.{e}(x)) routed by v_router alike,
+renormalised whenever it chooses more than one (K2-Horizon's code; the seed says "the same way").
 """
 
 from __future__ import annotations
@@ -58,19 +59,19 @@ DECI_BLOCKS = [
 DECI = dict(model_type="nemotron-nas", architectures=["DeciLMForCausalLM"], hidden_size=32, num_attention_heads=4,
             num_hidden_layers=len(DECI_BLOCKS), max_position_embeddings=128, rope_theta=10000.0,
             block_configs=DECI_BLOCKS, **COMMON)
-# K2-Horizon: a dense layer, then layers with experts and value experts; and one without value experts,
-# routing by softmax with no selection bias and no renormalisation
+# K2-Horizon: a dense layer, then layers with experts (not renormalised) and value experts (renormalised, as
+# they choose two); and one without value experts, routing by softmax with no selection bias, renormalised
 K2 = dict(model_type="k2_horizon", architectures=["K2HorizonForCausalLM"], hidden_size=32, num_attention_heads=4,
           num_key_value_heads=2, head_dim=8, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
           num_experts=4, num_experts_per_tok=2, num_shared_experts=1, mlp_only_layers=[0], decoder_sparse_step=1,
           mova_num_experts=4, mova_num_experts_per_tok=2, layernorm_num_groups=2, attention_bias=True,
-          attention_gate_func="softplus", router_score_func="sigmoid", moe_gate_bias=True, norm_topk_prob=True,
+          attention_gate_func="softplus", router_score_func="sigmoid", moe_gate_bias=True, norm_topk_prob=False,
           router_scaling_factor=2.5, query_key_norm=False, rope_parameters={"rope_type": "default",
                                                                             "rope_theta": 10000.0},
           max_position_embeddings=128, **COMMON)
 K2_PLAIN = {**K2, "mova_num_experts": 0, "mova_num_experts_per_tok": 0, "layernorm_num_groups": 4,
             "attention_bias": False, "attention_gate_func": "silu", "router_score_func": "softmax",
-            "moe_gate_bias": False, "norm_topk_prob": False, "router_scaling_factor": None, "mlp_only_layers": [],
+            "moe_gate_bias": False, "norm_topk_prob": True, "router_scaling_factor": None, "mlp_only_layers": [],
             "decoder_sparse_step": 2, "num_shared_experts": 2}
 CONFIGS = {"step1": STEP1, "nemotron-nas": DECI, "k2_horizon": K2, "k2_horizon-plain": K2_PLAIN}
 FAMILIES = ("step1", "nemotron-nas", "k2_horizon")
@@ -191,14 +192,14 @@ def k2_forward(config: dict, state: dict, ids: torch.Tensor) -> torch.Tensor:
     def mlp(x, name):
         return linear(F.silu(linear(x, f"{name}.gate_proj")) * linear(x, f"{name}.up_proj"), f"{name}.down_proj")
 
-    def route(x, name, experts, top_k):
+    def route(x, name, top_k, renormalise):
         """(weights, ids) [b, t, top_k]: the bias moves the scores only to choose."""
         logits = F.linear(x, state[f"{name}.weight"])
         scores = logits.sigmoid() if config["router_score_func"] == "sigmoid" else logits.softmax(-1)
         choice = scores + state[f"{name}.bias"] if config["moe_gate_bias"] else scores
         chosen = choice.topk(top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
-        if config["norm_topk_prob"]:
+        if renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * (config["router_scaling_factor"] or 1.0), chosen
 
@@ -225,8 +226,8 @@ def k2_forward(config: dict, state: dict, ids: torch.Tensor) -> torch.Tensor:
         q = rotate(linear(x, f"{p}self_attn.q_proj").view(b, t, heads, hd).transpose(1, 2))
         k = rotate(linear(x, f"{p}self_attn.k_proj").view(b, t, kv, hd).transpose(1, 2))
         if sparse and config["mova_num_experts"]:
-            v = mixture(x, route(x, f"{p}self_attn.v_router", config["mova_num_experts"],
-                                 config["mova_num_experts_per_tok"]),
+            top_k = config["mova_num_experts_per_tok"]
+            v = mixture(x, route(x, f"{p}self_attn.v_router", top_k, top_k > 1),
                         lambda y, e: F.silu(F.linear(y, state[f"{p}self_attn.v_experts.{e}.weight"])))
         else:
             v = linear(x, f"{p}self_attn.v_proj")
@@ -242,7 +243,7 @@ def k2_forward(config: dict, state: dict, ids: torch.Tensor) -> torch.Tensor:
         h = h + linear(a, f"{p}self_attn.o_proj")
         x = norm(h, f"{p}post_attention_layernorm")
         if sparse:
-            m = mixture(x, route(x, f"{p}mlp.gate", config["num_experts"], config["num_experts_per_tok"]),
+            m = mixture(x, route(x, f"{p}mlp.gate", config["num_experts_per_tok"], config["norm_topk_prob"]),
                         lambda y, e: mlp(y, f"{p}mlp.experts.{e}"))
             if config["num_shared_experts"]:
                 m = m + mlp(x, f"{p}mlp.shared_experts")

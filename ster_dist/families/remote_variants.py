@@ -17,7 +17,9 @@ is a position bias or per-layer data, as data.
   mlp.gate.bias moves only to choose under moe_gate_bias (noaux_tc over one group), renormalised under
   norm_topk_prob and scaled by router_scaling_factor, beside num_shared_experts shared ones. Under
   mova_num_experts those layers' values come from value experts (value_expert_keys: model/value_experts.py),
-  routed by self_attn.v_router the same way; they have no v_proj, so no value adapter has a place there.
+  routed by self_attn.v_router the same way except that their weights are renormalised whenever
+  mova_num_experts_per_tok > 1 (as K2-Horizon's own code does); they have no v_proj, so no value adapter has a
+  place there.
 
 ster_dist never runs their remote code: each is checked against the reference written in
 tests/test_remote_variants.py from seeds/000's description.
@@ -153,8 +155,10 @@ def _k2_horizon(raw: dict) -> dict:
            "routed_scaling_factor": 1.0 if scaling is None else scaling,
            "n_shared_experts": raw["num_shared_experts"]}
     if raw.get("mova_num_experts"):
-        out["value_expert_keys"] = {"num_experts": raw["mova_num_experts"],
-                                    "num_experts_per_tok": raw["mova_num_experts_per_tok"]}
+        # the value router renormalises whenever it chooses more than one expert, whatever norm_topk_prob says
+        per_token = raw["mova_num_experts_per_tok"]
+        out["value_expert_keys"] = {"num_experts": raw["mova_num_experts"], "num_experts_per_tok": per_token,
+                                    "norm_topk_prob": isinstance(per_token, int) and per_token > 1}
     return out
 
 
