@@ -436,6 +436,7 @@ def test_adapters_on_decilm_are_refused(built):
     ({"query_key_norm": True}, "query_key_norm is set"),
     ({"rope_head_dim": 4}, "rope_head_dim 4 is narrower than head_dim 8"),
     ({"attention_gate_func": "sigmoid"}, "attention_gate_func 'sigmoid' is not supported"),
+    ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window is set"),
 ])
 def test_what_k2_horizon_cannot_state_is_refused_before_any_weight(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps({**K2, **change}))
@@ -453,3 +454,16 @@ def test_k2_horizon_value_expert_layers_hold_no_value_projection(built):
     sparse = [_k2_sparse(K2, i) for i in range(K2["num_hidden_layers"])]
     assert [f"layers.{i}.attn.v.weight" in shards for i in range(len(sparse))] == [not s for s in sparse]
     assert [f"layers.{i}.attn.value_experts.experts" in shards for i in range(len(sparse))] == sparse
+
+
+def test_a_k2_horizon_config_without_experts_is_dense_under_the_config_class_defaults():
+    """K2HorizonConfig's zero expert counts mean a dense model; unstated, the rotation is its YaRN at base 1e6."""
+    from ster_dist.config import from_hf
+
+    stated = {k: v for k, v in K2.items() if k not in ("rope_parameters", "head_dim", "layernorm_num_groups",
+                                                       "attention_gate_func", "mova_num_experts_per_tok")}
+    cfg = from_hf({**stated, "num_experts": 0, "num_experts_per_tok": 0, "mova_num_experts": 0})
+    assert cfg.moe is None and cfg.value_experts is None and set(cfg.feed_forwards) == {"dense"}
+    assert (cfg.head_dim, cfg.norm_groups, cfg.output_gate) == (64, 1, "none")
+    rope = cfg.layer_rope[0]
+    assert (rope.rope_type, rope.theta, rope.factor, rope.original_max_position) == ("yarn", 1e6, 16.0, 8192)

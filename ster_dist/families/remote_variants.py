@@ -19,7 +19,7 @@ is a position bias or per-layer data, as data.
   mova_num_experts those layers' values come from value experts (value_expert_keys: model/value_experts.py),
   routed by self_attn.v_router the same way except that their weights are renormalised whenever
   mova_num_experts_per_tok > 1 (as K2-Horizon's own code does); they have no v_proj, so no value adapter has a
-  place there.
+  place there. Unstated keys take K2HorizonConfig's defaults (num_experts 0: a dense model).
 
 ster_dist never runs their remote code: each is checked against the reference written in
 tests/test_remote_variants.py from seeds/000's description.
@@ -123,20 +123,28 @@ def _nemotron_nas_layers(raw: dict, num_layers: int) -> tuple[tuple[str, ...], t
             tuple("none" if ffn.get("no_op") else "dense" for _, ffn in blocks))
 
 
-# what mlx-lm's K2-Horizon model arguments assume where a config is silent (the published configs state each)
+# what K2HorizonConfig (IFM's configuration class) assumes where a config is silent
 _K2_DEFAULTS = {
-    "num_experts": 100, "decoder_sparse_step": 1, "mova_num_experts": 64, "mova_num_experts_per_tok": 4,
-    "num_experts_per_tok": 8, "head_dim": 128, "attention_bias": False, "attention_gate_func": None,
-    "query_key_norm": False, "rms_norm_eps": 1e-6, "moe_gate_bias": True, "router_score_func": "sigmoid",
-    "norm_topk_prob": True, "num_shared_experts": 1, "moe_intermediate_size": 768, "intermediate_size": 6144,
-    "layernorm_num_groups": 2,
+    "head_dim": 64, "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False,
+    "layernorm_num_groups": 1, "query_key_norm": False, "attention_gate_func": None, "num_experts": 0,
+    "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8, "norm_topk_prob": False,
+    "moe_gate_bias": False, "num_shared_experts": 0, "router_score_func": "softmax", "mova_num_experts": 0,
+    "mova_num_experts_per_tok": 0, "tie_word_embeddings": False,
 }
+# its rotation where a config states neither rope_parameters nor rope_scaling (the base is PositionSpec.theta)
+_K2_ROPE = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8192,
+            "attention_factor": 1.2772588722239782, "beta_fast": 128.0, "beta_slow": 4.0, "truncate": True}
 _K2_GATES = {None: "none", "silu": "silu", "softplus": "softplus_ln2"}
 
 
 def _k2_horizon(raw: dict) -> dict:
     """K2-Horizon's keys as the generic ones; its router as noaux_tc over one group when the gate's bias chooses."""
     raw = with_defaults(raw, _K2_DEFAULTS)
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        raw = {**raw, "rope_parameters": {**_K2_ROPE, "rope_theta": 1_000_000.0}}
+    if raw.get("use_sliding_window"):
+        raise ConfigProblem("use_sliding_window is set: K2-Horizon's sliding window is not supported; use a config "
+                            "with it false")
     if raw.get("query_key_norm"):
         raise ConfigProblem("query_key_norm is set: K2-Horizon's grouped query/key norms are not supported; use a "
                             "config with it false")
@@ -149,7 +157,9 @@ def _k2_horizon(raw: dict) -> dict:
         raise ConfigProblem(f"attention_gate_func {gate!r} is not supported; supported: silu, softplus, null")
     chooses = bool(raw.get("moe_gate_bias"))
     scaling = raw.get("router_scaling_factor")
-    out = {**raw, "norm_groups": raw["layernorm_num_groups"], "output_gate_func": _K2_GATES[gate],
+    # the class drops a stated window unless use_sliding_window
+    out = {**raw, "sliding_window": None, "norm_groups": raw["layernorm_num_groups"],
+           "output_gate_func": _K2_GATES[gate],
            "mlp_bias": False, "scoring_func": raw["router_score_func"],
            "topk_method": "noaux_tc" if chooses else "greedy", "n_group": 1, "topk_group": 1,
            "routed_scaling_factor": 1.0 if scaling is None else scaling,
@@ -191,6 +201,7 @@ REMOTE_VARIANTS_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("nemotron-nas", _LLAMA + (Rule("model.layers.{i}.post_attention_layernorm.weight",
                                               "layers.{i}.attn_norm.weight"),),
                normalize=_nemotron_nas, layer_kinds=_nemotron_nas_layers, parity_reference=_REFERENCE),
-    FamilySpec("k2_horizon", _k2_rules(), normalize=_k2_horizon, layer_kinds=_k2_horizon_layers,
+    FamilySpec("k2_horizon", _k2_rules(), positions=PositionSpec(theta=1_000_000.0), normalize=_k2_horizon,
+               layer_kinds=_k2_horizon_layers,
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference=_REFERENCE),
 )
