@@ -73,6 +73,7 @@ class ModelConfig:
     # empty: num_heads / num_kv_heads in every layer
     layer_heads: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()  # each layer's dense feed-forward width where layers differ (DeciLM)
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
     query_bottleneck: int | None = None   # the width queries narrow to before q (Step3's share_q_dim); None: none
     # per layer, the bound of min(act(gate), L) * clamp(up, +-L) in the routed experts and in the shared or dense
@@ -85,6 +86,7 @@ class ModelConfig:
     layer_kv_source: tuple[int | None, ...] = ()
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
+    norm_groups: int = 1                  # hidden-width RMS norms over this many equal groups apart (K2-Horizon)
     norm_bias: bool = False
     norm_eps: float = 1e-6
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
@@ -119,6 +121,9 @@ class ModelConfig:
     # ("element"), before o_proj; "none": no such gate
     softplus_gate: str = "none"
     sigmoid_head_gate: bool = False       # Step 3.5's g_proj: each head's output times the sigmoid of its own logit
+    # K2-Horizon's gate_proj: each output channel times silu or log2(1 + 2^g) of its own logit ("silu" |
+    # "softplus_ln2"); "none": no such gate
+    output_gate: str = "none"
     # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor((position + offset) /
     # length)), in the layers layer_query_temperature marks (empty: every layer)
     query_temperature_beta: float = 0.0
@@ -138,6 +143,7 @@ class ModelConfig:
     alibi: bool = False
     alibi_before_scale: bool = False      # added before the scores are scaled (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16 (Falcon)
+    alibi_sqrt: bool = False              # the bias is -slope x sqrt(query position - key position) (Step1)
     embed_norm: bool = False              # a norm after the token embedding (BLOOM)
     embed_norm_affine: bool = True        # False: that norm has no scale (Muse Glimmer)
     final_norm_offset: float | None = None  # the final norm's offset from one where it differs (None: norm_offset)
@@ -193,6 +199,9 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()     # which layers route over experts (the rest keep the dense MLP)
     # a layer's own experts where the config states them per layer (Nemotron Puzzle); None: `moe`
     layer_moe: tuple[MoEConfig | None, ...] = ()
+    # K2-Horizon's MoVA: on the layers with experts, each value is the weighted sum of value experts' SiLU outputs,
+    # routed like this (num_experts, top_k, scores, choice); None: a value projection everywhere
+    value_experts: MoEConfig | None = None
     mla: MLAConfig | None = None
     # a layer's own latent sizes where they differ from `mla` (Dots3-Note's sliding layers); None: `mla`
     layer_mla: tuple[MLAConfig | None, ...] = ()
@@ -406,6 +415,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     layer_moe = tuple(moe_config(Keys({**raw, **own}, f"{path} layer {i}"), spec, intermediate, num_layers)[0]
                       if own and moe is not None and moe_layers[i] else None
                       for i, own in enumerate(overrides))
+    # value_expert_keys (a family's normalisation writes it): the config keys K2-Horizon's value experts state
+    # over the model's experts' (their count and how many each token takes)
+    value_keys = raw.get("value_expert_keys")
+    value_experts = (moe_config(Keys({**raw, **value_keys}, f"{path} value experts"), spec, intermediate,
+                                num_layers)[0] if value_keys and moe is not None else None)
     # where intermediate_size is the experts' width, the dense layers may state their own
     intermediate = int(keys.get("dense_intermediate_size", default=intermediate))
     norm_kind = keys.get("norm_kind", default=norms.kind)
@@ -471,7 +485,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
-        norm_kind=norm_kind, norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
+        norm_kind=norm_kind, norm_groups=_norm_groups(keys, hidden), norm_bias=norms.bias, norm_eps=eps,
+        norm_offset=norms.offset,
         post_norm_offsets=norms.post_offsets,
         norm_affine=norms.affine, norm_scale_f32=norms.scale_f32,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
@@ -489,10 +504,12 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         sigmoid_head_gate=bool(keys.get("sigmoid_head_gate", default=False)),
         layer_glu_limits=_layer_limits(keys, "glu_limit_layers", num_layers),
         layer_shared_glu_limits=_layer_limits(keys, "shared_glu_limit_layers", num_layers),
+        output_gate=_output_gate(keys),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
+        alibi_sqrt=alibi and positions.alibi_sqrt,
         embed_norm=norms.embed, embed_norm_affine=norms.embed_affine, final_norm_offset=norms.final_offset,
         post_norm_eps=keys.get("post_norm_eps"),
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias,
@@ -515,6 +532,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_mla=_layer_mla(raw, mla, path),
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
+        value_experts=value_experts,
+        layer_intermediate=_layer_counts(keys, "layer_intermediate_size", num_layers),
         value_head_dim=keys.get("value_head_dim"), query_bottleneck=keys.get("query_bottleneck"),
         value_scale=float(keys.get("attention_value_scale", default=1.0)),
         value_norm=bool(keys.get("value_norm", default=False)),
@@ -647,14 +666,31 @@ def _layer_limits(keys: Keys, key: str, num_layers: int) -> tuple[float, ...]:
     return tuple(float(n) for n in stated)
 
 
+def _output_gate(keys: Keys) -> str:
+    gate = keys.get("output_gate_func", default="none")
+    if gate not in ("none", "silu", "softplus_ln2"):
+        raise Refusal(f"invalid model config {keys.path}: output_gate_func {gate!r} is not one of none, silu, "
+                      "softplus_ln2")
+    return gate
+
+
+def _norm_groups(keys: Keys, hidden: int) -> int:
+    groups = keys.get("norm_groups", default=1)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or hidden % groups:
+        raise Refusal(f"invalid model config {keys.path}: norm_groups {groups!r} does not split hidden_size "
+                      f"{hidden} into equal groups; state a divisor of it")
+    return groups
+
+
 def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:
-    """A per-layer head count a family's normalisation states; empty when unstated."""
+    """A per-layer count (heads, feed-forward width) a family's normalisation states; empty when unstated."""
     stated = keys.get(key)
     if stated is None:
         return ()
     if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
             isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stated):
-        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive head count for each of the "
+        what = "width" if "intermediate" in key else "head count"
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive {what} for each of the "
                       f"{num_layers} layers")
     return tuple(stated)
 

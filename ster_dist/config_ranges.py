@@ -49,10 +49,12 @@ INTS: dict[str, tuple[int, int]] = {
 }
 # mixture-of-experts sizes stated once or once per layer (HunYuan's lists)
 PER_LAYER: dict[str, tuple[int, int]] = {
-    **dict.fromkeys(("num_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
-    # 0: no experts (Granite 4.0's dense models state it); a family that routes refuses it (config_moe's top-k check)
-    "num_local_experts": (0, EXPERTS[1]),
-    **dict.fromkeys(("num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk"), EXPERTS),
+    **dict.fromkeys(("n_routed_experts", "moe_num_experts"), EXPERTS),
+    # 0: no experts (Granite 4.0's and K2-Horizon's dense models state it); a family that routes refuses it
+    # (config_moe's top-k check)
+    **dict.fromkeys(("num_local_experts", "num_experts"), (0, EXPERTS[1])),
+    "num_experts_per_tok": (0, EXPERTS[1]),
+    **dict.fromkeys(("moe_top_k", "moe_k", "moe_topk"), EXPERTS),
     "moe_intermediate_size": SIZE, "num_shared_expert": COUNT,
     # Gemma 3n states a width per layer (config.py refuses widths that differ)
     "intermediate_size": SIZE,

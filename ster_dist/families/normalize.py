@@ -65,6 +65,15 @@ GENERIC_KEYS: dict[str, str] = {
     "layer_heads": "per layer, its query head count, where layers differ (Laguna); default num_attention_heads",
     "layer_kv_heads": "per layer, its key-value head count, where layers differ (MiMo-V2-Flash); default "
                       "num_key_value_heads",
+    "layer_intermediate_size": "per layer, its dense feed-forward's width, where layers differ (DeciLM); default "
+                               "intermediate_size",
+    "norm_groups": "the hidden-width RMS norms normalise this many equal groups of the width apart before the "
+                   "stored scale (K2-Horizon's layernorm_num_groups); default 1",
+    "output_gate_func": "\"silu\" or \"softplus_ln2\": attention's output, channel by channel, times that "
+                        "function (log2(1 + 2^g) for the latter) of self_attn.gate_proj's logit before the output "
+                        "projection (K2-Horizon); default \"none\"",
+    "value_expert_keys": "the keys (num_experts, num_experts_per_tok) K2-Horizon's value experts state over the "
+                         "experts': on the layers with experts each value is their routed sum (MoVA); default none",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
     "query_bottleneck": "the width each query narrows to (and is RMS-normed at) before q widens it to every head, "
                         "on the layers of the bottleneck_attention kind (Step3's share_q_dim); default none",

@@ -50,6 +50,7 @@ from ster_dist.families.plamo import PLAMO_FAMILIES
 from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.qwen3_next import QWEN3_NEXT_FAMILIES
 from ster_dist.families.sparse_attention import SPARSE_ATTENTION_FAMILIES
+from ster_dist.families.remote_variants import REMOTE_VARIANTS_FAMILIES
 from ster_dist.families.spec import FamilySpec
 from ster_dist.families.step3 import STEP3_FAMILIES
 from ster_dist.families.zamba2 import ZAMBA2_FAMILIES
@@ -63,7 +64,8 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
         + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
         + HYPER_FAMILIES + LOOPED_FAMILIES
-        + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES)
+        + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
+        + REMOTE_VARIANTS_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

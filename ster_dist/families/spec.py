@@ -140,6 +140,7 @@ class PositionSpec:
     layers: str = "all"
     alibi_before_scale: bool = False      # the bias is added before the scores are scaled by 1/sqrt(head_dim) (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16, as Falcon builds them
+    alibi_sqrt: bool = False              # the bias is -slope x sqrt(distance), from each query's position (Step1)
 
 
 @dataclass(frozen=True)

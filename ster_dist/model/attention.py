@@ -2,8 +2,10 @@
 own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), optional query/key norms
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
-learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus, Step 3.5's sigmoid per head), and the row-parallel output projection.
+learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon; Step1's by the square root of the
+distance), an output gate (Qwen3-Next's sigmoid, Laguna's softplus, Step 3.5's sigmoid per head, K2-Horizon's
+silu or base-2 softplus), value experts in place of the value projection (K2-Horizon's MoVA,
+model/value_experts.py), and the row-parallel output projection.
 
 A layer may norm each value head without a scale (Gemma 3n's value_norm), and may read an earlier layer's
 keys and values rather than make its own (Gemma 3n's shared layers, `layer_kv_source`): such a layer has no
@@ -22,6 +24,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.model.step import StepState
+from ster_dist.model.value_experts import ValueExperts
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear, ShardedModule
 
@@ -67,16 +70,20 @@ class Attention(nn.Module):
         self.kv_shape = ((self.local_kv, d), (self.local_kv, dv)) if own else None
         self.q = ColumnLinear(width, heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
         self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias) if own else None
-        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias) if own else None
+        # K2-Horizon's MoVA: on the layers with experts, value experts stand where the value projection would
+        mova = cfg.value_experts is not None and cfg.feed_forward(layer) == "moe"
+        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias) if own and not mova else None
+        self.value_experts = (ValueExperts(cfg.value_experts, width, kv_heads * dv, (k0 * dv, k1 * dv)) if mova
+                              else None)
         # a scale-free RMS norm over each value head (Gemma 3n)
         self.v_norm = Norm(dv, eps=cfg.norm_eps, affine=False) if cfg.value_norm and own else None
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
         # softplus of one logit per head (or per channel)
-        self.softplus_gate = cfg.softplus_gate
+        self.softplus_gate, self.output_gate = cfg.softplus_gate, cfg.output_gate
         self.sigmoid_head_gate = cfg.sigmoid_head_gate  # Step 3.5: the sigmoid of one logit per head
-        if cfg.attn_output_gate or cfg.softplus_gate == "element":
+        if cfg.attn_output_gate or cfg.softplus_gate == "element" or cfg.output_gate != "none":
             self.gate = ColumnLinear(hidden, heads * dv, ((h0 * dv, h1 * dv),), cfg.qkv_bias and cfg.attn_output_gate)
         elif cfg.softplus_gate == "head" or cfg.sigmoid_head_gate:  # one logit per head
             self.gate = ColumnLinear(hidden, heads, ((h0, h1),), False)
@@ -111,6 +118,7 @@ class Attention(nn.Module):
         # ALiBi: this rank's heads' slopes (their global indices), kept as numbers so meta construction has none
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
+        self.alibi_sqrt = cfg.alibi_sqrt
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries, keys, values and the output gate's logits (None without one) from the layer's input."""
@@ -122,6 +130,9 @@ class Attention(nn.Module):
             out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
             return self._output(out, gate)
         q, k, v, gate = self._project(x, pos)
+        if self.alibi_sqrt:  # its bias depends on each query's own position: hand them with the queries
+            b, _, t, _ = q.shape
+            q = (q, pos.positions.reshape(-1, 1, t, 1).expand(b, 1, t, 1))
         out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk, keep=self.keeps_kv)
         return self._output(out, gate)
 
@@ -130,6 +141,8 @@ class Attention(nn.Module):
         normed, clipped and rotated as the config says."""
         b, t, _ = x.shape
         q, k, v, gate = self.project(x)
+        if self.value_experts is not None:
+            v = self.value_experts(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -181,13 +194,28 @@ class Attention(nn.Module):
             out = (heads * torch.sigmoid(gate).unsqueeze(-1)).flatten(-2)
         elif self.softplus_gate == "element":
             out = out * F.softplus(gate.float()).to(out.dtype)
+        elif self.output_gate == "silu":
+            out = out * F.silu(gate)
+        elif self.output_gate == "softplus_ln2":  # log2(1 + 2^g): a softplus of slope ln 2
+            out = out * F.softplus(gate.float(), beta=math.log(2)).to(out.dtype)
         elif gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)
 
     def _attend_at(self, q, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
+        if self.alibi_sqrt:
+            q, query_pos = q
+            return self._attend(q, k, v, mask, self._alibi_sqrt(query_pos, key_pos))
         bias = self._alibi(key_pos) if self.alibi is not None else None
         return self._attend(q, k, v, mask, bias)
+
+    def _alibi_sqrt(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[batch, local heads, queries, keys]: -slope x sqrt(query position - key position) (Step1), from
+        absolute positions, so a cached step adds what the whole read does. Keys after the query are masked;
+        their distance is clamped only to keep the root finite."""
+        slopes = torch.tensor(self.alibi, dtype=torch.float32, device=key_pos.device).view(1, -1, 1, 1)
+        distance = (query_pos - key_pos[:, None, None, :]).clamp(min=0).float()
+        return -slopes * torch.sqrt(distance)
 
     def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         # Llama 4's temperature from absolute positions, so a cached decode step scales as the whole read does

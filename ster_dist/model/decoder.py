@@ -46,7 +46,7 @@ class Block(nn.Module):
 
         def norm(offset: float = cfg.norm_offset, eps: float = cfg.norm_eps):
             return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine,
-                        scale_f32=cfg.norm_scale_f32)
+                        scale_f32=cfg.norm_scale_f32, groups=cfg.norm_groups)
 
         post_offsets = cfg.post_norm_offsets or (cfg.norm_offset, cfg.norm_offset)
         post_eps = cfg.norm_eps if cfg.post_norm_eps is None else cfg.post_norm_eps
@@ -72,6 +72,8 @@ class Block(nn.Module):
         # LongCat-Flash: experts over this feed-forward's input, joining the residual a layer later
         self.shortcut = shortcut_experts(cfg, layer, ctx)
         self.joins_shortcut = joins_shortcut(cfg, layer)
+        if mixer is None and self.mlp is None:  # neither half (DeciLM's no_op layers): the residual passes as is
+            self.attn_norm = None
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
@@ -113,6 +115,8 @@ class Block(nn.Module):
         if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
             residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
+        if self.token_mixer is None and self.mlp is None:
+            return x
         if self.token_mixer is None:  # the feed-forward alone, behind the block's first norm
             m = self.mlp(a_in)
             return residual + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
@@ -226,7 +230,8 @@ class Decoder(nn.Module):
             tie_parameters(self.layers[i], self.stacks[stack][j])
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
-                               affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32) if last or self.loop.ends else None
+                               affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32,
+                               groups=cfg.norm_groups) if last or self.loop.ends else None
         self.hc_head = HyperHead(cfg) if cfg.hyper_streams and last else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
                                  self.embed if cfg.tie_word_embeddings else None) if last else None

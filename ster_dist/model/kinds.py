@@ -98,7 +98,8 @@ MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier
                                           ("mamba2", "ssm_in_multiplier", "ssm_out_multiplier"))
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
-    "dense": lambda cfg, layer, ctx: MLP(cfg, ctx, sparsity=cfg.gate_sparsity(layer)),
+    "dense": lambda cfg, layer, ctx: MLP(cfg, ctx, cfg.layer_intermediate[layer] if cfg.layer_intermediate else None,
+                                         sparsity=cfg.gate_sparsity(layer)),
     "moe": lambda cfg, layer, ctx: MoE(cfg, ctx, layer),
     "none": lambda cfg, layer, ctx: None,  # a block of the mixer alone (Mamba)
 }
