@@ -1,9 +1,9 @@
 """MiniMax-M3's text decoder (families/minimax_m3.py, model/block_sparse.py) beyond the parity checks every family
 takes: past index_topk_blocks blocks the sparse layers follow their indexers' choice (Transformers' sparse
-reading is matched, its dense reading of the same weights is not); decodes continued from the paged cache and
-the token engine equal the whole read; the release's config and tensor names read as Transformers' do, also
-below a minimax_m3_vl wrapper; the refusals the seed states. The tiny checkpoint (tests/tiny/minimax_m3.py)
-keeps three blocks of four keys per query, two of them local."""
+reading is matched, its dense reading of the same weights is not); decodes continued from the paged cache (on one
+rank and, marked slow, on two) and the token engine equal the whole read; the release's config and tensor names
+read as Transformers' do, also below a minimax_m3_vl wrapper; the refusals the seed states. The tiny checkpoint
+(tests/tiny/minimax_m3.py) keeps three blocks of four keys per query, two of them local."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, run_step
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
 from tests.test_engine import open_engine
 from tests.tiny_models import TINY, make_tiny
 
@@ -95,6 +95,18 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     assert driver.length["A"] > DENSE_UP_TO and driver.length["C"] > DENSE_UP_TO
     # every layer keeps 2 key heads of 16 and 2 values of 16; a sparse one its index key (12) behind each value
     assert PagedCache.block_bytes(model, 1) == 4 * (3 * 2 * 16 * 2 + 2 * 2 * 12)
+
+
+@pytest.mark.slow  # TP=2 over the static cache is tests/test_tensor_parallel.py's; this adds the paged one
+def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
+    """Two ranks each hold one key-value head, its share of index_q and the whole index_k."""
+    directory, _, model = tiny
+    tokens = _tokens(4)
+    tp2.call("load", resolve(str(directory)), "f32", "cpu")
+    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
+    single = Driver(PagedCache(model, 40, BLOCK))
+    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
+        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
