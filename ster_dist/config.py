@@ -48,7 +48,7 @@ class MLAConfig:
 # values), keeping keys as well as its convolutions' windows
 # "bottleneck_attention": attention whose query passes a narrow normed projection first (Step3)
 ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention",
-                    "bottleneck_attention")
+                    "bottleneck_attention", "block_sparse_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -82,6 +82,7 @@ class ModelConfig:
     layer_shared_glu_limits: tuple[float, ...] = ()
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     value_norm: bool = False              # a scale-free RMS norm over each value head (Gemma 3n)
+    swiglu_oai: tuple[float, ...] = ()    # (limit, alpha): dense and shared feed-forwards are SwiGLU-OAI (MiniMax-M3)
     # per layer, the earlier layer whose keys and values it attends, None for its own (Gemma 3n); empty: its own
     layer_kv_source: tuple[int | None, ...] = ()
     # norms
@@ -537,6 +538,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         value_head_dim=keys.get("value_head_dim"), query_bottleneck=keys.get("query_bottleneck"),
         value_scale=float(keys.get("attention_value_scale", default=1.0)),
         value_norm=bool(keys.get("value_norm", default=False)),
+        swiglu_oai=tuple(float(x) for x in keys.get("swiglu_oai", default=())),
         layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
         altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
         weight_format=weight_format, wrapper=wrapper, raw=raw,

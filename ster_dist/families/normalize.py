@@ -97,6 +97,7 @@ GENERIC_KEYS: dict[str, str] = {
                         "false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
     "value_norm": "a scale-free RMS norm over each value head (Gemma 3n); default false",
+    "swiglu_oai": "[limit, alpha]: dense and shared feed-forwards are SwiGLU-OAI (MiniMax-M3); default none",
     "kv_source_layers": "per layer, null or the earlier layer whose keys and values it attends, making none of its "
                         "own (Gemma 3n's num_kv_shared_layers); default: every layer its own",
     "gate_sparsity_layers": "per layer, p in [0, 1): where above 0, the dense feed-forward's gate keeps only what "

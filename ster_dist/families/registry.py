@@ -37,6 +37,7 @@ from ster_dist.families.mamba import MAMBA_FAMILIES
 from ster_dist.families.mamba2 import MAMBA2_FAMILIES
 from ster_dist.families.mimo_v2 import MIMO_V2_FAMILIES
 from ster_dist.families.minimax import MINIMAX_FAMILIES
+from ster_dist.families.minimax_m3 import MINIMAX_M3_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.mixtral import MIXTRAL_FAMILIES
 from ster_dist.families.moe_remote import MOE_REMOTE_FAMILIES
@@ -65,7 +66,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
         + HYPER_FAMILIES + LOOPED_FAMILIES
         + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
-        + REMOTE_VARIANTS_FAMILIES)
+        + REMOTE_VARIANTS_FAMILIES + MINIMAX_M3_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

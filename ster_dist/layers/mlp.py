@@ -1,5 +1,5 @@
-"""The tensor-parallel feed-forward: gated (act(gate) * up) or plain (act(up)), column- then
-row-parallel. The decoder's dense layers and the experts' shared feed-forward both build it.
+"""The tensor-parallel feed-forward: gated (act(gate) * up, or MiniMax-M3's SwiGLU-OAI) or plain (act(up)),
+column- then row-parallel. The decoder's dense layers and the experts' shared feed-forward both build it.
 
 Gemma 3n's activation sparsity keeps, of the gate's output, only what lies above its mean plus Phi^-1(p)
 standard deviations (p the layer's sparsity), shifted down by that cutoff; mean and deviation are over the
@@ -24,6 +24,7 @@ class MLP(nn.Module):
         """limit: min(act(gate), limit) * clamp(up, +-limit) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
         self.limit = limit
+        self.oai = cfg.swiglu_oai  # (limit, alpha) of SwiGLU-OAI, or empty
         inner = intermediate or cfg.intermediate_size
         rows = (ctx.split(inner),)
         self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
@@ -48,6 +49,10 @@ class MLP(nn.Module):
             return self.act(up)
         if self.cutoff_deviations is not None:
             gate = self._sparse(gate)
+        if self.oai:  # (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+            limit, alpha = self.oai
+            gate = gate.clamp(max=limit)
+            return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
         if self.limit:
             return self.act(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
         return self.act(self._scaled(gate, self.gate_multiplier)) * up

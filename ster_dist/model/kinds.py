@@ -33,6 +33,7 @@ from torch import nn
 from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, ModelConfig
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
+from ster_dist.model.block_sparse import BlockSparseAttention
 from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.inkling import InklingAttention
 from ster_dist.model.kimi_delta import KimiDeltaAttention
@@ -92,6 +93,7 @@ MIXERS: dict[str, MixerKind] = {
     "inkling_attention": MixerKind(InklingAttention, "attn"),
     "loop_attention": MixerKind(LoopAttention, "attn"),
     "bottleneck_attention": MixerKind(BottleneckAttention, "attn"),  # Step3's query bottleneck
+    "block_sparse_attention": MixerKind(BlockSparseAttention, "attn"),  # MiniMax Sparse Attention
 }
 # Falcon-H1's layers, under its config's names for the multipliers
 MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),
