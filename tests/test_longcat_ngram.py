@@ -99,6 +99,20 @@ def test_logits_and_greedy_tokens_equal_the_reference(tiny):
     assert got == greedy_by_rereading(forward, prompt, 8, EOS)
 
 
+def test_the_token_embedding_may_be_named_inside_the_ngram_module(tiny, tmp_path):
+    directory, _, loaded = tiny
+    for file in directory.iterdir():
+        if file.is_file():
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["model.ngram_embeddings.word_embeddings.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    ids = random_ids(1, 9)
+    with torch.no_grad():
+        assert torch.equal(load_model(resolve(str(tmp_path)), "f32").model(ids), loaded.model(ids))
+
+
 def test_decoding_from_the_cache_equals_the_whole_read_and_batches_equal_one_by_one(tiny):
     loaded = tiny[2]
     check_cache_and_batches(loaded)

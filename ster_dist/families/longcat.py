@@ -20,7 +20,8 @@ with shortcut-connected experts between them.
   (model.ngram_embeddings.embedders.{index}) and hidden_size / (emb_split_num * (emb_neighbor_num - 1)) wide, as
   vLLM's and mlx-lm's implementations build it (the seed states no width); its post projection
   (model.ngram_embeddings.post_projs.{index}, [hidden, width]) has no bias. Runs restart after each of the
-  config's eos_token_id. No adapter is trained on it.
+  config's eos_token_id. The token embedding may also be stored as model.ngram_embeddings.word_embeddings. No
+  adapter is trained on it.
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def _rules() -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-_NGRAM_RULES = (Rule("model.ngram_embeddings.embedders.{s}.weight", "ngram.embedders.{s}.weight"),
+# the token embedding is model.embed_tokens or, where a release names it inside the n-gram module as vLLM's
+# FlashNgramModel registers it, model.ngram_embeddings.word_embeddings
+_NGRAM_RULES = (Rule("model.ngram_embeddings.word_embeddings.weight", "embed.weight"),
+                Rule("model.ngram_embeddings.embedders.{s}.weight", "ngram.embedders.{s}.weight"),
                 Rule("model.ngram_embeddings.post_projs.{s}.weight", "ngram.post_projs.{s}.weight"))
 
 
