@@ -20,6 +20,7 @@ from ster_dist.config_altup import AltUpConfig, altup_config
 from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
 from ster_dist.config_keys import Keys
 from ster_dist.config_moe import MoEConfig, moe_config
+from ster_dist.config_ngram import NgramConfig, ngram_config
 from ster_dist.config_quant import Quantization, quantization
 from ster_dist.config_ranges import FIX, check_sizes, check_stated
 from ster_dist.config_rope import RopeConfig, rotations, yarn_mscale
@@ -162,6 +163,7 @@ class ModelConfig:
     # Laurel's low-rank residual beside attention (0: none)
     altup: AltUpConfig | None = None
     laurel_rank: int = 0
+    ngram: NgramConfig | None = None      # hashed n-gram embeddings beside the token's (config_ngram.py)
     # embedding and head
     embed_scale: float = 1.0
     residual_multiplier: float = 1.0
@@ -541,6 +543,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         swiglu_oai=tuple(float(x) for x in keys.get("swiglu_oai", default=())),
         layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
         altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
+        ngram=ngram_config(keys, hidden),
         weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),

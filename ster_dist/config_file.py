@@ -59,6 +59,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
 # model_types that are another family's checkpoints under their own name: Kimi-K2 is DeepSeek-V3
 # (Transformers' Kimi_K25Config reads a kimi_k2 text_config as deepseek_v3 too)
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+# configs that may leave model_type out, read by the one class their architectures name (seeds/000)
+ARCHITECTURE_FAMILIES: dict[str, str] = {"LongcatFlashNgramForCausalLM": "longcat_flash_ngram"}
 # keys a wrapper's text_config takes from the outer config when it leaves them out (seeds/000, Gemma 3)
 _OUTER_KEYS = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
 
@@ -87,6 +89,9 @@ def architecture_message(model_type: object) -> str:
 def family_of(raw: dict) -> str:
     """The family a config belongs to, after unwrapping text wrappers and aliases; refuses the rest."""
     model_type = raw.get("model_type")
+    architectures = raw.get("architectures")
+    if model_type is None and isinstance(architectures, list) and len(architectures) == 1:
+        model_type = ARCHITECTURE_FAMILIES.get(architectures[0]) if isinstance(architectures[0], str) else None
     if not isinstance(model_type, str):  # a list or object is no family name (and is unhashable)
         raise Refusal(architecture_message(model_type))
     wrapper = TEXT_WRAPPERS.get(model_type)

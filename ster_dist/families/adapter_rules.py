@@ -17,7 +17,7 @@ REFUSED_FAMILIES = {
     "deepseek_v4": _HYPER, "glm5_next_text": _HYPER,
     "hrm_text": "one stored layer runs on several passes",
     "inkling_text": _NO_ADAPTER, "minimax": _NO_ADAPTER, "minimax_text_01": _NO_ADAPTER,
-    "longcat_flash": _NO_ADAPTER,
+    "longcat_flash": _NO_ADAPTER, "longcat_flash_ngram": _NO_ADAPTER,
 }
 
 ATTENTION = ("query", "key", "value", "output")

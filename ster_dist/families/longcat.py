@@ -13,6 +13,15 @@ with shortcut-connected experts between them.
   by sqrt(hidden_size / q_lora_rank) and sqrt(hidden_size / kv_lora_rank) (model/mla.py). The
   multi-token-prediction tensors (model.mtp.*) are never read. No adapter is trained on it
   (families/adapter_rules.py).
+- longcat_flash_ngram (LongCat-Flash-Lite): longcat_flash with hashed n-gram embeddings beside the token
+  embedding (model/ngram_embedding.py); a config naming only LongcatFlashNgramForCausalLM in architectures is
+  read as it (config_file.py). For orders 2 .. emb_neighbor_num and emb_split_num tables each, table index =
+  (order - 2) * emb_split_num + j is ngram_vocab_size_ratio * vocab_size + 2 * index + 1 rows tall
+  (model.ngram_embeddings.embedders.{index}) and hidden_size / (emb_split_num * (emb_neighbor_num - 1)) wide, as
+  vLLM's and mlx-lm's implementations build it (the seed states no width); its post projection
+  (model.ngram_embeddings.post_projs.{index}, [hidden, width]) has no bias. Runs restart after each of the
+  config's eos_token_id. The token embedding may also be stored as model.ngram_embeddings.word_embeddings. No
+  adapter is trained on it.
 """
 
 from __future__ import annotations
@@ -49,6 +58,27 @@ def _longcat_flash(raw: dict) -> dict:
             "mla_scale_q_lora": bool(raw["mla_scale_q_lora"]), "mla_scale_kv_lora": bool(raw["mla_scale_kv_lora"])}
 
 
+def _longcat_flash_ngram(raw: dict) -> dict:
+    out = _longcat_flash(raw)
+    stated = {key: raw.get(key) for key in ("emb_neighbor_num", "emb_split_num", "ngram_vocab_size_ratio")}
+    for key, value in stated.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigProblem(f"{key} is {value!r}: LongCat-Flash-Lite's n-gram embedding needs it stated, a "
+                                f"positive number")
+    neighbors, splits = stated["emb_neighbor_num"], stated["emb_split_num"]
+    if not isinstance(neighbors, int) or not isinstance(splits, int) or neighbors < 2:
+        raise ConfigProblem(f"emb_neighbor_num {neighbors!r} and emb_split_num {splits!r}: state integers, "
+                            f"emb_neighbor_num at least 2")
+    vocab = out.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ConfigProblem(f"vocab_size is {vocab!r}: the n-gram hash needs it stated, a positive integer")
+    base = stated["ngram_vocab_size_ratio"] * vocab
+    eos = raw.get("eos_token_id")
+    breaks = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    rows = [int(base + 2 * index + 1) for index in range(splits * (neighbors - 1))]
+    return {**out, "ngram_embedding": {"neighbors": neighbors, "rows": rows, "breaks": breaks}}
+
+
 def _rules() -> tuple[Rule, ...]:
     rules: list[Rule] = [Rule("model.embed_tokens.weight", "embed.weight"), *weight_and_bias("lm_head", "lm_head"),
                          *weight_and_bias("model.norm", "final_norm")]
@@ -67,9 +97,20 @@ def _rules() -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+# the token embedding is model.embed_tokens or, where a release names it inside the n-gram module as vLLM's
+# FlashNgramModel registers it, model.ngram_embeddings.word_embeddings
+_NGRAM_RULES = (Rule("model.ngram_embeddings.word_embeddings.weight", "embed.weight"),
+                Rule("model.ngram_embeddings.embedders.{s}.weight", "ngram.embedders.{s}.weight"),
+                Rule("model.ngram_embeddings.post_projs.{s}.weight", "ngram.post_projs.{s}.weight"))
+
+
 LONGCAT_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("longcat_flash", _rules(), attention=AttentionSpec(latent=True),
                positions=PositionSpec(interleaved=True, theta=10000000.0), normalize=_longcat_flash,
                moe=MoESpec(scaling="always", correction_bias=True), halved_layers=True,
                ignore=(r"model\.mtp\..*",), parity_reference="LongcatFlashForCausalLM"),
+    FamilySpec("longcat_flash_ngram", _rules() + _NGRAM_RULES, attention=AttentionSpec(latent=True),
+               positions=PositionSpec(interleaved=True, theta=10000000.0), normalize=_longcat_flash_ngram,
+               moe=MoESpec(scaling="always", correction_bias=True), halved_layers=True,
+               ignore=(r"model\.mtp\..*",), parity_reference="tests/test_longcat_ngram.py"),
 )

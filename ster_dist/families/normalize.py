@@ -103,6 +103,8 @@ GENERIC_KEYS: dict[str, str] = {
     "gate_sparsity_layers": "per layer, p in [0, 1): where above 0, the dense feed-forward's gate keeps only what "
                             "lies above its mean plus Phi^-1(p) deviations (Gemma 3n); default none",
     "laurel_rank": "the width of Laurel's low-rank residual beside attention (Gemma 3n); default 0, none",
+    "ngram_embedding": "{neighbors, rows, breaks}: hashed n-gram embedding tables averaged with the token's "
+                       "(config_ngram.py, LongCat-Flash-Lite); default none",
     "hyper_streams": "the residual as this many hyper-connected streams, read with hyper_mixing, hyper_eps, "
                      "hyper_post_scale, hyper_post_eps, hyper_sinkhorn_iters and hyper_head (model/hyper_connection"
                      ".py: HY V4, DeepSeek-V4); default 0, one residual",

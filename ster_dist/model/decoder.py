@@ -22,6 +22,7 @@ from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked,
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.laurel import Laurel
 from ster_dist.model.loop import loop_plan
+from ster_dist.model.ngram_embedding import NgramEmbedding
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
@@ -203,6 +204,8 @@ class Decoder(nn.Module):
         # the last stage holds the embedding too when the head is tied to it
         self.embed = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
                       if first or (last and cfg.tie_word_embeddings) else None)
+        # LongCat-Flash-Lite: hashed n-gram embeddings averaged with the token's (model/ngram_embedding.py)
+        self.ngram = NgramEmbedding(cfg, ctx) if cfg.ngram is not None and first else None
         # OPT's table holds position_offset rows before position zero
         self.pos_embed = (Replicated((cfg.max_position + cfg.position_offset, cfg.hidden_size))
                           if cfg.learned_positions and first else None)
@@ -256,7 +259,8 @@ class Decoder(nn.Module):
         top, _, rest = param.partition(".")
         if top == "layers":
             return isinstance(self.layers[int(rest.partition(".")[0])], Elsewhere)
-        return top in ("embed", "pos_embed", "embed_norm", "final_norm", "lm_head") and getattr(self, top) is None
+        firsts_and_lasts = ("embed", "ngram", "pos_embed", "embed_norm", "final_norm", "lm_head")
+        return top in firsts_and_lasts and getattr(self, top) is None
 
     # -- parameters as the loader sees them -----------------------------------
     def shards(self) -> dict[str, Shard]:
@@ -304,7 +308,8 @@ class Decoder(nn.Module):
         """The final norm's output [batch, seq, hidden] for right-padded ids: what the head reads, and what a
         reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None), ids)
+        step = StepState(positions, valid, self.tables, None)
+        h = self._layers(self._embed(ids, positions, step), step, ids)
         return self.final_norm(h).to(self.dtype)
 
     def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor | None:
@@ -320,7 +325,7 @@ class Decoder(nn.Module):
         output goes on to the next stage (None here) or, on the last, is returned for the head."""
         ctx = self.ctx
         if ctx.first_stage:
-            h = self._embed(ids, positions)
+            h = self._embed(ids, positions, step)
         else:  # the residual stream: f32 where the model keeps it so (residual_fp32)
             dtype = torch.float32 if self.cfg.residual_fp32 else self.dtype
             waited = time.perf_counter()
@@ -332,8 +337,10 @@ class Decoder(nn.Module):
         ctx.send_next(h)
         return None
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         h = self.embed(ids)
+        if self.ngram is not None:  # the step carries each sequence's last tokens across steps
+            h = self.ngram(ids, h, step)
         if self.cfg.embed_scale != 1.0:
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         if self.pos_embed is not None:

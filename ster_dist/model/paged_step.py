@@ -151,9 +151,10 @@ class PagedStep:
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for packed x [1, tokens, hidden]: scan(x, None, state) -> (y, state) per
         group of sequences with as many new tokens, each sequence's state read from and written back to its
-        slot (a sequence's first chunk starts from fresh state). No token is padding."""
+        slot (a sequence's first chunk starts from fresh state). No token is padding. y may be of another
+        width and dtype than x (the n-gram embedding's scan turns token digits into token ids)."""
         stored = self.cache.states[layer]
-        out = torch.empty_like(x)
+        out = None
         for tokens, slots, starts in self._scans:
             state = tuple(s[slots] for s in stored)
             if bool(starts.any()):
@@ -162,6 +163,8 @@ class PagedStep:
             y, state = scan(x[0][tokens], None, state)
             for store, s in zip(stored, state):
                 store[slots] = s.to(store.dtype)
+            if out is None:
+                out = y.new_empty((1, x.shape[1], *y.shape[2:]))
             out[0][tokens] = y
         return out
 
