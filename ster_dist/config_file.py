@@ -60,7 +60,8 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
 # (Transformers' Kimi_K25Config reads a kimi_k2 text_config as deepseek_v3 too)
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 # configs that may leave model_type out, read by the one class their architectures name (seeds/000)
-ARCHITECTURE_FAMILIES: dict[str, str] = {"LongcatFlashNgramForCausalLM": "longcat_flash_ngram"}
+ARCHITECTURE_FAMILIES: dict[str, str] = {"LongcatFlashNgramForCausalLM": "longcat_flash_ngram",
+                                         "MiniMaxM3SparseForCausalLM": "minimax_m3_vl_text"}
 # keys a wrapper's text_config takes from the outer config when it leaves them out (seeds/000, Gemma 3)
 _OUTER_KEYS = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
 from ster_dist.generate import Sampling, generate
@@ -22,11 +21,9 @@ from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
+from tests.engine_checks import check_engine_answers_as_generate
 from tests.paged_steps import BLOCK, Driver, run_step
 from tests.remote_checks import check_cache_and_batches, check_tp2_equals_tp1, greedy_by_rereading, random_ids
-from tests.test_engine import open_engine
 from tests.tiny_models import make_tiny
 
 NEIGHBORS, SPLITS, RATIO, EOS = 3, 2, 0.37, 2
@@ -152,14 +149,7 @@ def test_tp2_equals_tp1(tiny):
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory = tiny[0]
-    prompts = ["a prompt of a few words", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=8",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=12) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=8, ignore_eos=True))
-                   for p in prompts]
-        assert [s.result().text for s in streams] == want
+    check_engine_answers_as_generate(directory, ["a prompt of a few words", "short", "another, somewhat longer prompt"], 8, 12)
 
 
 def test_ster_families_lists_it_as_parity_checked_against_this_file():

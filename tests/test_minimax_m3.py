@@ -15,16 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.config import from_hf
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
-from tests.test_engine import open_engine
+from tests.engine_checks import check_engine_answers_as_generate
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step, check_paged_equals_whole
 from tests.tiny_models import TINY, make_tiny
 
 SPARSE = TINY["minimax_m3_vl_text"][2]["sparse_attention_config"]
@@ -84,14 +81,7 @@ def _tokens(seed: int) -> dict[str, torch.Tensor]:
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     _, _, model = tiny
     tokens = _tokens(3)
-    with torch.no_grad():  # a causal read: position p's logits are those of the first p + 1 tokens read whole
-        whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, 40, BLOCK))
-    for step in SCHEDULE:
-        chunks, logits = run_step(model, driver, tokens, step)
-        for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            expected = whole[name][c.start + c.length - 1]
-            assert compare(logits[row], expected)["max_relative_error"] < 1e-5, (step, name)
+    driver = check_paged_equals_whole(model, tokens, SCHEDULE)
     assert driver.length["A"] > DENSE_UP_TO and driver.length["C"] > DENSE_UP_TO
     # every layer keeps 2 key heads of 16 and 2 values of 16; a sparse one its index key (12) behind each value
     assert PagedCache.block_bytes(model, 1) == 4 * (3 * 2 * 16 * 2 + 2 * 2 * 12)
@@ -111,15 +101,7 @@ def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory, _, _ = tiny
-    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=10",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=16) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True))
-                   for p in prompts]
-        got = [s.result().text for s in streams]
-    assert got == want
+    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
 
 
 _SHARED = ".block_sparse_moe.shared_experts."
@@ -194,6 +176,13 @@ def test_the_release_config_is_read():
     assert cfg.mixers == ("attention", "block_sparse_attention") and cfg.feed_forwards == ("dense", "moe")
     assert cfg.layer_rope[0].rotary_dim == 8 and cfg.intermediate_size == 32
     assert cfg.raw["index_topk_blocks"] == 2 and cfg.raw["index_block_size"] == 4
+
+
+def test_a_config_naming_only_its_architecture_is_the_same_family():
+    from ster_dist.config_file import family_of
+
+    raw = {k: v for k, v in _CONFIG.items() if k != "model_type"}
+    assert family_of({**raw, "architectures": ["MiniMaxM3SparseForCausalLM"]}) == "minimax_m3_vl_text"
 
 
 def _sparse(**keys) -> dict:
