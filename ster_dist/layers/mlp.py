@@ -24,6 +24,8 @@ class MLP(nn.Module):
         """limit: min(act(gate), limit) * clamp(up, +-limit) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
         self.limit = limit
+        # GLM-5-Next clamps every SwiGLU's gate before the activation: act(min(gate, L)) * clamp(up, +-L)
+        self.limit_inside = float(cfg.raw.get("glu_limit_inside") or 0.0)
         inner = intermediate or cfg.intermediate_size
         rows = (ctx.split(inner),)
         self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
@@ -48,6 +50,8 @@ class MLP(nn.Module):
             return self.act(up)
         if self.cutoff_deviations is not None:
             gate = self._sparse(gate)
+        if self.limit_inside:
+            return self.act(gate.clamp(max=self.limit_inside)) * up.clamp(-self.limit_inside, self.limit_inside)
         if self.limit:
             return self.act(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
         return self.act(self._scaled(gate, self.gate_multiplier)) * up
