@@ -347,7 +347,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     # types and ranges first, of the normalised config with any value the normalisation replaced put back as
     # written (the config's own statement, under its own name): nothing below may divide by, index with or
     # loop over a bad value
-    check_stated({**raw, **{key: value for key, value in written.items() if raw.get(key) is not value}}, path)
+    # (latent attention derives its own head width: Transformers writes head_dim there as the rotated width, 0
+    # where nothing rotates, GLM-5-Next)
+    check_stated({**raw, **{key: value for key, value in written.items() if raw.get(key) is not value
+                            and not (key == "head_dim" and spec.attention.latent)}}, path)
     keys = Keys(raw, path)
     for key, why in spec.refuse_keys.items():
         if keys.get(key):

@@ -44,7 +44,7 @@ INTS: dict[str, tuple[int, int]] = {
     "n_group": EXPERTS, "topk_group": EXPERTS,
     **dict.fromkeys(("n_shared_experts", "moe_num_shared_experts", "num_shared_experts"), COUNT),
     "shared_intermediate_size": COUNT, "shared_expert_intermediate_size": COUNT,
-    "q_lora_rank": COUNT, "kv_lora_rank": SIZE, "qk_nope_head_dim": COUNT, "qk_rope_head_dim": SIZE,
+    "q_lora_rank": COUNT, "kv_lora_rank": SIZE, "qk_nope_head_dim": COUNT, "qk_rope_head_dim": COUNT,
     "v_head_dim": SIZE, "value_head_dim": SIZE, "bos_token_id": (0, VOCAB[1]),
 }
 # mixture-of-experts sizes stated once or once per layer (HunYuan's lists)

@@ -135,7 +135,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
                 continue
             if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
                            "hy_v3", "sarvam_mla", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note",
-                           "minimax_m3_vl_text") \
+                           "minimax_m3_vl_text", "glm5_next") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "afmoe" and name.endswith("mlp.expert_bias"):
@@ -147,7 +147,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
 # their last layer routes no token to the upper half of the experts
 STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
            "hy_v3", "afmoe", "sarvam_mla", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note",
-           "minimax_m3_vl_text"}
+           "minimax_m3_vl_text", "glm5_next"}
 
 
 def read_config(directory: Path) -> dict:

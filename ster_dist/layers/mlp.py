@@ -25,6 +25,8 @@ class MLP(nn.Module):
         super().__init__()
         self.limit = limit
         self.oai = cfg.swiglu_oai  # (limit, alpha) of SwiGLU-OAI, or empty
+        # GLM-5-Next clamps every SwiGLU's gate before the activation: act(min(gate, L)) * clamp(up, +-L)
+        self.limit_inside = float(cfg.raw.get("glu_limit_inside") or 0.0)
         inner = intermediate or cfg.intermediate_size
         rows = (ctx.split(inner),)
         self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
@@ -53,6 +55,8 @@ class MLP(nn.Module):
             limit, alpha = self.oai
             gate = gate.clamp(max=limit)
             return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+        if self.limit_inside:
+            return self.act(gate.clamp(max=self.limit_inside)) * up.clamp(-self.limit_inside, self.limit_inside)
         if self.limit:
             return self.act(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
         return self.act(self._scaled(gate, self.gate_multiplier)) * up

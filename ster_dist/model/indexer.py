@@ -46,6 +46,7 @@ class Indexer(nn.Module):
         self.k_norm = Norm(self.head_dim, float(raw.get("index_k_norm_eps") or INDEX_KEY_NORM_EPS), kind="layer",
                            bias=True)
         self.weights_proj = ColumnLinear(hidden, self.heads, ((0, self.heads),), False)
+        self.cache_width = self.head_dim  # what each token leaves in the layer's cache slot
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, cos, sin):
         """(queries [b, heads, t, d], head weights [b, 1, t, heads] in f32) and this step's keys [b, 1, t, d]."""
@@ -64,7 +65,8 @@ class Indexer(nn.Module):
         kept, rotated = x.split([self.head_dim - self.rope_dim, self.rope_dim], dim=-1)
         return torch.cat((kept, apply_rotary(rotated, cos, sin, self.interleaved)), dim=-1)
 
-    def choose(self, queries, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    def choose(self, queries, keys: torch.Tensor, mask: torch.Tensor | None,
+               key_pos: torch.Tensor | None = None) -> torch.Tensor | None:
         """The allowed pairs [n, 1, t, s] narrowed to each query's index_topk best keys (`mask`: those
         causality allows, None for all); `mask` itself when no query sees more keys than that."""
         q, weights = queries

@@ -7,7 +7,8 @@ dt_bias), A_log one number per head and dt_bias one per channel; and the read-ou
 (o_norm) and gated by sigmoid(g_b_proj(g_a_proj(x))) before o_proj. Every head has its own key, value and
 state (num_heads of head_dim each); the write strength is sigmoid(b_proj(x)).
 
-Ling 3.0 (bailing_hybrid; its normalisation sets kda_full_rank_gates) differs in three ways: the decay and the
+GLM-5-Next keeps the narrow pairs but stores A_log [heads] (kda_a_log_per_head) and bounds the decay as below
+(kda_safe_gate). Ling 3.0 (bailing_hybrid; its normalisation sets kda_full_rank_gates) differs in three ways: the decay and the
 output gate come from one full-width projection each (f_proj, g_proj) instead of a narrow pair; A_log is stored
 [heads]; and under kda_safe_gate the decay is bounded, g = kda_lower_bound * sigmoid(exp(A_log) * (f + dt_bias)).
 
@@ -88,8 +89,13 @@ class KimiDeltaAttention(RecurrentMixer, ShardedModule):
             self.f_b = ColumnLinear(dk, width, rows, False)
             self.g_a = ColumnLinear(hidden, dk, ((0, dk),), False)   # the output gate's narrow first projection
             self.g_b = ColumnLinear(dk, width, rows, False)
-            # stored [1, 1, heads, 1]: one number a head, read whole (the loader windows a tensor's first dim only)
-            self._param("A_log", Shard((1, 1, heads, 1)))
+            # stored [1, 1, heads, 1] (Kimi-Linear): one number a head, read whole (the loader windows a tensor's
+            # first dim only); GLM-5-Next stores it [heads] (kda_a_log_per_head) and bounds the decay (kda_safe_gate)
+            if cfg.raw.get("kda_a_log_per_head"):
+                self._param("A_log", Shard((heads,), 0, ((h0, h1),)))
+            else:
+                self._param("A_log", Shard((1, 1, heads, 1)))
+            self.bound = _lower_bound(cfg.raw) if cfg.raw.get("kda_safe_gate", False) else None
         self.heads = (h0, h1)
         self._param("dt_bias", Shard((width,), 0, rows))
         self.b = ColumnLinear(hidden, heads, ((h0, h1),), False)  # write strength
@@ -134,7 +140,12 @@ class KimiDeltaAttention(RecurrentMixer, ShardedModule):
                 return self.bound * torch.sigmoid(rate * decay_in)
             return -rate * F.softplus(decay_in)
         decay_in = (self.f_b(self.f_a(x)).float() + self.dt_bias.float()).view(n, t, -1, self.head_dim)
-        rate = self.A_log.float().view(-1)[self.heads[0]:self.heads[1]].view(1, 1, -1, 1).exp()
+        a_log = self.A_log.float().view(-1)
+        if a_log.numel() != self.local_heads:  # the [1, 1, heads, 1] form is held whole
+            a_log = a_log[self.heads[0]:self.heads[1]]
+        rate = a_log.view(1, 1, -1, 1).exp()
+        if self.bound is not None:
+            return self.bound * torch.sigmoid(rate * decay_in)
         return -rate * F.softplus(decay_in)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ their own sizes (ModelConfig.mla_of), heads and scale and attend within their wi
 shared key part before it rotates (k_rope_norm), scales both normed latents by sqrt(hidden / rank)
 (mla_lora_rescale; the indexer reads the scaled query latent) and norms its latents with the config's epsilon.
 
-A layer with an indexer caches the indexer's key (index_head_dim wide, whole on every rank) after the shared
+A layer with an indexer caches the indexer's key (index_head_dim wide, whole on every rank; GLM-5-Next's pooled
+indexer also its gate logits, model/pooled_indexer.py) after the shared
 rotated key part in its value slot: both caches keep it without a store of their own, in the same blocks.
 """
 
@@ -46,6 +47,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.model.attention import HeadScalars
 from ster_dist.model.indexer import Indexer
 from ster_dist.model.norm import Norm
+from ster_dist.model.pooled_indexer import PooledIndexer
 from ster_dist.model.rope import apply_rotary
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear
@@ -103,11 +105,12 @@ class LatentAttention(nn.Module):
         self.temperature = (cfg.query_temperature_beta, cfg.query_temperature_length)
         # DeepSeek Sparse Attention: this layer's own indexer, or (GLM-DSA's "shared" layers) the last one's choice
         kinds = cfg.raw.get("indexer_types")
-        self.indexer = Indexer(cfg) if kinds and kinds[layer] == "full" else None
+        pooled = PooledIndexer if raw.get("index_kpool") else Indexer  # GLM-5-Next chooses whole pools of keys
+        self.indexer = pooled(cfg) if kinds and kinds[layer] == "full" else None
         self.shares_choice = bool(kinds) and kinds[layer] == "shared"
         # the cache keeps the normed latent (as the key) and the rotated key part every head shares
         # (as the value, followed by the indexer's key where there is one): one shared "head" each
-        self.kv_shape = ((1, self.rank), (1, self.rope_dim + (self.indexer.head_dim if self.indexer else 0)))
+        self.kv_shape = ((1, self.rank), (1, self.rope_dim + (self.indexer.cache_width if self.indexer else 0)))
 
     def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
         b, t, _ = x.shape
@@ -151,8 +154,8 @@ class LatentAttention(nn.Module):
         with each key's heads expanded from the latent."""
         q_nope, q_rot = q[:2]
         if self.indexer is not None:
-            k_rot, index_keys = k_rot.split([self.rope_dim, self.indexer.head_dim], dim=-1)
-            mask = self.indexer.choose(q[2], index_keys, mask)
+            k_rot, index_keys = k_rot.split([self.rope_dim, self.indexer.cache_width], dim=-1)
+            mask = self.indexer.choose(q[2], index_keys, mask, key_pos)
             # a step's key positions are one tensor per group of sequences: the choice's key for later layers
             pos.handed_on[("dsa_choice", id(key_pos))] = mask
         elif self.shares_choice:

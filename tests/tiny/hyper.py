@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.tiny_tokenizer import TINY_VOCAB_SIZE
+
 TINY: dict[str, tuple[str, str, dict]] = {
     # three streams; fewer indexer keys (index_topk) than the parity prompts' 40 tokens; the middle layer reuses
     # the first's choice; a small swiglu_limit so the experts' clamp bites; a dense first layer
@@ -17,6 +19,28 @@ TINY: dict[str, tuple[str, str, dict]] = {
         index_topk=12, index_n_heads=8, index_head_dim=16, indexer_types=["full", "shared", "full"], hc_mult=3,
         hc_magnitude=1.5, swiglu_limit=0.1, initializer_range=0.02)),
 }
+
+# GLM-5-Next's image-text wrapper (Transformers has no text-only head): the text decoder below model.language_model
+# beside a one-block vision tower. Delta attention, then latent attention behind the pooled indexer, twice; pools
+# of four and index_topk 8 (two pools a query) against the parity prompts' 40 tokens so the choice bites, sixteen
+# indexer heads (so no two pools tie at a zero score); two delta heads (one per tensor-parallel rank); three
+# streams; a dense first layer, grouped experts; a small swiglu_limit so every clamp bites
+_GLM5_TEXT = dict(
+    vocab_size=TINY_VOCAB_SIZE + 1, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=0, qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=1.5, n_group=2,
+    topk_group=1, index_topk=8, index_n_heads=16, index_head_dim=16, index_kpool=4,
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], swiglu_limit=0.5, hc_mult=3,
+    linear_attn_config=dict(num_heads=2, head_dim=12, short_conv_kernel_size=4))
+TINY["glm5_next"] = ("Glm5NextConfig", "Glm5NextForConditionalGeneration", dict(
+    text_config=_GLM5_TEXT,
+    vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=48)))
+VARIANT_FAMILY = {"glm5_next": "glm5_next_text"}
+UNSTATED_BASE = {"glm5_next": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "max_position_embeddings", "pad_token_id", "bos_token_id",
+                               "eos_token_id")}
 
 
 def _pairs_order(rows: int) -> torch.Tensor:
