@@ -240,6 +240,7 @@ def test_deepseek_v3_bf16_at_tp8_does_not_fit_one_h200_node(tmp_path, capsys):
     assert "--ep 2" in out["verdict"] and out["kv_tokens"] == 0
 
 
+@pytest.mark.slow  # sixteen ranks' shard plans over DeepSeek-V3's 90,000 tensors: about a minute on two cores
 def test_deepseek_v3_bf16_fits_two_h200_nodes_as_tp8_by_pp2(tmp_path, capsys):
     raw = {k: v for k, v in published("deepseek-v3.json").items() if k != "quantization_config"}  # a BF16 export
     tensors = tensors_of(*deepseek_tensors(raw), fp8=False)
