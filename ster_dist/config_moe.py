@@ -41,6 +41,7 @@ class MoEConfig:
     # (Inkling: sigmoids over the sum of the chosen and shared ones); 0: none
     shared_routed: int = 0
     router_scale: bool = False            # the routing weights times a stored scale (Inkling's gate.global_scale)
+    router_input_norm: bool = False       # Gemma 4's router: normed, scaled input; a scale per expert (MoESpec)
 
 
 def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
@@ -116,7 +117,7 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
                                                                                                 default=1.702)),
         sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys), shared_routed=shared_routed,
-        router_scale=ms.router_scale,
+        router_scale=ms.router_scale, router_input_norm=ms.router_input_norm,
         weight_input=bool(keys.get("moe_apply_router_weight_on_input", default=ms.weight_input)))
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])

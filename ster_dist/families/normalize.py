@@ -63,6 +63,16 @@ GENERIC_KEYS: dict[str, str] = {
                       "num_key_value_heads",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
+    "layer_head_dim": "per layer, its query and key heads' width, where layers differ (Gemma 4); default head_dim",
+    "value_from_key_layers": "per layer, 0 or 1: which layers have no value projection, the value being the key "
+                             "projection before its norm (Gemma 4's attention_k_eq_v); default none",
+    "value_norm": "each value head passes a scale-free RMS norm (Gemma 4); default false",
+    "kv_source_layers": "per layer, null or the earlier layer whose keys and values it attends instead of its own "
+                        "(Gemma 4's num_kv_shared_layers); default every layer its own",
+    "layer_scalar": "each layer's output times its stored layer_scalar (Gemma 4); default false",
+    "per_layer_input_size": "the width of each layer's own input (Gemma 4's hidden_size_per_layer_input); default "
+                            "0, none",
+    "per_layer_input_vocab": "the rows of the per-layer inputs' token table; default vocab_size",
     "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "
                    "everywhere",
     "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "

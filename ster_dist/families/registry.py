@@ -18,6 +18,7 @@ from ster_dist.families.exaone import EXAONE_FAMILIES
 from ster_dist.families.falcon_h1 import FALCON_H1_FAMILIES
 from ster_dist.families.gated_attention import GATED_ATTENTION_FAMILIES
 from ster_dist.families.gemma import GEMMA_FAMILIES
+from ster_dist.families.gemma4 import GEMMA4_FAMILIES
 from ster_dist.families.glm import GLM_FAMILIES
 from ster_dist.families.gpt2 import GPT2_FAMILIES
 from ster_dist.families.gptj_neox import GPTJ_NEOX_FAMILIES
@@ -55,7 +56,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES)
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + GEMMA4_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

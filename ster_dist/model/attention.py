@@ -47,18 +47,26 @@ def alibi_slopes(heads: int) -> list[float]:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx, in_features: int | None = None):
         super().__init__()
-        d, hidden = cfg.head_dim, cfg.hidden_size
+        d, hidden = cfg.head_dim_of(layer), cfg.hidden_size  # Gemma 4's full layers have wider heads
         dv = cfg.value_head_dim or d  # MiMo-V2-Flash's values are narrower than its queries and keys
         heads, kv_heads = cfg.heads(layer), cfg.kv_heads(layer)  # this layer's own counts where layers differ
         width = in_features or hidden  # what q, k and v read: Zamba2's shared block reads twice the hidden width
         (h0, h1), (k0, k1) = ctx.attention_heads(heads, kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
         self.head_dim, self.value_dim, self.layer = d, dv, layer
-        # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
-        self.kv_shape = ((self.local_kv, d), (self.local_kv, dv))
+        # Gemma 4's shared layers attend an earlier layer's keys and values: they project and keep none
+        self.kv_source = cfg.layer_kv_source[layer] if cfg.layer_kv_source else None
+        own_kv = self.kv_source is None
+        if own_kv:  # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
+            self.kv_shape = ((self.local_kv, d), (self.local_kv, dv))
         self.q = ColumnLinear(width, heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
-        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias)
-        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias) if own_kv else None
+        # Gemma 4's attention_k_eq_v: the value is the key projection before its norm
+        value_from_key = bool(cfg.layer_value_from_key) and cfg.layer_value_from_key[layer]
+        self.v = (ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+                  if own_kv and not value_from_key else None)
+        self.value_from_key = own_kv and value_from_key
+        self.v_norm = Norm(dv, cfg.norm_eps, affine=False) if cfg.value_norm and own_kv else None
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
@@ -80,7 +88,7 @@ class Attention(nn.Module):
                 self.q_norm = Norm(d, heads=heads if per_head else 1, per_head_weight=per_head,
                                    rows=((h0, h1),) if per_head else None, **common)
                 self.k_norm = Norm(d, heads=kv_heads if per_head else 1, per_head_weight=per_head,
-                                   rows=((k0, k1),) if per_head else None, **common)
+                                   rows=((k0, k1),) if per_head else None, **common) if own_kv else None
             else:  # over the whole projection, split like it
                 self.q_norm = Norm(heads * d, rows=((h0 * d, h1 * d),), **common)
                 self.k_norm = Norm(kv_heads * d, rows=((k0 * d, k1 * d),), **common)
@@ -103,6 +111,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, gate = self.qkv(x)
+        if self.kv_source is not None:  # Gemma 4's shared layers: the queries alone, on the source's keys
+            return self._shared_kv(x, q, gate, pos)
+        if self.value_from_key:
+            v = k
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:
@@ -112,18 +124,37 @@ class Attention(nn.Module):
         v = v.view(b, t, self.local_kv, self.value_dim).transpose(1, 2)
         if self.value_scale != 1.0:
             v = v * self.value_scale
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        q, k = self._positioned(q, k, pos)
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
+        return self._output(out, gate, b, t)
+
+    def _shared_kv(self, x: torch.Tensor, q: torch.Tensor, gate, pos: StepState) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, _ = self._positioned(q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2), None, pos)
+        out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
+        return self._output(out, gate, b, t)
+
+    def _positioned(self, q: torch.Tensor, k: torch.Tensor | None, pos: StepState):
+        """Queries and keys [b, heads, t, d] normed per head, rotated and tempered as the layer says (k None: a
+        layer attending another's keys)."""
         per_head = self.per_head_norm and self.q_norm is not None
         if per_head and not self.norm_after_rope:
-            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k) if k is not None else None
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
             q = apply_rotary(q, cos, sin, self.rope.interleaved)
-            k = apply_rotary(k, cos, sin, self.rope.interleaved)
+            k = apply_rotary(k, cos, sin, self.rope.interleaved) if k is not None else None
         if per_head and self.norm_after_rope:
-            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k) if k is not None else None
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
+        return q, k
+
+    def _output(self, out: torch.Tensor, gate, b: int, t: int) -> torch.Tensor:
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)

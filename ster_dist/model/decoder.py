@@ -18,6 +18,7 @@ from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
+from ster_dist.model.per_layer_input import PerLayerGate, PerLayerInputs
 from ster_dist.model.residual_conv import ResidualConv
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import StepState
@@ -62,6 +63,7 @@ class Block(nn.Module):
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
+        self.mlp_reads_residual = getattr(self.mlp, "reads_residual", False)
         # Inkling: each sublayer's output passes a residual short convolution before joining the residual
         self.attn_sconv = self.mlp_sconv = None
         if cfg.sublayer_conv:
@@ -73,6 +75,9 @@ class Block(nn.Module):
         # MiniMax: residual * alpha + output * beta per sublayer, the residual its normed input under postnorm
         self.factors = cfg.residual_factors[layer] if cfg.residual_factors else None
         self.residual_from_norm = cfg.residual_from_norm
+        # Gemma 4: the layer's own input added to its output through a gate, and the output times a stored scalar
+        self.per_layer_gate = PerLayerGate(cfg, layer, ctx) if cfg.per_layer_input else None
+        self.layer_scalar = Replicated((1,)) if cfg.layer_scalar else None
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -81,6 +86,12 @@ class Block(nn.Module):
         return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        h = self._sublayers(x, step)
+        if self.per_layer_gate is not None:
+            h = h + self.per_layer_gate(h, step.handed_on["per_layer_inputs"])
+        return h * self.layer_scalar.weight if self.layer_scalar is not None else h
+
+    def _sublayers(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         residual = x
         if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
             residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
@@ -101,7 +112,9 @@ class Block(nn.Module):
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
             return residual + self._scaled(a + m)
         h = residual + self._scaled(a)
-        m = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
+        m_in = self.mlp_norm(h) if self.mlp_norm is not None else h
+        # Gemma 4's experts beside the dense feed-forward read the residual too
+        m = self.mlp(m_in, h) if self.mlp_reads_residual else self.mlp(m_in)
         if self.mlp_sconv is not None:
             m = self.mlp_sconv(m, step)
         if self.post_mlp_norm is not None:
@@ -131,6 +144,7 @@ class Decoder(nn.Module):
                           if cfg.learned_positions else None)
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
                                affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm else None
+        self.per_layer_inputs = PerLayerInputs(cfg, ctx) if cfg.per_layer_input else None
         self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
@@ -184,7 +198,7 @@ class Decoder(nn.Module):
         if valid is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
         step = StepState(positions, valid, self.tables, cache)
-        h = self._layers(self._embed(ids, positions), step)
+        h = self._layers(self._embed(ids, positions), step, ids)
         if last_only:
             h = h[:, -1:]
         return self._logits(h)
@@ -193,7 +207,7 @@ class Decoder(nn.Module):
         """The final norm's output [batch, seq, hidden] for right-padded ids: what the head reads, and what a
         reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None))
+        h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None), ids)
         return self.final_norm(h).to(self.embed.weight.dtype)
 
     def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor:
@@ -201,7 +215,7 @@ class Decoder(nn.Module):
         concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them
         by sequence (PagedStep)."""
         step = PagedStep(chunks, cache, self.tables, ids)
-        h = self._layers(self._embed(ids.unsqueeze(0), step.positions), step)
+        h = self._layers(self._embed(ids.unsqueeze(0), step.positions), step, ids.unsqueeze(0))
         return self._logits(h[:, step.last_tokens])[0]
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -214,8 +228,10 @@ class Decoder(nn.Module):
             h = self.embed_norm(h)
         return h
 
-    def _layers(self, h: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
+        if self.per_layer_inputs is not None:  # Gemma 4's E models: every layer's own input, made once
+            step.handed_on["per_layer_inputs"] = self.per_layer_inputs(ids, h)
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
         for i, block in enumerate(self.layers):
             if self.cfg.block_skips:

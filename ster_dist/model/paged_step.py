@@ -165,13 +165,16 @@ class PagedStep:
                chunk: int | None = None) -> torch.Tensor:
         """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys, values, mask,
         key_positions) per group over its sequences' gathered keys (within `window` and the query's `chunk`);
-        outputs packed [1, heads, tokens, width]."""
-        self.cache.write(layer, self.slots, k, v)
+        outputs packed [1, heads, tokens, width]. k and v None: `layer`'s keys, stored earlier in this step, are
+        attended as they are (Gemma 4's shared layers)."""
+        if k is not None:
+            self.cache.write(layer, self.slots, k, v)
+        dtype = (k if k is not None else q).dtype  # latent attention's q is a tuple; its k never None
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)
-            if keys.dtype != k.dtype:  # a cache kept narrower than the model attends in the model's dtype
-                keys, values = keys.to(k.dtype), values.to(k.dtype)
+            if keys.dtype != dtype:  # a cache kept narrower than the model attends in the model's dtype
+                keys, values = keys.to(dtype), values.to(dtype)
             outs.append(fn(group.take(q), keys, values, group.mask(window, chunk), group.key_pos))
         if len(self.groups) == 1:  # the whole step in one call: its output is already every token's
             return self.groups[0].packed(outs[0])

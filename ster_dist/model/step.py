@@ -63,9 +63,14 @@ class StepState:
                chunk: int | None = None):
         """fn(q, keys, values, mask, key_positions) over every key this step sees (within `window` positions
         and the query's `chunk`, where stated): this step's keys and values [batch, heads, seq, width] are
-        stored in the cache first, where there is one."""
-        if self.cache is not None:
-            k, v = self.cache.write(layer, self.slots, k, v)
+        stored in the cache first, where there is one. k and v None: the keys and values `layer` attended
+        earlier in this step (Gemma 4's shared layers)."""
+        if k is None:
+            k, v = self.handed_on[("kv", layer)]
+        else:
+            if self.cache is not None:
+                k, v = self.cache.write(layer, self.slots, k, v)
+            self.handed_on[("kv", layer)] = (k, v)  # references only: nothing is copied
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
