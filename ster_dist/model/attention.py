@@ -3,7 +3,9 @@ own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), o
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
 learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus), and the row-parallel output projection.
+sigmoid, Laguna's softplus), and the row-parallel output projection. Gemma 4's layers may have heads of their
+own width, values taken from the key projection, a scale-free norm over each value head, or no keys of their
+own: such a layer projects only its queries and attends an earlier layer's keys and values (`kv_source`).
 """
 
 from __future__ import annotations
