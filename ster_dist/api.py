@@ -21,23 +21,23 @@ from ster_dist import protocol
 from ster_dist.errors import Refusal
 from ster_dist.schema import JOB_REQUESTS, Request
 
-_SETTINGS = ("model", "revision", "precision", "device", "tp", "ep")
+_SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "pp")
 
 
 class Engine:
-    def __init__(self, model: str, *, revision: str | None = None, tp: int = 1, ep: int = 1,
+    def __init__(self, model: str, *, revision: str | None = None, tp: int = 1, ep: int = 1, pp: int = 1,
                  precision: str = "f32", device: str = "cpu", address: str | None = None,
                  state_dir: str | None = None, on_event=None, **queue_options):
         self.model = model
         self.settings = {"model": model, "revision": revision, "precision": precision, "device": device,
-                         "tp": tp, "ep": ep}
+                         "tp": tp, "ep": ep, "pp": pp}
         self.on_event = on_event
         if address is None:
             from ster_dist.jobqueue.client import LocalClient
             from ster_dist.jobqueue.queue import JobQueue
 
             queue = JobQueue(state_dir, **queue_options).start()
-            queue.pool.prepare(tp * ep)
+            queue.pool.prepare(tp * ep * pp)
             self.client = LocalClient(queue)
         else:
             from ster_dist.jobqueue.client import RayClient
@@ -92,7 +92,7 @@ class Engine:
                 continue
             if name in cls.model_fields:
                 data[name] = value
-            elif name in ("tp", "ep") and value != 1:
+            elif name in ("tp", "ep", "pp") and value != 1:
                 raise Refusal(f"{kind} jobs take no {name!r}; use {name}=1")
         data.update(fields)
         return protocol.validate({"kind": kind, **data})

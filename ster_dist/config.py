@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ster_dist.config_altup import AltUpConfig, altup_config
 from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
 from ster_dist.config_keys import Keys
 from ster_dist.config_moe import MoEConfig, moe_config
@@ -45,7 +46,9 @@ class MLAConfig:
 # "attention_mamba2": attention and Mamba-2 side by side (Falcon-H1), keeping keys as well as a state
 # "inkling_attention": Inkling's attention (a distance bias mixed per query, short convolutions over keys and
 # values), keeping keys as well as its convolutions' windows
-ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention")
+# "bottleneck_attention": attention whose query passes a narrow normed projection first (Step3)
+ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention",
+                    "bottleneck_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",
@@ -72,15 +75,21 @@ class ModelConfig:
     # empty: num_heads / num_kv_heads in every layer
     layer_heads: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
+    layer_intermediate: tuple[int, ...] = ()  # each layer's dense feed-forward width where layers differ (DeciLM)
     value_head_dim: int | None = None     # value heads narrower than query/key heads (MiMo-V2-Flash); None: head_dim
+    query_bottleneck: int | None = None   # the width queries narrow to before q (Step3's share_q_dim); None: none
+    # per layer, the bound of min(act(gate), L) * clamp(up, +-L) in the routed experts and in the shared or dense
+    # feed-forward (Step 3.5's swiglu_limits, swiglu_limits_shared); 0: unclamped; empty: none anywhere
+    layer_glu_limits: tuple[float, ...] = ()
+    layer_shared_glu_limits: tuple[float, ...] = ()
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
     layer_head_dim: tuple[int, ...] = ()  # per layer, its heads' width where layers differ (Gemma 4); empty: head_dim
     # per layer, whether it has no value projection, its value being the key projection before any norm (Gemma 4's
     # attention_k_eq_v on full layers); empty: none
     layer_value_from_key: tuple[bool, ...] = ()
-    value_norm: bool = False              # each value head passes a scale-free RMS norm (Gemma 4)
-    # per layer, the earlier layer whose keys and values it attends instead of projecting its own (Gemma 4's
-    # num_kv_shared_layers), or None; empty: every layer its own
+    value_norm: bool = False              # a scale-free RMS norm over each value head (Gemma 3n, Gemma 4)
+    # per layer, the earlier layer whose keys and values it attends, None for its own (Gemma 3n's and Gemma 4's
+    # num_kv_shared_layers, which their normalisers turn into kv_source_layers); empty: its own
     layer_kv_source: tuple[int | None, ...] = ()
     layer_scalar: bool = False            # each layer's output times its stored layer_scalar (Gemma 4)
     # per-layer inputs (Gemma 4's E models, model/per_layer_input.py): each layer's input width, 0 for none, and
@@ -89,11 +98,13 @@ class ModelConfig:
     per_layer_vocab: int = 0
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
+    norm_groups: int = 1                  # hidden-width RMS norms over this many equal groups apart (K2-Horizon)
     norm_bias: bool = False
     norm_eps: float = 1e-6
     norm_offset: float = 0.0              # 1.0 where the stored scale is an offset from one (Gemma)
     post_norm_offsets: tuple[float, float] | None = None  # the post norms' own offsets (PLaMo 3)
     norm_affine: bool = True              # False: the block and final norms have no scale or bias (OLMo 1)
+    norm_scale_f32: bool = False          # RMS norms apply their scale in f32, then cast (Gemma 3n)
     # block layout
     pre_attn_norm: bool = True
     pre_mlp_norm: bool = True
@@ -121,6 +132,10 @@ class ModelConfig:
     # Laguna's g_proj: each head's output times the softplus of its own logit ("head") or of one per channel
     # ("element"), before o_proj; "none": no such gate
     softplus_gate: str = "none"
+    sigmoid_head_gate: bool = False       # Step 3.5's g_proj: each head's output times the sigmoid of its own logit
+    # K2-Horizon's gate_proj: each output channel times silu or log2(1 + 2^g) of its own logit ("silu" |
+    # "softplus_ln2"); "none": no such gate
+    output_gate: str = "none"
     # Llama 4's query temperature (Ministral 3): queries times 1 + beta * ln(1 + floor((position + offset) /
     # length)), in the layers layer_query_temperature marks (empty: every layer)
     query_temperature_beta: float = 0.0
@@ -140,6 +155,7 @@ class ModelConfig:
     alibi: bool = False
     alibi_before_scale: bool = False      # added before the scores are scaled (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16 (Falcon)
+    alibi_sqrt: bool = False              # the bias is -slope x sqrt(query position - key position) (Step1)
     embed_norm: bool = False              # a norm after the token embedding (BLOOM)
     embed_norm_affine: bool = True        # False: that norm has no scale (Muse Glimmer)
     final_norm_offset: float | None = None  # the final norm's offset from one where it differs (None: norm_offset)
@@ -150,11 +166,19 @@ class ModelConfig:
     mlp_up_bias: bool = False
     mlp_down_bias: bool = False
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # the gate's output and the feed-forward's (Falcon-H1's muP)
+    # per layer, p: the gate keeps only what lies above its mean plus Phi^-1(p) standard deviations where p > 0
+    # (Gemma 3n's activation sparsity); empty: no layer
+    layer_gate_sparsity: tuple[float, ...] = ()
+    # Gemma 3n: AltUp's copies of the hidden state with per-layer inputs (config_altup.py), and the width of
+    # Laurel's low-rank residual beside attention (0: none)
+    altup: AltUpConfig | None = None
+    laurel_rank: int = 0
     # embedding and head
     embed_scale: float = 1.0
     residual_multiplier: float = 1.0
     # the residual stream kept in f32 while the layers compute in the model's dtype (Mamba's residual_in_fp32)
     residual_fp32: bool = False
+    hyper_streams: int = 0                # the residual as this many streams (model/hyper_connection.py); 0: one
     # recurrent layers run pre-norm (norm before each sublayer) in an otherwise post-norm family (OLMo Hybrid)
     recurrent_pre_norm: bool = False
     # each sublayer joins the residual as residual * alpha + output * beta: (mixer alpha, mixer beta,
@@ -187,7 +211,12 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()     # which layers route over experts (the rest keep the dense MLP)
     # a layer's own experts where the config states them per layer (Nemotron Puzzle); None: `moe`
     layer_moe: tuple[MoEConfig | None, ...] = ()
+    # K2-Horizon's MoVA: on the layers with experts, each value is the weighted sum of value experts' SiLU outputs,
+    # routed like this (num_experts, top_k, scores, choice); None: a value projection everywhere
+    value_experts: MoEConfig | None = None
     mla: MLAConfig | None = None
+    # a layer's own latent sizes where they differ from `mla` (Dots3-Note's sliding layers); None: `mla`
+    layer_mla: tuple[MLAConfig | None, ...] = ()
     attn_sinks: bool = False              # a learned extra logit per head whose share is dropped (GPT-OSS)
     layer_sinks: tuple[bool, ...] = ()    # which layers have sinks (MiMo-V2-Flash: sliding ones); empty: attn_sinks
     weight_format: str = "safetensors"    # whose tensor names the checkpoint uses: Transformers' or "mistral"
@@ -200,6 +229,13 @@ class ModelConfig:
     # loop_pass_norm: the final norm closes every pass, not only the last
     loop_layers: int = 0
     loop_pass_norm: bool = False
+    # a looped model of several stacks (HRM-Text), per pass (stack, state, reads): the pass runs stack `stack`'s
+    # loop_layers stored layers on the sum of the states `reads` and its output replaces state `state`; state 0
+    # starts as the embedding, state 1 as the decoder's loop_init vector. Empty: stack 0 on state 0 (Nanbeige)
+    loop_schedule: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # a prompt read whole from position zero attends both ways within itself (HRM-Text's prefix_lm); decode
+    # steps, later tokens and reads without a cache attend causally
+    bidirectional_prompt: bool = False
     # the kind of each layer's token mixer and feed-forward (model/kinds.py); empty: attention (latent where
     # mla is set) in every layer, and experts where moe_layers says, else the dense feed-forward
     mixers: tuple[str, ...] = ()
@@ -221,8 +257,17 @@ class ModelConfig:
         """The key-value heads of `layer`."""
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
 
+    def mla_of(self, layer: int) -> MLAConfig | None:
+        """The latent attention sizes of `layer`: its own where the config states them per layer, else the model's."""
+        own = self.layer_mla[layer] if self.layer_mla else None
+        return own or self.mla
+
     def sinks(self, layer: int) -> bool:
         return self.layer_sinks[layer] if self.layer_sinks else self.attn_sinks
+
+    def gate_sparsity(self, layer: int) -> float:
+        """The sparsity p of `layer`'s feed-forward gate (0: dense)."""
+        return self.layer_gate_sparsity[layer] if self.layer_gate_sparsity else 0.0
 
     def mixer(self, layer: int) -> str:
         if self.mixers:
@@ -284,6 +329,14 @@ def _mla(keys: Keys) -> MLAConfig:
                      qk_rope_head_dim=int(keys.need("qk_rope_head_dim")), v_head_dim=int(keys.need("v_head_dim")))
 
 
+def _layer_mla(raw: dict, mla: MLAConfig | None, path: str) -> tuple[MLAConfig | None, ...]:
+    """layer_latent (a family's normalisation writes it): per layer, None or the latent keys that layer states
+    over the model's."""
+    own = raw.get("layer_latent") or ()
+    return tuple(_mla(Keys({**raw, **keys}, f"{path} layer {i}")) if keys and mla is not None else None
+                 for i, keys in enumerate(own))
+
+
 def _eos(keys: Keys) -> tuple[int, ...]:
     eos = keys.get("eos_token_id")
     if eos is None:
@@ -334,6 +387,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     num_kv = 1 if keys.get("multi_query") else int(keys.get(*KV_HEAD_KEYS, default=num_heads))
     head_dim = int(keys.get("head_dim", default=hidden // num_heads if num_heads else 0))
     inner = keys.get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    if isinstance(inner, list):  # a width per layer (Gemma 3n): one for all is what runs
+        if len(set(inner)) != 1:
+            raise Refusal(f"invalid model config {path}: intermediate_size gives layers different widths "
+                          f"{sorted(set(inner))}; only one feed-forward width for every layer is supported")
+        inner = inner[0]
     if inner is None and keys.get("expansion_ratio") is not None:  # MPT
         inner = int(keys.get("expansion_ratio") * hidden)
     intermediate = int(inner if inner is not None else 4 * hidden)
@@ -373,6 +431,11 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     layer_moe = tuple(moe_config(Keys({**raw, **own}, f"{path} layer {i}"), spec, intermediate, num_layers)[0]
                       if own and moe is not None and moe_layers[i] else None
                       for i, own in enumerate(overrides))
+    # value_expert_keys (a family's normalisation writes it): the config keys K2-Horizon's value experts state
+    # over the model's experts' (their count and how many each token takes)
+    value_keys = raw.get("value_expert_keys")
+    value_experts = (moe_config(Keys({**raw, **value_keys}, f"{path} value experts"), spec, intermediate,
+                                num_layers)[0] if value_keys and moe is not None else None)
     # where intermediate_size is the experts' width, the dense layers may state their own
     intermediate = int(keys.get("dense_intermediate_size", default=intermediate))
     norm_kind = keys.get("norm_kind", default=norms.kind)
@@ -439,9 +502,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=intermediate, max_position=max_position,
-        norm_kind=norm_kind, norm_bias=norms.bias, norm_eps=eps, norm_offset=norms.offset,
+        norm_kind=norm_kind, norm_groups=_norm_groups(keys, hidden), norm_bias=norms.bias, norm_eps=eps,
+        norm_offset=norms.offset,
         post_norm_offsets=norms.post_offsets,
-        norm_affine=norms.affine,
+        norm_affine=norms.affine, norm_scale_f32=norms.scale_f32,
         pre_attn_norm=norms.pre, pre_mlp_norm=norms.pre and not (parallel and shared_norm),
         post_attn_norm=post_norm, post_mlp_norm=post_norm,
         post_mlp_norm_layers=moe_layers if keys.get("post_mlp_norm_sparse_only", default=False) else (),
@@ -454,17 +518,22 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_query_temperature=_layer_switches(keys, "query_temperature_layers", num_layers),
         qk_norm_affine=qk.affine, layer_qk_norm=_layer_switches(keys, "qk_norm_layers", num_layers),
         attn_output_gate=bool(keys.get("attn_output_gate", default=False)), softplus_gate=_softplus_gate(keys),
+        sigmoid_head_gate=bool(keys.get("sigmoid_head_gate", default=False)),
+        layer_glu_limits=_layer_limits(keys, "glu_limit_layers", num_layers),
+        layer_shared_glu_limits=_layer_limits(keys, "shared_glu_limit_layers", num_layers),
+        output_gate=_output_gate(keys),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
         learned_positions=positions.kind == "learned" and not alibi, position_offset=positions.offset,
         alibi=alibi, alibi_before_scale=positions.alibi_before_scale, alibi_bf16=positions.alibi_bf16,
+        alibi_sqrt=alibi and positions.alibi_sqrt,
         embed_norm=norms.embed, embed_norm_affine=norms.embed_affine, final_norm_offset=norms.final_offset,
         post_norm_eps=keys.get("post_norm_eps"),
         mlp_gated=spec.feed_forward.gated, hidden_act=act, mlp_up_bias=mlp_bias,
         mlp_down_bias=bool(keys.get("mlp_down_bias", default=mlp_bias)),
         mlp_multipliers=_mlp_multipliers(keys, path),
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
-        residual_fp32=bool(keys.get("residual_in_fp32", default=False)),
+        residual_fp32=bool(keys.get("residual_in_fp32", default=False)), hyper_streams=_hyper_streams(keys),
         recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
         residual_factors=_residual_factors(keys, num_layers),
         residual_from_norm=bool(keys.get("residual_from_norm", default=False)),
@@ -477,11 +546,17 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         bos_token_id=keys.get("bos_token_id"), eos_token_ids=_eos(keys),
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
+        layer_mla=_layer_mla(raw, mla, path),
         attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
-        value_head_dim=keys.get("value_head_dim"), value_scale=float(keys.get("attention_value_scale", default=1.0)),
+        value_experts=value_experts,
+        layer_intermediate=_layer_counts(keys, "layer_intermediate_size", num_layers),
+        value_head_dim=keys.get("value_head_dim"), query_bottleneck=keys.get("query_bottleneck"),
+        value_scale=float(keys.get("attention_value_scale", default=1.0)),
+        value_norm=bool(keys.get("value_norm", default=False)),
+        layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
+        altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
         layer_head_dim=layer_head_dim, layer_value_from_key=_layer_switches(keys, "value_from_key_layers", num_layers),
-        value_norm=bool(keys.get("value_norm", default=False)), layer_kv_source=_kv_sources(keys, num_layers),
         layer_scalar=bool(keys.get("layer_scalar", default=False)),
         per_layer_input=int(keys.get("per_layer_input_size", default=0) or 0),
         per_layer_vocab=int(keys.get("per_layer_input_vocab", default=0) or 0),
@@ -489,7 +564,41 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
+        loop_schedule=_loop_schedule(keys, num_layers, path),
+        bidirectional_prompt=bool(keys.get("bidirectional_prompt", default=False)),
     )
+
+
+def _layer_kv_source(keys: Keys, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer, the earlier layer whose keys and values it reads (None: its own); empty when unstated."""
+    stated = keys.get("kv_source_layers")
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            src is not None and (isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < i
+                                 or stated[src] is not None) for i, src in enumerate(stated)):
+        raise Refusal(f"invalid model config {keys.path}: kv_source_layers must name, for each of the {num_layers} "
+                      "layers, null or an earlier layer that makes its own keys and values")
+    return tuple(stated)
+
+
+def _gate_sparsity(keys: Keys, num_layers: int) -> tuple[float, ...]:
+    stated = keys.get("gate_sparsity_layers")
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1 for p in stated):
+        raise Refusal(f"invalid model config {keys.path}: activation_sparsity_pattern must give a sparsity in [0, 1) "
+                      f"for each of the {num_layers} layers")
+    return tuple(float(p) for p in stated)
+
+
+def _hyper_streams(keys: Keys) -> int:
+    n = keys.get("hyper_streams", default=0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise Refusal(f"invalid model config {keys.path}: the hyper-connections' stream count is {n!r}; state "
+                      "hc_mult as a positive integer")
+    return n
 
 
 def _scored_vocab(keys: Keys, vocab: int) -> int | None:
@@ -566,29 +675,46 @@ def _softplus_gate(keys: Keys) -> str:
     return gate
 
 
+def _layer_limits(keys: Keys, key: str, num_layers: int) -> tuple[float, ...]:
+    """A per-layer clamp bound a family's normalisation states (0: none); empty when unstated."""
+    stated = keys.get(key)
+    if stated is None:
+        return ()
+    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
+            isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 for n in stated):
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a bound of zero or more for each of the "
+                      f"{num_layers} layers")
+    return tuple(float(n) for n in stated)
+
+
+def _output_gate(keys: Keys) -> str:
+    gate = keys.get("output_gate_func", default="none")
+    if gate not in ("none", "silu", "softplus_ln2"):
+        raise Refusal(f"invalid model config {keys.path}: output_gate_func {gate!r} is not one of none, silu, "
+                      "softplus_ln2")
+    return gate
+
+
+def _norm_groups(keys: Keys, hidden: int) -> int:
+    groups = keys.get("norm_groups", default=1)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or hidden % groups:
+        raise Refusal(f"invalid model config {keys.path}: norm_groups {groups!r} does not split hidden_size "
+                      f"{hidden} into equal groups; state a divisor of it")
+    return groups
+
+
 def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:
-    """A per-layer head count a family's normalisation states; empty when unstated."""
+    """A per-layer count (heads, feed-forward width) a family's normalisation states; empty when unstated."""
     stated = keys.get(key)
     if stated is None:
         return ()
     if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
             isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stated):
-        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive head count for each of the "
+        what = "width" if "intermediate" in key else "head count"
+        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive {what} for each of the "
                       f"{num_layers} layers")
     return tuple(stated)
 
-
-def _kv_sources(keys: Keys, num_layers: int) -> tuple[int | None, ...]:
-    """Per layer, the earlier layer whose keys and values it reuses (null: its own); empty when unstated."""
-    stated = keys.get("kv_source_layers")
-    if stated is None:
-        return ()
-    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
-            s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < i)
-            for i, s in enumerate(stated)):
-        raise Refusal(f"invalid model config {keys.path}: kv_source_layers must give, for each of the {num_layers} "
-                      "layers, null or an earlier layer whose keys and values it reuses")
-    return tuple(stated)
 
 
 def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, float, float], ...]:
@@ -637,6 +763,21 @@ def _loop_layers(keys: Keys, num_layers: int, path: str) -> int:
         raise Refusal(f"invalid model config {path}: the looped model's {n!r} stored layers do not divide its "
                       f"{num_layers} layers of every pass; state a whole number of loops")
     return n
+
+
+def _loop_schedule(keys: Keys, num_layers: int, path: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    stated = keys.get("loop_schedule", default=())
+    stored = keys.get("loop_layers", default=0)
+    try:
+        schedule = tuple((int(stack), int(state), tuple(int(r) for r in reads)) for stack, state, reads in stated)
+    except (TypeError, ValueError):
+        schedule = None
+    if schedule is None or (schedule and (len(schedule) * stored != num_layers or any(
+            stack < 0 or state not in (0, 1) or not reads or not set(reads) <= {0, 1}
+            for stack, state, reads in schedule))):
+        raise Refusal(f"invalid model config {path}: the loop schedule {stated!r} does not run {stored!r} stored "
+                      f"layers a pass over {num_layers} layers from states 0 and 1; state whole counts of cycles")
+    return schedule
 
 
 def _mtp_layers(keys: Keys, path: str) -> int:

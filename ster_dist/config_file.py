@@ -40,6 +40,7 @@ class TextWrapper:
 # family runs; until then it is refused naming that family.
 TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "gemma3": TextWrapper("gemma3_text"),
+    "gemma3n": TextWrapper("gemma3n_text"),
     "gemma4": TextWrapper("gemma4_text"),
     "gemma4_unified": TextWrapper("gemma4_unified_text"),
     "mistral3": TextWrapper("mistral"),                # Mistral Small 3.1; Ministral 3 states ministral3

@@ -31,6 +31,7 @@ class MoEConfig:
     shared_gate: bool = False             # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
     expert_bias: bool = False
     activation: str = "glu"               # glu | clamped_swiglu (GPT-OSS) | ungated (Nemotron-H: act(up))
+    #                                       | limited_swiglu (HY V4: act(min(gate, limit)) * clamp(up, +-limit))
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     shared_average: bool = False          # routed plus shared experts, halved (Cohere 2 MoE's "average")
@@ -42,6 +43,8 @@ class MoEConfig:
     shared_routed: int = 0
     router_scale: bool = False            # the routing weights times a stored scale (Inkling's gate.global_scale)
     router_input_norm: bool = False       # Gemma 4's router: normed, scaled input; a scale per expert (MoESpec)
+    # experts that return their input (LongCat-Flash's zero_expert_num), scored after the routed ones; 0: none
+    identity_experts: int = 0
 
 
 def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
@@ -118,7 +121,12 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
                                                                                                 default=1.702)),
         sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys), shared_routed=shared_routed,
         router_scale=ms.router_scale, router_input_norm=ms.router_input_norm,
+        identity_experts=int(keys.get("zero_expert_num", default=0) or 0),
         weight_input=bool(keys.get("moe_apply_router_weight_on_input", default=ms.weight_input)))
+    if moe.identity_experts and (method != "greedy" or shared or shared_routed or moe.latent_size or moe.weight_input):
+        raise Refusal(f"invalid model config {path}: zero_expert_num {moe.identity_experts} identity experts are "
+                      "supported only with greedy routing, no shared experts, no latent width and weighed outputs; "
+                      "set zero_expert_num to 0")
     # Qwen: mlp_only_layers and decoder_sparse_step; DeepSeek: first_k_dense_replace and moe_layer_freq
     only = set(keys.get("mlp_only_layers", default=[]) or [])
     # ERNIE 4.5: moe_layer_start_index / end (the last when negative) / interval; HunYuan: moe_layer_num_skipped

@@ -27,7 +27,8 @@ INTS: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads"), SIZE),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv"), SIZE),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), LAYERS),
-    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), SIZE),
+    **dict.fromkeys(("n_inner", "ffn_dim", "ffn_hidden_size"), SIZE),
+    "laurel_rank": SIZE,  # Gemma 3n
     **dict.fromkeys(("max_position_embeddings", "n_positions", "seq_length", "max_seq_len",
                      "original_max_position_embeddings"), POSITIONS),
     "sliding_window": (0, POSITIONS[1]),  # 0: no window (Qwen2-MoE and others write it so)
@@ -48,11 +49,15 @@ INTS: dict[str, tuple[int, int]] = {
 }
 # mixture-of-experts sizes stated once or once per layer (HunYuan's lists)
 PER_LAYER: dict[str, tuple[int, int]] = {
-    **dict.fromkeys(("num_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
-    # 0: no experts (Granite 4.0's dense models state it); a family that routes refuses it (config_moe's top-k check)
-    "num_local_experts": (0, EXPERTS[1]),
-    **dict.fromkeys(("num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk"), EXPERTS),
+    **dict.fromkeys(("n_routed_experts", "moe_num_experts"), EXPERTS),
+    # 0: no experts (Granite 4.0's and K2-Horizon's dense models state it); a family that routes refuses it
+    # (config_moe's top-k check)
+    **dict.fromkeys(("num_local_experts", "num_experts"), (0, EXPERTS[1])),
+    "num_experts_per_tok": (0, EXPERTS[1]),
+    **dict.fromkeys(("moe_top_k", "moe_k", "moe_topk"), EXPERTS),
     "moe_intermediate_size": SIZE, "num_shared_expert": COUNT,
+    # Gemma 3n states a width per layer (config.py refuses widths that differ)
+    "intermediate_size": SIZE,
     # DeepSeek's interval, or MiMo-V2-Flash's 0/1 per layer (its normalisation turns that into mlp_layer_types)
     "moe_layer_freq": (0, LAYERS[1]),
 }
@@ -61,6 +66,8 @@ POSITIVE = ("rope_theta", "rotary_emb_base", "rope_local_base_freq", "rms_norm_e
             "norm_epsilon", "norm_eps", "layer_norm_epsilon", "partial_rotary_factor", "rotary_pct",
             "query_pre_attn_scalar", "logits_scaling", "dim_model_base", "expansion_ratio",
             "attn_logit_softcapping", "final_logit_softcapping", "clip_qkv", "swiglu_limit", "swiglu_alpha")
+# numbers a config may also state once per layer (Step 3.5's rope_theta; its normalisation reads the list)
+PER_LAYER_NUMBERS = ("rope_theta",)
 # numbers that must only be finite
 FINITE = ("attention_multiplier", "embedding_multiplier", "scale_emb", "logit_scale", "residual_multiplier",
           "scale_depth", "routed_scaling_factor", "router_jitter_noise",
@@ -166,6 +173,9 @@ def check_stated(raw: dict, path: str) -> None:
             check_int(path, key, value, *INTS[key])
         elif key in PER_LAYER:
             _check_per_layer(path, key, value, *PER_LAYER[key])
+        elif key in PER_LAYER_NUMBERS and isinstance(value, list) and value:
+            for item in value:
+                _check_number(path, key, item, key in POSITIVE)
         elif key in POSITIVE or key in FINITE:
             _check_number(path, key, value, key in POSITIVE)
         elif key in INT_LISTS:

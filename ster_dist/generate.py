@@ -68,7 +68,9 @@ def generate(model: Decoder, prompts: list[list[int]], sampling: Sampling, eos_i
     """New token ids for each prompt (EOS included when it ends a row).
 
     Under tensor parallelism every rank holds the gathered logits; `agree` hands
-    each step's tokens to rank 0's choice, so the ranks never drift apart.
+    each step's tokens to the lead rank's choice, so the ranks never drift apart. Under pipeline
+    parallelism only the last stage holds logits (the model returns None elsewhere): the other
+    stages take the tokens `agree` hands them.
     """
     sampling.check()
     ids, positions, valid = left_pad(prompts, pad_id)
@@ -78,12 +80,12 @@ def generate(model: Decoder, prompts: list[list[int]], sampling: Sampling, eos_i
         return outputs
     cache = model.new_cache(batch, ids.shape[1] + sampling.max_new_tokens)
     generator = torch.Generator().manual_seed(sampling.seed)
-    logits = model(ids, positions, valid, cache, last_only=True)[:, -1]
+    logits = _last(model(ids, positions, valid, cache, last_only=True))
     next_pos = positions[:, -1:] + 1
     done = torch.zeros(batch, dtype=torch.bool)
     eos = torch.tensor(eos_ids or [-1], dtype=torch.long)
     for step in range(sampling.max_new_tokens):
-        tokens = sample(logits, sampling, generator)
+        tokens = sample(logits, sampling, generator) if logits is not None else torch.zeros(batch, dtype=torch.long)
         if agree is not None:
             tokens = agree(tokens)
         for row in range(batch):
@@ -92,6 +94,10 @@ def generate(model: Decoder, prompts: list[list[int]], sampling: Sampling, eos_i
         done |= torch.isin(tokens, eos)
         if bool(done.all()) or step == sampling.max_new_tokens - 1:
             break
-        logits = model(tokens.unsqueeze(1), next_pos, torch.ones_like(next_pos, dtype=torch.bool), cache)[:, -1]
+        logits = _last(model(tokens.unsqueeze(1), next_pos, torch.ones_like(next_pos, dtype=torch.bool), cache))
         next_pos = next_pos + 1
     return outputs
+
+
+def _last(logits: torch.Tensor | None) -> torch.Tensor | None:
+    return None if logits is None else logits[:, -1]

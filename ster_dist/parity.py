@@ -58,11 +58,16 @@ def token_ids(loaded: LoadedModel, length: int, seed: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def ours(loaded: LoadedModel, length: int = 24, seed: int = 0):
-    """(token ids, residual after every layer, logits) from ster_dist; every rank runs it."""
+    """(token ids, {layer: residual after it}, logits) from ster_dist; every rank runs it. Under pipeline
+    parallelism a rank reads the layers its stage holds, and only the last stage has logits."""
     model = loaded.model
     ids = token_ids(loaded, length, seed)
-    captured: list[torch.Tensor] = []
-    removers = [model.add_hook(i, lambda h: captured.append(h.clone())) for i in range(loaded.cfg.num_layers)]
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(layer: int):
+        return lambda h: captured.__setitem__(layer, h.clone())
+
+    removers = [model.add_hook(i, keep(i)) for i in range(loaded.cfg.num_layers)]
     try:
         logits = model(ids)
     finally:
@@ -80,16 +85,16 @@ def run_parity(loaded: LoadedModel, length: int = 24, seed: int = 0, tp: int = 1
 @torch.inference_mode()
 def against_reference(loaded: LoadedModel, ids, captured, logits, tp: int = 1) -> dict:
     model = loaded.model
-    dtype = model.embed.weight.dtype
+    dtype = model.dtype
     reference = reference_model(loaded, dtype)
     out = reference(ids, output_hidden_states=True)
     ref_hidden = out.hidden_states
     if type(reference).__name__ in _NO_EMBEDDING_STATE:
         ref_hidden = (None, *ref_hidden)
     layers = []
-    for i, h in enumerate(captured):
+    for i, h in sorted(captured.items()):
         # Transformers' last hidden state is taken after the final norm
-        last = i == len(captured) - 1
+        last = i == loaded.cfg.num_layers - 1
         ours = model.final_norm(h) if last else h
         layers.append({"layer": i, **compare(ours, ref_hidden[-1] if last else ref_hidden[i + 1])})
     result = compare(logits, out.logits)

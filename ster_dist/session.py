@@ -72,6 +72,7 @@ class Session:
         """Open the worker group and load the model on every rank (once: a loaded session returns
         what its load reported)."""
         from ster_dist.load import check_weights
+        from ster_dist.parallel.pipeline import check_pipeline
         from ster_dist.workers.group import load_on, open_group
 
         if self._group is not None:
@@ -79,10 +80,11 @@ class Session:
         rt = self.runtime
         checkpoint, cfg = self.checkpoint, self.cfg  # resolved and gated before any rank starts
         check_weights(cfg, rt.weights, rt.model)
-        world = rt.tp * rt.ep
+        check_pipeline(cfg, rt.pp)
+        world = rt.tp * rt.ep * rt.pp
         where = f"{world} ranks" if world > 1 else "1 Ray actor" if self.address else "this process"
         progress(f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files) in {where}")
-        group = open_group(rt.tp, rt.device, self.address, ep=rt.ep)
+        group = open_group(rt.tp, rt.device, self.address, ep=rt.ep, pp=rt.pp)
         try:
             self.loads = load_on(group, checkpoint, rt.precision, rt.device, rt.weights)
         except BaseException:
@@ -98,7 +100,9 @@ class Session:
         rebuild it once the running one has nothing in flight, and one a failed step stopped is replaced."""
         from ster_dist.engine.loop import EngineConfig, TokenEngine
 
-        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens)
+        # one step in flight per pipeline stage, so the stages work at once on different requests
+        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens,
+                              micro_batches=self.runtime.pp)
         if self.fixed_engine and self._engine is not None and not self._engine.stopped:
             return self._engine  # a server's: its clients hold streams of it, whatever a job asks
         if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):

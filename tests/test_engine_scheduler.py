@@ -483,3 +483,39 @@ def test_random_workloads_keep_the_books_and_finish(seed):
     s = pool.stats()
     assert s["used"] == 0 and s["cached"] + s["free"] == s["total"]
     assert len(pool._block_of) <= pool.num_blocks - 1
+
+
+def test_micro_batches_take_disjoint_shares_and_never_preempt_a_step_in_flight():
+    """Two steps in flight (pipeline stages): each takes half the sequences, the second none of the first's;
+    when blocks run out, only a sequence outside every step in flight is preempted."""
+    sched = Scheduler(BlockPool(num_blocks=40, block_size=4), max_step_tokens=64, max_running=8)
+    seqs = [make_seq(f"s{i}", 6, 5) for i in range(6)]
+    for seq in seqs:
+        sched.add(seq)
+    first = sched.schedule(parts=2)
+    busy = frozenset(c.seq.id for c in first.chunks)
+    second = sched.schedule(busy, parts=2)
+    assert len(first.chunks) == len(second.chunks) == 3
+    assert busy.isdisjoint(c.seq.id for c in second.chunks)
+    assert sched.schedule(busy | {c.seq.id for c in second.chunks}, parts=2).is_empty
+    for plan in (first, second):
+        sched.after_step(plan)
+        for chunk in plan.chunks:
+            sched.append(chunk.seq, fake_token(chunk.seq))
+    check_invariants(sched)
+    # a pool too small for everyone: the sequences in flight keep their blocks
+    tight = Scheduler(BlockPool(num_blocks=7, block_size=4), max_step_tokens=64, max_running=8)
+    a, b, c = make_seq("a", 8, 9), make_seq("b", 8, 9), make_seq("c", 7, 9)
+    for seq in (a, b, c):
+        tight.add(seq)
+    plan = tight.schedule()
+    assert [ch.seq.id for ch in plan.chunks] == ["a", "b", "c"]
+    tight.after_step(plan)
+    for seq in (a, b, c):
+        tight.append(seq, fake_token(seq))
+    # c's step is in flight; a needs a block for its next position: the victim is b, the last one not in
+    # flight, though c comes last
+    plan = tight.schedule(frozenset({"c"}))
+    assert [s.id for s in plan.preempted] == ["b"] and c.status is Status.RUNNING and b.status is Status.WAITING
+    assert [ch.seq.id for ch in plan.chunks] == ["a"]
+    check_invariants(tight)

@@ -16,6 +16,7 @@ from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from ster_dist.shard.writer import placements
 from tests.tiny_models import make_tiny, read_config
 
 
@@ -114,7 +115,8 @@ def test_laguna_sinks_sit_on_the_sliding_layers_and_take_their_share(tiny, tmp_p
     ("llama4_text", {"attention_chunk_size": 0}, "attention_chunk_size is 0"),
     ("llama4_text", {"floor_scale": 0}, "floor_scale is 0"),
     ("mimo_v2_flash", {"swa_num_attention_heads": 8}, "swa_num_attention_heads 8 differs"),
-    ("mimo_v2_flash", {"attention_projection_layout": "fused_qkv"}, "attention_projection_layout 'fused_qkv'"),
+    ("mimo_v2_flash", {"attention_projection_layout": "interleaved"}, "attention_projection_layout 'interleaved'"),
+    ("mimo_v2", {"swa_num_key_value_heads": 3}, "swa_num_key_value_heads 3 or num_attention_heads 4 does not divide"),
     ("laguna", {"moe_router_logit_softcapping": 30.0}, "moe_router_logit_softcapping is 30.0"),
     ("laguna", {"gating": "per-group"}, "gating is 'per-group'"),
     ("laguna", {"num_attention_heads_per_layer": [4, 3, 8, 4]}, "layer 1's 3 attention heads do not group"),
@@ -131,3 +133,20 @@ def test_a_list_of_sparse_layers_under_moe_layer_freq_is_refused_where_it_is_an_
     config = {**read_config(directory), "model_type": "mixtral", "moe_layer_freq": [0, 1, 1, 1]}
     with pytest.raises(Refusal, match="moe_layer_freq lists layers, which mixtral does not read"):
         from_hf(config)
+
+
+def test_the_merge_writer_puts_each_projection_back_where_mimo_v2s_fused_qkv_holds_it(tiny):
+    """MiMo-V2.5's qkv_proj groups rows by the full layers' key-value heads while its sliding layers hold twice as
+    many: the rows the writer names for each query, key and value parameter are Transformers' own weights."""
+    directory, reference = tiny("mimo_v2")
+    cfg = from_hf(read_config(directory))
+    tensors = load_file(str(directory / "model.safetensors"))
+    params = {f"layers.{i}.attn.{p}.weight" for i in range(cfg.num_layers) for p in "qkv"}
+    placed = placements(cfg.spec, cfg, sorted(tensors), params)
+    assert set(placed) == params
+    for param, placement in placed.items():
+        i, part = int(param.split(".")[1]), param.split(".")[3]
+        fused = tensors[placement.tensor]
+        rows = torch.cat([fused[start:stop] for start, stop, _ in placement.runs])
+        theirs = getattr(reference.model.layers[i].self_attn, f"{part}_proj").weight
+        assert torch.equal(rows, theirs), param

@@ -240,6 +240,27 @@ def test_deepseek_v3_bf16_at_tp8_does_not_fit_one_h200_node(tmp_path, capsys):
     assert "--ep 2" in out["verdict"] and out["kv_tokens"] == 0
 
 
+def test_deepseek_v3_bf16_fits_two_h200_nodes_as_tp8_by_pp2(tmp_path, capsys):
+    raw = {k: v for k, v in published("deepseek-v3.json").items() if k != "quantization_config"}  # a BF16 export
+    tensors = tensors_of(*deepseek_tensors(raw), fp8=False)
+    write_sparse(tmp_path / "dsv3", raw, tensors)
+    code, out, err = run(capsys, "plan", "--model", str(tmp_path / "dsv3"), "--tp", "8", "--pp", "2",
+                         "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory", "141")
+    assert code == 0, err
+    assert out["world_size"] == 16 and out["pp"] == 2
+    (first, middle), (middle_again, end) = (stage["layers"] for stage in out["stages"])
+    assert first == 0 and middle == middle_again and end == 61 == raw["num_hidden_layers"]
+    for rank in out["ranks"]:  # each stage on its own node, each TP group inside it
+        assert rank["pp_rank"] == rank["rank"] // 8 == rank["node"] and rank["layers"] == out["stages"][rank["pp_rank"]]["layers"]
+    # every tensor but the MTP layer's is read once by each TP group's share: the stages split the layers
+    assert out["read_bytes_all_ranks"] >= out["file_bytes"] - out["mtp_bytes"]
+    stages = [sum(r["parameter_bytes"] for r in out["ranks"] if r["pp_rank"] == s) for s in (0, 1)]
+    assert abs(stages[0] - stages[1]) < 0.05 * sum(stages)  # balanced by bytes
+    worst = max(r["parameter_bytes"] for r in out["ranks"])
+    assert 78 < worst / 2**30 < 82  # half of TP8's 158 GiB
+    assert out["verdict"].startswith("fits: 16 rank(s) on 2 node(s)")
+
+
 @pytest.mark.parametrize("tp,ep,ranks", [(2, 2, (3,))])  # tp rank 1 and ep rank 1: both offsets
 def test_deepseek_v3_fp8_plans_fp8_bytes_and_the_scale_blocks_covering_each_slice(tmp_path, tp, ep, ranks):
     raw = published("deepseek-v3.json")
@@ -319,6 +340,21 @@ def test_toy_plan_equals_a_real_load_at_tp2(tmp_path_factory, capsys):
     assert out["kv_tokens"] == out["ranks"][0]["kv_tokens"] > 0
 
 
+def test_toy_plan_equals_a_real_load_of_each_pipeline_stage(tmp_path_factory, capsys):
+    toy = make_toy(tmp_path_factory)
+    code, out, err = run(capsys, "plan", "--model", toy, "--tp", "2", "--pp", "2", "--precision", "f32",
+                         "--gpu-memory", "8")
+    assert code == 0, err
+    checkpoint = resolve(toy)
+    for rank in out["ranks"]:
+        ctx = ParallelCtx(tp_rank=rank["tp_rank"], tp_size=2, pp_rank=rank["pp_rank"], pp_size=2)
+        loaded = load_model(checkpoint, "f32", "cpu", ctx)
+        assert list(loaded.model.stage) == rank["layers"]
+        assert rank["read_bytes"] == loaded.bytes_read
+        assert rank["parameter_bytes"] == sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert out["verdict"].startswith("fits: 4 rank(s) on 1 node(s)")
+
+
 def test_a_kv_cache_shorter_than_one_sequence_does_not_fit(tmp_path_factory, capsys):
     toy = make_toy(tmp_path_factory)
     code, out, err = run(capsys, "plan", "--model", toy, "--gpu-memory", "4.001", "--max-model-len", "100000")
@@ -381,6 +417,7 @@ def test_placement_keeps_each_tp_group_inside_a_node():
     (["--tp", "16", "--gpus-per-node", "8"], "--tp 16 is more than --gpus-per-node 8"),
     (["--tp", "8", "--ep", "4", "--nodes", "2"], "use --nodes 4"),
     (["--tp", "3", "--ep", "3", "--nodes", "2", "--gpus-per-node", "5"], "use a --tp that divides 5"),
+    (["--tp", "8", "--pp", "2", "--nodes", "1"], "use --nodes 2 or a smaller --ep / --pp"),
 ])
 def test_placement_refusals_are_one_line_naming_the_fix(capsys, tmp_path, argv, words):
     code, out, err = run(capsys, "plan", "--model", str(tmp_path / "never-read"), *argv)

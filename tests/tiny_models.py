@@ -23,18 +23,22 @@ from tests.tiny import (
     falcon_h1,
     gated_attention,
     gemma,
+    gemma3n,
     gemma4,
     glm,
     gpt2,
     gptj_neox,
     granite,
     hunyuan,
+    hyper,
     inkling,
     kimi,
     laguna,
     lfm2,
     llama,
     llama4,
+    longcat,
+    looped,
     mamba,
     mamba2,
     mimo_v2,
@@ -47,6 +51,7 @@ from tests.tiny import (
     phi,
     qwen,
     qwen3_next,
+    sparse_attention,
     zamba2,
 )
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE
@@ -59,7 +64,7 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
     gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax, falcon_h1,
-    llama4, mimo_v2, laguna, gated_attention, inkling, gemma4)}
+    llama4, mimo_v2, laguna, gated_attention, inkling, longcat, gemma3n, hyper, looped, sparse_attention, gemma4)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -130,7 +135,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
             if f"layers.{last}." not in name:
                 continue
             if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
-                           "hy_v3", "sarvam_mla", "deepseek_v32", "glm_moe_dsa") \
+                           "hy_v3", "sarvam_mla", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "afmoe" and name.endswith("mlp.expert_bias"):
@@ -141,7 +146,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
 
 # their last layer routes no token to the upper half of the experts
 STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
-           "hy_v3", "afmoe", "sarvam_mla", "deepseek_v32", "glm_moe_dsa"}
+           "hy_v3", "afmoe", "sarvam_mla", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note"}
 
 
 def read_config(directory: Path) -> dict:

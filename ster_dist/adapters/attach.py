@@ -35,11 +35,14 @@ from ster_dist.workers.extension import RankExtension
 
 
 def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
-    """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's); returns detach."""
+    """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's, or one pipeline
+    stage's: another stage's sites are that stage's to attach); returns detach."""
     modules = dict(model.named_modules())
     attached: list[tuple[object, LowRank]] = []
     for site in sites:
         site = site if isinstance(site, dict) else vars(site)
+        if model.elsewhere(site["param"]):
+            continue
         module = modules.get(site["param"].rsplit(".", 1)[0])
         if module is None or not hasattr(module, "adapters"):
             raise Refusal(f"this model has no projection {site['param']} to attach the adapter to")

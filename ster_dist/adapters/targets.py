@@ -28,7 +28,7 @@ import torch
 from ster_dist.adapters.format import TARGETS, Adapter, Factor, same_model
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.families.adapter_rules import REFUSED_FAMILIES
+from ster_dist.families.adapter_rules import REFUSED_FAMILIES, TARGETS_REFUSED
 from ster_dist.families.spec import Fused
 from ster_dist.parallel.ctx import SINGLE, Shard
 from ster_dist.shard.plan import NameMatcher, fused_rows_total, fused_source_rows
@@ -162,11 +162,14 @@ def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
             parts = [(rule.target.replace("{i}", layer or ""), None)]
         else:
             layout: Fused = rule.target
-            total = fused_rows_total(layout, cfg)
+            at = int(layer) if layer is not None else None
+            total = fused_rows_total(layout, cfg, at)
             parts = [(template.replace("{i}", layer or ""),
-                      tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg)), cfg)))
+                      tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg, at)), cfg, at)))
                      for index, (template, count) in enumerate(layout.parts)]
         for param, rows in parts:
+            if param.endswith(".attn.q_down.weight"):  # q_proj of a query bottleneck (Step3)
+                _refuse_query_on_a_bottleneck(cfg)
             m = _PARAM.fullmatch(param) if groups.get("h") is None else None
             if m is None:
                 raise Refusal(f"adapter module {factor.key} adapts {param}, which is not an attention or "
@@ -178,7 +181,20 @@ def _peft_sites(adapter: Adapter, cfg: ModelConfig) -> list[SitePlan]:
 
 # ---- checks ------------------------------------------------------------------------------------
 
+def _refuse_query_on_a_bottleneck(cfg: ModelConfig) -> None:
+    if cfg.query_bottleneck:
+        raise Refusal(f"an adapter on query is refused for {cfg.family}: q reads the query bottleneck rather than "
+                      "the hidden state; train the adapter on key, value, output, gate, up and down")
+
+
 def _check_targets(plans: list[SitePlan], cfg: ModelConfig, shards: dict[str, Shard]) -> None:
+    refused, why = TARGETS_REFUSED.get(cfg.family, ((), ""))
+    named = [t for t in PARAMS if t in refused and any(p.target == t for p in plans)]
+    if named:
+        raise Refusal(f"the {', '.join(named)} target{'s are' if len(named) > 1 else ' is'} refused on "
+                      f"{cfg.family}: {why}")
+    if any(p.target == "query" for p in plans):
+        _refuse_query_on_a_bottleneck(cfg)
     if not cfg.mlp_gated and any(p.target == "gate" for p in plans):
         raise Refusal(f"the {cfg.family} feed-forward is plain (no gate), so an adapter naming gate is refused; "
                       "drop gate from the adapter's targets")

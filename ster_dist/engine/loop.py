@@ -15,6 +15,7 @@ against the cache budget) and runs without prefix caching (engine/scheduler.py s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -43,6 +44,7 @@ class EngineConfig:
     max_running: int = 256
     prefix_caching: bool = True          # switched off for models with recurrent layers whatever this says
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
+    micro_batches: int = 1               # steps in flight at once, on disjoint requests: one per pipeline stage
 
 
 def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> tuple[int, int]:
@@ -100,12 +102,14 @@ class TokenEngine:
         runners.start(blocks, config.block_size, slots)
         self.block_bytes = sizes[0]["block_bytes"]
         self.state_bytes = sizes[0]["state_bytes"]
-        # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state
-        self.pool = BlockPool(blocks, config.block_size, config.prefix_caching and not slots)
+        # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state; nor
+        # where a prompt attends both ways, its first blocks' keys then depending on the tokens after them
+        self.pool = BlockPool(blocks, config.block_size,
+                              config.prefix_caching and not slots and not cfg.bidirectional_prompt)
         windows = set(cfg.layer_window)
         window = windows.pop() if len(windows) == 1 and None not in windows else None
         self.scheduler = Scheduler(self.pool, config.max_step_tokens, config.max_running, window=window,
-                                   state_slots=slots)
+                                   state_slots=slots, whole_prompt=cfg.bidirectional_prompt)
         self._live: dict[str, _Live] = {}
         self._inbox: list[_Live] = []
         self._cancels: list[str] = []
@@ -118,7 +122,7 @@ class TokenEngine:
         self._closing = False
         self._error: BaseException | None = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "preemptions": 0}
+                         "generated_tokens": 0, "preemptions": 0, "overlapped_steps": 0}
         self._thread = threading.Thread(target=self._run, name="ster-token-engine", daemon=True)
         self._thread.start()
 
@@ -185,6 +189,10 @@ class TokenEngine:
         if any(i >= vocab for i in params.logits_of):
             raise Refusal(f"logits_of asks for token id {max(params.logits_of)}, past this model's {vocab}-token "
                           "vocabulary")
+        if self.scheduler.whole_prompt and len(prompt_ids) > self.scheduler.max_chunk:
+            raise Refusal(f"a {len(prompt_ids)}-token prompt attends both ways (prefix_lm) and is read in one step, "
+                          f"which holds at most {self.scheduler.max_chunk} tokens; give --max-step-tokens more "
+                          "or shorten the prompt")
         if not self.scheduler.fits_ever(len(prompt_ids) + params.max_tokens):
             raise Refusal(f"a {len(prompt_ids)}-token prompt with max_tokens {params.max_tokens} needs more KV blocks "
                           f"than the whole cache holds ({self.pool.stats()['total']} of {self.config.block_size} "
@@ -276,11 +284,37 @@ class TokenEngine:
         live.stream.put(Delta(live.detok.flush(), [], "abort"))
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
-        self.counters["preemptions"] += len(plan.preempted)
-        if not plan.chunks:
-            time.sleep(0.001)  # nothing fits until something finishes; cannot happen with work running
-            return
+        """Steps over the ranks. With one micro-batch (the default) one step, there and back. With more
+        (one per pipeline stage), up to that many steps in flight on disjoint requests, each submitted as
+        soon as one comes back, so every stage works on one while the next works on another (vLLM's
+        virtual engines); new requests and cancellations wait until the steps in flight are back."""
+        inflight: collections.deque = collections.deque()
+        with self._group_lock:
+            while True:
+                while len(inflight) < self.config.micro_batches and not (inflight and self._arrivals()):
+                    busy = frozenset(c.seq.id for plan, _, _ in inflight for c in plan.chunks)
+                    plan = self.scheduler.schedule(busy, self.config.micro_batches)
+                    self.counters["preemptions"] += len(plan.preempted)
+                    if not plan.chunks:
+                        break
+                    work = self._work(plan)
+                    self.counters["overlapped_steps"] += bool(inflight)  # sent while another is in flight
+                    inflight.append((plan, work, self.group.submit("call_extension", ModelRunner, "step", work)))
+                if not inflight:
+                    time.sleep(0.001)  # nothing fits until something finishes; cannot happen with work running
+                    return
+                plan, work, handle = inflight.popleft()
+                self._finish(plan, work, self.group.collect(handle)[self.group.lead])
+                if not inflight:
+                    return
+
+    def _arrivals(self) -> bool:
+        """New requests or cancellations are waiting for the loop."""
+        with self._cond:
+            return bool(self._inbox or self._cancels or self._closing)
+
+    def _work(self, plan) -> StepWork:
+        """What the ranks need of a step: the packed new tokens, block tables, which rows to sample."""
         work = StepWork(ids=[], chunks=[], samples=[], removed=self._removed)
         self._removed = []
         bs = self.config.block_size
@@ -288,7 +322,8 @@ class TokenEngine:
             seq, live = chunk.seq, self._live[chunk.seq.id]
             end = chunk.start + chunk.length
             work.ids.extend(seq.tokens[chunk.start:end])
-            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length, seq.state))
+            prefix = seq.prompt_len if self.cfg.bidirectional_prompt and chunk.start == 0 else 0
+            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length, seq.state, prefix))
             if chunk.samples:
                 work.samples.append((i, seq.id))
             if not live.sent:
@@ -300,8 +335,10 @@ class TokenEngine:
                 work.steering.append((i, *live.steering))
             if live.adapter is not None:
                 work.adapters.append((i, live.adapter))
-        with self._group_lock:
-            result = self.group.on(ModelRunner).step(work)[0]
+        return work
+
+    def _finish(self, plan, work: StepWork, result) -> None:
+        """A step is back: its keys are in the cache, its sampled tokens go to their requests."""
         self.scheduler.after_step(plan)
         self.counters["steps"] += 1
         for n, ((i, seq_id), token, logprob) in enumerate(zip(work.samples, result.tokens, result.logprobs)):

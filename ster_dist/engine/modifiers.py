@@ -36,11 +36,11 @@ class RowSteering:
     def set_rows(self, groups: dict[tuple[str, float], torch.Tensor]) -> None:
         """groups: (vector key, strength) -> packed token rows it steers this step."""
         self._shifts = {}
-        weight = self.model.embed.weight
+        model = self.model
         for (key, strength), rows in groups.items():
             for layer, vector in self.vectors[key]:
                 # the same rounding as steering a whole batch (steer/attach.py), so a request steers alike alone
-                shift = (vector.double() * float(strength)).to(weight.dtype).to(weight.device)
+                shift = (vector.double() * float(strength)).to(model.dtype).to(model.device)
                 self._shifts.setdefault(layer, []).append((rows, shift))
 
     def clear(self) -> None:
@@ -90,6 +90,8 @@ class RowAdapters:
         modules = dict(self.model.named_modules())
         attached = []
         for site in sites:
+            if self.model.elsewhere(site["param"]):  # another pipeline stage's projection
+                continue
             module = modules.get(site["param"].rsplit(".", 1)[0])
             if module is None or not hasattr(module, "adapters"):
                 raise Refusal(f"this model has no projection {site['param']} to attach adapter {name} to")

@@ -10,6 +10,7 @@ The driver (engine/loop.py) decides everything else.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -43,13 +44,14 @@ class ModelRunner(RankExtension):
         self.sampler: Sampler | None = None
         self.steering: RowSteering | None = None
         self.adapters: RowAdapters | None = None
+        self.step_s = 0.0
 
     def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
         bytes), and what one block and one sequence's recurrent state (0 without recurrent layers) cost here.
         The driver splits the budget between blocks and state slots (engine/loop.py cache_sizes)."""
         model = self.model
-        budget = memory if memory is not None else int(fraction * available_memory(model.embed.weight.device))
+        budget = memory if memory is not None else int(fraction * available_memory(model.device))
         if cap is not None:
             budget = min(budget, cap)
         return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
@@ -59,7 +61,7 @@ class ModelRunner(RankExtension):
         """Allocate the cache: the same block and state-slot counts on every rank (the driver's)."""
         model = self.model
         self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
-        self.sampler = Sampler() if self.rank.rank == 0 else None
+        self.sampler = Sampler() if self.rank.lead else None
         self.steering = self.steering or RowSteering(model)
         self.adapters = self.adapters or RowAdapters(model)
         return num_blocks
@@ -72,6 +74,13 @@ class ModelRunner(RankExtension):
 
     @torch.inference_mode()
     def step(self, work: StepWork) -> StepResult | None:
+        start = time.perf_counter()
+        try:
+            return self._step(work)
+        finally:
+            self.step_s += time.perf_counter() - start
+
+    def _step(self, work: StepWork) -> StepResult | None:
         self._started()
         if self.sampler is not None:
             for seq_id in work.removed:
@@ -80,7 +89,8 @@ class ModelRunner(RankExtension):
                 self.sampler.add(new.id, new.params, new.prompt)
         if not work.chunks:
             return self.first_rank_only(StepResult([], []))
-        chunks = [Chunk(tuple(blocks), start, length, state) for blocks, start, length, state in work.chunks]
+        chunks = [Chunk(tuple(blocks), start, length, state, prefix)
+                  for blocks, start, length, state, prefix in work.chunks]
         if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
             rows = _chunk_rows(chunks)
             self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
@@ -100,6 +110,10 @@ class ModelRunner(RankExtension):
             if ids:  # the raw logits, before any sampling setting; float64 so the driver reduces them in double
                 scores[n] = logits[row, list(ids)].double().tolist()
         return StepResult(tokens.tolist(), logprobs, scores)
+
+    def timings(self) -> dict:
+        """Seconds this rank spent in steps, and of those waiting for the previous pipeline stage."""
+        return {"rank": self.rank.rank, "step_s": self.step_s, "wait_s": self.model.stage_wait_s}
 
     def stop(self) -> None:
         """Drop the cache and every registration (the group stays loaded)."""

@@ -20,14 +20,17 @@ Policy, each schedule():
      min(remaining, budget left, max_prefill_chunk) tokens. Admission stops at the first sequence
      that does not fit (strict FIFO: a big prompt is not overtaken forever by small ones).
      A sequence that could never fit, even alone in the pool, is refused by add() (see fits_ever).
+     Under whole_prompt (a prefix LM, whose prompt attends both ways within itself) a sequence is admitted
+     only when its first chunk can hold its whole prompt, and a prompt longer than a chunk is refused by add().
   3. A chunk samples when it ends at the sequence's last known token: its last logits give the next
      token. A prompt's earlier slices do not sample.
 
 The engine loop around this: plan = schedule(); run the chunks; after_step(plan) (marks k/v computed,
 registers full blocks in the prefix cache); for each sampling chunk, append(seq, token), then
 finish(seq) when it is done (eos, stop string, max_tokens). Nothing here decides when a sequence ends.
-One plan is in flight at a time: after_step(plan) comes before the next schedule(). A sequence
-finished or aborted while its step ran is skipped by after_step.
+Plans in flight together (one per pipeline stage) carry disjoint sequences: schedule(busy) skips, and
+never preempts, a sequence a plan in flight carries; each plan's after_step comes before its sequences
+are scheduled again. A sequence finished or aborted while its step ran is skipped by after_step.
 
 Sliding window: blocks wholly before (chunk start - window) are released and their table entries
 become NULL_BLOCK; the ranks must mask those positions (they are outside the window anyway).
@@ -126,7 +129,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_step_tokens: int = 512, max_running: int = 256,
-                 window: int | None = None, max_prefill_chunk: int | None = None, state_slots: int = 0):
+                 window: int | None = None, max_prefill_chunk: int | None = None, state_slots: int = 0,
+                 whole_prompt: bool = False):
         """window: set only when EVERY layer attends over at most `window` keys; blocks wholly
         before the window of a sequence's next position are then released. max_prefill_chunk caps
         one chunk's tokens (default: the step budget). max_running is held to max_step_tokens: more
@@ -139,6 +143,11 @@ class Scheduler:
             raise ValueError(f"max_prefill_chunk must be positive, got {max_prefill_chunk}")
         if window is not None and window < 1:
             raise ValueError(f"window must be positive, got {window}")
+        if whole_prompt and pool.prefix_caching:
+            raise ValueError("a prompt read whole cannot share prefixes: its first blocks' keys depend on the "
+                             "tokens after them; make the pool without prefix caching")
+        # each sequence's first chunk reads its whole prompt (a prefix LM's, attending both ways within itself)
+        self.whole_prompt = whole_prompt
         if state_slots and pool.prefix_caching:
             raise ValueError("a model with recurrent state cannot share prefixes: a cached block holds keys, "
                              "not the state its sequence reached; make the pool without prefix caching")
@@ -202,6 +211,9 @@ class Scheduler:
             raise ValueError(f"sequence {seq.id!r} needs a prompt of at least one token")
         if seq.max_tokens < 1:
             raise ValueError(f"sequence {seq.id!r} must allow at least one new token")
+        if self.whole_prompt and seq.prompt_len > self.max_chunk:
+            raise ValueError(f"sequence {seq.id!r}'s prompt of {seq.prompt_len} tokens is read whole, in one chunk, "
+                             f"but a chunk holds at most {self.max_chunk}")
         if not self.fits_ever(seq.prompt_len + seq.max_tokens):
             raise ValueError(f"sequence {seq.id!r} ({seq.prompt_len} + {seq.max_tokens} tokens) can never "
                              f"fit in {self.pool.usable_blocks} blocks of {self.block_size}")
@@ -225,12 +237,16 @@ class Scheduler:
             self._remove(seq)
         return seq
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, busy: frozenset[str] = frozenset(), parts: int = 1) -> StepPlan:
+        """The next step's chunks. `busy`: sequences a step still in flight carries (pipeline micro-batches):
+        neither scheduled again nor preempted until that step is back. `parts`: micro-batches in flight at
+        once; each step takes at most its share of the sequences, so the others fill the next one."""
         plan = StepPlan()
         budget = self.max_step_tokens
-        self._schedule_running(plan, budget)
+        cap = -(-(len(self._running) + len(self._waiting)) // parts)
+        self._schedule_running(plan, budget, busy, cap)
         budget -= plan.num_tokens
-        self._admit_waiting(plan, budget)
+        self._admit_waiting(plan, budget, cap)
         if not plan.is_empty:
             self._steps += 1
         return plan
@@ -252,18 +268,20 @@ class Scheduler:
 
     # ---- policy
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_running(self, plan: StepPlan, budget: int, busy: frozenset[str], cap: int) -> None:
         i = 0
-        while i < len(self._running) and budget > 0:
+        while i < len(self._running) and budget > 0 and len(plan.chunks) < cap:
             seq = self._running[i]
             length = min(seq.uncomputed, budget, self.max_chunk)
-            if length <= 0:  # its sampled token has not been appended yet
+            if length <= 0 or seq.id in busy:  # its sampled token has not been appended yet
                 i += 1
                 continue
             start = seq.computed
             self._release_outside_window(seq, start)
             while not self._cover(seq, start + length):
-                victim = self._running[-1]
+                victim = next((s for s in reversed(self._running) if s.id not in busy), None)
+                if victim is None:
+                    return  # every other one is in flight: this one waits for their blocks
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -274,8 +292,8 @@ class Scheduler:
             budget -= length
             i += 1
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self._running) < self.max_running:
+    def _admit_waiting(self, plan: StepPlan, budget: int, cap: int) -> None:
+        while self._waiting and budget > 0 and len(self._running) < self.max_running and len(plan.chunks) < cap:
             seq = self._waiting[0]
             matched = self.pool.match_prefix(seq.tokens, seq.hashes, record=False)
             seq.blocks = matched
@@ -283,6 +301,9 @@ class Scheduler:
             seq.registered_blocks = len(matched)
             length = min(seq.uncomputed, budget, self.max_chunk)
             start = seq.computed
+            if self.whole_prompt and start + length < seq.prompt_len:
+                self._drop_blocks(seq)  # its prompt waits for a step with room for all of it
+                break
             self._release_outside_window(seq, start)
             if not self._cover(seq, start + length):
                 self._drop_blocks(seq)  # it waits holding nothing; the lookup is retried next step

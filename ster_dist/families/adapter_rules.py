@@ -1,5 +1,5 @@
-"""Families seeds/000 refuses adapters on, with the reason: one table that adapter attach, merge
-and training all check, on the config alone, before any adapter or weight is read. (Most of these
+"""Families seeds/000 refuses adapters on (or some targets on), with the reason: tables that adapter attach,
+merge and training all check, on the config alone, before any adapter or weight is read. (Most of these
 families have no FamilySpec yet; when they gain one the reason can move into it.)"""
 
 _STATE_SPACE = "its state-space layers have no attention or feed-forward projection"
@@ -18,4 +18,15 @@ REFUSED_FAMILIES = {
     "hrm_text": "one stored layer runs on several passes",
     "inkling_text": _NO_ADAPTER, "minimax": _NO_ADAPTER, "minimax_text_01": _NO_ADAPTER,
     "longcat_flash": _NO_ADAPTER,
+}
+
+ATTENTION = ("query", "key", "value", "output")
+# family -> (the targets seeds/000 refuses on it, why)
+TARGETS_REFUSED = {
+    "gemma4_text": (ATTENTION, "full-attention heads are wider than sliding ones; train on gate,up,down"),
+    "gemma4_unified_text": (ATTENTION, "full-attention heads are wider than sliding ones; train on gate,up,down"),
+    "dots3_note": (ATTENTION, "its two kinds of attention layer differ in shape"),
+    "mimo_v2_flash": (ATTENTION, "its two kinds of attention differ in key-value heads"),
+    "mimo_v2": (ATTENTION, "its two kinds of attention differ in key-value heads"),
+    "step3_text": (("query",), "wq reads the bottleneck rather than the hidden state"),
 }

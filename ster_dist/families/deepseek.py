@@ -55,7 +55,7 @@ def latent_rules(attn: str = "model.layers.{i}.self_attn") -> tuple[Rule, ...]:
 
 # Llama's block with latent attention in place of q/k/v
 _LATENT_BLOCK = llama_rules(q=None, k=None, v=None, q_norm=None, k_norm=None) + latent_rules()
-_DEEPSEEK = _LATENT_BLOCK + deepseek_moe_rules()
+DEEPSEEK_RULES = _LATENT_BLOCK + deepseek_moe_rules()
 # latent attention, its rotation by adjacent pairs
 _LATENT = dict(attention=AttentionSpec(latent=True), positions=PositionSpec(interleaved=True))
 
@@ -110,16 +110,16 @@ def _axk1(raw: dict) -> dict:
 
 
 # A.X-K1's norm over a sparse layer's feed-forward output, stored in every layer
-_AXK1_RULES = _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in weight_and_bias(
+_AXK1_RULES = DEEPSEEK_RULES + tuple(Rule(r.checkpoint, r.target, optional=True) for r in weight_and_bias(
     "model.layers.{i}.post_mlp_layernorm", "layers.{i}.post_mlp_norm"))
 
-_INDEXER_RULES = tuple(rule for name in ("wq_b", "wk", "k_norm", "weights_proj") for rule in weight_and_bias(
+INDEXER_RULES = tuple(rule for name in ("wq_b", "wk", "k_norm", "weights_proj") for rule in weight_and_bias(
     f"model.layers.{{i}}.self_attn.indexer.{name}", f"layers.{{i}}.attn.indexer.{name}"))
 _SPARSE_DEFAULTS = {"routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "norm_topk_prob": True,
                     "index_topk": 2048, "index_head_dim": 128, "qk_rope_head_dim": 64}
 
 
-def _sparse_attention(raw: dict, defaults: dict, kinds) -> dict:
+def sparse_attention_keys(raw: dict, defaults: dict, kinds) -> dict:
     """DeepSeek Sparse Attention's keys over the latent families': the indexers' sizes, which layers run one
     (indexer_types) and how they rotate. Latent attention always rotates adjacent pairs here (the config
     classes drop rope_interleave) and the layer_types Transformers writes only name the cache's kind."""
@@ -156,31 +156,31 @@ def _glm_indexer_types(raw: dict, layers: int) -> list[str]:
 
 
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("deepseek_v2", _DEEPSEEK, **_LATENT, normalize=_latent_biases,
+    FamilySpec("deepseek_v2", DEEPSEEK_RULES, **_LATENT, normalize=_latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
                parity_reference="DeepseekV2ForCausalLM"),
-    FamilySpec("deepseek_v3", _DEEPSEEK, **_LATENT,
+    FamilySpec("deepseek_v3", DEEPSEEK_RULES, **_LATENT,
                normalize=lambda raw: _latent_biases(raw, {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                                          "first_k_dense_replace": 3, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV3ForCausalLM"),
-    FamilySpec("glm4_moe_lite", _DEEPSEEK, **_LATENT,
+    FamilySpec("glm4_moe_lite", DEEPSEEK_RULES, **_LATENT,
                normalize=lambda raw: _latent_biases(raw, {"first_k_dense_replace": 1, "norm_topk_prob": True}),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="Glm4MoeLiteForCausalLM"),
-    FamilySpec("sarvam_mla", _DEEPSEEK, **_LATENT, normalize=_sarvam_mla,
+    FamilySpec("sarvam_mla", DEEPSEEK_RULES, **_LATENT, normalize=_sarvam_mla,
                moe=MoESpec(scaling="always", shared="stated"), parity_reference="DeepseekV3ForCausalLM"),
     FamilySpec("axk1", _AXK1_RULES, **_LATENT, normalize=_axk1,
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), parity_reference="AXK1ForCausalLM"),
-    FamilySpec("deepseek_v32", _DEEPSEEK + _INDEXER_RULES, **_LATENT,
-               normalize=lambda raw: _sparse_attention(
+    FamilySpec("deepseek_v32", DEEPSEEK_RULES + INDEXER_RULES, **_LATENT,
+               normalize=lambda raw: sparse_attention_keys(
                    raw, {"n_group": 8, "topk_group": 4, "index_n_heads": 64, "rms_norm_eps": 1e-6,
                          "indexer_rope_interleave": False, "num_hidden_layers": 61, "q_lora_rank": 1536},
                    lambda raw, layers: ["full"] * layers),
                moe=DEEPSEEK_V3_ROUTER, parity_reference="DeepseekV32ForCausalLM",
                refuse_keys={"quantization_config": "DeepSeek's own V3.2 checkpoints are FP8, which is not read for "
                                                    "this family; load a BF16 export"}),
-    FamilySpec("glm_moe_dsa", _DEEPSEEK + tuple(Rule(r.checkpoint, r.target, optional=True) for r in _INDEXER_RULES),
+    FamilySpec("glm_moe_dsa", DEEPSEEK_RULES + tuple(Rule(r.checkpoint, r.target, optional=True) for r in INDEXER_RULES),
                **_LATENT,
-               normalize=lambda raw: _sparse_attention(
+               normalize=lambda raw: sparse_attention_keys(
                    raw, {"n_group": 1, "topk_group": 1, "index_n_heads": 32, "rms_norm_eps": 1e-5,
                          "indexer_rope_interleave": True, "num_hidden_layers": 78, "q_lora_rank": 2048},
                    _glm_indexer_types),

@@ -24,7 +24,7 @@ checkpoints state: either is read.
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
+from ster_dist.families.normalize import ConfigProblem, shared_kv_sources, stated, with_defaults
 from ster_dist.families.spec import (
     AttentionSpec,
     EmbeddingSpec,
@@ -66,19 +66,6 @@ def _full_layer_sizes(raw: dict, layer_types: list) -> tuple[list[int], list[int
     return ([raw["global_head_dim"] if f else head_dim for f in full], [full_kv if f else kv for f in full])
 
 
-def _kv_sources(layer_types: list, shared: int) -> list[int | None]:
-    """Per layer, the last earlier unshared layer of its kind whose keys and values it reuses (None: its own)."""
-    first = len(layer_types) - shared
-    sources: list[int | None] = [None] * len(layer_types)
-    for i in range(max(first, 0), len(layer_types)):
-        own = [j for j in range(first) if layer_types[j] == layer_types[i]]
-        if not own:
-            raise ConfigProblem(f"num_kv_shared_layers {shared} leaves no earlier {layer_types[i]} layer for layer "
-                                f"{i} to reuse the keys and values of; lower num_kv_shared_layers")
-        sources[i] = own[-1]
-    return sources
-
-
 def _gemma4(defaults: dict):
     def normalize(raw: dict) -> dict:
         raw = with_defaults(raw, defaults)
@@ -105,7 +92,7 @@ def _gemma4(defaults: dict):
         out = {**raw, "layer_types": layer_types, "layer_head_dim": head_dims, "layer_kv_heads": kv_heads,
                "value_from_key_layers": [int(bool(raw.get("attention_k_eq_v")) and kind == "full_attention")
                                          for kind in layer_types],
-               "kv_source_layers": _kv_sources(layer_types, shared),
+               "kv_source_layers": shared_kv_sources(layer_types, shared),
                # scores are not divided by the head width; every value head is normed; each layer scaled
                "query_pre_attn_scalar": 1, "value_norm": True, "layer_scalar": True,
                "per_layer_input_size": raw.get("hidden_size_per_layer_input") or 0,

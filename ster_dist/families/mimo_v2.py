@@ -14,16 +14,26 @@ over DeepSeek-V3's router.
   renormalised under norm_topk_prob and scaled by routed_scaling_factor, with no shared expert. Its
   multi-token-prediction layers (model.mtp.*) are never read.
 
+- mimo_v2 (MiMo-V2.5): the same model under Xiaomi's own config (layernorm_epsilon for the norms' epsilon),
+  whose releases store query, key and value in one self_attn.qkv_proj under attention_projection_layout
+  fused_qkv. That tensor is cut into num_key_value_heads groups, as the TP=num_key_value_heads ranks Xiaomi's
+  SGLang loader expects: group g holds its share of the query heads, then of the layer's key heads, then of its
+  value heads (a sliding layer's twice as many key-value heads, two to a group). Both families read either
+  layout.
+
 Sliding layers whose query heads differ in count or width from the full ones (swa_num_attention_heads,
-swa_head_dim, swa_v_head_dim) are refused, and so is the fused qkv_proj layout.
+swa_head_dim, swa_v_head_dim) are refused, and so is a fused layout whose key-value heads do not divide into
+num_key_value_heads groups, or an attention_projection_layout other than split or fused_qkv.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ster_dist.families.layouts import ATTENTION_SINKS, llama_rules
 from ster_dist.families.moe_layouts import expert_rules, router_rules
 from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
-from ster_dist.families.spec import FamilySpec, MoESpec, PositionSpec, Rule
+from ster_dist.families.spec import FamilySpec, Fused, MoESpec, PositionSpec, Rule
 
 _LAYER = "model.layers.{i}"
 # what MiMoV2FlashConfig assumes where a config is silent
@@ -61,6 +71,8 @@ def _rotations(raw: dict) -> dict:
 
 
 def _mimo_v2_flash(raw: dict) -> dict:
+    if raw.get("rms_norm_eps") is None and raw.get("layernorm_epsilon") is not None:
+        raw = {**raw, "rms_norm_eps": raw["layernorm_epsilon"]}  # Xiaomi's own name for it
     raw = with_defaults(raw, _DEFAULTS)
     layers = raw.get("num_hidden_layers")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
@@ -70,13 +82,18 @@ def _mimo_v2_flash(raw: dict) -> dict:
         if raw.get(key) is not None and raw[key] != raw.get(full):
             raise ConfigProblem(f"{key} {raw[key]} differs from {full} {raw.get(full)}; sliding layers with their "
                                 "own query heads are not supported")
-    if raw.get("attention_projection_layout") not in (None, "separate"):
-        raise ConfigProblem(f"attention_projection_layout {raw['attention_projection_layout']!r} is not supported; "
-                            "only separate q_proj / k_proj / v_proj are")
+    layout = raw.get("attention_projection_layout")
+    if layout not in (None, "split", "separate", "fused_qkv"):
+        raise ConfigProblem(f"attention_projection_layout {layout!r} is not supported; only split q_proj / k_proj / "
+                            "v_proj or fused_qkv are")
     kinds = _layer_kinds(raw, layers)
     sliding = [kind == "sliding_attention" for kind in kinds]
     kv = raw["num_key_value_heads"]
     swa_kv = stated(raw, "swa_num_key_value_heads", default=2 * kv if isinstance(kv, int) else kv)
+    if layout == "fused_qkv" and isinstance(kv, int) and isinstance(swa_kv, int) and kv > 0 and (
+            swa_kv % kv or raw.get("num_attention_heads", 0) % kv):
+        raise ConfigProblem(f"swa_num_key_value_heads {swa_kv} or num_attention_heads {raw.get('num_attention_heads')} "
+                            f"does not divide into the fused qkv_proj's {kv} groups (num_key_value_heads)")
     swa_sinks = bool(stated(raw, "add_swa_attention_sink_bias", default=True))
     full_sinks = bool(stated(raw, "add_full_attention_sink_bias", default=False))
     freq = raw.get("moe_layer_freq")
@@ -92,13 +109,27 @@ def _mimo_v2_flash(raw: dict) -> dict:
             "routed_scaling_factor": stated(raw, "routed_scaling_factor", default=1.0)}
 
 
+def _fused_qkv() -> tuple[Rule, ...]:
+    """qkv_proj in num_key_value_heads groups, each its queries, keys and values, counted per layer (a sliding
+    layer's key-value heads differ from the full layers') and in rows (values are narrower than keys)."""
+    parts = (("layers.{i}.attn.q.weight", "layer_query_rows_per_group"),
+             ("layers.{i}.attn.k.weight", "layer_key_rows_per_group"),
+             ("layers.{i}.attn.v.weight", "layer_value_rows_per_group"))
+    bias = tuple((template.replace(".weight", ".bias"), count) for template, count in parts)
+    return (Rule(f"{_LAYER}.self_attn.qkv_proj.weight", Fused(parts, groups="kv_heads", unit="one")),
+            Rule(f"{_LAYER}.self_attn.qkv_proj.bias", Fused(bias, groups="kv_heads", unit="one")))
+
+
 def _rules() -> tuple[Rule, ...]:
-    return (llama_rules(q_norm=None, k_norm=None) + expert_rules(f"{_LAYER}.mlp") + router_rules(f"{_LAYER}.mlp.gate")
+    return (llama_rules(q_norm=None, k_norm=None) + _fused_qkv() + expert_rules(f"{_LAYER}.mlp")
+            + router_rules(f"{_LAYER}.mlp.gate")
             + (ATTENTION_SINKS, Rule(f"{_LAYER}.self_attn.attention_sink_bias", "layers.{i}.attn.sinks.weight")))
 
 
-MIMO_V2_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("mimo_v2_flash", _rules(), positions=PositionSpec(rotary_share=_SHARE), normalize=_mimo_v2_flash,
-               moe=MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True),
-               ignore=(r"model\.mtp\.",), parity_reference="MiMoV2FlashForCausalLM"),
-)
+_MIMO_V2_FLASH = FamilySpec(
+    "mimo_v2_flash", _rules(), positions=PositionSpec(rotary_share=_SHARE), normalize=_mimo_v2_flash,
+    moe=MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True),
+    ignore=(r"model\.mtp\.",), parity_reference="MiMoV2FlashForCausalLM")
+
+# MiMo-V2.5 is checked against Transformers' MiMo-V2-Flash on its weights unfused (tests/tiny/mimo_v2.py)
+MIMO_V2_FAMILIES: tuple[FamilySpec, ...] = (_MIMO_V2_FLASH, replace(_MIMO_V2_FLASH, name="mimo_v2"))

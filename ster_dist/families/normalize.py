@@ -48,6 +48,10 @@ GENERIC_KEYS: dict[str, str] = {
     "loop_layers": "a looped model's stored layer count, which its layers repeat over (num_hidden_layers then "
                    "counts every pass's layers: Nanbeige); default 0, not looped",
     "loop_pass_norm": "a looped model's final norm closes every pass, not only the last; default false",
+    "loop_schedule": "a looped model of several stacks: per pass [stack, the state it replaces, the states it "
+                     "reads summed] (HRM-Text); default every pass stack 0 on state 0",
+    "bidirectional_prompt": "a prompt read whole from position zero attends both ways within itself, later "
+                            "tokens causally (HRM-Text's prefix_lm); default false",
     "rotate_adjacent_pairs": "each head's rotated dimensions turn as adjacent pairs rather than halves (ChatGLM's "
                              "original_rope); default PositionSpec.interleaved",
     "query_temperature_beta": "Llama 4's query temperature: queries times 1 + beta * ln(1 + floor((position + "
@@ -61,14 +65,22 @@ GENERIC_KEYS: dict[str, str] = {
     "layer_heads": "per layer, its query head count, where layers differ (Laguna); default num_attention_heads",
     "layer_kv_heads": "per layer, its key-value head count, where layers differ (MiMo-V2-Flash); default "
                       "num_key_value_heads",
+    "layer_intermediate_size": "per layer, its dense feed-forward's width, where layers differ (DeciLM); default "
+                               "intermediate_size",
+    "norm_groups": "the hidden-width RMS norms normalise this many equal groups of the width apart before the "
+                   "stored scale (K2-Horizon's layernorm_num_groups); default 1",
+    "output_gate_func": "\"silu\" or \"softplus_ln2\": attention's output, channel by channel, times that "
+                        "function (log2(1 + 2^g) for the latter) of self_attn.gate_proj's logit before the output "
+                        "projection (K2-Horizon); default \"none\"",
+    "value_expert_keys": "the keys (num_experts, num_experts_per_tok) K2-Horizon's value experts state over the "
+                         "experts': on the layers with experts each value is their routed sum (MoVA); default none",
     "value_head_dim": "the value heads' width where it differs from head_dim (MiMo-V2-Flash); default head_dim",
+    "query_bottleneck": "the width each query narrows to (and is RMS-normed at) before q widens it to every head, "
+                        "on the layers of the bottleneck_attention kind (Step3's share_q_dim); default none",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
     "layer_head_dim": "per layer, its query and key heads' width, where layers differ (Gemma 4); default head_dim",
     "value_from_key_layers": "per layer, 0 or 1: which layers have no value projection, the value being the key "
                              "projection before its norm (Gemma 4's attention_k_eq_v); default none",
-    "value_norm": "each value head passes a scale-free RMS norm (Gemma 4); default false",
-    "kv_source_layers": "per layer, null or the earlier layer whose keys and values it attends instead of its own "
-                        "(Gemma 4's num_kv_shared_layers); default every layer its own",
     "layer_scalar": "each layer's output times its stored layer_scalar (Gemma 4); default false",
     "per_layer_input_size": "the width of each layer's own input (Gemma 4's hidden_size_per_layer_input); default "
                             "0, none",
@@ -78,6 +90,12 @@ GENERIC_KEYS: dict[str, str] = {
     "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "
                             "projection's logit for the head (or channel) before the output projection (Laguna); "
                             "default \"none\"",
+    "sigmoid_head_gate": "each head's output times the sigmoid of its own logit of the gate projection, before "
+                         "the output projection (Step 3.5's g_proj); default false",
+    "glu_limit_layers": "per layer, L of min(act(gate), L) * clamp(up, -L, L) in the routed experts, 0 for none "
+                        "(Step 3.5's swiglu_limits); default none",
+    "shared_glu_limit_layers": "per layer, the same bound in the shared experts' feed-forward (Step 3.5's "
+                               "swiglu_limits_shared); default none",
     "scored_vocab_size": "only the first this many tokens are scored, the head's rows past them being padding "
                          "(Inkling's unpadded_vocab_size); default: every row",
     "sublayer_conv_kernel": "attention's and the feed-forward's outputs each pass a residual short convolution "
@@ -85,6 +103,16 @@ GENERIC_KEYS: dict[str, str] = {
     "mlp_output_scale": "the dense feed-forward's output times a stored scale (Inkling's global_scale); default "
                         "false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
+    "value_norm": "a scale-free RMS norm over each value head (Gemma 3n, Gemma 4); default false",
+    "kv_source_layers": "per layer, null or the earlier layer whose keys and values it attends, making none of its "
+                        "own (num_kv_shared_layers of Gemma 3n and Gemma 4, shared_kv_sources); default: every "
+                        "layer its own",
+    "gate_sparsity_layers": "per layer, p in [0, 1): where above 0, the dense feed-forward's gate keeps only what "
+                            "lies above its mean plus Phi^-1(p) deviations (Gemma 3n); default none",
+    "laurel_rank": "the width of Laurel's low-rank residual beside attention (Gemma 3n); default 0, none",
+    "hyper_streams": "the residual as this many hyper-connected streams, read with hyper_mixing, hyper_eps, "
+                     "hyper_post_scale, hyper_post_eps, hyper_sinkhorn_iters and hyper_head (model/hyper_connection"
+                     ".py: HY V4, DeepSeek-V4); default 0, one residual",
 }
 # the spellings of a key-value head count config.py reads
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv")
@@ -112,6 +140,21 @@ def with_defaults(raw: dict, defaults: dict) -> dict:
 def defaults(values: dict):
     """A normaliser that only fills the family's Transformers class defaults."""
     return lambda raw: with_defaults(raw, values)
+
+
+def shared_kv_sources(kinds: list, shared: int) -> list[int | None]:
+    """kv_source_layers for num_kv_shared_layers (Gemma 3n, Gemma 4): each of the last `shared` layers attends
+    the keys and values of the last earlier layer of its own kind (`kinds`: the layer_types), None for a layer
+    with its own."""
+    first = len(kinds) - shared
+    sources: list[int | None] = [None] * len(kinds)
+    for i in range(max(first, 0), len(kinds)):
+        makers = [j for j in range(first) if kinds[j] == kinds[i]]
+        if not makers:
+            raise ConfigProblem(f"num_kv_shared_layers {shared} leaves no earlier {kinds[i]} layer for layer {i} to "
+                                "share keys and values with; state fewer shared layers")
+        sources[i] = makers[-1]
+    return sources
 
 
 def biases(raw: dict, attention: bool, out: bool | None = None, mlp: bool = False) -> dict:

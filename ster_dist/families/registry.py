@@ -19,17 +19,21 @@ from ster_dist.families.falcon_h1 import FALCON_H1_FAMILIES
 from ster_dist.families.gated_attention import GATED_ATTENTION_FAMILIES
 from ster_dist.families.gemma import GEMMA_FAMILIES
 from ster_dist.families.gemma4 import GEMMA4_FAMILIES
+from ster_dist.families.gemma3n import GEMMA3N_FAMILIES
 from ster_dist.families.glm import GLM_FAMILIES
 from ster_dist.families.gpt2 import GPT2_FAMILIES
 from ster_dist.families.gptj_neox import GPTJ_NEOX_FAMILIES
 from ster_dist.families.granite import GRANITE_FAMILIES
 from ster_dist.families.hunyuan import HUNYUAN_FAMILIES
+from ster_dist.families.hyper import HYPER_FAMILIES
 from ster_dist.families.inkling import INKLING_FAMILIES
 from ster_dist.families.kimi import KIMI_FAMILIES
 from ster_dist.families.laguna import LAGUNA_FAMILIES
 from ster_dist.families.lfm2 import LFM2_FAMILIES
+from ster_dist.families.longcat import LONGCAT_FAMILIES
 from ster_dist.families.llama import LLAMA_FAMILIES
 from ster_dist.families.llama4 import LLAMA4_FAMILIES
+from ster_dist.families.looped import LOOPED_FAMILIES
 from ster_dist.families.mamba import MAMBA_FAMILIES
 from ster_dist.families.mamba2 import MAMBA2_FAMILIES
 from ster_dist.families.mimo_v2 import MIMO_V2_FAMILIES
@@ -46,7 +50,10 @@ from ster_dist.families.phi import PHI_FAMILIES
 from ster_dist.families.plamo import PLAMO_FAMILIES
 from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.qwen3_next import QWEN3_NEXT_FAMILIES
+from ster_dist.families.sparse_attention import SPARSE_ATTENTION_FAMILIES
+from ster_dist.families.remote_variants import REMOTE_VARIANTS_FAMILIES
 from ster_dist.families.spec import FamilySpec
+from ster_dist.families.step3 import STEP3_FAMILIES
 from ster_dist.families.zamba2 import ZAMBA2_FAMILIES
 
 # one module per lineage (the Transformers classes a family is built from); see each module's docstring
@@ -56,7 +63,10 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
         + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + GEMMA4_FAMILIES)
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
+        + HYPER_FAMILIES + LOOPED_FAMILIES
+        + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
+        + REMOTE_VARIANTS_FAMILIES + GEMMA4_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -11,7 +11,8 @@ backwards.
 
 Name templates use {i} for the layer, {s} for a numbered submodule carried
 into the target's name as is (Zamba2's adapter slots), {h} for an index stacked
-along the parameter's first dimension (per-head norms) and {e} for an expert: a tensor
+along the parameter's first dimension (per-head norms), {half} for one of the two decoder layers a stored
+layer holds (FamilySpec.halved_layers) and {e} for an expert: a tensor
 named per expert fills that expert's row of a stacked [experts, ...]
 parameter, and only the rank holding that expert reads it. `Stacked` describes
 checkpoint tensors that hold every expert at once.
@@ -108,6 +109,7 @@ class NormSpec:
     # (PLaMo 3: 1/5 and 5^-1.5)
     post_offsets: tuple[float, float] | None = None
     affine: bool = True                   # False: norms with neither scale nor bias (OLMo 1)
+    scale_f32: bool = False               # RMS norms apply their scale in f32 before casting back (Gemma 3n)
     eps: float | None = None              # an epsilon Transformers fixes whatever the config states (OLMo 1)
     pre: bool = True                      # a norm before each sublayer
     post: bool = False                    # a norm over each sublayer's output (the generic key use_post_norm wins)
@@ -138,6 +140,7 @@ class PositionSpec:
     layers: str = "all"
     alibi_before_scale: bool = False      # the bias is added before the scores are scaled by 1/sqrt(head_dim) (Falcon)
     alibi_bf16: bool = False              # slopes and bias rounded to bf16, as Falcon builds them
+    alibi_sqrt: bool = False              # the bias is -slope x sqrt(distance), from each query's position (Step1)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ class MoESpec:
     #                                       | "routed" (n_shared_experts experts the router scores too: Inkling)
     expert_bias: bool = False             # biased expert projections (GPT-OSS)
     activation: str = "glu"               # "glu": act(gate) * up | "clamped_swiglu": GPT-OSS's | "ungated": act(up)
+    #                                       | "limited_swiglu": act(min(gate, limit)) * clamp(up, +-limit) (HY V4)
     # softmax over the chosen experts' logits: softmax scores are always renormalised, sigmoid ones under
     # norm_topk_prob (Cohere 2 MoE)
     softmax_renormalized: bool = False
@@ -197,9 +201,18 @@ class Rule:
 
 def _compile(template: str) -> re.Pattern:
     escaped = (re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{s\}", r"(?P<s>\d+)")
-               .replace(r"\{h\}", r"(?P<h>\d+)")
+               .replace(r"\{h\}", r"(?P<h>\d+)").replace(r"\{half\}", r"(?P<half>[01])")
                .replace(r"\{e\}", r"(?P<e>\d+)"))
     return re.compile(escaped + r"$")
+
+
+def halved(groups: dict) -> dict:
+    """A match in a family whose stored layer k holds decoder layers 2k and 2k + 1 (FamilySpec.halved_layers),
+    with {i} made the decoder's layer: the {half} the name states, or the first half for what the stored
+    layer holds once (LongCat-Flash's shortcut experts)."""
+    if groups.get("i") is None:
+        return groups
+    return {**groups, "i": str(2 * int(groups["i"]) + int(groups.get("half") or 0))}
 
 
 def target_name(template: str, groups: dict) -> str:
@@ -252,3 +265,6 @@ class FamilySpec:
     # rotation pairs where Transformers' checkpoints store halves: an adapter's B rows, made on Transformers'
     # order, are put in pair order before they touch these weights.
     pair_rows: tuple[str, ...] = ()
+    # each stored layer k runs as decoder layers 2k and 2k + 1 (LongCat-Flash): the name map's {i} is the stored
+    # layer and {half} picks one of its two (`halved`)
+    halved_layers: bool = False

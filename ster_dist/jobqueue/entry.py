@@ -106,6 +106,7 @@ def run_jobs(request: RunJobsRequest) -> int:
 
 
 def ranks_of(spec: dict) -> int:
-    """How many ranks a spec's job runs on (tp x ep x dp): whether Ray must be started first."""
+    """How many ranks a spec's job runs on (tp x ep x pp x dp): whether Ray must be started first."""
     request = protocol.validate(spec, check_model=False).request
-    return int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "dp", 1))
+    return (int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "pp", 1))
+            * int(getattr(request, "dp", 1)))

@@ -25,7 +25,7 @@ def run_cli(request: Request) -> tuple[dict, int]:
     current = running()
     own = None if current is not None else JobQueue(None, address=getattr(request, "address", None))
     queue = own.start() if own is not None else current
-    queue.pool.prepare(int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)))
+    queue.pool.prepare(int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "pp", 1)))
     interrupted = False
     try:
         ids = queue.submit_jobs([protocol.job_from_request(request)])

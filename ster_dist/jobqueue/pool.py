@@ -174,7 +174,7 @@ class GroupPool:
         """A snapshot of the loaded groups, without the lock: callers ask while a group may be loading."""
         now = time.monotonic()
         return [{"model": k[0], "revision": k[1], "precision": k[2], "device": k[3], "tp": k[4], "ep": k[5],
-                 "weights": k[6],
+                 "weights": k[6], "pp": k[7],
                  "jobs": p.jobs, "idle_s": round(now - p.last_used, 3), "workers": p.workers}
                 for k, p in list(self.groups.items()) if p.counted]
 

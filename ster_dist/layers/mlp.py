@@ -1,7 +1,13 @@
 """The tensor-parallel feed-forward: gated (act(gate) * up) or plain (act(up)), column- then
-row-parallel. The decoder's dense layers and the experts' shared feed-forward both build it."""
+row-parallel. The decoder's dense layers and the experts' shared feed-forward both build it.
+
+Gemma 3n's activation sparsity keeps, of the gate's output, only what lies above its mean plus Phi^-1(p)
+standard deviations (p the layer's sparsity), shifted down by that cutoff; mean and deviation are over the
+whole intermediate width, so under tensor parallelism their sums are reduced over the ranks."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -13,8 +19,11 @@ from ster_dist.parallel.linear import ColumnLinear, FusedColumns, Replicated, Ro
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, intermediate: int | None = None, sparsity: float = 0.0,
+                 limit: float = 0.0):
+        """limit: min(act(gate), limit) * clamp(up, +-limit) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
+        self.limit = limit
         inner = intermediate or cfg.intermediate_size
         rows = (ctx.split(inner),)
         self.gate = ColumnLinear(cfg.hidden_size, inner, rows, cfg.mlp_up_bias) if cfg.mlp_gated else None
@@ -26,11 +35,31 @@ class MLP(nn.Module):
         self.gate_multiplier, self.down_multiplier = cfg.mlp_multipliers
         # Inkling's global_scale: the output times a stored scale (a shared feed-forward never has one)
         self.scale = Replicated((1,)) if cfg.mlp_output_scale and intermediate is None else None
+        self.ctx, self.inner = ctx, inner
+        # Phi^-1(p) in f32, as torch's standard normal icdf gives it to Transformers (on the CPU: the decoder is
+        # built on the meta device)
+        p = torch.tensor(sparsity, dtype=torch.float32, device="cpu")
+        self.cutoff_deviations = float(torch.erfinv(2 * p - 1) * math.sqrt(2)) if sparsity > 0 else None
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """What the down projection reads: act(gate) * up, or act(up)."""
         gate, up = self.gate_up(x)
-        return self.act(self._scaled(gate, self.gate_multiplier)) * up if gate is not None else self.act(up)
+        if gate is None:
+            return self.act(up)
+        if self.cutoff_deviations is not None:
+            gate = self._sparse(gate)
+        if self.limit:
+            return self.act(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
+        return self.act(self._scaled(gate, self.gate_multiplier)) * up
+
+    def _sparse(self, gate: torch.Tensor) -> torch.Tensor:
+        deviations = torch.tensor(self.cutoff_deviations, dtype=gate.dtype, device=gate.device)
+        if self.ctx.tp_size == 1:
+            mean, std = gate.mean(-1, keepdim=True), gate.std(-1, keepdim=True, unbiased=False)
+        else:
+            mean = self.ctx.all_reduce(gate.sum(-1, keepdim=True)) / self.inner
+            std = (self.ctx.all_reduce((gate - mean).pow(2).sum(-1, keepdim=True)) / self.inner).sqrt()
+        return torch.relu(gate - (mean + std * deviations))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._scaled(self.down(self.hidden(x)), self.down_multiplier)

@@ -2,10 +2,16 @@
 own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), optional query/key norms
 (before or after the rotation, with or without a scale, in the layers the config marks), rotation, Llama 4's
 query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks), soft-capping,
-learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon), an output gate (Qwen3-Next's
-sigmoid, Laguna's softplus), and the row-parallel output projection. Gemma 4's layers may have heads of their
-own width, values taken from the key projection, a scale-free norm over each value head, or no keys of their
-own: such a layer projects only its queries and attends an earlier layer's keys and values (`kv_source`).
+learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon; Step1's by the square root of the
+distance), an output gate (Qwen3-Next's sigmoid, Laguna's softplus, Step 3.5's sigmoid per head, K2-Horizon's
+silu or base-2 softplus), value experts in place of the value projection (K2-Horizon's MoVA,
+model/value_experts.py), and the row-parallel output projection.
+
+A layer may norm each value head without a scale (Gemma 3n's and Gemma 4's value_norm), and may read an
+earlier layer's keys and values rather than make its own (the shared layers of Gemma 3n and Gemma 4,
+`layer_kv_source`): such a layer has no key or value projection and keeps nothing in the cache; the step hands
+it the source layer's. Gemma 4's layers may also have heads of their own width (`layer_head_dim`) and take
+their values from the key projection (`layer_value_from_key`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.model.norm import Norm
 from ster_dist.model.rope import apply_rotary
 from ster_dist.model.step import StepState
+from ster_dist.model.value_experts import ValueExperts
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.linear import ColumnLinear, FusedColumns, RowLinear, ShardedModule
 
@@ -56,27 +63,34 @@ class Attention(nn.Module):
         (h0, h1), (k0, k1) = ctx.attention_heads(heads, kv_heads)
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
         self.head_dim, self.value_dim, self.layer = d, dv, layer
-        # Gemma 4's shared layers attend an earlier layer's keys and values: they project and keep none
+        # the earlier layer whose keys and values this one attends (None: its own), and whether a later layer
+        # reads this one's
         self.kv_source = cfg.layer_kv_source[layer] if cfg.layer_kv_source else None
-        own_kv = self.kv_source is None
-        if own_kv:  # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
-            self.kv_shape = ((self.local_kv, d), (self.local_kv, dv))
+        self.keeps_kv = layer in cfg.layer_kv_source
+        own = self.kv_source is None
+        # what one position keeps in the cache on this rank: (heads, width) of its key and of its value
+        self.kv_shape = ((self.local_kv, d), (self.local_kv, dv)) if own else None
         self.q = ColumnLinear(width, heads * d, ((h0 * d, h1 * d),), cfg.qkv_bias)
-        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias) if own_kv else None
+        self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias) if own else None
+        # K2-Horizon's MoVA: on the layers with experts, value experts stand where the value projection would
+        mova = cfg.value_experts is not None and cfg.feed_forward(layer) == "moe"
         # Gemma 4's attention_k_eq_v: the value is the key projection before its norm
-        value_from_key = bool(cfg.layer_value_from_key) and cfg.layer_value_from_key[layer]
+        self.value_from_key = own and bool(cfg.layer_value_from_key) and cfg.layer_value_from_key[layer]
         self.v = (ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
-                  if own_kv and not value_from_key else None)
-        self.value_from_key = own_kv and value_from_key
-        self.v_norm = Norm(dv, cfg.norm_eps, affine=False) if cfg.value_norm and own_kv else None
+                  if own and not mova and not self.value_from_key else None)
+        self.value_experts = (ValueExperts(cfg.value_experts, width, kv_heads * dv, (k0 * dv, k1 * dv)) if mova
+                              else None)
+        # a scale-free RMS norm over each value head (Gemma 3n, Gemma 4)
+        self.v_norm = Norm(dv, eps=cfg.norm_eps, affine=False) if cfg.value_norm and own else None
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
         # Qwen3-Next's output gate: sigmoid(x W_gate^T) scales each head's output before o; Laguna's: the
         # softplus of one logit per head (or per channel)
-        self.softplus_gate = cfg.softplus_gate
-        if cfg.attn_output_gate or cfg.softplus_gate == "element":
+        self.softplus_gate, self.output_gate = cfg.softplus_gate, cfg.output_gate
+        self.sigmoid_head_gate = cfg.sigmoid_head_gate  # Step 3.5: the sigmoid of one logit per head
+        if cfg.attn_output_gate or cfg.softplus_gate == "element" or cfg.output_gate != "none":
             self.gate = ColumnLinear(hidden, heads * dv, ((h0 * dv, h1 * dv),), cfg.qkv_bias and cfg.attn_output_gate)
-        elif cfg.softplus_gate == "head":
+        elif cfg.softplus_gate == "head" or cfg.sigmoid_head_gate:  # one logit per head
             self.gate = ColumnLinear(hidden, heads, ((h0, h1),), False)
         else:
             self.gate = None
@@ -84,13 +98,13 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         if cfg.qk_norm != "none" and (not cfg.layer_qk_norm or cfg.layer_qk_norm[layer]):
             common = dict(eps=cfg.norm_eps, kind=cfg.qk_norm_kind, bias=cfg.qk_norm_bias, offset=cfg.norm_offset,
-                          affine=cfg.qk_norm_affine, ctx=ctx)
+                          affine=cfg.qk_norm_affine, ctx=ctx, scale_f32=cfg.norm_scale_f32)
             if cfg.qk_norm == "head":
                 per_head = cfg.qk_norm_per_head_weight
                 self.q_norm = Norm(d, heads=heads if per_head else 1, per_head_weight=per_head,
                                    rows=((h0, h1),) if per_head else None, **common)
                 self.k_norm = Norm(d, heads=kv_heads if per_head else 1, per_head_weight=per_head,
-                                   rows=((k0, k1),) if per_head else None, **common) if own_kv else None
+                                   rows=((k0, k1),) if per_head else None, **common) if own else None
             else:  # over the whole projection, split like it
                 self.q_norm = Norm(heads * d, rows=((h0 * d, h1 * d),), **common)
                 self.k_norm = Norm(kv_heads * d, rows=((k0 * d, k1 * d),), **common)
@@ -109,12 +123,31 @@ class Attention(nn.Module):
         # ALiBi: this rank's heads' slopes (their global indices), kept as numbers so meta construction has none
         self.alibi = tuple(alibi_slopes(cfg.num_heads)[h0:h1]) if cfg.alibi else None
         self.alibi_before_scale, self.alibi_bf16 = cfg.alibi_before_scale, cfg.alibi_bf16
+        self.alibi_sqrt = cfg.alibi_sqrt
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys, values and the output gate's logits (None without one) from the layer's input."""
+        return tuple(self.qkv(x))
 
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
+        if self.kv_source is not None:  # Gemma 3n's shared layers: its own queries over its source's keys
+            q, gate = self._shared_queries(x, pos)
+            out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
+            return self._output(out, gate)
+        q, k, v, gate = self._project(x, pos)
+        if self.alibi_sqrt:  # its bias depends on each query's own position: hand them with the queries
+            b, _, t, _ = q.shape
+            q = (q, pos.positions.reshape(-1, 1, t, 1).expand(b, 1, t, 1))
+        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk, keep=self.keeps_kv)
+        return self._output(out, gate)
+
+    def _project(self, x: torch.Tensor, pos: StepState):
+        """(queries, keys, values [batch, heads, seq, width], the output gate's logits or None): projected,
+        normed, clipped and rotated as the config says."""
         b, t, _ = x.shape
-        q, k, v, gate = self.qkv(x)
-        if self.kv_source is not None:  # Gemma 4's shared layers: the queries alone, on the source's keys
-            return self._shared_kv(x, q, gate, pos)
+        q, k, v, gate = self.project(x)
+        if self.value_experts is not None:
+            v = self.value_experts(x)
         if self.value_from_key:
             v = k
         if self.q_norm is not None and not self.per_head_norm:
@@ -128,48 +161,68 @@ class Attention(nn.Module):
             v = v * self.value_scale
         if self.v_norm is not None:
             v = self.v_norm(v)
-        q, k = self._positioned(q, k, pos)
-        out = pos.attend(self.layer, q, k, v, self.window, self._attend_at, self.chunk)
-        return self._output(out, gate, b, t)
-
-    def _shared_kv(self, x: torch.Tensor, q: torch.Tensor, gate, pos: StepState) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, _ = self._positioned(q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2), None, pos)
-        out = pos.attend(self.kv_source, q, None, None, self.window, self._attend_at, self.chunk)
-        return self._output(out, gate, b, t)
-
-    def _positioned(self, q: torch.Tensor, k: torch.Tensor | None, pos: StepState):
-        """Queries and keys [b, heads, t, d] normed per head, rotated and tempered as the layer says (k None: a
-        layer attending another's keys)."""
         per_head = self.per_head_norm and self.q_norm is not None
         if per_head and not self.norm_after_rope:
-            q = self._head_norm(self.q_norm, q)
-            k = self._head_norm(self.k_norm, k) if k is not None else None
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
             q = apply_rotary(q, cos, sin, self.rope.interleaved)
-            k = apply_rotary(k, cos, sin, self.rope.interleaved) if k is not None else None
+            k = apply_rotary(k, cos, sin, self.rope.interleaved)
         if per_head and self.norm_after_rope:
-            q = self._head_norm(self.q_norm, q)
-            k = self._head_norm(self.k_norm, k) if k is not None else None
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         if self.temperature[0]:
             q = q * self._query_temperature(pos.positions).to(q.dtype)
-        return q, k
+        return q, k, v, gate
 
-    def _output(self, out: torch.Tensor, gate, b: int, t: int) -> torch.Tensor:
+    def _shared_queries(self, x: torch.Tensor, pos: StepState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A layer attending its source layer's keys and values: its own queries only, normed and rotated as
+        the source's keys were, and the output gate's logits."""
+        b, t, _ = x.shape
+        q, _, _, gate = self.qkv(x)
+        if self.q_norm is not None and not self.per_head_norm:
+            q = self.q_norm(q)
+        q = q.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.per_head_norm:
+            q = self._head_norm(self.q_norm, q)
+        if self.rope is not None:
+            cos, sin = pos.rotary(self.rope, q.dtype)
+            q = apply_rotary(q, cos, sin, self.rope.interleaved)
+        return q, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention's output [batch, heads, seq, width] gated as the config says, then projected."""
+        b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, -1)
         if self.softplus_gate == "head":
             gate = F.softplus(gate.float()).to(out.dtype)
             out = (out.unflatten(-1, (self.local_heads, self.value_dim)) * gate.unsqueeze(-1)).flatten(-2)
+        elif self.sigmoid_head_gate:
+            heads = out.unflatten(-1, (self.local_heads, self.value_dim))
+            out = (heads * torch.sigmoid(gate).unsqueeze(-1)).flatten(-2)
         elif self.softplus_gate == "element":
             out = out * F.softplus(gate.float()).to(out.dtype)
+        elif self.output_gate == "silu":
+            out = out * F.silu(gate)
+        elif self.output_gate == "softplus_ln2":  # log2(1 + 2^g): a softplus of slope ln 2
+            out = out * F.softplus(gate.float(), beta=math.log(2)).to(out.dtype)
         elif gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)
 
     def _attend_at(self, q, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
+        if self.alibi_sqrt:
+            q, query_pos = q
+            return self._attend(q, k, v, mask, self._alibi_sqrt(query_pos, key_pos))
         bias = self._alibi(key_pos) if self.alibi is not None else None
         return self._attend(q, k, v, mask, bias)
+
+    def _alibi_sqrt(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[batch, local heads, queries, keys]: -slope x sqrt(query position - key position) (Step1), from
+        absolute positions, so a cached step adds what the whole read does. Keys after the query are masked;
+        their distance is clamped only to keep the root finite."""
+        slopes = torch.tensor(self.alibi, dtype=torch.float32, device=key_pos.device).view(1, -1, 1, 1)
+        distance = (query_pos - key_pos[:, None, None, :]).clamp(min=0).float()
+        return -slopes * torch.sqrt(distance)
 
     def _query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         # Llama 4's temperature from absolute positions, so a cached decode step scales as the whole read does

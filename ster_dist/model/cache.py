@@ -41,6 +41,10 @@ class KVCache:
         self.length += seq
         return slots
 
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's keys and values of slots [0, end), as write returns them."""
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
     def write(self, layer: int, slots: slice, k: torch.Tensor, v: torch.Tensor):
         self.keys[layer][:, :, slots] = k
         self.values[layer][:, :, slots] = v

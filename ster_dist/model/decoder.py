@@ -2,11 +2,14 @@
 ModelConfig, for every family.
 
 Named hook sites sit on the residual stream after every layer ("layers.{i}"):
-capture and steering attach there through add_hook, and nowhere else.
+capture and steering attach there through add_hook, and nowhere else. Where the stream is AltUp's copies
+(Gemma 3n, model/altup.py), the site is the first copy, the one each block computes on.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Callable
 
 import torch
@@ -14,17 +17,23 @@ from torch import nn
 
 from ster_dist.config import ModelConfig
 from ster_dist.model.cache import KVCache
+from ster_dist.model.altup import AltUpLayer, AltUpStream
+from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
+from ster_dist.model.laurel import Laurel
+from ster_dist.model.loop import loop_plan
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
-from ster_dist.model.per_layer_input import PerLayerGate, PerLayerInputs
+from ster_dist.model.per_layer_input import PerLayerGate, PerLayerInputs, per_layer_shape
 from ster_dist.model.residual_conv import ResidualConv
 from ster_dist.model.rope import RotaryTables
+from ster_dist.model.shortcut import HANDED_ON, joins_shortcut, shortcut_experts
 from ster_dist.model.step import StepState
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx, Shard
 from ster_dist.parallel.linear import (FusedColumns, Replicated, VocabEmbedding, VocabHead, module_shards,
                                        tie_parameters)
+from ster_dist.parallel.pipeline import stage_bounds
 
 Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -37,7 +46,8 @@ class Block(nn.Module):
         super().__init__()
 
         def norm(offset: float = cfg.norm_offset, eps: float = cfg.norm_eps):
-            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine)
+            return Norm(cfg.hidden_size, eps, cfg.norm_kind, cfg.norm_bias, offset, affine=cfg.norm_affine,
+                        scale_f32=cfg.norm_scale_f32, groups=cfg.norm_groups)
 
         post_offsets = cfg.post_norm_offsets or (cfg.norm_offset, cfg.norm_offset)
         post_eps = cfg.norm_eps if cfg.post_norm_eps is None else cfg.post_norm_eps
@@ -60,10 +70,14 @@ class Block(nn.Module):
             setattr(self, site, part)
         self.post_attn_norm = norm(post_offsets[0], post_eps) if post_attn and mixer is not None else None
         self.mlp = FEED_FORWARDS[cfg.feed_forward(layer)](cfg, layer, ctx)
+        # LongCat-Flash: experts over this feed-forward's input, joining the residual a layer later
+        self.shortcut = shortcut_experts(cfg, layer, ctx)
+        self.joins_shortcut = joins_shortcut(cfg, layer)
+        if mixer is None and self.mlp is None:  # neither half (DeciLM's no_op layers): the residual passes as is
+            self.attn_norm = None
         # a block without a token mixer has one norm, its first (attn_norm), before the feed-forward
         self.mlp_norm = norm() if pre_mlp and self.mlp is not None and mixer is not None else None
         self.post_mlp_norm = norm(post_offsets[1], post_eps) if post_mlp and self.mlp is not None else None
-        self.mlp_reads_residual = getattr(self.mlp, "reads_residual", False)
         # Inkling: each sublayer's output passes a residual short convolution before joining the residual
         self.attn_sconv = self.mlp_sconv = None
         if cfg.sublayer_conv:
@@ -75,9 +89,17 @@ class Block(nn.Module):
         # MiniMax: residual * alpha + output * beta per sublayer, the residual its normed input under postnorm
         self.factors = cfg.residual_factors[layer] if cfg.residual_factors else None
         self.residual_from_norm = cfg.residual_from_norm
+        # Gemma 3n: Laurel beside attention, and the block inside AltUp's predict and correct
+        self.laurel = Laurel(cfg) if cfg.laurel_rank else None
+        self.altup = AltUpLayer(cfg, layer) if cfg.altup is not None else None
+        # hyper-connections (model/hyper_connection.py): the residual is several streams, each sublayer's own
+        self.attn_hc = HyperConnection(cfg) if cfg.hyper_streams else None
+        self.mlp_hc = HyperConnection(cfg) if cfg.hyper_streams else None
         # Gemma 4: the layer's own input added to its output through a gate, and the output times a stored scalar
-        self.per_layer_gate = PerLayerGate(cfg, layer, ctx) if cfg.per_layer_input else None
+        self.per_layer_gate = PerLayerGate(cfg, layer, ctx) if cfg.per_layer_input and cfg.altup is None else None
         self.layer_scalar = Replicated((1,)) if cfg.layer_scalar else None
+        # Gemma 4's experts beside the dense feed-forward read the residual too
+        self.mlp_reads_residual = getattr(self.mlp, "reads_residual", False)
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -86,16 +108,24 @@ class Block(nn.Module):
         return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
-        h = self._sublayers(x, step)
+        """x: the residual stream [batch, seq, hidden], AltUp's copies of it [copies, batch, seq, hidden], or
+        hyper-connected streams [..., streams, hidden]."""
+        if self.altup is not None:
+            return self.altup(x, step, self._block)
+        if self.attn_hc is not None:
+            return self._hyper(x, step)
+        h = self._block(x, step)
         if self.per_layer_gate is not None:
-            h = h + self.per_layer_gate(h, step.handed_on["per_layer_inputs"])
+            h = h + self.per_layer_gate(h, step.per_layer_inputs)
         return h * self.layer_scalar.weight if self.layer_scalar is not None else h
 
-    def _sublayers(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+    def _block(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         residual = x
         if self.residual_fp32:  # Mamba: the sum kept in f32, each layer reading it in the model's dtype
             residual, x = x.float(), x.to(self.attn_norm.weight.dtype)
         a_in = self.attn_norm(x) if self.attn_norm is not None else x
+        if self.token_mixer is None and self.mlp is None:
+            return x
         if self.token_mixer is None:  # the feed-forward alone, behind the block's first norm
             m = self.mlp(a_in)
             return residual + self._scaled(self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
@@ -112,14 +142,26 @@ class Block(nn.Module):
             m = self.mlp(self.mlp_norm(x) if self.mlp_norm is not None else a_in)
             return residual + self._scaled(a + m)
         h = residual + self._scaled(a)
+        if self.laurel is not None:  # Gemma 3n: attention's residual sum averaged with Laurel's
+            h = (h + self.laurel(a_in)) / math.sqrt(2)
         m_in = self.mlp_norm(h) if self.mlp_norm is not None else h
-        # Gemma 4's experts beside the dense feed-forward read the residual too
         m = self.mlp(m_in, h) if self.mlp_reads_residual else self.mlp(m_in)
+        if self.shortcut is not None:
+            step.handed_on[HANDED_ON] = self.shortcut(m_in)
         if self.mlp_sconv is not None:
             m = self.mlp_sconv(m, step)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return h + self._scaled(m)
+        out = h + self._scaled(m)
+        return out + step.handed_on.pop(HANDED_ON) if self.joins_shortcut else out
+
+    def _hyper(self, streams: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
+        """A pre-norm block over hyper-connected streams [..., streams, hidden]: each sublayer reads their
+        collapse and its output is spread back over them."""
+        a_in, weights = self.attn_hc(streams)
+        streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
+        m_in, weights = self.mlp_hc(streams)
+        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in)), weights)
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then
@@ -134,35 +176,98 @@ class Block(nn.Module):
         return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
 
+def stage_layers(cfg: ModelConfig, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers pipeline stage `pp_rank` of `pp_size` holds, balanced by parameter count
+    (each layer built on the meta device: nothing allocated). The first stage counts the embedding, the
+    last the norm and head (the embedding again when tied: the last stage holds it as its head)."""
+    if pp_size == 1:
+        return 0, cfg.num_layers
+    held, sizes = _LAYER_SIZES
+    if held is not cfg:  # every rank of a plan asks for the same config: measured once
+        with torch.device("meta"):
+            sizes = [sum(p.numel() for p in Block(cfg, i, SINGLE).parameters()) for i in range(cfg.num_layers)]
+        _LAYER_SIZES[:] = [cfg, sizes]
+    embed = cfg.vocab_size * cfg.hidden_size
+    return stage_bounds(sizes, embed, embed + 2 * cfg.hidden_size, pp_size)[pp_rank]
+
+
+_LAYER_SIZES: list = [None, []]  # (the config last measured, its layers' parameter counts)
+
+
+class Elsewhere(nn.Module):
+    """A layer another pipeline stage holds: no weights, no cache, never run here."""
+
+    token_mixer = None
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx = SINGLE):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+        # this pipeline stage's layers (all of them without --pp); the others are Elsewhere, keeping indexes
+        self.stage = stage_layers(cfg, ctx.pp_rank, ctx.pp_size)
+        first, last = ctx.first_stage, ctx.last_stage
+        # the dtype and device of this stage's weights, whichever modules it holds
+        self.register_buffer("anchor", torch.empty(0), persistent=False)
+        # the last stage holds the embedding too when the head is tied to it
+        self.embed = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
+                      if first or (last and cfg.tie_word_embeddings) else None)
         # OPT's table holds position_offset rows before position zero
         self.pos_embed = (Replicated((cfg.max_position + cfg.position_offset, cfg.hidden_size))
-                          if cfg.learned_positions else None)
+                          if cfg.learned_positions and first else None)
         self.embed_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, cfg.norm_offset,
-                               affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm else None
-        self.per_layer_inputs = PerLayerInputs(cfg, ctx) if cfg.per_layer_input else None
-        self.layers = nn.ModuleList(Block(cfg, i, ctx) for i in range(cfg.num_layers))
+                               affine=cfg.norm_affine and cfg.embed_norm_affine) if cfg.embed_norm and first else None
+        # a looped model's passes (model/loop.py): the stacks they run, held before the layers so that their
+        # parameters are listed (and read) under the stacks' names, once (looped models run as one stage)
+        self.loop = loop_plan(cfg)
+        if self.loop.stacks:
+            n = cfg.loop_layers
+            self.stacks = nn.ModuleList(nn.ModuleList(Block(cfg, self.loop.first_layer(s, j), ctx) for j in range(n))
+                                        for s in range(self.loop.stacks))
+        self.loop_init = Replicated((cfg.hidden_size,)) if self.loop.init else None
+        self.layers = nn.ModuleList(Block(cfg, i, ctx) if self.stage[0] <= i < self.stage[1] else Elsewhere()
+                                    for i in range(cfg.num_layers))
+        self.altup = AltUpStream(cfg, ctx) if cfg.altup is not None else None
+        # Gemma 3n's and Gemma 4's per-layer inputs, made once per step for every layer
+        self.per_layer_inputs = PerLayerInputs(cfg, ctx) if per_layer_shape(cfg) is not None else None
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
                 tie_parameters(block.token_mixer.shared, self.layers[owner].token_mixer.shared)
-        for i in range(cfg.loop_layers, cfg.num_layers if cfg.loop_layers else 0):
-            # a looped model's later passes run the stored layers again: their weights, each layer its own cache
-            tie_parameters(self.layers[i], self.layers[i % cfg.loop_layers])
-        # the layers after which the final norm closes a pass that is not the last (Nanbeige)
-        self.pass_ends = (frozenset(range(cfg.loop_layers - 1, cfg.num_layers - 1, cfg.loop_layers))
-                          if cfg.loop_layers and cfg.loop_pass_norm else frozenset())
+        # a looped model's later passes run the stored layers again: their weights, each layer its own cache
+        for i, owner in self.loop.tied.items():
+            tie_parameters(self.layers[i], self.layers[owner])
+        for i, (stack, j) in enumerate(self.loop.held):
+            tie_parameters(self.layers[i], self.stacks[stack][j])
         final_offset = cfg.norm_offset if cfg.final_norm_offset is None else cfg.final_norm_offset
         self.final_norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, cfg.norm_bias, final_offset,
-                               affine=cfg.norm_affine)
+                               affine=cfg.norm_affine, scale_f32=cfg.norm_scale_f32,
+                               groups=cfg.norm_groups) if last or self.loop.ends else None
+        self.hc_head = HyperHead(cfg) if cfg.hyper_streams and last else None
         self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, ctx, cfg.lm_head_bias,
-                                 self.embed if cfg.tie_word_embeddings else None)
+                                 self.embed if cfg.tie_word_embeddings else None) if last else None
         self.tables = RotaryTables(cfg.max_position)
         self.hooks: dict[int, list[Hook]] = {}
+        self.stage_wait_s = 0.0  # seconds spent waiting for the previous stage (bench/pipeline.py reads it)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype this stage's weights are held in (and its cache and stage output, unless f32 by design)."""
+        return self.anchor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def elsewhere(self, param: str) -> bool:
+        """Whether parameter `param` (the decoder's name) belongs to another pipeline stage: its tensor is
+        not read here."""
+        if self.ctx.pp_size == 1:
+            return False
+        top, _, rest = param.partition(".")
+        if top == "layers":
+            return isinstance(self.layers[int(rest.partition(".")[0])], Elsewhere)
+        return top in ("embed", "pos_embed", "embed_norm", "final_norm", "lm_head") and getattr(self, top) is None
 
     # -- parameters as the loader sees them -----------------------------------
     def shards(self) -> dict[str, Shard]:
@@ -187,18 +292,21 @@ class Decoder(nn.Module):
     # -- forward --------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         shapes = [getattr(block.token_mixer, "kv_shape", None) for block in self.layers]
-        return KVCache(shapes, batch, capacity, dtype or self.embed.weight.dtype, self.embed.weight.device)
+        return KVCache(shapes, batch, capacity, dtype or self.dtype, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]."""
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor | None:
+        """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]; None on a pipeline stage but the last,
+        which hands its output on instead."""
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         if valid is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
-        step = StepState(positions, valid, self.tables, cache)
-        h = self._layers(self._embed(ids, positions), step, ids)
+        step = StepState(positions, valid, self.tables, cache, self.cfg.bidirectional_prompt)
+        h = self._stage(ids, positions, step)
+        if h is None:
+            return None
         if last_only:
             h = h[:, -1:]
         return self._logits(h)
@@ -208,15 +316,32 @@ class Decoder(nn.Module):
         reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
         h = self._layers(self._embed(ids, positions), StepState(positions, valid, self.tables, None), ids)
-        return self.final_norm(h).to(self.embed.weight.dtype)
+        return self.final_norm(h).to(self.dtype)
 
-    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor:
+    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] of each chunk's last token, for ids [tokens]: every chunk's new tokens,
         concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them
-        by sequence (PagedStep)."""
+        by sequence (PagedStep). None on a pipeline stage but the last."""
         step = PagedStep(chunks, cache, self.tables, ids)
-        h = self._layers(self._embed(ids.unsqueeze(0), step.positions), step, ids.unsqueeze(0))
-        return self._logits(h[:, step.last_tokens])[0]
+        h = self._stage(ids.unsqueeze(0), step.positions, step)
+        return None if h is None else self._logits(h[:, step.last_tokens])[0]
+
+    def _stage(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor | None:
+        """This stage's layers over the embedding (the first stage) or the previous stage's output; the
+        output goes on to the next stage (None here) or, on the last, is returned for the head."""
+        ctx = self.ctx
+        if ctx.first_stage:
+            h = self._embed(ids, positions)
+        else:  # the residual stream: f32 where the model keeps it so (residual_fp32)
+            dtype = torch.float32 if self.cfg.residual_fp32 else self.dtype
+            waited = time.perf_counter()
+            h = ctx.recv_prev((*ids.shape, self.cfg.hidden_size), dtype, self.device)
+            self.stage_wait_s += time.perf_counter() - waited  # the pipeline's bubble, as this stage sees it
+        h = self._layers(h, step, ids)
+        if ctx.last_stage:
+            return h
+        ctx.send_next(h)
+        return None
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
@@ -230,20 +355,46 @@ class Decoder(nn.Module):
 
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
-        if self.per_layer_inputs is not None:  # Gemma 4's E models: every layer's own input, made once
-            step.handed_on["per_layer_inputs"] = self.per_layer_inputs(ids, h)
+        if self.per_layer_inputs is not None:  # Gemma 3n, Gemma 4's E models: every layer's own input
+            step.per_layer_inputs = self.per_layer_inputs(ids, h)
+        if self.altup is not None:  # Gemma 3n: the stream as AltUp's copies
+            h = self.altup.expand(h)
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
-        for i, block in enumerate(self.layers):
+        if self.cfg.hyper_streams:
+            h = spread(h, self.cfg.hyper_streams)
+        # a looped model's states (HRM-Text's high one from the embedding, its low one from loop_init)
+        states = {0: h}
+        if self.loop_init is not None:
+            states[1] = self.loop_init.weight.to(h.dtype).expand_as(h)
+        for i in range(*self.stage):
+            block = self.layers[i]
             if self.cfg.block_skips:
                 h = self._skip(i, h, kept)
+            if i in self.loop.reads:  # a pass of a looped model of several states begins on their sum
+                first, *rest = self.loop.reads[i]
+                h = states[first]
+                for state in rest:
+                    h = h + states[state]
             h = block(h, step)
-            if i in self.pass_ends:
+            if i in self.loop.ends:
                 h = self.final_norm(h)
             for hook in self.hooks.get(i, ()):
-                replaced = hook(h)
-                if replaced is not None:
-                    h = replaced
-        return h
+                h = self._hooked(hook, h)
+            if i in self.loop.writes:
+                states[self.loop.writes[i]] = h
+        if self.altup is not None:
+            return self.altup.collapse(h)
+        return self.hc_head(h) if self.hc_head is not None else h
+
+    def _hooked(self, hook: Hook, h: torch.Tensor) -> torch.Tensor:
+        """h after `hook`, which reads (and may replace) the residual stream: AltUp's first copy, where the
+        stream is its copies; the streams' mean, where they are hyper-connected (model/hyper_connection.py)."""
+        if self.cfg.hyper_streams:
+            return hooked(h, hook)
+        replaced = hook(h[0] if self.altup is not None else h)
+        if replaced is None:
+            return h
+        return torch.cat((replaced.unsqueeze(0), h[1:])) if self.altup is not None else replaced
 
     def _skip(self, layer: int, h: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
         """Before `layer`: every skip keeping here keeps h, then every skip mixing here mixes its kept state in.
@@ -258,7 +409,7 @@ class Decoder(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # an f32 residual stream (residual_fp32) meets the head in the model's dtype, as Transformers casts it
-        logits = self.lm_head(self.final_norm(h).to(self.embed.weight.dtype))
+        logits = self.lm_head(self.final_norm(h).to(self.dtype))
         if self.cfg.logit_multiplier != 1.0:
             logits = logits * self.cfg.logit_multiplier
         if self.cfg.logit_softcap is not None:

@@ -1,11 +1,12 @@
-"""DeepSeek Sparse Attention's indexer (deepseek_v32, glm_moe_dsa): which index_topk keys each query of a
+"""DeepSeek Sparse Attention's indexer (deepseek_v32, glm_moe_dsa, hy_v4): which index_topk keys each query of a
 latent-attention layer may attend.
 
 Its own small projections score every query against every key the layer sees: wq_b turns the query's
 normed latent (q_a_layernorm's output) into index_n_heads heads of index_head_dim, wk and k_norm (a
 LayerNorm with bias) turn the input into one key shared by those heads, the first qk_rope_head_dim
-channels of both rotate (halves for DeepSeek-V3.2, adjacent pairs for GLM-DSA) on the layer's rotary
-table, and weights_proj weighs the heads per query. A query's score for a key is
+channels of both rotate (halves for DeepSeek-V3.2, adjacent pairs for GLM-DSA; HY V4 rotates the last
+qk_rope_head_dim channels by halves, index_rope_tail) on the layer's rotary table, and weights_proj weighs
+the heads per query. A query's score for a key is
 sum_h weight_h * relu(q_h . k / sqrt(index_head_dim)), in f32 as Transformers computes it; the query
 keeps its index_topk best keys among those causality allows, so a sequence no longer than index_topk
 attends densely.
@@ -40,7 +41,10 @@ class Indexer(nn.Module):
         whole = self.heads * self.head_dim
         self.wq_b = ColumnLinear(cfg.mla.q_lora_rank, whole, ((0, whole),), False)
         self.wk = ColumnLinear(hidden, self.head_dim, ((0, self.head_dim),), False)
-        self.k_norm = Norm(self.head_dim, INDEX_KEY_NORM_EPS, kind="layer", bias=True)
+        self.rope_tail = bool(raw.get("index_rope_tail"))
+        # HY V4's k_norm is at rms_norm_eps (its normalisation states index_k_norm_eps)
+        self.k_norm = Norm(self.head_dim, float(raw.get("index_k_norm_eps") or INDEX_KEY_NORM_EPS), kind="layer",
+                           bias=True)
         self.weights_proj = ColumnLinear(hidden, self.heads, ((0, self.heads),), False)
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, cos, sin):
@@ -48,11 +52,17 @@ class Indexer(nn.Module):
         b, t, _ = x.shape
         q = self.wq_b(q_latent).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.wk(x)).unsqueeze(1)
-        if cos is not None:  # the rotated share comes first here, unlike the layer's own heads
-            q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
+        if cos is not None:  # the rotated share comes first here (unless rope_tail), unlike the layer's own heads
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         # weights_proj in f32, as Transformers keeps it
         weights = F.linear(x.float(), self.weights_proj.plain().float()) * self.heads ** -0.5
         return (q, weights.unsqueeze(1)), k
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.rope_tail:
+            return apply_rotary(x, cos, sin, self.interleaved)
+        kept, rotated = x.split([self.head_dim - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat((kept, apply_rotary(rotated, cos, sin, self.interleaved)), dim=-1)
 
     def choose(self, queries, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The allowed pairs [n, 1, t, s] narrowed to each query's index_topk best keys (`mask`: those

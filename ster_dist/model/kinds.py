@@ -37,9 +37,11 @@ from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.inkling import InklingAttention
 from ster_dist.model.kimi_delta import KimiDeltaAttention
 from ster_dist.model.lightning import LightningAttention
+from ster_dist.model.loop_attention import LoopAttention
 from ster_dist.model.mamba import MambaMixer
 from ster_dist.model.mamba2 import Mamba2Mixer
 from ster_dist.model.mla import LatentAttention
+from ster_dist.model.query_bottleneck import BottleneckAttention
 from ster_dist.model.shared_block import Mamba2SharedBlock
 from ster_dist.model.short_conv import ShortConv
 from ster_dist.model.side_by_side import SideBySide
@@ -89,13 +91,16 @@ MIXERS: dict[str, MixerKind] = {
     "mamba2_shared_block": MixerKind(Mamba2SharedBlock, "mixer", normed=False),
     "lightning": MixerKind(LightningAttention, "mixer"),
     "inkling_attention": MixerKind(InklingAttention, "attn"),
+    "loop_attention": MixerKind(LoopAttention, "attn"),
+    "bottleneck_attention": MixerKind(BottleneckAttention, "attn"),  # Step3's query bottleneck
 }
 # Falcon-H1's layers, under its config's names for the multipliers
 MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),
                                           ("mamba2", "ssm_in_multiplier", "ssm_out_multiplier"))
 
 FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | None]] = {
-    "dense": lambda cfg, layer, ctx: MLP(cfg, ctx),
+    "dense": lambda cfg, layer, ctx: MLP(cfg, ctx, cfg.layer_intermediate[layer] if cfg.layer_intermediate else None,
+                                         sparsity=cfg.gate_sparsity(layer)),
     "moe": lambda cfg, layer, ctx: MoE(cfg, ctx, layer),
     "none": lambda cfg, layer, ctx: None,  # a block of the mixer alone (Mamba)
     "dense_and_moe": lambda cfg, layer, ctx: ExpertsBesideDense(cfg, ctx, layer),  # Gemma 4's enable_moe_block

@@ -1,6 +1,9 @@
 """Norms: RMSNorm and LayerNorm, with or without bias, scales stored as-is or as an offset from one.
 
-`heads` > 0 normalises each head_dim slice separately (per-head query/key norms);
+An RMS norm scales in the input's dtype after casting back (Llama), or in f32 before it (`scale_f32`:
+Gemma 3n; a scale stored as an offset from one is always applied in f32). `heads` > 0 normalises each head_dim
+slice separately (per-head query/key norms); `groups` > 1 normalises each of that many equal slices of the
+width apart before the one stored scale (K2-Horizon's grouped norms);
 per_head_weight gives each head its own scale ([heads, head_dim]). A norm over a
 projection split across ranks (OLMo 2's whole-projection query/key norm) sums its
 statistics over the ranks.
@@ -18,10 +21,12 @@ from ster_dist.parallel.linear import ShardedModule
 class Norm(ShardedModule):
     def __init__(self, dim: int, eps: float, kind: str = "rms", bias: bool = False, offset: float = 0.0,
                  affine: bool = True, heads: int = 0, per_head_weight: bool = False,
-                 rows: tuple[tuple[int, int], ...] | None = None, ctx: ParallelCtx = SINGLE):
+                 rows: tuple[tuple[int, int], ...] | None = None, ctx: ParallelCtx = SINGLE, scale_f32: bool = False,
+                 groups: int = 1):
         """dim: the normalised width. rows: this rank's share of a weight split like a projection."""
         super().__init__()
         self.eps, self.kind, self.offset, self.heads, self.ctx = eps, kind, offset, heads, ctx
+        self.scale_f32, self.groups = scale_f32, groups
         self.split = rows is not None and not heads  # a whole projection split over ranks
         if per_head_weight:
             shape, shard = (heads, dim), Shard((heads, dim), 0, rows) if rows else Shard((heads, dim))
@@ -46,6 +51,9 @@ class Norm(ShardedModule):
             h = h.unflatten(-1, (-1, self.global_dim))
         if self.split:
             h = self._split_rms(h)
+        elif self.kind == "rms" and self.groups > 1:
+            h = h.unflatten(-1, (self.groups, -1))
+            h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
         elif self.kind == "rms":
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         else:
@@ -54,7 +62,7 @@ class Norm(ShardedModule):
             w = self.weight.float()
             if self.offset:
                 h = h * (self.offset + w)
-            elif self.kind == "rms":  # Llama casts back before scaling; kept for bf16 parity
+            elif self.kind == "rms" and not self.scale_f32:  # Llama casts back before scaling; kept for bf16 parity
                 h = h.to(dtype) * self.weight
             else:
                 h = h * w

@@ -24,6 +24,8 @@ class Chunk:
     start: int               # tokens of this sequence already in the cache = position of its first new token
     length: int              # new tokens this step, >= 1
     state: int = -1          # the sequence's state slot in recurrent layers (-1: the model has none)
+    # a prefix LM's prompt length: positions below it attend each other both ways (the chunk reads them all)
+    prefix: int = 0
 
 
 def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
@@ -59,8 +61,8 @@ class PagedCache:
             raise ValueError(f"a paged cache needs block_size >= 1 and num_blocks >= 2 (block {self.NULL_BLOCK} is "
                              f"the null block); got block_size {block_size}, num_blocks {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.dtype = dtype or model.embed.weight.dtype
-        device = model.embed.weight.device
+        self.dtype = dtype or model.dtype
+        device = model.device
 
         def blocks(shape):
             return torch.zeros((num_blocks, block_size, *shape), dtype=self.dtype, device=device)
@@ -70,7 +72,7 @@ class PagedCache:
         self.values = [blocks(kv[1]) if kv is not None else None for kv in shapes]
         # recurrent state is kept in the model's dtype: a scan's state accumulates, and rounding it to a narrower
         # cache dtype every step would drift from the whole read
-        state_dtype = model.embed.weight.dtype
+        state_dtype = model.dtype
         self.state_slots = state_slots
         self.states = {layer: tuple(torch.zeros((state_slots, *shape), dtype=state_dtype, device=device)
                                     for shape in layer_shapes)
@@ -79,14 +81,14 @@ class PagedCache:
     @staticmethod
     def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
         """What one block costs on this rank, all layers."""
-        itemsize = (dtype or model.embed.weight.dtype).itemsize
+        itemsize = (dtype or model.dtype).itemsize
         per_position = sum(math.prod(kv[0]) + math.prod(kv[1]) for kv in _slot_shapes(model) if kv is not None)
         return per_position * block_size * itemsize
 
     @staticmethod
     def state_bytes(model: nn.Module) -> int:
         """What one sequence's recurrent state costs on this rank, all layers (0 for attention-only models)."""
-        itemsize = model.embed.weight.dtype.itemsize
+        itemsize = model.dtype.itemsize
         return sum(math.prod(shape) for shapes in state_shapes(model).values() for shape in shapes) * itemsize
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -23,8 +23,8 @@ class _AttendGroup:
     query positions [n, queries]; masks by window, built on first use."""
 
     def __init__(self, tokens: slice | torch.Tensor, table: torch.Tensor, query_pos: torch.Tensor,
-                 block_size: int):
-        self.tokens, self.table, self.query_pos = tokens, table, query_pos
+                 block_size: int, prefix: int = 0):
+        self.tokens, self.table, self.query_pos, self.prefix = tokens, table, query_pos, prefix
         self.one_token = query_pos.shape[1] == 1 and table.shape[0] > 1  # queries come from n sequences
         keys = table.shape[1] * block_size
         # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
@@ -57,6 +57,8 @@ class _AttendGroup:
         if (window, chunk) not in self._masks:
             distance = self.query_pos.unsqueeze(2) - self.key_pos[:, None, :]
             allowed = distance >= 0
+            if self.prefix:  # a prefix LM's prompt, read whole: its tokens see each other both ways
+                allowed |= (self.query_pos.unsqueeze(2) < self.prefix) & (self.key_pos[:, None, :] < self.prefix)
             if window is not None:
                 allowed &= distance < window
             if chunk is not None:  # Llama 4's chunked layers: keys of the query's own chunk only
@@ -82,6 +84,8 @@ class PagedStep:
         for c in chunks:
             end = c.start + c.length
             need = -(-end // bs)
+            if c.prefix and (c.start > 0 or c.length < c.prefix):
+                raise ValueError(f"{c}: a prompt attending both ways is read whole, from position 0")
             if c.length < 1 or c.start < 0 or len(c.blocks) < need:
                 raise ValueError(f"{c}: needs length >= 1, start >= 0 and {need} blocks of {bs} positions")
             written = c.blocks[c.start // bs: need]
@@ -123,7 +127,7 @@ class PagedStep:
             if c.length > 1:
                 table = torch.tensor([c.blocks[:needed[i]]], device=device)
                 query_pos = torch.arange(c.start, c.start + c.length, device=device).unsqueeze(0)
-                groups.append(_AttendGroup(slice(offsets[i], offsets[i + 1]), table, query_pos, bs))
+                groups.append(_AttendGroup(slice(offsets[i], offsets[i + 1]), table, query_pos, bs, c.prefix))
         return groups
 
     @staticmethod
@@ -161,15 +165,22 @@ class PagedStep:
             out[0][tokens] = y
         return out
 
-    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn,
-               chunk: int | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q, k: torch.Tensor | None, v: torch.Tensor | None, window: int | None, fn,
+               chunk: int | None = None, keep: bool = False) -> torch.Tensor:
         """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys, values, mask,
         key_positions) per group over its sequences' gathered keys (within `window` and the query's `chunk`);
-        outputs packed [1, heads, tokens, width]. k and v None: `layer`'s keys, stored earlier in this step, are
-        attended as they are (Gemma 4's shared layers)."""
+        outputs packed [1, heads, tokens, width]. k and v None: attend `layer`'s stored keys and values
+        (Gemma 3n's shared layers); `keep` needs nothing here, the cache holding every layer's."""
         if k is not None:
             self.cache.write(layer, self.slots, k, v)
-        dtype = (k if k is not None else q).dtype  # latent attention's q is a tuple; its k never None
+        return self._each_group(layer, q, fn, window, chunk, (k if k is not None else q).dtype)
+
+    def attend_again(self, layer: int, q: torch.Tensor, fn, fresh=None) -> torch.Tensor:
+        """fn(q, keys, values, causal mask, key_positions) per group over the keys an earlier layer of this step
+        stored in the cache (a looped model's first pass, model/loop_attention.py); outputs packed like attend's."""
+        return self._each_group(layer, q, fn, None, None, q.dtype)
+
+    def _each_group(self, layer: int, q, fn, window: int | None, chunk: int | None, dtype: torch.dtype) -> torch.Tensor:
         outs = []
         for group in self.groups:
             keys, values = self.cache.gather(layer, group.table)

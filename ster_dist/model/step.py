@@ -18,7 +18,7 @@ class StepState:
     """What every layer of one forward step shares: positions, cache slots, masks and rotary tables."""
 
     def __init__(self, positions: torch.Tensor, valid: torch.Tensor, tables: RotaryTables,
-                 cache: KVCache | None):
+                 cache: KVCache | None, bidirectional_prompt: bool = False):
         self.positions = positions
         self.padding = None if bool(valid.all()) else valid  # [batch, seq] where some token is padding
         self.tables = tables
@@ -33,6 +33,9 @@ class StepState:
         query_slot = torch.arange(start, start + t).view(1, t, 1)
         key_slot = torch.arange(s).view(1, 1, s)
         self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
+        if bidirectional_prompt and cache is not None and start == 0 and t > 1:
+            # a prompt read whole from position zero (a prefix LM's): each of its tokens sees all of its tokens
+            self._base = key_valid.unsqueeze(1).expand(-1, t, -1)
         self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
@@ -59,19 +62,27 @@ class StepState:
                 self._masks[window, chunk] = (allowed | self._diag).unsqueeze(1)
         return self._masks[window, chunk]
 
-    def attend(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, window: int | None, fn,
-               chunk: int | None = None):
+    def attend(self, layer: int, q, k: torch.Tensor | None, v: torch.Tensor | None, window: int | None, fn,
+               chunk: int | None = None, keep: bool = False):
         """fn(q, keys, values, mask, key_positions) over every key this step sees (within `window` positions
         and the query's `chunk`, where stated): this step's keys and values [batch, heads, seq, width] are
-        stored in the cache first, where there is one. k and v None: the keys and values `layer` attended
-        earlier in this step (Gemma 4's shared layers)."""
+        stored in the cache first, where there is one. `keep`: a later layer reads these keys and values, which
+        the step holds for it; k and v None: attend what `layer` kept (Gemma 3n's shared layers)."""
         if k is None:
-            k, v = self.handed_on[("kv", layer)]
+            k, v = self.handed_on["kv", layer]
         else:
             if self.cache is not None:
                 k, v = self.cache.write(layer, self.slots, k, v)
-            self.handed_on[("kv", layer)] = (k, v)  # references only: nothing is copied
+            if keep:
+                self.handed_on["kv", layer] = k, v
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
+
+    def attend_again(self, layer: int, q: torch.Tensor, fn, fresh: tuple[torch.Tensor, torch.Tensor] | None):
+        """fn(q, keys, values, causal mask, key_positions) over the keys an earlier layer of this step stored
+        (a looped model's first pass, model/loop_attention.py): its cache, or without one the keys and values
+        it handed on (`fresh`)."""
+        k, v = self.cache.read(layer, self.slots.stop) if self.cache is not None else fresh
+        return fn(q, k, v, self.mask(None), self._key_pos)
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for x [batch, seq, hidden]: scan(x, valid, state) -> (y, state) over the

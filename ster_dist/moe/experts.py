@@ -69,8 +69,10 @@ GATHER_BYTES = 16 * 1024
 class Experts(ShardedModule):
     fp8_params = ("gate", "up", "down")
 
-    def __init__(self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx):
+    def __init__(self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx, glu_limit: float = 0.0):
+        """glu_limit: min(act(gate), L) * clamp(up, +-L) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
+        self.glu_limit = glu_limit
         num, inner = moe.num_experts, moe.intermediate_size
         self.first, last = ctx.experts(num)
         self.local = last - self.first
@@ -89,6 +91,7 @@ class Experts(ShardedModule):
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
         self.clamped = moe.activation == "clamped_swiglu"
+        self.limited = moe.activation == "limited_swiglu" and moe.swiglu_limit > 0
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.act = activation(hidden_act)
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
@@ -150,6 +153,10 @@ class Experts(ShardedModule):
         if self.clamped:  # GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
             gate = gate.clamp(max=self.limit)
             h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        elif self.limited:  # HY V4: act(min(gate, limit)) * clamp(up, +-limit)
+            h = self.act(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+        elif self.glu_limit:
+            h = self.act(gate).clamp(max=self.glu_limit) * up.clamp(-self.glu_limit, self.glu_limit)
         else:
             h = self.act(gate) * up
         return self._down(project, h, ids)

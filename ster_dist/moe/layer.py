@@ -10,7 +10,9 @@ Nemotron-H's experts may work in a latent width (moe_latent_size): the share is
 projected in before dispatch and the weighed sum projected out after combine. Llama 4 weighs each
 expert's input instead (moe_apply_router_weight_on_input): every (token, expert) pair travels as its own
 row, already scaled, and what comes back is summed as is.
-Inkling's shared experts are weighed by the router (moe/router.py route_with_shared).
+Inkling's shared experts are weighed by the router (moe/router.py route_with_shared). LongCat-Flash's
+identity experts (moe.identity_experts) are chosen like routed ones but never dispatched: each returns its
+input, times its weight.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ class MoE(nn.Module):
             self.latent_out = ColumnLinear(self.width, cfg.hidden_size, ((0, cfg.hidden_size),), cfg.mlp_down_bias)
         else:
             self.latent_in = self.latent_out = None
-        self.experts = Experts(moe, self.width, cfg.hidden_act, ctx)
-        self.shared = MLP(cfg, ctx, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        limits, shared_limits = cfg.layer_glu_limits, cfg.layer_shared_glu_limits  # Step 3.5's clamped layers
+        self.experts = Experts(moe, self.width, cfg.hidden_act, ctx, limits[layer] if limits else 0.0)
+        self.shared = (MLP(cfg, ctx, moe.shared_intermediate_size, limit=shared_limits[layer] if shared_limits else 0.0)
+                       if moe.shared_intermediate_size else None)
         self.shared_gate = Replicated((1, cfg.hidden_size)) if moe.shared_gate else None
         self.shared_average = moe.shared_average
         self.weight_input = moe.weight_input
@@ -54,6 +58,7 @@ class MoE(nn.Module):
                                        cfg.hidden_act, replace(ctx, ep_rank=0, ep_size=1, ep_group=None))
                                if moe.shared_routed else None)
         self.top_k = moe.top_k
+        self.identity_experts = moe.identity_experts
 
     def forward(self, x: torch.Tensor, route_from: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' output for x; `route_from`: what the router reads where that is not x (Gemma 4's router
@@ -66,6 +71,8 @@ class MoE(nn.Module):
         weights, ids = self.router(routed)
         weights, gammas = weights[:, : self.top_k], weights[:, self.top_k:]
         inputs = self.latent_in(share) if self.latent_in is not None else share
+        if self.identity_experts:
+            return self._with_identity(x, share, weights, ids, tokens)
         if self.weight_input:  # Llama 4: each (token, expert) pair's input scaled by its weight, summed as is
             inputs = (inputs.unsqueeze(1) * weights.unsqueeze(-1).to(inputs.dtype)).flatten(0, 1)
         rows, local_ids, handle = dispatch(inputs, ids, self.num_experts, self.ctx, pairs=self.weight_input)
@@ -83,6 +90,22 @@ class MoE(nn.Module):
         if out.shape[0]:  # every rank of a tensor-parallel group holds the same share, so all skip together
             out = self.ctx.all_reduce(out)
         return self.ctx.ep_gather_rows(out, tokens).view(x.shape)
+
+    def _with_identity(self, x: torch.Tensor, share: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       tokens: int) -> torch.Tensor:
+        """LongCat-Flash's experts: only the pairs choosing a routed expert are dispatched; an identity expert
+        returns its input, weighed here, on every rank alike, and joins after the routed partial sums are
+        reduced (it is whole on each tensor-parallel rank)."""
+        routed = ids < self.num_experts
+        token_of = routed.nonzero(as_tuple=True)[0]
+        rows, local_ids, handle = dispatch(share[token_of], ids[routed].unsqueeze(1), self.num_experts, self.ctx)
+        back = combine(self.experts(rows, local_ids), handle).float() * weights[routed].unsqueeze(-1)
+        out = torch.zeros(share.shape[0], self.width, dtype=torch.float32, device=share.device)
+        out = out.index_add_(0, token_of, back).to(x.dtype)
+        if out.shape[0]:
+            out = self.ctx.all_reduce(out)
+        identity = share.float() * weights.masked_fill(routed, 0.0).sum(1, keepdim=True)
+        return self.ctx.ep_gather_rows((out.float() + identity).to(x.dtype), tokens).view(x.shape)
 
     def _routed_shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Every token through every shared expert, weighed by the router's gammas [tokens, shared] (a partial sum

@@ -5,8 +5,9 @@ every routing seeds/000 names: softmax or sigmoid scores; greedy top-k,
 DeepSeek-V2's group_limited_greedy (the topk_group best of n_group groups,
 ranked by their best expert) and DeepSeek-V3's noaux_tc (groups ranked by the
 sum of their best two, with e_score_correction_bias added only to choose);
-renormalisation of the chosen weights; routed_scaling_factor; and Inkling's
-shared experts scored by the router beside the routed ones (route_with_shared).
+renormalisation of the chosen weights; routed_scaling_factor; Inkling's
+shared experts scored by the router beside the routed ones (route_with_shared); and LongCat-Flash's
+identity experts, scored and chosen like the routed ones (ids from num_experts on).
 """
 
 from __future__ import annotations
@@ -85,13 +86,14 @@ class Router(ShardedModule):
     def __init__(self, moe: MoEConfig, hidden: int, eps: float = 1e-6):
         super().__init__()
         self.moe, self.eps = moe, eps
-        self._param("weight", Shard((moe.num_experts + moe.shared_routed, hidden)))
+        scored = moe.num_experts + moe.identity_experts  # identity experts are scored after the routed ones
+        self._param("weight", Shard((scored + moe.shared_routed, hidden)))
         if moe.router_bias:
-            self._param("bias", Shard((moe.num_experts,)))
+            self._param("bias", Shard((scored,)))
         else:
             self.bias = None
         if moe.correction_bias:
-            self._param("correction", Shard((moe.num_experts,)))
+            self._param("correction", Shard((scored,)))
         else:
             self.correction = None
         if moe.router_scale:
@@ -106,7 +108,7 @@ class Router(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the router scores
-        shared experts too (route_with_shared)."""
+        shared experts too (route_with_shared); an id from num_experts on is an identity expert."""
         bias = self.bias.float() if self.bias is not None else None
         if self.input_scale is not None:
             x = self._normed(x)

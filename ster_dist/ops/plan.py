@@ -1,4 +1,4 @@
-"""ster plan: how a model would sit on tp x ep ranks over nodes, from its config.json and its
+"""ster plan: how a model would sit on tp x ep x pp ranks over nodes, from its config.json and its
 safetensors headers alone (a local directory's headers, or a Hub repository's read by range requests):
 each rank's parameter and read bytes from the real shard plan (shard/footprint.py), its KV cache per
 token, how many tokens of KV fit beside its weights, where each rank runs, and a one-line verdict.
@@ -20,6 +20,7 @@ from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.load import PRECISIONS, check_expert_parallel, check_weights
 from ster_dist.parallel.ctx import ParallelCtx
+from ster_dist.parallel.pipeline import check_pipeline
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.shard.footprint import RankFootprint, Tensor, rank_footprint, sort_tensors
 from ster_dist.shard.safetensors_header import DTYPES, entries
@@ -35,12 +36,15 @@ STORED = {"fp8": "FP8", "mxfp4": "MXFP4", "compressed-tensors": "FP8"}
 
 
 def plan(request: PlanRequest) -> dict:
-    placement = place(request.tp, request.ep, request.nodes, request.gpus_per_node)
+    placement = place(request.tp, request.ep, request.nodes, request.gpus_per_node, request.pp)
     raw, tensors, where = read_model(request.model, request.revision)
     cfg = from_hf(raw, where)
-    ctxs = [ParallelCtx(tp_rank=r % request.tp, tp_size=request.tp, ep_rank=r // request.tp, ep_size=request.ep)
-            for r in range(request.tp * request.ep)]
+    stage = request.tp * request.ep
+    ctxs = [ParallelCtx(tp_rank=r % stage % request.tp, tp_size=request.tp, ep_rank=r % stage // request.tp,
+                        ep_size=request.ep, pp_rank=r // stage, pp_size=request.pp)
+            for r in range(stage * request.pp)]
     check_expert_parallel(cfg, ctxs[0])
+    check_pipeline(cfg, request.pp)
     check_weights(cfg, request.weights, request.model)
     checkpoint = sort_tensors(cfg, raw, tensors)
     dtype = PRECISIONS[request.precision]
@@ -55,7 +59,8 @@ def plan(request: PlanRequest) -> dict:
     tokens = min(kv)  # block ids are the same on every rank: the smallest cache bounds them all
     return {
         "model": request.model, "family": cfg.family, "precision": request.precision, "weights": request.weights,
-        "tp": request.tp, "ep": request.ep, "world_size": len(ranks),
+        "tp": request.tp, "ep": request.ep, "pp": request.pp, "world_size": len(ranks),
+        "stages": [{"stage": s, "layers": list(ranks[s * stage].layers)} for s in range(request.pp)],
         "quantization": checkpoint.method,
         "quantization_config": cfg.quant.summary() if cfg.quant else None,
         "fp8_weight_block_size": list(checkpoint.block) if checkpoint.block else None,
@@ -76,21 +81,24 @@ def plan(request: PlanRequest) -> dict:
     }
 
 
-def place(tp: int, ep: int, nodes: int, gpus_per_node: int) -> list[tuple[int, int]]:
+def place(tp: int, ep: int, nodes: int, gpus_per_node: int, pp: int = 1) -> list[tuple[int, int]]:
     """(node, GPU) of every rank: whole TP groups (tp consecutive ranks) packed into nodes, since a TP
-    group all-reduces in every layer and must not cross the slower link between nodes."""
-    world, gpus = tp * ep, nodes * gpus_per_node
+    group all-reduces in every layer and must not cross the slower link between nodes; expert groups and
+    pipeline stages fill the nodes after (a stage boundary sends one hidden state per token)."""
+    world, gpus = tp * ep * pp, nodes * gpus_per_node
     if tp > gpus_per_node:
         raise Refusal(f"--tp {tp} is more than --gpus-per-node {gpus_per_node}: a tensor-parallel group must sit "
                       f"inside one node; use --tp {gpus_per_node} or less and split the rest with --ep")
     if world > gpus:
-        raise Refusal(f"--tp {tp} x --ep {ep} is {world} ranks, more than --nodes {nodes} x --gpus-per-node "
-                      f"{gpus_per_node} = {gpus} GPUs; use --nodes {-(-world // gpus_per_node)} or a smaller --ep")
+        raise Refusal(f"--tp {tp} x --ep {ep} x --pp {pp} is {world} ranks, more than --nodes {nodes} x "
+                      f"--gpus-per-node {gpus_per_node} = {gpus} GPUs; use --nodes {-(-world // gpus_per_node)} "
+                      "or a smaller --ep / --pp")
     per_node = gpus_per_node // tp  # TP groups one node holds
-    if ep > nodes * per_node:
-        raise Refusal(f"{ep} TP groups of {tp} do not fit whole in {nodes} node(s) of {gpus_per_node} GPUs "
+    groups = ep * pp
+    if groups > nodes * per_node:
+        raise Refusal(f"{groups} TP groups of {tp} do not fit whole in {nodes} node(s) of {gpus_per_node} GPUs "
                       f"({per_node} per node); use a --tp that divides {gpus_per_node}, or --nodes "
-                      f"{-(-ep // per_node)}")
+                      f"{-(-groups // per_node)}")
     return [((r // tp) // per_node, ((r // tp) % per_node) * tp + r % tp) for r in range(world)]
 
 
@@ -179,7 +187,9 @@ def _indexer_keys(cfg: ModelConfig) -> str:
 def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
     sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
     if cfg.mla is not None:
-        what = (f"latent attention: per layer the normed latent ({cfg.mla.kv_lora_rank}) and the rotated key "
+        # Dots3-Note's sliding layers keep latents of their own rank
+        ranks = "/".join(str(r) for r in sorted({cfg.mla_of(i).kv_lora_rank for i in range(cfg.num_layers)}))
+        what = (f"latent attention: per layer the normed latent ({ranks}) and the rotated key "
                 f"({cfg.mla.qk_rope_head_dim}){_indexer_keys(cfg)}, whole on every rank (not split by --tp)")
     else:
         what = "per layer this rank's key-value heads x head_dim, keys and values"
@@ -207,7 +217,8 @@ def state_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict
 
 
 def _rank_json(rank: RankFootprint, where: tuple[int, int]) -> dict:
-    return {"rank": rank.rank, "tp_rank": rank.tp_rank, "ep_rank": rank.ep_rank, "node": where[0], "gpu": where[1],
+    return {"rank": rank.rank, "tp_rank": rank.tp_rank, "ep_rank": rank.ep_rank, "pp_rank": rank.pp_rank,
+            "layers": list(rank.layers), "node": where[0], "gpu": where[1],
             "parameter_bytes": rank.parameter_bytes, "parameter_gib": round(rank.parameter_bytes / GIB, 2),
             "read_bytes": rank.read_bytes, "scale_bytes": rank.scale_bytes,
             "kv_bytes_per_token": rank.kv_bytes_per_token,
@@ -248,7 +259,7 @@ def verdict(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], 
         return (f"does not fit: beside rank {worst.rank}'s {need:.1f} GiB of weights the KV cache holds {tokens} "
                 f"tokens, fewer than {length}; give a smaller --max-model-len, or "
                 f"try {_more_ranks(request, cfg, 2)}")
-    nodes = len({node for node, _ in place(request.tp, request.ep, request.nodes, request.gpus_per_node)})
+    nodes = len({node for node, _ in place(request.tp, request.ep, request.nodes, request.gpus_per_node, request.pp)})
     held = f"KV cache for {tokens} tokens" if worst.kv_bytes_per_token else "no KV cache (every layer recurrent)"
     states = f", a {_size(state)} recurrent state each" if state else ""
     return (f"fits: {len(ranks)} rank(s) on {nodes} node(s), at most {need:.1f} GiB of weights per rank "
@@ -273,6 +284,10 @@ def _more_ranks(request: PlanRequest, cfg: ModelConfig, factor: int) -> str:
     tp = request.tp * factor
     if tp <= request.gpus_per_node:
         options.append(f"--tp {tp}")
+    pp = request.pp * factor
+    if pp <= cfg.num_layers:
+        world = request.tp * request.ep * pp
+        options.append(f"--pp {pp} ({world} GPUs, --nodes {-(-world // request.gpus_per_node)})")
     if not options:
         options.append("more --ep ranks over more nodes, or GPUs with more memory")
     return " / ".join(options)

@@ -142,7 +142,7 @@ def evaluate(session: Session, request: TuneEvaluateRequest) -> dict:
         examples, truncated = encode_examples(tokenizer, rows, request.chat_template, system, session.eos,
                                               max_sequence)
         progress(f"scoring {len(examples)} examples")
-        per_example = session.group.on(LossesOnRank).losses(examples, session.pad_id, request.batch_size)[0]
+        per_example = session.group.on(LossesOnRank).losses(examples, session.pad_id, request.batch_size)[session.group.lead]
         revision = session.checkpoint.model_revision
     summary = summarise(per_example)
     if not math.isfinite(summary["loss"]):

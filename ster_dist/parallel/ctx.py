@@ -1,4 +1,5 @@
-"""ParallelCtx: which tensor- and expert-parallel rank this process is, passed explicitly to every layer.
+"""ParallelCtx: which tensor-, expert- and pipeline-parallel rank this process is, passed explicitly to every
+layer.
 
 Layers take global sizes and ask the context for their local share; nothing
 reads a global rank. World size 1 runs the same code with no process group.
@@ -9,6 +10,11 @@ an expert-parallel group the ranks of one tensor-parallel position across them.
 Dense layers are split over the tp group and replicated over the ep group;
 experts are split in contiguous blocks over the ep group, and each expert's
 matrices over the tp group like a dense feed-forward.
+
+Under pipeline parallelism the world is pp stages of tp x ep ranks each, stage s holding world ranks
+s*tp*ep .. (s+1)*tp*ep - 1: a stage's tensor- and expert-parallel groups are the ones above within it, and
+each rank passes its activations to the rank of the same position in the next stage (parallel/pipeline.py
+splits the layers between stages).
 """
 
 from __future__ import annotations
@@ -46,6 +52,19 @@ class ParallelCtx:
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: object | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_prev: int | None = None  # the world rank this one receives its stage input from (None: the first stage)
+    pp_next: int | None = None  # the world rank it sends its stage output to (None: the last stage)
+    sampler: int = 0  # the world rank whose logits choose the tokens: the last stage's first rank
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     # -- shares ---------------------------------------------------------------
     def split(self, total: int) -> tuple[int, int]:
@@ -98,6 +117,16 @@ class ParallelCtx:
         return self.ep_rank * tokens // self.ep_size, (self.ep_rank + 1) * tokens // self.ep_size
 
     # -- collectives ----------------------------------------------------------
+    def send_next(self, x: torch.Tensor) -> None:
+        """This stage's output to the next stage's rank of the same position."""
+        dist.send(x.contiguous(), dst=self.pp_next)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The previous stage's output: every rank knows the shape, from the token ids all ranks hold."""
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=self.pp_prev)
+        return x
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)

@@ -45,10 +45,12 @@ class Runtime(ModelRef):
                              "loading) or fp8 (kept as stored, with their block scales, and multiplied through them)")
     tp: int = field(1, ge=1, help="tensor-parallel ranks (Ray actors when above 1)")
     ep: int = field(1, ge=1, help="expert-parallel ranks for mixture-of-experts models (tp x ep ranks in all)")
+    pp: int = field(1, ge=1, help="pipeline-parallel stages, each holding a contiguous share of the layers "
+                    "balanced by parameter bytes (tp x ep x pp ranks in all)")
     address: str | None = field(None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)")
 
     def group_key(self) -> tuple:
-        return (self.model, self.revision, self.precision, self.device, self.tp, self.ep, self.weights)
+        return (self.model, self.revision, self.precision, self.device, self.tp, self.ep, self.weights, self.pp)
 
 
 def layers_text(value) -> str:

@@ -82,7 +82,8 @@ def _mount_ster_api(app: FastAPI, state) -> None:
         return
     request = state.request
     defaults = {"model": request.model, "revision": request.revision, "precision": request.precision,
-                "device": request.device, "tp": request.tp, "ep": request.ep, "weights": request.weights}
+                "device": request.device, "tp": request.tp, "ep": request.ep, "pp": request.pp,
+                "weights": request.weights}
     app.include_router(ster_router(state.client, defaults))
 
 

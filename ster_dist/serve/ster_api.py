@@ -44,7 +44,7 @@ from ster_dist.schema.base import kind_of_value
 ENDPOINTS = {cls.ster_name or cls.command[-1]: cls for cls in (
     SteerTrainRequest, SteerOptimizeRequest, SteerEvaluateRequest, GenerateRequest, ExtractRequest,
     SteerInspectRequest)}
-SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "weights")
+SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "pp", "weights")
 NDJSON = "application/x-ndjson"
 POLL_S = 1.0  # one poll's longest wait; news wakes it at once
 _SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")

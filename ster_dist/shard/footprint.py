@@ -82,6 +82,8 @@ class RankFootprint:
     scale_bytes: int         # of which FP8 scales or MXFP4 exponents
     kv_bytes_per_token: int  # its paged KV cache per token, all layers, at the compute dtype
     state_bytes_per_sequence: int = 0  # one sequence's recurrent state (Mamba, delta rule, ...), all layers
+    pp_rank: int = 0
+    layers: tuple[int, int] = (0, 0)  # [start, end) of the layers its pipeline stage holds
 
 
 def sort_tensors(cfg: ModelConfig, raw: dict, tensors: dict[str, Tensor]) -> CheckpointTensors:
@@ -161,7 +163,8 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
     shards = module_shards(model)
     copies = tied_parameters(model)
     shapes = {name: t.shape for name, t in checkpoint.planned.items()}
-    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies})
+    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies},
+                      elsewhere=model.elsewhere)
     missing = sorted(set(shards) - set(plan.expected))
     if missing:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "
@@ -197,4 +200,5 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
             shape = shards[name].local_shape()
             params += math.prod(shape) * (1 - dtype.itemsize) + kept_scale_bytes(spans, checkpoint.scale_blocks, shape)
     return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, read + scale_bytes, scale_bytes,
-                         PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model))
+                         PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model), ctx.pp_rank,
+                         model.stage)

@@ -37,7 +37,8 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
     for module, attr, _, _ in copies:
         module._parameters[attr] = None
     shapes = {name: source.shape(name) for name in source.names()}
-    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies})
+    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies},
+                      elsewhere=getattr(model, "elsewhere", None))
     kept = {}
     if keep_fp8:
         quantized = set(getattr(source, "scales", {}))  # Fp8Source: quantized tensor -> its scale tensor

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from ster_dist.config import ModelConfig
 from ster_dist.config_file import text_weight_names
 from ster_dist.errors import Refusal
-from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked, target_name
+from ster_dist.families.spec import FamilySpec, Fused, Rule, Stacked, halved, target_name
 from ster_dist.parallel.ctx import Shard
 
 
@@ -51,9 +52,11 @@ class Plan:
         return {r.param for r in self.reads}
 
 
-def size_of(name: str, cfg: ModelConfig) -> int:
+def size_of(name: str, cfg: ModelConfig, layer: int | None = None) -> int:
     if name.startswith("linear_"):
         return _linear_size(name, cfg)
+    if name.startswith("layer_"):
+        return _layer_size(name, cfg, layer)
     return {
         "one": 1, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
         "heads_per_kv": cfg.num_heads // cfg.num_kv_heads if cfg.num_kv_heads else 0, "intermediate": cfg.intermediate_size,
@@ -79,6 +82,20 @@ def _linear_size(name: str, cfg: ModelConfig) -> int:
     }[name]
 
 
+def _layer_size(name: str, cfg: ModelConfig, layer: int | None) -> int:
+    """Rows one key-value group of `layer` holds in a fused qkv_proj whose groups are the config's
+    num_key_value_heads while the layer's own key-value heads differ (MiMo-V2's sliding layers hold two per
+    group), so query, key and value rows are counted per layer, values at their own width."""
+    if layer is None:
+        raise ValueError(f"size {name} is per layer, and no layer was given")
+    groups = cfg.num_kv_heads
+    return {
+        "layer_query_rows_per_group": cfg.heads(layer) // groups * cfg.head_dim,
+        "layer_key_rows_per_group": cfg.kv_heads(layer) // groups * cfg.head_dim,
+        "layer_value_rows_per_group": cfg.kv_heads(layer) // groups * (cfg.value_head_dim or cfg.head_dim),
+    }[name]
+
+
 def _runs(units: list[int]) -> list[tuple[int, int, int]]:
     """Consecutive source units as (source start, source stop, destination offset) runs."""
     runs: list[list[int]] = []
@@ -90,10 +107,11 @@ def _runs(units: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def fused_source_rows(layout: Fused, part: int, dest_rows: tuple[int, int], cfg: ModelConfig) -> list[tuple[int, int, int]]:
+def fused_source_rows(layout: Fused, part: int, dest_rows: tuple[int, int], cfg: ModelConfig,
+                      layer: int | None = None) -> list[tuple[int, int, int]]:
     """Source row runs (start, stop, destination row offset) for global rows of one fused part."""
     unit = size_of(layout.unit, cfg)
-    counts = [size_of(c, cfg) for _, c in layout.parts]
+    counts = [size_of(c, cfg, layer) for _, c in layout.parts]
     group_size = sum(counts)
     offset, count = sum(counts[:part]), counts[part]
     a, b = dest_rows
@@ -103,9 +121,9 @@ def fused_source_rows(layout: Fused, part: int, dest_rows: tuple[int, int], cfg:
     return [(s * unit, e * unit, d * unit) for s, e, d in _runs(units)]
 
 
-def fused_rows_total(layout: Fused, cfg: ModelConfig) -> int:
+def fused_rows_total(layout: Fused, cfg: ModelConfig, layer: int | None = None) -> int:
     groups = size_of(layout.groups, cfg)
-    return groups * sum(size_of(c, cfg) for _, c in layout.parts) * size_of(layout.unit, cfg)
+    return groups * sum(size_of(c, cfg, layer) for _, c in layout.parts) * size_of(layout.unit, cfg)
 
 
 class NameMatcher:
@@ -142,9 +160,10 @@ class NameMatcher:
             for rule, pattern in self.rules:
                 m = pattern.match(candidate)
                 if m:
-                    if self.params is None or self._present(rule, m.groupdict()):
-                        return rule, m.groupdict()
-                    first = first or (rule, m.groupdict())
+                    groups = halved(m.groupdict()) if self.spec.halved_layers else m.groupdict()
+                    if self.params is None or self._present(rule, groups):
+                        return rule, groups
+                    first = first or (rule, groups)
         return first
 
     def _present(self, rule: Rule, groups: dict) -> bool:
@@ -272,10 +291,21 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
     return reads, absent
 
 
+def _first_target(rule: Rule, groups: dict) -> str:
+    """The (first) parameter a rule's tensor fills, its layer filled in: where the tensor belongs."""
+    target = rule.target
+    template = target if isinstance(target, str) else target.parts[0]
+    if not isinstance(template, str):  # a Fused part: (template, count)
+        template = template[0]
+    return target_name(template, groups)
+
+
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
-               shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset()) -> Plan:
+               shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset(),
+               elsewhere: Callable[[str], bool] | None = None) -> Plan:
     """`tied_copies`: parameters that are tied copies of another (parallel/linear.py tie_parameters); a checkpoint
-    that stores their tensor too has it skipped, so the shared tensor is read once."""
+    that stores their tensor too has it skipped, so the shared tensor is read once. `elsewhere(param)`: whether
+    a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped, never read."""
     matcher = NameMatcher(spec, cfg.wrapper, set(shards))
     reads: list[Read] = []
     skipped: list[str] = []
@@ -294,6 +324,9 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             continue
         rule, groups = found
         layer = groups.get("i")
+        if elsewhere is not None and elsewhere(_first_target(rule, groups)):
+            skipped.append(name)  # another pipeline stage's tensor
+            continue
         if isinstance(rule.target, Stacked):
             found_reads, found_absent = _stacked_reads(rule, name, tuple(shape), layer, shards)
             absent += found_absent
@@ -342,7 +375,8 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                 reads.append(Read(name, param, tuple(pieces), stacked=stack is not None))
             continue
         layout: Fused = rule.target
-        total = fused_rows_total(layout, cfg)
+        layer_index = int(layer) if layer is not None else None
+        total = fused_rows_total(layout, cfg, layer_index)
         rows_dim = 1 if rule.transposed else 0
         if shape[rows_dim] != total or (len(shape) == 2 and shape[1 - rows_dim] != cfg.hidden_size):
             raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
@@ -359,7 +393,7 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             ranges = shard.ranges if shard.dim == 0 else ((0, shard.global_shape[0]),)
             pieces, dst = [], 0
             for a, b in ranges:
-                for s, e, d in fused_source_rows(layout, index, (a, b), cfg):
+                for s, e, d in fused_source_rows(layout, index, (a, b), cfg, layer_index):
                     local = slice(dst + d, dst + d + e - s)
                     pieces.append(Piece(None, slice(s, e), (local,), True) if rule.transposed
                                   else Piece(slice(s, e), None, (local,)))

@@ -66,17 +66,18 @@ def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set
                 out[param] = Placement(name, None, rule.transposed)
             continue
         layout: Fused = rule.target
+        layer = int(groups["i"]) if groups.get("i") is not None else None
         for index, (template, count) in enumerate(layout.parts):
             param = target_name(template, groups)
             if param in params:
-                out[param] = Placement(name, tuple(fused_source_rows(layout, index, (0, part_rows(layout, count, cfg)),
-                                                                     cfg)), rule.transposed)
+                rows = (0, part_rows(layout, count, cfg, layer))
+                out[param] = Placement(name, tuple(fused_source_rows(layout, index, rows, cfg, layer)), rule.transposed)
     return out
 
 
-def part_rows(layout: Fused, count: str, cfg: ModelConfig) -> int:
-    """Global rows of one part of a fused tensor."""
-    return size_of(layout.groups, cfg) * size_of(count, cfg) * size_of(layout.unit, cfg)
+def part_rows(layout: Fused, count: str, cfg: ModelConfig, layer: int | None = None) -> int:
+    """Global rows of one part of a fused tensor (of `layer`, where its parts differ from layer to layer)."""
+    return size_of(layout.groups, cfg) * size_of(count, cfg, layer) * size_of(layout.unit, cfg)
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,7 @@ def add_steering(model, vectors: list[tuple[int, torch.Tensor]], strength: float
     """Hook strength x vector onto `model` after each layer; returns the removers."""
     removers = []
     for layer, vector in vectors:
-        weight = model.embed.weight
-        shift = (vector.double() * float(strength)).to(weight.dtype).to(weight.device)
+        shift = (vector.double() * float(strength)).to(model.dtype).to(model.device)
 
         def hook(h: torch.Tensor, shift=shift):
             return h + shift

@@ -3,7 +3,8 @@
 `CaptureOnRank.capture` runs on every rank (a rank extension): a left-padded batch goes through the
 decoder with a hook per requested layer, and the forward stops right after the deepest one (no
 later layer, no head). The residual is replicated over tensor-parallel ranks, so every rank stops
-at the same layer and only rank 0 returns what it read. Rows are F32 whatever the precision.
+at the same layer and only the first rank of each pipeline stage returns what it read (its own
+layers; a stage past the deepest layer does not run). Rows are F32 whatever the precision.
 
 `capture` is the driver's side: batches of token ids in, per batch {layer: rows} out, in order.
 """
@@ -40,6 +41,8 @@ def read_hidden(model, prompts: list[list[int]], layers: list[int], positions: s
                 raise _Done
         return hook
 
+    if model.stage[0] > deepest:  # a pipeline stage past every requested layer: nothing reaches it
+        return out
     removers = [model.add_hook(layer, reader(layer)) for layer in layers]
     try:
         model(ids, pos, valid)
@@ -55,7 +58,8 @@ class CaptureOnRank(RankExtension):
     """Reads the residual on one rank; it holds nothing between calls (each read removes its hooks)."""
 
     def capture(self, prompts: list[list[int]], layers: list[int], positions: str, pad_id: int):
-        return self.first_rank_only(read_hidden(self.model, prompts, layers, positions, pad_id))
+        # each pipeline stage reads the layers it holds; the driver merges them
+        return self.stage_lead_only(read_hidden(self.model, prompts, layers, positions, pad_id))
 
 
 def capture(group, encoded: list[list[int]], layers: list[int], positions: str, pad_id: int,
@@ -63,7 +67,10 @@ def capture(group, encoded: list[list[int]], layers: list[int], positions: str, 
     """(first prompt index, {layer: rows}) per batch of `batch_size` prompts, in order."""
     for start in range(0, len(encoded), batch_size):
         batch = encoded[start:start + batch_size]
-        yield start, group.on(CaptureOnRank).capture(batch, layers, positions, pad_id)[0]
+        rows: dict[int, torch.Tensor] = {}
+        for part in group.on(CaptureOnRank).capture(batch, layers, positions, pad_id):
+            rows.update(part or {})
+        yield start, rows
 
 
 def last_token_rows(group, encoded: list[list[int]], layers: list[int], pad_id: int,

@@ -35,10 +35,14 @@ def score_layers(artifact: SteeringArtifact, positive: dict[int, torch.Tensor],
 
 
 @torch.inference_mode()
-def sequence_logprobs(model, rows: list[list[int]], pad_id: int = 0) -> list[float]:
-    """Per row, the log-probability of its tokens after the first given the ones before them."""
+def sequence_logprobs(model, rows: list[list[int]], pad_id: int = 0) -> list[float] | None:
+    """Per row, the log-probability of its tokens after the first given the ones before them (None on a
+    pipeline stage but the last: it holds no logits)."""
     ids, pos, valid = left_pad(rows, pad_id)
-    logits = model(ids, pos, valid)[:, :-1].float()
+    logits = model(ids, pos, valid)
+    if logits is None:
+        return None
+    logits = logits[:, :-1].float()
     token = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     scored = valid[:, :-1] & valid[:, 1:]
     return (token.double() * scored).sum(-1).tolist()
@@ -95,7 +99,7 @@ def _pair_scores(group, kept, batch_size: int, pad_id: int) -> list[tuple[float,
         rows = []
         for _, positive, negative in kept[start:start + batch_size]:
             rows += [positive, negative]
-        values = group.on(LogprobsOnRank).logprobs(rows, pad_id)[0]
+        values = group.on(LogprobsOnRank).logprobs(rows, pad_id)[group.lead]
         out += list(zip(values[0::2], values[1::2]))
     return out
 

@@ -23,10 +23,14 @@ class LossesOnRank(RankExtension):
 
     @torch.inference_mode()
     def losses(self, examples: list[Example], pad_id: int, batch_size: int) -> list[tuple[float, int]] | None:
-        """(summed NLL, completion tokens) per example, from rank 0 (every rank computes the same logits)."""
+        """(summed NLL, completion tokens) per example, from the lead rank (every rank of the last pipeline
+        stage computes the same logits; an earlier stage only hands its output on)."""
         out = []
         for start in range(0, len(examples), batch_size):
             inputs, valid, targets = collate(examples[start:start + batch_size], pad_id)
+            if not self.model.ctx.last_stage:
+                self.model(inputs, None, valid)
+                continue
             nll, tokens = completion_nll(self.model, inputs, valid, targets)
             out += [(float(n), int(t)) for n, t in zip(nll.double(), tokens)]
         return self.first_rank_only(out)

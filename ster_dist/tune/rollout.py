@@ -73,7 +73,7 @@ def generator_for(seed: int, step: int, index: int) -> torch.Generator:
 def sample_group(decoder, ctx, prompt: tuple[int, ...], group: int, max_new_tokens: int, temperature: float,
                  stops: frozenset[int], generator: torch.Generator) -> list[list[int]]:
     """`group` completions of `prompt`, each ending at its first stop token (kept) or at max_new_tokens."""
-    device = decoder.embed.weight.device
+    device = decoder.device
     ids = torch.tensor([prompt] * group, dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in range(group)]
     done = [False] * group
@@ -176,7 +176,7 @@ def model_rewards(decoder, ctx, artifact: RewardArtifact, policy, sequences: lis
         try:
             scorer.refresh()
             ids, valid = collate_whole([Example(tuple(s), 0) for s in sequences], pad_id)
-            device = decoder.embed.weight.device
+            device = decoder.device
             return rewards(decoder, artifact.head.to(device), ids.to(device), valid.to(device)).tolist()
         finally:
             scorer.detach()

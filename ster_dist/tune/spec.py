@@ -16,20 +16,12 @@ from ster_dist.adapters.targets import PARAMS, refuse_family
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
+from ster_dist.families.adapter_rules import TARGETS_REFUSED
 
 FEED_FORWARD = ("gate", "up", "down")
 _NAMES = {**{t: t for t in TARGETS}, "q": "query", "k": "key", "v": "value", "o": "output",
           **{f"{t}_proj": t for t in ("gate", "up", "down")},
           "q_proj": "query", "k_proj": "key", "v_proj": "value", "o_proj": "output"}
-ATTENTION = ("query", "key", "value", "output")
-TARGETS_REFUSED = {
-    "gemma4_text": (ATTENTION, "full-attention heads are wider than sliding ones; train on gate,up,down"),
-    "gemma4_unified_text": (ATTENTION, "full-attention heads are wider than sliding ones; train on gate,up,down"),
-    "dots3_note": (ATTENTION, "its two kinds of attention layer differ in shape"),
-    "mimo_v2_flash": (ATTENTION, "its two kinds of attention differ in key-value heads"),
-    "mimo_v2": (ATTENTION, "its two kinds of attention differ in key-value heads"),
-    "step3_text": (("query",), "wq reads the bottleneck rather than the hidden state"),
-}
 REQUIRED = (("learning_rate", "--learning-rate", "1e-4"), ("epochs", "--epochs", "3"), ("seed", "--seed", "0"))
 
 

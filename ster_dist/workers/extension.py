@@ -31,9 +31,15 @@ class RankExtension:
         return self.rank.loaded.model
 
     def first_rank_only(self, value):
-        """`value` on rank 0, None elsewhere: for results every rank holds alike (the residual and the
-        gathered logits are replicated), so only one copy travels back to the driver."""
-        return value if self.rank.rank == 0 else None
+        """`value` on the group's lead rank (Rank.lead: rank 0, or the last pipeline stage's first), None
+        elsewhere: for results every rank of a stage holds alike (the residual and the gathered logits are
+        replicated), so only one copy travels back to the driver (group.lead_result picks it)."""
+        return value if self.rank.lead else None
+
+    def stage_lead_only(self, value):
+        """`value` on each pipeline stage's first rank, None elsewhere: for what each stage holds of its own
+        (the residual after its layers); the driver merges the stages' parts."""
+        return value if self.rank.stage_lead else None
 
     def close(self) -> None:
         """Release what this extension holds on its rank; called once, when the rank closes."""

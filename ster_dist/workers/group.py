@@ -1,9 +1,11 @@
 """Driving a model across ranks: load once per rank, then generate / logits / parity.
 
 `open_group` picks the group: a single in-process Rank for one rank (no Ray, no
-process group: the embedded default), Ray actors (or spawned processes) for tp x ep ranks.
-Every group has `call(method, *args)` for Rank's own methods and `on(cls)` for a rank
-extension's (workers/extension.py).
+process group: the embedded default), Ray actors (or spawned processes) for tp x ep x pp ranks.
+Every group has `call(method, *args)` for Rank's own methods (and `submit` / `collect`, the same
+call in two halves, so several can be in flight: pipeline stages then work on different ones),
+`on(cls)` for a rank extension's (workers/extension.py), and `lead`, the index of the rank whose
+answer is the group's (the last pipeline stage's first rank; 0 without --pp).
 """
 
 from __future__ import annotations
@@ -16,11 +18,20 @@ from ster_dist.workers.rank import Rank
 class LocalGroup:
     """One rank in this process: the same calls as RayGroup and SpawnGroup, no communication."""
 
+    lead = 0  # the rank whose answer is the group's (Rank.lead)
+
     def __init__(self):
         self.rank = Rank(0, 1)
 
     def call(self, method: str, *args) -> list:
         return [getattr(self.rank, method)(*args)]
+
+    def submit(self, method: str, *args) -> list:
+        """As the other groups' submit; one rank in this process has answered by the time it returns."""
+        return self.call(method, *args)
+
+    def collect(self, handle: list) -> list:
+        return handle
 
     def on(self, cls: type) -> OnRanks:
         return OnRanks(self, cls)
@@ -35,18 +46,19 @@ class LocalGroup:
         self.close()
 
 
-def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray", ep: int = 1):
-    """tp x ep ranks: tensor-parallel groups of tp, expert-parallel groups of ep."""
-    world = tp * ep
+def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray", ep: int = 1,
+               pp: int = 1):
+    """tp x ep x pp ranks: tensor-parallel groups of tp, expert-parallel groups of ep, pp pipeline stages."""
+    world = tp * ep * pp
     if world == 1 and address is None:
         return LocalGroup()
     if launcher == "spawn":
         from ster_dist.workers.spawn import SpawnGroup
 
-        return SpawnGroup(world, ep=ep)
+        return SpawnGroup(world, ep=ep, pp=pp)
     from ster_dist.workers.ray_group import RayGroup
 
-    return RayGroup(world, device, address, ep=ep)
+    return RayGroup(world, device, address, ep=ep, pp=pp)
 
 
 def load_on(group, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> list[dict]:

@@ -78,11 +78,12 @@ def peak_rss_bytes() -> int:
 
 
 class Rank:
-    def __init__(self, rank: int, world: int, threads: int | None = None, ep: int = 1):
-        """world = tp x ep ranks; this one is tensor-parallel rank rank % tp, expert-parallel rank rank // tp."""
-        if ep < 1 or world % ep:
-            raise ValueError(f"{world} ranks do not split into {ep} expert-parallel groups")
-        self.rank, self.world, self.ep = rank, world, ep
+    def __init__(self, rank: int, world: int, threads: int | None = None, ep: int = 1, pp: int = 1):
+        """world = pp stages of tp x ep ranks; within its stage this one is tensor-parallel rank r % tp and
+        expert-parallel rank r // tp (parallel/ctx.py)."""
+        if ep < 1 or pp < 1 or world % (ep * pp):
+            raise ValueError(f"{world} ranks do not split into {pp} stages of {ep} expert-parallel groups")
+        self.rank, self.world, self.ep, self.pp = rank, world, ep, pp
         self._ctx = ParallelCtx(rank, world, None)
         self.loaded: LoadedModel | None = None
         self._extensions: dict[type, RankExtension] = {}  # one per class, in the order they were made
@@ -109,25 +110,34 @@ class Rank:
             store = rendezvous_store(host, port, self.rank, self.world, timeout)
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
                                     timeout=timeout)
-            if self.ep > 1:
+            if self.ep > 1 or self.pp > 1:
                 self._ctx = self._subgroups()
         return self.rank
 
     def _subgroups(self) -> ParallelCtx:
-        """Tensor-parallel groups of tp consecutive ranks, expert-parallel groups across them. Every rank
-        creates every group, in the same order, as torch.distributed requires."""
-        tp = self.world // self.ep
-        tp_rank, ep_rank = self.rank % tp, self.rank // tp
+        """Per stage, tensor-parallel groups of tp consecutive ranks and expert-parallel groups across them.
+        Every rank creates every group, in the same order, as torch.distributed requires."""
+        per_stage = self.world // self.pp
+        tp = per_stage // self.ep
+        stage, local = divmod(self.rank, per_stage)
+        tp_rank, ep_rank = local % tp, local // tp
         tp_group = ep_group = None
-        for e in range(self.ep):
-            group = dist.new_group([e * tp + t for t in range(tp)]) if tp > 1 else None
-            if e == ep_rank:
-                tp_group = group
-        for t in range(tp):
-            group = dist.new_group([e * tp + t for e in range(self.ep)])
-            if t == tp_rank:
-                ep_group = group
-        return ParallelCtx(tp_rank, tp, tp_group, ep_rank, self.ep, ep_group)
+        for s in range(self.pp):
+            base = s * per_stage
+            for e in range(self.ep):
+                group = dist.new_group([base + e * tp + t for t in range(tp)]) if tp > 1 else None
+                if (s, e) == (stage, ep_rank):
+                    tp_group = group
+            for t in range(tp):
+                group = dist.new_group([base + e * tp + t for e in range(self.ep)]) if self.ep > 1 else None
+                if (s, t) == (stage, tp_rank):
+                    ep_group = group
+        if tp == 1:
+            tp_group = None
+        return ParallelCtx(tp_rank, tp, tp_group, ep_rank, self.ep, ep_group, pp_rank=stage, pp_size=self.pp,
+                           pp_prev=self.rank - per_stage if stage > 0 else None,
+                           pp_next=self.rank + per_stage if stage < self.pp - 1 else None,
+                           sampler=(self.pp - 1) * per_stage)
 
     def ctx(self) -> ParallelCtx:
         return self._ctx
@@ -140,31 +150,52 @@ class Rank:
                 "bytes_read": self.loaded.bytes_read, "peak_rss_before": rss_before,
                 "peak_rss_after": peak_rss_bytes()}
 
+    @property
+    def lead(self) -> bool:
+        """Whether this rank answers for the group: the one whose logits choose the tokens (rank 0, or the
+        last pipeline stage's first rank)."""
+        return self.rank == self._ctx.sampler
+
+    @property
+    def stage_lead(self) -> bool:
+        """Whether this rank answers for its pipeline stage (its first rank): what a stage alone holds, such
+        as the residual after its layers, travels back from it."""
+        return self.rank % (self.world // self.pp) == 0
+
     def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
-            dist.broadcast(tokens, src=0)
+            dist.broadcast(tokens, src=self._ctx.sampler)
         return tokens
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, eos: tuple[int, ...], pad_id: int):
         out = generate(self.loaded.model, prompts, sampling, eos, pad_id, agree=self._agree)
-        return out if self.rank == 0 else None
+        return out if self.lead else None
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor | None:
         out = self.loaded.model(ids)
-        return out if self.rank == 0 else None
+        return out if self.lead else None
 
     def parity(self, length: int, seed: int) -> dict | None:
         from ster_dist.parity import against_reference, ours
 
         ids, captured, logits = ours(self.loaded, length, seed)
-        if self.rank != 0:
+        if not self.lead:
             return None
         return against_reference(self.loaded, ids, captured, logits, tp=self.world)
 
     def whereabouts(self) -> dict:
-        """Where this rank's process is, so a test or an operator can find it."""
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        """Where this rank's process is, so a test or an operator can find it: its Ray node too, when it is
+        an actor (several nodes may share one host)."""
+        out = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        try:
+            import ray
+
+            if ray.is_initialized():
+                out["node"] = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return out
 
     def extension(self, cls: type) -> RankExtension:
         """This rank's instance of extension `cls`, made on first use."""

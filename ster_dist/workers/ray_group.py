@@ -1,5 +1,10 @@
-"""The Ray worker group: N ranks as Ray actors in one placement group, forming one
-torch.distributed group (gloo on CPU, NCCL on CUDA) at an address rank 0 chooses.
+"""The Ray worker group: N ranks as Ray actors, forming one torch.distributed group (gloo on CPU,
+NCCL on CUDA) at an address rank 0 chooses.
+
+Placement follows the traffic: a tensor-parallel group all-reduces in every layer, so each one is a
+placement group of its own, STRICT_PACK (all its ranks on one node); pipeline stages and expert-parallel
+groups, which exchange far less, are free to land on other nodes. A cluster without a node able to
+host a whole tensor-parallel group is refused in one line.
 
 `ray.init()` starts an embedded local cluster when no --address / RAY_ADDRESS is
 given, bound to 127.0.0.1. Any rank failing surfaces as one Refusal naming it,
@@ -78,7 +83,7 @@ def cpus_per_rank(world: int, cluster_cpus: float) -> float:
 
 class RayGroup:
     def __init__(self, world: int, device: str = "cpu", address: str | None = None, threads: int | None = None,
-                 ep: int = 1):
+                 ep: int = 1, pp: int = 1):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -86,10 +91,12 @@ class RayGroup:
         from ster_dist.workers.rank import Rank
 
         self.world = world
+        self.lead = (pp - 1) * (world // pp)  # the rank whose answer is the group's (Rank.lead)
+        tp = world // (ep * pp)
         self._remove_pg = remove_placement_group
         self.started_ray = start_ray(address)
         self.actors = []
-        self.pg = None
+        self.pgs = []  # one per tensor-parallel group, in rank order
         self.healthy = True  # False once a call failed: its ranks may be dead or stuck, so close only kills
         self.reserved_cpus = 0.0  # what its placement group holds of the cluster's CPUs (the pool makes room by it)
         try:
@@ -102,16 +109,17 @@ class RayGroup:
                 bundle, options = {"CPU": share}, {"num_cpus": share}
                 backend = "gloo"
                 threads = threads or max(1, int(cpus // world))
-            self.pg = placement_group([bundle] * world, strategy="PACK")
+            _check_a_node_holds(bundle, tp)
+            self.pgs = [placement_group([bundle] * tp, strategy="STRICT_PACK") for _ in range(world // tp)]
             self.reserved_cpus = bundle["CPU"] * world
-            ready, _ = ray.wait([self.pg.ready()], timeout=120)
-            if not ready:
-                raise Refusal(f"the Ray cluster cannot place {world} ranks of {bundle}; "
-                              "add nodes or lower --tp / --ep")
+            ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=120)
+            if len(ready) < len(self.pgs):
+                raise Refusal(f"the Ray cluster cannot place {world // tp} tensor-parallel groups of {tp} ranks "
+                              f"of {bundle}, each on one node; add nodes or lower --tp / --ep / --pp")
             actor_cls = ray.remote(Rank)
             self.actors = [
-                actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-                                  max_concurrency=1, **options).remote(i, world, threads, ep)
+                actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[i // tp], i % tp),
+                                  max_concurrency=1, **options).remote(i, world, threads, ep, pp)
                 for i in range(world)
             ]
             host, port = self._get([self.actors[0].address.remote()], "address")[0]
@@ -149,10 +157,19 @@ class RayGroup:
         return OnRanks(self, cls)
 
     def call(self, method: str, *args) -> list:
+        return self.collect(self.submit(method, *args))
+
+    def submit(self, method: str, *args) -> tuple[list, str]:
+        """Start a call on every rank without waiting (its handle for collect); each actor runs its calls
+        one at a time, in the order they were made."""
         import ray
 
         shared = [ray.put(a) if _large(a) else a for a in args]
-        return self._get([getattr(actor, method).remote(*shared) for actor in self.actors], describe(method, args))
+        return [getattr(actor, method).remote(*shared) for actor in self.actors], describe(method, args)
+
+    def collect(self, handle: tuple[list, str]) -> list:
+        refs, method = handle
+        return self._get(refs, method)
 
     def close(self) -> None:
         import ray
@@ -170,12 +187,12 @@ class RayGroup:
             except Exception:
                 pass
         self.actors = []
-        if self.pg is not None:
+        for pg in self.pgs:
             try:
-                self._remove_pg(self.pg)
+                self._remove_pg(pg)
             except Exception:
                 pass
-            self.pg = None
+        self.pgs = []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
             self.started_ray = False
@@ -185,6 +202,18 @@ class RayGroup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_a_node_holds(bundle: dict, tp: int) -> None:
+    """Refuse at once, rather than after the placement wait, a tensor-parallel group no node can hold."""
+    import ray
+
+    need = {key: value * tp for key, value in bundle.items()}
+    for node in ray.nodes():
+        if node.get("Alive") and all(node["Resources"].get(key, 0) >= value for key, value in need.items()):
+            return
+    raise Refusal(f"no node of the Ray cluster has {need} for a tensor-parallel group of {tp} ranks, which must "
+                  "sit inside one node; lower --tp, or add a node that large")
 
 
 def _large(value) -> bool:

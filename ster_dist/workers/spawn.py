@@ -14,8 +14,8 @@ from ster_dist.workers.extension import OnRanks, describe
 from ster_dist.workers.rank import Rank, free_port
 
 
-def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1) -> None:
-    worker = Rank(rank, world, threads, ep)
+def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1, pp: int = 1) -> None:
+    worker = Rank(rank, world, threads, ep, pp)
     while True:
         method, args = conn.recv()
         if method is None:
@@ -32,16 +32,18 @@ def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1) -> Non
 
 class SpawnGroup:
     def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0, ep: int = 1,
-                 host: str = "127.0.0.1"):
-        """world ranks: world / ep tensor-parallel ranks times ep expert-parallel ranks, meeting at host."""
-        if ep < 1 or world % ep:
-            raise Refusal(f"{world} ranks do not split into --ep {ep} expert-parallel groups")
+                 host: str = "127.0.0.1", pp: int = 1):
+        """world ranks: pp pipeline stages of world / (ep x pp) tensor-parallel ranks times ep expert-parallel
+        ranks, meeting at host."""
+        if ep < 1 or pp < 1 or world % (ep * pp):
+            raise Refusal(f"{world} ranks do not split into --pp {pp} stages of --ep {ep} expert-parallel groups")
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
+        self.lead = (pp - 1) * (world // pp)  # the rank whose answer is the group's (Rank.lead)
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world, threads, child, ep), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, world, threads, child, ep, pp), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -51,13 +53,21 @@ class SpawnGroup:
         return OnRanks(self, cls)
 
     def call(self, method: str, *args) -> list:
+        return self.collect(self.submit(method, *args))
+
+    def submit(self, method: str, *args) -> str:
+        """Send a call to every rank without waiting (its handle for collect). Ranks answer calls in the
+        order they were sent: collect them in that order, and call nothing else in between."""
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))
             except (OSError, BrokenPipeError):
                 self.close()
                 raise WorkerLost(f"rank {rank} died before {describe(method, args)}; the group was shut down") from None
-        method = describe(method, args)  # the errors below name an extension's method, not call_extension
+        return describe(method, args)  # the errors below name an extension's method, not call_extension
+
+    def collect(self, method: str) -> list:
+        """Every rank's answer to the oldest call submitted and not yet collected."""
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):
