@@ -53,3 +53,20 @@ class PagedOnRank(RankExtension):
         driver = Driver(PagedCache(self.model, num_blocks, BLOCK))
         logits = [run_step(self.model, driver, tokens, step)[1] for step in schedule]
         return {"logits": self.first_rank_only(logits), "key_shape": tuple(driver.cache.keys[0].shape)}
+
+
+def check_paged_equals_whole(model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40) -> Driver:
+    """Run `schedule` through a paged cache of `model`: each chunk's last logits must equal the whole read's
+    at that position (a causal read: position p's logits are those of the first p + 1 tokens read whole).
+    Returns the driver, for what a test checks after."""
+    from ster_dist.parity import compare
+
+    with torch.no_grad():
+        whole = {name: model(t[None])[0] for name, t in tokens.items()}
+    driver = Driver(PagedCache(model, num_blocks, BLOCK))
+    for step in schedule:
+        chunks, logits = run_step(model, driver, tokens, step)
+        for row, ((name, _), c) in enumerate(zip(step, chunks)):
+            error = compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"]
+            assert error < 1e-5, (step, name, error)
+    return driver

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from ster_dist.config import from_hf
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
-from tests.test_engine import open_engine
+from tests.engine_checks import check_engine_answers_as_generate
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, check_paged_equals_whole, run_step
 from tests.tiny_models import TINY, make_tiny
 
 TOPK, WINDOW = 12, 8
@@ -84,14 +80,7 @@ def _tokens(seed: int) -> dict[str, torch.Tensor]:
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     _, _, model = tiny
     tokens = _tokens(3)
-    with torch.no_grad():  # a causal read: position p's logits are those of the first p + 1 tokens read whole
-        whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, 40, BLOCK))
-    for step in SCHEDULE:
-        chunks, logits = run_step(model, driver, tokens, step)
-        for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            expected = whole[name][c.start + c.length - 1]
-            assert compare(logits[row], expected)["max_relative_error"] < 1e-5, (step, name)
+    driver = check_paged_equals_whole(model, tokens, SCHEDULE)
     assert driver.length["A"] > TOPK and driver.length["C"] > TOPK
     # a full layer keeps its latent, shared rotated key and indexer key; the sliding one its own narrower latent
     assert PagedCache.block_bytes(model, 1) == 4 * ((16 + 4 + 16) * 2 + 12 + 4)
@@ -111,15 +100,7 @@ def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory, _, _ = tiny
-    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=10",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=16) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True))
-                   for p in prompts]
-        got = [s.result().text for s in streams]
-    assert got == want
+    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
 
 
 def test_an_attention_adapter_is_refused_at_attach(tiny, tmp_path):

@@ -10,17 +10,14 @@ import pytest
 import torch
 
 from ster_dist.config import from_hf
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import status
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
-from tests.test_engine import open_engine
+from tests.engine_checks import check_engine_answers_as_generate
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, check_paged_equals_whole, run_step
 from tests.tiny_models import TINY, make_tiny
 
 STORED_LAYERS = TINY["longcat_flash"][2]["num_layers"]
@@ -67,13 +64,7 @@ def _tokens() -> dict[str, torch.Tensor]:
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     model = tiny[2].model
     tokens = _tokens()
-    with torch.no_grad():  # a causal read: position p's logits are those of the first p + 1 tokens read whole
-        whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, 40, BLOCK))
-    for step in SCHEDULE:
-        chunks, logits = run_step(model, driver, tokens, step)
-        for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            assert compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"] < 1e-5, step
+    check_paged_equals_whole(model, tokens, SCHEDULE)
 
 
 def test_two_expert_parallel_ranks_over_paged_caches_equal_one(tiny, ep2):
@@ -88,14 +79,7 @@ def test_two_expert_parallel_ranks_over_paged_caches_equal_one(tiny, ep2):
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory = tiny[0]
-    prompts = ["a prompt of a few words", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=8",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=12) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=8, ignore_eos=True))
-                   for p in prompts]
-        assert [s.result().text for s in streams] == want
+    check_engine_answers_as_generate(directory, ["a prompt of a few words", "short", "another, somewhat longer prompt"], 8, 12)
 
 
 _CONFIG = {"model_type": "longcat_flash", "hidden_size": 64, "num_attention_heads": 4, "num_layers": 2,

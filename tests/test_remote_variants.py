@@ -31,13 +31,17 @@ from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
 from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
-from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, run_step
-from tests.remote_checks import check_cache_and_batches, check_group_equals_one_rank, greedy_by_rereading, random_ids
+from tests.paged_steps import check_paged_equals_whole
+from tests.remote_checks import (
+    check_cache_and_batches,
+    check_group_equals_one_rank,
+    greedy_by_rereading,
+    random_ids,
+)
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 VOCAB, HEAD_DIM, EPS = 384, 8, 1e-5
@@ -346,14 +350,7 @@ def test_decoding_from_the_paged_cache_equals_the_whole_read(built, family):
     model = built[family][2].model
     gen = torch.Generator().manual_seed(3)
     tokens = {name: torch.randint(3, 300, (24,), generator=gen) for name in "ABC"}
-    with torch.no_grad():  # causal: position p's logits are those of the first p + 1 tokens read whole
-        whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, 40, BLOCK))
-    for step in SCHEDULE:
-        chunks, logits = run_step(model, driver, tokens, step)
-        for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            assert compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"] < 1e-5, (
-                family, step, name)
+    check_paged_equals_whole(model, tokens, SCHEDULE)
 
 
 def test_tp2_equals_tp1(built, tp2):

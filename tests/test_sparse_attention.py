@@ -15,16 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.config import from_hf
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step
-from tests.test_engine import open_engine
+from tests.engine_checks import check_engine_answers_as_generate
+from tests.paged_steps import BLOCK, Driver, PagedOnRank, check_paged_equals_whole, run_step
 from tests.tiny_models import TINY, make_tiny
 
 VARIANTS = ["deepseek_v32", "glm_moe_dsa"]
@@ -107,14 +104,7 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny, variant):
     _, _, model = tiny(variant)
     gen = torch.Generator().manual_seed(3)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    with torch.no_grad():  # a causal read: position p's logits are those of the first p + 1 tokens read whole
-        whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, 40, BLOCK))
-    for step in SCHEDULE:
-        chunks, logits = run_step(model, driver, tokens, step)
-        for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            expected = whole[name][c.start + c.length - 1]
-            assert compare(logits[row], expected)["max_relative_error"] < 1e-5, (step, name)
+    driver = check_paged_equals_whole(model, tokens, SCHEDULE)
     assert driver.length["A"] > TOPK and driver.length["C"] > TOPK
     # each position keeps the latent, the shared rotated key and, on layers with an indexer, the indexer's key
     indexed = [kind == "full" for kind in model.cfg.raw["indexer_types"]]
@@ -138,15 +128,7 @@ def test_tensor_parallel_ranks_choose_alike_from_their_paged_caches(tiny, tp2):
 def test_the_token_engine_answers_as_ster_generate(tiny):
     """Past index_topk tokens, through the engine's paged cache and continuous batching."""
     directory, _, _ = tiny("deepseek_v32")
-    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=10",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=16) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True))
-                   for p in prompts]
-        got = [s.result().text for s in streams]
-    assert got == want
+    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
 
 
 # --------------------------------------------------------------------------------------------------
