@@ -56,7 +56,9 @@ MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta"
                                   "mamba2_shared_block")
 # the kinds whose layer attends, so head sizes and rotations apply to it
 ATTENDING_MIXERS = ATTENTION_MIXERS + ("mamba2_shared_block",)
-FEED_FORWARD_KINDS = ("dense", "moe", "none")
+# "dense_and_moe": experts beside a dense feed-forward, both reading the residual (Gemma 4's enable_moe_block)
+FEED_FORWARD_KINDS = ("dense", "moe", "none", "dense_and_moe")
+ROUTED_FEED_FORWARDS = ("moe", "dense_and_moe")
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,20 @@ class ModelConfig:
     layer_glu_limits: tuple[float, ...] = ()
     layer_shared_glu_limits: tuple[float, ...] = ()
     value_scale: float = 1.0              # every value multiplied by this before attention (MiMo-V2-Flash)
-    value_norm: bool = False              # a scale-free RMS norm over each value head (Gemma 3n)
+    layer_head_dim: tuple[int, ...] = ()  # per layer, its heads' width where layers differ (Gemma 4); empty: head_dim
+    # per layer, whether it has no value projection, its value being the key projection before any norm (Gemma 4's
+    # attention_k_eq_v on full layers); empty: none
+    layer_value_from_key: tuple[bool, ...] = ()
+    value_norm: bool = False              # a scale-free RMS norm over each value head (Gemma 3n, Gemma 4)
     swiglu_oai: tuple[float, ...] = ()    # (limit, alpha): dense and shared feed-forwards are SwiGLU-OAI (MiniMax-M3)
-    # per layer, the earlier layer whose keys and values it attends, None for its own (Gemma 3n); empty: its own
+    # per layer, the earlier layer whose keys and values it attends, None for its own (Gemma 3n's and Gemma 4's
+    # num_kv_shared_layers, which their normalisers turn into kv_source_layers); empty: its own
     layer_kv_source: tuple[int | None, ...] = ()
+    layer_scalar: bool = False            # each layer's output times its stored layer_scalar (Gemma 4)
+    # per-layer inputs (Gemma 4's E models, model/per_layer_input.py): each layer's input width, 0 for none, and
+    # the vocabulary of their token table
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
     # norms
     norm_kind: str = "rms"                # "rms" | "layer"
     norm_groups: int = 1                  # hidden-width RMS norms over this many equal groups apart (K2-Horizon)
@@ -239,6 +251,10 @@ class ModelConfig:
     def heads(self, layer: int) -> int:
         """The query heads of `layer`."""
         return self.layer_heads[layer] if self.layer_heads else self.num_heads
+
+    def head_dim_of(self, layer: int) -> int:
+        """The width of `layer`'s query and key heads."""
+        return self.layer_head_dim[layer] if self.layer_head_dim else self.head_dim
 
     def kv_heads(self, layer: int) -> int:
         """The key-value heads of `layer`."""
@@ -411,10 +427,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
     if mla is not None:  # latent attention: every head has its own key; only qk_rope_head_dim rotates
         num_kv, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
     # a family of experts whose layer pattern routes no layer (Granite 4.0 without experts) is a dense model
-    routes = spec.moe is not None and (not feed_forwards or "moe" in feed_forwards)
+    routes = spec.moe is not None and (not feed_forwards or bool(set(ROUTED_FEED_FORWARDS) & set(feed_forwards)))
     moe, moe_layers = moe_config(keys, spec, intermediate, num_layers) if routes else (None, ())
     if moe is not None and feed_forwards:  # the family's layer pattern says which layers route (Jamba)
-        moe_layers = tuple(kind == "moe" for kind in feed_forwards)
+        moe_layers = tuple(kind in ROUTED_FEED_FORWARDS for kind in feed_forwards)
     # layer_moe_keys (a family's normalisation writes it): per layer, None or the config keys that layer's
     # experts state over the model's (Nemotron Puzzle's block_configs)
     overrides = raw.get("layer_moe_keys") or ()
@@ -433,9 +449,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         raise Refusal(f"invalid model config {path}: norm_kind {norm_kind!r} is not supported; supported: rms, layer")
 
     alibi = positions.kind == "alibi" or bool(keys.get("alibi"))
+    layer_head_dim = _layer_counts(keys, "layer_head_dim", num_layers)
     layer_rope, layer_window, layer_chunk, full_rope = rotations(
         keys, spec, num_layers, tuple(kind in ATTENDING_MIXERS for kind in mixers), moe_layers, head_dim,
-        mla.qk_rope_head_dim if mla is not None else None, max_position, alibi)
+        mla.qk_rope_head_dim if mla is not None else None, max_position, alibi, layer_head_dim)
 
     # attention scale and multipliers
     attn_scale = head_dim ** -0.5 if head_dim else 1.0  # no attention layer (Mamba): no head width
@@ -547,6 +564,10 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
         altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
         ngram=ngram_config(keys, hidden),
+        layer_head_dim=layer_head_dim, layer_value_from_key=_layer_switches(keys, "value_from_key_layers", num_layers),
+        layer_scalar=bool(keys.get("layer_scalar", default=False)),
+        per_layer_input=int(keys.get("per_layer_input_size", default=0) or 0),
+        per_layer_vocab=int(keys.get("per_layer_input_vocab", default=0) or 0),
         weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
         mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
@@ -701,6 +722,7 @@ def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:
         raise Refusal(f"invalid model config {keys.path}: {key} must list a positive {what} for each of the "
                       f"{num_layers} layers")
     return tuple(stated)
+
 
 
 def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, float, float], ...]:

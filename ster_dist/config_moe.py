@@ -42,6 +42,7 @@ class MoEConfig:
     # (Inkling: sigmoids over the sum of the chosen and shared ones); 0: none
     shared_routed: int = 0
     router_scale: bool = False            # the routing weights times a stored scale (Inkling's gate.global_scale)
+    router_input_norm: bool = False       # Gemma 4's router: normed, scaled input; a scale per expert (MoESpec)
     # experts that return their input (LongCat-Flash's zero_expert_num), scored after the routed ones; 0: none
     identity_experts: int = 0
 
@@ -119,7 +120,8 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",
                                                                                                 default=1.702)),
         sparsemixer_eps=sparsemixer_eps, latent_size=_latent_size(keys), shared_routed=shared_routed,
-        router_scale=ms.router_scale, identity_experts=int(keys.get("zero_expert_num", default=0) or 0),
+        router_scale=ms.router_scale, router_input_norm=ms.router_input_norm,
+        identity_experts=int(keys.get("zero_expert_num", default=0) or 0),
         weight_input=bool(keys.get("moe_apply_router_weight_on_input", default=ms.weight_input)))
     if moe.identity_experts and (method != "greedy" or shared or shared_routed or moe.latent_size or moe.weight_input):
         raise Refusal(f"invalid model config {path}: zero_expert_num {moe.identity_experts} identity experts are "

@@ -15,7 +15,7 @@ from ster_dist.config_keys import Keys
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import AttentionSpec, FamilySpec, PositionSpec
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic", "proportional")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()   # longrope
     short_mscale: float | None = None     # longrope: cos/sin scale of the short table, in place of attention_factor
     long_mscale: float | None = None      # longrope: the long table's (PhiMoE)
+    # proportional (Gemma 4's full layers): rotary_dim is the whole head, of whose frequency pairs only the first
+    # `proportion` share turn (the rest at frequency zero pass through), each at its rate over the whole head
+    proportion: float = 1.0
 
 
 def _rope_sources(keys: Keys, positions: PositionSpec) -> tuple[dict, dict]:
@@ -85,10 +88,12 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
                       f"supported: {', '.join(ROPE_TYPES)}")
     if partial is None:
         partial = params.get("partial_rotary_factor") or default_share
+    kw: dict = {}
+    if rope_type == "proportional":  # the whole head is rotated, its unturned pairs at frequency zero
+        kw["proportion"], partial = float(partial), 1.0
     rotary_dim = int(head_dim * partial)
     rotary_dim -= rotary_dim % 2
     theta = float(params.get("rope_theta") or default_theta)
-    kw: dict = {}
     if rope_type == "dynamic":
         alpha = params.get("alpha")
         if alpha:  # HunYuan: a fixed larger base; plain dynamic is the plain rotation within max_position
@@ -167,10 +172,12 @@ def _layer_bases(keys: Keys, bases: list, kinds: list[str], window, full: dict, 
 
 def rotations(keys: Keys, spec: FamilySpec, num_layers: int, attends: tuple[bool, ...], moe_layers: tuple[bool, ...],
               head_dim: int, latent_rope_dim: int | None, max_position: int,
-              alibi: bool) -> tuple[list[RopeConfig | None], list[int | None], list[int | None], dict]:
+              alibi: bool, layer_head_dim: tuple[int, ...] = ()
+              ) -> tuple[list[RopeConfig | None], list[int | None], list[int | None], dict]:
     """Each layer's rotation (None: it does not rotate), sliding window and attention chunk (None: full
     attention), and the full-attention layers' rotation parameters as stated. `attends`: whether each layer attends (empty: all
-    do); `latent_rope_dim`: latent attention's rotated width, which rotates whole."""
+    do); `latent_rope_dim`: latent attention's rotated width, which rotates whole; `layer_head_dim`: each
+    layer's head width where layers differ (Gemma 4)."""
     path, positions = keys.path, spec.positions
     kinds = _layer_types(keys, spec.attention, num_layers)
     window = keys.get("sliding_window")
@@ -210,7 +217,8 @@ def rotations(keys: Keys, spec: FamilySpec, num_layers: int, attends: tuple[bool
                 positions.layers == "sliding" and window is not None and not sliding and not dense_rotates):
             layer_rope.append(None)
         else:
-            layer_rope.append(_rope(sliding_rope if sliding else full_rope, rope_dim, partial,
+            layer_rope.append(_rope(sliding_rope if sliding else full_rope,
+                                    layer_head_dim[i] if layer_head_dim else rope_dim, partial,
                                     interleaved, positions.theta, path, max_position, positions.rotary_share))
         layer_window.append(int(window) if sliding else None)
         layer_chunk.append(chunk if kind == "chunked_attention" else None)

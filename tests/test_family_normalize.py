@@ -27,8 +27,8 @@ def test_normaliser_leaves_its_input_unchanged(family):
     before = copy.deepcopy(raw)
     try:
         out = SPECS[family].normalize(raw)
-    except (Refusal, ConfigProblem):  # a normaliser may refuse what it cannot read (Granite 4.0 without layer_types)
-        out = None
+    except (Refusal, ConfigProblem):  # a normaliser may refuse what it cannot read (Granite 4.0 and Gemma 4
+        out = None                    # without layer_types)
     assert raw == before and out is not raw
 
 

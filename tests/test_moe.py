@@ -36,10 +36,11 @@ from tests.moe_probe import DispatchProbe
 from tests.tiny_models import STARVED, TINY, family_of_variant, make_tiny
 
 # a family of experts whose checkpoint has none (Granite 4.0 with num_local_experts 0) is a dense model here
-# nor is one whose mlp_layer_types routes no layer (Inkling's dense variant)
+# nor is one whose mlp_layer_types routes no layer (Inkling's dense variant), nor Gemma 4 without enable_moe_block
 MOE_VARIANTS = sorted(v for v in TINY if SPECS[family_of_variant(v)].moe is not None
                       and TINY[v][2].get("num_local_experts") != 0
-                      and "sparse" in TINY[v][2].get("mlp_layer_types", ["sparse"]))
+                      and "sparse" in TINY[v][2].get("mlp_layer_types", ["sparse"])
+                      and TINY[v][2].get("enable_moe_block", True))
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ VARIANTS = [
     "mimo_v2_flash",  # key-value heads per layer, values narrower than keys, sinks on sliding layers only
     "laguna",         # query heads per layer, a softplus gate per head
     "gemma3n_text",   # AltUp's copies and per-layer inputs, layers attending an earlier layer's keys and values
+    "gemma4_text",    # head widths per layer, values from keys, layers reusing earlier layers' keys, per-layer inputs
 ]
 # one step = (sequence, new tokens) in chunk order: uneven prefill chunks first, decodes mixed in,
 # then decodes out of order and not adjacent in the packed tokens, then all sequences decoding together

@@ -5,6 +5,8 @@ whose layers cannot be cut are refused before any weight is read."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,6 +139,13 @@ def test_families_whose_layers_cannot_be_cut_are_refused(tmp_path):
         check_pipeline(cfg, 2)
     with pytest.raises(Refusal, match=f"--pp {cfg.num_layers + 1} is more than the model's"):
         check_pipeline(cfg, cfg.num_layers + 1)
+    make_tiny("gemma4_text", tmp_path / "gemma4")  # shared keys and per-layer inputs read across layers
+    gemma4 = model_config(resolve(str(tmp_path / "gemma4")))
+    with pytest.raises(Refusal, match="gemma4_text reuses earlier layers' keys and values, so its layers cannot"):
+        check_pipeline(gemma4, 2)
+    unshared = dataclasses.replace(gemma4, layer_kv_source=())  # per-layer inputs alone: made from the tokens
+    with pytest.raises(Refusal, match="gemma4_text feeds every layer per-layer inputs made from the tokens, so"):
+        check_pipeline(unshared, 2)
 
 
 def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen3):

@@ -25,6 +25,7 @@ from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.tiny.deepseek import TINY as DEEPSEEK_TINY
+from tests.tiny.gemma4 import TINY as GEMMA4_TINY
 from tests.tiny.llama4 import TINY as LLAMA4_TINY
 from tests.tiny_models import BASE_CONFIG
 from tests.tiny_tokenizer import build_tiny_tokenizer
@@ -116,10 +117,36 @@ def _tiny_llama4():
     return transformers.Llama4ForConditionalGeneration(config).eval(), None
 
 
-BUILDERS = {"mistral3": _tiny_mistral3, "kimi_k25": _tiny_kimi_k25, "llama4": _tiny_llama4}
+def _tiny_gemma4():
+    """Gemma 4's image-text model (a vision tower, never mapped) over the tiny gemma4_text decoder (per-layer
+    inputs, shared keys and values)."""
+    import transformers
+
+    _, _, kwargs = GEMMA4_TINY["gemma4_text"]
+    text = transformers.Gemma4TextConfig(**{**BASE_CONFIG, **kwargs})
+    vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                             position_embedding_size=64)
+    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None)
+    torch.manual_seed(0)
+    return transformers.Gemma4ForConditionalGeneration(config).eval(), None
+
+
+def _tiny_gemma4_unified():
+    import transformers
+
+    _, _, kwargs = GEMMA4_TINY["gemma4_unified_text"]
+    text = transformers.Gemma4UnifiedTextConfig(**{**BASE_CONFIG, **kwargs})
+    config = transformers.Gemma4UnifiedConfig(text_config=text.to_dict(), vision_config=None)
+    torch.manual_seed(0)
+    return transformers.Gemma4UnifiedForConditionalGeneration(config).eval(), None
+
+
+BUILDERS = {"mistral3": _tiny_mistral3, "kimi_k25": _tiny_kimi_k25, "llama4": _tiny_llama4, "gemma4": _tiny_gemma4,
+            "gemma4_unified": _tiny_gemma4_unified}
 CASES = [("mistral3", "transformers5"), ("mistral3", "language_model"), ("mistral3", "hyperclovax"),
          ("kimi_k25", "language_model"), ("kimi_k25", "transformers5"), ("llama4", "transformers5"),
-         ("llama4", "language_model")]
+         ("llama4", "language_model"), ("gemma4", "transformers5"), ("gemma4_unified", "transformers5")]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from tests.tiny import (
     gated_attention,
     gemma,
     gemma3n,
+    gemma4,
     glm,
     gpt2,
     gptj_neox,
@@ -65,7 +66,7 @@ LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
     gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax, falcon_h1,
     llama4, mimo_v2, laguna, gated_attention, inkling, longcat, gemma3n, hyper, looped, sparse_attention,
-    minimax_m3)}
+    minimax_m3, gemma4)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -129,6 +130,8 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
             if name.endswith("router.gate.weight") and not t.any():  # AFMoE's class starts its router at zero
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.2)
+            if name.endswith("layer_scalar"):  # Gemma 4's stored scalar per layer starts at one
+                t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.3)
         last = model.config.get_text_config().num_hidden_layers - 1  # an image-text wrapper: its text decoder's
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):
             if f"layers.{last}." not in name:

@@ -7,7 +7,8 @@ query and key norms, a scale-free norm over each value head, scores left undivid
   of the last earlier layer of its own kind (sliding or full). Releases store k/v projections and key norms
   for those layers too, which nothing reads (Transformers ignores them as well).
 - AltUp (model/altup.py): altup_num_inputs copies of the hidden state, predicted and corrected around each
-  block, with per-layer inputs (embed_tokens_per_layer, per_layer_model_projection) added to all but the first.
+  block, with per-layer inputs (embed_tokens_per_layer, per_layer_model_projection; model/per_layer_input.py,
+  shared with Gemma 4) added to all but the first.
 - Laurel (model/laurel.py): a low-rank residual beside attention, averaged with attention's (divided by sqrt 2).
 - Activation sparsity: on layers whose activation_sparsity_pattern entry p is above zero, the gate keeps only
   what lies above its mean plus Phi^-1(p) standard deviations (layers/mlp.py).
@@ -19,7 +20,13 @@ sqrt(hidden) and tied to the head, whose logits are soft-capped.
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules
-from ster_dist.families.normalize import ConfigProblem, biases, stated, with_defaults
+from ster_dist.families.normalize import (
+    ConfigProblem,
+    biases,
+    shared_kv_sources,
+    stated,
+    with_defaults,
+)
 from ster_dist.families.spec import (
     AttentionSpec,
     EmbeddingSpec,
@@ -46,20 +53,6 @@ def _layer_types(raw: dict, layers: int) -> list[str]:
         "full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(layers)])
 
 
-def _kv_sources(kinds: list[str], shared: int) -> list[int | None]:
-    """Per layer, the layer whose keys and values it attends: the last layer before the shared ones of its
-    own kind (Gemma3nTextConfig.kv_sharing_modes), None for a layer with its own."""
-    first = len(kinds) - shared
-    sources: list[int | None] = [None] * len(kinds)
-    for i in range(max(first, 0), len(kinds)):
-        makers = [j for j in range(first) if kinds[j] == kinds[i]]
-        if not makers:
-            raise ConfigProblem(f"num_kv_shared_layers {shared} leaves no earlier {kinds[i]} layer for layer {i} to "
-                                "share keys and values with; state fewer shared layers")
-        sources[i] = makers[-1]
-    return sources
-
-
 def _normalize(raw: dict) -> dict:
     out = with_defaults(raw, _DEFAULTS)
     layers = out["num_hidden_layers"]
@@ -71,7 +64,7 @@ def _normalize(raw: dict) -> dict:
         raise ConfigProblem(f"num_kv_shared_layers is {shared!r}; state a count of layers from 0 to {layers}")
     return {**biases(out, bool(stated(out, "attention_bias", default=False))),
             "layer_types": kinds, "gate_sparsity_layers": sparsity, "value_norm": True,
-            "kv_source_layers": _kv_sources(kinds, shared) if shared else None,
+            "kv_source_layers": shared_kv_sources(kinds, shared) if shared else None,
             # scores left undivided: the query and key norms stand in for the scale
             "attention_multiplier": 1.0}
 
@@ -95,9 +88,9 @@ _ALTUP_LAYER = tuple(Rule(f"{_LAYER}{name}", f"layers.{{i}}.{target}") for name,
     ("laurel.post_laurel_norm.weight", "laurel.norm.weight"),
 ))
 _ALTUP_MODEL = tuple(Rule(f"model.{name}", target) for name, target in (
-    ("embed_tokens_per_layer.weight", "altup.per_layer_embed.weight"),
-    ("per_layer_model_projection.weight", "altup.per_layer_projection.weight"),
-    ("per_layer_projection_norm.weight", "altup.per_layer_norm.weight"),
+    ("embed_tokens_per_layer.weight", "per_layer_inputs.embed.weight"),
+    ("per_layer_model_projection.weight", "per_layer_inputs.projection.weight"),
+    ("per_layer_projection_norm.weight", "per_layer_inputs.norm.weight"),
     ("altup_projections.{s}.weight", "altup.projections.{s}.weight"),
     ("altup_unembed_projections.{s}.weight", "altup.unembed_projections.{s}.weight"),
 ))

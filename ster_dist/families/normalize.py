@@ -78,6 +78,13 @@ GENERIC_KEYS: dict[str, str] = {
     "query_bottleneck": "the width each query narrows to (and is RMS-normed at) before q widens it to every head, "
                         "on the layers of the bottleneck_attention kind (Step3's share_q_dim); default none",
     "attention_value_scale": "every value multiplied by this before attention (MiMo-V2-Flash); default 1",
+    "layer_head_dim": "per layer, its query and key heads' width, where layers differ (Gemma 4); default head_dim",
+    "value_from_key_layers": "per layer, 0 or 1: which layers have no value projection, the value being the key "
+                             "projection before its norm (Gemma 4's attention_k_eq_v); default none",
+    "layer_scalar": "each layer's output times its stored layer_scalar (Gemma 4); default false",
+    "per_layer_input_size": "the width of each layer's own input (Gemma 4's hidden_size_per_layer_input); default "
+                            "0, none",
+    "per_layer_input_vocab": "the rows of the per-layer inputs' token table; default vocab_size",
     "sink_layers": "per layer, 0 or 1: which layers carry a learned sink per head; default AttentionSpec.sinks "
                    "everywhere",
     "softplus_output_gate": "\"head\" or \"element\": each head's output times the softplus of the gate "
@@ -96,10 +103,11 @@ GENERIC_KEYS: dict[str, str] = {
     "mlp_output_scale": "the dense feed-forward's output times a stored scale (Inkling's global_scale); default "
                         "false",
     "word_embed_proj_dim": "the embedding's width, which must equal hidden_size (no projection in and out)",
-    "value_norm": "a scale-free RMS norm over each value head (Gemma 3n); default false",
+    "value_norm": "a scale-free RMS norm over each value head (Gemma 3n, Gemma 4); default false",
     "swiglu_oai": "[limit, alpha]: dense and shared feed-forwards are SwiGLU-OAI (MiniMax-M3); default none",
     "kv_source_layers": "per layer, null or the earlier layer whose keys and values it attends, making none of its "
-                        "own (Gemma 3n's num_kv_shared_layers); default: every layer its own",
+                        "own (num_kv_shared_layers of Gemma 3n and Gemma 4, shared_kv_sources); default: every "
+                        "layer its own",
     "gate_sparsity_layers": "per layer, p in [0, 1): where above 0, the dense feed-forward's gate keeps only what "
                             "lies above its mean plus Phi^-1(p) deviations (Gemma 3n); default none",
     "laurel_rank": "the width of Laurel's low-rank residual beside attention (Gemma 3n); default 0, none",
@@ -135,6 +143,21 @@ def with_defaults(raw: dict, defaults: dict) -> dict:
 def defaults(values: dict):
     """A normaliser that only fills the family's Transformers class defaults."""
     return lambda raw: with_defaults(raw, values)
+
+
+def shared_kv_sources(kinds: list, shared: int) -> list[int | None]:
+    """kv_source_layers for num_kv_shared_layers (Gemma 3n, Gemma 4): each of the last `shared` layers attends
+    the keys and values of the last earlier layer of its own kind (`kinds`: the layer_types), None for a layer
+    with its own."""
+    first = len(kinds) - shared
+    sources: list[int | None] = [None] * len(kinds)
+    for i in range(max(first, 0), len(kinds)):
+        makers = [j for j in range(first) if kinds[j] == kinds[i]]
+        if not makers:
+            raise ConfigProblem(f"num_kv_shared_layers {shared} leaves no earlier {kinds[i]} layer for layer {i} to "
+                                "share keys and values with; state fewer shared layers")
+        sources[i] = makers[-1]
+    return sources
 
 
 def biases(raw: dict, attention: bool, out: bool | None = None, mlp: bool = False) -> dict:

@@ -18,6 +18,7 @@ from ster_dist.families.exaone import EXAONE_FAMILIES
 from ster_dist.families.falcon_h1 import FALCON_H1_FAMILIES
 from ster_dist.families.gated_attention import GATED_ATTENTION_FAMILIES
 from ster_dist.families.gemma import GEMMA_FAMILIES
+from ster_dist.families.gemma4 import GEMMA4_FAMILIES
 from ster_dist.families.gemma3n import GEMMA3N_FAMILIES
 from ster_dist.families.glm import GLM_FAMILIES
 from ster_dist.families.gpt2 import GPT2_FAMILIES
@@ -66,7 +67,8 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
         + HYPER_FAMILIES + LOOPED_FAMILIES
         + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
-        + REMOTE_VARIANTS_FAMILIES + MINIMAX_M3_FAMILIES)
+        + REMOTE_VARIANTS_FAMILIES + MINIMAX_M3_FAMILIES
+        + GEMMA4_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -178,6 +178,9 @@ class MoESpec:
     # unweighted (Llama 4; the config key moe_apply_router_weight_on_input wins)
     weight_input: bool = False
     router_scale: bool = False            # the routing weights times the router's stored scale (Inkling)
+    # Gemma 4's router: it reads its input through a scale-free RMS norm times a stored scale per channel and
+    # 1/sqrt(hidden), and the chosen weights are multiplied by a stored scale per expert
+    router_input_norm: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """AltUp (Gemma 3n): the residual stream as `copies` versions of the hidden state, [copies, batch, seq,
 hidden], of which each block computes on the first alone, and the per-layer inputs added to the others.
 
-- AltUpStream (the decoder's): the per-layer inputs (a slice per layer of a second embedding table, joined
-  with a projection of the embedding), the extra copies made from the embedding, and at the end the copies
-  brought back and averaged. Each made or brought-back copy is rescaled to the first's root-mean-square.
+- AltUpStream (the decoder's): the extra copies made from the embedding, and at the end the copies brought
+  back and averaged (the per-layer inputs are model/per_layer_input.py's, shared with Gemma 4). Each made or brought-back copy is rescaled to the first's root-mean-square.
 - AltUpLayer (each block's): every copy predicted from all of them by coefficients a router picks from the
   first copy; the block runs on the first prediction; every prediction corrected by the block's change; the
   per-layer input, gated by the first corrected copy, added to every copy but the first.
@@ -15,7 +14,6 @@ over ranks by vocabulary like the embedding; every other weight is small and hel
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -26,7 +24,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.layers.activation import activation
 from ster_dist.model.norm import Norm
 from ster_dist.parallel.ctx import ParallelCtx
-from ster_dist.parallel.linear import Replicated, VocabEmbedding
+from ster_dist.parallel.linear import Replicated
 
 
 def _rescaled(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -36,30 +34,13 @@ def _rescaled(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class AltUpStream(nn.Module):
-    """The decoder's ends of the stream: per-layer inputs, the copies made and brought back."""
+    """The decoder's ends of the stream: the copies made and brought back."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx):
         super().__init__()
         alt, hidden = cfg.altup, cfg.hidden_size
-        self.layers, self.width, self.vocab = cfg.num_layers, alt.per_layer_width, alt.per_layer_vocab
-        self.hidden = hidden
-        self.per_layer_embed = VocabEmbedding(alt.per_layer_vocab, cfg.num_layers * alt.per_layer_width, ctx)
-        self.per_layer_projection = Replicated((cfg.num_layers * alt.per_layer_width, hidden))
-        self.per_layer_norm = Norm(alt.per_layer_width, cfg.norm_eps, offset=cfg.norm_offset,
-                                   scale_f32=cfg.norm_scale_f32)
         self.projections = nn.ModuleList(Replicated((hidden, hidden)) for _ in range(alt.copies - 1))
         self.unembed_projections = nn.ModuleList(Replicated((hidden, hidden)) for _ in range(alt.copies - 1))
-
-    def per_layer_inputs(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, layers, width]: each layer's input, from the ids (ids past the table read row 0) and
-        the scaled embedding."""
-        dtype = embedded.dtype
-        table_ids = torch.where((ids >= 0) & (ids < self.vocab), ids, 0)
-        rows = self.per_layer_embed(table_ids) * torch.tensor(self.width ** 0.5).to(dtype)
-        rows = rows.reshape(*ids.shape, self.layers, self.width)
-        projected = F.linear(embedded, self.per_layer_projection.weight) * torch.tensor(self.hidden ** -0.5).to(dtype)
-        projected = self.per_layer_norm(projected.reshape(*embedded.shape[:-1], self.layers, self.width))
-        return (projected + rows) * torch.rsqrt(torch.tensor(2.0)).to(dtype)
 
     def expand(self, embedded: torch.Tensor) -> torch.Tensor:
         """[copies, batch, seq, hidden]: the embedding and its projections, each at the embedding's scale."""

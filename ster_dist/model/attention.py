@@ -7,9 +7,11 @@ distance), an output gate (Qwen3-Next's sigmoid, Laguna's softplus, Step 3.5's s
 silu or base-2 softplus), value experts in place of the value projection (K2-Horizon's MoVA,
 model/value_experts.py), and the row-parallel output projection.
 
-A layer may norm each value head without a scale (Gemma 3n's value_norm), and may read an earlier layer's
-keys and values rather than make its own (Gemma 3n's shared layers, `layer_kv_source`): such a layer has no
-key or value projection and keeps nothing in the cache; the step hands it the source layer's.
+A layer may norm each value head without a scale (Gemma 3n's and Gemma 4's value_norm), and may read an
+earlier layer's keys and values rather than make its own (the shared layers of Gemma 3n and Gemma 4,
+`layer_kv_source`): such a layer has no key or value projection and keeps nothing in the cache; the step hands
+it the source layer's. Gemma 4's layers may also have heads of their own width (`layer_head_dim`) and take
+their values from the key projection (`layer_value_from_key`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def alibi_slopes(heads: int) -> list[float]:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx, in_features: int | None = None):
         super().__init__()
-        d, hidden = cfg.head_dim, cfg.hidden_size
+        d, hidden = cfg.head_dim_of(layer), cfg.hidden_size  # Gemma 4's full layers have wider heads
         dv = cfg.value_head_dim or d  # MiMo-V2-Flash's values are narrower than its queries and keys
         heads, kv_heads = cfg.heads(layer), cfg.kv_heads(layer)  # this layer's own counts where layers differ
         width = in_features or hidden  # what q, k and v read: Zamba2's shared block reads twice the hidden width
@@ -72,10 +74,13 @@ class Attention(nn.Module):
         self.k = ColumnLinear(width, kv_heads * d, ((k0 * d, k1 * d),), cfg.qkv_bias) if own else None
         # K2-Horizon's MoVA: on the layers with experts, value experts stand where the value projection would
         mova = cfg.value_experts is not None and cfg.feed_forward(layer) == "moe"
-        self.v = ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias) if own and not mova else None
+        # Gemma 4's attention_k_eq_v: the value is the key projection before its norm
+        self.value_from_key = own and bool(cfg.layer_value_from_key) and cfg.layer_value_from_key[layer]
+        self.v = (ColumnLinear(width, kv_heads * dv, ((k0 * dv, k1 * dv),), cfg.qkv_bias)
+                  if own and not mova and not self.value_from_key else None)
         self.value_experts = (ValueExperts(cfg.value_experts, width, kv_heads * dv, (k0 * dv, k1 * dv)) if mova
                               else None)
-        # a scale-free RMS norm over each value head (Gemma 3n)
+        # a scale-free RMS norm over each value head (Gemma 3n, Gemma 4)
         self.v_norm = Norm(dv, eps=cfg.norm_eps, affine=False) if cfg.value_norm and own else None
         self.o = RowLinear(heads * dv, hidden, ctx, cfg.o_bias, cols=(h0 * dv, h1 * dv))
         self.value_scale = cfg.value_scale
@@ -143,6 +148,8 @@ class Attention(nn.Module):
         q, k, v, gate = self.project(x)
         if self.value_experts is not None:
             v = self.value_experts(x)
+        if self.value_from_key:
+            v = k
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # OLMoE norms the whole projection, then clips
         if self.clip is not None:

@@ -26,6 +26,7 @@ from ster_dist.model.ngram_embedding import NgramEmbedding
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
+from ster_dist.model.per_layer_input import PerLayerGate, PerLayerInputs, per_layer_shape
 from ster_dist.model.residual_conv import ResidualConv
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.shortcut import HANDED_ON, joins_shortcut, shortcut_experts
@@ -95,6 +96,11 @@ class Block(nn.Module):
         # hyper-connections (model/hyper_connection.py): the residual is several streams, each sublayer's own
         self.attn_hc = HyperConnection(cfg) if cfg.hyper_streams else None
         self.mlp_hc = HyperConnection(cfg) if cfg.hyper_streams else None
+        # Gemma 4: the layer's own input added to its output through a gate, and the output times a stored scalar
+        self.per_layer_gate = PerLayerGate(cfg, layer, ctx) if cfg.per_layer_input and cfg.altup is None else None
+        self.layer_scalar = Replicated((1,)) if cfg.layer_scalar else None
+        # Gemma 4's experts beside the dense feed-forward read the residual too
+        self.mlp_reads_residual = getattr(self.mlp, "reads_residual", False)
 
     @property
     def token_mixer(self) -> nn.Module | None:
@@ -109,7 +115,10 @@ class Block(nn.Module):
             return self.altup(x, step, self._block)
         if self.attn_hc is not None:
             return self._hyper(x, step)
-        return self._block(x, step)
+        h = self._block(x, step)
+        if self.per_layer_gate is not None:
+            h = h + self.per_layer_gate(h, step.per_layer_inputs)
+        return h * self.layer_scalar.weight if self.layer_scalar is not None else h
 
     def _block(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         residual = x
@@ -137,7 +146,7 @@ class Block(nn.Module):
         if self.laurel is not None:  # Gemma 3n: attention's residual sum averaged with Laurel's
             h = (h + self.laurel(a_in)) / math.sqrt(2)
         m_in = self.mlp_norm(h) if self.mlp_norm is not None else h
-        m = self.mlp(m_in)
+        m = self.mlp(m_in, h) if self.mlp_reads_residual else self.mlp(m_in)
         if self.shortcut is not None:
             step.handed_on[HANDED_ON] = self.shortcut(m_in)
         if self.mlp_sconv is not None:
@@ -222,6 +231,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, ctx) if self.stage[0] <= i < self.stage[1] else Elsewhere()
                                     for i in range(cfg.num_layers))
         self.altup = AltUpStream(cfg, ctx) if cfg.altup is not None else None
+        # Gemma 3n's and Gemma 4's per-layer inputs, made once per step for every layer
+        self.per_layer_inputs = PerLayerInputs(cfg, ctx) if per_layer_shape(cfg) is not None else None
         for block in self.layers:  # a layer whose shared block another layer holds uses that layer's weights
             owner = getattr(block.token_mixer, "shares_with", None)
             if owner is not None:
@@ -351,8 +362,9 @@ class Decoder(nn.Module):
 
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
-        if self.altup is not None:  # Gemma 3n: the per-layer inputs, and the stream as AltUp's copies
-            step.per_layer_inputs = self.altup.per_layer_inputs(ids, h)
+        if self.per_layer_inputs is not None:  # Gemma 3n, Gemma 4's E models: every layer's own input
+            step.per_layer_inputs = self.per_layer_inputs(ids, h)
+        if self.altup is not None:  # Gemma 3n: the stream as AltUp's copies
             h = self.altup.expand(h)
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
         if self.cfg.hyper_streams:

@@ -46,6 +46,7 @@ from ster_dist.model.query_bottleneck import BottleneckAttention
 from ster_dist.model.shared_block import Mamba2SharedBlock
 from ster_dist.model.short_conv import ShortConv
 from ster_dist.model.side_by_side import SideBySide
+from ster_dist.model.experts_beside_dense import ExpertsBesideDense
 from ster_dist.moe.layer import MoE
 from ster_dist.parallel.ctx import ParallelCtx
 
@@ -104,6 +105,7 @@ FEED_FORWARDS: dict[str, Callable[[ModelConfig, int, ParallelCtx], nn.Module | N
                                          sparsity=cfg.gate_sparsity(layer)),
     "moe": lambda cfg, layer, ctx: MoE(cfg, ctx, layer),
     "none": lambda cfg, layer, ctx: None,  # a block of the mixer alone (Mamba)
+    "dense_and_moe": lambda cfg, layer, ctx: ExpertsBesideDense(cfg, ctx, layer),  # Gemma 4's enable_moe_block
 }
 
 assert set(MIXERS) <= set(MIXER_KINDS) and set(FEED_FORWARDS) == set(FEED_FORWARD_KINDS)

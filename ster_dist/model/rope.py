@@ -21,6 +21,9 @@ def inverse_frequencies(rope: RopeConfig, long: bool = False) -> tuple[torch.Ten
         return inv, 1.0
     if kind == "linear":
         return inv / rope.factor, 1.0
+    if kind == "proportional":  # only the first pairs turn; the others, at frequency zero, pass through
+        turned = int(rope.proportion * dim // 2)
+        return torch.cat((inv[:turned], torch.zeros(dim // 2 - turned))) / rope.factor, 1.0
     if kind == "llama3":
         old = rope.original_max_position
         low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor

@@ -36,7 +36,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe_of(layer)
         self.ctx, self.num_experts, self.hidden = ctx, moe.num_experts, cfg.hidden_size
-        self.router = Router(moe, cfg.hidden_size)
+        self.router = Router(moe, cfg.hidden_size, cfg.norm_eps)
         # Nemotron-H's latent projection: the routed experts work in a narrower width, projected in and out
         # (both small, whole on every rank); the router and the shared experts read the hidden state itself
         self.width = moe.latent_size or cfg.hidden_size
@@ -60,12 +60,15 @@ class MoE(nn.Module):
         self.top_k = moe.top_k
         self.identity_experts = moe.identity_experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_from: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for x; `route_from`: what the router reads where that is not x (Gemma 4's router
+        reads the residual, its experts a norm of it)."""
         flat = x.reshape(-1, self.hidden)
         tokens = flat.shape[0]
         start, stop = self.ctx.token_share(tokens)
         share = flat[start:stop]
-        weights, ids = self.router(share)
+        routed = share if route_from is None else route_from.reshape(-1, self.hidden)[start:stop]
+        weights, ids = self.router(routed)
         weights, gammas = weights[:, : self.top_k], weights[:, self.top_k:]
         inputs = self.latent_in(share) if self.latent_in is not None else share
         if self.identity_experts:

@@ -83,9 +83,9 @@ class Router(ShardedModule):
     """The router's weights, whole on every rank: weight [experts, hidden], optional logit bias and
     selection bias (`correction`)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int):
+    def __init__(self, moe: MoEConfig, hidden: int, eps: float = 1e-6):
         super().__init__()
-        self.moe = moe
+        self.moe, self.eps = moe, eps
         scored = moe.num_experts + moe.identity_experts  # identity experts are scored after the routed ones
         self._param("weight", Shard((scored + moe.shared_routed, hidden)))
         if moe.router_bias:
@@ -100,14 +100,30 @@ class Router(ShardedModule):
             self._param("scale", Shard((1,)))
         else:
             self.scale = None
+        if moe.router_input_norm:  # Gemma 4's: a scale per input channel and one per expert
+            self._param("input_scale", Shard((hidden,)))
+            self._param("expert_scale", Shard((moe.num_experts,)))
+        else:
+            self.input_scale = self.expert_scale = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the router scores
         shared experts too (route_with_shared); an id from num_experts on is an identity expert."""
         bias = self.bias.float() if self.bias is not None else None
+        if self.input_scale is not None:
+            x = self._normed(x)
         logits = F.linear(x.float(), self.weight.float(), bias)
         if self.moe.shared_routed:
             weights, ids = route_with_shared(logits, self.moe, self.correction)
         else:
             weights, ids = route(logits, self.moe, self.correction)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.float()[ids]
         return (weights * self.scale.float() if self.scale is not None else weights), ids
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's router input: a scale-free RMS norm (back in x's dtype), times the stored scale and
+        1/sqrt(hidden), as Transformers rounds them."""
+        h = x.float()
+        h = (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        return h * self.input_scale * (x.shape[-1] ** -0.5)

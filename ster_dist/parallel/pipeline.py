@@ -27,6 +27,7 @@ def pipeline_refusal(cfg, pp: int) -> str | None:
          "shares blocks between layers that read the embedding"),
         (getattr(cfg, "altup", None) is not None, "carries AltUp's copies of the hidden state and per-layer inputs"),
         (any(s is not None for s in getattr(cfg, "layer_kv_source", ())), "reuses earlier layers' keys and values"),
+        (getattr(cfg, "per_layer_input", 0), "feeds every layer per-layer inputs made from the tokens"),
         (getattr(cfg.spec, "halved_layers", False), "hands shortcut experts' output from one layer to the next"),
         (getattr(cfg, "hyper_streams", 0), "keeps several hyper-connected residual streams"),
     )
