@@ -70,3 +70,19 @@ def check_paged_equals_whole(model, tokens: dict[str, torch.Tensor], schedule, n
             error = compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"]
             assert error < 1e-5, (step, name, error)
     return driver
+
+
+def check_ranks_equal_one(group, directory, model, tokens: dict[str, torch.Tensor], schedule,
+                          num_blocks: int = 40) -> tuple[list[dict], Driver]:
+    """`schedule` on every rank of `group` (the checkpoint at `directory` loaded there), each over its own paged
+    cache, gives the logits one rank's `model` gives. Returns (each rank's run, the single rank's driver)."""
+    from ster_dist.parity import compare
+    from ster_dist.resolve import resolve
+
+    group.call("load", resolve(str(directory)), "f32", "cpu")
+    ranks = group.on(PagedOnRank).run(tokens, schedule, num_blocks)
+    single = Driver(PagedCache(model, num_blocks, BLOCK))
+    for step, logits in zip(schedule, ranks[group.lead]["logits"]):
+        error = compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"]
+        assert error < 1e-5, (step, error)
+    return ranks, single

@@ -1,9 +1,9 @@
 """Dots3-Note (families/sparse_attention.py) beyond the parity checks every family takes: past index_topk keys
 the full layers follow their indexers' choice (Transformers' sparse reading is matched, its dense reading of
 the same weights is not); decodes continued from the paged cache, on one rank and on two, and the token engine
-equal the whole read; the layer kinds Transformers derives, and the refusals the seed states (attention adapters included). The tiny
-checkpoint (tests/tiny/sparse_attention.py) runs indexed, sliding, indexed layers with index_topk 12 and a
-window of 8."""
+equal the whole read; the layer kinds Transformers derives, and the refusals the seed states (attention adapters
+included). The tiny checkpoint (tests/tiny/sparse_attention.py) runs indexed, sliding, indexed layers with
+index_topk 12 and a window of 8."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, check_paged_equals_whole, run_step
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
 from tests.tiny_models import TINY, make_tiny
 
 TOPK, WINDOW = 12, 8
@@ -91,16 +91,13 @@ def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
     """Two ranks split each kind's heads (4 and 2) and each hold the whole indexer."""
     directory, _, model = tiny
     tokens = _tokens(4)
-    tp2.call("load", resolve(str(directory)), "f32", "cpu")
-    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
-    single = Driver(PagedCache(model, 40, BLOCK))
-    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
-        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+    check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory, _, _ = tiny
-    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
+    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
+    check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
 def test_an_attention_adapter_is_refused_at_attach(tiny, tmp_path):

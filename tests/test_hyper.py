@@ -17,12 +17,11 @@ from safetensors.torch import load_file, save_file
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
-from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.steer.attach import add_steering
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import BLOCK, Driver, check_paged_equals_whole, run_step
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
 from tests.tiny_models import make_tiny
 
 
@@ -102,7 +101,8 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(hy_v4):
 
 def test_the_token_engine_answers_as_ster_generate(hy_v4):
     directory, _, _ = hy_v4
-    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
+    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
+    check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
 def _with_config(directory: Path, target: Path, change: dict) -> Path:
@@ -189,16 +189,11 @@ def test_the_mixing_form_equals_transformers_hyper_connection(module):
 def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
     """Heads, sinks and the output gate split across two ranks, the streams and their weights whole on each:
     two ranks' paged steps equal one rank's."""
-    from tests.paged_steps import PagedOnRank
 
     directory, _, model = hy_v4
     gen = torch.Generator().manual_seed(4)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    tp2.call("load", resolve(str(directory)), "f32", "cpu")
-    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
-    single = Driver(PagedCache(model, 40, BLOCK))
-    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
-        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+    check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
 
 
 def test_rotating_pairs_on_transformers_own_rows_is_not_its_reading(hy_v4, tmp_path):

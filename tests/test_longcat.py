@@ -13,11 +13,10 @@ from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import status
 from ster_dist.load import load_model
-from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, check_paged_equals_whole, run_step
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
 from tests.tiny_models import TINY, make_tiny
 
 STORED_LAYERS = TINY["longcat_flash"][2]["num_layers"]
@@ -70,16 +69,13 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
 def test_two_expert_parallel_ranks_over_paged_caches_equal_one(tiny, ep2):
     directory, _, loaded = tiny
     tokens = _tokens()
-    ep2.call("load", resolve(str(directory)), "f32", "cpu")
-    ranks = ep2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
-    single = Driver(PagedCache(loaded.model, 40, BLOCK))
-    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
-        assert compare(logits, run_step(loaded.model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+    check_ranks_equal_one(ep2, directory, loaded.model, tokens, SCHEDULE)
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory = tiny[0]
-    check_engine_answers_as_generate(directory, ["a prompt of a few words", "short", "another, somewhat longer prompt"], 8, 12)
+    prompts = ["a prompt of a few words", "short", "another, somewhat longer prompt"]
+    check_engine_answers_as_generate(directory, prompts, 8, 12)
 
 
 _CONFIG = {"model_type": "longcat_flash", "hidden_size": 64, "num_attention_heads": 4, "num_layers": 2,

@@ -149,7 +149,8 @@ def test_tp2_equals_tp1(tiny):
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory = tiny[0]
-    check_engine_answers_as_generate(directory, ["a prompt of a few words", "short", "another, somewhat longer prompt"], 8, 12)
+    prompts = ["a prompt of a few words", "short", "another, somewhat longer prompt"]
+    check_engine_answers_as_generate(directory, prompts, 8, 12)
 
 
 def test_ster_families_lists_it_as_parity_checked_against_this_file():

@@ -21,7 +21,7 @@ from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, run_step, check_paged_equals_whole
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
 from tests.tiny_models import TINY, make_tiny
 
 SPARSE = TINY["minimax_m3_vl_text"][2]["sparse_attention_config"]
@@ -92,16 +92,13 @@ def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
     """Two ranks each hold one key-value head, its share of index_q and the whole index_k."""
     directory, _, model = tiny
     tokens = _tokens(4)
-    tp2.call("load", resolve(str(directory)), "f32", "cpu")
-    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
-    single = Driver(PagedCache(model, 40, BLOCK))
-    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
-        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+    check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     directory, _, _ = tiny
-    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
+    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
+    check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
 _SHARED = ".block_sparse_moe.shared_experts."

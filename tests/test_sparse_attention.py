@@ -21,7 +21,7 @@ from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import BLOCK, Driver, PagedOnRank, check_paged_equals_whole, run_step
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
 from tests.tiny_models import TINY, make_tiny
 
 VARIANTS = ["deepseek_v32", "glm_moe_dsa"]
@@ -117,18 +117,15 @@ def test_tensor_parallel_ranks_choose_alike_from_their_paged_caches(tiny, tp2):
     directory, _, model = tiny("glm_moe_dsa")
     gen = torch.Generator().manual_seed(4)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    tp2.call("load", resolve(str(directory)), "f32", "cpu")
-    ranks = tp2.on(PagedOnRank).run(tokens, SCHEDULE, 40)
-    single = Driver(PagedCache(model, 40, BLOCK))
-    for step, logits in zip(SCHEDULE, ranks[0]["logits"]):
-        assert compare(logits, run_step(model, single, tokens, step)[1])["max_relative_error"] < 1e-5
+    ranks, single = check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
     assert [r["key_shape"] for r in ranks] == [tuple(single.cache.keys[0].shape)] * 2
 
 
 def test_the_token_engine_answers_as_ster_generate(tiny):
     """Past index_topk tokens, through the engine's paged cache and continuous batching."""
     directory, _, _ = tiny("deepseek_v32")
-    check_engine_answers_as_generate(directory, ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"], 10, 16)
+    prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
+    check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
 # --------------------------------------------------------------------------------------------------
