@@ -1,7 +1,8 @@
 """Node-aware placement on a real two-node Ray cluster on this machine (`ray start --head` and a second
 raylet joined with --address, each with its own --resources): each tensor-parallel group of a TP2 x PP2
 group sits inside one node, the stages on different nodes, and the text equals one rank's; a group no
-node can hold is refused at once; a killed stage fails the call as WorkerLost."""
+node can hold is refused at once; a killed stage fails the call as WorkerLost, and the job queue retries a job
+whose stage died on a restarted group."""
 
 from __future__ import annotations
 
@@ -158,3 +159,33 @@ def test_a_killed_stage_fails_the_call_as_worker_lost(two_nodes, llama):
     with pytest.raises(WorkerLost, match="rank 1 died during logits"):
         group.call("logits", torch.tensor([[5, 6, 7]]))
     assert group.actors == []
+
+
+def test_a_job_whose_stage_dies_is_retried_on_a_restarted_group(two_nodes, llama, tmp_path):
+    """The job queue's own retry: a generate job at --pp 2 held mid-attempt, its second stage's rank killed;
+    the job runs again on a new group and answers as one rank does."""
+    from ster_dist.jobqueue.queue import JobQueue
+    from tests.cli_run import cli_generate
+    from tests.held_vector import HeldVector
+
+    directory = str(llama.directory)
+    held = HeldVector(tmp_path, directory)
+    with JobQueue(None, address=two_nodes, max_retries=1) as scheduler:
+        job_id = scheduler.submit({**held.job(directory, "a held answer"), "pp": 2})
+        finished = lambda: scheduler.poll(job_id)["result"]  # noqa: E731
+        fd = held.wait_for_reader(finished)  # attempt 1 holds its group
+        group = [g for g in scheduler.stats()["groups"] if g["model"] == directory][0]
+        victim = group["workers"][1]["pid"]  # the second stage's rank
+        os.kill(victim, signal.SIGKILL)
+        held.release(fd)
+        cursor, deadline, seen = 0, time.monotonic() + 120, []
+        while not any(e.get("message", "").startswith("a worker died: rank 1 died") for e in seen):
+            assert time.monotonic() < deadline and finished() is None, [e.get("message") for e in seen]
+            reply = scheduler.poll(job_id, cursor, 1.0)
+            seen, cursor = seen + reply["events"], reply["cursor"]
+        held.release(held.wait_for_reader(finished))  # attempt 2, on a restarted group
+        record = scheduler.wait(job_id, 180)
+    assert record["status"] == "done" and record["attempts"] == 2, record.get("error")
+    reference = cli_generate(f"--model={directory}", "--prompt=a held answer", "--max-new-tokens=12",
+                             "--chat-template=off")
+    assert record["result"]["text"] == reference["text"]
