@@ -59,7 +59,7 @@ def test_a_killed_actor_is_one_error_and_the_group_shuts_down(cluster, gemma2):
     ray.kill(group.actors[1])
     with pytest.raises(WorkerLost, match=r"rank 1 died during logits: .*the group was shut down"):
         group.call("logits", torch.ones(1, 3, dtype=torch.long))
-    assert group.actors == [] and group.pg is None
+    assert group.actors == [] and group.pgs == []
 
 
 def _ster(*argv, env=None):
