@@ -161,6 +161,7 @@ def test_a_killed_stage_fails_the_call_as_worker_lost(two_nodes, llama):
     assert group.actors == []
 
 
+@pytest.mark.slow  # two groups started on the two-node cluster and a held job: about a minute on two cores
 def test_a_job_whose_stage_dies_is_retried_on_a_restarted_group(two_nodes, llama, tmp_path):
     """The job queue's own retry: a generate job at --pp 2 held mid-attempt, its second stage's rank killed;
     the job runs again on a new group and answers as one rank does."""
