@@ -21,15 +21,15 @@ def pipeline_refusal(cfg, pp: int) -> str | None:
     if pp > cfg.num_layers:
         return f"--pp {pp} is more than the model's {cfg.num_layers} layers; use at most --pp {cfg.num_layers}"
     reasons = (
-        (cfg.loop_layers or getattr(cfg, "loop_schedule", ()), "runs its stored layers more than once"),
+        (cfg.loop_layers or cfg.loop_schedule, "runs its stored layers more than once"),
         (cfg.block_skips, "keeps hidden states across layers (block skip connections)"),
         (any(cfg.mixer(i).endswith("shared_block") for i in range(cfg.num_layers)),
          "shares blocks between layers that read the embedding"),
-        (getattr(cfg, "altup", None) is not None, "carries AltUp's copies of the hidden state and per-layer inputs"),
-        (any(s is not None for s in getattr(cfg, "layer_kv_source", ())), "reuses earlier layers' keys and values"),
-        (getattr(cfg, "per_layer_input", 0), "feeds every layer per-layer inputs made from the tokens"),
-        (getattr(cfg.spec, "halved_layers", False), "hands shortcut experts' output from one layer to the next"),
-        (getattr(cfg, "hyper_streams", 0), "keeps several hyper-connected residual streams"),
+        (cfg.altup is not None, "carries AltUp's copies of the hidden state and per-layer inputs"),
+        (any(s is not None for s in cfg.layer_kv_source), "reuses earlier layers' keys and values"),
+        (cfg.per_layer_input, "feeds every layer per-layer inputs made from the tokens"),
+        (cfg.spec.halved_layers, "hands shortcut experts' output from one layer to the next"),
+        (cfg.hyper_streams, "keeps several hyper-connected residual streams"),
     )
     for applies, why in reasons:
         if applies:
