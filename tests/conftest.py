@@ -7,6 +7,8 @@ differ. Every cluster here is ours, on 127.0.0.1, so authentication is off for a
 
 `tp2` and `ep2`: a spawned gloo group of two tensor-parallel ranks, and one of two expert-parallel ranks,
 each shared by the tests of one module.
+
+STER_ENFORCE_EAGER: every test process (and the ranks and commands it starts) runs its steps eagerly.
 """
 
 import os
@@ -14,6 +16,9 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Compiling a model's layers (model/compiled.py) costs seconds on these 2 cores, and an engine compiles once
+# it has run 128 steps: the suite runs eager, and tests/test_compiled_step.py lifts this to test compiling.
+os.environ.setdefault("STER_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="module")

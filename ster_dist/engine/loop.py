@@ -45,6 +45,12 @@ class EngineConfig:
     prefix_caching: bool = True          # switched off for models with recurrent layers whatever this says
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
     micro_batches: int = 1               # steps in flight at once, on disjoint requests: one per pipeline stage
+    # steps run before the ranks compile their layers (model/compiled.py): a run that long will earn back the
+    # seconds compiling takes on a CPU, a short one would not; None: every step eager (--enforce-eager)
+    compile_after: int | None = None
+
+
+COMPILE_AFTER = 128  # what a session's engine takes unless --enforce-eager
 
 
 def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> tuple[int, int]:
@@ -99,7 +105,7 @@ class TokenEngine:
         sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
                                  DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
         blocks, slots = cache_sizes(sizes, config, cfg.max_position)
-        runners.start(blocks, config.block_size, slots)
+        runners.start(blocks, config.block_size, slots, config.compile_after)
         self.block_bytes = sizes[0]["block_bytes"]
         self.state_bytes = sizes[0]["state_bytes"]
         # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state; nor

@@ -18,6 +18,7 @@ from ster_dist.engine.modifiers import RowAdapters, RowSteering
 from ster_dist.engine.sampling import Sampler
 from ster_dist.engine.work import StepResult, StepWork
 from ster_dist.errors import Refusal
+from ster_dist.events import progress
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.workers.extension import RankExtension
 
@@ -45,6 +46,8 @@ class ModelRunner(RankExtension):
         self.steering: RowSteering | None = None
         self.adapters: RowAdapters | None = None
         self.step_s = 0.0
+        self.steps = 0
+        self.compile_after: int | None = None
 
     def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
@@ -57,9 +60,11 @@ class ModelRunner(RankExtension):
         return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
                 "state_bytes": PagedCache.state_bytes(model)}
 
-    def start(self, num_blocks: int, block_size: int, state_slots: int = 0) -> int:
-        """Allocate the cache: the same block and state-slot counts on every rank (the driver's)."""
+    def start(self, num_blocks: int, block_size: int, state_slots: int = 0, compile_after: int | None = None) -> int:
+        """Allocate the cache: the same block and state-slot counts on every rank (the driver's). Layers are
+        compiled once `compile_after` steps have run (None: never)."""
         model = self.model
+        self.steps, self.compile_after = 0, compile_after
         self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
         self.sampler = Sampler() if self.rank.lead else None
         self.steering = self.steering or RowSteering(model)
@@ -89,6 +94,9 @@ class ModelRunner(RankExtension):
                 self.sampler.add(new.id, new.params, new.prompt)
         if not work.chunks:
             return self.first_rank_only(StepResult([], []))
+        self.steps += 1
+        if self.steps == self.compile_after:
+            self._compile()
         chunks = [Chunk(tuple(blocks), start, length, state, prefix)
                   for blocks, start, length, state, prefix in work.chunks]
         if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
@@ -96,7 +104,9 @@ class ModelRunner(RankExtension):
             self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
             self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
         try:
-            logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache)
+            # rows routed to their own adapters read a routing the compiled graphs would have to guard on
+            logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache,
+                                              eager=bool(self.adapters.attached))
         finally:
             self.steering.clear()
             self.adapters.clear()
@@ -110,6 +120,12 @@ class ModelRunner(RankExtension):
             if ids:  # the raw logits, before any sampling setting; float64 so the driver reduces them in double
                 scores[n] = logits[row, list(ids)].double().tolist()
         return StepResult(tokens.tolist(), logprobs, scores)
+
+    def _compile(self) -> None:
+        reason = self.model.compile_layers()
+        if self.rank.lead:
+            progress(f"steps stay eager: {reason}" if reason else
+                     f"compiling the layers after {self.steps} steps (--enforce-eager keeps every step eager)")
 
     def timings(self) -> dict:
         """Seconds this rank spent in steps, and of those waiting for the previous pipeline stage."""

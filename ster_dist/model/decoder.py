@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from ster_dist.config import ModelConfig
+from ster_dist.events import progress
 from ster_dist.model.cache import KVCache
 from ster_dist.model.altup import AltUpLayer, AltUpStream
+from ster_dist.model.compiled import CompiledLayers, failures, why_eager
 from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.laurel import Laurel
@@ -252,6 +254,7 @@ class Decoder(nn.Module):
         self.tables = RotaryTables(cfg.max_position)
         self.hooks: dict[int, list[Hook]] = {}
         self.stage_wait_s = 0.0  # seconds spent waiting for the previous stage (bench/pipeline.py reads it)
+        self.compiled: CompiledLayers | None = None  # set by compile_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -293,6 +296,14 @@ class Decoder(nn.Module):
         self.hooks.setdefault(layer, []).append(hook)
         return lambda: self.hooks[layer].remove(hook)
 
+    def compile_layers(self) -> str | None:
+        """Run the layers through compiled graphs from now on (model/compiled.py); returns why not instead
+        where they cannot be."""
+        reason = why_eager(self)
+        if reason is None and self.compiled is None:
+            self.compiled = CompiledLayers(self)
+        return reason
+
     # -- forward --------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         shapes = [getattr(block.token_mixer, "kv_shape", None) for block in self.layers]
@@ -323,15 +334,18 @@ class Decoder(nn.Module):
         h = self._layers(self._embed(ids, positions, step), step, ids)
         return self.final_norm(h).to(self.dtype)
 
-    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache) -> torch.Tensor | None:
+    def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache,
+                      eager: bool = False) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] of each chunk's last token, for ids [tokens]: every chunk's new tokens,
         concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them
-        by sequence (PagedStep). None on a pipeline stage but the last."""
+        by sequence (PagedStep). None on a pipeline stage but the last. `eager`: not through compiled layers
+        (a step whose rows carry their own adapters)."""
         step = PagedStep(chunks, cache, self.tables, ids)
-        h = self._stage(ids.unsqueeze(0), step.positions, step)
+        h = self._stage(ids.unsqueeze(0), step.positions, step, eager)
         return None if h is None else self._logits(h[:, step.last_tokens])[0]
 
-    def _stage(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor | None:
+    def _stage(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep,
+               eager: bool = False) -> torch.Tensor | None:
         """This stage's layers over the embedding (the first stage) or the previous stage's output; the
         output goes on to the next stage (None here) or, on the last, is returned for the head."""
         ctx = self.ctx
@@ -342,7 +356,7 @@ class Decoder(nn.Module):
             waited = time.perf_counter()
             h = ctx.recv_prev((*ids.shape, self.cfg.hidden_size), dtype, self.device)
             self.stage_wait_s += time.perf_counter() - waited  # the pipeline's bubble, as this stage sees it
-        h = self._layers(h, step, ids)
+        h = self._layers(h, step, ids) if eager else self._run_layers(h, step, ids)
         if ctx.last_stage:
             return h
         ctx.send_next(h)
@@ -359,6 +373,20 @@ class Decoder(nn.Module):
         if self.embed_norm is not None:
             h = self.embed_norm(h)
         return h
+
+    def _run_layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
+        """The layers through their compiled graphs where they are compiled and no hook reads them, else eagerly.
+        A layer that cannot be compiled turns compiling off for good; its step runs again eagerly (every key it
+        wrote goes to the same slots again)."""
+        if self.compiled is None or any(self.hooks.values()):
+            return self._layers(h, step, ids)
+        try:
+            return self.compiled.run(h, step)
+        except failures() as error:
+            self.compiled = None
+            progress(f"compiling the step failed ({str(error).strip().splitlines()[0][:200]}); "
+                     "running eagerly from now on")
+            return self._layers(h, step, ids)
 
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state

@@ -163,7 +163,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
         return _upcast(x, weight, bias)
-    parts = torch.get_num_threads()
+    parts = _threads()
     if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
         out = weight.shape[0]
@@ -171,6 +171,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
         y = y.view(out, rows).t().reshape(*x.shape[:-1], out)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+@torch._dynamo.assume_constant_result
+def _threads() -> int:
+    # a constant to a compiled step (model/compiled.py): its graph is built for the thread count it was traced at
+    return torch.get_num_threads()
 
 
 def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -33,6 +33,8 @@ class EngineFields(Request):
                                                    "e.g. 2GiB or 500MB (default: a tenth of the memory free at "
                                                    "start, at most 1GiB)")
     max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
+    enforce_eager: bool = field(False, help="run every step eagerly: no compiled layers (by default a CPU engine "
+                                            "compiles its layers once it has run 128 steps)")
 
     @model_validator(mode="after")
     def _kv_cache_memory(self, info: ValidationInfo):
@@ -41,10 +43,10 @@ class EngineFields(Request):
         return self
 
     def engine_options(self) -> tuple:
-        """(KV cache bytes or None, max step tokens): what the session's token engine is built with
-        (requests with other options rebuild an idle one)."""
+        """(KV cache bytes or None, max step tokens, enforce eager): what the session's token engine is built
+        with (requests with other options rebuild an idle one)."""
         memory = memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
-        return (memory, self.max_step_tokens)
+        return (memory, self.max_step_tokens, self.enforce_eager)
 
 
 class ModifierFields(Request):

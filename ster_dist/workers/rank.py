@@ -176,6 +176,10 @@ class Rank:
         out = self.loaded.model(ids)
         return out if self.lead else None
 
+    def compile_layers(self) -> str | None:
+        """Compile this rank's layers (model/compiled.py); why not, where they cannot be."""
+        return self.loaded.model.compile_layers()
+
     def parity(self, length: int, seed: int) -> dict | None:
         from ster_dist.parity import against_reference, ours
 

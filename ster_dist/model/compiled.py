@@ -1,0 +1,147 @@
+"""The compiled step (issue 18): each layer's token-wise work traced once by torch.compile and reused by every
+layer of the same shape, attention left to the live step as one opaque operator.
+
+Between two attention calls a decode step is a chain of small products and elementwise work (norms,
+rotations, residual sums, activations): about seventy eager operator calls a layer, each a few microseconds
+of dispatch and, on a CPU with several threads, a fork and join of the thread pool. Compiled, the
+elementwise work between two products becomes one generated loop.
+
+Attention is not traced: how it reaches its keys is the step's business (a static cache's slots, a paged
+cache's block tables, masks by window) and its key count grows every step. As vLLM's piecewise graphs do,
+it is a custom operator, `ster_dist::attend(q, k, v)`, whose body runs the layer's own attention through the
+live step, outside the graph. The graph sees only the operator's output shape, which follows from the
+step's token count, so one graph serves every step whatever the cache holds; the token count is a dynamic
+dimension, so one graph also serves every count above one.
+
+One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
+nn.Modules), and nothing layer-specific reaches the graph as a constant (the operator finds its layer in
+the context this module keeps, not through an argument). Layers that differ in structure (a sliding window,
+another head count) get a graph of their own, traced on first use.
+
+Inside the graph the layers see a TracedStep instead of the live step: the token positions, the layer's
+rotary tables (looked up by the live step beforehand) and `attend`. Models whose layers need more of the
+step (recurrent states, keys shared or handed between layers, per-layer inputs, hooks, routed adapters)
+run eagerly: `why_eager` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ster_dist.events import progress
+from ster_dist.model.attention import Attention
+from ster_dist.parallel.fp8 import Fp8Weight
+
+_RUNNING: list = []  # (live step, decoder, layer) of the compiled layer in flight: the operator's context
+
+
+@torch.library.custom_op("ster_dist::attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    step, model, layer = _RUNNING[-1]
+    mixer = model.layers[layer].token_mixer
+    return step.attend(layer, q, k, v, mixer.window, mixer._attend_at, mixer.chunk)
+
+
+@attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty((*q.shape[:3], v.shape[-1]))
+
+
+class TracedStep:
+    """What a compiled layer reads of its step: positions, its rotary tables and attention."""
+
+    def __init__(self, positions: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+        self.positions = positions
+        self._rotary = rotary
+
+    def rotary(self, rope, dtype: torch.dtype):
+        return self._rotary
+
+    def attend(self, layer: int, q, k, v, window, fn, chunk=None, keep: bool = False) -> torch.Tensor:
+        return torch.ops.ster_dist.attend(q, k, v)
+
+
+def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, batch: int, tokens: int) -> torch.Tensor:
+    # flat in and out, so every layer's input has the strides the first one's had (guards check them)
+    out = block(h.view(batch, tokens, -1), TracedStep(positions.view(batch, tokens), rotary))
+    return out.reshape(batch * tokens, -1)
+
+
+def why_eager(model) -> str | None:
+    """Why `model`'s steps cannot be compiled (None: they can)."""
+    if os.environ.get("STER_ENFORCE_EAGER") == "1":
+        return "STER_ENFORCE_EAGER=1 is set"
+    if model.device.type != "cpu":
+        return f"compiled steps are built for CPU only in this version (the model is on {model.device.type})"
+    cfg = model.cfg
+    if model.altup is not None or model.ngram is not None or model.per_layer_inputs is not None:
+        return "the model reads per-step inputs beyond token ids and positions"
+    if cfg.block_skips or model.loop.stacks or model.loop_init is not None or cfg.hyper_streams:
+        return "the model loops over, skips or widens its layers"
+    if model.ctx.pp_size > 1:
+        return "the model is split into pipeline stages"
+    for i in range(*model.stage):
+        block = model.layers[i]
+        mixer = block.token_mixer
+        if type(mixer) is not Attention:
+            return f"layer {i} is {type(mixer).__name__}, not plain attention"
+        if mixer.kv_source is not None or mixer.keeps_kv or mixer.alibi_sqrt:
+            return f"layer {i} shares its keys with another layer or biases by each query's position"
+        if block.shortcut is not None or block.joins_shortcut or block.attn_sconv is not None:
+            return f"layer {i} hands state to a later layer"
+    if any(isinstance(p, Fp8Weight) for p in model.modules()):
+        return "FP8 weights are kept"
+    return None
+
+
+class CompiledLayers:
+    """The decoder's layers, each run through one compiled function; `run(h, step)` is `_layers(h, step)`."""
+
+    def __init__(self, model):
+        self.model = model
+        # a graph per layer structure and per token count of one or more: more than torch's default of 8
+        # when layers differ (sliding and global, per-layer head counts)
+        # one compiling thread: a pool of compile workers costs more to start than it saves (measured here: a
+        # tiny model's first graph in 8 s against 100 s on 2 busy cores); the setting is process-wide
+        import torch._inductor.config
+
+        torch._inductor.config.compile_threads = 1
+        self.fn = torch.compile(_layer, dynamic=True)
+        self.graphs = 0
+
+    def run(self, h: torch.Tensor, step) -> torch.Tensor:
+        model = self.model
+        tables = {}
+        started, before = time.perf_counter(), _graph_count()
+        batch, tokens, width = h.shape
+        h, positions = h.reshape(batch * tokens, width), step.positions.reshape(-1).contiguous()
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+            for i in range(*model.stage):
+                rope = model.layers[i].token_mixer.rope
+                if rope is not None and rope not in tables:
+                    tables[rope] = step.rotary(rope, model.dtype)
+                _RUNNING.append((step, model, i))
+                try:
+                    h = self.fn(model.layers[i], h, positions, tables.get(rope), batch, tokens)
+                finally:
+                    _RUNNING.pop()
+        made = _graph_count() - before
+        if made:
+            self.graphs += made
+            progress(f"compiled {made} step graph(s) for {batch * tokens} tokens in "
+                     f"{time.perf_counter() - started:.1f} s (paid once; --enforce-eager turns compiling off)")
+        return h.view(batch, tokens, -1)
+
+
+def _graph_count() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def failures() -> tuple[type[Exception], ...]:
+    """What compiling raises when it cannot handle a layer (imported late: inductor is slow to import)."""
+    from torch._inductor.exc import InductorError
+
+    return torch._dynamo.exc.TorchDynamoException, InductorError
