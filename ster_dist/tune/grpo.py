@@ -30,7 +30,6 @@ from ster_dist.tune.objective import Objective
 from ster_dist.tune.rollout import (
     Prompt,
     RewardArtifact,
-    generator_for,
     length_rewards,
     model_rewards,
     sample_group,
@@ -62,9 +61,11 @@ class Grpo(Objective):
             attached.refresh()
         examples, advantages, rewards = [], [], []
         for prompt in items:
-            completions = sample_group(decoder, attached.ctx, prompt.ids, self.group_size, self.max_new_tokens,
-                                       self.temperature, self.stops,
-                                       generator_for(self.seed, step, prompt.index))
+            completions = prompt.completions  # drawn by the token engine, when it samples (--rollout engine)
+            if completions is None:
+                completions = sample_group(decoder, attached.ctx, prompt, self.group_size, self.max_new_tokens,
+                                           self.temperature, self.stops, self.seed, step)
+            completions = [list(c) for c in completions]
             if self.reward is None:
                 r = length_rewards(completions, self.stops)
             else:

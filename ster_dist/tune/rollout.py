@@ -4,12 +4,15 @@ The prompts file is JSONL, one {"prompt": "...", "system": "..."} (system option
 prompt encoded exactly as `ster generate` encodes it (Tokenizer.prompt_ids). Refusals name the line
 and come before a weight is read.
 
-Sampling runs in the training process, on the rank's own decoder with the factors attached as they
-stand at the step (not through the token engine: the engine holds its own model on its own ranks,
-and the factors change every step). Each prompt's group is drawn from a generator seeded by (run
-seed, step, prompt index), so a step samples the same completions however dp and accumulation split
-it; the tensor-parallel ranks take tensor-parallel rank 0's tokens, so their sequences never part.
-Each new token re-reads the whole sequence (no cache): rollouts are short and this stays simple.
+Sampling runs in one of two places. By default (--rollout rank) in the training process, on the
+rank's own decoder with the factors attached as they stand at the step; each new token re-reads the
+whole sequence (no cache): rollouts are short and this stays simple. With --rollout engine the token
+engine samples them on its own ranks (tune/engine_rollouts.py). Both draw a token exactly as the
+engine's sampler does (engine/sampling.py: temperature, then the exponential race argmax(p / q)),
+each completion from its own generator seeded by (run seed, step, prompt index, completion index):
+a step samples the same completions however dp and accumulation split it, and where the two places
+compute the same logits they draw the same tokens. The tensor-parallel ranks take tensor-parallel
+rank 0's tokens, so their sequences never part.
 
 Rewards: `length` is the number of completion tokens before the stop token (a completion cut at
 --max-new-tokens counts all of them); a reward model written by `ster tune reward` scores prompt plus
@@ -37,6 +40,7 @@ SHAPE = '{"prompt": "..."}'
 class Prompt:
     ids: tuple[int, ...]
     index: int               # its place in the file: part of the seed its groups are drawn with
+    completions: tuple[tuple[int, ...], ...] | None = None  # its group, when drawn before the step (the engine)
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -65,25 +69,42 @@ def encode_prompts(tokenizer: Tokenizer, rows: list[dict], chat_template: str, s
     return out
 
 
-def generator_for(seed: int, step: int, index: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_003 + index) % (1 << 62))
+def completion_seed(seed: int, step: int, index: int, completion: int) -> int:
+    """The seed of completion `completion` of prompt `index` at step `step`: its generator's, wherever it is drawn."""
+    return (((seed * 1_000_003 + step) * 1_000_003 + index) * 1_000_003 + completion) % (1 << 62)
+
+
+def sampling_params(seed: int, max_new_tokens: int, temperature: float, stops: frozenset[int]):
+    """The engine's settings of one completion: temperature alone, its own seed, ended by a stop token."""
+    from ster_dist.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                          stop_token_ids=tuple(sorted(stops)))
 
 
 @torch.no_grad()
-def sample_group(decoder, ctx, prompt: tuple[int, ...], group: int, max_new_tokens: int, temperature: float,
-                 stops: frozenset[int], generator: torch.Generator) -> list[list[int]]:
+def sample_group(decoder, ctx, prompt: Prompt, group: int, max_new_tokens: int, temperature: float,
+                 stops: frozenset[int], seed: int, step: int) -> list[list[int]]:
     """`group` completions of `prompt`, each ending at its first stop token (kept) or at max_new_tokens."""
+    from ster_dist.engine.sampling import Sampler
+
     device = decoder.device
-    ids = torch.tensor([prompt] * group, dtype=torch.long, device=device)
+    ids = torch.tensor([prompt.ids] * group, dtype=torch.long, device=device)
+    sampler = Sampler()
+    names = [str(j) for j in range(group)]
+    for j, name in enumerate(names):
+        sampler.add(name, sampling_params(completion_seed(seed, step, prompt.index, j), max_new_tokens,
+                                          temperature, stops), list(prompt.ids))
     out: list[list[int]] = [[] for _ in range(group)]
     done = [False] * group
     for _ in range(max_new_tokens):
-        logits = decoder(ids, None, torch.ones_like(ids, dtype=torch.bool))[:, -1].float().cpu()
-        tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(-1)
+        logits = decoder(ids, None, torch.ones_like(ids, dtype=torch.bool))[:, -1]
+        tokens, _ = sampler.sample(logits, names)  # each row from its own generator: a row's draw is its own
         if ctx.tp_size > 1:  # rank 0's draw for all: rounding must not let the ranks' sequences part
             drawn = tokens.to(device)  # on the group's device (NCCL broadcasts device tensors only)
             dist.broadcast(drawn, dist.get_global_rank(ctx.tp_group, 0), group=ctx.tp_group)
-            tokens = drawn.cpu()
+            tokens = drawn
+        tokens = tokens.cpu()
         for row, token in enumerate(tokens.tolist()):
             if not done[row]:
                 out[row].append(token)
