@@ -55,7 +55,8 @@ def grpo(request: TuneGrpoRequest) -> dict:
 
     system = _system(request)
     rollout = {"group_size": request.group_size, "max_new_tokens": request.max_new_tokens,
-               "temperature": request.temperature, "beta": request.beta, "reward": request.reward}
+               "temperature": request.temperature, "beta": request.beta, "reward": request.reward,
+               "turns": request.turns, "user_model": request.user_model}
     extra = {"rollout": request.rollout, **({"rollout_tp": request.rollout_tp} if request.rollout == "engine" else {})}
     return _train(request, lambda settings: prepare_prompts(request.model, request.prompts, settings, rollout,
                                                             request.adapter_layers, request.revision,

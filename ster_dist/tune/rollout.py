@@ -22,6 +22,7 @@ the last token's final hidden state (tune/preference.rewards).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ class Prompt:
     ids: tuple[int, ...]
     index: int               # its place in the file: part of the seed its groups are drawn with
     completions: tuple[tuple[int, ...], ...] | None = None  # its group, when drawn before the step (the engine)
+    text: str = ""           # the prompt and system message as written: a conversation's first messages
+    system: str | None = None
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -65,13 +68,19 @@ def encode_prompts(tokenizer: Tokenizer, rows: list[dict], chat_template: str, s
             raise Refusal(f"prompt on line {row['line']} is {len(ids)} tokens, and with --max-new-tokens "
                           f"{max_new_tokens} passes --max-sequence {max_sequence}; raise --max-sequence, lower "
                           "--max-new-tokens or shorten the prompt")
-        out.append(Prompt(tuple(ids), index))
+        out.append(Prompt(tuple(ids), index, text=row["prompt"], system=row.get("system", system)))
     return out
 
 
 def completion_seed(seed: int, step: int, index: int, completion: int) -> int:
     """The seed of completion `completion` of prompt `index` at step `step`: its generator's, wherever it is drawn."""
-    return (((seed * 1_000_003 + step) * 1_000_003 + index) * 1_000_003 + completion) % (1 << 62)
+    return _mix("completion", seed, step, index, completion)
+
+
+def _mix(*parts) -> int:
+    """A seed hashed from `parts`: every bit depends on every part (a CPU generator keeps only the low 32 bits, and
+    a linear mix of small numbers gives two turns the same ones)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") % (1 << 62)
 
 
 def sampling_params(seed: int, max_new_tokens: int, temperature: float, stops: frozenset[int]):
@@ -82,37 +91,54 @@ def sampling_params(seed: int, max_new_tokens: int, temperature: float, stops: f
                           stop_token_ids=tuple(sorted(stops)))
 
 
-@torch.no_grad()
+def turn_seed(seed: int, step: int, index: int, completion: int, turn: int, user: bool = False) -> int:
+    """The seed of one turn of a conversation (tune/conversation.py); the policy's first turn draws as a
+    single-turn completion does."""
+    base = completion_seed(seed, step, index, completion)
+    return base if turn == 0 and not user else _mix("turn", base, turn, user)
+
+
 def sample_group(decoder, ctx, prompt: Prompt, group: int, max_new_tokens: int, temperature: float,
                  stops: frozenset[int], seed: int, step: int) -> list[list[int]]:
     """`group` completions of `prompt`, each ending at its first stop token (kept) or at max_new_tokens."""
+    seeds = [completion_seed(seed, step, prompt.index, j) for j in range(group)]
+    return sample_rows(decoder, ctx, [list(prompt.ids)] * group, seeds, max_new_tokens, temperature, stops)
+
+
+@torch.no_grad()
+def sample_rows(decoder, ctx, rows: list[list[int]], seeds: list[int], max_new_tokens: int | list[int],
+                temperature: float, stops: frozenset[int]) -> list[list[int]]:
+    """A continuation of each row, row i drawn from a generator seeded by seeds[i], at most max_new_tokens (or
+    max_new_tokens[i]) tokens. Rows of different lengths are right-padded, each read at its own last token (the
+    decoder is causal: what follows a row's end changes none of its logits)."""
     from ster_dist.engine.sampling import Sampler
 
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
     device = decoder.device
-    ids = torch.tensor([prompt.ids] * group, dtype=torch.long, device=device)
     sampler = Sampler()
-    names = [str(j) for j in range(group)]
-    for j, name in enumerate(names):
-        sampler.add(name, sampling_params(completion_seed(seed, step, prompt.index, j), max_new_tokens,
-                                          temperature, stops), list(prompt.ids))
-    out: list[list[int]] = [[] for _ in range(group)]
-    done = [False] * group
-    for _ in range(max_new_tokens):
-        logits = decoder(ids, None, torch.ones_like(ids, dtype=torch.bool))[:, -1]
-        tokens, _ = sampler.sample(logits, names)  # each row from its own generator: a row's draw is its own
+    names = [str(j) for j in range(len(rows))]
+    for name, row, row_seed, limit in zip(names, rows, seeds, limits):
+        sampler.add(name, sampling_params(row_seed, limit, temperature, stops), row)
+    out: list[list[int]] = [[] for _ in rows]
+    done = [limit < 1 for limit in limits]
+    seqs = [list(row) for row in rows]
+    while not all(done):
+        active = [i for i, d in enumerate(done) if not d]  # a finished row is read no more
+        width = max(len(seqs[i]) for i in active)
+        ids = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in active], dtype=torch.long, device=device)
+        valid = torch.tensor([[True] * len(seqs[i]) + [False] * (width - len(seqs[i])) for i in active],
+                             device=device)
+        last = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
+        logits = decoder(ids, None, valid)[torch.arange(len(active), device=device), last]
+        tokens, _ = sampler.sample(logits, [names[i] for i in active])  # each row from its own generator
         if ctx.tp_size > 1:  # rank 0's draw for all: rounding must not let the ranks' sequences part
             drawn = tokens.to(device)  # on the group's device (NCCL broadcasts device tensors only)
             dist.broadcast(drawn, dist.get_global_rank(ctx.tp_group, 0), group=ctx.tp_group)
             tokens = drawn
-        tokens = tokens.cpu()
-        for row, token in enumerate(tokens.tolist()):
-            if not done[row]:
-                out[row].append(token)
-                done[row] = token in stops
-        if all(done):
-            break
-        # a finished row keeps being fed its draws, unread, so the group stays one rectangle
-        ids = torch.cat([ids, tokens.to(device)[:, None]], dim=1)
+        for i, token in zip(active, tokens.cpu().tolist()):
+            seqs[i].append(token)
+            out[i].append(token)
+            done[i] = token in stops or len(out[i]) >= limits[i]
     return out
 
 
