@@ -230,8 +230,9 @@ def test_bad_prompts_are_refused_by_line(unreadable, tmp_path, capsys, rows, mes
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--turns", "2"), "multi-turn GRPO conversations are not supported yet"),
-    (("--user-model", "other"), "multi-turn GRPO conversations are not supported yet"),
+    (("--turns", "2"), "--turns 2 needs --user-model"),
+    (("--user-model", "other"), "--turns 1 has none"),
+    (("--rollout-tp", "2"), "pass --rollout engine with it"),
     (("--group-size", "1"), "--group-size must be at least 2"),
     (("--temperature", "0"), "--temperature must be positive"),
     (("--max-new-tokens", "0"), "--max-new-tokens must be at least 1"),

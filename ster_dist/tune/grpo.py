@@ -1,8 +1,10 @@
 """GRPO (Shao et al., DeepSeekMath): group-relative policy optimisation of LoRA factors on the shared loop.
 
 Each step's items are prompts. On the rank, before the step's forward, every prompt gets a group of G
-completions sampled from the current policy (base plus the factors as they stand) and their rewards
-(tune/rollout.py); each completion's advantage is its reward against its group's:
+completions sampled from the current policy (base plus the factors as they stand; tune/rollout.py), or
+brought with the step when the token engine sampled them (tune/engine_rollouts.py), or, with --turns > 1,
+G conversations with a user model whose turns carry no loss (tune/conversation.py); then their rewards.
+Each completion's advantage is its reward against its group's:
 A = (r - mean_group) / (std_group + 1e-4), std the unbiased one, as TRL's GRPOTrainer takes it.
 
 The loss of a completion is the mean over its tokens of -(ratio - 1) * A + beta * k3, and a step's loss
