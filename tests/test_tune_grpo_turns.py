@@ -97,7 +97,7 @@ def test_only_the_policys_tokens_are_targets(models, batches, user):
     """Each row: the prompt, then three policy turns (targets) with two user turns between them (not targets),
     each written as ChatML writes a user message after the policy's end of turn; the length reward counts the
     policy's tokens less the stop tokens that ended its turns."""
-    plan, (inputs, valid, targets, advantages, rewards) = _sampled(models, batches, user)
+    plan, (inputs, valid, targets, _, rewards) = _sampled(models, batches, user)
     tokenizer = Tokenizer.from_directory(models / "base")
     for row in range(len(inputs)):
         n = int(valid[row].sum())
@@ -126,7 +126,7 @@ def test_only_the_policys_tokens_are_targets(models, batches, user):
 def test_the_users_turns_carry_no_gradient(models, batches):
     """The loss's gradient reaches the logits at the policy's positions and is exactly zero at the user's."""
     plan, batch = _sampled(models, batches, "user")
-    inputs, valid, targets, advantages, rewards = batch
+    inputs, valid, targets, _, _ = batch
     decoder = load_model(plan.checkpoint).model
     seen = []
 
