@@ -122,6 +122,7 @@ class TokenEngine:
         self._removed: list[str] = []
         self._vectors: set[str] = set()
         self._adapters: set[str] = set()
+        self._versions: dict[str, int] = {}  # adapter -> how often its factors were replaced
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._group_lock = threading.Lock()  # one call on the ranks at a time: steps and registrations
@@ -147,6 +148,16 @@ class TokenEngine:
                 self.group.on(ModelRunner).register_adapter(name, sites)
                 self._adapters.add(name)
 
+    def replace_adapter(self, name: str, sites: list[dict]) -> None:
+        """New factors for the adapter registered under `name` (the same projections), copied in on every rank
+        between two steps; a request already running continues under them. A trainer calls this after each
+        optimizer step; the base is not reloaded."""
+        with self._group_lock:
+            if name not in self._adapters:
+                raise Refusal(f"adapter {name!r} is not registered with the engine")
+            self.group.on(ModelRunner).replace_adapter(name, sites)
+            self._versions[name] = self._versions.get(name, 0) + 1
+
     def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), *,
                steering: tuple[str, float] | None = None, adapter: str | None = None,
                request_id: str | None = None, on_finish=None) -> RequestStream:
@@ -166,6 +177,8 @@ class TokenEngine:
             return stream
         # steered or adapted keys differ from plain ones: the prefix cache keeps them apart
         salt = repr((steering, adapter)) if steering is not None or adapter is not None else ""
+        if self._versions.get(adapter):  # replaced factors: the blocks cached under the old ones are not these
+            salt += f"#{self._versions[adapter]}"
         seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params.max_tokens, cache_salt=salt)
         detok = Detokenizer(self.tokenizer, list(prompt_ids), params.stop)
         live = _Live(seq, stream, params, detok, steering, adapter)

@@ -103,6 +103,29 @@ class RowAdapters:
             attached.append((module, low))
         self.attached[name] = attached
 
+    def replace(self, name: str, sites: list[dict]) -> None:
+        """New values for a registered adapter's factors, copied into the tensors already attached (the same
+        projections, ranks and shapes; the base is not touched): a trainer pushing its factors after each step."""
+        attached = self.attached.get(name)
+        if attached is None:
+            raise Refusal(f"adapter {name} is not registered on this rank; register it before replacing its factors")
+        by_param = {site["param"]: site for site in sites if not self.model.elsewhere(site["param"])}
+        if len(by_param) != len(attached):
+            raise Refusal(f"adapter {name} is attached to {len(attached)} projections here, the new factors name "
+                          f"{len(by_param)}; register a new adapter for another set of projections")
+        modules = {id(module): path for path, module in self.model.named_modules()}
+        for module, low in attached:
+            site = by_param.get(modules[id(module)] + ".weight")
+            if site is None:
+                raise Refusal(f"the new factors of adapter {name} miss projection {modules[id(module)]}")
+            a, b = low_rank_share(site["a"], site["b"], module.shards["weight"])
+            if a.shape != low.a.shape or b.shape != low.b.shape:
+                raise Refusal(f"the new factors of adapter {name} at {modules[id(module)]} have other shapes; "
+                              "register a new adapter")
+            low.a.copy_(a)
+            low.b.copy_(b)
+            low.scale = float(site["scale"])
+
     def set_rows(self, groups: dict[str, torch.Tensor]) -> None:
         self.routing.clear()
         self.routing.update(groups)

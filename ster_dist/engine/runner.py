@@ -77,6 +77,9 @@ class ModelRunner(RankExtension):
     def register_adapter(self, name: str, sites: list[dict]) -> None:
         self._started().adapters.register(name, sites)
 
+    def replace_adapter(self, name: str, sites: list[dict]) -> None:
+        self._started().adapters.replace(name, sites)
+
     @torch.inference_mode()
     def step(self, work: StepWork) -> StepResult | None:
         start = time.perf_counter()

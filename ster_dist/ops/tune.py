@@ -5,6 +5,7 @@ run's report; evaluate writes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -54,10 +55,39 @@ def grpo(request: TuneGrpoRequest) -> dict:
 
     system = _system(request)
     rollout = {"group_size": request.group_size, "max_new_tokens": request.max_new_tokens,
-               "temperature": request.temperature, "beta": request.beta, "reward": request.reward}
+               "temperature": request.temperature, "beta": request.beta, "reward": request.reward,
+               "turns": request.turns, "user_model": request.user_model}
+    extra = {"rollout": request.rollout, **({"rollout_tp": request.rollout_tp} if request.rollout == "engine" else {})}
     return _train(request, lambda settings: prepare_prompts(request.model, request.prompts, settings, rollout,
                                                             request.adapter_layers, request.revision,
-                                                            request.chat_template, system, request.output))
+                                                            request.chat_template, system, request.output),
+                  extra, _engine_rollouts(request) if request.rollout == "engine" else None)
+
+
+def _engine_rollouts(request: TuneGrpoRequest):
+    """--rollout engine: a token engine on --rollout-tp ranks of its own, beside the training ranks (on the same
+    Ray cluster, which the training group has joined or started by the time this runs)."""
+    from ster_dist.tune.engine_rollouts import EngineRollouts
+    from ster_dist.workers.group import open_group
+
+    @contextlib.contextmanager
+    def opened(plan, training):
+        progress(f"starting the rollout engine on {request.rollout_tp} rank(s)")
+        from ster_dist.workers.ray_group import RayGroup
+
+        if isinstance(training, RayGroup):  # beside the training ranks on their cluster, even for one rank
+            group = RayGroup(request.rollout_tp, request.device, request.address)
+        else:
+            group = open_group(request.rollout_tp, request.device, request.address, request.launcher)
+        try:
+            rollouts = EngineRollouts(group, plan)
+            try:
+                yield rollouts
+            finally:
+                rollouts.close()
+        finally:
+            group.close()
+    return opened
 
 
 def _system(request) -> str | None:
@@ -72,7 +102,7 @@ def _pairs(request, objective):
                                           request.revision, request.chat_template, system, request.output)
 
 
-def _train(request, prepare, extra: dict | None = None) -> dict:
+def _train(request, prepare, extra: dict | None = None, rollouts=None) -> dict:
     """Every training command's run: settings, the plan (refused before any rank starts), the ranks,
     the report, the adapter directory."""
     from ster_dist.tune.spec import TrainSettings, parse_targets
@@ -97,7 +127,9 @@ def _train(request, prepare, extra: dict | None = None) -> dict:
     start = time.perf_counter()
     group = open_group(world, r.device, r.address, r.launcher)
     try:
-        result = train(group, plan, on_step=_bar)
+        # the engine's group is closed first: the training group may own the Ray cluster both are on
+        with rollouts(plan, group) if rollouts is not None else contextlib.nullcontext() as engine:
+            result = train(group, plan, on_step=_bar, rollouts=engine)
     finally:
         group.close()
     report = {**header, "final_loss": result["losses"][-1], "first_loss": result["losses"][0],

@@ -106,17 +106,33 @@ class TuneGrpoRequest(_TrainRequest):
     max_new_tokens: int = field(16, help="tokens sampled per completion at most")
     temperature: float = field(1.0, allow_inf_nan=False, help="sampling temperature (positive)")
     beta: float = field(0.04, allow_inf_nan=False, help="weight of the k3 KL to the base (0: none)")
-    turns: int = field(1, help="conversation turns per rollout (only 1 is supported yet)")
-    user_model: str | None = field(None, help="the model playing the user in --turns > 1 conversations "
-                                              "(not supported yet)")
+    rollout: Literal["rank", "engine"] = field("rank", help="where the groups are sampled: on the training ranks "
+                                                           "(whole re-reads) or by the token engine on its own "
+                                                           "ranks, the factors pushed to it after every step")
+    rollout_tp: int = field(1, help="tensor-parallel ranks of the rollout engine (--rollout engine)")
+    turns: int = field(1, help="policy turns per conversation; above 1 a user model answers between them")
+    user_model: str | None = field(None, help="the chat model playing the user in --turns > 1 conversations "
+                                              "(another checkpoint, or the policy's --model: its base, no factors)")
 
     @model_validator(mode="after")
     def _rollout(self, info: ValidationInfo):
-        if self.turns != 1 or self.user_model is not None:
-            given = (f"{label_in(info, 'turns')} {self.turns}" if self.turns != 1 else
-                     f"{label_in(info, 'user_model')} {self.user_model}")
-            raise Refusal(f"{given}: multi-turn GRPO conversations are not supported yet; run single-turn "
-                          f"rollouts ({label_in(info, 'turns')} 1, no {label_in(info, 'user_model')})")
+        turns, user = label_in(info, "turns"), label_in(info, "user_model")
+        if self.turns < 1:
+            raise Refusal(f"{turns} must be at least 1 (the policy's turns per conversation), got {self.turns}")
+        if self.turns > 1 and self.user_model is None:
+            raise Refusal(f"{turns} {self.turns} needs {user}: the model answering as the user between the policy's "
+                          f"turns (another chat model, or the policy's own --model)")
+        if self.turns == 1 and self.user_model is not None:
+            raise Refusal(f"{user} answers between the policy's turns, and {turns} 1 has none; pass {turns} 2 or "
+                          f"more, or drop {user}")
+        if self.turns > 1 and self.rollout == "engine":
+            raise Refusal(f"{turns} {self.turns} conversations are sampled on the training ranks; drop "
+                          f"{label_in(info, 'rollout')} engine (engine rollouts are single-turn)")
+        if self.rollout_tp < 1:
+            raise Refusal(f"{label_in(info, 'rollout_tp')} must be at least 1, got {self.rollout_tp}")
+        if self.rollout_tp != 1 and self.rollout != "engine":
+            raise Refusal(f"{label_in(info, 'rollout_tp')} {self.rollout_tp} sizes the rollout engine; pass "
+                          f"{label_in(info, 'rollout')} engine with it, or drop it")
         if self.group_size < 2:
             raise Refusal(f"{label_in(info, 'group_size')} must be at least 2 (an advantage is a completion's "
                           f"reward against its group's), got {self.group_size}")

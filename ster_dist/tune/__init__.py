@@ -13,8 +13,12 @@ loss.py      summed negative log-likelihood over completion tokens
 objective.py what a run minimises (units, collation, loss, report, an optional head); sft's own
 pairs.py     preference pairs (prompt, chosen, rejected) as token ids, refused by line, never cut
 preference.py  DPO and IPO against the adapters-skipped reference, and the Bradley-Terry reward head
-rollout.py   grpo's prompts, the groups of completions sampled on the rank from the policy, their rewards
-             (length, or a `tune reward` model)
+rollout.py   grpo's prompts, the groups of completions sampled on the rank from the policy (drawn as the
+             token engine draws), their rewards (length, or a `tune reward` model)
+engine_rollouts.py  grpo's groups sampled by the token engine on its own ranks (--rollout engine), the
+             factors pushed to it as a per-request adapter before every step
+conversation.py  multi-turn grpo: conversations between the policy and a user model, the user's turns
+             masked out of the loss
 grpo.py      GRPO: group-relative advantages, the on-policy ratio and a k3 KL against the adapters-skipped
              reference
 prepare.py   the driver's half before any rank starts: resolve, refuse, plan sites, tokenize

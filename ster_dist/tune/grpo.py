@@ -1,8 +1,10 @@
 """GRPO (Shao et al., DeepSeekMath): group-relative policy optimisation of LoRA factors on the shared loop.
 
 Each step's items are prompts. On the rank, before the step's forward, every prompt gets a group of G
-completions sampled from the current policy (base plus the factors as they stand) and their rewards
-(tune/rollout.py); each completion's advantage is its reward against its group's:
+completions sampled from the current policy (base plus the factors as they stand; tune/rollout.py), or
+brought with the step when the token engine sampled them (tune/engine_rollouts.py), or, with --turns > 1,
+G conversations with a user model whose turns carry no loss (tune/conversation.py); then their rewards.
+Each completion's advantage is its reward against its group's:
 A = (r - mean_group) / (std_group + 1e-4), std the unbiased one, as TRL's GRPOTrainer takes it.
 
 The loss of a completion is the mean over its tokens of -(ratio - 1) * A + beta * k3, and a step's loss
@@ -20,17 +22,17 @@ mean completion length in tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from ster_dist.tune.conversation import UserSide, converse
 from ster_dist.tune.data import IGNORE, Example, collate
 from ster_dist.tune.objective import Objective
 from ster_dist.tune.rollout import (
     Prompt,
     RewardArtifact,
-    generator_for,
     length_rewards,
     model_rewards,
     sample_group,
@@ -49,6 +51,13 @@ class Grpo(Objective):
     seed: int
     stops: frozenset[int]
     reward: RewardArtifact | None = None   # None: the length reward
+    turns: int = 1                         # policy turns per conversation; above 1 a user model answers between
+    user: UserModel | None = None
+    max_sequence: int = 0                  # a conversation's tokens at most
+    precision: str = "f32"
+    device: str = "cpu"
+    tokenizer_dir: str = ""                # the policy's tokenizer, read on the rank for conversations
+    _side: UserSide | None = field(default=None, repr=False, compare=False)  # the user, loaded on the rank once
 
     name = "grpo"
     width = 5  # (summed loss, completions, summed reward, summed kl, completion tokens)
@@ -60,11 +69,15 @@ class Grpo(Objective):
         """Sample each prompt's group from the policy as it stands, score it, and collate it with its advantages."""
         with torch.no_grad():
             attached.refresh()
+        if self.turns > 1:
+            return self._conversations(decoder, attached, items, pad_id, step)
         examples, advantages, rewards = [], [], []
         for prompt in items:
-            completions = sample_group(decoder, attached.ctx, prompt.ids, self.group_size, self.max_new_tokens,
-                                       self.temperature, self.stops,
-                                       generator_for(self.seed, step, prompt.index))
+            completions = prompt.completions  # drawn by the token engine, when it samples (--rollout engine)
+            if completions is None:
+                completions = sample_group(decoder, attached.ctx, prompt, self.group_size, self.max_new_tokens,
+                                           self.temperature, self.stops, self.seed, step)
+            completions = [list(c) for c in completions]
             if self.reward is None:
                 r = length_rewards(completions, self.stops)
             else:
@@ -74,6 +87,44 @@ class Grpo(Objective):
             advantages.append(group_advantages(torch.tensor(r, dtype=torch.float64)))
             rewards += r
         return (*collate(examples, pad_id), torch.cat(advantages), torch.tensor(rewards, dtype=torch.float64))
+
+    def _conversations(self, decoder, attached, items: list[Prompt], pad_id: int, step: int):
+        """Each prompt's group of conversations (tune/conversation.py), collated with the user's turns masked."""
+        from ster_dist.tokenizer import Tokenizer
+
+        side = self._user_side(decoder, attached.ctx)
+        tokenizer = Tokenizer.from_directory(self.tokenizer_dir)
+        rollouts, advantages, rewards = [], [], []
+        groups = converse(decoder, attached, side, items, self.group_size, tokenizer, self.stops, self.turns,
+                          self.max_new_tokens, self.max_sequence, self.temperature, self.seed, step)
+        for group in groups:
+            if self.reward is None:  # the policy's tokens, less the stop tokens that ended its turns
+                r = [float(c.policy_tokens - c.policy_stops) for c in group]
+            else:
+                r = model_rewards(decoder, attached.ctx, self.reward, attached, [list(c.ids) for c in group], pad_id)
+            rollouts += group
+            advantages.append(group_advantages(torch.tensor(r, dtype=torch.float64)))
+            rewards += r
+        inputs, valid, targets = collate([Example(c.ids, c.prompt_tokens) for c in rollouts], pad_id)
+        for row, c in enumerate(rollouts):
+            for start, stop in c.user_spans:  # position t predicts ids[t + 1]: the user's tokens are targets t-1
+                targets[row, start - 1:stop - 1] = IGNORE
+        return inputs, valid, targets, torch.cat(advantages), torch.tensor(rewards, dtype=torch.float64)
+
+    def _user_side(self, decoder, ctx) -> UserSide:
+        if self._side is None:
+            from ster_dist.load import load_model
+            from ster_dist.tokenizer import Tokenizer
+
+            user = self.user
+            if user.checkpoint is None:  # the policy's own base, its factors skipped while it speaks
+                self._side = UserSide(None, Tokenizer.from_directory(self.tokenizer_dir), self.stops,
+                                      user.max_position)
+            else:
+                loaded = load_model(user.checkpoint, self.precision, self.device, ctx)
+                self._side = UserSide(loaded.model, Tokenizer.from_directory(user.checkpoint.directory), user.stops,
+                                      user.max_position)
+        return self._side
 
     def loss(self, decoder, attached, head, batch):
         inputs, valid, targets, advantages, rewards = batch
@@ -96,6 +147,15 @@ class Grpo(Objective):
         n = float(sums[1])
         return {"loss": float(sums[0]) / n, "completions": int(n), "units": int(n), "reward": float(sums[2]) / n,
                 "kl": float(sums[3]) / n, "completion_length": float(sums[4]) / n, "tokens": int(sums[4])}
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """The model playing the user in conversations, as the driver resolved it (no weight read)."""
+
+    checkpoint: object | None      # None: the policy's base, its factors skipped
+    stops: frozenset[int]
+    max_position: int
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:

@@ -59,16 +59,47 @@ def prepare_prompts(model: str, prompts: str, settings: TrainSettings, rollout: 
     if not base.eos:
         raise Refusal(f"{model} names no end-of-sequence token, so a sampled completion could never stop; add "
                       "eos_token to tokenizer_config.json")
+    turns = rollout.get("turns", 1)
+    user = _user_model(base, model, rollout.get("user_model"), chat_template) if turns > 1 else None
     reward = None if scorer is None else open_reward(rollout["reward"], scorer, base.cfg, base.checkpoint, model)
     encoded = encode_prompts(base.tokenizer, rows, chat_template, system, rollout["max_new_tokens"],
                              base.settings.max_sequence)
     objective = Grpo(rollout["group_size"], rollout["max_new_tokens"], rollout["temperature"], rollout["beta"],
-                     base.settings.seed, frozenset(base.eos), reward)
+                     base.settings.seed, frozenset(base.eos), reward, turns, user, base.settings.max_sequence,
+                     base.settings.precision, base.settings.device, str(base.checkpoint.directory))
+    conversation = {"turns": turns, "user_model": rollout.get("user_model")} if turns > 1 else {}
     return _plan(base, encoded, objective, {"objective": "grpo", "prompts": len(encoded),
                                             "group_size": objective.group_size,
                                             "max_new_tokens": objective.max_new_tokens,
                                             "temperature": objective.temperature, "beta": objective.beta,
-                                            "reward": "length" if reward is None else reward.path})
+                                            "reward": "length" if reward is None else reward.path, **conversation})
+
+
+def _user_model(base: _Base, model: str, user_model: str, chat_template: str):
+    """The model playing the user (resolved, its config and tokenizer read; no weight), refused unless both sides
+    can hold a conversation: the policy and the user each through a chat template."""
+    from ster_dist.config_load import model_config
+    from ster_dist.resolve import resolve
+    from ster_dist.tokenizer import Tokenizer
+    from ster_dist.tune.grpo import UserModel
+
+    if chat_template == "off" or not base.tokenizer.has_chat_template:
+        why = "--chat-template is off" if chat_template == "off" else f"{model} has no chat template"
+        raise Refusal(f"--turns needs the policy's chat template to write the user's turns, but {why}; use a chat "
+                      "model with --chat-template auto, or --turns 1")
+    checkpoint = resolve(user_model)
+    if Path(checkpoint.directory).resolve() == Path(base.checkpoint.directory).resolve():
+        return UserModel(None, frozenset(base.eos), base.cfg.max_position)
+    tokenizer = Tokenizer.from_directory(checkpoint.directory)
+    if not tokenizer.has_chat_template:
+        raise Refusal(f"--user-model {user_model} has no chat template, so it cannot answer as the user; pass a chat "
+                      "model (or the policy's own --model)")
+    cfg = model_config(checkpoint)
+    eos = cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    if not eos:
+        raise Refusal(f"--user-model {user_model} names no end-of-sequence token, so its turns could never stop; add "
+                      "eos_token to its tokenizer_config.json")
+    return UserModel(checkpoint, frozenset(eos), cfg.max_position)
 
 
 @dataclass(frozen=True)

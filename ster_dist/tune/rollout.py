@@ -4,12 +4,15 @@ The prompts file is JSONL, one {"prompt": "...", "system": "..."} (system option
 prompt encoded exactly as `ster generate` encodes it (Tokenizer.prompt_ids). Refusals name the line
 and come before a weight is read.
 
-Sampling runs in the training process, on the rank's own decoder with the factors attached as they
-stand at the step (not through the token engine: the engine holds its own model on its own ranks,
-and the factors change every step). Each prompt's group is drawn from a generator seeded by (run
-seed, step, prompt index), so a step samples the same completions however dp and accumulation split
-it; the tensor-parallel ranks take tensor-parallel rank 0's tokens, so their sequences never part.
-Each new token re-reads the whole sequence (no cache): rollouts are short and this stays simple.
+Sampling runs in one of two places. By default (--rollout rank) in the training process, on the
+rank's own decoder with the factors attached as they stand at the step; each new token re-reads the
+whole sequence (no cache): rollouts are short and this stays simple. With --rollout engine the token
+engine samples them on its own ranks (tune/engine_rollouts.py). Both draw a token exactly as the
+engine's sampler does (engine/sampling.py: temperature, then the exponential race argmax(p / q)),
+each completion from its own generator seeded by (run seed, step, prompt index, completion index):
+a step samples the same completions however dp and accumulation split it, and where the two places
+compute the same logits they draw the same tokens. The tensor-parallel ranks take tensor-parallel
+rank 0's tokens, so their sequences never part.
 
 Rewards: `length` is the number of completion tokens before the stop token (a completion cut at
 --max-new-tokens counts all of them); a reward model written by `ster tune reward` scores prompt plus
@@ -19,6 +22,7 @@ the last token's final hidden state (tune/preference.rewards).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,9 @@ SHAPE = '{"prompt": "..."}'
 class Prompt:
     ids: tuple[int, ...]
     index: int               # its place in the file: part of the seed its groups are drawn with
+    completions: tuple[tuple[int, ...], ...] | None = None  # its group, when drawn before the step (the engine)
+    text: str = ""           # the prompt and system message as written: a conversation's first messages
+    system: str | None = None
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -61,37 +68,77 @@ def encode_prompts(tokenizer: Tokenizer, rows: list[dict], chat_template: str, s
             raise Refusal(f"prompt on line {row['line']} is {len(ids)} tokens, and with --max-new-tokens "
                           f"{max_new_tokens} passes --max-sequence {max_sequence}; raise --max-sequence, lower "
                           "--max-new-tokens or shorten the prompt")
-        out.append(Prompt(tuple(ids), index))
+        out.append(Prompt(tuple(ids), index, text=row["prompt"], system=row.get("system", system)))
     return out
 
 
-def generator_for(seed: int, step: int, index: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_000_003 + index) % (1 << 62))
+def completion_seed(seed: int, step: int, index: int, completion: int) -> int:
+    """The seed of completion `completion` of prompt `index` at step `step`: its generator's, wherever it is drawn."""
+    return _mix("completion", seed, step, index, completion)
+
+
+def _mix(*parts) -> int:
+    """A seed hashed from `parts`: every bit depends on every part (a CPU generator keeps only the low 32 bits, and
+    a linear mix of small numbers gives two turns the same ones)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") % (1 << 62)
+
+
+def sampling_params(seed: int, max_new_tokens: int, temperature: float, stops: frozenset[int]):
+    """The engine's settings of one completion: temperature alone, its own seed, ended by a stop token."""
+    from ster_dist.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                          stop_token_ids=tuple(sorted(stops)))
+
+
+def turn_seed(seed: int, step: int, index: int, completion: int, turn: int, user: bool = False) -> int:
+    """The seed of one turn of a conversation (tune/conversation.py); the policy's first turn draws as a
+    single-turn completion does."""
+    base = completion_seed(seed, step, index, completion)
+    return base if turn == 0 and not user else _mix("turn", base, turn, user)
+
+
+def sample_group(decoder, ctx, prompt: Prompt, group: int, max_new_tokens: int, temperature: float,
+                 stops: frozenset[int], seed: int, step: int) -> list[list[int]]:
+    """`group` completions of `prompt`, each ending at its first stop token (kept) or at max_new_tokens."""
+    seeds = [completion_seed(seed, step, prompt.index, j) for j in range(group)]
+    return sample_rows(decoder, ctx, [list(prompt.ids)] * group, seeds, max_new_tokens, temperature, stops)
 
 
 @torch.no_grad()
-def sample_group(decoder, ctx, prompt: tuple[int, ...], group: int, max_new_tokens: int, temperature: float,
-                 stops: frozenset[int], generator: torch.Generator) -> list[list[int]]:
-    """`group` completions of `prompt`, each ending at its first stop token (kept) or at max_new_tokens."""
+def sample_rows(decoder, ctx, rows: list[list[int]], seeds: list[int], max_new_tokens: int | list[int],
+                temperature: float, stops: frozenset[int]) -> list[list[int]]:
+    """A continuation of each row, row i drawn from a generator seeded by seeds[i], at most max_new_tokens (or
+    max_new_tokens[i]) tokens. Rows of different lengths are right-padded, each read at its own last token (the
+    decoder is causal: what follows a row's end changes none of its logits)."""
+    from ster_dist.engine.sampling import Sampler
+
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
     device = decoder.device
-    ids = torch.tensor([prompt] * group, dtype=torch.long, device=device)
-    out: list[list[int]] = [[] for _ in range(group)]
-    done = [False] * group
-    for _ in range(max_new_tokens):
-        logits = decoder(ids, None, torch.ones_like(ids, dtype=torch.bool))[:, -1].float().cpu()
-        tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(-1)
+    sampler = Sampler()
+    names = [str(j) for j in range(len(rows))]
+    for name, row, row_seed, limit in zip(names, rows, seeds, limits):
+        sampler.add(name, sampling_params(row_seed, limit, temperature, stops), row)
+    out: list[list[int]] = [[] for _ in rows]
+    done = [limit < 1 for limit in limits]
+    seqs = [list(row) for row in rows]
+    while not all(done):
+        active = [i for i, d in enumerate(done) if not d]  # a finished row is read no more
+        width = max(len(seqs[i]) for i in active)
+        ids = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in active], dtype=torch.long, device=device)
+        valid = torch.tensor([[True] * len(seqs[i]) + [False] * (width - len(seqs[i])) for i in active],
+                             device=device)
+        last = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
+        logits = decoder(ids, None, valid)[torch.arange(len(active), device=device), last]
+        tokens, _ = sampler.sample(logits, [names[i] for i in active])  # each row from its own generator
         if ctx.tp_size > 1:  # rank 0's draw for all: rounding must not let the ranks' sequences part
             drawn = tokens.to(device)  # on the group's device (NCCL broadcasts device tensors only)
             dist.broadcast(drawn, dist.get_global_rank(ctx.tp_group, 0), group=ctx.tp_group)
-            tokens = drawn.cpu()
-        for row, token in enumerate(tokens.tolist()):
-            if not done[row]:
-                out[row].append(token)
-                done[row] = token in stops
-        if all(done):
-            break
-        # a finished row keeps being fed its draws, unread, so the group stays one rectangle
-        ids = torch.cat([ids, tokens.to(device)[:, None]], dim=1)
+            tokens = drawn
+        for i, token in zip(active, tokens.cpu().tolist()):
+            seqs[i].append(token)
+            out[i].append(token)
+            done[i] = token in stops or len(out[i]) >= limits[i]
     return out
 
 

@@ -62,11 +62,12 @@ class TrainPlan:
 
 # ---- driver -----------------------------------------------------------------------------------
 
-def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None) -> dict:
+def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None, rollouts=None) -> dict:
     """Run the plan on `group` (world = dp x tp ranks). Returns {"factors": {"a.i"/"b.j" (and the objective's
     head, "score.weight"): f32 global values}, "ranks": every rank's, "losses", "tokens" and "units" per step,
     "steps": each step's report, "gradients": the full gradients of step `gradients_at` (before its update)
-    when asked}."""
+    when asked}. `rollouts` (grpo's tune/engine_rollouts.EngineRollouts), when given, samples each step's
+    items before the step, under the factors as they stand, in place of the ranks."""
     world = plan.settings.dp * plan.settings.tp
     training = group.on(TrainingOnRank)
     setup = training.setup(plan)
@@ -76,7 +77,11 @@ def train(group, plan: TrainPlan, on_step=None, gradients_at: int | None = None)
     losses, tokens, reports, gradients = [], [], [], None
     try:
         for index in range(len(plan.steps)):
-            out = training.step(plan.token, index, index == gradients_at)[0]
+            drawn = None
+            if rollouts is not None:
+                rollouts.refresh(training.factors(plan.token)[0])
+                drawn = rollouts.draw([plan.examples[i] for i in plan.steps[index]], index)
+            out = training.step(plan.token, index, index == gradients_at, drawn)[0]
             losses.append(out["loss"])
             tokens.append(out.get("tokens"))
             if out.get("gradients") is not None:
@@ -229,14 +234,16 @@ class TrainingOnRank(RankExtension):
         return {"rank": lay.rank, "dp_rank": lay.dp_rank, "tp_rank": lay.tp_rank, "bytes_read": loaded.bytes_read,
                 "trainable": sum(p.numel() for p in objective.parameters())}
 
-    def step(self, token: str, index: int, gradients: bool = False) -> dict:
+    def step(self, token: str, index: int, gradients: bool = False, drawn: list | None = None) -> dict:
         """One optimizer step: this rank's micro-batches of step `index`; the step's report (its loss
-        weighted by the objective's units: tokens or pairs)."""
+        weighted by the objective's units: tokens or pairs). `drawn`: the step's items as the driver sampled
+        them (grpo's prompts with their completions), in the step's order, in place of the plan's."""
         from deepspeed.utils import safe_get_full_grad
 
         run = self._run(token)
         plan, s, engine = run.plan, run.plan.settings, run.engine
         step = plan.steps[index]
+        items = dict(zip(step, drawn)) if drawn is not None else plan.examples
         units = plan.objective.units([plan.examples[i] for i in step])
         weight = s.dp * s.accumulation / (units * s.tp)
         sums = torch.zeros(plan.objective.width, dtype=torch.float64)
@@ -244,7 +251,7 @@ class TrainingOnRank(RankExtension):
         with _quiet():
             for micro in micro_batches(step, s.batch_size, s.accumulation, s.dp, run.lay.dp_rank):
                 # an empty slot (a short last step) still runs, weighted zero: every rank must reach each reduction
-                batch = [plan.examples[i] for i in micro] or [plan.examples[step[0]]]
+                batch = [items[i] for i in micro] or [items[step[0]]]
                 decoder, attached, _ = run.objective.held
                 inputs = plan.objective.inputs(decoder, attached, batch, plan.pad_id, index)
                 loss = engine(*inputs, weight if micro else 0.0)
@@ -260,14 +267,19 @@ class TrainingOnRank(RankExtension):
             out["gradients"] = grads
         return out
 
-    def finish(self, token: str) -> dict[str, torch.Tensor]:
-        """The trained global factors and head (the f32 masters), from every rank; then the run is torn down."""
+    def factors(self, token: str) -> dict[str, torch.Tensor]:
+        """The global factors and head as they stand (the f32 masters), gathered over the data-parallel ranks
+        (every rank must be asked)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         run = self._run(token)
+        with _quiet():
+            return {n: safe_get_full_fp32_param(p).float().clone() for n, p in run.objective.trainable().items()}
+
+    def finish(self, token: str) -> dict[str, torch.Tensor]:
+        """The trained global factors and head, from every rank; then the run is torn down."""
         try:
-            with _quiet():
-                return {n: safe_get_full_fp32_param(p).float().clone() for n, p in run.objective.trainable().items()}
+            return self.factors(token)
         finally:
             self.abandon(token)
 

@@ -1,0 +1,151 @@
+"""`ster tune grpo --rollout engine`: GRPO's groups sampled by the token engine on its own ranks, the trained
+factors pushed to it as a per-request adapter before every step.
+
+On the tiny llama planted to stop early (as tests/test_tune_grpo.py): the engine draws, token for token,
+the completions the in-process sampler draws from the same factors (B at zero, B away from zero, and
+after the adapter's tensors are replaced in place); two training steps with engine rollouts report
+the numbers in-process rollouts report (the first loss and KL exactly zero, the same rewards and
+lengths, the second step sampled under the factors the first step trained); and on a local Ray
+cluster (127.0.0.1, started and shut down here) the training rank and the engine's rank, two groups
+on one cluster, give the first step's numbers of a run in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # as tests/test_tune.py
+
+from ster_dist.cli import main
+from ster_dist.load import load_model
+from ster_dist.tune.engine_rollouts import EngineRollouts
+from ster_dist.tune.lora import Attached, LoraFactors
+from ster_dist.tune.parallel import TrainCtx
+from ster_dist.tune.prepare import prepare_prompts
+from ster_dist.tune.rollout import sample_group
+from ster_dist.tune.spec import TrainSettings
+from ster_dist.tune.train import train
+from ster_dist.workers.group import LocalGroup
+from tests.test_tune_grpo import _plant_early_stops
+from tests.tiny_models import make_tiny
+from tests.tune_checks import write_jsonl
+
+PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
+ALL = ("query", "key", "value", "output", "gate", "up", "down")
+ROLLOUT = {"group_size": 4, "max_new_tokens": 8, "temperature": 1.0, "beta": 0.04, "reward": "length"}
+pytestmark = pytest.mark.filterwarnings("ignore:Unexpected keyword arguments:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("grpo_engine")
+    _plant_early_stops(make_tiny("llama", root / "base"), root / "base")
+    write_jsonl(root / "prompts.jsonl", PROMPTS)
+    return root
+
+
+def _plan(llama: Path, steps: int, **extra):
+    settings = TrainSettings(**{"rank": 4, "alpha": 8, "targets": ALL, "layers": (), "epochs": 2,
+                                "learning_rate": 3e-2, "seed": 0, "batch_size": 4, **extra})
+    plan, _ = prepare_prompts(str(llama / "base"), str(llama / "prompts.jsonl"), settings, ROLLOUT)
+    plan.steps = plan.steps[:steps]
+    return plan
+
+
+def _in_process(decoder, plan, factors: LoraFactors, step: int) -> list[list[list[int]]]:
+    """Every prompt's group as the training rank samples it, under `factors`."""
+    o = plan.objective
+    attached = Attached(decoder, factors, plan.sites, plan.settings.scale, TrainCtx())
+    try:
+        with torch.no_grad():
+            attached.refresh()
+        return [sample_group(decoder, attached.ctx, p, o.group_size, o.max_new_tokens, o.temperature, o.stops,
+                             o.seed, step) for p in plan.examples]
+    finally:
+        attached.detach()
+
+
+def _state(factors: LoraFactors) -> dict:
+    return {n: p.detach().clone() for n, p in factors.named_parameters()}
+
+
+def test_the_engine_draws_the_completions_the_rank_draws(llama):
+    plan = _plan(llama, 1)
+    decoder = load_model(plan.checkpoint).model
+    start = LoraFactors(plan.sites, 4, 0)                   # B at zero: the base
+    moved = LoraFactors(plan.sites, 4, 0, b_init_std=0.3)   # B away from zero: another policy
+    with LocalGroup() as group:
+        rollouts = EngineRollouts(group, plan)
+        try:
+            seen = []
+            for factors, step in ((start, 0), (moved, 0), (moved, 1), (start, 1)):
+                rollouts.refresh(_state(factors))  # registered once, then its tensors replaced in place
+                drawn = [[list(c) for c in p.completions] for p in rollouts.draw(plan.examples, step)]
+                assert drawn == _in_process(decoder, plan, factors, step), (step, len(seen))
+                seen.append(drawn)
+        finally:
+            rollouts.close()
+    assert seen[0] != seen[1]  # the pushed factors are the ones sampled under
+    assert seen[0] != seen[3]  # another step draws other completions
+
+
+def test_engine_rollouts_train_as_rank_rollouts(llama):
+    """Two steps: the first is the identity either way; the second is sampled under the first step's factors."""
+    reference = train(LocalGroup(), _plan(llama, 2))
+    with LocalGroup() as group:
+        rollouts = EngineRollouts(group, _plan(llama, 2))
+        try:
+            got = train(LocalGroup(), rollouts.plan, rollouts=rollouts)
+        finally:
+            rollouts.close()
+    assert got["losses"][0] == 0.0 and got["steps"][0]["kl"] == 0.0
+    for ours, theirs in zip(got["steps"], reference["steps"]):
+        for key in ("reward", "completion_length", "tokens", "completions"):
+            assert ours[key] == theirs[key], key
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-7)
+    assert got["steps"][1]["kl"] == pytest.approx(reference["steps"][1]["kl"], rel=1e-4)
+    assert got["steps"][1]["kl"] > 0
+
+
+def _quiet_cli(*argv) -> dict:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(list(argv))
+    assert code == 0, stderr.getvalue()
+    return json.loads(stdout.getvalue())
+
+
+def _argv(llama: Path, output: str, *extra) -> list[str]:
+    return ["tune", "grpo", "--model", str(llama / "base"), "--prompts", str(llama / "prompts.jsonl"), "--output",
+            str(llama / output), "--learning-rate", "3e-2", "--seed", "0", "--batch-size", "4", "--epochs", "1",
+            "--max-new-tokens", "8", *extra]
+
+
+def test_on_a_local_ray_cluster_the_first_step_is_the_one_process_step(llama):
+    """The training rank and the engine's rank as two groups on one Ray cluster (loopback, this test's own)."""
+    import ray
+
+    from ster_dist.workers.ray_group import start_ray
+
+    one_process = _quiet_cli(*_argv(llama, "one_process"))
+    assert start_ray(None, num_cpus=2)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        assert address.startswith("127.0.0.1:")
+        on_ray = _quiet_cli(*_argv(llama, "on_ray", "--rollout", "engine", "--address", address))
+        assert not ray.util.placement_group_table() or all(
+            pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # both groups gone
+    finally:
+        ray.shutdown()
+    assert on_ray["rollout"] == "engine" and on_ray["rollout_tp"] == 1 and one_process["rollout"] == "rank"
+    assert on_ray["first_loss"] == 0.0 and on_ray["first_kl"] == 0.0
+    for key in ("first_reward", "first_completion_length", "final_reward", "final_completion_length"):
+        assert on_ray[key] == one_process[key], key
