@@ -251,6 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-build", type=Path, default=None,
                    help="reuse this configured llama.cpp build directory (tools it lacks are built into it)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp column")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="ster_dist's layers eager, as the suite runs them (default: compiled, model/compiled.py)")
     args = p.parse_args(argv)
     args.layers = args.layers or (4 if args.quick else 16)
     args.hidden = args.hidden or (256 if args.quick else 1024)
@@ -317,6 +319,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     transformers.logging.set_verbosity_error()
     ster = SterEngine(common.load_ster(model_dir, args.dtype))
     hf = HFEngine(common.load_hf(model_dir, args.dtype))
+    compiled = compile_ster(ster, args)
     params = sum(p.numel() for p in ster.model.parameters())
     hf_params = sum(p.numel() for p in hf.model.parameters())
     assert params == hf_params, f"parameter counts differ: ster_dist {params}, Transformers {hf_params}"
@@ -394,11 +397,29 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         "gemv_bound_s_per_tok": weight_bytes / gemv_bw,
         "loadavg_1min": [load_before, load_after], "loadavg_1min_after_llama_cpp": load_after_llama,
         "ster_dist": s, "transformers": h, "ratio_ster_over_hf": ratios, "tokens_equal": equality,
-        "llama.cpp": llama, "ratio_ster_over_llama_cpp": vs_llama,
+        "llama.cpp": llama, "ratio_ster_over_llama_cpp": vs_llama, "ster_dist_compiled": compiled,
     }
 
 
 LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
+
+
+def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:
+    """Compile ster_dist's layers and trace every graph the timed runs use (a prefill of each length, decode at
+    batch 1 and --batch) before any clock starts; returns what it cost, or why the layers stay eager."""
+    if args.enforce_eager:
+        return {"compiled": False, "why": "--enforce-eager"}
+    os.environ.pop("STER_ENFORCE_EAGER", None)
+    why = ster.model.compile_layers()
+    if why is not None:
+        return {"compiled": False, "why": why}
+    start = time.perf_counter()
+    vocab = ster.model.cfg.vocab_size
+    for batch, width in ((1, args.prefill_len), (1, args.prompt_len), (args.batch, args.prompt_len)):
+        greedy(ster, torch.randint(3, vocab, (batch, width)), 3)
+    seconds = time.perf_counter() - start
+    print(f"ster_dist: {ster.model.compiled.graphs} layer graphs compiled in {seconds:.1f} s", file=sys.stderr)
+    return {"compiled": True, "graphs": ster.model.compiled.graphs, "compile_s": seconds}
 
 
 def print_table(r: dict) -> None:
@@ -439,6 +460,9 @@ def print_table(r: dict) -> None:
         print(f"llama.cpp: {Path(ll['gguf']).name}; llama-bench prefill = pp{r['prefill_len']}, batch-1 decode = "
               f"tg{r['new_tokens'] - 1} at depth {r['prompt_len']} (KV {ll['kv_type_llama_bench']}); batch-"
               f"{r['batch']} decode = llama-batched-bench S_TG (KV {ll['kv_type_batched_bench']})")
+    c = r["ster_dist_compiled"]
+    print(f"ster_dist layers: compiled ({c['graphs']} graphs, {c['compile_s']:.0f} s before the clocks)"
+          if c["compiled"] else f"ster_dist layers: eager ({c['why']})")
     print(f"tokens equal: {r['tokens_equal']}")
     busy = max(*r["loadavg_1min"], r["loadavg_1min_after_llama_cpp"])
     note = "  (the machine was busy: figures are noisy)" if busy > r["threads"] + 0.5 else ""
