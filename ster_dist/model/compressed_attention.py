@@ -150,3 +150,28 @@ class CompressedAttention(nn.Module):
             index_keys = self.indexer.compressor.entries(laid[..., width:], windows, cos, sin)
             seen = self.indexer.choose(queries[2:], index_keys, seen)
         return entries, seen
+
+
+def v4_layer(cfg, layer: int) -> V4Layer:
+    """Layer `layer`'s sizes and settings from a DeepSeek-V4 config (families/deepseek_v4.py writes the v4_ keys)."""
+    raw = cfg.raw
+    kind, rope_dim = raw["v4_layer_types"][layer], raw["qk_rope_head_dim"]
+    if kind == SLIDING:
+        rope = RopeConfig(theta=float(raw["rope_theta"]), rotary_dim=rope_dim, interleaved=True)
+    else:
+        p = raw["v4_compress_rope"]
+        kind_of_rope = p.get("rope_type", "default")
+        if kind_of_rope not in ("default", "yarn"):
+            raise Refusal(f"DeepSeek-V4's compressed layers rotate with rope_type {kind_of_rope!r}, which is not "
+                          "supported; use default or yarn")
+        yarn = {} if kind_of_rope == "default" else dict(
+            rope_type="yarn", factor=float(p["factor"]), original_max_position=int(p["original_max_position_embeddings"]),
+            beta_fast=float(p.get("beta_fast", 32.0)), beta_slow=float(p.get("beta_slow", 1.0)),
+            attention_factor=float(p.get("attention_factor", 1.0)), truncate=bool(p.get("truncate", True)))
+        rope = RopeConfig(theta=float(p["rope_theta"]), rotary_dim=rope_dim, interleaved=True, **yarn)
+    return V4Layer(kind=kind, hidden=cfg.hidden_size, heads=cfg.num_heads, head_dim=int(raw["head_dim"]),
+                   rope_dim=rope_dim, q_rank=int(raw["q_lora_rank"]), o_groups=int(raw["o_groups"]),
+                   o_rank=int(raw["o_lora_rank"]), window=int(raw["v4_window"]), rope=rope, eps=cfg.norm_eps,
+                   rate=int(raw["v4_compress_rates"][kind]) if kind != SLIDING else 0,
+                   index_heads=int(raw["index_n_heads"]), index_dim=int(raw["index_head_dim"]),
+                   index_topk=int(raw["index_topk"]))
