@@ -152,6 +152,8 @@ DEEPSEEK_V4_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v4", _rules(), positions=PositionSpec(interleaved=True), normalize=_deepseek_v4,
                layer_kinds=_layer_kinds, parity_reference="DeepseekV4ForCausalLM", optional_prefix="model.",
                ignore=(r"(model\.)?mtp\..*",),
+               refuse_keys={"quantization_config": "the published DeepSeek-V4 weights are FP8 and FP4, which are not "
+                                                   "read for this family; load a BF16 export"},
                moe=MoESpec(scoring="sqrtsoftplus", renormalize=True, scaling="always", correction_bias=True,
                            shared="deepseek", activation="limited_swiglu")),
 )

@@ -11,7 +11,7 @@
   only the entries the Lightning Indexer (model/compressed_indexer.py) keeps for it.
 
 The cache keeps the key-value head in the key slot and, on compressed layers, the compressor's and the indexer's
-raw projections in the value slot, from which the entries are rebuilt at every step: both caches carry the state
+raw projections in the value slot (sliding layers one zero channel there), from which the entries are rebuilt at every step: both caches carry the state
 across decode calls without a store of their own. Under tensor parallelism the query heads (whole head groups,
 with their sinks and o_a_proj rows) are split and o_b_proj's columns with them; the key-value head, the
 compressor and the indexer are small and held whole on every rank (as vLLM replicates them).
@@ -87,7 +87,9 @@ class CompressedAttention(nn.Module):
                                              v4.rate, v4.eps)
         raw = (self.compressor.cache_width if self.compressor else 0) + (
             self.indexer.compressor.cache_width if self.indexer else 0)
-        self.kv_shape = ((1, d), (1, raw))
+        # sliding layers keep nothing beside the key-value head: one zero channel, since a cache slot has width
+        self.raw_width = raw
+        self.kv_shape = ((1, d), (1, max(raw, 1)))
         self.scale = d ** -0.5
 
     def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
@@ -103,7 +105,7 @@ class CompressedAttention(nn.Module):
         if self.indexer is not None:
             parts.append(self.indexer.compressor.project(x))
             queries += self.indexer.queries(x, q_latent, cos, sin)
-        raw = torch.cat(parts, dim=-1).to(kv.dtype) if parts else kv.new_zeros(b, 1, t, 0)
+        raw = torch.cat(parts, dim=-1).to(kv.dtype) if parts else kv.new_zeros(b, 1, t, 1)
         out = pos.attend(self.layer, queries, kv, raw, None, partial(self._attend, pos.tables))
         out = rotate_tail(out, cos, -sin).transpose(1, 2)                  # [b, t, heads, d]
         groups = out.reshape(b, t, self.local_groups, -1)
