@@ -24,7 +24,7 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
-from tests.paged_steps import check_paged_equals_whole
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
 from tests.test_engine import open_engine
 from tests.tiny_models import make_tiny
 
@@ -77,6 +77,16 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(v4):
     gen = torch.Generator().manual_seed(3)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
     check_paged_equals_whole(model, tokens, SCHEDULE)
+
+
+@pytest.mark.slow  # TP=2 logits are tests/test_tensor_parallel.py's; this adds the paged steps (~1 min)
+def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(v4, tp2):
+    """Query heads by whole output groups, their sinks and o_a_proj rows split over two ranks; the key-value head,
+    compressors and indexer whole on each: two ranks' paged steps equal one rank's."""
+    directory, _, model = v4
+    gen = torch.Generator().manual_seed(4)
+    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
+    check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
 
 
 def test_the_token_engine_answers_as_ster_generate(v4):
