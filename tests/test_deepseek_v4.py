@@ -166,6 +166,15 @@ def test_refusals(change, words):
         from_hf({**_CONFIG, **change})
 
 
+def test_the_quantized_releases_are_refused_before_any_weight_is_fetched():
+    from ster_dist.config_file import gate
+
+    release = {**_CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                  "weight_block_size": [128, 128]}}
+    with pytest.raises(Refusal, match="the published DeepSeek-V4 weights are FP8 and FP4"):
+        gate(release, "deepseek-ai/DeepSeek-V4-Flash")
+
+
 def test_adapters_and_pipeline_stages_are_refused():
     with pytest.raises(Refusal, match="adapters on deepseek_v4 are refused"):
         refuse_family("deepseek_v4")
