@@ -49,7 +49,7 @@ class MLAConfig:
 # values), keeping keys as well as its convolutions' windows
 # "bottleneck_attention": attention whose query passes a narrow normed projection first (Step3)
 ATTENTION_MIXERS = ("attention", "latent_attention", "attention_mamba2", "inkling_attention", "loop_attention",
-                    "bottleneck_attention", "block_sparse_attention")
+                    "bottleneck_attention", "block_sparse_attention", "compressed_attention")
 # "none": a layer of the feed-forward alone (Nemotron-H's "-" and "E" layers); "mamba2_shared_block": a Mamba-2
 # layer fed by a transformer block several layers share (Zamba2's hybrid layers)
 MIXER_KINDS = ATTENTION_MIXERS + ("mamba", "mamba2", "gated_delta", "kimi_delta", "lightning", "short_conv", "none",

@@ -23,6 +23,7 @@ from pathlib import Path
 from ster_dist.config_quant import quantization
 from ster_dist.errors import Refusal
 from ster_dist.families.names import FAMILY_NAMES
+from ster_dist.families.registry import SPECS
 
 
 @dataclass(frozen=True)
@@ -160,4 +161,7 @@ def gate(raw: dict, model: str) -> str:
     if quant is None and isinstance(raw.get("text_config"), dict):
         quant = raw["text_config"].get("quantization_config")
     quantization(quant, model)  # refuses every quantization but FP8 with block scales
+    why = SPECS[family].refuse_keys.get("quantization_config") if family in SPECS else None
+    if quant and why:  # a family whose quantized releases are not read (DeepSeek-V3.2, DeepSeek-V4)
+        raise Refusal(f"invalid model config {model}: quantization_config is set; {why}")
     return family

@@ -8,7 +8,7 @@ from ster_dist.config_keys import Keys
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -45,6 +45,9 @@ class MoEConfig:
     router_input_norm: bool = False       # Gemma 4's router: normed, scaled input; a scale per expert (MoESpec)
     # experts that return their input (LongCat-Flash's zero_expert_num), scored after the routed ones; 0: none
     identity_experts: int = 0
+    # hash routing (DeepSeek-V4's hash_moe layers): the experts are the token's row of a stored table (tid2eid) of
+    # this many rows, the router's scores weighing them; 0: the router chooses
+    hash_vocab: int = 0
 
 
 def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int) -> tuple[MoEConfig, tuple[bool, ...]]:
@@ -114,7 +117,9 @@ def moe_config(keys: Keys, spec: FamilySpec, intermediate: int, num_layers: int)
     moe = MoEConfig(
         num_experts=num_experts, top_k=top_k, intermediate_size=width, scoring=scoring, topk_method=method,
         n_group=n_group, topk_group=topk_group, renormalize=renormalize, scaling_factor=factor,
-        router_bias=ms.router_bias, correction_bias=ms.correction_bias or method == "noaux_tc",
+        router_bias=ms.router_bias,
+        correction_bias=(ms.correction_bias or method == "noaux_tc") and not keys.get("hash_routing_vocab"),
+        hash_vocab=int(keys.get("hash_routing_vocab", default=0) or 0),
         shared_intermediate_size=shared, shared_gate=ms.shared == "qwen" and shared > 0,
         expert_bias=ms.expert_bias, activation=ms.activation, shared_average=shared > 0 and average,
         swiglu_limit=float(keys.get("swiglu_limit", default=7.0)), swiglu_alpha=float(keys.get("swiglu_alpha",

@@ -39,7 +39,7 @@ from tests.tiny_models import STARVED, TINY, family_of_variant, make_tiny
 # nor is one whose mlp_layer_types routes no layer (Inkling's dense variant), nor Gemma 4 without enable_moe_block
 MOE_VARIANTS = sorted(v for v in TINY if SPECS[family_of_variant(v)].moe is not None
                       and TINY[v][2].get("num_local_experts") != 0
-                      and "sparse" in TINY[v][2].get("mlp_layer_types", ["sparse"])
+                      and {"sparse", "moe"} & set(TINY[v][2].get("mlp_layer_types", ["sparse"]))
                       and TINY[v][2].get("enable_moe_block", True))
 
 

@@ -18,6 +18,7 @@ from tests.tiny import (
     bloom_falcon,
     cohere,
     deepseek,
+    deepseek_v4,
     ernie,
     exaone,
     falcon_h1,
@@ -66,7 +67,7 @@ LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
     gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax, falcon_h1,
     llama4, mimo_v2, laguna, gated_attention, inkling, longcat, gemma3n, hyper, looped, sparse_attention,
-    minimax_m3, gemma4)}
+    minimax_m3, gemma4, deepseek_v4)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"
 # VARIANT_FAMILY and UNSTATED_BASE are optional in a lineage's module: most need neither
@@ -130,6 +131,11 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.05)
             if name.endswith("router.gate.weight") and not t.any():  # AFMoE's class starts its router at zero
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.2)
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash table starts at zero: each token its own experts
+                experts = model.config.num_local_experts
+                t.copy_(torch.stack([torch.randperm(experts, generator=gen)[: t.shape[1]] for _ in range(t.shape[0])]))
+            if name.endswith("position_bias"):  # DeepSeek-V4's compressors start without a position bias
+                t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.5)
             if name.endswith("layer_scalar"):  # Gemma 4's stored scalar per layer starts at one
                 t.add_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) * 0.3)
         last = model.config.get_text_config().num_hidden_layers - 1  # an image-text wrapper: its text decoder's
@@ -138,7 +144,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
                 continue
             if variant in ("deepseek_v3", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
                            "hy_v3", "sarvam_mla", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note",
-                           "minimax_m3_vl_text", "glm5_next") \
+                           "minimax_m3_vl_text", "glm5_next", "deepseek_v4") \
                     and name.endswith("e_score_correction_bias"):
                 t[..., t.shape[-1] // 2:] -= 10.0  # ERNIE's bias is [1, experts]
             if variant == "afmoe" and name.endswith("mlp.expert_bias"):
@@ -150,7 +156,7 @@ def _perturb_experts(model, variant: str, seed: int) -> None:
 # their last layer routes no token to the upper half of the experts
 STARVED = {"deepseek_v3", "gpt_oss", "glm4_moe_lite", "ernie4_5_moe", "minimax_m2", "exaone_moe", "kimi_linear",
            "hy_v3", "afmoe", "sarvam_mla", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note",
-           "minimax_m3_vl_text", "glm5_next"}
+           "minimax_m3_vl_text", "glm5_next", "deepseek_v4"}
 
 
 def read_config(directory: Path) -> dict:

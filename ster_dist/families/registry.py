@@ -11,6 +11,7 @@ from ster_dist.families.bloom_falcon import BLOOM_FALCON_FAMILIES
 from ster_dist.families.chatglm import CHATGLM_FAMILIES
 from ster_dist.families.cohere import COHERE_FAMILIES
 from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
+from ster_dist.families.deepseek_v4 import DEEPSEEK_V4_FAMILIES
 from ster_dist.families.dense_remote import DENSE_REMOTE_FAMILIES
 from ster_dist.families.dense_remote2 import DENSE_REMOTE2_FAMILIES
 from ster_dist.families.ernie import ERNIE_FAMILIES
@@ -68,7 +69,7 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + HYPER_FAMILIES + LOOPED_FAMILIES
         + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
         + REMOTE_VARIANTS_FAMILIES + MINIMAX_M3_FAMILIES
-        + GEMMA4_FAMILIES)
+        + GEMMA4_FAMILIES + DEEPSEEK_V4_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

@@ -164,7 +164,8 @@ class Block(nn.Module):
         a_in, weights = self.attn_hc(streams)
         streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
         m_in, weights = self.mlp_hc(streams)
-        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in)), weights)
+        ids = step.token_ids if getattr(self.mlp, "reads_token_ids", False) else None  # DeepSeek-V4's hash layers
+        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in), token_ids=ids), weights)
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then
@@ -390,6 +391,7 @@ class Decoder(nn.Module):
 
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
+        step.token_ids = ids  # what hash-routed experts choose by (DeepSeek-V4)
         if self.per_layer_inputs is not None:  # Gemma 3n, Gemma 4's E models: every layer's own input
             step.per_layer_inputs = self.per_layer_inputs(ids, h)
         if self.altup is not None:  # Gemma 3n: the stream as AltUp's copies

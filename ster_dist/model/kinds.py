@@ -34,6 +34,7 @@ from ster_dist.config import ATTENTION_MIXERS, FEED_FORWARD_KINDS, MIXER_KINDS, 
 from ster_dist.layers.mlp import MLP
 from ster_dist.model.attention import Attention
 from ster_dist.model.block_sparse import BlockSparseAttention
+from ster_dist.model.compressed_attention import CompressedAttention, v4_layer
 from ster_dist.model.gated_delta import GatedDeltaNet
 from ster_dist.model.inkling import InklingAttention
 from ster_dist.model.kimi_delta import KimiDeltaAttention
@@ -95,6 +96,9 @@ MIXERS: dict[str, MixerKind] = {
     "loop_attention": MixerKind(LoopAttention, "attn"),
     "bottleneck_attention": MixerKind(BottleneckAttention, "attn"),  # Step3's query bottleneck
     "block_sparse_attention": MixerKind(BlockSparseAttention, "attn"),  # MiniMax Sparse Attention
+    # DeepSeek-V4's sliding, compressed sparse and heavily compressed layers
+    "compressed_attention": MixerKind(lambda cfg, layer, ctx: CompressedAttention(v4_layer(cfg, layer), layer, ctx),
+                                      "attn"),
 }
 # Falcon-H1's layers, under its config's names for the multipliers
 MIXERS["attention_mamba2"] = side_by_side(("attention", "attention_in_multiplier", "attention_out_multiplier"),

@@ -20,13 +20,22 @@ from ster_dist.parallel.ctx import Shard
 from ster_dist.parallel.linear import ShardedModule
 
 
-def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens, experts]."""
+def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring == "sqrtsoftplus":  # DeepSeek-V4's
+        return F.softplus(logits).sqrt()
+    return torch.softmax(logits, dim=-1)
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None,
+          hashed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens, experts]; `hashed`:
+    the experts already chosen (DeepSeek-V4's hash layers), which the scores only weigh."""
     logits = logits.float()
     if moe.sparsemixer_eps is not None:
         return _sparsemixer(logits, moe.sparsemixer_eps)
-    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = _scores(logits, moe.scoring)
     choice = scores + correction.float() if correction is not None else scores
     if moe.topk_method != "greedy":
         grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
@@ -38,7 +47,7 @@ def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None 
         keep.scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, True)
         # the config check guarantees the kept groups hold at least top_k experts
         choice = choice.masked_fill(~keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1), float("-inf"))
-    ids = choice.topk(moe.top_k, dim=-1).indices
+    ids = choice.topk(moe.top_k, dim=-1).indices if hashed is None else hashed
     weights = scores.gather(1, ids)
     if moe.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -105,10 +114,15 @@ class Router(ShardedModule):
             self._param("expert_scale", Shard((moe.num_experts,)))
         else:
             self.input_scale = self.expert_scale = None
+        if moe.hash_vocab:  # DeepSeek-V4's hash layers: each token id's experts, stored
+            self._param("tid2eid", Shard((moe.hash_vocab, moe.top_k)), torch.long)
+        else:
+            self.tid2eid = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the router scores
-        shared experts too (route_with_shared); an id from num_experts on is an identity expert."""
+        shared experts too (route_with_shared); an id from num_experts on is an identity expert. token_ids
+        [tokens]: what a hash-routed router (tid2eid) chooses by."""
         bias = self.bias.float() if self.bias is not None else None
         if self.input_scale is not None:
             x = self._normed(x)
@@ -116,7 +130,8 @@ class Router(ShardedModule):
         if self.moe.shared_routed:
             weights, ids = route_with_shared(logits, self.moe, self.correction)
         else:
-            weights, ids = route(logits, self.moe, self.correction)
+            hashed = self.tid2eid[token_ids].long() if self.tid2eid is not None else None
+            weights, ids = route(logits, self.moe, self.correction, hashed)
         if self.expert_scale is not None:
             weights = weights * self.expert_scale.float()[ids]
         return (weights * self.scale.float() if self.scale is not None else weights), ids
