@@ -1,0 +1,119 @@
+"""MTP speculative decoding in the token engine (engine/drafter.py, engine/rejection.py) on a tiny DeepSeek-V3
+with one MTP layer, made here from the tiny path as published checkpoints store it: greedy output with drafts
+equals greedy output without them, token for token, for prompts of mixed length batched together (TP=2 and
+EP=2 in tests/test_speculative_ranks.py); the draft counters add up; an MTP layer built to echo its input token gets drafts accepted where
+the model repeats itself; `ster generate --speculative mtp` answers as `ster generate`; and where drafting
+cannot work it is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ster_dist.engine.sampling import SamplingParams
+from ster_dist.errors import Refusal
+from ster_dist.load import load_model
+from ster_dist.resolve import resolve
+from tests.cli_run import cli_generate
+from tests.test_engine import alone, open_engine, prompts
+from tests.test_fp8 import mtp_tensors
+from tests.tiny_models import make_tiny
+
+LENGTHS = [6, 3, 9, 4, 12]
+
+
+def with_mtp(directory: Path, echo: bool = False) -> Path:
+    """A tiny deepseek_v3 checkpoint with one MTP layer after its decoder's (tests/test_fp8.py's, random), or
+    one whose MTP layer echoes the token it reads: eh_proj passes the normed embedding alone, the layer's
+    attention and feed-forward add nothing (their output projections zero), and its head is the embedding, so
+    the draft is the last token again, right wherever the model repeats a token."""
+    make_tiny("deepseek_v3", directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    config["num_nextn_predict_layers"] = 1
+    mtp = mtp_tensors(tensors, layers, hidden, config["vocab_size"])
+    if echo:
+        prefix = f"model.layers.{layers}."
+        for name in mtp:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                mtp[name] = torch.zeros_like(mtp[name])
+        mtp[prefix + "eh_proj.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), 1)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            mtp[prefix + norm + ".weight"] = torch.ones(hidden)
+        mtp[prefix + "shared_head.head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors.update(mtp)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return with_mtp(tmp_path_factory.mktemp("deepseek_mtp"))
+
+
+@pytest.fixture(scope="module")
+def reference(deepseek):
+    """Each request alone on one rank with the static cache, no drafts: what its row of a batch must equal."""
+    single = load_model(resolve(str(deepseek)), "f32")
+    return [alone(single.model, p, n) for p, n in zip(prompts(5, seed=3), LENGTHS)]
+
+
+def run(directory, drafts: int, group=None, **params) -> tuple[list[list[int]], dict]:
+    with open_engine(directory, group=group, max_step_tokens=48, speculative_tokens=drafts) as engine:
+        streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True, **params))
+                   for p, n in zip(prompts(5, seed=3), LENGTHS)]
+        return [s.result().token_ids for s in streams], engine.stats()
+
+
+def counted(stats: dict) -> None:
+    assert stats["drafted_tokens"] > 0
+    assert stats["accepted_tokens"] + stats["rejected_tokens"] == stats["drafted_tokens"]
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_greedy_with_drafts_equals_greedy_without(deepseek, reference, drafts):
+    got, stats = run(deepseek, drafts)
+    assert got == reference
+    counted(stats)
+
+
+def test_an_echoing_mtp_layer_gets_drafts_accepted(tmp_path):
+    directory = with_mtp(tmp_path / "echo", echo=True)
+    plain, plain_stats = run(directory, 0)
+    got, stats = run(directory, 2)
+    assert got == plain
+    counted(stats)
+    assert stats["accepted_tokens"] > 0 and stats["acceptance_rate"] > 0
+    # every accepted draft is a token no step of its own had to decode
+    assert stats["steps"] < plain_stats["steps"]
+
+
+def test_a_seeded_sampled_request_with_drafts_repeats_and_counts(deepseek):
+    first, stats = run(deepseek, 2, temperature=0.8, seed=11)
+    again, _ = run(deepseek, 2, temperature=0.8, seed=11)
+    assert first == again and [len(t) for t in first] == LENGTHS
+    counted(stats)
+
+
+def test_ster_generate_with_mtp_answers_as_without(deepseek):
+    args = (f"--model={deepseek}", "--prompt=hello there", "--chat-template=off", "--max-new-tokens=8",
+            "--ignore-eos")
+    assert cli_generate(*args, "--speculative=mtp", "--num-speculative-tokens=2")["text"] == \
+        cli_generate(*args)["text"]
+
+
+def test_speculation_is_refused_without_mtp_layers(tmp_path):
+    make_tiny("llama", tmp_path)
+    with pytest.raises(Refusal, match="num_nextn_predict_layers"):
+        open_engine(tmp_path, speculative_tokens=1)
+
+
+def test_draft_count_is_refused_without_speculative(deepseek):
+    with pytest.raises(Refusal, match="--speculative mtp"):
+        cli_generate(f"--model={deepseek}", "--prompt=hi", "--num-speculative-tokens=2")
