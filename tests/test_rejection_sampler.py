@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ster_dist.engine.rejection import rejection_sample, verify_greedy
-from ster_dist.engine.sampling import SamplingParams, Sampler
+from ster_dist.engine.sampling import Sampler, SamplingParams
 
 DRAWS = 8000
 
@@ -35,7 +35,7 @@ def test_the_first_token_follows_the_target_for_a_point_mass_draft():
     g = torch.Generator().manual_seed(0)
     target = torch.softmax(torch.randn(2, 5, generator=g), -1)
     for draft in (int(target[0].argmax()), int(target[0].argmin())):
-        freq = _counts(lambda: rejection_sample(target, [draft], None, g)[0][0], 5)
+        freq = _counts(lambda draft=draft: rejection_sample(target, [draft], None, g)[0][0], 5)
         _close(freq, target[0])
 
 

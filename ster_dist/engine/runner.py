@@ -182,9 +182,9 @@ class ModelRunner(RankExtension):
                 continue
             drafts, block = proposed[i], logits[at[i]]
             if self.sampler.params(seq_id).greedy:
-                out, kept = verify_greedy(block, drafts)
+                out, _ = verify_greedy(block, drafts)
             else:
-                out, kept = rejection_sample(self.sampler.target_probs(block, seq_id), drafts, None,
+                out, _ = rejection_sample(self.sampler.target_probs(block, seq_id), drafts, None,
                                              self.sampler.generator(seq_id, block.device))
             tokens[n], accepted[n], drafted[n] = out[-1], out[:-1], len(drafts)
         return StepResult(tokens, logprobs, scores, drafted, accepted)
