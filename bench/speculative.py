@@ -23,6 +23,8 @@ What is measured
     tokens/s = generated tokens / seconds from the first submit to the last result (prefill included), best of
     --repeats (the settings alternating run by run) after one warm-up each; engine steps; and drafted / accepted tokens (acceptance = accepted / drafted).
     Every run's tokens are checked equal to the run without drafts (greedy speculation changes no token).
+    Steps and acceptance are exact; tokens/s on a shared CPU moves with the neighbours' load (the 1-minute load
+    average is in the JSON), so read speedups from several runs.
 
     python bench/speculative.py [--hidden 256 --layers 12 --batch 1 4 --drafts 0 1 3 --new-tokens 32]
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"x{row['speedup']:.2f}  steps {row['steps']:4d}  accepted {row['accepted']}/{row['drafted']} "
                           f"({row['acceptance']:.1%})  same tokens: {row['same_tokens']}", flush=True)
             group.close()
-    print(json.dumps({"benchmark": "speculative", "device": args.device, "precision": args.precision,
+    print(json.dumps({"benchmark": "speculative", "load_average": os.getloadavg(), "device": args.device, "precision": args.precision,
                       "threads": args.threads, "hidden": args.hidden,
                       "layers": args.layers, "new_tokens": args.new_tokens, "results": results}))
 

@@ -2,7 +2,7 @@
 with one MTP layer, made here from the tiny path as published checkpoints store it: greedy output with drafts
 equals greedy output without them, token for token, for prompts of mixed length batched together (TP=2 and
 EP=2 in tests/test_speculative_ranks.py); the draft counters add up; an MTP layer built to echo its input token gets drafts accepted where
-the model repeats itself; `ster generate --speculative mtp` answers as `ster generate`; and where drafting
+the model repeats itself; preemption under a tiny block budget; `ster generate --speculative mtp` answers as `ster generate`; and where drafting
 cannot work it is refused in one line."""
 
 from __future__ import annotations
@@ -83,15 +83,44 @@ def test_greedy_with_drafts_equals_greedy_without(deepseek, reference, drafts):
     counted(stats)
 
 
-def test_an_echoing_mtp_layer_gets_drafts_accepted(tmp_path):
-    directory = with_mtp(tmp_path / "echo", echo=True)
-    plain, plain_stats = run(directory, 0)
-    got, stats = run(directory, 2)
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    return with_mtp(tmp_path_factory.mktemp("deepseek_echo"), echo=True)
+
+
+def test_an_echoing_mtp_layer_gets_drafts_accepted(echo):
+    plain, plain_stats = run(echo, 0)
+    got, stats = run(echo, 2)
     assert got == plain
     counted(stats)
     assert stats["accepted_tokens"] > 0 and stats["acceptance_rate"] > 0
     # every accepted draft is a token no step of its own had to decode
     assert stats["steps"] < plain_stats["steps"]
+
+
+def test_rejection_sampling_at_a_near_zero_temperature_draws_the_greedy_tokens(echo):
+    """The sampled path (engine/rejection.py through the engine) with drafts both kept and refused: a
+    distribution all but one-hot keeps exactly the drafts greedy keeps and draws greedy's token after them."""
+    plain, _ = run(echo, 0)
+    got, stats = run(echo, 2, temperature=1e-4, seed=3)
+    assert got == plain
+    counted(stats)
+    assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+
+
+def test_preemption_with_drafts_gives_the_same_tokens(deepseek):
+    """Under a tiny block budget sequences are preempted and recomputed, their waiting MTP rows then stale."""
+    ps = prompts(6, seed=7, lo=8, hi=16)
+
+    def tokens(drafts: int) -> tuple[list[list[int]], dict]:
+        with open_engine(deepseek, max_blocks=16, prefix_caching=False, speculative_tokens=drafts) as engine:
+            streams = [engine.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in ps]
+            return [s.result().token_ids for s in streams], engine.stats()
+
+    got, stats = tokens(2)
+    assert stats["preemptions"] > 0
+    assert got == tokens(0)[0]
+    counted(stats)
 
 
 def test_a_seeded_sampled_request_with_drafts_repeats_and_counts(deepseek):
