@@ -2,7 +2,7 @@
 with one MTP layer, made here from the tiny path as published checkpoints store it: greedy output with drafts
 equals greedy output without them, token for token, for prompts of mixed length batched together (TP=2 and
 EP=2 in tests/test_speculative_ranks.py); the draft counters add up; an MTP layer built to echo its input token gets drafts accepted where
-the model repeats itself; preemption under a tiny block budget; `ster generate --speculative mtp` answers as `ster generate`; and where drafting
+the model repeats itself; preemption under a tiny block budget; an FP8 checkpoint in both weight modes; `ster generate --speculative mtp` answers as `ster generate`; and where drafting
 cannot work it is refused in one line."""
 
 from __future__ import annotations
@@ -14,13 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ster_dist.config_load import model_config
+from ster_dist.engine.loop import EngineConfig, TokenEngine
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.resolve import resolve
+from ster_dist.tokenizer import Tokenizer
+from ster_dist.workers.group import LocalGroup
 from tests.cli_run import cli_generate
 from tests.test_engine import alone, open_engine, prompts
-from tests.test_fp8 import mtp_tensors
+from tests.test_fp8 import BLOCKS, mtp_tensors, write_fp8
 from tests.tiny_models import make_tiny
 
 LENGTHS = [6, 3, 9, 4, 12]
@@ -64,11 +68,20 @@ def reference(deepseek):
     return [alone(single.model, p, n) for p, n in zip(prompts(5, seed=3), LENGTHS)]
 
 
-def run(directory, drafts: int, group=None, **params) -> tuple[list[list[int]], dict]:
-    with open_engine(directory, group=group, max_step_tokens=48, speculative_tokens=drafts) as engine:
+def run(directory, drafts: int, group=None, loaded: bool = False, **params) -> tuple[list[list[int]], dict]:
+    """The five prompts batched through one engine; `loaded`: the group holds the model already."""
+    engine = (engine_on(directory, group, max_step_tokens=48, speculative_tokens=drafts) if loaded else
+              open_engine(directory, group=group, max_step_tokens=48, speculative_tokens=drafts))
+    with engine:
         streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True, **params))
                    for p, n in zip(prompts(5, seed=3), LENGTHS)]
         return [s.result().token_ids for s in streams], engine.stats()
+
+
+def engine_on(directory, group, **config) -> TokenEngine:
+    cfg = model_config(resolve(str(directory)))
+    return TokenEngine(group, cfg, Tokenizer.from_directory(directory), cfg.eos_token_ids or (2,),
+                       EngineConfig(**{"kv_cache_memory": 4 << 20, "block_size": 4, **config}))
 
 
 def counted(stats: dict) -> None:
@@ -127,6 +140,26 @@ def test_a_seeded_sampled_request_with_drafts_repeats_and_counts(deepseek):
     first, stats = run(deepseek, 2, temperature=0.8, seed=11)
     again, _ = run(deepseek, 2, temperature=0.8, seed=11)
     assert first == again and [len(t) for t in first] == LENGTHS
+    counted(stats)
+
+
+@pytest.mark.parametrize("weights", ["dequantize", "fp8"])
+def test_an_fp8_checkpoints_mtp_layer_drafts_in_both_weight_modes(tmp_path, weights):
+    """DeepSeek-V3 as published in FP8 (tests/test_fp8.py's block scheme, the MTP layer's projections, eh_proj
+    among them, quantized): the layer loads dequantized or kept FP8 and greedy output is unchanged."""
+    source = with_mtp(tmp_path / "source")
+    write_fp8(load_file(str(source / "model.safetensors")), BLOCKS["deepseek_v3"], source, tmp_path / "fp8",
+              tmp_path / "ref", json.loads((source / "config.json").read_text()))
+    outputs = []
+    for drafts in (0, 2):
+        group = LocalGroup()
+        try:
+            group.call("load", resolve(str(tmp_path / "fp8")), "f32", "cpu", weights)
+            got, stats = run(tmp_path / "fp8", drafts, group=group, loaded=True)
+        finally:
+            group.close()
+        outputs.append(got)
+    assert outputs[0] == outputs[1]
     counted(stats)
 
 
