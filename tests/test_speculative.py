@@ -7,6 +7,7 @@ cannot work it is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.config_load import model_config
-from ster_dist.engine.loop import EngineConfig, TokenEngine
+from ster_dist.engine.loop import EngineConfig, TokenEngine, check_speculative
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
@@ -121,6 +122,19 @@ def test_rejection_sampling_at_a_near_zero_temperature_draws_the_greedy_tokens(e
     assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
 
 
+def test_requests_that_never_draft_share_the_batch(deepseek, reference):
+    """Requests asking for logprobs or penalties decode one token a step beside drafting ones, all greedy's."""
+    asks = [{"logprobs": 1}, {}, {"repetition_penalty": 1.0, "logits_of": (5,)}, {}, {"logprobs": 0}]
+    with open_engine(deepseek, max_step_tokens=48, speculative_tokens=2) as engine:
+        streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True, **a))
+                   for p, n, a in zip(prompts(5, seed=3), LENGTHS, asks)]
+        results = [s.result() for s in streams]
+        stats = engine.stats()
+    assert [r.token_ids for r in results] == reference
+    assert len(results[0].logprobs) == LENGTHS[0]
+    counted(stats)
+
+
 def test_preemption_with_drafts_gives_the_same_tokens(deepseek):
     """Under a tiny block budget sequences are preempted and recomputed, their waiting MTP rows then stale."""
     ps = prompts(6, seed=7, lo=8, hi=16)
@@ -174,6 +188,19 @@ def test_speculation_is_refused_without_mtp_layers(tmp_path):
     make_tiny("llama", tmp_path)
     with pytest.raises(Refusal, match="num_nextn_predict_layers"):
         open_engine(tmp_path, speculative_tokens=1)
+
+
+def test_speculation_is_refused_for_recurrent_state_a_pipeline_and_two_mtp_layers(deepseek, tmp_path):
+    make_tiny("mamba", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(Refusal, match="recurrent layers"):
+        open_engine(tmp_path, speculative_tokens=1)
+    cfg = model_config(resolve(str(deepseek)))
+    with pytest.raises(Refusal, match="--pp"):
+        check_speculative(cfg, EngineConfig(speculative_tokens=1, micro_batches=2))
+    with pytest.raises(Refusal, match="exactly one MTP layer"):
+        check_speculative(dataclasses.replace(cfg, mtp_layers=2), EngineConfig(speculative_tokens=1))
 
 
 def test_draft_count_is_refused_without_speculative(deepseek):

@@ -38,13 +38,13 @@ class MTPDrafter:
         for seq_id in seq_ids:
             self._waiting.pop(seq_id, None)
 
-    def propose(self, seq_ids: list[str], chunks: list[Chunk], firsts: list[int],
+    def propose(self, seq_ids: list[str | None], chunks: list[Chunk], firsts: list[int],
                 wanted: dict[int, int]) -> dict[int, list[int]]:
         """Drafts by chunk index (at most wanted[i] for chunk i) after the catch-up of every chunk's waiting rows;
-        `firsts`: each chunk's first new token."""
+        `firsts`: each chunk's first new token; seq_ids[i] None: a sequence that never drafts."""
         ids, hidden, rows, owners = [], [], [], []
         for i, (seq_id, chunk) in enumerate(zip(seq_ids, chunks)):
-            waiting = self._waiting.pop(seq_id, None)
+            waiting = self._waiting.pop(seq_id, None) if seq_id is not None else None
             stood = chunk.start - waiting.start if waiting is not None else 0
             if not 0 < stood <= len(waiting.ids if waiting else ()):
                 continue  # nothing waiting, or the sequence restarted from elsewhere (preemption)
@@ -69,12 +69,14 @@ class MTPDrafter:
                 last[i] = out[m]
         return drafts
 
-    def keep(self, seq_ids: list[str], chunks: list[Chunk], ids: list[int], hidden: torch.Tensor) -> None:
-        """A step's chunks (drafts included) and the model's final-norm output over them [tokens, hidden]."""
+    def keep(self, seq_ids: list[str | None], chunks: list[Chunk], ids: list[int], hidden: torch.Tensor) -> None:
+        """A step's chunks (drafts included) and the model's final-norm output over them [tokens, hidden]; none
+        for a sequence that never drafts (seq_ids[i] None)."""
         offset = 0
         for seq_id, chunk in zip(seq_ids, chunks):
             end = offset + chunk.length
-            self._waiting[seq_id] = _Rows(chunk.start, ids[offset:end], hidden[offset:end].clone())
+            if seq_id is not None:
+                self._waiting[seq_id] = _Rows(chunk.start, ids[offset:end], hidden[offset:end].clone())
             offset = end
 
     def _run(self, hidden: torch.Tensor, ids: list[int], rows: list[Chunk]):

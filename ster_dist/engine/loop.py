@@ -87,6 +87,9 @@ def check_speculative(cfg, config: EngineConfig) -> None:
     if not cfg.mtp_layers:
         raise Refusal("--speculative mtp drafts with the model's multi-token-prediction layers and this config "
                       "states none (num_nextn_predict_layers); drop --speculative")
+    if cfg.mtp_layers != 1:
+        raise Refusal(f"--speculative mtp drafts with exactly one MTP layer (DeepSeek-V3's) and this config states "
+                      f"{cfg.mtp_layers}; drop --speculative")
     if config.micro_batches > 1:
         raise Refusal("--speculative mtp runs on one pipeline stage; drop --pp or --speculative")
     if config.speculative_tokens > config.max_step_tokens // 2:
@@ -123,10 +126,14 @@ class TokenEngine:
             check_speculative(cfg, config)
         runners = group.on(ModelRunner)
         sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
-                                 DEFAULT_KV_CAP if config.kv_cache_memory is None else None, speculative)
-        if speculative and any(s["state_bytes"] for s in sizes):
-            raise Refusal("--speculative mtp cannot run on a model with recurrent layers: their state cannot roll "
-                          "back past a refused draft; drop --speculative")
+                                 DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
+        if speculative:
+            if any(s["state_bytes"] for s in sizes):
+                raise Refusal("--speculative mtp cannot run on a model with recurrent layers: their state cannot "
+                              "roll back past a refused draft; drop --speculative")
+            # the MTP layer's keys sit in blocks of the same ids: a block costs that much more on each rank
+            for size, extra in zip(sizes, runners.draft_block_bytes(config.block_size)):
+                size["block_bytes"] += extra
         blocks, slots = cache_sizes(sizes, config, cfg.max_position)
         runners.start(blocks, config.block_size, slots, speculative)
         self.block_bytes = sizes[0]["block_bytes"]
@@ -358,7 +365,7 @@ class TokenEngine:
             prefix = seq.prompt_len if self.cfg.bidirectional_prompt and chunk.start == 0 else 0
             covered = end + chunk.drafts  # the table reaches the last draft the ranks may feed
             work.chunks.append((tuple(seq.blocks[: -(-covered // bs)]), chunk.start, chunk.length, seq.state, prefix))
-            work.seq_ids.append(seq.id)
+            work.seq_ids.append(seq.id if seq.drafts else None)  # the ranks keep MTP rows for drafting ones only
             if chunk.drafts:
                 work.drafts.append((i, chunk.drafts))
             if chunk.samples:

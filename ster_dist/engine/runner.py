@@ -54,8 +54,7 @@ class ModelRunner(RankExtension):
         self.drafter: MTPDrafter | None = None
         self.mtp = None  # the model's MTP layer, loaded on first use and kept while the model is
 
-    def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None,
-                 speculative: bool = False) -> dict:
+    def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
         bytes), and what one block and one sequence's recurrent state (0 without recurrent layers) cost here.
         The driver splits the budget between blocks and state slots (engine/loop.py cache_sizes)."""
@@ -63,11 +62,13 @@ class ModelRunner(RankExtension):
         budget = memory if memory is not None else int(fraction * available_memory(model.device))
         if cap is not None:
             budget = min(budget, cap)
-        block_bytes = PagedCache.block_bytes(model, block_size)
-        if speculative:  # the MTP layer keeps its keys in blocks of the same ids
-            block_bytes += PagedCache.block_bytes(self._draft(), block_size)
-        return {"budget": budget, "block_bytes": block_bytes,
+        return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
                 "state_bytes": PagedCache.state_bytes(model)}
+
+    def draft_block_bytes(self, block_size: int) -> int:
+        """What one block of the MTP layer's own cache costs on this rank (its keys use the decoder's block ids, so
+        a block costs this more); loads the layer."""
+        return PagedCache.block_bytes(self._draft(), block_size)
 
     def start(self, num_blocks: int, block_size: int, state_slots: int = 0, speculative: bool = False) -> int:
         """Allocate the cache: the same block and state-slot counts on every rank (the driver's); with

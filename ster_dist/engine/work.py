@@ -33,9 +33,10 @@ class StepWork:
     removed: list[str] = field(default_factory=list)
     steering: list[tuple[int, str, float]] = field(default_factory=list)  # (chunk index, vector key, strength)
     adapters: list[tuple[int, str]] = field(default_factory=list)         # (chunk index, adapter name)
-    # speculative decoding (engine/drafter.py): every chunk's sequence id, and (chunk index, most drafts) for each
-    # one-token decode the ranks may extend with drafts; its table covers them
-    seq_ids: list[str] = field(default_factory=list)
+    # speculative decoding (engine/drafter.py): every chunk's sequence id (None where the sequence never drafts:
+    # no MTP rows kept for it), and (chunk index, most drafts) for each one-token decode the ranks may extend
+    # with drafts; its table covers them
+    seq_ids: list[str | None] = field(default_factory=list)
     drafts: list[tuple[int, int]] = field(default_factory=list)
 
 
