@@ -6,8 +6,8 @@ hidden state at t and the embedding of token t+1:
 
     x = eh_proj([enorm(embed(t+1)); hnorm(h_t)]);  y = block(x);  logits = shared_head.head(shared_head.norm(y))
 
-h_t is the model's final-norm output (what its head reads), as vLLM's deepseek_mtp reads it; chaining a second
-draft feeds y back as h. The layer is sharded like any decoder layer (its Block built with the same ParallelCtx)
+h_t is the model's final-norm output (what its head reads), as vLLM's deepseek_mtp reads it, and the embedding
+of the row at position 0 is zeroed, as vLLM and SGLang run the layer; chaining a second draft feeds y back as h. The layer is sharded like any decoder layer (its Block built with the same ParallelCtx)
 and keeps its own paged cache: `layers` lists num_layers absent layers before it, so its attention writes the
 cache slot of its own index, and PagedCache sizes only its keys. Only the first MTP layer drafts (DeepSeek-V3
 publishes one); later ones are refused where the config states them.
@@ -99,7 +99,8 @@ class MTPDraft(nn.Module):
         packed ids [tokens] (token t+1 of each position) and hidden [tokens, hidden] (h_t there)."""
         head = self.mtp[str(self.index)]
         step = PagedStep(chunks, cache, main.tables, ids)
-        e = head.enorm(main.embed(ids))
+        # the row of position 0 reads no embedding, as DeepSeek's MTP layers are run (vLLM, SGLang mask it too)
+        e = head.enorm(main.embed(ids).masked_fill((step.positions[0] == 0).unsqueeze(-1), 0))
         h = head.hnorm(hidden.to(e.dtype))
         x = F.linear(torch.cat((e, h), -1), head.eh_proj.weight)
         y = self.layers[self.index](x.unsqueeze(0), step)[0]
