@@ -135,6 +135,27 @@ def test_requests_that_never_draft_share_the_batch(deepseek, reference):
     counted(stats)
 
 
+def test_steered_and_adapted_requests_with_drafts_equal_them_without(deepseek):
+    """A steering vector and an adapter reach a decode's drafted rows as they reach its own token."""
+    from tests.test_engine import random_sites
+
+    single = load_model(resolve(str(deepseek)), "f32")
+    g = torch.Generator().manual_seed(29)
+    vector = [(1, torch.randn(single.cfg.hidden_size, generator=g))]
+    sites = random_sites(single.model, ("q_b", "o"), g, 1.0)
+    modifiers = [{}, {"steering": ("v", 2.0)}, {}, {"adapter": "x"}, {"steering": ("v", -1.0)}]
+
+    def tokens(drafts: int) -> list[list[int]]:
+        with open_engine(deepseek, max_step_tokens=48, speculative_tokens=drafts) as engine:
+            engine.add_vector("v", vector)
+            engine.add_adapter("x", sites)
+            streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), **m)
+                       for p, n, m in zip(prompts(5, seed=3), LENGTHS, modifiers)]
+            return [s.result().token_ids for s in streams]
+
+    assert tokens(2) == tokens(0)
+
+
 def test_preemption_with_drafts_gives_the_same_tokens(deepseek):
     """Under a tiny block budget sequences are preempted and recomputed, their waiting MTP rows then stale."""
     ps = prompts(6, seed=7, lo=8, hi=16)

@@ -7,8 +7,9 @@ sampled token to its request: detokenized incrementally, checked against end-of-
 tokens, stop strings and max_tokens, streamed out, and retired at once (its blocks freed) when done.
 With speculative_tokens set, each decode carries up to that many drafts of the model's MTP layer,
 verified on the ranks in the same forward (engine/drafter.py, engine/rejection.py); every verified one is
-handed on as a sampled token. A model with recurrent layers also keeps a state slot per running request (cache_sizes counts them
-against the cache budget) and runs without prefix caching (engine/scheduler.py says why).
+handed on as a sampled token. A model with recurrent layers also keeps a state slot per running request
+(cache_sizes counts them against the cache budget) and runs without prefix caching (engine/scheduler.py
+says why).
 
     engine = TokenEngine(group, cfg, tokenizer, eos, EngineConfig())
     stream = engine.submit(prompt_ids, SamplingParams(max_tokens=64))

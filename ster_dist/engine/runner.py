@@ -106,12 +106,9 @@ class ModelRunner(RankExtension):
             return self.first_rank_only(StepResult([], []))
         chunks = [Chunk(tuple(blocks), start, length, state, prefix)
                   for blocks, start, length, state, prefix in work.chunks]
-        if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
-            rows = _chunk_rows(chunks)
-            self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
-            self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
         if self.drafter is not None:
             return self._speculative_step(work, chunks)
+        self._modify_rows(work, chunks)
         try:
             logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache)
         finally:
@@ -127,6 +124,13 @@ class ModelRunner(RankExtension):
             if ids:  # the raw logits, before any sampling setting; float64 so the driver reduces them in double
                 scores[n] = logits[row, list(ids)].double().tolist()
         return StepResult(tokens.tolist(), logprobs, scores)
+
+    def _modify_rows(self, work: StepWork, chunks: list[Chunk]) -> None:
+        """Point steering vectors and adapters at the packed rows of the chunks that carry them."""
+        if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
+            rows = _chunk_rows(chunks)
+            self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
+            self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
 
     def _speculative_step(self, work: StepWork, chunks: list[Chunk]) -> StepResult | None:
         """A step whose decodes carry the MTP layer's drafts: proposed here (every rank alike), fed after each
@@ -148,6 +152,7 @@ class ModelRunner(RankExtension):
             end = int(ends[i])
             rows[i] = list(range(end - len(proposed.get(i, ())) - 1, end))
         picked = [r for i, _ in work.samples for r in rows[i]]
+        self._modify_rows(work, grown)  # a chunk's drafts are its rows too: steered and adapted as its own token
         try:
             logits, hidden = self.model.forward_paged_rows(torch.tensor(ids, dtype=torch.long), grown, self.cache,
                                                            torch.tensor(picked, dtype=torch.long))
