@@ -21,7 +21,8 @@ What is measured
     random tokens and --new-tokens each (ignore_eos) through one TokenEngine on this process (--device,
     --precision, --threads):
     tokens/s = generated tokens / seconds from the first submit to the last result (prefill included), best of
-    --repeats (the settings alternating run by run) after one warm-up each; engine steps; and drafted / accepted tokens (acceptance = accepted / drafted).
+    --repeats (the settings alternating run by run) after one warm-up each; engine steps; and drafted / accepted
+    tokens (acceptance = accepted / drafted).
     Every run's tokens are checked equal to the run without drafts (greedy speculation changes no token).
     Steps and acceptance are exact; tokens/s on a shared CPU moves with the neighbours' load (the 1-minute load
     average is in the JSON), so tokens per CPU-second of this process (time.process_time: the engine and its
@@ -168,11 +169,12 @@ def main(argv: list[str] | None = None) -> None:
                            "acceptance": round(best["acceptance"], 3), "same_tokens": best["tokens"] == plain["tokens"]}
                     results.append(row)
                     print(f"{version:>11}  batch {batch}  drafts {k}  {row['tokens_per_s']:8.1f} tok/s  "
-                          f"x{row['speedup']:.2f}  {row['tokens_per_cpu_s']:8.1f} tok/cpu-s  x{row['cpu_speedup']:.2f}  steps {row['steps']:4d}  accepted {row['accepted']}/{row['drafted']} "
+                          f"x{row['speedup']:.2f}  {row['tokens_per_cpu_s']:8.1f} tok/cpu-s  x{row['cpu_speedup']:.2f}  "
+                          f"steps {row['steps']:4d}  accepted {row['accepted']}/{row['drafted']} "
                           f"({row['acceptance']:.1%})  same tokens: {row['same_tokens']}", flush=True)
             group.close()
-    print(json.dumps({"benchmark": "speculative", "load_average": os.getloadavg(), "device": args.device, "precision": args.precision,
-                      "threads": args.threads, "hidden": args.hidden,
+    print(json.dumps({"benchmark": "speculative", "load_average": os.getloadavg(), "device": args.device,
+                      "precision": args.precision, "threads": args.threads, "hidden": args.hidden,
                       "layers": args.layers, "new_tokens": args.new_tokens, "results": results}))
 
 

@@ -1,9 +1,10 @@
 """MTP speculative decoding in the token engine (engine/drafter.py, engine/rejection.py) on a tiny DeepSeek-V3
 with one MTP layer, made here from the tiny path as published checkpoints store it: greedy output with drafts
-equals greedy output without them, token for token, for prompts of mixed length batched together (TP=2 and
-EP=2 in tests/test_speculative_ranks.py); the draft counters add up; an MTP layer built to echo its input token gets drafts accepted where
-the model repeats itself; preemption under a tiny block budget; an FP8 checkpoint in both weight modes; `ster generate --speculative mtp` answers as `ster generate`; and where drafting
-cannot work it is refused in one line."""
+equals greedy output without them, token for token, for prompts of mixed length batched together (TP=2 and EP=2
+in tests/test_speculative_ranks.py); the draft counters add up; an MTP layer built to echo its input token gets
+drafts accepted where the model repeats itself; requests that never draft, steered and adapted ones, preemption
+under a tiny block budget, an FP8 checkpoint in both weight modes; `ster generate --speculative mtp` answers as
+`ster generate`; and where drafting cannot work it is refused in one line."""
 
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ hidden state at t and the embedding of token t+1:
     x = eh_proj([enorm(embed(t+1)); hnorm(h_t)]);  y = block(x);  logits = shared_head.head(shared_head.norm(y))
 
 h_t is the model's final-norm output (what its head reads), as vLLM's deepseek_mtp reads it, and the embedding
-of the row at position 0 is zeroed, as vLLM and SGLang run the layer; chaining a second draft feeds y back as h. The layer is sharded like any decoder layer (its Block built with the same ParallelCtx)
-and keeps its own paged cache: `layers` lists num_layers absent layers before it, so its attention writes the
+of the row at position 0 is zeroed, as vLLM and SGLang run the layer; chaining a second draft feeds y back as h.
+The layer is sharded like any decoder layer (its Block built with the same ParallelCtx) and keeps its own paged
+cache: `layers` lists num_layers absent layers before it, so its attention writes the
 cache slot of its own index, and PagedCache sizes only its keys. Only the first MTP layer drafts (DeepSeek-V3
 publishes one); later ones are refused where the config states them.
 """
