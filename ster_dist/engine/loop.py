@@ -5,8 +5,11 @@ pick the step's chunks (decodes first, then chunked prefills under a token budge
 recompute when blocks run out), runs one forward on every rank (engine/runner.py), and hands each
 sampled token to its request: detokenized incrementally, checked against end-of-sequence, stop
 tokens, stop strings and max_tokens, streamed out, and retired at once (its blocks freed) when done.
-A model with recurrent layers also keeps a state slot per running request (cache_sizes counts them
-against the cache budget) and runs without prefix caching (engine/scheduler.py says why).
+With speculative_tokens set, each decode carries up to that many drafts of the model's MTP layer,
+verified on the ranks in the same forward (engine/drafter.py, engine/rejection.py); every verified one is
+handed on as a sampled token. A model with recurrent layers also keeps a state slot per running request
+(cache_sizes counts them against the cache budget) and runs without prefix caching (engine/scheduler.py
+says why).
 
     engine = TokenEngine(group, cfg, tokenizer, eos, EngineConfig())
     stream = engine.submit(prompt_ids, SamplingParams(max_tokens=64))
@@ -45,6 +48,7 @@ class EngineConfig:
     prefix_caching: bool = True          # switched off for models with recurrent layers whatever this says
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
     micro_batches: int = 1               # steps in flight at once, on disjoint requests: one per pipeline stage
+    speculative_tokens: int = 0          # MTP drafts per decode (engine/drafter.py); 0: no speculative decoding
     # steps run before the ranks compile their layers (model/compiled.py): a run that long will earn back the
     # seconds compiling takes on a CPU, a short one would not; None: every step eager (--enforce-eager)
     compile_after: int | None = None
@@ -83,6 +87,29 @@ def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> t
     return blocks, slots
 
 
+def check_speculative(cfg, config: EngineConfig) -> None:
+    """Refuse, in one line, speculative decoding where it cannot run: no MTP layer to draft with, a pipeline, a
+    step too small for drafts (recurrent state, which cannot roll back past a refused draft, is refused once
+    the ranks have measured it)."""
+    if not cfg.mtp_layers:
+        raise Refusal("--speculative mtp drafts with the model's multi-token-prediction layers and this config "
+                      "states none (num_nextn_predict_layers); drop --speculative")
+    if cfg.mtp_layers != 1:
+        raise Refusal(f"--speculative mtp drafts with exactly one MTP layer (DeepSeek-V3's) and this config states "
+                      f"{cfg.mtp_layers}; drop --speculative")
+    if config.micro_batches > 1:
+        raise Refusal("--speculative mtp runs on one pipeline stage; drop --pp or --speculative")
+    if config.speculative_tokens > config.max_step_tokens // 2:
+        raise Refusal(f"--num-speculative-tokens {config.speculative_tokens} leaves a {config.max_step_tokens}-token "
+                      "step room for too few decodes; give fewer drafts or more --max-step-tokens")
+
+
+def drafts_apply(params: SamplingParams) -> bool:
+    """Whether a request's decodes carry drafts: not where rank 0 reads more than the chosen token's
+    distribution (penalties count each token as drawn; logprobs and logits_of report every position)."""
+    return not params.penalized and params.logprobs is None and not params.logits_of
+
+
 @dataclass
 class _Live:
     """A request in flight: its sequence, stream, settings and detokenizer."""
@@ -101,11 +128,21 @@ class TokenEngine:
     def __init__(self, group, cfg, tokenizer, eos: tuple[int, ...], config: EngineConfig = EngineConfig()):
         self.group, self.cfg, self.tokenizer, self.eos = group, cfg, tokenizer, tuple(eos)
         self.config = config
+        speculative = config.speculative_tokens > 0
+        if speculative:
+            check_speculative(cfg, config)
         runners = group.on(ModelRunner)
         sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
                                  DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
+        if speculative:
+            if any(s["state_bytes"] for s in sizes):
+                raise Refusal("--speculative mtp cannot run on a model with recurrent layers: their state cannot "
+                              "roll back past a refused draft; drop --speculative")
+            # the MTP layer's keys sit in blocks of the same ids: a block costs that much more on each rank
+            for size, extra in zip(sizes, runners.draft_block_bytes(config.block_size)):
+                size["block_bytes"] += extra
         blocks, slots = cache_sizes(sizes, config, cfg.max_position)
-        runners.start(blocks, config.block_size, slots, config.compile_after)
+        runners.start(blocks, config.block_size, slots, speculative, config.compile_after)
         self.block_bytes = sizes[0]["block_bytes"]
         self.state_bytes = sizes[0]["state_bytes"]
         # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state; nor
@@ -129,7 +166,8 @@ class TokenEngine:
         self._closing = False
         self._error: BaseException | None = None
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "preemptions": 0, "overlapped_steps": 0}
+                         "generated_tokens": 0, "preemptions": 0, "overlapped_steps": 0,
+                         "drafted_tokens": 0, "accepted_tokens": 0, "rejected_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="ster-token-engine", daemon=True)
         self._thread.start()
 
@@ -179,7 +217,8 @@ class TokenEngine:
         salt = repr((steering, adapter)) if steering is not None or adapter is not None else ""
         if self._versions.get(adapter):  # replaced factors: the blocks cached under the old ones are not these
             salt += f"#{self._versions[adapter]}"
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params.max_tokens, cache_salt=salt)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params.max_tokens, cache_salt=salt,
+                       drafts=self.config.speculative_tokens if drafts_apply(params) else 0)
         detok = Detokenizer(self.tokenizer, list(prompt_ids), params.stop)
         live = _Live(seq, stream, params, detok, steering, adapter)
         with self._cond:
@@ -230,7 +269,9 @@ class TokenEngine:
 
     def stats(self) -> dict:
         with self._cond:
-            return {**self.counters, "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)
+            drafted = self.counters["drafted_tokens"]
+            return {**self.counters, "acceptance_rate": self.counters["accepted_tokens"] / drafted if drafted else 0.0,
+                    "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)
                     + len(self._inbox), "kv_blocks": self.pool.stats(), "block_bytes": self.block_bytes,
                     "prefix_caching": self.pool.prefix_caching, "state_slots": self.scheduler.stats()["state_slots"],
                     "state_bytes": self.state_bytes}
@@ -342,7 +383,11 @@ class TokenEngine:
             end = chunk.start + chunk.length
             work.ids.extend(seq.tokens[chunk.start:end])
             prefix = seq.prompt_len if self.cfg.bidirectional_prompt and chunk.start == 0 else 0
-            work.chunks.append((tuple(seq.blocks[: -(-end // bs)]), chunk.start, chunk.length, seq.state, prefix))
+            covered = end + chunk.drafts  # the table reaches the last draft the ranks may feed
+            work.chunks.append((tuple(seq.blocks[: -(-covered // bs)]), chunk.start, chunk.length, seq.state, prefix))
+            work.seq_ids.append(seq.id if seq.drafts else None)  # the ranks keep MTP rows for drafting ones only
+            if chunk.drafts:
+                work.drafts.append((i, chunk.drafts))
             if chunk.samples:
                 work.samples.append((i, seq.id))
             if not live.sent:
@@ -361,12 +406,28 @@ class TokenEngine:
         self.scheduler.after_step(plan)
         self.counters["steps"] += 1
         for n, ((i, seq_id), token, logprob) in enumerate(zip(work.samples, result.tokens, result.logprobs)):
-            self._take(self._live[seq_id], token, logprob, result.scores.get(n))
+            live = self._live[seq_id]
+            if n in result.drafted:
+                kept = result.accepted[n]
+                self.counters["drafted_tokens"] += result.drafted[n]
+                self.counters["accepted_tokens"] += len(kept)
+                self.counters["rejected_tokens"] += result.drafted[n] - len(kept)
+                for draft in kept:  # verified, its k/v in the cache; a stop among them drops the rest
+                    self._take(live, draft, None, drafted=True)
+                    if seq_id not in self._live:
+                        break
+                if seq_id not in self._live:
+                    continue
+            self._take(live, token, logprob, result.scores.get(n))
 
-    def _take(self, live: _Live, token: int, logprob, scores: list[float] | None = None) -> None:
-        """One sampled token for `live`: stream its text, retire the request when it is done."""
+    def _take(self, live: _Live, token: int, logprob, scores: list[float] | None = None,
+              drafted: bool = False) -> None:
+        """One sampled (or verified draft) token for `live`: stream its text, retire the request when it is done."""
         seq, params = live.seq, live.params
-        self.scheduler.append(seq, token)
+        if drafted:
+            self.scheduler.accept_draft(seq, token)
+        else:
+            self.scheduler.append(seq, token)
         self.counters["generated_tokens"] += 1
         reason = None
         text = ""

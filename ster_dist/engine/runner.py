@@ -4,22 +4,28 @@ Every rank runs the same step on the same packed tokens and block tables (each h
 key-value heads, or the latent for latent attention, in blocks of the same ids; and, for recurrent
 layers, its share of each running sequence's state in the slot the driver named); rank 0 alone
 samples, since the logits are gathered on every rank, and sends back one token per sampling chunk.
+With speculative decoding on, each rank also runs the model's MTP layer (engine/drafter.py) and rank 0
+verifies its drafts (engine/rejection.py), sending back the drafts kept before that token.
 The driver (engine/loop.py) decides everything else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 import torch
 
+from ster_dist.engine.drafter import MTPDrafter
 from ster_dist.engine.modifiers import RowAdapters, RowSteering
+from ster_dist.engine.rejection import rejection_sample, verify_greedy
 from ster_dist.engine.sampling import Sampler
 from ster_dist.engine.work import StepResult, StepWork
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.shard.mtp import load_mtp
 from ster_dist.workers.extension import RankExtension
 
 
@@ -48,6 +54,8 @@ class ModelRunner(RankExtension):
         self.step_s = 0.0
         self.steps = 0
         self.compile_after: int | None = None
+        self.drafter: MTPDrafter | None = None
+        self.mtp = None  # the model's MTP layer, loaded on first use and kept while the model is
 
     def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
@@ -60,12 +68,20 @@ class ModelRunner(RankExtension):
         return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
                 "state_bytes": PagedCache.state_bytes(model)}
 
-    def start(self, num_blocks: int, block_size: int, state_slots: int = 0, compile_after: int | None = None) -> int:
-        """Allocate the cache: the same block and state-slot counts on every rank (the driver's). Layers are
-        compiled once `compile_after` steps have run (None: never)."""
+    def draft_block_bytes(self, block_size: int) -> int:
+        """What one block of the MTP layer's own cache costs on this rank (its keys use the decoder's block ids, so
+        a block costs this more); loads the layer."""
+        return PagedCache.block_bytes(self._draft(), block_size)
+
+    def start(self, num_blocks: int, block_size: int, state_slots: int = 0, speculative: bool = False,
+              compile_after: int | None = None) -> int:
+        """Allocate the cache: the same block and state-slot counts on every rank (the driver's); with
+        `speculative`, the MTP layer's too (engine/drafter.py). Layers are compiled once `compile_after` steps
+        have run (None: never)."""
         model = self.model
         self.steps, self.compile_after = 0, compile_after
         self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
+        self.drafter = MTPDrafter(model, self._draft(), num_blocks, block_size) if speculative else None
         self.sampler = Sampler() if self.rank.lead else None
         self.steering = self.steering or RowSteering(model)
         self.adapters = self.adapters or RowAdapters(model)
@@ -102,10 +118,9 @@ class ModelRunner(RankExtension):
             self._compile()
         chunks = [Chunk(tuple(blocks), start, length, state, prefix)
                   for blocks, start, length, state, prefix in work.chunks]
-        if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
-            rows = _chunk_rows(chunks)
-            self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
-            self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
+        if self.drafter is not None:
+            return self._speculative_step(work, chunks)
+        self._modify_rows(work, chunks)
         try:
             # rows routed to their own adapters read a routing the compiled graphs would have to guard on
             logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache,
@@ -130,6 +145,82 @@ class ModelRunner(RankExtension):
             progress(f"steps stay eager: {reason}" if reason else
                      f"compiling the layers after {self.steps} steps (--enforce-eager keeps every step eager)")
 
+    def _modify_rows(self, work: StepWork, chunks: list[Chunk]) -> None:
+        """Point steering vectors and adapters at the packed rows of the chunks that carry them."""
+        if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
+            rows = _chunk_rows(chunks)
+            self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
+            self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
+
+    def _speculative_step(self, work: StepWork, chunks: list[Chunk]) -> StepResult | None:
+        """A step whose decodes carry the MTP layer's drafts: proposed here (every rank alike), fed after each
+        decode's token, verified on rank 0 against the logits of every drafted row (engine/rejection.py)."""
+        drafter = self.drafter
+        drafter.forget(work.removed)
+        starts = [0]
+        for chunk in chunks:
+            starts.append(starts[-1] + chunk.length)
+        proposed = drafter.propose(work.seq_ids, chunks, [work.ids[a] for a in starts[:-1]], dict(work.drafts))
+        ids, grown = [], []
+        for i, chunk in enumerate(chunks):
+            extra = proposed.get(i, [])
+            ids += work.ids[starts[i]:starts[i + 1]] + extra
+            grown.append(dataclasses.replace(chunk, length=chunk.length + len(extra)))
+        ends = torch.tensor([c.length for c in grown]).cumsum(0)
+        rows: dict[int, list[int]] = {}  # sampling chunk -> its packed rows read (one, or each draft's and one more)
+        for i, _ in work.samples:
+            end = int(ends[i])
+            rows[i] = list(range(end - len(proposed.get(i, ())) - 1, end))
+        picked = [r for i, _ in work.samples for r in rows[i]]
+        self._modify_rows(work, grown)  # a chunk's drafts are its rows too: steered and adapted as its own token
+        try:
+            logits, hidden = self.model.forward_paged_rows(torch.tensor(ids, dtype=torch.long), grown, self.cache,
+                                                           torch.tensor(picked, dtype=torch.long),
+                                                           eager=bool(self.adapters.attached))
+        finally:
+            self.steering.clear()
+            self.adapters.clear()
+        drafter.keep(work.seq_ids, grown, ids, hidden)
+        if self.sampler is None:
+            return None
+        return self._verify(work, proposed, rows, logits)
+
+    def _verify(self, work: StepWork, proposed: dict[int, list[int]], rows: dict[int, list[int]],
+                logits: torch.Tensor) -> StepResult:
+        """Rank 0: plain samples drawn as in any step; drafted ones verified."""
+        at, offset = {}, 0
+        for i, _ in work.samples:
+            at[i] = slice(offset, offset + len(rows[i]))
+            offset += len(rows[i])
+        plain = [(n, i, seq_id) for n, (i, seq_id) in enumerate(work.samples) if i not in proposed]
+        tokens: list = [None] * len(work.samples)
+        logprobs: list = [None] * len(work.samples)
+        scores, drafted, accepted = {}, {}, {}
+        if plain:
+            last = logits[[at[i].stop - 1 for _, i, _ in plain]]
+            chosen, chosen_logprobs = self.sampler.sample(last, [seq_id for _, _, seq_id in plain])
+            for row, (n, i, seq_id) in enumerate(plain):
+                tokens[n], logprobs[n] = int(chosen[row]), chosen_logprobs[row]
+                ids = self.sampler.params(seq_id).logits_of
+                if ids:
+                    scores[n] = last[row, list(ids)].double().tolist()
+        for n, (i, seq_id) in enumerate(work.samples):
+            if i not in proposed:
+                continue
+            drafts, block = proposed[i], logits[at[i]]
+            if self.sampler.params(seq_id).greedy:
+                out, _ = verify_greedy(block, drafts)
+            else:
+                out, _ = rejection_sample(self.sampler.target_probs(block, seq_id), drafts, None,
+                                             self.sampler.generator(seq_id, block.device))
+            tokens[n], accepted[n], drafted[n] = out[-1], out[:-1], len(drafts)
+        return StepResult(tokens, logprobs, scores, drafted, accepted)
+
+    def _draft(self):
+        if self.mtp is None or self.mtp[0] is not self.rank.loaded:  # loaded again for a newly loaded model
+            self.mtp = (self.rank.loaded, load_mtp(self.rank.loaded, self.rank.ctx()))
+        return self.mtp[1]
+
     def timings(self) -> dict:
         """Seconds this rank spent in steps, and of those waiting for the previous pipeline stage."""
         return {"rank": self.rank.rank, "step_s": self.step_s, "wait_s": self.model.stage_wait_s}
@@ -148,7 +239,7 @@ class ModelRunner(RankExtension):
             self.steering.close()
         if self.adapters is not None:
             self.adapters.close()
-        self.cache = self.sampler = self.steering = self.adapters = None
+        self.cache = self.sampler = self.steering = self.adapters = self.drafter = None
 
 
 def _chunk_rows(chunks: list[Chunk]) -> list[torch.Tensor]:

@@ -277,19 +277,7 @@ class Sampler:
         self, scores: torch.Tensor, requests: list[_Request], device: torch.device
     ) -> torch.Tensor:
         """Sample one token per row of scores (penalized logits) under each row's parameters."""
-        params = [r.params for r in requests]
-        temperature = torch.tensor(
-            [p.temperature for p in params], dtype=torch.float32, device=device
-        )
-        scores.div_(temperature.unsqueeze(1))
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-            probs = scores.softmax(-1)
-            threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
-            scores.masked_fill_(probs < threshold, -math.inf)
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            _apply_top_k_top_p(scores, params)
-        probs = scores.softmax(-1)
+        probs = _warped_probs(scores, [r.params for r in requests], device)
         # The exponential race: argmax(p / q), q ~ Exp(1) iid, draws a token with probability p.
         # Seeded rows fill their q from their own generator, so a row's draw is its own.
         q = torch.empty_like(probs)
@@ -303,6 +291,19 @@ class Sampler:
                 q[i].exponential_(generator=self._generator(request, device))
         q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exponential of 0 would make 0/0 win argmax
         return probs.div_(q).argmax(-1)
+
+    def target_probs(self, logits: torch.Tensor, seq_id: str) -> torch.Tensor:
+        """The distribution [rows, vocab] one unpenalized sampled request draws from at each row of logits
+        (temperature, min_p, top_k, top_p): what a speculative draft is verified against (engine/rejection.py)."""
+        params = self._requests[seq_id].params
+        return _warped_probs(logits.float().clone(), [params] * logits.shape[0], logits.device)
+
+    def generator(self, seq_id: str, device: torch.device) -> torch.Generator:
+        """The generator a request's draws come from: its own when seeded, else the shared one."""
+        request = self._requests[seq_id]
+        if request.params.seed is not None:
+            return self._generator(request, device)
+        return self._shared_generator(device)
 
     def _generator(self, request: _Request, device: torch.device) -> torch.Generator:
         if request.generator is None:
@@ -320,6 +321,21 @@ class Sampler:
             self._shared[device] = torch.Generator(device=device)
             self._shared[device].manual_seed(self._shared_seed)
         return self._shared[device]
+
+
+def _warped_probs(scores: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """Probabilities of each row of scores (penalized logits, changed in place) under its row's temperature,
+    min_p, top_k and top_p."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    scores.div_(temperature.unsqueeze(1))
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        probs = scores.softmax(-1)
+        threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+        scores.masked_fill_(probs < threshold, -math.inf)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        _apply_top_k_top_p(scores, params)
+    return scores.softmax(-1)
 
 
 def _token_table(id_rows: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:

@@ -32,6 +32,11 @@ Plans in flight together (one per pipeline stage) carry disjoint sequences: sche
 never preempts, a sequence a plan in flight carries; each plan's after_step comes before its sequences
 are scheduled again. A sequence finished or aborted while its step ran is skipped by after_step.
 
+Speculative decoding (engine/drafter.py): a running sequence one token behind (a decode) whose `drafts` is set
+gets a chunk that may carry that many draft tokens after its own: its blocks cover them and the budget counts
+them, but only its own token counts as computed after the step; each draft the ranks verified joins through
+accept_draft (its k/v already written), and the keys of refused drafts lie past `computed`, to be overwritten.
+
 Sliding window: blocks wholly before (chunk start - window) are released and their table entries
 become NULL_BLOCK; the ranks must mask those positions (they are outside the window anyway).
 Prefix matching still walks from the first block, so a long windowed sequence whose head blocks
@@ -83,6 +88,7 @@ class Sequence:
     preemptions: int = 0
     cached: int = 0            # tokens served from the prefix cache, over all admissions
     state: int = -1            # its recurrent-state slot while running (-1: none, or the model keeps no state)
+    drafts: int = 0            # speculative decoding: most draft tokens a decode of it may carry (0: none)
     # scheduler-private: digests of full blocks, and how far the table is registered / window-trimmed
     hashes: BlockHashes | None = field(default=None, repr=False)
     registered_blocks: int = field(default=0, repr=False)
@@ -107,6 +113,7 @@ class ScheduledChunk:
     start: int       # first position fed (== seq.computed when scheduled)
     length: int
     samples: bool    # ends at the sequence's last known token: its logits give the next token
+    drafts: int = 0  # draft tokens the ranks may feed after a decode's token (blocks cover them; budget counts them)
 
 
 @dataclass
@@ -116,7 +123,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+        return sum(c.length + c.drafts for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -227,6 +234,12 @@ class Scheduler:
         """A sampled token joins the sequence (after the step that sampled it)."""
         seq.tokens.append(token)
 
+    def accept_draft(self, seq: Sequence, token: int) -> None:
+        """A verified draft token joins the sequence with its k/v already in the cache (its step fed it)."""
+        seq.tokens.append(token)
+        seq.computed += 1
+        self._register_full(seq)
+
     def finish(self, seq: Sequence) -> None:
         """The loop decided the sequence is done: its blocks go back now."""
         self._remove(seq)
@@ -260,11 +273,14 @@ class Scheduler:
             if seq.computed != chunk.start:
                 raise ValueError(f"sequence {seq.id!r}: chunk at {chunk.start} but {seq.computed} computed")
             seq.computed += chunk.length
-            full = seq.computed // self.block_size
-            if full > seq.registered_blocks and self.pool.prefix_caching:
-                digests = seq.hashes.extend(seq.tokens, full * self.block_size)
-                self.pool.register(seq.blocks, digests, seq.registered_blocks, full)
-                seq.registered_blocks = full
+            self._register_full(seq)
+
+    def _register_full(self, seq: Sequence) -> None:
+        full = seq.computed // self.block_size
+        if full > seq.registered_blocks and self.pool.prefix_caching:
+            digests = seq.hashes.extend(seq.tokens, full * self.block_size)
+            self.pool.register(seq.blocks, digests, seq.registered_blocks, full)
+            seq.registered_blocks = full
 
     # ---- policy
 
@@ -277,7 +293,12 @@ class Scheduler:
                 i += 1
                 continue
             start = seq.computed
+            # a decode's drafts: no more than the budget holds, nor than its max_tokens could keep past the token
+            drafts = (max(0, min(seq.drafts, budget - length, seq.max_tokens - seq.num_generated - 1))
+                      if seq.drafts and seq.uncomputed == 1 else 0)
             self._release_outside_window(seq, start)
+            if drafts and not self._cover(seq, start + length + drafts):
+                drafts = 0  # drafts never preempt anyone: without blocks to spare the decode runs alone
             while not self._cover(seq, start + length):
                 victim = next((s for s in reversed(self._running) if s.id not in busy), None)
                 if victim is None:
@@ -288,8 +309,8 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break  # it was the last one running: everyone after it is already preempted
-            plan.chunks.append(ScheduledChunk(seq, start, length, start + length == len(seq.tokens)))
-            budget -= length
+            plan.chunks.append(ScheduledChunk(seq, start, length, start + length == len(seq.tokens), drafts))
+            budget -= length + drafts
             i += 1
 
     def _admit_waiting(self, plan: StepPlan, budget: int, cap: int) -> None:

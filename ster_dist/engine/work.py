@@ -33,6 +33,11 @@ class StepWork:
     removed: list[str] = field(default_factory=list)
     steering: list[tuple[int, str, float]] = field(default_factory=list)  # (chunk index, vector key, strength)
     adapters: list[tuple[int, str]] = field(default_factory=list)         # (chunk index, adapter name)
+    # speculative decoding (engine/drafter.py): every chunk's sequence id (None where the sequence never drafts:
+    # no MTP rows kept for it), and (chunk index, most drafts) for each one-token decode the ranks may extend
+    # with drafts; its table covers them
+    seq_ids: list[str | None] = field(default_factory=list)
+    drafts: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -44,3 +49,7 @@ class StepResult:
     # sample index -> raw logits of its request's `logits_of` ids; only samples that asked (so a
     # step of plain requests sends nothing more back)
     scores: dict[int, list[float]] = field(default_factory=dict)
+    # speculative decoding, by sample index: the drafts the ranks proposed, and those verified (`tokens` then
+    # holds the token after them)
+    drafted: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)

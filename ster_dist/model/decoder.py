@@ -345,6 +345,15 @@ class Decoder(nn.Module):
         h = self._stage(ids.unsqueeze(0), step.positions, step, eager)
         return None if h is None else self._logits(h[:, step.last_tokens])[0]
 
+    def forward_paged_rows(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache,
+                           rows: torch.Tensor, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_paged's step, with logits [len(rows), vocab] at the given packed rows and the final norm's
+        output over every token [tokens, hidden] (what an MTP draft reads, model/mtp.py). One stage only."""
+        step = PagedStep(chunks, cache, self.tables, ids)
+        h = self._stage(ids.unsqueeze(0), step.positions, step, eager)
+        normed = self.final_norm(h).to(self.dtype)[0]
+        return self._head(normed[rows]), normed
+
     def _stage(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep,
                eager: bool = False) -> torch.Tensor | None:
         """This stage's layers over the embedding (the first stage) or the previous stage's output; the
@@ -446,7 +455,10 @@ class Decoder(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # an f32 residual stream (residual_fp32) meets the head in the model's dtype, as Transformers casts it
-        logits = self.lm_head(self.final_norm(h).to(self.dtype))
+        return self._head(self.final_norm(h).to(self.dtype))
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(normed)
         if self.cfg.logit_multiplier != 1.0:
             logits = logits * self.cfg.logit_multiplier
         if self.cfg.logit_softcap is not None:

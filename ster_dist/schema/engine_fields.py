@@ -5,6 +5,7 @@ checks, so the three commands name, default and refuse them alike."""
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import ValidationInfo, model_validator
 
@@ -33,6 +34,10 @@ class EngineFields(Request):
                                                    "e.g. 2GiB or 500MB (default: a tenth of the memory free at "
                                                    "start, at most 1GiB)")
     max_step_tokens: int = field(512, ge=16, help="tokens one forward step carries: decodes plus prefill chunks")
+    speculative: Literal["mtp"] | None = field(None, help="speculative decoding: mtp drafts with the model's "
+                                                          "multi-token-prediction layer (DeepSeek-V3's), verified "
+                                                          "by the model in the same step (default: none)")
+    num_speculative_tokens: int = field(1, ge=1, le=8, help="draft tokens per decode step with --speculative")
     enforce_eager: bool = field(False, help="run every step eagerly: no compiled layers (by default a CPU engine "
                                             "compiles its layers once it has run 128 steps)")
 
@@ -42,11 +47,19 @@ class EngineFields(Request):
             memory_bytes(self.kv_cache_memory, label_in(info, "kv_cache_memory"))
         return self
 
+    @model_validator(mode="after")
+    def _drafts_with_speculative(self, info: ValidationInfo):
+        if self.speculative is None and "num_speculative_tokens" in self.model_fields_set:
+            raise Refusal(f"{label_in(info, 'num_speculative_tokens')} counts the drafts of "
+                          f"{label_in(info, 'speculative')}; add --speculative mtp or drop it")
+        return self
+
     def engine_options(self) -> tuple:
-        """(KV cache bytes or None, max step tokens, enforce eager): what the session's token engine is built
-        with (requests with other options rebuild an idle one)."""
+        """(KV cache bytes or None, max step tokens, draft tokens per decode or 0, enforce eager): what the
+        session's token engine is built with (requests with other options rebuild an idle one)."""
         memory = memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
-        return (memory, self.max_step_tokens, self.enforce_eager)
+        return (memory, self.max_step_tokens, self.num_speculative_tokens if self.speculative else 0,
+                self.enforce_eager)
 
 
 class ModifierFields(Request):

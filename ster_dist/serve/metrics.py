@@ -2,7 +2,8 @@
 
 Counted as requests go: requests by endpoint and status, prompt and generated tokens, time to first
 token, inter-token latency and whole-request latency. Read from the engine at each scrape: requests
-running and waiting, KV blocks in use and in all, and the prefix cache's hit rate. Names follow
+running and waiting, KV blocks in use and in all, the prefix cache's hit rate, and speculative decoding's draft
+and accepted tokens. Names follow
 vLLM's (`vllm:` becomes `ster:`) so its dashboards need only the prefix changed.
 """
 
@@ -62,3 +63,10 @@ class _EngineCollector:
         preempted = CounterMetricFamily("ster:num_preemptions", "requests preempted (recomputed) for KV blocks")
         preempted.add_metric([], float(stats["preemptions"]) if stats else 0.0)
         yield preempted
+        # speculative decoding (--speculative mtp): vLLM's spec_decode counters; zero without drafts
+        for key, name, help_text in (("drafted_tokens", "ster:spec_decode_num_draft_tokens", "draft tokens proposed"),
+                                     ("accepted_tokens", "ster:spec_decode_num_accepted_tokens",
+                                      "draft tokens the model verified")):
+            family = CounterMetricFamily(name, help_text)
+            family.add_metric([], float(stats[key]) if stats else 0.0)
+            yield family

@@ -26,10 +26,11 @@ from ster_dist.shard.source import TensorSource
 
 
 def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
-                device: str | torch.device = "cpu", keep_fp8: bool = False) -> Plan:
+                device: str | torch.device = "cpu", keep_fp8: bool = False, spec=None) -> Plan:
     """Allocate `model` on `device` (built on the meta device: shapes only) and fill every parameter
     from `source` through cfg's name map; returns the plan it read by. `keep_fp8`: a quantized source's
-    FP8 tensors stay FP8 where the module docstring says."""
+    FP8 tensors stay FP8 where the module docstring says. `spec`: a name map in place of the family's (an MTP
+    layer's, shard/mtp.py)."""
     shards = module_shards(model)
     # a tied copy (a tensor several layers use) is listed once, under its first name; the copies are dropped
     # before allocating and given the filled tensor after, so it is read once and held once
@@ -37,7 +38,8 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
     for module, attr, _, _ in copies:
         module._parameters[attr] = None
     shapes = {name: source.shape(name) for name in source.names()}
-    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies},
+    spec = spec or cfg.spec
+    plan = build_plan(spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies},
                       elsewhere=getattr(model, "elsewhere", None))
     kept = {}
     if keep_fp8:
