@@ -589,6 +589,13 @@ def warm_up(backend, low: int, vocab: int) -> None:
         with torch.inference_mode():
             generate(backend.loaded.model, [list(range(low, low + 16))], Sampling(max_new_tokens=4, temperature=0.0))
         return
+    if isinstance(backend, (SterEngine, SterServe)):
+        # a session's engine compiles its layers once it has run COMPILE_AFTER steps (model/compiled.py): one
+        # request that long, then prompts of several tokens, trace every graph before any clock starts
+        from ster_dist.engine.loop import COMPILE_AFTER
+
+        for _ in backend.stream(Request(-1, synthetic_ids(random.Random(2), 8, vocab, low), COMPILE_AFTER + 4)):
+            pass
     for _ in backend.stream(Request(-1, synthetic_ids(random.Random(1), 32, vocab, low), 4)):
         pass
 
