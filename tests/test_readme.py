@@ -5,9 +5,9 @@ Llama with SmolLM2's 30 layers, so the example specs' layer numbers hold) with `
 the test with its command and stderr.
 
 `.venv/bin/ster` is tests/forked_cli.py's client: each command line runs `python -m ster_dist.cli`'s
-module in a process of its own, forked from one that imported the command line once, so the forty-odd
-commands do not each spend seconds importing torch (the entry point as a new interpreter runs in
-test_cli.py and every test that calls `cli_generate`)."""
+module in a process of its own, forked from one that imported the command line once, so the thirty-odd
+commands do not each spend seconds importing torch (`python -m ster_dist.cli` as a new interpreter runs
+in test_cli.py, test_ray_group.py, test_submit_local.py and others)."""
 
 from __future__ import annotations
 
