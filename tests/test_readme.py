@@ -2,7 +2,12 @@
 repository's root (its jobs/ and README beside a stand-in for the main job's models/smollm2: a toy
 Llama with SmolLM2's 30 layers, so the example specs' layer numbers hold) with `.venv/bin/ster`,
 `.venv/bin/python` and `.venv/bin/pip` standing for this interpreter's. A block that fails fails
-the test with its command and stderr."""
+the test with its command and stderr.
+
+`.venv/bin/ster` is tests/forked_cli.py's client: each command line runs `python -m ster_dist.cli`'s
+module in a process of its own, forked from one that imported the command line once, so the thirty-odd
+commands do not each spend seconds importing torch (`python -m ster_dist.cli` as a new interpreter runs
+in test_cli.py, test_ray_group.py, test_submit_local.py and others)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import re
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,11 +37,26 @@ def _shim(path: Path, body: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
+def forked_cli():
+    """The server the `ster` shim asks for each command; its socket path is short, as AF_UNIX needs."""
+    with tempfile.TemporaryDirectory(prefix="ster-cli-") as directory:
+        path = str(Path(directory) / "socket")
+        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "forked_cli.py"), "serve", path],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "ready", "tests/forked_cli.py did not start"
+            yield path
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, forked_cli) -> Path:
     root = tmp_path_factory.mktemp("readme")
     venv = root / ".venv" / "bin"
     venv.mkdir(parents=True)
-    _shim(venv / "ster", f'exec "{sys.executable}" -m ster_dist.cli "$@"')
+    _shim(venv / "ster", f'exec "{sys.executable}" "{REPO / "tests" / "forked_cli.py"}" "{forked_cli}" "$@"')
     _shim(venv / "python", f'exec "{sys.executable}" "$@"')
     _shim(venv / "pip", "exit 0  # the test's interpreter has the test extra already")
     (root / "jobs").symlink_to(REPO / "jobs")

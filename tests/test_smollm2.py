@@ -21,19 +21,14 @@ QUESTION = "What is the capital of France? Answer in one word."
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("smollm2") / "model"
-    import_gguf(GGUF, directory)
-    return directory
+def imported(smollm2_dir):
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
-def reference(imported):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(imported), gguf_file=GGUF.name,
-                                                              dtype=torch.float32)
-    return model.eval()
+def reference(smollm2_transformers):
+    """Transformers' own load of the GGUF file (conftest's, shared with test_gguf.py)."""
+    return smollm2_transformers
 
 
 @pytest.fixture(scope="module")
