@@ -50,7 +50,8 @@ def plan(request: PlanRequest) -> dict:
     dtype = PRECISIONS[request.precision]
     progress(f"planning {len(ctxs)} rank(s) of {cfg.family} over {len(tensors)} checkpoint tensors "
              "(a meta-device decoder and the shard plan per rank)")
-    ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r, keep_fp8=request.weights == "fp8")
+    matchers: dict = {}  # checkpoint names matched once for the ranks with the same parameter names
+    ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r, keep_fp8=request.weights == "fp8", matchers=matchers)
              for r, ctx in enumerate(ctxs)]
     memory = int(request.gpu_memory * GIB)
     max_len = request.max_model_len or cfg.max_position

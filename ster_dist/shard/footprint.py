@@ -158,13 +158,13 @@ def _scale_blocks(extents: list[list[tuple[int, int]]], scale: Tensor, block: tu
 
 
 def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: ParallelCtx, dtype: torch.dtype,
-                   rank: int, keep_fp8: bool = False) -> RankFootprint:
+                   rank: int, keep_fp8: bool = False, matchers: dict | None = None) -> RankFootprint:
     model = meta_decoder(cfg, ctx, dtype)
     shards = module_shards(model)
     copies = tied_parameters(model)
     shapes = {name: t.shape for name, t in checkpoint.planned.items()}
     plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies},
-                      elsewhere=model.elsewhere)
+                      elsewhere=model.elsewhere, matchers=matchers)
     missing = sorted(set(shards) - set(plan.expected))
     if missing:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "

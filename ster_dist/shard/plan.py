@@ -142,6 +142,9 @@ class NameMatcher:
         self.params = params
         self.rules = [(rule, rule.pattern) for rule in spec.rules]
         self.ignore = [re.compile(p) for p in spec.ignore + (r".*rotary_emb\.inv_freq$",)]
+        # answers by name: `ster plan` asks one matcher for every rank whose parameters are the same names
+        self._matched: dict[str, tuple[Rule, dict] | None] = {}
+        self._ignored: dict[str, bool] = {}
 
     def _names(self, name: str) -> list[str]:
         return text_weight_names(self.wrapper, name) if self.wrapper else [name]
@@ -150,6 +153,11 @@ class NameMatcher:
         """The first rule matching `name`; given the model's parameters, the first whose parameter the model
         has, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some layers and
         the delta attention's in others; Granite 4.0's shared_mlp the dense feed-forward without experts)."""
+        if name not in self._matched:
+            self._matched[name] = self._match(name)
+        return self._matched[name]
+
+    def _match(self, name: str) -> tuple[Rule, dict] | None:
         candidates = []
         for text_name in self._names(name):
             candidates.append(text_name)
@@ -175,8 +183,10 @@ class NameMatcher:
         return (template.replace("{i}", layer) if layer is not None else template) in self.params
 
     def ignored(self, name: str) -> bool:
-        names = self._names(name)
-        return not names or any(p.match(n) for n in names for p in self.ignore)
+        if name not in self._ignored:
+            names = self._names(name)
+            self._ignored[name] = not names or any(p.match(n) for n in names for p in self.ignore)
+        return self._ignored[name]
 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
@@ -302,11 +312,15 @@ def _first_target(rule: Rule, groups: dict) -> str:
 
 def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
                shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset(),
-               elsewhere: Callable[[str], bool] | None = None) -> Plan:
+               elsewhere: Callable[[str], bool] | None = None, matchers: dict | None = None) -> Plan:
     """`tied_copies`: parameters that are tied copies of another (parallel/linear.py tie_parameters); a checkpoint
     that stores their tensor too has it skipped, so the shared tensor is read once. `elsewhere(param)`: whether
-    a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped, never read."""
-    matcher = NameMatcher(spec, cfg.wrapper, set(shards))
+    a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped, never read.
+    `matchers`: NameMatchers by parameter names, kept by a caller planning several ranks, so ranks with the same
+    parameter names (every tensor-parallel rank) match each checkpoint name once between them."""
+    params = frozenset(shards)
+    matchers = {} if matchers is None else matchers
+    matcher = matchers.get(params) or matchers.setdefault(params, NameMatcher(spec, cfg.wrapper, set(params)))
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []
