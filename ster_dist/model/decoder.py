@@ -19,6 +19,7 @@ from ster_dist.config import ModelConfig
 from ster_dist.events import progress
 from ster_dist.model.cache import KVCache
 from ster_dist.model.altup import AltUpLayer, AltUpStream
+from ster_dist.model.anchored import Anchored
 from ster_dist.model.compiled import CompiledLayers, failures, why_eager
 from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
@@ -204,15 +205,13 @@ class Elsewhere(nn.Module):
     token_mixer = None
 
 
-class Decoder(nn.Module):
+class Decoder(Anchored):
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx = SINGLE):
-        super().__init__()
+        super().__init__()  # the anchor: the dtype and device of this stage's weights, whichever modules it holds
         self.cfg, self.ctx = cfg, ctx
         # this pipeline stage's layers (all of them without --pp); the others are Elsewhere, keeping indexes
         self.stage = stage_layers(cfg, ctx.pp_rank, ctx.pp_size)
         first, last = ctx.first_stage, ctx.last_stage
-        # the dtype and device of this stage's weights, whichever modules it holds
-        self.register_buffer("anchor", torch.empty(0), persistent=False)
         # the last stage holds the embedding too when the head is tied to it
         self.embed = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
                       if first or (last and cfg.tie_word_embeddings) else None)
@@ -256,15 +255,6 @@ class Decoder(nn.Module):
         self.hooks: dict[int, list[Hook]] = {}
         self.stage_wait_s = 0.0  # seconds spent waiting for the previous stage (bench/pipeline.py reads it)
         self.compiled: CompiledLayers | None = None  # set by compile_layers
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype this stage's weights are held in (and its cache and stage output, unless f32 by design)."""
-        return self.anchor.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.anchor.device
 
     def elsewhere(self, param: str) -> bool:
         """Whether parameter `param` (the decoder's name) belongs to another pipeline stage: its tensor is

@@ -25,6 +25,7 @@ from torch import nn
 from ster_dist.config import ModelConfig, from_hf
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import Rule
+from ster_dist.model.anchored import Anchored
 from ster_dist.model.decoder import Block, Decoder, Elsewhere
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
@@ -65,25 +66,16 @@ class _Head(nn.Module):
         self.shared_head_head = VocabHead(cfg.vocab_size, hidden, ctx, False, None)
 
 
-class MTPDraft(nn.Module):
+class MTPDraft(Anchored):
     """The first MTP layer of a model on this rank; `main` (the loaded Decoder) lends its embedding and rotary
     tables. forward_paged runs it over a packed step like the decoder's."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, index: int):
         super().__init__()
         self.cfg, self.ctx, self.index = cfg, ctx, index
-        self.register_buffer("anchor", torch.empty(0), persistent=False)
         self.layers = nn.ModuleList([Elsewhere() for _ in range(index)] + [Block(cfg, index, ctx)])
         self.mtp = nn.ModuleDict({str(index): _Head(cfg, ctx)})
         self._names: frozenset[str] | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.anchor.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.anchor.device
 
     def elsewhere(self, param: str) -> bool:
         """The model's own tensors (its layers, embedding, norm and head) are the decoder's: not read here."""
