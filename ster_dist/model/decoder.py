@@ -165,8 +165,10 @@ class Block(nn.Module):
         a_in, weights = self.attn_hc(streams)
         streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
         m_in, weights = self.mlp_hc(streams)
-        ids = step.token_ids if getattr(self.mlp, "reads_token_ids", False) else None  # DeepSeek-V4's hash layers
-        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in), token_ids=ids), weights)
+        m_in = self.mlp_norm(m_in)
+        # DeepSeek-V4's hash layers route by the token's id; every other feed-forward reads the stream alone
+        m = self.mlp(m_in, token_ids=step.token_ids) if getattr(self.mlp, "reads_token_ids", False) else self.mlp(m_in)
+        return self.mlp_hc.join(streams, m, weights)
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then
