@@ -93,7 +93,11 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
         kw["proportion"], partial = float(partial), 1.0
     rotary_dim = int(head_dim * partial)
     rotary_dim -= rotary_dim % 2
-    theta = float(params.get("rope_theta") or default_theta)
+    theta = params.get("rope_theta") or default_theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise Refusal(f"invalid model config {path}: rope_theta is {theta!r}; it must be a finite number above 0; "
+                      "correct it in config.json (or re-download the checkpoint)")
+    theta = float(theta)
     if rope_type == "dynamic":
         alpha = params.get("alpha")
         if alpha:  # HunYuan: a fixed larger base; plain dynamic is the plain rotation within max_position
