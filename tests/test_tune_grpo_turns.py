@@ -8,7 +8,8 @@ policy's tokens are targets (the length reward counts them); the policy's own ba
 with the factors skipped; one step's gradients at TP=2 (the user model sharded too) equal TP=1's for the
 same seeded conversations; with --rollout engine the token engine holds the same conversations token for
 token (the user's turns on a second engine, or on the same engine without the adapter when the user model is the
-policy's base) and two training steps give the rank's numbers; every refusal comes before a weight is read.
+policy's base) and two training steps give the rank's numbers, in this process and (-m slow) as three groups on a
+local Ray cluster; every refusal comes before a weight is read.
 """
 
 from __future__ import annotations
@@ -270,6 +271,30 @@ def test_the_command_runs_conversations_on_the_engine(models, tmp_path):
     assert on_engine["first_loss"] == 0.0 and on_engine["first_kl"] == 0.0
     for key in ("first_reward", "first_completion_length"):
         assert on_engine[key] == on_rank[key], key
+
+
+@pytest.mark.slow
+def test_on_a_local_ray_cluster_three_groups_hold_the_conversations(models, tmp_path):
+    """The training rank, the rollout engine's and the user model's engine's as three groups on one Ray cluster
+    (loopback, this test's own): the conversations reach the training actor with the step, and the first step's
+    numbers are those of conversations sampled on the rank in this process."""
+    import ray
+
+    from ster_dist.workers.ray_group import start_ray
+
+    common = ("--turns", "2", "--user-model", str(models / "user"))
+    on_rank = _quiet_cli(*_argv(models, tmp_path / "rank", *common))
+    assert start_ray(None, num_cpus=4)  # a CPU each (Ray's bookkeeping), one left unreserved
+    try:
+        address = ray.get_runtime_context().gcs_address
+        on_ray = _quiet_cli(*_argv(models, tmp_path / "ray", *common, "--rollout", "engine", "--address", address))
+        assert not ray.util.placement_group_table() or all(
+            pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # every group gone
+    finally:
+        ray.shutdown()
+    assert on_ray["rollout"] == "engine" and on_ray["first_loss"] == 0.0 and on_ray["first_kl"] == 0.0
+    for key in ("first_reward", "first_completion_length"):
+        assert on_ray[key] == on_rank[key], key
 
 
 @pytest.mark.parametrize("extra,message", [
