@@ -35,8 +35,7 @@ ADAPTER = "policy"
 
 def needs_user_group(plan) -> bool:
     """Whether the plan's conversations need a second group: a user model that is not the policy's base."""
-    o = plan.objective
-    return getattr(o, "turns", 1) > 1 and o.user.checkpoint is not None
+    return plan.objective.turns > 1 and plan.objective.user.checkpoint is not None
 
 
 class EngineRollouts:
