@@ -6,7 +6,10 @@ seed) as the user: the first step's loss and KL are exactly zero; every conversa
 the policy's turns as sampled and the user's turns as the policy's chat template writes them, and only the
 policy's tokens are targets (the length reward counts them); the policy's own base as the user model speaks
 with the factors skipped; one step's gradients at TP=2 (the user model sharded too) equal TP=1's for the
-same seeded conversations; every refusal comes before a weight is read.
+same seeded conversations; with --rollout engine the token engine holds the same conversations token for
+token (the user's turns on a second engine, or on the same engine without the adapter when the user model is the
+policy's base) and two training steps give the rank's numbers, in this process and (-m slow) as three groups on a
+local Ray cluster; every refusal comes before a weight is read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ster_dist.cli import main
 from ster_dist.load import load_model
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.tune.data import IGNORE
+from ster_dist.tune.engine_rollouts import EngineRollouts
 from ster_dist.tune.lora import Attached, LoraFactors
 from ster_dist.tune.parallel import TrainCtx
 from ster_dist.tune.prepare import prepare_prompts
@@ -193,11 +197,110 @@ def test_gradients_at_tp2_equal_tp1(models, tp2):
     assert worst < 1e-5, worst
 
 
+# ---- conversations on the token engine (--rollout engine) -----------------------------------------
+
+def _rank_conversations(decoder, plan, factors: LoraFactors, step: int) -> list:
+    """Every prompt's group of conversations as the training rank samples them, under `factors`."""
+    attached = Attached(decoder, factors, plan.sites, plan.settings.scale, TrainCtx())
+    try:
+        with torch.no_grad():
+            attached.refresh()
+        return plan.objective.conversations(decoder, attached, plan.examples, step)
+    finally:
+        attached.detach()
+
+
+def _state(factors: LoraFactors) -> dict:
+    return {n: p.detach().clone() for n, p in factors.named_parameters()}
+
+
+@pytest.mark.parametrize("user", ["user", "base"])
+def test_the_engine_holds_the_conversations_the_rank_holds(models, user):
+    """Token for token, user's turns and spans included: the policy's turns under the pushed factors (B at zero,
+    B away from zero, then replaced in place), the user's on a second engine holding the user model, or on the
+    same engine without the adapter when the user model is the policy's base."""
+    plan, _ = _plan(models, user)
+    decoder = load_model(plan.checkpoint).model
+    start = LoraFactors(plan.sites, 4, 0)
+    moved = LoraFactors(plan.sites, 4, 0, b_init_std=0.3)
+    with LocalGroup() as group, LocalGroup() as user_group:
+        rollouts = EngineRollouts(group, plan, user_group=user_group if user == "user" else None)
+        assert (rollouts.user_engine is not None) == (user == "user")
+        try:
+            seen = []
+            for factors, step in ((start, 0), (moved, 0), (start, 1)):
+                rollouts.refresh(_state(factors))
+                drawn = [list(p.conversations) for p in rollouts.draw(plan.examples, step)]
+                assert drawn == _rank_conversations(decoder, plan, factors, step), (user, step, len(seen))
+                seen.append(drawn)
+        finally:
+            rollouts.close()
+    conversations = [c for group in seen[0] for c in group]
+    assert all(len(c.user_spans) == 2 for c in conversations)  # three policy turns, the user answering between
+    assert seen[0] != seen[1] and seen[0] != seen[2]  # the factors pushed, and the step, are the ones drawn under
+
+
+def test_engine_conversations_train_as_rank_conversations(models):
+    """Two steps of conversations with another user model: the first the identity (loss and KL exactly zero)
+    either way, the same rewards and lengths, the second sampled under the factors the first trained."""
+    reference = train(LocalGroup(), _plan(models, turns=2, epochs=2)[0])
+    plan, _ = _plan(models, turns=2, epochs=2)
+    with LocalGroup() as group, LocalGroup() as user_group:
+        rollouts = EngineRollouts(group, plan, user_group=user_group)
+        try:
+            got = train(LocalGroup(), plan, rollouts=rollouts)
+        finally:
+            rollouts.close()
+    assert len(got["steps"]) == 2
+    assert got["losses"][0] == 0.0 and got["steps"][0]["kl"] == 0.0
+    for ours, theirs in zip(got["steps"], reference["steps"]):
+        for key in ("reward", "completion_length", "tokens", "completions"):
+            assert ours[key] == theirs[key], key
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-7)
+    assert got["steps"][1]["kl"] == pytest.approx(reference["steps"][1]["kl"], rel=1e-4)
+    assert got["steps"][1]["kl"] > 0
+
+
+def test_the_command_runs_conversations_on_the_engine(models, tmp_path):
+    """`--rollout engine` with `--turns`: the rollout engine and the user model's engine beside the training rank,
+    the first step's numbers those of conversations sampled on the rank."""
+    common = ("--turns", "2", "--user-model", str(models / "user"))
+    on_rank = _quiet_cli(*_argv(models, tmp_path / "rank", *common))
+    on_engine = _quiet_cli(*_argv(models, tmp_path / "engine", *common, "--rollout", "engine"))
+    assert on_engine["rollout"] == "engine" and on_engine["turns"] == 2
+    assert on_engine["first_loss"] == 0.0 and on_engine["first_kl"] == 0.0
+    for key in ("first_reward", "first_completion_length"):
+        assert on_engine[key] == on_rank[key], key
+
+
+@pytest.mark.slow
+def test_on_a_local_ray_cluster_three_groups_hold_the_conversations(models, tmp_path):
+    """The training rank, the rollout engine's and the user model's engine's as three groups on one Ray cluster
+    (loopback, this test's own): the conversations reach the training actor with the step, and the first step's
+    numbers are those of conversations sampled on the rank in this process."""
+    import ray
+
+    from ster_dist.workers.ray_group import start_ray
+
+    common = ("--turns", "2", "--user-model", str(models / "user"))
+    on_rank = _quiet_cli(*_argv(models, tmp_path / "rank", *common))
+    assert start_ray(None, num_cpus=4)  # a CPU each (Ray's bookkeeping), one left unreserved
+    try:
+        address = ray.get_runtime_context().gcs_address
+        on_ray = _quiet_cli(*_argv(models, tmp_path / "ray", *common, "--rollout", "engine", "--address", address))
+        assert not ray.util.placement_group_table() or all(
+            pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # every group gone
+    finally:
+        ray.shutdown()
+    assert on_ray["rollout"] == "engine" and on_ray["first_loss"] == 0.0 and on_ray["first_kl"] == 0.0
+    for key in ("first_reward", "first_completion_length"):
+        assert on_ray[key] == on_rank[key], key
+
+
 @pytest.mark.parametrize("extra,message", [
     (("--turns", "0"), "--turns must be at least 1"),
     (("--turns", "2"), "--turns 2 needs --user-model"),
     (("--user-model", "USER"), "--turns 1 has none"),
-    (("--turns", "2", "--user-model", "USER", "--rollout", "engine"), "engine rollouts are single-turn"),
     (("--turns", "2", "--user-model", "PLAIN"), "has no chat template, so it cannot answer as the user"),
     (("--turns", "2", "--user-model", "USER", "--chat-template", "off"), "--turns needs the policy's chat template"),
 ])

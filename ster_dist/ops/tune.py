@@ -66,27 +66,29 @@ def grpo(request: TuneGrpoRequest) -> dict:
 
 def _engine_rollouts(request: TuneGrpoRequest):
     """--rollout engine: a token engine on --rollout-tp ranks of its own, beside the training ranks (on the same
-    Ray cluster, which the training group has joined or started by the time this runs)."""
-    from ster_dist.tune.engine_rollouts import EngineRollouts
+    Ray cluster, which the training group has joined or started by the time this runs); for conversations with
+    another checkpoint as --user-model, a second engine on --rollout-tp ranks holding it."""
+    from ster_dist.tune.engine_rollouts import EngineRollouts, needs_user_group
     from ster_dist.workers.group import open_group
 
-    @contextlib.contextmanager
-    def opened(plan, training):
-        progress(f"starting the rollout engine on {request.rollout_tp} rank(s)")
+    def open_beside(training):
         from ster_dist.workers.ray_group import RayGroup
 
         if isinstance(training, RayGroup):  # beside the training ranks on their cluster, even for one rank
-            group = RayGroup(request.rollout_tp, request.device, request.address)
-        else:
-            group = open_group(request.rollout_tp, request.device, request.address, request.launcher)
-        try:
-            rollouts = EngineRollouts(group, plan)
-            try:
-                yield rollouts
-            finally:
-                rollouts.close()
-        finally:
-            group.close()
+            return RayGroup(request.rollout_tp, request.device, request.address)
+        return open_group(request.rollout_tp, request.device, request.address, request.launcher)
+
+    @contextlib.contextmanager
+    def opened(plan, training):
+        with contextlib.ExitStack() as stack:
+            progress(f"starting the rollout engine on {request.rollout_tp} rank(s)")
+            group = stack.enter_context(contextlib.closing(open_beside(training)))
+            user_group = None
+            if needs_user_group(plan):
+                progress(f"starting the user model's engine on {request.rollout_tp} rank(s)")
+                user_group = stack.enter_context(contextlib.closing(open_beside(training)))
+            rollouts = stack.enter_context(contextlib.closing(EngineRollouts(group, plan, user_group=user_group)))
+            yield rollouts
     return opened
 
 

@@ -109,7 +109,8 @@ class TuneGrpoRequest(_TrainRequest):
     rollout: Literal["rank", "engine"] = field("rank", help="where the groups are sampled: on the training ranks "
                                                            "(whole re-reads) or by the token engine on its own "
                                                            "ranks, the factors pushed to it after every step")
-    rollout_tp: int = field(1, help="tensor-parallel ranks of the rollout engine (--rollout engine)")
+    rollout_tp: int = field(1, help="tensor-parallel ranks of the rollout engine (--rollout engine), and of the "
+                                    "user model's engine when --user-model is another checkpoint")
     turns: int = field(1, help="policy turns per conversation; above 1 a user model answers between them")
     user_model: str | None = field(None, help="the chat model playing the user in --turns > 1 conversations "
                                               "(another checkpoint, or the policy's --model: its base, no factors)")
@@ -125,9 +126,6 @@ class TuneGrpoRequest(_TrainRequest):
         if self.turns == 1 and self.user_model is not None:
             raise Refusal(f"{user} answers between the policy's turns, and {turns} 1 has none; pass {turns} 2 or "
                           f"more, or drop {user}")
-        if self.turns > 1 and self.rollout == "engine":
-            raise Refusal(f"{turns} {self.turns} conversations are sampled on the training ranks; drop "
-                          f"{label_in(info, 'rollout')} engine (engine rollouts are single-turn)")
         if self.rollout_tp < 1:
             raise Refusal(f"{label_in(info, 'rollout_tp')} must be at least 1, got {self.rollout_tp}")
         if self.rollout_tp != 1 and self.rollout != "engine":

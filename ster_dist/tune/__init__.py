@@ -15,10 +15,10 @@ pairs.py     preference pairs (prompt, chosen, rejected) as token ids, refused b
 preference.py  DPO and IPO against the adapters-skipped reference, and the Bradley-Terry reward head
 rollout.py   grpo's prompts, the groups of completions sampled on the rank from the policy (drawn as the
              token engine draws), their rewards (length, or a `tune reward` model)
-engine_rollouts.py  grpo's groups sampled by the token engine on its own ranks (--rollout engine), the
-             factors pushed to it as a per-request adapter before every step
-conversation.py  multi-turn grpo: conversations between the policy and a user model, the user's turns
-             masked out of the loss
+engine_rollouts.py  grpo's groups and conversations sampled by the token engine on its own ranks
+             (--rollout engine), the factors pushed to it as a per-request adapter before every step
+conversation.py  multi-turn grpo: conversations between the policy and a user model, each side's turns
+             drawn wherever its Draw draws them; the user's turns masked out of the loss
 grpo.py      GRPO: group-relative advantages, the on-policy ratio and a k3 KL against the adapters-skipped
              reference
 prepare.py   the driver's half before any rank starts: resolve, refuse, plan sites, tokenize

@@ -1,5 +1,5 @@
 """Multi-turn GRPO rollouts (`tune grpo --turns N --user-model M`): a conversation between the policy and a
-user model, N policy turns, sampled on the training rank.
+user model, N policy turns, sampled on the training rank or by the token engine (tune/engine_rollouts.py).
 
 The prompt is the user's first message. The policy answers it (its tokens as sampled, ended by a stop
 token or --max-new-tokens); the user model answers that, and so on until the policy has had N turns.
@@ -11,10 +11,14 @@ already ended with is not written twice. Only the policy's own tokens carry loss
 are masked); the reward reads the whole conversation, `length` counting the policy's tokens.
 
 The user model sees the conversation from its side: its own messages (the prompt first) as the
-assistant's, the policy's as the user's, through its own chat template, without the policy's factors:
-another checkpoint loaded on the training ranks beside the policy (its tensor-parallel shards, frozen),
-or, when --user-model names the policy's base, the same decoder with the factors skipped. Texts pass
-between the two as decoded text, so the two may have different tokenizers.
+assistant's, the policy's as the user's, through its own chat template, without the policy's factors.
+Where each side's turns are drawn is the caller's (a `Side`'s draw): on the training ranks, another
+checkpoint loaded beside the policy (its tensor-parallel shards, frozen) or, when --user-model names the
+policy's base, the same decoder with the factors skipped; with --rollout engine, the policy's turns by
+the engine under the pushed factors, the user's as requests without the adapter on the same engine (the
+base) or on a second engine holding the other checkpoint. The turns are taken in the same order and
+drawn from the same seeds wherever they are drawn, so where the logits agree the conversations do. Texts
+pass between the two as decoded text, so the two may have different tokenizers.
 
 A conversation that would pass --max-sequence (or the user model's positions) ends after the last turn
 that fits. Each turn draws from its own seed (tune/rollout.turn_seed): the same conversations however
@@ -23,11 +27,11 @@ dp and accumulation split a step, and turn 0 draws as a single-turn rollout does
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ster_dist.errors import Refusal
-from ster_dist.tune.rollout import Prompt, sample_rows, turn_seed
+from ster_dist.tune.rollout import Prompt, turn_seed
 
 MARK = "STERTURNMARK"  # stands for the last answer in a rendering: plain letters no template rewrites
 
@@ -43,11 +47,16 @@ class Rollout:
     policy_stops: int                         # how many of its turns ended with a stop token
 
 
-@dataclass
-class UserSide:
-    """What plays the user on a rank: a decoder (None: the policy's own, factors skipped), its tokenizer and stops."""
+# rows, one seed per row, one token limit per row -> each row's continuation (ended by a stop token or the limit)
+Draw = Callable[[list[list[int]], list[int], list[int]], list[list[int]]]
 
-    decoder: object | None
+
+@dataclass(frozen=True)
+class Side:
+    """One speaker: how its turns are drawn, the tokenizer that reads and writes them, the tokens that end
+    them, and how long its sequence may grow (the policy: --max-sequence; the user: its positions)."""
+
+    draw: Draw
     tokenizer: object
     stops: frozenset[int]
     max_position: int
@@ -86,10 +95,10 @@ class _Talk:
     open: bool = True            # more turns may follow
 
 
-def converse(decoder, attached, user: UserSide, prompts: list[Prompt], group: int, policy_tokenizer,
-             stops: frozenset[int], turns: int, max_new_tokens: int, max_sequence: int, temperature: float,
+def converse(policy: Side, user: Side, prompts: list[Prompt], group: int, turns: int, max_new_tokens: int,
              seed: int, step: int) -> list[list[Rollout]]:
     """Each prompt's `group` conversations at step `step`, every turn sampled for all of them at once."""
+    stops, max_sequence, policy_tokenizer = policy.stops, policy.max_position, policy.tokenizer
     talks = [_Talk(p, j, list(p.ids),
                    ([{"role": "system", "content": p.system}] if p.system is not None else [])
                    + [{"role": "user", "content": p.text}],
@@ -101,9 +110,9 @@ def converse(decoder, attached, user: UserSide, prompts: list[Prompt], group: in
             t.open = t in talking
         if not talking:
             break
-        answers = sample_rows(decoder, attached.ctx, [t.ids for t in talking],
+        answers = policy.draw([t.ids for t in talking],
                               [turn_seed(seed, step, t.prompt.index, t.completion, turn) for t in talking],
-                              [min(max_new_tokens, max_sequence - len(t.ids)) for t in talking], temperature, stops)
+                              [min(max_new_tokens, max_sequence - len(t.ids)) for t in talking])
         for t, answer in zip(talking, answers):
             t.ids += answer
             t.sampled += len(answer)
@@ -119,10 +128,9 @@ def converse(decoder, attached, user: UserSide, prompts: list[Prompt], group: in
         asked = [i for i, r in enumerate(room) if r >= 1]
         for i, t in enumerate(talking):
             t.open = i in asked
-        with attached.skipped() if user.decoder is None else contextlib.nullcontext():
-            replies = sample_rows(user.decoder or decoder, attached.ctx, [contexts[i] for i in asked],
-                                  [turn_seed(seed, step, talking[i].prompt.index, talking[i].completion, turn, user=True)
-                                   for i in asked], [room[i] for i in asked], temperature, user.stops)
+        replies = user.draw([contexts[i] for i in asked],
+                            [turn_seed(seed, step, talking[i].prompt.index, talking[i].completion, turn, user=True)
+                             for i in asked], [room[i] for i in asked])
         for i, reply in zip(asked, replies):
             t = talking[i]
             text = user.tokenizer.decode(reply[:-1] if reply and reply[-1] in user.stops else reply,

@@ -1,10 +1,10 @@
 """GRPO (Shao et al., DeepSeekMath): group-relative policy optimisation of LoRA factors on the shared loop.
 
 Each step's items are prompts. On the rank, before the step's forward, every prompt gets a group of G
-completions sampled from the current policy (base plus the factors as they stand; tune/rollout.py), or
-brought with the step when the token engine sampled them (tune/engine_rollouts.py), or, with --turns > 1,
-G conversations with a user model whose turns carry no loss (tune/conversation.py); then their rewards.
-Each completion's advantage is its reward against its group's:
+completions sampled from the current policy (base plus the factors as they stand; tune/rollout.py), or,
+with --turns > 1, G conversations with a user model whose turns carry no loss (tune/conversation.py);
+either sampled here or brought with the step when the token engine sampled them (tune/engine_rollouts.py);
+then their rewards. Each completion's advantage is its reward against its group's:
 A = (r - mean_group) / (std_group + 1e-4), std the unbiased one, as TRL's GRPOTrainer takes it.
 
 The loss of a completion is the mean over its tokens of -(ratio - 1) * A + beta * k3, and a step's loss
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ster_dist.tune.conversation import UserSide, converse
+from ster_dist.tune.conversation import Rollout, Side, converse
 from ster_dist.tune.data import IGNORE, Example, collate
 from ster_dist.tune.objective import Objective
 from ster_dist.tune.rollout import (
@@ -36,6 +36,7 @@ from ster_dist.tune.rollout import (
     length_rewards,
     model_rewards,
     sample_group,
+    sample_rows,
 )
 
 METRICS = ("reward", "kl", "completion_length")
@@ -57,7 +58,7 @@ class Grpo(Objective):
     precision: str = "f32"
     device: str = "cpu"
     tokenizer_dir: str = ""                # the policy's tokenizer, read on the rank for conversations
-    _side: UserSide | None = field(default=None, repr=False, compare=False)  # the user, loaded on the rank once
+    _user: tuple | None = field(default=None, repr=False, compare=False)  # (decoder, tokenizer), read on the rank
 
     name = "grpo"
     width = 5  # (summed loss, completions, summed reward, summed kl, completion tokens)
@@ -90,14 +91,8 @@ class Grpo(Objective):
 
     def _conversations(self, decoder, attached, items: list[Prompt], pad_id: int, step: int):
         """Each prompt's group of conversations (tune/conversation.py), collated with the user's turns masked."""
-        from ster_dist.tokenizer import Tokenizer
-
-        side = self._user_side(decoder, attached.ctx)
-        tokenizer = Tokenizer.from_directory(self.tokenizer_dir)
         rollouts, advantages, rewards = [], [], []
-        groups = converse(decoder, attached, side, items, self.group_size, tokenizer, self.stops, self.turns,
-                          self.max_new_tokens, self.max_sequence, self.temperature, self.seed, step)
-        for group in groups:
+        for group in self.conversations(decoder, attached, items, step):
             if self.reward is None:  # the policy's tokens, less the stop tokens that ended its turns
                 r = [float(c.policy_tokens - c.policy_stops) for c in group]
             else:
@@ -111,20 +106,41 @@ class Grpo(Objective):
                 targets[row, start - 1:stop - 1] = IGNORE
         return inputs, valid, targets, torch.cat(advantages), torch.tensor(rewards, dtype=torch.float64)
 
-    def _user_side(self, decoder, ctx) -> UserSide:
-        if self._side is None:
+    def conversations(self, decoder, attached, items: list[Prompt], step: int) -> list[list[Rollout]]:
+        """Each prompt's group of conversations: as the token engine drew them before the step (--rollout engine),
+        or sampled here, the policy under the factors as they stand and the user model beside it."""
+        if all(p.conversations is not None for p in items):
+            return [list(p.conversations) for p in items]
+        from ster_dist.tokenizer import Tokenizer
+
+        ctx = attached.ctx
+        policy = Side(lambda rows, seeds, limits: sample_rows(decoder, ctx, rows, seeds, limits, self.temperature,
+                                                              self.stops),
+                      Tokenizer.from_directory(self.tokenizer_dir), self.stops, self.max_sequence)
+        user_decoder, user_tokenizer = self._user_model(ctx)
+
+        def user_draw(rows, seeds, limits):
+            if user_decoder is not None:
+                return sample_rows(user_decoder, ctx, rows, seeds, limits, self.temperature, self.user.stops)
+            with attached.skipped():  # the policy's own base speaks as the user
+                return sample_rows(decoder, ctx, rows, seeds, limits, self.temperature, self.user.stops)
+
+        user = Side(user_draw, user_tokenizer, self.user.stops, self.user.max_position)
+        return converse(policy, user, items, self.group_size, self.turns, self.max_new_tokens, self.seed, step)
+
+    def _user_model(self, ctx) -> tuple:
+        """The user model's decoder on this rank (None: the policy's base, its factors skipped) and tokenizer."""
+        if self._user is None:
             from ster_dist.load import load_model
             from ster_dist.tokenizer import Tokenizer
 
             user = self.user
-            if user.checkpoint is None:  # the policy's own base, its factors skipped while it speaks
-                self._side = UserSide(None, Tokenizer.from_directory(self.tokenizer_dir), self.stops,
-                                      user.max_position)
+            if user.checkpoint is None:
+                self._user = (None, Tokenizer.from_directory(self.tokenizer_dir))
             else:
                 loaded = load_model(user.checkpoint, self.precision, self.device, ctx)
-                self._side = UserSide(loaded.model, Tokenizer.from_directory(user.checkpoint.directory), user.stops,
-                                      user.max_position)
-        return self._side
+                self._user = (loaded.model, Tokenizer.from_directory(user.checkpoint.directory))
+        return self._user
 
     def loss(self, decoder, attached, head, batch):
         inputs, valid, targets, advantages, rewards = batch

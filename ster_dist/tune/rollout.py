@@ -7,12 +7,12 @@ and come before a weight is read.
 Sampling runs in one of two places. By default (--rollout rank) in the training process, on the
 rank's own decoder with the factors attached as they stand at the step; each new token re-reads the
 whole sequence (no cache): rollouts are short and this stays simple. With --rollout engine the token
-engine samples them on its own ranks (tune/engine_rollouts.py). Both draw a token exactly as the
-engine's sampler does (engine/sampling.py: temperature, then the exponential race argmax(p / q)),
-each completion from its own generator seeded by (run seed, step, prompt index, completion index):
-a step samples the same completions however dp and accumulation split it, and where the two places
-compute the same logits they draw the same tokens. The tensor-parallel ranks take tensor-parallel
-rank 0's tokens, so their sequences never part.
+engine samples them on its own ranks (tune/engine_rollouts.py), conversations too. Both draw a token
+exactly as the engine's sampler does (engine/sampling.py: temperature, then the exponential race
+argmax(p / q)), each completion from its own generator seeded by (run seed, step, prompt index,
+completion index): a step samples the same completions however dp and accumulation split it, and where
+the two places compute the same logits they draw the same tokens. The tensor-parallel ranks take
+tensor-parallel rank 0's tokens, so their sequences never part.
 
 Rewards: `length` is the number of completion tokens before the stop token (a completion cut at
 --max-new-tokens counts all of them); a reward model written by `ster tune reward` scores prompt plus
@@ -42,6 +42,7 @@ class Prompt:
     ids: tuple[int, ...]
     index: int               # its place in the file: part of the seed its groups are drawn with
     completions: tuple[tuple[int, ...], ...] | None = None  # its group, when drawn before the step (the engine)
+    conversations: tuple | None = None  # its group of conversations (tune/conversation.Rollout), likewise
     text: str = ""           # the prompt and system message as written: a conversation's first messages
     system: str | None = None
 
