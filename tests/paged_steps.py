@@ -55,15 +55,23 @@ class PagedOnRank(RankExtension):
         return {"logits": self.first_rank_only(logits), "key_shape": tuple(driver.cache.keys[0].shape)}
 
 
-def check_paged_equals_whole(model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40) -> Driver:
+def random_sequences(seed: int, length: int = 30, names: str = "ABC") -> dict[str, torch.Tensor]:
+    """A sequence of `length` token ids (in the tiny tokenizer's range, past its special tokens) per name."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randint(3, 300, (length,), generator=gen) for name in names}
+
+
+def check_paged_equals_whole(model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40,
+                             state_slots: int = 0) -> Driver:
     """Run `schedule` through a paged cache of `model`: each chunk's last logits must equal the whole read's
     at that position (a causal read: position p's logits are those of the first p + 1 tokens read whole).
-    Returns the driver, for what a test checks after."""
+    `state_slots`: a recurrent state per sequence, for a model with recurrent layers. Returns the driver, for
+    what a test checks after."""
     from ster_dist.parity import compare
 
     with torch.no_grad():
         whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, num_blocks, BLOCK))
+    driver = Driver(PagedCache(model, num_blocks, BLOCK, state_slots=state_slots))
     for step in schedule:
         chunks, logits = run_step(model, driver, tokens, step)
         for row, ((name, _), c) in enumerate(zip(step, chunks)):

@@ -6,7 +6,6 @@ the model. root read alike, older configs' keys, and the refusals."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -16,43 +15,27 @@ from safetensors.torch import load_file, save_file
 
 from ster_dist.adapters.targets import refuse_family
 from ster_dist.config import from_hf
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.parallel.pipeline import pipeline_refusal
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
-from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
-from tests.test_engine import open_engine
-from tests.tiny_models import make_tiny
+from tests.engine_checks import check_engine_answers_as_generate
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one, random_sequences
+from tests.tiny_models import load_tiny, random_ids, with_config
 
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
     """(directory, Transformers model, our model) of the tiny DeepSeek-V4 (saved in DeepSeek's own names)."""
-    directory = tmp_path_factory.mktemp("deepseek_v4")
-    reference = make_tiny("deepseek_v4", directory)
-    return directory, reference, load_model(resolve(str(directory)), "f32").model
-
-
-def _ids(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _changed(directory: Path, target: Path, change: dict) -> Path:
-    shutil.copytree(directory, target)
-    path = target / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **change}, indent=2))
-    return target
+    return load_tiny("deepseek_v4", tmp_path_factory)
 
 
 def test_the_indexer_choice_and_hash_routing_bite(v4, tmp_path):
     """Keeping every entry, or routing the hash layer by another table, reads otherwise than the tiny does (which
     matches Transformers: tests/test_parity.py)."""
     directory, _, ours = v4
-    dense = load_model(resolve(str(_changed(directory, tmp_path / "dense", {"index_topk": 64}))), "f32").model
+    dense = load_model(resolve(str(with_config(directory, tmp_path / "dense", {"index_topk": 64}))), "f32").model
     rerouted = tmp_path / "rerouted"
     shutil.copytree(directory, rerouted)
     for file in rerouted.glob("*.safetensors"):
@@ -61,7 +44,7 @@ def test_the_indexer_choice_and_hash_routing_bite(v4, tmp_path):
         save_file(tensors, file, metadata={"format": "pt"})
     hashed = load_model(resolve(str(rerouted)), "f32").model
     with torch.no_grad():
-        ids = _ids(40)
+        ids = random_ids(40)
         for other in (dense, hashed):
             assert compare(other(ids), ours(ids))["max_relative_error"] > 1e-3
 
@@ -74,9 +57,7 @@ SCHEDULE = [[("A", 13), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), 
 def test_decodes_from_the_paged_cache_equal_the_whole_read(v4):
     """Each step rebuilds the entries from the raw projections the paged cache keeps per position."""
     _, _, model = v4
-    gen = torch.Generator().manual_seed(3)
-    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    check_paged_equals_whole(model, tokens, SCHEDULE)
+    check_paged_equals_whole(model, random_sequences(3), SCHEDULE)
 
 
 @pytest.mark.slow  # TP=2 logits are tests/test_tensor_parallel.py's; this adds the paged steps (~1 min)
@@ -84,22 +65,13 @@ def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(v4, tp2):
     """Query heads by whole output groups, their sinks and o_a_proj rows split over two ranks; the key-value head,
     compressors and indexer whole on each: two ranks' paged steps equal one rank's."""
     directory, _, model = v4
-    gen = torch.Generator().manual_seed(4)
-    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
+    check_ranks_equal_one(tp2, directory, model, random_sequences(4), SCHEDULE)
 
 
 def test_the_token_engine_answers_as_ster_generate(v4):
     directory, _, _ = v4
     prompts = ["a prompt longer than the sliding window keeps", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=10",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=16) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True))
-                   for p in prompts]
-        got = [s.result().text for s in streams]
-    assert got == want
+    check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
 def _rewritten(directory: Path, target: Path, names) -> Path:
@@ -123,7 +95,7 @@ def test_transformers_in_memory_layout_and_the_release_without_root_read_alike(v
     for name, tensor in saved.items():
         name = name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_")
         release[name] = tensor
-    ids = _ids(24, seed=5)
+    ids = random_ids(24, seed=5)
     with torch.no_grad():
         want = ours(ids)
         for label, names in (("in_memory", in_memory), ("release", release)):

@@ -15,13 +15,11 @@ import torch
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
-from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
-from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
-from tests.tiny_models import TINY, make_tiny
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one, random_sequences
+from tests.tiny_models import TINY, load_tiny, random_ids
 
 TOPK, WINDOW = 12, 8
 
@@ -30,13 +28,7 @@ TOPK, WINDOW = 12, 8
 def tiny(tmp_path_factory):
     """(directory, Transformers model, our model)."""
     assert TINY["dots3_note"][2]["index_topk"] == TOPK and TINY["dots3_note"][2]["sliding_window_size"] == WINDOW
-    directory = tmp_path_factory.mktemp("dots3_note")
-    reference = make_tiny("dots3_note", directory)
-    return directory, reference, load_model(resolve(str(directory)), "f32").model
-
-
-def _ids(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
+    return load_tiny("dots3_note", tmp_path_factory)
 
 
 def test_more_keys_than_index_topk_follow_the_indexers_choice(tiny, tmp_path):
@@ -49,7 +41,7 @@ def test_more_keys_than_index_topk_follow_the_indexers_choice(tiny, tmp_path):
     config.update(model_type="dots3_note_text", index_topk=1000)  # Transformers' text class reads the release
     (dense_dir / "config.json").write_text(json.dumps(config))
     dense_reference = type(reference).from_pretrained(dense_dir, dtype=torch.float32).eval()
-    ids = _ids(32)
+    ids = random_ids(32)
     with torch.no_grad():
         logits, sparse, dense = ours(ids), reference(ids).logits, dense_reference(ids).logits
     assert compare(logits, sparse)["max_relative_error"] < 1e-4
@@ -72,14 +64,9 @@ SCHEDULE = [[("A", 14), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), 
             [("C", 9), ("A", 1)], [("B", 1), ("C", 1)]]
 
 
-def _tokens(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-
-
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     _, _, model = tiny
-    tokens = _tokens(3)
+    tokens = random_sequences(3)
     driver = check_paged_equals_whole(model, tokens, SCHEDULE)
     assert driver.length["A"] > TOPK and driver.length["C"] > TOPK
     # a full layer keeps its latent, shared rotated key and indexer key; the sliding one its own narrower latent
@@ -90,7 +77,7 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
 def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
     """Two ranks split each kind's heads (4 and 2) and each hold the whole indexer."""
     directory, _, model = tiny
-    tokens = _tokens(4)
+    tokens = random_sequences(4)
     check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
 
 

@@ -6,9 +6,7 @@ the refusals."""
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,48 +14,29 @@ from safetensors.torch import load_file, save_file
 
 from ster_dist.adapters.targets import refuse_family
 from ster_dist.config import from_hf
-from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
-from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.tokenizer import Tokenizer
-from tests.cli_run import cli_generate
-from tests.paged_steps import BLOCK, Driver, run_step
-from tests.test_engine import open_engine
-from tests.tiny_models import make_tiny
+from tests.engine_checks import check_engine_answers_as_generate
+from tests.paged_steps import check_paged_equals_whole, random_sequences
+from tests.tiny_models import load_tiny, random_ids, with_config
 
 
 @pytest.fixture(scope="module")
 def glm5(tmp_path_factory):
     """(directory, Transformers model, our model) of the tiny GLM-5-Next (its image-text wrapper)."""
-    directory = tmp_path_factory.mktemp("glm5_next")
-    reference = make_tiny("glm5_next", directory)
-    return directory, reference, load_model(resolve(str(directory)), "f32").model
-
-
-def _ids(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _with_text_config(directory: Path, target: Path, change: dict) -> Path:
-    shutil.copytree(directory, target)
-    path = target / "config.json"
-    config = json.loads(path.read_text())
-    config["text_config"] = {**config["text_config"], **change}
-    path.write_text(json.dumps(config, indent=2))
-    return target
+    return load_tiny("glm5_next", tmp_path_factory)
 
 
 def test_the_pooled_choice_narrows_attention(glm5, tmp_path):
     """With pools enough for every key the layers attend densely; the tiny's two pools a query differ from
     that (and match Transformers: tests/test_parity.py), so the choice is what the parity checks see."""
     directory, reference, ours = glm5
-    dense = load_model(resolve(str(_with_text_config(directory, tmp_path / "dense", {"index_topk": 64}))),
+    dense = load_model(resolve(str(with_config(directory, tmp_path / "dense", {"index_topk": 64}, text=True))),
                        "f32").model
     with torch.no_grad():
-        ids = _ids(40)
+        ids = random_ids(40)
         assert compare(ours(ids), reference(ids).logits)["max_relative_error"] < 1e-4
         assert compare(dense(ids), ours(ids))["max_relative_error"] > 1e-3
 
@@ -69,28 +48,13 @@ SCHEDULE = [[("A", 14), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), 
 def test_decodes_from_the_paged_cache_equal_the_whole_read(glm5):
     """Pools close mid-chunk and mid-decode; each step rebuilds them from the keys and gates the cache keeps."""
     _, _, model = glm5
-    gen = torch.Generator().manual_seed(3)
-    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    with torch.no_grad():  # a causal read: position p's logits are those of the first p + 1 tokens read whole
-        whole = {name: model(t[None])[0] for name, t in tokens.items()}
-    driver = Driver(PagedCache(model, 40, BLOCK, state_slots=3))  # a delta-attention state per sequence
-    for step in SCHEDULE:
-        chunks, logits = run_step(model, driver, tokens, step)
-        for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            assert compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"] < 1e-5, step
+    check_paged_equals_whole(model, random_sequences(3), SCHEDULE, state_slots=3)  # a delta-attention state each
 
 
 def test_the_token_engine_answers_as_ster_generate(glm5):
     directory, _, _ = glm5
     prompts = ["a prompt longer than the indexer keeps", "short", "another, somewhat longer prompt"]
-    want = [cli_generate(f"--model={directory}", f"--prompt={p}", "--chat-template=off", "--max-new-tokens=10",
-                         "--ignore-eos")["text"] for p in prompts]
-    tokenizer = Tokenizer.from_directory(directory)
-    with open_engine(directory, max_step_tokens=16) as engine:
-        streams = [engine.submit(tokenizer.encode(p), SamplingParams(max_tokens=10, ignore_eos=True))
-                   for p in prompts]
-        got = [s.result().text for s in streams]
-    assert got == want
+    check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
 def _in_memory_names(name: str, tensor: torch.Tensor, fused: dict) -> list[tuple[str, torch.Tensor]]:
@@ -119,7 +83,7 @@ def test_transformers_in_memory_names_read_as_the_release(glm5, tmp_path):
         save_file(tensors, file, metadata={"format": "pt"})
     renamed = load_model(resolve(str(own)), "f32").model
     with torch.no_grad():
-        assert compare(renamed(_ids(24)), ours(_ids(24)))["max_relative_error"] < 1e-6
+        assert compare(renamed(random_ids(24)), ours(random_ids(24)))["max_relative_error"] < 1e-6
 
 
 _TEXT = {"model_type": "glm5_next_text", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,

@@ -6,9 +6,7 @@ refusals; TP=2 over paged caches under -m slow."""
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,27 +19,21 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.steer.attach import add_steering
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
-from tests.tiny_models import make_tiny
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one, random_sequences
+from tests.tiny_models import load_tiny, random_ids, with_config
 
 
 @pytest.fixture(scope="module")
 def hy_v4(tmp_path_factory):
     """(directory, Transformers model, our model) of the tiny HY V4."""
-    directory = tmp_path_factory.mktemp("hy_v4")
-    reference = make_tiny("hy_v4", directory)
-    return directory, reference, load_model(resolve(str(directory)), "f32").model
-
-
-def _ids(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
+    return load_tiny("hy_v4", tmp_path_factory)
 
 
 def test_capture_reads_the_streams_mean_and_steering_shifts_every_stream(hy_v4):
     """Against Transformers' streams: the residual a hook reads after layer 1 is the mean of its streams, and a
     vector steered in there is added to each of them."""
     _, reference, ours = hy_v4
-    ids, layer = _ids(16), 1
+    ids, layer = random_ids(16), 1
     vector = torch.randn(ours.cfg.hidden_size, generator=torch.Generator().manual_seed(5)) * 0.5
     seen: dict[str, torch.Tensor] = {}
 
@@ -84,7 +76,7 @@ def test_the_release_spelling_reads_as_transformers_writer_spelling(hy_v4, tmp_p
         save_file(tensors, file, metadata={"format": "pt"})
     other = load_model(resolve(str(release)), "f32").model
     with torch.no_grad():
-        assert torch.equal(other(_ids(20)), ours(_ids(20)))
+        assert torch.equal(other(random_ids(20)), ours(random_ids(20)))
 
 
 # prefills longer and shorter than index_topk (12), decodes that cross it, sequences decoding together
@@ -94,9 +86,7 @@ SCHEDULE = [[("A", 14), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), 
 
 def test_decodes_from_the_paged_cache_equal_the_whole_read(hy_v4):
     _, _, model = hy_v4
-    gen = torch.Generator().manual_seed(3)
-    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    check_paged_equals_whole(model, tokens, SCHEDULE)
+    check_paged_equals_whole(model, random_sequences(3), SCHEDULE)
 
 
 def test_the_token_engine_answers_as_ster_generate(hy_v4):
@@ -105,20 +95,13 @@ def test_the_token_engine_answers_as_ster_generate(hy_v4):
     check_engine_answers_as_generate(directory, prompts, 10, 16)
 
 
-def _with_config(directory: Path, target: Path, change: dict) -> Path:
-    shutil.copytree(directory, target)
-    path = target / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **change}, indent=2))
-    return target
-
-
 def test_soft_logits_capping_caps_the_logits(hy_v4, tmp_path):
     """Transformers' class ignores it; vLLM, whose reading the family follows, caps (families/hyper.py)."""
     directory, _, ours = hy_v4
-    capped = load_model(resolve(str(_with_config(directory, tmp_path / "capped", {
+    capped = load_model(resolve(str(with_config(directory, tmp_path / "capped", {
         "soft_logits_capping": True, "soft_logits_capping_logits": 0.05}))), "f32").model
     with torch.no_grad():
-        plain, got = ours(_ids(10)), capped(_ids(10))
+        plain, got = ours(random_ids(10)), capped(random_ids(10))
     assert compare(got, torch.tanh(plain / 0.05) * 0.05)["max_relative_error"] < 1e-5
 
 
@@ -191,9 +174,7 @@ def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
     two ranks' paged steps equal one rank's."""
 
     directory, _, model = hy_v4
-    gen = torch.Generator().manual_seed(4)
-    tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-    check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
+    check_ranks_equal_one(tp2, directory, model, random_sequences(4), SCHEDULE)
 
 
 def test_rotating_pairs_on_transformers_own_rows_is_not_its_reading(hy_v4, tmp_path):
@@ -206,9 +187,9 @@ def test_rotating_pairs_on_transformers_own_rows_is_not_its_reading(hy_v4, tmp_p
     reference.save_pretrained(own, safe_serialization=True)  # its own rows over the release's
     halves = load_model(resolve(str(own)), "f32").model
     with torch.no_grad():
-        theirs = reference(_ids(16)).logits
-        assert compare(ours(_ids(16)), theirs)["max_relative_error"] < 1e-4
-        assert compare(halves(_ids(16)), theirs)["max_relative_error"] > 1e-3
+        theirs = reference(random_ids(16)).logits
+        assert compare(ours(random_ids(16)), theirs)["max_relative_error"] < 1e-4
+        assert compare(halves(random_ids(16)), theirs)["max_relative_error"] > 1e-3
 
 
 def test_the_mean_head_equals_glm5_next_hyper_head():

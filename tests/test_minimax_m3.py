@@ -21,8 +21,8 @@ from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate
-from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one
-from tests.tiny_models import TINY, make_tiny
+from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one, random_sequences
+from tests.tiny_models import TINY, load_tiny, random_ids
 
 SPARSE = TINY["minimax_m3_vl_text"][2]["sparse_attention_config"]
 DENSE_UP_TO = SPARSE["sparse_block_size"] * SPARSE["sparse_topk_blocks"]  # 12 keys: every block kept
@@ -31,13 +31,7 @@ DENSE_UP_TO = SPARSE["sparse_block_size"] * SPARSE["sparse_topk_blocks"]  # 12 k
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(directory, Transformers model, our model)."""
-    directory = tmp_path_factory.mktemp("minimax_m3")
-    reference = make_tiny("minimax_m3_vl_text", directory)
-    return directory, reference, load_model(resolve(str(directory)), "f32").model
-
-
-def _ids(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
+    return load_tiny("minimax_m3_vl_text", tmp_path_factory)
 
 
 def test_more_blocks_than_topk_follow_the_indexers_choice(tiny, tmp_path):
@@ -50,7 +44,7 @@ def test_more_blocks_than_topk_follow_the_indexers_choice(tiny, tmp_path):
     config["index_topk_blocks"] = 1000
     (dense_dir / "config.json").write_text(json.dumps(config))
     dense_reference = type(reference).from_pretrained(dense_dir, dtype=torch.float32).eval()
-    ids = _ids(32)
+    ids = random_ids(32)
     with torch.no_grad():
         logits, sparse, dense = ours(ids), reference(ids).logits, dense_reference(ids).logits
     assert compare(logits, sparse)["max_relative_error"] < 1e-4
@@ -73,14 +67,9 @@ SCHEDULE = [[("A", 14), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), 
             [("C", 9), ("A", 1)], [("B", 1), ("C", 1)]]
 
 
-def _tokens(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}
-
-
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     _, _, model = tiny
-    tokens = _tokens(3)
+    tokens = random_sequences(3)
     driver = check_paged_equals_whole(model, tokens, SCHEDULE)
     assert driver.length["A"] > DENSE_UP_TO and driver.length["C"] > DENSE_UP_TO
     # every layer keeps 2 key heads of 16 and 2 values of 16; a sparse one its index key (12) behind each value
@@ -91,7 +80,7 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
 def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
     """Two ranks each hold one key-value head, its share of index_q and the whole index_k."""
     directory, _, model = tiny
-    tokens = _tokens(4)
+    tokens = random_sequences(4)
     check_ranks_equal_one(tp2, directory, model, tokens, SCHEDULE)
 
 
@@ -154,7 +143,7 @@ def test_the_release_below_its_wrapper_reads_as_transformers_writes_it(tiny, tmp
     directory, _, ours = tiny
     _as_release(directory, tmp_path / "release")
     release = load_model(resolve(str(tmp_path / "release")), "f32").model
-    ids = _ids(24, seed=1)
+    ids = random_ids(24, seed=1)
     with torch.no_grad():
         assert compare(release(ids), ours(ids))["max_relative_error"] < 1e-6
 

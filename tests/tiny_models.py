@@ -108,6 +108,38 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
     return model
 
 
+def load_tiny(variant: str, tmp_path_factory) -> tuple[Path, object, object]:
+    """(directory, Transformers model, our model in f32) of a tiny `variant` saved in a fresh temporary directory:
+    what a module-scoped fixture of one family's tests returns."""
+    from ster_dist.load import load_model
+    from ster_dist.resolve import resolve
+
+    directory = tmp_path_factory.mktemp(variant)
+    reference = make_tiny(variant, directory)
+    return directory, reference, load_model(resolve(str(directory)), "f32").model
+
+
+def random_ids(length: int, seed: int = 0) -> torch.Tensor:
+    """Two rows of `length` token ids the tiny tokenizer's vocabulary holds, past its special tokens."""
+    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def with_config(directory: Path, target: Path, change: dict, text: bool = False) -> Path:
+    """A copy of the checkpoint at `directory` in `target`, its config's keys (its text_config's, with `text`, for
+    an image-text wrapper) updated by `change`."""
+    import shutil
+
+    shutil.copytree(directory, target)
+    path = Path(target) / "config.json"
+    config = json.loads(path.read_text())
+    if text:
+        config["text_config"] = {**config["text_config"], **change}
+    else:
+        config.update(change)
+    path.write_text(json.dumps(config, indent=2))
+    return Path(target)
+
+
 def perturb_norms(model, seed: int) -> None:
     """Random inits leave norm scales at one and biases at zero; perturb them so parity tests see them."""
     gen = torch.Generator().manual_seed(seed + 1)
