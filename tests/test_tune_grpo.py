@@ -12,8 +12,6 @@ run; every refusal comes before a weight is read.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 from pathlib import Path
@@ -24,7 +22,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # as tests/test_tune.py
 
-from ster_dist.cli import main
 from ster_dist.load import load_model
 from ster_dist.tune.lora import Attached, LoraFactors
 from ster_dist.tune.parallel import TrainCtx
@@ -34,6 +31,9 @@ from ster_dist.tune.spec import TrainSettings
 from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
 from tests.tiny_models import make_tiny
+from tests.tune_checks import grpo_argv
+from tests.tune_checks import plant_early_stops as _plant_early_stops
+from tests.tune_checks import quiet_cli as _quiet_cli
 from tests.tune_checks import relative as _rel
 from tests.tune_checks import run_cli as _cli
 from tests.tune_checks import write_jsonl as _jsonl
@@ -45,28 +45,6 @@ EOS = 2  # tests/tiny_models.py's eos_token_id
 IDS = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
 ROLLOUT = {"group_size": 4, "max_new_tokens": 8, "temperature": 1.0, "beta": 0.04, "reward": "length"}
 pytestmark = pytest.mark.filterwarnings("ignore:Unexpected keyword arguments:UserWarning")
-
-
-def _quiet_cli(*argv) -> dict:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(list(argv))
-    assert code == 0, stderr.getvalue()
-    return json.loads(stdout.getvalue())
-
-
-def _plant_early_stops(model, directory: Path) -> None:
-    """Push the head's end-of-sequence row along the mean final hidden state: most tokens now end the text."""
-    from safetensors.torch import load_file, save_file
-
-    with torch.no_grad():
-        mean = model(IDS, output_hidden_states=True).hidden_states[-1].flatten(0, 1).mean(0)
-        head = model.lm_head.weight.clone()
-        head[EOS] += 40 * mean / mean.dot(mean)
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    tensors["lm_head.weight"] = head.contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +60,7 @@ def _train_argv(llama: Path, output: str, *extra) -> list[str]:
     # 1e-2, not higher: once every completion of a step runs to --max-new-tokens the advantages are all zero and
     # only the KL's small gradient is left, which Adam still turns into a full-sized step; at 3e-2 such a step
     # could throw the policy to stopping at once, depending on the draws
-    return ["tune", "grpo", "--model", str(llama / "base"), "--prompts", str(llama / "prompts.jsonl"), "--output",
-            str(llama / output), "--learning-rate", "1e-2", "--seed", "0", "--batch-size", "4",
-            "--max-new-tokens", "8", *extra]
+    return grpo_argv(llama, llama / output, "--learning-rate", "1e-2", "--max-new-tokens", "8", *extra)
 
 
 @pytest.fixture(scope="module")

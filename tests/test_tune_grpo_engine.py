@@ -14,9 +14,6 @@ groups on one cluster, give the first step's numbers of a run in one process.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 from pathlib import Path
 
@@ -26,7 +23,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # as tests/test_tune.py
 
-from ster_dist.cli import main
 from ster_dist.load import load_model
 from ster_dist.tune.engine_rollouts import EngineRollouts
 from ster_dist.tune.lora import Attached, LoraFactors
@@ -36,8 +32,10 @@ from ster_dist.tune.rollout import sample_group
 from ster_dist.tune.spec import TrainSettings
 from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
-from tests.test_tune_grpo import _plant_early_stops
 from tests.tiny_models import make_tiny
+from tests.tune_checks import grpo_argv
+from tests.tune_checks import plant_early_stops as _plant_early_stops
+from tests.tune_checks import quiet_cli as _quiet_cli
 from tests.tune_checks import write_jsonl
 
 PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
@@ -173,18 +171,9 @@ def test_a_reward_model_scores_the_engines_rollouts_as_the_ranks(llama, reward_m
     _trains_as_the_rank(got, reference)
 
 
-def _quiet_cli(*argv) -> dict:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(list(argv))
-    assert code == 0, stderr.getvalue()
-    return json.loads(stdout.getvalue())
-
-
 def _argv(llama: Path, output: str, *extra) -> list[str]:
-    return ["tune", "grpo", "--model", str(llama / "base"), "--prompts", str(llama / "prompts.jsonl"), "--output",
-            str(llama / output), "--learning-rate", "3e-2", "--seed", "0", "--batch-size", "4", "--epochs", "1",
-            "--max-new-tokens", "8", *extra]
+    return grpo_argv(llama, llama / output, "--learning-rate", "3e-2", "--epochs", "1", "--max-new-tokens", "8",
+                     *extra)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,6 @@ local Ray cluster; every refusal comes before a weight is read.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 from pathlib import Path
 
@@ -26,7 +23,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))  # as tests/test_tune.py
 
-from ster_dist.cli import main
 from ster_dist.load import load_model
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.tune.data import IGNORE
@@ -37,9 +33,11 @@ from ster_dist.tune.prepare import prepare_prompts
 from ster_dist.tune.spec import TrainSettings
 from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
-from tests.test_tune_grpo import _plant_early_stops
 from tests.tiny_models import make_tiny
 from tests.tiny_tokenizer import build_tiny_tokenizer
+from tests.tune_checks import grpo_argv
+from tests.tune_checks import plant_early_stops as _plant_early_stops
+from tests.tune_checks import quiet_cli as _quiet_cli
 from tests.tune_checks import run_cli, write_jsonl
 
 PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
@@ -161,18 +159,9 @@ def test_the_users_turns_carry_no_gradient(models, batches):
     assert (grad[counted] > 0).all()
 
 
-def _quiet_cli(*argv) -> dict:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(list(argv))
-    assert code == 0, stderr.getvalue()
-    return json.loads(stdout.getvalue())
-
-
 def _argv(models: Path, output: Path, *extra) -> list[str]:
-    return ["tune", "grpo", "--model", str(models / "base"), "--prompts", str(models / "prompts.jsonl"), "--output",
-            str(output), "--learning-rate", "1e-2", "--epochs", "1", "--seed", "0", "--batch-size", "4",
-            "--group-size", "2", "--max-new-tokens", "6", *extra]
+    return grpo_argv(models, output, "--learning-rate", "1e-2", "--epochs", "1", "--group-size", "2",
+                     "--max-new-tokens", "6", *extra)
 
 
 def test_the_first_conversation_step_is_the_identity(models, tmp_path):
