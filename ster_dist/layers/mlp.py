@@ -70,7 +70,9 @@ class MLP(nn.Module):
             std = (self.ctx.all_reduce((gate - mean).pow(2).sum(-1, keepdim=True)) / self.inner).sqrt()
         return torch.relu(gate - (mean + std * deviations))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids: never read; taken so that a block hands a dense layer what it hands experts, which may route
+        by them (moe/layer.py)."""
         y = self._scaled(self.down(self.hidden(x)), self.down_multiplier)
         return y * self.scale.weight if self.scale is not None else y
 

@@ -165,10 +165,9 @@ class Block(nn.Module):
         a_in, weights = self.attn_hc(streams)
         streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
         m_in, weights = self.mlp_hc(streams)
-        m_in = self.mlp_norm(m_in)
-        # DeepSeek-V4's hash layers route by the token's id; every other feed-forward reads the stream alone
-        m = self.mlp(m_in, token_ids=step.token_ids) if getattr(self.mlp, "reads_token_ids", False) else self.mlp(m_in)
-        return self.mlp_hc.join(streams, m, weights)
+        # every feed-forward a hyper-connected block holds (dense or experts) takes the step's token ids: DeepSeek-V4's
+        # hash layers route by them, the rest never read them
+        return self.mlp_hc.join(streams, self.mlp(self.mlp_norm(m_in), token_ids=step.token_ids), weights)
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's mixer, then

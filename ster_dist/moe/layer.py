@@ -59,7 +59,7 @@ class MoE(nn.Module):
                                if moe.shared_routed else None)
         self.top_k = moe.top_k
         self.identity_experts = moe.identity_experts
-        self.reads_token_ids = bool(moe.hash_vocab)  # DeepSeek-V4's hash layers route by the token's id
+        self.hash_routed = bool(moe.hash_vocab)  # DeepSeek-V4's hash layers route by the token's id
 
     def forward(self, x: torch.Tensor, route_from: torch.Tensor | None = None,
                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +71,7 @@ class MoE(nn.Module):
         start, stop = self.ctx.token_share(tokens)
         share = flat[start:stop]
         routed = share if route_from is None else route_from.reshape(-1, self.hidden)[start:stop]
-        hashed = token_ids.reshape(-1)[start:stop] if self.reads_token_ids else None
+        hashed = token_ids.reshape(-1)[start:stop] if self.hash_routed else None
         weights, ids = self.router(routed, hashed)
         weights, gammas = weights[:, : self.top_k], weights[:, self.top_k:]
         inputs = self.latent_in(share) if self.latent_in is not None else share
