@@ -118,35 +118,34 @@ def sort_tensors(cfg: ModelConfig, raw: dict, tensors: dict[str, Tensor]) -> Che
                              tensors, quant.method if quant else None, blocks, packed, tuple(sorted(unread)))
 
 
-def _extent(piece: Piece, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+def _extent(piece: Piece, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """The source ranges one piece reads, one (start, stop) per dimension."""
     if piece.window is not None:
         window = tuple(piece.window) + (slice(None),) * (len(shape) - len(piece.window))
-        return [w.indices(n)[:2] for w, n in zip(window, shape)]
+        return tuple(w.indices(n)[:2] for w, n in zip(window, shape))
     out = [(0, n) for n in shape]
     if piece.rows is not None and shape:
         out[0] = piece.rows.indices(shape[0])[:2]
     if piece.cols is not None and len(shape) >= 2:
         out[1] = piece.cols.indices(shape[1])[:2]
-    return out
+    return tuple(out)
 
 
-def _packed_groups(name: str, extent: list[tuple[int, int]], inputs: int) -> int:
+def _packed_groups(name: str, extent: tuple[tuple[int, int], ...], inputs: int) -> int:
     """How many 32-value groups (each 16 bytes and one exponent) a window [experts, inputs, rows] of MXFP4 X reads."""
     (e0, e1), (q0, q1), (p0, p1) = extent
     g0, g1 = mxfp4.check_window(name, inputs, q0, q1) if q1 > q0 else (0, 0)
     return max(0, e1 - e0) * max(0, p1 - p0) * (g1 - g0)
 
 
-def _scale_blocks(extents: list[list[tuple[int, int]]], scale: Tensor, block: tuple[int, int]) -> int:
+def _scale_blocks(extents: list[tuple[tuple[int, int], ...]], scale: Tensor, block: tuple[int, int]) -> int:
     """How many scale entries cover the given windows of the weight (its last two dims blocked)."""
     if len(scale.shape) < len(extents[0]):  # one scale for the tensor, stored as [] or [1]
         return 1
 
     def blocked(extent):
-        lead = extent[:-2]
         (r0, r1), (c0, c1) = extent[-2:]
-        return lead + [(r0 // block[0], -(-r1 // block[0])), (c0 // block[1], -(-c1 // block[1]))]
+        return [*extent[:-2], (r0 // block[0], -(-r1 // block[0])), (c0 // block[1], -(-c1 // block[1]))]
 
     spans = [blocked(e) for e in extents if all(b > a for a, b in e)]
     if len(spans) == 1:
@@ -169,23 +168,37 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
     if missing:
         raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "
                       "the weights lack tensors the config implies")
+    # one window serving interleaved parts is read once (the loader's rule): the windows read so far are kept for
+    # the sources read by more than one piece, a few among 45,000 (kept for all, they weigh on the collector)
+    pieces_of: dict[str, int] = {}
+    for r in plan.reads:
+        pieces_of[r.source] = pieces_of.get(r.source, 0) + len(r.pieces)
     seen: set[tuple] = set()
     extents: dict[str, list] = {}
+    # the plan hands many tensors one Piece (every layer's expert e reads the same window of its own tensor):
+    # a piece's extent over a shape is worked out once, keyed by the piece's identity (the plan holds them all)
+    extent_of: dict[tuple[int, tuple], tuple[tuple, int]] = {}
     read = packed_scales = 0
     for r in plan.reads:
         tensor = checkpoint.planned[r.source]
+        itemsize = DTYPES[tensor.dtype].itemsize
         for piece in r.pieces:
-            extent = _extent(piece, tensor.shape)
-            key = (r.source, tuple(extent))
-            if key in seen:  # one window serving interleaved parts is read once (the loader's rule)
-                continue
-            seen.add(key)
+            memo = (id(piece), tensor.shape)
+            if memo not in extent_of:
+                extent = _extent(piece, tensor.shape)
+                extent_of[memo] = extent, math.prod(b - a for a, b in extent)
+            extent, area = extent_of[memo]
+            if pieces_of[r.source] > 1:
+                key = (r.source, extent)
+                if key in seen:
+                    continue
+                seen.add(key)
             if r.source in checkpoint.packed:
                 exponents = _packed_groups(r.source, extent, tensor.shape[1])
                 read += exponents * mxfp4.GROUP_BYTES
                 packed_scales += exponents
                 continue
-            read += math.prod(b - a for a, b in extent) * DTYPES[tensor.dtype].itemsize
+            read += area * itemsize
             if r.source in checkpoint.scales:
                 extents.setdefault(r.source, []).append(extent)
     scale_bytes = packed_scales
