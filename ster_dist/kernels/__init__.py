@@ -18,7 +18,7 @@ import torch
 from ster_dist.events import progress
 
 SOURCE = Path(__file__).with_name("matrix_vector.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")  # OpenMP: ATen's parallel_for runs serially without it
+FLAGS = ("-O3", "-mavx2", "-mfma")
 NAME = "ster_matrix_vector"
 ROWS_MAX = 4  # rows of x the kernel takes; more go to torch's products
 

@@ -21,52 +21,32 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// A step of the inner loop: `Lanes<T>::width` weights of a row against the same stretch of x, summed into acc.
-// f32 weights are 8 to a vector. bf16 weights are read 16 at a time and widened without a shuffle: a 32-bit lane
-// holds two of them, the even one in its low half (shifted up it is that number as f32) and the odd one in its
-// high half (the low half masked off); x is handed over in the same order, each 16 numbers as their 8 even ones
-// then their 8 odd ones (matrix_vector arranges it), so one load and two bit operations serve 16 weights.
-template <typename T>
-struct Lanes;
-
-template <>
-struct Lanes<float> {
-  static constexpr int width = 8;
-  static inline __m256 step(const float* w, const float* x, __m256 acc) {
-    return _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc);
-  }
-};
-
-template <>
-struct Lanes<c10::BFloat16> {
-  static constexpr int width = 16;
-  static inline __m256 step(const c10::BFloat16* w, const float* x, __m256 acc) {
-    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    return _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + 8), _mm256_fmadd_ps(even, _mm256_loadu_ps(x), acc));
-  }
-};
-
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// out[r * m + o] for o in [first, last): R rows of x ([R, n] f32; `lanes`, the same in Lanes' order up to the last
-// whole step, a row every `stride` numbers) against W ([m, n] of T), B output rows at once
+// out[r * m + o] for o in [first, last): R rows of x (f32, [R, n]) against W ([m, n] of T), B output rows at once
 template <typename T, int R, int B>
-void rows(const T* w, const float* x, const float* lanes, int64_t stride, float* out, int64_t first, int64_t last,
-          int64_t n, int64_t m) {
-  constexpr int W = Lanes<T>::width;
-  const int64_t body = n - n % W;
+void rows(const T* w, const float* x, float* out, int64_t first, int64_t last, int64_t n, int64_t m) {
+  const int64_t body = n - n % 8;
   int64_t o = first;
   for (; o + B <= last; o += B) {
     __m256 acc[R][B];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
     const T* row = w + o * n;
-    for (int64_t i = 0; i < body; i += W)
-      for (int r = 0; r < R; ++r)
-        for (int b = 0; b < B; ++b) acc[r][b] = Lanes<T>::step(row + b * n + i, lanes + r * stride + i, acc[r][b]);
+    for (int64_t i = 0; i < body; i += 8) {
+      __m256 wv[B];
+      for (int b = 0; b < B; ++b) wv[b] = load8(row + b * n + i);
+      for (int r = 0; r < R; ++r) {
+        __m256 xv = _mm256_loadu_ps(x + r * n + i);
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm256_fmadd_ps(wv[b], xv, acc[r][b]);
+      }
+    }
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) {
         float s = sum8(acc[r][b]);
@@ -74,28 +54,25 @@ void rows(const T* w, const float* x, const float* lanes, int64_t stride, float*
         out[r * m + o + b] = s;
       }
   }
-  if (o < last) rows<T, R, 1>(w, x, lanes, stride, out, o, last, n, m);
+  if (o < last) rows<T, R, 1>(w, x, out, o, last, n, m);
 }
 
 template <typename T, int R>
-void product(const T* w, const float* x, const float* lanes, int64_t stride, float* out, int64_t n, int64_t m) {
-  // R x B accumulators stay within 16 registers; eight rows read at once for one row of x (rather than four)
-  // keep enough reads in flight to stream near the memory's bandwidth (measured on a 2-core AMD EPYC)
-  constexpr int B = R == 1 ? 8 : R == 2 ? 4 : 2;
+void product(const T* w, const float* x, float* out, int64_t n, int64_t m) {
+  constexpr int B = R <= 2 ? 4 : 2;  // R x B accumulators and B weight loads stay within 16 registers
   // grain: a thread's share is at least 16k weights, so a small matrix is not cut finer than it pays to
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t first, int64_t last) {
-    rows<T, R, B>(w, x, lanes, stride, out, first, last, n, m);
+    rows<T, R, B>(w, x, out, first, last, n, m);
   });
 }
 
 template <typename T>
-void dispatch(const T* w, const float* x, const float* lanes, int64_t stride, float* out, int64_t rows_of_x, int64_t n,
-              int64_t m) {
+void dispatch(const T* w, const float* x, float* out, int64_t rows_of_x, int64_t n, int64_t m) {
   switch (rows_of_x) {
-    case 1: return product<T, 1>(w, x, lanes, stride, out, n, m);
-    case 2: return product<T, 2>(w, x, lanes, stride, out, n, m);
-    case 3: return product<T, 3>(w, x, lanes, stride, out, n, m);
-    default: return product<T, 4>(w, x, lanes, stride, out, n, m);
+    case 1: return product<T, 1>(w, x, out, n, m);
+    case 2: return product<T, 2>(w, x, out, n, m);
+    case 3: return product<T, 3>(w, x, out, n, m);
+    default: return product<T, 4>(w, x, out, n, m);
   }
 }
 
@@ -108,14 +85,10 @@ at::Tensor matrix_vector(const at::Tensor& x, const at::Tensor& weight) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t r = xf.size(0), n = xf.size(1), m = weight.size(0);
   at::Tensor out = at::empty({r, m}, xf.options());
-  if (weight.scalar_type() == at::kFloat) {
-    dispatch(weight.data_ptr<float>(), xf.data_ptr<float>(), xf.data_ptr<float>(), n, out.data_ptr<float>(), r, n, m);
-  } else {  // x's whole 16s as their even numbers, then their odd ones (Lanes<c10::BFloat16>)
-    const int64_t body = n - n % 16;
-    const at::Tensor lanes = xf.narrow(1, 0, body).view({r, body / 16, 8, 2}).transpose(2, 3).contiguous();
-    dispatch(weight.data_ptr<c10::BFloat16>(), xf.data_ptr<float>(), lanes.data_ptr<float>(), body,
-             out.data_ptr<float>(), r, n, m);
-  }
+  if (weight.scalar_type() == at::kFloat)
+    dispatch(weight.data_ptr<float>(), xf.data_ptr<float>(), out.data_ptr<float>(), r, n, m);
+  else
+    dispatch(weight.data_ptr<c10::BFloat16>(), xf.data_ptr<float>(), out.data_ptr<float>(), r, n, m);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
