@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ster_dist import kernels
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig
 from ster_dist.config_load import model_config
@@ -103,8 +102,6 @@ def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SING
     model = meta_decoder(cfg, ctx, dtype)
     fill_module(model, cfg, source, device, keep_fp8)
     model.fuse_projections()
-    if model.device.type == "cpu":
-        kernels.prepare()  # the decode products' kernel, built once per machine (kernels/__init__.py)
     return model.eval()
 
 

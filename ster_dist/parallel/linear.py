@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ster_dist import kernels
 from ster_dist.events import progress
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight, blockwise_ok, scaled_product
@@ -127,9 +126,7 @@ def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torc
     return a.contiguous(), b.contiguous()
 
 
-# A product of 1 to 4 rows (decode) on a CPU with AVX2 runs through ster_dist's own matrix-vector kernel
-# (kernels/matrix_vector.cpp), f32 or bf16 weights alike, when it could be built; without it, and up to 64 rows,
-# a product of few rows with an f32 weight on a CPU runs as one batched product over as many row
+# A product of few rows (decode) with an f32 weight on a CPU runs as one batched product over as many row
 # blocks of the weight as there are threads: MKL's matrix-vector kernel on a non-Intel AVX2 CPU streams the
 # weight at about half the bandwidth the same product reaches split into a batch whose items run on separate
 # cores (bench/decode.py measures it; bf16 weights already reach oneDNN's kernel and are left to F.linear).
@@ -166,11 +163,6 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
         return _upcast(x, weight, bias)
-    if (0 < rows <= kernels.ROWS_MAX and kernels.ready() and x.device.type == "cpu" and weight.is_contiguous()
-            and weight.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        y = torch.ops.ster_kernels.matrix_vector(x.reshape(rows, inner), weight).view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
     parts = _threads()
     if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
