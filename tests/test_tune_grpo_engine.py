@@ -33,10 +33,9 @@ from ster_dist.tune.spec import TrainSettings
 from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
 from tests.tiny_models import make_tiny
-from tests.tune_checks import grpo_argv
+from tests.tune_checks import grpo_argv, trains_as_the_rank, write_jsonl
 from tests.tune_checks import plant_early_stops as _plant_early_stops
 from tests.tune_checks import quiet_cli as _quiet_cli
-from tests.tune_checks import write_jsonl
 
 PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
 PAIRS = [{"prompt": f"question {i}", "chosen": "yes it is", "rejected": f"answer {i * 7}"} for i in range(2)]
@@ -105,18 +104,6 @@ def test_the_engine_draws_the_completions_the_rank_draws(llama):
             rollouts.close()
 
 
-def _trains_as_the_rank(got: dict, reference: dict) -> None:
-    """Two steps: the first is the identity either way; the second is sampled under the first step's factors."""
-    assert len(got["steps"]) == 2
-    assert got["losses"][0] == 0.0 and got["steps"][0]["kl"] == 0.0
-    for ours, theirs in zip(got["steps"], reference["steps"]):
-        for key in ("reward", "completion_length", "tokens", "completions"):
-            assert ours[key] == theirs[key], key
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-7)
-    assert got["steps"][1]["kl"] == pytest.approx(reference["steps"][1]["kl"], rel=1e-4)
-    assert got["steps"][1]["kl"] > 0
-
-
 def test_engine_rollouts_train_as_rank_rollouts(llama):
     reference = train(LocalGroup(), _plan(llama, 2))
     with LocalGroup() as group:
@@ -125,7 +112,7 @@ def test_engine_rollouts_train_as_rank_rollouts(llama):
             got = train(LocalGroup(), rollouts.plan, rollouts=rollouts)
         finally:
             rollouts.close()
-    _trains_as_the_rank(got, reference)
+    trains_as_the_rank(got, reference)
 
 
 def test_an_engine_on_two_ranks_samples_as_the_rank(llama, tp2):
@@ -140,7 +127,7 @@ def test_an_engine_on_two_ranks_samples_as_the_rank(llama, tp2):
         got = train(LocalGroup(), plan, rollouts=rollouts)  # the adapter replaced once more, by the trained factors
     finally:
         rollouts.close()
-    _trains_as_the_rank(got, reference)
+    trains_as_the_rank(got, reference)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +155,7 @@ def test_a_reward_model_scores_the_engines_rollouts_as_the_ranks(llama, reward_m
         finally:
             rollouts.close()
     assert rollouts.plan.objective.reward is not None and (turns > 1) == (rollouts.plan.objective.turns > 1)
-    _trains_as_the_rank(got, reference)
+    trains_as_the_rank(got, reference)
 
 
 def _argv(llama: Path, output: str, *extra) -> list[str]:

@@ -35,10 +35,9 @@ from ster_dist.tune.train import train
 from ster_dist.workers.group import LocalGroup
 from tests.tiny_models import make_tiny
 from tests.tiny_tokenizer import build_tiny_tokenizer
-from tests.tune_checks import grpo_argv
+from tests.tune_checks import grpo_argv, run_cli, trains_as_the_rank, write_jsonl
 from tests.tune_checks import plant_early_stops as _plant_early_stops
 from tests.tune_checks import quiet_cli as _quiet_cli
-from tests.tune_checks import run_cli, write_jsonl
 
 PROMPTS = [{"prompt": f"question {i} about the weather"} for i in range(4)]
 ALL = ("query", "key", "value", "output", "gate", "up", "down")
@@ -240,14 +239,7 @@ def test_engine_conversations_train_as_rank_conversations(models):
             got = train(LocalGroup(), plan, rollouts=rollouts)
         finally:
             rollouts.close()
-    assert len(got["steps"]) == 2
-    assert got["losses"][0] == 0.0 and got["steps"][0]["kl"] == 0.0
-    for ours, theirs in zip(got["steps"], reference["steps"]):
-        for key in ("reward", "completion_length", "tokens", "completions"):
-            assert ours[key] == theirs[key], key
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-7)
-    assert got["steps"][1]["kl"] == pytest.approx(reference["steps"][1]["kl"], rel=1e-4)
-    assert got["steps"][1]["kl"] > 0
+    trains_as_the_rank(got, reference)
 
 
 def test_the_command_runs_conversations_on_the_engine(models, tmp_path):

@@ -9,6 +9,7 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from ster_dist.cli import main
@@ -65,3 +66,15 @@ def plant_early_stops(model, directory: Path) -> None:
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def trains_as_the_rank(got: dict, reference: dict) -> None:
+    """Two steps: the first is the identity either way; the second is sampled under the first step's factors."""
+    assert len(got["steps"]) == 2
+    assert got["losses"][0] == 0.0 and got["steps"][0]["kl"] == 0.0
+    for ours, theirs in zip(got["steps"], reference["steps"]):
+        for key in ("reward", "completion_length", "tokens", "completions"):
+            assert ours[key] == theirs[key], key
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-7)
+    assert got["steps"][1]["kl"] == pytest.approx(reference["steps"][1]["kl"], rel=1e-4)
+    assert got["steps"][1]["kl"] > 0
