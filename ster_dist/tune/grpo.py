@@ -22,6 +22,7 @@ mean completion length in tokens.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +59,8 @@ class Grpo(Objective):
     precision: str = "f32"
     device: str = "cpu"
     tokenizer_dir: str = ""                # the policy's tokenizer, read on the rank for conversations
-    _user: tuple | None = field(default=None, repr=False, compare=False)  # (decoder, tokenizer), read on the rank
+    # (policy tokenizer, user decoder or None, user tokenizer), read on the rank once (Grpo._speakers)
+    _speakers_read: tuple | None = field(default=None, repr=False, compare=False)
 
     name = "grpo"
     width = 5  # (summed loss, completions, summed reward, summed kl, completion tokens)
@@ -111,36 +113,36 @@ class Grpo(Objective):
         or sampled here, the policy under the factors as they stand and the user model beside it."""
         if all(p.conversations is not None for p in items):
             return [list(p.conversations) for p in items]
-        from ster_dist.tokenizer import Tokenizer
-
         ctx = attached.ctx
+        policy_tokenizer, user_decoder, user_tokenizer = self._speakers(ctx)
         policy = Side(lambda rows, seeds, limits: sample_rows(decoder, ctx, rows, seeds, limits, self.temperature,
                                                               self.stops),
-                      Tokenizer.from_directory(self.tokenizer_dir), self.stops, self.max_sequence)
-        user_decoder, user_tokenizer = self._user_model(ctx)
+                      policy_tokenizer, self.stops, self.max_sequence)
 
         def user_draw(rows, seeds, limits):
-            if user_decoder is not None:
-                return sample_rows(user_decoder, ctx, rows, seeds, limits, self.temperature, self.user.stops)
-            with attached.skipped():  # the policy's own base speaks as the user
-                return sample_rows(decoder, ctx, rows, seeds, limits, self.temperature, self.user.stops)
+            # no user decoder: the policy's own base speaks as the user, its factors skipped
+            with attached.skipped() if user_decoder is None else contextlib.nullcontext():
+                return sample_rows(user_decoder or decoder, ctx, rows, seeds, limits, self.temperature,
+                                   self.user.stops)
 
         user = Side(user_draw, user_tokenizer, self.user.stops, self.user.max_position)
         return converse(policy, user, items, self.group_size, self.turns, self.max_new_tokens, self.seed, step)
 
-    def _user_model(self, ctx) -> tuple:
-        """The user model's decoder on this rank (None: the policy's base, its factors skipped) and tokenizer."""
-        if self._user is None:
+    def _speakers(self, ctx) -> tuple:
+        """The policy's tokenizer, the user model's decoder on this rank (None: the policy's base, its factors
+        skipped) and the user's tokenizer, read on the rank's first conversation step and kept."""
+        if self._speakers_read is None:
             from ster_dist.load import load_model
             from ster_dist.tokenizer import Tokenizer
 
-            user = self.user
+            user, policy_tokenizer = self.user, Tokenizer.from_directory(self.tokenizer_dir)
             if user.checkpoint is None:
-                self._user = (None, Tokenizer.from_directory(self.tokenizer_dir))
+                self._speakers_read = (policy_tokenizer, None, policy_tokenizer)
             else:
                 loaded = load_model(user.checkpoint, self.precision, self.device, ctx)
-                self._user = (loaded.model, Tokenizer.from_directory(user.checkpoint.directory))
-        return self._user
+                self._speakers_read = (policy_tokenizer, loaded.model,
+                                       Tokenizer.from_directory(user.checkpoint.directory))
+        return self._speakers_read
 
     def loss(self, decoder, attached, head, batch):
         inputs, valid, targets, advantages, rewards = batch
