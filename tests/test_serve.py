@@ -191,6 +191,20 @@ def test_bad_requests_get_openai_shaped_errors(server, client, toy):
     assert lone.value.body["param"] == "top_logprobs"
 
 
+def test_a_streamed_request_is_refused_before_its_stream_starts(server, client, toy):
+    """The stream is submitted once the answer is set up (serve/event_stream.py), yet a refusal is still
+    OpenAI's 400, not a 200 stream with an error in it."""
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.completions.create(model=toy, prompt="word " * 600, max_tokens=4, stream=True)
+    assert long_prompt.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "word " * 600}],
+                                       stream=True)
+    assert chat.value.body["param"] == "messages" and "positions" in chat.value.body["message"]
+    wrong = httpx.get(f"{server.url}/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_a_client_that_leaves_frees_its_blocks(server, toy):
     body = {"model": toy, "prompt": "go on and on", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -200,6 +214,14 @@ def test_a_client_that_leaves_frees_its_blocks(server, toy):
         assert metric(server.url, "ster:kv_cache_blocks_in_use") > 0
     wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
              and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster:http_requests_in_flight") == 0
+    # not streamed: the leaving is noticed at its next token, long before its 400th
+    before = metric(server.url, "ster:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=0.2)
+    wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
+             and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster:generation_tokens_total") - before < body["max_tokens"]
     assert metric(server.url, "ster:http_requests_in_flight") == 0
 
 

@@ -202,12 +202,7 @@ class TokenEngine:
         """Queue one request; returns its stream at once. Refused here, before it is queued: an empty
         prompt, one past the model's positions, or one the whole cache could never hold. `on_finish(stream)`
         is called from the engine's thread once the stream's last delta is in."""
-        params.check()
-        self._check(prompt_ids, params)
-        if steering is not None and steering[0] not in self._vectors:
-            raise Refusal(f"steering vector {steering[0]!r} is not registered with the engine")
-        if adapter is not None and adapter not in self._adapters:
-            raise Refusal(f"adapter {adapter!r} is not registered with the engine")
+        self.check(prompt_ids, params, steering=steering, adapter=adapter)
         request_id = request_id or f"r{next(self._ids)}"
         stream = RequestStream(request_id, len(prompt_ids), self.cancel, on_finish)
         if params.max_tokens == 0:  # nothing to generate: done before it starts
@@ -232,6 +227,17 @@ class TokenEngine:
         with self._cond:
             self._cancels.append(request_id)
             self._cond.notify_all()
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, *, steering: tuple[str, float] | None = None,
+              adapter: str | None = None) -> None:
+        """What `submit` refuses, without queueing anything: a caller that submits later (the server, once its
+        answer is set up) refuses bad requests first."""
+        params.check()
+        self._check(prompt_ids, params)
+        if steering is not None and steering[0] not in self._vectors:
+            raise Refusal(f"steering vector {steering[0]!r} is not registered with the engine")
+        if adapter is not None and adapter not in self._adapters:
+            raise Refusal(f"adapter {adapter!r} is not registered with the engine")
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         limit = self.cfg.max_position

@@ -4,13 +4,14 @@ Routes: OpenAI's (serve/openai_api.py), Ster's serve API (serve/ster_api.py), `/
 `/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
 never buffers a stream) checks, in this order: the bearer key, the server draining, the body size,
 and the limit of requests in flight (429 with Retry-After); it counts every answer by endpoint and
-status for /metrics. Every error body is OpenAI's shape.
+status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
+openai_api.answer: their time on the event loop delays the first token. Every error body is
+OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import time
 
 from fastapi import FastAPI
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from ster_dist.serve import errors
 from ster_dist.serve.errors import ApiError
+from ster_dist.serve.openai_api import answer, router as openai_router
 
 OPEN_PATHS = ("/health", "/v1/health")   # answered without a key: load balancers probe them
 LIMITED = ("/v1/chat/completions", "/v1/completions")  # what the in-flight limit counts
@@ -29,8 +31,6 @@ KNOWN = (*LIMITED, *OPEN_PATHS, "/v1/models", "/metrics", "/v1/train", "/v1/opti
 
 
 def build_app(state) -> FastAPI:
-    from ster_dist.serve.openai_api import router as openai_router
-
     app = FastAPI(title="ster serve", docs_url=None, redoc_url=None, openapi_url=None)
     state.started = time.time()
     app.state.ster = state
@@ -112,18 +112,20 @@ class _Guard:
         try:
             refusal = self._refusal(scope, path)
             if refusal is not None:
-                return await _send_error(refusal, counted_send)
+                return await refusal.send(counted_send)
             body = await self._body(receive)
             if body is None:
-                return await _send_error(errors.too_large(self.body_limit), counted_send)
+                return await errors.too_large(self.body_limit).send(counted_send)
             replay = _replaying(body, receive)
             if path not in LIMITED:
                 return await self.app(scope, replay, counted_send)
+            if scope["method"] != "POST":
+                return await ApiError(405, "Method Not Allowed", code="method_not_allowed").send(counted_send)
             if state.in_flight >= state.max_queue:
-                return await _send_error(errors.too_many(1, state.max_queue), counted_send)
+                return await errors.too_many(1, state.max_queue).send(counted_send)
             state.in_flight += 1
             try:
-                await self.app(scope, replay, counted_send)
+                await answer(state, path, body, replay, counted_send)
             finally:
                 state.in_flight -= 1
         finally:
@@ -172,10 +174,3 @@ def _replaying(body: bytes, receive):
 
     return replay
 
-
-async def _send_error(error: ApiError, send) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

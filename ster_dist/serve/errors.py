@@ -6,6 +6,8 @@ server adds the status and the field it concerns, never a traceback.
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 
@@ -21,6 +23,20 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    async def send(self, send) -> None:
+        """The error as a whole ASGI answer, for layers below FastAPI's exception handlers."""
+        await send_json(send, self.body(), self.status, [(k.lower().encode(), v.encode())
+                                                         for k, v in (self.headers or {}).items()])
+
+
+async def send_json(send, body: dict, status: int = 200, headers: list | None = None) -> None:
+    """`body` as a whole ASGI answer, written as Starlette's JSONResponse writes it."""
+    data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *(headers or ())]})
+    await send({"type": "http.response.body", "body": data})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

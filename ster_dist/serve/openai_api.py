@@ -6,6 +6,10 @@ engine's batch with every other client's. Its settings are checked in the engine
 stream as server-sent events exactly as OpenAI's do: a first chunk with the role, content deltas, a
 chunk with the finish reason, an optional usage chunk, then `data: [DONE]`. A client that goes away
 cancels its engine requests, which frees their KV blocks at once.
+
+The two completion endpoints are answered below FastAPI (serve/app.py hands them their body), and a
+streamed answer is submitted only once it is set up (serve/event_stream.py says why); /v1/models is a
+FastAPI route.
 """
 
 from __future__ import annotations
@@ -16,18 +20,18 @@ import json
 import time
 import uuid
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter
 from pydantic import ValidationError
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import InvalidField, Refusal
-from ster_dist.serve.errors import ApiError, bad_request, not_found, param_of
+from ster_dist.serve.errors import ApiError, bad_request, not_found, param_of, send_json
+from ster_dist.serve.event_stream import send_events, until_disconnect
 from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
 
-# OpenAI's names for the engine's fields, so a refusal points at what the client sent
-# the API's name of a sampling field where it differs from the engine's
+# the API's name of a sampling field where it differs from the engine's, so a refusal points at what the client sent
 _PARAMS = {"logprobs": "top_logprobs"}
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 
 
 @dataclasses.dataclass
@@ -60,17 +64,29 @@ def router(state) -> APIRouter:
              "max_model_len": state.session.cfg.max_position}
             for name in state.models()]}
 
-    @api.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = parse_body(ChatCompletionRequest, await request.body())
-        return await _answer(state, await _prepared(_prepare_chat, state, body), request, body.stream)
-
-    @api.post("/v1/completions")
-    async def completions(request: Request):
-        body = parse_body(CompletionRequest, await request.body())
-        return await _answer(state, await _prepared(_prepare_text, state, body), request, body.stream)
-
     return api
+
+
+async def answer(state, path: str, raw: bytes, receive, send) -> None:
+    """POST /v1/chat/completions or /v1/completions as a plain ASGI answer: the event loop's work for a
+    request is time its first token waits for, and FastAPI's routing and middleware were most of it."""
+    model, prepare = (ChatCompletionRequest, _prepare_chat) if path == CHAT else (CompletionRequest, _prepare_text)
+    try:
+        body = parse_body(model, raw)
+        prep = await _prepared(prepare, state, body)
+        _check(state, prep)
+        if body.stream:  # submitted once the answer is set up, so the step never shares the cores with that work
+            return await send_events(_events(state, prep), receive, send)
+        watcher = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            whole = await _whole(state, prep, _submit(state, prep), watcher)
+        finally:
+            watcher.cancel()
+    except ApiError as error:
+        return await error.send(send)
+    except Exception as exc:  # noqa: BLE001 - OpenAI's 500, never a traceback
+        return await ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error").send(send)
+    await send_json(send, whole)
 
 
 # -- a request's inputs -------------------------------------------------------------------------------
@@ -192,31 +208,42 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
 
 
 # -- running and answering --------------------------------------------------------------------------
+def _choices(prep: _Prepared):
+    """(prompt ids, settings) of every choice, prompt-major as OpenAI numbers them."""
+    for ids in prep.prompts:
+        for i in range(prep.n):
+            params = prep.params
+            if params.seed is not None and i:  # choices of one seeded request differ, reproducibly
+                params = dataclasses.replace(params, seed=params.seed + i)
+            yield ids, params
+
+
+def _refused(prep: _Prepared, exc: Refusal) -> ApiError:
+    text = str(exc)
+    code = "context_length_exceeded" if "positions" in text or "KV blocks" in text else None
+    return bad_request(text, param="messages" if prep.kind == "chat" else "prompt", code=code)
+
+
+def _check(state, prep: _Prepared) -> None:
+    """What the engine would refuse at submission, refused now, while the answer can still be a 400."""
+    try:
+        for ids, params in _choices(prep):
+            state.engine.check(ids, params, steering=prep.steering, adapter=prep.adapter)
+    except Refusal as exc:
+        raise _refused(prep, exc) from None
+
+
 def _submit(state, prep: _Prepared) -> list:
-    """One engine stream per choice (prompt-major, as OpenAI numbers them); a refusal cancels the rest."""
+    """One engine stream per choice; a refusal cancels the rest."""
     streams = []
     try:
-        for ids in prep.prompts:
-            for i in range(prep.n):
-                params = prep.params
-                if params.seed is not None and i:  # choices of one seeded request differ, reproducibly
-                    params = dataclasses.replace(params, seed=params.seed + i)
-                streams.append(state.engine.submit(ids, params, steering=prep.steering, adapter=prep.adapter))
+        for ids, params in _choices(prep):
+            streams.append(state.engine.submit(ids, params, steering=prep.steering, adapter=prep.adapter))
     except Refusal as exc:
         for stream in streams:
             stream.cancel()
-        text = str(exc)
-        code = "context_length_exceeded" if "positions" in text or "KV blocks" in text else None
-        raise bad_request(text, param="messages" if prep.kind == "chat" else "prompt", code=code) from None
+        raise _refused(prep, exc) from None
     return streams
-
-
-async def _answer(state, prep: _Prepared, request: Request, stream: bool):
-    streams = _submit(state, prep)
-    if stream:
-        return StreamingResponse(_events(state, prep, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await _whole(state, prep, streams, request))
 
 
 async def _merged(state, prep: _Prepared, streams: list):
@@ -287,14 +314,13 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else ("stop" if reason == "abort" else reason)
 
 
-async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dict:
+async def _whole(state, prep: _Prepared, streams: list, watcher: asyncio.Future) -> dict:
     texts = [[] for _ in streams]
     ids = [[] for _ in streams]
     logprobs = [[] for _ in streams]
     reasons: list[str | None] = [None] * len(streams)
     counts = [0] * len(streams)
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
-    watcher = asyncio.ensure_future(_disconnected(request))
     merged = _merged(state, prep, streams)
     try:
         async for index, delta in merged:
@@ -306,7 +332,6 @@ async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dic
             if watcher.done():
                 raise ConnectionError("client disconnected")
     finally:
-        watcher.cancel()
         await merged.aclose()
     tokenizer = state.session.tokenizer
     choices = []
@@ -327,14 +352,12 @@ async def _whole(state, prep: _Prepared, streams: list, request: Request) -> dic
             "usage": _usage(prep, streams, sum(counts))}
 
 
-async def _disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
-
-
-async def _events(state, prep: _Prepared, streams: list):
+async def _events(state, prep: _Prepared):
+    """The answer's events; the requests are submitted when the first is asked for (a refusal then is an
+    ApiError before any event), and a chat's opening role chunks go out with the first token."""
     chunk_object = "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
     tokenizer = state.session.tokenizer
+    streams = _submit(state, prep)
     counts = [0] * len(streams)
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
 
@@ -345,12 +368,14 @@ async def _events(state, prep: _Prepared, streams: list):
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    if prep.kind == "chat":  # OpenAI opens each choice with its role
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(len(streams))])
+    opened = prep.kind != "chat"
     merged = _merged(state, prep, streams)
     try:
         async for index, delta in merged:
+            if not opened:  # OpenAI opens each choice with its role
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(streams))])
+                opened = True
             counts[index] += len(delta.token_ids)
             if not delta.text and delta.finish_reason is None and not prep.token_ids:
                 continue  # a token whose text is not whole yet (a split UTF-8 character)
