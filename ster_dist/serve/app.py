@@ -21,10 +21,10 @@ from starlette.exceptions import HTTPException
 
 from ster_dist.serve import errors
 from ster_dist.serve.errors import ApiError
-from ster_dist.serve.openai_api import answer, router as openai_router
+from ster_dist.serve.openai_api import CHAT, TEXT, answer, router as openai_router
 
 OPEN_PATHS = ("/health", "/v1/health")   # answered without a key: load balancers probe them
-LIMITED = ("/v1/chat/completions", "/v1/completions")  # what the in-flight limit counts
+LIMITED = (CHAT, TEXT)  # what the in-flight limit counts, answered by openai_api.answer
 # the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up path)
 KNOWN = (*LIMITED, *OPEN_PATHS, "/v1/models", "/metrics", "/v1/train", "/v1/optimize", "/v1/evaluate",
          "/v1/generate", "/v1/extract", "/v1/inspect")
