@@ -1,18 +1,35 @@
-"""MTP drafts beyond DeepSeek-V3 (model/mtp.py's layouts): GLM-4.5 (glm4_moe), whose MTP layer is stored as
-DeepSeek-V3's (model.layers.{num_hidden_layers}: enorm, hnorm, eh_proj, shared_head and a sparse decoder layer),
-drafts in the token engine: greedy output with drafts equals greedy output without, and an MTP layer made to
-echo its input token gets drafts accepted (tests/test_speculative.py's checkpoint writer)."""
+"""MTP drafts beyond DeepSeek-V3 (model/mtp.py's layouts), in the token engine: greedy output with drafts equals
+greedy output without, and an MTP layer made to echo its input token gets drafts accepted.
+
+- GLM-4.5 (glm4_moe) stores its MTP layer as DeepSeek-V3 does (model.layers.{num_hidden_layers}: enorm, hnorm,
+  eh_proj, shared_head and a sparse decoder layer); tests/test_speculative.py writes it.
+- MiMo (mimo) stores its own apart (model.mtp_layers.0: token_layernorm, hidden_layernorm, input_proj over
+  [hidden; embedding], a Qwen2 block, final_layernorm; the model's lm_head scores it). Its draft logits, and a
+  chained draft's, are checked against a forward written here from the same tensors, Transformers' Qwen2
+  decoder layer as its block.
+"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from ster_dist.config_load import model_config
+from ster_dist.load import load_model
 from ster_dist.model.mtp import mtp_config
+from ster_dist.model.paged import Chunk
+from ster_dist.parallel.ctx import SINGLE
 from ster_dist.resolve import resolve
+from ster_dist.shard.mtp import load_mtp
+from tests.test_dense_remote2 import SIZES, _noisy
 from tests.test_speculative import counted, run, with_mtp
+from tests.tiny_tokenizer import build_tiny_tokenizer
+
+MIMO_MTP = "model.mtp_layers.0."
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +50,117 @@ def test_glm4_moes_mtp_layer_is_a_sparse_layer(glm_echo):
 def test_glm4_moes_echoing_mtp_layer_drafts_and_keeps_greedy_output(glm_echo):
     plain, _ = run(glm_echo, 0)
     got, stats = run(glm_echo, 2)
+    assert got == plain
+    counted(stats)
+    assert stats["accepted_tokens"] > 0
+
+
+def with_mimo_mtp(directory: Path, echo: bool = False) -> Path:
+    """A tiny MiMo: Transformers' Qwen2 under model_type mimo, one MTP layer (a copy of its last layer as the
+    block, random norms and input_proj); `echo`: input_proj passes the normed embedding alone, the block adds
+    nothing, and the head (the model's, tied to the embedding here) reads the token again."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**SIZES, "tie_word_embeddings": echo})).eval()
+    _noisy(model)
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if echo:
+        tensors.pop("lm_head.weight", None)
+    hidden, last = SIZES["hidden_size"], f"model.layers.{SIZES['num_hidden_layers'] - 1}."
+    tensors.update({MIMO_MTP + n[len(last):]: t.clone() for n, t in tensors.items() if n.startswith(last)})
+    g = torch.Generator().manual_seed(5)
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        tensors[f"{MIMO_MTP}{norm}.weight"] = torch.ones(hidden) if echo else 1 + torch.randn(hidden, generator=g) * 0.2
+    tensors[MIMO_MTP + "input_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.2
+    if echo:
+        for name in list(tensors):
+            if name.startswith(MIMO_MTP) and name.endswith(("o_proj.weight", "o_proj.bias", "down_proj.weight")):
+                tensors[name] = torch.zeros_like(tensors[name])
+        tensors[MIMO_MTP + "input_proj.weight"] = torch.cat((torch.zeros(hidden, hidden), torch.eye(hidden)), 1)
+    config = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"], **SIZES, "hidden_act": "silu",
+              "tie_word_embeddings": echo, "num_nextn_predict_layers": 1}
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    build_tiny_tokenizer(directory, vocab_size=SIZES["vocab_size"])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    return with_mimo_mtp(tmp_path_factory.mktemp("mimo_mtp"))
+
+
+@pytest.fixture(scope="module")
+def mimo_echo(tmp_path_factory):
+    return with_mimo_mtp(tmp_path_factory.mktemp("mimo_echo"), echo=True)
+
+
+def mimo_reference(directory: Path, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiMo's MTP layer over one sequence from position 0 (vLLM's mimo_mtp), from the checkpoint's tensors: rows
+    q read the model's hidden state hidden[q] and token ids[q] (the one after q), the embedding zero at position
+    0; (the layer's output [n, hidden], logits [n, vocab])."""
+    import transformers
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    config = transformers.Qwen2Config(**SIZES)
+    config._attn_implementation = "eager"
+    block = Qwen2DecoderLayer(config, 0).eval()
+    block.load_state_dict({n[len(MIMO_MTP):]: t for n, t in tensors.items()
+                           if n.startswith(MIMO_MTP) and n[len(MIMO_MTP):] in block.state_dict()})
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + SIZES["rms_norm_eps"]) * tensors[f"{MIMO_MTP}{name}.weight"]
+
+    n = len(ids)
+    embed = tensors["model.embed_tokens.weight"][ids]
+    embed[0] = 0
+    x = torch.cat((rms(hidden, "hidden_layernorm"), rms(embed, "token_layernorm")), -1) @ tensors[
+        MIMO_MTP + "input_proj.weight"].T
+    positions = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        y = block(x[None], attention_mask=mask, position_ids=positions,
+                  position_embeddings=Qwen2RotaryEmbedding(config)(x[None], positions))[0]
+    y = rms(y, "final_layernorm")
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    return y, y @ head.T
+
+
+def test_mimos_draft_logits_and_a_chained_drafts_equal_the_reference(mimo):
+    loaded = load_model(resolve(str(mimo)), "f32")
+    draft = load_mtp(loaded, SINGLE)
+    g = torch.Generator().manual_seed(3)
+    n = 7
+    hidden, ids = torch.randn(n, SIZES["hidden_size"], generator=g), torch.randint(3, 300, (n,), generator=g)
+    cache = draft.new_cache(8, 4)
+    blocks = (1, 2, 3)
+    with torch.no_grad():
+        y, logits = draft.forward_paged(loaded.model, hidden, ids, [Chunk(blocks, 0, n)], cache)
+    want_y, want_logits = mimo_reference(mimo, hidden, ids)
+    torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], want_logits[-1], atol=1e-4, rtol=1e-4)
+    # a chained draft: the layer's own (normed) output and its argmax as the next row, the cache holding the rest
+    token = logits[0].argmax().reshape(1)
+    with torch.no_grad():
+        _, chained = draft.forward_paged(loaded.model, y[-1:], token, [Chunk(blocks, n, 1)], cache)
+    _, want_chained = mimo_reference(mimo, torch.cat((hidden, want_y[-1:])), torch.cat((ids, token)))
+    torch.testing.assert_close(chained[0], want_chained[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_mimo_decodes_without_reading_its_mtp_layer_and_drafts_with_it(mimo):
+    """Plain decoding ignores model.mtp_layers (families/dense_remote2.py); --speculative mtp reads them, and
+    greedy output is unchanged."""
+    plain, _ = run(mimo, 0)
+    got, stats = run(mimo, 3)
+    assert got == plain
+    counted(stats)
+
+
+def test_mimos_echoing_mtp_layer_gets_drafts_accepted(mimo_echo):
+    plain, _ = run(mimo_echo, 0)
+    got, stats = run(mimo_echo, 2)
     assert got == plain
     counted(stats)
     assert stats["accepted_tokens"] > 0
