@@ -7,6 +7,9 @@ greedy output without, and an MTP layer made to echo its input token gets drafts
   [hidden; embedding], a Qwen2 block, final_layernorm; the model's lm_head scores it). Its draft logits, and a
   chained draft's, are checked against a forward written here from the same tensors, Transformers' Qwen2
   decoder layer as its block.
+- A text wrapper (Kimi-K2.5's kimi_k25 around a DeepSeek-V3 text_config) states its MTP count inside
+  text_config: `ster inspect-model` and `ster plan` report it and --speculative mtp drafts with the layer, stored
+  below language_model; a wrapper whose text_config states none is still refused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ster_dist.cli import main
 from ster_dist.config_load import model_config
+from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.mtp import mtp_config
 from ster_dist.model.paged import Chunk
@@ -26,6 +31,7 @@ from ster_dist.parallel.ctx import SINGLE
 from ster_dist.resolve import resolve
 from ster_dist.shard.mtp import load_mtp
 from tests.test_dense_remote2 import SIZES, _noisy
+from tests.test_engine import open_engine
 from tests.test_speculative import counted, run, with_mtp
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -164,3 +170,53 @@ def test_mimos_echoing_mtp_layer_gets_drafts_accepted(mimo_echo):
     assert got == plain
     counted(stats)
     assert stats["accepted_tokens"] > 0
+
+
+def wrapped(directory: Path, mtp: bool = True) -> Path:
+    """tests/test_speculative.py's DeepSeek-V3 with an echoing MTP layer, saved as Kimi-K2.5 saves its text model:
+    the config under text_config (model_type kimi_k2), every tensor below language_model; `mtp` False: the
+    text_config states no MTP layer and the checkpoint holds none."""
+    with_mtp(directory, echo=True)
+    config = json.loads((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    layers = config["num_hidden_layers"]
+    if not mtp:
+        config.pop("num_nextn_predict_layers")
+        tensors = {n: t for n, t in tensors.items() if not n.startswith(f"model.layers.{layers}.")}
+    save_file({f"language_model.{n}": t for n, t in tensors.items()}, str(directory / "model.safetensors"))
+    outer = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+             "text_config": {**config, "model_type": "kimi_k2"}}
+    (directory / "config.json").write_text(json.dumps(outer))
+    return directory
+
+
+def cli(capsys, *argv) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_wrapped_configs_mtp_layer_is_reported_planned_and_drafts(tmp_path, capsys):
+    directory = wrapped(tmp_path / "kimi_k25")
+    assert cli(capsys, "inspect-model", "--model", str(directory))["config"]["mtp_layers"] == 1
+    names = load_file(str(directory / "model.safetensors"))
+    layers = json.loads((directory / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    stored = [n for n in names if n.startswith(f"language_model.model.layers.{layers}.")]
+    assert stored and cli(capsys, "plan", "--model", str(directory))["mtp_tensors"] == len(stored)
+    plain, _ = run(directory, 0)
+    got, stats = run(directory, 2)
+    assert got == plain
+    counted(stats)
+    assert stats["accepted_tokens"] > 0  # the echoing layer was read, below language_model
+
+
+def test_a_wrapped_config_without_mtp_layers_is_still_refused(tmp_path):
+    directory = wrapped(tmp_path / "kimi_k25", mtp=False)
+    assert model_config(resolve(str(directory))).mtp_layers == 0
+    with pytest.raises(Refusal, match="num_nextn_predict_layers"):
+        open_engine(directory, speculative_tokens=1)
+
+
+def test_mimos_stored_mtp_layers_are_planned_apart(mimo, capsys):
+    names = load_file(str(mimo / "model.safetensors"))
+    stored = [n for n in names if n.startswith(MIMO_MTP)]
+    assert cli(capsys, "plan", "--model", str(mimo))["mtp_tensors"] == len(stored) > 0

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config_file import wrapper_of
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import MTPSpec, Rule
 from ster_dist.model.anchored import Anchored
@@ -54,8 +55,11 @@ def mtp_config(cfg: ModelConfig, raw: dict) -> ModelConfig:
     if cfg.mtp_layers != 1:
         raise Refusal(f"the config states {cfg.mtp_layers} MTP layers; speculative decoding drafts with exactly one "
                       "(DeepSeek-V3's num_nextn_predict_layers 1)")
-    text = {**raw, "num_hidden_layers": cfg.num_layers + 1, "num_nextn_predict_layers": 0}
-    return dataclasses.replace(from_hf(text), eos_token_ids=cfg.eos_token_ids)
+    counted = {"num_hidden_layers": cfg.num_layers + 1, "num_nextn_predict_layers": 0}
+    # a wrapper's counts live in its text_config (config_file.text_config), which is what from_hf reads
+    wrapped = wrapper_of(raw) is not None
+    read = {**raw, "text_config": {**raw["text_config"], **counted}} if wrapped else {**raw, **counted}
+    return dataclasses.replace(from_hf(read), eos_token_ids=cfg.eos_token_ids)
 
 
 class _Head(nn.Module):
