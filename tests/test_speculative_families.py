@@ -220,3 +220,4 @@ def test_mimos_stored_mtp_layers_are_planned_apart(mimo, capsys):
     names = load_file(str(mimo / "model.safetensors"))
     stored = [n for n in names if n.startswith(MIMO_MTP)]
     assert cli(capsys, "plan", "--model", str(mimo))["mtp_tensors"] == len(stored) > 0
+
