@@ -37,8 +37,9 @@ def load_mtp(loaded: LoadedModel, ctx: ParallelCtx) -> MTPDraft:
     with torch.device("meta"):
         draft = MTPDraft(ext, ctx, index).to(dtype)
     source = open_source(loaded.checkpoint, dtype, ext)
-    if "{k}" in layout.prefix:  # stored apart from the decoder's layers: presented where the layer runs
-        source = Renamed(source, layout.prefix.format(k=0), f"model.layers.{index}.")
+    stored, presented = layout.prefix.format(i=index, k=0), f"model.layers.{index}."
+    if stored != presented:  # stored apart from the decoder's layers: presented where the layer runs
+        source = Renamed(source, stored, presented)
     try:
         fill_module(draft, ext, source, loaded.model.device, loaded.weights == "fp8", spec=spec)
     finally:
@@ -50,8 +51,15 @@ def load_mtp(loaded: LoadedModel, ctx: ParallelCtx) -> MTPDraft:
     return draft.eval()
 
 
+def _swap(name: str, old: str, new: str) -> str:
+    """name with the prefix `old` made `new`, at its start or below a wrapper's prefix (language_model.)."""
+    at = name.find(old)
+    return name[:at] + new + name[at + len(old):] if at == 0 or (at > 0 and name[at - 1] == ".") else name
+
+
 class Renamed:
-    """A TensorSource whose tensors named `stored`... are presented as `presented`... (the rest as they are)."""
+    """A TensorSource whose tensors named `stored`... (below any wrapper's prefix) are presented as `presented`...;
+    the rest as they are."""
 
     def __init__(self, source: TensorSource, stored: str, presented: str):
         self.source, self._stored, self._presented = source, stored, presented
@@ -61,10 +69,10 @@ class Renamed:
             self.blocks = {self._shown(n): b for n, b in source.blocks.items()}
 
     def _shown(self, name: str) -> str:
-        return self._presented + name[len(self._stored):] if name.startswith(self._stored) else name
+        return _swap(name, self._stored, self._presented)
 
     def _real(self, name: str) -> str:
-        return self._stored + name[len(self._presented):] if name.startswith(self._presented) else name
+        return _swap(name, self._presented, self._stored)
 
     def names(self) -> list[str]:
         return [self._shown(n) for n in self.source.names()]
