@@ -2,7 +2,8 @@
 greedy output without, and an MTP layer made to echo its input token gets drafts accepted.
 
 - GLM-4.5 (glm4_moe) stores its MTP layer as DeepSeek-V3 does (model.layers.{num_hidden_layers}: enorm, hnorm,
-  eh_proj, shared_head and a sparse decoder layer); tests/test_speculative.py writes it.
+  eh_proj, shared_head and a sparse decoder layer); tests/test_speculative.py writes it. So does GLM-4.7-Flash
+  (glm4_moe_lite), whose mlp_layer_types, like a layer_types list, gains the MTP layer's entry.
 - MiMo (mimo) stores its own apart (model.mtp_layers.0: token_layernorm, hidden_layernorm, input_proj over
   [hidden; embedding], a Qwen2 block, final_layernorm; the model's lm_head scores it). Its draft logits, and a
   chained draft's, are checked against a forward written here from the same tensors, Transformers' Qwen2
@@ -51,6 +52,30 @@ def test_glm4_moes_mtp_layer_is_a_sparse_layer(glm_echo):
     ext = mtp_config(cfg, raw)
     assert ext.num_layers == cfg.num_layers + 1
     assert ext.feed_forward(cfg.num_layers) == cfg.feed_forward(cfg.num_layers - 1) == "moe"
+
+
+def test_per_layer_lists_gain_the_mtp_layer():
+    """A config listing its layers' kinds (Transformers writes layer_types into re-saved Qwen2 configs, GLM-4.7-Flash
+    states mlp_layer_types) is read with the MTP layer a full-attention, sparse one."""
+    from ster_dist.config import from_hf
+
+    mimo = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"], **SIZES, "hidden_act": "silu",
+            "num_nextn_predict_layers": 1, "layer_types": ["full_attention"] * SIZES["num_hidden_layers"]}
+    ext = mtp_config(from_hf(mimo), mimo)
+    assert ext.num_layers == SIZES["num_hidden_layers"] + 1 and ext.mixer(ext.num_layers - 1) == "attention"
+
+
+def test_glm_4_7_flashs_mtp_layer_is_sparse_past_its_mlp_layer_types_and_drafts(tmp_path):
+    """GLM-4.7-Flash (glm4_moe_lite: latent attention, mlp_layer_types naming each layer's feed-forward)."""
+    directory = with_mtp(tmp_path, echo=True, family="glm4_moe_lite")
+    cfg = model_config(resolve(str(directory)))
+    raw = json.loads((directory / "config.json").read_text())
+    assert len(raw["mlp_layer_types"]) == cfg.num_layers
+    assert mtp_config(cfg, raw).feed_forward(cfg.num_layers) == "moe"
+    plain, _ = run(directory, 0)
+    got, stats = run(directory, 2)
+    assert got == plain
+    counted(stats)
 
 
 def test_glm4_moes_echoing_mtp_layer_drafts_and_keeps_greedy_output(glm_echo):

@@ -49,16 +49,24 @@ def mtp_rules(mtp: MTPSpec) -> tuple[Rule, ...]:
                  for ours, stored in parts.items() if stored is not None)
 
 
+# per-layer lists a config states for its decoder layers, and what the MTP layer is in each: full attention and
+# (where the family states its feed-forwards so) sparse, as vLLM builds the layer past the decoder's
+_MTP_LAYER_KINDS = {"layer_types": "full_attention", "mlp_layer_types": "sparse"}
+
+
 def mtp_config(cfg: ModelConfig, raw: dict) -> ModelConfig:
     """The model's config read with its MTP layer counted as a decoder layer, so that the layer's kinds, rotation
     and experts are those its index states (DeepSeek-V3's: latent attention and routed experts)."""
     if cfg.mtp_layers != 1:
         raise Refusal(f"the config states {cfg.mtp_layers} MTP layers; speculative decoding drafts with exactly one "
                       "(DeepSeek-V3's num_nextn_predict_layers 1)")
-    counted = {"num_hidden_layers": cfg.num_layers + 1, "num_nextn_predict_layers": 0}
     # a wrapper's counts live in its text_config (config_file.text_config), which is what from_hf reads
     wrapped = wrapper_of(raw) is not None
-    read = {**raw, "text_config": {**raw["text_config"], **counted}} if wrapped else {**raw, **counted}
+    text = raw["text_config"] if wrapped else raw
+    counted = {"num_hidden_layers": cfg.num_layers + 1, "num_nextn_predict_layers": 0,
+               **{key: [*text[key], kind] for key, kind in _MTP_LAYER_KINDS.items()
+                  if isinstance(text.get(key), list) and len(text[key]) == cfg.num_layers}}
+    read = {**raw, "text_config": {**text, **counted}} if wrapped else {**raw, **counted}
     return dataclasses.replace(from_hf(read), eos_token_ids=cfg.eos_token_ids)
 
 
