@@ -267,7 +267,7 @@ def test_deepseek_v3_fp8_plans_fp8_bytes_and_the_scale_blocks_covering_each_slic
     raw = published("deepseek-v3.json")
     assert raw["quantization_config"]["weight_block_size"] == [BLOCK, BLOCK]
     tensors = tensors_of(*deepseek_tensors(raw), fp8=True)
-    checkpoint = sort_tensors(from_hf(raw), raw, tensors)
+    checkpoint = sort_tensors(from_hf(raw), tensors)
     assert checkpoint.block == (BLOCK, BLOCK) and len(checkpoint.scales) == sum(
         n.endswith("_scale_inv") and not n.startswith("model.layers.61.") for n in tensors)
     for r in ranks:
@@ -293,7 +293,7 @@ def test_kimi_k2_fp8_over_expert_parallel_ranks():
         raw = {**raw, "model_type": "deepseek_v3"}
         cfg = from_hf(raw)
     tensors = tensors_of(*deepseek_tensors(raw), fp8=True)
-    checkpoint = sort_tensors(cfg, raw, tensors)
+    checkpoint = sort_tensors(cfg, tensors)
     assert checkpoint.mtp == () and checkpoint.block == (BLOCK, BLOCK)
     fp = rank_footprint(cfg, checkpoint, ParallelCtx(ep_rank=1, ep_size=4), torch.bfloat16, 1)
     params, read = expected_bytes(tensors, raw, 1, 0, 4, 1, 2)
@@ -306,7 +306,7 @@ def test_qwen3_235b_replicates_key_value_heads_over_tp8():
     raw = published("qwen3-235b-a22b.json")
     tensors = tensors_of(*qwen3_moe_tensors(raw), fp8=False)
     cfg = from_hf(raw)
-    checkpoint = sort_tensors(cfg, raw, tensors)
+    checkpoint = sort_tensors(cfg, tensors)
     for r in (5,):  # 4 key-value heads over 8 ranks: each on two ranks, which split its query heads
         fp = rank_footprint(cfg, checkpoint, ParallelCtx(tp_rank=r, tp_size=8), torch.bfloat16, r)
         params, read = expected_bytes(tensors, raw, 8, r, 1, 0, 2)
@@ -375,7 +375,7 @@ def test_toy_deepseek_plan_equals_a_real_load_over_ep2(tmp_path):
     checkpoint = resolve(str(tmp_path / "dsv3"))
     cfg = from_hf(checkpoint.raw_config)
     tensors = {n: Tensor(t.dtype, t.shape) for n, t in _entries(checkpoint).items()}
-    planned = sort_tensors(cfg, checkpoint.raw_config, tensors)
+    planned = sort_tensors(cfg, tensors)
     for r in range(4):
         ctx = ParallelCtx(tp_rank=r % 2, tp_size=2, ep_rank=r // 2, ep_size=2)
         loaded = load_model(checkpoint, "f32", "cpu", ctx)

@@ -32,12 +32,13 @@ from tests.tiny_models import make_tiny
 LENGTHS = [6, 3, 9, 4, 12]
 
 
-def with_mtp(directory: Path, echo: bool = False) -> Path:
-    """A tiny deepseek_v3 checkpoint with one MTP layer after its decoder's (tests/test_fp8.py's, random), or
+def with_mtp(directory: Path, echo: bool = False, family: str = "deepseek_v3") -> Path:
+    """A tiny checkpoint of `family` (one that stores its MTP layer as DeepSeek-V3 does) with one MTP layer after
+    its decoder's (tests/test_fp8.py's: a copy of its last layer, random), or
     one whose MTP layer echoes the token it reads: eh_proj passes the normed embedding alone, the layer's
     attention and feed-forward add nothing (their output projections zero), and its head is the embedding, so
     the draft is the last token again, right wherever the model repeats a token."""
-    make_tiny("deepseek_v3", directory)
+    make_tiny(family, directory)
     tensors = load_file(str(directory / "model.safetensors"))
     config = json.loads((directory / "config.json").read_text())
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]

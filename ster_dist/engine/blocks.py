@@ -19,6 +19,12 @@ cache, and hash() is 64 bits and, for str salts, randomized per process.
 
 The table maps each digest to at most one block and each block to at most one digest, so it never
 holds more than num_blocks entries; an evicted block's digest is dropped with it.
+
+Speculative decoding (engine/drafter.py) keeps a second cache beside each block: the MTP layer's keys, written a
+step behind the model's (the MTP row at position q reads token q + 1), and only for sequences that draft. A block
+is marked drafted once its MTP keys are all written, with the token after it that its last one read
+(`mark_drafted`); a drafting sequence shares only the leading blocks so marked whose next token is its own
+(`drafted_prefix`). Handing a block out again drops its mark.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
+        # block -> the token after it, for blocks whose MTP keys (speculative decoding) are all written
+        self._drafted: dict[int, int] = {}
 
     # ---- reading
 
@@ -171,6 +179,21 @@ class BlockPool:
             self._digest_of[block] = digest
             self._block_of[digest] = block
 
+    def mark_drafted(self, block: int, follow: int) -> None:
+        """Every MTP key of a held block is written, its last one reading `follow` as the next token."""
+        if block != NULL_BLOCK:
+            self._drafted[block] = follow
+
+    def drafted_prefix(self, blocks: list[int], tokens) -> int:
+        """How many leading blocks (blocks[i] holding tokens[i*bs:(i+1)*bs]) have their MTP keys written as this
+        sequence's own would be: marked drafted, the token after each the one it has there."""
+        bs = self.block_size
+        kept = 0
+        while (kept < len(blocks) and (kept + 1) * bs < len(tokens)
+               and self._drafted.get(blocks[kept]) == tokens[(kept + 1) * bs]):
+            kept += 1
+        return kept
+
     def commit(self, tokens, blocks: list[int], hashes: BlockHashes | None = None) -> None:
         """Register every full block of tokens (blocks[i] holds tokens[i*bs:(i+1)*bs]) in the prefix
         cache, after the ranks computed them. Idempotent."""
@@ -205,6 +228,7 @@ class BlockPool:
                 block, _ = self._cached.popitem(last=False)
                 del self._block_of[self._digest_of.pop(block)]
             self._refs[block] = 1
+            self._drafted.pop(block, None)  # its keys are about to be another sequence's
             taken.append(block)
         return taken
 

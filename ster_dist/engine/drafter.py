@@ -8,8 +8,10 @@ after the last. propose() runs those rows (writing the MTP layer's keys there, i
 the driver asked drafts of, chains the layer on its own output: its argmax at the last row is draft 1, and row
 by row its output and the last draft make the next. Every rank computes the same drafts from the same gathered
 logits, so no rank waits on another for them. A sequence restarted (preemption) or served from the prefix cache
-has no rows waiting and drafts nothing that step; the MTP keys of a shared prefix are whatever its first
-sequence left, which can only make drafts worse, never the output different.
+has no rows waiting and drafts nothing that step. The MTP keys of the positions before its first chunk are those
+of the blocks it shares, which the driver lets it share only when they are all written and the last one read
+the token it has there (engine/blocks.py's drafted marks, set by the scheduler once a step's catch-up passed a
+block's end): its cache is then the one a cold run leaves, and it drafts as a cold run would.
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ Speculative decoding (engine/drafter.py): a running sequence one token behind (a
 gets a chunk that may carry that many draft tokens after its own: its blocks cover them and the budget counts
 them, but only its own token counts as computed after the step; each draft the ranks verified joins through
 accept_draft (its k/v already written), and the keys of refused drafts lie past `computed`, to be overwritten.
+The MTP layer's own keys run a step behind: after each step a drafting sequence's blocks before its chunk's start
+have them all written and are marked so in the pool (with the token after each), and a drafting sequence admitted
+shares only the leading matched blocks so marked for its own next tokens (BlockPool.drafted_prefix), recomputing
+the rest, so its MTP cache is a cold run's.
 
 Sliding window: blocks wholly before (chunk start - window) are released and their table entries
 become NULL_BLOCK; the ranks must mask those positions (they are outside the window anyway).
@@ -93,6 +97,7 @@ class Sequence:
     hashes: BlockHashes | None = field(default=None, repr=False)
     registered_blocks: int = field(default=0, repr=False)
     released_blocks: int = field(default=0, repr=False)
+    drafted_blocks: int = field(default=0, repr=False)  # leading blocks with every MTP key written (drafts > 0)
 
     @property
     def output(self) -> list[int]:
@@ -274,6 +279,8 @@ class Scheduler:
                 raise ValueError(f"sequence {seq.id!r}: chunk at {chunk.start} but {seq.computed} computed")
             seq.computed += chunk.length
             self._register_full(seq)
+            if seq.drafts:  # the ranks wrote the MTP keys of every position before this chunk's start this step
+                self._mark_drafted(seq, chunk.start)
 
     def _register_full(self, seq: Sequence) -> None:
         full = seq.computed // self.block_size
@@ -281,6 +288,14 @@ class Scheduler:
             digests = seq.hashes.extend(seq.tokens, full * self.block_size)
             self.pool.register(seq.blocks, digests, seq.registered_blocks, full)
             seq.registered_blocks = full
+
+    def _mark_drafted(self, seq: Sequence, written: int) -> None:
+        """Mark the sequence's blocks whose MTP keys are all written (positions below `written`)."""
+        full = written // self.block_size
+        if full > seq.drafted_blocks and self.pool.prefix_caching:
+            for i in range(seq.drafted_blocks, full):
+                self.pool.mark_drafted(seq.blocks[i], seq.tokens[(i + 1) * self.block_size])
+            seq.drafted_blocks = full
 
     # ---- policy
 
@@ -317,6 +332,11 @@ class Scheduler:
         while self._waiting and budget > 0 and len(self._running) < self.max_running and len(plan.chunks) < cap:
             seq = self._waiting[0]
             matched = self.pool.match_prefix(seq.tokens, seq.hashes, record=False)
+            if seq.drafts:  # it drafts: only blocks whose MTP keys are as its own would be (engine/blocks.py)
+                kept = self.pool.drafted_prefix(matched, seq.tokens)
+                self.pool.release(matched[kept:])
+                matched = matched[:kept]
+                seq.drafted_blocks = kept
             seq.blocks = matched
             seq.computed = len(matched) * self.block_size
             seq.registered_blocks = len(matched)
@@ -380,6 +400,7 @@ class Scheduler:
         seq.computed = 0
         seq.registered_blocks = 0
         seq.released_blocks = 0
+        seq.drafted_blocks = 0
 
     def _drop_state(self, seq: Sequence) -> None:
         if seq.state >= 0:

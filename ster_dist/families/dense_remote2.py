@@ -6,7 +6,9 @@
   grows by 0.07 ln(factor), read as YaRN with that attention_factor.
 - TeleFLM: Llama whose muP (use_mup) multiplies the embeddings by input_mult and the logits by
   output_mult / mup_scale_factor.
-- mimo: Qwen2 whose next-token-prediction layers (model.mtp_layers) are recognised and never read.
+- mimo: Qwen2 whose multi-token-prediction layers (model.mtp_layers.{k}: token_layernorm, hidden_layernorm,
+  input_proj over [hidden; embedding], a Qwen2 block, final_layernorm, the model's lm_head) are recognised and
+  never read for decoding; --speculative mtp drafts with the first (model/mtp.py).
 - PanguEmbedded: Llama with biased attention projections (qkv_bias for query, key and value), mlp_bias, and
   under sandwich_norm a norm over each sublayer's output beside pre_mlp_layernorm before the feed-forward.
 - nanbeige: Llama with per-head q_layernorm and k_layernorm under qk_layernorm, a looped model whose stored
@@ -26,11 +28,15 @@ from dataclasses import replace
 from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.normalize import ConfigProblem, biases, stated, switch
 from ster_dist.families.qwen import QWEN_FAMILIES
-from ster_dist.families.spec import AttentionSpec, FamilySpec, Fused, QKNormSpec, Rule
+from ster_dist.families.spec import AttentionSpec, FamilySpec, Fused, MTPSpec, QKNormSpec, Rule
 
 _REFERENCE = "tests/test_dense_remote2.py"
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
 _QWEN2 = next(spec for spec in QWEN_FAMILIES if spec.name == "qwen2")
+# MiMo's MTP layers, as vLLM's mimo_mtp reads them: apart from the decoder's, [h; e] into input_proj, the layer
+# ending in its final_layernorm, scored by the model's own lm_head
+_MIMO_MTP = MTPSpec(prefix="model.mtp_layers.{k}.", token_norm="token_layernorm", hidden_norm="hidden_layernorm",
+                    proj="input_proj", hidden_first=True, out_norm="final_layernorm", head=None, chain_normed=True)
 
 # TeleChat2's names: transformer.word_embeddings, h.{i}.self_attention.{query,key_value,dense}, ln_f
 _H = "transformer.h.{i}."
@@ -129,8 +135,8 @@ DENSE_REMOTE2_FAMILIES: tuple[FamilySpec, ...] = (
                parity_reference=_REFERENCE),
     FamilySpec("telechat3", _LLAMA, normalize=_telechat3, parity_reference=_REFERENCE),
     FamilySpec("TeleFLM", _LLAMA, normalize=_teleflm, parity_reference=_REFERENCE),
-    # Qwen2 (qwen.py) with model.mtp_layers recognised and never read
-    replace(_QWEN2, name="mimo", ignore=(r"model\.mtp_layers\.",), parity_reference=_REFERENCE),
+    # Qwen2 (qwen.py) with model.mtp_layers recognised and read only to draft
+    replace(_QWEN2, name="mimo", ignore=(r"model\.mtp_layers\.",), parity_reference=_REFERENCE, mtp=_MIMO_MTP),
     FamilySpec("PanguEmbedded", _PANGU, normalize=_pangu, parity_reference=_REFERENCE),
     FamilySpec("nanbeige", llama_rules(q_norm="q_layernorm", k_norm="k_layernorm"),
                attention=AttentionSpec(qk_norm=QKNormSpec("head")), normalize=_nanbeige,

@@ -184,6 +184,24 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class MTPSpec:
+    """Where a family stores its multi-token-prediction layers and how one is wired (model/mtp.py): DeepSeek-V3's
+    by default (GLM-4.5 stores its own the same way), MiMo's (model.mtp_layers.{k}) as the other layout."""
+
+    # the prefix of MTP layer k's tensors: "{i}" the decoder index it follows as (num_hidden_layers + k), or
+    # "{k}" k itself; the layer's decoder tensors follow the family's rules below it as model.layers.{i}'s do
+    prefix: str = "model.layers.{i}."
+    token_norm: str = "enorm"             # the next token's embedding passes this norm
+    hidden_norm: str = "hnorm"            # the model's hidden state passes this one
+    proj: str = "eh_proj"                 # [hidden, 2 * hidden] over both
+    hidden_first: bool = False            # proj reads [hidden_norm(h); token_norm(e)] (MiMo), not [e; h]
+    out_norm: str = "shared_head.norm"    # over the decoder layer's output, before the head
+    head: str | None = "shared_head.head"  # the layer's own head; None: the model's lm_head (MiMo)
+    # a chained draft reads the layer's output after out_norm (MiMo's final_layernorm ends the layer), not before
+    chain_normed: bool = False
+
+
+@dataclass(frozen=True)
 class Rule:
     """One checkpoint tensor template and where its data goes."""
 
@@ -268,3 +286,4 @@ class FamilySpec:
     # each stored layer k runs as decoder layers 2k and 2k + 1 (LongCat-Flash): the name map's {i} is the stored
     # layer and {half} picks one of its two (`halved`)
     halved_layers: bool = False
+    mtp: MTPSpec = MTPSpec()              # its multi-token-prediction layers, read only under --speculative mtp

@@ -343,7 +343,7 @@ class Decoder(Anchored):
         step = PagedStep(chunks, cache, self.tables, ids)
         h = self._stage(ids.unsqueeze(0), step.positions, step, eager)
         normed = self.final_norm(h).to(self.dtype)[0]
-        return self._head(normed[rows]), normed
+        return self.head_logits(normed[rows]), normed
 
     def _stage(self, ids: torch.Tensor, positions: torch.Tensor, step: StepState | PagedStep,
                eager: bool = False) -> torch.Tensor | None:
@@ -446,9 +446,10 @@ class Decoder(Anchored):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # an f32 residual stream (residual_fp32) meets the head in the model's dtype, as Transformers casts it
-        return self._head(self.final_norm(h).to(self.dtype))
+        return self.head_logits(self.final_norm(h).to(self.dtype))
 
-    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head over final-norm outputs (also an MTP layer's that scores with the model's head, model/mtp.py)."""
         logits = self.lm_head(normed)
         if self.cfg.logit_multiplier != 1.0:
             logits = logits * self.cfg.logit_multiplier

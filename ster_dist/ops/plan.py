@@ -46,7 +46,7 @@ def plan(request: PlanRequest) -> dict:
     check_expert_parallel(cfg, ctxs[0])
     check_pipeline(cfg, request.pp)
     check_weights(cfg, request.weights, request.model)
-    checkpoint = sort_tensors(cfg, raw, tensors)
+    checkpoint = sort_tensors(cfg, tensors)
     dtype = PRECISIONS[request.precision]
     progress(f"planning {len(ctxs)} rank(s) of {cfg.family} over {len(tensors)} checkpoint tensors "
              "(a meta-device decoder and the shard plan per rank)")

@@ -7,8 +7,9 @@ the loader's, not a formula's: parameter bytes are what the rank allocates (at t
 vocabulary padding included), read bytes are the windows its pieces read, in the files' dtypes.
 
 Some checkpoint tensors are set aside or renamed before the plan sees them:
-- multi-token-prediction layers (config `num_nextn_predict_layers`: `model.layers.{N..}` past the
-  decoder's layers), which plain decoding never reads; they are counted apart;
+- multi-token-prediction layers (config `num_nextn_predict_layers`, a wrapper's text_config's too: where the
+  family stores them, `model.layers.{N..}` past the decoder's layers or MiMo's `model.mtp_layers.{k}`), which
+  plain decoding never reads; they are counted apart;
 - FP8 scales (`X.weight_scale_inv` beside a float8 `X.weight` for quant_method fp8, `X.weight_scale`
   for compressed-tensors): a rank reads exactly the scale entries whose blocks cover its slices of
   X.weight (shard/fp8.py's scale_block says which block an entry covers); compressed-tensors'
@@ -24,7 +25,6 @@ rule over the same plan) count one byte an element plus their float32 scale grou
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -39,10 +39,8 @@ from ster_dist.parallel.linear import module_shards, tied_parameters
 from ster_dist.shard import mxfp4
 from ster_dist.shard.fp8 import ACTIVATION_SCALES, scale_block
 from ster_dist.shard.fp8_kept import kept_parameters, kept_scale_bytes
-from ster_dist.shard.plan import Piece, build_plan
+from ster_dist.shard.plan import Piece, build_plan, mtp_layer_pattern
 from ster_dist.shard.safetensors_header import DTYPES
-
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -86,18 +84,17 @@ class RankFootprint:
     layers: tuple[int, int] = (0, 0)  # [start, end) of the layers its pipeline stage holds
 
 
-def sort_tensors(cfg: ModelConfig, raw: dict, tensors: dict[str, Tensor]) -> CheckpointTensors:
+def sort_tensors(cfg: ModelConfig, tensors: dict[str, Tensor]) -> CheckpointTensors:
     """The tensors sorted by cfg.quant (config_quant.py has already refused a quantization that does not load)."""
     quant = cfg.quant
-    nextn = raw.get("num_nextn_predict_layers") or 0
+    mtp_pattern = mtp_layer_pattern(cfg)  # the config's count (a wrapper's text_config's), where the family stores them
     planned, scales, blocks, mtp, unread = {}, {}, {}, [], []
     packed = mxfp4.packed_pairs({n: t.shape for n, t in tensors.items()}, {n: t.dtype for n, t in tensors.items()}) \
         if isinstance(quant, Mxfp4) else {}
     hidden = {n for pair in packed.values() for n in pair}
     suffix = quant.scale_suffix if isinstance(quant, (BlockFP8, CompressedFP8)) else None
     for name, tensor in tensors.items():
-        layer = _LAYER.match(name)
-        if nextn and layer and cfg.num_layers <= int(layer.group(1)) < cfg.num_layers + nextn:
+        if mtp_pattern is not None and mtp_pattern.match(name):
             mtp.append(name)
         elif name in hidden:
             continue

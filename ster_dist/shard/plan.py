@@ -239,12 +239,16 @@ def _owner(rule: Rule, groups: dict) -> Owner:
 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
-    """The tensors of the multi-token-prediction layers stored after the decoder's (DeepSeek-V3's layer 61:
-    eh_proj, enorm, hnorm, shared_head and a whole decoder layer): recognised, and never loaded for decoding."""
+    """The tensors of the multi-token-prediction layers, where the family stores them (FamilySpec.mtp: DeepSeek-V3's
+    layer 61 after the decoder's, eh_proj, enorm, hnorm, shared_head and a whole decoder layer; MiMo's
+    model.mtp_layers.{k}), below a wrapper's prefix too: recognised, and never loaded for decoding."""
     if not cfg.mtp_layers:
         return None
-    indices = "|".join(str(cfg.num_layers + k) for k in range(cfg.mtp_layers))
-    return re.compile(rf"(.*\.)?layers\.({indices})\.")
+    prefix = cfg.spec.mtp.prefix
+    own = "{k}" in prefix  # numbered from 0 rather than after the decoder's layers
+    indices = "|".join(str(k if own else cfg.num_layers + k) for k in range(cfg.mtp_layers))
+    stored = re.escape(prefix.removeprefix("model.")).replace(r"\{i\}", f"({indices})").replace(r"\{k\}", f"({indices})")
+    return re.compile(rf"(.*\.)?{stored}")
 
 
 def _plain(rule: Rule, param: str, shard: Shard, shape: tuple[int, ...], stack: int | None) -> list[Piece] | None:
