@@ -38,6 +38,7 @@ async def send_events(events: AsyncGenerator[str, None], receive, send) -> None:
         answer.cancel()
 
     watcher = asyncio.ensure_future(watch())
+    await asyncio.sleep(0)  # the watcher parks on receive() now, before the first event submits the step
     try:
         await _send_each(events, send)
     except asyncio.CancelledError:
