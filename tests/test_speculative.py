@@ -92,6 +92,17 @@ def counted(stats: dict) -> None:
     assert stats["accepted_tokens"] + stats["rejected_tokens"] == stats["drafted_tokens"]
 
 
+def drafts_keep_greedy(directory, drafts: int, accepted: bool) -> None:
+    """Greedy output with `drafts` per decode equals it without, every draft counted; `accepted`: some were
+    accepted (an echoing MTP layer)."""
+    plain, _ = run(directory, 0)
+    got, stats = run(directory, drafts)
+    assert got == plain
+    counted(stats)
+    if accepted:
+        assert stats["accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("drafts", [1, 3])
 def test_greedy_with_drafts_equals_greedy_without(deepseek, reference, drafts):
     got, stats = run(deepseek, drafts)

@@ -33,7 +33,7 @@ from ster_dist.resolve import resolve
 from ster_dist.shard.mtp import load_mtp
 from tests.test_dense_remote2 import SIZES, _noisy
 from tests.test_engine import open_engine
-from tests.test_speculative import counted, run, with_mtp
+from tests.test_speculative import drafts_keep_greedy, with_mtp
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 MIMO_MTP = "model.mtp_layers.0."
@@ -72,18 +72,11 @@ def test_glm_4_7_flashs_mtp_layer_is_sparse_past_its_mlp_layer_types_and_drafts(
     raw = json.loads((directory / "config.json").read_text())
     assert len(raw["mlp_layer_types"]) == cfg.num_layers
     assert mtp_config(cfg, raw).feed_forward(cfg.num_layers) == "moe"
-    plain, _ = run(directory, 0)
-    got, stats = run(directory, 2)
-    assert got == plain
-    counted(stats)
+    drafts_keep_greedy(directory, 2, accepted=False)
 
 
 def test_glm4_moes_echoing_mtp_layer_drafts_and_keeps_greedy_output(glm_echo):
-    plain, _ = run(glm_echo, 0)
-    got, stats = run(glm_echo, 2)
-    assert got == plain
-    counted(stats)
-    assert stats["accepted_tokens"] > 0
+    drafts_keep_greedy(glm_echo, 2, accepted=True)
 
 
 def with_mimo_mtp(directory: Path, echo: bool = False) -> Path:
@@ -183,18 +176,11 @@ def test_mimos_draft_logits_and_a_chained_drafts_equal_the_reference(mimo):
 def test_mimo_decodes_without_reading_its_mtp_layer_and_drafts_with_it(mimo):
     """Plain decoding ignores model.mtp_layers (families/dense_remote2.py); --speculative mtp reads them, and
     greedy output is unchanged."""
-    plain, _ = run(mimo, 0)
-    got, stats = run(mimo, 3)
-    assert got == plain
-    counted(stats)
+    drafts_keep_greedy(mimo, 3, accepted=False)
 
 
 def test_mimos_echoing_mtp_layer_gets_drafts_accepted(mimo_echo):
-    plain, _ = run(mimo_echo, 0)
-    got, stats = run(mimo_echo, 2)
-    assert got == plain
-    counted(stats)
-    assert stats["accepted_tokens"] > 0
+    drafts_keep_greedy(mimo_echo, 2, accepted=True)
 
 
 def wrapped(directory: Path, mtp: bool = True) -> Path:
@@ -227,11 +213,7 @@ def test_a_wrapped_configs_mtp_layer_is_reported_planned_and_drafts(tmp_path, ca
     layers = json.loads((directory / "config.json").read_text())["text_config"]["num_hidden_layers"]
     stored = [n for n in names if n.startswith(f"language_model.model.layers.{layers}.")]
     assert stored and cli(capsys, "plan", "--model", str(directory))["mtp_tensors"] == len(stored)
-    plain, _ = run(directory, 0)
-    got, stats = run(directory, 2)
-    assert got == plain
-    counted(stats)
-    assert stats["accepted_tokens"] > 0  # the echoing layer was read, below language_model
+    drafts_keep_greedy(directory, 2, accepted=True)  # the echoing layer was read, below language_model
 
 
 def test_a_wrapped_config_without_mtp_layers_is_still_refused(tmp_path):
