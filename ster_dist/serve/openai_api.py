@@ -74,8 +74,8 @@ async def answer(state, path: str, raw: bytes, receive, send) -> None:
     try:
         body = parse_body(model, raw)
         prep = await _prepared(prepare, state, body)
-        _check(state, prep)
-        if body.stream:  # submitted once the answer is set up, so the step never shares the cores with that work
+        if body.stream:  # submitted once the answer is set up, so the step never shares the cores with that work;
+            _check(state, prep)  # what submitting would refuse is refused now, while the answer can be a 400
             return await send_events(_events(state, prep), receive, send)
         watcher = asyncio.ensure_future(until_disconnect(receive))
         try:
