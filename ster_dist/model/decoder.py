@@ -384,6 +384,7 @@ class Decoder(Anchored):
         try:
             return self.compiled.run(h, step)
         except failures() as error:
+            self.compiled.stop()
             self.compiled = None
             progress(f"compiling the step failed ({str(error).strip().splitlines()[0][:200]}); "
                      "running eagerly from now on")

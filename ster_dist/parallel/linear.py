@@ -142,6 +142,13 @@ UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the co
 NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
+# A bf16 / f16 product of one row inside a compiled step is written as a widening product and sum, which
+# inductor turns into its own loop over the weight (fused with the norm before it and the activation after)
+# instead of calling oneDNN: at one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer
+# in a profile) and reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for inductor's loop (a SmolLM2
+# bf16 decode step: 52 -> 29 ms here; bench/decode.py). Eagerly the same formula would build the whole widened
+# product, so eager steps keep F.linear.
+
 _blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
 
 
@@ -163,6 +170,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
         return _upcast(x, weight, bias)
+    if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16)):
+        return _one_row_widening(x, weight, bias)
     parts = _threads()
     if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
@@ -177,6 +187,15 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
 def _threads() -> int:
     # a constant to a compiled step (model/compiled.py): its graph is built for the thread count it was traced at
     return torch.get_num_threads()
+
+
+def _one_row_widening(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # traced, this is one loop over the weight's rows that widens each to f32 as it reads it, fused with the
+    # work before and after (ONE_ROW_HALF_IN_GRAPHS above); eagerly it would build the whole widened product
+    y = (weight.float() * x.reshape(1, x.shape[-1]).float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -324,6 +343,7 @@ class VocabHead(ShardedModule):
         self.ctx = ctx
         self.vocab_size = vocab_size
         self.tied = [tied] if tied is not None else None  # a list, so the embedding is not registered twice
+        self.product = dense  # a compiled model's head replaces it (model/compiled.py)
         start, stop, padded = ctx.vocab(vocab_size)
         if tied is None:
             self._param("weight", Shard((vocab_size, dim), 0, ((start, stop),), pad_to=padded))
@@ -334,7 +354,7 @@ class VocabHead(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.tied[0].weight if self.tied else self.weight
-        logits = dense(x, weight, self.bias)
+        logits = self.product(x, weight, self.bias)
         return self.ctx.all_gather_last(logits)[..., : self.vocab_size]
 
 
