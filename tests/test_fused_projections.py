@@ -125,3 +125,25 @@ def test_half_precision_prefill_products_run_upcast_block_by_block(monkeypatch):
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(dense(x[:, :1], weight, bias), F.linear(x[:, :1], weight, bias))  # one row: bf16 kernel
+
+
+def test_f32_products_of_many_rows_through_onednn_take_any_strides_and_give_linear_s_gradients():
+    """Rows past ONEDNN_ROWS_MIN go to oneDNN's matmul through an operator of ours (parallel/linear.py), with the
+    backward F.linear would give for the input, the weight and the bias."""
+    from ster_dist.parallel.linear import ONEDNN_ROWS_MIN
+
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    for x in (torch.randn(40, ONEDNN_ROWS_MIN + 3).t(), torch.randn(2, 40, 2 * ONEDNN_ROWS_MIN).transpose(1, 2)):
+        assert not x.is_contiguous()
+        assert torch.allclose(dense(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    grads = []
+    for product in (dense, F.linear):
+        x = torch.randn(2, ONEDNN_ROWS_MIN, 40, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        product(x, w, b).square().sum().backward()
+        grads.append((x.grad, w.grad, b.grad))
+    for got, want in zip(*grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+    x = torch.randn(ONEDNN_ROWS_MIN, 40, requires_grad=True)  # a frozen weight (an adapter's base): x's grad only
+    dense(x, weight).sum().backward()
+    assert torch.allclose(x.grad, weight.sum(0).expand(ONEDNN_ROWS_MIN, 40), rtol=1e-5, atol=1e-5)

@@ -95,7 +95,9 @@ def test_ipo_starts_at_its_own_value_for_any_beta(llama, beta):
     plan, _ = prepare_pairs(str(llama / "base"), str(llama / "planted.jsonl"), _settings(),
                             DirectPreference("ipo", beta))
     out = train(LocalGroup(), plan)
-    assert out["losses"][0] == pytest.approx(1 / (4 * beta ** 2), rel=1e-6)
+    # pi == ref up to f32 rounding: the policy's read (with gradients) and the reference's (without) may take
+    # kernels that round the last bit apart (seen on an AVX-512 CPU), which moves the margin by about 3e-7
+    assert out["losses"][0] == pytest.approx(1 / (4 * beta ** 2), rel=1e-6, abs=1e-6)
 
 
 def test_the_planted_preference_is_learned(runs):

@@ -12,8 +12,8 @@ it is a custom operator, `ster_dist::attend(q, k, v)`, whose body runs the layer
 live step, outside the graph. The graph sees only the operator's output shape, which follows from the
 step's token count, so one graph serves every step whatever the cache holds; the token count is a dynamic
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
-row count: one token, and on f32 CPU weights 2-15, 16-64 (dense()'s row-block products, and a bound inductor
-adds) and 65 up, four graphs each compiled on its first use.
+row count: one token, and on f32 CPU weights 2-7, 8-15 and 16 up (dense()'s row-block products below 8 rows,
+oneDNN's from 8, and a bound inductor adds at 16), four graphs each compiled on its first use.
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
 nn.Modules), and nothing layer-specific reaches the graph as a constant (the operator finds its layer in

@@ -130,7 +130,46 @@ def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torc
 # blocks of the weight as there are threads: MKL's matrix-vector kernel on a non-Intel AVX2 CPU streams the
 # weight at about half the bandwidth the same product reaches split into a batch whose items run on separate
 # cores (bench/decode.py measures it; bf16 weights already reach oneDNN's kernel and are left to F.linear).
+# Where oneDNN is built in, products of ONEDNN_ROWS_MIN rows or more go to it first (below).
 SPLIT_ROWS_MAX = 64
+
+
+# f32 products of 8 rows or more on a CPU go to oneDNN's matmul, which takes the weight as it is stored: on an
+# AMD AVX-512 CPU it ran 1.6x MKL's at 8 rows and 1.4x at 256 (SmolLM2's shapes, bench/decode.py); F.linear
+# reaches MKL there, whose kernels for non-Intel CPUs are slower.
+ONEDNN_ROWS_MIN = 8
+ONEDNN_F32 = torch.backends.mkldnn.is_available()
+
+
+@torch.library.custom_op("ster_dist::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # an operator of our own, so a compiled step calls the kernel as it is: inductor lowers mkldnn's op only
+    # for weights frozen into the graph, and a layer's weights are the graph's inputs (model/compiled.py)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _keep_for_backward(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _onednn_backward(ctx, grad: torch.Tensor):
+    # a tuning step's policy and reference reads take the same kernel, so at step one they agree to the bit
+    x, weight = ctx.saved_tensors
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
+
+
+onednn_linear.register_autograd(_onednn_backward, setup_context=_keep_for_backward)
 
 
 # bf16 / f16 products of many rows (prefill) on a CPU whose instructions lack a native bf16 product (AVX2 and
@@ -173,6 +212,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype
             and weight.dtype in (torch.bfloat16, torch.float16)):
         return _one_row_widening(x, weight, bias)
+    if (rows >= ONEDNN_ROWS_MIN and ONEDNN_F32 and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and x.device.type == "cpu" and weight.is_contiguous()):
+        return torch.ops.ster_dist.onednn_linear(x, weight, bias)
     parts = _threads()
     if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
