@@ -160,7 +160,7 @@ def _keep_for_backward(ctx, inputs, output) -> None:
 
 
 def _onednn_backward(ctx, grad: torch.Tensor):
-    # a tuning step's policy and reference reads take the same kernel, so at step one they agree to the bit
+    # F.linear's gradients: a product with gradients takes the same forward kernel as one without
     x, weight = ctx.saved_tensors
     rows = grad.reshape(-1, grad.shape[-1])
     grad_x = grad @ weight if ctx.needs_input_grad[0] else None
@@ -185,7 +185,7 @@ NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT"
 # inductor turns into its own loop over the weight (fused with the norm before it and the activation after)
 # instead of calling oneDNN: at one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer
 # in a profile) and reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for inductor's loop (a SmolLM2
-# bf16 decode step: 52 -> 29 ms here; bench/decode.py). Eagerly the same formula would build the whole widened
+# bf16 decode step, its head still through oneDNN: 49-52 -> 25-29 ms here). Eagerly the same formula would build the whole widened
 # product, so eager steps keep F.linear.
 
 _blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
@@ -233,7 +233,7 @@ def _threads() -> int:
 
 def _one_row_widening(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # traced, this is one loop over the weight's rows that widens each to f32 as it reads it, fused with the
-    # work before and after (ONE_ROW_HALF_IN_GRAPHS above); eagerly it would build the whole widened product
+    # work before and after (the note above dense); eagerly it would build the whole widened product
     y = (weight.float() * x.reshape(1, x.shape[-1]).float()).sum(-1)
     if bias is not None:
         y = y + bias.float()
