@@ -185,8 +185,8 @@ NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT"
 # inductor turns into its own loop over the weight (fused with the norm before it and the activation after)
 # instead of calling oneDNN: at one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer
 # in a profile) and reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for inductor's loop (a SmolLM2
-# bf16 decode step, its head still through oneDNN: 49-52 -> 25-29 ms here). Eagerly the same formula would build the whole widened
-# product, so eager steps keep F.linear.
+# bf16 decode step, its head still through oneDNN: 49-52 -> 25-29 ms here). Eagerly the same formula would
+# build the whole widened product, so eager steps keep F.linear.
 
 _blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
 
