@@ -181,13 +181,6 @@ UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the co
 NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
-# A bf16 / f16 product of one row inside a compiled step is written as a widening product and sum, which
-# inductor turns into its own loop over the weight (fused with the norm before it and the activation after)
-# instead of calling oneDNN: at one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer
-# in a profile) and reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for inductor's loop (a SmolLM2
-# bf16 decode step, its head still through oneDNN: 49-52 -> 25-29 ms here). Eagerly the same formula would
-# build the whole widened product, so eager steps keep F.linear.
-
 _blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
 
 
@@ -232,8 +225,12 @@ def _threads() -> int:
 
 
 def _one_row_widening(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # traced, this is one loop over the weight's rows that widens each to f32 as it reads it, fused with the
-    # work before and after (the note above dense); eagerly it would build the whole widened product
+    # A bf16 / f16 product of one row inside a compiled step: traced, this is inductor's own loop over the
+    # weight's rows, widening each to f32 as it reads it, fused with the norm before and the activation after.
+    # At one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer in a profile) and
+    # reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for this loop (a SmolLM2 bf16 decode step,
+    # its head still through oneDNN: 49-52 -> 25-29 ms). Eagerly it would build the whole widened product, so
+    # eager steps keep F.linear.
     y = (weight.float() * x.reshape(1, x.shape[-1]).float()).sum(-1)
     if bias is not None:
         y = y + bias.float()
