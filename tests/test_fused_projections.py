@@ -124,7 +124,9 @@ def test_half_precision_prefill_products_run_upcast_block_by_block(monkeypatch):
     got = dense(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    assert torch.equal(dense(x[:, :1], weight, bias), F.linear(x[:, :1], weight, bias))  # one row: bf16 kernel
+    # one row is left to a bf16 kernel (the few-row one, or F.linear without it): the same product, rounded once
+    one = dense(x[:, :1], weight, bias)
+    assert one.dtype == torch.bfloat16 and torch.allclose(one.float(), want[:, :1].float(), rtol=1e-2, atol=1e-2)
 
 
 def test_f32_products_of_many_rows_through_onednn_take_any_strides_and_give_linear_s_gradients():

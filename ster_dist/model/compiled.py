@@ -12,8 +12,8 @@ it is a custom operator, `ster_dist::attend(q, k, v)`, whose body runs the layer
 live step, outside the graph. The graph sees only the operator's output shape, which follows from the
 step's token count, so one graph serves every step whatever the cache holds; the token count is a dynamic
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
-row count: one token, and on f32 CPU weights 2-7, 8-15 and 16 up (dense()'s row-block products below 8 rows,
-oneDNN's from 8, and a bound inductor adds at 16), four graphs each compiled on its first use.
+row count: one token, 2-7 (dense()'s few-row kernel), 8-15 (on f32 weights oneDNN's products) and 16 up (a
+bound inductor adds), four graphs on a CPU (f32 and bf16 alike), each compiled on its first use.
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
 nn.Modules), and nothing layer-specific reaches the graph as a constant (the operator finds its layer in
@@ -38,6 +38,7 @@ import torch
 
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
+from ster_dist.parallel import few_rows
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import dense
 
@@ -115,7 +116,10 @@ class CompiledLayers:
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = 1
-        self.fn = torch.compile(_layer, dynamic=True)
+        few_rows.ready()  # built (or found) now: a graph being traced only asks whether it is there
+        # without inductor's checks of every input's and output's sizes and strides at each call (thirty-odd
+        # calls a layer): the graph's inputs are a layer's own parameters, checked by its guards already
+        self.fn = torch.compile(_layer, dynamic=True, options={"size_asserts": False})
         # the head of a one-token step in bf16 / f16 through dense's compiled one-row loop (parallel/linear.py):
         # SmolLM2's 57 MB bf16 head in 2.9 ms against 5.5 ms through oneDNN
         self.head = torch.compile(dense, dynamic=False)
