@@ -1,4 +1,4 @@
-"""The few-row product kernel (parallel/few_rows.cpp), built here for this CPU: its products equal F.linear's
+"""The few-row product kernel (kernels/few_rows.cpp), built here for this CPU: its products equal F.linear's
 in f64 within the sums' rounding, dense() takes it for one to seven rows of f32 and bf16 and leaves it for more
 rows and for products that need gradients, and a process where it cannot be built says so in one line and
 computes the same products through the library."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ster_dist.parallel import few_rows
+from ster_dist import kernels
 from ster_dist.parallel.linear import dense
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +35,8 @@ BUILDABLE = shutil.which(os.environ.get("CXX", "c++")) is not None and _has_avx2
 def kernel():
     if not BUILDABLE:
         pytest.skip("no C++ compiler or no AVX2 here: the kernel is not built and dense keeps the library's products")
-    assert few_rows.ready()  # a compiler and AVX2 are here: the build must succeed
-    return torch.ops.ster_few_rows.few_rows
+    assert kernels.ready()  # a compiler and AVX2 are here: the build must succeed
+    return torch.ops.ster_kernels.few_rows
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -49,7 +49,7 @@ def test_every_row_count_equals_the_f64_product(kernel, dtype, inner):
     gen = torch.Generator().manual_seed(inner)
     weight = torch.randn(131, inner, generator=gen).to(dtype)
     bias = torch.randn(131, generator=gen).to(dtype)
-    for rows in range(1, few_rows.MAX_ROWS + 1):
+    for rows in range(1, kernels.FEW_ROWS_MAX + 1):
         x = torch.randn(rows, inner, generator=gen).to(dtype)
         want = F.linear(x.double(), weight.double(), bias.double())
         got = kernel(x, weight, bias)
@@ -64,9 +64,9 @@ def test_every_row_count_equals_the_f64_product(kernel, dtype, inner):
 def test_a_row_gets_the_same_sum_whatever_rows_share_its_product(kernel, dtype):
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(200, 577, generator=gen).to(dtype)
-    x = torch.randn(few_rows.MAX_ROWS, 577, generator=gen).to(dtype)
+    x = torch.randn(kernels.FEW_ROWS_MAX, 577, generator=gen).to(dtype)
     alone = torch.cat([kernel(x[i:i + 1], weight, None) for i in range(len(x))])
-    for rows in range(2, few_rows.MAX_ROWS + 1):
+    for rows in range(2, kernels.FEW_ROWS_MAX + 1):
         assert torch.equal(kernel(x[:rows], weight, None), alone[:rows])
 
 
@@ -105,22 +105,22 @@ def test_a_product_that_needs_gradients_keeps_the_library_kernel(kernel):
 def test_a_failed_build_says_so_once_and_products_stay_right(tmp_path):
     script = (
         "import torch, torch.nn.functional as F\n"
-        "from ster_dist.parallel import few_rows\n"
+        "from ster_dist import kernels\n"
         "from ster_dist.parallel.linear import dense\n"
         "w, x = torch.randn(40, 24), torch.randn(3, 24)\n"
         "assert torch.allclose(dense(x, w), F.linear(x, w), atol=1e-5)\n"
         "assert torch.allclose(dense(x, w), F.linear(x, w), atol=1e-5)\n"
-        "print(few_rows.ready())\n"
+        "print(kernels.ready())\n"
     )
     env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "builds"),
            "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
-    said = [line for line in done.stderr.splitlines() if "few-row product kernel could not be built" in line]
+    said = [line for line in done.stderr.splitlines() if "CPU kernels could not be built" in line]
     assert len(said) == 1, done.stderr
 
     env = {**os.environ, "STER_NATIVE_KERNELS": "0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False" and "few-row" not in done.stderr
+    assert done.stdout.strip() == "False" and "kernels" not in done.stderr

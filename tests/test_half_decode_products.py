@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ster_dist.load import load_model
-from ster_dist.parallel import few_rows
+from ster_dist import kernels
 from ster_dist.parallel.linear import dense
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
@@ -18,10 +18,10 @@ from tests.test_compiled_step import compiling, decode  # noqa: F401  (a fixture
 
 @pytest.fixture
 def without_few_rows(monkeypatch):
-    """dense() as in a process where the few-row kernel could not be built (parallel/few_rows.py): bf16 rows
+    """dense() as in a process where the few-row kernel could not be built (kernels/__init__.py): bf16 rows
     take the widening loop then, f16 rows always do."""
-    monkeypatch.setattr(few_rows, "_tried", True)
-    monkeypatch.setattr(few_rows, "_ready", False)
+    monkeypatch.setattr(kernels, "_tried", True)
+    monkeypatch.setattr(kernels, "_ready", False)
     torch._dynamo.reset()  # graphs traced while the kernel was there hold it
 
 

@@ -38,7 +38,7 @@ import torch
 
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
-from ster_dist.parallel import few_rows
+from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import dense
 
@@ -49,7 +49,9 @@ _RUNNING: list = []  # (live step, decoder, layer) of the compiled layer in flig
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     step, model, layer = _RUNNING[-1]
     mixer = model.layers[layer].token_mixer
-    return step.attend(layer, q, k, v, mixer.window, mixer._attend_at, mixer.chunk)
+    # in the layout the graph was compiled for (register_fake's): a paged step's decodes come back with heads
+    # and sequences transposed, and the graph reads its input by the strides it was traced with
+    return step.attend(layer, q, k, v, mixer.window, mixer._attend_at, mixer.chunk).contiguous()
 
 
 @attend.register_fake
@@ -116,7 +118,7 @@ class CompiledLayers:
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = 1
-        few_rows.ready()  # built (or found) now: a graph being traced only asks whether it is there
+        kernels.ready()  # built (or found) now: a graph being traced only asks whether it is there
         # without inductor's checks of every input's and output's sizes and strides at each call (thirty-odd
         # calls a layer): the graph's inputs are a layer's own parameters, checked by its guards already
         self.fn = torch.compile(_layer, dynamic=True, options={"size_asserts": False})

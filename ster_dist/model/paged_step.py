@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ster_dist import kernels
 from ster_dist.config import RopeConfig
+from ster_dist.model.attention import Attention
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
 
@@ -30,6 +32,7 @@ class _AttendGroup:
         # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
         self.key_pos = torch.arange(keys, device=table.device).expand(table.shape[0], keys)
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
+        self._ranges: dict[tuple[int | None, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def take(self, x):
         """This group's queries [n, heads, q, width] from packed x [1, heads, tokens, width] (or a tuple of such)."""
@@ -65,6 +68,20 @@ class _AttendGroup:
                 allowed &= self.query_pos.unsqueeze(2) // chunk == self.key_pos[:, None, :] // chunk
             self._masks[window, chunk] = None if bool(allowed.all()) else allowed.unsqueeze(1)
         return self._masks[window, chunk]
+
+
+    def key_range(self, window: int | None, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """For sequences of one query each: [n] first and [n] one-past-last positions of the keys its mask
+        allows (causal, inside the window and the query's chunk), the mask as a range."""
+        if (window, chunk) not in self._ranges:
+            pos = self.query_pos[:, 0]
+            first = torch.zeros_like(pos)
+            if window is not None:
+                first = (pos + 1 - window).clamp(min=0)
+            if chunk is not None:
+                first = torch.maximum(first, pos // chunk * chunk)
+            self._ranges[window, chunk] = first, pos + 1
+        return self._ranges[window, chunk]
 
 
 class PagedStep:
@@ -184,8 +201,16 @@ class PagedStep:
         return self._each_group(layer, q, fn, None, None, q.dtype)
 
     def _each_group(self, layer: int, q, fn, window: int | None, chunk: int | None, dtype: torch.dtype) -> torch.Tensor:
+        scale = self._in_place_scale(layer, q, fn, dtype)
         outs = []
         for group in self.groups:
+            if scale is not None and group.query_pos.shape[1] == 1 and not group.prefix:
+                # decodes: each sequence's keys read where its blocks hold them (kernels/paged_decode.cpp)
+                first, end = group.key_range(window, chunk)
+                y = torch.ops.ster_kernels.paged_decode(group.take(q)[:, :, 0], self.cache.keys[layer],
+                                                        self.cache.values[layer], group.table, first, end, scale)
+                outs.append(y.unsqueeze(2))
+                continue
             keys, values = self.cache.gather(layer, group.table)
             if keys.dtype != dtype:  # a cache kept narrower than the model attends in the model's dtype
                 keys, values = keys.to(dtype), values.to(dtype)
@@ -196,6 +221,18 @@ class PagedStep:
         for group, y in zip(self.groups, outs):
             group.put(out, y)
         return out
+
+    def _in_place_scale(self, layer: int, q, fn, dtype: torch.dtype) -> float | None:
+        """The scale of `fn`'s attention where the paged-decode kernel computes it (a plain softmax attention
+        on a CPU, the cache in the model's dtype, f32 or bf16, and the kernels built); None: gather and call fn."""
+        owner = getattr(fn, "__self__", None)
+        if not isinstance(owner, Attention) or not isinstance(q, torch.Tensor) or q.device.type != "cpu":
+            return None
+        keys = self.cache.keys[layer]
+        if keys is None or keys.dtype != dtype or q.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        scale = owner.plain_scale(fn)
+        return scale if scale is not None and kernels.ready() else None
 
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.events import progress
-from ster_dist.parallel import few_rows
+from ster_dist import kernels
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight, blockwise_ok, scaled_product
 
@@ -203,11 +203,11 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
         return _upcast(x, weight, bias)
-    if (0 < rows <= few_rows.MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype
+    if (0 < rows <= kernels.FEW_ROWS_MAX and x.device.type == "cpu" and x.dtype == weight.dtype
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
             and (bias is None or bias.dtype == x.dtype) and not (x.requires_grad or weight.requires_grad)
-            and few_rows.ready()):
-        return torch.ops.ster_few_rows.few_rows(x, weight, bias)
+            and kernels.ready()):
+        return torch.ops.ster_kernels.few_rows(x, weight, bias)
     if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype
             and weight.dtype in (torch.bfloat16, torch.float16)):
         return _one_row_widening(x, weight, bias)

@@ -1,0 +1,91 @@
+"""Kernels of our own, in C++ for the CPU, where torch's are slow on the shapes of a decode step:
+
+- `few_rows(x, weight, bias)` (few_rows.cpp): x W^T (+ b) for one to seven rows of f32 or bf16 (dense() in
+  parallel/linear.py sends those rows here).
+- `paged_decode(q, keys, values, table, starts, ends, scale)` (paged_decode.cpp): one query per sequence
+  attending its keys where they lie in a paged cache (model/paged_step.py's decodes).
+
+They are compiled together, for the CPU they run on, the first time a process needs one (torch's extension
+builder with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction of
+a second), and called as torch.ops.ster_kernels.*. Where they cannot be built (no compiler, no AVX2) one line
+on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0 leaves them out.
+
+`ready()` is what callers ask: it builds on the first eager call and, inside a graph being traced, answers
+what an eager call already found (model/compiled.py asks once before it compiles), so tracing never builds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from ster_dist.events import progress
+
+FEW_ROWS_MAX = 7  # from 8 rows oneDNN's matmul (f32) and F.linear (bf16) are at least as fast (bench/decode.py)
+
+_tried = False
+_ready = False
+
+
+def ready() -> bool:
+    """Whether torch.ops.ster_kernels.* can be called (built and loaded, for AVX2 or AVX-512)."""
+    if torch.compiler.is_compiling():
+        return _ready
+    return _ready if _tried else _load()
+
+
+def _load() -> bool:
+    global _tried, _ready
+    _tried = True
+    if os.environ.get("STER_NATIVE_KERNELS") == "0":
+        return False
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        here = Path(__file__).parent
+        load(name=f"ster_kernels_{_cpu_key()}", sources=[str(here / "few_rows.cpp"), str(here / "paged_decode.cpp")],
+             extra_include_paths=[str(here)],
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        _ready = torch.ops.ster_kernels.isa() > 0
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        said = next((line for line in lines if "error" in line.lower() and line != lines[0]), lines[0])
+        progress(f"ster_dist's CPU kernels could not be built ({said.strip()[:200]}); "
+                 "decode steps use torch's own operations")
+        return False
+    if not _ready:
+        progress("this CPU has neither AVX2 nor AVX-512: decode steps use torch's own operations")
+        return False
+    torch.library.register_fake("ster_kernels::few_rows")(_product_shape)
+    torch.library.register_fake("ster_kernels::paged_decode")(_attention_shape)
+    if (spent := time.perf_counter() - started) > 2:
+        progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
+    return True
+
+
+def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _attention_shape(q, keys, values, table, starts, ends, scale: float) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], values.shape[3]))
+
+
+def _cpu_key() -> str:
+    # the build is for this CPU's instructions (-march=native): a cache shared by machines of other CPUs
+    # (a home directory on a network disk) must not hand one machine another's build
+    try:
+        with open("/proc/cpuinfo") as f:
+            described = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        described = ""
+    described += platform.machine() + platform.processor()
+    return hashlib.sha256(described.encode()).hexdigest()[:12]

@@ -1,0 +1,98 @@
+"""The paged-decode attention kernel (kernels/paged_decode.cpp): one query per sequence over its keys read in
+place from a paged cache equals softmax attention in f64 over the same keys gathered, for grouped heads,
+windows and chunks, scattered and shared blocks, f32 and bf16; and a paged engine step that takes it equals
+one that gathers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ster_dist import kernels
+from tests.test_few_rows import BUILDABLE
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not BUILDABLE:
+        pytest.skip("no C++ compiler or no AVX2 here: the kernel is not built and the engine gathers")
+    assert kernels.ready()
+    return torch.ops.ster_kernels.paged_decode
+
+
+def _reference(q, keys, values, table, first, end, scale):
+    """Gather each sequence's keys from its blocks, then softmax(q k^T scale) v in f64."""
+    block = keys.shape[1]
+    out = []
+    for i in range(q.shape[0]):
+        slots = [int(table[i, p // block]) * block + p % block for p in range(int(first[i]), int(end[i]))]
+        k = keys.flatten(0, 1)[slots].double()  # [keys, kv_heads, d]
+        v = values.flatten(0, 1)[slots].double()
+        group = q.shape[1] // keys.shape[2]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].double(), k) * scale
+        out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "dv"), [(6, 2, 64, 64), (4, 4, 40, 24), (8, 1, 17, 33)])
+def test_in_place_reads_equal_gathered_softmax_attention(kernel, dtype, heads, kv_heads, d, dv):
+    gen = torch.Generator().manual_seed(heads * 100 + d)
+    blocks, block = 23, 4
+    keys = torch.randn(blocks, block, kv_heads, d, generator=gen).to(dtype)
+    values = torch.randn(blocks, block, kv_heads, dv, generator=gen).to(dtype)
+    lengths = [1, 5, 17, 40, 13]
+    width = max(-(-n // block) for n in lengths)
+    # each sequence's blocks scattered over the cache, the shorter ones padded with block 0
+    order = torch.randperm(blocks - 1, generator=gen) + 1
+    table = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        need = -(-n // block)
+        table[i, :need] = order[torch.randint(0, blocks - 1, (need,), generator=gen)]  # blocks may be shared
+    q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
+    end = torch.tensor(lengths)
+    scale = d ** -0.5
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # every key, a window of 6, chunks of 8
+    for first in (torch.zeros_like(end), (end - 6).clamp(min=0), (end - 1) // 8 * 8):
+        got = kernel(q, keys, values, table, first, end, scale)
+        want = _reference(q, keys, values, table, first, end, scale)
+        assert got.dtype == dtype and got.shape == (len(lengths), heads, dv)
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_keys_outside_the_table_are_refused(kernel):
+    keys = values = torch.zeros(4, 2, 1, 8)
+    table = torch.tensor([[1, 2]])
+    q = torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the 4 slots"):
+        kernel(q, keys, values, table, torch.tensor([0]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="block 9 outside"):
+        kernel(q, keys, values, torch.tensor([[1, 9]]), torch.tensor([0]), torch.tensor([3]), 1.0)
+
+
+def test_a_paged_llama_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path):
+    from torch.profiler import profile
+
+    from ster_dist.load import load_model
+    from ster_dist.model.paged import PagedCache
+    from ster_dist.parity import compare
+    from ster_dist.resolve import resolve
+    from tests.paged_steps import BLOCK, Driver, run_step
+    from tests.tiny_models import make_tiny
+
+    make_tiny("llama", tmp_path / "llama")
+    model = load_model(resolve(str(tmp_path / "llama")), "f32").model
+    gen = torch.Generator().manual_seed(1)
+    tokens = {name: torch.randint(3, 300, (20,), generator=gen) for name in "AB"}
+    driver = Driver(PagedCache(model, 20, BLOCK))
+    run_step(model, driver, tokens, [("A", 7), ("B", 11)])
+    with profile() as seen:
+        chunks, logits = run_step(model, driver, tokens, [("B", 1), ("A", 1)])
+    calls = [e for e in seen.events() if e.name == "ster_kernels::paged_decode"]
+    assert len(calls) == model.cfg.num_layers  # one call a layer for both decodes, no gather
+    for row, (name, c) in enumerate(zip("BA", chunks)):
+        with torch.no_grad():
+            whole = model(tokens[name][None, :c.start + c.length])[0, -1]
+        assert compare(logits[row], whole)["max_relative_error"] < 1e-5
