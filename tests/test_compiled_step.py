@@ -80,6 +80,23 @@ def test_compiled_layers_give_the_eager_logits_and_share_one_graph(models):
     assert 1 <= compiled.compiled.graphs <= 2 < compiled.cfg.num_layers * 2
 
 
+def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd):
+    eager = load_model(resolve(str(toy))).model
+    compiled = load_model(resolve(str(toy))).model
+    assert compiled.compile_layers() is None
+    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(1))
+    want, want_tokens = decode(eager, prompt, NEW)
+    got, got_tokens = decode(compiled, prompt, NEW)
+    close(got, want)
+    assert got_tokens == want_tokens
+    said = capfd.readouterr().err
+    assert "one-token stack graph" in said and "stack failed" not in said
+    assert compiled.compiled.stacked
+    graphs = compiled.compiled.graphs
+    decode(compiled, prompt, 3)
+    assert compiled.compiled.graphs == graphs  # the second run compiled nothing more
+
+
 def test_a_hook_runs_eagerly_and_steers_as_it_does_eagerly(models):
     eager, compiled = models
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(1))

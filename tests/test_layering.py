@@ -28,6 +28,8 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user"),
     (("checkpoint", "config*", "resolve", "tokenizer*", "chat_template"),
      "checkpoint and config level: what a model is, read from its files before any weight"),
+    (("kernels",),
+     "our native CPU kernels (few-row products, paged decode attention), built at first use; torch ops only"),
     (("parallel",),
      "tensor-parallel primitives (ParallelCtx, Shard, sharded linears): every layer takes a context"),
     (("layers",),

@@ -8,20 +8,26 @@ elementwise work between two products becomes one generated loop.
 
 Attention is not traced: how it reaches its keys is the step's business (a static cache's slots, a paged
 cache's block tables, masks by window) and its key count grows every step. As vLLM's piecewise graphs do,
-it is a custom operator, `ster_dist::attend(q, k, v)`, whose body runs the layer's own attention through the
-live step, outside the graph. The graph sees only the operator's output shape, which follows from the
+it is a custom operator, `ster_dist::attend(q, k, v, layer)`, whose body runs the layer's own attention through
+the live step, outside the graph. The graph sees only the operator's output shape, which follows from the
 step's token count, so one graph serves every step whatever the cache holds; the token count is a dynamic
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
-row count: one token, 2-7 (dense()'s few-row kernel), 8-15 (on f32 weights oneDNN's products) and 16 up (a
-bound inductor adds), four graphs on a CPU (f32 and bf16 alike), each compiled on its first use.
+row count: 2-7 (dense()'s few-row kernel), 8-15 (on f32 weights oneDNN's products) and 16 up (a bound inductor
+adds), each compiled on its first use.
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
-nn.Modules), and nothing layer-specific reaches the graph as a constant (the operator finds its layer in
-the context this module keeps, not through an argument). Layers that differ in structure (a sliding window,
-another head count) get a graph of their own, traced on first use.
+nn.Modules), and nothing layer-specific reaches the graph as a constant: the operator's `layer` is the
+layer's index as a 0-d tensor, an input like the parameters, and the step is in the context this module
+keeps. Layers that differ in structure (a sliding window, another head count) get a graph of their own,
+traced on first use.
 
-The head of a one-token step with bf16 / f16 weights runs through a compiled `dense` too (its one-row
-widening loop, parallel/linear.py), set as the model's `VocabHead.product`.
+A step of one token (one sequence decoding: a chat's every step) runs the whole stack in one graph instead,
+static in shape: each layer is a call of a `nested_compile_region` traced once per layer structure, so the
+step enters compiled code once rather than once a layer (guards and wrappers, about 50 us a layer). If that
+graph cannot be built, one-token steps go layer by layer like the others.
+
+Without the few-row kernel (kernels/), the head of a one-token step with bf16 / f16 weights runs through a
+compiled `dense` (its one-row widening loop, parallel/linear.py), set as the model's `VocabHead.product`.
 
 Inside the graph the layers see a TracedStep instead of the live step: the token positions, the layer's
 rotary tables (looked up by the live step beforehand) and `attend`. Models whose layers need more of the
@@ -42,41 +48,59 @@ from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import dense
 
-_RUNNING: list = []  # (live step, decoder, layer) of the compiled layer in flight: the operator's context
+_RUNNING: list = []  # (live step, decoder) of the compiled step in flight: the operator's context
 
 
 @torch.library.custom_op("ster_dist::attend", mutates_args=())
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    step, model, layer = _RUNNING[-1]
-    mixer = model.layers[layer].token_mixer
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    step, model = _RUNNING[-1]
+    index = int(layer)
+    mixer = model.layers[index].token_mixer
     # in the layout the graph was compiled for (register_fake's): a paged step's decodes come back with heads
     # and sequences transposed, and the graph reads its input by the strides it was traced with
-    return step.attend(layer, q, k, v, mixer.window, mixer._attend_at, mixer.chunk).contiguous()
+    return step.attend(index, q, k, v, mixer.window, mixer._attend_at, mixer.chunk).contiguous()
 
 
 @attend.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
 class TracedStep:
-    """What a compiled layer reads of its step: positions, its rotary tables and attention."""
+    """What a compiled layer reads of its step: positions, its rotary tables and attention. `layer` is the
+    layer's index as a 0-d tensor, an input of the graph rather than a constant of it, so every layer of one
+    structure shares the graph."""
 
-    def __init__(self, positions: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+    def __init__(self, positions: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                 layer: torch.Tensor):
         self.positions = positions
         self._rotary = rotary
+        self.layer = layer
 
     def rotary(self, rope, dtype: torch.dtype):
         return self._rotary
 
     def attend(self, layer: int, q, k, v, window, fn, chunk=None, keep: bool = False) -> torch.Tensor:
-        return torch.ops.ster_dist.attend(q, k, v)
+        return torch.ops.ster_dist.attend(q, k, v, self.layer)
 
 
-def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, batch: int, tokens: int) -> torch.Tensor:
+def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
+           tokens: int) -> torch.Tensor:
     # flat in and out, so every layer's input has the strides the first one's had (guards check them)
-    out = block(h.view(batch, tokens, -1), TracedStep(positions.view(batch, tokens), rotary))
+    out = block(h.view(batch, tokens, -1), TracedStep(positions.view(batch, tokens), rotary, layer))
     return out.reshape(batch * tokens, -1)
+
+
+@torch.compiler.nested_compile_region
+def _one_token_layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor) -> torch.Tensor:
+    return block(h, TracedStep(positions, rotary, layer))
+
+
+def _one_token_layers(blocks, h: torch.Tensor, positions: torch.Tensor, rotaries, layers) -> torch.Tensor:
+    # one graph for the whole stack, each layer one call of a region traced once per layer structure
+    for block, rotary, layer in zip(blocks, rotaries, layers):
+        h = _one_token_layer(block, h, positions, rotary, layer)
+    return h
 
 
 def why_eager(model) -> str | None:
@@ -122,6 +146,12 @@ class CompiledLayers:
         # without inductor's checks of every input's and output's sizes and strides at each call (thirty-odd
         # calls a layer): the graph's inputs are a layer's own parameters, checked by its guards already
         self.fn = torch.compile(_layer, dynamic=True, options={"size_asserts": False})
+        # a step of one token (one sequence decoding) runs every layer in one graph: one entry into a compiled
+        # function a step instead of one a layer (about 50 us each of guards and wrappers: 1.5 ms of a
+        # 30-layer step). Its shapes are static: torch's regions reused across layers fail on dynamic ones.
+        self.one_token = torch.compile(_one_token_layers, dynamic=False, options={"size_asserts": False})
+        self.stacked = True  # until the one-token graph fails to build
+        self.layer_ids = [torch.tensor(i) for i in range(len(model.layers))]
         # the head of a one-token step in bf16 / f16 through dense's compiled one-row loop (parallel/linear.py):
         # SmolLM2's 57 MB bf16 head in 2.9 ms against 5.5 ms through oneDNN
         self.head = torch.compile(dense, dynamic=False)
@@ -134,23 +164,40 @@ class CompiledLayers:
         tables = {}
         started, before = time.perf_counter(), _graph_count()
         batch, tokens, width = h.shape
-        h, positions = h.reshape(batch * tokens, width), step.positions.reshape(-1).contiguous()
-        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
-            for i in range(*model.stage):
-                rope = model.layers[i].token_mixer.rope
-                if rope is not None and rope not in tables:
-                    tables[rope] = step.rotary(rope, model.dtype)
-                _RUNNING.append((step, model, i))
-                try:
-                    h = self.fn(model.layers[i], h, positions, tables.get(rope), batch, tokens)
-                finally:
-                    _RUNNING.pop()
+        layers = range(*model.stage)
+        rotaries = []
+        for i in layers:
+            rope = model.layers[i].token_mixer.rope
+            if rope is not None and rope not in tables:
+                tables[rope] = step.rotary(rope, model.dtype)
+            rotaries.append(tables.get(rope))
+        ids = self.layer_ids[layers.start:layers.stop]
+        _RUNNING.append((step, model))
+        try:
+            with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+                if batch * tokens == 1 and self.stacked:
+                    try:
+                        out = self.one_token(list(model.layers)[layers.start:layers.stop], h,
+                                             step.positions.reshape(1, 1), rotaries, ids)
+                    except failures() as error:  # the step runs again layer by layer: it writes the same slots
+                        self.stacked = False
+                        progress(f"compiling the one-token stack failed ({str(error).strip().splitlines()[0][:200]});"
+                                 " one-token steps run layer by layer from now on")
+                    else:
+                        self._report(before, started, "one-token stack graph(s)")
+                        return out
+                h, positions = h.reshape(batch * tokens, width), step.positions.reshape(-1).contiguous()
+                for i, rotary, layer in zip(layers, rotaries, ids):
+                    h = self.fn(model.layers[i], h, positions, rotary, layer, batch, tokens)
+        finally:
+            _RUNNING.pop()
         self._report(before, started, f"step graph(s) for {batch * tokens} tokens")
         return h.view(batch, tokens, -1)
 
     def head_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The head's x W^T (+ b): compiled for one row of a bf16 / f16 weight, through dense otherwise."""
-        if x.numel() != x.shape[-1] or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype:
+        if (x.numel() != x.shape[-1] or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
+                or (weight.dtype == torch.bfloat16 and kernels.ready())):  # the few-row kernel takes it as it is
             return dense(x, weight, bias)
         started, before = time.perf_counter(), _graph_count()
         try:
