@@ -43,27 +43,48 @@ UNSTATED_BASE = {"glm5_next": ("vocab_size", "hidden_size", "intermediate_size",
                                "eos_token_id")}
 
 
-def _pairs_order(rows: int) -> torch.Tensor:
-    """The release's order of a rotated slice stored by halves: channel i and i + rows/2 side by side."""
-    half = rows // 2
-    return torch.stack((torch.arange(half), torch.arange(half) + half), dim=-1).flatten()
+def _halves_order(rows: int) -> torch.Tensor:
+    """Rows of a rotated slice in pair order (channels 2i, 2i+1 side by side) put by halves: evens, then odds."""
+    return torch.cat((torch.arange(0, rows, 2), torch.arange(1, rows, 2)))
 
 
-def _as_hy_v4_release(directory: Path) -> None:
-    """Rewrite the checkpoint as HY V4 publishes it (Megatron's layout, which vLLM rotates by adjacent pairs):
-    the rotated rows of q_b_proj (each head's last qk_rope_head_dim) and kv_a_proj_with_mqa (its last ones) in
-    pair order, so that pairs rotating on them equal Transformers' halves rotating on its own rows."""
+def _tail_by_halves(t: torch.Tensor, groups: int, rope: int) -> torch.Tensor:
+    """`t`'s rows in `groups` equal groups, the last `rope` rows of each put from pair order into halves order."""
+    grouped = t.reshape(groups, -1, *t.shape[1:])
+    return torch.cat((grouped[:, :-rope], grouped[:, -rope:][:, _halves_order(rope)]), dim=1).reshape(t.shape)
+
+
+def as_rotated_by_halves(directory: Path) -> None:
+    """Rewrite a HY V4 checkpoint's rotated rows of latent attention (each head's last qk_rope_head_dim of
+    q_b_proj, the last ones of kv_a_proj_with_mqa) from the release's pair order (Megatron's layout, which vLLM
+    and Transformers since 5.25 rotate by adjacent pairs) to halves order, the layout a reader rotating halves
+    would need."""
     config = json.loads((directory / "config.json").read_text())
-    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-    order = _pairs_order(rope)
+    rope, heads = config["qk_rope_head_dim"], config["num_attention_heads"]
     for file in directory.glob("*.safetensors"):
         tensors = load_file(file)
         for name, t in tensors.items():
             if name.endswith("self_attn.q_b_proj.weight"):
-                heads = t.view(-1, nope + rope, t.shape[-1])
-                tensors[name] = torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1).reshape(t.shape)
+                tensors[name] = _tail_by_halves(t, heads, rope)
             elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-                tensors[name] = torch.cat((t[:-rope], t[-rope:][order]))
+                tensors[name] = _tail_by_halves(t, 1, rope)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _as_hy_v4_release(directory: Path) -> None:
+    """The indexer as HY V4 publishes it: Transformers 5.25 rotates the indexer's tail by adjacent pairs too,
+    where the release's readers (vLLM, SGLang's HY V4 port, Transformers up to 5.24: "split-half RoPE") rotate
+    it by halves, so its rows (wq_b per head, wk and k_norm once) go from pair order into halves order, which
+    rotated by halves equal Transformers' pairs rotating on its own."""
+    config = json.loads((directory / "config.json").read_text())
+    rope, heads = config["qk_rope_head_dim"], config["index_n_heads"]
+    for file in directory.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, t in tensors.items():
+            if name.endswith("indexer.wq_b.weight"):
+                tensors[name] = _tail_by_halves(t, heads, rope)
+            elif name.endswith(("indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")):
+                tensors[name] = _tail_by_halves(t, 1, rope)
         save_file(tensors, file, metadata={"format": "pt"})
 
 

@@ -23,9 +23,10 @@ TINY["nemotron_h"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
     head_dim=16, mamba_num_heads=8, mamba_head_dim=12, ssm_state_size=16, n_groups=2, chunk_size=16,
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=24,
     n_group=2, topk_group=1, routed_scaling_factor=2.5))
-# the experts in a latent width (moe_latent_size) with biased latent projections (mlp_bias), one group
+# the experts in a latent width (moe_latent_size) with biased latent projections (mlp_bias), one group; Mamba-2
+# first as in the published Nemotron 3 patterns (Transformers 5.25 reads a cache's length from its first layer)
 TINY["nemotron_h_latent"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
-    layers_block_type=["moe", "linear_attention", "full_attention", "moe"], num_key_value_heads=2, head_dim=16,
+    layers_block_type=["linear_attention", "moe", "full_attention", "moe"], num_key_value_heads=2, head_dim=16,
     mamba_num_heads=8, mamba_head_dim=12, ssm_state_size=16, n_groups=2, chunk_size=16, n_routed_experts=6,
     num_experts_per_tok=2, moe_intermediate_size=20, moe_shared_expert_intermediate_size=24, moe_latent_size=32,
     mlp_bias=True, routed_scaling_factor=1.5))
