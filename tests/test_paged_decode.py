@@ -96,3 +96,46 @@ def test_a_paged_llama_decode_step_reads_keys_in_place_and_equals_the_whole_read
         with torch.no_grad():
             whole = model(tokens[name][None, :c.start + c.length])[0, -1]
         assert compare(logits[row], whole)["max_relative_error"] < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_static_cache_seen_as_one_block_a_row_is_read_through_its_strides(kernel, dtype):
+    """A static cache [batch, kv_heads, capacity, d] viewed [batch, capacity, kv_heads, d] (not contiguous) is a
+    paged cache of one block a row: read in place, it equals the same keys copied contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    batch, kv_heads, capacity, d, used = 3, 2, 32, 16, 21
+    keys = torch.randn(batch, kv_heads, capacity, d, generator=gen).to(dtype)[:, :, :used]
+    values = torch.randn(batch, kv_heads, capacity, d, generator=gen).to(dtype)[:, :, :used]
+    q = torch.randn(batch, 6, d, generator=gen).to(dtype)
+    rows, first, end = torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long), torch.full((batch,), used)
+    strided = kernel(q, keys.transpose(1, 2), values.transpose(1, 2), rows, first, end, 0.25)
+    copied = kernel(q, keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), rows, first, end, 0.25)
+    assert not keys.transpose(1, 2).is_contiguous()
+    assert torch.equal(strided, copied)
+    want = _reference(q, keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), rows, first, end, 0.25)
+    assert ((strided.double() - want).norm() / want.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_a_static_cache_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path):
+    """One token a row over every key of a static cache (generate's decode steps) takes the kernel, one call a
+    layer; a step whose rows hold padding keeps the masked softmax; both equal the whole read."""
+    from torch.profiler import profile
+
+    from ster_dist.load import load_model
+    from ster_dist.parity import compare
+    from ster_dist.resolve import resolve
+    from tests.tiny_models import make_tiny
+
+    make_tiny("llama", tmp_path / "llama")
+    model = load_model(resolve(str(tmp_path / "llama")), "f32").model
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(2))
+    for valid, calls_per_layer in ((torch.ones(2, 11, dtype=torch.bool), 1), (torch.arange(11) >= torch.tensor([[0], [3]]), 0)):
+        cache = model.new_cache(2, 16)
+        with torch.no_grad():
+            model(ids[:, :11], torch.arange(11).expand(2, -1), valid, cache)
+            with profile() as seen:
+                last = model(ids[:, 11:], torch.full((2, 1), 11), torch.ones(2, 1, dtype=torch.bool), cache)[:, -1]
+            whole = model(ids, torch.arange(12).expand(2, -1), torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1))
+        calls = [e for e in seen.events() if e.name == "ster_kernels::paged_decode"]
+        assert len(calls) == calls_per_layer * model.cfg.num_layers
+        assert compare(last, whole[:, -1])["max_relative_error"] < 1e-5

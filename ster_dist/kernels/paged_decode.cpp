@@ -6,6 +6,9 @@
 // mask for the padding; with 32 sequences that gather alone was 13-21% of a serving step. Here each
 // (sequence, key head) task reads its keys and values in place, block by block, once for all the query
 // heads that share them, and stops at the sequence's own length: no copy, no padding, no mask.
+//
+// The cache is read through its strides (only each key's own channels must be contiguous), so a static cache
+// [batch, kv_heads, capacity, d] viewed as [batch, capacity, kv_heads, d] is a paged one of one block per row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -28,6 +31,8 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   using T = typename V::T;
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block = keys.size(1), kv_heads = keys.size(2), dv = values.size(3), width = table.size(1);
+  const int64_t kb = keys.stride(0), kt = keys.stride(1), kh = keys.stride(2);
+  const int64_t vb = values.stride(0), vt = values.stride(1), vh = values.stride(2);
   const int64_t group = heads / kv_heads;
   const T* qs = q.data_ptr<T>();
   const T* ks = keys.data_ptr<T>();
@@ -47,8 +52,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       const T* qi = qs + (i * heads + g * group) * d;
       for (int64_t p = 0; p < count; ++p) {
         const int64_t at = from + p;
-        const int64_t slot = tab[i * width + at / block] * block + at % block;
-        const T* k = ks + (slot * kv_heads + g) * d;
+        const T* k = ks + tab[i * width + at / block] * kb + (at % block) * kt + g * kh;
         for (int64_t j = 0; j < group; ++j) {
           float dot;
           one_row<V, 1, 1>(qi + j * d, k, d, &dot);
@@ -63,8 +67,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       }
       for (int64_t p = 0; p < count; ++p) {
         const int64_t at = from + p;
-        const int64_t slot = tab[i * width + at / block] * block + at % block;
-        const T* v = vs + (slot * kv_heads + g) * dv;
+        const T* v = vs + tab[i * width + at / block] * vb + (at % block) * vt + g * vh;
         for (int64_t j = 0; j < group; ++j) {
           const float w = scores[j * count + p];
           float* a = acc.data() + j * dv;
@@ -91,7 +94,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::T
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged_decode: q, keys and values all f32 or all bf16");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "paged_decode: contiguous cache blocks");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "paged_decode: each key's and value's channels contiguous");
   TORCH_CHECK(table.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && ends.scalar_type() == at::kLong,
               "paged_decode: int64 table, starts and ends");
   const int64_t n = q.size(0), heads = q.size(1), kv_heads = keys.size(2);

@@ -40,6 +40,7 @@ class StepState:
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the decode kernel's table and starts
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         # what a layer hands on to later layers of this step (GLM-DSA's shared top-k choice, model/mla.py)
@@ -75,7 +76,37 @@ class StepState:
                 k, v = self.cache.write(layer, self.slots, k, v)
             if keep:
                 self.handed_on["kv", layer] = k, v
+        scale = self._in_place_scale(q, k, fn, window, chunk)
+        if scale is not None:  # one query a row over every key: read where the cache holds them
+            return self._in_place(q, k, v, scale)
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
+
+    def _in_place_scale(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None) -> float | None:
+        """The scale of `fn`'s attention where the decode kernel computes it (kernels/paged_decode.cpp): one
+        query a row that sees every key, a plain softmax attention (Attention.plain_scale) on a CPU in f32 or
+        bf16, the kernels built; None: call fn."""
+        if not self._unmasked or not isinstance(q, torch.Tensor) or q.device.type != "cpu":
+            return None
+        if q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype:
+            return None
+        plain_scale = getattr(getattr(fn, "__self__", None), "plain_scale", None)
+        scale = plain_scale(fn) if plain_scale is not None else None
+        if scale is None or self.mask(window, chunk) is not None:
+            return None
+        from ster_dist import kernels
+
+        return scale if kernels.ready() else None
+
+    def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
+        batch, keys = k.shape[0], k.shape[2]
+        if self._rows is None:
+            self._rows = torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long)
+        rows, starts = self._rows
+        ends = torch.full((batch,), keys, dtype=torch.long)
+        out = torch.ops.ster_kernels.paged_decode(q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), rows, starts,
+                                                  ends, scale)
+        return out.unsqueeze(2)
 
     def attend_again(self, layer: int, q: torch.Tensor, fn, fresh: tuple[torch.Tensor, torch.Tensor] | None):
         """fn(q, keys, values, causal mask, key_positions) over the keys an earlier layer of this step stored
