@@ -1,5 +1,5 @@
 """The few-row product kernel (kernels/few_rows.cpp), built here for this CPU: its products equal F.linear's
-in f64 within the sums' rounding, dense() takes it for one to seven rows of f32 and bf16 and leaves it for more
+in f64 within the sums' rounding, dense() takes it for one to eight rows of f32 and bf16 and leaves it for more
 rows and for products that need gradients, and a process where it cannot be built says so in one line and
 computes the same products through the library."""
 
@@ -80,17 +80,17 @@ def test_batched_and_strided_inputs_keep_their_shape(kernel):
     assert _rel(got, F.linear(x.double(), weight.double())) < 1e-6
 
 
-def test_dense_takes_it_for_one_to_seven_rows_only(kernel):
+def test_dense_takes_it_for_one_to_eight_rows_only(kernel):
     gen = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
         weight = torch.randn(96, 80, generator=gen).to(dtype)
-        for rows in (1, 4, 7):
+        for rows in (1, 4, 7, 8):
             x = torch.randn(1, rows, 80, generator=gen).to(dtype)
             assert torch.equal(dense(x, weight), kernel(x, weight, None))
-        many = torch.randn(1, 8, 80, generator=gen).to(dtype)
+        many = torch.randn(1, 9, 80, generator=gen).to(dtype)
         assert _rel(dense(many, weight), F.linear(many.double(), weight.double())) < 5e-3
-    with pytest.raises(RuntimeError, match="1 to 7 rows"):
-        kernel(torch.randn(8, 80), torch.randn(96, 80), None)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernel(torch.randn(9, 80), torch.randn(96, 80), None)
 
 
 def test_a_product_that_needs_gradients_keeps_the_library_kernel(kernel):

@@ -1,6 +1,6 @@
 """Kernels of our own, in C++ for the CPU, where torch's are slow on the shapes of a decode step:
 
-- `few_rows(x, weight, bias)` (few_rows.cpp): x W^T (+ b) for one to seven rows of f32 or bf16 (dense() in
+- `few_rows(x, weight, bias)` (few_rows.cpp): x W^T (+ b) for one to eight rows of f32 or bf16 (dense() in
   parallel/linear.py sends those rows here).
 - `paged_decode(q, keys, values, table, starts, ends, scale)` (paged_decode.cpp): one query per sequence
   attending its keys where they lie in a paged cache (model/paged_step.py's decodes).
@@ -27,7 +27,10 @@ import torch
 
 from ster_dist.events import progress
 
-FEW_ROWS_MAX = 7  # from 8 rows oneDNN's matmul (f32) and F.linear (bf16) are at least as fast (bench/decode.py)
+# up to 8 rows the kernel beat oneDNN's matmul (f32) and F.linear (bf16) on every one of SmolLM2's shapes here
+# (at 8: 1.1-1.8x in f32, 1.1-1.7x in bf16); from about 10 rows, compute rather than reading the weight
+# bounds a product and the library's blocked kernels are ahead
+FEW_ROWS_MAX = 8
 
 _tried = False
 _ready = False

@@ -1,7 +1,7 @@
 // y = x W^T (+ b) for a few rows of x (decode): each weight row is read once, front to back, for all rows of x.
 // Built with the package's other kernels at first use, for the CPU it runs on (kernels/__init__.py).
 //
-// Why a kernel of our own: at one to seven rows the library kernels are slow on the weights of a decode step.
+// Why a kernel of our own: at one to eight rows the library kernels are slow on the weights of a decode step.
 // oneDNN repacks a bf16 weight on every call and MKL's f32 matrix-vector product reaches half the memory
 // bandwidth on a non-Intel CPU. Here each thread streams its own contiguous share of the weight's rows, so the
 // hardware prefetcher sees one stream: per-row blocks of several rows read side by side (four short streams
@@ -19,17 +19,20 @@ namespace {
 using namespace ster_kernels;
 
 #if STER_KERNELS_ISA
-template <class V, int M>
+template <class V, int M, int M2 = 0>
 void rows(const typename V::T* x, const typename V::T* w, const typename V::T* b, typename V::T* y, int64_t N,
           int64_t K) {
   // two accumulators a row of x whatever M is, so a row's sum is the same sum in any batch (a request's
-  // logits do not depend on who shares its step); at most 14 accumulators, within AVX2's 16 registers
+  // logits do not depend on who shares its step); at most 14 accumulators, within AVX2's 16 registers.
+  // At eight rows (M2 > 0: four and four) a weight row is read for the first M rows, then again for the next M2
+  // while it is still in the L1 cache: memory still sees each weight row once.
   constexpr int U = 2;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    float out[M];
+    float out[M + M2];
     for (int64_t n = n0; n < n1; ++n) {
       one_row<V, M, U>(x, w + n * K, K, out);
-      for (int m = 0; m < M; ++m) y[m * N + n] = typename V::T(out[m] + (b ? float(b[n]) : 0.f));
+      if constexpr (M2 > 0) one_row<V, M2, U>(x + M * K, w + n * K, K, out + M);
+      for (int m = 0; m < M + M2; ++m) y[m * N + n] = typename V::T(out[m] + (b ? float(b[n]) : 0.f));
     }
   });
 }
@@ -45,11 +48,12 @@ void by_count(int64_t M, const typename V::T* x, const typename V::T* w, const t
     case 5: return rows<V, 5>(x, w, b, y, N, K);
     case 6: return rows<V, 6>(x, w, b, y, N, K);
     case 7: return rows<V, 7>(x, w, b, y, N, K);
+    case 8: return rows<V, 4, 4>(x, w, b, y, N, K);
   }
 }
 #endif
 
-constexpr int64_t kMaxRows = 7;
+constexpr int64_t kMaxRows = 8;
 
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(STER_KERNELS_ISA, "few_rows: built without AVX2 or AVX-512");
@@ -62,7 +66,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
   TORCH_CHECK(x.size(-1) == K, "few_rows: x's last dimension is not the weight's");
   const at::Tensor flat = x.reshape({-1, K}).contiguous();
   const int64_t M = flat.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "few_rows: 1 to 7 rows");
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "few_rows: 1 to 8 rows");
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());

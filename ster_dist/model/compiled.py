@@ -12,7 +12,7 @@ it is a custom operator, `ster_dist::attend(q, k, v, layer)`, whose body runs th
 the live step, outside the graph. The graph sees only the operator's output shape, which follows from the
 step's token count, so one graph serves every step whatever the cache holds; the token count is a dynamic
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
-row count: 2-7 (dense()'s few-row kernel), 8-15 (on f32 weights oneDNN's products) and 16 up (a bound inductor
+row count: 2-8 (dense()'s few-row kernel), 9-15 (on f32 weights oneDNN's products) and 16 up (a bound inductor
 adds), each compiled on its first use.
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
