@@ -54,21 +54,28 @@ def _tail_by_halves(t: torch.Tensor, groups: int, rope: int) -> torch.Tensor:
     return torch.cat((grouped[:, :-rope], grouped[:, -rope:][:, _halves_order(rope)]), dim=1).reshape(t.shape)
 
 
+def _rotated_rows_by_halves(directory: Path, per_head: str, heads_key: str, once: tuple[str, ...]) -> None:
+    """Rewrite the checkpoint's tensors named `...per_head` (the last qk_rope_head_dim rows of each of
+    config[heads_key] heads) and `...once` (their last ones) from pair order into halves order."""
+    config = json.loads((directory / "config.json").read_text())
+    rope, heads = config["qk_rope_head_dim"], config[heads_key]
+    for file in directory.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, t in tensors.items():
+            if name.endswith(per_head):
+                tensors[name] = _tail_by_halves(t, heads, rope)
+            elif name.endswith(once):
+                tensors[name] = _tail_by_halves(t, 1, rope)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
 def as_rotated_by_halves(directory: Path) -> None:
     """Rewrite a HY V4 checkpoint's rotated rows of latent attention (each head's last qk_rope_head_dim of
     q_b_proj, the last ones of kv_a_proj_with_mqa) from the release's pair order (Megatron's layout, which vLLM
     and Transformers since 5.25 rotate by adjacent pairs) to halves order, the layout a reader rotating halves
     would need."""
-    config = json.loads((directory / "config.json").read_text())
-    rope, heads = config["qk_rope_head_dim"], config["num_attention_heads"]
-    for file in directory.glob("*.safetensors"):
-        tensors = load_file(file)
-        for name, t in tensors.items():
-            if name.endswith("self_attn.q_b_proj.weight"):
-                tensors[name] = _tail_by_halves(t, heads, rope)
-            elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-                tensors[name] = _tail_by_halves(t, 1, rope)
-        save_file(tensors, file, metadata={"format": "pt"})
+    _rotated_rows_by_halves(directory, "self_attn.q_b_proj.weight", "num_attention_heads",
+                            ("self_attn.kv_a_proj_with_mqa.weight",))
 
 
 def _as_hy_v4_release(directory: Path) -> None:
@@ -76,16 +83,8 @@ def _as_hy_v4_release(directory: Path) -> None:
     where the release's readers (vLLM, SGLang's HY V4 port, Transformers up to 5.24: "split-half RoPE") rotate
     it by halves, so its rows (wq_b per head, wk and k_norm once) go from pair order into halves order, which
     rotated by halves equal Transformers' pairs rotating on its own."""
-    config = json.loads((directory / "config.json").read_text())
-    rope, heads = config["qk_rope_head_dim"], config["index_n_heads"]
-    for file in directory.glob("*.safetensors"):
-        tensors = load_file(file)
-        for name, t in tensors.items():
-            if name.endswith("indexer.wq_b.weight"):
-                tensors[name] = _tail_by_halves(t, heads, rope)
-            elif name.endswith(("indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")):
-                tensors[name] = _tail_by_halves(t, 1, rope)
-        save_file(tensors, file, metadata={"format": "pt"})
+    _rotated_rows_by_halves(directory, "indexer.wq_b.weight", "index_n_heads",
+                            ("indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias"))
 
 
 SAVED_AS = {"hy_v4": _as_hy_v4_release}
