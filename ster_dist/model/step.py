@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ster_dist import kernels
 from ster_dist.config import RopeConfig
 from ster_dist.model.cache import KVCache
 from ster_dist.model.rope import RotaryTables
@@ -93,8 +94,6 @@ class StepState:
         scale = plain_scale(fn) if plain_scale is not None else None
         if scale is None or self.mask(window, chunk) is not None:
             return None
-        from ster_dist import kernels
-
         return scale if kernels.ready() else None
 
     def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
