@@ -62,6 +62,55 @@ def test_in_place_reads_equal_gathered_softmax_attention(kernel, dtype, heads, k
         assert ((got.double() - want).norm() / want.norm()).item() < tol
 
 
+def _scattered_cache(gen, lengths, block, kv_heads, d, dv, dtype, heads):
+    """A cache of blocks in random order, every sequence's own (no sharing), and a query per sequence."""
+    need = [-(-n // block) for n in lengths]
+    blocks = sum(need) + 1
+    keys = torch.randn(blocks, block, kv_heads, d, generator=gen).to(dtype)
+    values = torch.randn(blocks, block, kv_heads, dv, generator=gen).to(dtype)
+    order = (torch.randperm(blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(lengths), max(need), dtype=torch.long)
+    for i, k in enumerate(need):
+        table[i, :k] = torch.tensor([order.pop() for _ in range(k)])
+    return keys, values, table, torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_sequences_read_in_pieces_equal_softmax_attention(kernel, dtype):
+    """Sequences longer than one piece of keys (256) are read in pieces whose partial softmaxes are merged:
+    exactly at a piece's edge, one past it, across three pieces, and with a window starting inside a piece."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [256, 257, 700, 3, 513]
+    keys, values, table, q = _scattered_cache(gen, lengths, 16, 2, 32, 48, dtype, 6)
+    end = torch.tensor(lengths)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for first in (torch.zeros_like(end), (end - 300).clamp(min=0)):
+        got = kernel(q, keys, values, table, first, end, 0.2)
+        want = _reference(q, keys, values, table, first, end, 0.2)
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_a_sequences_output_does_not_depend_on_its_batch_or_the_threads(kernel):
+    """A sequence's attention is the same bits alone, beside others of other lengths, and on one thread or two:
+    where its keys are cut into pieces depends on its own length only (a request's logits must not depend on
+    what shares its step)."""
+    gen = torch.Generator().manual_seed(8)
+    lengths = [600, 40, 1000, 257]
+    keys, values, table, q = _scattered_cache(gen, lengths, 8, 3, 64, 64, torch.float32, 9)
+    end, first = torch.tensor(lengths), torch.zeros(len(lengths), dtype=torch.long)
+    together = kernel(q, keys, values, table, first, end, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(kernel(q, keys, values, table, first, end, 0.125), together)
+            for i in range(len(lengths)):
+                alone = kernel(q[i:i + 1], keys, values, table[i:i + 1], first[i:i + 1], end[i:i + 1], 0.125)
+                assert torch.equal(alone[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_keys_outside_the_table_are_refused(kernel):
     keys = values = torch.zeros(4, 2, 1, 8)
     table = torch.tensor([[1, 2]])
