@@ -46,7 +46,9 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def write(self, layer: int, slots: slice, k: torch.Tensor, v: torch.Tensor):
-        self.keys[layer][:, :, slots] = k
-        self.values[layer][:, :, slots] = v
-        end = slots.stop
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        # narrow and copy_ rather than indexing: a decode step writes every layer, and Python's tuple indexing
+        # costs several times the copy of one token's keys
+        keys, values, count = self.keys[layer], self.values[layer], slots.stop - slots.start
+        keys.narrow(2, slots.start, count).copy_(k)
+        values.narrow(2, slots.start, count).copy_(v)
+        return keys.narrow(2, 0, slots.stop), values.narrow(2, 0, slots.stop)

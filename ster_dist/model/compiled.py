@@ -51,17 +51,26 @@ from ster_dist.parallel.linear import dense
 _RUNNING: list = []  # (live step, decoder) of the compiled step in flight: the operator's context
 
 
-@torch.library.custom_op("ster_dist::attend", mutates_args=())
+# defined through a Library rather than torch.library.custom_op: the operator runs once a layer every step, and
+# custom_op's Python wrappers (its aliasing checks among them) cost about as much again as the dispatch itself
+_LIBRARY = torch.library.Library("ster_dist", "FRAGMENT")
+_LIBRARY.define("attend(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     step, model = _RUNNING[-1]
     index = int(layer)
     mixer = model.layers[index].token_mixer
-    # in the layout the graph was compiled for (register_fake's): a paged step's decodes come back with heads
-    # and sequences transposed, and the graph reads its input by the strides it was traced with
+    # in the layout the graph was compiled for (the fake's): a paged step's decodes come back with heads and
+    # sequences transposed, and the graph reads its input by the strides it was traced with; a new tensor
+    # always, never one of the inputs (the schema says the output aliases nothing)
     return step.attend(index, q, k, v, mixer.window, mixer._attend_at, mixer.chunk).contiguous()
 
 
-@attend.register_fake
+_LIBRARY.impl("attend", attend, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ster_dist::attend")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 

@@ -41,7 +41,7 @@ class StepState:
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # the decode kernel's table and starts
+        self._rows: tuple | None = None  # the decode kernel's table, starts, ends and their key count
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         # what a layer hands on to later layers of this step (GLM-DSA's shared top-k choice, model/mla.py)
@@ -99,10 +99,10 @@ class StepState:
     def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
         batch, keys = k.shape[0], k.shape[2]
-        if self._rows is None:
-            self._rows = torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long)
-        rows, starts = self._rows
-        ends = torch.full((batch,), keys, dtype=torch.long)
+        if self._rows is None or self._rows[3] != keys:  # every layer of a step sees as many keys
+            self._rows = (torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long),
+                          torch.full((batch,), keys, dtype=torch.long), keys)
+        rows, starts, ends, _ = self._rows
         out = torch.ops.ster_kernels.paged_decode(q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), rows, starts,
                                                   ends, scale)
         return out.unsqueeze(2)
