@@ -166,18 +166,14 @@ def test_tp2_compiled_layers_give_the_eager_logits(toy, compiling):
     assert torch.equal(got[0], again[0])  # the second call ran the graphs the first one compiled
 
 
-@pytest.mark.slow  # about 16 graphs around the experts: 90 s here; the dense tests above compile the same way
-def test_a_mixture_of_experts_model_compiles_around_its_experts(tmp_path, compiling):
-    """The experts run eagerly inside a compiled step (their routing changes every step); the rest is compiled."""
+def test_a_mixture_of_experts_model_stays_eager(tmp_path):
+    """Routed experts run eagerly (their routing changes every step), so compiling would split every MoE layer's
+    graph around them, which measured slower than eager (model/compiled.py): such a model says why it stays
+    eager and its steps are the eager ones."""
     from tests.tiny_models import make_tiny
 
     make_tiny("qwen3_moe", tmp_path)
-    eager = load_model(resolve(str(tmp_path))).model
-    compiled = load_model(resolve(str(tmp_path))).model
-    assert compiled.compile_layers() is None
-    prompt = torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(5))
-    want, want_tokens = decode(eager, prompt, 4)
-    got, got_tokens = decode(compiled, prompt, 4)
-    close(got, want)
-    assert got_tokens == want_tokens
-    assert compiled.compiled is not None and compiled.compiled.graphs > 0  # compiled, not turned off by a failure
+    model = load_model(resolve(str(tmp_path))).model
+    reason = model.compile_layers()
+    assert reason is not None and "experts" in reason
+    assert model.compiled is None

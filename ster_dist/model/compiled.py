@@ -44,6 +44,7 @@ import torch
 
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
+from ster_dist.moe.experts import Experts
 from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import dense
@@ -134,6 +135,11 @@ def why_eager(model) -> str | None:
             return f"layer {i} shares its keys with another layer or biases by each query's position"
         if block.shortcut is not None or block.joins_shortcut or block.attn_sconv is not None:
             return f"layer {i} hands state to a later layer"
+        if any(isinstance(m, Experts) for m in block.modules()):
+            # routed experts stay eager (their routing changes every step), so each such layer's graph splits
+            # around them; the splits cost more than compiling saves (bench/moe.py's model, 16 experts top-2:
+            # decode 20-35% slower compiled at batch 1 and 4)
+            return f"layer {i} routes tokens to experts, which would split its graph (slower than eager)"
     if any(isinstance(p, Fp8Weight) for p in model.modules()):
         return "FP8 weights are kept"
     return None

@@ -98,8 +98,8 @@ class Experts(ShardedModule):
         self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
         self.few_rows = SPLIT_ROWS_MAX  # on a CPU, at most this many rows run expert by expert through dense
 
-    # eager inside a compiled step (model/compiled.py): which rows go to which expert changes every step, and
-    # a trace would specialise on it; torch's fake grouped_mm also takes bf16 alone on a CPU
+    # never traced: which rows go to which expert changes every step, and a trace would specialise on it; torch's
+    # fake grouped_mm also takes bf16 alone on a CPU (so models with experts stay eager, model/compiled.py)
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
