@@ -38,7 +38,7 @@ constexpr int64_t kAhead = 8;
 template <class T>
 struct Cache {  // one layer's cache as the kernel reads it (strides in elements)
   const T* keys; const T* values; const int64_t* table;
-  int64_t block, width, kb, kt, kh, vb, vt, vh;
+  int64_t block, columns, kb, kt, kh, vb, vt, vh;  // columns: the table's, blocks a sequence may hold
 };
 
 // the dot products of one key with the `group` query heads that share it (consecutive rows of d elements):
@@ -73,8 +73,8 @@ inline void each_position(const T* base, int64_t bs, int64_t ts, int64_t hs, int
   };
   for (int64_t at = lo; at < hi;) {
     const int64_t slot = at % c.block, here = std::min(c.block - slot, hi - at);
-    const T* run = base + c.table[i * c.width + at / c.block] * bs + slot * ts;
-    const T* next = at + here < hi ? base + c.table[i * c.width + (at + here) / c.block] * bs : nullptr;
+    const T* run = base + c.table[i * c.columns + at / c.block] * bs + slot * ts;
+    const T* next = at + here < hi ? base + c.table[i * c.columns + (at + here) / c.block] * bs : nullptr;
     for (int64_t s = 0; s < here; ++s) {
       if (s + kAhead < here) fetch(run + (s + kAhead) * ts);
       else if (next && s + kAhead - here < std::min(c.block, hi - at - here)) fetch(next + (s + kAhead - here) * ts);

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ster_dist import kernels
 from ster_dist.config import RopeConfig
-from ster_dist.model.attention import Attention
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
+from ster_dist.model.step import decode_kernel_scale
 
 
 class _AttendGroup:
@@ -223,16 +222,11 @@ class PagedStep:
         return out
 
     def _in_place_scale(self, layer: int, q, fn, dtype: torch.dtype) -> float | None:
-        """The scale of `fn`'s attention where the paged-decode kernel computes it (a plain softmax attention
-        on a CPU, the cache in the model's dtype, f32 or bf16, and the kernels built); None: gather and call fn."""
-        owner = getattr(fn, "__self__", None)
-        if not isinstance(owner, Attention) or not isinstance(q, torch.Tensor) or q.device.type != "cpu":
-            return None
+        """decode_kernel_scale with the cache in the model's dtype; None: gather and call fn."""
         keys = self.cache.keys[layer]
-        if keys is None or keys.dtype != dtype or q.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+        if keys is None or keys.dtype != dtype or getattr(q, "dtype", None) != dtype:
             return None
-        scale = owner.plain_scale(fn)
-        return scale if scale is not None and kernels.ready() else None
+        return decode_kernel_scale(fn, q, keys.dtype)
 
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)

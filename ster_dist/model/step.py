@@ -83,18 +83,11 @@ class StepState:
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
 
     def _in_place_scale(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None) -> float | None:
-        """The scale of `fn`'s attention where the decode kernel computes it (kernels/paged_decode.cpp): one
-        query a row that sees every key, a plain softmax attention (Attention.plain_scale) on a CPU in f32 or
-        bf16, the kernels built; None: call fn."""
-        if not self._unmasked or not isinstance(q, torch.Tensor) or q.device.type != "cpu":
+        """decode_kernel_scale where each row's one query sees every key; None: call fn."""
+        if not self._unmasked:
             return None
-        if q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype:
-            return None
-        plain_scale = getattr(getattr(fn, "__self__", None), "plain_scale", None)
-        scale = plain_scale(fn) if plain_scale is not None else None
-        if scale is None or self.mask(window, chunk) is not None:
-            return None
-        return scale if kernels.ready() else None
+        scale = decode_kernel_scale(fn, q, k.dtype)
+        return scale if scale is not None and self.mask(window, chunk) is None else None
 
     def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
@@ -137,3 +130,14 @@ class StepState:
         if key not in self._rotary:
             self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
         return self._rotary[key]
+
+
+def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
+    """The scale of `fn`'s attention where the decode kernel (kernels/paged_decode.cpp) may compute it in fn's
+    place: fn is a layer's own plain softmax attention (Attention.plain_scale), q a CPU tensor in f32 or bf16
+    with keys of its dtype, and the kernels are built; None otherwise."""
+    if not isinstance(q, torch.Tensor) or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    plain_scale = getattr(getattr(fn, "__self__", None), "plain_scale", None)
+    scale = plain_scale(fn) if plain_scale is not None and key_dtype == q.dtype else None
+    return scale if scale is not None and kernels.ready() else None
