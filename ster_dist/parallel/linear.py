@@ -62,6 +62,11 @@ class ShardedModule(nn.Module):
         return self.fp8[name][2] if name in self.fp8 else getattr(self, name).dtype
 
 
+def fused_runs(root: nn.Module) -> list[list[nn.Parameter]]:
+    """Every run of parameters a FusedColumns joins (FusedColumns.runs), for the loader to lay out together."""
+    return [run for module in root.modules() if isinstance(module, FusedColumns) for run in module.runs()]
+
+
 def module_shards(root: nn.Module) -> dict[str, Shard]:
     """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules.
     A parameter tied to another (tie_parameters) is listed once, under its first name, as named_parameters
@@ -272,6 +277,21 @@ class ColumnLinear(ShardedModule):
         return y
 
 
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along their first dimension: a view where they already lie back to back in
+    one storage (the loader's arena lays fused parts out so), a copy otherwise."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if not (t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and t.storage_offset() == offset):
+            return torch.cat(tensors)
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+
+
 class FusedColumns(nn.Module):
     """Column-parallel projections of one input (q, k, v; gate, up) as one product over a weight holding
     their rows one part after another. Each part keeps its own parameters as views of the fused ones,
@@ -286,6 +306,14 @@ class FusedColumns(nn.Module):
         self.register_buffer("weight", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.sizes: list[int] = []
+
+    def runs(self) -> list[list[nn.Parameter]]:
+        """The parameters fuse() joins, each list in order: laid out back to back (shard/arena.py), they join
+        as a view rather than a copy."""
+        parts = [p for p in self.parts if p is not None]
+        if len(parts) < 2:
+            return []
+        return [[p.weight for p in parts]] + ([[p.bias for p in parts]] if parts[0].bias is not None else [])
 
     def fuse(self, done: dict | None = None) -> None:
         """Put the parts' weights (and biases) into one tensor and make each part's a view of it. `done`
@@ -306,11 +334,11 @@ class FusedColumns(nn.Module):
                 part.weight, part.bias = twin.weight, twin.bias
             return
         self.sizes = [p.weight.shape[0] for p in parts]
-        self.weight = torch.cat([p.weight.detach() for p in parts])
+        self.weight = joined([p.weight.detach() for p in parts])
         for part, view in zip(parts, self.weight.split(self.sizes)):
             part.weight = nn.Parameter(view, requires_grad=False)
         if parts[0].bias is not None:
-            self.bias = torch.cat([p.bias.detach() for p in parts])
+            self.bias = joined([p.bias.detach() for p in parts])
             for part, view in zip(parts, self.bias.split(self.sizes)):
                 part.bias = nn.Parameter(view, requires_grad=False)
         if done is not None:

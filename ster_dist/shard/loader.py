@@ -19,7 +19,8 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.parallel.fp8 import FP8
-from ster_dist.parallel.linear import module_shards, tied_parameters
+from ster_dist.parallel.linear import fused_runs, module_shards, tied_parameters
+from ster_dist.shard.arena import allocate
 from ster_dist.shard.fp8_kept import ScaleGrid, kept_parameters, span_of
 from ster_dist.shard.plan import Piece, Plan, build_plan
 from ster_dist.shard.source import TensorSource
@@ -51,7 +52,8 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
         prefix, _, attr = name.rpartition(".")
         modules[prefix]._parameters[attr] = nn.Parameter(
             torch.empty(shards[name].local_shape(), dtype=FP8, device="meta"), requires_grad=False)
-    model.to_empty(device=device)  # in place: parameters allocated, not initialised; every one is filled below
+    # in place: parameters allocated, not initialised (every one is filled below); on the CPU in one block
+    allocate(model, device, fused_runs(model))
     grids = {name: ScaleGrid(spans, source.blocks, shards[name].local_shape(), device)
              for name, spans in kept.items()}
     params = dict(model.named_parameters())
