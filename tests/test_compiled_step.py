@@ -15,10 +15,13 @@ import torch
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.load import load_model
+from ster_dist.model.compiled import decode_plans
+from ster_dist.model.paged_step import PagedStep
+from ster_dist.model.step import StepState
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
 from ster_dist.workers.spawn import SpawnGroup
-from tests.test_engine import open_engine, prompts
+from tests.test_engine import group_cfg, open_engine, prompts
 
 NEW = 6
 
@@ -97,6 +100,46 @@ def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd)
     assert compiled.compiled.graphs == graphs  # the second run compiled nothing more
 
 
+def _counting(monkeypatch, cls) -> list[int]:
+    """The layers whose attention reaches `cls.attend` (Python) from now on, in call order."""
+    calls: list[int] = []
+    original = cls.attend
+
+    def attend(self, layer, *args, **kwargs):
+        calls.append(layer)
+        return original(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "attend", attend)
+    return calls
+
+
+def test_planned_decode_steps_attend_in_the_kernel_and_give_the_eager_logits(models, monkeypatch):
+    """A decode step states its cache to the kernels once (push_plan) and no layer's attention calls back
+    into Python; the prefill, which is not planned, does."""
+    eager, compiled = models
+    prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    want, want_tokens = decode(eager, prompt, NEW)
+    calls = _counting(monkeypatch, StepState)
+    got, got_tokens = decode(compiled, prompt, NEW)
+    close(got, want)
+    assert got_tokens == want_tokens
+    assert calls == list(range(compiled.cfg.num_layers))  # the prefill's layers, then none
+
+
+def test_a_layer_left_out_of_the_plan_attends_through_python(models, monkeypatch):
+    eager, compiled = models
+    prompt = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(6))
+    want, _ = decode(eager, prompt, NEW)
+    scales = decode_plans(compiled)
+    assert all(s > 0 for s in scales)
+    monkeypatch.setattr(compiled.compiled, "scales", [scales[0]] + [0.0] * (len(scales) - 1))
+    calls = _counting(monkeypatch, StepState)
+    got, _ = decode(compiled, prompt, NEW)
+    close(got, want)
+    layers = list(range(compiled.cfg.num_layers))
+    assert calls == layers + layers[1:] * (NEW - 1)
+
+
 def test_a_hook_runs_eagerly_and_steers_as_it_does_eagerly(models):
     eager, compiled = models
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -126,6 +169,19 @@ def test_the_paged_engine_compiled_after_its_first_steps_answers_as_the_eager_on
         got = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
     assert got == want
     assert "compiled 1 step graph" in capfd.readouterr().err
+
+
+def test_the_paged_engines_decode_steps_are_planned(toy, compiling, monkeypatch):
+    # after the test above: graphs are shared by the process, and that one asserts it compiles its own
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = prompts(1, seed=7, lo=5, hi=6)[0]
+    with open_engine(toy) as engine:
+        want = engine.submit(prompt, params).result().token_ids
+    calls = _counting(monkeypatch, PagedStep)
+    with open_engine(toy, compile_after=1) as engine:
+        got = engine.submit(prompt, params).result().token_ids
+    assert got == want
+    assert calls == list(range(group_cfg(resolve(str(toy))).num_layers))  # the eager prefill; the compiled decodes never call back
 
 
 def test_a_model_that_cannot_compile_says_why_and_runs_eagerly(tmp_path, compiling, capfd):

@@ -121,6 +121,52 @@ def test_keys_outside_the_table_are_refused(kernel):
         kernel(q, keys, values, torch.tensor([[1, 9]]), torch.tensor([0]), torch.tensor([3]), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_planned_step_stores_each_rows_key_then_attends_as_the_kernel(kernel, dtype):
+    """attend_planned (a compiled decode step's attention, model/compiled.py) with packed rows [1, heads, rows, d]:
+    each row's new key and value land at its slot, and the output is paged_decode's over the updated cache, laid
+    out as q; a layer the plan leaves out (scale 0) and a step with no plan go to ster_dist::attend instead."""
+    from ster_dist.model import compiled  # noqa: F401  (defines ster_dist::attend, where unplanned layers go)
+
+    gen = torch.Generator().manual_seed(9)
+    lengths = [3, 9, 70]
+    keys, values, table, _ = _scattered_cache(gen, lengths, 4, 2, 16, 24, dtype, 6)
+    end = torch.tensor(lengths)
+    last = end - 1  # each row's new token is its last position
+    blocks = table.gather(1, (last // 4).view(-1, 1)).view(-1)
+    slots = last % 4
+    q = torch.randn(1, 6, 3, 16, generator=gen).to(dtype)
+    k = torch.randn(1, 2, 3, 16, generator=gen).to(dtype)
+    v = torch.randn(1, 2, 3, 24, generator=gen).to(dtype)
+    want_keys, want_values = keys.clone(), values.clone()
+    for r in range(3):
+        want_keys[blocks[r], slots[r]] = k[0, :, r]
+        want_values[blocks[r], slots[r]] = v[0, :, r]
+    want = kernel(q[0].transpose(0, 1), want_keys, want_values, table, torch.zeros_like(end), end, 0.25)
+    ops = torch.ops.ster_kernels
+    ops.push_plan([keys, keys], [values, values], [0.25, 0.0], blocks, slots, table, torch.zeros_like(end), end, True)
+    try:
+        got = ops.attend_planned(q, k, v, torch.tensor(0))
+        with pytest.raises(Exception, match="index out of range"):
+            ops.attend_planned(q, k, v, torch.tensor(1))  # not planned: Python's operator, with no step running
+    finally:
+        ops.pop_plan()
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert got.shape == (1, 6, 3, 24) and got.is_contiguous()
+    assert torch.equal(got, want.transpose(0, 1).unsqueeze(0))
+
+
+def test_a_plan_writing_outside_the_cache_is_refused(kernel):
+    keys = values = torch.zeros(4, 2, 1, 8)
+    table, ends = torch.tensor([[1, 2]]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="writes outside layer 0"):
+        torch.ops.ster_kernels.push_plan([keys], [values], [1.0], torch.tensor([4]), torch.tensor([0]), table,
+                                         torch.tensor([0]), ends, True)
+    with pytest.raises(RuntimeError, match="writes outside layer 0"):
+        torch.ops.ster_kernels.push_plan([keys], [values], [1.0], torch.tensor([1]), torch.tensor([2]), table,
+                                         torch.tensor([0]), ends, True)
+
+
 def test_a_paged_llama_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path):
     from torch.profiler import profile
 

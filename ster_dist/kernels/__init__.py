@@ -4,6 +4,8 @@
   parallel/linear.py sends those rows here).
 - `paged_decode(q, keys, values, table, starts, ends, scale)` (paged_decode.cpp): one query per sequence
   attending its keys where they lie in a paged cache (model/paged_step.py's decodes).
+- `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
+  attention stored and computed without calling back into Python each layer (model/compiled.py).
 
 They are compiled together, for the CPU they run on, the first time a process needs one (torch's extension
 builder with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction of
@@ -69,6 +71,7 @@ def _load() -> bool:
         return False
     torch.library.register_fake("ster_kernels::few_rows")(_product_shape)
     torch.library.register_fake("ster_kernels::paged_decode")(_attention_shape)
+    torch.library.register_fake("ster_kernels::attend_planned")(_planned_shape)
     if (spent := time.perf_counter() - started) > 2:
         progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
     return True
@@ -80,6 +83,10 @@ def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _attention_shape(q, keys, values, table, starts, ends, scale: float) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], values.shape[3]))
+
+
+def _planned_shape(q, k, v, layer) -> torch.Tensor:
+    return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
 def _cpu_key() -> str:

@@ -11,6 +11,7 @@
 // [batch, kv_heads, capacity, d] viewed as [batch, capacity, kv_heads, d] is a paged one of one block per row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -245,11 +246,113 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::T
   return out;
 }
 
+// ---- a decode step's attention without a way back into Python per layer ------------------------------------
+//
+// A compiled step calls attention once a layer through an operator whose body is Python (model/compiled.py's
+// ster_dist::attend): about 50 us a layer of boxing, interpreter and checks around this kernel's 10, 1.5 ms of
+// a 30-layer one-token step. Where a step is decodes only (one query a row, every key visible), the step
+// states once, before its graph runs, where each layer's keys lie and where its new key goes (a "plan", kept
+// per thread, as steps nest); `attend_planned` then stores the key and value and runs the kernel itself,
+// and hands any layer the plan does not cover to ster_dist::attend.
+struct Plan {
+  std::vector<at::Tensor> keys, values;  // per layer: [blocks, block_size, kv_heads, width], as paged_decode reads
+  std::vector<double> scales;            // per layer: > 0 where planned
+  at::Tensor write_blocks, write_slots;  // per row: where its new key and value go
+  at::Tensor table, starts, ends;        // per row: as paged_decode takes them
+  bool packed;                           // rows along dim 2 of [1, heads, rows, d] (a paged step), else dim 0
+};
+thread_local std::vector<Plan> plans;
+
+void push_plan(at::TensorList keys, at::TensorList values, at::ArrayRef<double> scales, const at::Tensor& write_blocks,
+               const at::Tensor& write_slots, const at::Tensor& table, const at::Tensor& starts,
+               const at::Tensor& ends, bool packed) {
+  TORCH_CHECK(keys.size() == scales.size() && values.size() == scales.size(), "push_plan: one key, value and scale a layer");
+  const int64_t n = table.size(0);
+  TORCH_CHECK(write_blocks.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong &&
+                  write_blocks.numel() == n && write_slots.numel() == n, "push_plan: int64 write blocks and slots, one a row");
+  Plan plan{keys.vec(), values.vec(), scales.vec(), write_blocks.contiguous(), write_slots.contiguous(),
+            table.contiguous(), starts.contiguous(), ends.contiguous(), packed};
+  const int64_t* b = plan.write_blocks.data_ptr<int64_t>();
+  const int64_t* s = plan.write_slots.data_ptr<int64_t>();
+  for (size_t layer = 0; layer < scales.size(); ++layer) {
+    if (scales[layer] <= 0) continue;
+    const at::Tensor& k = keys[layer];
+    const at::Tensor& v = values[layer];
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == v.size(0) && k.size(1) == v.size(1) &&
+                    k.stride(3) == 1 && v.stride(3) == 1, "push_plan: layer ", layer, "'s keys and values are not a cache");
+    for (int64_t r = 0; r < n; ++r)
+      TORCH_CHECK(0 <= b[r] && b[r] < k.size(0) && 0 <= s[r] && s[r] < k.size(1), "push_plan: row ", r,
+                  " writes outside layer ", layer, "'s cache");
+  }
+  plans.push_back(std::move(plan));
+}
+
+void pop_plan() {
+  TORCH_CHECK(!plans.empty(), "pop_plan: no plan");
+  plans.pop_back();
+}
+
+// the rows of x ([batch, heads, 1, d], or packed [1, heads, rows, d]) as [rows, heads, d]
+at::Tensor by_row(const at::Tensor& x, bool packed) { return packed ? x.select(0, 0).transpose(0, 1) : x.select(2, 0); }
+
+template <class T>
+void store(const at::Tensor& rows, const at::Tensor& cache, const int64_t* blocks, const int64_t* slots) {
+  const int64_t n = rows.size(0), heads = rows.size(1), d = rows.size(2);
+  const T* src = rows.data_ptr<T>();
+  T* dst = cache.data_ptr<T>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      std::copy_n(src + r * rows.stride(0) + h * rows.stride(1), d,
+                  dst + blocks[r] * cache.stride(0) + slots[r] * cache.stride(1) + h * cache.stride(2));
+}
+
+at::Tensor attend_planned(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& layer) {
+  const int64_t index = layer.item<int64_t>();
+  const Plan* plan = plans.empty() ? nullptr : &plans.back();
+  if (plan == nullptr || index < 0 || index >= (int64_t)plan->scales.size() || plan->scales[index] <= 0) {
+    static auto python = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ster_dist::attend", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return python.call(q, k, v, layer);
+  }
+  const at::Tensor& keys = plan->keys[index];
+  const at::Tensor& values = plan->values[index];
+  const at::Tensor kr = by_row(k, plan->packed), vr = by_row(v, plan->packed);
+  const int64_t n = plan->table.size(0);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && kr.size(0) == n && vr.size(0) == n &&
+                  kr.size(1) == keys.size(2) && kr.size(2) == keys.size(3) && vr.size(1) == values.size(2) &&
+                  vr.size(2) == values.size(3) && kr.stride(2) == 1 && vr.stride(2) == 1,
+              "attend_planned: this step's keys and values do not fit layer ", index, "'s plan");
+  TORCH_CHECK(k.scalar_type() == keys.scalar_type() && v.scalar_type() == values.scalar_type(),
+              "attend_planned: keys and values of another dtype than the cache");
+  const int64_t* blocks = plan->write_blocks.data_ptr<int64_t>();
+  const int64_t* slots = plan->write_slots.data_ptr<int64_t>();
+  if (k.scalar_type() == at::kFloat) {
+    store<float>(kr, keys, blocks, slots);
+    store<float>(vr, values, blocks, slots);
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16, "attend_planned: f32 or bf16");
+    store<c10::BFloat16>(kr, keys, blocks, slots);
+    store<c10::BFloat16>(vr, values, blocks, slots);
+  }
+  at::Tensor out = paged_decode(by_row(q, plan->packed), keys, values, plan->table, plan->starts, plan->ends,
+                                plan->scales[index]);  // [rows, heads, dv]
+  // in the layout of q with the values' width, contiguous: what the graph was traced to read
+  return plan->packed ? out.transpose(0, 1).unsqueeze(0).contiguous() : out.unsqueeze(2);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, Tensor ends, float scale)"
         " -> Tensor");
+  m.def("push_plan(Tensor[] keys, Tensor[] values, float[] scales, Tensor write_blocks, Tensor write_slots, "
+        "Tensor table, Tensor starts, Tensor ends, bool packed) -> ()", &push_plan);
+  m.def("pop_plan() -> ()", &pop_plan);
+  m.def("attend_planned(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("attend_planned", &attend_planned);
+}

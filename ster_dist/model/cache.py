@@ -29,6 +29,7 @@ class KVCache:
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.length = 0
         self.capacity = capacity
+        self._kernel_views: tuple[list, list] | None = None
 
     def reserve(self, positions: torch.Tensor, valid: torch.Tensor) -> slice:
         """Claim the next slots for a [batch, seq] step; returns them."""
@@ -44,6 +45,14 @@ class KVCache:
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's keys and values of slots [0, end), as write returns them."""
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def kernel_views(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Every layer's keys and values [batch, capacity, heads, width], as the decode kernel reads a paged
+        cache (a block a row); views of the slots, made once."""
+        if self._kernel_views is None:
+            self._kernel_views = ([k.transpose(1, 2) if k is not None else None for k in self.keys],
+                                  [v.transpose(1, 2) if v is not None else None for v in self.values])
+        return self._kernel_views
 
     def write(self, layer: int, slots: slice, k: torch.Tensor, v: torch.Tensor):
         # narrow and copy_ rather than indexing: a decode step writes every layer, and Python's tuple indexing

@@ -44,6 +44,7 @@ import torch
 
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
+from ster_dist.model.step import decode_kernel_scale
 from ster_dist.moe.experts import Experts
 from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
@@ -91,7 +92,21 @@ class TracedStep:
         return self._rotary
 
     def attend(self, layer: int, q, k, v, window, fn, chunk=None, keep: bool = False) -> torch.Tensor:
+        if kernels.ready():  # layers the step planned never call back into Python; the rest go to attend
+            return torch.ops.ster_kernels.attend_planned(q, k, v, self.layer)
         return torch.ops.ster_dist.attend(q, k, v, self.layer)
+
+
+def decode_plans(model) -> list[float]:
+    """Per layer, the decode kernel's scale where a planned step (kernels/paged_decode.cpp's attend_planned) may
+    take the layer's attention: plain softmax attention over every key (no window, no chunk); 0 elsewhere."""
+    probe = torch.empty(0, dtype=model.dtype, device=model.device)
+    scales = []
+    for block in model.layers:
+        mixer = block.token_mixer
+        plain = type(mixer) is Attention and mixer.window is None and mixer.chunk is None
+        scales.append((decode_kernel_scale(mixer._attend_at, probe, model.dtype) if plain else None) or 0.0)
+    return scales
 
 
 def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
@@ -173,6 +188,7 @@ class CompiledLayers:
         if model.lm_head is not None:
             model.lm_head.product = self.head_product
         self.graphs = 0
+        self.scales: list[float] | None = None  # decode_plans, found at the first step
 
     def run(self, h: torch.Tensor, step) -> torch.Tensor:
         model = self.model
@@ -187,6 +203,9 @@ class CompiledLayers:
                 tables[rope] = step.rotary(rope, model.dtype)
             rotaries.append(tables.get(rope))
         ids = self.layer_ids[layers.start:layers.stop]
+        plan = self._plan(step)
+        if plan is not None:
+            torch.ops.ster_kernels.push_plan(*plan)
         _RUNNING.append((step, model))
         try:
             with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
@@ -206,8 +225,19 @@ class CompiledLayers:
                     h = self.fn(model.layers[i], h, positions, rotary, layer, batch, tokens)
         finally:
             _RUNNING.pop()
+            if plan is not None:
+                torch.ops.ster_kernels.pop_plan()
         self._report(before, started, f"step graph(s) for {batch * tokens} tokens")
         return h.view(batch, tokens, -1)
+
+    def _plan(self, step) -> tuple | None:
+        """What a decode step tells the kernels before its graph runs (push_plan's arguments), or None."""
+        planner = getattr(step, "decode_plan", None)
+        if planner is None or not kernels.ready():
+            return None
+        if self.scales is None:
+            self.scales = decode_plans(self.model)
+        return planner(self.scales, self.model.dtype)
 
     def head_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The head's x W^T (+ b): compiled for one row of a bf16 / f16 weight, through dense otherwise."""

@@ -16,7 +16,7 @@ import torch
 from ster_dist.config import RopeConfig
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
-from ster_dist.model.step import decode_kernel_scale
+from ster_dist.model.step import or_empty, decode_kernel_scale
 
 
 class _AttendGroup:
@@ -220,6 +220,23 @@ class PagedStep:
         for group, y in zip(self.groups, outs):
             group.put(out, y)
         return out
+
+    def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
+        """ster_kernels::push_plan's arguments where this step is decodes only, the cache in `dtype`: layer i
+        planned where scales[i] > 0 (step.decode_plans); None otherwise."""
+        if len(self.groups) != 1:
+            return None
+        group = self.groups[0]
+        if group.query_pos.shape[1] != 1 or group.prefix or group.tokens != slice(0, self.total):
+            return None
+        keys, values = self.cache.keys, self.cache.values
+        planned = [s if k is not None and k.dtype == dtype else 0.0 for s, k in zip(scales, keys)]
+        if not any(planned):
+            return None
+        first, end = group.key_range(None, None)
+        bs = self.cache.block_size
+        return (or_empty(keys), or_empty(values), planned, self.slots // bs, self.slots % bs, group.table, first,
+                end, True)
 
     def _in_place_scale(self, layer: int, q, fn, dtype: torch.dtype) -> float | None:
         """decode_kernel_scale with the cache in the model's dtype; None: gather and call fn."""

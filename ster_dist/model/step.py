@@ -91,14 +91,30 @@ class StepState:
 
     def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
-        batch, keys = k.shape[0], k.shape[2]
-        if self._rows is None or self._rows[3] != keys:  # every layer of a step sees as many keys
-            self._rows = (torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long),
-                          torch.full((batch,), keys, dtype=torch.long), keys)
-        rows, starts, ends, _ = self._rows
+        rows, starts, ends = self._kernel_rows(k.shape[0], k.shape[2])
         out = torch.ops.ster_kernels.paged_decode(q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), rows, starts,
                                                   ends, scale)
         return out.unsqueeze(2)
+
+    def _kernel_rows(self, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._rows is None or self._rows[3] != keys:  # every layer of a step sees as many keys
+            self._rows = (torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long),
+                          torch.full((batch,), keys, dtype=torch.long), keys)
+        return self._rows[:3]
+
+    def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
+        """ster_kernels::push_plan's arguments where every row of this step decodes one token over every key of
+        a static cache in `dtype`: layer i planned where scales[i] > 0 (decode_plans); None otherwise."""
+        if self.cache is None or not self._unmasked:
+            return None
+        keys, values = self.cache.kernel_views()
+        planned = [s if k is not None and k.dtype == dtype else 0.0 for s, k in zip(scales, keys)]
+        if not any(planned):
+            return None
+        batch = self._positions.shape[0]
+        rows, starts, ends = self._kernel_rows(batch, self.slots.stop)
+        return (or_empty(keys), or_empty(values), planned, rows.view(batch),
+                torch.full((batch,), self.slots.start, dtype=torch.long), rows, starts, ends, False)
 
     def attend_again(self, layer: int, q: torch.Tensor, fn, fresh: tuple[torch.Tensor, torch.Tensor] | None):
         """fn(q, keys, values, causal mask, key_positions) over the keys an earlier layer of this step stored
@@ -130,6 +146,11 @@ class StepState:
         if key not in self._rotary:
             self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
         return self._rotary[key]
+
+
+def or_empty(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The list with an empty tensor for each None: a Tensor[] argument of an operator."""
+    return [t if t is not None else torch.empty(0) for t in tensors]
 
 
 def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
