@@ -4,6 +4,8 @@
   parallel/linear.py sends those rows here).
 - `paged_decode(q, keys, values, table, starts, ends, scale)` (paged_decode.cpp): one query per sequence
   attending its keys where they lie in a paged cache (model/paged_step.py's decodes).
+- `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): one to eight rows through their SwiGLU experts
+  (moe/experts.py's decodes).
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer (model/compiled.py).
 
@@ -33,6 +35,7 @@ from ster_dist.events import progress
 # (at 8: 1.1-1.8x in f32, 1.1-1.7x in bf16); from about 10 rows, compute rather than reading the weight
 # bounds a product and the library's blocked kernels are ahead
 FEW_ROWS_MAX = 8
+SOURCES = ("few_rows.cpp", "paged_decode.cpp", "experts.cpp")
 
 _tried = False
 _ready = False
@@ -55,7 +58,7 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         here = Path(__file__).parent
-        load(name=f"ster_kernels_{_cpu_key()}", sources=[str(here / "few_rows.cpp"), str(here / "paged_decode.cpp")],
+        load(name=f"ster_kernels_{_cpu_key()}", sources=[str(here / name) for name in SOURCES],
              extra_include_paths=[str(here)],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)

@@ -13,45 +13,11 @@
 #include <torch/library.h>
 
 #include "lanes.h"
+#include "rows.h"
 
 namespace {
 
 using namespace ster_kernels;
-
-#if STER_KERNELS_ISA
-template <class V, int M, int M2 = 0>
-void rows(const typename V::T* x, const typename V::T* w, const typename V::T* b, typename V::T* y, int64_t N,
-          int64_t K) {
-  // two accumulators a row of x whatever M is, so a row's sum is the same sum in any batch (a request's
-  // logits do not depend on who shares its step); at most 14 accumulators, within AVX2's 16 registers.
-  // At eight rows (M2 > 0: four and four) a weight row is read for the first M rows, then again for the next M2
-  // while it is still in the L1 cache: memory still sees each weight row once.
-  constexpr int U = 2;
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    float out[M + M2];
-    for (int64_t n = n0; n < n1; ++n) {
-      one_row<V, M, U>(x, w + n * K, K, out);
-      if constexpr (M2 > 0) one_row<V, M2, U>(x + M * K, w + n * K, K, out + M);
-      for (int m = 0; m < M + M2; ++m) y[m * N + n] = typename V::T(out[m] + (b ? float(b[n]) : 0.f));
-    }
-  });
-}
-
-template <class V>
-void by_count(int64_t M, const typename V::T* x, const typename V::T* w, const typename V::T* b,
-              typename V::T* y, int64_t N, int64_t K) {
-  switch (M) {
-    case 1: return rows<V, 1>(x, w, b, y, N, K);
-    case 2: return rows<V, 2>(x, w, b, y, N, K);
-    case 3: return rows<V, 3>(x, w, b, y, N, K);
-    case 4: return rows<V, 4>(x, w, b, y, N, K);
-    case 5: return rows<V, 5>(x, w, b, y, N, K);
-    case 6: return rows<V, 6>(x, w, b, y, N, K);
-    case 7: return rows<V, 7>(x, w, b, y, N, K);
-    case 8: return rows<V, 4, 4>(x, w, b, y, N, K);
-  }
-}
-#endif
 
 constexpr int64_t kMaxRows = 8;
 

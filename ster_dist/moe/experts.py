@@ -36,6 +36,9 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   hidden size or intermediate share: tiny test models, uneven TP shares);
   past the gather's size those layouts run the per-expert loop, which takes
   any shape.
+- Where those few rows go to plain SwiGLU experts of f32 or bf16 and the package's kernels are built, the
+  whole feed-forward is one call of `experts_few_rows` (kernels/experts.cpp): each busy expert's rows
+  together through gate, up, silu and down in C++, with no sort, loop or scatter in Python.
 - Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
   busy expert's matrices go through `dense` as FP8 with their block scales,
   so only the experts a step uses are dequantized (or multiplied in FP8),
@@ -49,6 +52,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ster_dist import kernels
 from ster_dist.config import MoEConfig
 from ster_dist.layers.activation import activation
 from ster_dist.parallel.ctx import ParallelCtx, Shard
@@ -106,6 +110,8 @@ class Experts(ShardedModule):
         if x.shape[0] == 0:
             return x.new_empty((0, self.down.shape[1]))
         branch = self.branch(x)
+        if branch == "per_expert" and self.fused(x):
+            return torch.ops.ster_kernels.experts_few_rows(x, local_ids.long(), self.gate, self.up, self.down)
         if branch == "gathered":
             return self._mlp(x, local_ids, self._gathered(local_ids))
         order = torch.argsort(local_ids, stable=True)
@@ -131,6 +137,15 @@ class Experts(ShardedModule):
         if x.device.type == "cpu" and x.shape[0] <= self.few_rows:
             return "per_expert"
         return "grouped" if self.groupable(x) else "per_expert"
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether these rows' experts run in one call of the few-row experts kernel (kernels/experts.cpp): plain
+        SwiGLU experts (silu, no biases or clamps, not kept in FP8) of contiguous f32 / bf16 weights, on a CPU."""
+        weights = self._weights()
+        return (x.device.type == "cpu" and x.shape[0] <= kernels.FEW_ROWS_MAX and x.dtype in (torch.float32, torch.bfloat16)
+                and self.gate is not None and self.gate_bias is None and self.act is F.silu and not self.fp8
+                and not (self.clamped or self.limited or self.glu_limit)
+                and all(w.dtype == x.dtype and w.is_contiguous() for w in weights) and kernels.ready())
 
     def groupable(self, x: torch.Tensor) -> bool:
         """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride of
