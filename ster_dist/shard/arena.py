@@ -113,13 +113,3 @@ class Block:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=self.start + offset)
-def huge_page_bytes() -> int:
-    """Bytes of this process's anonymous memory in transparent huge pages (0 where the system does not say)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
