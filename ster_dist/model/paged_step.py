@@ -16,7 +16,7 @@ import torch
 from ster_dist.config import RopeConfig
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
-from ster_dist.model.step import or_empty, decode_kernel_scale
+from ster_dist.model.step import decode_kernel_scale, or_empty
 
 
 class _AttendGroup:
@@ -223,7 +223,7 @@ class PagedStep:
 
     def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
         """ster_kernels::push_plan's arguments where this step is decodes only, the cache in `dtype`: layer i
-        planned where scales[i] > 0 (step.decode_plans); None otherwise."""
+        planned where scales[i] > 0 (compiled.decode_plans); None otherwise."""
         if len(self.groups) != 1:
             return None
         group = self.groups[0]

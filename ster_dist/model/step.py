@@ -104,7 +104,7 @@ class StepState:
 
     def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
         """ster_kernels::push_plan's arguments where every row of this step decodes one token over every key of
-        a static cache in `dtype`: layer i planned where scales[i] > 0 (decode_plans); None otherwise."""
+        a static cache in `dtype`: layer i planned where scales[i] > 0 (compiled.decode_plans); None otherwise."""
         if self.cache is None or not self._unmasked:
             return None
         keys, values = self.cache.kernel_views()
