@@ -2,8 +2,8 @@
 
 `allocate` takes the place of `Module.to_empty` on the CPU. Decoding one token reads every weight once, so
 how the weights lie in memory sets the step's speed: spread over 4 KiB pages, each page costs a TLB miss
-and stops the hardware prefetcher at its end. On this project's 2-core test machine, SmolLM2's decode step
-read its weights about 10% faster from transparent huge pages (bench/README.md); llama.cpp gets them from
+and stops the hardware prefetcher at its end. On this project's 2-core test machine, SmolLM2's compiled
+one-token step ran 13-16% faster with its weights in transparent huge pages (bench/README.md); llama.cpp gets them from
 the page cache of its mapped GGUF. One block also lets a fused product's parts be laid out one after another,
 so `FusedColumns.fuse` can take a view of them instead of a second, concatenated copy.
 
