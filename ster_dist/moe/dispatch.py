@@ -6,7 +6,8 @@ which both sides know every split (they are uneven, and a rank may send or
 receive nothing) and the receiver knows which of its experts each row is for,
 since rows travel sorted by expert. gloo runs all_to_all_single with uneven
 splits but not the list form of all_to_all, so only the single form is used.
-With one expert-parallel rank the same code runs and nothing moves.
+With one expert-parallel rank nothing moves and nothing is reordered: the rows are the (token, slot)
+pairs in order, each with its expert's id, and the experts sort them as their computation needs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Dispatched:
     """What combine needs to bring outputs back: the send order and both sides' split sizes."""
 
     ctx: ParallelCtx
-    order: torch.Tensor      # flat (token, slot) indices in the order they were sent
+    order: torch.Tensor | None  # flat (token, slot) indices in the order they were sent; None: never reordered
     sent: list[int]          # rows sent to each rank
     received: list[int]      # rows received from each rank
 
@@ -47,6 +48,9 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int, ctx: Parallel
     the handle for combine)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
+    if ctx.ep_size == 1:  # nothing moves: the rows stay in (token, slot) order, which the experts sort as they need
+        rows = x if pairs else x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[-1])
+        return rows, flat, Dispatched(ctx, None, [rows.shape[0]], [rows.shape[0]])
     order = torch.argsort(flat, stable=True)  # by expert, hence by owning rank: blocks are contiguous
     per_expert = torch.bincount(flat, minlength=num_experts)
     blocks = [(r + 1) * num_experts // ctx.ep_size - r * num_experts // ctx.ep_size for r in range(ctx.ep_size)]
@@ -73,6 +77,8 @@ def combine(y: torch.Tensor, handle: Dispatched) -> torch.Tensor:
     """The experts' outputs y [m, hidden] back to their senders, as [tokens * top_k, hidden] in
     (token, slot) order."""
     back = _exchange(handle.ctx, y, handle.sent, handle.received)
+    if handle.order is None:  # one expert-parallel rank: the rows never left (token, slot) order
+        return back
     out = torch.empty_like(back)
     out[handle.order] = back
     return out
