@@ -24,7 +24,7 @@ template <class V>
 void run(const at::Tensor& x, const int64_t* ids, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
          at::Tensor& out) {
   using T = typename V::T;
-  const int64_t m = x.size(0), hidden = x.size(1), inner = gate.size(1), experts = gate.size(0);
+  const int64_t m = x.size(0), hidden = x.size(1), inner = gate.size(1);
   std::vector<T> rows(m * hidden), g(m * inner), u(m * inner), y(m * hidden);
   std::vector<int64_t> members;
   std::vector<bool> done(m, false);
@@ -51,7 +51,6 @@ void run(const at::Tensor& x, const int64_t* ids, const at::Tensor& gate, const 
     by_count<V>(c, g.data(), down.data_ptr<T>() + e * hidden * inner, nullptr, y.data(), hidden, inner);
     for (int64_t j = 0; j < c; ++j) std::copy_n(y.data() + j * hidden, hidden, os + members[j] * hidden);
   }
-  (void)experts;
 }
 #endif
 

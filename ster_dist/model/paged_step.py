@@ -16,7 +16,7 @@ import torch
 from ster_dist.config import RopeConfig
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
-from ster_dist.model.step import decode_kernel_scale, or_empty
+from ster_dist.model.step import decode_kernel_scale, or_empty, planned_scales
 
 
 class _AttendGroup:
@@ -230,8 +230,8 @@ class PagedStep:
         if group.query_pos.shape[1] != 1 or group.prefix or group.tokens != slice(0, self.total):
             return None
         keys, values = self.cache.keys, self.cache.values
-        planned = [s if k is not None and k.dtype == dtype else 0.0 for s, k in zip(scales, keys)]
-        if not any(planned):
+        planned = planned_scales(scales, keys, dtype)
+        if planned is None:
             return None
         first, end = group.key_range(None, None)
         bs = self.cache.block_size

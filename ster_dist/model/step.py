@@ -108,8 +108,8 @@ class StepState:
         if self.cache is None or not self._unmasked:
             return None
         keys, values = self.cache.kernel_views()
-        planned = [s if k is not None and k.dtype == dtype else 0.0 for s, k in zip(scales, keys)]
-        if not any(planned):
+        planned = planned_scales(scales, keys, dtype)
+        if planned is None:
             return None
         batch = self._positions.shape[0]
         rows, starts, ends = self._kernel_rows(batch, self.slots.stop)
@@ -146,6 +146,13 @@ class StepState:
         if key not in self._rotary:
             self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
         return self._rotary[key]
+
+
+def planned_scales(scales: list[float], keys: list[torch.Tensor | None], dtype: torch.dtype) -> list[float] | None:
+    """The scales of the layers a decode plan covers (an attention cache in `dtype`; 0 for the rest), or None
+    when it covers none."""
+    planned = [s if k is not None and k.dtype == dtype else 0.0 for s, k in zip(scales, keys)]
+    return planned if any(planned) else None
 
 
 def or_empty(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
