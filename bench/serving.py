@@ -396,6 +396,7 @@ class SterEngine:
         self.session = Session(Runtime(model=str(model_dir), precision=precision))
         try:  # the session makes, owns and closes its engine
             self.engine = self.session.engine(kv_cache_memory=kv_cache_memory, max_step_tokens=512)
+            self.engine.warm_up()  # as `ster serve` does before it is ready
         except BaseException:
             self.session.close()
             raise
@@ -589,13 +590,7 @@ def warm_up(backend, low: int, vocab: int) -> None:
         with torch.inference_mode():
             generate(backend.loaded.model, [list(range(low, low + 16))], Sampling(max_new_tokens=4, temperature=0.0))
         return
-    if isinstance(backend, (SterEngine, SterServe)):
-        # a session's engine compiles its layers once it has run COMPILE_AFTER steps (model/compiled.py): one
-        # request that long, then prompts of several tokens, trace every graph before any clock starts
-        from ster_dist.engine.loop import COMPILE_AFTER
-
-        for _ in backend.stream(Request(-1, synthetic_ids(random.Random(2), 8, vocab, low), COMPILE_AFTER + 4)):
-            pass
+    # ster-engine and ster-serve traced every step size's graph when they started (TokenEngine.warm_up)
     for _ in backend.stream(Request(-1, synthetic_ids(random.Random(1), 32, vocab, low), 4)):
         pass
 

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.load import load_model
 from ster_dist.model.compiled import decode_plans
@@ -182,6 +183,24 @@ def test_the_paged_engines_decode_steps_are_planned(toy, compiling, monkeypatch)
         got = engine.submit(prompt, params).result().token_ids
     assert got == want
     assert calls == list(range(group_cfg(resolve(str(toy))).num_layers))  # the eager prefill; the compiled decodes never call back
+
+
+def test_a_warmed_engine_meets_no_compile_at_any_step_size(toy, compiling, capfd):
+    # after the two tests above, which assert that they compile graphs of their own
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    batch = [list(range(3, 3 + n)) for n in (1, 2, 5, 8, 9, 12, 15, 16, 17, 31, 40)]
+    with open_engine(toy, max_step_tokens=32) as engine:  # never compiles
+        want = [engine.submit(p, params).result().token_ids for p in batch]
+        engine.warm_up()
+    assert "warmed" not in capfd.readouterr().err
+    with open_engine(toy, max_step_tokens=32, compile_after=COMPILE_AFTER) as engine:
+        engine.warm_up()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        alone = [engine.submit(p, params).result().token_ids for p in batch]  # each prompt's sizes by itself
+        together = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]  # mixed steps
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert alone == want and together == want
+    assert "warmed the compiled steps for 1 to 32 tokens" in capfd.readouterr().err
 
 
 def test_a_model_that_cannot_compile_says_why_and_runs_eagerly(tmp_path, compiling, capfd):

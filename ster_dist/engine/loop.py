@@ -33,6 +33,7 @@ from ster_dist.engine.scheduler import Scheduler, Sequence
 from ster_dist.engine.stream import Delta, RequestStream
 from ster_dist.engine.work import NewSequence, StepWork
 from ster_dist.errors import Refusal
+from ster_dist.events import progress
 
 
 DEFAULT_KV_CAP = 1 << 30
@@ -172,6 +173,19 @@ class TokenEngine:
         self._thread.start()
 
     # -- requests ---------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile the layers now, each step size's graph included, rather than once COMPILE_AFTER steps have
+        run and each size at its first step (model/compiled.py): a server pays it before it says it is ready.
+        Nothing without compiled steps (--enforce-eager, an eager model)."""
+        if self.config.compile_after is None:
+            return
+        started = time.perf_counter()
+        with self._group_lock:
+            made = self.group.on(ModelRunner).warm(self.config.max_step_tokens)[0]
+        if made is not None:
+            progress(f"warmed the compiled steps for 1 to {self.config.max_step_tokens} tokens in "
+                     f"{time.perf_counter() - started:.1f} s ({made} new graphs)")
+
     def add_vector(self, key: str, vectors) -> None:
         """Register a steering vector ([(layer, tensor)]) under `key` on every rank, once."""
         with self._group_lock:

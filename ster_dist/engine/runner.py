@@ -87,6 +87,24 @@ class ModelRunner(RankExtension):
         self.adapters = self.adapters or RowAdapters(model)
         return num_blocks
 
+    @torch.inference_mode()
+    def warm(self, max_tokens: int) -> int | None:
+        """Compile the layers now and trace the graph of every token count a step may carry (1 to `max_tokens`),
+        so no request meets a compile (seconds on a CPU) mid-stream, as vLLM captures its graphs at start-up.
+        The steps run on zero tokens over a scratch cache of their own; the graphs do not depend on what a cache
+        holds (attention is opaque to them). Returns the graphs made (None: steps stay eager)."""
+        model = self.model
+        if self.compile_after is None or model.compile_layers() is not None:
+            return None
+        made = model.compiled.graphs
+        block = self.cache.block_size
+        scratch = PagedCache(model, 1 + -(-max_tokens // block), block)
+        for count in warm_counts(max_tokens):
+            blocks = tuple(range(1, 1 + -(-count // block)))  # block 0 is the null block
+            model.forward_paged(torch.zeros(count, dtype=torch.long), [Chunk(blocks, 0, count)], scratch)
+        self.compile_after = 0  # compiled: a step count never equals it
+        return model.compiled.graphs - made
+
     def register_vector(self, key: str, vectors: list[tuple[int, torch.Tensor]]) -> None:
         self._started().steering.register(key, vectors)
 
@@ -240,6 +258,13 @@ class ModelRunner(RankExtension):
         if self.adapters is not None:
             self.adapters.close()
         self.cache = self.sampler = self.steering = self.adapters = self.drafter = None
+
+
+def warm_counts(max_tokens: int) -> list[int]:
+    """Token counts whose steps trace every graph a step of 1 to `max_tokens` tokens runs: one token (the whole
+    stack in one graph), then both ends of each range the traced code branches at (dense()'s kernels by row
+    count, parallel/linear.py: 2-8, 9-15, 16-64, more; model/compiled.py), each range one dynamic graph."""
+    return sorted(c for c in {1, 2, 8, 9, 15, 16, 64, 65, max_tokens} if c <= max_tokens)
 
 
 def _chunk_rows(chunks: list[Chunk]) -> list[torch.Tensor]:

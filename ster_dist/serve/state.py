@@ -61,6 +61,7 @@ class ServerState:
         self.session = self.queue.pool.pin(request)
         self.session.load()
         self.engine = self.session.engine(*request.engine_options())
+        self.engine.warm_up()  # no request meets a compile mid-stream
         self.session.fixed_engine = True  # Ster's /v1/generate jobs join this engine, never rebuild it
         for name, directory in adapters.items():
             self.adapters[name], _ = register_adapter(self.session, self.engine, types.SimpleNamespace(
