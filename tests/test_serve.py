@@ -85,6 +85,21 @@ def test_ready_line_is_the_one_line_on_stdout(server):
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
 
 
+def test_a_compiling_server_warms_every_step_size_before_it_is_ready_and_answers_as_the_eager_one(toy, client):
+    # the suite runs eager (tests/conftest.py); this server compiles, as a user's does
+    compiled = ServeProcess("--model", toy, "--max-step-tokens", "32", env={"STER_ENFORCE_EAGER": "0"})
+    try:
+        wait_for(lambda: any("warmed the compiled steps for 1 to 32 tokens" in line for line in compiled.stderr))
+        said = len(compiled.stderr)
+        ask = dict(model=str(toy), prompt="Hello there, how are", max_tokens=6, temperature=0)
+        want = client.completions.create(**ask).choices[0].text
+        other = openai.OpenAI(base_url=f"{compiled.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert other.completions.create(**ask).choices[0].text == want
+        assert not any("compiled" in line for line in compiled.stderr[said:])  # nothing compiled after the warm-up
+    finally:
+        assert compiled.stop() == 0, "".join(compiled.stderr)[-2000:]
+
+
 def test_chat_and_completions_streamed_or_not_equal_ster_generate(server, client, toy):
     chat_ref = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on")
     text_ref = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=off")
