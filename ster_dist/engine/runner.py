@@ -98,8 +98,9 @@ class ModelRunner(RankExtension):
             return None
         made = model.compiled.graphs
         block = self.cache.block_size
-        scratch = PagedCache(model, 1 + -(-max_tokens // block), block)
-        for count in warm_counts(max_tokens):
+        counts = warm_counts(max_tokens)
+        scratch = PagedCache(model, 1 + -(-counts[-1] // block), block)
+        for count in counts:
             blocks = tuple(range(1, 1 + -(-count // block)))  # block 0 is the null block
             model.forward_paged(torch.zeros(count, dtype=torch.long), [Chunk(blocks, 0, count)], scratch)
         self.compile_after = 0  # compiled: a step count never equals it
@@ -260,11 +261,15 @@ class ModelRunner(RankExtension):
         self.cache = self.sampler = self.steering = self.adapters = self.drafter = None
 
 
+WARM_MOST = 256  # tokens of the longest warm-up step: its scratch cache and activations stay small
+
+
 def warm_counts(max_tokens: int) -> list[int]:
     """Token counts whose steps trace every graph a step of 1 to `max_tokens` tokens runs: one token (the whole
     stack in one graph), then both ends of each range the traced code branches at (dense()'s kernels by row
-    count, parallel/linear.py: 2-8, 9-15, 16-64, more; model/compiled.py), each range one dynamic graph."""
-    return sorted(c for c in {1, 2, 8, 9, 15, 16, 64, 65, max_tokens} if c <= max_tokens)
+    count, parallel/linear.py: 2-8, 9-15, 16-64, more; model/compiled.py), each range one dynamic graph, whose
+    last is open-ended: past WARM_MOST tokens nothing is traced that a shorter step did not."""
+    return sorted(c for c in {1, 2, 8, 9, 15, 16, 64, 65, min(max_tokens, WARM_MOST)} if c <= max_tokens)
 
 
 def _chunk_rows(chunks: list[Chunk]) -> list[torch.Tensor]:
