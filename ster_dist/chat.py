@@ -44,6 +44,8 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
             raise Refusal(f"ster chat needs a chat template; {request.model} has none (a base model continues "
                           "text rather than answering turns): use `ster generate --prompt TEXT` instead")
         engine = session.engine(*request.engine_options())
+        if request.vector is None and request.adapter is None:  # steered or adapted steps run eagerly anyway
+            engine.warm_up()  # compiled now rather than as a stall in the middle of an answer
         steering = adapter = None
         if request.vector is not None:
             steering, _ = register_vector(session, engine, request)

@@ -34,11 +34,11 @@ def hello(toy) -> dict:
     return cli_generate(f"--model={toy}", "--prompt=hello", "--chat-template=on", f"--max-new-tokens={TOKENS}")
 
 
-def ster_chat(toy: str, turns: list[str], *flags) -> subprocess.CompletedProcess:
+def ster_chat(toy: str, turns: list[str], *flags, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ster_dist.cli", "chat", f"--model={toy}",
                            f"--max-new-tokens={TOKENS}", *map(str, flags)],
                           input="".join(t + "\n" for t in turns), capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def totals(done: subprocess.CompletedProcess) -> dict:
@@ -75,6 +75,16 @@ def test_a_conversation_reset_and_a_refused_turn(toy, hello):
     summary = totals(done)
     assert summary["turns"] == 4 and summary["prompt_tokens"] > 4 * hello["prompt_tokens"]
     assert 2 * hello["completion_tokens"] < summary["completion_tokens"] <= 4 * TOKENS
+
+
+def test_a_compiling_chat_warms_before_its_first_turn_and_answers_as_generate(toy, hello):
+    # the suite runs eager (tests/conftest.py); this chat compiles, as a user's does
+    done = ster_chat(toy, ["hello"], "--max-step-tokens=32", env={"STER_ENFORCE_EAGER": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == hello["text"] + "\n"
+    lines = done.stderr.splitlines()
+    warmed = [i for i, line in enumerate(lines) if "warmed the compiled steps for 1 to 32 tokens" in line]
+    assert warmed and not any("compiled" in line for line in lines[warmed[0] + 1:]), lines  # nothing compiled later
 
 
 def test_the_system_message_leads_the_conversation(toy, tmp_path):
