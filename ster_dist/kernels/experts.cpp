@@ -76,7 +76,7 @@ at::Tensor experts_few_rows(const at::Tensor& x, const at::Tensor& ids, const at
   at::Tensor out = at::empty_like(xc);
 #if STER_KERNELS_ISA
   if (x.scalar_type() == at::kFloat)
-    run<F32Lanes>(xc, id, gate, up, down, out);
+    run<F32Stream>(xc, id, gate, up, down, out);
   else
     run<Bf16Lanes>(xc, id, gate, up, down, out);
 #endif

@@ -43,7 +43,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
   }
 #if STER_KERNELS_ISA
   if (x.scalar_type() == at::kFloat)
-    by_count<F32Lanes>(M, flat.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+    by_count<F32Stream>(M, flat.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                        y.data_ptr<float>(), N, K);
   else
     by_count<Bf16Lanes>(M, flat.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),

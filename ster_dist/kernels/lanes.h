@@ -1,4 +1,4 @@
-// SIMD steps shared by the kernels of this package (few_rows.cpp, paged_decode.cpp): the instruction set is
+// SIMD steps shared by the kernels of this package (few_rows.cpp, experts.cpp, paged_decode.cpp): the instruction set is
 // picked when the extension is compiled for this CPU (-march=native, kernels/__init__.py).
 #pragma once
 
@@ -10,6 +10,23 @@
 namespace ster_kernels {
 
 // One SIMD step of a row: `In` is what a load gives, `Acc` the f32 accumulator, `W` elements per step.
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float sum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+struct F32Half {  // f32 in 256-bit steps: AVX2's lanes, and AVX-512's where half-width steps stream faster
+  using T = float; using In = __m256; using Acc = __m256;
+  static constexpr int W = 8;
+  static In load(const float* p) { return _mm256_loadu_ps(p); }
+  static Acc madd(Acc acc, In x, In w) { return _mm256_fmadd_ps(x, w, acc); }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
+  static float sum(Acc a) { return sum8(a); }
+};
+#endif
+
 #if defined(__AVX512F__)
 struct F32Lanes {
   using T = float; using In = __m512; using Acc = __m512;
@@ -43,22 +60,17 @@ struct Bf16Lanes {  // widened to f32 as read: a bf16 is the top half of an f32
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
 };
 #endif
+// f32 rows streamed from memory (few_rows.cpp, experts.cpp) in 256-bit steps where the CPU runs a 512-bit
+// operation as two 256-bit halves (AMD's Zen 4, which GCC 12 names znver3 and later ones znver4): there SmolLM2's
+// batch-1 products read 5-16% faster than in 512-bit steps, alternating in one process (bench/README.md).
+#if defined(__znver3__) || defined(__znver4__)
+using F32Stream = F32Half;
+#else
+using F32Stream = F32Lanes;
+#endif
 #define STER_KERNELS_ISA 2
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline float sum8(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-struct F32Lanes {
-  using T = float; using In = __m256; using Acc = __m256;
-  static constexpr int W = 8;
-  static In load(const float* p) { return _mm256_loadu_ps(p); }
-  static Acc madd(Acc acc, In x, In w) { return _mm256_fmadd_ps(x, w, acc); }
-  static Acc zero() { return _mm256_setzero_ps(); }
-  static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
-  static float sum(Acc a) { return sum8(a); }
-};
+using F32Lanes = F32Half;
 struct Bf16Lanes {
   using T = c10::BFloat16; using In = __m256; using Acc = __m256;
   static constexpr int W = 8;
@@ -70,6 +82,7 @@ struct Bf16Lanes {
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static float sum(Acc a) { return sum8(a); }
 };
+using F32Stream = F32Half;
 #define STER_KERNELS_ISA 1
 #else
 #define STER_KERNELS_ISA 0  // no kernel: kernels/__init__.py reports the build unusable
