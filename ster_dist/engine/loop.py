@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ster_dist.engine.blocks import BlockPool
 from ster_dist.engine.detok import Detokenizer
+from ster_dist.engine.omp_pool import release_idle_workers
 from ster_dist.engine.runner import ModelRunner
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.engine.scheduler import Scheduler, Sequence
@@ -169,6 +170,9 @@ class TokenEngine:
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "prompt_tokens": 0,
                          "generated_tokens": 0, "preemptions": 0, "overlapped_steps": 0,
                          "drafted_tokens": 0, "accepted_tokens": 0, "rejected_tokens": 0}
+        # this thread's OpenMP workers (from loading the model here) would slow every step the engine's thread
+        # runs (engine/omp_pool.py); released, they come back if this thread computes again
+        release_idle_workers()
         self._thread = threading.Thread(target=self._run, name="ster-token-engine", daemon=True)
         self._thread.start()
 
@@ -180,7 +184,7 @@ class TokenEngine:
         if self.config.compile_after is None:
             return
         started = time.perf_counter()
-        with self._group_lock:
+        with self._from_outside():
             made = self.group.on(ModelRunner).warm(self.config.max_step_tokens)[0]
         if made is not None:
             progress(f"warmed the compiled steps for 1 to {self.config.max_step_tokens} tokens in "
@@ -188,14 +192,14 @@ class TokenEngine:
 
     def add_vector(self, key: str, vectors) -> None:
         """Register a steering vector ([(layer, tensor)]) under `key` on every rank, once."""
-        with self._group_lock:
+        with self._from_outside():
             if key not in self._vectors:
                 self.group.on(ModelRunner).register_vector(key, vectors)
                 self._vectors.add(key)
 
     def add_adapter(self, name: str, sites: list[dict]) -> None:
         """Register a LoRA adapter's global factors per projection under `name` on every rank, once."""
-        with self._group_lock:
+        with self._from_outside():
             if name not in self._adapters:
                 self.group.on(ModelRunner).register_adapter(name, sites)
                 self._adapters.add(name)
@@ -204,7 +208,7 @@ class TokenEngine:
         """New factors for the adapter registered under `name` (the same projections), copied in on every rank
         between two steps; a request already running continues under them. A trainer calls this after each
         optimizer step; the base is not reloaded."""
-        with self._group_lock:
+        with self._from_outside():
             if name not in self._adapters:
                 raise Refusal(f"adapter {name!r} is not registered with the engine")
             self.group.on(ModelRunner).replace_adapter(name, sites)
@@ -299,8 +303,18 @@ class TokenEngine:
     @contextlib.contextmanager
     def paused(self):
         """No step runs inside the block (another operation has the ranks); requests keep queueing."""
-        with self._group_lock:
+        with self._from_outside():
             yield
+
+    @contextlib.contextmanager
+    def _from_outside(self):
+        """The ranks for another thread than the engine's: one call at a time, and after it that thread's OpenMP
+        workers, which work on in-process ranks makes, released (engine/omp_pool.py)."""
+        with self._group_lock:
+            try:
+                yield
+            finally:
+                release_idle_workers()
 
     def close(self) -> None:
         """Finish nothing more: every request still in flight ends with "abort"; the ranks drop the cache."""
