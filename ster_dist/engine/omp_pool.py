@@ -13,6 +13,7 @@ workers were released (bench/README.md).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the calling thread's team of workers
@@ -21,10 +22,17 @@ OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the calling thread's team of wo
 def release_idle_workers() -> bool:
     """Free the calling thread's OpenMP workers (OpenMP 5's omp_pause_resource_all); they are made again if it
     opens another parallel region. False where the runtime has no such call (not libgomp, or too old)."""
+    pause = _pause()
+    return pause is not None and pause(OMP_PAUSE_HARD) == 0
+
+
+@functools.cache
+def _pause():
+    """libgomp's omp_pause_resource_all, looked up once; None without it."""
     try:  # only the copy torch already loaded (the soname is shared): never a second runtime
         runtime = ctypes.CDLL("libgomp.so.1", mode=getattr(os, "RTLD_NOLOAD", 4) | os.RTLD_LAZY)
         pause = runtime.omp_pause_resource_all
     except (OSError, AttributeError):
-        return False
+        return None
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    return pause(OMP_PAUSE_HARD) == 0
+    return pause
