@@ -4,6 +4,9 @@
   parallel/linear.py sends those rows here).
 - `paged_decode(q, keys, values, table, starts, ends, scale)` (paged_decode.cpp): one query per sequence
   attending its keys where they lie in a paged cache (model/paged_step.py's decodes).
+- `causal_attend(q, keys, values, table, starts, window, scale)` (causal_attend.cpp): a prompt's queries
+  attending the keys before them (within a window) where a cache holds them (model/paged_step.py's and
+  model/step.py's prefills).
 - `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): one to eight rows through their SwiGLU experts
   (moe/experts.py's decodes).
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
@@ -35,7 +38,7 @@ from ster_dist.events import progress
 # (at 8: 1.1-1.8x in f32, 1.1-1.7x in bf16); from about 10 rows, compute rather than reading the weight
 # bounds a product and the library's blocked kernels are ahead
 FEW_ROWS_MAX = 8
-SOURCES = ("few_rows.cpp", "paged_decode.cpp", "experts.cpp")
+SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp")
 
 _tried = False
 _ready = False
@@ -75,6 +78,7 @@ def _load() -> bool:
     torch.library.register_fake("ster_kernels::few_rows")(_product_shape)
     torch.library.register_fake("ster_kernels::paged_decode")(_attention_shape)
     torch.library.register_fake("ster_kernels::attend_planned")(_planned_shape)
+    torch.library.register_fake("ster_kernels::causal_attend")(_causal_shape)
     if (spent := time.perf_counter() - started) > 2:
         progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
     return True
@@ -86,6 +90,10 @@ def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _attention_shape(q, keys, values, table, starts, ends, scale: float) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], values.shape[3]))
+
+
+def _causal_shape(q, keys, values, table, starts, window: int, scale: float) -> torch.Tensor:
+    return q.new_empty((*q.shape[:3], values.shape[3]))
 
 
 def _planned_shape(q, k, v, layer) -> torch.Tensor:

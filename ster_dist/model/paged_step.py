@@ -16,7 +16,7 @@ import torch
 from ster_dist.config import RopeConfig
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
-from ster_dist.model.step import decode_kernel_scale, or_empty, planned_scales
+from ster_dist.model.step import causal_kernel_fits, decode_kernel_scale, or_empty, planned_scales
 
 
 class _AttendGroup:
@@ -27,6 +27,7 @@ class _AttendGroup:
                  block_size: int, prefix: int = 0):
         self.tokens, self.table, self.query_pos, self.prefix = tokens, table, query_pos, prefix
         self.one_token = query_pos.shape[1] == 1 and table.shape[0] > 1  # queries come from n sequences
+        self.starts = query_pos[:, 0].contiguous()  # each sequence's first query position (the causal kernel's)
         keys = table.shape[1] * block_size
         # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
         self.key_pos = torch.arange(keys, device=table.device).expand(table.shape[0], keys)
@@ -209,6 +210,13 @@ class PagedStep:
                 y = torch.ops.ster_kernels.paged_decode(group.take(q)[:, :, 0], self.cache.keys[layer],
                                                         self.cache.values[layer], group.table, first, end, scale)
                 outs.append(y.unsqueeze(2))
+                continue
+            if scale is not None and not group.prefix and chunk is None and causal_kernel_fits(q, self.cache.values[layer]):
+                # a prompt's queries: each reads the keys before it where its blocks hold them, the masked half
+                # of the scores never computed (kernels/causal_attend.cpp)
+                outs.append(torch.ops.ster_kernels.causal_attend(group.take(q), self.cache.keys[layer],
+                                                                 self.cache.values[layer], group.table, group.starts,
+                                                                 window or 0, scale))
                 continue
             keys, values = self.cache.gather(layer, group.table)
             if keys.dtype != dtype:  # a cache kept narrower than the model attends in the model's dtype

@@ -34,10 +34,15 @@ class StepState:
         query_slot = torch.arange(start, start + t).view(1, t, 1)
         key_slot = torch.arange(s).view(1, 1, s)
         self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
-        if bidirectional_prompt and cache is not None and start == 0 and t > 1:
+        both_ways = bidirectional_prompt and cache is not None and start == 0 and t > 1
+        if both_ways:
             # a prompt read whole from position zero (a prefix LM's): each of its tokens sees all of its tokens
             self._base = key_valid.unsqueeze(1).expand(-1, t, -1)
         self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
+        # where the mask is causal alone over slots that are positions (no padding, no prompt read both ways):
+        # the first query's slot, for the causal kernel; None elsewhere
+        causal = t > 1 and not both_ways and bool(key_valid.all()) and bool((key_pos == torch.arange(s)).all())
+        self._causal_start = start if causal else None
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
@@ -80,7 +85,24 @@ class StepState:
         scale = self._in_place_scale(q, k, fn, window, chunk)
         if scale is not None:  # one query a row over every key: read where the cache holds them
             return self._in_place(q, k, v, scale)
+        scale = self._causal_scale(q, k, v, fn, chunk)
+        if scale is not None:  # a prompt's queries over the keys before them, the masked half never computed
+            return self._causal(q, k, v, scale, window)
         return fn(q, k, v, self.mask(window, chunk), self._key_pos)
+
+    def _causal_scale(self, q, k: torch.Tensor, v: torch.Tensor, fn, chunk: int | None) -> float | None:
+        """decode_kernel_scale where the causal kernel may take this step's attention; None: call fn."""
+        if self._causal_start is None or chunk is not None or not causal_kernel_fits(q, v):
+            return None
+        return decode_kernel_scale(fn, q, k.dtype)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None):
+        # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
+        batch = q.shape[0]
+        rows = torch.arange(batch).view(batch, 1)
+        starts = torch.full((batch,), self._causal_start, dtype=torch.long)
+        return torch.ops.ster_kernels.causal_attend(q, k.transpose(1, 2), v.transpose(1, 2), rows, starts,
+                                                    window or 0, scale)
 
     def _in_place_scale(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None) -> float | None:
         """decode_kernel_scale where each row's one query sees every key; None: call fn."""
@@ -158,6 +180,13 @@ def planned_scales(scales: list[float], keys: list[torch.Tensor | None], dtype: 
 def or_empty(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """The list with an empty tensor for each None: a Tensor[] argument of an operator."""
     return [t if t is not None else torch.empty(0) for t in tensors]
+
+
+def causal_kernel_fits(q, values: torch.Tensor | None) -> bool:
+    """Whether kernels/causal_attend.cpp reads these queries and values as they are: several queries a row,
+    each query's channels contiguous, values a multiple of 16 wide (its registers', AVX2's or AVX-512's)."""
+    return (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] > 1 and q.stride(-1) == 1
+            and values is not None and values.shape[-1] % 16 == 0 and values.stride(-1) == 1)
 
 
 def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
