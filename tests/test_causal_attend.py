@@ -108,7 +108,7 @@ def _without_kernel(monkeypatch, model, *args):
     from ster_dist.model import step
 
     with monkeypatch.context() as m, torch.no_grad():
-        m.setattr(step, "causal_kernel_fits", lambda q, values: False)
+        m.setattr(step, "causal_kernel_fits", lambda q, keys, values: False)
         return model(*args)
 
 
@@ -162,3 +162,34 @@ def test_a_static_cache_prefill_takes_the_kernel_unless_rows_hold_padding(kernel
         whole = _without_kernel(monkeypatch, model, ids, torch.arange(14).expand(2, -1), valid)
         assert _calls(seen) == 2 * calls_per_layer * layers
         assert compare(last, whole[:, -1])["max_relative_error"] < 1e-5
+
+
+def test_a_read_that_trains_keeps_the_masked_softmax_and_its_gradients(kernel, tmp_path, monkeypatch):
+    """The kernel has no backward: where a gradient is asked of the queries, keys or values (tuning's forward),
+    attention stays torch's, and the gradient is the one without the kernel."""
+    from torch.profiler import profile
+
+    from ster_dist.load import load_model
+    from ster_dist.resolve import resolve
+    from tests.tiny_models import make_tiny
+
+    make_tiny("llama", tmp_path / "llama")
+    model = load_model(resolve(str(tmp_path / "llama")), "f32").model
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(4))
+    leaves = []
+
+    def leaf(module, args, out):  # the embeddings as a leaf that asks for its gradient
+        leaves.append(out.detach().requires_grad_(True))
+        return leaves[-1]
+
+    model.embed.register_forward_hook(leaf)
+    with profile() as seen:
+        model(ids).float().square().sum().backward()
+    assert _calls(seen) == 0
+    with monkeypatch.context() as m:
+        from ster_dist.model import step
+
+        m.setattr(step, "causal_kernel_fits", lambda q, keys, values: False)
+        model(ids).float().square().sum().backward()
+    assert leaves[0].grad is not None and leaves[0].grad.abs().sum() > 0
+    assert torch.equal(leaves[0].grad, leaves[1].grad)

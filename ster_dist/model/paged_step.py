@@ -211,7 +211,8 @@ class PagedStep:
                                                         self.cache.values[layer], group.table, first, end, scale)
                 outs.append(y.unsqueeze(2))
                 continue
-            if scale is not None and not group.prefix and chunk is None and causal_kernel_fits(q, self.cache.values[layer]):
+            if scale is not None and not group.prefix and chunk is None and causal_kernel_fits(
+                    q, self.cache.keys[layer], self.cache.values[layer]):
                 # a prompt's queries: each reads the keys before it where its blocks hold them, the masked half
                 # of the scores never computed (kernels/causal_attend.cpp)
                 outs.append(torch.ops.ster_kernels.causal_attend(group.take(q), self.cache.keys[layer],

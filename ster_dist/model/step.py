@@ -92,7 +92,7 @@ class StepState:
 
     def _causal_scale(self, q, k: torch.Tensor, v: torch.Tensor, fn, chunk: int | None) -> float | None:
         """decode_kernel_scale where the causal kernel may take this step's attention; None: call fn."""
-        if self._causal_start is None or chunk is not None or not causal_kernel_fits(q, v):
+        if self._causal_start is None or chunk is not None or not causal_kernel_fits(q, k, v):
             return None
         return decode_kernel_scale(fn, q, k.dtype)
 
@@ -182,11 +182,14 @@ def or_empty(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
     return [t if t is not None else torch.empty(0) for t in tensors]
 
 
-def causal_kernel_fits(q, values: torch.Tensor | None) -> bool:
-    """Whether kernels/causal_attend.cpp reads these queries and values as they are: several queries a row,
-    each query's channels contiguous, values a multiple of 16 wide (its registers', AVX2's or AVX-512's)."""
-    return (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] > 1 and q.stride(-1) == 1
-            and values is not None and values.shape[-1] % 16 == 0 and values.stride(-1) == 1)
+def causal_kernel_fits(q, keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
+    """Whether kernels/causal_attend.cpp reads these queries, keys and values as they are: several queries a
+    row, each query's and value's channels contiguous, values a multiple of 16 wide (its registers', AVX2's or
+    AVX-512's), and no gradient asked of them (the kernel has no backward: training reads take SDPA)."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] > 1 and q.stride(-1) == 1
+            and keys is not None and values is not None and values.shape[-1] % 16 == 0 and values.stride(-1) == 1):
+        return False
+    return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
 
 
 def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
