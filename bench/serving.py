@@ -45,6 +45,10 @@ Backends (same thread count: torch.set_num_threads(--threads) in process, -t/-tb
 
 Figures are wall times on a shared 2-core machine: read the ratios, not the absolute figures, and
 watch the printed load average (above --threads, other processes were competing for the cores).
+Rounds    --rounds N runs every backend N times, alternating (the order reversed every other round),
+              so a slow spell of the machine slows every backend alike instead of whichever ran then;
+              each backend's table shows its round of median output throughput (first rate), and
+              the output tok/s of every round is printed and kept in the JSON ("rounds").
 Output: one table per backend, a ratio table against llama-server, and one final JSON line.
 
     python bench/serving.py --smollm2 --quick             # smoke run: ~1 min per backend on an idle machine
@@ -747,6 +751,20 @@ def ratios(backends: dict) -> dict:
     return out
 
 
+def round_throughputs(run: dict) -> dict:
+    """rate -> output tok/s of one round of a backend ({} for a skipped or failed one)."""
+    return {rate: m["output_throughput"] for rate, m in run.get("rates", {}).items() if m.get("output_throughput")}
+
+
+def median_round(done: list[dict]) -> dict:
+    """Of one backend's rounds, the one of median output throughput at the first rate (a failed or skipped
+    round counts lowest); the only one when there is one."""
+    def first_rate(run: dict) -> float:
+        return next(iter(round_throughputs(run).values()), -1.0)
+    ranked = sorted(done, key=first_rate)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def server_cost(backends: dict) -> dict:
     """What the HTTP server adds to its engine, per rate: ster-serve's output throughput over
     ster-engine's, and the milliseconds it adds to TTFT at p50 (targets: >= 0.95 and <= 2 ms)."""
@@ -792,6 +810,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix scenario")
     p.add_argument("--kv-cache-mb", type=int, default=None, help="ster engine KV cache size (default: its own)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every backend this many times, alternating; report each one's median round")
     p.add_argument("--quick", action="store_true", help="8 requests of 16..64 prompt tokens, 8 new tokens, rates 4 and inf, a 256-token prefix")
     args = p.parse_args(argv)
     quick = args.quick
@@ -844,11 +864,15 @@ def main(argv=None) -> int:
     requests = request_sets[0]
     lens = [len(r.prompt) for r in requests]
     loadavg_before = os.getloadavg()[0]
-    backends = {}
+    runs: dict[str, list[dict]] = {name: [] for name in args.backends}
     with tempfile.TemporaryDirectory(prefix="ster_serving_") as tmp:
-        for name in args.backends:
-            print(f"== {name}", flush=True)
-            backends[name] = run_backend(name, args, model_dir, gguf, request_sets, vocab, low, Path(tmp))
+        for round_ in range(args.rounds):
+            for name in args.backends if round_ % 2 == 0 else args.backends[::-1]:
+                print(f"== {name}" + (f" (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""),
+                      flush=True)
+                runs[name].append(run_backend(name, args, model_dir, gguf, request_sets, vocab, low, Path(tmp)))
+    backends = {name: median_round(done) for name, done in runs.items()}
+    rounds = {name: [round_throughputs(r) for r in done] for name, done in runs.items()} if args.rounds > 1 else {}
     reference, agree = agreement(backends)
     result = {"model_dir": str(model_dir), "gguf": str(gguf), "requests": len(requests), "dtype": args.dtype,
               "prompt_lens": {"min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)},
@@ -858,8 +882,11 @@ def main(argv=None) -> int:
               "backends": backends, "ratios_vs_llama_server": ratios(backends),
               "server_vs_engine": server_cost(backends),
               "tokens_reference": reference, "tokens_agreement": agree,
-              "loadavg_1min": [loadavg_before, os.getloadavg()[0]]}
+              "loadavg_1min": [loadavg_before, os.getloadavg()[0]], "rounds": rounds}
     print_tables(result)
+    for name, per_round in rounds.items():
+        cells = "; ".join(", ".join(f"{rate} {tok_s:.1f}" for rate, tok_s in r.items()) for r in per_round)
+        print(f"{name}: out tok/s by round: {cells}")
     for rate, cost in result["server_vs_engine"].items():
         print(f"ster serve over its engine, rate {rate}: throughput x{cost['throughput_ratio']:.3f}, "
               f"TTFT p50 {cost['ttft_p50_added_ms']:+.1f} ms")
