@@ -41,7 +41,8 @@ class StepState:
         self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
         # where the mask is causal alone over slots that are positions (no padding, no prompt read both ways):
         # the first query's slot, for the causal kernel; None elsewhere
-        causal = t > 1 and not both_ways and bool(key_valid.all()) and bool((key_pos == torch.arange(s)).all())
+        causal = (t > 1 and not both_ways and key_pos.device.type == "cpu"  # the kernel is a CPU one
+                  and bool(key_valid.all()) and bool((key_pos == torch.arange(s)).all()))
         self._causal_start = start if causal else None
         self._positions, self._key_pos = positions, key_pos
         # a one-token step over keys that are all real sees every key: no mask to build or apply
@@ -184,10 +185,11 @@ def or_empty(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
 
 def causal_kernel_fits(q, keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
     """Whether kernels/causal_attend.cpp reads these queries, keys and values as they are: several queries a
-    row, each query's and value's channels contiguous, values a multiple of 16 wide (its registers', AVX2's or
+    row, each query's, key's and value's channels contiguous, values a multiple of 16 wide (its registers', AVX2's or
     AVX-512's), and no gradient asked of them (the kernel has no backward: training reads take SDPA)."""
     if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] > 1 and q.stride(-1) == 1
-            and keys is not None and values is not None and values.shape[-1] % 16 == 0 and values.stride(-1) == 1):
+            and keys is not None and values is not None and values.shape[-1] % 16 == 0
+            and keys.stride(-1) == 1 and values.stride(-1) == 1):
         return False
     return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
 
