@@ -180,8 +180,8 @@ def test_a_killed_scheduler_process_restarted_finishes_every_accepted_job_once(t
             if sum(e.result is not None for e in entries.values()) >= 2:
                 break
             time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
     finally:
+        os.kill(proc.pid, signal.SIGKILL)  # also when the wait above raised: never leave the scheduler running
         proc.wait(30)
     before = read(state).entries
     finished_before = {k for k, e in before.items() if e.result is not None}

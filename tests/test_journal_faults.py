@@ -268,3 +268,16 @@ def test_wrongly_typed_journal_fields_fail_or_skip_their_job_with_a_message(toy,
     for words in ("job id of type int", "spec is a list", "'three' is not an integer", "'four' is not an integer",
                   "result is unreadable", "not a mapping"):
         assert words in err, words
+
+
+def test_reading_beside_a_queue_that_is_still_creating_its_state_sees_no_jobs(toy, tmp_path):
+    # A reader polls a state path the queue has not made yet, then one with no journal yet, then the journal.
+    state = tmp_path / "state"
+    assert read(state).entries == {}
+    state.mkdir()
+    assert read(state).entries == {}
+    with JobQueue(state) as scheduler:
+        scheduler.wait(scheduler.submit({"kind": "generate", "model": toy, "prompt": "hi", "max_new_tokens": 2,
+                                         "chat_template": "off", "id": "one"}), 60)
+    assert read(state).entries["one"].result is not None
+    assert read(state / "journal.msgpack").entries.keys() == {"one"}

@@ -228,14 +228,21 @@ def frame(record: dict) -> bytes:
 def read(path: str | os.PathLike) -> State:
     """The jobs a journal file records (read only: safe beside the job queue that owns it)."""
     state = State()
-    path = Path(path)
-    if path.is_dir():
-        path = path / "journal.msgpack"
-    if not path.exists():
+    try:
+        data = _journal_bytes(Path(path))
+    except FileNotFoundError:  # no journal yet: nothing accepted
         return state
-    for record in records(path.read_bytes(), state):
+    for record in records(data, state):
         _apply(state, record)
     return state
+
+
+def _journal_bytes(path: Path) -> bytes:
+    # One open decides file or directory: a check then an open races a job queue creating its directory.
+    try:
+        return path.read_bytes()
+    except IsADirectoryError:
+        return (path / "journal.msgpack").read_bytes()
 
 
 def records(data: bytes, state: State | None = None) -> list:
