@@ -223,7 +223,7 @@ def test_enforce_eager_is_an_engine_option_of_generate_chat_and_serve():
         extra = ["--prompt=hi"] if command == "generate" else []
         eager = parse([command, "--model=m", "--enforce-eager", *extra])
         default = parse([command, "--model=m", *extra])
-        assert eager.engine_options()[-1] is True and default.engine_options()[-1] is False
+        assert eager.engine_options()[3] is True and default.engine_options()[3] is False
 
 
 @pytest.mark.slow  # two ranks compiling at once: about a minute here; the one-rank tests above compile the same layers

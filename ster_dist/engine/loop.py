@@ -51,6 +51,9 @@ class EngineConfig:
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
     micro_batches: int = 1               # steps in flight at once, on disjoint requests: one per pipeline stage
     speculative_tokens: int = 0          # MTP drafts per decode (engine/drafter.py); 0: no speculative decoding
+    # the ranks' projection weights packed for oneDNN beside the plain ones (parallel/packed.py): "auto" where
+    # the copies take at most a quarter of the memory free, "on", "off"
+    pack_weights: str = "auto"
     # steps run before the ranks compile their layers (model/compiled.py): a run that long will earn back the
     # seconds compiling takes on a CPU, a short one would not; None: every step eager (--enforce-eager)
     compile_after: int | None = None
@@ -126,6 +129,26 @@ class _Live:
     logprobs: list = field(default_factory=list)
 
 
+def _start_ranks(runners, cfg, config: EngineConfig, speculative: bool) -> tuple[list[dict], int, int]:
+    """Pack the ranks' weights, size their caches and allocate them: (each rank's sizes, blocks, state slots)."""
+    packed = max(runners.pack_weights(config.pack_weights))  # before the cache's share of the memory free
+    if packed:
+        progress(f"packed {packed / 2**20:.0f} MiB of weights per rank for oneDNN's products "
+                 "(--pack-weights off keeps one copy)")
+    sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
+                             DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
+    if speculative:
+        if any(s["state_bytes"] for s in sizes):
+            raise Refusal("--speculative mtp cannot run on a model with recurrent layers: their state cannot "
+                          "roll back past a refused draft; drop --speculative")
+        # the MTP layer's keys sit in blocks of the same ids: a block costs that much more on each rank
+        for size, extra in zip(sizes, runners.draft_block_bytes(config.block_size)):
+            size["block_bytes"] += extra
+    blocks, slots = cache_sizes(sizes, config, cfg.max_position)
+    runners.start(blocks, config.block_size, slots, speculative, config.compile_after)
+    return sizes, blocks, slots
+
+
 class TokenEngine:
     def __init__(self, group, cfg, tokenizer, eos: tuple[int, ...], config: EngineConfig = EngineConfig()):
         self.group, self.cfg, self.tokenizer, self.eos = group, cfg, tokenizer, tuple(eos)
@@ -134,17 +157,12 @@ class TokenEngine:
         if speculative:
             check_speculative(cfg, config)
         runners = group.on(ModelRunner)
-        sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
-                                 DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
-        if speculative:
-            if any(s["state_bytes"] for s in sizes):
-                raise Refusal("--speculative mtp cannot run on a model with recurrent layers: their state cannot "
-                              "roll back past a refused draft; drop --speculative")
-            # the MTP layer's keys sit in blocks of the same ids: a block costs that much more on each rank
-            for size, extra in zip(sizes, runners.draft_block_bytes(config.block_size)):
-                size["block_bytes"] += extra
-        blocks, slots = cache_sizes(sizes, config, cfg.max_position)
-        runners.start(blocks, config.block_size, slots, speculative, config.compile_after)
+        try:
+            sizes, blocks, slots = _start_ranks(runners, cfg, config, speculative)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a group already gone keeps the first error
+                runners.stop()  # what a rank packed or allocated before the refusal goes with it
+            raise
         self.block_bytes = sizes[0]["block_bytes"]
         self.state_bytes = sizes[0]["state_bytes"]
         # a shared prefix's blocks hold its keys, not the recurrent state it left: no sharing with state; nor

@@ -25,6 +25,8 @@ from ster_dist.engine.work import StepResult, StepWork
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.model.paged import Chunk, PagedCache
+from ster_dist.parallel import packed
+from ster_dist.parallel.linear import product_weights
 from ster_dist.shard.mtp import load_mtp
 from ster_dist.workers.extension import RankExtension
 
@@ -44,6 +46,9 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+PACK_SHARE = 4  # --pack-weights auto: packed copies may take up to this share of the memory free
+
+
 class ModelRunner(RankExtension):
     def __init__(self, rank):
         super().__init__(rank)
@@ -56,6 +61,7 @@ class ModelRunner(RankExtension):
         self.compile_after: int | None = None
         self.drafter: MTPDrafter | None = None
         self.mtp = None  # the model's MTP layer, loaded on first use and kept while the model is
+        self.packed: list[torch.Tensor] = []  # weights this engine packed (released when it closes)
 
     def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
@@ -67,6 +73,18 @@ class ModelRunner(RankExtension):
             budget = min(budget, cap)
         return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
                 "state_bytes": PagedCache.state_bytes(model)}
+
+    def pack_weights(self, mode: str) -> int:
+        """Pack this rank's projection weights for oneDNN (parallel/packed.py): "on", "off", or "auto" (where
+        their packed copies take at most a quarter of the memory free now). Returns the bytes packed."""
+        if mode == "off" or not packed.available():
+            return 0
+        weights = [w for w in product_weights(self.model) if packed.packable(w)]
+        size = sum(w.numel() * w.element_size() for w in weights)
+        if mode == "auto" and (not weights or size > available_memory(weights[0].device) // PACK_SHARE):
+            return 0
+        self.packed = weights
+        return sum(packed.pack(w) for w in weights)
 
     def draft_block_bytes(self, block_size: int) -> int:
         """What one block of the MTP layer's own cache costs on this rank (its keys use the decoder's block ids, so
@@ -254,6 +272,8 @@ class ModelRunner(RankExtension):
         return self
 
     def close(self) -> None:
+        packed.release(self.packed)
+        self.packed = []
         if self.steering is not None:
             self.steering.close()
         if self.adapters is not None:
@@ -267,9 +287,11 @@ WARM_MOST = 256  # tokens of the longest warm-up step: its scratch cache and act
 def warm_counts(max_tokens: int) -> list[int]:
     """Token counts whose steps trace every graph a step of 1 to `max_tokens` tokens runs: one token (the whole
     stack in one graph), then both ends of each range the traced code branches at (dense()'s kernels by row
-    count, parallel/linear.py: 2-8, 9-15, 16-64, more; model/compiled.py), each range one dynamic graph, whose
-    last is open-ended: past WARM_MOST tokens nothing is traced that a shorter step did not."""
-    return sorted(c for c in {1, 2, 8, 9, 15, 16, 64, 65, min(max_tokens, WARM_MOST)} if c <= max_tokens)
+    count, parallel/linear.py: 2-8, 9-15, 16-64, more, and 2-3 and 4 up where weights are packed; model/compiled.py),
+    each range one dynamic graph, whose last is open-ended: past WARM_MOST tokens nothing is traced that a shorter
+    step did not."""
+    ends = {1, 2, 3, 4, 8, 9, 15, 16, 64, 65, min(max_tokens, WARM_MOST)}
+    return sorted(c for c in ends if c <= max_tokens)
 
 
 def _chunk_rows(chunks: list[Chunk]) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ster_dist.events import progress
 from ster_dist import kernels
+from ster_dist.parallel import packed
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight, blockwise_ok, scaled_product
 
@@ -150,8 +151,12 @@ ONEDNN_F32 = torch.backends.mkldnn.is_available()
 @torch.library.custom_op("ster_dist::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # an operator of our own, so a compiled step calls the kernel as it is: inductor lowers mkldnn's op only
-    # for weights frozen into the graph, and a layer's weights are the graph's inputs (model/compiled.py)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    # for weights frozen into the graph, and a layer's weights are the graph's inputs (model/compiled.py).
+    # Its body runs on the real weight in either case, so it finds the weight's packed copy (parallel/packed.py).
+    held = packed.lookup(weight)
+    if held is None and x.numel() <= kernels.FEW_ROWS_MAX * x.shape[-1] and _few_rows_fit(x, weight, bias):
+        return torch.ops.ster_kernels.few_rows(x, weight, bias)  # a weight not packed: as dense() would
+    return torch.ops.mkldnn._linear_pointwise(x, weight if held is None else held, bias, "none", [], "")
 
 
 @onednn_linear.register_fake
@@ -208,10 +213,11 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
         return _upcast(x, weight, bias)
-    if (0 < rows <= kernels.FEW_ROWS_MAX and x.device.type == "cpu" and x.dtype == weight.dtype
-            and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and (bias is None or bias.dtype == x.dtype) and not (x.requires_grad or weight.requires_grad)
-            and kernels.ready()):
+    if (rows >= packed.ROWS_MIN and packed.active() and x.device.type == "cpu" and x.dtype == weight.dtype
+            and (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and NATIVE_HALF_PRODUCTS)
+            and weight.dim() == 2 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)):
+        return torch.ops.ster_dist.onednn_linear(x, weight, bias)  # its packed copy, where the engine made one
+    if 0 < rows <= kernels.FEW_ROWS_MAX and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.few_rows(x, weight, bias)
     if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype
             and weight.dtype in (torch.bfloat16, torch.float16)):
@@ -227,6 +233,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
         y = y.view(out, rows).t().reshape(*x.shape[:-1], out)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def _few_rows_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+            and not (x.requires_grad or weight.requires_grad) and kernels.ready())
 
 
 @torch._dynamo.assume_constant_result
@@ -437,3 +449,24 @@ class Replicated(ShardedModule):
     def __init__(self, shape: tuple[int, ...]):
         super().__init__()
         self._param("weight", Shard(shape))
+
+
+def product_weights(root: nn.Module) -> list[torch.Tensor]:
+    """The weights `dense` multiplies by in root's projections, each once, as dense is handed them: a fused
+    group's joined weight (its parts then run no product of their own), every other column- or row-parallel
+    weight, the head's (the embedding's, where tied). Kept FP8 weights are not among them."""
+    fused = {id(p) for m in root.modules() if isinstance(m, FusedColumns) and m.weight is not None
+             for p in m.parts if p is not None}
+    found: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        if isinstance(module, FusedColumns) and module.weight is not None:
+            weight = module.weight
+        elif isinstance(module, (ColumnLinear, RowLinear)) and id(module) not in fused and "weight" not in module.fp8:
+            weight = module.weight
+        elif isinstance(module, VocabHead):
+            weight = module.tied[0].weight if module.tied else module.weight
+        else:
+            continue
+        if weight is not None and not weight.is_meta:
+            found.setdefault(id(weight), weight)
+    return list(found.values())

@@ -109,7 +109,8 @@ def _engine(group, checkpoint, tokenizer, settings, stops: frozenset[int], runni
     from ster_dist.workers.group import load_on
 
     load_on(group, checkpoint, settings.precision, settings.device)
-    config = EngineConfig(kv_cache_memory=kv_cache_memory, max_running=running)
+    # weights a tuning step changes are never packed: each step would leave the copies stale
+    config = EngineConfig(kv_cache_memory=kv_cache_memory, max_running=running, pack_weights="off")
     return TokenEngine(group, model_config(checkpoint), tokenizer, tuple(sorted(stops)), config)
 
 

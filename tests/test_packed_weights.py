@@ -1,0 +1,95 @@
+"""Weights packed ahead for oneDNN (parallel/packed.py): products over a packed weight equal the plain
+weight's, a weight changed in place or freed is never read packed, and an engine packs where asked, says so,
+answers as one that does not, and releases the copies when it closes."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ster_dist.engine import runner
+from ster_dist.engine.sampling import SamplingParams
+from ster_dist.parallel import packed
+from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS, dense
+from tests.test_engine import llama, open_engine, prompts  # noqa: F401  (llama: the tiny checkpoint fixture)
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN to pack weights for")
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if NATIVE_HALF_PRODUCTS else [])
+
+
+@pytest.fixture
+def weight():
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(0))
+    yield w
+    packed.release([w])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 9, 33, 130])
+def test_a_product_over_the_packed_weight_equals_the_plain_one(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(200, 96, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
+    x = torch.randn(2, rows, 96, generator=g).to(dtype)
+    plain = dense(x, w, bias)
+    assert packed.pack(w) == w.numel() * w.element_size()
+    try:
+        assert packed.active() and packed.lookup(w) is not None
+        got = dense(x, w, bias)
+        want = (x.double() @ w.double().t() + bias.double()).to(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * 10)
+        if dtype == torch.float32 and rows * 2 > 8:
+            assert torch.equal(got, plain)  # oneDNN either way: the packed layout changes no sum's order
+    finally:
+        packed.release([w])
+    assert not packed.active()
+
+
+def test_products_read_the_packed_copy_and_an_in_place_change_drops_it(weight):
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
+    before = F.linear(x, weight)
+    packed.pack(weight)
+    # a write through .data is one the version counter cannot see: the product still reads the old packed copy
+    weight.data.mul_(2)
+    torch.testing.assert_close(dense(x, weight), before)
+    # a tracked in-place change (as an optimizer step makes) leaves the copy stale: dropped, the weight read plain
+    with torch.no_grad():
+        weight.add_(1)
+    torch.testing.assert_close(dense(x, weight), F.linear(x, weight))
+    assert packed.lookup(weight) is None and not packed.active()
+
+
+def test_a_freed_weight_takes_its_packed_copy_with_it():
+    w = torch.randn(64, 32)
+    packed.pack(w)
+    assert packed.active()
+    del w
+    gc.collect()
+    assert not packed.active()
+
+
+def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llama, capfd):  # noqa: F811
+    batch = [(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts(9, seed=5, lo=2, hi=40)]
+    with open_engine(llama, pack_weights="off") as engine:
+        assert not packed.active()
+        want = [s.result().token_ids for s in [engine.submit(p, params) for p, params in batch]]
+    with open_engine(llama, pack_weights="on") as engine:
+        assert packed.active()
+        got = [s.result().token_ids for s in [engine.submit(p, params) for p, params in batch]]
+    assert not packed.active()  # closed: the copies went with the engine
+    assert got == want
+    assert "MiB of weights per rank for oneDNN's products (--pack-weights off keeps one copy)" in capfd.readouterr().err
+
+
+def test_auto_packs_only_where_the_copies_fit_in_their_share_of_free_memory(llama, monkeypatch):  # noqa: F811
+    with open_engine(llama, pack_weights="auto"):
+        assert packed.active()  # a tiny model's copies fit anywhere
+    monkeypatch.setattr(runner, "PACK_SHARE", 1 << 60)  # a share of free memory no weight fits in
+    with open_engine(llama, pack_weights="auto"):
+        assert not packed.active()
+    with open_engine(llama, pack_weights="on"):
+        assert packed.active()  # on: whatever memory says
