@@ -58,6 +58,9 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               compiler), one line says why and the rest of the benchmark runs; --no-llama-cpp
               leaves it out.
 
+ster_dist runs as its token engine would: layers compiled (--enforce-eager: eager) and projection weights packed
+for oneDNN beside the plain ones (--pack-weights off: plain only; parallel/packed.py).
+
 Every timed figure follows one untimed warm-up per engine, with the two engines alternating run
 by run, so load from other processes on the machine hits both alike; the 1-minute load average
 is printed. Above the thread count, other processes compete for the cores and the figures are
@@ -253,6 +256,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-build", type=Path, default=None,
                    help="reuse this configured llama.cpp build directory (tools it lacks are built into it)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp column")
+    p.add_argument("--pack-weights", choices=("on", "off"), default="on",
+                   help="ster_dist's projection weights packed for oneDNN as its token engine packs them for a "
+                        "model this size (default on; parallel/packed.py)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="ster_dist's layers eager, as the suite runs them (default: compiled, model/compiled.py)")
     args = p.parse_args(argv)
@@ -336,6 +342,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     transformers.logging.set_verbosity_error()
     ster = SterEngine(common.load_ster(model_dir, args.dtype))
     hf = HFEngine(common.load_hf(model_dir, args.dtype))
+    packed_bytes = pack_ster(ster, args)  # before compiling: the graphs are traced with products as they will run
     compiled = compile_ster(ster, args)
     params = sum(p.numel() for p in ster.model.parameters())
     hf_params = sum(p.numel() for p in hf.model.parameters())
@@ -419,10 +426,22 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         "loadavg_1min": [load_before, load_after], "loadavg_1min_after_llama_cpp": load_after_llama,
         "ster_dist": s, "transformers": h, "ratio_ster_over_hf": ratios, "tokens_equal": equality,
         "llama.cpp": llama, "ratio_ster_over_llama_cpp": vs_llama, "ster_dist_compiled": compiled,
+        "ster_dist_packed_bytes": packed_bytes,
     }
 
 
 LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
+
+
+def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
+    """Pack ster_dist's projection weights for oneDNN as its token engine does (`--pack-weights auto` there packs
+    a model whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or no oneDNN)."""
+    from ster_dist.parallel import packed
+    from ster_dist.parallel.linear import product_weights
+
+    if args.pack_weights == "off" or not packed.available():
+        return 0
+    return sum(packed.pack(w) for w in product_weights(ster.model) if packed.packable(w))
 
 
 def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:
@@ -489,6 +508,8 @@ def print_table(r: dict) -> None:
     c = r["ster_dist_compiled"]
     print(f"ster_dist layers: compiled ({c['graphs']} graphs, {c['compile_s']:.0f} s before the clocks)"
           if c["compiled"] else f"ster_dist layers: eager ({c['why']})")
+    print(f"ster_dist weights packed for oneDNN: {r['ster_dist_packed_bytes'] / 2**20:.0f} MiB"
+          if r["ster_dist_packed_bytes"] else "ster_dist weights: not packed")
     print(f"tokens equal: {r['tokens_equal']}")
     busy = max(*r["loadavg_1min"], r["loadavg_1min_after_llama_cpp"])
     note = "  (the machine was busy: figures are noisy)" if busy > r["threads"] + 0.5 else ""
