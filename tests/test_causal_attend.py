@@ -10,15 +10,12 @@ import pytest
 import torch
 
 from ster_dist import kernels
-from tests.test_few_rows import BUILDABLE
+from tests.native_kernels import built
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not BUILDABLE:
-        pytest.skip("no C++ compiler or no AVX2 here: the kernel is not built and prefills use torch's attention")
-    assert kernels.ready()
-    return torch.ops.ster_kernels.causal_attend
+    return built("causal_attend", "prefills use torch's attention")
 
 
 def _reference(q, keys, values, table, starts, window, scale):

@@ -6,7 +6,6 @@ computes the same products through the library."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,26 +16,14 @@ import torch.nn.functional as F
 
 from ster_dist import kernels
 from ster_dist.parallel.linear import dense
+from tests.native_kernels import built
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _has_avx2() -> bool:
-    try:
-        return " avx2" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-BUILDABLE = shutil.which(os.environ.get("CXX", "c++")) is not None and _has_avx2()
-
-
 @pytest.fixture(scope="module")
 def kernel():
-    if not BUILDABLE:
-        pytest.skip("no C++ compiler or no AVX2 here: the kernel is not built and dense keeps the library's products")
-    assert kernels.ready()  # a compiler and AVX2 are here: the build must succeed
-    return torch.ops.ster_kernels.few_rows
+    return built("few_rows", "dense keeps the library's products")
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ster_dist.config import MoEConfig
 from ster_dist.moe.experts import Experts
 from ster_dist.parallel.ctx import ParallelCtx
+from tests.native_kernels import built
 
 ALIGNED = (64, 48)     # hidden, expert width: every stride a multiple of 16 bytes in f32 and bf16
 MISALIGNED = (36, 21)  # 21 values are 84 (f32) or 42 (bf16) bytes: grouped_mm refuses, the loop runs
@@ -124,10 +125,7 @@ def test_few_rows_of_swiglu_experts_run_in_the_kernel_as_the_python_loop_does(dt
     """Up to eight rows of plain SwiGLU experts go to kernels/experts.cpp in one call: the per-expert loop's
     result (each product, the activation and the gating rounded to the dtype as the loop rounds them), rows
     sharing an expert or not; a biased or clamped kind keeps the loop."""
-    from tests.test_few_rows import BUILDABLE
-
-    if not BUILDABLE:
-        pytest.skip("no C++ compiler or no AVX2 here: the kernel is not built and the loop runs")
+    built("experts_few_rows", "the loop runs")
     experts = _experts(*ALIGNED, 8, dtype, biased=False, clamped=False, seed=rows)
     experts.gather_bytes = 0  # past the gather: the CPU's few-row branch
     x = torch.randn(rows, ALIGNED[0], generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -9,15 +9,12 @@ import pytest
 import torch
 
 from ster_dist import kernels
-from tests.test_few_rows import BUILDABLE
+from tests.native_kernels import built
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not BUILDABLE:
-        pytest.skip("no C++ compiler or no AVX2 here: the kernel is not built and the engine gathers")
-    assert kernels.ready()
-    return torch.ops.ster_kernels.paged_decode
+    return built("paged_decode", "the engine gathers")
 
 
 def _reference(q, keys, values, table, first, end, scale):

@@ -19,46 +19,14 @@
 #include <vector>
 
 #include "lanes.h"
+#include "shares.h"
 
 namespace {
 
 using namespace ster_kernels;
 
-#if STER_KERNELS_ISA == 2
-struct Vf {  // f32 lanes of the widest registers
-  using R = __m512;
-  static constexpr int W = 16;
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R max(R a, R b) { return _mm512_max_ps(a, b); }
-  static R exp_less(R x, R top) { return exp_nonpositive(_mm512_sub_ps(x, top)); }
-  static float top(R a) { return _mm512_reduce_max_ps(a); }
-  static float sum(R a) { return _mm512_reduce_add_ps(a); }
-};
-#elif STER_KERNELS_ISA == 1
-struct Vf {
-  using R = __m256;
-  static constexpr int W = 8;
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R max(R a, R b) { return _mm256_max_ps(a, b); }
-  static R exp_less(R x, R top) { return exp_nonpositive(_mm256_sub_ps(x, top)); }
-  static float top(R a) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
-  static float sum(R a) { return sum8(a); }
-};
-#endif
-
 #if STER_KERNELS_ISA
+using Vf = F32Lanes;  // f32 lanes of the widest registers (lanes.h)
 constexpr int kTile = 2 * Vf::W;  // keys a tile: two registers of scores a row
 constexpr int kScoreRows = 6;     // rows of scores in registers at once: 12 accumulators
 constexpr int kValueRows = 4;     // rows of output in registers at once, four registers each: 16 accumulators
@@ -80,14 +48,14 @@ struct Cache {  // one layer's keys and values, strides in elements, and the blo
 // scores s[R rows][kTile] = q[R rows][d] . kt[d][kTile]
 template <int R>
 inline void score_rows(const float* q, int64_t d, const float* kt, float* s) {
-  typename Vf::R acc[R][2];
+  typename Vf::Acc acc[R][2];
   for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = Vf::set1(0.f);
   for (int64_t e = 0; e < d; ++e) {
     const auto k0 = Vf::load(kt + e * kTile), k1 = Vf::load(kt + e * kTile + Vf::W);
     for (int m = 0; m < R; ++m) {
       const auto x = Vf::set1(q[m * d + e]);
-      acc[m][0] = Vf::fma(x, k0, acc[m][0]);
-      acc[m][1] = Vf::fma(x, k1, acc[m][1]);
+      acc[m][0] = Vf::madd(acc[m][0], x, k0);
+      acc[m][1] = Vf::madd(acc[m][1], x, k1);
     }
   }
   for (int m = 0; m < R; ++m) {
@@ -100,15 +68,15 @@ inline void score_rows(const float* q, int64_t d, const float* kt, float* s) {
 template <int R, int C>
 inline void add_values(const float* p, const float* v, int64_t n, int64_t dv, int64_t at, const float* alpha,
                        float* o) {
-  typename Vf::R acc[R][C];
+  typename Vf::Acc acc[R][C];
   for (int m = 0; m < R; ++m)
     for (int c = 0; c < C; ++c) acc[m][c] = Vf::mul(Vf::load(o + m * dv + at + c * Vf::W), Vf::set1(alpha[m]));
   for (int64_t k = 0; k < n; ++k) {
-    typename Vf::R x[C];
+    typename Vf::Acc x[C];
     for (int c = 0; c < C; ++c) x[c] = Vf::load(v + k * dv + at + c * Vf::W);
     for (int m = 0; m < R; ++m) {
       const auto w = Vf::set1(p[m * kTile + k]);
-      for (int c = 0; c < C; ++c) acc[m][c] = Vf::fma(w, x[c], acc[m][c]);
+      for (int c = 0; c < C; ++c) acc[m][c] = Vf::madd(acc[m][c], w, x[c]);
     }
   }
   for (int m = 0; m < R; ++m)
@@ -188,7 +156,8 @@ void attend_item(const Cache<T>& c, const T* q, const int64_t* qs, T* out, int64
       w.alpha[m] = std::exp(w.top[m] - now);
       w.top[m] = now;
       const auto shift = Vf::set1(now);
-      const auto e0 = Vf::exp_less(Vf::load(s), shift), e1 = Vf::exp_less(Vf::load(s + Vf::W), shift);
+      const auto e0 = exp_nonpositive(Vf::sub(Vf::load(s), shift));
+      const auto e1 = exp_nonpositive(Vf::sub(Vf::load(s + Vf::W), shift));
       Vf::store(s, e0);
       Vf::store(s + Vf::W, e1);
       if (!whole) {  // masked scores come out of the clamped exp as 1e-38, not 0
@@ -241,21 +210,14 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
         items.push_back({r, g, i0, i1});
         done.push_back(done.back() + (i1 - i0) * (last - lo));
       }
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)items.size()));
-  const int64_t all = done.back();
-  std::vector<int64_t> middle(items.size());  // an item goes to the share its middle falls in
-  for (size_t k = 0; k < items.size(); ++k) middle[k] = done[k] + done[k + 1];
-  auto first_item = [&](int64_t share) {
-    return std::lower_bound(middle.begin(), middle.end(), 2 * all * share / parts) - middle.begin();
-  };
+  const Shares shares(done, at::get_num_threads());
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, shares.parts(), 1, [&](int64_t p0, int64_t p1) {
     Scratch w(span * group, d, dv);
     for (int64_t part = p0; part < p1; ++part)
-      for (int64_t k = first_item(part), stop = first_item(part + 1); k < stop; ++k)
+      for (int64_t k = shares.first(part), stop = shares.first(part + 1); k < stop; ++k)
         attend_item<T>(c, qp, qs, op, heads, t, items[k], starts[items[k].r], group, d, dv, window, s, w);
   });
 }

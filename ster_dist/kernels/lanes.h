@@ -1,5 +1,5 @@
-// SIMD steps shared by the kernels of this package (few_rows.cpp, experts.cpp, paged_decode.cpp): the instruction set is
-// picked when the extension is compiled for this CPU (-march=native, kernels/__init__.py).
+// SIMD steps shared by the kernels of this package (few_rows.cpp, experts.cpp, paged_decode.cpp, causal_attend.cpp):
+// the instruction set is picked when the extension is compiled for this CPU (-march=native, kernels/__init__.py).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -24,6 +24,17 @@ struct F32Half {  // f32 in 256-bit steps: AVX2's lanes, and AVX-512's where hal
   static Acc zero() { return _mm256_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static float sum(Acc a) { return sum8(a); }
+  // whole-register steps of a softmax over tiles (causal_attend.cpp)
+  static void store(float* p, Acc x) { _mm256_storeu_ps(p, x); }
+  static Acc set1(float x) { return _mm256_set1_ps(x); }
+  static Acc sub(Acc a, Acc b) { return _mm256_sub_ps(a, b); }
+  static Acc mul(Acc a, Acc b) { return _mm256_mul_ps(a, b); }
+  static Acc max(Acc a, Acc b) { return _mm256_max_ps(a, b); }
+  static float top(Acc a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
 };
 #endif
 
@@ -36,6 +47,13 @@ struct F32Lanes {
   static Acc zero() { return _mm512_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
+  // whole-register steps of a softmax over tiles (causal_attend.cpp)
+  static void store(float* p, Acc x) { _mm512_storeu_ps(p, x); }
+  static Acc set1(float x) { return _mm512_set1_ps(x); }
+  static Acc sub(Acc a, Acc b) { return _mm512_sub_ps(a, b); }
+  static Acc mul(Acc a, Acc b) { return _mm512_mul_ps(a, b); }
+  static Acc max(Acc a, Acc b) { return _mm512_max_ps(a, b); }
+  static float top(Acc a) { return _mm512_reduce_max_ps(a); }
 };
 #if defined(__AVX512BF16__)
 struct Bf16Lanes {

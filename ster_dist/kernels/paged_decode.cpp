@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "lanes.h"
+#include "shares.h"
 
 namespace {
 
@@ -156,18 +157,11 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   }
   const int64_t stride = heads * (dv + 2);
   std::vector<float> partial(slots * stride);
-  const int64_t all = done.back();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)pieces.size()));
-  // a piece goes to the share its middle falls in (twice the work before its middle, to stay in integers)
-  std::vector<int64_t> middle(pieces.size());
-  for (size_t k = 0; k < pieces.size(); ++k) middle[k] = done[k] + done[k + 1];
-  auto first_piece = [&](int64_t share) {  // the first piece whose middle lies in this share or after it
-    return std::lower_bound(middle.begin(), middle.end(), 2 * all * share / parts) - middle.begin();
-  };
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+  const Shares shares(done, threads);
+  at::parallel_for(0, shares.parts(), 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> scores(heads * kPiece), own(stride);
     for (int64_t part = p0; part < p1; ++part)
-      for (int64_t k = first_piece(part), stop = first_piece(part + 1); k < stop; ++k) {
+      for (int64_t k = shares.first(part), stop = shares.first(part + 1); k < stop; ++k) {
         const Piece& pc = pieces[k];
         float* to = pc.slot >= 0 ? partial.data() + pc.slot * stride : own.data();
         piece<V>(c, qs + pc.i * heads * d, pc.i, pc.lo, pc.hi, pc.g0, pc.g1, group, d, dv, s, scores.data(),

@@ -11,6 +11,8 @@ its own call, so no query is padding and the key padding is bounded by the decod
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ster_dist.config import RopeConfig
@@ -27,12 +29,16 @@ class _AttendGroup:
                  block_size: int, prefix: int = 0):
         self.tokens, self.table, self.query_pos, self.prefix = tokens, table, query_pos, prefix
         self.one_token = query_pos.shape[1] == 1 and table.shape[0] > 1  # queries come from n sequences
-        self.starts = query_pos[:, 0].contiguous()  # each sequence's first query position (the causal kernel's)
         keys = table.shape[1] * block_size
         # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
         self.key_pos = torch.arange(keys, device=table.device).expand(table.shape[0], keys)
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._ranges: dict[tuple[int | None, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """Each sequence's first query position: what the causal kernel asks of a prompt's group."""
+        return self.query_pos[:, 0].contiguous()
 
     def take(self, x):
         """This group's queries [n, heads, q, width] from packed x [1, heads, tokens, width] (or a tuple of such)."""
