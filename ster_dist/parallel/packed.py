@@ -36,6 +36,7 @@ class _Entry:
 
 
 _TABLE: dict[tuple, _Entry] = {}
+_ANY = False  # whether _TABLE holds an entry: all a compiled step's guard on active() then reads
 
 
 def available() -> bool:
@@ -46,7 +47,7 @@ def available() -> bool:
 def active() -> bool:
     """Whether any weight of this process is packed: dense() then sends products of ROWS_MIN rows or more to
     oneDNN, which takes the packed copy where it finds one (a constant to a compiled step, guarded)."""
-    return bool(_TABLE)
+    return _ANY
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -74,8 +75,9 @@ def pack(weight: torch.Tensor) -> int:
         return 0
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
-    gone = weakref.finalize(weight, _TABLE.pop, key, None)  # the weight freed: its address may be reused
+    gone = weakref.finalize(weight, _forget, key)  # the weight freed: its address may be reused
     _TABLE[key] = _Entry(weakref.ref(weight), _version(weight), packed, gone)
+    _recount()
     return weight.numel() * weight.element_size()
 
 
@@ -101,3 +103,14 @@ def _drop(key: tuple) -> None:
     entry = _TABLE.pop(key, None)
     if entry is not None:
         entry.finalizer.detach()
+    _recount()
+
+
+def _forget(key: tuple) -> None:
+    _TABLE.pop(key, None)
+    _recount()
+
+
+def _recount() -> None:
+    global _ANY
+    _ANY = bool(_TABLE)
