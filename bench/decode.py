@@ -436,12 +436,9 @@ LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
 def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
     """Pack ster_dist's projection weights for oneDNN as its token engine does (`--pack-weights auto` there packs
     a model whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or no oneDNN)."""
-    from ster_dist.parallel import packed
-    from ster_dist.parallel.linear import product_weights
+    from ster_dist.engine.runner import pack_model
 
-    if args.pack_weights == "off" or not packed.available():
-        return 0
-    return sum(packed.pack(w) for w in product_weights(ster.model) if packed.packable(w))
+    return sum(w.numel() * w.element_size() for w in pack_model(ster.model, args.pack_weights))
 
 
 def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:

@@ -49,6 +49,20 @@ def available_memory(device: torch.device) -> int:
 PACK_SHARE = 4  # --pack-weights auto: packed copies may take up to this share of the memory free
 
 
+def pack_model(model, mode: str) -> list[torch.Tensor]:
+    """Pack `model`'s projection weights for oneDNN (parallel/packed.py): "on", "off", or "auto" (where their
+    packed copies take at most 1 / PACK_SHARE of the memory free now). Returns the weights packed."""
+    if mode == "off" or not packed.available():
+        return []
+    weights = [w for w in product_weights(model) if packed.packable(w)]
+    size = sum(w.numel() * w.element_size() for w in weights)
+    if mode == "auto" and (not weights or size > available_memory(weights[0].device) // PACK_SHARE):
+        return []
+    for weight in weights:
+        packed.pack(weight)
+    return weights
+
+
 class ModelRunner(RankExtension):
     def __init__(self, rank):
         super().__init__(rank)
@@ -75,16 +89,9 @@ class ModelRunner(RankExtension):
                 "state_bytes": PagedCache.state_bytes(model)}
 
     def pack_weights(self, mode: str) -> int:
-        """Pack this rank's projection weights for oneDNN (parallel/packed.py): "on", "off", or "auto" (where
-        their packed copies take at most a quarter of the memory free now). Returns the bytes packed."""
-        if mode == "off" or not packed.available():
-            return 0
-        weights = [w for w in product_weights(self.model) if packed.packable(w)]
-        size = sum(w.numel() * w.element_size() for w in weights)
-        if mode == "auto" and (not weights or size > available_memory(weights[0].device) // PACK_SHARE):
-            return 0
-        self.packed = weights
-        return sum(packed.pack(w) for w in weights)
+        """Pack this rank's projection weights (pack_model); returns the bytes packed."""
+        self.packed = pack_model(self.model, mode)
+        return sum(w.numel() * w.element_size() for w in self.packed)
 
     def draft_block_bytes(self, block_size: int) -> int:
         """What one block of the MTP layer's own cache costs on this rank (its keys use the decoder's block ids, so

@@ -29,10 +29,9 @@ PACKING_ROWS = 32  # the batch size oneDNN is told to expect: any row count runs
 
 @dataclass
 class _Entry:
-    weight: weakref.ref
     version: int | None  # None: an inference tensor, which keeps no version counter
     packed: torch.Tensor
-    finalizer: weakref.finalize
+    finalizer: weakref.finalize  # holds the weight weakly; drops the entry when the weight is freed
 
 
 _TABLE: dict[tuple, _Entry] = {}
@@ -76,7 +75,7 @@ def pack(weight: torch.Tensor) -> int:
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
     gone = weakref.finalize(weight, _forget, key)  # the weight freed: its address may be reused
-    _TABLE[key] = _Entry(weakref.ref(weight), _version(weight), packed, gone)
+    _TABLE[key] = _Entry(_version(weight), packed, gone)
     _recount()
     return weight.numel() * weight.element_size()
 
@@ -92,8 +91,8 @@ def lookup(weight: torch.Tensor) -> torch.Tensor | None:
     entry = _TABLE.get(_key(weight))
     if entry is None:
         return None
-    held = entry.weight()
-    if held is None or entry.version != _version(held):
+    alive = entry.finalizer.peek()  # (weight, func, args, kwargs) while the weight lives
+    if alive is None or entry.version != _version(alive[0]):
         _drop(_key(weight))
         return None
     return entry.packed
