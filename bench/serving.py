@@ -48,7 +48,8 @@ watch the printed load average (above --threads, other processes were competing 
 Rounds    --rounds N runs every backend N times, alternating (the order reversed every other round),
               so a slow spell of the machine slows every backend alike instead of whichever ran then;
               each backend's table shows its round of median output throughput (first rate), and
-              the output tok/s of every round is printed and kept in the JSON ("rounds").
+              the output tok/s of every round is printed and kept in the JSON ("rounds"), and so is
+              ster-engine's over each other backend's within each round ("round_ratios").
 Output: one table per backend, a ratio table against llama-server, and one final JSON line.
 
     python bench/serving.py --smollm2 --quick             # smoke run: ~1 min per backend on an idle machine
@@ -765,6 +766,14 @@ def median_round(done: list[dict]) -> dict:
     return ranked[(len(ranked) - 1) // 2]
 
 
+def round_ratios(rounds: dict[str, list[dict]], over: str = "ster-engine") -> dict:
+    """other backend -> per round, rate -> `over`'s output tok/s over the other's in that round (the two ran
+    minutes apart, so the machine's drift weighs on both alike); rounds where either has no figure are left out."""
+    mine = rounds.get(over, [])
+    return {name: [{rate: a[rate] / b[rate] for rate in a if rate in b} for a, b in zip(mine, theirs)]
+            for name, theirs in rounds.items() if name != over and mine}
+
+
 def server_cost(backends: dict) -> dict:
     """What the HTTP server adds to its engine, per rate: ster-serve's output throughput over
     ster-engine's, and the milliseconds it adds to TTFT at p50 (targets: >= 0.95 and <= 2 ms)."""
@@ -882,11 +891,15 @@ def main(argv=None) -> int:
               "backends": backends, "ratios_vs_llama_server": ratios(backends),
               "server_vs_engine": server_cost(backends),
               "tokens_reference": reference, "tokens_agreement": agree,
-              "loadavg_1min": [loadavg_before, os.getloadavg()[0]], "rounds": rounds}
+              "loadavg_1min": [loadavg_before, os.getloadavg()[0]], "rounds": rounds,
+              "round_ratios": round_ratios(rounds)}
     print_tables(result)
     for name, per_round in rounds.items():
         cells = "; ".join(", ".join(f"{rate} {tok_s:.1f}" for rate, tok_s in r.items()) for r in per_round)
         print(f"{name}: out tok/s by round: {cells}")
+    for name, per_round in result["round_ratios"].items():
+        cells = "; ".join(", ".join(f"{rate} {x:.2f}x" for rate, x in r.items()) for r in per_round)
+        print(f"ster-engine / {name} by round: {cells}")
     for rate, cost in result["server_vs_engine"].items():
         print(f"ster serve over its engine, rate {rate}: throughput x{cost['throughput_ratio']:.3f}, "
               f"TTFT p50 {cost['ttft_p50_added_ms']:+.1f} ms")
