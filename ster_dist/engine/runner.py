@@ -175,7 +175,9 @@ class ModelRunner(RankExtension):
         if self.sampler is None:
             return None
         picked = [i for i, _ in work.samples]
-        tokens, logprobs = self.sampler.sample(logits[picked], [seq_id for _, seq_id in work.samples])
+        # every chunk samples in a step of decodes: their logits as they are, not copied row by row
+        rows = logits if picked == list(range(logits.shape[0])) else logits[picked]
+        tokens, logprobs = self.sampler.sample(rows, [seq_id for _, seq_id in work.samples])
         scores = {}
         for n, (row, seq_id) in enumerate(work.samples):
             ids = self.sampler.params(seq_id).logits_of
