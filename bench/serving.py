@@ -768,7 +768,8 @@ def median_round(done: list[dict]) -> dict:
 
 def round_ratios(rounds: dict[str, list[dict]], over: str = "ster-engine") -> dict:
     """other backend -> per round, rate -> `over`'s output tok/s over the other's in that round (the two ran
-    minutes apart, so the machine's drift weighs on both alike); rounds where either has no figure are left out."""
+    within minutes of each other, so a slow spell of the machine is likelier to weigh on both); a rate either
+    has no figure for is left out of its round."""
     mine = rounds.get(over, [])
     return {name: [{rate: a[rate] / b[rate] for rate in a if rate in b} for a, b in zip(mine, theirs)]
             for name, theirs in rounds.items() if name != over and mine}
