@@ -438,7 +438,7 @@ def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
     a model whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or no oneDNN)."""
     from ster_dist.engine.runner import pack_model
 
-    return sum(w.numel() * w.element_size() for w in pack_model(ster.model, args.pack_weights))
+    return sum(w.nbytes for w in pack_model(ster.model, args.pack_weights))
 
 
 def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:

@@ -55,7 +55,7 @@ def pack_model(model, mode: str) -> list[torch.Tensor]:
     if mode == "off" or not packed.available():
         return []
     weights = [w for w in product_weights(model) if packed.packable(w)]
-    size = sum(w.numel() * w.element_size() for w in weights)
+    size = sum(w.nbytes for w in weights)
     if mode == "auto" and (not weights or size > available_memory(weights[0].device) // PACK_SHARE):
         return []
     for weight in weights:
@@ -91,7 +91,7 @@ class ModelRunner(RankExtension):
     def pack_weights(self, mode: str) -> int:
         """Pack this rank's projection weights (pack_model); returns the bytes packed."""
         self.packed = pack_model(self.model, mode)
-        return sum(w.numel() * w.element_size() for w in self.packed)
+        return sum(w.nbytes for w in self.packed)
 
     def draft_block_bytes(self, block_size: int) -> int:
         """What one block of the MTP layer's own cache costs on this rank (its keys use the decoder's block ids, so

@@ -77,7 +77,7 @@ def pack(weight: torch.Tensor) -> int:
     gone = weakref.finalize(weight, _forget, key)  # the weight freed: its address may be reused
     _TABLE[key] = _Entry(_version(weight), packed, gone)
     _recount()
-    return weight.numel() * weight.element_size()
+    return weight.nbytes
 
 
 def release(weights) -> None:
@@ -88,12 +88,13 @@ def release(weights) -> None:
 
 def lookup(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of `weight`, or None: never packed, or changed in place since (then dropped)."""
-    entry = _TABLE.get(_key(weight))
+    key = _key(weight)
+    entry = _TABLE.get(key)
     if entry is None:
         return None
     alive = entry.finalizer.peek()  # (weight, func, args, kwargs) while the weight lives
     if alive is None or entry.version != _version(alive[0]):
-        _drop(_key(weight))
+        _drop(key)
         return None
     return entry.packed
 
