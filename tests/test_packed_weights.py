@@ -1,6 +1,6 @@
-"""Weights packed ahead for oneDNN (parallel/packed.py): products over a packed weight equal the plain
-weight's, a weight changed in place or freed is never read packed, and an engine packs where asked, says so,
-answers as one that does not, and releases the copies when it closes."""
+"""Weights packed ahead (parallel/packed.py): products over a packed weight equal the plain weight's, a row's
+product over panels is the same bits in any batch, a weight changed in place or freed is never read packed, and
+an engine packs where asked, says so, answers as one that does not, and releases the copies when it closes."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ster_dist import kernels
 from ster_dist.engine import runner
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.parallel import packed
 from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS, dense
 from tests.test_engine import llama, open_engine, prompts  # noqa: F401  (llama: the tiny checkpoint fixture)
 
-pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN to pack weights for")
+pytestmark = pytest.mark.skipif(not packed.available(), reason="neither panels nor oneDNN to pack weights for here")
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if NATIVE_HALF_PRODUCTS else [])
 
@@ -37,16 +38,40 @@ def test_a_product_over_the_packed_weight_equals_the_plain_one(rows, dtype):
     plain = dense(x, w, bias)
     assert packed.pack(w) == w.numel() * w.element_size()
     try:
-        assert packed.active() and packed.lookup(w) is not None
+        held = packed.lookup(w)
+        assert packed.active() and held is not None and held.panels == kernels.panels(dtype)
         got = dense(x, w, bias)
         want = (x.double() @ w.double().t() + bias.double()).to(dtype)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * 10)
-        if dtype == torch.float32 and rows * 2 > 8:
-            assert torch.equal(got, plain)  # oneDNN either way: the packed layout changes no sum's order
+        if dtype == torch.float32 and rows * 2 > 8 and not held.panels:
+            assert torch.equal(got, plain)  # oneDNN either way: its packed layout changes no sum's order
     finally:
         packed.release([w])
     assert not packed.active()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(200, 96), (37, 33), (64, 1), (5, 130)])
+def test_a_row_over_panels_is_the_same_bits_alone_or_in_any_batch(shape, dtype):
+    if not kernels.panels(dtype):
+        pytest.skip(f"this CPU's kernels lay out no {dtype} panels (AVX-512, AVX512_BF16 for bf16)")
+    g = torch.Generator().manual_seed(shape[1])
+    out, inner = shape  # outputs not a multiple of the panel's 32, inputs odd (a bf16 pair padded)
+    w, bias = torch.randn(out, inner, generator=g).to(dtype), torch.randn(out, generator=g).to(dtype)
+    x = torch.randn(29, inner, generator=g).to(dtype)  # two blocks of 12 rows and a rest
+    packed.pack(w)
+    try:
+        batch = dense(x, w, bias)
+        want = (x.double() @ w.double().t() + bias.double()).to(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(batch, want, rtol=tolerance, atol=tolerance * 10)
+        for rows in (slice(0, 1), slice(3, 5), slice(7, 20), slice(28, 29)):
+            assert torch.equal(dense(x[rows], w, bias), batch[rows])
+        torch.testing.assert_close(dense(x, w), (x.double() @ w.double().t()).to(dtype), rtol=tolerance,
+                                   atol=tolerance * 10)
+    finally:
+        packed.release([w])
 
 
 def test_products_read_the_packed_copy_and_an_in_place_change_drops_it(weight):
@@ -82,7 +107,7 @@ def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llam
         got = [s.result().token_ids for s in [engine.submit(p, params) for p, params in batch]]
     assert not packed.active()  # closed: the copies went with the engine
     assert got == want
-    assert "KiB of weights per rank for oneDNN's products (--pack-weights off keeps one copy)" in capfd.readouterr().err
+    assert "KiB of weights per rank for the CPU's products (--pack-weights off keeps one copy)" in capfd.readouterr().err
 
 
 def test_auto_packs_only_where_the_copies_fit_in_their_share_of_free_memory(llama, monkeypatch):  # noqa: F811

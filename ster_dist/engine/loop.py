@@ -134,7 +134,7 @@ def _start_ranks(runners, cfg, config: EngineConfig, speculative: bool) -> tuple
     packed = max(runners.pack_weights(config.pack_weights))  # before the cache's share of the memory free
     if packed:
         size = f"{packed / 2**20:.0f} MiB" if packed >= 2**20 else f"{packed / 2**10:.0f} KiB"
-        progress(f"packed {size} of weights per rank for oneDNN's products (--pack-weights off keeps one copy)")
+        progress(f"packed {size} of weights per rank for the CPU's products (--pack-weights off keeps one copy)")
     sizes = runners.capacity(config.block_size, config.kv_cache_memory, config.kv_cache_fraction,
                              DEFAULT_KV_CAP if config.kv_cache_memory is None else None)
     if speculative:

@@ -58,8 +58,7 @@ def pack_model(model, mode: str) -> list[torch.Tensor]:
     size = sum(w.nbytes for w in weights)
     if mode == "auto" and (not weights or size > available_memory(weights[0].device) // PACK_SHARE):
         return []
-    for weight in weights:
-        packed.pack(weight)
+    packed.pack_all(weights)
     return weights
 
 

@@ -9,6 +9,9 @@
   model/step.py's prefills).
 - `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): one to eight rows through their SwiGLU experts
   (moe/experts.py's decodes).
+- `pack_panels(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight laid out in panels of 32
+  outputs, and x W^T (+ b) over it for any number of rows; `hold_panels(weight, panels)`, `drop_panels(address)`
+  and `packed_product(x, weight, bias)`: the packed weights of parallel/packed.py, found by the weight itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer (model/compiled.py).
 
@@ -38,10 +41,11 @@ from ster_dist.events import progress
 # (at 8: 1.1-1.8x in f32, 1.1-1.7x in bf16); from about 10 rows, compute rather than reading the weight
 # bounds a product and the library's blocked kernels are ahead
 FEW_ROWS_MAX = 8
-SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp")
+SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp", "panels.cpp")
 
 _tried = False
 _ready = False
+_panels = 0  # the dtypes panels.cpp was built for: 1 f32, 2 bf16 (bits)
 
 
 def ready() -> bool:
@@ -51,8 +55,15 @@ def ready() -> bool:
     return _ready if _tried else _load()
 
 
+def panels(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: AVX-512, and
+    AVX512_BF16 for bf16)."""
+    bit = {torch.float32: 1, torch.bfloat16: 2}.get(dtype, 0)
+    return ready() and bool(_panels & bit)
+
+
 def _load() -> bool:
-    global _tried, _ready
+    global _tried, _ready, _panels
     _tried = True
     if os.environ.get("STER_NATIVE_KERNELS") == "0":
         return False
@@ -66,6 +77,7 @@ def _load() -> bool:
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         _ready = torch.ops.ster_kernels.isa() > 0
+        _panels = torch.ops.ster_kernels.panel_dtypes()
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         said = next((line for line in lines if "error" in line.lower() and line != lines[0]), lines[0])
@@ -76,6 +88,7 @@ def _load() -> bool:
         progress("this CPU has neither AVX2 nor AVX-512: decode steps use torch's own operations")
         return False
     torch.library.register_fake("ster_kernels::few_rows")(_product_shape)
+    torch.library.register_fake("ster_kernels::packed_product")(_product_shape)
     torch.library.register_fake("ster_kernels::paged_decode")(_attention_shape)
     torch.library.register_fake("ster_kernels::attend_planned")(_planned_shape)
     torch.library.register_fake("ster_kernels::causal_attend")(_causal_shape)

@@ -148,18 +148,20 @@ ONEDNN_ROWS_MIN = 8
 ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
 
-@torch.library.custom_op("ster_dist::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # an operator of our own, so a compiled step calls the kernel as it is: inductor lowers mkldnn's op only
+@torch.library.custom_op("ster_dist::cpu_linear", mutates_args=())
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # an operator of our own, so a compiled step calls the kernels as they are: inductor lowers mkldnn's op only
     # for weights frozen into the graph, and a layer's weights are the graph's inputs (model/compiled.py).
     # Its body runs on the real weight in either case, so it finds the weight's packed copy (parallel/packed.py).
     held = packed.lookup(weight)
+    if held is not None and held.panels:
+        return torch.ops.ster_kernels.panel_product(x, held.tensor, bias, weight.shape[0])
     if held is None and x.numel() <= kernels.FEW_ROWS_MAX * x.shape[-1] and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.few_rows(x, weight, bias)  # a weight not packed: as dense() would
-    return torch.ops.mkldnn._linear_pointwise(x, weight if held is None else held, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, weight if held is None else held.tensor, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
+@cpu_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -180,7 +182,7 @@ def _onednn_backward(ctx, grad: torch.Tensor):
     return grad_x, grad_w, grad_b
 
 
-onednn_linear.register_autograd(_onednn_backward, setup_context=_keep_for_backward)
+cpu_linear.register_autograd(_onednn_backward, setup_context=_keep_for_backward)
 
 
 # bf16 / f16 products of many rows (prefill) on a CPU whose instructions lack a native bf16 product (AVX2 and
@@ -213,10 +215,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
         return _upcast(x, weight, bias)
+    if rows and packed.active() and kernels.panels(weight.dtype) and _few_rows_fit(x, weight, bias):
+        return torch.ops.ster_kernels.packed_product(x, weight, bias)  # its panels, where the engine made them
     if (rows >= packed.ROWS_MIN and packed.active() and x.device.type == "cpu" and x.dtype == weight.dtype
             and (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and NATIVE_HALF_PRODUCTS)
             and weight.dim() == 2 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)):
-        return torch.ops.ster_dist.onednn_linear(x, weight, bias)  # its packed copy, where the engine made one
+        return torch.ops.ster_dist.cpu_linear(x, weight, bias)  # its packed copy, where the engine made one
     if 0 < rows <= kernels.FEW_ROWS_MAX and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.few_rows(x, weight, bias)
     if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype
@@ -224,7 +228,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
         return _one_row_widening(x, weight, bias)
     if (rows >= ONEDNN_ROWS_MIN and ONEDNN_F32 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.is_contiguous()):
-        return torch.ops.ster_dist.onednn_linear(x, weight, bias)
+        return torch.ops.ster_dist.cpu_linear(x, weight, bias)
     parts = _threads()
     if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):

@@ -1,18 +1,20 @@
-"""Weights packed ahead for oneDNN's products on a CPU: a token engine's choice (engine/runner.py), as vLLM's
-CPU backend packs its linear layers' weights at load.
+"""Weights packed ahead for a CPU's products: a token engine's choice (engine/runner.py), as vLLM's CPU backend
+packs its linear layers' weights at load.
 
-Given a weight as it is stored, oneDNN's matmul first reorders it into its own blocked layout, on every call.
-Reordered once ahead (`mkldnn._reorder_linear_weight`), the same product gives the same numbers and skips that
-copy: on SmolLM2's shapes on an AVX-512 CPU, f32 products of 32 rows took 1.13-1.28x as long with the plain
-weight, of 512 rows 1.04-1.15x; at 4-8 rows the packed product also beats the few-row kernel (1.2-2.5x at
-5-8 rows), which stays faster at 1-3 (bench/README.md).
+Where this package's kernels were built with AVX-512 (and AVX512_BF16 for bf16), a weight is laid out in panels
+of 32 outputs (kernels/panels.cpp) and every product over it, of any number of rows, runs there: on SmolLM2's
+shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 512, 1.3x the few-row kernel at
+one f32 row (bench/README.md); and a row's product is the same bits in any batch. Elsewhere the weight is
+reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise
+makes on every call: products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at
+512), and the few-row kernel keeps 1-3 rows.
 
-The packed copy sits beside the parameter, which everything else keeps reading (the few-row kernel, capture,
-adapters, saving): the price is a second copy of each packed weight, which the engine pays only where it
-fits (`--pack-weights`). A packed copy is found by the address, shape and strides of the weight a product is
-handed, so a compiled step's graph (whose inputs are the parameters themselves) finds it too. An entry holds
-its weight weakly and lives no longer than it; a weight changed in place since it was packed (a tuning step)
-is read plain again.
+The packed copy sits beside the parameter, which everything else keeps reading (capture, adapters, merges,
+saving): the price is a second copy of each packed weight, which the engine pays only where it fits
+(`--pack-weights`). A packed copy is found by the address, shape and strides of the weight a product is handed,
+so a compiled step's graph (whose inputs are the parameters themselves) finds it too. An entry holds its weight
+weakly and lives no longer than it; a weight changed in place since it was packed (a tuning step) is read plain
+again.
 """
 
 from __future__ import annotations
@@ -22,15 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-# products of this many rows or more take a packed weight where one exists: below, the few-row kernel is faster
+from ster_dist import kernels
+from ster_dist.shard import arena
+
+# products of this many rows or more take a weight packed for oneDNN where one exists: below, the few-row kernel
+# is faster (a weight in panels takes every row count)
 ROWS_MIN = 4
 PACKING_ROWS = 32  # the batch size oneDNN is told to expect: any row count runs on what it packs
+
+
+@dataclass(frozen=True)
+class Packed:
+    tensor: torch.Tensor
+    panels: bool  # laid out by kernels/panels.cpp (else by oneDNN's reorder)
 
 
 @dataclass
 class _Entry:
     version: int | None  # None: an inference tensor, which keeps no version counter
-    packed: torch.Tensor
+    packed: Packed
     finalizer: weakref.finalize  # holds the weight weakly; drops the entry when the weight is freed
 
 
@@ -39,13 +51,19 @@ _ANY = False  # whether _TABLE holds an entry: all a compiled step's guard on ac
 
 
 def available() -> bool:
-    """Whether this torch can pack weights for oneDNN (built with it, the reorder operator present)."""
+    """Whether weights can be packed here: in panels (this package's kernels, AVX-512), or for oneDNN (a torch
+    built with it, the reorder operator present)."""
+    return kernels.panels(torch.float32) or _onednn()
+
+
+def _onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def active() -> bool:
-    """Whether any weight of this process is packed: dense() then sends products of ROWS_MIN rows or more to
-    oneDNN, which takes the packed copy where it finds one (a constant to a compiled step, guarded)."""
+    """Whether any weight of this process is packed: dense() then sends products of a dtype laid out in panels
+    to ster_kernels::packed_product, and of ROWS_MIN rows or more to ster_dist::cpu_linear, each taking the
+    packed copy where it finds one (a constant to a compiled step, guarded)."""
     return _ANY
 
 
@@ -61,23 +79,53 @@ def _version(weight: torch.Tensor) -> int | None:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """A 2-D contiguous f32 or bf16 CPU weight that no gradient flows into."""
+    """A 2-D contiguous f32 or bf16 CPU weight that no gradient flows into, and a way to pack it here."""
     return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and not weight.requires_grad and weight.numel() > 0)
+            and not weight.requires_grad and weight.numel() > 0 and (kernels.panels(weight.dtype) or _onednn()))
 
 
-def pack(weight: torch.Tensor) -> int:
-    """Pack `weight` (once: a weight already packed is left); returns the bytes its packed copy takes."""
+def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
+    """Pack `weight` (once: a weight already packed is left); returns the bytes its packed copy takes. Panels
+    are written `into` where given (as panel_shape lays them out), else into memory of their own."""
     key = _key(weight)
     if key in _TABLE:
         return 0
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
+        if kernels.panels(weight.dtype):
+            laid = torch.ops.ster_kernels.pack_panels(weight.detach())
+            if into is not None:
+                laid = into.view(weight.dtype).view(laid.shape).copy_(laid)
+            packed = Packed(laid, panels=True)
+            torch.ops.ster_kernels.hold_panels(weight.detach(), packed.tensor)
+        else:
+            packed = Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS), panels=False)
     gone = weakref.finalize(weight, _forget, key)  # the weight freed: its address may be reused
     _TABLE[key] = _Entry(_version(weight), packed, gone)
     _recount()
     return weight.nbytes
+
+
+def pack_all(weights: list[torch.Tensor]) -> int:
+    """Pack each of `weights`; their panels lie in one block of memory in 2 MiB pages where the system allows
+    (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it 13-16% there). Returns the
+    bytes packed."""
+    laid = [w for w in weights if _key(w) not in _TABLE and kernels.panels(w.dtype)]
+    offsets, end = [], 0
+    for weight in laid:
+        end = -(-end // arena.ALIGN) * arena.ALIGN
+        offsets.append(end)
+        end += panel_bytes(weight)
+    block = arena.Block(end) if laid else None
+    size = sum(pack(w, block.piece(at, panel_bytes(w))) for w, at in zip(laid, offsets))
+    return size + sum(pack(w) for w in weights)
+
+
+def panel_bytes(weight: torch.Tensor) -> int:
+    """What `weight`'s panels take (kernels/panels.cpp: 32 outputs a panel, bf16 inputs in pairs)."""
+    out, inner = weight.shape
+    step = 2 if weight.dtype == torch.bfloat16 else 1
+    return -(-out // 32) * 32 * -(-inner // step) * step * weight.element_size()
 
 
 def release(weights) -> None:
@@ -86,7 +134,7 @@ def release(weights) -> None:
         _drop(_key(weight))
 
 
-def lookup(weight: torch.Tensor) -> torch.Tensor | None:
+def lookup(weight: torch.Tensor) -> Packed | None:
     """The packed copy of `weight`, or None: never packed, or changed in place since (then dropped)."""
     key = _key(weight)
     entry = _TABLE.get(key)
@@ -103,12 +151,20 @@ def _drop(key: tuple) -> None:
     entry = _TABLE.pop(key, None)
     if entry is not None:
         entry.finalizer.detach()
+        _unhold(key, entry)
     _recount()
 
 
 def _forget(key: tuple) -> None:
-    _TABLE.pop(key, None)
+    entry = _TABLE.pop(key, None)
+    if entry is not None:
+        _unhold(key, entry)
     _recount()
+
+
+def _unhold(key: tuple, entry: _Entry) -> None:
+    if entry.packed.panels:
+        torch.ops.ster_kernels.drop_panels(key[0])
 
 
 def _recount() -> None:
