@@ -59,7 +59,8 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               leaves it out.
 
 ster_dist runs as its token engine would: layers compiled (--enforce-eager: eager) and projection weights packed
-for oneDNN beside the plain ones (--pack-weights off: plain only; parallel/packed.py).
+beside the plain ones, in panels where the CPU has AVX-512, else for oneDNN (--pack-weights off: plain only;
+parallel/packed.py).
 
 Every timed figure follows one untimed warm-up per engine, with the two engines alternating run
 by run, so load from other processes on the machine hits both alike; the 1-minute load average
@@ -257,7 +258,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reuse this configured llama.cpp build directory (tools it lacks are built into it)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp column")
     p.add_argument("--pack-weights", choices=("on", "off"), default="on",
-                   help="ster_dist's projection weights packed for oneDNN as its token engine packs them for a "
+                   help="ster_dist's projection weights packed as its token engine packs them for a "
                         "model this size (default on; parallel/packed.py)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="ster_dist's layers eager, as the suite runs them (default: compiled, model/compiled.py)")
@@ -434,8 +435,8 @@ LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
 
 
 def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
-    """Pack ster_dist's projection weights for oneDNN as its token engine does (`--pack-weights auto` there packs
-    a model whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or no oneDNN)."""
+    """Pack ster_dist's projection weights as its token engine does (`--pack-weights auto` there packs a model
+    whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or nothing to pack with)."""
     from ster_dist.engine.runner import pack_model
 
     return sum(w.nbytes for w in pack_model(ster.model, args.pack_weights))

@@ -118,3 +118,19 @@ def test_auto_packs_only_where_the_copies_fit_in_their_share_of_free_memory(llam
         assert not packed.active()
     with open_engine(llama, pack_weights="on"):
         assert packed.active()  # on: whatever memory says
+
+
+def test_over_panels_a_request_reads_the_same_logprobs_alone_or_in_a_batch(llama):  # noqa: F811
+    """Products over panels, the paged attention kernels and the engine's row-wise steps are each the same sums
+    for a row whatever shares its step: a request's logprobs are the same bits alone or among others."""
+    if not kernels.panels(torch.float32):
+        pytest.skip("this CPU's kernels lay out no panels (AVX-512)")
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    first, *others = prompts(9, seed=11, lo=3, hi=40)
+    with open_engine(llama, pack_weights="on", prefix_caching=False) as engine:
+        assert packed.active() and all(held.packed.panels for held in packed._TABLE.values())
+        alone = engine.submit(first, params).result()
+        streams = [engine.submit(p, params) for p in [*others[:4], first, *others[4:]]]
+        batched = [s.result() for s in streams][4]
+    assert batched.token_ids == alone.token_ids
+    assert batched.logprobs == alone.logprobs

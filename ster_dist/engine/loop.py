@@ -51,7 +51,7 @@ class EngineConfig:
     max_blocks: int | None = None        # a cap on the pool (tests use tiny ones to force preemption)
     micro_batches: int = 1               # steps in flight at once, on disjoint requests: one per pipeline stage
     speculative_tokens: int = 0          # MTP drafts per decode (engine/drafter.py); 0: no speculative decoding
-    # the ranks' projection weights packed for oneDNN beside the plain ones (parallel/packed.py): "auto" where
+    # the ranks' projection weights packed beside the plain ones (parallel/packed.py): "auto" where
     # the copies take at most a quarter of the memory free, "on", "off"
     pack_weights: str = "auto"
     # steps run before the ranks compile their layers (model/compiled.py): a run that long will earn back the

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from ster_dist import kernels
-from ster_dist.shard import arena
 
 # products of this many rows or more take a weight packed for oneDNN where one exists: below, the few-row kernel
 # is faster (a weight in panels takes every row count)
@@ -87,7 +86,7 @@ def packable(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
     """Pack `weight` (once: a weight already packed is left); returns the bytes its packed copy takes. Panels
-    are written `into` where given (as panel_shape lays them out), else into memory of their own."""
+    are written `into` where given (bytes, panel_bytes of them), else into memory of their own."""
     key = _key(weight)
     if key in _TABLE:
         return 0
@@ -106,23 +105,8 @@ def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
     return weight.nbytes
 
 
-def pack_all(weights: list[torch.Tensor]) -> int:
-    """Pack each of `weights`; their panels lie in one block of memory in 2 MiB pages where the system allows
-    (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it 13-16% there). Returns the
-    bytes packed."""
-    laid = [w for w in weights if _key(w) not in _TABLE and kernels.panels(w.dtype)]
-    offsets, end = [], 0
-    for weight in laid:
-        end = -(-end // arena.ALIGN) * arena.ALIGN
-        offsets.append(end)
-        end += panel_bytes(weight)
-    block = arena.Block(end) if laid else None
-    size = sum(pack(w, block.piece(at, panel_bytes(w))) for w, at in zip(laid, offsets))
-    return size + sum(pack(w) for w in weights)
-
-
 def panel_bytes(weight: torch.Tensor) -> int:
-    """What `weight`'s panels take (kernels/panels.cpp: 32 outputs a panel, bf16 inputs in pairs)."""
+    """What `weight`'s panels take, where kernels.panels(weight.dtype) (kernels/panels.cpp: 32 outputs a panel, bf16 inputs in pairs)."""
     out, inner = weight.shape
     step = 2 if weight.dtype == torch.bfloat16 else 1
     return -(-out // 32) * 32 * -(-inner // step) * step * weight.element_size()

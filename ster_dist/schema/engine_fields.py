@@ -41,9 +41,9 @@ class EngineFields(Request):
     enforce_eager: bool = field(False, help="run every step eagerly: no compiled layers (by default a CPU engine "
                                             "compiles its layers once it has run 128 steps)")
     pack_weights: Literal["auto", "on", "off"] = field(
-        "auto", help="on a CPU, hold each projection's weight a second time in oneDNN's own layout, which its "
-                     "products of 4 rows or more read faster (auto: where the copies take at most a quarter of "
-                     "the memory free)")
+        "auto", help="on a CPU, hold each projection's weight a second time in a layout its products read "
+                     "faster (panels of 32 outputs with AVX-512, else oneDNN's own; auto: where the copies take "
+                     "at most a quarter of the memory free)")
 
     @model_validator(mode="after")
     def _kv_cache_memory(self, info: ValidationInfo):
