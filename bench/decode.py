@@ -506,7 +506,7 @@ def print_table(r: dict) -> None:
     c = r["ster_dist_compiled"]
     print(f"ster_dist layers: compiled ({c['graphs']} graphs, {c['compile_s']:.0f} s before the clocks)"
           if c["compiled"] else f"ster_dist layers: eager ({c['why']})")
-    print(f"ster_dist weights packed for oneDNN: {r['ster_dist_packed_bytes'] / 2**20:.0f} MiB"
+    print(f"ster_dist weights packed: {r['ster_dist_packed_bytes'] / 2**20:.0f} MiB"
           if r["ster_dist_packed_bytes"] else "ster_dist weights: not packed")
     print(f"tokens equal: {r['tokens_equal']}")
     busy = max(*r["loadavg_1min"], r["loadavg_1min_after_llama_cpp"])

@@ -107,7 +107,8 @@ def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llam
         got = [s.result().token_ids for s in [engine.submit(p, params) for p, params in batch]]
     assert not packed.active()  # closed: the copies went with the engine
     assert got == want
-    assert "KiB of weights per rank for the CPU's products (--pack-weights off keeps one copy)" in capfd.readouterr().err
+    said = capfd.readouterr().err
+    assert "KiB of weights per rank for the CPU's products (--pack-weights off keeps one copy)" in said
 
 
 def test_auto_packs_only_where_the_copies_fit_in_their_share_of_free_memory(llama, monkeypatch):  # noqa: F811

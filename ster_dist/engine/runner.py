@@ -17,12 +17,12 @@ import time
 
 import torch
 
+from ster_dist import kernels
 from ster_dist.engine.drafter import MTPDrafter
 from ster_dist.engine.modifiers import RowAdapters, RowSteering
 from ster_dist.engine.rejection import rejection_sample, verify_greedy
 from ster_dist.engine.sampling import Sampler
 from ster_dist.engine.work import StepResult, StepWork
-from ster_dist import kernels
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.model.paged import Chunk, PagedCache

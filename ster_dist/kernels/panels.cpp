@@ -5,9 +5,9 @@
 // side by side ([N/32][K][32] in f32; [N/32][K/2][32][2] in bf16, k's pairs as AVX512_BF16's pairwise product
 // takes them), so the product is one stream of whole-register loads, each multiplied by every row of x at once
 // (a broadcast of x's element), with no per-output horizontal sum. On SmolLM2's 30 layers and head, 2 threads,
-// against oneDNN's own packed layout: f32 1.7-1.9x at 4-8 rows, 1.2x at 16-64, equal at 512; bf16 1.7-1.9x at
-// 4-8 rows, 1.3-1.5x at 16-32; against the few-row kernel (the plain weight) 1.3x at one f32 row, 1.05x in bf16
-// (bench/README.md).
+// against oneDNN's own packed layout: f32 1.7-1.9x at 4-8 rows, 1.2x at 16-64, equal at 512; bf16 1.6-1.9x at
+// 4-8 rows, 1.3-1.5x at 16-32, equal at 512. At one row it streams the weight as fast as the few-row kernel
+// does the plain one (bench/README.md).
 //
 // Each output is one running sum over k in order, whatever the number of rows or threads: a row's product is
 // the same bits alone or in any batch, so a request's logits do not depend on who shares its step.
@@ -17,11 +17,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
-
-#include "lanes.h"
 
 namespace {
 
@@ -36,7 +36,9 @@ struct F32Panel {
   static constexpr int64_t kStep = 1;  // input columns one panel row holds
   static __m512 broadcast(const T* x) { return _mm512_set1_ps(*x); }
   static __m512 last(const T* x) { return broadcast(x); }  // never called: a panel row is one column
-  static __m512 madd(__m512 acc, __m512 x, const T* w, int half) { return _mm512_fmadd_ps(x, _mm512_load_ps(w + 16 * half), acc); }
+  static __m512 madd(__m512 acc, __m512 x, const T* w, int half) {
+    return _mm512_fmadd_ps(x, _mm512_load_ps(w + 16 * half), acc);
+  }
   static void put(T* y, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(y, keep, v); }
 };
 
@@ -177,7 +179,8 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == N, "panel_product: a bias of N elements in x's dtype");
+    TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == N,
+                "panel_product: a bias of N elements in x's dtype");
   }
   if (flat.size(0) == 0 || N == 0) return y;
 #if STER_PANELS
@@ -247,12 +250,13 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const s
   }
   const int64_t K = x.size(-1), rows = K ? x.numel() / K : 0;
   if (panels.defined()) return panel_product(x, panels, bias, weight.size(0));
-  if (rows >= 1 && rows <= 8 && weight.dim() == 2 && weight.is_contiguous() && x.scalar_type() == weight.scalar_type() &&
+  if (rows >= 1 && rows <= 8 && weight.dim() == 2 && weight.is_contiguous() &&
+      x.scalar_type() == weight.scalar_type() &&
       (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
       (!bias.has_value() || !bias->defined() || bias->scalar_type() == x.scalar_type())) {
-    static auto few_rows = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("ster_kernels::few_rows", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+    using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+    static auto few_rows =
+        c10::Dispatcher::singleton().findSchemaOrThrow("ster_kernels::few_rows", "").typed<Product>();
     return few_rows.call(x, weight, bias);
   }
   return at::linear(x, weight, bias);

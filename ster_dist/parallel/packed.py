@@ -3,8 +3,8 @@ packs its linear layers' weights at load.
 
 Where this package's kernels were built with AVX-512 (and AVX512_BF16 for bf16), a weight is laid out in panels
 of 32 outputs (kernels/panels.cpp) and every product over it, of any number of rows, runs there: on SmolLM2's
-shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 512, 1.3x the few-row kernel at
-one f32 row (bench/README.md); and a row's product is the same bits in any batch. Elsewhere the weight is
+shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 512, as fast as the few-row
+kernel at one row (bench/README.md); and a row's product is the same bits in any batch. Elsewhere the weight is
 reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise
 makes on every call: products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at
 512), and the few-row kernel keeps 1-3 rows.
@@ -106,7 +106,7 @@ def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
 
 
 def panel_bytes(weight: torch.Tensor) -> int:
-    """What `weight`'s panels take, where kernels.panels(weight.dtype) (kernels/panels.cpp: 32 outputs a panel, bf16 inputs in pairs)."""
+    """The bytes `weight`'s panels take (kernels/panels.cpp: 32 outputs a panel, bf16 inputs in pairs)."""
     out, inner = weight.shape
     step = 2 if weight.dtype == torch.bfloat16 else 1
     return -(-out // 32) * 32 * -(-inner // step) * step * weight.element_size()
