@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "lanes.h"
+#include "operands.h"
 #include "rows.h"
 
 namespace {
@@ -30,17 +31,9 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
               "few_rows: x and weight both f32 or both bf16");
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(x.size(-1) == K, "few_rows: x's last dimension is not the weight's");
-  const at::Tensor flat = x.reshape({-1, K}).contiguous();
+  const auto [flat, y, b] = operands(x, N, bias, "few_rows");
   const int64_t M = flat.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "few_rows: 1 to 8 rows");
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == N, "few_rows: a bias of N elements in x's dtype");
-  }
 #if STER_KERNELS_ISA
   if (x.scalar_type() == at::kFloat)
     by_count<F32Stream>(M, flat.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,

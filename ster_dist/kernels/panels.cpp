@@ -23,7 +23,11 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "operands.h"
+
 namespace {
+
+using ster_kernels::operands;
 
 constexpr int64_t kPanel = 32;  // output columns a panel: two registers of f32 sums
 constexpr int kRowBlock = 12;   // rows of x a pass over a panel: 24 sums, 2 weights and a broadcast in 32 registers
@@ -172,16 +176,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
                   N <= panels.size(0) * kPanel,
               "panel_product: panels of another shape than x's ", K, " inputs and ", N, " outputs");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0, "panel_product: panels not 64-byte aligned");
-  const at::Tensor flat = x.reshape({-1, K}).contiguous();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == N,
-                "panel_product: a bias of N elements in x's dtype");
-  }
+  const auto [flat, y, b] = operands(x, N, bias, "panel_product");
   if (flat.size(0) == 0 || N == 0) return y;
 #if STER_PANELS
   if (x.scalar_type() == at::kFloat)
