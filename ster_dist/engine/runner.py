@@ -68,14 +68,15 @@ def pack_all(weights: list[torch.Tensor]) -> None:
     """Pack each of `weights`; their panels lie in one block of memory in 2 MiB pages where the system allows
     (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it 13-16% there)."""
     laid = [w for w in weights if kernels.panels(w.dtype) and packed.lookup(w) is None]
+    sizes = [packed.panel_bytes(w) for w in laid]
     offsets, end = [], 0
-    for weight in laid:
+    for size in sizes:
         end = -(-end // arena.ALIGN) * arena.ALIGN
         offsets.append(end)
-        end += packed.panel_bytes(weight)
+        end += size
     block = arena.Block(end) if laid else None
-    for weight, at in zip(laid, offsets):
-        packed.pack(weight, block.piece(at, packed.panel_bytes(weight)))
+    for weight, at, size in zip(laid, offsets, sizes):
+        packed.pack(weight, block.piece(at, size))
     for weight in weights:
         packed.pack(weight)  # the rest, for oneDNN (a weight packed already is left)
 

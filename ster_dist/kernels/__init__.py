@@ -9,9 +9,10 @@
   model/step.py's prefills).
 - `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): one to eight rows through their SwiGLU experts
   (moe/experts.py's decodes).
-- `pack_panels(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight laid out in panels of 32
-  outputs, and x W^T (+ b) over it for any number of rows; `hold_panels(weight, panels)`, `drop_panels(address)`
-  and `packed_product(x, weight, bias)`: the packed weights of parallel/packed.py, found by the weight itself.
+- `pack_panels(weight, out)`, `panel_bytes(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight
+  laid out in panels of 32 outputs (into `out` where given), the bytes that takes, and x W^T (+ b) over it for any
+  number of rows; `hold_panels(weight, panels)`, `drop_panels(address)` and `packed_product(x, weight, bias)`:
+  the packed weights of parallel/packed.py, found by the weight itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer (model/compiled.py).
 
@@ -55,11 +56,13 @@ def ready() -> bool:
     return _ready if _tried else _load()
 
 
+_PANEL_BITS = {torch.float32: 1, torch.bfloat16: 2}
+
+
 def panels(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: AVX-512, and
     AVX512_BF16 for bf16)."""
-    bit = {torch.float32: 1, torch.bfloat16: 2}.get(dtype, 0)
-    return ready() and bool(_panels & bit)
+    return ready() and bool(_panels & _PANEL_BITS.get(dtype, 0))
 
 
 def _load() -> bool:

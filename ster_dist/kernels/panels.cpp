@@ -149,18 +149,32 @@ bool takes(at::ScalarType dtype) {
   return (dtype == at::kFloat && (panel_dtypes() & 1)) || (dtype == at::kBFloat16 && (panel_dtypes() & 2));
 }
 
-// weight [N, K] -> its panels, [ceil(N / 32), ceil(K / s), 32, s] (s = 1 for f32, 2 for bf16), zero-padded
-at::Tensor pack_panels(const at::Tensor& weight) {
+// the panels' shape for weight [N, K]: [ceil(N / 32), ceil(K / s), 32, s] (s = 1 for f32, 2 for bf16)
+std::vector<int64_t> panel_shape(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_panels: a 2-D CPU weight");
   TORCH_CHECK(takes(weight.scalar_type()), "pack_panels: this build lays out ",
               panel_dtypes() ? "f32 only" : "no dtype (no AVX-512)", ", not ", weight.scalar_type());
-  const int64_t N = weight.size(0), K = weight.size(1), step = weight.scalar_type() == at::kFloat ? 1 : 2;
-  const int64_t count = (N + kPanel - 1) / kPanel, pairs = (K + step - 1) / step;
+  const int64_t step = weight.scalar_type() == at::kFloat ? 1 : 2;
+  return {(weight.size(0) + kPanel - 1) / kPanel, (weight.size(1) + step - 1) / step, kPanel, step};
+}
+
+int64_t panel_bytes(const at::Tensor& weight) {
+  const std::vector<int64_t> shape = panel_shape(weight);
+  return shape[0] * shape[1] * shape[2] * shape[3] * static_cast<int64_t>(weight.element_size());
+}
+
+// weight [N, K] -> its panels (panel_shape), zero-padded; written into `out` (panel_bytes bytes) where given
+at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
+  const std::vector<int64_t> shape = panel_shape(weight);
+  const int64_t count = shape[0], pairs = shape[1], step = shape[3], N = weight.size(0), K = weight.size(1);
   // the panels' rows are loaded as whole aligned registers: pad the columns, and pad the K dimension to pairs
   at::Tensor w = at::zeros({count * kPanel, pairs * step}, weight.options());
   w.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  // [count, 32, pairs, step] -> [count, pairs, 32, step]
-  return w.view({count, kPanel, pairs, step}).permute({0, 2, 1, 3}).contiguous();
+  const at::Tensor laid = w.view({count, kPanel, pairs, step}).permute({0, 2, 1, 3});  // [count, pairs, 32, step]
+  if (!out.has_value()) return laid.contiguous();
+  TORCH_CHECK(out->is_contiguous() && out->nbytes() == static_cast<size_t>(panel_bytes(weight)),
+              "pack_panels: out is not ", panel_bytes(weight), " contiguous bytes");
+  return out->view(weight.scalar_type()).view(shape).copy_(laid);
 }
 
 // x [..., K] times the weight whose panels these are ([count, pairs, 32, step]), N its outputs
@@ -261,7 +275,8 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const s
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("panel_dtypes() -> int", &panel_dtypes);
-  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_bytes(Tensor weight) -> int", &panel_bytes);
+  m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("panel_product(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
   m.def("hold_panels(Tensor weight, Tensor panels) -> ()", &hold_panels);
   m.def("drop_panels(int address) -> ()", &drop_panels);

@@ -92,10 +92,7 @@ def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
         return 0
     with torch.no_grad():
         if kernels.panels(weight.dtype):
-            laid = torch.ops.ster_kernels.pack_panels(weight.detach())
-            if into is not None:
-                laid = into.view(weight.dtype).view(laid.shape).copy_(laid)
-            packed = Packed(laid, panels=True)
+            packed = Packed(torch.ops.ster_kernels.pack_panels(weight.detach(), into), panels=True)
             torch.ops.ster_kernels.hold_panels(weight.detach(), packed.tensor)
         else:
             packed = Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS), panels=False)
@@ -106,10 +103,8 @@ def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
 
 
 def panel_bytes(weight: torch.Tensor) -> int:
-    """The bytes `weight`'s panels take (kernels/panels.cpp: 32 outputs a panel, bf16 inputs in pairs)."""
-    out, inner = weight.shape
-    step = 2 if weight.dtype == torch.bfloat16 else 1
-    return -(-out // 32) * 32 * -(-inner // step) * step * weight.element_size()
+    """The bytes `weight`'s panels take (where kernels.panels(weight.dtype); kernels/panels.cpp lays them out)."""
+    return torch.ops.ster_kernels.panel_bytes(weight)
 
 
 def release(weights) -> None:
