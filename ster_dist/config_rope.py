@@ -80,6 +80,20 @@ def _rope_sources(keys: Keys, positions: PositionSpec) -> tuple[dict, dict]:
     return full, sliding
 
 
+def _alpha_base(theta: float, alpha, head_dim: int, path: str) -> float:
+    """HunYuan's dynamic base, theta * alpha ** (d / (d - 2)), or a refusal where it is no finite number (alpha
+    itself is a finite number above 0 by now: config_ranges.check_rope)."""
+    try:
+        base = theta * alpha ** (head_dim / (head_dim - 2))
+    except (OverflowError, ZeroDivisionError):
+        base = math.inf
+    if not math.isfinite(base):
+        raise Refusal(f"invalid model config {path}: rope scaling alpha {alpha!r} with rope_theta {theta!r} and "
+                      f"head_dim {head_dim} gives no finite rotation base; correct it in config.json (or "
+                      "re-download the checkpoint)")
+    return base
+
+
 def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool, default_theta: float,
           path: str, max_position: int, default_share: float = 1.0) -> RopeConfig:
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -101,7 +115,7 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
     if rope_type == "dynamic":
         alpha = params.get("alpha")
         if alpha:  # HunYuan: a fixed larger base; plain dynamic is the plain rotation within max_position
-            theta = theta * alpha ** (head_dim / (head_dim - 2))
+            theta = _alpha_base(theta, alpha, head_dim, path)
         rope_type = "default"
     if rope_type != "default":
         kw["factor"] = float(params.get("factor") or 1.0)

@@ -50,6 +50,8 @@ def refused(raw) -> str:
     ("rope_scaling", [2.0], "rope_scaling is [2.0]; it must be a JSON object"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 0}, "rope_scaling.factor is 0"),
     ("rope_scaling", {"rope_type": "longrope"}, "rope_scaling.short_factor is None"),
+    ("rope_scaling", {"rope_type": "dynamic", "alpha": 1e300},
+     "rope scaling alpha 1e+300 with rope_theta 500000.0 and head_dim 64 gives no finite rotation base"),
     ("layer_types", 4, "layer_types is 4; it must be a list of strings"),
     ("no_rope_layers", [1, 1], "no_rope_layers lists 2 layers for 4 hidden layers"),
 ])
