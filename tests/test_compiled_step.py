@@ -13,12 +13,15 @@ import os
 import pytest
 import torch
 
+from ster_dist import kernels
 from ster_dist.engine.loop import COMPILE_AFTER
+from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.load import load_model
 from ster_dist.model.compiled import decode_plans
 from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.step import StepState
+from ster_dist.parallel import packed
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
 from ster_dist.workers.spawn import SpawnGroup
@@ -100,6 +103,27 @@ def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd)
     decode(compiled, prompt, 3)
     assert compiled.compiled.graphs == graphs  # the second run compiled nothing more
 
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_one_token_steps_stack_over_weights_packed_in_panels(toy, compiling, capfd, precision):
+    """The products of a packed model ask kernels.panels(dtype) inside the graph: the one-token stack, which reuses
+    one layer's region for the next, must still build (a guard on a dtype-keyed table once broke it in bf16)."""
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[precision]
+    if not kernels.panels(dtype):
+        pytest.skip(f"this CPU's kernels lay out no {precision} panels")
+    model = load_model(resolve(str(toy)), precision=precision).model
+    weights = pack_model(model, "on")
+    try:
+        assert weights and all(packed.lookup(w).panels for w in weights)
+        assert model.compile_layers() is None
+        prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(2))
+        decode(model, prompt, 4)
+        said = capfd.readouterr().err
+        assert "one-token stack graph" in said and "stack failed" not in said, said
+        assert model.compiled.stacked
+    finally:
+        packed.release(weights)
 
 def _counting(monkeypatch, cls) -> list[int]:
     """The layers whose attention reaches `cls.attend` (Python) from now on, in call order."""

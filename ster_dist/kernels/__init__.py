@@ -56,13 +56,13 @@ def ready() -> bool:
     return _ready if _tried else _load()
 
 
-_PANEL_BITS = {torch.float32: 1, torch.bfloat16: 2}
-
-
 def panels(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: AVX-512, and
     AVX512_BF16 for bf16)."""
-    return ready() and bool(_panels & _PANEL_BITS.get(dtype, 0))
+    # compared, not looked up in a table keyed by dtype: a graph that reuses one layer's region for the next
+    # (the one-token stack, model/compiled.py) cannot rebuild a guard on such a table's entry
+    bit = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 else 0
+    return ready() and bool(_panels & bit)
 
 
 def _load() -> bool:
