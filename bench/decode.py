@@ -24,7 +24,9 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
     decode    tokens/s at batch 1 and batch 8 (--new-tokens after a 32-token prompt). Method,
               identical for both engines: a hand-written greedy loop over the model's forward
               with its KV cache (ster_dist: Decoder + new_cache, as generate() drives it;
-              Transformers: model(...) with a DynamicCache, as model.generate() uses). Only the
+              Transformers: model(...) with a DynamicCache, as model.generate() uses), each
+              step's token picked as that engine's generate() picks it (ster_dist's argmax kernel,
+              torch.argmax for Transformers; both the first largest logit). Only the
               decode steps are timed: the prefill forward is outside the clock, and the
               first new token (argmax of the prefill logits) is not counted, so
               tokens/s = batch * (new_tokens - 1) / seconds of the decode steps. Each step is
@@ -110,6 +112,13 @@ class SterEngine:
     def __init__(self, loaded):
         self.model = loaded.model
 
+    @staticmethod
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token, as generate() and the token engine's sampler pick it."""
+        from ster_dist import kernels
+
+        return kernels.argmax(logits)
+
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, capacity: int):
         batch, width = prompt.shape
@@ -139,6 +148,11 @@ class HFEngine:
     def __init__(self, model):
         self.model = model
 
+    @staticmethod
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token, as model.generate() picks it."""
+        return logits.argmax(-1)
+
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, capacity: int):
         from transformers import DynamicCache
@@ -164,13 +178,13 @@ def greedy(engine, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor,
     """(tokens [batch, new_tokens], prefill seconds, seconds of each decode step) of one greedy run."""
     start = time.perf_counter()
     logits, state = engine.prefill(prompt, prompt.shape[1] + new_tokens)
-    tokens = logits.argmax(-1)
+    tokens = engine.pick(logits)
     prefill_s = time.perf_counter() - start
     out, step_s = [tokens], []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
         logits, state = engine.step(tokens, state)
-        tokens = logits.argmax(-1)
+        tokens = engine.pick(logits)
         step_s.append(time.perf_counter() - start)
         out.append(tokens)
     return torch.stack(out, 1), prefill_s, step_s

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from ster_dist import kernels
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder
 
@@ -52,7 +53,7 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, t
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
     """One token per row from logits [batch, vocab]."""
     if sampling.temperature == 0:
-        return logits.argmax(-1)
+        return kernels.argmax(logits)
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
     if sampling.top_p < 1:
         sorted_probs, order = probs.sort(-1, descending=True)

@@ -120,7 +120,7 @@ def test_one_token_steps_stack_over_weights_packed_in_panels(toy, compiling, cap
         prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(2))
         decode(model, prompt, 4)
         said = capfd.readouterr().err
-        assert "one-token stack graph" in said and "stack failed" not in said, said
+        assert "one-token stack graph" in said and "failed" not in said, said  # the stack, the head, the layers
         assert model.compiled.stacked
     finally:
         packed.release(weights)

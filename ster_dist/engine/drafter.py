@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ster_dist import kernels
 from ster_dist.model.paged import Chunk
 
 
@@ -58,7 +59,8 @@ class MTPDrafter:
             return {}
         out, logits = self._run(torch.cat(hidden), ids, rows)
         ends = torch.tensor([c.length for c in rows]).cumsum(0) - 1
-        drafts = {i: [int(logits[m].argmax())] for m, i in enumerate(owners) if wanted.get(i, 0) > 0}
+        picked = kernels.argmax(logits).tolist()
+        drafts = {i: [picked[m]] for m, i in enumerate(owners) if wanted.get(i, 0) > 0}
         last = {i: out[ends[m]] for m, i in enumerate(owners) if i in drafts}
         for j in range(1, max(wanted.values(), default=0)):
             chain = [i for i in drafts if wanted[i] > j]
@@ -66,8 +68,9 @@ class MTPDrafter:
                 break
             rows = [Chunk(chunks[i].blocks, chunks[i].start - 1 + j, 1) for i in chain]
             out, logits = self._run(torch.stack([last[i] for i in chain]), [drafts[i][-1] for i in chain], rows)
+            picked = kernels.argmax(logits).tolist()
             for m, i in enumerate(chain):
-                drafts[i].append(int(logits[m].argmax()))
+                drafts[i].append(picked[m])
                 last[i] = out[m]
         return drafts
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from ster_dist import kernels
+
 
 def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
     """(the drafts kept, then the token after them) and how many drafts were kept, for logits [k + 1, vocab]."""
-    best = logits.argmax(-1).tolist()
+    best = kernels.argmax(logits).tolist()
     kept = 0
     while kept < len(drafts) and drafts[kept] == best[kept]:
         kept += 1

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from ster_dist import kernels
 from ster_dist.errors import InvalidField
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow.
@@ -250,12 +251,12 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.greedy]
 
         if not penalized and not sampled:
-            tokens = logits.argmax(-1)  # the common case: one argmax, no copy
+            tokens = kernels.argmax(logits)  # the common case: one argmax, no copy
         else:
             scores = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
             if penalized:
                 _apply_penalties(scores, penalized, requests)
-            tokens = scores.argmax(-1)
+            tokens = kernels.argmax(scores)
             if sampled:
                 rows = torch.tensor(sampled, device=logits.device)
                 tokens[rows] = self._draw(
@@ -290,7 +291,7 @@ class Sampler:
             if request.params.seed is not None:
                 q[i].exponential_(generator=self._generator(request, device))
         q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exponential of 0 would make 0/0 win argmax
-        return probs.div_(q).argmax(-1)
+        return kernels.argmax(probs.div_(q))
 
     def target_probs(self, logits: torch.Tensor, seq_id: str) -> torch.Tensor:
         """The distribution [rows, vocab] one unpenalized sampled request draws from at each row of logits
