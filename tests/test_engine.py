@@ -36,11 +36,11 @@ def reference(llama):
     return load_model(resolve(str(llama)), "f32")
 
 
-def open_engine(directory, group=None, **config) -> TokenEngine:
+def open_engine(directory, group=None, dtype: str = "f32", **config) -> TokenEngine:
     checkpoint = resolve(str(directory))
     if group is None:
         group = LocalGroup()
-    group.call("load", checkpoint, "f32", "cpu")
+    group.call("load", checkpoint, dtype, "cpu")
     cfg = group_cfg(checkpoint)
     return TokenEngine(group, cfg, Tokenizer.from_directory(checkpoint.directory), cfg.eos_token_ids or (2,),
                        EngineConfig(**{"kv_cache_memory": 4 << 20, "block_size": 4, **config}))

@@ -117,6 +117,24 @@ def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llam
     assert "KiB of weights per rank for the CPU's products (--pack-weights off keeps one copy)" in said
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_on_packs_what_this_cpu_can_and_its_logits_are_the_unpacked_ones(llama, dtype):  # noqa: F811
+    """--pack-weights on in either dtype on any CPU: a dtype with a packed layout here (panels, or oneDNN's
+    reorder, which refuses bf16 on AVX2) is packed, any other is left plain, and the engine runs either way."""
+    name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    ids = tuple(range(0, 300, 7))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logits_of=ids)
+    batch = prompts(5, seed=9, lo=2, hi=30)
+    with open_engine(llama, dtype=name, pack_weights="off") as engine:
+        want = [s.result().scores for s in [engine.submit(p, params) for p in batch]]
+    with open_engine(llama, dtype=name, pack_weights="on") as engine:
+        assert packed.active() == (kernels.panels(dtype) or packed._onednn(dtype))
+        got = [s.result().scores for s in [engine.submit(p, params) for p in batch]]
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for g, w in zip(got, want):  # the first sampled position: both read the same prompt
+        torch.testing.assert_close(torch.tensor(g[0]), torch.tensor(w[0]), rtol=tolerance, atol=tolerance)
+
+
 def test_auto_packs_only_where_the_copies_fit_in_their_share_of_free_memory(llama, monkeypatch):  # noqa: F811
     with open_engine(llama, pack_weights="auto"):
         assert packed.active()  # a tiny model's copies fit anywhere

@@ -191,7 +191,7 @@ cpu_linear.register_autograd(_onednn_backward, setup_context=_keep_for_backward)
 # The products are exact in f32 either way; only the rounding of the sums' order differs.
 UPCAST_ROWS_MIN = 16
 UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the copy stays in cache
-NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+NATIVE_HALF_PRODUCTS = packed.NATIVE_HALF_PRODUCTS
 
 
 _blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after

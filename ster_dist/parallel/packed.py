@@ -49,14 +49,22 @@ _TABLE: dict[tuple, _Entry] = {}
 _ANY = False  # whether _TABLE holds an entry: all a compiled step's guard on active() then reads
 
 
+# whether this CPU multiplies bf16 / f16 natively: oneDNN's bf16 kernels, and its reorder of a bf16 weight, need
+# AVX-512 or AVX-NE-CONVERT (on AVX2 the reorder refuses, and torch's own bf16 product is 5x slower than f32's)
+NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
 def available() -> bool:
     """Whether weights can be packed here: in panels (this package's kernels, AVX-512), or for oneDNN (a torch
     built with it, the reorder operator present)."""
-    return kernels.panels(torch.float32) or _onednn()
+    return kernels.panels(torch.float32) or _onednn(torch.float32)
 
 
-def _onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def _onednn(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can reorder a `dtype` weight here (f32 anywhere it is built in, bf16 where the CPU has
+    native half products)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (dtype == torch.float32 or NATIVE_HALF_PRODUCTS))
 
 
 def active() -> bool:
@@ -78,10 +86,10 @@ def _version(weight: torch.Tensor) -> int | None:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """A 2-D contiguous f32 or bf16 CPU weight that no gradient flows into, and a way to pack it here."""
+    """A 2-D contiguous f32 or bf16 CPU weight that no gradient flows into, and a way to pack its dtype here."""
     return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and not weight.requires_grad and weight.numel() > 0 and (kernels.panels(weight.dtype) or _onednn()))
+            and not weight.requires_grad and weight.numel() > 0 and (kernels.panels(weight.dtype) or _onednn(weight.dtype)))
 
 
 def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
