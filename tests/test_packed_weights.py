@@ -19,7 +19,7 @@ from tests.test_engine import llama, open_engine, prompts  # noqa: F401  (llama:
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="neither panels nor oneDNN to pack weights for here")
 
-DTYPES = [torch.float32] + ([torch.bfloat16] if NATIVE_HALF_PRODUCTS else [])
+DTYPES = [torch.float32, torch.bfloat16]  # bf16 in panels, for oneDNN, or as an f32 copy (packed.widened)
 
 
 @pytest.fixture
@@ -36,10 +36,12 @@ def test_a_product_over_the_packed_weight_equals_the_plain_one(rows, dtype):
     w, bias = torch.randn(200, 96, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
     x = torch.randn(2, rows, 96, generator=g).to(dtype)
     plain = dense(x, w, bias)
-    assert packed.pack(w) == w.numel() * w.element_size()
+    assert packed.pack(w) == packed.copy_bytes(w) >= w.numel() * (4 if packed.widened(dtype) else w.element_size())
     try:
         held = packed.lookup(w)
         assert packed.active() and held is not None and held.panels == kernels.panels(dtype)
+        assert held.widened == packed.widened(dtype) and held.widened == (dtype == torch.bfloat16
+                                                                          and not NATIVE_HALF_PRODUCTS)
         got = dense(x, w, bias)
         want = (x.double() @ w.double().t() + bias.double()).to(dtype)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -118,9 +120,9 @@ def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llam
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pack_on_packs_what_this_cpu_can_and_its_logits_are_the_unpacked_ones(llama, dtype):  # noqa: F811
-    """--pack-weights on in either dtype on any CPU: a dtype with a packed layout here (panels, or oneDNN's
-    reorder, which refuses bf16 on AVX2) is packed, any other is left plain, and the engine runs either way."""
+def test_pack_on_packs_either_dtype_on_any_cpu_and_its_logits_are_the_unpacked_ones(llama, dtype):  # noqa: F811
+    """--pack-weights on in either dtype on any CPU packs the weights (in panels, for oneDNN, or, bf16 where oneDNN
+    refuses to reorder it, on AVX2, as an f32 copy) and the engine's logits are the unpacked engine's."""
     name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
     ids = tuple(range(0, 300, 7))
     params = SamplingParams(max_tokens=3, ignore_eos=True, logits_of=ids)
@@ -128,7 +130,8 @@ def test_pack_on_packs_what_this_cpu_can_and_its_logits_are_the_unpacked_ones(ll
     with open_engine(llama, dtype=name, pack_weights="off") as engine:
         want = [s.result().scores for s in [engine.submit(p, params) for p in batch]]
     with open_engine(llama, dtype=name, pack_weights="on") as engine:
-        assert packed.active() == (kernels.panels(dtype) or packed._onednn(dtype))
+        assert packed.active()  # in panels, for oneDNN, or (bf16 on AVX2) as an f32 copy
+        assert all(held.packed.widened == packed.widened(dtype) for held in packed._TABLE.values())
         got = [s.result().scores for s in [engine.submit(p, params) for p in batch]]
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for g, w in zip(got, want):  # the first sampled position: both read the same prompt

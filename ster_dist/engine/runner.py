@@ -57,7 +57,7 @@ def pack_model(model, mode: str) -> list[torch.Tensor]:
     if mode == "off" or not packed.available():
         return []
     weights = [w for w in product_weights(model) if packed.packable(w)]
-    size = sum(w.nbytes for w in weights)
+    size = sum(packed.copy_bytes(w) for w in weights)
     if mode == "auto" and (not weights or size > available_memory(weights[0].device) // PACK_SHARE):
         return []
     pack_all(weights)

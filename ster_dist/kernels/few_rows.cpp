@@ -22,6 +22,23 @@ using namespace ster_kernels;
 
 constexpr int64_t kMaxRows = 8;
 
+#if STER_KERNELS_ISA
+template <class V>
+void bf16_rows(int64_t M, const at::Tensor& flat, const at::Tensor& weight, const at::Tensor& b, const at::Tensor& y,
+               int64_t N, int64_t K) {
+  const auto* w = weight.data_ptr<c10::BFloat16>();
+  const auto* bias = b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr;
+  if constexpr (V::kWidens) {
+    // x widened to f32 once here, not once per weight row it meets: on AVX2 that widening was most of the work
+    // at eight rows (bench/products.py). Exact, so the sums are the same bits.
+    const at::Tensor wide = flat.to(at::kFloat);
+    by_count<V, float>(M, wide.data_ptr<float>(), w, bias, y.data_ptr<c10::BFloat16>(), N, K);
+  } else {
+    by_count<V>(M, flat.data_ptr<c10::BFloat16>(), w, bias, y.data_ptr<c10::BFloat16>(), N, K);
+  }
+}
+#endif
+
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(STER_KERNELS_ISA, "few_rows: built without AVX2 or AVX-512");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows: CPU tensors only");
@@ -39,8 +56,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
     by_count<F32Stream>(M, flat.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                        y.data_ptr<float>(), N, K);
   else
-    by_count<Bf16Lanes>(M, flat.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
-                        b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N, K);
+    bf16_rows<Bf16Lanes>(M, flat, weight, b, y, N, K);
 #endif
   return y;
 }

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace ster_kernels {
 
@@ -59,6 +60,7 @@ struct F32Lanes {
 struct Bf16Lanes {
   using T = c10::BFloat16; using In = __m512i; using Acc = __m512;
   static constexpr int W = 32;
+  static constexpr bool kWidens = false;
   static In load(const T* p) { return _mm512_loadu_si512(p); }
   static Acc madd(Acc acc, In x, In w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
   static Acc zero() { return _mm512_setzero_ps(); }
@@ -69,9 +71,11 @@ struct Bf16Lanes {
 struct Bf16Lanes {  // widened to f32 as read: a bf16 is the top half of an f32
   using T = c10::BFloat16; using In = __m512; using Acc = __m512;
   static constexpr int W = 16;
+  static constexpr bool kWidens = true;  // loads f32 as they are (load_f32): x widened once, not per weight row
   static In load(const T* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   }
+  static In load_f32(const float* p) { return _mm512_loadu_ps(p); }
   static Acc madd(Acc acc, In x, In w) { return _mm512_fmadd_ps(x, w, acc); }
   static Acc zero() { return _mm512_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
@@ -92,9 +96,11 @@ using F32Lanes = F32Half;
 struct Bf16Lanes {
   using T = c10::BFloat16; using In = __m256; using Acc = __m256;
   static constexpr int W = 8;
+  static constexpr bool kWidens = true;
   static In load(const T* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
+  static In load_f32(const float* p) { return _mm256_loadu_ps(p); }
   static Acc madd(Acc acc, In x, In w) { return _mm256_fmadd_ps(x, w, acc); }
   static Acc zero() { return _mm256_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
@@ -186,10 +192,18 @@ inline float exp_shifted(float* s, int64_t count, float top) {
 #endif
 
 #if STER_KERNELS_ISA
+// One step of x: of the weight's type, or f32 for lanes that widen bf16 to f32 as they read it (x widened once
+// by the caller, exactly, so the sums are the same bits).
+template <class V, class X>
+inline typename V::In x_step(const X* p) {
+  if constexpr (std::is_same_v<X, typename V::T>) return V::load(p);
+  else return V::load_f32(p);
+}
+
 // out[m] = x[m] . w for one weight row w of K elements and M rows of x ([M, K]). U accumulators a row of x
 // so that consecutive multiply-adds do not wait on each other's result.
-template <class V, int M, int U>
-inline void one_row(const typename V::T* x, const typename V::T* w, int64_t K, float* out) {
+template <class V, int M, int U, class X = typename V::T>
+inline void one_row(const X* x, const typename V::T* w, int64_t K, float* out) {
   typename V::Acc acc[M][U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = V::zero();
@@ -197,11 +211,11 @@ inline void one_row(const typename V::T* x, const typename V::T* w, int64_t K, f
   for (; k + V::W * U <= K; k += V::W * U)
     for (int u = 0; u < U; ++u) {
       auto wv = V::load(w + k + V::W * u);
-      for (int m = 0; m < M; ++m) acc[m][u] = V::madd(acc[m][u], V::load(x + m * K + k + V::W * u), wv);
+      for (int m = 0; m < M; ++m) acc[m][u] = V::madd(acc[m][u], x_step<V>(x + m * K + k + V::W * u), wv);
     }
   for (; k + V::W <= K; k += V::W) {
     auto wv = V::load(w + k);
-    for (int m = 0; m < M; ++m) acc[m][0] = V::madd(acc[m][0], V::load(x + m * K + k), wv);
+    for (int m = 0; m < M; ++m) acc[m][0] = V::madd(acc[m][0], x_step<V>(x + m * K + k), wv);
   }
   for (int m = 0; m < M; ++m) {
     auto total = acc[m][0];

@@ -156,6 +156,12 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     held = packed.lookup(weight)
     if held is not None and held.panels:
         return torch.ops.ster_kernels.panel_product(x, held.tensor, bias, weight.shape[0])
+    if held is not None and held.widened:  # bf16 on a CPU without bf16 products: in f32 over the f32 copy
+        wide = torch.ops.mkldnn._linear_pointwise(x.float(), held.tensor, None if bias is None else bias.float(),
+                                                  "none", [], "")
+        return wide.to(x.dtype)
+    if held is None and x.dtype != torch.float32 and not NATIVE_HALF_PRODUCTS:
+        return _upcast(x, weight, bias)  # a weight not packed (the body is eager: its product is dense()'s)
     if held is None and x.numel() <= kernels.FEW_ROWS_MAX * x.shape[-1] and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.few_rows(x, weight, bias)  # a weight not packed: as dense() would
     return torch.ops.mkldnn._linear_pointwise(x, weight if held is None else held.tensor, bias, "none", [], "")
@@ -189,7 +195,7 @@ cpu_linear.register_autograd(_onednn_backward, setup_context=_keep_for_backward)
 # below: oneDNN's bf16 kernels need AVX-512 or AVX-NE-CONVERT) run in f32 over an upcast copy of the weight, a
 # block of rows at a time: torch's fallback bf16 kernel there reads a 256-token prompt about 5x slower than f32.
 # The products are exact in f32 either way; only the rounding of the sums' order differs.
-UPCAST_ROWS_MIN = 16
+UPCAST_ROWS_MIN = kernels.FEW_ROWS_MAX + 1  # (9-15 rows through torch's bf16 kernel: 1.7x slower than upcast)
 UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the copy stays in cache
 NATIVE_HALF_PRODUCTS = packed.NATIVE_HALF_PRODUCTS
 
@@ -212,15 +218,15 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
         weight = weight.dequantize()  # to its compute dtype, as a dequantizing load holds it
     inner = x.shape[-1]
     rows = x.numel() // inner if inner else 0
-    if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
-            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
-        return _upcast(x, weight, bias)
     if rows and packed.active() and kernels.panels(weight.dtype) and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.packed_product(x, weight, bias)  # its panels, where the engine made them
     if (rows >= packed.ROWS_MIN and packed.active() and x.device.type == "cpu" and x.dtype == weight.dtype
-            and (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and NATIVE_HALF_PRODUCTS)
-            and weight.dim() == 2 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)):
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype)):
         return torch.ops.ster_dist.cpu_linear(x, weight, bias)  # its packed copy, where the engine made one
+    if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
+        return _upcast(x, weight, bias)
     if 0 < rows <= kernels.FEW_ROWS_MAX and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.few_rows(x, weight, bias)
     if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype

@@ -7,7 +7,7 @@ shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 5
 kernel at one row (bench/README.md); and a row's product is the same bits in any batch. Elsewhere the weight is
 reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise
 makes on every call: products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at
-512), and the few-row kernel keeps 1-3 rows.
+512), and the few-row kernel keeps 1-3 rows (1-8 without AVX-512).
 
 The packed copy sits beside the parameter, which everything else keeps reading (capture, adapters, merges,
 saving): the price is a second copy of each packed weight, which the engine pays only where it fits
@@ -27,8 +27,10 @@ import torch
 from ster_dist import kernels
 
 # products of this many rows or more take a weight packed for oneDNN where one exists: below, the few-row kernel
-# is faster (a weight in panels takes every row count)
-ROWS_MIN = 4
+# is faster (a weight in panels takes every row count). With AVX-512 oneDNN's packed product overtook it at 4
+# rows; on an AVX2 CPU (Zen 3) the few-row kernel stayed ahead through all of its 8 rows (bench/products.py,
+# SmolLM2's f32 products: 25.2 against 32.0 ms at 4 rows, 32.9 against 36.7 at 8).
+ROWS_MIN = 4 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else kernels.FEW_ROWS_MAX + 1
 PACKING_ROWS = 32  # the batch size oneDNN is told to expect: any row count runs on what it packs
 
 
@@ -36,6 +38,7 @@ PACKING_ROWS = 32  # the batch size oneDNN is told to expect: any row count runs
 class Packed:
     tensor: torch.Tensor
     panels: bool  # laid out by kernels/panels.cpp (else by oneDNN's reorder)
+    widened: bool = False  # a bf16 weight reordered as f32: products of its dtype run in f32 over it (widened())
 
 
 @dataclass
@@ -85,11 +88,26 @@ def _version(weight: torch.Tensor) -> int | None:
         return None
 
 
+def widened(dtype: torch.dtype) -> bool:
+    """Whether a `dtype` weight is packed as an f32 copy: bf16 on a CPU without native bf16 products (AVX2), where
+    torch's bf16 kernel is 5x slower than f32 and widening the weight on every product (linear.py's _upcast) costs
+    as much as the product. The copy takes twice the bf16 weight; products of 1-8 rows still read the bf16 one."""
+    return dtype == torch.bfloat16 and not kernels.panels(dtype) and not _onednn(dtype) and _onednn(torch.float32)
+
+
 def packable(weight: torch.Tensor) -> bool:
     """A 2-D contiguous f32 or bf16 CPU weight that no gradient flows into, and a way to pack its dtype here."""
     return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2
             and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-            and not weight.requires_grad and weight.numel() > 0 and (kernels.panels(weight.dtype) or _onednn(weight.dtype)))
+            and not weight.requires_grad and weight.numel() > 0
+            and (kernels.panels(weight.dtype) or _onednn(weight.dtype) or widened(weight.dtype)))
+
+
+def copy_bytes(weight: torch.Tensor) -> int:
+    """The bytes `weight`'s packed copy takes (a packable weight)."""
+    if kernels.panels(weight.dtype):
+        return panel_bytes(weight)
+    return weight.numel() * 4 if widened(weight.dtype) else weight.nbytes
 
 
 def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
@@ -102,12 +120,15 @@ def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
         if kernels.panels(weight.dtype):
             packed = Packed(torch.ops.ster_kernels.pack_panels(weight.detach(), into), panels=True)
             torch.ops.ster_kernels.hold_panels(weight.detach(), packed.tensor)
+        elif widened(weight.dtype):
+            packed = Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), PACKING_ROWS),
+                            panels=False, widened=True)
         else:
             packed = Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS), panels=False)
     gone = weakref.finalize(weight, _forget, key)  # the weight freed: its address may be reused
     _TABLE[key] = _Entry(_version(weight), packed, gone)
     _recount()
-    return weight.nbytes
+    return copy_bytes(weight)
 
 
 def panel_bytes(weight: torch.Tensor) -> int:

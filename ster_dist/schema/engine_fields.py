@@ -42,8 +42,8 @@ class EngineFields(Request):
                                             "compiles its layers once it has run 128 steps)")
     pack_weights: Literal["auto", "on", "off"] = field(
         "auto", help="on a CPU, hold each projection's weight a second time in a layout its products read "
-                     "faster (panels of 32 outputs with AVX-512, else oneDNN's own; auto: where the copies take "
-                     "at most a quarter of the memory free)")
+                     "faster (panels of 32 outputs with AVX-512, else oneDNN's own, bf16 as f32 on AVX2; auto: where "
+                     "the copies take at most a quarter of the memory free)")
 
     @model_validator(mode="after")
     def _kv_cache_memory(self, info: ValidationInfo):
