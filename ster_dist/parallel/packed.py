@@ -7,7 +7,8 @@ shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 5
 kernel at one row (bench/README.md); and a row's product is the same bits in any batch. Elsewhere the weight is
 reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise
 makes on every call: products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at
-512), and the few-row kernel keeps 1-3 rows (1-8 without AVX-512).
+512), and the few-row kernel keeps 1-3 rows (1-8 without AVX-512). A bf16 weight on a CPU without native bf16
+products (AVX2), where oneDNN refuses to reorder bf16, is reordered as an f32 copy instead (widened()).
 
 The packed copy sits beside the parameter, which everything else keeps reading (capture, adapters, merges,
 saving): the price is a second copy of each packed weight, which the engine pays only where it fits
