@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(not packed.available(), reason="neither panels n
 DTYPES = [torch.float32, torch.bfloat16]  # bf16 in panels, for oneDNN, or as an f32 copy (packed.widened)
 
 
-@pytest.fixture
-def weight():
-    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(0))
-    yield w
-    packed.release([w])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 9, 33, 130])
 def test_a_product_over_the_packed_weight_equals_the_plain_one(rows, dtype):
@@ -76,33 +69,62 @@ def test_a_row_over_panels_is_the_same_bits_alone_or_in_any_batch(shape, dtype):
         packed.release([w])
 
 
-def test_products_read_the_packed_copy_and_an_in_place_change_drops_it(weight):
-    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
-    before = F.linear(x, weight)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 16])
+def test_products_read_the_packed_copy_and_an_in_place_change_drops_it(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
+    try:
+        before = (x.double() @ weight.double().t()).to(dtype)
+        packed.pack(weight)
+        # a write through .data is one the version counter cannot see: where the product takes the packed copy
+        # (panels at any row count, oneDNN's from ROWS_MIN rows), it still reads the old weight
+        weight.data.mul_(2)
+        reads_copy = kernels.panels(dtype) or rows >= packed.ROWS_MIN
+        torch.testing.assert_close(dense(x, weight), before if reads_copy else 2 * before, **tolerance)
+        # a tracked in-place change (as an optimizer step makes) leaves the copy stale: dropped, the weight read
+        # plain, through the same kernels as a weight never packed
+        with torch.no_grad():
+            weight.add_(1)
+        torch.testing.assert_close(dense(x, weight), (x.double() @ weight.double().t()).to(dtype), **tolerance)
+        assert packed.lookup(weight) is None and not packed.active()
+    finally:
+        packed.release([weight])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_flow_through_a_packed_weight_as_through_the_plain_one(dtype):
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(200, 96, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
+    x = torch.randn(24, 96, generator=g).to(dtype)
+    plain = x.clone().requires_grad_()
+    F.linear(plain.float(), weight.float(), bias.float()).square().sum().backward()
     packed.pack(weight)
-    # a write through .data is one the version counter cannot see: the product still reads the old packed copy
-    weight.data.mul_(2)
-    torch.testing.assert_close(dense(x, weight), before)
-    # a tracked in-place change (as an optimizer step makes) leaves the copy stale: dropped, the weight read plain
-    with torch.no_grad():
-        weight.add_(1)
-    torch.testing.assert_close(dense(x, weight), F.linear(x, weight))
-    assert packed.lookup(weight) is None and not packed.active()
+    try:
+        tracked = x.clone().requires_grad_()
+        dense(tracked, weight, bias).float().square().sum().backward()
+    finally:
+        packed.release([weight])
+    scale = plain.grad.float().abs().max().item()  # bf16: the output and the gradient each rounded to 8 bits
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2 * scale}
+    torch.testing.assert_close(tracked.grad.float(), plain.grad.float(), **tolerance)
 
 
 def test_a_freed_weight_takes_its_packed_copy_with_it():
-    panels = kernels.panels(torch.float32)
-    held = torch.ops.ster_kernels.panels_held() if panels else 0
+    native = kernels.ready()  # the C++ table that compiled graphs read holds every packed copy (panels or oneDNN's)
+    held = torch.ops.ster_kernels.held_count() if native else 0
     w = torch.randn(64, 32)
     packed.pack(w)
     assert packed.active()
-    if panels:  # the C++ table that compiled graphs read holds it too, and lets it go with the weight
-        assert torch.ops.ster_kernels.panels_held() == held + 1
+    if native:
+        assert torch.ops.ster_kernels.held_count() == held + 1
     del w
     gc.collect()
     assert not packed.active()
-    if panels:
-        assert torch.ops.ster_kernels.panels_held() == held
+    if native:
+        assert torch.ops.ster_kernels.held_count() == held
 
 
 def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llama, capfd):  # noqa: F811

@@ -19,7 +19,10 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
+#include <vector>
 #include <mutex>
 #include <unordered_map>
 
@@ -205,69 +208,132 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
   return y;
 }
 
-// ---- the panels of a process's packed weights, found without Python ----------------------------------------
+// ---- the packed weights of a process, found without Python ------------------------------------------------
 //
-// A compiled step hands a product its weight, the parameter itself. Finding that weight's panels through an
-// operator whose body is Python cost 13-30 us a product, as much as a one-row product's own time; here the
-// panels are held by the weight's address, shape, strides and dtype (parallel/packed.py holds and drops them,
-// with the weight's life) and checked against the version it had when packed: a weight changed in place since
-// is read plain, and its entry dropped.
+// A compiled step hands a product its weight, the parameter itself. Finding that weight's packed copy through an
+// operator whose body is Python cost 13-30 us a product, as much as a one-row product's own time, and 10% of a
+// 12- or 32-row step's products on an AVX2 CPU (bench/products.py); here the copies are held by the weight's
+// address, shape, strides and dtype (parallel/packed.py holds and drops them, with the weight's life) and
+// checked against the version the weight had when packed: a weight changed in place since is read plain, and
+// its entry dropped. A copy is this file's panels, or oneDNN's reorder of the weight (where AVX-512 is missing),
+// or oneDNN's reorder of an f32 copy of a bf16 weight (where bf16 products are not native: `widened`).
+enum class Layout { kPanels, kOnednn, kOnednnWidened };
+
 struct Held {
-  at::Tensor panels;
+  at::Tensor copy;
+  Layout layout;
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
   int64_t version;  // -1: an inference tensor, which counts no versions
 };
 std::mutex held_lock;
 std::unordered_map<const void*, Held> held;
+bool native_half = false;  // whether this CPU multiplies bf16 / f16 natively (set by kernels/__init__.py at load)
 
 int64_t version_of(const at::Tensor& t) {
   const auto& counter = t.unsafeGetTensorImpl()->version_counter();
   return counter.enabled() ? static_cast<int64_t>(counter.current_version()) : -1;
 }
 
+void hold(const at::Tensor& weight, const at::Tensor& copy, Layout layout) {
+  std::lock_guard<std::mutex> guard(held_lock);
+  held[weight.data_ptr()] = Held{copy, layout, weight.sizes().vec(), weight.strides().vec(), weight.scalar_type(),
+                                 version_of(weight)};
+}
+
 void hold_panels(const at::Tensor& weight, const at::Tensor& panels) {
   TORCH_CHECK(weight.dim() == 2 && panels.dim() == 4 && panels.scalar_type() == weight.scalar_type() &&
                   panels.size(0) == (weight.size(0) + kPanel - 1) / kPanel,
               "hold_panels: panels that pack_panels did not make of this weight");
-  std::lock_guard<std::mutex> guard(held_lock);
-  held[weight.data_ptr()] = Held{panels, weight.sizes().vec(), weight.strides().vec(), weight.scalar_type(),
-                                 version_of(weight)};
+  hold(weight, panels, Layout::kPanels);
 }
 
-void drop_panels(int64_t address) {
+void hold_onednn(const at::Tensor& weight, const at::Tensor& reordered, bool widened) {
+  TORCH_CHECK(weight.dim() == 2 && reordered.dim() == 2 && reordered.sizes() == weight.sizes() &&
+                  reordered.scalar_type() == (widened ? at::kFloat : weight.scalar_type()),
+              "hold_onednn: a reordered copy of this weight's shape, in f32 where widened");
+  hold(weight, reordered, widened ? Layout::kOnednnWidened : Layout::kOnednn);
+}
+
+void drop_held(int64_t address) {
   std::lock_guard<std::mutex> guard(held_lock);
   held.erase(reinterpret_cast<const void*>(address));
 }
 
-int64_t panels_held() {
+int64_t held_count() {
   std::lock_guard<std::mutex> guard(held_lock);
   return static_cast<int64_t>(held.size());
 }
 
-// x W^T (+ b): over W's panels where they are held and current, else as dense() would on the plain weight
+void set_native_half(bool native) { native_half = native; }
+
+using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                             c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+
+// oneDNN's matmul (mkldnn::_linear_pointwise, the operator torch's own packed linear runs), over a reordered copy
+// or a plain weight; at::linear where torch was built without it
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const auto schema = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (!schema.has_value()) return at::linear(x, weight, bias);
+  static const auto op = schema->typed<Pointwise>();
+  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+std::optional<at::Tensor> in_f32(const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return std::nullopt;
+  return bias->to(at::kFloat);
+}
+
+// a bf16 / f16 product in f32 (exact products, only the sums' rounding differs), the weight widened a block of
+// rows at a time so the f32 copy stays in cache: torch's own bf16 kernel is 5x slower where bf16 is not native
+at::Tensor widened_product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  constexpr int64_t kBlock = int64_t(1) << 22;  // weight elements widened at once (16 MiB of f32)
+  const at::Tensor wide = x.to(at::kFloat);
+  const int64_t N = weight.size(0), K = weight.size(1), step = K ? std::max<int64_t>(1, kBlock / K) : N;
+  std::vector<at::Tensor> parts;
+  for (int64_t n = 0; n < N; n += step) {
+    const int64_t m = std::min(step, N - n);
+    std::optional<at::Tensor> b;
+    if (bias.has_value() && bias->defined()) b = bias->narrow(0, n, m).to(at::kFloat);
+    parts.push_back(onednn_linear(wide, weight.narrow(0, n, m).to(at::kFloat), b));
+  }
+  return (parts.size() == 1 ? parts[0] : at::cat(parts, -1)).to(x.scalar_type());
+}
+
+// x W^T (+ b): over W's packed copy where one is held and current, else as dense() would on the plain weight
 at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  at::Tensor panels;
+  at::Tensor copy;
+  Layout layout = Layout::kPanels;
   {
     std::lock_guard<std::mutex> guard(held_lock);
     const auto found = held.find(weight.data_ptr());
     if (found != held.end() && found->second.dtype == weight.scalar_type() && weight.sizes() == found->second.sizes &&
         weight.strides() == found->second.strides) {
-      if (found->second.version == version_of(weight)) panels = found->second.panels;
+      if (found->second.version == version_of(weight)) copy = found->second.copy, layout = found->second.layout;
       else held.erase(found);  // changed in place since it was packed
     }
   }
+  if (copy.defined() && x.scalar_type() == weight.scalar_type()) {
+    if (layout == Layout::kPanels) return panel_product(x, copy, bias, weight.size(0));
+    if (layout == Layout::kOnednn) return onednn_linear(x, copy, bias);
+    return onednn_linear(x.to(at::kFloat), copy, in_f32(bias)).to(x.scalar_type());
+  }
   const int64_t K = x.size(-1), rows = K ? x.numel() / K : 0;
-  if (panels.defined()) return panel_product(x, panels, bias, weight.size(0));
+  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   if (rows >= 1 && rows <= 8 && weight.dim() == 2 && weight.is_contiguous() &&
       x.scalar_type() == weight.scalar_type() &&
       (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
       (!bias.has_value() || !bias->defined() || bias->scalar_type() == x.scalar_type())) {
-    using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
     static auto few_rows =
         c10::Dispatcher::singleton().findSchemaOrThrow("ster_kernels::few_rows", "").typed<Product>();
     return few_rows.call(x, weight, bias);
   }
+  if (half && !native_half && weight.dim() == 2 && x.scalar_type() == weight.scalar_type())
+    return widened_product(x, weight, bias);
+  if (weight.dim() == 2 && x.scalar_type() == weight.scalar_type() && x.scalar_type() == at::kFloat &&
+      weight.is_contiguous() && (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kFloat))
+    return onednn_linear(x, weight, bias);
   return at::linear(x, weight, bias);
 }
 
@@ -279,8 +345,10 @@ TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("pack_panels(Tensor weight, Tensor? out=None) -> Tensor");
   m.def("panel_product(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
   m.def("hold_panels(Tensor weight, Tensor panels) -> ()", &hold_panels);
-  m.def("drop_panels(int address) -> ()", &drop_panels);
-  m.def("panels_held() -> int", &panels_held);
+  m.def("hold_onednn(Tensor weight, Tensor reordered, bool widened) -> ()", &hold_onednn);
+  m.def("drop_held(int address) -> ()", &drop_held);
+  m.def("held_count() -> int", &held_count);
+  m.def("set_native_half(bool native) -> ()", &set_native_half);
   m.def("packed_product(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 

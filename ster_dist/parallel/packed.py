@@ -53,9 +53,7 @@ _TABLE: dict[tuple, _Entry] = {}
 _ANY = False  # whether _TABLE holds an entry: all a compiled step's guard on active() then reads
 
 
-# whether this CPU multiplies bf16 / f16 natively: oneDNN's bf16 kernels, and its reorder of a bf16 weight, need
-# AVX-512 or AVX-NE-CONVERT (on AVX2 the reorder refuses, and torch's own bf16 product is 5x slower than f32's)
-NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+NATIVE_HALF_PRODUCTS = kernels.NATIVE_HALF_PRODUCTS  # (kernels/__init__.py says why)
 
 
 def available() -> bool:
@@ -72,9 +70,9 @@ def _onednn(dtype: torch.dtype) -> bool:
 
 
 def active() -> bool:
-    """Whether any weight of this process is packed: dense() then sends products of a dtype laid out in panels
-    to ster_kernels::packed_product, and of ROWS_MIN rows or more to ster_dist::cpu_linear, each taking the
-    packed copy where it finds one (a constant to a compiled step, guarded)."""
+    """Whether any weight of this process is packed: dense() then sends products of a dtype laid out in panels,
+    and of ROWS_MIN rows or more, to ster_kernels::packed_product, which takes the packed copy where it finds one
+    (ster_dist::cpu_linear without the kernels, or where gradients flow). A constant to a compiled step, guarded."""
     return _ANY
 
 
@@ -121,11 +119,12 @@ def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
         if kernels.panels(weight.dtype):
             packed = Packed(torch.ops.ster_kernels.pack_panels(weight.detach(), into), panels=True)
             torch.ops.ster_kernels.hold_panels(weight.detach(), packed.tensor)
-        elif widened(weight.dtype):
-            packed = Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), PACKING_ROWS),
-                            panels=False, widened=True)
         else:
-            packed = Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS), panels=False)
+            wide = widened(weight.dtype)
+            source = weight.detach().float() if wide else weight.detach()
+            packed = Packed(torch.ops.mkldnn._reorder_linear_weight(source, PACKING_ROWS), panels=False, widened=wide)
+            if kernels.ready():  # where packed_product finds it (linear.py's dense())
+                torch.ops.ster_kernels.hold_onednn(weight.detach(), packed.tensor, wide)
     gone = weakref.finalize(weight, _forget, key)  # the weight freed: its address may be reused
     _TABLE[key] = _Entry(_version(weight), packed, gone)
     _recount()
@@ -172,8 +171,8 @@ def _forget(key: tuple) -> None:
 
 
 def _unhold(key: tuple, entry: _Entry) -> None:
-    if entry.packed.panels:
-        torch.ops.ster_kernels.drop_panels(key[0])
+    if kernels.ready():
+        torch.ops.ster_kernels.drop_held(key[0])
 
 
 def _recount() -> None:
