@@ -11,7 +11,7 @@
   (moe/experts.py's decodes).
 - `pack_panels(weight, out)`, `panel_bytes(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight
   laid out in panels of 32 outputs (into `out` where given), the bytes that takes, and x W^T (+ b) over it for any
-  number of rows; `hold_panels(weight, panels)`, `hold_onednn(weight, reordered, widened)`, `drop_held(address)`
+  number of rows (f32 with AVX2 or AVX-512, bf16 with AVX512_BF16); `hold_panels(weight, panels)`, `hold_onednn(weight, reordered, widened)`, `drop_held(address)`
   and `packed_product(x, weight, bias)`: the packed weights of parallel/packed.py (panels, or oneDNN's reorder
   where AVX-512 is missing), found by the weight itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
@@ -63,8 +63,8 @@ def ready() -> bool:
 
 
 def panels(dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: AVX-512, and
-    AVX512_BF16 for bf16)."""
+    """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: f32 with AVX2 or
+    AVX-512, bf16 with AVX512_BF16)."""
     # compared, not looked up in a table keyed by dtype: a graph that reuses one layer's region for the next
     # (the one-token stack, model/compiled.py) cannot rebuild a guard on such a table's entry
     bit = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 else 0

@@ -1,13 +1,14 @@
-// y = x W^T (+ b) for any number of rows of x, over a copy of W laid out in panels of 32 output columns:
-// the packed weights of a token engine (parallel/packed.py), on a CPU with AVX-512.
+// y = x W^T (+ b) for any number of rows of x, over a copy of W laid out in panels of output columns (32 with
+// AVX-512, 16 with AVX2): the packed weights of a token engine (parallel/packed.py).
 //
-// Why a layout and a kernel of our own: a panel holds, for each input column k, the 32 weights of its outputs
-// side by side ([N/32][K][32] in f32; [N/32][K/2][32][2] in bf16, k's pairs as AVX512_BF16's pairwise product
-// takes them), so the product is one stream of whole-register loads, each multiplied by every row of x at once
-// (a broadcast of x's element), with no per-output horizontal sum. On SmolLM2's 30 layers and head, 2 threads,
-// against oneDNN's own packed layout: f32 1.7-1.9x at 4-8 rows, 1.2x at 16-64, equal at 512; bf16 1.6-1.9x at
-// 4-8 rows, 1.3-1.5x at 16-32, equal at 512. At one row it streams the weight as fast as the few-row kernel
-// does the plain one (bench/README.md).
+// Why a layout and a kernel of our own: a panel holds, for each input column k, the weights of its outputs side
+// by side ([N/32][K][32] in f32; [N/32][K/2][32][2] in bf16, k's pairs as AVX512_BF16's pairwise product takes
+// them; [N/16][K][16] in f32 with AVX2), so the product is one stream of whole-register loads, each multiplied
+// by every row of x at once (a broadcast of x's element), with no per-output horizontal sum. On SmolLM2's 30
+// layers and head, 2 threads, against oneDNN's own packed layout: f32 1.7-1.9x at 4-8 rows, 1.2x at 16-64,
+// equal at 512; bf16 1.6-1.9x at 4-8 rows, 1.3-1.5x at 16-32, equal at 512. At one row it streams the weight as
+// fast as the few-row kernel does the plain one. With AVX2 (a Zen 3 CPU, f32): 1.06x the few-row kernel at one
+// row and 1.24x at 8, 1.2-1.4x oneDNN's packed product at 12-32 rows, 1.06-1.12x at 256 (bench/README.md).
 //
 // Each output is one running sum over k in order, whatever the number of rows or threads: a row's product is
 // the same bits alone or in any batch, so a request's logits do not depend on who shares its step.
@@ -24,6 +25,7 @@
 #include <optional>
 #include <vector>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "operands.h"
@@ -32,14 +34,14 @@ namespace {
 
 using ster_kernels::operands;
 
+#if defined(__AVX512F__)
+#define STER_PANELS 1
 constexpr int64_t kPanel = 32;  // output columns a panel: two registers of f32 sums
 constexpr int kRowBlock = 12;   // rows of x a pass over a panel: 24 sums, 2 weights and a broadcast in 32 registers
 
-#if defined(__AVX512F__)
-#define STER_PANELS 1
-
 struct F32Panel {
   using T = float;
+  using W = float;  // the panel's element (with AVX-512 the weight's own)
   static constexpr int64_t kStep = 1;  // input columns one panel row holds
   static __m512 broadcast(const T* x) { return _mm512_set1_ps(*x); }
   static __m512 last(const T* x) { return broadcast(x); }  // never called: a panel row is one column
@@ -52,6 +54,7 @@ struct F32Panel {
 #if defined(__AVX512BF16__)
 struct Bf16Panel {
   using T = c10::BFloat16;
+  using W = c10::BFloat16;
   static constexpr int64_t kStep = 2;
   static __m512 broadcast(const T* x) {  // x[0] and x[1], in every pair
     int32_t both;
@@ -103,46 +106,162 @@ inline void pass(const typename P::T* x, int64_t K, const typename P::T* panel, 
   }
 }
 
-template <class P>
-void product(const typename P::T* x, int64_t M, int64_t K, const typename P::T* panels, const typename P::T* bias,
+#elif defined(__AVX2__) && defined(__FMA__)
+#define STER_PANELS 1
+// AVX2: panels of 16 outputs, 6 rows a pass: 12 sums, 2 weights and a broadcast in its 16 registers, as BLAS's
+// 6x16 AVX2 kernels hold them. Against the few-row kernel's dot products (each multiply-add loading a register of
+// x beside the weight's), a pass loads 8 registers for 12 multiply-adds. bf16 weights are widened to f32 as they
+// are read (no bf16 product here), x once a call: the sums are f32 FMAs over exact products either way.
+constexpr int64_t kPanel = 16;
+constexpr int kRowBlock = 6;
+
+struct F32Panel {
+  using T = float;  // x's rows are f32 with AVX2; T is the weight's, the bias's and y's type, W the panel's
+  using W = float;
+  static constexpr int64_t kStep = 1;
+  static void weights(const W* p, __m256& w0, __m256& w1) {
+    w0 = _mm256_load_ps(p);
+    w1 = _mm256_load_ps(p + 8);
+  }
+};
+
+// a bf16 panel row holds outputs 0-3, 8-11, 4-7, 12-15 (kBf16Order): interleaved with zeros within each 128-bit
+// half, as AVX2's unpacks do, they come out as f32 outputs 0-7 and 8-15, two shuffles for 16 weights
+constexpr int64_t kBf16Order[kPanel] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+struct Bf16Panel {
+  using T = c10::BFloat16;
+  using W = c10::BFloat16;
+  static constexpr int64_t kStep = 1;
+  static void weights(const W* p, __m256& w0, __m256& w1) {  // a bf16 is the top half of an f32
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
+    w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+  }
+};
+
+// a bf16 panel widened to f32 in the thread's cache once for many rows (kWidenRows or more): the widening then
+// costs nothing per pass
+struct Bf16Widened {
+  using T = c10::BFloat16;
+  using W = float;
+  static constexpr int64_t kStep = 1;
+  static void weights(const W* p, __m256& w0, __m256& w1) { F32Panel::weights(p, w0, w1); }
+};
+constexpr int64_t kWidenRows = 2 * kRowBlock;
+
+// rows [0, R) of x (f32, row stride K) times one panel (columns [0, cols) of it real), into y (row stride N)
+template <class P, int R>
+inline void pass(const float* x, int64_t K, const typename P::W* panel, const typename P::T* bias, int64_t cols,
+                 typename P::T* y, int64_t N) {
+  // the row loops unrolled by the front end: left to later passes, GCC kept the sums in registers but stored
+  // all twelve to the stack every k as well, and the 8-row product ran 1.4x slower
+  __m256 sum[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, panel += kPanel) {
+    __m256 w0, w1;
+    P::weights(panel, w0, w1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+      sum[r][0] = _mm256_fmadd_ps(xr, w0, sum[r][0]);
+      sum[r][1] = _mm256_fmadd_ps(xr, w1, sum[r][1]);
+    }
+  }
+  alignas(32) float b[kPanel] = {};
+  if (bias)
+    for (int64_t c = 0; c < cols; ++c) b[c] = float(bias[c]);
+  const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m256 lo = _mm256_add_ps(sum[r][0], b0), hi = _mm256_add_ps(sum[r][1], b1);
+    if constexpr (std::is_same_v<typename P::T, float>) {
+      if (cols == kPanel) {
+        _mm256_storeu_ps(y + r * N, lo);
+        _mm256_storeu_ps(y + r * N + 8, hi);
+        continue;
+      }
+    }
+    // bf16 (rounded to nearest even, as torch rounds), or a weight's last panel of fewer outputs
+    alignas(32) float out[kPanel];
+    _mm256_store_ps(out, lo);
+    _mm256_store_ps(out + 8, hi);
+    for (int64_t c = 0; c < cols; ++c) y[r * N + c] = typename P::T(out[c]);
+  }
+}
+
+#else
+#define STER_PANELS 0
+#endif
+
+#if STER_PANELS
+// the rows after the last whole block: fewer than kRowBlock, in one pass
+template <class P, class X, int R = 1>
+inline void rest(int64_t left, const X* x, int64_t K, const typename P::W* panel, const typename P::T* bias,
+                 int64_t cols, typename P::T* y, int64_t N) {
+  if constexpr (R < kRowBlock) {
+    if (left == R) return pass<P, R>(x, K, panel, bias, cols, y, N);
+    rest<P, X, R + 1>(left, x, K, panel, bias, cols, y, N);
+  }
+}
+
+// x of the weight's type, or f32 where the panel widens bf16 as it reads (AVX2)
+template <class P, class X = typename P::T>
+void product(const X* x, int64_t M, int64_t K, const typename P::T* panels, const typename P::T* bias,
              typename P::T* y, int64_t N) {
   const int64_t count = (N + kPanel - 1) / kPanel, size = (K + P::kStep - 1) / P::kStep * P::kStep * kPanel;
   // panels are dealt to the threads; each reads its panel from memory once and again from its cache for every
   // further block of rows
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
+#if !defined(__AVX512F__)
+    at::Tensor wide;  // (bf16 with AVX2, many rows) this thread's panel widened to f32
+#endif
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c0 = p * kPanel, cols = std::min(kPanel, N - c0);
       const typename P::T* panel = panels + p * size;
       const typename P::T* b = bias ? bias + c0 : nullptr;
+#if !defined(__AVX512F__)
+      if constexpr (std::is_same_v<P, Bf16Panel>) {
+        if (M >= kWidenRows) {
+          if (!wide.defined()) wide = at::empty({K * kPanel}, at::kFloat);  // torch's allocator: 64-byte aligned
+          float* to = wide.data_ptr<float>();
+          for (int64_t k = 0; k < K; ++k) {
+            __m256 w0, w1;
+            P::weights(panel + k * kPanel, w0, w1);
+            _mm256_store_ps(to + k * kPanel, w0);
+            _mm256_store_ps(to + k * kPanel + 8, w1);
+          }
+          int64_t m = 0;
+          for (; m + kRowBlock <= M; m += kRowBlock)
+            pass<Bf16Widened, kRowBlock>(x + m * K, K, to, b, cols, y + m * N + c0, N);
+          rest<Bf16Widened, X>(M - m, x + m * K, K, to, b, cols, y + m * N + c0, N);
+          continue;
+        }
+      }
+#endif
       int64_t m = 0;
       for (; m + kRowBlock <= M; m += kRowBlock) pass<P, kRowBlock>(x + m * K, K, panel, b, cols, y + m * N + c0, N);
-      const typename P::T* xs = x + m * K;
-      typename P::T* ys = y + m * N + c0;
-      switch (M - m) {
-        case 0: break;
-        case 1: pass<P, 1>(xs, K, panel, b, cols, ys, N); break;
-        case 2: pass<P, 2>(xs, K, panel, b, cols, ys, N); break;
-        case 3: pass<P, 3>(xs, K, panel, b, cols, ys, N); break;
-        case 4: pass<P, 4>(xs, K, panel, b, cols, ys, N); break;
-        case 5: pass<P, 5>(xs, K, panel, b, cols, ys, N); break;
-        case 6: pass<P, 6>(xs, K, panel, b, cols, ys, N); break;
-        case 7: pass<P, 7>(xs, K, panel, b, cols, ys, N); break;
-        case 8: pass<P, 8>(xs, K, panel, b, cols, ys, N); break;
-        case 9: pass<P, 9>(xs, K, panel, b, cols, ys, N); break;
-        case 10: pass<P, 10>(xs, K, panel, b, cols, ys, N); break;
-        default: pass<P, 11>(xs, K, panel, b, cols, ys, N); break;
-      }
+      rest<P, X>(M - m, x + m * K, K, panel, b, cols, y + m * N + c0, N);
     }
   });
 }
-#else
-#define STER_PANELS 0
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if !STER_PANELS
+constexpr int64_t kPanel = 32;  // (never laid out: no AVX2 or AVX-512)
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || (!defined(__AVX512F__) && STER_PANELS)
 constexpr bool kBf16Panels = true;
 #else
-constexpr bool kBf16Panels = false;
+constexpr bool kBf16Panels = false;  // AVX-512 without AVX512_BF16: oneDNN multiplies bf16 there
+#endif
+// input columns a bf16 panel row holds: AVX512_BF16's pairs, or one (AVX2)
+#if defined(__AVX512F__)
+constexpr int64_t kBf16Step = 2;
+#else
+constexpr int64_t kBf16Step = 1;
 #endif
 
 // which dtypes this build lays out in panels: 1 f32, 2 bf16, 3 both
@@ -156,8 +275,8 @@ bool takes(at::ScalarType dtype) {
 std::vector<int64_t> panel_shape(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_panels: a 2-D CPU weight");
   TORCH_CHECK(takes(weight.scalar_type()), "pack_panels: this build lays out ",
-              panel_dtypes() ? "f32 only" : "no dtype (no AVX-512)", ", not ", weight.scalar_type());
-  const int64_t step = weight.scalar_type() == at::kFloat ? 1 : 2;
+              panel_dtypes() ? "f32 only" : "no dtype (neither AVX2 nor AVX-512)", ", not ", weight.scalar_type());
+  const int64_t step = weight.scalar_type() == at::kFloat ? 1 : kBf16Step;
   return {(weight.size(0) + kPanel - 1) / kPanel, (weight.size(1) + step - 1) / step, kPanel, step};
 }
 
@@ -173,7 +292,11 @@ at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>
   // the panels' rows are loaded as whole aligned registers: pad the columns, and pad the K dimension to pairs
   at::Tensor w = at::zeros({count * kPanel, pairs * step}, weight.options());
   w.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  const at::Tensor laid = w.view({count, kPanel, pairs, step}).permute({0, 2, 1, 3});  // [count, pairs, 32, step]
+  at::Tensor laid = w.view({count, kPanel, pairs, step}).permute({0, 2, 1, 3});  // [count, pairs, 32, step]
+#if STER_PANELS && !defined(__AVX512F__)
+  if (weight.scalar_type() == at::kBFloat16)  // in the order Bf16Panel::weights unpacks
+    laid = laid.index_select(2, at::tensor(std::vector<int64_t>(kBf16Order, kBf16Order + kPanel), at::kLong));
+#endif
   if (!out.has_value()) return laid.contiguous();
   TORCH_CHECK(out->is_contiguous() && out->nbytes() == static_cast<size_t>(panel_bytes(weight)),
               "pack_panels: out is not ", panel_bytes(weight), " contiguous bytes");
@@ -188,7 +311,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
   TORCH_CHECK(x.scalar_type() == panels.scalar_type() && takes(x.scalar_type()),
               "panel_product: x and panels of one dtype this build lays out");
   const int64_t K = x.size(-1), step = panels.size(3);
-  TORCH_CHECK(panels.size(2) == kPanel && step == (x.scalar_type() == at::kFloat ? 1 : 2) &&
+  TORCH_CHECK(panels.size(2) == kPanel && step == (x.scalar_type() == at::kFloat ? 1 : kBf16Step) &&
                   panels.size(1) == (K + step - 1) / step && N > (panels.size(0) - 1) * kPanel &&
                   N <= panels.size(0) * kPanel,
               "panel_product: panels of another shape than x's ", K, " inputs and ", N, " outputs");
@@ -203,6 +326,11 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
   else
     product<Bf16Panel>(flat.data_ptr<c10::BFloat16>(), flat.size(0), K, panels.data_ptr<c10::BFloat16>(),
                        b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N);
+#elif !defined(__AVX512F__)
+  else  // x widened once here, not once per panel it meets (exact: the same products)
+    product<Bf16Panel, float>(flat.to(at::kFloat).data_ptr<float>(), flat.size(0), K,
+                              panels.data_ptr<c10::BFloat16>(), b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr,
+                              y.data_ptr<c10::BFloat16>(), N);
 #endif
 #endif
   return y;

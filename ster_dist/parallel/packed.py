@@ -4,11 +4,13 @@ packs its linear layers' weights at load.
 Where this package's kernels were built with AVX-512 (and AVX512_BF16 for bf16), a weight is laid out in panels
 of 32 outputs (kernels/panels.cpp) and every product over it, of any number of rows, runs there: on SmolLM2's
 shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 512, as fast as the few-row
-kernel at one row (bench/README.md); and a row's product is the same bits in any batch. Elsewhere the weight is
-reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise
-makes on every call: products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at
-512), and the few-row kernel keeps 1-3 rows (1-8 without AVX-512). A bf16 weight on a CPU without native bf16
-products (AVX2), where oneDNN refuses to reorder bf16, is reordered as an f32 copy instead (widened()).
+kernel at one row (bench/README.md); and a row's product is the same bits in any batch. With AVX2 (and FMA) an
+f32 weight is laid out in panels of 16 outputs: on a Zen 3 CPU 1.06x the few-row kernel at one row, 1.24x at 8,
+1.2-1.4x oneDNN's packed product at 12-32 rows, 1.06-1.12x at 256. Elsewhere the weight is reordered once into
+oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise makes on every call:
+products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at 512), and the few-row
+kernel keeps fewer. A bf16 weight on a CPU without native bf16 products (AVX2), where oneDNN refuses to reorder
+bf16, is reordered as an f32 copy instead (widened()).
 
 The packed copy sits beside the parameter, which everything else keeps reading (capture, adapters, merges,
 saving): the price is a second copy of each packed weight, which the engine pays only where it fits
@@ -57,7 +59,7 @@ NATIVE_HALF_PRODUCTS = kernels.NATIVE_HALF_PRODUCTS  # (kernels/__init__.py says
 
 
 def available() -> bool:
-    """Whether weights can be packed here: in panels (this package's kernels, AVX-512), or for oneDNN (a torch
+    """Whether weights can be packed here: in panels (this package's kernels, AVX2 or AVX-512), or for oneDNN (a torch
     built with it, the reorder operator present)."""
     return kernels.panels(torch.float32) or _onednn(torch.float32)
 
