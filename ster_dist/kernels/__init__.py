@@ -10,10 +10,11 @@
 - `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): one to eight rows through their SwiGLU experts
   (moe/experts.py's decodes).
 - `pack_panels(weight, out)`, `panel_bytes(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight
-  laid out in panels of 32 outputs (into `out` where given), the bytes that takes, and x W^T (+ b) over it for any
-  number of rows (f32 with AVX2 or AVX-512, bf16 with AVX512_BF16); `hold_panels(weight, panels)`, `hold_onednn(weight, reordered, widened)`, `drop_held(address)`
-  and `packed_product(x, weight, bias)`: the packed weights of parallel/packed.py (panels, or oneDNN's reorder
-  where AVX-512 is missing), found by the weight itself.
+  laid out in panels of 32 outputs (16 with AVX2; into `out` where given), the bytes that takes, and x W^T (+ b)
+  over it for any number of rows (f32; bf16 with AVX512_BF16 or with AVX2 alone); `hold_panels(weight, panels)`,
+  `hold_onednn(weight, reordered, widened)`, `drop_held(address)` and `packed_product(x, weight, bias)`: the
+  packed weights of parallel/packed.py (panels, or oneDNN's reorder where there are none), found by the weight
+  itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer (model/compiled.py).
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it (`argmax`
@@ -45,9 +46,6 @@ from ster_dist.events import progress
 # (at 8: 1.1-1.8x in f32, 1.1-1.7x in bf16); from about 10 rows, compute rather than reading the weight
 # bounds a product and the library's blocked kernels are ahead
 FEW_ROWS_MAX = 8
-# whether this CPU multiplies bf16 / f16 natively: oneDNN's bf16 kernels, and its reorder of a bf16 weight, need
-# AVX-512 or AVX-NE-CONVERT (on AVX2 the reorder refuses, and torch's own bf16 product is 5x slower than f32's)
-NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp", "panels.cpp", "argmax.cpp")
 
 _tried = False
@@ -64,7 +62,7 @@ def ready() -> bool:
 
 def panels(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: f32 with AVX2 or
-    AVX-512, bf16 with AVX512_BF16)."""
+    AVX-512; bf16 with AVX512_BF16, or with AVX2 on a CPU without AVX-512)."""
     # compared, not looked up in a table keyed by dtype: a graph that reuses one layer's region for the next
     # (the one-token stack, model/compiled.py) cannot rebuild a guard on such a table's entry
     bit = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 else 0
@@ -96,7 +94,6 @@ def _load() -> bool:
              is_python_module=False, verbose=False)
         _ready = torch.ops.ster_kernels.isa() > 0
         _panels = torch.ops.ster_kernels.panel_dtypes()
-        torch.ops.ster_kernels.set_native_half(NATIVE_HALF_PRODUCTS)  # packed_product's widening of half products
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         said = next((line for line in lines if "error" in line.lower() and line != lines[0]), lines[0])

@@ -271,7 +271,7 @@ bool takes(at::ScalarType dtype) {
   return (dtype == at::kFloat && (panel_dtypes() & 1)) || (dtype == at::kBFloat16 && (panel_dtypes() & 2));
 }
 
-// the panels' shape for weight [N, K]: [ceil(N / 32), ceil(K / s), 32, s] (s = 1 for f32, 2 for bf16)
+// the panels' shape for weight [N, K]: [ceil(N / P), ceil(K / s), P, s] (P = kPanel; s = 1, or 2 for bf16 pairs)
 std::vector<int64_t> panel_shape(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_panels: a 2-D CPU weight");
   TORCH_CHECK(takes(weight.scalar_type()), "pack_panels: this build lays out ",
@@ -356,7 +356,6 @@ struct Held {
 };
 std::mutex held_lock;
 std::unordered_map<const void*, Held> held;
-bool native_half = false;  // whether this CPU multiplies bf16 / f16 natively (set by kernels/__init__.py at load)
 
 int64_t version_of(const at::Tensor& t) {
   const auto& counter = t.unsafeGetTensorImpl()->version_counter();
@@ -393,8 +392,6 @@ int64_t held_count() {
   return static_cast<int64_t>(held.size());
 }
 
-void set_native_half(bool native) { native_half = native; }
-
 using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
 using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                              c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
@@ -411,22 +408,6 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
 std::optional<at::Tensor> in_f32(const std::optional<at::Tensor>& bias) {
   if (!bias.has_value() || !bias->defined()) return std::nullopt;
   return bias->to(at::kFloat);
-}
-
-// a bf16 / f16 product in f32 (exact products, only the sums' rounding differs), the weight widened a block of
-// rows at a time so the f32 copy stays in cache: torch's own bf16 kernel is 5x slower where bf16 is not native
-at::Tensor widened_product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  constexpr int64_t kBlock = int64_t(1) << 22;  // weight elements widened at once (16 MiB of f32)
-  const at::Tensor wide = x.to(at::kFloat);
-  const int64_t N = weight.size(0), K = weight.size(1), step = K ? std::max<int64_t>(1, kBlock / K) : N;
-  std::vector<at::Tensor> parts;
-  for (int64_t n = 0; n < N; n += step) {
-    const int64_t m = std::min(step, N - n);
-    std::optional<at::Tensor> b;
-    if (bias.has_value() && bias->defined()) b = bias->narrow(0, n, m).to(at::kFloat);
-    parts.push_back(onednn_linear(wide, weight.narrow(0, n, m).to(at::kFloat), b));
-  }
-  return (parts.size() == 1 ? parts[0] : at::cat(parts, -1)).to(x.scalar_type());
 }
 
 // x W^T (+ b): over W's packed copy where one is held and current, else as dense() would on the plain weight
@@ -448,7 +429,6 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const s
     return onednn_linear(x.to(at::kFloat), copy, in_f32(bias)).to(x.scalar_type());
   }
   const int64_t K = x.size(-1), rows = K ? x.numel() / K : 0;
-  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
   if (rows >= 1 && rows <= 8 && weight.dim() == 2 && weight.is_contiguous() &&
       x.scalar_type() == weight.scalar_type() &&
       (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -457,12 +437,12 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const s
         c10::Dispatcher::singleton().findSchemaOrThrow("ster_kernels::few_rows", "").typed<Product>();
     return few_rows.call(x, weight, bias);
   }
-  if (half && !native_half && weight.dim() == 2 && x.scalar_type() == weight.scalar_type())
-    return widened_product(x, weight, bias);
-  if (weight.dim() == 2 && x.scalar_type() == weight.scalar_type() && x.scalar_type() == at::kFloat &&
-      weight.is_contiguous() && (!bias.has_value() || !bias->defined() || bias->scalar_type() == at::kFloat))
-    return onednn_linear(x, weight, bias);
-  return at::linear(x, weight, bias);
+  // more rows over a weight not held (never packed, or changed since): dense()'s own fallbacks, in
+  // parallel/linear.py's cpu_linear (a half weight widened block by block where half products are not native,
+  // oneDNN on the plain weight), the operator that module defines before it calls this one (looked up each time:
+  // a caller of its own, bench/products.py, may come first)
+  const auto schema = c10::Dispatcher::singleton().findSchema({"ster_dist::cpu_linear", ""});
+  return schema.has_value() ? schema->typed<Product>().call(x, weight, bias) : at::linear(x, weight, bias);
 }
 
 }  // namespace
@@ -476,7 +456,6 @@ TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("hold_onednn(Tensor weight, Tensor reordered, bool widened) -> ()", &hold_onednn);
   m.def("drop_held(int address) -> ()", &drop_held);
   m.def("held_count() -> int", &held_count);
-  m.def("set_native_half(bool native) -> ()", &set_native_half);
   m.def("packed_product(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 

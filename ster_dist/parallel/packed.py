@@ -5,12 +5,13 @@ Where this package's kernels were built with AVX-512 (and AVX512_BF16 for bf16),
 of 32 outputs (kernels/panels.cpp) and every product over it, of any number of rows, runs there: on SmolLM2's
 shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 512, as fast as the few-row
 kernel at one row (bench/README.md); and a row's product is the same bits in any batch. With AVX2 (and FMA) an
-f32 weight is laid out in panels of 16 outputs: on a Zen 3 CPU 1.06x the few-row kernel at one row, 1.24x at 8,
-1.2-1.4x oneDNN's packed product at 12-32 rows, 1.06-1.12x at 256. Elsewhere the weight is reordered once into
+f32 or bf16 weight is laid out in panels of 16 outputs: on a Zen 3 CPU, f32, 1.06x the few-row kernel at one row,
+1.24x at 8, 1.2-1.4x oneDNN's packed product at 12-32 rows, 1.06-1.12x at 256; bf16 1.6x the few-row kernel at 8
+rows. Elsewhere (bf16 on AVX-512 without AVX512_BF16, or no kernels built) the weight is reordered once into
 oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise makes on every call:
 products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at 512), and the few-row
-kernel keeps fewer. A bf16 weight on a CPU without native bf16 products (AVX2), where oneDNN refuses to reorder
-bf16, is reordered as an f32 copy instead (widened()).
+kernel keeps fewer. A bf16 weight on a CPU without native bf16 products and without panels, where oneDNN refuses
+to reorder bf16, is reordered as an f32 copy instead (widened()).
 
 The packed copy sits beside the parameter, which everything else keeps reading (capture, adapters, merges,
 saving): the price is a second copy of each packed weight, which the engine pays only where it fits
@@ -55,7 +56,9 @@ _TABLE: dict[tuple, _Entry] = {}
 _ANY = False  # whether _TABLE holds an entry: all a compiled step's guard on active() then reads
 
 
-NATIVE_HALF_PRODUCTS = kernels.NATIVE_HALF_PRODUCTS  # (kernels/__init__.py says why)
+# whether this CPU multiplies bf16 / f16 natively: oneDNN's bf16 kernels, and its reorder of a bf16 weight, need
+# AVX-512 or AVX-NE-CONVERT (on AVX2 the reorder refuses, and torch's own bf16 product is 5x slower than f32's)
+NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
 def available() -> bool:
