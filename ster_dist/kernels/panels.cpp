@@ -343,8 +343,8 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
 // 12- or 32-row step's products on an AVX2 CPU (bench/products.py); here the copies are held by the weight's
 // address, shape, strides and dtype (parallel/packed.py holds and drops them, with the weight's life) and
 // checked against the version the weight had when packed: a weight changed in place since is read plain, and
-// its entry dropped. A copy is this file's panels, or oneDNN's reorder of the weight (where AVX-512 is missing),
-// or oneDNN's reorder of an f32 copy of a bf16 weight (where bf16 products are not native: `widened`).
+// its entry dropped. A copy is this file's panels, or oneDNN's reorder of the weight (where its dtype has no
+// panels), or oneDNN's reorder of an f32 copy of a bf16 weight (bf16 products not native: `widened`).
 enum class Layout { kPanels, kOnednn, kOnednnWidened };
 
 struct Held {
@@ -396,13 +396,12 @@ using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const std::opti
 using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                              c10::string_view, c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
 
-// oneDNN's matmul (mkldnn::_linear_pointwise, the operator torch's own packed linear runs), over a reordered copy
-// or a plain weight; at::linear where torch was built without it
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  static const auto schema = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  if (!schema.has_value()) return at::linear(x, weight, bias);
-  static const auto op = schema->typed<Pointwise>();
-  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+// oneDNN's matmul (mkldnn::_linear_pointwise, the operator torch's own packed linear runs) over a reordered copy,
+// which only a torch with oneDNN makes
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& reordered, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<Pointwise>();
+  return op.call(x, reordered, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
 std::optional<at::Tensor> in_f32(const std::optional<at::Tensor>& bias) {
