@@ -12,14 +12,17 @@ cancels out; best of --repeats after a warm-up, engines alternating. EP=1 runs i
 with --threads threads; EP=2 runs two spawned ranks (gloo) with threads / 2 each, so both use
 the same cores. Transformers runs model.generate in this process with --threads threads.
 
+`ster_ep1_compiled` is ster_ep1 loaded again with its steps compiled (model/compiled.py: the router, the
+dispatch and the experts' kernel inside each layer's graph); "compiled over eager" is also timed in pairs.
+
 The experts' A/B, in this process: `ster_ep1_loop` is ster_ep1 with Experts.forward swapped for
 the per-expert Python loop it ran before the grouped computation (loop_forward below, kept as the
 reference), timed alternately with the engines, so "grouped over loop" is a same-process decode
 ratio. Then the experts alone, per step over --layers stacks of cold weights at decode rows (1, 2,
 4, 8 tokens x top-k) and prefill rows (256 tokens x top-k): the loop, the grouped computation, and
 the other candidate for few rows, gathering the selected experts' weights into one bmm (`gathered`,
-decode rows only: it copies a matrix per row), and which of them the size rule in
-ster_dist/moe/experts.py picks there (ster_ep1 runs the rule).
+decode rows only: it copies a matrix per row), the experts kernel (`kernel`, kernels/experts.cpp, decode rows
+only, where it takes the experts), and which of them Experts.forward picks there (ster_ep1 runs it).
 
 Bytes per token per MoE layer (measured at EP=2 from the ranks' dispatch counts, and projected
 to larger EP from the EP=1 routing decisions of the same decode):
@@ -176,20 +179,22 @@ def loop_forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor
     return out
 
 
-def _with_threshold(gather_bytes: int):
+def _held(gather_bytes: int, few_rows: int):
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        threshold, self.gather_bytes = self.gather_bytes, gather_bytes
+        saved = self.gather_bytes, self.few_rows
+        self.gather_bytes, self.few_rows = gather_bytes, few_rows
         try:
             return Experts.forward(self, x, local_ids)
         finally:
-            self.gather_bytes = threshold
+            self.gather_bytes, self.few_rows = saved
     return forward
 
 
-# Experts.forward held to one branch of its size rule: grouped_mm at every row count, or each row's
-# expert weights gathered (copied) into one bmm per projection at every row count
-grouped_forward = _with_threshold(0)
-gathered_forward = _with_threshold(1 << 62)
+# Experts.forward held to one branch: grouped_mm at every row count, each row's expert weights gathered (copied)
+# into one bmm per projection at every row count, or the experts kernel (kernels/experts.cpp) at every row count
+grouped_forward = _held(0, 0)
+gathered_forward = _held(1 << 62, 0)
+kernel_forward = _held(0, 1 << 30)
 
 
 class loop_experts:
@@ -219,12 +224,14 @@ def experts_ab(args, repeats: int) -> list[dict]:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         layers.append(experts.to(dtype))
     variants = {"loop": loop_forward, "grouped": grouped_forward, "gathered": gathered_forward}
+    if layers[0].kernel_takes():
+        variants["kernel"] = kernel_forward
     table = []
     for tokens in (1, 2, 4, 8, 256):
         rows = tokens * args.top_k
         x = torch.randn(rows, args.hidden, generator=gen).to(dtype)
         ids = torch.randint(0, args.experts, (rows,), generator=gen)
-        chosen = {k: f for k, f in variants.items() if k != "gathered" or tokens <= 8}
+        chosen = {k: f for k, f in variants.items() if k not in ("gathered", "kernel") or tokens <= 8}
         times: dict[str, list[float]] = {name: [] for name in chosen}
         with torch.inference_mode():
             reference = loop_forward(layers[0], x, ids)
@@ -237,38 +244,45 @@ def experts_ab(args, repeats: int) -> list[dict]:
                         forward(layer, x, ids)
                     times[name].append(time.perf_counter() - start)
         over = {name: statistics.median(a / g for a, g in zip(t, times["grouped"])) for name, t in times.items()}
-        table.append({"tokens": tokens, "rows": rows, "rule": layers[0].branch(x), "ms": {k: min(t) * 1e3 for k, t in times.items()},
-                      "loop_over_grouped": over["loop"], "gathered_over_grouped": over.get("gathered")})
+        rule = "kernel" if layers[0].fused(x) else layers[0].branch(x)
+        table.append({"tokens": tokens, "rows": rows, "rule": rule, "ms": {k: min(t) * 1e3 for k, t in times.items()},
+                      "loop_over_grouped": over["loop"], "gathered_over_grouped": over.get("gathered"),
+                      "kernel_over_grouped": over.get("kernel")})
     return table
 
 
 def print_experts_ab(table: list[dict], layers: int) -> None:
     print(f"experts alone, ms per step ({layers} layers, best of repeats; ratios: median of paired repeats):")
-    print(f"  {'tokens':>6} {'rows':>5} {'loop':>9} {'grouped':>9} {'gathered':>9} {'loop/grouped':>13} "
-          f"{'gathered/grouped':>17}  size rule picks")
+    print(f"  {'tokens':>6} {'rows':>5} {'loop':>9} {'grouped':>9} {'gathered':>9} {'kernel':>9} {'loop/grouped':>13} "
+          f"{'gathered/grouped':>17} {'kernel/grouped':>15}  Experts.forward picks")
     for r in table:
-        ms, g = r["ms"], r["gathered_over_grouped"]
+        ms, g, k = r["ms"], r["gathered_over_grouped"], r.get("kernel_over_grouped")
         print(f"  {r['tokens']:>6} {r['rows']:>5} {ms['loop']:>9.2f} {ms['grouped']:>9.2f} "
-              f"{ms.get('gathered', float('nan')):>9.2f} {r['loop_over_grouped']:>13.2f} "
-              f"{'-' if g is None else f'{g:.2f}':>17}  {r['rule']}")
+              f"{ms.get('gathered', float('nan')):>9.2f} {ms.get('kernel', float('nan')):>9.2f} "
+              f"{r['loop_over_grouped']:>13.2f} {'-' if g is None else f'{g:.2f}':>17} "
+              f"{'-' if k is None else f'{k:.2f}':>15}  {r['rule']}")
 
 
-def report_ab(args, results: dict, paired: float, table: list[dict], load_before: float) -> int:
-    """--ab-only's report: the decode rates and ratios, the experts-alone table; fails if the two
-    greedy decodes differ."""
-    loop, grouped = results["ster_ep1_loop"], results["ster_ep1"]
+def report_ab(args, results: dict, paired: float, compiled_paired: float, table: list[dict], load_before: float) -> int:
+    """--ab-only's report: the decode rates and ratios, the experts-alone table; fails if the greedy decodes
+    differ."""
+    loop, grouped, compiled = results["ster_ep1_loop"], results["ster_ep1"], results["ster_ep1_compiled"]
     print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads), best of repeats")
-    print(f"  ster_ep1_loop {loop[0]:9.1f}\n  ster_ep1      {grouped[0]:9.1f}   x{grouped[0] / loop[0]:.2f} grouped over loop")
+    print(f"  ster_ep1_loop     {loop[0]:9.1f}\n  ster_ep1          {grouped[0]:9.1f}   x{grouped[0] / loop[0]:.2f} grouped over loop")
+    print(f"  ster_ep1_compiled {compiled[0]:9.1f}   x{compiled[0] / grouped[0]:.2f} compiled over eager")
     print(f"  grouped over loop, median of {args.repeats} paired repeats: x{paired:.2f}")
+    print(f"  compiled over eager, median of {args.repeats} paired repeats: x{compiled_paired:.2f}")
     print_experts_ab(table, args.layers)
-    print(f"greedy tokens equal, grouped and loop: {loop[1] == grouped[1]}")
+    equal = loop[1] == grouped[1] == compiled[1]
+    print(f"greedy tokens equal, grouped, loop and compiled: {equal}")
     print(f"1-minute load average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     print(json.dumps({"shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers",
                                                                "dtype", "batch", "new_tokens", "threads")},
-                      "decode_tok_s": {"ster_ep1_loop": loop[0], "ster_ep1": grouped[0]},
+                      "decode_tok_s": {"ster_ep1_loop": loop[0], "ster_ep1": grouped[0], "ster_ep1_compiled": compiled[0]},
                       "grouped_over_loop_decode": grouped[0] / loop[0], "grouped_over_loop_decode_paired": paired,
-                      "experts_ab": table, "greedy_tokens_equal": loop[1] == grouped[1]}))
-    return 0 if loop[1] == grouped[1] or args.dtype != "f32" else 1
+                      "compiled_over_eager_decode_paired": compiled_paired,
+                      "experts_ab": table, "greedy_tokens_equal": equal}))
+    return 0 if equal or args.dtype != "f32" else 1
 
 
 def main(argv=None) -> int:
@@ -312,11 +326,20 @@ def main(argv=None) -> int:
         with loop_experts():
             return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
 
+    # the same checkpoint again, its steps compiled (model/compiled.py): the experts inside each layer's graph
+    compiled = load_model(checkpoint, args.dtype)
+    if (reason := compiled.model.compile_layers()) is not None:
+        raise SystemExit(f"ster_ep1_compiled: the model stays eager ({reason})")
+
+    def run_ep1_compiled(n):
+        return generate(compiled.model, prompts, Sampling(max_new_tokens=n), ())
+
     if args.ab_only:
-        results = decode_rates({"ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1}, args.batch, args.new_tokens,
-                               args.repeats)
+        results = decode_rates({"ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1,
+                                "ster_ep1_compiled": run_ep1_compiled}, args.batch, args.new_tokens, args.repeats)
         paired = paired_decode_ratio(run_ep1_loop, run_ep1, args.new_tokens, args.repeats)
-        return report_ab(args, results, paired, experts_ab(args, args.repeats), load_before)
+        compiled_paired = paired_decode_ratio(run_ep1, run_ep1_compiled, args.new_tokens, args.repeats)
+        return report_ab(args, results, paired, compiled_paired, experts_ab(args, args.repeats), load_before)
 
     import transformers
 
@@ -338,7 +361,8 @@ def main(argv=None) -> int:
             return group.call("generate", prompts, Sampling(max_new_tokens=n), (), 0)[0]
 
         results = decode_rates({"transformers": run_hf, "ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1,
-                                "ster_ep2": run_ep2}, args.batch, args.new_tokens, args.repeats)
+                                "ster_ep1_compiled": run_ep1_compiled, "ster_ep2": run_ep2}, args.batch,
+                               args.new_tokens, args.repeats)
         # traffic of one decode run at EP=2, counted by the ranks
         group.on(DispatchProbe).reset()
         run_ep2(args.new_tokens)
@@ -365,14 +389,17 @@ def main(argv=None) -> int:
                           "share_gather": (ep - 1) * row, "all_gather_alternative": 2 * (ep - 1) * row})
 
     ab = experts_ab(args, args.repeats)
-    tokens_equal = results["ster_ep1"][1] == results["ster_ep2"][1] == results["transformers"][1]
+    compiled_paired = paired_decode_ratio(run_ep1, run_ep1_compiled, args.new_tokens, args.repeats)
+    tokens_equal = (results["ster_ep1"][1] == results["ster_ep2"][1] == results["transformers"][1]
+                    == results["ster_ep1_compiled"][1])
     report = {
         "shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers", "vocab",
                                                 "dtype", "batch", "prompt_len", "new_tokens", "threads")},
         "decode_tok_s": {name: rate for name, (rate, _) in results.items()},
         "ratio_over_transformers": {name: results[name][0] / results["transformers"][0]
-                                    for name in ("ster_ep1_loop", "ster_ep1", "ster_ep2")},
+                                    for name in ("ster_ep1_loop", "ster_ep1", "ster_ep1_compiled", "ster_ep2")},
         "grouped_over_loop_decode": results["ster_ep1"][0] / results["ster_ep1_loop"][0],
+        "compiled_over_eager_decode_paired": compiled_paired,
         "experts_ab": ab,
         "greedy_tokens_equal": tokens_equal,
         "bytes_per_token_per_moe_layer": {"measured": measured, "projected": projected},
@@ -383,8 +410,9 @@ def main(argv=None) -> int:
         print(f"  {name:13s} {rate:9.1f}   x{rate / results['transformers'][0]:.2f} of Transformers")
     print(f"grouped experts over the per-expert loop, ster_ep1 decode: "
           f"x{results['ster_ep1'][0] / results['ster_ep1_loop'][0]:.2f}")
+    print(f"compiled steps over eager, ster_ep1 decode, paired runs: x{compiled_paired:.2f}")
     print_experts_ab(ab, args.layers)
-    print(f"greedy tokens equal across the three: {tokens_equal}")
+    print(f"greedy tokens equal across the four: {tokens_equal}")
     print("bytes per token per MoE layer (hidden x dtype = %d B):" % row)
     print(f"  {'ep':>3} {'pairs away':>10} {'all-to-all':>11} {'share gather':>13} {'all-gather alt.':>16}")
     m = measured

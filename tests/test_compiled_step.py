@@ -1,7 +1,8 @@
 """Compiled layers (model/compiled.py) against the eager ones they replace: the same logits within f32
 rounding, the same greedy tokens, one graph shared by every layer, attention and the cache left to the
 live step (static and paged), hooks and routed adapters running eagerly, a model that cannot compile
-staying eager, and TP=2 through the collectives inside the graph.
+staying eager, mixture-of-experts models with their experts inside the graph, and TP=2 through the collectives
+inside the graph.
 
 Compiling costs seconds on these 2 cores, so each model here is compiled once per module; the rest of
 the suite runs eager (tests/conftest.py sets STER_ENFORCE_EAGER) and these tests lift that setting."""
@@ -25,6 +26,7 @@ from ster_dist.parallel import packed
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
 from ster_dist.workers.spawn import SpawnGroup
+from tests.native_kernels import built
 from tests.test_engine import group_cfg, open_engine, prompts
 
 NEW = 6
@@ -251,9 +253,11 @@ def test_enforce_eager_is_an_engine_option_of_generate_chat_and_serve():
 
 
 @pytest.mark.slow  # two ranks compiling at once: about a minute here; the one-rank tests above compile the same layers
-def test_tp2_compiled_layers_give_the_eager_logits(toy, compiling):
-    """The row-parallel all-reduce runs inside each rank's graph (a functional collective over gloo)."""
-    checkpoint = resolve(str(toy))
+@pytest.mark.parametrize("which", ["toy", "moe"])
+def test_tp2_compiled_layers_give_the_eager_logits(which, request, compiling):
+    """The row-parallel all-reduce runs inside each rank's graph (a functional collective over gloo); a MoE layer's
+    too, once for its experts' and shared expert's partial sums."""
+    checkpoint = resolve(str(request.getfixturevalue(which)))
     prompt = torch.tensor([[5, 9, 30, 7, 2, 11]])
     with SpawnGroup(2) as group:
         group.call("load", checkpoint, "f32", "cpu")
@@ -265,14 +269,66 @@ def test_tp2_compiled_layers_give_the_eager_logits(toy, compiling):
     assert torch.equal(got[0], again[0])  # the second call ran the graphs the first one compiled
 
 
-def test_a_mixture_of_experts_model_stays_eager(tmp_path):
-    """Routed experts run eagerly (their routing changes every step), so compiling would split every MoE layer's
-    graph around them, which measured slower than eager (model/compiled.py): such a model says why it stays
-    eager and its steps are the eager ones."""
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen2-MoE: routed experts (top-2) beside a shared expert behind its sigmoid gate."""
     from tests.tiny_models import make_tiny
 
-    make_tiny("qwen3_moe", tmp_path)
-    model = load_model(resolve(str(tmp_path))).model
+    directory = tmp_path_factory.mktemp("compiled") / "qwen2_moe"
+    make_tiny("qwen2_moe", directory)
+    return directory
+
+
+def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(moe, compiling, capfd):
+    """A decode step's routed experts trace as one operator (kernels/experts.cpp) whose output's shape does not
+    depend on the routing: the one-token stack and steps of a few rows give the eager logits and tokens, and no
+    graph splits around the experts (the prefills too: 3 x 7 tokens x top-2 is within the kernel's 64 rows)."""
+    from torch._dynamo.utils import counters
+
+    built("experts_few_rows", "the experts run eagerly and such models stay eager")
+    eager = load_model(resolve(str(moe))).model
+    compiled = load_model(resolve(str(moe))).model
+    assert compiled.compile_layers() is None
+    breaks = sum(counters["graph_break"].values())
+    for batch in (1, 3):
+        prompt = torch.randint(3, 300, (batch, 7), generator=torch.Generator().manual_seed(batch))
+        want, want_tokens = decode(eager, prompt, NEW)
+        got, got_tokens = decode(compiled, prompt, NEW)
+        close(got, want)
+        assert got_tokens == want_tokens
+    assert sum(counters["graph_break"].values()) == breaks
+    said = capfd.readouterr().err
+    assert "one-token stack graph" in said and "stack failed" not in said
+    assert compiled.compiled.stacked
+
+
+def test_the_paged_engine_compiles_a_mixture_of_experts_model_and_answers_as_the_eager_one(moe, compiling, capfd):
+    built("experts_few_rows", "the experts run eagerly and such models stay eager")
+    batch = prompts(4, seed=5, lo=2, hi=10)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with open_engine(moe) as engine:
+        want = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
+    with open_engine(moe, compile_after=1) as engine:
+        got = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
+    assert got == want
+    said = capfd.readouterr().err
+    assert "compiling the layers after" in said and "stay eager" not in said
+
+
+def test_experts_the_kernel_does_not_take_or_split_over_ranks_keep_a_model_eager(moe, tmp_path, compiling):
+    """Experts the kernel does not take (GPT-OSS's biased, clamped SwiGLU) would split every MoE layer's graph
+    around their eager branches, which measured slower than eager; expert-parallel ranks read their dispatch's
+    split sizes on the host. Both say why and stay eager."""
+    from tests.tiny_models import make_tiny
+
+    from ster_dist.parallel.ctx import ParallelCtx
+
+    make_tiny("gpt_oss", tmp_path / "gpt_oss")
+    model = load_model(resolve(str(tmp_path / "gpt_oss"))).model
     reason = model.compile_layers()
-    assert reason is not None and "experts" in reason
+    assert reason is not None and "experts the experts kernel does not take" in reason
     assert model.compiled is None
+    ranked = load_model(resolve(str(moe)), ctx=ParallelCtx(ep_rank=0, ep_size=2)).model
+    reason = ranked.compile_layers()
+    assert reason is not None and "expert-parallel ranks" in reason
+    assert ranked.compiled is None

@@ -7,8 +7,8 @@
 - `causal_attend(q, keys, values, table, starts, window, scale)` (causal_attend.cpp): a prompt's queries
   attending the keys before them (within a window) where a cache holds them (model/paged_step.py's and
   model/step.py's prefills).
-- `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): one to eight rows through their SwiGLU experts
-  (moe/experts.py's decodes).
+- `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): a decode step's few rows through their SwiGLU
+  experts, eight of an expert's rows at a time (moe/experts.py's decodes, eager or inside a compiled step).
 - `pack_panels(weight, out)`, `panel_bytes(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight
   laid out in panels of 32 outputs (16 with AVX2; into `out` where given), the bytes that takes, and x W^T (+ b)
   over it for any number of rows (f32; bf16 with AVX512_BF16 or with AVX2 alone); `hold_panels(weight, panels)`,
@@ -108,6 +108,7 @@ def _load() -> bool:
     torch.library.register_fake("ster_kernels::paged_decode")(_attention_shape)
     torch.library.register_fake("ster_kernels::attend_planned")(_planned_shape)
     torch.library.register_fake("ster_kernels::causal_attend")(_causal_shape)
+    torch.library.register_fake("ster_kernels::experts_few_rows")(_experts_shape)
     if (spent := time.perf_counter() - started) > 2:
         progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
     return True
@@ -115,6 +116,11 @@ def _load() -> bool:
 
 def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _experts_shape(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], down.shape[1]))
 
 
 def _attention_shape(q, keys, values, table, starts, ends, scale: float) -> torch.Tensor:

@@ -1,5 +1,6 @@
-// A decode step's routed experts for one to eight rows: each busy expert's silu(x G^T) * (x U^T) then D, its
-// rows together, every matrix read once (moe/experts.py sends plain SwiGLU experts of f32 or bf16 here).
+// A decode step's routed experts for a few rows: each busy expert's silu(x G^T) * (x U^T) then D, its rows
+// together, eight at a time, so each matrix is read once for every eight of its rows (moe/experts.py sends plain
+// SwiGLU experts of f32 or bf16 here, up to 64 rows: past that the grouped product reads each expert once).
 //
 // Why: at decode a MoE layer ran, in Python, a sort of its rows by expert, a loop over every local expert and
 // three products, an activation and a scatter for each busy one, about 0.4 ms a layer on bench/moe.py's model
@@ -9,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -24,8 +26,9 @@ template <class V>
 void run(const at::Tensor& x, const int64_t* ids, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
          at::Tensor& out) {
   using T = typename V::T;
+  constexpr int64_t kChunk = 8;  // the most rows by_count takes
   const int64_t m = x.size(0), hidden = x.size(1), inner = gate.size(1);
-  std::vector<T> rows(m * hidden), g(m * inner), u(m * inner), y(m * hidden);
+  std::vector<T> rows(kChunk * hidden), g(kChunk * inner), u(kChunk * inner), y(kChunk * hidden);
   std::vector<int64_t> members;
   std::vector<bool> done(m, false);
   const T* xs = x.data_ptr<T>();
@@ -39,27 +42,30 @@ void run(const at::Tensor& x, const int64_t* ids, const at::Tensor& gate, const 
         members.push_back(r);
         done[r] = true;
       }
-    const int64_t c = members.size();
-    for (int64_t j = 0; j < c; ++j) std::copy_n(xs + members[j] * hidden, hidden, rows.data() + j * hidden);
-    by_count<V>(c, rows.data(), gate.data_ptr<T>() + e * inner * hidden, nullptr, g.data(), inner, hidden);
-    by_count<V>(c, rows.data(), up.data_ptr<T>() + e * inner * hidden, nullptr, u.data(), inner, hidden);
-    for (int64_t i = 0; i < c * inner; ++i) {
-      const float a = static_cast<float>(g[i]);
-      const T act = T(a / (1.f + std::exp(-a)));
-      g[i] = T(static_cast<float>(act) * static_cast<float>(u[i]));
+    for (size_t at = 0; at < members.size(); at += kChunk) {
+      const int64_t c = std::min<int64_t>(kChunk, members.size() - at);
+      const int64_t* chunk = members.data() + at;
+      for (int64_t j = 0; j < c; ++j) std::copy_n(xs + chunk[j] * hidden, hidden, rows.data() + j * hidden);
+      by_count<V>(c, rows.data(), gate.data_ptr<T>() + e * inner * hidden, nullptr, g.data(), inner, hidden);
+      by_count<V>(c, rows.data(), up.data_ptr<T>() + e * inner * hidden, nullptr, u.data(), inner, hidden);
+      for (int64_t i = 0; i < c * inner; ++i) {
+        const float a = static_cast<float>(g[i]);
+        const T act = T(a / (1.f + std::exp(-a)));
+        g[i] = T(static_cast<float>(act) * static_cast<float>(u[i]));
+      }
+      by_count<V>(c, g.data(), down.data_ptr<T>() + e * hidden * inner, nullptr, y.data(), hidden, inner);
+      for (int64_t j = 0; j < c; ++j) std::copy_n(y.data() + j * hidden, hidden, os + chunk[j] * hidden);
     }
-    by_count<V>(c, g.data(), down.data_ptr<T>() + e * hidden * inner, nullptr, y.data(), hidden, inner);
-    for (int64_t j = 0; j < c; ++j) std::copy_n(y.data() + j * hidden, hidden, os + members[j] * hidden);
   }
 }
 #endif
 
-// x [m, hidden] (1 to 8 rows), ids [m] each row's expert; gate and up [experts, inner, hidden], down [experts, hidden,
+// x [m, hidden] (m >= 1 rows), ids [m] each row's expert; gate and up [experts, inner, hidden], down [experts, hidden,
 // inner], all contiguous and of x's dtype (f32 or bf16). Returns [m, hidden]: row r through expert ids[r].
 at::Tensor experts_few_rows(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& gate, const at::Tensor& up,
                             const at::Tensor& down) {
   TORCH_CHECK(STER_KERNELS_ISA, "experts_few_rows: built without AVX2 or AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "experts_few_rows: x [1 to 8 rows, hidden]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "experts_few_rows: x [rows, hidden], at least one row");
   TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && down.dim() == 3 && down.size(0) == gate.size(0) &&
                   down.size(1) == x.size(1) && down.size(2) == gate.size(1) && gate.size(2) == x.size(1),
               "experts_few_rows: gate and up [experts, inner, hidden], down [experts, hidden, inner]");

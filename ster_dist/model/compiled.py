@@ -13,7 +13,8 @@ the live step, outside the graph. The graph sees only the operator's output shap
 step's token count, so one graph serves every step whatever the cache holds; the token count is a dynamic
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
 row count: 2-8 (dense()'s few-row kernel), 9-15 (on f32 weights oneDNN's products) and 16 up (a bound inductor
-adds), each compiled on its first use.
+adds), each compiled on its first use; a mixture of experts adds one where its (token, expert) rows pass the
+experts kernel's 64 (moe/experts.py: past it the experts run eagerly and the layer's graph splits around them).
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
 nn.Modules), and nothing layer-specific reaches the graph as a constant: the operator's `layer` is the
@@ -32,7 +33,8 @@ compiled `dense` (its one-row widening loop, parallel/linear.py), set as the mod
 Inside the graph the layers see a TracedStep instead of the live step: the token positions, the layer's
 rotary tables (looked up by the live step beforehand) and `attend`. Models whose layers need more of the
 step (recurrent states, keys shared or handed between layers, per-layer inputs, hooks, routed adapters)
-run eagerly: `why_eager` says why.
+run eagerly: `why_eager` says why. So do models whose routed experts could not trace as one operator
+(`_experts_eager`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from ster_dist.events import progress
 from ster_dist.model.attention import Attention
 from ster_dist.model.step import decode_kernel_scale
 from ster_dist.moe.experts import Experts
+from ster_dist.moe.layer import MoE
 from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import dense
@@ -150,13 +153,28 @@ def why_eager(model) -> str | None:
             return f"layer {i} shares its keys with another layer or biases by each query's position"
         if block.shortcut is not None or block.joins_shortcut or block.attn_sconv is not None:
             return f"layer {i} hands state to a later layer"
-        if any(isinstance(m, Experts) for m in block.modules()):
-            # routed experts stay eager (their routing changes every step), so each such layer's graph splits
-            # around them; the splits cost more than compiling saves (bench/moe.py's model, 16 experts top-2:
-            # decode 20-35% slower compiled at batch 1 and 4)
-            return f"layer {i} routes tokens to experts, which would split its graph (slower than eager)"
+        if (reason := _experts_eager(model, block)) is not None:
+            return f"layer {i} {reason}"
     if any(isinstance(p, Fp8Weight) for p in model.modules()):
         return "FP8 weights are kept"
+    return None
+
+
+def _experts_eager(model, block) -> str | None:
+    """Why `block`'s routed experts keep its steps eager (None: they trace). A decode step's experts trace as one
+    operator (kernels/experts.cpp, moe/experts.py's `fused`); any other way through them runs eagerly, which
+    splits the layer's graph around it, and the splits cost more than compiling saves (bench/moe.py's model, 16
+    experts top-2: decode 20-35% slower compiled at batch 1 and 4 while every expert ran eagerly)."""
+    experts = [m for m in block.modules() if isinstance(m, Experts)]
+    if not experts:
+        return None
+    if model.ctx.ep_size > 1:
+        return "dispatches tokens over expert-parallel ranks (split sizes read on the host every step)"
+    if any(m.identity_experts or m.hash_routed for m in block.modules() if isinstance(m, MoE)):
+        return "routes tokens to identity experts or by token id"
+    if not all(e.kernel_takes() for e in experts):
+        return ("routes tokens to experts the experts kernel does not take (not plain SwiGLU of f32 or bf16 on a "
+                "CPU), which would split its graph (slower than eager)")
     return None
 
 

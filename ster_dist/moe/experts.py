@@ -36,9 +36,11 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   hidden size or intermediate share: tiny test models, uneven TP shares);
   past the gather's size those layouts run the per-expert loop, which takes
   any shape.
-- Where those few rows go to plain SwiGLU experts of f32 or bf16 and the package's kernels are built, the
-  whole feed-forward is one call of `experts_few_rows` (kernels/experts.cpp): each busy expert's rows
-  together through gate, up, silu and down in C++, with no sort, loop or scatter in Python.
+- Before that rule: where those few rows (at most SPLIT_ROWS_MAX, on a CPU) go to plain SwiGLU experts of
+  f32 or bf16 and the package's kernels are built, the whole feed-forward is one call of `experts_few_rows`
+  (kernels/experts.cpp): each busy expert's rows together, eight at a time, through gate, up, silu and down in
+  C++, with no sort, loop or scatter in Python. Its output's shape follows from x's whatever the routing, so a
+  compiled step traces it (model/compiled.py); every other branch runs eagerly.
 - Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
   busy expert's matrices go through `dense` as FP8 with their block scales,
   so only the experts a step uses are dequantized (or multiplied in FP8),
@@ -102,16 +104,19 @@ class Experts(ShardedModule):
         self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
         self.few_rows = SPLIT_ROWS_MAX  # on a CPU, at most this many rows run expert by expert through dense
 
-    # never traced: which rows go to which expert changes every step, and a trace would specialise on it; torch's
-    # fake grouped_mm also takes bf16 alone on a CPU (so models with experts stay eager, model/compiled.py)
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
+        if self.fused(x):  # traced into a compiled step: one operator, whatever the routing
+            return torch.ops.ster_kernels.experts_few_rows(x, local_ids.long(), self.gate, self.up, self.down)
+        return self._routed(x, local_ids)
+
+    # never traced: which rows go to which expert changes every step, and a trace would specialise on it; torch's
+    # fake grouped_mm also takes bf16 alone on a CPU (a compiled step's graph splits around this call)
+    @torch.compiler.disable
+    def _routed(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return x.new_empty((0, self.down.shape[1]))
         branch = self.branch(x)
-        if branch == "per_expert" and self.fused(x):
-            return torch.ops.ster_kernels.experts_few_rows(x, local_ids.long(), self.gate, self.up, self.down)
         if branch == "gathered":
             return self._mlp(x, local_ids, self._gathered(local_ids))
         order = torch.argsort(local_ids, stable=True)
@@ -139,13 +144,21 @@ class Experts(ShardedModule):
         return "grouped" if self.groupable(x) else "per_expert"
 
     def fused(self, x: torch.Tensor) -> bool:
-        """Whether these rows' experts run in one call of the few-row experts kernel (kernels/experts.cpp): plain
-        SwiGLU experts (silu, no biases or clamps, not kept in FP8) of contiguous f32 / bf16 weights, on a CPU."""
+        """Whether these rows run in one call of the experts kernel (kernels/experts.cpp): 1 to `few_rows` rows of the
+        weights' dtype, to experts of the kind it takes (`kernel_takes`)."""
+        return 0 < x.shape[0] <= self.few_rows and self.kernel_takes() and x.dtype == self.up.dtype
+
+    def kernel_takes(self) -> bool:
+        """Whether the experts kernel takes these experts: plain SwiGLU (silu, no biases or clamps, not kept in FP8),
+        contiguous weights of one dtype, f32 or bf16, on a CPU, with the package's kernels built."""
+        if self.fp8 or self.gate is None or self.gate_bias is not None or self.act is not F.silu:
+            return False
+        if self.clamped or self.limited or self.glu_limit:
+            return False
         weights = self._weights()
-        return (x.device.type == "cpu" and x.shape[0] <= kernels.FEW_ROWS_MAX and x.dtype in (torch.float32, torch.bfloat16)
-                and self.gate is not None and self.gate_bias is None and self.act is F.silu and not self.fp8
-                and not (self.clamped or self.limited or self.glu_limit)
-                and all(w.dtype == x.dtype and w.is_contiguous() for w in weights) and kernels.ready())
+        dtype = weights[0].dtype
+        return (weights[0].device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and all(w.dtype == dtype and w.is_contiguous() for w in weights) and kernels.ready())
 
     def groupable(self, x: torch.Tensor) -> bool:
         """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride of
