@@ -279,23 +279,32 @@ def moe(tmp_path_factory):
     return directory
 
 
-def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(moe, compiling, capfd):
-    """A decode step's routed experts trace as one operator (kernels/experts.cpp) whose output's shape does not
-    depend on the routing: the one-token stack and steps of a few rows give the eager logits and tokens, and no
-    graph splits around the experts (the prefills too: 3 x 7 tokens x top-2 is within the kernel's 64 rows)."""
+def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(moe, compiling, capfd, monkeypatch):
+    """A step's routed experts trace as one operator whose output's shape does not depend on the routing: the
+    experts kernel for a decode's few rows (kernels/experts.cpp), and past its 64 rows (a prefill of 2 x 40 tokens,
+    top-2) `routed_experts`, which runs the eager branches inside. The one-token stack and steps of several rows
+    give the eager logits and tokens, and no graph splits around the experts."""
     from torch._dynamo.utils import counters
+
+    from ster_dist.moe.experts import Experts
 
     built("experts_few_rows", "the experts run eagerly and such models stay eager")
     eager = load_model(resolve(str(moe))).model
     compiled = load_model(resolve(str(moe))).model
     assert compiled.compile_layers() is None
+    sparse = sum(isinstance(m, Experts) for m in compiled.modules())  # its layers with routed experts
+    routed = []
+    original = Experts._routed
+    monkeypatch.setattr(Experts, "_routed", lambda self, x, ids: routed.append(x.shape[0]) or original(self, x, ids))
     breaks = sum(counters["graph_break"].values())
-    for batch in (1, 3):
-        prompt = torch.randint(3, 300, (batch, 7), generator=torch.Generator().manual_seed(batch))
+    for batch, width in ((1, 7), (3, 7), (2, 40)):
+        prompt = torch.randint(3, 300, (batch, width), generator=torch.Generator().manual_seed(batch))
         want, want_tokens = decode(eager, prompt, NEW)
+        routed.clear()
         got, got_tokens = decode(compiled, prompt, NEW)
         close(got, want)
         assert got_tokens == want_tokens
+        assert routed == ([160] * sparse if width == 40 else [])  # the kernel took every decode
     assert sum(counters["graph_break"].values()) == breaks
     said = capfd.readouterr().err
     assert "one-token stack graph" in said and "stack failed" not in said
@@ -315,19 +324,30 @@ def test_the_paged_engine_compiles_a_mixture_of_experts_model_and_answers_as_the
     assert "compiling the layers after" in said and "stay eager" not in said
 
 
-def test_experts_the_kernel_does_not_take_or_split_over_ranks_keep_a_model_eager(moe, tmp_path, compiling):
-    """Experts the kernel does not take (GPT-OSS's biased, clamped SwiGLU) would split every MoE layer's graph
-    around their eager branches, which measured slower than eager; expert-parallel ranks read their dispatch's
-    split sizes on the host. Both say why and stay eager."""
+def test_experts_the_kernel_does_not_take_compile_behind_their_operator(tmp_path, compiling, capfd):
+    """GPT-OSS's biased, clamped experts are not the kernel's: every step reaches them through `routed_experts`,
+    the decodes of the one-token stack included, and gives the eager logits."""
     from tests.tiny_models import make_tiny
 
+    make_tiny("gpt_oss", tmp_path / "gpt_oss")
+    eager = load_model(resolve(str(tmp_path / "gpt_oss"))).model
+    compiled = load_model(resolve(str(tmp_path / "gpt_oss"))).model
+    assert compiled.compile_layers() is None
+    assert not any(e.kernel_takes() for e in compiled.modules() if type(e).__name__ == "Experts")
+    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(4))
+    want, want_tokens = decode(eager, prompt, NEW)
+    got, got_tokens = decode(compiled, prompt, NEW)
+    close(got, want)
+    assert got_tokens == want_tokens
+    said = capfd.readouterr().err
+    assert "one-token stack graph" in said and "stack failed" not in said
+
+
+def test_experts_split_over_expert_parallel_ranks_keep_a_model_eager(moe, compiling):
+    """An expert-parallel rank's dispatch reads its split sizes on the host every step: such a model says why and
+    stays eager."""
     from ster_dist.parallel.ctx import ParallelCtx
 
-    make_tiny("gpt_oss", tmp_path / "gpt_oss")
-    model = load_model(resolve(str(tmp_path / "gpt_oss"))).model
-    reason = model.compile_layers()
-    assert reason is not None and "experts the experts kernel does not take" in reason
-    assert model.compiled is None
     ranked = load_model(resolve(str(moe)), ctx=ParallelCtx(ep_rank=0, ep_size=2)).model
     reason = ranked.compile_layers()
     assert reason is not None and "expert-parallel ranks" in reason

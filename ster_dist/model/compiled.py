@@ -14,7 +14,7 @@ step's token count, so one graph serves every step whatever the cache holds; the
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
 row count: 2-8 (dense()'s few-row kernel), 9-15 (on f32 weights oneDNN's products) and 16 up (a bound inductor
 adds), each compiled on its first use; a mixture of experts adds one where its (token, expert) rows pass the
-experts kernel's 64 (moe/experts.py: past it the experts run eagerly and the layer's graph splits around them).
+experts kernel's 64 (moe/experts.py: past it the experts run eagerly inside an opaque operator).
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
 nn.Modules), and nothing layer-specific reaches the graph as a constant: the operator's `layer` is the
@@ -33,8 +33,9 @@ compiled `dense` (its one-row widening loop, parallel/linear.py), set as the mod
 Inside the graph the layers see a TracedStep instead of the live step: the token positions, the layer's
 rotary tables (looked up by the live step beforehand) and `attend`. Models whose layers need more of the
 step (recurrent states, keys shared or handed between layers, per-layer inputs, hooks, routed adapters)
-run eagerly: `why_eager` says why. So do models whose routed experts could not trace as one operator
-(`_experts_eager`).
+run eagerly: `why_eager` says why. Routed experts trace as one operator, the experts kernel where it takes them
+and otherwise `ster_dist::routed_experts` (moe/experts.py), whose body runs their eager branches; experts split
+over expert-parallel ranks, or chosen by token id or among identity experts, keep a model eager (`_experts_eager`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
 from ster_dist.model.step import decode_kernel_scale
-from ster_dist.moe.experts import Experts
+from ster_dist.moe.experts import Experts, trace_experts
 from ster_dist.moe.layer import MoE
 from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
@@ -162,19 +163,14 @@ def why_eager(model) -> str | None:
 
 def _experts_eager(model, block) -> str | None:
     """Why `block`'s routed experts keep its steps eager (None: they trace). A decode step's experts trace as one
-    operator (kernels/experts.cpp, moe/experts.py's `fused`); any other way through them runs eagerly, which
-    splits the layer's graph around it, and the splits cost more than compiling saves (bench/moe.py's model, 16
-    experts top-2: decode 20-35% slower compiled at batch 1 and 4 while every expert ran eagerly)."""
-    experts = [m for m in block.modules() if isinstance(m, Experts)]
-    if not experts:
+    kernel operator where it takes them (moe/experts.py's `fused`), and every other way through them as one opaque
+    operator (`routed_experts`), so no graph splits around them; the dispatch around them must trace too."""
+    if not any(isinstance(m, Experts) for m in block.modules()):
         return None
     if model.ctx.ep_size > 1:
         return "dispatches tokens over expert-parallel ranks (split sizes read on the host every step)"
     if any(m.identity_experts or m.hash_routed for m in block.modules() if isinstance(m, MoE)):
         return "routes tokens to identity experts or by token id"
-    if not all(e.kernel_takes() for e in experts):
-        return ("routes tokens to experts the experts kernel does not take (not plain SwiGLU of f32 or bf16 on a "
-                "CPU), which would split its graph (slower than eager)")
     return None
 
 
@@ -199,6 +195,7 @@ class CompiledLayers:
         # 30-layer step). Its shapes are static: torch's regions reused across layers fail on dynamic ones.
         self.one_token = torch.compile(_one_token_layers, dynamic=False, options={"size_asserts": False})
         self.stacked = True  # until the one-token graph fails to build
+        trace_experts(model)  # what the graphs' routed_experts operators find their experts by
         self.layer_ids = [torch.tensor(i) for i in range(len(model.layers))]
         # the head of a one-token step in bf16 / f16 through dense's compiled one-row loop (parallel/linear.py):
         # SmolLM2's 57 MB bf16 head in 2.9 ms against 5.5 ms through oneDNN

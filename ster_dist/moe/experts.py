@@ -40,7 +40,8 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   f32 or bf16 and the package's kernels are built, the whole feed-forward is one call of `experts_few_rows`
   (kernels/experts.cpp): each busy expert's rows together, eight at a time, through gate, up, silu and down in
   C++, with no sort, loop or scatter in Python. Its output's shape follows from x's whatever the routing, so a
-  compiled step traces it (model/compiled.py); every other branch runs eagerly.
+  compiled step traces it (model/compiled.py); every other branch reaches a compiled step as one opaque
+  operator, `ster_dist::routed_experts` (end of this module), and runs eagerly inside it.
 - Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
   busy expert's matrices go through `dense` as FP8 with their block scales,
   so only the experts a step uses are dequantized (or multiplied in FP8),
@@ -49,6 +50,7 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -106,12 +108,14 @@ class Experts(ShardedModule):
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
-        if self.fused(x):  # traced into a compiled step: one operator, whatever the routing
+        if self.fused(x):  # traced into a compiled step as it is: one operator, whatever the routing
             return torch.ops.ster_kernels.experts_few_rows(x, local_ids.long(), self.gate, self.up, self.down)
+        if torch.compiler.is_compiling():  # every other branch reads the routing: opaque to the trace
+            return torch.ops.ster_dist.routed_experts(x, local_ids, self.up)
         return self._routed(x, local_ids)
 
     # never traced: which rows go to which expert changes every step, and a trace would specialise on it; torch's
-    # fake grouped_mm also takes bf16 alone on a CPU (a compiled step's graph splits around this call)
+    # fake grouped_mm also takes bf16 alone on a CPU. A compiled step reaches it through routed_experts (below).
     @torch.compiler.disable
     def _routed(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -223,3 +227,40 @@ class Experts(ShardedModule):
             return out
 
         return project
+
+
+# -- inside a compiled step -----------------------------------------------------------------------------------
+# The branches a compiled step cannot trace run behind one custom operator, as attention does (model/compiled.py):
+# its output's shape is its input's, so the layer's graph does not split around the experts (a split had made
+# compiled decode slower than eager, and a split graph's guards stop at the split). The operator finds its
+# Experts by the data of their `up` stack, which a compiled model registers before it traces (`trace_experts`).
+
+_TRACED: dict[int, "weakref.ref[Experts]"] = {}
+
+_LIBRARY = torch.library.Library("ster_dist", "FRAGMENT")
+_LIBRARY.define("routed_experts(Tensor x, Tensor ids, Tensor up) -> Tensor")
+
+
+def trace_experts(model: torch.nn.Module) -> int:
+    """Register every Experts in `model` for routed_experts; returns how many."""
+    found = [m for m in model.modules() if isinstance(m, Experts)]
+    for experts in found:
+        _TRACED[experts.up.data_ptr()] = weakref.ref(experts)
+    return len(found)
+
+
+def _routed_experts(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    ref = _TRACED.get(up.data_ptr())
+    experts = ref() if ref is not None else None
+    if experts is None or experts.up.data_ptr() != up.data_ptr():
+        raise RuntimeError("routed_experts: these experts were not registered for compiled steps "
+                           "(moe/experts.py trace_experts, which compiling a model calls)")
+    return experts._routed(x, ids)
+
+
+_LIBRARY.impl("routed_experts", _routed_experts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ster_dist::routed_experts")
+def _(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)  # the experts work in x's width: down is [experts, width, inner share]
