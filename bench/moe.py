@@ -21,8 +21,8 @@ reference), timed alternately with the engines, so "grouped over loop" is a same
 ratio. Then the experts alone, per step over --layers stacks of cold weights at decode rows (1, 2,
 4, 8 tokens x top-k) and prefill rows (256 tokens x top-k): the loop, the grouped computation, and
 the other candidate for few rows, gathering the selected experts' weights into one bmm (`gathered`,
-decode rows only: it copies a matrix per row), the experts kernel (`kernel`, kernels/experts.cpp, decode rows
-only, where it takes the experts), and which of them Experts.forward picks there (ster_ep1 runs it).
+decode rows only: it copies a matrix per row), the experts kernel (`kernel`, kernels/experts.cpp, where it takes
+the experts), and which of them Experts.forward picks there (ster_ep1 runs it).
 
 Bytes per token per MoE layer (measured at EP=2 from the ranks' dispatch counts, and projected
 to larger EP from the EP=1 routing decisions of the same decode):
@@ -179,22 +179,22 @@ def loop_forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor
     return out
 
 
-def _held(gather_bytes: int, few_rows: int):
+def _held(gather_bytes: int, few_rows: int, kernel_rows: int):
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        saved = self.gather_bytes, self.few_rows
-        self.gather_bytes, self.few_rows = gather_bytes, few_rows
+        saved = self.gather_bytes, self.few_rows, self.kernel_rows
+        self.gather_bytes, self.few_rows, self.kernel_rows = gather_bytes, few_rows, kernel_rows
         try:
             return Experts.forward(self, x, local_ids)
         finally:
-            self.gather_bytes, self.few_rows = saved
+            self.gather_bytes, self.few_rows, self.kernel_rows = saved
     return forward
 
 
 # Experts.forward held to one branch: grouped_mm at every row count, each row's expert weights gathered (copied)
 # into one bmm per projection at every row count, or the experts kernel (kernels/experts.cpp) at every row count
-grouped_forward = _held(0, 0)
-gathered_forward = _held(1 << 62, 0)
-kernel_forward = _held(0, 1 << 30)
+grouped_forward = _held(0, 0, 0)
+gathered_forward = _held(1 << 62, 0, 0)
+kernel_forward = _held(0, 0, 1 << 62)
 
 
 class loop_experts:
@@ -231,7 +231,7 @@ def experts_ab(args, repeats: int) -> list[dict]:
         rows = tokens * args.top_k
         x = torch.randn(rows, args.hidden, generator=gen).to(dtype)
         ids = torch.randint(0, args.experts, (rows,), generator=gen)
-        chosen = {k: f for k, f in variants.items() if k not in ("gathered", "kernel") or tokens <= 8}
+        chosen = {k: f for k, f in variants.items() if k != "gathered" or tokens <= 8}
         times: dict[str, list[float]] = {name: [] for name in chosen}
         with torch.inference_mode():
             reference = loop_forward(layers[0], x, ids)

@@ -281,14 +281,14 @@ def moe(tmp_path_factory):
 
 def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(moe, compiling, capfd, monkeypatch):
     """A step's routed experts trace as one operator whose output's shape does not depend on the routing: the
-    experts kernel for a decode's few rows (kernels/experts.cpp), and past its 64 rows (a prefill of 2 x 40 tokens,
-    top-2) `routed_experts`, which runs the eager branches inside. The one-token stack and steps of several rows
+    experts kernel (kernels/experts.cpp), and past its 512 f32 rows (a prefill of 3 x 100 tokens, top-2)
+    `routed_experts`, which runs the eager branches inside. The one-token stack and steps of several rows
     give the eager logits and tokens, and no graph splits around the experts."""
     from torch._dynamo.utils import counters
 
     from ster_dist.moe.experts import Experts
 
-    built("experts_few_rows", "the experts run eagerly and such models stay eager")
+    built("swiglu_experts", "the experts run eagerly and such models stay eager")
     eager = load_model(resolve(str(moe))).model
     compiled = load_model(resolve(str(moe))).model
     assert compiled.compile_layers() is None
@@ -297,14 +297,14 @@ def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(m
     original = Experts._routed
     monkeypatch.setattr(Experts, "_routed", lambda self, x, ids: routed.append(x.shape[0]) or original(self, x, ids))
     breaks = sum(counters["graph_break"].values())
-    for batch, width in ((1, 7), (3, 7), (2, 40)):
+    for batch, width in ((1, 7), (3, 7), (3, 100)):
         prompt = torch.randint(3, 300, (batch, width), generator=torch.Generator().manual_seed(batch))
         want, want_tokens = decode(eager, prompt, NEW)
         routed.clear()
         got, got_tokens = decode(compiled, prompt, NEW)
         close(got, want)
         assert got_tokens == want_tokens
-        assert routed == ([160] * sparse if width == 40 else [])  # the kernel took every decode
+        assert routed == ([600] * sparse if width == 100 else [])  # the kernel took every other step
     assert sum(counters["graph_break"].values()) == breaks
     said = capfd.readouterr().err
     assert "one-token stack graph" in said and "stack failed" not in said
@@ -312,7 +312,7 @@ def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(m
 
 
 def test_the_paged_engine_compiles_a_mixture_of_experts_model_and_answers_as_the_eager_one(moe, compiling, capfd):
-    built("experts_few_rows", "the experts run eagerly and such models stay eager")
+    built("swiglu_experts", "the experts run eagerly and such models stay eager")
     batch = prompts(4, seed=5, lo=2, hi=10)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     with open_engine(moe) as engine:

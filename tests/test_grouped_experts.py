@@ -68,6 +68,7 @@ def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
     experts = _experts(hidden, inner, num, dtype, biased, clamped, tp_rank=1 if kind == "gpt_oss_rank1" else 0,
                        gated=kind != "ungated")
     experts.gather_bytes, experts.few_rows = gather_bytes, few_rows
+    experts.kernel_rows = 0  # the eager branches (the experts kernel has a test of its own below)
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(dtype)
     # routing over 5 of the 8 experts (three stay empty), shuffled as dispatch from several ranks leaves it
     ids = torch.randint(1, 6, (rows,), generator=torch.Generator().manual_seed(rows + 1))
@@ -106,7 +107,7 @@ def test_a_strided_weight_view_is_judged_by_its_strides():
     """A gate that is a view into a wider tensor (a fused gate/up, say) is grouped when its strides
     allow, and falls back when they do not."""
     experts = _experts(*ALIGNED, 4, torch.float32, biased=False, clamped=False)
-    experts.gather_bytes = experts.few_rows = 0
+    experts.gather_bytes = experts.few_rows = experts.kernel_rows = 0
     x = torch.randn(5, ALIGNED[0])
     ids = torch.tensor([0, 2, 2, 3, 0])
     want = _reference(experts, x, ids)
@@ -122,11 +123,10 @@ def test_a_strided_weight_view_is_judged_by_its_strides():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 40])
 def test_few_rows_of_swiglu_experts_run_in_the_kernel_as_the_python_loop_does(dtype, rows, monkeypatch):
-    """A decode's few rows (up to SPLIT_ROWS_MAX) of plain SwiGLU experts go to kernels/experts.cpp in one call: the
-    per-expert loop's result (each product, the activation and the gating rounded to the dtype as the loop rounds
+    """Rows to plain SwiGLU experts go to kernels/experts.cpp in one call: the per-expert loop's result (each product, the activation and the gating rounded to the dtype as the loop rounds
     them), rows sharing an expert or not, an expert's rows eight at a time (40 rows give expert 5 fifteen); a biased
     or clamped kind keeps the loop."""
-    built("experts_few_rows", "the loop runs")
+    built("swiglu_experts", "the loop runs")
     experts = _experts(*ALIGNED, 8, dtype, biased=False, clamped=False, seed=rows)
     experts.gather_bytes = 0  # past the gather: the CPU's few-row branch
     x = torch.randn(rows, ALIGNED[0], generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -146,3 +146,26 @@ def test_few_rows_of_swiglu_experts_run_in_the_kernel_as_the_python_loop_does(dt
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     monkeypatch.undo()
     assert not _experts(*ALIGNED, 8, dtype, biased=True, clamped=True).fused(x)
+
+
+def test_the_experts_kernel_takes_f32_rows_up_to_its_limit_and_bf16_rows_where_the_cpu_widens_them():
+    """Past KERNEL_ROWS_MAX f32 rows grouped_mm's blocked products are ahead; bf16 rows go to the kernel at any count
+    on a CPU without bf16 products (grouped_mm widens every matrix on every call there), the limit elsewhere."""
+    from ster_dist.moe.experts import KERNEL_ROWS_MAX
+    from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS
+
+    built("swiglu_experts", "the eager branches run")
+    for dtype in (torch.float32, torch.bfloat16):
+        experts = _experts(*ALIGNED, 8, dtype, biased=False, clamped=False)
+        most = KERNEL_ROWS_MAX if dtype == torch.float32 or NATIVE_HALF_PRODUCTS else 4 * KERNEL_ROWS_MAX
+        assert experts.fused(torch.zeros(most, ALIGNED[0], dtype=dtype))
+        assert experts.fused(torch.zeros(most + 1, ALIGNED[0], dtype=dtype)) == (most > KERNEL_ROWS_MAX)
+        assert not experts.fused(torch.zeros(0, ALIGNED[0], dtype=dtype))
+        x = torch.randn(most + 1, ALIGNED[0], generator=torch.Generator().manual_seed(3)).to(dtype)
+        ids = torch.randint(0, 8, (most + 1,), generator=torch.Generator().manual_seed(4))
+        with torch.inference_mode():
+            got = experts(x, ids)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        want = _reference(experts, x, ids)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, float(want.abs().max())))
+

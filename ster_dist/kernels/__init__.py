@@ -7,8 +7,9 @@
 - `causal_attend(q, keys, values, table, starts, window, scale)` (causal_attend.cpp): a prompt's queries
   attending the keys before them (within a window) where a cache holds them (model/paged_step.py's and
   model/step.py's prefills).
-- `experts_few_rows(x, ids, gate, up, down)` (experts.cpp): a decode step's few rows through their SwiGLU
-  experts, eight of an expert's rows at a time (moe/experts.py's decodes, eager or inside a compiled step).
+- `swiglu_experts(x, ids, gate, up, down)` (experts.cpp): rows through their SwiGLU experts, eight of an
+  expert's rows at a time (moe/experts.py's decodes and, in bf16 or up to 512 rows, prefills; eager or inside a
+  compiled step).
 - `pack_panels(weight, out)`, `panel_bytes(weight)`, `panel_product(x, panels, bias, N)` (panels.cpp): a weight
   laid out in panels of 32 outputs (16 with AVX2; into `out` where given), the bytes that takes, and x W^T (+ b)
   over it for any number of rows (f32; bf16 with AVX512_BF16 or with AVX2 alone); `hold_panels(weight, panels)`,
@@ -108,7 +109,7 @@ def _load() -> bool:
     torch.library.register_fake("ster_kernels::paged_decode")(_attention_shape)
     torch.library.register_fake("ster_kernels::attend_planned")(_planned_shape)
     torch.library.register_fake("ster_kernels::causal_attend")(_causal_shape)
-    torch.library.register_fake("ster_kernels::experts_few_rows")(_experts_shape)
+    torch.library.register_fake("ster_kernels::swiglu_experts")(_experts_shape)
     if (spent := time.perf_counter() - started) > 2:
         progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
     return True

@@ -1,6 +1,7 @@
-// A decode step's routed experts for a few rows: each busy expert's silu(x G^T) * (x U^T) then D, its rows
-// together, eight at a time, so each matrix is read once for every eight of its rows (moe/experts.py sends plain
-// SwiGLU experts of f32 or bf16 here, up to 64 rows: past that the grouped product reads each expert once).
+// A step's routed SwiGLU experts: each busy expert's silu(x G^T) * (x U^T) then D, its rows together, eight at a
+// time, so each matrix is read once for every eight of its rows (moe/experts.py sends plain SwiGLU experts of f32
+// or bf16 here: f32 up to 512 rows, past which grouped_mm's blocked products are ahead, bf16 at any count on a CPU
+// without bf16 products, where grouped_mm widens every matrix on every call).
 //
 // Why: at decode a MoE layer ran, in Python, a sort of its rows by expert, a loop over every local expert and
 // three products, an activation and a scatter for each busy one, about 0.4 ms a layer on bench/moe.py's model
@@ -62,23 +63,23 @@ void run(const at::Tensor& x, const int64_t* ids, const at::Tensor& gate, const 
 
 // x [m, hidden] (m >= 1 rows), ids [m] each row's expert; gate and up [experts, inner, hidden], down [experts, hidden,
 // inner], all contiguous and of x's dtype (f32 or bf16). Returns [m, hidden]: row r through expert ids[r].
-at::Tensor experts_few_rows(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& gate, const at::Tensor& up,
+at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& gate, const at::Tensor& up,
                             const at::Tensor& down) {
-  TORCH_CHECK(STER_KERNELS_ISA, "experts_few_rows: built without AVX2 or AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "experts_few_rows: x [rows, hidden], at least one row");
+  TORCH_CHECK(STER_KERNELS_ISA, "swiglu_experts: built without AVX2 or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "swiglu_experts: x [rows, hidden], at least one row");
   TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && down.dim() == 3 && down.size(0) == gate.size(0) &&
                   down.size(1) == x.size(1) && down.size(2) == gate.size(1) && gate.size(2) == x.size(1),
-              "experts_few_rows: gate and up [experts, inner, hidden], down [experts, hidden, inner]");
+              "swiglu_experts: gate and up [experts, inner, hidden], down [experts, hidden, inner]");
   TORCH_CHECK(x.scalar_type() == gate.scalar_type() && up.scalar_type() == gate.scalar_type() &&
                   down.scalar_type() == gate.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "experts_few_rows: x and the weights all f32 or all bf16");
-  TORCH_CHECK(gate.is_contiguous() && up.is_contiguous() && down.is_contiguous(), "experts_few_rows: contiguous weights");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == x.size(0), "experts_few_rows: int64 ids, one a row");
+              "swiglu_experts: x and the weights all f32 or all bf16");
+  TORCH_CHECK(gate.is_contiguous() && up.is_contiguous() && down.is_contiguous(), "swiglu_experts: contiguous weights");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.numel() == x.size(0), "swiglu_experts: int64 ids, one a row");
   const at::Tensor xc = x.contiguous(), idc = ids.contiguous();
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t r = 0; r < x.size(0); ++r)
-    TORCH_CHECK(0 <= id[r] && id[r] < gate.size(0), "experts_few_rows: expert ", id[r], " outside the ", gate.size(0));
+    TORCH_CHECK(0 <= id[r] && id[r] < gate.size(0), "swiglu_experts: expert ", id[r], " outside the ", gate.size(0));
   at::Tensor out = at::empty_like(xc);
 #if STER_KERNELS_ISA
   if (x.scalar_type() == at::kFloat)
@@ -92,7 +93,7 @@ at::Tensor experts_few_rows(const at::Tensor& x, const at::Tensor& ids, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
-  m.def("experts_few_rows(Tensor x, Tensor ids, Tensor gate, Tensor up, Tensor down) -> Tensor");
+  m.def("swiglu_experts(Tensor x, Tensor ids, Tensor gate, Tensor up, Tensor down) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) { m.impl("experts_few_rows", &experts_few_rows); }
+TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) { m.impl("swiglu_experts", &swiglu_experts); }

@@ -14,7 +14,7 @@ step's token count, so one graph serves every step whatever the cache holds; the
 dimension, so one graph also serves a range of counts. The ranges are where the traced code branches on the
 row count: 2-8 (dense()'s few-row kernel), 9-15 (on f32 weights oneDNN's products) and 16 up (a bound inductor
 adds), each compiled on its first use; a mixture of experts adds one where its (token, expert) rows pass the
-experts kernel's 64 (moe/experts.py: past it the experts run eagerly inside an opaque operator).
+experts kernel's limit (moe/experts.py: past it the experts run eagerly inside an opaque operator).
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's inlining of
 nn.Modules), and nothing layer-specific reaches the graph as a constant: the operator's `layer` is the

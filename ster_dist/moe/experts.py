@@ -36,10 +36,11 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   hidden size or intermediate share: tiny test models, uneven TP shares);
   past the gather's size those layouts run the per-expert loop, which takes
   any shape.
-- Before that rule: where those few rows (at most SPLIT_ROWS_MAX, on a CPU) go to plain SwiGLU experts of
-  f32 or bf16 and the package's kernels are built, the whole feed-forward is one call of `experts_few_rows`
-  (kernels/experts.cpp): each busy expert's rows together, eight at a time, through gate, up, silu and down in
-  C++, with no sort, loop or scatter in Python. Its output's shape follows from x's whatever the routing, so a
+- Before that rule: where the rows (on a CPU, at most KERNEL_ROWS_MAX in f32, any number in bf16 without bf16
+  products) go to plain SwiGLU experts of f32 or bf16 and the package's kernels are built, the whole
+  feed-forward is one call of `swiglu_experts` (kernels/experts.cpp): each busy expert's rows together, eight at
+  a time, through gate, up, silu and down in C++, with no sort, loop or scatter in Python (KERNEL_ROWS_MAX's
+  comment has the measurements). Its output's shape follows from x's whatever the routing, so a
   compiled step traces it (model/compiled.py); every other branch reaches a compiled step as one opaque
   operator, `ster_dist::routed_experts` (end of this module), and runs eagerly inside it.
 - Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
@@ -61,7 +62,7 @@ from ster_dist.config import MoEConfig
 from ster_dist.layers.activation import activation
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight
-from ster_dist.parallel.linear import SPLIT_ROWS_MAX, ShardedModule, dense
+from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS, SPLIT_ROWS_MAX, ShardedModule, dense
 
 # rows [m, in] and a stacked weight [experts, out, in] -> each row times its expert's weight, [m, out]
 # (a kept FP8 stack runs the per-expert projection only)
@@ -72,6 +73,15 @@ GROUPED_ALIGN = 16  # bytes: grouped_mm's rule for every non-unit stride of its 
 # the gather copies rows x an expert's three matrices; grouped_mm pays ~3 x 1.5 us per local expert: at a
 # few GB/s the two cross near 10-20 KiB of copy per local expert (the module docstring's measurements)
 GATHER_BYTES = 16 * 1024
+# the experts kernel against grouped_mm on a CPU (bench/moe.py's experts: 16 of 512 x 512, 6 layers, 2 threads,
+# AVX2): f32 3.0x as fast at 64 rows, 2.1x at 128, even at 512, 0.79x at 2048; bf16 2.7-2.9x from 64 to 2048 rows
+# where the CPU has no bf16 products (grouped_mm widens every group's matrices on every call there)
+KERNEL_ROWS_MAX = 512
+
+
+def kernel_rows(dtype: torch.dtype) -> int:
+    """The most rows the experts kernel takes where it takes the experts (the measurements above)."""
+    return 1 << 62 if dtype == torch.bfloat16 and not NATIVE_HALF_PRODUCTS else KERNEL_ROWS_MAX
 
 
 class Experts(ShardedModule):
@@ -105,11 +115,12 @@ class Experts(ShardedModule):
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
         self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
         self.few_rows = SPLIT_ROWS_MAX  # on a CPU, at most this many rows run expert by expert through dense
+        self.kernel_rows: int | None = None  # the most rows for the experts kernel (None: kernel_rows(dtype))
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
         if self.fused(x):  # traced into a compiled step as it is: one operator, whatever the routing
-            return torch.ops.ster_kernels.experts_few_rows(x, local_ids.long(), self.gate, self.up, self.down)
+            return torch.ops.ster_kernels.swiglu_experts(x, local_ids.long(), self.gate, self.up, self.down)
         if torch.compiler.is_compiling():  # every other branch reads the routing: opaque to the trace
             return torch.ops.ster_dist.routed_experts(x, local_ids, self.up)
         return self._routed(x, local_ids)
@@ -148,9 +159,10 @@ class Experts(ShardedModule):
         return "grouped" if self.groupable(x) else "per_expert"
 
     def fused(self, x: torch.Tensor) -> bool:
-        """Whether these rows run in one call of the experts kernel (kernels/experts.cpp): 1 to `few_rows` rows of the
-        weights' dtype, to experts of the kind it takes (`kernel_takes`)."""
-        return 0 < x.shape[0] <= self.few_rows and self.kernel_takes() and x.dtype == self.up.dtype
+        """Whether these rows run in one call of the experts kernel (kernels/experts.cpp): 1 to `kernel_rows` rows of
+        the weights' dtype, to experts of the kind it takes (`kernel_takes`)."""
+        most = self.kernel_rows if self.kernel_rows is not None else kernel_rows(x.dtype)
+        return 0 < x.shape[0] <= most and self.kernel_takes() and x.dtype == self.up.dtype
 
     def kernel_takes(self) -> bool:
         """Whether the experts kernel takes these experts: plain SwiGLU (silu, no biases or clamps, not kept in FP8),
