@@ -89,11 +89,13 @@ def test_compiled_layers_give_the_eager_logits_and_share_one_graph(models):
     assert 1 <= compiled.compiled.graphs <= 2 < compiled.cfg.num_layers * 2
 
 
-def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd):
-    eager = load_model(resolve(str(toy))).model
-    compiled = load_model(resolve(str(toy))).model
+def _stacked_as_eager(directory, capfd, seed: int):
+    """A compiled model of `directory` whose one-token steps ran as one stacked graph and gave the eager model's
+    logits and greedy tokens for a 7-token prompt; returns it and the prompt."""
+    eager = load_model(resolve(str(directory))).model
+    compiled = load_model(resolve(str(directory))).model
     assert compiled.compile_layers() is None
-    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(seed))
     want, want_tokens = decode(eager, prompt, NEW)
     got, got_tokens = decode(compiled, prompt, NEW)
     close(got, want)
@@ -101,6 +103,11 @@ def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd)
     said = capfd.readouterr().err
     assert "one-token stack graph" in said and "stack failed" not in said
     assert compiled.compiled.stacked
+    return compiled, prompt
+
+
+def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd):
+    compiled, prompt = _stacked_as_eager(toy, capfd, seed=1)
     graphs = compiled.compiled.graphs
     decode(compiled, prompt, 3)
     assert compiled.compiled.graphs == graphs  # the second run compiled nothing more
@@ -187,13 +194,19 @@ def test_a_hook_runs_eagerly_and_steers_as_it_does_eagerly(models):
     assert not torch.allclose(plain, want)  # the hook did change the logits
 
 
+def _eager_and_compiled_answers(directory, batch: list[list[int]], tokens: int, compile_after: int):
+    """The token ids a paged engine answers `batch` with (submitted together), eager and compiled after
+    `compile_after` steps."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    answers = []
+    for config in ({}, {"compile_after": compile_after}):
+        with open_engine(directory, **config) as engine:
+            answers.append([s.result().token_ids for s in [engine.submit(p, params) for p in batch]])
+    return answers
+
+
 def test_the_paged_engine_compiled_after_its_first_steps_answers_as_the_eager_one(toy, compiling, capfd):
-    batch = prompts(5, seed=4, lo=2, hi=14)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    with open_engine(toy) as engine:
-        want = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
-    with open_engine(toy, compile_after=2) as engine:
-        got = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
+    want, got = _eager_and_compiled_answers(toy, prompts(5, seed=4, lo=2, hi=14), 8, compile_after=2)
     assert got == want
     assert "compiled 1 step graph" in capfd.readouterr().err
 
@@ -313,34 +326,33 @@ def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(m
 
 def test_the_paged_engine_compiles_a_mixture_of_experts_model_and_answers_as_the_eager_one(moe, compiling, capfd):
     built("swiglu_experts", "the experts run eagerly and such models stay eager")
-    batch = prompts(4, seed=5, lo=2, hi=10)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    with open_engine(moe) as engine:
-        want = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
-    with open_engine(moe, compile_after=1) as engine:
-        got = [s.result().token_ids for s in [engine.submit(p, params) for p in batch]]
+    want, got = _eager_and_compiled_answers(moe, prompts(4, seed=5, lo=2, hi=10), 6, compile_after=1)
     assert got == want
     said = capfd.readouterr().err
     assert "compiling the layers after" in said and "stay eager" not in said
 
 
-def test_experts_the_kernel_does_not_take_compile_behind_their_operator(tmp_path, compiling, capfd):
+def test_experts_the_kernel_does_not_take_compile_behind_their_operator(tmp_path, compiling, capfd, monkeypatch):
     """GPT-OSS's biased, clamped experts are not the kernel's: every step reaches them through `routed_experts`,
     the decodes of the one-token stack included, and gives the eager logits."""
     from tests.tiny_models import make_tiny
 
+    from torch._dynamo.utils import counters
+
+    from ster_dist.moe.experts import Experts
+
     make_tiny("gpt_oss", tmp_path / "gpt_oss")
-    eager = load_model(resolve(str(tmp_path / "gpt_oss"))).model
-    compiled = load_model(resolve(str(tmp_path / "gpt_oss"))).model
-    assert compiled.compile_layers() is None
-    assert not any(e.kernel_takes() for e in compiled.modules() if type(e).__name__ == "Experts")
-    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(4))
-    want, want_tokens = decode(eager, prompt, NEW)
-    got, got_tokens = decode(compiled, prompt, NEW)
-    close(got, want)
-    assert got_tokens == want_tokens
-    said = capfd.readouterr().err
-    assert "one-token stack graph" in said and "stack failed" not in said
+    routed = []
+    original = Experts._routed
+    monkeypatch.setattr(Experts, "_routed", lambda self, x, ids: routed.append(x.shape[0]) or original(self, x, ids))
+    breaks = sum(counters["graph_break"].values())
+    compiled, prompt = _stacked_as_eager(tmp_path / "gpt_oss", capfd, seed=4)
+    experts = [m for m in compiled.modules() if isinstance(m, Experts)]
+    assert experts and not any(e.kernel_takes() for e in experts)
+    routed.clear()
+    decode(compiled, prompt, 3)  # the compiled model alone, its graphs whole: its experts ran inside the operator
+    assert sum(counters["graph_break"].values()) == breaks
+    assert routed.count(7 * 2) == routed.count(1 * 2) // 2 == len(experts)  # the prompt's rows (top-2), two decodes
 
 
 def test_experts_split_over_expert_parallel_ranks_keep_a_model_eager(moe, compiling):
