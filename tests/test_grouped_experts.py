@@ -84,8 +84,9 @@ def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
 
 
 def test_the_size_rule_gathers_few_rows_of_small_experts_only():
-    """The default thresholds: one row of 64-wide experts gathers; a CPU decode step of 512 x 512 experts
-    (the bench's) runs expert by expert through dense, and prefill rows are grouped."""
+    """The default thresholds of the eager branches (the experts kernel, where it takes the experts, comes before
+    them): one row of 64-wide experts gathers; a CPU decode step of 512 x 512 experts (the bench's) runs expert by
+    expert through dense, and prefill rows are grouped."""
     small = _experts(*ALIGNED, 8, torch.float32, biased=False, clamped=False)
     wide = _experts(512, 512, 4, torch.float32, biased=False, clamped=False)
     assert small.branch(torch.zeros(1, ALIGNED[0])) == "gathered"
