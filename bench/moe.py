@@ -13,7 +13,9 @@ with --threads threads; EP=2 runs two spawned ranks (gloo) with threads / 2 each
 the same cores. Transformers runs model.generate in this process with --threads threads.
 
 `ster_ep1_compiled` is ster_ep1 loaded again with its steps compiled (model/compiled.py: the router, the
-dispatch and the experts' kernel inside each layer's graph); "compiled over eager" is also timed in pairs.
+dispatch and the experts' kernel inside each layer's graph); `ster_ep2_compiled` is the EP=2 ranks with theirs
+compiled (each MoE layer one operator, run eagerly inside: moe/layer.py's moe_layer), switched on and off run by
+run (tests/moe_probe.py's CompiledSwitch); "compiled over eager" is also timed in pairs, for both.
 
 The experts' A/B, in this process: `ster_ep1_loop` is ster_ep1 with Experts.forward swapped for
 the per-expert Python loop it ran before the grouped computation (loop_forward below, kept as the
@@ -59,7 +61,7 @@ from ster_dist.load import load_model  # noqa: E402
 from ster_dist.moe.experts import Experts  # noqa: E402
 from ster_dist.parallel.ctx import ParallelCtx  # noqa: E402
 from ster_dist.resolve import resolve  # noqa: E402
-from tests.moe_probe import DispatchProbe  # noqa: E402  (counts on the ranks what dispatch moves)
+from tests.moe_probe import CompiledSwitch, DispatchProbe  # noqa: E402  (rank extensions: counts, compiled on/off)
 
 
 def build(directory: Path, args) -> None:
@@ -140,8 +142,8 @@ def record_routing(model) -> list[torch.Tensor]:
             router = block.mlp.router
             original = router.forward
 
-            def forward(x, original=original):
-                weights, ids = original(x)
+            def forward(x, hashed=None, original=original):
+                weights, ids = original(x, hashed)
                 seen.append(ids.clone())
                 return weights, ids
 
@@ -357,12 +359,16 @@ def main(argv=None) -> int:
     with SpawnGroup(2, threads=max(1, args.threads // 2), ep=2) as group:
         group.call("load", checkpoint, args.dtype, "cpu")
 
-        def run_ep2(n):
+        def run_ep2(n, compiled=False):
+            assert group.on(CompiledSwitch).use(compiled) == [None, None]
             return group.call("generate", prompts, Sampling(max_new_tokens=n), (), 0)[0]
 
+        run_ep2(2, compiled=True)  # each rank compiles its graphs (the MoE layers one operator: moe/layer.py)
         results = decode_rates({"transformers": run_hf, "ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1,
-                                "ster_ep1_compiled": run_ep1_compiled, "ster_ep2": run_ep2}, args.batch,
+                                "ster_ep1_compiled": run_ep1_compiled, "ster_ep2": run_ep2,
+                                "ster_ep2_compiled": lambda n: run_ep2(n, compiled=True)}, args.batch,
                                args.new_tokens, args.repeats)
+        ep2_paired = paired_decode_ratio(run_ep2, lambda n: run_ep2(n, compiled=True), args.new_tokens, args.repeats)
         # traffic of one decode run at EP=2, counted by the ranks
         group.on(DispatchProbe).reset()
         run_ep2(args.new_tokens)
@@ -391,15 +397,17 @@ def main(argv=None) -> int:
     ab = experts_ab(args, args.repeats)
     compiled_paired = paired_decode_ratio(run_ep1, run_ep1_compiled, args.new_tokens, args.repeats)
     tokens_equal = (results["ster_ep1"][1] == results["ster_ep2"][1] == results["transformers"][1]
-                    == results["ster_ep1_compiled"][1])
+                    == results["ster_ep1_compiled"][1] == results["ster_ep2_compiled"][1])
     report = {
         "shape": {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "expert_width", "layers", "vocab",
                                                 "dtype", "batch", "prompt_len", "new_tokens", "threads")},
         "decode_tok_s": {name: rate for name, (rate, _) in results.items()},
         "ratio_over_transformers": {name: results[name][0] / results["transformers"][0]
-                                    for name in ("ster_ep1_loop", "ster_ep1", "ster_ep1_compiled", "ster_ep2")},
+                                    for name in ("ster_ep1_loop", "ster_ep1", "ster_ep1_compiled", "ster_ep2",
+                                                 "ster_ep2_compiled")},
         "grouped_over_loop_decode": results["ster_ep1"][0] / results["ster_ep1_loop"][0],
         "compiled_over_eager_decode_paired": compiled_paired,
+        "ep2_compiled_over_eager_decode_paired": ep2_paired,
         "experts_ab": ab,
         "greedy_tokens_equal": tokens_equal,
         "bytes_per_token_per_moe_layer": {"measured": measured, "projected": projected},
@@ -407,12 +415,13 @@ def main(argv=None) -> int:
     }
     print(f"decode tok/s (batch {args.batch}, {args.new_tokens} new tokens, {args.threads} threads in all)")
     for name, (rate, _) in results.items():
-        print(f"  {name:13s} {rate:9.1f}   x{rate / results['transformers'][0]:.2f} of Transformers")
+        print(f"  {name:17s} {rate:9.1f}   x{rate / results['transformers'][0]:.2f} of Transformers")
     print(f"grouped experts over the per-expert loop, ster_ep1 decode: "
           f"x{results['ster_ep1'][0] / results['ster_ep1_loop'][0]:.2f}")
     print(f"compiled steps over eager, ster_ep1 decode, paired runs: x{compiled_paired:.2f}")
+    print(f"compiled steps over eager, ster_ep2 decode, paired runs: x{ep2_paired:.2f}")
     print_experts_ab(ab, args.layers)
-    print(f"greedy tokens equal across the four: {tokens_equal}")
+    print(f"greedy tokens equal across the six: {tokens_equal}")
     print("bytes per token per MoE layer (hidden x dtype = %d B):" % row)
     print(f"  {'ep':>3} {'pairs away':>10} {'all-to-all':>11} {'share gather':>13} {'all-gather alt.':>16}")
     m = measured

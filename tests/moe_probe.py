@@ -1,4 +1,5 @@
-"""A rank extension that counts what the expert-parallel dispatch moves, for tests and bench/moe.py.
+"""Rank extensions for tests and bench/moe.py: DispatchProbe counts what the expert-parallel dispatch moves;
+CompiledSwitch turns a rank's compiled steps on and off.
 
 The counters live here, not in the model: on first use on a rank, DispatchProbe swaps the
 `dispatch` name moe/layer.py calls for a wrapper that records each call, and puts the original
@@ -51,3 +52,22 @@ class DispatchProbe(RankExtension):
     def close(self) -> None:
         if layer.dispatch == self._dispatch:  # not replaced again since: put the original back
             layer.dispatch = self._original
+
+
+class CompiledSwitch(RankExtension):
+    """A rank's compiled steps on or off (bench/moe.py's ster_ep2 against ster_ep2_compiled, run by run): compiled on
+    first use, the graphs kept while off."""
+
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.layers = None
+
+    def use(self, on: bool) -> str | None:
+        """Compiled steps from now on (`on`) or eager ones; why not, where the model cannot compile."""
+        model = self.model
+        if on and self.layers is None:
+            if (reason := model.compile_layers()) is not None:
+                return reason
+            self.layers = model.compiled
+        model.compiled = self.layers if on else None
+        return None

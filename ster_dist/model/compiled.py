@@ -34,8 +34,9 @@ Inside the graph the layers see a TracedStep instead of the live step: the token
 rotary tables (looked up by the live step beforehand) and `attend`. Models whose layers need more of the
 step (recurrent states, keys shared or handed between layers, per-layer inputs, hooks, routed adapters)
 run eagerly: `why_eager` says why. Routed experts trace as one operator, the experts kernel where it takes them
-and otherwise `ster_dist::routed_experts` (moe/experts.py), whose body runs their eager branches; experts split
-over expert-parallel ranks, or chosen by token id or among identity experts, keep a model eager (`_experts_eager`).
+and otherwise `ster_dist::routed_experts` (moe/experts.py), whose body runs their eager branches; a MoE layer over
+expert-parallel ranks or with identity experts is one operator whole, `ster_dist::moe_layer` (moe/layer.py), its
+collectives inside; experts chosen by token id keep a model eager (`_experts_eager`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ import torch
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
 from ster_dist.model.step import decode_kernel_scale
-from ster_dist.moe.experts import Experts, trace_experts
-from ster_dist.moe.layer import MoE
+from ster_dist.moe.experts import Experts
+from ster_dist.moe.layer import MoE, trace_moe
 from ster_dist import kernels
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import dense
@@ -162,15 +163,15 @@ def why_eager(model) -> str | None:
 
 
 def _experts_eager(model, block) -> str | None:
-    """Why `block`'s routed experts keep its steps eager (None: they trace). A decode step's experts trace as one
-    kernel operator where it takes them (moe/experts.py's `fused`), and every other way through them as one opaque
-    operator (`routed_experts`), so no graph splits around them; the dispatch around them must trace too."""
+    """Why `block`'s routed experts keep its steps eager (None: they trace). A step's experts trace as one kernel
+    operator where it takes them (moe/experts.py's `fused`), and every other way through them as one opaque operator
+    (`routed_experts`); a layer over expert-parallel ranks or with identity experts is one opaque operator whole
+    (moe/layer.py's `moe_layer`), so no graph splits around them. Routing by token id needs the step's ids, which a
+    traced step does not hand on."""
     if not any(isinstance(m, Experts) for m in block.modules()):
         return None
-    if model.ctx.ep_size > 1:
-        return "dispatches tokens over expert-parallel ranks (split sizes read on the host every step)"
-    if any(m.identity_experts or m.hash_routed for m in block.modules() if isinstance(m, MoE)):
-        return "routes tokens to identity experts or by token id"
+    if any(m.hash_routed for m in block.modules() if isinstance(m, MoE)):
+        return "routes tokens by token id"
     return None
 
 
@@ -195,7 +196,7 @@ class CompiledLayers:
         # 30-layer step). Its shapes are static: torch's regions reused across layers fail on dynamic ones.
         self.one_token = torch.compile(_one_token_layers, dynamic=False, options={"size_asserts": False})
         self.stacked = True  # until the one-token graph fails to build
-        trace_experts(model)  # what the graphs' routed_experts operators find their experts by
+        trace_moe(model)  # what the graphs' routed_experts and moe_layer operators find their layers by
         self.layer_ids = [torch.tensor(i) for i in range(len(model.layers))]
         # the head of a one-token step in bf16 / f16 through dense's compiled one-row loop (parallel/linear.py):
         # SmolLM2's 57 MB bf16 head in 2.9 ms against 5.5 ms through oneDNN

@@ -247,27 +247,31 @@ class Experts(ShardedModule):
 # compiled decode slower than eager, and a split graph's guards stop at the split). The operator finds its
 # Experts by the data of their `up` stack, which a compiled model registers before it traces (`trace_experts`).
 
-_TRACED: dict[int, "weakref.ref[Experts]"] = {}
+_TRACED: "weakref.WeakValueDictionary[int, Experts]" = weakref.WeakValueDictionary()
 
 _LIBRARY = torch.library.Library("ster_dist", "FRAGMENT")
 _LIBRARY.define("routed_experts(Tensor x, Tensor ids, Tensor up) -> Tensor")
 
 
-def trace_experts(model: torch.nn.Module) -> int:
-    """Register every Experts in `model` for routed_experts; returns how many."""
-    found = [m for m in model.modules() if isinstance(m, Experts)]
-    for experts in found:
-        _TRACED[experts.up.data_ptr()] = weakref.ref(experts)
-    return len(found)
+def trace_experts(model: torch.nn.Module) -> None:
+    """Register every Experts in `model` for routed_experts."""
+    for experts in model.modules():
+        if isinstance(experts, Experts):
+            _TRACED[experts.up.data_ptr()] = experts
+
+
+def traced(registry: weakref.WeakValueDictionary, up: torch.Tensor, experts_of=lambda found: found):
+    """The module registered in `registry` under the data of `up` (its Experts' stack: `experts_of(module)`),
+    refused when none is, or when the one found holds another stack now (its weights were replaced since)."""
+    found = registry.get(up.data_ptr())
+    if found is None or experts_of(found).up.data_ptr() != up.data_ptr():
+        raise RuntimeError("these experts were not registered for compiled steps "
+                           "(model/compiled.py registers a model's before it traces)")
+    return found
 
 
 def _routed_experts(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    ref = _TRACED.get(up.data_ptr())
-    experts = ref() if ref is not None else None
-    if experts is None or experts.up.data_ptr() != up.data_ptr():
-        raise RuntimeError("routed_experts: these experts were not registered for compiled steps "
-                           "(moe/experts.py trace_experts, which compiling a model calls)")
-    return experts._routed(x, ids)
+    return traced(_TRACED, up)._routed(x, ids)
 
 
 _LIBRARY.impl("routed_experts", _routed_experts, "CompositeExplicitAutograd")

@@ -13,10 +13,13 @@ row, already scaled, and what comes back is summed as is.
 Inkling's shared experts are weighed by the router (moe/router.py route_with_shared). LongCat-Flash's
 identity experts (moe.identity_experts) are chosen like routed ones but never dispatched: each returns its
 input, times its weight.
+In a compiled step a layer over expert-parallel ranks or with identity experts is one opaque operator
+(`moe_layer`, at the end of this module), run eagerly inside.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -25,7 +28,7 @@ from torch import nn
 from ster_dist.config import ModelConfig
 from ster_dist.layers.mlp import MLP
 from ster_dist.moe.dispatch import combine, dispatch
-from ster_dist.moe.experts import Experts
+from ster_dist.moe.experts import Experts, trace_experts, traced
 from ster_dist.moe.router import Router
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import ColumnLinear, Replicated, dense
@@ -66,6 +69,19 @@ class MoE(nn.Module):
         """The experts' output for x; `route_from`: what the router reads where that is not x (Gemma 4's router
         reads the residual, its experts a norm of it); token_ids (x's shape less the hidden width): what a
         hash-routed router chooses by."""
+        if torch.compiler.is_compiling() and self.opaque():
+            return torch.ops.ster_dist.moe_layer(x, route_from, self.experts.up)
+        return self._forward(x, route_from, token_ids)
+
+    def opaque(self) -> bool:
+        """Whether a compiled step runs this layer as one operator, eagerly inside it (`moe_layer`, below): an
+        expert-parallel rank's dispatch reads its split sizes on the host, and a rank whose share of a step's tokens
+        is empty would see its all-to-alls cut from its graph (no output of theirs is read) and hang its peers;
+        identity experts pick their routed pairs by a data-dependent mask."""
+        return self.ctx.ep_size > 1 or bool(self.identity_experts)
+
+    def _forward(self, x: torch.Tensor, route_from: torch.Tensor | None, token_ids: torch.Tensor | None
+                 ) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden)
         tokens = flat.shape[0]
         start, stop = self.ctx.token_share(tokens)
@@ -129,3 +145,35 @@ class MoE(nn.Module):
             y = torch.sigmoid(dense(x, self.shared_gate.weight)) * y
         return y
 
+
+
+# -- inside a compiled step -----------------------------------------------------------------------------------
+# A layer `opaque()` keeps whole reaches a compiled step as one custom operator whose output's shape is its input's
+# (as attention and routed_experts do): the graph around it traces, and every collective of the layer (the
+# dispatch's all-to-alls, the tensor-parallel reduce, the gather of the ranks' shares) runs inside it, in order,
+# on every rank. It finds its layer by its experts' `up` stack, registered by `trace_moe` before a model traces.
+
+_LAYERS: "weakref.WeakValueDictionary[int, MoE]" = weakref.WeakValueDictionary()
+
+_LIBRARY = torch.library.Library("ster_dist", "FRAGMENT")
+_LIBRARY.define("moe_layer(Tensor x, Tensor? route_from, Tensor up) -> Tensor")
+
+
+def trace_moe(model: torch.nn.Module) -> None:
+    """Register every MoE layer and Experts stack of `model` for the operators its compiled steps call."""
+    trace_experts(model)
+    for layer in model.modules():
+        if isinstance(layer, MoE):
+            _LAYERS[layer.experts.up.data_ptr()] = layer
+
+
+def _moe_layer(x: torch.Tensor, route_from: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+    return traced(_LAYERS, up, lambda layer: layer.experts)._forward(x, route_from, None)
+
+
+_LIBRARY.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ster_dist::moe_layer")
+def _(x: torch.Tensor, route_from: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
