@@ -409,6 +409,19 @@ def test_ep2_compiled_layers_give_the_eager_logits(moe, compiling):
         assert torch.equal(g, a)  # the second call ran the graphs the first one compiled
 
 
+@pytest.mark.slow  # two engines of two ranks: about 20 s here
+def test_the_paged_engine_over_ep2_ranks_compiled_answers_as_the_eager_one(moe, compiling, capfd):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    batch = prompts(4, seed=5, lo=2, hi=10)
+    answers = []
+    for config in ({}, {"compile_after": 1}):
+        with SpawnGroup(2, ep=2, timeout_s=300) as group, open_engine(moe, group=group, **config) as engine:
+            answers.append([s.result().token_ids for s in [engine.submit(p, params) for p in batch]])
+    assert answers[1] == answers[0]
+    said = capfd.readouterr().err
+    assert "compiling the layers after 1 steps" in said and "stay eager" not in said
+
+
 def test_the_operators_find_registered_layers_only_while_they_live(moe):
     """routed_experts and moe_layer find their modules by the experts' `up` stack in weak registries: a stack never
     registered (or replaced since) is refused in one line, and a model's entries go with the model."""
