@@ -146,7 +146,6 @@ class MoE(nn.Module):
         return y
 
 
-
 # -- inside a compiled step -----------------------------------------------------------------------------------
 # A layer `opaque()` keeps whole reaches a compiled step as one custom operator whose output's shape is its input's
 # (as attention and routed_experts do): the graph around it traces, and every collective of the layer (the
