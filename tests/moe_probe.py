@@ -3,7 +3,8 @@ CompiledSwitch turns a rank's compiled steps on and off.
 
 The counters live here, not in the model: on first use on a rank, DispatchProbe swaps the
 `dispatch` name moe/layer.py calls for a wrapper that records each call, and puts the original
-back when the rank closes. A rank is one process on Ray and under SpawnGroup, so each rank counts
+back when the rank closes. While it counts, every step dispatches: the small steps that skip the dispatch
+(MoE.replicated) take it again until `replicate(True)`. A rank is one process on Ray and under SpawnGroup, so each rank counts
 only its own dispatches; in a LocalGroup the swap covers every model in the driver's process.
 """
 
@@ -22,6 +23,8 @@ class DispatchProbe(RankExtension):
         self.totals = dict(_ZERO)
         self._original = layer.dispatch
         layer.dispatch = self._dispatch
+        self._replicated_bytes = layer.REPLICATED_BYTES
+        self.replicate(False)  # counting the dispatch: every step dispatches until replicate(True)
 
     def _dispatch(self, x, ids, num_experts, ctx, pairs=False):
         rows, local_ids, handle = self._original(x, ids, num_experts, ctx, pairs=pairs)
@@ -30,6 +33,10 @@ class DispatchProbe(RankExtension):
         self.totals["pairs_sent_away"] += sum(handle.sent) - handle.sent[ctx.ep_rank]
         self.totals["forwards"] += 1
         return rows, local_ids, handle
+
+    def replicate(self, on: bool) -> None:
+        """Let small steps skip the dispatch (MoE.replicated) again, or not."""
+        layer.REPLICATED_BYTES = self._replicated_bytes if on else 0
 
     def reset(self) -> None:
         """Start counting afresh (also installs the probe, when this is its first use on the rank)."""
@@ -52,6 +59,7 @@ class DispatchProbe(RankExtension):
     def close(self) -> None:
         if layer.dispatch == self._dispatch:  # not replaced again since: put the original back
             layer.dispatch = self._original
+        self.replicate(True)
 
 
 class CompiledSwitch(RankExtension):

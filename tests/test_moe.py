@@ -197,11 +197,18 @@ def test_ep2_equals_ep1_and_transformers(ep2, tiny, variant):
     assert [a + b for a, b in zip(*received, strict=True)] == routed  # every pair went somewhere once
     if variant in STARVED:  # the tiny checkpoint's last layer routes nothing to the upper half of the experts
         assert received[1][-1] == 0 and received[0][-1] == routed[-1]
-    # decoding one token per step: with one prompt, rank 1's token share is empty at every step
+    # decoding one token per step: with one prompt, rank 1's token share is empty at every step; the steps dispatch,
+    # then skip the dispatch (MoE.replicated: every rank routes every token, one sum of the ranks' partial sums)
     eos = single.cfg.eos_token_ids
     sampling = Sampling(max_new_tokens=8)
-    for prompts in ([ids[0, :7].tolist(), ids[1, :4].tolist()], [ids[0, :5].tolist()]):
-        assert ep2.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling, eos)
+    for replicated in (False, True):
+        ep2.on(DispatchProbe).replicate(replicated)
+        for prompts in ([ids[0, :7].tolist(), ids[1, :4].tolist()], [ids[0, :5].tolist()]):
+            want = generate(single.model, prompts, sampling, eos)
+            assert ep2.call("generate", prompts, sampling, eos, 0)[0] == want
+        logits_now = ep2.call("logits", ids)[0]
+        assert compare(logits_now, one)["max_relative_error"] < 1e-5
+    ep2.on(DispatchProbe).replicate(False)
     assert [s["bytes_read"] for s in stats] == expected_bytes(directory, single.cfg.moe.num_experts, 2,
                                                               single.cfg.spec.ignore, single.cfg.wrapper)
 

@@ -13,6 +13,9 @@ row, already scaled, and what comes back is summed as is.
 Inkling's shared experts are weighed by the router (moe/router.py route_with_shared). LongCat-Flash's
 identity experts (moe.identity_experts) are chosen like routed ones but never dispatched: each returns its
 input, times its weight.
+A small step (at most REPLICATED_BYTES of hidden states: a decode's) skips the dispatch: every rank routes every
+token, runs the pairs its own experts hold and the shared experts of its own share, and one gather adds the
+ranks' partial sums (MoE.replicated; 1.6x EP=2 decode at batch 4, 1.9x at batch 1, on bench/moe.py's model).
 In a compiled step a layer over expert-parallel ranks or with identity experts is one opaque operator
 (`moe_layer`, at the end of this module), run eagerly inside.
 """
@@ -32,6 +35,10 @@ from ster_dist.moe.experts import Experts, trace_experts, traced
 from ster_dist.moe.router import Router
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import ColumnLinear, Replicated, dense
+
+# the most bytes of hidden states (tokens x hidden x element size) a step may have to skip the dispatch over
+# expert-parallel ranks (MoE.replicated): a decode's few tokens, where the exchange's latency is all that counts
+REPLICATED_BYTES = 128 * 1024
 
 
 class MoE(nn.Module):
@@ -84,7 +91,9 @@ class MoE(nn.Module):
                  ) -> torch.Tensor:
         flat = x.reshape(-1, self.hidden)
         tokens = flat.shape[0]
-        start, stop = self.ctx.token_share(tokens)
+        own = self.ctx.token_share(tokens)  # the rows whose shared experts this rank runs
+        replicated = self.replicated(tokens, x.element_size())
+        start, stop = (0, tokens) if replicated else own
         share = flat[start:stop]
         routed = share if route_from is None else route_from.reshape(-1, self.hidden)[start:stop]
         hashed = token_ids.reshape(-1)[start:stop] if self.hash_routed else None
@@ -95,21 +104,59 @@ class MoE(nn.Module):
             return self._with_identity(x, share, weights, ids, tokens)
         if self.weight_input:  # Llama 4: each (token, expert) pair's input scaled by its weight, summed as is
             inputs = (inputs.unsqueeze(1) * weights.unsqueeze(-1).to(inputs.dtype)).flatten(0, 1)
-        rows, local_ids, handle = dispatch(inputs, ids, self.num_experts, self.ctx, pairs=self.weight_input)
-        back = combine(self.experts(rows, local_ids), handle).view(*ids.shape, self.width).float()
+        if replicated:
+            back = self._held_pairs(inputs, ids)
+        else:
+            rows, local_ids, handle = dispatch(inputs, ids, self.num_experts, self.ctx, pairs=self.weight_input)
+            back = combine(self.experts(rows, local_ids), handle)
+        back = back.view(*ids.shape, self.width).float()
         out = (back if self.weight_input else back * weights.unsqueeze(-1)).sum(1).to(x.dtype)
-        if self.latent_out is not None:  # a partial sum under TP, like the experts': add the bias once
-            bias = self.latent_out.bias if self.ctx.tp_rank == 0 else None
-            out = dense(out, self.latent_out.matrix(), bias)
-        if self.shared_experts is not None:
-            out = out + self._routed_shared(share, gammas)
-        if self.shared is not None:
-            out = out + self._shared(share)
-            if self.shared_average:  # Cohere 2 MoE: the mean of the routed and the shared experts
+        if self.latent_out is not None:  # a partial sum under TP (and EP, replicated): add the bias once
+            first = self.ctx.tp_rank == 0 and (not replicated or self.ctx.ep_rank == 0)
+            out = dense(out, self.latent_out.matrix(), self.latent_out.bias if first else None)
+        if self.shared_experts is not None or self.shared is not None:
+            mine = slice(own[0] - start, own[1] - start)  # this rank's own rows within those it routed
+            extra = self._shared_parts(flat[own[0]:own[1]], gammas[mine])
+            if replicated:  # each rank adds its own rows' share: the sum over ranks adds every row's once
+                out[mine] += extra
+            else:
+                out = out + extra
+            if self.shared is not None and self.shared_average:  # Cohere 2 MoE: the routed and shared experts' mean
                 out = out * 0.5
         if out.shape[0]:  # every rank of a tensor-parallel group holds the same share, so all skip together
             out = self.ctx.all_reduce(out)
+        if replicated:
+            return self.ctx.ep_sum(out).view(x.shape)
         return self.ctx.ep_gather_rows(out, tokens).view(x.shape)
+
+    def replicated(self, tokens: int, item_bytes: int) -> bool:
+        """Whether a step of `tokens` tokens skips the dispatch over expert-parallel ranks: every rank routes every
+        token (the residual is replicated already) and runs the pairs its own experts hold, and the ranks' partial
+        sums are added by one collective (ctx.ep_sum) instead of the dispatch's three and the gather of the shares
+        (vLLM's all-gather / reduce-scatter exchange, less the all-gather: each rank holds every token). The
+        experts' work is the same (each pair runs once, on the rank holding its expert); what grows is the bytes
+        of the sum (ep x tokens x hidden), so only steps of at most REPLICATED_BYTES a rank take it: a decode's."""
+        if self.ctx.ep_size == 1 or self.identity_experts:  # identity experts: their own path, by shares
+            return False
+        return 0 < tokens * self.hidden * item_bytes <= REPLICATED_BYTES
+
+    def _held_pairs(self, inputs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, slot) pair's output from this rank's experts [pairs, width], zero where another rank holds
+        the pair's expert; inputs: [tokens, width], or a row per pair with weight_input."""
+        flat = ids.reshape(-1)
+        first, last = self.ctx.experts(self.num_experts)
+        held = ((flat >= first) & (flat < last)).nonzero(as_tuple=True)[0]
+        rows = inputs[held] if self.weight_input else inputs[held // ids.shape[1]]
+        back = inputs.new_zeros((flat.shape[0], self.width))
+        back[held] = self.experts(rows, flat[held] - first)
+        return back
+
+    def _shared_parts(self, rows: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        """The shared experts' partial sum for rows: the router-weighed ones (Inkling's) and the plain ones."""
+        out = self._routed_shared(rows, gammas) if self.shared_experts is not None else None
+        if self.shared is not None:
+            out = self._shared(rows) if out is None else out + self._shared(rows)
+        return out
 
     def _with_identity(self, x: torch.Tensor, share: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        tokens: int) -> torch.Tensor:

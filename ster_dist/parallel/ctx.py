@@ -140,6 +140,15 @@ class ParallelCtx:
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def ep_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every expert-parallel rank's x (partial sums of one shape), added in f32: one gather (gloo's
+        all_gather_single took 0.6 ms between two processes here, its all_reduce 1.65 ms)."""
+        if self.ep_size == 1:
+            return x
+        out = x.new_empty((self.ep_size * x.shape[0], *x.shape[1:]))  # gloo gathers into the concatenation
+        dist.all_gather_single(out, x.contiguous(), group=self.ep_group)
+        return out.view(self.ep_size, *x.shape).float().sum(0).to(x.dtype)
+
     def ep_gather_rows(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         """Every expert-parallel rank's token share [its rows, ...] back into the whole [tokens, ...].
 
