@@ -158,7 +158,10 @@ def _quiet():
         logger.setLevel(logging.ERROR)
         for handler in logger.handlers:
             if type(handler) is logging.StreamHandler and not isinstance(handler.stream, _Stderr):
-                handler.setStream(_Stderr())
+                # not setStream, which flushes the old stream first: it may be closed by now (a stdout replaced
+                # after DeepSpeed was imported, such as a test's captured one)
+                with handler.lock:
+                    handler.stream = _Stderr()
         yield
 
 
