@@ -3,9 +3,10 @@ CompiledSwitch turns a rank's compiled steps on and off.
 
 The counters live here, not in the model: on first use on a rank, DispatchProbe swaps the
 `dispatch` name moe/layer.py calls for a wrapper that records each call, and puts the original
-back when the rank closes. While it counts, every step dispatches: the small steps that skip the dispatch
-(MoE.replicated) take it again until `replicate(True)`. A rank is one process on Ray and under SpawnGroup, so each rank counts
-only its own dispatches; in a LocalGroup the swap covers every model in the driver's process.
+back when the rank closes. A rank is one process on Ray and under SpawnGroup, so each rank counts
+only its own dispatches; in a LocalGroup the swap covers every model in the driver's process. While
+it counts, every step dispatches: the small steps that skip the dispatch (MoE.replicated) take it
+again after `replicate(True)`.
 """
 
 from __future__ import annotations
