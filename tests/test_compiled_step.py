@@ -9,6 +9,7 @@ the suite runs eager (tests/conftest.py sets STER_ENFORCE_EAGER) and these tests
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -194,13 +195,15 @@ def test_a_hook_runs_eagerly_and_steers_as_it_does_eagerly(models):
     assert not torch.allclose(plain, want)  # the hook did change the logits
 
 
-def _eager_and_compiled_answers(directory, batch: list[list[int]], tokens: int, compile_after: int):
+def _eager_and_compiled_answers(directory, batch: list[list[int]], tokens: int, compile_after: int, ranks=None):
     """The token ids a paged engine answers `batch` with (submitted together), eager and compiled after
-    `compile_after` steps."""
+    `compile_after` steps; `ranks`: makes the engine's group of ranks (None: one local rank)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     answers = []
     for config in ({}, {"compile_after": compile_after}):
-        with open_engine(directory, **config) as engine:
+        with contextlib.ExitStack() as stack:
+            group = stack.enter_context(ranks()) if ranks is not None else None
+            engine = stack.enter_context(open_engine(directory, group=group, **config))
             answers.append([s.result().token_ids for s in [engine.submit(p, params) for p in batch]])
     return answers
 
@@ -411,13 +414,9 @@ def test_ep2_compiled_layers_give_the_eager_logits(moe, compiling):
 
 @pytest.mark.slow  # two engines of two ranks: about 20 s here
 def test_the_paged_engine_over_ep2_ranks_compiled_answers_as_the_eager_one(moe, compiling, capfd):
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    batch = prompts(4, seed=5, lo=2, hi=10)
-    answers = []
-    for config in ({}, {"compile_after": 1}):
-        with SpawnGroup(2, ep=2, timeout_s=300) as group, open_engine(moe, group=group, **config) as engine:
-            answers.append([s.result().token_ids for s in [engine.submit(p, params) for p in batch]])
-    assert answers[1] == answers[0]
+    want, got = _eager_and_compiled_answers(moe, prompts(4, seed=5, lo=2, hi=10), 6, compile_after=1,
+                                            ranks=lambda: SpawnGroup(2, ep=2, timeout_s=300))
+    assert got == want
     said = capfd.readouterr().err
     assert "compiling the layers after 1 steps" in said and "stay eager" not in said
 

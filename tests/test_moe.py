@@ -201,13 +201,13 @@ def test_ep2_equals_ep1_and_transformers(ep2, tiny, variant):
     # then skip the dispatch (MoE.replicated: every rank routes every token, one sum of the ranks' partial sums)
     eos = single.cfg.eos_token_ids
     sampling = Sampling(max_new_tokens=8)
+    batches = ([ids[0, :7].tolist(), ids[1, :4].tolist()], [ids[0, :5].tolist()])
+    wants = [generate(single.model, prompts, sampling, eos) for prompts in batches]
     for replicated in (False, True):
         ep2.on(DispatchProbe).replicate(replicated)
-        for prompts in ([ids[0, :7].tolist(), ids[1, :4].tolist()], [ids[0, :5].tolist()]):
-            want = generate(single.model, prompts, sampling, eos)
+        for prompts, want in zip(batches, wants):
             assert ep2.call("generate", prompts, sampling, eos, 0)[0] == want
-        logits_now = ep2.call("logits", ids)[0]
-        assert compare(logits_now, one)["max_relative_error"] < 1e-5
+    assert compare(ep2.call("logits", ids)[0], one)["max_relative_error"] < 1e-5  # the prompt again, replicated
     ep2.on(DispatchProbe).replicate(False)
     assert [s["bytes_read"] for s in stats] == expected_bytes(directory, single.cfg.moe.num_experts, 2,
                                                               single.cfg.spec.ignore, single.cfg.wrapper)
