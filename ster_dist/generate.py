@@ -80,22 +80,24 @@ def generate(model: Decoder, prompts: list[list[int]], sampling: Sampling, eos_i
     if sampling.max_new_tokens == 0:
         return outputs
     cache = model.new_cache(batch, ids.shape[1] + sampling.max_new_tokens)
-    generator = torch.Generator().manual_seed(sampling.seed)
+    # the draws' generator lies where the probabilities do (a CUDA one there; the CPU's otherwise)
+    generator = torch.Generator(model.device if model.device.type == "cuda" else "cpu").manual_seed(sampling.seed)
     logits = _last(model(ids, positions, valid, cache, last_only=True))
     next_pos = positions[:, -1:] + 1
-    done = torch.zeros(batch, dtype=torch.bool)
-    eos = torch.tensor(eos_ids or [-1], dtype=torch.long)
+    done = [False] * batch
+    eos = set(eos_ids)
     for step in range(sampling.max_new_tokens):
         tokens = sample(logits, sampling, generator) if logits is not None else torch.zeros(batch, dtype=torch.long)
         if agree is not None:
             tokens = agree(tokens)
-        for row in range(batch):
+        picked = tokens.tolist()  # the step's one read of the device: its sampled tokens (model/host.py)
+        for row, token in enumerate(picked):
             if not done[row]:
-                outputs[row].append(int(tokens[row]))
-        done |= torch.isin(tokens, eos)
-        if bool(done.all()) or step == sampling.max_new_tokens - 1:
+                outputs[row].append(token)
+                done[row] = token in eos
+        if all(done) or step == sampling.max_new_tokens - 1:
             break
-        logits = _last(model(tokens.unsqueeze(1), next_pos, torch.ones_like(next_pos, dtype=torch.bool), cache))
+        logits = _last(model(tokens.unsqueeze(1), next_pos, torch.ones(next_pos.shape, dtype=torch.bool), cache))
         next_pos = next_pos + 1
     return outputs
 

@@ -5,6 +5,9 @@ Slots are shared by the batch (prompts are left-padded to one length); each row
 keeps its own positions and which slots hold real tokens, so padding is never
 attended and positions skip it. A recurrent layer (Mamba, gated delta, short
 convolution) keeps no slots, only the state its scan left (`states`), row by row.
+
+The positions and validity of the slots are bookkeeping, kept on the host whatever device holds the keys: a step
+decides its masks and kernels from them without reading the device (model/host.py).
 """
 
 from __future__ import annotations
@@ -25,14 +28,14 @@ class KVCache:
         self.keys = [slots(shape[0]) if shape is not None else None for shape in shapes]
         self.values = [slots(shape[1]) if shape is not None else None for shape in shapes]
         self.states: dict[int, tuple[torch.Tensor, ...]] = {}  # recurrent layer -> its state, rows first
-        self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch, capacity, dtype=torch.long)  # on the host (above)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
         self.length = 0
         self.capacity = capacity
         self._kernel_views: tuple[list, list] | None = None
 
     def reserve(self, positions: torch.Tensor, valid: torch.Tensor) -> slice:
-        """Claim the next slots for a [batch, seq] step; returns them."""
+        """Claim the next slots for a [batch, seq] step of host positions and validity; returns them."""
         seq = positions.shape[1]
         if self.length + seq > self.capacity:
             raise ValueError(f"KV cache full: {self.length} + {seq} > {self.capacity} slots")

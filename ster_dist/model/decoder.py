@@ -21,6 +21,7 @@ from ster_dist.model.cache import KVCache
 from ster_dist.model.altup import AltUpLayer, AltUpStream
 from ster_dist.model.anchored import Anchored
 from ster_dist.model.compiled import CompiledLayers, failures, why_eager
+from ster_dist.model.host import upload
 from ster_dist.model.hyper_connection import HyperConnection, HyperHead, hooked, spread
 from ster_dist.model.kinds import FEED_FORWARDS, MIXERS
 from ster_dist.model.laurel import Laurel
@@ -304,14 +305,15 @@ class Decoder(Anchored):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                 cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor | None:
         """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]; None on a pipeline stage but the last,
-        which hands its output on instead."""
+        which hands its output on instead. positions and valid are the host's (model/host.py); ids may lie on
+        either side (a decode's are the last step's sampled tokens, on the device)."""
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         if valid is None:
-            valid = torch.ones_like(ids, dtype=torch.bool)
-        step = StepState(positions, valid, self.tables, cache, self.cfg.bidirectional_prompt)
-        h = self._stage(ids, positions, step)
+            valid = torch.ones(ids.shape, dtype=torch.bool)
+        step = StepState(positions, valid, self.tables, cache, self.cfg.bidirectional_prompt, self.device)
+        h = self._stage(upload(ids, self.device), step.positions, step)
         if h is None:
             return None
         if last_only:
@@ -322,8 +324,8 @@ class Decoder(Anchored):
         """The final norm's output [batch, seq, hidden] for right-padded ids: what the head reads, and what a
         reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        step = StepState(positions, valid, self.tables, None)
-        h = self._layers(self._embed(ids, positions, step), step, ids)
+        step = StepState(positions, valid, self.tables, None, device=self.device)
+        h = self._layers(self._embed(ids, step.positions, step), step, ids)
         return self.final_norm(h).to(self.dtype)
 
     def forward_paged(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache,
@@ -332,16 +334,16 @@ class Decoder(Anchored):
         concatenated in chunk order. Token-wise layers run on the packed tokens; only attention splits them
         by sequence (PagedStep). None on a pipeline stage but the last. `eager`: not through compiled layers
         (a step whose rows carry their own adapters)."""
-        step = PagedStep(chunks, cache, self.tables, ids)
-        h = self._stage(ids.unsqueeze(0), step.positions, step, eager)
+        step = PagedStep(chunks, cache, self.tables, ids, self.device)
+        h = self._stage(upload(ids, self.device).unsqueeze(0), step.positions, step, eager)
         return None if h is None else self._logits(h[:, step.last_tokens])[0]
 
     def forward_paged_rows(self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache,
                            rows: torch.Tensor, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_paged's step, with logits [len(rows), vocab] at the given packed rows and the final norm's
         output over every token [tokens, hidden] (what an MTP draft reads, model/mtp.py). One stage only."""
-        step = PagedStep(chunks, cache, self.tables, ids)
-        h = self._stage(ids.unsqueeze(0), step.positions, step, eager)
+        step = PagedStep(chunks, cache, self.tables, ids, self.device)
+        h = self._stage(upload(ids, self.device).unsqueeze(0), step.positions, step, eager)
         normed = self.final_norm(h).to(self.dtype)[0]
         return self.head_logits(normed[rows]), normed
 

@@ -34,6 +34,7 @@ from ster_dist.families.spec import MTPSpec, Rule
 from ster_dist.model.anchored import Anchored
 from ster_dist.model.decoder import Block, Decoder, Elsewhere
 from ster_dist.model.norm import Norm
+from ster_dist.model.host import upload
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.paged_step import PagedStep
 from ster_dist.parallel.ctx import ParallelCtx
@@ -111,7 +112,8 @@ class MTPDraft(Anchored):
         """(the layer's output [tokens, hidden], logits [len(chunks), vocab] at each chunk's last token) for
         packed ids [tokens] (token t+1 of each position) and hidden [tokens, hidden] (h_t there)."""
         head, layout = self.mtp[str(self.index)], self.cfg.spec.mtp
-        step = PagedStep(chunks, cache, main.tables, ids)
+        step = PagedStep(chunks, cache, main.tables, ids, main.device)
+        ids = upload(ids, main.device)
         # the row of position 0 reads no embedding, as DeepSeek's MTP layers are run (vLLM, SGLang mask it too)
         e = head.enorm(main.embed(ids).masked_fill((step.positions[0] == 0).unsqueeze(-1), 0))
         h = head.hnorm(hidden.to(e.dtype))

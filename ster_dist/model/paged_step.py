@@ -16,29 +16,37 @@ import functools
 import torch
 
 from ster_dist.config import RopeConfig
+from ster_dist.model.host import upload
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import causal_kernel_fits, decode_kernel_scale, or_empty, planned_scales
 
 
 class _AttendGroup:
-    """Sequences that share one attend call: their queries' packed indices, block tables [n, blocks] and
-    query positions [n, queries]; masks by window, built on first use."""
+    """Sequences that share one attend call: their queries' packed indices and block tables [n, blocks] (on the
+    device), query positions [n, queries] (the host's, model/host.py); masks by window, built on first use."""
 
     def __init__(self, tokens: slice | torch.Tensor, table: torch.Tensor, query_pos: torch.Tensor,
-                 block_size: int, prefix: int = 0):
-        self.tokens, self.table, self.query_pos, self.prefix = tokens, table, query_pos, prefix
+                 block_size: int, device: torch.device, prefix: int = 0):
+        self.device = device
+        self.tokens = tokens if isinstance(tokens, slice) else upload(tokens, device)
+        self.table, self.query_pos, self.prefix = upload(table, device), query_pos, prefix
         self.one_token = query_pos.shape[1] == 1 and table.shape[0] > 1  # queries come from n sequences
         keys = table.shape[1] * block_size
         # a key's slot in the gathered table is its position: sequences fill their blocks from position 0
-        self.key_pos = torch.arange(keys, device=table.device).expand(table.shape[0], keys)
+        self._key_pos = torch.arange(keys).expand(table.shape[0], keys)
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._ranges: dict[tuple[int | None, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @functools.cached_property
+    def key_pos(self) -> torch.Tensor:
+        """[n, keys] each gathered key's position, on the device (what a layer's attention reads)."""
+        return upload(self._key_pos, self.device)
+
+    @functools.cached_property
     def starts(self) -> torch.Tensor:
         """Each sequence's first query position: what the causal kernel asks of a prompt's group."""
-        return self.query_pos[:, 0].contiguous()
+        return upload(self.query_pos[:, 0].contiguous(), self.device)
 
     def take(self, x):
         """This group's queries [n, heads, q, width] from packed x [1, heads, tokens, width] (or a tuple of such)."""
@@ -64,15 +72,16 @@ class _AttendGroup:
         query's chunk), or None when every key is allowed. Causality alone excludes the padding slots: they
         lie past every query."""
         if (window, chunk) not in self._masks:
-            distance = self.query_pos.unsqueeze(2) - self.key_pos[:, None, :]
+            key_pos = self._key_pos[:, None, :]
+            distance = self.query_pos.unsqueeze(2) - key_pos
             allowed = distance >= 0
             if self.prefix:  # a prefix LM's prompt, read whole: its tokens see each other both ways
-                allowed |= (self.query_pos.unsqueeze(2) < self.prefix) & (self.key_pos[:, None, :] < self.prefix)
+                allowed |= (self.query_pos.unsqueeze(2) < self.prefix) & (key_pos < self.prefix)
             if window is not None:
                 allowed &= distance < window
             if chunk is not None:  # Llama 4's chunked layers: keys of the query's own chunk only
-                allowed &= self.query_pos.unsqueeze(2) // chunk == self.key_pos[:, None, :] // chunk
-            self._masks[window, chunk] = None if bool(allowed.all()) else allowed.unsqueeze(1)
+                allowed &= self.query_pos.unsqueeze(2) // chunk == key_pos // chunk
+            self._masks[window, chunk] = None if bool(allowed.all()) else upload(allowed.unsqueeze(1), self.device)
         return self._masks[window, chunk]
 
 
@@ -86,21 +95,24 @@ class _AttendGroup:
                 first = (pos + 1 - window).clamp(min=0)
             if chunk is not None:
                 first = torch.maximum(first, pos // chunk * chunk)
-            self._ranges[window, chunk] = first, pos + 1
+            self._ranges[window, chunk] = upload(first, self.device), upload(pos + 1, self.device)
         return self._ranges[window, chunk]
 
 
 class PagedStep:
     """One packed step over a PagedCache: positions [1, tokens], cache slots, attend groups, rotary tables."""
 
-    def __init__(self, chunks: list[Chunk], cache: PagedCache, tables: RotaryTables, ids: torch.Tensor):
+    def __init__(self, chunks: list[Chunk], cache: PagedCache, tables: RotaryTables, ids: torch.Tensor,
+                 device: torch.device | None = None):
+        """Everything is built from the chunks on the host and what the layers read goes to `device` (ids' own
+        by default) once: no decision here reads the device (model/host.py)."""
         if not chunks:
             raise ValueError("a paged step needs at least one chunk")
         total = sum(c.length for c in chunks)
         if tuple(ids.shape) != (total,):
             raise ValueError(f"ids of shape {tuple(ids.shape)} for chunks of {total} new tokens in all")
-        bs, device = cache.block_size, ids.device
-        self.cache, self.tables = cache, tables
+        bs, device = cache.block_size, ids.device if device is None else device
+        self.cache, self.tables, self.device = cache, tables, device
         positions: list[int] = []
         slots: list[int] = []
         needed: list[int] = []
@@ -118,12 +130,13 @@ class PagedStep:
             positions.extend(range(c.start, end))
             slots.extend(c.blocks[p // bs] * bs + p % bs for p in range(c.start, end))
             needed.append(need)
-        self.positions = torch.tensor(positions, device=device).unsqueeze(0)
-        self.slots = torch.tensor(slots, device=device)
+        self._positions = torch.tensor(positions).unsqueeze(0)  # the host's
+        self.positions = upload(self._positions, device)
+        self.slots = upload(torch.tensor(slots), device)
         offsets = [0]
         for c in chunks:
             offsets.append(offsets[-1] + c.length)
-        self.last_tokens = torch.tensor(offsets[1:], device=device) - 1
+        self.last_tokens = upload(torch.tensor(offsets[1:]) - 1, device)
         self._offsets, self._ends = offsets, [c.start + c.length for c in chunks]
         self.total = total
         self.groups = self._groups(chunks, offsets, needed, bs, device)
@@ -139,25 +152,24 @@ class PagedStep:
         if decodes:
             at = [offsets[i] for i in decodes]
             contiguous = at == list(range(at[0], at[0] + len(at)))
-            tokens = slice(at[0], at[0] + len(at)) if contiguous else torch.tensor(at, device=device)
+            tokens = slice(at[0], at[0] + len(at)) if contiguous else torch.tensor(at)
             width = max(needed[i] for i in decodes)
             table = [list(chunks[i].blocks[:needed[i]]) + [PagedCache.NULL_BLOCK] * (width - needed[i])
                      for i in decodes]
             starts = [[chunks[i].start] for i in decodes]
-            groups.append(_AttendGroup(tokens, torch.tensor(table, device=device),
-                                       torch.tensor(starts, device=device), bs))
+            groups.append(_AttendGroup(tokens, torch.tensor(table), torch.tensor(starts), bs, device))
         for i, c in enumerate(chunks):
             if c.length > 1:
-                table = torch.tensor([c.blocks[:needed[i]]], device=device)
-                query_pos = torch.arange(c.start, c.start + c.length, device=device).unsqueeze(0)
-                groups.append(_AttendGroup(slice(offsets[i], offsets[i + 1]), table, query_pos, bs, c.prefix))
+                table = torch.tensor([c.blocks[:needed[i]]])
+                query_pos = torch.arange(c.start, c.start + c.length).unsqueeze(0)
+                groups.append(_AttendGroup(slice(offsets[i], offsets[i + 1]), table, query_pos, bs, device, c.prefix))
         return groups
 
     @staticmethod
     def _scan_groups(chunks: list[Chunk], offsets: list[int], device) -> list[tuple[torch.Tensor, torch.Tensor,
-                                                                                     torch.Tensor]]:
+                                                                                     torch.Tensor | None]]:
         """Chunks of one length scan together: (packed token indices [n, length], state slots [n], which of
-        them start their sequence [n])."""
+        them start their sequence [n], or None where none does)."""
         by_length: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             if c.state < 0:
@@ -165,10 +177,11 @@ class PagedStep:
             by_length.setdefault(c.length, []).append(i)
         groups = []
         for length, members in by_length.items():
-            tokens = torch.tensor([list(range(offsets[i], offsets[i] + length)) for i in members], device=device)
-            slots = torch.tensor([chunks[i].state for i in members], device=device)
-            starts = torch.tensor([chunks[i].start == 0 for i in members], device=device)
-            groups.append((tokens, slots, starts))
+            tokens = torch.tensor([list(range(offsets[i], offsets[i] + length)) for i in members])
+            slots = torch.tensor([chunks[i].state for i in members])
+            starts = [chunks[i].start == 0 for i in members]
+            groups.append((upload(tokens, device), upload(slots, device),
+                           upload(torch.tensor(starts), device) if any(starts) else None))
         return groups
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
@@ -180,7 +193,7 @@ class PagedStep:
         out = None
         for tokens, slots, starts in self._scans:
             state = tuple(s[slots] for s in stored)
-            if bool(starts.any()):
+            if starts is not None:
                 state = tuple(torch.where(starts.view(-1, *[1] * (s.dim() - 1)), new.to(s.dtype), s)
                               for s, new in zip(state, fresh(len(slots))))
             y, state = scan(x[0][tokens], None, state)
@@ -266,9 +279,10 @@ class PagedStep:
             # longrope picks its table by how far a sequence reaches: each chunk its own, as when stepped
             # alone, not the furthest sequence's for all
             if rope.rope_type == "longrope" and len({end > rope.original_max_position for end in self._ends}) > 1:
-                parts = [self.tables.lookup(rope, self.positions[:, a:b], dtype)
+                parts = [self.tables.lookup(rope, self._positions[:, a:b], dtype)
                          for a, b in zip(self._offsets, self._offsets[1:])]
-                self._rotary[key] = tuple(torch.cat(tables, dim=1) for tables in zip(*parts))
+                tables = tuple(torch.cat(tables, dim=1) for tables in zip(*parts))
             else:
-                self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
+                tables = self.tables.lookup(rope, self._positions, dtype)
+            self._rotary[key] = tuple(upload(t, self.device) for t in tables)
         return self._rotary[key]

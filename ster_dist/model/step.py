@@ -12,6 +12,7 @@ import torch
 from ster_dist import kernels
 from ster_dist.config import RopeConfig
 from ster_dist.model.cache import KVCache
+from ster_dist.model.host import upload
 from ster_dist.model.rope import RotaryTables
 
 
@@ -19,9 +20,15 @@ class StepState:
     """What every layer of one forward step shares: positions, cache slots, masks and rotary tables."""
 
     def __init__(self, positions: torch.Tensor, valid: torch.Tensor, tables: RotaryTables,
-                 cache: KVCache | None, bidirectional_prompt: bool = False):
-        self.positions = positions
-        self.padding = None if bool(valid.all()) else valid  # [batch, seq] where some token is padding
+                 cache: KVCache | None, bidirectional_prompt: bool = False, device: torch.device | None = None):
+        """positions and valid [batch, seq] as the caller built them, on the host (model/host.py: every
+        decision here reads them there); the layers read them, the masks and the rotary tables on `device`
+        (positions' own by default)."""
+        device = positions.device if device is None else device
+        positions, valid = positions.cpu(), valid.cpu()  # themselves when built on the host, as callers do
+        self.device = device
+        self.positions = upload(positions, device)
+        self.padding = None if bool(valid.all()) else upload(valid, device)  # [batch, seq] where some token is padding
         self.tables = tables
         self.cache = cache
         if cache is not None:
@@ -41,10 +48,11 @@ class StepState:
         self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
         # where the mask is causal alone over slots that are positions (no padding, no prompt read both ways):
         # the first query's slot, for the causal kernel; None elsewhere
-        causal = (t > 1 and not both_ways and key_pos.device.type == "cpu"  # the kernel is a CPU one
+        causal = (t > 1 and not both_ways and device.type == "cpu"  # the kernel is a CPU one
                   and bool(key_valid.all()) and bool((key_pos == torch.arange(s)).all()))
         self._causal_start = start if causal else None
-        self._positions, self._key_pos = positions, key_pos
+        self._positions, self._key_pos = positions, key_pos  # the host's
+        self._device_key_pos: torch.Tensor | None = None
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
         self._rows: tuple | None = None  # the decode kernel's table, starts, ends and their key count
@@ -67,7 +75,7 @@ class StepState:
                 self._masks[window, chunk] = None
             else:
                 allowed = self._base if near is None else self._base & near
-                self._masks[window, chunk] = (allowed | self._diag).unsqueeze(1)
+                self._masks[window, chunk] = upload((allowed | self._diag).unsqueeze(1), self.device)
         return self._masks[window, chunk]
 
     def attend(self, layer: int, q, k: torch.Tensor | None, v: torch.Tensor | None, window: int | None, fn,
@@ -89,7 +97,7 @@ class StepState:
         scale = self._causal_scale(q, k, v, fn, chunk)
         if scale is not None:  # a prompt's queries over the keys before them, the masked half never computed
             return self._causal(q, k, v, scale, window)
-        return fn(q, k, v, self.mask(window, chunk), self._key_pos)
+        return fn(q, k, v, self.mask(window, chunk), self.key_positions)
 
     def _causal_scale(self, q, k: torch.Tensor, v: torch.Tensor, fn, chunk: int | None) -> float | None:
         """decode_kernel_scale where the causal kernel may take this step's attention; None: call fn."""
@@ -144,7 +152,7 @@ class StepState:
         (a looped model's first pass, model/loop_attention.py): its cache, or without one the keys and values
         it handed on (`fresh`)."""
         k, v = self.cache.read(layer, self.slots.stop) if self.cache is not None else fresh
-        return fn(q, k, v, self.mask(None), self._key_pos)
+        return fn(q, k, v, self.mask(None), self.key_positions)
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for x [batch, seq, hidden]: scan(x, valid, state) -> (y, state) over the
@@ -161,13 +169,16 @@ class StepState:
 
     @property
     def key_positions(self) -> torch.Tensor:
-        """[batch, keys]: the absolute positions of the keys this step attends (ALiBi's biases)."""
-        return self._key_pos
+        """[batch, keys]: the absolute positions of the keys this step attends (ALiBi's biases), on the device."""
+        if self._device_key_pos is None:
+            self._device_key_pos = upload(self._key_pos, self.device)
+        return self._device_key_pos
 
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)
         if key not in self._rotary:
-            self._rotary[key] = self.tables.lookup(rope, self.positions, dtype)
+            cos, sin = self.tables.lookup(rope, self._positions, dtype)
+            self._rotary[key] = upload(cos, self.device), upload(sin, self.device)
         return self._rotary[key]
 
 

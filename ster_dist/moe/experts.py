@@ -180,12 +180,14 @@ class Experts(ShardedModule):
         """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride of
         its operands and outputs a multiple of 16 bytes (the rows and outputs are contiguous [rows,
         hidden or inner share]; each weight is read transposed, so its two outer strides count)."""
-        if x.device.type not in ("cpu", "cuda"):
+        if x.device.type not in ("cpu", "cuda", "meta"):  # meta: shapes only, as a CUDA device would run them
             return False
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
             return False  # grouped_mm's CUDA kernels start at SM80
         weights = self._weights()
         if x.dtype not in GROUPED_DTYPES or any(w.dtype != x.dtype or w.stride(-1) != 1 for w in weights):
+            return False
+        if x.device.type != "cpu" and x.dtype != torch.bfloat16:  # the CUDA kernels' one dtype (torch's meta checks)
             return False
         strides = [self.up.shape[1], self.down.shape[1], *(s for w in weights for s in w.stride()[:2])]
         return all(s * x.element_size() % GROUPED_ALIGN == 0 for s in strides)
