@@ -18,6 +18,8 @@ blocks of its own groups without an exchange.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ster_dist.config import ModelConfig
@@ -56,27 +58,29 @@ class BlockSparseAttention(Attention):
         v = torch.cat((v, index_k.to(v.dtype).expand(-1, self.local_kv, -1, -1)), dim=-1)
         # each query's position rides with it ([b, 1, t, 1]), so a paged step's groups take theirs
         queries = (q, index_q, pos.positions.view(b, 1, t, 1))
-        out = pos.attend(self.layer, queries, k, v, self.window, self._attend_blocks, self.chunk)
+        out = pos.attend(self.layer, queries, k, v, self.window, partial(self._attend_blocks, pos.key_reach), self.chunk)
         return self._output(out, gate)
 
-    def _attend_blocks(self, queries, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
+    def _attend_blocks(self, reach: int, queries, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
         q, index_q, query_pos = queries
         v, index_k = v.split([self.value_dim, self.index_dim], dim=-1)
-        keep = self.choose(index_q, index_k[:, :1], mask, query_pos[:, 0, :, 0], key_pos)
+        keep = self.choose(index_q, index_k[:, :1], mask, query_pos[:, 0, :, 0], key_pos, reach)
         return self._attend_at(q, k, v, keep, key_pos)
 
     def choose(self, index_q: torch.Tensor, index_k: torch.Tensor, mask: torch.Tensor | None,
-               query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+               query_pos: torch.Tensor, key_pos: torch.Tensor, reach: int) -> torch.Tensor:
         """[b, local heads, t, s]: the allowed pairs (`mask` [b, 1, t, s], None for all) narrowed to the keys of
         the blocks each query's group keeps. index_q [b, groups, t, d], index_k [b, 1, s, d], query_pos [b, t],
-        key_pos [b, s]."""
+        key_pos [b, s]; reach: one past the largest key position (the step's key_reach, known on the host)."""
         b, groups, t, _ = index_q.shape
         s = index_k.shape[2]
         allowed = mask if mask is not None else torch.ones((b, 1, t, s), dtype=torch.bool, device=index_q.device)
         scores = torch.matmul(index_q.float(), index_k.float().transpose(-1, -2))  # [b, groups, t, s]
         scores = scores.masked_fill(~allowed, float("-inf"))
         blocks = key_pos.clamp(min=0) // self.block  # a padding slot's key is never allowed: any block will do
-        count = int(blocks.max()) + 1
+        # blocks past the last key's get no score and are never kept: a count from the host's reach, which may
+        # exceed this call's keys, picks the same blocks as the keys' own largest would
+        count = (reach - 1) // self.block + 1
         by_key = blocks[:, None, None, :].expand(b, groups, t, s)
         best = scores.new_full((b, groups, t, count), float("-inf")).scatter_reduce(-1, by_key, scores, "amax")
         own = query_pos // self.block

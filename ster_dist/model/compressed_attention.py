@@ -29,6 +29,7 @@ from ster_dist.config import RopeConfig
 from ster_dist.errors import Refusal
 from ster_dist.model.attention import HeadScalars
 from ster_dist.model.compressed_indexer import CompressedIndexer
+from ster_dist.model.host import upload
 from ster_dist.model.norm import Norm
 from ster_dist.model.window_compressor import WindowCompressor, by_position, rotate_tail
 from ster_dist.parallel.ctx import ParallelCtx
@@ -106,14 +107,14 @@ class CompressedAttention(nn.Module):
             parts.append(self.indexer.compressor.project(x))
             queries += self.indexer.queries(x, q_latent, cos, sin)
         raw = torch.cat(parts, dim=-1).to(kv.dtype) if parts else kv.new_zeros(b, 1, t, 1)
-        out = pos.attend(self.layer, queries, kv, raw, None, partial(self._attend, pos.tables))
+        out = pos.attend(self.layer, queries, kv, raw, None, partial(self._attend, pos.tables, pos.key_reach))
         out = rotate_tail(out, cos, -sin).transpose(1, 2)                  # [b, t, heads, d]
         groups = out.reshape(b, t, self.local_groups, -1)
         w = self.o_a.plain().view(self.local_groups, self.v4.o_rank, -1)
         grouped = torch.einsum("btgi,gri->btgr", groups, w).flatten(2)
         return self.o_b(grouped)
 
-    def _attend(self, tables, queries, kv, raw, mask, key_pos) -> torch.Tensor:
+    def _attend(self, tables, reach: int, queries, kv, raw, mask, key_pos) -> torch.Tensor:
         """[n, heads, t, d] over the keys within the window and the compressed entries each query sees."""
         q, query_pos = queries[0], queries[1][:, 0, :, 0]                  # [n, heads, t, d], [n, t]
         n, _, t, _ = q.shape
@@ -122,7 +123,7 @@ class CompressedAttention(nn.Module):
         near = causal & (query_pos.unsqueeze(2) - key_pos.unsqueeze(1) < self.v4.window)
         keys, allowed = kv, near
         if self.compressor is not None:
-            entries, seen = self._entries(tables, queries, raw, causal, key_pos, query_pos)
+            entries, seen = self._entries(tables, reach, queries, raw, causal, key_pos, query_pos)
             if entries is not None:
                 keys = torch.cat((kv, entries.unsqueeze(1).to(kv.dtype)), dim=2)
                 allowed = torch.cat((near, seen), dim=-1)
@@ -132,17 +133,18 @@ class CompressedAttention(nn.Module):
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         return torch.matmul(probs.to(keys.dtype), keys.expand(-1, q.shape[1], -1, -1))
 
-    def _entries(self, tables, queries, raw, causal, key_pos, query_pos):
+    def _entries(self, tables, reach: int, queries, raw, causal, key_pos, query_pos):
         """(entries [n, windows, d], which each query sees [n, t, windows]) from the keys' raw projections, or
-        (None, None) before the first window closes."""
+        (None, None) before the first window closes. reach: one past the largest key position (the step's
+        key_reach, from the host): windows past a query's own position are built but never seen."""
         real = causal[:, -1]  # the last query (a real token) sees every real key up to it
-        length = int(key_pos.masked_fill(~real, -1).max()) + 1
+        length = reach
         rate = self.v4.rate
         windows = length // rate
         if windows == 0:
             return None, None
-        firsts = (torch.arange(windows, device=key_pos.device) * rate).expand(raw.shape[0], -1)
-        cos, sin = tables.lookup(self.v4.rope, firsts, raw.dtype)
+        firsts = (torch.arange(windows) * rate).expand(raw.shape[0], -1)  # on the host, as the tables are
+        cos, sin = (upload(t, raw.device) for t in tables.lookup(self.v4.rope, firsts, raw.dtype))
         laid = by_position(raw, key_pos, real, windows * rate)
         width = self.compressor.cache_width
         entries = self.compressor.entries(laid[..., :width], windows, cos, sin)

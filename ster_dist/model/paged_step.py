@@ -249,6 +249,12 @@ class PagedStep:
             group.put(out, y)
         return out
 
+    @functools.cached_property
+    def key_reach(self) -> int:
+        """One past the largest key position any attend call of this step sees (a group's gathered table, padding
+        included, holds positions 0 .. its width in slots): StepState.key_reach, from the host."""
+        return max(group.table.shape[1] for group in self.groups) * self.cache.block_size
+
     def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
         """ster_kernels::push_plan's arguments where this step is decodes only, the cache in `dtype`: layer i
         planned where scales[i] > 0 (compiled.decode_plans); None otherwise."""

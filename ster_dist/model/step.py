@@ -7,6 +7,8 @@ store and gather them its own way while the attention math stays the layer's."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ster_dist import kernels
@@ -166,6 +168,12 @@ class StepState:
         if self.cache is not None:
             self.cache.states[layer] = state
         return y
+
+    @functools.cached_property
+    def key_reach(self) -> int:
+        """One past the largest key position any attend call of this step sees, from the host's copy: what a layer
+        sizes by the keys' positions asks instead of reading them from the device (model/host.py)."""
+        return int(self._key_pos.max()) + 1
 
     @property
     def key_positions(self) -> torch.Tensor:
