@@ -164,15 +164,33 @@ class MoE(nn.Module):
         returns its input, weighed here, on every rank alike, and joins after the routed partial sums are
         reduced (it is whole on each tensor-parallel rank)."""
         routed = ids < self.num_experts
-        token_of = routed.nonzero(as_tuple=True)[0]
-        rows, local_ids, handle = dispatch(share[token_of], ids[routed].unsqueeze(1), self.num_experts, self.ctx)
-        back = combine(self.experts(rows, local_ids), handle).float() * weights[routed].unsqueeze(-1)
-        out = torch.zeros(share.shape[0], self.width, dtype=torch.float32, device=share.device)
-        out = out.index_add_(0, token_of, back).to(x.dtype)
+        if self.every_pair(share):
+            out = self._every_pair(share, weights, ids, routed)
+        else:
+            token_of = routed.nonzero(as_tuple=True)[0]
+            rows, local_ids, handle = dispatch(share[token_of], ids[routed].unsqueeze(1), self.num_experts, self.ctx)
+            back = combine(self.experts(rows, local_ids), handle).float() * weights[routed].unsqueeze(-1)
+            out = torch.zeros(share.shape[0], self.width, dtype=torch.float32, device=share.device)
+            out = out.index_add_(0, token_of, back).to(x.dtype)
         if out.shape[0]:
             out = self.ctx.all_reduce(out)
         identity = share.float() * weights.masked_fill(routed, 0.0).sum(1, keepdim=True)
         return self.ctx.ep_gather_rows((out.float() + identity).to(x.dtype), tokens).view(x.shape)
+
+    def every_pair(self, share: torch.Tensor) -> bool:
+        """Whether identity experts' steps send every (token, slot) pair through the routed experts, an identity
+        pair to the last routed expert at weight zero: off the CPU on one expert-parallel rank, where picking the
+        routed pairs out (`nonzero`) would read the device every layer (model/host.py). On a CPU the pick is free
+        and saves the identity pairs' work; over expert-parallel ranks the dispatch reads its counts anyway."""
+        return share.device.type != "cpu" and self.ctx.ep_size == 1
+
+    def _every_pair(self, share: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighed sum [tokens, width] with every pair run (`every_pair`)."""
+        ids = ids.clamp(max=self.num_experts - 1)
+        rows, local_ids, handle = dispatch(share, ids, self.num_experts, self.ctx)
+        back = combine(self.experts(rows, local_ids), handle).view(*ids.shape, self.width).float()
+        return (back * weights.masked_fill(~routed, 0.0).unsqueeze(-1)).sum(1).to(share.dtype)
 
     def _routed_shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Every token through every shared expert, weighed by the router's gammas [tokens, shared] (a partial sum
