@@ -58,10 +58,12 @@ class BlockSparseAttention(Attention):
         v = torch.cat((v, index_k.to(v.dtype).expand(-1, self.local_kv, -1, -1)), dim=-1)
         # each query's position rides with it ([b, 1, t, 1]), so a paged step's groups take theirs
         queries = (q, index_q, pos.positions.view(b, 1, t, 1))
-        out = pos.attend(self.layer, queries, k, v, self.window, partial(self._attend_blocks, pos.key_reach), self.chunk)
+        attend = partial(self._attend_blocks, pos.key_reach)
+        out = pos.attend(self.layer, queries, k, v, self.window, attend, self.chunk)
         return self._output(out, gate)
 
-    def _attend_blocks(self, reach: int, queries, k, v, mask: torch.Tensor | None, key_pos: torch.Tensor) -> torch.Tensor:
+    def _attend_blocks(self, reach: int, queries, k, v, mask: torch.Tensor | None,
+                       key_pos: torch.Tensor) -> torch.Tensor:
         q, index_q, query_pos = queries
         v, index_k = v.split([self.value_dim, self.index_dim], dim=-1)
         keep = self.choose(index_q, index_k[:, :1], mask, query_pos[:, 0, :, 0], key_pos, reach)

@@ -138,9 +138,8 @@ class CompressedAttention(nn.Module):
         (None, None) before the first window closes. reach: one past the largest key position (the step's
         key_reach, from the host): windows past a query's own position are built but never seen."""
         real = causal[:, -1]  # the last query (a real token) sees every real key up to it
-        length = reach
         rate = self.v4.rate
-        windows = length // rate
+        windows = reach // rate
         if windows == 0:
             return None, None
         firsts = (torch.arange(windows) * rate).expand(raw.shape[0], -1)  # on the host, as the tables are

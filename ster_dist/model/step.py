@@ -54,7 +54,6 @@ class StepState:
                   and bool(key_valid.all()) and bool((key_pos == torch.arange(s)).all()))
         self._causal_start = start if causal else None
         self._positions, self._key_pos = positions, key_pos  # the host's
-        self._device_key_pos: torch.Tensor | None = None
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
         self._rows: tuple | None = None  # the decode kernel's table, starts, ends and their key count
@@ -175,12 +174,10 @@ class StepState:
         sizes by the keys' positions asks instead of reading them from the device (model/host.py)."""
         return int(self._key_pos.max()) + 1
 
-    @property
+    @functools.cached_property
     def key_positions(self) -> torch.Tensor:
         """[batch, keys]: the absolute positions of the keys this step attends (ALiBi's biases), on the device."""
-        if self._device_key_pos is None:
-            self._device_key_pos = upload(self._key_pos, self.device)
-        return self._device_key_pos
+        return upload(self._key_pos, self.device)
 
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)
