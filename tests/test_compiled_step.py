@@ -107,7 +107,8 @@ def _stacked_as_eager(directory, capfd, seed: int):
     return compiled, prompt
 
 
-def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd):
+def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd, monkeypatch):
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")  # the toy's plain layers would step natively (test_native_stack.py)
     compiled, prompt = _stacked_as_eager(toy, capfd, seed=1)
     graphs = compiled.compiled.graphs
     decode(compiled, prompt, 3)
@@ -116,12 +117,13 @@ def test_one_token_steps_run_the_whole_stack_in_one_graph(toy, compiling, capfd)
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_one_token_steps_stack_over_weights_packed_in_panels(toy, compiling, capfd, precision):
+def test_one_token_steps_stack_over_weights_packed_in_panels(toy, compiling, capfd, precision, monkeypatch):
     """The products of a packed model ask kernels.panels(dtype) inside the graph: the one-token stack, which reuses
     one layer's region for the next, must still build (a guard on a dtype-keyed table once broke it in bf16)."""
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[precision]
     if not kernels.panels(dtype):
         pytest.skip(f"this CPU's kernels lay out no {precision} panels")
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")  # f32 would step natively (test_native_stack.py)
     model = load_model(resolve(str(toy)), precision=precision).model
     weights = pack_model(model, "on")
     try:
@@ -208,7 +210,8 @@ def _eager_and_compiled_answers(directory, batch: list[list[int]], tokens: int, 
     return answers
 
 
-def test_the_paged_engine_compiled_after_its_first_steps_answers_as_the_eager_one(toy, compiling, capfd):
+def test_the_paged_engine_compiled_after_its_first_steps_answers_as_the_eager_one(toy, compiling, capfd, monkeypatch):
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")  # else its decodes step natively and compile nothing
     want, got = _eager_and_compiled_answers(toy, prompts(5, seed=4, lo=2, hi=14), 8, compile_after=2)
     assert got == want
     assert "compiled 1 step graph" in capfd.readouterr().err

@@ -18,6 +18,8 @@
   itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer (model/compiled.py).
+- `stack_step(h, weights, layers, eps, shape, cos, sin)` (stack.cpp): a decode step through plain Llama-shaped
+  layers in one call, over the plan pushed (model/native_stack.py).
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it (`argmax`
   below: what greedy steps and the sampler pick tokens with).
 
@@ -47,7 +49,8 @@ from ster_dist.events import progress
 # (at 8: 1.1-1.8x in f32, 1.1-1.7x in bf16); from about 10 rows, compute rather than reading the weight
 # bounds a product and the library's blocked kernels are ahead
 FEW_ROWS_MAX = 8
-SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp", "panels.cpp", "argmax.cpp")
+SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp", "panels.cpp", "argmax.cpp",
+           "stack.cpp")
 
 _tried = False
 _ready = False

@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "entries.h"
 #include "lanes.h"
 #include "shares.h"
 
@@ -301,41 +302,48 @@ void store(const at::Tensor& rows, const at::Tensor& cache, const int64_t* block
 }
 
 at::Tensor attend_planned(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& layer) {
-  const int64_t index = layer.item<int64_t>();
   const Plan* plan = plans.empty() ? nullptr : &plans.back();
-  if (plan == nullptr || index < 0 || index >= (int64_t)plan->scales.size() || plan->scales[index] <= 0) {
+  const bool packed = plan != nullptr && plan->packed;
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend_planned: q, k and v of 4 dimensions");
+  const at::Tensor out = ster_kernels::planned_rows(layer.item<int64_t>(), by_row(q, packed), by_row(k, packed),
+                                                    by_row(v, packed));  // [rows, heads, dv]
+  if (!out.defined()) {
     static auto python = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("ster_dist::attend", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
     return python.call(q, k, v, layer);
   }
-  const at::Tensor& keys = plan->keys[index];
-  const at::Tensor& values = plan->values[index];
-  const at::Tensor kr = by_row(k, plan->packed), vr = by_row(v, plan->packed);
-  const int64_t n = plan->table.size(0);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && kr.size(0) == n && vr.size(0) == n &&
-                  kr.size(1) == keys.size(2) && kr.size(2) == keys.size(3) && vr.size(1) == values.size(2) &&
-                  vr.size(2) == values.size(3) && kr.stride(2) == 1 && vr.stride(2) == 1,
-              "attend_planned: this step's keys and values do not fit layer ", index, "'s plan");
-  TORCH_CHECK(k.scalar_type() == keys.scalar_type() && v.scalar_type() == values.scalar_type(),
-              "attend_planned: keys and values of another dtype than the cache");
-  const int64_t* blocks = plan->write_blocks.data_ptr<int64_t>();
-  const int64_t* slots = plan->write_slots.data_ptr<int64_t>();
-  if (k.scalar_type() == at::kFloat) {
-    store<float>(kr, keys, blocks, slots);
-    store<float>(vr, values, blocks, slots);
-  } else {
-    TORCH_CHECK(k.scalar_type() == at::kBFloat16, "attend_planned: f32 or bf16");
-    store<c10::BFloat16>(kr, keys, blocks, slots);
-    store<c10::BFloat16>(vr, values, blocks, slots);
-  }
-  at::Tensor out = paged_decode(by_row(q, plan->packed), keys, values, plan->table, plan->starts, plan->ends,
-                                plan->scales[index]);  // [rows, heads, dv]
   // in the layout of q with the values' width, contiguous: what the graph was traced to read
-  return plan->packed ? out.transpose(0, 1).unsqueeze(0).contiguous() : out.unsqueeze(2);
+  return packed ? out.transpose(0, 1).unsqueeze(0).contiguous() : out.unsqueeze(2);
 }
 
 }  // namespace
+
+at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const at::Tensor& kr, const at::Tensor& vr) {
+  const Plan* plan = plans.empty() ? nullptr : &plans.back();
+  if (plan == nullptr || index < 0 || index >= (int64_t)plan->scales.size() || plan->scales[index] <= 0)
+    return at::Tensor();
+  const at::Tensor& keys = plan->keys[index];
+  const at::Tensor& values = plan->values[index];
+  const int64_t n = plan->table.size(0);
+  TORCH_CHECK(q.dim() == 3 && kr.dim() == 3 && vr.dim() == 3 && kr.size(0) == n && vr.size(0) == n &&
+                  kr.size(1) == keys.size(2) && kr.size(2) == keys.size(3) && vr.size(1) == values.size(2) &&
+                  vr.size(2) == values.size(3) && kr.stride(2) == 1 && vr.stride(2) == 1,
+              "attend_planned: this step's keys and values do not fit layer ", index, "'s plan");
+  TORCH_CHECK(kr.scalar_type() == keys.scalar_type() && vr.scalar_type() == values.scalar_type(),
+              "attend_planned: keys and values of another dtype than the cache");
+  const int64_t* blocks = plan->write_blocks.data_ptr<int64_t>();
+  const int64_t* slots = plan->write_slots.data_ptr<int64_t>();
+  if (kr.scalar_type() == at::kFloat) {
+    store<float>(kr, keys, blocks, slots);
+    store<float>(vr, values, blocks, slots);
+  } else {
+    TORCH_CHECK(kr.scalar_type() == at::kBFloat16, "attend_planned: f32 or bf16");
+    store<c10::BFloat16>(kr, keys, blocks, slots);
+    store<c10::BFloat16>(vr, values, blocks, slots);
+  }
+  return paged_decode(q, keys, values, plan->table, plan->starts, plan->ends, plan->scales[index]);
+}
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, Tensor ends, float scale)"

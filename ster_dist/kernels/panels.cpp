@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "entries.h"
 #include "operands.h"
 
 namespace {
@@ -409,8 +410,11 @@ std::optional<at::Tensor> in_f32(const std::optional<at::Tensor>& bias) {
   return bias->to(at::kFloat);
 }
 
+}  // namespace
+
 // x W^T (+ b): over W's packed copy where one is held and current, else as dense() would on the plain weight
-at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor ster_kernels::packed_product(const at::Tensor& x, const at::Tensor& weight,
+                                        const std::optional<at::Tensor>& bias) {
   at::Tensor copy;
   Layout layout = Layout::kPanels;
   {
@@ -444,8 +448,6 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& weight, const s
   return schema.has_value() ? schema->typed<Product>().call(x, weight, bias) : at::linear(x, weight, bias);
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("panel_dtypes() -> int", &panel_dtypes);
   m.def("panel_bytes(Tensor weight) -> int", &panel_bytes);
@@ -461,5 +463,5 @@ TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
 TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_product", &panel_product);
-  m.impl("packed_product", &packed_product);
+  m.impl("packed_product", &ster_kernels::packed_product);
 }

@@ -48,6 +48,7 @@ import torch
 
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
+from ster_dist.model.native_stack import NativeStack, why_not
 from ster_dist.model.step import decode_kernel_scale
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.layer import MoE, trace_moe
@@ -205,6 +206,9 @@ class CompiledLayers:
             model.lm_head.product = self.head_product
         self.graphs = 0
         self.scales: list[float] | None = None  # decode_plans, found at the first step
+        # decode steps of plain Llama-shaped layers as one native call (model/native_stack.py)
+        self.native_why_not = why_not(model)
+        self.native = NativeStack(model) if self.native_why_not is None else None
 
     def run(self, h: torch.Tensor, step) -> torch.Tensor:
         model = self.model
@@ -220,6 +224,12 @@ class CompiledLayers:
             rotaries.append(tables.get(rope))
         ids = self.layer_ids[layers.start:layers.stop]
         plan = self._plan(step)
+        if plan is not None and self.native is not None and self.native.takes(plan[2]):
+            torch.ops.ster_kernels.push_plan(*plan)
+            try:
+                return self.native.run(h, step)
+            finally:
+                torch.ops.ster_kernels.pop_plan()
         if plan is not None:
             torch.ops.ster_kernels.push_plan(*plan)
         _RUNNING.append((step, model))

@@ -1,0 +1,142 @@
+"""A decode step of plain Llama-shaped layers as one call into C++ (kernels/stack.cpp), in place of the compiled
+graph's, where every layer of the model is that shape.
+
+Compiled, a one-token step's products read at copy bandwidth, yet between them the graph's Python wrapper, the
+dispatcher and allocations took a quarter of a step (bench/README.md): per layer four generated loops, four product
+calls, attention and a dozen views. `stack_step` runs the same chain in C++: the same product and attention
+functions the graph calls, and the elementwise work as inductor generates it, so a row's logits are the same bits
+either way (a request does not read other logits for having stepped alone rather than beside a prompt's chunk).
+
+Plain means: an RMS norm over a scale before attention and before the feed-forward, and nothing else around
+them; attention with q, k and v fused into one product, rotated (by halves or pairs), no query or key norms,
+no gate, window, bias on its output, clipping, temperature or shared keys, and the decode plan covering it
+(model/compiled.py's `decode_plans`: plain softmax over every key); a SiLU-gated feed-forward with gate and up
+fused, nothing clamped or scaled; f32 weights on one rank. `why_not(model)` says which layer fails and why.
+
+A step takes this way only when the compiled step has a decode plan (every row decodes one token) covering every
+layer and no projection carries an adapter; anything else runs through the graphs as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ster_dist import kernels
+from ster_dist.layers.mlp import MLP
+from ster_dist.model.attention import Attention
+from ster_dist.model.norm import Norm
+
+# per layer, what stack_step reads, in its order: (the module's path from the block, the attribute)
+_READS = (("attn_norm", "weight"), ("attn.qkv", "weight"), ("attn.qkv", "bias"), ("attn.o", "weight"), (None, None),
+          ("mlp_norm", "weight"), ("mlp.gate_up", "weight"), ("mlp.gate_up", "bias"), ("mlp.down", "weight"),
+          (None, None))
+_NONE = torch.empty(0)  # an absent bias, as the operator's Tensor[] takes it
+
+
+def _plain_norm(norm) -> bool:
+    return (type(norm) is Norm and norm.kind == "rms" and not norm.heads and not norm.split and norm.groups == 1
+            and norm.weight is not None and norm.bias is None and not norm.offset and not norm.scale_f32)
+
+
+def _why_not_attention(attn) -> str | None:
+    if type(attn) is not Attention:
+        return f"its mixer is {type(attn).__name__}"
+    if attn.qkv.weight is None or attn.v is None or attn.gate is not None:
+        return "its q, k and v are not one fused product without a gate"
+    if attn.kv_source is not None or attn.keeps_kv or attn.value_experts is not None or attn.value_from_key:
+        return "its keys or values are shared or made otherwise"
+    if attn.q_norm is not None or attn.v_norm is not None or attn.clip is not None or attn.value_scale != 1.0:
+        return "it norms, clips or scales its queries, keys or values"
+    if attn.rope is None or attn.temperature[0] or attn.alibi_sqrt:
+        return "it is not rotated, or scales queries by position"
+    if attn.window is not None or attn.chunk is not None or attn.plain_scale(attn._attend_at) is None:
+        return "its attention is not plain softmax over every key"
+    if attn.o.bias is not None:
+        return "its output projection has a bias"
+    return None
+
+
+def _why_not_mlp(mlp) -> str | None:
+    if type(mlp) is not MLP or mlp.gate is None or mlp.gate_up.weight is None:
+        return "its feed-forward is not a fused gated one"
+    if mlp.act is not F.silu or mlp.cutoff_deviations is not None or mlp.oai or mlp.limit or mlp.limit_inside:
+        return "its feed-forward is not a plain SiLU gate"
+    if mlp.gate_multiplier != 1.0 or mlp.down_multiplier != 1.0 or mlp.scale is not None or mlp.down.bias is not None:
+        return "its feed-forward's output is scaled or biased"
+    return None
+
+
+def _why_not_block(block) -> str | None:
+    if not (_plain_norm(block.attn_norm) and _plain_norm(block.mlp_norm)):
+        return "its norms are not plain RMS norms before attention and feed-forward"
+    extras = (block.post_attn_norm, block.post_mlp_norm, block.shortcut, block.attn_sconv, block.mlp_sconv,
+              block.factors, block.laurel, block.altup, block.attn_hc, block.per_layer_gate, block.layer_scalar,
+              block.side_by_side)
+    if any(e is not None for e in extras) or block.joins_shortcut or block.parallel or block.residual_fp32 \
+            or block.residual_multiplier != 1.0 or block.mlp_reads_residual:
+        return "it is not two pre-norm sublayers added to a plain residual"
+    return _why_not_attention(block.token_mixer) or _why_not_mlp(block.mlp)
+
+
+def why_not(model) -> str | None:
+    """Why `model`'s decode steps cannot run as one native call (None: they can)."""
+    if os.environ.get("STER_NATIVE_STACK") == "0":
+        return "STER_NATIVE_STACK=0 is set"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"the model is {str(model.dtype).removeprefix('torch.')} on {model.device.type}, not float32 on the CPU"
+    if model.ctx.tp_size > 1 or model.ctx.pp_size > 1:
+        return "the model is split over ranks"
+    if not kernels.ready():
+        return "the CPU kernels are not built"
+    first = model.layers[model.stage[0]].token_mixer
+    for i in range(*model.stage):
+        block = model.layers[i]
+        if (reason := _why_not_block(block)) is not None:
+            return f"layer {i}: {reason}"
+        attn = block.token_mixer
+        if (attn.local_heads, attn.local_kv, attn.head_dim, attn.value_dim, attn.rope) != \
+                (first.local_heads, first.local_kv, first.head_dim, first.value_dim, first.rope):
+            return f"layer {i}'s heads or rotation differ from the first layer's"
+    return None
+
+
+def _read(source) -> torch.Tensor:
+    # read each step, not kept: a loader or a merge may put new tensors in a module's place
+    value = getattr(*source) if source is not None else None
+    return _NONE if value is None else value
+
+
+class NativeStack:
+    """A model's decode steps through kernels/stack.cpp; build it where `why_not(model)` is None."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = list(range(*model.stage))
+        blocks = [model.layers[i] for i in self.layers]
+        self.sources = [(block.get_submodule(path), name) if path else None for block in blocks
+                        for path, name in _READS]
+        self.eps = [eps for block in blocks for eps in (block.attn_norm.eps, block.mlp_norm.eps)]
+        attn = blocks[0].token_mixer
+        self.shape = [attn.local_heads, attn.local_kv, attn.head_dim, attn.value_dim, int(attn.rope.interleaved)]
+        self.rope = attn.rope
+        self.projections = [p for block in blocks for p in (*block.token_mixer.qkv.parts, block.token_mixer.o,
+                                                            block.mlp.gate, block.mlp.up, block.mlp.down)
+                            if p is not None]
+
+    def takes(self, planned: list[float]) -> bool:
+        """Whether this step may run here: its decode plan (push_plan's scales) covers every layer and no
+        projection carries an adapter (attached since the stack was built)."""
+        return all(planned[i] > 0 for i in self.layers) and not any(p.adapters for p in self.projections)
+
+    def run(self, h: torch.Tensor, step) -> torch.Tensor:
+        """h [batch, tokens, hidden], every row one decoding token, through every layer (the plan pushed)."""
+        batch, tokens, width = h.shape
+        rows = batch * tokens
+        cos, sin = step.rotary(self.rope, h.dtype)
+        weights = [_read(source) for source in self.sources]
+        out = torch.ops.ster_kernels.stack_step(h.reshape(rows, width), weights, self.layers, self.eps, self.shape,
+                                                cos.reshape(rows, -1), sin.reshape(rows, -1))
+        return out.view(batch, tokens, width)

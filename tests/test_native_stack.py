@@ -1,0 +1,169 @@
+"""Decode steps of plain Llama-shaped layers as one native call (model/native_stack.py, kernels/stack.cpp) against
+the compiled graph they replace and the eager layers: the graph's very bits for every row, static and paged; the
+same logprobs for a request alone or among others, whichever way each of its steps went; the graph again wherever
+a step or a model is not plain (a layer out of the plan, an adapter attached, qk norms, bf16, sliding windows).
+
+Each model here compiles its prefill graphs once (seconds on these 2 cores): the fast suite runs the Llama toy
+(rotation by halves) and GLM (interleaved pairs over part of each head); the other plain families are slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ster_dist.adapters.attach import attach
+from ster_dist.engine.loop import COMPILE_AFTER
+from ster_dist.engine.sampling import SamplingParams
+from ster_dist.load import load_model
+from ster_dist.model.native_stack import NativeStack, why_not
+from ster_dist.resolve import resolve
+from ster_dist.toy import make_toy_model
+from tests.native_kernels import BUILDABLE
+from tests.test_compiled_step import close, compiling, decode  # noqa: F401  (compiling: a fixture)
+from tests.test_engine import open_engine, prompts, random_sites
+from tests.tiny_models import make_tiny
+
+NEW = 6
+FAST = ["glm"]  # the static step; the paged engine's tests below step the Llama toy
+SLOW = ["llama", "exaone", "hyperclovax_no_post_norm", "llama_linear", "llama_yarn"]
+
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no C++ compiler or no AVX2 here: steps run through the graph")
+
+
+@pytest.fixture
+def native_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of h each native step runs, in order, from now on."""
+    calls: list[tuple[int, ...]] = []
+    original = NativeStack.run
+
+    def run(self, h, step):
+        calls.append(tuple(h.shape))
+        return original(self, h, step)
+
+    monkeypatch.setattr(NativeStack, "run", run)
+    return calls
+
+
+def _compiled(directory, monkeypatch, native: bool = True):
+    """The checkpoint's model compiled, stepping natively or never."""
+    model = load_model(resolve(str(directory))).model
+    with monkeypatch.context() as patched:
+        if not native:
+            patched.setenv("STER_NATIVE_STACK", "0")
+        assert model.compile_layers() is None
+    assert (model.compiled.native is not None) == native, model.compiled.native_why_not
+    return model
+
+
+def _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls) -> None:
+    make_tiny(variant, tmp_path / variant)
+    eager = load_model(resolve(str(tmp_path / variant))).model
+    graph, native = _compiled(tmp_path / variant, monkeypatch, False), _compiled(tmp_path / variant, monkeypatch)
+    for batch in (1, 3):
+        prompt = torch.randint(3, 200, (batch, 7), generator=torch.Generator().manual_seed(batch))
+        native_calls.clear()
+        got, got_tokens = decode(native, prompt, NEW)
+        assert native_calls == [(batch, 1, native.cfg.hidden_size)] * (NEW - 1)  # every decode step, no prefill
+        want, want_tokens = decode(graph, prompt, NEW)
+        assert len(native_calls) == NEW - 1  # the graph model never stepped natively
+        assert torch.equal(got, want) and got_tokens == want_tokens
+        reference, reference_tokens = decode(eager, prompt, NEW)
+        close(got, reference)
+        assert got_tokens == reference_tokens
+
+
+@pytest.mark.parametrize("variant", FAST)
+def test_native_decode_steps_give_the_graphs_bits(variant, tmp_path, compiling, monkeypatch, native_calls):
+    _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls)
+
+
+@pytest.mark.slow  # a compile each, about 15 s
+@pytest.mark.parametrize("variant", SLOW)
+def test_every_plain_family_steps_natively_with_the_graphs_bits(variant, tmp_path, compiling, monkeypatch,
+                                                                 native_calls):
+    _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("native") / "llama"
+    make_toy_model(directory, layers=3, hidden=64, seed=5)
+    return directory
+
+
+def _answers(directory, batch: list[list[int]], params: SamplingParams):
+    """What a warmed (compiled from its first step) paged engine answers: `batch[0]` alone, then all of `batch`
+    submitted together (prompts' chunks beside other rows' decodes: mixed steps through the graphs)."""
+    with open_engine(directory, max_step_tokens=32, compile_after=COMPILE_AFTER, prefix_caching=False) as engine:
+        engine.warm_up()
+        alone = engine.submit(batch[0], params).result()
+        together = [s.result() for s in [engine.submit(p, params) for p in batch]]
+    return alone, together
+
+
+def test_a_request_reads_the_same_logprobs_alone_or_among_others(toy, compiling, monkeypatch, native_calls):
+    """Decode-only steps of the engine go native, steps that also read a prompt's chunk go through the graphs:
+    a request's logprobs are the same bits either way, and the same as an engine that never steps natively."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    batch = prompts(9, seed=11, lo=3, hi=40)
+    alone, together = _answers(toy, batch, params)
+    stepped = len(native_calls)
+    assert stepped >= params.max_tokens - 1 and any(shape[1] > 1 for shape in native_calls)  # batches of decodes
+    assert (together[0].token_ids, together[0].logprobs) == (alone.token_ids, alone.logprobs)
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")
+    graph_alone, graph_together = _answers(toy, batch, params)
+    assert len(native_calls) == stepped
+    assert (graph_alone.token_ids, graph_alone.logprobs) == (alone.token_ids, alone.logprobs)
+    assert [(r.token_ids, r.logprobs) for r in graph_together] == [(r.token_ids, r.logprobs) for r in together]
+
+
+def test_an_attached_adapter_sends_steps_through_the_graph(toy, compiling, monkeypatch, native_calls):
+    eager, native = load_model(resolve(str(toy))).model, _compiled(toy, monkeypatch)
+    sites = random_sites(eager, ("q", "v"), torch.Generator().manual_seed(3), scale=0.5)
+    prompt = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(4))
+    plain, _ = decode(native, prompt, NEW)
+    detach = [attach(m, sites) for m in (eager, native)]
+    try:
+        native_calls.clear()
+        got, got_tokens = decode(native, prompt, NEW)
+        want, want_tokens = decode(eager, prompt, NEW)
+    finally:
+        for undo in detach:
+            undo()
+    assert native_calls == []
+    close(got, want)
+    assert got_tokens == want_tokens and not torch.allclose(got, plain)  # the adapter did change the logits
+    decode(native, prompt, 2)
+    assert len(native_calls) == 1  # detached: native again
+
+
+def test_a_layer_left_out_of_the_plan_sends_steps_through_the_graph(toy, compiling, monkeypatch, native_calls):
+    eager, native = load_model(resolve(str(toy))).model, _compiled(toy, monkeypatch)
+    prompt = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(6))
+    decode(native, prompt, 2)  # the first decode finds the plan's scales
+    scales = native.compiled.scales
+    monkeypatch.setattr(native.compiled, "scales", scales[:-1] + [0.0])
+    native_calls.clear()
+    got, _ = decode(native, prompt, NEW)
+    want, _ = decode(eager, prompt, NEW)
+    assert native_calls == []
+    close(got, want)
+
+
+@pytest.mark.parametrize("variant, dtype, reason", [
+    ("qwen3", "f32", "layer 0: it norms, clips or scales its queries, keys or values"),
+    ("mistral", "f32", "layer 0: its attention is not plain softmax over every key"),
+    ("granite", "f32", "layer 0: it is not two pre-norm sublayers added to a plain residual"),
+    ("llama", "bf16", "the model is bfloat16 on cpu, not float32 on the CPU"),
+])
+def test_a_model_that_is_not_plain_says_why_it_steps_through_the_graph(variant, dtype, reason, tmp_path):
+    make_tiny(variant, tmp_path / variant)
+    model = load_model(resolve(str(tmp_path / variant)), precision=dtype).model
+    assert why_not(model) == reason
+
+
+def test_native_steps_can_be_turned_off(toy, monkeypatch):
+    model = load_model(resolve(str(toy))).model
+    assert why_not(model) is None
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")
+    assert why_not(model) == "STER_NATIVE_STACK=0 is set"
