@@ -129,18 +129,34 @@ std::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-constexpr int64_t kPerLayer = 10;  // attn norm, qkv weight and bias, o weight and bias, mlp norm, gate_up and
-                                   // its bias, down and its bias (an empty tensor where there is no bias)
+// attn norm, qkv weight and bias, o weight and bias, mlp norm, gate_up and its bias, down and its bias, the query
+// and key heads' norms (an empty tensor where a layer has no such bias or norm)
+constexpr int64_t kPerLayer = 12;
+
+// each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's per-head query
+// and key norms), then rotated, into out
+void heads_of_row(const float* x, int64_t count, int64_t d, const float* norm, float eps, const float* cos,
+                  const float* sin, int64_t half, bool interleaved, float* out) {
+  std::vector<float> normed(norm ? d : 0);
+  for (int64_t j = 0; j < count; ++j) {
+    const float* head = x + j * d;
+    if (norm) {
+      rms_row(head, nullptr, norm, eps, d, normed.data(), nullptr);
+      head = normed.data();
+    }
+    rotate_head(head, cos, sin, half, d, interleaved, out + j * d);
+  }
+}
 
 // h [rows, hidden], one decoding token a row; weights kPerLayer a layer, of the layers `layers` (their indices in
-// the decode plan in force); eps two a layer; shape: heads, kv heads, head width, value width, interleaved;
-// cos and sin [rows, rotated pairs]
+// the decode plan in force); eps three a layer (attention's norm, the feed-forward's, the heads'); shape: heads,
+// kv heads, head width, value width, interleaved; cos and sin [rows, rotated pairs]
 at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> eps,
                       at::IntArrayRef shape, const at::Tensor& cos_in, const at::Tensor& sin_in) {
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat && h_in.device().is_cpu(),
               "stack_step: h as [rows, hidden] f32 on the CPU");
-  TORCH_CHECK(weights.size() == kPerLayer * layers.size() && eps.size() == 2 * layers.size() && shape.size() == 5,
-              "stack_step: ", kPerLayer, " weights and 2 eps a layer, and 5 numbers of shape");
+  TORCH_CHECK(weights.size() == kPerLayer * layers.size() && eps.size() == 3 * layers.size() && shape.size() == 5,
+              "stack_step: ", kPerLayer, " weights and 3 eps a layer, and 5 numbers of shape");
   const int64_t rows = h_in.size(0), hidden = h_in.size(1);
   const int64_t heads = shape[0], kv = shape[1], d = shape[2], dv = shape[3];
   const bool interleaved = shape[4] != 0;
@@ -154,7 +170,10 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
   at::Tensor q = at::empty({rows, heads, d}, h.options()), k = at::empty({rows, kv, d}, h.options());
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
-    const float eps_attn = static_cast<float>(eps[2 * l]), eps_mlp = static_cast<float>(eps[2 * l + 1]);
+    const float eps_attn = static_cast<float>(eps[3 * l]), eps_mlp = static_cast<float>(eps[3 * l + 1]);
+    const float eps_heads = static_cast<float>(eps[3 * l + 2]);
+    const float* q_norm = w[10].numel() ? w[10].data_ptr<float>() : nullptr;
+    const float* k_norm = w[11].numel() ? w[11].data_ptr<float>() : nullptr;
     each_row(rows, [&](int64_t r) {
       rms_row(h.data_ptr<float>() + r * hidden, nullptr, w[0].data_ptr<float>(), eps_attn, hidden,
               x.data_ptr<float>() + r * hidden, nullptr);
@@ -167,11 +186,10 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
     each_row(rows, [&](int64_t r) {
       const float* c = cos.data_ptr<float>() + r * half;
       const float* s = sin.data_ptr<float>() + r * half;
-      for (int64_t j = 0; j < heads; ++j)
-        rotate_head(all + r * stride + j * d, c, s, half, d, interleaved, q.data_ptr<float>() + (r * heads + j) * d);
-      for (int64_t j = 0; j < kv; ++j)
-        rotate_head(all + r * stride + q_width + j * d, c, s, half, d, interleaved,
-                    k.data_ptr<float>() + (r * kv + j) * d);
+      heads_of_row(all + r * stride, heads, d, q_norm, eps_heads, c, s, half, interleaved,
+                   q.data_ptr<float>() + r * heads * d);
+      heads_of_row(all + r * stride + q_width, kv, d, k_norm, eps_heads, c, s, half, interleaved,
+                   k.data_ptr<float>() + r * kv * d);
     });
     const at::Tensor v = qkv.narrow(1, q_width + k_width, kv * dv).view({rows, kv, dv});
     const at::Tensor attended = ster_kernels::planned_rows(layers[l], q, k, v);

@@ -8,8 +8,8 @@ functions the graph calls, and the elementwise work as inductor generates it, so
 either way (a request does not read other logits for having stepped alone rather than beside a prompt's chunk).
 
 Plain means: an RMS norm over a scale before attention and before the feed-forward, and nothing else around
-them; attention with q, k and v fused into one product, rotated (by halves or pairs), no query or key norms,
-no gate, window, bias on its output, clipping, temperature or shared keys, and the decode plan covering it
+them; attention with q, k and v fused into one product, rotated (by halves or pairs), each head's queries and
+keys normed before the rotation or not at all (Qwen3 or Llama), no gate, window, bias on its output, clipping, temperature or shared keys, and the decode plan covering it
 (model/compiled.py's `decode_plans`: plain softmax over every key); a SiLU-gated feed-forward with gate and up
 fused, nothing clamped or scaled; f32 weights on one rank. `why_not(model)` says which layer fails and why.
 
@@ -32,13 +32,24 @@ from ster_dist.model.norm import Norm
 # per layer, what stack_step reads, in its order: (the module's path from the block, the attribute)
 _READS = (("attn_norm", "weight"), ("attn.qkv", "weight"), ("attn.qkv", "bias"), ("attn.o", "weight"), (None, None),
           ("mlp_norm", "weight"), ("mlp.gate_up", "weight"), ("mlp.gate_up", "bias"), ("mlp.down", "weight"),
-          (None, None))
+          (None, None), ("attn.q_norm", "weight"), ("attn.k_norm", "weight"))
 _NONE = torch.empty(0)  # an absent bias, as the operator's Tensor[] takes it
 
 
-def _plain_norm(norm) -> bool:
-    return (type(norm) is Norm and norm.kind == "rms" and not norm.heads and not norm.split and norm.groups == 1
-            and norm.weight is not None and norm.bias is None and not norm.offset and not norm.scale_f32)
+def _plain_norm(norm, heads: bool = False) -> bool:
+    """An RMS norm over a scale in the model's dtype: over the hidden width, or (`heads`) over each head's width
+    with one scale for every head."""
+    return (type(norm) is Norm and norm.kind == "rms" and bool(norm.heads) == heads and not norm.split
+            and norm.groups == 1 and norm.weight is not None and norm.weight.dim() == 1 and norm.bias is None
+            and not norm.offset and not norm.scale_f32)
+
+
+def _plain_head_norms(attn) -> bool:
+    """No query or key norms, or Qwen3's: each head normed before its rotation, the keys' like the queries'."""
+    if attn.q_norm is None:
+        return True
+    return (attn.per_head_norm and not attn.norm_after_rope and _plain_norm(attn.q_norm, heads=True)
+            and _plain_norm(attn.k_norm, heads=True) and attn.q_norm.eps == attn.k_norm.eps)
 
 
 def _why_not_attention(attn) -> str | None:
@@ -48,7 +59,7 @@ def _why_not_attention(attn) -> str | None:
         return "its q, k and v are not one fused product without a gate"
     if attn.kv_source is not None or attn.keeps_kv or attn.value_experts is not None or attn.value_from_key:
         return "its keys or values are shared or made otherwise"
-    if attn.q_norm is not None or attn.v_norm is not None or attn.clip is not None or attn.value_scale != 1.0:
+    if not _plain_head_norms(attn) or attn.v_norm is not None or attn.clip is not None or attn.value_scale != 1.0:
         return "it norms, clips or scales its queries, keys or values"
     if attn.rope is None or attn.temperature[0] or attn.alibi_sqrt:
         return "it is not rotated, or scales queries by position"
@@ -103,6 +114,14 @@ def why_not(model) -> str | None:
     return None
 
 
+def _source(block, path: str | None, name: str | None) -> tuple | None:
+    """(the module at `path` from the block, `name`), or None where there is no such module (no q norm)."""
+    module = block
+    for part in path.split(".") if path else ():
+        module = getattr(module, part, None)
+    return (module, name) if path and module is not None else None
+
+
 def _read(source) -> torch.Tensor:
     # read each step, not kept: a loader or a merge may put new tensors in a module's place
     value = getattr(*source) if source is not None else None
@@ -116,9 +135,9 @@ class NativeStack:
         self.model = model
         self.layers = list(range(*model.stage))
         blocks = [model.layers[i] for i in self.layers]
-        self.sources = [(block.get_submodule(path), name) if path else None for block in blocks
-                        for path, name in _READS]
-        self.eps = [eps for block in blocks for eps in (block.attn_norm.eps, block.mlp_norm.eps)]
+        self.sources = [_source(block, path, name) for block in blocks for path, name in _READS]
+        self.eps = [eps for block in blocks for eps in (block.attn_norm.eps, block.mlp_norm.eps,
+                                                        getattr(block.token_mixer.q_norm, "eps", 0.0))]
         attn = blocks[0].token_mixer
         self.shape = [attn.local_heads, attn.local_kv, attn.head_dim, attn.value_dim, int(attn.rope.interleaved)]
         self.rope = attn.rope
