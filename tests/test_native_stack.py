@@ -1,7 +1,8 @@
 """Decode steps of plain Llama-shaped layers as one native call (model/native_stack.py, kernels/stack.cpp) against
 the compiled graph they replace and the eager layers: the graph's very bits for every row, static and paged; the
 same logprobs for a request alone or among others, whichever way each of its steps went; the graph again wherever
-a step or a model is not plain (a layer out of the plan, an adapter attached, qk norms, bf16, sliding windows).
+a step or a model is not plain (a layer out of the plan, an adapter attached, a whole-projection qk norm, a
+sliding window, a residual multiplier). In bf16 the graph's bits are its rounding: once where a loop stores, as inductor writes it.
 
 Each model here compiles its prefill graphs once (seconds on these 2 cores): the fast suite runs the Llama toy
 (rotation by halves), GLM (interleaved pairs over part of each head) and Qwen3 (query and key heads normed); the
@@ -25,8 +26,10 @@ from tests.test_engine import open_engine, prompts, random_sites
 from tests.tiny_models import make_tiny
 
 NEW = 6
-FAST = ["glm", "qwen3"]  # the static step; the paged engine's tests below step the Llama toy
-SLOW = ["llama", "exaone", "hyperclovax_no_post_norm", "llama_linear", "llama_yarn"]
+# the static step; the paged engine's tests below step the Llama toy
+FAST = [("glm", "f32"), ("qwen3", "bf16")]
+SLOW = [("llama", "f32"), ("llama", "bf16"), ("glm", "bf16"), ("qwen3", "f32"), ("exaone", "f32"),
+        ("hyperclovax_no_post_norm", "f32"), ("llama_linear", "f32"), ("llama_yarn", "bf16")]
 
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no C++ compiler or no AVX2 here: steps run through the graph")
 
@@ -45,9 +48,9 @@ def native_calls(monkeypatch) -> list[tuple[int, ...]]:
     return calls
 
 
-def _compiled(directory, monkeypatch, native: bool = True):
+def _compiled(directory, monkeypatch, native: bool = True, dtype: str = "f32"):
     """The checkpoint's model compiled, stepping natively or never."""
-    model = load_model(resolve(str(directory))).model
+    model = load_model(resolve(str(directory)), precision=dtype).model
     with monkeypatch.context() as patched:
         if not native:
             patched.setenv("STER_NATIVE_STACK", "0")
@@ -56,10 +59,11 @@ def _compiled(directory, monkeypatch, native: bool = True):
     return model
 
 
-def _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls) -> None:
-    make_tiny(variant, tmp_path / variant)
-    eager = load_model(resolve(str(tmp_path / variant))).model
-    graph, native = _compiled(tmp_path / variant, monkeypatch, False), _compiled(tmp_path / variant, monkeypatch)
+def _same_bits_as_the_graph(variant, dtype, tmp_path, monkeypatch, native_calls) -> None:
+    directory = tmp_path / variant
+    make_tiny(variant, directory)
+    eager = load_model(resolve(str(directory)), precision=dtype).model
+    graph, native = (_compiled(directory, monkeypatch, way, dtype) for way in (False, True))
     for batch in (1, 3):
         prompt = torch.randint(3, 200, (batch, 7), generator=torch.Generator().manual_seed(batch))
         native_calls.clear()
@@ -69,20 +73,24 @@ def _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls) -> Non
         assert len(native_calls) == NEW - 1  # the graph model never stepped natively
         assert torch.equal(got, want) and got_tokens == want_tokens
         reference, reference_tokens = decode(eager, prompt, NEW)
-        close(got, reference)
-        assert got_tokens == reference_tokens
+        if dtype == "f32":
+            close(got, reference)
+            assert got_tokens == reference_tokens
+        else:  # the graph rounds bf16 where it stores, not after each operation as the eager layers do
+            rel = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+            assert rel < 2e-2, rel
 
 
-@pytest.mark.parametrize("variant", FAST)
-def test_native_decode_steps_give_the_graphs_bits(variant, tmp_path, compiling, monkeypatch, native_calls):
-    _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls)
+@pytest.mark.parametrize("variant, dtype", FAST)
+def test_native_decode_steps_give_the_graphs_bits(variant, dtype, tmp_path, compiling, monkeypatch, native_calls):
+    _same_bits_as_the_graph(variant, dtype, tmp_path, monkeypatch, native_calls)
 
 
 @pytest.mark.slow  # a compile each, about 15 s
-@pytest.mark.parametrize("variant", SLOW)
-def test_every_plain_family_steps_natively_with_the_graphs_bits(variant, tmp_path, compiling, monkeypatch,
+@pytest.mark.parametrize("variant, dtype", SLOW)
+def test_every_plain_family_steps_natively_with_the_graphs_bits(variant, dtype, tmp_path, compiling, monkeypatch,
                                                                  native_calls):
-    _same_bits_as_the_graph(variant, tmp_path, monkeypatch, native_calls)
+    _same_bits_as_the_graph(variant, dtype, tmp_path, monkeypatch, native_calls)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +163,6 @@ def test_a_layer_left_out_of_the_plan_sends_steps_through_the_graph(toy, compili
     ("olmoe", "f32", "layer 0: it norms, clips or scales its queries, keys or values"),  # the whole projection
     ("mistral", "f32", "layer 0: its attention is not plain softmax over every key"),
     ("granite", "f32", "layer 0: it is not two pre-norm sublayers added to a plain residual"),
-    ("llama", "bf16", "the model is bfloat16 on cpu, not float32 on the CPU"),
 ])
 def test_a_model_that_is_not_plain_says_why_it_steps_through_the_graph(variant, dtype, reason, tmp_path):
     make_tiny(variant, tmp_path / variant)

@@ -33,86 +33,124 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
 constexpr int64_t kParallelRows = 16;  // fewer rows: elementwise work on the calling thread (a fork costs more)
+
+// How inductor's loops read and write a dtype: f32 a vector of floats at a time; bf16 as many as one vector of
+// bf16 holds (twice a float vector's), widened to a pair of float vectors, computed in f32 and rounded only where
+// a loop stores (its intermediate casts elided), so these helpers round where its loops do and nowhere else.
+template <class T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using V = at::vec::VectorizedN<float, 1>;
+  static constexpr int64_t kStep = at::vec::Vectorized<float>::size();
+  static V load(const float* p, int64_t n) { return V::loadu(p, n); }
+  static void store(const V& v, float* p, int64_t n) { v.store(p, n); }
+};
+
+template <>
+struct Lanes<c10::BFloat16> {
+  using V = at::vec::VectorizedN<float, 2>;
+  static constexpr int64_t kStep = at::vec::Vectorized<c10::BFloat16>::size();
+  static V load(const c10::BFloat16* p, int64_t n) {
+    return at::vec::convert<float, 2, c10::BFloat16, 1>(at::vec::Vectorized<c10::BFloat16>::loadu(p, n));
+  }
+  static void store(const V& v, c10::BFloat16* p, int64_t n) {
+    at::vec::convert<c10::BFloat16, 1, float, 2>(v).store(p, n);
+  }
+  // a value the graph keeps in f32 between two of its operations (a normed head, rotated in the same loop)
+  static V load(const float* p, int64_t n) { return V::loadu(p, n); }
+  static void store(const V& v, float* p, int64_t n) { v.store(p, n); }
+};
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
 // (a + b)'s sum of squares (b may be null), lane by lane and then across the lanes, as inductor sums a row
-float square_sum(const float* a, const float* b, int64_t width) {
-  Vec acc(0);
-  const int64_t whole = width / kLanes * kLanes;
-  for (int64_t i = 0; i < whole; i += kLanes) {
-    Vec x = Vec::loadu(a + i);
-    if (b) x = x + Vec::loadu(b + i);
+template <class T>
+float square_sum(const T* a, const T* b, int64_t width) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  V acc(0);
+  const int64_t whole = width / L::kStep * L::kStep;
+  for (int64_t i = 0; i < whole; i += L::kStep) {
+    V x = L::load(a + i, L::kStep);
+    if (b) x = x + L::load(b + i, L::kStep);
     acc = acc + x * x;
   }
   if (whole < width) {  // inductor's masked tail: lanes past the row keep their sums
     const int64_t tail = width - whole;
-    Vec x = Vec::loadu(a + whole, tail);
-    if (b) x = x + Vec::loadu(b + whole, tail);
-    acc = Vec::set(acc, acc + x * x, tail);
+    V x = L::load(a + whole, tail);
+    if (b) x = x + L::load(b + whole, tail);
+    acc = V::set(acc, acc + x * x, tail);
   }
   float sum = 0;
-  sum = sum + at::vec::vec_reduce_all<float, 1>([](Vec& x, Vec& y) { return x + y; }, acc);
+  sum = sum + at::vec::vec_reduce_all<float, V::size() / at::vec::Vectorized<float>::size()>(
+                  [](at::vec::Vectorized<float>& x, at::vec::Vectorized<float>& y) { return x + y; }, acc);
   return sum;
 }
 
-// out = (a + b) * rsqrt(mean of its squares + eps) * w for one row (Norm's RMS over a scale in the model's dtype);
-// sum: a + b where given (the residual after attention, which the next layer reads)
-void rms_row(const float* a, const float* b, const float* w, float eps, int64_t width, float* out, float* sum) {
+// out = (a + b) * rsqrt(mean of its squares + eps) * w for one row (Norm's RMS over a scale in the model's dtype)
+template <class T, class O>
+void rms_row(const T* a, const T* b, const T* w, float eps, int64_t width, O* out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
   const float mean = square_sum(a, b, width) / static_cast<float>(width);
-  const Vec scale(1 / std::sqrt(float(mean + eps)));
-  for (int64_t i = 0; i < width; i += kLanes) {
-    const int64_t n = std::min(kLanes, width - i);
-    Vec x = Vec::loadu(a + i, n);
-    if (b) {
-      x = x + Vec::loadu(b + i, n);
-      x.store(sum + i, n);
-    }
-    (x * scale * Vec::loadu(w + i, n)).store(out + i, n);
+  const V scale(1 / std::sqrt(float(mean + eps)));
+  for (int64_t i = 0; i < width; i += L::kStep) {
+    const int64_t n = std::min(L::kStep, width - i);
+    V x = L::load(a + i, n);
+    if (b) x = x + L::load(b + i, n);
+    L::store(x * scale * L::load(w + i, n), out + i, n);
   }
 }
 
 // x's first `half` channel pairs rotated by one row's cos and sin (rotate-half or interleaved pairs), the rest as
 // they are: Llama's apply_rotary for one head
-void rotate_head(const float* x, const float* cos, const float* sin, int64_t half, int64_t d, bool interleaved,
-                 float* out) {
-  if (interleaved) {
+template <class T, class X>
+void rotate_head(const X* x, const T* cos, const T* sin, int64_t half, int64_t d, bool interleaved, T* out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  if (interleaved) {  // elementwise in f32, rounded once
     for (int64_t i = 0; i < half; ++i) {
-      const float x1 = x[2 * i], x2 = x[2 * i + 1];
-      const float first = x1 * cos[i] - x2 * sin[i], second = x2 * cos[i] + x1 * sin[i];
-      out[2 * i] = first;
-      out[2 * i + 1] = second;
+      const float x1 = float(x[2 * i]), x2 = float(x[2 * i + 1]), c = float(cos[i]), s = float(sin[i]);
+      const float first = x1 * c - x2 * s, second = x2 * c + x1 * s;
+      out[2 * i] = T(first);
+      out[2 * i + 1] = T(second);
     }
   } else {
-    for (int64_t i = 0; i < half; i += kLanes) {
-      const int64_t n = std::min(kLanes, half - i);
-      const Vec x1 = Vec::loadu(x + i, n), x2 = Vec::loadu(x + half + i, n);
-      const Vec c = Vec::loadu(cos + i, n), s = Vec::loadu(sin + i, n);
-      (x1 * c - x2 * s).store(out + i, n);
-      (x2 * c + x1 * s).store(out + half + i, n);
+    for (int64_t i = 0; i < half; i += L::kStep) {
+      const int64_t n = std::min(L::kStep, half - i);
+      const V x1 = L::load(x + i, n), x2 = L::load(x + half + i, n);
+      const V c = L::load(cos + i, n), s = L::load(sin + i, n);
+      L::store(x1 * c - x2 * s, out + i, n);
+      L::store(x2 * c + x1 * s, out + half + i, n);
     }
   }
-  std::copy(x + 2 * half, x + d, out + 2 * half);
+  for (int64_t i = 2 * half; i < d; ++i) out[i] = T(x[i]);
 }
 
 // silu(gate) * up for one row, gate and up side by side in `gate_up`
-void silu_gate_row(const float* gate_up, int64_t inner, float* out) {
-  const float* up = gate_up + inner;
-  for (int64_t i = 0; i < inner; i += kLanes) {
-    const int64_t n = std::min(kLanes, inner - i);
-    const Vec g = Vec::loadu(gate_up + i, n);
-    ((g / (g.neg().exp() + Vec(1.0f))) * Vec::loadu(up + i, n)).store(out + i, n);
+template <class T>
+void silu_gate_row(const T* gate_up, int64_t inner, T* out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  const T* up = gate_up + inner;
+  for (int64_t i = 0; i < inner; i += L::kStep) {
+    const int64_t n = std::min(L::kStep, inner - i);
+    const V g = L::load(gate_up + i, n);
+    L::store((g / (g.neg().exp() + V(1.0f))) * L::load(up + i, n), out + i, n);
   }
 }
 
-void add_rows(const float* a, const float* b, int64_t count, float* out) {
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const int64_t n = std::min(kLanes, count - i);
-    (Vec::loadu(a + i, n) + Vec::loadu(b + i, n)).store(out + i, n);
+// h = (h + a) + m for one row, rounded once: the layer's residual sum as the graph's last loop makes it
+template <class T>
+void residual_row(T* h, const T* a, const T* m, int64_t width) {
+  using L = Lanes<T>;
+  for (int64_t i = 0; i < width; i += L::kStep) {
+    const int64_t n = std::min(L::kStep, width - i);
+    L::store((L::load(h + i, n) + L::load(a + i, n)) + L::load(m + i, n), h + i, n);
   }
 }
 
@@ -135,82 +173,96 @@ constexpr int64_t kPerLayer = 12;
 
 // each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's per-head query
 // and key norms), then rotated, into out
-void heads_of_row(const float* x, int64_t count, int64_t d, const float* norm, float eps, const float* cos,
-                  const float* sin, int64_t half, bool interleaved, float* out) {
-  std::vector<float> normed(norm ? d : 0);
+template <class T>
+void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, float eps, const T* cos, const T* sin,
+                  int64_t half, bool interleaved, T* out) {
+  std::vector<float> normed(norm ? d : 0);  // in f32: the graph norms and rotates a head in one loop
   for (int64_t j = 0; j < count; ++j) {
-    const float* head = x + j * d;
     if (norm) {
-      rms_row(head, nullptr, norm, eps, d, normed.data(), nullptr);
-      head = normed.data();
+      rms_row(x + j * d, static_cast<const T*>(nullptr), norm, eps, d, normed.data());
+      rotate_head(normed.data(), cos, sin, half, d, interleaved, out + j * d);
+    } else {
+      rotate_head(x + j * d, cos, sin, half, d, interleaved, out + j * d);
     }
-    rotate_head(head, cos, sin, half, d, interleaved, out + j * d);
   }
 }
 
-// h [rows, hidden], one decoding token a row; weights kPerLayer a layer, of the layers `layers` (their indices in
-// the decode plan in force); eps three a layer (attention's norm, the feed-forward's, the heads'); shape: heads,
-// kv heads, head width, value width, interleaved; cos and sin [rows, rotated pairs]
-at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> eps,
-                      at::IntArrayRef shape, const at::Tensor& cos_in, const at::Tensor& sin_in) {
-  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat && h_in.device().is_cpu(),
-              "stack_step: h as [rows, hidden] f32 on the CPU");
-  TORCH_CHECK(weights.size() == kPerLayer * layers.size() && eps.size() == 3 * layers.size() && shape.size() == 5,
-              "stack_step: ", kPerLayer, " weights and 3 eps a layer, and 5 numbers of shape");
-  const int64_t rows = h_in.size(0), hidden = h_in.size(1);
+template <class T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.numel() ? t.data_ptr<T>() : nullptr;
+}
+
+template <class T>
+void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> eps,
+               at::IntArrayRef shape, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rows = h.size(0), hidden = h.size(1), half = cos.size(-1);
   const int64_t heads = shape[0], kv = shape[1], d = shape[2], dv = shape[3];
   const bool interleaved = shape[4] != 0;
-  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const int64_t half = cos.size(-1);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.sizes() == cos.sizes() && cos.numel() == rows * half &&
-                  2 * half <= d, "stack_step: cos and sin [rows, pairs] f32, at most half a head's width");
   const int64_t q_width = heads * d, k_width = kv * d;
-  at::Tensor h = h_in.contiguous().clone();
-  at::Tensor x = at::empty({rows, hidden}, h.options()), mid = at::empty({rows, hidden}, h.options());
+  at::Tensor x = at::empty({rows, hidden}, h.options());
   at::Tensor q = at::empty({rows, heads, d}, h.options()), k = at::empty({rows, kv, d}, h.options());
+  T* hs = h.data_ptr<T>();
+  T* xs = x.data_ptr<T>();
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
     const float eps_attn = static_cast<float>(eps[3 * l]), eps_mlp = static_cast<float>(eps[3 * l + 1]);
     const float eps_heads = static_cast<float>(eps[3 * l + 2]);
-    const float* q_norm = w[10].numel() ? w[10].data_ptr<float>() : nullptr;
-    const float* k_norm = w[11].numel() ? w[11].data_ptr<float>() : nullptr;
     each_row(rows, [&](int64_t r) {
-      rms_row(h.data_ptr<float>() + r * hidden, nullptr, w[0].data_ptr<float>(), eps_attn, hidden,
-              x.data_ptr<float>() + r * hidden, nullptr);
+      rms_row(hs + r * hidden, static_cast<const T*>(nullptr), w[0].data_ptr<T>(), eps_attn, hidden, xs + r * hidden);
     });
     const at::Tensor qkv = ster_kernels::packed_product(x, w[1], maybe(w[2]));  // [rows, q + k + v]
     TORCH_CHECK(qkv.size(1) == q_width + k_width + kv * dv, "stack_step: layer ", layers[l],
                 "'s fused projection is not q, k and v of the shape given");
-    const float* all = qkv.data_ptr<float>();
+    const T* all = qkv.data_ptr<T>();
     const int64_t stride = qkv.size(1);
     each_row(rows, [&](int64_t r) {
-      const float* c = cos.data_ptr<float>() + r * half;
-      const float* s = sin.data_ptr<float>() + r * half;
-      heads_of_row(all + r * stride, heads, d, q_norm, eps_heads, c, s, half, interleaved,
-                   q.data_ptr<float>() + r * heads * d);
-      heads_of_row(all + r * stride + q_width, kv, d, k_norm, eps_heads, c, s, half, interleaved,
-                   k.data_ptr<float>() + r * kv * d);
+      const T* c = cos.data_ptr<T>() + r * half;
+      const T* s = sin.data_ptr<T>() + r * half;
+      heads_of_row(all + r * stride, heads, d, data_or_null<T>(w[10]), eps_heads, c, s, half, interleaved,
+                   q.data_ptr<T>() + r * heads * d);
+      heads_of_row(all + r * stride + q_width, kv, d, data_or_null<T>(w[11]), eps_heads, c, s, half, interleaved,
+                   k.data_ptr<T>() + r * kv * d);
     });
     const at::Tensor v = qkv.narrow(1, q_width + k_width, kv * dv).view({rows, kv, dv});
     const at::Tensor attended = ster_kernels::planned_rows(layers[l], q, k, v);
     TORCH_CHECK(attended.defined(), "stack_step: layer ", layers[l], " is not in the decode plan");
     const at::Tensor o = ster_kernels::packed_product(attended.view({rows, heads * dv}), w[3], maybe(w[4]));
-    each_row(rows, [&](int64_t r) {  // mid: the residual after attention; x: its norm
-      rms_row(h.data_ptr<float>() + r * hidden, o.data_ptr<float>() + r * hidden, w[5].data_ptr<float>(), eps_mlp,
-              hidden, x.data_ptr<float>() + r * hidden, mid.data_ptr<float>() + r * hidden);
+    const T* os = o.data_ptr<T>();
+    each_row(rows, [&](int64_t r) {  // the norm of h + o, which stays unrounded until the layer's last sum
+      rms_row(hs + r * hidden, os + r * hidden, w[5].data_ptr<T>(), eps_mlp, hidden, xs + r * hidden);
     });
     const at::Tensor gate_up = ster_kernels::packed_product(x, w[6], maybe(w[7]));  // [rows, 2 inner]
     const int64_t inner = gate_up.size(1) / 2;
     at::Tensor act = at::empty({rows, inner}, h.options());
     each_row(rows, [&](int64_t r) {
-      silu_gate_row(gate_up.data_ptr<float>() + r * 2 * inner, inner, act.data_ptr<float>() + r * inner);
+      silu_gate_row(gate_up.data_ptr<T>() + r * 2 * inner, inner, act.data_ptr<T>() + r * inner);
     });
     const at::Tensor m = ster_kernels::packed_product(act, w[8], maybe(w[9]));
-    each_row(rows, [&](int64_t r) {
-      add_rows(mid.data_ptr<float>() + r * hidden, m.data_ptr<float>() + r * hidden, hidden,
-               h.data_ptr<float>() + r * hidden);
-    });
+    const T* ms = m.data_ptr<T>();
+    each_row(rows, [&](int64_t r) { residual_row(hs + r * hidden, os + r * hidden, ms + r * hidden, hidden); });
   }
+}
+
+// h [rows, hidden], one decoding token a row (f32 or bf16); weights kPerLayer a layer, of the layers `layers`
+// (their indices in the decode plan in force); eps three a layer (attention's norm, the feed-forward's, the
+// heads'); shape: heads, kv heads, head width, value width, interleaved; cos and sin [rows, rotated pairs]
+at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> eps,
+                      at::IntArrayRef shape, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  const at::ScalarType dtype = h_in.scalar_type();
+  TORCH_CHECK(h_in.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && h_in.device().is_cpu(),
+              "stack_step: h as [rows, hidden] f32 or bf16 on the CPU");
+  TORCH_CHECK(weights.size() == kPerLayer * layers.size() && eps.size() == 3 * layers.size() && shape.size() == 5,
+              "stack_step: ", kPerLayer, " weights and 3 eps a layer, and 5 numbers of shape");
+  for (const at::Tensor& w : weights)
+    TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == dtype && w.is_contiguous()),
+                "stack_step: every weight contiguous and of h's dtype");
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const int64_t rows = h_in.size(0), half = cos.size(-1);
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.sizes() == cos.sizes() && cos.numel() == rows * half &&
+                  2 * half <= shape[2], "stack_step: cos and sin [rows, pairs] of h's dtype, at most half a head");
+  at::Tensor h = h_in.contiguous().clone();
+  if (dtype == at::kFloat) layers_of<float>(h, weights, layers, eps, shape, cos, sin);
+  else layers_of<c10::BFloat16>(h, weights, layers, eps, shape, cos, sin);
   return h;
 }
 

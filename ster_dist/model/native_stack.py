@@ -11,7 +11,7 @@ Plain means: an RMS norm over a scale before attention and before the feed-forwa
 them; attention with q, k and v fused into one product, rotated (by halves or pairs), each head's queries and
 keys normed before the rotation or not at all (Qwen3 or Llama), no gate, window, bias on its output, clipping, temperature or shared keys, and the decode plan covering it
 (model/compiled.py's `decode_plans`: plain softmax over every key); a SiLU-gated feed-forward with gate and up
-fused, nothing clamped or scaled; f32 weights on one rank. `why_not(model)` says which layer fails and why.
+fused, nothing clamped or scaled; f32 or bf16 weights on one rank. `why_not(model)` says which layer fails and why.
 
 A step takes this way only when the compiled step has a decode plan (every row decodes one token) covering every
 layer and no projection carries an adapter; anything else runs through the graphs as before.
@@ -96,8 +96,9 @@ def why_not(model) -> str | None:
     """Why `model`'s decode steps cannot run as one native call (None: they can)."""
     if os.environ.get("STER_NATIVE_STACK") == "0":
         return "STER_NATIVE_STACK=0 is set"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return f"the model is {str(model.dtype).removeprefix('torch.')} on {model.device.type}, not float32 on the CPU"
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        dtype = str(model.dtype).removeprefix("torch.")
+        return f"the model is {dtype} on {model.device.type}, not float32 or bfloat16 on the CPU"
     if model.ctx.tp_size > 1 or model.ctx.pp_size > 1:
         return "the model is split over ranks"
     if not kernels.ready():
