@@ -49,6 +49,7 @@ def test_a_compiled_one_row_product_is_the_f32_product_rounded_once(dtype, with_
 def test_compiled_bf16_decode_steps_equal_the_eager_ones(tmp_path, compiling, kernel_built, monkeypatch):  # noqa: F811
     if not kernel_built:
         _as_if_not_built(monkeypatch)
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")  # the graphs, not native steps (tests/test_native_stack.py)
     make_toy_model(tmp_path / "llama", layers=2, hidden=64, seed=7)
     eager = load_model(resolve(str(tmp_path / "llama")), precision="bf16").model
     compiled = load_model(resolve(str(tmp_path / "llama")), precision="bf16").model
