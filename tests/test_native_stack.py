@@ -2,7 +2,8 @@
 the compiled graph they replace and the eager layers: the graph's very bits for every row, static and paged; the
 same logprobs for a request alone or among others, whichever way each of its steps went; the graph again wherever
 a step or a model is not plain (a layer out of the plan, an adapter attached, a whole-projection qk norm, a
-sliding window, a residual multiplier). In bf16 the graph's bits are its rounding: once where a loop stores, as inductor writes it.
+sliding window, a residual multiplier). In bf16 the graph's bits are its rounding: once where a loop stores, as
+inductor writes it.
 
 Each model here compiles its prefill graphs once (seconds on these 2 cores): the fast suite runs the Llama toy
 (rotation by halves), GLM (interleaved pairs over part of each head) and Qwen3 (query and key heads normed); the
@@ -17,6 +18,7 @@ from ster_dist.adapters.attach import attach
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.load import load_model
+from ster_dist.model import native_stack
 from ster_dist.model.native_stack import NativeStack, why_not
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
@@ -175,3 +177,12 @@ def test_native_steps_can_be_turned_off(toy, monkeypatch):
     assert why_not(model) is None
     monkeypatch.setenv("STER_NATIVE_STACK", "0")
     assert why_not(model) == "STER_NATIVE_STACK=0 is set"
+
+
+def test_vectors_of_another_width_than_inductors_keep_steps_with_the_graph(toy, monkeypatch):
+    """Sums in vectors of another width are in another order: not the graph's bits, so not taken."""
+    model = load_model(resolve(str(toy))).model
+    lanes = torch.ops.ster_kernels.stack_lanes()
+    assert native_stack._inductor_lanes() == lanes and why_not(model) is None
+    monkeypatch.setattr(native_stack, "_inductor_lanes", lambda: 2 * lanes)
+    assert why_not(model) == f"inductor's loops here take {2 * lanes} floats a vector, the kernels' {lanes}"

@@ -266,11 +266,16 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
   return h;
 }
 
+// floats a vector of this build's loops: where inductor's differ (a CPU whose AVX-512 it does not take, an
+// ATEN_CPU_CAPABILITY set), its sums are in another order and steps stay with the graph (model/native_stack.py)
+int64_t stack_lanes() { return at::vec::Vectorized<float>::size(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("stack_step(Tensor h, Tensor[] weights, int[] layers, float[] eps, int[] shape, Tensor cos, Tensor sin) "
         "-> Tensor");
+  m.def("stack_lanes() -> int", &stack_lanes);
 }
 
 TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) { m.impl("stack_step", &stack_step); }

@@ -9,9 +9,10 @@ either way (a request does not read other logits for having stepped alone rather
 
 Plain means: an RMS norm over a scale before attention and before the feed-forward, and nothing else around
 them; attention with q, k and v fused into one product, rotated (by halves or pairs), each head's queries and
-keys normed before the rotation or not at all (Qwen3 or Llama), no gate, window, bias on its output, clipping, temperature or shared keys, and the decode plan covering it
-(model/compiled.py's `decode_plans`: plain softmax over every key); a SiLU-gated feed-forward with gate and up
-fused, nothing clamped or scaled; f32 or bf16 weights on one rank. `why_not(model)` says which layer fails and why.
+keys normed before the rotation or not at all (Qwen3 or Llama), no gate, window, bias on its output, clipping,
+temperature or shared keys, and the decode plan covering it (model/compiled.py's `decode_plans`: plain softmax
+over every key); a SiLU-gated feed-forward with gate and up fused, nothing clamped or scaled; f32 or bf16 weights
+on one rank; inductor's vectors as wide as this build's. `why_not(model)` says which layer fails and why.
 
 A step takes this way only when the compiled step has a decode plan (every row decodes one token) covering every
 layer and no projection carries an adapter; anything else runs through the graphs as before.
@@ -103,6 +104,9 @@ def why_not(model) -> str | None:
         return "the model is split over ranks"
     if not kernels.ready():
         return "the CPU kernels are not built"
+    lanes, ours = _inductor_lanes(), torch.ops.ster_kernels.stack_lanes()
+    if lanes != ours:
+        return f"inductor's loops here take {lanes} floats a vector, the kernels' {ours}"
     first = model.layers[model.stage[0]].token_mixer
     for i in range(*model.stage):
         block = model.layers[i]
@@ -127,6 +131,14 @@ def _read(source) -> torch.Tensor:
     # read each step, not kept: a loader or a merge may put new tensors in a module's place
     value = getattr(*source) if source is not None else None
     return _NONE if value is None else value
+
+
+def _inductor_lanes() -> int:
+    # imported late: inductor is slow to import, and only a model being compiled asks
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return isa.nelements() if isa else 1
 
 
 class NativeStack:
