@@ -2,12 +2,12 @@
 the compiled graph they replace and the eager layers: the graph's very bits for every row, static and paged; the
 same logprobs for a request alone or among others, whichever way each of its steps went; the graph again wherever
 a step or a model is not plain (a layer out of the plan, an adapter attached, a whole-projection qk norm, a
-sliding window, a residual multiplier). In bf16 the graph's bits are its rounding: once where a loop stores, as
+sliding window, norms after the sublayers). In bf16 the graph's bits are its rounding: once where a loop stores, as
 inductor writes it.
 
 Each model here compiles its prefill graphs once (seconds on these 2 cores): the fast suite runs the Llama toy
-(rotation by halves), GLM (interleaved pairs over part of each head) and Qwen3 (query and key heads normed); the
-other plain families are slow."""
+(rotation by halves), GLM (interleaved pairs over part of each head, biased q, k and v), Qwen3 (query and key
+heads normed) and Granite (each sublayer's output scaled); the other plain families are slow."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ from tests.tiny_models import make_tiny
 
 NEW = 6
 # the static step; the paged engine's tests below step the Llama toy
-FAST = [("glm", "f32"), ("qwen3", "bf16")]
-SLOW = [("llama", "f32"), ("llama", "bf16"), ("glm", "bf16"), ("qwen3", "f32"), ("exaone", "f32"),
-        ("hyperclovax_no_post_norm", "f32"), ("llama_linear", "f32"), ("llama_yarn", "bf16")]
+FAST = [("glm", "f32"), ("qwen3", "bf16"), ("granite", "f32")]
+SLOW = [("llama", "f32"), ("llama", "bf16"), ("glm", "bf16"), ("qwen3", "f32"), ("granite", "bf16"), ("exaone", "f32"),
+        ("hyperclovax_no_post_norm", "f32"), ("llama_linear", "f32"), ("llama_yarn", "bf16"), ("ernie4_5", "bf16"),
+        ("seed_oss", "f32"), ("iquestcoder", "bf16")]
 
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no C++ compiler or no AVX2 here: steps run through the graph")
 
@@ -164,7 +165,8 @@ def test_a_layer_left_out_of_the_plan_sends_steps_through_the_graph(toy, compili
 @pytest.mark.parametrize("variant, dtype, reason", [
     ("olmoe", "f32", "layer 0: it norms, clips or scales its queries, keys or values"),  # the whole projection
     ("mistral", "f32", "layer 0: its attention is not plain softmax over every key"),
-    ("granite", "f32", "layer 0: it is not two pre-norm sublayers added to a plain residual"),
+    ("gemma", "f32", "layer 0: its norms are not plain RMS norms before attention and feed-forward"),
+    ("glm4", "f32", "layer 0: it is not two pre-norm sublayers added to a plain residual"),
 ])
 def test_a_model_that_is_not_plain_says_why_it_steps_through_the_graph(variant, dtype, reason, tmp_path):
     make_tiny(variant, tmp_path / variant)

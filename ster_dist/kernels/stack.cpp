@@ -68,8 +68,8 @@ struct Lanes<c10::BFloat16> {
 #pragma GCC optimize("fp-contract=off")
 
 // (a + b)'s sum of squares (b may be null), lane by lane and then across the lanes, as inductor sums a row
-template <class T>
-float square_sum(const T* a, const T* b, int64_t width) {
+template <class T, class B>
+float square_sum(const T* a, const B* b, int64_t width) {
   using L = Lanes<T>;
   using V = typename L::V;
   V acc(0);
@@ -92,8 +92,8 @@ float square_sum(const T* a, const T* b, int64_t width) {
 }
 
 // out = (a + b) * rsqrt(mean of its squares + eps) * w for one row (Norm's RMS over a scale in the model's dtype)
-template <class T, class O>
-void rms_row(const T* a, const T* b, const T* w, float eps, int64_t width, O* out) {
+template <class T, class B, class O>
+void rms_row(const T* a, const B* b, const T* w, float eps, int64_t width, O* out) {
   using L = Lanes<T>;
   using V = typename L::V;
   const float mean = square_sum(a, b, width) / static_cast<float>(width);
@@ -144,9 +144,24 @@ void silu_gate_row(const T* gate_up, int64_t inner, T* out) {
   }
 }
 
+// out = (y + bias) * multiplier for one row, kept in f32 (bias may be null): a sublayer's output as it joins the
+// residual (RowLinear adds its bias after the product; Granite scales each sublayer's output)
+template <class T>
+void joining_row(const T* y, const T* bias, float multiplier, int64_t width, float* out) {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  for (int64_t i = 0; i < width; i += L::kStep) {
+    const int64_t n = std::min(L::kStep, width - i);
+    V v = L::load(y + i, n);
+    if (bias) v = v + L::load(bias + i, n);
+    if (multiplier != 1.0f) v = v * V(multiplier);
+    L::store(v, out + i, n);
+  }
+}
+
 // h = (h + a) + m for one row, rounded once: the layer's residual sum as the graph's last loop makes it
 template <class T>
-void residual_row(T* h, const T* a, const T* m, int64_t width) {
+void residual_row(T* h, const float* a, const float* m, int64_t width) {
   using L = Lanes<T>;
   for (int64_t i = 0; i < width; i += L::kStep) {
     const int64_t n = std::min(L::kStep, width - i);
@@ -170,6 +185,8 @@ std::optional<at::Tensor> maybe(const at::Tensor& t) {
 // attn norm, qkv weight and bias, o weight and bias, mlp norm, gate_up and its bias, down and its bias, the query
 // and key heads' norms (an empty tensor where a layer has no such bias or norm)
 constexpr int64_t kPerLayer = 12;
+// attention's norm's eps, the feed-forward's, the heads', and the multiplier of each sublayer's output
+constexpr int64_t kNumbers = 4;
 
 // each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's per-head query
 // and key norms), then rotated, into out
@@ -179,7 +196,7 @@ void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, float eps
   std::vector<float> normed(norm ? d : 0);  // in f32: the graph norms and rotates a head in one loop
   for (int64_t j = 0; j < count; ++j) {
     if (norm) {
-      rms_row(x + j * d, static_cast<const T*>(nullptr), norm, eps, d, normed.data());
+      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, eps, d, normed.data());
       rotate_head(normed.data(), cos, sin, half, d, interleaved, out + j * d);
     } else {
       rotate_head(x + j * d, cos, sin, half, d, interleaved, out + j * d);
@@ -193,7 +210,7 @@ const T* data_or_null(const at::Tensor& t) {
 }
 
 template <class T>
-void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> eps,
+void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> numbers,
                at::IntArrayRef shape, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rows = h.size(0), hidden = h.size(1), half = cos.size(-1);
   const int64_t heads = shape[0], kv = shape[1], d = shape[2], dv = shape[3];
@@ -201,14 +218,20 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
   const int64_t q_width = heads * d, k_width = kv * d;
   at::Tensor x = at::empty({rows, hidden}, h.options());
   at::Tensor q = at::empty({rows, heads, d}, h.options()), k = at::empty({rows, kv, d}, h.options());
+  // each sublayer's output as it joins the residual, in f32 (the graph keeps it in registers)
+  at::Tensor joined = at::empty({2, rows, hidden}, h.options().dtype(at::kFloat));
   T* hs = h.data_ptr<T>();
   T* xs = x.data_ptr<T>();
+  float* attn_out = joined[0].data_ptr<float>();
+  float* mlp_out = joined[1].data_ptr<float>();
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
-    const float eps_attn = static_cast<float>(eps[3 * l]), eps_mlp = static_cast<float>(eps[3 * l + 1]);
-    const float eps_heads = static_cast<float>(eps[3 * l + 2]);
+    const double* n = numbers.data() + kNumbers * l;
+    const float eps_attn = static_cast<float>(n[0]), eps_mlp = static_cast<float>(n[1]);
+    const float eps_heads = static_cast<float>(n[2]), multiplier = static_cast<float>(n[3]);
     each_row(rows, [&](int64_t r) {
-      rms_row(hs + r * hidden, static_cast<const T*>(nullptr), w[0].data_ptr<T>(), eps_attn, hidden, xs + r * hidden);
+      rms_row(hs + r * hidden, static_cast<const float*>(nullptr), w[0].data_ptr<T>(), eps_attn, hidden,
+              xs + r * hidden);
     });
     const at::Tensor qkv = ster_kernels::packed_product(x, w[1], maybe(w[2]));  // [rows, q + k + v]
     TORCH_CHECK(qkv.size(1) == q_width + k_width + kv * dv, "stack_step: layer ", layers[l],
@@ -226,10 +249,11 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
     const at::Tensor v = qkv.narrow(1, q_width + k_width, kv * dv).view({rows, kv, dv});
     const at::Tensor attended = ster_kernels::planned_rows(layers[l], q, k, v);
     TORCH_CHECK(attended.defined(), "stack_step: layer ", layers[l], " is not in the decode plan");
-    const at::Tensor o = ster_kernels::packed_product(attended.view({rows, heads * dv}), w[3], maybe(w[4]));
+    const at::Tensor o = ster_kernels::packed_product(attended.view({rows, heads * dv}), w[3], std::nullopt);
     const T* os = o.data_ptr<T>();
     each_row(rows, [&](int64_t r) {  // the norm of h + o, which stays unrounded until the layer's last sum
-      rms_row(hs + r * hidden, os + r * hidden, w[5].data_ptr<T>(), eps_mlp, hidden, xs + r * hidden);
+      joining_row(os + r * hidden, data_or_null<T>(w[4]), multiplier, hidden, attn_out + r * hidden);
+      rms_row(hs + r * hidden, attn_out + r * hidden, w[5].data_ptr<T>(), eps_mlp, hidden, xs + r * hidden);
     });
     const at::Tensor gate_up = ster_kernels::packed_product(x, w[6], maybe(w[7]));  // [rows, 2 inner]
     const int64_t inner = gate_up.size(1) / 2;
@@ -237,22 +261,27 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
     each_row(rows, [&](int64_t r) {
       silu_gate_row(gate_up.data_ptr<T>() + r * 2 * inner, inner, act.data_ptr<T>() + r * inner);
     });
-    const at::Tensor m = ster_kernels::packed_product(act, w[8], maybe(w[9]));
+    const at::Tensor m = ster_kernels::packed_product(act, w[8], std::nullopt);
     const T* ms = m.data_ptr<T>();
-    each_row(rows, [&](int64_t r) { residual_row(hs + r * hidden, os + r * hidden, ms + r * hidden, hidden); });
+    each_row(rows, [&](int64_t r) {
+      joining_row(ms + r * hidden, data_or_null<T>(w[9]), multiplier, hidden, mlp_out + r * hidden);
+      residual_row(hs + r * hidden, attn_out + r * hidden, mlp_out + r * hidden, hidden);
+    });
   }
 }
 
-// h [rows, hidden], one decoding token a row (f32 or bf16); weights kPerLayer a layer, of the layers `layers`
-// (their indices in the decode plan in force); eps three a layer (attention's norm, the feed-forward's, the
-// heads'); shape: heads, kv heads, head width, value width, interleaved; cos and sin [rows, rotated pairs]
-at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> eps,
-                      at::IntArrayRef shape, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+// h [rows, hidden], one decoding token a row (f32 or bf16); weights kPerLayer a layer and numbers kNumbers, of the
+// layers `layers` (their indices in the decode plan in force); shape: heads, kv heads, head width, value width,
+// interleaved; cos and sin [rows, rotated pairs]
+at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef layers,
+                      at::ArrayRef<double> numbers, at::IntArrayRef shape, const at::Tensor& cos_in,
+                      const at::Tensor& sin_in) {
   const at::ScalarType dtype = h_in.scalar_type();
   TORCH_CHECK(h_in.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && h_in.device().is_cpu(),
               "stack_step: h as [rows, hidden] f32 or bf16 on the CPU");
-  TORCH_CHECK(weights.size() == kPerLayer * layers.size() && eps.size() == 3 * layers.size() && shape.size() == 5,
-              "stack_step: ", kPerLayer, " weights and 3 eps a layer, and 5 numbers of shape");
+  TORCH_CHECK(weights.size() == kPerLayer * layers.size() && numbers.size() == kNumbers * layers.size() &&
+                  shape.size() == 5, "stack_step: ", kPerLayer, " weights and ", kNumbers,
+              " numbers a layer, and 5 numbers of shape");
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == dtype && w.is_contiguous()),
                 "stack_step: every weight contiguous and of h's dtype");
@@ -261,8 +290,8 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
   TORCH_CHECK(cos.scalar_type() == dtype && sin.sizes() == cos.sizes() && cos.numel() == rows * half &&
                   2 * half <= shape[2], "stack_step: cos and sin [rows, pairs] of h's dtype, at most half a head");
   at::Tensor h = h_in.contiguous().clone();
-  if (dtype == at::kFloat) layers_of<float>(h, weights, layers, eps, shape, cos, sin);
-  else layers_of<c10::BFloat16>(h, weights, layers, eps, shape, cos, sin);
+  if (dtype == at::kFloat) layers_of<float>(h, weights, layers, numbers, shape, cos, sin);
+  else layers_of<c10::BFloat16>(h, weights, layers, numbers, shape, cos, sin);
   return h;
 }
 
@@ -273,7 +302,7 @@ int64_t stack_lanes() { return at::vec::Vectorized<float>::size(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
-  m.def("stack_step(Tensor h, Tensor[] weights, int[] layers, float[] eps, int[] shape, Tensor cos, Tensor sin) "
+  m.def("stack_step(Tensor h, Tensor[] weights, int[] layers, float[] numbers, int[] shape, Tensor cos, Tensor sin) "
         "-> Tensor");
   m.def("stack_lanes() -> int", &stack_lanes);
 }

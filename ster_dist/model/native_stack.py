@@ -9,10 +9,11 @@ either way (a request does not read other logits for having stepped alone rather
 
 Plain means: an RMS norm over a scale before attention and before the feed-forward, and nothing else around
 them; attention with q, k and v fused into one product, rotated (by halves or pairs), each head's queries and
-keys normed before the rotation or not at all (Qwen3 or Llama), no gate, window, bias on its output, clipping,
-temperature or shared keys, and the decode plan covering it (model/compiled.py's `decode_plans`: plain softmax
-over every key); a SiLU-gated feed-forward with gate and up fused, nothing clamped or scaled; f32 or bf16 weights
-on one rank; inductor's vectors as wide as this build's. `why_not(model)` says which layer fails and why.
+keys normed before the rotation or not at all (Qwen3 or Llama), no gate, window, clipping, temperature or shared
+keys, and the decode plan covering it (model/compiled.py's `decode_plans`: plain softmax over every key); a
+SiLU-gated feed-forward with gate and up fused, nothing clamped or scaled inside; each sublayer's output biased
+or not, scaled or not (Granite's residual multiplier); f32 or bf16 weights on one rank; inductor's vectors as
+wide as this build's. `why_not(model)` says which layer fails and why.
 
 A step takes this way only when the compiled step has a decode plan (every row decodes one token) covering every
 layer and no projection carries an adapter; anything else runs through the graphs as before.
@@ -31,9 +32,9 @@ from ster_dist.model.attention import Attention
 from ster_dist.model.norm import Norm
 
 # per layer, what stack_step reads, in its order: (the module's path from the block, the attribute)
-_READS = (("attn_norm", "weight"), ("attn.qkv", "weight"), ("attn.qkv", "bias"), ("attn.o", "weight"), (None, None),
-          ("mlp_norm", "weight"), ("mlp.gate_up", "weight"), ("mlp.gate_up", "bias"), ("mlp.down", "weight"),
-          (None, None), ("attn.q_norm", "weight"), ("attn.k_norm", "weight"))
+_READS = (("attn_norm", "weight"), ("attn.qkv", "weight"), ("attn.qkv", "bias"), ("attn.o", "weight"),
+          ("attn.o", "bias"), ("mlp_norm", "weight"), ("mlp.gate_up", "weight"), ("mlp.gate_up", "bias"),
+          ("mlp.down", "weight"), ("mlp.down", "bias"), ("attn.q_norm", "weight"), ("attn.k_norm", "weight"))
 _NONE = torch.empty(0)  # an absent bias, as the operator's Tensor[] takes it
 
 
@@ -66,8 +67,6 @@ def _why_not_attention(attn) -> str | None:
         return "it is not rotated, or scales queries by position"
     if attn.window is not None or attn.chunk is not None or attn.plain_scale(attn._attend_at) is None:
         return "its attention is not plain softmax over every key"
-    if attn.o.bias is not None:
-        return "its output projection has a bias"
     return None
 
 
@@ -76,8 +75,8 @@ def _why_not_mlp(mlp) -> str | None:
         return "its feed-forward is not a fused gated one"
     if mlp.act is not F.silu or mlp.cutoff_deviations is not None or mlp.oai or mlp.limit or mlp.limit_inside:
         return "its feed-forward is not a plain SiLU gate"
-    if mlp.gate_multiplier != 1.0 or mlp.down_multiplier != 1.0 or mlp.scale is not None or mlp.down.bias is not None:
-        return "its feed-forward's output is scaled or biased"
+    if mlp.gate_multiplier != 1.0 or mlp.down_multiplier != 1.0 or mlp.scale is not None:
+        return "its feed-forward's gate or output is scaled"
     return None
 
 
@@ -88,7 +87,7 @@ def _why_not_block(block) -> str | None:
               block.factors, block.laurel, block.altup, block.attn_hc, block.per_layer_gate, block.layer_scalar,
               block.side_by_side)
     if any(e is not None for e in extras) or block.joins_shortcut or block.parallel or block.residual_fp32 \
-            or block.residual_multiplier != 1.0 or block.mlp_reads_residual:
+            or block.mlp_reads_residual:
         return "it is not two pre-norm sublayers added to a plain residual"
     return _why_not_attention(block.token_mixer) or _why_not_mlp(block.mlp)
 
@@ -149,8 +148,9 @@ class NativeStack:
         self.layers = list(range(*model.stage))
         blocks = [model.layers[i] for i in self.layers]
         self.sources = [_source(block, path, name) for block in blocks for path, name in _READS]
-        self.eps = [eps for block in blocks for eps in (block.attn_norm.eps, block.mlp_norm.eps,
-                                                        getattr(block.token_mixer.q_norm, "eps", 0.0))]
+        self.numbers = [number for block in blocks for number in (
+            block.attn_norm.eps, block.mlp_norm.eps, getattr(block.token_mixer.q_norm, "eps", 0.0),
+            block.residual_multiplier)]
         attn = blocks[0].token_mixer
         self.shape = [attn.local_heads, attn.local_kv, attn.head_dim, attn.value_dim, int(attn.rope.interleaved)]
         self.rope = attn.rope
@@ -169,6 +169,6 @@ class NativeStack:
         rows = batch * tokens
         cos, sin = step.rotary(self.rope, h.dtype)
         weights = [_read(source) for source in self.sources]
-        out = torch.ops.ster_kernels.stack_step(h.reshape(rows, width), weights, self.layers, self.eps, self.shape,
+        out = torch.ops.ster_kernels.stack_step(h.reshape(rows, width), weights, self.layers, self.numbers, self.shape,
                                                 cos.reshape(rows, -1), sin.reshape(rows, -1))
         return out.view(batch, tokens, width)
