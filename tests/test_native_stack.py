@@ -99,7 +99,9 @@ def test_every_plain_family_steps_natively_with_the_graphs_bits(variant, dtype, 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     directory = tmp_path_factory.mktemp("native") / "llama"
-    make_toy_model(directory, layers=3, hidden=64, seed=5)
+    # a width of its own: graphs are shared by the process, and test_compiled_step's count the ones they make;
+    # its heads of 24 channels and its feed-forward of 200 meet the loops' tails
+    make_toy_model(directory, layers=3, hidden=96, seed=5)
     return directory
 
 
