@@ -190,3 +190,29 @@ def test_vectors_of_another_width_than_inductors_keep_steps_with_the_graph(toy, 
     assert native_stack._inductor_lanes() == lanes and why_not(model) is None
     monkeypatch.setattr(native_stack, "_inductor_lanes", lambda: 2 * lanes)
     assert why_not(model) == f"inductor's loops here take {2 * lanes} floats a vector, the kernels' {lanes}"
+
+
+def test_a_native_step_that_fails_runs_again_through_the_graph(toy, compiling, monkeypatch, capfd):
+    eager, native = load_model(resolve(str(toy))).model, _compiled(toy, monkeypatch)
+    original = NativeStack.run
+
+    def failing(self, h, step):  # fails after its first layer stored that layer's keys and values
+        whole = self.layers, self.sources, self.numbers
+        per_layer = len(self.numbers) // len(self.layers)
+        self.layers, self.sources, self.numbers = self.layers[:1], self.sources[:len(native_stack._READS)], \
+            self.numbers[:per_layer]
+        try:
+            original(self, h, step)
+        finally:
+            self.layers, self.sources, self.numbers = whole
+        raise RuntimeError("stack_step: a check failed\nmore detail")
+
+    monkeypatch.setattr(NativeStack, "run", failing)
+    prompt = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(8))
+    got, got_tokens = decode(native, prompt, NEW)
+    want, want_tokens = decode(eager, prompt, NEW)
+    close(got, want)
+    assert got_tokens == want_tokens and native.compiled.native is None
+    said = capfd.readouterr().err
+    assert said.count("a native decode step failed (stack_step: a check failed); decode steps go through the compiled "
+                      "graphs from now on") == 1

@@ -22,7 +22,9 @@ layer's index as a 0-d tensor, an input like the parameters, and the step is in 
 keeps. Layers that differ in structure (a sliding window, another head count) get a graph of their own,
 traced on first use.
 
-A step of one token (one sequence decoding: a chat's every step) runs the whole stack in one graph instead,
+Where every layer is plain Llama-shaped, a step of decodes only skips the graphs: model/native_stack.py runs it
+as one call into C++ with the graph's very bits. A step of one token (one sequence decoding: a chat's every
+step) of other models runs the whole stack in one graph instead,
 static in shape: each layer is a call of a `nested_compile_region` traced once per layer structure, so the
 step enters compiled code once rather than once a layer (guards and wrappers, about 50 us a layer). If that
 graph cannot be built, one-token steps go layer by layer like the others.
@@ -228,6 +230,10 @@ class CompiledLayers:
             torch.ops.ster_kernels.push_plan(*plan)
             try:
                 return self.native.run(h, step)
+            except RuntimeError as error:  # the step runs again through the graph: it writes the same slots
+                self.native = None
+                progress(f"a native decode step failed ({str(error).strip().splitlines()[0][:200]}); "
+                         "decode steps go through the compiled graphs from now on")
             finally:
                 torch.ops.ster_kernels.pop_plan()
         if plan is not None:
