@@ -18,8 +18,9 @@
   itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer (model/compiled.py).
-- `stack_step(h, weights, layers, eps, shape, cos, sin)` (stack.cpp): a decode step through plain Llama-shaped
-  layers in one call, over the plan pushed (model/native_stack.py).
+- `stack_step(h, weights, layers, numbers, shape, cos, sin)` (stack.cpp): a decode step through plain
+  Llama-shaped layers in one call, over the plan pushed (model/native_stack.py); `stack_lanes()`: the floats a
+  vector of its loops, which must be inductor's for the graph's bits.
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it (`argmax`
   below: what greedy steps and the sampler pick tokens with).
 

@@ -289,7 +289,7 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
   const int64_t rows = h_in.size(0), half = cos.size(-1);
   TORCH_CHECK(cos.scalar_type() == dtype && sin.sizes() == cos.sizes() && cos.numel() == rows * half &&
                   2 * half <= shape[2], "stack_step: cos and sin [rows, pairs] of h's dtype, at most half a head");
-  at::Tensor h = h_in.contiguous().clone();
+  at::Tensor h = h_in.clone(at::MemoryFormat::Contiguous);  // the step's own: its layers write it in place
   if (dtype == at::kFloat) layers_of<float>(h, weights, layers, numbers, shape, cos, sin);
   else layers_of<c10::BFloat16>(h, weights, layers, numbers, shape, cos, sin);
   return h;

@@ -214,17 +214,6 @@ class CompiledLayers:
 
     def run(self, h: torch.Tensor, step) -> torch.Tensor:
         model = self.model
-        tables = {}
-        started, before = time.perf_counter(), _graph_count()
-        batch, tokens, width = h.shape
-        layers = range(*model.stage)
-        rotaries = []
-        for i in layers:
-            rope = model.layers[i].token_mixer.rope
-            if rope is not None and rope not in tables:
-                tables[rope] = step.rotary(rope, model.dtype)
-            rotaries.append(tables.get(rope))
-        ids = self.layer_ids[layers.start:layers.stop]
         plan = self._plan(step)
         if plan is not None and self.native is not None and self.native.takes(plan[2]):
             torch.ops.ster_kernels.push_plan(*plan)
@@ -236,6 +225,17 @@ class CompiledLayers:
                          "decode steps go through the compiled graphs from now on")
             finally:
                 torch.ops.ster_kernels.pop_plan()
+        tables = {}
+        started, before = time.perf_counter(), _graph_count()
+        batch, tokens, width = h.shape
+        layers = range(*model.stage)
+        rotaries = []
+        for i in layers:
+            rope = model.layers[i].token_mixer.rope
+            if rope is not None and rope not in tables:
+                tables[rope] = step.rotary(rope, model.dtype)
+            rotaries.append(tables.get(rope))
+        ids = self.layer_ids[layers.start:layers.stop]
         if plan is not None:
             torch.ops.ster_kernels.push_plan(*plan)
         _RUNNING.append((step, model))

@@ -149,7 +149,6 @@ class NativeStack:
     """A model's decode steps through kernels/stack.cpp; build it where `why_not(model)` is None."""
 
     def __init__(self, model):
-        self.model = model
         self.layers = list(range(*model.stage))
         blocks = [model.layers[i] for i in self.layers]
         self.sources = [_source(block, path, name) for block in blocks for path, name in _READS]
