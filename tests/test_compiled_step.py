@@ -177,6 +177,26 @@ def test_a_layer_left_out_of_the_plan_attends_through_python(models, monkeypatch
     assert calls == layers + layers[1:] * (NEW - 1)
 
 
+@pytest.mark.slow  # a compile, about 20 s
+def test_a_windowed_mixture_of_experts_model_attends_in_the_kernel_within_its_window(tmp_path, compiling, monkeypatch):
+    """Mixtral's sliding window (6, below the 9-token prompt plus its decodes): its planned decode steps keep to each
+    row's last keys in the kernel, never calling back into Python, and give the eager logits."""
+    from tests.tiny_models import make_tiny
+
+    make_tiny("mixtral", tmp_path / "mixtral")
+    eager = load_model(resolve(str(tmp_path / "mixtral"))).model
+    compiled = load_model(resolve(str(tmp_path / "mixtral"))).model
+    assert compiled.compile_layers() is None and compiled.compiled.native is None  # experts: no native step
+    assert {block.token_mixer.window for block in compiled.layers} == {6}
+    prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(7))
+    want, want_tokens = decode(eager, prompt, NEW)
+    calls = _counting(monkeypatch, StepState)
+    got, got_tokens = decode(compiled, prompt, NEW)
+    close(got, want)
+    assert got_tokens == want_tokens
+    assert calls == list(range(compiled.cfg.num_layers))  # the prefill's layers, then none
+
+
 def test_a_hook_runs_eagerly_and_steers_as_it_does_eagerly(models):
     eager, compiled = models
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(1))

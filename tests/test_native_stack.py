@@ -1,13 +1,15 @@
-"""Decode steps of plain Llama-shaped layers as one native call (model/native_stack.py, kernels/stack.cpp) against
-the compiled graph they replace and the eager layers: the graph's very bits for every row, static and paged; the
-same logprobs for a request alone or among others, whichever way each of its steps went; the graph again wherever
-a step or a model is not plain (a layer out of the plan, an adapter attached, a whole-projection qk norm, a
-sliding window, norms after the sublayers). In bf16 the graph's bits are its rounding: once where a loop stores, as
-inductor writes it.
+"""Decode steps of plain Llama- and Gemma-shaped layers as one native call (model/native_stack.py, kernels/stack.cpp)
+against the compiled graph they replace and the eager layers: the graph's very bits for every row, static and paged;
+the same logprobs for a request alone or among others, whichever way each of its steps went; the graph again
+wherever a step or a model is not plain (a layer out of the plan, an adapter attached, a whole-projection qk norm,
+norms only after the sublayers). In bf16 the graph's bits are its rounding: where a loop stores, as inductor
+writes it for one row and for several.
 
 Each model here compiles its prefill graphs once (seconds on these 2 cores): the fast suite runs the Llama toy
 (rotation by halves), GLM (interleaved pairs over part of each head, biased q, k and v), Qwen3 (query and key
-heads normed) and Granite (each sublayer's output scaled); the other plain families are slow."""
+heads normed), Granite (each sublayer's output scaled) and Gemma 3 (norms over offsets before and after each
+sublayer, heads normed, GELU, a sliding window and its own rotation on alternate layers); the other plain
+families are slow."""
 
 from __future__ import annotations
 
@@ -29,10 +31,13 @@ from tests.tiny_models import make_tiny
 
 NEW = 6
 # the static step; the paged engine's tests below step the Llama toy
-FAST = [("glm", "f32"), ("qwen3", "bf16"), ("granite", "f32")]
+FAST = [("glm", "f32"), ("qwen3", "bf16"), ("granite", "f32"), ("gemma3_text", "bf16")]
 SLOW = [("llama", "f32"), ("llama", "bf16"), ("glm", "bf16"), ("qwen3", "f32"), ("granite", "bf16"), ("exaone", "f32"),
         ("hyperclovax_no_post_norm", "f32"), ("llama_linear", "f32"), ("llama_yarn", "bf16"), ("ernie4_5", "bf16"),
-        ("seed_oss", "f32"), ("iquestcoder", "bf16")]
+        ("seed_oss", "f32"), ("iquestcoder", "bf16"), ("gemma3_text", "f32"), ("gemma", "f32"), ("gemma", "bf16"),
+        ("glm4", "f32"), ("glm4", "bf16"),  # norms after the sublayers, not over offsets
+        ("mistral", "f32"), ("mistral", "bf16"), ("phi3", "bf16"), ("qwen2", "f32"),  # sliding windows
+        ("smollm3", "f32"), ("smollm3", "bf16")]  # every fourth layer unrotated
 
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no C++ compiler or no AVX2 here: steps run through the graph")
 
@@ -63,6 +68,9 @@ def _compiled(directory, monkeypatch, native: bool = True, dtype: str = "f32"):
 
 
 def _same_bits_as_the_graph(variant, dtype, tmp_path, monkeypatch, native_calls) -> None:
+    # graphs are kept per function for the whole process, and dynamo stops compiling a function (runs it eagerly)
+    # past 64 of them: two dozen families here would pass that
+    torch._dynamo.reset()
     directory = tmp_path / variant
     make_tiny(variant, directory)
     eager = load_model(resolve(str(directory)), precision=dtype).model
@@ -131,6 +139,22 @@ def test_a_request_reads_the_same_logprobs_alone_or_among_others(toy, compiling,
     assert [(r.token_ids, r.logprobs) for r in graph_together] == [(r.token_ids, r.logprobs) for r in together]
 
 
+@pytest.mark.slow  # two warmed engines, about 40 s
+def test_a_windowed_request_reads_the_same_logprobs_alone_or_among_others(tmp_path, compiling, monkeypatch,
+                                                                           native_calls):
+    """Mistral's sliding window (5) over a paged cache whose blocks behind the window are given back: its native
+    decodes read each row's last keys as the graph's do, alone or among others."""
+    make_tiny("mistral", tmp_path / "mistral")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    batch = prompts(6, seed=12, lo=3, hi=30)
+    alone, together = _answers(tmp_path / "mistral", batch, params)
+    assert any(shape[1] > 1 for shape in native_calls)
+    assert (together[0].token_ids, together[0].logprobs) == (alone.token_ids, alone.logprobs)
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")
+    _, graph_together = _answers(tmp_path / "mistral", batch, params)
+    assert [(r.token_ids, r.logprobs) for r in graph_together] == [(r.token_ids, r.logprobs) for r in together]
+
+
 def test_an_attached_adapter_sends_steps_through_the_graph(toy, compiling, monkeypatch, native_calls):
     eager, native = load_model(resolve(str(toy))).model, _compiled(toy, monkeypatch)
     sites = random_sites(eager, ("q", "v"), torch.Generator().manual_seed(3), scale=0.5)
@@ -166,9 +190,11 @@ def test_a_layer_left_out_of_the_plan_sends_steps_through_the_graph(toy, compili
 
 @pytest.mark.parametrize("variant, dtype, reason", [
     ("olmoe", "f32", "layer 0: it norms, clips or scales its queries, keys or values"),  # the whole projection
-    ("mistral", "f32", "layer 0: its attention is not plain softmax over every key"),
-    ("gemma", "f32", "layer 0: its norms are not plain RMS norms before attention and feed-forward"),
-    ("glm4", "f32", "layer 0: it is not two pre-norm sublayers added to a plain residual"),
+    ("ministral3", "f32", "layer 0: it scales queries by position"),  # Llama 4's query temperature
+    ("granite_swa", "f32", "layer 0: its attention is not plain softmax"),  # sinks
+    ("olmo2", "f32", "layer 0: its norms are not plain RMS norms before attention and feed-forward"),  # after only
+    ("gemma4_text", "f32", "layer 0: it is not two pre-norm sublayers added to a plain residual"),  # a layer scalar
+    ("hyperclovax", "f32", "layer 0: a sublayer's output is biased or scaled before its norm"),  # residual multiplier
 ])
 def test_a_model_that_is_not_plain_says_why_it_steps_through_the_graph(variant, dtype, reason, tmp_path):
     make_tiny(variant, tmp_path / variant)
@@ -197,14 +223,14 @@ def test_a_native_step_that_fails_runs_again_through_the_graph(toy, compiling, m
     original = NativeStack.run
 
     def failing(self, h, step):  # fails after its first layer stored that layer's keys and values
-        whole = self.layers, self.sources, self.numbers
+        whole = self.layers, self.sources, self.numbers, self.rotations
         per_layer = len(self.numbers) // len(self.layers)
-        self.layers, self.sources, self.numbers = self.layers[:1], self.sources[:len(native_stack._READS)], \
-            self.numbers[:per_layer]
+        self.layers, self.sources, self.numbers, self.rotations = self.layers[:1], \
+            self.sources[:len(native_stack._READS)], self.numbers[:per_layer], self.rotations[:2]
         try:
             original(self, h, step)
         finally:
-            self.layers, self.sources, self.numbers = whole
+            self.layers, self.sources, self.numbers, self.rotations = whole
         raise RuntimeError("stack_step: a check failed\nmore detail")
 
     monkeypatch.setattr(NativeStack, "run", failing)

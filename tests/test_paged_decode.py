@@ -153,6 +153,36 @@ def test_a_planned_step_stores_each_rows_key_then_attends_as_the_kernel(kernel, 
     assert torch.equal(got, want.transpose(0, 1).unsqueeze(0))
 
 
+def test_a_planned_layer_keeps_to_its_window_and_its_chunk(kernel):
+    """A plan's windowed layer (Mistral's, Gemma's local ones) reads each row's last `window` keys, a chunked one
+    (Llama 4's) those of the new token's own chunk, both where both are set: the first key of each row as the
+    eager mask has it (a key at distance < window, in the query's chunk), and the reference's softmax over them."""
+    gen = torch.Generator().manual_seed(12)
+    lengths = [3, 9, 70, 130]
+    keys, values, table, _ = _scattered_cache(gen, lengths, 4, 2, 16, 16, torch.float32, 4)
+    end = torch.tensor(lengths)
+    last = end - 1
+    blocks, slots = table.gather(1, (last // 4).view(-1, 1)).view(-1), last % 4
+    q = torch.randn(1, 4, 4, 16, generator=gen)
+    k, v = torch.randn(1, 2, 4, 16, generator=gen), torch.randn(1, 2, 4, 16, generator=gen)
+    ops = torch.ops.ster_kernels
+    ranges = {(0, 0): torch.zeros_like(end), (5, 0): (end - 5).clamp(min=0), (0, 8): last // 8 * 8,
+              (50, 64): torch.maximum((end - 50).clamp(min=0), last // 64 * 64)}
+    ops.push_plan([keys] * 4, [values] * 4, [0.25] * 4, blocks, slots, table, torch.zeros_like(end), end, True,
+                  [w for w, _ in ranges], [c for _, c in ranges])
+    try:
+        got = [ops.attend_planned(q, k, v, torch.tensor(layer)) for layer in range(4)]
+    finally:
+        ops.pop_plan()
+    for out, first in zip(got, ranges.values()):
+        want = _reference(q[0].transpose(0, 1), keys, values, table, first, end, 0.25)
+        assert ((out[0].transpose(0, 1).double() - want).norm() / want.norm()).item() < 1e-5
+        assert torch.equal(out[0].transpose(0, 1), kernel(q[0].transpose(0, 1), keys, values, table, first, end, 0.25))
+    assert not torch.allclose(got[0], got[1])  # the window did cut
+    with pytest.raises(RuntimeError, match="one window and one chunk a layer"):
+        ops.push_plan([keys], [values], [0.25], blocks, slots, table, torch.zeros_like(end), end, True, [1, 2], [])
+
+
 def test_a_plan_writing_outside_the_cache_is_refused(kernel):
     keys = values = torch.zeros(4, 2, 1, 8)
     table, ends = torch.tensor([[1, 2]]), torch.tensor([3])

@@ -17,10 +17,11 @@
   packed weights of parallel/packed.py (panels, or oneDNN's reorder where there are none), found by the weight
   itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
-  attention stored and computed without calling back into Python each layer (model/compiled.py).
-- `stack_step(h, weights, layers, numbers, shape, cos, sin)` (stack.cpp): a decode step through plain
-  Llama-shaped layers in one call, over the plan pushed (model/native_stack.py); `stack_lanes()`: the floats a
-  vector of its loops, which must be inductor's for the graph's bits.
+  attention stored and computed without calling back into Python each layer, each layer within its sliding
+  window or chunk where it has one (model/compiled.py).
+- `stack_step(h, weights, layers, numbers, shape, cos, sin, rotations)` (stack.cpp): a decode step through plain
+  Llama- or Gemma-shaped layers in one call, over the plan pushed (model/native_stack.py); `stack_lanes()`: the
+  floats a vector of its loops, which must be inductor's for the graph's bits.
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it (`argmax`
   below: what greedy steps and the sampler pick tokens with).
 

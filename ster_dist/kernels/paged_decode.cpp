@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <vector>
 
 #include "entries.h"
@@ -249,24 +250,51 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::T
 // states once, before its graph runs, where each layer's keys lie and where its new key goes (a "plan", kept
 // per thread, as steps nest); `attend_planned` then stores the key and value and runs the kernel itself,
 // and hands any layer the plan does not cover to ster_dist::attend.
+//
+// A layer with a sliding window (Mistral, Phi-3, Gemma's local layers) or chunked attention (Llama 4) reads a
+// range of its keys: a row whose new token sits at position p = ends - 1 sees keys p - key < window and, with
+// chunks, only those of p's own chunk (model/paged_step.py's key_range, model/step.py's mask).
 struct Plan {
   std::vector<at::Tensor> keys, values;  // per layer: [blocks, block_size, kv_heads, width], as paged_decode reads
   std::vector<double> scales;            // per layer: > 0 where planned
+  std::vector<int64_t> windows, chunks;  // per layer: 0 where every earlier key is seen (empty: every layer)
   at::Tensor write_blocks, write_slots;  // per row: where its new key and value go
   at::Tensor table, starts, ends;        // per row: as paged_decode takes them
   bool packed;                           // rows along dim 2 of [1, heads, rows, d] (a paged step), else dim 0
+  std::map<std::pair<int64_t, int64_t>, at::Tensor> firsts;  // per (window, chunk): each row's first key
+
+  // each row's first key in a layer with this window and chunk (0: none), made once a step
+  const at::Tensor& first_keys(int64_t window, int64_t chunk) {
+    if (window <= 0 && chunk <= 0) return starts;
+    auto [at, fresh] = firsts.try_emplace({window, chunk});
+    if (fresh) {
+      at->second = starts.clone();
+      int64_t* first = at->second.data_ptr<int64_t>();
+      const int64_t* end = ends.data_ptr<int64_t>();
+      for (int64_t r = 0; r < at->second.numel(); ++r) {
+        if (window > 0) first[r] = std::max(first[r], end[r] - window);
+        if (chunk > 0) first[r] = std::max(first[r], (end[r] - 1) / chunk * chunk);
+      }
+    }
+    return at->second;
+  }
 };
 thread_local std::vector<Plan> plans;
 
 void push_plan(at::TensorList keys, at::TensorList values, at::ArrayRef<double> scales, const at::Tensor& write_blocks,
                const at::Tensor& write_slots, const at::Tensor& table, const at::Tensor& starts,
-               const at::Tensor& ends, bool packed) {
+               const at::Tensor& ends, bool packed, at::IntArrayRef windows, at::IntArrayRef chunks) {
   TORCH_CHECK(keys.size() == scales.size() && values.size() == scales.size(), "push_plan: one key, value and scale a layer");
+  TORCH_CHECK((windows.empty() || windows.size() == scales.size()) &&
+                  (chunks.empty() || chunks.size() == scales.size()),
+              "push_plan: one window and one chunk a layer, or none");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && ends.scalar_type() == at::kLong && starts.numel() == table.size(0) &&
+                  ends.numel() == table.size(0), "push_plan: int64 starts and ends, one a row");
   const int64_t n = table.size(0);
   TORCH_CHECK(write_blocks.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong &&
                   write_blocks.numel() == n && write_slots.numel() == n, "push_plan: int64 write blocks and slots, one a row");
-  Plan plan{keys.vec(), values.vec(), scales.vec(), write_blocks.contiguous(), write_slots.contiguous(),
-            table.contiguous(), starts.contiguous(), ends.contiguous(), packed};
+  Plan plan{keys.vec(), values.vec(), scales.vec(), windows.vec(), chunks.vec(), write_blocks.contiguous(),
+            write_slots.contiguous(), table.contiguous(), starts.contiguous(), ends.contiguous(), packed, {}};
   const int64_t* b = plan.write_blocks.data_ptr<int64_t>();
   const int64_t* s = plan.write_slots.data_ptr<int64_t>();
   for (size_t layer = 0; layer < scales.size(); ++layer) {
@@ -320,7 +348,7 @@ at::Tensor attend_planned(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const at::Tensor& kr, const at::Tensor& vr) {
-  const Plan* plan = plans.empty() ? nullptr : &plans.back();
+  Plan* plan = plans.empty() ? nullptr : &plans.back();
   if (plan == nullptr || index < 0 || index >= (int64_t)plan->scales.size() || plan->scales[index] <= 0)
     return at::Tensor();
   const at::Tensor& keys = plan->keys[index];
@@ -342,14 +370,16 @@ at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const 
     store<c10::BFloat16>(kr, keys, blocks, slots);
     store<c10::BFloat16>(vr, values, blocks, slots);
   }
-  return paged_decode(q, keys, values, plan->table, plan->starts, plan->ends, plan->scales[index]);
+  const at::Tensor& first = plan->first_keys(plan->windows.empty() ? 0 : plan->windows[index],
+                                             plan->chunks.empty() ? 0 : plan->chunks[index]);
+  return paged_decode(q, keys, values, plan->table, first, plan->ends, plan->scales[index]);
 }
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, Tensor ends, float scale)"
         " -> Tensor");
   m.def("push_plan(Tensor[] keys, Tensor[] values, float[] scales, Tensor write_blocks, Tensor write_slots, "
-        "Tensor table, Tensor starts, Tensor ends, bool packed) -> ()", &push_plan);
+        "Tensor table, Tensor starts, Tensor ends, bool packed, int[] windows=[], int[] chunks=[]) -> ()", &push_plan);
   m.def("pop_plan() -> ()", &pop_plan);
   m.def("attend_planned(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor");
 }

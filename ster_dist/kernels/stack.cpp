@@ -26,6 +26,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -91,19 +92,26 @@ float square_sum(const T* a, const B* b, int64_t width) {
   return sum;
 }
 
-// out = (a + b) * rsqrt(mean of its squares + eps) * w for one row (Norm's RMS over a scale in the model's dtype)
+// out = (a + b) * rsqrt(sum / width + eps) * (w + offset) for one row, `sum` being (a + b)'s sum of squares (Norm's
+// RMS over a scale in the model's dtype; Gemma's scales are stored as offsets from one)
 template <class T, class B, class O>
-void rms_row(const T* a, const B* b, const T* w, float eps, int64_t width, O* out) {
+void norm_row(const T* a, const B* b, float sum, const T* w, float offset, float eps, int64_t width, O* out) {
   using L = Lanes<T>;
   using V = typename L::V;
-  const float mean = square_sum(a, b, width) / static_cast<float>(width);
+  const float mean = sum / static_cast<float>(width);
   const V scale(1 / std::sqrt(float(mean + eps)));
   for (int64_t i = 0; i < width; i += L::kStep) {
     const int64_t n = std::min(L::kStep, width - i);
     V x = L::load(a + i, n);
     if (b) x = x + L::load(b + i, n);
-    L::store(x * scale * L::load(w + i, n), out + i, n);
+    const V weight = offset != 0.0f ? L::load(w + i, n) + V(offset) : L::load(w + i, n);
+    L::store(x * scale * weight, out + i, n);
   }
+}
+
+template <class T, class B, class O>
+void rms_row(const T* a, const B* b, const T* w, float offset, float eps, int64_t width, O* out) {
+  norm_row(a, b, square_sum(a, b, width), w, offset, eps, width, out);
 }
 
 // x's first `half` channel pairs rotated by one row's cos and sin (rotate-half or interleaved pairs), the rest as
@@ -131,16 +139,24 @@ void rotate_head(const X* x, const T* cos, const T* sin, int64_t half, int64_t d
   for (int64_t i = 2 * half; i < d; ++i) out[i] = T(x[i]);
 }
 
-// silu(gate) * up for one row, gate and up side by side in `gate_up`
+// act(gate) * up for one row, gate and up side by side in `gate_up`: SiLU, or GELU by its tanh approximation
+// (Gemma's), each as inductor expands it
 template <class T>
-void silu_gate_row(const T* gate_up, int64_t inner, T* out) {
+void gate_row(const T* gate_up, int64_t inner, bool gelu, T* out) {
   using L = Lanes<T>;
   using V = typename L::V;
   const T* up = gate_up + inner;
   for (int64_t i = 0; i < inner; i += L::kStep) {
     const int64_t n = std::min(L::kStep, inner - i);
     const V g = L::load(gate_up + i, n);
-    L::store((g / (g.neg().exp() + V(1.0f))) * L::load(up + i, n), out + i, n);
+    V act;
+    if (gelu) {
+      const V inside = (g + g * g * g * V(static_cast<float>(0.044715))) * V(static_cast<float>(0.7978845608028654));
+      act = g * V(static_cast<float>(0.5)) * (inside.tanh() + V(1.0f));
+    } else {
+      act = g / (g.neg().exp() + V(1.0f));
+    }
+    L::store(act * L::load(up + i, n), out + i, n);
   }
 }
 
@@ -159,14 +175,19 @@ void joining_row(const T* y, const T* bias, float multiplier, int64_t width, flo
   }
 }
 
-// h = (h + a) + m for one row, rounded once: the layer's residual sum as the graph's last loop makes it
+// h = (h + a) + m for one row (m may be null), rounded once: the layer's residual sum as the graph's last loop
+// makes it; where `sum` is given, also h's sum of squares before that rounding
 template <class T>
-void residual_row(T* h, const float* a, const float* m, int64_t width) {
+void residual_row(T* h, float* a, const float* m, int64_t width, float* sum = nullptr) {
   using L = Lanes<T>;
   for (int64_t i = 0; i < width; i += L::kStep) {
     const int64_t n = std::min(L::kStep, width - i);
-    L::store((L::load(h + i, n) + L::load(a + i, n)) + L::load(m + i, n), h + i, n);
+    auto v = L::load(h + i, n) + L::load(a + i, n);
+    if (m) v = v + L::load(m + i, n);
+    if (sum) L::store(v, a + i, n);  // kept unrounded for its squares
+    L::store(v, h + i, n);
   }
+  if (sum) *sum = square_sum(a, static_cast<const float*>(nullptr), width);
 }
 
 #pragma GCC pop_options
@@ -183,23 +204,34 @@ std::optional<at::Tensor> maybe(const at::Tensor& t) {
 }
 
 // attn norm, qkv weight and bias, o weight and bias, mlp norm, gate_up and its bias, down and its bias, the query
-// and key heads' norms (an empty tensor where a layer has no such bias or norm)
-constexpr int64_t kPerLayer = 12;
-// attention's norm's eps, the feed-forward's, the heads', and the multiplier of each sublayer's output
-constexpr int64_t kNumbers = 4;
+// and key heads' norms, the norms after attention and after the feed-forward (an empty tensor where a layer has no
+// such bias or norm)
+constexpr int64_t kPerLayer = 14;
+// eps and offset of attention's norm, of the feed-forward's, of the heads'; the multiplier of each sublayer's output;
+// eps of the norms after the sublayers, and the offsets of each
+constexpr int64_t kNumbers = 10;
 
-// each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's per-head query
-// and key norms), then rotated, into out
+// each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's and Gemma 3's
+// per-head query and key norms), then rotated where `cos` is given (not in SmolLM3's unrotated layers), into out
+// (`round`: the normed head rounded to T before its rotation, else kept in f32)
 template <class T>
-void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, float eps, const T* cos, const T* sin,
-                  int64_t half, bool interleaved, T* out) {
-  std::vector<float> normed(norm ? d : 0);  // in f32: the graph norms and rotates a head in one loop
+void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, float offset, float eps, const T* cos,
+                  const T* sin, int64_t half, bool interleaved, bool round, T* out) {
+  std::vector<float> normed(norm && cos && !round ? d : 0);
+  std::vector<T> rounded(norm && cos && round ? d : 0);
   for (int64_t j = 0; j < count; ++j) {
-    if (norm) {
-      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, eps, d, normed.data());
+    if (norm && cos && round) {
+      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, rounded.data());
+      rotate_head(rounded.data(), cos, sin, half, d, interleaved, out + j * d);
+    } else if (norm && cos) {
+      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, normed.data());
       rotate_head(normed.data(), cos, sin, half, d, interleaved, out + j * d);
-    } else {
+    } else if (norm) {
+      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, out + j * d);
+    } else if (cos) {
       rotate_head(x + j * d, cos, sin, half, d, interleaved, out + j * d);
+    } else {
+      std::copy_n(x + j * d, d, out + j * d);
     }
   }
 }
@@ -211,10 +243,15 @@ const T* data_or_null(const at::Tensor& t) {
 
 template <class T>
 void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at::ArrayRef<double> numbers,
-               at::IntArrayRef shape, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t rows = h.size(0), hidden = h.size(1), half = cos.size(-1);
+               at::IntArrayRef shape, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+               at::IntArrayRef rotations) {
+  const int64_t rows = h.size(0), hidden = h.size(1);
   const int64_t heads = shape[0], kv = shape[1], d = shape[2], dv = shape[3];
-  const bool interleaved = shape[4] != 0;
+  const bool gelu = shape[4] != 0;  // the gate's activation: GELU by tanh, else SiLU
+  // Where inductor's loops store in bf16 depends on the graph: the one-token graph (static, one row) keeps a layer's
+  // sums in f32 until its last; the graph of several rows stores (rounds) a head normed over offsets (Gemma 3's)
+  // before rotating it, and the residual after attention where norms follow the sublayers. So do these loops.
+  const bool apart = rows > 1;
   const int64_t q_width = heads * d, k_width = kv * d;
   at::Tensor x = at::empty({rows, hidden}, h.options());
   at::Tensor q = at::empty({rows, heads, d}, h.options()), k = at::empty({rows, kv, d}, h.options());
@@ -227,10 +264,18 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
     const double* n = numbers.data() + kNumbers * l;
-    const float eps_attn = static_cast<float>(n[0]), eps_mlp = static_cast<float>(n[1]);
-    const float eps_heads = static_cast<float>(n[2]), multiplier = static_cast<float>(n[3]);
+    const float eps_attn = n[0], off_attn = n[1], eps_mlp = n[2], off_mlp = n[3], eps_heads = n[4];
+    const float off_heads = n[5], multiplier = n[6], eps_post = n[7], off_post_attn = n[8], off_post_mlp = n[9];
+    // norms after the sublayers (Gemma 3's and GLM-4's sandwich): each sublayer's output normed before it joins
+    // the residual
+    const bool post = w[12].numel() != 0;
+    const int64_t table = rotations[2 * l];  // the layer's rotary tables, or none (-1)
+    const bool interleaved = rotations[2 * l + 1] != 0;
+    const int64_t half = table >= 0 ? cos[table].size(1) : 0;
+    const T* cos_rows = table >= 0 ? cos[table].data_ptr<T>() : nullptr;
+    const T* sin_rows = table >= 0 ? sin[table].data_ptr<T>() : nullptr;
     each_row(rows, [&](int64_t r) {
-      rms_row(hs + r * hidden, static_cast<const float*>(nullptr), w[0].data_ptr<T>(), eps_attn, hidden,
+      rms_row(hs + r * hidden, static_cast<const float*>(nullptr), w[0].data_ptr<T>(), off_attn, eps_attn, hidden,
               xs + r * hidden);
     });
     const at::Tensor qkv = ster_kernels::packed_product(x, w[1], maybe(w[2]));  // [rows, q + k + v]
@@ -239,59 +284,90 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
     const T* all = qkv.data_ptr<T>();
     const int64_t stride = qkv.size(1);
     each_row(rows, [&](int64_t r) {
-      const T* c = cos.data_ptr<T>() + r * half;
-      const T* s = sin.data_ptr<T>() + r * half;
-      heads_of_row(all + r * stride, heads, d, data_or_null<T>(w[10]), eps_heads, c, s, half, interleaved,
-                   q.data_ptr<T>() + r * heads * d);
-      heads_of_row(all + r * stride + q_width, kv, d, data_or_null<T>(w[11]), eps_heads, c, s, half, interleaved,
-                   k.data_ptr<T>() + r * kv * d);
+      const T* c = cos_rows ? cos_rows + r * half : nullptr;
+      const T* s = sin_rows ? sin_rows + r * half : nullptr;
+      heads_of_row(all + r * stride, heads, d, data_or_null<T>(w[10]), off_heads, eps_heads, c, s, half, interleaved,
+                   apart && off_heads != 0.0f, q.data_ptr<T>() + r * heads * d);
+      heads_of_row(all + r * stride + q_width, kv, d, data_or_null<T>(w[11]), off_heads, eps_heads, c, s, half,
+                   interleaved, apart && off_heads != 0.0f, k.data_ptr<T>() + r * kv * d);
     });
     const at::Tensor v = qkv.narrow(1, q_width + k_width, kv * dv).view({rows, kv, dv});
     const at::Tensor attended = ster_kernels::planned_rows(layers[l], q, k, v);
     TORCH_CHECK(attended.defined(), "stack_step: layer ", layers[l], " is not in the decode plan");
     const at::Tensor o = ster_kernels::packed_product(attended.view({rows, heads * dv}), w[3], std::nullopt);
     const T* os = o.data_ptr<T>();
-    each_row(rows, [&](int64_t r) {  // the norm of h + o, which stays unrounded until the layer's last sum
-      joining_row(os + r * hidden, data_or_null<T>(w[4]), multiplier, hidden, attn_out + r * hidden);
-      rms_row(hs + r * hidden, attn_out + r * hidden, w[5].data_ptr<T>(), eps_mlp, hidden, xs + r * hidden);
+    each_row(rows, [&](int64_t r) {  // what joins the residual: o, biased and scaled, or normed
+      if (post)
+        rms_row(os + r * hidden, static_cast<const float*>(nullptr), w[12].data_ptr<T>(), off_post_attn, eps_post,
+                hidden, attn_out + r * hidden);
+      else
+        joining_row(os + r * hidden, data_or_null<T>(w[4]), multiplier, hidden, attn_out + r * hidden);
+      if (post && apart) {  // h + that, rounded; the next norm's sum is of the unrounded
+        float sum;
+        residual_row(hs + r * hidden, attn_out + r * hidden, static_cast<const float*>(nullptr), hidden, &sum);
+        norm_row(hs + r * hidden, static_cast<const float*>(nullptr), sum, w[5].data_ptr<T>(), off_mlp, eps_mlp, hidden,
+                 xs + r * hidden);
+      } else {  // the norm of h + that, which stays unrounded until the layer's last sum
+        rms_row(hs + r * hidden, attn_out + r * hidden, w[5].data_ptr<T>(), off_mlp, eps_mlp, hidden, xs + r * hidden);
+      }
     });
     const at::Tensor gate_up = ster_kernels::packed_product(x, w[6], maybe(w[7]));  // [rows, 2 inner]
     const int64_t inner = gate_up.size(1) / 2;
     at::Tensor act = at::empty({rows, inner}, h.options());
     each_row(rows, [&](int64_t r) {
-      silu_gate_row(gate_up.data_ptr<T>() + r * 2 * inner, inner, act.data_ptr<T>() + r * inner);
+      gate_row(gate_up.data_ptr<T>() + r * 2 * inner, inner, gelu, act.data_ptr<T>() + r * inner);
     });
     const at::Tensor m = ster_kernels::packed_product(act, w[8], std::nullopt);
     const T* ms = m.data_ptr<T>();
     each_row(rows, [&](int64_t r) {
-      joining_row(ms + r * hidden, data_or_null<T>(w[9]), multiplier, hidden, mlp_out + r * hidden);
-      residual_row(hs + r * hidden, attn_out + r * hidden, mlp_out + r * hidden, hidden);
+      if (post)
+        rms_row(ms + r * hidden, static_cast<const float*>(nullptr), w[13].data_ptr<T>(), off_post_mlp, eps_post,
+                hidden, mlp_out + r * hidden);
+      else
+        joining_row(ms + r * hidden, data_or_null<T>(w[9]), multiplier, hidden, mlp_out + r * hidden);
+      if (post && apart)  // h was rounded after attention
+        residual_row(hs + r * hidden, mlp_out + r * hidden, static_cast<const float*>(nullptr), hidden);
+      else
+        residual_row(hs + r * hidden, attn_out + r * hidden, mlp_out + r * hidden, hidden);
     });
   }
 }
 
 // h [rows, hidden], one decoding token a row (f32 or bf16); weights kPerLayer a layer and numbers kNumbers, of the
 // layers `layers` (their indices in the decode plan in force); shape: heads, kv heads, head width, value width,
-// interleaved; cos and sin [rows, rotated pairs]
+// the gate's activation (0 SiLU, 1 GELU by tanh);
+// cos and sin: rotary tables [rows, rotated pairs]; rotations: per layer, the index of its tables (-1: not
+// rotated) and whether it rotates interleaved pairs (else halves)
 at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef layers,
-                      at::ArrayRef<double> numbers, at::IntArrayRef shape, const at::Tensor& cos_in,
-                      const at::Tensor& sin_in) {
+                      at::ArrayRef<double> numbers, at::IntArrayRef shape, at::TensorList cos_in,
+                      at::TensorList sin_in, at::IntArrayRef rotations) {
   const at::ScalarType dtype = h_in.scalar_type();
   TORCH_CHECK(h_in.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && h_in.device().is_cpu(),
               "stack_step: h as [rows, hidden] f32 or bf16 on the CPU");
   TORCH_CHECK(weights.size() == kPerLayer * layers.size() && numbers.size() == kNumbers * layers.size() &&
-                  shape.size() == 5, "stack_step: ", kPerLayer, " weights and ", kNumbers,
-              " numbers a layer, and 5 numbers of shape");
+                  rotations.size() == 2 * layers.size() && shape.size() == 5, "stack_step: ", kPerLayer,
+              " weights, ", kNumbers, " numbers and 2 rotations a layer, and 5 numbers of shape");
+  for (size_t l = 0; l < layers.size(); ++l)
+    TORCH_CHECK((weights[kPerLayer * l + 12].numel() == 0) == (weights[kPerLayer * l + 13].numel() == 0),
+                "stack_step: layer ", layers[l], " has a norm after one sublayer and not after the other");
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == dtype && w.is_contiguous()),
                 "stack_step: every weight contiguous and of h's dtype");
-  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const int64_t rows = h_in.size(0), half = cos.size(-1);
-  TORCH_CHECK(cos.scalar_type() == dtype && sin.sizes() == cos.sizes() && cos.numel() == rows * half &&
-                  2 * half <= shape[2], "stack_step: cos and sin [rows, pairs] of h's dtype, at most half a head");
+  TORCH_CHECK(cos_in.size() == sin_in.size(), "stack_step: as many cos tables as sin tables");
+  const int64_t rows = h_in.size(0);
+  std::vector<at::Tensor> cos, sin;
+  for (size_t t = 0; t < cos_in.size(); ++t) {
+    cos.push_back(cos_in[t].contiguous().view({rows, -1}));
+    sin.push_back(sin_in[t].contiguous().view({rows, -1}));
+    TORCH_CHECK(cos[t].scalar_type() == dtype && sin[t].sizes() == cos[t].sizes() && 2 * cos[t].size(1) <= shape[2],
+                "stack_step: cos and sin [rows, pairs] of h's dtype, at most half a head");
+  }
+  for (size_t l = 0; l < layers.size(); ++l)
+    TORCH_CHECK(-1 <= rotations[2 * l] && rotations[2 * l] < (int64_t)cos.size(), "stack_step: layer ", layers[l],
+                "'s rotary tables are not among those given");
   at::Tensor h = h_in.clone(at::MemoryFormat::Contiguous);  // the step's own: its layers write it in place
-  if (dtype == at::kFloat) layers_of<float>(h, weights, layers, numbers, shape, cos, sin);
-  else layers_of<c10::BFloat16>(h, weights, layers, numbers, shape, cos, sin);
+  if (dtype == at::kFloat) layers_of<float>(h, weights, layers, numbers, shape, cos, sin, rotations);
+  else layers_of<c10::BFloat16>(h, weights, layers, numbers, shape, cos, sin, rotations);
   return h;
 }
 
@@ -302,8 +378,8 @@ int64_t stack_lanes() { return at::vec::Vectorized<float>::size(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
-  m.def("stack_step(Tensor h, Tensor[] weights, int[] layers, float[] numbers, int[] shape, Tensor cos, Tensor sin) "
-        "-> Tensor");
+  m.def("stack_step(Tensor h, Tensor[] weights, int[] layers, float[] numbers, int[] shape, Tensor[] cos, "
+        "Tensor[] sin, int[] rotations) -> Tensor");
   m.def("stack_lanes() -> int", &stack_lanes);
 }
 

@@ -10,13 +10,19 @@ from ster_dist.parallel.ctx import Shard
 from ster_dist.parallel.linear import ShardedModule
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU by its tanh approximation (Gemma's gelu_pytorch_tanh): a function of its own, so a caller can tell it
+    by identity (model/native_stack.py)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def activation(name: str):
     if name == "silu":
         return F.silu
     if name in ("gelu", "gelu_exact"):
         return F.gelu
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
+        return gelu_tanh
     if name == "relu2":
         return lambda x: F.relu(x).square()
     if name == "relu":

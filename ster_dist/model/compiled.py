@@ -107,14 +107,18 @@ class TracedStep:
 
 def decode_plans(model) -> list[float]:
     """Per layer, the decode kernel's scale where a planned step (kernels/paged_decode.cpp's attend_planned) may
-    take the layer's attention: plain softmax attention over every key (no window, no chunk); 0 elsewhere."""
+    take the layer's attention: plain softmax attention over a range of its keys (every earlier one, or a sliding
+    window's or a chunk's, `decode_ranges`); 0 elsewhere."""
     probe = torch.empty(0, dtype=model.dtype, device=model.device)
-    scales = []
-    for block in model.layers:
-        mixer = block.token_mixer
-        plain = type(mixer) is Attention and mixer.window is None and mixer.chunk is None
-        scales.append((decode_kernel_scale(mixer._attend_at, probe, model.dtype) if plain else None) or 0.0)
-    return scales
+    return [(decode_kernel_scale(block.token_mixer._attend_at, probe, model.dtype)
+             if type(block.token_mixer) is Attention else None) or 0.0 for block in model.layers]
+
+
+def decode_ranges(model) -> tuple[list[int], list[int]]:
+    """Per layer, the sliding window and the chunk a planned step's attention keeps to (push_plan's windows and
+    chunks; 0 where a layer has none)."""
+    mixers = [block.token_mixer for block in model.layers]
+    return ([getattr(m, "window", None) or 0 for m in mixers], [getattr(m, "chunk", None) or 0 for m in mixers])
 
 
 def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
@@ -208,6 +212,7 @@ class CompiledLayers:
             model.lm_head.product = self.head_product
         self.graphs = 0
         self.scales: list[float] | None = None  # decode_plans, found at the first step
+        self.ranges: tuple[list[int], list[int]] = ([], [])  # decode_ranges, with them
         # decode steps of plain Llama-shaped layers as one native call (model/native_stack.py)
         self.native_why_not = why_not(model)
         self.native = NativeStack(model) if self.native_why_not is None else None
@@ -268,8 +273,9 @@ class CompiledLayers:
         if planner is None or not kernels.ready():
             return None
         if self.scales is None:
-            self.scales = decode_plans(self.model)
-        return planner(self.scales, self.model.dtype)
+            self.scales, self.ranges = decode_plans(self.model), decode_ranges(self.model)
+        plan = planner(self.scales, self.model.dtype)
+        return None if plan is None else (*plan, *self.ranges)
 
     def head_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The head's x W^T (+ b): compiled for one row of a bf16 / f16 weight, through dense otherwise."""
