@@ -1,6 +1,7 @@
-// A decode step through a stack of plain Llama-shaped layers in one call (model/native_stack.py): each layer's
-// norm, fused q/k/v product, rotation, attention over its cache, output product, residual sum, second norm,
-// fused gate/up product, SiLU gate and down product, without returning to Python between them.
+// A decode step through a stack of plain Llama- or Gemma-shaped layers in one call (model/native_stack.py): each
+// layer's norm, fused q/k/v product, head norms and rotation, attention over its cache (within its window), output
+// product, norm after it, residual sum, second norm, fused gate/up product, SiLU or GELU gate, down product and norm
+// after it, without returning to Python between them.
 //
 // Why: in a compiled one-token step of SmolLM2 (f32, 2 threads) the products read at copy bandwidth, yet a
 // quarter of the main thread's time went to the graph's Python wrapper, torch's dispatcher and allocations
