@@ -150,17 +150,23 @@ def _counting(monkeypatch, cls) -> list[int]:
     return calls
 
 
-def test_planned_decode_steps_attend_in_the_kernel_and_give_the_eager_logits(models, monkeypatch):
-    """A decode step states its cache to the kernels once (push_plan) and no layer's attention calls back
-    into Python; the prefill, which is not planned, does."""
-    eager, compiled = models
-    prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+def _decodes_planned_as_eager(eager, compiled, prompt: torch.Tensor, monkeypatch) -> None:
+    """The compiled model decodes `prompt` with the eager logits and tokens, and only its prefill's layers call
+    back into Python for attention."""
     want, want_tokens = decode(eager, prompt, NEW)
     calls = _counting(monkeypatch, StepState)
     got, got_tokens = decode(compiled, prompt, NEW)
     close(got, want)
     assert got_tokens == want_tokens
     assert calls == list(range(compiled.cfg.num_layers))  # the prefill's layers, then none
+
+
+def test_planned_decode_steps_attend_in_the_kernel_and_give_the_eager_logits(models, monkeypatch):
+    """A decode step states its cache to the kernels once (push_plan) and no layer's attention calls back
+    into Python; the prefill, which is not planned, does."""
+    eager, compiled = models
+    prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    _decodes_planned_as_eager(eager, compiled, prompt, monkeypatch)
 
 
 def test_a_layer_left_out_of_the_plan_attends_through_python(models, monkeypatch):
@@ -189,12 +195,7 @@ def test_a_windowed_mixture_of_experts_model_attends_in_the_kernel_within_its_wi
     assert compiled.compile_layers() is None and compiled.compiled.native is None  # experts: no native step
     assert {block.token_mixer.window for block in compiled.layers} == {6}
     prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(7))
-    want, want_tokens = decode(eager, prompt, NEW)
-    calls = _counting(monkeypatch, StepState)
-    got, got_tokens = decode(compiled, prompt, NEW)
-    close(got, want)
-    assert got_tokens == want_tokens
-    assert calls == list(range(compiled.cfg.num_layers))  # the prefill's layers, then none
+    _decodes_planned_as_eager(eager, compiled, prompt, monkeypatch)
 
 
 def test_a_hook_runs_eagerly_and_steers_as_it_does_eagerly(models):
