@@ -22,12 +22,12 @@ layer's index as a 0-d tensor, an input like the parameters, and the step is in 
 keeps. Layers that differ in structure (a sliding window, another head count) get a graph of their own,
 traced on first use.
 
-Where every layer is plain Llama-shaped, a step of decodes only skips the graphs: model/native_stack.py runs it
-as one call into C++ with the graph's very bits. A step of one token (one sequence decoding: a chat's every
-step) of other models runs the whole stack in one graph instead,
-static in shape: each layer is a call of a `nested_compile_region` traced once per layer structure, so the
-step enters compiled code once rather than once a layer (guards and wrappers, about 50 us a layer). If that
-graph cannot be built, one-token steps go layer by layer like the others.
+Where every layer is plain Llama- or Gemma-shaped, a step of decodes only skips the graphs: model/native_stack.py
+runs it as one call into C++ with the graph's bits (on the tests' shapes; bench/README.md). A step of one token (one
+sequence decoding: a chat's every step) of other models runs the whole stack in one graph instead, static in shape:
+each layer is a call of a `nested_compile_region` traced once per layer structure, so the step enters compiled
+code once rather than once a layer (guards and wrappers, about 50 us a layer). If that graph cannot be built,
+one-token steps go layer by layer like the others.
 
 Without the few-row kernel (kernels/), the head of a one-token step with bf16 / f16 weights runs through a
 compiled `dense` (its one-row widening loop, parallel/linear.py), set as the model's `VocabHead.product`.
@@ -213,7 +213,7 @@ class CompiledLayers:
         self.graphs = 0
         self.scales: list[float] | None = None  # decode_plans, found at the first step
         self.ranges: tuple[list[int], list[int]] = ([], [])  # decode_ranges, with them
-        # decode steps of plain Llama-shaped layers as one native call (model/native_stack.py)
+        # decode steps of plain Llama- or Gemma-shaped layers as one native call (model/native_stack.py)
         self.native_why_not = why_not(model)
         self.native = NativeStack(model) if self.native_why_not is None else None
 
