@@ -21,6 +21,7 @@ same bits, so the same tokens.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -72,8 +73,6 @@ def decode_once(ster: SterEngine, prompt: torch.Tensor, steps: int) -> tuple[lis
 
 
 def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: int, rounds: int) -> list[dict]:
-    import os
-
     from ster_dist.engine.runner import pack_model
 
     ster = SterEngine(common.load_ster(directory, dtype))

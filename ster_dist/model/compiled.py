@@ -116,9 +116,11 @@ def decode_plans(model) -> list[float]:
 
 def decode_ranges(model) -> tuple[list[int], list[int]]:
     """Per layer, the sliding window and the chunk a planned step's attention keeps to (push_plan's windows and
-    chunks; 0 where a layer has none)."""
+    chunks; 0 where a layer has none), each list empty where no layer has one: nothing for push_plan to read each
+    step."""
     mixers = [block.token_mixer for block in model.layers]
-    return ([getattr(m, "window", None) or 0 for m in mixers], [getattr(m, "chunk", None) or 0 for m in mixers])
+    windows, chunks = ([getattr(m, name, None) or 0 for m in mixers] for name in ("window", "chunk"))
+    return (windows if any(windows) else []), (chunks if any(chunks) else [])
 
 
 def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
