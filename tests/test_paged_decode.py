@@ -17,8 +17,9 @@ def kernel():
     return built("paged_decode", "the engine gathers")
 
 
-def _reference(q, keys, values, table, first, end, scale):
-    """Gather each sequence's keys from its blocks, then softmax(q k^T scale) v in f64."""
+def _reference(q, keys, values, table, first, end, scale, softcap=0.0):
+    """Gather each sequence's keys from its blocks, then softmax(q k^T scale) v in f64, each score s taken as
+    cap tanh(s / cap) where a soft cap is given (Gemma 2)."""
     block = keys.shape[1]
     out = []
     for i in range(q.shape[0]):
@@ -28,6 +29,8 @@ def _reference(q, keys, values, table, first, end, scale):
         group = q.shape[1] // keys.shape[2]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,khd->hk", q[i].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
     return torch.stack(out)
 
@@ -179,8 +182,46 @@ def test_a_planned_layer_keeps_to_its_window_and_its_chunk(kernel):
         assert ((out[0].transpose(0, 1).double() - want).norm() / want.norm()).item() < 1e-5
         assert torch.equal(out[0].transpose(0, 1), kernel(q[0].transpose(0, 1), keys, values, table, first, end, 0.25))
     assert not torch.allclose(got[0], got[1])  # the window did cut
-    with pytest.raises(RuntimeError, match="one window and one chunk a layer"):
+    with pytest.raises(RuntimeError, match="one window, one chunk and one soft cap a layer"):
         ops.push_plan([keys], [values], [0.25], blocks, slots, table, torch.zeros_like(end), end, True, [1, 2], [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_equal_the_capped_softmax_read_directly_or_planned(kernel, dtype):
+    """Gemma 2's attention logits capped (cap tanh(s / cap)) before the softmax: the kernel called directly and a
+    plan's capped layer both equal the f64 reference, over several pieces of keys and within a window; a layer
+    without a cap beside it stays uncapped; a cap list of the wrong length is refused."""
+    gen = torch.Generator().manual_seed(13)
+    lengths = [5, 70, 300]
+    keys, values, table, _ = _scattered_cache(gen, lengths, 8, 2, 16, 16, dtype, 4)
+    keys = keys * 4  # scores of tens: the cap of 5 changes them
+    end = torch.tensor(lengths)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    q = (torch.randn(len(lengths), 4, 16, generator=gen) * 2).to(dtype)
+    for first in (torch.zeros_like(end), (end - 40).clamp(min=0)):
+        got = kernel(q, keys, values, table, first, end, 0.25, 5.0)
+        want = _reference(q, keys, values, table, first, end, 0.25, 5.0)
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+        uncapped = _reference(q, keys, values, table, first, end, 0.25)
+        assert ((uncapped - want).norm() / want.norm()).item() > 0.1  # the cap mattered
+    last = end - 1
+    blocks, slots = table.gather(1, (last // 8).view(-1, 1)).view(-1), last % 8
+    k = torch.randn(1, 2, 3, 16, generator=gen).to(dtype)
+    v = torch.randn(1, 2, 3, 16, generator=gen).to(dtype)
+    packed_q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, rows, d]
+    ops = torch.ops.ster_kernels
+    ops.push_plan([keys] * 2, [values] * 2, [0.25] * 2, blocks, slots, table, torch.zeros_like(end), end, True,
+                  [], [], [5.0, 0.0])
+    try:
+        capped, plain = (ops.attend_planned(packed_q, k, v, torch.tensor(layer))[0].transpose(0, 1) for layer in (0, 1))
+    finally:
+        ops.pop_plan()
+    first = torch.zeros_like(end)
+    assert torch.equal(capped, kernel(q, keys, values, table, first, end, 0.25, 5.0))
+    assert torch.equal(plain, kernel(q, keys, values, table, first, end, 0.25))
+    with pytest.raises(RuntimeError, match="one soft cap a layer"):
+        ops.push_plan([keys], [values], [0.25], blocks, slots, table, torch.zeros_like(end), end, True, [], [],
+                      [5.0, 5.0])
 
 
 def test_a_plan_writing_outside_the_cache_is_refused(kernel):
@@ -194,7 +235,10 @@ def test_a_plan_writing_outside_the_cache_is_refused(kernel):
                                          torch.tensor([0]), ends, True)
 
 
-def test_a_paged_llama_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path):
+# Gemma 2's soft-capped attention (and sliding window of 4 on alternate layers), its queries scaled 45x so that its
+# scores reach the cap of 5 (a tiny random model's lie far below it)
+@pytest.mark.parametrize("variant, change", [("llama", None), ("gemma2", {"query_pre_attn_scalar": 0.01})])
+def test_a_paged_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path, variant, change):
     from torch.profiler import profile
 
     from ster_dist.load import load_model
@@ -202,10 +246,11 @@ def test_a_paged_llama_decode_step_reads_keys_in_place_and_equals_the_whole_read
     from ster_dist.parity import compare
     from ster_dist.resolve import resolve
     from tests.paged_steps import BLOCK, Driver, run_step
-    from tests.tiny_models import make_tiny
+    from tests.tiny_models import make_tiny, with_config
 
-    make_tiny("llama", tmp_path / "llama")
-    model = load_model(resolve(str(tmp_path / "llama")), "f32").model
+    make_tiny(variant, tmp_path / variant)
+    directory = with_config(tmp_path / variant, tmp_path / "changed", change) if change else tmp_path / variant
+    model = load_model(resolve(str(directory)), "f32").model
     gen = torch.Generator().manual_seed(1)
     tokens = {name: torch.randint(3, 300, (20,), generator=gen) for name in "AB"}
     driver = Driver(PagedCache(model, 20, BLOCK))

@@ -2,8 +2,9 @@
 
 - `few_rows(x, weight, bias)` (few_rows.cpp): x W^T (+ b) for one to eight rows of f32 or bf16 (dense() in
   parallel/linear.py sends those rows here).
-- `paged_decode(q, keys, values, table, starts, ends, scale)` (paged_decode.cpp): one query per sequence
-  attending its keys where they lie in a paged cache (model/paged_step.py's decodes).
+- `paged_decode(q, keys, values, table, starts, ends, scale, softcap=0)` (paged_decode.cpp): one query per
+  sequence attending its keys where they lie in a paged cache, each score soft-capped where a cap is given
+  (model/paged_step.py's decodes).
 - `causal_attend(q, keys, values, table, starts, window, scale)` (causal_attend.cpp): a prompt's queries
   attending the keys before them (within a window) where a cache holds them (model/paged_step.py's and
   model/step.py's prefills).
@@ -18,7 +19,7 @@
   itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled decode step's
   attention stored and computed without calling back into Python each layer, each layer within its sliding
-  window or chunk where it has one (model/compiled.py).
+  window or chunk and under its soft cap where it has one (model/compiled.py).
 - `stack_step(h, weights, layers, numbers, shape, cos, sin, rotations)` (stack.cpp): a decode step through plain
   Llama- or Gemma-shaped layers in one call, over the plan pushed (model/native_stack.py); `stack_lanes()`: the
   floats a vector of its loops, which must be inductor's for the graph's bits.
@@ -129,7 +130,7 @@ def _experts_shape(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: t
     return x.new_empty((x.shape[0], down.shape[1]))
 
 
-def _attention_shape(q, keys, values, table, starts, ends, scale: float) -> torch.Tensor:
+def _attention_shape(q, keys, values, table, starts, ends, scale: float, softcap: float = 0.0) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], values.shape[3]))
 
 

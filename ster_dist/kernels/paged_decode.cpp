@@ -91,11 +91,12 @@ inline void each_position(const T* base, int64_t bs, int64_t ts, int64_t hs, int
 // positions [lo, hi) of sequence i for the query heads of key heads [g0, g1), q [heads, d] being all of its
 // query heads: per query head h of those, the largest scaled score (top[h]), the sum of exp(score - top)
 // (total[h]) and the values weighted by those exps (acc [heads, dv], unnormalised); scores: room for
-// [heads, kPiece]
+// [heads, kPiece]. With a soft cap (Gemma 2's), a scaled score s counts as cap * tanh(s / cap), as Attention._attend
+// caps them before the softmax.
 template <class V>
 void piece(const Cache<typename V::T>& c, const typename V::T* q, int64_t i, int64_t lo, int64_t hi, int64_t g0,
-           int64_t g1, int64_t group, int64_t d, int64_t dv, float scale, float* scores, float* top, float* total,
-           float* acc) {
+           int64_t g1, int64_t group, int64_t d, int64_t dv, float scale, float softcap, float* scores, float* top,
+           float* total, float* acc) {
   using T = typename V::T;
   const int64_t count = hi - lo;
   float dots[8];
@@ -103,7 +104,10 @@ void piece(const Cache<typename V::T>& c, const typename V::T* q, int64_t i, int
   float* dot = group > 8 ? many.data() : dots;
   each_position(c.keys, c.kb, c.kt, c.kh, d, g0, g1, c, i, lo, hi, [&](int64_t p, const T* k, int64_t g) {
     group_dots<V>(q + g * group * d, k, group, d, dot);
-    for (int64_t j = 0; j < group; ++j) scores[(g * group + j) * count + p] = dot[j] * scale;
+    for (int64_t j = 0; j < group; ++j) {
+      const float score = dot[j] * scale;
+      scores[(g * group + j) * count + p] = softcap > 0 ? std::tanh(score / softcap) * softcap : score;
+    }
   });
   for (int64_t h = g0 * group; h < g1 * group; ++h) {
     float* row = scores + h * count;
@@ -122,7 +126,7 @@ void piece(const Cache<typename V::T>& c, const typename V::T* q, int64_t i, int
 
 template <class V>
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& table,
-            const at::Tensor& starts, const at::Tensor& ends, double scale, at::Tensor& out) {
+            const at::Tensor& starts, const at::Tensor& ends, double scale, double softcap, at::Tensor& out) {
   using T = typename V::T;
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = keys.size(2), dv = values.size(3), group = heads / kv_heads;
@@ -132,7 +136,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   const int64_t* first = starts.data_ptr<int64_t>();
   const int64_t* last = ends.data_ptr<int64_t>();
   T* os = out.data_ptr<T>();
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   // the pieces, sequence by sequence; a sequence of several pieces keeps each one's partial softmax in
   // `partial` ([heads, dv + 2] floats: acc, then top and total) until they are merged. With fewer pieces than
@@ -166,7 +170,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       for (int64_t k = shares.first(part), stop = shares.first(part + 1); k < stop; ++k) {
         const Piece& pc = pieces[k];
         float* to = pc.slot >= 0 ? partial.data() + pc.slot * stride : own.data();
-        piece<V>(c, qs + pc.i * heads * d, pc.i, pc.lo, pc.hi, pc.g0, pc.g1, group, d, dv, s, scores.data(),
+        piece<V>(c, qs + pc.i * heads * d, pc.i, pc.lo, pc.hi, pc.g0, pc.g1, group, d, dv, s, cap, scores.data(),
                  to + heads * dv, to + heads * dv + heads, to);
         if (pc.slot >= 0) continue;
         for (int64_t h = pc.g0 * group; h < pc.g1 * group; ++h) {
@@ -203,9 +207,10 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 #endif
 
 // q [n, heads, d]: one query per sequence; keys [blocks, block_size, kv_heads, d] and values [.., dv] the layer's
-// paged cache; table [n, width] each sequence's blocks; the sequence attends positions [starts[i], ends[i]).
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                        const at::Tensor& table, const at::Tensor& starts, const at::Tensor& ends, double scale) {
+// paged cache; table [n, width] each sequence's blocks; the sequence attends positions [starts[i], ends[i]);
+// softcap: 0, or the cap of each score (Gemma 2's attention logits)
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& table,
+                        const at::Tensor& starts, const at::Tensor& ends, double scale, double softcap) {
   TORCH_CHECK(STER_KERNELS_ISA, "paged_decode: built without AVX2 or AVX-512");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && table.dim() == 2,
               "paged_decode: q [n, heads, d], keys and values [blocks, block_size, kv_heads, width], table [n, width]");
@@ -235,9 +240,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::T
 #if STER_KERNELS_ISA
   const at::Tensor qc = q.contiguous();
   if (q.scalar_type() == at::kFloat)
-    attend<F32Lanes>(qc, keys, values, tab, first, last, scale, out);
+    attend<F32Lanes>(qc, keys, values, tab, first, last, scale, softcap, out);
   else
-    attend<Bf16Lanes>(qc, keys, values, tab, first, last, scale, out);
+    attend<Bf16Lanes>(qc, keys, values, tab, first, last, scale, softcap, out);
 #endif
   return out;
 }
@@ -258,6 +263,7 @@ struct Plan {
   std::vector<at::Tensor> keys, values;  // per layer: [blocks, block_size, kv_heads, width], as paged_decode reads
   std::vector<double> scales;            // per layer: > 0 where planned
   std::vector<int64_t> windows, chunks;  // per layer: 0 where every earlier key is seen (empty: every layer)
+  std::vector<double> softcaps;          // per layer: 0 where scores are not capped (empty: none is)
   at::Tensor write_blocks, write_slots;  // per row: where its new key and value go
   at::Tensor table, starts, ends;        // per row: as paged_decode takes them
   bool packed;                           // rows along dim 2 of [1, heads, rows, d] (a paged step), else dim 0
@@ -283,18 +289,20 @@ thread_local std::vector<Plan> plans;
 
 void push_plan(at::TensorList keys, at::TensorList values, at::ArrayRef<double> scales, const at::Tensor& write_blocks,
                const at::Tensor& write_slots, const at::Tensor& table, const at::Tensor& starts,
-               const at::Tensor& ends, bool packed, at::IntArrayRef windows, at::IntArrayRef chunks) {
+               const at::Tensor& ends, bool packed, at::IntArrayRef windows, at::IntArrayRef chunks,
+               at::ArrayRef<double> softcaps) {
   TORCH_CHECK(keys.size() == scales.size() && values.size() == scales.size(), "push_plan: one key, value and scale a layer");
   TORCH_CHECK((windows.empty() || windows.size() == scales.size()) &&
-                  (chunks.empty() || chunks.size() == scales.size()),
-              "push_plan: one window and one chunk a layer, or none");
+                  (chunks.empty() || chunks.size() == scales.size()) &&
+                  (softcaps.empty() || softcaps.size() == scales.size()),
+              "push_plan: one window, one chunk and one soft cap a layer, or none");
   TORCH_CHECK(starts.scalar_type() == at::kLong && ends.scalar_type() == at::kLong && starts.numel() == table.size(0) &&
                   ends.numel() == table.size(0), "push_plan: int64 starts and ends, one a row");
   const int64_t n = table.size(0);
   TORCH_CHECK(write_blocks.scalar_type() == at::kLong && write_slots.scalar_type() == at::kLong &&
                   write_blocks.numel() == n && write_slots.numel() == n, "push_plan: int64 write blocks and slots, one a row");
-  Plan plan{keys.vec(), values.vec(), scales.vec(), windows.vec(), chunks.vec(), write_blocks.contiguous(),
-            write_slots.contiguous(), table.contiguous(), starts.contiguous(), ends.contiguous(), packed, {}};
+  Plan plan{keys.vec(), values.vec(), scales.vec(), windows.vec(), chunks.vec(), softcaps.vec(),
+            write_blocks.contiguous(), write_slots.contiguous(), table.contiguous(), starts.contiguous(), ends.contiguous(), packed, {}};
   const int64_t* b = plan.write_blocks.data_ptr<int64_t>();
   const int64_t* s = plan.write_slots.data_ptr<int64_t>();
   for (size_t layer = 0; layer < scales.size(); ++layer) {
@@ -372,14 +380,16 @@ at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const 
   }
   const at::Tensor& first = plan->first_keys(plan->windows.empty() ? 0 : plan->windows[index],
                                              plan->chunks.empty() ? 0 : plan->chunks[index]);
-  return paged_decode(q, keys, values, plan->table, first, plan->ends, plan->scales[index]);
+  return paged_decode(q, keys, values, plan->table, first, plan->ends, plan->scales[index],
+                      plan->softcaps.empty() ? 0.0 : plan->softcaps[index]);
 }
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
-  m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, Tensor ends, float scale)"
-        " -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, Tensor ends, float scale, "
+        "float softcap=0.0) -> Tensor");
   m.def("push_plan(Tensor[] keys, Tensor[] values, float[] scales, Tensor write_blocks, Tensor write_slots, "
-        "Tensor table, Tensor starts, Tensor ends, bool packed, int[] windows=[], int[] chunks=[]) -> ()", &push_plan);
+        "Tensor table, Tensor starts, Tensor ends, bool packed, int[] windows=[], int[] chunks=[], "
+        "float[] softcaps=[]) -> ()", &push_plan);
   m.def("pop_plan() -> ()", &pop_plan);
   m.def("attend_planned(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor");
 }

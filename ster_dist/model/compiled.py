@@ -51,7 +51,7 @@ import torch
 from ster_dist.events import progress
 from ster_dist.model.attention import Attention
 from ster_dist.model.native_stack import NativeStack, why_not
-from ster_dist.model.step import decode_kernel_scale
+from ster_dist.model.step import decode_kernel_terms
 from ster_dist.moe.experts import Experts
 from ster_dist.moe.layer import MoE, trace_moe
 from ster_dist import kernels
@@ -105,22 +105,27 @@ class TracedStep:
         return torch.ops.ster_dist.attend(q, k, v, self.layer)
 
 
+def _kernel_terms(model) -> list[tuple[float, float] | None]:
+    probe = torch.empty(0, dtype=model.dtype, device=model.device)
+    return [decode_kernel_terms(block.token_mixer._attend_at, probe, model.dtype)
+            if type(block.token_mixer) is Attention else None for block in model.layers]
+
+
 def decode_plans(model) -> list[float]:
     """Per layer, the decode kernel's scale where a planned step (kernels/paged_decode.cpp's attend_planned) may
-    take the layer's attention: plain softmax attention over a range of its keys (every earlier one, or a sliding
-    window's or a chunk's, `decode_ranges`); 0 elsewhere."""
-    probe = torch.empty(0, dtype=model.dtype, device=model.device)
-    return [(decode_kernel_scale(block.token_mixer._attend_at, probe, model.dtype)
-             if type(block.token_mixer) is Attention else None) or 0.0 for block in model.layers]
+    take the layer's attention: softmax attention, soft-capped or not, over a range of its keys (every earlier
+    one, or a sliding window's or a chunk's, `decode_ranges`); 0 elsewhere."""
+    return [terms[0] if terms is not None else 0.0 for terms in _kernel_terms(model)]
 
 
-def decode_ranges(model) -> tuple[list[int], list[int]]:
-    """Per layer, the sliding window and the chunk a planned step's attention keeps to (push_plan's windows and
-    chunks; 0 where a layer has none), each list empty where no layer has one: nothing for push_plan to read each
-    step."""
+def decode_ranges(model) -> tuple[list[int], list[int], list[float]]:
+    """Per layer, the sliding window and the chunk a planned step's attention keeps to and the soft cap of its
+    scores (push_plan's windows, chunks and softcaps; 0 where a layer has none), each list empty where no layer
+    has one: nothing for push_plan to read each step."""
     mixers = [block.token_mixer for block in model.layers]
     windows, chunks = ([getattr(m, name, None) or 0 for m in mixers] for name in ("window", "chunk"))
-    return (windows if any(windows) else []), (chunks if any(chunks) else [])
+    caps = [terms[1] if terms is not None else 0.0 for terms in _kernel_terms(model)]
+    return (windows if any(windows) else []), (chunks if any(chunks) else []), (caps if any(caps) else [])
 
 
 def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
@@ -214,7 +219,7 @@ class CompiledLayers:
             model.lm_head.product = self.head_product
         self.graphs = 0
         self.scales: list[float] | None = None  # decode_plans, found at the first step
-        self.ranges: tuple[list[int], list[int]] = ([], [])  # decode_ranges, with them
+        self.ranges: tuple[list[int], list[int], list[float]] = ([], [], [])  # decode_ranges, with them
         # decode steps of plain Llama- or Gemma-shaped layers as one native call (model/native_stack.py)
         self.native_why_not = why_not(model)
         self.native = NativeStack(model) if self.native_why_not is None else None

@@ -19,7 +19,7 @@ from ster_dist.config import RopeConfig
 from ster_dist.model.host import upload
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
-from ster_dist.model.step import causal_kernel_fits, decode_kernel_scale, or_empty, planned_scales
+from ster_dist.model.step import causal_kernel_fits, decode_kernel_terms, or_empty, planned_scales
 
 
 class _AttendGroup:
@@ -220,17 +220,19 @@ class PagedStep:
         return self._each_group(layer, q, fn, None, None, q.dtype)
 
     def _each_group(self, layer: int, q, fn, window: int | None, chunk: int | None, dtype: torch.dtype) -> torch.Tensor:
-        scale = self._in_place_scale(layer, q, fn, dtype)
+        terms = self._in_place_terms(layer, q, fn, dtype)
+        scale, softcap = terms if terms is not None else (None, 0.0)
         outs = []
         for group in self.groups:
             if scale is not None and group.query_pos.shape[1] == 1 and not group.prefix:
                 # decodes: each sequence's keys read where its blocks hold them (kernels/paged_decode.cpp)
                 first, end = group.key_range(window, chunk)
                 y = torch.ops.ster_kernels.paged_decode(group.take(q)[:, :, 0], self.cache.keys[layer],
-                                                        self.cache.values[layer], group.table, first, end, scale)
+                                                        self.cache.values[layer], group.table, first, end, scale,
+                                                        softcap)
                 outs.append(y.unsqueeze(2))
                 continue
-            if scale is not None and not group.prefix and chunk is None and causal_kernel_fits(
+            if scale is not None and not softcap and not group.prefix and chunk is None and causal_kernel_fits(
                     q, self.cache.keys[layer], self.cache.values[layer]):
                 # a prompt's queries: each reads the keys before it where its blocks hold them, the masked half
                 # of the scores never computed (kernels/causal_attend.cpp)
@@ -272,12 +274,12 @@ class PagedStep:
         return (or_empty(keys), or_empty(values), planned, self.slots // bs, self.slots % bs, group.table, first,
                 end, True)
 
-    def _in_place_scale(self, layer: int, q, fn, dtype: torch.dtype) -> float | None:
-        """decode_kernel_scale with the cache in the model's dtype; None: gather and call fn."""
+    def _in_place_terms(self, layer: int, q, fn, dtype: torch.dtype) -> tuple[float, float] | None:
+        """decode_kernel_terms with the cache in the model's dtype; None: gather and call fn."""
         keys = self.cache.keys[layer]
         if keys is None or keys.dtype != dtype or getattr(q, "dtype", None) != dtype:
             return None
-        return decode_kernel_scale(fn, q, keys.dtype)
+        return decode_kernel_terms(fn, q, keys.dtype)
 
     def rotary(self, rope: RopeConfig, dtype: torch.dtype):
         key = (rope, dtype)

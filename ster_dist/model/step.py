@@ -92,9 +92,9 @@ class StepState:
                 k, v = self.cache.write(layer, self.slots, k, v)
             if keep:
                 self.handed_on["kv", layer] = k, v
-        scale = self._in_place_scale(q, k, fn, window, chunk)
-        if scale is not None:  # one query a row over every key: read where the cache holds them
-            return self._in_place(q, k, v, scale)
+        terms = self._in_place_terms(q, k, fn, window, chunk)
+        if terms is not None:  # one query a row over every key: read where the cache holds them
+            return self._in_place(q, k, v, *terms)
         scale = self._causal_scale(q, k, v, fn, chunk)
         if scale is not None:  # a prompt's queries over the keys before them, the masked half never computed
             return self._causal(q, k, v, scale, window)
@@ -114,18 +114,18 @@ class StepState:
         return torch.ops.ster_kernels.causal_attend(q, k.transpose(1, 2), v.transpose(1, 2), rows, starts,
                                                     window or 0, scale)
 
-    def _in_place_scale(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None) -> float | None:
-        """decode_kernel_scale where each row's one query sees every key; None: call fn."""
+    def _in_place_terms(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None):
+        """decode_kernel_terms where each row's one query sees every key; None: call fn."""
         if not self._unmasked:
             return None
-        scale = decode_kernel_scale(fn, q, k.dtype)
-        return scale if scale is not None and self.mask(window, chunk) is None else None
+        terms = decode_kernel_terms(fn, q, k.dtype)
+        return terms if terms is not None and self.mask(window, chunk) is None else None
 
-    def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float):
         # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
         rows, starts, ends = self._kernel_rows(k.shape[0], k.shape[2])
         out = torch.ops.ster_kernels.paged_decode(q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), rows, starts,
-                                                  ends, scale)
+                                                  ends, scale, softcap)
         return out.unsqueeze(2)
 
     def _kernel_rows(self, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,12 +210,19 @@ def causal_kernel_fits(q, keys: torch.Tensor | None, values: torch.Tensor | None
     return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
 
 
-def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
-    """The scale of `fn`'s attention where the decode kernel (kernels/paged_decode.cpp) may compute it in fn's
-    place: fn is a layer's own plain softmax attention (Attention.plain_scale), q a CPU tensor in f32 or bf16
-    with keys of its dtype, and the kernels are built; None otherwise."""
+def decode_kernel_terms(fn, q, key_dtype: torch.dtype) -> tuple[float, float] | None:
+    """(scale, soft cap or 0) of `fn`'s attention where the decode kernel (kernels/paged_decode.cpp) may compute
+    it in fn's place: fn is a layer's own softmax attention, soft-capped or not (Attention.kernel_terms), q a CPU
+    tensor in f32 or bf16 with keys of its dtype, and the kernels are built; None otherwise."""
     if not isinstance(q, torch.Tensor) or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None
-    plain_scale = getattr(getattr(fn, "__self__", None), "plain_scale", None)
-    scale = plain_scale(fn) if plain_scale is not None and key_dtype == q.dtype else None
-    return scale if scale is not None and kernels.ready() else None
+    kernel_terms = getattr(getattr(fn, "__self__", None), "kernel_terms", None)
+    terms = kernel_terms(fn) if kernel_terms is not None and key_dtype == q.dtype else None
+    return terms if terms is not None and kernels.ready() else None
+
+
+def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
+    """decode_kernel_terms' scale where the scores are not soft-capped: what the causal kernel
+    (kernels/causal_attend.cpp), which has no cap, may compute in fn's place; None otherwise."""
+    terms = decode_kernel_terms(fn, q, key_dtype)
+    return terms[0] if terms is not None and not terms[1] else None
