@@ -1,7 +1,7 @@
 """Native decode steps (model/native_stack.py) against the compiled graph they replace, in one process, on random
 checkpoints shaped as small real ones of the families they newly take:
 
-    python bench/native_steps.py                       # gemma3 and mistral, f32 and bf16, batch 1 and 4
+    python bench/native_steps.py                       # every shape, f32 and bf16, batch 1 and 4
     python bench/native_steps.py --shapes gemma3 --dtypes bf16 --rounds 4
 
 - gemma3: Gemma 3 270M's layers (hidden 640, 18 layers, 4 query heads of 256 over 1 key head, feed-forward 2048,
@@ -9,7 +9,11 @@ checkpoints shaped as small real ones of the families they newly take:
   each sublayer, query and key heads normed, GELU(tanh)), its vocabulary cut to 32000 so that its 262144-row head
   does not hide the layers;
 - mistral: a Mistral-shaped 16-layer model (hidden 1024, 16 heads of 64 over 4 key heads, feed-forward 2816) with
-  a sliding window of 64, shorter than the context the steps reach, so every step reads a window.
+  a sliding window of 64, shorter than the context the steps reach, so every step reads a window;
+- gemma2: a Gemma-2-shaped 12-layer model (hidden 768, 8 heads of 128 over 4 key heads, feed-forward 3072), its
+  attention logits soft-capped at 50 and every other layer windowed to 64, Gemma 2's sandwich norms and GELU;
+- olmo2: an OLMo-2-shaped 12-layer model (hidden 1024, 16 heads of 64, feed-forward 2816): norms only after the
+  sublayers, queries and keys normed over each whole projection.
 
 The model is loaded once, its weights packed and its layers compiled as the token engine does. Each round runs
 the same greedy decode (a prompt of 32 tokens, then --steps steps) twice, once with native steps on and once with
@@ -42,6 +46,13 @@ SHAPES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(
         hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
         intermediate_size=2816, vocab_size=32000, sliding_window=64, max_position_embeddings=4096)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+        intermediate_size=3072, vocab_size=32000, sliding_window=64, query_pre_attn_scalar=128,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=4096)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(
+        hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=2816, vocab_size=32000, max_position_embeddings=4096)),
 }
 
 

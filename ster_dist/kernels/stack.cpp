@@ -1,7 +1,7 @@
-// A decode step through a stack of plain Llama- or Gemma-shaped layers in one call (model/native_stack.py): each
-// layer's norm, fused q/k/v product, head norms and rotation, attention over its cache (within its window), output
-// product, norm after it, residual sum, second norm, fused gate/up product, SiLU or GELU gate, down product and norm
-// after it, without returning to Python between them.
+// A decode step through a stack of plain Llama-, Gemma- or OLMo-2-shaped layers in one call (model/native_stack.py):
+// each layer's norm, fused q/k/v product, head norms and rotation, attention over its cache (within its window,
+// under its soft cap), output product, norm after it, residual sum, second norm, fused gate/up product, SiLU or GELU
+// gate, down product and norm after it, without returning to Python between them.
 //
 // Why: in a compiled one-token step of SmolLM2 (f32, 2 threads) the products read at copy bandwidth, yet a
 // quarter of the main thread's time went to the graph's Python wrapper, torch's dispatcher and allocations
@@ -213,11 +213,22 @@ constexpr int64_t kPerLayer = 14;
 constexpr int64_t kNumbers = 10;
 
 // each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's and Gemma 3's
-// per-head query and key norms), then rotated where `cos` is given (not in SmolLM3's unrotated layers), into out
-// (`round`: the normed head rounded to T before its rotation, else kept in f32)
+// per-head query and key norms, or with `whole` OLMo 2's over all of them at once), then rotated where `cos` is given
+// (not in SmolLM3's unrotated layers), into out (`round`: the normed heads rounded to T before their rotation, else
+// kept in f32)
 template <class T>
-void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, float offset, float eps, const T* cos,
-                  const T* sin, int64_t half, bool interleaved, bool round, T* out) {
+void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, bool whole, float offset, float eps,
+                  const T* cos, const T* sin, int64_t half, bool interleaved, bool round, T* out) {
+  if (norm && whole) {
+    if (!cos) return rms_row(x, static_cast<const float*>(nullptr), norm, offset, eps, count * d, out);
+    auto rotated = [&](auto* normed) {
+      rms_row(x, static_cast<const float*>(nullptr), norm, offset, eps, count * d, normed);
+      for (int64_t j = 0; j < count; ++j) rotate_head(normed + j * d, cos, sin, half, d, interleaved, out + j * d);
+    };
+    if (round) rotated(std::vector<T>(count * d).data());
+    else rotated(std::vector<float>(count * d).data());
+    return;
+  }
   std::vector<float> normed(norm && cos && !round ? d : 0);
   std::vector<T> rounded(norm && cos && round ? d : 0);
   for (int64_t j = 0; j < count; ++j) {
@@ -270,27 +281,37 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
     // norms after the sublayers (Gemma 3's and GLM-4's sandwich): each sublayer's output normed before it joins
     // the residual
     const bool post = w[12].numel() != 0;
+    // norms before the sublayers (Llama's), or none (OLMo 2 norms each sublayer's output only): then each
+    // sublayer reads h itself, and h is stored (rounded) after attention, as the feed-forward's product reads it
+    const bool pre = w[0].numel() != 0;
+    // query and key norms over each whole projection (OLMo 2's), not head by head (one head: the same sums)
+    const bool whole = w[10].numel() != 0 && w[10].numel() != d;
+    TORCH_CHECK(w[10].numel() == 0 || (whole ? w[10].numel() == q_width && w[11].numel() == k_width
+                                             : w[10].numel() == d && w[11].numel() == d),
+                "stack_step: layer ", layers[l], "'s query and key norms are neither per head nor over the whole projections");
     const int64_t table = rotations[2 * l];  // the layer's rotary tables, or none (-1)
     const bool interleaved = rotations[2 * l + 1] != 0;
     const int64_t half = table >= 0 ? cos[table].size(1) : 0;
     const T* cos_rows = table >= 0 ? cos[table].data_ptr<T>() : nullptr;
     const T* sin_rows = table >= 0 ? sin[table].data_ptr<T>() : nullptr;
-    each_row(rows, [&](int64_t r) {
-      rms_row(hs + r * hidden, static_cast<const float*>(nullptr), w[0].data_ptr<T>(), off_attn, eps_attn, hidden,
-              xs + r * hidden);
-    });
-    const at::Tensor qkv = ster_kernels::packed_product(x, w[1], maybe(w[2]));  // [rows, q + k + v]
+    if (pre)
+      each_row(rows, [&](int64_t r) {
+        rms_row(hs + r * hidden, static_cast<const float*>(nullptr), w[0].data_ptr<T>(), off_attn, eps_attn, hidden,
+                xs + r * hidden);
+      });
+    const at::Tensor qkv = ster_kernels::packed_product(pre ? x : h, w[1], maybe(w[2]));  // [rows, q + k + v]
     TORCH_CHECK(qkv.size(1) == q_width + k_width + kv * dv, "stack_step: layer ", layers[l],
                 "'s fused projection is not q, k and v of the shape given");
     const T* all = qkv.data_ptr<T>();
     const int64_t stride = qkv.size(1);
+    const bool round_heads = apart && off_heads != 0.0f;
     each_row(rows, [&](int64_t r) {
       const T* c = cos_rows ? cos_rows + r * half : nullptr;
       const T* s = sin_rows ? sin_rows + r * half : nullptr;
-      heads_of_row(all + r * stride, heads, d, data_or_null<T>(w[10]), off_heads, eps_heads, c, s, half, interleaved,
-                   apart && off_heads != 0.0f, q.data_ptr<T>() + r * heads * d);
-      heads_of_row(all + r * stride + q_width, kv, d, data_or_null<T>(w[11]), off_heads, eps_heads, c, s, half,
-                   interleaved, apart && off_heads != 0.0f, k.data_ptr<T>() + r * kv * d);
+      heads_of_row(all + r * stride, heads, d, data_or_null<T>(w[10]), whole, off_heads, eps_heads, c, s, half,
+                   interleaved, round_heads, q.data_ptr<T>() + r * heads * d);
+      heads_of_row(all + r * stride + q_width, kv, d, data_or_null<T>(w[11]), whole, off_heads, eps_heads, c, s, half,
+                   interleaved, round_heads, k.data_ptr<T>() + r * kv * d);
     });
     const at::Tensor v = qkv.narrow(1, q_width + k_width, kv * dv).view({rows, kv, dv});
     const at::Tensor attended = ster_kernels::planned_rows(layers[l], q, k, v);
@@ -303,7 +324,9 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
                 hidden, attn_out + r * hidden);
       else
         joining_row(os + r * hidden, data_or_null<T>(w[4]), multiplier, hidden, attn_out + r * hidden);
-      if (post && apart) {  // h + that, rounded; the next norm's sum is of the unrounded
+      if (!pre) {  // h + that, rounded: what the feed-forward reads
+        residual_row(hs + r * hidden, attn_out + r * hidden, static_cast<const float*>(nullptr), hidden);
+      } else if (post && apart) {  // h + that, rounded; the next norm's sum is of the unrounded
         float sum;
         residual_row(hs + r * hidden, attn_out + r * hidden, static_cast<const float*>(nullptr), hidden, &sum);
         norm_row(hs + r * hidden, static_cast<const float*>(nullptr), sum, w[5].data_ptr<T>(), off_mlp, eps_mlp, hidden,
@@ -312,7 +335,7 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
         rms_row(hs + r * hidden, attn_out + r * hidden, w[5].data_ptr<T>(), off_mlp, eps_mlp, hidden, xs + r * hidden);
       }
     });
-    const at::Tensor gate_up = ster_kernels::packed_product(x, w[6], maybe(w[7]));  // [rows, 2 inner]
+    const at::Tensor gate_up = ster_kernels::packed_product(pre ? x : h, w[6], maybe(w[7]));  // [rows, 2 inner]
     const int64_t inner = gate_up.size(1) / 2;
     at::Tensor act = at::empty({rows, inner}, h.options());
     each_row(rows, [&](int64_t r) {
@@ -326,7 +349,7 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
                 hidden, mlp_out + r * hidden);
       else
         joining_row(ms + r * hidden, data_or_null<T>(w[9]), multiplier, hidden, mlp_out + r * hidden);
-      if (post && apart)  // h was rounded after attention
+      if ((post && apart) || !pre)  // h was rounded after attention
         residual_row(hs + r * hidden, mlp_out + r * hidden, static_cast<const float*>(nullptr), hidden);
       else
         residual_row(hs + r * hidden, attn_out + r * hidden, mlp_out + r * hidden, hidden);
@@ -348,9 +371,14 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
   TORCH_CHECK(weights.size() == kPerLayer * layers.size() && numbers.size() == kNumbers * layers.size() &&
                   rotations.size() == 2 * layers.size() && shape.size() == 5, "stack_step: ", kPerLayer,
               " weights, ", kNumbers, " numbers and 2 rotations a layer, and 5 numbers of shape");
-  for (size_t l = 0; l < layers.size(); ++l)
-    TORCH_CHECK((weights[kPerLayer * l + 12].numel() == 0) == (weights[kPerLayer * l + 13].numel() == 0),
-                "stack_step: layer ", layers[l], " has a norm after one sublayer and not after the other");
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const at::Tensor* w = weights.data() + kPerLayer * l;
+    TORCH_CHECK((w[12].numel() == 0) == (w[13].numel() == 0) && (w[0].numel() == 0) == (w[5].numel() == 0),
+                "stack_step: layer ", layers[l], " has a norm before (or after) one sublayer and not the other");
+    TORCH_CHECK(w[0].numel() != 0 || w[12].numel() != 0, "stack_step: layer ", layers[l], " has no norm at all");
+    TORCH_CHECK((w[10].numel() == 0) == (w[11].numel() == 0), "stack_step: layer ", layers[l],
+                " norms its queries and not its keys, or its keys and not its queries");
+  }
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == dtype && w.is_contiguous()),
                 "stack_step: every weight contiguous and of h's dtype");

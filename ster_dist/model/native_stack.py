@@ -8,14 +8,14 @@ functions the graph calls, and the elementwise work as inductor generates it, so
 either way (a request does not read other logits for having stepped alone rather than beside a prompt's chunk).
 
 Plain means: an RMS norm over a scale (or over an offset from one, Gemma's) before attention and before the
-feed-forward, and after both or neither (Gemma 3's and GLM-4's sandwich, no bias or multiplier before those);
-attention with q, k and v fused into one product, rotated (by halves or pairs, each layer by its own tables) or
-not (SmolLM3's unrotated layers), each head's queries and keys normed before the rotation or not at all (Qwen3,
-Gemma 3 or Llama), no gate, clipping, temperature or shared keys, and the decode plan covering it
-(model/compiled.py's `decode_plans`: plain softmax over every earlier key, a sliding window's or a chunk's); a
-SiLU- or GELU(tanh)-gated feed-forward with gate and up fused, nothing clamped or scaled inside; each sublayer's
-output biased or not, scaled or not (Granite's residual multiplier); f32 or bf16 weights on one rank; inductor's
-vectors as wide as this build's. `why_not(model)` says which layer fails and why.
+feed-forward, and after both or neither (Gemma 3's and GLM-4's sandwich, no bias or multiplier before those), or
+only after both (OLMo 2's); attention with q, k and v fused into one product, rotated (by halves or pairs, each
+layer by its own tables) or not (SmolLM3's unrotated layers), queries and keys normed before the rotation head by
+head (Qwen3, Gemma 3), over each whole projection (OLMo 2) or not at all (Llama), no gate, clipping, temperature or shared keys, and the decode plan covering it
+(model/compiled.py's `decode_plans`: softmax, soft-capped or not (Gemma 2), over every earlier key, a sliding
+window's or a chunk's); a SiLU- or GELU(tanh)-gated feed-forward with gate and up fused, nothing clamped or scaled
+inside; each sublayer's output biased or not, scaled or not (Granite's residual multiplier); f32 or bf16 weights
+on one rank; inductor's vectors as wide as this build's. `why_not(model)` says which layer fails and why.
 
 A step takes this way only when the compiled step has a decode plan (every row decodes one token) covering every
 layer and no projection carries an adapter; anything else runs through the graphs as before.
@@ -42,22 +42,23 @@ _READS = (("attn_norm", "weight"), ("attn.qkv", "weight"), ("attn.qkv", "bias"),
 _NONE = torch.empty(0)  # an absent bias, as the operator's Tensor[] takes it
 
 
-def _plain_norm(norm, heads: bool = False) -> bool:
+def _plain_norm(norm, heads: bool = False, whole: bool = False) -> bool:
     """An RMS norm over a scale in the model's dtype, or over an offset from one (Gemma's): over the hidden
-    width, or (`heads`) over each head's width with one scale for every head."""
-    return (type(norm) is Norm and norm.kind == "rms" and bool(norm.heads) == heads and not norm.split
+    width, (`heads`) over each head's width with one scale for every head, or (`whole`) over a whole projection
+    (on one rank, where it is not split)."""
+    return (type(norm) is Norm and norm.kind == "rms" and bool(norm.heads) == heads and norm.split == whole
             and norm.groups == 1 and norm.weight is not None and norm.weight.dim() == 1 and norm.bias is None
             and (bool(norm.offset) or not norm.scale_f32))
 
 
 def _plain_head_norms(attn) -> bool:
-    """No query or key norms, or Qwen3's and Gemma 3's: each head normed before its rotation, the keys' like the
-    queries'."""
+    """No query or key norms, or Qwen3's and Gemma 3's (each head normed before its rotation) or OLMo 2's (each
+    whole projection normed before it), the keys' like the queries'."""
     if attn.q_norm is None:
         return True
-    q, k = attn.q_norm, attn.k_norm
-    return (attn.per_head_norm and not attn.norm_after_rope and _plain_norm(q, heads=True)
-            and _plain_norm(k, heads=True) and (q.eps, q.offset) == (k.eps, k.offset))
+    q, k, per_head = attn.q_norm, attn.k_norm, attn.per_head_norm
+    return (not attn.norm_after_rope and _plain_norm(q, heads=per_head, whole=not per_head)
+            and _plain_norm(k, heads=per_head, whole=not per_head) and (q.eps, q.offset) == (k.eps, k.offset))
 
 
 def _why_not_attention(attn) -> str | None:
@@ -71,8 +72,8 @@ def _why_not_attention(attn) -> str | None:
         return "it norms, clips or scales its queries, keys or values"
     if attn.temperature[0] or attn.alibi_sqrt:
         return "it scales queries by position"
-    if attn.plain_scale(attn._attend_at) is None:
-        return "its attention is not plain softmax"
+    if attn.kernel_terms(attn._attend_at) is None:
+        return "its attention is not softmax, soft-capped or not"
     return None
 
 
@@ -101,8 +102,10 @@ def _why_not_post_norms(block) -> str | None:
 
 
 def _why_not_block(block) -> str | None:
-    if not (_plain_norm(block.attn_norm) and _plain_norm(block.mlp_norm)):
-        return "its norms are not plain RMS norms before attention and feed-forward"
+    pre, post = (block.attn_norm, block.mlp_norm), (block.post_attn_norm, block.post_mlp_norm)
+    only_after = pre == (None, None) and None not in post  # OLMo 2's: each sublayer's output normed, not its input
+    if not (all(_plain_norm(norm) for norm in pre) or only_after):
+        return "its norms are not plain RMS norms before attention and feed-forward, or after both alone"
     extras = (block.shortcut, block.attn_sconv, block.mlp_sconv,
               block.factors, block.laurel, block.altup, block.attn_hc, block.per_layer_gate, block.layer_scalar,
               block.side_by_side)
@@ -171,7 +174,9 @@ def _numbers(block) -> tuple[float, ...]:
     of the heads'; the multiplier of each sublayer's output; eps of the norms after the sublayers and the offset of
     each (0 where a layer has no such norm)."""
     heads, post = block.token_mixer.q_norm, (block.post_attn_norm, block.post_mlp_norm)
-    return (block.attn_norm.eps, block.attn_norm.offset, block.mlp_norm.eps, block.mlp_norm.offset,
+    pre = (block.attn_norm, block.mlp_norm)
+    return (getattr(pre[0], "eps", 0.0), getattr(pre[0], "offset", 0.0), getattr(pre[1], "eps", 0.0),
+            getattr(pre[1], "offset", 0.0),
             getattr(heads, "eps", 0.0), getattr(heads, "offset", 0.0), block.residual_multiplier,
             getattr(post[0], "eps", 0.0), getattr(post[0], "offset", 0.0), getattr(post[1], "offset", 0.0))
 
