@@ -20,6 +20,7 @@ import torch
 from ster_dist.adapters.attach import attach
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.sampling import SamplingParams
+from ster_dist.generate import left_pad
 from ster_dist.load import load_model
 from ster_dist.model import native_stack
 from ster_dist.model.native_stack import NativeStack, why_not
@@ -170,6 +171,47 @@ def test_a_windowed_request_reads_the_same_logprobs_alone_or_among_others(tmp_pa
     monkeypatch.setenv("STER_NATIVE_STACK", "0")
     _, graph_together = _answers(tmp_path / "mistral", batch, params)
     assert [(r.token_ids, r.logprobs) for r in graph_together] == [(r.token_ids, r.logprobs) for r in together]
+
+
+def _decode_ragged(model, prompts: list[list[int]], new: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """decode()'s logits and greedy tokens for prompts of several lengths, left-padded as generate() pads them."""
+    ids, positions, valid = left_pad(prompts)
+    cache = model.new_cache(len(prompts), ids.shape[1] + new)
+    logits = [model(ids, positions, valid, cache)[:, -1]]
+    tokens, nxt = [], positions[:, -1:] + 1
+    for _ in range(new - 1):
+        tok = logits[-1].argmax(-1)
+        tokens.append(tok.tolist())
+        logits.append(model(tok.unsqueeze(1), nxt, torch.ones_like(nxt, dtype=torch.bool), cache)[:, -1])
+        nxt = nxt + 1
+    return torch.stack(logits), tokens
+
+
+@pytest.mark.parametrize("variant", ["toy", pytest.param("mistral", marks=pytest.mark.slow)])
+def test_a_ragged_batch_left_padded_as_generate_pads_it_steps_natively(variant, toy, tmp_path, compiling,
+                                                                      monkeypatch, native_calls):
+    """Prompts of 3, 9 and 6 tokens left-padded to one width (generate()'s ragged batch): each row's decode
+    steps read its keys from its first real one (within Mistral's window of 5 past it), natively, with the graph's
+    bits and the eager layers' logits."""
+    directory = toy
+    if variant != "toy":
+        directory = tmp_path / variant
+        make_tiny(variant, directory)
+    gen = torch.Generator().manual_seed(9)
+    ragged = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 9, 6)]
+    eager = load_model(resolve(str(directory))).model
+    graph, native = (_compiled(directory, monkeypatch, way) for way in (False, True))
+    native_calls.clear()
+    got, got_tokens = _decode_ragged(native, ragged, NEW)
+    assert native_calls == [(3, 1, native.cfg.hidden_size)] * (NEW - 1)
+    want, want_tokens = _decode_ragged(graph, ragged, NEW)
+    assert torch.equal(got, want) and got_tokens == want_tokens
+    reference, reference_tokens = _decode_ragged(eager, ragged, NEW)
+    close(got, reference)
+    assert got_tokens == reference_tokens
+    for row, prompt in enumerate(ragged):  # each row as the same prompt decoded alone
+        alone, _ = _decode_ragged(eager, [prompt], NEW)
+        close(got[:, row], alone[:, 0])
 
 
 def test_an_attached_adapter_sends_steps_through_the_graph(toy, compiling, monkeypatch, native_calls):

@@ -284,8 +284,9 @@ def test_a_static_cache_seen_as_one_block_a_row_is_read_through_its_strides(kern
 
 
 def test_a_static_cache_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path):
-    """One token a row over every key of a static cache (generate's decode steps) takes the kernel, one call a
-    layer; a step whose rows hold padding keeps the masked softmax; both equal the whole read."""
+    """One token a row over the keys of a static cache (generate's decode steps) takes the kernel, one call a
+    layer, whether every key is real or a row is left-padded (a ragged batch: it reads from its first real key);
+    a row with padding between its keys keeps the masked softmax; all equal the whole read."""
     from torch.profiler import profile
 
     from ster_dist.load import load_model
@@ -296,7 +297,10 @@ def test_a_static_cache_decode_step_reads_keys_in_place_and_equals_the_whole_rea
     make_tiny("llama", tmp_path / "llama")
     model = load_model(resolve(str(tmp_path / "llama")), "f32").model
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(2))
-    for valid, calls_per_layer in ((torch.ones(2, 11, dtype=torch.bool), 1), (torch.arange(11) >= torch.tensor([[0], [3]]), 0)):
+    holed = torch.ones(2, 11, dtype=torch.bool)
+    holed[1, 4:6] = False
+    for valid, calls_per_layer in ((torch.ones(2, 11, dtype=torch.bool), 1),
+                                   (torch.arange(11) >= torch.tensor([[0], [3]]), 1), (holed, 0)):
         cache = model.new_cache(2, 16)
         with torch.no_grad():
             model(ids[:, :11], torch.arange(11).expand(2, -1), valid, cache)

@@ -212,6 +212,14 @@ constexpr int64_t kPerLayer = 14;
 // eps of the norms after the sublayers, and the offsets of each
 constexpr int64_t kNumbers = 10;
 
+// room for n values of U on the calling thread, kept from step to step (no allocation per row and layer)
+template <class U>
+U* scratch(int64_t n) {
+  thread_local std::vector<U> room;
+  if ((int64_t)room.size() < n) room.resize(n);
+  return room.data();
+}
+
 // each of a row's heads (`count` of `d` channels from `x`) normed where `norm` is given (Qwen3's and Gemma 3's
 // per-head query and key norms, or with `whole` OLMo 2's over all of them at once), then rotated where `cos` is given
 // (not in SmolLM3's unrotated layers), into out (`round`: the normed heads rounded to T before their rotation, else
@@ -225,19 +233,19 @@ void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, bool whol
       rms_row(x, static_cast<const float*>(nullptr), norm, offset, eps, count * d, normed);
       for (int64_t j = 0; j < count; ++j) rotate_head(normed + j * d, cos, sin, half, d, interleaved, out + j * d);
     };
-    if (round) rotated(std::vector<T>(count * d).data());
-    else rotated(std::vector<float>(count * d).data());
+    if (round) rotated(scratch<T>(count * d));
+    else rotated(scratch<float>(count * d));
     return;
   }
-  std::vector<float> normed(norm && cos && !round ? d : 0);
-  std::vector<T> rounded(norm && cos && round ? d : 0);
+  float* normed = norm && cos && !round ? scratch<float>(d) : nullptr;
+  T* rounded = norm && cos && round ? scratch<T>(d) : nullptr;
   for (int64_t j = 0; j < count; ++j) {
     if (norm && cos && round) {
-      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, rounded.data());
-      rotate_head(rounded.data(), cos, sin, half, d, interleaved, out + j * d);
+      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, rounded);
+      rotate_head(rounded, cos, sin, half, d, interleaved, out + j * d);
     } else if (norm && cos) {
-      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, normed.data());
-      rotate_head(normed.data(), cos, sin, half, d, interleaved, out + j * d);
+      rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, normed);
+      rotate_head(normed, cos, sin, half, d, interleaved, out + j * d);
     } else if (norm) {
       rms_row(x + j * d, static_cast<const float*>(nullptr), norm, offset, eps, d, out + j * d);
     } else if (cos) {

@@ -281,8 +281,7 @@ class CompiledLayers:
             return None
         if self.scales is None:
             self.scales, self.ranges = decode_plans(self.model), decode_ranges(self.model)
-        plan = planner(self.scales, self.model.dtype)
-        return None if plan is None else (*plan, *self.ranges)
+        return planner(self.scales, self.model.dtype, self.ranges)
 
     def head_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The head's x W^T (+ b): compiled for one row of a bf16 / f16 weight, through dense otherwise."""

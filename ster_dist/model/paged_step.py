@@ -257,9 +257,10 @@ class PagedStep:
         included, holds positions 0 .. its width in slots): StepState.key_reach, from the host."""
         return max(group.table.shape[1] for group in self.groups) * self.cache.block_size
 
-    def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
+    def decode_plan(self, scales: list[float], dtype: torch.dtype, ranges: tuple[list, list, list]) -> tuple | None:
         """ster_kernels::push_plan's arguments where this step is decodes only, the cache in `dtype`: layer i
-        planned where scales[i] > 0 (compiled.decode_plans); None otherwise."""
+        planned where scales[i] > 0 (compiled.decode_plans), within its window and chunk and under its soft cap
+        (`ranges`, compiled.decode_ranges); None otherwise."""
         if len(self.groups) != 1:
             return None
         group = self.groups[0]
@@ -272,7 +273,7 @@ class PagedStep:
         first, end = group.key_range(None, None)
         bs = self.cache.block_size
         return (or_empty(keys), or_empty(values), planned, self.slots // bs, self.slots % bs, group.table, first,
-                end, True)
+                end, True, *ranges)
 
     def _in_place_terms(self, layer: int, q, fn, dtype: torch.dtype) -> tuple[float, float] | None:
         """decode_kernel_terms with the cache in the model's dtype; None: gather and call fn."""

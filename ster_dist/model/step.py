@@ -56,7 +56,9 @@ class StepState:
         self._positions, self._key_pos = positions, key_pos  # the host's
         # a one-token step over keys that are all real sees every key: no mask to build or apply
         self._unmasked = t == 1 and bool(key_valid.all())
-        self._rows: tuple | None = None  # the decode kernel's table, starts, ends and their key count
+        # per (window, chunk): the decode kernel's table, first keys and ends, or None where a row's keys are not
+        # one run (`_kernel_rows`)
+        self._rows: dict[tuple[int | None, int | None], tuple | None] = {}
         self._masks: dict[tuple[int | None, int | None], torch.Tensor | None] = {}
         self._rotary: dict[tuple[RopeConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         # what a layer hands on to later layers of this step (GLM-DSA's shared top-k choice, model/mla.py)
@@ -93,8 +95,8 @@ class StepState:
             if keep:
                 self.handed_on["kv", layer] = k, v
         terms = self._in_place_terms(q, k, fn, window, chunk)
-        if terms is not None:  # one query a row over every key: read where the cache holds them
-            return self._in_place(q, k, v, *terms)
+        if terms is not None:  # one query a row over one run of keys: read where the cache holds them
+            return self._in_place(q, k, v, *terms, window, chunk)
         scale = self._causal_scale(q, k, v, fn, chunk)
         if scale is not None:  # a prompt's queries over the keys before them, the masked half never computed
             return self._causal(q, k, v, scale, window)
@@ -115,38 +117,66 @@ class StepState:
                                                     window or 0, scale)
 
     def _in_place_terms(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None):
-        """decode_kernel_terms where each row's one query sees every key; None: call fn."""
-        if not self._unmasked:
+        """decode_kernel_terms where each row's one query sees one run of keys up to its own; None: call fn."""
+        if self._positions.shape[1] != 1 or k.shape[2] != self._key_pos.shape[1]:
             return None
         terms = decode_kernel_terms(fn, q, k.dtype)
-        return terms if terms is not None and self.mask(window, chunk) is None else None
+        return terms if terms is not None and self._kernel_rows(window, chunk) is not None else None
 
-    def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float):
+    def _in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float, window,
+                  chunk):
         # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
-        rows, starts, ends = self._kernel_rows(k.shape[0], k.shape[2])
+        rows, starts, ends = self._kernel_rows(window, chunk)
         out = torch.ops.ster_kernels.paged_decode(q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), rows, starts,
                                                   ends, scale, softcap)
         return out.unsqueeze(2)
 
-    def _kernel_rows(self, batch: int, keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._rows is None or self._rows[3] != keys:  # every layer of a step sees as many keys
-            self._rows = (torch.arange(batch).view(batch, 1), torch.zeros(batch, dtype=torch.long),
-                          torch.full((batch,), keys, dtype=torch.long), keys)
-        return self._rows[:3]
+    def _kernel_rows(self, window: int | None, chunk: int | None) -> tuple | None:
+        """(table, first keys, ends) of the decode kernel for a one-token step's layer with this window and chunk,
+        each row one block of the cache: the keys its mask allows, where they are one run ending at its own
+        (left padding, as generate() pads a ragged batch, comes before a row's first key, and a window or a chunk
+        cuts from the front); None where a row's allowed keys are not one such run."""
+        if (window, chunk) not in self._rows:
+            batch, keys = self._key_pos.shape
+            mask = self.mask(window, chunk)
+            if mask is None:
+                first = torch.zeros(batch, dtype=torch.long)
+            else:  # the host's (the kernel runs on the CPU only)
+                allowed = mask.view(batch, keys).cpu()
+                first = keys - allowed.sum(1)
+                if not bool((allowed == (torch.arange(keys) >= first.view(batch, 1))).all()):
+                    first = None
+            self._rows[window, chunk] = None if first is None else (
+                torch.arange(batch).view(batch, 1), first, torch.full((batch,), keys, dtype=torch.long))
+        return self._rows[window, chunk]
 
-    def decode_plan(self, scales: list[float], dtype: torch.dtype) -> tuple | None:
-        """ster_kernels::push_plan's arguments where every row of this step decodes one token over every key of
-        a static cache in `dtype`: layer i planned where scales[i] > 0 (compiled.decode_plans); None otherwise."""
-        if self.cache is None or not self._unmasked:
+    def decode_plan(self, scales: list[float], dtype: torch.dtype, ranges: tuple[list, list, list]) -> tuple | None:
+        """ster_kernels::push_plan's arguments where every row of this step decodes one token over one run of the
+        keys of a static cache in `dtype` (all of them, or after a row's left padding): layer i planned where
+        scales[i] > 0 (compiled.decode_plans), within its window and chunk and under its soft cap (`ranges`,
+        compiled.decode_ranges); None otherwise."""
+        if self.cache is None or self._positions.shape[1] != 1 or (found := self._kernel_rows(None, None)) is None:
             return None
+        rows, starts, ends = found
+        windows, chunks, _ = ranges
+        for window, chunk in set(zip(windows or [0] * len(scales), chunks or [0] * len(scales))):
+            # the plan cuts a row's keys as Plan::first_keys does (from the end back, chunks counted from slot
+            # 0): after padding that must still be what its mask allows
+            want = self._kernel_rows(window or None, chunk or None)
+            first = starts.clone()
+            if window:
+                first = torch.maximum(first, ends - window)
+            if chunk:
+                first = torch.maximum(first, (ends - 1) // chunk * chunk)
+            if want is None or not torch.equal(want[1], first):
+                return None
         keys, values = self.cache.kernel_views()
         planned = planned_scales(scales, keys, dtype)
         if planned is None:
             return None
-        batch = self._positions.shape[0]
-        rows, starts, ends = self._kernel_rows(batch, self.slots.stop)
+        batch = rows.shape[0]
         return (or_empty(keys), or_empty(values), planned, rows.view(batch),
-                torch.full((batch,), self.slots.start, dtype=torch.long), rows, starts, ends, False)
+                torch.full((batch,), self.slots.start, dtype=torch.long), rows, starts, ends, False, *ranges)
 
     def attend_again(self, layer: int, q: torch.Tensor, fn, fresh: tuple[torch.Tensor, torch.Tensor] | None):
         """fn(q, keys, values, causal mask, key_positions) over the keys an earlier layer of this step stored
