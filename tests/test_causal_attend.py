@@ -18,8 +18,9 @@ def kernel():
     return built("causal_attend", "prefills use torch's attention")
 
 
-def _reference(q, keys, values, table, starts, window, scale):
-    """Gather each sequence's keys from its blocks, then masked softmax(q k^T scale) v in f64."""
+def _reference(q, keys, values, table, starts, window, scale, softcap=0.0):
+    """Gather each sequence's keys from its blocks, then masked softmax(q k^T scale) v in f64, each score s taken
+    as cap tanh(s / cap) where a soft cap is given (Gemma 2)."""
     n, heads, t, _ = q.shape
     block, group = keys.shape[1], heads // keys.shape[2]
     out = []
@@ -29,6 +30,8 @@ def _reference(q, keys, values, table, starts, window, scale):
         k = keys.flatten(0, 1)[slots].double().transpose(0, 1).repeat_interleave(group, 0)  # [heads, keys, d]
         v = values.flatten(0, 1)[slots].double().transpose(0, 1).repeat_interleave(group, 0)
         scores = torch.einsum("htd,hkd->htk", q[r].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(int(starts[r]), end).view(-1, 1)
         key_pos = torch.arange(end).view(1, -1)
         allowed = key_pos <= query_pos
@@ -65,6 +68,24 @@ def test_equals_masked_softmax_attention_over_the_gathered_keys(kernel, dtype, h
         want = _reference(q, keys, values, table, starts, window, d ** -0.5)
         assert got.dtype == dtype and got.shape == (n, heads, t, dv)
         assert ((got.double() - want).norm() / want.norm()).item() < tol, (n, t, start, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_equal_the_capped_masked_softmax(kernel, dtype):
+    """Gemma 2's scores capped (cap tanh(s / cap)) before the softmax, over a whole prompt and a windowed chunk
+    that starts mid-sequence: the capped reference, which the uncapped one is not."""
+    gen = torch.Generator().manual_seed(21)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for n, t, start, window in ((1, 70, 0, 0), (2, 40, 9, 16)):
+        keys, values, table = _scattered(gen, n, start + t, 8, 2, 32, 32, dtype)
+        keys = keys * 4  # scores of tens: the cap of 5 changes them
+        q = (torch.randn(n, 4, t, 32, generator=gen) * 2).to(dtype)
+        starts = torch.full((n,), start)
+        got = kernel(q, keys, values, table, starts, window, 0.25, 5.0)
+        want = _reference(q, keys, values, table, starts, window, 0.25, 5.0)
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+        uncapped = _reference(q, keys, values, table, starts, window, 0.25)
+        assert ((uncapped - want).norm() / want.norm()).item() > 0.1
 
 
 def test_a_sequences_output_does_not_depend_on_its_batch_or_the_threads(kernel):
@@ -109,7 +130,11 @@ def _without_kernel(monkeypatch, model, *args):
         return model(*args)
 
 
-def test_a_paged_prefill_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path, monkeypatch):
+# Gemma 2's soft-capped attention (and window of 4 on alternate layers), its queries scaled 45x so that its scores
+# reach the cap of 5 (a tiny random model's lie far below it)
+@pytest.mark.parametrize("variant, change", [("llama", None), ("gemma2", {"query_pre_attn_scalar": 0.01})])
+def test_a_paged_prefill_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path, monkeypatch, variant,
+                                                                      change):
     """Two prompts in one step, then one continued from mid-sequence beside a decode: every prompt chunk takes
     the kernel (one call a layer each), and each sequence's logits equal the whole read's without the kernel."""
     from torch.profiler import profile
@@ -119,10 +144,11 @@ def test_a_paged_prefill_reads_keys_in_place_and_equals_the_whole_read(kernel, t
     from ster_dist.parity import compare
     from ster_dist.resolve import resolve
     from tests.paged_steps import BLOCK, Driver, run_step
-    from tests.tiny_models import make_tiny
+    from tests.tiny_models import make_tiny, with_config
 
-    make_tiny("llama", tmp_path / "llama")
-    model = load_model(resolve(str(tmp_path / "llama")), "f32").model
+    make_tiny(variant, tmp_path / variant)
+    directory = with_config(tmp_path / variant, tmp_path / "changed", change) if change else tmp_path / variant
+    model = load_model(resolve(str(directory)), "f32").model
     gen = torch.Generator().manual_seed(1)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "AB"}
     driver = Driver(PagedCache(model, 20, BLOCK))

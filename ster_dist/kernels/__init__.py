@@ -5,8 +5,9 @@
 - `paged_decode(q, keys, values, table, starts, ends, scale, softcap=0)` (paged_decode.cpp): one query per
   sequence attending its keys where they lie in a paged cache, each score soft-capped where a cap is given
   (model/paged_step.py's decodes).
-- `causal_attend(q, keys, values, table, starts, window, scale)` (causal_attend.cpp): a prompt's queries
-  attending the keys before them (within a window) where a cache holds them (model/paged_step.py's and
+- `causal_attend(q, keys, values, table, starts, window, scale, softcap=0)` (causal_attend.cpp): a prompt's
+  queries attending the keys before them (within a window, each score soft-capped where a cap is given) where a
+  cache holds them (model/paged_step.py's and
   model/step.py's prefills).
 - `swiglu_experts(x, ids, gate, up, down)` (experts.cpp): rows through their SwiGLU experts, eight of an
   expert's rows at a time (moe/experts.py's decodes and, in bf16 or up to 512 rows, prefills; eager or inside a
@@ -134,7 +135,7 @@ def _attention_shape(q, keys, values, table, starts, ends, scale: float, softcap
     return q.new_empty((q.shape[0], q.shape[1], values.shape[3]))
 
 
-def _causal_shape(q, keys, values, table, starts, window: int, scale: float) -> torch.Tensor:
+def _causal_shape(q, keys, values, table, starts, window: int, scale: float, softcap: float = 0.0) -> torch.Tensor:
     return q.new_empty((*q.shape[:3], values.shape[3]))
 
 

@@ -100,10 +100,11 @@ struct Item { int64_t r, g, i0, i1; };
 
 // query indices [i0, i1) of sequence r (positions start + i), the `group` query heads of key head g: row m is
 // query i0 + m / group, head g * group + m % group. Each row attends positions [lo, its own], lo = 0 or, with a
-// window, its position - window + 1.
+// window, its position - window + 1. With a soft cap (Gemma 2's), each scaled score s counts as cap tanh(s / cap).
 template <class T>
 void attend_item(const Cache<T>& c, const T* q, const int64_t* qs, T* out, int64_t heads, int64_t t, const Item& it,
-                 int64_t start, int64_t group, int64_t d, int64_t dv, int64_t window, float scale, Scratch& w) {
+                 int64_t start, int64_t group, int64_t d, int64_t dv, int64_t window, float scale, float softcap,
+                 Scratch& w) {
   const int64_t rows = (it.i1 - it.i0) * group;
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t i = it.i0 + m / group, h = it.g * group + m % group;
@@ -142,6 +143,8 @@ void attend_item(const Cache<T>& c, const T* q, const int64_t* qs, T* out, int64
       const int64_t pos = start + it.i0 + m / group;
       const int64_t from = std::max<int64_t>(lowest(pos) - k0, 0), to = std::min<int64_t>(pos + 1 - k0, kTile);
       const bool whole = from == 0 && to == kTile;
+      if (softcap > 0)
+        for (int64_t k = from; k < to; ++k) s[k] = std::tanh(s[k] / softcap) * softcap;
       if (!whole) {
         for (int64_t k = 0; k < kTile; ++k)
           if (k < from || k >= to) s[k] = kNone;
@@ -191,7 +194,7 @@ void attend_item(const Cache<T>& c, const T* q, const int64_t* qs, T* out, int64
 
 template <class T>
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& table,
-            const int64_t* starts, int64_t window, double scale, at::Tensor& out) {
+            const int64_t* starts, int64_t window, double scale, double softcap, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3);
   const int64_t kv_heads = keys.size(2), dv = values.size(3), group = heads / kv_heads;
   const Cache<T> c{keys.data_ptr<T>(), values.data_ptr<T>(), table.data_ptr<int64_t>(), keys.size(1), table.size(1),
@@ -213,12 +216,12 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   const Shares shares(done, at::get_num_threads());
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, shares.parts(), 1, [&](int64_t p0, int64_t p1) {
     Scratch w(span * group, d, dv);
     for (int64_t part = p0; part < p1; ++part)
       for (int64_t k = shares.first(part), stop = shares.first(part + 1); k < stop; ++k)
-        attend_item<T>(c, qp, qs, op, heads, t, items[k], starts[items[k].r], group, d, dv, window, s, w);
+        attend_item<T>(c, qp, qs, op, heads, t, items[k], starts[items[k].r], group, d, dv, window, s, cap, w);
   });
 }
 #endif
@@ -226,9 +229,11 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 // q [n, heads, t, d]: t queries of each of n sequences, query i of sequence r at position starts[r] + i; keys
 // [blocks, block_size, kv_heads, d] and values [.., dv] a layer's cache holding every position up to each
 // sequence's last query; table [n, width] each sequence's blocks. Query i attends positions [lo, its own],
-// lo = 0 or, with window > 0, its position - window + 1. Returns [n, heads, t, dv].
+// lo = 0 or, with window > 0, its position - window + 1; softcap: 0, or the cap of each score. Returns
+// [n, heads, t, dv].
 at::Tensor causal_attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& table, const at::Tensor& starts, int64_t window, double scale) {
+                         const at::Tensor& table, const at::Tensor& starts, int64_t window, double scale,
+                         double softcap) {
   TORCH_CHECK(STER_KERNELS_ISA, "causal_attend: built without AVX2 or AVX-512");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && table.dim() == 2,
               "causal_attend: q [n, heads, t, d], keys and values [blocks, block_size, kv_heads, width], table [n, width]");
@@ -259,9 +264,9 @@ at::Tensor causal_attend(const at::Tensor& q, const at::Tensor& keys, const at::
 #if STER_KERNELS_ISA
   if (t > 0) {
     if (q.scalar_type() == at::kFloat)
-      attend<float>(q, keys, values, tab, f, window, scale, out);
+      attend<float>(q, keys, values, tab, f, window, scale, softcap, out);
     else
-      attend<c10::BFloat16>(q, keys, values, tab, f, window, scale, out);
+      attend<c10::BFloat16>(q, keys, values, tab, f, window, scale, softcap, out);
   }
 #endif
   return out;
@@ -270,8 +275,8 @@ at::Tensor causal_attend(const at::Tensor& q, const at::Tensor& keys, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
-  m.def("causal_attend(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, int window, float scale)"
-        " -> Tensor");
+  m.def("causal_attend(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor starts, int window, float scale, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) { m.impl("causal_attend", &causal_attend); }

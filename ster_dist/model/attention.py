@@ -139,15 +139,11 @@ class Attention(nn.Module):
     def kernel_terms(self, fn) -> tuple[float, float] | None:
         """(scale, soft cap or 0) when `fn` (what this layer hands its step to attend with) is Attention's own
         softmax(cap tanh(q k^T scale / cap)) v over the keys its mask allows and nothing more (no sinks or
-        position biases), so the decode kernel may compute it in its place (model/paged_step.py); None otherwise."""
+        position biases), so the decode and causal kernels may compute it in its place (model/step.py,
+        model/paged_step.py); None otherwise."""
         own = getattr(fn, "__func__", None) is Attention._attend_at and type(self)._attend is Attention._attend
         plain = self.sinks is None and self.alibi is None and not self.alibi_sqrt
         return (self.scale, self.softcap or 0.0) if own and plain else None
-
-    def plain_scale(self, fn) -> float | None:
-        """kernel_terms' scale where scores are not soft-capped either: plain softmax(q k^T scale) v."""
-        terms = self.kernel_terms(fn)
-        return terms[0] if terms is not None and not terms[1] else None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries, keys, values and the output gate's logits (None without one) from the layer's input."""

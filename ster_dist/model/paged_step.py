@@ -232,13 +232,13 @@ class PagedStep:
                                                         softcap)
                 outs.append(y.unsqueeze(2))
                 continue
-            if scale is not None and not softcap and not group.prefix and chunk is None and causal_kernel_fits(
+            if scale is not None and not group.prefix and chunk is None and causal_kernel_fits(
                     q, self.cache.keys[layer], self.cache.values[layer]):
                 # a prompt's queries: each reads the keys before it where its blocks hold them, the masked half
                 # of the scores never computed (kernels/causal_attend.cpp)
                 outs.append(torch.ops.ster_kernels.causal_attend(group.take(q), self.cache.keys[layer],
                                                                  self.cache.values[layer], group.table, group.starts,
-                                                                 window or 0, scale))
+                                                                 window or 0, scale, softcap))
                 continue
             keys, values = self.cache.gather(layer, group.table)
             if keys.dtype != dtype:  # a cache kept narrower than the model attends in the model's dtype

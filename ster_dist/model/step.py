@@ -97,24 +97,25 @@ class StepState:
         terms = self._in_place_terms(q, k, fn, window, chunk)
         if terms is not None:  # one query a row over one run of keys: read where the cache holds them
             return self._in_place(q, k, v, *terms, window, chunk)
-        scale = self._causal_scale(q, k, v, fn, chunk)
-        if scale is not None:  # a prompt's queries over the keys before them, the masked half never computed
-            return self._causal(q, k, v, scale, window)
+        terms = self._causal_terms(q, k, v, fn, chunk)
+        if terms is not None:  # a prompt's queries over the keys before them, the masked half never computed
+            return self._causal(q, k, v, *terms, window)
         return fn(q, k, v, self.mask(window, chunk), self.key_positions)
 
-    def _causal_scale(self, q, k: torch.Tensor, v: torch.Tensor, fn, chunk: int | None) -> float | None:
-        """decode_kernel_scale where the causal kernel may take this step's attention; None: call fn."""
+    def _causal_terms(self, q, k: torch.Tensor, v: torch.Tensor, fn, chunk: int | None):
+        """decode_kernel_terms where the causal kernel may take this step's attention; None: call fn."""
         if self._causal_start is None or chunk is not None or not causal_kernel_fits(q, k, v):
             return None
-        return decode_kernel_scale(fn, q, k.dtype)
+        return decode_kernel_terms(fn, q, k.dtype)
 
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None):
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
+                window: int | None):
         # keys [batch, heads, keys, width] seen as [batch, keys, heads, width]: a paged cache of one block a row
         batch = q.shape[0]
         rows = torch.arange(batch).view(batch, 1)
         starts = torch.full((batch,), self._causal_start, dtype=torch.long)
         return torch.ops.ster_kernels.causal_attend(q, k.transpose(1, 2), v.transpose(1, 2), rows, starts,
-                                                    window or 0, scale)
+                                                    window or 0, scale, softcap)
 
     def _in_place_terms(self, q, k: torch.Tensor, fn, window: int | None, chunk: int | None):
         """decode_kernel_terms where each row's one query sees one run of keys up to its own; None: call fn."""
@@ -249,10 +250,3 @@ def decode_kernel_terms(fn, q, key_dtype: torch.dtype) -> tuple[float, float] | 
     kernel_terms = getattr(getattr(fn, "__self__", None), "kernel_terms", None)
     terms = kernel_terms(fn) if kernel_terms is not None and key_dtype == q.dtype else None
     return terms if terms is not None and kernels.ready() else None
-
-
-def decode_kernel_scale(fn, q, key_dtype: torch.dtype) -> float | None:
-    """decode_kernel_terms' scale where the scores are not soft-capped: what the causal kernel
-    (kernels/causal_attend.cpp), which has no cap, may compute in fn's place; None otherwise."""
-    terms = decode_kernel_terms(fn, q, key_dtype)
-    return terms[0] if terms is not None and not terms[1] else None
