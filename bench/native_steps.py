@@ -3,6 +3,7 @@ checkpoints shaped as small real ones of the families they newly take:
 
     python bench/native_steps.py                       # every shape, f32 and bf16, batch 1 and 4
     python bench/native_steps.py --shapes gemma3 --dtypes bf16 --rounds 4
+    python bench/native_steps.py --shapes mistral --batches 4 --ragged   # rows of 32, 27, 22, 17 tokens
 
 - gemma3: Gemma 3 270M's layers (hidden 640, 18 layers, 4 query heads of 256 over 1 key head, feed-forward 2048,
   a window of 512 on five layers of six, each kind of layer its own rotation, norms over offsets before and after
@@ -18,7 +19,8 @@ checkpoints shaped as small real ones of the families they newly take:
 The model is loaded once, its weights packed and its layers compiled as the token engine does. Each round runs
 the same greedy decode (a prompt of 32 tokens, then --steps steps) twice, once with native steps on and once with
 them off (the one-token graph at batch 1, the graph of several rows at batch 4), alternating; a step's time is
-the fastest of each run's median, over the rounds. The tokens of the two ways are compared: in f32 they are the
+the fastest of each run's median, over the rounds. With --ragged, row i of a batch keeps the last 32 - 5i tokens of
+its prompt, left-padded to one width as generate() pads a ragged batch (before, such steps never went native). The tokens of the two ways are compared: in f32 they are the
 same bits, so the same tokens.
 """
 
@@ -69,9 +71,21 @@ def build(shape: str, directory: Path) -> None:
     common.write_wordlevel_tokenizer(directory, sizes["vocab_size"])
 
 
-def decode_once(ster: SterEngine, prompt: torch.Tensor, steps: int) -> tuple[list[float], list[list[int]]]:
+@torch.inference_mode()
+def prefill_ragged(ster: SterEngine, prompt: torch.Tensor, capacity: int):
+    """SterEngine.prefill with row i cut to its last 32 - 5i tokens, left-padded as generate() pads them."""
+    from ster_dist.generate import left_pad
+
+    ids, positions, valid = left_pad([row[5 * i:].tolist() for i, row in enumerate(prompt)])
+    cache = ster.model.new_cache(prompt.shape[0], capacity)
+    logits = ster.model(ids, positions, valid, cache, last_only=True)[:, -1]
+    return logits, (cache, positions[:, -1:] + 1)
+
+
+def decode_once(ster: SterEngine, prompt: torch.Tensor, steps: int, ragged: bool = False):
     """Each step's seconds and the tokens picked."""
-    logits, state = ster.prefill(prompt, prompt.shape[1] + steps + 1)
+    prefill = (lambda *args: prefill_ragged(ster, *args)) if ragged else ster.prefill
+    logits, state = prefill(prompt, prompt.shape[1] + steps + 1)
     token = ster.pick(logits)
     seconds, tokens = [], []
     for _ in range(steps):
@@ -83,7 +97,8 @@ def decode_once(ster: SterEngine, prompt: torch.Tensor, steps: int) -> tuple[lis
     return seconds, tokens
 
 
-def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: int, rounds: int) -> list[dict]:
+def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: int, rounds: int,
+            ragged: bool = False) -> list[dict]:
     from ster_dist.engine.runner import pack_model
 
     ster = SterEngine(common.load_ster(directory, dtype))
@@ -101,11 +116,11 @@ def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: 
         tokens = {}
         for way in ("native", "graph") * (rounds + 1):  # the first pair warms (and compiles) both ways
             compiled.native = native if way == "native" else None
-            seconds, tokens[way] = decode_once(ster, prompt, steps)
+            seconds, tokens[way] = decode_once(ster, prompt, steps, ragged)
             times[way].append(statistics.median(seconds))
         compiled.native = native
         native_s, graph_s = min(times["native"][1:]), min(times["graph"][1:])
-        rows.append({"shape": shape, "dtype": dtype, "batch": batch, "native_ms": 1e3 * native_s,
+        rows.append({"shape": shape + (" ragged" if ragged else ""), "dtype": dtype, "batch": batch, "native_ms": 1e3 * native_s,
                      "graph_ms": 1e3 * graph_s, "graph_over_native": graph_s / native_s,
                      "same_tokens": tokens["native"] == tokens["graph"]})
     return rows
@@ -119,7 +134,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ragged", action="store_true", help="rows of 32, 27, 22 ... tokens, left-padded")
     args = parser.parse_args(argv)
+    if args.ragged and max(args.batches) > 6:
+        parser.error("--ragged cuts 5 tokens a row from 32: at most 6 rows")
     common.set_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -127,13 +145,13 @@ def main(argv=None) -> int:
             directory = Path(root) / shape
             build(shape, directory)
             for dtype in args.dtypes:
-                rows += measure(shape, directory, dtype, args.batches, args.steps, args.rounds)
+                rows += measure(shape, directory, dtype, args.batches, args.steps, args.rounds, args.ragged)
                 print(f"{shape} {dtype}: done", file=sys.stderr)
     print(f"\nnative decode steps against the compiled graph, {args.threads} threads, median step of "
           f"{args.steps}, fastest of {args.rounds} rounds")
-    print(f"{'shape':8} {'dtype':5} {'batch':>5} {'native ms':>10} {'graph ms':>10} {'graph/native':>13} same tokens")
+    print(f"{'shape':15} {'dtype':5} {'batch':>5} {'native ms':>10} {'graph ms':>10} {'graph/native':>13} same tokens")
     for row in rows:
-        print(f"{row['shape']:8} {row['dtype']:5} {row['batch']:>5} {row['native_ms']:>10.2f} {row['graph_ms']:>10.2f}"
+        print(f"{row['shape']:15} {row['dtype']:5} {row['batch']:>5} {row['native_ms']:>10.2f} {row['graph_ms']:>10.2f}"
               f" {row['graph_over_native']:>12.2f}x {row['same_tokens']}")
     return 0
 
