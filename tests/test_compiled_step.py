@@ -57,13 +57,18 @@ def models(toy, compiling):
     return eager, compiled
 
 
-@torch.inference_mode()
-def decode(model, prompt: torch.Tensor, new: int, hook=None) -> tuple[torch.Tensor, list[list[int]]]:
+def decode(model, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, list[list[int]]]:
     """Logits of the prompt's last position and of each greedy decode step [steps, batch, vocab], and the tokens."""
     batch, width = prompt.shape
-    cache = model.new_cache(batch, width + new)
-    positions = torch.arange(width).expand(batch, width)
-    logits = [model(prompt, positions, torch.ones_like(prompt, dtype=torch.bool), cache)[:, -1]]
+    positions, valid = torch.arange(width).expand(batch, width), torch.ones_like(prompt, dtype=torch.bool)
+    return decode_from(model, prompt, positions, valid, new)
+
+
+@torch.inference_mode()
+def decode_from(model, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, new: int):
+    """decode() of prompts given as ids, positions and valid [batch, width] (left padding, as generate() pads)."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + new)
+    logits = [model(ids, positions, valid, cache)[:, -1]]
     tokens, nxt = [], positions[:, -1:] + 1
     for _ in range(new - 1):
         tok = logits[-1].argmax(-1)

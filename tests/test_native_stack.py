@@ -27,7 +27,7 @@ from ster_dist.model.native_stack import NativeStack, why_not
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
 from tests.native_kernels import BUILDABLE
-from tests.test_compiled_step import close, compiling, decode  # noqa: F401  (compiling: a fixture)
+from tests.test_compiled_step import close, compiling, decode, decode_from  # noqa: F401  (compiling: a fixture)
 from tests.test_engine import open_engine, prompts, random_sites
 from tests.tiny_models import make_tiny, with_config
 
@@ -175,16 +175,7 @@ def test_a_windowed_request_reads_the_same_logprobs_alone_or_among_others(tmp_pa
 
 def _decode_ragged(model, prompts: list[list[int]], new: int) -> tuple[torch.Tensor, list[list[int]]]:
     """decode()'s logits and greedy tokens for prompts of several lengths, left-padded as generate() pads them."""
-    ids, positions, valid = left_pad(prompts)
-    cache = model.new_cache(len(prompts), ids.shape[1] + new)
-    logits = [model(ids, positions, valid, cache)[:, -1]]
-    tokens, nxt = [], positions[:, -1:] + 1
-    for _ in range(new - 1):
-        tok = logits[-1].argmax(-1)
-        tokens.append(tok.tolist())
-        logits.append(model(tok.unsqueeze(1), nxt, torch.ones_like(nxt, dtype=torch.bool), cache)[:, -1])
-        nxt = nxt + 1
-    return torch.stack(logits), tokens
+    return decode_from(model, *left_pad(prompts), new)
 
 
 @pytest.mark.parametrize("variant", ["toy", pytest.param("mistral", marks=pytest.mark.slow)])
