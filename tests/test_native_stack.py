@@ -253,6 +253,24 @@ def test_a_model_that_is_not_plain_says_why_it_steps_through_the_graph(variant, 
     assert why_not(model) == reason
 
 
+@pytest.mark.parametrize("norms, refusal", [
+    ({0: 8}, "has a norm before \\(or after\\) one sublayer and not the other"),  # before attention alone
+    ({}, "has no norm at all"),
+    ({0: 8, 5: 8, 10: 4}, "query and key norms are not both per head"),  # a query norm, no key norm
+    ({0: 8, 5: 8, 10: 8, 11: 8}, "query and key norms are not both per head"),  # whole queries, keys of 8 (not 4)
+])
+def test_stack_step_refuses_norms_it_cannot_pair_before_any_layer_runs(norms, refusal):
+    """Two query heads of 4 over one key head of 4: the shape checks come before any work, so a bad layer fails
+    the call (and the step goes through the graph) before a layer has written the cache."""
+    from ster_dist import kernels
+
+    assert kernels.ready()
+    weights = [torch.ones(norms[i]) if i in norms else torch.empty(0) for i in range(len(native_stack._READS))]
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.ops.ster_kernels.stack_step(torch.zeros(1, 8), weights, [0], [0.0] * 10, [2, 1, 4, 4, 0], [], [],
+                                          [-1, 0])
+
+
 def test_native_steps_can_be_turned_off(toy, monkeypatch):
     model = load_model(resolve(str(toy))).model
     assert why_not(model) is None

@@ -294,9 +294,6 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
     const bool pre = w[0].numel() != 0;
     // query and key norms over each whole projection (OLMo 2's), not head by head (one head: the same sums)
     const bool whole = w[10].numel() != 0 && w[10].numel() != d;
-    TORCH_CHECK(w[10].numel() == 0 || (whole ? w[10].numel() == q_width && w[11].numel() == k_width
-                                             : w[10].numel() == d && w[11].numel() == d),
-                "stack_step: layer ", layers[l], "'s query and key norms are neither per head nor over the whole projections");
     const int64_t table = rotations[2 * l];  // the layer's rotary tables, or none (-1)
     const bool interleaved = rotations[2 * l + 1] != 0;
     const int64_t half = table >= 0 ? cos[table].size(1) : 0;
@@ -384,8 +381,12 @@ at::Tensor stack_step(const at::Tensor& h_in, at::TensorList weights, at::IntArr
     TORCH_CHECK((w[12].numel() == 0) == (w[13].numel() == 0) && (w[0].numel() == 0) == (w[5].numel() == 0),
                 "stack_step: layer ", layers[l], " has a norm before (or after) one sublayer and not the other");
     TORCH_CHECK(w[0].numel() != 0 || w[12].numel() != 0, "stack_step: layer ", layers[l], " has no norm at all");
-    TORCH_CHECK((w[10].numel() == 0) == (w[11].numel() == 0), "stack_step: layer ", layers[l],
-                " norms its queries and not its keys, or its keys and not its queries");
+    const int64_t d = shape[2], q_width = shape[0] * d, k_width = shape[1] * d;
+    TORCH_CHECK(w[10].numel() == 0 ? w[11].numel() == 0
+                                   : (w[10].numel() == d && w[11].numel() == d) ||
+                                         (w[10].numel() == q_width && w[11].numel() == k_width),
+                "stack_step: layer ", layers[l], "'s query and key norms are not both per head or both over the "
+                "whole projections");
   }
   for (const at::Tensor& w : weights)
     TORCH_CHECK(w.numel() == 0 || (w.scalar_type() == dtype && w.is_contiguous()),
