@@ -11,6 +11,7 @@ import torch
 
 from ster_dist import kernels
 from tests.native_kernels import built
+from tests.tiny_models import SCORES_AT_THE_CAP
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +131,8 @@ def _without_kernel(monkeypatch, model, *args):
         return model(*args)
 
 
-# Gemma 2's soft-capped attention (and window of 4 on alternate layers), its queries scaled 45x so that its scores
-# reach the cap of 5 (a tiny random model's lie far below it)
-@pytest.mark.parametrize("variant, change", [("llama", None), ("gemma2", {"query_pre_attn_scalar": 0.01})])
+# Gemma 2's soft-capped attention (and window of 4 on alternate layers), its scores brought to the cap
+@pytest.mark.parametrize("variant, change", [("llama", None), ("gemma2", SCORES_AT_THE_CAP)])
 def test_a_paged_prefill_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path, monkeypatch, variant,
                                                                       change):
     """Two prompts in one step, then one continued from mid-sequence beside a decode: every prompt chunk takes

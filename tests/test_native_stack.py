@@ -29,7 +29,7 @@ from ster_dist.toy import make_toy_model
 from tests.native_kernels import BUILDABLE
 from tests.test_compiled_step import close, compiling, decode, decode_from  # noqa: F401  (compiling: a fixture)
 from tests.test_engine import open_engine, prompts, random_sites
-from tests.tiny_models import make_tiny, with_config
+from tests.tiny_models import SCORES_AT_THE_CAP, make_tiny, with_config
 
 NEW = 6
 # the static step; the paged engine's tests below step the Llama toy
@@ -42,9 +42,7 @@ SLOW = [("llama", "f32"), ("llama", "bf16"), ("glm", "bf16"), ("qwen3", "f32"), 
         ("smollm3", "f32"), ("smollm3", "bf16"),  # every fourth layer unrotated
         ("gemma2", "f32"), ("gemma2", "bf16"), ("vaultgemma", "bf16"),  # soft-capped attention
         ("olmo2", "f32"), ("olmo3", "f32"), ("olmo3", "bf16")]  # norms only after the sublayers, whole qk norms
-# a tiny random model's scores lie far below Gemma 2's cap of 5, where capping changes nothing: queries scaled by
-# 45 (query_pre_attn_scalar 0.01 for 20) bring them to it (the eager logits then move 2% with the cap)
-SHARPENED = {"gemma2": {"query_pre_attn_scalar": 0.01}, "vaultgemma": {"query_pre_attn_scalar": 0.01}}
+CAPPED = {"gemma2", "vaultgemma"}  # their scores brought to the cap (SCORES_AT_THE_CAP)
 
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no C++ compiler or no AVX2 here: steps run through the graph")
 
@@ -80,8 +78,8 @@ def _same_bits_as_the_graph(variant, dtype, tmp_path, monkeypatch, native_calls)
     torch._dynamo.reset()
     directory = tmp_path / variant
     make_tiny(variant, directory)
-    if variant in SHARPENED:
-        directory = with_config(directory, tmp_path / f"{variant}_sharp", SHARPENED[variant])
+    if variant in CAPPED:
+        directory = with_config(directory, tmp_path / f"{variant}_sharp", SCORES_AT_THE_CAP)
     eager = load_model(resolve(str(directory)), precision=dtype).model
     graph, native = (_compiled(directory, monkeypatch, way, dtype) for way in (False, True))
     for batch in (1, 3):

@@ -10,6 +10,7 @@ import torch
 
 from ster_dist import kernels
 from tests.native_kernels import built
+from tests.tiny_models import SCORES_AT_THE_CAP
 
 
 @pytest.fixture(scope="module")
@@ -235,9 +236,8 @@ def test_a_plan_writing_outside_the_cache_is_refused(kernel):
                                          torch.tensor([0]), ends, True)
 
 
-# Gemma 2's soft-capped attention (and sliding window of 4 on alternate layers), its queries scaled 45x so that its
-# scores reach the cap of 5 (a tiny random model's lie far below it)
-@pytest.mark.parametrize("variant, change", [("llama", None), ("gemma2", {"query_pre_attn_scalar": 0.01})])
+# Gemma 2's soft-capped attention (and sliding window of 4 on alternate layers), its scores brought to the cap
+@pytest.mark.parametrize("variant, change", [("llama", None), ("gemma2", SCORES_AT_THE_CAP)])
 def test_a_paged_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path, variant, change):
     from torch.profiler import profile
 

@@ -124,6 +124,12 @@ def random_ids(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(seed))
 
 
+# Gemma 2's and VaultGemma's config change (for with_config) that makes their soft cap of attention scores matter:
+# a tiny random model's scores lie far below the cap of 5, where capping changes nothing; queries scaled by 45
+# (query_pre_attn_scalar 0.01 for 20) bring them to it (the eager logits then move 2% with the cap)
+SCORES_AT_THE_CAP = {"query_pre_attn_scalar": 0.01}
+
+
 def with_config(directory: Path, target: Path, change: dict, text: bool = False) -> Path:
     """A copy of the checkpoint at `directory` in `target`, its config's keys (its text_config's, with `text`, for
     an image-text wrapper) updated by `change`."""
