@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from ster_dist.adapters.attach import attach
 from ster_dist.engine.loop import COMPILE_AFTER
+from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.generate import left_pad
 from ster_dist.load import load_model
 from ster_dist.model import native_stack
 from ster_dist.model.native_stack import NativeStack, why_not
+from ster_dist.parallel import packed
 from ster_dist.resolve import resolve
 from ster_dist.toy import make_toy_model
 from tests.native_kernels import BUILDABLE
@@ -267,6 +270,39 @@ def test_stack_step_refuses_norms_it_cannot_pair_before_any_layer_runs(norms, re
     with pytest.raises(RuntimeError, match=refusal):
         torch.ops.ster_kernels.stack_step(torch.zeros(1, 8), weights, [0], [0.0] * 10, [2, 1, 4, 4, 0], [], [],
                                           [-1, 0])
+
+
+def _bytes_allocated_inside(event) -> int:
+    """What the operators under a profiled operator allocated, in bytes: the sum over the innermost ones (aten::empty
+    and its kin), as an outer operator's figure counts its inner ones' again."""
+    return sum(_bytes_allocated_inside(child) if child.cpu_children else max(child.cpu_memory_usage, 0)
+               for child in event.cpu_children)
+
+
+@pytest.mark.parametrize("dtype,pack", [("f32", False), ("bf16", True)])
+def test_a_native_step_allocates_nothing_but_its_output(toy, compiling, monkeypatch, native_calls, dtype, pack):
+    """Issue 18's fifth item: once a batch size was seen, a step's layers write into room the thread keeps (the
+    products' outputs, the heads, attention's output, the normed rows); only the hidden states it returns are
+    new. Through the few-row kernel (unpacked) and through panels (packed, bf16 widening its rows)."""
+    model = _compiled(toy, monkeypatch, dtype=dtype)
+    weights = pack_model(model, "on") if pack else []
+    try:
+        prompt = torch.randint(3, 300, (3, 7), generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode():
+            cache = model.new_cache(3, 7 + 4)
+            logits = model(prompt, torch.arange(7).expand(3, 7), torch.ones_like(prompt, dtype=torch.bool), cache)
+            position = torch.full((3, 1), 7)
+            for step in range(3):
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+                    logits = model(token, position + step, torch.ones_like(token, dtype=torch.bool), cache)
+        assert native_calls == [(3, 1, model.cfg.hidden_size)] * 3
+        steps = [e for e in profiled.events() if e.name == "ster_kernels::stack_step"]
+        assert len(steps) == 1
+        # the last step's: its returned hidden states, [3, hidden] of the model's dtype, and nothing else
+        assert _bytes_allocated_inside(steps[0]) == 3 * model.cfg.hidden_size * model.dtype.itemsize
+    finally:
+        packed.release(weights)
 
 
 def test_native_steps_can_be_turned_off(toy, monkeypatch):

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "lanes.h"
+#include "entries.h"
 #include "operands.h"
 #include "rows.h"
 
@@ -31,15 +32,17 @@ void bf16_rows(int64_t M, const at::Tensor& flat, const at::Tensor& weight, cons
   if constexpr (V::kWidens) {
     // x widened to f32 once here, not once per weight row it meets: on AVX2 that widening was most of the work
     // at eight rows (bench/products.py). Exact, so the sums are the same bits.
-    const at::Tensor wide = flat.to(at::kFloat);
-    by_count<V, float>(M, wide.data_ptr<float>(), w, bias, y.data_ptr<c10::BFloat16>(), N, K);
+    by_count<V, float>(M, widened(flat), w, bias, y.data_ptr<c10::BFloat16>(), N, K);
   } else {
     by_count<V>(M, flat.data_ptr<c10::BFloat16>(), w, bias, y.data_ptr<c10::BFloat16>(), N, K);
   }
 }
 #endif
 
-at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+}  // namespace
+
+at::Tensor ster_kernels::few_rows_into(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   TORCH_CHECK(STER_KERNELS_ISA, "few_rows: built without AVX2 or AVX-512");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows: CPU tensors only");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "few_rows: a contiguous 2-D weight");
@@ -48,7 +51,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
               "few_rows: x and weight both f32 or both bf16");
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(x.size(-1) == K, "few_rows: x's last dimension is not the weight's");
-  const auto [flat, y, b] = operands(x, N, bias, "few_rows");
+  const auto [flat, y, b] = operands(x, N, bias, "few_rows", out);
   const int64_t M = flat.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "few_rows: 1 to 8 rows");
 #if STER_KERNELS_ISA
@@ -59,6 +62,12 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::op
     bf16_rows<Bf16Lanes>(M, flat, weight, b, y, N, K);
 #endif
   return y;
+}
+
+namespace {
+
+at::Tensor few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return ster_kernels::few_rows_into(x, weight, bias, at::Tensor());
 }
 
 // 2: AVX-512 (bf16 pairs natively where `bf16_pairs`), 1: AVX2 with FMA, 0: neither (never called)

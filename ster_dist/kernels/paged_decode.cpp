@@ -100,7 +100,8 @@ void piece(const Cache<typename V::T>& c, const typename V::T* q, int64_t i, int
   using T = typename V::T;
   const int64_t count = hi - lo;
   float dots[8];
-  std::vector<float> many(group > 8 ? group : 0);
+  thread_local std::vector<float> many;  // a thread's room for a group of more than 8 dots, kept between calls
+  if (group > 8 && (int64_t)many.size() < group) many.resize(group);
   float* dot = group > 8 ? many.data() : dots;
   each_position(c.keys, c.kb, c.kt, c.kh, d, g0, g1, c, i, lo, hi, [&](int64_t p, const T* k, int64_t g) {
     group_dots<V>(q + g * group * d, k, group, d, dot);
@@ -142,13 +143,23 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   // `partial` ([heads, dv + 2] floats: acc, then top and total) until they are merged. With fewer pieces than
   // threads (a short batch of one), each piece's key heads are shared out too: heads are independent, so
   // this changes no sum.
+  // the pieces' lists and the partial softmaxes, in room this thread keeps from call to call (a decode step
+  // allocates nothing here once its sizes were seen); named by references, which the workers' lambda captures
+  // (a thread_local named inside it would be the worker's own)
   struct Piece { int64_t i, lo, hi, g0, g1, slot; };
+  thread_local std::vector<Piece> pieces_room;
+  thread_local std::vector<int64_t> done_room;
+  thread_local std::vector<float> partial_room, sum_room;
+  std::vector<Piece>& pieces = pieces_room;
+  std::vector<int64_t>& done = done_room;  // work (keys x key heads) in the pieces before each one
+  std::vector<float>& partial = partial_room;
+  std::vector<float>& sum = sum_room;
+  pieces.clear();
+  done.assign(1, 0);
   int64_t cuts = 0;
   for (int64_t i = 0; i < n; ++i) cuts += (last[i] - first[i] + kPiece - 1) / kPiece;
   const int64_t threads = at::get_num_threads();
   const int64_t split = std::min(kv_heads, std::max<int64_t>(1, (threads + cuts - 1) / std::max<int64_t>(cuts, 1)));
-  std::vector<Piece> pieces;
-  std::vector<int64_t> done(1, 0);  // work (keys x key heads) in the pieces before each one
   int64_t slots = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t cut = (last[i] - first[i] + kPiece - 1) / kPiece;
@@ -162,10 +173,12 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     }
   }
   const int64_t stride = heads * (dv + 2);
-  std::vector<float> partial(slots * stride);
+  if ((int64_t)partial.size() < slots * stride) partial.resize(slots * stride);
   const Shares shares(done, threads);
   at::parallel_for(0, shares.parts(), 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(heads * kPiece), own(stride);
+    thread_local std::vector<float> scores, own;  // each thread's own room
+    if ((int64_t)scores.size() < heads * kPiece) scores.resize(heads * kPiece);
+    if ((int64_t)own.size() < stride) own.resize(stride);
     for (int64_t part = p0; part < p1; ++part)
       for (int64_t k = shares.first(part), stop = shares.first(part + 1); k < stop; ++k) {
         const Piece& pc = pieces[k];
@@ -181,7 +194,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       }
   });
   // sequences of several pieces: their partial softmaxes merged in piece order, head by head
-  std::vector<float> sum(dv);
+  if ((int64_t)sum.size() < dv) sum.resize(dv);
   for (size_t k = 0; k < pieces.size();) {
     size_t e = k + 1;
     while (e < pieces.size() && pieces[e].i == pieces[k].i) ++e;
@@ -190,7 +203,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       auto holds = [&](size_t m) { return pieces[m].g0 * group <= h && h < pieces[m].g1 * group; };
       for (size_t m = k; m < e; ++m)
         if (holds(m)) top = std::max(top, partial[pieces[m].slot * stride + heads * dv + h]);
-      std::fill(sum.begin(), sum.end(), 0.f);
+      std::fill(sum.begin(), sum.begin() + dv, 0.f);
       for (size_t m = k; m < e; ++m) {
         if (!holds(m)) continue;
         const float* part = partial.data() + pieces[m].slot * stride;
@@ -208,9 +221,10 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 
 // q [n, heads, d]: one query per sequence; keys [blocks, block_size, kv_heads, d] and values [.., dv] the layer's
 // paged cache; table [n, width] each sequence's blocks; the sequence attends positions [starts[i], ends[i]);
-// softcap: 0, or the cap of each score (Gemma 2's attention logits)
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& table,
-                        const at::Tensor& starts, const at::Tensor& ends, double scale, double softcap) {
+// softcap: 0, or the cap of each score (Gemma 2's attention logits); into `out` [n, heads, dv] where defined
+at::Tensor paged_decode_into(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& table, const at::Tensor& starts, const at::Tensor& ends, double scale,
+                             double softcap, const at::Tensor& into) {
   TORCH_CHECK(STER_KERNELS_ISA, "paged_decode: built without AVX2 or AVX-512");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4 && table.dim() == 2,
               "paged_decode: q [n, heads, d], keys and values [blocks, block_size, kv_heads, width], table [n, width]");
@@ -236,7 +250,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::T
   const int64_t* t = tab.data_ptr<int64_t>();
   for (int64_t e = 0; e < tab.numel(); ++e)
     TORCH_CHECK(0 <= t[e] && t[e] < blocks, "paged_decode: block ", t[e], " outside the cache's ", blocks);
-  at::Tensor out = at::empty({n, heads, values.size(3)}, q.options());
+  at::Tensor out = into.defined() ? into : at::empty({n, heads, values.size(3)}, q.options());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({n, heads, values.size(3)}) && out.scalar_type() == q.scalar_type() &&
+                  out.is_contiguous(), "paged_decode: out is not a contiguous [n, heads, dv] of q's dtype");
 #if STER_KERNELS_ISA
   const at::Tensor qc = q.contiguous();
   if (q.scalar_type() == at::kFloat)
@@ -245,6 +261,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::T
     attend<Bf16Lanes>(qc, keys, values, tab, first, last, scale, softcap, out);
 #endif
   return out;
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& table,
+                        const at::Tensor& starts, const at::Tensor& ends, double scale, double softcap) {
+  return paged_decode_into(q, keys, values, table, starts, ends, scale, softcap, at::Tensor());
 }
 
 // ---- a decode step's attention without a way back into Python per layer ------------------------------------
@@ -355,7 +376,8 @@ at::Tensor attend_planned(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const at::Tensor& kr, const at::Tensor& vr) {
+at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const at::Tensor& kr, const at::Tensor& vr,
+                                      const at::Tensor& out) {
   Plan* plan = plans.empty() ? nullptr : &plans.back();
   if (plan == nullptr || index < 0 || index >= (int64_t)plan->scales.size() || plan->scales[index] <= 0)
     return at::Tensor();
@@ -380,8 +402,8 @@ at::Tensor ster_kernels::planned_rows(int64_t index, const at::Tensor& q, const 
   }
   const at::Tensor& first = plan->first_keys(plan->windows.empty() ? 0 : plan->windows[index],
                                              plan->chunks.empty() ? 0 : plan->chunks[index]);
-  return paged_decode(q, keys, values, plan->table, first, plan->ends, plan->scales[index],
-                      plan->softcaps.empty() ? 0.0 : plan->softcaps[index]);
+  return paged_decode_into(q, keys, values, plan->table, first, plan->ends, plan->scales[index],
+                           plan->softcaps.empty() ? 0.0 : plan->softcaps[index], out);
 }
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {

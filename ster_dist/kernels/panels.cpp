@@ -216,7 +216,8 @@ void product(const X* x, int64_t M, int64_t K, const typename P::T* panels, cons
   // further block of rows
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
 #if !defined(__AVX512F__)
-    at::Tensor wide;  // (bf16 with AVX2, many rows) this thread's panel widened to f32
+    // (bf16 with AVX2, many rows) this thread's panel widened to f32, its room kept from call to call
+    thread_local at::Tensor wide;
 #endif
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c0 = p * kPanel, cols = std::min(kPanel, N - c0);
@@ -225,7 +226,8 @@ void product(const X* x, int64_t M, int64_t K, const typename P::T* panels, cons
 #if !defined(__AVX512F__)
       if constexpr (std::is_same_v<P, Bf16Panel>) {
         if (M >= kWidenRows) {
-          if (!wide.defined()) wide = at::empty({K * kPanel}, at::kFloat);  // torch's allocator: 64-byte aligned
+          if (!wide.defined() || wide.numel() < K * kPanel)
+            wide = at::empty({K * kPanel}, at::kFloat);  // torch's allocator: 64-byte aligned
           float* to = wide.data_ptr<float>();
           for (int64_t k = 0; k < K; ++k) {
             __m256 w0, w1;
@@ -304,9 +306,10 @@ at::Tensor pack_panels(const at::Tensor& weight, const std::optional<at::Tensor>
   return out->view(weight.scalar_type()).view(shape).copy_(laid);
 }
 
-// x [..., K] times the weight whose panels these are ([count, pairs, 32, step]), N its outputs
-at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t N) {
+// x [..., K] times the weight whose panels these are ([count, pairs, 32, step]), N its outputs, into `out` where
+// defined (entries.h)
+at::Tensor panel_product_into(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                              int64_t N, const at::Tensor& out) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && panels.dim() == 4 && panels.is_contiguous(),
               "panel_product: CPU tensors, panels as pack_panels lays them out");
   TORCH_CHECK(x.scalar_type() == panels.scalar_type() && takes(x.scalar_type()),
@@ -317,7 +320,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
                   N <= panels.size(0) * kPanel,
               "panel_product: panels of another shape than x's ", K, " inputs and ", N, " outputs");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0, "panel_product: panels not 64-byte aligned");
-  const auto [flat, y, b] = operands(x, N, bias, "panel_product");
+  const auto [flat, y, b] = operands(x, N, bias, "panel_product", out);
   if (flat.size(0) == 0 || N == 0) return y;
 #if STER_PANELS
   if (x.scalar_type() == at::kFloat)
@@ -329,12 +332,17 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const st
                        b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), N);
 #elif !defined(__AVX512F__)
   else  // x widened once here, not once per panel it meets (exact: the same products)
-    product<Bf16Panel, float>(flat.to(at::kFloat).data_ptr<float>(), flat.size(0), K,
+    product<Bf16Panel, float>(ster_kernels::widened(flat), flat.size(0), K,
                               panels.data_ptr<c10::BFloat16>(), b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr,
                               y.data_ptr<c10::BFloat16>(), N);
 #endif
 #endif
   return y;
+}
+
+at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t N) {
+  return panel_product_into(x, panels, bias, N, at::Tensor());
 }
 
 // ---- the packed weights of a process, found without Python ------------------------------------------------
@@ -414,7 +422,10 @@ std::optional<at::Tensor> in_f32(const std::optional<at::Tensor>& bias) {
 
 // x W^T (+ b): over W's packed copy where one is held and current, else as dense() would on the plain weight
 at::Tensor ster_kernels::packed_product(const at::Tensor& x, const at::Tensor& weight,
-                                        const std::optional<at::Tensor>& bias) {
+                                        const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  // where a library computes the product, its result is copied into `out`: only this file's kernels and
+  // few_rows.cpp's write there directly
+  const auto into = [&out](const at::Tensor& y) { return out.defined() ? out.copy_(y) : y; };
   at::Tensor copy;
   Layout layout = Layout::kPanels;
   {
@@ -427,26 +438,32 @@ at::Tensor ster_kernels::packed_product(const at::Tensor& x, const at::Tensor& w
     }
   }
   if (copy.defined() && x.scalar_type() == weight.scalar_type()) {
-    if (layout == Layout::kPanels) return panel_product(x, copy, bias, weight.size(0));
-    if (layout == Layout::kOnednn) return onednn_linear(x, copy, bias);
-    return onednn_linear(x.to(at::kFloat), copy, in_f32(bias)).to(x.scalar_type());
+    if (layout == Layout::kPanels) return panel_product_into(x, copy, bias, weight.size(0), out);
+    if (layout == Layout::kOnednn) return into(onednn_linear(x, copy, bias));
+    return into(onednn_linear(x.to(at::kFloat), copy, in_f32(bias)).to(x.scalar_type()));
   }
   const int64_t K = x.size(-1), rows = K ? x.numel() / K : 0;
   if (rows >= 1 && rows <= 8 && weight.dim() == 2 && weight.is_contiguous() &&
       x.scalar_type() == weight.scalar_type() &&
       (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
       (!bias.has_value() || !bias->defined() || bias->scalar_type() == x.scalar_type())) {
-    static auto few_rows =
-        c10::Dispatcher::singleton().findSchemaOrThrow("ster_kernels::few_rows", "").typed<Product>();
-    return few_rows.call(x, weight, bias);
+    return few_rows_into(x, weight, bias, out);
   }
   // more rows over a weight not held (never packed, or changed since): dense()'s own fallbacks, in
   // parallel/linear.py's cpu_linear (a half weight widened block by block where half products are not native,
   // oneDNN on the plain weight), the operator that module defines before it calls this one (looked up each time:
   // a caller of its own, bench/products.py, may come first)
   const auto schema = c10::Dispatcher::singleton().findSchema({"ster_dist::cpu_linear", ""});
-  return schema.has_value() ? schema->typed<Product>().call(x, weight, bias) : at::linear(x, weight, bias);
+  return into(schema.has_value() ? schema->typed<Product>().call(x, weight, bias) : at::linear(x, weight, bias));
 }
+
+namespace {
+
+at::Tensor packed_product_op(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return ster_kernels::packed_product(x, weight, bias);
+}
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
   m.def("panel_dtypes() -> int", &panel_dtypes);
@@ -463,5 +480,5 @@ TORCH_LIBRARY_FRAGMENT(ster_kernels, m) {
 TORCH_LIBRARY_IMPL(ster_kernels, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_product", &panel_product);
-  m.impl("packed_product", &ster_kernels::packed_product);
+  m.impl("packed_product", &packed_product_op);
 }

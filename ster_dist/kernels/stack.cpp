@@ -256,6 +256,30 @@ void heads_of_row(const T* x, int64_t count, int64_t d, const T* norm, bool whol
   }
 }
 
+// A step's tensors (the normed rows, the products' outputs, the heads, attention's output), kept from step to step
+// by the thread that runs them: each slot's storage grows to the largest size asked of it and is viewed at this
+// step's, so a step of a batch size seen before allocates nothing but its output (issue 18's fifth item).
+class Room {
+ public:
+  enum Slot { kX, kQ, kK, kJoined, kQkv, kAttended, kO, kGateUp, kAct, kM, kSlots };
+
+  at::Tensor take(Slot slot, at::IntArrayRef sizes, at::ScalarType dtype) {
+    Kept& kept = kept_[slot];
+    if (kept.view.defined() && kept.view.scalar_type() == dtype && kept.view.sizes() == sizes) return kept.view;
+    const int64_t n = c10::multiply_integers(sizes);
+    if (!kept.storage.defined() || kept.storage.scalar_type() != dtype || kept.storage.numel() < n)
+      kept.storage = at::empty({n}, at::TensorOptions().dtype(dtype));
+    kept.view = kept.storage.narrow(0, 0, n).view(sizes);
+    return kept.view;
+  }
+
+ private:
+  struct Kept {
+    at::Tensor storage, view;
+  };
+  Kept kept_[kSlots];
+};
+
 template <class T>
 const T* data_or_null(const at::Tensor& t) {
   return t.numel() ? t.data_ptr<T>() : nullptr;
@@ -273,10 +297,12 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
   // before rotating it, and the residual after attention where norms follow the sublayers. So do these loops.
   const bool apart = rows > 1;
   const int64_t q_width = heads * d, k_width = kv * d;
-  at::Tensor x = at::empty({rows, hidden}, h.options());
-  at::Tensor q = at::empty({rows, heads, d}, h.options()), k = at::empty({rows, kv, d}, h.options());
+  const at::ScalarType dtype = h.scalar_type();
+  thread_local Room room;
+  const at::Tensor x = room.take(Room::kX, {rows, hidden}, dtype);
+  const at::Tensor q = room.take(Room::kQ, {rows, heads, d}, dtype), k = room.take(Room::kK, {rows, kv, d}, dtype);
   // each sublayer's output as it joins the residual, in f32 (the graph keeps it in registers)
-  at::Tensor joined = at::empty({2, rows, hidden}, h.options().dtype(at::kFloat));
+  const at::Tensor joined = room.take(Room::kJoined, {2, rows, hidden}, at::kFloat);
   T* hs = h.data_ptr<T>();
   T* xs = x.data_ptr<T>();
   float* attn_out = joined[0].data_ptr<float>();
@@ -304,9 +330,10 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
         rms_row(hs + r * hidden, static_cast<const float*>(nullptr), w[0].data_ptr<T>(), off_attn, eps_attn, hidden,
                 xs + r * hidden);
       });
-    const at::Tensor qkv = ster_kernels::packed_product(pre ? x : h, w[1], maybe(w[2]));  // [rows, q + k + v]
-    TORCH_CHECK(qkv.size(1) == q_width + k_width + kv * dv, "stack_step: layer ", layers[l],
+    TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == q_width + k_width + kv * dv, "stack_step: layer ", layers[l],
                 "'s fused projection is not q, k and v of the shape given");
+    const at::Tensor qkv = ster_kernels::packed_product(pre ? x : h, w[1], maybe(w[2]),
+                                                        room.take(Room::kQkv, {rows, w[1].size(0)}, dtype));
     const T* all = qkv.data_ptr<T>();
     const int64_t stride = qkv.size(1);
     const bool round_heads = apart && off_heads != 0.0f;
@@ -319,9 +346,13 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
                    interleaved, round_heads, k.data_ptr<T>() + r * kv * d);
     });
     const at::Tensor v = qkv.narrow(1, q_width + k_width, kv * dv).view({rows, kv, dv});
-    const at::Tensor attended = ster_kernels::planned_rows(layers[l], q, k, v);
+    const at::Tensor attended =
+        ster_kernels::planned_rows(layers[l], q, k, v, room.take(Room::kAttended, {rows, heads, dv}, dtype));
     TORCH_CHECK(attended.defined(), "stack_step: layer ", layers[l], " is not in the decode plan");
-    const at::Tensor o = ster_kernels::packed_product(attended.view({rows, heads * dv}), w[3], std::nullopt);
+    TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == hidden, "stack_step: layer ", layers[l],
+                "'s output projection does not give the hidden width");
+    const at::Tensor o = ster_kernels::packed_product(attended.view({rows, heads * dv}), w[3], std::nullopt,
+                                                      room.take(Room::kO, {rows, hidden}, dtype));
     const T* os = o.data_ptr<T>();
     each_row(rows, [&](int64_t r) {  // what joins the residual: o, biased and scaled, or normed
       if (post)
@@ -340,13 +371,18 @@ void layers_of(at::Tensor& h, at::TensorList weights, at::IntArrayRef layers, at
         rms_row(hs + r * hidden, attn_out + r * hidden, w[5].data_ptr<T>(), off_mlp, eps_mlp, hidden, xs + r * hidden);
       }
     });
-    const at::Tensor gate_up = ster_kernels::packed_product(pre ? x : h, w[6], maybe(w[7]));  // [rows, 2 inner]
-    const int64_t inner = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({rows, inner}, h.options());
+    TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) % 2 == 0 && w[8].dim() == 2 && w[8].size(0) == hidden,
+                "stack_step: layer ", layers[l], "'s feed-forward is not gate and up side by side, then down to the "
+                "hidden width");
+    const int64_t inner = w[6].size(0) / 2;
+    const at::Tensor gate_up = ster_kernels::packed_product(pre ? x : h, w[6], maybe(w[7]),
+                                                            room.take(Room::kGateUp, {rows, 2 * inner}, dtype));
+    const at::Tensor act = room.take(Room::kAct, {rows, inner}, dtype);
     each_row(rows, [&](int64_t r) {
       gate_row(gate_up.data_ptr<T>() + r * 2 * inner, inner, gelu, act.data_ptr<T>() + r * inner);
     });
-    const at::Tensor m = ster_kernels::packed_product(act, w[8], std::nullopt);
+    const at::Tensor m =
+        ster_kernels::packed_product(act, w[8], std::nullopt, room.take(Room::kM, {rows, hidden}, dtype));
     const T* ms = m.data_ptr<T>();
     each_row(rows, [&](int64_t r) {
       if (post)
