@@ -151,32 +151,14 @@ struct Bf16Widened {
 };
 constexpr int64_t kWidenRows = 2 * kRowBlock;
 
-// rows [0, R) of x (f32, row stride K) times one panel (columns [0, cols) of it real), into y (row stride N)
-template <class P, int R>
-inline void pass(const float* x, int64_t K, const typename P::W* panel, const typename P::T* bias, int64_t cols,
-                 typename P::T* y, int64_t N) {
-  // the row loops unrolled by the front end: left to later passes, GCC kept the sums in registers but stored
-  // all twelve to the stack every k as well, and the 8-row product ran 1.4x slower
-  __m256 sum[R][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k, panel += kPanel) {
-    __m256 w0, w1;
-    P::weights(panel, w0, w1);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
-      sum[r][0] = _mm256_fmadd_ps(xr, w0, sum[r][0]);
-      sum[r][1] = _mm256_fmadd_ps(xr, w1, sum[r][1]);
-    }
-  }
-  alignas(32) float b[kPanel] = {};
-  if (bias)
-    for (int64_t c = 0; c < cols; ++c) b[c] = float(bias[c]);
+// one panel's sums (sum[r][at], sum[r][at + 1]) of rows [0, R) plus the bias `b` (zeros where there is none),
+// columns [0, cols) stored into y (row stride N)
+template <class P, int R, int S>
+inline void store_sums(const __m256 (&sum)[R][S], int at, const float* b, int64_t cols, typename P::T* y, int64_t N) {
   const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    const __m256 lo = _mm256_add_ps(sum[r][0], b0), hi = _mm256_add_ps(sum[r][1], b1);
+    const __m256 lo = _mm256_add_ps(sum[r][at], b0), hi = _mm256_add_ps(sum[r][at + 1], b1);
     if constexpr (std::is_same_v<typename P::T, float>) {
       if (cols == kPanel) {
         _mm256_storeu_ps(y + r * N, lo);
@@ -189,6 +171,39 @@ inline void pass(const float* x, int64_t K, const typename P::W* panel, const ty
     _mm256_store_ps(out, lo);
     _mm256_store_ps(out + 8, hi);
     for (int64_t c = 0; c < cols; ++c) y[r * N + c] = typename P::T(out[c]);
+  }
+}
+
+// rows [0, R) of x (f32, row stride K) times Q neighbouring panels (`size` elements apart; the last one's columns
+// [0, cols) real, the others whole), into y (row stride N)
+template <class P, int R, int Q = 1>
+inline void pass(const float* x, int64_t K, const typename P::W* panel, const typename P::T* bias, int64_t cols,
+                 typename P::T* y, int64_t N, int64_t size = 0) {
+  // the row loops unrolled by the front end: left to later passes, GCC kept the sums in registers but stored
+  // all twelve to the stack every k as well, and the 8-row product ran 1.4x slower
+  __m256 sum[R][2 * Q];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int q = 0; q < 2 * Q; ++q) sum[r][q] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, panel += kPanel) {
+    __m256 w[2 * Q];
+#pragma GCC unroll 16
+    for (int q = 0; q < Q; ++q) P::weights(panel + q * size, w[2 * q], w[2 * q + 1]);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 16
+      for (int q = 0; q < 2 * Q; ++q) sum[r][q] = _mm256_fmadd_ps(xr, w[q], sum[r][q]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int q = 0; q < Q; ++q) {
+    const int64_t real = q == Q - 1 ? cols : kPanel;
+    alignas(32) float b[kPanel] = {};
+    if (bias)
+      for (int64_t c = 0; c < real; ++c) b[c] = float(bias[q * kPanel + c]);
+    store_sums<P, R>(sum, 2 * q, b, real, y + q * kPanel, N);
   }
 }
 
@@ -241,6 +256,18 @@ void product(const X* x, int64_t M, int64_t K, const typename P::T* panels, cons
           rest<Bf16Widened, X>(M - m, x + m * K, K, to, b, cols, y + m * N + c0, N);
           continue;
         }
+      }
+#endif
+#if !defined(__AVX512F__)
+      // one or two rows: two panels at once. A row's sums are chains of dependent multiply-adds (4 cycles each
+      // here), and two sums a row left bf16 panels waiting on them rather than on memory; a second panel's
+      // sums are another output's, so each sum is still the same chain in the same order (the same bits)
+      if (M <= 2 && p + 1 < p1) {
+        const int64_t real = std::min(kPanel, N - c0 - kPanel);
+        if (M == 1) pass<P, 1, 2>(x, K, panel, b, real, y + c0, N, size);
+        else pass<P, 2, 2>(x, K, panel, b, real, y + c0, N, size);
+        ++p;
+        continue;
       }
 #endif
       int64_t m = 0;
