@@ -142,10 +142,9 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   // the pieces, sequence by sequence; a sequence of several pieces keeps each one's partial softmax in
   // `partial` ([heads, dv + 2] floats: acc, then top and total) until they are merged. With fewer pieces than
   // threads (a short batch of one), each piece's key heads are shared out too: heads are independent, so
-  // this changes no sum.
-  // the pieces' lists and the partial softmaxes, in room this thread keeps from call to call (a decode step
-  // allocates nothing here once its sizes were seen); named by references, which the workers' lambda captures
-  // (a thread_local named inside it would be the worker's own)
+  // this changes no sum. The lists and the partial softmaxes lie in room this thread keeps from call to call (a
+  // decode step allocates nothing here once its sizes were seen), named by references, which the workers' lambda
+  // captures (a thread_local named inside it would be the worker's own).
   struct Piece { int64_t i, lo, hi, g0, g1, slot; };
   thread_local std::vector<Piece> pieces_room;
   thread_local std::vector<int64_t> done_room;

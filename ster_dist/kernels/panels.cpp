@@ -257,8 +257,6 @@ void product(const X* x, int64_t M, int64_t K, const typename P::T* panels, cons
           continue;
         }
       }
-#endif
-#if !defined(__AVX512F__)
       // one or two rows: two panels at once. A row's sums are chains of dependent multiply-adds (4 cycles each
       // here), and two sums a row left bf16 panels waiting on them rather than on memory; a second panel's
       // sums are another output's, so each sum is still the same chain in the same order (the same bits)
