@@ -12,8 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "lanes.h"
 #include "entries.h"
+#include "lanes.h"
 #include "operands.h"
 #include "rows.h"
 
