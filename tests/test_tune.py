@@ -478,5 +478,7 @@ def test_cli_on_ray_with_dp2_and_on_spawned_ranks_with_tp2(llama, capsys):
                         ("spawn-tp2", ("--tp", "2", "--batch-size", "2", "--launcher", "spawn"))):
         report, got = run(name, *extra)
         assert report["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+        # Adam divides each gradient by its running RMS: a TP split's other order of sums, ~1e-7 in a small
+        # gradient, reaches ~2e-5 in the factors after two epochs (measured at TP=2); the loss above agrees to 1e-5
         for key, (a, b) in factors.items():
-            assert torch.allclose(got[key][0], a, atol=1e-5) and torch.allclose(got[key][1], b, atol=1e-5)
+            assert torch.allclose(got[key][0], a, atol=1e-4) and torch.allclose(got[key][1], b, atol=1e-4)
