@@ -59,13 +59,14 @@ class Norm(ShardedModule):
         else:
             h = F.layer_norm(h, h.shape[-1:], eps=self.eps)
         if self.weight is not None:
-            w = self.weight.float()
+            # the scale widened only where it is applied in f32: Llama's casts back first (an eager op saved
+            # a norm, 20 us of a bf16 decode step's final norm)
             if self.offset:
-                h = h * (self.offset + w)
+                h = h * (self.offset + self.weight.float())
             elif self.kind == "rms" and not self.scale_f32:  # Llama casts back before scaling; kept for bf16 parity
                 h = h.to(dtype) * self.weight
             else:
-                h = h * w
+                h = h * self.weight.float()
             if self.bias is not None:
                 h = h + self.bias.float()
         if self.heads:

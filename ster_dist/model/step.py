@@ -40,14 +40,8 @@ class StepState:
         else:
             self.slots, key_pos, key_valid, start = None, positions, valid, 0
         t, s = positions.shape[1], key_pos.shape[1]
-        query_slot = torch.arange(start, start + t).view(1, t, 1)
-        key_slot = torch.arange(s).view(1, 1, s)
-        self._base = (key_slot <= query_slot) & key_valid.unsqueeze(1)
         both_ways = bidirectional_prompt and cache is not None and start == 0 and t > 1
-        if both_ways:
-            # a prompt read whole from position zero (a prefix LM's): each of its tokens sees all of its tokens
-            self._base = key_valid.unsqueeze(1).expand(-1, t, -1)
-        self._diag = key_slot == query_slot  # every query sees itself, so padding rows stay finite
+        self._start, self._key_valid, self._both_ways = start, key_valid, both_ways  # the masks', built on first use
         # where the mask is causal alone over slots that are positions (no padding, no prompt read both ways):
         # the first query's slot, for the causal kernel; None elsewhere
         causal = (t > 1 and not both_ways and device.type == "cpu"  # the kernel is a CPU one
@@ -77,9 +71,25 @@ class StepState:
             if self._unmasked and (near is None or bool(near.all())):
                 self._masks[window, chunk] = None
             else:
-                allowed = self._base if near is None else self._base & near
-                self._masks[window, chunk] = upload((allowed | self._diag).unsqueeze(1), self.device)
+                base, diagonal = self._base
+                allowed = base if near is None else base & near
+                self._masks[window, chunk] = upload((allowed | diagonal).unsqueeze(1), self.device)
         return self._masks[window, chunk]
+
+    @functools.cached_property
+    def _base(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, queries, keys] the causal pairs between real keys (or, for a prompt read both ways, every real
+        key), and [1, queries, keys] each query's own slot: what every mask starts from, built only where a layer
+        asks for a mask (a decode step over real keys never does)."""
+        t, s = self._positions.shape[1], self._key_pos.shape[1]
+        query_slot = torch.arange(self._start, self._start + t).view(1, t, 1)
+        key_slot = torch.arange(s).view(1, 1, s)
+        if self._both_ways:
+            # a prompt read whole from position zero (a prefix LM's): each of its tokens sees all of its tokens
+            base = self._key_valid.unsqueeze(1).expand(-1, t, -1)
+        else:
+            base = (key_slot <= query_slot) & self._key_valid.unsqueeze(1)
+        return base, key_slot == query_slot  # every query sees itself, so padding rows stay finite
 
     def attend(self, layer: int, q, k: torch.Tensor | None, v: torch.Tensor | None, window: int | None, fn,
                chunk: int | None = None, keep: bool = False):
@@ -160,7 +170,8 @@ class StepState:
             return None
         rows, starts, ends = found
         windows, chunks, _ = ranges
-        for window, chunk in set(zip(windows or [0] * len(scales), chunks or [0] * len(scales))):
+        # layers with neither window nor chunk read `found` itself: nothing to check for them
+        for window, chunk in set(zip(windows or [0] * len(scales), chunks or [0] * len(scales))) - {(0, 0)}:
             # the plan cuts a row's keys as Plan::first_keys does (from the end back, chunks counted from slot
             # 0): after padding that must still be what its mask allows
             want = self._kernel_rows(window or None, chunk or None)
