@@ -19,6 +19,7 @@ from ster_dist import kernels
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
+from ster_dist.generate import left_pad
 from ster_dist.load import load_model
 from ster_dist.model.compiled import decode_plans
 from ster_dist.model.paged_step import PagedStep
@@ -172,6 +173,26 @@ def test_planned_decode_steps_attend_in_the_kernel_and_give_the_eager_logits(mod
     eager, compiled = models
     prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
     _decodes_planned_as_eager(eager, compiled, prompt, monkeypatch)
+
+
+def test_a_decode_step_over_real_keys_builds_no_mask(models, monkeypatch):
+    """Issue 18's fifth item: a step of one token a row over keys that are all real reads no mask, so it builds
+    none (StepState._base: the causal pairs and the diagonal every mask starts from); a step over a left-padded
+    row's keys still does, and masks the padding."""
+    _, compiled = models
+    steps: list[StepState] = []
+    original = StepState.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        steps.append(self)
+
+    monkeypatch.setattr(StepState, "__init__", init)
+    decode(compiled, torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(4)), NEW)
+    assert len(steps) == NEW and not any("_base" in vars(step) for step in steps[1:])
+    steps.clear()
+    decode_from(compiled, *left_pad([[5, 9, 13, 17, 21, 25], [7, 11, 15]]), NEW)
+    assert len(steps) == NEW and all("_base" in vars(step) for step in steps[1:])
 
 
 def test_a_layer_left_out_of_the_plan_attends_through_python(models, monkeypatch):
