@@ -30,7 +30,9 @@
 They are compiled together, for the CPU they run on, the first time a process needs one (torch's extension
 builder with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction of
 a second), and called as torch.ops.ster_kernels.*. Where they cannot be built (no compiler, no AVX2) one line
-on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0 leaves them out.
+on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0 leaves them out;
+STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what tests/test_kernels_avx2.py checks them
+with there; native steps then stay off, their loops no longer inductor's width).
 
 `ready()` is what callers ask: it builds on the first eager call and, inside a graph being traced, answers
 what an eager call already found (model/compiled.py asks once before it compiles), so tracing never builds.
@@ -96,9 +98,11 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         here = Path(__file__).parent
-        load(name=f"ster_kernels_{_cpu_key()}", sources=[str(here / name) for name in SOURCES],
+        avx2 = os.environ.get("STER_KERNELS_ISA") == "avx2"
+        load(name=f"ster_kernels_{_cpu_key()}{'_avx2' if avx2 else ''}", sources=[str(here / name) for name in SOURCES],
              extra_include_paths=[str(here)],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             extra_cflags=["-O3", "-march=native", *(["-mno-avx512f"] if avx2 else []), "-fopenmp"],
+             extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
         _ready = torch.ops.ster_kernels.isa() > 0
         _panels = torch.ops.ster_kernels.panel_dtypes()
