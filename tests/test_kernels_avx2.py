@@ -57,3 +57,16 @@ def test_the_build_is_for_avx2_where_asked():
         pytest.skip("run in the child process of the test above, which asks for the AVX2 build")
     assert kernels.ready()
     assert torch.ops.ster_kernels.isa() == 1  # 1: AVX2 (2 would be AVX-512)
+
+
+def test_an_unknown_instruction_set_is_said_and_the_build_is_for_this_cpu():
+    if not BUILDABLE:
+        pytest.skip("no C++ compiler or no AVX2 here: the kernels are not built")
+    env = {**os.environ, "STER_KERNELS_ISA": "sse", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; from ster_dist import kernels; "
+         "print(kernels.ready(), torch.ops.ster_kernels.isa())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "STER_KERNELS_ISA='sse' is not 'native' or 'avx2': the kernels are built for this CPU" in done.stderr
+    assert done.stdout.split() == ["True", "2" if _has_avx512() else "1"]

@@ -98,7 +98,10 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         here = Path(__file__).parent
-        avx2 = os.environ.get("STER_KERNELS_ISA") == "avx2"
+        asked = os.environ.get("STER_KERNELS_ISA", "native")
+        if asked not in ("native", "avx2"):
+            progress(f"STER_KERNELS_ISA={asked!r} is not 'native' or 'avx2': the kernels are built for this CPU")
+        avx2 = asked == "avx2"
         load(name=f"ster_kernels_{_cpu_key()}{'_avx2' if avx2 else ''}", sources=[str(here / name) for name in SOURCES],
              extra_include_paths=[str(here)],
              extra_cflags=["-O3", "-march=native", *(["-mno-avx512f"] if avx2 else []), "-fopenmp"],
