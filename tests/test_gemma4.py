@@ -58,6 +58,24 @@ def test_published_and_transformers_per_layer_sizes_read_alike():
     assert published.layer_kv_source == (None, None, None, last_of[_LAYERS[3]], last_of[_LAYERS[4]])
 
 
+def test_per_layer_config_keys_zero_padded_as_transformers_writes_them_read_as_layer_numbers():
+    """Of ten layers or more Transformers 5 writes per_layer_config's keys padded to one width ("05" of twelve):
+    read as layer numbers, layer 5 is as wide as global_head_dim says, as layer 11 is."""
+    kinds = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    published = from_hf(_with(num_hidden_layers=12, layer_types=kinds, num_kv_shared_layers=0))
+    padded = {f"{i:02d}": {"head_dim": 32, "num_key_value_heads": 1} for i, kind in enumerate(kinds)
+              if kind == "full_attention"}
+    assert list(padded) == ["05", "11"]
+    saved = from_hf(_with(num_hidden_layers=12, layer_types=kinds, num_kv_shared_layers=0, global_head_dim=None,
+                          num_global_key_value_heads=None, per_layer_config=padded))
+    assert saved.layer_head_dim == published.layer_head_dim and published.head_dim_of(5) == 32
+    assert saved.layer_kv_heads == published.layer_kv_heads
+    with pytest.raises(Refusal) as info:
+        from_hf(_with(global_head_dim=None, per_layer_config={"full": {"head_dim": 32}}))
+    assert "per_layer_config has 'full', not a layer number below 5" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
 def test_without_attention_k_eq_v_full_layers_keep_the_key_value_heads_and_their_values():
     cfg = from_hf(_with(attention_k_eq_v=False))
     assert cfg.layer_kv_heads == (cfg.num_kv_heads,) * 5 and not any(cfg.layer_value_from_key)

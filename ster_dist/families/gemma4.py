@@ -57,7 +57,15 @@ def _full_layer_sizes(raw: dict, layer_types: list) -> tuple[list[int], list[int
     head_dim, kv = raw["head_dim"], raw["num_key_value_heads"]
     per_layer = raw.get("per_layer_config")
     if raw.get("global_head_dim") is None and isinstance(per_layer, dict):
-        sizes = [per_layer.get(str(i)) or per_layer.get(i) or {} for i in range(len(layer_types))]
+        sizes = [{}] * len(layer_types)
+        for key, given in per_layer.items():
+            # Transformers writes the layer numbers zero-padded to one width ("05" of twelve layers)
+            index = int(key) if isinstance(key, str) and key.isdigit() else key
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(layer_types) \
+                    or not isinstance(given, dict):
+                raise ConfigProblem(f"per_layer_config has {key!r}, not a layer number below {len(layer_types)} "
+                                    "with that layer's sizes; key each layer's sizes by its number")
+            sizes[index] = given
         return ([s.get("head_dim", head_dim) for s in sizes], [s.get("num_key_value_heads", kv) for s in sizes])
     if raw.get("global_head_dim") is None:
         raise ConfigProblem("global_head_dim is unstated; state the full-attention layers' head width")
