@@ -257,6 +257,38 @@ def _eager_and_compiled_answers(directory, batch: list[list[int]], tokens: int, 
     return answers
 
 
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """A tiny Gemma 4 E model: each layer's own input added through its gate, and its last two layers reading the
+    keys and values of the last earlier layer of their kind."""
+    from tests.tiny_models import make_tiny
+
+    directory = tmp_path_factory.mktemp("compiled") / "gemma4_text"
+    make_tiny("gemma4_text", directory)
+    return directory
+
+
+def test_per_layer_inputs_and_shared_keys_compile_and_give_the_eager_logits(gemma4, compiling, capfd):
+    """Gemma 4's E models compile: each layer's graph takes the layer's own input beside h, and a shared layer's
+    attention is one `attend_shared` operator over what its source layer kept in the live step. A prompt and the
+    one-token stack give the eager logits and tokens, without a graph break (steps of several rows: below)."""
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    compiled, _ = _stacked_as_eager(gemma4, capfd, seed=2)
+    shared = [b.token_mixer for b in compiled.layers if b.token_mixer.kv_source is not None]
+    assert shared and compiled.per_layer_inputs is not None  # what this test is about
+    assert compiled.compiled is not None and "compiling the step failed" not in capfd.readouterr().err
+    assert sum(counters["graph_break"].values()) == breaks
+
+
+def test_the_paged_engine_compiles_a_gemma4_e_model_and_answers_as_the_eager_one(gemma4, compiling, capfd):
+    want, got = _eager_and_compiled_answers(gemma4, prompts(4, seed=6, lo=2, hi=10), 6, compile_after=1)
+    assert got == want
+    said = capfd.readouterr().err
+    assert "compiling the layers after" in said and "stay eager" not in said and "failed" not in said
+
+
 def test_the_paged_engine_compiled_after_its_first_steps_answers_as_the_eager_one(toy, compiling, capfd, monkeypatch):
     monkeypatch.setenv("STER_NATIVE_STACK", "0")  # else its decodes step natively and compile nothing
     want, got = _eager_and_compiled_answers(toy, prompts(5, seed=4, lo=2, hi=14), 8, compile_after=2)

@@ -82,7 +82,7 @@ class AltUpLayer(nn.Module):
         if self.correct_scale:
             scale = self.correct_output_scale.weight
             first = (first.type_as(scale) * scale).type_as(corrected)
-        gated = self.act(F.linear(first, self.input_gate.weight)) * step.per_layer_inputs[:, :, self.layer, :]
+        gated = self.act(F.linear(first, self.input_gate.weight)) * step.layer_input(self.layer)
         added = self.input_norm(F.linear(gated, self.input_projection.weight))
         return torch.cat((corrected[:1], corrected[1:] + added))
 

@@ -33,10 +33,14 @@ Without the few-row kernel (kernels/), the head of a one-token step with bf16 / 
 compiled `dense` (its one-row widening loop, parallel/linear.py), set as the model's `VocabHead.product`.
 
 Inside the graph the layers see a TracedStep instead of the live step: the token positions, the layer's
-rotary tables (looked up by the live step beforehand) and `attend`. Models whose layers need more of the
-step (recurrent states, keys shared or handed between layers, per-layer inputs, hooks, routed adapters)
-run eagerly: `why_eager` says why. Routed experts trace as one operator, the experts kernel where it takes them
-and otherwise `ster_dist::routed_experts` (moe/experts.py), whose body runs their eager branches; a MoE layer over
+rotary tables (looked up by the live step beforehand), its own input where the model gives each layer one
+(Gemma 4's E models: a graph input beside h) and `attend`. A layer that reads an earlier layer's keys and values
+(Gemma 4's shared layers) attends through `ster_dist::attend_shared`, whose body asks the live step for what the
+source layer stored or kept; neither kind of layer is planned for the kernels, the live step holding their keys.
+Models whose layers need more of the step (recurrent states, state handed between layers, AltUp's copies,
+hooks, routed adapters) run eagerly: `why_eager` says why. Routed experts trace as one operator, the experts
+kernel where it takes them and otherwise `ster_dist::routed_experts` (moe/experts.py), whose body runs their
+eager branches; a MoE layer over
 expert-parallel ranks or with identity experts is one operator whole, `ster_dist::moe_layer` (moe/layer.py), its
 collectives inside; experts chosen by token id keep a model eager (`_experts_eager`).
 """
@@ -65,6 +69,7 @@ _RUNNING: list = []  # (live step, decoder) of the compiled step in flight: the 
 # custom_op's Python wrappers (its aliasing checks among them) cost about as much again as the dispatch itself
 _LIBRARY = torch.library.Library("ster_dist", "FRAGMENT")
 _LIBRARY.define("attend(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
+_LIBRARY.define("attend_shared(Tensor q, Tensor layer) -> Tensor")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
@@ -74,10 +79,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tenso
     # in the layout the graph was compiled for (the fake's): a paged step's decodes come back with heads and
     # sequences transposed, and the graph reads its input by the strides it was traced with; a new tensor
     # always, never one of the inputs (the schema says the output aliases nothing)
-    return step.attend(index, q, k, v, mixer.window, mixer._attend_at, mixer.chunk).contiguous()
+    return step.attend(index, q, k, v, mixer.window, mixer._attend_at, mixer.chunk, keep=mixer.keeps_kv).contiguous()
+
+
+def attend_shared(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """A layer without keys of its own (Gemma 3n's and Gemma 4's shared layers): its queries over the keys and
+    values its source layer stored or kept earlier in the step, which the graph reaches through the residual."""
+    step, model = _RUNNING[-1]
+    mixer = model.layers[int(layer)].token_mixer
+    return step.attend(mixer.kv_source, q, None, None, mixer.window, mixer._attend_at, mixer.chunk).contiguous()
 
 
 _LIBRARY.impl("attend", attend, "CompositeExplicitAutograd")
+_LIBRARY.impl("attend_shared", attend_shared, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ster_dist::attend")
@@ -85,30 +99,43 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) ->
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
+@torch.library.register_fake("ster_dist::attend_shared")
+def _(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)  # values as wide as queries: why_eager keeps other shared layers eager
+
+
 class TracedStep:
-    """What a compiled layer reads of its step: positions, its rotary tables and attention. `layer` is the
-    layer's index as a 0-d tensor, an input of the graph rather than a constant of it, so every layer of one
-    structure shares the graph."""
+    """What a compiled layer reads of its step: positions, its rotary tables, its own input (Gemma 4's E
+    models; None elsewhere) and attention. `layer` is the layer's index as a 0-d tensor, an input of the graph
+    rather than a constant of it, so every layer of one structure shares the graph."""
 
     def __init__(self, positions: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                 layer: torch.Tensor):
+                 layer: torch.Tensor, own_input: torch.Tensor | None = None):
         self.positions = positions
         self._rotary = rotary
         self.layer = layer
+        self._own_input = own_input
 
     def rotary(self, rope, dtype: torch.dtype):
         return self._rotary
 
+    def layer_input(self, layer: int) -> torch.Tensor:
+        return self._own_input
+
     def attend(self, layer: int, q, k, v, window, fn, chunk=None, keep: bool = False) -> torch.Tensor:
+        if k is None:  # a shared layer: its source's keys, which the live step holds
+            return torch.ops.ster_dist.attend_shared(q, self.layer)
         if kernels.ready():  # layers the step planned never call back into Python; the rest go to attend
             return torch.ops.ster_kernels.attend_planned(q, k, v, self.layer)
         return torch.ops.ster_dist.attend(q, k, v, self.layer)
 
 
 def _kernel_terms(model) -> list[tuple[float, float] | None]:
+    # a layer whose keys a later one reads, or that reads another's, attends through the live step, which holds them
     probe = torch.empty(0, dtype=model.dtype, device=model.device)
     return [decode_kernel_terms(block.token_mixer._attend_at, probe, model.dtype)
-            if type(block.token_mixer) is Attention else None for block in model.layers]
+            if type(block.token_mixer) is Attention and block.token_mixer.kv_source is None
+            and not block.token_mixer.keeps_kv else None for block in model.layers]
 
 
 def decode_plans(model) -> list[float]:
@@ -129,21 +156,23 @@ def decode_ranges(model) -> tuple[list[int], list[int], list[float]]:
 
 
 def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
-           tokens: int) -> torch.Tensor:
+           tokens: int, own: torch.Tensor | None = None) -> torch.Tensor:
     # flat in and out, so every layer's input has the strides the first one's had (guards check them)
-    out = block(h.view(batch, tokens, -1), TracedStep(positions.view(batch, tokens), rotary, layer))
+    own = own.view(batch, tokens, -1) if own is not None else None
+    out = block(h.view(batch, tokens, -1), TracedStep(positions.view(batch, tokens), rotary, layer, own))
     return out.reshape(batch * tokens, -1)
 
 
 @torch.compiler.nested_compile_region
-def _one_token_layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor) -> torch.Tensor:
-    return block(h, TracedStep(positions, rotary, layer))
+def _one_token_layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor,
+                     own: torch.Tensor | None) -> torch.Tensor:
+    return block(h, TracedStep(positions, rotary, layer, own))
 
 
-def _one_token_layers(blocks, h: torch.Tensor, positions: torch.Tensor, rotaries, layers) -> torch.Tensor:
+def _one_token_layers(blocks, h: torch.Tensor, positions: torch.Tensor, rotaries, layers, owns) -> torch.Tensor:
     # one graph for the whole stack, each layer one call of a region traced once per layer structure
-    for block, rotary, layer in zip(blocks, rotaries, layers):
-        h = _one_token_layer(block, h, positions, rotary, layer)
+    for block, rotary, layer, own in zip(blocks, rotaries, layers, owns):
+        h = _one_token_layer(block, h, positions, rotary, layer, own)
     return h
 
 
@@ -154,7 +183,7 @@ def why_eager(model) -> str | None:
     if model.device.type != "cpu":
         return f"compiled steps are built for CPU only in this version (the model is on {model.device.type})"
     cfg = model.cfg
-    if model.altup is not None or model.ngram is not None or model.per_layer_inputs is not None:
+    if model.altup is not None or model.ngram is not None:  # (Gemma 4's per-layer inputs are handed to each layer)
         return "the model reads per-step inputs beyond token ids and positions"
     if cfg.block_skips or model.loop.stacks or model.loop_init is not None or cfg.hyper_streams:
         return "the model loops over, skips or widens its layers"
@@ -165,8 +194,10 @@ def why_eager(model) -> str | None:
         mixer = block.token_mixer
         if type(mixer) is not Attention:
             return f"layer {i} is {type(mixer).__name__}, not plain attention"
-        if mixer.kv_source is not None or mixer.keeps_kv or mixer.alibi_sqrt:
-            return f"layer {i} shares its keys with another layer or biases by each query's position"
+        if mixer.alibi_sqrt:
+            return f"layer {i} biases by each query's position"
+        if mixer.kv_source is not None and mixer.value_dim != mixer.head_dim:
+            return f"layer {i} reads another layer's values, wider or narrower than its queries"
         if block.shortcut is not None or block.joins_shortcut or block.attn_sconv is not None:
             return f"layer {i} hands state to a later layer"
         if (reason := _experts_eager(model, block)) is not None:
@@ -248,6 +279,7 @@ class CompiledLayers:
                 tables[rope] = step.rotary(rope, model.dtype)
             rotaries.append(tables.get(rope))
         ids = self.layer_ids[layers.start:layers.stop]
+        owns = self._own_inputs(step, layers, batch * tokens)
         if plan is not None:
             torch.ops.ster_kernels.push_plan(*plan)
         _RUNNING.append((step, model))
@@ -256,7 +288,8 @@ class CompiledLayers:
                 if batch * tokens == 1 and self.stacked:
                     try:
                         out = self.one_token(list(model.layers)[layers.start:layers.stop], h,
-                                             step.positions.reshape(1, 1), rotaries, ids)
+                                             step.positions.reshape(1, 1), rotaries, ids,
+                                             [o.view(1, 1, -1) if o is not None else None for o in owns])
                     except failures() as error:  # the step runs again layer by layer: it writes the same slots
                         self.stacked = False
                         progress(f"compiling the one-token stack failed ({str(error).strip().splitlines()[0][:200]});"
@@ -265,14 +298,21 @@ class CompiledLayers:
                         self._report(before, started, "one-token stack graph(s)")
                         return out
                 h, positions = h.reshape(batch * tokens, width), step.positions.reshape(-1).contiguous()
-                for i, rotary, layer in zip(layers, rotaries, ids):
-                    h = self.fn(model.layers[i], h, positions, rotary, layer, batch, tokens)
+                for i, rotary, layer, own in zip(layers, rotaries, ids, owns):
+                    h = self.fn(model.layers[i], h, positions, rotary, layer, batch, tokens, own)
         finally:
             _RUNNING.pop()
             if plan is not None:
                 torch.ops.ster_kernels.pop_plan()
         self._report(before, started, f"step graph(s) for {batch * tokens} tokens")
         return h.view(batch, tokens, -1)
+
+    def _own_inputs(self, step, layers: range, rows: int) -> list[torch.Tensor | None]:
+        """Each layer's own input of the step, flat [rows, width] as the graphs take h (Gemma 4's E models), or
+        None for every layer where the model has none."""
+        if self.model.per_layer_inputs is None:
+            return [None] * len(layers)
+        return [step.layer_input(i).reshape(rows, -1) for i in layers]
 
     def _plan(self, step) -> tuple | None:
         """What a decode step tells the kernels before its graph runs (push_plan's arguments), or None."""

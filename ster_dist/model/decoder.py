@@ -121,7 +121,7 @@ class Block(nn.Module):
             return self._hyper(x, step)
         h = self._block(x, step)
         if self.per_layer_gate is not None:
-            h = h + self.per_layer_gate(h, step.per_layer_inputs)
+            h = h + self.per_layer_gate(h, step.layer_input(self.per_layer_gate.layer))
         return h * self.layer_scalar.weight if self.layer_scalar is not None else h
 
     def _block(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
@@ -383,6 +383,8 @@ class Decoder(Anchored):
         wrote goes to the same slots again)."""
         if self.compiled is None or any(self.hooks.values()):
             return self._layers(h, step, ids)
+        if self.per_layer_inputs is not None:  # handed to each layer's graph as an input (model/compiled.py)
+            step.per_layer_inputs = self.per_layer_inputs(ids, h)
         try:
             return self.compiled.run(h, step)
         except failures() as error:

@@ -214,6 +214,10 @@ class PagedStep:
             self.cache.write(layer, self.slots, k, v)
         return self._each_group(layer, q, fn, window, chunk, (k if k is not None else q).dtype)
 
+    def layer_input(self, layer: int) -> torch.Tensor:
+        """`layer`'s own input of this step [1, tokens, width] (Gemma 3n, Gemma 4's E models)."""
+        return self.per_layer_inputs[..., layer, :]
+
     def attend_again(self, layer: int, q: torch.Tensor, fn, fresh=None) -> torch.Tensor:
         """fn(q, keys, values, causal mask, key_positions) per group over the keys an earlier layer of this step
         stored in the cache (a looped model's first pass, model/loop_attention.py); outputs packed like attend's."""

@@ -6,8 +6,9 @@ PerLayerInputs (the decoder's, for both families): the token's row of embed_toke
 table read row 0) times sqrt(width), plus per_layer_model_projection of the scaled embedding times
 1/sqrt(hidden) through per_layer_projection_norm, the sum times 2^-0.5: [..., layers, width], as
 Transformers' Gemma3nTextModel and Gemma4TextModel round them. Token-wise, so the whole read, the cached and
-the paged steps compute the same; the step carries the result (`step.per_layer_inputs`). The token table is
-split over tensor-parallel ranks by rows, as the embedding is.
+the paged steps compute the same; the step carries the result (`step.per_layer_inputs`) and hands each layer its
+own (`step.layer_input(layer)`; a compiled step's TracedStep holds its layer's alone, model/compiled.py). The
+token table is split over tensor-parallel ranks by rows, as the embedding is.
 
 PerLayerGate (a Gemma 4 block's): per_layer_input_gate, the activation, times the layer's input,
 per_layer_projection and post_per_layer_input_norm, added to the block's output. The gate's width is split
@@ -68,8 +69,7 @@ class PerLayerGate(nn.Module):
         self.norm = Norm(cfg.hidden_size, cfg.norm_eps, cfg.norm_kind, offset=cfg.norm_offset)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, h: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """What the layer adds to its output h, given every layer's inputs [..., layers, width]."""
+    def forward(self, h: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """What the layer adds to its output h, given its own input [..., width] (`step.layer_input(layer)`)."""
         start, stop = self.share
-        mine = inputs[..., self.layer, start:stop]
-        return self.norm(self.projection(self.act(self.gate(h)) * mine))
+        return self.norm(self.projection(self.act(self.gate(h)) * mine[..., start:stop]))

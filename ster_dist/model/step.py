@@ -58,6 +58,10 @@ class StepState:
         # what a layer hands on to later layers of this step (GLM-DSA's shared top-k choice, model/mla.py)
         self.handed_on: dict = {}
 
+    def layer_input(self, layer: int) -> torch.Tensor:
+        """`layer`'s own input of this step [batch, seq, width] (Gemma 3n, Gemma 4's E models)."""
+        return self.per_layer_inputs[..., layer, :]
+
     def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor | None:
         """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed. `chunk`: a query
         sees only keys whose position lies in its own chunk of that many positions (Llama 4)."""
