@@ -351,10 +351,10 @@ def test_enforce_eager_is_an_engine_option_of_generate_chat_and_serve():
 
 
 @pytest.mark.slow  # two ranks compiling at once: about a minute here; the one-rank tests above compile the same layers
-@pytest.mark.parametrize("which", ["toy", "moe"])
+@pytest.mark.parametrize("which", ["toy", "moe", "gemma4"])
 def test_tp2_compiled_layers_give_the_eager_logits(which, request, compiling):
     """The row-parallel all-reduce runs inside each rank's graph (a functional collective over gloo); a MoE layer's
-    too, once for its experts' and shared expert's partial sums."""
+    too, once for its experts' and shared expert's partial sums; a Gemma 4 E layer's once more, for its gate's."""
     checkpoint = resolve(str(request.getfixturevalue(which)))
     prompt = torch.tensor([[5, 9, 30, 7, 2, 11]])
     with SpawnGroup(2) as group:
