@@ -282,6 +282,18 @@ def test_per_layer_inputs_and_shared_keys_compile_and_give_the_eager_logits(gemm
     assert sum(counters["graph_break"].values()) == breaks
 
 
+def test_altup_copies_compile_and_give_the_eager_logits(tmp_path, compiling, capfd):
+    """Gemma 3n compiles: its graphs run over AltUp's copies of the stream [copies, batch, tokens, width] (the decoder
+    makes them before the layers and collapses them after), each layer given its own input, its last layers
+    reading earlier layers' keys. A prompt and the one-token stack give the eager logits and tokens."""
+    from tests.tiny_models import make_tiny
+
+    make_tiny("gemma3n_text", tmp_path / "gemma3n")
+    compiled, _ = _stacked_as_eager(tmp_path / "gemma3n", capfd, seed=5)
+    assert compiled.altup is not None and any(b.token_mixer.kv_source is not None for b in compiled.layers)
+    assert compiled.compiled is not None  # no step fell back to the eager layers
+
+
 def test_the_paged_engine_compiles_a_gemma4_e_model_and_answers_as_the_eager_one(gemma4, compiling, capfd):
     want, got = _eager_and_compiled_answers(gemma4, prompts(4, seed=6, lo=2, hi=10), 6, compile_after=1)
     assert got == want

@@ -34,13 +34,14 @@ compiled `dense` (its one-row widening loop, parallel/linear.py), set as the mod
 
 Inside the graph the layers see a TracedStep instead of the live step: the token positions, the layer's
 rotary tables (looked up by the live step beforehand), its own input where the model gives each layer one
-(Gemma 4's E models: a graph input beside h) and `attend`. A layer that reads an earlier layer's keys and values
-(Gemma 4's shared layers) attends through `ster_dist::attend_shared`, whose body asks the live step for what the
-source layer stored or kept; neither kind of layer is planned for the kernels, the live step holding their keys.
-Models whose layers need more of the step (recurrent states, state handed between layers, AltUp's copies,
-hooks, routed adapters) run eagerly: `why_eager` says why. Routed experts trace as one operator, the experts
-kernel where it takes them and otherwise `ster_dist::routed_experts` (moe/experts.py), whose body runs their
-eager branches; a MoE layer over
+(Gemma 3n, Gemma 4's E models: a graph input beside h) and `attend`. A layer that reads an earlier layer's keys
+and values (their shared layers) attends through `ster_dist::attend_shared`, whose body asks the live step for
+what the source layer stored or kept; neither kind of layer is planned for the kernels, the live step holding
+their keys. Gemma 3n's stream is AltUp's copies of h, [copies, batch, tokens, width] to each layer's graph, made
+before the layers and collapsed after them outside the graphs. Models whose layers need more of the step
+(recurrent states, state handed between layers, hooks, routed adapters) run eagerly: `why_eager` says why.
+Routed experts trace as one operator, the experts kernel where it takes them and otherwise
+`ster_dist::routed_experts` (moe/experts.py), whose body runs their eager branches; a MoE layer over
 expert-parallel ranks or with identity experts is one operator whole, `ster_dist::moe_layer` (moe/layer.py), its
 collectives inside; experts chosen by token id keep a model eager (`_experts_eager`).
 """
@@ -156,11 +157,13 @@ def decode_ranges(model) -> tuple[list[int], list[int], list[float]]:
 
 
 def _layer(block, h: torch.Tensor, positions: torch.Tensor, rotary, layer: torch.Tensor, batch: int,
-           tokens: int, own: torch.Tensor | None = None) -> torch.Tensor:
-    # flat in and out, so every layer's input has the strides the first one's had (guards check them)
+           tokens: int, own: torch.Tensor | None = None, copies: int = 0) -> torch.Tensor:
+    # flat in and out, so every layer's input has the strides the first one's had (guards check them); `copies`:
+    # the stream is AltUp's copies of h (Gemma 3n), [copies, batch, tokens, width] to the block
     own = own.view(batch, tokens, -1) if own is not None else None
-    out = block(h.view(batch, tokens, -1), TracedStep(positions.view(batch, tokens), rotary, layer, own))
-    return out.reshape(batch * tokens, -1)
+    stream = h.view(copies, batch, tokens, -1) if copies else h.view(batch, tokens, -1)
+    out = block(stream, TracedStep(positions.view(batch, tokens), rotary, layer, own))
+    return out.reshape(-1, out.shape[-1])
 
 
 @torch.compiler.nested_compile_region
@@ -183,7 +186,7 @@ def why_eager(model) -> str | None:
     if model.device.type != "cpu":
         return f"compiled steps are built for CPU only in this version (the model is on {model.device.type})"
     cfg = model.cfg
-    if model.altup is not None or model.ngram is not None:  # (Gemma 4's per-layer inputs are handed to each layer)
+    if model.ngram is not None:  # (per-layer inputs are handed to each layer, AltUp's copies are its stream)
         return "the model reads per-step inputs beyond token ids and positions"
     if cfg.block_skips or model.loop.stacks or model.loop_init is not None or cfg.hyper_streams:
         return "the model loops over, skips or widens its layers"
@@ -270,7 +273,7 @@ class CompiledLayers:
                 torch.ops.ster_kernels.pop_plan()
         tables = {}
         started, before = time.perf_counter(), _graph_count()
-        batch, tokens, width = h.shape
+        *copies, batch, tokens, width = h.shape  # copies: AltUp's (Gemma 3n), or none
         layers = range(*model.stage)
         rotaries = []
         for i in layers:
@@ -297,15 +300,15 @@ class CompiledLayers:
                     else:
                         self._report(before, started, "one-token stack graph(s)")
                         return out
-                h, positions = h.reshape(batch * tokens, width), step.positions.reshape(-1).contiguous()
+                h, positions = h.reshape(-1, width), step.positions.reshape(-1).contiguous()
                 for i, rotary, layer, own in zip(layers, rotaries, ids, owns):
-                    h = self.fn(model.layers[i], h, positions, rotary, layer, batch, tokens, own)
+                    h = self.fn(model.layers[i], h, positions, rotary, layer, batch, tokens, own, *copies)
         finally:
             _RUNNING.pop()
             if plan is not None:
                 torch.ops.ster_kernels.pop_plan()
         self._report(before, started, f"step graph(s) for {batch * tokens} tokens")
-        return h.view(batch, tokens, -1)
+        return h.view(*copies, batch, tokens, -1)
 
     def _own_inputs(self, step, layers: range, rows: int) -> list[torch.Tensor | None]:
         """Each layer's own input of the step, flat [rows, width] as the graphs take h (Gemma 4's E models), or

@@ -386,6 +386,8 @@ class Decoder(Anchored):
         if self.per_layer_inputs is not None:  # handed to each layer's graph as an input (model/compiled.py)
             step.per_layer_inputs = self.per_layer_inputs(ids, h)
         try:
+            if self.altup is not None:  # Gemma 3n: the graphs run over AltUp's copies of the stream
+                return self.altup.collapse(self.compiled.run(self.altup.expand(h), step))
             return self.compiled.run(h, step)
         except failures() as error:
             self.compiled.stop()
