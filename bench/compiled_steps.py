@@ -8,6 +8,9 @@ do not run natively (model/native_stack.py), on random checkpoints shaped as sma
   full layers' heads of 256, feed-forward 3072, a window of 512 on five layers of six), each layer's own input 128
   wide added through its gate, the last 4 layers reading earlier layers' keys and values, a 32000-token vocabulary.
   Before 2026-12-07 such a model never compiled (its per-layer inputs and shared keys kept it eager).
+- gemma3n_e: Gemma 3n's E models' layers, narrowed as gemma4_e is (a window on four layers of five, the last 4
+  layers shared), with four AltUp copies of the stream, Laurel's rank-64 side path and the first four layers'
+  feed-forwards gated sparse; it compiles since the same day.
 
 The model is loaded once and its weights packed as the token engine packs them; each round runs the same greedy
 decode (a prompt of 32 tokens, then --steps steps) with the compiled layers and with the eager ones, alternating;
@@ -40,6 +43,12 @@ SHAPES = {
         enable_moe_block=False, max_position_embeddings=4096, rope_parameters={
             _SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
             _FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}})),
+    "gemma3n_e": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+        intermediate_size=3072, vocab_size=32000, hidden_size_per_layer_input=128, vocab_size_per_layer_input=32000,
+        num_kv_shared_layers=4, sliding_window=512, layer_types=([_SLIDING] * 4 + [_FULL]) * 2 + [_SLIDING, _FULL],
+        activation_sparsity_pattern=[0.95] * 4 + [0.0] * 8, altup_num_inputs=4, laurel_rank=64,
+        final_logit_softcapping=30.0, max_position_embeddings=4096)),
 }
 
 
