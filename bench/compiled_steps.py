@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (thread setting, tokenizer)
 from decode import SterEngine  # noqa: E402
-from native_steps import decode_once  # noqa: E402
+from native_steps import alternating, build  # noqa: E402
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 SHAPES = {
@@ -52,19 +51,6 @@ SHAPES = {
 }
 
 
-def build(shape: str, directory: Path) -> None:
-    import transformers
-
-    config_name, model_name, sizes = SHAPES[shape]
-    config = getattr(transformers, config_name)(**sizes, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                                                tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(directory, safe_serialization=True)
-    common.write_wordlevel_tokenizer(directory, sizes["vocab_size"])
-
-
 def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: int, rounds: int) -> list[dict]:
     from ster_dist.engine.runner import pack_model
 
@@ -77,14 +63,11 @@ def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: 
     rows = []
     for batch in batches:
         prompt = torch.randint(3, 32000, (batch, 32), generator=torch.Generator().manual_seed(batch))
-        times: dict[str, list[float]] = {"compiled": [], "eager": []}
-        tokens = {}
-        for way in ("compiled", "eager") * (rounds + 1):  # the first pair warms (and compiles) both ways
-            ster.model.compiled = compiled if way == "compiled" else None
-            seconds, tokens[way] = decode_once(ster, prompt, steps)
-            times[way].append(statistics.median(seconds))
+        fastest, tokens = alternating(ster, prompt, steps, rounds, {
+            "compiled": lambda: setattr(ster.model, "compiled", compiled),
+            "eager": lambda: setattr(ster.model, "compiled", None)})
         ster.model.compiled = compiled
-        compiled_s, eager_s = min(times["compiled"][1:]), min(times["eager"][1:])
+        compiled_s, eager_s = fastest["compiled"], fastest["eager"]
         rows.append({"shape": shape, "dtype": dtype, "batch": batch, "compiled_ms": 1e3 * compiled_s,
                      "eager_ms": 1e3 * eager_s, "eager_over_compiled": eager_s / compiled_s,
                      "same_tokens": tokens["compiled"] == tokens["eager"]})
@@ -105,7 +88,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="compiled-steps-") as tmp:
         for shape in args.shapes:
             directory = Path(tmp) / shape
-            build(shape, directory)
+            build(SHAPES[shape], directory, tied=True)
             for dtype in args.dtypes:
                 rows += measure(shape, directory, dtype, args.batches, args.steps, args.rounds)
     print(f"{'shape':<10} {'dtype':<5} {'batch':>5} {'compiled ms':>12} {'eager ms':>9} {'eager/compiled':>15} same tokens")

@@ -58,12 +58,13 @@ SHAPES = {
 }
 
 
-def build(shape: str, directory: Path) -> None:
+def build(spec: tuple[str, str, dict], directory: Path, tied: bool = False) -> None:
+    """A random checkpoint of `spec` (Transformers' config and model class names, the config's sizes)."""
     import transformers
 
-    config_name, model_name, sizes = SHAPES[shape]
+    config_name, model_name, sizes = spec
     config = getattr(transformers, config_name)(**sizes, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                                                tie_word_embeddings=False)
+                                                tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     model.generation_config.eos_token_id = None
@@ -97,6 +98,18 @@ def decode_once(ster: SterEngine, prompt: torch.Tensor, steps: int, ragged: bool
     return seconds, tokens
 
 
+def alternating(ster: SterEngine, prompt: torch.Tensor, steps: int, rounds: int, ways: dict, ragged: bool = False):
+    """Each way's step seconds (the fastest of its runs' medians) and tokens: `ways` maps a name to what switches the
+    model to it; the ways run in turn, rounds + 1 times, the first turn warming (and compiling) each."""
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    tokens = {}
+    for way in list(ways) * (rounds + 1):
+        ways[way]()
+        seconds, tokens[way] = decode_once(ster, prompt, steps, ragged)
+        times[way].append(statistics.median(seconds))
+    return {way: min(seen[1:]) for way, seen in times.items()}, tokens
+
+
 def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: int, rounds: int,
             ragged: bool = False) -> list[dict]:
     from ster_dist.engine.runner import pack_model
@@ -112,14 +125,11 @@ def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: 
     rows = []
     for batch in batches:
         prompt = torch.randint(3, 32000, (batch, 32), generator=torch.Generator().manual_seed(batch))
-        times: dict[str, list[float]] = {"native": [], "graph": []}
-        tokens = {}
-        for way in ("native", "graph") * (rounds + 1):  # the first pair warms (and compiles) both ways
-            compiled.native = native if way == "native" else None
-            seconds, tokens[way] = decode_once(ster, prompt, steps, ragged)
-            times[way].append(statistics.median(seconds))
+        fastest, tokens = alternating(ster, prompt, steps, rounds, {
+            "native": lambda: setattr(compiled, "native", native), "graph": lambda: setattr(compiled, "native", None)},
+            ragged)
         compiled.native = native
-        native_s, graph_s = min(times["native"][1:]), min(times["graph"][1:])
+        native_s, graph_s = fastest["native"], fastest["graph"]
         rows.append({"shape": shape + (" ragged" if ragged else ""), "dtype": dtype, "batch": batch, "native_ms": 1e3 * native_s,
                      "graph_ms": 1e3 * graph_s, "graph_over_native": graph_s / native_s,
                      "same_tokens": tokens["native"] == tokens["graph"]})
@@ -143,7 +153,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes:
             directory = Path(root) / shape
-            build(shape, directory)
+            build(SHAPES[shape], directory)
             for dtype in args.dtypes:
                 rows += measure(shape, directory, dtype, args.batches, args.steps, args.rounds, args.ragged)
                 print(f"{shape} {dtype}: done", file=sys.stderr)
