@@ -19,7 +19,6 @@ a step's time is the fastest of each way's medians over the rounds. The tokens o
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (thread setting, tokenizer)
 from decode import SterEngine  # noqa: E402
-from native_steps import alternating, build  # noqa: E402
+from native_steps import alternating, build, step_arguments  # noqa: E402
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 SHAPES = {
@@ -75,14 +74,7 @@ def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--dtypes", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
+    args = step_arguments(__doc__, SHAPES, steps=32).parse_args(argv)
     common.set_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory(prefix="compiled-steps-") as tmp:

@@ -136,14 +136,20 @@ def measure(shape: str, directory: Path, dtype: str, batches: list[int], steps: 
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+def step_arguments(doc: str, shapes: dict, steps: int) -> argparse.ArgumentParser:
+    """The options of a script that times decode steps of random checkpoints shaped as `shapes` says."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
     parser.add_argument("--dtypes", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = step_arguments(__doc__, SHAPES, steps=48)
     parser.add_argument("--ragged", action="store_true", help="rows of 32, 27, 22 ... tokens, left-padded")
     args = parser.parse_args(argv)
     if args.ragged and max(args.batches) > 6:
