@@ -282,6 +282,7 @@ def test_per_layer_inputs_and_shared_keys_compile_and_give_the_eager_logits(gemm
     assert sum(counters["graph_break"].values()) == breaks
 
 
+@pytest.mark.slow  # about 50 s of compiling in CI; the Gemma 4 E tests above compile per-layer inputs and shared keys
 def test_altup_copies_compile_and_give_the_eager_logits(tmp_path, compiling, capfd):
     """Gemma 3n compiles: its graphs run over AltUp's copies of the stream [copies, batch, tokens, width] (the decoder
     makes them before the layers and collapses them after), each layer given its own input, its last layers
