@@ -106,8 +106,8 @@ def _(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
 
 
 class TracedStep:
-    """What a compiled layer reads of its step: positions, its rotary tables, its own input (Gemma 4's E
-    models; None elsewhere) and attention. `layer` is the layer's index as a 0-d tensor, an input of the graph
+    """What a compiled layer reads of its step: positions, its rotary tables, its own input (Gemma 3n, Gemma 4's
+    E models; None elsewhere) and attention. `layer` is the layer's index as a 0-d tensor, an input of the graph
     rather than a constant of it, so every layer of one structure shares the graph."""
 
     def __init__(self, positions: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
