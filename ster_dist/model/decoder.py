@@ -383,12 +383,10 @@ class Decoder(Anchored):
         wrote goes to the same slots again)."""
         if self.compiled is None or any(self.hooks.values()):
             return self._layers(h, step, ids)
-        if self.per_layer_inputs is not None:  # handed to each layer's graph as an input (model/compiled.py)
-            step.per_layer_inputs = self.per_layer_inputs(ids, h)
+        stream = self._into_stream(h, step, ids)
         try:
-            if self.altup is not None:  # Gemma 3n: the graphs run over AltUp's copies of the stream
-                return self.altup.collapse(self.compiled.run(self.altup.expand(h), step))
-            return self.compiled.run(h, step)
+            out = self.compiled.run(stream, step)
+            return self.altup.collapse(out) if self.altup is not None else out
         except failures() as error:
             self.compiled.stop()
             self.compiled = None
@@ -396,13 +394,17 @@ class Decoder(Anchored):
                      "running eagerly from now on")
             return self._layers(h, step, ids)
 
+    def _into_stream(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
+        """The stream the layers take from the embedding h, eager or compiled: AltUp's copies of h (Gemma 3n) or h
+        itself; first the step is given every layer's own input (Gemma 3n, Gemma 4's E models)."""
+        if self.per_layer_inputs is not None:
+            step.per_layer_inputs = self.per_layer_inputs(ids, h)
+        return self.altup.expand(h) if self.altup is not None else h
+
     def _layers(self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor) -> torch.Tensor:
         step.embeddings = h  # the embedding output, which Zamba2's shared blocks read beside the hidden state
         step.token_ids = ids  # what hash-routed experts choose by (DeepSeek-V4)
-        if self.per_layer_inputs is not None:  # Gemma 3n, Gemma 4's E models: every layer's own input
-            step.per_layer_inputs = self.per_layer_inputs(ids, h)
-        if self.altup is not None:  # Gemma 3n: the stream as AltUp's copies
-            h = self.altup.expand(h)
+        h = self._into_stream(h, step, ids)
         kept: dict[int, torch.Tensor] = {}  # block skip connections (Solar Pro): each slot's last kept state
         if self.cfg.hyper_streams:
             h = spread(h, self.cfg.hyper_streams)
