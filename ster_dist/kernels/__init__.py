@@ -29,7 +29,7 @@
 
 They are compiled together, for the CPU they run on, the first time a process needs one (torch's extension
 builder with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction of
-a second), and called as torch.ops.ster_kernels.*. Where they cannot be built (no compiler, no AVX2) one line
+a second, by any copy of the same sources: `_build_or_find`), and called as torch.ops.ster_kernels.*. Where they cannot be built (no compiler, no AVX2) one line
 on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0 leaves them out;
 STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what tests/test_kernels_avx2.py checks them
 with there; native steps then stay off, their loops no longer inductor's width).
@@ -44,6 +44,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,18 +96,10 @@ def _load() -> bool:
         return False
     started = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
-
-        here = Path(__file__).parent
         asked = os.environ.get("STER_KERNELS_ISA", "native")
         if asked not in ("native", "avx2"):
             progress(f"STER_KERNELS_ISA={asked!r} is not 'native' or 'avx2': the kernels are built for this CPU")
-        avx2 = asked == "avx2"
-        load(name=f"ster_kernels_{_cpu_key()}{'_avx2' if avx2 else ''}", sources=[str(here / name) for name in SOURCES],
-             extra_include_paths=[str(here)],
-             extra_cflags=["-O3", "-march=native", *(["-mno-avx512f"] if avx2 else []), "-fopenmp"],
-             extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        _build_or_find(avx2=asked == "avx2")
         _ready = torch.ops.ster_kernels.isa() > 0
         _panels = torch.ops.ster_kernels.panel_dtypes()
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
@@ -127,6 +120,42 @@ def _load() -> bool:
     if (spent := time.perf_counter() - started) > 2:
         progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
     return True
+
+
+def _build_or_find(avx2: bool) -> None:
+    """Loads the build of these sources for this CPU, building it first where none is finished.
+
+    The build is named by what it is made of (the sources' bytes, the flags, this CPU, torch and Python), not by
+    where the sources lie, and built from a copy of them beside it: a copy of the package elsewhere (a Ray job's
+    uploaded working directory, a second clone) finds the same build rather than rebuilding over it, and two
+    versions of the sources never share a build directory. A finished build is loaded without running the
+    builder, whose ninja (PATH's, which differs between a virtualenv and the system) would otherwise rebuild
+    everything over a log another ninja wrote."""
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    here = Path(__file__).parent
+    cflags = ["-O3", "-march=native", *(["-mno-avx512f"] if avx2 else []), "-fopenmp"]
+    files = sorted(here.glob("*.cpp")) + sorted(here.glob("*.h"))
+    digest = hashlib.sha256("\0".join([_cpu_described(), torch.__version__, sys.version, *cflags]).encode())
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    name = f"ster_kernels_{digest.hexdigest()[:16]}"
+    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    library, finished = directory / f"{name}.so", directory / "finished"
+    if finished.is_file() and library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    sources = directory / "sources"
+    sources.mkdir(parents=True, exist_ok=True)
+    for path in files:  # the same bytes whoever writes them; renamed in, so no build reads half a file
+        if not (sources / path.name).is_file():
+            temporary = sources / f".{path.name}.{os.getpid()}"
+            temporary.write_bytes(path.read_bytes())
+            temporary.replace(sources / path.name)
+    load(name=name, sources=[str(sources / file) for file in SOURCES], extra_include_paths=[str(sources)],
+         extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+         verbose=False)
+    finished.touch()  # after the library is whole and loaded: a process that sees this loads it directly
 
 
 def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -150,7 +179,7 @@ def _planned_shape(q, k, v, layer) -> torch.Tensor:
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
-def _cpu_key() -> str:
+def _cpu_described() -> str:
     # the build is for this CPU's instructions (-march=native): a cache shared by machines of other CPUs
     # (a home directory on a network disk) must not hand one machine another's build
     try:
@@ -158,5 +187,4 @@ def _cpu_key() -> str:
             described = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         described = ""
-    described += platform.machine() + platform.processor()
-    return hashlib.sha256(described.encode()).hexdigest()[:12]
+    return described + platform.machine() + platform.processor()

@@ -1,0 +1,46 @@
+"""Where the kernels' build is found: by what it is made of, not by where its sources lie.
+
+A Ray job runs from an uploaded copy of its working directory, a new path each submission; a build named by the
+sources' path rebuilt the kernels (tens of seconds on two cores) in every such job and then again in every
+process of the original tree. Here a copy of the package elsewhere finds the finished build with the compiler
+taken away, and a copy whose sources differ by one byte does not: it tries to build its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.native_kernels import built
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ("import ster_dist, torch\n"
+         "from ster_dist import kernels\n"
+         "print(ster_dist.__file__)\n"
+         "print(kernels.ready())\n")
+
+
+def _run_from(copy: Path) -> tuple[list[str], str]:
+    # no compiler: a process that would build fails to, and says so
+    env = {**os.environ, "CXX": "/bin/false", "PYTHONPATH": str(copy)}
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=copy, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split(), done.stderr
+
+
+def test_a_copy_elsewhere_finds_the_build_and_other_sources_do_not(tmp_path):
+    built("few_rows", "nothing to find")  # this tree's build, finished
+    copy = tmp_path / "uploaded"
+    shutil.copytree(ROOT / "ster_dist", copy / "ster_dist", ignore=shutil.ignore_patterns("__pycache__"))
+    (where, ready), said = _run_from(copy)
+    assert where == str(copy / "ster_dist" / "__init__.py")
+    assert ready == "True" and "could not be built" not in said, said
+
+    header = copy / "ster_dist" / "kernels" / "lanes.h"
+    header.write_text(header.read_text() + "\n")
+    (_, ready), said = _run_from(copy)
+    assert ready == "False" and "CPU kernels could not be built" in said, said
