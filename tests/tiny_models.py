@@ -42,7 +42,7 @@ from tests.tiny import (
     looped,
     mamba,
     mamba2,
-    mimo_v2,
+    mimo,
     minimax,
     minimax_m3,
     mixtral,
@@ -66,7 +66,7 @@ BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_h
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
     gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax, falcon_h1,
-    llama4, mimo_v2, laguna, gated_attention, inkling, longcat, gemma3n, hyper, looped, sparse_attention,
+    llama4, mimo, laguna, gated_attention, inkling, longcat, gemma3n, hyper, looped, sparse_attention,
     minimax_m3, gemma4, deepseek_v4)}
 TINY: dict[str, tuple[str, str, dict]] = {v: entry for m in LINEAGES.values() for v, entry in m.TINY.items()}
 assert len(TINY) == sum(len(m.TINY) for m in LINEAGES.values()), "a tiny variant is named twice"

@@ -16,16 +16,20 @@
   same layer, local over its own pass's within loop_window_size (default 64) positions, g = sigmoid(w_h . q_h +
   b_h) per head of the rotated query, w and b from model.gate_projections.{layer}.
 
+- nanbeige: Llama with per-head q_layernorm and k_layernorm under qk_layernorm, a looped model whose stored
+  layers run num_loops times (num_hidden_layers counts every pass's), the final norm closing every pass unless
+  skip_loop_final_norm.
+
 hrm_text's reference is Transformers' HrmTextForCausalLM (tests/tiny/looped.py, tests/test_looped.py);
 iquestloopcoder, which Transformers lacks, is checked against the reference tests/test_looped.py writes from
-the seed's text.
+the seed's text, nanbeige against the one tests/test_telechat_mimo_pangu_nanbeige.py writes.
 """
 
 from __future__ import annotations
 
 from ster_dist.families.layouts import llama_rules, weight_and_bias
-from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
-from ster_dist.families.spec import FamilySpec, Fused, NormSpec, Rule
+from ster_dist.families.normalize import ConfigProblem, stated, switch, with_defaults
+from ster_dist.families.spec import AttentionSpec, FamilySpec, Fused, NormSpec, QKNormSpec, Rule
 
 _STACKS = (("L_module", 0), ("H_module", 1))
 _LOW, _HIGH = 1, 0  # the states: the high one (0) starts as the embedding, the low one (1) as z_L_init
@@ -111,9 +115,24 @@ def _loopcoder_layers(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[st
     return ("loop_attention" if raw.get("loop_layers") else "attention",) * layers, ("dense",) * layers
 
 
+
+def _nanbeige(raw: dict) -> dict:
+    """qk_layernorm as the generic query/key-norm switch; num_loops passes over the stored layers."""
+    out = {**raw, "use_qk_norm": switch(raw, "qk_layernorm")}
+    loops, stored = stated(raw, "num_loops", default=1), raw.get("num_hidden_layers")
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise ConfigProblem(f"num_loops is {loops!r}; state how many times the layers run, a whole number from 1")
+    if loops == 1 or isinstance(stored, bool) or not isinstance(stored, int):
+        return out  # not looped, or a layer count the shared reader refuses
+    return {**out, "num_hidden_layers": stored * loops, "loop_layers": stored,
+            "loop_pass_norm": not switch(raw, "skip_loop_final_norm")}
+
 LOOPED_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("hrm_text", _HRM, norms=NormSpec(affine=False), normalize=_hrm_text,
                parity_reference="HrmTextForCausalLM"),
     FamilySpec("iquestloopcoder", _LOOPCODER, normalize=_loopcoder, layer_kinds=_loopcoder_layers,
                parity_reference="tests/test_looped.py"),
+    FamilySpec("nanbeige", llama_rules(q_norm="q_layernorm", k_norm="k_layernorm"),
+               attention=AttentionSpec(qk_norm=QKNormSpec("head")), normalize=_nanbeige,
+               parity_reference="tests/test_telechat_mimo_pangu_nanbeige.py"),
 )

@@ -13,7 +13,6 @@ from ster_dist.families.cohere import COHERE_FAMILIES
 from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
 from ster_dist.families.deepseek_v4 import DEEPSEEK_V4_FAMILIES
 from ster_dist.families.dense_remote import DENSE_REMOTE_FAMILIES
-from ster_dist.families.dense_remote2 import DENSE_REMOTE2_FAMILIES
 from ster_dist.families.ernie import ERNIE_FAMILIES
 from ster_dist.families.exaone import EXAONE_FAMILIES
 from ster_dist.families.falcon_h1 import FALCON_H1_FAMILIES
@@ -37,7 +36,8 @@ from ster_dist.families.llama4 import LLAMA4_FAMILIES
 from ster_dist.families.looped import LOOPED_FAMILIES
 from ster_dist.families.mamba import MAMBA_FAMILIES
 from ster_dist.families.mamba2 import MAMBA2_FAMILIES
-from ster_dist.families.mimo_v2 import MIMO_V2_FAMILIES
+from ster_dist.families.k2_horizon import K2_HORIZON_FAMILIES
+from ster_dist.families.mimo import MIMO_FAMILIES
 from ster_dist.families.minimax import MINIMAX_FAMILIES
 from ster_dist.families.minimax_m3 import MINIMAX_M3_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
@@ -48,14 +48,15 @@ from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.nemotron import NEMOTRON_FAMILIES
 from ster_dist.families.olmo import OLMO_FAMILIES
 from ster_dist.families.opt import OPT_FAMILIES
+from ster_dist.families.pangu import PANGU_FAMILIES
 from ster_dist.families.phi import PHI_FAMILIES
 from ster_dist.families.plamo import PLAMO_FAMILIES
 from ster_dist.families.qwen import QWEN_FAMILIES
 from ster_dist.families.qwen3_next import QWEN3_NEXT_FAMILIES
 from ster_dist.families.sparse_attention import SPARSE_ATTENTION_FAMILIES
-from ster_dist.families.remote_variants import REMOTE_VARIANTS_FAMILIES
 from ster_dist.families.spec import FamilySpec
 from ster_dist.families.step3 import STEP3_FAMILIES
+from ster_dist.families.telechat import TELECHAT_FAMILIES
 from ster_dist.families.zamba2 import ZAMBA2_FAMILIES
 
 # one module per lineage (the Transformers classes a family is built from); see each module's docstring
@@ -64,12 +65,10 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
         + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
-        + DENSE_REMOTE2_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_V2_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES + GEMMA3N_FAMILIES
-        + HYPER_FAMILIES + LOOPED_FAMILIES
-        + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
-        + REMOTE_VARIANTS_FAMILIES + MINIMAX_M3_FAMILIES
-        + GEMMA4_FAMILIES + DEEPSEEK_V4_FAMILIES)
+        + TELECHAT_FAMILIES + PANGU_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_FAMILIES
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES
+        + GEMMA3N_FAMILIES + HYPER_FAMILIES + LOOPED_FAMILIES + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
+        + K2_HORIZON_FAMILIES + MINIMAX_M3_FAMILIES + GEMMA4_FAMILIES + DEEPSEEK_V4_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)

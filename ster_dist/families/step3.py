@@ -1,4 +1,8 @@
-"""StepFun's Step3 text decoder, as data.
+"""StepFun's decoders, as data.
+
+- step1 (Step1, Step-Audio's language model): Llama's block with num_attention_groups key-value heads and no
+  rotation; each head adds -slope * sqrt(query position - key position) to its scaled scores, with ALiBi's
+  slopes (PositionSpec.alibi_sqrt).
 
 - step3_text (Step3's text decoder; a step3_vl checkpoint's text_config, its text weights at the root and its
   vision tower never read: config_file.TEXT_WRAPPERS): Llama's block whose query passes a bottleneck
@@ -28,8 +32,9 @@
   list different rotated shares or bases, rotation scaling on sliding-window layers, a clamped dense layer, a
   second kind with its own head_dim, or use_moe_router_bias false is refused.
 
-ster_dist never runs StepFun's remote code: both are checked against the reference written in
-tests/test_step3.py from seeds/000's description (and step3p5 also against Transformers' Step-3.7 text model
+ster_dist never runs StepFun's remote code: step1 is checked against the reference written in
+tests/test_step1_nemotron_nas_k2_horizon.py, the two Step3 against the one in tests/test_step3.py, from
+seeds/000's description (and step3p5 also against Transformers' Step-3.7 text model
 where their configs overlap).
 """
 
@@ -44,12 +49,14 @@ from ster_dist.families.spec import (
     FamilySpec,
     MoESpec,
     NormSpec,
+    PositionSpec,
     QKNormSpec,
     Rule,
     Stacked,
 )
 
 _REFERENCE = "tests/test_step3.py"
+_STEP1_REFERENCE = "tests/test_step1_nemotron_nas_k2_horizon.py"
 _LAYER = "model.layers.{i}"
 # what vLLM's Step3TextConfig assumes where a config is silent
 _DEFAULTS = {
@@ -208,7 +215,15 @@ _STEP3P5_RULES = (llama_rules() + _STACKED_MOE
                   + (Rule(f"{_LAYER}.self_attn.g_proj.weight", "layers.{i}.attn.gate.weight"),
                      Rule(f"{_LAYER}.moe.router_bias", ROUTER_CORRECTION)))
 
+
+def _step1(raw: dict) -> dict:
+    """num_attention_groups as the key-value head count."""
+    groups = raw.get("num_attention_groups")
+    return dict(raw) if groups is None else {**raw, "num_key_value_heads": groups}
+
 STEP3_FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("step1", llama_rules(q_norm=None, k_norm=None), positions=PositionSpec(kind="alibi", alibi_sqrt=True),
+               normalize=_step1, parity_reference=_STEP1_REFERENCE),
     FamilySpec("step3_text", _RULES, normalize=_step3_text, layer_kinds=_layer_kinds, moe=MoESpec(shared="stated"),
                parity_reference=_REFERENCE),
     FamilySpec("step3p5", _STEP3P5_RULES, normalize=_step3p5,

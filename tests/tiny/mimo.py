@@ -1,4 +1,4 @@
-"""Tiny checkpoints of ster_dist/families/mimo_v2.py's families."""
+"""Tiny checkpoints of ster_dist/families/mimo.py's MiMo-V2 families."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""telechat, telechat3, TeleFLM, mimo and PanguEmbedded (families/dense_remote2.py) against references written
-here from seeds/000's description, since Transformers has none of their classes.
+"""telechat, telechat3, TeleFLM, mimo, PanguEmbedded and nanbeige (families/telechat.py, mimo.py, pangu.py and
+looped.py) against references written here from seeds/000's description, since Transformers has none of their
+classes.
 
 Where the block is Transformers' own, the reference is that class on the same weights, written into the
 checkpoint under the family's names by a map below: TeleChat is Llama with zero query/key/value/gate/up
@@ -325,7 +326,7 @@ def test_ster_families_lists_each_family_as_parity_checked_against_this_file():
     rows = {row["family"]: row for row in family_table()}
     for family in FAMILIES:
         assert rows[family]["status"] == "parity-checked"
-        assert rows[family]["reference"] == "tests/test_dense_remote2.py"
+        assert rows[family]["reference"] == "tests/test_telechat_mimo_pangu_nanbeige.py"
 
 
 @pytest.mark.parametrize("variant, change, message", [

@@ -1,5 +1,5 @@
-"""step1, nemotron-nas and k2_horizon (families/remote_variants.py) against references written here from
-seeds/000's description, since Transformers has none of their classes.
+"""step1, nemotron-nas and k2_horizon (families/step3.py, nemotron.py and k2_horizon.py) against references written
+here from seeds/000's description, since Transformers has none of their classes.
 
 The reference is Llama's block written out in plain torch with what seeds/000 adds. Step1: no rotation;
 each head adds -slope * sqrt(query position - key position) to its scaled scores, ALiBi's slopes (2^(-8i/n)
@@ -393,7 +393,7 @@ def test_ster_families_lists_each_family_as_parity_checked_against_this_file():
     rows = {row["family"]: row for row in family_table()}
     for family in FAMILIES:
         assert rows[family]["status"] == "parity-checked"
-        assert rows[family]["reference"] == "tests/test_remote_variants.py"
+        assert rows[family]["reference"] == "tests/test_step1_nemotron_nas_k2_horizon.py"
 
 
 def _entry(i: int, half: str, **change) -> list[dict]:

@@ -1,5 +1,12 @@
-"""MiMo-V2-Flash: Llama's block whose sliding and full-attention layers differ in key-value heads and sinks,
-over DeepSeek-V3's router.
+"""Xiaomi's MiMo decoders, as data.
+
+- mimo: Qwen2 whose multi-token-prediction layers (model.mtp_layers.{k}: token_layernorm, hidden_layernorm,
+  input_proj over [hidden; embedding], a Qwen2 block, final_layernorm, the model's lm_head) are recognised and
+  never read for decoding; --speculative mtp drafts with the first (model/mtp.py).
+  Checked against Transformers' Qwen2 beside random MTP tensors (tests/test_telechat_mimo_pangu_nanbeige.py).
+
+- MiMo-V2-Flash: Llama's block whose sliding and full-attention layers differ in key-value heads and sinks, over
+  DeepSeek-V3's router.
 
 - mimo_v2_flash: the layers layer_types calls sliding_attention (hybrid_layer_pattern's 1s in Xiaomi's own
   config; Transformers' rule without either: the first and every sixth layer attend fully) attend through
@@ -33,7 +40,8 @@ from dataclasses import replace
 from ster_dist.families.layouts import ATTENTION_SINKS, llama_rules
 from ster_dist.families.moe_layouts import expert_rules, router_rules
 from ster_dist.families.normalize import ConfigProblem, stated, with_defaults
-from ster_dist.families.spec import FamilySpec, Fused, MoESpec, PositionSpec, Rule
+from ster_dist.families.qwen import QWEN_FAMILIES
+from ster_dist.families.spec import FamilySpec, Fused, MoESpec, MTPSpec, PositionSpec, Rule
 
 _LAYER = "model.layers.{i}"
 # what MiMoV2FlashConfig assumes where a config is silent
@@ -131,5 +139,15 @@ _MIMO_V2_FLASH = FamilySpec(
     moe=MoESpec(scoring="sigmoid", topk_method="noaux_tc", scaling="always", correction_bias=True),
     ignore=(r"model\.mtp\.",), parity_reference="MiMoV2FlashForCausalLM")
 
-# MiMo-V2.5 is checked against Transformers' MiMo-V2-Flash on its weights unfused (tests/tiny/mimo_v2.py)
-MIMO_V2_FAMILIES: tuple[FamilySpec, ...] = (_MIMO_V2_FLASH, replace(_MIMO_V2_FLASH, name="mimo_v2"))
+# MiMo-V2.5 is checked against Transformers' MiMo-V2-Flash on its weights unfused (tests/tiny/mimo.py)
+_MIMO_V2 = replace(_MIMO_V2_FLASH, name="mimo_v2")
+
+# MiMo's MTP layers, as vLLM's mimo_mtp reads them: apart from the decoder's, [h; e] into input_proj, the layer
+# ending in its final_layernorm, scored by the model's own lm_head
+_MIMO_MTP = MTPSpec(prefix="model.mtp_layers.{k}.", token_norm="token_layernorm", hidden_norm="hidden_layernorm",
+                    proj="input_proj", hidden_first=True, out_norm="final_layernorm", head=None, chain_normed=True)
+# Qwen2 (qwen.py) with model.mtp_layers recognised and read only to draft
+_QWEN2 = next(spec for spec in QWEN_FAMILIES if spec.name == "qwen2")
+_MIMO = replace(_QWEN2, name="mimo", ignore=(r"model\.mtp_layers\.",),
+                parity_reference="tests/test_telechat_mimo_pangu_nanbeige.py", mtp=_MIMO_MTP)
+MIMO_FAMILIES: tuple[FamilySpec, ...] = (_MIMO, _MIMO_V2_FLASH, _MIMO_V2)
