@@ -12,7 +12,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest

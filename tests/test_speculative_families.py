@@ -31,7 +31,7 @@ from ster_dist.model.paged import Chunk
 from ster_dist.parallel.ctx import SINGLE
 from ster_dist.resolve import resolve
 from ster_dist.shard.mtp import load_mtp
-from tests.test_dense_remote2 import SIZES, _noisy
+from tests.test_telechat_mimo_pangu_nanbeige import SIZES, _noisy
 from tests.test_engine import open_engine
 from tests.test_speculative import drafts_keep_greedy, with_mtp
 from tests.tiny_tokenizer import build_tiny_tokenizer
@@ -174,7 +174,7 @@ def test_mimos_draft_logits_and_a_chained_drafts_equal_the_reference(mimo):
 
 
 def test_mimo_decodes_without_reading_its_mtp_layer_and_drafts_with_it(mimo):
-    """Plain decoding ignores model.mtp_layers (families/dense_remote2.py); --speculative mtp reads them, and
+    """Plain decoding ignores model.mtp_layers (families/mimo.py); --speculative mtp reads them, and
     greedy output is unchanged."""
     drafts_keep_greedy(mimo, 3, accepted=False)
 
@@ -202,6 +202,7 @@ def wrapped(directory: Path, mtp: bool = True) -> Path:
 
 
 def cli(capsys, *argv) -> dict:
+    capsys.readouterr()  # not the command's: what building the checkpoint printed (DeepSpeed's accelerator probe)
     assert main(list(argv)) == 0
     return json.loads(capsys.readouterr().out)
 

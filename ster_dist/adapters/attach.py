@@ -18,8 +18,6 @@ import contextlib
 import uuid
 from collections.abc import Callable
 
-import torch
-
 from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.targets import (
     Site,
