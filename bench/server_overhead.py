@@ -20,7 +20,6 @@ Compare figures within one run only.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ster_dist import kernels
 from tests.native_kernels import built
 from tests.tiny_models import SCORES_AT_THE_CAP
 

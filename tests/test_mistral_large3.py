@@ -9,7 +9,6 @@ temperature is exercised.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
