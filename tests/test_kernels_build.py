@@ -3,7 +3,8 @@
 A Ray job runs from an uploaded copy of its working directory, a new path each submission; a build named by the
 sources' path rebuilt the kernels (tens of seconds on two cores) in every such job and then again in every
 process of the original tree. Here a copy of the package elsewhere finds the finished build with the compiler
-taken away, and a copy whose sources differ by one byte does not: it tries to build its own.
+taken away, and a copy whose sources differ by one byte does not: it tries to build its own. And a builder killed mid-build leaves nothing the
+next one waits on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ster_dist import kernels
 from tests.native_kernels import built
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,25 @@ def test_a_copy_elsewhere_finds_the_build_and_other_sources_do_not(tmp_path):
     header.write_text(header.read_text() + "\n")
     (_, ready), said = _run_from(copy)
     assert ready == "False" and "CPU kernels could not be built" in said, said
+
+
+def test_a_builder_killed_mid_build_leaves_no_lock_that_the_next_waits_on(tmp_path):
+    """torch's builder locks a build with a file it deletes when done; a builder killed mid-build (SIGKILL: a rank
+    killed, a job past its timeout) leaves it, and every later build of that directory waited on it forever. Here
+    the build is unfinished again and torch's lock is left as such a builder leaves it: the next process builds
+    (a no-op for ninja: every object is there) and loads, in bounded time."""
+    built("few_rows", "nothing to build")
+    directory = kernels.build_directory()
+    finished, stale = directory / "finished", directory / "lock"
+    finished.rename(directory / "finished.kept")
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0 and done.stdout.split()[1] == "True", done.stderr
+        assert finished.is_file() and not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        if not finished.exists():
+            (directory / "finished.kept").rename(finished)
+        (directory / "finished.kept").unlink(missing_ok=True)

@@ -40,6 +40,7 @@ what an eager call already found (model/compiled.py asks once before it compiles
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -130,32 +131,57 @@ def _build_or_find(avx2: bool) -> None:
     uploaded working directory, a second clone) finds the same build rather than rebuilding over it, and two
     versions of the sources never share a build directory. A finished build is loaded without running the
     builder, whose ninja (PATH's, which differs between a virtualenv and the system) would otherwise rebuild
-    everything over a log another ninja wrote."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    everything over a log another ninja wrote. Builders take turns under a lock the kernel drops with its holder,
+    so one killed mid-build (a rank killed, a job past its timeout) leaves nothing that later ones wait on."""
+    from torch.utils.cpp_extension import load
 
-    here = Path(__file__).parent
-    cflags = ["-O3", "-march=native", *(["-mno-avx512f"] if avx2 else []), "-fopenmp"]
-    files = sorted(here.glob("*.cpp")) + sorted(here.glob("*.h"))
-    digest = hashlib.sha256("\0".join([_cpu_described(), torch.__version__, sys.version, *cflags]).encode())
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    name = f"ster_kernels_{digest.hexdigest()[:16]}"
-    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    directory = build_directory(avx2)
+    name, files, cflags = directory.name, _files(), _cflags(avx2)
     library, finished = directory / f"{name}.so", directory / "finished"
     if finished.is_file() and library.is_file():
         torch.ops.load_library(str(library))
         return
-    sources = directory / "sources"
-    sources.mkdir(parents=True, exist_ok=True)
-    for path in files:  # the same bytes whoever writes them; renamed in, so no build reads half a file
-        if not (sources / path.name).is_file():
-            temporary = sources / f".{path.name}.{os.getpid()}"
-            temporary.write_bytes(path.read_bytes())
-            temporary.replace(sources / path.name)
-    load(name=name, sources=[str(sources / file) for file in SOURCES], extra_include_paths=[str(sources)],
-         extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-         verbose=False)
-    finished.touch()  # after the library is whole and loaded: a process that sees this loads it directly
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "building", "a") as guard:
+        # one builder at a time, under a lock the kernel drops when its holder dies, however it dies; torch's own
+        # (a file it deletes when done) stays behind a builder killed mid-build and every later build waited on it
+        # forever
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if finished.is_file() and library.is_file():  # built while this process waited
+            torch.ops.load_library(str(library))
+            return
+        (directory / "lock").unlink(missing_ok=True)  # torch's, and no builder holds this directory: stale
+        sources = directory / "sources"
+        sources.mkdir(exist_ok=True)
+        for path in files:  # the same bytes whoever writes them; renamed in, so no build reads half a file
+            if not (sources / path.name).is_file():
+                temporary = sources / f".{path.name}.{os.getpid()}"
+                temporary.write_bytes(path.read_bytes())
+                temporary.replace(sources / path.name)
+        load(name=name, sources=[str(sources / file) for file in SOURCES], extra_include_paths=[str(sources)],
+             extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory),
+             is_python_module=False, verbose=False)
+        finished.touch()  # after the library is whole and loaded: a process that sees this loads it directly
+
+
+def build_directory(avx2: bool = False) -> Path:
+    """Where the build of these sources for this CPU lies, or will: named by a hash of what it is made of."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256("\0".join([_cpu_described(), torch.__version__, sys.version, *_cflags(avx2)]).encode())
+    for path in _files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"ster_kernels_{digest.hexdigest()[:16]}"
+
+
+def _files() -> list[Path]:
+    here = Path(__file__).parent
+    return sorted(here.glob("*.cpp")) + sorted(here.glob("*.h"))
+
+
+def _cflags(avx2: bool) -> list[str]:
+    return ["-O3", "-march=native", *(["-mno-avx512f"] if avx2 else []), "-fopenmp"]
 
 
 def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
