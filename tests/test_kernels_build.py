@@ -9,10 +9,13 @@ next one waits on.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ster_dist import kernels
@@ -68,3 +71,39 @@ def test_a_builder_killed_mid_build_leaves_no_lock_that_the_next_waits_on(tmp_pa
         if not finished.exists():
             (directory / "finished.kept").rename(finished)
         (directory / "finished.kept").unlink(missing_ok=True)
+
+
+def test_a_process_that_waits_for_another_builder_says_so_and_loads_its_build(tmp_path):
+    built("few_rows", "nothing to build")
+    directory = kernels.build_directory()
+    finished = directory / "finished"
+    finished.rename(directory / "finished.kept")
+    try:
+        with open(directory / "building", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # as a builder holds it
+            child = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+            said = _lines_until(child, "another process is building ster_dist's CPU kernels", 120)
+            assert "another process is building" in said[-1], said
+            (directory / "finished.kept").rename(finished)  # the build this process "made"
+        out, rest = child.communicate(timeout=120)
+        assert child.returncode == 0 and out.split()[1] == "True", rest
+    finally:
+        if not finished.exists():
+            (directory / "finished.kept").rename(finished)
+
+
+def _lines_until(child: subprocess.Popen, text: str, seconds: float) -> list[str]:
+    """The child's stderr lines up to the first holding `text`; the child killed and the test failed at the
+    deadline, so a child that never says it fails rather than hangs."""
+    lines, deadline = [], time.monotonic() + seconds
+    while not lines or text not in lines[-1]:
+        ready, _, _ = select.select([child.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        line = child.stderr.readline() if ready else ""
+        if not line:
+            child.kill()
+            raise AssertionError(f"the child did not say {text!r} in {seconds:.0f} s: {lines}")
+        lines.append(line)
+    return lines
+

@@ -146,7 +146,11 @@ def _build_or_find(avx2: bool) -> None:
         # one builder at a time, under a lock the kernel drops when its holder dies, however it dies; torch's own
         # (a file it deletes when done) stays behind a builder killed mid-build and every later build waited on it
         # forever
-        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"another process is building ster_dist's CPU kernels in {directory}; waiting for it")
+            fcntl.flock(guard, fcntl.LOCK_EX)
         if finished.is_file() and library.is_file():  # built while this process waited
             torch.ops.load_library(str(library))
             return
