@@ -49,6 +49,7 @@ def test_a_copy_elsewhere_finds_the_build_and_other_sources_do_not(tmp_path):
     header.write_text(header.read_text() + "\n")
     (_, ready), said = _run_from(copy)
     assert ready == "False" and "CPU kernels could not be built" in said, said
+    assert "building ster_dist's CPU kernels for this CPU" in said  # said before the wait, not only after
 
 
 def test_a_builder_killed_mid_build_leaves_no_lock_that_the_next_waits_on(tmp_path):

@@ -66,8 +66,8 @@ def _answers(port: int) -> bool:
 def _stop(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
+    try:  # `ray start --block` took 10 s on SIGTERM here; what is left is killed below, found by the temp dir
+        proc.wait(3)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -155,6 +155,7 @@ def _build_or_find(avx2: bool) -> None:
             torch.ops.load_library(str(library))
             return
         (directory / "lock").unlink(missing_ok=True)  # torch's, and no builder holds this directory: stale
+        progress(f"building ster_dist's CPU kernels for this CPU into {directory} (once: 15-40 s on 2 cores)")
         sources = directory / "sources"
         sources.mkdir(exist_ok=True)
         for path in files:  # the same bytes whoever writes them; renamed in, so no build reads half a file
