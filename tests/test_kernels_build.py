@@ -1,10 +1,10 @@
 """Where the kernels' build is found: by what it is made of, not by where its sources lie.
 
 A Ray job runs from an uploaded copy of its working directory, a new path each submission; a build named by the
-sources' path rebuilt the kernels (tens of seconds on two cores) in every such job and then again in every
-process of the original tree. Here a copy of the package elsewhere finds the finished build with the compiler
-taken away, and a copy whose sources differ by one byte does not: it tries to build its own. And a builder killed mid-build leaves nothing the
-next one waits on.
+sources' path rebuilt the kernels (tens of seconds on two cores) in every such job and then again in every process
+of the original tree. Here a copy of the package elsewhere finds the finished build with the compiler taken away,
+and a copy whose sources differ by one byte does not: it tries to build its own. And a builder killed mid-build
+leaves nothing the next one waits on.
 """
 
 from __future__ import annotations

@@ -27,12 +27,13 @@
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it (`argmax`
   below: what greedy steps and the sampler pick tokens with).
 
-They are compiled together, for the CPU they run on, the first time a process needs one (torch's extension
-builder with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction of
-a second, by any copy of the same sources: `_build_or_find`), and called as torch.ops.ster_kernels.*. Where they cannot be built (no compiler, no AVX2) one line
-on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0 leaves them out;
-STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what tests/test_kernels_avx2.py checks them
-with there; native steps then stay off, their loops no longer inductor's width).
+They are compiled together, for the CPU they run on, the first time a process needs one (torch's extension builder
+with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction of a second, by
+any copy of the same sources: `_build_or_find`), and called as torch.ops.ster_kernels.*. Where they cannot be built
+(no compiler, no AVX2) one line on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0
+leaves them out; STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what
+tests/test_kernels_avx2.py checks them with there; native steps then stay off, their loops no longer inductor's
+width).
 
 `ready()` is what callers ask: it builds on the first eager call and, inside a graph being traced, answers
 what an eager call already found (model/compiled.py asks once before it compiles), so tracing never builds.
