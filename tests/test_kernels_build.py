@@ -9,6 +9,7 @@ leaves nothing the next one waits on.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import select
@@ -58,28 +59,22 @@ def test_a_builder_killed_mid_build_leaves_no_lock_that_the_next_waits_on(tmp_pa
     the build is unfinished again and torch's lock is left as such a builder leaves it: the next process builds
     (a no-op for ninja: every object is there) and loads, in bounded time."""
     built("few_rows", "nothing to build")
-    directory = kernels.build_directory()
-    finished, stale = directory / "finished", directory / "lock"
-    finished.rename(directory / "finished.kept")
-    stale.touch()
-    try:
-        done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0 and done.stdout.split()[1] == "True", done.stderr
-        assert finished.is_file() and not stale.exists()
-    finally:
-        stale.unlink(missing_ok=True)
-        if not finished.exists():
-            (directory / "finished.kept").rename(finished)
-        (directory / "finished.kept").unlink(missing_ok=True)
+    with _unfinished() as directory:
+        stale = directory / "lock"
+        stale.touch()
+        try:
+            done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                                  timeout=240)
+            assert done.returncode == 0 and done.stdout.split()[1] == "True", done.stderr
+            assert (directory / "finished").is_file() and not stale.exists()
+        finally:
+            stale.unlink(missing_ok=True)
 
 
 def test_a_process_that_waits_for_another_builder_says_so_and_loads_its_build(tmp_path):
     built("few_rows", "nothing to build")
-    directory = kernels.build_directory()
-    finished = directory / "finished"
-    finished.rename(directory / "finished.kept")
-    try:
+    with _unfinished() as directory:
         with open(directory / "building", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)  # as a builder holds it
             child = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT,
@@ -87,12 +82,21 @@ def test_a_process_that_waits_for_another_builder_says_so_and_loads_its_build(tm
                                      stderr=subprocess.PIPE, text=True)
             said = _lines_until(child, "another process is building ster_dist's CPU kernels", 120)
             assert "another process is building" in said[-1], said
-            (directory / "finished.kept").rename(finished)  # the build this process "made"
+            (directory / "finished").touch()  # the build this process "made"
         out, rest = child.communicate(timeout=120)
         assert child.returncode == 0 and out.split()[1] == "True", rest
+
+
+@contextlib.contextmanager
+def _unfinished():
+    """This process's build directory with its finished mark taken away, and the mark put back after."""
+    directory = kernels.build_directory()
+    finished = directory / "finished"
+    finished.unlink()
+    try:
+        yield directory
     finally:
-        if not finished.exists():
-            (directory / "finished.kept").rename(finished)
+        finished.touch()
 
 
 def _lines_until(child: subprocess.Popen, text: str, seconds: float) -> list[str]:

@@ -138,9 +138,7 @@ def _build_or_find(avx2: bool) -> None:
 
     directory = build_directory(avx2)
     name, files, cflags = directory.name, _files(), _cflags(avx2)
-    library, finished = directory / f"{name}.so", directory / "finished"
-    if finished.is_file() and library.is_file():
-        torch.ops.load_library(str(library))
+    if _load_finished(directory):
         return
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "building", "a") as guard:
@@ -152,8 +150,7 @@ def _build_or_find(avx2: bool) -> None:
         except BlockingIOError:
             progress(f"another process is building ster_dist's CPU kernels in {directory}; waiting for it")
             fcntl.flock(guard, fcntl.LOCK_EX)
-        if finished.is_file() and library.is_file():  # built while this process waited
-            torch.ops.load_library(str(library))
+        if _load_finished(directory):  # built while this process waited
             return
         (directory / "lock").unlink(missing_ok=True)  # torch's, and no builder holds this directory: stale
         progress(f"building ster_dist's CPU kernels for this CPU into {directory} (once: 15-40 s on 2 cores)")
@@ -167,7 +164,16 @@ def _build_or_find(avx2: bool) -> None:
         load(name=name, sources=[str(sources / file) for file in SOURCES], extra_include_paths=[str(sources)],
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory),
              is_python_module=False, verbose=False)
-        finished.touch()  # after the library is whole and loaded: a process that sees this loads it directly
+        (directory / "finished").touch()  # after the library is whole and loaded: seen, it is loaded directly
+
+
+def _load_finished(directory: Path) -> bool:
+    """Loads the build in `directory` if it is finished (its library whole); whether it did."""
+    library = directory / f"{directory.name}.so"
+    if not ((directory / "finished").is_file() and library.is_file()):
+        return False
+    torch.ops.load_library(str(library))
+    return True
 
 
 def build_directory(avx2: bool = False) -> Path:
