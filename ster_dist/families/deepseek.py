@@ -24,6 +24,12 @@ Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,
 - axk1 (A.X-K1): DeepSeek-V3's latent attention (always a compressed query) with a post_mlp_layernorm over each
   sparse layer's feed-forward output (dense layers store one too and never apply it); its topk_method none is
   group-limited greedy over sigmoid scores without a selection bias, each group ranked by its best expert.
+- deepseek (DeepSeek-MoE, the first DeepSeek mixture, published as remote code): Llama's attention, rotating by
+  halves, with DeepSeek's experts: softmax over n_routed_experts, greedy, renormalised only under norm_topk_prob
+  and never scaled, beside n_shared_experts ungated shared ones; dense before first_k_dense_replace and off
+  moe_layer_freq. ster_dist never runs its remote code: it is checked against the reference written in
+  tests/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Transformers' Llama with DeepSeek-V2's
+  sparse blocks).
 """
 
 from __future__ import annotations
@@ -155,6 +161,20 @@ def _glm_indexer_types(raw: dict, layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
+def _deepseek(raw: dict) -> dict:
+    """DeepseekConfig's defaults (every layer sparse, the chosen weights kept as scored); attention_bias biases
+    every attention projection, the feed-forward never."""
+    raw = with_defaults(raw, {"first_k_dense_replace": 0, "moe_layer_freq": 1, "norm_topk_prob": False})
+    bias = bool(stated(raw, "attention_bias", default=False))
+    return {**raw, "attention_bias": bias, "attention_out_bias": bias, "mlp_bias": False}
+
+
+_DEEPSEEK_REQUIRED = {
+    "scoring_func": ("softmax", "DeepSeek-MoE scores its experts by softmax only"),
+    "topk_method": ("greedy", "DeepSeek-MoE chooses its experts greedily only"),
+}
+
+
 DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("deepseek_v2", DEEPSEEK_RULES, **_LATENT, normalize=_latent_biases,
                moe=MoESpec(scaling="without_renormalize", shared="deepseek"),
@@ -187,4 +207,7 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                moe=DEEPSEEK_V3_ROUTER, parity_reference="GlmMoeDsaForCausalLM"),
     FamilySpec("minicpm3", _LATENT_BLOCK, attention=AttentionSpec(latent=True), embedding=EmbeddingSpec(tied=True),
                normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
+    FamilySpec("deepseek", llama_rules(q_norm=None, k_norm=None) + deepseek_moe_rules(), normalize=_deepseek,
+               moe=MoESpec(shared="deepseek"), require_values=_DEEPSEEK_REQUIRED,
+               parity_reference="tests/test_pangu_ultra_deepseek_moe_ling.py"),
 )

@@ -59,7 +59,7 @@ def _glm_rules(post_norms: bool) -> tuple[Rule, ...]:
 
 
 def ling_rules() -> tuple[Rule, ...]:
-    """Ling's layout, which Sarvam MoE and bailing_moe (families/moe_remote.py) keep."""
+    """Ling's layout, which Sarvam MoE and bailing_moe and param2moe (families/ling.py) keep."""
     # Ling 2.0's names: word_embeddings, attention.query_key_value ([q | k | v]), attention.dense, the per-head
     # query_layernorm / key_layernorm and the router's expert_bias
     return (llama_rules(attn="attention", q=None, k=None, v=None, o="dense", q_norm="query_layernorm",

@@ -12,7 +12,6 @@ from ster_dist.families.chatglm import CHATGLM_FAMILIES
 from ster_dist.families.cohere import COHERE_FAMILIES
 from ster_dist.families.deepseek import DEEPSEEK_FAMILIES
 from ster_dist.families.deepseek_v4 import DEEPSEEK_V4_FAMILIES
-from ster_dist.families.dense_remote import DENSE_REMOTE_FAMILIES
 from ster_dist.families.ernie import ERNIE_FAMILIES
 from ster_dist.families.exaone import EXAONE_FAMILIES
 from ster_dist.families.falcon_h1 import FALCON_H1_FAMILIES
@@ -27,11 +26,13 @@ from ster_dist.families.granite import GRANITE_FAMILIES
 from ster_dist.families.hunyuan import HUNYUAN_FAMILIES
 from ster_dist.families.hyper import HYPER_FAMILIES
 from ster_dist.families.inkling import INKLING_FAMILIES
+from ster_dist.families.internlm import INTERNLM_FAMILIES
 from ster_dist.families.kimi import KIMI_FAMILIES
 from ster_dist.families.laguna import LAGUNA_FAMILIES
 from ster_dist.families.lfm2 import LFM2_FAMILIES
 from ster_dist.families.longcat import LONGCAT_FAMILIES
 from ster_dist.families.llama import LLAMA_FAMILIES
+from ster_dist.families.ling import LING_FAMILIES
 from ster_dist.families.llama4 import LLAMA4_FAMILIES
 from ster_dist.families.looped import LOOPED_FAMILIES
 from ster_dist.families.mamba import MAMBA_FAMILIES
@@ -42,7 +43,6 @@ from ster_dist.families.minimax import MINIMAX_FAMILIES
 from ster_dist.families.minimax_m3 import MINIMAX_M3_FAMILIES
 from ster_dist.families.mistral_format import MISTRAL_FORMAT_FAMILIES
 from ster_dist.families.mixtral import MIXTRAL_FAMILIES
-from ster_dist.families.moe_remote import MOE_REMOTE_FAMILIES
 from ster_dist.families.mpt import MPT_FAMILIES
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.nemotron import NEMOTRON_FAMILIES
@@ -64,9 +64,9 @@ _ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MI
         + PHI_FAMILIES + OLMO_FAMILIES + GLM_FAMILIES + COHERE_FAMILIES + GRANITE_FAMILIES + EXAONE_FAMILIES
         + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
         + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
-        + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + DENSE_REMOTE_FAMILIES
+        + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + INTERNLM_FAMILIES
         + TELECHAT_FAMILIES + PANGU_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + MOE_REMOTE_FAMILIES + LONGCAT_FAMILIES
+        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + LING_FAMILIES + LONGCAT_FAMILIES
         + GEMMA3N_FAMILIES + HYPER_FAMILIES + LOOPED_FAMILIES + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
         + K2_HORIZON_FAMILIES + MINIMAX_M3_FAMILIES + GEMMA4_FAMILIES + DEEPSEEK_V4_FAMILIES)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}

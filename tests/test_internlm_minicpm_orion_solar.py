@@ -1,7 +1,7 @@
-"""Dense families Transformers has no model class for (families/dense_remote.py), each against a plain-torch
-reference written here from the seed's description: a tiny random checkpoint in the family's real tensor names and
-config keys, then logits, greedy generation, decoding from the cache, batched generation, TP=2, the token engine
-and a PEFT adapter on InternLM2's fused wqkv.
+"""Dense families Transformers has no model class for (families/internlm.py, and minicpm, orion and solar in
+families/llama.py), each against a plain-torch reference written here from the seed's description: a tiny random
+checkpoint in the family's real tensor names and config keys, then logits, greedy generation, decoding from the
+cache, batched generation, TP=2, the token engine and a PEFT adapter on InternLM2's fused wqkv.
 
 The reference reads canonical weights (the `_canonical` dict below, never ster_dist's names); each family's writer
 stores them under the family's own names and layout (InternLM2's wqkv grouped by key-value head), so a wrong name
@@ -224,7 +224,7 @@ def write_checkpoint(name: str, directory: Path, seed: int = 0, **config) -> dic
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dense_remote")
+    root = tmp_path_factory.mktemp("remote_dense")
     out = {}
     for seed, name in enumerate(NAMES):
         directory = root / name
@@ -319,7 +319,7 @@ def test_each_family_is_listed_as_checked_against_this_file():
     table = {row["family"]: row for row in family_table()}
     for name in NAMES:
         assert table[name]["status"] == "parity-checked"
-        assert SPECS[name].parity_reference == "tests/test_dense_remote.py"
+        assert SPECS[name].parity_reference == "tests/test_internlm_minicpm_orion_solar.py"
 
 
 def test_internlm3_reads_transformers_aliases_of_its_bias_keys(tmp_path):

@@ -1,5 +1,5 @@
-"""pangu_ultra_moe, deepseek, bailing_moe and param2moe (families/moe_remote.py) against references written
-here from seeds/000's description, since Transformers (as installed) has none of their classes.
+"""pangu_ultra_moe, deepseek, bailing_moe and param2moe (families/pangu.py, deepseek.py and ling.py) against
+references written here from seeds/000's description, since Transformers (as installed) has none of their classes.
 
 openPangu-Ultra-MoE is DeepSeek-V3 (latent attention, adjacent pairs rotating) under Pangu's key names, its
 router sigmoid without a selection bias: the reference is Transformers' DeepseekV3 with one expert group and
@@ -16,6 +16,7 @@ is written to the checkpoint under the family's own tensor names and config keys
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,7 +327,8 @@ def test_sparse_layers_follow_the_config(built):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ster_families_lists_each_as_parity_checked_against_this_file(family):
     rows = {row["family"]: row for row in family_table()}
-    assert rows[family]["status"] == "parity-checked" and rows[family]["reference"] == "tests/test_moe_remote.py"
+    assert rows[family]["status"] == "parity-checked"
+    assert rows[family]["reference"] == "tests/" + Path(__file__).name
 
 
 @pytest.mark.parametrize("variant, change, message", [
