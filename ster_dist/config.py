@@ -7,8 +7,9 @@ resolves every alias the families share (GPT-style n_embd / n_layer / n_head,
 the five norm-epsilon spellings, Transformers 5's rope_parameters, layer_types,
 ...) and turns the family's conventions (its FamilySpec's sub-specs) into plain
 switches, so the decoder reads switches and sizes and never a family name.
-Its rotation part is config_rope.py, its experts part config_moe.py, and
-config_keys.Keys the aliased lookup all three read through.
+Its rotation part is config_rope.py, its experts part config_moe.py, its
+per-layer tables config_layers.py, and config_keys.Keys the aliased lookup
+they all read through.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ster_dist import config_layers as per_layer
 from ster_dist.config_altup import AltUpConfig, altup_config
 from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
 from ster_dist.config_keys import Keys
@@ -449,7 +451,7 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         raise Refusal(f"invalid model config {path}: norm_kind {norm_kind!r} is not supported; supported: rms, layer")
 
     alibi = positions.kind == "alibi" or bool(keys.get("alibi"))
-    layer_head_dim = _layer_counts(keys, "layer_head_dim", num_layers)
+    layer_head_dim = per_layer.counts(keys, "layer_head_dim", num_layers)
     layer_rope, layer_window, layer_chunk, full_rope = rotations(
         keys, spec, num_layers, tuple(kind in ATTENDING_MIXERS for kind in mixers), moe_layers, head_dim,
         mla.qk_rope_head_dim if mla is not None else None, max_position, alibi, layer_head_dim)
@@ -497,8 +499,8 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
             raise Refusal(f"invalid model config {path}: llama_4_scaling_beta is stated without the "
                           "original_max_position_embeddings its query temperature counts positions in")
 
-    layer_heads, layer_kv_heads = (_layer_counts(keys, "layer_heads", num_layers),
-                                   _layer_counts(keys, "layer_kv_heads", num_layers))
+    layer_heads, layer_kv_heads = (per_layer.counts(keys, "layer_heads", num_layers),
+                                   per_layer.counts(keys, "layer_kv_heads", num_layers))
     for i in range(num_layers if layer_heads or layer_kv_heads else 0):
         heads, kv = (layer_heads or [num_heads] * num_layers)[i], (layer_kv_heads or [num_kv] * num_layers)[i]
         if heads % kv:
@@ -521,12 +523,12 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         qk_norm_after_rope=qk.after_rope, query_temperature_beta=temperature_beta,
         query_temperature_length=int(temperature_length) if temperature_length else None,
         query_temperature_offset=int(keys.get("query_temperature_offset", default=0)),
-        layer_query_temperature=_layer_switches(keys, "query_temperature_layers", num_layers),
-        qk_norm_affine=qk.affine, layer_qk_norm=_layer_switches(keys, "qk_norm_layers", num_layers),
+        layer_query_temperature=per_layer.switches(keys, "query_temperature_layers", num_layers),
+        qk_norm_affine=qk.affine, layer_qk_norm=per_layer.switches(keys, "qk_norm_layers", num_layers),
         attn_output_gate=bool(keys.get("attn_output_gate", default=False)), softplus_gate=_softplus_gate(keys),
         sigmoid_head_gate=bool(keys.get("sigmoid_head_gate", default=False)),
-        layer_glu_limits=_layer_limits(keys, "glu_limit_layers", num_layers),
-        layer_shared_glu_limits=_layer_limits(keys, "shared_glu_limit_layers", num_layers),
+        layer_glu_limits=per_layer.limits(keys, "glu_limit_layers", num_layers),
+        layer_shared_glu_limits=per_layer.limits(keys, "shared_glu_limit_layers", num_layers),
         output_gate=_output_gate(keys),
         attn_softcap=keys.get("attn_logit_softcapping"), clip_qkv=keys.get("clip_qkv"),
         layer_rope=tuple(layer_rope), layer_window=tuple(layer_window), layer_chunk=tuple(layer_chunk),
@@ -541,9 +543,9 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         embed_scale=embed_scale, residual_multiplier=residual_multiplier,
         residual_fp32=bool(keys.get("residual_in_fp32", default=False)), hyper_streams=_hyper_streams(keys),
         recurrent_pre_norm=bool(keys.get("recurrent_pre_norm", default=False)),
-        residual_factors=_residual_factors(keys, num_layers),
+        residual_factors=per_layer.residual_factors(keys, num_layers),
         residual_from_norm=bool(keys.get("residual_from_norm", default=False)),
-        block_skips=_block_skips(keys, num_layers),
+        block_skips=per_layer.block_skips(keys, num_layers),
         logit_multiplier=logit_multiplier, scored_vocab=_scored_vocab(keys, vocab),
         sublayer_conv=_sublayer_conv(keys), mlp_output_scale=bool(keys.get("mlp_output_scale", default=False)),
         logit_softcap=keys.get("final_logit_softcapping"),
@@ -553,52 +555,30 @@ def from_hf(raw: dict, path: str = "config.json", weight_format: str = "safetens
         pad_token_id=pad if isinstance(pad, int) else None,
         torch_dtype=keys.get("torch_dtype", "dtype"), moe=moe, moe_layers=moe_layers, layer_moe=layer_moe, mla=mla,
         layer_mla=_layer_mla(raw, mla, path),
-        attn_sinks=attention.sinks, layer_sinks=_layer_switches(keys, "sink_layers", num_layers),
+        attn_sinks=attention.sinks, layer_sinks=per_layer.switches(keys, "sink_layers", num_layers),
         layer_heads=layer_heads, layer_kv_heads=layer_kv_heads,
         value_experts=value_experts,
-        layer_intermediate=_layer_counts(keys, "layer_intermediate_size", num_layers),
+        layer_intermediate=per_layer.counts(keys, "layer_intermediate_size", num_layers),
         value_head_dim=keys.get("value_head_dim"), query_bottleneck=keys.get("query_bottleneck"),
         value_scale=float(keys.get("attention_value_scale", default=1.0)),
         value_norm=bool(keys.get("value_norm", default=False)),
         swiglu_oai=tuple(float(x) for x in keys.get("swiglu_oai", default=())),
-        layer_kv_source=_layer_kv_source(keys, num_layers), layer_gate_sparsity=_gate_sparsity(keys, num_layers),
+        layer_kv_source=per_layer.kv_sources(keys, num_layers),
+        layer_gate_sparsity=per_layer.gate_sparsity(keys, num_layers),
         altup=altup_config(keys), laurel_rank=int(keys.get("laurel_rank", default=0)),
         ngram=ngram_config(keys, hidden),
-        layer_head_dim=layer_head_dim, layer_value_from_key=_layer_switches(keys, "value_from_key_layers", num_layers),
+        layer_head_dim=layer_head_dim,
+        layer_value_from_key=per_layer.switches(keys, "value_from_key_layers", num_layers),
         layer_scalar=bool(keys.get("layer_scalar", default=False)),
         per_layer_input=int(keys.get("per_layer_input_size", default=0) or 0),
         per_layer_vocab=int(keys.get("per_layer_input_vocab", default=0) or 0),
         weight_format=weight_format, wrapper=wrapper, raw=raw,
         quant=quantization(raw.get("quantization_config"), path), mtp_layers=_mtp_layers(keys, path),
-        mixers=mixers, feed_forwards=feed_forwards, loop_layers=_loop_layers(keys, num_layers, path),
+        mixers=mixers, feed_forwards=feed_forwards, loop_layers=per_layer.loop_layers(keys, num_layers, path),
         loop_pass_norm=bool(keys.get("loop_pass_norm", default=False)),
-        loop_schedule=_loop_schedule(keys, num_layers, path),
+        loop_schedule=per_layer.loop_schedule(keys, num_layers, path),
         bidirectional_prompt=bool(keys.get("bidirectional_prompt", default=False)),
     )
-
-
-def _layer_kv_source(keys: Keys, num_layers: int) -> tuple[int | None, ...]:
-    """Per layer, the earlier layer whose keys and values it reads (None: its own); empty when unstated."""
-    stated = keys.get("kv_source_layers")
-    if stated is None:
-        return ()
-    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
-            src is not None and (isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < i
-                                 or stated[src] is not None) for i, src in enumerate(stated)):
-        raise Refusal(f"invalid model config {keys.path}: kv_source_layers must name, for each of the {num_layers} "
-                      "layers, null or an earlier layer that makes its own keys and values")
-    return tuple(stated)
-
-
-def _gate_sparsity(keys: Keys, num_layers: int) -> tuple[float, ...]:
-    stated = keys.get("gate_sparsity_layers")
-    if stated is None:
-        return ()
-    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
-            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1 for p in stated):
-        raise Refusal(f"invalid model config {keys.path}: activation_sparsity_pattern must give a sparsity in [0, 1) "
-                      f"for each of the {num_layers} layers")
-    return tuple(float(p) for p in stated)
 
 
 def _hyper_streams(keys: Keys) -> int:
@@ -647,7 +627,6 @@ def _states_kv_heads(raw: dict) -> bool:
     return any(obj.get(key) is not None for obj in objects for key in keys)
 
 
-
 def _layer_kinds(keys: Keys, spec: FamilySpec, num_layers: int, path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Each layer's mixer and feed-forward kind as the family states them; empty where it states none."""
     if spec.layer_kinds is None:
@@ -664,35 +643,12 @@ def _layer_kinds(keys: Keys, spec: FamilySpec, num_layers: int, path: str) -> tu
     return tuple(mixers), tuple(feed_forwards)
 
 
-def _layer_switches(keys: Keys, key: str, num_layers: int) -> tuple[bool, ...]:
-    """A per-layer on/off list a family's normalisation states (0/1 or booleans); empty when unstated."""
-    stated = keys.get(key)
-    if stated is None:
-        return ()
-    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers:
-        raise Refusal(f"invalid model config {keys.path}: {key} must list 0 or 1 for each of the {num_layers} "
-                      "layers")
-    return tuple(bool(x) for x in stated)
-
-
 def _softplus_gate(keys: Keys) -> str:
     gate = keys.get("softplus_output_gate", default="none")
     if gate not in ("none", "head", "element"):
         raise Refusal(f"invalid model config {keys.path}: softplus_output_gate {gate!r} is not one of none, head, "
                       "element")
     return gate
-
-
-def _layer_limits(keys: Keys, key: str, num_layers: int) -> tuple[float, ...]:
-    """A per-layer clamp bound a family's normalisation states (0: none); empty when unstated."""
-    stated = keys.get(key)
-    if stated is None:
-        return ()
-    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
-            isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 for n in stated):
-        raise Refusal(f"invalid model config {keys.path}: {key} must list a bound of zero or more for each of the "
-                      f"{num_layers} layers")
-    return tuple(float(n) for n in stated)
 
 
 def _output_gate(keys: Keys) -> str:
@@ -711,51 +667,6 @@ def _norm_groups(keys: Keys, hidden: int) -> int:
     return groups
 
 
-def _layer_counts(keys: Keys, key: str, num_layers: int) -> tuple[int, ...]:
-    """A per-layer count (heads, feed-forward width) a family's normalisation states; empty when unstated."""
-    stated = keys.get(key)
-    if stated is None:
-        return ()
-    if not isinstance(stated, (list, tuple)) or len(stated) != num_layers or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stated):
-        what = "width" if "intermediate" in key else "head count"
-        raise Refusal(f"invalid model config {keys.path}: {key} must list a positive {what} for each of the "
-                      f"{num_layers} layers")
-    return tuple(stated)
-
-
-
-def _residual_factors(keys: Keys, num_layers: int) -> tuple[tuple[float, float, float, float], ...]:
-    factors = keys.get("residual_factors")
-    if factors is None:
-        return ()
-    if not isinstance(factors, (list, tuple)) or len(factors) != num_layers or any(
-            not isinstance(f, (list, tuple)) or len(f) != 4 or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                                                   for x in f) for f in factors):
-        raise Refusal(f"invalid model config {keys.path}: residual_factors must give four numbers (mixer alpha, "
-                      f"mixer beta, feed-forward alpha, feed-forward beta) for each of the {num_layers} layers")
-    return tuple(tuple(float(x) for x in f) for f in factors)
-def _block_skips(keys: Keys, num_layers: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...]:
-    skips = keys.get("block_skips")
-    if skips is None:
-        return ()
-    problem = (f"invalid model config {keys.path}: block_skips must list, per skip, the layers keeping the hidden "
-               f"state, the layers mixing it back in (each after a keeping one, all below {num_layers}) and a "
-               "weight between 0 and 1")
-    out = []
-    for skip in skips if isinstance(skips, (list, tuple)) else [None]:
-        if not isinstance(skip, (list, tuple)) or len(skip) != 3:
-            raise Refusal(problem)
-        keep, mix, weight = skip
-        layers = [*keep, *mix] if isinstance(keep, (list, tuple)) and isinstance(mix, (list, tuple)) else [None]
-        if (any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in layers)
-                or isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1
-                or (mix and (not keep or min(mix) < min(keep)))):
-            raise Refusal(problem)
-        out.append((tuple(keep), tuple(mix), float(weight)))
-    return tuple(out)
-
-
 def _mlp_multipliers(keys: Keys, path: str) -> tuple[float, float]:
     stated = keys.get("mlp_multipliers", default=[1.0, 1.0])
     if not isinstance(stated, (list, tuple)) or len(stated) != 2 or not all(
@@ -763,29 +674,6 @@ def _mlp_multipliers(keys: Keys, path: str) -> tuple[float, float]:
         raise Refusal(f"invalid model config {path}: mlp_multipliers is {stated!r}; it must be two numbers (the "
                       "gate's and the feed-forward output's scale); correct it or leave it out")
     return float(stated[0]), float(stated[1])
-
-
-def _loop_layers(keys: Keys, num_layers: int, path: str) -> int:
-    n = keys.get("loop_layers", default=0)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or (n and num_layers % n):
-        raise Refusal(f"invalid model config {path}: the looped model's {n!r} stored layers do not divide its "
-                      f"{num_layers} layers of every pass; state a whole number of loops")
-    return n
-
-
-def _loop_schedule(keys: Keys, num_layers: int, path: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-    stated = keys.get("loop_schedule", default=())
-    stored = keys.get("loop_layers", default=0)
-    try:
-        schedule = tuple((int(stack), int(state), tuple(int(r) for r in reads)) for stack, state, reads in stated)
-    except (TypeError, ValueError):
-        schedule = None
-    if schedule is None or (schedule and (len(schedule) * stored != num_layers or any(
-            stack < 0 or state not in (0, 1) or not reads or not set(reads) <= {0, 1}
-            for stack, state, reads in schedule))):
-        raise Refusal(f"invalid model config {path}: the loop schedule {stated!r} does not run {stored!r} stored "
-                      f"layers a pass over {num_layers} layers from states 0 and 1; state whole counts of cycles")
-    return schedule
 
 
 def _mtp_layers(keys: Keys, path: str) -> int:
