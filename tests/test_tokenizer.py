@@ -640,7 +640,7 @@ def test_class_tables_match_installed_transformers():
     )
 
     from ster_dist.families.names import FAMILY_NAMES
-    from ster_dist.tokenizer import _INCORRECT_HUB_CLASS, _REGISTERED_CLASS
+    from ster_dist.tokenizer_classes import INCORRECT_HUB_CLASS, REGISTERED_CLASS
 
     try:
         import mistral_common  # noqa: F401
@@ -653,7 +653,7 @@ def test_class_tables_match_installed_transformers():
     expected = {
         f: TOKENIZER_MAPPING_NAMES[f] for f in FAMILY_NAMES if TOKENIZER_MAPPING_NAMES.get(f)
     }
-    assert _REGISTERED_CLASS == expected
-    assert _INCORRECT_HUB_CLASS == set(FAMILY_NAMES) & set(
+    assert REGISTERED_CLASS == expected
+    assert INCORRECT_HUB_CLASS == set(FAMILY_NAMES) & set(
         MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
     )
