@@ -19,7 +19,7 @@ template from chat_template.jinja + additional_chat_templates/*.jinja, else toke
 else chat_template.json (Transformers' AutoTokenizer ignores that last file; processors read it, so
 ster_dist uses it only when nothing else names a template).
 
-Rendering is bounded (ster_dist/chat_template.py): a template that loops, grows a value, recurses
+Rendering is bounded (ster_dist/template_limits.py): a template that loops, grows a value, recurses
 or floods its output is refused in one line within a time budget, on any thread.
 
 What it never does: execute remote code (an `auto_map` in the config is ignored; tokenizer.json is

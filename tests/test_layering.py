@@ -26,7 +26,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "leaves: refusals, whole-or-nothing writes, progress events and input files; import nothing of ours"),
     (("families",),
      "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user"),
-    (("checkpoint", "config*", "resolve", "tokenizer*", "chat_template"),
+    (("checkpoint", "config*", "resolve", "tokenizer*", "chat_template", "template_limits"),
      "checkpoint and config level: what a model is, read from its files before any weight"),
     (("kernels",),
      "our native CPU kernels (few-row products, paged decode attention), built at first use; torch ops only"),
