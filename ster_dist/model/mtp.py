@@ -32,7 +32,8 @@ from ster_dist.config_file import wrapper_of
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import MTPSpec, Rule
 from ster_dist.model.anchored import Anchored
-from ster_dist.model.decoder import Block, Decoder, Elsewhere
+from ster_dist.model.block import Block
+from ster_dist.model.decoder import Decoder, Elsewhere
 from ster_dist.model.host import upload
 from ster_dist.model.norm import Norm
 from ster_dist.model.paged import Chunk, PagedCache
