@@ -377,3 +377,22 @@ def test_inline_vectors_are_bounded_per_server(client, toy, modifiers, monkeypat
     again = client.chat.completions.create(model=toy, messages=messages, max_tokens=1, temperature=0,
                                            extra_body={"steering": {"vector": "calm", "strength": 1}})
     assert again.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_keyless_server_refuses_a_web_pages_requests(server, toy, tmp_path):
+    """A page in the user's browser may POST to 127.0.0.1 (a text/plain body needs no CORS approval) or
+    reach it by a name it rebinds there: a keyless server refuses both, before a job writes any file."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["one"]}))
+    body = json.dumps({"input": str(prompts), "output": str(tmp_path / "acts.safetensors"), "layers": "1"})
+    for headers in ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, {"Origin": "null"},
+                    {"Host": f"rebound.example:{server.port}"}):
+        refused = httpx.post(f"{server.url}/v1/extract", content=body, headers=headers, timeout=30)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "foreign_origin" and "--api-key" in refused.json()["error"]["message"]
+    assert not (tmp_path / "acts.safetensors").exists()
+    own = httpx.post(f"{server.url}/v1/completions", headers={"Origin": f"http://localhost:{server.port}"}, timeout=30,
+                     json={"model": toy, "prompt": "hi", "max_tokens": 1})
+    assert own.status_code == 200, own.text
+    assert httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10).status_code == 200
+
