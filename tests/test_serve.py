@@ -396,3 +396,45 @@ def test_a_keyless_server_refuses_a_web_pages_requests(server, toy, tmp_path):
     assert own.status_code == 200, own.text
     assert httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10).status_code == 200
 
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"50": 100}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"guided_regex": "a+"}, "guided_regex"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     "messages.0.content.0.type"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt")])
+def test_fields_not_served_are_refused_not_ignored(client, toy, fields, param):
+    """What would change the answer and is not served is a 400 naming it (not silently dropped), and a
+    chat_template_kwargs key that clashes with the request's own field is a 400, not a 500."""
+    body = {"model": toy, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
+    for stream in (False, True):
+        answer = httpx.post(f"{client.base_url}chat/completions", json={**body, "stream": stream}, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == param
+
+
+def test_what_is_served_or_harmless_still_passes(client, toy):
+    plain = client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           response_format={"type": "text"}, tool_choice="none", logit_bias={})
+    assert plain.choices[0].finish_reason == "length"
+
+
+def test_non_finite_logprobs_are_answered_as_json(client, toy):
+    """A steering artifact inline may hold huge (finite) values that make the steered logits non-finite:
+    the answer's logprobs are still JSON every client parses (vLLM's -9999.0), whole or streamed."""
+    art = {"schema_version": 1, "product": "ster", "model": toy, "model_revision": None, "trait_name": "t",
+           "method": "m", "hidden_size": 64, "vectors": [{"layer": 1, "values": [3e38] * 64, "train_accuracy": 1.0,
+                                                          "train_margin": 1.0}], "metadata": {}}
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the answer"))
+
+    body = {"model": toy, "prompt": "hi", "max_tokens": 2, "logprobs": 2, "steering": {"artifact": art,
+                                                                                      "strength": 1e30}}
+    whole = httpx.post(f"{client.base_url}completions", json=body, timeout=30)
+    assert whole.status_code == 200, whole.text
+    assert strict(whole.text)["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0, -9999.0]
+    streamed = httpx.post(f"{client.base_url}completions", json={**body, "stream": True}, timeout=30)
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events and all(strict(event)["choices"] is not None for event in events)
