@@ -257,6 +257,47 @@ def test_a_non_loopback_address_needs_a_key(toy):
     assert done.stderr.strip().splitlines()[-1].startswith("--host 0.0.0.0 listens beyond this machine; give --api-key")
 
 
+@pytest.mark.parametrize("key", ["clé"])
+def test_a_key_no_header_can_carry_is_refused_at_start(toy, key):
+    """A header carries the key as ASCII bytes: a key with other characters could never match, and the
+    server would answer every request 401. It is refused before the model loads."""
+    done = subprocess.run([sys.executable, "-m", "ster_dist.cli", "serve", "--model", toy], env={
+        **__import__("os").environ, "PYTHONPATH": str(ROOT), "STER_API_KEY": key}, cwd=ROOT, capture_output=True,
+        text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1].startswith("--api-key must be printable ASCII")
+
+
+def test_a_dead_rank_stops_the_engine_and_later_requests_are_503(toy):
+    """A rank that dies mid-stream ends that stream with an error event and [DONE]; /health and every
+    later request then say 503 engine_stopped (the server's fault), not a 400 blaming the prompt."""
+    import os
+
+    proc = ServeProcess("--model", toy, "--tp", "2", env={"STER_API_KEY": KEY}, timeout=300)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        # the ranks' pids as the server reports them (never a search by name: other Ray ranks may run here)
+        queue = httpx.get(f"{proc.url}/v1/health", headers=auth, timeout=10).json()["queue"]
+        ranks = [worker["pid"] for group in queue["groups"] for worker in group["workers"] if worker["rank"] == 1]
+        assert len(ranks) == 1, queue
+        body = {"model": toy, "prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, headers=auth, timeout=120) as first:
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(ranks[0], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:])
+        health = httpx.get(f"{proc.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stopped"
+        for stream in (False, True):
+            later = httpx.post(f"{proc.url}/v1/completions", headers=auth, timeout=30,
+                               json={"model": toy, "prompt": "hi", "max_tokens": 2, "stream": stream})
+            assert later.status_code == 503, later.text
+            assert later.json()["error"]["code"] == "engine_stopped" and "died" in later.json()["error"]["message"]
+    finally:
+        proc.stop()
+
+
 def test_key_queue_limit_body_limit_and_drain(toy):
     proc = ServeProcess("--model", toy, "--max-queue", "1", "--max-body", "2KiB", env={"STER_API_KEY": KEY})
     try:

@@ -44,7 +44,7 @@ def build_app(state) -> FastAPI:
         if state.draining:
             return errors.shutting_down().response()
         if state.engine is None or state.engine.stopped:
-            return ApiError(503, "the engine has stopped; restart the server", type="server_error").response()
+            return errors.engine_stopped().response()
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -68,6 +68,11 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
+def engine_stopped(why: str = "") -> ApiError:
+    return ApiError(503, f"the engine has stopped{': ' + why.removeprefix('the engine has stopped: ') if why else ''}; "
+                         "restart the server", type="server_error", code="engine_stopped")
+
+
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down; send the request to another replica or retry later",
                     type="server_error", code="shutting_down", headers={"Retry-After": "5"})

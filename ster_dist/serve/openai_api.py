@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import InvalidField, Refusal
-from ster_dist.serve.errors import ApiError, bad_request, not_found, param_of, send_json
+from ster_dist.serve.errors import ApiError, bad_request, engine_stopped, not_found, param_of, send_json
 from ster_dist.serve.event_stream import send_events, until_disconnect
 from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -278,6 +278,8 @@ def _submit(state, prep: _Prepared) -> list:
     except Refusal as exc:
         for stream in streams:
             stream.cancel()
+        if state.engine.stopped:  # the server's fault, not the request's: 503 as /health says it
+            raise engine_stopped(str(exc)) from None
         raise _refused(prep, exc) from None
     return streams
 
