@@ -3,8 +3,8 @@
 Routes: OpenAI's (serve/openai_api.py), Ster's serve API (serve/ster_api.py), `/health` and
 `/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
 never buffers a stream) checks, in this order: the bearer key (or, on a keyless server, that the
-request is not a web page's), the server draining, the body size, and the limit of requests in flight (429 with Retry-After); it counts every answer by endpoint and
-status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
+request is not a web page's), the server draining, the body size, and the limit of requests in
+flight (429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
 openai_api.answer: their time on the event loop delays the first token. Every error body is
 OpenAI's shape.
 """
