@@ -257,6 +257,47 @@ def test_a_non_loopback_address_needs_a_key(toy):
     assert done.stderr.strip().splitlines()[-1].startswith("--host 0.0.0.0 listens beyond this machine; give --api-key")
 
 
+@pytest.mark.parametrize("key", ["clé"])
+def test_a_key_no_header_can_carry_is_refused_at_start(toy, key):
+    """A header carries the key as ASCII bytes: a key with other characters could never match, and the
+    server would answer every request 401. It is refused before the model loads."""
+    done = subprocess.run([sys.executable, "-m", "ster_dist.cli", "serve", "--model", toy], env={
+        **__import__("os").environ, "PYTHONPATH": str(ROOT), "STER_API_KEY": key}, cwd=ROOT, capture_output=True,
+        text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1].startswith("--api-key must be printable ASCII")
+
+
+def test_a_dead_rank_stops_the_engine_and_later_requests_are_503(toy):
+    """A rank that dies mid-stream ends that stream with an error event and [DONE]; /health and every
+    later request then say 503 engine_stopped (the server's fault), not a 400 blaming the prompt."""
+    import os
+
+    proc = ServeProcess("--model", toy, "--tp", "2", env={"STER_API_KEY": KEY}, timeout=300)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        # the ranks' pids as the server reports them (never a search by name: other Ray ranks may run here)
+        queue = httpx.get(f"{proc.url}/v1/health", headers=auth, timeout=10).json()["queue"]
+        ranks = [worker["pid"] for group in queue["groups"] for worker in group["workers"] if worker["rank"] == 1]
+        assert len(ranks) == 1, queue
+        body = {"model": toy, "prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, headers=auth, timeout=120) as first:
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(ranks[0], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2][6:])
+        health = httpx.get(f"{proc.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stopped"
+        for stream in (False, True):
+            later = httpx.post(f"{proc.url}/v1/completions", headers=auth, timeout=30,
+                               json={"model": toy, "prompt": "hi", "max_tokens": 2, "stream": stream})
+            assert later.status_code == 503, later.text
+            assert later.json()["error"]["code"] == "engine_stopped" and "died" in later.json()["error"]["message"]
+    finally:
+        proc.stop()
+
+
 def test_key_queue_limit_body_limit_and_drain(toy):
     proc = ServeProcess("--model", toy, "--max-queue", "1", "--max-body", "2KiB", env={"STER_API_KEY": KEY})
     try:
@@ -377,3 +418,61 @@ def test_inline_vectors_are_bounded_per_server(client, toy, modifiers, monkeypat
     again = client.chat.completions.create(model=toy, messages=messages, max_tokens=1, temperature=0,
                                            extra_body={"steering": {"vector": "calm", "strength": 1}})
     assert again.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_keyless_server_refuses_a_web_pages_requests(server, toy, tmp_path):
+    """A page in the user's browser may POST to 127.0.0.1 (a text/plain body needs no CORS approval) or
+    reach it by a name it rebinds there: a keyless server refuses both, before a job writes any file."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["one"]}))
+    body = json.dumps({"input": str(prompts), "output": str(tmp_path / "acts.safetensors"), "layers": "1"})
+    for headers in ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, {"Origin": "null"},
+                    {"Host": f"rebound.example:{server.port}"}):
+        refused = httpx.post(f"{server.url}/v1/extract", content=body, headers=headers, timeout=30)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "foreign_origin" and "--api-key" in refused.json()["error"]["message"]
+    assert not (tmp_path / "acts.safetensors").exists()
+    own = httpx.post(f"{server.url}/v1/completions", headers={"Origin": f"http://localhost:{server.port}"}, timeout=30,
+                     json={"model": toy, "prompt": "hi", "max_tokens": 1})
+    assert own.status_code == 200, own.text
+    assert httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"50": 100}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"guided_regex": "a+"}, "guided_regex"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     "messages.0.content.0.type"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt")])
+def test_fields_not_served_are_refused_not_ignored(client, toy, fields, param):
+    """What would change the answer and is not served is a 400 naming it (not silently dropped), and a
+    chat_template_kwargs key that clashes with the request's own field is a 400, not a 500."""
+    body = {"model": toy, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
+    for stream in (False, True):
+        answer = httpx.post(f"{client.base_url}chat/completions", json={**body, "stream": stream}, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == param
+
+
+def test_what_is_served_or_harmless_still_passes(client, toy):
+    plain = client.chat.completions.create(model=toy, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           response_format={"type": "text"}, tool_choice="none", logit_bias={})
+    assert plain.choices[0].finish_reason == "length"
+
+
+def test_non_finite_logprobs_are_answered_as_json(client, toy):
+    """A steering strength may be huge (finite) and make the steered logits non-finite: the answer's
+    logprobs are still JSON every client parses (vLLM's -9999.0), whole or streamed. The named vector:
+    an inline one would count against the server's limit, which an earlier test fills."""
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the answer"))
+
+    body = {"model": toy, "prompt": "hi", "max_tokens": 2, "logprobs": 2, "steering": {"vector": "calm",
+                                                                                      "strength": 1e300}}
+    whole = httpx.post(f"{client.base_url}completions", json=body, timeout=30)
+    assert whole.status_code == 200, whole.text
+    assert strict(whole.text)["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0, -9999.0]
+    streamed = httpx.post(f"{client.base_url}completions", json={**body, "stream": True}, timeout=30)
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events and all(strict(event)["choices"] is not None for event in events)

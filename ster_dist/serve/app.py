@@ -2,9 +2,9 @@
 
 Routes: OpenAI's (serve/openai_api.py), Ster's serve API (serve/ster_api.py), `/health` and
 `/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
-never buffers a stream) checks, in this order: the bearer key, the server draining, the body size,
-and the limit of requests in flight (429 with Retry-After); it counts every answer by endpoint and
-status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
+never buffers a stream) checks, in this order: the bearer key (or, on a keyless server, that the
+request is not a web page's), the server draining, the body size, and the limit of requests in
+flight (429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
 openai_api.answer: their time on the event loop delays the first token. Every error body is
 OpenAI's shape.
 """
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hmac
 import time
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from ster_dist.schema.serve import is_loopback
 from ster_dist.serve import errors
 from ster_dist.serve.errors import ApiError
 from ster_dist.serve.openai_api import CHAT, TEXT, answer, router as openai_router
@@ -42,7 +44,7 @@ def build_app(state) -> FastAPI:
         if state.draining:
             return errors.shutting_down().response()
         if state.engine is None or state.engine.stopped:
-            return ApiError(503, "the engine has stopped; restart the server", type="server_error").response()
+            return errors.engine_stopped().response()
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -137,6 +139,10 @@ class _Guard:
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
                 return errors.unauthorized()
+        if self.key is None and path not in OPEN_PATHS:
+            foreign = _foreign(headers)
+            if foreign is not None:
+                return errors.foreign_site(*foreign)
         if self.state.draining and path not in OPEN_PATHS:
             return errors.shutting_down()
         length = headers.get(b"content-length")
@@ -159,6 +165,32 @@ class _Guard:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+
+def _foreign(headers: dict) -> tuple[str, str] | None:
+    """("Origin" | "Host", value) when a keyless server is asked by another site: a web page's request
+    (a browser sends its Origin, and a form or text/plain POST needs no CORS approval) or DNS rebinding
+    (a foreign name that resolves to 127.0.0.1). Such a page could otherwise run jobs that write files
+    where the body says. Clients off a browser send no Origin and name the address they dialled."""
+    origin = headers.get(b"origin")
+    if origin is not None:
+        text = origin.decode("latin-1")
+        try:
+            host = urlsplit(text).hostname
+        except ValueError:
+            host = None
+        if host is None or not is_loopback(host):
+            return "Origin", text
+    host = headers.get(b"host")
+    if host is not None:
+        text = host.decode("latin-1")
+        try:
+            name = urlsplit(f"//{text}").hostname
+        except ValueError:
+            name = None
+        if name is None or not is_loopback(name):
+            return "Host", text
+    return None
 
 
 def _replaying(body: bytes, receive):

@@ -52,6 +52,12 @@ def unauthorized() -> ApiError:
                          "ster serve --api-key)", code="invalid_api_key")
 
 
+def foreign_site(header: str, value: str) -> ApiError:
+    return ApiError(403, f"this server has no key, so it answers only clients on this machine, and the request's "
+                         f"{header} {value[:200]!r} is another site's (a web page, or DNS rebinding); call it as "
+                         "127.0.0.1 or localhost, or start ster serve with --api-key KEY", code="foreign_origin")
+
+
 def too_many(retry_after: int, limit: int) -> ApiError:
     return ApiError(429, f"the server is at its limit of {limit} requests in flight; retry after {retry_after} s",
                     type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
@@ -60,6 +66,11 @@ def too_many(retry_after: int, limit: int) -> ApiError:
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than this server's {limit} bytes (ster serve --max-body)",
                     code="request_too_large")
+
+
+def engine_stopped(why: str = "") -> ApiError:
+    return ApiError(503, f"the engine has stopped{': ' + why.removeprefix('the engine has stopped: ') if why else ''}; "
+                         "restart the server", type="server_error", code="engine_stopped")
 
 
 def shutting_down() -> ApiError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 import uuid
 
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import InvalidField, Refusal
-from ster_dist.serve.errors import ApiError, bad_request, not_found, param_of, send_json
+from ster_dist.serve.errors import ApiError, bad_request, engine_stopped, not_found, param_of, send_json
 from ster_dist.serve.event_stream import send_events, until_disconnect
 from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -82,11 +83,13 @@ async def answer(state, path: str, raw: bytes, receive, send) -> None:
             whole = await _whole(state, prep, _submit(state, prep), watcher)
         finally:
             watcher.cancel()
+        # inside the try: an answer that cannot be written (say, a value JSON has no spelling for) is
+        # OpenAI's 500 too, not uvicorn's plain-text one
+        return await send_json(send, whole)
     except ApiError as error:
         return await error.send(send)
     except Exception as exc:  # noqa: BLE001 - OpenAI's 500, never a traceback
         return await ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error").send(send)
-    await send_json(send, whole)
 
 
 # -- a request's inputs -------------------------------------------------------------------------------
@@ -159,18 +162,50 @@ def _sampling(state, body, prompt_len: int, logprobs: int | None) -> SamplingPar
         raise bad_request(str(exc), param=_PARAMS.get(exc.field, exc.field)) from None
 
 
+def _unserved(body) -> None:
+    """Refuse the fields that would change the answer and are not served, rather than ignore them."""
+    unserved = [("logit_bias", bool(body.logit_bias)),
+                ("response_format", body.response_format not in (None, {"type": "text"})),
+                *((name, getattr(body, name) is not None)
+                  for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))]
+    if isinstance(body, ChatCompletionRequest):
+        unserved += [("tools", bool(body.tools)), ("functions", bool(body.functions)),
+                     ("tool_choice", body.tool_choice not in (None, "none", "auto")),
+                     ("function_call", body.function_call not in (None, "none", "auto"))]
+    for name, refused in unserved:
+        if refused:
+            raise bad_request(f"'{name}' is not served by ster serve; send the request without it", param=name)
+
+
+# the names apply_chat_template takes itself: chat_template_kwargs may not pass them a second time
+_TEMPLATE_OWN = ("messages", "add_generation_prompt")
+
+
+def _messages(body: ChatCompletionRequest) -> list[dict]:
+    for i, message in enumerate(body.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"messages.{i}.content.{j}: a content part of type {part.type[:40]!r} is not "
+                                  "served (this server reads text); send text parts ({'type': 'text', 'text': ...})",
+                                  param=f"messages.{i}.content.{j}.type")
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+
+
 def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
-    if body.tools:
-        raise bad_request("tools are not served by ster serve; send the request without 'tools'", param="tools")
+    _unserved(body)
     adapter, steering = _modifiers(state, body)
     tokenizer = state.session.tokenizer
     if not tokenizer.has_chat_template:
         raise bad_request(f"{state.request.model} has no chat template, so chat messages cannot be rendered; "
                           "send the text to /v1/completions", param="messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    messages = _messages(body)
+    kwargs = body.chat_template_kwargs or {}
+    for name in _TEMPLATE_OWN:
+        if name in kwargs:
+            raise bad_request(f"chat_template_kwargs may not set '{name}': it is the request's own field; send it "
+                              f"as '{name}'", param=f"chat_template_kwargs.{name}")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                            **(body.chat_template_kwargs or {}))
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
     except Refusal as exc:
         raise bad_request(str(exc), param="messages") from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -186,6 +221,7 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
                           ("best_of", body.best_of not in (None, body.n))):
         if refused:
             raise bad_request(f"'{name}' is not served by ster serve; send the request without it", param=name)
+    _unserved(body)
     adapter, steering = _modifiers(state, body)
     tokenizer, vocab = state.session.tokenizer, state.session.cfg.vocab_size
     prompts = []
@@ -242,6 +278,8 @@ def _submit(state, prep: _Prepared) -> list:
     except Refusal as exc:
         for stream in streams:
             stream.cancel()
+        if state.engine.stopped:  # the server's fault, not the request's: 503 as /health says it
+            raise engine_stopped(str(exc)) from None
         raise _refused(prep, exc) from None
     return streams
 
@@ -405,6 +443,12 @@ def _token(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _finite(logprob: float) -> float:
+    """JSON has no -inf nor NaN (a masked token's log-probability, or logits a steered model made
+    non-finite): vLLM's floor of -9999.0 stands for them, so every client can parse the answer."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
 def _chat_logprobs(tokenizer, entries: list) -> dict:
     content = []
     for entry in entries:
@@ -412,8 +456,8 @@ def _chat_logprobs(tokenizer, entries: list) -> dict:
             continue
         token_id, logprob, top = entry
         text = _token(tokenizer, token_id)
-        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": lp,
+        content.append({"token": text, "logprob": _finite(logprob), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _token(tokenizer, i)), "logprob": _finite(lp),
                                           "bytes": list(t.encode())} for i, lp in top]})
     return {"content": content}
 
@@ -425,8 +469,8 @@ def _text_logprobs(tokenizer, entries: list) -> dict:
             continue
         token_id, logprob, top = entry
         tokens.append(_token(tokenizer, token_id))
-        token_logprobs.append(logprob)
-        top_logprobs.append({_token(tokenizer, i): lp for i, lp in top})
+        token_logprobs.append(_finite(logprob))
+        top_logprobs.append({_token(tokenizer, i): _finite(lp) for i, lp in top})
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)

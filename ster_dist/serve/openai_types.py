@@ -4,7 +4,8 @@ Fields OpenAI defines keep its names, defaults and ranges (temperature 1, n 1, m
 completions). vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are read
 as vLLM reads them. Ours: `steering` (a vector per request). Unknown fields are ignored, as OpenAI's
 own server and vLLM do; fields that would change the answer and are not served (tools, echo, suffix,
-best_of) are refused rather than ignored.
+best_of, logit_bias, response_format, vLLM's guided decoding, non-text content parts) are refused
+rather than ignored.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class _Sampling(_Body):
     return_token_ids: bool = False   # each choice (and chunk) carries its tokens' ids
     # ours
     steering: Steering | None = None
+    # not served: read only to refuse them (openai_api.unserved), so an answer never silently ignores them
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -60,14 +68,14 @@ class _Sampling(_Body):
         return [value] if isinstance(value, str) else value
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    type: str
+    text: str | None = None   # a text part's; other types (image_url, input_audio, ...) are refused
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -85,6 +93,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None         # OpenAI's older spelling of tools, refused as they are
+    function_call: Any = None
     add_generation_prompt: bool = True   # vLLM's: False continues the last assistant message
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -30,6 +30,11 @@ def check_exposure(request: ServeRequest) -> ServeRequest:
     if request.api_key is not None and not request.api_key.strip():
         raise Refusal(f"{request.label('api_key')} is empty; give a key clients will send as 'Authorization: "
                       "Bearer KEY'")
+    key = request.api_key
+    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+        # a header carries it as bytes of ASCII: any other key could never be matched, every request a 401
+        raise Refusal(f"{request.label('api_key')} must be printable ASCII with no space at either end (clients "
+                      "send it in an HTTP header); give another key")
     if not is_loopback(request.host) and request.api_key is None:
         raise Refusal(f"{request.label('host')} {request.host} listens beyond this machine; give "
                       f"{request.label('api_key')} KEY (or set STER_API_KEY) so only clients holding it are "
