@@ -308,6 +308,9 @@ def test_key_queue_limit_body_limit_and_drain(toy):
         assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
         assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # probes need no key
+        # ...but Ster's health tells the model's path and the workers' hosts and pids: only to a key holder
+        assert httpx.get(f"{url}/v1/health", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/v1/health", headers=auth, timeout=10).json()["status"] == "ok"
         big = httpx.post(f"{url}/v1/completions", headers=auth, timeout=10,
                          json={"model": toy, "prompt": "x" * 4000})
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
@@ -430,12 +433,16 @@ def test_a_keyless_server_refuses_a_web_pages_requests(server, toy, tmp_path):
                     {"Host": f"rebound.example:{server.port}"}):
         refused = httpx.post(f"{server.url}/v1/extract", content=body, headers=headers, timeout=30)
         assert refused.status_code == 403, refused.text
-        assert refused.json()["error"]["code"] == "foreign_origin" and "--api-key" in refused.json()["error"]["message"]
+        error = refused.json()["error"]
+        assert error["code"] == "foreign_origin" and "--api-key" in error["message"]
     assert not (tmp_path / "acts.safetensors").exists()
     own = httpx.post(f"{server.url}/v1/completions", headers={"Origin": f"http://localhost:{server.port}"}, timeout=30,
                      json={"model": toy, "prompt": "hi", "max_tokens": 1})
     assert own.status_code == 200, own.text
     assert httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"}, timeout=10).status_code == 200
+    # a rebound page reads what it asks for (same origin to the browser): Ster's health names paths and pids
+    rebound = {"Host": f"rebound.example:{server.port}"}
+    assert httpx.get(f"{server.url}/v1/health", headers=rebound, timeout=10).status_code == 403
 
 
 @pytest.mark.parametrize("fields, param", [

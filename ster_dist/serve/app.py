@@ -25,7 +25,10 @@ from ster_dist.serve import errors
 from ster_dist.serve.errors import ApiError
 from ster_dist.serve.openai_api import CHAT, TEXT, answer, router as openai_router
 
-OPEN_PATHS = ("/health", "/v1/health")   # answered without a key: load balancers probe them
+# answered while draining; the first also without a key or from any origin, for load balancers: it says only
+# "ok" or why not, where Ster's /v1/health tells the model's path, the workers' hosts and pids
+OPEN_PATHS = ("/health", "/v1/health")
+PROBE = "/health"
 LIMITED = (CHAT, TEXT)  # what the in-flight limit counts, answered by openai_api.answer
 # the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up path)
 KNOWN = (*LIMITED, *OPEN_PATHS, "/v1/models", "/metrics", "/v1/train", "/v1/optimize", "/v1/evaluate",
@@ -135,11 +138,11 @@ class _Guard:
 
     def _refusal(self, scope, path: str) -> ApiError | None:
         headers = dict(scope["headers"])
-        if self.key is not None and path not in OPEN_PATHS:
+        if self.key is not None and path != PROBE:
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
                 return errors.unauthorized()
-        if self.key is None and path not in OPEN_PATHS:
+        if self.key is None and path != PROBE:
             foreign = _foreign(headers)
             if foreign is not None:
                 return errors.foreign_site(*foreign)
