@@ -10,8 +10,10 @@ import contextlib
 import io
 import json
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -483,3 +485,45 @@ def test_non_finite_logprobs_are_answered_as_json(client, toy):
     streamed = httpx.post(f"{client.base_url}completions", json={**body, "stream": True}, timeout=30)
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert events and all(strict(event)["choices"] is not None for event in events)
+
+
+def test_a_client_too_slow_to_send_its_request_is_cut_off(toy):
+    """A head never finished (a byte now and then) is closed, a body never finished is answered 408, both after
+    --read-seconds; meanwhile, and after, other clients are answered. Before, both held their connections (and
+    the body its task) for ever."""
+    proc = ServeProcess("--model", toy, "--read-seconds", "1", env={"STER_ENFORCE_EAGER": "1"})
+    try:
+        head = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
+        body = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
+        started = time.monotonic()
+        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        closed = None
+        while closed is None and time.monotonic() - started < 8:
+            try:
+                head.sendall(b"X")  # a header's bytes, one at a time: each used to restart uvicorn's clock
+                head.settimeout(0.3)
+                closed = head.recv(1024) == b"" or None
+            except socket.timeout:
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                closed = True
+        assert closed, "a request head sent a byte at a time was still open after 8 s"
+        assert time.monotonic() - started < 6
+        body.settimeout(8)
+        answer, chunk = b"", b"..."
+        while chunk and (b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer)):
+            chunk = body.recv(65536)  # the head and the body may come in two segments
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        ok = httpx.post(f"{proc.url}/v1/completions", timeout=30, json={"model": toy, "prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+    finally:
+        assert proc.stop() == 0, "".join(proc.stderr)[-2000:]
+
+
+def _length(response: bytes) -> int:
+    head = response.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    return next(int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:"))

@@ -44,6 +44,9 @@ class ServeRequest(Runtime, EngineFields):
     replicas: int = field(1, ge=1, help="engine replicas behind the one endpoint (Ray Serve, above 1)")
     drain_seconds: float = field(30.0, ge=0, allow_inf_nan=False,
                                  help="how long SIGTERM waits for requests in flight before it exits")
+    read_seconds: float = field(30.0, gt=0, allow_inf_nan=False,
+                                help="how long a client may take to send a request's head, and then its body: a "
+                                     "slower head closes the connection, a slower body is answered 408")
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo):

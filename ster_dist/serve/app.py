@@ -11,6 +11,7 @@ OpenAI's shape.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from urllib.parse import urlsplit
@@ -99,6 +100,7 @@ class _Guard:
         self.app, self.state = app, state
         self.key = state.request.api_key
         self.body_limit = state.request.body_limit()
+        self.read_seconds = state.request.read_seconds
 
     def __getattr__(self, name):  # uvicorn and tests reach the FastAPI app's attributes through the guard
         return getattr(self.app, name)
@@ -118,7 +120,10 @@ class _Guard:
             refusal = self._refusal(scope, path)
             if refusal is not None:
                 return await refusal.send(counted_send)
-            body = await self._body(receive)
+            try:  # a client that never finishes its body would hold its connection and this task for ever
+                body = await asyncio.wait_for(self._body(receive), self.read_seconds)
+            except asyncio.TimeoutError:
+                return await errors.too_slow(self.read_seconds).send(counted_send)
             if body is None:
                 return await errors.too_large(self.body_limit).send(counted_send)
             replay = _replaying(body, receive)

@@ -73,6 +73,11 @@ def engine_stopped(why: str = "") -> ApiError:
                          "restart the server", type="server_error", code="engine_stopped")
 
 
+def too_slow(seconds: float) -> ApiError:
+    return ApiError(408, f"the request's body did not arrive whole within {seconds:g} s; send it at once (or start "
+                         "ster serve with a longer --read-seconds)", code="request_timeout")
+
+
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down; send the request to another replica or retry later",
                     type="server_error", code="shutting_down", headers={"Retry-After": "5"})

@@ -19,6 +19,7 @@ from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.schema.serve import ServeRequest, is_loopback
 from ster_dist.serve.app import build_app
+from ster_dist.serve.slow_clients import head_deadline
 from ster_dist.serve.sockets import listen
 from ster_dist.serve.state import ServerState
 
@@ -58,7 +59,7 @@ def serve(request: ServeRequest) -> dict:
         app = build_app(state)
         server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=int(request.drain_seconds) or None,
-                                        timeout_keep_alive=5), state)
+                                        timeout_keep_alive=5, http=head_deadline(request.read_seconds)), state)
         progress(f"serving {state.name} on http://{request.host}:{sock.getsockname()[1]}"
                  + (f" with adapters {', '.join(state.adapters)}" if state.adapters else ""))
         server.run(sockets=[sock])
