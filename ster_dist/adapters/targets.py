@@ -31,7 +31,8 @@ from ster_dist.errors import Refusal
 from ster_dist.families.adapter_rules import REFUSED_FAMILIES, TARGETS_REFUSED
 from ster_dist.families.spec import Fused
 from ster_dist.parallel.ctx import SINGLE, Shard
-from ster_dist.shard.plan import NameMatcher, fused_rows_total, fused_source_rows
+from ster_dist.shard.names import NameMatcher
+from ster_dist.shard.plan import fused_rows_total, fused_source_rows
 from ster_dist.shard.writer import one_thread, part_rows
 
 PARAMS = {"query": "attn.q", "key": "attn.k", "value": "attn.v", "output": "attn.o",

@@ -12,7 +12,7 @@ All carry Granite's multipliers (embedding, residual, attention, logits_scaling 
   the layers layer_types calls mamba and attention (rotating only under position_embedding_type rope) on the
   rest. Without experts (num_local_experts 0) it is a dense model whose shared_mlp is the feed-forward:
   shared_mlp's tensors then fill mlp.gate / up / down, which the shard plan prefers when the model has them
-  (shard/plan.py NameMatcher).
+  (shard/names.py NameMatcher).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from ster_dist.atomic import replacing
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec, Fused, target_name
-from ster_dist.shard.plan import NameMatcher, fused_source_rows, size_of
+from ster_dist.shard.names import NameMatcher
+from ster_dist.shard.plan import fused_source_rows, size_of
 from ster_dist.shard.safetensors_header import DTYPES, header_bytes
 from ster_dist.shard.source import SafetensorsSource
 
