@@ -172,14 +172,15 @@ def local_names(directory: Path) -> set[str]:
 
 
 def local_weights(directory: Path, names: set[str], weight_format: str) -> list[str]:
-    """The format's weight files among `names` (local_names); a weight name that is no regular file (a
-    link whose blob is gone, as an interrupted Hub download leaves, a directory, a FIFO) is refused, not
-    skipped: skipped, its tensors would be reported missing, and a FIFO would block its reader."""
+    """The format's weight files among `names` (local_names). A weight name or .gguf that is no regular file
+    (a link whose blob is gone, as an interrupted Hub download leaves, a directory, a FIFO) is refused, not
+    skipped: skipped, its tensors would be reported missing (or the directory as holding no weights), and a
+    FIFO would block its reader."""
     try:
         other = {entry.name for entry in directory.iterdir()} - names
     except OSError as exc:
         raise Refusal(f"failed to list {directory}: {exc.strerror or exc}") from None
-    broken = _safetensors_names(other, weight_format)
+    broken = _safetensors_names(other, weight_format) + sorted(n for n in other if n.endswith(".gguf"))
     if broken:
         raise Refusal(f"model weight file {directory / broken[0]} is not a regular file (a broken link, a directory "
                       "or a FIFO); re-download it, or remove it if it is no weight file")

@@ -88,6 +88,12 @@ def test_a_weight_name_that_is_no_regular_file_is_refused_not_skipped(tmp_path, 
     assert names(resolve(str(d))) == ["model.safetensors"]
 
 
+def test_a_gguf_whose_link_is_broken_is_named_not_called_no_weights(tmp_path):
+    d = make_dir(tmp_path / "m", config_json(), weights=())
+    (d / "model.gguf").symlink_to(tmp_path / "gone")
+    assert refusal(d).startswith(f"model weight file {d / 'model.gguf'} is not a regular file (a broken link")
+
+
 def test_transformers_format_ignores_consolidated(tmp_path):
     d = make_dir(tmp_path / "m", config_json(), params={"dim": 8},
                  weights=("model.safetensors", "consolidated.safetensors"))
