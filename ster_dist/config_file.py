@@ -67,10 +67,19 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {"LongcatFlashNgramForCausalLM": "longca
 _OUTER_KEYS = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
 
 
+# a config.json is kilobytes (a tokenizer_config.json naming 256k added tokens some tens of MiB); past this
+# the file is not one, and reading it whole would cost memory in proportion to whatever it is
+MAX_CONFIG_BYTES = 64 << 20
+
+
 def load_raw_config(path: Path, what: str = "model config") -> dict:
     """Parse config JSON; Python's Infinity / -Infinity / NaN are read as unstated (None).
     `what` names the file in a refusal (model config, generation config, ...)."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_CONFIG_BYTES:  # checked before reading: never the whole of a file too large to be a config
+            raise Refusal(f"invalid {what} {path}: it is {size} bytes, larger than the {MAX_CONFIG_BYTES >> 20} MiB "
+                          f"any {what} is; re-download it")
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise Refusal(f"failed to read {path}: {exc.strerror or exc}") from None

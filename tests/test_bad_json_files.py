@@ -76,3 +76,11 @@ def test_a_tokenizer_config_past_the_json_limits_is_refused(tmp_path, text, why)
     path.write_text(text)
     message = _one_line(Tokenizer.from_directory, d)
     assert message.startswith(f"failed to read tokenizer config {path}: ") and why in message
+
+
+def test_a_config_too_large_to_be_one_is_refused_before_it_is_read(tmp_path):
+    d = make_dir(tmp_path / "m", json.dumps(CONFIG).encode())
+    with open(d / "config.json", "r+b") as handle:  # sparse: 64 MiB + 1 on disk costs nothing
+        handle.truncate((64 << 20) + 1)
+    assert refusal(d) == (f"invalid model config {d / 'config.json'}: it is 67108865 bytes, larger than the "
+                          "64 MiB any model config is; re-download it")
