@@ -67,19 +67,40 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {"LongcatFlashNgramForCausalLM": "longca
 _OUTER_KEYS = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
 
 
-def load_raw_config(path: Path) -> dict:
-    """Parse config JSON; Python's Infinity / -Infinity / NaN are read as unstated (None)."""
+# a config.json is kilobytes (a tokenizer_config.json naming 256k added tokens some tens of MiB); past this
+# the file is not one, and reading it whole would cost memory in proportion to whatever it is
+MAX_CONFIG_BYTES = 64 << 20
+
+
+def load_raw_config(path: Path, what: str = "model config") -> dict:
+    """Parse config JSON; Python's Infinity / -Infinity / NaN are read as unstated (None).
+    `what` names the file in a refusal (model config, generation config, ...)."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_CONFIG_BYTES:  # checked before reading: never the whole of a file too large to be a config
+            raise Refusal(f"invalid {what} {path}: it is {size} bytes, larger than the {MAX_CONFIG_BYTES >> 20} MiB "
+                          f"any {what} is; re-download it")
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise Refusal(f"failed to read {path}: {exc.strerror or exc}") from None
     try:
         raw = json.loads(text, parse_constant=lambda _: None)
     except json.JSONDecodeError as exc:
-        raise Refusal(f"invalid model config {path}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise Refusal(f"invalid {what} {path}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (ValueError, RecursionError) as exc:
+        # json.loads raises these past its own limits, on files no config writer produces
+        raise Refusal(f"invalid {what} {path}: {json_limit(exc)}; correct it or re-download it") from None
     if not isinstance(raw, dict):
-        raise Refusal(f"invalid model config {path}: the top level is not a JSON object")
+        raise Refusal(f"invalid {what} {path}: the top level is not a JSON object")
     return raw
+
+
+def json_limit(exc: Exception) -> str:
+    """What a JSON file broke, for json.loads' two errors past its limits: RecursionError (arrays or
+    objects nested past Python's recursion limit) and ValueError (an integer of over 4300 digits)."""
+    if isinstance(exc, RecursionError):
+        return "its arrays or objects nest too deeply to be read"
+    return f"it holds a number too long to read ({' '.join(str(exc).split(';')[0].split())[:100]})"
 
 
 def architecture_message(model_type: object) -> str:

@@ -4,11 +4,11 @@ a model's config without its weights (the driver, the job queue's checks) reads 
 
 from __future__ import annotations
 
-import json
-
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig, from_hf
+from ster_dist.config_file import load_raw_config
 from ster_dist.config_params import from_params
+from ster_dist.errors import Refusal
 
 
 def model_config(checkpoint: Checkpoint) -> ModelConfig:
@@ -31,13 +31,20 @@ def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
 
 
 def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id: a file that is there is read whole, and a value the token
+    engine could not stop on (a string, a float, a negative id) is refused, as config.json's is."""
     path = checkpoint.generation_config_path
     if not path.is_file():
         return ()
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError):
-        return ()
+        eos = load_raw_config(path, "generation config").get("eos_token_id")
+    except UnicodeDecodeError:
+        raise Refusal(f"invalid generation config {path}: the file is not UTF-8 text") from None
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        shown = repr(eos) if len(repr(eos)) <= 60 else repr(eos)[:57] + "..."
+        raise Refusal(f"invalid generation config {path}: eos_token_id is {shown}; it must be a token id or a "
+                      "list of token ids; correct it in generation_config.json (or re-download the checkpoint)")
+    return tuple(ids)

@@ -78,6 +78,16 @@ STR_LISTS = ("layer_types", "mlp_layer_types")
 NUMBER_LISTS = ("layer_rope_theta",)
 OBJECTS = ("rope_scaling", "rope_parameters", "ffn_act_fn")
 STRINGS = ("torch_dtype", "dtype")
+# switches config.py and the families read with bool(): the string "false" would read as true (a bias, a tied
+# head the weights do not have), so a stated switch is true, false, 0 or 1
+BOOLS = ("alibi", "altup_correct_scale", "attention_bias", "attention_k_eq_v", "attention_out_bias",
+         "attn_output_gate", "bidirectional_prompt", "dense_layers_rotate", "enable_moe_block", "index_rope_tail",
+         "layer_scalar", "lm_head_bias", "loop_pass_norm", "mamba_conv_bias", "mamba_norm_before_gate",
+         "mamba_out_proj_bias", "mamba_proj_bias", "mamba_rms_norm", "mla_lora_rescale", "mlp_bias", "mlp_down_bias",
+         "mlp_output_scale", "moe_apply_router_weight_on_input", "moe_gate_bias", "norm_topk_prob",
+         "recurrent_pre_norm", "residual_from_norm", "residual_in_fp32", "rope_interleave", "rotate_adjacent_pairs",
+         "sigmoid_head_gate", "tie_word_embeddings", "use_head_wise_attn_gate", "use_parallel_residual",
+         "use_post_norm", "use_shared_attention_adapter", "value_norm")
 # inside a rope_scaling / rope_parameters object
 ROPE_POSITIVE = ("rope_theta", "factor", "partial_rotary_factor", "low_freq_factor", "high_freq_factor",
                  "beta_fast", "beta_slow", "alpha")
@@ -190,6 +200,8 @@ def check_stated(raw: dict, path: str) -> None:
             raise _refuse(path, key, value, "it must be a JSON object")
         elif key in STRINGS and not isinstance(value, str):
             raise _refuse(path, key, value, "it must be a string")
+        elif key in BOOLS and not (isinstance(value, bool) or (_is_int(value) and value in (0, 1))):
+            raise _refuse(path, key, value, "it must be true or false")
     eos = stated.get("eos_token_id")
     if eos is not None and not (_is_int(eos) and eos >= 0) and not (
             isinstance(eos, list) and all(_is_int(i) and i >= 0 for i in eos)):

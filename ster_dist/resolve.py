@@ -139,10 +139,7 @@ def _format_hint(names: set[str], weight_format: str) -> str:
 
 def _resolve_local(model: str, revision: str | None) -> Checkpoint:
     directory = Path(model)
-    try:
-        names = {entry.name for entry in directory.iterdir() if entry.is_file()}
-    except OSError as exc:
-        raise Refusal(f"failed to list {directory}: {exc.strerror or exc}") from None
+    names = local_names(directory)
 
     chosen = _config_name(names)
     if chosen is None:
@@ -154,7 +151,7 @@ def _resolve_local(model: str, revision: str | None) -> Checkpoint:
     config_file.gate(gate_view(raw, weight_format), model)
     tokenizer = _tokenizer_name(names, str(directory), lambda: directory / "tokenizer_config.json")
 
-    weights = _safetensors_names(names, weight_format)
+    weights = local_weights(directory, names, weight_format)
     if not weights:
         weights, weight_format = _local_fallback(directory, names, weight_format)
     return Checkpoint(
@@ -164,6 +161,30 @@ def _resolve_local(model: str, revision: str | None) -> Checkpoint:
         model_revision=revision,  # metadata only for a local directory: recorded verbatim
         source="local", raw_config=raw,
     )
+
+
+def local_names(directory: Path) -> set[str]:
+    """The names of a directory's regular files (a link counts as what it points at)."""
+    try:
+        return {entry.name for entry in directory.iterdir() if entry.is_file()}
+    except OSError as exc:
+        raise Refusal(f"failed to list {directory}: {exc.strerror or exc}") from None
+
+
+def local_weights(directory: Path, names: set[str], weight_format: str) -> list[str]:
+    """The format's weight files among `names` (local_names). A weight name or .gguf that is no regular file
+    (a link whose blob is gone, as an interrupted Hub download leaves, a directory, a FIFO) is refused, not
+    skipped: skipped, its tensors would be reported missing (or the directory as holding no weights), and a
+    FIFO would block its reader."""
+    try:
+        other = {entry.name for entry in directory.iterdir()} - names
+    except OSError as exc:
+        raise Refusal(f"failed to list {directory}: {exc.strerror or exc}") from None
+    broken = _safetensors_names(other, weight_format) + sorted(n for n in other if n.endswith(".gguf"))
+    if broken:
+        raise Refusal(f"model weight file {directory / broken[0]} is not a regular file (a broken link, a directory "
+                      "or a FIFO); re-download it, or remove it if it is no weight file")
+    return _safetensors_names(names, weight_format)
 
 
 def _local_fallback(directory: Path, names: set[str], weight_format: str) -> tuple[list[str], str]:

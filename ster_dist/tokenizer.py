@@ -42,6 +42,7 @@ from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from ster_dist.chat_template import _compile_chat_template, render
+from ster_dist.config_file import json_limit
 from ster_dist.errors import Refusal
 from ster_dist import tokenizer_classes, tokenizer_files
 
@@ -67,6 +68,8 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Refusal(f"failed to read {what} {path}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # json.loads' limits: too deep, or an integer too long
+        raise Refusal(f"failed to read {what} {path}: {json_limit(exc)}; correct it or re-download it") from None
 
 
 def _token_content(value: Any) -> str | None:

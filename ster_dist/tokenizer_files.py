@@ -275,7 +275,7 @@ def plamo_backend(path: Path, config: dict) -> _BackendTokenizer:
 def _plamo_row(line: str, path: Path, number: int) -> tuple[str, float, str]:
     try:
         row = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a line nesting arrays past the recursion limit
         row = None
     ok = (isinstance(row, list) and len(row) in (2, 3) and isinstance(row[0], str) and row[0]
           and isinstance(row[1], (int, float)) and not isinstance(row[1], bool) and math.isfinite(row[1])

@@ -54,6 +54,11 @@ def refused(raw) -> str:
      "rope scaling alpha 1e+300 with rope_theta 500000.0 and head_dim 64 gives no finite rotation base"),
     ("layer_types", 4, "layer_types is 4; it must be a list of strings"),
     ("no_rope_layers", [1, 1], "no_rope_layers lists 2 layers for 4 hidden layers"),
+    # bool("false") is True: a switch stated as a string would turn on what it names
+    ("tie_word_embeddings", "false", "tie_word_embeddings is 'false'; it must be true or false"),
+    ("attention_bias", "False", "attention_bias is 'False'; it must be true or false"),
+    ("mlp_bias", [False], "mlp_bias is [False]; it must be true or false"),
+    ("norm_topk_prob", 2, "norm_topk_prob is 2; it must be true or false"),
 ])
 def test_a_bad_size_or_number_is_refused_naming_the_key(key, value, named):
     message = refused(llama(**{key: value}))
@@ -80,6 +85,8 @@ def test_dbrx_nested_config_must_be_an_object():
 def test_sane_values_still_read():
     mc = from_hf(llama(num_hidden_layers=10_000, rms_norm_eps=1e-6, head_dim=32))
     assert (mc.num_layers, mc.head_dim, mc.num_kv_heads) == (10_000, 32, 2)
+    assert from_hf(llama(tie_word_embeddings=True)).tie_word_embeddings  # switches: true, false, 0 or 1
+    assert not from_hf(llama(tie_word_embeddings=0)).tie_word_embeddings
 
 
 @pytest.mark.parametrize("model_type", [{"llama": 1}, ["llama"], 7])

@@ -426,6 +426,22 @@ def test_placement_refusals_are_one_line_naming_the_fix(capsys, tmp_path, argv, 
     assert words in err and len(err.strip().splitlines()) == 1
 
 
+def test_plan_reads_the_weight_files_generate_loads(tmp_path_factory, tmp_path, capsys):
+    """Resolve's rule, not every *.safetensors: consolidated* beside config.json and optimizer state are not
+    the model's, and a shard whose link is broken is refused by name, not as a header that is not JSON."""
+    toy = Path(make_toy(tmp_path_factory))
+    d = tmp_path / "m"
+    shutil.copytree(toy, d)
+    for extra in ("consolidated.safetensors", "optimizer.safetensors"):
+        shutil.copy(toy / "model.safetensors", d / extra)  # read, each would name every tensor twice
+    code, out, _ = run(capsys, "plan", "--model", str(d))
+    assert code == 0 and out["verdict"].startswith("fits")
+    (d / "model-00002-of-00002.safetensors").symlink_to(tmp_path / "gone")
+    code, _, err = run(capsys, "plan", "--model", str(d))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "model-00002-of-00002.safetensors is not a regular file (a broken link" in err
+
+
 def test_other_quantizations_are_refused(tmp_path, capsys):
     raw = {**published("qwen3-235b-a22b.json"), "num_hidden_layers": 1, "num_experts": 2,
            "num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq"}}

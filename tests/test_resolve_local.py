@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,26 @@ def test_shards_sorted_and_training_files_excluded(tmp_path):
     save_file({"w": torch.zeros(1)}, str(d / "sub" / "nested.safetensors"))  # top level only
     assert names(resolve(str(d))) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["broken link", "directory", "fifo"])
+def test_a_weight_name_that_is_no_regular_file_is_refused_not_skipped(tmp_path, kind):
+    # skipped, a shard whose Hub blob is gone reads as "parameter ... is filled by no checkpoint tensor"
+    d = make_dir(tmp_path / "m", config_json())
+    shard = d / "model-00002-of-00002.safetensors"
+    {"broken link": lambda: shard.symlink_to(tmp_path / "blobs" / "gone"), "directory": shard.mkdir,
+     "fifo": lambda: os.mkfifo(shard)}[kind]()
+    assert refusal(d) == (f"model weight file {shard} is not a regular file (a broken link, a directory or a FIFO); "
+                          "re-download it, or remove it if it is no weight file")
+    (d / "optimizer.safetensors").symlink_to(tmp_path / "gone")  # a name no format reads stays unread
+    shard.unlink() if kind != "directory" else shard.rmdir()
+    assert names(resolve(str(d))) == ["model.safetensors"]
+
+
+def test_a_gguf_whose_link_is_broken_is_named_not_called_no_weights(tmp_path):
+    d = make_dir(tmp_path / "m", config_json(), weights=())
+    (d / "model.gguf").symlink_to(tmp_path / "gone")
+    assert refusal(d).startswith(f"model weight file {d / 'model.gguf'} is not a regular file (a broken link")
 
 
 def test_transformers_format_ignores_consolidated(tmp_path):

@@ -1,7 +1,9 @@
 """Damaged safetensors headers are refused in one line before any tensor is read (issue 19)."""
 
 import json
+import os
 import struct
+import threading
 
 import pytest
 import torch
@@ -91,3 +93,32 @@ def test_header_bytes_round_trip(tmp_path):
     path.write_bytes(raw + bytes(24 + 5))
     assert [(e.name, e.dtype, e.shape, e.nbytes) for e in entries(path)] == [
         ("a", "F32", (2, 3), 24), ("b", "BF16", (0,), 0), ("c", "I8", (5,), 5)]
+
+
+def test_a_tensor_named_twice_in_one_header_is_refused(tmp_path):
+    # json.loads would keep the last entry, silently; merge refused this, the loader and ster plan did not
+    path = tmp_path / "model.safetensors"
+    write(path, b'{"w": ' + json.dumps(F32).encode() + b', "w": ' + json.dumps(F32).encode() + b"}")
+    with pytest.raises(Refusal, match="model weight w appears twice in model.safetensors; .* re-export it"):
+        SafetensorsSource([path])
+    write(path, b'{"w": {"dtype": "F32", "dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}')
+    assert list(read_header(path).tensors) == ["w"]  # a key repeated inside one entry is not a tensor twice
+
+
+def test_a_directory_or_fifo_is_refused_without_waiting(tmp_path):
+    directory = tmp_path / "model.safetensors"
+    directory.mkdir()
+    assert "it is not a regular file" in refusal(directory)
+    fifo = tmp_path / "model-00002-of-00002.safetensors"
+    os.mkfifo(fifo)
+    found: list[str] = []
+    reader = threading.Thread(target=lambda: found.append(refusal(fifo)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # blocked opening the FIFO for a writer: be one, so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert found and "it is not a regular file" in found[0]
+
+
+def test_a_missing_file_is_not_called_damaged_json(tmp_path):
+    assert "it cannot be opened (No such file or directory)" in refusal(tmp_path / "gone.safetensors")

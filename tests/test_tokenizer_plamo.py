@@ -162,6 +162,7 @@ def test_resolution_reads_the_jsonl_before_any_rank_file(rows, tmp_path):
     ('["a", 1.0, "WEIRD"]', "kind one of NORMAL"),
     ('["<0xZZ>", 0.0, "BYTE"]', "is a BYTE piece '<0xZZ>', not <0xXX>"),
     ('["a", NaN]', "line 1 is not a [piece, score, kind] row"),
+    ("[" * 100_000 + "]" * 100_000, "line 1 is not a [piece, score, kind] row"),  # past json's recursion limit
 ])
 def test_malformed_rows_are_refused_in_one_line(tmp_path, line, words):
     directory = tmp_path / "t"

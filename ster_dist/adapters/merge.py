@@ -257,11 +257,7 @@ def index_weights(files: list[Path]) -> dict[str, dict]:
     found: dict[str, dict] = {}
     for path in files:
         path = Path(path)
-        header = read_header(path)
-        if header.twice:
-            raise Refusal(f"model weight {header.twice[0]} appears twice in {path.name}; the weight file is corrupt: "
-                          "re-export it")
-        listed = entries(path, header)
+        listed = entries(path)  # read_header refuses a name stated twice in one header
         for entry in listed:
             if entry.name in found:
                 raise Refusal(f"model weight {entry.name} appears in more than one weight file "

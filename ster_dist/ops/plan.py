@@ -21,6 +21,7 @@ from ster_dist.events import progress
 from ster_dist.load import PRECISIONS, check_expert_parallel, check_weights
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.pipeline import check_pipeline
+from ster_dist.resolve import local_names, local_weights
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.shard.footprint import RankFootprint, Tensor, rank_footprint, sort_tensors
 from ster_dist.shard.safetensors_header import DTYPES, entries
@@ -112,7 +113,8 @@ def read_model(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor
     config = directory / "config.json"
     if not config.is_file():
         raise Refusal(f"model config is missing: {config}; ster plan reads a checkpoint's config.json")
-    files = sorted(directory.glob("*.safetensors"))
+    # the files generate would load (resolve's rule: not Mistral's consolidated*, no optimizer state)
+    files = [directory / name for name in local_weights(directory, local_names(directory), "safetensors")]
     if not files:
         raise Refusal(f"model directory contains no safetensors weights: {directory}; "
                       "ster plan reads the headers of its .safetensors files")

@@ -16,6 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 
@@ -48,7 +49,6 @@ class Header:
     tensors: dict[str, dict]  # name -> the stored entry (dtype, shape, data_offsets), in the JSON's order
     metadata: dict
     data_start: int  # where the data begins: 8 + the JSON's length
-    twice: tuple[str, ...] = ()  # names the JSON states more than once (json.loads keeps the last)
 
 
 FIX = "the file is damaged or not safetensors; re-download it"
@@ -70,7 +70,8 @@ def read_header(path) -> Header:
     twice: list[str] = []
 
     def pairs(items):
-        out = {}
+        # called for every object, the outermost last: `twice` ends as the top level's repeated names
+        out, twice[:] = {}, []
         for key, value in items:
             if key in out:
                 twice.append(key)
@@ -78,23 +79,43 @@ def read_header(path) -> Header:
         return out
 
     try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
+        # O_NONBLOCK: opening a FIFO named *.safetensors would otherwise wait for a writer forever
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise _refusal(path, f"it cannot be opened ({exc.strerror or exc})") from None
+    _check_regular(path, fd)
+    with open(fd, "rb") as handle:
+        try:
+            size = os.fstat(fd).st_size
             prefix = handle.read(8)
             if len(prefix) != 8:
                 raise _refusal(path, "not a safetensors file (shorter than its 8-byte header length)")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER or 8 + length > size:
                 raise _refusal(path, f"its safetensors header claims {length} bytes of a {size}-byte file")
-            header = json.loads(handle.read(length), object_pairs_hook=pairs)
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        # RecursionError: deeply nested JSON, which no safetensors writer produces
+            raw = handle.read(length)
+        except OSError as exc:
+            raise _refusal(path, f"it cannot be read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError) as exc:
+        # RecursionError: deeply nested JSON, which no safetensors writer produces (UnicodeDecodeError is a ValueError)
         raise _refusal(path, f"its header is not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(header, dict):
         raise _refusal(path, f"its safetensors header is a JSON {type(header).__name__}, not an object")
+    if twice:  # json.loads keeps the last entry: which one the writer meant is unknown
+        raise Refusal(f"model weight {_shown(twice[0])} appears twice in {path.name}; the weight file is corrupt: "
+                      "re-export it")
     metadata = _metadata(path, header.pop(METADATA, None))
     _check_entries(path, header, size - 8 - length)
-    return Header(header, metadata, 8 + length, tuple(twice))
+    return Header(header, metadata, 8 + length)
+
+
+def _check_regular(path, fd: int) -> None:
+    """A directory, FIFO or device is refused (and `fd` closed): only a regular file has a size to check."""
+    if not S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refusal(path, "it is not a regular file")
 
 
 def _metadata(path, metadata) -> dict:
