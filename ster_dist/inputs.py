@@ -32,6 +32,10 @@ def read_json(path: str, where: str):
         return json.loads(read_text(path, where))
     except json.JSONDecodeError as exc:
         raise Refusal(f"{where} {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:  # json.loads' own limits, reached by a file of ordinary size
+        raise Refusal(f"{where} {path}: its arrays or objects nest too deeply to be read; flatten it") from None
+    except ValueError as exc:  # an integer of over 4300 digits
+        raise Refusal(f"{where} {path}: it holds a number too long to read ({str(exc).split(';')[0][:100]})") from None
 
 
 def read_prompts(path: str, where: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""A checkpoint's JSON side files past json.loads' limits or of the wrong shape are refused in one line.
+"""JSON files past json.loads' limits or of the wrong shape are refused in one line: a checkpoint's side
+files, a prompts file, an adapter's config.
 
 json.loads raises RecursionError on arrays nested past Python's recursion limit and ValueError on an
 integer of over 4300 digits; neither is a JSONDecodeError, so each reader names them itself.
@@ -84,3 +85,23 @@ def test_a_config_too_large_to_be_one_is_refused_before_it_is_read(tmp_path):
         handle.truncate((64 << 20) + 1)
     assert refusal(d) == (f"invalid model config {d / 'config.json'}: it is 67108865 bytes, larger than the "
                           "64 MiB any model config is; re-download it")
+
+
+@pytest.mark.parametrize("text, why", [(DEEP, "nest too deeply"),
+                                       ('{"prompts": [' + "9" * 5000 + "]}", "a number too long to read")])
+def test_a_prompts_file_past_the_json_limits_is_refused(tmp_path, text, why):
+    from ster_dist.inputs import read_prompts
+
+    path = tmp_path / "prompts.json"
+    path.write_text(text)
+    message = _one_line(read_prompts, str(path), "--prompts")
+    assert message.startswith(f"--prompts {path}: ") and why in message
+
+
+@pytest.mark.parametrize("text, why", [(DEEP, "nests too deeply"), ('{"r": ' + "9" * 5000 + "}", "Exceeds")])
+def test_an_adapter_config_past_the_json_limits_is_refused(tmp_path, text, why):
+    from ster_dist.adapters.format import open_adapter
+
+    (tmp_path / "adapter_config.json").write_text(text)
+    message = _one_line(open_adapter, tmp_path)
+    assert message.startswith(f"invalid adapter config JSON in {tmp_path / 'adapter_config.json'}: ") and why in message

@@ -159,6 +159,8 @@ def _read_json(path: Path, what: str):
         raise Refusal(f"failed to read {what} {path}: {exc.strerror or exc}") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise Refusal(f"invalid {what} JSON in {path}: {exc}; re-export the adapter") from None
+    except RecursionError:  # arrays or objects nested past json.loads' depth
+        raise Refusal(f"invalid {what} JSON in {path}: it nests too deeply to be read; re-export the adapter") from None
 
 
 def _header(weights: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
