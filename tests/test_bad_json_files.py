@@ -15,23 +15,15 @@ from pathlib import Path
 import pytest
 
 from ster_dist.config_load import model_config
-from ster_dist.errors import Refusal
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
+from tests.test_config import refusal as one_line_refusal
 from tests.test_resolve_local import make_dir, refusal
 
 DEEP = "[" * 100_000 + "]" * 100_000
 LONG = '{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}"
 CONFIG = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
           "vocab_size": 4}
-
-
-def _one_line(call, *args) -> str:
-    with pytest.raises(Refusal) as info:
-        call(*args)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 @pytest.mark.parametrize("text, why", [(DEEP, "nest too deeply"), (LONG, "a number too long to read")])
@@ -57,7 +49,7 @@ def test_a_bad_generation_config_is_refused(tmp_path, text, why):
     d = make_dir(tmp_path / "m", json.dumps(CONFIG).encode())
     path = d / "generation_config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    message = _one_line(model_config, resolve(str(d)))
+    message = one_line_refusal(model_config, resolve(str(d)))
     assert message.startswith(f"invalid generation config {path}: ") and why in message
 
 
@@ -75,7 +67,7 @@ def test_a_tokenizer_config_past_the_json_limits_is_refused(tmp_path, text, why)
     d = make_dir(tmp_path / "m", json.dumps(CONFIG).encode())
     path = Path(d) / "tokenizer_config.json"
     path.write_text(text)
-    message = _one_line(Tokenizer.from_directory, d)
+    message = one_line_refusal(Tokenizer.from_directory, d)
     assert message.startswith(f"failed to read tokenizer config {path}: ") and why in message
 
 
@@ -94,7 +86,7 @@ def test_a_prompts_file_past_the_json_limits_is_refused(tmp_path, text, why):
 
     path = tmp_path / "prompts.json"
     path.write_text(text)
-    message = _one_line(read_prompts, str(path), "--prompts")
+    message = one_line_refusal(read_prompts, str(path), "--prompts")
     assert message.startswith(f"--prompts {path}: ") and why in message
 
 
@@ -103,5 +95,5 @@ def test_an_adapter_config_past_the_json_limits_is_refused(tmp_path, text, why):
     from ster_dist.adapters.format import open_adapter
 
     (tmp_path / "adapter_config.json").write_text(text)
-    message = _one_line(open_adapter, tmp_path)
+    message = one_line_refusal(open_adapter, tmp_path)
     assert message.startswith(f"invalid adapter config JSON in {tmp_path / 'adapter_config.json'}: ") and why in message
