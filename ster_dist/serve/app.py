@@ -180,24 +180,18 @@ def _foreign(headers: dict) -> tuple[str, str] | None:
     (a browser sends its Origin, and a form or text/plain POST needs no CORS approval) or DNS rebinding
     (a foreign name that resolves to 127.0.0.1). Such a page could otherwise run jobs that write files
     where the body says. Clients off a browser send no Origin and name the address they dialled."""
-    origin = headers.get(b"origin")
-    if origin is not None:
-        text = origin.decode("latin-1")
+    # an Origin is a URL; a Host is the authority alone, read as one by putting "//" before it
+    for header, name, lead in ((b"origin", "Origin", ""), (b"host", "Host", "//")):
+        value = headers.get(header)
+        if value is None:
+            continue
+        text = value.decode("latin-1")
         try:
-            host = urlsplit(text).hostname
+            host = urlsplit(lead + text).hostname
         except ValueError:
             host = None
         if host is None or not is_loopback(host):
-            return "Origin", text
-    host = headers.get(b"host")
-    if host is not None:
-        text = host.decode("latin-1")
-        try:
-            name = urlsplit(f"//{text}").hostname
-        except ValueError:
-            name = None
-        if name is None or not is_loopback(name):
-            return "Host", text
+            return name, text
     return None
 
 
