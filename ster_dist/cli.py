@@ -51,16 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
         *parents, name = cls.command
         sub = root
         for parent in parents:  # `ster steer train`: one parser for "steer", its verbs below it
-            if parent not in groups:
-                holder = root.add_parser(parent, help=f"{parent}: " + ", ".join(
-                    c.command[-1] for c in REQUESTS if c.command[:-1] == (parent,)))
-                groups[parent] = holder.add_subparsers(dest=f"{parent}_command", required=True,
-                                                       parser_class=_Parser)
-            sub = groups[parent]
+            sub = _group(root, groups, parent)
         _command(sub, name, cls, cls.summary)
         if cls.ster_name is not None:  # Ster's spelling, beside ster_dist's grouped one
             _command(root, cls.ster_name, cls, f"{cls.summary} (Ster's name for `ster {' '.join(cls.command)}`)")
+    for cls in REQUESTS:  # Ster 0.14's words (`ster vector train`), the 0.12 ones kept beside them
+        if cls.ster_command is not None:
+            *parents, name = cls.ster_command
+            _command(_group(root, groups, parents[0]), name, cls,
+                     f"{cls.summary} (also `ster {' '.join(cls.command)}`)")
     return parser
+
+
+def _group(root, groups: dict[str, argparse._SubParsersAction], parent: str) -> argparse._SubParsersAction:
+    if parent not in groups:
+        verbs = [c.command[-1] for c in REQUESTS if c.command[:-1] == (parent,)]
+        verbs += [c.ster_command[-1] for c in REQUESTS if c.ster_command and c.ster_command[:-1] == (parent,)]
+        holder = root.add_parser(parent, help=f"{parent}: " + ", ".join(verbs))
+        groups[parent] = holder.add_subparsers(dest=f"{parent}_command", required=True, parser_class=_Parser)
+    return groups[parent]
 
 
 def _command(sub: argparse._SubParsersAction, name: str, cls: type[Request], summary: str) -> None:

@@ -30,6 +30,8 @@ def extract(session: Session, request: ExtractRequest) -> dict:
     from ster_dist.steer.text import chat_status, encode_prompt
 
     positions, mode, batch_size = request.positions, request.chat_template, request.batch_size
+    if request.format == "ster-json":
+        return _extract_ster_json(session, request)
     writable_file(request.output, request.label("output"), ".safetensors file")
     output_not_an_input(request)
     output = Path(request.output)
@@ -73,3 +75,30 @@ def extract(session: Session, request: ExtractRequest) -> dict:
             "chat_template": chat, "layers": layers, "positions": positions, "hidden_size": cfg.hidden_size,
             "prompts": len(encoded), "rows": rows, "tp": request.tp, "adapter": request.adapter,
             "output": str(output)}
+
+
+def _extract_ster_json(session: Session, request: ExtractRequest) -> dict:
+    """Ster's activation artifact: the last-token read of every prompt, before any steering."""
+    from ster_dist.steer.activation import activation_document, write_activations
+    from ster_dist.steer.capture import last_token_rows
+    from ster_dist.steer.layers import parse_layers
+    from ster_dist.steer.pairs import load_prompts
+    from ster_dist.steer.text import chat_status, encode_prompt
+
+    writable_file(request.output, request.label("output"), "activation artifact (JSON)")
+    output_not_an_input(request)
+    prompts = load_prompts(request.input)
+    cfg = session.cfg
+    layers = parse_layers(request.layers, cfg.num_layers)
+    with modifiers(session, request, steering=False):
+        chat = chat_status(session.tokenizer, request.chat_template)
+        encoded = [encode_prompt(session.tokenizer, p, request.chat_template) for p in prompts]
+        progress(f"capturing {len(encoded)} prompts at layers {layers} (last positions) for Ster's activation artifact")
+        rows = last_token_rows(session.group, encoded, layers, session.pad_id, request.batch_size)
+        revision = session.checkpoint.model_revision
+    write_activations(Path(request.output), activation_document(request.model, revision, cfg.hidden_size,
+                                                                prompts, rows))
+    return {"model": request.model, "model_revision": revision, "precision": request.precision,
+            "chat_template": chat, "layers": layers, "positions": "last", "hidden_size": cfg.hidden_size,
+            "prompts": len(prompts), "rows": len(prompts), "tp": request.tp, "adapter": request.adapter,
+            "format": "ster-json", "output": str(request.output)}

@@ -53,6 +53,9 @@ class Request(BaseModel):
     # Ster's own top-level name for the command, where ster_dist files it under a group (`ster train` for
     # `ster steer train`): the command line takes both, and Ster's serve API names its endpoint so
     ster_name: ClassVar[str | None] = None
+    # Ster 0.14's words for it (`vector train` for `steer train`, `tune merge` for `merge`): another
+    # name for the same request, on the command line and as a `ster request` operation
+    ster_command: ClassVar[tuple[str, ...] | None] = None
     summary: ClassVar[str] = ""
     # fields that belong to whoever submits, not to a queued job (the job queue decides them)
     submitter_fields: ClassVar[dict[str, str]] = {}

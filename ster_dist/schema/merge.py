@@ -14,6 +14,7 @@ from ster_dist.schema.common import ModelRef
 class MergeRequest(ModelRef):
     kind = "merge"
     command = ("merge",)
+    ster_command = ("tune", "merge")
     summary = "merge a LoRA adapter (PEFT or Ster format) into a base checkpoint"
 
     adapter: str = field(help="a PEFT adapter directory or a Ster adapter .safetensors")

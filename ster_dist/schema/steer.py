@@ -44,6 +44,7 @@ class SteerTrainRequest(FitRun):
     kind = "steer-train"
     command = ("steer", "train")
     ster_name = "train"
+    ster_command = ("vector", "train")
     summary = "fit a direction per layer from contrastive pairs"
 
     method: str = field("caa", help="caa (mean difference), pca, or logistic (a probe)")
@@ -53,6 +54,7 @@ class SteerOptimizeRequest(FitRun):
     kind = "steer-optimize"
     command = ("steer", "optimize")
     ster_name = "optimize"
+    ster_command = ("vector", "optimize")
     summary = "rank every layer x method on a holdout and write the winner"
 
     # its range is checked with Ster's words where the pairs are split (steer/optimize.py)
@@ -70,6 +72,7 @@ class SteerEvaluateRequest(PairRun):
     kind = "steer-evaluate"
     command = ("steer", "evaluate")
     ster_name = "evaluate"
+    ster_command = ("vector", "evaluate")
     summary = "score an artifact on pairs, and strengths with --strengths"
 
     vector: str = field(help="the steering artifact (V.json)")
@@ -109,6 +112,7 @@ class SteerInspectRequest(Request):
     kind = None  # reads one small file: no job
     command = ("steer", "inspect")
     ster_name = "inspect"
+    ster_command = ("vector", "inspect")
     summary = "validate an artifact and summarise it without the floats"
 
     artifact: str = field(help="the steering artifact (V.json)", cli={"positional": True})

@@ -1,12 +1,13 @@
 """Ster's steering artifact, schema 1: a model-bound set of unit directions, one per layer.
 
-Wire shape (compact JSON, as Ster writes it): schema_version, product "ster", model (the --model
-string it was fitted with), model_revision, precision, chat_template (applied / absent / off: how
-its pairs were encoded), trait_name, method, hidden_size, vectors [{layer, values, norm,
-train_accuracy, train_margin}], metadata (string to string). `norm` is written beside Ster's
-fields as a cheap tamper check (every direction written here is unit length); Ster ignores it and
-a Ster file without it reads here. precision and chat_template may be null (files written before
-Ster recorded them), and then nothing is compared.
+Wire shape (compact JSON, byte for byte as Ster writes it, floats as f32: ster_json): schema_version,
+product "ster", model (the --model string it was fitted with), model_revision, trait_name, method,
+hidden_size, vectors [{layer, values, train_margin, train_accuracy}], metadata (string to string),
+precision, chat_template (applied / absent / off: how its pairs were encoded). precision and
+chat_template may be null or absent (files written before Ster recorded them), and then nothing is
+compared. metadata["weights_fingerprint"] (written here, absent from Ster's files) names the
+weights the vector was read from (steer/fingerprint.py): where both sides have one, it decides
+whether a model matches, whatever path either was loaded from.
 
 Refusals are Ster's sentences: schema, product, no vectors, width, non-finite; for a run: another
 model, another width, a layer the model lacks; and a LoRA adapter handed over as a vector.
@@ -25,9 +26,14 @@ from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
 from ster_dist.shard.safetensors_header import read_header
 from ster_dist.steer.layers import check_layers
+from ster_dist.steer.ster_json import F32, dumps
 
 SCHEMA_VERSION = 1
 PRODUCT = "ster"
+
+
+def _f32(value: float) -> float:
+    return float(torch.tensor(float(value), dtype=torch.float32))
 
 
 @dataclass
@@ -36,6 +42,11 @@ class Direction:
     values: torch.Tensor  # [hidden] f32
     train_accuracy: float
     train_margin: float
+
+    def __post_init__(self):
+        # Ster holds the scores as f32: the value in memory is the one the file reads back as
+        self.train_accuracy = _f32(self.train_accuracy)
+        self.train_margin = _f32(self.train_margin)
 
     @property
     def norm(self) -> float:
@@ -79,14 +90,15 @@ class SteeringArtifact:
 
     # -- wire form ------------------------------------------------------------
     def to_json(self) -> dict:
+        """Ster's field order (schema 1, then the newer precision and chat_template); every float an
+        F32, so the text is the one Ster writes (ster_json)."""
         return {"schema_version": self.schema_version, "product": self.product, "model": self.model,
-                "model_revision": self.model_revision, "precision": self.precision,
-                "chat_template": self.chat_template, "trait_name": self.trait_name, "method": self.method,
+                "model_revision": self.model_revision, "trait_name": self.trait_name, "method": self.method,
                 "hidden_size": self.hidden_size,
-                "vectors": [{"layer": v.layer, "values": v.values.float().tolist(), "norm": v.norm,
-                             "train_accuracy": v.train_accuracy, "train_margin": v.train_margin}
+                "vectors": [{"layer": v.layer, "values": [F32(x) for x in v.values.float().tolist()],
+                             "train_margin": F32(v.train_margin), "train_accuracy": F32(v.train_accuracy)}
                             for v in self.vectors],
-                "metadata": dict(self.metadata)}
+                "metadata": dict(self.metadata), "precision": self.precision, "chat_template": self.chat_template}
 
     @classmethod
     def from_json(cls, data, where: str) -> SteeringArtifact:
@@ -159,7 +171,7 @@ class SteeringArtifact:
             raise Refusal(f"failed to create {path.parent}: {exc.strerror or exc}") from None
         try:
             with replacing(path) as handle:
-                json.dump(self.to_json(), handle, separators=(",", ":"), ensure_ascii=False)
+                handle.write(dumps(self.to_json()))
         except OSError as exc:
             raise Refusal(f"failed to write steering artifact {path}: {exc.strerror or exc}") from None
 
@@ -245,9 +257,19 @@ def same_model(fitted: str, loaded: str) -> bool:
 
 
 def check_for_run(artifact: SteeringArtifact, model: str, hidden_size: int, num_layers: int,
-                  verb: str = "generate") -> None:
-    """Refuse an artifact fitted for another model, width or depth, before it touches a rank."""
-    if not same_model(artifact.model, model):
+                  verb: str = "generate", fingerprint: str | None = None) -> None:
+    """Refuse an artifact fitted for another model, width or depth, before it touches a rank.
+    `fingerprint` is the run's weights fingerprint (steer/fingerprint.py): where the artifact
+    records one too, the weights decide, not the path text."""
+    from ster_dist.steer.fingerprint import KEY
+
+    fitted = artifact.metadata.get(KEY)
+    if fitted is not None and fingerprint is not None:
+        if fitted != fingerprint:
+            raise Refusal(f'artifact was trained on other weights than model "{model}" holds ({fitted[:19]}..., '
+                          f"these are {fingerprint[:19]}...): use it with the checkpoint it was fitted on, or "
+                          "retrain it for this one")
+    elif not same_model(artifact.model, model):
         if verb == "evaluate":
             raise Refusal(f'artifact model "{artifact.model}" does not match runtime model "{model}": '
                           "load the model it was fitted with, or retrain it for this one")

@@ -21,6 +21,7 @@ from ster_dist.steer.artifact import (
     load_artifact,
     provenance_warnings,
 )
+from ster_dist.steer.fingerprint import of_checkpoint
 from ster_dist.workers.extension import RankExtension
 
 
@@ -88,7 +89,8 @@ def prepare(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
 
     check_strength(request.vector, request.strength)
     artifact = load_artifact(request.vector)
-    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers)
+    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers,
+                  fingerprint=of_checkpoint(session.checkpoint))
     chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
     for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
         progress(warning)

@@ -33,7 +33,10 @@ def fit_layers(positive: dict[int, torch.Tensor], negative: dict[int, torch.Tens
 
 
 def build_artifact(model: str, revision: str | None, pairs: PairSet, method: str, hidden_size: int,
-                   vectors: list[Direction], precision: str, chat: str) -> SteeringArtifact:
+                   vectors: list[Direction], precision: str, chat: str,
+                   fingerprint: str | None = None) -> SteeringArtifact:
+    from ster_dist.steer.fingerprint import KEY
+
     return SteeringArtifact(model=model, model_revision=revision, trait_name=pairs.trait_name, method=method,
-                            hidden_size=hidden_size, vectors=vectors, precision=precision,
-                            chat_template=chat).validate()
+                            hidden_size=hidden_size, vectors=vectors, precision=precision, chat_template=chat,
+                            metadata={} if fingerprint is None else {KEY: fingerprint}).validate()
