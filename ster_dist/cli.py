@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         _command(sub, name, cls, cls.summary)
         if cls.ster_name is not None:  # Ster's spelling, beside ster_dist's grouped one
             _command(root, cls.ster_name, cls, f"{cls.summary} (Ster's name for `ster {' '.join(cls.command)}`)")
+    root.add_parser("request", help="run one desktop request to completion: a JSON body (camelCase flags) on "
+                                    "stdin, NDJSON log events and one result event on stdout")
     for cls in REQUESTS:  # Ster 0.14's words (`ster vector train`), the 0.12 ones kept beside them
         if cls.ster_command is not None:
             *parents, name = cls.ster_command
@@ -166,6 +168,11 @@ def run(request: Request) -> tuple[object, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["request"]:  # NDJSON on stdout, its own statuses: not one of the generated commands
+        from ster_dist.desktop_request import main as request_main
+
+        return request_main(words[1:], run)
     try:
         request = parse(argv)  # --help and --version print on stdout and exit here
         # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
