@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ster", description="Run Hugging Face decoder checkpoints: generate, capture, steer, "
                                               "decide, merge, across tensor- and expert-parallel ranks.")
     parser.add_argument("--version", action="version", version=f"ster_dist {_version()}")
+    _text_flag(parser)
     root = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     groups: dict[str, argparse._SubParsersAction] = {}
     for cls in REQUESTS:
@@ -78,7 +79,14 @@ def _command(sub: argparse._SubParsersAction, name: str, cls: type[Request], sum
     command = sub.add_parser(name, help=summary, description=summary)
     for field_name, info in cls.model_fields.items():
         _add_field(command, field_name, info)
+    _text_flag(command)
     command.set_defaults(request_class=cls)
+
+
+def _text_flag(parser: argparse.ArgumentParser) -> None:
+    """The global --text, before the command or among its flags."""
+    parser.add_argument("--text", dest="text_output", action="store_true", default=argparse.SUPPRESS,
+                        help="print the answer as `path: value` lines instead of JSON")
 
 
 def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:
@@ -185,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             print(result["text"])  # generate --format text: the answer alone, its record left to the job
         elif not request.result_on_stdout:  # stdout held the conversation or the ready line: totals go with the events
             print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
+        elif getattr(build_parser().parse_args(argv), "text_output", False):
+            from ster_dist.text_lines import text_lines
+
+            print("\n".join(text_lines(json.loads(json.dumps(result, default=str)))))
         else:
             print(json.dumps(result, indent=2, ensure_ascii=False))
     except Refusal as refusal:

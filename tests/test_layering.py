@@ -63,7 +63,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "the Python entry point over the job queue, and the terminal chat over a session's engine"),
     (("serve",),
      "the HTTP server: OpenAI's API over the token engine, Ster's serve API over the job queue, replicas"),
-    (("cli", "desktop_request"),
+    (("cli", "desktop_request", "text_lines"),
      "the command line, generated from the schema, and `ster request` over it: imported by nobody"),
 ]
 
