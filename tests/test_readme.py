@@ -79,5 +79,6 @@ def test_every_readme_block_runs_as_written(root):
         for line in done.stderr.splitlines():  # progress is one JSON object per line, whatever ran
             assert line.startswith("{"), f"README block {index}: stderr line is not JSON: {line!r}"
     scratch = root / "scratch"
-    for made in ("answers.json", "hidden.safetensors", "calm.json", "truthful.ster.json", "sea.ster.json", "adapter", "merged", "merged-job", "dpo", "reward"):
+    for made in ("answers.json", "hidden.safetensors", "calm.json", "truthful.ster.json", "sea.ster.json", "adapter",
+                 "merged", "merged-job", "dpo", "reward"):
         assert (scratch / made).exists(), made
