@@ -43,7 +43,9 @@ REQUIRED_NUMBERS: dict[str, tuple[str, ...]] = {
 # in Ster's table, not (yet) a ster_dist command: refused by name rather than as unknown
 NOT_IN_STER_DIST = ("vector/curve", "vector/compare", "vector/project", "vector/ablate", "workspace/import-pairs",
                     "workspace/show", "workspace/select", "workspace/remove", "pairs/import", "pairs/inspect",
-                    "pairs/merge", "pairs/save", "pairs/synthesize", "tune/inspect")
+                    "pairs/save", "pairs/synthesize", "tune/inspect")
+# a body field Ster names otherwise than the command's flag: operation -> {body field: request field}
+RENAMED: dict[str, dict[str, str]] = {"pairs/merge": {"sources": "pairs", "trait_name": "trait"}}
 
 
 def operations() -> dict[str, type[Request]]:
@@ -52,7 +54,7 @@ def operations() -> dict[str, type[Request]]:
     for cls in REQUESTS:
         if cls.ster_command is not None:
             table["/".join(cls.ster_command)] = cls
-        elif cls.command and cls.command[0] in ("generate", "extract", "decide", "calibrate", "tune"):
+        elif cls.command and cls.command[0] in ("generate", "extract", "decide", "calibrate", "tune", "pairs"):
             table["/".join(cls.command)] = cls
     return table
 
@@ -152,18 +154,20 @@ def parse_body(operation: str, text: str, scratch: list[str]) -> Request:
         raise Refusal("request body is not valid JSON: invalid type: expected a JSON object")
     line, column = _end_of(text)
     data, written = {}, {}
+    renamed = RENAMED.get(operation, {})
     for key, value in body.items():
-        name = _snake(key)
+        name = renamed.get(_snake(key), _snake(key))
         if name not in cls.model_fields and not (cls is GenerateRequest and name == "steering"):
             raise Refusal(f"request body is not valid JSON: unknown field `{key}` at line {line} column {column}")
         data[name], written[name] = value, key
     if cls is GenerateRequest and "steering" in data:
         _steering(data)
     required = [n for n, f in cls.model_fields.items() if f.is_required()] + list(REQUIRED_NUMBERS.get(operation, ()))
+    body_name = {field: _camel(name) for name, field in renamed.items()}
     for name in required:
         if name not in data:
-            raise Refusal(f"request body is not valid JSON: missing field `{_camel(name)}` at line {line} "
-                          f"column {column}")
+            raise Refusal(f"request body is not valid JSON: missing field `{body_name.get(name, _camel(name))}` "
+                          f"at line {line} column {column}")
     if cls is DecideRequest and isinstance(data.get("request"), (dict, list)):
         data["request"] = _inline(data["request"], scratch)  # the desktop composes it inline
     return cls.parse(data, written=written)

@@ -49,7 +49,7 @@ def cli(capsys, *argv) -> dict:
 
 def test_every_operation_in_stars_table_is_known():
     known = set(operations()) | set(NOT_IN_STER_DIST)
-    assert sorted(known) == sorted(TABLE)
+    assert set(TABLE) <= known and not set(operations()) & set(NOT_IN_STER_DIST)
 
 
 def test_status_0_answers_the_commands_own_document(monkeypatch, capsys):

@@ -16,6 +16,10 @@ from ster_dist.ops.capture import extract
 from ster_dist.ops.decide import decide
 from ster_dist.ops.generate import generate, generate_many, parity
 from ster_dist.ops.merge import batch_merge, merge
+from ster_dist.ops.pairs import add as pairs_add
+from ster_dist.ops.pairs import edit as pairs_edit
+from ster_dist.ops.pairs import merge as pairs_merge
+from ster_dist.ops.pairs import remove as pairs_remove
 from ster_dist.ops.plan import plan
 from ster_dist.ops.steer import evaluate as steer_evaluate
 from ster_dist.ops.steer import inspect as steer_inspect
@@ -37,6 +41,10 @@ from ster_dist.schema import (
     GgufImportRequest,
     InspectModelRequest,
     MergeRequest,
+    PairsAddRequest,
+    PairsEditRequest,
+    PairsMergeRequest,
+    PairsRemoveRequest,
     ParityRequest,
     PlanRequest,
     Request,
@@ -82,6 +90,10 @@ OPERATIONS: dict[type[Request], Operation] = {
     PlanRequest: Operation(plan, False),
     ToyModelRequest: Operation(toy_model, False),
     GgufImportRequest: Operation(gguf_import, False),
+    PairsAddRequest: Operation(pairs_add, False),
+    PairsRemoveRequest: Operation(pairs_remove, False),
+    PairsEditRequest: Operation(pairs_edit, False),
+    PairsMergeRequest: Operation(pairs_merge, False),
 }
 
 

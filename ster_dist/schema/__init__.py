@@ -12,6 +12,7 @@ from ster_dist.schema.decide import DecideRequest
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.schema.jobs import QueueRequest, RunJobsRequest, SubmitRequest
 from ster_dist.schema.merge import BatchMergeRequest, MergeItem, MergeRequest
+from ster_dist.schema.pairs import PairsAddRequest, PairsEditRequest, PairsMergeRequest, PairsRemoveRequest
 from ster_dist.schema.plan import PlanRequest
 from ster_dist.schema.serve import ServeRequest
 from ster_dist.schema.steer import (
@@ -37,7 +38,7 @@ from ster_dist.schema.tune import (
 REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
-    CalibrateRequest, MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
+    CalibrateRequest, PairsAddRequest, PairsRemoveRequest, PairsEditRequest, PairsMergeRequest, MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
     ToyModelRequest,
     GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest,
 )
@@ -50,4 +51,5 @@ __all__ = [
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
+    "PairsAddRequest", "PairsRemoveRequest", "PairsEditRequest", "PairsMergeRequest",
 ]
