@@ -21,6 +21,11 @@ from ster_dist.ops.pairs import edit as pairs_edit
 from ster_dist.ops.pairs import merge as pairs_merge
 from ster_dist.ops.pairs import remove as pairs_remove
 from ster_dist.ops.plan import plan
+from ster_dist.ops.workspace import import_pairs as workspace_import
+from ster_dist.ops.workspace import onboarding
+from ster_dist.ops.workspace import remove as workspace_remove
+from ster_dist.ops.workspace import select as workspace_select
+from ster_dist.ops.workspace import show as workspace_show
 from ster_dist.ops.steer import evaluate as steer_evaluate
 from ster_dist.ops.steer import inspect as steer_inspect
 from ster_dist.ops.steer import optimize as steer_optimize
@@ -45,6 +50,7 @@ from ster_dist.schema import (
     PairsEditRequest,
     PairsMergeRequest,
     PairsRemoveRequest,
+    OnboardingRequest,
     ParityRequest,
     PlanRequest,
     Request,
@@ -58,6 +64,10 @@ from ster_dist.schema import (
     TuneGrpoRequest,
     TuneRewardRequest,
     TuneSftRequest,
+    WorkspaceImportRequest,
+    WorkspaceRemoveRequest,
+    WorkspaceSelectRequest,
+    WorkspaceShowRequest,
 )
 
 
@@ -94,6 +104,11 @@ OPERATIONS: dict[type[Request], Operation] = {
     PairsRemoveRequest: Operation(pairs_remove, False),
     PairsEditRequest: Operation(pairs_edit, False),
     PairsMergeRequest: Operation(pairs_merge, False),
+    WorkspaceImportRequest: Operation(workspace_import, False),
+    WorkspaceShowRequest: Operation(workspace_show, False),
+    WorkspaceSelectRequest: Operation(workspace_select, False),
+    WorkspaceRemoveRequest: Operation(workspace_remove, False),
+    OnboardingRequest: Operation(onboarding, False),
 }
 
 
@@ -110,6 +125,8 @@ def exit_code(request: Request, result: dict) -> int:
     if isinstance(request, ParityRequest) and not result.get("passed", True):
         return 1
     if isinstance(request, BatchMergeRequest) and result.get("failed"):
+        return 1
+    if isinstance(request, (WorkspaceImportRequest, OnboardingRequest)) and result.get("import") == "conflicting":
         return 1
     return 0
 

@@ -24,6 +24,15 @@ def _output(request) -> Path:
     return Path(request.output)
 
 
+def _pairs_path(request: PairRun) -> str:
+    """--pairs, or the workspace's active set (Ster: "omit it to use the active imported set")."""
+    if request.pairs is not None:
+        return request.pairs
+    from ster_dist.steer.workspace import active_pairs
+
+    return active_pairs()
+
+
 def _read_pairs(session: Session, request: PairRun, pairs, layers: list[int]):
     from ster_dist.steer.bar import bar
     from ster_dist.steer.train import read_pairs
@@ -43,7 +52,7 @@ def train(session: Session, request: SteerTrainRequest) -> dict:
 
     method = canonical_method(request.method)
     output = _output(request)
-    pairs = load_pairs(request.pairs)
+    pairs = load_pairs(_pairs_path(request))
     if request.adapter is not None:
         from ster_dist.adapters.format import open_adapter
 
@@ -75,7 +84,7 @@ def optimize(session: Session, request: SteerOptimizeRequest) -> dict:
     from ster_dist.steer.train import build_artifact
 
     output = _output(request)
-    pairs = load_pairs(request.pairs)
+    pairs = load_pairs(_pairs_path(request))
     fit, held = split(len(pairs.pairs), request.holdout)
     cfg = session.cfg
     layers = parse_layers(request.layers, cfg.num_layers)
@@ -111,7 +120,7 @@ def evaluate(session: Session, request: SteerEvaluateRequest) -> dict:
         strengths = check_strength_options(strengths, request.batch_size, request.max_sequence)
     mode = request.chat_template
     artifact = load_artifact(request.vector)
-    pairs = load_pairs(request.pairs)
+    pairs = load_pairs(_pairs_path(request))
     cfg = session.cfg
     check_for_run(artifact, request.model, cfg.hidden_size, cfg.num_layers, verb="evaluate",
                   fingerprint=of_checkpoint(session.checkpoint))

@@ -21,6 +21,13 @@ from ster_dist.schema.steer import (
     SteerOptimizeRequest,
     SteerTrainRequest,
 )
+from ster_dist.schema.workspace import (
+    OnboardingRequest,
+    WorkspaceImportRequest,
+    WorkspaceRemoveRequest,
+    WorkspaceSelectRequest,
+    WorkspaceShowRequest,
+)
 from ster_dist.schema.tools import (
     FamiliesRequest,
     GgufImportRequest,
@@ -38,7 +45,9 @@ from ster_dist.schema.tune import (
 REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
-    CalibrateRequest, PairsAddRequest, PairsRemoveRequest, PairsEditRequest, PairsMergeRequest, MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
+    CalibrateRequest, PairsAddRequest, PairsRemoveRequest, PairsEditRequest, PairsMergeRequest,
+    WorkspaceImportRequest, WorkspaceShowRequest, WorkspaceSelectRequest, WorkspaceRemoveRequest, OnboardingRequest,
+    MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
     ToyModelRequest,
     GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest,
 )
@@ -51,5 +60,6 @@ __all__ = [
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
-    "PairsAddRequest", "PairsRemoveRequest", "PairsEditRequest", "PairsMergeRequest",
+    "PairsAddRequest", "PairsRemoveRequest", "PairsEditRequest", "PairsMergeRequest", "WorkspaceImportRequest",
+    "WorkspaceShowRequest", "WorkspaceSelectRequest", "WorkspaceRemoveRequest", "OnboardingRequest",
 ]

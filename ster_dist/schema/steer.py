@@ -22,7 +22,7 @@ LAYERS_HELP = "all, a comma list, or a half-open range such as 8..16"
 class PairRun(Runtime):
     """What every pair-reading steering operation takes."""
 
-    pairs: str = field(help=PAIRS_HELP)
+    pairs: str | None = field(None, help=PAIRS_HELP + "; without it, the workspace's active set")
     chat_template: ChatTemplate = chat_template_field()
     adapter: str | None = adapter_field("a LoRA adapter applied unmerged while reading")
 
