@@ -41,7 +41,7 @@ REQUIRED_NUMBERS: dict[str, tuple[str, ...]] = {
     **{f"tune/{verb}": ("learning_rate", "epochs", "seed") for verb in ("sft", "dpo", "reward", "grpo")},
 }
 # in Ster's table, not (yet) a ster_dist command: refused by name rather than as unknown
-NOT_IN_STER_DIST = ("vector/curve", "vector/compare", "vector/project", "vector/ablate", "pairs/import",
+NOT_IN_STER_DIST = ("vector/curve", "vector/project", "vector/ablate", "pairs/import",
                     "pairs/inspect", "pairs/save", "pairs/synthesize", "tune/inspect")
 # a body field Ster names otherwise than the command's flag: operation -> {body field: request field}
 RENAMED: dict[str, dict[str, str]] = {"pairs/merge": {"sources": "pairs", "trait_name": "trait"},
@@ -55,7 +55,7 @@ def operations() -> dict[str, type[Request]]:
         if cls.ster_command is not None:
             table["/".join(cls.ster_command)] = cls
         elif cls.command and cls.command[0] in ("generate", "extract", "decide", "calibrate", "tune", "pairs",
-                                                  "workspace", "onboarding"):
+                                                  "workspace", "onboarding", "vector"):
             table["/".join(cls.command)] = cls
     return table
 

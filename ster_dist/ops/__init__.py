@@ -26,6 +26,7 @@ from ster_dist.ops.workspace import onboarding
 from ster_dist.ops.workspace import remove as workspace_remove
 from ster_dist.ops.workspace import select as workspace_select
 from ster_dist.ops.workspace import show as workspace_show
+from ster_dist.ops.steer import compare as vector_compare
 from ster_dist.ops.steer import evaluate as steer_evaluate
 from ster_dist.ops.steer import inspect as steer_inspect
 from ster_dist.ops.steer import optimize as steer_optimize
@@ -60,6 +61,7 @@ from ster_dist.schema import (
     SteerTrainRequest,
     ToyModelRequest,
     TuneDpoRequest,
+    VectorCompareRequest,
     TuneEvaluateRequest,
     TuneGrpoRequest,
     TuneRewardRequest,
@@ -86,6 +88,7 @@ OPERATIONS: dict[type[Request], Operation] = {
     SteerOptimizeRequest: Operation(steer_optimize, True),
     SteerEvaluateRequest: Operation(steer_evaluate, True),
     SteerInspectRequest: Operation(steer_inspect, False),
+    VectorCompareRequest: Operation(vector_compare, False),
     DecideRequest: Operation(decide, True, engine=True),
     CalibrateRequest: Operation(calibrate, True, engine=True),
     MergeRequest: Operation(merge, False),

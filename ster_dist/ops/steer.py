@@ -13,6 +13,7 @@ from ster_dist.schema.steer import (
     SteerInspectRequest,
     SteerOptimizeRequest,
     SteerTrainRequest,
+    VectorCompareRequest,
 )
 from ster_dist.session import Session, modifiers
 from ster_dist.steer.fingerprint import of_checkpoint
@@ -137,3 +138,17 @@ def evaluate(session: Session, request: SteerEvaluateRequest) -> dict:
                                                  request.batch_size, request.max_sequence, mode, session.pad_id,
                                                  progress)
     return report
+
+
+def compare(request: VectorCompareRequest) -> dict:
+    from ster_dist.errors import Refusal
+    from ster_dist.steer.artifact import load_artifact
+    from ster_dist.steer.compare import compare as run
+
+    layers = None
+    if request.layers is not None:
+        try:
+            layers = [int(part) for part in request.layers.split(",") if part.strip()]
+        except ValueError:
+            raise Refusal(f"{request.label('layers')} takes a comma list of layers, got {request.layers!r}") from None
+    return run([(path, load_artifact(path)) for path in request.artifacts], request.clusters, layers)

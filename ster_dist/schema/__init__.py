@@ -20,6 +20,7 @@ from ster_dist.schema.steer import (
     SteerInspectRequest,
     SteerOptimizeRequest,
     SteerTrainRequest,
+    VectorCompareRequest,
 )
 from ster_dist.schema.workspace import (
     OnboardingRequest,
@@ -44,7 +45,7 @@ from ster_dist.schema.tune import (
 
 REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
-    SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
+    SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, VectorCompareRequest, DecideRequest,
     CalibrateRequest, PairsAddRequest, PairsRemoveRequest, PairsEditRequest, PairsMergeRequest,
     WorkspaceImportRequest, WorkspaceShowRequest, WorkspaceSelectRequest, WorkspaceRemoveRequest, OnboardingRequest,
     MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
@@ -56,7 +57,7 @@ JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if c
 __all__ = [
     "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ChatRequest",
     "ParityRequest", "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest",
-    "SteerInspectRequest", "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
+    "SteerInspectRequest", "VectorCompareRequest", "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",

@@ -116,3 +116,12 @@ class SteerInspectRequest(Request):
     summary = "validate an artifact and summarise it without the floats"
 
     artifact: str = field(help="the steering artifact (V.json)", cli={"positional": True})
+
+
+class VectorCompareRequest(Request):
+    command = ("vector", "compare")
+    summary = "compare artifacts fitted for different traits on one model (no model loaded)"
+
+    artifacts: list[str] = field(help="two or more steering artifacts", cli={"positional": True, "nargs": "+"})
+    clusters: int = field(ge=1, help="the number of groups to cut the artifacts into (Ster chooses none)")
+    layers: str | None = field(None, help="a comma list of layers every artifact carries (default: all shared)")
