@@ -1,5 +1,5 @@
-"""`ster request <operation>`: one JSON request run to completion, as Ster Desktop runs each workflow
-(Ster's guide/desktop-requests.md).
+"""`ster request <operation>`: one JSON request run to completion, as Ster Desktop runs each
+workflow (Ster's guide/desktop-requests.md).
 
 The body is one JSON document on stdin carrying each flag of the mirrored command as a camelCase
 field; it becomes that command's typed request (ster_dist/schema) and runs through the same front
@@ -38,14 +38,27 @@ from ster_dist.schema import REQUESTS, DecideRequest, GenerateRequest, Request
 REQUIRED_NUMBERS: dict[str, tuple[str, ...]] = {
     "generate": ("max_new_tokens", "temperature", "seed"),
     "vector/optimize": ("holdout",),
-    **{f"tune/{verb}": ("learning_rate", "epochs", "seed") for verb in ("sft", "dpo", "reward", "grpo")},
+    **{
+        f"tune/{verb}": ("learning_rate", "epochs", "seed")
+        for verb in ("sft", "dpo", "reward", "grpo")
+    },
 }
 # in Ster's table, not (yet) a ster_dist command: refused by name rather than as unknown
-NOT_IN_STER_DIST = ("vector/curve", "vector/project", "vector/ablate", "pairs/import",
-                    "pairs/inspect", "pairs/save", "pairs/synthesize", "tune/inspect")
-# a body field Ster names otherwise than the command's flag: operation -> {body field: request field}
-RENAMED: dict[str, dict[str, str]] = {"pairs/merge": {"sources": "pairs", "trait_name": "trait"},
-                                      "workspace/import-pairs": {"pairs": "file", "path": "file"}}
+NOT_IN_STER_DIST = (
+    "vector/curve",
+    "vector/project",
+    "vector/ablate",
+    "pairs/import",
+    "pairs/inspect",
+    "pairs/save",
+    "pairs/synthesize",
+    "tune/inspect",
+)
+# a body field Ster names otherwise than the command's flag: operation -> {body: request field}
+RENAMED: dict[str, dict[str, str]] = {
+    "pairs/merge": {"sources": "pairs", "trait_name": "trait"},
+    "workspace/import-pairs": {"pairs": "file", "path": "file"},
+}
 
 
 def operations() -> dict[str, type[Request]]:
@@ -54,8 +67,17 @@ def operations() -> dict[str, type[Request]]:
     for cls in REQUESTS:
         if cls.ster_command is not None:
             table["/".join(cls.ster_command)] = cls
-        elif cls.command and cls.command[0] in ("generate", "extract", "decide", "calibrate", "tune", "pairs",
-                                                  "workspace", "onboarding", "vector"):
+        elif cls.command and cls.command[0] in (
+            "generate",
+            "extract",
+            "decide",
+            "calibrate",
+            "tune",
+            "pairs",
+            "workspace",
+            "onboarding",
+            "vector",
+        ):
             table["/".join(cls.command)] = cls
     return table
 
@@ -83,7 +105,9 @@ class Events:
                 self.out.flush()
             except (BrokenPipeError, ValueError, OSError):
                 self.gone = True
-                with contextlib.suppress(OSError):  # no flush at exit may fail on the closed pipe again
+                with contextlib.suppress(
+                    OSError
+                ):  # no flush at exit may fail on the closed pipe again
                     os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
                 raise ReaderGone() from None
 
@@ -93,7 +117,7 @@ class Events:
 
 
 class LogStream(io.TextIOBase):
-    """A stderr whose every line becomes a log event; a progress event's line becomes its message."""
+    """A stderr whose every line becomes a log event (a progress event's line: its message)."""
 
     def __init__(self, events: Events):
         self.events = events
@@ -143,14 +167,18 @@ def parse_body(operation: str, text: str, scratch: list[str]) -> Request:
     """The operation's typed request from the body, or a Refusal worded as Ster words it."""
     table = operations()
     if operation in NOT_IN_STER_DIST:
-        raise Refusal(f"operation {operation} is Ster's but not ster_dist's yet: no command runs it here")
+        raise Refusal(
+            f"operation {operation} is Ster's but not ster_dist's yet: no command runs it here"
+        )
     cls = table.get(operation)
     if cls is None:
         raise Refusal(f"unknown operation: {operation}")
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise Refusal(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise Refusal(
+            f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     if not isinstance(body, dict):
         raise Refusal("request body is not valid JSON: invalid type: expected a JSON object")
     line, column = _end_of(text)
@@ -159,26 +187,36 @@ def parse_body(operation: str, text: str, scratch: list[str]) -> Request:
     for key, value in body.items():
         name = renamed.get(_snake(key), _snake(key))
         if name not in cls.model_fields and not (cls is GenerateRequest and name == "steering"):
-            raise Refusal(f"request body is not valid JSON: unknown field `{key}` at line {line} column {column}")
+            raise Refusal(
+                f"request body is not valid JSON: unknown field `{key}` "
+                f"at line {line} column {column}"
+            )
         data[name], written[name] = value, key
     if cls is GenerateRequest and "steering" in data:
         _steering(data)
-    required = [n for n, f in cls.model_fields.items() if f.is_required()] + list(REQUIRED_NUMBERS.get(operation, ()))
+    required = [n for n, f in cls.model_fields.items() if f.is_required()] + list(
+        REQUIRED_NUMBERS.get(operation, ())
+    )
     body_name = {field: _camel(name) for name, field in renamed.items()}
     for name in required:
         if name not in data:
-            raise Refusal(f"request body is not valid JSON: missing field `{body_name.get(name, _camel(name))}` "
-                          f"at line {line} column {column}")
+            raise Refusal(
+                "request body is not valid JSON: missing field "
+                f"`{body_name.get(name, _camel(name))}` "
+                f"at line {line} column {column}"
+            )
     if cls is DecideRequest and isinstance(data.get("request"), (dict, list)):
         data["request"] = _inline(data["request"], scratch)  # the desktop composes it inline
     return cls.parse(data, written=written)
 
 
 def _steering(data: dict) -> None:
-    """`steering: [{"vector", "strength"}]`, each strength required; ster_dist steers one at a time."""
+    """`steering: [{"vector", "strength"}]`, each strength required; one vector per run here."""
     steering = data.pop("steering")
     if not isinstance(steering, list) or not all(isinstance(s, dict) for s in steering):
-        raise Refusal('request body is not valid JSON: steering must be a list of {"vector", "strength"}')
+        raise Refusal(
+            'request body is not valid JSON: steering must be a list of {"vector", "strength"}'
+        )
     for entry in steering:
         for key in ("vector", "strength"):
             if key not in entry:
@@ -201,9 +239,16 @@ def main(argv: list[str], run) -> int:
     """`run` is cli.run: (result, exit status) of a typed request, as the command line runs it."""
     events = Events(sys.stdout)
     if len(argv) != 1 or argv[0].startswith("-"):
-        events.send({"type": "result", "status": 2,
-                     "json": {"error": "ster request takes one operation, such as vector/inspect, and its "
-                                       "body on stdin"}})
+        events.send(
+            {
+                "type": "result",
+                "status": 2,
+                "json": {
+                    "error": "ster request takes one operation, such as vector/inspect, and its "
+                    "body on stdin"
+                },
+            }
+        )
         return 2
     operation, scratch = argv[0], []
     try:
@@ -217,7 +262,7 @@ def main(argv: list[str], run) -> int:
         return status
     except ReaderGone:
         # the run was stopped as an interrupt stops it (job cancelled, ranks closed); leave now, not
-        # through interpreter shutdown, where a native thread of a closed group may abort the process
+        # through interpreter shutdown, where a closed group's native thread may abort the process
         _remove(scratch)
         sys.stderr.flush()
         os._exit(1)
@@ -240,7 +285,9 @@ def _run(request: Request, events: Events, run) -> tuple[int, dict]:
         raise
     except Refusal as refusal:
         sentence = str(refusal)
-    except Exception as exc:  # a defect still ends in one result, the status the docs give a failure
+    except (
+        Exception
+    ) as exc:  # a defect still ends in one result, the status the docs give a failure
         sentence = f"{type(exc).__name__}: {exc}"
     else:
         return code, json.loads(json.dumps(result, default=str))

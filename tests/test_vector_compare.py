@@ -1,5 +1,6 @@
-"""`ster vector compare`: artifacts compared from their directions alone, the numbers checked against
-geometry worked by hand (a direction, its negation, an orthogonal one), and Ster's refusals."""
+"""`ster vector compare`: artifacts compared from their directions alone, the numbers checked
+against geometry worked by hand (a direction, its negation, an orthogonal one), and the
+refusals."""
 
 from __future__ import annotations
 
@@ -15,8 +16,14 @@ from ster_dist.steer.artifact import Direction, SteeringArtifact
 
 def _save(path, trait: str, values: dict[int, list[float]], model: str = "toy") -> str:
     vectors = [Direction(layer, torch.tensor(v), 1.0, 0.5) for layer, v in values.items()]
-    SteeringArtifact(model=model, model_revision=None, trait_name=trait, method="caa", hidden_size=3,
-                     vectors=vectors).save(path)
+    SteeringArtifact(
+        model=model,
+        model_revision=None,
+        trait_name=trait,
+        method="caa",
+        hidden_size=3,
+        vectors=vectors,
+    ).save(path)
     return str(path)
 
 
@@ -35,7 +42,10 @@ def test_a_negation_shares_an_axis_and_an_orthogonal_direction_is_unique(tmp_pat
     assert code == 0, err
     assert out["layers"] == [1, 2]  # the layers all three carry
     pairs = {(r["a"][-6:], r["b"][-6:]): r for r in out["pairs"]}
-    assert pairs[("a.json", "b.json")]["similarity"] == -1.0 and pairs[("a.json", "c.json")]["similarity"] == 0.0
+    assert (
+        pairs[("a.json", "b.json")]["similarity"] == -1.0
+        and pairs[("a.json", "c.json")]["similarity"] == 0.0
+    )
     assert pairs[("a.json", "b.json")]["distance"] == 0.0  # the nearer sign: one axis
     assert pairs[("a.json", "c.json")]["distance"] == pytest.approx(math.sqrt(2))
     assert out["most_different"]["b"] == b and out["most_similar"]["similarity"] == 0.0
@@ -45,10 +55,13 @@ def test_a_negation_shares_an_axis_and_an_orthogonal_direction_is_unique(tmp_pat
     assert out["clusters"] == [0, 1, 2] and out["silhouette"] is None
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--clusters", "4"), "--clusters 4 must be between 1 and the 3 artifacts compared"),
-    (("--clusters", "1", "--layers", "3"), "carries no vector at layer 3"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--clusters", "4"), "--clusters 4 must be between 1 and the 3 artifacts compared"),
+        (("--clusters", "1", "--layers", "3"), "carries no vector at layer 3"),
+    ],
+)
 def test_refusals(tmp_path, capsys, extra, message):
     paths = [_save(tmp_path / f"{i}.json", "t", {1: [1, float(i), 0]}) for i in range(3)]
     code, _, err = _run(capsys, "vector", "compare", *paths, *extra)

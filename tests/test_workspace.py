@@ -1,5 +1,6 @@
 """Ster's workspace (`ster workspace import-pairs | show | select | remove`, `ster onboarding
---import-pairs`) under $XDG_DATA_HOME/ster, and `vector train` reading the active set without --pairs."""
+--import-pairs`) under $XDG_DATA_HOME/ster, and `vector train` reading the active set without
+--pairs."""
 
 from __future__ import annotations
 
@@ -30,19 +31,35 @@ def _run(capsys, *argv) -> tuple[int, dict | None, str]:
 def test_import_show_select_remove(tmp_path, capsys, data_home):
     code, shown, err = _run(capsys, "workspace", "import-pairs", DOCS / "pairs.json")
     assert code == 0, err
-    assert shown["import"] == "imported" and shown["active"] == "pairs" and shown["sets"][0]["pair_count"] == 8
+    assert (
+        shown["import"] == "imported"
+        and shown["active"] == "pairs"
+        and shown["sets"][0]["pair_count"] == 8
+    )
     copy = data_home / "ster" / "pairs" / "pairs.json"
     assert copy.read_bytes() == (DOCS / "pairs.json").read_bytes()  # the canonical copy
-    assert _run(capsys, "workspace", "import-pairs", DOCS / "pairs.json")[1]["import"] == "unchanged"
+    assert (
+        _run(capsys, "workspace", "import-pairs", DOCS / "pairs.json")[1]["import"] == "unchanged"
+    )
     other = tmp_path / "elsewhere" / "pairs.json"  # the same name, other content: the first is kept
     other.parent.mkdir()
-    other.write_text(json.dumps({"trait_name": "loud", "pairs": [{"positive": "a", "negative": "b"}]}))
+    other.write_text(
+        json.dumps({"trait_name": "loud", "pairs": [{"positive": "a", "negative": "b"}]})
+    )
     code, shown, _ = _run(capsys, "workspace", "import-pairs", other)
-    assert code == 1 and shown["import"] == "conflicting" and copy.read_bytes() == (DOCS / "pairs.json").read_bytes()
+    assert (
+        code == 1
+        and shown["import"] == "conflicting"
+        and copy.read_bytes() == (DOCS / "pairs.json").read_bytes()
+    )
     storm = tmp_path / "storm.json"
     storm.write_text(other.read_text())
     code, shown, _ = _run(capsys, "onboarding", "--import-pairs", storm)
-    assert code == 0 and shown["active"] == "storm" and [s["id"] for s in shown["sets"]] == ["pairs", "storm"]
+    assert (
+        code == 0
+        and shown["active"] == "storm"
+        and [s["id"] for s in shown["sets"]] == ["pairs", "storm"]
+    )
     assert _run(capsys, "workspace", "select", "pairs")[1]["active"] == "pairs"
     shown = _run(capsys, "workspace", "remove", "pairs")[1]
     assert shown["active"] is None and [s["id"] for s in shown["sets"]] == ["storm"]
@@ -60,11 +77,42 @@ def test_an_invalid_set_is_refused_before_anything_is_written(tmp_path, capsys, 
 def test_vector_train_reads_the_active_set_without_pairs(tmp_path, capsys):
     model = tmp_path / "model"
     make_toy_model(model, layers=2, hidden=64, seed=0)
-    code, _, err = _run(capsys, "vector", "train", "--model", model, "--layers", "1", "--output", tmp_path / "a.json")
+    code, _, err = _run(
+        capsys,
+        "vector",
+        "train",
+        "--model",
+        model,
+        "--layers",
+        "1",
+        "--output",
+        tmp_path / "a.json",
+    )
     assert code == 2 and "no --pairs given and no active pair set" in err
     _run(capsys, "workspace", "import-pairs", DOCS / "pairs.json")
-    code, _, err = _run(capsys, "vector", "train", "--model", model, "--layers", "1", "--output", tmp_path / "a.json")
+    code, _, err = _run(
+        capsys,
+        "vector",
+        "train",
+        "--model",
+        model,
+        "--layers",
+        "1",
+        "--output",
+        tmp_path / "a.json",
+    )
     assert code == 0, err
-    _run(capsys, "vector", "train", "--model", model, "--layers", "1", "--output", tmp_path / "b.json",
-         "--pairs", DOCS / "pairs.json")
+    _run(
+        capsys,
+        "vector",
+        "train",
+        "--model",
+        model,
+        "--layers",
+        "1",
+        "--output",
+        tmp_path / "b.json",
+        "--pairs",
+        DOCS / "pairs.json",
+    )
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()

@@ -40,6 +40,8 @@ class PairsMergeRequest(Request):
     command = ("pairs", "merge")
     summary = "write one set out of several, every pair in the order the sets were named"
 
-    pairs: list[str] = field(help="a pair set; repeat the flag for each (two or more)", cli={"append": True})
+    pairs: list[str] = field(
+        help="a pair set; repeat the flag for each (two or more)", cli={"append": True}
+    )
     trait: str = field(help="the trait name the merged set is fitted for")
     output: str = field(help="the merged pair set to write")

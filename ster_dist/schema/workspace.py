@@ -35,4 +35,6 @@ class OnboardingRequest(Request):
     command = ("onboarding",)
     summary = "first use: import a pair set into the workspace (or replay: show what is there)"
 
-    import_pairs: str | None = field(None, help="a pair set to import, as workspace import-pairs does")
+    import_pairs: str | None = field(
+        None, help="a pair set to import, as workspace import-pairs does"
+    )

@@ -22,19 +22,38 @@ from ster_dist.steer.artifact import PRODUCT, SCHEMA_VERSION
 from ster_dist.steer.ster_json import F32, dumps
 
 
-def activation_document(model: str, revision: str | None, hidden_size: int, prompts: list[str],
-                        rows: dict[int, torch.Tensor]) -> dict:
+def activation_document(
+    model: str,
+    revision: str | None,
+    hidden_size: int,
+    prompts: list[str],
+    rows: dict[int, torch.Tensor],
+) -> dict:
     """rows: {layer: [prompts, hidden] f32}, the last-token reads."""
     layers = sorted(rows)
     for layer in layers:
         if not bool(rows[layer].isfinite().all()):
-            raise Refusal(f"layer {layer} read a non-finite activation; check the model's weights and precision")
-    return {"schema_version": SCHEMA_VERSION, "product": PRODUCT, "model": model, "model_revision": revision,
-            "hidden_size": hidden_size,
-            "records": [{"prompt": prompt,
-                         "layers": {str(layer): [F32(x) for x in rows[layer][i].float().tolist()]
-                                    for layer in layers}}
-                        for i, prompt in enumerate(prompts)]}
+            raise Refusal(
+                f"layer {layer} read a non-finite activation; "
+                "check the model's weights and precision"
+            )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "product": PRODUCT,
+        "model": model,
+        "model_revision": revision,
+        "hidden_size": hidden_size,
+        "records": [
+            {
+                "prompt": prompt,
+                "layers": {
+                    str(layer): [F32(x) for x in rows[layer][i].float().tolist()]
+                    for layer in layers
+                },
+            }
+            for i, prompt in enumerate(prompts)
+        ],
+    }
 
 
 def write_activations(path: Path, document: dict) -> None:
@@ -47,8 +66,14 @@ def read_activations(path: str) -> dict:
     try:
         data = json.loads(Path(path).read_bytes())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Refusal(f"invalid activation artifact JSON in {path}: {getattr(exc, 'msg', exc)}") from None
-    if not isinstance(data, dict) or data.get("product") != PRODUCT or data.get("schema_version") != SCHEMA_VERSION:
+        raise Refusal(
+            f"invalid activation artifact JSON in {path}: {getattr(exc, 'msg', exc)}"
+        ) from None
+    if (
+        not isinstance(data, dict)
+        or data.get("product") != PRODUCT
+        or data.get("schema_version") != SCHEMA_VERSION
+    ):
         raise Refusal(f"{path} is not a Ster schema-1 activation artifact")
     width = data.get("hidden_size")
     for record in data.get("records") or []:

@@ -20,17 +20,24 @@ from ster_dist.errors import Refusal
 from ster_dist.steer.artifact import SteeringArtifact, same_model
 
 
-def compare(artifacts: list[tuple[str, SteeringArtifact]], clusters: int, layers: list[int] | None) -> dict:
+def compare(
+    artifacts: list[tuple[str, SteeringArtifact]], clusters: int, layers: list[int] | None
+) -> dict:
     if len(artifacts) < 2:
         raise Refusal(f"vector compare needs at least two artifacts and got {len(artifacts)}")
     first = artifacts[0][1]
     for path, artifact in artifacts[1:]:
         if not same_model(first.model, artifact.model) or artifact.hidden_size != first.hidden_size:
-            raise Refusal(f"{path} was fitted on model {artifact.model!r} (width {artifact.hidden_size}), "
-                          f"{artifacts[0][0]} on {first.model!r} (width {first.hidden_size}): compare artifacts "
-                          "of one model")
+            raise Refusal(
+                f"{path} was fitted on model {artifact.model!r} (width {artifact.hidden_size}), "
+                f"{artifacts[0][0]} on {first.model!r} (width {first.hidden_size}): "
+                "compare artifacts "
+                "of one model"
+            )
     if not 1 <= clusters <= len(artifacts):
-        raise Refusal(f"--clusters {clusters} must be between 1 and the {len(artifacts)} artifacts compared")
+        raise Refusal(
+            f"--clusters {clusters} must be between 1 and the {len(artifacts)} artifacts compared"
+        )
     by_layer = [{v.layer: v.values.double() for v in a.vectors} for _, a in artifacts]
     if layers is None:
         layers = sorted(set.intersection(*(set(d) for d in by_layer)))
@@ -39,7 +46,9 @@ def compare(artifacts: list[tuple[str, SteeringArtifact]], clusters: int, layers
     for (path, _), directions in zip(artifacts, by_layer):
         for layer in layers:
             if layer not in directions:
-                raise Refusal(f"{path} carries no vector at layer {layer}; name layers every artifact carries")
+                raise Refusal(
+                    f"{path} carries no vector at layer {layer}; name layers every artifact carries"
+                )
             if not float(directions[layer].norm()) > 0:
                 raise Refusal(f"{path} has a direction with no usable length at layer {layer}")
     n = len(artifacts)
@@ -48,19 +57,39 @@ def compare(artifacts: list[tuple[str, SteeringArtifact]], clusters: int, layers
     rows = []
     for i, j in itertools.combinations(range(n), 2):
         cosines = [float(unit[i][k] @ unit[j][k]) for k in range(len(layers))]
-        apart = [min(float((unit[i][k] - unit[j][k]).norm()), float((unit[i][k] + unit[j][k]).norm()))
-                 for k in range(len(layers))]
+        apart = [
+            min(float((unit[i][k] - unit[j][k]).norm()), float((unit[i][k] + unit[j][k]).norm()))
+            for k in range(len(layers))
+        ]
         distance[i, j] = distance[j, i] = sum(apart) / len(apart)
-        rows.append({"a": artifacts[i][0], "b": artifacts[j][0], "similarity": sum(cosines) / len(cosines),
-                     "distance": float(distance[i, j]),
-                     "layers": [{"layer": layer, "cosine": c} for layer, c in zip(layers, cosines)]})
+        rows.append(
+            {
+                "a": artifacts[i][0],
+                "b": artifacts[j][0],
+                "similarity": sum(cosines) / len(cosines),
+                "distance": float(distance[i, j]),
+                "layers": [{"layer": layer, "cosine": c} for layer, c in zip(layers, cosines)],
+            }
+        )
     groups = _average_linkage(distance, clusters)
-    return {"model": first.model, "layers": layers, "pairs": rows,
-            "most_similar": max(rows, key=lambda r: r["similarity"]),
-            "most_different": min(rows, key=lambda r: r["similarity"]),
-            "uniqueness": [{"artifact": path, "trait_name": a.trait_name,
-                            "uniqueness": _uniqueness(by_layer, i, layers)} for i, (path, a) in enumerate(artifacts)],
-            "distance": distance.tolist(), "clusters": groups, "silhouette": _silhouette(distance, groups)}
+    return {
+        "model": first.model,
+        "layers": layers,
+        "pairs": rows,
+        "most_similar": max(rows, key=lambda r: r["similarity"]),
+        "most_different": min(rows, key=lambda r: r["similarity"]),
+        "uniqueness": [
+            {
+                "artifact": path,
+                "trait_name": a.trait_name,
+                "uniqueness": _uniqueness(by_layer, i, layers),
+            }
+            for i, (path, a) in enumerate(artifacts)
+        ],
+        "distance": distance.tolist(),
+        "clusters": groups,
+        "silhouette": _silhouette(distance, groups),
+    }
 
 
 def _uniqueness(by_layer: list[dict[int, torch.Tensor]], index: int, layers: list[int]) -> float:
@@ -87,7 +116,9 @@ def _average_linkage(distance: torch.Tensor, clusters: int) -> list[int]:
         _, a, b = best
         members[a] = sorted(members[a] + members.pop(b))
     ordered = sorted(members, key=min)  # numbered in order of first appearance
-    return [next(g for g, group in enumerate(ordered) if i in group) for i in range(distance.shape[0])]
+    return [
+        next(g for g, group in enumerate(ordered) if i in group) for i in range(distance.shape[0])
+    ]
 
 
 def _silhouette(distance: torch.Tensor, groups: list[int]) -> float | None:
@@ -97,8 +128,11 @@ def _silhouette(distance: torch.Tensor, groups: list[int]) -> float | None:
         if not same:
             continue
         a = float(distance[i, same].mean())
-        others = [float(distance[i, [k for k, g in enumerate(groups) if g == other]].mean())
-                  for other in set(groups) if other != group]
+        others = [
+            float(distance[i, [k for k, g in enumerate(groups) if g == other]].mean())
+            for other in set(groups)
+            if other != group
+        ]
         if not others:
             continue
         b = min(others)

@@ -16,8 +16,12 @@ from ster_dist.steer.ster_json import dumps
 
 
 def pair_document(pairs: PairSet) -> dict:
-    return {"trait_name": pairs.trait_name,
-            "pairs": [{"positive": positive, "negative": negative} for positive, negative in pairs.pairs]}
+    return {
+        "trait_name": pairs.trait_name,
+        "pairs": [
+            {"positive": positive, "negative": negative} for positive, negative in pairs.pairs
+        ],
+    }
 
 
 def save_pairs(path: str, pairs: PairSet) -> None:
@@ -25,7 +29,9 @@ def save_pairs(path: str, pairs: PairSet) -> None:
     if not pairs.pairs:
         raise Refusal(f"pair set {path} contains no pairs")
     if any(not p.strip() or not n.strip() for p, n in pairs.pairs):
-        raise Refusal(f"pair set {path} contains an empty positive or negative prompt; fill both sides")
+        raise Refusal(
+            f"pair set {path} contains an empty positive or negative prompt; fill both sides"
+        )
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with replacing(target) as handle:
@@ -35,7 +41,9 @@ def save_pairs(path: str, pairs: PairSet) -> None:
 def add_pair(path: str, positive: str, negative: str, trait: str | None) -> PairSet:
     """Append one pair, creating the file (and its parent) when it does not exist."""
     current = load_pairs(path) if Path(path).exists() else PairSet("", ())
-    pairs = PairSet(current.trait_name if trait is None else trait, current.pairs + ((positive, negative),))
+    pairs = PairSet(
+        current.trait_name if trait is None else trait, current.pairs + ((positive, negative),)
+    )
     save_pairs(path, pairs)
     return pairs
 
@@ -48,20 +56,27 @@ def _index(pairs: PairSet, index: int) -> None:
 def remove_pair(path: str, index: int) -> PairSet:
     current = load_pairs(path)
     _index(current, index)
-    pairs = PairSet(current.trait_name, current.pairs[:index] + current.pairs[index + 1:])
+    pairs = PairSet(current.trait_name, current.pairs[:index] + current.pairs[index + 1 :])
     save_pairs(path, pairs)  # removing the last pair is refused here, the file untouched
     return pairs
 
 
-def edit_pair(path: str, index: int, positive: str | None, negative: str | None, trait: str | None) -> PairSet:
+def edit_pair(
+    path: str, index: int, positive: str | None, negative: str | None, trait: str | None
+) -> PairSet:
     if positive is None and negative is None and trait is None:
         raise Refusal("pairs edit changes nothing without --positive, --negative or --trait")
     current = load_pairs(path)
     _index(current, index)
     old_positive, old_negative = current.pairs[index]
-    changed = (old_positive if positive is None else positive, old_negative if negative is None else negative)
-    pairs = PairSet(current.trait_name if trait is None else trait,
-                    current.pairs[:index] + (changed,) + current.pairs[index + 1:])
+    changed = (
+        old_positive if positive is None else positive,
+        old_negative if negative is None else negative,
+    )
+    pairs = PairSet(
+        current.trait_name if trait is None else trait,
+        current.pairs[:index] + (changed,) + current.pairs[index + 1 :],
+    )
     save_pairs(path, pairs)
     return pairs
 

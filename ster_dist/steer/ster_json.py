@@ -23,8 +23,10 @@ class F32(float):
 
 
 def _shortest(value: float, single: bool) -> tuple[str, int]:
-    """(digits, exponent) with value == int(digits) * 10**exponent, the fewest digits that round-trip."""
-    text = np.format_float_scientific(np.float32(value) if single else np.float64(value), unique=True, trim="-")
+    """(digits, exponent), value == int(digits) * 10**exponent: the fewest that round-trip."""
+    text = np.format_float_scientific(
+        np.float32(value) if single else np.float64(value), unique=True, trim="-"
+    )
     mantissa, exp = text.split("e")
     digits = mantissa.replace(".", "").lstrip("-")
     decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
@@ -70,15 +72,23 @@ def _write(value, out: list[str], newline: str | None, depth: int) -> None:
     elif isinstance(value, float):
         out.append(format_float(value, single=isinstance(value, F32)))
     elif isinstance(value, dict):
-        _container("{", "}", [(json.dumps(str(k), ensure_ascii=False), v) for k, v in value.items()],
-                   out, newline, depth)
+        _container(
+            "{",
+            "}",
+            [(json.dumps(str(k), ensure_ascii=False), v) for k, v in value.items()],
+            out,
+            newline,
+            depth,
+        )
     elif isinstance(value, (list, tuple)):
         _container("[", "]", [(None, v) for v in value], out, newline, depth)
     else:
         raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
-def _container(open_: str, close: str, items: list, out: list[str], newline: str | None, depth: int) -> None:
+def _container(
+    open_: str, close: str, items: list, out: list[str], newline: str | None, depth: int
+) -> None:
     out.append(open_)
     if not items:
         out.append(close)

@@ -1,6 +1,6 @@
-"""Ster's workspace: persistent pair sets under `$XDG_DATA_HOME/ster` (or `~/.local/share/ster`), one
-of them active (`ster workspace import-pairs | show | select | remove`, `ster onboarding
---import-pairs`); `vector train` and the other pair readers use the active set when no --pairs is given.
+"""Ster's workspace: persistent pair sets under `$XDG_DATA_HOME/ster` (or `~/.local/share/ster`),
+one of them active (`ster workspace import-pairs | show | select | remove`, `ster onboarding
+--import-pairs`); `vector train` and the other pair readers use the active set without --pairs.
 
 An import validates the whole document (steer/pairs.py) before writing anything, then keeps a
 canonical copy (`pairs/<id>.json`, the pretty form `pairs add` writes) and makes it active. The id
@@ -53,15 +53,23 @@ def show() -> dict:
     sets = []
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         pairs = load_pairs(str(path))
-        sets.append({"id": path.stem, "trait_name": pairs.trait_name, "pair_count": len(pairs.pairs),
-                     "path": str(path)})
+        sets.append(
+            {
+                "id": path.stem,
+                "trait_name": pairs.trait_name,
+                "pair_count": len(pairs.pairs),
+                "path": str(path),
+            }
+        )
     active = _active()
     return {"root": str(root()), "active": active, "sets": sets}
 
 
 def _check_id(set_id: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", set_id):
-        raise Refusal(f"pair set id {set_id!r} must be letters, digits, '.', '_' or '-'; rename the file")
+        raise Refusal(
+            f"pair set id {set_id!r} must be letters, digits, '.', '_' or '-'; rename the file"
+        )
     return set_id
 
 
@@ -69,7 +77,7 @@ def import_pairs(path: str) -> tuple[dict, str]:
     """(show's document, "imported" | "unchanged" | "conflicting")."""
     pairs = load_pairs(path)  # the whole document validated before anything is written
     name = Path(path).name
-    set_id = _check_id(name[:-len(".json")] if name.endswith(".json") else name)
+    set_id = _check_id(name[: -len(".json")] if name.endswith(".json") else name)
     target = _set_path(set_id)
     if target.is_file():
         if pair_document(load_pairs(str(target))) != pair_document(pairs):
@@ -85,7 +93,9 @@ def import_pairs(path: str) -> tuple[dict, str]:
 def _known(set_id: str) -> Path:
     path = _set_path(_check_id(set_id))
     if not path.is_file():
-        raise Refusal(f"no pair set {set_id!r} in the workspace {root()}; `ster workspace show` lists them")
+        raise Refusal(
+            f"no pair set {set_id!r} in the workspace {root()}; `ster workspace show` lists them"
+        )
     return path
 
 
@@ -106,6 +116,8 @@ def active_pairs() -> str:
     """The active set's path, for a pair reader given no --pairs."""
     active = _active()
     if active is None:
-        raise Refusal("no --pairs given and no active pair set: pass --pairs FILE, or import one with "
-                      "`ster workspace import-pairs FILE`")
+        raise Refusal(
+            "no --pairs given and no active pair set: pass --pairs FILE, or import one with "
+            "`ster workspace import-pairs FILE`"
+        )
     return str(_set_path(active))
