@@ -105,10 +105,10 @@ def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:
         kwargs["type"] = annotation
     elif typing.get_origin(annotation) is list and meta.get("nargs"):
         kwargs["nargs"] = meta["nargs"]
-    elif typing.get_origin(annotation) is list and meta.get("append"):
-        kwargs["action"] = "append"  # the flag repeated, a value each time
-        if meta.get("int"):
-            kwargs["type"] = int
+    elif meta.get("append"):  # list[X], or X | list[X]: the flag repeated, a value each time
+        kwargs["action"] = "append"
+        if meta.get("int") or meta.get("float"):
+            kwargs["type"] = int if meta.get("int") else float
     # anything else (text, a comma list of numbers) is taken as its text; the request parses it
     if meta.get("positional"):
         kwargs.pop("dest")

@@ -211,7 +211,7 @@ def parse_body(operation: str, text: str, scratch: list[str]) -> Request:
 
 
 def _steering(data: dict) -> None:
-    """`steering: [{"vector", "strength"}]`, each strength required; one vector per run here."""
+    """`steering: [{"vector", "strength"}]`, each strength required."""
     steering = data.pop("steering")
     if not isinstance(steering, list) or not all(isinstance(s, dict) for s in steering):
         raise Refusal(
@@ -221,10 +221,9 @@ def _steering(data: dict) -> None:
         for key in ("vector", "strength"):
             if key not in entry:
                 raise Refusal(f"request body is not valid JSON: missing field `{key}` in steering")
-    if len(steering) > 1:
-        raise Refusal("ster_dist steers with one vector per run: send one steering entry")
     if steering:
-        data["vector"], data["strength"] = steering[0]["vector"], steering[0]["strength"]
+        data["vector"] = [entry["vector"] for entry in steering]
+        data["strength"] = [entry["strength"] for entry in steering]
 
 
 def _inline(document, scratch: list[str]) -> str:

@@ -53,7 +53,8 @@ def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
     output_not_an_input(request)
     prompts = prompts_of(request)
     system = read_text(request.system, request.label("system")) if request.system else None
-    existing_file(request.vector, request.label("vector"))
+    for vector in request.vector if isinstance(request.vector, list) else [request.vector]:
+        existing_file(vector, request.label("vector"))
     if request.adapter is not None:
         from ster_dist.adapters.format import open_adapter
 
@@ -192,7 +193,8 @@ def register_vector(session: Session, engine, request) -> tuple[tuple[str, float
     vectors, info = prepare(session, request)
     key = _digest(vectors)
     engine.add_vector(key, vectors)
-    return (key, float(request.strength)), info
+    # several vectors are summed, each already times its strength: the mix is added at strength 1
+    return (key, 1.0 if isinstance(request.strength, list) else float(request.strength)), info
 
 
 def register_adapter(session: Session, engine, request) -> tuple[str, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ValidationInfo, field_validator, model_validator
@@ -17,6 +18,38 @@ class GenerateRequest(Runtime, EngineFields, ModifierFields):
     command = ("generate",)
     summary = "generate text"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _several_vectors(cls, data, info: ValidationInfo):
+        """One --vector stays one path (as before); several need one finite strength each, not all zero."""
+        if not isinstance(data, dict):
+            return data
+        vectors, strengths = data.get("vector"), data.get("strength")
+        if isinstance(vectors, list) and len(vectors) == 1:
+            data = {**data, "vector": vectors[0]}
+        if isinstance(strengths, list) and len(strengths) == 1:
+            data = {**data, "strength": strengths[0]}
+        vectors, strengths = data.get("vector"), data.get("strength")
+        for value in strengths if isinstance(strengths, list) else [strengths]:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise Refusal(f"{label_in(info, 'strength')} must be a finite number, got {value}")
+        if isinstance(vectors, list) or isinstance(strengths, list):
+            count = len(vectors) if isinstance(vectors, list) else int(vectors is not None)
+            given = len(strengths) if isinstance(strengths, list) else int(strengths is not None)
+            if count != given:
+                raise Refusal(f"every {label_in(info, 'vector')} needs its own {label_in(info, 'strength')}: "
+                              f"got {count} vectors and {given} strengths")
+            if all(isinstance(x, (int, float)) and x == 0 for x in strengths):
+                raise Refusal(f"every {label_in(info, 'strength')} is zero, so this mix would steer nothing")
+        return data
+
+    # Ster 0.14: any number of --vector/--strength pairs, summed where they share a layer
+    vector: str | list[str] | None = field(
+        None, help="a steering vector artifact (V.json) added during generation; repeat the flag, each "
+                   "with its own --strength, to steer several traits at once", cli={"append": True})
+    strength: float | list[float] | None = field(
+        None, help="the steering strength of the --vector before it (required with each)",
+        cli={"append": True, "float": True})
     prompt: str | None = field(None, help="one prompt, answered on stdout")
     prompts: str | None = field(None, help='a {"prompts": [...]} JSON file, answered in order (needs --output)')
     output: str | None = field(None, help="the JSON file the answers to --prompts are written to")

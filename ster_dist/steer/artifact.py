@@ -265,11 +265,14 @@ def check_for_run(artifact: SteeringArtifact, model: str, hidden_size: int, num_
 
     fitted = artifact.metadata.get(KEY)
     if fitted is not None and fingerprint is not None:
-        if fitted != fingerprint:
-            raise Refusal(f'artifact was trained on other weights than model "{model}" holds ({fitted[:19]}..., '
-                          f"these are {fingerprint[:19]}...): use it with the checkpoint it was fitted on, or "
-                          "retrain it for this one")
-    elif not same_model(artifact.model, model):
+        matches = fitted == fingerprint
+    else:
+        matches = same_model(artifact.model, model)
+    if not matches and same_model(artifact.model, model):  # the same path now holds other weights
+        raise Refusal(f'artifact was trained on other weights than model "{model}" holds ({fitted[:19]}..., '
+                      f"these are {fingerprint[:19]}...): use it with the checkpoint it was fitted on, or "
+                      "retrain it for this one")
+    if not matches:
         if verb == "evaluate":
             raise Refusal(f'artifact model "{artifact.model}" does not match runtime model "{model}": '
                           "load the model it was fitted with, or retrain it for this one")

@@ -84,16 +84,13 @@ def check_strength(vector, strength) -> None:
 
 def prepare(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
     """`--vector V.json --strength S` checked against the loaded model (a precision or chat-template
-    mismatch is warned about): the per-layer vectors to add, and the provenance a result records."""
-    from ster_dist.steer.text import chat_status
-
+    mismatch is warned about): the per-layer vectors to add, and the provenance a result records.
+    Several vectors (lists in vector and strength) are each checked as one is, then summed per
+    layer, each times its strength: the mix, to be added at strength 1."""
+    if isinstance(request.vector, list):
+        return _mix(session, request)
     check_strength(request.vector, request.strength)
-    artifact = load_artifact(request.vector)
-    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers,
-                  fingerprint=of_checkpoint(session.checkpoint))
-    chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
-    for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
-        progress(warning)
+    artifact = _checked(session, request, request.vector)
     info = {"vector": str(request.vector), "strength": float(request.strength), "trait_name": artifact.trait_name,
             "method": artifact.method, "layers": artifact.layers}
     progress(f"steering layers {artifact.layers} by {request.strength} x the {artifact.method} direction "
@@ -101,12 +98,39 @@ def prepare(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
     return payload(artifact), info
 
 
+def _checked(session, request, path: str) -> SteeringArtifact:
+    from ster_dist.steer.text import chat_status
+
+    artifact = load_artifact(path)
+    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers,
+                  fingerprint=of_checkpoint(session.checkpoint))
+    chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
+    for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
+        progress(warning)
+    return artifact
+
+
+def _mix(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
+    summed: dict[int, torch.Tensor] = {}
+    parts = []
+    for path, strength in zip(request.vector, request.strength):
+        artifact = _checked(session, request, path)
+        for vector in artifact.vectors:
+            scaled = vector.values.float() * float(strength)
+            summed[vector.layer] = summed[vector.layer] + scaled if vector.layer in summed else scaled
+        parts.append({"vector": str(path), "strength": float(strength), "trait_name": artifact.trait_name,
+                      "method": artifact.method, "layers": artifact.layers})
+    progress(f"steering with {len(parts)} vectors summed at layers {sorted(summed)}")
+    return sorted(summed.items()), {"vectors": parts, "layers": sorted(summed)}
+
+
 def attach_for_cli(session, request):
     """Steer every rank for the whole of an operation (capture, steer's own runs); returns undo.
     Generation steers per request in the token engine instead (ops/generate.py)."""
     vectors, info = prepare(session, request)
     token = uuid.uuid4().hex
-    session.group.on(SteeringOnRank).attach(vectors, float(request.strength), token)
+    strength = 1.0 if isinstance(request.strength, list) else float(request.strength)
+    session.group.on(SteeringOnRank).attach(vectors, strength, token)
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["steering"] = info
