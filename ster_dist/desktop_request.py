@@ -38,6 +38,7 @@ from ster_dist.schema import REQUESTS, DecideRequest, GenerateRequest, Request
 REQUIRED_NUMBERS: dict[str, tuple[str, ...]] = {
     "generate": ("max_new_tokens", "temperature", "seed"),
     "vector/optimize": ("holdout",),
+    "vector/curve": ("holdout", "sizes", "method"),
     **{
         f"tune/{verb}": ("learning_rate", "epochs", "seed")
         for verb in ("sft", "dpo", "reward", "grpo")
@@ -45,7 +46,6 @@ REQUIRED_NUMBERS: dict[str, tuple[str, ...]] = {
 }
 # in Ster's table, not (yet) a ster_dist command: refused by name rather than as unknown
 NOT_IN_STER_DIST = (
-    "vector/curve",
     "vector/project",
     "vector/ablate",
     "pairs/import",

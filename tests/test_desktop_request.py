@@ -185,7 +185,12 @@ def test_status_1_ends_with_the_error_logged(monkeypatch, capsys, tmp_path):
             },
             "ster-json holds the final token of each prompt only",
         ),
-        ("vector/curve", {}, "operation vector/curve is Ster's but not ster_dist's yet"),
+        (
+            "vector/curve",
+            {"model": "m", "pairs": "p.json", "method": "caa", "sizes": "1"},
+            "missing field `holdout`",
+        ),
+        ("vector/ablate", {}, "operation vector/ablate is Ster's but not ster_dist's yet"),
     ],
 )
 def test_status_2_is_refused_before_anything_runs(monkeypatch, capsys, operation, body, error):

@@ -27,8 +27,23 @@ def _run(capsys, *argv) -> tuple[int, dict | None, str]:
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("vectors")
     make_toy_model(root / "model", layers=2, hidden=64, seed=0)
-    assert main(["vector", "train", "--model", str(root / "model"), "--pairs", str(DOCS / "pairs.json"),
-                 "--layers", "0,1", "--output", str(root / "calm.json")]) == 0
+    assert (
+        main(
+            [
+                "vector",
+                "train",
+                "--model",
+                str(root / "model"),
+                "--pairs",
+                str(DOCS / "pairs.json"),
+                "--layers",
+                "0,1",
+                "--output",
+                str(root / "calm.json"),
+            ]
+        )
+        == 0
+    )
     negated = load_artifact(str(root / "calm.json"))
     for vector in negated.vectors:
         vector.values = -vector.values
@@ -37,8 +52,21 @@ def trained(tmp_path_factory):
 
 
 def _generate(capsys, root, *steering) -> list:
-    code, out, err = _run(capsys, "generate", "--model", root / "model", "--prompt", "the sea is",
-                          "--max-new-tokens", "8", "--temperature", "0", "--logprobs", "1", *steering)
+    code, out, err = _run(
+        capsys,
+        "generate",
+        "--model",
+        root / "model",
+        "--prompt",
+        "the sea is",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--logprobs",
+        "1",
+        *steering,
+    )
     assert code == 0, err
     return [out["text"], [round(t["logprob"], 4) for t in out["logprobs"]]]
 
@@ -46,19 +74,33 @@ def _generate(capsys, root, *steering) -> list:
 def test_vectors_are_summed_where_they_share_a_layer(trained, capsys):
     calm, storm = trained / "calm.json", trained / "storm.json"
     plain = _generate(capsys, trained)
-    twice = _generate(capsys, trained, "--vector", calm, "--strength", "3", "--vector", calm, "--strength", "3")
+    twice = _generate(
+        capsys, trained, "--vector", calm, "--strength", "3", "--vector", calm, "--strength", "3"
+    )
     once = _generate(capsys, trained, "--vector", calm, "--strength", "6")
     assert twice == once and once != plain  # the direction moves this toy's answer at strength 6
-    cancelled = _generate(capsys, trained, "--vector", calm, "--strength", "6", "--vector", storm,
-                          "--strength", "6")
+    cancelled = _generate(
+        capsys, trained, "--vector", calm, "--strength", "6", "--vector", storm, "--strength", "6"
+    )
     assert cancelled == plain
 
 
-@pytest.mark.parametrize("steering, message", [
-    (("--vector", "A", "--strength", "1", "--vector", "A"), "every --vector needs its own --strength"),
-    (("--vector", "A", "--strength", "0", "--vector", "A", "--strength", "0"), "every --strength is zero"),
-])
+@pytest.mark.parametrize(
+    "steering, message",
+    [
+        (
+            ("--vector", "A", "--strength", "1", "--vector", "A"),
+            "every --vector needs its own --strength",
+        ),
+        (
+            ("--vector", "A", "--strength", "0", "--vector", "A", "--strength", "0"),
+            "every --strength is zero",
+        ),
+    ],
+)
 def test_refusals(trained, capsys, steering, message):
     steering = [str(trained / "calm.json") if s == "A" else s for s in steering]
-    code, _, err = _run(capsys, "generate", "--model", trained / "model", "--prompt", "hi", *steering)
+    code, _, err = _run(
+        capsys, "generate", "--model", trained / "model", "--prompt", "hi", *steering
+    )
     assert code == 2 and message in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +76,81 @@ def test_artifacts_of_two_models_are_refused(tmp_path, capsys):
     assert code == 2 and "compare artifacts of one model" in err
     code, _, err = _run(capsys, "vector", "compare", a, "--clusters", "1")
     assert code == 2 and "vector compare needs at least two artifacts and got 1" in err
+
+
+def test_curve_scores_growing_fits_on_one_holdout(tmp_path, capsys):
+    """`vector curve` on the docs' eight pairs: a quarter held out (2), fits of 1, 3 and 6 pairs; a
+    fit of all 6 scores as optimize's caa candidate at that layer (the same split, the same fit)."""
+    from ster_dist.toy import make_toy_model
+
+    docs = Path(__file__).parent / "data" / "ster_docs" / "pairs.json"
+    model = tmp_path / "model"
+    make_toy_model(model, layers=2, hidden=64, seed=0)
+    code, out, err = _run(
+        capsys,
+        "vector",
+        "curve",
+        "--model",
+        model,
+        "--pairs",
+        docs,
+        "--method",
+        "caa",
+        "--holdout",
+        "0.25",
+        "--sizes",
+        "1,3,6",
+        "--layers",
+        "1",
+    )
+    assert code == 0, err
+    assert out["holdout"] == {"fraction": 0.25, "fit_pairs": 6, "holdout_pairs": 2}
+    assert [(p["size"], p["layer"]) for p in out["points"]] == [(1, 1), (3, 1), (6, 1)]
+    best = max(p["holdout_accuracy"] for p in out["points"])
+    assert out["enough"] == [
+        {
+            "layer": 1,
+            "size": min(p["size"] for p in out["points"] if p["holdout_accuracy"] == best),
+            "holdout_accuracy": best,
+        }
+    ]
+    code, ranked, err = _run(
+        capsys,
+        "vector",
+        "optimize",
+        "--model",
+        model,
+        "--pairs",
+        docs,
+        "--holdout",
+        "0.25",
+        "--layers",
+        "1",
+        "--output",
+        tmp_path / "o.json",
+    )
+    caa = next(r for r in ranked["selection"]["candidates"] if r["method"] == "caa")
+    assert (caa["holdout_accuracy"], caa["holdout_margin"]) == (
+        out["points"][2]["holdout_accuracy"],
+        out["points"][2]["holdout_margin"],
+    )
+    code, _, err = _run(
+        capsys,
+        "vector",
+        "curve",
+        "--model",
+        model,
+        "--pairs",
+        docs,
+        "--method",
+        "caa",
+        "--holdout",
+        "0.25",
+        "--sizes",
+        "7",
+    )
+    assert (
+        code == 2
+        and "a size of 7 pairs does not fit in the 6 pairs left to fit on after holding out 2"
+        in err
+    )

@@ -27,6 +27,7 @@ from ster_dist.ops.workspace import remove as workspace_remove
 from ster_dist.ops.workspace import select as workspace_select
 from ster_dist.ops.workspace import show as workspace_show
 from ster_dist.ops.steer import compare as vector_compare
+from ster_dist.ops.steer import curve as vector_curve
 from ster_dist.ops.steer import evaluate as steer_evaluate
 from ster_dist.ops.steer import inspect as steer_inspect
 from ster_dist.ops.steer import optimize as steer_optimize
@@ -62,6 +63,7 @@ from ster_dist.schema import (
     ToyModelRequest,
     TuneDpoRequest,
     VectorCompareRequest,
+    VectorCurveRequest,
     TuneEvaluateRequest,
     TuneGrpoRequest,
     TuneRewardRequest,
@@ -89,6 +91,7 @@ OPERATIONS: dict[type[Request], Operation] = {
     SteerEvaluateRequest: Operation(steer_evaluate, True),
     SteerInspectRequest: Operation(steer_inspect, False),
     VectorCompareRequest: Operation(vector_compare, False),
+    VectorCurveRequest: Operation(vector_curve, True),
     DecideRequest: Operation(decide, True, engine=True),
     CalibrateRequest: Operation(calibrate, True, engine=True),
     MergeRequest: Operation(merge, False),

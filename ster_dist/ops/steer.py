@@ -14,6 +14,7 @@ from ster_dist.schema.steer import (
     SteerOptimizeRequest,
     SteerTrainRequest,
     VectorCompareRequest,
+    VectorCurveRequest,
 )
 from ster_dist.session import Session, modifiers
 from ster_dist.steer.fingerprint import of_checkpoint
@@ -152,3 +153,30 @@ def compare(request: VectorCompareRequest) -> dict:
         except ValueError:
             raise Refusal(f"{request.label('layers')} takes a comma list of layers, got {request.layers!r}") from None
     return run([(path, load_artifact(path)) for path in request.artifacts], request.clusters, layers)
+
+
+def curve(session: Session, request: VectorCurveRequest) -> dict:
+    from ster_dist.steer.curve import check_sizes
+    from ster_dist.steer.curve import curve as run
+    from ster_dist.steer.fit import canonical_method
+    from ster_dist.steer.layers import parse_layers
+    from ster_dist.steer.optimize import split
+    from ster_dist.steer.pairs import load_pairs
+    from ster_dist.steer.text import chat_status
+
+    method = canonical_method(request.method)
+    pairs = load_pairs(_pairs_path(request))
+    fit, held = split(len(pairs.pairs), request.holdout)
+    sizes = request.size_list()
+    check_sizes(sizes, fit, held)
+    cfg = session.cfg
+    layers = parse_layers(request.layers, cfg.num_layers)
+    progress(f"fitting {method} on {sizes} of {fit} pairs and scoring on a {held}-pair holdout")
+    with modifiers(session, request, steering=False):
+        chat = chat_status(session.tokenizer, request.chat_template)
+        positive, negative = _read_pairs(session, request, pairs, layers)
+    points, enough = run(positive, negative, layers, method, sizes, fit)
+    return {"model": request.model, "trait_name": pairs.trait_name, "method": method,
+            "layers": layers, "precision": request.precision, "chat_template": chat,
+            "holdout": {"fraction": request.holdout, "fit_pairs": fit, "holdout_pairs": held},
+            "points": points, "enough": enough}

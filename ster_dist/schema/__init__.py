@@ -21,6 +21,7 @@ from ster_dist.schema.steer import (
     SteerOptimizeRequest,
     SteerTrainRequest,
     VectorCompareRequest,
+    VectorCurveRequest,
 )
 from ster_dist.schema.workspace import (
     OnboardingRequest,
@@ -45,7 +46,9 @@ from ster_dist.schema.tune import (
 
 REQUESTS: tuple[type[Request], ...] = (
     FamiliesRequest, InspectModelRequest, PlanRequest, GenerateRequest, ChatRequest, ParityRequest, ExtractRequest,
-    SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, VectorCompareRequest, DecideRequest,
+    SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, VectorCompareRequest,
+    VectorCurveRequest,
+    DecideRequest,
     CalibrateRequest, PairsAddRequest, PairsRemoveRequest, PairsEditRequest, PairsMergeRequest,
     WorkspaceImportRequest, WorkspaceShowRequest, WorkspaceSelectRequest, WorkspaceRemoveRequest, OnboardingRequest,
     MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
@@ -57,7 +60,8 @@ JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if c
 __all__ = [
     "REQUESTS", "JOB_REQUESTS", "Request", "GenerateRequest", "GenerateResult", "Completion", "ChatRequest",
     "ParityRequest", "ExtractRequest", "SteerTrainRequest", "SteerOptimizeRequest", "SteerEvaluateRequest",
-    "SteerInspectRequest", "VectorCompareRequest", "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
+    "SteerInspectRequest", "VectorCompareRequest", "VectorCurveRequest",
+    "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",

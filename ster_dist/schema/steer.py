@@ -125,3 +125,22 @@ class VectorCompareRequest(Request):
     artifacts: list[str] = field(help="two or more steering artifacts", cli={"positional": True, "nargs": "+"})
     clusters: int = field(ge=1, help="the number of groups to cut the artifacts into (Ster chooses none)")
     layers: str | None = field(None, help="a comma list of layers every artifact carries (default: all shared)")
+
+
+class VectorCurveRequest(LayersMixin, PairRun):
+    kind = "vector-curve"
+    command = ("vector", "curve")
+    summary = "score one method on growing numbers of pairs, on one held-out fraction"
+
+    layers: str = field("all", help=LAYERS_HELP)
+    method: str = field(help="caa, pca or logistic (Ster states none)")
+    holdout: float = field(help="the fraction of pairs held out, as vector optimize holds it out")
+    sizes: str = field(help="comma-separated pair counts to fit on, e.g. 1,2,4")
+    batch_size: int = field(8, ge=1, help="prompts per forward pass")
+
+    def size_list(self) -> list[int]:
+        try:
+            return [int(part) for part in self.sizes.split(",") if part.strip()]
+        except ValueError:
+            raise Refusal(f"{self.label('sizes')} takes comma-separated whole numbers, "
+                          f"got {self.sizes!r}") from None
