@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ster_dist.errors import Refusal
-from ster_dist.schema.base import Request, field, label_in
+from ster_dist.schema.base import Request, context_of, field, label_in
 from ster_dist.schema.common import (
     ChatTemplate,
     LayersMixin,
@@ -29,6 +29,9 @@ class PairRun(Runtime):
     @model_validator(mode="after")
     def _files(self, info: ValidationInfo):
         no_stdin(self, ("pairs", "vector"), info)
+        if self.pairs is None and context_of(info, "queued"):
+            raise Refusal(f"a {self.kind} job spec is missing the required field 'pairs': a queued job "
+                          "has no workspace whose active set it could read")
         return self
 
 
