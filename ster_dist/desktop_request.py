@@ -52,7 +52,6 @@ NOT_IN_STER_DIST = (
     "pairs/inspect",
     "pairs/save",
     "pairs/synthesize",
-    "tune/inspect",
 )
 # a body field Ster names otherwise than the command's flag: operation -> {body: request field}
 RENAMED: dict[str, dict[str, str]] = {

@@ -38,6 +38,7 @@ from ster_dist.ops.tune import evaluate as tune_evaluate
 from ster_dist.ops.tune import grpo as tune_grpo
 from ster_dist.ops.tune import reward as tune_reward
 from ster_dist.ops.tune import sft as tune_sft
+from ster_dist.ops.tune_inspect import inspect as tune_inspect
 from ster_dist.schema import (
     BatchMergeRequest,
     CalibrateRequest,
@@ -66,6 +67,7 @@ from ster_dist.schema import (
     VectorCurveRequest,
     TuneEvaluateRequest,
     TuneGrpoRequest,
+    TuneInspectRequest,
     TuneRewardRequest,
     TuneSftRequest,
     WorkspaceImportRequest,
@@ -101,6 +103,7 @@ OPERATIONS: dict[type[Request], Operation] = {
     TuneRewardRequest: Operation(tune_reward, False),
     TuneGrpoRequest: Operation(tune_grpo, False),
     TuneEvaluateRequest: Operation(tune_evaluate, True),
+    TuneInspectRequest: Operation(tune_inspect, False),
     FamiliesRequest: Operation(families, False),
     InspectModelRequest: Operation(inspect_model, False),
     PlanRequest: Operation(plan, False),

@@ -40,6 +40,7 @@ from ster_dist.schema.tune import (
     TuneDpoRequest,
     TuneEvaluateRequest,
     TuneGrpoRequest,
+    TuneInspectRequest,
     TuneRewardRequest,
     TuneSftRequest,
 )
@@ -52,6 +53,7 @@ REQUESTS: tuple[type[Request], ...] = (
     CalibrateRequest, PairsAddRequest, PairsRemoveRequest, PairsEditRequest, PairsMergeRequest,
     WorkspaceImportRequest, WorkspaceShowRequest, WorkspaceSelectRequest, WorkspaceRemoveRequest, OnboardingRequest,
     MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
+    TuneInspectRequest,
     ToyModelRequest,
     GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest,
 )
@@ -65,6 +67,7 @@ __all__ = [
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
     "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
-    "PairsAddRequest", "PairsRemoveRequest", "PairsEditRequest", "PairsMergeRequest", "WorkspaceImportRequest",
+    "TuneInspectRequest", "PairsAddRequest", "PairsRemoveRequest", "PairsEditRequest", "PairsMergeRequest",
+    "WorkspaceImportRequest",
     "WorkspaceShowRequest", "WorkspaceSelectRequest", "WorkspaceRemoveRequest", "OnboardingRequest",
 ]

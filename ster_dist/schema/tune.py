@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import ValidationInfo, model_validator
 
 from ster_dist.errors import Refusal
-from ster_dist.schema.base import field, label_in
+from ster_dist.schema.base import Request, field, label_in
 from ster_dist.schema.common import ChatTemplate, ModelRef, Runtime, chat_template_field, no_stdin
 
 EXAMPLES_HELP = 'a {"examples": [{"prompt", "completion"}, ...]} JSON file'
@@ -163,3 +163,10 @@ class TuneEvaluateRequest(Runtime):
             raise Refusal(f"--batch-size must be a whole number of at least 1, got {self.batch_size}")
         no_stdin(self, ("examples", "system"), info)
         return self
+
+
+class TuneInspectRequest(Request):
+    command = ("tune", "inspect")
+    summary = "validate an adapter and summarise what it declares, its factors' names and shapes"
+
+    adapter: str = field(help="the adapter (a directory, its weights, or its config)", cli={"positional": True})
