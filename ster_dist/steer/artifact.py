@@ -23,6 +23,7 @@ import torch
 
 from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
+from ster_dist.inputs import read_bytes
 from ster_dist.shard.safetensors_header import read_header
 from ster_dist.steer.layers import check_layers
 
@@ -174,10 +175,7 @@ def load_artifact(path: str) -> SteeringArtifact:
                       "and a steering vector (trait_name and vectors, from ster steer train) as --vector")
     if target.is_dir():
         raise Refusal(f"{path} is a directory, not a steering artifact: pass the V.json that ster steer train wrote")
-    try:
-        data = target.read_bytes()
-    except OSError as exc:
-        raise Refusal(f"failed to read steering artifact {path}: {exc.strerror or exc}") from None
+    data = read_bytes(path, "failed to read steering artifact")
     try:
         parsed = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from ster_dist.errors import Refusal
+from ster_dist.inputs import read_bytes
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,7 @@ class PairSet:
 
 
 def _read(path: str, what: str):
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise Refusal(f"failed to read {what} {path}: {exc.strerror or exc}") from None
+    data = read_bytes(path, f"failed to read {what}")
     try:
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
