@@ -227,29 +227,29 @@ def test_a_client_that_leaves_frees_its_blocks(server, toy):
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert metric(server.url, "ster:kv_cache_blocks_in_use") > 0
-    wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
-             and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
-    assert metric(server.url, "ster:http_requests_in_flight") == 0
+        assert metric(server.url, "ster_kv_cache_blocks_in_use") > 0
+    wait_for(lambda: metric(server.url, "ster_num_requests_running") == 0
+             and metric(server.url, "ster_kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster_http_requests_in_flight") == 0
     # not streamed: the leaving is noticed at its next token, long before its 400th
-    before = metric(server.url, "ster:generation_tokens_total")
+    before = metric(server.url, "ster_generation_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=0.2)
-    wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
-             and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
-    assert metric(server.url, "ster:generation_tokens_total") - before < body["max_tokens"]
-    assert metric(server.url, "ster:http_requests_in_flight") == 0
+    wait_for(lambda: metric(server.url, "ster_num_requests_running") == 0
+             and metric(server.url, "ster_kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster_generation_tokens_total") - before < body["max_tokens"]
+    assert metric(server.url, "ster_http_requests_in_flight") == 0
 
 
 def test_metrics_count_requests_tokens_and_latencies(server, client, toy):
     client.completions.create(model=toy, prompt="count me", max_tokens=3, temperature=0)
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for name in ("ster:requests_total{", "ster:generation_tokens_total", "ster:prompt_tokens_total",
-                 "ster:time_to_first_token_seconds_count", "ster:inter_token_latency_seconds_count",
-                 "ster:kv_cache_blocks_total", "ster:prefix_cache_hit_rate", "ster:num_requests_waiting"):
+    for name in ("ster_requests_total{", "ster_generation_tokens_total", "ster_prompt_tokens_total",
+                 "ster_time_to_first_token_seconds_count", "ster_inter_token_latency_seconds_count",
+                 "ster_kv_cache_blocks_total", "ster_prefix_cache_hit_rate", "ster_num_requests_waiting"):
         assert name in text, name
-    assert metric(server.url, "ster:generation_tokens_total") >= 3
-    assert 'ster:requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert metric(server.url, "ster_generation_tokens_total") >= 3
+    assert 'ster_requests_total{endpoint="/v1/completions",status="200"}' in text
 
 
 def test_a_non_loopback_address_needs_a_key(toy):
@@ -374,7 +374,7 @@ def test_ster_endpoints_share_the_server_and_pause_its_engine_between_steps(serv
     result = [json.loads(line) for line in generated.text.splitlines()][-1]["result"]
     assert result["text"] == cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12",
                                           "--chat-template=off")["text"]
-    assert metric(server.url, "ster:kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
+    assert metric(server.url, "ster_kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
 
 
 def test_several_prompts_token_ids_and_streamed_choices(client, toy):
