@@ -55,9 +55,11 @@ def modifiers(toy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(toy, modifiers):
+def server(toy, modifiers, tmp_path_factory):
     vectors, adapter = modifiers
-    proc = ServeProcess("--model", toy, "--vectors", vectors, "--adapter", f"lora={adapter}")
+    # Ster's API reads and writes the tests' files, in pytest's temporary directories
+    proc = ServeProcess("--model", toy, "--vectors", vectors, "--adapter", f"lora={adapter}",
+                        "--allow-path", tmp_path_factory.getbasetemp())
     yield proc
     assert proc.stop() == 0, "".join(proc.stderr)[-2000:]
 
@@ -325,6 +327,9 @@ def test_key_queue_limit_body_limit_and_drain(toy):
                                 json={"model": toy, "prompt": "me too", "max_tokens": 2})
             assert second.status_code == 429 and second.headers["retry-after"] == "1"
             assert second.json()["error"]["type"] == "rate_limit_error"
+            # Ster's endpoints that run work count against the same limit
+            job = httpx.post(f"{url}/v1/generate", headers=auth, timeout=10, json={"prompt": "me too"})
+            assert job.status_code == 429 and job.json()["error"]["code"] == "rate_limit_exceeded"
             proc.proc.send_signal(signal.SIGTERM)  # drains: the stream in flight still finishes whole
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
@@ -527,3 +532,33 @@ def test_a_client_too_slow_to_send_its_request_is_cut_off(toy):
 def _length(response: bytes) -> int:
     head = response.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
     return next(int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:"))
+
+
+def test_a_huge_prompt_never_holds_health_and_is_refused_before_tokenizing(server, toy):
+    """A 3.6 MB prompt (under the 4 MiB body limit) held every client for seconds while it was
+    tokenized on the event loop: now it is refused by its length alone, and /health answers meanwhile."""
+    import threading
+
+    answers: list[httpx.Response] = []
+    huge = "word " * 720_000
+    bodies = [{"model": toy, "prompt": huge, "max_tokens": 1},
+              {"model": toy, "messages": [{"role": "user", "content": huge}], "max_tokens": 1}]
+    paths = ["/v1/completions", "/v1/chat/completions"]
+
+    def send():
+        for path, body in zip(paths, bodies):
+            answers.append(httpx.post(f"{server.url}{path}", json=body, timeout=60))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+    sender.join()
+    for answer, param in zip(answers, ("prompt", "messages")):
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == param
+        assert "3600000 characters" in error["message"]
+    assert slowest < 1.0

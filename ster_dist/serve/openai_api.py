@@ -74,7 +74,7 @@ async def answer(state, path: str, raw: bytes, receive, send) -> None:
     model, prepare = (ChatCompletionRequest, _prepare_chat) if path == CHAT else (CompletionRequest, _prepare_text)
     try:
         body = parse_body(model, raw)
-        prep = await _prepared(prepare, state, body)
+        prep = await _prepared(prepare, state, body, len(raw))
         if body.stream:  # submitted once the answer is set up, so the step never shares the cores with that work;
             _check(state, prep)  # what submitting would refuse is refused now, while the answer can be a 400
             return await send_events(_events(state, prep), receive, send)
@@ -107,12 +107,27 @@ def parse_body(model, raw: bytes):
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
 
 
-async def _prepared(prepare, state, body) -> _Prepared:
-    """prepare(state, body); off the event loop when a steering vector must be read and registered
-    (registering waits for the engine's step to end)."""
-    if body.steering is not None:
+# a body past this many bytes is tokenized (and its template rendered) on a thread, not the event loop:
+# a 3.6 MB prompt held every client, /health included, for seconds; a small one is faster where it is
+_ON_LOOP_BYTES = 16 << 10
+
+
+async def _prepared(prepare, state, body, size: int) -> _Prepared:
+    """prepare(state, body); off the event loop when the body is large, or when a steering vector must
+    be read and registered (registering waits for the engine's step to end)."""
+    if body.steering is not None or size > _ON_LOOP_BYTES:
         return await asyncio.to_thread(prepare, state, body)
     return prepare(state, body)
+
+
+def _not_too_long(state, chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens:
+    state.prompt_chars is a bound on the characters max_position tokens can cover (None where the
+    tokenizer may drop characters, so no such bound holds)."""
+    if state.prompt_chars is not None and chars > state.prompt_chars:
+        raise bad_request(f"the {param} is {chars} characters, more than the {state.session.cfg.max_position} "
+                          f"positions of this model can hold (at most {state.prompt_chars} characters); send a "
+                          "shorter one", param=param, code="context_length_exceeded")
 
 
 def _modifiers(state, body) -> tuple[str | None, tuple[str, float] | None]:
@@ -199,6 +214,7 @@ def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
         raise bad_request(f"{state.request.model} has no chat template, so chat messages cannot be rendered; "
                           "send the text to /v1/completions", param="messages")
     messages = _messages(body)
+    _not_too_long(state, sum(len(m["content"]) for m in messages), "messages")
     kwargs = body.chat_template_kwargs or {}
     for name in _TEMPLATE_OWN:
         if name in kwargs:
@@ -227,6 +243,7 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
     prompts = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
+            _not_too_long(state, len(prompt), "prompt")
             prompts.append(tokenizer.encode(prompt))
         elif all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             prompts.append(list(prompt))
