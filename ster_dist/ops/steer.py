@@ -15,6 +15,7 @@ from ster_dist.schema.steer import (
     SteerTrainRequest,
 )
 from ster_dist.session import Session, modifiers
+from ster_dist.shard.fingerprint import weights_fingerprint
 
 
 def _output(request) -> Path:
@@ -55,7 +56,7 @@ def train(session: Session, request: SteerTrainRequest) -> dict:
         revision = session.checkpoint.model_revision
     vectors = fit_layers(positive, negative, layers, method)
     artifact = build_artifact(request.model, revision, pairs, method, cfg.hidden_size, vectors, request.precision,
-                              chat)
+                              chat, weights_fingerprint(session.checkpoint))
     artifact.save(output)
     return {**artifact.summary(), "output": str(output)}
 
@@ -90,7 +91,7 @@ def optimize(session: Session, request: SteerOptimizeRequest) -> dict:
     winner = candidates[best]
     vector = refit(positive, negative, winner["layer"], winner["method"])
     artifact = build_artifact(request.model, revision, pairs, winner["method"], cfg.hidden_size, [vector],
-                              request.precision, chat)
+                              request.precision, chat, weights_fingerprint(session.checkpoint))
     artifact.metadata["selection"] = (f"chosen over {len(candidates)} candidates on a {held}-pair holdout, then "
                                       f"refitted on all {len(pairs.pairs)} pairs")
     artifact.save(output)
@@ -112,7 +113,8 @@ def evaluate(session: Session, request: SteerEvaluateRequest) -> dict:
     artifact = load_artifact(request.vector)
     pairs = load_pairs(request.pairs)
     cfg = session.cfg
-    check_for_run(artifact, request.model, cfg.hidden_size, cfg.num_layers, verb="evaluate")
+    check_for_run(artifact, request.model, cfg.hidden_size, cfg.num_layers, verb="evaluate",
+                  fingerprint=weights_fingerprint(session.checkpoint))
     with modifiers(session, request, steering=False):
         chat = chat_status(session.tokenizer, mode)
         for warning in provenance_warnings(artifact, request.precision, chat, "the number below describes"):

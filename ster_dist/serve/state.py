@@ -76,11 +76,13 @@ class ServerState:
     def steering_key(self, artifact) -> str:
         """`artifact` (a SteeringArtifact) checked against the served model and registered once; a
         new one past MAX_VECTORS is refused."""
+        from ster_dist.shard.fingerprint import weights_fingerprint
         from ster_dist.steer.artifact import check_for_run
         from ster_dist.steer.attach import payload
 
         cfg = self.session.cfg
-        check_for_run(artifact, self.request.model, cfg.hidden_size, cfg.num_layers)
+        check_for_run(artifact, self.request.model, cfg.hidden_size, cfg.num_layers,
+                      fingerprint=weights_fingerprint(self.session.checkpoint))
         vectors = payload(artifact)
         key = vector_key(vectors)
         with self._vector_lock:

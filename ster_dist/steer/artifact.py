@@ -242,10 +242,23 @@ def same_model(fitted: str, loaded: str) -> bool:
     return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
 
 
+# the metadata key holding the fitted model's weights fingerprint (shard/fingerprint.py); Ster's
+# metadata is string to string, so a file with it still reads in Ster
+FINGERPRINT = "model_fingerprint"
+
+
 def check_for_run(artifact: SteeringArtifact, model: str, hidden_size: int, num_layers: int,
-                  verb: str = "generate") -> None:
-    """Refuse an artifact fitted for another model, width or depth, before it touches a rank."""
-    if not same_model(artifact.model, model):
+                  verb: str = "generate", fingerprint: str | None = None) -> None:
+    """Refuse an artifact fitted for another model, width or depth, before it touches a rank. The
+    model is the same when the artifact's weights fingerprint is the loaded one's (another path to the
+    same weights, a copy, an export), or, for an artifact without one, when the path names the same."""
+    recorded = artifact.metadata.get(FINGERPRINT)
+    if recorded is not None and fingerprint is not None:
+        if recorded != fingerprint:
+            raise Refusal(f'artifact was trained for model "{artifact.model}", current model is "{model}" (weights '
+                          f"{fingerprint[:19]}..., not the {recorded[:19]}... it was fitted on): load the model it "
+                          "was trained for, or retrain it for this one")
+    elif not same_model(artifact.model, model):
         if verb == "evaluate":
             raise Refusal(f'artifact model "{artifact.model}" does not match runtime model "{model}": '
                           "load the model it was fitted with, or retrain it for this one")

@@ -15,6 +15,7 @@ import torch
 
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
+from ster_dist.shard.fingerprint import weights_fingerprint
 from ster_dist.steer.artifact import (
     SteeringArtifact,
     check_for_run,
@@ -88,7 +89,8 @@ def prepare(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
 
     check_strength(request.vector, request.strength)
     artifact = load_artifact(request.vector)
-    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers)
+    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers,
+                  fingerprint=weights_fingerprint(session.checkpoint))
     chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
     for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
         progress(warning)
