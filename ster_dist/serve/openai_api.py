@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import time
 import uuid
 
@@ -26,6 +25,8 @@ from pydantic import ValidationError
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import InvalidField, Refusal
+from ster_dist.serve.echo import echoed, prompt_logprobs
+from ster_dist.serve.echo import finite as _finite, token_text as _token
 from ster_dist.serve.errors import ApiError, bad_request, engine_stopped, not_found, param_of, send_json
 from ster_dist.serve.event_stream import send_events, until_disconnect
 from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
@@ -51,6 +52,7 @@ class _Prepared:
     arrived: float
     include_usage: bool
     token_ids: bool = False      # return_token_ids: the choices carry their tokens' ids
+    echo: list[str] | None = None  # echo: each prompt's text, put before its choices' (serve/echo.py)
 
 
 def router(state) -> APIRouter:
@@ -83,6 +85,11 @@ async def answer(state, path: str, raw: bytes, receive, send) -> None:
             whole = await _whole(state, prep, _submit(state, prep), watcher)
         finally:
             watcher.cancel()
+        if prep.echo is not None:
+            scored = None
+            if prep.params.logprobs is not None:
+                scored = await asyncio.to_thread(prompt_logprobs, state.session, prep.prompts, prep.params.logprobs)
+            whole = echoed(whole, prep.n, state.session.tokenizer, prep.prompts, prep.echo, scored)
         # inside the try: an answer that cannot be written (say, a value JSON has no spelling for) is
         # OpenAI's 500 too, not uvicorn's plain-text one
         return await send_json(send, whole)
@@ -233,7 +240,7 @@ def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
 
 
 def _prepare_text(state, body: CompletionRequest) -> _Prepared:
-    for name, refused in (("echo", body.echo), ("suffix", body.suffix is not None),
+    for name, refused in (("echo", body.echo and body.stream), ("suffix", body.suffix is not None),
                           ("best_of", body.best_of not in (None, body.n))):
         if refused:
             raise bad_request(f"'{name}' is not served by ster serve; send the request without it", param=name)
@@ -255,9 +262,15 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
         raise bad_request(f"{len(prompts)} prompts x n {body.n} is more than this server's {state.max_queue} "
                           "requests in flight; send fewer at once", param="prompt")
     longest = max(len(p) for p in prompts)
+    echo = None
+    if body.echo:
+        if body.logprobs is not None and (steering is not None or adapter is not None):
+            raise bad_request("echo with logprobs scores the prompt on the served model alone; send it without "
+                              "'steering' and to the model itself, not an adapter", param="echo")
+        echo = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in body.prompts()]
     return _Prepared("text", body.model, prompts, _sampling(state, body, longest, body.logprobs), body.n, steering,
                      adapter, f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(),
-                     bool(body.stream_options and body.stream_options.include_usage), body.return_token_ids)
+                     bool(body.stream_options and body.stream_options.include_usage), body.return_token_ids, echo)
 
 
 # -- running and answering --------------------------------------------------------------------------
@@ -456,16 +469,6 @@ async def _events(state, prep: _Prepared):
 
 
 # -- logprobs in OpenAI's two shapes ------------------------------------------------------------------
-def _token(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -inf nor NaN (a masked token's log-probability, or logits a steered model made
-    non-finite): vLLM's floor of -9999.0 stands for them, so every client can parse the answer."""
-    return logprob if math.isfinite(logprob) else -9999.0
-
-
 def _chat_logprobs(tokenizer, entries: list) -> dict:
     content = []
     for entry in entries:
