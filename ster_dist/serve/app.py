@@ -1,7 +1,7 @@
 """The server's FastAPI application over a started ServerState.
 
-Routes: OpenAI's (serve/openai_api.py), Ster's serve API (serve/ster_api.py), `/health` and
-`/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
+Routes: OpenAI's (serve/openai_api.py), vLLM's /tokenize and /detokenize (serve/tokenize.py), Ster's
+serve API (serve/ster_api.py), `/health` and `/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
 never buffers a stream) checks, in this order: the bearer key (or, on a keyless server, that the
 request is not a web page's), the server draining, the body size, and the limit of requests in
 flight, OpenAI's and Ster's endpoints that run work alike (429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
@@ -25,6 +25,7 @@ from ster_dist.schema.serve import is_loopback
 from ster_dist.serve import errors
 from ster_dist.serve.errors import ApiError
 from ster_dist.serve.openai_api import CHAT, TEXT, answer, router as openai_router
+from ster_dist.serve.tokenize import router as tokenize_router
 
 # answered while draining; the first also without a key or from any origin, for load balancers: it says only
 # "ok" or why not, where Ster's /v1/health tells the model's path, the workers' hosts and pids
@@ -34,7 +35,7 @@ ANSWERED = (CHAT, TEXT)  # answered below FastAPI, by openai_api.answer
 # Ster's endpoints that run work (a job, or a file read): counted by the in-flight limit as OpenAI's are
 STER_WORK = ("/v1/train", "/v1/optimize", "/v1/evaluate", "/v1/generate", "/v1/extract", "/v1/inspect")
 # the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up path)
-KNOWN = (*ANSWERED, *OPEN_PATHS, "/v1/models", "/metrics", *STER_WORK)
+KNOWN = (*ANSWERED, *OPEN_PATHS, "/v1/models", "/metrics", "/tokenize", "/detokenize", *STER_WORK)
 
 
 def build_app(state) -> FastAPI:
@@ -42,6 +43,7 @@ def build_app(state) -> FastAPI:
     state.started = time.time()
     app.state.ster = state
     app.include_router(openai_router(state))
+    app.include_router(tokenize_router(state))
     _mount_ster_api(app, state)
 
     @app.get("/health")
