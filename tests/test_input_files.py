@@ -64,3 +64,11 @@ def _refusal(fn, *args) -> str:
     except Refusal as refusal:
         return str(refusal)
     return "no refusal"
+
+
+@pytest.mark.parametrize("reader", [load_artifact, load_pairs], ids=["steering-artifact", "pair-set"])
+def test_the_steering_readers_refuse_json_nested_too_deep(reader, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(Refusal, match="nest too deeply; flatten it"):
+        reader(str(deep))

@@ -178,6 +178,9 @@ def load_artifact(path: str) -> SteeringArtifact:
     data = read_bytes(path, "failed to read steering artifact")
     try:
         parsed = json.loads(data)
+    except RecursionError:  # json.loads' depth limit, reached by a file of ordinary size
+        raise Refusal(f"invalid steering artifact JSON in {path}: its arrays or objects nest too deeply; "
+                      "flatten it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise Refusal(f"invalid steering artifact JSON in {path}: {getattr(exc, 'msg', exc)}; "
                       "pass the V.json that ster steer train wrote") from None
@@ -199,9 +202,9 @@ def _adapter_kind(path: Path) -> str | None:
         if any("lora_" in n for n in names):
             return "LoRA weights in safetensors"
         return None
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    try:  # bounded as every input is; a file it cannot parse is no adapter, and load_artifact says why
+        data = json.loads(read_bytes(str(path), "steering artifact"))
+    except (Refusal, RecursionError, ValueError):
         return None
     if not isinstance(data, dict):
         return None

@@ -31,6 +31,9 @@ def _read(path: str, what: str):
     data = read_bytes(path, f"failed to read {what}")
     try:
         return json.loads(data)
+    except RecursionError:  # json.loads' depth limit, reached by a file of ordinary size
+        raise Refusal(f"invalid {what} JSON in {path}: its arrays or objects nest too deeply; flatten it") \
+            from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise Refusal(f"invalid {what} JSON in {path}: {getattr(exc, 'msg', exc)}") from None
 
