@@ -33,9 +33,9 @@ class Confinement:
         """Refuse the first field of `request` outside the allowed paths, or a model not allowed."""
         model = getattr(request, "model", None)
         if isinstance(model, str) and not any(_same_model(model, allowed) for allowed in self.models):
-            raise Forbidden(f"{label('model')} {model!r} is not served here: this server runs "
-                            f"{self.models[0]!r}{' and ' + ', '.join(map(repr, self.models[1:])) if self.models[1:] else ''}"
-                            "; leave the field out, or start ster serve with --allow-models NAME")
+            runs = ", ".join(map(repr, self.models))
+            raise Forbidden(f"{label('model')} {model!r} is not served here: this server runs {runs}; leave the "
+                            "field out, or start ster serve with --allow-models NAME")
         for name in PATH_FIELDS:
             value = getattr(request, name, None)
             if not isinstance(value, str) or not value or value == "-":
