@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import re
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
@@ -121,6 +122,10 @@ class SterApi:
 
     async def run_job(self, cls, body: dict) -> Response:
         spec = self.spec(cls, body)
+        spelled = protocol.names(cls)
+        model = next((value for key, value in spec.items() if spelled.get(key, key) == "model"), None)
+        if isinstance(model, str):  # before validation, whose checks read the model's config.json
+            self.confine(types.SimpleNamespace(model=model))
         try:
             job = await self._call(protocol.validate, spec)
         except Refusal as refusal:
