@@ -4,6 +4,8 @@ refused in one line naming the field it came from, before any weight is read."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 from ster_dist.errors import Refusal
@@ -11,20 +13,39 @@ from ster_dist.errors import Refusal
 MAX_INPUT_BYTES = 256 << 20  # an input file past this is refused before it is read whole
 
 
-def read_text(path: str, where: str) -> str:
-    file = Path(path)
+def read_bytes(path: str, where: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them. The size is counted as it is
+    read, never taken from st_size (0 for /dev/zero or a FIFO, which then grew the reader without
+    bound); the file is opened without blocking, so a FIFO with no writer is refused, not waited on."""
     try:
-        if file.is_dir():
-            raise Refusal(f"{where} {path} is a directory; name a file")
-        size = file.stat().st_size
-        if size > MAX_INPUT_BYTES:
-            raise Refusal(f"{where} {path} is {size} bytes, more than the {MAX_INPUT_BYTES >> 20} MiB an input "
-                          "file may hold; split it")
-        return file.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise Refusal(f"{where} {path}: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode  # of what was opened, so a path swapped after a check is still caught
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise Refusal(f"{where} {path} is a directory; name a file")
+        raise Refusal(f"{where} {path} is not a regular file (a device, a pipe or a socket); name a file")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            data = file.read(limit + 1)
+        except OSError as exc:
+            raise Refusal(f"{where} {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise Refusal(f"{where} {path} is more than the {_size(limit)} an input file may hold; split it")
+    return data
+
+
+def read_text(path: str, where: str, limit: int = MAX_INPUT_BYTES) -> str:
+    try:
+        return read_bytes(path, where, limit).decode("utf-8")
     except UnicodeDecodeError:
         raise Refusal(f"{where} {path} is not UTF-8 text") from None
+
+
+def _size(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
 
 
 def read_json(path: str, where: str):

@@ -55,9 +55,11 @@ def modifiers(toy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(toy, modifiers):
+def server(toy, modifiers, tmp_path_factory):
     vectors, adapter = modifiers
-    proc = ServeProcess("--model", toy, "--vectors", vectors, "--adapter", f"lora={adapter}")
+    # Ster's API reads and writes the tests' files, in pytest's temporary directories
+    proc = ServeProcess("--model", toy, "--vectors", vectors, "--adapter", f"lora={adapter}",
+                        "--allow-path", tmp_path_factory.getbasetemp())
     yield proc
     assert proc.stop() == 0, "".join(proc.stderr)[-2000:]
 
@@ -227,29 +229,29 @@ def test_a_client_that_leaves_frees_its_blocks(server, toy):
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert metric(server.url, "ster:kv_cache_blocks_in_use") > 0
-    wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
-             and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
-    assert metric(server.url, "ster:http_requests_in_flight") == 0
+        assert metric(server.url, "ster_kv_cache_blocks_in_use") > 0
+    wait_for(lambda: metric(server.url, "ster_num_requests_running") == 0
+             and metric(server.url, "ster_kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster_http_requests_in_flight") == 0
     # not streamed: the leaving is noticed at its next token, long before its 400th
-    before = metric(server.url, "ster:generation_tokens_total")
+    before = metric(server.url, "ster_generation_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=0.2)
-    wait_for(lambda: metric(server.url, "ster:num_requests_running") == 0
-             and metric(server.url, "ster:kv_cache_blocks_in_use") == 0)
-    assert metric(server.url, "ster:generation_tokens_total") - before < body["max_tokens"]
-    assert metric(server.url, "ster:http_requests_in_flight") == 0
+    wait_for(lambda: metric(server.url, "ster_num_requests_running") == 0
+             and metric(server.url, "ster_kv_cache_blocks_in_use") == 0)
+    assert metric(server.url, "ster_generation_tokens_total") - before < body["max_tokens"]
+    assert metric(server.url, "ster_http_requests_in_flight") == 0
 
 
 def test_metrics_count_requests_tokens_and_latencies(server, client, toy):
     client.completions.create(model=toy, prompt="count me", max_tokens=3, temperature=0)
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for name in ("ster:requests_total{", "ster:generation_tokens_total", "ster:prompt_tokens_total",
-                 "ster:time_to_first_token_seconds_count", "ster:inter_token_latency_seconds_count",
-                 "ster:kv_cache_blocks_total", "ster:prefix_cache_hit_rate", "ster:num_requests_waiting"):
+    for name in ("ster_requests_total{", "ster_generation_tokens_total", "ster_prompt_tokens_total",
+                 "ster_time_to_first_token_seconds_count", "ster_inter_token_latency_seconds_count",
+                 "ster_kv_cache_blocks_total", "ster_prefix_cache_hit_rate", "ster_num_requests_waiting"):
         assert name in text, name
-    assert metric(server.url, "ster:generation_tokens_total") >= 3
-    assert 'ster:requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert metric(server.url, "ster_generation_tokens_total") >= 3
+    assert 'ster_requests_total{endpoint="/v1/completions",status="200"}' in text
 
 
 def test_a_non_loopback_address_needs_a_key(toy):
@@ -325,6 +327,9 @@ def test_key_queue_limit_body_limit_and_drain(toy):
                                 json={"model": toy, "prompt": "me too", "max_tokens": 2})
             assert second.status_code == 429 and second.headers["retry-after"] == "1"
             assert second.json()["error"]["type"] == "rate_limit_error"
+            # Ster's endpoints that run work count against the same limit
+            job = httpx.post(f"{url}/v1/generate", headers=auth, timeout=10, json={"prompt": "me too"})
+            assert job.status_code == 429 and job.json()["error"]["code"] == "rate_limit_exceeded"
             proc.proc.send_signal(signal.SIGTERM)  # drains: the stream in flight still finishes whole
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
@@ -374,7 +379,7 @@ def test_ster_endpoints_share_the_server_and_pause_its_engine_between_steps(serv
     result = [json.loads(line) for line in generated.text.splitlines()][-1]["result"]
     assert result["text"] == cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12",
                                           "--chat-template=off")["text"]
-    assert metric(server.url, "ster:kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
+    assert metric(server.url, "ster_kv_cache_blocks_total") > 1000  # still the server's engine, not a 1MiB one
 
 
 def test_several_prompts_token_ids_and_streamed_choices(client, toy):
@@ -527,3 +532,33 @@ def test_a_client_too_slow_to_send_its_request_is_cut_off(toy):
 def _length(response: bytes) -> int:
     head = response.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
     return next(int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:"))
+
+
+def test_a_huge_prompt_never_holds_health_and_is_refused_before_tokenizing(server, toy):
+    """A 3.6 MB prompt (under the 4 MiB body limit) held every client for seconds while it was
+    tokenized on the event loop: now it is refused by its length alone, and /health answers meanwhile."""
+    import threading
+
+    answers: list[httpx.Response] = []
+    huge = "word " * 720_000
+    bodies = [{"model": toy, "prompt": huge, "max_tokens": 1},
+              {"model": toy, "messages": [{"role": "user", "content": huge}], "max_tokens": 1}]
+    paths = ["/v1/completions", "/v1/chat/completions"]
+
+    def send():
+        for path, body in zip(paths, bodies):
+            answers.append(httpx.post(f"{server.url}{path}", json=body, timeout=60))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+    sender.join()
+    for answer, param in zip(answers, ("prompt", "messages")):
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == param
+        assert "3600000 characters" in error["message"]
+    assert slowest < 1.0

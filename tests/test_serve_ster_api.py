@@ -24,6 +24,7 @@ from ster_dist.errors import Refusal
 from ster_dist.jobqueue.client import LocalClient
 from ster_dist.jobqueue.queue import JobQueue
 from ster_dist.schema import SteerInspectRequest
+from ster_dist.serve.confine import Confinement
 from ster_dist.serve.ster_api import camel_keys, ster_router
 from tests.cli_run import cli_generate, make_toy
 from tests.test_steer import PAIRS
@@ -39,7 +40,9 @@ def served(tmp_path_factory):
     defaults = {"model": toy, "revision": None, "precision": "f32", "device": "cpu", "tp": 1, "ep": 1}
     client = LocalClient(JobQueue(root / "state", idle_s=600).start())
     app = FastAPI()
-    app.include_router(ster_router(client, defaults))
+    # the tests' files lie in pytest's temporary directories: allowed, as --allow-path allows them
+    models = [str(root / "no-such-model"), str(root / "empty-model")]
+    app.include_router(ster_router(client, defaults, Confinement(toy, [str(root)], models)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="ster-api-test", daemon=True)
     thread.start()
@@ -235,3 +238,43 @@ def test_health(served):
     assert code == 200 and body["status"] == "ok" and body["model"] == served["toy"]
     assert set(body["queue"]) >= {"queued", "jobs", "groupStarts", "groups"}
     assert isinstance(body["queue"]["groupStarts"], int) and isinstance(body["queue"]["groups"], list)
+
+
+def test_paths_outside_the_allowed_directories_and_other_models_are_403(served, tmp_path_factory):
+    """A body's paths are the server's files: one outside the working directory and --allow-path is
+    refused before its job is queued, followed through symlinks and `..`; so is a model not served."""
+    root, toy = served["root"], served["toy"]
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.txt").write_text("the server's own file")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    for body in ({"prompt": "hi", "system": "/etc/hostname"},
+                 {"prompt": "hi", "system": str(outside / "secret.txt")},
+                 {"prompt": "hi", "system": str(root / "link" / "secret.txt")},
+                 {"prompt": "hi", "system": str(root / ".." / outside.name / "secret.txt")},
+                 {"prompt": "hi", "output": str(outside / "written.json")}):
+        field = next(k for k in body if k != "prompt")
+        code, _, answer = call(served, "/v1/generate", body)
+        message = answer["error"]["message"]
+        assert code == 403 and message.startswith(f"'{field}' {body[field]} is outside the directories"), answer
+        assert "--allow-path DIR" in message
+    assert not (outside / "written.json").exists()
+    code, _, answer = call(served, "/v1/inspect", {"artifact": str(outside / "secret.txt")})
+    assert code == 403 and "'artifact'" in answer["error"]["message"]
+    code, _, answer = call(served, "/v1/train", {"pairs": str(root / "pairs.json"), "output": "/tmp/../etc/x.json"})
+    assert code == 403 and answer["error"]["message"].startswith("'output' /tmp/../etc/x.json is outside")
+
+    for model in ("gpt2", str(outside)):
+        code, _, answer = call(served, "/v1/generate", {"model": model, "prompt": "hi"})
+        assert code == 403 and answer["error"]["message"].startswith(f"'model' {model!r} is not served here")
+        assert "--allow-models NAME" in answer["error"]["message"]
+    # the served model in another spelling of its directory is the served model
+    code, _, lines = call(served, "/v1/generate", {"model": f"{toy}/.", "prompt": "hi", "maxNewTokens": 2,
+                                                   "chatTemplate": "off"})
+    assert code == 200 and isinstance(result_of(lines)["text"], str)
+
+
+def test_a_body_nested_too_deep_or_with_a_huge_number_is_a_400(served):
+    code, _, answer = call(served, "/v1/generate", b"[" * 5000 + b"]" * 5000)
+    assert code == 400 and "nest too deeply" in answer["error"]["message"]
+    code, _, answer = call(served, "/v1/generate", b'{"maxNewTokens": ' + b"9" * 5000 + b"}")
+    assert code == 400 and "a number too long" in answer["error"]["message"]

@@ -26,8 +26,8 @@ def test_served_completions_with_drafts_equal_generate_without(echo):
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
         got = [client.completions.create(model=str(echo), prompt=p, max_tokens=10, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
-        drafted = metric(proc.url, "ster:spec_decode_num_draft_tokens_total")
-        accepted = metric(proc.url, "ster:spec_decode_num_accepted_tokens_total")
+        drafted = metric(proc.url, "ster_spec_decode_num_draft_tokens_total")
+        accepted = metric(proc.url, "ster_spec_decode_num_accepted_tokens_total")
     finally:
         assert proc.stop() == 0, "".join(proc.stderr)[-2000:]
     assert got == want

@@ -17,7 +17,7 @@ from ster_dist.schema.steer import (
     VectorCurveRequest,
 )
 from ster_dist.session import Session, modifiers
-from ster_dist.steer.fingerprint import of_checkpoint
+from ster_dist.shard.fingerprint import weights_fingerprint
 
 
 def _output(request) -> Path:
@@ -67,7 +67,7 @@ def train(session: Session, request: SteerTrainRequest) -> dict:
         revision = session.checkpoint.model_revision
     vectors = fit_layers(positive, negative, layers, method)
     artifact = build_artifact(request.model, revision, pairs, method, cfg.hidden_size, vectors, request.precision,
-                              chat, of_checkpoint(session.checkpoint))
+                              chat, weights_fingerprint(session.checkpoint))
     artifact.save(output)
     return {**artifact.summary(), "output": str(output)}
 
@@ -102,7 +102,7 @@ def optimize(session: Session, request: SteerOptimizeRequest) -> dict:
     winner = candidates[best]
     vector = refit(positive, negative, winner["layer"], winner["method"])
     artifact = build_artifact(request.model, revision, pairs, winner["method"], cfg.hidden_size, [vector],
-                              request.precision, chat, of_checkpoint(session.checkpoint))
+                              request.precision, chat, weights_fingerprint(session.checkpoint))
     artifact.metadata["selection"] = (f"chosen over {len(candidates)} candidates on a {held}-pair holdout, then "
                                       f"refitted on all {len(pairs.pairs)} pairs")
     artifact.save(output)
@@ -125,7 +125,7 @@ def evaluate(session: Session, request: SteerEvaluateRequest) -> dict:
     pairs = load_pairs(_pairs_path(request))
     cfg = session.cfg
     check_for_run(artifact, request.model, cfg.hidden_size, cfg.num_layers, verb="evaluate",
-                  fingerprint=of_checkpoint(session.checkpoint))
+                  fingerprint=weights_fingerprint(session.checkpoint))
     with modifiers(session, request, steering=False):
         chat = chat_status(session.tokenizer, mode)
         for warning in provenance_warnings(artifact, request.precision, chat, "the number below describes"):

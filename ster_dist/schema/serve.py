@@ -39,7 +39,14 @@ class ServeRequest(Runtime, EngineFields):
                                            "\"steering\": {\"vector\": NAME, \"strength\": S}")
     adapter: list[str] | None = field(None, help="NAME=DIR: a LoRA adapter served as model NAME; repeat the flag "
                                                  "for several", cli={"append": True})
-    max_queue: int = field(256, ge=1, help="requests waiting or running at once; more are answered 429")
+    allow_path: list[str] | None = field(None, help="a directory whose files Ster's API (/v1/train, /v1/generate, "
+                                                    "...) may read and write besides the working directory; "
+                                                    "repeat the flag for several", cli={"append": True})
+    allow_models: list[str] | None = field(None, help="a model (Hub id or directory) Ster's API may run besides the "
+                                                      "served one; repeat the flag for several",
+                                           cli={"append": True})
+    max_queue: int = field(256, ge=1, help="requests waiting or running at once, OpenAI's and Ster's API's; more "
+                                           "are answered 429")
     max_body: str = field("4MiB", help="the largest request body accepted, e.g. 1MiB")
     replicas: int = field(1, ge=1, help="engine replicas behind the one endpoint (Ray Serve, above 1)")
     drain_seconds: float = field(30.0, ge=0, allow_inf_nan=False,

@@ -1,10 +1,10 @@
 """The server's FastAPI application over a started ServerState.
 
-Routes: OpenAI's (serve/openai_api.py), Ster's serve API (serve/ster_api.py), `/health` and
-`/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
+Routes: OpenAI's (serve/openai_api.py), vLLM's /tokenize and /detokenize (serve/tokenize.py), Ster's
+serve API (serve/ster_api.py), `/health` and `/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
 never buffers a stream) checks, in this order: the bearer key (or, on a keyless server, that the
 request is not a web page's), the server draining, the body size, and the limit of requests in
-flight (429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
+flight, OpenAI's and Ster's endpoints that run work alike (429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
 openai_api.answer: their time on the event loop delays the first token. Every error body is
 OpenAI's shape.
 """
@@ -25,15 +25,17 @@ from ster_dist.schema.serve import is_loopback
 from ster_dist.serve import errors
 from ster_dist.serve.errors import ApiError
 from ster_dist.serve.openai_api import CHAT, TEXT, answer, router as openai_router
+from ster_dist.serve.tokenize import router as tokenize_router
 
 # answered while draining; the first also without a key or from any origin, for load balancers: it says only
 # "ok" or why not, where Ster's /v1/health tells the model's path, the workers' hosts and pids
 OPEN_PATHS = ("/health", "/v1/health")
 PROBE = "/health"
-LIMITED = (CHAT, TEXT)  # what the in-flight limit counts, answered by openai_api.answer
+ANSWERED = (CHAT, TEXT)  # answered below FastAPI, by openai_api.answer
+# Ster's endpoints that run work (a job, or a file read): counted by the in-flight limit as OpenAI's are
+STER_WORK = ("/v1/train", "/v1/optimize", "/v1/evaluate", "/v1/generate", "/v1/extract", "/v1/inspect")
 # the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up path)
-KNOWN = (*LIMITED, *OPEN_PATHS, "/v1/models", "/metrics", "/v1/train", "/v1/optimize", "/v1/evaluate",
-         "/v1/generate", "/v1/extract", "/v1/inspect")
+KNOWN = (*ANSWERED, *OPEN_PATHS, "/v1/models", "/metrics", "/tokenize", "/detokenize", *STER_WORK)
 
 
 def build_app(state) -> FastAPI:
@@ -41,6 +43,7 @@ def build_app(state) -> FastAPI:
     state.started = time.time()
     app.state.ster = state
     app.include_router(openai_router(state))
+    app.include_router(tokenize_router(state))
     _mount_ster_api(app, state)
 
     @app.get("/health")
@@ -86,11 +89,14 @@ def _mount_ster_api(app: FastAPI, state) -> None:
         from ster_dist.serve.ster_api import ster_router
     except ImportError:  # not in this build
         return
+    from ster_dist.serve.confine import Confinement
+
     request = state.request
     defaults = {"model": request.model, "revision": request.revision, "precision": request.precision,
                 "device": request.device, "tp": request.tp, "ep": request.ep, "pp": request.pp,
                 "weights": request.weights}
-    app.include_router(ster_router(state.client, defaults))
+    confinement = Confinement(request.model, request.allow_path, request.allow_models)
+    app.include_router(ster_router(state.client, defaults, confinement))
 
 
 class _Guard:
@@ -127,15 +133,19 @@ class _Guard:
             if body is None:
                 return await errors.too_large(self.body_limit).send(counted_send)
             replay = _replaying(body, receive)
-            if path not in LIMITED:
+            limited = path in ANSWERED or (path in STER_WORK and scope["method"] == "POST")
+            if not limited:
                 return await self.app(scope, replay, counted_send)
-            if scope["method"] != "POST":
+            if path in ANSWERED and scope["method"] != "POST":
                 return await ApiError(405, "Method Not Allowed", code="method_not_allowed").send(counted_send)
             if state.in_flight >= state.max_queue:
                 return await errors.too_many(1, state.max_queue).send(counted_send)
             state.in_flight += 1
-            try:
-                await answer(state, path, body, replay, counted_send)
+            try:  # a Ster job counts until its stream ends
+                if path in ANSWERED:
+                    await answer(state, path, body, replay, counted_send)
+                else:
+                    await self.app(scope, replay, counted_send)
             finally:
                 state.in_flight -= 1
         finally:

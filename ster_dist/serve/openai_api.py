@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import time
 import uuid
 
@@ -26,6 +25,8 @@ from pydantic import ValidationError
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import InvalidField, Refusal
+from ster_dist.serve.echo import echoed, prompt_logprobs
+from ster_dist.serve.echo import finite as _finite, token_text as _token
 from ster_dist.serve.errors import ApiError, bad_request, engine_stopped, not_found, param_of, send_json
 from ster_dist.serve.event_stream import send_events, until_disconnect
 from ster_dist.serve.openai_types import ChatCompletionRequest, CompletionRequest
@@ -51,6 +52,7 @@ class _Prepared:
     arrived: float
     include_usage: bool
     token_ids: bool = False      # return_token_ids: the choices carry their tokens' ids
+    echo: list[str] | None = None  # echo: each prompt's text, put before its choices' (serve/echo.py)
 
 
 def router(state) -> APIRouter:
@@ -74,7 +76,7 @@ async def answer(state, path: str, raw: bytes, receive, send) -> None:
     model, prepare = (ChatCompletionRequest, _prepare_chat) if path == CHAT else (CompletionRequest, _prepare_text)
     try:
         body = parse_body(model, raw)
-        prep = await _prepared(prepare, state, body)
+        prep = await _prepared(prepare, state, body, len(raw))
         if body.stream:  # submitted once the answer is set up, so the step never shares the cores with that work;
             _check(state, prep)  # what submitting would refuse is refused now, while the answer can be a 400
             return await send_events(_events(state, prep), receive, send)
@@ -83,6 +85,11 @@ async def answer(state, path: str, raw: bytes, receive, send) -> None:
             whole = await _whole(state, prep, _submit(state, prep), watcher)
         finally:
             watcher.cancel()
+        if prep.echo is not None:
+            scored = None
+            if prep.params.logprobs is not None:
+                scored = await asyncio.to_thread(prompt_logprobs, state.session, prep.prompts, prep.params.logprobs)
+            whole = echoed(whole, prep.n, state.session.tokenizer, prep.prompts, prep.echo, scored)
         # inside the try: an answer that cannot be written (say, a value JSON has no spelling for) is
         # OpenAI's 500 too, not uvicorn's plain-text one
         return await send_json(send, whole)
@@ -107,12 +114,27 @@ def parse_body(model, raw: bytes):
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
 
 
-async def _prepared(prepare, state, body) -> _Prepared:
-    """prepare(state, body); off the event loop when a steering vector must be read and registered
-    (registering waits for the engine's step to end)."""
-    if body.steering is not None:
+# a body past this many bytes is tokenized (and its template rendered) on a thread, not the event loop:
+# a 3.6 MB prompt held every client, /health included, for seconds; a small one is faster where it is
+_ON_LOOP_BYTES = 16 << 10
+
+
+async def _prepared(prepare, state, body, size: int) -> _Prepared:
+    """prepare(state, body); off the event loop when the body is large, or when a steering vector must
+    be read and registered (registering waits for the engine's step to end)."""
+    if body.steering is not None or size > _ON_LOOP_BYTES:
         return await asyncio.to_thread(prepare, state, body)
     return prepare(state, body)
+
+
+def _not_too_long(state, chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens:
+    state.prompt_chars is a bound on the characters max_position tokens can cover (None where the
+    tokenizer may drop characters, so no such bound holds)."""
+    if state.prompt_chars is not None and chars > state.prompt_chars:
+        raise bad_request(f"the {param} is {chars} characters, more than the {state.session.cfg.max_position} "
+                          f"positions of this model can hold (at most {state.prompt_chars} characters); send a "
+                          "shorter one", param=param, code="context_length_exceeded")
 
 
 def _modifiers(state, body) -> tuple[str | None, tuple[str, float] | None]:
@@ -199,6 +221,7 @@ def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
         raise bad_request(f"{state.request.model} has no chat template, so chat messages cannot be rendered; "
                           "send the text to /v1/completions", param="messages")
     messages = _messages(body)
+    _not_too_long(state, sum(len(m["content"]) for m in messages), "messages")
     kwargs = body.chat_template_kwargs or {}
     for name in _TEMPLATE_OWN:
         if name in kwargs:
@@ -217,7 +240,7 @@ def _prepare_chat(state, body: ChatCompletionRequest) -> _Prepared:
 
 
 def _prepare_text(state, body: CompletionRequest) -> _Prepared:
-    for name, refused in (("echo", body.echo), ("suffix", body.suffix is not None),
+    for name, refused in (("echo", body.echo and body.stream), ("suffix", body.suffix is not None),
                           ("best_of", body.best_of not in (None, body.n))):
         if refused:
             raise bad_request(f"'{name}' is not served by ster serve; send the request without it", param=name)
@@ -227,6 +250,7 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
     prompts = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
+            _not_too_long(state, len(prompt), "prompt")
             prompts.append(tokenizer.encode(prompt))
         elif all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             prompts.append(list(prompt))
@@ -238,9 +262,15 @@ def _prepare_text(state, body: CompletionRequest) -> _Prepared:
         raise bad_request(f"{len(prompts)} prompts x n {body.n} is more than this server's {state.max_queue} "
                           "requests in flight; send fewer at once", param="prompt")
     longest = max(len(p) for p in prompts)
+    echo = None
+    if body.echo:
+        if body.logprobs is not None and (steering is not None or adapter is not None):
+            raise bad_request("echo with logprobs scores the prompt on the served model alone; send it without "
+                              "'steering' and to the model itself, not an adapter", param="echo")
+        echo = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in body.prompts()]
     return _Prepared("text", body.model, prompts, _sampling(state, body, longest, body.logprobs), body.n, steering,
                      adapter, f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(),
-                     bool(body.stream_options and body.stream_options.include_usage), body.return_token_ids)
+                     bool(body.stream_options and body.stream_options.include_usage), body.return_token_ids, echo)
 
 
 # -- running and answering --------------------------------------------------------------------------
@@ -439,16 +469,6 @@ async def _events(state, prep: _Prepared):
 
 
 # -- logprobs in OpenAI's two shapes ------------------------------------------------------------------
-def _token(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -inf nor NaN (a masked token's log-probability, or logits a steered model made
-    non-finite): vLLM's floor of -9999.0 stands for them, so every client can parse the answer."""
-    return logprob if math.isfinite(logprob) else -9999.0
-
-
 def _chat_logprobs(tokenizer, entries: list) -> dict:
     content = []
     for entry in entries:

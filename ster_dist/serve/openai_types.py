@@ -3,8 +3,8 @@
 Fields OpenAI defines keep its names, defaults and ranges (temperature 1, n 1, max_tokens 16 for
 completions). vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are read
 as vLLM reads them. Ours: `steering` (a vector per request). Unknown fields are ignored, as OpenAI's
-own server and vLLM do; fields that would change the answer and are not served (tools, echo, suffix,
-best_of, logit_bias, response_format, vLLM's guided decoding, non-text content parts) are refused
+own server and vLLM do; fields that would change the answer and are not served (tools, a streamed
+echo, suffix, best_of, logit_bias, response_format, vLLM's guided decoding, non-text content parts) are refused
 rather than ignored.
 """
 

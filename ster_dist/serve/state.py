@@ -39,6 +39,7 @@ class ServerState:
         self._registered: set[str] = set()       # vector keys the engine holds
         self._vector_lock = threading.Lock()  # handlers register from worker threads
         self.in_flight = 0
+        self.prompt_chars: int | None = None
         self.draining = False
         self.metrics = Metrics(self)
 
@@ -63,6 +64,7 @@ class ServerState:
         self.engine = self.session.engine(*request.engine_options())
         self.engine.warm_up()  # no request meets a compile mid-stream
         self.session.fixed_engine = True  # Ster's /v1/generate jobs join this engine, never rebuild it
+        self.prompt_chars = prompt_char_bound(self.session.tokenizer, self.session.cfg.max_position)
         for name, directory in adapters.items():
             self.adapters[name], _ = register_adapter(self.session, self.engine, types.SimpleNamespace(
                 adapter=directory, model=request.model, precision=request.precision))
@@ -74,11 +76,13 @@ class ServerState:
     def steering_key(self, artifact) -> str:
         """`artifact` (a SteeringArtifact) checked against the served model and registered once; a
         new one past MAX_VECTORS is refused."""
+        from ster_dist.shard.fingerprint import weights_fingerprint
         from ster_dist.steer.artifact import check_for_run
         from ster_dist.steer.attach import payload
 
         cfg = self.session.cfg
-        check_for_run(artifact, self.request.model, cfg.hidden_size, cfg.num_layers)
+        check_for_run(artifact, self.request.model, cfg.hidden_size, cfg.num_layers,
+                      fingerprint=weights_fingerprint(self.session.checkpoint))
         vectors = payload(artifact)
         key = vector_key(vectors)
         with self._vector_lock:
@@ -111,3 +115,20 @@ class ServerState:
 
     def close(self) -> None:
         self.queue.close(timeout=30)
+
+
+# pre-tokenizers and normalizers that may drop characters (whitespace, accents), for which the number
+# of characters says nothing of the number of tokens
+_DROPPING = ("Whitespace", "Bert", "Strip", "CharDelimiterSplit")
+
+
+def prompt_char_bound(tokenizer, max_position: int) -> int | None:
+    """The most characters `max_position` tokens can cover: no token covers more characters than its
+    vocabulary string has (a byte-level token has one character per byte, a SentencePiece one its own
+    text, a byte-fallback token more than its one byte), doubled for normalizers that compose
+    characters. None when the tokenizer may drop characters."""
+    backend = tokenizer.backend
+    if any(word in repr(part) for part in (backend.normalizer, backend.pre_tokenizer) for word in _DROPPING):
+        return None
+    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
+    return 2 * max(longest, 1) * max_position

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import re
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
@@ -38,6 +39,7 @@ from ster_dist.schema import (
     SteerTrainRequest,
 )
 from ster_dist.schema.base import kind_of_value
+from ster_dist.serve.confine import Confinement, Forbidden
 
 # endpoint name (Ster's command name) -> the request its body is (a job kind, except inspect: one small
 # file read here)
@@ -51,10 +53,12 @@ _SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-def ster_router(client, defaults: dict) -> APIRouter:
+def ster_router(client, defaults: dict, confinement: Confinement | None = None) -> APIRouter:
     """The router for an app to include. `client` is a job-queue client (LocalClient, RayClient);
-    `defaults` the served model's settings (model, revision, precision, device, tp, ep, weights)."""
-    api = SterApi(client, defaults)
+    `defaults` the served model's settings (model, revision, precision, device, tp, ep, weights);
+    `confinement` the paths and models a body may name (default: the working directory and the
+    served model)."""
+    api = SterApi(client, defaults, confinement)
     router = APIRouter()
     for name, cls in ENDPOINTS.items():
         router.add_api_route(f"/v1/{name}", api.endpoint(cls), methods=["POST"], include_in_schema=True,
@@ -69,9 +73,10 @@ def ster_router(client, defaults: dict) -> APIRouter:
 
 
 class SterApi:
-    def __init__(self, client, defaults: dict):
+    def __init__(self, client, defaults: dict, confinement: Confinement | None = None):
         self.client = client
         self.defaults = dict(defaults)
+        self.confinement = confinement or Confinement(self.defaults["model"])
         # polls wait up to POLL_S each: a pool of their own keeps them off the event loop and out of
         # the threads the app's other handlers use
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ster-api")
@@ -109,12 +114,23 @@ class SterApi:
                     spec[name] = value
         return {**spec, **body}
 
+    def confine(self, request) -> None:
+        try:
+            self.confinement.check(request, lambda name: f"'{protocol.camel(name)}'")
+        except Forbidden as forbidden:
+            raise Refused(403, str(forbidden)) from None
+
     async def run_job(self, cls, body: dict) -> Response:
         spec = self.spec(cls, body)
+        spelled = protocol.names(cls)
+        model = next((value for key, value in spec.items() if spelled.get(key, key) == "model"), None)
+        if isinstance(model, str):  # before validation, whose checks read the model's config.json
+            self.confine(types.SimpleNamespace(model=model))
         try:
             job = await self._call(protocol.validate, spec)
         except Refusal as refusal:
             raise Refused(400, str(refusal)) from None
+        self.confine(job.request)
         try:
             await self._call(local_model_exists, job.request)
         except Refusal as refusal:
@@ -153,6 +169,7 @@ class SterApi:
             request = protocol.parse_fields(cls, body, f"{' '.join(cls.command)} requests")
         except Refusal as refusal:
             raise Refused(400, str(refusal)) from None
+        self.confine(request)
         try:
             result = await self._call(ops.OPERATIONS[cls].run, request)
         except Refusal as refusal:
@@ -193,6 +210,11 @@ async def read_body(request: Request) -> dict:
     except json.JSONDecodeError as exc:
         raise Refused(400, f"the request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}; "
                            "send a JSON object of fields") from None
+    except RecursionError:  # json.loads' own depth limit, reached by a body of ordinary size
+        raise Refused(400, "the request body's arrays or objects nest too deeply to be read; flatten it") from None
+    except ValueError as exc:  # an integer of over 4300 digits
+        raise Refused(400, f"the request body holds a number too long to read "
+                           f"({str(exc).split(';')[0][:100]})") from None
     if not isinstance(body, dict):
         raise Refused(400, f"the request body must be a JSON object of fields, got {kind_of_value(body)}")
     return body

@@ -6,7 +6,7 @@ hidden_size, vectors [{layer, values, train_margin, train_accuracy}], metadata (
 precision, chat_template (applied / absent / off: how its pairs were encoded). precision and
 chat_template may be null or absent (files written before Ster recorded them), and then nothing is
 compared. metadata["weights_fingerprint"] (written here, absent from Ster's files) names the
-weights the vector was read from (steer/fingerprint.py): where both sides have one, it decides
+weights the vector was read from (shard/fingerprint.py): where both sides have one, it decides
 whether a model matches, whatever path either was loaded from.
 
 Refusals are Ster's sentences: schema, product, no vectors, width, non-finite; for a run: another
@@ -24,6 +24,7 @@ import torch
 
 from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
+from ster_dist.inputs import read_bytes
 from ster_dist.shard.safetensors_header import read_header
 from ster_dist.steer.layers import check_layers
 from ster_dist.steer.ster_json import F32, dumps
@@ -186,12 +187,12 @@ def load_artifact(path: str) -> SteeringArtifact:
                       "and a steering vector (trait_name and vectors, from ster steer train) as --vector")
     if target.is_dir():
         raise Refusal(f"{path} is a directory, not a steering artifact: pass the V.json that ster steer train wrote")
-    try:
-        data = target.read_bytes()
-    except OSError as exc:
-        raise Refusal(f"failed to read steering artifact {path}: {exc.strerror or exc}") from None
+    data = read_bytes(path, "failed to read steering artifact")
     try:
         parsed = json.loads(data)
+    except RecursionError:  # json.loads' depth limit, reached by a file of ordinary size
+        raise Refusal(f"invalid steering artifact JSON in {path}: its arrays or objects nest too deeply; "
+                      "flatten it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise Refusal(f"invalid steering artifact JSON in {path}: {getattr(exc, 'msg', exc)}; "
                       "pass the V.json that ster steer train wrote") from None
@@ -213,9 +214,9 @@ def _adapter_kind(path: Path) -> str | None:
         if any("lora_" in n for n in names):
             return "LoRA weights in safetensors"
         return None
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    try:  # bounded as every input is; a file it cannot parse is no adapter, and load_artifact says why
+        data = json.loads(read_bytes(str(path), "steering artifact"))
+    except (Refusal, RecursionError, ValueError):
         return None
     if not isinstance(data, dict):
         return None
@@ -256,23 +257,23 @@ def same_model(fitted: str, loaded: str) -> bool:
     return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
 
 
+# the metadata key holding the fitted model's weights fingerprint (shard/fingerprint.py); Ster's
+# metadata is string to string, so a file with it still reads in Ster
+FINGERPRINT = "weights_fingerprint"
+
+
 def check_for_run(artifact: SteeringArtifact, model: str, hidden_size: int, num_layers: int,
                   verb: str = "generate", fingerprint: str | None = None) -> None:
-    """Refuse an artifact fitted for another model, width or depth, before it touches a rank.
-    `fingerprint` is the run's weights fingerprint (steer/fingerprint.py): where the artifact
-    records one too, the weights decide, not the path text."""
-    from ster_dist.steer.fingerprint import KEY
-
-    fitted = artifact.metadata.get(KEY)
-    if fitted is not None and fingerprint is not None:
-        matches = fitted == fingerprint
-    else:
-        matches = same_model(artifact.model, model)
-    if not matches and same_model(artifact.model, model):  # the same path now holds other weights
-        raise Refusal(f'artifact was trained on other weights than model "{model}" holds ({fitted[:19]}..., '
-                      f"these are {fingerprint[:19]}...): use it with the checkpoint it was fitted on, or "
-                      "retrain it for this one")
-    if not matches:
+    """Refuse an artifact fitted for another model, width or depth, before it touches a rank. The
+    model is the same when the artifact's weights fingerprint is the loaded one's (another path to the
+    same weights, a copy, an export), or, for an artifact without one, when the path names the same."""
+    recorded = artifact.metadata.get(FINGERPRINT)
+    if recorded is not None and fingerprint is not None:
+        if recorded != fingerprint:
+            raise Refusal(f'artifact was trained for model "{artifact.model}", current model is "{model}" (weights '
+                          f"{fingerprint[:19]}..., not the {recorded[:19]}... it was fitted on): load the model it "
+                          "was trained for, or retrain it for this one")
+    elif not same_model(artifact.model, model):
         if verb == "evaluate":
             raise Refusal(f'artifact model "{artifact.model}" does not match runtime model "{model}": '
                           "load the model it was fitted with, or retrain it for this one")

@@ -15,13 +15,13 @@ import torch
 
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
+from ster_dist.shard.fingerprint import weights_fingerprint
 from ster_dist.steer.artifact import (
     SteeringArtifact,
     check_for_run,
     load_artifact,
     provenance_warnings,
 )
-from ster_dist.steer.fingerprint import of_checkpoint
 from ster_dist.workers.extension import RankExtension
 
 
@@ -103,7 +103,7 @@ def _checked(session, request, path: str) -> SteeringArtifact:
 
     artifact = load_artifact(path)
     check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers,
-                  fingerprint=of_checkpoint(session.checkpoint))
+                  fingerprint=weights_fingerprint(session.checkpoint))
     chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
     for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
         progress(warning)

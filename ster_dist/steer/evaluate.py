@@ -48,11 +48,33 @@ def sequence_logprobs(model, rows: list[list[int]], pad_id: int = 0) -> list[flo
     return (token.double() * scored).sum(-1).tolist()
 
 
+@torch.inference_mode()
+def token_logprobs(model, row: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """For each token of `row` after the first: its log-probability given the ones before, and the
+    `top` most likely (id, log-probability) there (None on a pipeline stage but the last). One row at
+    a time: the logits of a whole batch of long prompts would be rows x length x vocabulary floats."""
+    ids, pos, valid = left_pad([row], 0)
+    logits = model(ids, pos, valid)
+    if logits is None:
+        return None
+    logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    chosen = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+    if top:
+        values, indices = logprobs.topk(top, dim=-1)
+        best = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        best = [[] for _ in chosen]
+    return list(zip(chosen, best))
+
+
 class LogprobsOnRank(RankExtension):
     """Scores sequences on one rank (every rank holds the same gathered logits)."""
 
     def logprobs(self, rows: list[list[int]], pad_id: int) -> list[float] | None:
         return self.first_rank_only(sequence_logprobs(self.model, rows, pad_id))
+
+    def token_logprobs(self, rows: list[list[int]], top: int) -> list | None:
+        return self.first_rank_only([token_logprobs(self.model, row, top) for row in rows])
 
 
 def check_strength_options(strengths, batch_size, max_sequence) -> list[float]:

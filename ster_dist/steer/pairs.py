@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from ster_dist.errors import Refusal
+from ster_dist.inputs import read_bytes
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,12 @@ class PairSet:
 
 
 def _read(path: str, what: str):
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise Refusal(f"failed to read {what} {path}: {exc.strerror or exc}") from None
+    data = read_bytes(path, f"failed to read {what}")
     try:
         return json.loads(data)
+    except RecursionError:  # json.loads' depth limit, reached by a file of ordinary size
+        raise Refusal(f"invalid {what} JSON in {path}: its arrays or objects nest too deeply; flatten it") \
+            from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise Refusal(f"invalid {what} JSON in {path}: {getattr(exc, 'msg', exc)}") from None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ster_dist.steer.artifact import Direction, SteeringArtifact, finite
+from ster_dist.steer.artifact import FINGERPRINT, Direction, SteeringArtifact, finite
 from ster_dist.steer.capture import last_token_rows
 from ster_dist.steer.fit import evaluate_direction, train_direction
 from ster_dist.steer.pairs import PairSet
@@ -35,8 +35,9 @@ def fit_layers(positive: dict[int, torch.Tensor], negative: dict[int, torch.Tens
 def build_artifact(model: str, revision: str | None, pairs: PairSet, method: str, hidden_size: int,
                    vectors: list[Direction], precision: str, chat: str,
                    fingerprint: str | None = None) -> SteeringArtifact:
-    from ster_dist.steer.fingerprint import KEY
-
+    """`fingerprint`: the model's weights fingerprint (shard/fingerprint.py), recorded in the metadata
+    so the artifact is matched to those weights wherever they are loaded from."""
+    metadata = {FINGERPRINT: fingerprint} if fingerprint else {}
     return SteeringArtifact(model=model, model_revision=revision, trait_name=pairs.trait_name, method=method,
-                            hidden_size=hidden_size, vectors=vectors, precision=precision, chat_template=chat,
-                            metadata={} if fingerprint is None else {KEY: fingerprint}).validate()
+                            hidden_size=hidden_size, vectors=vectors, precision=precision,
+                            chat_template=chat, metadata=metadata).validate()
