@@ -1,0 +1,55 @@
+"""Torch references the Triton kernels must equal, written for clarity, one sequence at a time (the tests and
+bench/gpu_check.py compare each kernel with these)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """[heads, queries, dv] for q [heads, queries, d] over k, v [kv_heads, keys, d or dv] and allowed
+    [queries, keys], in f32: softmax over the allowed keys (and a sink logit per head) of cap tanh(q k^T scale /
+    cap)."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.float().repeat_interleave(group, 0), v.float().repeat_interleave(group, 0)
+    s = q.float() @ k.transpose(1, 2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(-1, 1, 1).expand(-1, s.shape[1], 1)], dim=2)
+    p = torch.softmax(s, dim=-1)
+    return p[..., :v.shape[1]] @ v
+
+
+def paged_keys(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """[kv_heads, length, width]: positions 0 .. length - 1 of one sequence from cache [blocks, page, kv, w]."""
+    page = cache.shape[1]
+    pos = torch.arange(length)
+    return cache[blocks[pos // page], pos % page].transpose(0, 1)
+
+
+def paged_decode_reference(q, keys, values, table, first, end, scale, softcap=0.0, sinks=None) -> torch.Tensor:
+    """What kernels/triton/decode.py's paged_decode computes: [n, heads, dv] in f32."""
+    outs = []
+    for i in range(q.shape[0]):
+        length = int(end[i])
+        k, v = paged_keys(keys, table[i], length), paged_keys(values, table[i], length)
+        allowed = (torch.arange(length) >= int(first[i])).unsqueeze(0)
+        outs.append(attend_reference(q[i].unsqueeze(1), k, v, allowed, scale, softcap, sinks)[:, 0])
+    return torch.stack(outs)
+
+
+def paged_extend_reference(q, keys, values, table, starts, window, scale, softcap=0.0, sinks=None):
+    """What kernels/triton/extend.py's paged_extend computes: [n, heads, queries, dv] in f32, query j of
+    sequence i at position starts[i] + j over the keys at or before it (within `window`, 0: none)."""
+    outs = []
+    for i in range(q.shape[0]):
+        queries = q.shape[2]
+        length = int(starts[i]) + queries
+        k, v = paged_keys(keys, table[i], length), paged_keys(values, table[i], length)
+        distance = (int(starts[i]) + torch.arange(queries)).unsqueeze(1) - torch.arange(length).unsqueeze(0)
+        allowed = (distance >= 0) & ((distance < window) if window else True)
+        outs.append(attend_reference(q[i], k, v, allowed, scale, softcap, sinks))
+    return torch.stack(outs)
