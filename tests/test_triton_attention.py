@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ster_dist.kernels.triton.decode import paged_decode  # noqa: E402
-from ster_dist.kernels.triton.reference import paged_decode_reference  # noqa: E402
+from ster_dist.kernels.triton.extend import paged_extend  # noqa: E402
+from ster_dist.kernels.triton.reference import paged_decode_reference, paged_extend_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,3 +66,24 @@ def test_paged_decode_refuses_mismatched_cache():
     with pytest.raises(ValueError, match="keys: dtype"):
         paged_decode(torch.randn(1, 2, 16).bfloat16(), keys, values, torch.ones(1, 1, dtype=torch.long),
                      torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("dtype,starts,window,softcap,sinks", [
+    (torch.float32, [0, 6], 0, 0.0, False),   # a whole prompt; a chunk after a prefix that ends mid-block
+    (torch.float32, [3, 13], 5, 4.0, True),   # window shorter than the context, cap, sinks
+    (torch.bfloat16, [0, 9], 0, 0.0, False),
+])
+def test_paged_extend(dtype, starts, window, softcap, sinks):
+    page, heads, kv_heads, d, queries = 4, 4, 2, 16, 19  # queries span two query tiles and several blocks
+    lengths = [s + queries for s in starts]
+    keys, values = _cache(24, page, kv_heads, d, dtype)
+    table = _tables(lengths, page, 24)
+    q = torch.randn(len(starts), heads, queries, d).to(dtype)
+    head_sinks = torch.randn(heads) if sinks else None
+    starts_t = torch.tensor(starts)
+    want = paged_extend_reference(q, keys, values, table, starts_t, window, 0.25, softcap, head_sinks)
+    on = [t.to(DEVICE) if t is not None else None for t in (q, keys, values, table, starts_t, head_sinks)]
+    got = paged_extend(*on[:5], window, 0.25, softcap, on[5]).cpu()
+    assert got.dtype == dtype and got.shape == want.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
