@@ -1,0 +1,61 @@
+"""Whole-model greedy decoding with `--kernels triton` (the Triton attention kernels, under Triton's
+interpreter on the CPU) against the default path, through `ster generate`'s operation: a prompt's prefill goes
+through the extend kernel, every later token through the split-KV decode kernel. And the selection's refusals."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported: their jit reads it then
+pytest.importorskip("triton")
+
+from ster_dist.errors import Refusal  # noqa: E402
+from ster_dist.kernels import select  # noqa: E402
+from tests.cli_run import cli_generate, make_toy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return make_toy(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def native_after():
+    yield
+    select.choose("native", "cpu")  # the process's choice back to the CPU default for later tests
+
+
+def test_triton_kernels_decode_as_the_default_path(toy, monkeypatch):
+    from ster_dist.kernels.triton import decode, extend
+
+    calls = {"decode": 0, "extend": 0}
+
+    def counted(name, kernel):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return run
+
+    # the real kernels, counted: the step must go through them, not fall back
+    monkeypatch.setattr(decode, "paged_decode", counted("decode", decode.paged_decode))
+    monkeypatch.setattr(extend, "paged_extend", counted("extend", extend.paged_extend))
+    args = (f"--model={toy}", "--prompt=the quick brown fox jumps over the lazy dog again and again",
+            "--max-new-tokens=12", "--chat-template=off")
+    triton = cli_generate(*args, "--kernels=triton")
+    assert select.chosen() == "triton"
+    layers = 2  # the toy's: a prefill through extend, then a decode per later token, every layer
+    assert calls == {"extend": layers, "decode": layers * 11}
+    torch_path = cli_generate(*args, "--kernels=torch")
+    native = cli_generate(*args)
+    assert triton["text"] == native["text"] == torch_path["text"]
+    assert len(triton["text"]) > 0
+
+
+def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(Refusal, match="--kernels triton runs on CUDA"):
+        select.choose("triton", "cpu")
+    with pytest.raises(ValueError, match="choose one of"):
+        select.choose("cutlass", "cpu")
