@@ -53,3 +53,20 @@ def paged_extend_reference(q, keys, values, table, starts, window, scale, softca
         allowed = (distance >= 0) & ((distance < window) if window else True)
         outs.append(attend_reference(q[i], k, v, allowed, scale, softcap, sinks))
     return torch.stack(outs)
+
+
+def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 [rows, cols], f32 scales [rows, groups]): each group of `group` columns scaled so its largest
+    magnitude is 448, then cast (torch's rounding, to nearest even)."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - cols)).view(rows, groups, group)
+    scale = padded.abs().amax(-1).clamp(min=1e-12) / 448.0
+    q = (padded / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(rows, -1)[:, :cols]
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """q as f32, each [block[0], block[1]] block times its scale entry ([..., row blocks, column blocks])."""
+    spread = scale.repeat_interleave(block[0], -2)[..., :q.shape[-2], :].repeat_interleave(block[1], -1)
+    return q.float() * spread[..., :q.shape[-1]]
