@@ -70,3 +70,18 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     """q as f32, each [block[0], block[1]] block times its scale entry ([..., row blocks, column blocks])."""
     spread = scale.repeat_interleave(block[0], -2)[..., :q.shape[-2], :].repeat_interleave(block[1], -1)
     return q.float() * spread[..., :q.shape[-1]]
+
+
+def experts_reference(x, topk_ids, topk_weights, gate_up, down, fp8_inner: bool = False) -> torch.Tensor:
+    """What kernels/triton/moe.py's fused_experts computes, token by token in f32 (weights already widened);
+    fp8_inner: SwiGLU's output through FP8 groups of 128 before down, as FP8 experts take it."""
+    inner = gate_up.shape[1] // 2
+    out = torch.zeros(x.shape[0], down.shape[1])
+    for t in range(x.shape[0]):
+        for e, w in zip(topk_ids[t].tolist(), topk_weights[t].float()):
+            g, u = (x[t].float() @ gate_up[e].float().T).split(inner)
+            h = (torch.nn.functional.silu(g) * u).unsqueeze(0)
+            if fp8_inner:
+                h = dequantize_blocks(*quantize_groups_reference(h, 128), (1, 128))
+            out[t] += w * h[0] @ down[e].float().T
+    return out

@@ -1,0 +1,157 @@
+"""Fused mixture-of-experts feed-forward in Triton (the fused_moe design of vLLM and SGLang): each token's
+(token, choice) pairs sorted by expert and each expert's run padded to BLOCK_M, so a program multiplies
+BLOCK_M rows by one expert's weights; one kernel computes gate and up and applies SwiGLU, the next the down
+projection, scaled by each pair's router weight; the pairs of a token are then summed.
+
+Weights are stacked [experts, out, in] (moe/experts.py), in f32/bf16/f16 or FP8 e4m3 with one scale per
+[128, 128] block (DeepSeek-V3's), the activations then quantized per token and group of 128 channels
+(fp8.quantize_groups) before each product. An expert no pair chose gets no program work: its blocks never exist.
+
+The sort is torch's on the device with no read back to the host: the padded layout is sized for the worst case
+(every expert's run padded by BLOCK_M - 1), and programs past the real blocks return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ster_dist.kernels.triton.common import check, dot, upcast
+from ster_dist.kernels.triton.fp8 import FP8, GROUP, quantize_groups
+
+BLOCK_M = 16
+BLOCK_N = 32
+BLOCK_K = 32
+
+
+def align_by_expert(ids: torch.Tensor, experts: int, block: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair ids [worst-case padded length], each block's expert [blocks] or -1 past the last) for ids [pairs]
+    (each pair's expert): pair ids grouped by expert, each expert's run padded with `pairs` (no pair) to a
+    multiple of `block`."""
+    pairs = ids.numel()
+    ids = ids.reshape(-1).long()
+    counts = torch.bincount(ids, minlength=experts)[:experts]
+    padded = (counts + block - 1) // block * block
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    first_pair = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(ids, stable=True)
+    length = pairs + experts * (block - 1)
+    length = -(-length // block) * block
+    at = torch.arange(length, device=ids.device)
+    expert = torch.searchsorted(ends, at, right=True).clamp(max=experts - 1)
+    within = at - starts[expert]
+    real = (within < counts[expert]) & (at < ends[-1])
+    taken = order[(first_pair[expert] + within).clamp(max=max(pairs - 1, 0))] if pairs else at
+    sorted_ids = torch.where(real, taken, torch.full_like(at, pairs))
+    block_expert = torch.where(at[::block] < ends[-1], expert[::block], torch.full_like(at[::block], -1))
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _expert_product(A, AS, W, WS, Out, Sorted, BlockExpert, RouteWeights, pairs, N, K, topk,
+                    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                    GATED: tl.constexpr, ROUTED: tl.constexpr, FP8W: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WB: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """Out[pair] = A[row] W_e^T for one block of pairs and BLOCK_N outputs; GATED: W holds gate rows [0, N) and up
+    rows [N, 2N) of expert e, out silu(gate) * up; ROUTED: times the pair's router weight."""
+    block, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(BlockExpert + block)
+    if e < 0:
+        return
+    pair = tl.load(Sorted + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pair < pairs
+    row = pair // topk if ROWS_ARE_TOKENS else pair
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    w_base = W + e.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        k_ok = k < K
+        a = tl.load(A + row[:, None] * stride_am + k[None, :], mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8W:  # BLOCK_K divides the 128-wide group: one activation scale and one weight scale per tile
+            a_s = tl.load(AS + row * stride_asm + (kb * BLOCK_K) // WB, mask=pair_ok, other=0.0)
+            w_s = tl.load(WS + e.to(tl.int64) * stride_wse + (rn // WB) * stride_wsn + (kb * BLOCK_K) // WB,
+                          mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            acc += dot(a, w, UPCAST)
+        if GATED:
+            u = tl.load(w_base + (rn[None, :] + N) * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                        other=0.0)
+            if FP8W:
+                u_s = tl.load(WS + e.to(tl.int64) * stride_wse + ((rn + N) // WB) * stride_wsn
+                              + (kb * BLOCK_K) // WB, mask=n_ok, other=0.0)
+                acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+            else:
+                acc_up += dot(a, u, UPCAST)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if ROUTED:
+        acc = acc * tl.load(RouteWeights + pair, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(Out + pair[:, None] * stride_om + rn[None, :], acc.to(Out.dtype.element_ty),
+             mask=pair_ok[:, None] & n_ok[None, :])
+
+
+def _launch(a, a_scale, w, w_scale, out, sorted_ids, block_expert, route, pairs, n, topk, gated, tokens_rows):
+    fp8 = w.dtype == FP8
+    if fp8 and GROUP % BLOCK_K:
+        raise ValueError(f"fused_experts: a tile of {BLOCK_K} channels must divide the FP8 group of {GROUP}")
+    ws = w_scale if fp8 else w
+    _expert_product[(block_expert.numel(), triton.cdiv(n, BLOCK_N))](
+        a, a_scale if fp8 else a, w, ws, out, sorted_ids, block_expert, route if route is not None else a,
+        pairs, n, a.shape[1], topk, a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
+        ws.stride(0) if fp8 else 0, ws.stride(1) if fp8 else 0, out.stride(0),
+        GATED=gated, ROUTED=route is not None, FP8W=fp8, ROWS_ARE_TOKENS=tokens_rows, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, WB=GROUP, UPCAST=upcast(a, w))
+
+
+def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[tokens, hidden] = sum over each token's k choices of weight * down_e(silu(gate_e x) * up_e x).
+    x [tokens, hidden]; topk_ids, topk_weights [tokens, k]; gate_up [experts, 2 inner, hidden] (gate rows first),
+    down [experts, hidden, inner], both of x's dtype, or FP8 with scales [experts, out / 128, in / 128]."""
+    check("x", x, 2)
+    fp8 = gate_up.dtype == FP8
+    dtypes = (FP8,) if fp8 else (x.dtype,)
+    check("gate_up", gate_up, 3, dtypes)
+    check("down", down, 3, dtypes)
+    experts, two_inner, hidden = gate_up.shape
+    inner = two_inner // 2
+    if hidden != x.shape[1] or two_inner % 2 or tuple(down.shape) != (experts, hidden, inner):
+        raise ValueError(f"fused_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
+                         f"{tuple(down.shape)} do not fit one another")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_experts: topk_ids {tuple(topk_ids.shape)} and weights "
+                         f"{tuple(topk_weights.shape)} for {x.shape[0]} tokens")
+    if fp8:
+        for name, w, s in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
+            want = (experts, triton.cdiv(w.shape[1], GROUP), triton.cdiv(w.shape[2], GROUP))
+            if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
+                got = None if s is None else (tuple(s.shape), s.dtype)
+                raise ValueError(f"fused_experts: FP8 {name} needs f32 scales of shape {want} (one per "
+                                 f"[{GROUP}, {GROUP}] block), got {got}")
+        if inner % GROUP:  # gate's last block and up's first must not share a scale row
+            raise ValueError(f"fused_experts: FP8 experts need an inner size that is a multiple of {GROUP}, "
+                             f"got {inner}")
+    tokens, topk = topk_ids.shape
+    pairs = tokens * topk
+    out = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
+    if pairs == 0:
+        return out
+    sorted_ids, block_expert = align_by_expert(topk_ids, experts)
+    a, a_scale = quantize_groups(x, GROUP) if fp8 else (x, None)
+    h = torch.empty((pairs, inner), dtype=x.dtype, device=x.device)
+    _launch(a, a_scale, gate_up, gate_up_scale, h, sorted_ids, block_expert, None, pairs, inner, topk, True, True)
+    a, a_scale = quantize_groups(h, GROUP) if fp8 else (h, None)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _launch(a, a_scale, down, down_scale, y, sorted_ids, block_expert, topk_weights.reshape(-1), pairs, hidden,
+            topk, False, False)
+    return y.view(tokens, topk, hidden).sum(1).to(x.dtype)
