@@ -53,6 +53,23 @@ def test_triton_kernels_decode_as_the_default_path(toy, monkeypatch):
     assert len(triton["text"]) > 0
 
 
+@pytest.mark.slow  # about 10 s here
+def test_triton_experts_decode_as_the_default_path(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V3 (MLA, which the Triton attention leaves to torch, and SwiGLU experts): its experts run
+    through the fused kernel and the greedy tokens are the default path's."""
+    from ster_dist.kernels.triton import moe
+    from ster_dist.toy import make_toy_model
+
+    calls = []
+    kernel = moe.fused_experts
+    monkeypatch.setattr(moe, "fused_experts", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    make_toy_model(tmp_path / "model", family="deepseek_v3", layers=2, hidden=64, seed=0)
+    args = (f"--model={tmp_path / 'model'}", "--prompt=the quick brown fox", "--max-new-tokens=6",
+            "--chat-template=off")
+    assert cli_generate(*args, "--kernels=triton")["text"] == cli_generate(*args)["text"]
+    assert len(calls) >= 6  # every step's MoE layer, not a fall back
+
+
 def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(Refusal, match="--kernels triton runs on CUDA"):

@@ -46,7 +46,8 @@ def test_fused_experts(dtype):
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     gate_up = (torch.randn(experts, 2 * inner, hidden, generator=g) / 6).to(dtype)
     down = (torch.randn(experts, hidden, inner, generator=g) / 6).to(dtype)
-    got = fused_experts(*(t.to(DEVICE) for t in (x, ids, weights, gate_up, down))).cpu()
+    gate, up = gate_up.split(inner, 1)
+    got = fused_experts(*(t.to(DEVICE).contiguous() for t in (x, ids, weights, gate, up, down))).cpu()
     want = experts_reference(x, ids, weights, gate_up, down)
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
@@ -62,7 +63,9 @@ def test_fused_experts_fp8_blocks():
     down = (torch.randn(experts, hidden, inner, generator=g) / 4).to(FP8)
     gate_up_scale = torch.rand(experts, 2, 1, generator=g) / 8 + 0.01
     down_scale = torch.rand(experts, 1, 1, generator=g) / 8 + 0.01
-    got = fused_experts(*(t.to(DEVICE) for t in (x, ids, weights, gate_up, down, gate_up_scale, down_scale))).cpu()
+    gate, up = (w.to(DEVICE).contiguous() for w in gate_up.split(inner, 1))
+    scales = tuple(s.to(DEVICE).contiguous() for s in (*gate_up_scale.split(1, 1), down_scale))
+    got = fused_experts(*(t.to(DEVICE) for t in (x, ids, weights)), gate, up, down.to(DEVICE), scales).cpu()
     # the reference: activations through the same FP8 groups, weights dequantized block by block
     xq = dequantize_blocks(*quantize_groups_reference(x, 128), (1, 128))
     wide_gate_up = dequantize_blocks(gate_up, gate_up_scale, (128, 128))
@@ -73,7 +76,6 @@ def test_fused_experts_fp8_blocks():
 
 
 def test_fused_experts_refuses_fp8_without_scales():
-    w = torch.zeros(2, 256, 128, dtype=FP8)
+    w = torch.zeros(2, 128, 128, dtype=FP8)
     with pytest.raises(ValueError, match="needs f32 scales"):
-        fused_experts(torch.randn(1, 128), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), w,
-                      torch.zeros(2, 128, 128, dtype=FP8))
+        fused_experts(torch.randn(1, 128), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), w, w, w)

@@ -1,6 +1,6 @@
 """Fused mixture-of-experts feed-forward in Triton (the fused_moe design of vLLM and SGLang): each token's
 (token, choice) pairs sorted by expert and each expert's run padded to BLOCK_M, so a program multiplies
-BLOCK_M rows by one expert's weights; one kernel computes gate and up and applies SwiGLU, the next the down
+BLOCK_M rows by one expert's weights; one kernel computes gate and up (read from their own stacks) and applies SwiGLU, the next the down
 projection, scaled by each pair's router weight; the pairs of a token are then summed.
 
 Weights are stacked [experts, out, in] (moe/experts.py), in f32/bf16/f16 or FP8 e4m3 with one scale per
@@ -50,13 +50,13 @@ def align_by_expert(ids: torch.Tensor, experts: int, block: int = BLOCK_M) -> tu
 
 
 @triton.jit
-def _expert_product(A, AS, W, WS, Out, Sorted, BlockExpert, RouteWeights, pairs, N, K, topk,
+def _expert_product(A, AS, W, WS, U, US, Out, Sorted, BlockExpert, RouteWeights, pairs, N, K, topk,
                     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                     GATED: tl.constexpr, ROUTED: tl.constexpr, FP8W: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WB: tl.constexpr,
                     UPCAST: tl.constexpr):
-    """Out[pair] = A[row] W_e^T for one block of pairs and BLOCK_N outputs; GATED: W holds gate rows [0, N) and up
-    rows [N, 2N) of expert e, out silu(gate) * up; ROUTED: times the pair's router weight."""
+    """Out[pair] = A[row] W_e^T for one block of pairs and BLOCK_N outputs; GATED: W is the gate and U the up
+    projection (the same strides), out silu(A W_e^T) * A U_e^T; ROUTED: times the pair's router weight."""
     block, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + block)
     if e < 0:
@@ -68,6 +68,7 @@ def _expert_product(A, AS, W, WS, Out, Sorted, BlockExpert, RouteWeights, pairs,
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_base = W + e.to(tl.int64) * stride_we
+    u_base = U + e.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -83,10 +84,10 @@ def _expert_product(A, AS, W, WS, Out, Sorted, BlockExpert, RouteWeights, pairs,
         else:
             acc += dot(a, w, UPCAST)
         if GATED:
-            u = tl.load(w_base + (rn[None, :] + N) * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+            u = tl.load(u_base + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
                         other=0.0)
             if FP8W:
-                u_s = tl.load(WS + e.to(tl.int64) * stride_wse + ((rn + N) // WB) * stride_wsn
+                u_s = tl.load(US + e.to(tl.int64) * stride_wse + (rn // WB) * stride_wsn
                               + (kb * BLOCK_K) // WB, mask=n_ok, other=0.0)
                 acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
             else:
@@ -99,48 +100,49 @@ def _expert_product(A, AS, W, WS, Out, Sorted, BlockExpert, RouteWeights, pairs,
              mask=pair_ok[:, None] & n_ok[None, :])
 
 
-def _launch(a, a_scale, w, w_scale, out, sorted_ids, block_expert, route, pairs, n, topk, gated, tokens_rows):
+def _launch(a, a_scale, w, w_scale, u, u_scale, out, sorted_ids, block_expert, route, pairs, n, topk, gated,
+            tokens_rows):
     fp8 = w.dtype == FP8
     if fp8 and GROUP % BLOCK_K:
         raise ValueError(f"fused_experts: a tile of {BLOCK_K} channels must divide the FP8 group of {GROUP}")
     ws = w_scale if fp8 else w
     _expert_product[(block_expert.numel(), triton.cdiv(n, BLOCK_N))](
-        a, a_scale if fp8 else a, w, ws, out, sorted_ids, block_expert, route if route is not None else a,
+        a, a_scale if fp8 else a, w, ws, u, u_scale if fp8 else u, out, sorted_ids, block_expert, route if route is not None else a,
         pairs, n, a.shape[1], topk, a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         ws.stride(0) if fp8 else 0, ws.stride(1) if fp8 else 0, out.stride(0),
         GATED=gated, ROUTED=route is not None, FP8W=fp8, ROWS_ARE_TOKENS=tokens_rows, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, WB=GROUP, UPCAST=upcast(a, w))
 
 
-def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor,
+                  up: torch.Tensor, down: torch.Tensor, scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """[tokens, hidden] = sum over each token's k choices of weight * down_e(silu(gate_e x) * up_e x).
-    x [tokens, hidden]; topk_ids, topk_weights [tokens, k]; gate_up [experts, 2 inner, hidden] (gate rows first),
-    down [experts, hidden, inner], both of x's dtype, or FP8 with scales [experts, out / 128, in / 128]."""
+    x [tokens, hidden]; topk_ids, topk_weights [tokens, k]; gate, up [experts, inner, hidden] and down
+    [experts, hidden, inner] of x's dtype, or FP8 with `scales` (gate's, up's, down's) [experts, out / 128,
+    in / 128], one per [128, 128] block."""
     check("x", x, 2)
-    fp8 = gate_up.dtype == FP8
+    fp8 = gate.dtype == FP8
     dtypes = (FP8,) if fp8 else (x.dtype,)
-    check("gate_up", gate_up, 3, dtypes)
-    check("down", down, 3, dtypes)
-    experts, two_inner, hidden = gate_up.shape
-    inner = two_inner // 2
-    if hidden != x.shape[1] or two_inner % 2 or tuple(down.shape) != (experts, hidden, inner):
-        raise ValueError(f"fused_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
-                         f"{tuple(down.shape)} do not fit one another")
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        check(name, w, 3, dtypes)
+    experts, inner, hidden = gate.shape
+    if hidden != x.shape[1] or up.shape != gate.shape or tuple(down.shape) != (experts, hidden, inner) \
+            or up.stride() != gate.stride():
+        raise ValueError(f"fused_experts: x {tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)} "
+                         f"and down {tuple(down.shape)} do not fit one another")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_experts: topk_ids {tuple(topk_ids.shape)} and weights "
                          f"{tuple(topk_weights.shape)} for {x.shape[0]} tokens")
     if fp8:
-        for name, w, s in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
+        for name, w, s in zip(("gate", "up", "down"), (gate, up, down), scales or (None,) * 3):
             want = (experts, triton.cdiv(w.shape[1], GROUP), triton.cdiv(w.shape[2], GROUP))
             if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
                 got = None if s is None else (tuple(s.shape), s.dtype)
                 raise ValueError(f"fused_experts: FP8 {name} needs f32 scales of shape {want} (one per "
                                  f"[{GROUP}, {GROUP}] block), got {got}")
-        if inner % GROUP:  # gate's last block and up's first must not share a scale row
-            raise ValueError(f"fused_experts: FP8 experts need an inner size that is a multiple of {GROUP}, "
-                             f"got {inner}")
+        if scales[0].stride() != scales[1].stride():
+            raise ValueError("fused_experts: gate's and up's scales must have the same strides")
+    gate_s, up_s, down_s = scales if fp8 else (None, None, None)
     tokens, topk = topk_ids.shape
     pairs = tokens * topk
     out = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
@@ -149,9 +151,9 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     sorted_ids, block_expert = align_by_expert(topk_ids, experts)
     a, a_scale = quantize_groups(x, GROUP) if fp8 else (x, None)
     h = torch.empty((pairs, inner), dtype=x.dtype, device=x.device)
-    _launch(a, a_scale, gate_up, gate_up_scale, h, sorted_ids, block_expert, None, pairs, inner, topk, True, True)
+    _launch(a, a_scale, gate, gate_s, up, up_s, h, sorted_ids, block_expert, None, pairs, inner, topk, True, True)
     a, a_scale = quantize_groups(h, GROUP) if fp8 else (h, None)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    _launch(a, a_scale, down, down_scale, y, sorted_ids, block_expert, topk_weights.reshape(-1), pairs, hidden,
-            topk, False, False)
+    _launch(a, a_scale, down, down_s, down, down_s, y, sorted_ids, block_expert, topk_weights.reshape(-1), pairs,
+            hidden, topk, False, False)
     return y.view(tokens, topk, hidden).sum(1).to(x.dtype)
