@@ -2,6 +2,7 @@
 interpreter on the CPU) against the default path, through `ster generate`'s operation: a prompt's prefill goes
 through the extend kernel, every later token through the split-KV decode kernel. And the selection's refusals."""
 
+import json
 import os
 
 import pytest
@@ -76,3 +77,34 @@ def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch):
         select.choose("triton", "cpu")
     with pytest.raises(ValueError, match="choose one of"):
         select.choose("cutlass", "cpu")
+
+
+@pytest.mark.slow  # about 60 s here (two loads of an FP8 checkpoint, every product interpreted)
+def test_triton_fp8_products_and_experts_decode_as_the_default_path(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V3 kept in FP8 (16 x 16 scale blocks, test_fp8's builder): its dense FP8 products go through
+    the block GEMM, its experts through the fused kernel in FP8, greedy tokens equal to the default path's."""
+    from safetensors.torch import load_file
+
+    from ster_dist.kernels.triton import fp8, moe
+    from tests.test_fp8 import BLOCKS, write_fp8
+    from tests.tiny_models import make_tiny
+
+    make_tiny("deepseek_v3", tmp_path / "source")
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    write_fp8(load_file(str(tmp_path / "source" / "model.safetensors")), BLOCKS["deepseek_v3"], tmp_path / "source",
+              tmp_path / "fp8", tmp_path / "ref", config)
+    calls = {"gemm": 0, "experts": 0}
+    gemm, experts = fp8.block_gemm, moe.fused_experts
+
+    def counted(name, kernel):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(fp8, "block_gemm", counted("gemm", gemm))
+    monkeypatch.setattr(moe, "fused_experts", counted("experts", experts))
+    args = (f"--model={tmp_path / 'fp8'}", "--prompt=the quick brown fox", "--chat-template=off",
+            "--max-new-tokens=5", "--ignore-eos", "--weights=fp8")
+    assert cli_generate(*args, "--kernels=triton")["text"] == cli_generate(*args)["text"]
+    assert calls["gemm"] > 0 and calls["experts"] > 0

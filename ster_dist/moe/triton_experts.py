@@ -1,6 +1,6 @@
 """A rank's experts through the Triton fused experts (`--kernels triton`, kernels/triton/moe.py): the rows the MoE
 layer dispatched here, each with its one local expert (the router's weights are applied by the layer), plain
-SwiGLU experts in the rows' dtype or kept in FP8 with whole [128, 128] blocks. What the kernel does not take
+SwiGLU experts in the rows' dtype or kept in FP8 in whole scale blocks ([128, 128] in DeepSeek's). What the kernel does not take
 (another activation, biases, clamps, an FP8 share cut inside a block by the TP split) is said once and runs the
 torch path (moe/experts.py)."""
 
@@ -11,12 +11,7 @@ import torch.nn.functional as F
 
 from ster_dist.kernels import select
 from ster_dist.parallel.fp8 import Fp8Weight
-
-WHOLE = 128  # the kernel's FP8 block
-
-
-def _whole_blocks(w: Fp8Weight) -> bool:
-    return all(g == WHOLE for g in w.rows[:-1] + w.cols[:-1]) and w.rows[-1] <= WHOLE and w.cols[-1] <= WHOLE
+from ster_dist.parallel.triton_fp8 import uniform_block
 
 
 def triton_experts(experts, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor | None:
@@ -37,11 +32,14 @@ def triton_experts(experts, x: torch.Tensor, local_ids: torch.Tensor) -> torch.T
     ids = local_ids.reshape(-1, 1)
     weights = torch.ones(ids.shape, dtype=torch.float32, device=x.device)  # the layer applies the router's
     if isinstance(gate, Fp8Weight):
-        if not all(_whole_blocks(w) for w in (gate, up, down)):
-            select.fall_back("experts", "FP8 experts whose share is cut inside a 128 x 128 block")
+        blocks = {uniform_block(w) for w in (gate, up, down)}
+        block = blocks.pop() if len(blocks) == 1 else None
+        if block is None or block[1] & (block[1] - 1) or block[1] < 16:
+            select.fall_back("experts", "FP8 experts cut inside a scale block, or blocks not a power of two of at "
+                                        "least 16 columns wide")
             return None
         return fused_experts(x, ids, weights, gate.q, up.q, down.q,
-                             (gate.scale.float(), up.scale.float(), down.scale.float()))
+                             (gate.scale.float(), up.scale.float(), down.scale.float()), block)
     if gate.dtype != x.dtype or not all(w.stride(-1) == 1 for w in (gate, up, down)) or up.stride() != gate.stride():
         select.fall_back("experts", f"{gate.dtype} experts under {x.dtype} rows or strided weights")
         return None

@@ -80,6 +80,17 @@ def _block_gemm(A, AS, W, WS, Out, M, N, K, stride_am, stride_asm, stride_wn, st
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def refuses_block(block: tuple[int, int]) -> str | None:
+    """Why block_gemm cannot take weight blocks of [rows, columns], or None: the columns are a K tile (a power of
+    two of at least 16, tl.dot's least) and the rows a whole number of output tiles of 16 to 64."""
+    b0, b1 = block
+    if b1 & (b1 - 1) or b1 < 16:
+        return f"a block of {b1} columns is not a power of two of at least 16"
+    if b0 & -b0 < 16:
+        return f"a block of {b0} rows is not a multiple of 16"
+    return None
+
+
 def block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
                block: tuple[int, int] = (GROUP, GROUP)) -> torch.Tensor:
     """x [rows, K] (any float, quantized here per 1 x block[1] group) times weight^T, weight [N, K] FP8 with one
@@ -92,15 +103,13 @@ def block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if k2 != k or tuple(weight_scale.shape) != (triton.cdiv(n, b0), triton.cdiv(k, b1)):
         raise ValueError(f"block_gemm: x {tuple(x.shape)}, weight {tuple(weight.shape)} and its scales "
                          f"{tuple(weight_scale.shape)} do not fit blocks of {block}")
-    if b1 & (b1 - 1) or b1 < 16:
-        raise ValueError(f"block_gemm: a block of {b1} columns is not a power of two of at least 16")
+    if (reason := refuses_block(block)) is not None:
+        raise ValueError(f"block_gemm: {reason}")
     a, a_s = quantize_groups(x, b1)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    block_n = min(b0, 64)
-    if b0 % block_n:
-        raise ValueError(f"block_gemm: a block of {b0} rows is not a multiple of {block_n}")
+    block_n = min(64, b0 & -b0)
     _block_gemm[(triton.cdiv(m, 16), triton.cdiv(n, block_n))](
         a, a_s, weight, weight_scale, out, m, n, k, a.stride(0), a_s.stride(0), weight.stride(0),
         weight_scale.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=b1, WB_N=b0)

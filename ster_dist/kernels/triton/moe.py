@@ -53,7 +53,8 @@ def align_by_expert(ids: torch.Tensor, experts: int, block: int = BLOCK_M) -> tu
 def _expert_product(A, AS, W, WS, U, US, Out, Sorted, BlockExpert, RouteWeights, pairs, N, K, topk,
                     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                     GATED: tl.constexpr, ROUTED: tl.constexpr, FP8W: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WB: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WB_N: tl.constexpr,
+                    WB_K: tl.constexpr,
                     UPCAST: tl.constexpr):
     """Out[pair] = A[row] W_e^T for one block of pairs and BLOCK_N outputs; GATED: W is the gate and U the up
     projection (the same strides), out silu(A W_e^T) * A U_e^T; ROUTED: times the pair's router weight."""
@@ -76,9 +77,9 @@ def _expert_product(A, AS, W, WS, U, US, Out, Sorted, BlockExpert, RouteWeights,
         k_ok = k < K
         a = tl.load(A + row[:, None] * stride_am + k[None, :], mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8W:  # BLOCK_K divides the 128-wide group: one activation scale and one weight scale per tile
-            a_s = tl.load(AS + row * stride_asm + (kb * BLOCK_K) // WB, mask=pair_ok, other=0.0)
-            w_s = tl.load(WS + e.to(tl.int64) * stride_wse + (rn // WB) * stride_wsn + (kb * BLOCK_K) // WB,
+        if FP8W:  # the K tile lies inside one block's columns: one activation and one weight scale per tile
+            a_s = tl.load(AS + row * stride_asm + (kb * BLOCK_K) // WB_K, mask=pair_ok, other=0.0)
+            w_s = tl.load(WS + e.to(tl.int64) * stride_wse + (rn // WB_N) * stride_wsn + (kb * BLOCK_K) // WB_K,
                           mask=n_ok, other=0.0)
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         else:
@@ -87,8 +88,8 @@ def _expert_product(A, AS, W, WS, U, US, Out, Sorted, BlockExpert, RouteWeights,
             u = tl.load(u_base + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
                         other=0.0)
             if FP8W:
-                u_s = tl.load(US + e.to(tl.int64) * stride_wse + (rn // WB) * stride_wsn
-                              + (kb * BLOCK_K) // WB, mask=n_ok, other=0.0)
+                u_s = tl.load(US + e.to(tl.int64) * stride_wse + (rn // WB_N) * stride_wsn
+                              + (kb * BLOCK_K) // WB_K, mask=n_ok, other=0.0)
                 acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
             else:
                 acc_up += dot(a, u, UPCAST)
@@ -101,25 +102,26 @@ def _expert_product(A, AS, W, WS, U, US, Out, Sorted, BlockExpert, RouteWeights,
 
 
 def _launch(a, a_scale, w, w_scale, u, u_scale, out, sorted_ids, block_expert, route, pairs, n, topk, gated,
-            tokens_rows):
+            tokens_rows, block):
     fp8 = w.dtype == FP8
-    if fp8 and GROUP % BLOCK_K:
-        raise ValueError(f"fused_experts: a tile of {BLOCK_K} channels must divide the FP8 group of {GROUP}")
+    block_k = min(BLOCK_K, block[1]) if fp8 else BLOCK_K
     ws = w_scale if fp8 else w
     _expert_product[(block_expert.numel(), triton.cdiv(n, BLOCK_N))](
         a, a_scale if fp8 else a, w, ws, u, u_scale if fp8 else u, out, sorted_ids, block_expert, route if route is not None else a,
         pairs, n, a.shape[1], topk, a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         ws.stride(0) if fp8 else 0, ws.stride(1) if fp8 else 0, out.stride(0),
         GATED=gated, ROUTED=route is not None, FP8W=fp8, ROWS_ARE_TOKENS=tokens_rows, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, WB=GROUP, UPCAST=upcast(a, w))
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k, WB_N=block[0], WB_K=block[1], UPCAST=upcast(a, w))
 
 
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor,
-                  up: torch.Tensor, down: torch.Tensor, scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                  up: torch.Tensor, down: torch.Tensor, scales: tuple[torch.Tensor, ...] | None = None,
+                  block: tuple[int, int] = (GROUP, GROUP)) -> torch.Tensor:
     """[tokens, hidden] = sum over each token's k choices of weight * down_e(silu(gate_e x) * up_e x).
     x [tokens, hidden]; topk_ids, topk_weights [tokens, k]; gate, up [experts, inner, hidden] and down
     [experts, hidden, inner] of x's dtype, or FP8 with `scales` (gate's, up's, down's) [experts, out / 128,
-    in / 128], one per [128, 128] block."""
+    in / 128], one per [128, 128] block (or `block`: [rows, columns], columns a power of two of at least 16,
+    the activations then quantized per group of as many channels)."""
     check("x", x, 2)
     fp8 = gate.dtype == FP8
     dtypes = (FP8,) if fp8 else (x.dtype,)
@@ -135,11 +137,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                          f"{tuple(topk_weights.shape)} for {x.shape[0]} tokens")
     if fp8:
         for name, w, s in zip(("gate", "up", "down"), (gate, up, down), scales or (None,) * 3):
-            want = (experts, triton.cdiv(w.shape[1], GROUP), triton.cdiv(w.shape[2], GROUP))
+            want = (experts, triton.cdiv(w.shape[1], block[0]), triton.cdiv(w.shape[2], block[1]))
             if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
                 got = None if s is None else (tuple(s.shape), s.dtype)
                 raise ValueError(f"fused_experts: FP8 {name} needs f32 scales of shape {want} (one per "
-                                 f"[{GROUP}, {GROUP}] block), got {got}")
+                                 f"{list(block)} block), got {got}")
+        if block[1] & (block[1] - 1) or block[1] < 16 or (block[1] > BLOCK_K and block[1] % BLOCK_K):
+            raise ValueError(f"fused_experts: FP8 blocks of {block[1]} columns: a power of two of at least 16 "
+                             "is what the kernel takes")
         if scales[0].stride() != scales[1].stride():
             raise ValueError("fused_experts: gate's and up's scales must have the same strides")
     gate_s, up_s, down_s = scales if fp8 else (None, None, None)
@@ -149,11 +154,12 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if pairs == 0:
         return out
     sorted_ids, block_expert = align_by_expert(topk_ids, experts)
-    a, a_scale = quantize_groups(x, GROUP) if fp8 else (x, None)
+    a, a_scale = quantize_groups(x, block[1]) if fp8 else (x, None)
     h = torch.empty((pairs, inner), dtype=x.dtype, device=x.device)
-    _launch(a, a_scale, gate, gate_s, up, up_s, h, sorted_ids, block_expert, None, pairs, inner, topk, True, True)
-    a, a_scale = quantize_groups(h, GROUP) if fp8 else (h, None)
+    _launch(a, a_scale, gate, gate_s, up, up_s, h, sorted_ids, block_expert, None, pairs, inner, topk, True, True,
+            block)
+    a, a_scale = quantize_groups(h, block[1]) if fp8 else (h, None)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _launch(a, a_scale, down, down_s, down, down_s, y, sorted_ids, block_expert, topk_weights.reshape(-1), pairs,
-            hidden, topk, False, False)
+            hidden, topk, False, False, block)
     return y.view(tokens, topk, hidden).sum(1).to(x.dtype)
