@@ -25,10 +25,12 @@ def uniform_block(weight: Fp8Weight) -> tuple[int, int] | None:
 
 def triton_product(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T (+ b) in W's compute dtype through the Triton FP8 GEMM, or None where it does not take them."""
+    if select.chosen() != "triton":  # the default path pays this one comparison
+        return None
     from ster_dist.kernels.triton import usable
     from ster_dist.kernels.triton.fp8 import block_gemm, refuses_block
 
-    if select.chosen() != "triton" or weight.q.dim() != 2 or not usable(x.device.type):
+    if weight.q.dim() != 2 or not usable(x.device.type):
         return None
     block = uniform_block(weight)
     if block is None:
