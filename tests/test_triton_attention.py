@@ -13,7 +13,9 @@ pytest.importorskip("triton")
 
 from ster_dist.kernels.triton.decode import paged_decode  # noqa: E402
 from ster_dist.kernels.triton.extend import paged_extend  # noqa: E402
-from ster_dist.kernels.triton.reference import paged_decode_reference, paged_extend_reference  # noqa: E402
+from ster_dist.kernels.triton.mla import mla_decode  # noqa: E402
+from ster_dist.kernels.triton.reference import (mla_decode_reference, paged_decode_reference,  # noqa: E402
+                                                paged_extend_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,5 +87,27 @@ def test_paged_extend(dtype, starts, window, softcap, sinks):
     on = [t.to(DEVICE) if t is not None else None for t in (q, keys, values, table, starts_t, head_sinks)]
     got = paged_extend(*on[:5], window, 0.25, softcap, on[5]).cpu()
     assert got.dtype == dtype and got.shape == want.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype,sinks", [(torch.float32, False), (torch.bfloat16, True)])
+def test_mla_decode(dtype, sinks):
+    """DeepSeek-V3's MLA shape scaled down: rank 64 (512), rope 16 (64), 20 heads (128: two head tiles, the
+    second partial), ragged sequences over blocks of 4, a window's first key mid-block."""
+    page, heads, rank, rope = 4, 20, 64, 16
+    lengths = [2, 11, 18]
+    latents, rotated = _cache(16, page, 1, rank, dtype)[0], _cache(16, page, 1, rope, dtype, seed=5)[0]
+    table = _tables(lengths, page, 16)
+    end = torch.tensor(lengths)
+    first = torch.tensor([0, 0, 5])
+    g = torch.Generator().manual_seed(4)
+    q_latent = torch.randn(3, heads, rank, generator=g).to(dtype) / 4
+    q_rot = torch.randn(3, heads, rope, generator=g).to(dtype)
+    head_sinks = torch.randn(heads) if sinks else None
+    want = mla_decode_reference(q_latent, q_rot, latents, rotated, table, first, end, 0.2, head_sinks)
+    on = [t.to(DEVICE) if t is not None else None
+          for t in (q_latent, q_rot, latents, rotated, table, first, end, head_sinks)]
+    got = mla_decode(*on[:7], 0.2, on[7], splits=2).cpu()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)

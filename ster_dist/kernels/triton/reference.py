@@ -85,3 +85,11 @@ def experts_reference(x, topk_ids, topk_weights, gate_up, down, fp8_inner: bool 
                 h = dequantize_blocks(*quantize_groups_reference(h, 128), (1, 128))
             out[t] += w * h[0] @ down[e].float().T
     return out
+
+
+def mla_decode_reference(q_latent, q_rot, latents, rotated, table, first, end, scale, sinks=None):
+    """What kernels/triton/mla.py's mla_decode computes: [n, heads, rank] in f32, as attention whose keys are
+    [latent, rotated] and whose values are the latents, one key head for all."""
+    q = torch.cat((q_latent, q_rot), dim=-1)
+    keys = torch.cat((latents, rotated), dim=-1)
+    return paged_decode_reference(q, keys, latents, table, first, end, scale, 0.0, sinks)
