@@ -1,6 +1,7 @@
 """Whole-model greedy decoding with `--kernels triton` (the Triton attention kernels, under Triton's
 interpreter on the CPU) against the default path, through `ster generate`'s operation: a prompt's prefill goes
-through the extend kernel, every later token through the split-KV decode kernel. And the selection's refusals."""
+through the extend kernel, every later token through the split-KV decode kernel (MLA's through the latent one),
+experts through the fused kernel, kept FP8 products through the block GEMM. And the selection's refusals."""
 
 import json
 import os
@@ -22,6 +23,14 @@ def toy(tmp_path_factory):
     return make_toy(tmp_path_factory)
 
 
+def _counted(calls: dict, name: str, kernel):
+    """The real kernel, its calls counted: a step must go through it, not fall back."""
+    def run(*args, **kwargs):
+        calls[name] += 1
+        return kernel(*args, **kwargs)
+    return run
+
+
 @pytest.fixture(autouse=True)
 def native_after():
     yield
@@ -32,16 +41,8 @@ def test_triton_kernels_decode_as_the_default_path(toy, monkeypatch):
     from ster_dist.kernels.triton import decode, extend
 
     calls = {"decode": 0, "extend": 0}
-
-    def counted(name, kernel):
-        def run(*args, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-        return run
-
-    # the real kernels, counted: the step must go through them, not fall back
-    monkeypatch.setattr(decode, "paged_decode", counted("decode", decode.paged_decode))
-    monkeypatch.setattr(extend, "paged_extend", counted("extend", extend.paged_extend))
+    monkeypatch.setattr(decode, "paged_decode", _counted(calls, "decode", decode.paged_decode))
+    monkeypatch.setattr(extend, "paged_extend", _counted(calls, "extend", extend.paged_extend))
     args = (f"--model={toy}", "--prompt=the quick brown fox jumps over the lazy dog again and again",
             "--max-new-tokens=12", "--chat-template=off")
     triton = cli_generate(*args, "--kernels=triton")
@@ -55,20 +56,20 @@ def test_triton_kernels_decode_as_the_default_path(toy, monkeypatch):
 
 
 @pytest.mark.slow  # about 10 s here
-def test_triton_experts_decode_as_the_default_path(tmp_path, monkeypatch):
-    """A tiny DeepSeek-V3 (MLA, which the Triton attention leaves to torch, and SwiGLU experts): its experts run
-    through the fused kernel and the greedy tokens are the default path's."""
-    from ster_dist.kernels.triton import moe
+def test_triton_mla_and_experts_decode_as_the_default_path(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V3: its MLA decodes through the latent kernel (its prompt through torch's expanded path)
+    and its SwiGLU experts through the fused kernel; the greedy tokens are the default path's."""
+    from ster_dist.kernels.triton import mla, moe
     from ster_dist.toy import make_toy_model
 
-    calls = []
-    kernel = moe.fused_experts
-    monkeypatch.setattr(moe, "fused_experts", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = {"mla": 0, "experts": 0}
+    monkeypatch.setattr(mla, "mla_decode", _counted(calls, "mla", mla.mla_decode))
+    monkeypatch.setattr(moe, "fused_experts", _counted(calls, "experts", moe.fused_experts))
     make_toy_model(tmp_path / "model", family="deepseek_v3", layers=2, hidden=64, seed=0)
     args = (f"--model={tmp_path / 'model'}", "--prompt=the quick brown fox", "--max-new-tokens=6",
             "--chat-template=off")
     assert cli_generate(*args, "--kernels=triton")["text"] == cli_generate(*args)["text"]
-    assert len(calls) >= 6  # every step's MoE layer, not a fall back
+    assert calls["mla"] == 2 * 5 and calls["experts"] >= 6  # every decode's MLA layers; every step's MoE layer
 
 
 def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch):
@@ -94,16 +95,8 @@ def test_triton_fp8_products_and_experts_decode_as_the_default_path(tmp_path, mo
     write_fp8(load_file(str(tmp_path / "source" / "model.safetensors")), BLOCKS["deepseek_v3"], tmp_path / "source",
               tmp_path / "fp8", tmp_path / "ref", config)
     calls = {"gemm": 0, "experts": 0}
-    gemm, experts = fp8.block_gemm, moe.fused_experts
-
-    def counted(name, kernel):
-        def run(*args, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(fp8, "block_gemm", counted("gemm", gemm))
-    monkeypatch.setattr(moe, "fused_experts", counted("experts", experts))
+    monkeypatch.setattr(fp8, "block_gemm", _counted(calls, "gemm", fp8.block_gemm))
+    monkeypatch.setattr(moe, "fused_experts", _counted(calls, "experts", moe.fused_experts))
     args = (f"--model={tmp_path / 'fp8'}", "--prompt=the quick brown fox", "--chat-template=off",
             "--max-new-tokens=5", "--ignore-eos", "--weights=fp8")
     assert cli_generate(*args, "--kernels=triton")["text"] == cli_generate(*args)["text"]
