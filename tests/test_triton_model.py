@@ -101,3 +101,20 @@ def test_triton_fp8_products_and_experts_decode_as_the_default_path(tmp_path, mo
             "--max-new-tokens=5", "--ignore-eos", "--weights=fp8")
     assert cli_generate(*args, "--kernels=triton")["text"] == cli_generate(*args)["text"]
     assert calls["gemm"] > 0 and calls["experts"] > 0
+
+
+@pytest.mark.slow  # about 70 s on this loaded machine (Transformers builds the checkpoint)
+def test_triton_qwen3_moe_decodes_as_the_default_path(tmp_path, monkeypatch):
+    """A tiny qwen3_moe (GQA attention with q/k norms, SwiGLU experts): attention through the extend and decode
+    kernels, experts through the fused kernel, greedy tokens equal to the default path's."""
+    from ster_dist.kernels.triton import decode, moe
+    from tests.tiny_models import make_tiny
+
+    make_tiny("qwen3_moe", tmp_path / "model")
+    calls = {"decode": 0, "experts": 0}
+    monkeypatch.setattr(decode, "paged_decode", _counted(calls, "decode", decode.paged_decode))
+    monkeypatch.setattr(moe, "fused_experts", _counted(calls, "experts", moe.fused_experts))
+    args = (f"--model={tmp_path / 'model'}", "--prompt=the quick brown fox", "--max-new-tokens=6",
+            "--chat-template=off", "--ignore-eos")
+    assert cli_generate(*args, "--kernels=triton")["text"] == cli_generate(*args)["text"]
+    assert calls["decode"] > 0 and calls["experts"] > 0
