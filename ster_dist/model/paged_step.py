@@ -16,6 +16,7 @@ import functools
 import torch
 
 from ster_dist.config import RopeConfig
+from ster_dist.kernels import select
 from ster_dist.model.host import upload
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
@@ -225,7 +226,8 @@ class PagedStep:
         return self._each_group(layer, q, fn, None, None, q.dtype)
 
     def _each_group(self, layer: int, q, fn, window: int | None, chunk: int | None, dtype: torch.dtype) -> torch.Tensor:
-        triton = triton_terms(fn, q)  # None unless --kernels triton (model/triton_attend.py)
+        # None unless --kernels triton (model/triton_attend.py); the default path pays one comparison
+        triton = triton_terms(fn, q) if select.chosen() == "triton" else None
         terms = self._in_place_terms(layer, q, fn, dtype) if triton is None else None
         scale, softcap = terms if terms is not None else (None, 0.0)
         outs = []
