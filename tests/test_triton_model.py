@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from ster_dist.errors import Refusal  # noqa: E402
 from ster_dist.kernels import select  # noqa: E402
+from ster_dist.cli import parse  # noqa: E402
 from tests.cli_run import cli_generate, make_toy  # noqa: E402
 
 
@@ -72,8 +73,10 @@ def test_triton_mla_and_experts_decode_as_the_default_path(tmp_path, monkeypatch
     assert calls["mla"] == 2 * 5 and calls["experts"] >= 6  # every decode's MLA layers; every step's MoE layer
 
 
-def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch):
+def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch, toy):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(Refusal, match="--kernels triton runs on CUDA, not on cpu"):  # from the request, unloaded
+        parse(["generate", f"--model={toy}", "--prompt=hi", "--kernels=triton"])
     with pytest.raises(Refusal, match="--kernels triton runs on CUDA"):
         select.choose("triton", "cpu")
     with pytest.raises(ValueError, match="choose one of"):

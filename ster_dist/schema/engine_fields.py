@@ -57,6 +57,9 @@ class EngineFields(Request):
         if self.kernels == "triton" and not triton.installed():
             raise Refusal(f"{label_in(info, 'kernels')} triton needs the triton package (pip install "
                           "'ster_dist[gpu]'); or pick native or torch")
+        device = getattr(self, "device", None)  # the run's, where the request has one: refused before loading
+        if self.kernels == "triton" and device is not None:
+            triton.refuse_unless_usable(device)
         return self
 
     @model_validator(mode="after")
