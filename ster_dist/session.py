@@ -96,17 +96,19 @@ class Session:
         return self.loads
 
     def engine(self, kv_cache_memory: int | None = None, max_step_tokens: int = 512, speculative_tokens: int = 0,
-               enforce_eager: bool = False, pack_weights: str = "auto"):
+               enforce_eager: bool = False, pack_weights: str = "auto", kernels: str | None = None):
         """The token engine over this session's ranks (engine/loop.py), made on first use; other options
         rebuild it once the running one has nothing in flight, and one a failed step stopped is replaced.
         speculative_tokens: MTP drafts per decode (engine/drafter.py), 0 for none; enforce_eager: never compile
-        the layers (model/compiled.py); pack_weights: "auto", "on" or "off" (parallel/packed.py)."""
+        the layers (model/compiled.py); pack_weights: "auto", "on" or "off" (parallel/packed.py); kernels:
+        "triton", "native", "torch" or None for the device's default (kernels/select.py)."""
         from ster_dist.engine.loop import COMPILE_AFTER, EngineConfig, TokenEngine
 
         # one step in flight per pipeline stage, so the stages work at once on different requests
         config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens,
                               micro_batches=self.runtime.pp, speculative_tokens=speculative_tokens,
-                              compile_after=None if enforce_eager else COMPILE_AFTER, pack_weights=pack_weights)
+                              compile_after=None if enforce_eager else COMPILE_AFTER, pack_weights=pack_weights,
+                              kernels=kernels)
         if self.fixed_engine and self._engine is not None and not self._engine.stopped:
             return self._engine  # a server's: its clients hold streams of it, whatever a job asks
         if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):

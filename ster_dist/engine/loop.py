@@ -57,6 +57,7 @@ class EngineConfig:
     # steps run before the ranks compile their layers (model/compiled.py): a run that long will earn back the
     # seconds compiling takes on a CPU, a short one would not; None: every step eager (--enforce-eager)
     compile_after: int | None = None
+    kernels: str | None = None           # --kernels (kernels/select.py); None: the ranks' device's default
 
 
 COMPILE_AFTER = 128  # what a session's engine takes unless --enforce-eager
@@ -131,6 +132,7 @@ class _Live:
 
 def _start_ranks(runners, cfg, config: EngineConfig, speculative: bool) -> tuple[list[dict], int, int]:
     """Pack the ranks' weights, size their caches and allocate them: (each rank's sizes, blocks, state slots)."""
+    runners.select_kernels(config.kernels)  # first: `torch` keeps our CPU kernels (and packing for them) off
     packed = max(runners.pack_weights(config.pack_weights))  # before the cache's share of the memory free
     if packed:
         size = f"{packed / 2**20:.0f} MiB" if packed >= 2**20 else f"{packed / 2**10:.0f} KiB"

@@ -25,6 +25,7 @@ from ster_dist.engine.sampling import Sampler
 from ster_dist.engine.work import StepResult, StepWork
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
+from ster_dist.kernels import select
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.parallel import packed
 from ster_dist.parallel.linear import product_weights
@@ -106,6 +107,10 @@ class ModelRunner(RankExtension):
         return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
                 "state_bytes": PagedCache.state_bytes(model)}
 
+    def select_kernels(self, choice: str | None) -> str:
+        """Set the kernels this rank's layers run (kernels/select.py); refused where they cannot run here."""
+        return select.choose(choice, self.model.device.type)
+
     def pack_weights(self, mode: str) -> int:
         """Pack this rank's projection weights (pack_model); returns the bytes packed."""
         self.packed = pack_model(self.model, mode)
@@ -122,6 +127,8 @@ class ModelRunner(RankExtension):
         `speculative`, the MTP layer's too (engine/drafter.py). Layers are compiled once `compile_after` steps
         have run (None: never)."""
         model = self.model
+        if select.chosen() == "triton":  # the compiled step plans our CPU kernels' attention: Triton's stays eager
+            compile_after = None
         self.steps, self.compile_after = 0, compile_after
         self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
         self.drafter = MTPDrafter(model, self._draft(), num_blocks, block_size) if speculative else None

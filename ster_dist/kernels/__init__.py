@@ -63,6 +63,7 @@ SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp
 
 _tried = False
 _ready = False
+_held: tuple[bool, bool] | None = None  # (_tried, _ready) while --kernels torch holds them off
 _panels = 0  # the dtypes panels.cpp was built for: 1 f32, 2 bf16 (bits)
 
 
@@ -71,6 +72,17 @@ def ready() -> bool:
     if torch.compiler.is_compiling():
         return _ready
     return _ready if _tried else _load()
+
+
+def allow(allowed: bool) -> None:
+    """Let callers use these kernels (the default) or not (`--kernels torch`: torch's operations only,
+    kernels/select.py); allowing again restores what loading found."""
+    global _tried, _ready, _held
+    if not allowed and _held is None:
+        _held = (_tried, _ready)
+        _tried, _ready = True, False
+    elif allowed and _held is not None:
+        (_tried, _ready), _held = _held, None
 
 
 def panels(dtype: torch.dtype) -> bool:

@@ -173,6 +173,14 @@ class LatentAttention(nn.Module):
         probs = self._probs(torch.matmul(query, k.transpose(-1, -2)) * self.scale, mask)
         return torch.matmul(probs.to(v.dtype), v)
 
+    def latent_terms(self) -> tuple | None:
+        """(scale, kv_b's key half [heads, nope, rank], its value half [heads, v, rank], sinks or None) where the
+        Triton MLA decode (model/triton_attend.py) may attend in this layer's place: no indexer choosing keys."""
+        if self.indexer is not None or self.shares_choice:
+            return None
+        w = self.kv_b.plain().view(self.local_heads, self.nope + self.v_dim, self.rank)
+        return self.scale, w[:, :self.nope], w[:, self.nope:], None if self.sinks is None else self.sinks.weight
+
     def _absorbed(self, q_nope, q_rot, latent, k_rot, mask) -> torch.Tensor:
         """Attention in the latent space: [b, heads, t, v_head_dim] without per-slot keys or values."""
         w = self.kv_b.plain().view(self.local_heads, self.nope + self.v_dim, self.rank)

@@ -16,10 +16,12 @@ import functools
 import torch
 
 from ster_dist.config import RopeConfig
+from ster_dist.kernels import select
 from ster_dist.model.host import upload
 from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.model.rope import RotaryTables
 from ster_dist.model.step import causal_kernel_fits, decode_kernel_terms, or_empty, planned_scales
+from ster_dist.model.triton_attend import attend_group, triton_terms
 
 
 class _AttendGroup:
@@ -224,10 +226,16 @@ class PagedStep:
         return self._each_group(layer, q, fn, None, None, q.dtype)
 
     def _each_group(self, layer: int, q, fn, window: int | None, chunk: int | None, dtype: torch.dtype) -> torch.Tensor:
-        terms = self._in_place_terms(layer, q, fn, dtype)
+        # None unless --kernels triton (model/triton_attend.py); the default path pays one comparison
+        triton = triton_terms(fn, q) if select.chosen() == "triton" else None
+        terms = self._in_place_terms(layer, q, fn, dtype) if triton is None else None
         scale, softcap = terms if terms is not None else (None, 0.0)
         outs = []
         for group in self.groups:
+            if triton is not None and (y := attend_group(group, q, self.cache.keys[layer], self.cache.values[layer],
+                                                         window, chunk, triton)) is not None:
+                outs.append(y)
+                continue
             if scale is not None and group.query_pos.shape[1] == 1 and not group.prefix:
                 # decodes: each sequence's keys read where its blocks hold them (kernels/paged_decode.cpp)
                 first, end = group.key_range(window, chunk)

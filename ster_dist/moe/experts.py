@@ -59,7 +59,9 @@ import torch.nn.functional as F
 
 from ster_dist import kernels
 from ster_dist.config import MoEConfig
+from ster_dist.kernels import select
 from ster_dist.layers.activation import activation
+from ster_dist.moe.triton_experts import triton_experts
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS, SPLIT_ROWS_MAX, ShardedModule, dense
@@ -119,6 +121,8 @@ class Experts(ShardedModule):
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
+        if select.chosen() == "triton" and (y := triton_experts(self, x, local_ids)) is not None:
+            return y  # moe/triton_experts.py
         if self.fused(x):  # traced into a compiled step as it is: one operator, whatever the routing
             return torch.ops.ster_kernels.swiglu_experts(x, local_ids.long(), self.gate, self.up, self.down)
         if torch.compiler.is_compiling():  # every other branch reads the routing: opaque to the trace

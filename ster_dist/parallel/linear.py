@@ -20,6 +20,7 @@ from ster_dist import kernels
 from ster_dist.parallel import packed
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight, blockwise_ok, scaled_product
+from ster_dist.parallel.triton_fp8 import triton_product
 
 
 class ShardedModule(nn.Module):
@@ -207,6 +208,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor 
     """x W^T (+ b) through the kernel that streams W fastest for x's shape; a kept FP8 W through blockwise
     scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py)."""
     if isinstance(weight, Fp8Weight):
+        if (y := triton_product(x, weight, bias)) is not None:  # --kernels triton (parallel/triton_fp8.py)
+            return y
         where = str(x.device)
         if where not in _blockwise_failed and blockwise_ok(x, weight):
             try:

@@ -45,6 +45,23 @@ class EngineFields(Request):
                      "faster (panels of 32 outputs with AVX-512, else oneDNN's own, bf16 as f32 on AVX2; auto: where "
                      "the copies take at most a quarter of the memory free)")
 
+    kernels: Literal["triton", "native", "torch"] | None = field(
+        None, help="the kernels layers run: triton (the Triton kernels: CUDA, or a CPU under TRITON_INTERPRET=1), "
+                   "native (our CPU kernels where built) or torch (torch's operations only); default: triton on "
+                   "CUDA, native on a CPU")
+
+    @model_validator(mode="after")
+    def _triton_installed(self, info: ValidationInfo):
+        from ster_dist.kernels import triton
+
+        if self.kernels == "triton" and not triton.installed():
+            raise Refusal(f"{label_in(info, 'kernels')} triton needs the triton package (pip install "
+                          "'ster_dist[gpu]'); or pick native or torch")
+        device = getattr(self, "device", None)  # the run's, where the request has one: refused before loading
+        if self.kernels == "triton" and device is not None:
+            triton.refuse_unless_usable(device)
+        return self
+
     @model_validator(mode="after")
     def _kv_cache_memory(self, info: ValidationInfo):
         if self.kv_cache_memory is not None:
@@ -59,11 +76,12 @@ class EngineFields(Request):
         return self
 
     def engine_options(self) -> tuple:
-        """(KV cache bytes or None, max step tokens, draft tokens per decode or 0, enforce eager, pack weights):
+        """(KV cache bytes or None, max step tokens, draft tokens per decode or 0, enforce eager, pack weights,
+        kernels or None):
         what the session's token engine is built with (requests with other options rebuild an idle one)."""
         memory = memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
         return (memory, self.max_step_tokens, self.num_speculative_tokens if self.speculative else 0,
-                self.enforce_eager, self.pack_weights)
+                self.enforce_eager, self.pack_weights, self.kernels)
 
 
 class ModifierFields(Request):
