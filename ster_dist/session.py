@@ -30,6 +30,7 @@ class Session:
         # two job-queue lanes asking at once get one engine: two over the same ranks would each number
         # their requests from r0 and collide in the ranks' sampler
         self._engine_lock = threading.Lock()
+        self._load_lock = threading.Lock()  # a lane's job and the queue's warm-up may ask at once: one load
         self.fixed_engine = False  # set by `ster serve`: jobs' engine options never rebuild its engine
         self._on_load = on_load  # called with the session once its ranks hold the model (the pool counts it)
 
@@ -75,6 +76,10 @@ class Session:
     def load(self) -> list[dict]:
         """Open the worker group and load the model on every rank (once: a loaded session returns
         what its load reported)."""
+        with self._load_lock:
+            return self._load()
+
+    def _load(self) -> list[dict]:
         from ster_dist.load import check_weights
         from ster_dist.parallel.pipeline import check_pipeline
         from ster_dist.workers.group import load_on, open_group

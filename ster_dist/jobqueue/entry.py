@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import sys
@@ -58,18 +59,21 @@ def anchor(specs: list[dict], base: Path) -> list[dict]:
     return out
 
 
-def run(client, specs: list[dict], out=None, timeout: float | None = None) -> int:
-    """Submit, follow, print; the exit status."""
+def run(client, specs: list[dict], out=None, timeout: float | None = None, signals=None) -> int:
+    """Submit, follow, print; the exit status. `signals(ids)`: a context cancelling the jobs on
+    Ctrl-C / SIGTERM (an in-process queue's; a cluster's jobs outlive the submitter)."""
     from ster_dist.jobqueue.follow import follow
 
     out = out or sys.stdout
     ids = client.submit_many(specs)
-    records = follow(client, ids, on_event=emit, timeout=timeout)
+    with signals(ids) if signals is not None else contextlib.nullcontext():
+        records = follow(client, ids, on_event=emit, timeout=timeout)
     print(json.dumps(records[0] if len(records) == 1 else {"jobs": records}, ensure_ascii=False), file=out,
           flush=True)
     for record in records:
-        if record["status"] == "failed":
-            print(f"job {record['id']} ({record['kind']}) failed: {record['error']}", file=sys.stderr, flush=True)
+        if record["status"] in ("failed", "cancelled"):
+            print(f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}", file=sys.stderr,
+                  flush=True)
     return max([r["exit_code"] for r in records] + [0])
 
 
@@ -78,7 +82,8 @@ def run_jobs(request: RunJobsRequest) -> int:
     `local`); the exit status."""
     try:
         specs = anchor(read_specs(request.specs), Path.cwd())
-        options = {"idle_s": request.idle_s, "max_retries": request.max_retries, "job_timeout": request.job_timeout}
+        options = {"idle_s": request.idle_s, "max_retries": request.max_retries, "job_timeout": request.job_timeout,
+                   "keep_finished": request.keep_finished}
         if request.local:
             from ster_dist.jobqueue.client import LocalClient
             from ster_dist.jobqueue.queue import JobQueue
@@ -86,13 +91,17 @@ def run_jobs(request: RunJobsRequest) -> int:
             queue = JobQueue(request.state, **options).start()
             queue.pool.prepare(max(ranks_of(spec) for spec in specs))
             client = LocalClient(queue)
+            from ster_dist.jobqueue.submit import cancelled_on_signals
+
+            signals = lambda ids: cancelled_on_signals(queue, ids)  # noqa: E731
         else:
             from ster_dist.jobqueue.client import RayClient
 
             client = RayClient(request.address, request.state, options)
+            signals = None
         waited_out = False
         try:
-            return run(client, specs, timeout=request.timeout)
+            return run(client, specs, timeout=request.timeout, signals=signals)
         except TimeoutError as exc:
             from ster_dist.jobqueue.follow import stopped_waiting
 

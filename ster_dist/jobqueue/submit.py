@@ -4,12 +4,13 @@
 (a malformed one is refused before anything is sent), submits `python jobs/run.py
 msgpack:<specs>` with this source tree as the working directory, re-emits the job's progress
 lines as NDJSON on stderr and returns its result record(s). `--local` runs the specs through
-an in-process job queue instead. `ster queue status|stop|journal` looks after the
-cluster's job-queue actor and reads a journal.
+an in-process job queue instead (Ctrl-C or SIGTERM cancels its jobs). `ster queue
+status|stop|cancel|journal` looks after the cluster's job-queue actor and reads a journal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,10 +51,11 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     client = LocalClient(queue)
     waited_out = False
     try:
-        ids = client.submit_many(specs)
         if request.no_wait:
             raise Refusal("--no-wait needs a cluster: a --local queue ends with this command")
-        records = follow(client, ids, on_event=emit, timeout=request.timeout)
+        ids = client.submit_many(specs)
+        with cancelled_on_signals(queue, ids):
+            records = follow(client, ids, on_event=emit, timeout=request.timeout)
     except TimeoutError as exc:
         waited_out = True  # the command ends now: never wait on for the job that outlasted --timeout
         raise Refusal(stopped_waiting(exc, local=True)) from None
@@ -62,10 +64,42 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     return _outcome(records)
 
 
+@contextlib.contextmanager
+def cancelled_on_signals(queue, ids: list[str]):
+    """Ctrl-C or SIGTERM inside the block cancels the jobs (each stops at its next step, journaled
+    `cancelled`), and the caller goes on following them to their records; a second Ctrl-C stops at
+    once. Only on the main thread (where Python delivers signals)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(number, frame) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop now
+        name = signal.Signals(number).name
+        progress(f"{name}: cancelling job(s) {', '.join(ids)}")
+
+        def cancel_all() -> None:  # off the signal handler: cancelling takes the queue's lock
+            for job_id in ids:
+                with contextlib.suppress(Refusal):
+                    queue.cancel(job_id, f"{name} on the submitting command")
+
+        threading.Thread(target=cancel_all, name="ster-cancel", daemon=True).start()
+
+    before = {number: signal.signal(number, on_signal) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
 def _outcome(records: list[dict]) -> tuple[dict, int]:
     for record in records:
-        if record["status"] == "failed":
-            progress(f"job {record['id']} ({record['kind']}) failed: {record['error']}")
+        if record["status"] in ("failed", "cancelled"):
+            progress(f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}")
     return records[0] if len(records) == 1 else {"jobs": records}, max([r["exit_code"] for r in records] + [0])
 
 
@@ -181,11 +215,20 @@ def queue_action(request: QueueRequest) -> dict:
 
     if request.action == "journal":
         return _journal(request.state)
+    if (request.action == "cancel") != bool(request.jobs):
+        raise Refusal("`ster queue cancel` takes the ids of the jobs to cancel; status, stop and journal take none"
+                      if request.jobs else "give the ids of the jobs to cancel: ster queue cancel JOB [JOB ...]")
     import ray
 
     actor = _actor(request)
     if request.action == "status":
         return protocol.unpack(ray.get(actor.stats.remote(), timeout=60))
+    if request.action == "cancel":
+        replies = [protocol.unpack(ray.get(actor.cancel.remote(job_id), timeout=60)) for job_id in request.jobs]
+        for reply in replies:
+            if "refusal" in reply:
+                raise Refusal(reply["refusal"])
+        return replies[0] if len(replies) == 1 else {"jobs": replies}
     ray.get(actor.shutdown.remote(), timeout=600)
     ray.kill(actor, no_restart=True)
     return {"stopped": True}
