@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ster_dist import ops, protocol
 from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
 from ster_dist.jobqueue import events
-from ster_dist.jobqueue.journal import Journal
+from ster_dist.jobqueue.journal import Entry, Journal, lost_line
 from ster_dist.jobqueue.pool import GroupPool
 from ster_dist.jobqueue.watch import Attempt
 from ster_dist.protocol import JobSpec
@@ -310,6 +310,18 @@ class JobQueue:
             job = self._accept(spec, entry.attempts, entry.seq)
             self._note(job, events.event(f"re-queued after a job queue restart ({entry.attempts} earlier "
                                          "attempt(s))"))
+        self._report_lost(state.lost)
+
+    def _report_lost(self, lost: list[str]) -> None:
+        """Jobs whose accepted record was unreadable (their ids legible in its bytes): failed, journaled
+        again with their error, so a client waiting on one hears why instead of 'no such job'."""
+        for job_id in lost:
+            if job_id in self.jobs:
+                continue
+            self._seq += 1
+            if self._journal(None, self.journal.accepted, job_id, {"id": job_id}, self._seq):
+                self._finish_recovered(job_id, Entry({"id": job_id}, seq=self._seq),
+                                       f"job {job_id}: {lost_line([job_id])}")
 
     def _finish_recovered(self, job_id: str, entry, error: str) -> None:
         spec = raw_spec(job_id, entry.spec)
@@ -479,7 +491,7 @@ class JobQueue:
             write(*args)
             return True
         except OSError as exc:
-            self._behind(exc, job)
+            self._behind(exc, *([job] if job is not None else []))
             return False
 
     def _commit(self, *jobs: Job) -> None:

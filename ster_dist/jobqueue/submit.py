@@ -236,11 +236,18 @@ def queue_action(request: QueueRequest) -> dict:
 
 def _journal(state: str | None) -> dict:
     from ster_dist.jobqueue.actor import default_state_dir
-    from ster_dist.jobqueue.journal import read
+    from ster_dist.jobqueue.journal import lost_line, read
 
     directory = state or default_state_dir()
-    entries = read(directory).entries
+    journal = read(directory)
     jobs = [{"id": job_id, "kind": e.spec.get("kind"), "attempts": e.attempts,
              "status": (e.result or {}).get("status", "pending"), "error": (e.result or {}).get("error")}
-            for job_id, e in entries.items()]
-    return {"state": str(directory), "jobs": jobs}
+            for job_id, e in journal.entries.items()]
+    jobs += [{"id": job_id, "kind": None, "attempts": 0, "status": "lost", "error": lost_line([job_id])}
+             for job_id in journal.lost]
+    report = {"state": str(directory), "jobs": jobs}
+    if journal.skipped:
+        report["unreadable"] = {"records": journal.skipped, "bytes": journal.skipped_bytes, "lost_jobs": journal.lost}
+        progress(f"the journal has {journal.skipped} unreadable record(s)"
+                 + (f"; {lost_line(journal.lost)}" if journal.lost else ""))
+    return report
