@@ -112,21 +112,46 @@ def job_server(address: str | None) -> str:
 
 def server_answers(url: str, timeout: float = 5.0) -> bool:
     """Whether a Ray job server answers at url. Asked plainly over HTTP first: the SDK's client,
-    given a server that is not up, goes looking for other clusters on this machine instead."""
+    given a server that is not up, goes looking for other clusters on this machine instead. A
+    server that answers 401 or 403 (Ray's token authentication) is refused saying how to give the
+    token, not reported absent."""
     import urllib.error
     import urllib.request
 
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/version", headers=ray_auth_headers())
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=timeout) as reply:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
             return reply.status == 200
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            given = "was refused" if "Authorization" in request.headers else "was not given"
+            raise Refusal(f"the Ray job server at {url} answered {exc.code}: it needs Ray's authentication token, "
+                          f"which {given}; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or "
+                          "RAY_AUTH_TOKEN_PATH, or put it in ~/.ray/auth_token) and submit again") from None
+        return False
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
+def ray_auth_headers() -> dict:
+    """The Authorization header Ray's own clients send under RAY_AUTH_MODE=token: the token of
+    RAY_AUTH_TOKEN, else of the file RAY_AUTH_TOKEN_PATH names, else of ~/.ray/auth_token; else none."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return {}
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        with contextlib.suppress(OSError):
+            token = path.read_text(encoding="utf-8", errors="replace")[:4096].strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
+    import sys
+
     from ray.job_submission import JobSubmissionClient
 
-    from ster_dist.jobqueue.entry import inline
+    from ster_dist.jobqueue.entry import anchor, inline
 
     if not (ROOT / "jobs" / "run.py").is_file():
         raise Refusal(f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
@@ -140,7 +165,12 @@ def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     except Exception as exc:  # the SDK raises ConnectionError, RuntimeError, ... for an absent server
         raise Refusal(f"no Ray job server answers at {address}: {str(exc).splitlines()[0] if str(exc) else exc}; "
                       "start a cluster (docs/runbook.md) or give --address http://HEAD:8265") from None
-    entrypoint = f"{request.python} jobs/run.py {inline(specs)}"
+    # local paths resolved here, on the submitting machine: a git-ignored directory (models/) is not in
+    # the working directory Ray uploads, and a relative path would then be read as a Hub id there
+    specs = anchor(specs, Path.cwd())
+    # this interpreter unless told: a bare `python` on the nodes is whatever their PATH finds first
+    python = shlex.quote(request.python or sys.executable)
+    entrypoint = f"{python} jobs/run.py {inline(specs)}"
     if request.state:
         entrypoint += f" --state {shlex.quote(request.state)}"
     # the SDK logs its packaging of the working directory as plain text; stderr here is NDJSON

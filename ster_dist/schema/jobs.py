@@ -19,7 +19,8 @@ class SubmitRequest(Request):
     state: str | None = field(None, help="the job queue's state directory (journal) when it starts")
     no_wait: bool = field(False, help="print the submission id and return")
     timeout: float | None = field(None, gt=0, help="stop waiting after this many seconds")
-    python: str = field("python", help="the Python on the cluster's nodes")
+    python: str | None = field(None, help="the Python on the cluster's nodes (default: this one's path, as on "
+                                          "a one-machine cluster)")
 
 
 class QueueRequest(Request):
