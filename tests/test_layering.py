@@ -56,6 +56,8 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "the driver's view of one model run, resolved and loaded on first use"),
     (("ops",),
      "every operation as a plain function over a session and its typed request"),
+    (("batch",),
+     "batch inference over Ray Data: replicas of a session's engine answering a dataset's rows"),
     (("protocol",),
      "job specs and results: typed requests as msgpack, JSON and YAML"),
     (("jobqueue",),

@@ -122,7 +122,7 @@ def run_jobs(request: RunJobsRequest) -> int:
             queue = JobQueue(request.state, **options).start()
             queue.pool.prepare(max(ranks_of(spec) for spec in specs))
             client = LocalClient(queue)
-            from ster_dist.jobqueue.submit import cancelled_on_signals
+            from ster_dist.jobqueue.signals import cancelled_on_signals
 
             signals = lambda ids: cancelled_on_signals(queue, ids)  # noqa: E731
         else:

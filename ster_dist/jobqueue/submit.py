@@ -43,6 +43,7 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ster_dist.jobqueue.events import emit
     from ster_dist.jobqueue.follow import follow, stopped_waiting
     from ster_dist.jobqueue.queue import JobQueue
+    from ster_dist.jobqueue.signals import cancelled_on_signals
 
     queue = JobQueue(request.state).start()
     # Ray, when a job needs ranks, is started here on the main thread: started from the queue's
@@ -62,38 +63,6 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     finally:
         client.close(wait=not waited_out)
     return _outcome(records)
-
-
-@contextlib.contextmanager
-def cancelled_on_signals(queue, ids: list[str]):
-    """Ctrl-C or SIGTERM inside the block cancels the jobs (each stops at its next step, journaled
-    `cancelled`), and the caller goes on following them to their records; a second Ctrl-C stops at
-    once. Only on the main thread (where Python delivers signals)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_signal(number, frame) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop now
-        name = signal.Signals(number).name
-        progress(f"{name}: cancelling job(s) {', '.join(ids)}")
-
-        def cancel_all() -> None:  # off the signal handler: cancelling takes the queue's lock
-            for job_id in ids:
-                with contextlib.suppress(Refusal):
-                    queue.cancel(job_id, f"{name} on the submitting command")
-
-        threading.Thread(target=cancel_all, name="ster-cancel", daemon=True).start()
-
-    before = {number: signal.signal(number, on_signal) for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for number, handler in before.items():
-            signal.signal(number, handler)
 
 
 def _outcome(records: list[dict]) -> tuple[dict, int]:

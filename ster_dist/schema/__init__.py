@@ -5,6 +5,7 @@ maps each job kind to its request."""
 from __future__ import annotations
 
 from ster_dist.schema.base import Request
+from ster_dist.schema.batch import BatchRequest
 from ster_dist.schema.calibrate import CalibrateRequest
 from ster_dist.schema.capture import ExtractRequest
 from ster_dist.schema.chat import ChatRequest
@@ -39,7 +40,7 @@ REQUESTS: tuple[type[Request], ...] = (
     SteerTrainRequest, SteerInspectRequest, SteerOptimizeRequest, SteerEvaluateRequest, DecideRequest,
     CalibrateRequest, MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
     ToyModelRequest,
-    GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest,
+    GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest, BatchRequest,
 )
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
 
@@ -49,5 +50,5 @@ __all__ = [
     "SteerInspectRequest", "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
-    "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
+    "SubmitRequest", "QueueRequest", "BatchRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
 ]
