@@ -71,6 +71,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # a child job queue killed mid-run, then a restart: about 25 s on 2 cores
 def test_jobs_recovered_after_a_sigkill_all_finish_as_they_would_alone(toy, tmp_path):
     specs = prompts_jobs(toy, tmp_path, new_tokens=40)
     state = tmp_path / "state"
