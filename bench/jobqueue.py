@@ -8,12 +8,12 @@ What is built
 
 What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts in every case)
     direct      one `ster generate --prompts` call over all prompts, through an already loaded
-                Session: the floor, one batched forward as the CLI runs it (best of --repeats).
+                Session: the floor, every prompt in the token engine's batch (best of --repeats).
     scheduled   the same prompts as --jobs single-prompt jobs submitted at once to a JobQueue
-                (journal on disk, fsync per record): validation, journal, queue, batching into
-                one forward, splitting the answers back (best of --repeats).
-    unbatched   the same jobs through a JobQueue with max_batch=1: one forward per job, what
-                the queue would cost without batching.
+                (journal on disk, fsync per record): validation, journal, queue, each job in a
+                lane of its own, all feeding the group's one token engine (best of --repeats).
+    unbatched   the same jobs through a JobQueue with max_lanes=1: one job at a time, what the
+                queue would cost without its jobs sharing the engine.
     latency     one job at a time, submit -> result, against the same single prompt called
                 directly (median of --latency-runs each): the job queue's added latency per job.
     command     `ster generate --prompt` as a whole command line in this process (cli.main: an
@@ -79,9 +79,16 @@ def _in_thread(fn):
 
 
 def _direct(session: Session, model: str, prompts: list[str], new_tokens: int) -> list[str]:
-    """The operation itself on a loaded session: every prompt one request, answered in one forward."""
-    requests = [GenerateRequest(model=model, prompt=p, max_new_tokens=new_tokens) for p in prompts]
-    return [r.results[0].text for r in ops.generate_many(session, requests)]
+    """The operation itself on a loaded session: one prompts file, every prompt in the engine at once."""
+    with tempfile.TemporaryDirectory(prefix="ster-bench-direct-") as tmp:
+        path, output = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
+        path.write_text(json.dumps({"prompts": prompts}))
+        if len(prompts) == 1:
+            request = GenerateRequest(model=model, prompt=prompts[0], max_new_tokens=new_tokens)
+            return [ops.generate(session, request).results[0].text]
+        request = GenerateRequest(model=model, prompts=str(path), output=str(output), max_new_tokens=new_tokens)
+        ops.generate(session, request)
+        return [answer["text"] for answer in json.loads(output.read_text())["results"]]
 
 
 def _scheduled(scheduler: JobQueue, model: str, prompts: list[str], new_tokens: int) -> list[str]:
@@ -176,8 +183,8 @@ def main(argv=None) -> dict:
                 start = time.perf_counter()
                 _quiet(lambda: _scheduled(scheduler, model, [prompt], args.new_tokens))  # noqa: B023 (called at once)
                 latency.append(time.perf_counter() - start)
-            batches = scheduler.stats()["batches"]
-        with JobQueue(tmp / "state-unbatched", max_batch=1) as scheduler:
+            lanes_peak = scheduler.stats()["lanes_peak"]
+        with JobQueue(tmp / "state-unbatched", max_lanes=1) as scheduler:
             _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))
             unbatched_s, unbatched = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
                                                                              args.new_tokens)), 1)
@@ -194,7 +201,7 @@ def main(argv=None) -> dict:
         "single_direct_ms": round(1000 * statistics.median(single), 2),
         "single_scheduled_ms": round(1000 * statistics.median(latency), 2),
         "added_latency_ms": round(1000 * (statistics.median(latency) - statistics.median(single)), 2),
-        "largest_forward": max(batches),
+        "lanes_peak": lanes_peak,
         "command_cli_ms": round(1000 * statistics.median(through), 1),
         "command_function_ms": round(1000 * statistics.median(plain), 1),
         "ratio_command_function_to_cli": round(statistics.median(plain) / statistics.median(through), 3),

@@ -24,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
 from ster_dist.events import json_stderr
-from ster_dist.schema import REQUESTS, ChatRequest, QueueRequest, Request, ServeRequest, SubmitRequest
+from ster_dist.schema import REQUESTS, BatchRequest, ChatRequest, QueueRequest, Request, ServeRequest, SubmitRequest
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,6 +153,10 @@ def run(request: Request) -> tuple[object, int]:
         from ster_dist.jobqueue.submit import submit
 
         return submit(request)
+    if isinstance(request, BatchRequest):
+        from ster_dist.batch.run import run_batch
+
+        return run_batch(request), 0
     if isinstance(request, QueueRequest):
         from ster_dist.jobqueue.submit import queue_action
 

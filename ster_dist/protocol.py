@@ -169,7 +169,7 @@ def _plain(value):
 
 
 RESULT_FIELDS = {"id": str, "kind": str, "status": str, "attempts": int, "exit_code": int}
-STATUSES = ("done", "failed")
+STATUSES = ("done", "failed", "cancelled")
 
 
 def make_result(job: JobSpec, status: str, result=None, error: str | None = None, attempts: int = 1,
@@ -190,8 +190,8 @@ def check_result(record) -> dict:
             raise Refusal(f"job result field {name!r} must be {kind.__name__}, got {shown(record.get(name))}")
     if record["status"] not in STATUSES:
         raise Refusal(f"job result field 'status' must be one of {', '.join(STATUSES)}, got {record['status']!r}")
-    if record["status"] == "failed" and not isinstance(record.get("error"), str):
-        raise Refusal("a failed job result must carry its error")
+    if record["status"] != "done" and not isinstance(record.get("error"), str):
+        raise Refusal(f"a {record['status']} job result must carry its error")
     return record
 
 

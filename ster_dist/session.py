@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 from ster_dist.events import progress
 from ster_dist.schema.common import Runtime
@@ -26,6 +27,10 @@ class Session:
         self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
         self._group = None
         self._engine = None
+        # two job-queue lanes asking at once get one engine: two over the same ranks would each number
+        # their requests from r0 and collide in the ranks' sampler
+        self._engine_lock = threading.Lock()
+        self._load_lock = threading.Lock()  # a lane's job and the queue's warm-up may ask at once: one load
         self.fixed_engine = False  # set by `ster serve`: jobs' engine options never rebuild its engine
         self._on_load = on_load  # called with the session once its ranks hold the model (the pool counts it)
 
@@ -71,6 +76,10 @@ class Session:
     def load(self) -> list[dict]:
         """Open the worker group and load the model on every rank (once: a loaded session returns
         what its load reported)."""
+        with self._load_lock:
+            return self._load()
+
+    def _load(self) -> list[dict]:
         from ster_dist.load import check_weights
         from ster_dist.parallel.pipeline import check_pipeline
         from ster_dist.workers.group import load_on, open_group
@@ -102,13 +111,19 @@ class Session:
         speculative_tokens: MTP drafts per decode (engine/drafter.py), 0 for none; enforce_eager: never compile
         the layers (model/compiled.py); pack_weights: "auto", "on" or "off" (parallel/packed.py); kernels:
         "triton", "native", "torch" or None for the device's default (kernels/select.py)."""
-        from ster_dist.engine.loop import COMPILE_AFTER, EngineConfig, TokenEngine
+        from ster_dist.engine.loop import COMPILE_AFTER, EngineConfig
 
         # one step in flight per pipeline stage, so the stages work at once on different requests
         config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens,
                               micro_batches=self.runtime.pp, speculative_tokens=speculative_tokens,
                               compile_after=None if enforce_eager else COMPILE_AFTER, pack_weights=pack_weights,
                               kernels=kernels)
+        with self._engine_lock:
+            return self._engine_for(config)
+
+    def _engine_for(self, config):
+        from ster_dist.engine.loop import TokenEngine
+
         if self.fixed_engine and self._engine is not None and not self._engine.stopped:
             return self._engine  # a server's: its clients hold streams of it, whatever a job asks
         if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):

@@ -6,6 +6,7 @@ records written by hand. Real files, real JobQueue instances, the toy model wher
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from ster_dist.cli import main
 from ster_dist.errors import Refusal
 from ster_dist.jobqueue.journal import read
 from ster_dist.jobqueue.queue import JobQueue
@@ -58,15 +60,23 @@ def test_one_corrupt_byte_mid_journal_loses_one_record_not_every_later_job(toy, 
     names = accepted_journal(toy, state, 12, finished=3)
     original = journal(state).read_bytes()
     flip(journal(state), original.find(b"job-07"))  # inside job-07's accepted record, mid-file
+    # read before the restart, `ster queue journal` names the job whose accepted record is unreadable
+    assert main(["queue", "journal", "--state", str(state)]) == 0
+    report = json.loads(capfd.readouterr().out)
+    assert report["unreadable"]["lost_jobs"] == ["job-07"]
+    assert {"id": "job-07", "status": "lost"}.items() <= next(j for j in report["jobs"] if j["id"] == "job-07").items()
     with JobQueue(state) as queue:
         known = set(queue.jobs)
         err = capfd.readouterr().err
-        assert known == set(names) - {"job-07"}  # only the hit record's job; replay went on past it
+        assert known == set(names)  # replay went on past the hit record, and its job is not dropped silently
+        lost = queue.wait("job-07", 1)  # its spec is gone: it fails, saying why
+        assert lost["status"] == "failed" and "job-07" in lost["error"] and "unreadable" in lost["error"]
         for name in names[:3]:  # finished before: not run again
             assert queue.poll(name)["result"]["status"] == "done" and not queue.jobs[name].events
-        results = [queue.wait(name, 120) for name in sorted(known)]
+        results = [queue.wait(name, 120) for name in sorted(known - {"job-07"})]
     assert all(r["status"] == "done" for r in results)
     assert "unreadable record" in err and "skipped" in err and "kept at" in err
+    assert "'job-07' read only in unreadable records" in err  # named at the restart
     kept = list(state.glob("journal.msgpack.corrupt-*"))
     assert len(kept) == 1 and len(kept[0].read_bytes()) == len(original)  # the unreadable bytes kept aside
     # the rewritten journal holds every job the restart knew, and a second restart reads it clean
@@ -281,3 +291,18 @@ def test_reading_beside_a_queue_that_is_still_creating_its_state_sees_no_jobs(to
                                          "chat_template": "off", "id": "one"}), 60)
     assert read(state).entries["one"].result is not None
     assert read(state / "journal.msgpack").entries.keys() == {"one"}
+
+
+def test_finished_jobs_leave_memory_past_keep_finished_and_stay_in_the_journal(toy, tmp_path):
+    state = tmp_path / "state"
+    names = [f"kept-{i}" for i in range(5)]
+    with JobQueue(state, keep_finished=2) as queue:
+        for name in names:
+            assert queue.wait(queue.submit(spec(toy, name)), 60)["status"] == "done"
+        in_memory, stats = set(queue.jobs), queue.stats()
+        with pytest.raises(Refusal, match="kept only in the journal"):
+            queue.poll("kept-0")
+    assert in_memory == set(names[-2:]) and stats["forgotten"] == 3
+    assert {k for k, e in read(state).entries.items() if e.result is not None} == set(names)
+    with JobQueue(state, keep_finished=2) as again:  # a restart holds no more of them either
+        assert set(again.jobs) == set(names[-2:])

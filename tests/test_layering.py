@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # bottom to top: (prefixes, why the layer sits where it does)
 LAYERS: list[tuple[tuple[str, ...], str]] = [
-    (("", "errors", "atomic", "events", "inputs"),
-     "leaves: refusals, whole-or-nothing writes, progress events and input files; import nothing of ours"),
+    (("", "errors", "atomic", "events", "inputs", "running"),
+     "leaves: refusals, whole-or-nothing writes, progress events, input files and the running job's "
+     "context (its id, its cancellation); import nothing of ours"),
     (("families",),
      "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user"),
     (("checkpoint", "config*", "resolve", "tokenizer*", "chat_template", "template_limits"),
@@ -55,10 +56,12 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "the driver's view of one model run, resolved and loaded on first use"),
     (("ops",),
      "every operation as a plain function over a session and its typed request"),
+    (("batch",),
+     "batch inference over Ray Data: replicas of a session's engine answering a dataset's rows"),
     (("protocol",),
      "job specs and results: typed requests as msgpack, JSON and YAML"),
     (("jobqueue",),
-     "the job queue: pool of sessions, journal, batching, retries, the Ray actor"),
+     "the job queue: pool of sessions, journal, lanes, cancellation, retries, the Ray actor"),
     (("api", "chat"),
      "the Python entry point over the job queue, and the terminal chat over a session's engine"),
     (("serve",),

@@ -49,6 +49,13 @@ class JobQueueActor:
         except Refusal as refusal:
             return protocol.pack({"refusal": str(refusal)})
 
+    def cancel(self, job_id: str) -> bytes:
+        """Cancel a job (jobqueue/queue.py JobQueue.cancel): its id and state after the call."""
+        try:
+            return protocol.pack(self.queue.cancel(job_id))
+        except Refusal as refusal:
+            return protocol.pack({"refusal": str(refusal)})
+
     def stats(self) -> bytes:
         return protocol.pack({**self.queue.stats(), "pid": os.getpid()})
 

@@ -38,6 +38,9 @@ class LocalClient:
     def stats(self) -> dict:
         return self.queue.stats()
 
+    def cancel(self, job_id: str) -> dict:
+        return self.queue.cancel(job_id)
+
     def close(self, wait: bool = True) -> None:
         """Stop the queue: after its running job, or (wait=False) at once, abandoning it."""
         self.queue.close(timeout=600.0 if wait else 0.0)
@@ -79,6 +82,9 @@ class RayClient:
 
     def stats(self) -> dict:
         return self._call("stats")
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("cancel", job_id)
 
     def pid(self) -> int:
         import ray

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import fnmatch
 import json
 import os
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
+from ster_dist.inputs import INPUT_FIELDS
 from ster_dist.jobqueue.events import emit
 from ster_dist.schema.jobs import RunJobsRequest
 
@@ -58,18 +61,49 @@ def anchor(specs: list[dict], base: Path) -> list[dict]:
     return out
 
 
-def run(client, specs: list[dict], out=None, timeout: float | None = None) -> int:
-    """Submit, follow, print; the exit status."""
+def check_uploaded(specs: list[dict], base: Path) -> None:
+    """Refuse a relative input path that is not in the job's working directory because Ray left it out
+    of the upload (it skips what the tree's .gitignore lists: models/ here), rather than read it as a
+    Hub id there."""
+    ignored = _ignored_patterns(base)
+    if not ignored:
+        return
+    for spec in specs:
+        for name in INPUT_FIELDS:
+            value = spec.get(name)
+            if not isinstance(value, str) or not value or os.path.isabs(value) or (base / value).exists():
+                continue
+            parts = Path(value).parts
+            if any(fnmatch.fnmatchcase(parts[0], p) or fnmatch.fnmatchcase(value, p) for p in ignored):
+                raise Refusal(f"job {spec.get('id', '?')}: {name} {value!r} is not inside the uploaded working "
+                              f"directory {base} (.gitignore keeps {parts[0]}/ out of Ray's upload); give an absolute "
+                              "path the cluster's nodes can read, or submit with `ster submit`, which resolves "
+                              "local paths on the submitting machine")
+
+
+def _ignored_patterns(base: Path) -> list[str]:
+    try:
+        lines = (base / ".gitignore").read_text(encoding="utf-8", errors="replace").splitlines()[:10000]
+    except OSError:
+        return []
+    return [line.strip().strip("/") for line in lines if line.strip() and not line.lstrip().startswith(("#", "!"))]
+
+
+def run(client, specs: list[dict], out=None, timeout: float | None = None, signals=None) -> int:
+    """Submit, follow, print; the exit status. `signals(ids)`: a context cancelling the jobs on
+    Ctrl-C / SIGTERM (an in-process queue's; a cluster's jobs outlive the submitter)."""
     from ster_dist.jobqueue.follow import follow
 
     out = out or sys.stdout
     ids = client.submit_many(specs)
-    records = follow(client, ids, on_event=emit, timeout=timeout)
+    with signals(ids) if signals is not None else contextlib.nullcontext():
+        records = follow(client, ids, on_event=emit, timeout=timeout)
     print(json.dumps(records[0] if len(records) == 1 else {"jobs": records}, ensure_ascii=False), file=out,
           flush=True)
     for record in records:
-        if record["status"] == "failed":
-            print(f"job {record['id']} ({record['kind']}) failed: {record['error']}", file=sys.stderr, flush=True)
+        if record["status"] in ("failed", "cancelled"):
+            print(f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}", file=sys.stderr,
+                  flush=True)
     return max([r["exit_code"] for r in records] + [0])
 
 
@@ -78,7 +112,9 @@ def run_jobs(request: RunJobsRequest) -> int:
     `local`); the exit status."""
     try:
         specs = anchor(read_specs(request.specs), Path.cwd())
-        options = {"idle_s": request.idle_s, "max_retries": request.max_retries, "job_timeout": request.job_timeout}
+        check_uploaded(specs, Path.cwd())
+        options = {"idle_s": request.idle_s, "max_retries": request.max_retries, "job_timeout": request.job_timeout,
+                   "keep_finished": request.keep_finished}
         if request.local:
             from ster_dist.jobqueue.client import LocalClient
             from ster_dist.jobqueue.queue import JobQueue
@@ -86,13 +122,17 @@ def run_jobs(request: RunJobsRequest) -> int:
             queue = JobQueue(request.state, **options).start()
             queue.pool.prepare(max(ranks_of(spec) for spec in specs))
             client = LocalClient(queue)
+            from ster_dist.jobqueue.signals import cancelled_on_signals
+
+            signals = lambda ids: cancelled_on_signals(queue, ids)  # noqa: E731
         else:
             from ster_dist.jobqueue.client import RayClient
 
             client = RayClient(request.address, request.state, options)
+            signals = None
         waited_out = False
         try:
-            return run(client, specs, timeout=request.timeout)
+            return run(client, specs, timeout=request.timeout, signals=signals)
         except TimeoutError as exc:
             from ster_dist.jobqueue.follow import stopped_waiting
 

@@ -10,7 +10,9 @@ directory at a time (an flock the kernel drops when the process dies).
 Each record is a frame: MAGIC, the payload's length, a CRC32 of length and payload, then the
 msgpack payload. A frame that does not check out (a torn last write, a corrupt byte anywhere) is
 skipped and replay resynchronises on the next MAGIC whose frame checks out, so one bad byte loses
-one record, never the rest of the log. Before a journal with unreadable bytes is compacted, the
+one record, never the rest of the log. A job whose accepted record was lost so is never dropped
+silently: the job ids still legible in the unreadable bytes, and not in any readable record, are
+named at restart and by `ster queue journal` (their specs are lost: they must be submitted again). Before a journal with unreadable bytes is compacted, the
 whole file is kept aside as journal.msgpack.corrupt-<time>. A journal of plain msgpack records
 (before the frames) is still read, and rewritten in frames on open.
 """
@@ -54,6 +56,8 @@ class State:
     skipped_bytes: int = 0
     torn_tail: bool = False  # the unreadable bytes run to the end of the file (a kill mid-append)
     malformed: list[str] = field(default_factory=list)  # readable records with wrongly typed fields
+    legible_ids: list[str] = field(default_factory=list)  # job ids read in unreadable records' bytes
+    lost: list[str] = field(default_factory=list)  # those of them no readable record knows: accepted, then lost
     old_format: bool = False
 
     def pending(self) -> list[tuple[str, Entry]]:
@@ -124,6 +128,8 @@ class Journal:
                 f"{state.skipped} unreadable record(s)"
             self._notice(f"the journal at {self.path} had {what} ({state.skipped_bytes} bytes), skipped; "
                          f"the whole file is kept at {kept}")
+        if state.lost:
+            self._notice(f"the journal at {self.path}: {lost_line(state.lost)}")
         for message in state.malformed:
             self._notice(f"the journal at {self.path}: {message}")
 
@@ -219,6 +225,11 @@ class Journal:
             self._lock = None
 
 
+def lost_line(ids: list[str]) -> str:
+    return (f"job id(s) {', '.join(map(repr, ids))} read only in unreadable records: accepted once, their "
+            "specs are lost and they will not run; submit them again")
+
+
 def frame(record: dict) -> bytes:
     payload = msgpack.packb(record, use_bin_type=True)
     length = struct.pack(">I", len(payload))
@@ -234,6 +245,7 @@ def read(path: str | os.PathLike) -> State:
         return state
     for record in records(data, state):
         _apply(state, record)
+    state.lost = [job_id for job_id in dict.fromkeys(state.legible_ids) if job_id not in state.entries]
     return state
 
 
@@ -273,6 +285,34 @@ def _skipped(state: State, data: bytes, start: int, end: int) -> None:
     state.skipped += max(1, data.count(MAGIC, start, end))
     state.skipped_bytes += end - start
     state.torn_tail = end == len(data)
+    if not state.torn_tail:  # a torn last append was never acknowledged: its job was refused, not lost
+        state.legible_ids += _legible_ids(data[start:end])
+
+
+_ID_KEY = b"\xa2id"  # msgpack's "id" (a record's job id, and a spec's own id field)
+
+
+def _legible_ids(stretch: bytes) -> list[str]:
+    """Job ids that still read in unreadable bytes: each "id" key followed by a short msgpack string
+    that decodes as UTF-8 (a corrupt byte inside one id usually leaves the spec's copy of it legible)."""
+    found, pos = [], stretch.find(_ID_KEY)
+    while pos >= 0:
+        at = pos + len(_ID_KEY)
+        head = stretch[at:at + 2]
+        if head and 0xA0 <= head[0] <= 0xBF:
+            start, length = at + 1, head[0] - 0xA0
+        elif len(head) == 2 and head[0] == 0xD9:
+            start, length = at + 2, head[1]
+        else:
+            start, length = at, 0
+        try:
+            text = stretch[start:start + length].decode("utf-8") if length else ""
+        except UnicodeDecodeError:
+            text = ""
+        if text and len(stretch) >= start + length and text.isprintable():
+            found.append(text)
+        pos = stretch.find(_ID_KEY, at)
+    return found
 
 
 def _frame_at(data: bytes, pos: int):

@@ -5,10 +5,14 @@ tune) are validated on arrival (ster_dist.protocol: a typed request per job), jo
 (jobqueue/journal.py), queued by priority (higher first, then arrival order) and run one at a time
 by one executor thread, each as its operation (ster_dist.ops) over a session from the pool of
 worker groups (jobqueue/pool.py), so a model is loaded once and reused by every later job on the
-same group key. Generate jobs on one group are batched (ops.generate_many) and run in lanes beside the
-executor, all feeding the session's token engine, so a generate job arriving mid-generation joins the
-running batch at the next step; other kinds wait for the lanes and run alone. A job whose worker died is retried on a restarted group up to `max_retries`
-times, then fails with the worker's error. Every attempt runs on a thread of its own
+same group key. Generate jobs run in lanes beside the executor, each its own job, all feeding the
+one token engine of their group (their engine request ids carry their job ids: ster_dist/running.py),
+so a generate job arriving mid-generation joins the running batch at the next step, and continuous
+batching shares the forwards; other kinds wait for the lanes and run alone. A job is cancelled
+(`cancel`) at its next engine step, or dropped from the queue if it has not started. A job whose
+worker died is retried on a restarted group up to `max_retries` times, then fails with the worker's
+error. Finished jobs stay in memory up to `keep_finished` of them (the oldest dropped first); the
+journal keeps them. Every attempt runs on a thread of its own
 (jobqueue/watch.py), so a job that runs past its timeout (its spec's `timeout_s`, else the queue's
 `job_timeout`) is failed and abandoned with its worker group, and the next job runs. Progress
 events are kept per job (jobqueue/events.py) for callers to stream; results are protocol result
@@ -20,6 +24,7 @@ Ray actor (jobqueue/actor.py) that `ray job submit ... jobs/run.py` and `ster su
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import sys
@@ -31,11 +36,11 @@ from dataclasses import dataclass, field
 from ster_dist import ops, protocol
 from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
 from ster_dist.jobqueue import events
-from ster_dist.jobqueue.journal import Journal
+from ster_dist.jobqueue.journal import Entry, Journal, lost_line
 from ster_dist.jobqueue.pool import GroupPool
 from ster_dist.jobqueue.watch import Attempt
-from ster_dist.ops.generate import batch_key, check_inputs, generate_many
 from ster_dist.protocol import JobSpec
+from ster_dist.running import Cancelled, JobContext, job_scope
 from ster_dist.schema import GenerateRequest
 
 MAX_EVENTS = 1000  # per job; the oldest are dropped past this
@@ -67,11 +72,10 @@ class RawSpec:
 class Job:
     spec: JobSpec | RawSpec
     seq: int
-    key: tuple | None = None  # the batch key of a greedy generate job
+    lane: tuple | None = None  # a generate job's (group key, engine options): lanes run only on one at a time
     attempts: int = 0
-    state: str = "queued"  # queued | running | done | failed
-    solo: bool = False     # run alone even when batchable (after its batch was refused)
-    size: int | None = None  # prompts, once read (batching only)
+    state: str = "queued"  # queued | running | done | failed | cancelled
+    context: JobContext | None = None  # its id for engine requests, and its cancellation
     events: list = field(default_factory=list)
     dropped: int = 0       # events dropped from the front (cursors count them)
     result: dict | None = None
@@ -79,16 +83,22 @@ class Job:
 
 class JobQueue:
     def __init__(self, state_dir=None, *, address: str | None = None, idle_s: float = 300.0,
-                 max_retries: int = 2, max_batch: int = 64, max_groups: int = 4, durable: bool = True,
-                 max_lanes: int = 8, job_timeout: float | None = None):
+                 max_retries: int = 2, max_groups: int = 4, durable: bool = True,
+                 max_lanes: int = 8, job_timeout: float | None = None, keep_finished: int = 10000):
         if job_timeout is not None and not job_timeout > 0:
             raise Refusal(f"the job queue's job_timeout must be a number of seconds above 0 (or None), "
                           f"got {job_timeout!r}")
         self.max_retries = max_retries
         self.job_timeout = job_timeout  # seconds a job without its own timeout_s may run; None: no limit
-        self.max_batch = max_batch
+        if keep_finished < 0:
+            raise Refusal(f"the job queue's keep_finished must be 0 or more, got {keep_finished!r}")
         self.max_lanes = max_lanes
+        self.keep_finished = keep_finished  # finished jobs kept in memory (the journal keeps them all)
+        self._finished: collections.deque[str] = collections.deque()
+        self.forgotten = 0  # finished jobs dropped from memory
         self._lanes: set[threading.Thread] = set()
+        self._lane_key: tuple | None = None  # the (group, engine options) the running lanes share
+        self.lanes_peak = 0  # the most generate jobs that ran at once, for tests and benchmarks
         self._running: dict[Attempt, list[Job]] = {}  # attempts being waited for, and their jobs
         self.pool = GroupPool(address, idle_s, max_groups)
         self.journal = Journal(state_dir, durable)
@@ -98,7 +108,6 @@ class JobQueue:
         self._seq = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.batches: list[int] = []  # size of every forward run, for tests and benchmarks
         state = self.journal.open()
         with self._cond:  # recovery finishes jobs, and finishing notifies waiters under the lock
             self._recover(state)
@@ -220,6 +229,27 @@ class JobQueue:
                 self._cond.wait(left)
             return job.result
 
+    def cancel(self, job_id: str, reason: str = "cancelled on request") -> dict:
+        """Cancel a job: a queued one never runs; a running one stops at its next step (a generate job's
+        engine requests are aborted and their KV blocks freed; its output is not written) and is
+        journaled `cancelled`; a finished one stays as it finished. Its state after the call."""
+        with self._cond:
+            job = self._job(job_id)
+            if job.result is None:
+                queued = [entry for entry in self._queue if entry[2] == job_id]
+                if queued or job.state == "queued":
+                    self._queue = [entry for entry in self._queue if entry[2] != job_id]
+                    heapq.heapify(self._queue)
+                    job.context.cancel(reason)  # a job whose group is being found right now stops there
+                    self._finish(job, protocol.make_result(job.spec, "cancelled", error=f"{reason} before it ran",
+                                                           attempts=job.attempts, exit_code=130))
+                else:
+                    self._note(job, events.event(f"cancelling: {reason}", notice=True))
+            self._cond.notify_all()
+        if job.result is None:
+            job.context.cancel(reason)  # outside the queue's lock: it reaches into the token engine
+        return {"id": job_id, "state": job.state}
+
     def stats(self) -> dict:
         groups = self.pool.describe()  # outside the queue's lock: a group may be loading
         with self._cond:
@@ -227,14 +257,17 @@ class JobQueue:
             for job in self.jobs.values():
                 states[job.state] = states.get(job.state, 0) + 1
             return {"queued": len(self._queue), "jobs": states, "group_starts": self.pool.starts,
-                    "group_releases": self.pool.releases, "groups": groups, "batches": list(self.batches),
+                    "group_releases": self.pool.releases, "groups": groups, "lanes_peak": self.lanes_peak,
+                    "forgotten": self.forgotten,
                     "journal_behind": self.journal.behind, "journal_notices": list(self.journal.notices)}
 
     # -- inside ----------------------------------------------------------------------------------
     def _job(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            raise Refusal(f"no job {job_id!r} is known to this queue")
+            past = (f"; finished jobs past the latest {self.keep_finished} are kept only in the journal "
+                    "(`ster queue journal`)" if self.forgotten else "")
+            raise Refusal(f"no job {job_id!r} is known to this queue{past}")
         return job
 
     def _accept(self, spec: JobSpec, attempts: int = 0, seq: int | None = None) -> Job:
@@ -242,9 +275,9 @@ class JobQueue:
             self._seq += 1
             seq = self._seq
         self._seq = max(self._seq, seq)
-        job = Job(spec, seq, attempts=attempts)
+        job = Job(spec, seq, attempts=attempts, context=JobContext(spec.id))
         request = spec.request
-        job.key = batch_key(request) if isinstance(request, GenerateRequest) else None
+        job.lane = (request.group_key(), request.engine_options()) if isinstance(request, GenerateRequest) else None
         self.jobs[spec.id] = job
         heapq.heappush(self._queue, (-spec.priority, seq, spec.id))
         return job
@@ -260,6 +293,7 @@ class JobQueue:
                 job.state = entry.result.get("status", "done")
                 self.jobs[job_id] = job
                 self._seq = max(self._seq, entry.seq)
+                self._forget_past(job)
                 continue
             try:
                 spec = protocol.validate(entry.spec, check_model=False)
@@ -276,6 +310,18 @@ class JobQueue:
             job = self._accept(spec, entry.attempts, entry.seq)
             self._note(job, events.event(f"re-queued after a job queue restart ({entry.attempts} earlier "
                                          "attempt(s))"))
+        self._report_lost(state.lost)
+
+    def _report_lost(self, lost: list[str]) -> None:
+        """Jobs whose accepted record was unreadable (their ids legible in its bytes): failed, journaled
+        again with their error, so a client waiting on one hears why instead of 'no such job'."""
+        for job_id in lost:
+            if job_id in self.jobs:
+                continue
+            self._seq += 1
+            if self._journal(None, self.journal.accepted, job_id, {"id": job_id}, self._seq):
+                self._finish_recovered(job_id, Entry({"id": job_id}, seq=self._seq),
+                                       f"job {job_id}: {lost_line([job_id])}")
 
     def _finish_recovered(self, job_id: str, entry, error: str) -> None:
         spec = raw_spec(job_id, entry.spec)
@@ -317,22 +363,22 @@ class JobQueue:
                     self._cond.notify_all()
 
     def _execute(self, job: Job) -> None:
-        batch = [job]
-        if job.key is not None and not job.solo and _size(job) is not None:
-            if not self.pool.holds(job.spec.request):
-                self._wait_lanes()  # starting a group may evict another: never one a lane is generating on
-            # Load (or find) the group first, so that jobs arriving during a load join this batch.
+        if job.lane is not None:
+            if job.lane != self._lane_key:
+                # another group or other engine options: its engine may be rebuilt or its group evicted,
+                # never under a lane still generating on them
+                self._wait_lanes()
+            # Load (or find) the group first, on this thread: a later job waits for the load, not beside it
             if not self._attempt([job], warm_only=True):
                 return
-            with self._cond:
-                batch += self._take_batchable(job)
-            self._start_lane(batch)
+            self._lane_key = job.lane
+            self._start_lane([job])
             return
         self._wait_lanes()
-        self._attempt(batch)
+        self._attempt([job])
 
-    # Generate batches run in lanes beside the executor: their requests join the session's token
-    # engine, whose batch changes at every step, so a generate job arriving while another batch is
+    # Generate jobs run in lanes beside the executor: their requests join the session's token
+    # engine, whose batch changes at every step, so a generate job arriving while another is
     # generating starts at once instead of waiting for it. Every other kind runs alone: it waits for
     # the lanes to drain, so nothing else uses a group while its engine steps.
     def _start_lane(self, batch: list[Job]) -> None:
@@ -341,6 +387,7 @@ class JobQueue:
                 self._cond.wait(0.1)
             lane = threading.Thread(target=self._lane, args=(batch,), name="ster-queue-lane", daemon=True)
             self._lanes.add(lane)
+            self.lanes_peak = max(self.lanes_peak, len(self._lanes))
         lane.start()
 
     def _lane(self, batch: list[Job]) -> None:
@@ -365,25 +412,11 @@ class JobQueue:
             while self._lanes and (deadline is None or time.monotonic() < deadline):
                 self._cond.wait(0.1)
 
-    def _take_batchable(self, first: Job) -> list[Job]:
-        """Queued jobs that can share first's forward, up to max_batch prompts in all."""
-        room = self.max_batch - (_size(first) or self.max_batch)
-        taken, keep = [], []
-        for entry in sorted(self._queue):
-            other = self.jobs[entry[2]]
-            size = _size(other) if other.key == first.key and not other.solo else None
-            if size is not None and size <= room:
-                taken.append(other)
-                room -= size
-            else:
-                keep.append(entry)
-        self._queue = keep
-        heapq.heapify(self._queue)
-        return taken
-
     def _attempt(self, batch: list[Job], warm_only: bool = False) -> bool:
         """Run the batch once (or only find its group); True when it got that far without failing."""
         with self._cond:
+            if any(job.result is not None for job in batch):
+                return False  # cancelled while its group was found
             for job in batch:
                 if not warm_only:
                     job.attempts += 1
@@ -412,7 +445,8 @@ class JobQueue:
                     attempt.session = self.pool.get(batch[0].spec.request)
                     attempt.session.load()
                     return None
-                return self._run(batch, attempt)
+                with job_scope(batch[0].context):
+                    return self._run(batch[0], attempt)
             finally:
                 stop()
 
@@ -442,21 +476,14 @@ class JobQueue:
             unfinished = [job for job in batch if job.result is None]  # a batch's jobs may have finished early
             for job, (result, exit_code) in zip(batch, results):
                 if job.result is None:
+                    if job.context.cancelled:
+                        self._note(job, events.event("the cancel came after the job's last step: it finished",
+                                                     notice=True))
                     self._finish(job, protocol.make_result(job.spec, "done", result, attempts=job.attempts,
-                                                           exit_code=exit_code, batch=len(batch)), commit=False)
+                                                           exit_code=exit_code), commit=False)
             self._commit(*unfinished)
             self._cond.notify_all()
         return True
-
-    def _finished_early(self, batch: list[Job], index: int, shown: dict, attempt: Attempt) -> None:
-        """One job of a running generate batch has its answer: finish it now, not with its batch."""
-        job = batch[index]
-        with self._cond:
-            if attempt.abandoned or job.result is not None:
-                return
-            self._finish(job, protocol.make_result(job.spec, "done", shown, attempts=job.attempts, exit_code=0,
-                                                   batch=len(batch)))
-            self._cond.notify_all()
 
     def _journal(self, job: Job, write, *args) -> bool:
         """Write one journal record; a write error becomes a notice on the job, never the executor's end."""
@@ -464,7 +491,7 @@ class JobQueue:
             write(*args)
             return True
         except OSError as exc:
-            self._behind(exc, job)
+            self._behind(exc, *([job] if job is not None else []))
             return False
 
     def _commit(self, *jobs: Job) -> None:
@@ -480,39 +507,23 @@ class JobQueue:
             self._note(job, events.event(message, notice=True, journal_behind=True))
         print(f"ster job queue: {message}", file=sys.stderr, flush=True)
 
-    def _run(self, batch: list[Job], attempt: Attempt) -> list[tuple[dict, int]]:
-        requests = [job.spec.request for job in batch]
-        if len(batch) == 1:
-            request = requests[0]
-            operation = ops.OPERATIONS[type(request)]
-            if operation.needs_session:
-                session = attempt.session = self.pool.get(request)
-                # an operation that does not go through the token engine has the ranks to itself: a
-                # running engine (a server's) pauses between steps until it is done
-                with contextlib.nullcontext() if operation.engine else session.exclusive():
-                    result = operation.run(session, request)
-                self.pool.note_used(request)
-            else:
-                # it may bring Ray work of its own (a batch merge's tasks, tune's ranks): idle pooled groups
-                # must not hold the CPUs it waits for (it runs alone: no lane is using them)
-                self.pool.make_room()
-                result = operation.run(request)
-            shown = ops.shown(request, result)
-            self._count_batch(attempt, 1)
-            return [(shown, ops.exit_code(request, shown))]
-        attempt.session = self.pool.get(requests[0])
-        # counted before it runs: its jobs finish one by one as their answers come, and a caller that
-        # saw them all finish must see the batch counted
-        self._count_batch(attempt, sum(_size(job) for job in batch))
-        results = generate_many(attempt.session, requests, on_result=lambda i, result: self._finished_early(
-            batch, i, result.shown(requests[i]), attempt))
-        self.pool.note_used(requests[0])
-        return [(result.shown(request), 0) for request, result in zip(requests, results)]
-
-    def _count_batch(self, attempt: Attempt, size: int) -> None:
-        with self._cond:
-            if not attempt.abandoned:
-                self.batches[:] = self.batches[-9999:] + [size]
+    def _run(self, job: Job, attempt: Attempt) -> list[tuple[dict, int]]:
+        request = job.spec.request
+        operation = ops.OPERATIONS[type(request)]
+        if operation.needs_session:
+            session = attempt.session = self.pool.get(request)
+            # an operation that does not go through the token engine has the ranks to itself: a
+            # running engine (a server's) pauses between steps until it is done
+            with contextlib.nullcontext() if operation.engine else session.exclusive():
+                result = operation.run(session, request)
+            self.pool.note_used(request)
+        else:
+            # it may bring Ray work of its own (a batch merge's tasks, tune's ranks): idle pooled groups
+            # must not hold the CPUs it waits for (it runs alone: no lane is using them)
+            self.pool.make_room()
+            result = operation.run(request)
+        shown = ops.shown(request, result)
+        return [(shown, ops.exit_code(request, shown))]
 
     # -- timeouts --------------------------------------------------------------------------------
     def _limit(self, job: Job) -> float | None:
@@ -554,10 +565,7 @@ class JobQueue:
                     self._note(job, events.event(error, notice=True, timed_out=True))
                     self._finish(job, protocol.make_result(job.spec, "failed", error=error, attempts=job.attempts,
                                                            exit_code=1))
-                else:
-                    job.solo = True
-                    self._note(job, events.event("a job batched with this one ran past its timeout; running this "
-                                                 "job alone", notice=True))
+                else:  # its own time is not out (another deadline cut the attempt): it runs again
                     self._requeue(job)
             self._cond.notify_all()
 
@@ -595,14 +603,14 @@ class JobQueue:
         worker_died = isinstance(exc, WorkerLost) and counted
         with self._cond:
             for job in batch:
+                if isinstance(exc, Cancelled):
+                    self._finish(job, protocol.make_result(job.spec, "cancelled", error=str(exc), attempts=job.attempts,
+                                                           exit_code=exc.exit_code))
+                    continue
                 if not isinstance(exc, Refusal):
                     self._note(job, events.event("error", notice=True, traceback=traceback.format_exception(exc)[-3:]))
                 if worker_died and job.attempts <= self.max_retries:
                     self._note(job, events.event(f"a worker died: {message}; retrying on a restarted group", notice=True))
-                    self._requeue(job)
-                elif len(batch) > 1 and not worker_died:
-                    job.solo = True  # find which job of the batch is at fault: each runs alone
-                    self._note(job, events.event(f"the batch failed ({message}); running this job alone", notice=True))
                     self._requeue(job)
                 elif not counted and not worker_died:
                     job.attempts = max(job.attempts, 1)
@@ -628,24 +636,22 @@ class JobQueue:
         job.result = record
         job.state = record["status"]
         self._note(job, events.event(f"{record['status']}", status=record["status"]))
+        self._forget_past(job)
         self._cond.notify_all()
+
+    def _forget_past(self, job: Job) -> None:
+        """Keep at most keep_finished finished jobs in memory, dropping the oldest (the journal has them)."""
+        self._finished.append(job.spec.id)
+        while len(self._finished) > self.keep_finished:
+            old = self.jobs.get(self._finished.popleft())
+            if old is not None and old.result is not None:
+                del self.jobs[old.spec.id]
+                self.forgotten += 1
 
 
 def running() -> JobQueue | None:
     """The job queue started in this process, if any (an Engine's): a command line joins it."""
     return _ACTIVE[0] if _ACTIVE else None
-
-
-def _size(job: Job) -> int | None:
-    """How many prompts a generate job brings, its inputs checked before any model is loaded (None:
-    an input is refused; the job runs alone and reports it)."""
-    if job.size is None:
-        try:
-            job.size = len(check_inputs(job.spec.request)[0])  # reads the prompts once
-        except Refusal:
-            job.solo = True
-            return None
-    return job.size
 
 
 def _same(a, b) -> bool:

@@ -4,12 +4,13 @@
 (a malformed one is refused before anything is sent), submits `python jobs/run.py
 msgpack:<specs>` with this source tree as the working directory, re-emits the job's progress
 lines as NDJSON on stderr and returns its result record(s). `--local` runs the specs through
-an in-process job queue instead. `ster queue status|stop|journal` looks after the
-cluster's job-queue actor and reads a journal.
+an in-process job queue instead (Ctrl-C or SIGTERM cancels its jobs). `ster queue
+status|stop|cancel|journal` looks after the cluster's job-queue actor and reads a journal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ster_dist.jobqueue.events import emit
     from ster_dist.jobqueue.follow import follow, stopped_waiting
     from ster_dist.jobqueue.queue import JobQueue
+    from ster_dist.jobqueue.signals import cancelled_on_signals
 
     queue = JobQueue(request.state).start()
     # Ray, when a job needs ranks, is started here on the main thread: started from the queue's
@@ -50,10 +52,11 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     client = LocalClient(queue)
     waited_out = False
     try:
-        ids = client.submit_many(specs)
         if request.no_wait:
             raise Refusal("--no-wait needs a cluster: a --local queue ends with this command")
-        records = follow(client, ids, on_event=emit, timeout=request.timeout)
+        ids = client.submit_many(specs)
+        with cancelled_on_signals(queue, ids):
+            records = follow(client, ids, on_event=emit, timeout=request.timeout)
     except TimeoutError as exc:
         waited_out = True  # the command ends now: never wait on for the job that outlasted --timeout
         raise Refusal(stopped_waiting(exc, local=True)) from None
@@ -64,8 +67,8 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
 
 def _outcome(records: list[dict]) -> tuple[dict, int]:
     for record in records:
-        if record["status"] == "failed":
-            progress(f"job {record['id']} ({record['kind']}) failed: {record['error']}")
+        if record["status"] in ("failed", "cancelled"):
+            progress(f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}")
     return records[0] if len(records) == 1 else {"jobs": records}, max([r["exit_code"] for r in records] + [0])
 
 
@@ -78,21 +81,46 @@ def job_server(address: str | None) -> str:
 
 def server_answers(url: str, timeout: float = 5.0) -> bool:
     """Whether a Ray job server answers at url. Asked plainly over HTTP first: the SDK's client,
-    given a server that is not up, goes looking for other clusters on this machine instead."""
+    given a server that is not up, goes looking for other clusters on this machine instead. A
+    server that answers 401 or 403 (Ray's token authentication) is refused saying how to give the
+    token, not reported absent."""
     import urllib.error
     import urllib.request
 
+    request = urllib.request.Request(f"{url.rstrip('/')}/api/version", headers=ray_auth_headers())
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=timeout) as reply:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
             return reply.status == 200
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            given = "was refused" if "Authorization" in request.headers else "was not given"
+            raise Refusal(f"the Ray job server at {url} answered {exc.code}: it needs Ray's authentication token, "
+                          f"which {given}; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or "
+                          "RAY_AUTH_TOKEN_PATH, or put it in ~/.ray/auth_token) and submit again") from None
+        return False
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
+def ray_auth_headers() -> dict:
+    """The Authorization header Ray's own clients send under RAY_AUTH_MODE=token: the token of
+    RAY_AUTH_TOKEN, else of the file RAY_AUTH_TOKEN_PATH names, else of ~/.ray/auth_token; else none."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return {}
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        with contextlib.suppress(OSError):
+            token = path.read_text(encoding="utf-8", errors="replace")[:4096].strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
+    import sys
+
     from ray.job_submission import JobSubmissionClient
 
-    from ster_dist.jobqueue.entry import inline
+    from ster_dist.jobqueue.entry import anchor, inline
 
     if not (ROOT / "jobs" / "run.py").is_file():
         raise Refusal(f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
@@ -106,7 +134,12 @@ def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     except Exception as exc:  # the SDK raises ConnectionError, RuntimeError, ... for an absent server
         raise Refusal(f"no Ray job server answers at {address}: {str(exc).splitlines()[0] if str(exc) else exc}; "
                       "start a cluster (docs/runbook.md) or give --address http://HEAD:8265") from None
-    entrypoint = f"{request.python} jobs/run.py {inline(specs)}"
+    # local paths resolved here, on the submitting machine: a git-ignored directory (models/) is not in
+    # the working directory Ray uploads, and a relative path would then be read as a Hub id there
+    specs = anchor(specs, Path.cwd())
+    # this interpreter unless told: a bare `python` on the nodes is whatever their PATH finds first
+    python = shlex.quote(request.python or sys.executable)
+    entrypoint = f"{python} jobs/run.py {inline(specs)}"
     if request.state:
         entrypoint += f" --state {shlex.quote(request.state)}"
     # the SDK logs its packaging of the working directory as plain text; stderr here is NDJSON
@@ -181,11 +214,20 @@ def queue_action(request: QueueRequest) -> dict:
 
     if request.action == "journal":
         return _journal(request.state)
+    if (request.action == "cancel") != bool(request.jobs):
+        raise Refusal("`ster queue cancel` takes the ids of the jobs to cancel; status, stop and journal take none"
+                      if request.jobs else "give the ids of the jobs to cancel: ster queue cancel JOB [JOB ...]")
     import ray
 
     actor = _actor(request)
     if request.action == "status":
         return protocol.unpack(ray.get(actor.stats.remote(), timeout=60))
+    if request.action == "cancel":
+        replies = [protocol.unpack(ray.get(actor.cancel.remote(job_id), timeout=60)) for job_id in request.jobs]
+        for reply in replies:
+            if "refusal" in reply:
+                raise Refusal(reply["refusal"])
+        return replies[0] if len(replies) == 1 else {"jobs": replies}
     ray.get(actor.shutdown.remote(), timeout=600)
     ray.kill(actor, no_restart=True)
     return {"stopped": True}
@@ -193,11 +235,18 @@ def queue_action(request: QueueRequest) -> dict:
 
 def _journal(state: str | None) -> dict:
     from ster_dist.jobqueue.actor import default_state_dir
-    from ster_dist.jobqueue.journal import read
+    from ster_dist.jobqueue.journal import lost_line, read
 
     directory = state or default_state_dir()
-    entries = read(directory).entries
+    journal = read(directory)
     jobs = [{"id": job_id, "kind": e.spec.get("kind"), "attempts": e.attempts,
              "status": (e.result or {}).get("status", "pending"), "error": (e.result or {}).get("error")}
-            for job_id, e in entries.items()]
-    return {"state": str(directory), "jobs": jobs}
+            for job_id, e in journal.entries.items()]
+    jobs += [{"id": job_id, "kind": None, "attempts": 0, "status": "lost", "error": lost_line([job_id])}
+             for job_id in journal.lost]
+    report = {"state": str(directory), "jobs": jobs}
+    if journal.skipped:
+        report["unreadable"] = {"records": journal.skipped, "bytes": journal.skipped_bytes, "lost_jobs": journal.lost}
+        progress(f"the journal has {journal.skipped} unreadable record(s)"
+                 + (f"; {lost_line(journal.lost)}" if journal.lost else ""))
+    return report

@@ -2,9 +2,9 @@
 
 Every prompt is a request of the session's token engine (engine/loop.py): it joins the running
 batch at the next step, samples by its own settings and seed, and carries its own steering vector
-and adapter, so requests of different settings share forwards. `generate_many` answers several
-requests (the job queue's batch of generate jobs) together; each gets exactly what it would have
-got alone. A prompts file is fed to the engine a window at a time and its answers are written as
+and adapter, so requests of different settings share forwards: jobs on one worker group share its
+one engine (their request ids carry their job ids, ster_dist/running.py), and each gets exactly
+what it would have got alone. A prompts file is fed to the engine a window at a time and its answers are written as
 they finish, so memory does not grow with the number of prompts.
 """
 
@@ -14,11 +14,11 @@ import collections
 import dataclasses
 import hashlib
 import json
-import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ster_dist import running
 from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
 from ster_dist.events import progress, text_delta
@@ -31,13 +31,6 @@ from ster_dist.inputs import (
 )
 from ster_dist.schema.generate import Completion, GenerateRequest, GenerateResult, ParityRequest
 from ster_dist.session import Session
-
-
-def batch_key(request: GenerateRequest) -> tuple:
-    """Generate requests on the same worker group with the same engine options share the engine's
-    batch, whatever their sampling, steering or adapter; a streaming one runs alone (its text events
-    are its own)."""
-    return (request.group_key(), request.engine_options(), id(request) if request.stream else None)
 
 
 def prompts_of(request: GenerateRequest) -> list[str]:
@@ -88,63 +81,40 @@ class _Prepared:
 
 
 def generate(session: Session, request: GenerateRequest) -> GenerateResult:
-    return generate_many(session, [request])[0]
-
-
-def generate_many(session: Session, requests: list[GenerateRequest], on_result=None) -> list[GenerateResult]:
-    """Every request's result, in order. `on_result(index, result)` hears each one as soon as its own
-    answers are in (a one-prompt request does not wait for a longer batch-mate)."""
-    key = batch_key(requests[0])
-    if any(batch_key(r) != key for r in requests):
-        raise Refusal("only generate requests on one worker group with equal engine options share the engine")
-    inputs = [check_inputs(r) for r in requests]
-    params = [sampling_params(r) for r in requests]  # refused before the model loads
-    engine = session.engine(*requests[0].engine_options())
-    prepared = [_prepare(session, engine, r, p, prompts, system)
-                for r, p, (prompts, system) in zip(requests, params, inputs)]
-    total = sum(len(p.prompts) for p in prepared)
-    progress(f"generating for {total} prompt(s), up to {max(r.max_new_tokens for r in requests)} tokens each")
-    results: list[GenerateResult | None] = [None] * len(prepared)
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    singles = {}  # index -> the stream of a one-prompt request, all in the engine at once
+    """The request's answers. Its engine requests are named after the job running it (running.py),
+    so jobs sharing the session's engine never reuse an id; a cancelled job stops at the engine's
+    next step, its requests' blocks freed, and writes no output."""
+    prompts, system = check_inputs(request)
+    params = sampling_params(request)  # refused before the model loads
+    job = running.current()
+    job.check()
+    engine = session.engine(*request.engine_options())
+    item = _prepare(session, engine, request, params, prompts, system)
+    progress(f"generating for {len(prompts)} prompt(s), up to {request.max_new_tokens} tokens each")
+    live: dict[int, object] = {}  # index -> stream, while in the engine
+    forget = job.on_cancel(lambda: [stream.cancel() for stream in list(live.values())])
     try:
-        for index, item in enumerate(prepared):
-            if item.request.prompts is None:
-                singles[index] = _submit(session, engine, item, 0, on_finish=lambda _, i=index: done.put(i))
-        for index, item in enumerate(prepared):  # prompts files in order, beside the one-prompt requests
-            if item.request.prompts is not None:
-                result = GenerateResult(**item.header)
-                result.answered = _write_answers(Path(item.request.output), result,
-                                                 _file_answers(session, engine, item), len(item.prompts))
-                results[index] = _heard(on_result, index, result)
-        for index in [i for i in singles if prepared[i].request.stream]:  # read live: its text goes out as it comes
-            item = prepared[index]
-            results[index] = _heard(on_result, index, GenerateResult(
-                **item.header, results=[_completion(item.prompts[0], singles.pop(index), stream_text=True)]))
-        while singles:  # the other one-prompt requests as they finish
-            index = done.get()
-            if index in singles:
-                item = prepared[index]
-                results[index] = _heard(on_result, index, GenerateResult(
-                    **item.header, results=[_completion(item.prompts[0], singles.pop(index))]))
+        if request.prompts is not None:
+            result = GenerateResult(**item.header)
+            result.answered = _write_answers(Path(request.output), result, _file_answers(session, engine, item, live),
+                                             len(prompts))
+            return result
+        stream = live[0] = _submit(session, engine, item, 0)
+        completion = _completion(prompts[0], stream, stream_text=request.stream)
+        job.check()  # an answer cut short by a cancel is no answer
+        return GenerateResult(**item.header, results=[completion])
     finally:
-        for stream in singles.values():  # a failure or an interrupt frees what is still in flight
+        forget()
+        for stream in live.values():  # a failure or an interrupt frees what is still in flight
             stream.cancel()
-    return results
 
 
-def _heard(on_result, index: int, result: GenerateResult) -> GenerateResult:
-    if on_result is not None:
-        on_result(index, result)
-    return result
-
-
-def _submit(session: Session, engine, item: _Prepared, index: int, on_finish=None):
+def _submit(session: Session, engine, item: _Prepared, index: int):
     prompt = item.prompts[index]
     ids = session.tokenizer.prompt_ids(prompt, item.system, item.request.chat_template)
     params = dataclasses.replace(item.params, seed=item.params.seed + index) if index else item.params
     return engine.submit(ids, params, steering=item.steering, adapter=item.adapter,
-                         on_finish=on_finish)
+                         request_id=running.current().request_id(index))
 
 
 def _completion(prompt: str, stream, stream_text: bool = False) -> Completion:
@@ -227,20 +197,28 @@ def _digest(parts) -> str:
     return digest.hexdigest()[:32]
 
 
-def _file_answers(session: Session, engine, item: _Prepared) -> Iterator[Completion]:
-    """A prompts file's answers in order, at most a window of its prompts in the engine at once."""
+def _file_answers(session: Session, engine, item: _Prepared, live: dict) -> Iterator[Completion]:
+    """A prompts file's answers in order, at most a window of its prompts in the engine at once (kept
+    in `live` while there, for a cancel to stop them)."""
     window = max(64, 4 * engine.config.max_running)
+    job = running.current()
     pending: collections.deque = collections.deque()
-    try:
-        for index, prompt in enumerate(item.prompts):
-            pending.append((prompt, _submit(session, engine, item, index)))
-            if len(pending) >= window:
-                yield _completion(*pending.popleft())
-        while pending:
-            yield _completion(*pending.popleft())
-    finally:
-        for _, stream in pending:  # a failure or an interrupt frees what is still in flight
-            stream.cancel()
+
+    def answer() -> Completion:
+        index, prompt = pending.popleft()
+        completion = _completion(prompt, live[index])
+        del live[index]
+        job.check()  # an answer cut short by a cancel is no answer: the output is never written
+        return completion
+
+    for index, prompt in enumerate(item.prompts):
+        job.check()
+        live[index] = _submit(session, engine, item, index)
+        pending.append((index, prompt))
+        if len(pending) >= window:
+            yield answer()
+    while pending:
+        yield answer()
 
 
 def _write_answers(path: Path, result: GenerateResult, answers: Iterator[Completion], count: int) -> int:

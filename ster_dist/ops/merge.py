@@ -1,11 +1,14 @@
 """merge: fold a LoRA adapter into a base checkpoint (streamed tensor by tensor, ster_dist/adapters/
-merge.py); a batch of merges runs jobs/merge.py's fan-out, every shard of every merge a Ray task."""
+merge.py); a batch of merges runs jobs/merge.py's fan-out, every shard of every merge a Ray task.
+A cancelled merge job stops after the shard it is writing: the merge's work directory stays (a
+rerun resumes from it), the output is never made."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+from ster_dist import running
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.inputs import output_not_an_input
@@ -18,9 +21,16 @@ def merge(request: MergeRequest) -> dict:
     from ster_dist.adapters.merge import merge as merge_adapter
 
     output_not_an_input(request)  # a merged checkpoint is never written into the model or the adapter
+    job = running.current()
+    job.check()
     progress(f"merging {request.adapter} into {request.model}")
+
+    def progress_or_stop(message: str, **fields) -> None:
+        progress(message, **fields)
+        job.check()  # called after each shard is written: a cancel stops before the next one
+
     return merge_adapter(request.model, request.adapter, request.output, request.revision, request.max_shard_size,
-                         progress)
+                         progress_or_stop)
 
 
 def check_batch_available() -> None:

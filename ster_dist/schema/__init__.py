@@ -5,6 +5,7 @@ maps each job kind to its request."""
 from __future__ import annotations
 
 from ster_dist.schema.base import Request
+from ster_dist.schema.batch import BatchRequest
 from ster_dist.schema.calibrate import CalibrateRequest
 from ster_dist.schema.capture import ExtractRequest
 from ster_dist.schema.chat import ChatRequest
@@ -55,7 +56,7 @@ REQUESTS: tuple[type[Request], ...] = (
     MergeRequest, TuneSftRequest, TuneDpoRequest, TuneRewardRequest, TuneGrpoRequest, TuneEvaluateRequest,
     TuneInspectRequest,
     ToyModelRequest,
-    GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest,
+    GgufImportRequest, SubmitRequest, QueueRequest, ServeRequest, BatchRequest,
 )
 JOB_REQUESTS: dict[str, type[Request]] = {cls.kind: cls for cls in REQUESTS if cls.kind is not None}
 
@@ -66,7 +67,7 @@ __all__ = [
     "DecideRequest", "CalibrateRequest", "MergeRequest", "BatchMergeRequest", "MergeItem", "TuneSftRequest",
     "TuneDpoRequest", "TuneRewardRequest", "TuneGrpoRequest", "TuneEvaluateRequest", "FamiliesRequest", "InspectModelRequest",
     "ToyModelRequest", "GgufImportRequest",
-    "SubmitRequest", "QueueRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
+    "SubmitRequest", "QueueRequest", "BatchRequest", "RunJobsRequest", "ServeRequest", "PlanRequest",
     "TuneInspectRequest", "PairsAddRequest", "PairsRemoveRequest", "PairsEditRequest", "PairsMergeRequest",
     "WorkspaceImportRequest",
     "WorkspaceShowRequest", "WorkspaceSelectRequest", "WorkspaceRemoveRequest", "OnboardingRequest",

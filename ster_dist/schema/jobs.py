@@ -19,14 +19,17 @@ class SubmitRequest(Request):
     state: str | None = field(None, help="the job queue's state directory (journal) when it starts")
     no_wait: bool = field(False, help="print the submission id and return")
     timeout: float | None = field(None, gt=0, help="stop waiting after this many seconds")
-    python: str = field("python", help="the Python on the cluster's nodes")
+    python: str | None = field(None, help="the Python on the cluster's nodes (default: this one's path, as on "
+                                          "a one-machine cluster)")
 
 
 class QueueRequest(Request):
     command = ("queue",)
-    summary = "the cluster's job-queue actor: status, stop, or read a journal"
+    summary = "the cluster's job-queue actor: status, stop, cancel jobs, or read a journal"
 
-    action: Literal["status", "stop", "journal"] = field(help="what to do", cli={"positional": True})
+    action: Literal["status", "stop", "cancel", "journal"] = field(help="what to do", cli={"positional": True})
+    jobs: list[str] = field([], help="cancel: the ids of the jobs to cancel",
+                            cli={"positional": True, "nargs": "*"})
     address: str | None = field(None, help="the Ray cluster, HOST:PORT (default RAY_ADDRESS)")
     state: str | None = field(None, help="journal: the state directory to read")
 
@@ -46,4 +49,6 @@ class RunJobsRequest(Request):
     max_retries: int = field(2, ge=0, help="retries of a job whose worker died")
     job_timeout: float | None = field(None, gt=0, help="fail a job that runs longer than this many seconds and go "
                                                        "on to the next (a spec's timeout_s overrides it)")
+    keep_finished: int = field(10000, ge=0, help="finished jobs the job queue keeps in memory (the oldest are "
+                                                 "dropped past this; the journal keeps them)")
     timeout: float | None = field(None, gt=0, help="give up waiting after this many seconds")
