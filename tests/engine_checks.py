@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from ster_dist.config_load import model_config
+from ster_dist.engine.local import engine_token_ids
 from ster_dist.engine.loop import EngineConfig, TokenEngine
 from ster_dist.engine.sampling import SamplingParams
-from ster_dist.load import LoadedModel
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.group import LocalGroup
@@ -33,22 +33,11 @@ def open_engine(directory, group=None, dtype: str = "f32", **config) -> TokenEng
 def engine_tokens(source, prompts: list[list[int]], max_new_tokens: int, eos=(), checkpoint=None,
                   **config) -> list[list[int]]:
     """Each prompt's greedy tokens (the EOS that ends one included) from a TokenEngine over the paged cache,
-    every prompt in flight at once. `source`: a one-rank LoadedModel a test built (run on a local group in this
-    process, its weights left unpacked), or a group whose ranks have loaded `checkpoint`."""
-    if isinstance(source, LoadedModel):
-        group, checkpoint = LocalGroup(), source.checkpoint
-        group.rank.loaded = source
-    else:
-        group = source
-    config = {"kv_cache_memory": 16 << 20, "block_size": 4, "pack_weights": "off", **config}
-    try:
-        with TokenEngine(group, model_config(checkpoint), Tokenizer.from_directory(checkpoint.directory),
-                         tuple(eos), EngineConfig(**config)) as engine:
-            streams = [engine.submit(p, SamplingParams(max_tokens=max_new_tokens)) for p in prompts]
-            return [s.result().token_ids for s in streams]
-    finally:
-        if group is not source:
-            group.close()
+    every prompt in flight at once (engine/local.py). `source`: a one-rank LoadedModel a test built (its weights
+    left unpacked, as the test reads it after), or a group whose ranks have loaded `checkpoint`."""
+    config = EngineConfig(**{"kv_cache_memory": 16 << 20, "block_size": 4, "pack_weights": "off", **config})
+    return engine_token_ids(source, prompts, SamplingParams(max_tokens=max_new_tokens), tuple(eos), config,
+                            checkpoint)
 
 
 def alone(model, prompt: list[int], n: int, eos=()) -> list[int]:

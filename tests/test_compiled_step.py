@@ -19,7 +19,7 @@ from ster_dist import kernels
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
-from ster_dist.generate import left_pad
+from ster_dist.model.cache import left_pad
 from ster_dist.load import load_model
 from ster_dist.model.compiled import decode_plans
 from ster_dist.model.paged_step import PagedStep

@@ -274,13 +274,13 @@ def test_a_reused_request_id_is_refused_alone(llama, reference):
 
 
 def test_a_session_replaces_an_engine_a_failed_step_stopped(llama):
-    from ster_dist.engine.runner import ModelRunner
+    from ster_dist.engine.client import RunnerClient
     from ster_dist.schema.common import Runtime
     from ster_dist.session import Session
 
     with Session(Runtime(model=str(llama))) as session:
         engine = session.engine(4 << 20)
-        session.group.on(ModelRunner).stop()  # the ranks lose their cache under the running engine
+        RunnerClient(session.group).stop()  # the ranks lose their cache under the running engine
         with pytest.raises(Refusal, match="before start"):
             engine.submit([5, 6], SamplingParams(max_tokens=2)).result()
         assert engine.stopped

@@ -23,7 +23,7 @@ from ster_dist.adapters.attach import attach
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
-from ster_dist.generate import left_pad
+from ster_dist.model.cache import left_pad
 from ster_dist.load import load_model
 from ster_dist.model import native_stack
 from ster_dist.model.native_stack import NativeStack, why_not
