@@ -23,9 +23,9 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               cache, logits for the last position only (best of 2 x --repeats).
     decode    tokens/s at batch 1 and batch 8 (--new-tokens after a 32-token prompt). Method,
               identical for both engines: a hand-written greedy loop over the model's forward
-              with its KV cache (ster_dist: Decoder + new_cache, as generate() drives it;
+              with its KV cache (ster_dist: Decoder + new_cache, its static cache;
               Transformers: model(...) with a DynamicCache, as model.generate() uses), each
-              step's token picked as that engine's generate() picks it (ster_dist's argmax kernel,
+              step's token picked as that engine's sampler picks it (ster_dist's argmax kernel,
               torch.argmax for Transformers; both the first largest logit). Only the
               decode steps are timed: the prefill forward is outside the clock, and the
               first new token (argmax of the prefill logits) is not counted, so
@@ -34,7 +34,7 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               fastest time across the --repeats runs (step i does the same work in every run),
               which keeps a neighbour's burst of load from spoiling a whole run. The slowest
               and fastest whole-run rates are in the JSON too.
-    generate  end-to-end tokens/s of the public APIs at batch 1 (ster_dist generate(),
+    generate  end-to-end tokens/s of the public APIs at batch 1 (ster_dist's token engine, engine/local.py;
               Transformers model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)),
               prefill included (best of --repeats); these runs also give the token-equality
               check.
@@ -105,16 +105,16 @@ METHOD = ("manual greedy loop over forward() with each engine's KV cache; prefil
 # ---- one engine's forward loops --------------------------------------------------------------
 
 class SterEngine:
-    """ster_dist's Decoder driven the way ster_dist.generate.generate drives it."""
+    """ster_dist's Decoder stepped over its static cache; `generate` is the token engine's (engine/local.py)."""
 
     name = "ster_dist"
 
     def __init__(self, loaded):
-        self.model = loaded.model
+        self.loaded, self.model = loaded, loaded.model
 
     @staticmethod
     def pick(logits: torch.Tensor) -> torch.Tensor:
-        """The greedy token, as generate() and the token engine's sampler pick it."""
+        """The greedy token, as the token engine's sampler picks it."""
         from ster_dist import kernels
 
         return kernels.argmax(logits)
@@ -135,9 +135,10 @@ class SterEngine:
         return logits, (cache, next_pos + 1)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from ster_dist.generate import Sampling, generate
+        from ster_dist.engine.local import engine_token_ids
+        from ster_dist.engine.sampling import SamplingParams
 
-        return generate(self.model, prompts, Sampling(max_new_tokens=new_tokens, temperature=0.0), eos_ids=())
+        return engine_token_ids(self.loaded, prompts, SamplingParams(max_tokens=new_tokens))
 
 
 class HFEngine:

@@ -7,7 +7,7 @@ all-to-all dispatch moves per token against an all-gather of the hidden states.
 
 The checkpoint is a random Qwen3-MoE (every layer sparse, top-2, renormalised) built by
 Transformers. Decode tokens/s is measured the same way for every engine through its public
-generate(): (batch x (N - 1)) / (time of N new tokens - time of 1 new token), so the prefill
+generate (ster_dist's: its token engine, engine/local.py): (batch x (N - 1)) / (time of N new tokens - time of 1 new token), so the prefill
 cancels out; best of --repeats after a warm-up, engines alternating. EP=1 runs in this process
 with --threads threads; EP=2 runs two spawned ranks (gloo) with threads / 2 each, so both use
 the same cores. Transformers runs model.generate in this process with --threads threads.
@@ -55,8 +55,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/common.py: thread setting, timing, tokenizer)
 
-from ster_dist.generate import Sampling, generate  # noqa: E402
 from ster_dist.config import MoEConfig  # noqa: E402
+from ster_dist.engine.local import engine_token_ids  # noqa: E402
+from ster_dist.engine.loop import EngineConfig  # noqa: E402
+from ster_dist.engine.sampling import SamplingParams  # noqa: E402
 from ster_dist.load import load_model  # noqa: E402
 from ster_dist.moe.experts import Experts  # noqa: E402
 from ster_dist.parallel.ctx import ParallelCtx  # noqa: E402
@@ -320,13 +322,17 @@ def main(argv=None) -> int:
 
     # ---- engines ------------------------------------------------------------------------------
     one = load_model(checkpoint, args.dtype)
+    config = EngineConfig(kv_cache_memory=64 << 20)
+
+    def generate(source, n):  # the token engine, every prompt in flight at once, no EOS
+        return engine_token_ids(source, prompts, SamplingParams(max_tokens=n), (), config, checkpoint)
 
     def run_ep1(n):
-        return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
+        return generate(one, n)
 
     def run_ep1_loop(n):
         with loop_experts():
-            return generate(one.model, prompts, Sampling(max_new_tokens=n), ())
+            return generate(one, n)
 
     # the same checkpoint again, its steps compiled (model/compiled.py): the experts inside each layer's graph
     compiled = load_model(checkpoint, args.dtype)
@@ -334,7 +340,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"ster_ep1_compiled: the model stays eager ({reason})")
 
     def run_ep1_compiled(n):
-        return generate(compiled.model, prompts, Sampling(max_new_tokens=n), ())
+        return generate(compiled, n)
 
     if args.ab_only:
         results = decode_rates({"ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1,
@@ -361,7 +367,7 @@ def main(argv=None) -> int:
 
         def run_ep2(n, compiled=False):
             assert group.on(CompiledSwitch).use(compiled) == [None, None]
-            return group.call("generate", prompts, Sampling(max_new_tokens=n), (), 0)[0]
+            return generate(group, n)
 
         run_ep2(2, compiled=True)  # each rank compiles its graphs (the MoE layers one operator: moe/layer.py)
         results = decode_rates({"transformers": run_hf, "ster_ep1_loop": run_ep1_loop, "ster_ep1": run_ep1,

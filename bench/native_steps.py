@@ -75,7 +75,7 @@ def build(spec: tuple[str, str, dict], directory: Path, tied: bool = False) -> N
 @torch.inference_mode()
 def prefill_ragged(ster: SterEngine, prompt: torch.Tensor, capacity: int):
     """SterEngine.prefill with row i cut to its last 32 - 5i tokens, left-padded as generate() pads them."""
-    from ster_dist.generate import left_pad
+    from ster_dist.model.cache import left_pad
 
     ids, positions, valid = left_pad([row[5 * i:].tolist() for i, row in enumerate(prompt)])
     cache = ster.model.new_cache(prompt.shape[0], capacity)

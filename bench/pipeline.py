@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from ster_dist.config_load import model_config  # noqa: E402
 from ster_dist.engine.loop import EngineConfig, TokenEngine  # noqa: E402
-from ster_dist.engine.runner import ModelRunner  # noqa: E402
+from ster_dist.engine.client import RunnerClient  # noqa: E402
 from ster_dist.engine.sampling import SamplingParams  # noqa: E402
 from ster_dist.resolve import resolve  # noqa: E402
 from ster_dist.tokenizer import Tokenizer  # noqa: E402
@@ -56,12 +56,12 @@ def serve(group, checkpoint, cfg, prompts, new_tokens: int, micro_batches: int, 
     best = None
     with TokenEngine(group, cfg, Tokenizer.from_directory(checkpoint.directory), (), config) as engine:
         for round_ in range(repeats + 1):  # the first round is the warm-up
-            before = group.on(ModelRunner).timings()
+            before = RunnerClient(group).timings()
             start = time.perf_counter()
             streams = [engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
             tokens = sum(len(s.result().token_ids) for s in streams)
             wall = time.perf_counter() - start
-            after = group.on(ModelRunner).timings()
+            after = RunnerClient(group).timings()
             if round_ == 0:
                 continue
             rate = tokens / wall

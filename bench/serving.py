@@ -37,9 +37,6 @@ Backends (same thread count: torch.set_num_threads(--threads) in process, -t/-tb
     hf-cb          Transformers' continuous batching (model.init_continuous_batching; requests added
                    with streaming=True; one collector thread timestamps each new token as the
                    manager delivers it).
-    ster-static    ster_dist.generate.generate() over one batch of all prompts (left-padded):
-                   today's static batching. Only meaningful at rate inf, where it runs; it streams
-                   nothing, so TTFT / TPOT / ITL are empty and only throughput is reported.
     ster-engine    ster_dist's token-level engine (ster_dist.engine.loop.TokenEngine), when
                    importable; otherwise "engine: not available" is printed.
 
@@ -77,8 +74,6 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -499,39 +494,6 @@ class TransformersServe:
         stop_child(self.proc, self.log, 30)
 
 
-# ---- backend: ster_dist's static batching (today's generate()) ------------------------------------
-
-class SterStatic:
-    """ster_dist.generate.generate over batches of --concurrency prompts: no streaming, rate inf only."""
-
-    name = "ster-static"
-    prefix_caching = False
-
-    def __init__(self, model_dir: Path, precision: str):
-        self.loaded = common.load_ster(model_dir, precision)
-
-    def run(self, requests: list[Request], concurrency: int) -> tuple[list[Record], float, float]:
-        from ster_dist.generate import Sampling, generate
-
-        records = [Record() for _ in requests]
-        start = time.perf_counter()
-        for i in range(0, len(requests), concurrency):
-            batch = requests[i:i + concurrency]
-            sent = time.perf_counter()
-            with torch.inference_mode():
-                outs = generate(self.loaded.model, [r.prompt for r in batch],
-                                Sampling(max_new_tokens=batch[0].new_tokens, temperature=0.0), eos_ids=())
-            done = time.perf_counter()
-            for req, out in zip(batch, outs):
-                records[req.index].sent = sent
-                records[req.index].token_times = [done] * len(out)   # all tokens arrive with the batch
-                records[req.index].tokens = list(out)
-        return records, start, time.perf_counter()
-
-    def close(self) -> None:
-        del self.loaded
-
-
 # ---- scenarios ----------------------------------------------------------------------------------
 
 def run_rates(backend, request_sets: list[list[Request]], rates: list[float], concurrency: int,
@@ -541,15 +503,9 @@ def run_rates(backend, request_sets: list[list[Request]], rates: list[float], co
     results, tokens = {}, {}
     for rate, requests in zip(rates, request_sets):
         key = "inf" if math.isinf(rate) else f"{rate:g}"
-        if isinstance(backend, SterStatic):
-            if not math.isinf(rate):
-                continue
-            records, start, end = backend.run(requests, concurrency)
-            results[key] = summarize(records, start, end, streamed=False)
-        else:
-            arrivals = poisson_arrivals(len(requests), rate, seed)
-            records, start, end = drive(requests, arrivals, backend.stream, concurrency)
-            results[key] = summarize(records, start, end)
+        arrivals = poisson_arrivals(len(requests), rate, seed)
+        records, start, end = drive(requests, arrivals, backend.stream, concurrency)
+        results[key] = summarize(records, start, end)
         tokens[key] = [rec.tokens for rec in records]
         r = results[key]
         print(f"  {backend.name:12s} rate {key:>4s}: {r['completed']} done, {r['failed']} failed, "
@@ -589,12 +545,6 @@ def prefix_scenario(backend, args, vocab: int, low: int) -> dict:
 
 def warm_up(backend, low: int, vocab: int) -> None:
     """One short untimed request: first-call costs (allocation, thread start) stay out of the clock."""
-    if isinstance(backend, SterStatic):
-        from ster_dist.generate import Sampling, generate
-
-        with torch.inference_mode():
-            generate(backend.loaded.model, [list(range(low, low + 16))], Sampling(max_new_tokens=4, temperature=0.0))
-        return
     # ster-engine and ster-serve traced every step size's graph when they started (TokenEngine.warm_up)
     for _ in backend.stream(Request(-1, synthetic_ids(random.Random(1), 32, vocab, low), 4)):
         pass
@@ -613,8 +563,6 @@ def make_backend(name: str, args, model_dir: Path, gguf: Path | None, ctx_per_sl
                            logdir / "llama-server.log")
     if name == "hf-cb":
         return HFContinuous(model_dir, args.dtype, args.concurrency, ctx_per_slot)
-    if name == "ster-static":
-        return SterStatic(model_dir, args.dtype)
     if name == "ster-serve":
         return SterServe(model_dir, args.dtype, args.kv_cache_mb * common.MB if args.kv_cache_mb else None,
                          args.threads, logdir / "ster-serve.log")
@@ -682,10 +630,6 @@ def print_tables(result: dict) -> None:
             continue
         for rate, m in b["rates"].items():
             print(f"{name:12s} {rate:>5s} " + " ".join(f"{fmt(m.get(key), spec):>9s}" for _, key, spec in COLUMNS))
-    if any(b.get("rates") and "ttft_p50_ms" not in next(iter(b["rates"].values()), {})
-           for b in result["backends"].values()):
-        print("(ster-static streams nothing: tokens arrive with the whole batch, so only throughput "
-              "and E2E are observable)")
     ref = result["backends"].get("llama-server", {}).get("rates")
     if ref:
         print("\nratios backend / llama-server (out tok/s: higher is better; latencies: lower is better)")
@@ -718,11 +662,11 @@ def print_tables(result: dict) -> None:
 
 
 def agreement(backends: dict) -> tuple[str | None, dict]:
-    """Greedy token ids of each backend against the reference's (llama-server, else ster-static), per rate:
+    """Greedy token ids of each backend against the reference's (llama-server, else ster-engine), per rate:
     how many requests got the same first token and the same whole output. Drops the ids from `backends`."""
     tokens = {name: b.pop("tokens") for name, b in backends.items() if "tokens" in b}
     tokens.pop("transformers-serve", None)  # counted chunks, not ids: nothing to compare
-    ref_name = next((n for n in ("llama-server", "ster-static") if n in tokens), None)
+    ref_name = next((n for n in ("llama-server", "ster-engine") if n in tokens), None)
     if ref_name is None:
         return None, {}
     ref = tokens[ref_name]  # per rate: each rate has its own prompts
@@ -804,8 +748,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-server", type=Path, default=LLAMA_SERVER_DEFAULT,
                    help=f"the llama-server binary (default {LLAMA_SERVER_DEFAULT}); skipped if absent")
     p.add_argument("--backends", nargs="+", default=["llama-server", "ster-engine", "ster-serve", "hf-cb",
-                                                     "transformers-serve", "ster-static"],
-                   choices=["llama-server", "ster-engine", "ster-serve", "hf-cb", "transformers-serve", "ster-static"])
+                                                     "transformers-serve"],
+                   choices=["llama-server", "ster-engine", "ster-serve", "hf-cb", "transformers-serve"])
     p.add_argument("--dtype", choices=("f32",), default="f32", help="f32 only: the GGUF and the KV cache are f32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=None, help="default 32 (--quick 8)")

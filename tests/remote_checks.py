@@ -1,16 +1,17 @@
 """Checks the families tested against a hand-made reference share (tests/test_telechat_mimo_pangu_nanbeige.py,
 test_plamo3.py, test_chatglm.py): random ids, greedy decoding by whole re-reads of a reference forward,
-decoding from the cache equal to the whole read with batches equal to one at a time, and TP=2 equal to
-TP=1 (or EP=2 equal to one rank) on a spawned gloo group."""
+decoding from the paged cache equal to the whole read, batches in the token engine equal to one at a
+time, and TP=2 equal to TP=1 (or EP=2 equal to one rank) on a spawned gloo group."""
 
 from __future__ import annotations
 
 import torch
 
-from ster_dist.generate import Sampling, generate
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
+from tests.paged_steps import check_paged_equals_whole
 
 
 def random_ids(batch: int, length: int, seed: int = 0, low: int = 3, high: int = 300) -> torch.Tensor:
@@ -31,18 +32,14 @@ def greedy_by_rereading(forward, prompt: list[int], n: int, eos: int) -> list[in
 
 
 def check_cache_and_batches(loaded, what: str = "") -> None:
-    """Prompt then one token at a time through the cache equals the whole read; prompts of different lengths
-    batched (left-padded) generate what each does alone."""
-    model = loaded.model
+    """A prompt read into the paged cache, then one token at a time, equals the whole read; prompts of different
+    lengths batched in the token engine generate what each does alone."""
     ids = random_ids(2, 20, seed=2)
-    with torch.no_grad():
-        whole = model(ids)
-        cache = model.new_cache(2, 20)
-        parts = [model(ids[:, :12], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(12, 20)]
-    assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5, what
+    check_paged_equals_whole(loaded.model, {"A": ids[0], "B": ids[1]},
+                             [[("A", 12), ("B", 12)]] + [[("A", 1), ("B", 1)]] * 8)
     prompts = [random_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
-    sampling, eos = Sampling(max_new_tokens=8), loaded.cfg.eos_token_ids
-    assert generate(model, prompts, sampling, eos) == [generate(model, [p], sampling, eos)[0] for p in prompts], what
+    eos = loaded.cfg.eos_token_ids
+    assert engine_tokens(loaded, prompts, 8, eos) == [engine_tokens(loaded, [p], 8, eos)[0] for p in prompts], what
 
 
 def check_tp2_equals_tp1(checkpoints: dict) -> None:
@@ -57,12 +54,11 @@ def check_group_equals_one_rank(group, checkpoints: dict) -> None:
     expert-parallel): logits and greedy tokens equal the one-rank model's."""
     ids = random_ids(2, 24, seed=4)
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling = Sampling(max_new_tokens=8)
     for name, (directory, single) in checkpoints.items():
-        group.call("load", resolve(str(directory)), "f32", "cpu")
+        checkpoint = resolve(str(directory))
+        group.call("load", checkpoint, "f32", "cpu")
         with torch.no_grad():
             one = single.model(ids)
         assert compare(group.call("logits", ids)[0], one)["max_relative_error"] < 1e-5, name
         eos = single.cfg.eos_token_ids
-        assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling,
-                                                                              eos), name
+        assert engine_tokens(group, prompts, 8, eos, checkpoint) == engine_tokens(single, prompts, 8, eos), name

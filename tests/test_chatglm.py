@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from tests.engine_checks import engine_tokens
 from tests.remote_checks import check_cache_and_batches, check_tp2_equals_tp1, random_ids
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -118,7 +118,7 @@ def test_logits_and_greedy_tokens_equal_transformers_glm(built, variant):
     prompt = random_ids(1, 7, seed=1)[0]
     want = reference.generate(prompt[None], max_new_tokens=10, do_sample=False, eos_token_id=2,
                               pad_token_id=0)[0, 7:].tolist()
-    got = generate(loaded.model, [prompt.tolist()], Sampling(max_new_tokens=10), loaded.cfg.eos_token_ids)[0]
+    got = engine_tokens(loaded, [prompt.tolist()], 10, loaded.cfg.eos_token_ids)[0]
     assert got == want[:len(got)] and len(got) == len(want)
 
 

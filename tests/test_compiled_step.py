@@ -19,7 +19,7 @@ from ster_dist import kernels
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
-from ster_dist.generate import left_pad
+from ster_dist.model.cache import left_pad
 from ster_dist.load import load_model
 from ster_dist.model.compiled import decode_plans
 from ster_dist.model.paged_step import PagedStep
@@ -67,7 +67,7 @@ def decode(model, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, list[li
 
 @torch.inference_mode()
 def decode_from(model, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, new: int):
-    """decode() of prompts given as ids, positions and valid [batch, width] (left padding, as generate() pads)."""
+    """decode() of prompts given as ids, positions and valid [batch, width] (left padding, as model/cache.left_pad pads)."""
     cache = model.new_cache(ids.shape[0], ids.shape[1] + new)
     logits = [model(ids, positions, valid, cache)[:, -1]]
     tokens, nxt = [], positions[:, -1:] + 1

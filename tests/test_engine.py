@@ -1,5 +1,5 @@
 """The token-level engine end to end on real tiny checkpoints: continuous batching equals
-one-at-a-time greedy decoding on the static cache (TP=1, TP=2 on a gloo group, EP=2 on a MoE),
+one-at-a-time greedy decoding by whole re-reads (TP=1, TP=2 on a gloo group, EP=2 on a MoE),
 prefix caching, preemption, cancellation, per-request steering, adapters and seeds."""
 
 from __future__ import annotations
@@ -10,16 +10,15 @@ import time
 import pytest
 import torch
 
-from ster_dist.engine.loop import EngineConfig, TokenEngine
+from ster_dist.engine.loop import TokenEngine
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.resolve import resolve
 from ster_dist.steer.attach import add_steering
-from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.group import LocalGroup
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import alone, group_cfg, open_engine
 from tests.tiny_models import make_tiny
 
 
@@ -32,34 +31,15 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(llama):
-    """The same checkpoint on one rank with the static cache: what each request alone must equal."""
+    """The same checkpoint on one rank, read whole at every token (engine_checks.alone): what each request
+    alone must equal."""
     return load_model(resolve(str(llama)), "f32")
-
-
-def open_engine(directory, group=None, dtype: str = "f32", **config) -> TokenEngine:
-    checkpoint = resolve(str(directory))
-    if group is None:
-        group = LocalGroup()
-    group.call("load", checkpoint, dtype, "cpu")
-    cfg = group_cfg(checkpoint)
-    return TokenEngine(group, cfg, Tokenizer.from_directory(checkpoint.directory), cfg.eos_token_ids or (2,),
-                       EngineConfig(**{"kv_cache_memory": 4 << 20, "block_size": 4, **config}))
-
-
-def group_cfg(checkpoint):
-    from ster_dist.config_load import model_config
-
-    return model_config(checkpoint)
 
 
 def prompts(count: int, seed: int = 0, lo: int = 2, hi: int = 30) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (count,), generator=g).tolist()
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
-
-
-def alone(model, prompt: list[int], n: int, eos=()) -> list[int]:
-    return generate(model, [prompt], Sampling(max_new_tokens=n), eos)[0]
 
 
 def random_sites(model, projections: tuple[str, ...], g: torch.Generator, scale: float) -> list[dict]:
@@ -106,7 +86,7 @@ def test_continuous_batching_equals_one_at_a_time_greedy(llama, reference):
     assert stats["kv_blocks"]["used"] == 0  # every finished request freed its blocks
 
 
-def test_paged_step_equals_static_cache_with_eos(llama, reference):
+def test_paged_step_equals_whole_reads_with_eos(llama, reference):
     eos = tuple(reference.cfg.eos_token_ids or (2,))
     ps = prompts(6, seed=3)
     with open_engine(llama) as engine:
@@ -253,7 +233,7 @@ def test_a_stream_reads_with_async_for(llama, reference):
 
 @pytest.mark.parametrize("variant, tp, ep", [("llama", 2, 1), ("qwen3_moe", 1, 2)])
 def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp, ep):
-    """Every request alone on one rank, static cache, equals its row of one batch across ranks: plain,
+    """Every request alone on one rank, read whole per token, equals its row of one batch across ranks: plain,
     steered, and with an adapter on the attention projections (cut per rank as the loader cuts)."""
     from ster_dist.adapters.attach import attach
 
@@ -294,13 +274,13 @@ def test_a_reused_request_id_is_refused_alone(llama, reference):
 
 
 def test_a_session_replaces_an_engine_a_failed_step_stopped(llama):
-    from ster_dist.engine.runner import ModelRunner
+    from ster_dist.engine.client import RunnerClient
     from ster_dist.schema.common import Runtime
     from ster_dist.session import Session
 
     with Session(Runtime(model=str(llama))) as session:
         engine = session.engine(4 << 20)
-        session.group.on(ModelRunner).stop()  # the ranks lose their cache under the running engine
+        RunnerClient(session.group).stop()  # the ranks lose their cache under the running engine
         with pytest.raises(Refusal, match="before start"):
             engine.submit([5, 6], SamplingParams(max_tokens=2)).result()
         assert engine.stopped

@@ -1,7 +1,7 @@
 """Rank extensions: one instance per class per rank keeping its state across calls, group.on(cls)
 on the in-process group and on two spawned ranks (gloo), closing with the group, one-line
 refusals for a method the driver may not call, and workers/ importing none of the packages whose
-extensions it runs."""
+extensions it runs; every group implementing the WorkerGroup protocol."""
 
 from __future__ import annotations
 
@@ -113,3 +113,17 @@ def test_workers_import_none_of_the_packages_above_them():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith(tuple(f"ster_dist.{p}" for p in above)), f"{path.name} imports {name}"
+
+
+def test_every_group_implements_the_worker_group_protocol_itself():
+    """The three groups subclass WorkerGroup so a reader sees the seam; a method one of them lacked would be
+    the Protocol's empty stub, answering None, so each must define every method of its own."""
+    from ster_dist.workers.ray_group import RayGroup
+    from ster_dist.workers.worker_group import WorkerGroup
+
+    methods = [name for name in vars(WorkerGroup) if not name.startswith("_") and callable(vars(WorkerGroup)[name])]
+    assert set(methods) == {"call", "submit", "collect", "on", "close"}
+    for group in (LocalGroup, SpawnGroup, RayGroup):
+        assert [m for m in methods if m not in vars(group)] == [], group.__name__
+    with LocalGroup() as local:
+        assert isinstance(local, WorkerGroup) and local.lead == 0

@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.steer.attach import add_steering
 from ster_dist.steer.capture import read_hidden
+from tests.engine_checks import engine_tokens
 from tests.tiny_models import make_tiny, read_config
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -65,7 +65,7 @@ def test_the_wrapper_loads_its_language_model_and_leaves_towers_and_shared_keys_
     prompt = ids[0, :6].tolist()
     with torch.no_grad():
         want = reference.generate(input_ids=ids[:1, :6], max_new_tokens=6, do_sample=False)[0, 6:].tolist()
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=6), loaded.cfg.eos_token_ids)[0] == want
+    assert engine_tokens(loaded, [prompt], 6, loaded.cfg.eos_token_ids)[0] == want
 
 
 def _first_copies(reference, ids: torch.Tensor, shift: dict[int, torch.Tensor] | None = None):

@@ -6,7 +6,7 @@ No GPU runs here, so the model runs on the meta device: tensors with shapes and 
 value (`int(t)`, `bool(t.all())`, `t.tolist()`, `nonzero`) raises, where on CUDA it would wait for every queued
 kernel. Host tensors handed to a meta model where the device was meant raise too ("not on the expected
 device"), as on CUDA. A step that completes on meta with logits of the right shape on meta is a step that never
-read the device and kept its inputs where its layers are. The static cache's path (generate()'s: a left-padded
+read the device and kept its inputs where its layers are. The static cache's path (a left-padded
 prompt, then decodes whose ids are the sampled tokens, on the device) and the paged one (the token engine's:
 prefill chunks, then mixed and all-decode steps, ids from the host) are both stepped. Mixtures of experts run in
 bf16, the one dtype of CUDA's grouped products.
@@ -44,7 +44,7 @@ def _on_meta(variant: str, tmp_path_factory):
 
 @torch.inference_mode()
 def _static_steps(model) -> torch.Tensor:
-    """A left-padded prompt of two rows, then two decode steps fed the (device) tokens, as generate() runs them."""
+    """A left-padded prompt of two rows, then two decode steps fed the (device) tokens, as a static loop runs them."""
     cache = model.new_cache(2, 16)
     positions = torch.tensor([[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]])
     valid = torch.tensor([[False, True, True, True, True], [True] * 5])

@@ -22,13 +22,13 @@ from safetensors.torch import save_file
 
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import SPECS, family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.spawn import SpawnGroup
 from tests.cli_run import cli_generate
+from tests.engine_checks import engine_tokens
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 HIDDEN, HEADS, KV_HEADS, INNER, LAYERS, THETA = 48, 4, 2, 80, 4, 10000.0
@@ -252,7 +252,7 @@ def test_greedy_generation_matches_the_reference(checkpoints, name):
     prompt = _ids(1, 7, seed=1)[0].tolist()
     with torch.no_grad():
         want = reference_greedy(weights, FAMILIES[name][0].reference, prompt, 10)
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=10), ())[0] == want
+    assert engine_tokens(loaded, [prompt], 10)[0] == want
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -268,10 +268,9 @@ def test_decoding_from_cache_equals_reading_whole(checkpoints, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_batched_generation_equals_one_by_one(checkpoints, name):
-    model = checkpoints[name][2].model
+    loaded = checkpoints[name][2]
     prompts = [_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
-    sampling = Sampling(max_new_tokens=8)
-    assert generate(model, prompts, sampling, ()) == [generate(model, [p], sampling, ())[0] for p in prompts]
+    assert engine_tokens(loaded, prompts, 8) == [engine_tokens(loaded, [p], 8)[0] for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -289,14 +288,14 @@ def _by_default(*names):
 @pytest.mark.parametrize("name", _by_default("internlm2", "solar"))
 def test_tp2_equals_tp1(checkpoints, group, name):
     directory, _, single = checkpoints[name]
-    group.call("load", resolve(str(directory)), "f32", "cpu")
+    checkpoint = resolve(str(directory))
+    group.call("load", checkpoint, "f32", "cpu")
     ids = _ids(2, 24, seed=3)
     with torch.no_grad():
         tp1 = single.model(ids)
     assert compare(group.call("logits", ids)[0], tp1)["max_relative_error"] < 1e-5
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling = Sampling(max_new_tokens=8)
-    assert group.call("generate", prompts, sampling, (), 0)[0] == generate(single.model, prompts, sampling, ())
+    assert engine_tokens(group, prompts, 8, (), checkpoint) == engine_tokens(single, prompts, 8)
 
 
 @pytest.mark.parametrize("name", _by_default("internlm2", "solar"))

@@ -42,7 +42,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
     (("shard", "gguf", "load", "toy"),
      "weight I/O above the model: plans, sources, the loader that fills a built model, writers; "
      "toy builds a decoder to name its parameters"),
-    (("generate", "parity", "workers"),
+    (("parity", "workers"),
      "running a loaded model on one rank and across ranks"),
     (("engine",),
      "the token-level engine: paged KV blocks, prefix cache, scheduler and sampler (driver side) and "

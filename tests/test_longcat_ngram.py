@@ -16,12 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from tests.engine_checks import check_engine_answers_as_generate
+from tests.engine_checks import check_engine_answers_as_generate, engine_tokens
 from tests.paged_steps import BLOCK, Driver, run_step
 from tests.remote_checks import check_cache_and_batches, check_tp2_equals_tp1, greedy_by_rereading, random_ids
 from tests.tiny_models import make_tiny
@@ -92,7 +91,7 @@ def test_logits_and_greedy_tokens_equal_the_reference(tiny):
         result = compare(loaded.model(ids), forward(ids))
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, result
     prompt = _with_eos(random_ids(1, 7, seed=1)[0], 3).tolist()
-    got = generate(loaded.model, [prompt], Sampling(max_new_tokens=8), loaded.cfg.eos_token_ids)[0]
+    got = engine_tokens(loaded, [prompt], 8, loaded.cfg.eos_token_ids)[0]
     assert got == greedy_by_rereading(forward, prompt, 8, EOS)
 
 

@@ -21,10 +21,10 @@ from ster_dist.engine.sampling import SamplingParams
 from ster_dist.engine.scheduler import Scheduler, Sequence
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from tests.engine_checks import alone, engine_tokens
 from tests.remote_checks import check_cache_and_batches, check_group_equals_one_rank, greedy_by_rereading, random_ids
 from tests.test_recurrent_engine import open_engine, prompts, run_all
 from tests.tiny_models import BASE_CONFIG, perturb_norms
@@ -81,17 +81,16 @@ def test_greedy_generation_equals_transformers_given_the_prompt_as_token_type_id
     with torch.no_grad():
         theirs = reference.generate(prompt, token_type_ids=torch.ones_like(prompt), max_new_tokens=12,
                                     do_sample=False)[0, 7:].tolist()
-    assert generate(loaded.model, [prompt[0].tolist()], Sampling(max_new_tokens=12), ())[0] == theirs
+    assert engine_tokens(loaded, [prompt[0].tolist()], 12)[0] == theirs
 
 
-def test_left_padded_prompts_batched_equal_each_alone(hrm):
+def test_prompts_batched_in_the_engine_equal_each_alone(hrm):
     _, _, loaded = hrm
     ps = [random_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
-    sampling = Sampling(max_new_tokens=5)
-    assert generate(loaded.model, ps, sampling, ()) == [generate(loaded.model, [p], sampling, ())[0] for p in ps]
+    assert engine_tokens(loaded, ps, 5) == [engine_tokens(loaded, [p], 5)[0] for p in ps]
 
 
-def test_the_engine_reads_each_prompt_whole_and_equals_the_static_cache(hrm):
+def test_the_engine_reads_each_prompt_whole_and_equals_whole_reads(hrm):
     directory, _, loaded = hrm
     ps = prompts(4, seed=1, lo=3, hi=14)
     lengths = [9, 4, 8, 6]
@@ -105,7 +104,7 @@ def test_the_engine_reads_each_prompt_whole_and_equals_the_static_cache(hrm):
             engine.submit(list(range(3, 20)), SamplingParams(max_tokens=2))
         assert "\n" not in str(refused.value)
     for p, n, tokens in zip(ps, lengths, got):
-        assert tokens == generate(loaded.model, [p], Sampling(max_new_tokens=n), ())[0]
+        assert tokens == alone(loaded.model, p, n)
     assert stats["prefix_caching"] is False and again.cached_tokens == 0
     assert stats["steps"] < sum(lengths)  # requests shared steps
 
@@ -260,7 +259,7 @@ def test_iquestloopcoder_logits_and_greedy_tokens_match_the_reference(loopcoder)
         result = compare(loaded.model(ids), loopcoder_reference(tensors, ids))
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, result
     prompt = random_ids(1, 7, seed=6)[0].tolist()
-    ours = generate(loaded.model, [prompt], Sampling(max_new_tokens=8), ())[0]
+    ours = engine_tokens(loaded, [prompt], 8)[0]
     assert ours == greedy_by_rereading(lambda x: loopcoder_reference(tensors, x), prompt, 8, eos=-1)
 
 
@@ -268,14 +267,14 @@ def test_iquestloopcoder_decodes_from_the_cache_as_it_reads_whole_and_batches_as
     check_cache_and_batches(loopcoder[2], "iquestloopcoder")
 
 
-def test_iquestloopcoder_in_the_engine_equals_the_static_cache(loopcoder):
+def test_iquestloopcoder_in_the_engine_equals_whole_reads(loopcoder):
     directory, _, loaded = loopcoder
     ps = prompts(5, seed=3, lo=3, hi=20)
     lengths = [9, 4, 12, 1, 7]
     with open_engine(directory, max_step_tokens=8) as engine:  # long prompts read in chunks beside decodes
         got = run_all(engine, ps, lengths)
     for p, n, tokens in zip(ps, lengths, got):
-        assert tokens == generate(loaded.model, [p], Sampling(max_new_tokens=n), ())[0]
+        assert tokens == alone(loaded.model, p, n)
 
 
 def test_iquestloopcoder_on_two_tensor_parallel_ranks_equals_one(tp2, loopcoder):

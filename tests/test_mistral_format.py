@@ -15,19 +15,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ster_dist.adapters.attach import AdaptersOnRank, attach
+from ster_dist.adapters.attach import attach
 from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
 from ster_dist.config import from_hf
 from ster_dist.config_load import model_config
 from ster_dist.config_params import from_params
+from ster_dist.engine.modifiers import StandingModifiers
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
 from tests.test_merge import ALL7, IDS, peft_adapter, peft_merged
 from tests.tiny_models import make_tiny
 
@@ -145,10 +146,9 @@ def test_logits_and_greedy_tokens_equal_transformers_at_tp1_and_tp2(group, tiny)
         report = compare(logits, theirs)
         assert report["max_relative_error"] < 1e-4 and report["mean_cosine"] > 0.9999, report
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling = Sampling(max_new_tokens=10)
     eos = single.cfg.eos_token_ids
-    ours = generate(single.model, prompts, sampling, eos)
-    assert group.call("generate", prompts, sampling, eos, 0)[0] == ours
+    ours = engine_tokens(single, prompts, 10, eos)
+    assert engine_tokens(group, prompts, 10, eos, checkpoint) == ours
     with torch.no_grad():  # Transformers' greedy continuation of the first prompt, token by token
         tokens = list(prompts[0])
         for _ in range(10):
@@ -209,10 +209,9 @@ def test_runtime_adapter_on_the_mistral_format_equals_peft(group, tiny, adapted)
     report = compare(tp1, unmerged)
     assert report["max_relative_error"] < 1e-4 and report["mean_cosine"] > 0.9999, report
     group.call("load", resolve(str(native)), "f32", "cpu")
-    payload = {"token": "t", "sites": [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites]}
-    group.on(AdaptersOnRank).attach(payload)
+    group.on(StandingModifiers).adapt("t", [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites])
     tp2 = group.call("logits", IDS)[0]
-    group.on(AdaptersOnRank).detach("t")
+    group.on(StandingModifiers).detach("t")
     assert compare(tp2, tp1)["max_relative_error"] < 1e-5
 
 

@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import save_file
 
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
+from tests.engine_checks import engine_tokens
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 ORIGINAL = 16  # original_max_position_embeddings: the temperature steps at positions 16 and 48
@@ -116,7 +116,7 @@ def test_mistral_large3_loads_as_deepseek_v3_and_matches_transformers(large3):
     prompt = ids[:1, : ORIGINAL - 3]  # decoding crosses the first temperature step from the cache
     with torch.no_grad():
         want = reference.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1]:].tolist()
-    got = generate(loaded.model, [prompt[0].tolist()], Sampling(max_new_tokens=8), cfg.eos_token_ids)[0]
+    got = engine_tokens(loaded, [prompt[0].tolist()], 8, cfg.eos_token_ids)[0]
     assert got == want
 
 

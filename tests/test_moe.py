@@ -21,7 +21,6 @@ from ster_dist.config import MoEConfig
 from ster_dist.config_file import text_weight_names
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import SPECS
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.moe.dispatch import combine, dispatch
 from ster_dist.moe.experts import Experts
@@ -32,6 +31,7 @@ from ster_dist.resolve import resolve
 from ster_dist.shard.safetensors_header import read_header
 from ster_dist.workers.extension import RankExtension
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
 from tests.moe_probe import DispatchProbe
 from tests.tiny_models import STARVED, TINY, family_of_variant, make_tiny
 
@@ -200,13 +200,12 @@ def test_ep2_equals_ep1_and_transformers(ep2, tiny, variant):
     # decoding one token per step: with one prompt, rank 1's token share is empty at every step; the steps dispatch,
     # then skip the dispatch (MoE.replicated: every rank routes every token, one sum of the ranks' partial sums)
     eos = single.cfg.eos_token_ids
-    sampling = Sampling(max_new_tokens=8)
     batches = ([ids[0, :7].tolist(), ids[1, :4].tolist()], [ids[0, :5].tolist()])
-    wants = [generate(single.model, prompts, sampling, eos) for prompts in batches]
+    wants = [engine_tokens(single, prompts, 8, eos) for prompts in batches]
     for replicated in (False, True):
         ep2.on(DispatchProbe).replicate(replicated)
         for prompts, want in zip(batches, wants):
-            assert ep2.call("generate", prompts, sampling, eos, 0)[0] == want
+            assert engine_tokens(ep2, prompts, 8, eos, checkpoint) == want
     assert compare(ep2.call("logits", ids)[0], one)["max_relative_error"] < 1e-5  # the prompt again, replicated
     ep2.on(DispatchProbe).replicate(False)
     assert [s["bytes_read"] for s in stats] == expected_bytes(directory, single.cfg.moe.num_experts, 2,
@@ -231,8 +230,8 @@ def test_tp2_x_ep2_on_four_ranks(tp2_ep2, tiny, variant):
         assert compare(logits, single.model(ids))["max_relative_error"] < 1e-5
         assert compare(logits, reference(ids).logits)["max_relative_error"] < 1e-4
     prompts = [ids[0, :6].tolist(), ids[1, :3].tolist()]
-    sampling, eos = Sampling(max_new_tokens=8), single.cfg.eos_token_ids
-    assert tp2_ep2.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling, eos)
+    eos = single.cfg.eos_token_ids
+    assert engine_tokens(tp2_ep2, prompts, 8, eos, checkpoint) == engine_tokens(single, prompts, 8, eos)
     # every tensor is read by some rank, and no rank reads half the checkpoint
     total = expected_bytes(directory, single.cfg.moe.num_experts, 1)[0]
     assert sum(s["bytes_read"] for s in stats) >= total

@@ -23,7 +23,7 @@ from ster_dist.adapters.attach import attach
 from ster_dist.engine.loop import COMPILE_AFTER
 from ster_dist.engine.runner import pack_model
 from ster_dist.engine.sampling import SamplingParams
-from ster_dist.generate import left_pad
+from ster_dist.model.cache import left_pad
 from ster_dist.load import load_model
 from ster_dist.model import native_stack
 from ster_dist.model.native_stack import NativeStack, why_not
@@ -176,14 +176,14 @@ def test_a_windowed_request_reads_the_same_logprobs_alone_or_among_others(tmp_pa
 
 
 def _decode_ragged(model, prompts: list[list[int]], new: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """decode()'s logits and greedy tokens for prompts of several lengths, left-padded as generate() pads them."""
+    """decode()'s logits and greedy tokens for prompts of several lengths, left-padded as model/cache.left_pad pads them."""
     return decode_from(model, *left_pad(prompts), new)
 
 
 @pytest.mark.parametrize("variant", ["toy", pytest.param("mistral", marks=pytest.mark.slow)])
 def test_a_ragged_batch_left_padded_as_generate_pads_it_steps_natively(variant, toy, tmp_path, compiling,
                                                                       monkeypatch, native_calls):
-    """Prompts of 3, 9 and 6 tokens left-padded to one width (generate()'s ragged batch): each row's decode
+    """Prompts of 3, 9 and 6 tokens left-padded to one width (left_pad's ragged batch): each row's decode
     steps read its keys from its first real one (within Mistral's window of 5 past it), natively, with the graph's
     bits and the eager layers' logits."""
     directory = toy

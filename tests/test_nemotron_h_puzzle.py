@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
 from tests.tiny_models import BASE_CONFIG, perturb_norms, read_config
 
 GLOBAL = dict(num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=12, ssm_state_size=16,
@@ -113,10 +113,9 @@ def test_logits_greedy_and_chunked_prefill_equal_the_reference(puzzle):
     assert stats["max_relative_error"] < 1e-4 and stats["mean_cosine"] > 0.9999
     assert compare(torch.cat(parts, dim=1), ours)["max_relative_error"] < 1e-4
     prompt = ids[0, :9].tolist()
-    sampling = Sampling(max_new_tokens=8)
     with torch.no_grad():
         expected = reference.generate(ids[:1, :9], max_new_tokens=8, do_sample=False)[0, 9:].tolist()
-    assert generate(model, [prompt], sampling, ())[0] == expected
+    assert engine_tokens(loaded, [prompt], 8)[0] == expected
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])

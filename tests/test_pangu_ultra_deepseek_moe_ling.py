@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from tests.engine_checks import engine_tokens
 from tests.remote_checks import (
     check_cache_and_batches,
     check_group_equals_one_rank,
@@ -294,7 +294,7 @@ def test_logits_and_greedy_tokens_match_the_reference(built, variant):
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, (variant, result)
     prompt = random_ids(1, 7, seed=1)[0].tolist()
     eos = loaded.cfg.eos_token_ids
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=10), eos)[0] == greedy_by_rereading(
+    assert engine_tokens(loaded, [prompt], 10, eos)[0] == greedy_by_rereading(
         reference, prompt, 10, eos[0])
 
 

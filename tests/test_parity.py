@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ster_dist.families.registry import SPECS
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from tests.engine_checks import engine_tokens
 from tests.tiny_models import LINEAGES, TINY, family_of_variant, make_tiny
 
 VARIANTS = sorted(TINY)
@@ -82,7 +82,7 @@ def test_greedy_generation_matches_transformers(pair):
     prompt = _ids(1, 7, seed=1)
     with torch.no_grad():
         theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
-    ours = generate(loaded.model, [prompt[0].tolist()], Sampling(max_new_tokens=12), loaded.cfg.eos_token_ids)[0]
+    ours = engine_tokens(loaded, [prompt[0].tolist()], 12, loaded.cfg.eos_token_ids)[0]
     assert ours == theirs, variant
 
 
@@ -103,8 +103,7 @@ def test_decoding_from_cache_equals_reading_whole(pair):
 def test_batched_generation_equals_one_by_one(pair):
     variant, _, loaded = pair
     prompts = [_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
-    sampling = Sampling(max_new_tokens=8)
     eos = loaded.cfg.eos_token_ids
-    batched = generate(loaded.model, prompts, sampling, eos)
-    single = [generate(loaded.model, [p], sampling, eos)[0] for p in prompts]
+    batched = engine_tokens(loaded, prompts, 8, eos)
+    single = [engine_tokens(loaded, [p], 8, eos)[0] for p in prompts]
     assert batched == single, variant

@@ -10,15 +10,16 @@ import dataclasses
 import pytest
 import torch
 
+from ster_dist.engine.modifiers import StandingModifiers
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parallel.pipeline import check_pipeline, stage_bounds
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
-from ster_dist.steer.attach import SteeringOnRank, add_steering
+from ster_dist.steer.attach import add_steering
 from ster_dist.steer.capture import capture, read_hidden
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import alone, engine_tokens
 from tests.tiny_models import make_tiny
 
 
@@ -78,8 +79,8 @@ def test_pp2_equals_one_rank_and_transformers_on_a_tied_head(pp2, qwen3):
         assert compare(ours, single.model(ids))["max_relative_error"] < 1e-5
         assert compare(ours, reference(ids).logits)["max_relative_error"] < 1e-4
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling, eos = Sampling(max_new_tokens=8), single.cfg.eos_token_ids
-    assert pp2.call("generate", prompts, sampling, eos, 0)[pp2.lead] == generate(single.model, prompts, sampling, eos)
+    eos = single.cfg.eos_token_ids
+    assert engine_tokens(pp2, prompts, 8, eos, checkpoint) == engine_tokens(single, prompts, 8, eos)
     # each stage read its own layers' tensors, and the two together read the whole checkpoint once
     # (the tied embedding twice: the first stage embeds with it, the last projects with it)
     embedding = single.cfg.vocab_size * single.cfg.hidden_size * 4
@@ -100,7 +101,7 @@ def test_capture_and_steering_reach_layers_on_either_stage(pp2, qwen3):
         assert torch.allclose(ours[layer], theirs[layer], atol=1e-5)
     # steering the last layer of the first stage and of the last: both change the tokens as on one rank
     vectors = [(0, torch.randn(single.cfg.hidden_size) * 4), (layers[-1], torch.randn(single.cfg.hidden_size) * 4)]
-    pp2.on(SteeringOnRank).attach(vectors, 1.5, "t")
+    pp2.on(StandingModifiers).steer("t", vectors, 1.5)
     removers = add_steering(single.model, vectors, 1.5)
     ids = _ids(1)
     steered = pp2.call("logits", ids)[pp2.lead]
@@ -108,7 +109,7 @@ def test_capture_and_steering_reach_layers_on_either_stage(pp2, qwen3):
         assert compare(steered, single.model(ids))["max_relative_error"] < 1e-5
     for remove in removers:
         remove()
-    pp2.on(SteeringOnRank).detach("t")
+    pp2.on(StandingModifiers).detach("t")
 
 
 @pytest.mark.slow  # four spawned ranks on two cores
@@ -122,12 +123,12 @@ def test_four_ranks_tp_or_ep_times_pp2_equal_one_rank_and_transformers(tmp_path,
         group.call("load", checkpoint, "f32", "cpu")
         ours = group.call("logits", ids)[group.lead]
         prompts = [ids[0, :6].tolist(), ids[1, :9].tolist()]
-        sampling, eos = Sampling(max_new_tokens=8), single.cfg.eos_token_ids
-        tokens = group.call("generate", prompts, sampling, eos, 0)[group.lead]
+        eos = single.cfg.eos_token_ids
+        tokens = engine_tokens(group, prompts, 8, eos, checkpoint)
     with torch.no_grad():
         assert compare(ours, single.model(ids))["max_relative_error"] < 1e-5
         assert compare(ours, reference(ids).logits)["max_relative_error"] < 1e-4
-    assert tokens == generate(single.model, prompts, sampling, eos)
+    assert tokens == engine_tokens(single, prompts, 8, eos)
 
 
 def test_families_whose_layers_cannot_be_cut_are_refused(tmp_path):
@@ -170,7 +171,7 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
             steps, overlapped = engine.stats()["steps"], engine.stats()["overlapped_steps"]
         assert (overlapped > 0) == (micro_batches > 1)
         for p, n, tokens in zip(prompts, lengths, got):
-            assert tokens == generate(single.model, [p], Sampling(max_new_tokens=n))[0], micro_batches
+            assert tokens == alone(single.model, p, n), micro_batches
         assert steps < sum(lengths)  # the requests shared steps
     # what decide reads: the raw logits of chosen ids, from the last stage
     ids = (5, 0, 250)
@@ -184,7 +185,7 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
 
 
 def test_an_adapter_on_every_layer_attaches_across_stages(pp2, qwen3):
-    from ster_dist.adapters.attach import AdaptersOnRank, attach
+    from ster_dist.adapters.attach import attach
 
     checkpoint, _ = qwen3
     single = load_model(checkpoint, "f32")
@@ -196,11 +197,11 @@ def test_an_adapter_on_every_layer_attaches_across_stages(pp2, qwen3):
         out_features, in_features = params[f"layers.{layer}.attn.q.weight"].shape
         sites.append({"param": f"layers.{layer}.attn.q.weight", "a": torch.randn(4, in_features, generator=g) * 0.3,
                       "b": torch.randn(out_features, 4, generator=g) * 0.3, "scale": 1.0})
-    pp2.on(AdaptersOnRank).attach({"token": "a", "sites": sites})
+    pp2.on(StandingModifiers).adapt("a", sites)
     detach = attach(single.model, sites)
     ids = _ids(3)
     adapted = pp2.call("logits", ids)[pp2.lead]
     with torch.no_grad():
         assert compare(adapted, single.model(ids))["max_relative_error"] < 1e-5
     detach()
-    pp2.on(AdaptersOnRank).detach("a")
+    pp2.on(StandingModifiers).detach("a")

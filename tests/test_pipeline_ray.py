@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from ster_dist.errors import Refusal, WorkerLost
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.resolve import resolve
+from tests.engine_checks import engine_tokens
 from tests.tiny_models import make_tiny
 
 ray = pytest.importorskip("ray")
@@ -130,14 +130,14 @@ def test_each_tp_group_sits_inside_one_node_and_the_stages_generate_one_ranks_te
     from ster_dist.workers.ray_group import RayGroup
 
     single = load_model(llama, "f32")
-    prompts, sampling = [[5, 6, 7, 8, 9], [10, 11, 12]], Sampling(max_new_tokens=8)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     with RayGroup(4, address=two_nodes, pp=2) as group:
         where = group.call("whereabouts")
         group.call("load", llama, "f32", "cpu")
-        tokens = group.call("generate", prompts, sampling, (), 0)[group.lead]
+        tokens = engine_tokens(group, prompts, 8, (), llama)
     nodes = [w["node"] for w in where]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
-    assert tokens == generate(single.model, prompts, sampling)
+    assert tokens == engine_tokens(single, prompts, 8)
 
 
 def test_a_tp_group_no_node_can_hold_is_refused_at_once(two_nodes):

@@ -1,5 +1,5 @@
 """The token engine on a model with recurrent layers (a tiny LFM2: short convolutions around attention):
-every request of a continuous batch equals its greedy tokens alone on the static cache, with prompts read
+every request of a continuous batch equals its greedy tokens alone by whole re-reads, with prompts read
 in chunks under a small token budget, under preemption by recompute (few blocks), steered beside a
 plain request, and across two tensor-parallel ranks; each running request holds a state slot, given back when it finishes, is
 cancelled or is preempted; slots share the cache budget with blocks; prefix caching is off and reported
@@ -16,19 +16,19 @@ from ster_dist.engine.loop import EngineConfig, TokenEngine, cache_sizes
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.engine.scheduler import Scheduler, Sequence
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.resolve import resolve
 from ster_dist.steer.attach import add_steering
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.group import LocalGroup
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import alone
 from tests.tiny_models import make_tiny
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """variant -> (checkpoint directory, the model on one rank with the static cache: what each request alone
+    """variant -> (checkpoint directory, the model on one rank, read whole per token: what each request alone
     must equal), each made once."""
     cache = {}
 
@@ -59,10 +59,6 @@ def prompts(count: int, seed: int, lo: int, hi: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (count,), generator=g).tolist()
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
-
-
-def alone(model, prompt: list[int], n: int) -> list[int]:
-    return generate(model, [prompt], Sampling(max_new_tokens=n), ())[0]
 
 
 def run_all(engine: TokenEngine, ps: list[list[int]], lengths: list[int]) -> list[list[int]]:

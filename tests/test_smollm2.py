@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ster_dist.generate import Sampling, generate
 from ster_dist.gguf.importer import import_gguf
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
 from tests.gguf_fixtures import smollm2_gguf
 
 GGUF = smollm2_gguf()
@@ -50,7 +50,7 @@ def test_logits_equal_transformers_gguf_loading(loaded, reference, chat_ids):
 
 def test_greedy_chat_answer_equals_transformers_and_names_paris(imported, loaded, reference, chat_ids):
     eos = loaded.cfg.eos_token_ids
-    ours = generate(loaded.model, [chat_ids], Sampling(max_new_tokens=12), eos)[0]
+    ours = engine_tokens(loaded, [chat_ids], 12, eos)[0]
     with torch.no_grad():
         theirs = reference.generate(torch.tensor([chat_ids]), max_new_tokens=12, do_sample=False)[0, len(chat_ids):]
     assert ours == theirs.tolist()
@@ -59,12 +59,10 @@ def test_greedy_chat_answer_equals_transformers_and_names_paris(imported, loaded
 
 def test_tp2_and_safetensors_import_give_the_same_answer(imported, loaded, chat_ids, tmp_path):
     eos = loaded.cfg.eos_token_ids
-    sampling = Sampling(max_new_tokens=12)
-    expected = generate(loaded.model, [chat_ids], sampling, eos)[0]
+    expected = engine_tokens(loaded, [chat_ids], 12, eos)
     dense = tmp_path / "dense"
     import_gguf(GGUF, dense, to_safetensors=True)
     with SpawnGroup(2) as group:
-        group.call("load", resolve(str(imported)), "f32", "cpu")
-        assert group.call("generate", [chat_ids], sampling, eos, 0)[0] == [expected]
-        group.call("load", resolve(str(dense)), "f32", "cpu")
-        assert group.call("generate", [chat_ids], sampling, eos, 0)[0] == [expected]
+        for checkpoint in (resolve(str(imported)), resolve(str(dense))):
+            group.call("load", checkpoint, "f32", "cpu")
+            assert engine_tokens(group, [chat_ids], 12, eos, checkpoint) == expected

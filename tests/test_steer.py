@@ -13,7 +13,6 @@ import torch
 
 from ster_dist.cli import main
 from ster_dist.errors import Refusal
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
@@ -29,6 +28,7 @@ from ster_dist.steer.attach import add_steering, attach
 from ster_dist.steer.fit import METHODS, evaluate_direction, train_direction
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
 from tests.test_capture import hf_layers
 from tests.tiny_models import make_tiny
 
@@ -237,25 +237,25 @@ def test_steered_forward_equals_transformers_with_a_forward_hook(tmp_path, varia
 def test_steering_at_tp2_equals_tp1_for_logits_and_generation(llama):
     directory, _ = llama
     checkpoint = resolve(str(directory))
-    single = load_model(checkpoint).model
+    loaded = load_model(checkpoint)
+    single = loaded.model
     artifact = _artifact(model=str(directory), width=single.cfg.hidden_size, layers=(0, 2))
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(1))
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling = Sampling(max_new_tokens=8)
     removers = add_steering(single, [(v.layer, v.values) for v in artifact.vectors], 2.5)
     with torch.no_grad():
         want_logits = single(ids)
-    want_tokens = generate(single, prompts, sampling)
+    want_tokens = engine_tokens(loaded, prompts, 8)
     for remove in removers:
         remove()
-    plain_tokens = generate(single, prompts, sampling)
+    plain_tokens = engine_tokens(loaded, prompts, 8)
     with SpawnGroup(2) as group:
         group.call("load", checkpoint, "f32", "cpu")
         detach = attach(group, artifact, 2.5)
         logits = group.call("logits", ids)[0]
-        tokens = group.call("generate", prompts, sampling, (), 0)[0]
+        tokens = engine_tokens(group, prompts, 8, (), checkpoint)
         detach()
-        unsteered = group.call("generate", prompts, sampling, (), 0)[0]
+        unsteered = engine_tokens(group, prompts, 8, (), checkpoint)
     assert compare(logits, want_logits)["max_relative_error"] < 1e-5
     assert tokens == want_tokens and unsteered == plain_tokens
 
@@ -309,10 +309,10 @@ def test_train_inspect_and_generate_with_the_vector(llama, pairs_file, tmp_path,
     tokenizer = Tokenizer.from_directory(directory)
     ids = tokenizer.prompt_ids("hello there", None, "auto")
     removers = add_steering(loaded.model, [(v.layer, v.values) for v in artifact.vectors], 6.0)
-    want = generate(loaded.model, [ids], Sampling(max_new_tokens=8), loaded.cfg.eos_token_ids)[0]
+    want = engine_tokens(loaded, [ids], 8, loaded.cfg.eos_token_ids)[0]
     for remove in removers:
         remove()
-    plain = generate(loaded.model, [ids], Sampling(max_new_tokens=8), loaded.cfg.eos_token_ids)[0]
+    plain = engine_tokens(loaded, [ids], 8, loaded.cfg.eos_token_ids)[0]
     assert want != plain
     code, steered, err = run(capsys, "generate", "--model", directory, "--prompt", "hello there",
                              "--max-new-tokens", 8, "--vector", vector, "--strength", 6)

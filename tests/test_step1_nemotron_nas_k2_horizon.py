@@ -29,12 +29,12 @@ from safetensors.torch import save_file
 from ster_dist.adapters.targets import refuse_family
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
+from tests.engine_checks import engine_tokens
 from tests.paged_steps import check_paged_equals_whole
 from tests.remote_checks import (
     check_cache_and_batches,
@@ -332,7 +332,7 @@ def test_logits_and_greedy_tokens_match_the_reference(built, family):
     prompt = random_ids(1, 7, seed=1)[0].tolist()
     eos = loaded.cfg.eos_token_ids
     want = greedy_by_rereading(reference, prompt, 12, eos[0])
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=12), eos)[0] == want, family
+    assert engine_tokens(loaded, [prompt], 12, eos)[0] == want, family
 
 
 @pytest.mark.parametrize("family", LEAN)

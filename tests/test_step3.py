@@ -19,11 +19,11 @@ from ster_dist.adapters.targets import plan_sites
 from ster_dist.config import from_hf
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.model.paged import PagedCache
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from tests.engine_checks import engine_tokens
 from tests.paged_steps import BLOCK, Driver, run_step
 from tests.remote_checks import (
     check_cache_and_batches,
@@ -301,7 +301,7 @@ def test_logits_and_greedy_tokens_equal_the_reference(built, variant):
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, (variant, result)
     prompt = random_ids(1, 7, seed=1)[0].tolist()
     want = greedy_by_rereading(lambda x: reference(weights, config, x), prompt, 10, 2)
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=10), loaded.cfg.eos_token_ids)[0] == want
+    assert engine_tokens(loaded, [prompt], 10, loaded.cfg.eos_token_ids)[0] == want
 
 
 # the second step3_text variant differs in its key-value groups and routing only: its cache checks run under -m slow

@@ -26,12 +26,12 @@ from safetensors.torch import load_file, save_file
 
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import family_table
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.cli_run import cli_generate
+from tests.engine_checks import engine_tokens
 from tests.remote_checks import (
     check_cache_and_batches,
     check_tp2_equals_tp1,
@@ -284,7 +284,7 @@ def test_logits_and_greedy_tokens_match_the_reference(built, variant):
     prompt = random_ids(1, 7, seed=1)[0].tolist()
     eos = loaded.cfg.eos_token_ids
     want = reference.greedy(prompt, 12, eos[0])
-    assert generate(loaded.model, [prompt], Sampling(max_new_tokens=12), eos)[0] == want, variant
+    assert engine_tokens(loaded, [prompt], 12, eos)[0] == want, variant
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

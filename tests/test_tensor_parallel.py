@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import save_file
 
 from ster_dist.errors import Refusal, WorkerLost
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
+from tests.engine_checks import engine_tokens
 from tests.tiny_models import TINY, make_tiny
 
 VARIANTS = sorted(TINY)
@@ -46,9 +46,8 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_transformers(group, tiny_dir
     assert compare(tp2, tp1)["max_relative_error"] < 1e-5
     assert compare(tp2, theirs)["max_relative_error"] < 1e-4
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
-    sampling = Sampling(max_new_tokens=10)
     eos = single.cfg.eos_token_ids
-    assert group.call("generate", prompts, sampling, eos, 0)[0] == generate(single.model, prompts, sampling, eos)
+    assert engine_tokens(group, prompts, 10, eos, checkpoint) == engine_tokens(single, prompts, 10, eos)
 
 
 @pytest.mark.parametrize("heads, kv, tp, expected", [

@@ -20,10 +20,10 @@ from ster_dist.config import from_hf
 from ster_dist.config_file import TEXT_WRAPPERS, family_of, text_weight_names
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import spec_for
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import load_model
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
+from tests.engine_checks import engine_tokens
 from tests.tiny.deepseek import TINY as DEEPSEEK_TINY
 from tests.tiny.gemma4 import TINY as GEMMA4_TINY
 from tests.tiny.llama4 import TINY as LLAMA4_TINY
@@ -172,7 +172,7 @@ def test_wrapped_checkpoint_matches_transformers(references, tmp_path, wrapper, 
     prompt = ids[:1, :7]
     with torch.no_grad():
         want = reference.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)[0, 7:].tolist()
-    got = generate(loaded.model, [prompt[0].tolist()], Sampling(max_new_tokens=8), loaded.cfg.eos_token_ids)[0]
+    got = engine_tokens(loaded, [prompt[0].tolist()], 8, loaded.cfg.eos_token_ids)[0]
     assert got == want
 
 

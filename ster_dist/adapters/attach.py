@@ -8,8 +8,9 @@ column-parallel projection (query, key, value, gate, up) keeps A whole and its o
 a row-parallel one (output, down) keeps its own columns of A and B whole, and its partial sum is
 all-reduced together with the base's (parallel/linear.py).
 
-attach_for_cli is what `--adapter` on generate, capture and steer calls (commands/common.py
-modifiers); attach is the same on one Decoder for library use.
+attach_for_cli is what `--adapter` on capture and steer calls (session.modifiers); attach is the
+same on one Decoder for library use. Both are the engine's per-row adapters over every row
+(engine/modifiers.py); generation routes adapters per request in the token engine instead.
 """
 
 from __future__ import annotations
@@ -27,58 +28,14 @@ from ster_dist.adapters.targets import (
     refuse_family,
     summary,
 )
+from ster_dist.engine.modifiers import StandingModifiers, adapt_every_row
 from ster_dist.errors import Refusal
-from ster_dist.parallel.linear import LowRank, low_rank_share as share
-from ster_dist.workers.extension import RankExtension
 
 
 def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
     """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's, or one pipeline
-    stage's: another stage's sites are that stage's to attach); returns detach."""
-    modules = dict(model.named_modules())
-    attached: list[tuple[object, LowRank]] = []
-    for site in sites:
-        site = site if isinstance(site, dict) else vars(site)
-        if model.elsewhere(site["param"]):
-            continue
-        module = modules.get(site["param"].rsplit(".", 1)[0])
-        if module is None or not hasattr(module, "adapters"):
-            raise Refusal(f"this model has no projection {site['param']} to attach the adapter to")
-        device, dtype = module.weight.device, module.dtype_of()  # a kept FP8 weight's compute dtype
-        a, b = share(site["a"], site["b"], module.shards["weight"])
-        low = LowRank(a.to(device, dtype), b.to(device, dtype), float(site["scale"]))
-        module.adapters.append(low)
-        attached.append((module, low))
-
-    def detach() -> None:
-        for module, low in attached:
-            module.adapters[:] = [x for x in module.adapters if x is not low]
-        attached.clear()
-
-    return detach
-
-
-class AdaptersOnRank(RankExtension):
-    """The adapters attached on one rank: token -> that attachment's detach."""
-
-    def __init__(self, rank):
-        super().__init__(rank)
-        self.attached: dict[str, Callable[[], None]] = {}
-
-    def attach(self, payload: dict) -> dict:
-        """Rank side of attach_for_cli: payload is {"token", "sites": global factors per projection}."""
-        self.attached[payload["token"]] = attach(self.model, payload["sites"])
-        return {"rank": self.rank.rank, "sites": len(payload["sites"])}
-
-    def detach(self, token: str) -> bool:
-        undo = self.attached.pop(token, None)
-        if undo is not None:
-            undo()
-        return undo is not None
-
-    def close(self) -> None:
-        for token in list(self.attached):
-            self.detach(token)
+    stage's: another stage's sites are that stage's to attach) for every forward; returns detach."""
+    return adapt_every_row(model, [site if isinstance(site, dict) else vars(site) for site in sites])
 
 
 def prepare(session, request) -> tuple[list[dict], dict]:
@@ -102,14 +59,14 @@ def attach_for_cli(session, request) -> Callable[[], None]:
     Generation routes adapters per request in the token engine instead (ops/generate.py)."""
     sites, info = prepare(session, request)
     token = uuid.uuid4().hex
-    session.group.on(AdaptersOnRank).attach({"token": token, "sites": sites})
+    session.group.on(StandingModifiers).adapt(token, sites)
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["adapter"] = info
 
     def detach() -> None:
         with contextlib.suppress(Refusal):  # the group is gone, and the adapter with it
-            session.group.on(AdaptersOnRank).detach(token)
+            session.group.on(StandingModifiers).detach(token)
         if isinstance(provenance, dict):
             provenance.pop("adapter", None)
 

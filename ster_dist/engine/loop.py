@@ -27,14 +27,15 @@ from dataclasses import dataclass, field
 
 from ster_dist.engine.blocks import BlockPool
 from ster_dist.engine.detok import Detokenizer
+from ster_dist.engine.client import RunnerClient
 from ster_dist.engine.omp_pool import release_idle_workers
-from ster_dist.engine.runner import ModelRunner
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.engine.scheduler import Scheduler, Sequence
 from ster_dist.engine.stream import Delta, RequestStream
 from ster_dist.engine.work import NewSequence, StepWork
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
+from ster_dist.workers.worker_group import WorkerGroup
 
 
 DEFAULT_KV_CAP = 1 << 30
@@ -130,7 +131,7 @@ class _Live:
     logprobs: list = field(default_factory=list)
 
 
-def _start_ranks(runners, cfg, config: EngineConfig, speculative: bool) -> tuple[list[dict], int, int]:
+def _start_ranks(runners: RunnerClient, cfg, config: EngineConfig, speculative: bool) -> tuple[list[dict], int, int]:
     """Pack the ranks' weights, size their caches and allocate them: (each rank's sizes, blocks, state slots)."""
     runners.select_kernels(config.kernels)  # first: `torch` keeps our CPU kernels (and packing for them) off
     packed = max(runners.pack_weights(config.pack_weights))  # before the cache's share of the memory free
@@ -152,13 +153,14 @@ def _start_ranks(runners, cfg, config: EngineConfig, speculative: bool) -> tuple
 
 
 class TokenEngine:
-    def __init__(self, group, cfg, tokenizer, eos: tuple[int, ...], config: EngineConfig = EngineConfig()):
+    def __init__(self, group: WorkerGroup, cfg, tokenizer, eos: tuple[int, ...],
+                 config: EngineConfig = EngineConfig()):
         self.group, self.cfg, self.tokenizer, self.eos = group, cfg, tokenizer, tuple(eos)
         self.config = config
         speculative = config.speculative_tokens > 0
         if speculative:
             check_speculative(cfg, config)
-        runners = group.on(ModelRunner)
+        self.runners = runners = RunnerClient(group)
         try:
             sizes, blocks, slots = _start_ranks(runners, cfg, config, speculative)
         except BaseException:
@@ -205,7 +207,7 @@ class TokenEngine:
             return
         started = time.perf_counter()
         with self._from_outside():
-            made = self.group.on(ModelRunner).warm(self.config.max_step_tokens)[0]
+            made = self.runners.warm(self.config.max_step_tokens)
         if made is not None:
             progress(f"warmed the compiled steps for 1 to {self.config.max_step_tokens} tokens in "
                      f"{time.perf_counter() - started:.1f} s ({made} new graphs)")
@@ -214,14 +216,14 @@ class TokenEngine:
         """Register a steering vector ([(layer, tensor)]) under `key` on every rank, once."""
         with self._from_outside():
             if key not in self._vectors:
-                self.group.on(ModelRunner).register_vector(key, vectors)
+                self.runners.register_vector(key, vectors)
                 self._vectors.add(key)
 
     def add_adapter(self, name: str, sites: list[dict]) -> None:
         """Register a LoRA adapter's global factors per projection under `name` on every rank, once."""
         with self._from_outside():
             if name not in self._adapters:
-                self.group.on(ModelRunner).register_adapter(name, sites)
+                self.runners.register_adapter(name, sites)
                 self._adapters.add(name)
 
     def replace_adapter(self, name: str, sites: list[dict]) -> None:
@@ -231,7 +233,7 @@ class TokenEngine:
         with self._from_outside():
             if name not in self._adapters:
                 raise Refusal(f"adapter {name!r} is not registered with the engine")
-            self.group.on(ModelRunner).replace_adapter(name, sites)
+            self.runners.replace_adapter(name, sites)
             self._versions[name] = self._versions.get(name, 0) + 1
 
     def submit(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), *,
@@ -344,7 +346,7 @@ class TokenEngine:
         self._thread.join()
         with self._group_lock:
             try:
-                self.group.on(ModelRunner).stop()
+                self.runners.stop()
             except Exception:  # the group may already be gone; the cache goes with it
                 pass
 
@@ -413,12 +415,12 @@ class TokenEngine:
                         break
                     work = self._work(plan)
                     self.counters["overlapped_steps"] += bool(inflight)  # sent while another is in flight
-                    inflight.append((plan, work, self.group.submit("call_extension", ModelRunner, "step", work)))
+                    inflight.append((plan, work, self.runners.submit_step(work)))
                 if not inflight:
                     time.sleep(0.001)  # nothing fits until something finishes; cannot happen with work running
                     return
                 plan, work, handle = inflight.popleft()
-                self._finish(plan, work, self.group.collect(handle)[self.group.lead])
+                self._finish(plan, work, self.runners.collect_step(handle))
                 if not inflight:
                     return
 

@@ -1,21 +1,31 @@
-"""Per-request steering and adapters inside one packed batch, on one rank.
+"""Steering vectors and LoRA adapters on one rank: the one modifier mechanism, per row.
 
-Each request of a step may carry its own steering vector and strength and its own LoRA adapter.
+Each request of an engine step may carry its own steering vector and strength and its own adapter.
 Vectors and adapters are registered once under a key; each step names, per key, the packed token
 rows it applies to. Steering adds strength x vector to those rows of the residual after the
 vector's layer; an adapter adds (x A^T) B^T x scale to those rows of each projection it targets,
 gathered per adapter as S-LoRA and Punica batch them, so requests without it pay nothing but an
-index. Rows are set before a step's forward and cleared after, so a forward outside the engine
-(capture, parity) sees neither.
+index. The engine's rows are set before a step's forward and cleared after, so a forward outside
+the engine (capture, parity) sees neither.
+
+A whole-batch modifier is the same thing with ALL_ROWS: `steer_every_row` and `adapt_every_row` apply
+to every row of every forward until detached (capture, steer's runs, a test's reference), and
+`StandingModifiers` does so on every rank of a group under a token (steer/attach.py and
+adapters/attach.py call it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ster_dist.errors import Refusal
 from ster_dist.parallel.linear import LowRank, low_rank_share
+from ster_dist.workers.extension import RankExtension
+
+ALL_ROWS = slice(None)  # a whole-batch modifier's rows: every row of any forward, of any shape
 
 
 class RowSteering:
@@ -49,8 +59,11 @@ class RowSteering:
     def _hook(self, layer: int):
         def hook(h: torch.Tensor):
             for rows, shift in self._shifts.get(layer, ()):
-                h[0, rows] += shift
-            return None
+                if rows is ALL_ROWS:  # out of place: a forward under autograd (training) keeps its graph
+                    h = h + shift
+                else:
+                    h[0, rows] += shift
+            return h
         return hook
 
     def close(self) -> None:
@@ -70,6 +83,8 @@ class RoutedLowRank(LowRank):
         rows = self.routing.get(self.name)
         if rows is None:
             return 0.0
+        if rows is ALL_ROWS:
+            return super().__call__(x)
         picked = x[0, rows]
         out = x.new_zeros(*x.shape[:-1], self.b.shape[0])
         out[0, rows] = F.linear(F.linear(picked, self.a), self.b) * self.scale
@@ -138,3 +153,48 @@ class RowAdapters:
             for module, low in attached:
                 module.adapters[:] = [x for x in module.adapters if x is not low]
         self.attached = {}
+
+
+def steer_every_row(model, vectors: list[tuple[int, torch.Tensor]], strength: float) -> Callable[[], None]:
+    """Add strength x vector to the residual after each vector's layer on every forward of `model`; returns
+    the remover."""
+    steering = RowSteering(model)
+    steering.register("every row", vectors)
+    steering.set_rows({("every row", strength): ALL_ROWS})
+    return steering.close
+
+
+def adapt_every_row(model, sites: list[dict], name: str = "every row") -> Callable[[], None]:
+    """Attach an adapter's global factors (per projection: param, a, b, scale) to `model`, this rank's share
+    of each (another pipeline stage's projections are that stage's), for every forward; returns detach."""
+    adapters = RowAdapters(model)
+    adapters.register(name, sites)
+    adapters.set_rows({name: ALL_ROWS})
+    return adapters.close
+
+
+class StandingModifiers(RankExtension):
+    """Steering and adapters applied to every row on this rank for a whole operation (capture, steer's own
+    runs), each under the driver's token: token -> its remover."""
+
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.attached: dict[str, Callable[[], None]] = {}
+
+    def steer(self, token: str, vectors: list[tuple[int, torch.Tensor]], strength: float) -> int:
+        self.attached[token] = steer_every_row(self.model, vectors, strength)
+        return len(vectors)
+
+    def adapt(self, token: str, sites: list[dict]) -> dict:
+        self.attached[token] = adapt_every_row(self.model, sites, token)
+        return {"rank": self.rank.rank, "sites": len(sites)}
+
+    def detach(self, token: str) -> bool:
+        remove = self.attached.pop(token, None)
+        if remove is not None:
+            remove()
+        return remove is not None
+
+    def close(self) -> None:
+        for token in list(self.attached):
+            self.detach(token)

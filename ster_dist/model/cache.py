@@ -1,5 +1,6 @@
-"""The static cache of a batch: per attention layer, this rank's key and value heads for every slot,
-and per recurrent layer, each row's state.
+"""A batch of prompts left-padded to one length (`left_pad`: what a whole-batch forward such as
+capture's reads), and the static cache of such a batch: per attention layer, this rank's key and
+value heads for every slot, and per recurrent layer, each row's state.
 
 Slots are shared by the batch (prompts are left-padded to one length); each row
 keeps its own positions and which slots hold real tokens, so padding is never
@@ -14,8 +15,24 @@ from __future__ import annotations
 
 import torch
 
+from ster_dist.errors import Refusal
+
 # per layer: ((key heads, key width), (value heads, value width)) one position keeps, or None (no attention)
 KVShapes = list[tuple[tuple[int, int], tuple[int, int]] | None]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, positions, valid) for prompts left-padded to one length; positions skip the padding."""
+    if any(len(p) == 0 for p in prompts):
+        raise Refusal("a prompt encodes to no tokens; give it some text or turn the chat template on")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        valid[row, width - len(prompt):] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return ids, positions, valid
 
 
 class KVCache:

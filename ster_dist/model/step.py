@@ -149,8 +149,8 @@ class StepState:
     def _kernel_rows(self, window: int | None, chunk: int | None) -> tuple | None:
         """(table, first keys, ends) of the decode kernel for a one-token step's layer with this window and chunk,
         each row one block of the cache: the keys its mask allows, where they are one run ending at its own
-        (left padding, as generate() pads a ragged batch, comes before a row's first key, and a window or a chunk
-        cuts from the front); None where a row's allowed keys are not one such run."""
+        (left padding, as model/cache.left_pad pads a ragged batch, comes before a row's first key, and a window
+        or a chunk cuts from the front); None where a row's allowed keys are not one such run."""
         if (window, chunk) not in self._rows:
             batch, keys = self._key_pos.shape
             mask = self.mask(window, chunk)

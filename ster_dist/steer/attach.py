@@ -1,9 +1,10 @@
 """Adding strength x direction to the residual stream after the direction's layer, on every rank.
 
 The residual is replicated over tensor-parallel ranks, so every rank adds the same vector and the
-ranks stay identical. The hook runs on every forward, so the prompt pass and every cached decode
-step are steered. Each attachment has a token; detaching removes exactly its hooks, so a pooled
-session (the job queue's) is left as it was found.
+ranks stay identical. Steering for a whole operation is the engine's per-row steering over every
+row (engine/modifiers.py): it runs on every forward, so the prompt pass and every decode step are
+steered. Each attachment has a token; detaching removes exactly its hooks, so a pooled session
+(the job queue's) is left as it was found. Generation steers per request in the token engine.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 
 import torch
 
+from ster_dist.engine.modifiers import StandingModifiers, steer_every_row
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.shard.fingerprint import weights_fingerprint
@@ -22,7 +24,6 @@ from ster_dist.steer.artifact import (
     load_artifact,
     provenance_warnings,
 )
-from ster_dist.workers.extension import RankExtension
 
 
 def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
@@ -30,45 +31,16 @@ def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
 
 
 def add_steering(model, vectors: list[tuple[int, torch.Tensor]], strength: float) -> list:
-    """Hook strength x vector onto `model` after each layer; returns the removers."""
-    removers = []
-    for layer, vector in vectors:
-        shift = (vector.double() * float(strength)).to(model.dtype).to(model.device)
-
-        def hook(h: torch.Tensor, shift=shift):
-            return h + shift
-
-        removers.append(model.add_hook(layer, hook))
-    return removers
-
-
-class SteeringOnRank(RankExtension):
-    """The steering attached on one rank: token -> the removers of that attachment's hooks."""
-
-    def __init__(self, rank):
-        super().__init__(rank)
-        self.attached: dict[str, list] = {}
-
-    def attach(self, vectors: list[tuple[int, torch.Tensor]], strength: float, token: str) -> int:
-        self.attached[token] = add_steering(self.model, vectors, strength)
-        return len(self.attached[token])
-
-    def detach(self, token: str) -> int:
-        removers = self.attached.pop(token, [])
-        for remove in removers:
-            remove()
-        return len(removers)
-
-    def close(self) -> None:
-        for token in list(self.attached):
-            self.detach(token)
+    """Steer every forward of `model` (one rank's decoder) by strength x vector after each vector's layer;
+    returns the removers."""
+    return [steer_every_row(model, vectors, strength)]
 
 
 def attach(group, artifact: SteeringArtifact, strength: float):
     """Steer every rank of `group`; returns the detach callable."""
     token = uuid.uuid4().hex
-    group.on(SteeringOnRank).attach(payload(artifact), float(strength), token)
-    return lambda: group.on(SteeringOnRank).detach(token)
+    group.on(StandingModifiers).steer(token, payload(artifact), float(strength))
+    return lambda: group.on(StandingModifiers).detach(token)
 
 
 def check_strength(vector, strength) -> None:
@@ -130,7 +102,7 @@ def attach_for_cli(session, request):
     vectors, info = prepare(session, request)
     token = uuid.uuid4().hex
     strength = 1.0 if isinstance(request.strength, list) else float(request.strength)
-    session.group.on(SteeringOnRank).attach(vectors, strength, token)
+    session.group.on(StandingModifiers).steer(token, vectors, strength)
     provenance = getattr(session, "provenance", None)
     if isinstance(provenance, dict):
         provenance["steering"] = info
@@ -138,7 +110,7 @@ def attach_for_cli(session, request):
     def undo():
         try:
             with contextlib.suppress(Refusal):  # the group is gone, and the hooks with it
-                session.group.on(SteeringOnRank).detach(token)
+                session.group.on(StandingModifiers).detach(token)
         finally:
             if isinstance(provenance, dict):
                 provenance.pop("steering", None)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ster_dist.generate import left_pad
+from ster_dist.model.cache import left_pad
 from ster_dist.workers.extension import RankExtension
 
 POSITIONS = ("last", "all")

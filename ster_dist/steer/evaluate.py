@@ -16,7 +16,7 @@ import math
 import torch
 
 from ster_dist.errors import Refusal
-from ster_dist.generate import left_pad
+from ster_dist.model.cache import left_pad
 from ster_dist.steer.artifact import SteeringArtifact
 from ster_dist.steer.attach import attach
 from ster_dist.steer.fit import evaluate_direction

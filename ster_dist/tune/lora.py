@@ -1,8 +1,8 @@
 """Trainable LoRA factors on the decoder's projections, through the runtime-adapter mechanism.
 
-A runtime adapter (adapters/attach.py) is a LowRank on a ColumnLinear / RowLinear: this rank's
-share of A and B, cut from the projection's Shard by attach.share. Training attaches the same
-LowRank objects; what changes is where their factors come from. The trainable parameters are the
+A runtime adapter (adapters/attach.py, engine/modifiers.py) is a LowRank on a ColumnLinear / RowLinear:
+this rank's share of A and B, cut from the projection's Shard by parallel.linear.low_rank_share.
+Training attaches plain LowRank objects; what changes is where their factors come from. The trainable parameters are the
 global factors, every rank holding them whole, and before each forward `refresh` cuts each rank's
 share from them again, through TrainCtx.sum_grad, so the cut is differentiable and each factor's
 gradient is summed over the tensor-parallel ranks (tune/parallel.py says why that sum is the gradient).
@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ster_dist.adapters.attach import share
 from ster_dist.adapters.targets import PARAMS, decoder_shards
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig
 from ster_dist.errors import Refusal
-from ster_dist.parallel.linear import LowRank
+from ster_dist.parallel.linear import LowRank, low_rank_share as share
 from ster_dist.shard.writer import placements
 
 

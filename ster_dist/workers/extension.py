@@ -5,7 +5,7 @@ rank closes, so whatever the work leaves behind (steering hooks, attached adapte
 run) is that instance's state, on that rank, closed with it. The driver names the class and one
 of its methods:
 
-    group.on(SteeringOnRank).attach(vectors, strength, token)   # -> one result per rank
+    group.on(StandingModifiers).steer(token, vectors, strength)   # -> one result per rank
 
 The class travels by reference (pickle and cloudpickle send its module and name, and the rank
 imports it), so this module and the rest of workers/ import nothing from the packages whose
@@ -59,7 +59,7 @@ def check_method(cls: type, method: str) -> None:
 
 
 def describe(method: str, args: tuple) -> str:
-    """How a group names a call in its errors: 'SteeringOnRank.attach' rather than 'call_extension'."""
+    """How a group names a call in its errors: 'StandingModifiers.steer' rather than 'call_extension'."""
     if method == "call_extension" and len(args) >= 2 and isinstance(args[0], type):
         return f"{args[0].__name__}.{args[1]}"
     return method

@@ -1,11 +1,10 @@
-"""Driving a model across ranks: load once per rank, then generate / logits / parity.
+"""Driving a model across ranks: load once per rank, then logits / parity / rank extensions (the token
+engine's ModelRunner among them).
 
 `open_group` picks the group: a single in-process Rank for one rank (no Ray, no
 process group: the embedded default), Ray actors (or spawned processes) for tp x ep x pp ranks.
-Every group has `call(method, *args)` for Rank's own methods (and `submit` / `collect`, the same
-call in two halves, so several can be in flight: pipeline stages then work on different ones),
-`on(cls)` for a rank extension's (workers/extension.py), and `lead`, the index of the rank whose
-answer is the group's (the last pipeline stage's first rank; 0 without --pp).
+Every group is a WorkerGroup (workers/worker_group.py): `call`, `submit` / `collect`, `on(cls)`,
+`close` and `lead`.
 """
 
 from __future__ import annotations
@@ -13,15 +12,23 @@ from __future__ import annotations
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.workers.extension import OnRanks
 from ster_dist.workers.rank import Rank
+from ster_dist.workers.worker_group import WorkerGroup
 
 
-class LocalGroup:
+class LocalGroup(WorkerGroup):
     """One rank in this process: the same calls as RayGroup and SpawnGroup, no communication."""
 
     lead = 0  # the rank whose answer is the group's (Rank.lead)
 
     def __init__(self):
         self.rank = Rank(0, 1)
+
+    @classmethod
+    def holding(cls, loaded) -> "LocalGroup":
+        """A group around a model this process has loaded already (tests, benchmarks)."""
+        group = cls()
+        group.rank.loaded = loaded
+        return group
 
     def call(self, method: str, *args) -> list:
         return [getattr(self.rank, method)(*args)]
@@ -47,7 +54,7 @@ class LocalGroup:
 
 
 def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray", ep: int = 1,
-               pp: int = 1):
+               pp: int = 1) -> WorkerGroup:
     """tp x ep x pp ranks: tensor-parallel groups of tp, expert-parallel groups of ep, pp pipeline stages."""
     world = tp * ep * pp
     if world == 1 and address is None:
@@ -61,6 +68,6 @@ def open_group(tp: int, device: str = "cpu", address: str | None = None, launche
     return RayGroup(world, device, address, ep=ep, pp=pp)
 
 
-def load_on(group, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> list[dict]:
+def load_on(group: WorkerGroup, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> list[dict]:
     """Every rank loads its shard of the checkpoint the driver resolved (once)."""
     return group.call("load", checkpoint, precision, device, weights)

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ster_dist.checkpoint import Checkpoint
-from ster_dist.generate import Sampling, generate
 from ster_dist.load import LoadedModel, load_model
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.workers.bind import bind_collectives_to
@@ -161,15 +160,6 @@ class Rank:
         """Whether this rank answers for its pipeline stage (its first rank): what a stage alone holds, such
         as the residual after its layers, travels back from it."""
         return self.rank % (self.world // self.pp) == 0
-
-    def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.broadcast(tokens, src=self._ctx.sampler)
-        return tokens
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling, eos: tuple[int, ...], pad_id: int):
-        out = generate(self.loaded.model, prompts, sampling, eos, pad_id, agree=self._agree)
-        return out if self.lead else None
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor | None:

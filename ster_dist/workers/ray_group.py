@@ -20,6 +20,7 @@ import time
 
 from ster_dist.errors import OutOfMemory, Refusal, WorkerLost
 from ster_dist.workers.extension import OnRanks, describe
+from ster_dist.workers.worker_group import WorkerGroup
 
 CALL_TIMEOUT_S = float(os.environ.get("STER_RANK_TIMEOUT", "1800"))
 CLOSE_GRACE_S = 10.0  # how long a healthy group's ranks get to close their extensions before the kill
@@ -81,7 +82,7 @@ def cpus_per_rank(world: int, cluster_cpus: float) -> float:
     return max(0.01, min(1.0, (cluster_cpus - 1) / world))
 
 
-class RayGroup:
+class RayGroup(WorkerGroup):
     def __init__(self, world: int, device: str = "cpu", address: str | None = None, threads: int | None = None,
                  ep: int = 1, pp: int = 1):
         import ray

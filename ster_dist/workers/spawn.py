@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from ster_dist.errors import Refusal, WorkerLost
 from ster_dist.workers.extension import OnRanks, describe
 from ster_dist.workers.rank import Rank, free_port
+from ster_dist.workers.worker_group import WorkerGroup
 
 
 def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1, pp: int = 1) -> None:
@@ -30,7 +31,7 @@ def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1, pp: in
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-class SpawnGroup:
+class SpawnGroup(WorkerGroup):
     def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0, ep: int = 1,
                  host: str = "127.0.0.1", pp: int = 1):
         """world ranks: pp pipeline stages of world / (ep x pp) tensor-parallel ranks times ep expert-parallel
