@@ -3,7 +3,8 @@ weight source by the streaming loader (shard/loader.py), plus the checks that co
 precision, expert-parallel split, the weights mode).
 
 `--weights dequantize` (the default) holds an FP8 checkpoint's weights dequantized to --precision;
-`--weights fp8` keeps its projections and experts in FP8 beside their block scales (shard/fp8_kept.py).
+`--weights fp8` keeps its projections and experts in FP8 beside their block scales (shard/fp8_kept.py). A .gguf
+on the CPU keeps its Q8_0/Q4_0/Q4_1 weights in their blocks (shard/ggml_kept.py).
 
 The same steps run in every tensor-parallel rank with that rank's ParallelCtx;
 resolution (and any download) happens once, in the driver, before ranks start.
@@ -97,10 +98,10 @@ def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | N
 
 def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 keep_fp8: bool = False) -> Decoder:
+                 keep_fp8: bool = False, keep_blocks: bool = False) -> Decoder:
     """This rank's decoder, built on the meta device and filled from `source`, in eval mode."""
     model = meta_decoder(cfg, ctx, dtype)
-    fill_module(model, cfg, source, device, keep_fp8)
+    fill_module(model, cfg, source, device, keep_fp8, keep_blocks=keep_blocks)
     model.fuse_projections()
     return model.eval()
 
@@ -125,7 +126,10 @@ def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cp
     check_weights(cfg, weights, checkpoint.model)
     source = open_source(checkpoint, dtype, cfg)
     try:
-        model = load_decoder(cfg, source, ctx, dtype, device, keep_fp8=weights == "fp8")
+        # a .gguf's Q8_0/Q4_0/Q4_1 weights run as stored on the CPU (its kernels, kernels/blocks.cpp); a
+        # dequantized model is `ster gguf-import --safetensors`
+        model = load_decoder(cfg, source, ctx, dtype, device, keep_fp8=weights == "fp8",
+                             keep_blocks=checkpoint.weight_format == "gguf" and device == "cpu")
         bytes_read = getattr(source, "bytes_read", 0)
     finally:
         source.close()

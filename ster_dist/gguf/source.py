@@ -4,7 +4,8 @@ Opening the source checks every tensor in the file against config.json (name
 rule, layer count, storage type, shape) before any data is read. A read
 dequantizes only the rows asked for (and only the blocks covering the columns
 asked for) and, for families llama.cpp converted with permuted q/k rows, undoes
-that permutation, touching only the heads the asked rows fall in.
+that permutation, touching only the heads the asked rows fall in. `read_blocks` hands out the stored bytes of
+a window instead (the loader keeping Q8_0/Q4_0/Q4_1 blocks as stored, shard/ggml_kept.py), rows permuted alike.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from ster_dist.errors import Refusal
 from ster_dist.gguf.dequant import SUPPORTED, dequantize_window, row_bytes, window_bytes
 from ster_dist.gguf.layout import check_layout
 from ster_dist.gguf.names import DERIVED, FAMILIES, GGUFFamily, Mapped, symbols, to_gguf, to_hf
+from ster_dist.parallel.ggml import KINDS
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,31 @@ class GGUFSource:
             want_cols = np.arange(*(cols or slice(None)).indices(entry.shape[1]))
             out = self._window(entry, self._stored_rows(entry, want), want_cols)
         self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def kept_kind(self, name: str) -> str | None:
+        """The GGML kind `name` is stored in where its blocks can be kept as stored (parallel/ggml.py), else None."""
+        entry = self._entry(name)
+        return entry.qtype.name if entry.qtype.name in KINDS and len(entry.shape) == 2 else None
+
+    def read_blocks(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        """The stored bytes of a window of whole blocks, uint8 [rows, blocks * block bytes]: a window whose
+        columns start or end inside a block is refused, naming the block size."""
+        entry = self._entry(name)
+        want = self._stored_rows(entry, np.arange(*(rows or slice(None)).indices(entry.shape[0])))
+        start, stop, _ = (cols or slice(None)).indices(entry.shape[1])
+        block, size = GGML_QUANT_SIZES[entry.qtype]
+        if start % block or (stop % block and stop != entry.shape[1]):
+            raise Refusal(f"a rank's share of {name} holds columns {start}-{stop}, which cut {entry.qtype.name} "
+                          f"blocks of {block}; use a --tp whose split of {entry.shape[1]} columns is a multiple "
+                          f"of {block}, or import with --safetensors")
+        span = _span(want)
+        raw = entry.raw[span.start:span.stop, start // block * size:-(-stop // block) * size]
+        out = torch.from_numpy(np.array(raw, copy=True))
+        if not _is_span(want, span):
+            out = out[torch.from_numpy(want - span.start)]
+        self.raw_bytes_read += out.numel()
+        self.bytes_read += out.numel()
         return out
 
     def close(self) -> None:
