@@ -138,3 +138,36 @@ def test_tp_split_inside_a_block_is_refused_naming_the_block(tmp_path):
     import_gguf(tmp_path / "m.gguf", tmp_path / "blocks")
     with pytest.raises(Refusal, match=r"takes columns 0-48 of model.layers.0.mlp.down_proj.weight, which cut its Q4_0 blocks of 32"):
         load_model(resolve(str(tmp_path / "blocks")), "f32", ctx=ParallelCtx(tp_rank=0, tp_size=2))
+
+
+def _damaged(path, how: str) -> None:
+    """The .gguf at `path` changed in place: cut short, or blk.0.ffn_down's type or first dimension rewritten."""
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[:-10]))
+        return
+    name = b"blk.0.ffn_down.weight"
+    at = data.index(name) + len(name)  # then: n_dims (4 bytes), dims (8 each, innermost first), type (4)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    if how == "unknown type":
+        data[at + 4 + 8 * n_dims:at + 8 + 8 * n_dims] = (99).to_bytes(4, "little")
+    else:
+        data[at + 4:at + 12] = (80).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, said", [
+    ("truncated", "reaches past the end of the file"),
+    ("unknown type", "has storage type 99, which GGUF does not define"),
+    ("partial block", "has rows of 80 values, not whole Q4_1 blocks of 32"),
+])
+def test_a_damaged_gguf_directory_is_refused_in_one_line_before_loading(tmp_path, how, said):
+    write_llama(tmp_path / "m.gguf", qtype=Q.Q4_1, inter=128)
+    import_gguf(tmp_path / "m.gguf", tmp_path / "blocks")
+    linked = tmp_path / "blocks" / "m.gguf"
+    linked.unlink()  # its own copy, so the damage is to it alone
+    linked.write_bytes((tmp_path / "m.gguf").read_bytes())
+    _damaged(linked, how)
+    with pytest.raises(Refusal, match=said) as refused:
+        load_model(resolve(str(tmp_path / "blocks")), "f32")
+    assert "\n" not in str(refused.value)
