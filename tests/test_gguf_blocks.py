@@ -136,7 +136,8 @@ def test_tp2_ranks_hold_their_blocks_and_decode_as_one_rank(imports):
 def test_tp_split_inside_a_block_is_refused_naming_the_block(tmp_path):
     write_llama(tmp_path / "m.gguf", qtype=Q.Q4_0, inter=96)  # down_proj's 96 inputs: 48 a rank, not whole blocks
     import_gguf(tmp_path / "m.gguf", tmp_path / "blocks")
-    with pytest.raises(Refusal, match=r"takes columns 0-48 of model.layers.0.mlp.down_proj.weight, which cut its Q4_0 blocks of 32"):
+    said = r"takes columns 0-48 of model.layers.0.mlp.down_proj.weight, which cut its Q4_0 blocks of 32"
+    with pytest.raises(Refusal, match=said):
         load_model(resolve(str(tmp_path / "blocks")), "f32", ctx=ParallelCtx(tp_rank=0, tp_size=2))
 
 
