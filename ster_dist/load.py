@@ -3,7 +3,8 @@ weight source by the streaming loader (shard/loader.py), plus the checks that co
 precision, expert-parallel split, the weights mode).
 
 `--weights dequantize` (the default) holds an FP8 checkpoint's weights dequantized to --precision;
-`--weights fp8` keeps its projections and experts in FP8 beside their block scales (shard/fp8_kept.py).
+`--weights fp8` keeps its projections and experts in FP8 beside their block scales (shard/fp8_kept.py);
+`--weights blocks` keeps a .gguf's Q8_0/Q4_0/Q4_1 weights in their blocks on the CPU (shard/ggml_kept.py).
 
 The same steps run in every tensor-parallel rank with that rank's ParallelCtx;
 resolution (and any download) happens once, in the driver, before ranks start.
@@ -27,7 +28,7 @@ from ster_dist.shard.quantized import dequantizing
 from ster_dist.shard.source import SafetensorsSource, TensorSource
 
 PRECISIONS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-WEIGHTS = ("dequantize", "fp8")
+WEIGHTS = ("dequantize", "fp8", "blocks")
 
 
 def compute_dtype(precision: str, device: str) -> torch.dtype:
@@ -62,11 +63,21 @@ def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
                       f"use at most --ep {cfg.moe.num_experts}")
 
 
-def check_weights(cfg: ModelConfig, weights: str, model: str) -> None:
-    """--weights fp8 needs FP8 weights to keep: refused, before any weight is read, on anything else."""
+def check_weights(cfg: ModelConfig, weights: str, model: str, weight_format: str | None = None,
+                  device: str = "cpu") -> None:
+    """--weights fp8 needs FP8 weights to keep, --weights blocks a .gguf on the CPU: refused, before any
+    weight is read, on anything else (a format not known yet, as ster plan's, is not checked)."""
     if weights not in WEIGHTS:
         raise Refusal(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     if weights == "dequantize":
+        return
+    if weights == "blocks":
+        if weight_format not in (None, "gguf"):
+            raise Refusal(f"--weights blocks keeps a .gguf's Q8_0/Q4_0/Q4_1 blocks, but {model} holds "
+                          f"{weight_format} weights; use --weights dequantize")
+        if str(device) != "cpu":
+            raise Refusal(f"--weights blocks runs on the CPU only (kernels/blocks.cpp), not {device}; use "
+                          "--weights dequantize")
         return
     if cfg.quant is None:
         raise Refusal(f"--weights fp8 keeps FP8 weights, but {model} has none (its config states no FP8 "
@@ -97,10 +108,10 @@ def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | N
 
 def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 keep_fp8: bool = False) -> Decoder:
+                 keep_fp8: bool = False, keep_blocks: bool = False) -> Decoder:
     """This rank's decoder, built on the meta device and filled from `source`, in eval mode."""
     model = meta_decoder(cfg, ctx, dtype)
-    fill_module(model, cfg, source, device, keep_fp8)
+    fill_module(model, cfg, source, device, keep_fp8, keep_blocks=keep_blocks)
     model.fuse_projections()
     return model.eval()
 
@@ -122,10 +133,13 @@ def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cp
     dtype = compute_dtype(precision, device)
     cfg = model_config(checkpoint)
     check_expert_parallel(cfg, ctx)
-    check_weights(cfg, weights, checkpoint.model)
+    check_weights(cfg, weights, checkpoint.model, checkpoint.weight_format, device)
     source = open_source(checkpoint, dtype, cfg)
     try:
-        model = load_decoder(cfg, source, ctx, dtype, device, keep_fp8=weights == "fp8")
+        # --weights blocks: a .gguf's Q8_0/Q4_0/Q4_1 weights run as stored on the CPU (kernels/blocks.cpp);
+        # opt-in while that kernel is slower here than the dequantized f32/bf16 products (issue 62)
+        model = load_decoder(cfg, source, ctx, dtype, device, keep_fp8=weights == "fp8",
+                             keep_blocks=weights == "blocks")
         bytes_read = getattr(source, "bytes_read", 0)
     finally:
         source.close()

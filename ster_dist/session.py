@@ -88,7 +88,7 @@ class Session:
             return self.loads
         rt = self.runtime
         checkpoint, cfg = self.checkpoint, self.cfg  # resolved and gated before any rank starts
-        check_weights(cfg, rt.weights, rt.model)
+        check_weights(cfg, rt.weights, rt.model, checkpoint.weight_format, rt.device)
         check_pipeline(cfg, rt.pp)
         world = rt.tp * rt.ep * rt.pp
         where = f"{world} ranks" if world > 1 else "1 Ray actor" if self.address else "this process"

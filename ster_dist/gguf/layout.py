@@ -6,13 +6,20 @@ moves), a tensor's dimensions multiply with numpy's wrap-around, nested arrays r
 floor. This walk reads the same structure with Python integers and refuses, in one line, any count,
 length, type or offset that does not fit inside the file, so the reader only ever sees a header
 that describes bytes the file holds.
+
+The walk also hands back what loading needs of the header (`Header`: its scalar and string metadata, each tensor's
+name, type, dimensions and absolute offset), so a model directory's .gguf loads without GGUFReader, which builds
+a numpy view for every token of the vocabulary: 20 s of a SmolLM2 load on 2 busy cores, against about 1 s here.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -64,8 +71,7 @@ class _Walk:
                 return struct.unpack_from(self.order + "I", self.data, start)[0]
             return None
         if kind == _STRING:
-            self.string(what)
-            return None
+            return self.string(what)
         if kind != _ARRAY:
             raise self.fail(f"{what} has value type {kind}, which GGUF does not define")
         if depth >= _MAX_NESTING:
@@ -85,8 +91,26 @@ class _Walk:
         return None
 
 
-def check_layout(path: Path) -> None:
-    """Refuse a GGUF file whose header does not fit inside it (see the module docstring)."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the header lists it, in GGUFReader's terms: dimensions innermost first (ggml's order), the
+    storage type's number, and where its bytes start in the file."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: np.ndarray
+    data_offset: int
+
+
+@dataclass
+class Header:
+    fields: dict[str, object] = field(default_factory=dict)  # scalar uint32 and string metadata only
+    tensors: list[TensorInfo] = field(default_factory=list)
+    little_endian: bool = True
+
+
+def check_layout(path: Path) -> Header:
+    """Refuse a GGUF file whose header does not fit inside it (see the module docstring); its Header."""
     path = Path(path)
     try:
         with open(path, "rb") as handle:
@@ -97,12 +121,12 @@ def check_layout(path: Path) -> None:
     except OSError as exc:
         raise Refusal(f"cannot read GGUF file {path}: {exc.strerror or exc}") from None
     try:
-        _walk(data, path)
+        return _walk(data, path)
     finally:
         data.close()
 
 
-def _walk(data: mmap.mmap, path: Path) -> None:
+def _walk(data: mmap.mmap, path: Path) -> Header:
     walk = _Walk(data, path, "<")
     if bytes(data[:4]) != _MAGIC:
         raise Refusal(f"{path} is not a GGUF file (it does not start with 'GGUF'); give a llama.cpp .gguf file")
@@ -120,10 +144,13 @@ def _walk(data: mmap.mmap, path: Path) -> None:
     if fields * 13 + tensors * 24 > len(data) - walk.at:
         raise walk.fail(f"it declares {fields} metadata entries and {tensors} tensors, more than the file holds")
     alignment = _DEFAULT_ALIGNMENT
+    header = Header(little_endian=walk.order == "<")
     for index in range(fields):
         key = walk.string(f"the key of metadata entry {index}")
         kind = walk.uint(4, f"the type of {key!r}")
         value = walk.value(kind, f"metadata {key!r}")
+        if value is not None:
+            header.fields[key] = value
         if key == "general.alignment":
             if kind != _UINT32 or not value or value & (value - 1):
                 raise walk.fail("general.alignment is not a power of two stored as uint32")
@@ -154,3 +181,5 @@ def _walk(data: mmap.mmap, path: Path) -> None:
         if offset + nbytes > room:
             raise walk.fail(f"tensor {name!r} ({' x '.join(map(str, dims)) or 'scalar'} {qtype.name}, {nbytes} "
                             f"bytes at data offset {offset}) reaches past the end of the file")
+        header.tensors.append(TensorInfo(name, qtype, np.array(dims, dtype=np.int64), data_start + offset))
+    return header

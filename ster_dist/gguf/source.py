@@ -4,7 +4,8 @@ Opening the source checks every tensor in the file against config.json (name
 rule, layer count, storage type, shape) before any data is read. A read
 dequantizes only the rows asked for (and only the blocks covering the columns
 asked for) and, for families llama.cpp converted with permuted q/k rows, undoes
-that permutation, touching only the heads the asked rows fall in.
+that permutation, touching only the heads the asked rows fall in. `read_blocks` hands out the stored bytes of
+a window instead (the loader keeping Q8_0/Q4_0/Q4_1 blocks as stored, shard/ggml_kept.py), rows permuted alike.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from ster_dist.errors import Refusal
 from ster_dist.gguf.dequant import SUPPORTED, dequantize_window, row_bytes, window_bytes
 from ster_dist.gguf.layout import check_layout
 from ster_dist.gguf.names import DERIVED, FAMILIES, GGUFFamily, Mapped, symbols, to_gguf, to_hf
+from ster_dist.parallel.ggml import KINDS
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,10 @@ _EXPECT_NAMES = {"str": "a string", "int": "an integer", "number": "a number", "
 
 
 def family_of(reader: GGUFReader, path: Path) -> GGUFFamily:
-    arch = field_value(reader, "general.architecture")
+    return family_named(field_value(reader, "general.architecture"), path)
+
+
+def family_named(arch, path: Path) -> GGUFFamily:
     if not isinstance(arch, str) or arch not in FAMILIES:
         raise Refusal(f"GGUF file {path} has architecture {arch!r}; ster_dist reads GGUF files of "
                       f"architecture {', '.join(FAMILIES)}; use the model's safetensors checkpoint")
@@ -90,16 +95,29 @@ class GGUFSource:
         self.precision = precision
         self.bytes_read = 0        # bytes returned, as SafetensorsSource counts them
         self.raw_bytes_read = 0    # quantized bytes copied out of the file
-        # An already-open reader may be passed in: parsing the metadata takes seconds.
-        self._reader = reader if reader is not None else open_reader(self.path)
-        self.family = family_of(self._reader, self.path)
+        # An already-open reader may be passed in: parsing the metadata takes seconds. Without one, the header
+        # check_layout walks is all a load reads (gguf/layout.py), over a memory map of the file.
+        self._reader = reader
+        if reader is not None:
+            self.family, tensors, self._data = family_of(reader, self.path), reader.tensors, reader.data
+        else:
+            header = check_layout(self.path)
+            if not header.little_endian:  # GGUFReader reads the other byte order's numbers; the walk does not
+                self._reader = open_reader(self.path)
+                self.family, tensors, self._data = family_of(self._reader, path), self._reader.tensors, \
+                    self._reader.data
+            else:
+                self.family = family_named(header.fields.get("general.architecture"), self.path)
+                tensors, self._data = header.tensors, np.memmap(self.path, dtype=np.uint8, mode="r")
         self._entries: dict[str, _Entry] = {}
         sym = symbols(config)
         layers = config.get("num_hidden_layers")
         heads = {"attn_q": config.get("num_attention_heads"),
                  "attn_k": config.get("num_key_value_heads") or config.get("num_attention_heads")}
-        for tensor in self._reader.tensors:
+        for tensor in tensors:
             entry = self._check(tensor, sym, layers, heads)
+            if entry.mapped.hf in self._entries:
+                raise Refusal(f"GGUF file {self.path} lists tensor {tensor.name} twice; the file is damaged")
             self._entries[entry.mapped.hf] = entry
         if config.get("tie_word_embeddings") is False and "lm_head.weight" not in self._entries:
             raise Refusal(f"config.json says tie_word_embeddings is false but {self.path.name} has no "
@@ -136,7 +154,7 @@ class GGUFSource:
         n_rows, n_cols = (1, shape[0]) if len(shape) == 1 else shape
         width = row_bytes(qtype, n_cols)
         offset = int(tensor.data_offset)
-        raw = self._reader.data[offset:offset + n_rows * width].reshape(n_rows, width)
+        raw = self._data[offset:offset + n_rows * width].reshape(n_rows, width)
         n_heads = heads.get(mapped.base) if self.family.permute_qk else None
         if n_heads is not None and (shape[0] % n_heads or (shape[0] // n_heads) % 2):
             raise Refusal(f"GGUF tensor {name} has {shape[0]} rows, not a whole number of "
@@ -170,9 +188,34 @@ class GGUFSource:
         self.bytes_read += out.numel() * out.element_size()
         return out
 
+    def kept_kind(self, name: str) -> str | None:
+        """The GGML kind `name` is stored in where its blocks can be kept as stored (parallel/ggml.py), else None."""
+        entry = self._entry(name)
+        return entry.qtype.name if entry.qtype.name in KINDS and len(entry.shape) == 2 else None
+
+    def read_blocks(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        """The stored bytes of a window of whole blocks, uint8 [rows, blocks * block bytes]: a window whose
+        columns start or end inside a block is refused, naming the block size."""
+        entry = self._entry(name)
+        want = self._stored_rows(entry, np.arange(*(rows or slice(None)).indices(entry.shape[0])))
+        start, stop, _ = (cols or slice(None)).indices(entry.shape[1])
+        block, size = GGML_QUANT_SIZES[entry.qtype]
+        if start % block or (stop % block and stop != entry.shape[1]):
+            raise Refusal(f"a rank's share of {name} holds columns {start}-{stop}, which cut {entry.qtype.name} "
+                          f"blocks of {block}; use a --tp whose split of {entry.shape[1]} columns is a multiple "
+                          f"of {block}, or import with --safetensors")
+        span = _span(want)
+        raw = entry.raw[span.start:span.stop, start // block * size:-(-stop // block) * size]
+        out = torch.from_numpy(np.array(raw, copy=True))
+        if not _is_span(want, span):
+            out = out[torch.from_numpy(want - span.start)]
+        self.raw_bytes_read += out.numel()
+        self.bytes_read += out.numel()
+        return out
+
     def close(self) -> None:
         self._entries.clear()
-        self._reader = None
+        self._reader = self._data = None
 
     # -- helpers ------------------------------------------------------------
 

@@ -24,6 +24,8 @@
 - `stack_step(h, weights, layers, numbers, shape, cos, sin, rotations)` (stack.cpp): a decode step through plain
   Llama- or Gemma-shaped layers in one call, over the plan pushed (model/native_stack.py); `stack_lanes()`: the
   floats a vector of its loops, which must be inductor's for the graph's bits.
+- `block_product(x, weight, bias, kind, cols)` (blocks.cpp): x W^T (+ b) for 1 to 64 rows over a weight kept in
+  GGML blocks (Q8_0, Q4_0, Q4_1; parallel/ggml.py), x quantized to 8 bits per block as llama.cpp does.
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it (`argmax`
   below: what greedy steps and the sampler pick tokens with).
 
@@ -59,7 +61,7 @@ from ster_dist.events import progress
 # bounds a product and the library's blocked kernels are ahead
 FEW_ROWS_MAX = 8
 SOURCES = ("few_rows.cpp", "paged_decode.cpp", "causal_attend.cpp", "experts.cpp", "panels.cpp", "argmax.cpp",
-           "stack.cpp")
+           "stack.cpp", "blocks.cpp")
 
 _tried = False
 _ready = False
@@ -131,6 +133,7 @@ def _load() -> bool:
     torch.library.register_fake("ster_kernels::attend_planned")(_planned_shape)
     torch.library.register_fake("ster_kernels::causal_attend")(_causal_shape)
     torch.library.register_fake("ster_kernels::swiglu_experts")(_experts_shape)
+    torch.library.register_fake("ster_kernels::block_product")(_block_shape)
     if (spent := time.perf_counter() - started) > 2:
         progress(f"built ster_dist's CPU kernels for this CPU in {spent:.0f} s (kept in torch's extension cache)")
     return True
@@ -209,6 +212,11 @@ def _cflags(avx2: bool) -> list[str]:
 
 
 def _product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _block_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: int,
+                 cols: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -6,7 +6,9 @@ time (adapters/attach.py), each already cut to this rank's share: a column-paral
 holds A whole and its own rows of B, a row-parallel one its own columns of A and B whole.
 
 A module names the parameters it can hold as FP8 (`fp8_params`); under `--weights fp8` the loader keeps
-those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the pair.
+those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the pair. Those it names
+in `ggml_params` may be kept in a .gguf's own blocks (parallel/ggml.py): `matrix(name)` then hands over a
+BlockWeight, which `dense` multiplies through and the embedding looks rows up in.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ster_dist import kernels
 from ster_dist.parallel import packed
 from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight, blockwise_ok, scaled_product
+from ster_dist.parallel.ggml import BlockWeight, block_product
 from ster_dist.parallel.triton_fp8 import triton_product
 
 
@@ -27,6 +30,7 @@ class ShardedModule(nn.Module):
     """A module whose parameters carry Shards (global shape and this rank's ranges)."""
 
     fp8_params: tuple[str, ...] = ()  # parameters whose every use goes through matrix(): FP8 may be kept
+    ggml_params: tuple[str, ...] = ()  # parameters whose every use goes through matrix(): GGML blocks may be kept
 
     def __init__(self):
         super().__init__()
@@ -34,6 +38,8 @@ class ShardedModule(nn.Module):
         # kept FP8 parameters: name -> (row group sizes, col group sizes, compute dtype); the scales are the
         # buffers `<name>_scale`, so they follow the module to its device and count among its tensors
         self.fp8: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+        # kept GGML blocks: name -> (kind, columns, compute dtype); the parameter holds the stored bytes
+        self.ggml: dict[str, tuple[str, int, torch.dtype]] = {}
 
     def _param(self, name: str, shard: Shard, dtype: torch.dtype | None = None) -> None:
         self.shards[name] = shard
@@ -46,8 +52,14 @@ class ShardedModule(nn.Module):
         self.register_buffer(f"{name}_scale", scale, persistent=False)
         self.fp8[name] = (rows, cols, dtype)
 
-    def matrix(self, name: str = "weight") -> torch.Tensor | Fp8Weight:
-        """What `dense` multiplies by: the parameter, or the kept FP8 matrix with its scales."""
+    def keep_blocks(self, name: str, kind: str, cols: int, dtype: torch.dtype) -> None:
+        """Parameter `name` (already uint8, a .gguf's stored bytes) is kept in GGML blocks of `kind`."""
+        self.ggml[name] = (kind, cols, dtype)
+
+    def matrix(self, name: str = "weight") -> torch.Tensor | Fp8Weight | BlockWeight:
+        """What `dense` multiplies by: the parameter, or the kept FP8 matrix with its scales, or the kept blocks."""
+        if name in self.ggml:
+            return BlockWeight(getattr(self, name), *self.ggml[name])
         if name not in self.fp8:
             return getattr(self, name)
         rows, cols, dtype = self.fp8[name]
@@ -57,10 +69,12 @@ class ShardedModule(nn.Module):
         """The parameter as a tensor of its compute dtype (a kept FP8 one dequantized: for uses other than
         a product, such as MLA's absorbed key and value halves)."""
         held = self.matrix(name)
-        return held.dequantize() if isinstance(held, Fp8Weight) else held
+        return held.dequantize() if isinstance(held, (Fp8Weight, BlockWeight)) else held
 
     def dtype_of(self, name: str = "weight") -> torch.dtype:
         """The dtype the parameter computes in (an adapter beside a kept FP8 weight is made in it)."""
+        if name in self.ggml:
+            return self.ggml[name][2]
         return self.fp8[name][2] if name in self.fp8 else getattr(self, name).dtype
 
 
@@ -204,9 +218,13 @@ NATIVE_HALF_PRODUCTS = packed.NATIVE_HALF_PRODUCTS
 _blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | BlockWeight,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) through the kernel that streams W fastest for x's shape; a kept FP8 W through blockwise
-    scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py)."""
+    scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py); kept GGML
+    blocks through their own kernel (parallel/ggml.py)."""
+    if isinstance(weight, BlockWeight):
+        return block_product(x, weight, bias)
     if isinstance(weight, Fp8Weight):
         if (y := triton_product(x, weight, bias)) is not None:  # --kernels triton (parallel/triton_fp8.py)
             return y
@@ -289,6 +307,7 @@ class ColumnLinear(ShardedModule):
     """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
 
     fp8_params = ("weight",)
+    ggml_params = ("weight",)
 
     def __init__(self, in_features: int, out_features: int, rows: tuple[tuple[int, int], ...], bias: bool):
         super().__init__()
@@ -335,6 +354,7 @@ class FusedColumns(nn.Module):
         self.register_buffer("weight", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.sizes: list[int] = []
+        self.ggml: tuple[str, int, torch.dtype] | None = None  # the parts' kept blocks: (kind, columns, dtype)
 
     def runs(self) -> list[list[nn.Parameter]]:
         """The parameters fuse() joins, each list in order: laid out back to back (shard/arena.py), they join
@@ -355,10 +375,14 @@ class FusedColumns(nn.Module):
             return
         if any(p.fp8 for p in parts):
             return
+        kept = {p.ggml.get("weight") for p in parts}
+        if len(kept) > 1:  # blocks of one kind and width join as rows do; anything else runs part by part
+            return
+        self.ggml = next(iter(kept))
         key = tuple(id(p.weight) for p in parts)
         if done is not None and key in done:
             donor = done[key]
-            self.sizes, self.weight, self.bias = donor.sizes, donor.weight, donor.bias
+            self.sizes, self.weight, self.bias, self.ggml = donor.sizes, donor.weight, donor.bias, donor.ggml
             for part, twin in zip(parts, [p for p in donor.parts if p is not None]):
                 part.weight, part.bias = twin.weight, twin.bias
             return
@@ -377,7 +401,8 @@ class FusedColumns(nn.Module):
         """Each part's output (None for a part that is None), as each part alone would give it."""
         if self.weight is None:
             return [p(x) if p is not None else None for p in self.parts]
-        outputs = iter(dense(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        weight = self.weight if self.ggml is None else BlockWeight(self.weight, *self.ggml)
+        outputs = iter(dense(x, weight, self.bias).split(self.sizes, dim=-1))
         result = []
         for part in self.parts:
             if part is None:
@@ -394,6 +419,7 @@ class RowLinear(ShardedModule):
     """y = all_reduce(x_local W_local^T) + b with W's input columns split; the bias is added once."""
 
     fp8_params = ("weight",)
+    ggml_params = ("weight",)
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelCtx, bias: bool,
                  cols: tuple[int, int] | None = None):
@@ -416,7 +442,10 @@ class RowLinear(ShardedModule):
 
 
 class VocabEmbedding(ShardedModule):
-    """Embedding rows split over ranks (vocab padded to a multiple of tp); lookups all-reduced."""
+    """Embedding rows split over ranks (vocab padded to a multiple of tp); lookups all-reduced. Kept in GGML
+    blocks, the rows looked up are dequantized (and no others)."""
+
+    ggml_params = ("weight",)
 
     def __init__(self, vocab_size: int, dim: int, ctx: ParallelCtx):
         super().__init__()
@@ -424,12 +453,15 @@ class VocabEmbedding(ShardedModule):
         self.start, self.stop, padded = ctx.vocab(vocab_size)
         self._param("weight", Shard((vocab_size, dim), 0, ((self.start, self.stop),), pad_to=padded))
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.matrix().lookup(ids) if "weight" in self.ggml else F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.stop - self.start)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return self.ctx.all_reduce(out)
 
@@ -439,6 +471,8 @@ class VocabHead(ShardedModule):
 
     With tied embeddings it reads the embedding's weight and owns no parameter.
     """
+
+    ggml_params = ("weight",)
 
     def __init__(self, vocab_size: int, dim: int, ctx: ParallelCtx, bias: bool, tied: VocabEmbedding | None):
         super().__init__()
@@ -455,8 +489,9 @@ class VocabHead(ShardedModule):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.tied[0].weight if self.tied else self.weight
-        logits = self.product(x, weight, self.bias)
+        owner = self.tied[0] if self.tied else self
+        weight = owner.matrix() if "weight" in owner.ggml else owner.weight
+        logits = (dense if isinstance(weight, BlockWeight) else self.product)(x, weight, self.bias)
         return self.ctx.all_gather_last(logits)[..., : self.vocab_size]
 
 
@@ -471,17 +506,20 @@ class Replicated(ShardedModule):
 def product_weights(root: nn.Module) -> list[torch.Tensor]:
     """The weights `dense` multiplies by in root's projections, each once, as dense is handed them: a fused
     group's joined weight (its parts then run no product of their own), every other column- or row-parallel
-    weight, the head's (the embedding's, where tied). Kept FP8 weights are not among them."""
+    weight, the head's (the embedding's, where tied). Kept FP8 weights and GGML blocks are not among them."""
     fused = {id(p) for m in root.modules() if isinstance(m, FusedColumns) and m.weight is not None
              for p in m.parts if p is not None}
     found: dict[int, torch.Tensor] = {}
     for module in root.modules():
         if isinstance(module, FusedColumns) and module.weight is not None:
-            weight = module.weight
-        elif isinstance(module, (ColumnLinear, RowLinear)) and id(module) not in fused and "weight" not in module.fp8:
+            weight = module.weight if module.ggml is None else None
+        elif isinstance(module, FusedColumns) or id(module) in fused:
+            continue
+        elif isinstance(module, (ColumnLinear, RowLinear)) and not module.fp8 and not module.ggml:
             weight = module.weight
         elif isinstance(module, VocabHead):
-            weight = module.tied[0].weight if module.tied else module.weight
+            owner = module.tied[0] if module.tied else module
+            weight = None if owner.ggml else owner.weight
         else:
             continue
         if weight is not None and not weight.is_meta:

@@ -18,7 +18,7 @@ SYNTAX_ONLY = 1 << 16
 ChatTemplate = Literal["auto", "on", "off"]
 Precision = Literal["f32", "bf16", "f16"]
 Device = Literal["cpu", "cuda"]
-Weights = Literal["dequantize", "fp8"]
+Weights = Literal["dequantize", "fp8", "blocks"]
 
 
 class ModelRef(Request):
@@ -42,7 +42,8 @@ class Runtime(ModelRef):
     precision: Precision = field("f32", help="the dtype weights are held and multiplied in")
     device: Device = field("cpu", help="cpu or cuda")
     weights: Weights = field("dequantize", help="an FP8 checkpoint's weights: dequantize (to --precision, while "
-                             "loading) or fp8 (kept as stored, with their block scales, and multiplied through them)")
+                             "loading) or fp8 (kept as stored, with their block scales, and multiplied through them); "
+                             "blocks: a .gguf's Q8_0/Q4_0/Q4_1 weights kept in their blocks on the CPU")
     tp: int = field(1, ge=1, help="tensor-parallel ranks (Ray actors when above 1)")
     ep: int = field(1, ge=1, help="expert-parallel ranks for mixture-of-experts models (tp x ep ranks in all)")
     pp: int = field(1, ge=1, help="pipeline-parallel stages, each holding a contiguous share of the layers "

@@ -8,7 +8,8 @@ tensor must be consumed (or ignored by rule, or held by another rank) and every 
 or loading fails naming it.
 
 With `keep_fp8` (`--weights fp8`) the parameters shard/fp8_kept.py keeps are allocated as float8_e4m3fn and
-filled with the stored bytes of the same windows, their covering scale entries gathered beside them.
+filled with the stored bytes of the same windows, their covering scale entries gathered beside them. With
+`keep_blocks` a .gguf's Q8_0/Q4_0/Q4_1 tensors fill the parameters shard/ggml_kept.py keeps with their stored bytes.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from ster_dist.parallel.fp8 import FP8
 from ster_dist.parallel.linear import fused_runs, module_shards, tied_parameters
 from ster_dist.shard.arena import allocate
 from ster_dist.shard.fp8_kept import ScaleGrid, kept_parameters, span_of
+from ster_dist.shard.ggml_kept import allocate_kept, fill_kept, kept_blocks, mark_kept
 from ster_dist.shard.plan import Piece, Plan, build_plan
 from ster_dist.shard.source import TensorSource
 
 
 def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
-                device: str | torch.device = "cpu", keep_fp8: bool = False, spec=None) -> Plan:
+                device: str | torch.device = "cpu", keep_fp8: bool = False, spec=None,
+                keep_blocks: bool = False) -> Plan:
     """Allocate `model` on `device` (built on the meta device: shapes only) and fill every parameter
     from `source` through cfg's name map; returns the plan it read by. `keep_fp8`: a quantized source's
     FP8 tensors stay FP8 where the module docstring says. `spec`: a name map in place of the family's (an MTP
-    layer's, shard/mtp.py)."""
+    layer's, shard/mtp.py). `keep_blocks`: a .gguf source's Q8_0/Q4_0/Q4_1 tensors stay in their blocks."""
     shards = module_shards(model)
     # a tied copy (a tensor several layers use) is listed once, under its first name; the copies are dropped
     # before allocating and given the filled tensor after, so it is read once and held once
@@ -47,6 +50,11 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
         quantized = set(getattr(source, "scales", {}))  # Fp8Source: quantized tensor -> its scale tensor
         tied = {name for _, _, name, _ in copies} | {owner for _, _, _, owner in copies}
         kept = kept_parameters(model, plan, shapes, quantized, tied)
+    blocks = {}
+    if keep_blocks and hasattr(source, "read_blocks"):
+        tied = {name for _, _, name, _ in copies} | {owner for _, _, _, owner in copies}
+        blocks = kept_blocks(model, plan, shapes, source, tied)
+        allocate_kept(model, blocks, {name: shards[name].local_shape() for name in blocks})
     modules = dict(model.named_modules())
     for name in kept:  # still on the meta device: allocated below as FP8, never at the compute dtype
         prefix, _, attr = name.rpartition(".")
@@ -70,6 +78,10 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
     last: tuple = (None, None)  # GPT-OSS's interleaved gate and up share one window: read it once
     for read in plan.reads:
         target = params[read.param].data
+        if read.param in blocks:
+            kind, spans = blocks[read.param]
+            fill_kept(source, target, kind, [(n, s) for n, s in spans if n == read.source])
+            continue
         if read.param in grids:
             _fill_kept(source, read.source, read.pieces, target, grids[read.param], shapes[read.source])
             if read.stacked:
@@ -95,6 +107,8 @@ def fill_module(model: nn.Module, cfg: ModelConfig, source: TensorSource,
         if count != params[name].shape[0]:
             raise Refusal(f"parameter {name} has {params[name].shape[0]} stacked rows but the checkpoint "
                           f"fills {count}; the weights lack some of its tensors")
+    if blocks:  # they compute in the dtype the source dequantizes the rest to
+        mark_kept(model, blocks, {name: shards[name].local_shape() for name in blocks}, source.precision)
     for name, grid in grids.items():
         prefix, _, attr = name.rpartition(".")
         rows, cols = grid.sizes()
