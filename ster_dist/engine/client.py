@@ -23,6 +23,10 @@ class RunnerClient:
         return self.group.call("call_extension", ModelRunner, method, *args)
 
     # -- starting and stopping the cache -----------------------------------------------------------
+    def select_kernels(self, choice: str | None) -> list[str]:
+        """Each rank's kernels (kernels/select.py), refused where they cannot run there."""
+        return self._every("select_kernels", choice)
+
     def pack_weights(self, mode: str) -> list[int]:
         """Each rank's bytes of projection weights packed for the CPU's products (parallel/packed.py)."""
         return self._every("pack_weights", mode)
