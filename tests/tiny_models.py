@@ -94,7 +94,7 @@ def tiny_config(variant: str, change: dict | None = None):
     config_cls, _, kwargs = TINY[variant]
     base = {k: v for k, v in BASE_CONFIG.items() if k not in unstated_base(variant)}
     config = getattr(transformers, config_cls)(**{**base, **kwargs, **(change or {})})
-    if variant == "dbrx":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
+    if config_cls == "DbrxConfig":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
         config.attn_config.rope_theta = 10000.0
     return config
 
