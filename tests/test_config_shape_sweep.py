@@ -35,8 +35,6 @@ REFUSED_WHERE_TRANSFORMERS_CANNOT_RUN: dict[tuple[str, str], str] = {
 # (variant, key; "*" for every variation): divergences the sweep finds that are not fixed yet (issue 63). Listed
 # so that the rest of the family stays checked; each must still diverge (a fix removes its line)
 NOT_FIXED_YET: dict[tuple[str, str], str] = {
-    ("inkling_text", "*"): "Transformers' own names (model.embed_tokens, self_attn.*, mlp.gate_proj, ...) are not "
-                           "in the name map, which reads Thinking Machines' layout below model.llm only",
     ("olmo_hybrid", "linear_num_key_heads"): "Transformers saves the joined convolution as three equal thirds; "
                                              "ster_dist reads q/k/v_conv1d at their own widths",
     ("olmo_hybrid", "linear_num_value_heads"): "as linear_num_key_heads",
