@@ -144,6 +144,9 @@ def text_config(raw: dict) -> dict:
     for key in _OUTER_KEYS:
         if text.get(key) is None and raw.get(key) is not None:
             text[key] = raw[key]
+    # the wrapper's own class ties (or unties) its head by the outer config's key, whatever the text config says
+    if isinstance(raw.get("tie_word_embeddings"), bool):
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     return text
 
 

@@ -133,6 +133,10 @@ def _rope(params: dict, head_dim: int, partial: float | None, interleaved: bool,
             kw["factor"] = max_position / kw["original_max_position"]
     elif rope_type == "longrope":
         kw.update(short_factor=tuple(params["short_factor"]), long_factor=tuple(params["long_factor"]))
+        for key in ("short_factor", "long_factor"):  # one factor per rotated pair, as Transformers checks
+            if len(kw[key]) != rotary_dim // 2:
+                raise Refusal(f"invalid model config {path}: rope_parameters' {key} lists {len(kw[key])} factors "
+                              f"but the heads rotate {rotary_dim // 2} pairs; it must list one per pair")
         if params.get("short_mscale") is not None or params.get("long_mscale") is not None:
             short, long = params.get("short_mscale"), params.get("long_mscale")
             kw.update(short_mscale=float(1.0 if short is None else short), long_mscale=float(1.0 if long is None else long))

@@ -460,7 +460,7 @@ def test_rotated_share_unstated_reads_the_transformers_default(family):
         raw["head_dim"] = 24
     if family == "gemma3n_text":  # its default 15 layers sharing keys and values outnumber these two
         raw["num_kv_shared_layers"] = 0
-    if family == "minimax_m3_vl_text":  # one index head per key-value head (its default 4 is for 4 of them)
+    if family == "minimax_m3_vl_text":  # index heads as the tiny config states them
         raw["index_n_heads"] = 2
     if family == "deepseek_v4":
         pytest.skip("its attention kind rotates its own qk_rope_head_dim share, not layer_rope's "

@@ -185,7 +185,7 @@ def _sparse(**keys) -> dict:
     (_sparse(sparse_score_type="mean"), "sparse_score_type 'mean' is not supported"),
     (_sparse(sparse_init_block=1), "sparse_init_block is 1"),
     (_sparse(sparse_disable_index_value=0), "sparse_disable_index_value is 0 on a sparse layer"),
-    (_sparse(sparse_num_index_heads=1), "sparse_num_index_heads is 1 for 2 key-value heads"),
+    (_sparse(sparse_num_index_heads=3), "sparse_num_index_heads is 3 for 4 attention heads"),
 ])
 def test_unreadable_configs_are_refused(config, message):
     with pytest.raises(Refusal, match=message):

@@ -134,7 +134,8 @@ def test_dispatch_over_three_ranks_with_uneven_expert_blocks():
 
 # -- every family at EP=2 --------------------------------------------------------------------------
 
-_STACKED = re.compile(r"(experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight"
+# (a shared expert's stacked projections, Inkling's as Transformers saves them, are every rank's: not matched)
+_STACKED = re.compile(r"((?<!shared_)experts\.(gate_up_proj|down_proj)(_bias)?|block_sparse_moe\.(input|output)_linear\.weight"
                       r"|experts\.mlp\.(w1|v1|w2)|mlp\.experts\.(w13|w2)_weight)$")
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 

@@ -152,6 +152,6 @@ def test_bad_jamba_settings_are_refused_naming_the_key(checkpoints, key, value):
 
 def test_more_ranks_than_inner_channels_is_refused(checkpoints):
     raw = json.loads(json.dumps(read_config(checkpoints("mamba"))))
-    raw.update(hidden_size=3, expand=1)
+    raw.update(hidden_size=3, intermediate_size=3)  # the inner width Transformers reads
     with pytest.raises(Refusal, match="lower --tp"):
         meta_decoder(from_hf(raw), ParallelCtx(0, 4))

@@ -86,17 +86,26 @@ def unstated_base(variant: str) -> tuple[str, ...]:
     return _UNSTATED_BASE.get(variant, ())
 
 
+def tiny_config(variant: str, change: dict | None = None):
+    """The Transformers config of a tiny `variant`, its kwargs updated by `change` (tests/shape_sweep.py's
+    one-key variations)."""
+    import transformers
+
+    config_cls, _, kwargs = TINY[variant]
+    base = {k: v for k, v in BASE_CONFIG.items() if k not in unstated_base(variant)}
+    config = getattr(transformers, config_cls)(**{**base, **kwargs, **(change or {})})
+    if config_cls == "DbrxConfig":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
+        config.attn_config.rope_theta = 10000.0
+    return config
+
+
 def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Save a tiny random checkpoint (safetensors + config.json + a tokenizer) and return the Transformers model."""
     import transformers
 
-    config_cls, model_cls, kwargs = TINY[variant]
-    base = {k: v for k, v in BASE_CONFIG.items() if k not in unstated_base(variant)}
-    config = getattr(transformers, config_cls)(**{**base, **kwargs})
-    if variant == "dbrx":  # Transformers 5.2x's DBRX attention reads attn_config.rope_theta, which its config lacks
-        config.attn_config.rope_theta = 10000.0
+    config = tiny_config(variant)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    model = getattr(transformers, TINY[variant][1])(config).to(dtype).eval()
     perturb_norms(model, seed)
     _perturb_experts(model, variant, seed)
     model.save_pretrained(directory, safe_serialization=True)

@@ -60,8 +60,9 @@ def _falcon(raw: dict) -> dict:
     new = switch(raw, "new_decoder_architecture")
     out = {**biases_from(raw, "bias"), "use_parallel_residual": switch(raw, "parallel_attn"),
            "num_ln_in_parallel_attn": 1 if not new or stated(raw, "num_ln_in_parallel_attn") == 1 else 2}
-    if new:
-        return {**out, "multi_query": False}
+    if new:  # Transformers' attention reads num_kv_heads (num_key_value_heads is its config's derived copy)
+        kv = raw.get("num_kv_heads")
+        return {**out, "multi_query": False, **({"num_key_value_heads": kv} if kv is not None else {})}
     return {**out, **dict.fromkeys(KV_HEAD_KEYS)}
 
 

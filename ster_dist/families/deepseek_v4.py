@@ -129,14 +129,17 @@ def _deepseek_v4(raw: dict) -> dict:
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ConfigProblem(f"hc_mult is {streams!r}: state a positive number of residual streams")
     heads = raw["num_attention_heads"]
-    if heads % raw["o_groups"]:
-        raise ConfigProblem(f"{heads} attention heads do not form o_groups {raw['o_groups']} groups")
+    if (heads * raw["head_dim"]) % raw["o_groups"]:  # Transformers reshapes the heads' channels into o_groups
+        raise ConfigProblem(f"{heads} attention heads of head_dim {raw['head_dim']} do not form o_groups "
+                            f"{raw['o_groups']} groups of whole channels")
     out = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters", "rope_scaling",
                                                       "sliding_window", "partial_rotary_factor", "mlp_layer_types")}
     return {**out, "v4_layer_types": attention_kinds(raw, layers), "v4_compress_rates": rates,
             "v4_compress_rope": _compress_rope(raw), "v4_window": raw["sliding_window"], "qk_rope_head_dim": rope_dim,
             "v4_mlp_layer_types": list(mlp_kinds[:layers]), "num_key_value_heads": 1,
             "intermediate_size": raw["moe_intermediate_size"],
+            # Transformers builds one shared expert moe_intermediate_size wide, whatever n_shared_experts states
+            "n_shared_experts": 1,
             "layer_moe_keys": [{"hash_routing_vocab": raw["vocab_size"]} if kind == "hash_moe" else {}
                                for kind in mlp_kinds[:layers]],
             "glu_limit_inside": raw["swiglu_limit"], "norm_topk_prob": True,

@@ -1,5 +1,5 @@
 """Inkling (Thinking Machines; inkling_text, the text decoder inside inkling_mm_model), read as Thinking
-Machines stores it below model.llm: embed and its RMS norm embed_norm, layers.{i} with attn_norm and
+Machines stores it below model.llm (and as Transformers' InklingForCausalLM saves it, under its own names): embed and its RMS norm embed_norm, layers.{i} with attn_norm and
 mlp_norm, the final norm, and the head unembed, which reads the final norm's output divided by
 logits_mup_width_multiplier (ModelConfig.logit_multiplier) and scores only the first unpadded_vocab_size
 tokens (scored_vocab).
@@ -140,8 +140,33 @@ _RULES = (
     Rule(f"{_LAYER}mlp.shared_experts.shared_w2_weight", Stacked((f"{_SHARED}down",))),
 )
 
+# what Transformers' InklingForCausalLM saves: its own names below model., gate and up apart (the routed experts'
+# halves joined, gate first), each shared expert's projections stacked
+_HF = "model.layers.{i}."
+_HF_ATTN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "r_proj": "r", "o_proj": "o", "q_norm": "q_norm",
+            "k_norm": "k_norm", "k_sconv.conv1d": "k_sconv", "v_sconv.conv1d": "v_sconv"}
+_TRANSFORMERS_RULES = (
+    Rule("model.embed_tokens.weight", "embed.weight"),
+    Rule("model.embed_tokens.embed_norm.weight", "embed_norm.weight"),
+    Rule("model.norm.weight", "final_norm.weight"),
+    Rule("lm_head.weight", "lm_head.weight"),
+    Rule(f"{_HF}input_layernorm.weight", "layers.{i}.attn_norm.weight"),
+    Rule(f"{_HF}post_attention_layernorm.weight", "layers.{i}.mlp_norm.weight"),
+    *(Rule(f"{_HF}{name}.conv1d.weight", f"layers.{{i}}.{name}.weight") for name in ("attn_sconv", "mlp_sconv")),
+    *(Rule(f"{_HF}self_attn.{name}.weight", f"layers.{{i}}.attn.{target}.weight") for name, target in _HF_ATTN.items()),
+    Rule(f"{_HF}self_attn.rel_logits_proj.proj", "layers.{i}.attn.rel.weight"),
+    *(Rule(f"{_HF}mlp.{name}_proj.weight", f"layers.{{i}}.mlp.{name}.weight") for name in ("gate", "up", "down")),
+    Rule(f"{_HF}mlp.global_scale", "layers.{i}.mlp.scale.weight"),
+    Rule(f"{_HF}mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+    Rule(f"{_HF}mlp.gate.e_score_correction_bias", ROUTER_CORRECTION),
+    Rule(f"{_HF}mlp.gate.global_scale", "layers.{i}.mlp.router.scale"),
+    Rule(f"{_HF}mlp.experts.gate_up_proj", Stacked((f"{EXPERTS}gate", f"{EXPERTS}up"))),
+    Rule(f"{_HF}mlp.experts.down_proj", Stacked((f"{EXPERTS}down",))),
+    *(Rule(f"{_HF}mlp.shared_experts.{name}_proj", Stacked((f"{_SHARED}{name}",))) for name in ("gate", "up", "down")),
+)
+
 INKLING_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("inkling_text", _RULES, norms=NormSpec(embed=True), positions=PositionSpec(kind="none"),
+    FamilySpec("inkling_text", _RULES + _TRANSFORMERS_RULES, norms=NormSpec(embed=True), positions=PositionSpec(kind="none"),
                moe=MoESpec(scoring="sigmoid", correction_bias=True, shared="routed", scaling="always",
                            router_scale=True),
                normalize=_normalize, layer_kinds=_layers, parity_reference="InklingForCausalLM"),

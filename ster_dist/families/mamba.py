@@ -10,8 +10,9 @@
 
 Normalisation restates each family's mixer settings under the keys the mixer reads (Jamba's names:
 mamba_d_state, mamba_d_conv, mamba_dt_rank, ...) with Transformers' defaults, checking them under the
-names the config states them by, and the inner width as Transformers computes it, expand x hidden_size
-(Mamba ignores a stated intermediate_size).
+names the config states them by, and the inner width as Transformers reads it: a stated intermediate_size
+(every config Transformers saves states it, and its MambaConfig keeps a stated one over its own), else
+expand x hidden_size.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def _normalize(raw: dict, dt_norm: str) -> dict:
     hidden = _positive(raw, "hidden_size", None)
     rank = raw.get("time_step_rank", "auto")
     out = dict(raw)
+    expanded = int(_positive(raw, "expand", 2, whole=False) * hidden)
     out.update(
-        mamba_intermediate_size=int(_positive(raw, "expand", 2, whole=False) * hidden),
+        mamba_intermediate_size=(_positive(raw, "intermediate_size", None) if raw.get("intermediate_size") is not None
+                                 else expanded),
         mamba_dt_rank=math.ceil(hidden / 16) if rank == "auto" else _positive(raw, "time_step_rank", None),
         mamba_d_state=_positive(raw, "state_size", 16), mamba_d_conv=_positive(raw, "conv_kernel", 4),
         mamba_conv_bias=_flag(raw, "use_conv_bias", True), mamba_proj_bias=_flag(raw, "use_bias", False),

@@ -106,9 +106,12 @@ def _minimax_m3(raw: dict) -> dict:
     if any(types[i] == _SPARSE_KIND and not offs[i] for i in range(min(layers, len(offs)))):
         raise ConfigProblem("sparse_disable_index_value is 0 on a sparse layer; the index value branch is not "
                             "supported")
-    if out["index_n_heads"] != out["num_key_value_heads"]:
-        raise ConfigProblem(f"sparse_num_index_heads is {out['index_n_heads']} for {out['num_key_value_heads']} "
-                            "key-value heads; one index head per key-value head is supported")
+    heads, index_heads = out.get("num_attention_heads"), out["index_n_heads"]
+    if (isinstance(heads, int) and isinstance(index_heads, int) and not isinstance(index_heads, bool)
+            and (index_heads < 1 or heads % index_heads)):
+        # Transformers' mask repeats each index head's choice over heads / index heads query heads
+        raise ConfigProblem(f"sparse_num_index_heads is {index_heads} for {heads} attention heads; each index "
+                            "head chooses for a whole run of query heads, so it must divide them")
     if (out.get("n_shared_experts") or 1) != 1:
         raise ConfigProblem(f"n_shared_experts is {out['n_shared_experts']}; one shared expert is supported")
     rope = out.get("rope_parameters") if isinstance(out.get("rope_parameters"), dict) else {}

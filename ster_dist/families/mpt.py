@@ -79,7 +79,11 @@ def _mpt(raw: dict) -> dict:
 def _dbrx(raw: dict) -> dict:
     """No projection biased; the chosen experts' weights renormalised unless moe_normalize_expert_weights says not."""
     defaults = {"layer_norm_eps": 1e-5, "moe_normalize_expert_weights": 1.0}
-    return never_biased(with_defaults(_flattened(raw, "attn_config", "ffn_config"), defaults))
+    out = _flattened(raw, "attn_config", "ffn_config")
+    kv = (raw.get("attn_config") or {}).get("kv_n_heads")
+    if kv is not None:  # Transformers' attention reads attn_config's count, not a top-level num_key_value_heads
+        out["num_key_value_heads"] = kv
+    return never_biased(with_defaults(out, defaults))
 
 
 _UNBIASED_LAYER_NORMS = NormSpec(kind="layer")
@@ -97,5 +101,7 @@ MPT_FAMILIES: tuple[FamilySpec, ...] = (
                                "alibi_bias_max": (8, "only alibi_bias_max 8 is supported")},
                parity_reference="MptForCausalLM"),
     FamilySpec("dbrx", _dbrx_rules(), norms=_UNBIASED_LAYER_NORMS, normalize=_dbrx, moe=MoESpec(),
-               parity_reference="DbrxForCausalLM"),
+               parity_reference="DbrxForCausalLM",
+               refuse_keys={"tie_word_embeddings": "DBRX's head is never tied to its embedding (Transformers' "
+                                                   "DbrxConfig refuses it too); state false"}),
 )

@@ -1,19 +1,20 @@
 """MiniMax Sparse Attention (minimax_m3_vl_text): grouped-query attention whose every query attends only the
 blocks of keys its own small indexer chooses.
 
-index_q makes one index query per key-value head (index_head_dim wide), index_k one index key those heads
-share; both are normed per head (index_q_norm, index_k_norm) and rotated like the layer's own heads. A key
+index_q makes index_n_heads index queries (index_head_dim wide), each choosing for a run of
+num_attention_heads / index_n_heads consecutive query heads (Transformers' grouping, whatever the key-value
+heads), index_k one index key they all share; both are normed per head (index_q_norm, index_k_norm) and rotated like the layer's own heads. A key
 scores as the plain product of the two, in f32 as Transformers computes it; a block of index_block_size keys
 scores as its best key the query may see. Each query of a key-value group keeps its group's index_topk_blocks
-best blocks, its own block and the index_local_blocks - 1 blocks before it always among them (their score made
+best blocks (the group of its index head), its own block and the index_local_blocks - 1 blocks before it always among them (their score made
 infinite), and attends every allowed key of those blocks. Blocks are counted by key position, which equals the
 key's slot in an unpadded sequence (Transformers' count) and keeps a left-padded row in a batch choosing as it
 does alone. While a sequence holds no more blocks than a query keeps, the layer is dense.
 
 The index key rides in the cache behind each key-value head's value (the value slot is index_head_dim wider),
 so a step continued from a static or paged cache scores the same keys as the whole read. Under tensor
-parallelism index_q splits with the key-value heads and index_k is whole on every rank: each rank chooses the
-blocks of its own groups without an exchange.
+parallelism a rank holds the index heads its query heads read (neighbouring ranks may share one)
+and index_k whole: each rank chooses the blocks of its own heads without an exchange.
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ class BlockSparseAttention(Attention):
         raw, hidden = cfg.raw, cfg.hidden_size
         self.index_dim, self.block = int(raw["index_head_dim"]), int(raw["index_block_size"])
         self.topk, self.local = int(raw["index_topk_blocks"]), int(raw["index_local_blocks"])
-        (_, _), (k0, k1) = ctx.attention_heads(cfg.heads(layer), cfg.kv_heads(layer))
+        (q0, q1), _ = ctx.attention_heads(cfg.heads(layer), cfg.kv_heads(layer))
+        index_heads = int(raw["index_n_heads"])
+        per = cfg.heads(layer) // index_heads  # query heads one index head chooses for
+        g0, g1 = q0 // per, (q1 - 1) // per + 1
+        self.local_index = g1 - g0
+        # each local query head's index head, among the local ones
+        self.index_of_head = tuple(h // per - g0 for h in range(q0, q1))
         d = self.index_dim
-        self.index_q = ColumnLinear(hidden, cfg.kv_heads(layer) * d, ((k0 * d, k1 * d),), False)
+        self.index_q = ColumnLinear(hidden, index_heads * d, ((g0 * d, g1 * d),), False)
         self.index_k = ColumnLinear(hidden, d, ((0, d),), False)
         common = dict(eps=cfg.norm_eps, offset=cfg.norm_offset, scale_f32=cfg.norm_scale_f32)
         self.index_q_norm, self.index_k_norm = Norm(d, **common), Norm(d, **common)
@@ -49,7 +56,7 @@ class BlockSparseAttention(Attention):
     def forward(self, x: torch.Tensor, pos: StepState) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, gate = self._project(x, pos)
-        index_q = self.index_q_norm(self.index_q(x).view(b, t, self.local_kv, self.index_dim)).transpose(1, 2)
+        index_q = self.index_q_norm(self.index_q(x).view(b, t, self.local_index, self.index_dim)).transpose(1, 2)
         index_k = self.index_k_norm(self.index_k(x)).unsqueeze(1)  # [b, 1, t, index_dim]
         if self.rope is not None:
             cos, sin = pos.rotary(self.rope, q.dtype)
@@ -72,7 +79,7 @@ class BlockSparseAttention(Attention):
     def choose(self, index_q: torch.Tensor, index_k: torch.Tensor, mask: torch.Tensor | None,
                query_pos: torch.Tensor, key_pos: torch.Tensor, reach: int) -> torch.Tensor:
         """[b, local heads, t, s]: the allowed pairs (`mask` [b, 1, t, s], None for all) narrowed to the keys of
-        the blocks each query's group keeps. index_q [b, groups, t, d], index_k [b, 1, s, d], query_pos [b, t],
+        the blocks each query's index head keeps. index_q [b, groups, t, d], index_k [b, 1, s, d], query_pos [b, t],
         key_pos [b, s]; reach: one past the largest key position (the step's key_reach, known on the host)."""
         b, groups, t, _ = index_q.shape
         s = index_k.shape[2]
@@ -93,4 +100,4 @@ class BlockSparseAttention(Attention):
         kept = torch.zeros((b, groups, t, count + 1), dtype=torch.bool, device=best.device)
         kept.scatter_(-1, top.indices.masked_fill(top.values == float("-inf"), count), True)
         keep = kept[..., :count].gather(-1, by_key)
-        return keep.repeat_interleave(self.local_heads // self.local_kv, dim=1) & allowed
+        return keep[:, list(self.index_of_head)] & allowed

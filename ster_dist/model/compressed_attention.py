@@ -64,11 +64,13 @@ class CompressedAttention(nn.Module):
         super().__init__()
         d, heads = v4.head_dim, v4.heads
         (h0, h1), _ = ctx.attention_heads(heads, heads)
-        per_group = heads // v4.o_groups
-        if heads % v4.o_groups or h0 % per_group or h1 % per_group:
+        # an output group is a run of heads * head_dim / o_groups channels: several heads, or part of one (4 heads
+        # in o_groups 8), as Transformers reshapes the heads' output
+        width = heads * d // v4.o_groups
+        if (heads * d) % v4.o_groups or (h0 * d) % width or (h1 * d) % width:
             raise Refusal(f"{heads} heads in {v4.o_groups} output groups do not split over {ctx.tp_size} "
                           "tensor-parallel ranks by whole groups; use a --tp that divides o_groups")
-        g0, g1 = h0 // per_group, h1 // per_group
+        g0, g1 = h0 * d // width, h1 * d // width
         self.v4, self.layer, self.local_heads, self.local_groups = v4, layer, h1 - h0, g1 - g0
         self.q_a = ColumnLinear(v4.hidden, v4.q_rank, ((0, v4.q_rank),), False)
         self.q_a_norm = Norm(v4.q_rank, v4.eps, scale_f32=True)

@@ -13,6 +13,11 @@ TINY: dict[str, tuple[str, str, dict]] = {
     "mamba_biased": ("MambaConfig", "MambaForCausalLM", dict(_MAMBA, use_bias=True, use_conv_bias=False,
                                                              time_step_rank=5, tie_word_embeddings=False)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(_MAMBA, mixer_rms_eps=1e-5)),
+    # an inner width stated on its own, 37, not expand x hidden_size (96): Transformers builds the mixer at the
+    # stated width (tests/test_config_shape_sweep.py found it read as 96)
+    "mamba_stated_width": ("MambaConfig", "MambaForCausalLM", dict(_MAMBA, intermediate_size=37)),
+    "falcon_mamba_stated_width": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        _MAMBA, mixer_rms_eps=1e-5, intermediate_size=37, tie_word_embeddings=False)),
     # four layers: Mamba, attention, Mamba, Mamba; experts on layers 1 and 3 (attention over experts, Mamba
     # over experts), dense elsewhere; two key-value heads, biased Mamba projections (widths stay multiples of
     # four: Transformers' grouped expert matmul needs 16-byte strides)
@@ -21,7 +26,9 @@ TINY: dict[str, tuple[str, str, dict]] = {
         attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=6, num_experts_per_tok=2,
         mamba_d_state=5, mamba_d_conv=3, mamba_expand=3, mamba_proj_bias=True)),
 }
-VARIANT_FAMILY: dict[str, str] = {"mamba_biased": "mamba"}
+VARIANT_FAMILY: dict[str, str] = {"mamba_biased": "mamba", "mamba_stated_width": "mamba",
+                                  "falcon_mamba_stated_width": "falcon_mamba"}
 # Mamba's configs take neither attention heads nor a feed-forward width
 UNSTATED_BASE: dict[str, tuple[str, ...]] = {v: ("num_attention_heads", "intermediate_size") for v in TINY
-                                             if v != "jamba"}
+                                             if v != "jamba" and not v.endswith("_stated_width")}
+UNSTATED_BASE.update({v: ("num_attention_heads",) for v in TINY if v.endswith("_stated_width")})
