@@ -110,8 +110,34 @@ def _unoptional(annotation):
     return annotation
 
 
+def _refuse_unknown_flags(argv: list[str]) -> None:
+    """A flag the command does not have, named with the closest one it has (`--modle`: did you mean
+    `--model`?), before argparse's first complaint, which is often about another flag (a required
+    --model missing). Prefixes of a flag are left to argparse, which takes an unambiguous one."""
+    import difflib
+
+    parser: argparse.ArgumentParser = build_parser()
+    for token in argv:
+        if token == "--":
+            return
+        commands = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if commands and token in commands:  # `ster steer train`: the words choose the parser
+            parser = commands[token]
+            continue
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--") or len(flag) == 2 or " " in flag:  # argparse reads "--a b" as a value
+            continue
+        known = [s for s in parser._option_string_actions if s.startswith("--")]
+        if flag in known or any(k.startswith(flag) for k in known):
+            continue
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.5)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise Refusal(f"{parser.prog}: unknown flag {flag}; {hint}see `{parser.prog} --help`")
+
+
 def parse(argv: list[str] | None = None) -> Request:
     """The typed request of a command line, or a one-line Refusal in the flags' words."""
+    _refuse_unknown_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     cls = args.request_class
     given = {name: value for name, value in vars(args).items()
@@ -156,9 +182,22 @@ def run(request: Request) -> tuple[object, int]:
     return result, ops.exit_code(request, result)
 
 
+def refuse_early(request: Request) -> None:
+    """What the command line can refuse before anything starts (torch, Ray, a model load): a --model
+    that names no directory here and is no owner/name Hub id (resolve.check_reference lists a directory,
+    nothing more). The request's own validators have already checked its flags (serve's --host)."""
+    from ster_dist.schema.common import ModelRef
+
+    if isinstance(request, ModelRef):
+        from ster_dist.resolve import check_reference
+
+        check_reference(request.model)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         request = parse(argv)  # --help and --version print on stdout and exit here
+        refuse_early(request)
         # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
         # worker, DeepSpeed's accelerator line) goes to stderr with the progress, as log events
         with json_stderr(), contextlib.redirect_stdout(sys.stderr):
