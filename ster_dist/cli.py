@@ -23,7 +23,7 @@ import typing
 from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
-from ster_dist.events import json_stderr
+from ster_dist.events import json_stderr, progress_line
 from ster_dist.schema import REQUESTS, ChatRequest, QueueRequest, Request, ServeRequest, SubmitRequest
 
 
@@ -194,18 +194,29 @@ def refuse_early(request: Request) -> None:
         check_reference(request.model)
 
 
+def _for_a_person(request: Request) -> bool:
+    """`ster chat` at a terminal: progress as one line that updates, totals in words; JSON events with
+    --events or where stderr is not a terminal (a pipe, a file, a test)."""
+    return isinstance(request, ChatRequest) and not request.events and sys.stderr.isatty()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         request = parse(argv)  # --help and --version print on stdout and exit here
         refuse_early(request)
+        person = _for_a_person(request)
         # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
         # worker, DeepSpeed's accelerator line) goes to stderr with the progress, as log events
-        with json_stderr(), contextlib.redirect_stdout(sys.stderr):
+        with progress_line() if person else json_stderr(), contextlib.redirect_stdout(sys.stderr):
             result, code = run(request)
         if getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
         elif getattr(request, "format", "json") == "text":
             print(result["text"])  # generate --format text: the answer alone, its record left to the job
+        elif person:
+            from ster_dist.chat import totals_in_words
+
+            print(totals_in_words(result), file=sys.stderr)
         elif not request.result_on_stdout:  # stdout held the conversation or the ready line: totals go with the events
             print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
         else:

@@ -119,13 +119,13 @@ def generate_many(session: Session, requests: list[GenerateRequest], on_result=N
         for index in [i for i in singles if prepared[i].request.stream]:  # read live: its text goes out as it comes
             item = prepared[index]
             results[index] = _heard(on_result, index, GenerateResult(
-                **item.header, results=[_completion(item.prompts[0], singles.pop(index), stream_text=True)]))
+                **item.header, results=[_completion(session.tokenizer, item.prompts[0], singles.pop(index), stream_text=True)]))
         while singles:  # the other one-prompt requests as they finish
             index = done.get()
             if index in singles:
                 item = prepared[index]
                 results[index] = _heard(on_result, index, GenerateResult(
-                    **item.header, results=[_completion(item.prompts[0], singles.pop(index))]))
+                    **item.header, results=[_completion(session.tokenizer, item.prompts[0], singles.pop(index))]))
     finally:
         for stream in singles.values():  # a failure or an interrupt frees what is still in flight
             stream.cancel()
@@ -146,12 +146,18 @@ def _submit(session: Session, engine, item: _Prepared, index: int, on_finish=Non
                          on_finish=on_finish)
 
 
-def _completion(prompt: str, stream, stream_text: bool = False) -> Completion:
-    """A finished stream as its prompt's answer (its text sent on as events while it comes, for --stream)."""
+def _completion(tokenizer, prompt: str, stream, stream_text: bool = False) -> Completion:
+    """A finished stream as its prompt's answer (its text sent on as events while it comes, for --stream);
+    each logprob's token, and each of its alternatives, with its text beside its id (one token decoded
+    alone, special tokens shown, as the server's logprobs show them)."""
     done = stream.result(on_delta=(lambda delta: delta.text and text_delta(delta.text)) if stream_text else None)
     logprobs = None
     if done.logprobs and any(lp is not None for lp in done.logprobs):
-        logprobs = [{"token": lp[0], "logprob": lp[1], "top": [list(alt) for alt in lp[2]]} if lp else None
+        def text(token: int) -> str:
+            return tokenizer.decode([token], skip_special_tokens=False)
+
+        logprobs = [{"token": lp[0], "text": text(lp[0]), "logprob": lp[1],
+                     "top": [[alt[0], alt[1], text(alt[0])] for alt in lp[2]]} if lp else None
                     for lp in done.logprobs]
     return Completion(prompt=prompt, text=done.text, prompt_tokens=done.prompt_tokens,
                       completion_tokens=len(done.token_ids), finish_reason=done.finish_reason, logprobs=logprobs)
@@ -233,9 +239,9 @@ def _file_answers(session: Session, engine, item: _Prepared) -> Iterator[Complet
         for index, prompt in enumerate(item.prompts):
             pending.append((prompt, _submit(session, engine, item, index)))
             if len(pending) >= window:
-                yield _completion(*pending.popleft())
+                yield _completion(session.tokenizer, *pending.popleft())
         while pending:
-            yield _completion(*pending.popleft())
+            yield _completion(session.tokenizer, *pending.popleft())
     finally:
         for _, stream in pending:  # a failure or an interrupt frees what is still in flight
             stream.cancel()
