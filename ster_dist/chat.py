@@ -97,7 +97,8 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
 def totals_in_words(totals: dict) -> str:
     """The chat's totals as a person reads them at its end (JSON where stderr is not a terminal)."""
     turns = totals["turns"]
-    return (f"{turns} turn{'' if turns == 1 else 's'}: {totals['prompt_tokens']} prompt tokens read, "
+    return (f"{turns} turn{'' if turns == 1 else 's'}: "
+            f"{totals['prompt_tokens']} prompt tokens read, "
             f"{totals['completion_tokens']} tokens answered")
 
 

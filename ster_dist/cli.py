@@ -120,12 +120,13 @@ def _refuse_unknown_flags(argv: list[str]) -> None:
     for token in argv:
         if token == "--":
             return
-        commands = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        commands = next((a.choices for a in parser._actions
+                         if isinstance(a, argparse._SubParsersAction)), None)
         if commands and token in commands:  # `ster steer train`: the words choose the parser
             parser = commands[token]
             continue
         flag = token.split("=", 1)[0]
-        if not flag.startswith("--") or len(flag) == 2 or " " in flag:  # argparse reads "--a b" as a value
+        if not flag.startswith("--") or len(flag) == 2 or " " in flag:  # "--a b": a value, to argparse
             continue
         known = [s for s in parser._option_string_actions if s.startswith("--")]
         if flag in known or any(k.startswith(flag) for k in known):
@@ -184,8 +185,9 @@ def run(request: Request) -> tuple[object, int]:
 
 def refuse_early(request: Request) -> None:
     """What the command line can refuse before anything starts (torch, Ray, a model load): a --model
-    that names no directory here and is no owner/name Hub id (resolve.check_reference lists a directory,
-    nothing more). The request's own validators have already checked its flags (serve's --host)."""
+    that names no directory here and is no owner/name Hub id (resolve.check_reference lists a
+    directory, nothing more). The request's own validators have already checked its flags (serve's
+    --host)."""
     from ster_dist.schema.common import ModelRef
 
     if isinstance(request, ModelRef):
@@ -195,8 +197,8 @@ def refuse_early(request: Request) -> None:
 
 
 def _for_a_person(request: Request) -> bool:
-    """`ster chat` at a terminal: progress as one line that updates, totals in words; JSON events with
-    --events or where stderr is not a terminal (a pipe, a file, a test)."""
+    """`ster chat` at a terminal: progress as one line that updates, totals in words; JSON events
+    with --events or where stderr is not a terminal (a pipe, a file, a test)."""
     return isinstance(request, ChatRequest) and not request.events and sys.stderr.isatty()
 
 

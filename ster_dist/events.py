@@ -102,9 +102,10 @@ def json_stderr():
 
 
 class ProgressLine(StreamWrapper):
-    """A stderr for a person at a terminal (`ster chat`): each progress event's message, or any other
-    line a library prints, replaces the one before on a single line cut to the terminal's width,
-    and `end_line()` (or the end of the block) leaves the last one standing before other output."""
+    """A stderr for a person at a terminal (`ster chat`): each progress event's message, or any
+    other line a library prints, replaces the one before on a single line cut to the terminal's
+    width, and `end_line()` (or the end of the block) leaves the last one standing before other
+    output."""
 
     def __init__(self, original, width: int = 80):
         super().__init__(original)
@@ -120,7 +121,8 @@ class ProgressLine(StreamWrapper):
                 if line.strip():
                     message = " ".join(str(_message_of(line)).split())
                     cut = message if len(message) < self.width else message[:self.width - 4] + "..."
-                    self.original.write("\r\x1b[K" + cut)  # back to the line's start, cleared, rewritten
+                    # back to the line's start, the line cleared, the message written over it
+                    self.original.write("\r\x1b[K" + cut)
                     self._shown = True
             self.original.flush()
         return len(text)
@@ -139,7 +141,8 @@ def _message_of(line: str) -> str:
 
 
 def end_progress_line() -> None:
-    """Leave a person's progress line standing before other output (a prompt); nothing for JSON events."""
+    """Leave a person's progress line standing before other output (a prompt); with JSON events,
+    nothing."""
     end = getattr(sys.stderr, "end_line", None)
     if end is not None:
         end()
@@ -147,8 +150,8 @@ def end_progress_line() -> None:
 
 @contextlib.contextmanager
 def progress_line():
-    """sys.stderr as a ProgressLine as wide as its terminal for the block, with the same progress bars
-    turned off as json_stderr."""
+    """sys.stderr as a ProgressLine as wide as its terminal for the block, with the same progress
+    bars turned off as json_stderr."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:

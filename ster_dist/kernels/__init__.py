@@ -166,16 +166,16 @@ def _build_or_find(avx2: bool) -> None:
         load(name=name, sources=[str(sources / file) for file in SOURCES], extra_include_paths=[str(sources)],
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory),
              is_python_module=False, verbose=False)
-        # after the library is whole and loaded: seen, it is loaded directly; it records how long the build took,
-        # which the next build's estimate reads (build_estimate), renamed in so no reader sees it half written
+        # after the library is whole and loaded: seen, it is loaded directly; it holds how long the
+        # build took, which the next build's estimate reads (build_estimate), renamed in whole
         finished = directory / f".finished.{os.getpid()}"
         finished.write_text(f"{time.perf_counter() - started:.1f}\n")
         finished.replace(directory / "finished")
 
 
 def build_estimate(root: Path) -> str:
-    """How long a build will take, as the last finished build under `root` took (its `finished` file holds
-    its seconds): measured on this machine, under whatever else it was running then."""
+    """How long a build will take, as the last finished build under `root` took (its `finished`
+    file holds its seconds): measured on this machine, under whatever else it was running then."""
     last = None
     for finished in root.glob("ster_kernels_*/finished"):
         try:

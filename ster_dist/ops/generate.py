@@ -119,13 +119,15 @@ def generate_many(session: Session, requests: list[GenerateRequest], on_result=N
         for index in [i for i in singles if prepared[i].request.stream]:  # read live: its text goes out as it comes
             item = prepared[index]
             results[index] = _heard(on_result, index, GenerateResult(
-                **item.header, results=[_completion(session.tokenizer, item.prompts[0], singles.pop(index), stream_text=True)]))
+                **item.header, results=[_completion(session.tokenizer, item.prompts[0], singles.pop(index),
+                                                    stream_text=True)]))
         while singles:  # the other one-prompt requests as they finish
             index = done.get()
             if index in singles:
                 item = prepared[index]
                 results[index] = _heard(on_result, index, GenerateResult(
-                    **item.header, results=[_completion(session.tokenizer, item.prompts[0], singles.pop(index))]))
+                    **item.header,
+                    results=[_completion(session.tokenizer, item.prompts[0], singles.pop(index))]))
     finally:
         for stream in singles.values():  # a failure or an interrupt frees what is still in flight
             stream.cancel()
