@@ -67,7 +67,7 @@ def root(tmp_path_factory, forked_cli) -> Path:
     (root / "jobs").symlink_to(REPO / "jobs")
     # the main job's first command imports a .gguf: the directory holds it beside its config and tokenizer
     write_llama(root / "smollm2.gguf", hidden=288, heads=9, kv_heads=3, inter=96, layers=30,
-                qtype=GGMLQuantizationType.Q4_1, scale=0.02)
+                qtype=GGMLQuantizationType.Q4_1, scale=0.02, context=2048)
     import_gguf(root / "smollm2.gguf", root / "models" / "smollm2")
     return root
 
