@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 from ster_dist.errors import Refusal
-from ster_dist.events import progress
+from ster_dist.events import end_progress_line, progress
 from ster_dist.inputs import existing_file
 from ster_dist.ops.generate import register_adapter, register_vector
 from ster_dist.schema.chat import ChatRequest
@@ -57,6 +57,7 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
         history = list(opening)
         totals = {"turns": 0, "prompt_tokens": 0, "completion_tokens": 0}
         prompt = "> " if _is_tty(lines) else ""
+        end_progress_line()  # at a terminal, the last progress line stays above the conversation
         try:
             for line in _read(lines, out, prompt):
                 text = line.rstrip("\r\n")
@@ -91,6 +92,14 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
             if prompt:
                 _write(out, "\n")
         return totals
+
+
+def totals_in_words(totals: dict) -> str:
+    """The chat's totals as a person reads them at its end (JSON where stderr is not a terminal)."""
+    turns = totals["turns"]
+    return (f"{turns} turn{'' if turns == 1 else 's'}: "
+            f"{totals['prompt_tokens']} prompt tokens read, "
+            f"{totals['completion_tokens']} tokens answered")
 
 
 def _sampling(request: ChatRequest):

@@ -23,7 +23,7 @@ import typing
 from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
-from ster_dist.events import json_stderr
+from ster_dist.events import json_stderr, progress_line
 from ster_dist.schema import REQUESTS, BatchRequest, ChatRequest, QueueRequest, Request, ServeRequest, SubmitRequest
 
 
@@ -129,8 +129,35 @@ def _unoptional(annotation):
     return annotation
 
 
+def _refuse_unknown_flags(argv: list[str]) -> None:
+    """A flag the command does not have, named with the closest one it has (`--modle`: did you mean
+    `--model`?), before argparse's first complaint, which is often about another flag (a required
+    --model missing). Prefixes of a flag are left to argparse, which takes an unambiguous one."""
+    import difflib
+
+    parser: argparse.ArgumentParser = build_parser()
+    for token in argv:
+        if token == "--":
+            return
+        commands = next((a.choices for a in parser._actions
+                         if isinstance(a, argparse._SubParsersAction)), None)
+        if commands and token in commands:  # `ster steer train`: the words choose the parser
+            parser = commands[token]
+            continue
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--") or len(flag) == 2 or " " in flag:  # "--a b": a value, to argparse
+            continue
+        known = [s for s in parser._option_string_actions if s.startswith("--")]
+        if flag in known or any(k.startswith(flag) for k in known):
+            continue
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.5)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise Refusal(f"{parser.prog}: unknown flag {flag}; {hint}see `{parser.prog} --help`")
+
+
 def parse(argv: list[str] | None = None) -> Request:
     """The typed request of a command line, or a one-line Refusal in the flags' words."""
+    _refuse_unknown_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     cls = args.request_class
     given = {name: value for name, value in vars(args).items()
@@ -179,6 +206,25 @@ def run(request: Request) -> tuple[object, int]:
     return result, ops.exit_code(request, result)
 
 
+def refuse_early(request: Request) -> None:
+    """What the command line can refuse before anything starts (torch, Ray, a model load): a --model
+    that names no directory here and is no owner/name Hub id (resolve.check_reference lists a
+    directory, nothing more). The request's own validators have already checked its flags (serve's
+    --host)."""
+    from ster_dist.schema.common import ModelRef
+
+    if isinstance(request, ModelRef):
+        from ster_dist.resolve import check_reference
+
+        check_reference(request.model)
+
+
+def _for_a_person(request: Request) -> bool:
+    """`ster chat` at a terminal: progress as one line that updates, totals in words; JSON events
+    with --events or where stderr is not a terminal (a pipe, a file, a test)."""
+    return isinstance(request, ChatRequest) and not request.events and sys.stderr.isatty()
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     if words[:1] == ["request"]:  # NDJSON on stdout, its own statuses: not one of the generated commands
@@ -187,14 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         return request_main(words[1:], run)
     try:
         request = parse(argv)  # --help and --version print on stdout and exit here
+        refuse_early(request)
+        person = _for_a_person(request)
         # stdout carries the result alone: what libraries print meanwhile (Ray's notices of a dead
         # worker, DeepSpeed's accelerator line) goes to stderr with the progress, as log events
-        with json_stderr(), contextlib.redirect_stdout(sys.stderr):
+        with progress_line() if person else json_stderr(), contextlib.redirect_stdout(sys.stderr):
             result, code = run(request)
         if getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
         elif getattr(request, "format", "json") == "text":
             print(result["text"])  # generate --format text: the answer alone, its record left to the job
+        elif person:
+            from ster_dist.chat import totals_in_words
+
+            print(totals_in_words(result), file=sys.stderr)
         elif not request.result_on_stdout:  # stdout held the conversation or the ready line: totals go with the events
             print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
         elif getattr(build_parser().parse_args(argv), "text_output", False):

@@ -99,3 +99,69 @@ def json_stderr():
     finally:
         sys.stderr.flush()
         sys.stderr = original
+
+
+class ProgressLine(StreamWrapper):
+    """A stderr for a person at a terminal (`ster chat`): each progress event's message, or any
+    other line a library prints, replaces the one before on a single line cut to the terminal's
+    width, and `end_line()` (or the end of the block) leaves the last one standing before other
+    output."""
+
+    def __init__(self, original, width: int = 80):
+        super().__init__(original)
+        self.width = max(20, width)
+        self._partial = ""
+        self._shown = False
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._partial = (self._partial + text).replace("\r", "\n").split("\n")
+            for line in lines:
+                if line.strip():
+                    message = " ".join(str(_message_of(line)).split())
+                    cut = message if len(message) < self.width else message[:self.width - 4] + "..."
+                    # back to the line's start, the line cleared, the message written over it
+                    self.original.write("\r\x1b[K" + cut)
+                    self._shown = True
+            self.original.flush()
+        return len(text)
+
+    def end_line(self) -> None:
+        with self._lock:
+            if self._shown:
+                self.original.write("\n")
+                self.original.flush()
+                self._shown = False
+
+
+def _message_of(line: str) -> str:
+    event = as_event(line.strip())
+    return event.get("message") or event.get("text") or line.strip()
+
+
+def end_progress_line() -> None:
+    """Leave a person's progress line standing before other output (a prompt); with JSON events,
+    nothing."""
+    end = getattr(sys.stderr, "end_line", None)
+    if end is not None:
+        end()
+
+
+@contextlib.contextmanager
+def progress_line():
+    """sys.stderr as a ProgressLine as wide as its terminal for the block, with the same progress
+    bars turned off as json_stderr."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        width = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        width = 80
+    original, sys.stderr = sys.stderr, ProgressLine(sys.stderr, width)
+    try:
+        yield original
+    finally:
+        sys.stderr.flush()
+        sys.stderr.end_line()
+        sys.stderr = original

@@ -28,29 +28,57 @@ def resolve(model: str, revision: str | None = None) -> Checkpoint:
     """Resolve a local directory (never sent to the network) or else a Hub model id."""
     if os.path.isdir(model):
         return _resolve_local(model, revision)
-    _refuse_near_miss(model)
+    check_reference(model)
     # A missing path-looking string is not a missing directory: seeds/000 treats
     # it as a Hub id, so the refusal comes from the Hub and names the model.
     return _resolve_hub(model, revision)
+
+
+def check_reference(model: str) -> None:
+    """What can be said of a --model from this machine alone, refused before any network request: a
+    path whose parent exists here but that names no directory, or a bare name (no owner/) that names
+    no directory here, is a misspelling. Cheap (a directory listing), so the command line runs it
+    before it starts anything."""
+    if os.path.isdir(model):
+        return
+    _refuse_near_miss(model)
+    _refuse_bare_name(model)
+
+
+def _closest_directory(name: str, parent: str) -> str | None:
+    import difflib
+
+    try:
+        entries = sorted(e.name for e in os.scandir(parent or ".") if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return None
+    close = difflib.get_close_matches(name, entries, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _refuse_near_miss(model: str) -> None:
     """A path whose parent directory exists here (models/smolm2 beside models/smollm2) is a
     misspelled directory far more often than a Hub id: say so before any network request, with the
     closest name the parent holds."""
-    import difflib
-
     parent, name = os.path.split(os.path.normpath(model))
     if not parent or not name or not os.path.isdir(parent):
         return
-    try:
-        entries = sorted(e.name for e in os.scandir(parent) if e.is_dir() and not e.name.startswith("."))
-    except OSError:
-        return
-    close = difflib.get_close_matches(name, entries, n=1, cutoff=0.6)
-    hint = f"did you mean {os.path.join(parent, close[0])}? " if close else ""
+    close = _closest_directory(name, parent)
+    hint = f"did you mean {os.path.join(parent, close)}? " if close else ""
     raise Refusal(f"no directory {model}: {parent}/ exists here and holds no {name!r}; {hint}"
                   f"(a Hub id whose owner is also a directory here is not fetched: run from another directory)")
+
+
+def _refuse_bare_name(model: str) -> None:
+    """A name with no owner/ (toyy beside ./toy) is no Hub id the Hub resolves without a redirect, and no
+    directory here: the closest directory here is named, and nothing is fetched."""
+    name = os.path.normpath(model)
+    if os.sep in name or "/" in name or not name.strip() or name in (".", ".."):
+        return
+    close = _closest_directory(name, "")
+    hint = f"did you mean ./{close}? " if close else ""
+    raise Refusal(f"no directory {model} here, and a Hub id names its owner (owner/name, e.g. "
+                  f"HuggingFaceTB/SmolLM2-135M-Instruct); {hint}give a model directory or an owner/name Hub id")
 
 
 def describe(checkpoint: Checkpoint) -> dict:

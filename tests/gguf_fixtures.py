@@ -79,12 +79,14 @@ def spm_vocab() -> tuple[list[str], list[int], list[float]]:
 def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                 inter: int = 96, layers: int = 2, qtype: Q = Q.F32, tie: bool = True, bias: bool = False,
                 tokenizer: str = "gpt2", seed: int = 0, extra: dict[str, np.ndarray] | None = None,
-                skip: tuple[str, ...] = ()) -> tuple[dict, dict[str, np.ndarray]]:
+                skip: tuple[str, ...] = (), scale: float = 1.0,
+                context: int = 256) -> tuple[dict, dict[str, np.ndarray]]:
     """A tiny llama-layout .gguf; returns (config dict, {transformers name: float32 reference}).
 
     2-D weights are stored in qtype (norms and biases in F32); the reference is what
     they dequantize to, in Transformers' row order. `extra` adds raw F32 tensors under
-    GGUF names; `skip` leaves out GGUF names.
+    GGUF names; `skip` leaves out GGUF names. `scale` multiplies the 2-D weights (0.02, as
+    a model's initialisation, keeps thirty layers' activations in range); `context`: its positions.
     """
     rng = np.random.default_rng(seed)
     if tokenizer == "gpt2":
@@ -96,7 +98,7 @@ def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int
     vocab, head_dim = len(tokens), hidden // heads
     w = GGUFWriter(str(path), arch)
     w.add_block_count(layers)
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
@@ -130,6 +132,7 @@ def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int
                 stored = llamacpp_permute(stored, permute_heads)
             w.add_tensor(gguf_name, stored)
         else:
+            x = x * scale
             if permute_heads:
                 x = llamacpp_permute(x, permute_heads)
             stored, value = encode(x, qtype, rng)

@@ -63,6 +63,15 @@ def test_stop_token_ids_and_logprobs(toy):
     first = free["logprobs"][0]
     assert len(first["top"]) == 3 and first["top"][0][1] >= first["top"][1][1] >= first["top"][2][1]
     assert first["logprob"] == pytest.approx(first["top"][0][1])  # greedy picks the likeliest
+    # each token's text beside its id, as Transformers' tokenizer decodes that token alone
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(toy)
+    for lp in free["logprobs"]:
+        assert lp["text"] == reference.decode([lp["token"]], skip_special_tokens=False)
+        assert [alt[2] for alt in lp["top"]] == [reference.decode([alt[0]], skip_special_tokens=False)
+                                                 for alt in lp["top"]]
+    assert "".join(lp["text"] for lp in free["logprobs"]) == free["text"]
     token = free["logprobs"][4]["token"]
     cut = cli_generate(f"--model={toy}", "--prompt=count", "--max-new-tokens=10", "--chat-template=off",
                        "--ignore-eos", f"--stop-token-ids={token}")

@@ -112,3 +112,13 @@ def _lines_until(child: subprocess.Popen, text: str, seconds: float) -> list[str
         lines.append(line)
     return lines
 
+
+
+def test_the_build_estimate_is_the_last_timed_build_here(tmp_path):
+    assert kernels.build_estimate(tmp_path) == "no earlier build here was timed"
+    for name, text, age in (("ster_kernels_a", "141.2\n", 100), ("ster_kernels_b", "", 0),  # b: not timed
+                            ("ster_kernels_c", "37.6\n", 200)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "finished").write_text(text)
+        os.utime(tmp_path / name / "finished", (time.time() - age, time.time() - age))
+    assert kernels.build_estimate(tmp_path) == "the last build here took 141 s"  # a is newer than c

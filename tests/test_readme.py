@@ -1,6 +1,8 @@
 """The README's "Using it" blocks, run as written: every ```bash block, in order, from a copy of the
-repository's root (its jobs/ and README beside a stand-in for the main job's models/smollm2: a toy
-Llama with SmolLM2's 30 layers, so the example specs' layer numbers hold) with `.venv/bin/ster`,
+repository's root (its jobs/ and README beside a stand-in for the main job's models/smollm2: what
+`ster gguf-import` makes of a small Q4_1 .gguf with SmolLM2's 30 layers, so the example specs' layer
+numbers hold, and its 9 query and 3 key-value heads, so `--tp 2` splits them unevenly as on the real
+model) with `.venv/bin/ster`,
 `.venv/bin/python` and `.venv/bin/pip` standing for this interpreter's. A block that fails fails
 the test with its command and stderr.
 
@@ -21,7 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from ster_dist.toy import make_toy_model
+from gguf import GGMLQuantizationType
+
+from ster_dist.gguf import import_gguf
+from tests.gguf_fixtures import write_llama
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
@@ -60,7 +65,10 @@ def root(tmp_path_factory, forked_cli) -> Path:
     _shim(venv / "python", f'exec "{sys.executable}" "$@"')
     _shim(venv / "pip", "exit 0  # the test's interpreter has the test extra already")
     (root / "jobs").symlink_to(REPO / "jobs")
-    make_toy_model(root / "models" / "smollm2", layers=30, hidden=64, seed=0)
+    # the main job's first command imports a .gguf: the directory holds it beside its config and tokenizer
+    write_llama(root / "smollm2.gguf", hidden=288, heads=9, kv_heads=3, inter=96, layers=30,
+                qtype=GGMLQuantizationType.Q4_1, scale=0.02, context=2048)
+    import_gguf(root / "smollm2.gguf", root / "models" / "smollm2")
     return root
 
 

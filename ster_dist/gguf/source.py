@@ -222,6 +222,11 @@ class GGUFSource:
     def gguf_name(self, name: str) -> str | None:
         return to_gguf(self.family, name)
 
+    def stored(self, name: str) -> tuple[str, int]:
+        """(block type, bytes as stored) of one tensor, from the header: nothing is read."""
+        entry = self._entry(name)
+        return entry.qtype.name, int(entry.raw.nbytes)
+
     def quant_types(self) -> dict[str, int]:
         """How many tensors the file stores in each type, e.g. {"Q4_1": 210, "F32": 61}."""
         counts: dict[str, int] = {}

@@ -168,7 +168,9 @@ def _build_or_find(avx2: bool) -> None:
         if _load_finished(directory):  # built while this process waited
             return
         (directory / "lock").unlink(missing_ok=True)  # torch's, and no builder holds this directory: stale
-        progress(f"building ster_dist's CPU kernels for this CPU into {directory} (once: 15-40 s on 2 cores)")
+        progress(f"building ster_dist's CPU kernels for this CPU into {directory} (once; "
+                 f"{build_estimate(directory.parent)})")
+        started = time.perf_counter()
         sources = directory / "sources"
         sources.mkdir(exist_ok=True)
         for path in files:  # the same bytes whoever writes them; renamed in, so no build reads half a file
@@ -179,7 +181,27 @@ def _build_or_find(avx2: bool) -> None:
         load(name=name, sources=[str(sources / file) for file in SOURCES], extra_include_paths=[str(sources)],
              extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(directory),
              is_python_module=False, verbose=False)
-        (directory / "finished").touch()  # after the library is whole and loaded: seen, it is loaded directly
+        # after the library is whole and loaded: seen, it is loaded directly; it holds how long the
+        # build took, which the next build's estimate reads (build_estimate), renamed in whole
+        finished = directory / f".finished.{os.getpid()}"
+        finished.write_text(f"{time.perf_counter() - started:.1f}\n")
+        finished.replace(directory / "finished")
+
+
+def build_estimate(root: Path) -> str:
+    """How long a build will take, as the last finished build under `root` took (its `finished`
+    file holds its seconds): measured on this machine, under whatever else it was running then."""
+    last = None
+    for finished in root.glob("ster_kernels_*/finished"):
+        try:
+            seconds, when = float(finished.read_text().strip()), finished.stat().st_mtime
+        except (OSError, ValueError):  # a build finished before its time was recorded
+            continue
+        if last is None or when > last[0]:
+            last = (when, seconds)
+    if last is None:
+        return "no earlier build here was timed"
+    return f"the last build here took {last[1]:.0f} s"
 
 
 def _load_finished(directory: Path) -> bool:

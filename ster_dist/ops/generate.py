@@ -100,7 +100,7 @@ def generate(session: Session, request: GenerateRequest) -> GenerateResult:
                                              len(prompts))
             return result
         stream = live[0] = _submit(session, engine, item, 0)
-        completion = _completion(prompts[0], stream, stream_text=request.stream)
+        completion = _completion(session.tokenizer, prompts[0], stream, stream_text=request.stream)
         job.check()  # an answer cut short by a cancel is no answer
         return GenerateResult(**item.header, results=[completion])
     finally:
@@ -117,12 +117,18 @@ def _submit(session: Session, engine, item: _Prepared, index: int):
                          request_id=running.current().request_id(index))
 
 
-def _completion(prompt: str, stream, stream_text: bool = False) -> Completion:
-    """A finished stream as its prompt's answer (its text sent on as events while it comes, for --stream)."""
+def _completion(tokenizer, prompt: str, stream, stream_text: bool = False) -> Completion:
+    """A finished stream as its prompt's answer (its text sent on as events while it comes, for --stream);
+    each logprob's token, and each of its alternatives, with its text beside its id (one token decoded
+    alone, special tokens shown, as the server's logprobs show them)."""
     done = stream.result(on_delta=(lambda delta: delta.text and text_delta(delta.text)) if stream_text else None)
     logprobs = None
     if done.logprobs and any(lp is not None for lp in done.logprobs):
-        logprobs = [{"token": lp[0], "logprob": lp[1], "top": [list(alt) for alt in lp[2]]} if lp else None
+        def text(token: int) -> str:
+            return tokenizer.decode([token], skip_special_tokens=False)
+
+        logprobs = [{"token": lp[0], "text": text(lp[0]), "logprob": lp[1],
+                     "top": [[alt[0], alt[1], text(alt[0])] for alt in lp[2]]} if lp else None
                     for lp in done.logprobs]
     return Completion(prompt=prompt, text=done.text, prompt_tokens=done.prompt_tokens,
                       completion_tokens=len(done.token_ids), finish_reason=done.finish_reason, logprobs=logprobs)
@@ -206,7 +212,7 @@ def _file_answers(session: Session, engine, item: _Prepared, live: dict) -> Iter
 
     def answer() -> Completion:
         index, prompt = pending.popleft()
-        completion = _completion(prompt, live[index])
+        completion = _completion(session.tokenizer, prompt, live[index])
         del live[index]
         job.check()  # an answer cut short by a cancel is no answer: the output is never written
         return completion

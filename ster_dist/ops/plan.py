@@ -1,7 +1,10 @@
 """ster plan: how a model would sit on tp x ep x pp ranks over nodes, from its config.json and its
-safetensors headers alone (a local directory's headers, or a Hub repository's read by range requests):
+weights' headers alone (a local directory's .safetensors headers or its one .gguf's, whose tensors count
+at their block types' bytes as stored, or a Hub repository's safetensors headers read by range requests):
 each rank's parameter and read bytes from the real shard plan (shard/footprint.py), its KV cache per
 token, how many tokens of KV fit beside its weights, where each rank runs, and a one-line verdict.
+A directory holding a config.json and no weights is planned from the config alone: each rank's
+meta-device decoder gives its parameters and KV cache, and the report says it is an estimate.
 
 A plan that does not fit is still an answer (exit status 0); only inputs that cannot be planned
 (a placement that breaks a TP group across nodes, more ranks than GPUs, a config or checkpoint
@@ -18,12 +21,13 @@ from ster_dist.config import ModelConfig, from_hf
 from ster_dist.config_file import load_raw_config
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
+from ster_dist.gguf.source import GGUFSource
 from ster_dist.load import PRECISIONS, check_expert_parallel, check_weights
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.pipeline import check_pipeline
 from ster_dist.resolve import local_names, local_weights
 from ster_dist.schema.plan import PlanRequest
-from ster_dist.shard.footprint import RankFootprint, Tensor, rank_footprint, sort_tensors
+from ster_dist.shard.footprint import RankFootprint, Tensor, estimated_footprint, rank_footprint, sort_tensors
 from ster_dist.shard.safetensors_header import DTYPES, entries
 
 GIB = 1 << 30
@@ -34,6 +38,8 @@ ACTIVATION_RESERVE = 4 * GIB
 # the layer kinds that keep nothing per sequence beyond keys and values
 STATELESS_MIXERS = ("attention", "latent_attention", "none")
 STORED = {"fp8": "FP8", "mxfp4": "MXFP4", "compressed-tensors": "FP8"}
+ESTIMATED = ("estimated from the config: no weight files here, so each rank's parameters and KV cache come "
+             "from its meta-device decoder and its read bytes assume the config's torch_dtype")
 
 
 def plan(request: PlanRequest) -> dict:
@@ -47,23 +53,21 @@ def plan(request: PlanRequest) -> dict:
     check_expert_parallel(cfg, ctxs[0])
     check_pipeline(cfg, request.pp)
     check_weights(cfg, request.weights, request.model)
-    checkpoint = sort_tensors(cfg, tensors)
     dtype = PRECISIONS[request.precision]
+    if tensors is None:
+        return _estimate(request, cfg, ctxs, placement, dtype)
+    checkpoint = sort_tensors(cfg, tensors)
     progress(f"planning {len(ctxs)} rank(s) of {cfg.family} over {len(tensors)} checkpoint tensors "
              "(a meta-device decoder and the shard plan per rank)")
     matchers: dict = {}  # checkpoint names matched once for the ranks with the same parameter names
     ranks = [rank_footprint(cfg, checkpoint, ctx, dtype, r, keep_fp8=request.weights == "fp8", matchers=matchers)
              for r, ctx in enumerate(ctxs)]
-    memory = int(request.gpu_memory * GIB)
-    max_len = request.max_model_len or cfg.max_position
-    sequences = min(_sequences(memory, rank, max_len) for rank in ranks)
-    kv = [_kv_tokens(memory, rank, sequences) for rank in ranks]
-    tokens = min(kv)  # block ids are the same on every rank: the smallest cache bounds them all
     return {
         "model": request.model, "family": cfg.family, "precision": request.precision, "weights": request.weights,
         "tp": request.tp, "ep": request.ep, "pp": request.pp, "world_size": len(ranks),
         "stages": [{"stage": s, "layers": list(ranks[s * stage].layers)} for s in range(request.pp)],
         "quantization": checkpoint.method,
+        "stored_types": _stored_types(tensors),
         "quantization_config": cfg.quant.summary() if cfg.quant else None,
         "fp8_weight_block_size": list(checkpoint.block) if checkpoint.block else None,
         "file_bytes": sum(t.nbytes for t in tensors.values()),
@@ -71,16 +75,62 @@ def plan(request: PlanRequest) -> dict:
         "mtp_bytes": sum(tensors[name].nbytes for name in checkpoint.mtp),  # never read by plain decoding
         "activation_scale_tensors": len(checkpoint.unread),  # compressed-tensors' activation scales: never read
         "read_bytes_all_ranks": sum(r.read_bytes for r in ranks),
+        **_fitting(request, cfg, ranks, placement, quantized=STORED.get(checkpoint.method)),
+    }
+
+
+def _fitting(request: PlanRequest, cfg: ModelConfig, ranks: list[RankFootprint], placement: list,
+             quantized: str | None = None, note: str = "") -> dict:
+    """What fits beside each rank's weights: its KV cache and recurrent state, the sequences, the verdict."""
+    memory = int(request.gpu_memory * GIB)
+    max_len = request.max_model_len or cfg.max_position
+    sequences = min(_sequences(memory, rank, max_len) for rank in ranks)
+    kv = [_kv_tokens(memory, rank, sequences) for rank in ranks]
+    tokens = min(kv)  # block ids are the same on every rank: the smallest cache bounds them all
+    return {
         "gpu_memory_bytes": memory, "activation_reserve_bytes": ACTIVATION_RESERVE,
-        "kv_cache": kv_summary(cfg, ranks[0], request.precision),
+        "kv_cache": kv_summary(cfg, ranks, request.precision),
         "max_model_len": max_len,
-        "recurrent_state": state_summary(cfg, ranks[0], request.precision),
+        "recurrent_state": state_summary(cfg, max(ranks, key=lambda r: r.state_bytes_per_sequence),
+                                         request.precision),
         "kv_tokens": tokens, "max_model_len_sequences": sequences,
         "ranks": [{**_rank_json(rank, placement[rank.rank]), "kv_tokens": n} for rank, n in zip(ranks, kv)],
         "nodes": _nodes(placement),
-        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, quantized=STORED.get(checkpoint.method),
-                           sequences=sequences),
+        "verdict": verdict(request, cfg, ranks, tokens, max_len, memory, quantized=quantized,
+                           sequences=sequences) + note,
     }
+
+
+def _estimate(request: PlanRequest, cfg: ModelConfig, ctxs: list[ParallelCtx], placement: list,
+              dtype) -> dict:
+    """The plan of a directory holding a config.json and no weights: each rank's meta-device decoder."""
+    if request.weights == "fp8":
+        raise Refusal(f"--weights fp8 counts the FP8 weights a checkpoint's headers state, and {request.model} "
+                      "holds a config and no weight files; plan it with --weights dequantize, or beside its weights")
+    progress(f"planning {len(ctxs)} rank(s) of {cfg.family} from its config alone (no weight files): "
+             "a meta-device decoder per rank")
+    ranks = [estimated_footprint(cfg, ctx, dtype, r) for r, ctx in enumerate(ctxs)]
+    stage = request.tp * request.ep
+    return {
+        "model": request.model, "family": cfg.family, "precision": request.precision, "weights": request.weights,
+        "estimated": ESTIMATED,
+        "tp": request.tp, "ep": request.ep, "pp": request.pp, "world_size": len(ranks),
+        "stages": [{"stage": s, "layers": list(ranks[s * stage].layers)} for s in range(request.pp)],
+        "quantization": cfg.quant.method if cfg.quant else None,
+        "quantization_config": cfg.quant.summary() if cfg.quant else None,
+        "read_bytes_all_ranks": sum(r.read_bytes for r in ranks),
+        **_fitting(request, cfg, ranks, placement, note=" (estimated from the config)"),
+    }
+
+
+def _stored_types(tensors: dict[str, Tensor]) -> dict[str, int] | None:
+    """A GGUF checkpoint's block types, with how many tensors each stores (Q4_1: 210, F32: 61)."""
+    if not any(t.stored_bytes is not None for t in tensors.values()):
+        return None
+    counts: dict[str, int] = {}
+    for tensor in tensors.values():
+        counts[tensor.dtype] = counts.get(tensor.dtype, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def place(tp: int, ep: int, nodes: int, gpus_per_node: int, pp: int = 1) -> list[tuple[int, int]]:
@@ -114,10 +164,11 @@ def read_model(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor
     if not config.is_file():
         raise Refusal(f"model config is missing: {config}; ster plan reads a checkpoint's config.json")
     # the files generate would load (resolve's rule: not Mistral's consolidated*, no optimizer state)
-    files = [directory / name for name in local_weights(directory, local_names(directory), "safetensors")]
+    names = local_names(directory)
+    files = [directory / name for name in local_weights(directory, names, "safetensors")]
+    raw = load_raw_config(config)
     if not files:
-        raise Refusal(f"model directory contains no safetensors weights: {directory}; "
-                      "ster plan reads the headers of its .safetensors files")
+        return raw, _other_weights(directory, names, raw), str(config)
     tensors: dict[str, Tensor] = {}
     for path in files:
         for entry in entries(path):  # the header only, checked against the file's size; no data read
@@ -125,7 +176,33 @@ def read_model(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor
                 raise Refusal(f"tensor {entry.name} appears in two weight files (the second is {path}); "
                               "remove the duplicate shard")
             tensors[entry.name] = Tensor(entry.dtype, entry.shape)
-    return load_raw_config(config), tensors, str(config)
+    return raw, tensors, str(config)
+
+
+def _other_weights(directory: Path, names: set[str], raw: dict) -> dict[str, Tensor] | None:
+    """With no .safetensors: the tensors of the directory's one .gguf as its header states them (under
+    Transformers names, each checked against the config by GGUFSource), or None for a directory that holds
+    a config and no weights at all (planned from the config alone)."""
+    ggufs = sorted(n for n in names if n.endswith(".gguf"))
+    if len(ggufs) > 1:
+        raise Refusal(f"model directory {directory} contains {len(ggufs)} .gguf files; exactly one is read: "
+                      "keep one .gguf beside the config")
+    if ggufs:
+        source = GGUFSource(directory / ggufs[0], raw)  # the header and a memory map: no block is read
+        try:
+            return {name: Tensor(*_stored(source, name)) for name in source.names()}
+        finally:
+            source.close()
+    pickled = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
+    if pickled:
+        raise Refusal(f"model directory {directory} holds only pickled weights ({', '.join(pickled)}), which "
+                      "ster_dist never reads; convert them to safetensors")
+    return None
+
+
+def _stored(source: GGUFSource, name: str) -> tuple[str, tuple[int, ...], int]:
+    block_type, nbytes = source.stored(name)
+    return block_type, tuple(source.shape(name)), nbytes
 
 
 def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor], str]:
@@ -187,17 +264,22 @@ def _indexer_keys(cfg: ModelConfig) -> str:
     return f" and, on {full} layers, the indexer's key ({cfg.raw['index_head_dim']})" if full else ""
 
 
-def kv_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict:
+def kv_summary(cfg: ModelConfig, ranks: list[RankFootprint], precision: str) -> dict:
+    """The KV cache per token: the largest rank's at the top level (what sizes a GPU), and each rank's
+    where they differ (3 key-value heads over --tp 2 leave rank 0 one head and rank 1 two)."""
+    rank = max(ranks, key=lambda r: r.kv_bytes_per_token)
     sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
     if cfg.mla is not None:
         # Dots3-Note's sliding layers keep latents of their own rank
-        ranks = "/".join(str(r) for r in sorted({cfg.mla_of(i).kv_lora_rank for i in range(cfg.num_layers)}))
-        what = (f"latent attention: per layer the normed latent ({ranks}) and the rotated key "
+        latents = "/".join(str(r) for r in sorted({cfg.mla_of(i).kv_lora_rank for i in range(cfg.num_layers)}))
+        what = (f"latent attention: per layer the normed latent ({latents}) and the rotated key "
                 f"({cfg.mla.qk_rope_head_dim}){_indexer_keys(cfg)}, whole on every rank (not split by --tp)")
     else:
         what = "per layer this rank's key-value heads x head_dim, keys and values"
-    out = {"bytes_per_token_per_rank": rank.kv_bytes_per_token, "dtype": precision, "layers": cfg.num_layers,
-           "holds": what, "sliding_window_layers": len(sliding)}
+    out = {"bytes_per_token_per_rank": rank.kv_bytes_per_token, "largest_on_rank": rank.rank,
+           "dtype": precision, "layers": cfg.num_layers, "holds": what, "sliding_window_layers": len(sliding)}
+    if len({r.kv_bytes_per_token for r in ranks}) > 1:
+        out["bytes_per_token_by_rank"] = [r.kv_bytes_per_token for r in ranks]
     if sliding:
         windows = sorted({cfg.layer_window[i] for i in sliding})
         out["sliding_window"] = (f"{len(sliding)} of {cfg.num_layers} layers attend through a window of "

@@ -75,6 +75,7 @@ def train(session: Session, request: SteerTrainRequest) -> dict:
 def inspect(request: SteerInspectRequest) -> dict:
     from ster_dist.steer.artifact import load_artifact
 
+    progress(f"reading the steering artifact {request.artifact}")
     return load_artifact(request.artifact).summary()
 
 

@@ -30,6 +30,8 @@ def families(request: FamiliesRequest) -> dict:
     counts: dict[str, int] = {}
     for row in table:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
+    progress(f"listed {len(table)} families from the registry: "
+             + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
     return {"families": table, "counts": counts}
 
 
@@ -37,6 +39,7 @@ def inspect_model(request: InspectModelRequest) -> dict:
     from ster_dist.config_load import model_config
     from ster_dist.resolve import describe, resolve
 
+    progress(f"resolving {request.model}: its config and file names, no weights")
     checkpoint = resolve(request.model, request.revision)
     out = describe(checkpoint)
     try:
@@ -51,6 +54,8 @@ def toy_model(request: ToyModelRequest) -> dict:
     from ster_dist.toy import make_toy_model
 
     made = {"maker": "toy-model", **request.model_dump(exclude={"directory", "force"})}
+    progress(f"writing a toy {request.family} model of {request.layers} layer(s), hidden size {request.hidden}, "
+             f"into {request.directory}")
     return _made_once(Path(request.directory), made, request.force, lambda out: make_toy_model(
         out, family=request.family, layers=request.layers, hidden=request.hidden, experts=request.experts,
         seed=request.seed))
@@ -67,6 +72,8 @@ def gguf_import(request: GgufImportRequest) -> dict:
     made = {"maker": "gguf-import", "source": str(source.resolve()), "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns, "safetensors": request.safetensors}
     directory = Path(request.directory)
+    progress(f"importing {source} ({stat.st_size / 2**20:.1f} MiB) into {directory}"
+             + (" as safetensors" if request.safetensors else ", the .gguf placed beside its config"))
     with refusing_full_disk(directory):
         return _made_once(directory, made, request.force,
                           lambda out: import_gguf(source, out, to_safetensors=request.safetensors))

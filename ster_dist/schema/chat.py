@@ -26,6 +26,9 @@ class ChatRequest(Runtime, EngineFields, ModifierFields):
     top_p: float = field(1.0, allow_inf_nan=False, help="nucleus sampling: the probability mass kept, in (0, 1]")
     top_k: int = field(0, ge=0, help="sample among the k most likely tokens only; 0 keeps them all")
     seed: int = field(0, ge=0, help="the sampling seed; turn i of a conversation draws from seed + i")
+    events: bool = field(False, help="progress and totals as JSON events on stderr, as other commands print "
+                                     "them (the default where stderr is not a terminal; on one, progress is a "
+                                     "line that updates and the totals are words)")
 
     @field_validator("top_p")
     @classmethod

@@ -75,7 +75,7 @@ class GenerateRequest(Runtime, EngineFields, ModifierFields):
     frequency_penalty: float = field(0.0, ge=-2, le=2, allow_inf_nan=False,
                                      help="subtracted per occurrence from the logits of tokens already in the answer")
     logprobs: int | None = field(None, ge=0, le=20, help="report each chosen token's log-probability and this many "
-                                                       "likeliest alternatives")
+                                                       "likeliest alternatives, each token's text beside its id")
     stream: bool = field(False, help="print the answer's text on stdout as it is generated (with --prompt; a job "
                                      "sends it as text events)")
     # how a command line prints the result; a job's record is the same JSON either way
@@ -118,7 +118,7 @@ class Completion(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or text) or "length" (the budget ran out)
-    logprobs: list | None = None  # per token: {"token", "logprob", "top": [[id, logprob], ...]}
+    logprobs: list | None = None  # per token: {"token", "text", "logprob", "top": [[id, logprob, text], ...]}
 
 
 class GenerateResult(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 
 from pydantic import ValidationInfo, model_validator
@@ -59,6 +60,11 @@ class ServeRequest(Runtime, EngineFields):
     def _settings(self, info: ValidationInfo):
         if not self.host.strip():
             raise Refusal(f"{label_in(info, 'host')} is empty; give 127.0.0.1 or an address of this machine")
+        if not is_loopback(self.host) and self.api_key is None and not os.environ.get("STER_API_KEY"):
+            # refused on arrival, as serve/run.py's check_exposure would after the imports and the model load
+            raise Refusal(f"{label_in(info, 'host')} {self.host} listens beyond this machine; give "
+                          f"{label_in(info, 'api_key')} KEY (or set STER_API_KEY) so only clients holding it are "
+                          "answered, or keep the default 127.0.0.1")
         memory_bytes(self.max_body, label_in(info, "max_body"))
         names = set()
         for item in self.adapter or ():

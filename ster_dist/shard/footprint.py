@@ -47,12 +47,20 @@ from ster_dist.shard.safetensors_header import DTYPES
 class Tensor:
     """One checkpoint tensor as its header states it."""
 
-    dtype: str  # the safetensors tag: BF16, F8_E4M3, F32, ...
+    dtype: str  # the safetensors tag (BF16, F8_E4M3, F32, ...) or a GGUF block type (Q4_1, Q8_0, F32, ...)
     shape: tuple[int, ...]
+    stored_bytes: int | None = None  # a GGUF tensor's bytes as stored (blocks of values and their scales)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return self.stored_bytes if self.stored_bytes is not None else self.bytes_of(math.prod(self.shape))
+
+    def bytes_of(self, elements: int) -> int:
+        """Bytes a window of `elements` values reads: a GGUF tensor's at its blocks' bytes per value
+        (exact for windows of whole blocks, as rows of a GGUF tensor are)."""
+        if self.stored_bytes is None:
+            return elements * DTYPES[self.dtype].itemsize
+        return -(-elements * self.stored_bytes // max(1, math.prod(self.shape)))
 
 
 @dataclass(frozen=True)
@@ -178,7 +186,6 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
     read = packed_scales = 0
     for r in plan.reads:
         tensor = checkpoint.planned[r.source]
-        itemsize = DTYPES[tensor.dtype].itemsize
         for piece in r.pieces:
             memo = (id(piece), tensor.shape)
             if memo not in extent_of:
@@ -195,7 +202,7 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
                 read += exponents * mxfp4.GROUP_BYTES
                 packed_scales += exponents
                 continue
-            read += area * itemsize
+            read += tensor.bytes_of(area)
             if r.source in checkpoint.scales:
                 extents.setdefault(r.source, []).append(extent)
     scale_bytes = packed_scales
@@ -210,5 +217,23 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
             shape = shards[name].local_shape()
             params += math.prod(shape) * (1 - dtype.itemsize) + kept_scale_bytes(spans, checkpoint.scale_blocks, shape)
     return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, read + scale_bytes, scale_bytes,
+                         PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model), ctx.pp_rank,
+                         model.stage)
+
+
+# a config's torch_dtype, as the checkpoint's weights are most often stored; anything else counts as bf16
+STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def estimated_footprint(cfg: ModelConfig, ctx: ParallelCtx, dtype: torch.dtype, rank: int) -> RankFootprint:
+    """What one rank holds, from the config alone (a directory with config.json and no weights): its
+    meta-device decoder's parameters and KV cache are the loader's (the same shard plan of every layer), while
+    what it would read is estimated as those parameters at the config's torch_dtype, there being no headers
+    to say how the weights are stored (a quantized checkpoint stores less)."""
+    model = meta_decoder(cfg, ctx, dtype)
+    stored = STORED_DTYPES.get(str(cfg.torch_dtype), torch.bfloat16).itemsize
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    values = sum(p.numel() for p in model.parameters())
+    return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, values * stored, 0,
                          PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model), ctx.pp_rank,
                          model.stage)
