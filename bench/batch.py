@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
         tmp = Path(name)
         model = args.model
         if model is None:
-            from ster_dist.toy import make_toy_model
+            from ster_dist.load.toy import make_toy_model
 
             model = str(tmp / "toy")
             make_toy_model(Path(model), layers=args.layers, hidden=args.hidden, seed=0)

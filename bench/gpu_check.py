@@ -133,7 +133,7 @@ def _generate(model: Path, device: str, kernels: str | None, prompts: list[str],
 
 def parity(device: str, dry: bool, root: Path) -> dict:
     """Greedy answers of a tiny llama and a tiny deepseek_v3 under each --kernels choice, against torch's."""
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     choices = ["triton", "torch"] + (["native"] if device == "cpu" else [])
     out = {}
@@ -150,7 +150,7 @@ def parity(device: str, dry: bool, root: Path) -> dict:
 def decode(device: str, dry: bool, root: Path) -> dict:
     """Tokens/s of a SmolLM2-sized Llama (30 layers, hidden 576; the toy's small vocabulary) through the engine,
     per precision, batch and kernels, with the HBM roofline (weight bytes / 3.35 TB/s a step)."""
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     model = root / "smollm2_sized"
     layers, hidden = (2, 64) if dry else (30, 576)

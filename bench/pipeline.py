@@ -41,7 +41,7 @@ from common import LlamaShape, ensure_checkpoint  # noqa: E402
 
 import torch  # noqa: E402
 
-from ster_dist.config_load import model_config  # noqa: E402
+from ster_dist.config.load import model_config  # noqa: E402
 from ster_dist.engine.loop import EngineConfig, TokenEngine  # noqa: E402
 from ster_dist.engine.client import RunnerClient  # noqa: E402
 from ster_dist.engine.sampling import SamplingParams  # noqa: E402

@@ -84,7 +84,7 @@ def model_dir(args, scratch: Path) -> Path:
         return smollm2_dir()
     if args.model_dir is not None:
         return args.model_dir
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     directory = scratch / "toy"
     make_toy_model(directory, layers=args.layers, hidden=args.hidden)

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import set_threads, write_wordlevel_tokenizer
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.engine.loop import EngineConfig, TokenEngine
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.resolve import resolve

@@ -14,10 +14,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ster_dist import config_file
+from ster_dist.config import file as config_file
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.errors import Refusal
-from ster_dist.tokenizer_files import OTHER_FILES, tokenizer_file
+from ster_dist.tokenizer.files import OTHER_FILES, tokenizer_file
 
 _PICKLED = (".bin", ".pt", ".pth")
 _OPTIONAL_HUB_FILES = ("tokenizer_config.json", "generation_config.json")

@@ -43,7 +43,7 @@ class Session:
 
     @functools.cached_property
     def cfg(self):
-        from ster_dist.config_load import model_config
+        from ster_dist.config.load import model_config
 
         return model_config(self.checkpoint)
 

@@ -9,7 +9,7 @@ import json
 from ster_dist import ops
 from ster_dist.cli import parse
 from ster_dist.session import Session
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 
 
 def cli_generate(*argv) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.engine.local import engine_token_ids
 from ster_dist.engine.loop import EngineConfig, TokenEngine
 from ster_dist.engine.sampling import SamplingParams

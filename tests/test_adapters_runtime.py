@@ -16,7 +16,7 @@ from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
 from ster_dist.cli import main
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.resolve import resolve

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from ster_dist import atomic
-from ster_dist import template_limits as template_module
+from ster_dist.tokenizer import template_limits as template_module
 from ster_dist.cli import main
 from ster_dist.errors import Refusal
 from ster_dist.tokenizer import Tokenizer

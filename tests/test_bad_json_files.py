@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from tests.test_config import refusal as one_line_refusal

@@ -26,7 +26,7 @@ from ster_dist.model.paged_step import PagedStep
 from ster_dist.model.step import StepState
 from ster_dist.parallel import packed
 from ster_dist.resolve import resolve
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 from ster_dist.workers.spawn import SpawnGroup
 from tests.native_kernels import built
 from tests.test_engine import group_cfg, open_engine, prompts

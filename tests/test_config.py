@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from ster_dist.config import ACTIVATIONS, ModelConfig, from_hf
-from ster_dist.config_file import family_of, gate, load_raw_config
+from ster_dist.config.file import family_of, gate, load_raw_config
 from ster_dist.errors import Refusal
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.registry import spec_for

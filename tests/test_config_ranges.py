@@ -104,7 +104,7 @@ def test_a_model_type_that_is_not_a_string_is_refused(model_type):
     ("yarn", "x", "yarn is not a JSON object"),
 ])
 def test_params_json_sizes_are_checked_before_the_pattern_is_built(key, value, named):
-    from ster_dist.config_params import from_params
+    from ster_dist.config.params import from_params
 
     raw = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 128,
            "norm_eps": 1e-5, "vocab_size": 1000, "sliding_window": [8, None]}

@@ -139,7 +139,7 @@ def test_refusals(change, words):
 
 
 def test_the_quantized_releases_are_refused_before_any_weight_is_fetched():
-    from ster_dist.config_file import gate
+    from ster_dist.config.file import gate
 
     release = {**_CONFIG, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                                   "weight_block_size": [128, 128]}}

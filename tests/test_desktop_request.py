@@ -17,7 +17,7 @@ import pytest
 
 from ster_dist.cli import main
 from ster_dist.desktop_request import NOT_IN_STER_DIST, operations
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 
 DOCS = Path(__file__).parent / "data" / "ster_docs"
 TABLE = (

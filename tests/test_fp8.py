@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder
@@ -302,7 +302,7 @@ def test_a_merge_onto_an_fp8_base_is_refused_before_any_weight_is_read(checkpoin
     ({"w": torch.zeros(4, 4, dtype=torch.bfloat16), "w_scale_inv": torch.ones(2, 1)}, "not float8_e4m3fn"),
 ])
 def test_a_damaged_fp8_checkpoint_is_refused_naming_the_tensor(tmp_path, tensors, why):
-    from ster_dist.config_quant import BlockFP8
+    from ster_dist.config.quant import BlockFP8
     from ster_dist.shard.fp8 import Fp8Source
     from ster_dist.shard.source import SafetensorsSource
 

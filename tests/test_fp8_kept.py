@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.adapters.attach import attach
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.decoder import meta_decoder

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from ster_dist.config import from_hf  # noqa: E402
-from ster_dist.config_ranges import INTS, PER_LAYER, POSITIVE, FINITE  # noqa: E402
+from ster_dist.config.ranges import INTS, PER_LAYER, POSITIVE, FINITE  # noqa: E402
 from ster_dist.errors import Refusal  # noqa: E402
 from ster_dist.protocol import names, request_class, validate  # noqa: E402
 from ster_dist.shard.safetensors_header import DTYPES, entries, header_bytes, read_header  # noqa: E402
@@ -232,7 +232,7 @@ PARAMS_KEYS = sorted(set(TINY_PARAMS) | {"moe", "multimodal", "yarn", "model_typ
 @FUZZ
 @given(st.sampled_from(PARAMS_KEYS), json_values | st.integers(min_value=-(10 ** 12), max_value=10 ** 12))
 def test_one_params_json_key_replaced_by_any_json_value(key, value):
-    from ster_dist.config_params import from_params
+    from ster_dist.config.params import from_params
 
     try:
         from_params({**TINY_PARAMS, key: value})

@@ -11,7 +11,7 @@ import pytest
 
 from ster_dist.cli import main
 from ster_dist.steer.artifact import load_artifact
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 
 DOCS = Path(__file__).parent / "data" / "ster_docs"
 

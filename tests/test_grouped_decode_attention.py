@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ster_dist.load import load_model
 from ster_dist.model.attention import one_query_grouped
 from ster_dist.resolve import resolve
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 
 
 def repeated_heads(q, k, v, scale):

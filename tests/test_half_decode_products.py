@@ -12,7 +12,7 @@ from ster_dist.load import load_model
 from ster_dist import kernels
 from ster_dist.parallel.linear import dense
 from ster_dist.resolve import resolve
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 from tests.test_compiled_step import compiling, decode  # noqa: F401  (a fixture and a helper)
 
 

@@ -198,7 +198,7 @@ def small_cluster(tmp_path_factory):
     an adapter for the first."""
     import ray
 
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
     from ster_dist.workers.ray_group import start_ray
     from tests.test_merge import ster_adapter
 

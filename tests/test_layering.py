@@ -27,7 +27,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "context (its id, its cancellation); import nothing of ours"),
     (("families",),
      "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user"),
-    (("checkpoint", "config*", "resolve", "tokenizer*", "chat_template", "template_limits"),
+    (("checkpoint", "config", "resolve", "tokenizer"),
      "checkpoint and config level: what a model is, read from its files before any weight"),
     (("kernels",),
      "our native CPU kernels (few-row products, paged decode attention), built at first use; torch ops only"),
@@ -39,7 +39,7 @@ LAYERS: list[tuple[tuple[str, ...], str]] = [
      "mixture of experts: router, experts, dispatch; a layer the decoder places"),
     (("model",),
      "the decoder and its attention kinds, built from ModelConfig on a ParallelCtx"),
-    (("shard", "gguf", "load", "toy"),
+    (("shard", "gguf", "load"),
      "weight I/O above the model: plans, sources, the loader that fills a built model, writers; "
      "toy builds a decoder to name its parameters"),
     (("parity", "workers"),

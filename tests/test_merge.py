@@ -159,7 +159,7 @@ _PREFIX = {"phi3": "model.layers.{i}.", "gpt2": "transformer.h.{i}.", "gpt_neox"
 def ster_adapter(path: Path, base: Path, targets, layers, rank=3, alpha=6.0, seed=2, **sidecar) -> dict:
     """A Ster adapter (layers.{l}.{target}.a/.b + sidecar) with random factors shaped for the base."""
     from ster_dist.adapters.targets import PARAMS, decoder_shards
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.resolve import resolve
 
     cfg = model_config(resolve(str(base)))
@@ -453,7 +453,7 @@ _MEASURED_MERGE = textwrap.dedent("""
     from ster_dist.adapters.merge import merge
     # what a first use costs once per process, paid before the mark because it is not the merge's
     # memory: the modules the merge imports lazily, and torch's first matmul (its thread pool)
-    import torch, ster_dist.atomic, ster_dist.config_params, ster_dist.config_load, ster_dist.load, ster_dist.resolve
+    import torch, ster_dist.atomic, ster_dist.config.params, ster_dist.config.load, ster_dist.load, ster_dist.resolve
     torch.ones(64, 64) @ torch.ones(64, 64)
     def status(field):
         for line in open("/proc/self/status"):

@@ -165,7 +165,7 @@ def test_the_release_config_is_read():
 
 
 def test_a_config_naming_only_its_architecture_is_the_same_family():
-    from ster_dist.config_file import family_of
+    from ster_dist.config.file import family_of
 
     raw = {k: v for k, v in _CONFIG.items() if k != "model_type"}
     assert family_of({**raw, "architectures": ["MiniMaxM3SparseForCausalLM"]}) == "minimax_m3_vl_text"

@@ -20,8 +20,8 @@ from ster_dist.adapters.format import open_adapter
 from ster_dist.adapters.merge import merge
 from ster_dist.adapters.targets import sites_for
 from ster_dist.config import from_hf
-from ster_dist.config_load import model_config
-from ster_dist.config_params import from_params
+from ster_dist.config.load import model_config
+from ster_dist.config.params import from_params
 from ster_dist.engine.modifiers import StandingModifiers
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model

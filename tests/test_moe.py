@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ster_dist.config import MoEConfig
-from ster_dist.config_file import text_weight_names
+from ster_dist.config.file import text_weight_names
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import SPECS
 from ster_dist.load import load_model
@@ -310,7 +310,7 @@ def test_a_missing_expert_and_a_wrong_expert_width_are_refused(tiny, tmp_path):
 def test_the_toy_deepseek_v3_checkpoint_is_read_alike_by_transformers(tmp_path):
     import transformers
 
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     make_toy_model(tmp_path / "dsv3", family="deepseek_v3", layers=3)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dsv3"), dtype=torch.float32)

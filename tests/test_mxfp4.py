@@ -112,7 +112,7 @@ def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
     """One rank's share, counted from the shard plan: its window of every plain tensor in the stored dtype, and
     of every packed expert stack 16 bytes and one exponent per 32-value group of its experts, rows and inputs
     (the interleaved gate and up share one window, read once)."""
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.model.decoder import meta_decoder
     from ster_dist.parallel.linear import module_shards
     from ster_dist.shard.plan import build_plan

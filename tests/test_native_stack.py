@@ -29,7 +29,7 @@ from ster_dist.model import native_stack
 from ster_dist.model.native_stack import NativeStack, why_not
 from ster_dist.parallel import packed
 from ster_dist.resolve import resolve
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 from tests.native_kernels import BUILDABLE
 from tests.test_compiled_step import close, compiling, decode, decode_from  # noqa: F401  (compiling: a fixture)
 from tests.test_engine import open_engine, prompts, random_sites

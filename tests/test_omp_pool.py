@@ -69,7 +69,7 @@ def test_releasing_ends_the_threads_a_parallel_region_left():
 def test_the_engine_releases_what_its_callers_threads_made(tmp_path):
     counts = run(f"""
         import os, torch
-        from ster_dist.toy import make_toy_model
+        from ster_dist.load.toy import make_toy_model
         from tests.test_engine import open_engine
         torch.set_num_threads(2)
         make_toy_model({str(tmp_path / "toy")!r}, layers=2, hidden=64, seed=0)

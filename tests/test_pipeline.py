@@ -132,7 +132,7 @@ def test_four_ranks_tp_or_ep_times_pp2_equal_one_rank_and_transformers(tmp_path,
 
 
 def test_families_whose_layers_cannot_be_cut_are_refused(tmp_path):
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
 
     make_tiny("zamba2", tmp_path)
     cfg = model_config(resolve(str(tmp_path)))
@@ -150,7 +150,7 @@ def test_families_whose_layers_cannot_be_cut_are_refused(tmp_path):
 
 
 def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen3):
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.engine.loop import EngineConfig, TokenEngine
     from ster_dist.engine.sampling import SamplingParams
     from ster_dist.tokenizer import Tokenizer

@@ -367,7 +367,7 @@ def test_a_kv_cache_shorter_than_one_sequence_does_not_fit(tmp_path_factory, cap
 
 
 def test_toy_deepseek_plan_equals_a_real_load_over_ep2(tmp_path):
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     make_toy_model(tmp_path / "dsv3", family="deepseek_v3", layers=3, hidden=64, experts=8, seed=0)
     code = main(["plan", "--model", str(tmp_path / "dsv3"), "--tp", "2", "--ep", "2", "--precision", "f32"])

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from ster_dist.cli import main
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from ster_dist import protocol
 from ster_dist.errors import Refusal
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "jobs" / "examples"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.engine.blocks import BlockPool
 from ster_dist.engine.loop import EngineConfig, TokenEngine, cache_sizes
 from ster_dist.engine.sampling import SamplingParams

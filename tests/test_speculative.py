@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.engine.loop import EngineConfig, TokenEngine, check_speculative
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import Refusal

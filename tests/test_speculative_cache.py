@@ -21,7 +21,7 @@ from ster_dist.load import load_model
 from ster_dist.model.paged import Chunk
 from ster_dist.parallel.ctx import SINGLE
 from ster_dist.resolve import resolve
-from ster_dist.shard.mtp import load_mtp
+from ster_dist.load.mtp import load_mtp
 from tests.test_engine import open_engine, prompts
 from tests.test_speculative import with_mtp
 

@@ -23,14 +23,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ster_dist.cli import main
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.errors import Refusal
 from ster_dist.load import load_model
 from ster_dist.model.mtp import mtp_config
 from ster_dist.model.paged import Chunk
 from ster_dist.parallel.ctx import SINGLE
 from ster_dist.resolve import resolve
-from ster_dist.shard.mtp import load_mtp
+from ster_dist.load.mtp import load_mtp
 from tests.test_telechat_mimo_pangu_nanbeige import SIZES, _noisy
 from tests.test_engine import open_engine
 from tests.test_speculative import drafts_keep_greedy, with_mtp

@@ -19,7 +19,7 @@ from ster_dist.steer.artifact import load_artifact
 from ster_dist.steer.pairs import load_pairs, load_prompts
 from ster_dist.steer.ster_json import F32, dumps, format_float
 from ster_dist.tokenizer import Tokenizer
-from ster_dist.toy import make_toy_model
+from ster_dist.load.toy import make_toy_model
 from tests.test_capture import hf_residual
 from tests.tiny_models import make_tiny
 

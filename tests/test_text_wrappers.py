@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ster_dist.config import from_hf
-from ster_dist.config_file import TEXT_WRAPPERS, family_of, text_weight_names
+from ster_dist.config.file import TEXT_WRAPPERS, family_of, text_weight_names
 from ster_dist.errors import Refusal
 from ster_dist.families.registry import spec_for
 from ster_dist.load import load_model

@@ -640,7 +640,7 @@ def test_class_tables_match_installed_transformers():
     )
 
     from ster_dist.families.names import FAMILY_NAMES
-    from ster_dist.tokenizer_classes import INCORRECT_HUB_CLASS, REGISTERED_CLASS
+    from ster_dist.tokenizer.classes import INCORRECT_HUB_CLASS, REGISTERED_CLASS
 
     try:
         import mistral_common  # noqa: F401

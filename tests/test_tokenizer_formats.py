@@ -19,7 +19,7 @@ import torch
 from ster_dist.errors import Refusal
 from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
-from ster_dist.tokenizer_files import TIKTOKEN_CLASSES
+from ster_dist.tokenizer.files import TIKTOKEN_CLASSES
 from tests.cli_run import cli_generate
 from tests.hub_server import config_json, safetensors_bytes, serving
 from tests.tiny.deepseek import TINY as DEEPSEEK_TINY

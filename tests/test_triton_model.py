@@ -61,7 +61,7 @@ def test_triton_mla_and_experts_decode_as_the_default_path(tmp_path, monkeypatch
     """A tiny DeepSeek-V3: its MLA decodes through the latent kernel (its prompt through torch's expanded path)
     and its SwiGLU experts through the fused kernel; the greedy tokens are the default path's."""
     from ster_dist.kernels.triton import mla, moe
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     calls = {"mla": 0, "experts": 0}
     monkeypatch.setattr(mla, "mla_decode", _counted(calls, "mla", mla.mla_decode))

@@ -81,7 +81,7 @@ def test_artifacts_of_two_models_are_refused(tmp_path, capsys):
 def test_curve_scores_growing_fits_on_one_holdout(tmp_path, capsys):
     """`vector curve` on the docs' eight pairs: a quarter held out (2), fits of 1, 3 and 6 pairs; a
     fit of all 6 scores as optimize's caa candidate at that layer (the same split, the same fit)."""
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     docs = Path(__file__).parent / "data" / "ster_docs" / "pairs.json"
     model = tmp_path / "model"

@@ -108,8 +108,8 @@ def parse_size(text: str | int) -> int:
 def prepare(model: str, adapter_path: str, output: str | Path, revision: str | None = None,
             max_shard_size: str | int = DEFAULT_MAX_SHARD, checkpoint: Checkpoint | None = None) -> MergePlan:
     """Every refusal, the shard plan and the resume state; reads headers and the adapter only."""
-    from ster_dist.config_file import family_of
-    from ster_dist.config_load import model_config
+    from ster_dist.config.file import family_of
+    from ster_dist.config.load import model_config
     from ster_dist.resolve import gate_view, resolve
     from ster_dist.shard.plan import build_plan
 

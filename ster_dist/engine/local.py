@@ -4,7 +4,7 @@ this process loaded, or any loaded group) and reads each request's ids."""
 
 from __future__ import annotations
 
-from ster_dist.config_load import model_config
+from ster_dist.config.load import model_config
 from ster_dist.engine.loop import EngineConfig, TokenEngine
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.load import LoadedModel

@@ -30,7 +30,7 @@ from ster_dist.model.paged import Chunk, PagedCache
 from ster_dist.parallel import packed
 from ster_dist.parallel.linear import product_weights
 from ster_dist.shard import arena
-from ster_dist.shard.mtp import load_mtp
+from ster_dist.load.mtp import load_mtp
 from ster_dist.workers.extension import RankExtension
 
 

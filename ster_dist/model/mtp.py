@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ster_dist.config import ModelConfig, from_hf
-from ster_dist.config_file import wrapper_of
+from ster_dist.config.file import wrapper_of
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import MTPSpec, Rule
 from ster_dist.model.anchored import Anchored

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from ster_dist.config import ModelConfig, from_hf
-from ster_dist.config_file import load_raw_config
+from ster_dist.config.file import load_raw_config
 from ster_dist.errors import Refusal
 from ster_dist.events import progress
 from ster_dist.gguf.source import GGUFSource

@@ -36,7 +36,7 @@ def families(request: FamiliesRequest) -> dict:
 
 
 def inspect_model(request: InspectModelRequest) -> dict:
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.resolve import describe, resolve
 
     progress(f"resolving {request.model}: its config and file names, no weights")
@@ -51,7 +51,7 @@ def inspect_model(request: InspectModelRequest) -> dict:
 
 
 def toy_model(request: ToyModelRequest) -> dict:
-    from ster_dist.toy import make_toy_model
+    from ster_dist.load.toy import make_toy_model
 
     made = {"maker": "toy-model", **request.model_dump(exclude={"directory", "force"})}
     progress(f"writing a toy {request.family} model of {request.layers} layer(s), hidden size {request.hidden}, "

@@ -90,7 +90,7 @@ def check_layer_text(request: Request, name: str, info: ValidationInfo | None) -
 
 
 def local_layer_count(model: str, revision: str | None) -> int:
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.resolve import resolve
 
     return model_config(resolve(model, revision)).num_layers

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ster_dist.config import ModelConfig
-from ster_dist.config_quant import BlockFP8, CompressedFP8, Mxfp4
+from ster_dist.config.quant import BlockFP8, CompressedFP8, Mxfp4
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import meta_decoder
 from ster_dist.model.paged import PagedCache

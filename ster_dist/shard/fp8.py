@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ster_dist.config_quant import BlockFP8, CompressedFP8
+from ster_dist.config.quant import BlockFP8, CompressedFP8
 from ster_dist.errors import Refusal
 from ster_dist.shard import loader
 from ster_dist.shard.source import TensorSource

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ster_dist.config_quant import Mxfp4
+from ster_dist.config.quant import Mxfp4
 from ster_dist.errors import Refusal
 from ster_dist.shard import loader
 from ster_dist.shard.source import TensorSource

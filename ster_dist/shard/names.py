@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ster_dist.config_file import text_weight_names
+from ster_dist.config.file import text_weight_names
 from ster_dist.families.spec import FamilySpec, Rule, halved, target_name
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ster_dist.config_quant import CompressedFP8, Mxfp4, Quantization
+from ster_dist.config.quant import CompressedFP8, Mxfp4, Quantization
 from ster_dist.events import progress
 from ster_dist.shard.fp8 import Fp8Source
 from ster_dist.shard.mxfp4 import Mxfp4Source

@@ -7,7 +7,7 @@ from ster_dist.errors import Refusal
 
 
 def model_config_of(args):
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.resolve import resolve
 
     return model_config(resolve(args.model, getattr(args, "revision", None)))

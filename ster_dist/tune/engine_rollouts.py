@@ -104,7 +104,7 @@ class EngineRollouts:
 def _engine(group, checkpoint, tokenizer, settings, stops: frozenset[int], running: int,
             kv_cache_memory: int | None):
     """A token engine over `group` holding `checkpoint`, its requests ended by `stops` as in-process rollouts end."""
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.engine.loop import EngineConfig, TokenEngine
     from ster_dist.workers.group import load_on
 

@@ -78,7 +78,7 @@ def prepare_prompts(model: str, prompts: str, settings: TrainSettings, rollout: 
 def _user_model(base: _Base, model: str, user_model: str, chat_template: str):
     """The model playing the user (resolved, its config and tokenizer read; no weight), refused unless both sides
     can hold a conversation: the policy and the user each through a chat template."""
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.resolve import resolve
     from ster_dist.tokenizer import Tokenizer
     from ster_dist.tune.grpo import UserModel
@@ -118,7 +118,7 @@ def _base(model: str, settings: TrainSettings, layers: str, revision: str | None
           output: str | Path | None) -> _Base:
     """What every objective's run needs: the settings and output refused, the model resolved and refused,
     the sites planned, the tokenizer read."""
-    from ster_dist.config_load import model_config
+    from ster_dist.config.load import model_config
     from ster_dist.load import check_device
     from ster_dist.resolve import resolve
     from ster_dist.steer.layers import parse_layers

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ster_dist.config_quant import quantization
+from ster_dist.config.quant import quantization
 from ster_dist.errors import Refusal
 from ster_dist.families.names import FAMILY_NAMES
 from ster_dist.families.registry import SPECS

@@ -6,8 +6,8 @@ one) becomes deepseek_v3."""
 
 from __future__ import annotations
 
-from ster_dist.config import ModelConfig, from_hf
-from ster_dist.config_ranges import LAYERS, check_int
+from ster_dist.config.model import ModelConfig, from_hf
+from ster_dist.config.ranges import LAYERS, check_int
 from ster_dist.errors import Refusal
 
 # params.json key -> the Transformers key it is read as (vLLM's adapter, transformers_utils/configs/mistral.py)

@@ -17,15 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ster_dist import config_layers as per_layer
-from ster_dist.config_altup import AltUpConfig, altup_config
-from ster_dist.config_file import family_of, not_runnable, text_config, wrapper_of
-from ster_dist.config_keys import Keys
-from ster_dist.config_moe import MoEConfig, moe_config
-from ster_dist.config_ngram import NgramConfig, ngram_config
-from ster_dist.config_quant import Quantization, quantization
-from ster_dist.config_ranges import FIX, check_sizes, check_stated
-from ster_dist.config_rope import RopeConfig, rotations, yarn_mscale
+from ster_dist.config import layers as per_layer
+from ster_dist.config.altup import AltUpConfig, altup_config
+from ster_dist.config.file import family_of, not_runnable, text_config, wrapper_of
+from ster_dist.config.keys import Keys
+from ster_dist.config.moe import MoEConfig, moe_config
+from ster_dist.config.ngram import NgramConfig, ngram_config
+from ster_dist.config.quant import Quantization, quantization
+from ster_dist.config.ranges import FIX, check_sizes, check_stated
+from ster_dist.config.rope import RopeConfig, rotations, yarn_mscale
 from ster_dist.errors import Refusal
 from ster_dist.families.normalize import KV_HEAD_KEYS, ConfigProblem
 from ster_dist.families.registry import spec_for

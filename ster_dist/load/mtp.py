@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from ster_dist.errors import Refusal
-from ster_dist.load import LoadedModel, open_source
+from ster_dist.load.model_loader import LoadedModel, open_source
 from ster_dist.model.mtp import MTPDraft, mtp_config, mtp_rules
 from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parallel.linear import FusedColumns

@@ -41,10 +41,11 @@ from typing import Any
 from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from ster_dist.chat_template import _compile_chat_template, render
-from ster_dist.config_file import json_limit
+from ster_dist.tokenizer.chat_template import _compile_chat_template, render
+from ster_dist.config.file import json_limit
 from ster_dist.errors import Refusal
-from ster_dist import tokenizer_classes, tokenizer_files
+from ster_dist.tokenizer import classes as tokenizer_classes
+from ster_dist.tokenizer import files as tokenizer_files
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from ster_dist.errors import Refusal
-from ster_dist.template_limits import TemplateLimit, budget_for, bounded_environment_class
+from ster_dist.tokenizer.template_limits import TemplateLimit, budget_for, bounded_environment_class
 
 # ---- Chat template rendering: transformers/utils/chat_template_utils.py, replicated ----------
 

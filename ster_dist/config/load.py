@@ -5,9 +5,9 @@ a model's config without its weights (the driver, the job queue's checks) reads 
 from __future__ import annotations
 
 from ster_dist.checkpoint import Checkpoint
-from ster_dist.config import ModelConfig, from_hf
-from ster_dist.config_file import load_raw_config
-from ster_dist.config_params import from_params
+from ster_dist.config.model import ModelConfig, from_hf
+from ster_dist.config.file import load_raw_config
+from ster_dist.config.params import from_params
 from ster_dist.errors import Refusal
 
 

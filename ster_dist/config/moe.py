@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ster_dist.config_keys import Keys
+from ster_dist.config.keys import Keys
 from ster_dist.errors import Refusal
 from ster_dist.families.spec import FamilySpec
 

@@ -8,7 +8,7 @@ of the wrong kind: config.from_hf calls them before any weight is read.
 
 from __future__ import annotations
 
-from ster_dist.config_keys import Keys
+from ster_dist.config.keys import Keys
 from ster_dist.errors import Refusal
 
 

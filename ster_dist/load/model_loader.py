@@ -18,8 +18,8 @@ import torch
 
 from ster_dist.checkpoint import Checkpoint
 from ster_dist.config import ModelConfig
-from ster_dist.config_load import model_config
-from ster_dist.config_quant import Mxfp4
+from ster_dist.config.load import model_config
+from ster_dist.config.quant import Mxfp4
 from ster_dist.errors import Refusal
 from ster_dist.model.decoder import Decoder, meta_decoder
 from ster_dist.parallel.ctx import SINGLE, ParallelCtx
