@@ -6,7 +6,7 @@ it there).
 
 `--dry-run` runs every step on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set here) on small shapes
 and reports no timings: it checks that the script and every path it drives work before a GPU is lent
-(tests/test_gpu_check.py runs it).
+(tests/kernels/test_gpu_check.py runs it).
 
 CUDA graphs for decode steps are not built yet: the decode step reports `"cuda_graphs": "not built"`.
 """

@@ -22,7 +22,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Compiling a model's layers (model/compiled.py) costs seconds on these 2 cores, and an engine compiles once
-# it has run 128 steps: the suite runs eager, and tests/test_compiled_step.py lifts this to test compiling.
+# it has run 128 steps: the suite runs eager, and tests/model/test_compiled_step.py lifts this to test compiling.
 os.environ.setdefault("STER_ENFORCE_EAGER", "1")
 # Triton's kernels read this when they are decorated, at import: set before any test module imports them (through
 # parallel/ or model/), so the kernel checks run under its interpreter on this CPU whatever order modules load in.

@@ -1,4 +1,4 @@
-"""Checks the families tested against a hand-made reference share (tests/test_telechat_mimo_pangu_nanbeige.py,
+"""Checks the families tested against a hand-made reference share (tests/families/test_telechat_mimo_pangu_nanbeige.py,
 test_plamo3.py, test_chatglm.py): random ids, greedy decoding by whole re-reads of a reference forward,
 decoding from the paged cache equal to the whole read, batches in the token engine equal to one at a
 time, and TP=2 equal to TP=1 (or EP=2 equal to one rank) on a spawned gloo group."""

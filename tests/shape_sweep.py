@@ -1,4 +1,4 @@
-"""The shape sweep of tests/test_config_shape_sweep.py: each tiny variant's Transformers config with one size-like
+"""The shape sweep of tests/config/test_config_shape_sweep.py: each tiny variant's Transformers config with one size-like
 key changed, what Transformers builds of it on the meta device (no weights) and saves, and whether ster_dist
 reads that checkpoint's names and shapes from the same config.json.
 

@@ -62,7 +62,7 @@ VOCAB = TINY_VOCAB_SIZE + 1  # odd, and one row more than the tokenizer uses, as
 BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                    num_attention_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-# named as ster_dist/families/ names them (tests/test_parity.py checks each holds its module's families)
+# named as ster_dist/families/ names them (tests/families/test_parity.py checks each holds its module's families)
 LINEAGES = {module.__name__.rsplit(".", 1)[1]: module for module in (
     llama, nemotron, gemma, qwen, mixtral, deepseek, phi, olmo, glm, cohere, granite, exaone, ernie, hunyuan, gpt2,
     gptj_neox, bloom_falcon, mpt, opt, lfm2, mamba, mamba2, qwen3_next, kimi, zamba2, minimax, falcon_h1,

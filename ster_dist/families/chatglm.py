@@ -7,7 +7,7 @@ encoder.final_layernorm, and output_layer as the head. Heads are kv_channels wid
 multi_query_group_num key-value groups under multi_query_attention; the first half of each head rotates at
 base 10000 * rope_ratio, as adjacent pairs under original_rope (else as halves). RMS norms under rmsnorm,
 LayerNorms otherwise. A residual after the norm or a missing final norm is refused. The block is
-Transformers' GLM (families/glm.py) under these names: tests/test_chatglm.py checks it against
+Transformers' GLM (families/glm.py) under these names: tests/families/test_chatglm.py checks it against
 GlmForCausalLM on the same weights. Its tokenizer is GLM-4's tiktoken tokenizer.model (tokenizer_files.py).
 """
 
@@ -63,5 +63,5 @@ def _chatglm(raw: dict) -> dict:
 
 CHATGLM_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("chatglm", _RULES, positions=PositionSpec(interleaved=True, rotary_share=0.5), normalize=_chatglm,
-               parity_reference="tests/test_chatglm.py"),
+               parity_reference="tests/families/test_chatglm.py"),
 )

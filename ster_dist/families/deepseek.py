@@ -28,7 +28,7 @@ Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,
   halves, with DeepSeek's experts: softmax over n_routed_experts, greedy, renormalised only under norm_topk_prob
   and never scaled, beside n_shared_experts ungated shared ones; dense before first_k_dense_replace and off
   moe_layer_freq. ster_dist never runs its remote code: it is checked against the reference written in
-  tests/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Transformers' Llama with DeepSeek-V2's
+  tests/families/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Transformers' Llama with DeepSeek-V2's
   sparse blocks).
 """
 
@@ -209,5 +209,5 @@ DEEPSEEK_FAMILIES: tuple[FamilySpec, ...] = (
                normalize=_latent_biases, parity_reference="MiniCPM3ForCausalLM"),
     FamilySpec("deepseek", llama_rules(q_norm=None, k_norm=None) + deepseek_moe_rules(), normalize=_deepseek,
                moe=MoESpec(shared="deepseek"), require_values=_DEEPSEEK_REQUIRED,
-               parity_reference="tests/test_pangu_ultra_deepseek_moe_ling.py"),
+               parity_reference="tests/families/test_pangu_ultra_deepseek_moe_ling.py"),
 )

@@ -7,7 +7,7 @@ Llama's block under InternLM's names and bias rules, as data.
   config class aliases them as attention_bias and mlp_bias, so a config it rewrote is read under those names.
 
 ster_dist never runs their remote code: each is checked against the plain-torch reference written in
-tests/test_internlm_minicpm_orion_solar.py from seeds/000's description.
+tests/families/test_internlm_minicpm_orion_solar.py from seeds/000's description.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ster_dist.families.layouts import QKV_PER_KV_GROUP, fused_qkv, llama_rules
 from ster_dist.families.normalize import biases, stated, with_defaults
 from ster_dist.families.spec import FamilySpec
 
-_REFERENCE = "tests/test_internlm_minicpm_orion_solar.py"
+_REFERENCE = "tests/families/test_internlm_minicpm_orion_solar.py"
 _INTERNLM2 = llama_rules(
     attn="attention", q=None, k=None, v=None, o="wo", mlp="feed_forward", gate="w1", up="w3", down="w2",
     attn_norm="attention_norm", mlp_norm="ffn_norm", q_norm=None, k_norm=None, embed="tok_embeddings",

@@ -12,7 +12,7 @@
   has a place there. Unstated keys take K2HorizonConfig's defaults (num_experts 0: a dense model).
 
 ster_dist never runs its remote code: it is checked against the reference written in
-tests/test_step1_nemotron_nas_k2_horizon.py from seeds/000's description.
+tests/families/test_step1_nemotron_nas_k2_horizon.py from seeds/000's description.
 """
 
 from __future__ import annotations
@@ -101,5 +101,5 @@ K2_HORIZON_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("k2_horizon", _k2_rules(), positions=PositionSpec(theta=1_000_000.0), normalize=_k2_horizon,
                layer_kinds=_k2_horizon_layers,
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"),
-               parity_reference="tests/test_step1_nemotron_nas_k2_horizon.py"),
+               parity_reference="tests/families/test_step1_nemotron_nas_k2_horizon.py"),
 )

@@ -14,7 +14,7 @@ Transformers class), as data. Sarvam MoE, which keeps Ling's layout under GLM-4-
   rope_theta 1e6, a tied head).
 
 ster_dist never runs their remote code: each is checked against the reference written in
-tests/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Ling 2.0: Transformers' GLM-4-MoE on renamed
+tests/families/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Ling 2.0: Transformers' GLM-4-MoE on renamed
 weights; Ling 1.x: Llama with DeepSeek-V2's sparse blocks).
 """
 
@@ -24,7 +24,7 @@ from ster_dist.families.glm import ling_rules
 from ster_dist.families.normalize import ConfigProblem, biases, stated, switch, with_defaults
 from ster_dist.families.spec import AttentionSpec, EmbeddingSpec, FamilySpec, MoESpec, PositionSpec, QKNormSpec
 
-_REFERENCE = "tests/test_pangu_ultra_deepseek_moe_ling.py"
+_REFERENCE = "tests/families/test_pangu_ultra_deepseek_moe_ling.py"
 
 
 def _bailing_moe(raw: dict) -> dict:

@@ -19,7 +19,7 @@ families (no Transformers class) that are Llama's block with Llama's names and a
   (the inference weight; the first is training's), written as the generic block_skips.
 
 ster_dist never runs remote code: the remote families are checked against the plain-torch reference written in
-tests/test_internlm_minicpm_orion_solar.py from seeds/000's description.
+tests/families/test_internlm_minicpm_orion_solar.py from seeds/000's description.
 
 Mistral's own checkpoint format (params.json) is mistral_format.py; Mixtral is mixtral.py.
 """
@@ -50,7 +50,7 @@ _MINISTRAL3_DEFAULTS = {
 _IQUESTCODER_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-5}
 # and what MiniCPM's remote configuration class assumes
 _MINICPM_DEFAULTS = {"scale_emb": 1, "scale_depth": 1, "dim_model_base": 1, "rms_norm_eps": 1e-6}
-_REMOTE_REFERENCE = "tests/test_internlm_minicpm_orion_solar.py"
+_REMOTE_REFERENCE = "tests/families/test_internlm_minicpm_orion_solar.py"
 
 
 def _seed_oss(raw: dict) -> dict:

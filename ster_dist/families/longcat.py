@@ -112,5 +112,5 @@ LONGCAT_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("longcat_flash_ngram", _rules() + _NGRAM_RULES, attention=AttentionSpec(latent=True),
                positions=PositionSpec(interleaved=True, theta=10000000.0), normalize=_longcat_flash_ngram,
                moe=MoESpec(scaling="always", correction_bias=True), halved_layers=True,
-               ignore=(r"model\.mtp\..*",), parity_reference="tests/test_longcat_ngram.py"),
+               ignore=(r"model\.mtp\..*",), parity_reference="tests/families/test_longcat_ngram.py"),
 )

@@ -20,9 +20,9 @@
   layers run num_loops times (num_hidden_layers counts every pass's), the final norm closing every pass unless
   skip_loop_final_norm.
 
-hrm_text's reference is Transformers' HrmTextForCausalLM (tests/tiny/looped.py, tests/test_looped.py);
-iquestloopcoder, which Transformers lacks, is checked against the reference tests/test_looped.py writes from
-the seed's text, nanbeige against the one tests/test_telechat_mimo_pangu_nanbeige.py writes.
+hrm_text's reference is Transformers' HrmTextForCausalLM (tests/tiny/looped.py, tests/families/test_looped.py);
+iquestloopcoder, which Transformers lacks, is checked against the reference tests/families/test_looped.py writes from
+the seed's text, nanbeige against the one tests/families/test_telechat_mimo_pangu_nanbeige.py writes.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ LOOPED_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("hrm_text", _HRM, norms=NormSpec(affine=False), normalize=_hrm_text,
                parity_reference="HrmTextForCausalLM"),
     FamilySpec("iquestloopcoder", _LOOPCODER, normalize=_loopcoder, layer_kinds=_loopcoder_layers,
-               parity_reference="tests/test_looped.py"),
+               parity_reference="tests/families/test_looped.py"),
     FamilySpec("nanbeige", llama_rules(q_norm="q_layernorm", k_norm="k_layernorm"),
                attention=AttentionSpec(qk_norm=QKNormSpec("head")), normalize=_nanbeige,
-               parity_reference="tests/test_telechat_mimo_pangu_nanbeige.py"),
+               parity_reference="tests/families/test_telechat_mimo_pangu_nanbeige.py"),
 )

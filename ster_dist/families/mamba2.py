@@ -251,5 +251,5 @@ MAMBA2_FAMILIES += (
                                           for rule in _NEMOTRON_H_RULES),
                positions=PositionSpec(kind="none"), feed_forward=FeedForwardSpec(gated=False),
                moe=_NEMOTRON_H_MOE, normalize=_normalize_nemotron_h_puzzle, layer_kinds=_nemotron_h_layers,
-               parity_reference="tests/test_nemotron_h_puzzle.py"),
+               parity_reference="tests/families/test_nemotron_h_puzzle.py"),
 )

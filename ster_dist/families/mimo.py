@@ -3,7 +3,7 @@
 - mimo: Qwen2 whose multi-token-prediction layers (model.mtp_layers.{k}: token_layernorm, hidden_layernorm,
   input_proj over [hidden; embedding], a Qwen2 block, final_layernorm, the model's lm_head) are recognised and
   never read for decoding; --speculative mtp drafts with the first (model/mtp.py).
-  Checked against Transformers' Qwen2 beside random MTP tensors (tests/test_telechat_mimo_pangu_nanbeige.py).
+  Checked against Transformers' Qwen2 beside random MTP tensors (tests/families/test_telechat_mimo_pangu_nanbeige.py).
 
 - MiMo-V2-Flash: Llama's block whose sliding and full-attention layers differ in key-value heads and sinks, over
   DeepSeek-V3's router.
@@ -149,5 +149,5 @@ _MIMO_MTP = MTPSpec(prefix="model.mtp_layers.{k}.", token_norm="token_layernorm"
 # Qwen2 (qwen.py) with model.mtp_layers recognised and read only to draft
 _QWEN2 = next(spec for spec in QWEN_FAMILIES if spec.name == "qwen2")
 _MIMO = replace(_QWEN2, name="mimo", ignore=(r"model\.mtp_layers\.",),
-                parity_reference="tests/test_telechat_mimo_pangu_nanbeige.py", mtp=_MIMO_MTP)
+                parity_reference="tests/families/test_telechat_mimo_pangu_nanbeige.py", mtp=_MIMO_MTP)
 MIMO_FAMILIES: tuple[FamilySpec, ...] = (_MIMO, _MIMO_V2_FLASH, _MIMO_V2)

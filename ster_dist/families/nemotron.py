@@ -11,7 +11,7 @@ down(act(up(x))) with no gate), and NVIDIA's Nemotron-NAS.
   per-layer keys layer_kv_heads and layer_intermediate_size. An entry whose attention or ffn is no_op has no such
   half (no norm, no weights: the layer-kind "none"), and the residual passes through it; its feed-forward's
   norm, post_attention_layernorm, is then the block's only norm. Checked against the reference written in
-  tests/test_step1_nemotron_nas_k2_horizon.py from seeds/000's description.
+  tests/families/test_step1_nemotron_nas_k2_horizon.py from seeds/000's description.
 - apertus: an xIELU feed-forward (four stored numbers per layer) without biases, per-head query/key norms, norms
   named for their sublayers.
 
@@ -154,5 +154,5 @@ NEMOTRON_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("nemotron-nas", llama_rules(q_norm=None, k_norm=None)
                + (Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.attn_norm.weight"),),
                normalize=_nemotron_nas, layer_kinds=_nemotron_nas_layers,
-               parity_reference="tests/test_step1_nemotron_nas_k2_horizon.py"),
+               parity_reference="tests/families/test_step1_nemotron_nas_k2_horizon.py"),
 )

@@ -11,9 +11,9 @@
   the one whose parameter the model has).
 
 ster_dist never runs their remote code: each is checked against the reference written from seeds/000's
-description in the test file its spec names: PanguEmbedded in tests/test_telechat_mimo_pangu_nanbeige.py
+description in the test file its spec names: PanguEmbedded in tests/families/test_telechat_mimo_pangu_nanbeige.py
 (Transformers' Llama on renamed weights without sandwich_norm, a plain-torch forward with it),
-pangu_ultra_moe in tests/test_pangu_ultra_deepseek_moe_ling.py (Transformers' DeepSeek-V3 with one expert group).
+pangu_ultra_moe in tests/families/test_pangu_ultra_deepseek_moe_ling.py (Transformers' DeepSeek-V3 with one expert group).
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ _PANGU_REFUSED = {
 
 PANGU_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("PanguEmbedded", _PANGU, normalize=_pangu,
-               parity_reference="tests/test_telechat_mimo_pangu_nanbeige.py"),
+               parity_reference="tests/families/test_telechat_mimo_pangu_nanbeige.py"),
     FamilySpec("pangu_ultra_moe", _PANGU_ULTRA, attention=AttentionSpec(latent=True),
                positions=PositionSpec(interleaved=True), normalize=_pangu_ultra_moe,
                moe=MoESpec(scoring="sigmoid", scaling="always", shared="deepseek"), refuse_keys=_PANGU_REFUSED,
-               parity_reference="tests/test_pangu_ultra_deepseek_moe_ling.py"),
+               parity_reference="tests/families/test_pangu_ultra_deepseek_moe_ling.py"),
 )

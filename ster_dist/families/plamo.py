@@ -10,7 +10,7 @@ rope_scaling_factor is not one; the others attend through window_size and rotate
 Under scale_embedding the embedding is multiplied by sqrt(hidden_size). Its tokenizer is the
 tokenizer.jsonl tokenizer_files.py reads.
 
-ster_dist never runs its remote code: tests/test_plamo3.py checks it against Transformers' Gemma 3 on the
+ster_dist never runs its remote code: tests/families/test_plamo3.py checks it against Transformers' Gemma 3 on the
 same weights (Gemma 3's block with the post norms' offsets moved into their weights).
 """
 
@@ -99,5 +99,5 @@ PLAMO_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("plamo3", _RULES, attention=AttentionSpec(sliding="pattern", qk_norm=QKNormSpec("head")),
                norms=NormSpec(offset=1.0, post=True, post_offsets=(1 / 5, 5 ** -1.5)),
                embedding=EmbeddingSpec(tied=True), positions=PositionSpec(),
-               normalize=_plamo3, parity_reference="tests/test_plamo3.py"),
+               normalize=_plamo3, parity_reference="tests/families/test_plamo3.py"),
 )

@@ -1,7 +1,7 @@
 """The registry: family name -> FamilySpec, and each family's status.
 
 Status is derived, never hand-kept: a family with a spec "runs"; one whose
-spec names a Transformers reference is "parity-checked" (tests/test_parity.py
+spec names a Transformers reference is "parity-checked" (tests/families/test_parity.py
 compares every such family); every other name of the gate is "refused".
 """
 

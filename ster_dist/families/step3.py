@@ -33,7 +33,7 @@
   second kind with its own head_dim, or use_moe_router_bias false is refused.
 
 ster_dist never runs StepFun's remote code: step1 is checked against the reference written in
-tests/test_step1_nemotron_nas_k2_horizon.py, the two Step3 against the one in tests/test_step3.py, from
+tests/families/test_step1_nemotron_nas_k2_horizon.py, the two Step3 against the one in tests/families/test_step3.py, from
 seeds/000's description (and step3p5 also against Transformers' Step-3.7 text model
 where their configs overlap).
 """
@@ -55,8 +55,8 @@ from ster_dist.families.spec import (
     Stacked,
 )
 
-_REFERENCE = "tests/test_step3.py"
-_STEP1_REFERENCE = "tests/test_step1_nemotron_nas_k2_horizon.py"
+_REFERENCE = "tests/families/test_step3.py"
+_STEP1_REFERENCE = "tests/families/test_step1_nemotron_nas_k2_horizon.py"
 _LAYER = "model.layers.{i}"
 # what vLLM's Step3TextConfig assumes where a config is silent
 _DEFAULTS = {

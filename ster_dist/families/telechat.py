@@ -9,7 +9,7 @@ as data.
   output_mult / mup_scale_factor.
 
 ster_dist never runs their remote code: each is checked against the reference written in
-tests/test_telechat_mimo_pangu_nanbeige.py from seeds/000's description (Transformers' Llama on renamed weights).
+tests/families/test_telechat_mimo_pangu_nanbeige.py from seeds/000's description (Transformers' Llama on renamed weights).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ster_dist.families.layouts import llama_rules, weight_and_bias
 from ster_dist.families.normalize import ConfigProblem, biases, switch
 from ster_dist.families.spec import FamilySpec, Fused, Rule
 
-_REFERENCE = "tests/test_telechat_mimo_pangu_nanbeige.py"
+_REFERENCE = "tests/families/test_telechat_mimo_pangu_nanbeige.py"
 _LLAMA = llama_rules(q_norm=None, k_norm=None)
 
 # TeleChat2's names: transformer.word_embeddings, h.{i}.self_attention.{query,key_value,dense}, ln_f

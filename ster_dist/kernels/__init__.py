@@ -34,7 +34,7 @@ with the compiler torch.compile uses; 15-30 s once, then loaded from the build c
 any copy of the same sources: `_build_or_find`), and called as torch.ops.ster_kernels.*. Where they cannot be built
 (no compiler, no AVX2) one line on stderr says so and callers keep torch's own operations. STER_NATIVE_KERNELS=0
 leaves them out; STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what
-tests/test_kernels_avx2.py checks them with there; native steps then stay off, their loops no longer inductor's
+tests/kernels/test_kernels_avx2.py checks them with there; native steps then stay off, their loops no longer inductor's
 width).
 
 `ready()` is what callers ask: it builds on the first eager call and, inside a graph being traced, answers

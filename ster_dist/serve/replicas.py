@@ -64,7 +64,7 @@ def _bind_replica_grpc_to_node() -> None:
     Serve starts that server in every replica, after the constructor, on "[::]:0": every interface,
     unauthenticated, although nothing here calls it (the proxy talks to replicas over Ray). Bound
     to the node address (127.0.0.1 on a local cluster) it stays where the rest of the cluster is.
-    tests/test_serve_replicas.py reads every listener of a served cluster, so a Serve that changes
+    tests/serve/test_serve_replicas.py reads every listener of a served cluster, so a Serve that changes
     this is caught."""
     import ray
     from ray.serve._private import replica

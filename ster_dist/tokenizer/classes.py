@@ -21,7 +21,7 @@ _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizer", "Pytho
 
 # TOKENIZER_MAPPING_NAMES (transformers 5.24, mistral_common not installed) for ster_dist's
 # families that register a tokenizer class. A model_type absent here registers none.
-# tests/test_tokenizer.py checks this table against the installed Transformers.
+# tests/tokenizer/test_tokenizer.py checks this table against the installed Transformers.
 REGISTERED_CLASS: dict[str, str] = {
     **dict.fromkeys(
         (

@@ -16,7 +16,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
                                                                ffn_hidden_size=80, bias=True)),
 }
 # a config.json whose num_key_value_heads (Transformers' derived copy) differs from num_kv_heads, which Transformers'
-# attention reads (tests/test_config_shape_sweep.py found the copy read)
+# attention reads (tests/config/test_config_shape_sweep.py found the copy read)
 TINY["falcon_kv_copy"] = ("FalconConfig", "FalconForCausalLM", dict(TINY["falcon"][2], num_key_value_heads=4))
 VARIANT_FAMILY: dict[str, str] = {"falcon_mq": "falcon", "falcon_alibi": "falcon", "falcon_kv_copy": "falcon"}
 # their configs state the feed-forward width under their own names (or derive it)

@@ -64,7 +64,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
 def _as_axk1_release(directory: Path) -> None:
     """Rewrite the saved checkpoint as A.X-K1 publishes it: topk_method none and no selection bias (Transformers
     saves its zero bias). Its releases also keep a post_mlp_layernorm in the dense layers, which nothing applies:
-    tests/test_unused_layer_tensors.py adds one."""
+    tests/load/test_unused_layer_tensors.py adds one."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     config.update(topk_method="none", scoring_func="sigmoid")

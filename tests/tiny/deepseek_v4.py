@@ -20,7 +20,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
         swiglu_limit=0.5, hc_mult=3, hc_sinkhorn_iters=20, rms_norm_eps=1e-6)),
 }
 # 4 heads in o_groups 8 (each output group half a head) and n_shared_experts 2 (Transformers still builds one
-# shared expert): shapes tests/test_config_shape_sweep.py found refused
+# shared expert): shapes tests/config/test_config_shape_sweep.py found refused
 TINY["deepseek_v4_half_head_groups"] = ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
     TINY["deepseek_v4"][2], o_groups=8, n_shared_experts=2))
 VARIANT_FAMILY = {"deepseek_v4_half_head_groups": "deepseek_v4"}

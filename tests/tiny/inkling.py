@@ -87,7 +87,7 @@ def _as_inkling(directory: Path) -> None:
 
 SAVED_AS = {variant: _as_inkling for variant in TINY}
 
-# the routed one as Transformers' InklingForCausalLM saves it (its own names; tests/test_config_shape_sweep.py found
+# the routed one as Transformers' InklingForCausalLM saves it (its own names; tests/config/test_config_shape_sweep.py found
 # them unmapped): not rewritten, so defined after SAVED_AS
 TINY["inkling_text_as_transformers"] = ("InklingTextConfig", "InklingForCausalLM", TINY["inkling_text_moe"][2])
 VARIANT_FAMILY["inkling_text_as_transformers"] = "inkling_text"

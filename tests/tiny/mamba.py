@@ -14,7 +14,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
                                                              time_step_rank=5, tie_word_embeddings=False)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(_MAMBA, mixer_rms_eps=1e-5)),
     # an inner width stated on its own, 37, not expand x hidden_size (96): Transformers builds the mixer at the
-    # stated width (tests/test_config_shape_sweep.py found it read as 96)
+    # stated width (tests/config/test_config_shape_sweep.py found it read as 96)
     "mamba_stated_width": ("MambaConfig", "MambaForCausalLM", dict(_MAMBA, intermediate_size=37)),
     "falcon_mamba_stated_width": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
         _MAMBA, mixer_rms_eps=1e-5, intermediate_size=37, tie_word_embeddings=False)),

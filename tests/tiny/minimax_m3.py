@@ -15,7 +15,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
     "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", dict(
         _M3, sparse_attention_config=_SPARSE)),
     # 4 index heads over 2 key-value heads: each query head its own choice, as Transformers groups them by index
-    # head (tests/test_config_shape_sweep.py found it refused)
+    # head (tests/config/test_config_shape_sweep.py found it refused)
     "minimax_m3_vl_text_index_heads": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", dict(
         _M3, sparse_attention_config=dict(_SPARSE, sparse_num_index_heads=4))),
 }

@@ -9,7 +9,7 @@ TINY: dict[str, tuple[str, str, dict]] = {
         ffn_config=dict(ffn_hidden_size=24, moe_num_experts=6, moe_top_k=2))),
 }
 # a top-level num_key_value_heads unlike attn_config.kv_n_heads, which Transformers' attention reads
-# (tests/test_config_shape_sweep.py found the top-level one read)
+# (tests/config/test_config_shape_sweep.py found the top-level one read)
 TINY["dbrx_kv_copy"] = ("DbrxConfig", "DbrxForCausalLM", dict(TINY["dbrx"][2], num_key_value_heads=4))
 VARIANT_FAMILY = {"dbrx_kv_copy": "dbrx"}
 # both state their sizes under MosaicML's own names
