@@ -14,22 +14,35 @@ MAX_INPUT_BYTES = 256 << 20  # an input file past this is refused before it is r
 
 
 def read_bytes(path: str, where: str, limit: int = MAX_INPUT_BYTES) -> bytes:
-    """The bytes of the regular file `path`, at most `limit` of them. The size is counted as it is
-    read, never taken from st_size (0 for /dev/zero or a FIFO, which then grew the reader without
-    bound); the file is opened without blocking, so a FIFO with no writer is refused, not waited on."""
+    """The bytes of the regular file or pipe `path`, at most `limit` of them. The size is counted as
+    it is read, never taken from st_size (0 for /dev/zero or a FIFO, which then grew the reader
+    without bound). Devices and sockets are refused. A pipe is what a shell hands a command for
+    generated input (`<(...)`): it is read while a process writes to it; one no process has open for
+    writing is refused at once, not waited on (the file is opened without blocking)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise Refusal(f"{where} {path}: {exc.strerror or exc}") from None
     mode = os.fstat(fd).st_mode  # of what was opened, so a path swapped after a check is still caught
-    if not stat.S_ISREG(mode):
+    first = b""
+    if stat.S_ISFIFO(mode):
+        try:
+            first = os.read(fd, limit + 1)
+        except BlockingIOError:  # a writer holds it open and has not written yet: wait for it
+            pass
+        else:
+            if not first:  # end of file at once: no process writes to it
+                os.close(fd)
+                raise Refusal(f"{where} {path} is a pipe no process writes to; name a file")
+        os.set_blocking(fd, True)
+    elif not stat.S_ISREG(mode):
         os.close(fd)
         if stat.S_ISDIR(mode):
             raise Refusal(f"{where} {path} is a directory; name a file")
-        raise Refusal(f"{where} {path} is not a regular file (a device, a pipe or a socket); name a file")
+        raise Refusal(f"{where} {path} is not a regular file or a pipe (a device or a socket); name a file")
     with os.fdopen(fd, "rb") as file:
         try:
-            data = file.read(limit + 1)
+            data = first + (file.read(limit + 1 - len(first)) if len(first) <= limit else b"")
         except OSError as exc:
             raise Refusal(f"{where} {path}: {exc.strerror or exc}") from None
     if len(data) > limit:

@@ -442,6 +442,8 @@ class JobQueue:
             stop = events.capture(sink)  # the operation's progress lines, on its own thread, are the jobs' events
             try:
                 if warm_only:
+                    # bad input is refused before any weight is read, as the operation itself would refuse it
+                    ops.generate_inputs(batch[0].spec.request)
                     attempt.session = self.pool.get(batch[0].spec.request)
                     attempt.session.load()
                     return None

@@ -14,7 +14,7 @@ from typing import Callable
 from ster_dist.ops.calibrate import calibrate
 from ster_dist.ops.capture import extract
 from ster_dist.ops.decide import decide
-from ster_dist.ops.generate import generate, parity
+from ster_dist.ops.generate import generate, generate_inputs, parity
 from ster_dist.ops.merge import batch_merge, merge
 from ster_dist.ops.pairs import add as pairs_add
 from ster_dist.ops.pairs import edit as pairs_edit
@@ -140,6 +140,6 @@ def exit_code(request: Request, result: dict) -> int:
     return 0
 
 
-__all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "parity", "extract",
+__all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_inputs", "parity", "extract",
            "decide", "calibrate", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
            "tune_sft", "tune_dpo", "tune_reward", "tune_grpo", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]

@@ -55,6 +55,13 @@ def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
     return prompts, system
 
 
+def generate_inputs(request: GenerateRequest) -> None:
+    """What a generate request refuses before its model is touched: its inputs and its sampling settings
+    (the job queue checks them before it loads the group the job will run on)."""
+    check_inputs(request)
+    sampling_params(request)
+
+
 def sampling_params(request: GenerateRequest):
     """The engine's settings for the request's first prompt (prompt i draws from seed + i)."""
     from ster_dist.engine.sampling import SamplingParams

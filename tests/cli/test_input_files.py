@@ -35,7 +35,29 @@ def test_a_fifo_without_a_writer_is_refused_not_waited_on(tmp_path):
                               daemon=True)
     reader.start()
     reader.join(5)
-    assert box == [f"--prompts {fifo} is not a regular file (a device, a pipe or a socket); name a file"]
+    assert box == [f"--prompts {fifo} is a pipe no process writes to; name a file"]
+
+
+def test_a_fifo_a_process_writes_is_read_within_the_bound(tmp_path):
+    """A pipe with a writer (a shell's `<(...)`) is read as it comes, and counted as it is read."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # held open: the reader sees a writer, then waits
+    box = []
+    reader = threading.Thread(target=lambda: box.append(inputs.read_text(str(fifo), "--system")), daemon=True)
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive() and box == []  # waiting for what the writer sends
+    os.set_blocking(writer, True)
+    os.write(writer, b"be brief")
+    os.close(writer)
+    reader.join(5)
+    assert box == ["be brief"]
+    endless = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    os.write(endless, b"x" * 2000)  # more than the bound, the writer still open: refused by what was read
+    with pytest.raises(Refusal, match=r"is more than the 1000 bytes an input file may hold"):
+        inputs.read_text(str(fifo), "--system", limit=1000)
+    os.close(endless)
 
 
 def test_a_file_past_the_bound_is_refused_by_what_is_read(tmp_path, monkeypatch):
