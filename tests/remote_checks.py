@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ster_dist.model.paged import PagedCache
+
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.workers.spawn import SpawnGroup
@@ -35,8 +37,11 @@ def check_cache_and_batches(loaded, what: str = "") -> None:
     """A prompt read into the paged cache, then one token at a time, equals the whole read; prompts of different
     lengths batched in the token engine generate what each does alone."""
     ids = random_ids(2, 20, seed=2)
+    # a model that carries state across steps (recurrent layers, an n-gram embedding's last tokens) keeps one
+    # state slot per sequence beside its blocks
+    slots = 2 if PagedCache.state_bytes(loaded.model) else 0
     check_paged_equals_whole(loaded.model, {"A": ids[0], "B": ids[1]},
-                             [[("A", 12), ("B", 12)]] + [[("A", 1), ("B", 1)]] * 8)
+                             [[("A", 12), ("B", 12)]] + [[("A", 1), ("B", 1)]] * 8, state_slots=slots)
     prompts = [random_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 9, 6)]
     eos = loaded.cfg.eos_token_ids
     assert engine_tokens(loaded, prompts, 8, eos) == [engine_tokens(loaded, [p], 8, eos)[0] for p in prompts], what

@@ -97,9 +97,11 @@ class RowAdapters:
     def __init__(self, model):
         self.model = model
         self.routing: dict[str, torch.Tensor] = {}
-        self.attached: dict[str, list[tuple[object, RoutedLowRank]]] = {}
+        self.attached: dict[str, list[tuple[object, LowRank]]] = {}
 
-    def register(self, name: str, sites: list[dict]) -> None:
+    def register(self, name: str, sites: list[dict], every_row: bool = False) -> None:
+        """Attach `sites` under `name`, routed per step (set_rows), or to every row of every forward: a
+        plain LowRank, which a compiled graph traces as it traces the projection (no routing to guard on)."""
         if name in self.attached:
             return
         modules = dict(self.model.named_modules())
@@ -112,8 +114,9 @@ class RowAdapters:
                 raise Refusal(f"this model has no projection {site['param']} to attach adapter {name} to")
             device, dtype = module.weight.device, module.dtype_of()  # a kept FP8 weight's compute dtype
             a, b = low_rank_share(site["a"], site["b"], module.shards["weight"])
-            low = RoutedLowRank(a.to(device, dtype), b.to(device, dtype),
-                                float(site["scale"]), self.routing, name)
+            a, b = a.to(device, dtype), b.to(device, dtype)
+            low = (LowRank(a, b, float(site["scale"])) if every_row
+                   else RoutedLowRank(a, b, float(site["scale"]), self.routing, name))
             module.adapters.append(low)
             attached.append((module, low))
         self.attached[name] = attached
@@ -168,8 +171,7 @@ def adapt_every_row(model, sites: list[dict], name: str = "every row") -> Callab
     """Attach an adapter's global factors (per projection: param, a, b, scale) to `model`, this rank's share
     of each (another pipeline stage's projections are that stage's), for every forward; returns detach."""
     adapters = RowAdapters(model)
-    adapters.register(name, sites)
-    adapters.set_rows({name: ALL_ROWS})
+    adapters.register(name, sites, every_row=True)
     return adapters.close
 
 
