@@ -74,6 +74,12 @@ class HeldVector:
         return fd
 
     def release(self, fd: int) -> None:
+        """Send the vector and close; then, once the job has read it to the end, hold a writer again for
+        the job's next attempt (a retry reads the pipe anew)."""
         os.set_blocking(fd, True)
         os.write(fd, self.text.encode())
         os.close(fd)
+        deadline = time.monotonic() + 60
+        while self._opened() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._writer()
