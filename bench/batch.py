@@ -46,7 +46,9 @@ def _answers(path: Path) -> list[str]:
 
 
 def one_call(model: str, prompts: Path, out: Path, new_tokens: int) -> tuple[float, list[str]]:
-    request = GenerateRequest(model=model, prompts=str(prompts), output=str(out), max_new_tokens=new_tokens)
+    request = GenerateRequest(
+        model=model, prompts=str(prompts), output=str(out), max_new_tokens=new_tokens
+    )
     with contextlib.redirect_stderr(io.StringIO()), Session(request) as session:
         ops.generate(session, GenerateRequest(model=model, prompt="warm", max_new_tokens=2))
         started = time.perf_counter()
@@ -54,31 +56,76 @@ def one_call(model: str, prompts: Path, out: Path, new_tokens: int) -> tuple[flo
         return time.perf_counter() - started, _answers(out)
 
 
-def through_jobs(model: str, files: list[Path], tmp: Path, new_tokens: int) -> tuple[float, list[str]]:
-    specs = [{"kind": "generate", "model": model, "prompts": str(f), "output": str(tmp / f"job-{i}.json"),
-              "max_new_tokens": new_tokens} for i, f in enumerate(files)]
+def through_jobs(
+    model: str, files: list[Path], tmp: Path, new_tokens: int
+) -> tuple[float, list[str]]:
+    specs = [
+        {
+            "kind": "generate",
+            "model": model,
+            "prompts": str(f),
+            "output": str(tmp / f"job-{i}.json"),
+            "max_new_tokens": new_tokens,
+        }
+        for i, f in enumerate(files)
+    ]
     with contextlib.redirect_stderr(io.StringIO()), JobQueue(tmp / "state") as queue:
-        queue.wait(queue.submit({"kind": "generate", "model": model, "prompt": "warm", "max_new_tokens": 2}), 600)
+        queue.wait(
+            queue.submit(
+                {"kind": "generate", "model": model, "prompt": "warm", "max_new_tokens": 2}
+            ),
+            600,
+        )
         started = time.perf_counter()
         ids = queue.submit_many(specs)
         records = [queue.wait(i, 3600) for i in ids]
         seconds = time.perf_counter() - started
-    assert all(r["status"] == "done" for r in records), [r["error"] for r in records if r["status"] != "done"]
+    assert all(r["status"] == "done" for r in records), [
+        r["error"] for r in records if r["status"] != "done"
+    ]
     return seconds, [text for i in range(len(files)) for text in _answers(tmp / f"job-{i}.json")]
 
 
 def ster_batch(model: str, rows: Path, out: Path, replicas: int, new_tokens: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ster_dist.cli", "batch", "--model", model, "--input", str(rows),
-                           "--output", str(out), "--replicas", str(replicas), "--max-new-tokens", str(new_tokens)],
-                          cwd=REPO, capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ster_dist.cli",
+            "batch",
+            "--model",
+            model,
+            "--input",
+            str(rows),
+            "--output",
+            str(out),
+            "--replicas",
+            str(replicas),
+            "--max-new-tokens",
+            str(new_tokens),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"ster batch failed: {done.stderr[-2000:]}")
-    tokens = sum(json.loads(line)["completion_tokens"] for p in out.glob("*.jsonl") for line in p.read_text().splitlines())
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
-    return {"seconds": round(seconds, 2), "tokens": tokens, "driver_peak_rss_mb_at_most": round(peak_mb)}
+    tokens = sum(
+        json.loads(line)["completion_tokens"]
+        for p in out.glob("*.jsonl")
+        for line in p.read_text().splitlines()
+    )
+    # the largest child so far
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {
+        "seconds": round(seconds, 2),
+        "tokens": tokens,
+        "driver_peak_rss_mb_at_most": round(peak_mb),
+    }
 
 
 def main(argv=None) -> dict:
@@ -106,16 +153,25 @@ def main(argv=None) -> dict:
         files = []
         for j in range(args.jobs):
             files.append(tmp / f"prompts-{j}.json")
-            files[-1].write_text(json.dumps({"prompts": prompts[j * share:(j + 1) * share]}))
+            files[-1].write_text(json.dumps({"prompts": prompts[j * share : (j + 1) * share]}))
         one_s, one = one_call(model, every, tmp / "one.json", args.new_tokens)
         jobs_s, jobs = through_jobs(model, files, tmp, args.new_tokens)
         assert jobs == one, "the jobs' answers differ from the one call's"
         rows = tmp / "rows.jsonl"
         rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        batches = {n: ster_batch(model, rows, tmp / f"batch-{n}", n, args.new_tokens) for n in args.replicas}
-    report = {"prompts": args.prompts, "jobs": args.jobs, "new_tokens": args.new_tokens,
-              "one_call_s": round(one_s, 3), "jobs_s": round(jobs_s, 3), "ratio_jobs_to_one_call": round(one_s / jobs_s, 3),
-              **{f"batch_{n}": b for n, b in batches.items()}}
+        batches = {
+            n: ster_batch(model, rows, tmp / f"batch-{n}", n, args.new_tokens)
+            for n in args.replicas
+        }
+    report = {
+        "prompts": args.prompts,
+        "jobs": args.jobs,
+        "new_tokens": args.new_tokens,
+        "one_call_s": round(one_s, 3),
+        "jobs_s": round(jobs_s, 3),
+        "ratio_jobs_to_one_call": round(one_s / jobs_s, 3),
+        **{f"batch_{n}": b for n, b in batches.items()},
+    }
     print(json.dumps(report))
     return report
 

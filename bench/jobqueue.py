@@ -2,7 +2,8 @@
 
 What is built
     A small random Llama (`ster toy-model`: --layers 4, --hidden 256 by default, a real BPE
-    tokenizer and chat template) unless --model names a directory. Everything runs in this process on the CPU with
+    tokenizer and chat template) unless --model names a directory. Everything runs in this process
+    on the CPU with
     the same torch thread count; the model is loaded once before any clock starts (a warm-up job
     loads the job queue's worker group; the direct path holds its own loaded Session).
 
@@ -79,30 +80,48 @@ def _in_thread(fn):
 
 
 def _direct(session: Session, model: str, prompts: list[str], new_tokens: int) -> list[str]:
-    """The operation itself on a loaded session: one prompts file, every prompt in the engine at once."""
+    """The operation itself on a loaded session: one prompts file, every prompt in the engine at
+    once."""
     with tempfile.TemporaryDirectory(prefix="ster-bench-direct-") as tmp:
         path, output = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         path.write_text(json.dumps({"prompts": prompts}))
         if len(prompts) == 1:
             request = GenerateRequest(model=model, prompt=prompts[0], max_new_tokens=new_tokens)
             return [ops.generate(session, request).results[0].text]
-        request = GenerateRequest(model=model, prompts=str(path), output=str(output), max_new_tokens=new_tokens)
+        request = GenerateRequest(
+            model=model, prompts=str(path), output=str(output), max_new_tokens=new_tokens
+        )
         ops.generate(session, request)
         return [answer["text"] for answer in json.loads(output.read_text())["results"]]
 
 
 def _scheduled(scheduler: JobQueue, model: str, prompts: list[str], new_tokens: int) -> list[str]:
-    ids = scheduler.submit_many([{"kind": "generate", "model": model, "prompt": p, "max_new_tokens": new_tokens}
-                                 for p in prompts])
+    ids = scheduler.submit_many(
+        [
+            {"kind": "generate", "model": model, "prompt": p, "max_new_tokens": new_tokens}
+            for p in prompts
+        ]
+    )
     return [scheduler.wait(i, 600)["result"]["text"] for i in ids]
 
 
-def _command_runs(model: str, new_tokens: int, runs: int) -> tuple[list[float], list[float], str, str]:
-    """Seconds per whole `ster generate` through cli.main and through the operation on a fresh session."""
+def _command_runs(
+    model: str, new_tokens: int, runs: int
+) -> tuple[list[float], list[float], str, str]:
+    """Seconds per whole `ster generate` through cli.main and through the operation on a fresh
+    session."""
     from ster_dist.cli import main as cli_main
     from ster_dist.cli import parse
 
-    argv = ["generate", "--model", model, "--prompt", "Question 0", "--max-new-tokens", str(new_tokens)]
+    argv = [
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "Question 0",
+        "--max-new-tokens",
+        str(new_tokens),
+    ]
     through, plain, texts = [], [], {}
     for _ in range(runs):
         out = io.StringIO()
@@ -134,7 +153,9 @@ def _best(fn, repeats: int) -> tuple[float, object]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="a model directory (default: a toy Llama built here)")
+    p.add_argument(
+        "--model", default=None, help="a model directory (default: a toy Llama built here)"
+    )
     p.add_argument("--layers", type=int, default=4, help="the toy model's layers")
     p.add_argument("--hidden", type=int, default=256, help="the toy model's width")
     p.add_argument("--jobs", type=int, default=64)
@@ -155,12 +176,17 @@ def main(argv=None) -> dict:
             make_toy_model(Path(model), layers=args.layers, hidden=args.hidden, seed=0)
         prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(args.jobs)]
 
-        # direct: one batched call through a loaded Session, on a thread of its own like the executor
+        # direct: one batched call through a loaded Session, on a thread of its own like the
+        # executor
         def direct_runs():
             held = Session(GenerateRequest(model=model, prompt="x"))
             try:
-                _quiet(lambda: _direct(held, model, prompts[:2], args.new_tokens))  # warm: loads the model
-                best = _best(lambda: _quiet(lambda: _direct(held, model, prompts, args.new_tokens)), args.repeats)
+                # warm: loads the model
+                _quiet(lambda: _direct(held, model, prompts[:2], args.new_tokens))
+                best = _best(
+                    lambda: _quiet(lambda: _direct(held, model, prompts, args.new_tokens)),
+                    args.repeats,
+                )
                 times = []
                 for i in range(args.latency_runs):
                     prompt = prompts[i % len(prompts)]
@@ -174,9 +200,12 @@ def main(argv=None) -> dict:
         (direct_s, direct), single = _in_thread(direct_runs)
 
         with JobQueue(tmp / "state") as scheduler:
-            _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))  # loads the group
-            scheduled_s, scheduled = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
-                                                                             args.new_tokens)), args.repeats)
+            # loads the group
+            _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))
+            scheduled_s, scheduled = _best(
+                lambda: _quiet(lambda: _scheduled(scheduler, model, prompts, args.new_tokens)),
+                args.repeats,
+            )
             latency = []
             for i in range(args.latency_runs):
                 prompt = prompts[i % len(prompts)]
@@ -186,34 +215,50 @@ def main(argv=None) -> dict:
             lanes_peak = scheduler.stats()["lanes_peak"]
         with JobQueue(tmp / "state-unbatched", max_lanes=1) as scheduler:
             _quiet(lambda: _scheduled(scheduler, model, prompts[:1], args.new_tokens))
-            unbatched_s, unbatched = _best(lambda: _quiet(lambda: _scheduled(scheduler, model, prompts,
-                                                                             args.new_tokens)), 1)
-        through, plain, cli_text, plain_text = _command_runs(model, args.new_tokens, args.command_runs)
+            unbatched_s, unbatched = _best(
+                lambda: _quiet(lambda: _scheduled(scheduler, model, prompts, args.new_tokens)), 1
+            )
+        through, plain, cli_text, plain_text = _command_runs(
+            model, args.new_tokens, args.command_runs
+        )
     assert scheduled == direct == unbatched, "the job queue's answers differ from the direct call's"
     assert cli_text == plain_text, "the command line's answer differs from the command function's"
     report = {
-        "jobs": args.jobs, "new_tokens": args.new_tokens, "threads": args.threads,
-        "direct_s": round(direct_s, 4), "scheduled_s": round(scheduled_s, 4), "unbatched_s": round(unbatched_s, 4),
-        "direct_jobs_per_s": round(args.jobs / direct_s, 1), "scheduled_jobs_per_s": round(args.jobs / scheduled_s, 1),
+        "jobs": args.jobs,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "direct_s": round(direct_s, 4),
+        "scheduled_s": round(scheduled_s, 4),
+        "unbatched_s": round(unbatched_s, 4),
+        "direct_jobs_per_s": round(args.jobs / direct_s, 1),
+        "scheduled_jobs_per_s": round(args.jobs / scheduled_s, 1),
         "unbatched_jobs_per_s": round(args.jobs / unbatched_s, 1),
         "ratio_scheduled_to_direct": round(direct_s / scheduled_s, 3),
         "ratio_unbatched_to_direct": round(direct_s / unbatched_s, 3),
         "single_direct_ms": round(1000 * statistics.median(single), 2),
         "single_scheduled_ms": round(1000 * statistics.median(latency), 2),
-        "added_latency_ms": round(1000 * (statistics.median(latency) - statistics.median(single)), 2),
+        "added_latency_ms": round(
+            1000 * (statistics.median(latency) - statistics.median(single)), 2
+        ),
         "lanes_peak": lanes_peak,
         "command_cli_ms": round(1000 * statistics.median(through), 1),
         "command_function_ms": round(1000 * statistics.median(plain), 1),
-        "ratio_command_function_to_cli": round(statistics.median(plain) / statistics.median(through), 3),
+        "ratio_command_function_to_cli": round(
+            statistics.median(plain) / statistics.median(through), 3
+        ),
     }
     print(f"{'path':<12}{'seconds':>10}{'jobs/s':>10}{'vs direct':>11}")
     for name in ("direct", "scheduled", "unbatched"):
         seconds = report[f"{name}_s"]
         print(f"{name:<12}{seconds:>10.3f}{args.jobs / seconds:>10.1f}{direct_s / seconds:>11.3f}")
-    print(f"one job at a time: direct {report['single_direct_ms']} ms, scheduled {report['single_scheduled_ms']} ms, "
-          f"added {report['added_latency_ms']} ms per job")
-    print(f"a whole command: through the job queue {report['command_cli_ms']} ms, the command function "
-          f"{report['command_function_ms']} ms (ratio {report['ratio_command_function_to_cli']})")
+    print(
+        f"one job at a time: direct {report['single_direct_ms']} ms, scheduled {report['single_scheduled_ms']} ms, "
+        f"added {report['added_latency_ms']} ms per job"
+    )
+    print(
+        f"a whole command: through the job queue {report['command_cli_ms']} ms, the command function "
+        f"{report['command_function_ms']} ms (ratio {report['ratio_command_function_to_cli']})"
+    )
     print(json.dumps(report))
     return report
 

@@ -9,7 +9,8 @@ measurement then runs in a fresh Python process so that loads do not share pages
   ster tp=2      two ranks (torch.multiprocessing, gloo), each loading its shard
 
 For every run it prints the load seconds and the growth of peak RSS (VmHWM, reset just
-before the load) over the process's RSS after imports, as ratios ster_dist / Transformers (lower is better), and for
+before the load) over the process's RSS after imports, as ratios ster_dist / Transformers (lower is
+better), and for
 ster_dist the bytes each rank read from the weight files over the checkpoint size.
 
     python bench/load.py [--hidden 1024 --layers 12 --threads 2]
@@ -61,9 +62,15 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> int:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
-                                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                                      max_position_embeddings=2048)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,8 +81,12 @@ def write_checkpoint(directory: Path, hidden: int, layers: int) -> int:
 
 
 def run(kind: str, path: Path, threads: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(path), str(threads)], capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, kind, str(path), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -88,20 +99,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         size = write_checkpoint(path, args.hidden, args.layers)
-        results = {kind: run(kind, path, args.threads) for kind in ("transformers", "ster1", "ster2")}
+        results = {
+            kind: run(kind, path, args.threads) for kind in ("transformers", "ster1", "ster2")
+        }
     ref = results["transformers"]
     print(f"checkpoint: {size / 1e6:.0f} MB")
     print(f"{'run':<14}{'load s':>9}{'x ref':>8}{'RSS MB':>10}{'x ref':>8}{'read / ckpt':>14}")
-    for kind, label in (("transformers", "transformers"), ("ster1", "ster tp=1"), ("ster2", "ster tp=2 rank")):
+    for kind, label in (
+        ("transformers", "transformers"),
+        ("ster1", "ster tp=1"),
+        ("ster2", "ster tp=2 rank"),
+    ):
         r = results[kind]
-        read = "-" if "bytes_read" not in r else "/".join(f"{b / size:.2f}" for b in r["bytes_read"])
-        print(f"{label:<14}{r['seconds']:>9.2f}{r['seconds'] / ref['seconds']:>8.2f}"
-              f"{r['rss_growth'] / 1e6:>10.0f}{r['rss_growth'] / ref['rss_growth']:>8.2f}{read:>14}")
-    summary = {"checkpoint_bytes": size, **{k: v for k, v in results.items()},
-               "load_seconds_ratio_tp1": results["ster1"]["seconds"] / ref["seconds"],
-               "load_seconds_ratio_tp2": results["ster2"]["seconds"] / ref["seconds"],
-               "peak_rss_ratio_tp1": results["ster1"]["rss_growth"] / ref["rss_growth"],
-               "peak_rss_ratio_tp2_rank": results["ster2"]["rss_growth"] / ref["rss_growth"]}
+        read = (
+            "-" if "bytes_read" not in r else "/".join(f"{b / size:.2f}" for b in r["bytes_read"])
+        )
+        print(
+            f"{label:<14}{r['seconds']:>9.2f}{r['seconds'] / ref['seconds']:>8.2f}"
+            f"{r['rss_growth'] / 1e6:>10.0f}{r['rss_growth'] / ref['rss_growth']:>8.2f}{read:>14}"
+        )
+    summary = {
+        "checkpoint_bytes": size,
+        **{k: v for k, v in results.items()},
+        "load_seconds_ratio_tp1": results["ster1"]["seconds"] / ref["seconds"],
+        "load_seconds_ratio_tp2": results["ster2"]["seconds"] / ref["seconds"],
+        "peak_rss_ratio_tp1": results["ster1"]["rss_growth"] / ref["rss_growth"],
+        "peak_rss_ratio_tp2_rank": results["ster2"]["rss_growth"] / ref["rss_growth"],
+    }
     print(json.dumps(summary))
 
 

@@ -2,7 +2,8 @@
 written) and against PEFT's merge_and_unload() + save_pretrained() (seconds and peak RSS).
 
     python bench/merge.py --quick                 # hidden 512, 4 layers: about a minute
-    python bench/merge.py                         # hidden 1024, 8 layers, f32 (~550 MB): a few minutes
+    python bench/merge.py                         # hidden 1024, 8 layers, f32 (~550 MB): a few
+    minutes
     python bench/merge.py --dtype bf16 --model-dir /tmp/llama-merge
 
 Each measured run is its own fresh process (`python bench/merge.py child ...`), with the page
@@ -47,18 +48,31 @@ def write_adapter(base: Path, directory: Path, rank: int, dtype: torch.dtype) ->
                 if name.endswith(".weight") and any(f".{t}." in name for t in TARGETS):
                     out, inp = f.get_slice(name).get_shape()
                     module = name[: -len(".weight")]
-                    factors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, inp, generator=gen)
-                                                                          * 0.01).to(dtype)
-                    factors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out, rank, generator=gen)
-                                                                          * 0.01).to(dtype)
+                    factors[f"base_model.model.{module}.lora_A.weight"] = (
+                        torch.randn(rank, inp, generator=gen) * 0.01
+                    ).to(dtype)
+                    factors[f"base_model.model.{module}.lora_B.weight"] = (
+                        torch.randn(out, rank, generator=gen) * 0.01
+                    ).to(dtype)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(factors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none",
-        "base_model_name_or_path": str(base), "task_type": "CAUSAL_LM"}))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": TARGETS,
+                "bias": "none",
+                "base_model_name_or_path": str(base),
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
 
 
 # ---- one measured run, in a fresh process ------------------------------------------------------
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -94,16 +108,32 @@ def _child(engine: str, base: Path, adapter: Path, out: Path, dtype: str, thread
             os.close(fd)
     seconds = time.perf_counter() - start
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    return {"engine": engine, "seconds": seconds, "bytes_written": written, "gb_s": written / seconds / GB,
-            "rss_growth_mb": (_status("VmHWM") - before) / 2 ** 20}
+    return {
+        "engine": engine,
+        "seconds": seconds,
+        "bytes_written": written,
+        "gb_s": written / seconds / GB,
+        "rss_growth_mb": (_status("VmHWM") - before) / 2**20,
+    }
 
 
 def run_child(engine: str, base: Path, adapter: Path, work: Path, dtype: str, threads: int) -> dict:
     out = work / f"out-{engine}"
     shutil.rmtree(out, ignore_errors=True)
     warm_page_cache(base)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "child", engine, str(base), str(adapter), str(out),
-           "--dtype", dtype, "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "child",
+        engine,
+        str(base),
+        str(adapter),
+        str(out),
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
@@ -112,7 +142,9 @@ def run_child(engine: str, base: Path, adapter: Path, work: Path, dtype: str, th
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "child":
@@ -132,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or build) the base checkpoint here")
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="reuse (or build) the base checkpoint here"
+    )
     parser.add_argument("--quick", action="store_true", help="hidden 512, 4 layers, 2 repeats")
     parser.add_argument("--skip-peft", action="store_true")
     args = parser.parse_args(argv)
@@ -149,26 +183,49 @@ def main(argv: list[str] | None = None) -> None:
         runs: dict[str, list[dict]] = {"copy": [], "ster": [], "peft": []}
         for _ in range(args.repeats):  # alternate, so load from other processes hits both alike
             for engine in ("copy", "ster"):
-                runs[engine].append(run_child(engine, base, adapter, work, args.dtype, args.threads))
+                runs[engine].append(
+                    run_child(engine, base, adapter, work, args.dtype, args.threads)
+                )
         if not args.skip_peft:
             runs["peft"].append(run_child("peft", base, adapter, work, args.dtype, args.threads))
         best = {e: min(r, key=lambda x: x["seconds"]) for e, r in runs.items() if r}
         peak = {e: min(x["rss_growth_mb"] for x in r) for e, r in runs.items() if r}
-        print(f"checkpoint: {size / GB:.3f} GB ({args.dtype}, hidden {args.hidden}, {args.layers} layers), "
-              f"adapter rank {args.rank} on all 7 projections; load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+        print(
+            f"checkpoint: {size / GB:.3f} GB ({args.dtype}, hidden {args.hidden}, {args.layers} layers), "
+            f"adapter rank {args.rank} on all 7 projections; load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
+        )
         print(f"{'':22}{'seconds':>10}{'GB/s written':>14}{'peak RSS growth MB':>20}")
-        for engine, label in (("copy", "plain copy (fsync)"), ("ster", "ster_dist merge"), ("peft", "PEFT merge+save")):
+        for engine, label in (
+            ("copy", "plain copy (fsync)"),
+            ("ster", "ster_dist merge"),
+            ("peft", "PEFT merge+save"),
+        ):
             if engine in best:
                 b = best[engine]
                 print(f"{label:22}{b['seconds']:>10.2f}{b['gb_s']:>14.3f}{peak[engine]:>20.0f}")
         ratios = {"ster_over_copy_gb_s": best["ster"]["gb_s"] / best["copy"]["gb_s"]}
         if "peft" in best:
-            ratios.update(peft_over_ster_seconds=best["peft"]["seconds"] / best["ster"]["seconds"],
-                          peft_over_ster_peak_rss=peak["peft"] / max(peak["ster"], 1e-9))
+            ratios.update(
+                peft_over_ster_seconds=best["peft"]["seconds"] / best["ster"]["seconds"],
+                peft_over_ster_peak_rss=peak["peft"] / max(peak["ster"], 1e-9),
+            )
         print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-        print(json.dumps({"checkpoint_bytes": size, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
-                          "rank": args.rank, "best": best, "peak_rss_growth_mb": peak, "ratios": ratios,
-                          "runs": runs, "load_average": load}))
+        print(
+            json.dumps(
+                {
+                    "checkpoint_bytes": size,
+                    "dtype": args.dtype,
+                    "hidden": args.hidden,
+                    "layers": args.layers,
+                    "rank": args.rank,
+                    "best": best,
+                    "peak_rss_growth_mb": peak,
+                    "ratios": ratios,
+                    "runs": runs,
+                    "load_average": load,
+                }
+            )
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

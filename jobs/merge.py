@@ -32,16 +32,26 @@ from ster_dist.errors import Refusal
 def _check_spec(spec) -> list[dict]:
     merges = spec.get("merges") if isinstance(spec, dict) else None
     if not isinstance(merges, list) or not merges:
-        raise Refusal('a merge job spec must be {"merges": [{"model": M, "adapter": A, "output": DIR}, ...]} '
-                      "with at least one merge")
+        raise Refusal(
+            'a merge job spec must be {"merges": [{"model": M, "adapter": A, "output": DIR}, ...]} '
+            "with at least one merge"
+        )
     for index, item in enumerate(merges):
-        missing = [k for k in ("model", "adapter", "output") if not isinstance(item, dict) or not item.get(k)]
+        missing = [
+            k
+            for k in ("model", "adapter", "output")
+            if not isinstance(item, dict) or not item.get(k)
+        ]
         if missing:
-            raise Refusal(f"merge {index} of the job spec lacks {', '.join(missing)}; give model, adapter and output")
+            raise Refusal(
+                f"merge {index} of the job spec lacks {', '.join(missing)}; give model, adapter and output"
+            )
     outputs = [str(Path(m["output"]).resolve()) for m in merges]
     twice = [o for i, o in enumerate(outputs) if o in outputs[:i]]
     if twice:
-        raise Refusal(f"two merges of the job spec write {twice[0]}; give each merge its own output")
+        raise Refusal(
+            f"two merges of the job spec write {twice[0]}; give each merge its own output"
+        )
     return merges
 
 
@@ -58,7 +68,9 @@ def batch_merge(spec: dict, progress=None) -> dict:
     start = time.perf_counter()
     merges = _check_spec(spec)
     max_shard = spec.get("max_shard_size", DEFAULT_MAX_SHARD)
-    results: list[dict] = [{"model": m["model"], "adapter": m["adapter"], "output": m["output"]} for m in merges]
+    results: list[dict] = [
+        {"model": m["model"], "adapter": m["adapter"], "output": m["output"]} for m in merges
+    ]
     bases: dict[tuple, object] = {}
     plans: dict[int, object] = {}
     for index, item in enumerate(merges):
@@ -70,14 +82,24 @@ def batch_merge(spec: dict, progress=None) -> dict:
             if key not in bases:
                 progress(f"resolving {item['model']}")
                 bases[key] = resolve(*key)
-            plans[index] = prepare(item["model"], item["adapter"], item["output"], item.get("revision"), max_shard,
-                                   checkpoint=bases[key])
+            plans[index] = prepare(
+                item["model"],
+                item["adapter"],
+                item["output"],
+                item.get("revision"),
+                max_shard,
+                checkpoint=bases[key],
+            )
         except Refusal as refusal:
             results[index].update(status="failed", refusal=str(refusal))
     total = sum(len(plan.names) for plan in plans.values())
     todo = sum(len(plan.pending) for plan in plans.values())
-    progress(f"{len(plans)} merges planned over {len(bases)} bases: {todo} of {total} shards to write",
-             merges=len(plans), shards=total, pending=todo)
+    progress(
+        f"{len(plans)} merges planned over {len(bases)} bases: {todo} of {total} shards to write",
+        merges=len(plans),
+        shards=total,
+        pending=todo,
+    )
     started = start_ray(spec.get("address"))
     written = 0
     try:
@@ -95,12 +117,21 @@ def batch_merge(spec: dict, progress=None) -> dict:
             plan = plans[index]
             try:
                 written += ray.get(ready[0])
-            except (ray.exceptions.RayError, Refusal) as exc:  # a worker's refusal or crash fails this merge only
+            # a worker's refusal or crash fails this merge only
+            except (ray.exceptions.RayError, Refusal) as exc:
                 cause = getattr(exc, "cause", None) or exc
-                results[index].update(status="failed", refusal=f"shard {plan.names[shard]}: {str(cause).strip()[:300]}")
+                results[index].update(
+                    status="failed",
+                    refusal=f"shard {plan.names[shard]}: {str(cause).strip()[:300]}",
+                )
             done += 1
             left[index] -= 1
-            progress(f"wrote {plan.names[shard]} of {plan.output}", shard=done, shards=todo, bytes=written)
+            progress(
+                f"wrote {plan.names[shard]} of {plan.output}",
+                shard=done,
+                shards=todo,
+                bytes=written,
+            )
         for index, plan in plans.items():
             if results[index].get("status") == "failed":
                 continue
@@ -112,8 +143,16 @@ def batch_merge(spec: dict, progress=None) -> dict:
         if started:
             ray.shutdown()
     counts = {s: sum(r.get("status") == s for r in results) for s in ("merged", "exists", "failed")}
-    return {"merges": results, **counts, "bases": len(bases), "shards": total, "shards_written": todo,
-            "shards_resumed": total - todo, "bytes_written": written, "seconds": round(time.perf_counter() - start, 3)}
+    return {
+        "merges": results,
+        **counts,
+        "bases": len(bases),
+        "shards": total,
+        "shards_written": todo,
+        "shards_resumed": total - todo,
+        "bytes_written": written,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     from ster_dist.inputs import read_json
 
     parser = argparse.ArgumentParser(description="Batch LoRA merges over a Ray cluster.")
-    parser.add_argument("spec", help='a JSON file: {"merges": [{"model", "adapter", "output"}, ...]}')
-    parser.add_argument("--address", default=None, help="the Ray cluster (else the spec's, RAY_ADDRESS, or local)")
+    parser.add_argument(
+        "spec", help='a JSON file: {"merges": [{"model", "adapter", "output"}, ...]}'
+    )
+    parser.add_argument(
+        "--address", default=None, help="the Ray cluster (else the spec's, RAY_ADDRESS, or local)"
+    )
     args = parser.parse_args(argv)
     try:
         spec = read_json(args.spec, "merge job spec")

@@ -25,12 +25,31 @@ _SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "pp")
 
 
 class Engine:
-    def __init__(self, model: str, *, revision: str | None = None, tp: int = 1, ep: int = 1, pp: int = 1,
-                 precision: str = "f32", device: str = "cpu", address: str | None = None,
-                 state_dir: str | None = None, on_event=None, **queue_options):
+    def __init__(
+        self,
+        model: str,
+        *,
+        revision: str | None = None,
+        tp: int = 1,
+        ep: int = 1,
+        pp: int = 1,
+        precision: str = "f32",
+        device: str = "cpu",
+        address: str | None = None,
+        state_dir: str | None = None,
+        on_event=None,
+        **queue_options,
+    ):
         self.model = model
-        self.settings = {"model": model, "revision": revision, "precision": precision, "device": device,
-                         "tp": tp, "ep": ep, "pp": pp}
+        self.settings = {
+            "model": model,
+            "revision": revision,
+            "precision": precision,
+            "device": device,
+            "tp": tp,
+            "ep": ep,
+            "pp": pp,
+        }
         self.on_event = on_event
         if address is None:
             from ster_dist.jobqueue.client import LocalClient
@@ -80,7 +99,8 @@ class Engine:
 
     # -- underneath ------------------------------------------------------------------------------
     def job(self, kind: str, **fields) -> protocol.JobSpec:
-        """The job of `kind`: this engine's model settings (those its request takes), then the fields
+        """The job of `kind`: this engine's model settings (those its request takes), then the
+        fields
         given (and `id` / `priority` when given), validated as a queued job's."""
         if kind not in JOB_REQUESTS:
             raise Refusal(f"unknown job kind {kind!r}; give one of: {', '.join(JOB_REQUESTS)}")
@@ -104,7 +124,10 @@ class Engine:
     def run_many(self, requests: list[Request | protocol.JobSpec]) -> list[dict]:
         from ster_dist.jobqueue.follow import follow
 
-        specs = [r.to_dict() if isinstance(r, protocol.JobSpec) else {"kind": r.kind, **r.given()} for r in requests]
+        specs = [
+            r.to_dict() if isinstance(r, protocol.JobSpec) else {"kind": r.kind, **r.given()}
+            for r in requests
+        ]
         records = follow(self.client, self.client.submit_many(specs), on_event=self.on_event)
         for record in records:
             if record["status"] != "done":
@@ -112,7 +135,8 @@ class Engine:
         return [record["result"] for record in records]
 
     def _stream(self, spec: protocol.JobSpec):
-        """The job's text events as they arrive (a thread follows the job); its failure is raised."""
+        """The job's text events as they arrive (a thread follows the job); its failure is
+        raised."""
         import queue
         import threading
 
@@ -129,9 +153,14 @@ class Engine:
 
         def run() -> None:
             try:
-                (record,) = follow(self.client, self.client.submit_many([spec.to_dict()]), on_event=on_event)
-                texts.put(Refusal(f"generate job {record['id']} failed: {record['error']}")
-                          if record["status"] != "done" else end)
+                (record,) = follow(
+                    self.client, self.client.submit_many([spec.to_dict()]), on_event=on_event
+                )
+                texts.put(
+                    Refusal(f"generate job {record['id']} failed: {record['error']}")
+                    if record["status"] != "done"
+                    else end
+                )
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 texts.put(exc)
 

@@ -33,8 +33,12 @@ STALE_FOREIGN_AFTER_S = 24 * 3600
 _PARTIAL = re.compile(r"\.partial-(?P<pid>\d+)@(?P<host>[A-Za-z0-9_.]+)-[a-z0-9_]+")
 
 # errno -> what ran out, for the refusal line
-SPACE_ERRORS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "a file size limit was reached", errno.EROFS: "the filesystem is read-only"}
+SPACE_ERRORS = {
+    errno.ENOSPC: "no space left",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "a file size limit was reached",
+    errno.EROFS: "the filesystem is read-only",
+}
 
 
 def _umask() -> int:
@@ -76,7 +80,7 @@ def _writer_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True     # another user's live process
+        return True  # another user's live process
     return True
 
 
@@ -101,7 +105,7 @@ def sweep_stale(path) -> list[Path]:
         return removed
     host, now = _host(), time.time()
     for name in names:
-        match = _PARTIAL.fullmatch(name[len(path.name) + 1:])
+        match = _PARTIAL.fullmatch(name[len(path.name) + 1 :])
         if match is None:
             continue
         candidate = path.parent / name
@@ -128,8 +132,11 @@ def space_refusal(exc: OSError, output, needed: int | None = None) -> Refusal | 
     if what is None:
         return None
     size = f" ({needed} bytes needed)" if needed else ""
-    fix = ("choose another --output" if exc.errno == errno.EROFS
-           else "free space (or raise the limit) or choose another --output")
+    fix = (
+        "choose another --output"
+        if exc.errno == errno.EROFS
+        else "free space (or raise the limit) or choose another --output"
+    )
     return Refusal(f"{what} writing {output}{size}; nothing was kept: {fix}")
 
 
@@ -161,7 +168,9 @@ def replacing(path, binary: bool = False, durable: bool = False):
     sweep_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=partial_prefix(path), dir=path.parent)
     try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
+        with os.fdopen(
+            fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})
+        ) as handle:
             yield handle
             handle.flush()
             if durable:

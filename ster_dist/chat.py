@@ -41,19 +41,26 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
         open_adapter(request.adapter)
     with Session(request) as session:
         if not session.tokenizer.has_chat_template:
-            raise Refusal(f"ster chat needs a chat template; {request.model} has none (a base model continues "
-                          "text rather than answering turns): use `ster generate --prompt TEXT` instead")
+            raise Refusal(
+                f"ster chat needs a chat template; {request.model} has none (a base model continues "
+                "text rather than answering turns): use `ster generate --prompt TEXT` instead"
+            )
         engine = session.engine(*request.engine_options())
-        if request.vector is None and request.adapter is None:  # steered or adapted steps run eagerly anyway
+        # steered or adapted steps run eagerly anyway
+        if request.vector is None and request.adapter is None:
             engine.warm_up()  # compiled now rather than as a stall in the middle of an answer
         steering = adapter = None
         if request.vector is not None:
             steering, _ = register_vector(session, engine, request)
         if request.adapter is not None:
             adapter, _ = register_adapter(session, engine, request)
-        progress(f"chatting with {request.model}: one line a turn; {RESET} forgets the turns, {EXIT} or the end "
-                 "of input ends the chat")
-        opening = [{"role": "system", "content": request.system}] if request.system is not None else []
+        progress(
+            f"chatting with {request.model}: one line a turn; {RESET} forgets the turns, {EXIT} or the end "
+            "of input ends the chat"
+        )
+        opening = (
+            [{"role": "system", "content": request.system}] if request.system is not None else []
+        )
         history = list(opening)
         totals = {"turns": 0, "prompt_tokens": 0, "completion_tokens": 0}
         prompt = "> " if _is_tty(lines) else ""
@@ -70,20 +77,30 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
                     continue  # an empty line asks nothing
                 messages = [*history, {"role": "user", "content": text}]
                 ids = session.tokenizer.apply_chat_template(messages)
-                # turn i of the conversation draws from seed + i, so a reset conversation samples as a fresh one
+                # turn i of the conversation draws from seed + i, so a reset conversation samples as
+                # a fresh one
                 turn = sum(1 for m in history if m["role"] == "user")
                 try:
-                    stream = engine.submit(ids, dataclasses.replace(params, seed=params.seed + turn),
-                                           steering=steering, adapter=adapter)
+                    stream = engine.submit(
+                        ids,
+                        dataclasses.replace(params, seed=params.seed + turn),
+                        steering=steering,
+                        adapter=adapter,
+                    )
                 except Refusal as refusal:
-                    if engine.stopped:  # a failed step, not this turn: no later turn can be answered
+                    # a failed step, not this turn: no later turn can be answered
+                    if engine.stopped:
                         raise
-                    print(f"{refusal}; this turn is dropped ({RESET} starts the conversation afresh)", file=err,
-                          flush=True)
+                    print(
+                        f"{refusal}; this turn is dropped ({RESET} starts the conversation afresh)",
+                        file=err,
+                        flush=True,
+                    )
                     continue
                 answer = _answer(stream, out)
                 if answer is None:
-                    continue  # interrupted: neither the turn nor its partial answer joins the conversation
+                    # interrupted: neither the turn nor its partial answer joins the conversation
+                    continue
                 history = [*messages, {"role": "assistant", "content": answer.text}]
                 totals["turns"] += 1
                 totals["prompt_tokens"] += answer.prompt_tokens
@@ -97,16 +114,23 @@ def chat(request: ChatRequest, lines=None, out=None, err=None) -> dict:
 def totals_in_words(totals: dict) -> str:
     """The chat's totals as a person reads them at its end (JSON where stderr is not a terminal)."""
     turns = totals["turns"]
-    return (f"{turns} turn{'' if turns == 1 else 's'}: "
-            f"{totals['prompt_tokens']} prompt tokens read, "
-            f"{totals['completion_tokens']} tokens answered")
+    return (
+        f"{turns} turn{'' if turns == 1 else 's'}: "
+        f"{totals['prompt_tokens']} prompt tokens read, "
+        f"{totals['completion_tokens']} tokens answered"
+    )
 
 
 def _sampling(request: ChatRequest):
     from ster_dist.engine.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature, top_p=request.top_p,
-                          top_k=request.top_k, seed=request.seed).check(request.label)
+    return SamplingParams(
+        max_tokens=request.max_new_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+    ).check(request.label)
 
 
 def _is_tty(lines) -> bool:
@@ -129,7 +153,8 @@ def _read(lines, out, prompt: str):
 
 
 def _answer(stream, out):
-    """The stream's whole answer, its text written out as it comes; None when interrupted (the stream
+    """The stream's whole answer, its text written out as it comes; None when interrupted (the
+    stream
     is cancelled and its end awaited, so its blocks are free before the next turn)."""
     try:
         done = stream.result(on_delta=lambda delta: delta.text and _write(out, delta.text))

@@ -14,14 +14,15 @@ class Checkpoint:
     (consolidated*.safetensors beside params.json) or "gguf" (one .gguf file).
     """
 
-    model: str                      # the --model string as given
-    directory: Path                 # local directory holding (or caching) the files
-    config_path: Path               # config.json, or params.json for Mistral's format
-    tokenizer_path: Path            # tokenizer.json, PLaMo's tokenizer.jsonl, or the tiktoken file its class reads
+    model: str  # the --model string as given
+    directory: Path  # local directory holding (or caching) the files
+    config_path: Path  # config.json, or params.json for Mistral's format
+    # tokenizer.json, PLaMo's tokenizer.jsonl, or the tiktoken file its class reads
+    tokenizer_path: Path
     weight_files: tuple[Path, ...]  # sorted; exactly one for gguf
     weight_format: str
-    model_revision: str | None      # commit SHA on the Hub; --revision verbatim locally; else None
-    source: str                     # "local" | "hub"
+    model_revision: str | None  # commit SHA on the Hub; --revision verbatim locally; else None
+    source: str  # "local" | "hub"
     raw_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

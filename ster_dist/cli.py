@@ -2,7 +2,8 @@
 
 Every command is one request model: its fields become the command's flags (help text, defaults,
 choices), and what the command line states is validated by that model, refused in the flags'
-words. Job kinds run as jobs through a job queue in this process (ster_dist.jobqueue.queue.run_cli), the
+words. Job kinds run as jobs through a job queue in this process (ster_dist.jobqueue.queue.run_cli),
+the
 same front door as job specs and the Python API; the other commands call their operation directly.
 
 Every command prints its result as JSON on stdout and progress events (one JSON object per line)
@@ -24,7 +25,15 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ster_dist.errors import Refusal
 from ster_dist.events import json_stderr, progress_line
-from ster_dist.schema import REQUESTS, BatchRequest, ChatRequest, QueueRequest, Request, ServeRequest, SubmitRequest
+from ster_dist.schema import (
+    REQUESTS,
+    BatchRequest,
+    ChatRequest,
+    QueueRequest,
+    Request,
+    ServeRequest,
+    SubmitRequest,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,8 +51,11 @@ def _version() -> str:
 
 @functools.cache
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ster", description="Run Hugging Face decoder checkpoints: generate, capture, steer, "
-                                              "decide, merge, across tensor- and expert-parallel ranks.")
+    parser = _Parser(
+        prog="ster",
+        description="Run Hugging Face decoder checkpoints: generate, capture, steer, "
+        "decide, merge, across tensor- and expert-parallel ranks.",
+    )
     parser.add_argument("--version", action="version", version=f"ster_dist {_version()}")
     _text_flag(parser)
     root = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -55,23 +67,43 @@ def build_parser() -> argparse.ArgumentParser:
             sub = _group(root, groups, parent)
         _command(sub, name, cls, cls.summary)
         if cls.ster_name is not None:  # Ster's spelling, beside ster_dist's grouped one
-            _command(root, cls.ster_name, cls, f"{cls.summary} (Ster's name for `ster {' '.join(cls.command)}`)")
-    root.add_parser("request", help="run one desktop request to completion: a JSON body (camelCase flags) on "
-                                    "stdin, NDJSON log events and one result event on stdout")
+            _command(
+                root,
+                cls.ster_name,
+                cls,
+                f"{cls.summary} (Ster's name for `ster {' '.join(cls.command)}`)",
+            )
+    root.add_parser(
+        "request",
+        help="run one desktop request to completion: a JSON body (camelCase flags) on "
+        "stdin, NDJSON log events and one result event on stdout",
+    )
     for cls in REQUESTS:  # Ster 0.14's words (`ster vector train`), the 0.12 ones kept beside them
         if cls.ster_command is not None:
             *parents, name = cls.ster_command
-            _command(_group(root, groups, parents[0]), name, cls,
-                     f"{cls.summary} (also `ster {' '.join(cls.command)}`)")
+            _command(
+                _group(root, groups, parents[0]),
+                name,
+                cls,
+                f"{cls.summary} (also `ster {' '.join(cls.command)}`)",
+            )
     return parser
 
 
-def _group(root, groups: dict[str, argparse._SubParsersAction], parent: str) -> argparse._SubParsersAction:
+def _group(
+    root, groups: dict[str, argparse._SubParsersAction], parent: str
+) -> argparse._SubParsersAction:
     if parent not in groups:
         verbs = [c.command[-1] for c in REQUESTS if c.command[:-1] == (parent,)]
-        verbs += [c.ster_command[-1] for c in REQUESTS if c.ster_command and c.ster_command[:-1] == (parent,)]
+        verbs += [
+            c.ster_command[-1]
+            for c in REQUESTS
+            if c.ster_command and c.ster_command[:-1] == (parent,)
+        ]
         holder = root.add_parser(parent, help=f"{parent}: " + ", ".join(verbs))
-        groups[parent] = holder.add_subparsers(dest=f"{parent}_command", required=True, parser_class=_Parser)
+        groups[parent] = holder.add_subparsers(
+            dest=f"{parent}_command", required=True, parser_class=_Parser
+        )
     return groups[parent]
 
 
@@ -85,8 +117,13 @@ def _command(sub: argparse._SubParsersAction, name: str, cls: type[Request], sum
 
 def _text_flag(parser: argparse.ArgumentParser) -> None:
     """The global --text, before the command or among its flags."""
-    parser.add_argument("--text", dest="text_output", action="store_true", default=argparse.SUPPRESS,
-                        help="print the answer as `path: value` lines instead of JSON")
+    parser.add_argument(
+        "--text",
+        dest="text_output",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the answer as `path: value` lines instead of JSON",
+    )
 
 
 def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:
@@ -117,7 +154,9 @@ def _add_field(parser: argparse.ArgumentParser, name: str, info) -> None:
         return
     if "action" not in kwargs and "choices" not in kwargs:
         kwargs["metavar"] = name.upper()
-    parser.add_argument(meta.get("flag", "--" + name.replace("_", "-")), required=info.is_required(), **kwargs)
+    parser.add_argument(
+        meta.get("flag", "--" + name.replace("_", "-")), required=info.is_required(), **kwargs
+    )
 
 
 def _unoptional(annotation):
@@ -139,13 +178,15 @@ def _refuse_unknown_flags(argv: list[str]) -> None:
     for token in argv:
         if token == "--":
             return
-        commands = next((a.choices for a in parser._actions
-                         if isinstance(a, argparse._SubParsersAction)), None)
+        commands = next(
+            (a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None
+        )
         if commands and token in commands:  # `ster steer train`: the words choose the parser
             parser = commands[token]
             continue
         flag = token.split("=", 1)[0]
-        if not flag.startswith("--") or len(flag) == 2 or " " in flag:  # "--a b": a value, to argparse
+        # "--a b": a value, to argparse
+        if not flag.startswith("--") or len(flag) == 2 or " " in flag:
             continue
         known = [s for s in parser._option_string_actions if s.startswith("--")]
         if flag in known or any(k.startswith(flag) for k in known):
@@ -160,8 +201,11 @@ def parse(argv: list[str] | None = None) -> Request:
     _refuse_unknown_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     cls = args.request_class
-    given = {name: value for name, value in vars(args).items()
-             if name in cls.model_fields and not name.endswith("_command")}
+    given = {
+        name: value
+        for name, value in vars(args).items()
+        if name in cls.model_fields and not name.endswith("_command")
+    }
     return cls.parse(given, cli=True)
 
 
@@ -170,7 +214,11 @@ def parse_command(cls: type[Request], argv: list[str] | None, prog: str) -> Requ
     parser = _Parser(prog=prog, description=cls.summary)
     for field_name, info in cls.model_fields.items():
         _add_field(parser, field_name, info)
-    given = {name: value for name, value in vars(parser.parse_args(argv)).items() if name in cls.model_fields}
+    given = {
+        name: value
+        for name, value in vars(parser.parse_args(argv)).items()
+        if name in cls.model_fields
+    }
     return cls.parse(given, cli=True)
 
 
@@ -227,7 +275,8 @@ def _for_a_person(request: Request) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
-    if words[:1] == ["request"]:  # NDJSON on stdout, its own statuses: not one of the generated commands
+    # NDJSON on stdout, its own statuses: not one of the generated commands
+    if words[:1] == ["request"]:
         from ster_dist.desktop_request import main as request_main
 
         return request_main(words[1:], run)
@@ -242,12 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(request, "stream", False):
             print()  # the answer went out as it came (its record is the job's, not this stream's)
         elif getattr(request, "format", "json") == "text":
-            print(result["text"])  # generate --format text: the answer alone, its record left to the job
+            # generate --format text: the answer alone, its record left to the job
+            print(result["text"])
         elif person:
             from ster_dist.chat import totals_in_words
 
             print(totals_in_words(result), file=sys.stderr)
-        elif not request.result_on_stdout:  # stdout held the conversation or the ready line: totals go with the events
+        # stdout held the conversation or the ready line: totals go with the events
+        elif not request.result_on_stdout:
             print(json.dumps(result, ensure_ascii=False), file=sys.stderr)
         elif getattr(build_parser().parse_args(argv), "text_output", False):
             from ster_dist.text_lines import text_lines

@@ -1,6 +1,7 @@
 """Progress events: one JSON object per line on stderr, what every operation reports as it goes.
 
-The job queue routes a running job's lines into that job's event log (jobqueue/events.py), so a caller
+The job queue routes a running job's lines into that job's event log (jobqueue/events.py), so a
+caller
 polling the queue, in this process or through the Ray actor, sees what the command line would show.
 """
 
@@ -16,14 +17,26 @@ import time
 
 
 def progress(message: str, **fields) -> None:
-    print(json.dumps({"event": "progress", "time": round(time.time(), 3), "message": message, **fields},
-                     ensure_ascii=False), file=sys.stderr, flush=True)
+    print(
+        json.dumps(
+            {"event": "progress", "time": round(time.time(), 3), "message": message, **fields},
+            ensure_ascii=False,
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def text_delta(text: str) -> None:
-    """A piece of generated text as it comes (`generate --stream`): the command line prints it on stdout."""
-    print(json.dumps({"event": "text", "time": round(time.time(), 3), "text": text}, ensure_ascii=False),
-          file=sys.stderr, flush=True)
+    """A piece of generated text as it comes (`generate --stream`): the command line prints it on
+    stdout."""
+    print(
+        json.dumps(
+            {"event": "text", "time": round(time.time(), 3), "text": text}, ensure_ascii=False
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def as_event(line: str) -> dict:
@@ -84,7 +97,9 @@ def _as_json_line(line: str) -> str:
                 return stripped
         except ValueError:
             pass
-    return json.dumps({"event": "log", "time": round(time.time(), 3), "message": stripped}, ensure_ascii=False)
+    return json.dumps(
+        {"event": "log", "time": round(time.time(), 3), "message": stripped}, ensure_ascii=False
+    )
 
 
 @contextlib.contextmanager
@@ -120,7 +135,9 @@ class ProgressLine(StreamWrapper):
             for line in lines:
                 if line.strip():
                     message = " ".join(str(_message_of(line)).split())
-                    cut = message if len(message) < self.width else message[:self.width - 4] + "..."
+                    cut = (
+                        message if len(message) < self.width else message[: self.width - 4] + "..."
+                    )
                     # back to the line's start, the line cleared, the message written over it
                     self.original.write("\r\x1b[K" + cut)
                     self._shown = True

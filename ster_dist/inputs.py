@@ -23,7 +23,8 @@ def read_bytes(path: str, where: str, limit: int = MAX_INPUT_BYTES) -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise Refusal(f"{where} {path}: {exc.strerror or exc}") from None
-    mode = os.fstat(fd).st_mode  # of what was opened, so a path swapped after a check is still caught
+    # of what was opened, so a path swapped after a check is still caught
+    mode = os.fstat(fd).st_mode
     first = b""
     if stat.S_ISFIFO(mode):
         try:
@@ -39,14 +40,18 @@ def read_bytes(path: str, where: str, limit: int = MAX_INPUT_BYTES) -> bytes:
         os.close(fd)
         if stat.S_ISDIR(mode):
             raise Refusal(f"{where} {path} is a directory; name a file")
-        raise Refusal(f"{where} {path} is not a regular file or a pipe (a device or a socket); name a file")
+        raise Refusal(
+            f"{where} {path} is not a regular file or a pipe (a device or a socket); name a file"
+        )
     with os.fdopen(fd, "rb") as file:
         try:
             data = first + (file.read(limit + 1 - len(first)) if len(first) <= limit else b"")
         except OSError as exc:
             raise Refusal(f"{where} {path}: {exc.strerror or exc}") from None
     if len(data) > limit:
-        raise Refusal(f"{where} {path} is more than the {_size(limit)} an input file may hold; split it")
+        raise Refusal(
+            f"{where} {path} is more than the {_size(limit)} an input file may hold; split it"
+        )
     return data
 
 
@@ -67,16 +72,22 @@ def read_json(path: str, where: str):
     except json.JSONDecodeError as exc:
         raise Refusal(f"{where} {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
     except RecursionError:  # json.loads' own limits, reached by a file of ordinary size
-        raise Refusal(f"{where} {path}: its arrays or objects nest too deeply to be read; flatten it") from None
+        raise Refusal(
+            f"{where} {path}: its arrays or objects nest too deeply to be read; flatten it"
+        ) from None
     except ValueError as exc:  # an integer of over 4300 digits
-        raise Refusal(f"{where} {path}: it holds a number too long to read ({str(exc).split(';')[0][:100]})") from None
+        raise Refusal(
+            f"{where} {path}: it holds a number too long to read ({str(exc).split(';')[0][:100]})"
+        ) from None
 
 
 def read_prompts(path: str, where: str) -> list[str]:
     data = read_json(path, where)
     prompts = data.get("prompts") if isinstance(data, dict) else None
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts) or not prompts:
-        raise Refusal(f'{where} {path} must be {{"prompts": ["...", ...]}} with at least one string')
+        raise Refusal(
+            f'{where} {path} must be {{"prompts": ["...", ...]}} with at least one string'
+        )
     return prompts
 
 
@@ -96,7 +107,8 @@ def writable_file(path: str | None, where: str, what: str = "file") -> None:
 
 def existing_file(path: str | None, where: str) -> None:
     """An input that is read later (a steering artifact, read by the ranks' driver once the model is
-    up) exists and is not a directory; checked by its metadata alone, so a named pipe is not drained."""
+    up) exists and is not a directory; checked by its metadata alone, so a named pipe is not
+    drained."""
     if path is None:
         return
     file = Path(path)
@@ -107,32 +119,50 @@ def existing_file(path: str | None, where: str) -> None:
 
 
 # the fields operations read files or directories from; an output may be none of them
-INPUT_FIELDS = ("model", "input", "pairs", "prompts", "request", "system", "examples", "adapter", "vector",
-                "decisions", "control", "calibration")
+INPUT_FIELDS = (
+    "model",
+    "input",
+    "pairs",
+    "prompts",
+    "request",
+    "system",
+    "examples",
+    "adapter",
+    "vector",
+    "decisions",
+    "control",
+    "calibration",
+)
 
 
 def output_not_an_input(request) -> None:
-    """A request's output is none of its own inputs (duck-typed: any request with .output and .label)."""
+    """A request's output is none of its own inputs (duck-typed: any request with .output and
+    .label)."""
     inputs = [(name, request.label(name), getattr(request, name, None)) for name in INPUT_FIELDS]
     not_an_input(getattr(request, "output", None), request.label("output"), inputs)
 
 
 def not_an_input(output: str | None, where: str, inputs: list[tuple[str, str, str | None]]) -> None:
     """Refuse an output that is, or lies inside, an input (name, label, path): writing it would
-    replace what the command reads (ster extract --output MODEL/model.safetensors replaced the weights).
+    replace what the command reads (ster extract --output MODEL/model.safetensors replaced the
+    weights).
     Paths are compared resolved, so a symlink or a relative spelling of an input is caught too."""
     if output is None:
         return
     target = Path(output).resolve()
     for name, label, path in inputs:
-        if not path or path == "-" or not Path(path).exists():  # a Hub id or standard input: no local file
+        # a Hub id or standard input: no local file
+        if not path or path == "-" or not Path(path).exists():
             continue
         source = Path(path).resolve()
         if target == source or (target.exists() and target.samefile(source)):
             what = "the model" if name == "model" else "an input"
         elif source.is_dir() and target.is_relative_to(source):
-            what = ("the model's own file" if target.exists() else "inside the model directory") if name == "model" \
+            what = (
+                ("the model's own file" if target.exists() else "inside the model directory")
+                if name == "model"
                 else "inside an input"
+            )
         else:
             continue
         raise Refusal(f"{where} {output} is {what} ({label} {path}); write somewhere else")

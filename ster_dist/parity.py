@@ -11,7 +11,8 @@ import torch
 from ster_dist.errors import Refusal
 from ster_dist.load import LoadedModel
 
-# Transformers' Mamba models list every layer's output and then the final norm's, with no embedding state
+# Transformers' Mamba models list every layer's output and then the final norm's, with no embedding
+# state
 # first (the others: the embeddings, each layer's output, the last one replaced by the final norm's)
 _NO_EMBEDDING_STATE = {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 THRESHOLDS = {"f32": (1e-4, 0.9999), "bf16": (5e-2, 0.999), "f16": (1e-4, 0.9999)}
@@ -20,9 +21,15 @@ THRESHOLDS = {"f32": (1e-4, 0.9999), "bf16": (5e-2, 0.999), "f16": (1e-4, 0.9999
 def compare(ours: torch.Tensor, reference: torch.Tensor) -> dict:
     ours, reference = ours.float(), reference.float()
     rel = ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item()
-    cos = torch.nn.functional.cosine_similarity(ours.flatten(1) if ours.dim() > 1 else ours,
-                                                reference.flatten(1) if reference.dim() > 1 else reference,
-                                                dim=-1).mean().item()
+    cos = (
+        torch.nn.functional.cosine_similarity(
+            ours.flatten(1) if ours.dim() > 1 else ours,
+            reference.flatten(1) if reference.dim() > 1 else reference,
+            dim=-1,
+        )
+        .mean()
+        .item()
+    )
     return {"max_relative_error": rel, "mean_cosine": cos}
 
 
@@ -30,23 +37,30 @@ def reference_model(loaded: LoadedModel, dtype: torch.dtype):
     try:
         import transformers
     except ImportError:
-        raise Refusal("ster parity needs Transformers as its reference: pip install 'ster_dist[test]'") from None
+        raise Refusal(
+            "ster parity needs Transformers as its reference: pip install 'ster_dist[test]'"
+        ) from None
     ckpt = loaded.checkpoint
     if ckpt.weight_format == "mistral":
-        raise Refusal(f"{ckpt.model} is in Mistral's own format (params.json), which Transformers does not load, "
-                      "so it has no reference here; run parity on the repository's Transformers-format files")
+        raise Refusal(
+            f"{ckpt.model} is in Mistral's own format (params.json), which Transformers does not load, "
+            "so it has no reference here; run parity on the repository's Transformers-format files"
+        )
     kwargs = {"dtype": dtype}
     if ckpt.weight_format == "gguf":
         kwargs["gguf_file"] = ckpt.weight_files[0].name
     else:
-        # without it Transformers falls back to a pytorch_model.bin beside the safetensors (when their
+        # without it Transformers falls back to a pytorch_model.bin beside the safetensors (when
+        # their
         # names are not its own), and a .bin is a pickle: never unpickle what ster_dist did not read
         kwargs["use_safetensors"] = True
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt.directory), **kwargs)
     except OSError as exc:
-        raise Refusal(f"Transformers cannot load the reference from {ckpt.directory}: {str(exc).splitlines()[0]} "
-                      "(it reads model.safetensors or model.safetensors.index.json only); name the weights so") from None
+        raise Refusal(
+            f"Transformers cannot load the reference from {ckpt.directory}: {str(exc).splitlines()[0]} "
+            "(it reads model.safetensors or model.safetensors.index.json only); name the weights so"
+        ) from None
     return model.eval()
 
 
@@ -58,7 +72,8 @@ def token_ids(loaded: LoadedModel, length: int, seed: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def ours(loaded: LoadedModel, length: int = 24, seed: int = 0):
-    """(token ids, {layer: residual after it}, logits) from ster_dist; every rank runs it. Under pipeline
+    """(token ids, {layer: residual after it}, logits) from ster_dist; every rank runs it. Under
+    pipeline
     parallelism a rank reads the layers its stage holds, and only the last stage has logits."""
     model = loaded.model
     ids = token_ids(loaded, length, seed)
@@ -102,9 +117,14 @@ def against_reference(loaded: LoadedModel, ids, captured, logits, tp: int = 1) -
     worst = max([result["max_relative_error"]] + [l["max_relative_error"] for l in layers])
     lowest = min([result["mean_cosine"]] + [l["mean_cosine"] for l in layers])
     return {
-        "model": loaded.checkpoint.model, "model_revision": loaded.checkpoint.model_revision,
-        "family": loaded.cfg.family, "precision": loaded.precision, "tp": tp, "tokens": list(ids.shape),
-        "logits": result, "layers": layers,
+        "model": loaded.checkpoint.model,
+        "model_revision": loaded.checkpoint.model_revision,
+        "family": loaded.cfg.family,
+        "precision": loaded.precision,
+        "tp": tp,
+        "tokens": list(ids.shape),
+        "logits": result,
+        "layers": layers,
         "threshold": {"max_relative_error": rel_limit, "mean_cosine": cos_limit},
         "passed": worst <= rel_limit and lowest >= cos_limit,
     }

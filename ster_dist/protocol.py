@@ -3,7 +3,8 @@
 A job spec is a typed request of its kind (ster_dist/schema) as a mapping of field names to
 values, plus `kind` and optional `id`, `priority` and `timeout_s`:
 
-    {"kind": "generate", "model": "models/smollm2", "prompt": "Hi", "max_new_tokens": 8, "timeout_s": 60}
+    {"kind": "generate", "model": "models/smollm2", "prompt": "Hi", "max_new_tokens": 8,
+    "timeout_s": 60}
 
 `timeout_s` is how long the job may run (the job queue fails it past that and goes on to the next);
 it is not `ster submit --timeout`, which only stops the submitter waiting.
@@ -53,7 +54,13 @@ class JobSpec:
 
     def to_dict(self) -> dict:
         timeout = {} if self.timeout_s is None else {"timeout_s": self.timeout_s}
-        return {"kind": self.kind, "id": self.id, "priority": self.priority, **timeout, **self.fields}
+        return {
+            "kind": self.kind,
+            "id": self.id,
+            "priority": self.priority,
+            **timeout,
+            **self.fields,
+        }
 
 
 def available_kinds() -> list[str]:
@@ -83,7 +90,9 @@ def names(cls: type[Request]) -> dict[str, str]:
     for name, info in cls.model_fields.items():
         for spelling in {name, info.alias or name}:
             dashed = spelling.replace("_", "-")
-            out[spelling] = out[dashed] = out["--" + dashed] = out[camel(spelling)] = info.alias or name
+            out[spelling] = out[dashed] = out["--" + dashed] = out[camel(spelling)] = (
+                info.alias or name
+            )
     return out
 
 
@@ -93,29 +102,46 @@ def validate(spec, check_model: bool = True, cli: bool = False) -> JobSpec:
     if isinstance(spec, (bytes, bytearray)):
         spec = unpack(spec, "job spec")
     if not isinstance(spec, dict):
-        raise Refusal(f"a job spec must be a mapping of field names to values, got {kind_of_value(spec)}")
+        raise Refusal(
+            f"a job spec must be a mapping of field names to values, got {kind_of_value(spec)}"
+        )
     if "kind" not in spec:
-        raise Refusal("job spec is missing the field 'kind'; give one of: " + ", ".join(available_kinds()))
+        raise Refusal(
+            "job spec is missing the field 'kind'; give one of: " + ", ".join(available_kinds())
+        )
     cls = request_class(spec["kind"], spec)
     job_id = spec.get("id")
     if job_id is None:
         job_id = uuid.uuid4().hex[:16]
     elif not isinstance(job_id, str) or not _ID.match(job_id):
-        raise Refusal(f"job spec field 'id' must be 1-128 letters, digits, '.', '_', ':' or '-', got {job_id!r}")
+        raise Refusal(
+            f"job spec field 'id' must be 1-128 letters, digits, '.', '_', ':' or '-', got {job_id!r}"
+        )
     priority = spec.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise Refusal(f"job spec field 'priority' must be an integer, got {kind_of_value(priority)}")
+        raise Refusal(
+            f"job spec field 'priority' must be an integer, got {kind_of_value(priority)}"
+        )
     timeout_s = spec.get("timeout_s")
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
-                                  or not 0 < timeout_s < MAX_TIMEOUT_S):
-        raise Refusal(f"job spec field 'timeout_s' must be a number of seconds above 0 and below "
-                      f"{MAX_TIMEOUT_S:.0f}, got {shown(timeout_s)}")
+    if timeout_s is not None and (
+        not isinstance(timeout_s, (int, float))
+        or isinstance(timeout_s, bool)
+        or not 0 < timeout_s < MAX_TIMEOUT_S
+    ):
+        raise Refusal(
+            f"job spec field 'timeout_s' must be a number of seconds above 0 and below "
+            f"{MAX_TIMEOUT_S:.0f}, got {shown(timeout_s)}"
+        )
     fields = {key: value for key, value in spec.items() if key not in PROTOCOL_FIELDS}
     request = parse_fields(cls, fields, f"{spec['kind']} jobs", cli=cli, check_model=check_model)
-    return JobSpec(job_id, spec["kind"], priority, request, None if timeout_s is None else float(timeout_s))
+    return JobSpec(
+        job_id, spec["kind"], priority, request, None if timeout_s is None else float(timeout_s)
+    )
 
 
-def parse_fields(cls: type[Request], spec: dict, what: str, cli: bool = False, check_model: bool = True) -> Request:
+def parse_fields(
+    cls: type[Request], spec: dict, what: str, cli: bool = False, check_model: bool = True
+) -> Request:
     """The typed request of a mapping of fields in any spelling names() knows, validated as a queued
     job's (as a command line's when `cli`); a refusal names a field as the mapping wrote it. `what`
     names the requests in the refusal of an unknown field ("generate jobs")."""
@@ -130,7 +156,9 @@ def parse_fields(cls: type[Request], spec: dict, what: str, cli: bool = False, c
                 known = sorted(map(camel, known))
             raise Refusal(f"unknown field {key!r} for {what}; known fields: {', '.join(known)}")
         if name in cls.submitter_fields and not cli:
-            raise Refusal(f"job spec field {key!r} is not a job setting: {cls.submitter_fields[name]}")
+            raise Refusal(
+                f"job spec field {key!r} is not a job setting: {cls.submitter_fields[name]}"
+            )
         if name in fields:
             raise Refusal(f"job spec gives the field {name!r} twice (as {key!r} too); keep one")
         fields[name] = value
@@ -140,11 +168,13 @@ def parse_fields(cls: type[Request], spec: dict, what: str, cli: bool = False, c
 
 
 def job_from_request(request: Request, job_id: str | None = None, priority: int = 0) -> JobSpec:
-    """A command line's (or the API's) typed request as a job, without a round trip through a dict."""
+    """A command line's (or the API's) typed request as a job, without a round trip through a
+    dict."""
     return JobSpec(job_id or uuid.uuid4().hex[:16], request.kind, priority, request)
 
 
 # ---- msgpack and files -------------------------------------------------------------------------
+
 
 def pack(value) -> bytes:
     """msgpack bytes of a JSON-like value (paths and other objects as their text)."""
@@ -154,7 +184,13 @@ def pack(value) -> bytes:
 def unpack(data: bytes, what: str = "message"):
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+    except (
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        ValueError,
+        TypeError,
+    ) as exc:
         raise Refusal(f"the {what} is not valid msgpack: {exc}") from None
 
 
@@ -172,11 +208,27 @@ RESULT_FIELDS = {"id": str, "kind": str, "status": str, "attempts": int, "exit_c
 STATUSES = ("done", "failed", "cancelled")
 
 
-def make_result(job: JobSpec, status: str, result=None, error: str | None = None, attempts: int = 1,
-                exit_code: int = 0, batch: int = 1) -> dict:
-    """The record of a finished job (a JobSpec, or a journal's raw spec that no longer validates)."""
-    record = {"id": job.id, "kind": job.kind, "status": status, "result": _plain(result), "error": error,
-              "attempts": attempts, "exit_code": exit_code, "batch": batch}
+def make_result(
+    job: JobSpec,
+    status: str,
+    result=None,
+    error: str | None = None,
+    attempts: int = 1,
+    exit_code: int = 0,
+    batch: int = 1,
+) -> dict:
+    """The record of a finished job (a JobSpec, or a journal's raw spec that no longer
+    validates)."""
+    record = {
+        "id": job.id,
+        "kind": job.kind,
+        "status": status,
+        "result": _plain(result),
+        "error": error,
+        "attempts": attempts,
+        "exit_code": exit_code,
+        "batch": batch,
+    }
     check_result(record)
     return record
 
@@ -187,9 +239,13 @@ def check_result(record) -> dict:
         raise Refusal(f"a job result must be a mapping, got {kind_of_value(record)}")
     for name, kind in RESULT_FIELDS.items():
         if not isinstance(record.get(name), kind):
-            raise Refusal(f"job result field {name!r} must be {kind.__name__}, got {shown(record.get(name))}")
+            raise Refusal(
+                f"job result field {name!r} must be {kind.__name__}, got {shown(record.get(name))}"
+            )
     if record["status"] not in STATUSES:
-        raise Refusal(f"job result field 'status' must be one of {', '.join(STATUSES)}, got {record['status']!r}")
+        raise Refusal(
+            f"job result field 'status' must be one of {', '.join(STATUSES)}, got {record['status']!r}"
+        )
     if record["status"] != "done" and not isinstance(record.get("error"), str):
         raise Refusal(f"a {record['status']} job result must carry its error")
     return record
@@ -200,12 +256,15 @@ MAX_SPEC_FILE_BYTES = 16 << 20  # a spec file past this is refused before it is 
 
 def load_spec_file(path: str) -> list[dict]:
     """The job specs in a JSON or YAML file: one spec, a list of specs, or {"jobs": [...]}. Bounded:
-    the file's size, YAML aliases (a "billion laughs" expands from a few lines) and nesting depth."""
+    the file's size, YAML aliases (a "billion laughs" expands from a few lines) and nesting
+    depth."""
     try:
         size = Path(path).stat().st_size
         if size > MAX_SPEC_FILE_BYTES:
-            raise Refusal(f"job spec file {path} is {size} bytes, more than the {MAX_SPEC_FILE_BYTES >> 20} MiB a "
-                          "spec file may hold; name prompts in a prompts file instead")
+            raise Refusal(
+                f"job spec file {path} is {size} bytes, more than the {MAX_SPEC_FILE_BYTES >> 20} MiB a "
+                "spec file may hold; name prompts in a prompts file instead"
+            )
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise Refusal(f"job spec file {path}: {exc.strerror or exc}") from None
@@ -214,7 +273,9 @@ def load_spec_file(path: str) -> list[dict]:
     try:
         return _specs_in(text, path)
     except RecursionError:
-        raise Refusal(f"job spec file {path} nests too deeply; a spec is a flat mapping of fields") from None
+        raise Refusal(
+            f"job spec file {path} nests too deeply; a spec is a flat mapping of fields"
+        ) from None
 
 
 def _specs_in(text: str, path: str) -> list[dict]:
@@ -227,7 +288,9 @@ def _specs_in(text: str, path: str) -> list[dict]:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             if suffix == ".json":
-                raise Refusal(f"job spec file {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+                raise Refusal(
+                    f"job spec file {path} is not JSON: {exc.msg} at line {exc.lineno}"
+                ) from None
             data = _yaml(text, path)
     if isinstance(data, dict) and "jobs" in data and "kind" not in data:
         data = data["jobs"]
@@ -236,7 +299,9 @@ def _specs_in(text: str, path: str) -> list[dict]:
         raise Refusal(f"job spec file {path} lists no jobs")
     for spec in specs:
         if not isinstance(spec, dict):
-            raise Refusal(f"job spec file {path}: every job must be a mapping, got {kind_of_value(spec)}")
+            raise Refusal(
+                f"job spec file {path}: every job must be a mapping, got {kind_of_value(spec)}"
+            )
     return specs
 
 
@@ -250,7 +315,9 @@ def _yaml(text: str, path: str):
         def compose_node(self, parent, index):
             if self.check_event(yaml.events.AliasEvent):
                 mark = self.peek_event().start_mark
-                raise Refusal(f"job spec file {path} uses a YAML alias at line {mark.line + 1}; write the value out")
+                raise Refusal(
+                    f"job spec file {path} uses a YAML alias at line {mark.line + 1}; write the value out"
+                )
             return super().compose_node(parent, index)
 
     try:
@@ -258,4 +325,6 @@ def _yaml(text: str, path: str):
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise Refusal(f"job spec file {path} is not YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise Refusal(
+            f"job spec file {path} is not YAML{where}: {getattr(exc, 'problem', exc)}"
+        ) from None

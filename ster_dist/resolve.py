@@ -49,7 +49,9 @@ def _closest_directory(name: str, parent: str) -> str | None:
     import difflib
 
     try:
-        entries = sorted(e.name for e in os.scandir(parent or ".") if e.is_dir() and not e.name.startswith("."))
+        entries = sorted(
+            e.name for e in os.scandir(parent or ".") if e.is_dir() and not e.name.startswith(".")
+        )
     except OSError:
         return None
     close = difflib.get_close_matches(name, entries, n=1, cutoff=0.6)
@@ -65,20 +67,25 @@ def _refuse_near_miss(model: str) -> None:
         return
     close = _closest_directory(name, parent)
     hint = f"did you mean {os.path.join(parent, close)}? " if close else ""
-    raise Refusal(f"no directory {model}: {parent}/ exists here and holds no {name!r}; {hint}"
-                  f"(a Hub id whose owner is also a directory here is not fetched: run from another directory)")
+    raise Refusal(
+        f"no directory {model}: {parent}/ exists here and holds no {name!r}; {hint}"
+        f"(a Hub id whose owner is also a directory here is not fetched: run from another directory)"
+    )
 
 
 def _refuse_bare_name(model: str) -> None:
-    """A name with no owner/ (toyy beside ./toy) is no Hub id the Hub resolves without a redirect, and no
+    """A name with no owner/ (toyy beside ./toy) is no Hub id the Hub resolves without a redirect,
+    and no
     directory here: the closest directory here is named, and nothing is fetched."""
     name = os.path.normpath(model)
     if os.sep in name or "/" in name or not name.strip() or name in (".", ".."):
         return
     close = _closest_directory(name, "")
     hint = f"did you mean ./{close}? " if close else ""
-    raise Refusal(f"no directory {model} here, and a Hub id names its owner (owner/name, e.g. "
-                  f"HuggingFaceTB/SmolLM2-135M-Instruct); {hint}give a model directory or an owner/name Hub id")
+    raise Refusal(
+        f"no directory {model} here, and a Hub id names its owner (owner/name, e.g. "
+        f"HuggingFaceTB/SmolLM2-135M-Instruct); {hint}give a model directory or an owner/name Hub id"
+    )
 
 
 def describe(checkpoint: Checkpoint) -> dict:
@@ -120,6 +127,7 @@ def _read_config(path: Path) -> dict:
 
 # ---- file-name rules shared by both sources (pure: names in, names out) ----
 
+
 def _config_name(names: set[str]) -> tuple[str, str] | None:
     """(config file, weight format) or None; params.json counts only with no config.json."""
     if "config.json" in names:
@@ -133,13 +141,19 @@ def _tokenizer_name(names: set[str], where: str, tokenizer_config: Callable[[], 
     """The tokenizer file (tokenizer_files.tokenizer_file); `tokenizer_config()` gives the path of
     tokenizer_config.json, whose tokenizer_class is read only when no tokenizer.json decides it."""
     declared: object = None
-    if "tokenizer.json" not in names and names & set(OTHER_FILES) and "tokenizer_config.json" in names:
+    if (
+        "tokenizer.json" not in names
+        and names & set(OTHER_FILES)
+        and "tokenizer_config.json" in names
+    ):
         path = tokenizer_config()
         try:
             raw = config_file.load_raw_config(path)
         except (Refusal, UnicodeDecodeError):
-            raise Refusal(f"failed to read tokenizer config {path}: it is not a JSON object, and its "
-                          "tokenizer_class names the class that reads the tokenizer file; correct it") from None
+            raise Refusal(
+                f"failed to read tokenizer config {path}: it is not a JSON object, and its "
+                "tokenizer_class names the class that reads the tokenizer file; correct it"
+            ) from None
         declared = raw.get("tokenizer_class")
     return tokenizer_file(names, declared, where)
 
@@ -147,9 +161,14 @@ def _tokenizer_name(names: set[str], where: str, tokenizer_config: Callable[[], 
 def _safetensors_names(names: set[str], weight_format: str) -> list[str]:
     """Sorted weights: consolidated* for Mistral's format, every other one for Transformers'."""
     mistral = weight_format == "mistral"
-    return sorted(n for n in names
-                  if n.endswith(".safetensors") and n.startswith("consolidated") == mistral
-                  and "optimizer" not in n and "training_args" not in n)
+    return sorted(
+        n
+        for n in names
+        if n.endswith(".safetensors")
+        and n.startswith("consolidated") == mistral
+        and "optimizer" not in n
+        and "training_args" not in n
+    )
 
 
 def _format_hint(names: set[str], weight_format: str) -> str:
@@ -159,11 +178,14 @@ def _format_hint(names: set[str], weight_format: str) -> str:
         return ""
     if weight_format == "mistral":
         return " (only Transformers-format files, which need a config.json)"
-    return (" (consolidated*.safetensors are Mistral's format, read only beside params.json "
-            "with no config.json)")
+    return (
+        " (consolidated*.safetensors are Mistral's format, read only beside params.json "
+        "with no config.json)"
+    )
 
 
 # ---- local directory ----
+
 
 def _resolve_local(model: str, revision: str | None) -> Checkpoint:
     directory = Path(model)
@@ -171,8 +193,10 @@ def _resolve_local(model: str, revision: str | None) -> Checkpoint:
 
     chosen = _config_name(names)
     if chosen is None:
-        raise Refusal(f"model config is missing: {directory / 'config.json'}; "
-                      "place the model's config.json (or Mistral's params.json) in the directory")
+        raise Refusal(
+            f"model config is missing: {directory / 'config.json'}; "
+            "place the model's config.json (or Mistral's params.json) in the directory"
+        )
     config_name, weight_format = chosen
     config_path = directory / config_name
     raw = _read_config(config_path)
@@ -183,11 +207,15 @@ def _resolve_local(model: str, revision: str | None) -> Checkpoint:
     if not weights:
         weights, weight_format = _local_fallback(directory, names, weight_format)
     return Checkpoint(
-        model=model, directory=directory, config_path=config_path,
+        model=model,
+        directory=directory,
+        config_path=config_path,
         tokenizer_path=directory / tokenizer,
-        weight_files=tuple(directory / n for n in weights), weight_format=weight_format,
+        weight_files=tuple(directory / n for n in weights),
+        weight_format=weight_format,
         model_revision=revision,  # metadata only for a local directory: recorded verbatim
-        source="local", raw_config=raw,
+        source="local",
+        raw_config=raw,
     )
 
 
@@ -200,18 +228,25 @@ def local_names(directory: Path) -> set[str]:
 
 
 def local_weights(directory: Path, names: set[str], weight_format: str) -> list[str]:
-    """The format's weight files among `names` (local_names). A weight name or .gguf that is no regular file
-    (a link whose blob is gone, as an interrupted Hub download leaves, a directory, a FIFO) is refused, not
-    skipped: skipped, its tensors would be reported missing (or the directory as holding no weights), and a
+    """The format's weight files among `names` (local_names). A weight name or .gguf that is no
+    regular file
+    (a link whose blob is gone, as an interrupted Hub download leaves, a directory, a FIFO) is
+    refused, not
+    skipped: skipped, its tensors would be reported missing (or the directory as holding no
+    weights), and a
     FIFO would block its reader."""
     try:
         other = {entry.name for entry in directory.iterdir()} - names
     except OSError as exc:
         raise Refusal(f"failed to list {directory}: {exc.strerror or exc}") from None
-    broken = _safetensors_names(other, weight_format) + sorted(n for n in other if n.endswith(".gguf"))
+    broken = _safetensors_names(other, weight_format) + sorted(
+        n for n in other if n.endswith(".gguf")
+    )
     if broken:
-        raise Refusal(f"model weight file {directory / broken[0]} is not a regular file (a broken link, a directory "
-                      "or a FIFO); re-download it, or remove it if it is no weight file")
+        raise Refusal(
+            f"model weight file {directory / broken[0]} is not a regular file (a broken link, a directory "
+            "or a FIFO); re-download it, or remove it if it is no weight file"
+        )
     return _safetensors_names(names, weight_format)
 
 
@@ -221,32 +256,43 @@ def _local_fallback(directory: Path, names: set[str], weight_format: str) -> tup
     if len(ggufs) == 1:
         return ggufs, "gguf"
     if ggufs:
-        raise Refusal(f"model directory {directory} contains {len(ggufs)} .gguf files; "
-                      "exactly one is read: keep one .gguf beside the config and tokenizer")
+        raise Refusal(
+            f"model directory {directory} contains {len(ggufs)} .gguf files; "
+            "exactly one is read: keep one .gguf beside the config and tokenizer"
+        )
     pickled = sorted(n for n in names if n.endswith(_PICKLED))
     if pickled:
-        raise Refusal(f"model directory contains no safetensors weights: {directory} holds only "
-                      f"pickled weights ({', '.join(pickled)}), which ster_dist never reads; "
-                      "convert them to safetensors")
-    raise Refusal(f"model directory contains no safetensors weights: {directory}"
-                  f"{_format_hint(names, weight_format)}; add the model's .safetensors files")
+        raise Refusal(
+            f"model directory contains no safetensors weights: {directory} holds only "
+            f"pickled weights ({', '.join(pickled)}), which ster_dist never reads; "
+            "convert them to safetensors"
+        )
+    raise Refusal(
+        f"model directory contains no safetensors weights: {directory}"
+        f"{_format_hint(names, weight_format)}; add the model's .safetensors files"
+    )
 
 
 # ---- Hugging Face Hub ----
+
 
 def _resolve_hub(model: str, revision: str | None) -> Checkpoint:
     hub = _Hub(model)
     sha, names = hub.commit_files(revision or "main")
     chosen = _config_name(names)
     if chosen is None:
-        raise Refusal(f"model config is missing: {model}/config.json at {sha}; "
-                      "the repository publishes neither config.json nor params.json")
+        raise Refusal(
+            f"model config is missing: {model}/config.json at {sha}; "
+            "the repository publishes neither config.json nor params.json"
+        )
     config_name, weight_format = chosen
     config_path = hub.fetch(config_name, sha)
     tokenizer_path = hub.fetch("tokenizer.json", sha) if "tokenizer.json" in names else None
     raw = _read_config(config_path)
     config_file.gate(gate_view(raw, weight_format), model)  # before any weight file is fetched
-    tokenizer = _tokenizer_name(names, f"{model}@{sha}", lambda: hub.fetch("tokenizer_config.json", sha))
+    tokenizer = _tokenizer_name(
+        names, f"{model}@{sha}", lambda: hub.fetch("tokenizer_config.json", sha)
+    )
     if tokenizer_path is None:
         tokenizer_path = hub.fetch(tokenizer, sha)
 
@@ -255,18 +301,25 @@ def _resolve_hub(model: str, revision: str | None) -> Checkpoint:
         hint = _format_hint(names, weight_format)
         if not hint and any(n.endswith(".gguf") for n in names):
             hint = " (GGUF is read only from a local directory)"
-        raise Refusal(f"model {model} publishes no safetensors weights at {sha}{hint}; "
-                      "use a repository with .safetensors files")
+        raise Refusal(
+            f"model {model} publishes no safetensors weights at {sha}{hint}; "
+            "use a repository with .safetensors files"
+        )
     for name in _OPTIONAL_HUB_FILES:
         if name in names:
             hub.fetch(name, sha)
     weight_files = tuple(hub.fetch(name, sha) for name in weights)
     directory = config_path.parent  # the snapshot directory of the resolved commit
     return Checkpoint(
-        model=model, directory=directory, config_path=config_path,
+        model=model,
+        directory=directory,
+        config_path=config_path,
         tokenizer_path=tokenizer_path,
-        weight_files=weight_files, weight_format=weight_format,
-        model_revision=sha, source="hub", raw_config=raw,
+        weight_files=weight_files,
+        weight_format=weight_format,
+        model_revision=sha,
+        source="hub",
+        raw_config=raw,
     )
 
 
@@ -290,30 +343,45 @@ class _Hub:
             self._api = HfApi(endpoint=self.endpoint, token=self.token)
             self._download = hf_hub_download
         except Exception as exc:
-            raise Refusal(f"failed to initialize Hugging Face Hub client: {_first_line(exc)}; "
-                          "reinstall huggingface_hub or pass a local directory") from None
+            raise Refusal(
+                f"failed to initialize Hugging Face Hub client: {_first_line(exc)}; "
+                "reinstall huggingface_hub or pass a local directory"
+            ) from None
 
     def commit_files(self, revision: str) -> tuple[str, set[str]]:
         """The commit SHA a revision resolves to, and the repository's top-level file names."""
         try:
             info = self._api.model_info(self.model, revision=revision)
         except Exception as exc:
-            raise Refusal(f"failed to read model repository {self.model}: "
-                          f"{_hub_reason(exc, self.endpoint, revision)}") from None
+            raise Refusal(
+                f"failed to read model repository {self.model}: "
+                f"{_hub_reason(exc, self.endpoint, revision)}"
+            ) from None
         if not info.sha:
-            raise Refusal(f"failed to read model repository {self.model}: {self.endpoint} returned "
-                          "no commit SHA; check that HF_ENDPOINT points at a Hugging Face Hub")
+            raise Refusal(
+                f"failed to read model repository {self.model}: {self.endpoint} returned "
+                "no commit SHA; check that HF_ENDPOINT points at a Hugging Face Hub"
+            )
         # Top-level files only, as for a local directory: the snapshot then reads the same way.
         return info.sha, {s.rfilename for s in (info.siblings or []) if "/" not in s.rfilename}
 
     def fetch(self, name: str, sha: str) -> Path:
         """Download one file at the resolved SHA, so every file lands in one snapshot."""
         try:
-            return Path(self._download(self.model, name, revision=sha, endpoint=self.endpoint,
-                                       token=self.token, cache_dir=_hub_cache_dir()))
+            return Path(
+                self._download(
+                    self.model,
+                    name,
+                    revision=sha,
+                    endpoint=self.endpoint,
+                    token=self.token,
+                    cache_dir=_hub_cache_dir(),
+                )
+            )
         except Exception as exc:
-            raise Refusal(f"failed to download {name}: "
-                          f"{_hub_reason(exc, self.endpoint, sha)}") from None
+            raise Refusal(
+                f"failed to download {name}: {_hub_reason(exc, self.endpoint, sha)}"
+            ) from None
 
 
 def _hub_cache_dir() -> str:
@@ -332,22 +400,30 @@ def _hub_reason(exc: Exception, endpoint: str, revision: str) -> str:
     if isinstance(exc, errors.GatedRepoError):
         return "the repository is gated; accept its terms on the Hub and set HF_TOKEN"
     if isinstance(exc, errors.RepositoryNotFoundError):
-        return (f"repository not found on {endpoint}; check the model id, "
-                "or set HF_TOKEN for a private repository")
+        return (
+            f"repository not found on {endpoint}; check the model id, "
+            "or set HF_TOKEN for a private repository"
+        )
     if isinstance(exc, errors.RevisionNotFoundError):
         return f"revision {revision} not found; pass an existing branch, tag or commit SHA"
     if isinstance(exc, errors.RemoteEntryNotFoundError):
         return f"the file is not published at {revision}"
     if isinstance(exc, errors.HFValidationError):
-        return ("neither an existing directory nor a valid Hub repository id; "
-                "fix the path, or pass a Hub id like owner/name")
+        return (
+            "neither an existing directory nor a valid Hub repository id; "
+            "fix the path, or pass a Hub id like owner/name"
+        )
     if isinstance(exc, errors.OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set; unset it, or pass a local directory"
     if isinstance(exc, errors.HfHubHTTPError) and exc.response is not None:
-        return (f"HTTP {exc.response.status_code} from {endpoint}; "
-                "retry later, or pass a local directory")
-    return (f"cannot reach {endpoint} ({type(exc).__name__}: {_first_line(exc)}); "
-            "check the network and HF_ENDPOINT, or pass a local directory")
+        return (
+            f"HTTP {exc.response.status_code} from {endpoint}; "
+            "retry later, or pass a local directory"
+        )
+    return (
+        f"cannot reach {endpoint} ({type(exc).__name__}: {_first_line(exc)}); "
+        "check the network and HF_ENDPOINT, or pass a local directory"
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -35,7 +35,8 @@ class JobContext:
         return self.reason is not None
 
     def cancel(self, reason: str = "cancelled") -> bool:
-        """Cancel once (False when already cancelled); the callbacks run here, on the caller's thread."""
+        """Cancel once (False when already cancelled); the callbacks run here, on the caller's
+        thread."""
         with self._lock:
             if self.reason is not None:
                 return False
@@ -46,7 +47,8 @@ class JobContext:
         return True
 
     def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Run callback at cancellation (now, when already cancelled); returns what unregisters it."""
+        """Run callback at cancellation (now, when already cancelled); returns what unregisters
+        it."""
         with self._lock:
             if self.reason is None:
                 self._callbacks.append(callback)
@@ -60,7 +62,8 @@ class JobContext:
             raise Cancelled(f"job {self.job_id} was cancelled: {self.reason}")
 
     def request_id(self, index: int) -> str | None:
-        """The id of the job's index-th engine request (None outside a job: the engine numbers it)."""
+        """The id of the job's index-th engine request (None outside a job: the engine numbers
+        it)."""
         return None if self.job_id is None else f"{self.job_id}#{index}"
 
     def _forget(self, callback) -> None:

@@ -24,15 +24,20 @@ class Session:
         self.address = address if address is not None else runtime.address
         check_device(runtime.device)
         compute_dtype(runtime.precision, runtime.device)
-        self.provenance: dict = {}  # what modifiers (vectors, adapters) attached, for output records
+        # what modifiers (vectors, adapters) attached, for output records
+        self.provenance: dict = {}
         self._group = None
         self._engine = None
-        # two job-queue lanes asking at once get one engine: two over the same ranks would each number
+        # two job-queue lanes asking at once get one engine: two over the same ranks would each
+        # number
         # their requests from r0 and collide in the ranks' sampler
         self._engine_lock = threading.Lock()
-        self._load_lock = threading.Lock()  # a lane's job and the queue's warm-up may ask at once: one load
-        self.fixed_engine = False  # set by `ster serve`: jobs' engine options never rebuild its engine
-        self._on_load = on_load  # called with the session once its ranks hold the model (the pool counts it)
+        # a lane's job and the queue's warm-up may ask at once: one load
+        self._load_lock = threading.Lock()
+        # set by `ster serve`: jobs' engine options never rebuild its engine
+        self.fixed_engine = False
+        # called with the session once its ranks hold the model (the pool counts it)
+        self._on_load = on_load
 
     @functools.cached_property
     def checkpoint(self):
@@ -92,7 +97,9 @@ class Session:
         check_pipeline(cfg, rt.pp)
         world = rt.tp * rt.ep * rt.pp
         where = f"{world} ranks" if world > 1 else "1 Ray actor" if self.address else "this process"
-        progress(f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files) in {where}")
+        progress(
+            f"loading {checkpoint.weight_format} weights ({len(checkpoint.weight_files)} files) in {where}"
+        )
         group = open_group(rt.tp, rt.device, self.address, ep=rt.ep, pp=rt.pp)
         try:
             self.loads = load_on(group, checkpoint, rt.precision, rt.device, rt.weights)
@@ -104,20 +111,36 @@ class Session:
             self._on_load(self)
         return self.loads
 
-    def engine(self, kv_cache_memory: int | None = None, max_step_tokens: int = 512, speculative_tokens: int = 0,
-               enforce_eager: bool = False, pack_weights: str = "auto", kernels: str | None = None):
-        """The token engine over this session's ranks (engine/loop.py), made on first use; other options
-        rebuild it once the running one has nothing in flight, and one a failed step stopped is replaced.
-        speculative_tokens: MTP drafts per decode (engine/drafter.py), 0 for none; enforce_eager: never compile
-        the layers (model/compiled.py); pack_weights: "auto", "on" or "off" (parallel/packed.py); kernels:
+    def engine(
+        self,
+        kv_cache_memory: int | None = None,
+        max_step_tokens: int = 512,
+        speculative_tokens: int = 0,
+        enforce_eager: bool = False,
+        pack_weights: str = "auto",
+        kernels: str | None = None,
+    ):
+        """The token engine over this session's ranks (engine/loop.py), made on first use; other
+        options
+        rebuild it once the running one has nothing in flight, and one a failed step stopped is
+        replaced.
+        speculative_tokens: MTP drafts per decode (engine/drafter.py), 0 for none; enforce_eager:
+        never compile
+        the layers (model/compiled.py); pack_weights: "auto", "on" or "off" (parallel/packed.py);
+        kernels:
         "triton", "native", "torch" or None for the device's default (kernels/select.py)."""
         from ster_dist.engine.loop import COMPILE_AFTER, EngineConfig
 
         # one step in flight per pipeline stage, so the stages work at once on different requests
-        config = EngineConfig(kv_cache_memory=kv_cache_memory, max_step_tokens=max_step_tokens,
-                              micro_batches=self.runtime.pp, speculative_tokens=speculative_tokens,
-                              compile_after=None if enforce_eager else COMPILE_AFTER, pack_weights=pack_weights,
-                              kernels=kernels)
+        config = EngineConfig(
+            kv_cache_memory=kv_cache_memory,
+            max_step_tokens=max_step_tokens,
+            micro_batches=self.runtime.pp,
+            speculative_tokens=speculative_tokens,
+            compile_after=None if enforce_eager else COMPILE_AFTER,
+            pack_weights=pack_weights,
+            kernels=kernels,
+        )
         with self._engine_lock:
             return self._engine_for(config)
 
@@ -126,22 +149,32 @@ class Session:
 
         if self.fixed_engine and self._engine is not None and not self._engine.stopped:
             return self._engine  # a server's: its clients hold streams of it, whatever a job asks
-        if self._engine is not None and (self._engine.stopped or self._engine.config != config and self._engine.idle):
+        if self._engine is not None and (
+            self._engine.stopped or self._engine.config != config and self._engine.idle
+        ):
             self._engine.close()
             self._engine = None
         if self._engine is None:
             self._engine = TokenEngine(self.group, self.cfg, self.tokenizer, self.eos, config)
             blocks, slots = self._engine.pool.stats()["total"], self._engine.stats()["state_slots"]
-            # a model with recurrent layers: a state per running request, and no prefix sharing (engine/scheduler.py)
-            states = (f"; {slots} recurrent-state slots ({slots * self._engine.state_bytes / 2**20:.0f} MiB per rank), "
-                      "prefix caching off" if slots else "")
-            progress(f"KV cache: {blocks} blocks of {config.block_size} tokens "
-                     f"({blocks * self._engine.block_bytes / 2**20:.0f} MiB per rank){states}")
+            # a model with recurrent layers: a state per running request, and no prefix sharing
+            # (engine/scheduler.py)
+            states = (
+                f"; {slots} recurrent-state slots ({slots * self._engine.state_bytes / 2**20:.0f} MiB per rank), "
+                "prefix caching off"
+                if slots
+                else ""
+            )
+            progress(
+                f"KV cache: {blocks} blocks of {config.block_size} tokens "
+                f"({blocks * self._engine.block_bytes / 2**20:.0f} MiB per rank){states}"
+            )
         return self._engine
 
     @contextlib.contextmanager
     def exclusive(self):
-        """The ranks to the caller alone for the block: a running token engine finishes its step, then
+        """The ranks to the caller alone for the block: a running token engine finishes its step,
+        then
         waits (its requests stay in flight) until the block ends."""
         engine = self._engine
         if engine is None:

@@ -1,4 +1,5 @@
-"""Running `ster` commands in-process from tests, and the toy checkpoint several test files share."""
+"""Running `ster` commands in-process from tests, and the toy checkpoint several test files
+share."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """`ster` for a test that runs many command lines: one server process imports the command line (and
 torch under it) once, then forks a fresh process per command, which runs `python -m ster_dist.cli`'s
-module as __main__ with the caller's argv, working directory, environment, umask and stdin/stdout/stderr.
+module as __main__ with the caller's argv, working directory, environment, umask and
+stdin/stdout/stderr.
 
 A command started this way pays none of the few seconds each `python -m ster_dist.cli` spends
 importing; what it runs is the same: the same module, a process of its own (its own Ray driver,
@@ -44,7 +45,9 @@ def _recv(conn: socket.socket, want_fds: int = 0) -> tuple[dict | None, list[int
     return json.loads(body), fds
 
 
-# -- the server --------------------------------------------------------------------------------------
+# -- the server
+# --------------------------------------------------------------------------------------
+
 
 def serve(path: str) -> None:
     import importlib
@@ -106,7 +109,9 @@ def _run_command(request: dict, fds: list[int]) -> None:
             os.close(fd)
         sys.stdin = sys.__stdin__ = open(0, closefd=False)
         sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+        sys.stderr = sys.__stderr__ = open(
+            2, "w", buffering=1, errors="backslashreplace", closefd=False
+        )
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -137,19 +142,24 @@ def _run_command(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-# -- the client --------------------------------------------------------------------------------------
+# -- the client
+# --------------------------------------------------------------------------------------
+
 
 def client(path: str, argv: list[str]) -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     umask = os.umask(0)
     os.umask(umask)
-    _send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}, [0, 1, 2])
+    _send(
+        conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}, [0, 1, 2]
+    )
     started, _ = _recv(conn)
     if started is None:
         print("tests/forked_cli.py: the server did not start the command", file=sys.stderr)
         return 1
     pid = started["pid"]
+
     def forward(sig, _frame):
         try:
             os.kill(pid, sig)

@@ -15,14 +15,42 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 # Types gguf.quants can quantize: the reference is quantize() then dequantize().
-QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ1_0, Q.TQ2_0, Q.MXFP4)
+QUANTIZABLE = (
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q8_0,
+    Q.TQ1_0,
+    Q.TQ2_0,
+    Q.MXFP4,
+)
 # Types it can only dequantize (K-quants, i-quants): the fixture writes random
 # blocks and the reference is dequantize() of the whole tensor.
-DEQUANT_ONLY = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S,
-                Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS)
+DEQUANT_ONLY = (
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.IQ1_S,
+    Q.IQ1_M,
+    Q.IQ2_XXS,
+    Q.IQ2_XS,
+    Q.IQ2_S,
+    Q.IQ3_XXS,
+    Q.IQ3_S,
+    Q.IQ4_NL,
+    Q.IQ4_XS,
+)
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def smollm2_gguf() -> Path | None:
@@ -39,7 +67,11 @@ def smollm2_gguf() -> Path | None:
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's q/k row permutation (LlamaModel.permute)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def encode(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -50,7 +82,9 @@ def encode(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarra
         # Random blocks; clearing bit 6 of every byte keeps every float16 scale finite
         # (an fp16 is inf/nan only when its high byte has bits 0x7C all set).
         block, size = GGML_QUANT_SIZES[qtype]
-        stored = (rng.integers(0, 256, (x.shape[0], x.shape[1] // block * size), dtype=np.uint8) & 0xBF)
+        stored = (
+            rng.integers(0, 256, (x.shape[0], x.shape[1] // block * size), dtype=np.uint8) & 0xBF
+        )
     return stored, dequantize(stored, qtype).reshape(x.shape).astype(np.float32)
 
 
@@ -59,8 +93,26 @@ def gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
     from tokenizers.pre_tokenizers import ByteLevel
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + sorted(ByteLevel.alphabet())
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ w", "Ġw o", "r l", "Ġwo rl",
-              "Ġworl d", "H e", "l l", "He ll", "Hell o", "Ã ©", "Ġ Ã©"]
+    merges = [
+        "Ġ t",
+        "h e",
+        "Ġt he",
+        "i n",
+        "Ġ a",
+        "e r",
+        "o n",
+        "Ġ w",
+        "Ġw o",
+        "r l",
+        "Ġwo rl",
+        "Ġworl d",
+        "H e",
+        "l l",
+        "He ll",
+        "Hell o",
+        "Ã ©",
+        "Ġ Ã©",
+    ]
     tokens += ["".join(m.split(" ")) for m in merges] + ["<think>"]
     types = [3, 3, 3] + [1] * (len(tokens) - 4) + [4]
     return tokens, types, merges
@@ -68,19 +120,57 @@ def gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def spm_vocab() -> tuple[list[str], list[int], list[float]]:
     """A SentencePiece BPE vocabulary (no merges: they come from the scores)."""
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "t", "▁h", "▁he", "ll", "llo", "▁hello",
-              "▁w", "or", "▁wor", "ld", "▁world", "▁t", "he", "▁the", "é", "▁é"]
+    pieces = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "t",
+        "▁h",
+        "▁he",
+        "ll",
+        "llo",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+        "▁t",
+        "he",
+        "▁the",
+        "é",
+        "▁é",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     return tokens, types, scores
 
 
-def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                inter: int = 96, layers: int = 2, qtype: Q = Q.F32, tie: bool = True, bias: bool = False,
-                tokenizer: str = "gpt2", seed: int = 0, extra: dict[str, np.ndarray] | None = None,
-                skip: tuple[str, ...] = (), scale: float = 1.0,
-                context: int = 256) -> tuple[dict, dict[str, np.ndarray]]:
+def write_llama(
+    path: Path,
+    *,
+    arch: str = "llama",
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    inter: int = 96,
+    layers: int = 2,
+    qtype: Q = Q.F32,
+    tie: bool = True,
+    bias: bool = False,
+    tokenizer: str = "gpt2",
+    seed: int = 0,
+    extra: dict[str, np.ndarray] | None = None,
+    skip: tuple[str, ...] = (),
+    scale: float = 1.0,
+    context: int = 256,
+) -> tuple[dict, dict[str, np.ndarray]]:
     """A tiny llama-layout .gguf; returns (config dict, {transformers name: float32 reference}).
 
     2-D weights are stored in qtype (norms and biases in F32); the reference is what
@@ -137,7 +227,7 @@ def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int
                 x = llamacpp_permute(x, permute_heads)
             stored, value = encode(x, qtype, rng)
             w.add_tensor(gguf_name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
-            if permute_heads:       # the reference is in Transformers' order: undo on the floats
+            if permute_heads:  # the reference is in Transformers' order: undo on the floats
                 value = _unpermute(value, permute_heads)
         ref[hf_name] = value
 
@@ -145,20 +235,56 @@ def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int
     put("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((vocab, hidden)))
     for i in range(layers):
         p, b = f"blk.{i}.", f"model.layers.{i}."
-        put(p + "attn_norm.weight", b + "input_layernorm.weight", 1 + 0.1 * rng.standard_normal(hidden))
-        put(p + "attn_q.weight", b + "self_attn.q_proj.weight", rng.standard_normal((heads * head_dim, hidden)),
-            heads if permute else None)
-        put(p + "attn_k.weight", b + "self_attn.k_proj.weight", rng.standard_normal((kv_heads * head_dim, hidden)),
-            kv_heads if permute else None)
-        put(p + "attn_v.weight", b + "self_attn.v_proj.weight", rng.standard_normal((kv_heads * head_dim, hidden)))
+        put(
+            p + "attn_norm.weight",
+            b + "input_layernorm.weight",
+            1 + 0.1 * rng.standard_normal(hidden),
+        )
+        put(
+            p + "attn_q.weight",
+            b + "self_attn.q_proj.weight",
+            rng.standard_normal((heads * head_dim, hidden)),
+            heads if permute else None,
+        )
+        put(
+            p + "attn_k.weight",
+            b + "self_attn.k_proj.weight",
+            rng.standard_normal((kv_heads * head_dim, hidden)),
+            kv_heads if permute else None,
+        )
+        put(
+            p + "attn_v.weight",
+            b + "self_attn.v_proj.weight",
+            rng.standard_normal((kv_heads * head_dim, hidden)),
+        )
         if bias:
-            put(p + "attn_q.bias", b + "self_attn.q_proj.bias", rng.standard_normal(heads * head_dim),
-                heads if permute else None)
-            put(p + "attn_k.bias", b + "self_attn.k_proj.bias", rng.standard_normal(kv_heads * head_dim),
-                kv_heads if permute else None)
-            put(p + "attn_v.bias", b + "self_attn.v_proj.bias", rng.standard_normal(kv_heads * head_dim))
-        put(p + "attn_output.weight", b + "self_attn.o_proj.weight", rng.standard_normal((hidden, heads * head_dim)))
-        put(p + "ffn_norm.weight", b + "post_attention_layernorm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+            put(
+                p + "attn_q.bias",
+                b + "self_attn.q_proj.bias",
+                rng.standard_normal(heads * head_dim),
+                heads if permute else None,
+            )
+            put(
+                p + "attn_k.bias",
+                b + "self_attn.k_proj.bias",
+                rng.standard_normal(kv_heads * head_dim),
+                kv_heads if permute else None,
+            )
+            put(
+                p + "attn_v.bias",
+                b + "self_attn.v_proj.bias",
+                rng.standard_normal(kv_heads * head_dim),
+            )
+        put(
+            p + "attn_output.weight",
+            b + "self_attn.o_proj.weight",
+            rng.standard_normal((hidden, heads * head_dim)),
+        )
+        put(
+            p + "ffn_norm.weight",
+            b + "post_attention_layernorm.weight",
+            1 + 0.1 * rng.standard_normal(hidden),
+        )
         put(p + "ffn_gate.weight", b + "mlp.gate_proj.weight", rng.standard_normal((inter, hidden)))
         put(p + "ffn_up.weight", b + "mlp.up_proj.weight", rng.standard_normal((inter, hidden)))
         put(p + "ffn_down.weight", b + "mlp.down_proj.weight", rng.standard_normal((hidden, inter)))
@@ -171,16 +297,27 @@ def write_llama(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    config = {"model_type": "llama" if arch == "llama" else arch, "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
-              "tie_word_embeddings": tie}
+    config = {
+        "model_type": "llama" if arch == "llama" else arch,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+    }
     return config, ref
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llamacpp_permute, written independently of the code under test."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_matrix(path: Path, x: np.ndarray, qtype: Q, seed: int = 0) -> tuple[dict, np.ndarray]:
@@ -194,6 +331,12 @@ def write_matrix(path: Path, x: np.ndarray, qtype: Q, seed: int = 0) -> tuple[di
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    config = {"hidden_size": x.shape[1], "vocab_size": x.shape[0], "num_hidden_layers": 0,
-              "num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": 1}
+    config = {
+        "hidden_size": x.shape[1],
+        "vocab_size": x.shape[0],
+        "num_hidden_layers": 0,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "intermediate_size": 1,
+    }
     return config, ref

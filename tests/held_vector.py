@@ -1,6 +1,8 @@
-"""A named pipe standing in for a generate job's --vector file, so a test can hold a job mid-attempt.
+"""A named pipe standing in for a generate job's --vector file, so a test can hold a job
+mid-attempt.
 
-The pipe is held open for writing from the start (a pipe no process writes to is refused, inputs.py),
+The pipe is held open for writing from the start (a pipe no process writes to is refused,
+inputs.py),
 and the job is known to be inside it when a second open of it appears in /proc (its reader)."""
 
 from __future__ import annotations
@@ -28,27 +30,42 @@ class HeldVector:
         self.fd = None
         self._writer()
         hidden = json.loads((Path(toy) / "config.json").read_text())["hidden_size"]
-        artifact = SteeringArtifact(model=toy, model_revision=None, trait_name="held", method="caa",
-                                    hidden_size=hidden, vectors=[Direction(0, torch.zeros(hidden), 1.0, 0.0)])
+        artifact = SteeringArtifact(
+            model=toy,
+            model_revision=None,
+            trait_name="held",
+            method="caa",
+            hidden_size=hidden,
+            vectors=[Direction(0, torch.zeros(hidden), 1.0, 0.0)],
+        )
         self.text = json.dumps(artifact.to_json())
 
     def _writer(self) -> None:
-        """A writer from before a job starts, so its read waits for the text instead of being refused
+        """A writer from before a job starts, so its read waits for the text instead of being
+        refused
         (opened again for the next job once wait_for_reader handed the last one's out)."""
         if self.fd is None:
             self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
 
     def job(self, toy: str, prompt: str) -> dict:
         self._writer()
-        return {"kind": "generate", "model": toy, "prompt": prompt, "max_new_tokens": 12, "chat_template": "off",
-                "vector": str(self.path), "strength": 1.0}
+        return {
+            "kind": "generate",
+            "model": toy,
+            "prompt": prompt,
+            "max_new_tokens": 12,
+            "chat_template": "off",
+            "vector": str(self.path),
+            "strength": 1.0,
+        }
 
     def flags(self) -> list[str]:
         self._writer()
         return ["--vector", str(self.path), "--strength", "1"]
 
     def _opened(self) -> int:
-        """How many open file descriptors of any process on this machine name the pipe (ours is one)."""
+        """How many open file descriptors of any process on this machine name the pipe (ours is
+        one)."""
         count = 0
         for fd_dir in Path("/proc").glob("[0-9]*/fd"):
             try:
@@ -63,18 +80,21 @@ class HeldVector:
 
     def wait_for_reader(self, finished=None, timeout: float = 180.0) -> int:
         """Block until the job opens the pipe; the open write end. finished() -> the job's result
-        record once it has one (a job that ended without reading the pipe fails the test at once)."""
+        record once it has one (a job that ended without reading the pipe fails the test at
+        once)."""
         deadline = time.monotonic() + timeout
         while self._opened() < 2:
             record = finished() if finished is not None else None
             assert record is None, f"the job ended before reading its --vector file: {record}"
             assert time.monotonic() < deadline, "the job never reached its --vector file"
             time.sleep(0.05)
-        fd, self.fd = self.fd, None  # the caller's now: released (or closed, which ends the job's wait empty)
+        # the caller's now: released (or closed, which ends the job's wait empty)
+        fd, self.fd = self.fd, None
         return fd
 
     def release(self, fd: int) -> None:
-        """Send the vector and close; then, once the job has read it to the end, hold a writer again for
+        """Send the vector and close; then, once the job has read it to the end, hold a writer again
+        for
         the job's next attempt (a retry reads the pipe anew)."""
         os.set_blocking(fd, True)
         os.write(fd, self.text.encode())

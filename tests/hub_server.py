@@ -51,8 +51,11 @@ class FakeHub:
 
     def fetched(self) -> list[str]:
         """File names downloaded with GET (HEAD metadata calls excluded)."""
-        return [unquote(m["file"]) for r in self.requests if r.method == "GET"
-                and (m := _RESOLVE.match(r.path))]
+        return [
+            unquote(m["file"])
+            for r in self.requests
+            if r.method == "GET" and (m := _RESOLVE.match(r.path))
+        ]
 
     def touched(self) -> list[str]:
         """File names the client asked about at all (HEAD or GET), each once, in order."""
@@ -108,12 +111,16 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             else:
                 data = files[name]
                 # The client needs the commit and an ETag (its blob name in the cache).
-                headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                           "Content-Type": "application/octet-stream"}
+                headers = {
+                    "X-Repo-Commit": sha,
+                    "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                    "Content-Type": "application/octet-stream",
+                }
                 self._send(200, data, headers, body)
 
-        def _send(self, status: int, data: bytes, headers: dict[str, str],
-                  body: bool = True) -> None:
+        def _send(
+            self, status: int, data: bytes, headers: dict[str, str], body: bool = True
+        ) -> None:
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)
@@ -133,8 +140,9 @@ class HubServer:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self.hub))
         self.hub.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         # A short poll interval: shutdown() waits for it, once per test.
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,),
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.02,), daemon=True
+        )
 
     def __enter__(self) -> FakeHub:
         self._thread.start()
@@ -172,6 +180,7 @@ def serving(monkeypatch, tmp_path):
 
 # ---- tiny checkpoint files, shared by the local and Hub tests ----
 
+
 def tokenizer_json() -> bytes:
     """A valid tokenizers JSON (WordLevel over a few words)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -191,6 +200,12 @@ def safetensors_bytes(name: str = "model.embed_tokens.weight") -> bytes:
 
 
 def config_json(model_type: str | None = "llama", **extra) -> bytes:
-    config = {"model_type": model_type, "hidden_size": 8, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "vocab_size": 4, **extra}
+    config = {
+        "model_type": model_type,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 4,
+        **extra,
+    }
     return json.dumps(config).encode()

@@ -24,12 +24,13 @@ def socket_inodes(pid: int) -> set[str]:
         except OSError:  # closed while we looked
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     return inodes
 
 
 def listening(pids: list[int]) -> list[str]:
-    """local_address:port (hex, as /proc/net/tcp{,6} print it) of each LISTEN socket the pids own."""
+    """local_address:port (hex, as /proc/net/tcp{,6} print it) of each LISTEN socket the pids
+    own."""
     inodes = set().union(*(socket_inodes(pid) for pid in pids))
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):

@@ -1,5 +1,7 @@
-"""Paged steps as the tests drive them: a plain block driver that hands out scattered blocks as sequences
-grow, one step of chunks through Decoder.forward_paged, and the same as a rank extension, so tensor-parallel
+"""Paged steps as the tests drive them: a plain block driver that hands out scattered blocks as
+sequences
+grow, one step of chunks through Decoder.forward_paged, and the same as a rank extension, so
+tensor-parallel
 ranks run a schedule on their own caches."""
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ BLOCK = 4
 
 class Driver:
     """The driver's share, as plainly as the tests need it: blocks from a shuffled free list, so no
-    sequence's blocks are contiguous or in order, and a recurrent-state slot per sequence (in the order
+    sequence's blocks are contiguous or in order, and a recurrent-state slot per sequence (in the
+    order
     sequences first appear; a cache of a model with recurrent layers needs as many state_slots)."""
 
     def __init__(self, cache: PagedCache, seed: int = 0):
@@ -37,12 +40,15 @@ class Driver:
 
 
 def run_step(model, driver: Driver, tokens: dict[str, torch.Tensor], step, release=None):
-    """(chunks, logits [chunks, vocab]) of one step [(sequence, new tokens), ...]; `release` may rewrite
+    """(chunks, logits [chunks, vocab]) of one step [(sequence, new tokens), ...]; `release` may
+    rewrite
     each chunk's blocks (a sliding window's released ones) before the forward."""
     chunks = [driver.chunk(name, n) for name, n in step]
     if release is not None:
         chunks = [release(c) for c in chunks]
-    ids = torch.cat([tokens[name][c.start:c.start + c.length] for (name, _), c in zip(step, chunks)])
+    ids = torch.cat(
+        [tokens[name][c.start : c.start + c.length] for (name, _), c in zip(step, chunks)]
+    )
     with torch.inference_mode():
         return chunks, model.forward_paged(ids, chunks, driver.cache)
 
@@ -52,20 +58,28 @@ class PagedOnRank(RankExtension):
         """Every step's logits and the shape of this rank's layer-0 keys, on its own cache."""
         driver = Driver(PagedCache(self.model, num_blocks, BLOCK))
         logits = [run_step(self.model, driver, tokens, step)[1] for step in schedule]
-        return {"logits": self.first_rank_only(logits), "key_shape": tuple(driver.cache.keys[0].shape)}
+        return {
+            "logits": self.first_rank_only(logits),
+            "key_shape": tuple(driver.cache.keys[0].shape),
+        }
 
 
 def random_sequences(seed: int, length: int = 30, names: str = "ABC") -> dict[str, torch.Tensor]:
-    """A sequence of `length` token ids (in the tiny tokenizer's range, past its special tokens) per name."""
+    """A sequence of `length` token ids (in the tiny tokenizer's range, past its special tokens) per
+    name."""
     gen = torch.Generator().manual_seed(seed)
     return {name: torch.randint(3, 300, (length,), generator=gen) for name in names}
 
 
-def check_paged_equals_whole(model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40,
-                             state_slots: int = 0) -> Driver:
-    """Run `schedule` through a paged cache of `model`: each chunk's last logits must equal the whole read's
-    at that position (a causal read: position p's logits are those of the first p + 1 tokens read whole).
-    `state_slots`: a recurrent state per sequence, for a model with recurrent layers. Returns the driver, for
+def check_paged_equals_whole(
+    model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40, state_slots: int = 0
+) -> Driver:
+    """Run `schedule` through a paged cache of `model`: each chunk's last logits must equal the
+    whole read's
+    at that position (a causal read: position p's logits are those of the first p + 1 tokens read
+    whole).
+    `state_slots`: a recurrent state per sequence, for a model with recurrent layers. Returns the
+    driver, for
     what a test checks after."""
     from ster_dist.parity import compare
 
@@ -80,10 +94,13 @@ def check_paged_equals_whole(model, tokens: dict[str, torch.Tensor], schedule, n
     return driver
 
 
-def check_ranks_equal_one(group, directory, model, tokens: dict[str, torch.Tensor], schedule,
-                          num_blocks: int = 40) -> tuple[list[dict], Driver]:
-    """`schedule` on every rank of `group` (the checkpoint at `directory` loaded there), each over its own paged
-    cache, gives the logits one rank's `model` gives. Returns (each rank's run, the single rank's driver)."""
+def check_ranks_equal_one(
+    group, directory, model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40
+) -> tuple[list[dict], Driver]:
+    """`schedule` on every rank of `group` (the checkpoint at `directory` loaded there), each over
+    its own paged
+    cache, gives the logits one rank's `model` gives. Returns (each rank's run, the single rank's
+    driver)."""
     from ster_dist.parity import compare
     from ster_dist.resolve import resolve
 

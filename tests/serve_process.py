@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServeProcess:
     def __init__(self, *argv, env: dict | None = None, timeout: float = 180.0):
         self.argv = [sys.executable, "-m", "ster_dist.cli", "serve", *map(str, argv)]
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        )
         self.stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         line = self._ready(timeout)
@@ -33,7 +39,9 @@ class ServeProcess:
 
     def _ready(self, timeout: float) -> str:
         box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        reader = threading.Thread(
+            target=lambda: box.append(self.proc.stdout.readline()), daemon=True
+        )
         reader.start()
         reader.join(timeout)
         if not box or not box[0]:

@@ -1,4 +1,5 @@
-"""Helpers the tune tests (test_tune_preference.py, test_tune_grpo*.py) share: JSONL input files, the
+"""Helpers the tune tests (test_tune_preference.py, test_tune_grpo*.py) share: JSONL input files,
+the
 command line run in-process, a `ster tune grpo` command line, a base model that stops early, and the
 relative difference of two tensors."""
 
@@ -19,7 +20,8 @@ EOS = BASE_CONFIG["eos_token_id"]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
-    """One line per row: a string as written (a malformed line on purpose), anything else as JSON."""
+    """One line per row: a string as written (a malformed line on purpose), anything else as
+    JSON."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
 
@@ -32,7 +34,8 @@ def run_cli(capsys, *argv) -> tuple[int, dict | None, str]:
 
 
 def quiet_cli(*argv) -> dict:
-    """The JSON result of `ster argv...` run in this process, its progress kept off the test's output; a
+    """The JSON result of `ster argv...` run in this process, its progress kept off the test's
+    output; a
     failure fails the test with what the command said."""
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -42,20 +45,38 @@ def quiet_cli(*argv) -> dict:
 
 
 def grpo_argv(root: Path, output: Path, *flags) -> list[str]:
-    """`ster tune grpo` on root/base and root/prompts.jsonl into `output`, seeded, four prompts a step; the
+    """`ster tune grpo` on root/base and root/prompts.jsonl into `output`, seeded, four prompts a
+    step; the
     caller's `flags` add the rest."""
-    return ["tune", "grpo", "--model", str(root / "base"), "--prompts", str(root / "prompts.jsonl"), "--output",
-            str(output), "--seed", "0", "--batch-size", "4", *flags]
+    return [
+        "tune",
+        "grpo",
+        "--model",
+        str(root / "base"),
+        "--prompts",
+        str(root / "prompts.jsonl"),
+        "--output",
+        str(output),
+        "--seed",
+        "0",
+        "--batch-size",
+        "4",
+        *flags,
+    ]
 
 
 def plant_early_stops(model, directory: Path) -> None:
-    """Push the head's end-of-sequence row along the mean final hidden state of `model` (the Transformers model
-    saved at `directory`), and save that head there: most tokens now end the text, so a length reward has room
+    """Push the head's end-of-sequence row along the mean final hidden state of `model` (the
+    Transformers model
+    saved at `directory`), and save that head there: most tokens now end the text, so a length
+    reward has room
     to rise."""
     from safetensors.torch import load_file, save_file
 
     with torch.no_grad():
-        mean = model(random_ids(20), output_hidden_states=True).hidden_states[-1].flatten(0, 1).mean(0)
+        mean = (
+            model(random_ids(20), output_hidden_states=True).hidden_states[-1].flatten(0, 1).mean(0)
+        )
         head = model.lm_head.weight.clone()
         head[EOS] += 40 * mean / mean.dot(mean)
     path = directory / "model.safetensors"
@@ -69,7 +90,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def trains_as_the_rank(got: dict, reference: dict) -> None:
-    """Two steps: the first is the identity either way; the second is sampled under the first step's factors."""
+    """Two steps: the first is the identity either way; the second is sampled under the first step's
+    factors."""
     assert len(got["steps"]) == 2
     assert got["losses"][0] == 0.0 and got["steps"][0]["kl"] == 0.0
     for ours, theirs in zip(got["steps"], reference["steps"]):

@@ -33,9 +33,12 @@ from ster_dist.errors import Refusal
 
 
 def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
-    """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's, or one pipeline
+    """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's, or one
+    pipeline
     stage's: another stage's sites are that stage's to attach) for every forward; returns detach."""
-    return adapt_every_row(model, [site if isinstance(site, dict) else vars(site) for site in sites])
+    return adapt_every_row(
+        model, [site if isinstance(site, dict) else vars(site) for site in sites]
+    )
 
 
 def prepare(session, request) -> tuple[list[dict], dict]:
@@ -48,14 +51,21 @@ def prepare(session, request) -> tuple[list[dict], dict]:
     refuse_family(session.cfg.family)
     plans = plan_sites(adapter, session.cfg)
     sites = load_sites(adapter, plans)
-    info = {"adapter": str(request.adapter), "format": adapter.format, "rank": adapter.rank, "alpha": adapter.alpha,
-            "scale": adapter.scale, **summary(plans)}
+    info = {
+        "adapter": str(request.adapter),
+        "format": adapter.format,
+        "rank": adapter.rank,
+        "alpha": adapter.alpha,
+        "scale": adapter.scale,
+        **summary(plans),
+    }
     progress(f"attaching adapter {request.adapter} ({len(sites)} projections) on every rank")
     return [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites], info
 
 
 def attach_for_cli(session, request) -> Callable[[], None]:
-    """Attach --adapter on every rank of the session for a whole operation; returns the detach callable.
+    """Attach --adapter on every rank of the session for a whole operation; returns the detach
+    callable.
     Generation routes adapters per request in the token engine instead (ops/generate.py)."""
     sites, info = prepare(session, request)
     token = uuid.uuid4().hex

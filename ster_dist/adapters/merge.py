@@ -1,7 +1,8 @@
 """Streaming LoRA merges: the base read tensor by tensor and written back in its own layout.
 
 A merge never builds a decoder and never holds the model. `prepare` resolves the base, runs
-every refusal (adapter for another model or width, targets the family cannot take, a GGUF or FP8 base,
+every refusal (adapter for another model or width, targets the family cannot take, a GGUF or FP8
+base,
 a source naming one tensor twice, a checkpoint the loader would not load) and plans the output
 shards from the safetensors headers alone. Each output shard is then written by
 shard/writer.write_shard: unadapted tensors are copied byte for byte, adapted ones get
@@ -59,10 +60,22 @@ from ster_dist.shard.writer import (
 DEFAULT_MAX_SHARD = "5GB"
 STATE = ".merge-state.json"
 # copied beside the shards, after the base's own config file (config.json, or Mistral's params.json)
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-              "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model", "tekken.json")
-# the output shards' file stem per base format: the resolver reads consolidated* only beside params.json
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "tiktoken.model",
+    "tekken.json",
+)
+# the output shards' file stem per base format: the resolver reads consolidated* only beside
+# params.json
 SHARD_STEMS = {"safetensors": "model", "mistral": "consolidated"}
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 Progress = Callable[..., None]
@@ -74,7 +87,8 @@ def _quiet(message: str, **fields) -> None:
 
 @dataclass
 class MergePlan:
-    """A merge ready to write: its output shards, which of them are still to write, and the report so far."""
+    """A merge ready to write: its output shards, which of them are still to write, and the report
+    so far."""
 
     checkpoint: Checkpoint
     output: Path
@@ -105,8 +119,14 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def prepare(model: str, adapter_path: str, output: str | Path, revision: str | None = None,
-            max_shard_size: str | int = DEFAULT_MAX_SHARD, checkpoint: Checkpoint | None = None) -> MergePlan:
+def prepare(
+    model: str,
+    adapter_path: str,
+    output: str | Path,
+    revision: str | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
+    checkpoint: Checkpoint | None = None,
+) -> MergePlan:
     """Every refusal, the shard plan and the resume state; reads headers and the adapter only."""
     from ster_dist.config.file import family_of
     from ster_dist.config.load import model_config
@@ -118,44 +138,69 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     if output.exists():
         raise Refusal(f"output {output} already exists; remove it or choose another --output")
     # batch merges (jobs/merge.py) come here without ops.merge's check: never into what is read
-    not_an_input(str(output), "output", [("model", "model", model), ("adapter", "adapter", adapter_path)])
+    not_an_input(
+        str(output), "output", [("model", "model", model), ("adapter", "adapter", adapter_path)]
+    )
     adapter = open_adapter(adapter_path)
     check_model(adapter, model)
     if checkpoint is None:
         checkpoint = resolve(model, revision)
     if checkpoint.weight_format == "gguf":
-        raise Refusal(f"{model} is a GGUF checkpoint; an adapter is merged into safetensors weights only. Run the "
-                      "adapter on it unmerged (--adapter), or merge into the base model's safetensors release")
+        raise Refusal(
+            f"{model} is a GGUF checkpoint; an adapter is merged into safetensors weights only. Run the "
+            "adapter on it unmerged (--adapter), or merge into the base model's safetensors release"
+        )
     if checkpoint.weight_format not in SHARD_STEMS:
-        raise Refusal(f"{model} is in {checkpoint.weight_format} format; this ster_dist build merges "
-                      "Transformers-format or Mistral-format safetensors checkpoints only")
+        raise Refusal(
+            f"{model} is in {checkpoint.weight_format} format; this ster_dist build merges "
+            "Transformers-format or Mistral-format safetensors checkpoints only"
+        )
     refuse_family(family_of(gate_view(checkpoint.raw_config, checkpoint.weight_format)))
     side = side_files(checkpoint)  # refused here, before the work directory exists
     cfg = model_config(checkpoint)
     if cfg.quant is not None:  # its weights are quantized: a merge would have to requantize them
-        raise Refusal(f"{model} is {cfg.quant.describe()}; merge onto {cfg.quant.label} is not supported: merge "
-                      "into a BF16 export of the model")
+        raise Refusal(
+            f"{model} is {cfg.quant.describe()}; merge onto {cfg.quant.label} is not supported: merge "
+            "into a BF16 export of the model"
+        )
     shards = decoder_shards(cfg)
     plans = plan_sites(adapter, cfg, shards)
     entries = index_weights(list(checkpoint.weight_files))
-    # the loader's own checks: a tensor no rule maps, a tensor the config turns off, a shape unlike the config's
+    # the loader's own checks: a tensor no rule maps, a tensor the config turns off, a shape unlike
+    # the config's
     build_plan(cfg.spec, cfg, shards, {name: e["shape"] for name, e in entries.items()})
     where = placements(cfg.spec, cfg, list(entries), {p.param for p in plans})
     for plan in plans:
         if plan.param not in where:
-            raise Refusal(f"checkpoint has no tensor holding the {plan.target} projection of layer {plan.layer} "
-                          f"({plan.param}) to merge into")
+            raise Refusal(
+                f"checkpoint has no tensor holding the {plan.target} projection of layer {plan.layer} "
+                f"({plan.param}) to merge into"
+            )
     updates: dict[str, list[Update]] = {}
     for site in load_sites(adapter, plans):
         placed = where[site.param]
-        updates.setdefault(placed.tensor, []).append(Update(site.a, site.b, site.scale, placed.runs))
+        updates.setdefault(placed.tensor, []).append(
+            Update(site.a, site.b, site.scale, placed.runs)
+        )
     transposed = {p.tensor for p in where.values() if p.transposed}
     tensors = []
     for name, e in entries.items():
         if name in updates and e["dtype"] not in _FLOAT_DTYPES:
-            raise Refusal(f"checkpoint tensor {name} is {e['dtype']}; an adapter merges into float weights only")
-        tensors.append(OutTensor(name, e["dtype"], e["shape"], e["file"], e["offset"], e["nbytes"],
-                                 name in transposed, tuple(updates.get(name, ()))))
+            raise Refusal(
+                f"checkpoint tensor {name} is {e['dtype']}; an adapter merges into float weights only"
+            )
+        tensors.append(
+            OutTensor(
+                name,
+                e["dtype"],
+                e["shape"],
+                e["file"],
+                e["offset"],
+                e["nbytes"],
+                name in transposed,
+                tuple(updates.get(name, ())),
+            )
+        )
     out_shards = split_shards(tensors, max_bytes)
     stem = SHARD_STEMS[checkpoint.weight_format]
     names = shard_names(len(out_shards), stem)
@@ -165,13 +210,25 @@ def prepare(model: str, adapter_path: str, output: str | Path, revision: str | N
     merged = [t for t in tensors if t.updates]
     dtypes = sorted({t.dtype for t in merged})
     report = {
-        "model": model, "model_revision": checkpoint.model_revision or adapter.model_revision,
-        "adapter": str(adapter_path), "output": str(output), "format": adapter.format,
-        "rank": adapter.rank, "alpha": adapter.alpha, "scale": adapter.scale, "use_rslora": adapter.use_rslora,
-        "patterns": adapter.patterns, **summary(plans), "hidden_size": cfg.hidden_size,
-        "merged_tensors": len(merged), "copied_tensors": len(tensors) - len(merged), "total_tensors": len(tensors),
-        "parameters": sum(math.prod(t.shape) for t in tensors), "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "shards": len(out_shards), "resumed_shards": len(out_shards) - len(pending),
+        "model": model,
+        "model_revision": checkpoint.model_revision or adapter.model_revision,
+        "adapter": str(adapter_path),
+        "output": str(output),
+        "format": adapter.format,
+        "rank": adapter.rank,
+        "alpha": adapter.alpha,
+        "scale": adapter.scale,
+        "use_rslora": adapter.use_rslora,
+        "patterns": adapter.patterns,
+        **summary(plans),
+        "hidden_size": cfg.hidden_size,
+        "merged_tensors": len(merged),
+        "copied_tensors": len(tensors) - len(merged),
+        "total_tensors": len(tensors),
+        "parameters": sum(math.prod(t.shape) for t in tensors),
+        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "shards": len(out_shards),
+        "resumed_shards": len(out_shards) - len(pending),
     }
     return MergePlan(checkpoint, output, work, out_shards, names, pending, side, report, stem)
 
@@ -185,14 +242,18 @@ def side_files(checkpoint: Checkpoint) -> list[Path]:
     """The config and tokenizer files to copy beside the shards, each inside the model's own files.
 
     A side file is copied by its content, so a symlink out of the model directory
-    (tokenizer_config.json -> ~/.ssh/id_rsa) would carry whatever it names into the merged output."""
-    files = [checkpoint.config_path] + [checkpoint.directory / n for n in SIDE_FILES
-                                        if (checkpoint.directory / n).is_file()]
+    (tokenizer_config.json -> ~/.ssh/id_rsa) would carry whatever it names into the merged
+    output."""
+    files = [checkpoint.config_path] + [
+        checkpoint.directory / n for n in SIDE_FILES if (checkpoint.directory / n).is_file()
+    ]
     root = _model_root(checkpoint)
     for path in files:
         if not path.resolve().is_relative_to(root):
-            raise Refusal(f"{path} is a symlink to {path.resolve()}, outside the model directory; "
-                          "replace it with the file itself")
+            raise Refusal(
+                f"{path} is a symlink to {path.resolve()}, outside the model directory; "
+                "replace it with the file itself"
+            )
     return files
 
 
@@ -213,35 +274,52 @@ def finish(plan: MergePlan) -> dict:
     for index, name in enumerate(plan.names):
         path = plan.shard_path(index)
         if not path.is_file() or path.stat().st_size != shard_size(plan.shards[index]):
-            raise Refusal(f"merge shard {name} is missing or incomplete in {plan.work}; rerun the merge")
+            raise Refusal(
+                f"merge shard {name} is missing or incomplete in {plan.work}; rerun the merge"
+            )
     weight_map = {t.name: name for name, shard in zip(plan.names, plan.shards) for t in shard}
     total = sum(t.nbytes for shard in plan.shards for t in shard)
-    write_json(plan.work / f"{plan.stem}.safetensors.index.json",
-                      {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(
+        plan.work / f"{plan.stem}.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
     for path in plan.side_files:
         shutil.copyfile(path, plan.work / path.name)
     (plan.work / STATE).unlink(missing_ok=True)
     if plan.output.exists():
-        raise Refusal(f"output {plan.output} appeared while merging; the merge is kept in {plan.work}")
+        raise Refusal(
+            f"output {plan.output} appeared while merging; the merge is kept in {plan.work}"
+        )
     finish_dir(plan.work, plan.output)
     files = sorted(p.name for p in plan.output.iterdir())
     return {**plan.report, "files": files}
 
 
-def merge(model: str, adapter: str, output: str | Path, revision: str | None = None,
-          max_shard_size: str | int = DEFAULT_MAX_SHARD, progress: Progress = _quiet) -> dict:
+def merge(
+    model: str,
+    adapter: str,
+    output: str | Path,
+    revision: str | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
+    progress: Progress = _quiet,
+) -> dict:
     """Merge in this process, shard after shard."""
     start = time.perf_counter()
-    with refusing_full_disk(output, cleanup=[work_dir(Path(output))]):  # its state file is written here
+    # its state file is written here
+    with refusing_full_disk(output, cleanup=[work_dir(Path(output))]):
         plan = prepare(model, adapter, output, revision, max_shard_size)
     if plan.report["resumed_shards"]:
-        progress(f"resuming: {plan.report['resumed_shards']} of {len(plan.names)} shards already written")
+        progress(
+            f"resuming: {plan.report['resumed_shards']} of {len(plan.names)} shards already written"
+        )
     written = 0
     needed = sum(shard_size(shard) for shard in plan.shards)
     with refusing_full_disk(plan.output, needed, cleanup=[plan.work]):
         for done, index in enumerate(plan.pending, 1):
             written += write_one(plan, index)
-            progress(f"wrote {plan.names[index]}", shard=done, shards=len(plan.pending), bytes=written)
+            progress(
+                f"wrote {plan.names[index]}", shard=done, shards=len(plan.pending), bytes=written
+            )
         report = finish(plan)
     seconds = time.perf_counter() - start
     return {**report, "bytes_written": written, "seconds": round(seconds, 3)}
@@ -249,8 +327,10 @@ def merge(model: str, adapter: str, output: str | Path, revision: str | None = N
 
 # ---- source headers --------------------------------------------------------------------------
 
+
 def index_weights(files: list[Path]) -> dict[str, dict]:
-    """Every tensor of the weight files: file, data offset, size, dtype and shape, in file and data order.
+    """Every tensor of the weight files: file, data offset, size, dtype and shape, in file and data
+    order.
 
     A tensor named twice — in one header or in two files — is refused rather than half-merged.
     """
@@ -260,18 +340,30 @@ def index_weights(files: list[Path]) -> dict[str, dict]:
         listed = entries(path)  # read_header refuses a name stated twice in one header
         for entry in listed:
             if entry.name in found:
-                raise Refusal(f"model weight {entry.name} appears in more than one weight file "
-                              f"({found[entry.name]['file'].name} and {path.name}); remove the duplicate shard")
-        for entry in sorted(listed, key=lambda e: e.offset):  # data order: the copy reads each file forwards
-            found[entry.name] = {"file": path, "offset": entry.offset, "nbytes": entry.nbytes, "dtype": entry.dtype,
-                                 "shape": entry.shape}
+                raise Refusal(
+                    f"model weight {entry.name} appears in more than one weight file "
+                    f"({found[entry.name]['file'].name} and {path.name}); remove the duplicate shard"
+                )
+        # data order: the copy reads each file forwards
+        for entry in sorted(listed, key=lambda e: e.offset):
+            found[entry.name] = {
+                "file": path,
+                "offset": entry.offset,
+                "nbytes": entry.nbytes,
+                "dtype": entry.dtype,
+                "shape": entry.shape,
+            }
     return found
 
 
 # ---- resume ----------------------------------------------------------------------------------
 
-def _fingerprint(checkpoint: Checkpoint, adapter_files: list[Path], shards: list[list[OutTensor]]) -> str:
-    """What the finished shards depend on: the base files (size and time), the adapter (its bytes), the plan."""
+
+def _fingerprint(
+    checkpoint: Checkpoint, adapter_files: list[Path], shards: list[list[OutTensor]]
+) -> str:
+    """What the finished shards depend on: the base files (size and time), the adapter (its bytes),
+    the plan."""
     digest = hashlib.sha256()
     for path in checkpoint.weight_files:
         stat = Path(path).stat()
@@ -285,7 +377,9 @@ def _fingerprint(checkpoint: Checkpoint, adapter_files: list[Path], shards: list
     return digest.hexdigest()
 
 
-def _resume(work: Path, fingerprint: str, names: list[str], shards: list[list[OutTensor]]) -> list[int]:
+def _resume(
+    work: Path, fingerprint: str, names: list[str], shards: list[list[OutTensor]]
+) -> list[int]:
     """Shard indices still to write; a work directory of another merge is cleared first."""
     state = work / STATE
     try:
@@ -295,7 +389,8 @@ def _resume(work: Path, fingerprint: str, names: list[str], shards: list[list[Ou
     if work.exists() and not same:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob(".*"):  # a shard (or state file) a killed writer left half-written beside its name
+    # a shard (or state file) a killed writer left half-written beside its name
+    for stale in work.glob(".*"):
         if stale.name != STATE:
             stale.unlink(missing_ok=True)
     if not same:
@@ -303,8 +398,11 @@ def _resume(work: Path, fingerprint: str, names: list[str], shards: list[list[Ou
     pending = []
     for index, name in enumerate(names):
         path = work / name
-        if not (path.is_file() and path.stat().st_size == shard_size(shards[index])
-                and _header_matches(path, shards[index])):
+        if not (
+            path.is_file()
+            and path.stat().st_size == shard_size(shards[index])
+            and _header_matches(path, shards[index])
+        ):
             pending.append(index)
     return pending
 

@@ -14,13 +14,20 @@ from ster_dist.batch.rows import plain, row_key, row_request
 class Replica:
     """A callable class for `Dataset.map_batches` (batch_format="pandas" or "numpy")."""
 
-    def __init__(self, model: str, runtime: dict | None = None, defaults: dict | None = None,
-                 chat_template: str = "auto"):
+    def __init__(
+        self,
+        model: str,
+        runtime: dict | None = None,
+        defaults: dict | None = None,
+        chat_template: str = "auto",
+    ):
         from ster_dist.schema import GenerateRequest
         from ster_dist.session import Session
 
         self.model, self.defaults, self.chat_template = model, dict(defaults or {}), chat_template
-        self.runtime = GenerateRequest.parse({"model": model, "prompt": "-", **(runtime or {})}, check_model=False)
+        self.runtime = GenerateRequest.parse(
+            {"model": model, "prompt": "-", **(runtime or {})}, check_model=False
+        )
         self.session = Session(self.runtime)
         self.engine = self.session.engine(*self.runtime.engine_options())
 
@@ -68,5 +75,11 @@ def _column(batch, name: str):
 def _rows(batch) -> list[dict]:
     names = _names(batch)
     columns = [_column(batch, name) for name in names]
-    return [{name: plain(values[i]) for name, values in zip(names, columns)} for i in range(len(columns[0]))] \
-        if columns else []
+    return (
+        [
+            {name: plain(values[i]) for name, values in zip(names, columns)}
+            for i in range(len(columns[0]))
+        ]
+        if columns
+        else []
+    )

@@ -6,11 +6,15 @@ A text wrapper is an image-text (or audio) checkpoint whose language model is on
 (seeds/000): its text_config is read as that family's config, and its weights are the text family's
 names below the language model. Which names those are is one rule for every wrapper
 (`text_weight_names`): Transformers' older saves put the text model's names below `language_model.`
-(language_model.model.layers.0..., language_model.lm_head), Transformers 5 writes model.language_model.*
-for the text model's `model.*` and keeps lm_head at the root, and HyperCLOVA X SEED keeps the whole text
-model below model.language_model (model.language_model.model.layers.0..., model.language_model.lm_head);
+(language_model.model.layers.0..., language_model.lm_head), Transformers 5 writes
+model.language_model.*
+for the text model's `model.*` and keeps lm_head at the root, and HyperCLOVA X SEED keeps the whole
+text
+model below model.language_model (model.language_model.model.layers.0...,
+model.language_model.lm_head);
 Inkling keeps its text model below model.llm, which its family's map names as it stands.
-Every other tensor of a wrapped checkpoint belongs to a tower (vision, audio) or its projector and is
+Every other tensor of a wrapped checkpoint belongs to a tower (vision, audio) or its projector and
+is
 never mapped.
 """
 
@@ -28,27 +32,32 @@ from ster_dist.families.registry import SPECS
 
 @dataclass(frozen=True)
 class TextWrapper:
-    """A wrapper model_type: the family its text_config is when that states no model_type of its own."""
+    """A wrapper model_type: the family its text_config is when that states no model_type of its
+    own."""
 
     text_family: str
-    # the text weights lie at the root (model.*, lm_head.*) rather than below language_model (Step3-VL)
+    # the text weights lie at the root (model.*, lm_head.*) rather than below language_model
+    # (Step3-VL)
     text_at_root: bool = False
-    # the text weights are the names below this prefix, kept whole (Inkling's model.llm.); every other is a tower's
+    # the text weights are the names below this prefix, kept whole (Inkling's model.llm.); every
+    # other is a tower's
     text_prefix: str | None = None
 
 
-# Wrappers whose language model is one of the families (seeds/000). A wrapper loads whenever its text
+# Wrappers whose language model is one of the families (seeds/000). A wrapper loads whenever its
+# text
 # family runs; until then it is refused naming that family.
 TEXT_WRAPPERS: dict[str, TextWrapper] = {
     "gemma3": TextWrapper("gemma3_text"),
     "gemma3n": TextWrapper("gemma3n_text"),
     "gemma4": TextWrapper("gemma4_text"),
     "gemma4_unified": TextWrapper("gemma4_unified_text"),
-    "mistral3": TextWrapper("mistral"),                # Mistral Small 3.1; Ministral 3 states ministral3
+    # Mistral Small 3.1; Ministral 3 states ministral3
+    "mistral3": TextWrapper("mistral"),
     "llama4": TextWrapper("llama4_text"),
     "qwen3_5": TextWrapper("qwen3_5_text"),
     "qwen3_5_moe": TextWrapper("qwen3_5_moe_text"),
-    "kimi_k25": TextWrapper("kimi_k2"),                # Kimi-K2.5: a Kimi-K2 decoder
+    "kimi_k25": TextWrapper("kimi_k2"),  # Kimi-K2.5: a Kimi-K2 decoder
     "kimi_k3": TextWrapper("kimi_linear"),
     "hyperclovax_vision_v2": TextWrapper("hyperclovax"),
     "minimax_m3_vl": TextWrapper("minimax_m3_vl_text"),
@@ -61,13 +70,17 @@ TEXT_WRAPPERS: dict[str, TextWrapper] = {
 # (Transformers' Kimi_K25Config reads a kimi_k2 text_config as deepseek_v3 too)
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 # configs that may leave model_type out, read by the one class their architectures name (seeds/000)
-ARCHITECTURE_FAMILIES: dict[str, str] = {"LongcatFlashNgramForCausalLM": "longcat_flash_ngram",
-                                         "MiniMaxM3SparseForCausalLM": "minimax_m3_vl_text"}
-# keys a wrapper's text_config takes from the outer config when it leaves them out (seeds/000, Gemma 3)
+ARCHITECTURE_FAMILIES: dict[str, str] = {
+    "LongcatFlashNgramForCausalLM": "longcat_flash_ngram",
+    "MiniMaxM3SparseForCausalLM": "minimax_m3_vl_text",
+}
+# keys a wrapper's text_config takes from the outer config when it leaves them out (seeds/000, Gemma
+# 3)
 _OUTER_KEYS = ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
 
 
-# a config.json is kilobytes (a tokenizer_config.json naming 256k added tokens some tens of MiB); past this
+# a config.json is kilobytes (a tokenizer_config.json naming 256k added tokens some tens of MiB);
+# past this
 # the file is not one, and reading it whole would cost memory in proportion to whatever it is
 MAX_CONFIG_BYTES = 64 << 20
 
@@ -77,19 +90,26 @@ def load_raw_config(path: Path, what: str = "model config") -> dict:
     `what` names the file in a refusal (model config, generation config, ...)."""
     try:
         size = Path(path).stat().st_size
-        if size > MAX_CONFIG_BYTES:  # checked before reading: never the whole of a file too large to be a config
-            raise Refusal(f"invalid {what} {path}: it is {size} bytes, larger than the {MAX_CONFIG_BYTES >> 20} MiB "
-                          f"any {what} is; re-download it")
+        # checked before reading: never the whole of a file too large to be a config
+        if size > MAX_CONFIG_BYTES:
+            raise Refusal(
+                f"invalid {what} {path}: it is {size} bytes, larger than the {MAX_CONFIG_BYTES >> 20} MiB "
+                f"any {what} is; re-download it"
+            )
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise Refusal(f"failed to read {path}: {exc.strerror or exc}") from None
     try:
         raw = json.loads(text, parse_constant=lambda _: None)
     except json.JSONDecodeError as exc:
-        raise Refusal(f"invalid {what} {path}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise Refusal(
+            f"invalid {what} {path}: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     except (ValueError, RecursionError) as exc:
         # json.loads raises these past its own limits, on files no config writer produces
-        raise Refusal(f"invalid {what} {path}: {json_limit(exc)}; correct it or re-download it") from None
+        raise Refusal(
+            f"invalid {what} {path}: {json_limit(exc)}; correct it or re-download it"
+        ) from None
     if not isinstance(raw, dict):
         raise Refusal(f"invalid {what} {path}: the top level is not a JSON object")
     return raw
@@ -97,7 +117,8 @@ def load_raw_config(path: Path, what: str = "model config") -> dict:
 
 def json_limit(exc: Exception) -> str:
     """What a JSON file broke, for json.loads' two errors past its limits: RecursionError (arrays or
-    objects nested past Python's recursion limit) and ValueError (an integer of over 4300 digits)."""
+    objects nested past Python's recursion limit) and ValueError (an integer of over 4300
+    digits)."""
     if isinstance(exc, RecursionError):
         return "its arrays or objects nest too deeply to be read"
     return f"it holds a number too long to read ({' '.join(str(exc).split(';')[0].split())[:100]})"
@@ -105,16 +126,23 @@ def json_limit(exc: Exception) -> str:
 
 def architecture_message(model_type: object) -> str:
     shown = "null" if model_type is None else str(model_type)
-    return (f'model architecture "{shown}" is unsupported by this ster_dist build; use a Hugging Face '
-            f"checkpoint whose model_type is one of {', '.join(FAMILY_NAMES)}")
+    return (
+        f'model architecture "{shown}" is unsupported by this ster_dist build; use a Hugging Face '
+        f"checkpoint whose model_type is one of {', '.join(FAMILY_NAMES)}"
+    )
 
 
 def family_of(raw: dict) -> str:
-    """The family a config belongs to, after unwrapping text wrappers and aliases; refuses the rest."""
+    """The family a config belongs to, after unwrapping text wrappers and aliases; refuses the
+    rest."""
     model_type = raw.get("model_type")
     architectures = raw.get("architectures")
     if model_type is None and isinstance(architectures, list) and len(architectures) == 1:
-        model_type = ARCHITECTURE_FAMILIES.get(architectures[0]) if isinstance(architectures[0], str) else None
+        model_type = (
+            ARCHITECTURE_FAMILIES.get(architectures[0])
+            if isinstance(architectures[0], str)
+            else None
+        )
     if not isinstance(model_type, str):  # a list or object is no family name (and is unhashable)
         raise Refusal(architecture_message(model_type))
     wrapper = TEXT_WRAPPERS.get(model_type)
@@ -137,25 +165,30 @@ def wrapper_of(raw: dict) -> str | None:
 
 
 def text_config(raw: dict) -> dict:
-    """The config the family reads: a wrapper's text_config, with a few keys from the outer config."""
+    """The config the family reads: a wrapper's text_config, with a few keys from the outer
+    config."""
     if wrapper_of(raw) is None:
         return raw
     text = dict(raw["text_config"])
     for key in _OUTER_KEYS:
         if text.get(key) is None and raw.get(key) is not None:
             text[key] = raw[key]
-    # the wrapper's own class ties (or unties) its head by the outer config's key, whatever the text config says
+    # the wrapper's own class ties (or unties) its head by the outer config's key, whatever the text
+    # config says
     if isinstance(raw.get("tie_word_embeddings"), bool):
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     return text
 
 
 def not_runnable(raw: dict, family: str) -> Refusal:
-    """The refusal for a recognised family without a spec, naming the text family inside a wrapper."""
+    """The refusal for a recognised family without a spec, naming the text family inside a
+    wrapper."""
     wrapper = wrapper_of(raw)
     inside = f" (the text decoder inside {wrapper})" if wrapper else ""
-    return Refusal(f"model architecture \"{family}\"{inside} is recognised but not yet runnable in this "
-                   "ster_dist build; `ster families` lists the runnable ones")
+    return Refusal(
+        f'model architecture "{family}"{inside} is recognised but not yet runnable in this '
+        "ster_dist build; `ster families` lists the runnable ones"
+    )
 
 
 def text_weight_names(wrapper: str, name: str) -> list[str]:
@@ -169,17 +202,18 @@ def text_weight_names(wrapper: str, name: str) -> list[str]:
     if TEXT_WRAPPERS[wrapper].text_at_root:
         return [name] if name.startswith(("model.", "lm_head.")) else []
     if name.startswith("model.language_model."):
-        rest = name[len("model.language_model."):]
+        rest = name[len("model.language_model.") :]
         return [f"model.{rest}", rest]
     if name.startswith("language_model."):
-        return [name[len("language_model."):]]
+        return [name[len("language_model.") :]]
     if name.startswith("lm_head."):
         return [name]
     return []
 
 
 def gate(raw: dict, model: str) -> str:
-    """The architecture gate and the quantized-checkpoint refusal (config_quant); returns the family name."""
+    """The architecture gate and the quantized-checkpoint refusal (config_quant); returns the family
+    name."""
     family = family_of(raw)
     quant = raw.get("quantization_config")
     if quant is None and isinstance(raw.get("text_config"), dict):

@@ -1,4 +1,5 @@
-"""Config lookups with aliases: the one way config.py and its helpers read a (normalised) config dict."""
+"""Config lookups with aliases: the one way config.py and its helpers read a (normalised) config
+dict."""
 
 from __future__ import annotations
 

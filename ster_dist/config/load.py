@@ -1,5 +1,7 @@
-"""A checkpoint's ModelConfig: config.json (or Mistral's params.json) read through config.py, with the
-end-of-sequence ids generation_config.json (or the tokenizer config) states. Every process that needs
+"""A checkpoint's ModelConfig: config.json (or Mistral's params.json) read through config.py, with
+the
+end-of-sequence ids generation_config.json (or the tokenizer config) states. Every process that
+needs
 a model's config without its weights (the driver, the job queue's checks) reads it here."""
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def model_config(checkpoint: Checkpoint) -> ModelConfig:
 
 
 def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
-    """tokenizer_config.json's eos_token, as its id in tokenizer.json (read as Transformers reads them)."""
+    """tokenizer_config.json's eos_token, as its id in tokenizer.json (read as Transformers reads
+    them)."""
     from ster_dist.tokenizer import Tokenizer
 
     eos = Tokenizer.from_directory(checkpoint.tokenizer_path.parent).eos_token_id
@@ -31,7 +34,8 @@ def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
 
 
 def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
-    """generation_config.json's eos_token_id: a file that is there is read whole, and a value the token
+    """generation_config.json's eos_token_id: a file that is there is read whole, and a value the
+    token
     engine could not stop on (a string, a float, a negative id) is refused, as config.json's is."""
     path = checkpoint.generation_config_path
     if not path.is_file():
@@ -45,6 +49,8 @@ def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
     ids = eos if isinstance(eos, list) else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         shown = repr(eos) if len(repr(eos)) <= 60 else repr(eos)[:57] + "..."
-        raise Refusal(f"invalid generation config {path}: eos_token_id is {shown}; it must be a token id or a "
-                      "list of token ids; correct it in generation_config.json (or re-download the checkpoint)")
+        raise Refusal(
+            f"invalid generation config {path}: eos_token_id is {shown}; it must be a token id or a "
+            "list of token ids; correct it in generation_config.json (or re-download the checkpoint)"
+        )
     return tuple(ids)

@@ -1,13 +1,18 @@
-"""A checkpoint's quantization_config, read once: which quantized layouts load, and the refusal for the rest.
+"""A checkpoint's quantization_config, read once: which quantized layouts load, and the refusal for
+the rest.
 
 Three layouts load, each dequantized to --precision while it is read (shard/fp8.py, shard/mxfp4.py):
 - FP8 with block scales as DeepSeek-V3/R1 and Qwen3-*-FP8 publish it (quant_method fp8, fmt e4m3,
-  weight_block_size [rows, cols]): float8_e4m3fn weights beside `<name>_scale_inv`, one float32 scale per block;
-- MXFP4 as gpt-oss publishes it (quant_method mxfp4): expert matrices as `<name>_blocks` (uint8, two e2m1
+  weight_block_size [rows, cols]): float8_e4m3fn weights beside `<name>_scale_inv`, one float32
+  scale per block;
+- MXFP4 as gpt-oss publishes it (quant_method mxfp4): expert matrices as `<name>_blocks` (uint8, two
+  e2m1
   values a byte, 32 values a block) beside `<name>_scales` (one e8m0 exponent a block);
-- compressed-tensors FP8 (quant_method compressed-tensors, format float-quantized or naive-quantized, weights
+- compressed-tensors FP8 (quant_method compressed-tensors, format float-quantized or
+  naive-quantized, weights
   {num_bits 8, type float} with strategy channel, tensor or block): float8_e4m3fn weights beside
-  `<name>_scale`. Activation schemes are not applied: such checkpoints run weight-only, as the note says.
+  `<name>_scale`. Activation schemes are not applied: such checkpoints run weight-only, as the note
+  says.
 Every other quantization keeps a one-line refusal naming it.
 """
 
@@ -18,22 +23,26 @@ from dataclasses import dataclass
 
 from ster_dist.errors import Refusal
 
-SUPPORTED = 'quant_method fp8 with fmt e4m3 and a weight_block_size [rows, cols] (as DeepSeek-V3 and Qwen3-FP8 publish)'
+SUPPORTED = "quant_method fp8 with fmt e4m3 and a weight_block_size [rows, cols] (as DeepSeek-V3 and Qwen3-FP8 publish)"
 LOADED = "FP8 with block scales (quant_method fp8), MXFP4 (quant_method mxfp4) and compressed-tensors FP8 weights"
 CT_FORMATS = ("float-quantized", "naive-quantized")
 CT_STRATEGIES = ("channel", "tensor", "block")
 
 
 def _within(name: str, module: str) -> bool:
-    """Whether `module` (dotted; a `*` part matches any one part) names a module holding tensor `name`."""
+    """Whether `module` (dotted; a `*` part matches any one part) names a module holding tensor
+    `name`."""
     parts, want = name.split("."), module.split(".")
-    return any(all(w in ("*", p) for w, p in zip(want, parts[i:i + len(want)]))
-               for i in range(len(parts) - len(want) + 1))
+    return any(
+        all(w in ("*", p) for w, p in zip(want, parts[i : i + len(want)]))
+        for i in range(len(parts) - len(want) + 1)
+    )
 
 
 @dataclass(frozen=True)
 class BlockFP8:
-    """FP8 weights scaled per block of `block` = (rows, cols); modules_to_not_convert are stored unquantized."""
+    """FP8 weights scaled per block of `block` = (rows, cols); modules_to_not_convert are stored
+    unquantized."""
 
     block: tuple[int, int]
     not_convert: tuple[str, ...] = ()
@@ -42,20 +51,26 @@ class BlockFP8:
     scale_suffix = "_scale_inv"
 
     def summary(self) -> dict:
-        return {"method": "fp8", "fmt": "e4m3", "weight_block_size": list(self.block),
-                **({"modules_to_not_convert": list(self.not_convert)} if self.not_convert else {})}
+        return {
+            "method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": list(self.block),
+            **({"modules_to_not_convert": list(self.not_convert)} if self.not_convert else {}),
+        }
 
     def describe(self) -> str:
         return f"{self.label} (weight_block_size {list(self.block)})"
 
     def converts(self, name: str) -> bool:
-        """False for a tensor of a module listed in modules_to_not_convert (matched on whole name parts)."""
+        """False for a tensor of a module listed in modules_to_not_convert (matched on whole name
+        parts)."""
         return not any(_within(name, module) for module in self.not_convert)
 
 
 @dataclass(frozen=True)
 class Mxfp4:
-    """MXFP4 matrices (gpt-oss's experts): 32 e2m1 values a block, packed two a byte, one e8m0 exponent a block."""
+    """MXFP4 matrices (gpt-oss's experts): 32 e2m1 values a block, packed two a byte, one e8m0
+    exponent a block."""
 
     not_convert: tuple[str, ...] = ()
     method = "mxfp4"
@@ -63,8 +78,13 @@ class Mxfp4:
     block = 32
 
     def summary(self) -> dict:
-        return {"method": "mxfp4", "values": "e2m1", "scales": "e8m0", "block": self.block,
-                **({"modules_to_not_convert": list(self.not_convert)} if self.not_convert else {})}
+        return {
+            "method": "mxfp4",
+            "values": "e2m1",
+            "scales": "e8m0",
+            "block": self.block,
+            **({"modules_to_not_convert": list(self.not_convert)} if self.not_convert else {}),
+        }
 
     def describe(self) -> str:
         return f"{self.label} (e2m1 values in blocks of {self.block})"
@@ -75,8 +95,10 @@ class Mxfp4:
 
 @dataclass(frozen=True)
 class CompressedFP8:
-    """compressed-tensors FP8 weights: float8_e4m3fn, scaled per output channel, per tensor or per block (one
-    strategy per config group; each tensor's scale shape says which is its own). `activations` names the
+    """compressed-tensors FP8 weights: float8_e4m3fn, scaled per output channel, per tensor or per
+    block (one
+    strategy per config group; each tensor's scale shape says which is its own). `activations` names
+    the
     activation schemes the config states, which load weight-only."""
 
     strategies: tuple[str, ...]
@@ -89,17 +111,22 @@ class CompressedFP8:
     scale_suffix = "_scale"
 
     def summary(self) -> dict:
-        return {"method": "compressed-tensors", "format": self.format, "weights": "fp8 e4m3",
-                "strategies": list(self.strategies),
-                **({"block_structure": list(self.block)} if self.block else {}),
-                **({"ignore": list(self.ignore)} if self.ignore else {}),
-                **({"activations_not_applied": list(self.activations)} if self.activations else {})}
+        return {
+            "method": "compressed-tensors",
+            "format": self.format,
+            "weights": "fp8 e4m3",
+            "strategies": list(self.strategies),
+            **({"block_structure": list(self.block)} if self.block else {}),
+            **({"ignore": list(self.ignore)} if self.ignore else {}),
+            **({"activations_not_applied": list(self.activations)} if self.activations else {}),
+        }
 
     def describe(self) -> str:
         return f"{self.label} (weights per {', '.join(self.strategies)})"
 
     def converts(self, name: str) -> bool:
-        """False for a tensor of a module the config's `ignore` names (a module name, or `re:` and a pattern)."""
+        """False for a tensor of a module the config's `ignore` names (a module name, or `re:` and a
+        pattern)."""
         module = name.rsplit(".", 1)[0]
         for entry in self.ignore:
             if entry.startswith("re:"):
@@ -114,7 +141,8 @@ Quantization = BlockFP8 | Mxfp4 | CompressedFP8
 
 
 def quantization(quant: object, model: str) -> Quantization | None:
-    """The quantization a config states: None for none, the layout that loads; refuses the rest in one line."""
+    """The quantization a config states: None for none, the layout that loads; refuses the rest in
+    one line."""
     if not quant:
         return None
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
@@ -124,8 +152,10 @@ def quantization(quant: object, model: str) -> Quantization | None:
         return Mxfp4(_names(quant, "modules_to_not_convert", model))
     if method == "compressed-tensors":
         return _compressed(quant, model)
-    raise Refusal(f"model {model} is a quantized checkpoint (quantization_config: {method}); "
-                  f"ster_dist runs unquantized safetensors weights only, besides {LOADED}: use a BF16, F16 or F32 export")
+    raise Refusal(
+        f"model {model} is a quantized checkpoint (quantization_config: {method}); "
+        f"ster_dist runs unquantized safetensors weights only, besides {LOADED}: use a BF16, F16 or F32 export"
+    )
 
 
 def _names(quant: dict, key: str, model: str) -> tuple[str, ...]:
@@ -149,21 +179,30 @@ def _block_fp8(quant: dict, model: str) -> BlockFP8:
         why = f"activation_scheme {scheme}"
     else:
         return BlockFP8((block[0], block[1]), _names(quant, "modules_to_not_convert", model))
-    raise Refusal(f"model {model} is a quantized checkpoint (quantization_config: fp8) with {why}; ster_dist "
-                  f"loads FP8 only as {SUPPORTED}: use such an export or a BF16 one")
+    raise Refusal(
+        f"model {model} is a quantized checkpoint (quantization_config: fp8) with {why}; ster_dist "
+        f"loads FP8 only as {SUPPORTED}: use such an export or a BF16 one"
+    )
 
 
 def _pair(block: object) -> bool:
-    return isinstance(block, list) and len(block) == 2 and all(
-        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    return (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    )
 
 
 def _compressed(quant: dict, model: str) -> CompressedFP8:
-    """compressed-tensors: every config group's weights must be symmetric 8-bit floats in a strategy that loads."""
+    """compressed-tensors: every config group's weights must be symmetric 8-bit floats in a strategy
+    that loads."""
+
     def refuse(why: str) -> Refusal:
-        return Refusal(f"model {model} is a compressed-tensors checkpoint with {why}; ster_dist loads "
-                       f"compressed-tensors only as FP8 weights ({' or '.join(CT_FORMATS)}, num_bits 8, type float, "
-                       f"strategy {', '.join(CT_STRATEGIES)}): use such an export or a BF16 one")
+        return Refusal(
+            f"model {model} is a compressed-tensors checkpoint with {why}; ster_dist loads "
+            f"compressed-tensors only as FP8 weights ({' or '.join(CT_FORMATS)}, num_bits 8, type float, "
+            f"strategy {', '.join(CT_STRATEGIES)}): use such an export or a BF16 one"
+        )
 
     top = quant.get("format") or "float-quantized"
     groups = quant.get("config_groups") or {}
@@ -191,7 +230,8 @@ def _compressed(quant: dict, model: str) -> CompressedFP8:
             raise refuse(f"asymmetric weights (config group {group_name})")
         if strategy == "block":
             block = weights.get("block_structure")
-            if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):  # older releases write "128x128"
+            # older releases write "128x128"
+            if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):
                 block = [int(b) for b in block.split("x")]
             if not _pair(block):
                 raise refuse(f"block_structure {block} (config group {group_name})")
@@ -211,7 +251,11 @@ def _compressed(quant: dict, model: str) -> CompressedFP8:
         try:
             re.compile(entry[3:]) if entry.startswith("re:") else None
         except re.error:
-            raise Refusal(f"model {model}'s quantization_config.ignore entry {entry!r} is not a valid pattern") from None
+            raise Refusal(
+                f"model {model}'s quantization_config.ignore entry {entry!r} is not a valid pattern"
+            ) from None
     if len(blocks) > 1:
         raise refuse(f"block_structures {sorted(blocks)} (one per checkpoint loads)")
-    return CompressedFP8(tuple(strategies), next(iter(blocks), None), ignore, top, tuple(activations))
+    return CompressedFP8(
+        tuple(strategies), next(iter(blocks), None), ignore, top, tuple(activations)
+    )

@@ -64,12 +64,20 @@ def argmax(values: list[float]) -> int:
 def answer(question: Question, probs: list[float]) -> dict:
     if question.type == "choice":
         names = question.names()
-        return {"type": "choice", "choice": names[argmax(probs)], "probabilities": dict(zip(names, probs)),
-                "confidence": confidence(probs)}
+        return {
+            "type": "choice",
+            "choice": names[argmax(probs)],
+            "probabilities": dict(zip(names, probs)),
+            "confidence": confidence(probs),
+        }
     if question.type == "score":
-        return {"type": "score", "score": sum(level * p for level, p in enumerate(probs)),
-                "legend": {str(i): text_of(d) for i, d in enumerate(question.criteria)},
-                "probabilities": {str(i): p for i, p in enumerate(probs)}, "confidence": confidence(probs)}
+        return {
+            "type": "score",
+            "score": sum(level * p for level, p in enumerate(probs)),
+            "legend": {str(i): text_of(d) for i, d in enumerate(question.criteria)},
+            "probabilities": {str(i): p for i, p in enumerate(probs)},
+            "confidence": confidence(probs),
+        }
     return {"type": "noul", "noul": probs[0]}
 
 

@@ -12,13 +12,22 @@ from ster_dist.decide.labelled import Labelled
 from ster_dist.decide.run import read_questions
 
 
-def decisions(engine, tokenizer, cfg, items: list[Labelled], permutations: int, chat_template: str, progress,
-              usage: dict) -> list[scaling.Decision]:
+def decisions(
+    engine,
+    tokenizer,
+    cfg,
+    items: list[Labelled],
+    permutations: int,
+    chat_template: str,
+    progress,
+    usage: dict,
+) -> list[scaling.Decision]:
     """Every labelled question of `items` as a Decision; `usage` accumulates what the reads cost."""
     out = []
     for number, item in enumerate(items, 1):
-        per_question, used = read_questions(engine, tokenizer, cfg, item.request, permutations, chat_template,
-                                            lambda message: None)
+        per_question, used = read_questions(
+            engine, tokenizer, cfg, item.request, permutations, chat_template, lambda message: None
+        )
         for key, value in used.items():
             usage[key] = usage.get(key, 0) + value
         for (rows, _), label in zip(per_question, item.labels):
@@ -28,26 +37,47 @@ def decisions(engine, tokenizer, cfg, items: list[Labelled], permutations: int, 
     return out
 
 
-def calibrate(engine, tokenizer, cfg, fit_items: list[Labelled], control_items: list[Labelled], permutations: int,
-              chat_template: str, progress) -> dict:
+def calibrate(
+    engine,
+    tokenizer,
+    cfg,
+    fit_items: list[Labelled],
+    control_items: list[Labelled],
+    permutations: int,
+    chat_template: str,
+    progress,
+) -> dict:
     usage: dict = {}
-    fit_set = decisions(engine, tokenizer, cfg, fit_items, permutations, chat_template, progress, usage)
-    control_set = decisions(engine, tokenizer, cfg, control_items, permutations, chat_template, progress, usage)
+    fit_set = decisions(
+        engine, tokenizer, cfg, fit_items, permutations, chat_template, progress, usage
+    )
+    control_set = decisions(
+        engine, tokenizer, cfg, control_items, permutations, chat_template, progress, usage
+    )
     fitted = scaling.fit(fit_set)
     progress(f"fitted temperature {fitted.temperature:.4f} in {fitted.steps} golden-section steps")
     if fitted.at_bound:
-        progress(f"warning: the fitted temperature lies at the end of e^-3..e^3 ({fitted.temperature:.4f}): these "
-                 "decisions want a temperature beyond the range, so the fit is clipped there")
+        progress(
+            f"warning: the fitted temperature lies at the end of e^-3..e^3 ({fitted.temperature:.4f}): these "
+            "decisions want a temperature beyond the range, so the fit is clipped there"
+        )
     return {
         "temperature": fitted.temperature,
         "log_temperature": fitted.log_temperature,
-        "search": {"method": "golden-section on log temperature", "bounds": list(scaling.LOG_T_BOUNDS),
-                   "tolerance": scaling.TOLERANCE, "steps": fitted.steps, "at_bound": fitted.at_bound},
+        "search": {
+            "method": "golden-section on log temperature",
+            "bounds": list(scaling.LOG_T_BOUNDS),
+            "tolerance": scaling.TOLERANCE,
+            "steps": fitted.steps,
+            "at_bound": fitted.at_bound,
+        },
         "ece_bins": scaling.ECE_BINS,
         "items": {"fit": len(fit_items), "control": len(control_items)},
         "before": scaling.metrics(fit_set, 1.0),
         "after": scaling.metrics(fit_set, fitted.temperature),
-        "control": {"before": scaling.metrics(control_set, 1.0),
-                    "after": scaling.metrics(control_set, fitted.temperature)},
+        "control": {
+            "before": scaling.metrics(control_set, 1.0),
+            "after": scaling.metrics(control_set, fitted.temperature),
+        },
         "usage": usage,
     }

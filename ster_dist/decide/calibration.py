@@ -32,24 +32,38 @@ FORMAT = f"{FORMAT_NAME}/{VERSION}"
 def check(data, where: str) -> dict:
     """`data` as a ster-calibration/1 artifact, or the one-line refusal of what is wrong with it."""
     if not isinstance(data, dict) or not isinstance(data.get("format"), str):
-        raise Refusal(f"{where} is not a Ster calibration artifact (no format field): pass the file ster calibrate "
-                      "wrote")
+        raise Refusal(
+            f"{where} is not a Ster calibration artifact (no format field): pass the file ster calibrate "
+            "wrote"
+        )
     name, _, version = data["format"].partition("/")
     if name != FORMAT_NAME:
-        raise Refusal(f"{where} has format {json.dumps(data['format'])}, not {FORMAT}: pass the file ster calibrate "
-                      "wrote")
+        raise Refusal(
+            f"{where} has format {json.dumps(data['format'])}, not {FORMAT}: pass the file ster calibrate "
+            "wrote"
+        )
     if version != str(VERSION):
-        raise Refusal(f"{where} is {data['format']}; this build reads {FORMAT} only: refit it with this build's "
-                      "ster calibrate")
+        raise Refusal(
+            f"{where} is {data['format']}; this build reads {FORMAT} only: refit it with this build's "
+            "ster calibrate"
+        )
     if not isinstance(data.get("model"), str) or not data["model"]:
         raise Refusal(f"{where} names no model: refit it with ster calibrate")
     temperature = data.get("temperature")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature):
-        raise Refusal(f"{where} has temperature {json.dumps(temperature)}, not a finite number: refit it with "
-                      "ster calibrate")
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not math.isfinite(temperature)
+    ):
+        raise Refusal(
+            f"{where} has temperature {json.dumps(temperature)}, not a finite number: refit it with "
+            "ster calibrate"
+        )
     if not T_MIN <= temperature <= T_MAX:
-        raise Refusal(f"{where} has temperature {temperature}, outside the e^-3..e^3 ({T_MIN:.4f}..{T_MAX:.2f}) "
-                      "calibration fits in: refit it with ster calibrate")
+        raise Refusal(
+            f"{where} has temperature {temperature}, outside the e^-3..e^3 ({T_MIN:.4f}..{T_MAX:.2f}) "
+            "calibration fits in: refit it with ster calibrate"
+        )
     return data
 
 
@@ -59,8 +73,10 @@ def load(path: str, field: str) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise Refusal(f"{where} is not JSON: {exc.msg} at line {exc.lineno}; pass the file ster calibrate "
-                      "wrote") from None
+        raise Refusal(
+            f"{where} is not JSON: {exc.msg} at line {exc.lineno}; pass the file ster calibrate "
+            "wrote"
+        ) from None
     return check(data, where)
 
 
@@ -69,17 +85,25 @@ def check_for_run(artifact: dict, model: str, where: str) -> None:
     from ster_dist.steer.artifact import same_model
 
     if not same_model(artifact["model"], model):
-        raise Refusal(f'{where} was fitted for model "{artifact["model"]}", current model is "{model}": load the '
-                      "model it was fitted for, or refit it for this one with ster calibrate")
+        raise Refusal(
+            f'{where} was fitted for model "{artifact["model"]}", current model is "{model}": load the '
+            "model it was fitted for, or refit it for this one with ster calibrate"
+        )
 
 
 def warnings(artifact: dict, precision: str, chat_template: str, permutations: int) -> list[str]:
     out = []
-    for name, now in (("precision", precision), ("chat_template", chat_template), ("permutations", permutations)):
+    for name, now in (
+        ("precision", precision),
+        ("chat_template", chat_template),
+        ("permutations", permutations),
+    ):
         then = artifact.get(name)
         if then is not None and then != now:
-            out.append(f"warning: this temperature was fitted with {name} {then} and this run reads decisions with "
-                       f"{now}, so its probabilities are scaled by a fit made on other numbers")
+            out.append(
+                f"warning: this temperature was fitted with {name} {then} and this run reads decisions with "
+                f"{now}, so its probabilities are scaled by a fit made on other numbers"
+            )
     return out
 
 
@@ -92,4 +116,6 @@ def save(artifact: dict, path: str) -> None:
             json.dump(artifact, handle, indent=2, ensure_ascii=False)
             handle.write("\n")
     except OSError as exc:
-        raise Refusal(f"failed to write calibration artifact {path}: {exc.strerror or exc}") from None
+        raise Refusal(
+            f"failed to write calibration artifact {path}: {exc.strerror or exc}"
+        ) from None

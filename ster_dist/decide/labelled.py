@@ -24,7 +24,8 @@ MIN_DECISIONS = 8  # fewer and the fit and its metrics say little
 @dataclass(frozen=True)
 class Labelled:
     request: Request
-    labels: tuple[int, ...]  # per question, in the request's (id) order: the right option's canonical index
+    # per question, in the request's (id) order: the right option's canonical index
+    labels: tuple[int, ...]
     where: str
 
 
@@ -47,8 +48,10 @@ def _parse(text: str, where: str):
     try:
         return json.loads(text, object_pairs_hook=_no_repeats)
     except _Repeated as repeated:
-        raise Refusal(f"{where} repeats the key {json.dumps(repeated.key)} in one object (a duplicate option or "
-                      "question); keep one") from None
+        raise Refusal(
+            f"{where} repeats the key {json.dumps(repeated.key)} in one object (a duplicate option or "
+            "question); keep one"
+        ) from None
     except json.JSONDecodeError as exc:
         raise Refusal(f"{where} is not JSON: {exc.msg} at column {exc.colno}") from None
 
@@ -58,44 +61,60 @@ def _label_index(question: Question, label, where: str) -> int:
     if question.type == "choice":
         names = question.names()
         if not isinstance(label, str) or label not in names:
-            raise Refusal(f"{where}: label {json.dumps(label)} of question '{qid}' is not among its options "
-                          f"({', '.join(names)}); label it with one of them")
+            raise Refusal(
+                f"{where}: label {json.dumps(label)} of question '{qid}' is not among its options "
+                f"({', '.join(names)}); label it with one of them"
+            )
         return names.index(label)
     if question.type == "score":
         levels = len(question.criteria)
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < levels:
-            raise Refusal(f"{where}: label {json.dumps(label)} of score question '{qid}' is not among its levels; "
-                          f"label it with a level index from 0 to {levels - 1}")
+            raise Refusal(
+                f"{where}: label {json.dumps(label)} of score question '{qid}' is not among its levels; "
+                f"label it with a level index from 0 to {levels - 1}"
+            )
         return label
     if not isinstance(label, bool):
-        raise Refusal(f"{where}: label {json.dumps(label)} of noul question '{qid}' is not among its options; "
-                      "label it true or false")
+        raise Refusal(
+            f"{where}: label {json.dumps(label)} of noul question '{qid}' is not among its options; "
+            "label it true or false"
+        )
     return 0 if label else 1  # options are yes, then no
 
 
 def parse_item(data, where: str) -> Labelled:
     if not isinstance(data, dict):
-        raise Refusal(f"{where} is not a decide request with labels: write "
-                      '{"state": ..., "questions": {...}, "labels": {"question id": answer}}')
+        raise Refusal(
+            f"{where} is not a decide request with labels: write "
+            '{"state": ..., "questions": {...}, "labels": {"question id": answer}}'
+        )
     body = {k: v for k, v in data.items() if k != "labels"}
     request = parse_request(body, where)
     labels = data.get("labels")
     if not isinstance(labels, dict) or not labels:
-        raise Refusal(f"{where} has no labels: add \"labels\" mapping each question id to its right answer")
+        raise Refusal(
+            f'{where} has no labels: add "labels" mapping each question id to its right answer'
+        )
     asked = {q.id for q in request.questions}
     stray = sorted(set(labels) - asked)
     if stray:
-        raise Refusal(f"{where}: labels name question '{stray[0]}', which it does not ask; label only its questions")
+        raise Refusal(
+            f"{where}: labels name question '{stray[0]}', which it does not ask; label only its questions"
+        )
     indexes = []
     for question in request.questions:
         if question.id not in labels:
-            raise Refusal(f"{where}: question '{question.id}' has no label; add its right answer to \"labels\"")
+            raise Refusal(
+                f"{where}: question '{question.id}' has no label; add its right answer to \"labels\""
+            )
         if question.type == "score":
             texts = [text_of(level).strip() for level in question.criteria]
             twice = next((t for i, t in enumerate(texts) if t in texts[:i]), None)
             if twice is not None:
-                raise Refusal(f"{where}: score question '{question.id}' lists the level {json.dumps(twice)} twice; "
-                              "keep one")
+                raise Refusal(
+                    f"{where}: score question '{question.id}' lists the level {json.dumps(twice)} twice; "
+                    "keep one"
+                )
         indexes.append(_label_index(question, labels[question.id], where))
     return Labelled(request, tuple(indexes), where)
 
@@ -125,24 +144,31 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def split(items: list[Labelled], control: list[Labelled] | None, every: int, path: str,
-          control_label: str) -> tuple[list[Labelled], list[Labelled], str]:
+def split(
+    items: list[Labelled], control: list[Labelled] | None, every: int, path: str, control_label: str
+) -> tuple[list[Labelled], list[Labelled], str]:
     """(fit items, control items, where the control came from): the control file's items when there
     is one, else every `every`-th item held out of `items`; each side refused when too small."""
     if control is not None:
         fit, held, source = items, control, "the control file"
         if decisions_in(fit) < MIN_DECISIONS:
-            raise Refusal(f"{path} has {decisions_in(fit)} labelled decisions; calibration fits on at least "
-                          f"{MIN_DECISIONS}: label more")
+            raise Refusal(
+                f"{path} has {decisions_in(fit)} labelled decisions; calibration fits on at least "
+                f"{MIN_DECISIONS}: label more"
+            )
         return fit, held, source
     fit = [item for i, item in enumerate(items, 1) if i % every]
     held = [item for i, item in enumerate(items, 1) if not i % every]
     source = f"every {ordinal(every)} item"
     if decisions_in(fit) < MIN_DECISIONS:
-        raise Refusal(f"{path} has {decisions_in(items)} labelled decisions, {decisions_in(fit)} once every {ordinal(every)} "
-                      f"item is held out as the control; calibration fits on at least {MIN_DECISIONS}: label more, "
-                      f"or give the control as {control_label}")
+        raise Refusal(
+            f"{path} has {decisions_in(items)} labelled decisions, {decisions_in(fit)} once every {ordinal(every)} "
+            f"item is held out as the control; calibration fits on at least {MIN_DECISIONS}: label more, "
+            f"or give the control as {control_label}"
+        )
     if not held:
-        raise Refusal(f"{path} has {len(items)} items, so holding out every {ordinal(every)} leaves no control: add items, "
-                      f"lower the hold-out, or give the control as {control_label}")
+        raise Refusal(
+            f"{path} has {len(items)} items, so holding out every {ordinal(every)} leaves no control: add items, "
+            f"lower the hold-out, or give the control as {control_label}"
+        )
     return fit, held, source

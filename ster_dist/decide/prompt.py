@@ -6,8 +6,10 @@ from __future__ import annotations
 from ster_dist.decide.request import Question, Request, text_of
 
 LABELS = tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-HEADER = ("Decide the question below about the state. Reply with the letter of the one option that fits "
-          "best.\n\nState:\n")
+HEADER = (
+    "Decide the question below about the state. Reply with the letter of the one option that fits "
+    "best.\n\nState:\n"
+)
 
 
 def orders(count: int, requested: int) -> list[list[int]]:
@@ -17,8 +19,13 @@ def orders(count: int, requested: int) -> list[list[int]]:
 
 
 def render(request: Request, question: Question, options: list[str], order: list[int]) -> str:
-    lines = [HEADER, text_of(request.state).strip(), "\n\nQuestion: ", text_of(question.instructions).strip(),
-             "\n\nOptions:\n"]
+    lines = [
+        HEADER,
+        text_of(request.state).strip(),
+        "\n\nQuestion: ",
+        text_of(question.instructions).strip(),
+        "\n\nOptions:\n",
+    ]
     for position, index in enumerate(order):
         lines.append(f"{LABELS[position]}. {options[index].strip()}\n")
     lines.append("\nAnswer:")

@@ -38,10 +38,12 @@ class Question:
     id: str
     type: str
     instructions: object
-    criteria: object  # choice: {name: description}; score: [level, ...]; noul: {"true"?, "false"?} or None
+    # choice: {name: description}; score: [level, ...]; noul: {"true"?, "false"?} or None
+    criteria: object
 
     def options(self) -> list[str]:
-        """Option texts in canonical order: choice names sorted, score levels in order, yes then no."""
+        """Option texts in canonical order: choice names sorted, score levels in order, yes then
+        no."""
         if self.type == "choice":
             return [_describe(name, self.criteria[name]) for name in self.names()]
         if self.type == "score":
@@ -67,7 +69,9 @@ def load_request(path: str) -> Request:
         try:
             raw = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise Refusal(f"failed to read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+            raise Refusal(
+                f"failed to read {path}: {getattr(exc, 'strerror', None) or exc}"
+            ) from None
         where = path
     try:
         data = json.loads(raw)
@@ -81,11 +85,15 @@ def parse_request(data, where: str = "") -> Request:
         return Refusal(f"invalid decide request {where}: {why}".replace("request :", "request:"))
 
     if not isinstance(data, dict) or "state" not in data or "questions" not in data:
-        raise bad('expected {"state": ..., "questions": {"id": {"type": ..., "instructions": ...}}}')
+        raise bad(
+            'expected {"state": ..., "questions": {"id": {"type": ..., "instructions": ...}}}'
+        )
     if not isinstance(data["questions"], dict):
         raise bad("questions must map question ids to questions")
     if data.get("model") is not None and not isinstance(data["model"], str):
-        raise bad("model must be a string (it is ignored: the model is the one on the command line)")
+        raise bad(
+            "model must be a string (it is ignored: the model is the one on the command line)"
+        )
     questions = []
     for qid in sorted(data["questions"]):
         body = data["questions"][qid]
@@ -95,12 +103,17 @@ def parse_request(data, where: str = "") -> Request:
             raise bad(f"question '{qid}' has no instructions")
         kind, criteria = body["type"], body.get("criteria")
         if kind == "choice" and not isinstance(criteria, dict):
-            raise bad(f"choice question '{qid}' needs criteria mapping option names to descriptions")
+            raise bad(
+                f"choice question '{qid}' needs criteria mapping option names to descriptions"
+            )
         if kind == "score" and not isinstance(criteria, list):
             raise bad(f"score question '{qid}' needs criteria listing its levels in order")
-        if kind == "noul" and criteria is not None and (not isinstance(criteria, dict)
-                                                         or set(criteria) - {"true", "false"}):
-            raise bad(f"noul question '{qid}' criteria may only carry \"true\" and \"false\"")
+        if (
+            kind == "noul"
+            and criteria is not None
+            and (not isinstance(criteria, dict) or set(criteria) - {"true", "false"})
+        ):
+            raise bad(f'noul question \'{qid}\' criteria may only carry "true" and "false"')
         questions.append(Question(qid, kind, body["instructions"], criteria))
     request = Request(data["state"], tuple(questions))
     validate(request)
@@ -123,12 +136,16 @@ def validate(request: Request) -> None:
             if len(q.criteria) < 2:
                 raise Refusal(f"{q.type} question '{q.id}' needs at least two {noun}")
             if len(q.criteria) > MAX_OPTIONS:
-                raise Refusal(f"{q.type} question '{q.id}' has {len(q.criteria)} {noun}; Ster labels at most "
-                              f"{MAX_OPTIONS}")
+                raise Refusal(
+                    f"{q.type} question '{q.id}' has {len(q.criteria)} {noun}; Ster labels at most "
+                    f"{MAX_OPTIONS}"
+                )
         if q.type == "choice":
             empty = next((n for n in q.names() if not n.strip()), None)
             if empty is not None:
-                raise Refusal(f"choice question '{q.id}' has an option with an empty name {json.dumps(empty)}")
+                raise Refusal(
+                    f"choice question '{q.id}' has an option with an empty name {json.dumps(empty)}"
+                )
         if q.type == "score":
             level = next((i for i, d in enumerate(q.criteria) if not text_of(d).strip()), None)
             if level is not None:

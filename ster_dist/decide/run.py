@@ -31,8 +31,10 @@ def label_tokens(tokenizer, label: str) -> list[int]:
         if token is not None and token not in ids:
             ids.append(token)
     if not ids:
-        raise Refusal(f'this tokenizer has no single token for the answer label "{label}", so it cannot be read '
-                      "from one position")
+        raise Refusal(
+            f'this tokenizer has no single token for the answer label "{label}", so it cannot be read '
+            "from one position"
+        )
     return ids
 
 
@@ -50,20 +52,28 @@ def shared_prefix(rows: list[list[int]]) -> int:
 
 
 def _letters(scores: list[float], label_ids: list[list[int]]) -> list[float]:
-    """Per answer position, the log-sum-exp of its spellings' logits (scores in logits_of order: every
+    """Per answer position, the log-sum-exp of its spellings' logits (scores in logits_of order:
+    every
     spelling of position 0, then of position 1, ...)."""
     out, at = [], 0
     for ids in label_ids:
-        out.append(float(torch.logsumexp(torch.tensor(scores[at:at + len(ids)], dtype=torch.float64), 0)))
+        out.append(
+            float(torch.logsumexp(torch.tensor(scores[at : at + len(ids)], dtype=torch.float64), 0))
+        )
         at += len(ids)
     return out
 
 
-def read(engine, rows: list[list[int]], labels: list[list[list[int]]], adapter: str | None = None) -> list:
-    """Each row's letter logits and the engine's Finished for it: the first row alone, then the rest."""
+def read(
+    engine, rows: list[list[int]], labels: list[list[list[int]]], adapter: str | None = None
+) -> list:
+    """Each row's letter logits and the engine's Finished for it: the first row alone, then the
+    rest."""
+
     def submit(row, label_ids):
-        params = SamplingParams(max_tokens=1, ignore_eos=True,
-                                logits_of=tuple(i for ids in label_ids for i in ids))
+        params = SamplingParams(
+            max_tokens=1, ignore_eos=True, logits_of=tuple(i for ids in label_ids for i in ids)
+        )
         return engine.submit(row, params, adapter=adapter)
 
     streams = []
@@ -79,14 +89,24 @@ def read(engine, rows: list[list[int]], labels: list[list[list[int]]], adapter: 
     out = []
     for finished, label_ids in zip(done, labels):
         if not finished.scores or finished.scores[0] is None:
-            raise Refusal(f"the engine ended a decide reading with {finished.finish_reason!r} before its letters "
-                          "were read")
+            raise Refusal(
+                f"the engine ended a decide reading with {finished.finish_reason!r} before its letters "
+                "were read"
+            )
         out.append((_letters(finished.scores[0], label_ids), finished))
     return out
 
 
-def read_questions(engine, tokenizer, cfg, request: Request, permutations: int, chat_template: str, progress,
-                   adapter: str | None = None) -> tuple[list[tuple[list, list]], dict]:
+def read_questions(
+    engine,
+    tokenizer,
+    cfg,
+    request: Request,
+    permutations: int,
+    chat_template: str,
+    progress,
+    adapter: str | None = None,
+) -> tuple[list[tuple[list, list]], dict]:
     """Per question (in request order): its rows (letter logits in canonical option order, one per
     order) and those orders; and the usage. What decide answers from and calibrate fits on."""
     if permutations < 0:
@@ -101,17 +121,21 @@ def read_questions(engine, tokenizer, cfg, request: Request, permutations: int, 
         for order in orders(len(options), permutations):
             ids = encode_prompt(tokenizer, render(request, question, options, order), chat_template)
             if len(ids) + 1 > cfg.max_position:  # the letter is read as the next position's token
-                raise Refusal(f"question '{question.id}' renders to {len(ids)} tokens, past the {cfg.max_position} "
-                              "this model was built for once the answer's position is counted; shorten the state "
-                              "or the question")
+                raise Refusal(
+                    f"question '{question.id}' renders to {len(ids)} tokens, past the {cfg.max_position} "
+                    "this model was built for once the answer's position is counted; shorten the state "
+                    "or the question"
+                )
             rows.append(ids)
             owners.append(index)
             row_orders.append(order)
             labels.append([spellings[p] for p in range(len(options))])
     shared = shared_prefix(rows)
     between = sum(len(r) - shared for r in rows)
-    progress(f"reading the state once ({shared} tokens; the prefix cache serves it after), then {len(rows)} "
-             f"question renderings ({between} tokens between them)")
+    progress(
+        f"reading the state once ({shared} tokens; the prefix cache serves it after), then {len(rows)} "
+        f"question renderings ({between} tokens between them)"
+    )
     readings = read(engine, rows, labels, adapter)
     per_question: list[tuple[list, list]] = [([], []) for _ in request.questions]
     for owner, order, (row, _) in zip(owners, row_orders, readings):
@@ -126,18 +150,33 @@ def read_questions(engine, tokenizer, cfg, request: Request, permutations: int, 
     return per_question, {"input_tokens": computed, "forward_passes": len(rows), "output_tokens": 0}
 
 
-def decide(engine, tokenizer, cfg, request: Request, permutations: int, chat_template: str, explain: bool,
-           progress, adapter: str | None = None, temperature: float = 1.0) -> dict:
+def decide(
+    engine,
+    tokenizer,
+    cfg,
+    request: Request,
+    permutations: int,
+    chat_template: str,
+    explain: bool,
+    progress,
+    adapter: str | None = None,
+    temperature: float = 1.0,
+) -> dict:
     """answers, explain (optional) and usage for `request`, read through `engine` (a TokenEngine);
     `adapter` names one registered with it (engine.add_adapter); `temperature` divides the logits
     (a calibration's; explain's per-order probabilities stay raw)."""
-    per_question, usage = read_questions(engine, tokenizer, cfg, request, permutations, chat_template, progress,
-                                         adapter)
+    per_question, usage = read_questions(
+        engine, tokenizer, cfg, request, permutations, chat_template, progress, adapter
+    )
     answers, explained = {}, {}
     for question, (question_rows, question_orders) in zip(request.questions, per_question):
-        answers[question.id] = arithmetic.answer(question, arithmetic.probabilities(question_rows, temperature))
+        answers[question.id] = arithmetic.answer(
+            question, arithmetic.probabilities(question_rows, temperature)
+        )
         if explain:
-            explained[question.id] = arithmetic.explanation(question, question_rows, question_orders)
+            explained[question.id] = arithmetic.explanation(
+                question, question_rows, question_orders
+            )
     out = {"answers": answers}
     if explain:
         out["explain"] = explained

@@ -19,14 +19,14 @@ from ster_dist.decide.answer import argmax, log_softmax
 LOG_T_BOUNDS = (-3.0, 3.0)
 T_MIN, T_MAX = math.exp(LOG_T_BOUNDS[0]), math.exp(LOG_T_BOUNDS[1])
 TOLERANCE = 1e-6  # the width of the final log T bracket
-MAX_STEPS = 200   # about 34 steps reach the tolerance; the cap only guards the loop
-ECE_BINS = 15     # equal-width confidence bins, as Guo et al. report ECE
+MAX_STEPS = 200  # about 34 steps reach the tolerance; the cap only guards the loop
+ECE_BINS = 15  # equal-width confidence bins, as Guo et al. report ECE
 
 
 @dataclass(frozen=True)
 class Decision:
     logits: list[float]  # canonical option order
-    label: int           # the right option's canonical index
+    label: int  # the right option's canonical index
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Fit:
     temperature: float
     log_temperature: float
     steps: int
-    at_bound: bool  # the minimum lies at an end of [-3, 3]: these decisions want a T beyond the range
+    # the minimum lies at an end of [-3, 3]: these decisions want a T beyond the range
+    at_bound: bool
 
 
 def nll(decisions: list[Decision], temperature: float) -> float:
@@ -44,26 +45,34 @@ def nll(decisions: list[Decision], temperature: float) -> float:
 def metrics(decisions: list[Decision], temperature: float = 1.0) -> dict:
     """nll, accuracy, ece (ECE_BINS equal-width bins of the top probability) and brier (the squared
     distance to the one-hot answer, summed over options), each a mean over the decisions."""
-    correct, brier, bins = 0, 0.0, [[0, 0.0, 0] for _ in range(ECE_BINS)]  # count, confidence, correct
+    # count, confidence, correct
+    correct, brier, bins = 0, 0.0, [[0, 0.0, 0] for _ in range(ECE_BINS)]
     for d in decisions:
         probs = [math.exp(v) for v in log_softmax(d.logits, temperature)]
         top = argmax(probs)
         hit = int(top == d.label)
         correct += hit
         brier += sum((p - (i == d.label)) ** 2 for i, p in enumerate(probs))
-        # (lo, hi] bins; a confidence of exactly 0 cannot occur (the top of n options is at least 1/n)
+        # (lo, hi] bins; a confidence of exactly 0 cannot occur (the top of n options is at least
+        # 1/n)
         index = min(ECE_BINS - 1, max(0, math.ceil(probs[top] * ECE_BINS) - 1))
         bins[index][0] += 1
         bins[index][1] += probs[top]
         bins[index][2] += hit
     n = len(decisions)
     ece = sum(abs(hits - confidence) for count, confidence, hits in bins if count) / n
-    return {"nll": nll(decisions, temperature), "accuracy": correct / n, "ece": ece, "brier": brier / n,
-            "decisions": n}
+    return {
+        "nll": nll(decisions, temperature),
+        "accuracy": correct / n,
+        "ece": ece,
+        "brier": brier / n,
+        "decisions": n,
+    }
 
 
 def fit(decisions: list[Decision]) -> Fit:
     """The T minimising nll(decisions, T) within TOLERANCE of log T, by golden-section search."""
+
     def cost(u: float) -> float:
         return nll(decisions, math.exp(u))
 
@@ -82,7 +91,8 @@ def fit(decisions: list[Decision]) -> Fit:
             d = a + shrink * (b - a)
             fd = cost(d)
         steps += 1
-    # an end that never moved means the minimum is within the tolerance of the bound: report the bound
+    # an end that never moved means the minimum is within the tolerance of the bound: report the
+    # bound
     low, high = LOG_T_BOUNDS
     u = low if a == low else high if b == high else (a + b) / 2.0
     return Fit(math.exp(u), u, steps, a == low or b == high)

@@ -11,8 +11,10 @@ A block is in exactly one state:
   free       count 0 and unregistered.
 
 Prefix caching. A full block's key is a digest chained over every block before it
-(digest_i = blake2b(digest_{i-1} || tokens of block i)), so equal tokens after different prefixes never
-share a block: a block's k/v depend on every earlier token. The chain's root is a salt naming what else
+(digest_i = blake2b(digest_{i-1} || tokens of block i)), so equal tokens after different prefixes
+never
+share a block: a block's k/v depend on every earlier token. The chain's root is a salt naming what
+else
 the k/v depend on (an adapter, a steering vector): sequences share blocks only when salts are equal.
 blake2b (256 bits) rather than Python's hash(): a collision would silently serve another prompt's
 cache, and hash() is 64 bits and, for str salts, randomized per process.
@@ -20,10 +22,13 @@ cache, and hash() is 64 bits and, for str salts, randomized per process.
 The table maps each digest to at most one block and each block to at most one digest, so it never
 holds more than num_blocks entries; an evicted block's digest is dropped with it.
 
-Speculative decoding (engine/drafter.py) keeps a second cache beside each block: the MTP layer's keys, written a
-step behind the model's (the MTP row at position q reads token q + 1), and only for sequences that draft. A block
+Speculative decoding (engine/drafter.py) keeps a second cache beside each block: the MTP layer's
+keys, written a
+step behind the model's (the MTP row at position q reads token q + 1), and only for sequences that
+draft. A block
 is marked drafted once its MTP keys are all written, with the token after it that its last one read
-(`mark_drafted`); a drafting sequence shares only the leading blocks so marked whose next token is its own
+(`mark_drafted`); a drafting sequence shares only the leading blocks so marked whose next token is
+its own
 (`drafted_prefix`). Handing a block out again drops its mark.
 """
 
@@ -61,16 +66,19 @@ class BlockHashes:
         bs = self.block_size
         for i in range(len(self.digests), end // bs):
             parent = self.digests[-1] if self.digests else self._root
-            self.digests.append(_digest(parent, tokens[i * bs:(i + 1) * bs]))
+            self.digests.append(_digest(parent, tokens[i * bs : (i + 1) * bs]))
         return self.digests
 
 
 class BlockPool:
-    """Fixed-size KV blocks shared by every rank (ranks hold the tensors; the pool holds only ids)."""
+    """Fixed-size KV blocks shared by every rank (ranks hold the tensors; the pool holds only
+    ids)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         if num_blocks < 2:
-            raise ValueError(f"a pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
+            raise ValueError(
+                f"a pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}"
+            )
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
@@ -84,7 +92,8 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
-        # block -> the token after it, for blocks whose MTP keys (speculative decoding) are all written
+        # block -> the token after it, for blocks whose MTP keys (speculative decoding) are all
+        # written
         self._drafted: dict[int, int] = {}
 
     # ---- reading
@@ -121,8 +130,11 @@ class BlockPool:
 
     # ---- prefix cache
 
-    def match_prefix(self, tokens, hashes: BlockHashes | None = None, record: bool = True) -> list[int]:
-        """Ids of cached full blocks holding tokens' longest block-aligned prefix, one reference taken
+    def match_prefix(
+        self, tokens, hashes: BlockHashes | None = None, record: bool = True
+    ) -> list[int]:
+        """Ids of cached full blocks holding tokens' longest block-aligned prefix, one reference
+        taken
         on each. At most (len(tokens)-1)//block_size blocks: at least one token is left to compute,
         since the last token's logits give the next one.
 
@@ -153,15 +165,19 @@ class BlockPool:
         self._queried_tokens += queried_tokens
         self._hit_tokens += hit_tokens
 
-    def register(self, blocks: list[int], digests: list[bytes], start: int = 0,
-                 stop: int | None = None) -> None:
-        """Register blocks[i] under digests[i] for start <= i < stop: the blocks must be held and their
+    def register(
+        self, blocks: list[int], digests: list[bytes], start: int = 0, stop: int | None = None
+    ) -> None:
+        """Register blocks[i] under digests[i] for start <= i < stop: the blocks must be held and
+        their
         k/v computed. A NULL_BLOCK entry is skipped; a digest some other block already holds leaves
         this block unregistered (it stays private and goes free on release); re-registering a block
         under its own digest is a no-op."""
         if not self.prefix_caching:
             return
-        stop = min(len(blocks), len(digests)) if stop is None else min(stop, len(blocks), len(digests))
+        stop = (
+            min(len(blocks), len(digests)) if stop is None else min(stop, len(blocks), len(digests))
+        )
         for i in range(start, stop):
             block, digest = blocks[i], digests[i]
             if block == NULL_BLOCK:
@@ -170,27 +186,36 @@ class BlockPool:
             if known == digest:
                 continue
             if known is not None:
-                raise ValueError(f"block {block} is registered under another prefix: the block table "
-                                 "or the tokens given do not belong together")
+                raise ValueError(
+                    f"block {block} is registered under another prefix: the block table "
+                    "or the tokens given do not belong together"
+                )
             if self._refs[block] == 0:
-                raise ValueError(f"block {block} is not held: only a held, computed block can be registered")
+                raise ValueError(
+                    f"block {block} is not held: only a held, computed block can be registered"
+                )
             if digest in self._block_of:
                 continue
             self._digest_of[block] = digest
             self._block_of[digest] = block
 
     def mark_drafted(self, block: int, follow: int) -> None:
-        """Every MTP key of a held block is written, its last one reading `follow` as the next token."""
+        """Every MTP key of a held block is written, its last one reading `follow` as the next
+        token."""
         if block != NULL_BLOCK:
             self._drafted[block] = follow
 
     def drafted_prefix(self, blocks: list[int], tokens) -> int:
-        """How many leading blocks (blocks[i] holding tokens[i*bs:(i+1)*bs]) have their MTP keys written as this
+        """How many leading blocks (blocks[i] holding tokens[i*bs:(i+1)*bs]) have their MTP keys
+        written as this
         sequence's own would be: marked drafted, the token after each the one it has there."""
         bs = self.block_size
         kept = 0
-        while (kept < len(blocks) and (kept + 1) * bs < len(tokens)
-               and self._drafted.get(blocks[kept]) == tokens[(kept + 1) * bs]):
+        while (
+            kept < len(blocks)
+            and (kept + 1) * bs < len(tokens)
+            and self._drafted.get(blocks[kept]) == tokens[(kept + 1) * bs]
+        ):
             kept += 1
         return kept
 

@@ -1,4 +1,5 @@
-"""RunnerClient: the driver's typed calls to the engine's rank side (engine/runner.py's ModelRunner).
+"""RunnerClient: the driver's typed calls to the engine's rank side (engine/runner.py's
+ModelRunner).
 
 The only code that names ModelRunner's methods: the loop (engine/loop.py), a benchmark or a test
 call these, never `group.on(ModelRunner).<name>` or a method name of their own. Each call runs on
@@ -28,10 +29,13 @@ class RunnerClient:
         return self._every("select_kernels", choice)
 
     def pack_weights(self, mode: str) -> list[int]:
-        """Each rank's bytes of projection weights packed for the CPU's products (parallel/packed.py)."""
+        """Each rank's bytes of projection weights packed for the CPU's products
+        (parallel/packed.py)."""
         return self._every("pack_weights", mode)
 
-    def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> list[dict]:
+    def capacity(
+        self, block_size: int, memory: int | None, fraction: float, cap: int | None = None
+    ) -> list[dict]:
         """Each rank's cache budget and what a block and a recurrent state cost there."""
         return self._every("capacity", block_size, memory, fraction, cap)
 
@@ -39,12 +43,19 @@ class RunnerClient:
         """Each rank's bytes of one block of the MTP layer's own cache."""
         return self._every("draft_block_bytes", block_size)
 
-    def start(self, num_blocks: int, block_size: int, state_slots: int, speculative: bool,
-              compile_after: int | None) -> None:
+    def start(
+        self,
+        num_blocks: int,
+        block_size: int,
+        state_slots: int,
+        speculative: bool,
+        compile_after: int | None,
+    ) -> None:
         self._every("start", num_blocks, block_size, state_slots, speculative, compile_after)
 
     def warm(self, max_tokens: int) -> int | None:
-        """The compiled graphs rank 0 made for every step size up to `max_tokens` (None: steps stay eager)."""
+        """The compiled graphs rank 0 made for every step size up to `max_tokens` (None: steps stay
+        eager)."""
         return self._every("warm", max_tokens)[0]
 
     def stop(self) -> None:

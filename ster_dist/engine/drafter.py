@@ -1,16 +1,27 @@
-"""The rank side of MTP speculative decoding: the MTP layer's own paged cache, and each sequence's last chunk
+"""The rank side of MTP speculative decoding: the MTP layer's own paged cache, and each sequence's
+last chunk
 of hidden states, from which the next step's drafts are made.
 
-The MTP row of position q reads the model's hidden state at q and token q + 1, so it can run only once token
-q + 1 is known: the rows of a step's chunk wait, on every rank alike, for the sequence's next chunk, whose start
-says how many of them stood (a verified draft keeps only its accepted tokens) and whose first token is the one
-after the last. propose() runs those rows (writing the MTP layer's keys there, its catch-up) and, for a decode
-the driver asked drafts of, chains the layer on its own output: its argmax at the last row is draft 1, and row
-by row its output and the last draft make the next. Every rank computes the same drafts from the same gathered
-logits, so no rank waits on another for them. A sequence restarted (preemption) or served from the prefix cache
-has no rows waiting and drafts nothing that step. The MTP keys of the positions before its first chunk are those
-of the blocks it shares, which the driver lets it share only when they are all written and the last one read
-the token it has there (engine/blocks.py's drafted marks, set by the scheduler once a step's catch-up passed a
+The MTP row of position q reads the model's hidden state at q and token q + 1, so it can run only
+once token
+q + 1 is known: the rows of a step's chunk wait, on every rank alike, for the sequence's next chunk,
+whose start
+says how many of them stood (a verified draft keeps only its accepted tokens) and whose first token
+is the one
+after the last. propose() runs those rows (writing the MTP layer's keys there, its catch-up) and,
+for a decode
+the driver asked drafts of, chains the layer on its own output: its argmax at the last row is draft
+1, and row
+by row its output and the last draft make the next. Every rank computes the same drafts from the
+same gathered
+logits, so no rank waits on another for them. A sequence restarted (preemption) or served from the
+prefix cache
+has no rows waiting and drafts nothing that step. The MTP keys of the positions before its first
+chunk are those
+of the blocks it shares, which the driver lets it share only when they are all written and the last
+one read
+the token it has there (engine/blocks.py's drafted marks, set by the scheduler once a step's
+catch-up passed a
 block's end): its cache is then the one a cold run leaves, and it drafts as a cold run would.
 """
 
@@ -26,8 +37,8 @@ from ster_dist.model.paged import Chunk
 
 @dataclass
 class _Rows:
-    start: int            # the position of the chunk's first token
-    ids: list[int]        # the chunk's tokens, drafts included
+    start: int  # the position of the chunk's first token
+    ids: list[int]  # the chunk's tokens, drafts included
     hidden: torch.Tensor  # the model's final-norm output there [len(ids), hidden]
 
 
@@ -41,9 +52,15 @@ class MTPDrafter:
         for seq_id in seq_ids:
             self._waiting.pop(seq_id, None)
 
-    def propose(self, seq_ids: list[str | None], chunks: list[Chunk], firsts: list[int],
-                wanted: dict[int, int]) -> dict[int, list[int]]:
-        """Drafts by chunk index (at most wanted[i] for chunk i) after the catch-up of every chunk's waiting rows;
+    def propose(
+        self,
+        seq_ids: list[str | None],
+        chunks: list[Chunk],
+        firsts: list[int],
+        wanted: dict[int, int],
+    ) -> dict[int, list[int]]:
+        """Drafts by chunk index (at most wanted[i] for chunk i) after the catch-up of every chunk's
+        waiting rows;
         `firsts`: each chunk's first new token; seq_ids[i] None: a sequence that never drafts."""
         ids, hidden, rows, owners = [], [], [], []
         for i, (seq_id, chunk) in enumerate(zip(seq_ids, chunks)):
@@ -67,24 +84,32 @@ class MTPDrafter:
             if not chain:
                 break
             rows = [Chunk(chunks[i].blocks, chunks[i].start - 1 + j, 1) for i in chain]
-            out, logits = self._run(torch.stack([last[i] for i in chain]), [drafts[i][-1] for i in chain], rows)
+            out, logits = self._run(
+                torch.stack([last[i] for i in chain]), [drafts[i][-1] for i in chain], rows
+            )
             picked = kernels.argmax(logits).tolist()
             for m, i in enumerate(chain):
                 drafts[i].append(picked[m])
                 last[i] = out[m]
         return drafts
 
-    def keep(self, seq_ids: list[str | None], chunks: list[Chunk], ids: list[int], hidden: torch.Tensor) -> None:
-        """A step's chunks (drafts included) and the model's final-norm output over them [tokens, hidden]; none
+    def keep(
+        self, seq_ids: list[str | None], chunks: list[Chunk], ids: list[int], hidden: torch.Tensor
+    ) -> None:
+        """A step's chunks (drafts included) and the model's final-norm output over them [tokens,
+        hidden]; none
         for a sequence that never drafts (seq_ids[i] None)."""
         offset = 0
         for seq_id, chunk in zip(seq_ids, chunks):
             end = offset + chunk.length
             if seq_id is not None:
-                self._waiting[seq_id] = _Rows(chunk.start, ids[offset:end], hidden[offset:end].clone())
+                self._waiting[seq_id] = _Rows(
+                    chunk.start, ids[offset:end], hidden[offset:end].clone()
+                )
             offset = end
 
     def _run(self, hidden: torch.Tensor, ids: list[int], rows: list[Chunk]):
         device = self.main.device
-        return self.draft.forward_paged(self.main, hidden, torch.tensor(ids, dtype=torch.long, device=device),
-                                        rows, self.cache)
+        return self.draft.forward_paged(
+            self.main, hidden, torch.tensor(ids, dtype=torch.long, device=device), rows, self.cache
+        )

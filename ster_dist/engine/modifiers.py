@@ -8,7 +8,8 @@ gathered per adapter as S-LoRA and Punica batch them, so requests without it pay
 index. The engine's rows are set before a step's forward and cleared after, so a forward outside
 the engine (capture, parity) sees neither.
 
-A whole-batch modifier is the same thing with ALL_ROWS: `steer_every_row` and `adapt_every_row` apply
+A whole-batch modifier is the same thing with ALL_ROWS: `steer_every_row` and `adapt_every_row`
+apply
 to every row of every forward until detached (capture, steer's runs, a test's reference), and
 `StandingModifiers` does so on every rank of a group under a token (steer/attach.py and
 adapters/attach.py call it).
@@ -29,12 +30,14 @@ ALL_ROWS = slice(None)  # a whole-batch modifier's rows: every row of any forwar
 
 
 class RowSteering:
-    """Registered vectors and, for the step running now, which rows each (vector, strength) steers."""
+    """Registered vectors and, for the step running now, which rows each (vector, strength)
+    steers."""
 
     def __init__(self, model):
         self.model = model
         self.vectors: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        self._shifts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> (rows, shift)
+        # layer -> (rows, shift)
+        self._shifts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._hooked: dict[int, object] = {}  # layer -> remover
 
     def register(self, key: str, vectors: list[tuple[int, torch.Tensor]]) -> None:
@@ -49,7 +52,8 @@ class RowSteering:
         model = self.model
         for (key, strength), rows in groups.items():
             for layer, vector in self.vectors[key]:
-                # the same rounding as steering a whole batch (steer/attach.py), so a request steers alike alone
+                # the same rounding as steering a whole batch (steer/attach.py), so a request steers
+                # alike alone
                 shift = (vector.double() * float(strength)).to(model.dtype).to(model.device)
                 self._shifts.setdefault(layer, []).append((rows, shift))
 
@@ -59,11 +63,13 @@ class RowSteering:
     def _hook(self, layer: int):
         def hook(h: torch.Tensor):
             for rows, shift in self._shifts.get(layer, ()):
-                if rows is ALL_ROWS:  # out of place: a forward under autograd (training) keeps its graph
+                # out of place: a forward under autograd (training) keeps its graph
+                if rows is ALL_ROWS:
                     h = h + shift
                 else:
                     h[0, rows] += shift
             return h
+
         return hook
 
     def close(self) -> None:
@@ -92,7 +98,8 @@ class RoutedLowRank(LowRank):
 
 
 class RowAdapters:
-    """Registered adapters (name -> the routed factors attached to each projection) and this step's routing."""
+    """Registered adapters (name -> the routed factors attached to each projection) and this step's
+    routing."""
 
     def __init__(self, model):
         self.model = model
@@ -100,8 +107,10 @@ class RowAdapters:
         self.attached: dict[str, list[tuple[object, LowRank]]] = {}
 
     def register(self, name: str, sites: list[dict], every_row: bool = False) -> None:
-        """Attach `sites` under `name`, routed per step (set_rows), or to every row of every forward: a
-        plain LowRank, which a compiled graph traces as it traces the projection (no routing to guard on)."""
+        """Attach `sites` under `name`, routed per step (set_rows), or to every row of every
+        forward: a
+        plain LowRank, which a compiled graph traces as it traces the projection (no routing to
+        guard on)."""
         if name in self.attached:
             return
         modules = dict(self.model.named_modules())
@@ -111,35 +120,53 @@ class RowAdapters:
                 continue
             module = modules.get(site["param"].rsplit(".", 1)[0])
             if module is None or not hasattr(module, "adapters"):
-                raise Refusal(f"this model has no projection {site['param']} to attach adapter {name} to")
-            device, dtype = module.weight.device, module.dtype_of()  # a kept FP8 weight's compute dtype
+                raise Refusal(
+                    f"this model has no projection {site['param']} to attach adapter {name} to"
+                )
+            # a kept FP8 weight's compute dtype
+            device, dtype = module.weight.device, module.dtype_of()
             a, b = low_rank_share(site["a"], site["b"], module.shards["weight"])
             a, b = a.to(device, dtype), b.to(device, dtype)
-            low = (LowRank(a, b, float(site["scale"])) if every_row
-                   else RoutedLowRank(a, b, float(site["scale"]), self.routing, name))
+            low = (
+                LowRank(a, b, float(site["scale"]))
+                if every_row
+                else RoutedLowRank(a, b, float(site["scale"]), self.routing, name)
+            )
             module.adapters.append(low)
             attached.append((module, low))
         self.attached[name] = attached
 
     def replace(self, name: str, sites: list[dict]) -> None:
-        """New values for a registered adapter's factors, copied into the tensors already attached (the same
-        projections, ranks and shapes; the base is not touched): a trainer pushing its factors after each step."""
+        """New values for a registered adapter's factors, copied into the tensors already attached
+        (the same
+        projections, ranks and shapes; the base is not touched): a trainer pushing its factors after
+        each step."""
         attached = self.attached.get(name)
         if attached is None:
-            raise Refusal(f"adapter {name} is not registered on this rank; register it before replacing its factors")
-        by_param = {site["param"]: site for site in sites if not self.model.elsewhere(site["param"])}
+            raise Refusal(
+                f"adapter {name} is not registered on this rank; register it before replacing its factors"
+            )
+        by_param = {
+            site["param"]: site for site in sites if not self.model.elsewhere(site["param"])
+        }
         if len(by_param) != len(attached):
-            raise Refusal(f"adapter {name} is attached to {len(attached)} projections here, the new factors name "
-                          f"{len(by_param)}; register a new adapter for another set of projections")
+            raise Refusal(
+                f"adapter {name} is attached to {len(attached)} projections here, the new factors name "
+                f"{len(by_param)}; register a new adapter for another set of projections"
+            )
         modules = {id(module): path for path, module in self.model.named_modules()}
         for module, low in attached:
             site = by_param.get(modules[id(module)] + ".weight")
             if site is None:
-                raise Refusal(f"the new factors of adapter {name} miss projection {modules[id(module)]}")
+                raise Refusal(
+                    f"the new factors of adapter {name} miss projection {modules[id(module)]}"
+                )
             a, b = low_rank_share(site["a"], site["b"], module.shards["weight"])
             if a.shape != low.a.shape or b.shape != low.b.shape:
-                raise Refusal(f"the new factors of adapter {name} at {modules[id(module)]} have other shapes; "
-                              "register a new adapter")
+                raise Refusal(
+                    f"the new factors of adapter {name} at {modules[id(module)]} have other shapes; "
+                    "register a new adapter"
+                )
             low.a.copy_(a)
             low.b.copy_(b)
             low.scale = float(site["scale"])
@@ -158,8 +185,11 @@ class RowAdapters:
         self.attached = {}
 
 
-def steer_every_row(model, vectors: list[tuple[int, torch.Tensor]], strength: float) -> Callable[[], None]:
-    """Add strength x vector to the residual after each vector's layer on every forward of `model`; returns
+def steer_every_row(
+    model, vectors: list[tuple[int, torch.Tensor]], strength: float
+) -> Callable[[], None]:
+    """Add strength x vector to the residual after each vector's layer on every forward of `model`;
+    returns
     the remover."""
     steering = RowSteering(model)
     steering.register("every row", vectors)
@@ -168,15 +198,18 @@ def steer_every_row(model, vectors: list[tuple[int, torch.Tensor]], strength: fl
 
 
 def adapt_every_row(model, sites: list[dict], name: str = "every row") -> Callable[[], None]:
-    """Attach an adapter's global factors (per projection: param, a, b, scale) to `model`, this rank's share
-    of each (another pipeline stage's projections are that stage's), for every forward; returns detach."""
+    """Attach an adapter's global factors (per projection: param, a, b, scale) to `model`, this
+    rank's share
+    of each (another pipeline stage's projections are that stage's), for every forward; returns
+    detach."""
     adapters = RowAdapters(model)
     adapters.register(name, sites, every_row=True)
     return adapters.close
 
 
 class StandingModifiers(RankExtension):
-    """Steering and adapters applied to every row on this rank for a whole operation (capture, steer's own
+    """Steering and adapters applied to every row on this rank for a whole operation (capture,
+    steer's own
     runs), each under the driver's token: token -> its remover."""
 
     def __init__(self, rank):

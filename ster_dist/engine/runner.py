@@ -4,7 +4,8 @@ Every rank runs the same step on the same packed tokens and block tables (each h
 key-value heads, or the latent for latent attention, in blocks of the same ids; and, for recurrent
 layers, its share of each running sequence's state in the slot the driver named); rank 0 alone
 samples, since the logits are gathered on every rank, and sends back one token per sampling chunk.
-With speculative decoding on, each rank also runs the model's MTP layer (engine/drafter.py) and rank 0
+With speculative decoding on, each rank also runs the model's MTP layer (engine/drafter.py) and rank
+0
 verifies its drafts (engine/rejection.py), sending back the drafts kept before that token.
 The driver (engine/loop.py) decides everything else.
 """
@@ -35,7 +36,8 @@ from ster_dist.workers.extension import RankExtension
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes this rank could still allocate: free accelerator memory, else the host's MemAvailable."""
+    """Bytes this rank could still allocate: free accelerator memory, else the host's
+    MemAvailable."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -54,7 +56,8 @@ PACK_SHARE = 4  # --pack-weights auto: packed copies may take up to this share o
 
 def pack_model(model, mode: str) -> list[torch.Tensor]:
     """Pack `model`'s projection weights (parallel/packed.py): "on", "off", or "auto" (where their
-    packed copies take at most 1 / PACK_SHARE of the memory free now). Returns the weights packed."""
+    packed copies take at most 1 / PACK_SHARE of the memory free now). Returns the weights
+    packed."""
     if mode == "off" or not packed.available():
         return []
     weights = [w for w in product_weights(model) if packed.packable(w)]
@@ -66,8 +69,10 @@ def pack_model(model, mode: str) -> list[torch.Tensor]:
 
 
 def pack_all(weights: list[torch.Tensor]) -> None:
-    """Pack each of `weights`; their panels lie in one block of memory in 2 MiB pages where the system allows
-    (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it 13-16% there)."""
+    """Pack each of `weights`; their panels lie in one block of memory in 2 MiB pages where the
+    system allows
+    (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it 13-16%
+    there)."""
     laid = [w for w in weights if kernels.panels(w.dtype) and packed.lookup(w) is None]
     sizes = [packed.panel_bytes(w) for w in laid]
     offsets, end = [], 0
@@ -96,19 +101,27 @@ class ModelRunner(RankExtension):
         self.mtp = None  # the model's MTP layer, loaded on first use and kept while the model is
         self.packed: list[torch.Tensor] = []  # weights this engine packed (released when it closes)
 
-    def capacity(self, block_size: int, memory: int | None, fraction: float, cap: int | None = None) -> dict:
-        """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at most `cap`
-        bytes), and what one block and one sequence's recurrent state (0 without recurrent layers) cost here.
+    def capacity(
+        self, block_size: int, memory: int | None, fraction: float, cap: int | None = None
+    ) -> dict:
+        """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at
+        most `cap`
+        bytes), and what one block and one sequence's recurrent state (0 without recurrent layers)
+        cost here.
         The driver splits the budget between blocks and state slots (engine/loop.py cache_sizes)."""
         model = self.model
         budget = memory if memory is not None else int(fraction * available_memory(model.device))
         if cap is not None:
             budget = min(budget, cap)
-        return {"budget": budget, "block_bytes": PagedCache.block_bytes(model, block_size),
-                "state_bytes": PagedCache.state_bytes(model)}
+        return {
+            "budget": budget,
+            "block_bytes": PagedCache.block_bytes(model, block_size),
+            "state_bytes": PagedCache.state_bytes(model),
+        }
 
     def select_kernels(self, choice: str | None) -> str:
-        """Set the kernels this rank's layers run (kernels/select.py); refused where they cannot run here."""
+        """Set the kernels this rank's layers run (kernels/select.py); refused where they cannot run
+        here."""
         return select.choose(choice, self.model.device.type)
 
     def pack_weights(self, mode: str) -> int:
@@ -117,21 +130,33 @@ class ModelRunner(RankExtension):
         return sum(w.nbytes for w in self.packed)
 
     def draft_block_bytes(self, block_size: int) -> int:
-        """What one block of the MTP layer's own cache costs on this rank (its keys use the decoder's block ids, so
+        """What one block of the MTP layer's own cache costs on this rank (its keys use the
+        decoder's block ids, so
         a block costs this more); loads the layer."""
         return PagedCache.block_bytes(self._draft(), block_size)
 
-    def start(self, num_blocks: int, block_size: int, state_slots: int = 0, speculative: bool = False,
-              compile_after: int | None = None) -> int:
-        """Allocate the cache: the same block and state-slot counts on every rank (the driver's); with
-        `speculative`, the MTP layer's too (engine/drafter.py). Layers are compiled once `compile_after` steps
+    def start(
+        self,
+        num_blocks: int,
+        block_size: int,
+        state_slots: int = 0,
+        speculative: bool = False,
+        compile_after: int | None = None,
+    ) -> int:
+        """Allocate the cache: the same block and state-slot counts on every rank (the driver's);
+        with
+        `speculative`, the MTP layer's too (engine/drafter.py). Layers are compiled once
+        `compile_after` steps
         have run (None: never)."""
         model = self.model
-        if select.chosen() == "triton":  # the compiled step plans our CPU kernels' attention: Triton's stays eager
+        # the compiled step plans our CPU kernels' attention: Triton's stays eager
+        if select.chosen() == "triton":
             compile_after = None
         self.steps, self.compile_after = 0, compile_after
         self.cache = PagedCache(model, num_blocks, block_size, state_slots=state_slots)
-        self.drafter = MTPDrafter(model, self._draft(), num_blocks, block_size) if speculative else None
+        self.drafter = (
+            MTPDrafter(model, self._draft(), num_blocks, block_size) if speculative else None
+        )
         self.sampler = Sampler() if self.rank.lead else None
         self.steering = self.steering or RowSteering(model)
         self.adapters = self.adapters or RowAdapters(model)
@@ -139,9 +164,12 @@ class ModelRunner(RankExtension):
 
     @torch.inference_mode()
     def warm(self, max_tokens: int) -> int | None:
-        """Compile the layers now and trace the graph of every token count a step may carry (1 to `max_tokens`),
-        so no request meets a compile (seconds on a CPU) mid-stream, as vLLM captures its graphs at start-up.
-        The steps run on zero tokens over a scratch cache of their own; the graphs do not depend on what a cache
+        """Compile the layers now and trace the graph of every token count a step may carry (1 to
+        `max_tokens`),
+        so no request meets a compile (seconds on a CPU) mid-stream, as vLLM captures its graphs at
+        start-up.
+        The steps run on zero tokens over a scratch cache of their own; the graphs do not depend on
+        what a cache
         holds (attention is opaque to them). Returns the graphs made (None: steps stay eager)."""
         model = self.model
         if self.compile_after is None or model.compile_layers() is not None:
@@ -152,7 +180,9 @@ class ModelRunner(RankExtension):
         scratch = PagedCache(model, 1 + -(-counts[-1] // block), block)
         for count in counts:
             blocks = tuple(range(1, 1 + -(-count // block)))  # block 0 is the null block
-            model.forward_paged(torch.zeros(count, dtype=torch.long), [Chunk(blocks, 0, count)], scratch)
+            model.forward_paged(
+                torch.zeros(count, dtype=torch.long), [Chunk(blocks, 0, count)], scratch
+            )
         self.compile_after = 0  # compiled: a step count never equals it
         return model.compiled.graphs - made
 
@@ -185,15 +215,22 @@ class ModelRunner(RankExtension):
         self.steps += 1
         if self.steps == self.compile_after:
             self._compile()
-        chunks = [Chunk(tuple(blocks), start, length, state, prefix)
-                  for blocks, start, length, state, prefix in work.chunks]
+        chunks = [
+            Chunk(tuple(blocks), start, length, state, prefix)
+            for blocks, start, length, state, prefix in work.chunks
+        ]
         if self.drafter is not None:
             return self._speculative_step(work, chunks)
         self._modify_rows(work, chunks)
         try:
-            # rows routed to their own adapters read a routing the compiled graphs would have to guard on
-            logits = self.model.forward_paged(torch.tensor(work.ids, dtype=torch.long), chunks, self.cache,
-                                              eager=bool(self.adapters.attached))
+            # rows routed to their own adapters read a routing the compiled graphs would have to
+            # guard on
+            logits = self.model.forward_paged(
+                torch.tensor(work.ids, dtype=torch.long),
+                chunks,
+                self.cache,
+                eager=bool(self.adapters.attached),
+            )
         finally:
             self.steering.clear()
             self.adapters.clear()
@@ -206,48 +243,65 @@ class ModelRunner(RankExtension):
         scores = {}
         for n, (row, seq_id) in enumerate(work.samples):
             ids = self.sampler.params(seq_id).logits_of
-            if ids:  # the raw logits, before any sampling setting; float64 so the driver reduces them in double
+            # the raw logits, before any sampling setting; float64 so the driver reduces them in
+            # double
+            if ids:
                 scores[n] = logits[row, list(ids)].double().tolist()
         return StepResult(tokens.tolist(), logprobs, scores)
 
     def _compile(self) -> None:
         reason = self.model.compile_layers()
         if self.rank.lead:
-            progress(f"steps stay eager: {reason}" if reason else
-                     f"compiling the layers after {self.steps} steps (--enforce-eager keeps every step eager)")
+            progress(
+                f"steps stay eager: {reason}"
+                if reason
+                else f"compiling the layers after {self.steps} steps (--enforce-eager keeps every step eager)"
+            )
 
     def _modify_rows(self, work: StepWork, chunks: list[Chunk]) -> None:
         """Point steering vectors and adapters at the packed rows of the chunks that carry them."""
         if work.steering or work.adapters:  # most steps carry neither: no row bookkeeping for them
             rows = _chunk_rows(chunks)
-            self.steering.set_rows(_group(rows, [((key, strength), i) for i, key, strength in work.steering]))
+            self.steering.set_rows(
+                _group(rows, [((key, strength), i) for i, key, strength in work.steering])
+            )
             self.adapters.set_rows(_group(rows, [(name, i) for i, name in work.adapters]))
 
     def _speculative_step(self, work: StepWork, chunks: list[Chunk]) -> StepResult | None:
-        """A step whose decodes carry the MTP layer's drafts: proposed here (every rank alike), fed after each
-        decode's token, verified on rank 0 against the logits of every drafted row (engine/rejection.py)."""
+        """A step whose decodes carry the MTP layer's drafts: proposed here (every rank alike), fed
+        after each
+        decode's token, verified on rank 0 against the logits of every drafted row
+        (engine/rejection.py)."""
         drafter = self.drafter
         drafter.forget(work.removed)
         starts = [0]
         for chunk in chunks:
             starts.append(starts[-1] + chunk.length)
-        proposed = drafter.propose(work.seq_ids, chunks, [work.ids[a] for a in starts[:-1]], dict(work.drafts))
+        proposed = drafter.propose(
+            work.seq_ids, chunks, [work.ids[a] for a in starts[:-1]], dict(work.drafts)
+        )
         ids, grown = [], []
         for i, chunk in enumerate(chunks):
             extra = proposed.get(i, [])
-            ids += work.ids[starts[i]:starts[i + 1]] + extra
+            ids += work.ids[starts[i] : starts[i + 1]] + extra
             grown.append(dataclasses.replace(chunk, length=chunk.length + len(extra)))
         ends = torch.tensor([c.length for c in grown]).cumsum(0)
-        rows: dict[int, list[int]] = {}  # sampling chunk -> its packed rows read (one, or each draft's and one more)
+        # sampling chunk -> its packed rows read (one, or each draft's and one more)
+        rows: dict[int, list[int]] = {}
         for i, _ in work.samples:
             end = int(ends[i])
             rows[i] = list(range(end - len(proposed.get(i, ())) - 1, end))
         picked = [r for i, _ in work.samples for r in rows[i]]
-        self._modify_rows(work, grown)  # a chunk's drafts are its rows too: steered and adapted as its own token
+        # a chunk's drafts are its rows too: steered and adapted as its own token
+        self._modify_rows(work, grown)
         try:
-            logits, hidden = self.model.forward_paged_rows(torch.tensor(ids, dtype=torch.long), grown, self.cache,
-                                                           torch.tensor(picked, dtype=torch.long),
-                                                           eager=bool(self.adapters.attached))
+            logits, hidden = self.model.forward_paged_rows(
+                torch.tensor(ids, dtype=torch.long),
+                grown,
+                self.cache,
+                torch.tensor(picked, dtype=torch.long),
+                eager=bool(self.adapters.attached),
+            )
         finally:
             self.steering.clear()
             self.adapters.clear()
@@ -256,8 +310,13 @@ class ModelRunner(RankExtension):
             return None
         return self._verify(work, proposed, rows, logits)
 
-    def _verify(self, work: StepWork, proposed: dict[int, list[int]], rows: dict[int, list[int]],
-                logits: torch.Tensor) -> StepResult:
+    def _verify(
+        self,
+        work: StepWork,
+        proposed: dict[int, list[int]],
+        rows: dict[int, list[int]],
+        logits: torch.Tensor,
+    ) -> StepResult:
         """Rank 0: plain samples drawn as in any step; drafted ones verified."""
         at, offset = {}, 0
         for i, _ in work.samples:
@@ -282,18 +341,24 @@ class ModelRunner(RankExtension):
             if self.sampler.params(seq_id).greedy:
                 out, _ = verify_greedy(block, drafts)
             else:
-                out, _ = rejection_sample(self.sampler.target_probs(block, seq_id), drafts, None,
-                                             self.sampler.generator(seq_id, block.device))
+                out, _ = rejection_sample(
+                    self.sampler.target_probs(block, seq_id),
+                    drafts,
+                    None,
+                    self.sampler.generator(seq_id, block.device),
+                )
             tokens[n], accepted[n], drafted[n] = out[-1], out[:-1], len(drafts)
         return StepResult(tokens, logprobs, scores, drafted, accepted)
 
     def _draft(self):
-        if self.mtp is None or self.mtp[0] is not self.rank.loaded:  # loaded again for a newly loaded model
+        # loaded again for a newly loaded model
+        if self.mtp is None or self.mtp[0] is not self.rank.loaded:
             self.mtp = (self.rank.loaded, load_mtp(self.rank.loaded, self.rank.ctx()))
         return self.mtp[1]
 
     def timings(self) -> dict:
-        """Seconds this rank spent in steps, and of those waiting for the previous pipeline stage."""
+        """Seconds this rank spent in steps, and of those waiting for the previous pipeline
+        stage."""
         return {"rank": self.rank.rank, "step_s": self.step_s, "wait_s": self.model.stage_wait_s}
 
     def stop(self) -> None:
@@ -319,10 +384,14 @@ WARM_MOST = 256  # tokens of the longest warm-up step: its scratch cache and act
 
 
 def warm_counts(max_tokens: int) -> list[int]:
-    """Token counts whose steps trace every graph a step of 1 to `max_tokens` tokens runs: one token (the whole
-    stack in one graph), then both ends of each range the traced code branches at (dense()'s kernels by row
-    count, parallel/linear.py: 2-8, 9-15, 16-64, more, and 2-3 and 4 up where weights are packed; model/compiled.py),
-    each range one dynamic graph, whose last is open-ended: past WARM_MOST tokens nothing is traced that a shorter
+    """Token counts whose steps trace every graph a step of 1 to `max_tokens` tokens runs: one token
+    (the whole
+    stack in one graph), then both ends of each range the traced code branches at (dense()'s kernels
+    by row
+    count, parallel/linear.py: 2-8, 9-15, 16-64, more, and 2-3 and 4 up where weights are packed;
+    model/compiled.py),
+    each range one dynamic graph, whose last is open-ended: past WARM_MOST tokens nothing is traced
+    that a shorter
     step did not."""
     ends = {1, 2, 3, 4, 8, 9, 15, 16, 64, 65, min(max_tokens, WARM_MOST)}
     return sorted(c for c in ends if c <= max_tokens)

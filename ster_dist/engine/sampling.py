@@ -77,72 +77,92 @@ class SamplingParams:
         """Refuse what cannot be sampled, in one line naming the field through `name` (a flag by
         default) and the fix; ranges as vLLM's SamplingParams._verify_args."""
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
-            raise InvalidField('max_tokens',
-                f"{name('max_tokens')} must be an integer, zero or more, got {self.max_tokens!r}"
+            raise InvalidField(
+                "max_tokens",
+                f"{name('max_tokens')} must be an integer, zero or more, got {self.max_tokens!r}",
             )
         if not _within(self.temperature, 0, math.inf) or math.isinf(self.temperature):
-            raise InvalidField('temperature',
-                f"{name('temperature')} must be zero (greedy) or a finite number above it, got {self.temperature!r}"
+            raise InvalidField(
+                "temperature",
+                f"{name('temperature')} must be zero (greedy) or a finite number above it, got {self.temperature!r}",
             )
         if not _within(self.top_p, 0, 1) or self.top_p == 0:
-            raise InvalidField('top_p',f"{name('top_p')} must lie in (0, 1], got {self.top_p!r}")
+            raise InvalidField("top_p", f"{name('top_p')} must lie in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidField('top_k',
-                f"{name('top_k')} must be an integer, 0 (off) or more, got {self.top_k!r}"
+            raise InvalidField(
+                "top_k", f"{name('top_k')} must be an integer, 0 (off) or more, got {self.top_k!r}"
             )
         if not _within(self.min_p, 0, 1):
-            raise InvalidField('min_p',f"{name('min_p')} must lie in [0, 1], got {self.min_p!r}")
+            raise InvalidField("min_p", f"{name('min_p')} must lie in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (
             _is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]
         ):
-            raise InvalidField('seed',
-                f"{name('seed')} must be an integer in [-2**63, 2**64) or none, got {self.seed!r}"
+            raise InvalidField(
+                "seed",
+                f"{name('seed')} must be an integer in [-2**63, 2**64) or none, got {self.seed!r}",
             )
         if not _within(self.repetition_penalty, 0, math.inf) or self.repetition_penalty in (
             0,
             math.inf,
         ):
-            raise InvalidField('repetition_penalty',
-                f"{name('repetition_penalty')} must be a finite number above 0 (1 is off), got {self.repetition_penalty!r}"
+            raise InvalidField(
+                "repetition_penalty",
+                f"{name('repetition_penalty')} must be a finite number above 0 (1 is off), got {self.repetition_penalty!r}",
             )
         for penalty in ("presence_penalty", "frequency_penalty"):
             if not _within(getattr(self, penalty), -2, 2):
-                raise InvalidField(penalty,
-                    f"{name(penalty)} must lie in [-2, 2], got {getattr(self, penalty)!r}"
+                raise InvalidField(
+                    penalty, f"{name(penalty)} must lie in [-2, 2], got {getattr(self, penalty)!r}"
                 )
         if self.logprobs is not None and not (
             _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise InvalidField('logprobs',
-                f"{name('logprobs')} must be an integer in [0, {MAX_LOGPROBS}] or none, got {self.logprobs!r}"
+            raise InvalidField(
+                "logprobs",
+                f"{name('logprobs')} must be an integer in [0, {MAX_LOGPROBS}] or none, got {self.logprobs!r}",
             )
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise InvalidField('stop',f"{name('stop')} must be a list of strings, got {self.stop!r}")
+            raise InvalidField(
+                "stop", f"{name('stop')} must be a list of strings, got {self.stop!r}"
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidField('stop',
-                f"{name('stop')} takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            raise InvalidField(
+                "stop",
+                f"{name('stop')} takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
             )
         for text in self.stop:
             if not text:
-                raise InvalidField('stop',f"{name('stop')} strings must not be empty; drop the empty one")
+                raise InvalidField(
+                    "stop", f"{name('stop')} strings must not be empty; drop the empty one"
+                )
             if len(text) > MAX_STOP_STRING_CHARS:
-                raise InvalidField('stop',
-                    f"{name('stop')} strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(text)}"
+                raise InvalidField(
+                    "stop",
+                    f"{name('stop')} strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of {len(text)}",
                 )
         if not isinstance(self.stop_token_ids, tuple) or not all(
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise InvalidField('stop_token_ids',
-                f"{name('stop_token_ids')} must be a list of token ids (integers, 0 or more), got {self.stop_token_ids!r}"
+            raise InvalidField(
+                "stop_token_ids",
+                f"{name('stop_token_ids')} must be a list of token ids (integers, 0 or more), got {self.stop_token_ids!r}",
             )
-        if not isinstance(self.logits_of, tuple) or not all(_is_int(t) and t >= 0 for t in self.logits_of):
-            raise InvalidField('logits_of',
-                f"{name('logits_of')} must be a list of token ids (integers, 0 or more), got {self.logits_of!r}"
+        if not isinstance(self.logits_of, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.logits_of
+        ):
+            raise InvalidField(
+                "logits_of",
+                f"{name('logits_of')} must be a list of token ids (integers, 0 or more), got {self.logits_of!r}",
             )
         if len(self.logits_of) > MAX_LOGITS_OF:
-            raise InvalidField('logits_of',f"{name('logits_of')} takes at most {MAX_LOGITS_OF} ids, got {len(self.logits_of)}")
+            raise InvalidField(
+                "logits_of",
+                f"{name('logits_of')} takes at most {MAX_LOGITS_OF} ids, got {len(self.logits_of)}",
+            )
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidField('ignore_eos',f"{name('ignore_eos')} must be true or false, got {self.ignore_eos!r}")
+            raise InvalidField(
+                "ignore_eos", f"{name('ignore_eos')} must be true or false, got {self.ignore_eos!r}"
+            )
         return self
 
     @property
@@ -294,8 +314,10 @@ class Sampler:
         return kernels.argmax(probs.div_(q))
 
     def target_probs(self, logits: torch.Tensor, seq_id: str) -> torch.Tensor:
-        """The distribution [rows, vocab] one unpenalized sampled request draws from at each row of logits
-        (temperature, min_p, top_k, top_p): what a speculative draft is verified against (engine/rejection.py)."""
+        """The distribution [rows, vocab] one unpenalized sampled request draws from at each row of
+        logits
+        (temperature, min_p, top_k, top_p): what a speculative draft is verified against
+        (engine/rejection.py)."""
         params = self._requests[seq_id].params
         return _warped_probs(logits.float().clone(), [params] * logits.shape[0], logits.device)
 
@@ -324,8 +346,11 @@ class Sampler:
         return self._shared[device]
 
 
-def _warped_probs(scores: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
-    """Probabilities of each row of scores (penalized logits, changed in place) under its row's temperature,
+def _warped_probs(
+    scores: torch.Tensor, params: list[SamplingParams], device: torch.device
+) -> torch.Tensor:
+    """Probabilities of each row of scores (penalized logits, changed in place) under its row's
+    temperature,
     min_p, top_k and top_p."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     scores.div_(temperature.unsqueeze(1))

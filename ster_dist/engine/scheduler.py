@@ -12,7 +12,8 @@ Policy, each schedule():
      window (when the model has one), then grown to cover the chunk. When the pool cannot supply
      the blocks, the most recently arrived running sequence is preempted by recompute: its blocks go
      back, computed drops to 0 and it returns to the FRONT of the waiting queue, to be prefilled
-     again (prompt and output so far; prefix caching usually makes that cheap, its full blocks having
+     again (prompt and output so far; prefix caching usually makes that cheap, its full blocks
+     having
      stayed cached). Repeat until the blocks come or the victim is the sequence itself (then it
      waits).
   2. Then waiting sequences, in arrival order, while budget and max_running allow: look up the
@@ -20,25 +21,38 @@ Policy, each schedule():
      min(remaining, budget left, max_prefill_chunk) tokens. Admission stops at the first sequence
      that does not fit (strict FIFO: a big prompt is not overtaken forever by small ones).
      A sequence that could never fit, even alone in the pool, is refused by add() (see fits_ever).
-     Under whole_prompt (a prefix LM, whose prompt attends both ways within itself) a sequence is admitted
-     only when its first chunk can hold its whole prompt, and a prompt longer than a chunk is refused by add().
+     Under whole_prompt (a prefix LM, whose prompt attends both ways within itself) a sequence is
+     admitted
+     only when its first chunk can hold its whole prompt, and a prompt longer than a chunk is
+     refused by add().
   3. A chunk samples when it ends at the sequence's last known token: its last logits give the next
      token. A prompt's earlier slices do not sample.
 
-The engine loop around this: plan = schedule(); run the chunks; after_step(plan) (marks k/v computed,
+The engine loop around this: plan = schedule(); run the chunks; after_step(plan) (marks k/v
+computed,
 registers full blocks in the prefix cache); for each sampling chunk, append(seq, token), then
-finish(seq) when it is done (eos, stop string, max_tokens). Nothing here decides when a sequence ends.
-Plans in flight together (one per pipeline stage) carry disjoint sequences: schedule(busy) skips, and
-never preempts, a sequence a plan in flight carries; each plan's after_step comes before its sequences
+finish(seq) when it is done (eos, stop string, max_tokens). Nothing here decides when a sequence
+ends.
+Plans in flight together (one per pipeline stage) carry disjoint sequences: schedule(busy) skips,
+and
+never preempts, a sequence a plan in flight carries; each plan's after_step comes before its
+sequences
 are scheduled again. A sequence finished or aborted while its step ran is skipped by after_step.
 
-Speculative decoding (engine/drafter.py): a running sequence one token behind (a decode) whose `drafts` is set
-gets a chunk that may carry that many draft tokens after its own: its blocks cover them and the budget counts
-them, but only its own token counts as computed after the step; each draft the ranks verified joins through
-accept_draft (its k/v already written), and the keys of refused drafts lie past `computed`, to be overwritten.
-The MTP layer's own keys run a step behind: after each step a drafting sequence's blocks before its chunk's start
-have them all written and are marked so in the pool (with the token after each), and a drafting sequence admitted
-shares only the leading matched blocks so marked for its own next tokens (BlockPool.drafted_prefix), recomputing
+Speculative decoding (engine/drafter.py): a running sequence one token behind (a decode) whose
+`drafts` is set
+gets a chunk that may carry that many draft tokens after its own: its blocks cover them and the
+budget counts
+them, but only its own token counts as computed after the step; each draft the ranks verified joins
+through
+accept_draft (its k/v already written), and the keys of refused drafts lie past `computed`, to be
+overwritten.
+The MTP layer's own keys run a step behind: after each step a drafting sequence's blocks before its
+chunk's start
+have them all written and are marked so in the pool (with the token after each), and a drafting
+sequence admitted
+shares only the leading matched blocks so marked for its own next tokens (BlockPool.drafted_prefix),
+recomputing
 the rest, so its MTP cache is a cold run's.
 
 Sliding window: blocks wholly before (chunk start - window) are released and their table entries
@@ -52,9 +66,12 @@ A waiting or finished sequence holds no blocks.
 
 Recurrent state (a model with Mamba, gated delta or short-convolution layers): each running sequence
 also holds a state slot (engine/state_slots.py), taken at admission and given back with its blocks
-(finish, abort, preemption). There are as many slots as running sequences allowed, so admission never
-waits on one. Such a model runs without prefix caching: a cached prefix's blocks hold its keys, not the
-state its recurrent layers reached, so a sequence always starts at position 0, and a preempted one is
+(finish, abort, preemption). There are as many slots as running sequences allowed, so admission
+never
+waits on one. Such a model runs without prefix caching: a cached prefix's blocks hold its keys, not
+the
+state its recurrent layers reached, so a sequence always starts at position 0, and a preempted one
+is
 recomputed from there on fresh state.
 """
 
@@ -81,27 +98,33 @@ class Sequence:
     sequences with the same tokens are still two."""
 
     id: str
-    tokens: list[int]          # prompt then output so far
+    tokens: list[int]  # prompt then output so far
     prompt_len: int
-    max_tokens: int            # new tokens allowed
-    cache_salt: str = ""       # what else its k/v depend on (adapter, steering); "" shares with plain prompts
-    blocks: list[int] = field(default_factory=list)  # block table; NULL_BLOCK where a window released one
-    computed: int = 0          # leading tokens whose k/v are in the cache
+    max_tokens: int  # new tokens allowed
+    # what else its k/v depend on (adapter, steering); "" shares with plain prompts
+    cache_salt: str = ""
+    # block table; NULL_BLOCK where a window released one
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose k/v are in the cache
     status: Status = Status.WAITING
-    arrival: int = -1          # order of add(), set by the scheduler
+    arrival: int = -1  # order of add(), set by the scheduler
     preemptions: int = 0
-    cached: int = 0            # tokens served from the prefix cache, over all admissions
-    state: int = -1            # its recurrent-state slot while running (-1: none, or the model keeps no state)
-    drafts: int = 0            # speculative decoding: most draft tokens a decode of it may carry (0: none)
-    # scheduler-private: digests of full blocks, and how far the table is registered / window-trimmed
+    cached: int = 0  # tokens served from the prefix cache, over all admissions
+    # its recurrent-state slot while running (-1: none, or the model keeps no state)
+    state: int = -1
+    # speculative decoding: most draft tokens a decode of it may carry (0: none)
+    drafts: int = 0
+    # scheduler-private: digests of full blocks, and how far the table is registered /
+    # window-trimmed
     hashes: BlockHashes | None = field(default=None, repr=False)
     registered_blocks: int = field(default=0, repr=False)
     released_blocks: int = field(default=0, repr=False)
-    drafted_blocks: int = field(default=0, repr=False)  # leading blocks with every MTP key written (drafts > 0)
+    # leading blocks with every MTP key written (drafts > 0)
+    drafted_blocks: int = field(default=0, repr=False)
 
     @property
     def output(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def num_generated(self) -> int:
@@ -115,10 +138,11 @@ class Sequence:
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    start: int       # first position fed (== seq.computed when scheduled)
+    start: int  # first position fed (== seq.computed when scheduled)
     length: int
-    samples: bool    # ends at the sequence's last known token: its logits give the next token
-    drafts: int = 0  # draft tokens the ranks may feed after a decode's token (blocks cover them; budget counts them)
+    samples: bool  # ends at the sequence's last known token: its logits give the next token
+    # draft tokens the ranks may feed after a decode's token (blocks cover them; budget counts them)
+    drafts: int = 0
 
 
 @dataclass
@@ -140,9 +164,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_step_tokens: int = 512, max_running: int = 256,
-                 window: int | None = None, max_prefill_chunk: int | None = None, state_slots: int = 0,
-                 whole_prompt: bool = False):
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_step_tokens: int = 512,
+        max_running: int = 256,
+        window: int | None = None,
+        max_prefill_chunk: int | None = None,
+        state_slots: int = 0,
+        whole_prompt: bool = False,
+    ):
         """window: set only when EVERY layer attends over at most `window` keys; blocks wholly
         before the window of a sequence's next position are then released. max_prefill_chunk caps
         one chunk's tokens (default: the step budget). max_running is held to max_step_tokens: more
@@ -156,13 +187,18 @@ class Scheduler:
         if window is not None and window < 1:
             raise ValueError(f"window must be positive, got {window}")
         if whole_prompt and pool.prefix_caching:
-            raise ValueError("a prompt read whole cannot share prefixes: its first blocks' keys depend on the "
-                             "tokens after them; make the pool without prefix caching")
-        # each sequence's first chunk reads its whole prompt (a prefix LM's, attending both ways within itself)
+            raise ValueError(
+                "a prompt read whole cannot share prefixes: its first blocks' keys depend on the "
+                "tokens after them; make the pool without prefix caching"
+            )
+        # each sequence's first chunk reads its whole prompt (a prefix LM's, attending both ways
+        # within itself)
         self.whole_prompt = whole_prompt
         if state_slots and pool.prefix_caching:
-            raise ValueError("a model with recurrent state cannot share prefixes: a cached block holds keys, "
-                             "not the state its sequence reached; make the pool without prefix caching")
+            raise ValueError(
+                "a model with recurrent state cannot share prefixes: a cached block holds keys, "
+                "not the state its sequence reached; make the pool without prefix caching"
+            )
         self.pool = pool
         self.block_size = pool.block_size
         self.max_step_tokens = max_step_tokens
@@ -171,7 +207,7 @@ class Scheduler:
         self.window = window
         self.max_chunk = min(max_step_tokens, max_prefill_chunk or max_step_tokens)
         self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []   # kept in arrival order: preemption takes from the end
+        self._running: list[Sequence] = []  # kept in arrival order: preemption takes from the end
         self._by_id: dict[str, Sequence] = {}
         self._arrivals = 0
         self._preemptions = 0
@@ -195,16 +231,22 @@ class Scheduler:
         return self._by_id.get(seq_id)
 
     def stats(self) -> dict:
-        return {"waiting": len(self._waiting), "running": len(self._running), "steps": self._steps,
-                "preemptions": self._preemptions, "pool": self.pool.stats(),
-                "state_slots": self.slots.count if self.slots is not None else 0}
+        return {
+            "waiting": len(self._waiting),
+            "running": len(self._running),
+            "steps": self._steps,
+            "preemptions": self._preemptions,
+            "pool": self.pool.stats(),
+            "state_slots": self.slots.count if self.slots is not None else 0,
+        }
 
     def blocks_at_peak(self, n_tokens: int) -> int:
         """The most blocks one sequence of n_tokens (prompt + max_tokens) ever holds at once."""
         whole = _ceil_div(n_tokens, self.block_size)
         if self.window is None:
             return whole
-        # kept: the window before a chunk's start (one block more for a start mid-block) and the chunk
+        # kept: the window before a chunk's start (one block more for a start mid-block) and the
+        # chunk
         return min(whole, _ceil_div(self.window + self.max_chunk, self.block_size) + 1)
 
     def fits_ever(self, n_tokens: int) -> bool:
@@ -224,11 +266,15 @@ class Scheduler:
         if seq.max_tokens < 1:
             raise ValueError(f"sequence {seq.id!r} must allow at least one new token")
         if self.whole_prompt and seq.prompt_len > self.max_chunk:
-            raise ValueError(f"sequence {seq.id!r}'s prompt of {seq.prompt_len} tokens is read whole, in one chunk, "
-                             f"but a chunk holds at most {self.max_chunk}")
+            raise ValueError(
+                f"sequence {seq.id!r}'s prompt of {seq.prompt_len} tokens is read whole, in one chunk, "
+                f"but a chunk holds at most {self.max_chunk}"
+            )
         if not self.fits_ever(seq.prompt_len + seq.max_tokens):
-            raise ValueError(f"sequence {seq.id!r} ({seq.prompt_len} + {seq.max_tokens} tokens) can never "
-                             f"fit in {self.pool.usable_blocks} blocks of {self.block_size}")
+            raise ValueError(
+                f"sequence {seq.id!r} ({seq.prompt_len} + {seq.max_tokens} tokens) can never "
+                f"fit in {self.pool.usable_blocks} blocks of {self.block_size}"
+            )
         seq.arrival = self._arrivals
         self._arrivals += 1
         seq.hashes = BlockHashes(self.block_size, seq.cache_salt)
@@ -240,7 +286,8 @@ class Scheduler:
         seq.tokens.append(token)
 
     def accept_draft(self, seq: Sequence, token: int) -> None:
-        """A verified draft token joins the sequence with its k/v already in the cache (its step fed it)."""
+        """A verified draft token joins the sequence with its k/v already in the cache (its step fed
+        it)."""
         seq.tokens.append(token)
         seq.computed += 1
         self._register_full(seq)
@@ -256,9 +303,12 @@ class Scheduler:
         return seq
 
     def schedule(self, busy: frozenset[str] = frozenset(), parts: int = 1) -> StepPlan:
-        """The next step's chunks. `busy`: sequences a step still in flight carries (pipeline micro-batches):
-        neither scheduled again nor preempted until that step is back. `parts`: micro-batches in flight at
-        once; each step takes at most its share of the sequences, so the others fill the next one."""
+        """The next step's chunks. `busy`: sequences a step still in flight carries (pipeline
+        micro-batches):
+        neither scheduled again nor preempted until that step is back. `parts`: micro-batches in
+        flight at
+        once; each step takes at most its share of the sequences, so the others fill the next
+        one."""
         plan = StepPlan()
         budget = self.max_step_tokens
         cap = -(-(len(self._running) + len(self._waiting)) // parts)
@@ -270,16 +320,20 @@ class Scheduler:
         return plan
 
     def after_step(self, plan: StepPlan) -> None:
-        """The step ran: its chunks' k/v are in the cache; their full blocks join the prefix cache."""
+        """The step ran: its chunks' k/v are in the cache; their full blocks join the prefix
+        cache."""
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.status is not Status.RUNNING:  # finished or aborted while the step ran
                 continue
             if seq.computed != chunk.start:
-                raise ValueError(f"sequence {seq.id!r}: chunk at {chunk.start} but {seq.computed} computed")
+                raise ValueError(
+                    f"sequence {seq.id!r}: chunk at {chunk.start} but {seq.computed} computed"
+                )
             seq.computed += chunk.length
             self._register_full(seq)
-            if seq.drafts:  # the ranks wrote the MTP keys of every position before this chunk's start this step
+            # the ranks wrote the MTP keys of every position before this chunk's start this step
+            if seq.drafts:
                 self._mark_drafted(seq, chunk.start)
 
     def _register_full(self, seq: Sequence) -> None:
@@ -299,7 +353,9 @@ class Scheduler:
 
     # ---- policy
 
-    def _schedule_running(self, plan: StepPlan, budget: int, busy: frozenset[str], cap: int) -> None:
+    def _schedule_running(
+        self, plan: StepPlan, budget: int, busy: frozenset[str], cap: int
+    ) -> None:
         i = 0
         while i < len(self._running) and budget > 0 and len(plan.chunks) < cap:
             seq = self._running[i]
@@ -308,12 +364,17 @@ class Scheduler:
                 i += 1
                 continue
             start = seq.computed
-            # a decode's drafts: no more than the budget holds, nor than its max_tokens could keep past the token
-            drafts = (max(0, min(seq.drafts, budget - length, seq.max_tokens - seq.num_generated - 1))
-                      if seq.drafts and seq.uncomputed == 1 else 0)
+            # a decode's drafts: no more than the budget holds, nor than its max_tokens could keep
+            # past the token
+            drafts = (
+                max(0, min(seq.drafts, budget - length, seq.max_tokens - seq.num_generated - 1))
+                if seq.drafts and seq.uncomputed == 1
+                else 0
+            )
             self._release_outside_window(seq, start)
             if drafts and not self._cover(seq, start + length + drafts):
-                drafts = 0  # drafts never preempt anyone: without blocks to spare the decode runs alone
+                # drafts never preempt anyone: without blocks to spare the decode runs alone
+                drafts = 0
             while not self._cover(seq, start + length):
                 victim = next((s for s in reversed(self._running) if s.id not in busy), None)
                 if victim is None:
@@ -324,15 +385,23 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break  # it was the last one running: everyone after it is already preempted
-            plan.chunks.append(ScheduledChunk(seq, start, length, start + length == len(seq.tokens), drafts))
+            plan.chunks.append(
+                ScheduledChunk(seq, start, length, start + length == len(seq.tokens), drafts)
+            )
             budget -= length + drafts
             i += 1
 
     def _admit_waiting(self, plan: StepPlan, budget: int, cap: int) -> None:
-        while self._waiting and budget > 0 and len(self._running) < self.max_running and len(plan.chunks) < cap:
+        while (
+            self._waiting
+            and budget > 0
+            and len(self._running) < self.max_running
+            and len(plan.chunks) < cap
+        ):
             seq = self._waiting[0]
             matched = self.pool.match_prefix(seq.tokens, seq.hashes, record=False)
-            if seq.drafts:  # it drafts: only blocks whose MTP keys are as its own would be (engine/blocks.py)
+            # it drafts: only blocks whose MTP keys are as its own would be (engine/blocks.py)
+            if seq.drafts:
                 kept = self.pool.drafted_prefix(matched, seq.tokens)
                 self.pool.release(matched[kept:])
                 matched = matched[:kept]
@@ -356,11 +425,14 @@ class Scheduler:
             if self.slots is not None:
                 seq.state = self.slots.take()
             self._insert_running(seq)
-            plan.chunks.append(ScheduledChunk(seq, start, length, start + length == len(seq.tokens)))
+            plan.chunks.append(
+                ScheduledChunk(seq, start, length, start + length == len(seq.tokens))
+            )
             budget -= length
 
     def _cover(self, seq: Sequence, end: int) -> bool:
-        """Grow the block table to hold positions [0, end); False (table unchanged) if the pool is short."""
+        """Grow the block table to hold positions [0, end); False (table unchanged) if the pool is
+        short."""
         missing = _ceil_div(end, self.block_size) - len(seq.blocks)
         if missing <= 0:
             return True
@@ -380,8 +452,8 @@ class Scheduler:
         first_kept = min(first_kept, len(seq.blocks))
         if first_kept <= seq.released_blocks:
             return
-        gone = seq.blocks[seq.released_blocks:first_kept]
-        seq.blocks[seq.released_blocks:first_kept] = [NULL_BLOCK] * len(gone)
+        gone = seq.blocks[seq.released_blocks : first_kept]
+        seq.blocks[seq.released_blocks : first_kept] = [NULL_BLOCK] * len(gone)
         seq.released_blocks = first_kept
         self.pool.release(gone)
 

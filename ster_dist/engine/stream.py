@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 class Delta:
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None   # "stop" | "length" | "abort", on the last delta only
-    logprobs: list = field(default_factory=list)  # per token: None or (id, logprob, [(id, logprob), ...])
-    scores: list = field(default_factory=list)    # per token, when logits_of was asked: those ids' raw logits
+    finish_reason: str | None = None  # "stop" | "length" | "abort", on the last delta only
+    # per token: None or (id, logprob, [(id, logprob), ...])
+    logprobs: list = field(default_factory=list)
+    # per token, when logits_of was asked: those ids' raw logits
+    scores: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,15 @@ class Finished:
     prompt_tokens: int
     logprobs: list
     cached_tokens: int = 0
-    scores: list = field(default_factory=list)  # per token: the raw logits of SamplingParams.logits_of
+    # per token: the raw logits of SamplingParams.logits_of
+    scores: list = field(default_factory=list)
 
 
 class RequestStream:
     def __init__(self, request_id: str, prompt_tokens: int, cancel, on_finish=None):
         self.id = request_id
-        self._on_finish = on_finish  # called once, from the engine's thread, when the last delta is in
+        # called once, from the engine's thread, when the last delta is in
+        self._on_finish = on_finish
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0  # prompt tokens the prefix cache served (set at admission)
         self._cancel = cancel
@@ -55,13 +59,16 @@ class RequestStream:
             wakers, self._wakers = self._wakers, []
         for wake in wakers:
             wake()
-        if self._on_finish is not None and (isinstance(item, BaseException) or item.finish_reason is not None):
+        if self._on_finish is not None and (
+            isinstance(item, BaseException) or item.finish_reason is not None
+        ):
             on_finish, self._on_finish = self._on_finish, None
             on_finish(self)
 
     # -- the consumer's side --------------------------------------------------------------------
     def cancel(self) -> None:
-        """Stop generating; the stream ends with finish_reason "abort" (its blocks are freed at once)."""
+        """Stop generating; the stream ends with finish_reason "abort" (its blocks are freed at
+        once)."""
         self._cancel(self.id)
 
     @property
@@ -114,5 +121,12 @@ class RequestStream:
             logprobs.extend(delta.logprobs)
             scores.extend(delta.scores)
             reason = delta.finish_reason or reason
-        return Finished("".join(text), ids, reason or "abort", self.prompt_tokens, logprobs, self.cached_tokens,
-                        scores)
+        return Finished(
+            "".join(text),
+            ids,
+            reason or "abort",
+            self.prompt_tokens,
+            logprobs,
+            self.cached_tokens,
+            scores,
+        )

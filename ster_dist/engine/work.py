@@ -10,7 +10,8 @@ from ster_dist.engine.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class NewSequence:
-    """A sequence the ranks have not seen: rank 0's sampler keeps its generator and penalty counts."""
+    """A sequence the ranks have not seen: rank 0's sampler keeps its generator and penalty
+    counts."""
 
     id: str
     params: SamplingParams
@@ -21,20 +22,27 @@ class NewSequence:
 class StepWork:
     """One forward: the new tokens of every scheduled chunk, packed in chunk order.
 
-    chunks[i] = (block table covering the chunk's last position, start, length, the sequence's recurrent-state
-    slot or -1 when the model keeps none, the prompt length a prefix LM's chunk from position 0 reads both ways
+    chunks[i] = (block table covering the chunk's last position, start, length, the sequence's
+    recurrent-state
+    slot or -1 when the model keeps none, the prompt length a prefix LM's chunk from position 0
+    reads both ways
     or 0); `samples` names the chunks whose last token's logits choose their
-    sequence's next token. Steering and adapters are per chunk, by the key they were registered under."""
+    sequence's next token. Steering and adapters are per chunk, by the key they were registered
+    under."""
 
     ids: list[int]
     chunks: list[tuple[tuple[int, ...], int, int, int, int]]
-    samples: list[tuple[int, str]]                  # (chunk index, sequence id)
+    samples: list[tuple[int, str]]  # (chunk index, sequence id)
     added: list[NewSequence] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
-    steering: list[tuple[int, str, float]] = field(default_factory=list)  # (chunk index, vector key, strength)
-    adapters: list[tuple[int, str]] = field(default_factory=list)         # (chunk index, adapter name)
-    # speculative decoding (engine/drafter.py): every chunk's sequence id (None where the sequence never drafts:
-    # no MTP rows kept for it), and (chunk index, most drafts) for each one-token decode the ranks may extend
+    # (chunk index, vector key, strength)
+    steering: list[tuple[int, str, float]] = field(default_factory=list)
+    # (chunk index, adapter name)
+    adapters: list[tuple[int, str]] = field(default_factory=list)
+    # speculative decoding (engine/drafter.py): every chunk's sequence id (None where the sequence
+    # never drafts:
+    # no MTP rows kept for it), and (chunk index, most drafts) for each one-token decode the ranks
+    # may extend
     # with drafts; its table covers them
     seq_ids: list[str | None] = field(default_factory=list)
     drafts: list[tuple[int, int]] = field(default_factory=list)
@@ -49,7 +57,8 @@ class StepResult:
     # sample index -> raw logits of its request's `logits_of` ids; only samples that asked (so a
     # step of plain requests sends nothing more back)
     scores: dict[int, list[float]] = field(default_factory=dict)
-    # speculative decoding, by sample index: the drafts the ranks proposed, and those verified (`tokens` then
+    # speculative decoding, by sample index: the drafts the ranks proposed, and those verified
+    # (`tokens` then
     # holds the token after them)
     drafted: dict[int, int] = field(default_factory=dict)
     accepted: dict[int, list[int]] = field(default_factory=dict)

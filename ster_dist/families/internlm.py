@@ -1,10 +1,14 @@
-"""Shanghai AI Laboratory's InternLM families, published as remote code on the Hub (no Transformers model class):
+"""Shanghai AI Laboratory's InternLM families, published as remote code on the Hub (no Transformers
+model class):
 Llama's block under InternLM's names and bias rules, as data.
 
-- internlm2: Llama's block under InternLM2's names; attention.wqkv holds each key-value group's query heads,
+- internlm2: Llama's block under InternLM2's names; attention.wqkv holds each key-value group's
+  query heads,
   then its key and value; `bias` (on unless stated) biases wqkv and wo, never the feed-forward.
-- internlm3: Llama's names; `qkv_bias` biases query, key and value, `bias` the output projection. Transformers'
-  config class aliases them as attention_bias and mlp_bias, so a config it rewrote is read under those names.
+- internlm3: Llama's names; `qkv_bias` biases query, key and value, `bias` the output projection.
+  Transformers'
+  config class aliases them as attention_bias and mlp_bias, so a config it rewrote is read under
+  those names.
 
 ster_dist never runs their remote code: each is checked against the plain-torch reference written in
 tests/families/test_internlm_minicpm_orion_solar.py from seeds/000's description.
@@ -18,8 +22,20 @@ from ster_dist.families.spec import FamilySpec
 
 _REFERENCE = "tests/families/test_internlm_minicpm_orion_solar.py"
 _INTERNLM2 = llama_rules(
-    attn="attention", q=None, k=None, v=None, o="wo", mlp="feed_forward", gate="w1", up="w3", down="w2",
-    attn_norm="attention_norm", mlp_norm="ffn_norm", q_norm=None, k_norm=None, embed="tok_embeddings",
+    attn="attention",
+    q=None,
+    k=None,
+    v=None,
+    o="wo",
+    mlp="feed_forward",
+    gate="w1",
+    up="w3",
+    down="w2",
+    attn_norm="attention_norm",
+    mlp_norm="ffn_norm",
+    q_norm=None,
+    k_norm=None,
+    embed="tok_embeddings",
     head="output",
 ) + fused_qkv("model.layers.{i}.attention.wqkv", **QKV_PER_KV_GROUP)
 # what InternLM2's remote configuration class assumes where a config is silent
@@ -32,7 +48,8 @@ def _internlm2(raw: dict) -> dict:
 
 
 def _internlm3(raw: dict) -> dict:
-    # the remote class's names first; Transformers' config class writes them back as attention_bias and mlp_bias
+    # the remote class's names first; Transformers' config class writes them back as attention_bias
+    # and mlp_bias
     qkv = bool(stated(raw, "qkv_bias", "attention_bias", default=False))
     out = bool(stated(raw, "bias", "mlp_bias", default=False))
     return biases(raw, qkv, out)
@@ -40,5 +57,10 @@ def _internlm3(raw: dict) -> dict:
 
 INTERNLM_FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("internlm2", _INTERNLM2, normalize=_internlm2, parity_reference=_REFERENCE),
-    FamilySpec("internlm3", llama_rules(q_norm=None, k_norm=None), normalize=_internlm3, parity_reference=_REFERENCE),
+    FamilySpec(
+        "internlm3",
+        llama_rules(q_norm=None, k_norm=None),
+        normalize=_internlm3,
+        parity_reference=_REFERENCE,
+    ),
 )

@@ -1,9 +1,12 @@
-"""MosaicML's decoders: names below transformer.blocks, one fused Wqkv, settings nested in attn_config (and
+"""MosaicML's decoders: names below transformer.blocks, one fused Wqkv, settings nested in
+attn_config (and
 ffn_config), unbiased.
 
-- mpt: ALiBi (attn_config.alibi, on unless stated off) or a learned wpe, LayerNorms without bias, a plain
+- mpt: ALiBi (attn_config.alibi, on unless stated off) or a learned wpe, LayerNorms without bias, a
+  plain
   up_proj / down_proj feed-forward, a tied head; MPT's other attention options are refused.
-- dbrx: MPT's successor: grouped-query attention with clip_qkv under unbiased LayerNorms, over softmax experts
+- dbrx: MPT's successor: grouped-query attention with clip_qkv under unbiased LayerNorms, over
+  softmax experts
   stored flat (w1 / v1 / w2, all experts in one tensor).
 """
 
@@ -28,7 +31,8 @@ from ster_dist.families.spec import (
 def _mpt_rules() -> tuple[Rule, ...]:
     b = "transformer.blocks.{i}."
     return (
-        Rule("transformer.wte.weight", "embed.weight"), Rule("transformer.wpe.weight", "pos_embed.weight"),
+        Rule("transformer.wte.weight", "embed.weight"),
+        Rule("transformer.wpe.weight", "pos_embed.weight"),
         Rule("lm_head.weight", "lm_head.weight"),
         *weight_and_bias(f"{b}norm_1", "layers.{i}.attn_norm"),
         *fused_qkv(f"{b}attn.Wqkv", kv_count="heads"),
@@ -44,7 +48,8 @@ def _dbrx_rules() -> tuple[Rule, ...]:
     block = "transformer.blocks.{i}."
     experts = f"{block}ffn.experts.mlp."
     return (
-        Rule("transformer.wte.weight", "embed.weight"), Rule("lm_head.weight", "lm_head.weight"),
+        Rule("transformer.wte.weight", "embed.weight"),
+        Rule("lm_head.weight", "lm_head.weight"),
         Rule(f"{block}norm_attn_norm.norm_1.weight", "layers.{i}.attn_norm.weight"),
         *fused_qkv(f"{block}norm_attn_norm.attn.Wqkv"),
         Rule(f"{block}norm_attn_norm.attn.out_proj.weight", "layers.{i}.attn.o.weight"),
@@ -58,7 +63,8 @@ def _dbrx_rules() -> tuple[Rule, ...]:
 
 
 def _flattened(raw: dict, *names: str) -> dict:
-    """The attention and feed-forward settings MPT and DBRX keep in attn_config / ffn_config, read beside the
+    """The attention and feed-forward settings MPT and DBRX keep in attn_config / ffn_config, read
+    beside the
     top-level keys (a top-level key wins)."""
     out = dict(raw)
     for name in names:
@@ -73,15 +79,19 @@ def _flattened(raw: dict, *names: str) -> dict:
 
 def _mpt(raw: dict) -> dict:
     """ALiBi unless attn_config.alibi says not; no projection biased."""
-    return never_biased(with_defaults(_flattened(raw, "attn_config"), {**LAYER_NORM_EPSILON_DEFAULT, "alibi": True}))
+    return never_biased(
+        with_defaults(_flattened(raw, "attn_config"), {**LAYER_NORM_EPSILON_DEFAULT, "alibi": True})
+    )
 
 
 def _dbrx(raw: dict) -> dict:
-    """No projection biased; the chosen experts' weights renormalised unless moe_normalize_expert_weights says not."""
+    """No projection biased; the chosen experts' weights renormalised unless
+    moe_normalize_expert_weights says not."""
     defaults = {"layer_norm_eps": 1e-5, "moe_normalize_expert_weights": 1.0}
     out = _flattened(raw, "attn_config", "ffn_config")
     kv = (raw.get("attn_config") or {}).get("kv_n_heads")
-    if kv is not None:  # Transformers' attention reads attn_config's count, not a top-level num_key_value_heads
+    # Transformers' attention reads attn_config's count, not a top-level num_key_value_heads
+    if kv is not None:
         out["num_key_value_heads"] = kv
     return never_biased(with_defaults(out, defaults))
 
@@ -89,19 +99,38 @@ def _dbrx(raw: dict) -> dict:
 _UNBIASED_LAYER_NORMS = NormSpec(kind="layer")
 
 MPT_FAMILIES: tuple[FamilySpec, ...] = (
-    # ALiBi (attn_config.alibi, on unless stated off) or a learned wpe; unbiased, with unbiased LayerNorms
-    FamilySpec("mpt", _mpt_rules(), norms=_UNBIASED_LAYER_NORMS,
-               feed_forward=FeedForwardSpec(gated=False, activation="gelu"),
-               positions=PositionSpec(kind="learned"), embedding=EmbeddingSpec(tied=True), normalize=_mpt,
-               refuse_keys={"qk_ln": "query/key norms in MPT's attention are not supported",
-                            "clip_qkv": "MPT's clip_qkv is not supported",
-                            "softmax_scale": "MPT's softmax_scale is not supported",
-                            "logit_scale": "MPT's logit_scale is not supported"},
-               require_values={"attn_type": ("multihead_attention", "only MPT's multi-head attention is supported"),
-                               "alibi_bias_max": (8, "only alibi_bias_max 8 is supported")},
-               parity_reference="MptForCausalLM"),
-    FamilySpec("dbrx", _dbrx_rules(), norms=_UNBIASED_LAYER_NORMS, normalize=_dbrx, moe=MoESpec(),
-               parity_reference="DbrxForCausalLM",
-               refuse_keys={"tie_word_embeddings": "DBRX's head is never tied to its embedding (Transformers' "
-                                                   "DbrxConfig refuses it too); state false"}),
+    # ALiBi (attn_config.alibi, on unless stated off) or a learned wpe; unbiased, with unbiased
+    # LayerNorms
+    FamilySpec(
+        "mpt",
+        _mpt_rules(),
+        norms=_UNBIASED_LAYER_NORMS,
+        feed_forward=FeedForwardSpec(gated=False, activation="gelu"),
+        positions=PositionSpec(kind="learned"),
+        embedding=EmbeddingSpec(tied=True),
+        normalize=_mpt,
+        refuse_keys={
+            "qk_ln": "query/key norms in MPT's attention are not supported",
+            "clip_qkv": "MPT's clip_qkv is not supported",
+            "softmax_scale": "MPT's softmax_scale is not supported",
+            "logit_scale": "MPT's logit_scale is not supported",
+        },
+        require_values={
+            "attn_type": ("multihead_attention", "only MPT's multi-head attention is supported"),
+            "alibi_bias_max": (8, "only alibi_bias_max 8 is supported"),
+        },
+        parity_reference="MptForCausalLM",
+    ),
+    FamilySpec(
+        "dbrx",
+        _dbrx_rules(),
+        norms=_UNBIASED_LAYER_NORMS,
+        normalize=_dbrx,
+        moe=MoESpec(),
+        parity_reference="DbrxForCausalLM",
+        refuse_keys={
+            "tie_word_embeddings": "DBRX's head is never tied to its embedding (Transformers' "
+            "DbrxConfig refuses it too); state false"
+        },
+    ),
 )

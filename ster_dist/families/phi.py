@@ -1,8 +1,10 @@
 """Microsoft's Phi dense families (PhiMoE follows Mixtral's classes and lives in mixtral.py).
 
-- phi (Phi-1/2): a parallel block under one biased LayerNorm, a plain feed-forward, every projection and the head
+- phi (Phi-1/2): a parallel block under one biased LayerNorm, a plain feed-forward, every projection
+  and the head
   biased, optional per-head LayerNorm query/key norms, half of each head rotated unless stated.
-- phi3: Llama's block with fused qkv_proj and gate_up_proj tensors, a sliding window on every layer, no biases.
+- phi3: Llama's block with fused qkv_proj and gate_up_proj tensors, a sliding window on every layer,
+  no biases.
 """
 
 from __future__ import annotations
@@ -25,12 +27,32 @@ def _phi(raw: dict) -> dict:
 
 
 PHI_FAMILIES: tuple[FamilySpec, ...] = (
-    FamilySpec("phi", llama_rules(o="dense", gate=None, up="fc1", down="fc2", mlp_norm=None,
-                                  final_norm="final_layernorm", q_norm="q_layernorm", k_norm="k_layernorm"),
-               norms=NormSpec(kind="layer", bias=True, parallel=True), feed_forward=FeedForwardSpec(gated=False),
-               attention=AttentionSpec(qk_norm=QKNormSpec("head", kind="layer", bias=True)),
-               positions=PositionSpec(rotary_share=0.5), normalize=_phi, parity_reference="PhiForCausalLM"),
-    FamilySpec("phi3", llama_rules(q=None, k=None, v=None, gate=None, up=None, q_norm=None, k_norm=None)
-               + fused_qkv("model.layers.{i}.self_attn.qkv_proj") + fused_gate_up("model.layers.{i}.mlp.gate_up_proj"),
-               attention=AttentionSpec(sliding="all"), normalize=never_biased, parity_reference="Phi3ForCausalLM"),
+    FamilySpec(
+        "phi",
+        llama_rules(
+            o="dense",
+            gate=None,
+            up="fc1",
+            down="fc2",
+            mlp_norm=None,
+            final_norm="final_layernorm",
+            q_norm="q_layernorm",
+            k_norm="k_layernorm",
+        ),
+        norms=NormSpec(kind="layer", bias=True, parallel=True),
+        feed_forward=FeedForwardSpec(gated=False),
+        attention=AttentionSpec(qk_norm=QKNormSpec("head", kind="layer", bias=True)),
+        positions=PositionSpec(rotary_share=0.5),
+        normalize=_phi,
+        parity_reference="PhiForCausalLM",
+    ),
+    FamilySpec(
+        "phi3",
+        llama_rules(q=None, k=None, v=None, gate=None, up=None, q_norm=None, k_norm=None)
+        + fused_qkv("model.layers.{i}.self_attn.qkv_proj")
+        + fused_gate_up("model.layers.{i}.mlp.gate_up_proj"),
+        attention=AttentionSpec(sliding="all"),
+        normalize=never_biased,
+        parity_reference="Phi3ForCausalLM",
+    ),
 )

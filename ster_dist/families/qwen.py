@@ -4,7 +4,8 @@
 - qwen3: Qwen2 without the biases, with per-head query/key norms.
 - qwen2_moe: Qwen2 over routed experts plus one shared expert scaled by its own sigmoid gate.
 - qwen3_moe: Qwen3's attention over routed experts, no shared expert.
-- mellum: Qwen3-MoE whose layer kinds (layer_types, mlp_layer_types) and per-kind rope_parameters the shared
+- mellum: Qwen3-MoE whose layer kinds (layer_types, mlp_layer_types) and per-kind rope_parameters
+  the shared
   config reading already covers; its multi-token-prediction tensors are ignored.
 """
 
@@ -29,18 +30,46 @@ def _qwen2_moe(raw: dict) -> dict:
 
 QWEN_FAMILIES: tuple[FamilySpec, ...] = (
     # query/key/value always biased, the output and the feed-forward never
-    FamilySpec("qwen2", _LLAMA, attention=_MAX_WINDOW_LAYERS, normalize=lambda raw: biases(raw, True, out=False),
-               parity_reference="Qwen2ForCausalLM"),
+    FamilySpec(
+        "qwen2",
+        _LLAMA,
+        attention=_MAX_WINDOW_LAYERS,
+        normalize=lambda raw: biases(raw, True, out=False),
+        parity_reference="Qwen2ForCausalLM",
+    ),
     # attention_bias biases query/key/value only
-    FamilySpec("qwen3", llama_rules(), attention=_QWEN3_ATTENTION,
-               normalize=lambda raw: {**raw, "attention_out_bias": False}, parity_reference="Qwen3ForCausalLM"),
-    FamilySpec("qwen2_moe", _LLAMA + expert_rules(_MLP) + router_rules(f"{_MLP}.gate")
-               + shared_rules(f"{_MLP}.shared_expert")
-               + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),),
-               attention=_MAX_WINDOW_LAYERS, normalize=_qwen2_moe, moe=MoESpec(shared="qwen"),
-               parity_reference="Qwen2MoeForCausalLM"),
-    FamilySpec("qwen3_moe", _QWEN3_MOE, attention=_QWEN3_ATTENTION, moe=MoESpec(),
-               parity_reference="Qwen3MoeForCausalLM"),
-    FamilySpec("mellum", _QWEN3_MOE, attention=AttentionSpec(qk_norm=QKNormSpec("head")), ignore=(r"mtp\..*",),
-               moe=MoESpec(), parity_reference="MellumForCausalLM"),
+    FamilySpec(
+        "qwen3",
+        llama_rules(),
+        attention=_QWEN3_ATTENTION,
+        normalize=lambda raw: {**raw, "attention_out_bias": False},
+        parity_reference="Qwen3ForCausalLM",
+    ),
+    FamilySpec(
+        "qwen2_moe",
+        _LLAMA
+        + expert_rules(_MLP)
+        + router_rules(f"{_MLP}.gate")
+        + shared_rules(f"{_MLP}.shared_expert")
+        + (Rule(f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_gate.weight"),),
+        attention=_MAX_WINDOW_LAYERS,
+        normalize=_qwen2_moe,
+        moe=MoESpec(shared="qwen"),
+        parity_reference="Qwen2MoeForCausalLM",
+    ),
+    FamilySpec(
+        "qwen3_moe",
+        _QWEN3_MOE,
+        attention=_QWEN3_ATTENTION,
+        moe=MoESpec(),
+        parity_reference="Qwen3MoeForCausalLM",
+    ),
+    FamilySpec(
+        "mellum",
+        _QWEN3_MOE,
+        attention=AttentionSpec(qk_norm=QKNormSpec("head")),
+        ignore=(r"mtp\..*",),
+        moe=MoESpec(),
+        parity_reference="MellumForCausalLM",
+    ),
 )

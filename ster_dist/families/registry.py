@@ -59,26 +59,72 @@ from ster_dist.families.step3 import STEP3_FAMILIES
 from ster_dist.families.telechat import TELECHAT_FAMILIES
 from ster_dist.families.zamba2 import ZAMBA2_FAMILIES
 
-# one module per lineage (the Transformers classes a family is built from); see each module's docstring
-_ALL = (LLAMA_FAMILIES + NEMOTRON_FAMILIES + GEMMA_FAMILIES + QWEN_FAMILIES + MIXTRAL_FAMILIES + DEEPSEEK_FAMILIES
-        + PHI_FAMILIES + OLMO_FAMILIES + GLM_FAMILIES + COHERE_FAMILIES + GRANITE_FAMILIES + EXAONE_FAMILIES
-        + ERNIE_FAMILIES + HUNYUAN_FAMILIES + GPT2_FAMILIES + GPTJ_NEOX_FAMILIES + BLOOM_FALCON_FAMILIES
-        + MPT_FAMILIES + OPT_FAMILIES + LFM2_FAMILIES + MAMBA_FAMILIES + MAMBA2_FAMILIES + QWEN3_NEXT_FAMILIES
-        + KIMI_FAMILIES + ZAMBA2_FAMILIES + MINIMAX_FAMILIES + FALCON_H1_FAMILIES + INTERNLM_FAMILIES
-        + TELECHAT_FAMILIES + PANGU_FAMILIES + PLAMO_FAMILIES + CHATGLM_FAMILIES + LLAMA4_FAMILIES + MIMO_FAMILIES
-        + LAGUNA_FAMILIES + GATED_ATTENTION_FAMILIES + INKLING_FAMILIES + LING_FAMILIES + LONGCAT_FAMILIES
-        + GEMMA3N_FAMILIES + HYPER_FAMILIES + LOOPED_FAMILIES + SPARSE_ATTENTION_FAMILIES + STEP3_FAMILIES
-        + K2_HORIZON_FAMILIES + MINIMAX_M3_FAMILIES + GEMMA4_FAMILIES + DEEPSEEK_V4_FAMILIES)
+# one module per lineage (the Transformers classes a family is built from); see each module's
+# docstring
+_ALL = (
+    LLAMA_FAMILIES
+    + NEMOTRON_FAMILIES
+    + GEMMA_FAMILIES
+    + QWEN_FAMILIES
+    + MIXTRAL_FAMILIES
+    + DEEPSEEK_FAMILIES
+    + PHI_FAMILIES
+    + OLMO_FAMILIES
+    + GLM_FAMILIES
+    + COHERE_FAMILIES
+    + GRANITE_FAMILIES
+    + EXAONE_FAMILIES
+    + ERNIE_FAMILIES
+    + HUNYUAN_FAMILIES
+    + GPT2_FAMILIES
+    + GPTJ_NEOX_FAMILIES
+    + BLOOM_FALCON_FAMILIES
+    + MPT_FAMILIES
+    + OPT_FAMILIES
+    + LFM2_FAMILIES
+    + MAMBA_FAMILIES
+    + MAMBA2_FAMILIES
+    + QWEN3_NEXT_FAMILIES
+    + KIMI_FAMILIES
+    + ZAMBA2_FAMILIES
+    + MINIMAX_FAMILIES
+    + FALCON_H1_FAMILIES
+    + INTERNLM_FAMILIES
+    + TELECHAT_FAMILIES
+    + PANGU_FAMILIES
+    + PLAMO_FAMILIES
+    + CHATGLM_FAMILIES
+    + LLAMA4_FAMILIES
+    + MIMO_FAMILIES
+    + LAGUNA_FAMILIES
+    + GATED_ATTENTION_FAMILIES
+    + INKLING_FAMILIES
+    + LING_FAMILIES
+    + LONGCAT_FAMILIES
+    + GEMMA3N_FAMILIES
+    + HYPER_FAMILIES
+    + LOOPED_FAMILIES
+    + SPARSE_ATTENTION_FAMILIES
+    + STEP3_FAMILIES
+    + K2_HORIZON_FAMILIES
+    + MINIMAX_M3_FAMILIES
+    + GEMMA4_FAMILIES
+    + DEEPSEEK_V4_FAMILIES
+)
 SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _ALL}
 assert len(SPECS) == len(_ALL), "a family is specified twice"
 assert set(SPECS) <= set(FAMILY_NAMES), set(SPECS) - set(FAMILY_NAMES)
-# Name maps of checkpoint formats other than Transformers' (GGUF presents Transformers' names itself)
-FORMAT_SPECS: dict[str, dict[str, FamilySpec]] = {"mistral": {spec.name: spec for spec in MISTRAL_FORMAT_FAMILIES}}
+# Name maps of checkpoint formats other than Transformers' (GGUF presents Transformers' names
+# itself)
+FORMAT_SPECS: dict[str, dict[str, FamilySpec]] = {
+    "mistral": {spec.name: spec for spec in MISTRAL_FORMAT_FAMILIES}
+}
 assert all(set(specs) <= set(SPECS) for specs in FORMAT_SPECS.values())
 
 
 def spec_for(family: str, weight_format: str = "safetensors") -> FamilySpec | None:
-    """The family's spec for checkpoints in `weight_format` (the Transformers spec unless the format has its own)."""
+    """The family's spec for checkpoints in `weight_format` (the Transformers spec unless the format
+    has its own)."""
     return FORMAT_SPECS.get(weight_format, SPECS).get(family)
 
 
@@ -90,5 +136,11 @@ def status(family: str) -> str:
 
 
 def family_table() -> list[dict]:
-    return [{"family": name, "status": status(name),
-             "reference": (SPECS[name].parity_reference if name in SPECS else None)} for name in FAMILY_NAMES]
+    return [
+        {
+            "family": name,
+            "status": status(name),
+            "reference": (SPECS[name].parity_reference if name in SPECS else None),
+        }
+        for name in FAMILY_NAMES
+    ]

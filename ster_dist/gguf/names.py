@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Shape symbols, resolved from config.json by `symbols()`.
-HIDDEN, VOCAB, INTER, Q_DIM, KV_DIM, HEAD_DIM = "hidden", "vocab", "inter", "q_dim", "kv_dim", "head_dim"
+HIDDEN, VOCAB, INTER, Q_DIM, KV_DIM, HEAD_DIM = (
+    "hidden",
+    "vocab",
+    "inter",
+    "q_dim",
+    "kv_dim",
+    "head_dim",
+)
 
 # GGUF base name -> (Transformers module, weight shape [out, in] or [n]).
 # A `.bias` of any entry has the weight's first dimension.
@@ -46,9 +53,9 @@ QK_NORM_BLOCK: Mapping[str, tuple[str, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class GGUFFamily:
-    arch: str                  # general.architecture in the file
-    model_type: str            # Transformers model_type the importer writes
-    architecture: str          # Transformers class for config.json "architectures"
+    arch: str  # general.architecture in the file
+    model_type: str  # Transformers model_type the importer writes
+    architecture: str  # Transformers class for config.json "architectures"
     block: Mapping[str, tuple[str, tuple[str, ...]]]
     # llama.cpp's convert_hf_to_gguf permutes q/k rows (and biases) of LlamaModel
     # (Mistral included, it converts as "llama") to its interleaved rotary layout;
@@ -56,11 +63,14 @@ class GGUFFamily:
     permute_qk: bool
 
 
-FAMILIES: Mapping[str, GGUFFamily] = {f.arch: f for f in (
-    GGUFFamily("llama", "llama", "LlamaForCausalLM", LLAMA_BLOCK, permute_qk=True),
-    GGUFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", LLAMA_BLOCK, permute_qk=False),
-    GGUFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", QK_NORM_BLOCK, permute_qk=False),
-)}
+FAMILIES: Mapping[str, GGUFFamily] = {
+    f.arch: f
+    for f in (
+        GGUFFamily("llama", "llama", "LlamaForCausalLM", LLAMA_BLOCK, permute_qk=True),
+        GGUFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", LLAMA_BLOCK, permute_qk=False),
+        GGUFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", QK_NORM_BLOCK, permute_qk=False),
+    )
+}
 
 # Tensors llama.cpp derives from the config at conversion time; they have no
 # Transformers parameter, and their meaning is not in the metadata (llama3 rope
@@ -80,8 +90,8 @@ class Mapped:
     hf: str
     base: str
     layer: int | None
-    kind: str                   # "weight" | "bias"
-    shape: tuple[str, ...]      # symbolic, Transformers orientation
+    kind: str  # "weight" | "bias"
+    shape: tuple[str, ...]  # symbolic, Transformers orientation
 
 
 def to_hf(family: GGUFFamily, gguf_name: str) -> Mapped | None:
@@ -91,15 +101,27 @@ def to_hf(family: GGUFFamily, gguf_name: str) -> Mapped | None:
         if base not in family.block:
             return None
         module, shape = family.block[base]
-        return Mapped(gguf_name, f"model.layers.{layer}.{module}.{kind}", base, layer, kind,
-                      shape if kind == "weight" else shape[:1])
+        return Mapped(
+            gguf_name,
+            f"model.layers.{layer}.{module}.{kind}",
+            base,
+            layer,
+            kind,
+            shape if kind == "weight" else shape[:1],
+        )
     if m := _GLOBAL_RE.match(gguf_name):
         base, kind = m[1], m[2]
         if base not in GLOBAL:
             return None
         module, shape = GLOBAL[base]
-        return Mapped(gguf_name, f"{module}.{kind}", base, None, kind,
-                      shape if kind == "weight" else shape[:1])
+        return Mapped(
+            gguf_name,
+            f"{module}.{kind}",
+            base,
+            None,
+            kind,
+            shape if kind == "weight" else shape[:1],
+        )
     return None
 
 

@@ -22,7 +22,9 @@ NAMESPACE = "ster"
 
 
 def default_state_dir() -> str:
-    return os.environ.get("STER_STATE_DIR") or str(Path.home() / ".cache" / "ster_dist" / "job_queue")
+    return os.environ.get("STER_STATE_DIR") or str(
+        Path.home() / ".cache" / "ster_dist" / "job_queue"
+    )
 
 
 class JobQueueActor:
@@ -73,11 +75,19 @@ def find_or_start(state_dir: str | None = None, options: dict | None = None):
     import ray
 
     cls = ray.remote(JobQueueActor)
-    # "node:__internal_head__" pins it to the head node, whose disk holds the journal across restarts
-    return cls.options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                       max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=64,
-                       resources={"node:__internal_head__": 0.001}).remote(
-        state_dir or default_state_dir(), options or {})
+    # "node:__internal_head__" pins it to the head node, whose disk holds the journal across
+    # restarts
+    return cls.options(
+        name=ACTOR_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        max_task_retries=-1,
+        num_cpus=0,
+        max_concurrency=64,
+        resources={"node:__internal_head__": 0.001},
+    ).remote(state_dir or default_state_dir(), options or {})
 
 
 def existing():

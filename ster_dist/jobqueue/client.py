@@ -50,7 +50,9 @@ class RayClient:
     """The cluster's job-queue actor. `address` as for ray.init (None: RAY_ADDRESS, as inside a Ray
     job). Calls survive a restart of the actor: Ray retries them once it is back."""
 
-    def __init__(self, address: str | None = None, state_dir: str | None = None, options: dict | None = None):
+    def __init__(
+        self, address: str | None = None, state_dir: str | None = None, options: dict | None = None
+    ):
         from ster_dist.jobqueue.actor import find_or_start
         from ster_dist.workers.ray_group import start_ray
 
@@ -63,11 +65,15 @@ class RayClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reply = protocol.unpack(ray.get(getattr(self.actor, method).remote(*args), timeout=timeout))
+                reply = protocol.unpack(
+                    ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+                )
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 if time.monotonic() > deadline:
-                    raise Refusal(f"the job queue actor did not come back within {timeout:.0f} s: "
-                                  f"{str(exc).splitlines()[0]}") from None
+                    raise Refusal(
+                        f"the job queue actor did not come back within {timeout:.0f} s: "
+                        f"{str(exc).splitlines()[0]}"
+                    ) from None
                 time.sleep(0.5)
                 continue
             if isinstance(reply, dict) and "refusal" in reply:

@@ -36,7 +36,9 @@ def read_specs(arguments: list[str]) -> list[dict]:
     for argument in arguments:
         if argument.startswith(INLINE):
             try:
-                data = protocol.unpack(base64.urlsafe_b64decode(argument[len(INLINE):]), "inline job spec")
+                data = protocol.unpack(
+                    base64.urlsafe_b64decode(argument[len(INLINE) :]), "inline job spec"
+                )
             except (binascii.Error, ValueError):
                 raise Refusal("the inline job spec is not base64 msgpack") from None
             specs += data if isinstance(data, list) else [data]
@@ -54,16 +56,24 @@ def anchor(specs: list[dict], base: Path) -> list[dict]:
     for spec in specs:
         spec = dict(spec)
         for name, value in spec.items():
-            if name not in protocol.PROTOCOL_FIELDS and isinstance(value, str) and value and \
-                    not os.path.isabs(value) and len(value) < 4096 and (base / value).exists():
+            if (
+                name not in protocol.PROTOCOL_FIELDS
+                and isinstance(value, str)
+                and value
+                and not os.path.isabs(value)
+                and len(value) < 4096
+                and (base / value).exists()
+            ):
                 spec[name] = str((base / value).resolve())
         out.append(spec)
     return out
 
 
 def check_uploaded(specs: list[dict], base: Path) -> None:
-    """Refuse a relative input path that is not in the job's working directory because Ray left it out
-    of the upload (it skips what the tree's .gitignore lists: models/ here), rather than read it as a
+    """Refuse a relative input path that is not in the job's working directory because Ray left it
+    out
+    of the upload (it skips what the tree's .gitignore lists: models/ here), rather than read it as
+    a
     Hub id there."""
     ignored = _ignored_patterns(base)
     if not ignored:
@@ -71,22 +81,37 @@ def check_uploaded(specs: list[dict], base: Path) -> None:
     for spec in specs:
         for name in INPUT_FIELDS:
             value = spec.get(name)
-            if not isinstance(value, str) or not value or os.path.isabs(value) or (base / value).exists():
+            if (
+                not isinstance(value, str)
+                or not value
+                or os.path.isabs(value)
+                or (base / value).exists()
+            ):
                 continue
             parts = Path(value).parts
-            if any(fnmatch.fnmatchcase(parts[0], p) or fnmatch.fnmatchcase(value, p) for p in ignored):
-                raise Refusal(f"job {spec.get('id', '?')}: {name} {value!r} is not inside the uploaded working "
-                              f"directory {base} (.gitignore keeps {parts[0]}/ out of Ray's upload); give an absolute "
-                              "path the cluster's nodes can read, or submit with `ster submit`, which resolves "
-                              "local paths on the submitting machine")
+            if any(
+                fnmatch.fnmatchcase(parts[0], p) or fnmatch.fnmatchcase(value, p) for p in ignored
+            ):
+                raise Refusal(
+                    f"job {spec.get('id', '?')}: {name} {value!r} is not inside the uploaded working "
+                    f"directory {base} (.gitignore keeps {parts[0]}/ out of Ray's upload); give an absolute "
+                    "path the cluster's nodes can read, or submit with `ster submit`, which resolves "
+                    "local paths on the submitting machine"
+                )
 
 
 def _ignored_patterns(base: Path) -> list[str]:
     try:
-        lines = (base / ".gitignore").read_text(encoding="utf-8", errors="replace").splitlines()[:10000]
+        lines = (
+            (base / ".gitignore").read_text(encoding="utf-8", errors="replace").splitlines()[:10000]
+        )
     except OSError:
         return []
-    return [line.strip().strip("/") for line in lines if line.strip() and not line.lstrip().startswith(("#", "!"))]
+    return [
+        line.strip().strip("/")
+        for line in lines
+        if line.strip() and not line.lstrip().startswith(("#", "!"))
+    ]
 
 
 def run(client, specs: list[dict], out=None, timeout: float | None = None, signals=None) -> int:
@@ -98,12 +123,18 @@ def run(client, specs: list[dict], out=None, timeout: float | None = None, signa
     ids = client.submit_many(specs)
     with signals(ids) if signals is not None else contextlib.nullcontext():
         records = follow(client, ids, on_event=emit, timeout=timeout)
-    print(json.dumps(records[0] if len(records) == 1 else {"jobs": records}, ensure_ascii=False), file=out,
-          flush=True)
+    print(
+        json.dumps(records[0] if len(records) == 1 else {"jobs": records}, ensure_ascii=False),
+        file=out,
+        flush=True,
+    )
     for record in records:
         if record["status"] in ("failed", "cancelled"):
-            print(f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}",
+                file=sys.stderr,
+                flush=True,
+            )
     return max([r["exit_code"] for r in records] + [0])
 
 
@@ -113,8 +144,12 @@ def run_jobs(request: RunJobsRequest) -> int:
     try:
         specs = anchor(read_specs(request.specs), Path.cwd())
         check_uploaded(specs, Path.cwd())
-        options = {"idle_s": request.idle_s, "max_retries": request.max_retries, "job_timeout": request.job_timeout,
-                   "keep_finished": request.keep_finished}
+        options = {
+            "idle_s": request.idle_s,
+            "max_retries": request.max_retries,
+            "job_timeout": request.job_timeout,
+            "keep_finished": request.keep_finished,
+        }
         if request.local:
             from ster_dist.jobqueue.client import LocalClient
             from ster_dist.jobqueue.queue import JobQueue
@@ -146,7 +181,12 @@ def run_jobs(request: RunJobsRequest) -> int:
 
 
 def ranks_of(spec: dict) -> int:
-    """How many ranks a spec's job runs on (tp x ep x pp x dp): whether Ray must be started first."""
+    """How many ranks a spec's job runs on (tp x ep x pp x dp): whether Ray must be started
+    first."""
     request = protocol.validate(spec, check_model=False).request
-    return (int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "pp", 1))
-            * int(getattr(request, "dp", 1)))
+    return (
+        int(getattr(request, "tp", 1))
+        * int(getattr(request, "ep", 1))
+        * int(getattr(request, "pp", 1))
+        * int(getattr(request, "dp", 1))
+    )

@@ -42,7 +42,8 @@ _LOCK = threading.Lock()
 
 
 def capture(sink: Callable[[dict], None]) -> Callable[[], None]:
-    """Send this thread's stderr lines to sink (as event dicts) until the returned callable is called."""
+    """Send this thread's stderr lines to sink (as event dicts) until the returned callable is
+    called."""
     with _LOCK:
         if not isinstance(sys.stderr, _ThreadTee):
             sys.stderr = _ThreadTee(sys.stderr)

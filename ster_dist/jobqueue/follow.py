@@ -9,15 +9,22 @@ from collections.abc import Callable
 from ster_dist import protocol
 
 
-def follow(client, ids: list[str], on_event: Callable[[dict], None] | None = None,
-           timeout: float | None = None) -> list[dict]:
-    """Stream every job's events to on_event until all have results; the result records, in order."""
+def follow(
+    client,
+    ids: list[str],
+    on_event: Callable[[dict], None] | None = None,
+    timeout: float | None = None,
+) -> list[dict]:
+    """Stream every job's events to on_event until all have results; the result records, in
+    order."""
     cursors = {job_id: 0 for job_id in ids}
     results: dict[str, dict] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     while len(results) < len(ids):
         if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"{len(ids) - len(results)} job(s) did not finish within {timeout} s")
+            raise TimeoutError(
+                f"{len(ids) - len(results)} job(s) did not finish within {timeout} s"
+            )
         replies = client.poll_many({i: cursors[i] for i in ids if i not in results}, 1.0)
         for job_id, reply in replies.items():
             cursors[job_id] = reply["cursor"]
@@ -31,8 +38,13 @@ def follow(client, ids: list[str], on_event: Callable[[dict], None] | None = Non
 
 def stopped_waiting(exc: TimeoutError, local: bool) -> str:
     """A submitter's --timeout, run out: what that means for the jobs, in one line."""
-    where = ("the in-process job queue stopped with this command, without waiting for its running job (jobs "
-             "not finished stay accepted in its --state journal, if one was given)" if local else
-             "the jobs go on in the cluster's job queue")
-    return (f"{exc}; stopped waiting (--timeout): {where}; a job spec's timeout_s is what fails a job "
-            "that runs too long")
+    where = (
+        "the in-process job queue stopped with this command, without waiting for its running job (jobs "
+        "not finished stay accepted in its --state journal, if one was given)"
+        if local
+        else "the jobs go on in the cluster's job queue"
+    )
+    return (
+        f"{exc}; stopped waiting (--timeout): {where}; a job spec's timeout_s is what fails a job "
+        "that runs too long"
+    )

@@ -25,7 +25,11 @@ def run_cli(request: Request) -> tuple[dict, int]:
     current = running()
     own = None if current is not None else JobQueue(None, address=getattr(request, "address", None))
     queue = own.start() if own is not None else current
-    queue.pool.prepare(int(getattr(request, "tp", 1)) * int(getattr(request, "ep", 1)) * int(getattr(request, "pp", 1)))
+    queue.pool.prepare(
+        int(getattr(request, "tp", 1))
+        * int(getattr(request, "ep", 1))
+        * int(getattr(request, "pp", 1))
+    )
     interrupted = False
     try:
         ids = queue.submit_jobs([protocol.job_from_request(request)])
@@ -51,5 +55,3 @@ def _cli_event(event_: dict) -> None:
         sys.__stdout__.flush()
         return
     events.emit({k: v for k, v in event_.items() if k != "job"})
-
-

@@ -12,7 +12,8 @@ msgpack payload. A frame that does not check out (a torn last write, a corrupt b
 skipped and replay resynchronises on the next MAGIC whose frame checks out, so one bad byte loses
 one record, never the rest of the log. A job whose accepted record was lost so is never dropped
 silently: the job ids still legible in the unreadable bytes, and not in any readable record, are
-named at restart and by `ster queue journal` (their specs are lost: they must be submitted again). Before a journal with unreadable bytes is compacted, the
+named at restart and by `ster queue journal` (their specs are lost: they must be submitted again).
+Before a journal with unreadable bytes is compacted, the
 whole file is kept aside as journal.msgpack.corrupt-<time>. A journal of plain msgpack records
 (before the frames) is still read, and rewritten in frames on open.
 """
@@ -35,7 +36,8 @@ from ster_dist.atomic import replacing
 from ster_dist.errors import Refusal
 
 KEEP_FINISHED = 2000  # finished jobs kept across compactions (their results stay answerable)
-MAGIC = b"\xc1SJ"  # 0xc1 is the one byte msgpack never uses: no plain-msgpack journal starts with it
+# 0xc1 is the one byte msgpack never uses: no plain-msgpack journal starts with it
+MAGIC = b"\xc1SJ"
 _HEAD = struct.Struct(">3sII")  # magic, payload length, crc32(length + payload)
 MAX_RECORD = 256 << 20  # a longer length is a corrupt one (no job spec or result comes near it)
 
@@ -52,12 +54,14 @@ class Entry:
 @dataclass
 class State:
     entries: dict[str, Entry] = field(default_factory=dict)  # in acceptance order
-    skipped: int = 0        # records replay could not read (corrupt or torn)
+    skipped: int = 0  # records replay could not read (corrupt or torn)
     skipped_bytes: int = 0
     torn_tail: bool = False  # the unreadable bytes run to the end of the file (a kill mid-append)
     malformed: list[str] = field(default_factory=list)  # readable records with wrongly typed fields
-    legible_ids: list[str] = field(default_factory=list)  # job ids read in unreadable records' bytes
-    lost: list[str] = field(default_factory=list)  # those of them no readable record knows: accepted, then lost
+    # job ids read in unreadable records' bytes
+    legible_ids: list[str] = field(default_factory=list)
+    # those of them no readable record knows: accepted, then lost
+    lost: list[str] = field(default_factory=list)
     old_format: bool = False
 
     def pending(self) -> list[tuple[str, Entry]]:
@@ -70,7 +74,8 @@ class Journal:
         self.durable = durable
         self._handle = None
         self._lock = None
-        self._owed: list[bytes] = []  # finished records a write error kept from the file, written first next time
+        # finished records a write error kept from the file, written first next time
+        self._owed: list[bytes] = []
         self.notices: list[str] = []  # what replay could not read, for the job queue to show
         if self.directory is None:
             return
@@ -84,18 +89,23 @@ class Journal:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise Refusal(f"another job queue holds the state directory {self.directory}; stop it or give "
-                          "another state directory") from None
+            raise Refusal(
+                f"another job queue holds the state directory {self.directory}; stop it or give "
+                "another state directory"
+            ) from None
 
     def refusal(self, exc: OSError) -> Refusal:
         """The one-line refusal for new work while the journal cannot be written."""
         reason = exc.strerror or str(exc)
-        return Refusal(f"the job queue cannot write its journal at {self.directory}: {reason}; free space "
-                       "(or make the directory writable) there and submit again")
+        return Refusal(
+            f"the job queue cannot write its journal at {self.directory}: {reason}; free space "
+            "(or make the directory writable) there and submit again"
+        )
 
     @property
     def behind(self) -> bool:
-        """Finished records wait in memory for the disk: a restart now would run those jobs again."""
+        """Finished records wait in memory for the disk: a restart now would run those jobs
+        again."""
         return bool(self._owed)
 
     def open(self) -> State:
@@ -122,12 +132,19 @@ class Journal:
     def _keep_aside(self, state: State) -> None:
         """Copy a journal with unreadable bytes aside before compaction drops them, and say so."""
         if state.skipped:
-            kept = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+            kept = self.path.with_name(
+                f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            )
             shutil.copyfile(self.path, kept)
-            what = "a torn last record" if state.torn_tail and state.skipped == 1 else \
-                f"{state.skipped} unreadable record(s)"
-            self._notice(f"the journal at {self.path} had {what} ({state.skipped_bytes} bytes), skipped; "
-                         f"the whole file is kept at {kept}")
+            what = (
+                "a torn last record"
+                if state.torn_tail and state.skipped == 1
+                else f"{state.skipped} unreadable record(s)"
+            )
+            self._notice(
+                f"the journal at {self.path} had {what} ({state.skipped_bytes} bytes), skipped; "
+                f"the whole file is kept at {kept}"
+            )
         if state.lost:
             self._notice(f"the journal at {self.path}: {lost_line(state.lost)}")
         for message in state.malformed:
@@ -135,13 +152,16 @@ class Journal:
 
     def _notice(self, message: str) -> None:
         self.notices.append(message)
-        print(f"ster job queue: {message}", file=sys.stderr, flush=True)  # loud even with no one polling
+        # loud even with no one polling
+        print(f"ster job queue: {message}", file=sys.stderr, flush=True)
 
     # Each append goes to the file at once; commit() makes everything appended so far durable (one
     # fsync for a whole batch of records, before the job queue acts on any of them). An OSError
     # (a full disk) reaches the caller.
     def accepted(self, job_id: str, spec: dict, seq: int) -> None:
-        self._append({"op": "accepted", "id": job_id, "spec": spec, "seq": seq, "time": time.time()})
+        self._append(
+            {"op": "accepted", "id": job_id, "spec": spec, "seq": seq, "time": time.time()}
+        )
 
     def running(self, job_id: str, attempt: int) -> None:
         self._append({"op": "running", "id": job_id, "attempt": attempt, "time": time.time()})
@@ -191,7 +211,8 @@ class Journal:
             raise
 
     def _cut(self, offset: int) -> None:
-        """Drop a half-written frame, so the next record starts clean (replay would skip it anyway)."""
+        """Drop a half-written frame, so the next record starts clean (replay would skip it
+        anyway)."""
         try:
             os.ftruncate(self._handle.fileno(), offset)
         except OSError:
@@ -226,8 +247,10 @@ class Journal:
 
 
 def lost_line(ids: list[str]) -> str:
-    return (f"job id(s) {', '.join(map(repr, ids))} read only in unreadable records: accepted once, their "
-            "specs are lost and they will not run; submit them again")
+    return (
+        f"job id(s) {', '.join(map(repr, ids))} read only in unreadable records: accepted once, their "
+        "specs are lost and they will not run; submit them again"
+    )
 
 
 def frame(record: dict) -> bytes:
@@ -245,12 +268,15 @@ def read(path: str | os.PathLike) -> State:
         return state
     for record in records(data, state):
         _apply(state, record)
-    state.lost = [job_id for job_id in dict.fromkeys(state.legible_ids) if job_id not in state.entries]
+    state.lost = [
+        job_id for job_id in dict.fromkeys(state.legible_ids) if job_id not in state.entries
+    ]
     return state
 
 
 def _journal_bytes(path: Path) -> bytes:
-    # One open decides file or directory: a check then an open races a job queue creating its directory.
+    # One open decides file or directory: a check then an open races a job queue creating its
+    # directory.
     try:
         return path.read_bytes()
     except IsADirectoryError:
@@ -285,7 +311,8 @@ def _skipped(state: State, data: bytes, start: int, end: int) -> None:
     state.skipped += max(1, data.count(MAGIC, start, end))
     state.skipped_bytes += end - start
     state.torn_tail = end == len(data)
-    if not state.torn_tail:  # a torn last append was never acknowledged: its job was refused, not lost
+    # a torn last append was never acknowledged: its job was refused, not lost
+    if not state.torn_tail:
         state.legible_ids += _legible_ids(data[start:end])
 
 
@@ -294,11 +321,12 @@ _ID_KEY = b"\xa2id"  # msgpack's "id" (a record's job id, and a spec's own id fi
 
 def _legible_ids(stretch: bytes) -> list[str]:
     """Job ids that still read in unreadable bytes: each "id" key followed by a short msgpack string
-    that decodes as UTF-8 (a corrupt byte inside one id usually leaves the spec's copy of it legible)."""
+    that decodes as UTF-8 (a corrupt byte inside one id usually leaves the spec's copy of it
+    legible)."""
     found, pos = [], stretch.find(_ID_KEY)
     while pos >= 0:
         at = pos + len(_ID_KEY)
-        head = stretch[at:at + 2]
+        head = stretch[at : at + 2]
         if head and 0xA0 <= head[0] <= 0xBF:
             start, length = at + 1, head[0] - 0xA0
         elif len(head) == 2 and head[0] == 0xD9:
@@ -306,7 +334,7 @@ def _legible_ids(stretch: bytes) -> list[str]:
         else:
             start, length = at, 0
         try:
-            text = stretch[start:start + length].decode("utf-8") if length else ""
+            text = stretch[start : start + length].decode("utf-8") if length else ""
         except UnicodeDecodeError:
             text = ""
         if text and len(stretch) >= start + length and text.isprintable():
@@ -323,8 +351,8 @@ def _frame_at(data: bytes, pos: int):
     end = pos + _HEAD.size + length
     if magic != MAGIC or length > MAX_RECORD or end > len(data):
         return None, None
-    payload = data[pos + _HEAD.size:end]
-    if zlib.crc32(data[pos + 3:pos + 7] + payload) != crc:
+    payload = data[pos + _HEAD.size : end]
+    if zlib.crc32(data[pos + 3 : pos + 7] + payload) != crc:
         return None, None
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=True), end
@@ -365,8 +393,10 @@ def _apply(state: State, record) -> None:
         return
     job_id, op = record.get("id"), record.get("op")
     if not isinstance(job_id, str):
-        state.malformed.append(f"a {op!r} record has a job id of type {type(job_id).__name__} "
-                               f"({job_id!r}), not a string; skipped")
+        state.malformed.append(
+            f"a {op!r} record has a job id of type {type(job_id).__name__} "
+            f"({job_id!r}), not a string; skipped"
+        )
         return
     if op == "accepted" and job_id not in state.entries:
         state.entries[job_id] = _accepted(state, job_id, record)
@@ -393,7 +423,9 @@ def _accepted(state: State, job_id: str, record: dict) -> Entry:
 def _running(state: State, job_id: str, record: dict) -> None:
     attempt = record.get("attempt") or 0
     if not isinstance(attempt, int):
-        state.malformed.append(f"job {job_id}: an attempt count {attempt!r} is not an integer; ignored")
+        state.malformed.append(
+            f"job {job_id}: an attempt count {attempt!r} is not an integer; ignored"
+        )
         return
     entry = state.entries[job_id]
     entry.attempts = max(entry.attempts, attempt)

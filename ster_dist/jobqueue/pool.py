@@ -1,5 +1,6 @@
 """The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
-device, tp, ep, weights), reused by every later job with that key, released after an idle timeout (or
+device, tp, ep, weights), reused by every later job with that key, released after an idle timeout
+(or
 sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted when
 one of its workers has died, and dropped when a job on it ran past its timeout.
 
@@ -31,7 +32,7 @@ class Pooled:
     workers: list = field(default_factory=list)
     jobs: int = 0
     counted: bool = False  # its load counted in `starts`
-    pinned: bool = False   # a server's model: never released for idleness nor evicted
+    pinned: bool = False  # a server's model: never released for idleness nor evicted
 
 
 class GroupPool:
@@ -42,7 +43,8 @@ class GroupPool:
         self.groups: dict[tuple, Pooled] = {}
         self.starts = 0
         self.releases = 0
-        self.history: list[tuple[str, tuple]] = []  # ("start" | "idle" | "dead" | "evict" | "cpus" | "timeout" | "close", key)
+        # ("start" | "idle" | "dead" | "evict" | "cpus" | "timeout" | "close", key)
+        self.history: list[tuple[str, tuple]] = []
         self._started_ray = False
         self._lock = threading.RLock()
 
@@ -62,7 +64,8 @@ class GroupPool:
             return pooled.session
 
     def pin(self, runtime: Runtime) -> Session:
-        """The session for this runtime, kept loaded until the pool closes (`ster serve`'s model)."""
+        """The session for this runtime, kept loaded until the pool closes (`ster serve`'s
+        model)."""
         session = self.get(runtime)
         with self._lock:
             self.groups[runtime.group_key()].pinned = True
@@ -76,7 +79,8 @@ class GroupPool:
                 pooled.last_used = time.monotonic()
 
     def _loaded(self, key: tuple, session: Session) -> None:
-        """A session's ranks hold the model: count the start and note where its ranks run (for stats,
+        """A session's ranks hold the model: count the start and note where its ranks run (for
+        stats,
         and for an operator who needs the processes)."""
         workers = session.group.call("whereabouts")
         with self._lock:
@@ -117,10 +121,14 @@ class GroupPool:
             return any(p.session is session and p.pinned for p in self.groups.values())
 
     def abandon(self, session: Session) -> bool:
-        """Drop the group a job ran past its timeout on: it was mid-operation and cannot be trusted, and
-        the next job on its model gets a fresh session. Closed on a thread of its own, never waited for:
-        closing may block on what is stuck (a token engine paused by the stuck operation, a rank that
-        answers nothing). False when the session is pinned (a server's model stays: the server owns it)."""
+        """Drop the group a job ran past its timeout on: it was mid-operation and cannot be trusted,
+        and
+        the next job on its model gets a fresh session. Closed on a thread of its own, never waited
+        for:
+        closing may block on what is stuck (a token engine paused by the stuck operation, a rank
+        that
+        answers nothing). False when the session is pinned (a server's model stays: the server owns
+        it)."""
         with self._lock:
             pooled = next((p for p in self.groups.values() if p.session is session), None)
             if pooled is not None and pooled.pinned:
@@ -132,26 +140,38 @@ class GroupPool:
                     self.history.append(("timeout", pooled.key))
         group = session.group if session.loaded else None
         if group is not None and hasattr(group, "healthy"):
-            group.healthy = False  # a Ray group then kills its ranks at once instead of asking them to close
-        threading.Thread(target=_close_quietly, args=(session,), name="ster-pool-drop", daemon=True).start()
+            # a Ray group then kills its ranks at once instead of asking them to close
+            group.healthy = False
+        threading.Thread(
+            target=_close_quietly, args=(session,), name="ster-pool-drop", daemon=True
+        ).start()
         if pooled is not None and pooled.counted:
-            progress(f"released the worker group for {pooled.key[0]} (tp {pooled.key[4]}): a job ran past its timeout")
+            progress(
+                f"released the worker group for {pooled.key[0]} (tp {pooled.key[4]}): a job ran past its timeout"
+            )
         return True
 
     def release_idle(self, now: float | None = None) -> list[tuple]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            idle = [k for k, p in self.groups.items() if now - p.last_used >= self.idle_s and not p.pinned]
+            idle = [
+                k
+                for k, p in self.groups.items()
+                if now - p.last_used >= self.idle_s and not p.pinned
+            ]
             for key in idle:
                 self._drop(key, "idle")
             return idle
 
     def make_room(self, cpus: float = 1.0) -> list[tuple]:
-        """Release idle groups (least recently used first; never a pinned one) until the Ray cluster has
-        `cpus` CPUs that no group reserves: the job queue calls it, with no job on the pool's groups,
+        """Release idle groups (least recently used first; never a pinned one) until the Ray cluster
+        has
+        `cpus` CPUs that no group reserves: the job queue calls it, with no job on the pool's
+        groups,
         before an operation that brings Ray work of its own (a batch merge's shard tasks each need a
         CPU), which would otherwise wait for the idle timeout. Each group leaves a CPU unreserved
-        (workers/ray_group.py cpus_per_rank), so this only releases where several groups fill a small
+        (workers/ray_group.py cpus_per_rank), so this only releases where several groups fill a
+        small
         cluster. The keys released."""
         ray = sys.modules.get("ray")
         if ray is None or not ray.is_initialized():
@@ -160,7 +180,11 @@ class GroupPool:
         released = []
         with self._lock:
             for pooled in sorted(self.groups.values(), key=lambda p: p.last_used):
-                held = getattr(pooled.session.group, "reserved_cpus", 0.0) if pooled.session.loaded else 0.0
+                held = (
+                    getattr(pooled.session.group, "reserved_cpus", 0.0)
+                    if pooled.session.loaded
+                    else 0.0
+                )
                 if free >= cpus:
                     break
                 if pooled.pinned or held <= 0:
@@ -171,12 +195,26 @@ class GroupPool:
         return released
 
     def describe(self) -> list[dict]:
-        """A snapshot of the loaded groups, without the lock: callers ask while a group may be loading."""
+        """A snapshot of the loaded groups, without the lock: callers ask while a group may be
+        loading."""
         now = time.monotonic()
-        return [{"model": k[0], "revision": k[1], "precision": k[2], "device": k[3], "tp": k[4], "ep": k[5],
-                 "weights": k[6], "pp": k[7],
-                 "jobs": p.jobs, "idle_s": round(now - p.last_used, 3), "workers": p.workers}
-                for k, p in list(self.groups.items()) if p.counted]
+        return [
+            {
+                "model": k[0],
+                "revision": k[1],
+                "precision": k[2],
+                "device": k[3],
+                "tp": k[4],
+                "ep": k[5],
+                "weights": k[6],
+                "pp": k[7],
+                "jobs": p.jobs,
+                "idle_s": round(now - p.last_used, 3),
+                "workers": p.workers,
+            }
+            for k, p in list(self.groups.items())
+            if p.counted
+        ]
 
     def close(self) -> None:
         with self._lock:
@@ -191,12 +229,18 @@ class GroupPool:
 
     # -- inside ------------------------------------------------------------------------------
     def _start(self, key: tuple, runtime: Runtime) -> Pooled:
-        while len(self.groups) >= self.max_groups and any(not p.pinned for p in self.groups.values()):
-            oldest = min((p for p in self.groups.values() if not p.pinned), key=lambda p: p.last_used)
+        while len(self.groups) >= self.max_groups and any(
+            not p.pinned for p in self.groups.values()
+        ):
+            oldest = min(
+                (p for p in self.groups.values() if not p.pinned), key=lambda p: p.last_used
+            )
             self._drop(oldest.key, "evict")
         if self.address is not None or runtime.tp * runtime.ep > 1:
             self._ensure_ray()
-        session = Session(runtime, address=self.address, on_load=lambda loaded: self._loaded(key, loaded))
+        session = Session(
+            runtime, address=self.address, on_load=lambda loaded: self._loaded(key, loaded)
+        )
         now = time.monotonic()
         pooled = Pooled(session, key, now, now)
         self.groups[key] = pooled
@@ -215,7 +259,9 @@ class GroupPool:
         if why in ("idle", "dead", "evict"):
             progress(f"released the worker group for {key[0]} (tp {key[4]}): {why}")
         elif why == "cpus":
-            progress(f"released the idle worker group for {key[0]} (tp {key[4]}): the next job needs its CPUs")
+            progress(
+                f"released the idle worker group for {key[0]} (tp {key[4]}): the next job needs its CPUs"
+            )
 
     def _ensure_ray(self) -> None:
         from ster_dist.workers.ray_group import start_ray
@@ -227,7 +273,8 @@ class GroupPool:
 def _close_quietly(session: Session) -> None:
     try:
         session.close()
-    except Exception:  # a group dropped mid-operation may fail to close cleanly; it is gone either way
+    # a group dropped mid-operation may fail to close cleanly; it is gone either way
+    except Exception:
         pass
 
 
@@ -236,7 +283,8 @@ def _key(runtime: Runtime) -> tuple:
 
 
 def _alive(group) -> bool:
-    """Whether every worker of a group still answers (a failed call shuts a Ray or spawned group)."""
+    """Whether every worker of a group still answers (a failed call shuts a Ray or spawned
+    group)."""
     if hasattr(group, "actors"):
         if not group.actors:
             return False

@@ -33,7 +33,9 @@ def cancelled_on_signals(queue, ids: list[str]):
 
         threading.Thread(target=cancel_all, name="ster-cancel", daemon=True).start()
 
-    before = {number: signal.signal(number, on_signal) for number in (signal.SIGINT, signal.SIGTERM)}
+    before = {
+        number: signal.signal(number, on_signal) for number in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:

@@ -58,7 +58,8 @@ def _local(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
         with cancelled_on_signals(queue, ids):
             records = follow(client, ids, on_event=emit, timeout=request.timeout)
     except TimeoutError as exc:
-        waited_out = True  # the command ends now: never wait on for the job that outlasted --timeout
+        # the command ends now: never wait on for the job that outlasted --timeout
+        waited_out = True
         raise Refusal(stopped_waiting(exc, local=True)) from None
     finally:
         client.close(wait=not waited_out)
@@ -69,11 +70,15 @@ def _outcome(records: list[dict]) -> tuple[dict, int]:
     for record in records:
         if record["status"] in ("failed", "cancelled"):
             progress(f"job {record['id']} ({record['kind']}) {record['status']}: {record['error']}")
-    return records[0] if len(records) == 1 else {"jobs": records}, max([r["exit_code"] for r in records] + [0])
+    return records[0] if len(records) == 1 else {"jobs": records}, max(
+        [r["exit_code"] for r in records] + [0]
+    )
 
 
 def job_server(address: str | None) -> str:
-    address = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or ""
+    address = (
+        address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or ""
+    )
     if not address.startswith(("http://", "https://")):
         address = "http://127.0.0.1:8265"
     return address
@@ -94,9 +99,11 @@ def server_answers(url: str, timeout: float = 5.0) -> bool:
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
             given = "was refused" if "Authorization" in request.headers else "was not given"
-            raise Refusal(f"the Ray job server at {url} answered {exc.code}: it needs Ray's authentication token, "
-                          f"which {given}; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or "
-                          "RAY_AUTH_TOKEN_PATH, or put it in ~/.ray/auth_token) and submit again") from None
+            raise Refusal(
+                f"the Ray job server at {url} answered {exc.code}: it needs Ray's authentication token, "
+                f"which {given}; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (or "
+                "RAY_AUTH_TOKEN_PATH, or put it in ~/.ray/auth_token) and submit again"
+            ) from None
         return False
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -104,7 +111,8 @@ def server_answers(url: str, timeout: float = 5.0) -> bool:
 
 def ray_auth_headers() -> dict:
     """The Authorization header Ray's own clients send under RAY_AUTH_MODE=token: the token of
-    RAY_AUTH_TOKEN, else of the file RAY_AUTH_TOKEN_PATH names, else of ~/.ray/auth_token; else none."""
+    RAY_AUTH_TOKEN, else of the file RAY_AUTH_TOKEN_PATH names, else of ~/.ray/auth_token; else
+    none."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
         return {}
     token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
@@ -123,18 +131,26 @@ def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     from ster_dist.jobqueue.entry import anchor, inline
 
     if not (ROOT / "jobs" / "run.py").is_file():
-        raise Refusal(f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
-                      f"under {ROOT}; run it from a checkout, or use `ray job submit` yourself")
+        raise Refusal(
+            f"ster submit needs the ster_dist source tree (jobs/run.py) beside the package, not found "
+            f"under {ROOT}; run it from a checkout, or use `ray job submit` yourself"
+        )
     address = job_server(request.address)
     if not server_answers(address):
-        raise Refusal(f"no Ray job server answers at {address}; start a cluster (docs/runbook.md) or give "
-                      "--address http://HEAD:8265")
+        raise Refusal(
+            f"no Ray job server answers at {address}; start a cluster (docs/runbook.md) or give "
+            "--address http://HEAD:8265"
+        )
     try:
         client = JobSubmissionClient(address)
-    except Exception as exc:  # the SDK raises ConnectionError, RuntimeError, ... for an absent server
-        raise Refusal(f"no Ray job server answers at {address}: {str(exc).splitlines()[0] if str(exc) else exc}; "
-                      "start a cluster (docs/runbook.md) or give --address http://HEAD:8265") from None
-    # local paths resolved here, on the submitting machine: a git-ignored directory (models/) is not in
+    # the SDK raises ConnectionError, RuntimeError, ... for an absent server
+    except Exception as exc:
+        raise Refusal(
+            f"no Ray job server answers at {address}: {str(exc).splitlines()[0] if str(exc) else exc}; "
+            "start a cluster (docs/runbook.md) or give --address http://HEAD:8265"
+        ) from None
+    # local paths resolved here, on the submitting machine: a git-ignored directory (models/) is not
+    # in
     # the working directory Ray uploads, and a relative path would then be read as a Hub id there
     specs = anchor(specs, Path.cwd())
     # this interpreter unless told: a bare `python` on the nodes is whatever their PATH finds first
@@ -143,13 +159,21 @@ def _ray_job(request: SubmitRequest, specs: list[dict]) -> tuple[dict, int]:
     if request.state:
         entrypoint += f" --state {shlex.quote(request.state)}"
     # the SDK logs its packaging of the working directory as plain text; stderr here is NDJSON
-    for name in ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
-                 "ray._private.runtime_env.packaging"):
+    for name in (
+        "ray",
+        "ray.dashboard.modules.dashboard_sdk",
+        "ray.dashboard.modules.job.sdk",
+        "ray._private.runtime_env.packaging",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     submission = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(ROOT)})
     progress(f"submitted Ray job {submission} to {address}", jobs=[s["id"] for s in specs])
     if request.no_wait:
-        return {"submission_id": submission, "address": address, "jobs": [s["id"] for s in specs]}, 0
+        return {
+            "submission_id": submission,
+            "address": address,
+            "jobs": [s["id"] for s in specs],
+        }, 0
     return _follow_job(request, client, submission)
 
 
@@ -174,8 +198,10 @@ def _follow_job(request: SubmitRequest, client, submission: str) -> tuple[dict, 
         if status in TERMINAL:
             break
         if deadline is not None and time.monotonic() > deadline:
-            raise Refusal(f"Ray job {submission} did not finish within {request.timeout} s; it keeps running "
-                          f"(`ray job logs {submission}`)")
+            raise Refusal(
+                f"Ray job {submission} did not finish within {request.timeout} s; it keeps running "
+                f"(`ray job logs {submission}`)"
+            )
         time.sleep(0.5)
     if result is not None:
         records = result.get("jobs", [result])
@@ -189,23 +215,30 @@ def _record(line: str):
         data = json.loads(line)
     except ValueError:
         return None
-    if isinstance(data, dict) and ("jobs" in data or ("status" in data and "kind" in data and "id" in data)):
+    if isinstance(data, dict) and (
+        "jobs" in data or ("status" in data and "kind" in data and "id" in data)
+    ):
         return data
     return None
 
 
 # ---- the job queue actor -----------------------------------------------------------------------
 
+
 def _actor(request):
     from ster_dist.jobqueue.actor import existing
     from ster_dist.workers.ray_group import start_ray
 
     if not (request.address or os.environ.get("RAY_ADDRESS")):
-        raise Refusal("give --address HOST:PORT (or RAY_ADDRESS): the job queue lives on a running Ray cluster")
+        raise Refusal(
+            "give --address HOST:PORT (or RAY_ADDRESS): the job queue lives on a running Ray cluster"
+        )
     start_ray(request.address)
     actor = existing()
     if actor is None:
-        raise Refusal("no ster job queue runs on this cluster (one starts with the first submitted job)")
+        raise Refusal(
+            "no ster job queue runs on this cluster (one starts with the first submitted job)"
+        )
     return actor
 
 
@@ -215,15 +248,21 @@ def queue_action(request: QueueRequest) -> dict:
     if request.action == "journal":
         return _journal(request.state)
     if (request.action == "cancel") != bool(request.jobs):
-        raise Refusal("`ster queue cancel` takes the ids of the jobs to cancel; status, stop and journal take none"
-                      if request.jobs else "give the ids of the jobs to cancel: ster queue cancel JOB [JOB ...]")
+        raise Refusal(
+            "`ster queue cancel` takes the ids of the jobs to cancel; status, stop and journal take none"
+            if request.jobs
+            else "give the ids of the jobs to cancel: ster queue cancel JOB [JOB ...]"
+        )
     import ray
 
     actor = _actor(request)
     if request.action == "status":
         return protocol.unpack(ray.get(actor.stats.remote(), timeout=60))
     if request.action == "cancel":
-        replies = [protocol.unpack(ray.get(actor.cancel.remote(job_id), timeout=60)) for job_id in request.jobs]
+        replies = [
+            protocol.unpack(ray.get(actor.cancel.remote(job_id), timeout=60))
+            for job_id in request.jobs
+        ]
         for reply in replies:
             if "refusal" in reply:
                 raise Refusal(reply["refusal"])
@@ -239,14 +278,29 @@ def _journal(state: str | None) -> dict:
 
     directory = state or default_state_dir()
     journal = read(directory)
-    jobs = [{"id": job_id, "kind": e.spec.get("kind"), "attempts": e.attempts,
-             "status": (e.result or {}).get("status", "pending"), "error": (e.result or {}).get("error")}
-            for job_id, e in journal.entries.items()]
-    jobs += [{"id": job_id, "kind": None, "attempts": 0, "status": "lost", "error": lost_line([job_id])}
-             for job_id in journal.lost]
+    jobs = [
+        {
+            "id": job_id,
+            "kind": e.spec.get("kind"),
+            "attempts": e.attempts,
+            "status": (e.result or {}).get("status", "pending"),
+            "error": (e.result or {}).get("error"),
+        }
+        for job_id, e in journal.entries.items()
+    ]
+    jobs += [
+        {"id": job_id, "kind": None, "attempts": 0, "status": "lost", "error": lost_line([job_id])}
+        for job_id in journal.lost
+    ]
     report = {"state": str(directory), "jobs": jobs}
     if journal.skipped:
-        report["unreadable"] = {"records": journal.skipped, "bytes": journal.skipped_bytes, "lost_jobs": journal.lost}
-        progress(f"the journal has {journal.skipped} unreadable record(s)"
-                 + (f"; {lost_line(journal.lost)}" if journal.lost else ""))
+        report["unreadable"] = {
+            "records": journal.skipped,
+            "bytes": journal.skipped_bytes,
+            "lost_jobs": journal.lost,
+        }
+        progress(
+            f"the journal has {journal.skipped} unreadable record(s)"
+            + (f"; {lost_line(journal.lost)}" if journal.lost else "")
+        )
     return report

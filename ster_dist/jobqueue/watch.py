@@ -1,5 +1,6 @@
 """One attempt of a job, run on a thread of its own that the job queue waits for until the job's
-deadline and abandons past it (or sooner: when another attempt's timeout dropped the group it ran on).
+deadline and abandons past it (or sooner: when another attempt's timeout dropped the group it ran
+on).
 
 Python cannot stop a thread: a job stuck in a looping chat template or in a call to a rank that
 never answers keeps its thread. So the job queue's executor (and each generate lane) never runs an
@@ -18,11 +19,14 @@ from collections.abc import Callable
 
 class Attempt:
     def __init__(self, work: Callable[[Attempt], object], name: str):
-        self.abandoned = False  # set under the job queue's lock; read by the thread's callbacks under it
-        self.session = None     # the pooled session the work was handed: the group to drop if abandoned
+        # set under the job queue's lock; read by the thread's callbacks under it
+        self.abandoned = False
+        # the pooled session the work was handed: the group to drop if abandoned
+        self.session = None
         self._work = work
         self._done = threading.Event()
-        self._settled = threading.Event()  # the work ended, or the attempt was abandoned: stop waiting
+        # the work ended, or the attempt was abandoned: stop waiting
+        self._settled = threading.Event()
         self._value = None
         self._error: BaseException | None = None
         self._cleanups: list[Callable[[], None]] = []
@@ -34,19 +38,22 @@ class Attempt:
         return self
 
     def wait(self, deadline: float | None) -> bool:
-        """True once the work ended (returned or raised); False when the deadline (monotonic) passed or
+        """True once the work ended (returned or raised); False when the deadline (monotonic) passed
+        or
         the attempt was abandoned first."""
         self._settled.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._done.is_set()
 
     def abandon(self) -> None:
-        """Nothing the thread does from here reaches a job; whoever waits stops waiting. (Under the job
+        """Nothing the thread does from here reaches a job; whoever waits stops waiting. (Under the
+        job
         queue's lock, which the thread's callbacks take before they read `abandoned`.)"""
         self.abandoned = True
         self._settled.set()
 
     def outcome(self):
-        """What the work returned, or its exception raised here (only after wait() said it ended)."""
+        """What the work returned, or its exception raised here (only after wait() said it
+        ended)."""
         if self._error is not None:
             raise self._error
         return self._value

@@ -1,12 +1,18 @@
-"""Which kernels a rank's layers run (`--kernels triton|native|torch`), chosen once per process when its engine
+"""Which kernels a rank's layers run (`--kernels triton|native|torch`), chosen once per process when
+its engine
 starts (engine/runner.py), read by the layers where a step picks its path (model/paged_step.py):
 
-- `native`: today's CPU path, our C++ kernels where they are built (kernels/__init__.py), else torch's;
-- `torch`: torch's own operations only (the gathered cache and SDPA, torch's products): the reference;
-- `triton`: the Triton kernels (kernels/triton) where they take the shape, torch's path where not, said once.
+- `native`: today's CPU path, our C++ kernels where they are built (kernels/__init__.py), else
+  torch's;
+- `torch`: torch's own operations only (the gathered cache and SDPA, torch's products): the
+  reference;
+- `triton`: the Triton kernels (kernels/triton) where they take the shape, torch's path where not,
+  said once.
 
-The default is `triton` on CUDA where triton is installed and `native` elsewhere. A kernel that cannot take a
-layer's shape says so once per (kernel, reason) as a progress event and the layer runs torch's path: never a
+The default is `triton` on CUDA where triton is installed and `native` elsewhere. A kernel that
+cannot take a
+layer's shape says so once per (kernel, reason) as a progress event and the layer runs torch's path:
+never a
 silently different answer.
 """
 
@@ -29,7 +35,8 @@ def default_for(device_type: str) -> str:
 
 
 def choose(choice: str | None, device_type: str) -> str:
-    """Set this process's kernels (None: the default for `device_type`); refused in one line where they
+    """Set this process's kernels (None: the default for `device_type`); refused in one line where
+    they
     cannot run here. Returns the choice made."""
     global _chosen
     choice = choice or default_for(device_type)
@@ -50,7 +57,8 @@ def chosen() -> str:
 
 
 def fall_back(kernel: str, reason: str) -> None:
-    """Say once that `kernel` cannot take what it was asked (`reason`) and that the layer runs torch's path."""
+    """Say once that `kernel` cannot take what it was asked (`reason`) and that the layer runs
+    torch's path."""
     if (kernel, reason) not in _said:
         _said.add((kernel, reason))
         progress(f"the Triton {kernel} kernel cannot take {reason}: that layer runs torch's path")

@@ -11,7 +11,8 @@ from ster_dist.parallel.linear import ShardedModule
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU by its tanh approximation (Gemma's gelu_pytorch_tanh): a function of its own, so a caller can tell it
+    """GELU by its tanh approximation (Gemma's gelu_pytorch_tanh): a function of its own, so a
+    caller can tell it
     by identity (model/native_stack.py)."""
     return F.gelu(x, approximate="tanh")
 
@@ -32,7 +33,8 @@ def activation(name: str):
 
 class XIELU(ShardedModule):
     """xIELU as Transformers' XIELUActivation computes it: alpha_p x^2 + beta x above zero, else
-    (expm1(min(x, eps)) - x) alpha_n + beta x, with alpha_p = softplus(stored), alpha_n = beta + softplus(stored).
+    (expm1(min(x, eps)) - x) alpha_n + beta x, with alpha_p = softplus(stored), alpha_n = beta +
+    softplus(stored).
     Every rank holds the four stored numbers whole."""
 
     def __init__(self):
@@ -43,5 +45,8 @@ class XIELU(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha_p = F.softplus(self.alpha_p)
         alpha_n = self.beta + F.softplus(self.alpha_n)
-        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
-                           (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x)
+        return torch.where(
+            x > 0,
+            alpha_p * x * x + self.beta * x,
+            (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x,
+        )

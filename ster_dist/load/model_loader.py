@@ -1,10 +1,13 @@
-"""Loading a model on one rank: ModelConfig -> the decoder built on the meta device -> filled from its
+"""Loading a model on one rank: ModelConfig -> the decoder built on the meta device -> filled from
+its
 weight source by the streaming loader (shard/loader.py), plus the checks that come first (device,
 precision, expert-parallel split, the weights mode).
 
 `--weights dequantize` (the default) holds an FP8 checkpoint's weights dequantized to --precision;
-`--weights fp8` keeps its projections and experts in FP8 beside their block scales (shard/fp8_kept.py);
-`--weights blocks` keeps a .gguf's Q8_0/Q4_0/Q4_1 weights in their blocks on the CPU (shard/ggml_kept.py).
+`--weights fp8` keeps its projections and experts in FP8 beside their block scales
+(shard/fp8_kept.py);
+`--weights blocks` keeps a .gguf's Q8_0/Q4_0/Q4_1 weights in their blocks on the CPU
+(shard/ggml_kept.py).
 
 The same steps run in every tensor-parallel rank with that rank's ParallelCtx;
 resolution (and any download) happens once, in the driver, before ranks start.
@@ -46,7 +49,9 @@ def check_device(device: str) -> str:
         return device
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise Refusal("--device cuda was requested but this torch build sees no CUDA device; use --device cpu")
+            raise Refusal(
+                "--device cuda was requested but this torch build sees no CUDA device; use --device cpu"
+            )
         return device
     raise Refusal(f"--device {device!r} is not one of cpu, cuda")
 
@@ -56,16 +61,26 @@ def check_expert_parallel(cfg: ModelConfig, ctx: ParallelCtx) -> None:
     if ctx.ep_size == 1:
         return
     if cfg.moe is None:
-        raise Refusal(f"--ep {ctx.ep_size} splits experts, but {cfg.family} is not a mixture-of-experts model; "
-                      "use --tp to split it")
+        raise Refusal(
+            f"--ep {ctx.ep_size} splits experts, but {cfg.family} is not a mixture-of-experts model; "
+            "use --tp to split it"
+        )
     if ctx.ep_size > cfg.moe.num_experts:
-        raise Refusal(f"--ep {ctx.ep_size} is more than the model's {cfg.moe.num_experts} experts; "
-                      f"use at most --ep {cfg.moe.num_experts}")
+        raise Refusal(
+            f"--ep {ctx.ep_size} is more than the model's {cfg.moe.num_experts} experts; "
+            f"use at most --ep {cfg.moe.num_experts}"
+        )
 
 
-def check_weights(cfg: ModelConfig, weights: str, model: str, weight_format: str | None = None,
-                  device: str = "cpu") -> None:
-    """--weights fp8 needs FP8 weights to keep, --weights blocks a .gguf on the CPU: refused, before any
+def check_weights(
+    cfg: ModelConfig,
+    weights: str,
+    model: str,
+    weight_format: str | None = None,
+    device: str = "cpu",
+) -> None:
+    """--weights fp8 needs FP8 weights to keep, --weights blocks a .gguf on the CPU: refused, before
+    any
     weight is read, on anything else (a format not known yet, as ster plan's, is not checked)."""
     if weights not in WEIGHTS:
         raise Refusal(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
@@ -73,23 +88,35 @@ def check_weights(cfg: ModelConfig, weights: str, model: str, weight_format: str
         return
     if weights == "blocks":
         if weight_format not in (None, "gguf"):
-            raise Refusal(f"--weights blocks keeps a .gguf's Q8_0/Q4_0/Q4_1 blocks, but {model} holds "
-                          f"{weight_format} weights; use --weights dequantize")
+            raise Refusal(
+                f"--weights blocks keeps a .gguf's Q8_0/Q4_0/Q4_1 blocks, but {model} holds "
+                f"{weight_format} weights; use --weights dequantize"
+            )
         if str(device) != "cpu":
-            raise Refusal(f"--weights blocks runs on the CPU only (kernels/blocks.cpp), not {device}; use "
-                          "--weights dequantize")
+            raise Refusal(
+                f"--weights blocks runs on the CPU only (kernels/blocks.cpp), not {device}; use "
+                "--weights dequantize"
+            )
         return
     if cfg.quant is None:
-        raise Refusal(f"--weights fp8 keeps FP8 weights, but {model} has none (its config states no FP8 "
-                      "quantization); use --weights dequantize")
+        raise Refusal(
+            f"--weights fp8 keeps FP8 weights, but {model} has none (its config states no FP8 "
+            "quantization); use --weights dequantize"
+        )
     if isinstance(cfg.quant, Mxfp4):
-        raise Refusal(f"--weights fp8 keeps FP8 weights, but {model} is {cfg.quant.describe()}, which loads "
-                      "dequantized only; use --weights dequantize")
+        raise Refusal(
+            f"--weights fp8 keeps FP8 weights, but {model} is {cfg.quant.describe()}, which loads "
+            "dequantized only; use --weights dequantize"
+        )
 
 
-def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | None = None) -> TensorSource:
-    """The checkpoint's tensors; quantized ones (cfg.quant: FP8, MXFP4) dequantized to `dtype` as read."""
-    if checkpoint.weight_format in ("safetensors", "mistral"):  # Mistral's consolidated files are safetensors
+def open_source(
+    checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | None = None
+) -> TensorSource:
+    """The checkpoint's tensors; quantized ones (cfg.quant: FP8, MXFP4) dequantized to `dtype` as
+    read."""
+    # Mistral's consolidated files are safetensors
+    if checkpoint.weight_format in ("safetensors", "mistral"):
         source = SafetensorsSource(checkpoint.weight_files)
         if cfg is not None and cfg.quant is not None:
             try:
@@ -102,13 +129,21 @@ def open_source(checkpoint: Checkpoint, dtype: torch.dtype, cfg: ModelConfig | N
         from ster_dist.gguf.source import GGUFSource
 
         return GGUFSource(checkpoint.weight_files[0], checkpoint.raw_config, dtype)
-    raise Refusal(f"weights in {checkpoint.weight_format} format are not loadable by this ster_dist build yet; "
-                  "use a checkpoint in Transformers' safetensors layout")
+    raise Refusal(
+        f"weights in {checkpoint.weight_format} format are not loadable by this ster_dist build yet; "
+        "use a checkpoint in Transformers' safetensors layout"
+    )
 
 
-def load_decoder(cfg: ModelConfig, source: TensorSource, ctx: ParallelCtx = SINGLE,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 keep_fp8: bool = False, keep_blocks: bool = False) -> Decoder:
+def load_decoder(
+    cfg: ModelConfig,
+    source: TensorSource,
+    ctx: ParallelCtx = SINGLE,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    keep_fp8: bool = False,
+    keep_blocks: bool = False,
+) -> Decoder:
     """This rank's decoder, built on the meta device and filled from `source`, in eval mode."""
     model = meta_decoder(cfg, ctx, dtype)
     fill_module(model, cfg, source, device, keep_fp8, keep_blocks=keep_blocks)
@@ -127,8 +162,13 @@ class LoadedModel:
     weights: str = "dequantize"
 
 
-def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cpu",
-               ctx: ParallelCtx = SINGLE, weights: str = "dequantize") -> LoadedModel:
+def load_model(
+    checkpoint: Checkpoint,
+    precision: str = "f32",
+    device: str = "cpu",
+    ctx: ParallelCtx = SINGLE,
+    weights: str = "dequantize",
+) -> LoadedModel:
     device = check_device(device)
     dtype = compute_dtype(precision, device)
     cfg = model_config(checkpoint)
@@ -136,10 +176,18 @@ def load_model(checkpoint: Checkpoint, precision: str = "f32", device: str = "cp
     check_weights(cfg, weights, checkpoint.model, checkpoint.weight_format, device)
     source = open_source(checkpoint, dtype, cfg)
     try:
-        # --weights blocks: a .gguf's Q8_0/Q4_0/Q4_1 weights run as stored on the CPU (kernels/blocks.cpp);
+        # --weights blocks: a .gguf's Q8_0/Q4_0/Q4_1 weights run as stored on the CPU
+        # (kernels/blocks.cpp);
         # opt-in while that kernel is slower here than the dequantized f32/bf16 products (issue 62)
-        model = load_decoder(cfg, source, ctx, dtype, device, keep_fp8=weights == "fp8",
-                             keep_blocks=weights == "blocks")
+        model = load_decoder(
+            cfg,
+            source,
+            ctx,
+            dtype,
+            device,
+            keep_fp8=weights == "fp8",
+            keep_blocks=weights == "blocks",
+        )
         bytes_read = getattr(source, "bytes_read", 0)
     finally:
         source.close()

@@ -1,5 +1,7 @@
-"""Anchored: a module whose dtype and device are those of an empty buffer moved and cast with it, so they are
-known whichever of its parameters this rank holds (a pipeline stage without the embedding, an MTP draft that
+"""Anchored: a module whose dtype and device are those of an empty buffer moved and cast with it, so
+they are
+known whichever of its parameters this rank holds (a pipeline stage without the embedding, an MTP
+draft that
 borrows the decoder's)."""
 
 from __future__ import annotations

@@ -1,16 +1,24 @@
-"""Inkling's attention (the "inkling_attention" kind): no rotation; each query's score for a key carries a
+"""Inkling's attention (the "inkling_attention" kind): no rotation; each query's score for a key
+carries a
 bias by their distance, which the query's own relative state (r, d_rel wide per head) mixes from the
-layer's profiles ([d_rel, extent], zero at a distance of extent or more). Keys and values pass residual
-short convolutions (k_sconv, v_sconv, model/residual_conv.py) before the per-head RMS norms of queries and
-keys; scores are divided by the head width. Sliding layers (layer_types "hybrid_sliding") use the swa_*
-head shapes and attend inside sliding_window_size, which is also their extent; the others attend fully with
+layer's profiles ([d_rel, extent], zero at a distance of extent or more). Keys and values pass
+residual
+short convolutions (k_sconv, v_sconv, model/residual_conv.py) before the per-head RMS norms of
+queries and
+keys; scores are divided by the head width. Sliding layers (layer_types "hybrid_sliding") use the
+swa_*
+head shapes and attend inside sliding_window_size, which is also their extent; the others attend
+fully with
 rel_extent and, under log_scaling_n_floor, have their queries and bias at position p multiplied by
 1 + log_scaling_alpha * ln(max((p + 1) / floor, 1)).
 
-Settings are read from the normalised config (families/inkling.py). Tensor parallelism splits the heads:
-q, k, v and r by their heads' rows, the convolutions' channels with k and v, o by columns (reduced); the
+Settings are read from the normalised config (families/inkling.py). Tensor parallelism splits the
+heads:
+q, k, v and r by their heads' rows, the convolutions' channels with k and v, o by columns (reduced);
+the
 profiles and the norms' scales are whole on every rank. The keys go through `step.attend` like every
-attention's, with the relative states and query positions beside the queries, so the bias is built over
+attention's, with the relative states and query positions beside the queries, so the bias is built
+over
 whichever keys a step attends (static or paged cache).
 """
 
@@ -37,7 +45,9 @@ class InklingAttention(nn.Module):
         self.window = raw["sliding_window_size"] if sliding else None
         self.extent = raw["sliding_window_size"] if sliding else raw["rel_extent"]
         floor = raw.get("log_scaling_n_floor")
-        self.log_scaling = (float(floor), float(raw["log_scaling_alpha"])) if floor and not sliding else None
+        self.log_scaling = (
+            (float(floor), float(raw["log_scaling_alpha"])) if floor and not sliding else None
+        )
         (h0, h1), (k0, k1) = ctx.attention_heads(heads, kv)
         self.layer, self.head_dim = layer, d
         self.local_heads, self.local_kv = h1 - h0, k1 - k0
@@ -65,14 +75,24 @@ class InklingAttention(nn.Module):
         out = step.attend(self.layer, (q, r, positions), k, v, self.window, self._attend)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend(self, queries, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                key_pos: torch.Tensor) -> torch.Tensor:
-        """queries: (q [n, heads, t, d], relative states [n, heads, t, d_rel], positions [n, 1, t, 1])."""
+    def _attend(
+        self,
+        queries,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        key_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """queries: (q [n, heads, t, d], relative states [n, heads, t, d_rel], positions [n, 1, t,
+        1])."""
         q, r, positions = queries
         distance = positions - key_pos[:, None, None, :]  # [n, 1, t, keys]
-        profiles = torch.matmul(r, self.rel.weight)  # each query's bias at every distance below the extent
+        # each query's bias at every distance below the extent
+        profiles = torch.matmul(r, self.rel.weight)
         index = distance.clamp(0, self.extent - 1).expand(*profiles.shape[:3], -1)
-        bias = profiles.gather(-1, index).masked_fill((distance < 0) | (distance >= self.extent), 0.0)
+        bias = profiles.gather(-1, index).masked_fill(
+            (distance < 0) | (distance >= self.extent), 0.0
+        )
         if self.log_scaling is not None:  # in f32, as Inkling scales
             floor, alpha = self.log_scaling
             tau = 1.0 + alpha * torch.log(((positions.float() + 1) / floor).clamp(min=1.0))

@@ -19,7 +19,9 @@ class Laurel(nn.Module):
         super().__init__()
         self.left = Replicated((cfg.laurel_rank, cfg.hidden_size))
         self.right = Replicated((cfg.hidden_size, cfg.laurel_rank))
-        self.norm = Norm(cfg.hidden_size, cfg.norm_eps, offset=cfg.norm_offset, scale_f32=cfg.norm_scale_f32)
+        self.norm = Norm(
+            cfg.hidden_size, cfg.norm_eps, offset=cfg.norm_offset, scale_f32=cfg.norm_scale_f32
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.norm(F.linear(F.linear(x, self.left.weight), self.right.weight))

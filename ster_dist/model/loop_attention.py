@@ -1,11 +1,18 @@
-"""Loop attention (IQuest-LoopCoder): attention whose later passes mix two reads of the same rotated queries.
+"""Loop attention (IQuest-LoopCoder): attention whose later passes mix two reads of the same rotated
+queries.
 
-A looped model's layer of the first pass attends as plain attention. The same stored layer on a later pass
-(model/loop.py: loop_layers stored layers, every pass its own layers and cache slots) reads twice: globally,
-over the keys and values the first pass's layer stored (its cache, `attend_again`; no keys of its own go there),
-and locally, over its own pass's keys within the config's window (the layer's sliding window). Per head, a
-gate g = sigmoid(w_h . q_h + b_h) of the rotated query weighs them, g * global + (1 - g) * local, before the
-output projection. The gate's weight ([heads, head_dim]) and bias ([heads]) are the stored layer's, held by
+A looped model's layer of the first pass attends as plain attention. The same stored layer on a
+later pass
+(model/loop.py: loop_layers stored layers, every pass its own layers and cache slots) reads twice:
+globally,
+over the keys and values the first pass's layer stored (its cache, `attend_again`; no keys of its
+own go there),
+and locally, over its own pass's keys within the config's window (the layer's sliding window). Per
+head, a
+gate g = sigmoid(w_h . q_h + b_h) of the rotated query weighs them, g * global + (1 - g) * local,
+before the
+output projection. The gate's weight ([heads, head_dim]) and bias ([heads]) are the stored layer's,
+held by
 every pass's layer (the first never uses them) so passes tie alike, and split by heads under tensor
 parallelism like the queries.
 """
@@ -34,7 +41,8 @@ class LoopAttention(Attention):
         super().__init__(cfg, layer, ctx)
         (h0, h1), _ = ctx.attention_heads(cfg.heads(layer), cfg.kv_heads(layer))
         self.loop_gate = HeadGate(cfg.heads(layer), cfg.head_dim, (h0, h1))
-        # the first pass's layer whose keys a later pass reads globally; None: this layer is of the first pass
+        # the first pass's layer whose keys a later pass reads globally; None: this layer is of the
+        # first pass
         self.first_pass = layer % cfg.loop_layers if layer >= cfg.loop_layers else None
 
     def forward(self, x: torch.Tensor, pos) -> torch.Tensor:
@@ -44,7 +52,9 @@ class LoopAttention(Attention):
             # without a cache a later pass reads these from the step (StepState.attend_again)
             pos.handed_on[("loop_keys", self.layer)] = (k, v)
             return self._output(local, gate)
-        whole = pos.attend_again(self.first_pass, q, self._attend_at, pos.handed_on.get(("loop_keys", self.first_pass)))
+        whole = pos.attend_again(
+            self.first_pass, q, self._attend_at, pos.handed_on.get(("loop_keys", self.first_pass))
+        )
         logits = torch.einsum("bhtd,hd->bht", q, self.loop_gate.weight.to(q.dtype))
         g = torch.sigmoid(logits + self.loop_gate.bias.to(q.dtype).view(1, -1, 1)).unsqueeze(-1)
         return self._output(whole * g + local * (1 - g), gate)

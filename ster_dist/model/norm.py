@@ -1,8 +1,11 @@
 """Norms: RMSNorm and LayerNorm, with or without bias, scales stored as-is or as an offset from one.
 
-An RMS norm scales in the input's dtype after casting back (Llama), or in f32 before it (`scale_f32`:
-Gemma 3n; a scale stored as an offset from one is always applied in f32). `heads` > 0 normalises each head_dim
-slice separately (per-head query/key norms); `groups` > 1 normalises each of that many equal slices of the
+An RMS norm scales in the input's dtype after casting back (Llama), or in f32 before it
+(`scale_f32`:
+Gemma 3n; a scale stored as an offset from one is always applied in f32). `heads` > 0 normalises
+each head_dim
+slice separately (per-head query/key norms); `groups` > 1 normalises each of that many equal slices
+of the
 width apart before the one stored scale (K2-Horizon's grouped norms);
 per_head_weight gives each head its own scale ([heads, head_dim]). A norm over a
 projection split across ranks (OLMo 2's whole-projection query/key norm) sums its
@@ -19,17 +22,32 @@ from ster_dist.parallel.linear import ShardedModule
 
 
 class Norm(ShardedModule):
-    def __init__(self, dim: int, eps: float, kind: str = "rms", bias: bool = False, offset: float = 0.0,
-                 affine: bool = True, heads: int = 0, per_head_weight: bool = False,
-                 rows: tuple[tuple[int, int], ...] | None = None, ctx: ParallelCtx = SINGLE, scale_f32: bool = False,
-                 groups: int = 1):
-        """dim: the normalised width. rows: this rank's share of a weight split like a projection."""
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        kind: str = "rms",
+        bias: bool = False,
+        offset: float = 0.0,
+        affine: bool = True,
+        heads: int = 0,
+        per_head_weight: bool = False,
+        rows: tuple[tuple[int, int], ...] | None = None,
+        ctx: ParallelCtx = SINGLE,
+        scale_f32: bool = False,
+        groups: int = 1,
+    ):
+        """dim: the normalised width. rows: this rank's share of a weight split like a
+        projection."""
         super().__init__()
         self.eps, self.kind, self.offset, self.heads, self.ctx = eps, kind, offset, heads, ctx
         self.scale_f32, self.groups = scale_f32, groups
         self.split = rows is not None and not heads  # a whole projection split over ranks
         if per_head_weight:
-            shape, shard = (heads, dim), Shard((heads, dim), 0, rows) if rows else Shard((heads, dim))
+            shape, shard = (
+                (heads, dim),
+                Shard((heads, dim), 0, rows) if rows else Shard((heads, dim)),
+            )
         elif rows is not None:
             shape, shard = (dim,), Shard((dim,), 0, rows)
         else:
@@ -59,11 +77,13 @@ class Norm(ShardedModule):
         else:
             h = F.layer_norm(h, h.shape[-1:], eps=self.eps)
         if self.weight is not None:
-            # the scale widened only where it is applied in f32: Llama's casts back first (an eager op saved
+            # the scale widened only where it is applied in f32: Llama's casts back first (an eager
+            # op saved
             # a norm, 20 us of a bf16 decode step's final norm)
             if self.offset:
                 h = h * (self.offset + self.weight.float())
-            elif self.kind == "rms" and not self.scale_f32:  # Llama casts back before scaling; kept for bf16 parity
+            # Llama casts back before scaling; kept for bf16 parity
+            elif self.kind == "rms" and not self.scale_f32:
                 h = h.to(dtype) * self.weight
             else:
                 h = h * self.weight.float()

@@ -1,4 +1,5 @@
-"""What every recurrent layer kind (Mamba, Mamba-2, gated delta, Kimi delta, short convolution) shares:
+"""What every recurrent layer kind (Mamba, Mamba-2, gated delta, Kimi delta, short convolution)
+shares:
 its forward hands the step its scan, and a fresh sequence's state is zeros of its state shapes.
 
 A kind mixes this in before its module class and defines `layer`, `state_shapes()` and

@@ -15,13 +15,14 @@ def inverse_frequencies(rope: RopeConfig, long: bool = False) -> tuple[torch.Ten
     """(inv_freq [rotary_dim/2], attention factor that scales cos and sin)."""
     dim, base = rope.rotary_dim, rope.theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv = 1.0 / (base ** exponents)
+    inv = 1.0 / (base**exponents)
     kind = rope.rope_type
     if kind == "default":
         return inv, 1.0
     if kind == "linear":
         return inv / rope.factor, 1.0
-    if kind == "proportional":  # only the first pairs turn; the others, at frequency zero, pass through
+    # only the first pairs turn; the others, at frequency zero, pass through
+    if kind == "proportional":
         turned = int(rope.proportion * dim // 2)
         return torch.cat((inv[:turned], torch.zeros(dim // 2 - turned))) / rope.factor, 1.0
     if kind == "llama3":
@@ -29,7 +30,9 @@ def inverse_frequencies(rope: RopeConfig, long: bool = False) -> tuple[torch.Ten
         low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smooth = (old / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
@@ -37,11 +40,16 @@ def inverse_frequencies(rope: RopeConfig, long: bool = False) -> tuple[torch.Ten
         factor = rope.factor
         attn = rope.attention_factor
         if attn is None:
-            attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position))
-        if rope.short_mscale is not None:  # PhiMoE: each table has its own scale, in place of the factor's
+            attn = (
+                1.0
+                if factor <= 1.0
+                else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position))
+            )
+        # PhiMoE: each table has its own scale, in place of the factor's
+        if rope.short_mscale is not None:
             attn = rope.long_mscale if long else rope.short_mscale
         ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
-        return 1.0 / (ext * base ** exponents), attn
+        return 1.0 / (ext * base**exponents), attn
     if kind == "yarn":
         return _yarn(rope, exponents)
     raise ValueError(kind)
@@ -55,11 +63,18 @@ def _yarn(rope: RopeConfig, exponents: torch.Tensor) -> tuple[torch.Tensor, floa
 
     attn = rope.attention_factor
     if attn is None:
-        attn = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim) \
-            if rope.mscale and rope.mscale_all_dim else mscale(factor)
+        attn = (
+            mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+            if rope.mscale and rope.mscale_all_dim
+            else mscale(factor)
+        )
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(rope.original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -69,7 +84,7 @@ def _yarn(rope: RopeConfig, exponents: torch.Tensor) -> tuple[torch.Tensor, floa
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
-    pos = base ** exponents
+    pos = base**exponents
     inv = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
     return inv, attn
 
@@ -83,7 +98,9 @@ class RotaryTables:
 
     def lookup(self, rope: RopeConfig, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin of shape [batch, seq, rotary_dim/2] for these positions."""
-        long = rope.rope_type == "longrope" and int(positions.max()) + 1 > rope.original_max_position
+        long = (
+            rope.rope_type == "longrope" and int(positions.max()) + 1 > rope.original_max_position
+        )
         key = (rope, long)
         if key not in self._tables:
             inv, attn = inverse_frequencies(rope, long)
@@ -97,8 +114,11 @@ class RotaryTables:
         return cos[positions].to(dtype), sin[positions].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate the first 2*cos.shape[-1] channels of x [batch, heads, seq, head_dim]; pass the rest."""
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotate the first 2*cos.shape[-1] channels of x [batch, heads, seq, head_dim]; pass the
+    rest."""
     rot = cos.shape[-1] * 2
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
@@ -106,6 +126,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     else:
-        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out

@@ -2,8 +2,10 @@
 convolution over B * x, then C times its output through out_proj. Its state per sequence is the last
 kernel - 1 inputs of the convolution.
 
-Every channel is its own: tensor parallelism gives each rank a share of the channels, its rows of each of
-B, C and x in in_proj (column-split), their kernels, and their columns of out_proj (row-split, reduced).
+Every channel is its own: tensor parallelism gives each rank a share of the channels, its rows of
+each of
+B, C and x in in_proj (column-split), their kernels, and their columns of out_proj (row-split,
+reduced).
 Settings come from the config itself: conv_L_cache (the kernel width) and conv_bias.
 """
 
@@ -21,7 +23,8 @@ from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
 
 class _DepthwiseKernels(ShardedModule):
-    """One kernel per channel, stored as Transformers' Conv1d keeps it ([channels, 1, kernel]); this rank's
+    """One kernel per channel, stored as Transformers' Conv1d keeps it ([channels, 1, kernel]); this
+    rank's
     channels only."""
 
     def __init__(self, channels: int, kernel: int, rows: tuple[int, int], bias: bool):
@@ -40,25 +43,31 @@ class ShortConv(RecurrentMixer, nn.Module):
         kernel, bias = cfg.raw.get("conv_L_cache"), cfg.raw.get("conv_bias")
         kernel, bias = 3 if kernel is None else kernel, False if bias is None else bias
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
-            raise Refusal(f"invalid model config: conv_L_cache is {kernel!r}; state the short convolution's "
-                          "kernel width as a positive integer")
+            raise Refusal(
+                f"invalid model config: conv_L_cache is {kernel!r}; state the short convolution's "
+                "kernel width as a positive integer"
+            )
         if not isinstance(bias, bool):
             raise Refusal(f"invalid model config: conv_bias is {bias!r}; state it as true or false")
         hidden = cfg.hidden_size
         c0, c1 = ctx.split(hidden)
         self.layer, self.kernel, self.channels = layer, kernel, c1 - c0
-        # in_proj's rows are B, then C, then x, each `hidden` wide: this rank takes its channels of each
-        self.in_proj = ColumnLinear(hidden, 3 * hidden, tuple((p * hidden + c0, p * hidden + c1) for p in range(3)),
-                                    bias)
+        # in_proj's rows are B, then C, then x, each `hidden` wide: this rank takes its channels of
+        # each
+        self.in_proj = ColumnLinear(
+            hidden, 3 * hidden, tuple((p * hidden + c0, p * hidden + c1) for p in range(3)), bias
+        )
         self.conv = _DepthwiseKernels(hidden, kernel, (c0, c1), bias)
         self.out_proj = RowLinear(hidden, hidden, ctx, bias, cols=(c0, c1))
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         return ((self.channels, self.kernel - 1),)
 
-    def _scan(self, x: torch.Tensor, valid: torch.Tensor | None,
-              state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def _scan(
+        self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
-        # a padding token's input counts as zero, as a fresh sequence's past does (causal_conv masks it)
+        # a padding token's input counts as zero, as a fresh sequence's past does (causal_conv masks
+        # it)
         y, conv_state = causal_conv(b * h, self.conv.weight[:, 0], self.conv.bias, state[0], valid)
         return self.out_proj(c * y), (conv_state,)

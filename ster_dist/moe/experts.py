@@ -1,5 +1,6 @@
 """This rank's experts, stacked: gate and up [local experts, intermediate share, hidden], down
-[local experts, hidden, intermediate share] (no gate for Nemotron-H's ungated experts), and GPT-OSS's
+[local experts, hidden, intermediate share] (no gate for Nemotron-H's ungated experts), and
+GPT-OSS's
 biases; and the one grouped computation
 that runs every row through its expert.
 
@@ -36,12 +37,16 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   hidden size or intermediate share: tiny test models, uneven TP shares);
   past the gather's size those layouts run the per-expert loop, which takes
   any shape.
-- Before that rule: where the rows (on a CPU, at most KERNEL_ROWS_MAX in f32, any number in bf16 without bf16
+- Before that rule: where the rows (on a CPU, at most KERNEL_ROWS_MAX in f32, any number in bf16
+  without bf16
   products) go to plain SwiGLU experts of f32 or bf16 and the package's kernels are built, the whole
-  feed-forward is one call of `swiglu_experts` (kernels/experts.cpp): each busy expert's rows together, eight at
-  a time, through gate, up, silu and down in C++, with no sort, loop or scatter in Python (KERNEL_ROWS_MAX's
+  feed-forward is one call of `swiglu_experts` (kernels/experts.cpp): each busy expert's rows
+  together, eight at
+  a time, through gate, up, silu and down in C++, with no sort, loop or scatter in Python
+  (KERNEL_ROWS_MAX's
   comment has the measurements). Its output's shape follows from x's whatever the routing, so a
-  compiled step traces it (model/compiled.py); every other branch reaches a compiled step as one opaque
+  compiled step traces it (model/compiled.py); every other branch reaches a compiled step as one
+  opaque
   operator, `ster_dist::routed_experts` (end of this module), and runs eagerly inside it.
 - Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
   busy expert's matrices go through `dense` as FP8 with their block scales,
@@ -66,30 +71,38 @@ from ster_dist.parallel.ctx import ParallelCtx, Shard
 from ster_dist.parallel.fp8 import Fp8Weight
 from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS, SPLIT_ROWS_MAX, ShardedModule, dense
 
-# rows [m, in] and a stacked weight [experts, out, in] -> each row times its expert's weight, [m, out]
+# rows [m, in] and a stacked weight [experts, out, in] -> each row times its expert's weight, [m,
+# out]
 # (a kept FP8 stack runs the per-expert projection only)
 Project = Callable[[torch.Tensor, torch.Tensor | Fp8Weight], torch.Tensor]
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GROUPED_ALIGN = 16  # bytes: grouped_mm's rule for every non-unit stride of its operands and output
-# the gather copies rows x an expert's three matrices; grouped_mm pays ~3 x 1.5 us per local expert: at a
-# few GB/s the two cross near 10-20 KiB of copy per local expert (the module docstring's measurements)
+# the gather copies rows x an expert's three matrices; grouped_mm pays ~3 x 1.5 us per local expert:
+# at a
+# few GB/s the two cross near 10-20 KiB of copy per local expert (the module docstring's
+# measurements)
 GATHER_BYTES = 16 * 1024
-# the experts kernel against grouped_mm on a CPU (bench/moe.py's experts: 16 of 512 x 512, 6 layers, 2 threads,
-# AVX2): f32 3.0x as fast at 64 rows, 2.1x at 128, even at 512, 0.79x at 2048; bf16 2.7-2.9x from 64 to 2048 rows
+# the experts kernel against grouped_mm on a CPU (bench/moe.py's experts: 16 of 512 x 512, 6 layers,
+# 2 threads,
+# AVX2): f32 3.0x as fast at 64 rows, 2.1x at 128, even at 512, 0.79x at 2048; bf16 2.7-2.9x from 64
+# to 2048 rows
 # where the CPU has no bf16 products (grouped_mm widens every group's matrices on every call there)
 KERNEL_ROWS_MAX = 512
 
 
 def kernel_rows(dtype: torch.dtype) -> int:
-    """The most rows the experts kernel takes where it takes the experts (the measurements above)."""
+    """The most rows the experts kernel takes where it takes the experts (the measurements
+    above)."""
     return 1 << 62 if dtype == torch.bfloat16 and not NATIVE_HALF_PRODUCTS else KERNEL_ROWS_MAX
 
 
 class Experts(ShardedModule):
     fp8_params = ("gate", "up", "down")
 
-    def __init__(self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx, glu_limit: float = 0.0):
+    def __init__(
+        self, moe: MoEConfig, hidden: int, hidden_act: str, ctx: ParallelCtx, glu_limit: float = 0.0
+    ):
         """glu_limit: min(act(gate), L) * clamp(up, +-L) when not 0 (Step 3.5's clamped layers)."""
         super().__init__()
         self.glu_limit = glu_limit
@@ -116,21 +129,30 @@ class Experts(ShardedModule):
         self.act = activation(hidden_act)
         self.add_down_bias = ctx.tp_rank == 0  # the partial sums are all-reduced: add the bias once
         self.gather_bytes = GATHER_BYTES  # per local expert: the size rule's threshold
-        self.few_rows = SPLIT_ROWS_MAX  # on a CPU, at most this many rows run expert by expert through dense
-        self.kernel_rows: int | None = None  # the most rows for the experts kernel (None: kernel_rows(dtype))
+        # on a CPU, at most this many rows run expert by expert through dense
+        self.few_rows = SPLIT_ROWS_MAX
+        # the most rows for the experts kernel (None: kernel_rows(dtype))
+        self.kernel_rows: int | None = None
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this rank)."""
+        """Each row of x [rows, hidden] through its expert (local_ids [rows], 0-based on this
+        rank)."""
         if select.chosen() == "triton" and (y := triton_experts(self, x, local_ids)) is not None:
             return y  # moe/triton_experts.py
-        if self.fused(x):  # traced into a compiled step as it is: one operator, whatever the routing
-            return torch.ops.ster_kernels.swiglu_experts(x, local_ids.long(), self.gate, self.up, self.down)
-        if torch.compiler.is_compiling():  # every other branch reads the routing: opaque to the trace
+        # traced into a compiled step as it is: one operator, whatever the routing
+        if self.fused(x):
+            return torch.ops.ster_kernels.swiglu_experts(
+                x, local_ids.long(), self.gate, self.up, self.down
+            )
+        # every other branch reads the routing: opaque to the trace
+        if torch.compiler.is_compiling():
             return torch.ops.ster_dist.routed_experts(x, local_ids, self.up)
         return self._routed(x, local_ids)
 
-    # never traced: which rows go to which expert changes every step, and a trace would specialise on it; torch's
-    # fake grouped_mm also takes bf16 alone on a CPU. A compiled step reaches it through routed_experts (below).
+    # never traced: which rows go to which expert changes every step, and a trace would specialise
+    # on it; torch's
+    # fake grouped_mm also takes bf16 alone on a CPU. A compiled step reaches it through
+    # routed_experts (below).
     @torch.compiler.disable
     def _routed(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -151,7 +173,8 @@ class Experts(ShardedModule):
         return out
 
     def branch(self, x: torch.Tensor) -> str:
-        """The size rule (module docstring): "gathered", "grouped" or "per_expert" for these rows."""
+        """The size rule (module docstring): "gathered", "grouped" or "per_expert" for these
+        rows."""
         if self.fp8:
             return "per_expert"
         matrices = self._weights()
@@ -163,13 +186,15 @@ class Experts(ShardedModule):
         return "grouped" if self.groupable(x) else "per_expert"
 
     def fused(self, x: torch.Tensor) -> bool:
-        """Whether these rows run in one call of the experts kernel (kernels/experts.cpp): 1 to `kernel_rows` rows of
+        """Whether these rows run in one call of the experts kernel (kernels/experts.cpp): 1 to
+        `kernel_rows` rows of
         the weights' dtype, to experts of the kind it takes (`kernel_takes`)."""
         most = self.kernel_rows if self.kernel_rows is not None else kernel_rows(x.dtype)
         return 0 < x.shape[0] <= most and self.kernel_takes() and x.dtype == self.up.dtype
 
     def kernel_takes(self) -> bool:
-        """Whether the experts kernel takes these experts: plain SwiGLU (silu, no biases or clamps, not kept in FP8),
+        """Whether the experts kernel takes these experts: plain SwiGLU (silu, no biases or clamps,
+        not kept in FP8),
         contiguous weights of one dtype, f32 or bf16, on a CPU, with the package's kernels built."""
         if self.fp8 or self.gate is None or self.gate_bias is not None or self.act is not F.silu:
             return False
@@ -177,33 +202,48 @@ class Experts(ShardedModule):
             return False
         weights = self._weights()
         dtype = weights[0].dtype
-        return (weights[0].device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and all(w.dtype == dtype and w.is_contiguous() for w in weights) and kernels.ready())
+        return (
+            weights[0].device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and all(w.dtype == dtype and w.is_contiguous() for w in weights)
+            and kernels.ready()
+        )
 
     def groupable(self, x: torch.Tensor) -> bool:
-        """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride of
+        """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride
+        of
         its operands and outputs a multiple of 16 bytes (the rows and outputs are contiguous [rows,
         hidden or inner share]; each weight is read transposed, so its two outer strides count)."""
-        if x.device.type not in ("cpu", "cuda", "meta"):  # meta: shapes only, as a CUDA device would run them
+        # meta: shapes only, as a CUDA device would run them
+        if x.device.type not in ("cpu", "cuda", "meta"):
             return False
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
             return False  # grouped_mm's CUDA kernels start at SM80
         weights = self._weights()
-        if x.dtype not in GROUPED_DTYPES or any(w.dtype != x.dtype or w.stride(-1) != 1 for w in weights):
+        if x.dtype not in GROUPED_DTYPES or any(
+            w.dtype != x.dtype or w.stride(-1) != 1 for w in weights
+        ):
             return False
-        if x.device.type != "cpu" and x.dtype != torch.bfloat16:  # the CUDA kernels' one dtype (torch's meta checks)
+        # the CUDA kernels' one dtype (torch's meta checks)
+        if x.device.type != "cpu" and x.dtype != torch.bfloat16:
             return False
-        strides = [self.up.shape[1], self.down.shape[1], *(s for w in weights for s in w.stride()[:2])]
+        strides = [
+            self.up.shape[1],
+            self.down.shape[1],
+            *(s for w in weights for s in w.stride()[:2]),
+        ]
         return all(s * x.element_size() % GROUPED_ALIGN == 0 for s in strides)
 
     def _mlp(self, x: torch.Tensor, ids: torch.Tensor, project: Project) -> torch.Tensor:
-        """The experts' feed-forward on rows (ids [rows]: each row's expert, in the order project wants)."""
+        """The experts' feed-forward on rows (ids [rows]: each row's expert, in the order project
+        wants)."""
         if self.gate is None:  # ungated: act(up) alone
             return self._down(project, self.act(project(x, self.matrix("up"))), ids)
         gate, up = project(x, self.matrix("gate")), project(x, self.matrix("up"))
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[ids], up + self.up_bias[ids]
-        if self.clamped:  # GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+        # GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+        if self.clamped:
             gate = gate.clamp(max=self.limit)
             h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
         elif self.limited:  # HY V4: act(min(gate, limit)) * clamp(up, +-limit)
@@ -233,7 +273,8 @@ class Experts(ShardedModule):
 
     @staticmethod
     def _per_expert(ends: torch.Tensor) -> Project:
-        bounds = ends.tolist()  # a host sync where there is a device: on the layouts grouped_mm refuses only
+        # a host sync where there is a device: on the layouts grouped_mm refuses only
+        bounds = ends.tolist()
 
         def project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             out = rows.new_empty((rows.shape[0], weight.shape[1]))
@@ -247,11 +288,16 @@ class Experts(ShardedModule):
         return project
 
 
-# -- inside a compiled step -----------------------------------------------------------------------------------
-# The branches a compiled step cannot trace run behind one custom operator, as attention does (model/compiled.py):
-# its output's shape is its input's, so the layer's graph does not split around the experts (a split had made
-# compiled decode slower than eager, and a split graph's guards stop at the split). The operator finds its
-# Experts by the data of their `up` stack, which a compiled model registers before it traces (`trace_experts`).
+# -- inside a compiled step
+# -----------------------------------------------------------------------------------
+# The branches a compiled step cannot trace run behind one custom operator, as attention does
+# (model/compiled.py):
+# its output's shape is its input's, so the layer's graph does not split around the experts (a split
+# had made
+# compiled decode slower than eager, and a split graph's guards stop at the split). The operator
+# finds its
+# Experts by the data of their `up` stack, which a compiled model registers before it traces
+# (`trace_experts`).
 
 _TRACED: "weakref.WeakValueDictionary[int, Experts]" = weakref.WeakValueDictionary()
 
@@ -267,12 +313,16 @@ def trace_experts(model: torch.nn.Module) -> None:
 
 
 def traced(registry: weakref.WeakValueDictionary, up: torch.Tensor, experts_of=lambda found: found):
-    """The module registered in `registry` under the data of `up` (its Experts' stack: `experts_of(module)`),
-    refused when none is, or when the one found holds another stack now (its weights were replaced since)."""
+    """The module registered in `registry` under the data of `up` (its Experts' stack:
+    `experts_of(module)`),
+    refused when none is, or when the one found holds another stack now (its weights were replaced
+    since)."""
     found = registry.get(up.data_ptr())
     if found is None or experts_of(found).up.data_ptr() != up.data_ptr():
-        raise RuntimeError("these experts were not registered for compiled steps "
-                           "(model/compiled.py registers a model's before it traces)")
+        raise RuntimeError(
+            "these experts were not registered for compiled steps "
+            "(model/compiled.py registers a model's before it traces)"
+        )
     return found
 
 
@@ -285,4 +335,5 @@ _LIBRARY.impl("routed_experts", _routed_experts, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("ster_dist::routed_experts")
 def _(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape)  # the experts work in x's width: down is [experts, width, inner share]
+    # the experts work in x's width: down is [experts, width, inner share]
+    return x.new_empty(x.shape)

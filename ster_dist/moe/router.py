@@ -28,9 +28,14 @@ def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None,
-          hashed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens, experts]; `hashed`:
+def route(
+    logits: torch.Tensor,
+    moe: MoEConfig,
+    correction: torch.Tensor | None = None,
+    hashed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens,
+    experts]; `hashed`:
     the experts already chosen (DeepSeek-V4's hash layers), which the scores only weigh."""
     logits = logits.float()
     if moe.sparsemixer_eps is not None:
@@ -46,7 +51,9 @@ def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None 
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, True)
         # the config check guarantees the kept groups hold at least top_k experts
-        choice = choice.masked_fill(~keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1), float("-inf"))
+        choice = choice.masked_fill(
+            ~keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1), float("-inf")
+        )
     ids = choice.topk(moe.top_k, dim=-1).indices if hashed is None else hashed
     weights = scores.gather(1, ids)
     if moe.renormalize:
@@ -56,16 +63,24 @@ def route(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None 
     return weights, ids
 
 
-def route_with_shared(logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inkling's routing, for logits [tokens, experts + shared] whose last columns score the shared experts:
-    the top_k routed experts by sigmoid + correction, then every chosen and shared expert weighed by its
-    sigmoid over the sum of theirs, times scaling_factor. (weights [tokens, top_k + shared] f32, the chosen
+def route_with_shared(
+    logits: torch.Tensor, moe: MoEConfig, correction: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inkling's routing, for logits [tokens, experts + shared] whose last columns score the shared
+    experts:
+    the top_k routed experts by sigmoid + correction, then every chosen and shared expert weighed by
+    its
+    sigmoid over the sum of theirs, times scaling_factor. (weights [tokens, top_k + shared] f32, the
+    chosen
     experts first; expert ids [tokens, top_k])."""
     logits = logits.float()
-    routed, shared = logits[:, : moe.num_experts], logits[:, moe.num_experts:]
+    routed, shared = logits[:, : moe.num_experts], logits[:, moe.num_experts :]
     scores = torch.sigmoid(routed)
-    ids = (scores + correction.float() if correction is not None else scores).topk(moe.top_k, dim=-1).indices
+    ids = (
+        (scores + correction.float() if correction is not None else scores)
+        .topk(moe.top_k, dim=-1)
+        .indices
+    )
     # sigmoid / sum of sigmoids, through log-sigmoids as Inkling computes it
     chosen = F.logsigmoid(torch.cat([routed.gather(1, ids), shared], dim=-1))
     weights = torch.exp(chosen - torch.logsumexp(chosen, dim=-1, keepdim=True))
@@ -73,8 +88,10 @@ def route_with_shared(logits: torch.Tensor, moe: MoEConfig, correction: torch.Te
 
 
 def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PhiMoE's SparseMixer outside training: two rounds, each choosing the best logit not yet chosen and
-    weighing it by its softmax over the experts whose logit lies within 2 * eps of that best, relative to
+    """PhiMoE's SparseMixer outside training: two rounds, each choosing the best logit not yet
+    chosen and
+    weighing it by its softmax over the experts whose logit lies within 2 * eps of that best,
+    relative to
     max(|logit|, best)."""
     weights, ids = [], []
     remaining = logits
@@ -95,7 +112,8 @@ class Router(ShardedModule):
     def __init__(self, moe: MoEConfig, hidden: int, eps: float = 1e-6):
         super().__init__()
         self.moe, self.eps = moe, eps
-        scored = moe.num_experts + moe.identity_experts  # identity experts are scored after the routed ones
+        # identity experts are scored after the routed ones
+        scored = moe.num_experts + moe.identity_experts
         self._param("weight", Shard((scored + moe.shared_routed, hidden)))
         if moe.router_bias:
             self._param("bias", Shard((scored,)))
@@ -119,9 +137,13 @@ class Router(ShardedModule):
         else:
             self.tid2eid = None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the router scores
-        shared experts too (route_with_shared); an id from num_experts on is an identity expert. token_ids
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the
+        router scores
+        shared experts too (route_with_shared); an id from num_experts on is an identity expert.
+        token_ids
         [tokens]: what a hash-routed router (tid2eid) chooses by."""
         bias = self.bias.float() if self.bias is not None else None
         if self.input_scale is not None:
@@ -137,7 +159,8 @@ class Router(ShardedModule):
         return (weights * self.scale.float() if self.scale is not None else weights), ids
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
-        """Gemma 4's router input: a scale-free RMS norm (back in x's dtype), times the stored scale and
+        """Gemma 4's router input: a scale-free RMS norm (back in x's dtype), times the stored scale
+        and
         1/sqrt(hidden), as Transformers rounds them."""
         h = x.float()
         h = (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)

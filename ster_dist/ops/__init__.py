@@ -1,4 +1,5 @@
-"""Every operation as a plain function over typed requests: `ops.generate(session, GenerateRequest)`,
+"""Every operation as a plain function over typed requests: `ops.generate(session,
+GenerateRequest)`,
 `ops.merge(MergeRequest)`, and so on. The command line, the job queue, jobs/run.py, the Python
 API (and the server of a later issue) call these; nothing runs an operation any other way.
 
@@ -81,7 +82,8 @@ from ster_dist.schema import (
 class Operation:
     run: Callable
     needs_session: bool
-    engine: bool = False  # runs through the session's token engine (shares the ranks with its other requests)
+    # runs through the session's token engine (shares the ranks with its other requests)
+    engine: bool = False
 
 
 OPERATIONS: dict[type[Request], Operation] = {
@@ -135,11 +137,39 @@ def exit_code(request: Request, result: dict) -> int:
         return 1
     if isinstance(request, BatchMergeRequest) and result.get("failed"):
         return 1
-    if isinstance(request, (WorkspaceImportRequest, OnboardingRequest)) and result.get("import") == "conflicting":
+    if (
+        isinstance(request, (WorkspaceImportRequest, OnboardingRequest))
+        and result.get("import") == "conflicting"
+    ):
         return 1
     return 0
 
 
-__all__ = ["OPERATIONS", "Operation", "shown", "exit_code", "generate", "generate_inputs", "parity", "extract",
-           "decide", "calibrate", "merge", "batch_merge", "steer_train", "steer_optimize", "steer_evaluate", "steer_inspect",
-           "tune_sft", "tune_dpo", "tune_reward", "tune_grpo", "tune_evaluate", "families", "inspect_model", "plan", "toy_model", "gguf_import"]
+__all__ = [
+    "OPERATIONS",
+    "Operation",
+    "shown",
+    "exit_code",
+    "generate",
+    "generate_inputs",
+    "parity",
+    "extract",
+    "decide",
+    "calibrate",
+    "merge",
+    "batch_merge",
+    "steer_train",
+    "steer_optimize",
+    "steer_evaluate",
+    "steer_inspect",
+    "tune_sft",
+    "tune_dpo",
+    "tune_reward",
+    "tune_grpo",
+    "tune_evaluate",
+    "families",
+    "inspect_model",
+    "plan",
+    "toy_model",
+    "gguf_import",
+]

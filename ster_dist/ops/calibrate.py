@@ -19,17 +19,37 @@ def calibrate(session: Session, request: CalibrateRequest) -> dict:
     writable_file(request.output, request.label("output"), "JSON file")
     output_not_an_input(request)
     items = load_labelled(request.decisions, request.label("decisions"))
-    control = load_labelled(request.control, request.label("control")) if request.control is not None else None
-    fit_items, control_items, source = split(items, control, request.control_every, request.decisions,
-                                             request.label("control"))
+    control = (
+        load_labelled(request.control, request.label("control"))
+        if request.control is not None
+        else None
+    )
+    fit_items, control_items, source = split(
+        items, control, request.control_every, request.decisions, request.label("control")
+    )
     engine = session.engine()
     chat = chat_status(session.tokenizer, request.chat_template)
-    result = fit(engine, session.tokenizer, session.cfg, fit_items, control_items, request.permutations,
-                 request.chat_template, progress)
+    result = fit(
+        engine,
+        session.tokenizer,
+        session.cfg,
+        fit_items,
+        control_items,
+        request.permutations,
+        request.chat_template,
+        progress,
+    )
     usage = result.pop("usage")
-    artifact = {"format": calibration.FORMAT, "product": "ster", "model": request.model,
-                "model_revision": session.checkpoint.model_revision, "precision": request.precision,
-                "chat_template": chat, "permutations": request.permutations, **result,
-                "control_from": source}
+    artifact = {
+        "format": calibration.FORMAT,
+        "product": "ster",
+        "model": request.model,
+        "model_revision": session.checkpoint.model_revision,
+        "precision": request.precision,
+        "chat_template": chat,
+        "permutations": request.permutations,
+        **result,
+        "control_from": source,
+    }
     calibration.save(artifact, request.output)
     return {"output": request.output, **artifact, "usage": usage}

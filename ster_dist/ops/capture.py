@@ -44,8 +44,10 @@ def extract(session: Session, request: ExtractRequest) -> dict:
         encoded = [encode_prompt(tokenizer, p, mode) for p in prompts]
         for ids in encoded:
             if len(ids) > cfg.max_position:
-                raise Refusal(f"prompt contains {len(ids)} tokens, model context allows {cfg.max_position}; "
-                              "shorten it")
+                raise Refusal(
+                    f"prompt contains {len(ids)} tokens, model context allows {cfg.max_position}; "
+                    "shorten it"
+                )
         lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
         rows = len(encoded) if positions == "last" else int(lengths.sum())
         tensors = {f"layers.{layer}": (torch.float32, (rows, cfg.hidden_size)) for layer in layers}
@@ -53,12 +55,22 @@ def extract(session: Session, request: ExtractRequest) -> dict:
         if positions == "all":
             tensors["token_ids"] = (torch.int64, (rows,))
         revision = session.checkpoint.model_revision
-        metadata = {"format": "ster_dist.activations", "model": request.model, "model_revision": revision or "",
-                    "precision": request.precision, "chat_template": chat, "layers": json.dumps(layers),
-                    "positions": positions, "hidden_size": str(cfg.hidden_size), "prompts": str(len(encoded)),
-                    "adapter": request.adapter or ""}
-        progress(f"capturing {len(encoded)} prompts at layers {layers} ({positions} positions) in batches of "
-                 f"{batch_size}")
+        metadata = {
+            "format": "ster_dist.activations",
+            "model": request.model,
+            "model_revision": revision or "",
+            "precision": request.precision,
+            "chat_template": chat,
+            "layers": json.dumps(layers),
+            "positions": positions,
+            "hidden_size": str(cfg.hidden_size),
+            "prompts": str(len(encoded)),
+            "adapter": request.adapter or "",
+        }
+        progress(
+            f"capturing {len(encoded)} prompts at layers {layers} ({positions} positions) in batches of "
+            f"{batch_size}"
+        )
         update = bar("extract")
         group = session.group
         with StreamedSafetensors(output, tensors, metadata) as store:
@@ -66,15 +78,27 @@ def extract(session: Session, request: ExtractRequest) -> dict:
             if positions == "all":
                 store.write_rows("token_ids", 0, torch.tensor([t for ids in encoded for t in ids]))
             row = 0
-            for start, read in capture(group, encoded, layers, positions, session.pad_id, batch_size):
+            for start, read in capture(
+                group, encoded, layers, positions, session.pad_id, batch_size
+            ):
                 for layer in layers:
                     store.write_rows(f"layers.{layer}", row, read[layer])
                 row += read[layers[0]].shape[0]
                 update(min(start + batch_size, len(encoded)), len(encoded))
-    return {"model": request.model, "model_revision": revision, "precision": request.precision,
-            "chat_template": chat, "layers": layers, "positions": positions, "hidden_size": cfg.hidden_size,
-            "prompts": len(encoded), "rows": rows, "tp": request.tp, "adapter": request.adapter,
-            "output": str(output)}
+    return {
+        "model": request.model,
+        "model_revision": revision,
+        "precision": request.precision,
+        "chat_template": chat,
+        "layers": layers,
+        "positions": positions,
+        "hidden_size": cfg.hidden_size,
+        "prompts": len(encoded),
+        "rows": rows,
+        "tp": request.tp,
+        "adapter": request.adapter,
+        "output": str(output),
+    }
 
 
 def _extract_ster_json(session: Session, request: ExtractRequest) -> dict:
@@ -93,12 +117,27 @@ def _extract_ster_json(session: Session, request: ExtractRequest) -> dict:
     with modifiers(session, request, steering=False):
         chat = chat_status(session.tokenizer, request.chat_template)
         encoded = [encode_prompt(session.tokenizer, p, request.chat_template) for p in prompts]
-        progress(f"capturing {len(encoded)} prompts at layers {layers} (last positions) for Ster's activation artifact")
+        progress(
+            f"capturing {len(encoded)} prompts at layers {layers} (last positions) for Ster's activation artifact"
+        )
         rows = last_token_rows(session.group, encoded, layers, session.pad_id, request.batch_size)
         revision = session.checkpoint.model_revision
-    write_activations(Path(request.output), activation_document(request.model, revision, cfg.hidden_size,
-                                                                prompts, rows))
-    return {"model": request.model, "model_revision": revision, "precision": request.precision,
-            "chat_template": chat, "layers": layers, "positions": "last", "hidden_size": cfg.hidden_size,
-            "prompts": len(prompts), "rows": len(prompts), "tp": request.tp, "adapter": request.adapter,
-            "format": "ster-json", "output": str(request.output)}
+    write_activations(
+        Path(request.output),
+        activation_document(request.model, revision, cfg.hidden_size, prompts, rows),
+    )
+    return {
+        "model": request.model,
+        "model_revision": revision,
+        "precision": request.precision,
+        "chat_template": chat,
+        "layers": layers,
+        "positions": "last",
+        "hidden_size": cfg.hidden_size,
+        "prompts": len(prompts),
+        "rows": len(prompts),
+        "tp": request.tp,
+        "adapter": request.adapter,
+        "format": "ster-json",
+        "output": str(request.output),
+    }

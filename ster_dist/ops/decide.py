@@ -15,7 +15,8 @@ from ster_dist.session import Session
 def decide(session: Session, request: DecideRequest) -> dict:
     """Every rendering is a request of the session's token engine, so the state is read once and
     served from the prefix cache after; --adapter is registered with the engine and routed to these
-    requests alone (nothing attached on the ranks for the whole operation); --calibration divides the
+    requests alone (nothing attached on the ranks for the whole operation); --calibration divides
+    the
     option logits by the temperature its artifact holds."""
     from ster_dist.decide import calibration
     from ster_dist.decide.request import load_request
@@ -31,7 +32,8 @@ def decide(session: Session, request: DecideRequest) -> dict:
 
         open_adapter(request.adapter)
     fitted = None
-    if request.calibration is not None:  # another model's temperature is refused before any weight is read
+    # another model's temperature is refused before any weight is read
+    if request.calibration is not None:
         where = f"{request.label('calibration')} {request.calibration}"
         fitted = calibration.load(request.calibration, request.label("calibration"))
         calibration.check_for_run(fitted, request.model, where)
@@ -43,11 +45,28 @@ def decide(session: Session, request: DecideRequest) -> dict:
     if fitted is not None:
         for warning in calibration.warnings(fitted, request.precision, chat, request.permutations):
             progress(warning)
-    result = run_decide(engine, session.tokenizer, session.cfg, questions, request.permutations, mode,
-                        request.explain, progress, adapter=adapter, temperature=temperature)
-    response = {"model": request.model, "revision": session.checkpoint.model_revision, "chat_template": chat,
-                "precision": request.precision, "temperature": temperature, "calibration": request.calibration,
-                "permutations": request.permutations, **result}
+    result = run_decide(
+        engine,
+        session.tokenizer,
+        session.cfg,
+        questions,
+        request.permutations,
+        mode,
+        request.explain,
+        progress,
+        adapter=adapter,
+        temperature=temperature,
+    )
+    response = {
+        "model": request.model,
+        "revision": session.checkpoint.model_revision,
+        "chat_template": chat,
+        "precision": request.precision,
+        "temperature": temperature,
+        "calibration": request.calibration,
+        "permutations": request.permutations,
+        **result,
+    }
     if request.output is not None:
         write_json(Path(request.output), response)
     return response

@@ -20,7 +20,8 @@ JOBS_MERGE = Path(__file__).resolve().parent.parent.parent / "jobs" / "merge.py"
 def merge(request: MergeRequest) -> dict:
     from ster_dist.adapters.merge import merge as merge_adapter
 
-    output_not_an_input(request)  # a merged checkpoint is never written into the model or the adapter
+    # a merged checkpoint is never written into the model or the adapter
+    output_not_an_input(request)
     job = running.current()
     job.check()
     progress(f"merging {request.adapter} into {request.model}")
@@ -29,14 +30,22 @@ def merge(request: MergeRequest) -> dict:
         progress(message, **fields)
         job.check()  # called after each shard is written: a cancel stops before the next one
 
-    return merge_adapter(request.model, request.adapter, request.output, request.revision, request.max_shard_size,
-                         progress_or_stop)
+    return merge_adapter(
+        request.model,
+        request.adapter,
+        request.output,
+        request.revision,
+        request.max_shard_size,
+        progress_or_stop,
+    )
 
 
 def check_batch_available() -> None:
     if not JOBS_MERGE.is_file():
-        raise Refusal(f"batch merge jobs need {JOBS_MERGE} beside the package; give one merge's model, adapter "
-                      "and output instead")
+        raise Refusal(
+            f"batch merge jobs need {JOBS_MERGE} beside the package; give one merge's model, adapter "
+            "and output instead"
+        )
 
 
 def batch_merge(request: BatchMergeRequest) -> dict:

@@ -40,9 +40,19 @@ def _read_pairs(session: Session, request: PairRun, pairs, layers: list[int]):
     from ster_dist.steer.train import read_pairs
 
     batch = request.batch_size if request.batch_size is not None else 8
-    progress(f"reading {len(pairs.pairs)} pairs ({2 * len(pairs.pairs)} prompts) at layers {layers}")
-    return read_pairs(session.group, session.tokenizer, pairs, layers, request.chat_template, session.pad_id, batch,
-                      bar("reading pairs"))
+    progress(
+        f"reading {len(pairs.pairs)} pairs ({2 * len(pairs.pairs)} prompts) at layers {layers}"
+    )
+    return read_pairs(
+        session.group,
+        session.tokenizer,
+        pairs,
+        layers,
+        request.chat_template,
+        session.pad_id,
+        batch,
+        bar("reading pairs"),
+    )
 
 
 def train(session: Session, request: SteerTrainRequest) -> dict:
@@ -66,8 +76,17 @@ def train(session: Session, request: SteerTrainRequest) -> dict:
         positive, negative = _read_pairs(session, request, pairs, layers)
         revision = session.checkpoint.model_revision
     vectors = fit_layers(positive, negative, layers, method)
-    artifact = build_artifact(request.model, revision, pairs, method, cfg.hidden_size, vectors, request.precision,
-                              chat, weights_fingerprint(session.checkpoint))
+    artifact = build_artifact(
+        request.model,
+        revision,
+        pairs,
+        method,
+        cfg.hidden_size,
+        vectors,
+        request.precision,
+        chat,
+        weights_fingerprint(session.checkpoint),
+    )
     artifact.save(output)
     return {**artifact.summary(), "output": str(output)}
 
@@ -93,8 +112,10 @@ def optimize(session: Session, request: SteerOptimizeRequest) -> dict:
     layers = parse_layers(request.layers, cfg.num_layers)
     progress(f"fitting each candidate on {fit} pairs and ranking on a {held}-pair holdout")
     if held == 1:
-        progress("a one-pair holdout scores every candidate 0 or 1, so this ranking separates almost nothing; "
-                 "add pairs to make the choice mean something")
+        progress(
+            "a one-pair holdout scores every candidate 0 or 1, so this ranking separates almost nothing; "
+            "add pairs to make the choice mean something"
+        )
     with modifiers(session, request, steering=False):
         chat = chat_status(session.tokenizer, request.chat_template)
         positive, negative = _read_pairs(session, request, pairs, layers)
@@ -102,14 +123,30 @@ def optimize(session: Session, request: SteerOptimizeRequest) -> dict:
     candidates, best = rank_candidates(positive, negative, layers, fit)
     winner = candidates[best]
     vector = refit(positive, negative, winner["layer"], winner["method"])
-    artifact = build_artifact(request.model, revision, pairs, winner["method"], cfg.hidden_size, [vector],
-                              request.precision, chat, weights_fingerprint(session.checkpoint))
-    artifact.metadata["selection"] = (f"chosen over {len(candidates)} candidates on a {held}-pair holdout, then "
-                                      f"refitted on all {len(pairs.pairs)} pairs")
+    artifact = build_artifact(
+        request.model,
+        revision,
+        pairs,
+        winner["method"],
+        cfg.hidden_size,
+        [vector],
+        request.precision,
+        chat,
+        weights_fingerprint(session.checkpoint),
+    )
+    artifact.metadata["selection"] = (
+        f"chosen over {len(candidates)} candidates on a {held}-pair holdout, then "
+        f"refitted on all {len(pairs.pairs)} pairs"
+    )
     artifact.save(output)
-    return {**artifact.summary(), "output": str(output),
-            "selection": {"holdout": {"fraction": request.holdout, "fit_pairs": fit, "holdout_pairs": held},
-                          "candidates": candidates}}
+    return {
+        **artifact.summary(),
+        "output": str(output),
+        "selection": {
+            "holdout": {"fraction": request.holdout, "fit_pairs": fit, "holdout_pairs": held},
+            "candidates": candidates,
+        },
+    }
 
 
 def evaluate(session: Session, request: SteerEvaluateRequest) -> dict:
@@ -125,20 +162,43 @@ def evaluate(session: Session, request: SteerEvaluateRequest) -> dict:
     artifact = load_artifact(request.vector)
     pairs = load_pairs(_pairs_path(request))
     cfg = session.cfg
-    check_for_run(artifact, request.model, cfg.hidden_size, cfg.num_layers, verb="evaluate",
-                  fingerprint=weights_fingerprint(session.checkpoint))
+    check_for_run(
+        artifact,
+        request.model,
+        cfg.hidden_size,
+        cfg.num_layers,
+        verb="evaluate",
+        fingerprint=weights_fingerprint(session.checkpoint),
+    )
     with modifiers(session, request, steering=False):
         chat = chat_status(session.tokenizer, mode)
-        for warning in provenance_warnings(artifact, request.precision, chat, "the number below describes"):
+        for warning in provenance_warnings(
+            artifact, request.precision, chat, "the number below describes"
+        ):
             progress(warning)
         positive, negative = _read_pairs(session, request, pairs, artifact.layers)
-        report = {"model": request.model, "trait_name": artifact.trait_name, "method": artifact.method,
-                  "pair_count": len(pairs.pairs), "precision": request.precision, "chat_template": chat,
-                  "layers": score_layers(artifact, positive, negative)}
+        report = {
+            "model": request.model,
+            "trait_name": artifact.trait_name,
+            "method": artifact.method,
+            "pair_count": len(pairs.pairs),
+            "precision": request.precision,
+            "chat_template": chat,
+            "layers": score_layers(artifact, positive, negative),
+        }
         if strengths is not None:
-            report["strength"] = strength_report(session.group, session.tokenizer, pairs, artifact, strengths,
-                                                 request.batch_size, request.max_sequence, mode, session.pad_id,
-                                                 progress)
+            report["strength"] = strength_report(
+                session.group,
+                session.tokenizer,
+                pairs,
+                artifact,
+                strengths,
+                request.batch_size,
+                request.max_sequence,
+                mode,
+                session.pad_id,
+                progress,
+            )
     return report
 
 
@@ -152,8 +212,12 @@ def compare(request: VectorCompareRequest) -> dict:
         try:
             layers = [int(part) for part in request.layers.split(",") if part.strip()]
         except ValueError:
-            raise Refusal(f"{request.label('layers')} takes a comma list of layers, got {request.layers!r}") from None
-    return run([(path, load_artifact(path)) for path in request.artifacts], request.clusters, layers)
+            raise Refusal(
+                f"{request.label('layers')} takes a comma list of layers, got {request.layers!r}"
+            ) from None
+    return run(
+        [(path, load_artifact(path)) for path in request.artifacts], request.clusters, layers
+    )
 
 
 def curve(session: Session, request: VectorCurveRequest) -> dict:
@@ -177,7 +241,14 @@ def curve(session: Session, request: VectorCurveRequest) -> dict:
         chat = chat_status(session.tokenizer, request.chat_template)
         positive, negative = _read_pairs(session, request, pairs, layers)
     points, enough = run(positive, negative, layers, method, sizes, fit)
-    return {"model": request.model, "trait_name": pairs.trait_name, "method": method,
-            "layers": layers, "precision": request.precision, "chat_template": chat,
-            "holdout": {"fraction": request.holdout, "fit_pairs": fit, "holdout_pairs": held},
-            "points": points, "enough": enough}
+    return {
+        "model": request.model,
+        "trait_name": pairs.trait_name,
+        "method": method,
+        "layers": layers,
+        "precision": request.precision,
+        "chat_template": chat,
+        "holdout": {"fraction": request.holdout, "fit_pairs": fit, "holdout_pairs": held},
+        "points": points,
+        "enough": enough,
+    }

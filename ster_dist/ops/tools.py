@@ -30,8 +30,10 @@ def families(request: FamiliesRequest) -> dict:
     counts: dict[str, int] = {}
     for row in table:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    progress(f"listed {len(table)} families from the registry: "
-             + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    progress(
+        f"listed {len(table)} families from the registry: "
+        + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    )
     return {"families": table, "counts": counts}
 
 
@@ -54,11 +56,23 @@ def toy_model(request: ToyModelRequest) -> dict:
     from ster_dist.load.toy import make_toy_model
 
     made = {"maker": "toy-model", **request.model_dump(exclude={"directory", "force"})}
-    progress(f"writing a toy {request.family} model of {request.layers} layer(s), hidden size {request.hidden}, "
-             f"into {request.directory}")
-    return _made_once(Path(request.directory), made, request.force, lambda out: make_toy_model(
-        out, family=request.family, layers=request.layers, hidden=request.hidden, experts=request.experts,
-        seed=request.seed))
+    progress(
+        f"writing a toy {request.family} model of {request.layers} layer(s), hidden size {request.hidden}, "
+        f"into {request.directory}"
+    )
+    return _made_once(
+        Path(request.directory),
+        made,
+        request.force,
+        lambda out: make_toy_model(
+            out,
+            family=request.family,
+            layers=request.layers,
+            hidden=request.hidden,
+            experts=request.experts,
+            seed=request.seed,
+        ),
+    )
 
 
 def gguf_import(request: GgufImportRequest) -> dict:
@@ -69,14 +83,25 @@ def gguf_import(request: GgufImportRequest) -> dict:
         stat = source.stat()
     except OSError as exc:
         raise Refusal(f"{request.label('file')} {source}: {exc.strerror or exc}") from None
-    made = {"maker": "gguf-import", "source": str(source.resolve()), "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns, "safetensors": request.safetensors}
+    made = {
+        "maker": "gguf-import",
+        "source": str(source.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "safetensors": request.safetensors,
+    }
     directory = Path(request.directory)
-    progress(f"importing {source} ({stat.st_size / 2**20:.1f} MiB) into {directory}"
-             + (" as safetensors" if request.safetensors else ", the .gguf placed beside its config"))
+    progress(
+        f"importing {source} ({stat.st_size / 2**20:.1f} MiB) into {directory}"
+        + (" as safetensors" if request.safetensors else ", the .gguf placed beside its config")
+    )
     with refusing_full_disk(directory):
-        return _made_once(directory, made, request.force,
-                          lambda out: import_gguf(source, out, to_safetensors=request.safetensors))
+        return _made_once(
+            directory,
+            made,
+            request.force,
+            lambda out: import_gguf(source, out, to_safetensors=request.safetensors),
+        )
 
 
 def _made_once(directory: Path, made: dict, force: bool, make) -> dict:
@@ -88,11 +113,15 @@ def _made_once(directory: Path, made: dict, force: bool, make) -> dict:
     if directory.is_dir() and any(directory.iterdir()):
         previous = _read_marker(marker)
         if previous is not None and previous.get("made") == made:
-            progress(f"{directory} already holds this {made['maker']} output; nothing to do (--force rebuilds it)")
+            progress(
+                f"{directory} already holds this {made['maker']} output; nothing to do (--force rebuilds it)"
+            )
             return {**previous.get("report", {}), "output": str(directory), "unchanged": True}
         if not force:
-            raise Refusal(f"{directory} exists and is not empty (it holds another model); choose a new directory, "
-                          "or give --force to replace it")
+            raise Refusal(
+                f"{directory} exists and is not empty (it holds another model); choose a new directory, "
+                "or give --force to replace it"
+            )
         sweep_stale(directory)
         staging = Path(tempfile.mkdtemp(prefix=partial_prefix(directory), dir=directory.parent))
         out = staging / directory.name
@@ -110,7 +139,8 @@ def _made_once(directory: Path, made: dict, force: bool, make) -> dict:
     try:
         write_json(marker, {"made": made, "report": report})
     except OSError:
-        shutil.rmtree(directory, ignore_errors=True)  # made here (it was absent or empty): no half output
+        # made here (it was absent or empty): no half output
+        shutil.rmtree(directory, ignore_errors=True)
         raise
     return report
 

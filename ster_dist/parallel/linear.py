@@ -5,9 +5,12 @@ Column- and row-parallel projections also carry the low-rank adapters attached t
 time (adapters/attach.py), each already cut to this rank's share: a column-parallel projection
 holds A whole and its own rows of B, a row-parallel one its own columns of A and B whole.
 
-A module names the parameters it can hold as FP8 (`fp8_params`); under `--weights fp8` the loader keeps
-those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the pair. Those it names
-in `ggml_params` may be kept in a .gguf's own blocks (parallel/ggml.py): `matrix(name)` then hands over a
+A module names the parameters it can hold as FP8 (`fp8_params`); under `--weights fp8` the loader
+keeps
+those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the pair.
+Those it names
+in `ggml_params` may be kept in a .gguf's own blocks (parallel/ggml.py): `matrix(name)` then hands
+over a
 BlockWeight, which `dense` multiplies through and the embedding looks rows up in.
 """
 
@@ -29,35 +32,50 @@ from ster_dist.parallel.triton_fp8 import triton_product
 class ShardedModule(nn.Module):
     """A module whose parameters carry Shards (global shape and this rank's ranges)."""
 
-    fp8_params: tuple[str, ...] = ()  # parameters whose every use goes through matrix(): FP8 may be kept
-    ggml_params: tuple[str, ...] = ()  # parameters whose every use goes through matrix(): GGML blocks may be kept
+    # parameters whose every use goes through matrix(): FP8 may be kept
+    fp8_params: tuple[str, ...] = ()
+    # parameters whose every use goes through matrix(): GGML blocks may be kept
+    ggml_params: tuple[str, ...] = ()
 
     def __init__(self):
         super().__init__()
         self.shards: dict[str, Shard] = {}
-        # kept FP8 parameters: name -> (row group sizes, col group sizes, compute dtype); the scales are the
-        # buffers `<name>_scale`, so they follow the module to its device and count among its tensors
+        # kept FP8 parameters: name -> (row group sizes, col group sizes, compute dtype); the scales
+        # are the
+        # buffers `<name>_scale`, so they follow the module to its device and count among its
+        # tensors
         self.fp8: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
-        # kept GGML blocks: name -> (kind, columns, compute dtype); the parameter holds the stored bytes
+        # kept GGML blocks: name -> (kind, columns, compute dtype); the parameter holds the stored
+        # bytes
         self.ggml: dict[str, tuple[str, int, torch.dtype]] = {}
 
     def _param(self, name: str, shard: Shard, dtype: torch.dtype | None = None) -> None:
         self.shards[name] = shard
-        self.register_parameter(name, nn.Parameter(torch.empty(shard.local_shape(), dtype=dtype),
-                                                   requires_grad=False))
+        self.register_parameter(
+            name, nn.Parameter(torch.empty(shard.local_shape(), dtype=dtype), requires_grad=False)
+        )
 
-    def keep_fp8(self, name: str, scale: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
-        """Parameter `name` (already FP8) is kept: `scale` [..., len(rows), len(cols)] scales its groups."""
+    def keep_fp8(
+        self,
+        name: str,
+        scale: torch.Tensor,
+        rows: tuple[int, ...],
+        cols: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
+        """Parameter `name` (already FP8) is kept: `scale` [..., len(rows), len(cols)] scales its
+        groups."""
         self.register_buffer(f"{name}_scale", scale, persistent=False)
         self.fp8[name] = (rows, cols, dtype)
 
     def keep_blocks(self, name: str, kind: str, cols: int, dtype: torch.dtype) -> None:
-        """Parameter `name` (already uint8, a .gguf's stored bytes) is kept in GGML blocks of `kind`."""
+        """Parameter `name` (already uint8, a .gguf's stored bytes) is kept in GGML blocks of
+        `kind`."""
         self.ggml[name] = (kind, cols, dtype)
 
     def matrix(self, name: str = "weight") -> torch.Tensor | Fp8Weight | BlockWeight:
-        """What `dense` multiplies by: the parameter, or the kept FP8 matrix with its scales, or the kept blocks."""
+        """What `dense` multiplies by: the parameter, or the kept FP8 matrix with its scales, or the
+        kept blocks."""
         if name in self.ggml:
             return BlockWeight(getattr(self, name), *self.ggml[name])
         if name not in self.fp8:
@@ -66,26 +84,36 @@ class ShardedModule(nn.Module):
         return Fp8Weight(getattr(self, name), getattr(self, f"{name}_scale"), rows, cols, dtype)
 
     def plain(self, name: str = "weight") -> torch.Tensor:
-        """The parameter as a tensor of its compute dtype (a kept FP8 one dequantized: for uses other than
+        """The parameter as a tensor of its compute dtype (a kept FP8 one dequantized: for uses
+        other than
         a product, such as MLA's absorbed key and value halves)."""
         held = self.matrix(name)
         return held.dequantize() if isinstance(held, (Fp8Weight, BlockWeight)) else held
 
     def dtype_of(self, name: str = "weight") -> torch.dtype:
-        """The dtype the parameter computes in (an adapter beside a kept FP8 weight is made in it)."""
+        """The dtype the parameter computes in (an adapter beside a kept FP8 weight is made in
+        it)."""
         if name in self.ggml:
             return self.ggml[name][2]
         return self.fp8[name][2] if name in self.fp8 else getattr(self, name).dtype
 
 
 def fused_runs(root: nn.Module) -> list[list[nn.Parameter]]:
-    """Every run of parameters a FusedColumns joins (FusedColumns.runs), for the loader to lay out together."""
-    return [run for module in root.modules() if isinstance(module, FusedColumns) for run in module.runs()]
+    """Every run of parameters a FusedColumns joins (FusedColumns.runs), for the loader to lay out
+    together."""
+    return [
+        run
+        for module in root.modules()
+        if isinstance(module, FusedColumns)
+        for run in module.runs()
+    ]
 
 
 def module_shards(root: nn.Module) -> dict[str, Shard]:
-    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's ShardedModules.
-    A parameter tied to another (tie_parameters) is listed once, under its first name, as named_parameters
+    """Every parameter's name (as root.named_parameters() names it) and Shard, over root's
+    ShardedModules.
+    A parameter tied to another (tie_parameters) is listed once, under its first name, as
+    named_parameters
     lists it."""
     out: dict[str, Shard] = {}
     seen: set[int] = set()
@@ -102,8 +130,10 @@ def module_shards(root: nn.Module) -> dict[str, Shard]:
 
 
 def tie_parameters(module: nn.Module, owner: nn.Module) -> None:
-    """Make every parameter of `module` the very tensor of the same name in `owner`, a module built alike
-    (Zamba2's shared transformer block, one set of weights used by several layers): read once, held once."""
+    """Make every parameter of `module` the very tensor of the same name in `owner`, a module built
+    alike
+    (Zamba2's shared transformer block, one set of weights used by several layers): read once, held
+    once."""
     mine, theirs = dict(module.named_modules()), dict(owner.named_modules())
     for name, sub in mine.items():
         if isinstance(sub, ShardedModule):
@@ -113,7 +143,8 @@ def tie_parameters(module: nn.Module, owner: nn.Module) -> None:
 
 def tied_parameters(root: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
     """(module, attribute, its own name, the name it is first listed under) of every tied copy of a
-    parameter, so a loader can drop the copies before allocating and put the filled tensor back after."""
+    parameter, so a loader can drop the copies before allocating and put the filled tensor back
+    after."""
     first: dict[int, str] = {}
     copies = []
     for prefix, module in root.named_modules():
@@ -129,17 +160,21 @@ def tied_parameters(root: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
 
 
 class LowRank:
-    """An attached adapter: (x @ a^T) @ b^T * scale added to a projection's output, this rank's share."""
+    """An attached adapter: (x @ a^T) @ b^T * scale added to a projection's output, this rank's
+    share."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float):
         self.a, self.b, self.scale = a, b, scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x -> rank -> outputs, as PEFT computes it: the dense outputs x inputs product is never built
+        # x -> rank -> outputs, as PEFT computes it: the dense outputs x inputs product is never
+        # built
         return F.linear(F.linear(x, self.a), self.b) * self.scale
 
 
-def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+def low_rank_share(
+    a: torch.Tensor, b: torch.Tensor, shard: Shard
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's adapter factors for a projection holding `shard` of its weight."""
     if shard.dim == 0:  # output rows split: B's rows follow them, A is whole
         b = torch.cat([b[s:e] for s, e in shard.ranges])
@@ -148,16 +183,22 @@ def low_rank_share(a: torch.Tensor, b: torch.Tensor, shard: Shard) -> tuple[torc
     return a.contiguous(), b.contiguous()
 
 
-# A product of few rows (decode) with an f32 weight on a CPU runs as one batched product over as many row
-# blocks of the weight as there are threads: MKL's matrix-vector kernel on a non-Intel AVX2 CPU streams the
-# weight at about half the bandwidth the same product reaches split into a batch whose items run on separate
-# cores (bench/decode.py measures it; bf16 weights already reach oneDNN's kernel and are left to F.linear).
+# A product of few rows (decode) with an f32 weight on a CPU runs as one batched product over as
+# many row
+# blocks of the weight as there are threads: MKL's matrix-vector kernel on a non-Intel AVX2 CPU
+# streams the
+# weight at about half the bandwidth the same product reaches split into a batch whose items run on
+# separate
+# cores (bench/decode.py measures it; bf16 weights already reach oneDNN's kernel and are left to
+# F.linear).
 # Where oneDNN is built in, products of ONEDNN_ROWS_MIN rows or more go to it first (below).
 SPLIT_ROWS_MAX = 64
 
 
-# f32 products of 8 rows or more on a CPU go to oneDNN's matmul, which takes the weight as it is stored: on an
-# AMD AVX-512 CPU it ran 1.6x MKL's at 8 rows and 1.4x at 256 (SmolLM2's shapes, bench/decode.py); F.linear
+# f32 products of 8 rows or more on a CPU go to oneDNN's matmul, which takes the weight as it is
+# stored: on an
+# AMD AVX-512 CPU it ran 1.6x MKL's at 8 rows and 1.4x at 256 (SmolLM2's shapes, bench/decode.py);
+# F.linear
 # reaches MKL there, whose kernels for non-Intel CPUs are slower.
 ONEDNN_ROWS_MIN = 8
 ONEDNN_F32 = torch.backends.mkldnn.is_available()
@@ -165,21 +206,34 @@ ONEDNN_F32 = torch.backends.mkldnn.is_available()
 
 @torch.library.custom_op("ster_dist::cpu_linear", mutates_args=())
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # an operator of our own, so a compiled step calls the kernels as they are: inductor lowers mkldnn's op only
-    # for weights frozen into the graph, and a layer's weights are the graph's inputs (model/compiled.py).
-    # Its body runs on the real weight in either case, so it finds the weight's packed copy (parallel/packed.py).
+    # an operator of our own, so a compiled step calls the kernels as they are: inductor lowers
+    # mkldnn's op only
+    # for weights frozen into the graph, and a layer's weights are the graph's inputs
+    # (model/compiled.py).
+    # Its body runs on the real weight in either case, so it finds the weight's packed copy
+    # (parallel/packed.py).
     held = packed.lookup(weight)
     if held is not None and held.panels:
         return torch.ops.ster_kernels.panel_product(x, held.tensor, bias, weight.shape[0])
-    if held is not None and held.widened:  # bf16 on a CPU without bf16 products: in f32 over the f32 copy
-        wide = torch.ops.mkldnn._linear_pointwise(x.float(), held.tensor, None if bias is None else bias.float(),
-                                                  "none", [], "")
+    # bf16 on a CPU without bf16 products: in f32 over the f32 copy
+    if held is not None and held.widened:
+        wide = torch.ops.mkldnn._linear_pointwise(
+            x.float(), held.tensor, None if bias is None else bias.float(), "none", [], ""
+        )
         return wide.to(x.dtype)
     if held is None and x.dtype != torch.float32 and not NATIVE_HALF_PRODUCTS:
-        return _upcast(x, weight, bias)  # a weight not packed (the body is eager: its product is dense()'s)
-    if held is None and x.numel() <= kernels.FEW_ROWS_MAX * x.shape[-1] and _few_rows_fit(x, weight, bias):
-        return torch.ops.ster_kernels.few_rows(x, weight, bias)  # a weight not packed: as dense() would
-    return torch.ops.mkldnn._linear_pointwise(x, weight if held is None else held.tensor, bias, "none", [], "")
+        # a weight not packed (the body is eager: its product is dense()'s)
+        return _upcast(x, weight, bias)
+    if (
+        held is None
+        and x.numel() <= kernels.FEW_ROWS_MAX * x.shape[-1]
+        and _few_rows_fit(x, weight, bias)
+    ):
+        # a weight not packed: as dense() would
+        return torch.ops.ster_kernels.few_rows(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(
+        x, weight if held is None else held.tensor, bias, "none", [], ""
+    )
 
 
 @cpu_linear.register_fake
@@ -206,88 +260,154 @@ def _onednn_backward(ctx, grad: torch.Tensor):
 cpu_linear.register_autograd(_onednn_backward, setup_context=_keep_for_backward)
 
 
-# bf16 / f16 products of many rows (prefill) on a CPU whose instructions lack a native bf16 product (AVX2 and
-# below: oneDNN's bf16 kernels need AVX-512 or AVX-NE-CONVERT) run in f32 over an upcast copy of the weight, a
-# block of rows at a time: torch's fallback bf16 kernel there reads a 256-token prompt about 5x slower than f32.
+# bf16 / f16 products of many rows (prefill) on a CPU whose instructions lack a native bf16 product
+# (AVX2 and
+# below: oneDNN's bf16 kernels need AVX-512 or AVX-NE-CONVERT) run in f32 over an upcast copy of the
+# weight, a
+# block of rows at a time: torch's fallback bf16 kernel there reads a 256-token prompt about 5x
+# slower than f32.
 # The products are exact in f32 either way; only the rounding of the sums' order differs.
-UPCAST_ROWS_MIN = kernels.FEW_ROWS_MAX + 1  # (9-15 rows through torch's bf16 kernel: 1.7x slower than upcast)
+# (9-15 rows through torch's bf16 kernel: 1.7x slower than upcast)
+UPCAST_ROWS_MIN = kernels.FEW_ROWS_MAX + 1
 UPCAST_BLOCK = 1 << 22  # weight elements upcast at once (16 MiB of f32): the copy stays in cache
 NATIVE_HALF_PRODUCTS = packed.NATIVE_HALF_PRODUCTS
 
 
-_blockwise_failed: set[str] = set()  # devices whose blockwise scaled_mm refused once: dequantize there after
+# devices whose blockwise scaled_mm refused once: dequantize there after
+_blockwise_failed: set[str] = set()
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | BlockWeight,
-          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) through the kernel that streams W fastest for x's shape; a kept FP8 W through blockwise
-    scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py); kept GGML
+def dense(
+    x: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight | BlockWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W^T (+ b) through the kernel that streams W fastest for x's shape; a kept FP8 W through
+    blockwise
+    scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py);
+    kept GGML
     blocks through their own kernel (parallel/ggml.py)."""
     if isinstance(weight, BlockWeight):
         return block_product(x, weight, bias)
     if isinstance(weight, Fp8Weight):
-        if (y := triton_product(x, weight, bias)) is not None:  # --kernels triton (parallel/triton_fp8.py)
+        # --kernels triton (parallel/triton_fp8.py)
+        if (y := triton_product(x, weight, bias)) is not None:
             return y
         where = str(x.device)
         if where not in _blockwise_failed and blockwise_ok(x, weight):
             try:
                 return scaled_product(x, weight, bias)
-            except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:  # no such kernel: say so once
+            # no such kernel: say so once
+            except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:
                 _blockwise_failed.add(where)
-                progress(f"blockwise FP8 scaled_mm is not available on {where} ({str(error).splitlines()[0]}); "
-                         "FP8 weights are dequantized per product there")
+                progress(
+                    f"blockwise FP8 scaled_mm is not available on {where} ({str(error).splitlines()[0]}); "
+                    "FP8 weights are dequantized per product there"
+                )
         weight = weight.dequantize()  # to its compute dtype, as a dequantizing load holds it
     inner = x.shape[-1]
     rows = x.numel() // inner if inner else 0
     if rows and packed.active() and kernels.panels(weight.dtype) and _few_rows_fit(x, weight, bias):
-        return torch.ops.ster_kernels.packed_product(x, weight, bias)  # its panels, where the engine made them
-    if (rows >= packed.ROWS_MIN and packed.active() and x.device.type == "cpu" and x.dtype == weight.dtype
-            and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2 and weight.is_contiguous()
-            and (bias is None or bias.dtype == x.dtype)):
-        if kernels.ready() and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            # its packed copy, where the engine made one, found in C++: through cpu_linear's Python body the
+        # its panels, where the engine made them
+        return torch.ops.ster_kernels.packed_product(x, weight, bias)
+    if (
+        rows >= packed.ROWS_MIN
+        and packed.active()
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and (bias is None or bias.dtype == x.dtype)
+    ):
+        if kernels.ready() and not (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        ):
+            # its packed copy, where the engine made one, found in C++: through cpu_linear's Python
+            # body the
             # lookup cost 10% of a 12- or 32-row step's products on an AVX2 CPU (bench/products.py)
             return torch.ops.ster_kernels.packed_product(x, weight, bias)
         return torch.ops.ster_dist.cpu_linear(x, weight, bias)  # the same, with a backward
-    if (rows >= UPCAST_ROWS_MIN and not NATIVE_HALF_PRODUCTS and x.device.type == "cpu"
-            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype and inner):
+    if (
+        rows >= UPCAST_ROWS_MIN
+        and not NATIVE_HALF_PRODUCTS
+        and x.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+        and inner
+    ):
         return _upcast(x, weight, bias)
     if 0 < rows <= kernels.FEW_ROWS_MAX and _few_rows_fit(x, weight, bias):
         return torch.ops.ster_kernels.few_rows(x, weight, bias)
-    if (rows == 1 and torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == weight.dtype
-            and weight.dtype in (torch.bfloat16, torch.float16)):
+    if (
+        rows == 1
+        and torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.bfloat16, torch.float16)
+    ):
         return _one_row_widening(x, weight, bias)
-    if (rows >= ONEDNN_ROWS_MIN and ONEDNN_F32 and weight.dtype == torch.float32 and x.dtype == torch.float32
-            and x.device.type == "cpu" and weight.is_contiguous()):
+    if (
+        rows >= ONEDNN_ROWS_MIN
+        and ONEDNN_F32
+        and weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.is_contiguous()
+    ):
         return torch.ops.ster_dist.cpu_linear(x, weight, bias)
     parts = _threads()
-    if (0 < rows <= SPLIT_ROWS_MAX and parts > 1 and weight.dtype == torch.float32 and x.dtype == torch.float32
-            and x.device.type == "cpu" and weight.shape[0] % parts == 0 and weight.is_contiguous()):
+    if (
+        0 < rows <= SPLIT_ROWS_MAX
+        and parts > 1
+        and weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.shape[0] % parts == 0
+        and weight.is_contiguous()
+    ):
         out = weight.shape[0]
-        y = torch.bmm(weight.view(parts, out // parts, inner), x.reshape(rows, inner).t().expand(parts, inner, rows))
+        y = torch.bmm(
+            weight.view(parts, out // parts, inner),
+            x.reshape(rows, inner).t().expand(parts, inner, rows),
+        )
         y = y.view(out, rows).t().reshape(*x.shape[:-1], out)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
 def _few_rows_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and weight.dtype in (torch.float32, torch.bfloat16)
-            and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
-            and not (x.requires_grad or weight.requires_grad) and kernels.ready())
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+        and (bias is None or bias.dtype == x.dtype)
+        and not (x.requires_grad or weight.requires_grad)
+        and kernels.ready()
+    )
 
 
 @torch._dynamo.assume_constant_result
 def _threads() -> int:
-    # a constant to a compiled step (model/compiled.py): its graph is built for the thread count it was traced at
+    # a constant to a compiled step (model/compiled.py): its graph is built for the thread count it
+    # was traced at
     return torch.get_num_threads()
 
 
-def _one_row_widening(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # A bf16 / f16 product of one row inside a compiled step: traced, this is inductor's own loop over the
-    # weight's rows, widening each to f32 as it reads it, fused with the norm before and the activation after.
-    # At one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer in a profile) and
-    # reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for this loop (a SmolLM2 bf16 decode step,
-    # its head still through oneDNN: 49-52 -> 25-29 ms). Eagerly it would build the whole widened product, so
+def _one_row_widening(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # A bf16 / f16 product of one row inside a compiled step: traced, this is inductor's own loop
+    # over the
+    # weight's rows, widening each to f32 as it reads it, fused with the norm before and the
+    # activation after.
+    # At one row oneDNN repacks the weight on every call (brgemm's copy_b_chunk_in_buffer in a
+    # profile) and
+    # reads it at 8-11 GB/s on an AVX-512 CPU, against 17-20 GB/s for this loop (a SmolLM2 bf16
+    # decode step,
+    # its head still through oneDNN: 49-52 -> 25-29 ms). Eagerly it would build the whole widened
+    # product, so
     # eager steps keep F.linear.
     y = (weight.float() * x.reshape(1, x.shape[-1]).float()).sum(-1)
     if bias is not None:
@@ -298,18 +418,25 @@ def _one_row_widening(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def _upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     wide = x.float()
     step = max(1, UPCAST_BLOCK // inner) if (inner := weight.shape[1]) else weight.shape[0]
-    parts = [dense(wide, weight[i:i + step].float(), None if bias is None else bias[i:i + step].float())
-             for i in range(0, weight.shape[0], step)]
+    parts = [
+        dense(
+            wide, weight[i : i + step].float(), None if bias is None else bias[i : i + step].float()
+        )
+        for i in range(0, weight.shape[0], step)
+    ]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
 
 class ColumnLinear(ShardedModule):
-    """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global rows)."""
+    """y = x W^T (+ b) with W's output rows split: this rank holds `rows` (ranges of global
+    rows)."""
 
     fp8_params = ("weight",)
     ggml_params = ("weight",)
 
-    def __init__(self, in_features: int, out_features: int, rows: tuple[tuple[int, int], ...], bias: bool):
+    def __init__(
+        self, in_features: int, out_features: int, rows: tuple[tuple[int, int], ...], bias: bool
+    ):
         super().__init__()
         self._param("weight", Shard((out_features, in_features), 0, rows))
         if bias:
@@ -326,26 +453,38 @@ class ColumnLinear(ShardedModule):
 
 
 def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors concatenated along their first dimension: a view where they already lie back to back in
+    """The tensors concatenated along their first dimension: a view where they already lie back to
+    back in
     one storage (the loader's arena lays fused parts out so), a copy otherwise."""
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
-        if not (t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
-                and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                and t.storage_offset() == offset):
+        if not (
+            t.is_contiguous()
+            and t.dtype == first.dtype
+            and t.shape[1:] == first.shape[1:]
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and t.storage_offset() == offset
+        ):
             return torch.cat(tensors)
         offset += t.numel()
     shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
-    return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+    return first.as_strided(
+        shape, torch.empty(shape, device="meta").stride(), first.storage_offset()
+    )
 
 
 class FusedColumns(nn.Module):
-    """Column-parallel projections of one input (q, k, v; gate, up) as one product over a weight holding
-    their rows one part after another. Each part keeps its own parameters as views of the fused ones,
-    so the loader, the name map, adapters and capture still see the parts; before fuse() (a model on the
-    meta device, or one being filled) each part runs alone. Parts kept in FP8 stay unfused: each runs its
-    own product through its own scales (rows of parts concatenate, but their scale groups would line up
+    """Column-parallel projections of one input (q, k, v; gate, up) as one product over a weight
+    holding
+    their rows one part after another. Each part keeps its own parameters as views of the fused
+    ones,
+    so the loader, the name map, adapters and capture still see the parts; before fuse() (a model on
+    the
+    meta device, or one being filled) each part runs alone. Parts kept in FP8 stay unfused: each
+    runs its
+    own product through its own scales (rows of parts concatenate, but their scale groups would line
+    up
     only where every part's rows are whole blocks)."""
 
     def __init__(self, *parts: ColumnLinear | None):
@@ -354,19 +493,25 @@ class FusedColumns(nn.Module):
         self.register_buffer("weight", None, persistent=False)
         self.register_buffer("bias", None, persistent=False)
         self.sizes: list[int] = []
-        self.ggml: tuple[str, int, torch.dtype] | None = None  # the parts' kept blocks: (kind, columns, dtype)
+        # the parts' kept blocks: (kind, columns, dtype)
+        self.ggml: tuple[str, int, torch.dtype] | None = None
 
     def runs(self) -> list[list[nn.Parameter]]:
-        """The parameters fuse() joins, each list in order: laid out back to back (shard/arena.py), they join
+        """The parameters fuse() joins, each list in order: laid out back to back (shard/arena.py),
+        they join
         as a view rather than a copy."""
         parts = [p for p in self.parts if p is not None]
         if len(parts) < 2:
             return []
-        return [[p.weight for p in parts]] + ([[p.bias for p in parts]] if parts[0].bias is not None else [])
+        return [[p.weight for p in parts]] + (
+            [[p.bias for p in parts]] if parts[0].bias is not None else []
+        )
 
     def fuse(self, done: dict | None = None) -> None:
-        """Put the parts' weights (and biases) into one tensor and make each part's a view of it. `done`
-        maps parts already fused elsewhere (a block several layers share, tie_parameters) to their fused
+        """Put the parts' weights (and biases) into one tensor and make each part's a view of it.
+        `done`
+        maps parts already fused elsewhere (a block several layers share, tie_parameters) to their
+        fused
         module, whose tensors this one then shares: tied parts stay one tensor."""
         parts = [p for p in self.parts if p is not None]
         if self.weight is not None or len(parts) < 2 or any(p.weight.is_meta for p in parts):
@@ -376,13 +521,19 @@ class FusedColumns(nn.Module):
         if any(p.fp8 for p in parts):
             return
         kept = {p.ggml.get("weight") for p in parts}
-        if len(kept) > 1:  # blocks of one kind and width join as rows do; anything else runs part by part
+        # blocks of one kind and width join as rows do; anything else runs part by part
+        if len(kept) > 1:
             return
         self.ggml = next(iter(kept))
         key = tuple(id(p.weight) for p in parts)
         if done is not None and key in done:
             donor = done[key]
-            self.sizes, self.weight, self.bias, self.ggml = donor.sizes, donor.weight, donor.bias, donor.ggml
+            self.sizes, self.weight, self.bias, self.ggml = (
+                donor.sizes,
+                donor.weight,
+                donor.bias,
+                donor.ggml,
+            )
             for part, twin in zip(parts, [p for p in donor.parts if p is not None]):
                 part.weight, part.bias = twin.weight, twin.bias
             return
@@ -416,13 +567,20 @@ class FusedColumns(nn.Module):
 
 
 class RowLinear(ShardedModule):
-    """y = all_reduce(x_local W_local^T) + b with W's input columns split; the bias is added once."""
+    """y = all_reduce(x_local W_local^T) + b with W's input columns split; the bias is added
+    once."""
 
     fp8_params = ("weight",)
     ggml_params = ("weight",)
 
-    def __init__(self, in_features: int, out_features: int, ctx: ParallelCtx, bias: bool,
-                 cols: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ctx: ParallelCtx,
+        bias: bool,
+        cols: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.ctx = ctx
         cols = cols or ctx.split(in_features)
@@ -442,7 +600,8 @@ class RowLinear(ShardedModule):
 
 
 class VocabEmbedding(ShardedModule):
-    """Embedding rows split over ranks (vocab padded to a multiple of tp); lookups all-reduced. Kept in GGML
+    """Embedding rows split over ranks (vocab padded to a multiple of tp); lookups all-reduced. Kept
+    in GGML
     blocks, the rows looked up are dequantized (and no others)."""
 
     ggml_params = ("weight",)
@@ -451,7 +610,9 @@ class VocabEmbedding(ShardedModule):
         super().__init__()
         self.ctx = ctx
         self.start, self.stop, padded = ctx.vocab(vocab_size)
-        self._param("weight", Shard((vocab_size, dim), 0, ((self.start, self.stop),), pad_to=padded))
+        self._param(
+            "weight", Shard((vocab_size, dim), 0, ((self.start, self.stop),), pad_to=padded)
+        )
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.matrix().lookup(ids) if "weight" in self.ggml else F.embedding(ids, self.weight)
@@ -474,11 +635,14 @@ class VocabHead(ShardedModule):
 
     ggml_params = ("weight",)
 
-    def __init__(self, vocab_size: int, dim: int, ctx: ParallelCtx, bias: bool, tied: VocabEmbedding | None):
+    def __init__(
+        self, vocab_size: int, dim: int, ctx: ParallelCtx, bias: bool, tied: VocabEmbedding | None
+    ):
         super().__init__()
         self.ctx = ctx
         self.vocab_size = vocab_size
-        self.tied = [tied] if tied is not None else None  # a list, so the embedding is not registered twice
+        # a list, so the embedding is not registered twice
+        self.tied = [tied] if tied is not None else None
         self.product = dense  # a compiled model's head replaces it (model/compiled.py)
         start, stop, padded = ctx.vocab(vocab_size)
         if tied is None:
@@ -504,11 +668,19 @@ class Replicated(ShardedModule):
 
 
 def product_weights(root: nn.Module) -> list[torch.Tensor]:
-    """The weights `dense` multiplies by in root's projections, each once, as dense is handed them: a fused
-    group's joined weight (its parts then run no product of their own), every other column- or row-parallel
-    weight, the head's (the embedding's, where tied). Kept FP8 weights and GGML blocks are not among them."""
-    fused = {id(p) for m in root.modules() if isinstance(m, FusedColumns) and m.weight is not None
-             for p in m.parts if p is not None}
+    """The weights `dense` multiplies by in root's projections, each once, as dense is handed them:
+    a fused
+    group's joined weight (its parts then run no product of their own), every other column- or
+    row-parallel
+    weight, the head's (the embedding's, where tied). Kept FP8 weights and GGML blocks are not among
+    them."""
+    fused = {
+        id(p)
+        for m in root.modules()
+        if isinstance(m, FusedColumns) and m.weight is not None
+        for p in m.parts
+        if p is not None
+    }
     found: dict[int, torch.Tensor] = {}
     for module in root.modules():
         if isinstance(module, FusedColumns) and module.weight is not None:

@@ -1,7 +1,8 @@
 """Pipeline stages: which contiguous layers each of --pp stages holds, balanced by parameter bytes.
 
 The first stage also holds the embedding, the last the final norm and the head (the embedding again
-when the head is tied to it), so those count in the balance. Each stage reads only its layers' tensors;
+when the head is tied to it), so those count in the balance. Each stage reads only its layers'
+tensors;
 activations pass stage to stage point to point (ParallelCtx.send_next / recv_prev). The decoder
 (model/decoder.py stage_layers) measures its layers and asks stage_bounds for its share.
 
@@ -23,8 +24,10 @@ def pipeline_refusal(cfg, pp: int) -> str | None:
     reasons = (
         (cfg.loop_layers or cfg.loop_schedule, "runs its stored layers more than once"),
         (cfg.block_skips, "keeps hidden states across layers (block skip connections)"),
-        (any(cfg.mixer(i).endswith("shared_block") for i in range(cfg.num_layers)),
-         "shares blocks between layers that read the embedding"),
+        (
+            any(cfg.mixer(i).endswith("shared_block") for i in range(cfg.num_layers)),
+            "shares blocks between layers that read the embedding",
+        ),
         (cfg.altup is not None, "carries AltUp's copies of the hidden state and per-layer inputs"),
         (any(s is not None for s in cfg.layer_kv_source), "reuses earlier layers' keys and values"),
         (cfg.per_layer_input, "feeds every layer per-layer inputs made from the tokens"),
@@ -33,8 +36,10 @@ def pipeline_refusal(cfg, pp: int) -> str | None:
     )
     for applies, why in reasons:
         if applies:
-            return (f"{cfg.family} {why}, so its layers cannot be split into pipeline stages; "
-                    "use --tp (and --ep) without --pp")
+            return (
+                f"{cfg.family} {why}, so its layers cannot be split into pipeline stages; "
+                "use --tp (and --ep) without --pp"
+            )
     return None
 
 
@@ -44,8 +49,11 @@ def check_pipeline(cfg, pp: int) -> None:
         raise Refusal(refusal)
 
 
-def stage_bounds(layer_sizes: list[int], first_extra: int, last_extra: int, pp: int) -> list[tuple[int, int]]:
-    """[start, end) of each stage's layers: contiguous, every stage at least one layer, the largest stage
+def stage_bounds(
+    layer_sizes: list[int], first_extra: int, last_extra: int, pp: int
+) -> list[tuple[int, int]]:
+    """[start, end) of each stage's layers: contiguous, every stage at least one layer, the largest
+    stage
     (its layers plus the first stage's embedding or the last one's head) as small as it can be."""
     n = len(layer_sizes)
     if not 1 <= pp <= n:
@@ -55,9 +63,15 @@ def stage_bounds(layer_sizes: list[int], first_extra: int, last_extra: int, pp: 
         prefix.append(prefix[-1] + size)
 
     def cost(stage: int, a: int, b: int) -> int:
-        return prefix[b] - prefix[a] + (first_extra if stage == 0 else 0) + (last_extra if stage == pp - 1 else 0)
+        return (
+            prefix[b]
+            - prefix[a]
+            + (first_extra if stage == 0 else 0)
+            + (last_extra if stage == pp - 1 else 0)
+        )
 
-    # best[s][e]: the smallest largest-stage cost of the first e layers as s + 1 stages; exact, O(pp * n^2)
+    # best[s][e]: the smallest largest-stage cost of the first e layers as s + 1 stages; exact, O(pp
+    # * n^2)
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(pp)]
     cut = [[0] * (n + 1) for _ in range(pp)]

@@ -46,11 +46,14 @@ class Request(BaseModel):
     """What one operation takes. Subclasses set `kind` (the job kind, or None for a command that is
     not a job), `command` (its words on the command line) and `summary` (its one-line help)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", strict=True, validate_default=False, populate_by_name=True
+    )
 
     kind: ClassVar[str | None] = None
     command: ClassVar[tuple[str, ...]] = ()
-    # Ster's own top-level name for the command, where ster_dist files it under a group (`ster train` for
+    # Ster's own top-level name for the command, where ster_dist files it under a group (`ster
+    # train` for
     # `ster steer train`): the command line takes both, and Ster's serve API names its endpoint so
     ster_name: ClassVar[str | None] = None
     # Ster 0.14's words for it (`vector train` for `steer train`, `tune merge` for `merge`): another
@@ -72,10 +75,22 @@ class Request(BaseModel):
         return self.model_dump(include=self.model_fields_set, mode="json", by_alias=True)
 
     @classmethod
-    def parse(cls, data: dict, *, cli: bool = False, queued: bool = False, check_model: bool = True,
-              written: dict[str, str] | None = None) -> Request:
+    def parse(
+        cls,
+        data: dict,
+        *,
+        cli: bool = False,
+        queued: bool = False,
+        check_model: bool = True,
+        written: dict[str, str] | None = None,
+    ) -> Request:
         """The request, or a one-line Refusal naming the field at fault (as `written` spells it)."""
-        context = {"cli": cli, "queued": queued, "check_model": check_model, "written": written or {}}
+        context = {
+            "cli": cli,
+            "queued": queued,
+            "check_model": check_model,
+            "written": written or {},
+        }
         try:
             request = cls.model_validate(data, context=context)
         except ValidationError as exc:
@@ -85,13 +100,16 @@ class Request(BaseModel):
 
 
 def cli_meta(**meta) -> dict:
-    """Field metadata for the command line: positional=True, metavar=..., hidden=True (spec only)."""
+    """Field metadata for the command line: positional=True, metavar=..., hidden=True (spec
+    only)."""
     return {"cli": meta}
 
 
 def field(default: Any = ..., help: str = "", **kwargs) -> Any:  # noqa: A002 (the help text)
     extra = kwargs.pop("cli", None)
-    return Field(default, description=help, json_schema_extra=cli_meta(**extra) if extra else None, **kwargs)
+    return Field(
+        default, description=help, json_schema_extra=cli_meta(**extra) if extra else None, **kwargs
+    )
 
 
 _PHRASES = {
@@ -109,7 +127,9 @@ _PHRASES = {
 }
 
 
-def explain(cls: type[Request], exc: ValidationError, cli: bool, written: dict[str, str] | None = None) -> str:
+def explain(
+    cls: type[Request], exc: ValidationError, cli: bool, written: dict[str, str] | None = None
+) -> str:
     """The first error of a validation, in one line naming its field and what it got."""
     error = exc.errors(include_url=False)[0]
     loc = [part for part in error["loc"] if not isinstance(part, int)]
@@ -118,16 +138,23 @@ def explain(cls: type[Request], exc: ValidationError, cli: bool, written: dict[s
     if kind == "missing":
         if cli:
             return f"{where} is required"
-        return f"a {cls.kind or cls.command[0]} job spec is missing the required field {loc[-1]!r}" \
-            if len(loc) == 1 else f"{where} is missing"
+        return (
+            f"a {cls.kind or cls.command[0]} job spec is missing the required field {loc[-1]!r}"
+            if len(loc) == 1
+            else f"{where} is missing"
+        )
     if kind == "extra_forbidden":
         known = ", ".join(sorted(n for n in cls.model_fields if n not in cls.submitter_fields))
         return f"unknown field {loc[-1]!r} for {cls.kind} jobs; known fields: {known}"
     if kind == "literal_error":
         return f"{where} must be one of {ctx.get('expected', '').replace(' or ', ', ')}, got {shown(got)}"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        bound = {"greater_than_equal": "zero or more" if ctx.get("ge") == 0 else "{ge} or more", "greater_than": "more than {gt}",
-                 "less_than_equal": "at most {le}", "less_than": "less than {lt}"}[kind].format(**ctx)
+        bound = {
+            "greater_than_equal": "zero or more" if ctx.get("ge") == 0 else "{ge} or more",
+            "greater_than": "more than {gt}",
+            "less_than_equal": "at most {le}",
+            "less_than": "less than {lt}",
+        }[kind].format(**ctx)
         return f"{where} must be {bound}, got {shown(got)}"
     if kind == "value_error":
         return f"{where}: {str(ctx.get('error', error['msg']))}"
@@ -144,8 +171,16 @@ def _where(loc: tuple, cli: bool, written: dict[str, str] | None = None) -> str:
 
 
 def kind_of_value(value) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a mapping", type(None): "null", bytes: "bytes"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+        type(None): "null",
+        bytes: "bytes",
+    }.get(type(value), type(value).__name__)
 
 
 def shown(value) -> str:

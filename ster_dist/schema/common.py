@@ -23,7 +23,9 @@ Weights = Literal["dequantize", "fp8", "blocks"]
 
 class ModelRef(Request):
     model: str = field(help="a local model directory or a Hugging Face Hub id")
-    revision: str | None = field(None, help="Hub revision (default main); metadata only for a directory")
+    revision: str | None = field(
+        None, help="Hub revision (default main); metadata only for a directory"
+    )
 
     @field_validator("model")
     @classmethod
@@ -36,27 +38,53 @@ class ModelRef(Request):
 class Runtime(ModelRef):
     """Where and how the model runs: the worker group a request needs (the job queue's pool key)."""
 
-    submitter_fields = {"address": "give the cluster to `ster submit --address` or Engine(address=...), "
-                                   "not to a job"}
+    submitter_fields = {
+        "address": "give the cluster to `ster submit --address` or Engine(address=...), "
+        "not to a job"
+    }
 
     precision: Precision = field("f32", help="the dtype weights are held and multiplied in")
     device: Device = field("cpu", help="cpu or cuda")
-    weights: Weights = field("dequantize", help="an FP8 checkpoint's weights: dequantize (to --precision, while "
-                             "loading) or fp8 (kept as stored, with their block scales, and multiplied through them); "
-                             "blocks: a .gguf's Q8_0/Q4_0/Q4_1 weights kept in their blocks on the CPU")
+    weights: Weights = field(
+        "dequantize",
+        help="an FP8 checkpoint's weights: dequantize (to --precision, while "
+        "loading) or fp8 (kept as stored, with their block scales, and multiplied through them); "
+        "blocks: a .gguf's Q8_0/Q4_0/Q4_1 weights kept in their blocks on the CPU",
+    )
     tp: int = field(1, ge=1, help="tensor-parallel ranks (Ray actors when above 1)")
-    ep: int = field(1, ge=1, help="expert-parallel ranks for mixture-of-experts models (tp x ep ranks in all)")
-    pp: int = field(1, ge=1, help="pipeline-parallel stages, each holding a contiguous share of the layers "
-                    "balanced by parameter bytes (tp x ep x pp ranks in all)")
-    address: str | None = field(None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)")
+    ep: int = field(
+        1, ge=1, help="expert-parallel ranks for mixture-of-experts models (tp x ep ranks in all)"
+    )
+    pp: int = field(
+        1,
+        ge=1,
+        help="pipeline-parallel stages, each holding a contiguous share of the layers "
+        "balanced by parameter bytes (tp x ep x pp ranks in all)",
+    )
+    address: str | None = field(
+        None, help="an existing Ray cluster (else RAY_ADDRESS, else a local one)"
+    )
 
     def group_key(self) -> tuple:
-        return (self.model, self.revision, self.precision, self.device, self.tp, self.ep, self.weights, self.pp)
+        return (
+            self.model,
+            self.revision,
+            self.precision,
+            self.device,
+            self.tp,
+            self.ep,
+            self.weights,
+            self.pp,
+        )
 
 
 def layers_text(value) -> str:
     """A --layers value as its text: a spec may give a list of indexes or one index."""
-    if isinstance(value, list) and value and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value)
+    ):
         return ",".join(map(str, value))
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
@@ -77,7 +105,11 @@ def check_layer_text(request: Request, name: str, info: ValidationInfo | None) -
     except Refusal as refusal:
         raise Refusal(f"{where}: {refusal}") from None
     model = getattr(request, "model", None)
-    if not context_of(info, "check_model", True) or not isinstance(model, str) or not Path(model).is_dir():
+    if (
+        not context_of(info, "check_model", True)
+        or not isinstance(model, str)
+        or not Path(model).is_dir()
+    ):
         return
     try:
         count = local_layer_count(model, getattr(request, "revision", None))
@@ -101,8 +133,10 @@ def no_stdin(request: Request, names: tuple[str, ...], info: ValidationInfo | No
         return
     for name in names:
         if getattr(request, name, None) == "-":
-            raise Refusal(f"{label_in(info, name)} is '-' (standard input), which a queued job does not have; "
-                          "give a file")
+            raise Refusal(
+                f"{label_in(info, name)} is '-' (standard input), which a queued job does not have; "
+                "give a file"
+            )
 
 
 class LayersMixin(Request):
@@ -120,8 +154,13 @@ class LayersMixin(Request):
 
 
 def chat_template_field():
-    return field("auto", help="render prompts through the model's chat template: auto (when it has one), on, off")
+    return field(
+        "auto",
+        help="render prompts through the model's chat template: auto (when it has one), on, off",
+    )
 
 
-def adapter_field(help_text: str = "a LoRA adapter (PEFT directory or Ster .safetensors) applied unmerged"):
+def adapter_field(
+    help_text: str = "a LoRA adapter (PEFT directory or Ster .safetensors) applied unmerged",
+):
     return field(None, help=help_text)

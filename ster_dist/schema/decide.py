@@ -21,13 +21,17 @@ class DecideRequest(Runtime):
 
     request: str = field(help="the request JSON file, or - for standard input")
     chat_template: ChatTemplate = chat_template_field()
-    permutations: int = field(0, ge=0, help="option orders per question: 0 shows every option under every "
-                                            "letter; 1 is one pass")
+    permutations: int = field(
+        0,
+        ge=0,
+        help="option orders per question: 0 shows every option under every letter; 1 is one pass",
+    )
     explain: bool = field(False, help="add each order's letters and probabilities")
     output: str | None = field(None, help="also write the response to this file")
     adapter: str | None = adapter_field()
-    calibration: str | None = field(None, help="a ster-calibration/1 file (ster calibrate): probabilities at its "
-                                               "temperature")
+    calibration: str | None = field(
+        None, help="a ster-calibration/1 file (ster calibrate): probabilities at its temperature"
+    )
 
     @model_validator(mode="after")
     def _files(self, info: ValidationInfo):

@@ -1,4 +1,5 @@
-"""merge: fold a LoRA adapter into a base checkpoint; a batch of merges fanned out over a cluster."""
+"""merge: fold a LoRA adapter into a base checkpoint; a batch of merges fanned out over a
+cluster."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class MergeItem(BaseModel):
 
 
 class BatchMergeRequest(Request):
-    """{"kind": "merge", "merges": [...]}: every shard of every merge one Ray task (jobs/merge.py)."""
+    """{"kind": "merge", "merges": [...]}: every shard of every merge one Ray task
+    (jobs/merge.py)."""
 
     kind = "merge"
     command = ()  # a job spec only
@@ -57,6 +59,8 @@ class BatchMergeRequest(Request):
         for index, item in enumerate(merges):
             output = str(Path(item.output).resolve())
             if output in outputs:
-                raise Refusal(f"{where} item {index} writes {item.output} again; give each merge its own output")
+                raise Refusal(
+                    f"{where} item {index} writes {item.output} again; give each merge its own output"
+                )
             outputs.add(output)
         return merges

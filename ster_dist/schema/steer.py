@@ -30,8 +30,10 @@ class PairRun(Runtime):
     def _files(self, info: ValidationInfo):
         no_stdin(self, ("pairs", "vector"), info)
         if self.pairs is None and context_of(info, "queued"):
-            raise Refusal(f"a {self.kind} job spec is missing the required field 'pairs': a queued job "
-                          "has no workspace whose active set it could read")
+            raise Refusal(
+                f"a {self.kind} job spec is missing the required field 'pairs': a queued job "
+                "has no workspace whose active set it could read"
+            )
         return self
 
 
@@ -66,8 +68,10 @@ class SteerOptimizeRequest(FitRun):
     @model_validator(mode="after")
     def _holdout_given(self, info: ValidationInfo):
         if self.holdout is None:
-            raise Refusal(f"optimize needs {label_in(info, 'holdout')} FRACTION (the share of pairs to rank on); "
-                          "Ster assumes none")
+            raise Refusal(
+                f"optimize needs {label_in(info, 'holdout')} FRACTION (the share of pairs to rank on); "
+                "Ster assumes none"
+            )
         return self
 
 
@@ -80,10 +84,14 @@ class SteerEvaluateRequest(PairRun):
 
     vector: str = field(help="the steering artifact (V.json)")
     strengths: list[float] | None = field(None, help="comma-separated, e.g. --strengths=-1,0.5,1")
-    batch_size: int | None = field(None, ge=1, help="pairs per forward pass while measuring strengths "
-                                                    "(required with --strengths)")
-    max_sequence: int | None = field(None, ge=1, help="the longest pair side measured, in tokens "
-                                                      "(required with --strengths)")
+    batch_size: int | None = field(
+        None,
+        ge=1,
+        help="pairs per forward pass while measuring strengths (required with --strengths)",
+    )
+    max_sequence: int | None = field(
+        None, ge=1, help="the longest pair side measured, in tokens (required with --strengths)"
+    )
 
     @field_validator("strengths", mode="before")
     @classmethod
@@ -98,16 +106,22 @@ class SteerEvaluateRequest(PairRun):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return [float(value)]
         if isinstance(value, list):
-            if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            if not value or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            ):
                 raise Refusal(f"{where} must be a non-empty list of numbers, got {value!r}")
             return [float(v) for v in value]
         return value
 
     @model_validator(mode="after")
     def _measuring(self, info: ValidationInfo):
-        if self.strengths is None and (self.batch_size is not None or self.max_sequence is not None):
-            raise Refusal(f"{label_in(info, 'batch_size')} and {label_in(info, 'max_sequence')} measure strengths "
-                          f"and exist only with {label_in(info, 'strengths')}")
+        if self.strengths is None and (
+            self.batch_size is not None or self.max_sequence is not None
+        ):
+            raise Refusal(
+                f"{label_in(info, 'batch_size')} and {label_in(info, 'max_sequence')} measure strengths "
+                f"and exist only with {label_in(info, 'strengths')}"
+            )
         return self
 
 
@@ -125,9 +139,15 @@ class VectorCompareRequest(Request):
     command = ("vector", "compare")
     summary = "compare artifacts fitted for different traits on one model (no model loaded)"
 
-    artifacts: list[str] = field(help="two or more steering artifacts", cli={"positional": True, "nargs": "+"})
-    clusters: int = field(ge=1, help="the number of groups to cut the artifacts into (Ster chooses none)")
-    layers: str | None = field(None, help="a comma list of layers every artifact carries (default: all shared)")
+    artifacts: list[str] = field(
+        help="two or more steering artifacts", cli={"positional": True, "nargs": "+"}
+    )
+    clusters: int = field(
+        ge=1, help="the number of groups to cut the artifacts into (Ster chooses none)"
+    )
+    layers: str | None = field(
+        None, help="a comma list of layers every artifact carries (default: all shared)"
+    )
 
 
 class VectorCurveRequest(LayersMixin, PairRun):
@@ -145,5 +165,6 @@ class VectorCurveRequest(LayersMixin, PairRun):
         try:
             return [int(part) for part in self.sizes.split(",") if part.strip()]
         except ValueError:
-            raise Refusal(f"{self.label('sizes')} takes comma-separated whole numbers, "
-                          f"got {self.sizes!r}") from None
+            raise Refusal(
+                f"{self.label('sizes')} takes comma-separated whole numbers, got {self.sizes!r}"
+            ) from None

@@ -1,4 +1,5 @@
-"""Commands that run no job: the family table, a model's description, a tiny checkpoint, a GGUF import."""
+"""Commands that run no job: the family table, a model's description, a tiny checkpoint, a GGUF
+import."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class ToyModelRequest(Request):
     summary = "write a tiny random checkpoint (Llama or DeepSeek-V3) with a tokenizer"
 
     directory: str = field(help="the model directory to write", cli={"positional": True})
-    family: Literal["llama", "deepseek_v3"] = field("llama", help="the layout: Llama, or DeepSeek-V3's MoE and MLA")
+    family: Literal["llama", "deepseek_v3"] = field(
+        "llama", help="the layout: Llama, or DeepSeek-V3's MoE and MLA"
+    )
     experts: int = field(8, ge=1, help="routed experts (deepseek_v3)")
     layers: int = field(2, ge=1, help="decoder layers")
     hidden: int = field(64, ge=8, help="hidden size")
@@ -37,5 +40,7 @@ class GgufImportRequest(Request):
 
     file: str = field(help="the .gguf file", cli={"positional": True})
     directory: str = field(help="the model directory to write", cli={"positional": True})
-    safetensors: bool = field(False, help="write dequantized safetensors instead of linking the .gguf")
+    safetensors: bool = field(
+        False, help="write dequantized safetensors instead of linking the .gguf"
+    )
     force: bool = field(False, help="replace a directory that holds another import")

@@ -1,10 +1,13 @@
 """The server's FastAPI application over a started ServerState.
 
 Routes: OpenAI's (serve/openai_api.py), vLLM's /tokenize and /detokenize (serve/tokenize.py), Ster's
-serve API (serve/ster_api.py), `/health` and `/metrics`. Around them one plain ASGI layer (cheaper than Starlette's BaseHTTPMiddleware, and it
+serve API (serve/ster_api.py), `/health` and `/metrics`. Around them one plain ASGI layer (cheaper
+than Starlette's BaseHTTPMiddleware, and it
 never buffers a stream) checks, in this order: the bearer key (or, on a keyless server, that the
 request is not a web page's), the server draining, the body size, and the limit of requests in
-flight, OpenAI's and Ster's endpoints that run work alike (429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below FastAPI, through
+flight, OpenAI's and Ster's endpoints that run work alike (429 with Retry-After); it counts every
+answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below
+FastAPI, through
 openai_api.answer: their time on the event loop delays the first token. Every error body is
 OpenAI's shape.
 """
@@ -27,14 +30,24 @@ from ster_dist.serve.errors import ApiError
 from ster_dist.serve.openai_api import CHAT, TEXT, answer, router as openai_router
 from ster_dist.serve.tokenize import router as tokenize_router
 
-# answered while draining; the first also without a key or from any origin, for load balancers: it says only
+# answered while draining; the first also without a key or from any origin, for load balancers: it
+# says only
 # "ok" or why not, where Ster's /v1/health tells the model's path, the workers' hosts and pids
 OPEN_PATHS = ("/health", "/v1/health")
 PROBE = "/health"
 ANSWERED = (CHAT, TEXT)  # answered below FastAPI, by openai_api.answer
-# Ster's endpoints that run work (a job, or a file read): counted by the in-flight limit as OpenAI's are
-STER_WORK = ("/v1/train", "/v1/optimize", "/v1/evaluate", "/v1/generate", "/v1/extract", "/v1/inspect")
-# the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up path)
+# Ster's endpoints that run work (a job, or a file read): counted by the in-flight limit as OpenAI's
+# are
+STER_WORK = (
+    "/v1/train",
+    "/v1/optimize",
+    "/v1/evaluate",
+    "/v1/generate",
+    "/v1/extract",
+    "/v1/inspect",
+)
+# the endpoint label of /metrics: these paths, every other one counted as "other" (never a made-up
+# path)
 KNOWN = (*ANSWERED, *OPEN_PATHS, "/v1/models", "/metrics", "/tokenize", "/detokenize", *STER_WORK)
 
 
@@ -66,11 +79,17 @@ def build_app(state) -> FastAPI:
     async def invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return errors.bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-                                      .rstrip(": "), code="invalid_json").response()
+            return errors.bad_request(
+                f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(
+                    ": "
+                ),
+                code="invalid_json",
+            ).response()
         param = errors.param_of(tuple(first.get("loc", ())))
         message = first.get("msg", "invalid request")
-        return errors.bad_request(f"{param}: {message}" if param else message, param=param).response()
+        return errors.bad_request(
+            f"{param}: {message}" if param else message, param=param
+        ).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
@@ -92,15 +111,23 @@ def _mount_ster_api(app: FastAPI, state) -> None:
     from ster_dist.serve.confine import Confinement
 
     request = state.request
-    defaults = {"model": request.model, "revision": request.revision, "precision": request.precision,
-                "device": request.device, "tp": request.tp, "ep": request.ep, "pp": request.pp,
-                "weights": request.weights}
+    defaults = {
+        "model": request.model,
+        "revision": request.revision,
+        "precision": request.precision,
+        "device": request.device,
+        "tp": request.tp,
+        "ep": request.ep,
+        "pp": request.pp,
+        "weights": request.weights,
+    }
     confinement = Confinement(request.model, request.allow_path, request.allow_models)
     app.include_router(ster_router(state.client, defaults, confinement))
 
 
 class _Guard:
-    """Key, draining, body size and in-flight limit, before the app sees a request; counts answers."""
+    """Key, draining, body size and in-flight limit, before the app sees a request; counts
+    answers."""
 
     def __init__(self, app: FastAPI, state):
         self.app, self.state = app, state
@@ -108,7 +135,8 @@ class _Guard:
         self.body_limit = state.request.body_limit()
         self.read_seconds = state.request.read_seconds
 
-    def __getattr__(self, name):  # uvicorn and tests reach the FastAPI app's attributes through the guard
+    # uvicorn and tests reach the FastAPI app's attributes through the guard
+    def __getattr__(self, name):
         return getattr(self.app, name)
 
     async def __call__(self, scope, receive, send):
@@ -126,7 +154,8 @@ class _Guard:
             refusal = self._refusal(scope, path)
             if refusal is not None:
                 return await refusal.send(counted_send)
-            try:  # a client that never finishes its body would hold its connection and this task for ever
+            # a client that never finishes its body would hold its connection and this task for ever
+            try:
                 body = await asyncio.wait_for(self._body(receive), self.read_seconds)
             except asyncio.TimeoutError:
                 return await errors.too_slow(self.read_seconds).send(counted_send)
@@ -137,7 +166,9 @@ class _Guard:
             if not limited:
                 return await self.app(scope, replay, counted_send)
             if path in ANSWERED and scope["method"] != "POST":
-                return await ApiError(405, "Method Not Allowed", code="method_not_allowed").send(counted_send)
+                return await ApiError(405, "Method Not Allowed", code="method_not_allowed").send(
+                    counted_send
+                )
             if state.in_flight >= state.max_queue:
                 return await errors.too_many(1, state.max_queue).send(counted_send)
             state.in_flight += 1
@@ -155,7 +186,9 @@ class _Guard:
         headers = dict(scope["headers"])
         if self.key is not None and path != PROBE:
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.key.encode()
+            ):
                 return errors.unauthorized()
         if self.key is None and path != PROBE:
             foreign = _foreign(headers)
@@ -169,7 +202,8 @@ class _Guard:
         return None
 
     async def _body(self, receive) -> bytes | None:
-        """The whole request body, or None once it grows past the limit (a body sent in chunks, without
+        """The whole request body, or None once it grows past the limit (a body sent in chunks,
+        without
         a content-length, is counted as it comes)."""
         parts, size = [], 0
         while True:
@@ -186,9 +220,12 @@ class _Guard:
 
 
 def _foreign(headers: dict) -> tuple[str, str] | None:
-    """("Origin" | "Host", value) when a keyless server is asked by another site: a web page's request
-    (a browser sends its Origin, and a form or text/plain POST needs no CORS approval) or DNS rebinding
-    (a foreign name that resolves to 127.0.0.1). Such a page could otherwise run jobs that write files
+    """("Origin" | "Host", value) when a keyless server is asked by another site: a web page's
+    request
+    (a browser sends its Origin, and a form or text/plain POST needs no CORS approval) or DNS
+    rebinding
+    (a foreign name that resolves to 127.0.0.1). Such a page could otherwise run jobs that write
+    files
     where the body says. Clients off a browser send no Origin and name the address they dialled."""
     # an Origin is a URL; a Host is the authority alone, read as one by putting "//" before it
     for header, name, lead in ((b"origin", "Origin", ""), (b"host", "Host", "//")):
@@ -217,4 +254,3 @@ def _replaying(body: bytes, receive):
         return await receive()
 
     return replay
-

@@ -3,7 +3,8 @@ files it writes) and the model it runs.
 
 A body's fields are paths on the server, so without a bound a client could read any file into a
 prompt (`system: /etc/hostname`), overwrite one (`output`), or load any model directory or Hub id.
-A path must lie, once resolved (symlinks and `..` followed), inside the server's working directory or
+A path must lie, once resolved (symlinks and `..` followed), inside the server's working directory
+or
 a directory given as `--allow-path DIR`; a model must be the served one (any spelling of its
 directory) or one named by `--allow-models`. Refused as 403, naming the field and the flag that
 would allow it.
@@ -15,8 +16,21 @@ import os
 from pathlib import Path
 
 # the request fields that name a file or directory on the server (besides the model)
-PATH_FIELDS = ("input", "pairs", "prompts", "request", "system", "examples", "adapter", "vector", "decisions",
-               "control", "calibration", "output", "artifact")
+PATH_FIELDS = (
+    "input",
+    "pairs",
+    "prompts",
+    "request",
+    "system",
+    "examples",
+    "adapter",
+    "vector",
+    "decisions",
+    "control",
+    "calibration",
+    "output",
+    "artifact",
+)
 
 
 class Forbidden(Exception):
@@ -24,26 +38,37 @@ class Forbidden(Exception):
 
 
 class Confinement:
-    def __init__(self, served_model: str, allow_paths: list[str] | None = None,
-                 allow_models: list[str] | None = None, root: str | None = None):
+    def __init__(
+        self,
+        served_model: str,
+        allow_paths: list[str] | None = None,
+        allow_models: list[str] | None = None,
+        root: str | None = None,
+    ):
         self.roots = [_resolved(root or os.getcwd()), *(_resolved(p) for p in allow_paths or ())]
         self.models = [served_model, *(allow_models or ())]
 
     def check(self, request, label=lambda name: name) -> None:
         """Refuse the first field of `request` outside the allowed paths, or a model not allowed."""
         model = getattr(request, "model", None)
-        if isinstance(model, str) and not any(_same_model(model, allowed) for allowed in self.models):
+        if isinstance(model, str) and not any(
+            _same_model(model, allowed) for allowed in self.models
+        ):
             runs = ", ".join(map(repr, self.models))
-            raise Forbidden(f"{label('model')} {model!r} is not served here: this server runs {runs}; leave the "
-                            "field out, or start ster serve with --allow-models NAME")
+            raise Forbidden(
+                f"{label('model')} {model!r} is not served here: this server runs {runs}; leave the "
+                "field out, or start ster serve with --allow-models NAME"
+            )
         for name in PATH_FIELDS:
             value = getattr(request, name, None)
             if not isinstance(value, str) or not value or value == "-":
                 continue
             if not any(_resolved(value).is_relative_to(root) for root in self.roots):
-                raise Forbidden(f"{label(name)} {value} is outside the directories this server lets its API "
-                                f"read and write ({', '.join(map(str, self.roots))}); name a path inside one, or "
-                                "start ster serve with --allow-path DIR")
+                raise Forbidden(
+                    f"{label(name)} {value} is outside the directories this server lets its API "
+                    f"read and write ({', '.join(map(str, self.roots))}); name a path inside one, or "
+                    "start ster serve with --allow-path DIR"
+                )
 
 
 def _resolved(path: str) -> Path:

@@ -1,9 +1,13 @@
-"""Server-sent events as a plain ASGI answer, the status line and headers going out with the first event.
+"""Server-sent events as a plain ASGI answer, the status line and headers going out with the first
+event.
 
 Why not Starlette's StreamingResponse: it sends the headers at once, so the client wakes, reads them
-and waits again while the engine computes the first token, and on a machine with as many cores as the
-engine's threads that client takes a core from the step it is waiting for. Here the client wakes once,
-for the first token, and the answer runs as one coroutine beside one task that waits for the client's
+and waits again while the engine computes the first token, and on a machine with as many cores as
+the
+engine's threads that client takes a core from the step it is waiting for. Here the client wakes
+once,
+for the first token, and the answer runs as one coroutine beside one task that waits for the
+client's
 disconnect (no task group per answer). An `ApiError` raised before the first event (a refusal at
 submission) is answered as the plain error it is, with its status; after it, the events generator
 reports failures in the stream itself.
@@ -16,8 +20,11 @@ from collections.abc import AsyncGenerator
 
 from ster_dist.serve.errors import ApiError
 
-EVENT_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                 (b"x-accel-buffering", b"no")]
+EVENT_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 async def until_disconnect(receive) -> None:
@@ -27,7 +34,8 @@ async def until_disconnect(receive) -> None:
 
 
 async def send_events(events: AsyncGenerator[str, None], receive, send) -> None:
-    """Each text `events` yields as one event; a client that leaves stops the wait for the next one, and the
+    """Each text `events` yields as one event; a client that leaves stops the wait for the next one,
+    and the
     generator is closed either way (its own cleanup cancels its engine requests)."""
     answer = asyncio.current_task()
     left = asyncio.Event()
@@ -38,7 +46,8 @@ async def send_events(events: AsyncGenerator[str, None], receive, send) -> None:
         answer.cancel()
 
     watcher = asyncio.ensure_future(watch())
-    await asyncio.sleep(0)  # the watcher parks on receive() now, before the first event submits the step
+    # the watcher parks on receive() now, before the first event submits the step
+    await asyncio.sleep(0)
     try:
         await _send_each(events, send)
     except asyncio.CancelledError:
@@ -65,4 +74,3 @@ async def _send_each(events: AsyncGenerator[str, None], send) -> None:
     if not started:
         await send({"type": "http.response.start", "status": 200, "headers": EVENT_HEADERS})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-

@@ -4,7 +4,8 @@ Fields OpenAI defines keep its names, defaults and ranges (temperature 1, n 1, m
 completions). vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are read
 as vLLM reads them. Ours: `steering` (a vector per request). Unknown fields are ignored, as OpenAI's
 own server and vLLM do; fields that would change the answer and are not served (tools, a streamed
-echo, suffix, best_of, logit_bias, response_format, vLLM's guided decoding, non-text content parts) are refused
+echo, suffix, best_of, logit_bias, response_format, vLLM's guided decoding, non-text content parts)
+are refused
 rather than ignored.
 """
 
@@ -24,8 +25,8 @@ class _Body(BaseModel):
 class Steering(_Body):
     model_config = ConfigDict(extra="forbid")
 
-    vector: str | None = None                 # NAME of a NAME.json in `ster serve --vectors DIR`
-    artifact: dict[str, Any] | None = None    # or a Ster steering artifact inline
+    vector: str | None = None  # NAME of a NAME.json in `ster serve --vectors DIR`
+    artifact: dict[str, Any] | None = None  # or a Ster steering artifact inline
     strength: float = Field(allow_inf_nan=False)
 
 
@@ -51,10 +52,11 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False   # each choice (and chunk) carries its tokens' ids
+    return_token_ids: bool = False  # each choice (and chunk) carries its tokens' ids
     # ours
     steering: Steering | None = None
-    # not served: read only to refuse them (openai_api.unserved), so an answer never silently ignores them
+    # not served: read only to refuse them (openai_api.unserved), so an answer never silently
+    # ignores them
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
@@ -70,7 +72,7 @@ class _Sampling(_Body):
 
 class ContentPart(_Body):
     type: str
-    text: str | None = None   # a text part's; other types (image_url, input_audio, ...) are refused
+    text: str | None = None  # a text part's; other types (image_url, input_audio, ...) are refused
 
 
 class Message(_Body):
@@ -94,13 +96,17 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None
     tool_choice: Any = None
-    functions: list | None = None         # OpenAI's older spelling of tools, refused as they are
+    functions: list | None = None  # OpenAI's older spelling of tools, refused as they are
     function_call: Any = None
-    add_generation_prompt: bool = True   # vLLM's: False continues the last assistant message
+    add_generation_prompt: bool = True  # vLLM's: False continues the last assistant message
     chat_template_kwargs: dict[str, Any] | None = None
 
     def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 class CompletionRequest(_Sampling):

@@ -1,4 +1,5 @@
-"""What one Ray Serve replica runs: the app it builds, started here, answering with the replica's id.
+"""What one Ray Serve replica runs: the app it builds, started here, answering with the replica's
+id.
 
 The app's lifespan (where the server loads its model and starts its engine) is run here rather than
 by Serve, because Serve turns any startup failure into "ASGI lifespan startup failed"; run here, a
@@ -30,7 +31,11 @@ class Lifespan:
         self._task: asyncio.Future | None = None
 
     async def start(self) -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": self.state}
+        scope = {
+            "type": "lifespan",
+            "asgi": {"version": "3.0", "spec_version": "2.0"},
+            "state": self.state,
+        }
         self._task = asyncio.ensure_future(self.app(scope, self._to_app.get, self._from_app.put))
         await self._to_app.put({"type": "lifespan.startup"})
         await self._expect("lifespan.startup.complete")
@@ -84,7 +89,8 @@ class ReplicaApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})  # the app started before Serve asked
+                # the app started before Serve asked
+                await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
                     await self.lifespan.stop()

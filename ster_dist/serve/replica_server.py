@@ -20,9 +20,16 @@ def deploy_server(request: ServeRequest) -> ReplicaSet:
     request.address (None: a local one). The caller has checked the key and the host."""
     # a model in the replica's own process needs the replica to hold its GPU; ranks hold their own
     one_rank_on_gpu = request.device == "cuda" and request.tp * request.ep == 1
-    return deploy(functools.partial(server_app, request), replicas=request.replicas, host=request.host,
-                  port=request.port, address=request.address, num_gpus=1.0 if one_rank_on_gpu else 0.0,
-                  max_ongoing_requests=request.max_queue, drain_s=request.drain_seconds)
+    return deploy(
+        functools.partial(server_app, request),
+        replicas=request.replicas,
+        host=request.host,
+        port=request.port,
+        address=request.address,
+        num_gpus=1.0 if one_rank_on_gpu else 0.0,
+        max_ongoing_requests=request.max_queue,
+        drain_s=request.drain_seconds,
+    )
 
 
 def server_app(request: ServeRequest):
@@ -39,7 +46,8 @@ def server_app(request: ServeRequest):
 
 
 class _ClosesState:
-    """The server's app with a lifespan whose shutdown closes its state (engine, job queue, ranks)."""
+    """The server's app with a lifespan whose shutdown closes its state (engine, job queue,
+    ranks)."""
 
     def __init__(self, app, state):
         self.app, self.state = app, state
@@ -50,7 +58,8 @@ class _ClosesState:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})  # the model loaded when the app was built
+                # the model loaded when the app was built
+                await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await asyncio.to_thread(self.state.close)
                 await send({"type": "lifespan.shutdown.complete"})

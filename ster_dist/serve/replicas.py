@@ -35,8 +35,15 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # the url names the proxy as 127.0.0.1 t
 ROUTE_WAIT_S = 30.0
 
 
-def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, max_ongoing_requests: int,
-                drain_s: float):
+def _deployment(
+    *,
+    name: str,
+    replicas: int,
+    num_cpus: float,
+    num_gpus: float,
+    max_ongoing_requests: int,
+    drain_s: float,
+):
     from ray import serve
 
     @serve.ingress()
@@ -52,10 +59,15 @@ def _deployment(*, name: str, replicas: int, num_cpus: float, num_gpus: float, m
 
     # a constructor that fails (a model that does not load) fails the same way when retried:
     # give up after one failure per replica instead of Serve's 20 tries
-    return serve.deployment(Replica, name=name, num_replicas=replicas,
-                            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-                            max_ongoing_requests=max_ongoing_requests, max_constructor_retry_count=replicas,
-                            graceful_shutdown_timeout_s=drain_s)
+    return serve.deployment(
+        Replica,
+        name=name,
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        max_ongoing_requests=max_ongoing_requests,
+        max_constructor_retry_count=replicas,
+        graceful_shutdown_timeout_s=drain_s,
+    )
 
 
 def _bind_replica_grpc_to_node() -> None:
@@ -64,7 +76,8 @@ def _bind_replica_grpc_to_node() -> None:
     Serve starts that server in every replica, after the constructor, on "[::]:0": every interface,
     unauthenticated, although nothing here calls it (the proxy talks to replicas over Ray). Bound
     to the node address (127.0.0.1 on a local cluster) it stays where the rest of the cluster is.
-    tests/serve/test_serve_replicas.py reads every listener of a served cluster, so a Serve that changes
+    tests/serve/test_serve_replicas.py reads every listener of a served cluster, so a Serve that
+    changes
     this is caught."""
     import ray
     from ray.serve._private import replica
@@ -88,7 +101,8 @@ class ReplicaSet:
     port: int
     replicas: int
     started_ray: bool  # deploy started a local Ray cluster: shutdown stops it
-    deployed: bool = False  # the app is ours to remove (never another deployment's of the same name)
+    # the app is ours to remove (never another deployment's of the same name)
+    deployed: bool = False
 
     @property
     def url(self) -> str:
@@ -123,10 +137,19 @@ class ReplicaSet:
         self.shutdown()
 
 
-def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port: int,
-           address: str | None = None, num_cpus: float = 0.0, num_gpus: float = 0.0,
-           name: str = "ster", max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
-           drain_s: float = 20.0) -> ReplicaSet:
+def deploy(
+    app_builder: Callable[[], ASGIApp],
+    *,
+    replicas: int,
+    host: str,
+    port: int,
+    address: str | None = None,
+    num_cpus: float = 0.0,
+    num_gpus: float = 0.0,
+    name: str = "ster",
+    max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+    drain_s: float = 20.0,
+) -> ReplicaSet:
     """Run `replicas` copies of the app `app_builder()` builds (each builds its own) behind one
     HTTP endpoint on host:port (port 0: a free one), on the Ray cluster at `address` (None: a local
     one started here). Returns once every replica has built its app and run its startup.
@@ -147,33 +170,61 @@ def deploy(app_builder: Callable[[], ASGIApp], *, replicas: int, host: str, port
     if port == 0:
         port = free_port(host)
     started_ray = start_ray(address)
-    running = ReplicaSet(name=name, host=host, port=port, replicas=replicas, started_ray=started_ray)
+    running = ReplicaSet(
+        name=name, host=host, port=port, replicas=replicas, started_ray=started_ray
+    )
     try:
-        _start(app_builder, running, num_cpus=num_cpus, num_gpus=num_gpus, max_ongoing_requests=max_ongoing_requests,
-               drain_s=drain_s)
+        _start(
+            app_builder,
+            running,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_ongoing_requests=max_ongoing_requests,
+            drain_s=drain_s,
+        )
     except BaseException:
         running.shutdown()
         raise
     return running
 
 
-def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus: float, num_gpus: float,
-           max_ongoing_requests: int, drain_s: float) -> None:
+def _start(
+    app_builder: Callable[[], ASGIApp],
+    running: ReplicaSet,
+    *,
+    num_cpus: float,
+    num_gpus: float,
+    max_ongoing_requests: int,
+    drain_s: float,
+) -> None:
     from ray import serve
     from ray.serve.config import HTTPOptions
     from ray.serve.schema import ApplicationStatus
 
     # one proxy, on the head node: one endpoint to expose and to firewall
-    serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host=running.host, port=running.port))
+    serve.start(
+        proxy_location="HeadOnly", http_options=HTTPOptions(host=running.host, port=running.port)
+    )
     _check_proxy_port(running)
     if running.name in serve.status().applications:
-        raise Refusal(f"a Serve application named {running.name} already runs on this cluster; stop that "
-                      "server first (or `serve delete` it)")
+        raise Refusal(
+            f"a Serve application named {running.name} already runs on this cluster; stop that "
+            "server first (or `serve delete` it)"
+        )
     running.deployed = True
-    app = _deployment(name=running.name, replicas=running.replicas, num_cpus=num_cpus, num_gpus=num_gpus,
-                      max_ongoing_requests=max_ongoing_requests, drain_s=drain_s).bind(app_builder)
-    serve.run_many([serve.RunTarget(target=app, name=running.name, route_prefix="/")],
-                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    app = _deployment(
+        name=running.name,
+        replicas=running.replicas,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_ongoing_requests=max_ongoing_requests,
+        drain_s=drain_s,
+    ).bind(app_builder)
+    serve.run_many(
+        [serve.RunTarget(target=app, name=running.name, route_prefix="/")],
+        wait_for_ingress_deployment_creation=False,
+        wait_for_applications_running=False,
+    )
     deadline = time.monotonic() + READY_TIMEOUT_S
     said = ""
     while True:
@@ -190,9 +241,15 @@ def _start(app_builder: Callable[[], ASGIApp], running: ReplicaSet, *, num_cpus:
         if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
             raise _start_failure(_deployment_message(status, running.name))
         if time.monotonic() > deadline:
-            message = _first_lines(_deployment_message(status, running.name)) if status is not None else "no status"
-            raise Refusal(f"the replicas were not ready within {READY_TIMEOUT_S:.0f} s ({message}); "
-                          "check the cluster's free resources, or raise STER_REPLICAS_READY_TIMEOUT")
+            message = (
+                _first_lines(_deployment_message(status, running.name))
+                if status is not None
+                else "no status"
+            )
+            raise Refusal(
+                f"the replicas were not ready within {READY_TIMEOUT_S:.0f} s ({message}); "
+                "check the cluster's free resources, or raise STER_REPLICAS_READY_TIMEOUT"
+            )
         time.sleep(0.5)
     _wait_for_route(running)
 
@@ -210,8 +267,10 @@ def _check_proxy_port(running: ReplicaSet) -> None:
 
     config = _get_global_client().http_config
     if (config.host, config.port) != (running.host, running.port):
-        raise Refusal(f"Ray Serve already runs on this cluster with its proxy on {config.host}:{config.port}, "
-                      f"not {running.host}:{running.port}; serve on that host and port, or `serve shutdown` it first")
+        raise Refusal(
+            f"Ray Serve already runs on this cluster with its proxy on {config.host}:{config.port}, "
+            f"not {running.host}:{running.port}; serve on that host and port, or `serve shutdown` it first"
+        )
 
 
 def _wait_for_route(running: ReplicaSet) -> None:
@@ -238,8 +297,11 @@ def _on_head_node() -> bool:
     import ray
 
     try:
-        heads = {node["NodeID"] for node in ray.nodes()
-                 if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {})}
+        heads = {
+            node["NodeID"]
+            for node in ray.nodes()
+            if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {})
+        }
         return ray.get_runtime_context().get_node_id() in heads
     except Exception:  # a Ray Client connection (ray://) has no node of its own
         return False
@@ -249,13 +311,23 @@ def _start_failure(message: str) -> Refusal:
     """The replicas' constructor error as one refusal: a Refusal raised in a replica (the server
     could not load its model, say) is passed on as it was worded; anything else is named by the
     last line of its traceback."""
-    last = next((line.strip() for line in reversed((message or "").splitlines()) if line.strip()), "no message")
+    last = next(
+        (line.strip() for line in reversed((message or "").splitlines()) if line.strip()),
+        "no message",
+    )
     kind, _, text = last.partition(": ")
     module, _, name = kind.rpartition(".")
     refusal = getattr(errors, name, None) if module == "ster_dist.errors" else None
-    if isinstance(refusal, type) and issubclass(refusal, Refusal) and refusal is not errors.JobFailed and text:
+    if (
+        isinstance(refusal, type)
+        and issubclass(refusal, Refusal)
+        and refusal is not errors.JobFailed
+        and text
+    ):
         return refusal(text)
-    return Refusal(f"the replicas failed to start: {last}; their logs are in the Ray session's logs/serve/")
+    return Refusal(
+        f"the replicas failed to start: {last}; their logs are in the Ray session's logs/serve/"
+    )
 
 
 def _check_fits_here(replicas: int, num_gpus: float) -> None:
@@ -267,8 +339,10 @@ def _check_fits_here(replicas: int, num_gpus: float) -> None:
 
     gpus = torch.cuda.device_count()
     if replicas * num_gpus > gpus:
-        raise Refusal(f"{replicas} replicas holding {num_gpus:g} GPU each need {replicas * num_gpus:g} GPUs and "
-                      f"this machine has {gpus:g}; serve fewer replicas, or on a Ray cluster (--address)")
+        raise Refusal(
+            f"{replicas} replicas holding {num_gpus:g} GPU each need {replicas * num_gpus:g} GPUs and "
+            f"this machine has {gpus:g}; serve fewer replicas, or on a Ray cluster (--address)"
+        )
 
 
 def _ray_running() -> bool:
@@ -278,4 +352,6 @@ def _ray_running() -> bool:
 
 
 def _first_lines(message: str, lines: int = 3) -> str:
-    return " / ".join(line.strip() for line in (message or "").strip().splitlines()[:lines] if line.strip())
+    return " / ".join(
+        line.strip() for line in (message or "").strip().splitlines()[:lines] if line.strip()
+    )

@@ -29,17 +29,24 @@ def check_exposure(request: ServeRequest) -> ServeRequest:
     if request.api_key is None and os.environ.get("STER_API_KEY"):
         request = request.model_copy(update={"api_key": os.environ["STER_API_KEY"]})
     if request.api_key is not None and not request.api_key.strip():
-        raise Refusal(f"{request.label('api_key')} is empty; give a key clients will send as 'Authorization: "
-                      "Bearer KEY'")
+        raise Refusal(
+            f"{request.label('api_key')} is empty; give a key clients will send as 'Authorization: "
+            "Bearer KEY'"
+        )
     key = request.api_key
     if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
-        # a header carries it as bytes of ASCII: any other key could never be matched, every request a 401
-        raise Refusal(f"{request.label('api_key')} must be printable ASCII with no space at either end (clients "
-                      "send it in an HTTP header); give another key")
+        # a header carries it as bytes of ASCII: any other key could never be matched, every request
+        # a 401
+        raise Refusal(
+            f"{request.label('api_key')} must be printable ASCII with no space at either end (clients "
+            "send it in an HTTP header); give another key"
+        )
     if not is_loopback(request.host) and request.api_key is None:
-        raise Refusal(f"{request.label('host')} {request.host} listens beyond this machine; give "
-                      f"{request.label('api_key')} KEY (or set STER_API_KEY) so only clients holding it are "
-                      "answered, or keep the default 127.0.0.1")
+        raise Refusal(
+            f"{request.label('host')} {request.host} listens beyond this machine; give "
+            f"{request.label('api_key')} KEY (or set STER_API_KEY) so only clients holding it are "
+            "answered, or keep the default 127.0.0.1"
+        )
     return request
 
 
@@ -57,15 +64,29 @@ def serve(request: ServeRequest) -> dict:
     try:
         state = ServerState(request).start()
         app = build_app(state)
-        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                        timeout_graceful_shutdown=int(request.drain_seconds) or None,
-                                        timeout_keep_alive=5, http=head_deadline(request.read_seconds)), state)
-        progress(f"serving {state.name} on http://{request.host}:{sock.getsockname()[1]}"
-                 + (f" with adapters {', '.join(state.adapters)}" if state.adapters else ""))
+        server = _Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=int(request.drain_seconds) or None,
+                timeout_keep_alive=5,
+                http=head_deadline(request.read_seconds),
+            ),
+            state,
+        )
+        progress(
+            f"serving {state.name} on http://{request.host}:{sock.getsockname()[1]}"
+            + (f" with adapters {', '.join(state.adapters)}" if state.adapters else "")
+        )
         server.run(sockets=[sock])
         stats = state.engine.stats() if state.engine is not None else {}
-        return {"served": state.name, "requests": stats.get("requests", 0),
-                "generated_tokens": stats.get("generated_tokens", 0)}
+        return {
+            "served": state.name,
+            "requests": stats.get("requests", 0),
+            "generated_tokens": stats.get("generated_tokens", 0),
+        }
     finally:
         sock.close()
         if state is not None:
@@ -110,8 +131,10 @@ def _serve_replicas(request: ServeRequest) -> dict:
     # then plain Python handlers, set after ray.init's: they replace its SIGTERM handler, under
     # which the process aborts without shutting the replicas down. A list, not an Event: setting
     # an Event from a handler can deadlock on the lock its own wait holds
-    previous = {sig: signal.signal(sig, lambda number, _: stop.append(number))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, lambda number, _: stop.append(number))
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         progress(f"serving {request.name()} on {replicas.url} with {request.replicas} replicas")
         ready_line(replicas.port)

@@ -16,8 +16,10 @@ def bound(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise Refusal(f"cannot listen on {host}:{port}: {exc.strerror or exc}; give another --port (0 picks a "
-                      "free one) or --host") from None
+        raise Refusal(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; give another --port (0 picks a "
+            "free one) or --host"
+        ) from None
     return sock
 
 
@@ -30,7 +32,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def check_free(host: str, port: int) -> None:
-    """Refuse now when host:port cannot be bound (a server that binds it later would fail unseen)."""
+    """Refuse now when host:port cannot be bound (a server that binds it later would fail
+    unseen)."""
     bound(host, port).close()
 
 

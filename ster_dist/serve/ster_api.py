@@ -41,11 +41,20 @@ from ster_dist.schema import (
 from ster_dist.schema.base import kind_of_value
 from ster_dist.serve.confine import Confinement, Forbidden
 
-# endpoint name (Ster's command name) -> the request its body is (a job kind, except inspect: one small
+# endpoint name (Ster's command name) -> the request its body is (a job kind, except inspect: one
+# small
 # file read here)
-ENDPOINTS = {cls.ster_name or cls.command[-1]: cls for cls in (
-    SteerTrainRequest, SteerOptimizeRequest, SteerEvaluateRequest, GenerateRequest, ExtractRequest,
-    SteerInspectRequest)}
+ENDPOINTS = {
+    cls.ster_name or cls.command[-1]: cls
+    for cls in (
+        SteerTrainRequest,
+        SteerOptimizeRequest,
+        SteerEvaluateRequest,
+        GenerateRequest,
+        ExtractRequest,
+        SteerInspectRequest,
+    )
+}
 SETTINGS = ("model", "revision", "precision", "device", "tp", "ep", "pp", "weights")
 NDJSON = "application/x-ndjson"
 POLL_S = 1.0  # one poll's longest wait; news wakes it at once
@@ -61,14 +70,31 @@ def ster_router(client, defaults: dict, confinement: Confinement | None = None) 
     api = SterApi(client, defaults, confinement)
     router = APIRouter()
     for name, cls in ENDPOINTS.items():
-        router.add_api_route(f"/v1/{name}", api.endpoint(cls), methods=["POST"], include_in_schema=True,
-                             summary=cls.summary)
-        router.add_api_route(f"/v1/{name}", _wrong_method(f"/v1/{name}", "POST"),
-                             methods=[m for m in _METHODS if m != "POST"], include_in_schema=False)
-        router.add_api_route(f"/v1/{name}/{{rest:path}}", _unknown, methods=_METHODS, include_in_schema=False)
-    router.add_api_route("/v1/health", api.health, methods=["GET"], summary="the server and its job queue")
-    router.add_api_route("/v1/health", _wrong_method("/v1/health", "GET"),
-                         methods=[m for m in _METHODS if m != "GET"], include_in_schema=False)
+        router.add_api_route(
+            f"/v1/{name}",
+            api.endpoint(cls),
+            methods=["POST"],
+            include_in_schema=True,
+            summary=cls.summary,
+        )
+        router.add_api_route(
+            f"/v1/{name}",
+            _wrong_method(f"/v1/{name}", "POST"),
+            methods=[m for m in _METHODS if m != "POST"],
+            include_in_schema=False,
+        )
+        router.add_api_route(
+            f"/v1/{name}/{{rest:path}}", _unknown, methods=_METHODS, include_in_schema=False
+        )
+    router.add_api_route(
+        "/v1/health", api.health, methods=["GET"], summary="the server and its job queue"
+    )
+    router.add_api_route(
+        "/v1/health",
+        _wrong_method("/v1/health", "GET"),
+        methods=[m for m in _METHODS if m != "GET"],
+        include_in_schema=False,
+    )
     return router
 
 
@@ -99,7 +125,8 @@ class SterApi:
 
     # -- a job through the queue -------------------------------------------------------------------
     def spec(self, cls, body: dict) -> dict:
-        """The body as a job spec: its kind, the served model's settings the body leaves out (when it
+        """The body as a job spec: its kind, the served model's settings the body leaves out (when
+        it
         names no other model), then the body itself."""
         if "kind" in body:
             raise Refused(400, f"/v1/{cls.command[-1]} runs {cls.kind} jobs; drop the field 'kind'")
@@ -123,7 +150,9 @@ class SterApi:
     async def run_job(self, cls, body: dict) -> Response:
         spec = self.spec(cls, body)
         spelled = protocol.names(cls)
-        model = next((value for key, value in spec.items() if spelled.get(key, key) == "model"), None)
+        model = next(
+            (value for key, value in spec.items() if spelled.get(key, key) == "model"), None
+        )
         if isinstance(model, str):  # before validation, whose checks read the model's config.json
             self.confine(types.SimpleNamespace(model=model))
         try:
@@ -146,8 +175,11 @@ class SterApi:
             pending += lines
         if not pending and record["status"] != "done":
             raise Refused(status_of(job.request, record), record["error"])
-        return StreamingResponse(self._stream(job_id, cursor, pending, record), media_type=NDJSON,
-                                 headers={"x-ster-job": job_id})
+        return StreamingResponse(
+            self._stream(job_id, cursor, pending, record),
+            media_type=NDJSON,
+            headers={"x-ster-job": job_id},
+        )
 
     async def _poll(self, job_id: str, cursor: int) -> tuple[int, list[dict], dict | None]:
         reply = (await self._call(self.client.poll_many, {job_id: cursor}, POLL_S))[job_id]
@@ -163,7 +195,8 @@ class SterApi:
                 return
             cursor, pending, record = await self._poll(job_id, cursor)
 
-    # -- inspect: one small file, read in a thread ---------------------------------------------------
+    # -- inspect: one small file, read in a thread
+    # ---------------------------------------------------
     async def run_here(self, cls, body: dict) -> Response:
         try:
             request = protocol.parse_fields(cls, body, f"{' '.join(cls.command)} requests")
@@ -173,18 +206,38 @@ class SterApi:
         try:
             result = await self._call(ops.OPERATIONS[cls].run, request)
         except Refusal as refusal:
-            raise Refused(404 if names_missing_path(request, str(refusal)) else 400, str(refusal)) from None
-        return Response(_encode({"event": "result", "result": camel_keys(result)}), media_type=NDJSON)
+            raise Refused(
+                404 if names_missing_path(request, str(refusal)) else 400, str(refusal)
+            ) from None
+        return Response(
+            _encode({"event": "result", "result": camel_keys(result)}), media_type=NDJSON
+        )
 
-    # -- health ----------------------------------------------------------------------------------------
+    # -- health
+    # ----------------------------------------------------------------------------------------
     async def health(self) -> dict:
         stats = await self._call(self.client.stats)
-        queue = {key: stats[key] for key in ("queued", "jobs", "group_starts", "group_releases", "groups",
-                                             "journal_behind") if key in stats}
-        return {"status": "ok", "model": self.defaults.get("model"), "queue": camel_keys(_plain(queue))}
+        queue = {
+            key: stats[key]
+            for key in (
+                "queued",
+                "jobs",
+                "group_starts",
+                "group_releases",
+                "groups",
+                "journal_behind",
+            )
+            if key in stats
+        }
+        return {
+            "status": "ok",
+            "model": self.defaults.get("model"),
+            "queue": camel_keys(_plain(queue)),
+        }
 
 
-# -- bodies, events and answers ----------------------------------------------------------------------
+# -- bodies, events and answers
+# ----------------------------------------------------------------------
 class Refused(Exception):
     """An answer in the error envelope, before any stream began."""
 
@@ -198,7 +251,9 @@ class Refused(Exception):
 
 def envelope(status: int, message: str) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
+    )
 
 
 async def read_body(request: Request) -> dict:
@@ -206,17 +261,28 @@ async def read_body(request: Request) -> dict:
     try:
         body = json.loads(raw)
     except UnicodeDecodeError:
-        raise Refused(400, "the request body is not UTF-8 text; send a JSON object of fields") from None
+        raise Refused(
+            400, "the request body is not UTF-8 text; send a JSON object of fields"
+        ) from None
     except json.JSONDecodeError as exc:
-        raise Refused(400, f"the request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}; "
-                           "send a JSON object of fields") from None
+        raise Refused(
+            400,
+            f"the request body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}; "
+            "send a JSON object of fields",
+        ) from None
     except RecursionError:  # json.loads' own depth limit, reached by a body of ordinary size
-        raise Refused(400, "the request body's arrays or objects nest too deeply to be read; flatten it") from None
+        raise Refused(
+            400, "the request body's arrays or objects nest too deeply to be read; flatten it"
+        ) from None
     except ValueError as exc:  # an integer of over 4300 digits
-        raise Refused(400, f"the request body holds a number too long to read "
-                           f"({str(exc).split(';')[0][:100]})") from None
+        raise Refused(
+            400,
+            f"the request body holds a number too long to read ({str(exc).split(';')[0][:100]})",
+        ) from None
     if not isinstance(body, dict):
-        raise Refused(400, f"the request body must be a JSON object of fields, got {kind_of_value(body)}")
+        raise Refused(
+            400, f"the request body must be a JSON object of fields, got {kind_of_value(body)}"
+        )
     return body
 
 
@@ -230,8 +296,15 @@ def event_line(event: dict) -> dict | None:
         if not event.get("notice"):
             return None
         return {"event": "log", "message": event.get("message", ""), "time": event.get("time")}
-    extra = {k: v for k, v in event.items() if k not in ("event", "message", "time", "job", "traceback")}
-    return {"event": "log", "message": event.get("message", ""), "time": event.get("time"), **camel_keys(extra)}
+    extra = {
+        k: v for k, v in event.items() if k not in ("event", "message", "time", "job", "traceback")
+    }
+    return {
+        "event": "log",
+        "message": event.get("message", ""),
+        "time": event.get("time"),
+        **camel_keys(extra),
+    }
 
 
 def result_line(record: dict) -> dict:
@@ -266,7 +339,13 @@ def names_missing_path(request, message: str) -> bool:
     counted only when it looks like a local path (a Hub id is no file here either)."""
     for name in (*INPUT_FIELDS, "artifact"):
         value = getattr(request, name, None)
-        if not isinstance(value, str) or not value or value == "-" or value not in message or os.path.exists(value):
+        if (
+            not isinstance(value, str)
+            or not value
+            or value == "-"
+            or value not in message
+            or os.path.exists(value)
+        ):
             continue
         if name != "model" or os.path.isabs(value) or os.path.isdir(os.path.dirname(value) or "."):
             return True
@@ -274,10 +353,13 @@ def names_missing_path(request, message: str) -> bool:
 
 
 def camel_keys(value):
-    """Mapping keys that are snake_case identifiers in camelCase, at every depth; values untouched."""
+    """Mapping keys that are snake_case identifiers in camelCase, at every depth; values
+    untouched."""
     if isinstance(value, dict):
-        return {(protocol.camel(k) if isinstance(k, str) and _SNAKE.fullmatch(k) else k): camel_keys(v)
-                for k, v in value.items()}
+        return {
+            (protocol.camel(k) if isinstance(k, str) and _SNAKE.fullmatch(k) else k): camel_keys(v)
+            for k, v in value.items()
+        }
     if isinstance(value, list):
         return [camel_keys(v) for v in value]
     return value
@@ -292,8 +374,12 @@ def _encode(line: dict) -> bytes:
 
 
 async def _unknown(request: Request) -> JSONResponse:
-    return envelope(404, f"no endpoint {request.url.path} in Ster's serve API; the endpoints are "
-                         + ", ".join(f"/v1/{name}" for name in ENDPOINTS) + " and /v1/health")
+    return envelope(
+        404,
+        f"no endpoint {request.url.path} in Ster's serve API; the endpoints are "
+        + ", ".join(f"/v1/{name}" for name in ENDPOINTS)
+        + " and /v1/health",
+    )
 
 
 def _wrong_method(path: str, method: str):

@@ -55,24 +55,36 @@ def router(state) -> APIRouter:
 
 def _served(state, model: str | None) -> None:
     if model is not None and model not in state.models():
-        raise not_found(f"The model `{model}` does not exist; this server serves: {', '.join(state.models())}",
-                        param="model", code="model_not_found")
+        raise not_found(
+            f"The model `{model}` does not exist; this server serves: {', '.join(state.models())}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _tokenize(state, body: TokenizeRequest) -> dict:
     tokenizer = state.session.tokenizer
     if (body.prompt is None) == (body.messages is None):
-        raise bad_request("give exactly one of 'prompt' (a text) or 'messages' (a chat)", param="prompt")
+        raise bad_request(
+            "give exactly one of 'prompt' (a text) or 'messages' (a chat)", param="prompt"
+        )
     if body.prompt is not None:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         if not tokenizer.has_chat_template:
-            raise bad_request(f"{state.request.model} has no chat template, so chat messages cannot be rendered; "
-                              "send the text as 'prompt'", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+            raise bad_request(
+                f"{state.request.model} has no chat template, so chat messages cannot be rendered; "
+                "send the text as 'prompt'",
+                param="messages",
+            )
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in body.messages
+        ]
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt
+            )
         except Refusal as exc:
             raise bad_request(str(exc), param="messages") from None
     return {"count": len(ids), "max_model_len": state.session.cfg.max_position, "tokens": ids}

@@ -1,4 +1,5 @@
-"""A checkpoint's weights fingerprint: what a steering artifact records of the model it was fitted on,
+"""A checkpoint's weights fingerprint: what a steering artifact records of the model it was fitted
+on,
 so it is matched to a model by its weights' layout, not by the text of a path.
 
 The fingerprint is a SHA-256 over the config (less the keys that only say how or where it was
@@ -16,16 +17,26 @@ import json
 from ster_dist.shard.safetensors_header import read_header
 
 # config keys that record how or where a file was written, not what the model is
-_COSMETIC = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash", "use_cache",
-             "auto_map")
+_COSMETIC = (
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_commit_hash",
+    "use_cache",
+    "auto_map",
+)
 _cache: dict[tuple, str | None] = {}
 
 
 def weights_fingerprint(checkpoint) -> str | None:
-    """"sha256:HEX" of a resolved Checkpoint's config and tensor layout, or None for a GGUF file."""
+    """ "sha256:HEX" of a resolved Checkpoint's config and tensor layout, or None for a GGUF file."""
     if checkpoint.weight_format == "gguf" or not checkpoint.weight_files:
         return None
-    stamp = tuple((str(path), path.stat().st_mtime_ns, path.stat().st_size) for path in checkpoint.weight_files)
+    stamp = tuple(
+        (str(path), path.stat().st_mtime_ns, path.stat().st_size)
+        for path in checkpoint.weight_files
+    )
     key = (str(checkpoint.config_path), stamp)
     if key not in _cache:
         tensors = []
@@ -33,6 +44,8 @@ def weights_fingerprint(checkpoint) -> str | None:
             for name, entry in read_header(path).tensors.items():
                 tensors.append([name, list(entry["shape"]), entry["dtype"]])
         config = {k: v for k, v in (checkpoint.raw_config or {}).items() if k not in _COSMETIC}
-        document = json.dumps({"config": config, "tensors": sorted(tensors)}, sort_keys=True, default=str)
+        document = json.dumps(
+            {"config": config, "tensors": sorted(tensors)}, sort_keys=True, default=str
+        )
         _cache[key] = "sha256:" + hashlib.sha256(document.encode()).hexdigest()
     return _cache[key]

@@ -1,4 +1,5 @@
-"""What one rank of a tp x ep run holds and reads, from a checkpoint's tensor names, dtypes and shapes
+"""What one rank of a tp x ep run holds and reads, from a checkpoint's tensor names, dtypes and
+shapes
 alone (its safetensors headers): no weight byte is read.
 
 The rank's decoder is built on the meta device with that rank's ParallelCtx and the real shard plan
@@ -7,8 +8,10 @@ the loader's, not a formula's: parameter bytes are what the rank allocates (at t
 vocabulary padding included), read bytes are the windows its pieces read, in the files' dtypes.
 
 Some checkpoint tensors are set aside or renamed before the plan sees them:
-- multi-token-prediction layers (config `num_nextn_predict_layers`, a wrapper's text_config's too: where the
-  family stores them, `model.layers.{N..}` past the decoder's layers or MiMo's `model.mtp_layers.{k}`), which
+- multi-token-prediction layers (config `num_nextn_predict_layers`, a wrapper's text_config's too:
+  where the
+  family stores them, `model.layers.{N..}` past the decoder's layers or MiMo's
+  `model.mtp_layers.{k}`), which
   plain decoding never reads; they are counted apart;
 - FP8 scales (`X.weight_scale_inv` beside a float8 `X.weight` for quant_method fp8, `X.weight_scale`
   for compressed-tensors): a rank reads exactly the scale entries whose blocks cover its slices of
@@ -47,13 +50,19 @@ from ster_dist.shard.safetensors_header import DTYPES
 class Tensor:
     """One checkpoint tensor as its header states it."""
 
-    dtype: str  # the safetensors tag (BF16, F8_E4M3, F32, ...) or a GGUF block type (Q4_1, Q8_0, F32, ...)
+    # the safetensors tag (BF16, F8_E4M3, F32, ...) or a GGUF block type (Q4_1, Q8_0, F32, ...)
+    dtype: str
     shape: tuple[int, ...]
-    stored_bytes: int | None = None  # a GGUF tensor's bytes as stored (blocks of values and their scales)
+    # a GGUF tensor's bytes as stored (blocks of values and their scales)
+    stored_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.stored_bytes if self.stored_bytes is not None else self.bytes_of(math.prod(self.shape))
+        return (
+            self.stored_bytes
+            if self.stored_bytes is not None
+            else self.bytes_of(math.prod(self.shape))
+        )
 
     def bytes_of(self, elements: int) -> int:
         """Bytes a window of `elements` values reads: a GGUF tensor's at its blocks' bytes per value
@@ -65,16 +74,19 @@ class Tensor:
 
 @dataclass(frozen=True)
 class CheckpointTensors:
-    """A checkpoint's tensors sorted into what the plan reads, scales, set-aside tensors and MTP layers."""
+    """A checkpoint's tensors sorted into what the plan reads, scales, set-aside tensors and MTP
+    layers."""
 
     planned: dict[str, Tensor]
     scales: dict[str, str]  # an FP8 weight's name -> its scale tensor's name
-    mtp: tuple[str, ...]    # multi-token-prediction tensors, never read by plain decoding
+    mtp: tuple[str, ...]  # multi-token-prediction tensors, never read by plain decoding
     block: tuple[int, int] | None  # FP8 weight_block_size (rows, columns) of quant_method fp8
     tensors: dict[str, Tensor]
     method: str | None = None  # the quantization: fp8, mxfp4, compressed-tensors
-    scale_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # FP8 weight -> block one scale covers
-    packed: dict[str, tuple[str, str]] = field(default_factory=dict)  # MXFP4: X -> (X_blocks, X_scales)
+    # FP8 weight -> block one scale covers
+    scale_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # MXFP4: X -> (X_blocks, X_scales)
+    packed: dict[str, tuple[str, str]] = field(default_factory=dict)
     unread: tuple[str, ...] = ()  # activation scales: stated by the checkpoint, never read
 
 
@@ -83,22 +95,32 @@ class RankFootprint:
     rank: int
     tp_rank: int
     ep_rank: int
-    parameter_bytes: int     # what the rank allocates for its parameters at the compute dtype (kept FP8 as FP8)
-    read_bytes: int          # what it reads from the files (weights and scales), in the files' dtypes
-    scale_bytes: int         # of which FP8 scales or MXFP4 exponents
+    # what the rank allocates for its parameters at the compute dtype (kept FP8 as FP8)
+    parameter_bytes: int
+    # what it reads from the files (weights and scales), in the files' dtypes
+    read_bytes: int
+    scale_bytes: int  # of which FP8 scales or MXFP4 exponents
     kv_bytes_per_token: int  # its paged KV cache per token, all layers, at the compute dtype
-    state_bytes_per_sequence: int = 0  # one sequence's recurrent state (Mamba, delta rule, ...), all layers
+    # one sequence's recurrent state (Mamba, delta rule, ...), all layers
+    state_bytes_per_sequence: int = 0
     pp_rank: int = 0
     layers: tuple[int, int] = (0, 0)  # [start, end) of the layers its pipeline stage holds
 
 
 def sort_tensors(cfg: ModelConfig, tensors: dict[str, Tensor]) -> CheckpointTensors:
-    """The tensors sorted by cfg.quant (config_quant.py has already refused a quantization that does not load)."""
+    """The tensors sorted by cfg.quant (config_quant.py has already refused a quantization that does
+    not load)."""
     quant = cfg.quant
-    mtp_pattern = mtp_layer_pattern(cfg)  # the config's count (a wrapper's text_config's), where the family stores them
+    # the config's count (a wrapper's text_config's), where the family stores them
+    mtp_pattern = mtp_layer_pattern(cfg)
     planned, scales, blocks, mtp, unread = {}, {}, {}, [], []
-    packed = mxfp4.packed_pairs({n: t.shape for n, t in tensors.items()}, {n: t.dtype for n, t in tensors.items()}) \
-        if isinstance(quant, Mxfp4) else {}
+    packed = (
+        mxfp4.packed_pairs(
+            {n: t.shape for n, t in tensors.items()}, {n: t.dtype for n, t in tensors.items()}
+        )
+        if isinstance(quant, Mxfp4)
+        else {}
+    )
     hidden = {n for pair in packed.values() for n in pair}
     suffix = quant.scale_suffix if isinstance(quant, (BlockFP8, CompressedFP8)) else None
     for name, tensor in tensors.items():
@@ -106,21 +128,36 @@ def sort_tensors(cfg: ModelConfig, tensors: dict[str, Tensor]) -> CheckpointTens
             mtp.append(name)
         elif name in hidden:
             continue
-        elif isinstance(quant, CompressedFP8) and quant.activations and name.endswith(ACTIVATION_SCALES):
+        elif (
+            isinstance(quant, CompressedFP8)
+            and quant.activations
+            and name.endswith(ACTIVATION_SCALES)
+        ):
             unread.append(name)
         elif suffix and name.endswith(suffix):
-            weight = name[:-len(suffix)]
+            weight = name[: -len(suffix)]
             if weight not in tensors or not tensors[weight].dtype.startswith("F8"):
-                raise Refusal(f"checkpoint tensor {name} scales no float8 tensor {weight}; "
-                              f"the checkpoint is not FP8-quantized as its config ({quant.method}) says")
+                raise Refusal(
+                    f"checkpoint tensor {name} scales no float8 tensor {weight}; "
+                    f"the checkpoint is not FP8-quantized as its config ({quant.method}) says"
+                )
             scales[weight] = name
             blocks[weight] = scale_block(quant, weight, tensors[weight].shape, tensor.shape)
         else:
             planned[name] = tensor
     for name, (blocks_name, _) in packed.items():
         planned[name] = Tensor("U8", mxfp4.presented_shape(tensors[blocks_name].shape))
-    return CheckpointTensors(planned, scales, tuple(sorted(mtp)), quant.block if isinstance(quant, BlockFP8) else None,
-                             tensors, quant.method if quant else None, blocks, packed, tuple(sorted(unread)))
+    return CheckpointTensors(
+        planned,
+        scales,
+        tuple(sorted(mtp)),
+        quant.block if isinstance(quant, BlockFP8) else None,
+        tensors,
+        quant.method if quant else None,
+        blocks,
+        packed,
+        tuple(sorted(unread)),
+    )
 
 
 def _extent(piece: Piece, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -137,20 +174,27 @@ def _extent(piece: Piece, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]
 
 
 def _packed_groups(name: str, extent: tuple[tuple[int, int], ...], inputs: int) -> int:
-    """How many 32-value groups (each 16 bytes and one exponent) a window [experts, inputs, rows] of MXFP4 X reads."""
+    """How many 32-value groups (each 16 bytes and one exponent) a window [experts, inputs, rows] of
+    MXFP4 X reads."""
     (e0, e1), (q0, q1), (p0, p1) = extent
     g0, g1 = mxfp4.check_window(name, inputs, q0, q1) if q1 > q0 else (0, 0)
     return max(0, e1 - e0) * max(0, p1 - p0) * (g1 - g0)
 
 
-def _scale_blocks(extents: list[tuple[tuple[int, int], ...]], scale: Tensor, block: tuple[int, int]) -> int:
+def _scale_blocks(
+    extents: list[tuple[tuple[int, int], ...]], scale: Tensor, block: tuple[int, int]
+) -> int:
     """How many scale entries cover the given windows of the weight (its last two dims blocked)."""
     if len(scale.shape) < len(extents[0]):  # one scale for the tensor, stored as [] or [1]
         return 1
 
     def blocked(extent):
         (r0, r1), (c0, c1) = extent[-2:]
-        return [*extent[:-2], (r0 // block[0], -(-r1 // block[0])), (c0 // block[1], -(-c1 // block[1]))]
+        return [
+            *extent[:-2],
+            (r0 // block[0], -(-r1 // block[0])),
+            (c0 // block[1], -(-c1 // block[1])),
+        ]
 
     spans = [blocked(e) for e in extents if all(b > a for a, b in e)]
     if len(spans) == 1:
@@ -161,27 +205,47 @@ def _scale_blocks(extents: list[tuple[tuple[int, int], ...]], scale: Tensor, blo
     return int(grid.sum())
 
 
-def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: ParallelCtx, dtype: torch.dtype,
-                   rank: int, keep_fp8: bool = False, matchers: dict | None = None) -> RankFootprint:
+def rank_footprint(
+    cfg: ModelConfig,
+    checkpoint: CheckpointTensors,
+    ctx: ParallelCtx,
+    dtype: torch.dtype,
+    rank: int,
+    keep_fp8: bool = False,
+    matchers: dict | None = None,
+) -> RankFootprint:
     model = meta_decoder(cfg, ctx, dtype)
     shards = module_shards(model)
     copies = tied_parameters(model)
     shapes = {name: t.shape for name, t in checkpoint.planned.items()}
-    plan = build_plan(cfg.spec, cfg, shards, shapes, tied_copies={name for _, _, name, _ in copies},
-                      elsewhere=model.elsewhere, matchers=matchers)
+    plan = build_plan(
+        cfg.spec,
+        cfg,
+        shards,
+        shapes,
+        tied_copies={name for _, _, name, _ in copies},
+        elsewhere=model.elsewhere,
+        matchers=matchers,
+    )
     missing = sorted(set(shards) - set(plan.expected))
     if missing:
-        raise Refusal(f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "
-                      "the weights lack tensors the config implies")
-    # one window serving interleaved parts is read once (the loader's rule): the windows read so far are kept for
-    # the sources read by more than one piece, a few among 45,000 (kept for all, they weigh on the collector)
+        raise Refusal(
+            f"parameter {missing[0]} is filled by no checkpoint tensor ({len(missing)} in all); "
+            "the weights lack tensors the config implies"
+        )
+    # one window serving interleaved parts is read once (the loader's rule): the windows read so far
+    # are kept for
+    # the sources read by more than one piece, a few among 45,000 (kept for all, they weigh on the
+    # collector)
     pieces_of: dict[str, int] = {}
     for r in plan.reads:
         pieces_of[r.source] = pieces_of.get(r.source, 0) + len(r.pieces)
     seen: set[tuple] = set()
     extents: dict[str, list] = {}
-    # the plan hands many tensors one Piece (every layer's expert e reads the same window of its own tensor):
-    # a piece's extent over a shape is worked out once, keyed by the piece's identity (the plan holds them all)
+    # the plan hands many tensors one Piece (every layer's expert e reads the same window of its own
+    # tensor):
+    # a piece's extent over a shape is worked out once, keyed by the piece's identity (the plan
+    # holds them all)
     extent_of: dict[tuple[int, tuple], tuple[tuple, int]] = {}
     read = packed_scales = 0
     for r in plan.reads:
@@ -208,32 +272,61 @@ def rank_footprint(cfg: ModelConfig, checkpoint: CheckpointTensors, ctx: Paralle
     scale_bytes = packed_scales
     for weight, windows in extents.items():
         scale = checkpoint.tensors[checkpoint.scales[weight]]
-        scale_bytes += _scale_blocks(windows, scale, checkpoint.scale_blocks[weight]) * DTYPES[scale.dtype].itemsize
+        scale_bytes += (
+            _scale_blocks(windows, scale, checkpoint.scale_blocks[weight])
+            * DTYPES[scale.dtype].itemsize
+        )
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    if keep_fp8:  # the loader's own choice of kept parameters: one byte an element, plus their scale groups
+    # the loader's own choice of kept parameters: one byte an element, plus their scale groups
+    if keep_fp8:
         tied = {name for _, _, name, _ in copies} | {owner for _, _, _, owner in copies}
         kept = kept_parameters(model, plan, shapes, set(checkpoint.scales), tied)
         for name, spans in kept.items():
             shape = shards[name].local_shape()
-            params += math.prod(shape) * (1 - dtype.itemsize) + kept_scale_bytes(spans, checkpoint.scale_blocks, shape)
-    return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, read + scale_bytes, scale_bytes,
-                         PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model), ctx.pp_rank,
-                         model.stage)
+            params += math.prod(shape) * (1 - dtype.itemsize) + kept_scale_bytes(
+                spans, checkpoint.scale_blocks, shape
+            )
+    return RankFootprint(
+        rank,
+        ctx.tp_rank,
+        ctx.ep_rank,
+        params,
+        read + scale_bytes,
+        scale_bytes,
+        PagedCache.block_bytes(model, 1, dtype),
+        PagedCache.state_bytes(model),
+        ctx.pp_rank,
+        model.stage,
+    )
 
 
-# a config's torch_dtype, as the checkpoint's weights are most often stored; anything else counts as bf16
+# a config's torch_dtype, as the checkpoint's weights are most often stored; anything else counts as
+# bf16
 STORED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def estimated_footprint(cfg: ModelConfig, ctx: ParallelCtx, dtype: torch.dtype, rank: int) -> RankFootprint:
+def estimated_footprint(
+    cfg: ModelConfig, ctx: ParallelCtx, dtype: torch.dtype, rank: int
+) -> RankFootprint:
     """What one rank holds, from the config alone (a directory with config.json and no weights): its
-    meta-device decoder's parameters and KV cache are the loader's (the same shard plan of every layer), while
-    what it would read is estimated as those parameters at the config's torch_dtype, there being no headers
+    meta-device decoder's parameters and KV cache are the loader's (the same shard plan of every
+    layer), while
+    what it would read is estimated as those parameters at the config's torch_dtype, there being no
+    headers
     to say how the weights are stored (a quantized checkpoint stores less)."""
     model = meta_decoder(cfg, ctx, dtype)
     stored = STORED_DTYPES.get(str(cfg.torch_dtype), torch.bfloat16).itemsize
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     values = sum(p.numel() for p in model.parameters())
-    return RankFootprint(rank, ctx.tp_rank, ctx.ep_rank, params, values * stored, 0,
-                         PagedCache.block_bytes(model, 1, dtype), PagedCache.state_bytes(model), ctx.pp_rank,
-                         model.stage)
+    return RankFootprint(
+        rank,
+        ctx.tp_rank,
+        ctx.ep_rank,
+        params,
+        values * stored,
+        0,
+        PagedCache.block_bytes(model, 1, dtype),
+        PagedCache.state_bytes(model),
+        ctx.pp_rank,
+        model.stage,
+    )

@@ -1,4 +1,5 @@
-"""Which rule of a family's spec owns a checkpoint tensor, by its name: the one matching the plan, the merge writer
+"""Which rule of a family's spec owns a checkpoint tensor, by its name: the one matching the plan,
+the merge writer
 and adapter placement all use, so they agree on it, and what follows from the name alone (Owner).
 """
 
@@ -13,9 +14,12 @@ from ster_dist.families.spec import FamilySpec, Rule, halved, target_name
 
 @dataclass(frozen=True)
 class Owner:
-    """A checkpoint name's rule and what follows from the name alone, the same on every rank: the matched
-    template's groups, the layer, the parameter the tensor fills first (where it belongs: a pipeline stage's
-    question), and for a rule with one target the parameter, the expert ({e}) or stacked row ({h}) it fills."""
+    """A checkpoint name's rule and what follows from the name alone, the same on every rank: the
+    matched
+    template's groups, the layer, the parameter the tensor fills first (where it belongs: a pipeline
+    stage's
+    question), and for a rule with one target the parameter, the expert ({e}) or stacked row ({h})
+    it fills."""
 
     rule: Rule
     groups: dict
@@ -27,27 +31,39 @@ class Owner:
 
 
 class NameMatcher:
-    """A checkpoint name -> the spec's first rule whose template matches it (trying the name with the
-    spec's optional prefix too), and whether the spec ignores the name. The plan, the merge writer and
+    """A checkpoint name -> the spec's first rule whose template matches it (trying the name with
+    the
+    spec's optional prefix too), and whether the spec ignores the name. The plan, the merge writer
+    and
     adapter placement all match names through it, so they agree on which rule owns a tensor.
 
-    Inside a text wrapper (`wrapper`, ModelConfig.wrapper) a name is matched as the text model's names
+    Inside a text wrapper (`wrapper`, ModelConfig.wrapper) a name is matched as the text model's
+    names
     for it (config_file.text_weight_names), and a tensor of the wrapper's towers is ignored. A name
     `set_aside` matches (the plan's multi-token-prediction layers) is ignored too."""
 
-    def __init__(self, spec: FamilySpec, wrapper: str | None = None, params: set[str] | None = None,
-                 set_aside: re.Pattern | None = None):
+    def __init__(
+        self,
+        spec: FamilySpec,
+        wrapper: str | None = None,
+        params: set[str] | None = None,
+        set_aside: re.Pattern | None = None,
+    ):
         self.spec = spec
         self.wrapper = wrapper
-        # the model's parameters, when known: a tensor two rules match goes to the one whose parameter the
+        # the model's parameters, when known: a tensor two rules match goes to the one whose
+        # parameter the
         # model has
         self.params = params
         self.set_aside = set_aside
-        # each rule with the literal its template ends in: a name not ending so cannot match it, which rules most
-        # rules out without running their patterns (45,000 names match against DeepSeek-V3's 42 rules)
+        # each rule with the literal its template ends in: a name not ending so cannot match it,
+        # which rules most
+        # rules out without running their patterns (45,000 names match against DeepSeek-V3's 42
+        # rules)
         self.rules = [(rule, rule.pattern, _literal_tail(rule.checkpoint)) for rule in spec.rules]
         self.ignore = [re.compile(p) for p in spec.ignore + (r".*rotary_emb\.inv_freq$",)]
-        # answers by name: `ster plan` asks one matcher for every rank whose parameters are the same names
+        # answers by name: `ster plan` asks one matcher for every rank whose parameters are the same
+        # names
         self._matched: dict[str, tuple[Rule, dict] | None] = {}
         self._ignored: dict[str, bool] = {}
         self._owners: dict[str, Owner | None] = {}
@@ -56,9 +72,12 @@ class NameMatcher:
         return text_weight_names(self.wrapper, name) if self.wrapper else [name]
 
     def match(self, name: str) -> tuple[Rule, dict] | None:
-        """The first rule matching `name`; given the model's parameters, the first whose parameter the model
-        has, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some layers and
-        the delta attention's in others; Granite 4.0's shared_mlp the dense feed-forward without experts)."""
+        """The first rule matching `name`; given the model's parameters, the first whose parameter
+        the model
+        has, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some
+        layers and
+        the delta attention's in others; Granite 4.0's shared_mlp the dense feed-forward without
+        experts)."""
         if name not in self._matched:
             self._matched[name] = self._match(name)
         return self._matched[name]
@@ -100,15 +119,19 @@ class NameMatcher:
     def ignored(self, name: str) -> bool:
         if name not in self._ignored:
             names = self._names(name)
-            self._ignored[name] = (not names or any(p.match(n) for n in names for p in self.ignore)
-                                   or (self.set_aside is not None and self.set_aside.match(name) is not None))
+            self._ignored[name] = (
+                not names
+                or any(p.match(n) for n in names for p in self.ignore)
+                or (self.set_aside is not None and self.set_aside.match(name) is not None)
+            )
         return self._ignored[name]
 
 
 def _literal_tail(template: str) -> str:
-    """What a checkpoint template ends in after its last placeholder ({i}, {e}, ...): every name it matches
+    """What a checkpoint template ends in after its last placeholder ({i}, {e}, ...): every name it
+    matches
     ends so (the whole template when it has none)."""
-    return template[template.rfind("}") + 1:]
+    return template[template.rfind("}") + 1 :]
 
 
 def _owner(rule: Rule, groups: dict) -> Owner:
@@ -124,7 +147,8 @@ def _owner(rule: Rule, groups: dict) -> Owner:
 
 
 def _first_target(rule: Rule, groups: dict) -> str:
-    """The (first) parameter a rule's tensor fills, its layer filled in: where the tensor belongs."""
+    """The (first) parameter a rule's tensor fills, its layer filled in: where the tensor
+    belongs."""
     target = rule.target
     template = target if isinstance(target, str) else target.parts[0]
     if not isinstance(template, str):  # a Fused part: (template, count)

@@ -46,7 +46,8 @@ class Read:
 @dataclass
 class Plan:
     reads: list[Read]
-    skipped: list[str]        # checkpoint tensors that hold no weights of this rank (ignored, tied, other rows)
+    # checkpoint tensors that hold no weights of this rank (ignored, tied, other rows)
+    skipped: list[str]
     expected: dict[str, int]  # param -> how many reads fill it
 
     def params(self) -> set[str]:
@@ -59,18 +60,24 @@ def size_of(name: str, cfg: ModelConfig, layer: int | None = None) -> int:
     if name.startswith("layer_"):
         return _layer_size(name, cfg, layer)
     return {
-        "one": 1, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-        "heads_per_kv": cfg.num_heads // cfg.num_kv_heads if cfg.num_kv_heads else 0, "intermediate": cfg.intermediate_size,
+        "one": 1,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "heads_per_kv": cfg.num_heads // cfg.num_kv_heads if cfg.num_kv_heads else 0,
+        "intermediate": cfg.intermediate_size,
         "head_dim": cfg.head_dim,
-        # the shared experts' width, for a fused shared gate/up (GraniteMoE shared's shared_mlp.input_linear)
+        # the shared experts' width, for a fused shared gate/up (GraniteMoE shared's
+        # shared_mlp.input_linear)
         "shared_intermediate": cfg.moe.shared_intermediate_size if cfg.moe is not None else 0,
-        # a Mamba layer's inner width, for its in_proj's x and z halves (the family's normalisation states it)
+        # a Mamba layer's inner width, for its in_proj's x and z halves (the family's normalisation
+        # states it)
         "mamba_intermediate": int(cfg.raw.get("mamba_intermediate_size") or 0),
     }[name]
 
 
 def _linear_size(name: str, cfg: ModelConfig) -> int:
-    """Sizes of gated delta-rule layers (Qwen3-Next's in_proj_qkvz and in_proj_ba group rows by key head)."""
+    """Sizes of gated delta-rule layers (Qwen3-Next's in_proj_qkvz and in_proj_ba group rows by key
+    head)."""
     raw = cfg.raw
     key_heads, value_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
     return {
@@ -85,7 +92,8 @@ def _linear_size(name: str, cfg: ModelConfig) -> int:
 
 def _layer_size(name: str, cfg: ModelConfig, layer: int | None) -> int:
     """Rows one key-value group of `layer` holds in a fused qkv_proj whose groups are the config's
-    num_key_value_heads while the layer's own key-value heads differ (MiMo-V2's sliding layers hold two per
+    num_key_value_heads while the layer's own key-value heads differ (MiMo-V2's sliding layers hold
+    two per
     group), so query, key and value rows are counted per layer, values at their own width."""
     if layer is None:
         raise ValueError(f"size {name} is per layer, and no layer was given")
@@ -93,7 +101,9 @@ def _layer_size(name: str, cfg: ModelConfig, layer: int | None) -> int:
     return {
         "layer_query_rows_per_group": cfg.heads(layer) // groups * cfg.head_dim,
         "layer_key_rows_per_group": cfg.kv_heads(layer) // groups * cfg.head_dim,
-        "layer_value_rows_per_group": cfg.kv_heads(layer) // groups * (cfg.value_head_dim or cfg.head_dim),
+        "layer_value_rows_per_group": cfg.kv_heads(layer)
+        // groups
+        * (cfg.value_head_dim or cfg.head_dim),
     }[name]
 
 
@@ -108,8 +118,9 @@ def _runs(units: list[int]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def fused_source_rows(layout: Fused, part: int, dest_rows: tuple[int, int], cfg: ModelConfig,
-                      layer: int | None = None) -> list[tuple[int, int, int]]:
+def fused_source_rows(
+    layout: Fused, part: int, dest_rows: tuple[int, int], cfg: ModelConfig, layer: int | None = None
+) -> list[tuple[int, int, int]]:
     """Source row runs (start, stop, destination row offset) for global rows of one fused part."""
     unit = size_of(layout.unit, cfg)
     counts = [size_of(c, cfg, layer) for _, c in layout.parts]
@@ -128,19 +139,28 @@ def fused_rows_total(layout: Fused, cfg: ModelConfig, layer: int | None = None) 
 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
-    """The tensors of the multi-token-prediction layers, where the family stores them (FamilySpec.mtp: DeepSeek-V3's
-    layer 61 after the decoder's, eh_proj, enorm, hnorm, shared_head and a whole decoder layer; MiMo's
-    model.mtp_layers.{k}), below a wrapper's prefix too: recognised, and never loaded for decoding."""
+    """The tensors of the multi-token-prediction layers, where the family stores them
+    (FamilySpec.mtp: DeepSeek-V3's
+    layer 61 after the decoder's, eh_proj, enorm, hnorm, shared_head and a whole decoder layer;
+    MiMo's
+    model.mtp_layers.{k}), below a wrapper's prefix too: recognised, and never loaded for
+    decoding."""
     if not cfg.mtp_layers:
         return None
     prefix = cfg.spec.mtp.prefix
     own = "{k}" in prefix  # numbered from 0 rather than after the decoder's layers
     indices = "|".join(str(k if own else cfg.num_layers + k) for k in range(cfg.mtp_layers))
-    stored = re.escape(prefix.removeprefix("model.")).replace(r"\{i\}", f"({indices})").replace(r"\{k\}", f"({indices})")
+    stored = (
+        re.escape(prefix.removeprefix("model."))
+        .replace(r"\{i\}", f"({indices})")
+        .replace(r"\{k\}", f"({indices})")
+    )
     return re.compile(rf"(.*\.)?{stored}")
 
 
-def _plain(rule: Rule, param: str, shard: Shard, shape: tuple[int, ...], stack: int | None) -> list[Piece] | None:
+def _plain(
+    rule: Rule, param: str, shard: Shard, shape: tuple[int, ...], stack: int | None
+) -> list[Piece] | None:
     """Pieces for a one-to-one tensor; None when this rank holds none of it."""
     t = rule.transposed
     if stack is not None:  # the source is row `stack` of the parameter
@@ -157,10 +177,15 @@ def _plain(rule: Rule, param: str, shard: Shard, shape: tuple[int, ...], stack: 
         window = slice(a, b)
         local = slice(dst, dst + b - a)
         if shard.dim == 0:
-            pieces.append(Piece(None, window, (local,), True) if t else Piece(window, None, (local,)))
+            pieces.append(
+                Piece(None, window, (local,), True) if t else Piece(window, None, (local,))
+            )
         else:
-            pieces.append(Piece(window, None, (slice(None), local), True) if t
-                          else Piece(None, window, (slice(None), local)))
+            pieces.append(
+                Piece(window, None, (slice(None), local), True)
+                if t
+                else Piece(None, window, (slice(None), local))
+            )
         dst += b - a
     return pieces
 
@@ -174,18 +199,25 @@ def _offset(shard: Shard, start: int) -> int:
     return total
 
 
-def _expert_read(name: str, shape: tuple[int, ...], param: str, shard: Shard, expert: int,
-                 pieces: dict) -> Read | None:
-    """One expert's tensor into its row of a stacked [local experts, ...] parameter; None: not this rank's.
-    `pieces`: the pieces made so far, by what they depend on: every layer's expert e reads the same window."""
+def _expert_read(
+    name: str, shape: tuple[int, ...], param: str, shard: Shard, expert: int, pieces: dict
+) -> Read | None:
+    """One expert's tensor into its row of a stacked [local experts, ...] parameter; None: not this
+    rank's.
+    `pieces`: the pieces made so far, by what they depend on: every layer's expert e reads the same
+    window."""
     if shard.experts is None:
-        raise Refusal(f"checkpoint tensor {name} is one expert's but {param} is not a stacked expert parameter; "
-                      "the family's name map is inconsistent")
+        raise Refusal(
+            f"checkpoint tensor {name} is one expert's but {param} is not a stacked expert parameter; "
+            "the family's name map is inconsistent"
+        )
     want = shard.global_shape[1:]
     if tuple(want) != shape or not 0 <= expert < shard.global_shape[0]:
-        raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
-                      f"{shard.global_shape[0]} experts of {list(want)} for {param}; the config and the weights "
-                      "disagree")
+        raise Refusal(
+            f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+            f"{shard.global_shape[0]} experts of {list(want)} for {param}; the config and the weights "
+            "disagree"
+        )
     e0, e1 = shard.experts
     if not e0 <= expert < e1:
         return None
@@ -193,15 +225,17 @@ def _expert_read(name: str, shape: tuple[int, ...], param: str, shard: Shard, ex
     if key not in pieces:
         window = [slice(None)] * len(shape)
         if shard.dim is not None:  # this rank's tensor-parallel share within the expert
-            (a, b), = shard.ranges
+            ((a, b),) = shard.ranges
             window[shard.dim - 1] = slice(a, b)
         pieces[key] = (Piece(None, None, (expert - e0,), window=tuple(window)),)
     return Read(name, param, pieces[key], stacked=True)
 
 
-def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | None,
-                   shards: dict[str, Shard]) -> tuple[list[Read], list[str]]:
-    """Reads of this rank's experts (and tensor-parallel share) out of one tensor holding every expert."""
+def _stacked_reads(
+    rule: Rule, name: str, shape: tuple[int, ...], layer: str | None, shards: dict[str, Shard]
+) -> tuple[list[Read], list[str]]:
+    """Reads of this rank's experts (and tensor-parallel share) out of one tensor holding every
+    expert."""
     layout: Stacked = rule.target
     n = len(layout.parts)
     reads, absent = [], []
@@ -219,18 +253,28 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
             inner = (per[1], p_total) if layout.transposed else (p_total, per[1])
             stored = (num * inner[0], inner[1]) if layout.flat else (num, *inner)
         if shape != stored:
-            raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
-                          f"{list(stored)} for {num} experts' {', '.join(layout.parts)}; the config and the "
-                          "weights disagree")
-        a, b = shard.ranges[0] if shard.dim == 1 else (0, per[0])  # this rank's output rows of each expert
+            raise Refusal(
+                f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                f"{list(stored)} for {num} experts' {', '.join(layout.parts)}; the config and the "
+                "weights disagree"
+            )
+        # this rank's output rows of each expert
+        a, b = shard.ranges[0] if shard.dim == 1 else (0, per[0])
         if layout.interleaved:
             p_window, take = slice(a * n, b * n), j
         else:
             p_window, take = slice(j * per[0] + a, j * per[0] + b), None
         e0, e1 = shard.experts
         if len(per) == 1:
-            pieces = [Piece(None, None, (slice(None),), window=(slice(e0, e1), p_window),
-                            take=None if take is None else (-1, take, n))]
+            pieces = [
+                Piece(
+                    None,
+                    None,
+                    (slice(None),),
+                    window=(slice(e0, e1), p_window),
+                    take=None if take is None else (-1, take, n),
+                )
+            ]
         else:
             q = slice(*shard.ranges[0]) if shard.dim == 2 else slice(0, per[1])
             within = (q, p_window) if layout.transposed else (p_window, q)
@@ -238,29 +282,61 @@ def _stacked_reads(rule: Rule, name: str, shape: tuple[int, ...], layer: str | N
             take_ = None if take is None else (p_axis, take, n)
             if layout.flat:  # [experts * rows, cols]: one window per expert
                 rows = inner[0]
-                pieces = [Piece(None, None, (e - e0,), layout.transposed,
-                                window=(slice(e * rows + within[0].start, e * rows + within[0].stop), within[1]),
-                                take=take_) for e in range(e0, e1)]
+                pieces = [
+                    Piece(
+                        None,
+                        None,
+                        (e - e0,),
+                        layout.transposed,
+                        window=(
+                            slice(e * rows + within[0].start, e * rows + within[0].stop),
+                            within[1],
+                        ),
+                        take=take_,
+                    )
+                    for e in range(e0, e1)
+                ]
             else:
-                pieces = [Piece(None, None, (slice(None),), layout.transposed, window=(slice(e0, e1), *within),
-                                take=take_)]
+                pieces = [
+                    Piece(
+                        None,
+                        None,
+                        (slice(None),),
+                        layout.transposed,
+                        window=(slice(e0, e1), *within),
+                        take=take_,
+                    )
+                ]
         reads.append(Read(name, param, tuple(pieces)))
     return reads, absent
 
 
-def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
-               shapes: dict[str, tuple[int, ...]], tied_copies: frozenset[str] | set[str] = frozenset(),
-               elsewhere: Callable[[str], bool] | None = None, matchers: dict | None = None) -> Plan:
-    """`tied_copies`: parameters that are tied copies of another (parallel/linear.py tie_parameters); a checkpoint
-    that stores their tensor too has it skipped, so the shared tensor is read once. `elsewhere(param)`: whether
-    a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped, never read.
-    `matchers`: NameMatchers by parameter names, kept by a caller planning several ranks, so ranks with the same
-    parameter names (every tensor-parallel rank) match each checkpoint name once between them, and work out its
-    rule's parameter names once (NameMatcher.owner): what is left per rank is its shards' arithmetic."""
+def build_plan(
+    spec: FamilySpec,
+    cfg: ModelConfig,
+    shards: dict[str, Shard],
+    shapes: dict[str, tuple[int, ...]],
+    tied_copies: frozenset[str] | set[str] = frozenset(),
+    elsewhere: Callable[[str], bool] | None = None,
+    matchers: dict | None = None,
+) -> Plan:
+    """`tied_copies`: parameters that are tied copies of another (parallel/linear.py
+    tie_parameters); a checkpoint
+    that stores their tensor too has it skipped, so the shared tensor is read once.
+    `elsewhere(param)`: whether
+    a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped,
+    never read.
+    `matchers`: NameMatchers by parameter names, kept by a caller planning several ranks, so ranks
+    with the same
+    parameter names (every tensor-parallel rank) match each checkpoint name once between them, and
+    work out its
+    rule's parameter names once (NameMatcher.owner): what is left per rank is its shards'
+    arithmetic."""
     params = frozenset(shards)
     matchers = {} if matchers is None else matchers
     matcher = matchers.get(params) or matchers.setdefault(
-        params, NameMatcher(spec, cfg.wrapper, set(params), set_aside=mtp_layer_pattern(cfg)))
+        params, NameMatcher(spec, cfg.wrapper, set(params), set_aside=mtp_layer_pattern(cfg))
+    )
     reads: list[Read] = []
     skipped: list[str] = []
     unmapped: list[str] = []
@@ -293,7 +369,9 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             if param not in shards:
                 absent.append(f"{name} (-> {param})")
                 continue
-            read = _expert_read(name, tuple(shape), param, shards[param], owner.expert, expert_pieces)
+            read = _expert_read(
+                name, tuple(shape), param, shards[param], owner.expert, expert_pieces
+            )
             if read is None:
                 skipped.append(name)  # another expert-parallel rank's expert: never read here
             else:
@@ -316,11 +394,14 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             stack = owner.row
             want = shard.global_shape[1:] if stack is not None else shard.global_shape
             got = tuple(reversed(shape)) if rule.transposed and len(shape) == 2 else tuple(shape)
-            if stack is None and got == (1, *want):  # a leading dimension of one (ERNIE's [1, experts] bias)
+            # a leading dimension of one (ERNIE's [1, experts] bias)
+            if stack is None and got == (1, *want):
                 got = got[1:]
             if tuple(want) != got:
-                raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
-                              f"{list(want)} for {param}; the config and the weights disagree")
+                raise Refusal(
+                    f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                    f"{list(want)} for {param}; the config and the weights disagree"
+                )
             pieces = _plain(rule, param, shard, shape, stack)
             if pieces is None:
                 skipped.append(name)
@@ -332,8 +413,10 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
         total = fused_rows_total(layout, cfg, layer_index)
         rows_dim = 1 if rule.transposed else 0
         if shape[rows_dim] != total or (len(shape) == 2 and shape[1 - rows_dim] != cfg.hidden_size):
-            raise Refusal(f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
-                          f"{total} fused rows of width {cfg.hidden_size}; the config and the weights disagree")
+            raise Refusal(
+                f"checkpoint tensor {name} has shape {list(shape)} but the config implies "
+                f"{total} fused rows of width {cfg.hidden_size}; the config and the weights disagree"
+            )
         if all(target_name(template, groups) in tied_copies for template, _ in layout.parts):
             skipped.append(name)  # a tied copy, as above
             continue
@@ -348,18 +431,25 @@ def build_plan(spec: FamilySpec, cfg: ModelConfig, shards: dict[str, Shard],
             for a, b in ranges:
                 for s, e, d in fused_source_rows(layout, index, (a, b), cfg, layer_index):
                     local = slice(dst + d, dst + d + e - s)
-                    pieces.append(Piece(None, slice(s, e), (local,), True) if rule.transposed
-                                  else Piece(slice(s, e), None, (local,)))
+                    pieces.append(
+                        Piece(None, slice(s, e), (local,), True)
+                        if rule.transposed
+                        else Piece(slice(s, e), None, (local,))
+                    )
                 dst += b - a
             reads.append(Read(name, param, tuple(pieces)))
     if unmapped:
-        raise Refusal(f"checkpoint tensor {unmapped[0]} is not mapped by the {spec.name} name map "
-                      f"({len(unmapped)} unmapped in all: {', '.join(unmapped[:5])}); "
-                      "this checkpoint's layout is not the family's")
+        raise Refusal(
+            f"checkpoint tensor {unmapped[0]} is not mapped by the {spec.name} name map "
+            f"({len(unmapped)} unmapped in all: {', '.join(unmapped[:5])}); "
+            "this checkpoint's layout is not the family's"
+        )
     if absent:
-        raise Refusal(f"checkpoint tensor {absent[0]} has no parameter in this model "
-                      f"({len(absent)} in all); the config turns that part off (a bias or norm?) but the "
-                      "weights carry it")
+        raise Refusal(
+            f"checkpoint tensor {absent[0]} has no parameter in this model "
+            f"({len(absent)} in all); the config turns that part off (a bias or norm?) but the "
+            "weights carry it"
+        )
     expected: dict[str, int] = {}
     for read in reads:
         expected[read.param] = expected.get(read.param, 0) + 1

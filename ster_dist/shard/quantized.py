@@ -1,4 +1,5 @@
-"""The source a quantized checkpoint is read through: its quantization's dequantizing TensorSource around
+"""The source a quantized checkpoint is read through: its quantization's dequantizing TensorSource
+around
 the file source, and the one note that activation schemes are not applied.
 """
 
@@ -20,8 +21,10 @@ def dequantizing(source: TensorSource, quant: Quantization, dtype: torch.dtype) 
     if isinstance(quant, Mxfp4):
         return Mxfp4Source(source, quant, dtype)
     if isinstance(quant, CompressedFP8) and quant.activations:
-        note = (f"compressed-tensors {', '.join(quant.activations)} quantization is not applied: the weights load "
-                f"dequantized to {str(dtype).removeprefix('torch.')} and run weight-only")
+        note = (
+            f"compressed-tensors {', '.join(quant.activations)} quantization is not applied: the weights load "
+            f"dequantized to {str(dtype).removeprefix('torch.')} and run weight-only"
+        )
         if note not in _said:
             _said.add(note)
             progress(note)

@@ -60,9 +60,13 @@ class SafetensorsSource:
             self._fds.append(fd)
             for entry in found:
                 if entry.name in self._entries:
-                    raise Refusal(f"tensor {entry.name} appears in two weight files (the second is {path}); "
-                                  "remove the duplicate shard")
-                self._entries[entry.name] = _Entry(fd, entry.offset, entry.shape, DTYPES[entry.dtype])
+                    raise Refusal(
+                        f"tensor {entry.name} appears in two weight files (the second is {path}); "
+                        "remove the duplicate shard"
+                    )
+                self._entries[entry.name] = _Entry(
+                    fd, entry.offset, entry.shape, DTYPES[entry.dtype]
+                )
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -76,19 +80,29 @@ class SafetensorsSource:
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         entry = self._entries[name]
         (r0, r1), (c0, c1) = self._window(entry, rows, cols)
-        shape = (r1 - r0, c1 - c0) if c1 is not None else ((r1 - r0, *entry.shape[1:]) if entry.shape else ())
+        shape = (
+            (r1 - r0, c1 - c0)
+            if c1 is not None
+            else ((r1 - r0, *entry.shape[1:]) if entry.shape else ())
+        )
         out = torch.empty(shape, dtype=entry.dtype)
         self._read(entry, out, r0, r1, c0, c1)
         return out
 
-    def read_into(self, name: str, out: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> bool:
+    def read_into(
+        self, name: str, out: torch.Tensor, rows: slice | None = None, cols: slice | None = None
+    ) -> bool:
         """Read straight into `out` (no temporary) when it is contiguous and of the stored dtype and
         shape; False when it is not, and the caller reads and converts instead."""
         entry = self._entries[name]
         if out.dtype != entry.dtype or not out.is_contiguous():
             return False
         (r0, r1), (c0, c1) = self._window(entry, rows, cols)
-        shape = (r1 - r0, c1 - c0) if c1 is not None else ((r1 - r0, *entry.shape[1:]) if entry.shape else ())
+        shape = (
+            (r1 - r0, c1 - c0)
+            if c1 is not None
+            else ((r1 - r0, *entry.shape[1:]) if entry.shape else ())
+        )
         if tuple(out.shape) != tuple(shape):
             return False
         self._read(entry, out, r0, r1, c0, c1)
@@ -109,7 +123,9 @@ class SafetensorsSource:
             return (r0, r1), (0, None)  # every column: whole rows, one read
         return (r0, r1), (c0, c1)
 
-    def _read(self, entry: _Entry, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int | None) -> None:
+    def _read(
+        self, entry: _Entry, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int | None
+    ) -> None:
         item = entry.dtype.itemsize
         row_bytes = math.prod(entry.shape[1:]) * item
         if c1 is None:
@@ -127,26 +143,35 @@ class SafetensorsSource:
         out = torch.empty([max(0, b - a) for a, b in bounds], dtype=entry.dtype)
         if out.numel() == 0:
             return out
-        # dimensions after `last` are read whole, so each run is contiguous: dim `last`'s range times them
+        # dimensions after `last` are read whole, so each run is contiguous: dim `last`'s range
+        # times them
         last = len(shape) - 1
         while last > 0 and bounds[last] == (0, shape[last]):
             last -= 1
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         run = (bounds[last][1] - bounds[last][0]) * strides[last]
         flat = out.view(-1)
         item = entry.dtype.itemsize
         for i, index in enumerate(itertools.product(*(range(a, b) for a, b in bounds[:last]))):
-            start = sum(c * strides[d] for d, c in enumerate(index)) + bounds[last][0] * strides[last]
-            self._pread(entry.fd, flat[i * run:(i + 1) * run], entry.offset + start * item)
+            start = (
+                sum(c * strides[d] for d, c in enumerate(index)) + bounds[last][0] * strides[last]
+            )
+            self._pread(entry.fd, flat[i * run : (i + 1) * run], entry.offset + start * item)
         return out
 
     def _pread(self, fd: int, out: torch.Tensor, offset: int) -> None:
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        view = (
+            memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            if out.numel()
+            else memoryview(b"")
+        )
         done, total = 0, len(view)
         while done < total:
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise Refusal(f"failed to read tensor data at byte {offset + done}: the file is truncated")
+                raise Refusal(
+                    f"failed to read tensor data at byte {offset + done}: the file is truncated"
+                )
             done += n
         self.bytes_read += total
 

@@ -1,4 +1,5 @@
-"""The merge writer: the shard plan walked backwards, and safetensors shards written tensor by tensor.
+"""The merge writer: the shard plan walked backwards, and safetensors shards written tensor by
+tensor.
 
 `placements` answers the inverse of the loader's question: for a decoder parameter, which
 checkpoint tensor holds its rows and which rows they are. It reads the same FamilySpec rules
@@ -44,12 +45,16 @@ class Placement:
     """Where a decoder parameter's rows live in the checkpoint."""
 
     tensor: str
-    runs: tuple[tuple[int, int, int], ...] | None  # (tensor row start, stop, parameter row offset); None: all
+    # (tensor row start, stop, parameter row offset); None: all
+    runs: tuple[tuple[int, int, int], ...] | None
     transposed: bool = False  # stored inputs-first: the parameter's rows are the tensor's columns
 
 
-def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set[str]) -> dict[str, Placement]:
-    """The placement of each of `params` among the checkpoint tensor `names` (absent when none holds it)."""
+def placements(
+    spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set[str]
+) -> dict[str, Placement]:
+    """The placement of each of `params` among the checkpoint tensor `names` (absent when none holds
+    it)."""
     matcher = NameMatcher(spec, cfg.wrapper, params)
     out: dict[str, Placement] = {}
     for name in names:
@@ -72,12 +77,15 @@ def placements(spec: FamilySpec, cfg: ModelConfig, names: list[str], params: set
             param = target_name(template, groups)
             if param in params:
                 rows = (0, part_rows(layout, count, cfg, layer))
-                out[param] = Placement(name, tuple(fused_source_rows(layout, index, rows, cfg, layer)), rule.transposed)
+                out[param] = Placement(
+                    name, tuple(fused_source_rows(layout, index, rows, cfg, layer)), rule.transposed
+                )
     return out
 
 
 def part_rows(layout: Fused, count: str, cfg: ModelConfig, layer: int | None = None) -> int:
-    """Global rows of one part of a fused tensor (of `layer`, where its parts differ from layer to layer)."""
+    """Global rows of one part of a fused tensor (of `layer`, where its parts differ from layer to
+    layer)."""
     return size_of(layout.groups, cfg) * size_of(count, cfg, layer) * size_of(layout.unit, cfg)
 
 
@@ -96,10 +104,10 @@ class OutTensor:
     """One tensor of an output shard: where its bytes come from, and what is added to it."""
 
     name: str
-    dtype: str                 # safetensors dtype name, the source's
+    dtype: str  # safetensors dtype name, the source's
     shape: tuple[int, ...]
-    file: str                  # the source weight file
-    offset: int                # absolute byte offset of its data there
+    file: str  # the source weight file
+    offset: int  # absolute byte offset of its data there
     nbytes: int
     transposed: bool = False
     updates: tuple[Update, ...] = ()
@@ -125,7 +133,8 @@ def shard_names(count: int, stem: str = "model") -> list[str]:
 
 
 def shard_header(tensors: list[OutTensor]) -> bytes:
-    """The safetensors header of a shard holding `tensors` in order, with Transformers' format tag."""
+    """The safetensors header of a shard holding `tensors` in order, with Transformers' format
+    tag."""
     return header_bytes(((t.name, t.dtype, t.shape) for t in tensors), {"format": "pt"})
 
 
@@ -135,14 +144,16 @@ def shard_size(tensors: list[OutTensor]) -> int:
 
 def write_shard(path: Path, tensors: list[OutTensor], durable: bool = True) -> int:
     """Write one shard at `path` (beside it, renamed when whole); returns the bytes written.
-    `durable`: fsync before the rename, so a shard renamed into place is a whole shard even after a crash."""
+    `durable`: fsync before the rename, so a shard renamed into place is a whole shard even after a
+    crash."""
     _return_large_blocks()
     sources = sorted({t.file for t in tensors if t.updates})
     reader = SafetensorsSource([Path(f) for f in sources]) if sources else None
     inputs: dict[str, int] = {}
     try:
         with replacing(path, binary=True, durable=durable) as handle, one_thread():
-            fd = handle.fileno()  # raw writes and copy_file_range only: the handle's buffer stays empty
+            # raw writes and copy_file_range only: the handle's buffer stays empty
+            fd = handle.fileno()
             written = _write_all(fd, shard_header(tensors))
             for tensor in tensors:
                 if tensor.updates:
@@ -170,13 +181,15 @@ def merged_blocks(reader: SafetensorsSource, tensor: OutTensor):
     """
     dtype = DTYPES[tensor.dtype]
     if len(tensor.shape) != 2:
-        raise ValueError(f"low-rank updates apply to matrices; {tensor.name} has shape {list(tensor.shape)}")
+        raise ValueError(
+            f"low-rank updates apply to matrices; {tensor.name} has shape {list(tensor.shape)}"
+        )
     if tensor.transposed:
         weight = reader.read(tensor.name).float()
         for update in tensor.updates:
             delta = (update.b @ update.a) * update.scale
             for t0, t1, d in update.runs or ((0, delta.shape[0], 0),):
-                weight[:, t0:t1] += delta[d:d + t1 - t0].t()
+                weight[:, t0:t1] += delta[d : d + t1 - t0].t()
         yield _as_bytes(weight.to(dtype))
         return
     rows, cols = tensor.shape
@@ -194,8 +207,9 @@ def merged_blocks(reader: SafetensorsSource, tensor: OutTensor):
                 x0, x1 = max(t0, r0), min(t1, r1)
                 if x0 < x1:
                     part = delta[: x1 - x0]
-                    torch.matmul(update.b[d + x0 - t0:d + x1 - t0], update.a, out=part)
-                    weight[x0 - r0:x1 - r0] += part.mul_(update.scale)  # (b @ a) * scale, as PEFT computes it
+                    torch.matmul(update.b[d + x0 - t0 : d + x1 - t0], update.a, out=part)
+                    # (b @ a) * scale, as PEFT computes it
+                    weight[x0 - r0 : x1 - r0] += part.mul_(update.scale)
         yield _as_bytes(weight if narrow is None else narrow[: r1 - r0].copy_(weight))
 
 
@@ -239,20 +253,24 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 def _write_all(fd: int, data) -> int:
     view = memoryview(data).cast("B")
     done = 0
-    while done < len(view):  # in 1 MB writes: single writes of tens of MB ran 6x slower on ext4 (measured)
-        done += os.write(fd, view[done:done + _WRITE_CHUNK])
+    # in 1 MB writes: single writes of tens of MB ran 6x slower on ext4 (measured)
+    while done < len(view):
+        done += os.write(fd, view[done : done + _WRITE_CHUNK])
     return done
 
 
 def copy_range(src: int, offset: int, count: int, dst: int) -> int:
-    """Append count bytes of src from offset to dst: in the kernel when it can, else in 16 MB chunks."""
+    """Append count bytes of src from offset to dst: in the kernel when it can, else in 16 MB
+    chunks."""
     done = 0
     if hasattr(os, "copy_file_range"):
         try:
             while done < count:
                 n = os.copy_file_range(src, dst, count - done, offset + done)
                 if n <= 0:
-                    raise Refusal(f"a weight file ended {count - done} bytes early; the checkpoint is truncated")
+                    raise Refusal(
+                        f"a weight file ended {count - done} bytes early; the checkpoint is truncated"
+                    )
                 done += n
             return done
         except OSError as exc:
@@ -261,6 +279,8 @@ def copy_range(src: int, offset: int, count: int, dst: int) -> int:
     while done < count:  # file systems without copy_file_range
         chunk = os.pread(src, min(_COPY_CHUNK, count - done), offset + done)
         if not chunk:
-            raise Refusal(f"a weight file ended {count - done} bytes early; the checkpoint is truncated")
+            raise Refusal(
+                f"a weight file ended {count - done} bytes early; the checkpoint is truncated"
+            )
         done += _write_all(dst, chunk)
     return done

@@ -1,6 +1,7 @@
 """Ster's steering artifact, schema 1: a model-bound set of unit directions, one per layer.
 
-Wire shape (compact JSON, byte for byte as Ster writes it, floats as f32: ster_json): schema_version,
+Wire shape (compact JSON, byte for byte as Ster writes it, floats as f32: ster_json):
+schema_version,
 product "ster", model (the --model string it was fitted with), model_revision, trait_name, method,
 hidden_size, vectors [{layer, values, train_margin, train_accuracy}], metadata (string to string),
 precision, chat_template (applied / absent / off: how its pairs were encoded). precision and
@@ -71,18 +72,26 @@ class SteeringArtifact:
     # -- checks ---------------------------------------------------------------
     def validate(self) -> SteeringArtifact:
         if self.schema_version != SCHEMA_VERSION:
-            raise Refusal(f"artifact schema {self.schema_version} is unsupported; this Ster build reads schema "
-                          f"{SCHEMA_VERSION}: retrain the vector with this build")
+            raise Refusal(
+                f"artifact schema {self.schema_version} is unsupported; this Ster build reads schema "
+                f"{SCHEMA_VERSION}: retrain the vector with this build"
+            )
         if self.product != PRODUCT:
-            raise Refusal(f'artifact belongs to product "{self.product}", not Ster: supply a Ster steering artifact')
+            raise Refusal(
+                f'artifact belongs to product "{self.product}", not Ster: supply a Ster steering artifact'
+            )
         if self.hidden_size <= 0 or not self.vectors:
             raise Refusal("artifact has no steering vectors: retrain it")
         for vector in self.vectors:
             if vector.values.numel() != self.hidden_size:
-                raise Refusal(f"layer {vector.layer} has vector width {vector.values.numel()}, expected "
-                              f"{self.hidden_size}: restore the untampered file or retrain")
+                raise Refusal(
+                    f"layer {vector.layer} has vector width {vector.values.numel()}, expected "
+                    f"{self.hidden_size}: restore the untampered file or retrain"
+                )
             if not bool(vector.values.isfinite().all()):
-                raise Refusal(f"layer {vector.layer} contains a non-finite value: retrain it; do not apply it")
+                raise Refusal(
+                    f"layer {vector.layer} contains a non-finite value: retrain it; do not apply it"
+                )
         return self
 
     @property
@@ -93,28 +102,53 @@ class SteeringArtifact:
     def to_json(self) -> dict:
         """Ster's field order (schema 1, then the newer precision and chat_template); every float an
         F32, so the text is the one Ster writes (ster_json)."""
-        return {"schema_version": self.schema_version, "product": self.product, "model": self.model,
-                "model_revision": self.model_revision, "trait_name": self.trait_name, "method": self.method,
-                "hidden_size": self.hidden_size,
-                "vectors": [{"layer": v.layer, "values": [F32(x) for x in v.values.float().tolist()],
-                             "train_margin": F32(v.train_margin), "train_accuracy": F32(v.train_accuracy)}
-                            for v in self.vectors],
-                "metadata": dict(self.metadata), "precision": self.precision, "chat_template": self.chat_template}
+        return {
+            "schema_version": self.schema_version,
+            "product": self.product,
+            "model": self.model,
+            "model_revision": self.model_revision,
+            "trait_name": self.trait_name,
+            "method": self.method,
+            "hidden_size": self.hidden_size,
+            "vectors": [
+                {
+                    "layer": v.layer,
+                    "values": [F32(x) for x in v.values.float().tolist()],
+                    "train_margin": F32(v.train_margin),
+                    "train_accuracy": F32(v.train_accuracy),
+                }
+                for v in self.vectors
+            ],
+            "metadata": dict(self.metadata),
+            "precision": self.precision,
+            "chat_template": self.chat_template,
+        }
 
     @classmethod
     def from_json(cls, data, where: str) -> SteeringArtifact:
         def bad(why: str):
-            return Refusal(f"invalid steering artifact JSON in {where}: {why}; regenerate it against schema 1")
+            return Refusal(
+                f"invalid steering artifact JSON in {where}: {why}; regenerate it against schema 1"
+            )
 
         if not isinstance(data, dict):
             raise bad("not a JSON object")
-        required = ("schema_version", "product", "model", "trait_name", "method", "hidden_size", "vectors")
+        required = (
+            "schema_version",
+            "product",
+            "model",
+            "trait_name",
+            "method",
+            "hidden_size",
+            "vectors",
+        )
         missing = [k for k in required if k not in data]
         if missing:
             raise bad(f"missing field {missing[0]}")
         if not isinstance(data["schema_version"], int) or isinstance(data["schema_version"], bool):
             raise bad("schema_version must be an integer")
-        if data["schema_version"] != SCHEMA_VERSION:  # say the version before any other shape complaint
+        # say the version before any other shape complaint
+        if data["schema_version"] != SCHEMA_VERSION:
             cls._version_refusal(data["schema_version"])
         for key in ("product", "model", "trait_name", "method"):
             if not isinstance(data[key], str):
@@ -132,34 +166,72 @@ class SteeringArtifact:
         vectors = []
         for entry in data["vectors"]:
             values = entry.get("values") if isinstance(entry, dict) else None
-            if (not isinstance(entry, dict) or not isinstance(entry.get("layer"), int) or entry["layer"] < 0
-                    or not isinstance(values, list)
-                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)):
-                raise bad("every vector needs a 0-based integer layer and a list of numbers in values")
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("layer"), int)
+                or entry["layer"] < 0
+                or not isinstance(values, list)
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)
+            ):
+                raise bad(
+                    "every vector needs a 0-based integer layer and a list of numbers in values"
+                )
             try:
                 accuracy, margin = float(entry["train_accuracy"]), float(entry["train_margin"])
             except (KeyError, TypeError, ValueError):
-                raise bad(f"vector at layer {entry['layer']} needs numeric train_accuracy and train_margin") from None
-            vectors.append(Direction(entry["layer"], torch.tensor(values, dtype=torch.float32), accuracy, margin))
-        return cls(model=data["model"], model_revision=data.get("model_revision"), trait_name=data["trait_name"],
-                   method=data["method"], hidden_size=data["hidden_size"], vectors=vectors,
-                   precision=data.get("precision"), chat_template=data.get("chat_template"),
-                   metadata=dict(metadata), schema_version=data["schema_version"], product=data["product"]).validate()
+                raise bad(
+                    f"vector at layer {entry['layer']} needs numeric train_accuracy and train_margin"
+                ) from None
+            vectors.append(
+                Direction(
+                    entry["layer"], torch.tensor(values, dtype=torch.float32), accuracy, margin
+                )
+            )
+        return cls(
+            model=data["model"],
+            model_revision=data.get("model_revision"),
+            trait_name=data["trait_name"],
+            method=data["method"],
+            hidden_size=data["hidden_size"],
+            vectors=vectors,
+            precision=data.get("precision"),
+            chat_template=data.get("chat_template"),
+            metadata=dict(metadata),
+            schema_version=data["schema_version"],
+            product=data["product"],
+        ).validate()
 
     @staticmethod
     def _version_refusal(version) -> None:
-        raise Refusal(f"artifact schema {version} is unsupported; this Ster build reads schema {SCHEMA_VERSION}: "
-                      "retrain the vector with this build")
+        raise Refusal(
+            f"artifact schema {version} is unsupported; this Ster build reads schema {SCHEMA_VERSION}: "
+            "retrain the vector with this build"
+        )
 
     def summary(self) -> dict:
         """What `inspect`, `train` and `optimize` print: everything but the floats."""
-        return {"schema_version": self.schema_version, "product": self.product, "model": self.model,
-                "model_revision": self.model_revision, "trait_name": self.trait_name, "method": self.method,
-                "hidden_size": self.hidden_size, "precision": self.precision, "chat_template": self.chat_template,
-                "metadata": dict(self.metadata),
-                "layers": [{"layer": v.layer, "width": v.values.numel(), "norm": v.norm,
-                            "train_accuracy": v.train_accuracy, "train_margin": v.train_margin}
-                           for v in self.vectors]}
+        return {
+            "schema_version": self.schema_version,
+            "product": self.product,
+            "model": self.model,
+            "model_revision": self.model_revision,
+            "trait_name": self.trait_name,
+            "method": self.method,
+            "hidden_size": self.hidden_size,
+            "precision": self.precision,
+            "chat_template": self.chat_template,
+            "metadata": dict(self.metadata),
+            "layers": [
+                {
+                    "layer": v.layer,
+                    "width": v.values.numel(),
+                    "norm": v.norm,
+                    "train_accuracy": v.train_accuracy,
+                    "train_margin": v.train_margin,
+                }
+                for v in self.vectors
+            ],
+        }
 
     # -- files ----------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -174,7 +246,9 @@ class SteeringArtifact:
             with replacing(path) as handle:
                 handle.write(dumps(self.to_json()))
         except OSError as exc:
-            raise Refusal(f"failed to write steering artifact {path}: {exc.strerror or exc}") from None
+            raise Refusal(
+                f"failed to write steering artifact {path}: {exc.strerror or exc}"
+            ) from None
 
 
 def load_artifact(path: str) -> SteeringArtifact:
@@ -183,19 +257,27 @@ def load_artifact(path: str) -> SteeringArtifact:
     target = Path(path)
     adapter = _adapter_kind(target)
     if adapter:
-        raise Refusal(f"{path} is a LoRA adapter ({adapter}), not a steering artifact: pass it as --adapter, "
-                      "and a steering vector (trait_name and vectors, from ster steer train) as --vector")
+        raise Refusal(
+            f"{path} is a LoRA adapter ({adapter}), not a steering artifact: pass it as --adapter, "
+            "and a steering vector (trait_name and vectors, from ster steer train) as --vector"
+        )
     if target.is_dir():
-        raise Refusal(f"{path} is a directory, not a steering artifact: pass the V.json that ster steer train wrote")
+        raise Refusal(
+            f"{path} is a directory, not a steering artifact: pass the V.json that ster steer train wrote"
+        )
     data = read_bytes(path, "failed to read steering artifact")
     try:
         parsed = json.loads(data)
     except RecursionError:  # json.loads' depth limit, reached by a file of ordinary size
-        raise Refusal(f"invalid steering artifact JSON in {path}: its arrays or objects nest too deeply; "
-                      "flatten it") from None
+        raise Refusal(
+            f"invalid steering artifact JSON in {path}: its arrays or objects nest too deeply; "
+            "flatten it"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Refusal(f"invalid steering artifact JSON in {path}: {getattr(exc, 'msg', exc)}; "
-                      "pass the V.json that ster steer train wrote") from None
+        raise Refusal(
+            f"invalid steering artifact JSON in {path}: {getattr(exc, 'msg', exc)}; "
+            "pass the V.json that ster steer train wrote"
+        ) from None
     return SteeringArtifact.from_json(parsed, path)
 
 
@@ -214,15 +296,18 @@ def _adapter_kind(path: Path) -> str | None:
         if any("lora_" in n for n in names):
             return "LoRA weights in safetensors"
         return None
-    try:  # bounded as every input is; a file it cannot parse is no adapter, and load_artifact says why
+    # bounded as every input is; a file it cannot parse is no adapter, and load_artifact says why
+    try:
         data = json.loads(read_bytes(str(path), "steering artifact"))
     except (Refusal, RecursionError, ValueError):
         return None
     if not isinstance(data, dict):
         return None
     if "rank" in data and "targets" in data:
-        return "a Ster adapter sidecar: it carries rank and targets where a steering artifact carries " \
-               "trait_name and vectors"
+        return (
+            "a Ster adapter sidecar: it carries rank and targets where a steering artifact carries "
+            "trait_name and vectors"
+        )
     if "peft_type" in data or ("r" in data and "target_modules" in data):
         return "a PEFT adapter_config.json"
     return None
@@ -262,42 +347,66 @@ def same_model(fitted: str, loaded: str) -> bool:
 FINGERPRINT = "weights_fingerprint"
 
 
-def check_for_run(artifact: SteeringArtifact, model: str, hidden_size: int, num_layers: int,
-                  verb: str = "generate", fingerprint: str | None = None) -> None:
+def check_for_run(
+    artifact: SteeringArtifact,
+    model: str,
+    hidden_size: int,
+    num_layers: int,
+    verb: str = "generate",
+    fingerprint: str | None = None,
+) -> None:
     """Refuse an artifact fitted for another model, width or depth, before it touches a rank. The
-    model is the same when the artifact's weights fingerprint is the loaded one's (another path to the
-    same weights, a copy, an export), or, for an artifact without one, when the path names the same."""
+    model is the same when the artifact's weights fingerprint is the loaded one's (another path to
+    the
+    same weights, a copy, an export), or, for an artifact without one, when the path names the
+    same."""
     recorded = artifact.metadata.get(FINGERPRINT)
     if recorded is not None and fingerprint is not None:
         if recorded != fingerprint:
-            raise Refusal(f'artifact was trained for model "{artifact.model}", current model is "{model}" (weights '
-                          f"{fingerprint[:19]}..., not the {recorded[:19]}... it was fitted on): load the model it "
-                          "was trained for, or retrain it for this one")
+            raise Refusal(
+                f'artifact was trained for model "{artifact.model}", current model is "{model}" (weights '
+                f"{fingerprint[:19]}..., not the {recorded[:19]}... it was fitted on): load the model it "
+                "was trained for, or retrain it for this one"
+            )
     elif not same_model(artifact.model, model):
         if verb == "evaluate":
-            raise Refusal(f'artifact model "{artifact.model}" does not match runtime model "{model}": '
-                          "load the model it was fitted with, or retrain it for this one")
-        raise Refusal(f'artifact was trained for model "{artifact.model}", current model is "{model}": '
-                      "load the model it was trained for, or retrain it for this one")
+            raise Refusal(
+                f'artifact model "{artifact.model}" does not match runtime model "{model}": '
+                "load the model it was fitted with, or retrain it for this one"
+            )
+        raise Refusal(
+            f'artifact was trained for model "{artifact.model}", current model is "{model}": '
+            "load the model it was trained for, or retrain it for this one"
+        )
     if artifact.hidden_size != hidden_size:
-        raise Refusal(f"artifact width {artifact.hidden_size} does not match model width {hidden_size}: "
-                      "use the artifact with the checkpoint it was fitted on")
+        raise Refusal(
+            f"artifact width {artifact.hidden_size} does not match model width {hidden_size}: "
+            "use the artifact with the checkpoint it was fitted on"
+        )
     check_layers(artifact.layers, num_layers)
 
 
-def provenance_warnings(artifact: SteeringArtifact, precision: str, chat: str, effect: str) -> list[str]:
+def provenance_warnings(
+    artifact: SteeringArtifact, precision: str, chat: str, effect: str
+) -> list[str]:
     """Ster's warnings (not refusals: a transfer may be measured on purpose) when this run reads
     the direction at another precision or in another prompt format than it was fitted in.
     `effect` ends the chat sentence ("the number below describes" / "it steers")."""
     warnings = []
     applied = {"applied": "applied", "absent": "off", "off": "off"}
-    if artifact.chat_template is not None and applied.get(artifact.chat_template) != applied.get(chat):
-        warnings.append(f"warning: this direction was trained with chat template {artifact.chat_template} and "
-                        f"this run encodes {chat}, so {effect} a format it was not trained in")
+    if artifact.chat_template is not None and applied.get(artifact.chat_template) != applied.get(
+        chat
+    ):
+        warnings.append(
+            f"warning: this direction was trained with chat template {artifact.chat_template} and "
+            f"this run encodes {chat}, so {effect} a format it was not trained in"
+        )
     if artifact.precision is not None and artifact.precision != precision:
-        warnings.append(f"warning: this direction was trained at precision {artifact.precision} and this run "
-                        f"maps the base weights at {precision}, so it is being read in a different space "
-                        "than it was fitted in")
+        warnings.append(
+            f"warning: this direction was trained at precision {artifact.precision} and this run "
+            f"maps the base weights at {precision}, so it is being read in a different space "
+            "than it was fitted in"
+        )
     return warnings
 
 

@@ -31,7 +31,8 @@ def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
 
 
 def add_steering(model, vectors: list[tuple[int, torch.Tensor]], strength: float) -> list:
-    """Steer every forward of `model` (one rank's decoder) by strength x vector after each vector's layer;
+    """Steer every forward of `model` (one rank's decoder) by strength x vector after each vector's
+    layer;
     returns the removers."""
     return [steer_every_row(model, vectors, strength)]
 
@@ -45,11 +46,15 @@ def attach(group, artifact: SteeringArtifact, strength: float):
 
 def check_strength(vector, strength) -> None:
     if vector is not None and strength is None:
-        raise Refusal("--vector needs --strength S: Ster assumes no strength (try --strength 1, or a negative "
-                      "one written --strength=-1 to push away from the trait)")
+        raise Refusal(
+            "--vector needs --strength S: Ster assumes no strength (try --strength 1, or a negative "
+            "one written --strength=-1 to push away from the trait)"
+        )
     if vector is None and strength is not None:
-        raise Refusal("--strength scales a steering vector and exists only with one: add --vector V.json or "
-                      "drop --strength")
+        raise Refusal(
+            "--strength scales a steering vector and exists only with one: add --vector V.json or "
+            "drop --strength"
+        )
     if strength is not None and not torch.isfinite(torch.tensor(float(strength))):
         raise Refusal(f"--strength must be a finite number, got {strength}")
 
@@ -63,10 +68,17 @@ def prepare(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
         return _mix(session, request)
     check_strength(request.vector, request.strength)
     artifact = _checked(session, request, request.vector)
-    info = {"vector": str(request.vector), "strength": float(request.strength), "trait_name": artifact.trait_name,
-            "method": artifact.method, "layers": artifact.layers}
-    progress(f"steering layers {artifact.layers} by {request.strength} x the {artifact.method} direction "
-             f"for {artifact.trait_name or '(unnamed)'}")
+    info = {
+        "vector": str(request.vector),
+        "strength": float(request.strength),
+        "trait_name": artifact.trait_name,
+        "method": artifact.method,
+        "layers": artifact.layers,
+    }
+    progress(
+        f"steering layers {artifact.layers} by {request.strength} x the {artifact.method} direction "
+        f"for {artifact.trait_name or '(unnamed)'}"
+    )
     return payload(artifact), info
 
 
@@ -74,8 +86,13 @@ def _checked(session, request, path: str) -> SteeringArtifact:
     from ster_dist.steer.text import chat_status
 
     artifact = load_artifact(path)
-    check_for_run(artifact, request.model, session.cfg.hidden_size, session.cfg.num_layers,
-                  fingerprint=weights_fingerprint(session.checkpoint))
+    check_for_run(
+        artifact,
+        request.model,
+        session.cfg.hidden_size,
+        session.cfg.num_layers,
+        fingerprint=weights_fingerprint(session.checkpoint),
+    )
     chat = chat_status(session.tokenizer, getattr(request, "chat_template", "auto"))
     for warning in provenance_warnings(artifact, request.precision, chat, "it steers"):
         progress(warning)
@@ -89,9 +106,18 @@ def _mix(session, request) -> tuple[list[tuple[int, torch.Tensor]], dict]:
         artifact = _checked(session, request, path)
         for vector in artifact.vectors:
             scaled = vector.values.float() * float(strength)
-            summed[vector.layer] = summed[vector.layer] + scaled if vector.layer in summed else scaled
-        parts.append({"vector": str(path), "strength": float(strength), "trait_name": artifact.trait_name,
-                      "method": artifact.method, "layers": artifact.layers})
+            summed[vector.layer] = (
+                summed[vector.layer] + scaled if vector.layer in summed else scaled
+            )
+        parts.append(
+            {
+                "vector": str(path),
+                "strength": float(strength),
+                "trait_name": artifact.trait_name,
+                "method": artifact.method,
+                "layers": artifact.layers,
+            }
+        )
     progress(f"steering with {len(parts)} vectors summed at layers {sorted(summed)}")
     return sorted(summed.items()), {"vectors": parts, "layers": sorted(summed)}
 

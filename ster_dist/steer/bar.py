@@ -10,6 +10,10 @@ def bar(what: str, width: int = 24):
 
     def update(done: int, total: int) -> None:
         filled = width * done // max(total, 1)
-        progress(f"{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", done=done, total=total)
+        progress(
+            f"{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+            done=done,
+            total=total,
+        )
 
     return update

@@ -26,8 +26,9 @@ class _Done(Exception):
 
 
 @torch.inference_mode()
-def read_hidden(model, prompts: list[list[int]], layers: list[int], positions: str,
-                pad_id: int = 0) -> dict[int, torch.Tensor]:
+def read_hidden(
+    model, prompts: list[list[int]], layers: list[int], positions: str, pad_id: int = 0
+) -> dict[int, torch.Tensor]:
     """{layer: rows} for a batch: the last token of each prompt ([batch, hidden]) or every real
     token of every prompt, prompt after prompt ([sum of lengths, hidden])."""
     ids, pos, valid = left_pad(prompts, pad_id)
@@ -39,6 +40,7 @@ def read_hidden(model, prompts: list[list[int]], layers: list[int], positions: s
             out[layer] = (h[:, -1] if positions == "last" else h[valid]).float().clone()
             if layer == deepest:
                 raise _Done
+
         return hook
 
     if model.stage[0] > deepest:  # a pipeline stage past every requested layer: nothing reaches it
@@ -55,26 +57,29 @@ def read_hidden(model, prompts: list[list[int]], layers: list[int], positions: s
 
 
 class CaptureOnRank(RankExtension):
-    """Reads the residual on one rank; it holds nothing between calls (each read removes its hooks)."""
+    """Reads the residual on one rank; it holds nothing between calls (each read removes its
+    hooks)."""
 
     def capture(self, prompts: list[list[int]], layers: list[int], positions: str, pad_id: int):
         # each pipeline stage reads the layers it holds; the driver merges them
         return self.stage_lead_only(read_hidden(self.model, prompts, layers, positions, pad_id))
 
 
-def capture(group, encoded: list[list[int]], layers: list[int], positions: str, pad_id: int,
-            batch_size: int) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
+def capture(
+    group, encoded: list[list[int]], layers: list[int], positions: str, pad_id: int, batch_size: int
+) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
     """(first prompt index, {layer: rows}) per batch of `batch_size` prompts, in order."""
     for start in range(0, len(encoded), batch_size):
-        batch = encoded[start:start + batch_size]
+        batch = encoded[start : start + batch_size]
         rows: dict[int, torch.Tensor] = {}
         for part in group.on(CaptureOnRank).capture(batch, layers, positions, pad_id):
             rows.update(part or {})
         yield start, rows
 
 
-def last_token_rows(group, encoded: list[list[int]], layers: list[int], pad_id: int,
-                    batch_size: int, on_batch=None) -> dict[int, torch.Tensor]:
+def last_token_rows(
+    group, encoded: list[list[int]], layers: list[int], pad_id: int, batch_size: int, on_batch=None
+) -> dict[int, torch.Tensor]:
     """{layer: [prompts, hidden]}: every prompt's final-token activation at every layer."""
     parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for start, rows in capture(group, encoded, layers, "last", pad_id, batch_size):

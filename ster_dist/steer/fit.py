@@ -30,10 +30,14 @@ def canonical_method(name: str) -> str:
 
 def _check(positive: torch.Tensor, negative: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if positive.dim() != 2 or positive.shape[0] == 0 or positive.shape[0] != negative.shape[0]:
-        raise Refusal("training requires the same non-zero number of positive and negative examples")
+        raise Refusal(
+            "training requires the same non-zero number of positive and negative examples"
+        )
     if positive.shape[1] == 0:
         raise Refusal("activation vectors are empty")
-    if negative.shape[1] != positive.shape[1] or not (positive.isfinite().all() and negative.isfinite().all()):
+    if negative.shape[1] != positive.shape[1] or not (
+        positive.isfinite().all() and negative.isfinite().all()
+    ):
         raise Refusal("activation vectors must have one finite, consistent width")
     return positive.double(), negative.double()
 
@@ -41,7 +45,9 @@ def _check(positive: torch.Tensor, negative: torch.Tensor) -> tuple[torch.Tensor
 def _unit(vector: torch.Tensor) -> torch.Tensor:
     norm = vector.norm()
     if not torch.isfinite(norm) or norm <= torch.finfo(torch.float32).eps:
-        raise Refusal("training produced a zero or non-finite direction; use pairs that differ in the trait")
+        raise Refusal(
+            "training produced a zero or non-finite direction; use pairs that differ in the trait"
+        )
     return vector / norm
 
 
@@ -62,8 +68,13 @@ def pca(positive: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return -leading if torch.dot(leading, mean) < 0 else leading
 
 
-def logistic(positive: torch.Tensor, negative: torch.Tensor, steps: int = 300, rate: float = 0.1,
-             l2: float = 1e-4) -> torch.Tensor:
+def logistic(
+    positive: torch.Tensor,
+    negative: torch.Tensor,
+    steps: int = 300,
+    rate: float = 0.1,
+    l2: float = 1e-4,
+) -> torch.Tensor:
     rows = torch.cat([positive, negative])
     labels = torch.cat([torch.ones(len(positive)), torch.zeros(len(negative))]).double()
     weights = torch.zeros(rows.shape[1], dtype=torch.float64)
@@ -77,16 +88,21 @@ def logistic(positive: torch.Tensor, negative: torch.Tensor, steps: int = 300, r
 def train_direction(positive: torch.Tensor, negative: torch.Tensor, method: str) -> torch.Tensor:
     """A unit direction [hidden] (f32) from rows [pairs, hidden] of each side."""
     positive, negative = _check(positive, negative)
-    raw = {"caa": caa, "pca": pca, "logistic": logistic}[canonical_method(method)](positive, negative)
+    raw = {"caa": caa, "pca": pca, "logistic": logistic}[canonical_method(method)](
+        positive, negative
+    )
     return _unit(raw).float()
 
 
-def evaluate_direction(positive: torch.Tensor, negative: torch.Tensor, direction: torch.Tensor
-                       ) -> tuple[float, float]:
+def evaluate_direction(
+    positive: torch.Tensor, negative: torch.Tensor, direction: torch.Tensor
+) -> tuple[float, float]:
     """(accuracy, mean margin) of `direction` over matched pairs."""
     positive, negative = _check(positive, negative)
     if direction.numel() != positive.shape[1]:
-        raise Refusal(f"direction width {direction.numel()} does not match activation width {positive.shape[1]}; "
-                      "use a direction from the same model")
+        raise Refusal(
+            f"direction width {direction.numel()} does not match activation width {positive.shape[1]}; "
+            "use a direction from the same model"
+        )
     margins = (positive - negative) @ direction.double().reshape(-1)
     return float((margins > 0).double().mean()), float(margins.mean())

@@ -23,17 +23,25 @@ def parse_layers(spec: str, count: int) -> list[int]:
             try:
                 a, b = int(start.strip()), int(end.strip())
             except ValueError:
-                raise Refusal(f'invalid layer range "{segment}"; write it as START..END, e.g. 8..16') from None
+                raise Refusal(
+                    f'invalid layer range "{segment}"; write it as START..END, e.g. 8..16'
+                ) from None
             if a < 0 or b < 0:
-                raise Refusal(f'invalid layer range "{segment}"; layers are 0-based and not negative')
+                raise Refusal(
+                    f'invalid layer range "{segment}"; layers are 0-based and not negative'
+                )
             if a >= b:
-                raise Refusal(f'layer range "{segment}" must have start < end (the end is excluded)')
+                raise Refusal(
+                    f'layer range "{segment}" must have start < end (the end is excluded)'
+                )
             chosen.update(range(a, b))
         else:
             try:
                 layer = int(segment)
             except ValueError:
-                raise Refusal(f'invalid layer "{segment}"; use an index, a range such as 8..16, or all') from None
+                raise Refusal(
+                    f'invalid layer "{segment}"; use an index, a range such as 8..16, or all'
+                ) from None
             if layer < 0:
                 raise Refusal(f'invalid layer "{segment}"; layers are 0-based and not negative')
             chosen.add(layer)
@@ -50,5 +58,7 @@ def check_layers(layers: list[int], count: int) -> None:
         raise Refusal("at least one layer is required")
     for layer in layers:
         if not 0 <= layer < count:
-            raise Refusal(f"layer {layer} is outside the model's 0..{count - 1} range "
-                          f"({count} layers, 0-based); choose layers from 0 to {count - 1}")
+            raise Refusal(
+                f"layer {layer} is outside the model's 0..{count - 1} range "
+                f"({count} layers, 0-based); choose layers from 0 to {count - 1}"
+            )

@@ -1,4 +1,5 @@
-"""`steer optimize`: fit every layer x method on the first pairs, rank the candidates on the held-out
+"""`steer optimize`: fit every layer x method on the first pairs, rank the candidates on the
+held-out
 rest, publish the whole ranking, and refit the winner on every pair.
 
 Ranking prefers holdout accuracy and breaks ties on holdout margin (the first candidate walked
@@ -24,29 +25,49 @@ def split(count: int, fraction: float) -> tuple[int, int]:
     holdout = math.floor(fraction * count + 0.5)
     fit = count - holdout
     if holdout < 1 or fit < 1:
-        raise Refusal(f"a held-out fraction of {fraction} over {count} contrastive pairs leaves {fit} pairs to "
-                      f"fit and {holdout} to rank on; both need at least one")
+        raise Refusal(
+            f"a held-out fraction of {fraction} over {count} contrastive pairs leaves {fit} pairs to "
+            f"fit and {holdout} to rank on; both need at least one"
+        )
     return fit, holdout
 
 
-def rank_candidates(positive: dict[int, torch.Tensor], negative: dict[int, torch.Tensor], layers: list[int],
-                    fit: int) -> tuple[list[dict], int]:
-    """Every (layer, method) fitted on pairs [:fit] and scored on [fit:]; returns rows and the winner."""
+def rank_candidates(
+    positive: dict[int, torch.Tensor],
+    negative: dict[int, torch.Tensor],
+    layers: list[int],
+    fit: int,
+) -> tuple[list[dict], int]:
+    """Every (layer, method) fitted on pairs [:fit] and scored on [fit:]; returns rows and the
+    winner."""
     rows, best = [], None
     for layer in layers:
         for method in METHODS:
             direction = train_direction(positive[layer][:fit], negative[layer][:fit], method)
-            accuracy, margin = evaluate_direction(positive[layer][fit:], negative[layer][fit:], direction)
-            rows.append({"layer": layer, "method": method, "holdout_accuracy": finite(accuracy),
-                         "holdout_margin": finite(margin), "selected": False})
-            if best is None or (accuracy, margin) > (rows[best]["holdout_accuracy"], rows[best]["holdout_margin"]):
+            accuracy, margin = evaluate_direction(
+                positive[layer][fit:], negative[layer][fit:], direction
+            )
+            rows.append(
+                {
+                    "layer": layer,
+                    "method": method,
+                    "holdout_accuracy": finite(accuracy),
+                    "holdout_margin": finite(margin),
+                    "selected": False,
+                }
+            )
+            if best is None or (accuracy, margin) > (
+                rows[best]["holdout_accuracy"],
+                rows[best]["holdout_margin"],
+            ):
                 best = len(rows) - 1
     rows[best]["selected"] = True
     return rows, best
 
 
-def refit(positive: dict[int, torch.Tensor], negative: dict[int, torch.Tensor], layer: int, method: str
-          ) -> Direction:
+def refit(
+    positive: dict[int, torch.Tensor], negative: dict[int, torch.Tensor], layer: int, method: str
+) -> Direction:
     direction = train_direction(positive[layer], negative[layer], method)
     accuracy, margin = evaluate_direction(positive[layer], negative[layer], direction)
     return Direction(layer, direction, finite(accuracy), finite(margin))

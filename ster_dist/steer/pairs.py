@@ -32,8 +32,9 @@ def _read(path: str, what: str):
     try:
         return json.loads(data)
     except RecursionError:  # json.loads' depth limit, reached by a file of ordinary size
-        raise Refusal(f"invalid {what} JSON in {path}: its arrays or objects nest too deeply; flatten it") \
-            from None
+        raise Refusal(
+            f"invalid {what} JSON in {path}: its arrays or objects nest too deeply; flatten it"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise Refusal(f"invalid {what} JSON in {path}: {getattr(exc, 'msg', exc)}") from None
 
@@ -41,26 +42,37 @@ def _read(path: str, what: str):
 def load_pairs(path: str) -> PairSet:
     data = _read(path, "pair set")
     if not isinstance(data, dict) or not isinstance(data.get("pairs"), list):
-        raise Refusal(f'invalid pair set JSON in {path}: expected {{"trait_name": "...", "pairs": '
-                      '[{"positive": "...", "negative": "..."}]}')
+        raise Refusal(
+            f'invalid pair set JSON in {path}: expected {{"trait_name": "...", "pairs": '
+            '[{"positive": "...", "negative": "..."}]}'
+        )
     unknown = set(data) - {"trait_name", "pairs"}
     if unknown:
-        raise Refusal(f"invalid pair set JSON in {path}: unknown field {min(unknown)!r}; "
-                      "a pair set holds trait_name and pairs")
+        raise Refusal(
+            f"invalid pair set JSON in {path}: unknown field {min(unknown)!r}; "
+            "a pair set holds trait_name and pairs"
+        )
     trait = data.get("trait_name", "")
     if not isinstance(trait, str):
         raise Refusal(f"invalid pair set JSON in {path}: trait_name must be a string")
     pairs = []
     for index, pair in enumerate(data["pairs"]):
-        if (not isinstance(pair, dict) or set(pair) != {"positive", "negative"}
-                or not all(isinstance(pair[k], str) for k in pair)):
-            raise Refusal(f"invalid pair set JSON in {path}: pair {index} must be exactly "
-                          '{"positive": "...", "negative": "..."}')
+        if (
+            not isinstance(pair, dict)
+            or set(pair) != {"positive", "negative"}
+            or not all(isinstance(pair[k], str) for k in pair)
+        ):
+            raise Refusal(
+                f"invalid pair set JSON in {path}: pair {index} must be exactly "
+                '{"positive": "...", "negative": "..."}'
+            )
         pairs.append((pair["positive"], pair["negative"]))
     if not pairs:
         raise Refusal(f"pair set {path} contains no pairs; add at least one matched pair")
     if any(not p.strip() or not n.strip() for p, n in pairs):
-        raise Refusal(f"pair set {path} contains an empty positive or negative prompt; fill both sides")
+        raise Refusal(
+            f"pair set {path} contains an empty positive or negative prompt; fill both sides"
+        )
     return PairSet(trait, tuple(pairs))
 
 

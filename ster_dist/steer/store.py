@@ -19,20 +19,27 @@ from ster_dist.shard.safetensors_header import TAGS, data_offsets, header_bytes
 
 
 class StreamedSafetensors:
-    def __init__(self, path: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str]):
+    def __init__(
+        self,
+        path: Path,
+        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str],
+    ):
         self.path = Path(path)
         specs = [(name, TAGS[dtype], tuple(shape)) for name, (dtype, shape) in tensors.items()]
         offsets = data_offsets(specs)
         self.layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {
             name: (dtype, tuple(shape), offsets[name][0], offsets[name][1] - offsets[name][0])
-            for name, (dtype, shape) in tensors.items()}
+            for name, (dtype, shape) in tensors.items()
+        }
         header = header_bytes(specs, metadata)
         self.data_start = len(header)
         self.written = {name: 0 for name in tensors}
-        # held open across calls (commit renames, abort removes), so entered by hand rather than with `with`
+        # held open across calls (commit renames, abort removes), so entered by hand rather than
+        # with `with`
         self._target = replacing(self.path, binary=True, durable=True)
-        self.fd = self._target.__enter__().fileno()  # positioned writes only: the handle's buffer stays empty
+        # positioned writes only: the handle's buffer stays empty
+        self.fd = self._target.__enter__().fileno()
         try:
             view, at = memoryview(header), 0
             while view:
@@ -67,7 +74,8 @@ class StreamedSafetensors:
         self._finish(RuntimeError(f"writing {self.path} was abandoned"))
 
     def _finish(self, error: BaseException | None) -> None:
-        """Leave the replacing block: renamed into place (fsynced first) without an error, removed with one."""
+        """Leave the replacing block: renamed into place (fsynced first) without an error, removed
+        with one."""
         if self.fd is None:
             return
         self.fd = None

@@ -14,16 +14,20 @@ from ster_dist.tokenizer import CHAT_TEMPLATE_MODES, Tokenizer
 
 
 def chat_status(tokenizer: Tokenizer, mode: str) -> str:
-    """"applied" when prompts go through the chat template, "off" when the run turned it off,
+    """ "applied" when prompts go through the chat template, "off" when the run turned it off,
     "absent" when auto found none."""
     if mode not in CHAT_TEMPLATE_MODES:
-        raise Refusal(f"--chat-template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}")
+        raise Refusal(
+            f"--chat-template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}"
+        )
     if mode == "off":
         return "off"
     if tokenizer.has_chat_template:
         return "applied"
     if mode == "on":
-        raise Refusal(f"{tokenizer.directory} has no chat template: use --chat-template auto or off")
+        raise Refusal(
+            f"{tokenizer.directory} has no chat template: use --chat-template auto or off"
+        )
     return "absent"
 
 
@@ -33,7 +37,9 @@ def encode_prompt(tokenizer: Tokenizer, text: str, mode: str) -> list[int]:
         raise Refusal("prompt must not be empty; give every prompt some text")
     ids = tokenizer.prompt_ids(text, None, mode)
     if not ids:
-        raise Refusal("tokenizer produced no tokens for a prompt; give it text this tokenizer recognises")
+        raise Refusal(
+            "tokenizer produced no tokens for a prompt; give it text this tokenizer recognises"
+        )
     return ids
 
 
@@ -43,10 +49,14 @@ def encode_response(tokenizer: Tokenizer, text: str, mode: str) -> list[int]:
     if not isinstance(text, str) or not text.strip():
         raise Refusal("prompt must not be empty; give every pair side some text")
     if chat_status(tokenizer, mode) == "applied":
-        rendered = tokenizer.render_chat([{"role": "assistant", "content": text}], add_generation_prompt=False)
+        rendered = tokenizer.render_chat(
+            [{"role": "assistant", "content": text}], add_generation_prompt=False
+        )
         ids = tokenizer.encode(rendered, add_special_tokens=False)
     else:
         ids = tokenizer.encode(text, add_special_tokens=True)
     if not ids:
-        raise Refusal("tokenizer produced no tokens for a pair side; give it text this tokenizer recognises")
+        raise Refusal(
+            "tokenizer produced no tokens for a pair side; give it text this tokenizer recognises"
+        )
     return ids

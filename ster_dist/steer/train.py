@@ -13,17 +13,31 @@ from ster_dist.steer.pairs import PairSet
 from ster_dist.steer.text import encode_prompt
 
 
-def read_pairs(group, tokenizer, pairs: PairSet, layers: list[int], chat_template: str, pad_id: int,
-               batch_size: int, on_batch=None) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def read_pairs(
+    group,
+    tokenizer,
+    pairs: PairSet,
+    layers: list[int],
+    chat_template: str,
+    pad_id: int,
+    batch_size: int,
+    on_batch=None,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """({layer: positive rows}, {layer: negative rows}), rows in pair order."""
-    sides = [encode_prompt(tokenizer, text, chat_template) for text in pairs.positives + pairs.negatives]
+    sides = [
+        encode_prompt(tokenizer, text, chat_template) for text in pairs.positives + pairs.negatives
+    ]
     rows = last_token_rows(group, sides, layers, pad_id, batch_size, on_batch)
     n = len(pairs.pairs)
     return {l: r[:n] for l, r in rows.items()}, {l: r[n:] for l, r in rows.items()}
 
 
-def fit_layers(positive: dict[int, torch.Tensor], negative: dict[int, torch.Tensor], layers: list[int],
-               method: str) -> list[Direction]:
+def fit_layers(
+    positive: dict[int, torch.Tensor],
+    negative: dict[int, torch.Tensor],
+    layers: list[int],
+    method: str,
+) -> list[Direction]:
     out = []
     for layer in layers:
         direction = train_direction(positive[layer], negative[layer], method)
@@ -32,12 +46,29 @@ def fit_layers(positive: dict[int, torch.Tensor], negative: dict[int, torch.Tens
     return out
 
 
-def build_artifact(model: str, revision: str | None, pairs: PairSet, method: str, hidden_size: int,
-                   vectors: list[Direction], precision: str, chat: str,
-                   fingerprint: str | None = None) -> SteeringArtifact:
-    """`fingerprint`: the model's weights fingerprint (shard/fingerprint.py), recorded in the metadata
+def build_artifact(
+    model: str,
+    revision: str | None,
+    pairs: PairSet,
+    method: str,
+    hidden_size: int,
+    vectors: list[Direction],
+    precision: str,
+    chat: str,
+    fingerprint: str | None = None,
+) -> SteeringArtifact:
+    """`fingerprint`: the model's weights fingerprint (shard/fingerprint.py), recorded in the
+    metadata
     so the artifact is matched to those weights wherever they are loaded from."""
     metadata = {FINGERPRINT: fingerprint} if fingerprint else {}
-    return SteeringArtifact(model=model, model_revision=revision, trait_name=pairs.trait_name, method=method,
-                            hidden_size=hidden_size, vectors=vectors, precision=precision,
-                            chat_template=chat, metadata=metadata).validate()
+    return SteeringArtifact(
+        model=model,
+        model_revision=revision,
+        trait_name=pairs.trait_name,
+        method=method,
+        hidden_size=hidden_size,
+        vectors=vectors,
+        precision=precision,
+        chat_template=chat,
+        metadata=metadata,
+    ).validate()

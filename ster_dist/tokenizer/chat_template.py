@@ -172,8 +172,16 @@ def _prepare_messages(messages: Any) -> list[dict]:
     return prepared
 
 
-def render(template, where: str, special_tokens: dict, messages, tools, documents, add_generation_prompt: bool,
-           template_kwargs: dict) -> str:
+def render(
+    template,
+    where: str,
+    special_tokens: dict,
+    messages,
+    tools,
+    documents,
+    add_generation_prompt: bool,
+    template_kwargs: dict,
+) -> str:
     """A compiled template rendered over the messages, held to the limits above; any failure a
     one-line Refusal naming the template (`where`)."""
     import jinja2
@@ -209,11 +217,15 @@ def render(template, where: str, special_tokens: dict, messages, tools, document
             f"the chat template of {where} ran out of memory; fix the template or pass "
             "--chat-template off"
         ) from None
-    except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError,
-            AttributeError) as exc:
+    except (
+        jinja2.TemplateError,
+        TypeError,
+        ValueError,
+        LookupError,
+        ArithmeticError,
+        AttributeError,
+    ) as exc:
         # raise_exception() in the template, or messages the template cannot handle (say a
         # list content concatenated to a string).
         detail = " ".join(str(exc)[:2000].split())[:300] or type(exc).__name__
-        raise Refusal(
-            f"the chat template of {where} rejected the messages: {detail}"
-        ) from None
+        raise Refusal(f"the chat template of {where} rejected the messages: {detail}") from None

@@ -1,11 +1,16 @@
-"""Which tokenizer class Transformers 5's `AutoTokenizer` builds for a checkpoint, and the two classes whose
+"""Which tokenizer class Transformers 5's `AutoTokenizer` builds for a checkpoint, and the two
+classes whose
 pipeline differs from what tokenizer.json describes, rebuilt as they build it.
 
-LlamaTokenizer (SentencePiece-style files: a Metaspace pre-tokenizer with prepend_scheme "first" unless
-legacy=true, so text after a special token gets no "▁") and GPTNeoXTokenizer (tokenizer.json's post-processor
+LlamaTokenizer (SentencePiece-style files: a Metaspace pre-tokenizer with prepend_scheme "first"
+unless
+legacy=true, so text after a special token gets no "▁") and GPTNeoXTokenizer (tokenizer.json's
+post-processor
 dropped: no BOS/EOS) rebuild the pipeline. Every other class Transformers picks (GPT2Tokenizer,
-Qwen2Tokenizer, GemmaTokenizer, CohereTokenizer...) rebuilds the pipeline its tokenizer.json already describes;
-only its constructor's default special tokens (CLASS_DEFAULT_TOKENS) apply. tokenizer.py reads the files and
+Qwen2Tokenizer, GemmaTokenizer, CohereTokenizer...) rebuilds the pipeline its tokenizer.json already
+describes;
+only its constructor's default special tokens (CLASS_DEFAULT_TOKENS) apply. tokenizer.py reads the
+files and
 asks this module what to build.
 """
 
@@ -134,6 +139,7 @@ CLASS_DEFAULT_TOKENS: dict[str, dict[str, str]] = {
     },
 }
 
+
 def _strip_fast(name: str | None) -> str:
     if not name:
         return ""
@@ -239,20 +245,26 @@ def _rebuild_gpt_neox(tokenizer_json: dict, config: dict) -> _BackendTokenizer |
     return tok
 
 
-def rebuilt(backend_class: str, tokenizer_json_text: str, config: dict,
-            backend: _BackendTokenizer) -> _BackendTokenizer:
-    """tokenizer.json's pipeline as `backend_class` rebuilds it (the same pipeline for every class but two)."""
+def rebuilt(
+    backend_class: str, tokenizer_json_text: str, config: dict, backend: _BackendTokenizer
+) -> _BackendTokenizer:
+    """tokenizer.json's pipeline as `backend_class` rebuilds it (the same pipeline for every class
+    but two)."""
     if backend_class not in ("LlamaTokenizer", "GPTNeoXTokenizer"):
         return backend
     rebuild = _rebuild_llama if backend_class == "LlamaTokenizer" else _rebuild_gpt_neox
-    # The classes rebuild from tokenizer.json's vocabulary and merges (the Rust parser accepted the file, so it
+    # The classes rebuild from tokenizer.json's vocabulary and merges (the Rust parser accepted the
+    # file, so it
     # is a JSON object).
     out = rebuild(json.loads(tokenizer_json_text), config)
     if out is None:
         return backend
-    # The class keeps tokenizer.json's post-processor, except GPTNeoX, whose update_post_processor() (add_bos /
+    # The class keeps tokenizer.json's post-processor, except GPTNeoX, whose update_post_processor()
+    # (add_bos /
     # add_eos dropped with a tokenizer.json present) writes one adding nothing.
     out.post_processor = backend.post_processor
     if backend_class == "GPTNeoXTokenizer":
-        out.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+        out.post_processor = processors.TemplateProcessing(
+            single="$A:0", pair="$A:0 $B:1", special_tokens=[]
+        )
     return out

@@ -1,10 +1,15 @@
 """A chat template's limits: time, size and nesting, checked where Jinja's sandbox intercepts.
 
-A chat template is code from the checkpoint. Rendering runs on the token engine's and the server's threads, so
-no signal can stop it: the clock and the sizes are checked inside the sandbox's interception points instead
-(every call, filter, operator, attribute and item lookup, every step of a for-loop, every output). Operations
-that can grow a value many times over in one step (repetition, padding, formatting widths, joins) are projected
-before they run. chat_template.py compiles templates in `bounded_environment_class()` and renders each under
+A chat template is code from the checkpoint. Rendering runs on the token engine's and the server's
+threads, so
+no signal can stop it: the clock and the sizes are checked inside the sandbox's interception points
+instead
+(every call, filter, operator, attribute and item lookup, every step of a for-loop, every output).
+Operations
+that can grow a value many times over in one step (repetition, padding, formatting widths, joins)
+are projected
+before they run. chat_template.py compiles templates in `bounded_environment_class()` and renders
+each under
 `budget_for(inputs)`; a limit reached raises TemplateLimit, which it refuses in one line.
 """
 
@@ -18,17 +23,21 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-TEMPLATE_SECONDS = 10.0                 # wall time one render may take
-TEMPLATE_MIN_CHARS = 4 << 20            # any value or output may reach this many characters...
-TEMPLATE_INPUT_FACTOR = 8               # ...or this many times the size of what it was given
-TEMPLATE_MAX_DEPTH = 60                 # nested template calls (a macro calling itself)
-TEMPLATE_MAX_INT_BITS = 1 << 16         # a number's size (Python prints at most 4300 digits anyway)
-_SAFE_RANGE = 100_000                   # jinja2.sandbox.MAX_RANGE: a range's items at most
-_CONTEXT_BUDGET: contextvars.ContextVar = contextvars.ContextVar("chat_template_budget", default=None)
+TEMPLATE_SECONDS = 10.0  # wall time one render may take
+TEMPLATE_MIN_CHARS = 4 << 20  # any value or output may reach this many characters...
+TEMPLATE_INPUT_FACTOR = 8  # ...or this many times the size of what it was given
+TEMPLATE_MAX_DEPTH = 60  # nested template calls (a macro calling itself)
+TEMPLATE_MAX_INT_BITS = 1 << 16  # a number's size (Python prints at most 4300 digits anyway)
+_SAFE_RANGE = 100_000  # jinja2.sandbox.MAX_RANGE: a range's items at most
+_CONTEXT_BUDGET: contextvars.ContextVar = contextvars.ContextVar(
+    "chat_template_budget", default=None
+)
 _DIGIT_RUN = re.compile(r"\d+")
-# filters that write out a whole value (a literal list of large strings, say): its size is checked first
-_SERIALISING_FILTERS = frozenset({"string", "pprint", "urlencode", "xmlattr", "escape", "e", "forceescape",
-                                  "safe", "list"})
+# filters that write out a whole value (a literal list of large strings, say): its size is checked
+# first
+_SERIALISING_FILTERS = frozenset(
+    {"string", "pprint", "urlencode", "xmlattr", "escape", "e", "forceescape", "safe", "list"}
+)
 _NESTED_FIELD = re.compile(r"\{[^{}]*\{")
 
 
@@ -76,7 +85,8 @@ class _Budget:
         self.deadline = time.monotonic() + TEMPLATE_SECONDS
         self.depth = 0
         # The inputs and their items (each message, each tool) are measured once: the render holds
-        # them and the sandbox cannot change them, so a template passing `tools` to tojson costs nothing.
+        # them and the sandbox cannot change them, so a template passing `tools` to tojson costs
+        # nothing.
         self.known: dict[int, int] = {}
         for value in inputs.values():
             if isinstance(value, (list, tuple)):
@@ -85,7 +95,9 @@ class _Budget:
                         self.known[id(item)] = _weight(item, 1 << 62)
             if isinstance(value, (dict, list, tuple)):
                 self.known[id(value)] = _weight(value, 1 << 62, self.known)
-        self.chars = max(TEMPLATE_MIN_CHARS, TEMPLATE_INPUT_FACTOR * _weight(inputs, 1 << 62, self.known))
+        self.chars = max(
+            TEMPLATE_MIN_CHARS, TEMPLATE_INPUT_FACTOR * _weight(inputs, 1 << 62, self.known)
+        )
 
     def weight(self, value: Any) -> int:
         return _weight(value, self.chars, self.known)
@@ -96,9 +108,11 @@ class _Budget:
 
     def size(self, chars: int, what: str) -> None:
         if chars > self.chars:
-            raise TemplateLimit(f"would build {what} of {chars} characters or more, past its budget of "
-                                 f"{self.chars} ({TEMPLATE_MIN_CHARS}, or {TEMPLATE_INPUT_FACTOR}x the messages "
-                                 "when larger)")
+            raise TemplateLimit(
+                f"would build {what} of {chars} characters or more, past its budget of "
+                f"{self.chars} ({TEMPLATE_MIN_CHARS}, or {TEMPLATE_INPUT_FACTOR}x the messages "
+                "when larger)"
+            )
 
     def value(self, value: Any, what: str) -> Any:
         if not isinstance(value, str) or len(value) > self.chars:
@@ -109,12 +123,14 @@ class _Budget:
         """`fmt % args` or `fmt.format(*args)`: every field could take the largest argument, padded
         to the largest width written in the format (or passed as an argument, with `star`)."""
         runs = _DIGIT_RUN.findall(fmt)
-        widest = max((10 ** 12 if len(r) > 12 else int(r) for r in runs), default=0)
+        widest = max((10**12 if len(r) > 12 else int(r) for r in runs), default=0)
         if star:
             widest = max(widest, _int_arg(args))
         fields = fmt.count("%") + fmt.count("{")
-        self.size(len(fmt) + fields * (max((self.weight(a) for a in args), default=0) + widest),
-                  "a formatted string")
+        self.size(
+            len(fmt) + fields * (max((self.weight(a) for a in args), default=0) + widest),
+            "a formatted string",
+        )
 
 
 def _format_args(value: Any) -> list:
@@ -124,31 +140,47 @@ def _format_args(value: Any) -> list:
 
 
 def _project_str_method(budget: _Budget, text: str, name: str, args: tuple, kwargs: dict) -> tuple:
-    """Refuse a str method call whose result would pass the budget; returns the args to call with."""
+    """Refuse a str method call whose result would pass the budget; returns the args to call
+    with."""
     values = list(args) + [v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")]
     if name in ("center", "ljust", "rjust", "zfill"):
         budget.size(max(len(text), _int_arg(values[:1])), f"a string padded by {name}")
     elif name == "expandtabs":
-        budget.size(len(text) + text.count("\t") * _int_arg(values[:1], 8), "a string with tabs expanded")
-    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        budget.size(
+            len(text) + text.count("\t") * _int_arg(values[:1], 8), "a string with tabs expanded"
+        )
+    elif (
+        name == "replace"
+        and len(args) >= 2
+        and isinstance(args[0], str)
+        and isinstance(args[1], str)
+    ):
         old, new = args[0], args[1]
         count = text.count(old) if old else len(text) + 1
         budget.size(len(text) + count * max(0, len(new) - len(old)), "a string with replacements")
     elif name == "join" and args:
         items = list(args[0])
-        budget.size(sum(budget.weight(i) for i in items) + len(text) * len(items), "a joined string")
+        budget.size(
+            sum(budget.weight(i) for i in items) + len(text) * len(items), "a joined string"
+        )
         args = (items, *args[1:])
     elif name in ("format", "format_map"):
-        budget.formatting(text, [v for a in values for v in _format_args(a)] if name == "format_map" else values,
-                          bool(_NESTED_FIELD.search(text)))
+        budget.formatting(
+            text,
+            [v for a in values for v in _format_args(a)] if name == "format_map" else values,
+            bool(_NESTED_FIELD.search(text)),
+        )
     elif name == "translate" and args and isinstance(args[0], Mapping):
-        budget.size(len(text) * (1 + max((budget.weight(v) for v in args[0].values()), default=0)),
-                    "a translated string")
+        budget.size(
+            len(text) * (1 + max((budget.weight(v) for v in args[0].values()), default=0)),
+            "a translated string",
+        )
     return args
 
 
 def _project_filter(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict) -> Any:
     """Refuse a filter whose result would pass the budget; returns the value to filter."""
+
     def arg(index: int, key: str, default=None):
         return args[index] if len(args) > index else kwargs.get(key, default)
 
@@ -159,24 +191,34 @@ def _project_filter(budget: _Budget, name: str, value: Any, args: tuple, kwargs:
     elif name == "indent" and isinstance(value, str):
         width = arg(0, "width", 4)
         lines = value.count("\n") + 1
-        budget.size(len(value) + lines * (len(width) if isinstance(width, str) else _int_arg([width])),
-                    "an indented string")
+        budget.size(
+            len(value) + lines * (len(width) if isinstance(width, str) else _int_arg([width])),
+            "an indented string",
+        )
     elif name == "wordwrap" and isinstance(value, str):
-        budget.size(len(value) * (1 + budget.weight(arg(2, "wrapstring", "\n"))), "a wrapped string")
+        budget.size(
+            len(value) * (1 + budget.weight(arg(2, "wrapstring", "\n"))), "a wrapped string"
+        )
     elif name == "format" and isinstance(value, str):
         budget.formatting(value, list(args) + list(kwargs.values()), "*" in value)
     elif name == "replace" and isinstance(value, str):
         _project_str_method(budget, value, "replace", args[:2], {})
     elif name == "join":
         value = list(value) if not isinstance(value, (str, Mapping)) else value
-        budget.size(budget.weight(value) + budget.weight(arg(0, "d", "")) * len(value),
-                    "a joined string")
+        budget.size(
+            budget.weight(value) + budget.weight(arg(0, "d", "")) * len(value), "a joined string"
+        )
     elif name in ("batch", "slice"):
         fill = arg(1, "fill_with")
-        budget.size(_int_arg([arg(0, "linecount" if name == "batch" else "slices", 0)])
-                    * (2 + budget.weight(fill)), f"the lists of {name}")
+        budget.size(
+            _int_arg([arg(0, "linecount" if name == "batch" else "slices", 0)])
+            * (2 + budget.weight(fill)),
+            f"the lists of {name}",
+        )
     elif name == "tojson":
-        budget.size(budget.weight(value) * (1 + _int_arg([arg(1, "indent", 0) or 0])), "a JSON string")
+        budget.size(
+            budget.weight(value) * (1 + _int_arg([arg(1, "indent", 0) or 0])), "a JSON string"
+        )
     return value
 
 
@@ -186,7 +228,9 @@ def _bounded_range(*args):
         budget.tick()
     numbers = range(*args)
     if len(numbers) > _SAFE_RANGE:
-        raise TemplateLimit(f"asked for a range of {len(numbers)} items, past the sandbox's {_SAFE_RANGE}")
+        raise TemplateLimit(
+            f"asked for a range of {len(numbers)} items, past the sandbox's {_SAFE_RANGE}"
+        )
     return numbers
 
 
@@ -218,8 +262,9 @@ def bounded_environment_class():
 
         def visit_For(self, node, frame):
             if not getattr(node, "bounded", False):
-                node.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("bounded_iter"), [node.iter],
-                                              [], None, None).set_lineno(node.lineno)
+                node.iter = jinja2.nodes.Call(
+                    jinja2.nodes.EnvironmentAttribute("bounded_iter"), [node.iter], [], None, None
+                ).set_lineno(node.lineno)
                 node.bounded = True
             super().visit_For(node, frame)
 
@@ -274,11 +319,15 @@ def bounded_environment_class():
             method = getattr(obj, "__wrapped__", obj)  # the sandbox hands out str.format wrapped
             owner = getattr(method, "__self__", None)
             if isinstance(owner, str):
-                args = _project_str_method(budget, owner, getattr(method, "__name__", ""), args, kwargs)
+                args = _project_str_method(
+                    budget, owner, getattr(method, "__name__", ""), args, kwargs
+                )
             budget.depth += 1
             try:
                 if budget.depth > TEMPLATE_MAX_DEPTH:
-                    raise TemplateLimit(f"nested calls deeper than {TEMPLATE_MAX_DEPTH} (a macro calling itself?)")
+                    raise TemplateLimit(
+                        f"nested calls deeper than {TEMPLATE_MAX_DEPTH} (a macro calling itself?)"
+                    )
                 result = super().call(context, obj, *args, **kwargs)
             finally:
                 budget.depth -= 1
@@ -318,7 +367,8 @@ def _project_binop(budget: _Budget, operator: str, left: Any, right: Any) -> Non
     elif operator == "+":
         if isinstance(left, str) and isinstance(right, str):
             budget.size(len(left) + len(right), "a sum")
-        elif not (isinstance(left, (int, float)) and isinstance(right, (int, float))):  # numbers add bits, not digits
+        # numbers add bits, not digits
+        elif not (isinstance(left, (int, float)) and isinstance(right, (int, float))):
             budget.size(budget.weight(left) + budget.weight(right), "a sum")
     elif operator == "%" and isinstance(left, str):
         budget.formatting(left, _format_args(right), "*" in left)
@@ -327,11 +377,14 @@ def _project_binop(budget: _Budget, operator: str, left: Any, right: Any) -> Non
 def _bits(bits: int) -> None:
     # one multiplication of numbers this long takes microseconds; of millions of bits, seconds
     if bits > TEMPLATE_MAX_INT_BITS:
-        raise TemplateLimit(f"would build a number of {bits} bits, past its limit of {TEMPLATE_MAX_INT_BITS}")
+        raise TemplateLimit(
+            f"would build a number of {bits} bits, past its limit of {TEMPLATE_MAX_INT_BITS}"
+        )
 
 
 def _bounded_filter(name: str, func):
-    """`func` with its result (and, for filters that can grow a value, its inputs) held to the budget;
+    """`func` with its result (and, for filters that can grow a value, its inputs) held to the
+    budget;
     it takes the context, so Jinja never runs it at compile time, outside any budget."""
     import jinja2
 
@@ -342,8 +395,11 @@ def _bounded_filter(name: str, func):
         if budget is not None:
             budget.tick()
             value = _project_filter(budget, name, value, args, kwargs)
-        lead = {"context": (context,), "eval_context": (context.eval_ctx,),
-                "environment": (context.environment,)}.get(passed, ())
+        lead = {
+            "context": (context,),
+            "eval_context": (context.eval_ctx,),
+            "environment": (context.environment,),
+        }.get(passed, ())
         result = func(*lead, value, *args, **kwargs)
         # a string result is measured (free); a container's items were measured going in
         if budget is not None and isinstance(result, str):
@@ -355,7 +411,8 @@ def _bounded_filter(name: str, func):
 
 @contextlib.contextmanager
 def budget_for(inputs: dict):
-    """One render's budget over `inputs`, seen by every interception point on this thread (or task) meanwhile."""
+    """One render's budget over `inputs`, seen by every interception point on this thread (or task)
+    meanwhile."""
     budget = _Budget(inputs)
     token = _CONTEXT_BUDGET.set(budget)
     try:

@@ -10,7 +10,8 @@ This module owns turning text and chat messages into token ids (and ids back int
   add_special_tokens=False).
 
 What it reads: tokenizer.json (through the `tokenizers` library), or where there is none PLaMo's
-tokenizer.jsonl or the tiktoken rank file tokenizer_config.json's class reads (GLM-4's tokenizer.model,
+tokenizer.jsonl or the tiktoken rank file tokenizer_config.json's class reads (GLM-4's
+tokenizer.model,
 Kimi's tiktoken.model); tokenizer_files.py builds those into the same `tokenizers` pipeline. Also
 tokenizer_config.json,
 special_tokens_map.json (only when Transformers would: no added_tokens_decoder in the config),
@@ -26,8 +27,10 @@ What it never does: execute remote code (an `auto_map` in the config is ignored;
 the tokenizer), read pickles or SentencePiece .model files.
 
 How Transformers 5 decides special tokens: with a tokenizer.json present it drops add_bos_token /
-add_eos_token from the config and keeps tokenizer.json's post-processor (TokenizersBackend). Which class
-it builds, and the two classes (LlamaTokenizer, GPTNeoXTokenizer) that rebuild the pipeline because their
+add_eos_token from the config and keeps tokenizer.json's post-processor (TokenizersBackend). Which
+class
+it builds, and the two classes (LlamaTokenizer, GPTNeoXTokenizer) that rebuild the pipeline because
+their
 output differs from tokenizer.json's, are tokenizer_classes.py.
 """
 
@@ -69,8 +72,11 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Refusal(f"failed to read {what} {path}: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # json.loads' limits: too deep, or an integer too long
-        raise Refusal(f"failed to read {what} {path}: {json_limit(exc)}; correct it or re-download it") from None
+    # json.loads' limits: too deep, or an integer too long
+    except (ValueError, RecursionError) as exc:
+        raise Refusal(
+            f"failed to read {what} {path}: {json_limit(exc)}; correct it or re-download it"
+        ) from None
 
 
 def _token_content(value: Any) -> str | None:
@@ -224,8 +230,11 @@ class Tokenizer:
     @classmethod
     def _from_rank_file(cls, directory: Path, config: dict) -> Tokenizer:
         """PLaMo's tokenizer.jsonl, or a tiktoken rank file its tokenizer_config.json's class reads
-        (tokenizer_files.py), in place of tokenizer.json; refused, naming the file, for any other."""
-        names = {entry.name for entry in directory.iterdir() if entry.is_file()} - {"tokenizer.json"}
+        (tokenizer_files.py), in place of tokenizer.json; refused, naming the file, for any
+        other."""
+        names = {entry.name for entry in directory.iterdir() if entry.is_file()} - {
+            "tokenizer.json"
+        }
         if not names & set(tokenizer_files.OTHER_FILES):
             raise Refusal(
                 f"failed to load tokenizer {directory / 'tokenizer.json'}: file not found (ster_dist "
@@ -239,15 +248,24 @@ class Tokenizer:
         added_entries = _added_token_entries(directory, config, _BackendTokenizer(models.BPE()))
         if name == tokenizer_files.PLAMO_FILE:
             backend = tokenizer_files.plamo_backend(directory / name, config)
-            return cls._finish(backend, directory, config, added_entries, declared or "PlamoTokenizer")
+            return cls._finish(
+                backend, directory, config, added_entries, declared or "PlamoTokenizer"
+            )
         added = {i: _token_content(t) for i, t in added_entries if _token_content(t) is not None}
-        backend = tokenizer_files.tiktoken_backend(directory / name, tokenizer_files.TIKTOKEN_CLASSES[declared],
-                                                   added)
+        backend = tokenizer_files.tiktoken_backend(
+            directory / name, tokenizer_files.TIKTOKEN_CLASSES[declared], added
+        )
         return cls._finish(backend, directory, config, added_entries, declared)
 
     @classmethod
-    def _finish(cls, backend: _BackendTokenizer, directory: Path, config: dict,
-                added_entries: list[tuple[int, Any]], backend_class: str) -> Tokenizer:
+    def _finish(
+        cls,
+        backend: _BackendTokenizer,
+        directory: Path,
+        config: dict,
+        added_entries: list[tuple[int, Any]],
+        backend_class: str,
+    ) -> Tokenizer:
         """Special and added tokens registered as TokenizersBackend does, then the chat template."""
         special_tokens = _collect_special_tokens(config)
         _register_added_tokens(
@@ -409,8 +427,16 @@ class Tokenizer:
         """
 
         template = self._compile(self._template())
-        return render(template, str(self.directory), self.special_tokens_map, messages, tools, documents,
-                      add_generation_prompt, template_kwargs)
+        return render(
+            template,
+            str(self.directory),
+            self.special_tokens_map,
+            messages,
+            tools,
+            documents,
+            add_generation_prompt,
+            template_kwargs,
+        )
 
     def _compile(self, source: str):
         import jinja2

@@ -1,4 +1,5 @@
-"""`ster tune evaluate`: loss and perplexity over completion tokens, with or without an adapter; nothing written.
+"""`ster tune evaluate`: loss and perplexity over completion tokens, with or without an adapter;
+nothing written.
 
 Examples are encoded as training encodes them (tune/data.py) and scored by the same summed NLL
 (tune/loss.py) on the session's ranks, the adapter attached unmerged as `ster generate --adapter`
@@ -22,12 +23,15 @@ class LossesOnRank(RankExtension):
     """Scores examples on one rank; it holds nothing between calls."""
 
     @torch.inference_mode()
-    def losses(self, examples: list[Example], pad_id: int, batch_size: int) -> list[tuple[float, int]] | None:
-        """(summed NLL, completion tokens) per example, from the lead rank (every rank of the last pipeline
+    def losses(
+        self, examples: list[Example], pad_id: int, batch_size: int
+    ) -> list[tuple[float, int]] | None:
+        """(summed NLL, completion tokens) per example, from the lead rank (every rank of the last
+        pipeline
         stage computes the same logits; an earlier stage only hands its output on)."""
         out = []
         for start in range(0, len(examples), batch_size):
-            inputs, valid, targets = collate(examples[start:start + batch_size], pad_id)
+            inputs, valid, targets = collate(examples[start : start + batch_size], pad_id)
             if not self.model.ctx.last_stage:
                 self.model(inputs, None, valid)
                 continue
@@ -41,10 +45,14 @@ def summarise(per_example: list[tuple[float, int]]) -> dict:
     tokens = sum(t for _, t in per_example)
     token_loss = total / tokens
     means = [n / t for n, t in per_example]
-    return {"examples": len(per_example), "completion_tokens": tokens,
-            "loss": token_loss, "perplexity": _exp(token_loss),
-            "per_example_loss": sum(means) / len(means),
-            "per_example_perplexity": sum(_exp(m) for m in means) / len(means)}
+    return {
+        "examples": len(per_example),
+        "completion_tokens": tokens,
+        "loss": token_loss,
+        "perplexity": _exp(token_loss),
+        "per_example_loss": sum(means) / len(means),
+        "per_example_perplexity": sum(_exp(m) for m in means) / len(means),
+    }
 
 
 def _exp(x: float) -> float:

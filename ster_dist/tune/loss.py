@@ -12,10 +12,14 @@ import torch.nn.functional as F
 from ster_dist.tune.data import IGNORE
 
 
-def completion_nll(model, inputs: torch.Tensor, valid: torch.Tensor,
-                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed negative log-likelihood [batch], completion tokens [batch]) over right-padded rows."""
+def completion_nll(
+    model, inputs: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed negative log-likelihood [batch], completion tokens [batch]) over right-padded
+    rows."""
     logits = model(inputs, None, valid)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    nll = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+    )
     counted = targets != IGNORE
     return nll.view(targets.shape).sum(-1), counted.sum(-1)

@@ -20,7 +20,8 @@ from ster_dist.tune.loss import completion_nll
 
 
 class Objective:
-    """The supervised objective: mean negative log-likelihood over every completion token of a step."""
+    """The supervised objective: mean negative log-likelihood over every completion token of a
+    step."""
 
     name = "sft"
     width = 2  # the sums a micro-batch hands back: (summed loss, units)
@@ -31,8 +32,11 @@ class Objective:
     def collate(self, items: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
         return collate(items, pad_id)
 
-    def inputs(self, decoder, attached, items: list, pad_id: int, step: int) -> tuple[torch.Tensor, ...]:
-        """A micro-batch's tensors on the rank, before its forward: the items collated, or, for an objective
+    def inputs(
+        self, decoder, attached, items: list, pad_id: int, step: int
+    ) -> tuple[torch.Tensor, ...]:
+        """A micro-batch's tensors on the rank, before its forward: the items collated, or, for an
+        objective
         that samples them (grpo), drawn from the policy as it stands at step `step`."""
         return self.collate(items, pad_id)
 
@@ -40,10 +44,15 @@ class Objective:
         """A trainable module beside the factors, or None."""
         return None
 
-    def loss(self, decoder, attached, head, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss over the micro-batch, float64 sums [width]); attached is already refreshed."""
+    def loss(
+        self, decoder, attached, head, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss over the micro-batch, float64 sums [width]); attached is already
+        refreshed."""
         nll, tokens = completion_nll(decoder, *batch)
-        return nll.sum(), torch.tensor([float(nll.detach().sum()), float(tokens.sum())], dtype=torch.float64)
+        return nll.sum(), torch.tensor(
+            [float(nll.detach().sum()), float(tokens.sum())], dtype=torch.float64
+        )
 
     def report(self, sums: torch.Tensor) -> dict:
         """A step's numbers from its sums over every rank and micro-batch."""

@@ -33,16 +33,21 @@ class Pair:
 
 
 def read_pairs(path: str) -> list[dict]:
-    """The pairs of the JSONL file `path`, each refused by its line number when it cannot teach a preference."""
+    """The pairs of the JSONL file `path`, each refused by its line number when it cannot teach a
+    preference."""
     rows = []
     for number, row, where in jsonl_objects(path, "--pairs", SHAPE):
         for key in FIELDS:
             if not isinstance(row.get(key), str) or not row[key].strip():
-                raise Refusal(f"{where} has no {key} text; give every pair a prompt, a chosen and a rejected "
-                              "completion")
+                raise Refusal(
+                    f"{where} has no {key} text; give every pair a prompt, a chosen and a rejected "
+                    "completion"
+                )
         if row["chosen"] == row["rejected"]:
-            raise Refusal(f"{where}: chosen and rejected are the same text, which teaches no preference; "
-                          "fix or drop the pair")
+            raise Refusal(
+                f"{where}: chosen and rejected are the same text, which teaches no preference; "
+                "fix or drop the pair"
+            )
         if row.get("system") is not None and not isinstance(row["system"], str):
             raise Refusal(f"{where}: system must be text")
         rows.append({**row, "line": number})
@@ -51,8 +56,14 @@ def read_pairs(path: str) -> list[dict]:
     return rows
 
 
-def encode_pairs(tokenizer: Tokenizer, rows: list[dict], chat_template: str, system: str | None,
-                 eos: tuple[int, ...], max_sequence: int) -> list[Pair]:
+def encode_pairs(
+    tokenizer: Tokenizer,
+    rows: list[dict],
+    chat_template: str,
+    system: str | None,
+    eos: tuple[int, ...],
+    max_sequence: int,
+) -> list[Pair]:
     stop = stop_token(tokenizer, eos)
     out = []
     for row in rows:
@@ -61,23 +72,28 @@ def encode_pairs(tokenizer: Tokenizer, rows: list[dict], chat_template: str, sys
         for key in ("chosen", "rejected"):
             ids = prompt + tokenizer.encode(row[key], add_special_tokens=False) + [stop]
             if len(ids) > max_sequence:
-                raise Refusal(f"pair on line {row['line']} is {len(ids)} tokens with its {key} completion, past "
-                              f"--max-sequence {max_sequence}; raise --max-sequence or shorten the pair (a "
-                              "preference pair is never cut)")
+                raise Refusal(
+                    f"pair on line {row['line']} is {len(ids)} tokens with its {key} completion, past "
+                    f"--max-sequence {max_sequence}; raise --max-sequence or shorten the pair (a "
+                    "preference pair is never cut)"
+                )
             sides.append(Example(tuple(ids), len(prompt)))
         if sides[0].ids == sides[1].ids:
-            raise Refusal(f"pair on line {row['line']}: chosen and rejected encode to the same tokens, which "
-                          "teaches no preference; fix or drop the pair")
+            raise Refusal(
+                f"pair on line {row['line']}: chosen and rejected encode to the same tokens, which "
+                "teaches no preference; fix or drop the pair"
+            )
         out.append(Pair(*sides))
     return out
 
 
 def collate_whole(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, valid), right-padded, every token of each sequence an input (a reward head reads the last)."""
+    """(ids, valid), right-padded, every token of each sequence an input (a reward head reads the
+    last)."""
     width = max(len(e.ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     valid = torch.zeros((len(examples), width), dtype=torch.bool)
     for row, e in enumerate(examples):
-        ids[row, :len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
-        valid[row, :len(e.ids)] = True
+        ids[row, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+        valid[row, : len(e.ids)] = True
     return ids, valid

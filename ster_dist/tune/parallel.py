@@ -1,7 +1,8 @@
 """The dp x tp layout of a training run, and collectives that carry gradients.
 
 World rank r of dp x tp ranks is tensor-parallel rank r % tp and data-parallel rank r // tp, as
-parallel/ctx.py lays out tp x ep: a tensor-parallel group is tp consecutive ranks, a data-parallel group
+parallel/ctx.py lays out tp x ep: a tensor-parallel group is tp consecutive ranks, a data-parallel
+group
 the ranks of one tensor-parallel position across them. Every rank creates every group, in the same
 order, as torch.distributed requires; the groups are kept per process, so a rank that trains twice
 reuses them.
@@ -53,7 +54,12 @@ class _GatherLast(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width].contiguous(), None, None, None
+        return (
+            grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(),
+            None,
+            None,
+            None,
+        )
 
 
 class _SumGrad(torch.autograd.Function):
@@ -119,7 +125,8 @@ _LAYOUTS: dict[tuple[int, int], Layout] = {}
 
 
 def layout(dp: int, tp: int) -> Layout:
-    """This rank's place in dp x tp ranks; the process group must already span exactly dp * tp ranks."""
+    """This rank's place in dp x tp ranks; the process group must already span exactly dp * tp
+    ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != dp * tp:
         raise RuntimeError(f"the process group has {world} ranks, the run needs dp {dp} x tp {tp}")

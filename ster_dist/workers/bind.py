@@ -21,7 +21,9 @@ _SIOCGIFADDR = 0x8915
 def _ipv4_of(interface: str) -> str | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+            packed = fcntl.ioctl(
+                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15])
+            )
         except OSError:  # no IPv4 address on it
             return None
     return socket.inet_ntoa(packed[20:24])
@@ -42,12 +44,15 @@ def _ipv6_interfaces() -> dict[str, str]:
 
 
 def interface_holding(host: str) -> str:
-    """The name of the interface whose address `host` is (a name is resolved first); a refusal when none is."""
+    """The name of the interface whose address `host` is (a name is resolved first); a refusal when
+    none is."""
     try:
         address = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0].split("%")[0])
     except (OSError, ValueError, IndexError):
-        raise Refusal(f"the rendezvous host {host!r} does not resolve to an address; "
-                      "give this node's own address (STER_RENDEZVOUS_HOST)") from None
+        raise Refusal(
+            f"the rendezvous host {host!r} does not resolve to an address; "
+            "give this node's own address (STER_RENDEZVOUS_HOST)"
+        ) from None
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     if isinstance(address, ipaddress.IPv4Address):
@@ -58,8 +63,10 @@ def interface_holding(host: str) -> str:
         name = _ipv6_interfaces().get(str(address))
         if name is not None:
             return name
-    raise Refusal(f"no network interface of this node holds the rendezvous address {address}; "
-                  "give this node's own address (STER_RENDEZVOUS_HOST) or set GLOO_SOCKET_IFNAME")
+    raise Refusal(
+        f"no network interface of this node holds the rendezvous address {address}; "
+        "give this node's own address (STER_RENDEZVOUS_HOST) or set GLOO_SOCKET_IFNAME"
+    )
 
 
 def bind_collectives_to(host: str) -> None:

@@ -27,17 +27,22 @@ class RankExtension:
     def model(self):
         """This rank's decoder; refused before a model is loaded (nothing to hook or read yet)."""
         if self.rank.loaded is None:
-            raise Refusal(f"{type(self).__name__} was called on rank {self.rank.rank} before a model was loaded")
+            raise Refusal(
+                f"{type(self).__name__} was called on rank {self.rank.rank} before a model was loaded"
+            )
         return self.rank.loaded.model
 
     def first_rank_only(self, value):
-        """`value` on the group's lead rank (Rank.lead: rank 0, or the last pipeline stage's first), None
-        elsewhere: for results every rank of a stage holds alike (the residual and the gathered logits are
+        """`value` on the group's lead rank (Rank.lead: rank 0, or the last pipeline stage's first),
+        None
+        elsewhere: for results every rank of a stage holds alike (the residual and the gathered
+        logits are
         replicated), so only one copy travels back to the driver (group.lead_result picks it)."""
         return value if self.rank.lead else None
 
     def stage_lead_only(self, value):
-        """`value` on each pipeline stage's first rank, None elsewhere: for what each stage holds of its own
+        """`value` on each pipeline stage's first rank, None elsewhere: for what each stage holds of
+        its own
         (the residual after its layers); the driver merges the stages' parts."""
         return value if self.rank.stage_lead else None
 
@@ -51,7 +56,8 @@ def check_extension(cls) -> None:
 
 
 def check_method(cls: type, method: str) -> None:
-    """Refuse, in one line naming both, a method the driver may not call on `cls`: an unknown name, a
+    """Refuse, in one line naming both, a method the driver may not call on `cls`: an unknown name,
+    a
     private one, or close (the rank calls that itself)."""
     check_extension(cls)
     if method.startswith("_") or method == "close" or not callable(getattr(cls, method, None)):
@@ -59,14 +65,16 @@ def check_method(cls: type, method: str) -> None:
 
 
 def describe(method: str, args: tuple) -> str:
-    """How a group names a call in its errors: 'StandingModifiers.steer' rather than 'call_extension'."""
+    """How a group names a call in its errors: 'StandingModifiers.steer' rather than
+    'call_extension'."""
     if method == "call_extension" and len(args) >= 2 and isinstance(args[0], type):
         return f"{args[0].__name__}.{args[1]}"
     return method
 
 
 class OnRanks:
-    """`group.on(cls)`: `.method(*args)` runs cls's method on every rank of the group, in rank order."""
+    """`group.on(cls)`: `.method(*args)` runs cls's method on every rank of the group, in rank
+    order."""
 
     def __init__(self, group, cls: type):
         check_extension(cls)
@@ -74,7 +82,8 @@ class OnRanks:
 
     def __getattr__(self, method: str):
         cls = self.__dict__.get("_cls")
-        if cls is None or method.startswith("__"):  # copy and pickle probing a half-made proxy for hooks
+        # copy and pickle probing a half-made proxy for hooks
+        if cls is None or method.startswith("__"):
             raise AttributeError(method)
         check_method(cls, method)  # refused here, before anything is sent to the ranks
 

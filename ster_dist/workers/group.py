@@ -1,4 +1,5 @@
-"""Driving a model across ranks: load once per rank, then logits / parity / rank extensions (the token
+"""Driving a model across ranks: load once per rank, then logits / parity / rank extensions (the
+token
 engine's ModelRunner among them).
 
 `open_group` picks the group: a single in-process Rank for one rank (no Ray, no
@@ -34,7 +35,8 @@ class LocalGroup(WorkerGroup):
         return [getattr(self.rank, method)(*args)]
 
     def submit(self, method: str, *args) -> list:
-        """As the other groups' submit; one rank in this process has answered by the time it returns."""
+        """As the other groups' submit; one rank in this process has answered by the time it
+        returns."""
         return self.call(method, *args)
 
     def collect(self, handle: list) -> list:
@@ -53,9 +55,16 @@ class LocalGroup(WorkerGroup):
         self.close()
 
 
-def open_group(tp: int, device: str = "cpu", address: str | None = None, launcher: str = "ray", ep: int = 1,
-               pp: int = 1) -> WorkerGroup:
-    """tp x ep x pp ranks: tensor-parallel groups of tp, expert-parallel groups of ep, pp pipeline stages."""
+def open_group(
+    tp: int,
+    device: str = "cpu",
+    address: str | None = None,
+    launcher: str = "ray",
+    ep: int = 1,
+    pp: int = 1,
+) -> WorkerGroup:
+    """tp x ep x pp ranks: tensor-parallel groups of tp, expert-parallel groups of ep, pp pipeline
+    stages."""
     world = tp * ep * pp
     if world == 1 and address is None:
         return LocalGroup()
@@ -68,6 +77,12 @@ def open_group(tp: int, device: str = "cpu", address: str | None = None, launche
     return RayGroup(world, device, address, ep=ep, pp=pp)
 
 
-def load_on(group: WorkerGroup, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> list[dict]:
+def load_on(
+    group: WorkerGroup,
+    checkpoint: Checkpoint,
+    precision: str,
+    device: str,
+    weights: str = "dequantize",
+) -> list[dict]:
     """Every rank loads its shard of the checkpoint the driver resolved (once)."""
     return group.call("load", checkpoint, precision, device, weights)

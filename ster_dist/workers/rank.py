@@ -31,18 +31,24 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def rendezvous_store(host: str, port: int, rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+def rendezvous_store(
+    host: str, port: int, rank: int, world: int, timeout: timedelta
+) -> dist.TCPStore:
     """The group's rendezvous store, rank 0 listening on host alone.
 
-    init_method="tcp://HOST:PORT" makes rank 0's TCPStore listen on every interface (*:PORT) whatever
-    HOST is, so anyone who can reach the node could join or poison the group. TCPStore cannot be told
+    init_method="tcp://HOST:PORT" makes rank 0's TCPStore listen on every interface (*:PORT)
+    whatever
+    HOST is, so anyone who can reach the node could join or poison the group. TCPStore cannot be
+    told
     an address to bind, but it takes a listening socket: rank 0 binds host:port itself and hands the
     descriptor over (master_listen_fd); the other ranks connect as before."""
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.create_server((host, port), family=family)
-    return dist.TCPStore(host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+    )
 
 
 def _status_bytes(field: str) -> int | None:
@@ -78,14 +84,18 @@ def peak_rss_bytes() -> int:
 
 class Rank:
     def __init__(self, rank: int, world: int, threads: int | None = None, ep: int = 1, pp: int = 1):
-        """world = pp stages of tp x ep ranks; within its stage this one is tensor-parallel rank r % tp and
+        """world = pp stages of tp x ep ranks; within its stage this one is tensor-parallel rank r %
+        tp and
         expert-parallel rank r // tp (parallel/ctx.py)."""
         if ep < 1 or pp < 1 or world % (ep * pp):
-            raise ValueError(f"{world} ranks do not split into {pp} stages of {ep} expert-parallel groups")
+            raise ValueError(
+                f"{world} ranks do not split into {pp} stages of {ep} expert-parallel groups"
+            )
         self.rank, self.world, self.ep, self.pp = rank, world, ep, pp
         self._ctx = ParallelCtx(rank, world, None)
         self.loaded: LoadedModel | None = None
-        self._extensions: dict[type, RankExtension] = {}  # one per class, in the order they were made
+        # one per class, in the order they were made
+        self._extensions: dict[type, RankExtension] = {}
         if threads:
             torch.set_num_threads(threads)
 
@@ -107,14 +117,16 @@ class Rank:
             if backend == "gloo":
                 bind_collectives_to(host)
             store = rendezvous_store(host, port, self.rank, self.world, timeout)
-            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout
+            )
             if self.ep > 1 or self.pp > 1:
                 self._ctx = self._subgroups()
         return self.rank
 
     def _subgroups(self) -> ParallelCtx:
-        """Per stage, tensor-parallel groups of tp consecutive ranks and expert-parallel groups across them.
+        """Per stage, tensor-parallel groups of tp consecutive ranks and expert-parallel groups
+        across them.
         Every rank creates every group, in the same order, as torch.distributed requires."""
         per_stage = self.world // self.pp
         tp = per_stage // self.ep
@@ -128,36 +140,57 @@ class Rank:
                 if (s, e) == (stage, ep_rank):
                     tp_group = group
             for t in range(tp):
-                group = dist.new_group([base + e * tp + t for e in range(self.ep)]) if self.ep > 1 else None
+                group = (
+                    dist.new_group([base + e * tp + t for e in range(self.ep)])
+                    if self.ep > 1
+                    else None
+                )
                 if (s, t) == (stage, tp_rank):
                     ep_group = group
         if tp == 1:
             tp_group = None
-        return ParallelCtx(tp_rank, tp, tp_group, ep_rank, self.ep, ep_group, pp_rank=stage, pp_size=self.pp,
-                           pp_prev=self.rank - per_stage if stage > 0 else None,
-                           pp_next=self.rank + per_stage if stage < self.pp - 1 else None,
-                           sampler=(self.pp - 1) * per_stage)
+        return ParallelCtx(
+            tp_rank,
+            tp,
+            tp_group,
+            ep_rank,
+            self.ep,
+            ep_group,
+            pp_rank=stage,
+            pp_size=self.pp,
+            pp_prev=self.rank - per_stage if stage > 0 else None,
+            pp_next=self.rank + per_stage if stage < self.pp - 1 else None,
+            sampler=(self.pp - 1) * per_stage,
+        )
 
     def ctx(self) -> ParallelCtx:
         return self._ctx
 
-    def load(self, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize") -> dict:
+    def load(
+        self, checkpoint: Checkpoint, precision: str, device: str, weights: str = "dequantize"
+    ) -> dict:
         rss_before = reset_peak_rss()
         start = time.perf_counter()
         self.loaded = load_model(checkpoint, precision, device, self.ctx(), weights)
-        return {"rank": self.rank, "load_seconds": time.perf_counter() - start,
-                "bytes_read": self.loaded.bytes_read, "peak_rss_before": rss_before,
-                "peak_rss_after": peak_rss_bytes()}
+        return {
+            "rank": self.rank,
+            "load_seconds": time.perf_counter() - start,
+            "bytes_read": self.loaded.bytes_read,
+            "peak_rss_before": rss_before,
+            "peak_rss_after": peak_rss_bytes(),
+        }
 
     @property
     def lead(self) -> bool:
-        """Whether this rank answers for the group: the one whose logits choose the tokens (rank 0, or the
+        """Whether this rank answers for the group: the one whose logits choose the tokens (rank 0,
+        or the
         last pipeline stage's first rank)."""
         return self.rank == self._ctx.sampler
 
     @property
     def stage_lead(self) -> bool:
-        """Whether this rank answers for its pipeline stage (its first rank): what a stage alone holds, such
+        """Whether this rank answers for its pipeline stage (its first rank): what a stage alone
+        holds, such
         as the residual after its layers, travels back from it."""
         return self.rank % (self.world // self.pp) == 0
 
@@ -179,7 +212,8 @@ class Rank:
         return against_reference(self.loaded, ids, captured, logits, tp=self.world)
 
     def whereabouts(self) -> dict:
-        """Where this rank's process is, so a test or an operator can find it: its Ray node too, when it is
+        """Where this rank's process is, so a test or an operator can find it: its Ray node too,
+        when it is
         an actor (several nodes may share one host)."""
         out = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
         try:
@@ -201,11 +235,13 @@ class Rank:
 
     def call_extension(self, cls: type, method: str, *args):
         """What `group.on(cls).method(*args)` runs on each rank; returns the method's result."""
-        check_method(cls, method)  # the driver checked too; a rank called directly must refuse alike
+        # the driver checked too; a rank called directly must refuse alike
+        check_method(cls, method)
         return getattr(self.extension(cls), method)(*args)
 
     def close(self) -> None:
-        """Close the extensions (newest first: a later one may use an earlier one's state), then leave
+        """Close the extensions (newest first: a later one may use an earlier one's state), then
+        leave
         the process group; an extension failing to close stops neither."""
         failure = None
         extensions, self._extensions = list(self._extensions.values()), {}

@@ -32,19 +32,31 @@ def _serve(rank: int, world: int, threads: int | None, conn, ep: int = 1, pp: in
 
 
 class SpawnGroup(WorkerGroup):
-    def __init__(self, world: int, threads: int | None = 1, timeout_s: float = 600.0, ep: int = 1,
-                 host: str = "127.0.0.1", pp: int = 1):
-        """world ranks: pp pipeline stages of world / (ep x pp) tensor-parallel ranks times ep expert-parallel
+    def __init__(
+        self,
+        world: int,
+        threads: int | None = 1,
+        timeout_s: float = 600.0,
+        ep: int = 1,
+        host: str = "127.0.0.1",
+        pp: int = 1,
+    ):
+        """world ranks: pp pipeline stages of world / (ep x pp) tensor-parallel ranks times ep
+        expert-parallel
         ranks, meeting at host."""
         if ep < 1 or pp < 1 or world % (ep * pp):
-            raise Refusal(f"{world} ranks do not split into --pp {pp} stages of --ep {ep} expert-parallel groups")
+            raise Refusal(
+                f"{world} ranks do not split into --pp {pp} stages of --ep {ep} expert-parallel groups"
+            )
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
         self.lead = (pp - 1) * (world // pp)  # the rank whose answer is the group's (Rank.lead)
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world, threads, child, ep, pp), daemon=True)
+            proc = ctx.Process(
+                target=_serve, args=(rank, world, threads, child, ep, pp), daemon=True
+            )
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -57,15 +69,19 @@ class SpawnGroup(WorkerGroup):
         return self.collect(self.submit(method, *args))
 
     def submit(self, method: str, *args) -> str:
-        """Send a call to every rank without waiting (its handle for collect). Ranks answer calls in the
+        """Send a call to every rank without waiting (its handle for collect). Ranks answer calls in
+        the
         order they were sent: collect them in that order, and call nothing else in between."""
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))
             except (OSError, BrokenPipeError):
                 self.close()
-                raise WorkerLost(f"rank {rank} died before {describe(method, args)}; the group was shut down") from None
-        return describe(method, args)  # the errors below name an extension's method, not call_extension
+                raise WorkerLost(
+                    f"rank {rank} died before {describe(method, args)}; the group was shut down"
+                ) from None
+        # the errors below name an extension's method, not call_extension
+        return describe(method, args)
 
     def collect(self, method: str) -> list:
         """Every rank's answer to the oldest call submitted and not yet collected."""
@@ -73,8 +89,10 @@ class SpawnGroup(WorkerGroup):
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):
                 self.close()
-                raise WorkerLost(f"rank {rank} did not answer {method} within {self.timeout_s:.0f} s; "
-                              "the group was shut down")
+                raise WorkerLost(
+                    f"rank {rank} did not answer {method} within {self.timeout_s:.0f} s; "
+                    "the group was shut down"
+                )
             try:
                 status, value = conn.recv()
             except EOFError:
@@ -87,7 +105,9 @@ class SpawnGroup(WorkerGroup):
                 self.close()
                 if dead is not None:
                     raise self._lost(dead, method)
-                raise Refusal(first if status == "refusal" else f"rank {rank} failed during {method}: {first}")
+                raise Refusal(
+                    first if status == "refusal" else f"rank {rank} failed during {method}: {first}"
+                )
             results.append(value)
         return results
 

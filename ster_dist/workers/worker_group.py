@@ -3,7 +3,8 @@
 Three classes implement it: LocalGroup (one Rank in this process, workers/group.py), SpawnGroup
 (processes over pipes, workers/spawn.py) and RayGroup (actors, workers/ray_group.py). A caller
 holds a WorkerGroup and never asks which one it has. `call` runs one of Rank's own methods on every
-rank and returns their answers in rank order; `submit` and `collect` are the same call in two halves,
+rank and returns their answers in rank order; `submit` and `collect` are the same call in two
+halves,
 so several can be in flight (pipeline stages then work on different ones); `on(cls)` reaches a rank
 extension (workers/extension.py); `lead` is the index of the rank whose answer is the group's.
 """
@@ -24,7 +25,8 @@ class WorkerGroup(Protocol):
         ...
 
     def submit(self, method: str, *args) -> Any:
-        """Send the call to every rank without waiting; the handle `collect` takes. Calls are answered in the
+        """Send the call to every rank without waiting; the handle `collect` takes. Calls are
+        answered in the
         order they were sent."""
         ...
 

@@ -44,38 +44,80 @@ def test_inspect_model_reads_no_weights(capsys, toy):
 
 
 def test_generate_is_deterministic_under_a_seed(capsys, toy):
-    args = ["generate", "--model", str(toy), "--prompt", "What is the capital of France?",
-            "--max-new-tokens", "6", "--temperature", "0.9", "--top-p", "0.95", "--seed", "7"]
+    args = [
+        "generate",
+        "--model",
+        str(toy),
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+    ]
     code, first, err = run(capsys, *args)
     assert code == 0, err
     _, second, _ = run(capsys, *args)
     assert first["text"] == second["text"]
     assert first["completion_tokens"] == 6 and first["chat_template"] == "on"
     assert first["model_revision"] is None and first["precision"] == "f32"
-    assert all("event" in json.loads(line) for line in err.strip().splitlines())  # NDJSON events only
+    # NDJSON events only
+    assert all("event" in json.loads(line) for line in err.strip().splitlines())
 
 
 def test_prompt_set_answers_each_prompt_in_order(capsys, toy, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["one", "two three four", "five six"]}))
     out_file = tmp_path / "answers.json"
-    code, out, err = run(capsys, "generate", "--model", str(toy), "--prompts", str(prompts),
-                         "--output", str(out_file), "--max-new-tokens", "4", "--chat-template", "off")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(toy),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out_file),
+        "--max-new-tokens",
+        "4",
+        "--chat-template",
+        "off",
+    )
     assert code == 0, err
     answers = json.loads(out_file.read_text())
     assert [r["prompt"] for r in answers["results"]] == ["one", "two three four", "five six"]
     for result in answers["results"]:
-        _, single, _ = run(capsys, "generate", "--model", str(toy), "--prompt", result["prompt"],
-                           "--max-new-tokens", "4", "--chat-template", "off")
+        _, single, _ = run(
+            capsys,
+            "generate",
+            "--model",
+            str(toy),
+            "--prompt",
+            result["prompt"],
+            "--max-new-tokens",
+            "4",
+            "--chat-template",
+            "off",
+        )
         assert single["text"] == result["text"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be zero or more"),
-    (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must lie in (0, 1]"),
-    (["generate"], "give exactly one of --prompt TEXT or --prompts FILE"),
-    (["generate", "--prompt", "x", "--strength", "1"], "--strength scales a steering vector"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["generate", "--prompt", "x", "--max-new-tokens", "-1"],
+            "--max-new-tokens must be zero or more",
+        ),
+        (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must lie in (0, 1]"),
+        (["generate"], "give exactly one of --prompt TEXT or --prompts FILE"),
+        (["generate", "--prompt", "x", "--strength", "1"], "--strength scales a steering vector"),
+    ],
+)
 def test_refusals_are_one_line(capsys, toy, argv, message):
     command, rest = argv[0], argv[1:]
     model = ["--model", str(toy)] if command == "generate" else []
@@ -87,12 +129,19 @@ def test_refusals_are_one_line(capsys, toy, argv, message):
 
 def test_refusal_from_a_real_process_has_no_traceback(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "plamo2"}))
-    proc = subprocess.run([sys.executable, "-m", "ster_dist.cli", "inspect-model", "--model", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ster_dist.cli", "inspect-model", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
-    said = [line for line in proc.stderr.splitlines() if not line.startswith('{"event": "progress"')]
-    assert len(said) == 1 and "Traceback" not in proc.stderr  # the refusal, beside the progress events
+    said = [
+        line for line in proc.stderr.splitlines() if not line.startswith('{"event": "progress"')
+    ]
+    # the refusal, beside the progress events
+    assert len(said) == 1 and "Traceback" not in proc.stderr
     assert said[0].startswith('model architecture "plamo2" is unsupported by this ster_dist build')
 
 
@@ -133,21 +182,43 @@ def test_version(capsys):
 
 
 def test_a_bad_flag_is_one_line(capsys):
-    code, out, err = run(capsys, "generate", "--model", "m", "--prompt", "x", "--max-new-tokens", "ten")
+    code, out, err = run(
+        capsys, "generate", "--model", "m", "--prompt", "x", "--max-new-tokens", "ten"
+    )
     assert code == 2 and out is None and err.count("\n") == 1 and "--max-new-tokens" in err
 
 
 def test_outputs_take_the_process_umask(tmp_path):
     """Every output file gets the mode the umask gives a new file (some used to be 0600)."""
-    script = ("import os, sys; os.umask(0o027); from ster_dist.cli import main; "
-              "sys.exit(main(sys.argv[1:]))")
+    script = (
+        "import os, sys; os.umask(0o027); from ster_dist.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
     toy, prompts = tmp_path / "toy", tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["one"]}))
-    for argv in (["toy-model", str(toy)],
-                 ["generate", "--model", str(toy), "--prompts", str(prompts), "--output", str(tmp_path / "a.json"),
-                  "--max-new-tokens", "2"]):
-        done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+    for argv in (
+        ["toy-model", str(toy)],
+        [
+            "generate",
+            "--model",
+            str(toy),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "a.json"),
+            "--max-new-tokens",
+            "2",
+        ],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
-    for path in (tmp_path / "a.json", toy / "config.json", toy / "model.safetensors", toy / ".ster-made.json"):
+    for path in (
+        tmp_path / "a.json",
+        toy / "config.json",
+        toy / "model.safetensors",
+        toy / ".ster-made.json",
+    ):
         assert path.stat().st_mode & 0o777 == 0o640, (path, oct(path.stat().st_mode))
     assert toy.stat().st_mode & 0o777 == 0o750

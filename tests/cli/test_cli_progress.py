@@ -1,5 +1,6 @@
 """Every command the README says prints progress does: the quick ones too (families, toy-model,
-inspect-model, gguf-import, inspect), each at least one JSON progress event on stderr beside its result."""
+inspect-model, gguf-import, inspect), each at least one JSON progress event on stderr beside its
+result."""
 
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ def artifact(tmp_path_factory) -> Path:
     from ster_dist.steer.artifact import Direction, SteeringArtifact
 
     path = tmp_path_factory.mktemp("steer") / "calm.json"
-    made = SteeringArtifact(model="toy", model_revision=None, trait_name="calm", method="caa", hidden_size=8,
-                            vectors=[Direction(0, torch.ones(8), 1.0, 0.0)])
+    made = SteeringArtifact(
+        model="toy",
+        model_revision=None,
+        trait_name="calm",
+        method="caa",
+        hidden_size=8,
+        vectors=[Direction(0, torch.ones(8), 1.0, 0.0)],
+    )
     path.write_text(json.dumps(made.to_json()))
     return path
 
@@ -39,8 +46,12 @@ def test_families_print_progress(capsys):
 
 def test_toy_model_and_inspect_model_print_progress(tmp_path, capsys):
     toy = tmp_path / "toy"
-    assert events(capsys, "toy-model", str(toy))[0]["message"].startswith("writing a toy llama model of 2 layer(s)")
-    assert events(capsys, "inspect-model", "--model", str(toy))[0]["message"].startswith(f"resolving {toy}")
+    assert events(capsys, "toy-model", str(toy))[0]["message"].startswith(
+        "writing a toy llama model of 2 layer(s)"
+    )
+    assert events(capsys, "inspect-model", "--model", str(toy))[0]["message"].startswith(
+        f"resolving {toy}"
+    )
 
 
 def test_gguf_import_prints_progress(tmp_path, capsys):
@@ -50,4 +61,7 @@ def test_gguf_import_prints_progress(tmp_path, capsys):
 
 
 def test_inspect_prints_progress(capsys, artifact):
-    assert events(capsys, "inspect", str(artifact))[0]["message"] == f"reading the steering artifact {artifact}"
+    assert (
+        events(capsys, "inspect", str(artifact))[0]["message"]
+        == f"reading the steering artifact {artifact}"
+    )

@@ -244,7 +244,9 @@ def test_a_closed_stdout_ends_a_training_run_at_its_next_event(toy, tmp_path):
 def test_decide_takes_its_request_document_inline(monkeypatch, capsys, toy, tmp_path):
     """The desktop composes decide's request, so the body carries it under `request`; the answer
     is the document `ster decide --request FILE` prints for the same document."""
-    document = json.loads((Path(__file__).parents[2] / "jobs/examples/data/request.json").read_text())
+    document = json.loads(
+        (Path(__file__).parents[2] / "jobs/examples/data/request.json").read_text()
+    )
     code, events = request(monkeypatch, capsys, "decide", {"model": str(toy), "request": document})
     assert code == 0, events[-1]
     path = tmp_path / "request.json"

@@ -1,5 +1,7 @@
-"""Input files (inputs.read_bytes / read_text, issue 60): only regular files are read, and their size
-is counted as they are read, not taken from st_size, so a device, a FIFO or a file past the bound is a
+"""Input files (inputs.read_bytes / read_text, issue 60): only regular files are read, and their
+size
+is counted as they are read, not taken from st_size, so a device, a FIFO or a file past the bound is
+a
 one-line refusal in bounded time and memory."""
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def test_a_fifo_without_a_writer_is_refused_not_waited_on(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     box = []
-    reader = threading.Thread(target=lambda: box.append(_refusal(inputs.read_text, str(fifo), "--prompts")),
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: box.append(_refusal(inputs.read_text, str(fifo), "--prompts")), daemon=True
+    )
     reader.start()
     reader.join(5)
     assert box == [f"--prompts {fifo} is a pipe no process writes to; name a file"]
@@ -42,9 +45,12 @@ def test_a_fifo_a_process_writes_is_read_within_the_bound(tmp_path):
     """A pipe with a writer (a shell's `<(...)`) is read as it comes, and counted as it is read."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # held open: the reader sees a writer, then waits
+    # held open: the reader sees a writer, then waits
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
     box = []
-    reader = threading.Thread(target=lambda: box.append(inputs.read_text(str(fifo), "--system")), daemon=True)
+    reader = threading.Thread(
+        target=lambda: box.append(inputs.read_text(str(fifo), "--system")), daemon=True
+    )
     reader.start()
     time.sleep(0.2)
     assert reader.is_alive() and box == []  # waiting for what the writer sends
@@ -54,7 +60,8 @@ def test_a_fifo_a_process_writes_is_read_within_the_bound(tmp_path):
     reader.join(5)
     assert box == ["be brief"]
     endless = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-    os.write(endless, b"x" * 2000)  # more than the bound, the writer still open: refused by what was read
+    # more than the bound, the writer still open: refused by what was read
+    os.write(endless, b"x" * 2000)
     with pytest.raises(Refusal, match=r"is more than the 1000 bytes an input file may hold"):
         inputs.read_text(str(fifo), "--system", limit=1000)
     os.close(endless)
@@ -69,12 +76,19 @@ def test_a_file_past_the_bound_is_refused_by_what_is_read(tmp_path, monkeypatch)
 
 
 def test_a_directory_and_a_missing_file_are_one_line(tmp_path):
-    assert _refusal(inputs.read_text, str(tmp_path), "--system") == f"--system {tmp_path} is a directory; name a file"
-    assert _refusal(inputs.read_text, str(tmp_path / "no"), "--system") == \
-        f"--system {tmp_path / 'no'}: No such file or directory"
+    assert (
+        _refusal(inputs.read_text, str(tmp_path), "--system")
+        == f"--system {tmp_path} is a directory; name a file"
+    )
+    assert (
+        _refusal(inputs.read_text, str(tmp_path / "no"), "--system")
+        == f"--system {tmp_path / 'no'}: No such file or directory"
+    )
 
 
-@pytest.mark.parametrize("reader", [load_artifact, load_pairs], ids=["steering-artifact", "pair-set"])
+@pytest.mark.parametrize(
+    "reader", [load_artifact, load_pairs], ids=["steering-artifact", "pair-set"]
+)
 def test_the_steering_readers_refuse_a_device_too(reader):
     with pytest.raises(Refusal, match="/dev/zero is not a regular file"):
         reader("/dev/zero")
@@ -88,7 +102,9 @@ def _refusal(fn, *args) -> str:
     return "no refusal"
 
 
-@pytest.mark.parametrize("reader", [load_artifact, load_pairs], ids=["steering-artifact", "pair-set"])
+@pytest.mark.parametrize(
+    "reader", [load_artifact, load_pairs], ids=["steering-artifact", "pair-set"]
+)
 def test_the_steering_readers_refuse_json_nested_too_deep(reader, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)

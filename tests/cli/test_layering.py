@@ -22,58 +22,79 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 # bottom to top: (prefixes, why the layer sits where it does)
 LAYERS: list[tuple[tuple[str, ...], str]] = [
-    (("", "errors", "atomic", "events", "inputs", "running"),
-     "leaves: refusals, whole-or-nothing writes, progress events, input files and the running job's "
-     "context (its id, its cancellation); import nothing of ours"),
-    (("families",),
-     "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user"),
-    (("checkpoint", "config", "resolve", "tokenizer"),
-     "checkpoint and config level: what a model is, read from its files before any weight"),
-    (("kernels",),
-     "our native CPU kernels (few-row products, paged decode attention), built at first use; torch ops only"),
-    (("parallel",),
-     "tensor-parallel primitives (ParallelCtx, Shard, sharded linears): every layer takes a context"),
-    (("layers",),
-     "building blocks shared by the dense model and the experts (feed-forwards, activations)"),
-    (("moe",),
-     "mixture of experts: router, experts, dispatch; a layer the decoder places"),
-    (("model",),
-     "the decoder and its attention kinds, built from ModelConfig on a ParallelCtx"),
-    (("shard", "gguf", "load"),
-     "weight I/O above the model: plans, sources, the loader that fills a built model, writers; "
-     "toy builds a decoder to name its parameters"),
-    (("parity", "workers"),
-     "running a loaded model on one rank and across ranks"),
-    (("engine",),
-     "the token-level engine: paged KV blocks, prefix cache, scheduler and sampler (driver side) and "
-     "the model runner (a rank extension)"),
-    (("steer", "adapters", "decide", "tune"),
-     "features over a running model"),
-    (("schema",),
-     "typed requests, one pydantic model per operation; their validators read a local config.json "
-     "and the --layers grammar (steer/layers), never weights"),
-    (("session",),
-     "the driver's view of one model run, resolved and loaded on first use"),
-    (("ops",),
-     "every operation as a plain function over a session and its typed request"),
-    (("batch",),
-     "batch inference over Ray Data: replicas of a session's engine answering a dataset's rows"),
-    (("protocol",),
-     "job specs and results: typed requests as msgpack, JSON and YAML"),
-    (("jobqueue",),
-     "the job queue: pool of sessions, journal, lanes, cancellation, retries, the Ray actor"),
-    (("api", "chat"),
-     "the Python entry point over the job queue, and the terminal chat over a session's engine"),
-    (("serve",),
-     "the HTTP server: OpenAI's API over the token engine, Ster's serve API over the job queue, replicas"),
-    (("cli", "desktop_request", "text_lines"),
-     "the command line, generated from the schema, and `ster request` over it: imported by nobody"),
+    (
+        ("", "errors", "atomic", "events", "inputs", "running"),
+        "leaves: refusals, whole-or-nothing writes, progress events, input files and the running job's "
+        "context (its id, its cancellation); import nothing of ours",
+    ),
+    (
+        ("families",),
+        "families are data (FamilySpec, name maps, config normalisers); read by the config and by every name-map user",
+    ),
+    (
+        ("checkpoint", "config", "resolve", "tokenizer"),
+        "checkpoint and config level: what a model is, read from its files before any weight",
+    ),
+    (
+        ("kernels",),
+        "our native CPU kernels (few-row products, paged decode attention), built at first use; torch ops only",
+    ),
+    (
+        ("parallel",),
+        "tensor-parallel primitives (ParallelCtx, Shard, sharded linears): every layer takes a context",
+    ),
+    (
+        ("layers",),
+        "building blocks shared by the dense model and the experts (feed-forwards, activations)",
+    ),
+    (("moe",), "mixture of experts: router, experts, dispatch; a layer the decoder places"),
+    (("model",), "the decoder and its attention kinds, built from ModelConfig on a ParallelCtx"),
+    (
+        ("shard", "gguf", "load"),
+        "weight I/O above the model: plans, sources, the loader that fills a built model, writers; "
+        "toy builds a decoder to name its parameters",
+    ),
+    (("parity", "workers"), "running a loaded model on one rank and across ranks"),
+    (
+        ("engine",),
+        "the token-level engine: paged KV blocks, prefix cache, scheduler and sampler (driver side) and "
+        "the model runner (a rank extension)",
+    ),
+    (("steer", "adapters", "decide", "tune"), "features over a running model"),
+    (
+        ("schema",),
+        "typed requests, one pydantic model per operation; their validators read a local config.json "
+        "and the --layers grammar (steer/layers), never weights",
+    ),
+    (("session",), "the driver's view of one model run, resolved and loaded on first use"),
+    (("ops",), "every operation as a plain function over a session and its typed request"),
+    (
+        ("batch",),
+        "batch inference over Ray Data: replicas of a session's engine answering a dataset's rows",
+    ),
+    (("protocol",), "job specs and results: typed requests as msgpack, JSON and YAML"),
+    (
+        ("jobqueue",),
+        "the job queue: pool of sessions, journal, lanes, cancellation, retries, the Ray actor",
+    ),
+    (
+        ("api", "chat"),
+        "the Python entry point over the job queue, and the terminal chat over a session's engine",
+    ),
+    (
+        ("serve",),
+        "the HTTP server: OpenAI's API over the token engine, Ster's serve API over the job queue, replicas",
+    ),
+    (
+        ("cli", "desktop_request", "text_lines"),
+        "the command line, generated from the schema, and `ster request` over it: imported by nobody",
+    ),
 ]
 
 
-
 def layer_of(module: str, layers=LAYERS) -> int | None:
-    """The index of the layer holding `module` (a name relative to the package, "" for its __init__)."""
+    """The index of the layer holding `module` (a name relative to the package, "" for its
+    __init__)."""
     first = module.split(".")[0]
     for index, (prefixes, _) in enumerate(layers):
         if any(fnmatch.fnmatchcase(first, p) if p else module == "" for p in prefixes):
@@ -103,8 +124,13 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 # `from pkg import mod` imports the module pkg.mod when there is one, else pkg
                 names = [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
                 names = [n if _relative(n) in files else base for n in names]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and CALL_BY_NAME.fullmatch(node.value):
-                # "ster_dist.steer.attach:attach_on_rank", run on the ranks by name: a dependency all the same
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and CALL_BY_NAME.fullmatch(node.value)
+            ):
+                # "ster_dist.steer.attach:attach_on_rank", run on the ranks by name: a dependency
+                # all the same
                 names = [node.value.partition(":")[0]]
             else:
                 continue
@@ -133,7 +159,7 @@ def _relative(name: str) -> str | None:
     if name == PACKAGE:
         return ""
     if name.startswith(PACKAGE + "."):
-        return name[len(PACKAGE) + 1:]
+        return name[len(PACKAGE) + 1 :]
     return None
 
 
@@ -224,9 +250,14 @@ def cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
 
 def report(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
     """Every problem in the graph, worded for a reader."""
-    problems = [f"{PACKAGE}.{m} is in no layer of tests/test_layering.LAYERS" for m in unplaced(graph, layers)]
+    problems = [
+        f"{PACKAGE}.{m} is in no layer of tests/test_layering.LAYERS"
+        for m in unplaced(graph, layers)
+    ]
     for module, low, target, high in upward_imports(graph, layers):
-        problems.append(f"{PACKAGE}.{module} (layer {low}) imports {PACKAGE}.{target} (layer {high}, higher)")
+        problems.append(
+            f"{PACKAGE}.{module} (layer {low}) imports {PACKAGE}.{target} (layer {high}, higher)"
+        )
     for component in cycles(graph):
         path = " -> ".join(f"{PACKAGE}.{m}" for m in cycle_path(graph, component))
         problems.append(f"import cycle: {path}")
@@ -239,8 +270,11 @@ def test_layers_point_down_and_nothing_cycles():
 
 
 def test_only_the_command_line_touches_argparse():
-    users = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
-                   if re.search(r"^\s*(import argparse|from argparse import)", p.read_text(), re.M))
+    users = sorted(
+        str(p.relative_to(ROOT.parent))
+        for p in ROOT.rglob("*.py")
+        if re.search(r"^\s*(import argparse|from argparse import)", p.read_text(), re.M)
+    )
     assert users == ["ster_dist/cli.py"], users
 
 
@@ -266,10 +300,18 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("from . import leaf\n")
     (pkg / "sub" / "leaf.py").write_text("def f():\n    from ster_dist import top\n")
-    (pkg / "top.py").write_text("import ster_dist.sub.leaf as x\nfrom ster_dist.sub.leaf import f\n")
+    (pkg / "top.py").write_text(
+        "import ster_dist.sub.leaf as x\nfrom ster_dist.sub.leaf import f\n"
+    )
     (pkg / "caller.py").write_text('TARGET = "ster_dist.top:run"\n')
     graph = import_graph(pkg)
-    assert graph == {"": set(), "caller": {"top"}, "sub": {"sub.leaf"}, "sub.leaf": {"top"}, "top": {"sub.leaf"}}
+    assert graph == {
+        "": set(),
+        "caller": {"top"},
+        "sub": {"sub.leaf"},
+        "sub.leaf": {"top"},
+        "top": {"sub.leaf"},
+    }
     assert cycles(graph) == [["sub.leaf", "top"]]
 
 
@@ -279,7 +321,10 @@ def test_the_architecture_drawing_is_this_table():
     text = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     section = text.split("## Layers: arrows point down", 1)[1]
     block = section.split("```", 2)[1]
-    drawn = [tuple(re.split(r"\s{2,}", line.strip(), maxsplit=1)[0].split()) for line in block.splitlines()
-             if line.strip()]
+    drawn = [
+        tuple(re.split(r"\s{2,}", line.strip(), maxsplit=1)[0].split())
+        for line in block.splitlines()
+        if line.strip()
+    ]
     table = [tuple(p for p in prefixes if p) for prefixes, _ in reversed(LAYERS)]
     assert drawn == table

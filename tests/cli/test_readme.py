@@ -7,8 +7,10 @@ model) with `.venv/bin/ster`,
 the test with its command and stderr.
 
 `.venv/bin/ster` is tests/forked_cli.py's client: each command line runs `python -m ster_dist.cli`'s
-module in a process of its own, forked from one that imported the command line once, so the thirty-odd
-commands do not each spend seconds importing torch (`python -m ster_dist.cli` as a new interpreter runs
+module in a process of its own, forked from one that imported the command line once, so the
+thirty-odd
+commands do not each spend seconds importing torch (`python -m ster_dist.cli` as a new interpreter
+runs
 in test_cli.py, test_ray_group.py, test_submit_local.py and others)."""
 
 from __future__ import annotations
@@ -43,11 +45,16 @@ def _shim(path: Path, body: str) -> None:
 
 @pytest.fixture(scope="module")
 def forked_cli():
-    """The server the `ster` shim asks for each command; its socket path is short, as AF_UNIX needs."""
+    """The server the `ster` shim asks for each command; its socket path is short, as AF_UNIX
+    needs."""
     with tempfile.TemporaryDirectory(prefix="ster-cli-") as directory:
         path = str(Path(directory) / "socket")
-        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "forked_cli.py"), "serve", path],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "forked_cli.py"), "serve", path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout.readline().strip() == "ready", "tests/forked_cli.py did not start"
             yield path
@@ -61,13 +68,26 @@ def root(tmp_path_factory, forked_cli) -> Path:
     root = tmp_path_factory.mktemp("readme")
     venv = root / ".venv" / "bin"
     venv.mkdir(parents=True)
-    _shim(venv / "ster", f'exec "{sys.executable}" "{REPO / "tests" / "forked_cli.py"}" "{forked_cli}" "$@"')
+    _shim(
+        venv / "ster",
+        f'exec "{sys.executable}" "{REPO / "tests" / "forked_cli.py"}" "{forked_cli}" "$@"',
+    )
     _shim(venv / "python", f'exec "{sys.executable}" "$@"')
     _shim(venv / "pip", "exit 0  # the test's interpreter has the test extra already")
     (root / "jobs").symlink_to(REPO / "jobs")
-    # the main job's first command imports a .gguf: the directory holds it beside its config and tokenizer
-    write_llama(root / "smollm2.gguf", hidden=288, heads=9, kv_heads=3, inter=96, layers=30,
-                qtype=GGMLQuantizationType.Q4_1, scale=0.02, context=2048)
+    # the main job's first command imports a .gguf: the directory holds it beside its config and
+    # tokenizer
+    write_llama(
+        root / "smollm2.gguf",
+        hidden=288,
+        heads=9,
+        kv_heads=3,
+        inter=96,
+        layers=30,
+        qtype=GGMLQuantizationType.Q4_1,
+        scale=0.02,
+        context=2048,
+    )
     import_gguf(root / "smollm2.gguf", root / "models" / "smollm2")
     return root
 
@@ -81,12 +101,30 @@ def test_every_readme_block_runs_as_written(root):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     for index, block in enumerate(bash_blocks()):
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=root, capture_output=True, text=True,
-                              timeout=900, env=env)
-        assert done.returncode == 0, f"README block {index} failed:\n{block}\nstderr:\n{done.stderr[-3000:]}"
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", block],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
+        assert done.returncode == 0, (
+            f"README block {index} failed:\n{block}\nstderr:\n{done.stderr[-3000:]}"
+        )
         for line in done.stderr.splitlines():  # progress is one JSON object per line, whatever ran
             assert line.startswith("{"), f"README block {index}: stderr line is not JSON: {line!r}"
     scratch = root / "scratch"
-    for made in ("answers.json", "hidden.safetensors", "calm.json", "truthful.ster.json", "sea.ster.json", "adapter",
-                 "merged", "merged-job", "dpo", "reward"):
+    for made in (
+        "answers.json",
+        "hidden.safetensors",
+        "calm.json",
+        "truthful.ster.json",
+        "sea.ster.json",
+        "adapter",
+        "merged",
+        "merged-job",
+        "dpo",
+        "reward",
+    ):
         assert (scratch / made).exists(), made

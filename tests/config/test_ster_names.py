@@ -1,5 +1,7 @@
-"""Ster's own command names (`ster train`, `optimize`, `evaluate`, `inspect`) beside ster_dist's grouped
-ones (`ster steer ...`): the same request, flags and result, and the names Ster's serve API routes by."""
+"""Ster's own command names (`ster train`, `optimize`, `evaluate`, `inspect`) beside ster_dist's
+grouped
+ones (`ster steer ...`): the same request, flags and result, and the names Ster's serve API routes
+by."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from ster_dist.schema import REQUESTS
 from ster_dist.serve.ster_api import ENDPOINTS
 from tests.cli_run import make_toy
 
-PROMPTS = ["I love this, it is wonderful", "What a great and happy day", "I hate this, it is awful",
-           "What a terrible and sad day"]
+PROMPTS = [
+    "I love this, it is wonderful",
+    "What a great and happy day",
+    "I hate this, it is awful",
+    "What a terrible and sad day",
+]
 
 
 def _run(capsys, *argv) -> dict:
@@ -38,13 +44,22 @@ def test_each_ster_name_takes_the_grouped_commands_flags():
 def test_ster_train_and_inspect_equal_the_steer_commands(tmp_path_factory, tmp_path, capsys):
     toy = make_toy(tmp_path_factory)
     pairs = tmp_path / "pairs.json"
-    pairs.write_text(json.dumps({"trait_name": "mood", "pairs": [{"positive": a, "negative": b}
-                                                                 for a, b in zip(PROMPTS[:2], PROMPTS[2:])]}))
+    pairs.write_text(
+        json.dumps(
+            {
+                "trait_name": "mood",
+                "pairs": [{"positive": a, "negative": b} for a, b in zip(PROMPTS[:2], PROMPTS[2:])],
+            }
+        )
+    )
     results = {}
     for words in (("train",), ("steer", "train")):
         out = tmp_path / f"{'-'.join(words)}.json"
-        results[words] = _run(capsys, *words, "--model", toy, "--pairs", pairs, "--output", out, "--layers", "1")
+        results[words] = _run(
+            capsys, *words, "--model", toy, "--pairs", pairs, "--output", out, "--layers", "1"
+        )
         results[words + ("artifact",)] = json.loads(out.read_text())["vectors"]
     assert results[("train", "artifact")] == results[("steer", "train", "artifact")]
-    assert _run(capsys, "inspect", tmp_path / "train.json") == _run(capsys, "steer", "inspect",
-                                                                     tmp_path / "steer-train.json")
+    assert _run(capsys, "inspect", tmp_path / "train.json") == _run(
+        capsys, "steer", "inspect", tmp_path / "steer-train.json"
+    )

@@ -1,4 +1,5 @@
-"""The loader's arena (shard/arena.py): a CPU rank's parameters lie in one block, fused parts back to back
+"""The loader's arena (shard/arena.py): a CPU rank's parameters lie in one block, fused parts back
+to back
 so fusing takes a view rather than a second copy, and a large block is advised to use huge pages."""
 
 from __future__ import annotations
@@ -26,26 +27,34 @@ def loaded(request, tmp_path_factory):
 
 
 def _span(params) -> tuple[int, int]:
-    return (min(p.data_ptr() for p in params),
-            max(p.data_ptr() + p.numel() * p.element_size() for p in params))
+    return (
+        min(p.data_ptr() for p in params),
+        max(p.data_ptr() + p.numel() * p.element_size() for p in params),
+    )
 
 
 def test_parameters_lie_in_one_block_and_fusing_copies_nothing(loaded):
     params = list(loaded.parameters())
     low, high = _span(params)
     held = sum(p.numel() * p.element_size() for p in params)
-    assert held <= high - low <= held + 64 * len(params)  # back to back but for alignment between runs
+    # back to back but for alignment between runs
+    assert held <= high - low <= held + 64 * len(params)
     fused = [m for m in loaded.modules() if isinstance(m, FusedColumns) and m.weight is not None]
     assert fused
     for module in fused:
         first = next(p for p in module.parts if p is not None)
-        assert module.weight.data_ptr() == first.weight.data_ptr()  # a view of the parts: no second copy
-        assert module.weight.untyped_storage().data_ptr() == first.weight.untyped_storage().data_ptr()
+        # a view of the parts: no second copy
+        assert module.weight.data_ptr() == first.weight.data_ptr()
+        assert (
+            module.weight.untyped_storage().data_ptr() == first.weight.untyped_storage().data_ptr()
+        )
 
 
 def test_each_run_has_a_storage_of_its_own(loaded):
-    """One storage under every parameter would make them aliases to torch.compile, which then refuses the
-    one-token stack (test_compiled_step); a run's members share one, so its fused product is a view."""
+    """One storage under every parameter would make them aliases to torch.compile, which then
+    refuses the
+    one-token stack (test_compiled_step); a run's members share one, so its fused product is a
+    view."""
     storages = {}
     for param in loaded.parameters():
         storages.setdefault(param.untyped_storage().data_ptr(), []).append(param)
@@ -55,7 +64,8 @@ def test_each_run_has_a_storage_of_its_own(loaded):
 
 def test_a_run_is_laid_out_back_to_back_and_a_shared_parameter_once():
     model = nn.Module()
-    model.a = nn.Linear(3, 5)  # 15 + 5 floats: the run's members lie unpadded, wherever 64-byte rules would pad
+    # 15 + 5 floats: the run's members lie unpadded, wherever 64-byte rules would pad
+    model.a = nn.Linear(3, 5)
     model.b = nn.Linear(3, 7)
     model.c = nn.Linear(3, 2)
     model.c.weight = model.a.weight  # tied: one tensor, placed once
@@ -85,7 +95,7 @@ def _thp_mode() -> str | None:
     if not path.exists():
         return None
     text = path.read_text()
-    return text[text.index("[") + 1:text.index("]")]
+    return text[text.index("[") + 1 : text.index("]")]
 
 
 def _eligible(address: int) -> bool | None:
@@ -101,7 +111,9 @@ def _eligible(address: int) -> bool | None:
     return None
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages on this system")
+@pytest.mark.skipif(
+    _thp_mode() not in ("madvise", "always"), reason="no transparent huge pages on this system"
+)
 def test_a_large_block_starts_on_a_huge_page_and_may_use_them():
     block = Block(6 * HUGE_PAGE + 100)
     piece = block.piece(0, 6 * HUGE_PAGE + 100)

@@ -31,7 +31,8 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(llama):
-    """The same checkpoint on one rank, read whole at every token (engine_checks.alone): what each request
+    """The same checkpoint on one rank, read whole at every token (engine_checks.alone): what each
+    request
     alone must equal."""
     return load_model(resolve(str(llama)), "f32")
 
@@ -42,16 +43,24 @@ def prompts(count: int, seed: int = 0, lo: int = 2, hi: int = 30) -> list[list[i
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
 
 
-def random_sites(model, projections: tuple[str, ...], g: torch.Generator, scale: float) -> list[dict]:
-    """A random rank-4 adapter on every layer's attention `projections`, global factors as the engine takes them."""
+def random_sites(
+    model, projections: tuple[str, ...], g: torch.Generator, scale: float
+) -> list[dict]:
+    """A random rank-4 adapter on every layer's attention `projections`, global factors as the
+    engine takes them."""
     params = dict(model.named_parameters())
     sites = []
     for layer in range(model.cfg.num_layers):
         for proj in projections:
             out_features, in_features = params[f"layers.{layer}.attn.{proj}.weight"].shape
-            sites.append({"param": f"layers.{layer}.attn.{proj}.weight",
-                          "a": torch.randn(4, in_features, generator=g) * 0.3,
-                          "b": torch.randn(out_features, 4, generator=g) * 0.3, "scale": scale})
+            sites.append(
+                {
+                    "param": f"layers.{layer}.attn.{proj}.weight",
+                    "a": torch.randn(4, in_features, generator=g) * 0.3,
+                    "b": torch.randn(out_features, 4, generator=g) * 0.3,
+                    "scale": scale,
+                }
+            )
     return sites
 
 
@@ -72,7 +81,9 @@ def test_continuous_batching_equals_one_at_a_time_greedy(llama, reference):
         threads = []
         for wave in range(3):  # requests arrive while others are mid-generation
             for i in range(wave * 3, wave * 3 + 3):
-                stream = engine.submit(ps[i], SamplingParams(max_tokens=lengths[i], ignore_eos=True))
+                stream = engine.submit(
+                    ps[i], SamplingParams(max_tokens=lengths[i], ignore_eos=True)
+                )
                 threads.append(threading.Thread(target=consume, args=(i, stream)))
                 threads[-1].start()
             while engine.stats()["steps"] < 2 * (wave + 1):
@@ -111,12 +122,17 @@ def test_prefix_cached_request_equals_cold_and_counts_the_hit(llama, reference):
 
 
 def test_logits_of_reports_the_raw_logits_at_each_sampled_position(llama, reference):
-    """A request asking logits_of gets those ids' logits, unchanged by its sampling, at every sampled
+    """A request asking logits_of gets those ids' logits, unchanged by its sampling, at every
+    sampled
     position; a request beside it that asks nothing gets none (and its step result carries none)."""
     prompt, ids = prompts(1, seed=7, lo=9, hi=10)[0], (5, 0, 250, 5)
     with open_engine(llama) as engine:
-        scored = engine.submit(prompt, SamplingParams(max_tokens=3, temperature=2.0, seed=1,
-                                                      repetition_penalty=1.5, logits_of=ids))
+        scored = engine.submit(
+            prompt,
+            SamplingParams(
+                max_tokens=3, temperature=2.0, seed=1, repetition_penalty=1.5, logits_of=ids
+            ),
+        )
         plain = engine.submit(prompt, SamplingParams(max_tokens=3))
         got, other = scored.result(), plain.result()
         with pytest.raises(Refusal, match="past this model's"):
@@ -153,7 +169,9 @@ def test_cancel_frees_blocks_at_once(llama):
 
 def test_seeded_sampling_is_the_same_alone_or_batched(llama):
     ps = prompts(5, seed=11)
-    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(5)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(5)
+    ]
     with open_engine(llama) as engine:
         batched = run_all(engine, list(zip(ps, params)))
         single = [run_all(engine, [(p, q)])[0] for p, q in zip(ps, params)]
@@ -164,14 +182,19 @@ def test_seeded_sampling_is_the_same_alone_or_batched(llama):
 def test_per_request_steering_in_one_batch_equals_each_alone(llama, reference):
     hidden, layers = reference.cfg.hidden_size, reference.cfg.num_layers
     g = torch.Generator().manual_seed(1)
-    vectors = {"a": [(1, torch.randn(hidden, generator=g))], "b": [(0, torch.randn(hidden, generator=g)),
-                                                                   (2, torch.randn(hidden, generator=g))]}
+    vectors = {
+        "a": [(1, torch.randn(hidden, generator=g))],
+        "b": [(0, torch.randn(hidden, generator=g)), (2, torch.randn(hidden, generator=g))],
+    }
     ps = prompts(3, seed=13)
     plan = [("a", 2.0), None, ("b", -1.5)]
     with open_engine(llama) as engine:
         for key, vecs in vectors.items():
             engine.add_vector(key, vecs)
-        streams = [engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True), steering=s) for p, s in zip(ps, plan)]
+        streams = [
+            engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True), steering=s)
+            for p, s in zip(ps, plan)
+        ]
         got = [s.result().token_ids for s in streams]
     for p, s, tokens in zip(ps, plan, got):
         removers = add_steering(reference.model, vectors[s[0]], s[1]) if s else []
@@ -187,14 +210,19 @@ def test_per_request_adapters_in_one_batch_equal_each_alone(llama, reference):
     from ster_dist.adapters.attach import attach
 
     g = torch.Generator().manual_seed(2)
-    adapters = {"x": random_sites(reference.model, ("q", "v"), g, 1.0),
-                "y": random_sites(reference.model, ("q", "v"), g, 2.0)}
+    adapters = {
+        "x": random_sites(reference.model, ("q", "v"), g, 1.0),
+        "y": random_sites(reference.model, ("q", "v"), g, 2.0),
+    }
     ps = prompts(3, seed=17)
     plan = ["x", None, "y"]
     with open_engine(llama) as engine:
         for name, s in adapters.items():
             engine.add_adapter(name, s)
-        streams = [engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True), adapter=a) for p, a in zip(ps, plan)]
+        streams = [
+            engine.submit(p, SamplingParams(max_tokens=8, ignore_eos=True), adapter=a)
+            for p, a in zip(ps, plan)
+        ]
         got = [s.result().token_ids for s in streams]
     for p, a, tokens in zip(ps, plan, got):
         detach = attach(reference.model, adapters[a]) if a else (lambda: None)
@@ -233,7 +261,8 @@ def test_a_stream_reads_with_async_for(llama, reference):
 
 @pytest.mark.parametrize("variant, tp, ep", [("llama", 2, 1), ("qwen3_moe", 1, 2)])
 def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp, ep):
-    """Every request alone on one rank, read whole per token, equals its row of one batch across ranks: plain,
+    """Every request alone on one rank, read whole per token, equals its row of one batch across
+    ranks: plain,
     steered, and with an adapter on the attention projections (cut per rank as the loader cuts)."""
     from ster_dist.adapters.attach import attach
 
@@ -250,8 +279,10 @@ def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp,
         with open_engine(tmp_path, group=group, max_step_tokens=20) as engine:
             engine.add_vector("v", vector)
             engine.add_adapter("x", sites)
-            streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), **m)
-                       for p, n, m in zip(ps, lengths, modifiers)]
+            streams = [
+                engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), **m)
+                for p, n, m in zip(ps, lengths, modifiers)
+            ]
             got = [s.result().token_ids for s in streams]
     for p, n, m, tokens in zip(ps, lengths, modifiers, got):
         undo = [attach(single.model, sites)] if "adapter" in m else []
@@ -265,12 +296,16 @@ def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp,
 
 def test_a_reused_request_id_is_refused_alone(llama, reference):
     with open_engine(llama) as engine:
-        first = engine.submit([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), request_id="same")
+        first = engine.submit(
+            [5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), request_id="same"
+        )
         second = engine.submit([8, 9], SamplingParams(max_tokens=3), request_id="same")
         with pytest.raises(Refusal, match="request same"):
             second.result()
         assert first.result().token_ids == alone(reference.model, [5, 6, 7], 30)
-        assert engine.submit([8, 9], SamplingParams(max_tokens=3)).result().token_ids == alone(reference.model, [8, 9], 3, (2,))
+        assert engine.submit([8, 9], SamplingParams(max_tokens=3)).result().token_ids == alone(
+            reference.model, [8, 9], 3, (2,)
+        )
 
 
 def test_a_session_replaces_an_engine_a_failed_step_stopped(llama):
@@ -287,4 +322,7 @@ def test_a_session_replaces_an_engine_a_failed_step_stopped(llama):
         with pytest.raises(Refusal, match="engine has stopped"):
             engine.submit([5, 6], SamplingParams(max_tokens=2))
         fresh = session.engine(4 << 20)
-        assert fresh is not engine and len(fresh.submit([5, 6], SamplingParams(max_tokens=2)).result().token_ids) == 2
+        assert (
+            fresh is not engine
+            and len(fresh.submit([5, 6], SamplingParams(max_tokens=2)).result().token_ids) == 2
+        )

@@ -259,7 +259,8 @@ def test_pool_size_checked():
 
 
 def test_drafted_blocks_count_only_with_the_same_next_token_and_lose_their_mark_when_handed_out_again():
-    """Speculative decoding's MTP keys: a drafting sequence shares a block only when its MTP keys were all
+    """Speculative decoding's MTP keys: a drafting sequence shares a block only when its MTP keys
+    were all
     written and the last one read the token this sequence has after it."""
     pool = BlockPool(num_blocks=4, block_size=2)
     tokens = [10, 11, 12, 13, 14, 15]
@@ -269,9 +270,11 @@ def test_drafted_blocks_count_only_with_the_same_next_token_and_lose_their_mark_
     pool.mark_drafted(blocks[0], 12)
     pool.mark_drafted(blocks[1], 14)
     assert pool.drafted_prefix(blocks, tokens) == 2
-    assert pool.drafted_prefix(blocks, [10, 11, 12, 13, 99, 15]) == 1  # block 1's last key read 14, not 99
+    # block 1's last key read 14, not 99
+    assert pool.drafted_prefix(blocks, [10, 11, 12, 13, 99, 15]) == 1
     assert pool.drafted_prefix(blocks, [10, 11, 99]) == 0
     pool.release(blocks)
-    again = pool.allocate(3)  # the same ids, handed out afresh: their keys will be another sequence's
+    # the same ids, handed out afresh: their keys will be another sequence's
+    again = pool.allocate(3)
     assert sorted(again) == sorted(blocks)
     assert pool.drafted_prefix(blocks, tokens) == 0

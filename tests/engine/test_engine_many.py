@@ -1,4 +1,5 @@
-"""A prompts file of many short prompts goes through the token engine a window at a time: peak memory
+"""A prompts file of many short prompts goes through the token engine a window at a time: peak
+memory
 does not grow with the prompt count (the static batch ran 100,000 one-token prompts as one 6.7 GB
 forward). Measured in a fresh process, as its peak RSS growth over the generate call."""
 
@@ -35,13 +36,20 @@ def run_many(tmp_path: Path, toy: str, count: int) -> dict:
     prompts = tmp_path / f"prompts-{count}.json"
     prompts.write_text(json.dumps({"prompts": [f"p{i} q" for i in range(count)]}))
     output = tmp_path / f"out-{count}.json"
-    done = subprocess.run([sys.executable, "-c", SCRIPT, toy, str(prompts), str(output)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, toy, str(prompts), str(output)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     written = json.loads(output.read_text())
     assert report["answered"] == count == len(written["results"])
-    assert all(r["completion_tokens"] == 2 or r["finish_reason"] == "stop" for r in written["results"])
+    assert all(
+        r["completion_tokens"] == 2 or r["finish_reason"] == "stop" for r in written["results"]
+    )
     return report
 
 

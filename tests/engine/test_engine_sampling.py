@@ -268,7 +268,8 @@ def test_seeded_rows_draw_the_same_alone_batched_and_reordered(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_seeded_row_is_the_exponential_race_on_its_own_generator(device):
-    """The contract spelled out: q ~ Exp(1) from Generator(seed), token = argmax(softmax(l/T) / q)."""
+    """The contract spelled out: q ~ Exp(1) from Generator(seed), token = argmax(softmax(l/T) /
+    q)."""
     params = SamplingParams(temperature=0.8, seed=2024)
     sampler = Sampler(seed=0)
     sampler.add("a", params, [])

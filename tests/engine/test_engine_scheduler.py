@@ -19,8 +19,12 @@ def make_seq(name: str, prompt_len: int, max_tokens: int, first: int | None = No
     """A prompt of consecutive tokens; by default from a range no other test prompt shares, so
     nothing hits the prefix cache by accident."""
     first = next(_fresh_tokens) if first is None else first
-    return Sequence(id=name, tokens=list(range(first, first + prompt_len)), prompt_len=prompt_len,
-                    max_tokens=max_tokens)
+    return Sequence(
+        id=name,
+        tokens=list(range(first, first + prompt_len)),
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+    )
 
 
 def fake_token(seq: Sequence) -> int:
@@ -131,7 +135,8 @@ def test_decodes_go_before_admissions():
 
 
 def test_admission_is_fifo():
-    # 6 usable blocks of 4: "big" needs 5, so it waits while "first" holds 2; "small" behind it waits too
+    # 6 usable blocks of 4: "big" needs 5, so it waits while "first" holds 2; "small" behind it
+    # waits too
     sched = Scheduler(BlockPool(7, 4), max_step_tokens=64)
     first, big, small = make_seq("first", 8, 1), make_seq("big", 17, 1), make_seq("small", 2, 1)
     first.max_tokens = 4
@@ -447,14 +452,24 @@ def test_random_workloads_keep_the_books_and_finish(seed):
     window = rng.choice([None, rng.randint(1, 40)])
     budget = rng.randint(4, 48)
     pool = BlockPool(rng.randint(4, 60), bs, prefix_caching=rng.random() < 0.8)
-    sched = Scheduler(pool, max_step_tokens=budget, max_running=rng.randint(1, 12), window=window,
-                      max_prefill_chunk=rng.choice([None, rng.randint(1, budget)]))
+    sched = Scheduler(
+        pool,
+        max_step_tokens=budget,
+        max_running=rng.randint(1, 12),
+        window=window,
+        max_prefill_chunk=rng.choice([None, rng.randint(1, budget)]),
+    )
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(0, 20))] for _ in range(3)]
     pending, added, aborted = [], [], set()
     for i in range(rng.randint(5, 25)):
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
-        seq = Sequence(f"r{i}", prompt, len(prompt), rng.randint(1, 30),
-                       cache_salt=rng.choice(["", "", "lora"]))
+        seq = Sequence(
+            f"r{i}",
+            prompt,
+            len(prompt),
+            rng.randint(1, 30),
+            cache_salt=rng.choice(["", "", "lora"]),
+        )
         if sched.fits_ever(len(prompt) + seq.max_tokens):
             pending.append(seq)
     steps = 0
@@ -486,7 +501,8 @@ def test_random_workloads_keep_the_books_and_finish(seed):
 
 
 def test_micro_batches_take_disjoint_shares_and_never_preempt_a_step_in_flight():
-    """Two steps in flight (pipeline stages): each takes half the sequences, the second none of the first's;
+    """Two steps in flight (pipeline stages): each takes half the sequences, the second none of the
+    first's;
     when blocks run out, only a sequence outside every step in flight is preempted."""
     sched = Scheduler(BlockPool(num_blocks=40, block_size=4), max_step_tokens=64, max_running=8)
     seqs = [make_seq(f"s{i}", 6, 5) for i in range(6)]
@@ -513,9 +529,14 @@ def test_micro_batches_take_disjoint_shares_and_never_preempt_a_step_in_flight()
     tight.after_step(plan)
     for seq in (a, b, c):
         tight.append(seq, fake_token(seq))
-    # c's step is in flight; a needs a block for its next position: the victim is b, the last one not in
+    # c's step is in flight; a needs a block for its next position: the victim is b, the last one
+    # not in
     # flight, though c comes last
     plan = tight.schedule(frozenset({"c"}))
-    assert [s.id for s in plan.preempted] == ["b"] and c.status is Status.RUNNING and b.status is Status.WAITING
+    assert (
+        [s.id for s in plan.preempted] == ["b"]
+        and c.status is Status.RUNNING
+        and b.status is Status.WAITING
+    )
     assert [ch.seq.id for ch in plan.chunks] == ["a"]
     check_invariants(tight)

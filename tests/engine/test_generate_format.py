@@ -30,13 +30,29 @@ def test_format_text_prints_the_answer_alone(toy, capsys):
 def test_format_text_with_prompts_is_refused(toy, tmp_path, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["a", "b"]}))
-    code = main(["generate", "--model", toy, "--prompts", str(prompts), "--output", str(tmp_path / "o.json"),
-                 "--format", "text"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            toy,
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "o.json"),
+            "--format",
+            "text",
+        ]
+    )
     err = capsys.readouterr().err
-    assert code == 2 and err.strip() == ("--format text prints one answer's text; use it with --prompt (the answers "
-                                         "to --prompts go to its output file)")
+    assert code == 2 and err.strip() == (
+        "--format text prints one answer's text; use it with --prompt (the answers "
+        "to --prompts go to its output file)"
+    )
     assert main(["generate", "--model", toy, "--prompt", "a", "--format", "yaml"]) == 2
-    assert "argument --format: invalid choice: 'yaml' (choose from 'json', 'text')" in capsys.readouterr().err
+    assert (
+        "argument --format: invalid choice: 'yaml' (choose from 'json', 'text')"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_job_records_the_same_json_whatever_the_format(toy):

@@ -1,8 +1,12 @@
-"""The token engine on a model with recurrent layers (a tiny LFM2: short convolutions around attention):
-every request of a continuous batch equals its greedy tokens alone by whole re-reads, with prompts read
+"""The token engine on a model with recurrent layers (a tiny LFM2: short convolutions around
+attention):
+every request of a continuous batch equals its greedy tokens alone by whole re-reads, with prompts
+read
 in chunks under a small token budget, under preemption by recompute (few blocks), steered beside a
-plain request, and across two tensor-parallel ranks; each running request holds a state slot, given back when it finishes, is
-cancelled or is preempted; slots share the cache budget with blocks; prefix caching is off and reported
+plain request, and across two tensor-parallel ranks; each running request holds a state slot, given
+back when it finishes, is
+cancelled or is preempted; slots share the cache budget with blocks; prefix caching is off and
+reported
 so."""
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from tests.tiny_models import make_tiny
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """variant -> (checkpoint directory, the model on one rank, read whole per token: what each request alone
+    """variant -> (checkpoint directory, the model on one rank, read whole per token: what each
+    request alone
     must equal), each made once."""
     cache = {}
 
@@ -51,8 +56,13 @@ def open_engine(directory, group=None, **config) -> TokenEngine:
     group = group or LocalGroup()
     group.call("load", checkpoint, "f32", "cpu")
     cfg = model_config(checkpoint)
-    return TokenEngine(group, cfg, Tokenizer.from_directory(checkpoint.directory), cfg.eos_token_ids or (2,),
-                       EngineConfig(**{"kv_cache_memory": 4 << 20, "block_size": 4, **config}))
+    return TokenEngine(
+        group,
+        cfg,
+        Tokenizer.from_directory(checkpoint.directory),
+        cfg.eos_token_ids or (2,),
+        EngineConfig(**{"kv_cache_memory": 4 << 20, "block_size": 4, **config}),
+    )
 
 
 def prompts(count: int, seed: int, lo: int, hi: int) -> list[list[int]]:
@@ -62,7 +72,9 @@ def prompts(count: int, seed: int, lo: int, hi: int) -> list[list[int]]:
 
 
 def run_all(engine: TokenEngine, ps: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lengths)]
+    streams = [
+        engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lengths)
+    ]
     return [s.result().token_ids for s in streams]
 
 
@@ -79,7 +91,8 @@ def test_chunked_prefills_in_a_continuous_batch_equal_each_alone(made, variant):
     for p, n, tokens in zip(ps, lengths, got):
         assert tokens == alone(reference, p, n)
     assert stats["state_slots"] == 6 and stats["state_bytes"] > 0
-    assert free == 6 and stats["kv_blocks"]["used"] == 0  # every finished request gave its slot and blocks back
+    # every finished request gave its slot and blocks back
+    assert free == 6 and stats["kv_blocks"]["used"] == 0
     assert stats["steps"] < sum(lengths)  # requests shared steps
 
 
@@ -113,7 +126,8 @@ def test_preemption_under_a_tiny_block_budget_gives_the_same_tokens(made):
 def test_a_cancelled_request_gives_its_slot_back_and_the_next_one_starts_fresh(made, variant):
     directory, reference = made(variant)
     first, second = prompts(2, seed=5, lo=6, hi=12)
-    with open_engine(directory, max_running=1) as engine:  # one slot: the next request takes the same one
+    # one slot: the next request takes the same one
+    with open_engine(directory, max_running=1) as engine:
         stream = engine.submit(first, SamplingParams(max_tokens=100, ignore_eos=True))
         next(stream)
         assert engine.scheduler.slots.free == 0
@@ -125,14 +139,21 @@ def test_a_cancelled_request_gives_its_slot_back_and_the_next_one_starts_fresh(m
 
 
 def test_a_steered_request_beside_a_plain_one_equals_each_alone(made):
-    """A vector after a short-convolution layer changes what the next layers' states hold for that request only."""
+    """A vector after a short-convolution layer changes what the next layers' states hold for that
+    request only."""
     directory, reference = made("lfm2")
-    vector = [(0, torch.randn(reference.cfg.hidden_size, generator=torch.Generator().manual_seed(3)))]
+    vector = [
+        (0, torch.randn(reference.cfg.hidden_size, generator=torch.Generator().manual_seed(3)))
+    ]
     steered, plain = prompts(2, seed=11, lo=5, hi=15)
     with open_engine(directory, max_step_tokens=8) as engine:
         engine.add_vector("v", vector)
-        streams = [engine.submit(steered, SamplingParams(max_tokens=8, ignore_eos=True), steering=("v", 3.0)),
-                   engine.submit(plain, SamplingParams(max_tokens=8, ignore_eos=True))]
+        streams = [
+            engine.submit(
+                steered, SamplingParams(max_tokens=8, ignore_eos=True), steering=("v", 3.0)
+            ),
+            engine.submit(plain, SamplingParams(max_tokens=8, ignore_eos=True)),
+        ]
         got = [s.result().token_ids for s in streams]
     assert got[1] == alone(reference, plain, 8)
     unsteered = alone(reference, steered, 8)
@@ -160,13 +181,25 @@ def test_state_slots_share_the_budget_with_blocks():
     plain = [{"budget": 10_000, "block_bytes": 100, "state_bytes": 0}]
     assert cache_sizes(plain, config, 640) == (100, 0)
     # eight slots of 300 bytes leave 7600 bytes of blocks
-    assert cache_sizes([{"budget": 10_000, "block_bytes": 100, "state_bytes": 300}], config, 640) == (76, 8)
-    # states may take half the budget at most: a rank of big states runs fewer requests at once, and each
+    assert cache_sizes(
+        [{"budget": 10_000, "block_bytes": 100, "state_bytes": 300}], config, 640
+    ) == (76, 8)
+    # states may take half the budget at most: a rank of big states runs fewer requests at once, and
+    # each
     # rank's blocks are what its own states leave
-    assert cache_sizes([{"budget": 10_000, "block_bytes": 100, "state_bytes": 300},
-                        {"budget": 10_000, "block_bytes": 100, "state_bytes": 2_000}], config, 640) == (60, 2)
+    assert cache_sizes(
+        [
+            {"budget": 10_000, "block_bytes": 100, "state_bytes": 300},
+            {"budget": 10_000, "block_bytes": 100, "state_bytes": 2_000},
+        ],
+        config,
+        640,
+    ) == (60, 2)
     # every layer recurrent: blocks cost nothing and are as many as the running requests could fill
-    assert cache_sizes([{"budget": 10_000, "block_bytes": 0, "state_bytes": 300}], config, 640) == (8 * 160 + 1, 8)
+    assert cache_sizes([{"budget": 10_000, "block_bytes": 0, "state_bytes": 300}], config, 640) == (
+        8 * 160 + 1,
+        8,
+    )
     with pytest.raises(Refusal, match="recurrent state takes 6000 bytes"):
         cache_sizes([{"budget": 10_000, "block_bytes": 100, "state_bytes": 6_000}], config, 640)
 
@@ -179,7 +212,11 @@ def test_the_scheduler_takes_a_slot_at_admission_and_gives_it_back_on_preemption
     for seq in (a, b, c):
         sched.add(seq)
     plan = sched.schedule()
-    assert [chunk.seq for chunk in plan.chunks] == [a, b] and (a.state, b.state, c.state) == (0, 1, -1)
+    assert [chunk.seq for chunk in plan.chunks] == [a, b] and (a.state, b.state, c.state) == (
+        0,
+        1,
+        -1,
+    )
     sched.after_step(plan)
     for seq in (a, b):
         for _ in range(3):
@@ -190,6 +227,9 @@ def test_the_scheduler_takes_a_slot_at_admission_and_gives_it_back_on_preemption
     sched.finish(a)
     assert a.state == -1 and sched.slots.free == 2
     plan = sched.schedule()
-    assert [(chunk.seq, chunk.start) for chunk in plan.chunks] == [(b, 0), (c, 0)] and {b.state, c.state} == {0, 1}
+    assert [(chunk.seq, chunk.start) for chunk in plan.chunks] == [(b, 0), (c, 0)] and {
+        b.state,
+        c.state,
+    } == {0, 1}
     with pytest.raises(ValueError, match="cannot share prefixes"):
         Scheduler(BlockPool(6, 4), state_slots=2)

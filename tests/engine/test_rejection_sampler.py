@@ -1,6 +1,9 @@
-"""The speculative verifier alone (engine/rejection.py): greedy keeps exactly the agreeing prefix, and the
-rejection sampler's first token is distributed as the model's own distribution, counted over many draws on a
-small vocabulary, for a point-mass draft (as the MTP drafter proposes) and for a drafter with a distribution."""
+"""The speculative verifier alone (engine/rejection.py): greedy keeps exactly the agreeing prefix,
+and the
+rejection sampler's first token is distributed as the model's own distribution, counted over many
+draws on a
+small vocabulary, for a point-mass draft (as the MTP drafter proposes) and for a drafter with a
+distribution."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def _counts(draw, vocab: int) -> torch.Tensor:
 
 def _close(observed: torch.Tensor, expected: torch.Tensor) -> None:
     # four standard errors of a frequency over DRAWS draws, at worst 0.5 / sqrt(DRAWS) each
-    assert (observed - expected).abs().max() < 4 * 0.5 / DRAWS ** 0.5, (observed, expected)
+    assert (observed - expected).abs().max() < 4 * 0.5 / DRAWS**0.5, (observed, expected)
 
 
 def test_the_first_token_follows_the_target_for_a_point_mass_draft():
@@ -40,8 +43,10 @@ def test_the_first_token_follows_the_target_for_a_point_mass_draft():
 
 
 def test_every_position_follows_the_target_with_a_drafter_distribution():
-    """Two drafts drawn from q; the kept tokens and the draw after them, position by position, follow p (the
-    second position given the first: here p's rows do not depend on it, so its marginal is p's second row)."""
+    """Two drafts drawn from q; the kept tokens and the draw after them, position by position,
+    follow p (the
+    second position given the first: here p's rows do not depend on it, so its marginal is p's
+    second row)."""
     g = torch.Generator().manual_seed(1)
     target = torch.softmax(torch.randn(3, 4, generator=g) * 2, -1)
     q = torch.softmax(torch.randn(2, 4, generator=g) * 2, -1)
@@ -57,11 +62,12 @@ def test_every_position_follows_the_target_with_a_drafter_distribution():
             seconds += 1
     _close(first / DRAWS, target[0])
     assert seconds > DRAWS // 4
-    assert (second / seconds - target[1]).abs().max() < 4 * 0.5 / seconds ** 0.5
+    assert (second / seconds - target[1]).abs().max() < 4 * 0.5 / seconds**0.5
 
 
 def test_the_samplers_target_distribution_is_what_it_draws_from():
-    """Sampler.target_probs under temperature and top_k is the distribution Sampler.sample draws from."""
+    """Sampler.target_probs under temperature and top_k is the distribution Sampler.sample draws
+    from."""
     sampler = Sampler(seed=0)
     params = SamplingParams(temperature=0.7, top_k=3, seed=5)
     sampler.add("a", params, [1])

@@ -1,8 +1,13 @@
-"""The MTP layer's own paged cache after a prefix-cache hit and after a preemption (engine/drafter.py,
-engine/scheduler.py): each first draft a sequence gets equals the one a cold run's MTP layer makes at that
-position, computed here in one forward of the layer over the sequence's final tokens (its attention reads every
-earlier position's MTP keys, so a stale entry shows as another draft); a request after a prefix hit gets the same
-tokens, drafts and drafted/accepted counts as the same request in a fresh engine; and a preempted sequence's
+"""The MTP layer's own paged cache after a prefix-cache hit and after a preemption
+(engine/drafter.py,
+engine/scheduler.py): each first draft a sequence gets equals the one a cold run's MTP layer makes
+at that
+position, computed here in one forward of the layer over the sequence's final tokens (its attention
+reads every
+earlier position's MTP keys, so a stale entry shows as another draft); a request after a prefix hit
+gets the same
+tokens, drafts and drafted/accepted counts as the same request in a fresh engine; and a preempted
+sequence's
 drafts after its recompute are a cold run's too."""
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ BLOCK = 4  # open_engine's block size
 
 
 def attentive(directory: Path) -> Path:
-    """tests/engine/test_speculative.py's random MTP layer with its attention output made large, so that its drafts turn
+    """tests/engine/test_speculative.py's random MTP layer with its attention output made large, so
+    that its drafts turn
     on the keys it reads: a stale MTP key shows as another draft."""
     with_mtp(directory)
     tensors = load_file(str(directory / "model.safetensors"))
@@ -42,16 +48,22 @@ def attentive(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """An MTP layer whose drafts turn on its cache, and one that echoes its input token (drafts accepted)."""
-    return {"attentive": attentive(tmp_path_factory.mktemp("mtp_attentive")),
-            "echo": with_mtp(tmp_path_factory.mktemp("mtp_echo"), echo=True)}
+    """An MTP layer whose drafts turn on its cache, and one that echoes its input token (drafts
+    accepted)."""
+    return {
+        "attentive": attentive(tmp_path_factory.mktemp("mtp_attentive")),
+        "echo": with_mtp(tmp_path_factory.mktemp("mtp_echo"), echo=True),
+    }
 
 
 @pytest.fixture(scope="module")
 def cold_drafts(checkpoints):
-    """(kind, tokens, position, k) -> the k drafts a cold run makes at a decode of token `position`: the MTP
-    rows of every earlier position over a fresh cache (the row at q reads the model's hidden state at q and token
-    q + 1), the last one's argmax, then as engine/drafter.py chains them (the layer's output and the last draft
+    """(kind, tokens, position, k) -> the k drafts a cold run makes at a decode of token `position`:
+    the MTP
+    rows of every earlier position over a fresh cache (the row at q reads the model's hidden state
+    at q and token
+    q + 1), the last one's argmax, then as engine/drafter.py chains them (the layer's output and the
+    last draft
     as the next row)."""
     layers = {}
 
@@ -60,17 +72,25 @@ def cold_drafts(checkpoints):
             loaded = load_model(resolve(str(checkpoints[kind])), "f32")
             layers[kind] = loaded, load_mtp(loaded, SINGLE)
         loaded, draft = layers[kind]
-        ids = torch.tensor(tokens[:position + 1])
+        ids = torch.tensor(tokens[: position + 1])
         table = tuple(range(1, -(-(position + k) // BLOCK) + 1))
         cache = draft.new_cache(len(table) + 1, BLOCK)
         with torch.no_grad():
-            hidden = loaded.model.final_hidden(ids[None], torch.ones(1, len(ids), dtype=torch.bool))[0]
-            out, logits = draft.forward_paged(loaded.model, hidden[:position], ids[1:], [Chunk(table, 0, position)],
-                                              cache)
+            hidden = loaded.model.final_hidden(
+                ids[None], torch.ones(1, len(ids), dtype=torch.bool)
+            )[0]
+            out, logits = draft.forward_paged(
+                loaded.model, hidden[:position], ids[1:], [Chunk(table, 0, position)], cache
+            )
             made = [int(logits[0].argmax())]
             for j in range(1, k):
-                out, logits = draft.forward_paged(loaded.model, out[-1:], torch.tensor(made[-1:]),
-                                                  [Chunk(table, position - 1 + j, 1)], cache)
+                out, logits = draft.forward_paged(
+                    loaded.model,
+                    out[-1:],
+                    torch.tensor(made[-1:]),
+                    [Chunk(table, position - 1 + j, 1)],
+                    cache,
+                )
                 made.append(int(logits[0].argmax()))
         return made
 
@@ -79,7 +99,8 @@ def cold_drafts(checkpoints):
 
 @pytest.fixture
 def proposed(monkeypatch):
-    """seq id -> [(the decode's position, its drafts)], as the rank's drafter proposed them (recorded, not
+    """seq id -> [(the decode's position, its drafts)], as the rank's drafter proposed them
+    (recorded, not
     replaced)."""
     seen = defaultdict(list)
     real = MTPDrafter.propose
@@ -101,10 +122,13 @@ def assert_cold(proposals: list[tuple[int, list[int]]], drafts) -> None:
 
 
 @pytest.mark.parametrize("kind, first_tokens", [("attentive", 1), ("attentive", 6), ("echo", 6)])
-def test_a_request_after_a_prefix_hit_drafts_as_it_would_cold(checkpoints, cold_drafts, proposed, kind,
-                                                              first_tokens):
-    """A first request shares three blocks with the second; it stops after one token (its MTP keys never written:
-    they wait for a next step) or after six (written, but the third block's last one read the first request's
+def test_a_request_after_a_prefix_hit_drafts_as_it_would_cold(
+    checkpoints, cold_drafts, proposed, kind, first_tokens
+):
+    """A first request shares three blocks with the second; it stops after one token (its MTP keys
+    never written:
+    they wait for a next step) or after six (written, but the third block's last one read the first
+    request's
     next token, not the second's)."""
     g = torch.Generator().manual_seed(16)  # a second request the model repeats itself in
     shared = torch.randint(3, 300, (3 * BLOCK,), generator=g).tolist()
@@ -115,11 +139,19 @@ def test_a_request_after_a_prefix_hit_drafts_as_it_would_cold(checkpoints, cold_
     def run_second(after_first: bool):
         with open_engine(checkpoints[kind], speculative_tokens=2) as engine:
             if after_first:
-                engine.submit(first, SamplingParams(max_tokens=first_tokens, ignore_eos=True), request_id="a").result()
+                engine.submit(
+                    first, SamplingParams(max_tokens=first_tokens, ignore_eos=True), request_id="a"
+                ).result()
             before = engine.stats()
-            tokens = engine.submit(second, SamplingParams(max_tokens=10, ignore_eos=True), request_id="b").result()
+            tokens = engine.submit(
+                second, SamplingParams(max_tokens=10, ignore_eos=True), request_id="b"
+            ).result()
             after = engine.stats()
-        return tokens.token_ids, {k: after[k] - before[k] for k in counted}, after["kv_blocks"]["prefix_hits"]
+        return (
+            tokens.token_ids,
+            {k: after[k] - before[k] for k in counted},
+            after["kv_blocks"]["prefix_hits"],
+        )
 
     cold, cold_counts, _ = run_second(False)
     cold_proposals = list(proposed.pop("b"))
@@ -133,19 +165,27 @@ def test_a_request_after_a_prefix_hit_drafts_as_it_would_cold(checkpoints, cold_
 
 
 def test_drafts_after_a_preemption_are_a_cold_runs(checkpoints, cold_drafts, proposed):
-    """Under a tiny block budget sequences are preempted and recomputed, their own full blocks served from the
+    """Under a tiny block budget sequences are preempted and recomputed, their own full blocks
+    served from the
     prefix cache; every draft they get, before and after, is the one a cold run makes there."""
     ps = prompts(6, seed=7, lo=8, hi=16)
 
     def tokens(drafts: int) -> tuple[list[list[int]], dict]:
-        with open_engine(checkpoints["attentive"], max_blocks=16, speculative_tokens=drafts) as engine:
-            streams = [engine.submit(p, SamplingParams(max_tokens=20, ignore_eos=True), request_id=f"p{i}")
-                       for i, p in enumerate(ps)]
+        with open_engine(
+            checkpoints["attentive"], max_blocks=16, speculative_tokens=drafts
+        ) as engine:
+            streams = [
+                engine.submit(p, SamplingParams(max_tokens=20, ignore_eos=True), request_id=f"p{i}")
+                for i, p in enumerate(ps)
+            ]
             return [s.result().token_ids for s in streams], engine.stats()
 
     got, stats = tokens(2)
     assert stats["preemptions"] > 0 and stats["kv_blocks"]["prefix_hits"] > 0
     for i, (prompt, out) in enumerate(zip(ps, got)):
         tokens_i = prompt + out
-        assert_cold(proposed[f"p{i}"], lambda position, k, t=tokens_i: cold_drafts("attentive", t, position, k))
+        assert_cold(
+            proposed[f"p{i}"],
+            lambda position, k, t=tokens_i: cold_drafts("attentive", t, position, k),
+        )
     assert got == tokens(0)[0]

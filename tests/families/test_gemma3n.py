@@ -1,7 +1,11 @@
-"""Gemma 3n beyond tests/families/test_parity.py: the gemma3n wrapper's checkpoints (text model below
-model.language_model, towers beside it, the unused keys and values of shared layers that releases store),
-capture and steering on AltUp's first copy against Transformers' own decoder layers, and the refusals of
-configs the text decoder cannot run. The reference is Transformers' Gemma3nForCausalLM on the tiny checkpoint
+"""Gemma 3n beyond tests/families/test_parity.py: the gemma3n wrapper's checkpoints (text model
+below
+model.language_model, towers beside it, the unused keys and values of shared layers that releases
+store),
+capture and steering on AltUp's first copy against Transformers' own decoder layers, and the
+refusals of
+configs the text decoder cannot run. The reference is Transformers' Gemma3nForCausalLM on the tiny
+checkpoint
 of tests/tiny/gemma3n.py (Transformers' image-audio-text model needs timm for its vision tower)."""
 
 from __future__ import annotations
@@ -38,23 +42,52 @@ def _ids(rows: int = 2, length: int = 12) -> torch.Tensor:
     return torch.randint(3, 300, (rows, length), generator=torch.Generator().manual_seed(0))
 
 
-def test_the_wrapper_loads_its_language_model_and_leaves_towers_and_shared_keys_unread(tiny, tmp_path):
+def test_the_wrapper_loads_its_language_model_and_leaves_towers_and_shared_keys_unread(
+    tiny, tmp_path
+):
     reference, directory, _ = tiny
-    state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.detach().clone()
-             for k, v in reference.state_dict().items() if k != "lm_head.weight"}  # the head is tied
-    hidden, kv_rows = reference.config.hidden_size, reference.config.num_key_value_heads * reference.config.head_dim
-    # what releases hold beside the text model: towers, and the never-read keys and values of shared layers
-    state.update({"model.audio_tower.conformer.0.ffw_layer_start.ffw_layer_1.weight": torch.zeros(4, 4),
-                  "model.embed_vision.embedding.weight": torch.zeros(4, hidden),
-                  f"model.language_model.layers.{SHARED_LAYER}.self_attn.k_proj.weight": torch.zeros(kv_rows, hidden),
-                  f"model.language_model.layers.{SHARED_LAYER}.self_attn.v_proj.weight": torch.zeros(kv_rows, hidden),
-                  f"model.language_model.layers.{SHARED_LAYER}.self_attn.k_norm.weight": torch.zeros(16)})
+    state = {
+        (
+            "model.language_model." + k[len("model.") :] if k.startswith("model.") else k
+        ): v.detach().clone()
+        # the head is tied
+        for k, v in reference.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    hidden, kv_rows = (
+        reference.config.hidden_size,
+        reference.config.num_key_value_heads * reference.config.head_dim,
+    )
+    # what releases hold beside the text model: towers, and the never-read keys and values of shared
+    # layers
+    state.update(
+        {
+            "model.audio_tower.conformer.0.ffw_layer_start.ffw_layer_1.weight": torch.zeros(4, 4),
+            "model.embed_vision.embedding.weight": torch.zeros(4, hidden),
+            f"model.language_model.layers.{SHARED_LAYER}.self_attn.k_proj.weight": torch.zeros(
+                kv_rows, hidden
+            ),
+            f"model.language_model.layers.{SHARED_LAYER}.self_attn.v_proj.weight": torch.zeros(
+                kv_rows, hidden
+            ),
+            f"model.language_model.layers.{SHARED_LAYER}.self_attn.k_norm.weight": torch.zeros(16),
+        }
+    )
     wrapped = tmp_path / "wrapped"
     wrapped.mkdir()
     save_file(state, str(wrapped / "model.safetensors"))
     text = read_config(directory)
-    (wrapped / "config.json").write_text(json.dumps({"model_type": "gemma3n", "architectures": [
-        "Gemma3nForConditionalGeneration"], "text_config": text, "vision_config": {}, "audio_config": {}}))
+    (wrapped / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gemma3n",
+                "architectures": ["Gemma3nForConditionalGeneration"],
+                "text_config": text,
+                "vision_config": {},
+                "audio_config": {},
+            }
+        )
+    )
     build_tiny_tokenizer(wrapped)
     loaded = load_model(resolve(str(wrapped)), "f32")
     assert (loaded.cfg.wrapper, loaded.cfg.family) == ("gemma3n", "gemma3n_text")
@@ -64,12 +97,15 @@ def test_the_wrapper_loads_its_language_model_and_leaves_towers_and_shared_keys_
     assert result["max_relative_error"] < 1e-4, result
     prompt = ids[0, :6].tolist()
     with torch.no_grad():
-        want = reference.generate(input_ids=ids[:1, :6], max_new_tokens=6, do_sample=False)[0, 6:].tolist()
+        want = reference.generate(input_ids=ids[:1, :6], max_new_tokens=6, do_sample=False)[
+            0, 6:
+        ].tolist()
     assert engine_tokens(loaded, [prompt], 6, loaded.cfg.eos_token_ids)[0] == want
 
 
 def _first_copies(reference, ids: torch.Tensor, shift: dict[int, torch.Tensor] | None = None):
-    """Transformers' first AltUp copy after each decoder layer (shifted there by `shift`), and its logits."""
+    """Transformers' first AltUp copy after each decoder layer (shifted there by `shift`), and its
+    logits."""
     seen: dict[int, torch.Tensor] = {}
 
     def hook(layer: int):
@@ -78,9 +114,12 @@ def _first_copies(reference, ids: torch.Tensor, shift: dict[int, torch.Tensor] |
                 output = torch.cat(((output[0] + shift[layer]).unsqueeze(0), output[1:]))
             seen[layer] = output[0].clone()
             return output
+
         return after
 
-    handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(reference.model.layers)]
+    handles = [
+        block.register_forward_hook(hook(i)) for i, block in enumerate(reference.model.layers)
+    ]
     try:
         with torch.no_grad():
             logits = reference(ids).logits
@@ -118,13 +157,27 @@ def test_steering_shifts_altup_first_copy(tiny):
     assert compare(ours, shifted)["max_relative_error"] < 1e-4
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"altup_active_idx": 1}, "altup_active_idx is 1; the blocks run on AltUp's first copy only"),
-    ({"intermediate_size": [80, 96, 80, 80]}, "intermediate_size gives layers different widths [80, 96]"),
-    ({"num_kv_shared_layers": 3}, "num_kv_shared_layers 3 leaves no earlier full_attention layer"),
-    ({"activation_sparsity_pattern": [0.95, 0.5]}, "activation_sparsity_pattern must give a sparsity in [0, 1) "
-                                                   "for each of the 4 layers"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"altup_active_idx": 1},
+            "altup_active_idx is 1; the blocks run on AltUp's first copy only",
+        ),
+        (
+            {"intermediate_size": [80, 96, 80, 80]},
+            "intermediate_size gives layers different widths [80, 96]",
+        ),
+        (
+            {"num_kv_shared_layers": 3},
+            "num_kv_shared_layers 3 leaves no earlier full_attention layer",
+        ),
+        (
+            {"activation_sparsity_pattern": [0.95, 0.5]},
+            "activation_sparsity_pattern must give a sparsity in [0, 1) for each of the 4 layers",
+        ),
+    ],
+)
 def test_configs_the_decoder_cannot_run_are_refused(tiny, change, message):
     _, directory, _ = tiny
     with pytest.raises(Refusal, match=re.escape(message)):

@@ -1,7 +1,11 @@
-"""Hyper-connected families (ster_dist/families/hyper.py) beyond the parity checks every family takes
-(tests/tiny/hyper.py: logits, greedy, static cache, batching; TP=2 and EP=2 in their own files): capture and
-steering on the streams against Transformers' own streams, both spellings of the tensors, decodes continued
-from the paged cache and the token engine equal to the whole read, the logit cap, the configs' defaults and
+"""Hyper-connected families (ster_dist/families/hyper.py) beyond the parity checks every family
+takes
+(tests/tiny/hyper.py: logits, greedy, static cache, batching; TP=2 and EP=2 in their own files):
+capture and
+steering on the streams against Transformers' own streams, both spellings of the tensors, decodes
+continued
+from the paged cache and the token engine equal to the whole read, the logit cap, the configs'
+defaults and
 refusals; TP=2 over paged caches under -m slow."""
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def hy_v4(tmp_path_factory):
 
 
 def test_capture_reads_the_streams_mean_and_steering_shifts_every_stream(hy_v4):
-    """Against Transformers' streams: the residual a hook reads after layer 1 is the mean of its streams, and a
+    """Against Transformers' streams: the residual a hook reads after layer 1 is the mean of its
+    streams, and a
     vector steered in there is added to each of them."""
     _, reference, ours = hy_v4
     ids, layer = random_ids(16), 1
@@ -64,7 +69,9 @@ def _release_name(name: str) -> str:
     """Transformers' writer's spelling -> the release's (tests/tiny saves the writer's)."""
     for own in ("hc_attn_layer", "hc_mlp_layer"):
         name = name.replace(f"hc_pre.{own}.hc_", f"{own}.hc_pre.hc_")
-    return name.replace("model.hc_pre.hc_head.", "model.hc_head.").replace("mlp.linear_gate.", "mlp.gate_proj.")
+    return name.replace("model.hc_pre.hc_head.", "model.hc_head.").replace(
+        "mlp.linear_gate.", "mlp.gate_proj."
+    )
 
 
 def test_the_release_spelling_reads_as_transformers_writer_spelling(hy_v4, tmp_path):
@@ -73,16 +80,25 @@ def test_the_release_spelling_reads_as_transformers_writer_spelling(hy_v4, tmp_p
     shutil.copytree(directory, release)
     for file in release.glob("*.safetensors"):
         tensors = {_release_name(k): v for k, v in load_file(file).items()}
-        assert any(".hc_attn_layer.hc_pre.hc_fn" in k for k in tensors) and "model.hc_head.hc_head_fn" in tensors
+        assert (
+            any(".hc_attn_layer.hc_pre.hc_fn" in k for k in tensors)
+            and "model.hc_head.hc_head_fn" in tensors
+        )
         save_file(tensors, file, metadata={"format": "pt"})
     other = load_model(resolve(str(release)), "f32").model
     with torch.no_grad():
         assert torch.equal(other(random_ids(20)), ours(random_ids(20)))
 
 
-# prefills longer and shorter than index_topk (12), decodes that cross it, sequences decoding together
-SCHEDULE = [[("A", 14), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), ("C", 1)]] * 4,
-            [("C", 9), ("A", 1)], [("B", 1), ("C", 1)]]
+# prefills longer and shorter than index_topk (12), decodes that cross it, sequences decoding
+# together
+SCHEDULE = [
+    [("A", 14), ("B", 5)],
+    [("B", 6), ("C", 3)],
+    *[[("A", 1), ("B", 1), ("C", 1)]] * 4,
+    [("C", 9), ("A", 1)],
+    [("B", 1), ("C", 1)],
+]
 
 
 def test_decodes_from_the_paged_cache_equal_the_whole_read(hy_v4):
@@ -97,19 +113,43 @@ def test_the_token_engine_answers_as_ster_generate(hy_v4):
 
 
 def test_soft_logits_capping_caps_the_logits(hy_v4, tmp_path):
-    """Transformers' class ignores it; vLLM, whose reading the family follows, caps (families/hyper.py)."""
+    """Transformers' class ignores it; vLLM, whose reading the family follows, caps
+    (families/hyper.py)."""
     directory, _, ours = hy_v4
-    capped = load_model(resolve(str(with_config(directory, tmp_path / "capped", {
-        "soft_logits_capping": True, "soft_logits_capping_logits": 0.05}))), "f32").model
+    capped = load_model(
+        resolve(
+            str(
+                with_config(
+                    directory,
+                    tmp_path / "capped",
+                    {"soft_logits_capping": True, "soft_logits_capping_logits": 0.05},
+                )
+            )
+        ),
+        "f32",
+    ).model
     with torch.no_grad():
         plain, got = ours(random_ids(10)), capped(random_ids(10))
     assert compare(got, torch.tanh(plain / 0.05) * 0.05)["max_relative_error"] < 1e-5
 
 
-_CONFIG = {"model_type": "hy_v4", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 6,
-           "vocab_size": 256, "intermediate_size": 128, "kv_lora_rank": 16, "q_lora_rank": 24,
-           "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 8,
-           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "index_head_dim": 16}
+_CONFIG = {
+    "model_type": "hy_v4",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 6,
+    "vocab_size": 256,
+    "intermediate_size": 128,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 12,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "index_head_dim": 16,
+}
 
 
 def test_unstated_keys_read_as_the_config_class_defaults():
@@ -119,27 +159,38 @@ def test_unstated_keys_read_as_the_config_class_defaults():
     ours = from_hf(_CONFIG)
     assert ours.raw["indexer_types"] == theirs.indexer_types
     assert ours.moe_layers == tuple(kind == "sparse" for kind in theirs.mlp_layer_types)
-    assert ours.hyper_streams == theirs.hc_mult and ours.raw["hyper_post_scale"] == theirs.hc_magnitude
+    assert (
+        ours.hyper_streams == theirs.hc_mult and ours.raw["hyper_post_scale"] == theirs.hc_magnitude
+    )
     assert ours.moe.swiglu_limit == theirs.swiglu_limit and ours.moe.shared_intermediate_size == 16
     assert ours.sinks(0) and ours.raw["mla_output_gate"]
     plain = from_hf({**_CONFIG, "enable_ihc": False, "learnable_sink": False, "gated_mla": False})
     assert plain.hyper_streams == 0 and not plain.sinks(0) and not plain.raw["mla_output_gate"]
 
 
-@pytest.mark.parametrize("keys, message", [
-    ({"gating_type": "headwise"}, "gating_type 'headwise' is not supported"),
-    ({"hc_mult": 0}, "hc_mult is 0"),
-    ({"q_lora_rank": None}, "q_lora_rank is null"),
-])
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"gating_type": "headwise"}, "gating_type 'headwise' is not supported"),
+        ({"hc_mult": 0}, "hc_mult is 0"),
+        ({"q_lora_rank": None}, "q_lora_rank is null"),
+    ],
+)
 def test_unreadable_configs_are_refused(keys, message):
     with pytest.raises(Refusal, match=message):
         from_hf({**_CONFIG, **keys})
 
 
-@pytest.mark.parametrize("module", ["glm5_next.modeling_glm5_next.Glm5NextTextHyperConnection",
-                                    "deepseek_v4.modeling_deepseek_v4.DeepseekV4HyperConnection"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "glm5_next.modeling_glm5_next.Glm5NextTextHyperConnection",
+        "deepseek_v4.modeling_deepseek_v4.DeepseekV4HyperConnection",
+    ],
+)
 def test_the_mixing_form_equals_transformers_hyper_connection(module):
-    """The form with comb (Sinkhorn-Knopp), which GLM-5-Next and DeepSeek-V4 use, on one module's weights:
+    """The form with comb (Sinkhorn-Knopp), which GLM-5-Next and DeepSeek-V4 use, on one module's
+    weights:
     the collapse, and the outgoing streams as their decoder layers join them."""
     import importlib
     from dataclasses import replace
@@ -150,28 +201,49 @@ def test_the_mixing_form_equals_transformers_hyper_connection(module):
     path, name = module.rsplit(".", 1)
     cls = getattr(importlib.import_module(f"transformers.models.{path}"), name)
     n, hidden, eps = 3, 64, 1e-5
-    theirs = cls(SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=eps, hidden_size=hidden))
+    theirs = cls(
+        SimpleNamespace(
+            hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=eps, hidden_size=hidden
+        )
+    )
     gen = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
     cfg = from_hf(_CONFIG)
-    cfg = replace(cfg, norm_eps=eps, raw={**cfg.raw, "hyper_mixing": True, "hyper_sinkhorn_iters": 20,
-                                          "hyper_post_scale": 2.0, "hyper_post_eps": 0.0, "hyper_eps": 1e-6})
+    cfg = replace(
+        cfg,
+        norm_eps=eps,
+        raw={
+            **cfg.raw,
+            "hyper_mixing": True,
+            "hyper_sinkhorn_iters": 20,
+            "hyper_post_scale": 2.0,
+            "hyper_post_eps": 0.0,
+            "hyper_eps": 1e-6,
+        },
+    )
     ours = HyperConnection(replace(cfg, hyper_streams=n))
     ours.load_state_dict({k: v.clone() for k, v in theirs.state_dict().items()})
-    streams, out = torch.randn(2, 5, n, hidden, generator=gen), torch.randn(2, 5, hidden, generator=gen)
+    streams, out = (
+        torch.randn(2, 5, n, hidden, generator=gen),
+        torch.randn(2, 5, hidden, generator=gen),
+    )
     with torch.no_grad():
         post, comb, collapsed = theirs(streams)
-        joined = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+        joined = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            comb.transpose(-1, -2), streams
+        )
         our_collapsed, weights = ours(streams)
         assert compare(our_collapsed, collapsed)["max_relative_error"] < 1e-5
         assert compare(ours.join(streams, out, weights), joined)["max_relative_error"] < 1e-5
 
 
-@pytest.mark.slow  # TP=2 logits are tests/parallel/test_tensor_parallel.py's; this adds the paged steps (~1 min)
+# TP=2 logits are tests/parallel/test_tensor_parallel.py's; this adds the paged steps (~1 min)
+@pytest.mark.slow
 def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
-    """Heads, sinks and the output gate split across two ranks, the streams and their weights whole on each:
+    """Heads, sinks and the output gate split across two ranks, the streams and their weights whole
+    on each:
     two ranks' paged steps equal one rank's."""
 
     directory, _, model = hy_v4
@@ -179,8 +251,10 @@ def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
 
 
 def test_the_rotated_rows_are_read_in_pair_order(hy_v4, tmp_path):
-    """The seed's convention: the release's rotated rows are in pair order, which vLLM (and Transformers since
-    5.25) rotate by adjacent pairs. The same weights with those rows by halves read differently here, so the
+    """The seed's convention: the release's rotated rows are in pair order, which vLLM (and
+    Transformers since
+    5.25) rotate by adjacent pairs. The same weights with those rows by halves read differently
+    here, so the
     match with Transformers is not one that any row order would pass."""
     directory, reference, ours = hy_v4
     halves_dir = tmp_path / "by_halves"

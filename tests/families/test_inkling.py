@@ -1,9 +1,15 @@
-"""Inkling (ster_dist/families/inkling.py, model/inkling.py) beyond tests/families/test_parity.py: a long prompt read in
-chunks (static cache, and paged steps with a state slot per sequence) equals one pass and Transformers; every
-layer keeps its keys and its four short convolutions' windows; left padding leaves the windows as a fresh
-sequence's; `ster generate` (the paged token engine) answers as Transformers and the engine's continuous batch
-equals each request alone; at TP=2 each rank holds its heads' share (and their convolution channels) of both
-layer shapes; Thinking Machines' own config keys are read as Transformers reads them; bad config values are
+"""Inkling (ster_dist/families/inkling.py, model/inkling.py) beyond tests/families/test_parity.py: a
+long prompt read in
+chunks (static cache, and paged steps with a state slot per sequence) equals one pass and
+Transformers; every
+layer keeps its keys and its four short convolutions' windows; left padding leaves the windows as a
+fresh
+sequence's; `ster generate` (the paged token engine) answers as Transformers and the engine's
+continuous batch
+equals each request alone; at TP=2 each rank holds its heads' share (and their convolution channels)
+of both
+layer shapes; Thinking Machines' own config keys are read as Transformers reads them; bad config
+values are
 refused in one line naming the key."""
 
 from __future__ import annotations
@@ -25,14 +31,24 @@ from ster_dist.resolve import resolve
 from ster_dist.tokenizer import Tokenizer
 from ster_dist.workers.spawn import SpawnGroup
 from tests.cli_run import cli_generate
-from tests.recurrent_checks import (LONG, PagedStatesOnRank, check_left_padding, check_long_prompt_in_chunks,
-                                    check_paged_steps, one_line_refusal, paged_tokens, random_ids, run_paged,
-                                    variants_fixture)
+from tests.recurrent_checks import (
+    LONG,
+    PagedStatesOnRank,
+    check_left_padding,
+    check_long_prompt_in_chunks,
+    check_paged_steps,
+    one_line_refusal,
+    paged_tokens,
+    random_ids,
+    run_paged,
+    variants_fixture,
+)
 from tests.engine.test_recurrent_engine import alone, open_engine, prompts, run_all
 
 VARIANTS = ["inkling_text", "inkling_text_moe"]
 CONVS = ("k_sconv", "v_sconv", "attn_sconv", "mlp_sconv")
-# the tiny sizes (tests/tiny/inkling.py): sliding layers 0 and 2, full layer 1: (heads, key-value heads, width)
+# the tiny sizes (tests/tiny/inkling.py): sliding layers 0 and 2, full layer 1: (heads, key-value
+# heads, width)
 SHAPES = {0: (6, 2, 8), 1: (4, 2, 16), 2: (6, 2, 8)}
 HIDDEN, KERNEL = 48, 4
 
@@ -57,26 +73,35 @@ def test_left_padding_leaves_every_window_as_a_fresh_sequences(tiny):
 
 
 def test_paged_steps_carry_each_sequences_windows_beside_its_keys(tiny):
-    """Prefill chunks of two sequences in their own state slots, packed with each other's decodes, equal whole
-    reads; the paged cache holds blocks of keys and a window per slot for every convolution (the variant with
+    """Prefill chunks of two sequences in their own state slots, packed with each other's decodes,
+    equal whole
+    reads; the paged cache holds blocks of keys and a window per slot for every convolution (the
+    variant with
     a dense layer and routed ones)."""
     variant = "inkling_text_moe"
     model = tiny[variant][1]
     cache = check_paged_steps(model, paged_tokens(), variant)
-    assert all(k is not None for k in cache.keys) and set(cache.states) == _conv_keys(len(model.layers))
+    assert all(k is not None for k in cache.keys) and set(cache.states) == _conv_keys(
+        len(model.layers)
+    )
 
 
 def test_ster_generate_answers_as_transformers(tiny):
-    """`ster generate` (the paged token engine, tokenizer and all) against Transformers' greedy tokens."""
+    """`ster generate` (the paged token engine, tokenizer and all) against Transformers' greedy
+    tokens."""
     reference, directory = tiny["inkling_text"][0], tiny["inkling_text"][3]
     prompt = "the quick brown fox jumps over the lazy dog"
     tokenizer = Tokenizer.from_directory(resolve(str(directory)).directory)
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
-        want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+        want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
     if 2 in want:  # the engine stops at the end-of-sequence id
-        want = want[:want.index(2)]
-    got = cli_generate(f"--model={directory}", f"--prompt={prompt}", "--chat-template=off", "--max-new-tokens=6")
+        want = want[: want.index(2)]
+    got = cli_generate(
+        f"--model={directory}", f"--prompt={prompt}", "--chat-template=off", "--max-new-tokens=6"
+    )
     assert got["prompt_tokens"] == len(ids)
     assert got["text"] == tokenizer.decode(want)
 
@@ -103,11 +128,20 @@ def test_each_rank_holds_its_heads_and_their_convolution_channels(tiny):
             assert attn.kv_shape == ((kv // 2, d), (kv // 2, d))
             assert tuple(attn.q.weight.shape) == (heads // 2 * d, HIDDEN)
             assert tuple(attn.r.weight.shape) == (heads // 2 * 4, HIDDEN)  # d_rel 4 per head
-            assert tuple(attn.rel.weight.shape) == (4, 8 if i != 1 else 16)  # the window, else rel_extent
-            assert attn.k_sconv.state_shapes() == attn.v_sconv.state_shapes() == ((kv // 2 * d, KERNEL - 1),)
+            # the window, else rel_extent
+            assert tuple(attn.rel.weight.shape) == (4, 8 if i != 1 else 16)
+            assert (
+                attn.k_sconv.state_shapes()
+                == attn.v_sconv.state_shapes()
+                == ((kv // 2 * d, KERNEL - 1),)
+            )
             assert tuple(attn.k_sconv.weight.shape) == (kv // 2 * d, 1, KERNEL)
             # the sublayer outputs' convolutions read the reduced hidden state: whole on every rank
-            assert block.attn_sconv.state_shapes() == block.mlp_sconv.state_shapes() == ((HIDDEN, KERNEL - 1),)
+            assert (
+                block.attn_sconv.state_shapes()
+                == block.mlp_sconv.state_shapes()
+                == ((HIDDEN, KERNEL - 1),)
+            )
 
 
 @pytest.mark.slow  # two spawned ranks: about a minute on two shared cores
@@ -124,7 +158,8 @@ def test_tensor_parallel_paged_steps_agree_with_one_rank(tiny):
 
 
 def test_thinking_machines_config_keys_read_as_transformers_reads_them(tiny, tmp_path):
-    """dense_intermediate_size is the dense width and intermediate_size then the experts'; sconv_kernel_size the
+    """dense_intermediate_size is the dense width and intermediate_size then the experts';
+    sconv_kernel_size the
     convolutions' kernel; model_max_length the context: the same model, the same logits."""
     directory, model = tiny["inkling_text_moe"][3], tiny["inkling_text_moe"][1]
     edited = tmp_path / "edited"
@@ -143,15 +178,21 @@ def test_thinking_machines_config_keys_read_as_transformers_reads_them(tiny, tmp
         assert torch.equal(loaded.model(ids), model(ids))
 
 
-@pytest.mark.parametrize("stated, windows, feed_forwards", [
-    ({"local_layer_ids": [1], "dense_mlp_idx": 2}, [None, 8, None], ("dense", "dense", "moe")),
-    ({}, [8, 8, 8], ("moe", "moe", "moe")),  # Transformers' defaults: all but every sixth slide, all routed
-])
+@pytest.mark.parametrize(
+    "stated, windows, feed_forwards",
+    [
+        ({"local_layer_ids": [1], "dense_mlp_idx": 2}, [None, 8, None], ("dense", "dense", "moe")),
+        # Transformers' defaults: all but every sixth slide, all routed
+        ({}, [8, 8, 8], ("moe", "moe", "moe")),
+    ],
+)
 def test_layer_kinds_without_layer_types(tiny, stated, windows, feed_forwards):
     """Thinking Machines' configs state local_layer_ids and dense_mlp_idx where Transformers writes
     layer_types and mlp_layer_types."""
     raw = tiny["inkling_text_moe"][2]
-    text = {k: v for k, v in raw["text_config"].items() if k not in ("layer_types", "mlp_layer_types")}
+    text = {
+        k: v for k, v in raw["text_config"].items() if k not in ("layer_types", "mlp_layer_types")
+    }
     cfg = from_hf({**raw, "text_config": {**text, **stated}})
     assert cfg.feed_forwards == feed_forwards
     assert [block.attn.window for block in meta_decoder(cfg).layers] == windows
@@ -162,15 +203,18 @@ def test_adapters_are_refused(tiny):
         refuse_family(from_hf(tiny["inkling_text"][2]).family)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"layer_types": ["hybrid", "sliding", "hybrid"]}, "layer_types"),
-    ({"layer_types": ["hybrid"]}, "layer_types"),
-    ({"mlp_layer_types": ["dense", "moe", "dense"]}, "mlp_layer_types"),
-    ({"conv_kernel_size": 0}, "conv_kernel_size"),
-    ({"d_rel": "four"}, "d_rel"),
-    ({"logits_mup_width_multiplier": 0}, "logits_mup_width_multiplier"),
-    ({"log_scaling_n_floor": -1}, "log_scaling_n_floor"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"layer_types": ["hybrid", "sliding", "hybrid"]}, "layer_types"),
+        ({"layer_types": ["hybrid"]}, "layer_types"),
+        ({"mlp_layer_types": ["dense", "moe", "dense"]}, "mlp_layer_types"),
+        ({"conv_kernel_size": 0}, "conv_kernel_size"),
+        ({"d_rel": "four"}, "d_rel"),
+        ({"logits_mup_width_multiplier": 0}, "logits_mup_width_multiplier"),
+        ({"log_scaling_n_floor": -1}, "log_scaling_n_floor"),
+    ],
+)
 def test_bad_config_values_are_refused(tiny, change, words):
     raw = tiny["inkling_text"][2]
     assert words in one_line_refusal({**raw, "text_config": {**raw["text_config"], **change}})

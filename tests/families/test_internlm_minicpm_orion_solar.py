@@ -1,10 +1,15 @@
-"""Dense families Transformers has no model class for (families/internlm.py, and minicpm, orion and solar in
-families/llama.py), each against a plain-torch reference written here from the seed's description: a tiny random
-checkpoint in the family's real tensor names and config keys, then logits, greedy generation, decoding from the
+"""Dense families Transformers has no model class for (families/internlm.py, and minicpm, orion and
+solar in
+families/llama.py), each against a plain-torch reference written here from the seed's description: a
+tiny random
+checkpoint in the family's real tensor names and config keys, then logits, greedy generation,
+decoding from the
 cache, batched generation, TP=2, the token engine and a PEFT adapter on InternLM2's fused wqkv.
 
-The reference reads canonical weights (the `_canonical` dict below, never ster_dist's names); each family's writer
-stores them under the family's own names and layout (InternLM2's wqkv grouped by key-value head), so a wrong name
+The reference reads canonical weights (the `_canonical` dict below, never ster_dist's names); each
+family's writer
+stores them under the family's own names and layout (InternLM2's wqkv grouped by key-value head), so
+a wrong name
 map, fused layout, bias rule, norm kind or scale shows as a logits mismatch.
 """
 
@@ -33,9 +38,20 @@ from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 HIDDEN, HEADS, KV_HEADS, INNER, LAYERS, THETA = 48, 4, 2, 80, 4, 10000.0
 HEAD_DIM = HIDDEN // HEADS
-SIZES = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INNER, num_hidden_layers=LAYERS,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-             rope_theta=THETA, hidden_act="silu", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SIZES = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=HIDDEN,
+    intermediate_size=INNER,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    max_position_embeddings=256,
+    rope_theta=THETA,
+    hidden_act="silu",
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 @dataclass(frozen=True)
@@ -44,22 +60,24 @@ class Reference:
 
     qkv_bias: bool = False
     o_bias: bool = False
-    norm: str = "rms"            # "rms" | "layer" (biased LayerNorm)
+    norm: str = "rms"  # "rms" | "layer" (biased LayerNorm)
     eps: float = 1e-6
     tied: bool = False
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
-    # Solar's block skips: kept before the layers of the first two lists, mixed in before those of the last two
+    # Solar's block skips: kept before the layers of the first two lists, mixed in before those of
+    # the last two
     bskcn: tuple[tuple[int, ...], ...] = ((), (), (), ())
     bskcn_weight: float = 0.0
 
 
 @dataclass(frozen=True)
 class Family:
-    config: dict                 # config.json beyond SIZES (the family's own keys)
+    config: dict  # config.json beyond SIZES (the family's own keys)
     reference: Reference
-    names: dict = field(default_factory=dict)  # canonical -> checkpoint names where they are not Llama's
+    # canonical -> checkpoint names where they are not Llama's
+    names: dict = field(default_factory=dict)
 
 
 def _llama_names(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,12 +85,21 @@ def _llama_names(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _internlm2_names(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """InternLM2's names; wqkv rows per key-value head: that head's queries, then its key, then its value."""
-    top = {"model.embed_tokens.weight": "model.tok_embeddings.weight", "lm_head.weight": "output.weight",
-           "model.norm.weight": "model.norm.weight"}
-    renames = {"self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1",
-               "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
-               "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+    """InternLM2's names; wqkv rows per key-value head: that head's queries, then its key, then its
+    value."""
+    top = {
+        "model.embed_tokens.weight": "model.tok_embeddings.weight",
+        "lm_head.weight": "output.weight",
+        "model.norm.weight": "model.norm.weight",
+    }
+    renames = {
+        "self_attn.o_proj": "attention.wo",
+        "mlp.gate_proj": "feed_forward.w1",
+        "mlp.up_proj": "feed_forward.w3",
+        "mlp.down_proj": "feed_forward.w2",
+        "input_layernorm": "attention_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     out = {top[k]: v for k, v in canonical.items() if k in top}
     per_kv = HEADS // KV_HEADS
     for i in range(LAYERS):
@@ -94,29 +121,82 @@ def _internlm2_names(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 FAMILIES = {
     # bias left unstated: InternLM2's class biases wqkv and wo by default
-    "internlm2": (Family({"architectures": ["InternLM2ForCausalLM"], "rms_norm_eps": 1e-6},
-                         Reference(qkv_bias=True, o_bias=True)), _internlm2_names),
+    "internlm2": (
+        Family(
+            {"architectures": ["InternLM2ForCausalLM"], "rms_norm_eps": 1e-6},
+            Reference(qkv_bias=True, o_bias=True),
+        ),
+        _internlm2_names,
+    ),
     # query/key/value biased, the output not: the two keys apart
-    "internlm3": (Family({"architectures": ["InternLM3ForCausalLM"], "qkv_bias": True, "bias": False,
-                          "rms_norm_eps": 1e-5, "head_dim": HEAD_DIM},
-                         Reference(qkv_bias=True, eps=1e-5)), _llama_names),
-    "minicpm": (Family({"architectures": ["MiniCPMForCausalLM"], "scale_emb": 12, "scale_depth": 1.4,
-                        "dim_model_base": 16, "rms_norm_eps": 1e-5},
-                       Reference(eps=1e-5, tied=True, embed_scale=12.0, residual_scale=1.4 / math.sqrt(LAYERS),
-                                 logit_scale=16 / HIDDEN)), _llama_names),
-    # slot 1 keeps before 0 and 2 and mixes before 1 and 3; slot 2 keeps before 1 (ahead of slot 1's mix there)
+    "internlm3": (
+        Family(
+            {
+                "architectures": ["InternLM3ForCausalLM"],
+                "qkv_bias": True,
+                "bias": False,
+                "rms_norm_eps": 1e-5,
+                "head_dim": HEAD_DIM,
+            },
+            Reference(qkv_bias=True, eps=1e-5),
+        ),
+        _llama_names,
+    ),
+    "minicpm": (
+        Family(
+            {
+                "architectures": ["MiniCPMForCausalLM"],
+                "scale_emb": 12,
+                "scale_depth": 1.4,
+                "dim_model_base": 16,
+                "rms_norm_eps": 1e-5,
+            },
+            Reference(
+                eps=1e-5,
+                tied=True,
+                embed_scale=12.0,
+                residual_scale=1.4 / math.sqrt(LAYERS),
+                logit_scale=16 / HIDDEN,
+            ),
+        ),
+        _llama_names,
+    ),
+    # slot 1 keeps before 0 and 2 and mixes before 1 and 3; slot 2 keeps before 1 (ahead of slot 1's
+    # mix there)
     # and mixes before 3, after slot 1
-    "solar": (Family({"architectures": ["SolarForCausalLM"], "rms_norm_eps": 1e-5, "bskcn_1": [0, 2],
-                      "bskcn_2": [1], "bskcn_3": [1, 3], "bskcn_4": [3], "bskcn_tv": [0.9, 0.7]},
-                     Reference(eps=1e-5, bskcn=((0, 2), (1,), (1, 3), (3,)), bskcn_weight=0.7)), _llama_names),
-    "orion": (Family({"architectures": ["OrionForCausalLM"], "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
-                     Reference(norm="layer", eps=1e-5)), _llama_names),
+    "solar": (
+        Family(
+            {
+                "architectures": ["SolarForCausalLM"],
+                "rms_norm_eps": 1e-5,
+                "bskcn_1": [0, 2],
+                "bskcn_2": [1],
+                "bskcn_3": [1, 3],
+                "bskcn_4": [3],
+                "bskcn_tv": [0.9, 0.7],
+            },
+            Reference(eps=1e-5, bskcn=((0, 2), (1,), (1, 3), (3,)), bskcn_weight=0.7),
+        ),
+        _llama_names,
+    ),
+    "orion": (
+        Family(
+            {
+                "architectures": ["OrionForCausalLM"],
+                "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": False,
+            },
+            Reference(norm="layer", eps=1e-5),
+        ),
+        _llama_names,
+    ),
 }
 NAMES = sorted(FAMILIES)
 
 
 def _canonical(ref: Reference, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights in Llama's names; norms away from one (and biased where LayerNorm) so a misread norm shows."""
+    """Random weights in Llama's names; norms away from one (and biased where LayerNorm) so a
+    misread norm shows."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.08):
@@ -128,7 +208,10 @@ def _canonical(ref: Reference, seed: int) -> dict[str, torch.Tensor]:
             out[f"{prefix}.bias"] = rand(HIDDEN, scale=0.1)
         return out
 
-    w = {"model.embed_tokens.weight": rand(TINY_VOCAB_SIZE, HIDDEN, scale=0.5), **norm("model.norm")}
+    w = {
+        "model.embed_tokens.weight": rand(TINY_VOCAB_SIZE, HIDDEN, scale=0.5),
+        **norm("model.norm"),
+    }
     if not ref.tied:
         w["lm_head.weight"] = rand(TINY_VOCAB_SIZE, HIDDEN, scale=0.3)
     for i in range(LAYERS):
@@ -147,7 +230,9 @@ def _canonical(ref: Reference, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-# -- the reference forward (plain torch, from the seed's text) ---------------------------------------------------
+# -- the reference forward (plain torch, from the seed's text)
+# ---------------------------------------------------
+
 
 def _norm(x, w, prefix, ref):
     if ref.norm == "layer":
@@ -188,16 +273,21 @@ def reference_logits(w: dict, ref: Reference, ids: torch.Tensor) -> torch.Tensor
             h = ref.bskcn_weight * kept_2 + (1 - ref.bskcn_weight) * h
         p = f"model.layers.{i}."
         x = _norm(h, w, f"{p}input_layernorm", ref)
-        q, k, v = (_linear(x, w, f"{p}self_attn.{n}_proj").view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
-                   for n in "qkv")
+        q, k, v = (
+            _linear(x, w, f"{p}self_attn.{n}_proj").view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
+            for n in "qkv"
+        )
         q, k = _rotate(q, positions), _rotate(k, positions)
         k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM) + causal
         a = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, HIDDEN)
         h = h + _linear(a, w, f"{p}self_attn.o_proj") * ref.residual_scale
         x = _norm(h, w, f"{p}post_attention_layernorm", ref)
-        m = _linear(F.silu(_linear(x, w, f"{p}mlp.gate_proj")) * _linear(x, w, f"{p}mlp.up_proj"), w,
-                    f"{p}mlp.down_proj")
+        m = _linear(
+            F.silu(_linear(x, w, f"{p}mlp.gate_proj")) * _linear(x, w, f"{p}mlp.up_proj"),
+            w,
+            f"{p}mlp.down_proj",
+        )
         h = h + m * ref.residual_scale
     head = w["model.embed_tokens.weight"] if ref.tied else w["lm_head.weight"]
     return _norm(h, w, "model.norm", ref) @ head.T * ref.logit_scale
@@ -207,17 +297,24 @@ def reference_greedy(w: dict, ref: Reference, prompt: list[int], new: int) -> li
     ids = list(prompt)
     for _ in range(new):
         ids.append(int(reference_logits(w, ref, torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
-# -- checkpoints ---------------------------------------------------------------------------------------------------
+# -- checkpoints
+# ---------------------------------------------------------------------------------------------------
+
 
 def write_checkpoint(name: str, directory: Path, seed: int = 0, **config) -> dict:
     family, writer = FAMILIES[name]
     weights = _canonical(family.reference, seed)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({"model_type": name, **SIZES, **family.config, **config}))
-    save_file({k: v.contiguous() for k, v in writer(weights).items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(
+        json.dumps({"model_type": name, **SIZES, **family.config, **config})
+    )
+    save_file(
+        {k: v.contiguous() for k, v in writer(weights).items()},
+        str(directory / "model.safetensors"),
+    )
     build_tiny_tokenizer(directory)
     return weights
 
@@ -242,7 +339,9 @@ def test_logits_match_the_reference(checkpoints, name):
     _, weights, loaded = checkpoints[name]
     ids = _ids(2, 40)
     with torch.no_grad():
-        result = compare(loaded.model(ids), reference_logits(weights, FAMILIES[name][0].reference, ids))
+        result = compare(
+            loaded.model(ids), reference_logits(weights, FAMILIES[name][0].reference, ids)
+        )
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, (name, result)
 
 
@@ -262,7 +361,9 @@ def test_decoding_from_cache_equals_reading_whole(checkpoints, name):
     with torch.no_grad():
         whole = model(ids)
         cache = model.new_cache(2, 20)
-        parts = [model(ids[:, :12], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(12, 20)]
+        parts = [model(ids[:, :12], cache=cache)] + [
+            model(ids[:, t : t + 1], cache=cache) for t in range(12, 20)
+        ]
     assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
 
 
@@ -279,7 +380,8 @@ def group():
         yield g
 
 
-# InternLM2's grouped wqkv (each rank reads its key-value groups' rows) and Solar's skips run by default; the rest
+# InternLM2's grouped wqkv (each rank reads its key-value groups' rows) and Solar's skips run by
+# default; the rest
 # add only switches TP does not touch and run under -m slow
 def _by_default(*names):
     return [name if name in names else pytest.param(name, marks=pytest.mark.slow) for name in NAMES]
@@ -300,7 +402,8 @@ def test_tp2_equals_tp1(checkpoints, group, name):
 
 @pytest.mark.parametrize("name", _by_default("internlm2", "solar"))
 def test_the_token_engine_answers_as_the_reference(checkpoints, name):
-    """`ster generate` (the paged token engine, tokenizer and all) against the reference's greedy tokens."""
+    """`ster generate` (the paged token engine, tokenizer and all) against the reference's greedy
+    tokens."""
     directory, weights, _ = checkpoints[name]
     prompt = "The quick brown fox jumps over the lazy dog."
     tokenizer = Tokenizer.from_directory(directory)
@@ -308,8 +411,10 @@ def test_the_token_engine_answers_as_the_reference(checkpoints, name):
     with torch.no_grad():
         want = reference_greedy(weights, FAMILIES[name][0].reference, ids, 6)
     if 2 in want:  # the engine stops at the end-of-turn id
-        want = want[:want.index(2)]
-    got = cli_generate(f"--model={directory}", f"--prompt={prompt}", "--chat-template=off", "--max-new-tokens=6")
+        want = want[: want.index(2)]
+    got = cli_generate(
+        f"--model={directory}", f"--prompt={prompt}", "--chat-template=off", "--max-new-tokens=6"
+    )
     assert got["prompt_tokens"] == len(ids)
     assert got["text"] == tokenizer.decode(want)
 
@@ -322,7 +427,8 @@ def test_each_family_is_listed_as_checked_against_this_file():
 
 
 def test_internlm3_reads_transformers_aliases_of_its_bias_keys(tmp_path):
-    """A config Transformers' InternLM3Config rewrote states attention_bias (qkv_bias) and mlp_bias (bias)."""
+    """A config Transformers' InternLM3Config rewrote states attention_bias (qkv_bias) and mlp_bias
+    (bias)."""
     from ster_dist.config import from_hf
 
     raw = {"model_type": "internlm3", **SIZES, "attention_bias": True, "mlp_bias": False}
@@ -330,12 +436,16 @@ def test_internlm3_reads_transformers_aliases_of_its_bias_keys(tmp_path):
     assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_up_bias) == (True, False, False)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"bskcn_4": None}, "solar needs bskcn_1, bskcn_2, bskcn_3 and bskcn_4"),
-    ({"bskcn_tv": [0.9]}, "solar needs bskcn_1"),
-    ({"bskcn_3": [1, LAYERS]}, "block_skips must list"),
-    ({"bskcn_1": [2], "bskcn_3": [1]}, "block_skips must list"),  # mixed in before anything was kept
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bskcn_4": None}, "solar needs bskcn_1, bskcn_2, bskcn_3 and bskcn_4"),
+        ({"bskcn_tv": [0.9]}, "solar needs bskcn_1"),
+        ({"bskcn_3": [1, LAYERS]}, "block_skips must list"),
+        # mixed in before anything was kept
+        ({"bskcn_1": [2], "bskcn_3": [1]}, "block_skips must list"),
+    ],
+)
 def test_solar_skips_it_cannot_read_are_refused(tmp_path, change, message):
     directory = tmp_path / "m"
     write_checkpoint("solar", directory, **change)
@@ -344,10 +454,13 @@ def test_solar_skips_it_cannot_read_are_refused(tmp_path, change, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts is set; MiniCPM-MoE"),
-    ({"use_mup": False}, "use_mup is False; MiniCPM without its muP scales"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts is set; MiniCPM-MoE"),
+        ({"use_mup": False}, "use_mup is False; MiniCPM without its muP scales"),
+    ],
+)
 def test_minicpm_it_cannot_run_is_refused_before_any_weight(tmp_path, change, message):
     directory = tmp_path / "m"
     write_checkpoint("minicpm", directory, **change)
@@ -357,8 +470,10 @@ def test_minicpm_it_cannot_run_is_refused_before_any_weight(tmp_path, change, me
 
 
 def test_a_peft_adapter_on_internlm2s_fused_wqkv_equals_the_reference_merged_by_hand(tmp_path):
-    """A PEFT adapter names InternLM2's own modules (attention.wqkv, feed_forward.w2); its B rows on wqkv split
-    into query, key and value by the same grouped layout the loader reads. The reference merges W + s * B @ A
+    """A PEFT adapter names InternLM2's own modules (attention.wqkv, feed_forward.w2); its B rows on
+    wqkv split
+    into query, key and value by the same grouped layout the loader reads. The reference merges W +
+    s * B @ A
     into the stored tensors and un-fuses them itself."""
     from ster_dist.adapters.attach import attach
     from ster_dist.adapters.format import open_adapter
@@ -370,16 +485,26 @@ def test_a_peft_adapter_on_internlm2s_fused_wqkv_equals_the_reference_merged_by_
     rank, alpha = 4, 8
     gen = torch.Generator().manual_seed(5)
     factors, merged = {}, dict(stored)
-    for name in ("model.layers.0.attention.wqkv", "model.layers.2.attention.wqkv", "model.layers.1.feed_forward.w2"):
+    for name in (
+        "model.layers.0.attention.wqkv",
+        "model.layers.2.attention.wqkv",
+        "model.layers.1.feed_forward.w2",
+    ):
         rows, cols = stored[f"{name}.weight"].shape
-        a, b = torch.randn(rank, cols, generator=gen) * 0.1, torch.randn(rows, rank, generator=gen) * 0.1
+        a, b = (
+            torch.randn(rank, cols, generator=gen) * 0.1,
+            torch.randn(rows, rank, generator=gen) * 0.1,
+        )
         factors[f"base_model.model.{name}.lora_A.weight"] = a
         factors[f"base_model.model.{name}.lora_B.weight"] = b
         merged[f"{name}.weight"] = stored[f"{name}.weight"] + alpha / rank * b @ a
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["wqkv", "w2"]}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["wqkv", "w2"]}
+        )
+    )
     save_file(factors, str(adapter / "adapter_model.safetensors"))
     reference = _unfuse_internlm2(merged, weights)
 
@@ -387,21 +512,29 @@ def test_a_peft_adapter_on_internlm2s_fused_wqkv_equals_the_reference_merged_by_
     ids = _ids(2, 16, seed=4)
     with torch.no_grad():
         want = reference_logits(reference, FAMILIES["internlm2"][0].reference, ids)
-        assert compare(loaded.model(ids), want)["max_relative_error"] > 1e-2  # the adapter changes the logits
+        # the adapter changes the logits
+        assert compare(loaded.model(ids), want)["max_relative_error"] > 1e-2
         attach(loaded.model, sites_for(open_adapter(adapter), loaded.cfg, str(base)))
         result = compare(loaded.model(ids), want)
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, result
 
 
 def _unfuse_internlm2(stored: dict, canonical: dict) -> dict:
-    """The canonical weights with every layer's wqkv and w2 read back from InternLM2's stored tensors."""
+    """The canonical weights with every layer's wqkv and w2 read back from InternLM2's stored
+    tensors."""
     out = dict(canonical)
     per_kv = HEADS // KV_HEADS
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        groups = stored[f"{p}attention.wqkv.weight"].reshape(KV_HEADS, (per_kv + 2) * HEAD_DIM, HIDDEN)
-        out[f"{p}self_attn.q_proj.weight"] = groups[:, :per_kv * HEAD_DIM].reshape(-1, HIDDEN)
-        out[f"{p}self_attn.k_proj.weight"] = groups[:, per_kv * HEAD_DIM:(per_kv + 1) * HEAD_DIM].reshape(-1, HIDDEN)
-        out[f"{p}self_attn.v_proj.weight"] = groups[:, (per_kv + 1) * HEAD_DIM:].reshape(-1, HIDDEN)
+        groups = stored[f"{p}attention.wqkv.weight"].reshape(
+            KV_HEADS, (per_kv + 2) * HEAD_DIM, HIDDEN
+        )
+        out[f"{p}self_attn.q_proj.weight"] = groups[:, : per_kv * HEAD_DIM].reshape(-1, HIDDEN)
+        out[f"{p}self_attn.k_proj.weight"] = groups[
+            :, per_kv * HEAD_DIM : (per_kv + 1) * HEAD_DIM
+        ].reshape(-1, HIDDEN)
+        out[f"{p}self_attn.v_proj.weight"] = groups[:, (per_kv + 1) * HEAD_DIM :].reshape(
+            -1, HIDDEN
+        )
         out[f"{p}mlp.down_proj.weight"] = stored[f"{p}feed_forward.w2.weight"]
     return out

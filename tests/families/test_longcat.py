@@ -1,7 +1,11 @@
-"""LongCat-Flash (longcat_flash) beyond the parity checks every family takes (tests/families/test_parity.py at TP=1,
-tests/parallel/test_tensor_parallel.py at TP=2, tests/model/test_moe.py at EP=2): each stored layer runs as two decoder layers,
-so layer indices, hook sites and the cache count halves; decodes continued from the paged cache equal the whole
-read on one rank and on two expert-parallel ranks (identity experts never dispatched, a rank's token share empty
+"""LongCat-Flash (longcat_flash) beyond the parity checks every family takes
+(tests/families/test_parity.py at TP=1,
+tests/parallel/test_tensor_parallel.py at TP=2, tests/model/test_moe.py at EP=2): each stored layer
+runs as two decoder layers,
+so layer indices, hook sites and the cache count halves; decodes continued from the paged cache
+equal the whole
+read on one rank and on two expert-parallel ranks (identity experts never dispatched, a rank's token
+share empty
 at some steps); the token engine answers as `ster generate`; the config's refusals and switches."""
 
 from __future__ import annotations
@@ -51,8 +55,14 @@ def test_each_stored_layer_is_two_decoder_layers_with_a_cache_each(tiny):
 
 
 # prefills and decodes of three sequences together, one of them alone at the last steps
-SCHEDULE = [[("A", 11), ("B", 4)], [("B", 5), ("C", 3)], *[[("A", 1), ("B", 1), ("C", 1)]] * 3,
-            [("C", 7), ("A", 1)], [("B", 1)], [("B", 1)]]
+SCHEDULE = [
+    [("A", 11), ("B", 4)],
+    [("B", 5), ("C", 3)],
+    *[[("A", 1), ("B", 1), ("C", 1)]] * 3,
+    [("C", 7), ("A", 1)],
+    [("B", 1)],
+    [("B", 1)],
+]
 
 
 def _tokens() -> dict[str, torch.Tensor]:
@@ -78,29 +88,47 @@ def test_the_token_engine_answers_as_ster_generate(tiny):
     check_engine_answers_as_generate(directory, prompts, 8, 12)
 
 
-_CONFIG = {"model_type": "longcat_flash", "hidden_size": 64, "num_attention_heads": 4, "num_layers": 2,
-           "vocab_size": 256, "ffn_hidden_size": 96, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-           "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 6, "zero_expert_num": 2, "moe_topk": 2,
-           "expert_ffn_hidden_size": 16}
+_CONFIG = {
+    "model_type": "longcat_flash",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_layers": 2,
+    "vocab_size": 256,
+    "ffn_hidden_size": 96,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 12,
+    "n_routed_experts": 6,
+    "zero_expert_num": 2,
+    "moe_topk": 2,
+    "expert_ffn_hidden_size": 16,
+}
 
 
 def test_the_config_reads_as_transformers_and_vllm_read_it():
     cfg = from_hf(_CONFIG)
     assert cfg.num_layers == 4 and cfg.intermediate_size == 96 and cfg.moe.intermediate_size == 16
     assert (cfg.moe.num_experts, cfg.moe.identity_experts, cfg.moe.top_k) == (6, 2, 2)
-    assert cfg.moe.scaling_factor == 6.0 and not cfg.moe.renormalize  # LongcatFlashConfig's default factor
-    # Transformers always scales the bottlenecks; a release states the switches, and one stated off is honoured
+    # LongcatFlashConfig's default factor
+    assert cfg.moe.scaling_factor == 6.0 and not cfg.moe.renormalize
+    # Transformers always scales the bottlenecks; a release states the switches, and one stated off
+    # is honoured
     assert cfg.raw["mla_scale_q_lora"] and cfg.raw["mla_scale_kv_lora"]
     off = from_hf({**_CONFIG, "mla_scale_q_lora": False, "mla_scale_kv_lora": False})
     assert not off.raw["mla_scale_q_lora"] and not off.raw["mla_scale_kv_lora"]
     assert status("longcat_flash") == "parity-checked"
 
 
-@pytest.mark.parametrize("keys, message", [
-    ({"zero_expert_type": "zero"}, "only identity zero experts"),
-    ({"router_bias": True}, "router_bias is true"),
-    ({"num_layers": 0}, "num_layers is 0"),
-])
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"zero_expert_type": "zero"}, "only identity zero experts"),
+        ({"router_bias": True}, "router_bias is true"),
+        ({"num_layers": 0}, "num_layers is 0"),
+    ],
+)
 def test_unreadable_configs_are_refused(keys, message):
     with pytest.raises(Refusal, match=message):
         from_hf({**_CONFIG, **keys})
@@ -108,8 +136,24 @@ def test_unreadable_configs_are_refused(keys, message):
 
 def test_identity_experts_beside_what_they_do_not_combine_with_are_refused():
     with pytest.raises(Refusal, match="zero_expert_num 2 identity experts are supported only"):
-        from_hf({"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-                 "vocab_size": 256, "intermediate_size": 96, "kv_lora_rank": 16, "q_lora_rank": 24,
-                 "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 8,
-                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4, "topk_group": 2,
-                 "zero_expert_num": 2})
+        from_hf(
+            {
+                "model_type": "deepseek_v3",
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 256,
+                "intermediate_size": 96,
+                "kv_lora_rank": 16,
+                "q_lora_rank": 24,
+                "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 4,
+                "v_head_dim": 12,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+                "n_group": 4,
+                "topk_group": 2,
+                "zero_expert_num": 2,
+            }
+        )

@@ -1,9 +1,15 @@
-"""LongCat-Flash-Lite (longcat_flash_ngram), which Transformers lacks: the reference is a plain-torch n-gram
-embedding written here from seeds/000's paragraph (with the table width and numbering vLLM's and mlx-lm's
-implementations build), feeding Transformers' LongcatFlashForCausalLM its inputs_embeds for the rest. Logits
-and greedy tokens equal it, runs restarting after each eos; decoding from the static cache and from the paged
-cache equals the whole read (the last tokens carried across steps, an eos inside a prompt and inside a decode);
-batches equal one at a time; TP=2 equals TP=1; the token engine answers as `ster generate`; a config without
+"""LongCat-Flash-Lite (longcat_flash_ngram), which Transformers lacks: the reference is a
+plain-torch n-gram
+embedding written here from seeds/000's paragraph (with the table width and numbering vLLM's and
+mlx-lm's
+implementations build), feeding Transformers' LongcatFlashForCausalLM its inputs_embeds for the
+rest. Logits
+and greedy tokens equal it, runs restarting after each eos; decoding from the static cache and from
+the paged
+cache equals the whole read (the last tokens carried across steps, an eos inside a prompt and inside
+a decode);
+batches equal one at a time; TP=2 equals TP=1; the token engine answers as `ster generate`; a config
+without
 model_type is read by its architectures; what the config cannot state is refused."""
 
 from __future__ import annotations
@@ -22,16 +28,24 @@ from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from tests.engine_checks import check_engine_answers_as_generate, engine_tokens
 from tests.paged_steps import BLOCK, Driver, run_step
-from tests.remote_checks import check_cache_and_batches, check_tp2_equals_tp1, greedy_by_rereading, random_ids
+from tests.remote_checks import (
+    check_cache_and_batches,
+    check_tp2_equals_tp1,
+    greedy_by_rereading,
+    random_ids,
+)
 from tests.tiny_models import make_tiny
 
 NEIGHBORS, SPLITS, RATIO, EOS = 3, 2, 0.37, 2
 
 
 def _reference_embedding(model, tables, projections, ids: torch.Tensor) -> torch.Tensor:
-    """seeds/000 literally: for order n in 2..NEIGHBORS and table j, table (n - 2) * SPLITS + j hashes the token
-    and the n - 1 before it (zero before its run, which restarts after each eos) to (token + sum previous_d *
-    (vocab^d mod rows)) mod rows; each row through its projection; all averaged with the token embedding."""
+    """seeds/000 literally: for order n in 2..NEIGHBORS and table j, table (n - 2) * SPLITS + j
+    hashes the token
+    and the n - 1 before it (zero before its run, which restarts after each eos) to (token + sum
+    previous_d *
+    (vocab^d mod rows)) mod rows; each row through its projection; all averaged with the token
+    embedding."""
     vocab = model.config.vocab_size
     out = model.get_input_embeddings()(ids)
     for b in range(ids.shape[0]):
@@ -43,7 +57,9 @@ def _reference_embedding(model, tables, projections, ids: torch.Tensor) -> torch
                 for j in range(SPLITS):
                     index = (n - 2) * SPLITS + j
                     rows = tables[index].shape[0]
-                    key = (row[t] + sum(previous[d - 1] * (vocab ** d % rows) for d in range(1, n))) % rows
+                    key = (
+                        row[t] + sum(previous[d - 1] * (vocab**d % rows) for d in range(1, n))
+                    ) % rows
                     out[b, t] = out[b, t] + projections[index] @ tables[index][key]
     return out / (1 + SPLITS * (NEIGHBORS - 1))
 
@@ -56,12 +72,20 @@ def tiny(tmp_path_factory):
     config = json.loads((directory / "config.json").read_text())
     config.pop("model_type")
     vocab, hidden = config["vocab_size"], config["hidden_size"]
-    config.update(architectures=["LongcatFlashNgramForCausalLM"], emb_neighbor_num=NEIGHBORS, emb_split_num=SPLITS,
-                  ngram_vocab_size_ratio=RATIO, eos_token_id=EOS)
+    config.update(
+        architectures=["LongcatFlashNgramForCausalLM"],
+        emb_neighbor_num=NEIGHBORS,
+        emb_split_num=SPLITS,
+        ngram_vocab_size_ratio=RATIO,
+        eos_token_id=EOS,
+    )
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     count = SPLITS * (NEIGHBORS - 1)
     gen = torch.Generator().manual_seed(7)
-    tables = [torch.randn(int(RATIO * vocab + 2 * i + 1), hidden // count, generator=gen) for i in range(count)]
+    tables = [
+        torch.randn(int(RATIO * vocab + 2 * i + 1), hidden // count, generator=gen)
+        for i in range(count)
+    ]
     projections = [torch.randn(hidden, hidden // count, generator=gen) * 0.3 for i in range(count)]
     (file,) = directory.glob("*.safetensors")
     tensors = load_file(file)
@@ -72,7 +96,9 @@ def tiny(tmp_path_factory):
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return reference(inputs_embeds=_reference_embedding(reference, tables, projections, ids)).logits
+            return reference(
+                inputs_embeds=_reference_embedding(reference, tables, projections, ids)
+            ).logits
 
     return directory, forward, load_model(resolve(str(directory)), "f32")
 
@@ -86,7 +112,8 @@ def _with_eos(ids: torch.Tensor, *at: int) -> torch.Tensor:
 def test_logits_and_greedy_tokens_equal_the_reference(tiny):
     _, forward, loaded = tiny
     assert loaded.cfg.family == "longcat_flash_ngram" and loaded.cfg.ngram.breaks == (EOS,)
-    ids = _with_eos(random_ids(2, 14), 5, 6, 11)  # runs restart after each eos, two in a row among them
+    # runs restart after each eos, two in a row among them
+    ids = _with_eos(random_ids(2, 14), 5, 6, 11)
     with torch.no_grad():
         result = compare(loaded.model(ids), forward(ids))
     assert result["max_relative_error"] < 1e-4 and result["mean_cosine"] > 0.9999, result
@@ -102,7 +129,9 @@ def test_the_token_embedding_may_be_named_inside_the_ngram_module(tiny, tmp_path
             (tmp_path / file.name).write_bytes(file.read_bytes())
     (file,) = tmp_path.glob("*.safetensors")
     tensors = load_file(file)
-    tensors["model.ngram_embeddings.word_embeddings.weight"] = tensors.pop("model.embed_tokens.weight")
+    tensors["model.ngram_embeddings.word_embeddings.weight"] = tensors.pop(
+        "model.embed_tokens.weight"
+    )
     save_file(tensors, file, metadata={"format": "pt"})
     ids = random_ids(1, 9)
     with torch.no_grad():
@@ -113,17 +142,26 @@ def test_decoding_from_the_cache_equals_the_whole_read_and_batches_equal_one_by_
     loaded = tiny[2]
     check_cache_and_batches(loaded)
     model = loaded.model
-    ids = _with_eos(random_ids(2, 16, seed=3), 4, 13)  # an eos in the prompt and one read as a decode step
+    # an eos in the prompt and one read as a decode step
+    ids = _with_eos(random_ids(2, 16, seed=3), 4, 13)
     with torch.no_grad():
         whole = model(ids)
         cache = model.new_cache(2, 16)
-        parts = [model(ids[:, :9], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(9, 16)]
+        parts = [model(ids[:, :9], cache=cache)] + [
+            model(ids[:, t : t + 1], cache=cache) for t in range(9, 16)
+        ]
     assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
 
 
 # prefills and decodes of three sequences together, one of them alone at the last steps
-SCHEDULE = [[("A", 11), ("B", 4)], [("B", 5), ("C", 3)], *[[("A", 1), ("B", 1), ("C", 1)]] * 3,
-            [("C", 7), ("A", 1)], [("B", 1)], [("B", 1)]]
+SCHEDULE = [
+    [("A", 11), ("B", 4)],
+    [("B", 5), ("C", 3)],
+    *[[("A", 1), ("B", 1), ("C", 1)]] * 3,
+    [("C", 7), ("A", 1)],
+    [("B", 1)],
+    [("B", 1)],
+]
 
 
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
@@ -138,7 +176,10 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     for step in SCHEDULE:
         chunks, logits = run_step(model, driver, tokens, step)
         for row, ((name, _), c) in enumerate(zip(step, chunks)):
-            assert compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"] < 1e-5, step
+            assert (
+                compare(logits[row], whole[name][c.start + c.length - 1])["max_relative_error"]
+                < 1e-5
+            ), step
 
 
 def test_tp2_equals_tp1(tiny):
@@ -155,15 +196,21 @@ def test_the_token_engine_answers_as_ster_generate(tiny):
 def test_ster_families_lists_it_as_parity_checked_against_this_file():
     rows = {row["family"]: row for row in family_table()}
     row = rows["longcat_flash_ngram"]
-    assert row["status"] == "parity-checked" and row["reference"] == "tests/families/test_longcat_ngram.py"
+    assert (
+        row["status"] == "parity-checked"
+        and row["reference"] == "tests/families/test_longcat_ngram.py"
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"emb_neighbor_num": None}, "emb_neighbor_num is None"),
-    ({"emb_split_num": 0}, "emb_split_num is 0"),
-    ({"emb_neighbor_num": 1}, "emb_neighbor_num at least 2"),
-    ({"emb_split_num": 5}, "do not split hidden_size"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"emb_neighbor_num": None}, "emb_neighbor_num is None"),
+        ({"emb_split_num": 0}, "emb_split_num is 0"),
+        ({"emb_neighbor_num": 1}, "emb_neighbor_num at least 2"),
+        ({"emb_split_num": 5}, "do not split hidden_size"),
+    ],
+)
 def test_what_the_config_cannot_state_is_refused_before_any_weight(tiny, tmp_path, change, message):
     directory = tiny[0]
     config = json.loads((directory / "config.json").read_text())
@@ -179,5 +226,5 @@ def test_what_the_config_cannot_state_is_refused_before_any_weight(tiny, tmp_pat
 def test_the_carried_tokens_survive_a_bf16_cache():
     from ster_dist.model.ngram_embedding import _decode, _encode
 
-    values = torch.tensor([0, 1, 255, 256, 131073, 2 ** 24 - 1])
+    values = torch.tensor([0, 1, 255, 256, 131073, 2**24 - 1])
     assert torch.equal(_decode(_encode(values, torch.bfloat16)), values)

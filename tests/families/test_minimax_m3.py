@@ -1,8 +1,13 @@
-"""MiniMax-M3's text decoder (families/minimax_m3.py, model/block_sparse.py) beyond the parity checks every family
-takes: past index_topk_blocks blocks the sparse layers follow their indexers' choice (Transformers' sparse
-reading is matched, its dense reading of the same weights is not); decodes continued from the paged cache (on one
-rank and, marked slow, on two) and the token engine equal the whole read; the release's config and tensor names
-read as Transformers' do, also below a minimax_m3_vl wrapper; the refusals the seed states. The tiny checkpoint
+"""MiniMax-M3's text decoder (families/minimax_m3.py, model/block_sparse.py) beyond the parity
+checks every family
+takes: past index_topk_blocks blocks the sparse layers follow their indexers' choice (Transformers'
+sparse
+reading is matched, its dense reading of the same weights is not); decodes continued from the paged
+cache (on one
+rank and, marked slow, on two) and the token engine equal the whole read; the release's config and
+tensor names
+read as Transformers' do, also below a minimax_m3_vl wrapper; the refusals the seed states. The tiny
+checkpoint
 (tests/tiny/minimax_m3.py) keeps three blocks of four keys per query, two of them local."""
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from tests.paged_steps import check_paged_equals_whole, check_ranks_equal_one, r
 from tests.tiny_models import TINY, load_tiny, random_ids
 
 SPARSE = TINY["minimax_m3_vl_text"][2]["sparse_attention_config"]
-DENSE_UP_TO = SPARSE["sparse_block_size"] * SPARSE["sparse_topk_blocks"]  # 12 keys: every block kept
+# 12 keys: every block kept
+DENSE_UP_TO = SPARSE["sparse_block_size"] * SPARSE["sparse_topk_blocks"]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,10 @@ def tiny(tmp_path_factory):
 
 
 def test_more_blocks_than_topk_follow_the_indexers_choice(tiny, tmp_path):
-    """Transformers' dense reading (index_topk_blocks above the blocks) of the same weights agrees while every
-    block is kept and differs past that, where ours follows the sparse one: ignoring the choice would fail here."""
+    """Transformers' dense reading (index_topk_blocks above the blocks) of the same weights agrees
+    while every
+    block is kept and differs past that, where ours follows the sparse one: ignoring the choice
+    would fail here."""
     directory, reference, ours = tiny
     dense_dir = tmp_path / "dense"
     shutil.copytree(directory, dense_dir)
@@ -57,14 +65,23 @@ def test_layer_kinds_and_widths(tiny):
     cfg = model.cfg
     assert cfg.mixers == ("attention", "block_sparse_attention", "block_sparse_attention")
     assert cfg.feed_forwards == ("dense", "moe", "moe")
-    assert cfg.intermediate_size == 24 and cfg.moe.intermediate_size == 16 and cfg.moe.shared_intermediate_size == 16
+    assert (
+        cfg.intermediate_size == 24
+        and cfg.moe.intermediate_size == 16
+        and cfg.moe.shared_intermediate_size == 16
+    )
     assert {r.rotary_dim for r in cfg.layer_rope} == {8}
     assert cfg.swiglu_oai == (1.0, 1.702)
 
 
 # prefills longer and shorter than the dense reach, decodes that cross it, sequences together
-SCHEDULE = [[("A", 14), ("B", 5)], [("B", 6), ("C", 3)], *[[("A", 1), ("B", 1), ("C", 1)]] * 4,
-            [("C", 9), ("A", 1)], [("B", 1), ("C", 1)]]
+SCHEDULE = [
+    [("A", 14), ("B", 5)],
+    [("B", 6), ("C", 3)],
+    *[[("A", 1), ("B", 1), ("C", 1)]] * 4,
+    [("C", 9), ("A", 1)],
+    [("B", 1), ("C", 1)],
+]
 
 
 def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
@@ -72,11 +89,13 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny):
     tokens = random_sequences(3)
     driver = check_paged_equals_whole(model, tokens, SCHEDULE)
     assert driver.length["A"] > DENSE_UP_TO and driver.length["C"] > DENSE_UP_TO
-    # every layer keeps 2 key heads of 16 and 2 values of 16; a sparse one its index key (12) behind each value
+    # every layer keeps 2 key heads of 16 and 2 values of 16; a sparse one its index key (12) behind
+    # each value
     assert PagedCache.block_bytes(model, 1) == 4 * (3 * 2 * 16 * 2 + 2 * 2 * 12)
 
 
-@pytest.mark.slow  # TP=2 over the static cache is tests/parallel/test_tensor_parallel.py's; this adds the paged one
+# TP=2 over the static cache is tests/parallel/test_tensor_parallel.py's; this adds the paged one
+@pytest.mark.slow
 def test_tensor_parallel_ranks_equal_one_rank_over_paged_caches(tiny, tp2):
     """Two ranks each hold one key-value head, its share of index_q and the whole index_k."""
     directory, _, model = tiny
@@ -94,30 +113,52 @@ _SHARED = ".block_sparse_moe.shared_experts."
 
 
 def _as_release(directory, target) -> None:
-    """The tiny checkpoint as MiniMax publishes it, below a minimax_m3_vl wrapper: the release's config keys and
+    """The tiny checkpoint as MiniMax publishes it, below a minimax_m3_vl wrapper: the release's
+    config keys and
     tensor names (per-expert w1/w3/w2, separate gate and up projections, index_* projections)."""
     shutil.copytree(directory, target)
     text = json.loads((target / "config.json").read_text())
     kinds = [t == "minimax_m3_sparse" for t in text.pop("layer_types")]
     moe = [t == "sparse" for t in text.pop("mlp_layer_types")]
-    sparse = {"sparse_attention_freq": [int(k) for k in kinds], "sparse_score_type": "max",
-              "sparse_disable_index_value": 1, "sparse_init_block": 0}
-    for flat, key in (("index_n_heads", "sparse_num_index_heads"), ("index_head_dim", "sparse_index_dim"),
-                      ("index_block_size", "sparse_block_size"), ("index_topk_blocks", "sparse_topk_blocks"),
-                      ("index_local_blocks", "sparse_local_block")):
+    sparse = {
+        "sparse_attention_freq": [int(k) for k in kinds],
+        "sparse_score_type": "max",
+        "sparse_disable_index_value": 1,
+        "sparse_init_block": 0,
+    }
+    for flat, key in (
+        ("index_n_heads", "sparse_num_index_heads"),
+        ("index_head_dim", "sparse_index_dim"),
+        ("index_block_size", "sparse_block_size"),
+        ("index_topk_blocks", "sparse_topk_blocks"),
+        ("index_local_blocks", "sparse_local_block"),
+    ):
         sparse[key] = text.pop(flat)
-    text.update(hidden_act="swigluoai", sparse_attention_config=sparse, moe_layer_freq=[int(m) for m in moe],
-                use_gemma_norm=True, qk_norm_type="per_head", scoring_func="sigmoid", attention_output_gate=False,
-                rotary_dim=8)
+    text.update(
+        hidden_act="swigluoai",
+        sparse_attention_config=sparse,
+        moe_layer_freq=[int(m) for m in moe],
+        use_gemma_norm=True,
+        qk_norm_type="per_head",
+        scoring_func="sigmoid",
+        attention_output_gate=False,
+        rotary_dim=8,
+    )
     text.pop("model_type")
-    wrapper = {"model_type": "minimax_m3_vl", "text_config": {**text, "model_type": "minimax_m3_vl_text"}}
+    wrapper = {
+        "model_type": "minimax_m3_vl",
+        "text_config": {**text, "model_type": "minimax_m3_vl_text"},
+    }
     (target / "config.json").write_text(json.dumps(wrapper))
     out = {}
     for name, t in load_file(target / "model.safetensors").items():
         if ".mlp.experts.gate_up_proj" in name:
             base = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts")
             for e, (w1, w3) in enumerate(zip(*t.chunk(2, dim=1))):
-                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = w1.contiguous(), w3.contiguous()
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = (
+                    w1.contiguous(),
+                    w3.contiguous(),
+                )
         elif ".mlp.experts.down_proj" in name:
             base = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts")
             for e, w2 in enumerate(t):
@@ -125,18 +166,27 @@ def _as_release(directory, target) -> None:
         elif name.endswith("gate_up_proj.weight"):
             gate, up = t.chunk(2, dim=0)
             base = name[: -len("gate_up_proj.weight")].replace(".mlp.shared_experts.", _SHARED)
-            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = gate.contiguous(), up.contiguous()
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = (
+                gate.contiguous(),
+                up.contiguous(),
+            )
         elif ".mlp.shared_experts." in name:
             out[name.replace(".mlp.shared_experts.", _SHARED)] = t
         elif ".mlp.gate." in name:
-            out[name.replace(".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias")
-                .replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = t
+            out[
+                name.replace(
+                    ".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"
+                ).replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+            ] = t
         elif ".self_attn.indexer." in name:
             out[name.replace(".self_attn.indexer.", ".self_attn.index_")] = t
         else:
             out[name] = t
-    save_file({f"language_model.{k}": v for k, v in out.items()}, target / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {f"language_model.{k}": v for k, v in out.items()},
+        target / "model.safetensors",
+        metadata={"format": "pt"},
+    )
 
 
 def test_the_release_below_its_wrapper_reads_as_transformers_writes_it(tiny, tmp_path):
@@ -148,18 +198,40 @@ def test_the_release_below_its_wrapper_reads_as_transformers_writes_it(tiny, tmp
         assert compare(release(ids), ours(ids))["max_relative_error"] < 1e-6
 
 
-_CONFIG = {"model_type": "minimax_m3_vl_text", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "intermediate_size": 16,
-           "dense_intermediate_size": 32, "shared_intermediate_size": 16, "num_local_experts": 4,
-           "num_experts_per_tok": 2, "hidden_act": "swigluoai", "rotary_dim": 8, "moe_layer_freq": [0, 1],
-           "sparse_attention_config": {"sparse_attention_freq": [0, 1], "sparse_num_index_heads": 2,
-                                       "sparse_index_dim": 16, "sparse_block_size": 4, "sparse_topk_blocks": 2,
-                                       "sparse_local_block": 1, "sparse_disable_index_value": 1}}
+_CONFIG = {
+    "model_type": "minimax_m3_vl_text",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "intermediate_size": 16,
+    "dense_intermediate_size": 32,
+    "shared_intermediate_size": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "hidden_act": "swigluoai",
+    "rotary_dim": 8,
+    "moe_layer_freq": [0, 1],
+    "sparse_attention_config": {
+        "sparse_attention_freq": [0, 1],
+        "sparse_num_index_heads": 2,
+        "sparse_index_dim": 16,
+        "sparse_block_size": 4,
+        "sparse_topk_blocks": 2,
+        "sparse_local_block": 1,
+        "sparse_disable_index_value": 1,
+    },
+}
 
 
 def test_the_release_config_is_read():
     cfg = from_hf(_CONFIG)
-    assert cfg.mixers == ("attention", "block_sparse_attention") and cfg.feed_forwards == ("dense", "moe")
+    assert cfg.mixers == ("attention", "block_sparse_attention") and cfg.feed_forwards == (
+        "dense",
+        "moe",
+    )
     assert cfg.layer_rope[0].rotary_dim == 8 and cfg.intermediate_size == 32
     assert cfg.raw["index_topk_blocks"] == 2 and cfg.raw["index_block_size"] == 4
 
@@ -168,25 +240,33 @@ def test_a_config_naming_only_its_architecture_is_the_same_family():
     from ster_dist.config.file import family_of
 
     raw = {k: v for k, v in _CONFIG.items() if k != "model_type"}
-    assert family_of({**raw, "architectures": ["MiniMaxM3SparseForCausalLM"]}) == "minimax_m3_vl_text"
+    assert (
+        family_of({**raw, "architectures": ["MiniMaxM3SparseForCausalLM"]}) == "minimax_m3_vl_text"
+    )
 
 
 def _sparse(**keys) -> dict:
     return {**_CONFIG, "sparse_attention_config": {**_CONFIG["sparse_attention_config"], **keys}}
 
 
-@pytest.mark.parametrize("config, message", [
-    ({**_CONFIG, "hidden_act": "silu"}, "hidden_act 'silu' is not supported"),
-    ({**_CONFIG, "attention_output_gate": True}, "attention_output_gate is True"),
-    ({**_CONFIG, "use_gemma_norm": False}, "use_gemma_norm is False"),
-    ({**_CONFIG, "use_qk_norm": False}, "use_qk_norm is False"),
-    ({**_CONFIG, "qk_norm_type": "per_layer"}, "qk_norm_type 'per_layer' is not supported"),
-    ({**_CONFIG, "scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
-    (_sparse(sparse_score_type="mean"), "sparse_score_type 'mean' is not supported"),
-    (_sparse(sparse_init_block=1), "sparse_init_block is 1"),
-    (_sparse(sparse_disable_index_value=0), "sparse_disable_index_value is 0 on a sparse layer"),
-    (_sparse(sparse_num_index_heads=3), "sparse_num_index_heads is 3 for 4 attention heads"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({**_CONFIG, "hidden_act": "silu"}, "hidden_act 'silu' is not supported"),
+        ({**_CONFIG, "attention_output_gate": True}, "attention_output_gate is True"),
+        ({**_CONFIG, "use_gemma_norm": False}, "use_gemma_norm is False"),
+        ({**_CONFIG, "use_qk_norm": False}, "use_qk_norm is False"),
+        ({**_CONFIG, "qk_norm_type": "per_layer"}, "qk_norm_type 'per_layer' is not supported"),
+        ({**_CONFIG, "scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
+        (_sparse(sparse_score_type="mean"), "sparse_score_type 'mean' is not supported"),
+        (_sparse(sparse_init_block=1), "sparse_init_block is 1"),
+        (
+            _sparse(sparse_disable_index_value=0),
+            "sparse_disable_index_value is 0 on a sparse layer",
+        ),
+        (_sparse(sparse_num_index_heads=3), "sparse_num_index_heads is 3 for 4 attention heads"),
+    ],
+)
 def test_unreadable_configs_are_refused(config, message):
     with pytest.raises(Refusal, match=message):
         from_hf(config)

@@ -22,12 +22,14 @@ VARIANTS = sorted(TINY)
 
 
 def _hand_checked(specs) -> set[str]:
-    """Families Transformers lacks, checked against the hand-written reference of the test file they name."""
+    """Families Transformers lacks, checked against the hand-written reference of the test file they
+    name."""
     return {spec.name for spec in specs if (spec.parity_reference or "").startswith("tests/")}
 
 
 def test_every_parity_checked_family_has_a_tiny_checkpoint():
-    """Against Transformers here, or, for a family Transformers lacks, in the test file its spec names (which
+    """Against Transformers here, or, for a family Transformers lacks, in the test file its spec
+    names (which
     must exist and name the family)."""
     hand = _hand_checked(SPECS.values())
     checked = {name for name, spec in SPECS.items() if spec.parity_reference} - hand
@@ -36,20 +38,31 @@ def test_every_parity_checked_family_has_a_tiny_checkpoint():
     root = Path(__file__).resolve().parents[2]
     missing = {name for name in hand if not (root / SPECS[name].parity_reference).is_file()}
     assert not missing, f"families whose reference test file is missing: {missing}"
-    unnamed = {name for name in hand if f'"{name}"' not in (root / SPECS[name].parity_reference).read_text()}
+    unnamed = {
+        name
+        for name in hand
+        if f'"{name}"' not in (root / SPECS[name].parity_reference).read_text()
+    }
     assert not unnamed, f"families whose reference test file never names them: {unnamed}"
 
 
 def test_every_hand_written_reference_names_a_test_file():
-    named = {spec.parity_reference for spec in SPECS.values() if (spec.parity_reference or "").startswith("tests/")}
+    named = {
+        spec.parity_reference
+        for spec in SPECS.values()
+        if (spec.parity_reference or "").startswith("tests/")
+    }
     root = Path(__file__).resolve().parents[2]
     assert all((root / path).is_file() for path in named), named
 
 
 @pytest.mark.parametrize("lineage", sorted(LINEAGES))
 def test_each_tiny_module_holds_its_family_modules_families(lineage):
-    """tests/tiny/<lineage>.py checks the families of ster_dist/families/<lineage>.py, all of them."""
-    specs = getattr(importlib.import_module(f"ster_dist.families.{lineage}"), f"{lineage.upper()}_FAMILIES")
+    """tests/tiny/<lineage>.py checks the families of ster_dist/families/<lineage>.py, all of
+    them."""
+    specs = getattr(
+        importlib.import_module(f"ster_dist.families.{lineage}"), f"{lineage.upper()}_FAMILIES"
+    )
     specified = {spec.name for spec in specs} - _hand_checked(specs)
     assert {family_of_variant(v) for v in LINEAGES[lineage].TINY} == specified
 
@@ -81,7 +94,9 @@ def test_greedy_generation_matches_transformers(pair):
     variant, reference, loaded = pair
     prompt = _ids(1, 7, seed=1)
     with torch.no_grad():
-        theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+        theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False)[
+            0, prompt.shape[1] :
+        ].tolist()
     ours = engine_tokens(loaded, [prompt[0].tolist()], 12, loaded.cfg.eos_token_ids)[0]
     assert ours == theirs, variant
 
@@ -95,7 +110,7 @@ def test_decoding_from_cache_equals_reading_whole(pair):
         cache = model.new_cache(2, 20)
         parts = [model(ids[:, :12], cache=cache)]
         for t in range(12, 20):
-            parts.append(model(ids[:, t:t + 1], cache=cache))
+            parts.append(model(ids[:, t : t + 1], cache=cache))
     stepped = torch.cat(parts, dim=1)
     assert compare(stepped, whole)["max_relative_error"] < 1e-5, variant
 

@@ -34,11 +34,14 @@ def tiny(tmp_path_factory):
 
 
 def _planted(tiny, tmp_path, weights_name: str):
-    """A copy of the tiny checkpoint, its weights named weights_name, a booby-trapped pytorch_model.bin beside."""
+    """A copy of the tiny checkpoint, its weights named weights_name, a booby-trapped
+    pytorch_model.bin beside."""
     directory = tmp_path / "model"
     directory.mkdir()
     for item in tiny.iterdir():
-        (directory / (weights_name if item.name == "model.safetensors" else item.name)).write_bytes(item.read_bytes())
+        (directory / (weights_name if item.name == "model.safetensors" else item.name)).write_bytes(
+            item.read_bytes()
+        )
     marker = tmp_path / "unpickled"
     (directory / "pytorch_model.bin").write_bytes(pickle.dumps({"weight": _Touch(str(marker))}))
     return directory, marker
@@ -46,7 +49,8 @@ def _planted(tiny, tmp_path, weights_name: str):
 
 @pytest.fixture
 def loads(monkeypatch):
-    """Every path torch.load is asked to open; refused, so nothing is unpickled even if it is asked."""
+    """Every path torch.load is asked to open; refused, so nothing is unpickled even if it is
+    asked."""
     seen = []
 
     def refuse(path, *args, **kwargs):
@@ -67,9 +71,14 @@ def test_the_reference_loads_model_safetensors_and_never_the_bin(tiny, tmp_path,
     assert loads == [] and not marker.exists()
 
 
-def test_safetensors_transformers_cannot_name_are_refused_not_replaced_by_the_bin(tiny, tmp_path, loads):
-    """ster_dist reads any *.safetensors; Transformers only its own names and else fell back to the .bin."""
+def test_safetensors_transformers_cannot_name_are_refused_not_replaced_by_the_bin(
+    tiny, tmp_path, loads
+):
+    """ster_dist reads any *.safetensors; Transformers only its own names and else fell back to the
+    .bin."""
     directory, marker = _planted(tiny, tmp_path, "weights.safetensors")
-    with pytest.raises(Refusal, match=r"^Transformers cannot load the reference from .*name the weights so$"):
+    with pytest.raises(
+        Refusal, match=r"^Transformers cannot load the reference from .*name the weights so$"
+    ):
         _reference(directory)
     assert loads == [] and not marker.exists()

@@ -1,7 +1,11 @@
-"""The lightning-attention layer kind (model/lightning.py) on tiny MiniMax checkpoints: its block scan against
-Transformers' lightning attention (its block form and its recurrent decode form), a long prompt read in chunks
-(static cache and paged state slots, and the token engine's continuous batch) equal to one pass, left padding
-leaving the state alone, each tensor-parallel rank's share of heads and checkpoint rows, MiniMax-Text-01's own
+"""The lightning-attention layer kind (model/lightning.py) on tiny MiniMax checkpoints: its block
+scan against
+Transformers' lightning attention (its block form and its recurrent decode form), a long prompt read
+in chunks
+(static cache and paged state slots, and the token engine's continuous batch) equal to one pass,
+left padding
+leaving the state alone, each tensor-parallel rank's share of heads and checkpoint rows,
+MiniMax-Text-01's own
 config, and refusals of configs it cannot run."""
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from ster_dist.parallel.ctx import ParallelCtx
 from ster_dist.parity import compare
 from ster_dist.resolve import resolve
 from ster_dist.shard.plan import build_plan
-from tests.recurrent_checks import (check_chunks_equal_one_pass, check_driver_slots, check_left_padding,
-                                    checkpoint_fixtures, edited_copy, make_checkpoint, random_ids)
+from tests.recurrent_checks import (
+    check_chunks_equal_one_pass,
+    check_driver_slots,
+    check_left_padding,
+    checkpoint_fixtures,
+    edited_copy,
+    make_checkpoint,
+    random_ids,
+)
 from tests.tiny_models import read_config
 
 tiny, loaded = checkpoint_fixtures("minimax")
@@ -27,14 +38,22 @@ tiny, loaded = checkpoint_fixtures("minimax")
 
 @pytest.mark.parametrize("length", [1, 7, 8, 29])
 def test_the_scan_equals_transformers_block_form_and_its_decode_form(length):
-    """Transformers' MiniMaxLightningAttention on its identity projections and norm reads the scan's outputs: in
-    one call (its blocks) and one token at a time from its cache (its recurrent form), state included."""
+    """Transformers' MiniMaxLightningAttention on its identity projections and norm reads the scan's
+    outputs: in
+    one call (its blocks) and one token at a time from its cache (its recurrent form), state
+    included."""
     from transformers import MiniMaxConfig
     from transformers.models.minimax.modeling_minimax import MiniMaxCache, MiniMaxLightningAttention
 
     heads, d = 3, 4
-    config = MiniMaxConfig(hidden_size=heads * d, num_attention_heads=heads, head_dim=d, num_hidden_layers=3,
-                           block_size=8, hidden_act="silu")
+    config = MiniMaxConfig(
+        hidden_size=heads * d,
+        num_attention_heads=heads,
+        head_dim=d,
+        num_hidden_layers=3,
+        block_size=8,
+        hidden_act="silu",
+    )
     ref = MiniMaxLightningAttention(config, layer_idx=1).eval()
     gen = torch.Generator().manual_seed(length)
     with torch.no_grad():
@@ -45,9 +64,13 @@ def test_the_scan_equals_transformers_block_form_and_its_decode_form(length):
         cache, stepped = MiniMaxCache(), []
         cache.set_linear_cache(1, torch.zeros(2, heads, d, d))
         for t in range(length):
-            out, step_state = ref(x[:, t:t + 1], None, None, cache=cache)
+            out, step_state = ref(x[:, t : t + 1], None, None, cache=cache)
             stepped.append(out)
-        qkv = torch.nn.functional.silu(x @ ref.qkv_proj.weight.T).view(2, length, heads, 3 * d).transpose(1, 2)
+        qkv = (
+            torch.nn.functional.silu(x @ ref.qkv_proj.weight.T)
+            .view(2, length, heads, 3 * d)
+            .transpose(1, 2)
+        )
         q, k, v = qkv.split(d, -1)
         decay = -slopes(heads, 1, 3).view(1, heads, 1).expand(2, heads, length)
         for block in (1, 3, 8, 64):
@@ -62,15 +85,22 @@ def test_the_scan_equals_transformers_block_form_and_its_decode_form(length):
 
 
 def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
-    check_chunks_equal_one_pass(loaded.model, random_ids(90, seed=3, batch=2), (17, 1, 40, 29, 1, 1, 1), 96, 1e-4)
+    check_chunks_equal_one_pass(
+        loaded.model, random_ids(90, seed=3, batch=2), (17, 1, 40, 29, 1, 1, 1), 96, 1e-4
+    )
 
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
-    """Two sequences through state slots: one read in uneven chunks beside the other's prompt and decoding;
+    """Two sequences through state slots: one read in uneven chunks beside the other's prompt and
+    decoding;
     each step's last-token logits equal the whole read's at that position."""
     tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
-    schedule = [[("long", 23), ("short", 9)], [("long", 20), ("short", 1)], [("short", 1), ("long", 17)],
-                [("short", 1)]]
+    schedule = [
+        [("long", 23), ("short", 9)],
+        [("long", 20), ("short", 1)],
+        [("short", 1), ("long", 17)],
+        [("short", 1)],
+    ]
     check_driver_slots(loaded.model, tokens, schedule)
 
 
@@ -82,20 +112,36 @@ def test_tensor_parallel_ranks_hold_whole_heads_and_read_only_their_rows(tiny):
     cfg = from_hf(read_config(tiny))
     heads, d, hidden = cfg.num_heads, cfg.head_dim, cfg.hidden_size
     attn = "model.layers.0.self_attn"
-    shapes = {f"{attn}.qkv_proj.weight": (3 * heads * d, hidden), f"{attn}.output_gate.weight": (heads * d, hidden),
-              f"{attn}.norm.weight": (heads * d,), f"{attn}.out_proj.weight": (hidden, heads * d)}
+    shapes = {
+        f"{attn}.qkv_proj.weight": (3 * heads * d, hidden),
+        f"{attn}.output_gate.weight": (heads * d, hidden),
+        f"{attn}.norm.weight": (heads * d,),
+        f"{attn}.out_proj.weight": (hidden, heads * d),
+    }
     for rank in range(2):
         decoder = meta_decoder(cfg, ParallelCtx(rank, 2))
         mixer = decoder.layers[0].token_mixer
         assert mixer.state_shapes() == ((2, d, d),)  # two of the four heads, a [d, d] state each
-        assert mixer.slope == pytest.approx(slopes(heads, 0, cfg.num_layers)[2 * rank:2 * rank + 2].tolist())
+        assert mixer.slope == pytest.approx(
+            slopes(heads, 0, cfg.num_layers)[2 * rank : 2 * rank + 2].tolist()
+        )
         plan = build_plan(cfg.spec, cfg, decoder.shards(), shapes)
-        reads = {read.source.rsplit(".", 2)[-2]: [(p.rows or p.cols).start for p in read.pieces] +
-                 [(p.rows or p.cols).stop for p in read.pieces] for read in plan.reads if read.source.startswith(attn)}
-        # a head's query, key and value rows are contiguous in qkv_proj: two heads are one run of 6 d rows
+        reads = {
+            read.source.rsplit(".", 2)[-2]: [(p.rows or p.cols).start for p in read.pieces]
+            + [(p.rows or p.cols).stop for p in read.pieces]
+            for read in plan.reads
+            if read.source.startswith(attn)
+        }
+        # a head's query, key and value rows are contiguous in qkv_proj: two heads are one run of 6
+        # d rows
         assert reads["qkv_proj"] == [rank * 6 * d, (rank + 1) * 6 * d]
         # the output gate's and the norm's rows, and out_proj's columns, of the rank's two heads
-        assert reads["output_gate"] == reads["norm"] == reads["out_proj"] == [rank * 2 * d, (rank + 1) * 2 * d]
+        assert (
+            reads["output_gate"]
+            == reads["norm"]
+            == reads["out_proj"]
+            == [rank * 2 * d, (rank + 1) * 2 * d]
+        )
 
 
 def test_more_ranks_than_heads_is_refused(tiny):
@@ -104,14 +150,29 @@ def test_more_ranks_than_heads_is_refused(tiny):
         meta_decoder(cfg, ParallelCtx(0, 8))
 
 
-@pytest.mark.parametrize("changes, words", [
-    (dict(block_size=0), "block_size is 0"),
-    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "linear_attention"]),
-     "layer type 'sliding_attention' is not supported for MiniMax"),
-    (dict(shared_intermediate_size=16), "shared_intermediate_size is set; MiniMax's shared experts"),
-    (dict(sliding_window=4), "sliding_window is set"),
-    (dict(mlp_beta_factor="one"), "mlp_beta_factor is 'one'"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(block_size=0), "block_size is 0"),
+        (
+            dict(
+                layer_types=[
+                    "linear_attention",
+                    "sliding_attention",
+                    "linear_attention",
+                    "linear_attention",
+                ]
+            ),
+            "layer type 'sliding_attention' is not supported for MiniMax",
+        ),
+        (
+            dict(shared_intermediate_size=16),
+            "shared_intermediate_size is set; MiniMax's shared experts",
+        ),
+        (dict(sliding_window=4), "sliding_window is set"),
+        (dict(mlp_beta_factor="one"), "mlp_beta_factor is 'one'"),
+    ],
+)
 def test_configs_it_cannot_run_are_refused(tiny, tmp_path, changes, words):
     with pytest.raises(Refusal, match=words.replace("(", r"\(")):
         load_model(resolve(str(edited_copy(tiny, tmp_path, **changes))), "f32")
@@ -136,15 +197,22 @@ def test_minimax_text_01_reads_attn_type_list_and_its_own_factors(text_01):
 
 
 def test_minimax_text_01_rotates_its_stated_rotary_dim(text_01, tmp_path):
-    """MiniMax-Text-01 rotates rotary_dim of each head (64 of 128 in the release), as its own code does."""
+    """MiniMax-Text-01 rotates rotary_dim of each head (64 of 128 in the release), as its own code
+    does."""
     cfg = from_hf(read_config(edited_copy(text_01, tmp_path, rotary_dim=8)))
     assert [rope.rotary_dim if rope else None for rope in cfg.layer_rope] == [8, None, None, 8]
 
 
-@pytest.mark.parametrize("changes, words", [
-    (dict(attn_type_list=None), "neither attn_type_list nor layer_types is stated"),
-    (dict(attn_type_list=[1, 0, 2, 1]), r"attn_type_list is \[1, 0, 2, 1\]; it must mark each layer 0"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(attn_type_list=None), "neither attn_type_list nor layer_types is stated"),
+        (
+            dict(attn_type_list=[1, 0, 2, 1]),
+            r"attn_type_list is \[1, 0, 2, 1\]; it must mark each layer 0",
+        ),
+    ],
+)
 def test_minimax_text_01_configs_it_cannot_run_are_refused(text_01, tmp_path, changes, words):
     with pytest.raises(Refusal, match=words):
         load_model(resolve(str(edited_copy(text_01, tmp_path, **changes))), "f32")
@@ -161,7 +229,8 @@ def test_without_postnorm_the_residual_is_the_sublayers_input(text_01, tmp_path)
 
 
 def test_the_token_engine_reads_prompts_in_chunks_beside_decodes_as_each_alone(tiny, loaded):
-    """A continuous batch on MiniMax (lightning state slots beside attention blocks), six tokens a step, equals
+    """A continuous batch on MiniMax (lightning state slots beside attention blocks), six tokens a
+    step, equals
     each request's greedy tokens alone; prefix caching is off."""
     from tests.engine.test_recurrent_engine import alone, open_engine, prompts, run_all
 

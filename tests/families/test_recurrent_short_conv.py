@@ -1,6 +1,9 @@
-"""The short convolution (LFM2): a long prompt read in chunks through the cache equals one pass, the state
-each tensor-parallel rank keeps, the family's config rules (layer kinds, the derived feed-forward width) and
-the refusals of a bad kernel width and of an LFM2-MoE selection bias of the wrong length. Parity with Transformers is tests/families/test_parity.py's (variants lfm2*)."""
+"""The short convolution (LFM2): a long prompt read in chunks through the cache equals one pass, the
+state
+each tensor-parallel rank keeps, the family's config rules (layer kinds, the derived feed-forward
+width) and
+the refusals of a bad kernel width and of an LFM2-MoE selection bias of the wrong length. Parity
+with Transformers is tests/families/test_parity.py's (variants lfm2*)."""
 
 from __future__ import annotations
 
@@ -46,14 +49,26 @@ def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
         whole = model(ids)
         cache = model.new_cache(2, 45)
         # chunks shorter and longer than the kernel, so a state carries over both ways
-        parts = [model(ids[:, a:b], cache=cache) for a, b in ((0, 2), (2, 19), (19, 20), (20, 33), (33, 45))]
+        parts = [
+            model(ids[:, a:b], cache=cache)
+            for a, b in ((0, 2), (2, 19), (19, 20), (20, 33), (33, 45))
+        ]
     assert compare(torch.cat(parts, dim=1), whole)["max_relative_error"] < 1e-5
 
 
 def _raw(**keys) -> dict:
-    return {"model_type": "lfm2", "vocab_size": 100, "hidden_size": 48, "num_hidden_layers": 3,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-            "layer_types": ["conv", "full_attention", "conv"], "conv_L_cache": 4, **keys}
+    return {
+        "model_type": "lfm2",
+        "vocab_size": 100,
+        "hidden_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "conv_L_cache": 4,
+        **keys,
+    }
 
 
 def test_each_rank_keeps_the_state_of_its_own_channels():
@@ -75,29 +90,49 @@ def test_layer_kinds_and_the_derived_feed_forward_width():
     assert cfg.mixers == ("short_conv", "attention", "short_conv")
     assert cfg.intermediate_size == 256  # 2/3 of 96 = 64, rounded up to block_multiple_of 256
     assert from_hf(_raw(block_auto_adjust_ff_dim=False)).intermediate_size == 96
-    assert from_hf(_raw(block_multiple_of=10, block_ffn_dim_multiplier=1.5)).intermediate_size == 100
-    assert from_hf(_raw(block_ffn_dim_multiplier=None)).intermediate_size == 64  # a null multiplier: no rounding
+    assert (
+        from_hf(_raw(block_multiple_of=10, block_ffn_dim_multiplier=1.5)).intermediate_size == 100
+    )
+    # a null multiplier: no rounding
+    assert from_hf(_raw(block_ffn_dim_multiplier=None)).intermediate_size == 64
     # LFM2-MoE: num_dense_layers dense feed-forwards (of intermediate_size as stated), then experts
-    moe = from_hf(_raw(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
-                       use_expert_bias=None))
+    moe = from_hf(
+        _raw(
+            model_type="lfm2_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_dense_layers=1,
+            use_expert_bias=None,
+        )
+    )
     assert moe.feed_forwards == ("dense", "moe", "moe") and moe.intermediate_size == 96
     assert moe.moe.topk_method == "noaux_tc" and moe.moe.correction_bias and moe.moe.renormalize
-    assert from_hf(_raw(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2,
-                        use_expert_bias=False)).moe.topk_method == "greedy"
+    assert (
+        from_hf(
+            _raw(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2, use_expert_bias=False)
+        ).moe.topk_method
+        == "greedy"
+    )
     # without layer_types, full_attn_idxs names the attention layers
     cfg = from_hf({k: v for k, v in _raw(full_attn_idxs=[2]).items() if k != "layer_types"})
     assert cfg.mixers == ("short_conv", "short_conv", "attention")
     assert cfg.layer_rope[0] is None and cfg.layer_rope[2] is not None
 
 
-@pytest.mark.parametrize("keys, named", [
-    (dict(conv_L_cache=0), "conv_L_cache"),
-    (dict(conv_bias="yes"), "conv_bias"),
-    (dict(layer_types=["conv", "mamba", "conv"]), "layer_types"),
-    (dict(block_multiple_of=0), "block_multiple_of"),
-    (dict(block_ffn_dim_multiplier="x"), "block_ffn_dim_multiplier"),
-    (dict(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2, num_dense_layers=-1), "num_dense_layers"),
-])
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (dict(conv_L_cache=0), "conv_L_cache"),
+        (dict(conv_bias="yes"), "conv_bias"),
+        (dict(layer_types=["conv", "mamba", "conv"]), "layer_types"),
+        (dict(block_multiple_of=0), "block_multiple_of"),
+        (dict(block_ffn_dim_multiplier="x"), "block_ffn_dim_multiplier"),
+        (
+            dict(model_type="lfm2_moe", num_experts=4, num_experts_per_tok=2, num_dense_layers=-1),
+            "num_dense_layers",
+        ),
+    ],
+)
 def test_a_bad_config_value_is_refused_by_name(keys, named):
     with pytest.raises(Refusal, match=named):
         meta_decoder(from_hf(_raw(**keys)))

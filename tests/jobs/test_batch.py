@@ -27,7 +27,11 @@ def rows(n: int) -> list[dict]:
         if i % 4 == 1:
             row.update(temperature=0.8, seed=i)
         if i % 5 == 2:
-            row = {"messages": [{"role": "user", "content": f"chat {i}"}], "max_new_tokens": 5, "extra": i}
+            row = {
+                "messages": [{"role": "user", "content": f"chat {i}"}],
+                "max_new_tokens": 5,
+                "extra": i,
+            }
         out.append(row)
     return out
 
@@ -42,20 +46,46 @@ def alone(toy: str, row: dict) -> dict:
 
 def ster_batch(toy: str, source: Path, output: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, "-m", "ster_dist.cli", "batch", "--model", toy, "--input", str(source),
-                           "--output", str(output), "--replicas", "2", "--batch-size", "4", "--enforce-eager"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ster_dist.cli",
+            "batch",
+            "--model",
+            toy,
+            "--input",
+            str(source),
+            "--output",
+            str(output),
+            "--replicas",
+            "2",
+            "--batch-size",
+            "4",
+            "--enforce-eager",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
 def written(output: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(output.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    return [
+        json.loads(line)
+        for path in sorted(output.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow  # an embedded Ray cluster and two replicas, twice: about a minute on 2 cores
 def test_ster_batch_rows_equal_ster_generate_alone_in_input_order_and_a_rerun_skips_written_rows(
-        tmp_path_factory, tmp_path):
+    tmp_path_factory, tmp_path
+):
     toy = make_toy(tmp_path_factory)
     everything = rows(16)
     first = tmp_path / "first.jsonl"
@@ -85,13 +115,20 @@ def test_ster_batch_rows_equal_ster_generate_alone_in_input_order_and_a_rerun_sk
 def test_rows_are_keyed_by_id_or_content_and_a_bad_row_is_refused_naming_it():
     assert row_key({"id": 7, "prompt": "x"}) == "7"
     # a pandas batch (13.0, NaN as None) and an Arrow row (13, absent) key alike
-    assert row_key({"prompt": "x", "seed": 13.0, "messages": None}) == row_key({"prompt": "x", "seed": 13})
+    assert row_key({"prompt": "x", "seed": 13.0, "messages": None}) == row_key(
+        {"prompt": "x", "seed": 13}
+    )
     assert row_key({"prompt": "x"}) != row_key({"prompt": "y"})
-    request, messages = row_request({"prompt": "x", "max_new_tokens": 3.0, "top_k": 5}, "m", {"max_new_tokens": 9})
+    request, messages = row_request(
+        {"prompt": "x", "max_new_tokens": 3.0, "top_k": 5}, "m", {"max_new_tokens": 9}
+    )
     assert (request.max_new_tokens, request.top_k, messages) == (3, 5, None)
     with pytest.raises(Refusal, match="row 'r1': give a 'prompt' .* not both"):
-        row_request({"id": "r1", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "m", {})
+        row_request(
+            {"id": "r1", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "m", {}
+        )
     with pytest.raises(Refusal, match="row 'r2': .*'seed'"):
-        row_request({"id": "r2", "prompt": "x", "temperature": 0.7}, "m", {})  # sampling states its seed
+        # sampling states its seed
+        row_request({"id": "r2", "prompt": "x", "temperature": 0.7}, "m", {})
     with pytest.raises(Refusal, match="row 'r3': 'messages' must be a list"):
         row_request({"id": "r3", "messages": "hello"}, "m", {})

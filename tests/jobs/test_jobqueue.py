@@ -30,7 +30,6 @@ def toy(tmp_path_factory):
     return make_toy(tmp_path_factory)
 
 
-
 def spec(toy, prompt, **fields) -> dict:
     return {"kind": "generate", "model": toy, "prompt": prompt, **fields}
 
@@ -38,7 +37,10 @@ def spec(toy, prompt, **fields) -> dict:
 def fifty(toy) -> list[dict]:
     specs = [spec(toy, f"question {i}: what comes after {i}?", max_new_tokens=5) for i in range(40)]
     specs += [spec(toy, f"short {i}", max_new_tokens=3, chat_template="off") for i in range(6)]
-    specs += [spec(toy, f"sampled {i}", max_new_tokens=4, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
+    specs += [
+        spec(toy, f"sampled {i}", max_new_tokens=4, temperature=0.8, top_p=0.9, seed=i)
+        for i in range(4)
+    ]
     return specs
 
 
@@ -62,7 +64,8 @@ def test_fifty_jobs_at_once_share_one_group_and_equal_running_them_one_by_one(to
         stats = scheduler.stats()
     assert all(r["status"] == "done" for r in batched)
     assert stats["group_starts"] == 1
-    # the generate jobs on the group ran side by side on its one token engine, sampled ones too (each
+    # the generate jobs on the group ran side by side on its one token engine, sampled ones too
+    # (each
     # draws from its own seeded generator, so its tokens do not depend on its batch-mates)
     assert stats["lanes_peak"] > 1
 
@@ -79,19 +82,25 @@ def test_fifty_jobs_at_once_share_one_group_and_equal_running_them_one_by_one(to
 
 def test_a_generate_job_arriving_mid_generation_joins_the_running_batch(toy, tmp_path):
     with JobQueue(tmp_path / "state") as scheduler:
-        long = scheduler.submit(spec(toy, "a long answer", max_new_tokens=400, ignore_eos=True,
-                                     chat_template="off"))
+        long = scheduler.submit(
+            spec(toy, "a long answer", max_new_tokens=400, ignore_eos=True, chat_template="off")
+        )
         deadline = time.monotonic() + 60
         while scheduler.poll(long)["events"] == [] or not any(
-                "generating" in e.get("message", "") for e in scheduler.poll(long)["events"]):
+            "generating" in e.get("message", "") for e in scheduler.poll(long)["events"]
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        short = scheduler.wait(scheduler.submit(spec(toy, "short", max_new_tokens=2, chat_template="off")), 60)
+        short = scheduler.wait(
+            scheduler.submit(spec(toy, "short", max_new_tokens=2, chat_template="off")), 60
+        )
         assert scheduler.poll(long)["result"] is None  # the short job did not wait for the long one
         assert short["status"] == "done"
         done = scheduler.wait(long, 120)
     assert done["status"] == "done" and done["result"]["completion_tokens"] == 400
-    alone = cli_generate(f"--model={toy}", "--prompt=short", "--max-new-tokens=2", "--chat-template=off")
+    alone = cli_generate(
+        f"--model={toy}", "--prompt=short", "--max-new-tokens=2", "--chat-template=off"
+    )
     assert short["result"] == alone
 
 
@@ -125,7 +134,8 @@ def test_an_idle_group_is_released_and_a_later_job_starts_it_again(toy, tmp_path
 
 def test_a_refused_job_in_a_batch_fails_alone_and_the_others_finish(toy, tmp_path):
     good = [spec(toy, f"fine {i}", max_new_tokens=3, chat_template="off") for i in range(3)]
-    bad = spec(toy, "", max_new_tokens=3, chat_template="off")  # encodes to no tokens: refused at generate
+    # encodes to no tokens: refused at generate
+    bad = spec(toy, "", max_new_tokens=3, chat_template="off")
     scheduler = JobQueue(tmp_path / "state")
     ids = scheduler.submit_many([good[0], bad, good[1], good[2]])
     with scheduler.start():
@@ -154,7 +164,10 @@ def test_the_same_job_sent_twice_runs_once_and_a_reused_id_is_refused(toy, tmp_p
         assert scheduler.stats()["jobs"] == {"done": 1}
     # a scheduler restarted on the journal still knows it: resending is not a second run
     with JobQueue(tmp_path / "state") as again:
-        assert again.submit(job) == "only-once" and again.poll("only-once")["result"]["status"] == "done"
+        assert (
+            again.submit(job) == "only-once"
+            and again.poll("only-once")["result"]["status"] == "done"
+        )
         assert again.stats()["group_starts"] == 0
 
 
@@ -171,8 +184,12 @@ time.sleep(600)
 
 def test_a_killed_scheduler_process_restarted_finishes_every_accepted_job_once(toy, tmp_path):
     state = tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCHEDULER, str(state), toy], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SCHEDULER, str(state), toy],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -181,7 +198,8 @@ def test_a_killed_scheduler_process_restarted_finishes_every_accepted_job_once(t
                 break
             time.sleep(0.02)
     finally:
-        os.kill(proc.pid, signal.SIGKILL)  # also when the wait above raised: never leave the scheduler running
+        # also when the wait above raised: never leave the scheduler running
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     before = read(state).entries
     finished_before = {k for k, e in before.items() if e.result is not None}
@@ -195,8 +213,12 @@ def test_a_killed_scheduler_process_restarted_finishes_every_accepted_job_once(t
     finished = [r["id"] for r in _raw_ops(state) if r["op"] == "finished"]
     assert sorted(finished) == sorted(records)  # each accepted job finished exactly once
     for i in (0, 5):
-        expected = cli_generate(f"--model={toy}", f"--prompt=job {i}", f"--max-new-tokens={24 + i}",
-                                "--chat-template=off")
+        expected = cli_generate(
+            f"--model={toy}",
+            f"--prompt=job {i}",
+            f"--max-new-tokens={24 + i}",
+            "--chat-template=off",
+        )
         assert records[f"job-{i}"]["result"] == expected
 
 
@@ -229,7 +251,8 @@ def test_the_python_api_runs_every_call_through_the_scheduler(toy):
         one = engine.generate("hello there", max_new_tokens=4)
         many = engine.generate(["hello there", "good bye", "and again"], max_new_tokens=4)
         assert many[0] == one
-        assert engine.run(GenerateRequest(model=toy, prompt="hello there", max_new_tokens=4)) == one  # typed
+        # typed
+        assert engine.run(GenerateRequest(model=toy, prompt="hello there", max_new_tokens=4)) == one
         assert engine.stats()["group_starts"] == 1 and engine.stats()["jobs"] == {"done": 5}
         with pytest.raises(Refusal, match="unknown job kind 'steer-bogus'"):
             engine.steer("bogus")
@@ -241,18 +264,29 @@ def test_the_python_api_runs_every_call_through_the_scheduler(toy):
 
 def test_ster_submit_local_and_jobs_run_local(toy, tmp_path, capsys):
     path = tmp_path / "jobs.yaml"
-    path.write_text(f"jobs:\n  - {{kind: generate, model: {toy}, prompt: hi, max_new_tokens: 3}}\n"
-                    f"  - {{kind: generate, model: {toy}, prompt: ho, max_new_tokens: 3}}\n")
+    path.write_text(
+        f"jobs:\n  - {{kind: generate, model: {toy}, prompt: hi, max_new_tokens: 3}}\n"
+        f"  - {{kind: generate, model: {toy}, prompt: ho, max_new_tokens: 3}}\n"
+    )
     assert main(["submit", str(path), "--local", "--state", str(tmp_path / "state")]) == 0
     out, err = capsys.readouterr()
     jobs = json.loads(out)["jobs"]
-    assert [j["result"]["prompt"] for j in jobs] == ["hi", "ho"] and all(j["batch"] == 1 for j in jobs)
+    assert [j["result"]["prompt"] for j in jobs] == ["hi", "ho"] and all(
+        j["batch"] == 1 for j in jobs
+    )
     assert all(json.loads(line)["event"] for line in err.strip().splitlines())
 
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"kind": "generate", "model": toy, "prompt": "x", "max_new_tokens": -1}))
-    proc = subprocess.run([sys.executable, "jobs/run.py", "--local", "--state", str(tmp_path / "s2"), str(bad)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad.write_text(
+        json.dumps({"kind": "generate", "model": toy, "prompt": "x", "max_new_tokens": -1})
+    )
+    proc = subprocess.run(
+        [sys.executable, "jobs/run.py", "--local", "--state", str(tmp_path / "s2"), str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and "'max_new_tokens'" in proc.stderr
     assert not (tmp_path / "s2").exists()
@@ -262,7 +296,15 @@ def test_a_command_line_run_through_the_scheduler_prints_what_the_command_prints
     from ster_dist.cli import parse
     from ster_dist.jobqueue.in_process import run_cli
 
-    argv = ["generate", "--model", toy, "--prompt", "through the front door", "--max-new-tokens", "4"]
+    argv = [
+        "generate",
+        "--model",
+        toy,
+        "--prompt",
+        "through the front door",
+        "--max-new-tokens",
+        "4",
+    ]
     assert run_cli(parse(argv)) == (cli_generate(*argv[1:]), 0)
     events = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
     assert any(e["message"].startswith("generating for 1 prompt") for e in events)
@@ -283,7 +325,8 @@ def test_a_command_line_in_a_process_with_a_scheduler_is_one_of_its_jobs(toy, ca
         stats = engine.stats()
         assert json.loads(out) == first
         assert stats["group_starts"] == 1 and stats["jobs"] == {"done": 2}
-        assert "starting a worker group" not in err and "resolving" not in err  # nothing loaded again
+        # nothing loaded again
+        assert "starting a worker group" not in err and "resolving" not in err
         assert main(["generate", "--model", toy, "--prompt", "x", "--max-new-tokens", "-1"]) == 2
         err = capsys.readouterr().err.strip()
         assert err == "--max-new-tokens must be zero or more, got an integer -1"

@@ -33,22 +33,38 @@ def prompts_jobs(toy: str, directory: Path, new_tokens: int = 6) -> list[dict]:
     specs = []
     for job in range(JOBS):
         prompts = directory / f"prompts-{job}.json"
-        prompts.write_text(json.dumps({"prompts": [f"job {job} asks question {i}" for i in range(4)]}))
-        specs.append({"kind": "generate", "model": toy, "prompts": str(prompts), "output": str(directory / f"out-{job}.json"),
-                      "max_new_tokens": new_tokens + job, "chat_template": "off", "id": f"file-{job}",
-                      **({"temperature": 0.7, "seed": job} if job % 2 else {})})
+        prompts.write_text(
+            json.dumps({"prompts": [f"job {job} asks question {i}" for i in range(4)]})
+        )
+        specs.append(
+            {
+                "kind": "generate",
+                "model": toy,
+                "prompts": str(prompts),
+                "output": str(directory / f"out-{job}.json"),
+                "max_new_tokens": new_tokens + job,
+                "chat_template": "off",
+                "id": f"file-{job}",
+                **({"temperature": 0.7, "seed": job} if job % 2 else {}),
+            }
+        )
     return specs
 
 
 def alone(spec: dict, directory: Path) -> dict:
-    """`ster generate --prompts` for the spec, in a session of its own: the output file it writes."""
+    """`ster generate --prompts` for the spec, in a session of its own: the output file it
+    writes."""
     output = directory / f"alone-{spec['id']}.json"
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items() if k not in ("kind", "id", "output")]
+    argv = [
+        f"--{k.replace('_', '-')}={v}" for k, v in spec.items() if k not in ("kind", "id", "output")
+    ]
     cli_generate(*argv, f"--output={output}")
     return json.loads(output.read_text())
 
 
-def test_six_prompts_file_jobs_at_once_share_one_engine_and_each_writes_what_it_writes_alone(toy, tmp_path):
+def test_six_prompts_file_jobs_at_once_share_one_engine_and_each_writes_what_it_writes_alone(
+    toy, tmp_path
+):
     specs = prompts_jobs(toy, tmp_path)
     started = time.perf_counter()
     with JobQueue(tmp_path / "state") as queue:
@@ -75,11 +91,17 @@ time.sleep(600)
 def test_jobs_recovered_after_a_sigkill_all_finish_as_they_would_alone(toy, tmp_path):
     specs = prompts_jobs(toy, tmp_path, new_tokens=40)
     state = tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(state), json.dumps(specs)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(state), json.dumps(specs)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(e.attempts for e in read(state).entries.values()):
+        while time.monotonic() < deadline and not any(
+            e.attempts for e in read(state).entries.values()
+        ):
             time.sleep(0.02)
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # also when the wait above raised: never leave it running
@@ -90,5 +112,6 @@ def test_jobs_recovered_after_a_sigkill_all_finish_as_they_would_alone(toy, tmp_
     with JobQueue(state) as restarted:
         records = [restarted.wait(spec["id"], 180) for spec in specs]
     assert [r["status"] for r in records] == ["done"] * JOBS, [r["error"] for r in records]
-    for spec in specs[:2]:  # a greedy and a sampled one: the rest were checked above at other lengths
+    # a greedy and a sampled one: the rest were checked above at other lengths
+    for spec in specs[:2]:
         assert json.loads(Path(spec["output"]).read_text()) == alone(spec, tmp_path), spec["id"]

@@ -27,8 +27,15 @@ def toy(tmp_path_factory):
 
 
 def spec(toy, name, **fields) -> dict:
-    return {"kind": "generate", "model": toy, "prompt": name, "max_new_tokens": 2, "chat_template": "off",
-            "id": name, **fields}
+    return {
+        "kind": "generate",
+        "model": toy,
+        "prompt": name,
+        "max_new_tokens": 2,
+        "chat_template": "off",
+        "id": name,
+        **fields,
+    }
 
 
 def journal(state: Path) -> Path:
@@ -55,22 +62,31 @@ def flip(path: Path, offset: int) -> None:
 
 # -- 1. a corrupt byte ----------------------------------------------------------------------------
 
+
 def test_one_corrupt_byte_mid_journal_loses_one_record_not_every_later_job(toy, tmp_path, capfd):
     state = tmp_path / "state"
     names = accepted_journal(toy, state, 12, finished=3)
     original = journal(state).read_bytes()
     flip(journal(state), original.find(b"job-07"))  # inside job-07's accepted record, mid-file
-    # read before the restart, `ster queue journal` names the job whose accepted record is unreadable
+    # read before the restart, `ster queue journal` names the job whose accepted record is
+    # unreadable
     assert main(["queue", "journal", "--state", str(state)]) == 0
     report = json.loads(capfd.readouterr().out)
     assert report["unreadable"]["lost_jobs"] == ["job-07"]
-    assert {"id": "job-07", "status": "lost"}.items() <= next(j for j in report["jobs"] if j["id"] == "job-07").items()
+    assert {"id": "job-07", "status": "lost"}.items() <= next(
+        j for j in report["jobs"] if j["id"] == "job-07"
+    ).items()
     with JobQueue(state) as queue:
         known = set(queue.jobs)
         err = capfd.readouterr().err
-        assert known == set(names)  # replay went on past the hit record, and its job is not dropped silently
+        # replay went on past the hit record, and its job is not dropped silently
+        assert known == set(names)
         lost = queue.wait("job-07", 1)  # its spec is gone: it fails, saying why
-        assert lost["status"] == "failed" and "job-07" in lost["error"] and "unreadable" in lost["error"]
+        assert (
+            lost["status"] == "failed"
+            and "job-07" in lost["error"]
+            and "unreadable" in lost["error"]
+        )
         for name in names[:3]:  # finished before: not run again
             assert queue.poll(name)["result"]["status"] == "done" and not queue.jobs[name].events
         results = [queue.wait(name, 120) for name in sorted(known - {"job-07"})]
@@ -78,7 +94,8 @@ def test_one_corrupt_byte_mid_journal_loses_one_record_not_every_later_job(toy, 
     assert "unreadable record" in err and "skipped" in err and "kept at" in err
     assert "'job-07' read only in unreadable records" in err  # named at the restart
     kept = list(state.glob("journal.msgpack.corrupt-*"))
-    assert len(kept) == 1 and len(kept[0].read_bytes()) == len(original)  # the unreadable bytes kept aside
+    # the unreadable bytes kept aside
+    assert len(kept) == 1 and len(kept[0].read_bytes()) == len(original)
     # the rewritten journal holds every job the restart knew, and a second restart reads it clean
     again = read(state)
     assert set(again.entries) == known and again.skipped == 0
@@ -120,7 +137,10 @@ def test_a_corrupt_journal_restarts_through_the_queue_every_time(toy, tmp_path):
     queue = JobQueue(state)
     try:
         assert len(queue.jobs) >= len(names) - 3 and names[-1] in queue.jobs
-        assert queue.stats()["journal_notices"] and "unreadable record" in queue.stats()["journal_notices"][0]
+        assert (
+            queue.stats()["journal_notices"]
+            and "unreadable record" in queue.stats()["journal_notices"][0]
+        )
     finally:
         queue.close()
 
@@ -142,13 +162,28 @@ def test_a_torn_append_is_cut_off_and_kept_aside(toy, tmp_path):
 def test_an_old_plain_msgpack_journal_is_read_and_migrated(toy, tmp_path):
     state = tmp_path / "state"
     state.mkdir()
-    old = b"".join(msgpack.packb(r, use_bin_type=True) for r in [
-        {"op": "accepted", "id": "old-1", "spec": spec(toy, "old-1"), "seq": 1},
-        {"op": "accepted", "id": "old-2", "spec": spec(toy, "old-2"), "seq": 2},
-        {"op": "running", "id": "old-1", "attempt": 1},
-        {"op": "finished", "id": "old-1", "result": {"id": "old-1", "kind": "generate", "status": "done",
-                                                     "result": {}, "error": None, "attempts": 1,
-                                                     "exit_code": 0, "batch": 1}}])
+    old = b"".join(
+        msgpack.packb(r, use_bin_type=True)
+        for r in [
+            {"op": "accepted", "id": "old-1", "spec": spec(toy, "old-1"), "seq": 1},
+            {"op": "accepted", "id": "old-2", "spec": spec(toy, "old-2"), "seq": 2},
+            {"op": "running", "id": "old-1", "attempt": 1},
+            {
+                "op": "finished",
+                "id": "old-1",
+                "result": {
+                    "id": "old-1",
+                    "kind": "generate",
+                    "status": "done",
+                    "result": {},
+                    "error": None,
+                    "attempts": 1,
+                    "exit_code": 0,
+                    "batch": 1,
+                },
+            },
+        ]
+    )
     journal(state).write_bytes(old)
     with JobQueue(state) as queue:
         assert queue.poll("old-1")["result"]["status"] == "done"
@@ -158,6 +193,7 @@ def test_an_old_plain_msgpack_journal_is_read_and_migrated(toy, tmp_path):
 
 
 # -- 2. a full disk -------------------------------------------------------------------------------
+
 
 def full_disk(queue: JobQueue, partial: bool = False):
     """Make the journal's file handle fail every write with ENOSPC (first writing half the bytes
@@ -182,20 +218,29 @@ def test_a_full_disk_refuses_submits_in_one_line_and_a_refused_job_never_runs(to
             with pytest.raises(Refusal) as refused:
                 queue.submit(spec(toy, name))
             message = str(refused.value)
-            assert message.startswith(f"the job queue cannot write its journal at {state}: No space left on device; "
-                                      "free space") and "\n" not in message
+            assert (
+                message.startswith(
+                    f"the job queue cannot write its journal at {state}: No space left on device; "
+                    "free space"
+                )
+                and "\n" not in message
+            )
             with pytest.raises(Refusal, match="no job 'refused"):
                 queue.poll(name)
         free()
-        assert queue.wait(queue.submit(spec(toy, "after")), 60)["status"] == "done"  # alive and accepting again
+        # alive and accepting again
+        assert queue.wait(queue.submit(spec(toy, "after")), 60)["status"] == "done"
         assert queue._thread.is_alive()
     entries = read(state).entries
-    assert set(entries) == {"after"} and read(state).skipped == 0  # the half-written records were cut
+    # the half-written records were cut
+    assert set(entries) == {"after"} and read(state).skipped == 0
     with JobQueue(state) as again:
         assert set(again.jobs) == {"after"}
 
 
-def test_a_result_the_disk_cannot_take_still_reaches_the_caller_and_the_queue_goes_on(toy, tmp_path):
+def test_a_result_the_disk_cannot_take_still_reaches_the_caller_and_the_queue_goes_on(
+    toy, tmp_path
+):
     state = tmp_path / "state"
     queue = JobQueue(state)
     first = queue.submit(spec(toy, "first"))
@@ -204,7 +249,9 @@ def test_a_result_the_disk_cannot_take_still_reaches_the_caller_and_the_queue_go
         result = queue.wait(first, 60)
         assert result["status"] == "done"
         messages = [e["message"] for e in queue.poll(first)["events"]]
-        assert any("the journal is behind" in m and "No space left on device" in m for m in messages)
+        assert any(
+            "the journal is behind" in m and "No space left on device" in m for m in messages
+        )
         assert queue.stats()["journal_behind"] and queue._thread.is_alive()
         with pytest.raises(Refusal, match="cannot write its journal"):
             queue.submit(spec(toy, "while-full"))
@@ -222,7 +269,9 @@ def test_a_full_disk_while_jobs_wait_keeps_every_waiter_answered(toy, tmp_path):
     ids = queue.submit_many([spec(toy, f"w-{i}") for i in range(4)])
     full_disk(queue)
     results: dict[str, dict] = {}
-    waiters = [threading.Thread(target=lambda i=i: results.setdefault(i, queue.wait(i, 60))) for i in ids]
+    waiters = [
+        threading.Thread(target=lambda i=i: results.setdefault(i, queue.wait(i, 60))) for i in ids
+    ]
     with queue.start():
         for w in waiters:
             w.start()
@@ -231,7 +280,9 @@ def test_a_full_disk_while_jobs_wait_keeps_every_waiter_answered(toy, tmp_path):
     assert sorted(results) == sorted(ids) and all(r["status"] == "done" for r in results.values())
 
 
-# -- 3. recovery that gives up, malformed entries ---------------------------------------------------
+# -- 3. recovery that gives up, malformed entries
+# ---------------------------------------------------
+
 
 def plain_journal(state: Path, records: list[dict]) -> None:
     state.mkdir(parents=True, exist_ok=True)
@@ -240,11 +291,20 @@ def plain_journal(state: Path, records: list[dict]) -> None:
 
 def test_a_restart_that_gives_up_on_a_job_fails_it_instead_of_crashing(toy, tmp_path):
     state = tmp_path / "state"
-    plain_journal(state, [
-        {"op": "accepted", "id": "bogus", "spec": {"kind": "steer-bogus", "id": "bogus"}, "seq": 1},
-        {"op": "accepted", "id": "tired", "spec": spec(toy, "tired"), "seq": 2},
-        {"op": "running", "id": "tired", "attempt": 9},
-        {"op": "accepted", "id": "fine", "spec": spec(toy, "fine"), "seq": 3}])
+    plain_journal(
+        state,
+        [
+            {
+                "op": "accepted",
+                "id": "bogus",
+                "spec": {"kind": "steer-bogus", "id": "bogus"},
+                "seq": 1,
+            },
+            {"op": "accepted", "id": "tired", "spec": spec(toy, "tired"), "seq": 2},
+            {"op": "running", "id": "tired", "attempt": 9},
+            {"op": "accepted", "id": "fine", "spec": spec(toy, "fine"), "seq": 3},
+        ],
+    )
     with JobQueue(state) as queue:
         assert queue.poll("bogus")["result"]["status"] == "failed"
         assert "no longer a valid job" in queue.poll("bogus")["result"]["error"]
@@ -256,16 +316,20 @@ def test_a_restart_that_gives_up_on_a_job_fails_it_instead_of_crashing(toy, tmp_
 
 def test_wrongly_typed_journal_fields_fail_or_skip_their_job_with_a_message(toy, tmp_path, capfd):
     state = tmp_path / "state"
-    plain_journal(state, [
-        {"op": "accepted", "id": 7, "spec": spec(toy, "int-id"), "seq": 1},
-        {"op": "accepted", "id": "list-spec", "spec": ["generate", toy], "seq": 2},
-        {"op": "accepted", "id": "str-attempts", "spec": spec(toy, "str-attempts"), "seq": 3},
-        {"op": "running", "id": "str-attempts", "attempt": "three"},
-        {"op": "accepted", "id": "str-seq", "spec": spec(toy, "str-seq"), "seq": "four"},
-        {"op": "accepted", "id": "bad-result", "spec": spec(toy, "bad-result"), "seq": 5},
-        {"op": "finished", "id": "bad-result", "result": ["done"]},
-        {"op": "accepted", "id": "fine", "spec": spec(toy, "fine"), "seq": 6},
-        "not even a mapping"])
+    plain_journal(
+        state,
+        [
+            {"op": "accepted", "id": 7, "spec": spec(toy, "int-id"), "seq": 1},
+            {"op": "accepted", "id": "list-spec", "spec": ["generate", toy], "seq": 2},
+            {"op": "accepted", "id": "str-attempts", "spec": spec(toy, "str-attempts"), "seq": 3},
+            {"op": "running", "id": "str-attempts", "attempt": "three"},
+            {"op": "accepted", "id": "str-seq", "spec": spec(toy, "str-seq"), "seq": "four"},
+            {"op": "accepted", "id": "bad-result", "spec": spec(toy, "bad-result"), "seq": 5},
+            {"op": "finished", "id": "bad-result", "result": ["done"]},
+            {"op": "accepted", "id": "fine", "spec": spec(toy, "fine"), "seq": 6},
+            "not even a mapping",
+        ],
+    )
     with JobQueue(state) as queue:
         assert queue.poll("list-spec")["result"]["status"] == "failed"
         assert "spec is a list" in queue.poll("list-spec")["result"]["error"]
@@ -275,20 +339,38 @@ def test_wrongly_typed_journal_fields_fail_or_skip_their_job_with_a_message(toy,
         assert 7 not in queue.jobs and "int-id" not in queue.jobs
     err = capfd.readouterr().err
     assert "Traceback" not in err
-    for words in ("job id of type int", "spec is a list", "'three' is not an integer", "'four' is not an integer",
-                  "result is unreadable", "not a mapping"):
+    for words in (
+        "job id of type int",
+        "spec is a list",
+        "'three' is not an integer",
+        "'four' is not an integer",
+        "result is unreadable",
+        "not a mapping",
+    ):
         assert words in err, words
 
 
 def test_reading_beside_a_queue_that_is_still_creating_its_state_sees_no_jobs(toy, tmp_path):
-    # A reader polls a state path the queue has not made yet, then one with no journal yet, then the journal.
+    # A reader polls a state path the queue has not made yet, then one with no journal yet, then the
+    # journal.
     state = tmp_path / "state"
     assert read(state).entries == {}
     state.mkdir()
     assert read(state).entries == {}
     with JobQueue(state) as scheduler:
-        scheduler.wait(scheduler.submit({"kind": "generate", "model": toy, "prompt": "hi", "max_new_tokens": 2,
-                                         "chat_template": "off", "id": "one"}), 60)
+        scheduler.wait(
+            scheduler.submit(
+                {
+                    "kind": "generate",
+                    "model": toy,
+                    "prompt": "hi",
+                    "max_new_tokens": 2,
+                    "chat_template": "off",
+                    "id": "one",
+                }
+            ),
+            60,
+        )
     assert read(state).entries["one"].result is not None
     assert read(state / "journal.msgpack").entries.keys() == {"one"}
 

@@ -32,7 +32,8 @@ def config_only(toy, tmp_path_factory):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if (toy / name).exists():
             shutil.copy(toy / name, directory / name)
-    (directory / "model.safetensors").write_bytes(b"")  # present for the resolver, unreadable as weights
+    # present for the resolver, unreadable as weights
+    (directory / "model.safetensors").write_bytes(b"")
     return directory
 
 
@@ -69,22 +70,55 @@ CORPUS = [
     ({"kind": "parity", "model": "m", "json": 1}, "'json'", None),
     ({"kind": "parity", "model": "m", "tokens": -3}, "'tokens'", None),
     (["generate"], "mapping", None),
-    ({"kind": "extract", "model": "TOY", "input": "p.json", "output": "h.safetensors", "layers": "7"},
-     "'layers'", "extract"),
-    ({"kind": "extract", "model": "TOY", "input": "p.json", "output": "h.safetensors", "layers": "a..b"},
-     "'layers'", "extract"),
+    (
+        {
+            "kind": "extract",
+            "model": "TOY",
+            "input": "p.json",
+            "output": "h.safetensors",
+            "layers": "7",
+        },
+        "'layers'",
+        "extract",
+    ),
+    (
+        {
+            "kind": "extract",
+            "model": "TOY",
+            "input": "p.json",
+            "output": "h.safetensors",
+            "layers": "a..b",
+        },
+        "'layers'",
+        "extract",
+    ),
     ({"kind": "steer-train", "model": "m", "output": "v.json"}, "'pairs'", "steer-train"),
     ({"kind": "decide", "model": "m", "request": "-"}, "'request'", "decide"),
-    ({"kind": "steer-evaluate", "model": "m", "pairs": "p.json", "vector": "v.json", "strengths": [True]},
-     "'strengths'", "steer-evaluate"),
+    (
+        {
+            "kind": "steer-evaluate",
+            "model": "m",
+            "pairs": "p.json",
+            "vector": "v.json",
+            "strengths": [True],
+        },
+        "'strengths'",
+        "steer-evaluate",
+    ),
     ({"kind": "merge", "merges": [{"model": "m", "adapter": "a"}]}, "'output'", "merge"),
-    ({"kind": "merge", "merges": [{"model": "m", "adapter": "a", "output": "o"}] * 2}, "'merges'", "merge"),
+    (
+        {"kind": "merge", "merges": [{"model": "m", "adapter": "a", "output": "o"}] * 2},
+        "'merges'",
+        "merge",
+    ),
     ({"kind": "merge", "merges": [], "address": "x"}, "'address'", "merge"),
 ]
 
 
 @pytest.mark.parametrize("spec,field,needs", CORPUS, ids=[str(i) for i in range(len(CORPUS))])
-def test_each_malformed_spec_is_refused_in_one_line_naming_its_field(spec, field, needs, config_only):
+def test_each_malformed_spec_is_refused_in_one_line_naming_its_field(
+    spec, field, needs, config_only
+):
     if needs is not None and needs not in protocol.available_kinds():
         pytest.skip(f"`ster {needs}` is not registered in this build")
     if isinstance(spec, dict) and spec.get("model") == "TOY":
@@ -124,20 +158,45 @@ def test_a_scheduler_given_malformed_specs_starts_and_journals_nothing(tmp_path,
 def test_a_valid_spec_becomes_its_typed_request():
     from ster_dist.schema import GenerateRequest
 
-    job = protocol.validate({"kind": "generate", "model": "m", "prompt": "hi", "max-new-tokens": 7,
-                             "--temperature": 0.5, "seed": 3, "priority": 2, "id": "job-1"})
+    job = protocol.validate(
+        {
+            "kind": "generate",
+            "model": "m",
+            "prompt": "hi",
+            "max-new-tokens": 7,
+            "--temperature": 0.5,
+            "seed": 3,
+            "priority": 2,
+            "id": "job-1",
+        }
+    )
     assert (job.id, job.kind, job.priority) == ("job-1", "generate", 2)
     request = job.request
     assert isinstance(request, GenerateRequest)
-    assert (request.max_new_tokens, request.temperature, request.seed, request.top_p, request.tp) == (7, 0.5, 3, 1.0, 1)
-    assert job.fields == {"model": "m", "prompt": "hi", "max_new_tokens": 7, "temperature": 0.5, "seed": 3}
+    assert (
+        request.max_new_tokens,
+        request.temperature,
+        request.seed,
+        request.top_p,
+        request.tp,
+    ) == (7, 0.5, 3, 1.0, 1)
+    assert job.fields == {
+        "model": "m",
+        "prompt": "hi",
+        "max_new_tokens": 7,
+        "temperature": 0.5,
+        "seed": 3,
+    }
     assert protocol.validate(job.to_dict()).request == request
 
 
 def test_a_list_field_takes_a_list_or_its_comma_text(toy):
     base = {"kind": "steer-evaluate", "model": "m", "pairs": "p.json", "vector": "v.json"}
-    assert protocol.validate({**base, "strengths": [-1, 0.5]}).request.strengths == \
-        protocol.validate({**base, "strengths": "-1,0.5"}).request.strengths == [-1.0, 0.5]
+    assert (
+        protocol.validate({**base, "strengths": [-1, 0.5]}).request.strengths
+        == protocol.validate({**base, "strengths": "-1,0.5"}).request.strengths
+        == [-1.0, 0.5]
+    )
     extract = {"kind": "extract", "model": str(toy), "input": "p.json", "output": "h.safetensors"}
     assert protocol.validate({**extract, "layers": [0, 1]}).request.layers == "0,1"
     assert protocol.validate({**extract, "layers": 1}).request.layers == "1"
@@ -146,15 +205,34 @@ def test_a_list_field_takes_a_list_or_its_comma_text(toy):
 def test_a_parsed_command_line_is_the_same_request_as_its_spec():
     from ster_dist.cli import parse
 
-    request = parse(["generate", "--model", "m", "--prompt", "hi", "--temperature", "0.5", "--max-new-tokens", "3"])
-    assert request.given() == {"model": "m", "prompt": "hi", "temperature": 0.5, "max_new_tokens": 3}
-    spec = {"kind": "generate", **request.given(), "seed": 0}  # a queued job that samples states its seed
+    request = parse(
+        [
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "hi",
+            "--temperature",
+            "0.5",
+            "--max-new-tokens",
+            "3",
+        ]
+    )
+    assert request.given() == {
+        "model": "m",
+        "prompt": "hi",
+        "temperature": 0.5,
+        "max_new_tokens": 3,
+    }
+    # a queued job that samples states its seed
+    spec = {"kind": "generate", **request.given(), "seed": 0}
     assert protocol.validate(spec).request.model_dump() == request.model_dump()
     with pytest.raises(Refusal, match="'seed'"):
         protocol.validate({"kind": "generate", **request.given()})
     with pytest.raises(Refusal, match="^--top-p must lie in"):  # the flag's words on a command line
         parse(["generate", "--model", "m", "--prompt", "hi", "--top-p", "2"])
-    with pytest.raises(Refusal, match="^job spec field 'top_p' must lie in"):  # the field's in a spec
+    # the field's in a spec
+    with pytest.raises(Refusal, match="^job spec field 'top_p' must lie in"):
         protocol.validate(gen(top_p=2.0))
 
 
@@ -163,11 +241,18 @@ def test_specs_and_results_travel_as_msgpack():
     assert protocol.validate(protocol.pack(spec)).fields == {"model": "m", "prompt": "hi"}
     with pytest.raises(Refusal, match="not valid msgpack"):
         protocol.validate(b"\xc1\x00garbage")
-    record = protocol.make_result(protocol.validate(spec), "done", {"text": "x", "path": Path("/tmp/x")})
-    assert protocol.check_result(protocol.unpack(protocol.pack(record))) == {**record, "result": {
-        "text": "x", "path": "/tmp/x"}}
-    for bad, name in (({**record, "status": "maybe"}, "status"), ({**record, "attempts": "1"}, "attempts"),
-                      ({**record, "status": "failed", "error": None}, "error")):
+    record = protocol.make_result(
+        protocol.validate(spec), "done", {"text": "x", "path": Path("/tmp/x")}
+    )
+    assert protocol.check_result(protocol.unpack(protocol.pack(record))) == {
+        **record,
+        "result": {"text": "x", "path": "/tmp/x"},
+    }
+    for bad, name in (
+        ({**record, "status": "maybe"}, "status"),
+        ({**record, "attempts": "1"}, "attempts"),
+        ({**record, "status": "failed", "error": None}, "error"),
+    ):
         with pytest.raises(Refusal, match=name):
             protocol.check_result(bad)
 
@@ -175,7 +260,12 @@ def test_specs_and_results_travel_as_msgpack():
 def test_a_layer_the_model_lacks_is_refused_from_its_config_alone(config_only):
     if "extract" not in protocol.available_kinds():
         pytest.skip("`ster extract` is not registered in this build")
-    base = {"kind": "extract", "model": str(config_only), "input": "p.json", "output": "h.safetensors"}
+    base = {
+        "kind": "extract",
+        "model": str(config_only),
+        "input": "p.json",
+        "output": "h.safetensors",
+    }
     protocol.validate({**base, "layers": "0..2"})  # the weights file is empty: no weight was read
     with pytest.raises(Refusal, match=r"'layers'.*layer 2 is outside"):
         protocol.validate({**base, "layers": "1,2"})
@@ -183,13 +273,17 @@ def test_a_layer_the_model_lacks_is_refused_from_its_config_alone(config_only):
 
 def test_spec_files_in_json_and_yaml(tmp_path):
     (tmp_path / "one.json").write_text(json.dumps(gen()))
-    (tmp_path / "many.yaml").write_text("jobs:\n  - {kind: generate, model: m, prompt: a}\n"
-                                        "  - kind: parity\n    model: m\n")
+    (tmp_path / "many.yaml").write_text(
+        "jobs:\n  - {kind: generate, model: m, prompt: a}\n  - kind: parity\n    model: m\n"
+    )
     (tmp_path / "list.yml").write_text("- {kind: generate, model: m, prompt: b}\n")
     (tmp_path / "bad.yaml").write_text("kind: [generate\n")
     (tmp_path / "python.yaml").write_text("!!python/object/apply:os.system ['true']\n")
     assert [s["prompt"] for s in protocol.load_spec_file(str(tmp_path / "one.json"))] == ["hello"]
-    assert [s["kind"] for s in protocol.load_spec_file(str(tmp_path / "many.yaml"))] == ["generate", "parity"]
+    assert [s["kind"] for s in protocol.load_spec_file(str(tmp_path / "many.yaml"))] == [
+        "generate",
+        "parity",
+    ]
     assert protocol.load_spec_file(str(tmp_path / "list.yml"))[0]["prompt"] == "b"
     with pytest.raises(Refusal, match="not YAML"):
         protocol.load_spec_file(str(tmp_path / "bad.yaml"))
@@ -206,15 +300,26 @@ def test_every_example_spec_validates_for_the_kinds_this_build_has():
         for spec in protocol.load_spec_file(str(path)):
             kinds.add(spec["kind"])
             protocol.validate(spec)
-    assert kinds >= {"generate", "extract", "steer-train", "steer-evaluate", "decide", "merge", "parity"}
+    assert kinds >= {
+        "generate",
+        "extract",
+        "steer-train",
+        "steer-evaluate",
+        "decide",
+        "merge",
+        "parity",
+    }
 
 
 def test_spec_files_are_bounded(tmp_path):
-    """A YAML alias bomb, a deeply nested spec and an oversized file end in one-line refusals, fast."""
+    """A YAML alias bomb, a deeply nested spec and an oversized file end in one-line refusals,
+    fast."""
     bomb = tmp_path / "bomb.yaml"
     lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]"
-              for i in range(1, 10)]
+    lines += [
+        f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]"
+        for i in range(1, 10)
+    ]
     bomb.write_text("\n".join(lines) + "\nkind: generate\nmodel: m\nprompt: *a9\n")
     with pytest.raises(Refusal, match="YAML alias at line 2"):
         protocol.load_spec_file(str(bomb))

@@ -40,7 +40,8 @@ def test_cluster_yaml_is_a_valid_ray_cluster_launcher_config():
     jsonschema.validate(config, schema)
     types = config["available_node_types"]
     assert config["head_node_type"] == "head" and {"gpu_4x", "gpu_8x"} <= set(types)
-    assert all(types[name]["min_workers"] == 0 for name in ("gpu_4x", "gpu_8x"))  # GPUs only on demand
+    # GPUs only on demand
+    assert all(types[name]["min_workers"] == 0 for name in ("gpu_4x", "gpu_8x"))
     assert any("HF_HOME" in command for command in config["setup_commands"])
     assert any("STER_STATE_DIR" in command for command in config["head_start_ray_commands"])
 
@@ -63,17 +64,49 @@ def cluster(tmp_path_factory):
     temp = Path(f"/tmp/rj{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
     state = tmp_path_factory.mktemp("scheduler-state")
     gcs, dashboard = _free_port(), _free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0", "STER_STATE_DIR": str(state),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "STER_STATE_DIR": str(state),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-         "--include-dashboard", "true", "--ray-client-server-port", str(_free_port()),
-         "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
-         "--num-cpus", "4", "--temp-dir", str(temp), "--disable-usage-stats",
-         "--object-store-memory", str(200 * 1024 * 1024)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(gcs),
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dashboard),
+            "--include-dashboard",
+            "true",
+            "--ray-client-server-port",
+            str(_free_port()),
+            "--dashboard-agent-listen-port",
+            str(_free_port()),
+            "--metrics-export-port",
+            str(_free_port()),
+            "--num-cpus",
+            "4",
+            "--temp-dir",
+            str(temp),
+            "--disable-usage-stats",
+            "--object-store-memory",
+            str(200 * 1024 * 1024),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{dashboard}"
     try:
         from ster_dist.jobqueue.submit import server_answers
@@ -113,7 +146,8 @@ def cluster(tmp_path_factory):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(head.pid, signal.SIGKILL)
             head.wait(10)
-        for pid in _pids_under(str(temp)):  # Ray's own processes of this cluster, found by our temp dir
+        # Ray's own processes of this cluster, found by our temp dir
+        for pid in _pids_under(str(temp)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
@@ -122,7 +156,6 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     return make_toy(tmp_path_factory)
-
 
 
 def records_in(stdout: str) -> list[dict]:
@@ -138,9 +171,26 @@ def records_in(stdout: str) -> list[dict]:
 
 
 def ray_job_submit(cluster, spec_file: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster["url"],
-                           "--working-dir", ".", "--", "python", "jobs/run.py", str(spec_file)],
-                          cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "job",
+            "submit",
+            "--address",
+            cluster["url"],
+            "--working-dir",
+            ".",
+            "--",
+            "python",
+            "jobs/run.py",
+            str(spec_file),
+        ],
+        cwd=ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_ray_job_submit_of_generate_jobs_writes_their_results(cluster, toy, tmp_path):
@@ -148,20 +198,26 @@ def test_ray_job_submit_of_generate_jobs_writes_their_results(cluster, toy, tmp_
     prompts.write_text(json.dumps({"prompts": ["first question", "second question"]}))
     answers = tmp_path / "out" / "answers.json"
     spec_file = tmp_path / "generate.yaml"
-    spec_file.write_text(f"jobs:\n"
-                         f"  - {{kind: generate, model: {toy}, prompt: the capital of France, max_new_tokens: 6}}\n"
-                         f"  - {{kind: generate, model: {toy}, prompts: {prompts}, output: {answers},"
-                         f" max_new_tokens: 6}}\n")
+    spec_file.write_text(
+        f"jobs:\n"
+        f"  - {{kind: generate, model: {toy}, prompt: the capital of France, max_new_tokens: 6}}\n"
+        f"  - {{kind: generate, model: {toy}, prompts: {prompts}, output: {answers},"
+        f" max_new_tokens: 6}}\n"
+    )
     proc = ray_job_submit(cluster, spec_file)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     single, many = records_in(proc.stdout)
     assert single["status"] == many["status"] == "done"
-    assert single["result"] == cli_generate(f"--model={toy}", "--prompt=the capital of France",
-                                            "--max-new-tokens=6")
+    assert single["result"] == cli_generate(
+        f"--model={toy}", "--prompt=the capital of France", "--max-new-tokens=6"
+    )
     reference = tmp_path / "reference.json"
-    cli_generate(f"--model={toy}", f"--prompts={prompts}", f"--output={reference}", "--max-new-tokens=6")
+    cli_generate(
+        f"--model={toy}", f"--prompts={prompts}", f"--output={reference}", "--max-new-tokens=6"
+    )
     assert json.loads(answers.read_text()) == json.loads(reference.read_text())
-    assert many["result"]["output"] == str(answers) and many["batch"] == 1  # each job its own; they share the engine
+    # each job its own; they share the engine
+    assert many["result"]["output"] == str(answers) and many["batch"] == 1
 
 
 def _peft_adapter(base: Path, out: Path):
@@ -169,15 +225,18 @@ def _peft_adapter(base: Path, out: Path):
     from peft import LoraConfig, get_peft_model
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj", "down_proj"], r=4,
-                                                  lora_alpha=8))
+    peft_model = get_peft_model(
+        model, LoraConfig(target_modules=["q_proj", "v_proj", "down_proj"], r=4, lora_alpha=8)
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     peft_model.save_pretrained(out)
-    return {k: v.detach().clone() for k, v in peft_model.eval().merge_and_unload().state_dict().items()}
+    return {
+        k: v.detach().clone() for k, v in peft_model.eval().merge_and_unload().state_dict().items()
+    }
 
 
 def test_ray_job_submit_of_merge_jobs_writes_the_merged_checkpoints(cluster, tmp_path):
@@ -192,11 +251,28 @@ def test_ray_job_submit_of_merge_jobs_writes_the_merged_checkpoints(cluster, tmp
     expected = _peft_adapter(tmp_path / "base", tmp_path / "adapter")
     single, batch = tmp_path / "merged-single", tmp_path / "merged-batch"
     spec_file = tmp_path / "merge.json"
-    spec_file.write_text(json.dumps([
-        {"kind": "merge", "model": str(tmp_path / "base"), "adapter": str(tmp_path / "adapter"), "output": str(single)},
-        {"kind": "merge", "merges": [{"model": str(tmp_path / "base"), "adapter": str(tmp_path / "adapter"),
-                                      "output": str(batch)}]},
-    ]))
+    spec_file.write_text(
+        json.dumps(
+            [
+                {
+                    "kind": "merge",
+                    "model": str(tmp_path / "base"),
+                    "adapter": str(tmp_path / "adapter"),
+                    "output": str(single),
+                },
+                {
+                    "kind": "merge",
+                    "merges": [
+                        {
+                            "model": str(tmp_path / "base"),
+                            "adapter": str(tmp_path / "adapter"),
+                            "output": str(batch),
+                        }
+                    ],
+                },
+            ]
+        )
+    )
     proc = ray_job_submit(cluster, spec_file)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["status"] for r in records_in(proc.stdout)] == ["done", "done"]
@@ -204,33 +280,68 @@ def test_ray_job_submit_of_merge_jobs_writes_the_merged_checkpoints(cluster, tmp
         merged = {}
         for path in sorted(directory.glob("*.safetensors")):
             merged.update(load_file(path))
-        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"):
+        for name in (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.2.mlp.down_proj.weight",
+        ):
             ref = expected[name]
-            assert ((merged[name] - ref).abs().max() / ref.abs().max()).item() < 1e-5, (directory, name)
+            assert ((merged[name] - ref).abs().max() / ref.abs().max()).item() < 1e-5, (
+                directory,
+                name,
+            )
 
 
 def test_ster_submit_wraps_ray_job_submission(cluster, toy, tmp_path):
-    # a model under a relative path, as the README's models/smollm2: resolved on the submitting machine
-    # (Ray's upload of the working directory leaves git-ignored models/ out); the nodes' Python is this
+    # a model under a relative path, as the README's models/smollm2: resolved on the submitting
+    # machine
+    # (Ray's upload of the working directory leaves git-ignored models/ out); the nodes' Python is
+    # this
     # one's, not whatever `python` their PATH finds
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "toy").symlink_to(toy)
     spec_file = tmp_path / "one.json"
-    spec_file.write_text(json.dumps({"kind": "generate", "model": "models/toy", "prompt": "hello",
-                                     "max_new_tokens": 4}))
+    spec_file.write_text(
+        json.dumps(
+            {"kind": "generate", "model": "models/toy", "prompt": "hello", "max_new_tokens": 4}
+        )
+    )
     env = {**cluster["env"], "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "ster_dist.cli", "submit", str(spec_file),
-                           "--address", cluster["url"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ster_dist.cli",
+            "submit",
+            str(spec_file),
+            "--address",
+            cluster["url"],
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout)
     assert record["status"] == "done" and record["result"]["model"] == str(Path(toy).resolve())
-    assert record["result"] == cli_generate(f"--model={toy}", "--prompt=hello", "--max-new-tokens=4")
+    assert record["result"] == cli_generate(
+        f"--model={toy}", "--prompt=hello", "--max-new-tokens=4"
+    )
     events = [json.loads(line) for line in proc.stderr.splitlines()]  # NDJSON only
     assert any(e.get("message", "").startswith("generating for 1 prompt") for e in events)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"kind": "generate", "model": toy, "prompt": "x", "temperature": 0.5}))
-    refused = subprocess.run([sys.executable, "-m", "ster_dist.cli", "submit", str(bad), "--address", cluster["url"]],
-                             cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=120)
+    bad.write_text(
+        json.dumps({"kind": "generate", "model": toy, "prompt": "x", "temperature": 0.5})
+    )
+    refused = subprocess.run(
+        [sys.executable, "-m", "ster_dist.cli", "submit", str(bad), "--address", cluster["url"]],
+        cwd=ROOT,
+        env=cluster["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 2 and "'seed'" in refused.stderr and refused.stdout == ""
 
 
@@ -253,7 +364,8 @@ WORKER_DIED = "a worker died: rank 0 died during "
 
 
 def _until(poll, message: str, timeout: float = 120.0) -> list[dict]:
-    """A job's events up to the first that starts with message (poll: (cursor, timeout) -> reply)."""
+    """A job's events up to the first that starts with message (poll: (cursor, timeout) ->
+    reply)."""
     seen, cursor, deadline = [], 0, time.monotonic() + timeout
     while not any(e.get("message", "").startswith(message) for e in seen):
         assert time.monotonic() < deadline, [e.get("message") for e in seen]
@@ -291,23 +403,35 @@ def test_a_worker_killed_mid_job_is_restarted_and_the_job_completes(cluster, toy
     killed = _worker_pid(client.stats(), toy)
     _kill_and_wait(killed)  # the rank actor's process, mid-job
     held.release(fd)
-    seen = _until(lambda cursor, timeout: client.poll_many({job_id: cursor}, timeout)[job_id], WORKER_DIED)
+    seen = _until(
+        lambda cursor, timeout: client.poll_many({job_id: cursor}, timeout)[job_id], WORKER_DIED
+    )
     held.release(held.wait_for_reader(finished))  # attempt 2, on a restarted group
     (record,) = follow(client, [job_id], on_event=seen.append, timeout=180)
-    assert record["status"] == "done" and record["attempts"] == 2, (record["error"], [e.get("message") for e in seen])
+    assert record["status"] == "done" and record["attempts"] == 2, (
+        record["error"],
+        [e.get("message") for e in seen],
+    )
     stats = client.stats()
     assert stats["group_starts"] == starts + 1 and _worker_pid(stats, toy) != killed
-    reference = cli_generate(f"--model={toy}", "--prompt=a held answer", "--max-new-tokens=12",
-                             "--chat-template=off")
-    assert record["result"]["text"] == reference["text"] and record["result"]["steering"]["strength"] == 1.0
+    reference = cli_generate(
+        f"--model={toy}", "--prompt=a held answer", "--max-new-tokens=12", "--chat-template=off"
+    )
+    assert (
+        record["result"]["text"] == reference["text"]
+        and record["result"]["steering"]["strength"] == 1.0
+    )
 
 
-def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_retries(cluster, toy, tmp_path):
+def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_retries(
+    cluster, toy, tmp_path
+):
     from ster_dist.jobqueue.queue import JobQueue
 
     held = HeldVector(tmp_path, toy)
     killed: list[int] = []
-    # a scheduler in this process on the cluster: its groups are Ray actors, as in the scheduler actor
+    # a scheduler in this process on the cluster: its groups are Ray actors, as in the scheduler
+    # actor
     with JobQueue(None, address=cluster["gcs"], max_retries=1) as scheduler:
         job_id = scheduler.submit(held.job(toy, "doomed"))
         for _attempt in range(2):
@@ -321,15 +445,28 @@ def test_a_job_whose_worker_keeps_dying_fails_with_the_workers_error_after_its_r
         starts = scheduler.stats()["group_starts"]
     assert len(set(killed)) == 2 and starts == 2
     assert record["status"] == "failed" and record["attempts"] == 2 and record["exit_code"] == 2
-    assert record["error"].startswith("rank 0 died during ModelRunner.register_vector: ") and "gave up after 2 attempts" in record["error"]
+    assert (
+        record["error"].startswith("rank 0 died during ModelRunner.register_vector: ")
+        and "gave up after 2 attempts" in record["error"]
+    )
 
 
 def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_once(cluster, toy):
     from ster_dist.jobqueue.follow import follow
 
     client = _client(cluster)
-    specs = [{"kind": "generate", "model": toy, "prompt": f"job {i}", "max_new_tokens": 48 + 60 * i, "ignore_eos": True,
-              "chat_template": "off", "id": f"restart-{i}"} for i in range(5)]
+    specs = [
+        {
+            "kind": "generate",
+            "model": toy,
+            "prompt": f"job {i}",
+            "max_new_tokens": 48 + 60 * i,
+            "ignore_eos": True,
+            "chat_template": "off",
+            "id": f"restart-{i}",
+        }
+        for i in range(5)
+    ]
     ids = client.submit_many(specs)
     pid = client.pid()
     deadline = time.monotonic() + 120
@@ -345,20 +482,34 @@ def test_the_job_queue_actor_killed_and_restarted_finishes_every_accepted_job_on
     assert [r["status"] for r in records] == ["done"] * 5
     from ster_dist.jobqueue.journal import records as journal_records
 
-    finished = [r["id"] for r in journal_records((cluster["state"] / "journal.msgpack").read_bytes()) if r["op"] == "finished"]
+    finished = [
+        r["id"]
+        for r in journal_records((cluster["state"] / "journal.msgpack").read_bytes())
+        if r["op"] == "finished"
+    ]
     assert sorted(i for i in finished if i.startswith("restart-")) == sorted(ids)  # each once
     for i in (0, 4):
-        assert records[i]["result"] == cli_generate(f"--model={toy}", f"--prompt=job {i}",
-                                                    f"--max-new-tokens={48 + 60 * i}", "--ignore-eos",
-                                                    "--chat-template=off")
+        assert records[i]["result"] == cli_generate(
+            f"--model={toy}",
+            f"--prompt=job {i}",
+            f"--max-new-tokens={48 + 60 * i}",
+            "--ignore-eos",
+            "--chat-template=off",
+        )
 
 
 def test_ster_queue_status_and_stop(cluster):
     from ster_dist.jobqueue.actor import existing
 
     def ster(*argv):
-        return subprocess.run([sys.executable, "-m", "ster_dist.cli", "queue", *argv, "--address", cluster["gcs"]],
-                              cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "ster_dist.cli", "queue", *argv, "--address", cluster["gcs"]],
+            cwd=ROOT,
+            env=cluster["env"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     status = ster("status")
     assert status.returncode == 0, status.stderr[-2000:]

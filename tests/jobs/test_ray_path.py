@@ -47,8 +47,9 @@ def locked_server():
 
 
 @pytest.mark.parametrize("token", [None, "not-the-clusters"])
-def test_a_401_from_the_job_server_says_a_ray_auth_token_is_needed(locked_server, tmp_path, capsys, monkeypatch,
-                                                                   token):
+def test_a_401_from_the_job_server_says_a_ray_auth_token_is_needed(
+    locked_server, tmp_path, capsys, monkeypatch, token
+):
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token of this machine's
@@ -65,19 +66,30 @@ def test_a_401_from_the_job_server_says_a_ray_auth_token_is_needed(locked_server
     assert f"the Ray job server at {locked_server} answered 401" in err and "RAY_AUTH_TOKEN" in err
     assert ("was refused" if token else "was not given") in err
     assert "no Ray job server answers" not in err
-    assert (_Locked.seen[-1] is not None) == (token is not None)  # Ray's header sent when a token is set
+    # Ray's header sent when a token is set
+    assert (_Locked.seen[-1] is not None) == (token is not None)
 
 
-def test_a_relative_model_left_out_of_the_upload_is_refused_in_the_ray_job(tmp_path, monkeypatch, capsys):
-    uploaded = tmp_path / "working_dir_files"  # as Ray unpacks the working directory: .gitignore'd paths gone
+def test_a_relative_model_left_out_of_the_upload_is_refused_in_the_ray_job(
+    tmp_path, monkeypatch, capsys
+):
+    # as Ray unpacks the working directory: .gitignore'd paths gone
+    uploaded = tmp_path / "working_dir_files"
     uploaded.mkdir()
     (uploaded / ".gitignore").write_text("# local checkpoints\n/models/\n*.pyc\n")
     spec = uploaded / "job.json"
-    spec.write_text(json.dumps({"kind": "generate", "model": "models/smollm2", "prompt": "hi", "id": "newcomer"}))
+    spec.write_text(
+        json.dumps(
+            {"kind": "generate", "model": "models/smollm2", "prompt": "hi", "id": "newcomer"}
+        )
+    )
     monkeypatch.chdir(uploaded)
     assert run_jobs(RunJobsRequest(specs=[str(spec)], local=True)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "job newcomer: model 'models/smollm2' is not inside the uploaded" in err
+    assert (
+        err.count("\n") == 0
+        and "job newcomer: model 'models/smollm2' is not inside the uploaded" in err
+    )
     assert "ster submit" in err and "absolute path" in err
 
 
@@ -85,10 +97,19 @@ def test_a_relative_model_left_out_of_the_upload_is_refused_in_the_ray_job(tmp_p
 def test_submit_local_and_jobs_run_local_print_the_same_record(tmp_path_factory, tmp_path):
     toy = make_toy(tmp_path_factory)
     spec = tmp_path / "job.json"
-    spec.write_text(json.dumps({"kind": "generate", "model": toy, "prompt": "same", "max_new_tokens": 3, "id": "same"}))
+    spec.write_text(
+        json.dumps(
+            {"kind": "generate", "model": toy, "prompt": "same", "max_new_tokens": 3, "id": "same"}
+        )
+    )
     outs = []
-    for argv in (["-m", "ster_dist.cli", "submit", str(spec), "--local"], ["jobs/run.py", str(spec), "--local"]):
-        done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    for argv in (
+        ["-m", "ster_dist.cli", "submit", str(spec), "--local"],
+        ["jobs/run.py", str(spec), "--local"],
+    ):
+        done = subprocess.run(
+            [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         outs.append(json.loads(done.stdout))
     assert outs[0] == outs[1] and outs[0]["status"] == "done"

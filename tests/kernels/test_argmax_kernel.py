@@ -1,5 +1,7 @@
-"""kernels.argmax (kernels/argmax.cpp) against torch.argmax(x, -1), the index greedy steps and the sampler pick a
-token by: the first largest element of each row, or its first NaN; f32 and bf16; rows of any width, ties,
+"""kernels.argmax (kernels/argmax.cpp) against torch.argmax(x, -1), the index greedy steps and the
+sampler pick a
+token by: the first largest element of each row, or its first NaN; f32 and bf16; rows of any width,
+ties,
 infinities, non-contiguous and batched inputs."""
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ import torch
 from ster_dist import kernels
 from ster_dist.engine.sampling import Sampler, SamplingParams
 
-pytestmark = pytest.mark.skipif(not kernels.ready(), reason="ster_dist's CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    not kernels.ready(), reason="ster_dist's CPU kernels cannot be built here"
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (1, 15), (1, 16), (3, 17), (33, 49152), (2, 5, 1000), (7,)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (1, 15), (1, 16), (3, 17), (33, 49152), (2, 5, 1000), (7,)]
+)
 def test_random_rows_pick_what_torch_picks(dtype, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
     got = torch.ops.ster_kernels.argmax_rows(x)

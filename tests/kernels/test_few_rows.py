@@ -1,6 +1,9 @@
-"""The few-row product kernel (kernels/few_rows.cpp), built here for this CPU: its products equal F.linear's
-in f64 within the sums' rounding, dense() takes it for one to eight rows of f32 and bf16 and leaves it for more
-rows and for products that need gradients, and a process where it cannot be built says so in one line and
+"""The few-row product kernel (kernels/few_rows.cpp), built here for this CPU: its products equal
+F.linear's
+in f64 within the sums' rounding, dense() takes it for one to eight rows of f32 and bf16 and leaves
+it for more
+rows and for products that need gradients, and a process where it cannot be built says so in one
+line and
 computes the same products through the library."""
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inner", [576, 577, 40, 3, 1536])  # whole SIMD steps, tails, shorter than one step
+# whole SIMD steps, tails, shorter than one step
+@pytest.mark.parametrize("inner", [576, 577, 40, 3, 1536])
 def test_every_row_count_equals_the_f64_product(kernel, dtype, inner):
     gen = torch.Generator().manual_seed(inner)
     weight = torch.randn(131, inner, generator=gen).to(dtype)
@@ -41,10 +45,13 @@ def test_every_row_count_equals_the_f64_product(kernel, dtype, inner):
         want = F.linear(x.double(), weight.double(), bias.double())
         got = kernel(x, weight, bias)
         assert got.dtype == dtype and got.shape == (rows, 131)
-        # f32: the sums' order alone; bf16: the product in f32, rounded once to bf16 (8 bits of mantissa)
+        # f32: the sums' order alone; bf16: the product in f32, rounded once to bf16 (8 bits of
+        # mantissa)
         assert _rel(got, want) < (1e-6 if dtype == torch.float32 else 4e-3), rows
         no_bias = kernel(x, weight, None)
-        assert _rel(no_bias, F.linear(x.double(), weight.double())) < (1e-6 if dtype == torch.float32 else 4e-3)
+        assert _rel(no_bias, F.linear(x.double(), weight.double())) < (
+            1e-6 if dtype == torch.float32 else 4e-3
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,7 +59,7 @@ def test_a_row_gets_the_same_sum_whatever_rows_share_its_product(kernel, dtype):
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(200, 577, generator=gen).to(dtype)
     x = torch.randn(kernels.FEW_ROWS_MAX, 577, generator=gen).to(dtype)
-    alone = torch.cat([kernel(x[i:i + 1], weight, None) for i in range(len(x))])
+    alone = torch.cat([kernel(x[i : i + 1], weight, None) for i in range(len(x))])
     for rows in range(2, kernels.FEW_ROWS_MAX + 1):
         assert torch.equal(kernel(x[:rows], weight, None), alone[:rows])
 
@@ -99,15 +106,23 @@ def test_a_failed_build_says_so_once_and_products_stay_right(tmp_path):
         "assert torch.allclose(dense(x, w), F.linear(x, w), atol=1e-5)\n"
         "print(kernels.ready())\n"
     )
-    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "builds"),
-           "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "CXX": "/bin/false",
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "builds"),
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
     said = [line for line in done.stderr.splitlines() if "CPU kernels could not be built" in line]
     assert len(said) == 1, done.stderr
 
     env = {**os.environ, "STER_NATIVE_KERNELS": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False" and "kernels" not in done.stderr

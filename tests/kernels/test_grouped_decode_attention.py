@@ -1,5 +1,7 @@
-"""One query per row over grouped key heads (model/attention.one_query_grouped), the path a bf16 / f16 decode
-step takes instead of SDPA's enable_gqa: the attention a reference computes with every key head repeated for
+"""One query per row over grouped key heads (model/attention.one_query_grouped), the path a bf16 /
+f16 decode
+step takes instead of SDPA's enable_gqa: the attention a reference computes with every key head
+repeated for
 its query heads, and, in a real bf16 model, decode steps from the cache equal to the whole read."""
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def test_grouped_queries_attend_as_repeated_key_heads(heads, kv_heads, dtype):
 
 @torch.inference_mode()
 def test_bf16_decode_steps_equal_the_whole_read(tmp_path):
-    make_toy_model(tmp_path / "llama", layers=2, hidden=64, seed=5)  # 4 query heads over 2 key heads
+    # 4 query heads over 2 key heads
+    make_toy_model(tmp_path / "llama", layers=2, hidden=64, seed=5)
     model = load_model(resolve(str(tmp_path / "llama")), precision="bf16").model
     assert model.dtype == torch.bfloat16
     ids = torch.randint(3, 400, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -52,7 +55,7 @@ def test_bf16_decode_steps_equal_the_whole_read(tmp_path):
     width = 7
     steps = [model(ids[:, :width], cache=cache).float()]
     for t in range(width, ids.shape[1]):  # one token a step: the grouped one-query path
-        steps.append(model(ids[:, t:t + 1], cache=cache).float())
+        steps.append(model(ids[:, t : t + 1], cache=cache).float())
     stepped = torch.cat(steps, dim=1)
     rel = ((stepped - whole).norm() / whole.norm()).item()
     cos = F.cosine_similarity(stepped.flatten(), whole.flatten(), dim=0).item()

@@ -1,9 +1,14 @@
-"""Releasing a thread's idle OpenMP workers (engine/omp_pool.py): a parallel region opened by a thread leaves it a
-team of workers, release_idle_workers() ends them (the process's thread count drops back), and the token engine
-releases the workers that its callers' threads make when they work on in-process ranks (loading, warming up,
-registering), so that they do not throttle the engine thread's own team. Each check runs in a fresh process:
+"""Releasing a thread's idle OpenMP workers (engine/omp_pool.py): a parallel region opened by a
+thread leaves it a
+team of workers, release_idle_workers() ends them (the process's thread count drops back), and the
+token engine
+releases the workers that its callers' threads make when they work on in-process ranks (loading,
+warming up,
+registering), so that they do not throttle the engine thread's own team. Each check runs in a fresh
+process:
 a thread count is only meaningful where nothing else made threads first. A released worker leaves
-/proc/self/task a moment after the call returns (it exits on its own), so a count expected to change is read
+/proc/self/task a moment after the call returns (it exits on its own), so a count expected to change
+is read
 once it has, or after ten seconds (a loaded CI machine once read it too soon)."""
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2,
-                                reason="libgomp's workers, counted in /proc/self/task, on a Linux machine of 2+ CPUs")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2,
+    reason="libgomp's workers, counted in /proc/self/task, on a Linux machine of 2+ CPUs",
+)
 
 
 SETTLE = """
@@ -42,8 +49,14 @@ def steady():  # no count expected: the first that holds for half a second
 
 
 def run(code: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", SETTLE + textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", SETTLE + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()
 

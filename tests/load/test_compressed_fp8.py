@@ -1,10 +1,16 @@
-"""compressed-tensors FP8 checkpoints (quant_method compressed-tensors, float-quantized) dequantized while loading.
+"""compressed-tensors FP8 checkpoints (quant_method compressed-tensors, float-quantized) dequantized
+while loading.
 
-A tiny llama and a tiny qwen3_moe are quantized here as llm-compressor writes FP8 (per output channel:
-scale [rows, 1]; per tensor: scale [1]; per block: scale [ceil(rows / b0), ceil(cols / b1)]; in each,
-scale = amax / 448 and the weight stored as float8_e4m3fn of w / scale, beside `<module>.weight_scale`),
-with config groups mixing strategies, an `ignore` list (the head and the routers) and activation schemes
-(dynamic per token on the llama; static with `input_scale` tensors on the MoE). The reference is the same
+A tiny llama and a tiny qwen3_moe are quantized here as llm-compressor writes FP8 (per output
+channel:
+scale [rows, 1]; per tensor: scale [1]; per block: scale [ceil(rows / b0), ceil(cols / b1)]; in
+each,
+scale = amax / 448 and the weight stored as float8_e4m3fn of w / scale, beside
+`<module>.weight_scale`),
+with config groups mixing strategies, an `ignore` list (the head and the routers) and activation
+schemes
+(dynamic per token on the llama; static with `input_scale` tensors on the MoE). The reference is the
+same
 bytes dequantized here, saved as float32 and run by Transformers: logits compared at TP=1, TP=2 and
 (the MoE) EP=2 over real gloo groups, and each rank's bytes read equal its planned share of the FP8
 weights plus the scale entries covering it, and what `ster plan` says it reads.
@@ -41,14 +47,27 @@ from tests.tiny_models import make_tiny
 
 E4M3_MAX = 448.0
 IDS = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-BLOCK = (24, 20)  # straddles the TP splits (q_proj's rows at 32, an expert's 24 rows at 12) and divides nothing
+# straddles the TP splits (q_proj's rows at 32, an expert's 24 rows at 12) and divides nothing
+BLOCK = (24, 20)
 IGNORE = ["lm_head", "re:.*mlp\\.gate$"]
 
 
 def scheme(strategy: str, targets: list[str], activations: dict | None = None) -> dict:
-    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
-               "group_size": None, "block_structure": list(BLOCK) if strategy == "block" else None}
-    return {"targets": targets, "weights": weights, "input_activations": activations, "output_activations": None}
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": strategy,
+        "symmetric": True,
+        "dynamic": False,
+        "group_size": None,
+        "block_structure": list(BLOCK) if strategy == "block" else None,
+    }
+    return {
+        "targets": targets,
+        "weights": weights,
+        "input_activations": activations,
+        "output_activations": None,
+    }
 
 
 DYNAMIC = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
@@ -63,7 +82,8 @@ def quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor
     w = w.float()
     if strategy == "channel":
         scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
-        return (w / scale).to(torch.float8_e4m3fn), scale.to(torch.bfloat16)  # stored in the model's dtype
+        # stored in the model's dtype
+        return (w / scale).to(torch.float8_e4m3fn), scale.to(torch.bfloat16)
     if strategy == "tensor":
         scale = w.abs().amax().clamp_min(1e-12).reshape(1) / E4M3_MAX
         return (w / scale).to(torch.float8_e4m3fn), scale
@@ -79,11 +99,15 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, strategy: str) -> torch.Ten
     if strategy != "block":  # one scale per row, or one for the tensor: broadcast
         return q.float() * scale.float()
     rows, cols = q.shape
-    return q.float() * scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:rows, :cols]
+    return (
+        q.float()
+        * scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:rows, :cols]
+    )
 
 
 def strategy_of(name: str, variant: str) -> str | None:
-    """Every linear weight but the head and the routers; the attention's in one group, the rest in another."""
+    """Every linear weight but the head and the routers; the attention's in one group, the rest in
+    another."""
     if not name.endswith("proj.weight"):
         return None
     attention, feed_forward, _ = VARIANTS[variant]
@@ -103,20 +127,33 @@ def write_compressed(variant: str, source: Path, ct_dir: Path, ref_dir: Path) ->
         q, scale = quantize(t, strategy)
         ct[name], ct[name + "_scale"] = q, scale
         dequantized[name] = dequantize(q, scale, strategy)
-        if not activations["dynamic"]:  # a static activation scale per module, as calibration leaves it
-            ct[name[:-len("weight")] + "input_scale"] = torch.tensor([0.02])
-    quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-             "config_groups": {"group_0": scheme(attention, ["re:.*self_attn.*"], activations),
-                               "group_1": scheme(feed_forward, ["re:.*mlp.*"], activations)},
-             "ignore": IGNORE, "kv_cache_scheme": None, "sparsity_config": {}}
-    for directory, weights, cfg in ((ct_dir, ct, {**config, "quantization_config": quant}),
-                                    (ref_dir, dequantized, config)):
+        # a static activation scale per module, as calibration leaves it
+        if not activations["dynamic"]:
+            ct[name[: -len("weight")] + "input_scale"] = torch.tensor([0.02])
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": scheme(attention, ["re:.*self_attn.*"], activations),
+            "group_1": scheme(feed_forward, ["re:.*mlp.*"], activations),
+        },
+        "ignore": IGNORE,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+    for directory, weights, cfg in (
+        (ct_dir, ct, {**config, "quantization_config": quant}),
+        (ref_dir, dequantized, config),
+    ):
         directory.mkdir()
         for path in source.iterdir():
             if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
                 shutil.copy(path, directory / path.name)
         (directory / "config.json").write_text(json.dumps(cfg))
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors")
+        )
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +166,18 @@ def checkpoints(tmp_path_factory):
         root = tmp_path_factory.mktemp(variant)
         make_tiny(variant, root / "source")
         write_compressed(variant, root / "source", root / "ct", root / "ref")
-        out[variant] = (root / "ct", transformers.AutoModelForCausalLM.from_pretrained(
-            root / "ref", dtype=torch.float32).eval())
+        out[variant] = (
+            root / "ct",
+            transformers.AutoModelForCausalLM.from_pretrained(
+                root / "ref", dtype=torch.float32
+            ).eval(),
+        )
     return out
 
 
 def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
-    """One rank's share: its planned window of every tensor in the stored dtype and, for an FP8 weight, the
+    """One rank's share: its planned window of every tensor in the stored dtype and, for an FP8
+    weight, the
     scale entries of every block its window touches (a per-tensor scale whole, once per window)."""
     checkpoint = resolve(str(directory))
     cfg = model_config(checkpoint)
@@ -149,7 +191,7 @@ def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
         dtype, shape = stored[read.source]
         for piece in read.pieces:
             window = piece.window or (piece.rows or slice(None), piece.cols or slice(None))
-            window = (tuple(window) + (slice(None),) * len(shape))[:len(shape)]
+            window = (tuple(window) + (slice(None),) * len(shape))[: len(shape)]
             bounds = [w.indices(n)[:2] for w, n in zip(window, shape, strict=True)]
             total += math.prod(b - a for a, b in bounds) * dtype.itemsize
             if read.source + "_scale" not in stored:
@@ -161,7 +203,9 @@ def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
             elif math.prod(scale_shape) == 1:
                 entries = 1
             else:
-                entries = (-(-r1 // BLOCK[0]) - r0 // BLOCK[0]) * (-(-c1 // BLOCK[1]) - c0 // BLOCK[1])
+                entries = (-(-r1 // BLOCK[0]) - r0 // BLOCK[0]) * (
+                    -(-c1 // BLOCK[1]) - c0 // BLOCK[1]
+                )
             total += entries * scale_dtype.itemsize
     return total
 
@@ -172,8 +216,9 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_compressed_fp8_loads_dequantized_and_matches_transformers_on_the_same_bytes(checkpoints, variant, capfd,
-                                                                                      monkeypatch):
+def test_compressed_fp8_loads_dequantized_and_matches_transformers_on_the_same_bytes(
+    checkpoints, variant, capfd, monkeypatch
+):
     directory, reference = checkpoints[variant]
     monkeypatch.setattr(quantized, "_said", set())
     capfd.readouterr()
@@ -181,18 +226,32 @@ def test_compressed_fp8_loads_dequantized_and_matches_transformers_on_the_same_b
     load_model(resolve(str(directory)), "f32")
     note = [line for line in capfd.readouterr().err.splitlines() if "is not applied" in line]
     scheme = "input_activations dynamic" if variant == "llama" else "input_activations static"
-    assert len(note) == 1 and f"compressed-tensors {scheme} quantization is not applied" in note[0] and \
-        "weight-only" in note[0]
+    assert (
+        len(note) == 1
+        and f"compressed-tensors {scheme} quantization is not applied" in note[0]
+        and "weight-only" in note[0]
+    )
     with torch.no_grad():
         _close(loaded.model(IDS), reference(IDS).logits)
     assert loaded.bytes_read == planned_bytes(directory, ParallelCtx())
     said = plan(PlanRequest(model=str(directory)))
-    assert said["quantization"] == "compressed-tensors" and said["ranks"][0]["read_bytes"] == loaded.bytes_read
-    assert said["activation_scale_tensors"] == (0 if variant == "llama" else sum(
-        n.endswith("input_scale") for n in read_header(directory / "model.safetensors").tensors))
+    assert (
+        said["quantization"] == "compressed-tensors"
+        and said["ranks"][0]["read_bytes"] == loaded.bytes_read
+    )
+    assert said["activation_scale_tensors"] == (
+        0
+        if variant == "llama"
+        else sum(
+            n.endswith("input_scale") for n in read_header(directory / "model.safetensors").tensors
+        )
+    )
     config = inspect_model(InspectModelRequest(model=str(directory)))["config"]["quantization"]
     attention, feed_forward, _ = VARIANTS[variant]
-    assert config["method"] == "compressed-tensors" and config["strategies"] == [attention, feed_forward]
+    assert config["method"] == "compressed-tensors" and config["strategies"] == [
+        attention,
+        feed_forward,
+    ]
     assert config["ignore"] == IGNORE and config["activations_not_applied"] == [scheme]
 
 
@@ -206,10 +265,14 @@ def test_compressed_fp8_under_tp2_and_ep2_reads_its_share(checkpoints, tp2, ep2,
     for group, tp, ep in runs:
         stats = group.call("load", checkpoint, "f32", "cpu")
         _close(group.call("logits", IDS)[0], theirs)
-        ctxs = [ParallelCtx(tp_rank=r % tp, tp_size=tp, ep_rank=r // tp, ep_size=ep) for r in range(2)]
+        ctxs = [
+            ParallelCtx(tp_rank=r % tp, tp_size=tp, ep_rank=r // tp, ep_size=ep) for r in range(2)
+        ]
         planned = [planned_bytes(directory, ctx) for ctx in ctxs]
         assert [s["bytes_read"] for s in stats] == planned
-        assert [r["read_bytes"] for r in plan(PlanRequest(model=str(directory), tp=tp, ep=ep))["ranks"]] == planned
+        assert [
+            r["read_bytes"] for r in plan(PlanRequest(model=str(directory), tp=tp, ep=ep))["ranks"]
+        ] == planned
 
 
 def _with_quant(source: Path, target: Path, **changes) -> Path:
@@ -220,17 +283,70 @@ def _with_quant(source: Path, target: Path, **changes) -> Path:
     return target
 
 
-@pytest.mark.parametrize("changes, why", [
-    ({"format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}},
-     "format pack-quantized (config group group_0)"),
-    ({"format": "int-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}, "format int-quantized"),
-    ({"format": "naive-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}, "weights num_bits 8 type int"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "a kv_cache_scheme"),
-])
-def test_other_compressed_tensors_schemes_keep_a_one_line_refusal(checkpoints, tmp_path, changes, why):
+@pytest.mark.parametrize(
+    "changes, why",
+    [
+        (
+            {
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "strategy": "group",
+                            "group_size": 128,
+                            "symmetric": True,
+                        },
+                    }
+                },
+            },
+            "format pack-quantized (config group group_0)",
+        ),
+        (
+            {
+                "format": "int-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "int",
+                            "strategy": "channel",
+                            "symmetric": True,
+                        },
+                    }
+                },
+            },
+            "format int-quantized",
+        ),
+        (
+            {
+                "format": "naive-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "int",
+                            "strategy": "channel",
+                            "symmetric": True,
+                        },
+                    }
+                },
+            },
+            "weights num_bits 8 type int",
+        ),
+        (
+            {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+            "a kv_cache_scheme",
+        ),
+    ],
+)
+def test_other_compressed_tensors_schemes_keep_a_one_line_refusal(
+    checkpoints, tmp_path, changes, why
+):
     directory, _ = checkpoints["llama"]
     other = _with_quant(directory, tmp_path / "other", **changes)
     with pytest.raises(Refusal) as refused:
@@ -247,7 +363,9 @@ def test_a_scale_unlike_every_strategy_is_refused_naming_the_tensor(checkpoints,
     name = "model.layers.0.self_attn.o_proj.weight_scale"
     tensors[name] = torch.ones(3, 2)
     save_file(tensors, str(broken / "model.safetensors"))
-    with pytest.raises(Refusal, match=rf"{name} has shape \[3, 2\], which fits none of the config's strategies"):
+    with pytest.raises(
+        Refusal, match=rf"{name} has shape \[3, 2\], which fits none of the config's strategies"
+    ):
         load_model(resolve(str(broken)), "f32")
 
 

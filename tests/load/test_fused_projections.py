@@ -1,5 +1,7 @@
-"""Fused projections (q/k/v, gate/up as one product once loaded) and the kernel `dense` picks per shape:
-a loaded model runs each fused product once, its parts' parameters are views of it, and the logits equal
+"""Fused projections (q/k/v, gate/up as one product once loaded) and the kernel `dense` picks per
+shape:
+a loaded model runs each fused product once, its parts' parameters are views of it, and the logits
+equal
 those of the same weights run part by part; the row-block batched product equals F.linear."""
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def loaded(request, tmp_path_factory):
     files = sorted(directory.glob("*.safetensors"))
     fused = load_decoder(cfg, SafetensorsSource(files))
     parts = meta_decoder(cfg)
-    fill_module(parts, cfg, SafetensorsSource(files))  # filled, never fused: each part its own product
+    # filled, never fused: each part its own product
+    fill_module(parts, cfg, SafetensorsSource(files))
     return cfg, fused, parts.eval()
 
 
@@ -112,40 +115,54 @@ def test_parts_that_cannot_share_one_product_stay_apart():
 
 
 def test_half_precision_prefill_products_run_upcast_block_by_block(monkeypatch):
-    """The f32 route of bf16 products of many rows, in blocks of weight rows smaller than the weight (the
+    """The f32 route of bf16 products of many rows, in blocks of weight rows smaller than the weight
+    (the
     last block partial), equals the product computed in f32 and rounded once."""
     from ster_dist.parallel import linear
 
     monkeypatch.setattr(linear, "NATIVE_HALF_PRODUCTS", False)
-    monkeypatch.setattr(linear, "UPCAST_BLOCK", 40 * 7)  # 7 weight rows a block: 97 rows is 14 blocks
+    # 7 weight rows a block: 97 rows is 14 blocks
+    monkeypatch.setattr(linear, "UPCAST_BLOCK", 40 * 7)
     x = torch.randn(2, linear.UPCAST_ROWS_MIN, 40).bfloat16()
     weight, bias = torch.randn(97, 40).bfloat16(), torch.randn(97).bfloat16()
     want = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
     got = dense(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    # one row is left to a bf16 kernel (the few-row one, or F.linear without it): the same product, rounded once
+    # one row is left to a bf16 kernel (the few-row one, or F.linear without it): the same product,
+    # rounded once
     one = dense(x[:, :1], weight, bias)
-    assert one.dtype == torch.bfloat16 and torch.allclose(one.float(), want[:, :1].float(), rtol=1e-2, atol=1e-2)
+    assert one.dtype == torch.bfloat16 and torch.allclose(
+        one.float(), want[:, :1].float(), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_f32_products_of_many_rows_through_onednn_take_any_strides_and_give_linear_s_gradients():
-    """Rows past ONEDNN_ROWS_MIN go to oneDNN's matmul through an operator of ours (parallel/linear.py), with the
+    """Rows past ONEDNN_ROWS_MIN go to oneDNN's matmul through an operator of ours
+    (parallel/linear.py), with the
     backward F.linear would give for the input, the weight and the bias."""
     from ster_dist.parallel.linear import ONEDNN_ROWS_MIN
 
     weight, bias = torch.randn(96, 40), torch.randn(96)
-    for x in (torch.randn(40, ONEDNN_ROWS_MIN + 3).t(), torch.randn(2, 40, 2 * ONEDNN_ROWS_MIN).transpose(1, 2)):
+    for x in (
+        torch.randn(40, ONEDNN_ROWS_MIN + 3).t(),
+        torch.randn(2, 40, 2 * ONEDNN_ROWS_MIN).transpose(1, 2),
+    ):
         assert not x.is_contiguous()
-        assert torch.allclose(dense(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(
+            dense(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5
+        )
     grads = []
     for product in (dense, F.linear):
-        x = torch.randn(2, ONEDNN_ROWS_MIN, 40, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        x = torch.randn(
+            2, ONEDNN_ROWS_MIN, 40, generator=torch.Generator().manual_seed(0)
+        ).requires_grad_()
         w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
         product(x, w, b).square().sum().backward()
         grads.append((x.grad, w.grad, b.grad))
     for got, want in zip(*grads):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
-    x = torch.randn(ONEDNN_ROWS_MIN, 40, requires_grad=True)  # a frozen weight (an adapter's base): x's grad only
+    # a frozen weight (an adapter's base): x's grad only
+    x = torch.randn(ONEDNN_ROWS_MIN, 40, requires_grad=True)
     dense(x, weight).sum().backward()
     assert torch.allclose(x.grad, weight.sum(0).expand(ONEDNN_ROWS_MIN, 40), rtol=1e-5, atol=1e-5)

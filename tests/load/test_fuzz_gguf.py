@@ -28,17 +28,37 @@ from ster_dist.gguf.importer import gguf_config, gguf_tokenizer, import_gguf
 from ster_dist.gguf.source import GGUFSource, family_of, open_reader
 from tests.gguf_fixtures import write_llama
 
-FAST = settings(max_examples=120, deadline=3000, suppress_health_check=[HealthCheck.too_slow],
-                derandomize=bool(os.environ.get("CI")))
-SLOW = settings(max_examples=1500, deadline=3000, suppress_health_check=[HealthCheck.too_slow],
-                derandomize=bool(os.environ.get("CI")))
+FAST = settings(
+    max_examples=120,
+    deadline=3000,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=bool(os.environ.get("CI")),
+)
+SLOW = settings(
+    max_examples=1500,
+    deadline=3000,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=bool(os.environ.get("CI")),
+)
 SCRATCH = Path(tempfile.mkdtemp(prefix="ster-fuzz-gguf-"))
 atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 # GGUF value types and the struct format of their scalars
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 STRING, ARRAY = 8, 9
-HUGE = st.sampled_from([2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 60, 2 ** 63, 2 ** 64 - 1])
+HUGE = st.sampled_from([2**31, 2**32 - 1, 2**32, 2**60, 2**63, 2**64 - 1])
 COUNTS = st.integers(min_value=0, max_value=6) | HUGE
 
 
@@ -71,6 +91,7 @@ def _refused_or_read(data: bytes) -> None:
 
 # ---- framed headers ------------------------------------------------------------------------------
 
+
 def _string(text: bytes, length: int | None = None) -> bytes:
     return struct.pack("<Q", len(text) if length is None else length) + text
 
@@ -79,24 +100,45 @@ def _string(text: bytes, length: int | None = None) -> bytes:
 def values(draw, depth: int = 0):
     """(type, encoded value): a scalar, a string whose declared length may lie, or an array whose
     declared count and item type may lie."""
-    kind = draw(st.sampled_from(sorted(SCALARS) + [STRING, ARRAY, 13, 255] if depth < 2 else sorted(SCALARS)))
+    kind = draw(
+        st.sampled_from(
+            sorted(SCALARS) + [STRING, ARRAY, 13, 255] if depth < 2 else sorted(SCALARS)
+        )
+    )
     if kind in SCALARS:
-        return kind, draw(st.binary(min_size=struct.calcsize(SCALARS[kind]), max_size=struct.calcsize(SCALARS[kind])))
+        return kind, draw(
+            st.binary(
+                min_size=struct.calcsize(SCALARS[kind]), max_size=struct.calcsize(SCALARS[kind])
+            )
+        )
     if kind == STRING:
         text = draw(st.binary(max_size=12))
         return kind, _string(text, draw(st.none() | COUNTS))
     if kind == ARRAY:
         items = draw(st.lists(values(depth + 1), max_size=4))
-        item_type = items[0][0] if items else draw(st.sampled_from(sorted(SCALARS) + [STRING, ARRAY, 99]))
+        item_type = (
+            items[0][0] if items else draw(st.sampled_from(sorted(SCALARS) + [STRING, ARRAY, 99]))
+        )
         count = draw(st.just(len(items)) | COUNTS)
         return kind, struct.pack("<IQ", item_type, count) + b"".join(v for _, v in items)
     return kind, draw(st.binary(max_size=8))
 
 
-KEYS = st.sampled_from([b"general.architecture", b"general.alignment", b"llama.block_count",
-                        b"llama.embedding_length", b"llama.attention.head_count", b"llama.context_length",
-                        b"llama.feed_forward_length", b"tokenizer.ggml.model", b"tokenizer.ggml.tokens",
-                        b"tokenizer.ggml.merges", b"tokenizer.chat_template"]) | st.binary(max_size=10)
+KEYS = st.sampled_from(
+    [
+        b"general.architecture",
+        b"general.alignment",
+        b"llama.block_count",
+        b"llama.embedding_length",
+        b"llama.attention.head_count",
+        b"llama.context_length",
+        b"llama.feed_forward_length",
+        b"tokenizer.ggml.model",
+        b"tokenizer.ggml.tokens",
+        b"tokenizer.ggml.merges",
+        b"tokenizer.chat_template",
+    ]
+) | st.binary(max_size=10)
 
 
 @st.composite
@@ -104,20 +146,29 @@ def kv_entries(draw):
     key = draw(KEYS)
     kind, value = draw(values())
     if key == b"general.architecture" and draw(st.booleans()):
-        kind, value = STRING, _string(draw(st.sampled_from([b"llama", b"qwen2", b"mistral", b"gpt2"])))
-    return _string(key, draw(st.none() | st.just(2 ** 60))) + struct.pack("<I", kind) + value
+        kind, value = (
+            STRING,
+            _string(draw(st.sampled_from([b"llama", b"qwen2", b"mistral", b"gpt2"]))),
+        )
+    return _string(key, draw(st.none() | st.just(2**60))) + struct.pack("<I", kind) + value
 
 
 @st.composite
 def tensor_infos(draw):
-    name = draw(st.sampled_from([b"token_embd.weight", b"output_norm.weight", b"blk.0.attn_q.weight"])
-                | st.binary(max_size=8))
+    name = draw(
+        st.sampled_from([b"token_embd.weight", b"output_norm.weight", b"blk.0.attn_q.weight"])
+        | st.binary(max_size=8)
+    )
     dims = draw(st.lists(st.integers(min_value=0, max_value=64) | HUGE, max_size=5))
     n_dims = draw(st.just(len(dims)) | COUNTS)
     qtype = draw(st.sampled_from([0, 1, 2, 8, 12, 30, 39, 4, 5, 1000]))
     offset = draw(st.integers(min_value=0, max_value=256) | HUGE)
-    return (_string(name) + struct.pack("<I", n_dims & 0xFFFFFFFF) + b"".join(struct.pack("<Q", d) for d in dims)
-            + struct.pack("<IQ", qtype, offset))
+    return (
+        _string(name)
+        + struct.pack("<I", n_dims & 0xFFFFFFFF)
+        + b"".join(struct.pack("<Q", d) for d in dims)
+        + struct.pack("<IQ", qtype, offset)
+    )
 
 
 @st.composite
@@ -127,7 +178,9 @@ def framed_files(draw):
     version = draw(st.sampled_from([3, 2, 1, 4, 3 << 24]))
     n_tensors = draw(st.just(len(infos)) | COUNTS)
     n_kv = draw(st.just(len(kvs)) | COUNTS)
-    header = b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv) + b"".join(kvs) + b"".join(infos)
+    header = (
+        b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv) + b"".join(kvs) + b"".join(infos)
+    )
     return header + bytes(draw(st.integers(min_value=0, max_value=300)))
 
 
@@ -159,8 +212,10 @@ def test_a_framed_header_that_lies_is_read_or_refused_many(data):
 def test_a_declared_string_of_2_to_the_60_is_refused_without_allocating():
     import tracemalloc
 
-    for length in (2 ** 60, 2 ** 64 - 1, 2 ** 40):
-        body = _string(b"general.architecture") + struct.pack("<I", STRING) + _string(b"llama", length)
+    for length in (2**60, 2**64 - 1, 2**40):
+        body = (
+            _string(b"general.architecture") + struct.pack("<I", STRING) + _string(b"llama", length)
+        )
         path = _file(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body + bytes(64))
         tracemalloc.start()
         with pytest.raises(Refusal, match="the file ends first"):
@@ -172,12 +227,13 @@ def test_a_declared_string_of_2_to_the_60_is_refused_without_allocating():
 
 def test_an_array_of_2_to_the_60_items_is_refused_at_once():
     # GGUFReader itself loops on this one for ever: each item read past the end is empty
-    body = _string(b"tokenizer.ggml.scores") + struct.pack("<IIQ", ARRAY, 6, 2 ** 60)
+    body = _string(b"tokenizer.ggml.scores") + struct.pack("<IIQ", ARRAY, 6, 2**60)
     with pytest.raises(Refusal, match="file ends first"):
         open_reader(_file(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body + bytes(64)))
 
 
 # ---- a real file, damaged ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def real_gguf() -> bytes:
@@ -205,7 +261,11 @@ def test_a_real_file_with_changed_bytes_is_read_or_refused(real_gguf, data):
     _refused_or_read(bytes(raw))
 
 
-@settings(max_examples=25, deadline=5000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=5000,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.data())
 def test_importing_a_damaged_real_file_writes_all_or_nothing(real_gguf, tmp_path, data):
     raw = bytearray(real_gguf)
@@ -217,6 +277,8 @@ def test_importing_a_damaged_real_file_writes_all_or_nothing(real_gguf, tmp_path
         report = import_gguf(_file(bytes(raw), "import.gguf"), out, to_safetensors=True)
     except Refusal as exc:
         assert "\n" not in str(exc)
-        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")]
+        assert not out.exists() and not [
+            p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")
+        ]
     else:
         assert sorted(p.name for p in out.iterdir()) == report["files"]

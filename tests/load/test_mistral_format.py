@@ -1,8 +1,13 @@
-"""Mistral's own format (params.json + consolidated.safetensors), dense: a tiny Transformers mistral is
-converted to it at test time (Mistral's names, query/key rows back in Mistral's native pair order, the
-inverse of Transformers' conversion permute), then ster_dist on the converted directory is compared with
-Transformers on the original: config, logits and greedy tokens at TP=1 and TP=2 on real gloo ranks, an
-adapter merged (written back as consolidated.safetensors) and attached, and the refusals of the rest."""
+"""Mistral's own format (params.json + consolidated.safetensors), dense: a tiny Transformers mistral
+is
+converted to it at test time (Mistral's names, query/key rows back in Mistral's native pair order,
+the
+inverse of Transformers' conversion permute), then ster_dist on the converted directory is compared
+with
+Transformers on the original: config, logits and greedy tokens at TP=1 and TP=2 on real gloo ranks,
+an
+adapter merged (written back as consolidated.safetensors) and attached, and the refusals of the
+rest."""
 
 from __future__ import annotations
 
@@ -32,15 +37,24 @@ from tests.engine_checks import engine_tokens
 from tests.steer.test_merge import ALL7, IDS, peft_adapter, peft_merged
 from tests.tiny_models import make_tiny
 
-NAME = "tiny-mistral"  # both copies share the last path component, as a Hub id and its local copy do
-_MODULES = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-            "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-            "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
-            "post_attention_layernorm": "ffn_norm"}
+# both copies share the last path component, as a Hub id and its local copy do
+NAME = "tiny-mistral"
+_MODULES = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Transformers' query/key rows (halves) back in Mistral's native order (adjacent pairs) per head."""
+    """Transformers' query/key rows (halves) back in Mistral's native order (adjacent pairs) per
+    head."""
     rows, cols = w.shape
     return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -60,18 +74,27 @@ def mistral_tensors(hf: dict[str, torch.Tensor], config: dict) -> dict[str, torc
             layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
             native = _MODULES[module]
             kind = native.rsplit(".", 1)[-1]
-            out[f"layers.{layer}.{native}.weight"] = to_pairs(tensor, heads[kind]) if kind in heads else tensor
+            out[f"layers.{layer}.{native}.weight"] = (
+                to_pairs(tensor, heads[kind]) if kind in heads else tensor
+            )
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def params_json(config: dict) -> dict:
-    return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-            "head_dim": config["hidden_size"] // config["num_attention_heads"],
-            "hidden_dim": config["intermediate_size"], "n_heads": config["num_attention_heads"],
-            "n_kv_heads": config["num_key_value_heads"], "norm_eps": config["rms_norm_eps"],
-            "vocab_size": config["vocab_size"], "rope_theta": config["rope_parameters"]["rope_theta"],
-            "sliding_window": config["sliding_window"], "max_seq_len": config["max_position_embeddings"],
-            "tied_embeddings": False}
+    return {
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "head_dim": config["hidden_size"] // config["num_attention_heads"],
+        "hidden_dim": config["intermediate_size"],
+        "n_heads": config["num_attention_heads"],
+        "n_kv_heads": config["num_key_value_heads"],
+        "norm_eps": config["rms_norm_eps"],
+        "vocab_size": config["vocab_size"],
+        "rope_theta": config["rope_parameters"]["rope_theta"],
+        "sliding_window": config["sliding_window"],
+        "max_seq_len": config["max_position_embeddings"],
+        "tied_embeddings": False,
+    }
 
 
 def to_mistral_format(hf_dir: Path, out: Path, weights: Path | None = None) -> None:
@@ -102,25 +125,61 @@ def test_params_json_reads_as_the_transformers_config_rotating_adjacent_pairs(ti
     ours = model_config(resolve(str(native)))
     theirs = model_config(resolve(str(hf_dir)))
     assert ours.weight_format == "mistral" and ours.spec.weight_format == "mistral"
-    assert all(r.interleaved for r in ours.layer_rope) and not any(r.interleaved for r in theirs.layer_rope)
-    assert ours.eos_token_ids == theirs.eos_token_ids == (2,)  # tokenizer_config.json's eos_token <|im_end|>
+    assert all(r.interleaved for r in ours.layer_rope) and not any(
+        r.interleaved for r in theirs.layer_rope
+    )
+    # tokenizer_config.json's eos_token <|im_end|>
+    assert ours.eos_token_ids == theirs.eos_token_ids == (2,)
     # params.json states no bos / pad ids; everything else is the same config
-    assert ours == replace(theirs, weight_format="mistral", bos_token_id=None, pad_token_id=None, torch_dtype=None,
-                           layer_rope=tuple(replace(r, interleaved=True) for r in theirs.layer_rope))
+    assert ours == replace(
+        theirs,
+        weight_format="mistral",
+        bos_token_id=None,
+        pad_token_id=None,
+        torch_dtype=None,
+        layer_rope=tuple(replace(r, interleaved=True) for r in theirs.layer_rope),
+    )
 
 
 def test_yarn_and_per_layer_windows_read_as_vllm_reads_them():
-    params = {"dim": 48, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "hidden_dim": 80, "norm_eps": 1e-5,
-              "vocab_size": 300, "rope_theta": 1e6, "max_position_embeddings": 256, "sliding_window": [None, 7],
-              "yarn": {"factor": 4.0, "original_max_position_embeddings": 64, "beta": 32.0, "alpha": 1.0}}
+    params = {
+        "dim": 48,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "hidden_dim": 80,
+        "norm_eps": 1e-5,
+        "vocab_size": 300,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 256,
+        "sliding_window": [None, 7],
+        "yarn": {"factor": 4.0, "original_max_position_embeddings": 64, "beta": 32.0, "alpha": 1.0},
+    }
     ours = from_params(params)
-    theirs = from_hf({"model_type": "mistral", "hidden_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "intermediate_size": 80, "rms_norm_eps": 1e-5, "vocab_size": 300,
-                      "max_position_embeddings": 256, "sliding_window": 7,
-                      "layer_types": ["full_attention", "sliding_attention"] * 2,
-                      "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta_fast": 32.0,
-                                          "beta_slow": 1.0, "original_max_position_embeddings": 64,
-                                          "mscale_all_dim": 1}})
+    theirs = from_hf(
+        {
+            "model_type": "mistral",
+            "hidden_size": 48,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 80,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 300,
+            "max_position_embeddings": 256,
+            "sliding_window": 7,
+            "layer_types": ["full_attention", "sliding_attention"] * 2,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+                "mscale_all_dim": 1,
+            },
+        }
+    )
     assert ours.layer_window == (None, 7, None, 7)
     assert ours.layer_rope == tuple(replace(r, interleaved=True) for r in theirs.layer_rope)
     assert ours.layer_rope[0].rope_type == "yarn" and ours.layer_rope[0].theta == 1e6
@@ -163,7 +222,9 @@ def adapted(tiny, tmp_path_factory):
     """A PEFT adapter on the Transformers model, and PEFT's merged and unmerged logits."""
     hf_dir, _, _ = tiny
     root = tmp_path_factory.mktemp("adapter")
-    peft_model = peft_adapter(hf_dir, root / NAME, ALL7, r=4, lora_alpha=8, rank_pattern={"k_proj": 2})
+    peft_model = peft_adapter(
+        hf_dir, root / NAME, ALL7, r=4, lora_alpha=8, rank_pattern={"k_proj": 2}
+    )
     with torch.no_grad():
         unmerged = peft_model(IDS).logits
     merged = peft_merged(peft_model, root / "peft-merged")
@@ -175,8 +236,15 @@ def test_merge_writes_consolidated_safetensors_beside_params_json(tiny, adapted,
     adapter, unmerged, merged = adapted
     report = merge(str(native), str(adapter), tmp_path / "out")
     files = set(report["files"])
-    assert {"consolidated.safetensors", "params.json", "tokenizer.json", "tokenizer_config.json"} <= files
-    assert "config.json" not in files and not any(f.startswith("model") and f.endswith(".safetensors") for f in files)
+    assert {
+        "consolidated.safetensors",
+        "params.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= files
+    assert "config.json" not in files and not any(
+        f.startswith("model") and f.endswith(".safetensors") for f in files
+    )
     assert (tmp_path / "out" / "params.json").read_bytes() == (native / "params.json").read_bytes()
     ours = load_file(tmp_path / "out" / "consolidated.safetensors")
     expected = mistral_tensors(merged, json.loads((hf_dir / "config.json").read_text()))
@@ -209,20 +277,34 @@ def test_runtime_adapter_on_the_mistral_format_equals_peft(group, tiny, adapted)
     report = compare(tp1, unmerged)
     assert report["max_relative_error"] < 1e-4 and report["mean_cosine"] > 0.9999, report
     group.call("load", resolve(str(native)), "f32", "cpu")
-    group.on(StandingModifiers).adapt("t", [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites])
+    group.on(StandingModifiers).adapt(
+        "t", [{"param": s.param, "a": s.a, "b": s.b, "scale": s.scale} for s in sites]
+    )
     tp2 = group.call("logits", IDS)[0]
     group.on(StandingModifiers).detach("t")
     assert compare(tp2, tp1)["max_relative_error"] < 1e-5
 
 
-_MIXTRAL = {"dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "hidden_dim": 80, "vocab_size": 300,
-            "moe": {"num_experts": 4, "num_experts_per_tok": 2}}
-_MIXTRAL_REFUSAL = ("describes experts without a shared one (Mixtral's layout) in Mistral's own format, which "
-                    "ster_dist refuses")
+_MIXTRAL = {
+    "dim": 48,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "hidden_dim": 80,
+    "vocab_size": 300,
+    "moe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+_MIXTRAL_REFUSAL = (
+    "describes experts without a shared one (Mixtral's layout) in Mistral's own format, which "
+    "ster_dist refuses"
+)
 
 
-# Mistral Large 3 (experts beside a shared one, latent attention) loads: tests/families/test_mistral_large3.py
-def test_experts_without_a_shared_one_are_refused_in_one_line_before_any_weight(tiny, adapted, tmp_path):
+# Mistral Large 3 (experts beside a shared one, latent attention) loads:
+# tests/families/test_mistral_large3.py
+def test_experts_without_a_shared_one_are_refused_in_one_line_before_any_weight(
+    tiny, adapted, tmp_path
+):
     directory = _params_only(tiny[1], tmp_path / NAME, _MIXTRAL)
     with pytest.raises(Refusal) as refused:
         load_model(resolve(str(directory)))
@@ -234,13 +316,18 @@ def test_experts_without_a_shared_one_are_refused_in_one_line_before_any_weight(
 
 
 def test_a_params_json_of_another_model_type_is_refused(tiny, tmp_path):
-    directory = _params_only(tiny[1], tmp_path / NAME, {**_MIXTRAL, "moe": None, "model_type": "mamba"})
-    with pytest.raises(Refusal, match="states model_type 'mamba'; ster_dist reads Mistral's own format for dense"):
+    directory = _params_only(
+        tiny[1], tmp_path / NAME, {**_MIXTRAL, "moe": None, "model_type": "mamba"}
+    )
+    with pytest.raises(
+        Refusal, match="states model_type 'mamba'; ster_dist reads Mistral's own format for dense"
+    ):
         load_model(resolve(str(directory)))
 
 
 def _params_only(native: Path, directory: Path, params: dict) -> Path:
-    """A Mistral-format directory whose weight file cannot be read: a refusal must come before any read."""
+    """A Mistral-format directory whose weight file cannot be read: a refusal must come before any
+    read."""
     directory.mkdir()
     (directory / "params.json").write_text(json.dumps(params))
     shutil.copyfile(native / "tokenizer.json", directory / "tokenizer.json")

@@ -1,7 +1,10 @@
-"""ster plan over the other things a newcomer points it at: a directory `ster gguf-import` made (its .gguf's
-header read under Transformers names, each tensor at its block type's bytes as stored), and a directory
+"""ster plan over the other things a newcomer points it at: a directory `ster gguf-import` made (its
+.gguf's
+header read under Transformers names, each tensor at its block type's bytes as stored), and a
+directory
 holding a published config.json alone (planned from the config, marked as an estimate). The expected
-figures are computed here from the gguf package's own reader and from test_plan's statement of the split
+figures are computed here from the gguf package's own reader and from test_plan's statement of the
+split
 rules, not by the plan's code."""
 
 from __future__ import annotations
@@ -17,10 +20,18 @@ from gguf import GGMLQuantizationType as Q
 from ster_dist.cli import main
 from ster_dist.gguf import import_gguf
 from tests.gguf_fixtures import write_llama
-from tests.load.test_plan import deepseek_tensors, expected_bytes, published, qwen3_moe_tensors, tensors_of
+from tests.load.test_plan import (
+    deepseek_tensors,
+    expected_bytes,
+    published,
+    qwen3_moe_tensors,
+    tensors_of,
+)
 
 HERE = Path(__file__).parents[1]  # tests/
-CONFIGS = sorted([*(HERE / "data" / "configs").glob("*.json"), *(HERE / "fixtures" / "configs").glob("*.json")])
+CONFIGS = sorted(
+    [*(HERE / "data" / "configs").glob("*.json"), *(HERE / "fixtures" / "configs").glob("*.json")]
+)
 
 
 def run(capsys, *argv) -> tuple[int, dict | None, str]:
@@ -31,7 +42,8 @@ def run(capsys, *argv) -> tuple[int, dict | None, str]:
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> tuple[Path, Path]:
-    """(the .gguf, the directory gguf-import made of it): SmolLM2's shape of attention (9 query heads,
+    """(the .gguf, the directory gguf-import made of it): SmolLM2's shape of attention (9 query
+    heads,
     3 key-value heads) in Q4_1, as the main job's file is stored."""
     where = tmp_path_factory.mktemp("gguf")
     path = where / "smol.gguf"
@@ -52,7 +64,8 @@ def test_an_imported_gguf_is_planned_from_its_header_at_the_bytes_stored(importe
     assert out["stored_types"] == types == {"Q4_1": 4 * 7 + 1, "F32": 4 * 2 + 1}
     # one rank reads every tensor once (the head is tied to the embedding), in its blocks as stored
     assert out["ranks"][0]["read_bytes"] == out["file_bytes"]
-    # and allocates every value at bf16 (the Q4_1 blocks dequantized), more than twice the stored bytes
+    # and allocates every value at bf16 (the Q4_1 blocks dequantized), more than twice the stored
+    # bytes
     assert out["ranks"][0]["parameter_bytes"] == 2 * sum(int(t.n_elements) for t in stored)
 
 
@@ -81,19 +94,28 @@ def test_a_published_config_alone_is_planned_as_an_estimate(config, tmp_path, ca
     assert "from its config alone" in err
     ranks = out["ranks"]
     assert len(ranks) == 2 and all(r["parameter_bytes"] > 0 and r["read_bytes"] > 0 for r in ranks)
-    assert out["kv_cache"]["bytes_per_token_per_rank"] == max(r["kv_bytes_per_token"] for r in ranks)
+    assert out["kv_cache"]["bytes_per_token_per_rank"] == max(
+        r["kv_bytes_per_token"] for r in ranks
+    )
 
 
-@pytest.mark.parametrize("name, tensors_of_config", [("deepseek-v3.json", deepseek_tensors),
-                                                     ("qwen3-235b-a22b.json", qwen3_moe_tensors)])
-def test_the_estimate_allocates_what_the_checkpoint_would_fill(name, tensors_of_config, tmp_path, capsys):
-    """Per rank, the config-alone parameter bytes equal those the split rules give over the published
+@pytest.mark.parametrize(
+    "name, tensors_of_config",
+    [("deepseek-v3.json", deepseek_tensors), ("qwen3-235b-a22b.json", qwen3_moe_tensors)],
+)
+def test_the_estimate_allocates_what_the_checkpoint_would_fill(
+    name, tensors_of_config, tmp_path, capsys
+):
+    """Per rank, the config-alone parameter bytes equal those the split rules give over the
+    published
     checkpoint's tensors (test_plan's statement of them), at tp 8."""
     raw = {k: v for k, v in published(name).items() if k != "quantization_config"}
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
     tensors = tensors_of(*tensors_of_config(raw), fp8=False)
-    code, out, err = run(capsys, "plan", "--model", str(tmp_path / "m"), "--tp", "8", "--gpu-memory", "141")
+    code, out, err = run(
+        capsys, "plan", "--model", str(tmp_path / "m"), "--tp", "8", "--gpu-memory", "141"
+    )
     assert code == 0, err
     for rank in out["ranks"][:2]:
         params, _ = expected_bytes(tensors, raw, 8, rank["tp_rank"], 1, 0, 2)
@@ -103,7 +125,9 @@ def test_the_estimate_allocates_what_the_checkpoint_would_fill(name, tensors_of_
 def test_fp8_weights_need_the_headers(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     shutil.copy(HERE / "data" / "configs" / "deepseek-v3.json", tmp_path / "m" / "config.json")
-    code, out, err = run(capsys, "plan", "--model", str(tmp_path / "m"), "--tp", "8", "--weights", "fp8")
+    code, out, err = run(
+        capsys, "plan", "--model", str(tmp_path / "m"), "--tp", "8", "--weights", "fp8"
+    )
     assert code != 0 and out is None
     refusal = [line for line in err.splitlines() if not line.startswith("{")]
     assert len(refusal) == 1 and "--weights dequantize" in refusal[0]

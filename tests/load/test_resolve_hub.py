@@ -26,9 +26,14 @@ def hub(tmp_path, monkeypatch):
 
 
 def transformers_files(config: bytes | None = None, **more: bytes) -> dict[str, bytes]:
-    return {"config.json": config or config_json(), "tokenizer.json": tokenizer_json(),
-            SHARDS[0]: safetensors_bytes("a"), SHARDS[1]: safetensors_bytes("b"),
-            "README.md": b"# tiny", **more}
+    return {
+        "config.json": config or config_json(),
+        "tokenizer.json": tokenizer_json(),
+        SHARDS[0]: safetensors_bytes("a"),
+        SHARDS[1]: safetensors_bytes("b"),
+        "README.md": b"# tiny",
+        **more,
+    }
 
 
 def refused(model: str, revision: str | None = None) -> str:
@@ -39,9 +44,17 @@ def refused(model: str, revision: str | None = None) -> str:
 
 
 def test_resolves_to_the_commit_sha(hub, tmp_path):
-    sha = hub.add(REPO, transformers_files(**{
-        "tokenizer_config.json": b"{}", "generation_config.json": b'{"eos_token_id": 2}',
-        "optimizer.safetensors": b"x", "original/consolidated.safetensors": b"x"}))
+    sha = hub.add(
+        REPO,
+        transformers_files(
+            **{
+                "tokenizer_config.json": b"{}",
+                "generation_config.json": b'{"eos_token_id": 2}',
+                "optimizer.safetensors": b"x",
+                "original/consolidated.safetensors": b"x",
+            }
+        ),
+    )
     ckpt = resolve(REPO)
     assert ckpt.source == "hub" and ckpt.model_revision == sha
     assert ckpt.weight_format == "safetensors"
@@ -53,8 +66,13 @@ def test_resolves_to_the_commit_sha(hub, tmp_path):
     assert [p.name for p in ckpt.weight_files] == SHARDS
     assert ckpt.weight_files[1].read_bytes() == safetensors_bytes("b")
     assert ckpt.tokenizer_config_path.exists() and ckpt.generation_config_path.exists()
-    assert hub.fetched() == ["config.json", "tokenizer.json", "tokenizer_config.json",
-                             "generation_config.json", *SHARDS]
+    assert hub.fetched() == [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        *SHARDS,
+    ]
     summary = describe(ckpt)
     assert summary["model_revision"] == sha and summary["source"] == "hub"
     assert summary["family"] == "llama" and summary["files"] == SHARDS
@@ -71,10 +89,13 @@ def test_revision_selects_the_commit(hub):
     assert resolve(REPO, main).model_revision == main  # a commit SHA is a revision too
 
 
-@pytest.mark.parametrize("config, expected", [
-    (config_json("plamo2"), 'model architecture "plamo2" is unsupported'),
-    (config_json(quantization_config={"quant_method": "fp8"}), "is a quantized checkpoint"),
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (config_json("plamo2"), 'model architecture "plamo2" is unsupported'),
+        (config_json(quantization_config={"quant_method": "fp8"}), "is a quantized checkpoint"),
+    ],
+)
 def test_gate_runs_before_any_weight_is_fetched(hub, config, expected):
     hub.add(REPO, transformers_files(config))
     assert expected in refused(REPO)
@@ -83,8 +104,12 @@ def test_gate_runs_before_any_weight_is_fetched(hub, config, expected):
 
 
 def test_both_formats_read_as_transformers(hub):
-    hub.add(REPO, transformers_files(**{"params.json": b'{"dim": 8}',
-                                        "consolidated.safetensors": safetensors_bytes("c")}))
+    hub.add(
+        REPO,
+        transformers_files(
+            **{"params.json": b'{"dim": 8}', "consolidated.safetensors": safetensors_bytes("c")}
+        ),
+    )
     ckpt = resolve(REPO)
     assert ckpt.weight_format == "safetensors"
     assert [p.name for p in ckpt.weight_files] == SHARDS
@@ -93,16 +118,28 @@ def test_both_formats_read_as_transformers(hub):
 
 
 def test_mistral_only_format(hub):
-    hub.add(REPO, {"params.json": b'{"dim": 8, "n_layers": 1}', "tokenizer.json": tokenizer_json(),
-                   "consolidated.safetensors": safetensors_bytes("c")})
+    hub.add(
+        REPO,
+        {
+            "params.json": b'{"dim": 8, "n_layers": 1}',
+            "tokenizer.json": tokenizer_json(),
+            "consolidated.safetensors": safetensors_bytes("c"),
+        },
+    )
     ckpt = resolve(REPO)
     assert ckpt.weight_format == "mistral" and ckpt.config_path.name == "params.json"
     assert [p.name for p in ckpt.weight_files] == ["consolidated.safetensors"]
 
 
 def test_no_safetensors_refused(hub):
-    hub.add(REPO, {"config.json": config_json(), "tokenizer.json": tokenizer_json(),
-                   "pytorch_model.bin": b"pickle"})
+    hub.add(
+        REPO,
+        {
+            "config.json": config_json(),
+            "tokenizer.json": tokenizer_json(),
+            "pytorch_model.bin": b"pickle",
+        },
+    )
     assert refused(REPO).startswith(f"model {REPO} publishes no safetensors weights")
     assert "pytorch_model.bin" not in hub.touched()
 
@@ -120,35 +157,45 @@ def test_missing_tokenizer_refused(hub):
 
 
 def test_other_tokenizer_refused_by_name(hub):
-    sha = hub.add(REPO, {"config.json": config_json(), "tokenizer.model": b"spm",
-                         "model.safetensors": safetensors_bytes()})
+    sha = hub.add(
+        REPO,
+        {
+            "config.json": config_json(),
+            "tokenizer.model": b"spm",
+            "model.safetensors": safetensors_bytes(),
+        },
+    )
     assert f"tokenizer {REPO}@{sha}/tokenizer.model is not supported" in refused(REPO)
 
 
 def test_missing_repo_refused(hub):
     message = refused("nobody/nothing")
-    assert message.startswith("failed to read model repository nobody/nothing: "
-                              "repository not found")
+    assert message.startswith(
+        "failed to read model repository nobody/nothing: repository not found"
+    )
     assert hub.requests[0].path == "/api/models/nobody/nothing/revision/main"
 
 
 def test_missing_revision_refused(hub):
     hub.add(REPO, transformers_files())
     assert refused(REPO, "no-such-branch").startswith(
-        f"failed to read model repository {REPO}: revision no-such-branch not found")
+        f"failed to read model repository {REPO}: revision no-such-branch not found"
+    )
 
 
 def test_unreachable_endpoint_refused(hub, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     assert refused(REPO).startswith(
-        f"failed to read model repository {REPO}: cannot reach http://127.0.0.1:9")
+        f"failed to read model repository {REPO}: cannot reach http://127.0.0.1:9"
+    )
 
 
 def test_failed_weight_download_refused(hub):
     sha = hub.add(REPO, transformers_files())
     hub.unservable.add(SHARDS[1])  # listed in the model info, answered 404
     assert refused(REPO).startswith(
-        f"failed to download {SHARDS[1]}: the file is not published at {sha}")
+        f"failed to download {SHARDS[1]}: the file is not published at {sha}"
+    )
 
 
 def test_hf_token_is_sent(hub, monkeypatch):

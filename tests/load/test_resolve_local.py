@@ -16,9 +16,14 @@ from ster_dist.resolve import describe, resolve
 from tests.hub_server import config_json, serving, tokenizer_json
 
 
-def make_dir(root: Path, config: bytes | None = None, tokenizer: bool = True,
-             weights: tuple[str, ...] = ("model.safetensors",),
-             other: tuple[str, ...] = (), params: dict | None = None) -> Path:
+def make_dir(
+    root: Path,
+    config: bytes | None = None,
+    tokenizer: bool = True,
+    weights: tuple[str, ...] = ("model.safetensors",),
+    other: tuple[str, ...] = (),
+    params: dict | None = None,
+) -> Path:
     """A checkpoint directory: config.json, tokenizer.json, safetensors, empty other files."""
     root.mkdir(parents=True, exist_ok=True)
     if config is not None:
@@ -57,33 +62,55 @@ def test_transformers_directory(tmp_path):
     assert ckpt.raw_config["model_type"] == "llama"
     summary = describe(ckpt)
     assert summary == {
-        "model": str(d), "model_revision": None, "source": "local", "directory": str(d),
-        "weight_format": "safetensors", "files": ["model.safetensors"], "family": "llama",
+        "model": str(d),
+        "model_revision": None,
+        "source": "local",
+        "directory": str(d),
+        "weight_format": "safetensors",
+        "files": ["model.safetensors"],
+        "family": "llama",
     }
     json.dumps(summary)
 
 
 def test_shards_sorted_and_training_files_excluded(tmp_path):
-    d = make_dir(tmp_path / "m", config_json(), weights=(
-        "model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors",
-        "optimizer.safetensors", "training_args.safetensors", "my_optimizer_state.safetensors"),
-        other=("model.safetensors.index.json", "README.md"))
+    d = make_dir(
+        tmp_path / "m",
+        config_json(),
+        weights=(
+            "model-00002-of-00002.safetensors",
+            "model-00001-of-00002.safetensors",
+            "optimizer.safetensors",
+            "training_args.safetensors",
+            "my_optimizer_state.safetensors",
+        ),
+        other=("model.safetensors.index.json", "README.md"),
+    )
     (d / "sub").mkdir()
     save_file({"w": torch.zeros(1)}, str(d / "sub" / "nested.safetensors"))  # top level only
     assert names(resolve(str(d))) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 @pytest.mark.parametrize("kind", ["broken link", "directory", "fifo"])
 def test_a_weight_name_that_is_no_regular_file_is_refused_not_skipped(tmp_path, kind):
-    # skipped, a shard whose Hub blob is gone reads as "parameter ... is filled by no checkpoint tensor"
+    # skipped, a shard whose Hub blob is gone reads as "parameter ... is filled by no checkpoint
+    # tensor"
     d = make_dir(tmp_path / "m", config_json())
     shard = d / "model-00002-of-00002.safetensors"
-    {"broken link": lambda: shard.symlink_to(tmp_path / "blobs" / "gone"), "directory": shard.mkdir,
-     "fifo": lambda: os.mkfifo(shard)}[kind]()
-    assert refusal(d) == (f"model weight file {shard} is not a regular file (a broken link, a directory or a FIFO); "
-                          "re-download it, or remove it if it is no weight file")
-    (d / "optimizer.safetensors").symlink_to(tmp_path / "gone")  # a name no format reads stays unread
+    {
+        "broken link": lambda: shard.symlink_to(tmp_path / "blobs" / "gone"),
+        "directory": shard.mkdir,
+        "fifo": lambda: os.mkfifo(shard),
+    }[kind]()
+    assert refusal(d) == (
+        f"model weight file {shard} is not a regular file (a broken link, a directory or a FIFO); "
+        "re-download it, or remove it if it is no weight file"
+    )
+    # a name no format reads stays unread
+    (d / "optimizer.safetensors").symlink_to(tmp_path / "gone")
     shard.unlink() if kind != "directory" else shard.rmdir()
     assert names(resolve(str(d))) == ["model.safetensors"]
 
@@ -91,12 +118,18 @@ def test_a_weight_name_that_is_no_regular_file_is_refused_not_skipped(tmp_path, 
 def test_a_gguf_whose_link_is_broken_is_named_not_called_no_weights(tmp_path):
     d = make_dir(tmp_path / "m", config_json(), weights=())
     (d / "model.gguf").symlink_to(tmp_path / "gone")
-    assert refusal(d).startswith(f"model weight file {d / 'model.gguf'} is not a regular file (a broken link")
+    assert refusal(d).startswith(
+        f"model weight file {d / 'model.gguf'} is not a regular file (a broken link"
+    )
 
 
 def test_transformers_format_ignores_consolidated(tmp_path):
-    d = make_dir(tmp_path / "m", config_json(), params={"dim": 8},
-                 weights=("model.safetensors", "consolidated.safetensors"))
+    d = make_dir(
+        tmp_path / "m",
+        config_json(),
+        params={"dim": 8},
+        weights=("model.safetensors", "consolidated.safetensors"),
+    )
     ckpt = resolve(str(d))
     assert ckpt.weight_format == "safetensors" and ckpt.config_path.name == "config.json"
     assert names(ckpt) == ["model.safetensors"]
@@ -110,9 +143,16 @@ def test_only_consolidated_beside_config_json_is_refused(tmp_path):
 
 
 def test_mistral_format(tmp_path):
-    d = make_dir(tmp_path / "m", None, params={"dim": 8, "n_layers": 1, "vocab_size": 4},
-                 weights=("consolidated-00002.safetensors", "consolidated-00001.safetensors",
-                          "model.safetensors"))
+    d = make_dir(
+        tmp_path / "m",
+        None,
+        params={"dim": 8, "n_layers": 1, "vocab_size": 4},
+        weights=(
+            "consolidated-00002.safetensors",
+            "consolidated-00001.safetensors",
+            "model.safetensors",
+        ),
+    )
     ckpt = resolve(str(d))
     assert ckpt.weight_format == "mistral" and ckpt.config_path == d / "params.json"
     assert names(ckpt) == ["consolidated-00001.safetensors", "consolidated-00002.safetensors"]
@@ -121,8 +161,12 @@ def test_mistral_format(tmp_path):
 
 
 def test_mistral_format_with_experts_is_deepseek_v3(tmp_path):
-    d = make_dir(tmp_path / "m", None, params={"dim": 8, "kv_lora_rank": 4, "moe": {}},
-                 weights=("consolidated.safetensors",))
+    d = make_dir(
+        tmp_path / "m",
+        None,
+        params={"dim": 8, "kv_lora_rank": 4, "moe": {}},
+        weights=("consolidated.safetensors",),
+    )
     assert describe(resolve(str(d)))["family"] == "deepseek_v3"
 
 
@@ -173,7 +217,8 @@ def test_missing_tokenizer(tmp_path):
     assert refusal(d).startswith(f"tokenizer is missing: {d / 'tokenizer.json'}")
 
 
-@pytest.mark.parametrize("other", ["tokenizer.model", "tiktoken.model"])  # tokenizer.jsonl is PLaMo's, read
+# tokenizer.jsonl is PLaMo's, read
+@pytest.mark.parametrize("other", ["tokenizer.model", "tiktoken.model"])
 def test_other_tokenizer_files_refused_by_name(tmp_path, other):
     d = make_dir(tmp_path / "m", config_json(), tokenizer=False, other=(other,))
     assert f"tokenizer {d / other} is not supported by this ster_dist build" in refusal(d)
@@ -214,8 +259,13 @@ def test_unlistable_directory(tmp_path, monkeypatch):
 
 def test_unsupported_model_type_refused_first(tmp_path):
     # PLaMo 2 ships tokenizer.jsonl and no weights here: the architecture is what is refused.
-    d = make_dir(tmp_path / "m", config_json("plamo2"), tokenizer=False, weights=(),
-                 other=("tokenizer.jsonl",))
+    d = make_dir(
+        tmp_path / "m",
+        config_json("plamo2"),
+        tokenizer=False,
+        weights=(),
+        other=("tokenizer.jsonl",),
+    )
     message = refusal(d)
     assert 'model architecture "plamo2" is unsupported' in message
     assert "llama, mistral, mixtral" in message and "dots3_note" in message
@@ -251,8 +301,9 @@ def test_missing_path_falls_through_to_the_hub(tmp_path, monkeypatch):
     with serving(monkeypatch, tmp_path) as hub:
         monkeypatch.chdir(tmp_path)  # a relative "owner/name" that does not exist here
         message = refusal("models/not-here")
-        assert message.startswith("failed to read model repository models/not-here: "
-                                  "repository not found")
+        assert message.startswith(
+            "failed to read model repository models/not-here: repository not found"
+        )
         assert [r.path for r in hub.requests] == ["/api/models/models/not-here/revision/main"]
 
 

@@ -30,24 +30,31 @@ def refusal(path) -> str:
 F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
 
-@pytest.mark.parametrize("header, named", [
-    ({"w": {**F32, "data_offsets": [-8, 0]}}, "tensor w has data_offsets [-8, 0]"),  # was read from the header
-    ({"w": {**F32, "data_offsets": [8, 0]}}, "tensor w has data_offsets [8, 0]"),
-    ({"w": {**F32, "data_offsets": [16, 24]}}, "outside its 16-byte data"),
-    ({"w": {**F32, "data_offsets": [0, 12]}}, "tensor w has 12 bytes of data for shape [2] in F32"),
-    ({"w": {**F32, "data_offsets": [0.0, 8]}}, "not two integers"),
-    ({"w": {**F32, "data_offsets": [0]}}, "not two integers"),
-    ([F32], "is a JSON list, not an object"),
-    ({"w": "F32"}, "tensor w has a JSON str for its entry"),
-    ({"w": {**F32, "shape": ["2"]}}, "tensor w has shape ['2']"),
-    ({"w": {**F32, "shape": [-2]}}, "not a list of non-negative integers"),
-    ({"w": {**F32, "shape": [True, 2]}}, "not a list of non-negative integers"),
-    ({"w": {**F32, "dtype": "Q4"}}, "tensor w has dtype 'Q4'"),
-    ({"w": {**F32, "dtype": ["F32"]}}, "tensor w has dtype"),
-    ({"a": F32, "b": {**F32, "data_offsets": [4, 12]}}, "tensor b's data overlaps tensor a's"),
-    ({"__metadata__": {"format": 1}, "w": F32}, "__metadata__ is not an object of strings"),
-    ({"__metadata__": ["pt"], "w": F32}, "__metadata__ is not an object of strings"),
-])
+@pytest.mark.parametrize(
+    "header, named",
+    [
+        # was read from the header
+        ({"w": {**F32, "data_offsets": [-8, 0]}}, "tensor w has data_offsets [-8, 0]"),
+        ({"w": {**F32, "data_offsets": [8, 0]}}, "tensor w has data_offsets [8, 0]"),
+        ({"w": {**F32, "data_offsets": [16, 24]}}, "outside its 16-byte data"),
+        (
+            {"w": {**F32, "data_offsets": [0, 12]}},
+            "tensor w has 12 bytes of data for shape [2] in F32",
+        ),
+        ({"w": {**F32, "data_offsets": [0.0, 8]}}, "not two integers"),
+        ({"w": {**F32, "data_offsets": [0]}}, "not two integers"),
+        ([F32], "is a JSON list, not an object"),
+        ({"w": "F32"}, "tensor w has a JSON str for its entry"),
+        ({"w": {**F32, "shape": ["2"]}}, "tensor w has shape ['2']"),
+        ({"w": {**F32, "shape": [-2]}}, "not a list of non-negative integers"),
+        ({"w": {**F32, "shape": [True, 2]}}, "not a list of non-negative integers"),
+        ({"w": {**F32, "dtype": "Q4"}}, "tensor w has dtype 'Q4'"),
+        ({"w": {**F32, "dtype": ["F32"]}}, "tensor w has dtype"),
+        ({"a": F32, "b": {**F32, "data_offsets": [4, 12]}}, "tensor b's data overlaps tensor a's"),
+        ({"__metadata__": {"format": 1}, "w": F32}, "__metadata__ is not an object of strings"),
+        ({"__metadata__": ["pt"], "w": F32}, "__metadata__ is not an object of strings"),
+    ],
+)
 def test_a_damaged_header_is_refused_naming_the_tensor(tmp_path, header, named):
     path = tmp_path / "model.safetensors"
     write(path, header)
@@ -74,8 +81,11 @@ def test_a_header_that_is_not_json_is_refused(tmp_path):
 
 def test_a_valid_file_still_reads(tmp_path):
     path = tmp_path / "model.safetensors"
-    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
-               "empty": torch.zeros(0, 3)}
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.ones(4, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+    }
     save_file(tensors, str(path), metadata={"format": "pt"})
     source = SafetensorsSource([path])
     try:
@@ -92,17 +102,24 @@ def test_header_bytes_round_trip(tmp_path):
     raw = header_bytes(specs, {"k": "v"})
     path.write_bytes(raw + bytes(24 + 5))
     assert [(e.name, e.dtype, e.shape, e.nbytes) for e in entries(path)] == [
-        ("a", "F32", (2, 3), 24), ("b", "BF16", (0,), 0), ("c", "I8", (5,), 5)]
+        ("a", "F32", (2, 3), 24),
+        ("b", "BF16", (0,), 0),
+        ("c", "I8", (5,), 5),
+    ]
 
 
 def test_a_tensor_named_twice_in_one_header_is_refused(tmp_path):
-    # json.loads would keep the last entry, silently; merge refused this, the loader and ster plan did not
+    # json.loads would keep the last entry, silently; merge refused this, the loader and ster plan
+    # did not
     path = tmp_path / "model.safetensors"
     write(path, b'{"w": ' + json.dumps(F32).encode() + b', "w": ' + json.dumps(F32).encode() + b"}")
-    with pytest.raises(Refusal, match="model weight w appears twice in model.safetensors; .* re-export it"):
+    with pytest.raises(
+        Refusal, match="model weight w appears twice in model.safetensors; .* re-export it"
+    ):
         SafetensorsSource([path])
     write(path, b'{"w": {"dtype": "F32", "dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}')
-    assert list(read_header(path).tensors) == ["w"]  # a key repeated inside one entry is not a tensor twice
+    # a key repeated inside one entry is not a tensor twice
+    assert list(read_header(path).tensors) == ["w"]
 
 
 def test_a_directory_or_fifo_is_refused_without_waiting(tmp_path):
@@ -121,4 +138,6 @@ def test_a_directory_or_fifo_is_refused_without_waiting(tmp_path):
 
 
 def test_a_missing_file_is_not_called_damaged_json(tmp_path):
-    assert "it cannot be opened (No such file or directory)" in refusal(tmp_path / "gone.safetensors")
+    assert "it cannot be opened (No such file or directory)" in refusal(
+        tmp_path / "gone.safetensors"
+    )

@@ -1,5 +1,7 @@
-"""A bf16 / f16 product of one row inside a compiled step (parallel/linear.dense's widening loop) and the
-compiled head of a one-token step (model/compiled.CompiledLayers.head_product): the product computed in f32
+"""A bf16 / f16 product of one row inside a compiled step (parallel/linear.dense's widening loop)
+and the
+compiled head of a one-token step (model/compiled.CompiledLayers.head_product): the product computed
+in f32
 and rounded once, and a real bf16 model's compiled decode steps equal to its eager ones."""
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from tests.model.test_compiled_step import compiling, decode  # noqa: F401  (a f
 
 
 def _as_if_not_built(monkeypatch) -> None:
-    """dense() as in a process where the few-row kernel could not be built (kernels/__init__.py): bf16 rows
+    """dense() as in a process where the few-row kernel could not be built (kernels/__init__.py):
+    bf16 rows
     take the widening loop then, f16 rows always do."""
     monkeypatch.setattr(kernels, "_tried", True)
     monkeypatch.setattr(kernels, "_ready", False)
@@ -31,7 +34,9 @@ def without_few_rows(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_a_compiled_one_row_product_is_the_f32_product_rounded_once(dtype, with_bias, without_few_rows):
+def test_a_compiled_one_row_product_is_the_f32_product_rounded_once(
+    dtype, with_bias, without_few_rows
+):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 1, 72, generator=gen).to(dtype)
     weight = torch.randn(97, 72, generator=gen).to(dtype)
@@ -41,15 +46,19 @@ def test_a_compiled_one_row_product_is_the_f32_product_rounded_once(dtype, with_
     assert got.dtype == dtype and got.shape == (1, 1, 97)
     # within one rounding of each output (the sums' order differs from any kernel's)
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)
-    assert torch.equal(dense(x, weight, bias), F.linear(x, weight, bias))  # eagerly: F.linear itself
+    # eagerly: F.linear itself
+    assert torch.equal(dense(x, weight, bias), F.linear(x, weight, bias))
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("kernel_built", [True, False])
-def test_compiled_bf16_decode_steps_equal_the_eager_ones(tmp_path, compiling, kernel_built, monkeypatch):  # noqa: F811
+def test_compiled_bf16_decode_steps_equal_the_eager_ones(
+    tmp_path, compiling, kernel_built, monkeypatch
+):  # noqa: F811
     if not kernel_built:
         _as_if_not_built(monkeypatch)
-    monkeypatch.setenv("STER_NATIVE_STACK", "0")  # the graphs, not native steps (tests/model/test_native_stack.py)
+    # the graphs, not native steps (tests/model/test_native_stack.py)
+    monkeypatch.setenv("STER_NATIVE_STACK", "0")
     make_toy_model(tmp_path / "llama", layers=2, hidden=64, seed=7)
     eager = load_model(resolve(str(tmp_path / "llama")), precision="bf16").model
     compiled = load_model(resolve(str(tmp_path / "llama")), precision="bf16").model
@@ -59,7 +68,8 @@ def test_compiled_bf16_decode_steps_equal_the_eager_ones(tmp_path, compiling, ke
     want, _ = decode(eager, prompt, 5)
     got, _ = decode(compiled, prompt, 5)
     graphs = compiled.compiled.graphs
-    # the 9-token layers, the one-token stack, and without the few-row kernel the compiled one-row head
+    # the 9-token layers, the one-token stack, and without the few-row kernel the compiled one-row
+    # head
     assert graphs >= (2 if kernels.ready() else 3)
     for w, g in zip(want, got):  # every step's logits: the prefill's and the one-token steps'
         rel = ((g.float() - w.float()).norm() / w.float().norm()).item()
@@ -70,14 +80,19 @@ def test_compiled_bf16_decode_steps_equal_the_eager_ones(tmp_path, compiling, ke
 
 
 @torch.inference_mode()
-def test_a_head_that_fails_to_compile_runs_eagerly_from_then_on(tmp_path, compiling, capfd,  # noqa: F811
-                                                                 without_few_rows):
+def test_a_head_that_fails_to_compile_runs_eagerly_from_then_on(
+    tmp_path,
+    compiling,
+    capfd,  # noqa: F811
+    without_few_rows,
+):
     make_toy_model(tmp_path / "llama", layers=1, hidden=64, seed=8)
     model = load_model(resolve(str(tmp_path / "llama")), precision="bf16").model
     assert model.compile_layers() is None
 
     def untraceable(x, weight, bias):
-        torch._dynamo.graph_break()  # a whole graph is asked for: dynamo raises instead of splitting it
+        # a whole graph is asked for: dynamo raises instead of splitting it
+        torch._dynamo.graph_break()
         return dense(x, weight, bias)
 
     model.compiled.head = torch.compile(untraceable, fullgraph=True)

@@ -21,7 +21,8 @@ from ster_dist.workers.spawn import SpawnGroup
 
 
 class Tally(RankExtension):
-    """Keeps a running total on its rank; closing writes the total to `closed_to`, when one was set."""
+    """Keeps a running total on its rank; closing writes the total to `closed_to`, when one was
+    set."""
 
     def __init__(self, rank):
         super().__init__(rank)
@@ -37,7 +38,8 @@ class Tally(RankExtension):
         return self.rank.rank, os.getpid()
 
     def summed_over_ranks(self) -> int:
-        """The totals of every rank, summed on the real process group: the extension runs inside it."""
+        """The totals of every rank, summed on the real process group: the extension runs inside
+        it."""
         value = torch.tensor([self.total])
         if dist.is_initialized():
             dist.all_reduce(value)
@@ -63,7 +65,8 @@ def test_one_instance_per_class_per_rank_keeps_its_state():
         assert group.on(Tally).add(3) == [5]
         rank = group.rank
         assert rank.extension(Tally) is rank.extension(Tally)
-        assert group.on(Other).total_of_tally() == [5]  # another extension reaches the same instance
+        # another extension reaches the same instance
+        assert group.on(Other).total_of_tally() == [5]
         assert Rank(0, 1).extension(Tally).total == 0  # another rank has its own
 
 
@@ -79,14 +82,18 @@ def test_closing_the_group_closes_its_extensions():
 def test_a_method_the_driver_may_not_call_is_refused_in_one_line():
     with LocalGroup() as group:
         for method in ("nope", "close", "_private"):
-            with pytest.raises(Refusal, match=f"^rank extension Tally has no method '{method}' the driver can call$"):
+            with pytest.raises(
+                Refusal,
+                match=f"^rank extension Tally has no method '{method}' the driver can call$",
+            ):
                 getattr(group.on(Tally), method)()
         with pytest.raises(Refusal, match="is not a RankExtension class"):
             group.on(dict)
         # the rank refuses alike when called directly (not through group.on)
         with pytest.raises(Refusal, match="^rank extension Tally has no method 'nope'"):
             group.rank.call_extension(Tally, "nope")
-    assert describe("call_extension", (Tally, "add", 1)) == "Tally.add"  # how groups name it in errors
+    # how groups name it in errors
+    assert describe("call_extension", (Tally, "add", 1)) == "Tally.add"
     assert describe("generate", ()) == "generate"
 
 
@@ -109,19 +116,31 @@ def test_workers_import_none_of_the_packages_above_them():
     workers = Path(__file__).resolve().parents[2] / "ster_dist" / "workers"
     for path in workers.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
-                assert not name.startswith(tuple(f"ster_dist.{p}" for p in above)), f"{path.name} imports {name}"
+                assert not name.startswith(tuple(f"ster_dist.{p}" for p in above)), (
+                    f"{path.name} imports {name}"
+                )
 
 
 def test_every_group_implements_the_worker_group_protocol_itself():
-    """The three groups subclass WorkerGroup so a reader sees the seam; a method one of them lacked would be
+    """The three groups subclass WorkerGroup so a reader sees the seam; a method one of them lacked
+    would be
     the Protocol's empty stub, answering None, so each must define every method of its own."""
     from ster_dist.workers.ray_group import RayGroup
     from ster_dist.workers.worker_group import WorkerGroup
 
-    methods = [name for name in vars(WorkerGroup) if not name.startswith("_") and callable(vars(WorkerGroup)[name])]
+    methods = [
+        name
+        for name in vars(WorkerGroup)
+        if not name.startswith("_") and callable(vars(WorkerGroup)[name])
+    ]
     assert set(methods) == {"call", "submit", "collect", "on", "close"}
     for group in (LocalGroup, SpawnGroup, RayGroup):
         assert [m for m in methods if m not in vars(group)] == [], group.__name__

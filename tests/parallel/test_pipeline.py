@@ -1,6 +1,9 @@
-"""Pipeline parallelism on real gloo process groups: --pp 2 alone, TP2 x PP2 and PP2 x EP2 on four ranks
-equal one rank and Transformers (logits and greedy tokens); each stage reads only its layers' tensors;
-capture and steering reach layers on either stage; the stage split balances parameter bytes; families
+"""Pipeline parallelism on real gloo process groups: --pp 2 alone, TP2 x PP2 and PP2 x EP2 on four
+ranks
+equal one rank and Transformers (logits and greedy tokens); each stage reads only its layers'
+tensors;
+capture and steering reach layers on either stage; the stage split balances parameter bytes;
+families
 whose layers cannot be cut are refused before any weight is read."""
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ from tests.tiny_models import make_tiny
 
 
 def _brute_force(sizes, first, last, pp):
-    """The smallest largest-stage cost over every way to cut the layers into pp contiguous stages."""
+    """The smallest largest-stage cost over every way to cut the layers into pp contiguous
+    stages."""
     from itertools import combinations
 
     n, best = len(sizes), None
     for cuts in combinations(range(1, n), pp - 1):
         bounds = list(zip((0, *cuts), (*cuts, n)))
-        costs = [sum(sizes[a:b]) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
-                 for s, (a, b) in enumerate(bounds)]
+        costs = [
+            sum(sizes[a:b]) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+            for s, (a, b) in enumerate(bounds)
+        ]
         best = max(costs) if best is None else min(best, max(costs))
     return best
 
@@ -45,9 +51,13 @@ def test_stage_bounds_are_contiguous_and_as_balanced_as_a_brute_force_search(see
     first, last = (int(v) for v in torch.randint(0, 150, (2,), generator=g))
     bounds = stage_bounds(sizes, first, last, pp)
     assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) == pp
-    assert all(a < b for a, b in bounds) and all(bounds[s][1] == bounds[s + 1][0] for s in range(pp - 1))
-    costs = [sum(sizes[a:b]) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
-             for s, (a, b) in enumerate(bounds)]
+    assert all(a < b for a, b in bounds) and all(
+        bounds[s][1] == bounds[s + 1][0] for s in range(pp - 1)
+    )
+    costs = [
+        sum(sizes[a:b]) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+        for s, (a, b) in enumerate(bounds)
+    ]
     assert max(costs) == _brute_force(sizes, first, last, pp)
 
 
@@ -94,13 +104,17 @@ def test_capture_and_steering_reach_layers_on_either_stage(pp2, qwen3):
     pp2.call("load", checkpoint, "f32", "cpu")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     layers = list(range(single.cfg.num_layers))
-    (_, ours), = list(capture(pp2, prompts, layers, "last", 0, 8))
+    ((_, ours),) = list(capture(pp2, prompts, layers, "last", 0, 8))
     theirs = read_hidden(single.model, prompts, layers, "last")
     assert sorted(ours) == layers
     for layer in layers:
         assert torch.allclose(ours[layer], theirs[layer], atol=1e-5)
-    # steering the last layer of the first stage and of the last: both change the tokens as on one rank
-    vectors = [(0, torch.randn(single.cfg.hidden_size) * 4), (layers[-1], torch.randn(single.cfg.hidden_size) * 4)]
+    # steering the last layer of the first stage and of the last: both change the tokens as on one
+    # rank
+    vectors = [
+        (0, torch.randn(single.cfg.hidden_size) * 4),
+        (layers[-1], torch.randn(single.cfg.hidden_size) * 4),
+    ]
     pp2.on(StandingModifiers).steer("t", vectors, 1.5)
     removers = add_steering(single.model, vectors, 1.5)
     ids = _ids(1)
@@ -140,12 +154,18 @@ def test_families_whose_layers_cannot_be_cut_are_refused(tmp_path):
         check_pipeline(cfg, 2)
     with pytest.raises(Refusal, match=f"--pp {cfg.num_layers + 1} is more than the model's"):
         check_pipeline(cfg, cfg.num_layers + 1)
-    make_tiny("gemma4_text", tmp_path / "gemma4")  # shared keys and per-layer inputs read across layers
+    # shared keys and per-layer inputs read across layers
+    make_tiny("gemma4_text", tmp_path / "gemma4")
     gemma4 = model_config(resolve(str(tmp_path / "gemma4")))
-    with pytest.raises(Refusal, match="gemma4_text reuses earlier layers' keys and values, so its layers cannot"):
+    with pytest.raises(
+        Refusal, match="gemma4_text reuses earlier layers' keys and values, so its layers cannot"
+    ):
         check_pipeline(gemma4, 2)
-    unshared = dataclasses.replace(gemma4, layer_kv_source=())  # per-layer inputs alone: made from the tokens
-    with pytest.raises(Refusal, match="gemma4_text feeds every layer per-layer inputs made from the tokens, so"):
+    # per-layer inputs alone: made from the tokens
+    unshared = dataclasses.replace(gemma4, layer_kv_source=())
+    with pytest.raises(
+        Refusal, match="gemma4_text feeds every layer per-layer inputs made from the tokens, so"
+    ):
         check_pipeline(unshared, 2)
 
 
@@ -163,10 +183,16 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 3)]
     lengths = [6, 3, 9, 5]
     for micro_batches in (1, 2):  # two: a step in flight per stage, on disjoint requests
-        config = EngineConfig(kv_cache_memory=4 << 20, block_size=4, max_step_tokens=16, micro_batches=micro_batches)
-        with TokenEngine(pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,), config) as engine:
-            streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
-                       for p, n in zip(prompts, lengths)]
+        config = EngineConfig(
+            kv_cache_memory=4 << 20, block_size=4, max_step_tokens=16, micro_batches=micro_batches
+        )
+        with TokenEngine(
+            pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,), config
+        ) as engine:
+            streams = [
+                engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lengths)
+            ]
             got = [s.result().token_ids for s in streams]
             steps, overlapped = engine.stats()["steps"], engine.stats()["overlapped_steps"]
         assert (overlapped > 0) == (micro_batches > 1)
@@ -175,13 +201,22 @@ def test_the_token_engine_over_two_stages_equals_one_request_at_a_time(pp2, qwen
         assert steps < sum(lengths)  # the requests shared steps
     # what decide reads: the raw logits of chosen ids, from the last stage
     ids = (5, 0, 250)
-    with TokenEngine(pp2, cfg, Tokenizer.from_directory(checkpoint.directory), (2,),
-                     EngineConfig(kv_cache_memory=4 << 20, block_size=4, micro_batches=2)) as engine:
-        scored = engine.submit(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True, logits_of=ids)).result()
+    with TokenEngine(
+        pp2,
+        cfg,
+        Tokenizer.from_directory(checkpoint.directory),
+        (2,),
+        EngineConfig(kv_cache_memory=4 << 20, block_size=4, micro_batches=2),
+    ) as engine:
+        scored = engine.submit(
+            prompts[0], SamplingParams(max_tokens=2, ignore_eos=True, logits_of=ids)
+        ).result()
     with torch.no_grad():
         logits = single.model(torch.tensor([prompts[0] + scored.token_ids]))[0].double()
     for step, scores in enumerate(scored.scores):
-        assert scores == pytest.approx(logits[len(prompts[0]) - 1 + step, list(ids)].tolist(), abs=1e-4)
+        assert scores == pytest.approx(
+            logits[len(prompts[0]) - 1 + step, list(ids)].tolist(), abs=1e-4
+        )
 
 
 def test_an_adapter_on_every_layer_attaches_across_stages(pp2, qwen3):
@@ -195,8 +230,14 @@ def test_an_adapter_on_every_layer_attaches_across_stages(pp2, qwen3):
     sites = []
     for layer in range(single.cfg.num_layers):
         out_features, in_features = params[f"layers.{layer}.attn.q.weight"].shape
-        sites.append({"param": f"layers.{layer}.attn.q.weight", "a": torch.randn(4, in_features, generator=g) * 0.3,
-                      "b": torch.randn(out_features, 4, generator=g) * 0.3, "scale": 1.0})
+        sites.append(
+            {
+                "param": f"layers.{layer}.attn.q.weight",
+                "a": torch.randn(4, in_features, generator=g) * 0.3,
+                "b": torch.randn(out_features, 4, generator=g) * 0.3,
+                "scale": 1.0,
+            }
+        )
     pp2.on(StandingModifiers).adapt("a", sites)
     detach = attach(single.model, sites)
     ids = _ids(3)

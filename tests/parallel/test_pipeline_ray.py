@@ -1,7 +1,11 @@
-"""Node-aware placement on a real two-node Ray cluster on this machine (`ray start --head` and a second
-raylet joined with --address, each with its own --resources): each tensor-parallel group of a TP2 x PP2
-group sits inside one node, the stages on different nodes, and the text equals one rank's; a group no
-node can hold is refused at once; a killed stage fails the call as WorkerLost, and the job queue retries a job
+"""Node-aware placement on a real two-node Ray cluster on this machine (`ray start --head` and a
+second
+raylet joined with --address, each with its own --resources): each tensor-parallel group of a TP2 x
+PP2
+group sits inside one node, the stages on different nodes, and the text equals one rank's; a group
+no
+node can hold is refused at once; a killed stage fails the call as WorkerLost, and the job queue
+retries a job
 whose stage died on a restarted group."""
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# `ray start --address` refuses to join a node while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0, and with it 1 every
-# node leaves 127.0.0.1 for the host's routable address. The second raylet is started by Ray's own CLI with that
+# `ray start --address` refuses to join a node while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0, and
+# with it 1 every
+# node leaves 127.0.0.1 for the host's routable address. The second raylet is started by Ray's own
+# CLI with that
 # one check switched off, so both nodes stay on loopback.
 _JOIN_ON_LOOPBACK = """
 import sys, types
@@ -52,9 +58,18 @@ scripts.main()
 
 
 def _ray_start(args: list[str], env: dict, join: bool = False) -> subprocess.Popen:
-    command = [sys.executable, "-c", _JOIN_ON_LOOPBACK] if join else [str(Path(sys.executable).parent / "ray")]
-    return subprocess.Popen([*command, "start", "--block", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    command = (
+        [sys.executable, "-c", _JOIN_ON_LOOPBACK]
+        if join
+        else [str(Path(sys.executable).parent / "ray")]
+    )
+    return subprocess.Popen(
+        [*command, "start", "--block", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _answers(port: int) -> bool:
@@ -66,7 +81,9 @@ def _answers(port: int) -> bool:
 def _stop(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:  # `ray start --block` took 10 s on SIGTERM here; what is left is killed below, found by the temp dir
+    # `ray start --block` took 10 s on SIGTERM here; what is left is killed below, found by the temp
+    # dir
+    try:
         proc.wait(3)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
@@ -76,28 +93,68 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """Two raylets of 2 CPUs each, on 127.0.0.1, stopped by signalling only the processes they started."""
+    """Two raylets of 2 CPUs each, on 127.0.0.1, stopped by signalling only the processes they
+    started."""
     temp = Path(f"/tmp/rp{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
     gcs = _free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--disable-usage-stats",
-              "--object-store-memory", str(100 * 1024 * 1024)]
-    procs = [_ray_start(["--head", "--port", str(gcs), "--include-dashboard", "false", "--temp-dir", str(temp),
-                         "--ray-client-server-port", str(_free_port()), "--resources", json.dumps({"node_a": 1}),
-                         *common], env)]
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    common = [
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        "2",
+        "--disable-usage-stats",
+        "--object-store-memory",
+        str(100 * 1024 * 1024),
+    ]
+    procs = [
+        _ray_start(
+            [
+                "--head",
+                "--port",
+                str(gcs),
+                "--include-dashboard",
+                "false",
+                "--temp-dir",
+                str(temp),
+                "--ray-client-server-port",
+                str(_free_port()),
+                "--resources",
+                json.dumps({"node_a": 1}),
+                *common,
+            ],
+            env,
+        )
+    ]
     from ray._private import ray_constants
 
     loopback = ray_constants.ENABLE_RAY_CLUSTER
     try:
         deadline = time.monotonic() + 90
-        while not _answers(gcs):  # the head's GCS first: the second raylet and the driver join through it
+        # the head's GCS first: the second raylet and the driver join through it
+        while not _answers(gcs):
             if time.monotonic() > deadline or procs[0].poll() is not None:
                 raise RuntimeError("the test's Ray head did not come up")
             time.sleep(0.5)
-        procs.append(_ray_start(["--address", f"127.0.0.1:{gcs}", "--resources", json.dumps({"node_b": 1}),
-                                 *common], env, join=True))
+        procs.append(
+            _ray_start(
+                [
+                    "--address",
+                    f"127.0.0.1:{gcs}",
+                    "--resources",
+                    json.dumps({"node_b": 1}),
+                    *common,
+                ],
+                env,
+                join=True,
+            )
+        )
         ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 (Ray read the switch at import)
         ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False, configure_logging=False)
         deadline = time.monotonic() + 90
@@ -126,7 +183,9 @@ def llama(tmp_path_factory):
     return resolve(str(directory))
 
 
-def test_each_tp_group_sits_inside_one_node_and_the_stages_generate_one_ranks_text(two_nodes, llama):
+def test_each_tp_group_sits_inside_one_node_and_the_stages_generate_one_ranks_text(
+    two_nodes, llama
+):
     from ster_dist.workers.ray_group import RayGroup
 
     single = load_model(llama, "f32")
@@ -144,8 +203,10 @@ def test_a_tp_group_no_node_can_hold_is_refused_at_once(two_nodes):
     from ster_dist.workers.ray_group import RayGroup
 
     start = time.monotonic()
-    with pytest.raises(Refusal, match="for a tensor-parallel group of 4 ranks, which must sit inside one node; "
-                                      "lower --tp"):
+    with pytest.raises(
+        Refusal,
+        match="for a tensor-parallel group of 4 ranks, which must sit inside one node; lower --tp",
+    ):
         RayGroup(4, address=two_nodes)
     assert time.monotonic() - start < 30
 
@@ -161,9 +222,11 @@ def test_a_killed_stage_fails_the_call_as_worker_lost(two_nodes, llama):
     assert group.actors == []
 
 
-@pytest.mark.slow  # two groups started on the two-node cluster and a held job: about a minute on two cores
+# two groups started on the two-node cluster and a held job: about a minute on two cores
+@pytest.mark.slow
 def test_a_job_whose_stage_dies_is_retried_on_a_restarted_group(two_nodes, llama, tmp_path):
-    """The job queue's own retry: a generate job at --pp 2 held mid-attempt, its second stage's rank killed;
+    """The job queue's own retry: a generate job at --pp 2 held mid-attempt, its second stage's rank
+    killed;
     the job runs again on a new group and answers as one rank does."""
     from ster_dist.jobqueue.queue import JobQueue
     from tests.cli_run import cli_generate
@@ -181,12 +244,18 @@ def test_a_job_whose_stage_dies_is_retried_on_a_restarted_group(two_nodes, llama
         held.release(fd)
         cursor, deadline, seen = 0, time.monotonic() + 120, []
         while not any(e.get("message", "").startswith("a worker died: rank 1 died") for e in seen):
-            assert time.monotonic() < deadline and finished() is None, [e.get("message") for e in seen]
+            assert time.monotonic() < deadline and finished() is None, [
+                e.get("message") for e in seen
+            ]
             reply = scheduler.poll(job_id, cursor, 1.0)
             seen, cursor = seen + reply["events"], reply["cursor"]
         held.release(held.wait_for_reader(finished))  # attempt 2, on a restarted group
         record = scheduler.wait(job_id, 180)
     assert record["status"] == "done" and record["attempts"] == 2, record.get("error")
-    reference = cli_generate(f"--model={directory}", "--prompt=a held answer", "--max-new-tokens=12",
-                             "--chat-template=off")
+    reference = cli_generate(
+        f"--model={directory}",
+        "--prompt=a held answer",
+        "--max-new-tokens=12",
+        "--chat-template=off",
+    )
     assert record["result"]["text"] == reference["text"]

@@ -63,26 +63,44 @@ def test_a_killed_actor_is_one_error_and_the_group_shuts_down(cluster, gemma2):
 
 
 def _ster(*argv, env=None):
-    proc = subprocess.run([sys.executable, "-m", "ster_dist.cli", *argv], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ster_dist.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
     return proc
 
 
 def _generate_args(gemma2) -> list[str]:
-    return ["generate", "--model", str(gemma2), "--prompt", "the capital of France", "--max-new-tokens", "8",
-            "--chat-template", "off"]
+    return [
+        "generate",
+        "--model",
+        str(gemma2),
+        "--prompt",
+        "the capital of France",
+        "--max-new-tokens",
+        "8",
+        "--chat-template",
+        "off",
+    ]
 
 
 @pytest.fixture(scope="module")
 def one_rank(gemma2):
-    """`ster generate` of _generate_args at one rank: the answer both command-line tests compare with."""
+    """`ster generate` of _generate_args at one rank: the answer both command-line tests compare
+    with."""
     return _ster(*_generate_args(gemma2))
 
 
-@pytest.mark.slow  # about 30 s on 2 cores: a second command line at --tp 2 with its own embedded cluster
+# about 30 s on 2 cores: a second command line at --tp 2 with its own embedded cluster
+@pytest.mark.slow
 def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2, one_rank):
-    """The default run's twin is the next test: the same `ster generate --tp 2` on an embedded cluster,
-    answering (text and token count) as one rank does; test_readme.py runs `ster generate --tp 2` as the
+    """The default run's twin is the next test: the same `ster generate --tp 2` on an embedded
+    cluster,
+    answering (text and token count) as one rank does; test_readme.py runs `ster generate --tp 2` as
+    the
     README writes it, every stderr line a JSON event."""
     args = _generate_args(gemma2)
     one = one_rank
@@ -90,14 +108,21 @@ def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2, one_ran
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     a, b = json.loads(one.stdout), json.loads(two.stdout)
-    assert b["tp"] == 2 and a["text"] == b["text"] and a["completion_tokens"] == b["completion_tokens"]
-    for line in two.stderr.splitlines():  # Ray's own notices arrive as log events, never as plain text
+    assert (
+        b["tp"] == 2 and a["text"] == b["text"] and a["completion_tokens"] == b["completion_tokens"]
+    )
+    # Ray's own notices arrive as log events, never as plain text
+    for line in two.stderr.splitlines():
         assert isinstance(json.loads(line), dict), line
-    leftover = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.strip()
+    leftover = subprocess.run(
+        ["pgrep", "-f", "raylet"], capture_output=True, text=True
+    ).stdout.strip()
     assert leftover == "" or ray.is_initialized(), "the CLI left a Ray cluster running"
 
 
-def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_completes(gemma2, one_rank, tmp_path):
+def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_completes(
+    gemma2, one_rank, tmp_path
+):
     """`ster generate --tp 2` runs as a job of an in-process scheduler: a rank killed while the
     command holds its group is retried on a restarted group, and the command prints the answer an
     undisturbed run prints."""
@@ -109,15 +134,27 @@ def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_complet
 
     held = HeldVector(tmp_path, str(gemma2))
     args = _generate_args(gemma2)
-    proc = subprocess.Popen([sys.executable, "-m", "ster_dist.cli", *args, "--tp", "2", *held.flags()],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ster_dist.cli", *args, "--tp", "2", *held.flags()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True
+    )
     reader.start()
     try:
         fd = held.wait_for_reader()  # the command is inside its attempt, holding its two ranks
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::Rank")]
-        assert len(ranks) == 2, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+        ranks = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if p.name().startswith("ray::Rank")
+        ]
+        assert len(ranks) == 2, [
+            p.name() for p in psutil.Process(proc.pid).children(recursive=True)
+        ]
         ranks[1].kill()
         ranks[1].wait(30)
         held.release(fd)
@@ -136,7 +173,11 @@ def test_a_rank_killed_under_a_command_line_is_restarted_and_the_command_complet
     assert len(died) == 1 and "died during ModelRunner.register_vector" in died[0]
     assert one_rank.returncode == 0, one_rank.stderr
     result, plain = json.loads(out), json.loads(one_rank.stdout)
-    assert result["tp"] == 2 and result["text"] == plain["text"] and result["steering"]["strength"] == 1.0
+    assert (
+        result["tp"] == 2
+        and result["text"] == plain["text"]
+        and result["steering"]["strength"] == 1.0
+    )
     assert result["completion_tokens"] == plain["completion_tokens"]
 
 
@@ -150,5 +191,8 @@ def test_a_rank_out_of_memory_is_reported_whole_with_its_own_exit_status(cluster
             group.on(AllocatesTooMuch).allocate()
     message = str(raised.value)
     assert raised.value.exit_code == 3 and "\n" not in message
-    assert message.startswith("rank ") and "ran out of memory during AllocatesTooMuch.allocate: MemoryError" in message
+    assert (
+        message.startswith("rank ")
+        and "ran out of memory during AllocatesTooMuch.allocate: MemoryError" in message
+    )
     assert message.endswith("or load a smaller precision")  # never cut mid-word

@@ -47,15 +47,20 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_transformers(group, tiny_dir
     assert compare(tp2, theirs)["max_relative_error"] < 1e-4
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
     eos = single.cfg.eos_token_ids
-    assert engine_tokens(group, prompts, 10, eos, checkpoint) == engine_tokens(single, prompts, 10, eos)
+    assert engine_tokens(group, prompts, 10, eos, checkpoint) == engine_tokens(
+        single, prompts, 10, eos
+    )
 
 
-@pytest.mark.parametrize("heads, kv, tp, expected", [
-    (9, 3, 2, [((0, 3), (0, 1)), ((3, 9), (1, 3))]),            # SmolLM2: balanced, not refused
-    (4, 1, 2, [((0, 2), (0, 1)), ((2, 4), (0, 1))]),            # one key-value head, replicated
-    (8, 2, 4, [((0, 2), (0, 1)), ((2, 4), (0, 1)), ((4, 6), (1, 2)), ((6, 8), (1, 2))]),
-    (8, 8, 2, [((0, 4), (0, 4)), ((4, 8), (4, 8))]),
-])
+@pytest.mark.parametrize(
+    "heads, kv, tp, expected",
+    [
+        (9, 3, 2, [((0, 3), (0, 1)), ((3, 9), (1, 3))]),  # SmolLM2: balanced, not refused
+        (4, 1, 2, [((0, 2), (0, 1)), ((2, 4), (0, 1))]),  # one key-value head, replicated
+        (8, 2, 4, [((0, 2), (0, 1)), ((2, 4), (0, 1)), ((4, 6), (1, 2)), ((6, 8), (1, 2))]),
+        (8, 8, 2, [((0, 4), (0, 4)), ((4, 8), (4, 8))]),
+    ],
+)
 def test_attention_heads_keep_each_query_head_with_its_key_value_head(heads, kv, tp, expected):
     from ster_dist.parallel.ctx import ParallelCtx
 
@@ -67,26 +72,48 @@ def _big_llama(directory, hidden=1024, layers=6, vocab=32001):
     import json
 
     inner, heads, kv = 2816, 16, 8
-    cfg = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inner, "num_hidden_layers": layers,
-           "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-           "max_position_embeddings": 256, "tie_word_embeddings": False}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inner,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
     gen = torch.Generator().manual_seed(0)
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
-               "lm_head.weight": torch.randn(vocab, hidden, generator=gen), "model.norm.weight": torch.ones(hidden)}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=gen),
+        "model.norm.weight": torch.ones(hidden),
+    }
     d = hidden // heads
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (heads * d, hidden), "self_attn.k_proj": (kv * d, hidden),
-                  "self_attn.v_proj": (kv * d, hidden), "self_attn.o_proj": (hidden, heads * d),
-                  "mlp.gate_proj": (inner, hidden), "mlp.up_proj": (inner, hidden), "mlp.down_proj": (hidden, inner)}
+        shapes = {
+            "self_attn.q_proj": (heads * d, hidden),
+            "self_attn.k_proj": (kv * d, hidden),
+            "self_attn.v_proj": (kv * d, hidden),
+            "self_attn.o_proj": (hidden, heads * d),
+            "mlp.gate_proj": (inner, hidden),
+            "mlp.up_proj": (inner, hidden),
+            "mlp.down_proj": (hidden, inner),
+        }
         for name, shape in shapes.items():
             tensors[f"{p}{name}.weight"] = torch.randn(shape, generator=gen) * 0.02
         tensors[f"{p}input_layernorm.weight"] = torch.ones(hidden)
         tensors[f"{p}post_attention_layernorm.weight"] = torch.ones(hidden)
     half = len(tensors) // 2
     names = sorted(tensors)
-    save_file({n: tensors[n] for n in names[:half]}, str(directory / "model-00001-of-00002.safetensors"))
-    save_file({n: tensors[n] for n in names[half:]}, str(directory / "model-00002-of-00002.safetensors"))
+    save_file(
+        {n: tensors[n] for n in names[:half]}, str(directory / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {n: tensors[n] for n in names[half:]}, str(directory / "model-00002-of-00002.safetensors")
+    )
     (directory / "config.json").write_text(json.dumps(cfg))
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -107,7 +134,9 @@ def test_each_rank_reads_its_share_within_the_memory_bound(tmp_path):
     for s in stats:
         assert math.isclose(s["bytes_read"], (total + replicated) / 2, rel_tol=0.01)
         growth = s["peak_rss_after"] - s["peak_rss_before"]
-        assert growth < 0.6 * total, f"rank {s['rank']} grew by {growth / total:.2f}x the checkpoint"
+        assert growth < 0.6 * total, (
+            f"rank {s['rank']} grew by {growth / total:.2f}x the checkpoint"
+        )
 
 
 def test_a_refusal_inside_the_ranks_surfaces_once():

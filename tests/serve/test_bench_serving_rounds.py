@@ -1,5 +1,7 @@
-"""bench/serving.py's reading of alternating rounds: which round stands for a backend, and the engine's ratio to
-each other backend taken round by round (the machine's speed drifts between rounds, so a ratio of two
+"""bench/serving.py's reading of alternating rounds: which round stands for a backend, and the
+engine's ratio to
+each other backend taken round by round (the machine's speed drifts between rounds, so a ratio of
+two
 figures from the same round is the steadier reading of issue 15's ratio targets)."""
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def test_the_engines_ratio_to_each_backend_is_taken_within_each_round():
     ratios = serving.round_ratios(rounds)
     assert set(ratios) == {"llama-server", "hf-cb"}
     assert ratios["llama-server"] == [{"inf": 2.0, "4": 1.5}, {"inf": 1.5}]
-    assert ratios["hf-cb"] == [{"inf": 4.0}, {}]  # a round the other backend has no figure for is left empty
+    # a round the other backend has no figure for is left empty
+    assert ratios["hf-cb"] == [{"inf": 4.0}, {}]
 
 
 def test_no_engine_rounds_give_no_ratios():

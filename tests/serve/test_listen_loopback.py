@@ -1,4 +1,5 @@
-"""Issue 19: what ster_dist starts listens only where it was told to (127.0.0.1 locally), never on every
+"""Issue 19: what ster_dist starts listens only where it was told to (127.0.0.1 locally), never on
+every
 interface.
 
 init_method="tcp://127.0.0.1:PORT" made rank 0's rendezvous store listen on *:PORT, and gloo's peer
@@ -25,7 +26,8 @@ def test_a_two_rank_group_listens_on_loopback_only():
 
 
 def test_a_group_told_another_address_listens_there_alone():
-    """Gloo's peer sockets follow the rendezvous address, not the hostname's (which resolves elsewhere)."""
+    """Gloo's peer sockets follow the rendezvous address, not the hostname's (which resolves
+    elsewhere)."""
     host = public_ipv4()
     if host is None:
         pytest.skip("this machine has no non-loopback IPv4 address to meet on")
@@ -58,4 +60,3 @@ def test_an_embedded_ray_cluster_and_its_group_listen_on_loopback_only():
     assert len(addresses) >= 4, f"Ray's servers should be listening: {addresses}"
     wide = beyond_loopback(addresses)
     assert not wide, f"listening beyond loopback: {wide}"
-

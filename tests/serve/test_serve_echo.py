@@ -1,6 +1,9 @@
-"""/v1/completions for lm-evaluation-harness (serve/echo.py, issue 60): `echo` with `logprobs` returns
-the prompt's token log-probabilities (the first null), `max_tokens: 0` scores the prompt alone, prompts
-come batched, as text or token ids; each log-probability is checked against Transformers' on the same
+"""/v1/completions for lm-evaluation-harness (serve/echo.py, issue 60): `echo` with `logprobs`
+returns
+the prompt's token log-probabilities (the first null), `max_tokens: 0` scores the prompt alone,
+prompts
+come batched, as text or token ids; each log-probability is checked against Transformers' on the
+same
 toy checkpoint."""
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def _transformers(toy: str):
 
 
 def reference(toy: str, ids: list[int], top: int) -> tuple[list[float], list[dict[int, float]]]:
-    """Transformers' log-probability of each token after the first, and the `top` likeliest there."""
+    """Transformers' log-probability of each token after the first, and the `top` likeliest
+    there."""
     model = _transformers(toy)
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
@@ -54,8 +58,18 @@ def test_echo_logprobs_are_the_prompts_own_as_transformers_scores_them(server, t
     ids = [tokenizer(t)["input_ids"] for t in texts]
     url = f"{server.url}/v1/completions"
     for prompt, max_tokens in ((texts, 0), (ids, 1)):
-        reply = httpx.post(url, timeout=120, json={"model": toy, "prompt": prompt, "echo": True, "logprobs": 2,
-                                                   "max_tokens": max_tokens, "temperature": 0})
+        reply = httpx.post(
+            url,
+            timeout=120,
+            json={
+                "model": toy,
+                "prompt": prompt,
+                "echo": True,
+                "logprobs": 2,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        )
         assert reply.status_code == 200, reply.text
         choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
         assert len(choices) == 2
@@ -65,21 +79,26 @@ def test_echo_logprobs_are_the_prompts_own_as_transformers_scores_them(server, t
             assert len(logprobs["tokens"]) == len(row) + max_tokens
             assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
             want, want_top = reference(toy, row, 2)
-            got = logprobs["token_logprobs"][1:len(row)]
+            got = logprobs["token_logprobs"][1 : len(row)]
             assert got == pytest.approx(want, abs=1e-4)
-            for top, expected in zip(logprobs["top_logprobs"][1:len(row)], want_top):
+            for top, expected in zip(logprobs["top_logprobs"][1 : len(row)], want_top):
                 assert sorted(top.values()) == pytest.approx(sorted(expected.values()), abs=1e-4)
-            assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"][:len(row)]).endswith(text[-3:])
+            assert logprobs["text_offset"][0] == 0 and "".join(
+                logprobs["tokens"][: len(row)]
+            ).endswith(text[-3:])
 
 
 def test_echo_without_logprobs_and_what_it_refuses(server, toy):
     url = f"{server.url}/v1/completions"
-    reply = httpx.post(url, timeout=60, json={"model": toy, "prompt": "hello", "echo": True, "max_tokens": 0})
+    reply = httpx.post(
+        url, timeout=60, json={"model": toy, "prompt": "hello", "echo": True, "max_tokens": 0}
+    )
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "hello"
     assert reply.json()["choices"][0]["logprobs"] is None
-    refused = httpx.post(url, timeout=60, json={"model": toy, "prompt": "hello", "echo": True, "stream": True})
+    refused = httpx.post(
+        url, timeout=60, json={"model": toy, "prompt": "hello", "echo": True, "stream": True}
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
-
 
 
 def test_tokenize_and_detokenize_as_transformers_does(server, toy):
@@ -89,9 +108,15 @@ def test_tokenize_and_detokenize_as_transformers_does(server, toy):
     text = "the sea is calm tonight"
     reply = httpx.post(f"{server.url}/tokenize", timeout=60, json={"model": toy, "prompt": text})
     want = tokenizer(text)["input_ids"]
-    assert reply.status_code == 200 and reply.json()["tokens"] == want and reply.json()["count"] == len(want)
+    assert (
+        reply.status_code == 200
+        and reply.json()["tokens"] == want
+        and reply.json()["count"] == len(want)
+    )
     assert reply.json()["max_model_len"] == 512
-    bare = httpx.post(f"{server.url}/tokenize", timeout=60, json={"prompt": text, "add_special_tokens": False})
+    bare = httpx.post(
+        f"{server.url}/tokenize", timeout=60, json={"prompt": text, "add_special_tokens": False}
+    )
     assert bare.json()["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
     back = httpx.post(f"{server.url}/detokenize", timeout=60, json={"model": toy, "tokens": want})
     assert back.status_code == 200 and back.json()["prompt"] == tokenizer.decode(want)
@@ -101,24 +126,33 @@ def test_tokenize_and_detokenize_as_transformers_does(server, toy):
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
-QUESTIONS = [{"question": "The sea is", "choices": [" calm", " loud", " green"], "answer": 0},
-             {"question": "A storm comes", "choices": [" soon", " never"], "answer": 1},
-             {"question": "hello there", "choices": [" friend", " world", " sea", " you"], "answer": 2}]
+QUESTIONS = [
+    {"question": "The sea is", "choices": [" calm", " loud", " green"], "answer": 0},
+    {"question": "A storm comes", "choices": [" soon", " never"], "answer": 1},
+    {"question": "hello there", "choices": [" friend", " world", " sea", " you"], "answer": 2},
+]
 
 
 def lm_eval_task(root) -> str:
-    """A multiple-choice task and a generate_until task over a local JSON dataset, as lm-eval's YAML."""
+    """A multiple-choice task and a generate_until task over a local JSON dataset, as lm-eval's
+    YAML."""
     data = root / "questions.json"
     data.write_text("\n".join(json.dumps(q) for q in QUESTIONS))
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-              "doc_to_text: '{{question}}'\n")
-    (root / "toy_mc.yaml").write_text(f"task: toy_mc\n{common}output_type: multiple_choice\n"
-                                      "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
-                                      "metric_list:\n  - metric: acc\n")
-    (root / "toy_gen.yaml").write_text(f"task: toy_gen\n{common}output_type: generate_until\n"
-                                       "doc_to_target: '{{choices[answer]}}'\n"
-                                       "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n"
-                                       "  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "doc_to_text: '{{question}}'\n"
+    )
+    (root / "toy_mc.yaml").write_text(
+        f"task: toy_mc\n{common}output_type: multiple_choice\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    (root / "toy_gen.yaml").write_text(
+        f"task: toy_gen\n{common}output_type: generate_until\n"
+        "doc_to_target: '{{choices[answer]}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n"
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
+    )
     return str(root)
 
 
@@ -133,14 +167,27 @@ def test_lm_eval_through_the_server_scores_as_its_hf_model(server, toy, tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tasks = TaskManager(include_path=lm_eval_task(tmp_path))
     samples = {}
-    for name, args in (("server", f"model={toy},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-                                  f"tokenizer={toy},num_concurrent=1,max_retries=1,tokenized_requests=True"),
-                       ("hf", f"pretrained={toy},dtype=float32,device=cpu")):
+    for name, args in (
+        (
+            "server",
+            f"model={toy},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={toy},num_concurrent=1,max_retries=1,tokenized_requests=True",
+        ),
+        ("hf", f"pretrained={toy},dtype=float32,device=cpu"),
+    ):
         started = time.monotonic()
-        results = lm_eval.simple_evaluate(model="local-completions" if name == "server" else "hf", model_args=args,
-                                          tasks=["toy_mc", "toy_gen"], task_manager=tasks, log_samples=True,
-                                          batch_size=1)
-        samples[name] = {task: sorted(rows, key=lambda r: r["doc_id"]) for task, rows in results["samples"].items()}
+        results = lm_eval.simple_evaluate(
+            model="local-completions" if name == "server" else "hf",
+            model_args=args,
+            tasks=["toy_mc", "toy_gen"],
+            task_manager=tasks,
+            log_samples=True,
+            batch_size=1,
+        )
+        samples[name] = {
+            task: sorted(rows, key=lambda r: r["doc_id"])
+            for task, rows in results["samples"].items()
+        }
         print(f"lm-eval {name}: {time.monotonic() - started:.1f} s")
     server_mc, hf_mc = samples["server"]["toy_mc"], samples["hf"]["toy_mc"]
     assert len(server_mc) == len(hf_mc) == len(QUESTIONS)

@@ -51,7 +51,8 @@ def small_app(stopped: Path):
 
     @app.get("/who")
     async def who(request: Request):
-        await asyncio.sleep(0.05)  # long enough for concurrent requests to overlap in a replica's queue
+        # long enough for concurrent requests to overlap in a replica's queue
+        await asyncio.sleep(0.05)
         return {"pid": os.getpid(), "started_in": request.state.started_in}
 
     @app.post("/echo")
@@ -90,8 +91,11 @@ def test_what_cannot_run_here_is_refused_before_ray_starts():
         with pytest.raises(Refusal, match=f"cannot listen on 127.0.0.1:{port}"):
             deploy(builder, replicas=2, host="127.0.0.1", port=port)
     gpus = torch.cuda.device_count()
-    with pytest.raises(Refusal, match=f"2 replicas holding {gpus + 1} GPU each need {2 * gpus + 2} GPUs and "
-                                      f"this machine has {gpus}"):
+    with pytest.raises(
+        Refusal,
+        match=f"2 replicas holding {gpus + 1} GPU each need {2 * gpus + 2} GPUs and "
+        f"this machine has {gpus}",
+    ):
         deploy(builder, replicas=2, host="127.0.0.1", port=0, num_gpus=gpus + 1)
     assert not ray.is_initialized()
 
@@ -112,11 +116,16 @@ def test_two_replicas_answer_through_one_port_and_stream_in_pieces(tmp_path):
         pids: dict[str, int] = {}
         with requests.Session() as http, ThreadPoolExecutor(8) as pool:
             for _ in range(8):
-                for reply in pool.map(lambda _: http.get(f"{served.url}/who", timeout=30), range(8)):
+                for reply in pool.map(
+                    lambda _: http.get(f"{served.url}/who", timeout=30), range(8)
+                ):
                     assert reply.status_code == 200, reply.text
                     body = reply.json()
-                    assert body["started_in"] == body["pid"]  # the app's lifespan ran in its replica
-                    assert pids.setdefault(reply.headers[REPLICA_HEADER], body["pid"]) == body["pid"]
+                    # the app's lifespan ran in its replica
+                    assert body["started_in"] == body["pid"]
+                    assert (
+                        pids.setdefault(reply.headers[REPLICA_HEADER], body["pid"]) == body["pid"]
+                    )
                 if len(pids) == 2:
                     break
         assert len(pids) == 2, pids
@@ -129,7 +138,9 @@ def test_two_replicas_answer_through_one_port_and_stream_in_pieces(tmp_path):
 
         # a stream arrives event by event, in order, as the replica sends it
         arrivals = []
-        with requests.post(f"{served.url}/echo", json={"text": "hi"}, stream=True, timeout=30) as reply:
+        with requests.post(
+            f"{served.url}/echo", json={"text": "hi"}, stream=True, timeout=30
+        ) as reply:
             assert reply.headers["content-type"].startswith("text/event-stream")
             assert reply.headers[REPLICA_HEADER] in pids
             for piece in reply.iter_content(chunk_size=None):
@@ -142,11 +153,13 @@ def test_two_replicas_answer_through_one_port_and_stream_in_pieces(tmp_path):
     finally:
         served.shutdown()
 
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(map(str, pids.values()))  # each app was stopped
+    # each app was stopped
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(map(str, pids.values()))
     assert not ray.is_initialized()  # what deploy started, shutdown stopped
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", served.port), timeout=5).close()
-    with socket.socket() as server:  # the port is free for the next server (which reuses addresses, as all do)
+    # the port is free for the next server (which reuses addresses, as all do)
+    with socket.socket() as server:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", served.port))
 
@@ -157,8 +170,13 @@ def ray_cluster():
     it and must leave it running."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
     yield
     ray.shutdown()
 
@@ -166,27 +184,36 @@ def ray_cluster():
 def test_a_replica_that_cannot_start_is_one_refusal_naming_why(ray_cluster):
     import ray
 
-    with pytest.raises(Refusal, match="no checkpoint at /nowhere/model; give --model a model directory"):
+    with pytest.raises(
+        Refusal, match="no checkpoint at /nowhere/model; give --model a model directory"
+    ):
         deploy(app_that_cannot_start, replicas=1, host="127.0.0.1", port=0)
     assert ray.is_initialized()  # a cluster deploy did not start, it leaves running
 
 
-def test_two_server_replicas_answer_the_openai_client_as_ster_generate(ray_cluster, tmp_path_factory):
+def test_two_server_replicas_answer_the_openai_client_as_ster_generate(
+    ray_cluster, tmp_path_factory
+):
     """The real server (`ster serve`'s settings, each replica with its own toy model and engine)
     behind one port: every answer, from either replica, streamed or not, is `ster generate`'s."""
     toy = make_toy(tmp_path_factory)
-    reference = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on")
+    reference = cli_generate(
+        f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on"
+    )
     messages = [{"role": "user", "content": "hello there"}]
 
     started = time.monotonic()
     served = deploy_server(parse(["serve", f"--model={toy}", "--replicas=2"]))
     print(f"two server replicas ready in {time.monotonic() - started:.1f} s")
     try:
-        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(
+            base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120
+        )
 
         def ask(_):
-            raw = client.chat.completions.with_raw_response.create(model=toy, messages=messages, max_tokens=12,
-                                                                   temperature=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model=toy, messages=messages, max_tokens=12, temperature=0
+            )
             return raw.headers[REPLICA_HEADER], raw.parse()
 
         replicas = set()
@@ -202,22 +229,36 @@ def test_two_server_replicas_answer_the_openai_client_as_ster_generate(ray_clust
 
         # a second deployment on this cluster is refused without touching the running one
         other = functools.partial(small_app, tmp_path_factory.mktemp("unused"))
-        with pytest.raises(Refusal, match="a Serve application named ster already runs on this cluster"):
+        with pytest.raises(
+            Refusal, match="a Serve application named ster already runs on this cluster"
+        ):
             deploy(other, replicas=1, host="127.0.0.1", port=served.port)
-        elsewhere = f"Ray Serve already runs on this cluster with its proxy on 127.0.0.1:{served.port}"
+        elsewhere = (
+            f"Ray Serve already runs on this cluster with its proxy on 127.0.0.1:{served.port}"
+        )
         with pytest.raises(Refusal, match=elsewhere):
             deploy(other, replicas=1, host="127.0.0.1", port=0, name="another")
 
-        chunks = list(client.chat.completions.create(model=toy, messages=messages, max_tokens=12, temperature=0,
-                                                     stream=True))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["text"]
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference["finish_reason"]
+        chunks = list(
+            client.chat.completions.create(
+                model=toy, messages=messages, max_tokens=12, temperature=0, stream=True
+            )
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            == reference["text"]
+        )
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference[
+            "finish_reason"
+        ]
     finally:
         served.shutdown()
 
 
 @pytest.mark.slow
-def test_the_command_serves_replicas_on_a_given_cluster_and_stops_on_sigterm(ray_cluster, tmp_path_factory):
+def test_the_command_serves_replicas_on_a_given_cluster_and_stops_on_sigterm(
+    ray_cluster, tmp_path_factory
+):
     """`ster serve --replicas 2 --address CLUSTER` as a user runs it: ready line, both replicas
     answering as `ster generate`, SIGTERM stopping the replicas (status 0, the result line) and
     leaving the cluster it was given running. (About 45 s on 2 cores: a process importing torch
@@ -225,15 +266,22 @@ def test_the_command_serves_replicas_on_a_given_cluster_and_stops_on_sigterm(ray
     import ray
 
     toy = make_toy(tmp_path_factory)
-    reference = cli_generate(f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on")
+    reference = cli_generate(
+        f"--model={toy}", "--prompt=hello there", "--max-new-tokens=12", "--chat-template=on"
+    )
     messages = [{"role": "user", "content": "hello there"}]
-    server = ServeProcess("--model", toy, "--replicas", "2", "--address", ray.get_runtime_context().gcs_address)
+    server = ServeProcess(
+        "--model", toy, "--replicas", "2", "--address", ray.get_runtime_context().gcs_address
+    )
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
+        )
 
         def ask(_):
-            raw = client.chat.completions.with_raw_response.create(model=toy, messages=messages, max_tokens=12,
-                                                                   temperature=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model=toy, messages=messages, max_tokens=12, temperature=0
+            )
             return raw.headers[REPLICA_HEADER], raw.parse().choices[0].message.content
 
         with ThreadPoolExecutor(8) as pool:
@@ -243,7 +291,9 @@ def test_the_command_serves_replicas_on_a_given_cluster_and_stops_on_sigterm(ray
     finally:
         status = server.stop()
     assert status == 0, "".join(server.stderr)[-3000:]
-    assert {"served": toy, "replicas": 2} in [json.loads(line) for line in server.stderr if line.startswith("{")]
+    assert {"served": toy, "replicas": 2} in [
+        json.loads(line) for line in server.stderr if line.startswith("{")
+    ]
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
     assert ray.cluster_resources().get("CPU") == 2  # the cluster it was given is still there

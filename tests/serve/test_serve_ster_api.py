@@ -30,20 +30,28 @@ from tests.cli_run import cli_generate, make_toy
 from tests.steer.test_steer import PAIRS
 
 
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     toy = make_toy(tmp_path_factory)
     root = tmp_path_factory.mktemp("ster-api")
     (root / "pairs.json").write_text(json.dumps(PAIRS))
     (root / "prompts.json").write_text(json.dumps({"prompts": ["the sea", "a storm"]}))
-    defaults = {"model": toy, "revision": None, "precision": "f32", "device": "cpu", "tp": 1, "ep": 1}
+    defaults = {
+        "model": toy,
+        "revision": None,
+        "precision": "f32",
+        "device": "cpu",
+        "tp": 1,
+        "ep": 1,
+    }
     client = LocalClient(JobQueue(root / "state", idle_s=600).start())
     app = FastAPI()
     # the tests' files lie in pytest's temporary directories: allowed, as --allow-path allows them
     models = [str(root / "no-such-model"), str(root / "empty-model")]
     app.include_router(ster_router(client, defaults, Confinement(toy, [str(root)], models)))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=server.run, name="ster-api-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -52,7 +60,13 @@ def served(tmp_path_factory):
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "toy": toy, "root": root, "defaults": defaults, "client": client}
+        yield {
+            "url": f"http://127.0.0.1:{port}",
+            "toy": toy,
+            "root": root,
+            "defaults": defaults,
+            "client": client,
+        }
     finally:
         server.should_exit = True
         thread.join(30)
@@ -62,8 +76,12 @@ def served(tmp_path_factory):
 def call(served, path: str, body=None, method: str | None = None) -> tuple[int, dict, object]:
     """(status, headers, answer): NDJSON lines as a list of objects, any other JSON as itself."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    request = urllib.request.Request(served["url"] + path, data=data, method=method or ("POST" if data else "GET"),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        served["url"] + path,
+        data=data,
+        method=method or ("POST" if data else "GET"),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             status, headers, text = reply.status, reply.headers, reply.read().decode()
@@ -98,33 +116,81 @@ def as_spec_file(served, path: str, body: dict) -> str:
 
 def assert_refused(answer: tuple, status: int, message: str) -> None:
     code, _, body = answer
-    assert (code, body) == (status, {"error": {"message": message, "type": "invalid_request_error",
-                                               "code": status}}), body
+    assert (code, body) == (
+        status,
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
+    ), body
 
 
 def test_generate_answers_what_the_command_line_does(served):
-    status, headers, lines = call(served, "/v1/generate", {"prompt": "hello", "maxNewTokens": 8,
-                                                           "chatTemplate": "off"})
-    assert status == 200 and headers["content-type"].startswith("application/x-ndjson") and headers["x-ster-job"]
-    want = cli_generate("--model", served["toy"], "--prompt", "hello", "--max-new-tokens", "8",
-                        "--chat-template", "off")
+    status, headers, lines = call(
+        served, "/v1/generate", {"prompt": "hello", "maxNewTokens": 8, "chatTemplate": "off"}
+    )
+    assert (
+        status == 200
+        and headers["content-type"].startswith("application/x-ndjson")
+        and headers["x-ster-job"]
+    )
+    want = cli_generate(
+        "--model",
+        served["toy"],
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "8",
+        "--chat-template",
+        "off",
+    )
     assert result_of(lines) == camel_keys(want)
 
-    status, _, lines = call(served, "/v1/generate", {"prompt": "hello", "maxNewTokens": 8, "chatTemplate": "off",
-                                                     "stream": True})
+    status, _, lines = call(
+        served,
+        "/v1/generate",
+        {"prompt": "hello", "maxNewTokens": 8, "chatTemplate": "off", "stream": True},
+    )
     texts = [line["text"] for line in lines if line["event"] == "text"]
     assert status == 200 and texts and "".join(texts) == result_of(lines)["text"] == want["text"]
 
 
 def test_two_generate_requests_at_once_both_finish_right(served):
-    bodies = [{"prompt": "the sea is", "maxNewTokens": 12, "chatTemplate": "off"},
-              {"prompt": "a storm", "maxNewTokens": 6, "chatTemplate": "off", "temperature": 0.8, "seed": 3}]
+    bodies = [
+        {"prompt": "the sea is", "maxNewTokens": 12, "chatTemplate": "off"},
+        {
+            "prompt": "a storm",
+            "maxNewTokens": 6,
+            "chatTemplate": "off",
+            "temperature": 0.8,
+            "seed": 3,
+        },
+    ]
     with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda body: call(served, "/v1/generate", body), bodies))
-    wants = [cli_generate("--model", served["toy"], "--prompt", "the sea is", "--max-new-tokens", "12",
-                          "--chat-template", "off"),
-             cli_generate("--model", served["toy"], "--prompt", "a storm", "--max-new-tokens", "6",
-                          "--chat-template", "off", "--temperature", "0.8", "--seed", "3")]
+    wants = [
+        cli_generate(
+            "--model",
+            served["toy"],
+            "--prompt",
+            "the sea is",
+            "--max-new-tokens",
+            "12",
+            "--chat-template",
+            "off",
+        ),
+        cli_generate(
+            "--model",
+            served["toy"],
+            "--prompt",
+            "a storm",
+            "--max-new-tokens",
+            "6",
+            "--chat-template",
+            "off",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "3",
+        ),
+    ]
     for (status, _, lines), want in zip(answers, wants):
         assert status == 200
         assert result_of(lines)["text"] == want["text"]
@@ -133,8 +199,11 @@ def test_two_generate_requests_at_once_both_finish_right(served):
 def test_train_inspect_evaluate_and_extract(served):
     root = served["root"]
     vector = root / "calm.json"
-    status, _, lines = call(served, "/v1/train", {"pairs": str(root / "pairs.json"), "output": str(vector),
-                                                  "batchSize": 4})
+    status, _, lines = call(
+        served,
+        "/v1/train",
+        {"pairs": str(root / "pairs.json"), "output": str(vector), "batchSize": 4},
+    )
     assert status == 200
     trained = result_of(lines)
     assert vector.is_file() and trained["traitName"] == "calm" and trained["output"] == str(vector)
@@ -148,57 +217,99 @@ def test_train_inspect_evaluate_and_extract(served):
     assert lines[0]["result"] == {k: v for k, v in trained.items() if k != "output"}
 
     best = root / "best.json"
-    status, _, lines = call(served, "/v1/optimize", {"pairs": str(root / "pairs.json"), "output": str(best),
-                                                     "holdout": 0.4})
+    status, _, lines = call(
+        served,
+        "/v1/optimize",
+        {"pairs": str(root / "pairs.json"), "output": str(best), "holdout": 0.4},
+    )
     assert status == 200 and best.is_file()
-    assert result_of(lines)["selection"]["holdout"] == {"fraction": 0.4, "fitPairs": 3, "holdoutPairs": 2}
+    assert result_of(lines)["selection"]["holdout"] == {
+        "fraction": 0.4,
+        "fitPairs": 3,
+        "holdoutPairs": 2,
+    }
 
-    status, _, lines = call(served, "/v1/evaluate", {"pairs": str(root / "pairs.json"), "vector": str(vector)})
+    status, _, lines = call(
+        served, "/v1/evaluate", {"pairs": str(root / "pairs.json"), "vector": str(vector)}
+    )
     assert status == 200
     report = result_of(lines)
     assert report["pairCount"] == 5 and report["traitName"] == "calm" and report["layers"]
 
     activations = root / "h.safetensors"
-    status, _, lines = call(served, "/v1/extract", {"input": str(root / "prompts.json"), "output": str(activations),
-                                                    "layers": "0,1", "chatTemplate": "off"})
+    status, _, lines = call(
+        served,
+        "/v1/extract",
+        {
+            "input": str(root / "prompts.json"),
+            "output": str(activations),
+            "layers": "0,1",
+            "chatTemplate": "off",
+        },
+    )
     assert status == 200
     extracted = result_of(lines)
-    assert extracted["rows"] == 2 and extracted["hiddenSize"] == 64 and extracted["layers"] == [0, 1]
+    assert (
+        extracted["rows"] == 2 and extracted["hiddenSize"] == 64 and extracted["layers"] == [0, 1]
+    )
     with safe_open(str(activations), "pt") as tensors:
         assert tensors.get_tensor("layers.1").shape == (2, 64)
 
 
-@pytest.mark.parametrize("body", [{"prompt": "hi", "maxNewToken": 8},       # no such field
-                                  {"prompt": "hi", "maxNewTokens": -1},     # a value out of range
-                                  {"prompt": "hi", "topP": 1.5},            # a value a validator refuses
-                                  {"prompt": "hi", "temperature": 0.7}],    # a sampled job states its seed
-                         ids=["unknown-field", "bad-value", "bad-top-p", "no-seed"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi", "maxNewToken": 8},  # no such field
+        {"prompt": "hi", "maxNewTokens": -1},  # a value out of range
+        # a value a validator refuses
+        {"prompt": "hi", "topP": 1.5},
+        # a sampled job states its seed
+        {"prompt": "hi", "temperature": 0.7},
+    ],
+    ids=["unknown-field", "bad-value", "bad-top-p", "no-seed"],
+)
 def test_a_refused_field_is_a_400_in_the_command_lines_words(served, body):
     want = cli_refusal("submit", "--local", as_spec_file(served, "generate", body))
     answer = call(served, "/v1/generate", body)
     assert_refused(answer, 400, want)
-    assert "'maxNewToken'" in want or "'maxNewTokens'" in want or "'topP'" in want or "'seed'" in want
+    assert (
+        "'maxNewToken'" in want or "'maxNewTokens'" in want or "'topP'" in want or "'seed'" in want
+    )
 
 
 def test_missing_files_are_a_404_in_the_command_lines_words(served):
     root, toy = served["root"], served["toy"]
     missing = root / "missing-pairs.json"
-    want = cli_refusal("steer", "train", "--model", toy, "--pairs", missing, "--output", root / "never.json")
+    want = cli_refusal(
+        "steer", "train", "--model", toy, "--pairs", missing, "--output", root / "never.json"
+    )
     assert str(missing) in want
-    assert_refused(call(served, "/v1/train", {"pairs": str(missing), "output": str(root / "never.json")}), 404, want)
+    assert_refused(
+        call(served, "/v1/train", {"pairs": str(missing), "output": str(root / "never.json")}),
+        404,
+        want,
+    )
 
     nowhere = root / "no-such-model"
     want = cli_refusal("generate", "--model", nowhere, "--prompt", "hi")
     assert_refused(call(served, "/v1/generate", {"model": str(nowhere), "prompt": "hi"}), 404, want)
 
-    want = str(pytest.raises(Refusal, ops.OPERATIONS[SteerInspectRequest].run,
-                             parse(["steer", "inspect", str(root / "no-vector.json")])).value)
-    assert_refused(call(served, "/v1/inspect", {"artifact": str(root / "no-vector.json")}), 404, want)
+    want = str(
+        pytest.raises(
+            Refusal,
+            ops.OPERATIONS[SteerInspectRequest].run,
+            parse(["steer", "inspect", str(root / "no-vector.json")]),
+        ).value
+    )
+    assert_refused(
+        call(served, "/v1/inspect", {"artifact": str(root / "no-vector.json")}), 404, want
+    )
     assert not (root / "never.json").exists()
 
 
 def test_a_job_that_fails_once_its_stream_began_ends_with_an_error_line(served):
-    empty = served["root"] / "empty-model"  # a directory, so the job starts (and says so), then is refused
+    # a directory, so the job starts (and says so), then is refused
+    empty = served["root"] / "empty-model"
     empty.mkdir()
     want = cli_refusal("generate", "--model", empty, "--prompt", "hi")
     status, _, lines = call(served, "/v1/generate", {"model": str(empty), "prompt": "hi"})
@@ -214,7 +325,9 @@ def test_malformed_bodies_and_unknown_paths_answer_in_the_envelope(served):
     code, _, body = call(served, "/v1/generate", {"kind": "extract", "prompt": "hi"})
     assert code == 400 and "'kind'" in body["error"]["message"]
     code, _, body = call(served, "/v1/train/now", {})
-    assert code == 404 and body["error"]["code"] == 404 and "/v1/train/now" in body["error"]["message"]
+    assert (
+        code == 404 and body["error"]["code"] == 404 and "/v1/train/now" in body["error"]["message"]
+    )
     code, headers, body = call(served, "/v1/train", method="GET")
     assert code == 405 and headers["allow"] == "POST" and body["error"]["code"] == 405
 
@@ -226,50 +339,83 @@ def test_the_served_settings_fill_only_what_a_body_leaves_out_for_the_served_mod
     api = SterApi(served["client"], {**served["defaults"], "precision": "bf16"})
     toy = served["toy"]
     assert api.spec(GenerateRequest, {"prompt": "x", "precision": "f16"}) == {
-        "kind": "generate", "model": toy, "device": "cpu", "tp": 1, "ep": 1, "prompt": "x", "precision": "f16"}
+        "kind": "generate",
+        "model": toy,
+        "device": "cpu",
+        "tp": 1,
+        "ep": 1,
+        "prompt": "x",
+        "precision": "f16",
+    }
     assert api.spec(GenerateRequest, {"model": toy, "prompt": "x"}) == {
-        "kind": "generate", "model": toy, "precision": "bf16", "device": "cpu", "tp": 1, "ep": 1, "prompt": "x"}
+        "kind": "generate",
+        "model": toy,
+        "precision": "bf16",
+        "device": "cpu",
+        "tp": 1,
+        "ep": 1,
+        "prompt": "x",
+    }
     assert api.spec(GenerateRequest, {"model": "other/model", "prompt": "x"}) == {
-        "kind": "generate", "model": "other/model", "prompt": "x"}
+        "kind": "generate",
+        "model": "other/model",
+        "prompt": "x",
+    }
 
 
 def test_health(served):
     code, _, body = call(served, "/v1/health")
     assert code == 200 and body["status"] == "ok" and body["model"] == served["toy"]
     assert set(body["queue"]) >= {"queued", "jobs", "groupStarts", "groups"}
-    assert isinstance(body["queue"]["groupStarts"], int) and isinstance(body["queue"]["groups"], list)
+    assert isinstance(body["queue"]["groupStarts"], int) and isinstance(
+        body["queue"]["groups"], list
+    )
 
 
 def test_paths_outside_the_allowed_directories_and_other_models_are_403(served, tmp_path_factory):
     """A body's paths are the server's files: one outside the working directory and --allow-path is
-    refused before its job is queued, followed through symlinks and `..`; so is a model not served."""
+    refused before its job is queued, followed through symlinks and `..`; so is a model not
+    served."""
     root, toy = served["root"], served["toy"]
     outside = tmp_path_factory.mktemp("outside")
     (outside / "secret.txt").write_text("the server's own file")
     (root / "link").symlink_to(outside, target_is_directory=True)
-    for body in ({"prompt": "hi", "system": "/etc/hostname"},
-                 {"prompt": "hi", "system": str(outside / "secret.txt")},
-                 {"prompt": "hi", "system": str(root / "link" / "secret.txt")},
-                 {"prompt": "hi", "system": str(root / ".." / outside.name / "secret.txt")},
-                 {"prompt": "hi", "output": str(outside / "written.json")}):
+    for body in (
+        {"prompt": "hi", "system": "/etc/hostname"},
+        {"prompt": "hi", "system": str(outside / "secret.txt")},
+        {"prompt": "hi", "system": str(root / "link" / "secret.txt")},
+        {"prompt": "hi", "system": str(root / ".." / outside.name / "secret.txt")},
+        {"prompt": "hi", "output": str(outside / "written.json")},
+    ):
         field = next(k for k in body if k != "prompt")
         code, _, answer = call(served, "/v1/generate", body)
         message = answer["error"]["message"]
-        assert code == 403 and message.startswith(f"'{field}' {body[field]} is outside the directories"), answer
+        assert code == 403 and message.startswith(
+            f"'{field}' {body[field]} is outside the directories"
+        ), answer
         assert "--allow-path DIR" in message
     assert not (outside / "written.json").exists()
     code, _, answer = call(served, "/v1/inspect", {"artifact": str(outside / "secret.txt")})
     assert code == 403 and "'artifact'" in answer["error"]["message"]
-    code, _, answer = call(served, "/v1/train", {"pairs": str(root / "pairs.json"), "output": "/tmp/../etc/x.json"})
-    assert code == 403 and answer["error"]["message"].startswith("'output' /tmp/../etc/x.json is outside")
+    code, _, answer = call(
+        served, "/v1/train", {"pairs": str(root / "pairs.json"), "output": "/tmp/../etc/x.json"}
+    )
+    assert code == 403 and answer["error"]["message"].startswith(
+        "'output' /tmp/../etc/x.json is outside"
+    )
 
     for model in ("gpt2", str(outside)):
         code, _, answer = call(served, "/v1/generate", {"model": model, "prompt": "hi"})
-        assert code == 403 and answer["error"]["message"].startswith(f"'model' {model!r} is not served here")
+        assert code == 403 and answer["error"]["message"].startswith(
+            f"'model' {model!r} is not served here"
+        )
         assert "--allow-models NAME" in answer["error"]["message"]
     # the served model in another spelling of its directory is the served model
-    code, _, lines = call(served, "/v1/generate", {"model": f"{toy}/.", "prompt": "hi", "maxNewTokens": 2,
-                                                   "chatTemplate": "off"})
+    code, _, lines = call(
+        served,
+        "/v1/generate",
+        {"model": f"{toy}/.", "prompt": "hi", "maxNewTokens": 2, "chatTemplate": "off"},
+    )
     assert code == 200 and isinstance(result_of(lines)["text"], str)
 
 

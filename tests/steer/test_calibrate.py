@@ -28,9 +28,10 @@ from ster_dist.workers.group import LocalGroup
 from ster_dist.workers.spawn import SpawnGroup
 from tests.steer.test_decide import REQUEST, engine_on, make_tiny
 
-ITEMS = 10          # every 5th held out: 8 items (24 decisions) fit, 2 (6 decisions) check
-GRID = 60001        # log T from -3 to 3 in steps of 1e-4
-HEAD_SCALE = 1000.0  # the tiny model is near uniform over letters; a larger head spreads its options
+ITEMS = 10  # every 5th held out: 8 items (24 decisions) fit, 2 (6 decisions) check
+GRID = 60001  # log T from -3 to 3 in steps of 1e-4
+# the tiny model is near uniform over letters; a larger head spreads its options
+HEAD_SCALE = 1000.0
 
 
 def quiet(*args, **kwargs):
@@ -79,7 +80,8 @@ def brute_force(decisions: list[tuple[list[float], int]]) -> tuple[float, float]
     total = torch.zeros_like(u)
     for width in {len(z) for z, _ in decisions}:  # decisions of one option count in one product
         same = [(z, y) for z, y in decisions if len(z) == width]
-        scaled = beta * torch.tensor([z for z, _ in same], dtype=torch.float64)[None]  # [grid, decisions, options]
+        # [grid, decisions, options]
+        scaled = beta * torch.tensor([z for z, _ in same], dtype=torch.float64)[None]
         labels = torch.tensor([y for _, y in same])
         total += (torch.logsumexp(scaled, 2) - scaled[:, torch.arange(len(same)), labels]).sum(1)
     best = int(torch.argmin(total))
@@ -100,7 +102,9 @@ def llama(tmp_path_factory):
     with engine_on(group, tokenizer) as engine:
         for i in range(ITEMS):
             request = parse_request(item_request(i))
-            result = decide(engine, tokenizer, group.rank.loaded.cfg, request, 0, "auto", True, quiet)
+            result = decide(
+                engine, tokenizer, group.rank.loaded.cfg, request, 0, "auto", True, quiet
+            )
             labels, decisions = {}, []
             for j, question in enumerate(request.questions):
                 logits = logits_of(result["explain"][question.id])
@@ -112,8 +116,14 @@ def llama(tmp_path_factory):
             lines.append(json.dumps({**item_request(i), "labels": labels}))
     labelled = root / "labelled.jsonl"
     labelled.write_text("\n".join(lines) + "\n")
-    yield {"dir": directory, "tokenizer": tokenizer, "group": group, "raw": raw, "labelled": labelled,
-           "root": root}
+    yield {
+        "dir": directory,
+        "tokenizer": tokenizer,
+        "group": group,
+        "raw": raw,
+        "labelled": labelled,
+        "root": root,
+    }
     group.close()
 
 
@@ -121,8 +131,17 @@ def llama(tmp_path_factory):
 def fitted(llama):
     """`ster calibrate` on the command line: its printed result and the artifact it wrote."""
     output = llama["root"] / "out" / "calibration.json"
-    code = main(["calibrate", "--model", str(llama["dir"]), "--decisions", str(llama["labelled"]),
-                 "--output", str(output)])
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(llama["dir"]),
+            "--decisions",
+            str(llama["labelled"]),
+            "--output",
+            str(output),
+        ]
+    )
     assert code == 0
     return json.loads(output.read_text())
 
@@ -134,6 +153,7 @@ def split_raw(raw: list) -> tuple[list, list]:
 
 
 # -- the arithmetic ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed, sharpness", [(0, 0.4), (1, 1.0), (2, 3.0), (3, 12.0), (4, 0.02)])
 def test_golden_section_equals_a_brute_force_grid_on_made_up_decisions(seed, sharpness):
@@ -148,7 +168,10 @@ def test_golden_section_equals_a_brute_force_grid_on_made_up_decisions(seed, sha
     fit = temperature.fit([temperature.Decision(z, y) for z, y in decisions])
     best_u, best_nll = brute_force(decisions)
     assert fit.log_temperature == pytest.approx(best_u, abs=1e-4 + temperature.TOLERANCE)
-    assert temperature.nll([temperature.Decision(z, y) for z, y in decisions], fit.temperature) <= best_nll + 1e-12
+    assert (
+        temperature.nll([temperature.Decision(z, y) for z, y in decisions], fit.temperature)
+        <= best_nll + 1e-12
+    )
     assert fit.steps <= 40 and fit.at_bound == (sharpness == 0.02)
     before = temperature.metrics([temperature.Decision(z, y) for z, y in decisions], 1.0)
     after = temperature.metrics([temperature.Decision(z, y) for z, y in decisions], fit.temperature)
@@ -156,30 +179,45 @@ def test_golden_section_equals_a_brute_force_grid_on_made_up_decisions(seed, sha
 
 
 def test_metrics_by_hand():
-    decisions = [temperature.Decision([math.log(0.7), math.log(0.3)], 0),
-                 temperature.Decision([math.log(0.2), math.log(0.8)], 0)]
+    decisions = [
+        temperature.Decision([math.log(0.7), math.log(0.3)], 0),
+        temperature.Decision([math.log(0.2), math.log(0.8)], 0),
+    ]
     m = temperature.metrics(decisions)
     assert m["accuracy"] == 0.5 and m["decisions"] == 2
     assert m["nll"] == pytest.approx(-(math.log(0.7) + math.log(0.2)) / 2)
-    assert m["brier"] == pytest.approx(((0.3 ** 2 + 0.3 ** 2) + (0.8 ** 2 + 0.8 ** 2)) / 2)
-    # 0.7 falls in bin (0.667, 0.733], 0.8 in (0.733, 0.8]: |1 - 0.7| and |0 - 0.8|, each half the weight
+    assert m["brier"] == pytest.approx(((0.3**2 + 0.3**2) + (0.8**2 + 0.8**2)) / 2)
+    # 0.7 falls in bin (0.667, 0.733], 0.8 in (0.733, 0.8]: |1 - 0.7| and |0 - 0.8|, each half the
+    # weight
     assert m["ece"] == pytest.approx((0.3 + 0.8) / 2)
 
 
 # -- the fit on a real model ---------------------------------------------------------------------
 
+
 def test_the_fitted_temperature_is_the_brute_force_minimum_of_decides_own_scores(llama, fitted):
     fit, held = split_raw(llama["raw"])
     best_u, _ = brute_force(fit)
     assert fitted["format"] == "ster-calibration/1" and fitted["model"] == str(llama["dir"])
-    assert not fitted["search"]["at_bound"] and -2.9 < best_u < 2.9  # a real minimum, not a clipped one
+    # a real minimum, not a clipped one
+    assert not fitted["search"]["at_bound"] and -2.9 < best_u < 2.9
     assert fitted["log_temperature"] == pytest.approx(best_u, abs=1e-4 + temperature.TOLERANCE)
     assert fitted["temperature"] == pytest.approx(math.exp(fitted["log_temperature"]))
-    assert fitted["items"] == {"fit": 8, "control": 2} and fitted["control_from"] == "every 5th item"
-    assert fitted["before"]["decisions"] == len(fit) == 24 and fitted["control"]["after"]["decisions"] == 6
-    # scaling never moves an argmax: accuracy is the same on both splits, NLL falls where it was fitted
+    assert (
+        fitted["items"] == {"fit": 8, "control": 2} and fitted["control_from"] == "every 5th item"
+    )
+    assert (
+        fitted["before"]["decisions"] == len(fit) == 24
+        and fitted["control"]["after"]["decisions"] == 6
+    )
+    # scaling never moves an argmax: accuracy is the same on both splits, NLL falls where it was
+    # fitted
     right = sum(max(range(len(z)), key=lambda k: z[k]) == y for z, y in fit)
-    assert fitted["after"]["accuracy"] == fitted["before"]["accuracy"] == pytest.approx(right / len(fit))
+    assert (
+        fitted["after"]["accuracy"]
+        == fitted["before"]["accuracy"]
+        == pytest.approx(right / len(fit))
+    )
     assert fitted["control"]["after"]["accuracy"] == fitted["control"]["before"]["accuracy"]
     assert fitted["after"]["nll"] < fitted["before"]["nll"]
     t = fitted["temperature"]
@@ -195,15 +233,29 @@ def test_decide_with_the_calibration_scales_decides_raw_scores(llama, fitted, tm
     request.write_text(json.dumps(item_request(3)))
     artifact = llama["root"] / "out" / "calibration.json"
     capsys.readouterr()
-    code = main(["decide", "--model", str(llama["dir"]), "--request", str(request), "--explain",
-                 "--calibration", str(artifact)])
+    code = main(
+        [
+            "decide",
+            "--model",
+            str(llama["dir"]),
+            "--request",
+            str(request),
+            "--explain",
+            "--calibration",
+            str(artifact),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     response = json.loads(out)
-    assert response["temperature"] == fitted["temperature"] and response["calibration"] == str(artifact)
+    assert response["temperature"] == fitted["temperature"] and response["calibration"] == str(
+        artifact
+    )
     for qid, answer in response["answers"].items():
         logits = logits_of(response["explain"][qid])  # explain's per-order probabilities stay raw
-        assert probs_of(answer) == pytest.approx(softmax(logits, fitted["temperature"]), abs=1e-9), qid
+        assert probs_of(answer) == pytest.approx(
+            softmax(logits, fitted["temperature"]), abs=1e-9
+        ), qid
         assert probs_of(answer) != pytest.approx(softmax(logits), abs=1e-3)
 
 
@@ -238,7 +290,8 @@ def test_calibrate_as_a_job_through_the_queue_writes_what_the_command_line_write
 def test_ep2_on_a_tiny_moe_fits_what_one_rank_fits(tmp_path, llama):
     directory = tmp_path / "mixtral"
     tokenizer = tiny_decider("mixtral", directory)
-    items = load_labelled(str(llama["labelled"]), "--decisions")  # labels made for another model: still a fit
+    # labels made for another model: still a fit
+    items = load_labelled(str(llama["labelled"]), "--decisions")
     fit_items, held, _ = split(items, None, 5, "labelled", "--control")
     results = []
     with LocalGroup() as local:
@@ -259,9 +312,15 @@ def test_ep2_on_a_tiny_moe_fits_what_one_rank_fits(tmp_path, llama):
 
 # -- refusals ------------------------------------------------------------------------------------
 
+
 def good_items(n: int = 10) -> list[dict]:
-    return [{**item_request(i), "labels": {"department": "returns", "frustration": 1, "is_urgent": False}}
-            for i in range(n)]
+    return [
+        {
+            **item_request(i),
+            "labels": {"department": "returns", "frustration": 1, "is_urgent": False},
+        }
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path, items) -> str:
@@ -272,25 +331,56 @@ def write_jsonl(path, items) -> str:
 def _label(i, qid, value):
     def edit(items):
         items[i]["labels"][qid] = value
+
     return edit
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda items: items.clear(), r"--decisions \S+ is empty: write one decide request with its labels per line"),
-    (lambda items: items[2].pop("labels"), r"line 3 has no labels: add \"labels\""),
-    (lambda items: items[1]["labels"].pop("frustration"), r"line 2: question 'frustration' has no label"),
-    (_label(0, "department", "refunds"),
-     r"label \"refunds\" of question 'department' is not among its options \(billing, returns, shipping\)"),
-    (_label(0, "frustration", 3), r"label 3 of score question 'frustration' is not among its levels; .* 0 to 2"),
-    (_label(0, "is_urgent", "yes"), r"label \"yes\" of noul question 'is_urgent' is not among its options"),
-    (_label(4, "sarcasm", True), r"line 5: labels name question 'sarcasm', which it does not ask"),
-    (lambda items: items[0]["questions"]["frustration"].update(criteria=["calm", "angry", "calm"]),
-     r"score question 'frustration' lists the level \"calm\" twice"),
-    (lambda items: items[0].update(state=""), r"a decide request has an empty state"),
-    (lambda items: items.append("just text"), r"line 11 is not a decide request with labels"),
-    (lambda items: items.__delitem__(slice(3, None)), r"has 3 items, so holding out every 5th leaves no control"),
-    (lambda items: items.__delitem__(slice(2, None)), r"has 6 labelled decisions, 6 once every 5th item is held out as the control; calibration fits on at least 8"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda items: items.clear(),
+            r"--decisions \S+ is empty: write one decide request with its labels per line",
+        ),
+        (lambda items: items[2].pop("labels"), r"line 3 has no labels: add \"labels\""),
+        (
+            lambda items: items[1]["labels"].pop("frustration"),
+            r"line 2: question 'frustration' has no label",
+        ),
+        (
+            _label(0, "department", "refunds"),
+            r"label \"refunds\" of question 'department' is not among its options \(billing, returns, shipping\)",
+        ),
+        (
+            _label(0, "frustration", 3),
+            r"label 3 of score question 'frustration' is not among its levels; .* 0 to 2",
+        ),
+        (
+            _label(0, "is_urgent", "yes"),
+            r"label \"yes\" of noul question 'is_urgent' is not among its options",
+        ),
+        (
+            _label(4, "sarcasm", True),
+            r"line 5: labels name question 'sarcasm', which it does not ask",
+        ),
+        (
+            lambda items: items[0]["questions"]["frustration"].update(
+                criteria=["calm", "angry", "calm"]
+            ),
+            r"score question 'frustration' lists the level \"calm\" twice",
+        ),
+        (lambda items: items[0].update(state=""), r"a decide request has an empty state"),
+        (lambda items: items.append("just text"), r"line 11 is not a decide request with labels"),
+        (
+            lambda items: items.__delitem__(slice(3, None)),
+            r"has 3 items, so holding out every 5th leaves no control",
+        ),
+        (
+            lambda items: items.__delitem__(slice(2, None)),
+            r"has 6 labelled decisions, 6 once every 5th item is held out as the control; calibration fits on at least 8",
+        ),
+    ],
+)
 def test_labelled_file_refusals(tmp_path, edit, message):
     items = good_items()
     edit(items)
@@ -301,9 +391,13 @@ def test_labelled_file_refusals(tmp_path, edit, message):
 
 def test_a_repeated_option_and_broken_json_are_refused(tmp_path):
     path = tmp_path / "labelled.jsonl"
-    line = json.dumps(good_items(1)[0]).replace('"billing": null', '"billing": null, "billing": "twice"')
+    line = json.dumps(good_items(1)[0]).replace(
+        '"billing": null', '"billing": null, "billing": "twice"'
+    )
     path.write_text(line + "\n")
-    with pytest.raises(Refusal, match=r"line 1 repeats the key \"billing\" in one object .* keep one"):
+    with pytest.raises(
+        Refusal, match=r"line 1 repeats the key \"billing\" in one object .* keep one"
+    ):
         load_labelled(str(path), "--decisions")
     path.write_text("[" + json.dumps(good_items(1)[0]) + ",]")
     with pytest.raises(Refusal, match=r"--decisions \S+ is not JSON"):
@@ -316,16 +410,29 @@ def test_command_line_refusals_come_before_any_weight(tmp_path, capsys):
     """The model does not exist: every refusal below is reached before anything looks for it."""
     model = str(tmp_path / "no-model")
     good = write_jsonl(tmp_path / "good.jsonl", good_items(12))
-    bad = write_jsonl(tmp_path / "bad.jsonl", good_items(12)[:-1] + [{**good_items(1)[0], "labels": {}}])
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl", good_items(12)[:-1] + [{**good_items(1)[0], "labels": {}}]
+    )
     out = str(tmp_path / "cal.json")
     cases = [
         (["--decisions", bad, "--output", out], "line 12 has no labels"),
-        (["--decisions", good, "--output", out, "--control", good, "--control-every", "3"],
-         "--control-every holds items of --decisions out, and --control gives the control instead"),
-        (["--decisions", good, "--output", out, "--control-every", "1"], "--control-every must be 2 or more"),
-        (["--decisions", "-", "--output", out], "--decisions is '-', but labelled decisions are read from a file"),
+        (
+            ["--decisions", good, "--output", out, "--control", good, "--control-every", "3"],
+            "--control-every holds items of --decisions out, and --control gives the control instead",
+        ),
+        (
+            ["--decisions", good, "--output", out, "--control-every", "1"],
+            "--control-every must be 2 or more",
+        ),
+        (
+            ["--decisions", "-", "--output", out],
+            "--decisions is '-', but labelled decisions are read from a file",
+        ),
         (["--decisions", good, "--output", good], "--output .* is an input"),
-        (["--decisions", good, "--output", out, "--control", bad], "--control .* line 12 has no labels"),
+        (
+            ["--decisions", good, "--output", out, "--control", bad],
+            "--control .* line 12 has no labels",
+        ),
     ]
     for argv, message in cases:
         code = main(["calibrate", "--model", model, *argv])
@@ -335,32 +442,72 @@ def test_command_line_refusals_come_before_any_weight(tmp_path, capsys):
 
 
 def artifact(**changes) -> dict:
-    base = {"format": "ster-calibration/1", "product": "ster", "model": "MODEL", "model_revision": None,
-            "precision": "f32", "chat_template": "applied", "permutations": 0, "temperature": 0.5}
+    base = {
+        "format": "ster-calibration/1",
+        "product": "ster",
+        "model": "MODEL",
+        "model_revision": None,
+        "precision": "f32",
+        "chat_template": "applied",
+        "permutations": 0,
+        "temperature": 0.5,
+    }
     return {**base, **changes}
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"model": "someone/else"}, r'was fitted for model "someone/else", current model is ".*": load the model'),
-    ({"format": "ster-steering/1"}, r'has format "ster-steering/1", not ster-calibration/1'),
-    ({"format": "ster-calibration/2"}, r"is ster-calibration/2; this build reads ster-calibration/1 only"),
-    ({"temperature": 25.0}, r"has temperature 25.0, outside the e\^-3..e\^3 \(0.0498..20.09\)"),
-    ({"temperature": 0.01}, r"has temperature 0.01, outside"),
-    ({"temperature": "hot"}, r"has temperature \"hot\", not a finite number"),
-    ({"format": None}, r"is not a Ster calibration artifact"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"model": "someone/else"},
+            r'was fitted for model "someone/else", current model is ".*": load the model',
+        ),
+        ({"format": "ster-steering/1"}, r'has format "ster-steering/1", not ster-calibration/1'),
+        (
+            {"format": "ster-calibration/2"},
+            r"is ster-calibration/2; this build reads ster-calibration/1 only",
+        ),
+        ({"temperature": 25.0}, r"has temperature 25.0, outside the e\^-3..e\^3 \(0.0498..20.09\)"),
+        ({"temperature": 0.01}, r"has temperature 0.01, outside"),
+        ({"temperature": "hot"}, r"has temperature \"hot\", not a finite number"),
+        ({"format": None}, r"is not a Ster calibration artifact"),
+    ],
+)
 def test_decide_refuses_a_calibration_before_any_weight(llama, tmp_path, capsys, changes, message):
     request = tmp_path / "req.json"
     request.write_text(json.dumps(REQUEST))
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(artifact(**{"model": str(llama["dir"]), **changes})))
     capsys.readouterr()
-    code = main(["decide", "--model", str(llama["dir"]), "--request", str(request), "--calibration", str(path)])
+    code = main(
+        [
+            "decide",
+            "--model",
+            str(llama["dir"]),
+            "--request",
+            str(request),
+            "--calibration",
+            str(path),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and re.search(message, err), err
     assert "loading" not in err
     path.write_text("{not json")
-    assert main(["decide", "--model", str(llama["dir"]), "--request", str(request), "--calibration", str(path)]) == 2
+    assert (
+        main(
+            [
+                "decide",
+                "--model",
+                str(llama["dir"]),
+                "--request",
+                str(request),
+                "--calibration",
+                str(path),
+            ]
+        )
+        == 2
+    )
     assert "is not JSON" in capsys.readouterr().err
 
 
@@ -372,5 +519,8 @@ def test_the_artifact_is_written_whole_and_reads_back(tmp_path):
         calibration.save(artifact(temperature=100.0), str(tmp_path / "b.json"))
     assert not (tmp_path / "b.json").exists()
     assert calibration.warnings(artifact(), "bf16", "applied", 0) == [
-        ("warning: this temperature was fitted with precision f32 and this run reads decisions with bf16, so its "
-         "probabilities are scaled by a fit made on other numbers")]
+        (
+            "warning: this temperature was fitted with precision f32 and this run reads decisions with bf16, so its "
+            "probabilities are scaled by a fit made on other numbers"
+        )
+    ]

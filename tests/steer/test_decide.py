@@ -32,12 +32,25 @@ REQUEST = {
     "state": "My running shoes arrived in the wrong size. Can I swap them for a size 10?",
     "model": "ignored",
     "questions": {
-        "department": {"type": "choice", "instructions": "Which team should handle this?",
-                       "criteria": {"shipping": "Delivery status", "returns": "Exchanges, refunds", "billing": None}},
-        "frustration": {"type": "score", "instructions": "How frustrated is the customer?",
-                        "criteria": ["Calm", "Frustrated but civil", {"level": "angry"}]},
-        "is_urgent": {"type": "noul", "instructions": "Does this convey urgency?",
-                      "criteria": {"true": "needs an answer today"}},
+        "department": {
+            "type": "choice",
+            "instructions": "Which team should handle this?",
+            "criteria": {
+                "shipping": "Delivery status",
+                "returns": "Exchanges, refunds",
+                "billing": None,
+            },
+        },
+        "frustration": {
+            "type": "score",
+            "instructions": "How frustrated is the customer?",
+            "criteria": ["Calm", "Frustrated but civil", {"level": "angry"}],
+        },
+        "is_urgent": {
+            "type": "noul",
+            "instructions": "Does this convey urgency?",
+            "criteria": {"true": "needs an answer today"},
+        },
     },
 }
 
@@ -52,7 +65,9 @@ def make_tiny(variant: str, directory, seed: int = 0):
     import transformers
 
     config_cls, model_cls, kwargs = TINY[variant]
-    config = getattr(transformers, config_cls)(**{**BASE_CONFIG, **kwargs, "max_position_embeddings": 512})
+    config = getattr(transformers, config_cls)(
+        **{**BASE_CONFIG, **kwargs, "max_position_embeddings": 512}
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     perturb_norms(model, seed)
@@ -65,35 +80,67 @@ def test_rendering_is_sters_byte_for_byte():
     request = parse_request(REQUEST)
     question = request.questions[0]
     assert [q.id for q in request.questions] == ["department", "frustration", "is_urgent"]
-    assert question.options() == ["billing", "returns: Exchanges, refunds", "shipping: Delivery status"]
+    assert question.options() == [
+        "billing",
+        "returns: Exchanges, refunds",
+        "shipping: Delivery status",
+    ]
     assert request.questions[2].options() == ["yes: needs an answer today", "no"]
     assert request.questions[1].options()[2] == '{\n  "level": "angry"\n}'
-    assert orders(3, 0) == [[0, 1, 2], [1, 2, 0], [2, 0, 1]] and orders(3, 1) == [[0, 1, 2]] and len(orders(3, 9)) == 3
+    assert (
+        orders(3, 0) == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+        and orders(3, 1) == [[0, 1, 2]]
+        and len(orders(3, 9)) == 3
+    )
     assert render(request, question, question.options(), [1, 2, 0]) == (
         "Decide the question below about the state. Reply with the letter of the one option that fits best.\n\n"
         "State:\nMy running shoes arrived in the wrong size. Can I swap them for a size 10?\n\n"
         "Question: Which team should handle this?\n\n"
-        "Options:\nA. returns: Exchanges, refunds\nB. shipping: Delivery status\nC. billing\n\nAnswer:")
+        "Options:\nA. returns: Exchanges, refunds\nB. shipping: Delivery status\nC. billing\n\nAnswer:"
+    )
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r: r.update(state="  "), "a decide request has an empty state"),
-    (lambda r: r.update(questions={}), "a decide request needs at least one question"),
-    (lambda r: r["questions"].update({" ": r["questions"].pop("is_urgent")}),
-     "a decide request has a question with an empty id"),
-    (lambda r: r["questions"]["is_urgent"].update(instructions=""), "question 'is_urgent' has empty instructions"),
-    (lambda r: r["questions"]["department"].update(criteria={"a": None}),
-     "choice question 'department' needs at least two options"),
-    (lambda r: r["questions"]["department"].update(criteria={chr(97 + i) * 2: None for i in range(27)}),
-     "choice question 'department' has 27 options; Ster labels at most 26"),
-    (lambda r: r["questions"]["department"].update(criteria={"": None, "b": None}),
-     "choice question 'department' has an option with an empty name \"\""),
-    (lambda r: r["questions"]["frustration"].update(criteria=["calm"]),
-     "score question 'frustration' needs at least two levels"),
-    (lambda r: r["questions"]["frustration"].update(criteria=["calm", None, "x"]),
-     "score question 'frustration' has an empty description at level 1"),
-    (lambda r: r["questions"]["is_urgent"].update(type="maybe"), "needs a type of choice, score or noul"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.update(state="  "), "a decide request has an empty state"),
+        (lambda r: r.update(questions={}), "a decide request needs at least one question"),
+        (
+            lambda r: r["questions"].update({" ": r["questions"].pop("is_urgent")}),
+            "a decide request has a question with an empty id",
+        ),
+        (
+            lambda r: r["questions"]["is_urgent"].update(instructions=""),
+            "question 'is_urgent' has empty instructions",
+        ),
+        (
+            lambda r: r["questions"]["department"].update(criteria={"a": None}),
+            "choice question 'department' needs at least two options",
+        ),
+        (
+            lambda r: r["questions"]["department"].update(
+                criteria={chr(97 + i) * 2: None for i in range(27)}
+            ),
+            "choice question 'department' has 27 options; Ster labels at most 26",
+        ),
+        (
+            lambda r: r["questions"]["department"].update(criteria={"": None, "b": None}),
+            "choice question 'department' has an option with an empty name \"\"",
+        ),
+        (
+            lambda r: r["questions"]["frustration"].update(criteria=["calm"]),
+            "score question 'frustration' needs at least two levels",
+        ),
+        (
+            lambda r: r["questions"]["frustration"].update(criteria=["calm", None, "x"]),
+            "score question 'frustration' has an empty description at level 1",
+        ),
+        (
+            lambda r: r["questions"]["is_urgent"].update(type="maybe"),
+            "needs a type of choice, score or noul",
+        ),
+    ],
+)
 def test_request_refusals(edit, message):
     request = json.loads(json.dumps(REQUEST))
     edit(request)
@@ -116,10 +163,16 @@ def test_shared_prefix_leaves_every_row_a_token():
 
 
 def engine_on(group, tokenizer, **config) -> TokenEngine:
-    """A fresh token engine over a loaded group (its prefix cache empty); one per group at a time."""
+    """A fresh token engine over a loaded group (its prefix cache empty); one per group at a
+    time."""
     cfg = group.rank.loaded.cfg if isinstance(group, LocalGroup) else config.pop("cfg")
-    return TokenEngine(group, cfg, tokenizer, cfg.eos_token_ids or (2,),
-                       EngineConfig(**{"kv_cache_memory": 8 << 20, **config}))
+    return TokenEngine(
+        group,
+        cfg,
+        tokenizer,
+        cfg.eos_token_ids or (2,),
+        EngineConfig(**{"kv_cache_memory": 8 << 20, **config}),
+    )
 
 
 def _renderings(tokenizer, request, permutations, mode):
@@ -143,8 +196,10 @@ def _hf_probabilities(reference, tokenizer, request, permutations, mode):
             ids = encode_prompt(tokenizer, render(request, question, options, order), mode)
             with torch.no_grad():
                 logits = reference(torch.tensor([ids])).logits[0, -1].double()
-            letters = [float(torch.logsumexp(logits[label_tokens(tokenizer, LABELS[p])], 0))
-                       for p in range(len(options))]
+            letters = [
+                float(torch.logsumexp(logits[label_tokens(tokenizer, LABELS[p])], 0))
+                for p in range(len(options))
+            ]
             canonical = [letters[order.index(o)] for o in range(len(options))]
             rows.append(canonical)
             per_order.append([math.exp(v) for v in log_softmax(canonical)])
@@ -185,14 +240,19 @@ def test_probabilities_equal_transformers_letter_softmax(llama, permutations, mo
         for got, expected in zip(shown, want[qid][1]):
             assert got == pytest.approx(expected, abs=1e-5)
     department = result["answers"]["department"]
-    assert department["choice"] == max(department["probabilities"], key=department["probabilities"].get)
+    assert department["choice"] == max(
+        department["probabilities"], key=department["probabilities"].get
+    )
     frustration = result["answers"]["frustration"]
-    assert frustration["score"] == pytest.approx(sum(int(k) * p for k, p in frustration["probabilities"].items()))
+    assert frustration["score"] == pytest.approx(
+        sum(int(k) * p for k, p in frustration["probabilities"].items())
+    )
     assert frustration["legend"]["2"] == '{\n  "level": "angry"\n}'
     usage = result["usage"]
     rows, _ = _renderings(tokenizer, request, permutations, mode)
-    assert usage["output_tokens"] == 0 and usage["forward_passes"] == len(rows) == (8 if permutations == 0 else
-                                                                                   3 if permutations == 1 else 6)
+    assert usage["output_tokens"] == 0 and usage["forward_passes"] == len(rows) == (
+        8 if permutations == 0 else 3 if permutations == 1 else 6
+    )
     assert usage["input_tokens"] < sum(len(r) for r in rows)  # the prefix cache served the state
 
 
@@ -210,9 +270,13 @@ def test_the_state_comes_from_the_prefix_cache_after_the_first_rendering(llama):
         stats = engine.stats()["kv_blocks"]
     cached = [finished.cached_tokens for _, finished in readings]
     assert cached[0] == 0 and all(c >= aligned for c in cached[1:]), cached
-    assert stats["prefix_queries"] == sum(len(r) for r in rows) and stats["prefix_hits"] == sum(cached)
+    assert stats["prefix_queries"] == sum(len(r) for r in rows) and stats["prefix_hits"] == sum(
+        cached
+    )
     with engine_on(group, tokenizer, block_size=block) as engine:
-        usage = decide(engine, tokenizer, group.rank.loaded.cfg, request, 0, "auto", False, quiet)["usage"]
+        usage = decide(engine, tokenizer, group.rank.loaded.cfg, request, 0, "auto", False, quiet)[
+            "usage"
+        ]
         stats = engine.stats()["kv_blocks"]
     assert stats["prefix_hits"] >= (len(rows) - 1) * aligned
     assert usage["input_tokens"] == stats["prefix_queries"] - stats["prefix_hits"]
@@ -228,9 +292,17 @@ def test_an_adapter_goes_to_decides_requests_only(llama):
     model, cfg = group.rank.loaded.model, group.rank.loaded.cfg
     g = torch.Generator().manual_seed(4)
     params = dict(model.named_parameters())
-    sites = [{"param": f"layers.{layer}.attn.{proj}.weight", "a": torch.randn(4, cfg.hidden_size, generator=g) * 0.3,
-              "b": torch.randn(params[f"layers.{layer}.attn.{proj}.weight"].shape[0], 4, generator=g) * 0.3,
-              "scale": 1.0} for layer in range(cfg.num_layers) for proj in ("q", "v")]
+    sites = [
+        {
+            "param": f"layers.{layer}.attn.{proj}.weight",
+            "a": torch.randn(4, cfg.hidden_size, generator=g) * 0.3,
+            "b": torch.randn(params[f"layers.{layer}.attn.{proj}.weight"].shape[0], 4, generator=g)
+            * 0.3,
+            "scale": 1.0,
+        }
+        for layer in range(cfg.num_layers)
+        for proj in ("q", "v")
+    ]
     request = parse_request(REQUEST)
     with engine_on(group, tokenizer) as engine:
         plain = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet)
@@ -243,19 +315,28 @@ def test_an_adapter_goes_to_decides_requests_only(llama):
             whole = decide(engine, tokenizer, cfg, request, 0, "auto", False, quiet)
     finally:
         detach()
-    assert adapted["usage"] == whole["usage"] == plain["usage"]  # the plain blocks served none of it
+    # the plain blocks served none of it
+    assert adapted["usage"] == whole["usage"] == plain["usage"]
     for qid in whole["answers"]:
-        assert _probs(adapted["answers"][qid]) == pytest.approx(_probs(whole["answers"][qid]), abs=1e-7), qid
+        assert _probs(adapted["answers"][qid]) == pytest.approx(
+            _probs(whole["answers"][qid]), abs=1e-7
+        ), qid
     # the tiny model is near uniform over letters: the adapter moves it by about 1e-3
-    assert any(_probs(adapted["answers"][q]) != pytest.approx(_probs(plain["answers"][q]), abs=1e-4)
-               for q in plain["answers"])
+    assert any(
+        _probs(adapted["answers"][q]) != pytest.approx(_probs(plain["answers"][q]), abs=1e-4)
+        for q in plain["answers"]
+    )
 
 
 def test_a_question_past_the_context_is_refused(llama):
     _, _, tokenizer, group = llama
     request = parse_request({**REQUEST, "state": "word " * 600})
-    with engine_on(group, tokenizer) as engine, \
-            pytest.raises(Refusal, match=r"question 'department' renders to \d+ tokens, past the 512 this model"):
+    with (
+        engine_on(group, tokenizer) as engine,
+        pytest.raises(
+            Refusal, match=r"question 'department' renders to \d+ tokens, past the 512 this model"
+        ),
+    ):
         decide(engine, tokenizer, group.rank.loaded.cfg, request, 0, "off", False, quiet)
 
 
@@ -277,8 +358,9 @@ def test_permutations_cancel_a_letter_bias_planted_in_the_head(tmp_path):
             cfg = group.rank.loaded.cfg
             with engine_on(group, tokenizer) as engine:
                 for permutations in (0, 1):
-                    answers[name, permutations] = decide(engine, tokenizer, cfg, request, permutations, "auto", False,
-                                                         quiet)["answers"]
+                    answers[name, permutations] = decide(
+                        engine, tokenizer, cfg, request, permutations, "auto", False, quiet
+                    )["answers"]
     for qid in answers["plain", 0]:
         unbiased = _probs(answers["plain", 0][qid])
         assert _probs(answers["biased", 0][qid]) == pytest.approx(unbiased, abs=1e-6), qid
@@ -306,14 +388,34 @@ def test_decide_cli_prints_and_writes_the_response(llama, tmp_path, capsys, monk
     request = tmp_path / "req.json"
     request.write_text(json.dumps(REQUEST))
     output = tmp_path / "out" / "answer.json"
-    code = main(["decide", "--model", str(directory), "--request", str(request), "--output", str(output),
-                 "--permutations", "1"])
+    code = main(
+        [
+            "decide",
+            "--model",
+            str(directory),
+            "--request",
+            str(request),
+            "--output",
+            str(output),
+            "--permutations",
+            "1",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     response = json.loads(out)
     assert json.loads(output.read_text()) == response
-    assert list(response) == ["model", "revision", "chat_template", "precision", "temperature", "calibration",
-                              "permutations", "answers", "usage"]
+    assert list(response) == [
+        "model",
+        "revision",
+        "chat_template",
+        "precision",
+        "temperature",
+        "calibration",
+        "permutations",
+        "answers",
+        "usage",
+    ]
     assert response["chat_template"] == "applied" and response["permutations"] == 1
     assert "reading the state once" in err
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**REQUEST, "state": ""})))

@@ -32,12 +32,31 @@ from tests.engine_checks import engine_tokens
 from tests.steer.test_capture import hf_layers
 from tests.tiny_models import make_tiny
 
-PAIRS = {"trait_name": "calm", "pairs": [
-    {"positive": "the sea is calm and quiet tonight .", "negative": "the storm waves crash loud against the rocks ."},
-    {"positive": "the water lies still in the harbor .", "negative": "the wind howls hard over the dark hills ."},
-    {"positive": "a gentle breeze drifts over the lake .", "negative": "thunder rolls loud over the harbor tonight ."},
-    {"positive": "the boat rests at anchor on still water .", "negative": "the waves churn white foam on the boat ."},
-    {"positive": "the evening air is soft and warm .", "negative": "the cold rain falls hard and fast ."}]}
+PAIRS = {
+    "trait_name": "calm",
+    "pairs": [
+        {
+            "positive": "the sea is calm and quiet tonight .",
+            "negative": "the storm waves crash loud against the rocks .",
+        },
+        {
+            "positive": "the water lies still in the harbor .",
+            "negative": "the wind howls hard over the dark hills .",
+        },
+        {
+            "positive": "a gentle breeze drifts over the lake .",
+            "negative": "thunder rolls loud over the harbor tonight .",
+        },
+        {
+            "positive": "the boat rests at anchor on still water .",
+            "negative": "the waves churn white foam on the boat .",
+        },
+        {
+            "positive": "the evening air is soft and warm .",
+            "negative": "the cold rain falls hard and fast .",
+        },
+    ],
+}
 
 
 # -- fitting ------------------------------------------------------------------------------------
@@ -45,9 +64,12 @@ def planted(pairs: int = 48, width: int = 32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     direction = torch.randn(width, generator=g)
     direction /= direction.norm()
-    content = torch.randn(pairs, width, generator=g) * 2.0          # what both sides of a pair share:
-    content -= (content @ direction)[:, None] * direction             # topic, orthogonal to the trait
-    strength = 1.0 + 2.0 * torch.rand(pairs, 1, generator=g)         # how much of the trait, per pair
+    # what both sides of a pair share:
+    content = torch.randn(pairs, width, generator=g) * 2.0
+    # topic, orthogonal to the trait
+    content -= (content @ direction)[:, None] * direction
+    # how much of the trait, per pair
+    strength = 1.0 + 2.0 * torch.rand(pairs, 1, generator=g)
     positive = content + strength / 2 * direction + 0.05 * torch.randn(pairs, width, generator=g)
     negative = content - strength / 2 * direction + 0.05 * torch.randn(pairs, width, generator=g)
     return positive, negative, direction
@@ -87,7 +109,9 @@ def test_fitting_refusals():
         train_direction(rows, torch.full((3, 4), math.nan), "caa")
     with pytest.raises(Refusal, match="training produced a zero or non-finite direction"):
         train_direction(rows, rows.clone(), "caa")
-    with pytest.raises(Refusal, match='unknown training method "ridge"; expected caa, pca, or logistic'):
+    with pytest.raises(
+        Refusal, match='unknown training method "ridge"; expected caa, pca, or logistic'
+    ):
         train_direction(rows, rows + 1, "ridge")
     with pytest.raises(Refusal, match="direction width 3 does not match activation width 4"):
         evaluate_direction(rows, rows + 1, torch.ones(3))
@@ -100,8 +124,16 @@ def _artifact(model="toy", width=8, layers=(1, 2)) -> SteeringArtifact:
     for layer in layers:
         v = torch.randn(width, generator=g)
         vectors.append(Direction(layer, v / v.norm(), 0.875, 0.5))
-    return SteeringArtifact(model=model, model_revision=None, trait_name="calm", method="caa", hidden_size=width,
-                            vectors=vectors, precision="f32", chat_template="applied")
+    return SteeringArtifact(
+        model=model,
+        model_revision=None,
+        trait_name="calm",
+        method="caa",
+        hidden_size=width,
+        vectors=vectors,
+        precision="f32",
+        chat_template="applied",
+    )
 
 
 def test_artifact_round_trips_as_compact_json(tmp_path):
@@ -111,8 +143,19 @@ def test_artifact_round_trips_as_compact_json(tmp_path):
     text = path.read_text()
     assert "\n" not in text and [p.name for p in path.parent.iterdir()] == ["v.json"]
     raw = json.loads(text)
-    assert {k for k in raw} == {"schema_version", "product", "model", "model_revision", "precision", "chat_template",
-                                "trait_name", "method", "hidden_size", "vectors", "metadata"}
+    assert {k for k in raw} == {
+        "schema_version",
+        "product",
+        "model",
+        "model_revision",
+        "precision",
+        "chat_template",
+        "trait_name",
+        "method",
+        "hidden_size",
+        "vectors",
+        "metadata",
+    }
     assert list(raw["vectors"][0]) == ["layer", "values", "train_margin", "train_accuracy"]
     back = load_artifact(str(path))
     assert back.to_json() == artifact.to_json()
@@ -129,14 +172,29 @@ def test_artifact_round_trips_as_compact_json(tmp_path):
     assert old.precision is None and provenance_warnings(old, "bf16", "off", "it steers") == []
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(schema_version=2), "artifact schema 2 is unsupported; this Ster build reads schema 1"),
-    (lambda d: d.update(product="other"), 'artifact belongs to product "other", not Ster'),
-    (lambda d: d.update(vectors=[]), "artifact has no steering vectors"),
-    (lambda d: d["vectors"][0].update(values=[0.5] * 3), "layer 1 has vector width 3, expected 8"),
-    (lambda d: d["vectors"][1]["values"].__setitem__(2, math.nan), "layer 2 contains a non-finite value"),
-    (lambda d: d.pop("hidden_size"), "invalid steering artifact JSON in .*missing field hidden_size"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda d: d.update(schema_version=2),
+            "artifact schema 2 is unsupported; this Ster build reads schema 1",
+        ),
+        (lambda d: d.update(product="other"), 'artifact belongs to product "other", not Ster'),
+        (lambda d: d.update(vectors=[]), "artifact has no steering vectors"),
+        (
+            lambda d: d["vectors"][0].update(values=[0.5] * 3),
+            "layer 1 has vector width 3, expected 8",
+        ),
+        (
+            lambda d: d["vectors"][1]["values"].__setitem__(2, math.nan),
+            "layer 2 contains a non-finite value",
+        ),
+        (
+            lambda d: d.pop("hidden_size"),
+            "invalid steering artifact JSON in .*missing field hidden_size",
+        ),
+    ],
+)
 def test_artifact_refusals(tmp_path, edit, message):
     data = _artifact().to_json()
     edit(data)
@@ -149,7 +207,9 @@ def test_artifact_refusals(tmp_path, edit, message):
 def test_artifact_against_a_run_refuses_another_model_width_or_depth():
     artifact = _artifact(layers=(1, 3))
     check_for_run(artifact, "toy", 8, 4)
-    with pytest.raises(Refusal, match='artifact was trained for model "toy", current model is "other"'):
+    with pytest.raises(
+        Refusal, match='artifact was trained for model "toy", current model is "other"'
+    ):
         check_for_run(artifact, "other", 8, 4)
     with pytest.raises(Refusal, match='artifact model "toy" does not match runtime model "other"'):
         check_for_run(artifact, "other", 8, 4, verb="evaluate")
@@ -159,10 +219,15 @@ def test_artifact_against_a_run_refuses_another_model_width_or_depth():
         check_for_run(artifact, "toy", 8, 3)
     warnings = provenance_warnings(artifact, "bf16", "off", "it steers")
     assert warnings == [
-        ("warning: this direction was trained with chat template applied and this run encodes off, so it steers a "
-         "format it was not trained in"),
-        ("warning: this direction was trained at precision f32 and this run maps the base weights at bf16, so it is "
-         "being read in a different space than it was fitted in")]
+        (
+            "warning: this direction was trained with chat template applied and this run encodes off, so it steers a "
+            "format it was not trained in"
+        ),
+        (
+            "warning: this direction was trained at precision f32 and this run maps the base weights at bf16, so it is "
+            "being read in a different space than it was fitted in"
+        ),
+    ]
     assert provenance_warnings(artifact, "f32", "applied", "it steers") == []
 
 
@@ -183,8 +248,15 @@ def test_a_lora_adapter_is_refused_as_a_vector_and_a_vector_is_recognised(llama,
     wrapped.unload()  # leave the module-scoped reference as it was
     files = sorted(p.name for p in adapter_dir.iterdir())
     assert "adapter_config.json" in files
-    for target in (adapter_dir, adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"):
-        with pytest.raises(Refusal, match=r"is a LoRA adapter \(.*\), not a steering artifact: pass it as --adapter"):
+    for target in (
+        adapter_dir,
+        adapter_dir / "adapter_config.json",
+        adapter_dir / "adapter_model.safetensors",
+    ):
+        with pytest.raises(
+            Refusal,
+            match=r"is a LoRA adapter \(.*\), not a steering artifact: pass it as --adapter",
+        ):
             load_artifact(str(target))
     sidecar = tmp_path / "sidecar.json"
     sidecar.write_text(json.dumps({"rank": 8, "targets": ["q_proj"], "layers": [0]}))
@@ -192,11 +264,15 @@ def test_a_lora_adapter_is_refused_as_a_vector_and_a_vector_is_recognised(llama,
         load_artifact(str(sidecar))
     vector = tmp_path / "v.json"
     _artifact().save(vector)
-    assert is_steering_artifact(str(vector)) and not is_steering_artifact(str(adapter_dir / "adapter_config.json"))
+    assert is_steering_artifact(str(vector)) and not is_steering_artifact(
+        str(adapter_dir / "adapter_config.json")
+    )
 
 
 # -- steered forward against Transformers -------------------------------------------------------
-@pytest.mark.parametrize("variant, layer", [("llama", 1), ("llama", 2), ("gpt2", 0), ("gemma2", 1), ("qwen3_moe", 1)])
+@pytest.mark.parametrize(
+    "variant, layer", [("llama", 1), ("llama", 2), ("gpt2", 0), ("gemma2", 1), ("qwen3_moe", 1)]
+)
 def test_steered_forward_equals_transformers_with_a_forward_hook(tmp_path, variant, layer):
     reference = make_tiny(variant, tmp_path)
     ours = load_model(resolve(str(tmp_path))).model
@@ -296,11 +372,28 @@ def pairs_file(tmp_path_factory):
 def test_train_inspect_and_generate_with_the_vector(llama, pairs_file, tmp_path, capsys):
     directory, _ = llama
     vector = tmp_path / "calm.json"
-    code, out, err = run(capsys, "steer", "train", "--model", directory, "--pairs", pairs_file, "--output", vector,
-                         "--layers", "1,2", "--method", "pca")
+    code, out, err = run(
+        capsys,
+        "steer",
+        "train",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--output",
+        vector,
+        "--layers",
+        "1,2",
+        "--method",
+        "pca",
+    )
     assert code == 0, err
     assert out["method"] == "pca" and [row["layer"] for row in out["layers"]] == [1, 2]
-    assert out["chat_template"] == "applied" and out["precision"] == "f32" and out["trait_name"] == "calm"
+    assert (
+        out["chat_template"] == "applied"
+        and out["precision"] == "f32"
+        and out["trait_name"] == "calm"
+    )
     code, inspected, _ = run(capsys, "steer", "inspect", vector)
     assert code == 0 and inspected == {k: v for k, v in out.items() if k != "output"}
 
@@ -314,57 +407,152 @@ def test_train_inspect_and_generate_with_the_vector(llama, pairs_file, tmp_path,
         remove()
     plain = engine_tokens(loaded, [ids], 8, loaded.cfg.eos_token_ids)[0]
     assert want != plain
-    code, steered, err = run(capsys, "generate", "--model", directory, "--prompt", "hello there",
-                             "--max-new-tokens", 8, "--vector", vector, "--strength", 6)
+    code, steered, err = run(
+        capsys,
+        "generate",
+        "--model",
+        directory,
+        "--prompt",
+        "hello there",
+        "--max-new-tokens",
+        8,
+        "--vector",
+        vector,
+        "--strength",
+        6,
+    )
     assert code == 0, err
     finished = bool(want) and want[-1] in loaded.cfg.eos_token_ids
     assert steered["text"] == tokenizer.decode(want[:-1] if finished else want)
     assert "warning" not in err  # fitted and read in the same format and precision
 
-    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "hi", "--vector", vector,
-                       "--chat-template", "off", "--strength=-1")
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--model",
+        directory,
+        "--prompt",
+        "hi",
+        "--vector",
+        vector,
+        "--chat-template",
+        "off",
+        "--strength=-1",
+    )
     assert code == 0 and "trained with chat template applied and this run encodes off" in err
 
 
-def test_generate_refuses_a_vector_without_strength_or_for_another_model(llama, pairs_file, tmp_path, capsys):
+def test_generate_refuses_a_vector_without_strength_or_for_another_model(
+    llama, pairs_file, tmp_path, capsys
+):
     directory, _ = llama
     vector = tmp_path / "calm.json"
-    assert main(["steer", "train", "--model", str(directory), "--pairs", str(pairs_file), "--output", str(vector),
-                 "--layers", "0"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "train",
+                "--model",
+                str(directory),
+                "--pairs",
+                str(pairs_file),
+                "--output",
+                str(vector),
+                "--layers",
+                "0",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    code, _, err = run(capsys, "generate", "--model", directory, "--prompt", "hi", "--vector", vector)
+    code, _, err = run(
+        capsys, "generate", "--model", directory, "--prompt", "hi", "--vector", vector
+    )
     assert code == 2 and "--vector needs --strength" in err
     other = tmp_path / "other"
     make_tiny("qwen3", other)
-    code, _, err = run(capsys, "generate", "--model", other, "--prompt", "hi", "--vector", vector, "--strength", 1)
-    assert code == 2 and f'artifact was trained for model "{directory}", current model is "{other}"' in err
-    code, _, err = run(capsys, "steer", "train", "--model", directory, "--pairs", pairs_file, "--output", vector,
-                       "--method", "ridge")
+    code, _, err = run(
+        capsys, "generate", "--model", other, "--prompt", "hi", "--vector", vector, "--strength", 1
+    )
+    assert (
+        code == 2
+        and f'artifact was trained for model "{directory}", current model is "{other}"' in err
+    )
+    code, _, err = run(
+        capsys,
+        "steer",
+        "train",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--output",
+        vector,
+        "--method",
+        "ridge",
+    )
     assert code == 2 and 'unknown training method "ridge"' in err
 
 
 def test_optimize_publishes_the_ranking_and_refits_the_winner(llama, pairs_file, tmp_path, capsys):
     directory, _ = llama
     best = tmp_path / "best.json"
-    code, out, err = run(capsys, "steer", "optimize", "--model", directory, "--pairs", pairs_file, "--output", best,
-                         "--holdout", 0.4, "--layers", "0..2")
+    code, out, err = run(
+        capsys,
+        "steer",
+        "optimize",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--output",
+        best,
+        "--holdout",
+        0.4,
+        "--layers",
+        "0..2",
+    )
     assert code == 0, err
     assert "fitting each candidate on 3 pairs and ranking on a 2-pair holdout" in err
     rows = out["selection"]["candidates"]
     assert [(r["layer"], r["method"]) for r in rows] == [(l, m) for l in (0, 1) for m in METHODS]
     assert sum(r["selected"] for r in rows) == 1
     chosen = next(r for r in rows if r["selected"])
-    assert all((r["holdout_accuracy"], r["holdout_margin"]) <= (chosen["holdout_accuracy"], chosen["holdout_margin"])
-               for r in rows)
+    assert all(
+        (r["holdout_accuracy"], r["holdout_margin"])
+        <= (chosen["holdout_accuracy"], chosen["holdout_margin"])
+        for r in rows
+    )
     assert out["selection"]["holdout"] == {"fraction": 0.4, "fit_pairs": 3, "holdout_pairs": 2}
-    assert out["metadata"]["selection"] == "chosen over 6 candidates on a 2-pair holdout, then refitted on all 5 pairs"
+    assert (
+        out["metadata"]["selection"]
+        == "chosen over 6 candidates on a 2-pair holdout, then refitted on all 5 pairs"
+    )
     artifact = load_artifact(str(best))
     assert artifact.layers == [chosen["layer"]] and artifact.method == chosen["method"]
-    for fraction, message in [(0.05, ("a held-out fraction of 0.05 over 5 contrastive pairs leaves 5 pairs to fit "
-                                      "and 0 to rank on; both need at least one")),
-                              (1.5, "the held-out fraction must be above zero and below one")]:
-        code, _, err = run(capsys, "steer", "optimize", "--model", directory, "--pairs", pairs_file, "--output",
-                           tmp_path / "x.json", "--holdout", fraction)
+    for fraction, message in [
+        (
+            0.05,
+            (
+                "a held-out fraction of 0.05 over 5 contrastive pairs leaves 5 pairs to fit "
+                "and 0 to rank on; both need at least one"
+            ),
+        ),
+        (1.5, "the held-out fraction must be above zero and below one"),
+    ]:
+        code, _, err = run(
+            capsys,
+            "steer",
+            "optimize",
+            "--model",
+            directory,
+            "--pairs",
+            pairs_file,
+            "--output",
+            tmp_path / "x.json",
+            "--holdout",
+            fraction,
+        )
         assert code == 2 and message in err
     assert not (tmp_path / "x.json").exists()
 
@@ -372,27 +560,95 @@ def test_optimize_publishes_the_ranking_and_refits_the_winner(llama, pairs_file,
 def test_evaluate_scores_layers_and_strengths(llama, pairs_file, tmp_path, capsys):
     directory, _ = llama
     vector = tmp_path / "calm.json"
-    code, trained, _ = run(capsys, "steer", "train", "--model", directory, "--pairs", pairs_file, "--output", vector,
-                           "--layers", "1")
+    code, trained, _ = run(
+        capsys,
+        "steer",
+        "train",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--output",
+        vector,
+        "--layers",
+        "1",
+    )
     assert code == 0
-    code, out, err = run(capsys, "steer", "evaluate", "--model", directory, "--pairs", pairs_file, "--vector", vector,
-                         "--strengths=0,2,-2", "--batch-size", 2, "--max-sequence", 80)
+    code, out, err = run(
+        capsys,
+        "steer",
+        "evaluate",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--vector",
+        vector,
+        "--strengths=0,2,-2",
+        "--batch-size",
+        2,
+        "--max-sequence",
+        80,
+    )
     assert code == 0, err
     assert out["layers"][0]["accuracy"] == trained["layers"][0]["train_accuracy"]
     # the same residuals read again, possibly in other batches: equal up to f32 summation order
-    assert out["layers"][0]["margin"] == pytest.approx(trained["layers"][0]["train_margin"], rel=1e-5)
+    assert out["layers"][0]["margin"] == pytest.approx(
+        trained["layers"][0]["train_margin"], rel=1e-5
+    )
     report = out["strength"]
     assert report["scored_pairs"] == 5 and report["skipped_long"] == 0 and report["layers"] == [1]
     zero, plus, minus = report["candidates"]
     assert zero["ordered"] == 0.0 and zero["mean_shift"] == 0.0  # strength 0 moves nothing
-    assert plus["mean_shift"] != 0.0 and plus["mean_shift"] * minus["mean_shift"] < 0  # opposite pushes
+    # opposite pushes
+    assert plus["mean_shift"] != 0.0 and plus["mean_shift"] * minus["mean_shift"] < 0
     assert sum(c["selected"] for c in report["candidates"]) == 1
-    code, _, err = run(capsys, "steer", "evaluate", "--model", directory, "--pairs", pairs_file, "--vector", vector,
-                       "--strengths=1", "--max-sequence", 80)
+    code, _, err = run(
+        capsys,
+        "steer",
+        "evaluate",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--vector",
+        vector,
+        "--strengths=1",
+        "--max-sequence",
+        80,
+    )
     assert code == 2 and "--strengths needs --batch-size; Ster assumes none" in err
-    code, _, err = run(capsys, "steer", "evaluate", "--model", directory, "--pairs", pairs_file, "--vector", vector,
-                       "--strengths=1,inf", "--batch-size", 2, "--max-sequence", 80)
+    code, _, err = run(
+        capsys,
+        "steer",
+        "evaluate",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--vector",
+        vector,
+        "--strengths=1,inf",
+        "--batch-size",
+        2,
+        "--max-sequence",
+        80,
+    )
     assert code == 2 and "strength selection needs finite strengths, not inf" in err
-    code, out, err = run(capsys, "steer", "evaluate", "--model", directory, "--pairs", pairs_file, "--vector", vector,
-                         "--strengths=1", "--batch-size", 1, "--max-sequence", 12)
+    code, out, err = run(
+        capsys,
+        "steer",
+        "evaluate",
+        "--model",
+        directory,
+        "--pairs",
+        pairs_file,
+        "--vector",
+        vector,
+        "--strengths=1",
+        "--batch-size",
+        1,
+        "--max-sequence",
+        12,
+    )
     assert code == 2 and "every pair is longer than the 12-token sequence limit" in err

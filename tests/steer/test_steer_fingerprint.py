@@ -1,5 +1,6 @@
 """A steering vector is matched to a model by its weights fingerprint (shard/fingerprint.py, issue
-60), not by the text of the path it was trained with: the same weights under another directory, split
+60), not by the text of the path it was trained with: the same weights under another directory,
+split
 into other files, with a rewritten config's cosmetic keys, take it; a model whose config differs is
 refused by its fingerprint; a vector without a fingerprint is matched by its path as before."""
 
@@ -21,7 +22,16 @@ from ster_dist.steer.artifact import FINGERPRINT, load_artifact
 from tests.cli_run import cli_generate, make_toy
 from tests.steer.test_steer import PAIRS
 
-FLAGS = ("--prompt", "the sea", "--max-new-tokens", "6", "--chat-template", "off", "--strength", "4")
+FLAGS = (
+    "--prompt",
+    "the sea",
+    "--max-new-tokens",
+    "6",
+    "--chat-template",
+    "off",
+    "--strength",
+    "4",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +40,16 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("fingerprint")
     (root / "pairs.json").write_text(json.dumps(PAIRS))
     vector = root / "calm.json"
-    request = parse(["steer", "train", f"--model={toy}", f"--pairs={root / 'pairs.json'}", f"--output={vector}",
-                     "--layers=1"])
+    request = parse(
+        [
+            "steer",
+            "train",
+            f"--model={toy}",
+            f"--pairs={root / 'pairs.json'}",
+            f"--output={vector}",
+            "--layers=1",
+        ]
+    )
     with contextlib.redirect_stderr(io.StringIO()), Session(request) as session:
         ops.steer_train(session, request)
     return toy, root, vector
@@ -44,8 +62,12 @@ def exported(toy: str, target, **config_changes):
     tensors = load_file(f"{toy}/model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    save_file({n: tensors[n] for n in names[:half]}, str(target / "model-00001-of-00002.safetensors"))
-    save_file({n: tensors[n] for n in names[half:]}, str(target / "model-00002-of-00002.safetensors"))
+    save_file(
+        {n: tensors[n] for n in names[:half]}, str(target / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {n: tensors[n] for n in names[half:]}, str(target / "model-00002-of-00002.safetensors")
+    )
     config = json.loads((target / "config.json").read_text())
     config.update({"_name_or_path": "exported", "transformers_version": "0.0.0", **config_changes})
     (target / "config.json").write_text(json.dumps(config, indent=1))
@@ -57,7 +79,10 @@ def test_a_vector_follows_its_weights_not_its_path(trained, tmp_path):
     assert load_artifact(str(vector)).metadata[FINGERPRINT].startswith("sha256:")
     want = cli_generate("--model", toy, "--vector", str(vector), *FLAGS)
     export = exported(toy, tmp_path / "export")
-    assert cli_generate("--model", str(export), "--vector", str(vector), *FLAGS)["text"] == want["text"]
+    assert (
+        cli_generate("--model", str(export), "--vector", str(vector), *FLAGS)["text"]
+        == want["text"]
+    )
 
     other = exported(toy, tmp_path / "other", rms_norm_eps=0.5)
     refusal = r'artifact was trained for model ".*", current model is ".*other" \(weights sha256:.*, not the sha256:'
@@ -73,4 +98,6 @@ def test_a_vector_without_a_fingerprint_is_matched_by_its_path(trained, tmp_path
     old.write_text(json.dumps(data))
     assert cli_generate("--model", f"{toy}/.", "--vector", str(old), *FLAGS)["text"]
     with pytest.raises(Refusal, match="artifact was trained for model"):
-        cli_generate("--model", str(exported(toy, tmp_path / "export")), "--vector", str(old), *FLAGS)
+        cli_generate(
+            "--model", str(exported(toy, tmp_path / "export")), "--vector", str(old), *FLAGS
+        )

@@ -211,6 +211,7 @@ def test_an_artifact_is_matched_to_its_model_by_the_weights_not_the_path(tmp_pat
     code, report, err = _run(capsys, *evaluate, "--model", moved)
     assert code == 0, err  # another path, the same weights
     shutil.rmtree(model)
-    make_toy_model(model, layers=3, hidden=64, seed=1)  # another model (one more layer) at the same path
+    # another model (one more layer) at the same path
+    make_toy_model(model, layers=3, hidden=64, seed=1)
     code, _, err = _run(capsys, *evaluate, "--model", model)
     assert code == 2 and "artifact was trained for model" in err

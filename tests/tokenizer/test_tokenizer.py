@@ -654,6 +654,4 @@ def test_class_tables_match_installed_transformers():
         f: TOKENIZER_MAPPING_NAMES[f] for f in FAMILY_NAMES if TOKENIZER_MAPPING_NAMES.get(f)
     }
     assert REGISTERED_CLASS == expected
-    assert INCORRECT_HUB_CLASS == set(FAMILY_NAMES) & set(
-        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
-    )
+    assert INCORRECT_HUB_CLASS == set(FAMILY_NAMES) & set(MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
