@@ -43,6 +43,7 @@ def _has_avx512() -> bool:
         return False
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_the_kernels_tests_pass_over_the_avx2_loops_on_an_avx512_cpu():
     if not BUILDABLE:
         pytest.skip("no C++ compiler or no AVX2 here: the kernels are not built")

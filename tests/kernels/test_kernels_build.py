@@ -68,6 +68,7 @@ def test_a_copy_elsewhere_finds_the_build_and_other_sources_do_not(tmp_path):
     assert "building ster_dist's CPU kernels for this CPU" in said
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_a_builder_killed_mid_build_leaves_no_lock_that_the_next_waits_on(tmp_path):
     """torch's builder locks a build with a file it deletes when done; a builder killed mid-build
     (SIGKILL: a rank

@@ -302,6 +302,7 @@ def gemma4(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_per_layer_inputs_and_shared_keys_compile_and_give_the_eager_logits(
     gemma4, compiling, capfd
 ):
@@ -342,6 +343,7 @@ def test_altup_copies_compile_and_give_the_eager_logits(tmp_path, compiling, cap
     assert compiled.compiled is not None  # no step fell back to the eager layers
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_the_paged_engine_compiles_a_gemma4_e_model_and_answers_as_the_eager_one(
     gemma4, compiling, capfd
 ):
@@ -455,6 +457,7 @@ def moe(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(
     moe, compiling, capfd, monkeypatch
 ):
@@ -540,6 +543,7 @@ def test_experts_the_kernel_does_not_take_compile_behind_their_operator(
     assert routed.count(7 * 2) == routed.count(1 * 2) // 2 == len(experts)
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_a_moe_layer_run_whole_behind_its_operator_gives_the_eager_logits(
     moe, compiling, monkeypatch
 ):

@@ -383,6 +383,7 @@ def test_the_toy_deepseek_v3_checkpoint_is_read_alike_by_transformers(tmp_path):
     assert loaded.cfg.moe.topk_method == "noaux_tc" and loaded.cfg.mla is not None
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_cli_generate_with_ep2_through_ray_equals_one_process(tmp_path):
     """The README's flow: a toy DeepSeek-V3 checkpoint, then `ster generate --ep 2` on a local Ray
     cluster."""

@@ -100,6 +100,7 @@ def test_what_cannot_run_here_is_refused_before_ray_starts():
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_two_replicas_answer_through_one_port_and_stream_in_pieces(tmp_path):
     import ray
 
