@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ster_dist import kernels
 from tests.native_kernels import built
 
