@@ -79,16 +79,20 @@ class EngineFields(Request):
 
     @model_validator(mode="after")
     def _triton_installed(self, info: ValidationInfo):
+        if (
+            self.kernels != "triton"
+        ):  # kernels/ imports torch: a command line's refusals come before it
+            return self
         from ster_dist.kernels import triton
 
-        if self.kernels == "triton" and not triton.installed():
+        if not triton.installed():
             raise Refusal(
                 f"{label_in(info, 'kernels')} triton needs the triton package (pip install "
                 "'ster_dist[gpu]'); or pick native or torch"
             )
         # the run's, where the request has one: refused before loading
         device = getattr(self, "device", None)
-        if self.kernels == "triton" and device is not None:
+        if device is not None:
             triton.refuse_unless_usable(device)
         return self
 
