@@ -22,6 +22,12 @@ import socket
 import struct
 import sys
 
+# Run as a script, this file's folder would come first on sys.path, and tests/' part folders share names
+# with installed packages (tests/kernels with Hugging Face's `kernels`, which Transformers imports): the
+# commands it runs import only the installed ones.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
 # what most commands import before their first step; Ray and DeepSpeed stay out (see above)
 WARM = ("ster_dist.cli", "ster_dist.jobqueue.queue", "ster_dist.engine", "ster_dist.load")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
