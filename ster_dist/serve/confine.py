@@ -4,8 +4,7 @@ files it writes) and the model it runs.
 A body's fields are paths on the server, so without a bound a client could read any file into a
 prompt (`system: /etc/hostname`), overwrite one (`output`), or load any model directory or Hub id.
 A path must lie, once resolved (symlinks and `..` followed), inside the server's working directory
-or
-a directory given as `--allow-path DIR`; a model must be the served one (any spelling of its
+or a directory given as `--allow-path DIR`; a model must be the served one (any spelling of its
 directory) or one named by `--allow-models`. Refused as 403, naming the field and the flag that
 would allow it.
 """
@@ -15,22 +14,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# the request fields that name a file or directory on the server (besides the model)
-PATH_FIELDS = (
-    "input",
-    "pairs",
-    "prompts",
-    "request",
-    "system",
-    "examples",
-    "adapter",
-    "vector",
-    "decisions",
-    "control",
-    "calibration",
-    "output",
-    "artifact",
-)
+from ster_dist.inputs import INPUT_FIELDS
+
+# the request fields that name a file or directory on the server (besides the model): every input
+# an operation reads, what it writes, and Ster's inline-or-path artifact
+PATH_FIELDS = (*(name for name in INPUT_FIELDS if name != "model"), "output", "artifact")
 
 
 class Forbidden(Exception):
