@@ -65,6 +65,11 @@ def _joined(tokenizer, ids: list[int], scored: list, generated: dict) -> dict:
         *({token_text(tokenizer, i): finite(lp) for i, lp in best} for _, best in scored),
         *generated["top_logprobs"],
     ]
+    return completion_logprobs(tokens, token_logprobs, top_logprobs)
+
+
+def completion_logprobs(tokens: list[str], token_logprobs: list, top_logprobs: list) -> dict:
+    """A completion choice's `logprobs` as OpenAI writes it: each token with its text offset."""
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from ster_dist.engine.sampling import SamplingParams
 from ster_dist.errors import InvalidField, Refusal
-from ster_dist.serve.echo import echoed, prompt_logprobs
+from ster_dist.serve.echo import completion_logprobs, echoed, prompt_logprobs
 from ster_dist.serve.echo import finite as _finite, token_text as _token
 from ster_dist.serve.errors import (
     ApiError,
@@ -668,13 +668,4 @@ def _text_logprobs(tokenizer, entries: list) -> dict:
         tokens.append(_token(tokenizer, token_id))
         token_logprobs.append(_finite(logprob))
         top_logprobs.append({_token(tokenizer, i): _finite(lp) for i, lp in top})
-    offsets, at = [], 0
-    for token in tokens:
-        offsets.append(at)
-        at += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": offsets,
-    }
+    return completion_logprobs(tokens, token_logprobs, top_logprobs)
