@@ -595,6 +595,8 @@ def test_placement_keeps_each_tp_group_inside_a_node():
     ],
 )
 def test_placement_refusals_are_one_line_naming_the_fix(capsys, tmp_path, argv, words):
+    # an empty directory: a path that names nothing is refused first, as a misspelling (resolve.py)
+    (tmp_path / "never-read").mkdir()
     code, out, err = run(capsys, "plan", "--model", str(tmp_path / "never-read"), *argv)
     assert code == 2 and out is None
     assert words in err and len(err.strip().splitlines()) == 1
