@@ -407,7 +407,9 @@ def test_a_repeated_option_and_broken_json_are_refused(tmp_path):
 
 
 def test_command_line_refusals_come_before_any_weight(tmp_path, capsys):
-    """The model does not exist: every refusal below is reached before anything looks for it."""
+    """The model directory is empty: every refusal below is reached before anything reads it."""
+    # an empty directory: a path that names nothing is refused first, as a misspelling (resolve.py)
+    (tmp_path / "no-model").mkdir()
     model = str(tmp_path / "no-model")
     good = write_jsonl(tmp_path / "good.jsonl", good_items(12))
     bad = write_jsonl(
