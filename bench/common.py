@@ -8,8 +8,7 @@ benchmarks to load a model in a fresh process (so one load's memory never pollut
     python bench/common.py load --engine ster|hf --model-dir DIR --dtype f32|bf16 --threads 2
 
 prints one JSON line {"load_s", "rss_before_mb", "rss_peak_mb", "rss_growth_mb", "rss_after_mb",
-...}
-(peak = the VmHWM high-water mark, reset just before the load; see _child_load for why not
+...} (peak = the VmHWM high-water mark, reset just before the load; see _child_load for why not
 ru_maxrss).
 """
 

@@ -1,30 +1,23 @@
 """Compiled decode steps (model/compiled.py) against eager ones, in one process, for models whose
-steps compile but
-do not run natively (model/native_stack.py), on random checkpoints shaped as small real ones:
+steps compile but do not run natively (model/native_stack.py), on random checkpoints shaped as small
+real ones:
 
     python bench/compiled_steps.py                           # f32 and bf16, batch 1 and 4
     python bench/compiled_steps.py --dtypes bf16 --rounds 4
 
 - gemma4_e: Gemma 4's E models' layers, narrowed (hidden 768, 12 layers, 4 query heads of 128 over 1
-  key head,
-  full layers' heads of 256, feed-forward 3072, a window of 512 on five layers of six), each layer's
-  own input 128
-  wide added through its gate, the last 4 layers reading earlier layers' keys and values, a
-  32000-token vocabulary.
-  Before 2026-12-07 such a model never compiled (its per-layer inputs and shared keys kept it
-  eager).
+  key head, full layers' heads of 256, feed-forward 3072, a window of 512 on five layers of six),
+  each layer's own input 128 wide added through its gate, the last 4 layers reading earlier layers'
+  keys and values, a 32000-token vocabulary. Before 2026-12-07 such a model never compiled (its
+  per-layer inputs and shared keys kept it eager).
 - gemma3n_e: Gemma 3n's E models' layers, narrowed as gemma4_e is (a window on four layers of five,
-  the last 4
-  layers shared), with four AltUp copies of the stream, Laurel's rank-64 side path and the first
-  four layers'
-  feed-forwards gated sparse; it compiles since the same day.
+  the last 4 layers shared), with four AltUp copies of the stream, Laurel's rank-64 side path and
+  the first four layers' feed-forwards gated sparse; it compiles since the same day.
 
 The model is loaded once and its weights packed as the token engine packs them; each round runs the
-same greedy
-decode (a prompt of 32 tokens, then --steps steps) with the compiled layers and with the eager ones,
-alternating;
-a step's time is the fastest of each way's medians over the rounds. The tokens of the two ways are
-compared.
+same greedy decode (a prompt of 32 tokens, then --steps steps) with the compiled layers and with the
+eager ones, alternating; a step's time is the fastest of each way's medians over the rounds. The
+tokens of the two ways are compared.
 """
 
 from __future__ import annotations

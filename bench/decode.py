@@ -63,10 +63,8 @@ What is measured, with the same torch thread count, dtype, prompt token ids and 
               leaves it out.
 
 ster_dist runs as its token engine would: layers compiled (--enforce-eager: eager) and projection
-weights packed
-beside the plain ones, in panels where the CPU has AVX-512, else for oneDNN (--pack-weights off:
-plain only;
-parallel/packed.py).
+weights packed beside the plain ones, in panels where the CPU has AVX-512, else for oneDNN
+(--pack-weights off: plain only; parallel/packed.py).
 
 Every timed figure follows one untimed warm-up per engine, with the two engines alternating run
 by run, so load from other processes on the machine hits both alike; the 1-minute load average
@@ -74,11 +72,10 @@ is printed. Above the thread count, other processes compete for the cores and th
 noisy: with 2 OpenMP threads on 2 busy cores a step can run 2-3x slower, while the ratios
 ster_dist / Transformers stay closer to fair. --threads 1 is much less sensitive to that.
 
-Output: a table, then one JSON line with every figure and each ratio ster_dist / Transformers
-and ster_dist / llama.cpp (throughput ratios: higher is better; load-time and RSS ratios: lower is
-better). Greedy tokens
-of the two engines must be identical at batch 1: a mismatch fails the run in f32 and is a
-warning in bf16.
+Output: a table, then one JSON line with every figure and each ratio ster_dist / Transformers and
+ster_dist / llama.cpp (throughput ratios: higher is better; load-time and RSS ratios: lower is
+better). Greedy tokens of the two engines must be identical at batch 1: a mismatch fails the run in
+f32 and is a warning in bf16.
 
     python bench/decode.py --quick            # a small model, under a minute
     python bench/decode.py                    # the default ~250M model, f32, 2 threads
@@ -595,9 +592,8 @@ LLAMA_KEYS = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
 
 def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
     """Pack ster_dist's projection weights as its token engine does (`--pack-weights auto` there
-    packs a model
-    whose copies fit in a quarter of the memory free); returns the bytes packed (0: off, or nothing
-    to pack with)."""
+    packs a model whose copies fit in a quarter of the memory free); returns the bytes packed (0:
+    off, or nothing to pack with)."""
     from ster_dist.engine.runner import pack_model
 
     return sum(w.nbytes for w in pack_model(ster.model, args.pack_weights))
@@ -605,9 +601,8 @@ def pack_ster(ster: SterEngine, args: argparse.Namespace) -> int:
 
 def compile_ster(ster: SterEngine, args: argparse.Namespace) -> dict:
     """Compile ster_dist's layers and trace every graph the timed runs use (a prefill of each
-    length, decode at
-    batch 1 and --batch) before any clock starts; returns what it cost, or why the layers stay
-    eager."""
+    length, decode at batch 1 and --batch) before any clock starts; returns what it cost, or why the
+    layers stay eager."""
     if args.enforce_eager:
         return {"compiled": False, "why": "--enforce-eager"}
     os.environ.pop("STER_ENFORCE_EAGER", None)

@@ -1,12 +1,10 @@
 """FP8 weights kept (`--weights fp8`) against dequantized (`--weights dequantize`), and an FP8
-checkpoint's
-per-rank load against its BF16 twin.
+checkpoint's per-rank load against its BF16 twin.
 
 One random Llama checkpoint in BF16 is written, and its FP8 twin: every projection quantized in
 blocks of
 --block x --block as DeepSeek-V3 publishes (float8_e4m3fn beside `<name>_scale_inv`, one float32
-scale a
-block); norms, embeddings and head stay BF16. Then:
+scale a block); norms, embeddings and head stay BF16. Then:
 
   load     each run in a fresh Python process (no shared pages), at tp 1 and tp 2 (two spawned ranks
   on
@@ -14,15 +12,12 @@ block); norms, embeddings and head stay BF16. Then:
            to
            --dtype, the FP8 checkpoint kept in FP8. Seconds, peak-RSS growth (VmHWM reset before the
            load, over the RSS after imports), bytes read per rank and bytes held per rank
-           (parameters
-           and scale buffers), each as a ratio to the BF16 twin's.
+           (parameters and scale buffers), each as a ratio to the BF16 twin's.
   decode   in this process: batch-1 greedy decode steps (after a --prompt-len prompt, as
            bench/decode.py drives the Decoder) with the FP8 checkpoint dequantized and kept, at
            --dtype; tokens/s of each and kept / dequantized. On a CPU the kept model dequantizes
-           each
-           matrix for each product (parallel/fp8.py), so it trades speed for memory there; on an
-           SM90
-           GPU with blockwise scaled_mm it multiplies in FP8.
+           each matrix for each product (parallel/fp8.py), so it trades speed for memory there; on
+           an SM90 GPU with blockwise scaled_mm it multiplies in FP8.
 
 Nothing here is asserted; the ratios are printed, and the last line is the JSON of every figure.
 

@@ -1,17 +1,12 @@
 """The one prepared device check: every Triton kernel against its torch reference on CUDA (max
-error), greedy
-parity of tiny models under each `--kernels` choice, decode throughput of a SmolLM2-sized Llama
-(f32, bf16; batch
-1, 8, 64) against the HBM roofline, and the FP8 block GEMM's TFLOP/s against bf16's. One JSON report
-on stdout
-(and in --output). TP=1, one GPU; meant to finish in a few minutes on one H100 (bench/README.md says
-how to run
-it there).
+error), greedy parity of tiny models under each `--kernels` choice, decode throughput of a
+SmolLM2-sized Llama (f32, bf16; batch 1, 8, 64) against the HBM roofline, and the FP8 block GEMM's
+TFLOP/s against bf16's. One JSON report on stdout (and in --output). TP=1, one GPU; meant to finish
+in a few minutes on one H100 (bench/README.md says how to run it there).
 
 `--dry-run` runs every step on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set here) on
-small shapes
-and reports no timings: it checks that the script and every path it drives work before a GPU is lent
-(tests/kernels/test_gpu_check.py runs it).
+small shapes and reports no timings: it checks that the script and every path it drives work before
+a GPU is lent (tests/kernels/test_gpu_check.py runs it).
 
 CUDA graphs for decode steps are not built yet: the decode step reports `"cuda_graphs": "not
 built"`.
@@ -42,8 +37,8 @@ def _max_error(got, want) -> float:
 
 def kernel_checks(device: str, dry: bool) -> dict:
     """Each kernel on `device` against its torch reference (on the CPU, in f32): max abs error and
-    whether it is
-    within the dtype's tolerance. Shapes: small ones in a dry run, model-sized ones on a GPU."""
+    whether it is within the dtype's tolerance. Shapes: small ones in a dry run, model-sized ones on
+    a GPU."""
     import torch
 
     from ster_dist.kernels.triton import decode, extend, fp8, mla, moe, reference as ref
@@ -201,8 +196,8 @@ def parity(device: str, dry: bool, root: Path) -> dict:
 
 def decode(device: str, dry: bool, root: Path) -> dict:
     """Tokens/s of a SmolLM2-sized Llama (30 layers, hidden 576; the toy's small vocabulary) through
-    the engine,
-    per precision, batch and kernels, with the HBM roofline (weight bytes / 3.35 TB/s a step)."""
+    the engine, per precision, batch and kernels, with the HBM roofline (weight bytes / 3.35 TB/s a
+    step)."""
     from ster_dist.load.toy import make_toy_model
 
     model = root / "smollm2_sized"

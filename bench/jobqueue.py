@@ -3,9 +3,8 @@
 What is built
     A small random Llama (`ster toy-model`: --layers 4, --hidden 256 by default, a real BPE
     tokenizer and chat template) unless --model names a directory. Everything runs in this process
-    on the CPU with
-    the same torch thread count; the model is loaded once before any clock starts (a warm-up job
-    loads the job queue's worker group; the direct path holds its own loaded Session).
+    on the CPU with the same torch thread count; the model is loaded once before any clock starts (a
+    warm-up job loads the job queue's worker group; the direct path holds its own loaded Session).
 
 What is measured (greedy, up to --new-tokens per prompt, the same --jobs prompts in every case)
     direct      one `ster generate --prompts` call over all prompts, through an already loaded

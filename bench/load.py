@@ -8,10 +8,9 @@ measurement then runs in a fresh Python process so that loads do not share pages
   ster tp=1      resolve + load_model in one process
   ster tp=2      two ranks (torch.multiprocessing, gloo), each loading its shard
 
-For every run it prints the load seconds and the growth of peak RSS (VmHWM, reset just
-before the load) over the process's RSS after imports, as ratios ster_dist / Transformers (lower is
-better), and for
-ster_dist the bytes each rank read from the weight files over the checkpoint size.
+For every run it prints the load seconds and the growth of peak RSS (VmHWM, reset just before the
+load) over the process's RSS after imports, as ratios ster_dist / Transformers (lower is better),
+and for ster_dist the bytes each rank read from the weight files over the checkpoint size.
 
     python bench/load.py [--hidden 1024 --layers 12 --threads 2]
 """

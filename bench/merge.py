@@ -3,8 +3,7 @@ written) and against PEFT's merge_and_unload() + save_pretrained() (seconds and 
 
     python bench/merge.py --quick                 # hidden 512, 4 layers: about a minute
     python bench/merge.py                         # hidden 1024, 8 layers, f32 (~550 MB): a few
-    minutes
-    python bench/merge.py --dtype bf16 --model-dir /tmp/llama-merge
+    minutes python bench/merge.py --dtype bf16 --model-dir /tmp/llama-merge
 
 Each measured run is its own fresh process (`python bench/merge.py child ...`), with the page
 cache warmed first and the peak RSS read from VmHWM reset after the imports, so one run's memory

@@ -14,22 +14,19 @@ with --threads threads; EP=2 runs two spawned ranks (gloo) with threads / 2 each
 the same cores. Transformers runs model.generate in this process with --threads threads.
 
 `ster_ep1_compiled` is ster_ep1 loaded again with its steps compiled (model/compiled.py: the router,
-the
-dispatch and the experts' kernel inside each layer's graph); `ster_ep2_compiled` is the EP=2 ranks
-with theirs
-compiled (each MoE layer one operator, run eagerly inside: moe/layer.py's moe_layer), switched on
-and off run by
-run (tests/moe_probe.py's CompiledSwitch); "compiled over eager" is also timed in pairs, for both.
+the dispatch and the experts' kernel inside each layer's graph); `ster_ep2_compiled` is the EP=2
+ranks with theirs compiled (each MoE layer one operator, run eagerly inside: moe/layer.py's
+moe_layer), switched on and off run by run (tests/moe_probe.py's CompiledSwitch); "compiled over
+eager" is also timed in pairs, for both.
 
-The experts' A/B, in this process: `ster_ep1_loop` is ster_ep1 with Experts.forward swapped for
-the per-expert Python loop it ran before the grouped computation (loop_forward below, kept as the
+The experts' A/B, in this process: `ster_ep1_loop` is ster_ep1 with Experts.forward swapped for the
+per-expert Python loop it ran before the grouped computation (loop_forward below, kept as the
 reference), timed alternately with the engines, so "grouped over loop" is a same-process decode
 ratio. Then the experts alone, per step over --layers stacks of cold weights at decode rows (1, 2,
 4, 8 tokens x top-k) and prefill rows (256 tokens x top-k): the loop, the grouped computation, and
 the other candidate for few rows, gathering the selected experts' weights into one bmm (`gathered`,
 decode rows only: it copies a matrix per row), the experts kernel (`kernel`, kernels/experts.cpp,
-where it takes
-the experts), and which of them Experts.forward picks there (ster_ep1 runs it).
+where it takes the experts), and which of them Experts.forward picks there (ster_ep1 runs it).
 
 Bytes per token per MoE layer (measured at EP=2 from the ranks' dispatch counts, and projected
 to larger EP from the EP=1 routing decisions of the same decode):
@@ -102,10 +99,8 @@ def build(directory: Path, args) -> None:
 
 def decode_rates(runs: dict, batch: int, new_tokens: int, repeats: int) -> dict:
     """name -> (decode tokens/s, the tokens of its last long run), from generate() timings: the time
-    of
-    new_tokens tokens minus the time of one, best of `repeats`, the engines alternating run by run
-    so
-    load from other processes hits them alike."""
+    of new_tokens tokens minus the time of one, best of `repeats`, the engines alternating run by
+    run so load from other processes hits them alike."""
     best = {name: [float("inf"), float("inf"), None] for name in runs}
     for run in runs.values():  # warm-up
         run(2)
@@ -122,9 +117,8 @@ def decode_rates(runs: dict, batch: int, new_tokens: int, repeats: int) -> dict:
 
 def paired_decode_ratio(base, other, new_tokens: int, repeats: int) -> float:
     """The median over repeats of other's decode rate over base's, each repeat timing the two back
-    to
-    back (N tokens minus one token, as decode_rates does): on a shared machine the best-of rates can
-    come from quiet moments of different lengths, a pair shares its moment."""
+    to back (N tokens minus one token, as decode_rates does): on a shared machine the best-of rates
+    can come from quiet moments of different lengths, a pair shares its moment."""
     ratios = []
     for _ in range(repeats):
         seconds = []
@@ -248,9 +242,8 @@ class loop_experts:
 def experts_ab(args, repeats: int) -> list[dict]:
     """Per step (every layer's experts once) at decode and prefill rows: ms of each variant (best of
     `repeats`) and the ratios to grouped (the median over repeats of each repeat's ratio: the
-    variants
-    run back to back within a repeat, so load from other processes hits a pair alike). The layers
-    hold separate weights so each step streams them from memory as a decode step does."""
+    variants run back to back within a repeat, so load from other processes hits a pair alike). The
+    layers hold separate weights so each step streams them from memory as a decode step does."""
     dtype = common.DTYPES[args.dtype]
     moe = MoEConfig(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.expert_width)
     gen = torch.Generator().manual_seed(0)
@@ -329,8 +322,7 @@ def report_ab(
     load_before: float,
 ) -> int:
     """--ab-only's report: the decode rates and ratios, the experts-alone table; fails if the greedy
-    decodes
-    differ."""
+    decodes differ."""
     loop, grouped, compiled = (
         results["ster_ep1_loop"],
         results["ster_ep1"],

@@ -1,6 +1,5 @@
 """Native decode steps (model/native_stack.py) against the compiled graph they replace, in one
-process, on random
-checkpoints shaped as small real ones of the families they newly take:
+process, on random checkpoints shaped as small real ones of the families they newly take:
 
     python bench/native_steps.py                       # every shape, f32 and bf16, batch 1 and 4
     python bench/native_steps.py --shapes gemma3 --dtypes bf16 --rounds 4
@@ -8,30 +7,23 @@ checkpoints shaped as small real ones of the families they newly take:
     tokens
 
 - gemma3: Gemma 3 270M's layers (hidden 640, 18 layers, 4 query heads of 256 over 1 key head,
-  feed-forward 2048,
-  a window of 512 on five layers of six, each kind of layer its own rotation, norms over offsets
-  before and after
-  each sublayer, query and key heads normed, GELU(tanh)), its vocabulary cut to 32000 so that its
-  262144-row head
-  does not hide the layers;
+  feed-forward 2048, a window of 512 on five layers of six, each kind of layer its own rotation,
+  norms over offsets before and after each sublayer, query and key heads normed, GELU(tanh)), its
+  vocabulary cut to 32000 so that its 262144-row head does not hide the layers;
 - mistral: a Mistral-shaped 16-layer model (hidden 1024, 16 heads of 64 over 4 key heads,
-  feed-forward 2816) with
-  a sliding window of 64, shorter than the context the steps reach, so every step reads a window;
+  feed-forward 2816) with a sliding window of 64, shorter than the context the steps reach, so every
+  step reads a window;
 - gemma2: a Gemma-2-shaped 12-layer model (hidden 768, 8 heads of 128 over 4 key heads, feed-forward
-  3072), its
-  attention logits soft-capped at 50 and every other layer windowed to 64, Gemma 2's sandwich norms
-  and GELU;
+  3072), its attention logits soft-capped at 50 and every other layer windowed to 64, Gemma 2's
+  sandwich norms and GELU;
 - olmo2: an OLMo-2-shaped 12-layer model (hidden 1024, 16 heads of 64, feed-forward 2816): norms
-  only after the
-  sublayers, queries and keys normed over each whole projection.
+  only after the sublayers, queries and keys normed over each whole projection.
 
 The model is loaded once, its weights packed and its layers compiled as the token engine does. Each
-round runs
-the same greedy decode (a prompt of 32 tokens, then --steps steps) twice, once with native steps on
-and once with
-them off (the one-token graph at batch 1, the graph of several rows at batch 4), alternating; a
-step's time is
-the fastest of each run's median, over the rounds. With --ragged, row i of a batch keeps the last 32
+round runs the same greedy decode (a prompt of 32 tokens, then --steps steps) twice, once with
+native steps on and once with them off (the one-token graph at batch 1, the graph of several rows at
+batch 4), alternating; a step's time is the fastest of each run's median, over the rounds. With
+--ragged, row i of a batch keeps the last 32
 - 5i tokens of
 its prompt, left-padded to one width as generate() pads a ragged batch (before, such steps never
 went native). The tokens of the two ways are compared: in f32 they are the
@@ -172,9 +164,8 @@ def alternating(
     ragged: bool = False,
 ):
     """Each way's step seconds (the fastest of its runs' medians) and tokens: `ways` maps a name to
-    what switches the
-    model to it; the ways run in turn, rounds + 1 times, the first turn warming (and compiling)
-    each."""
+    what switches the model to it; the ways run in turn, rounds + 1 times, the first turn warming
+    (and compiling) each."""
     times: dict[str, list[float]] = {way: [] for way in ways}
     tokens = {}
     for way in list(ways) * (rounds + 1):

@@ -1,6 +1,5 @@
 """Pipeline parallelism against tensor parallelism on two CPU ranks: the token engine's throughput
-at
-PP2 and TP2, batch 1 and batch 8, the bubble each stage sees, and the bytes each exchanges.
+at PP2 and TP2, batch 1 and batch 8, the bubble each stage sees, and the bytes each exchanges.
 
 What is built
     A random Llama checkpoint (bench/common.py; default hidden 512, 8 layers, f32), loaded on two

@@ -2,17 +2,13 @@
 this CPU.
 
 A decode step reads every projection weight once. This script lays out SmolLM2-135M's shapes (30
-layers of
-fused q/k/v, o, fused gate/up and down, then the 49152-token head: 538 MB of f32 weights, far beyond
-any cache),
-random, and times one pass over all of them, x of `rows` rows, through each kernel that can take
-that row count
-here. The kernels alternate, each pass in a rotated order, so the machine's drift hits them alike;
-each figure is the median of
+layers of fused q/k/v, o, fused gate/up and down, then the 49152-token head: 538 MB of f32 weights,
+far beyond any cache), random, and times one pass over all of them, x of `rows` rows, through each
+kernel that can take that row count here. The kernels alternate, each pass in a rotated order, so
+the machine's drift hits them alike; each figure is the median of
 `--passes` passes. Printed: ms a pass and GB/s of weights read, then each kernel's time over the one
 `parallel/linear.py`'s dense() picks for that row count with an engine's packed weights (ratios
-above 1: slower than
-dense()'s pick).
+above 1: slower than dense()'s pick).
 
     python bench/products.py                       # f32, rows 1 2 4 8 12 16 32
     python bench/products.py --dtype bf16 --rows 1 8 12 16

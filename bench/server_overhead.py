@@ -4,23 +4,17 @@ process.
 Method: one `ster serve` child process and one in-process TokenEngine over the same checkpoint, each
 with
 --threads intra-op threads. Requests go one at a time, alternating between the two, so both see the
-same
-machine; each asks for --new-tokens tokens of a distinct random --prompt-len-token prompt (no
-prefix-cache
-hits), is read to its end, and the next one is sent --gap-ms later (so it meets an idle side, not
-the last
-request's clean-up: closing its connection, its metrics). TTFT is the time from sending to the first
-token's arrival at the client: for the server, over a fresh loopback HTTP connection with OpenAI's
-streaming completions read by a bare socket client (RawClient); in process, through `engine.submit`
-and
-the stream's iterator. `GET /health` over the same stack is timed too, as the floor of one HTTP
-round trip.
+same machine; each asks for --new-tokens tokens of a distinct random --prompt-len-token prompt (no
+prefix-cache hits), is read to its end, and the next one is sent --gap-ms later (so it meets an idle
+side, not the last request's clean-up: closing its connection, its metrics). TTFT is the time from
+sending to the first token's arrival at the client: for the server, over a fresh loopback HTTP
+connection with OpenAI's streaming completions read by a bare socket client (RawClient); in process,
+through `engine.submit` and the stream's iterator. `GET /health` over the same stack is timed too,
+as the floor of one HTTP round trip.
 
 The issue's target: the server adds at most 2 ms to TTFT at p50. The machine drifts within a run, so
-the
-figure is the median, over neighbouring pairs of blocks, of the server block's p50 less the engine
-block's.
-Compare figures within one run only.
+the figure is the median, over neighbouring pairs of blocks, of the server block's p50 less the
+engine block's. Compare figures within one run only.
 
     python bench/server_overhead.py                  # a toy Llama (ster toy-model), 200 requests
     each
@@ -61,10 +55,8 @@ def health_ms(port: int) -> float:
 
 class RawClient:
     """OpenAI's streaming completions over a bare socket: the request's bytes are built before the
-    clock
-    starts, and the first token counts when the bytes of its chunk arrive, so the figure holds the
-    server's
-    time and the loopback's, not a client library's parsing."""
+    clock starts, and the first token counts when the bytes of its chunk arrive, so the figure holds
+    the server's time and the loopback's, not a client library's parsing."""
 
     def __init__(self, server: SterServe):
         self.port, self.model = server.port, server.model

@@ -9,9 +9,9 @@ Methodology (vLLM's benchmarks/benchmark_serving.py, reduced to what this CPU ma
     Arrivals  (each rate has its own prompts, drawn as above from seed + 1000 x its index, so no
     cache
               warmed by one rate serves the next) a Poisson process per request rate (--rates,
-              requests/s; "inf" = all at t=0): the
-              gaps are exponential with mean 1/rate, drawn from a seeded RNG, the same schedule
-              for every backend. --concurrency caps the requests in flight (vLLM's
+              requests/s; "inf" = all at t=0): the gaps are exponential with mean 1/rate, drawn from
+              a seeded RNG, the same schedule for every backend. --concurrency caps the requests in
+              flight (vLLM's
               --max-concurrency): a request that arrives while the cap is reached waits for a
               slot, and its clock starts when it is sent, as in vLLM.
     Timing    every request runs in its own client thread; it records the time it was sent and
@@ -47,10 +47,9 @@ Figures are wall times on a shared 2-core machine: read the ratios, not the abso
 watch the printed load average (above --threads, other processes were competing for the cores).
 Rounds    --rounds N runs every backend N times, alternating (the order reversed every other round),
               so a slow spell of the machine slows every backend alike instead of whichever ran
-              then;
-              each backend's table shows its round of median output throughput (first rate), and
-              the output tok/s of every round is printed and kept in the JSON ("rounds"), and so is
-              ster-engine's over each other backend's within each round ("round_ratios").
+              then; each backend's table shows its round of median output throughput (first rate),
+              and the output tok/s of every round is printed and kept in the JSON ("rounds"), and so
+              is ster-engine's over each other backend's within each round ("round_ratios").
 Output: one table per backend, a ratio table against llama-server, and one final JSON line.
 
     python bench/serving.py --smollm2 --quick             # smoke run: ~1 min per backend on an idle
@@ -508,8 +507,7 @@ class SterServe:
     """`ster serve` as a child process (the same engine as ster-engine, behind uvicorn and OpenAI's
     API): POST /v1/completions with the prompt's token ids, stream and return_token_ids on, so each
     chunk's tokens are timestamped as they reach the client. Its ratio to ster-engine is the
-    server's
-    own cost."""
+    server's own cost."""
 
     name = "ster-serve"
     prefix_caching = True
@@ -572,10 +570,9 @@ class SterServe:
 
 class TransformersServe:
     """`transformers serve --continuous-batching` (Transformers' OpenAI-compatible server) as a
-    child
-    process. Its /v1/completions takes text, so each prompt's ids are decoded to text first (its own
-    tokenizer may re-encode them a few tokens differently), and each streamed chunk with text counts
-    as one token: its token ids are not comparable with the others'."""
+    child process. Its /v1/completions takes text, so each prompt's ids are decoded to text first
+    (its own tokenizer may re-encode them a few tokens differently), and each streamed chunk with
+    text counts as one token: its token ids are not comparable with the others'."""
 
     name = "transformers-serve"
     prefix_caching = False
@@ -639,9 +636,8 @@ def run_rates(
     backend, request_sets: list[list[Request]], rates: list[float], concurrency: int, seed: int
 ) -> tuple[dict, dict]:
     """Per rate: drive that rate's requests against the backend; its summary, and the token ids each
-    request got.
-    Each rate has its own prompts, so a prefix cache warmed by one rate's run cannot serve the
-    next."""
+    request got. Each rate has its own prompts, so a prefix cache warmed by one rate's run cannot
+    serve the next."""
     results, tokens = {}, {}
     for rate, requests in zip(rates, request_sets):
         key = "inf" if math.isinf(rate) else f"{rate:g}"
@@ -876,8 +872,8 @@ def print_tables(result: dict) -> None:
 
 def agreement(backends: dict) -> tuple[str | None, dict]:
     """Greedy token ids of each backend against the reference's (llama-server, else ster-engine),
-    per rate:
-    how many requests got the same first token and the same whole output. Drops the ids from
+    per rate: how many requests got the same first token and the same whole output. Drops the ids
+    from
     `backends`."""
     tokens = {name: b.pop("tokens") for name, b in backends.items() if "tokens" in b}
     tokens.pop("transformers-serve", None)  # counted chunks, not ids: nothing to compare
@@ -929,8 +925,7 @@ def round_throughputs(run: dict) -> dict:
 
 def median_round(done: list[dict]) -> dict:
     """Of one backend's rounds, the one of median output throughput at the first rate (a failed or
-    skipped
-    round counts lowest); the only one when there is one."""
+    skipped round counts lowest); the only one when there is one."""
 
     def first_rate(run: dict) -> float:
         return next(iter(round_throughputs(run).values()), -1.0)
@@ -941,10 +936,8 @@ def median_round(done: list[dict]) -> dict:
 
 def round_ratios(rounds: dict[str, list[dict]], over: str = "ster-engine") -> dict:
     """other backend -> per round, rate -> `over`'s output tok/s over the other's in that round (the
-    two ran
-    within minutes of each other, so a slow spell of the machine is likelier to weigh on both); a
-    rate either
-    has no figure for is left out of its round."""
+    two ran within minutes of each other, so a slow spell of the machine is likelier to weigh on
+    both); a rate either has no figure for is left out of its round."""
     mine = rounds.get(over, [])
     return {
         name: [{rate: a[rate] / b[rate] for rate in a if rate in b} for a, b in zip(mine, theirs)]

@@ -3,10 +3,8 @@ acceptance rate.
 
 What is built
     A small random DeepSeek-V3 (latent attention, 8 routed experts top-2 and a shared one; default
-    hidden 256,
-    12 layers, vocab 4096) with one MTP layer after its decoder's, as published checkpoints store
-    it, in three
-    versions that bracket what a trained MTP layer gives:
+    hidden 256, 12 layers, vocab 4096) with one MTP layer after its decoder's, as published
+    checkpoints store it, in three versions that bracket what a trained MTP layer gives:
       random       the MTP layer is the last decoder layer's weights with random enorm / hnorm /
       eh_proj / shared
                    head: a draft that is (almost) never right, so the figures are speculation's pure
@@ -14,19 +12,16 @@ What is built
       echo-often   an MTP layer built to propose the token it reads (eh_proj passes the normed
       embedding alone,
                    the layer's output projections are zero, its head is the embedding), over the
-                   random model
-                   with its head made the embedding and its layers' output projections x30: the
-                   model repeats
-                   a token for a while, then moves on, so some drafts are right and some not;
+                   random model with its head made the embedding and its layers' output projections
+                   x30: the model repeats a token for a while, then moves on, so some drafts are
+                   right and some not;
       echo-always  the same MTP layer over the model with its layers' output projections zeroed: it
       repeats its
                    last token forever and every draft is right (the upper bound, at the same compute
                    per step).
     No trained DeepSeek MTP layer fits a CPU run; on a real checkpoint the acceptance rate is the
-    MTP layer's
-    (DeepSeek reports 85-90% for the second token). The MTP layer costs one decoder layer per draft:
-    here 1/12
-    of the model, in DeepSeek-V3 1/61.
+    MTP layer's (DeepSeek reports 85-90% for the second token). The MTP layer costs one decoder
+    layer per draft: here 1/12 of the model, in DeepSeek-V3 1/61.
 
 What is measured
     For each version and each --drafts value (0 = no speculation), --batch greedy requests of
@@ -37,14 +32,10 @@ What is measured
     tokens/s = generated tokens / seconds from the first submit to the last result (prefill
     included), best of
     --repeats (the settings alternating run by run) after one warm-up each; engine steps; and
-    drafted / accepted
-    tokens (acceptance = accepted / drafted).
-    Every run's tokens are checked equal to the run without drafts (greedy speculation changes no
-    token).
-    Steps and acceptance are exact; tokens/s on a shared CPU moves with the neighbours' load (the
-    1-minute load
-    average is in the JSON), so tokens per CPU-second of this process (time.process_time: the engine
-    and its
+    drafted / accepted tokens (acceptance = accepted / drafted). Every run's tokens are checked
+    equal to the run without drafts (greedy speculation changes no token). Steps and acceptance are
+    exact; tokens/s on a shared CPU moves with the neighbours' load (the 1-minute load average is in
+    the JSON), so tokens per CPU-second of this process (time.process_time: the engine and its
     in-process rank, both torch threads) is printed beside it: what the work costs, whatever the
     wait.
 
@@ -85,9 +76,8 @@ def build(
     seed: int = 0,
 ) -> None:
     """The checkpoint, its MTP layer random or echoing; `damp` scales every decoder layer's output
-    projections
-    and makes the head the embedding (final norm 1), so at 0 the model repeats its last token
-    forever."""
+    projections and makes the head the embedding (final norm 1), so at 0 the model repeats its last
+    token forever."""
     import transformers
     from safetensors.torch import load_file, save_file
 

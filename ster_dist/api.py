@@ -100,8 +100,7 @@ class Engine:
     # -- underneath ------------------------------------------------------------------------------
     def job(self, kind: str, **fields) -> protocol.JobSpec:
         """The job of `kind`: this engine's model settings (those its request takes), then the
-        fields
-        given (and `id` / `priority` when given), validated as a queued job's."""
+        fields given (and `id` / `priority` when given), validated as a queued job's."""
         if kind not in JOB_REQUESTS:
             raise Refusal(f"unknown job kind {kind!r}; give one of: {', '.join(JOB_REQUESTS)}")
         cls = JOB_REQUESTS[kind]

@@ -154,8 +154,7 @@ def _read(lines, out, prompt: str):
 
 def _answer(stream, out):
     """The stream's whole answer, its text written out as it comes; None when interrupted (the
-    stream
-    is cancelled and its end awaited, so its blocks are free before the next turn)."""
+    stream is cancelled and its end awaited, so its blocks are free before the next turn)."""
     try:
         done = stream.result(on_delta=lambda delta: delta.text and _write(out, delta.text))
     except KeyboardInterrupt:

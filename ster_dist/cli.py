@@ -1,9 +1,8 @@
 """The `ster` command line, generated from the typed requests of ster_dist/schema.
 
 Every command is one request model: its fields become the command's flags (help text, defaults,
-choices), and what the command line states is validated by that model, refused in the flags'
-words. Job kinds run as jobs through a job queue in this process (ster_dist.jobqueue.queue.run_cli),
-the
+choices), and what the command line states is validated by that model, refused in the flags' words.
+Job kinds run as jobs through a job queue in this process (ster_dist.jobqueue.queue.run_cli), the
 same front door as job specs and the Python API; the other commands call their operation directly.
 
 Every command prints its result as JSON on stdout and progress events (one JSON object per line)

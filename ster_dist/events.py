@@ -1,8 +1,8 @@
 """Progress events: one JSON object per line on stderr, what every operation reports as it goes.
 
 The job queue routes a running job's lines into that job's event log (jobqueue/events.py), so a
-caller
-polling the queue, in this process or through the Ray actor, sees what the command line would show.
+caller polling the queue, in this process or through the Ray actor, sees what the command line would
+show.
 """
 
 from __future__ import annotations

@@ -145,8 +145,8 @@ def output_not_an_input(request) -> None:
 def not_an_input(output: str | None, where: str, inputs: list[tuple[str, str, str | None]]) -> None:
     """Refuse an output that is, or lies inside, an input (name, label, path): writing it would
     replace what the command reads (ster extract --output MODEL/model.safetensors replaced the
-    weights).
-    Paths are compared resolved, so a symlink or a relative spelling of an input is caught too."""
+    weights). Paths are compared resolved, so a symlink or a relative spelling of an input is caught
+    too."""
     if output is None:
         return
     target = Path(output).resolve()

@@ -73,8 +73,8 @@ def token_ids(loaded: LoadedModel, length: int, seed: int) -> torch.Tensor:
 @torch.inference_mode()
 def ours(loaded: LoadedModel, length: int = 24, seed: int = 0):
     """(token ids, {layer: residual after it}, logits) from ster_dist; every rank runs it. Under
-    pipeline
-    parallelism a rank reads the layers its stage holds, and only the last stage has logits."""
+    pipeline parallelism a rank reads the layers its stage holds, and only the last stage has
+    logits."""
     model = loaded.model
     ids = token_ids(loaded, length, seed)
     captured: dict[int, torch.Tensor] = {}

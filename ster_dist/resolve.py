@@ -75,8 +75,7 @@ def _refuse_near_miss(model: str) -> None:
 
 def _refuse_bare_name(model: str) -> None:
     """A name with no owner/ (toyy beside ./toy) is no Hub id the Hub resolves without a redirect,
-    and no
-    directory here: the closest directory here is named, and nothing is fetched."""
+    and no directory here: the closest directory here is named, and nothing is fetched."""
     name = os.path.normpath(model)
     if os.sep in name or "/" in name or not name.strip() or name in (".", ".."):
         return
@@ -229,12 +228,9 @@ def local_names(directory: Path) -> set[str]:
 
 def local_weights(directory: Path, names: set[str], weight_format: str) -> list[str]:
     """The format's weight files among `names` (local_names). A weight name or .gguf that is no
-    regular file
-    (a link whose blob is gone, as an interrupted Hub download leaves, a directory, a FIFO) is
-    refused, not
-    skipped: skipped, its tensors would be reported missing (or the directory as holding no
-    weights), and a
-    FIFO would block its reader."""
+    regular file (a link whose blob is gone, as an interrupted Hub download leaves, a directory, a
+    FIFO) is refused, not skipped: skipped, its tensors would be reported missing (or the directory
+    as holding no weights), and a FIFO would block its reader."""
     try:
         other = {entry.name for entry in directory.iterdir()} - names
     except OSError as exc:

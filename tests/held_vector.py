@@ -2,8 +2,8 @@
 mid-attempt.
 
 The pipe is held open for writing from the start (a pipe no process writes to is refused,
-inputs.py),
-and the job is known to be inside it when a second open of it appears in /proc (its reader)."""
+inputs.py), and the job is known to be inside it when a second open of it appears in /proc (its
+reader)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ class HeldVector:
 
     def _writer(self) -> None:
         """A writer from before a job starts, so its read waits for the text instead of being
-        refused
-        (opened again for the next job once wait_for_reader handed the last one's out)."""
+        refused (opened again for the next job once wait_for_reader handed the last one's out)."""
         if self.fd is None:
             self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
 
@@ -94,8 +93,7 @@ class HeldVector:
 
     def release(self, fd: int) -> None:
         """Send the vector and close; then, once the job has read it to the end, hold a writer again
-        for
-        the job's next attempt (a retry reads the pipe anew)."""
+        for the job's next attempt (a retry reads the pipe anew)."""
         os.set_blocking(fd, True)
         os.write(fd, self.text.encode())
         os.close(fd)

@@ -1,6 +1,5 @@
 """Rank extensions for tests and bench/moe.py: DispatchProbe counts what the expert-parallel
-dispatch moves;
-CompiledSwitch turns a rank's compiled steps on and off.
+dispatch moves; CompiledSwitch turns a rank's compiled steps on and off.
 
 The counters live here, not in the model: on first use on a rank, DispatchProbe swaps the
 `dispatch` name moe/layer.py calls for a wrapper that records each call, and puts the original
@@ -55,9 +54,8 @@ class DispatchProbe(RankExtension):
 
     def traffic(self, reset: bool = False) -> dict:
         """This rank's dispatch counts since the reset, summed over its MoE layers: tokens it
-        dispatched,
-        (token, expert) pairs it sent to other ranks, layer forwards; and how many MoE layers it
-        holds."""
+        dispatched, (token, expert) pairs it sent to other ranks, layer forwards; and how many MoE
+        layers it holds."""
         moe_layers = sum(isinstance(block.mlp, layer.MoE) for block in self.model.layers)
         out = {**self.totals, "moe_layers": moe_layers}
         if reset:
@@ -72,8 +70,7 @@ class DispatchProbe(RankExtension):
 
 class CompiledSwitch(RankExtension):
     """A rank's compiled steps on or off (bench/moe.py's ster_ep2 against ster_ep2_compiled, run by
-    run): compiled on
-    first use, the graphs kept while off."""
+    run): compiled on first use, the graphs kept while off."""
 
     def __init__(self, rank):
         super().__init__(rank)

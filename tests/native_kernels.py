@@ -1,6 +1,5 @@
 """The package's C++ kernels (ster_dist/kernels) as the tests reach them: whether they can be built
-here, and
-each operator, the test skipped, saying what runs instead, where they cannot."""
+here, and each operator, the test skipped, saying what runs instead, where they cannot."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Paged steps as the tests drive them: a plain block driver that hands out scattered blocks as
-sequences
-grow, one step of chunks through Decoder.forward_paged, and the same as a rank extension, so
-tensor-parallel
-ranks run a schedule on their own caches."""
+sequences grow, one step of chunks through Decoder.forward_paged, and the same as a rank extension,
+so tensor-parallel ranks run a schedule on their own caches."""
 
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ BLOCK = 4
 class Driver:
     """The driver's share, as plainly as the tests need it: blocks from a shuffled free list, so no
     sequence's blocks are contiguous or in order, and a recurrent-state slot per sequence (in the
-    order
-    sequences first appear; a cache of a model with recurrent layers needs as many state_slots)."""
+    order sequences first appear; a cache of a model with recurrent layers needs as many
+    state_slots)."""
 
     def __init__(self, cache: PagedCache, seed: int = 0):
         self.cache = cache
@@ -41,8 +39,7 @@ class Driver:
 
 def run_step(model, driver: Driver, tokens: dict[str, torch.Tensor], step, release=None):
     """(chunks, logits [chunks, vocab]) of one step [(sequence, new tokens), ...]; `release` may
-    rewrite
-    each chunk's blocks (a sliding window's released ones) before the forward."""
+    rewrite each chunk's blocks (a sliding window's released ones) before the forward."""
     chunks = [driver.chunk(name, n) for name, n in step]
     if release is not None:
         chunks = [release(c) for c in chunks]
@@ -75,12 +72,10 @@ def check_paged_equals_whole(
     model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40, state_slots: int = 0
 ) -> Driver:
     """Run `schedule` through a paged cache of `model`: each chunk's last logits must equal the
-    whole read's
-    at that position (a causal read: position p's logits are those of the first p + 1 tokens read
-    whole).
+    whole read's at that position (a causal read: position p's logits are those of the first p + 1
+    tokens read whole).
     `state_slots`: a recurrent state per sequence, for a model with recurrent layers. Returns the
-    driver, for
-    what a test checks after."""
+    driver, for what a test checks after."""
     from ster_dist.parity import compare
 
     with torch.no_grad():
@@ -98,9 +93,8 @@ def check_ranks_equal_one(
     group, directory, model, tokens: dict[str, torch.Tensor], schedule, num_blocks: int = 40
 ) -> tuple[list[dict], Driver]:
     """`schedule` on every rank of `group` (the checkpoint at `directory` loaded there), each over
-    its own paged
-    cache, gives the logits one rank's `model` gives. Returns (each rank's run, the single rank's
-    driver)."""
+    its own paged cache, gives the logits one rank's `model` gives. Returns (each rank's run, the
+    single rank's driver)."""
     from ster_dist.parity import compare
     from ster_dist.resolve import resolve
 

@@ -1,10 +1,8 @@
 """Checks the recurrent-layer test files share: tiny checkpoints made and loaded, random token ids,
-a long
-prompt read in chunks against one pass, left padding against the unpadded read, paged steps through
-state
-slots (the Driver's two-sequence schedule, and the Mamba-2 family's SCHEDULE, also as a rank
-extension for
-tensor-parallel runs), copies of a checkpoint with edited config values, and one-line refusals."""
+a long prompt read in chunks against one pass, left padding against the unpadded read, paged steps
+through state slots (the Driver's two-sequence schedule, and the Mamba-2 family's SCHEDULE, also as
+a rank extension for tensor-parallel runs), copies of a checkpoint with edited config values, and
+one-line refusals."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ def make_checkpoint(tmp_path_factory, variant: str):
 
 def checkpoint_fixtures(variant: str):
     """Module-scoped fixtures (tiny, loaded): a tiny `variant` checkpoint's directory and it loaded
-    in f32; a test
-    file takes them as `tiny, loaded = checkpoint_fixtures(...)`."""
+    in f32; a test file takes them as `tiny, loaded = checkpoint_fixtures(...)`."""
 
     @pytest.fixture(scope="module")
     def tiny(tmp_path_factory):
@@ -84,9 +81,8 @@ def check_chunks_equal_one_pass(
     model, ids: torch.Tensor, sizes, cache_length: int, tolerance: float, reference=None
 ):
     """Reads ids whole (equal to Transformers' `reference` when given), then in chunks of `sizes`
-    through one
-    static cache, and asserts the chunks' logits equal the whole read's; the cache, for further
-    checks."""
+    through one static cache, and asserts the chunks' logits equal the whole read's; the cache, for
+    further checks."""
     with torch.no_grad():
         whole = model(ids)
         if reference is not None:
@@ -107,8 +103,7 @@ LONG = 150
 
 def check_long_prompt_in_chunks(model, reference):
     """LONG tokens in uneven chunks (one of them a single token) equal one pass, and that equals
-    Transformers';
-    the cache."""
+    Transformers'; the cache."""
     return check_chunks_equal_one_pass(
         model, random_ids(LONG, batch=2), (37, 64, 1, 30, 18), LONG + 1, 1e-5, reference
     )
@@ -116,8 +111,7 @@ def check_long_prompt_in_chunks(model, reference):
 
 def check_left_padding(model):
     """A fresh sequence behind four pad tokens reads as it does alone, and leaves every layer the
-    same state;
-    the unpadded read's cache, for the caller's further checks."""
+    same state; the unpadded read's cache, for the caller's further checks."""
     ids = random_ids(9, seed=6)
     padded = torch.cat([torch.zeros(1, 4, dtype=ids.dtype), ids], dim=1)
     valid = torch.cat(
@@ -137,8 +131,7 @@ def check_left_padding(model):
 
 def check_driver_slots(model, tokens: dict[str, torch.Tensor], schedule):
     """Sequences "long" and "short" in state slots 1 and 0, read through `schedule` [[(name, new
-    tokens), ...]]:
-    each step's last-token logits equal the whole read's at that position."""
+    tokens), ...]]: each step's last-token logits equal the whole read's at that position."""
     slots = {"long": 1, "short": 0}
     driver = Driver(PagedCache(model, 64, 4, state_slots=2))
     with torch.no_grad():

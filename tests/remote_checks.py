@@ -1,9 +1,8 @@
 """Checks the families tested against a hand-made reference share
-(tests/families/test_telechat_mimo_pangu_nanbeige.py,
-test_plamo3.py, test_chatglm.py): random ids, greedy decoding by whole re-reads of a reference
-forward,
-decoding from the paged cache equal to the whole read, batches in the token engine equal to one at a
-time, and TP=2 equal to TP=1 (or EP=2 equal to one rank) on a spawned gloo group."""
+(tests/families/test_telechat_mimo_pangu_nanbeige.py, test_plamo3.py, test_chatglm.py): random ids,
+greedy decoding by whole re-reads of a reference forward, decoding from the paged cache equal to the
+whole read, batches in the token engine equal to one at a time, and TP=2 equal to TP=1 (or EP=2
+equal to one rank) on a spawned gloo group."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def greedy_by_rereading(forward, prompt: list[int], n: int, eos: int) -> list[in
 
 def check_cache_and_batches(loaded, what: str = "") -> None:
     """A prompt read into the paged cache, then one token at a time, equals the whole read; prompts
-    of different
-    lengths batched in the token engine generate what each does alone."""
+    of different lengths batched in the token engine generate what each does alone."""
     ids = random_ids(2, 20, seed=2)
     # a model that carries state across steps (recurrent layers, an n-gram embedding's last tokens)
     # keeps one
@@ -62,16 +60,14 @@ def check_cache_and_batches(loaded, what: str = "") -> None:
 
 def check_tp2_equals_tp1(checkpoints: dict) -> None:
     """Each (directory, loaded one-rank model) of `checkpoints` on one spawned group of two ranks:
-    logits and
-    greedy tokens equal the one-rank model's."""
+    logits and greedy tokens equal the one-rank model's."""
     with SpawnGroup(2) as group:
         check_group_equals_one_rank(group, checkpoints)
 
 
 def check_group_equals_one_rank(group, checkpoints: dict) -> None:
     """Each (directory, loaded one-rank model) of `checkpoints` loaded on a spawned group (tensor-
-    or
-    expert-parallel): logits and greedy tokens equal the one-rank model's."""
+    or expert-parallel): logits and greedy tokens equal the one-rank model's."""
     ids = random_ids(2, 24, seed=4)
     prompts = [ids[0, :7].tolist(), ids[1, :4].tolist()]
     for name, (directory, single) in checkpoints.items():

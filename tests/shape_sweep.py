@@ -1,22 +1,16 @@
 """The shape sweep of tests/config/test_config_shape_sweep.py: each tiny variant's Transformers
-config with one size-like
-key changed, what Transformers builds of it on the meta device (no weights) and saves, and whether
-ster_dist
-reads that checkpoint's names and shapes from the same config.json.
+config with one size-like key changed, what Transformers builds of it on the meta device (no
+weights) and saves, and whether ster_dist reads that checkpoint's names and shapes from the same
+config.json.
 
 A variation doubles one positive integer key whose name says it is a size (hidden and intermediate
-widths, head
-counts and dims, expert counts and widths, latent ranks, conv widths, state sizes), rotates a list
-of layer
-kinds by one, or flips tie_word_embeddings; every other key keeps the variant's value, so sizes that
-published
-configs state independently of each other differ here too.
+widths, head counts and dims, expert counts and widths, latent ranks, conv widths, state sizes),
+rotates a list of layer kinds by one, or flips tie_word_embeddings; every other key keeps the
+variant's value, so sizes that published configs state independently of each other differ here too.
 
 Transformers' checkpoint is what save_pretrained writes: the state dict without tied copies, its
-weight
-conversions reverted; ster_dist's reading is what the loader plans (shard/plan.py build_plan over
-the meta
-decoder's parameters, every parameter filled), without a byte of weights.
+weight conversions reverted; ster_dist's reading is what the loader plans (shard/plan.py build_plan
+over the meta decoder's parameters, every parameter filled), without a byte of weights.
 """
 
 from __future__ import annotations
@@ -79,8 +73,7 @@ def variations(variant: str) -> list[tuple[str, dict]]:
 
 def transformers_checkpoint(variant: str, change: dict) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(config.json, {tensor name: shape}) as Transformers' save_pretrained writes them, built on
-    the meta
-    device; raises whatever Transformers raises for a config it refuses."""
+    the meta device; raises whatever Transformers raises for a config it refuses."""
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -96,17 +89,14 @@ def transformers_checkpoint(variant: str, change: dict) -> tuple[dict, dict[str,
 
 def stated_config(variant: str, change: dict) -> dict:
     """The variant's config.json with `change` written over it: the config a user could write even
-    where
-    Transformers' config class refuses it."""
+    where Transformers' config class refuses it."""
     return {**json.loads(tiny_config(variant).to_json_string()), **change}
 
 
 def ster_dist_refusal(raw: dict, shapes: dict[str, tuple[int, ...]] | None) -> str | None:
     """ster_dist's refusal of `raw` with tensors of `shapes` (of the config alone, building the meta
-    decoder,
-    where `shapes` is None), or None where it reads every tensor into a parameter of its shape and
-    fills
-    every parameter."""
+    decoder, where `shapes` is None), or None where it reads every tensor into a parameter of its
+    shape and fills every parameter."""
     from ster_dist.config import from_hf
     from ster_dist.errors import Refusal
     from ster_dist.model.decoder import meta_decoder
@@ -133,10 +123,8 @@ def ster_dist_refusal(raw: dict, shapes: dict[str, tuple[int, ...]] | None) -> s
 
 def transformers_forward_failure(variant: str, change: dict) -> str | None:
     """What Transformers raises running a tiny random model of the changed config forward (on the
-    CPU, 2 x 9
-    tokens), or None where it runs: the proof that a refusal of ster_dist matches a config
-    Transformers cannot
-    run either."""
+    CPU, 2 x 9 tokens), or None where it runs: the proof that a refusal of ster_dist matches a
+    config Transformers cannot run either."""
     import transformers
 
     try:

@@ -3,10 +3,8 @@
 TINY gathers tests/tiny/<lineage>.py, one module per ster_dist/families/<lineage>.py. Each entry:
 (Transformers config class name, model class name, config kwargs over BASE_CONFIG). Sizes are small
 and odd where the family allows: key-value heads below heads, head_dim unlike hidden/heads, vocab
-not
-divisible by two, tied and untied heads, rope scaling variants; mixture-of-experts checkpoints have
-6-8
-experts, top-2, so expert-parallel ranks get uneven loads.
+not divisible by two, tied and untied heads, rope scaling variants; mixture-of-experts checkpoints
+have 6-8 experts, top-2, so expert-parallel ranks get uneven loads.
 """
 
 from __future__ import annotations
@@ -151,8 +149,7 @@ def unstated_base(variant: str) -> tuple[str, ...]:
 
 def tiny_config(variant: str, change: dict | None = None):
     """The Transformers config of a tiny `variant`, its kwargs updated by `change`
-    (tests/shape_sweep.py's
-    one-key variations)."""
+    (tests/shape_sweep.py's one-key variations)."""
     import transformers
 
     config_cls, _, kwargs = TINY[variant]
@@ -185,8 +182,7 @@ def make_tiny(variant: str, directory: Path, seed: int = 0, dtype: torch.dtype =
 
 def load_tiny(variant: str, tmp_path_factory) -> tuple[Path, object, object]:
     """(directory, Transformers model, our model in f32) of a tiny `variant` saved in a fresh
-    temporary directory:
-    what a module-scoped fixture of one family's tests returns."""
+    temporary directory: what a module-scoped fixture of one family's tests returns."""
     from ster_dist.load import load_model
     from ster_dist.resolve import resolve
 
@@ -211,8 +207,7 @@ SCORES_AT_THE_CAP = {"query_pre_attn_scalar": 0.01}
 
 def with_config(directory: Path, target: Path, change: dict, text: bool = False) -> Path:
     """A copy of the checkpoint at `directory` in `target`, its config's keys (its text_config's,
-    with `text`, for
-    an image-text wrapper) updated by `change`."""
+    with `text`, for an image-text wrapper) updated by `change`."""
     import shutil
 
     shutil.copytree(directory, target)
@@ -238,10 +233,8 @@ def perturb_norms(model, seed: int) -> None:
 
 def _perturb_experts(model, variant: str, seed: int) -> None:
     """Random inits leave DeepSeek-V3's and LFM2-MoE's selection biases and GPT-OSS's expert biases
-    at zero; set them. In one
-    layer, steer the router away from the upper half of the experts, so that under two
-    expert-parallel ranks
-    the second receives no token there."""
+    at zero; set them. In one layer, steer the router away from the upper half of the experts, so
+    that under two expert-parallel ranks the second receives no token there."""
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, t in list(model.named_buffers()) + list(model.named_parameters()):

@@ -1,7 +1,6 @@
 """Helpers the tune tests (test_tune_preference.py, test_tune_grpo*.py) share: JSONL input files,
-the
-command line run in-process, a `ster tune grpo` command line, a base model that stops early, and the
-relative difference of two tensors."""
+the command line run in-process, a `ster tune grpo` command line, a base model that stops early, and
+the relative difference of two tensors."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ def run_cli(capsys, *argv) -> tuple[int, dict | None, str]:
 
 def quiet_cli(*argv) -> dict:
     """The JSON result of `ster argv...` run in this process, its progress kept off the test's
-    output; a
-    failure fails the test with what the command said."""
+    output; a failure fails the test with what the command said."""
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(list(argv))
@@ -46,8 +44,7 @@ def quiet_cli(*argv) -> dict:
 
 def grpo_argv(root: Path, output: Path, *flags) -> list[str]:
     """`ster tune grpo` on root/base and root/prompts.jsonl into `output`, seeded, four prompts a
-    step; the
-    caller's `flags` add the rest."""
+    step; the caller's `flags` add the rest."""
     return [
         "tune",
         "grpo",
@@ -67,10 +64,8 @@ def grpo_argv(root: Path, output: Path, *flags) -> list[str]:
 
 def plant_early_stops(model, directory: Path) -> None:
     """Push the head's end-of-sequence row along the mean final hidden state of `model` (the
-    Transformers model
-    saved at `directory`), and save that head there: most tokens now end the text, so a length
-    reward has room
-    to rise."""
+    Transformers model saved at `directory`), and save that head there: most tokens now end the
+    text, so a length reward has room to rise."""
     from safetensors.torch import load_file, save_file
 
     with torch.no_grad():

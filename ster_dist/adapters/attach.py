@@ -34,8 +34,8 @@ from ster_dist.errors import Refusal
 
 def attach(model, sites: list[Site] | list[dict]) -> Callable[[], None]:
     """Attach every site to its projection of `model` (a Decoder, possibly one TP rank's, or one
-    pipeline
-    stage's: another stage's sites are that stage's to attach) for every forward; returns detach."""
+    pipeline stage's: another stage's sites are that stage's to attach) for every forward; returns
+    detach."""
     return adapt_every_row(
         model, [site if isinstance(site, dict) else vars(site) for site in sites]
     )
@@ -65,8 +65,8 @@ def prepare(session, request) -> tuple[list[dict], dict]:
 
 def attach_for_cli(session, request) -> Callable[[], None]:
     """Attach --adapter on every rank of the session for a whole operation; returns the detach
-    callable.
-    Generation routes adapters per request in the token engine instead (ops/generate.py)."""
+    callable. Generation routes adapters per request in the token engine instead
+    (ops/generate.py)."""
     sites, info = prepare(session, request)
     token = uuid.uuid4().hex
     session.group.on(StandingModifiers).adapt(token, sites)

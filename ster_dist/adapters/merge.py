@@ -1,13 +1,12 @@
 """Streaming LoRA merges: the base read tensor by tensor and written back in its own layout.
 
-A merge never builds a decoder and never holds the model. `prepare` resolves the base, runs
-every refusal (adapter for another model or width, targets the family cannot take, a GGUF or FP8
-base,
-a source naming one tensor twice, a checkpoint the loader would not load) and plans the output
-shards from the safetensors headers alone. Each output shard is then written by
-shard/writer.write_shard: unadapted tensors are copied byte for byte, adapted ones get
-(alpha / r) * B @ A (alpha / sqrt(r) under rsLoRA) accumulated in f32 and cast back to their
-source dtype, in row blocks, so peak memory is a few blocks of the largest adapted tensor.
+A merge never builds a decoder and never holds the model. `prepare` resolves the base, runs every
+refusal (adapter for another model or width, targets the family cannot take, a GGUF or FP8 base, a
+source naming one tensor twice, a checkpoint the loader would not load) and plans the output shards
+from the safetensors headers alone. Each output shard is then written by shard/writer.write_shard:
+unadapted tensors are copied byte for byte, adapted ones get (alpha / r) * B @ A (alpha / sqrt(r)
+under rsLoRA) accumulated in f32 and cast back to their source dtype, in row blocks, so peak memory
+is a few blocks of the largest adapted tensor.
 
 A base in Mistral's own format is written back in it: consolidated*.safetensors under Mistral's
 tensor names (the same name map that loads it places the updates) beside its params.json.

@@ -9,11 +9,10 @@ Sites in the decoder's own names and global shapes: attach.py splits them over r
 merge walks them back into the checkpoint's tensors through shard/writer.placements.
 
 Adapters are made on Transformers' checkpoints: PEFT modules are matched by the family's
-Transformers
-name map whatever the base's format, and their B rows are in Transformers' row order. A base whose
-query and key rows are stored in rotation-pair order (Mistral's own format, FamilySpec.pair_rows)
-gets
-those B rows put in that order once, here, so the merge and the runtime attach both see them right.
+Transformers name map whatever the base's format, and their B rows are in Transformers' row order. A
+base whose query and key rows are stored in rotation-pair order (Mistral's own format,
+FamilySpec.pair_rows) gets those B rows put in that order once, here, so the merge and the runtime
+attach both see them right.
 
 Which targets a family takes is decided here, from the header and config alone, before any
 factor is read (seeds/000): a gate on a plain feed-forward, feed-forward targets on a
@@ -140,8 +139,7 @@ def load_sites(adapter: Adapter, plans: list[SitePlan]) -> list[Site]:
 
 def halves_to_pairs(b: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Each head's rows from Transformers' order (the first of every rotation pair, then the second)
-    to
-    adjacent pairs (Mistral's native order): the inverse of Transformers' convert_mistral_weights
+    to adjacent pairs (Mistral's native order): the inverse of Transformers' convert_mistral_weights
     permute."""
     rows, rank = b.shape
     return (

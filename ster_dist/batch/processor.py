@@ -1,8 +1,7 @@
 """`ster_dist.batch.processor(...)`: what `Dataset.map_batches` takes to answer a dataset's rows
 with a model, the Python form of `ster batch` (as `ray.data.llm.build_processor` is vLLM's):
 
-    import ray.data
-    from ster_dist.batch import processor
+    import ray.data from ster_dist.batch import processor
 
     ds = ray.data.read_json("prompts.jsonl", lines=True)
     ds.map_batches(processor(model="models/smollm2", max_new_tokens=32), concurrency=2,
@@ -38,8 +37,7 @@ RUNTIME_FIELDS = (
 
 def processor(request=None, *, model: str | None = None, chat_template: str = "auto", **fields):
     """A Replica class bound to its model and defaults, for `map_batches(..., concurrency=N)`. Takes
-    a
-    BatchRequest (`ster batch`'s) or keyword arguments: model, runtime fields (tp, precision, ...)
+    a BatchRequest (`ster batch`'s) or keyword arguments: model, runtime fields (tp, precision, ...)
     and row defaults (max_new_tokens, temperature, seed, ...)."""
     if request is not None:
         model, chat_template = request.model, request.chat_template

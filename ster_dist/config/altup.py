@@ -1,6 +1,5 @@
 """Gemma 3n's widened residual stream read from its config (config.py's AltUp part): how many copies
-of the
-hidden state AltUp carries, and the per-layer inputs added to them."""
+of the hidden state AltUp carries, and the per-layer inputs added to them."""
 
 from __future__ import annotations
 
@@ -13,10 +12,9 @@ from ster_dist.errors import Refusal
 @dataclass(frozen=True)
 class AltUpConfig:
     """AltUp's copies of the hidden state (the first is the one each block runs on) and the
-    per-layer inputs:
-    a width-`per_layer_width` slice per layer of a second embedding table, joined with a projection
-    of the
-    embedding and added, gated, to every copy but the first after each layer."""
+    per-layer inputs: a width-`per_layer_width` slice per layer of a second embedding table, joined
+    with a projection of the embedding and added, gated, to every copy but the first after each
+    layer."""
 
     copies: int  # altup_num_inputs
     # the first corrected copy times correct_output_scale before its gate

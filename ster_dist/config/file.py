@@ -7,15 +7,11 @@ A text wrapper is an image-text (or audio) checkpoint whose language model is on
 names below the language model. Which names those are is one rule for every wrapper
 (`text_weight_names`): Transformers' older saves put the text model's names below `language_model.`
 (language_model.model.layers.0..., language_model.lm_head), Transformers 5 writes
-model.language_model.*
-for the text model's `model.*` and keeps lm_head at the root, and HyperCLOVA X SEED keeps the whole
-text
-model below model.language_model (model.language_model.model.layers.0...,
-model.language_model.lm_head);
-Inkling keeps its text model below model.llm, which its family's map names as it stands.
-Every other tensor of a wrapped checkpoint belongs to a tower (vision, audio) or its projector and
-is
-never mapped.
+model.language_model.* for the text model's `model.*` and keeps lm_head at the root, and HyperCLOVA
+X SEED keeps the whole text model below model.language_model
+(model.language_model.model.layers.0..., model.language_model.lm_head); Inkling keeps its text model
+below model.llm, which its family's map names as it stands. Every other tensor of a wrapped
+checkpoint belongs to a tower (vision, audio) or its projector and is never mapped.
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 checked.
 
 Each table reader returns a tuple with one entry a layer, or an empty tuple where the config states
-nothing (the
-decoder then uses the model-wide value); the looped models' stored layer count and pass schedule are
-read here
-too. Each refuses, in one line naming the key and what it must hold, a table of the wrong length or
-with entries
-of the wrong kind: config.from_hf calls them before any weight is read.
+nothing (the decoder then uses the model-wide value); the looped models' stored layer count and pass
+schedule are read here too. Each refuses, in one line naming the key and what it must hold, a table
+of the wrong length or with entries of the wrong kind: config.from_hf calls them before any weight
+is read.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """A checkpoint's ModelConfig: config.json (or Mistral's params.json) read through config.py, with
-the
-end-of-sequence ids generation_config.json (or the tokenizer config) states. Every process that
-needs
-a model's config without its weights (the driver, the job queue's checks) reads it here."""
+the end-of-sequence ids generation_config.json (or the tokenizer config) states. Every process that
+needs a model's config without its weights (the driver, the job queue's checks) reads it here."""
 
 from __future__ import annotations
 
@@ -35,8 +33,8 @@ def _tokenizer_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
 
 def _generation_eos(checkpoint: Checkpoint) -> tuple[int, ...]:
     """generation_config.json's eos_token_id: a file that is there is read whole, and a value the
-    token
-    engine could not stop on (a string, a float, a negative id) is refused, as config.json's is."""
+    token engine could not stop on (a string, a float, a negative id) is refused, as config.json's
+    is."""
     path = checkpoint.generation_config_path
     if not path.is_file():
         return ()

@@ -459,8 +459,7 @@ def _mla(keys: Keys) -> MLAConfig:
 
 def _layer_mla(raw: dict, mla: MLAConfig | None, path: str) -> tuple[MLAConfig | None, ...]:
     """layer_latent (a family's normalisation writes it): per layer, None or the latent keys that
-    layer states
-    over the model's."""
+    layer states over the model's."""
     own = raw.get("layer_latent") or ()
     return tuple(
         _mla(Keys({**raw, **keys}, f"{path} layer {i}")) if keys and mla is not None else None
@@ -481,8 +480,7 @@ def from_hf(
     """Normalise a Transformers config.json dict (after the architecture gate) into a ModelConfig.
 
     weight_format chooses the family's name map, and with it the conventions of that format's
-    tensors
-    (Mistral's own format stores query and key rows for rotation by adjacent pairs)."""
+    tensors (Mistral's own format stores query and key rows for rotation by adjacent pairs)."""
     family = family_of(raw)
     wrapper = wrapper_of(raw)
     spec = spec_for(family, weight_format)
@@ -902,8 +900,7 @@ def _normalized(raw: dict, spec: FamilySpec, path: str) -> dict:
 
 def _states_kv_heads(raw: dict) -> bool:
     """Whether the config itself states a key/value head count, at the top level or in an object it
-    nests
-    attention settings in (MPT and DBRX's attn_config)."""
+    nests attention settings in (MPT and DBRX's attn_config)."""
     keys = KV_HEAD_KEYS + ("multi_query",)
     objects = [raw] + [value for value in raw.values() if isinstance(value, dict)]
     return any(obj.get(key) is not None for obj in objects for key in keys)

@@ -1,8 +1,6 @@
 """Hashed n-gram embeddings read from a normalised config (config.py's n-gram part;
-model/ngram_embedding.py
-computes them): LongCat-Flash-Lite's families state `ngram_embedding` from emb_neighbor_num,
-emb_split_num and
-ngram_vocab_size_ratio (families/longcat.py)."""
+model/ngram_embedding.py computes them): LongCat-Flash-Lite's families state `ngram_embedding` from
+emb_neighbor_num, emb_split_num and ngram_vocab_size_ratio (families/longcat.py)."""
 
 from __future__ import annotations
 

@@ -53,12 +53,9 @@ def from_params(raw: dict, path: str = "params.json") -> ModelConfig:
     """Mistral's params.json put in the Transformers shape as vLLM reads it, then read by from_hf.
 
     A dense params.json is mistral with its tensors under Mistral's names (weight_format "mistral");
-    one
-    with experts beside a shared one is Mistral Large 3, deepseek_v3 (`_large3`). Experts without a
-    shared
-    one, image-text models and Llama 4's temperature on a dense model are refused here, before any
-    weight
-    is read.
+    one with experts beside a shared one is Mistral Large 3, deepseek_v3 (`_large3`). Experts
+    without a shared one, image-text models and Llama 4's temperature on a dense model are refused
+    here, before any weight is read.
     """
     for key in ("moe", "multimodal", "yarn"):  # the blocks read below with .get
         if raw.get(key) is not None and not isinstance(raw[key], dict):
@@ -112,8 +109,8 @@ def from_params(raw: dict, path: str = "params.json") -> ModelConfig:
 
 def _large3(raw: dict, rope: dict, path: str) -> dict:
     """Mistral Large 3's moe and llama_4_scaling blocks as DeepSeek-V3's keys (vLLM's adapter):
-    softmax scores,
-    the chosen weights renormalised, Llama 4's query temperature in the rotation's parameters."""
+    softmax scores, the chosen weights renormalised, Llama 4's query temperature in the rotation's
+    parameters."""
     moe = dict(raw["moe"])
     hf = {_MOE_RENAMED[key]: moe.pop(key) for key in list(moe) if key in _MOE_RENAMED}
     if moe:

@@ -6,11 +6,10 @@ Three layouts load, each dequantized to --precision while it is read (shard/fp8.
   weight_block_size [rows, cols]): float8_e4m3fn weights beside `<name>_scale_inv`, one float32
   scale per block;
 - MXFP4 as gpt-oss publishes it (quant_method mxfp4): expert matrices as `<name>_blocks` (uint8, two
-  e2m1
-  values a byte, 32 values a block) beside `<name>_scales` (one e8m0 exponent a block);
+  e2m1 values a byte, 32 values a block) beside `<name>_scales` (one e8m0 exponent a block);
 - compressed-tensors FP8 (quant_method compressed-tensors, format float-quantized or
-  naive-quantized, weights
-  {num_bits 8, type float} with strategy channel, tensor or block): float8_e4m3fn weights beside
+  naive-quantized, weights {num_bits 8, type float} with strategy channel, tensor or block):
+  float8_e4m3fn weights beside
   `<name>_scale`. Activation schemes are not applied: such checkpoints run weight-only, as the note
   says.
 Every other quantization keeps a one-line refusal naming it.
@@ -96,10 +95,8 @@ class Mxfp4:
 @dataclass(frozen=True)
 class CompressedFP8:
     """compressed-tensors FP8 weights: float8_e4m3fn, scaled per output channel, per tensor or per
-    block (one
-    strategy per config group; each tensor's scale shape says which is its own). `activations` names
-    the
-    activation schemes the config states, which load weight-only."""
+    block (one strategy per config group; each tensor's scale shape says which is its own).
+    `activations` names the activation schemes the config states, which load weight-only."""
 
     strategies: tuple[str, ...]
     block: tuple[int, int] | None = None

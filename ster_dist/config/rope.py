@@ -1,10 +1,8 @@
 """Rotations read from a config: each layer's RopeConfig, sliding window and attention chunk
-(config.py's
-rotation part).
+(config.py's rotation part).
 
 Transformers 5's rope_parameters (one object, or one per layer type), the older top-level rope_theta
-and
-rope_scaling, layer_types or the family's sliding rule (AttentionSpec.sliding), and the family's
+and rope_scaling, layer_types or the family's sliding rule (AttentionSpec.sliding), and the family's
 conventions where a config is silent (PositionSpec).
 """
 
@@ -97,8 +95,7 @@ def _rope_sources(keys: Keys, positions: PositionSpec) -> tuple[dict, dict]:
 
 def _alpha_base(theta: float, alpha, head_dim: int, path: str) -> float:
     """HunYuan's dynamic base, theta * alpha ** (d / (d - 2)), or a refusal where it is no finite
-    number (alpha
-    itself is a finite number above 0 by now: config_ranges.check_rope)."""
+    number (alpha itself is a finite number above 0 by now: config_ranges.check_rope)."""
     try:
         base = theta * alpha ** (head_dim / (head_dim - 2))
     except (OverflowError, ZeroDivisionError):
@@ -247,9 +244,8 @@ def _layer_bases(
     default_theta: float,
 ) -> dict:
     """Check layer_rope_theta against the two rotations a config holds (full-attention layers at
-    rope_theta,
-    sliding-window layers at one base) and return the sliding layers' rotation at their stated
-    base."""
+    rope_theta, sliding-window layers at one base) and return the sliding layers' rotation at their
+    stated base."""
     if len(bases) != len(kinds):
         raise Refusal(
             f"invalid model config {keys.path}: layer_rope_theta lists {len(bases)} bases "
@@ -281,12 +277,9 @@ def rotations(
     layer_head_dim: tuple[int, ...] = (),
 ) -> tuple[list[RopeConfig | None], list[int | None], list[int | None], dict]:
     """Each layer's rotation (None: it does not rotate), sliding window and attention chunk (None:
-    full
-    attention), and the full-attention layers' rotation parameters as stated. `attends`: whether
-    each layer attends (empty: all
-    do); `latent_rope_dim`: latent attention's rotated width, which rotates whole; `layer_head_dim`:
-    each
-    layer's head width where layers differ (Gemma 4)."""
+    full attention), and the full-attention layers' rotation parameters as stated. `attends`:
+    whether each layer attends (empty: all do); `latent_rope_dim`: latent attention's rotated width,
+    which rotates whole; `layer_head_dim`: each layer's head width where layers differ (Gemma 4)."""
     path, positions = keys.path, spec.positions
     kinds = _layer_types(keys, spec.attention, num_layers)
     window = keys.get("sliding_window")

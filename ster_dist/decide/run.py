@@ -53,8 +53,7 @@ def shared_prefix(rows: list[list[int]]) -> int:
 
 def _letters(scores: list[float], label_ids: list[list[int]]) -> list[float]:
     """Per answer position, the log-sum-exp of its spellings' logits (scores in logits_of order:
-    every
-    spelling of position 0, then of position 1, ...)."""
+    every spelling of position 0, then of position 1, ...)."""
     out, at = [], 0
     for ids in label_ids:
         out.append(

@@ -10,12 +10,10 @@ A block is in exactly one state:
              by allocate, least recently released first;
   free       count 0 and unregistered.
 
-Prefix caching. A full block's key is a digest chained over every block before it
-(digest_i = blake2b(digest_{i-1} || tokens of block i)), so equal tokens after different prefixes
-never
-share a block: a block's k/v depend on every earlier token. The chain's root is a salt naming what
-else
-the k/v depend on (an adapter, a steering vector): sequences share blocks only when salts are equal.
+Prefix caching. A full block's key is a digest chained over every block before it (digest_i =
+blake2b(digest_{i-1} || tokens of block i)), so equal tokens after different prefixes never share a
+block: a block's k/v depend on every earlier token. The chain's root is a salt naming what else the
+k/v depend on (an adapter, a steering vector): sequences share blocks only when salts are equal.
 blake2b (256 bits) rather than Python's hash(): a collision would silently serve another prompt's
 cache, and hash() is 64 bits and, for str salts, randomized per process.
 
@@ -23,13 +21,10 @@ The table maps each digest to at most one block and each block to at most one di
 holds more than num_blocks entries; an evicted block's digest is dropped with it.
 
 Speculative decoding (engine/drafter.py) keeps a second cache beside each block: the MTP layer's
-keys, written a
-step behind the model's (the MTP row at position q reads token q + 1), and only for sequences that
-draft. A block
-is marked drafted once its MTP keys are all written, with the token after it that its last one read
-(`mark_drafted`); a drafting sequence shares only the leading blocks so marked whose next token is
-its own
-(`drafted_prefix`). Handing a block out again drops its mark.
+keys, written a step behind the model's (the MTP row at position q reads token q + 1), and only for
+sequences that draft. A block is marked drafted once its MTP keys are all written, with the token
+after it that its last one read (`mark_drafted`); a drafting sequence shares only the leading blocks
+so marked whose next token is its own (`drafted_prefix`). Handing a block out again drops its mark.
 """
 
 from __future__ import annotations
@@ -134,9 +129,8 @@ class BlockPool:
         self, tokens, hashes: BlockHashes | None = None, record: bool = True
     ) -> list[int]:
         """Ids of cached full blocks holding tokens' longest block-aligned prefix, one reference
-        taken
-        on each. At most (len(tokens)-1)//block_size blocks: at least one token is left to compute,
-        since the last token's logits give the next one.
+        taken on each. At most (len(tokens)-1)//block_size blocks: at least one token is left to
+        compute, since the last token's logits give the next one.
 
         hashes: the sequence's digest memo (its salt included), extended here as far as looked up;
         without one the chain is rooted at the empty salt. record=False leaves the query out of
@@ -169,10 +163,9 @@ class BlockPool:
         self, blocks: list[int], digests: list[bytes], start: int = 0, stop: int | None = None
     ) -> None:
         """Register blocks[i] under digests[i] for start <= i < stop: the blocks must be held and
-        their
-        k/v computed. A NULL_BLOCK entry is skipped; a digest some other block already holds leaves
-        this block unregistered (it stays private and goes free on release); re-registering a block
-        under its own digest is a no-op."""
+        their k/v computed. A NULL_BLOCK entry is skipped; a digest some other block already holds
+        leaves this block unregistered (it stays private and goes free on release); re-registering a
+        block under its own digest is a no-op."""
         if not self.prefix_caching:
             return
         stop = (
@@ -207,8 +200,8 @@ class BlockPool:
 
     def drafted_prefix(self, blocks: list[int], tokens) -> int:
         """How many leading blocks (blocks[i] holding tokens[i*bs:(i+1)*bs]) have their MTP keys
-        written as this
-        sequence's own would be: marked drafted, the token after each the one it has there."""
+        written as this sequence's own would be: marked drafted, the token after each the one it has
+        there."""
         bs = self.block_size
         kept = 0
         while (

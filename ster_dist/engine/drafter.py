@@ -1,28 +1,19 @@
 """The rank side of MTP speculative decoding: the MTP layer's own paged cache, and each sequence's
-last chunk
-of hidden states, from which the next step's drafts are made.
+last chunk of hidden states, from which the next step's drafts are made.
 
 The MTP row of position q reads the model's hidden state at q and token q + 1, so it can run only
-once token
-q + 1 is known: the rows of a step's chunk wait, on every rank alike, for the sequence's next chunk,
-whose start
-says how many of them stood (a verified draft keeps only its accepted tokens) and whose first token
-is the one
-after the last. propose() runs those rows (writing the MTP layer's keys there, its catch-up) and,
-for a decode
-the driver asked drafts of, chains the layer on its own output: its argmax at the last row is draft
-1, and row
-by row its output and the last draft make the next. Every rank computes the same drafts from the
-same gathered
-logits, so no rank waits on another for them. A sequence restarted (preemption) or served from the
-prefix cache
-has no rows waiting and drafts nothing that step. The MTP keys of the positions before its first
-chunk are those
+once token q + 1 is known: the rows of a step's chunk wait, on every rank alike, for the sequence's
+next chunk, whose start says how many of them stood (a verified draft keeps only its accepted
+tokens) and whose first token is the one after the last. propose() runs those rows (writing the MTP
+layer's keys there, its catch-up) and, for a decode the driver asked drafts of, chains the layer on
+its own output: its argmax at the last row is draft 1, and row by row its output and the last draft
+make the next. Every rank computes the same drafts from the same gathered logits, so no rank waits
+on another for them. A sequence restarted (preemption) or served from the prefix cache has no rows
+waiting and drafts nothing that step. The MTP keys of the positions before its first chunk are those
 of the blocks it shares, which the driver lets it share only when they are all written and the last
-one read
-the token it has there (engine/blocks.py's drafted marks, set by the scheduler once a step's
-catch-up passed a
-block's end): its cache is then the one a cold run leaves, and it drafts as a cold run would.
+one read the token it has there (engine/blocks.py's drafted marks, set by the scheduler once a
+step's catch-up passed a block's end): its cache is then the one a cold run leaves, and it drafts as
+a cold run would.
 """
 
 from __future__ import annotations
@@ -97,8 +88,7 @@ class MTPDrafter:
         self, seq_ids: list[str | None], chunks: list[Chunk], ids: list[int], hidden: torch.Tensor
     ) -> None:
         """A step's chunks (drafts included) and the model's final-norm output over them [tokens,
-        hidden]; none
-        for a sequence that never drafts (seq_ids[i] None)."""
+        hidden]; none for a sequence that never drafts (seq_ids[i] None)."""
         offset = 0
         for seq_id, chunk in zip(seq_ids, chunks):
             end = offset + chunk.length

@@ -1,8 +1,6 @@
 """Prompts through a token engine in one call, for tests and benchmarks: the engine is the only way
-to
-generate, so a check that wants a batch's token ids runs one over a group (a LocalGroup holding a
-model
-this process loaded, or any loaded group) and reads each request's ids."""
+to generate, so a check that wants a batch's token ids runs one over a group (a LocalGroup holding a
+model this process loaded, or any loaded group) and reads each request's ids."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def engine_token_ids(
 ) -> list[list[int]]:
     """Each prompt's new token ids (the EOS that ends one included), every prompt in flight at once.
     `source`: a LoadedModel of this process (run on a LocalGroup holding it, closed after), or a
-    group whose
-    ranks have loaded `checkpoint`."""
+    group whose ranks have loaded `checkpoint`."""
     if isinstance(source, LoadedModel):
         group, checkpoint = LocalGroup.holding(source), source.checkpoint
     else:

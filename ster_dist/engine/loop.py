@@ -7,12 +7,9 @@ sampled token to its request: detokenized incrementally, checked against end-of-
 tokens, stop strings and max_tokens, streamed out, and retired at once (its blocks freed) when done.
 With speculative_tokens set, each decode carries up to that many drafts of the model's MTP layer,
 verified on the ranks in the same forward (engine/drafter.py, engine/rejection.py); every verified
-one is
-handed on as a sampled token. A model with recurrent layers also keeps a state slot per running
-request
-(cache_sizes counts them against the cache budget) and runs without prefix caching
-(engine/scheduler.py
-says why).
+one is handed on as a sampled token. A model with recurrent layers also keeps a state slot per
+running request (cache_sizes counts them against the cache budget) and runs without prefix caching
+(engine/scheduler.py says why).
 
     engine = TokenEngine(group, cfg, tokenizer, eos, EngineConfig())
     stream = engine.submit(prompt_ids, SamplingParams(max_tokens=64))
@@ -82,10 +79,9 @@ def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> t
     Recurrent states come out of the same per-rank budget as the blocks (kv_cache_memory or
     kv_cache_fraction): a model with recurrent layers gets a slot per request it may run at once
     (max_running, held to max_step_tokens), fewer where those would take more than half a rank's
-    budget; the rest is blocks.
-    Never more blocks than every running request could fill at the model's full context (plus the
-    null
-    block): a model whose layers are all recurrent keeps no keys, and its blocks cost nothing."""
+    budget; the rest is blocks. Never more blocks than every running request could fill at the
+    model's full context (plus the null block): a model whose layers are all recurrent keeps no
+    keys, and its blocks cost nothing."""
     slots = 0
     with_state = [s for s in sizes if s["state_bytes"]]
     if with_state:
@@ -116,10 +112,8 @@ def cache_sizes(sizes: list[dict], config: EngineConfig, max_position: int) -> t
 
 def check_speculative(cfg, config: EngineConfig) -> None:
     """Refuse, in one line, speculative decoding where it cannot run: no MTP layer to draft with, a
-    pipeline, a
-    step too small for drafts (recurrent state, which cannot roll back past a refused draft, is
-    refused once
-    the ranks have measured it)."""
+    pipeline, a step too small for drafts (recurrent state, which cannot roll back past a refused
+    draft, is refused once the ranks have measured it)."""
     if not cfg.mtp_layers:
         raise Refusal(
             "--speculative mtp drafts with the model's multi-token-prediction layers and this config "
@@ -273,10 +267,8 @@ class TokenEngine:
     # -- requests ---------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile the layers now, each step size's graph included, rather than once COMPILE_AFTER
-        steps have
-        run and each size at its first step (model/compiled.py): a server pays it before it says it
-        is ready.
-        Nothing without compiled steps (--enforce-eager, an eager model)."""
+        steps have run and each size at its first step (model/compiled.py): a server pays it before
+        it says it is ready. Nothing without compiled steps (--enforce-eager, an eager model)."""
         if self.config.compile_after is None:
             return
         started = time.perf_counter()
@@ -305,10 +297,8 @@ class TokenEngine:
 
     def replace_adapter(self, name: str, sites: list[dict]) -> None:
         """New factors for the adapter registered under `name` (the same projections), copied in on
-        every rank
-        between two steps; a request already running continues under them. A trainer calls this
-        after each
-        optimizer step; the base is not reloaded."""
+        every rank between two steps; a request already running continues under them. A trainer
+        calls this after each optimizer step; the base is not reloaded."""
         with self._from_outside():
             if name not in self._adapters:
                 raise Refusal(f"adapter {name!r} is not registered with the engine")
@@ -326,8 +316,7 @@ class TokenEngine:
         on_finish=None,
     ) -> RequestStream:
         """Queue one request; returns its stream at once. Refused here, before it is queued: an
-        empty
-        prompt, one past the model's positions, or one the whole cache could never hold.
+        empty prompt, one past the model's positions, or one the whole cache could never hold.
         `on_finish(stream)`
         is called from the engine's thread once the stream's last delta is in."""
         self.check(prompt_ids, params, steering=steering, adapter=adapter)
@@ -372,8 +361,7 @@ class TokenEngine:
         adapter: str | None = None,
     ) -> None:
         """What `submit` refuses, without queueing anything: a caller that submits later (the
-        server, once its
-        answer is set up) refuses bad requests first."""
+        server, once its answer is set up) refuses bad requests first."""
         params.check()
         self._check(prompt_ids, params)
         if steering is not None and steering[0] not in self._vectors:
@@ -452,8 +440,8 @@ class TokenEngine:
     @contextlib.contextmanager
     def _from_outside(self):
         """The ranks for another thread than the engine's: one call at a time, and after it that
-        thread's OpenMP
-        workers, which work on in-process ranks makes, released (engine/omp_pool.py)."""
+        thread's OpenMP workers, which work on in-process ranks makes, released
+        (engine/omp_pool.py)."""
         with self._group_lock:
             try:
                 yield
@@ -526,11 +514,10 @@ class TokenEngine:
 
     def _step(self) -> None:
         """Steps over the ranks. With one micro-batch (the default) one step, there and back. With
-        more
-        (one per pipeline stage), up to that many steps in flight on disjoint requests, each
-        submitted as
-        soon as one comes back, so every stage works on one while the next works on another (vLLM's
-        virtual engines); new requests and cancellations wait until the steps in flight are back."""
+        more (one per pipeline stage), up to that many steps in flight on disjoint requests, each
+        submitted as soon as one comes back, so every stage works on one while the next works on
+        another (vLLM's virtual engines); new requests and cancellations wait until the steps in
+        flight are back."""
         inflight: collections.deque = collections.deque()
         with self._group_lock:
             while True:

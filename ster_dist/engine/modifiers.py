@@ -9,8 +9,7 @@ index. The engine's rows are set before a step's forward and cleared after, so a
 the engine (capture, parity) sees neither.
 
 A whole-batch modifier is the same thing with ALL_ROWS: `steer_every_row` and `adapt_every_row`
-apply
-to every row of every forward until detached (capture, steer's runs, a test's reference), and
+apply to every row of every forward until detached (capture, steer's runs, a test's reference), and
 `StandingModifiers` does so on every rank of a group under a token (steer/attach.py and
 adapters/attach.py call it).
 """
@@ -108,9 +107,8 @@ class RowAdapters:
 
     def register(self, name: str, sites: list[dict], every_row: bool = False) -> None:
         """Attach `sites` under `name`, routed per step (set_rows), or to every row of every
-        forward: a
-        plain LowRank, which a compiled graph traces as it traces the projection (no routing to
-        guard on)."""
+        forward: a plain LowRank, which a compiled graph traces as it traces the projection (no
+        routing to guard on)."""
         if name in self.attached:
             return
         modules = dict(self.model.named_modules())
@@ -138,9 +136,8 @@ class RowAdapters:
 
     def replace(self, name: str, sites: list[dict]) -> None:
         """New values for a registered adapter's factors, copied into the tensors already attached
-        (the same
-        projections, ranks and shapes; the base is not touched): a trainer pushing its factors after
-        each step."""
+        (the same projections, ranks and shapes; the base is not touched): a trainer pushing its
+        factors after each step."""
         attached = self.attached.get(name)
         if attached is None:
             raise Refusal(
@@ -189,8 +186,7 @@ def steer_every_row(
     model, vectors: list[tuple[int, torch.Tensor]], strength: float
 ) -> Callable[[], None]:
     """Add strength x vector to the residual after each vector's layer on every forward of `model`;
-    returns
-    the remover."""
+    returns the remover."""
     steering = RowSteering(model)
     steering.register("every row", vectors)
     steering.set_rows({("every row", strength): ALL_ROWS})
@@ -199,9 +195,8 @@ def steer_every_row(
 
 def adapt_every_row(model, sites: list[dict], name: str = "every row") -> Callable[[], None]:
     """Attach an adapter's global factors (per projection: param, a, b, scale) to `model`, this
-    rank's share
-    of each (another pipeline stage's projections are that stage's), for every forward; returns
-    detach."""
+    rank's share of each (another pipeline stage's projections are that stage's), for every forward;
+    returns detach."""
     adapters = RowAdapters(model)
     adapters.register(name, sites, every_row=True)
     return adapters.close
@@ -209,8 +204,7 @@ def adapt_every_row(model, sites: list[dict], name: str = "every row") -> Callab
 
 class StandingModifiers(RankExtension):
     """Steering and adapters applied to every row on this rank for a whole operation (capture,
-    steer's own
-    runs), each under the driver's token: token -> its remover."""
+    steer's own runs), each under the driver's token: token -> its remover."""
 
     def __init__(self, rank):
         super().__init__(rank)

@@ -1,22 +1,17 @@
 """Verifying a speculative draft against the model's own distribution, on rank 0.
 
 A draft of k tokens is fed after a sequence's last token in one forward; the k + 1 rows of logits
-that come
-back are the model's distributions at each drafted position and one past them. What a request keeps:
+that come back are the model's distributions at each drafted position and one past them. What a
+request keeps:
 
 - greedy: the drafts as long as each equals the argmax of its row, then that row's argmax (the
-  correction, or
-  past an all-accepted draft the next token): exactly the tokens one-at-a-time greedy decoding
-  gives.
+  correction, or past an all-accepted draft the next token): exactly the tokens one-at-a-time greedy
+  decoding gives.
 - sampled: Leviathan et al.'s rejection sampling (vLLM's rejection sampler): draft d at row j is
-  kept with
-  probability min(1, p_j(d) / q_j(d)); the first one refused is replaced by a draw from the
-  normalised residual
-  max(0, p_j - q_j), and a draft kept whole earns a draw from p_k. Every kept token is then
-  distributed as the
-  model alone would draw it. q is the drafter's distribution, or (None) a point mass on each draft,
-  as the MTP
-  drafter proposes its argmax.
+  kept with probability min(1, p_j(d) / q_j(d)); the first one refused is replaced by a draw from
+  the normalised residual max(0, p_j - q_j), and a draft kept whole earns a draw from p_k. Every
+  kept token is then distributed as the model alone would draw it. q is the drafter's distribution,
+  or (None) a point mass on each draft, as the MTP drafter proposes its argmax.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ def rejection_sample(
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
     """(the drafts kept, then one drawn token) and how many drafts were kept, for the model's
-    probabilities
-    target [k + 1, vocab] and the drafter's draft_probs [k, vocab] (None: a point mass on each
-    draft)."""
+    probabilities target [k + 1, vocab] and the drafter's draft_probs [k, vocab] (None: a point mass
+    on each draft)."""
     k = len(drafts)
     if target.shape[0] != k + 1:
         raise ValueError(

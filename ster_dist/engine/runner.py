@@ -5,9 +5,8 @@ key-value heads, or the latent for latent attention, in blocks of the same ids; 
 layers, its share of each running sequence's state in the slot the driver named); rank 0 alone
 samples, since the logits are gathered on every rank, and sends back one token per sampling chunk.
 With speculative decoding on, each rank also runs the model's MTP layer (engine/drafter.py) and rank
-0
-verifies its drafts (engine/rejection.py), sending back the drafts kept before that token.
-The driver (engine/loop.py) decides everything else.
+0 verifies its drafts (engine/rejection.py), sending back the drafts kept before that token. The
+driver (engine/loop.py) decides everything else.
 """
 
 from __future__ import annotations
@@ -70,9 +69,8 @@ def pack_model(model, mode: str) -> list[torch.Tensor]:
 
 def pack_all(weights: list[torch.Tensor]) -> None:
     """Pack each of `weights`; their panels lie in one block of memory in 2 MiB pages where the
-    system allows
-    (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it 13-16%
-    there)."""
+    system allows (shard/arena.py: a decode step reads every weight once, and 4 KiB pages cost it
+    13-16% there)."""
     laid = [w for w in weights if kernels.panels(w.dtype) and packed.lookup(w) is None]
     sizes = [packed.panel_bytes(w) for w in laid]
     offsets, end = [], 0
@@ -105,10 +103,9 @@ class ModelRunner(RankExtension):
         self, block_size: int, memory: int | None, fraction: float, cap: int | None = None
     ) -> dict:
         """What this rank's cache may take: `memory` bytes, else `fraction` of what is free now (at
-        most `cap`
-        bytes), and what one block and one sequence's recurrent state (0 without recurrent layers)
-        cost here.
-        The driver splits the budget between blocks and state slots (engine/loop.py cache_sizes)."""
+        most `cap` bytes), and what one block and one sequence's recurrent state (0 without
+        recurrent layers) cost here. The driver splits the budget between blocks and state slots
+        (engine/loop.py cache_sizes)."""
         model = self.model
         budget = memory if memory is not None else int(fraction * available_memory(model.device))
         if cap is not None:
@@ -131,8 +128,7 @@ class ModelRunner(RankExtension):
 
     def draft_block_bytes(self, block_size: int) -> int:
         """What one block of the MTP layer's own cache costs on this rank (its keys use the
-        decoder's block ids, so
-        a block costs this more); loads the layer."""
+        decoder's block ids, so a block costs this more); loads the layer."""
         return PagedCache.block_bytes(self._draft(), block_size)
 
     def start(
@@ -167,10 +163,9 @@ class ModelRunner(RankExtension):
         """Compile the layers now and trace the graph of every token count a step may carry (1 to
         `max_tokens`),
         so no request meets a compile (seconds on a CPU) mid-stream, as vLLM captures its graphs at
-        start-up.
-        The steps run on zero tokens over a scratch cache of their own; the graphs do not depend on
-        what a cache
-        holds (attention is opaque to them). Returns the graphs made (None: steps stay eager)."""
+        start-up. The steps run on zero tokens over a scratch cache of their own; the graphs do not
+        depend on what a cache holds (attention is opaque to them). Returns the graphs made (None:
+        steps stay eager)."""
         model = self.model
         if self.compile_after is None or model.compile_layers() is not None:
             return None
@@ -269,8 +264,7 @@ class ModelRunner(RankExtension):
 
     def _speculative_step(self, work: StepWork, chunks: list[Chunk]) -> StepResult | None:
         """A step whose decodes carry the MTP layer's drafts: proposed here (every rank alike), fed
-        after each
-        decode's token, verified on rank 0 against the logits of every drafted row
+        after each decode's token, verified on rank 0 against the logits of every drafted row
         (engine/rejection.py)."""
         drafter = self.drafter
         drafter.forget(work.removed)
@@ -385,14 +379,10 @@ WARM_MOST = 256  # tokens of the longest warm-up step: its scratch cache and act
 
 def warm_counts(max_tokens: int) -> list[int]:
     """Token counts whose steps trace every graph a step of 1 to `max_tokens` tokens runs: one token
-    (the whole
-    stack in one graph), then both ends of each range the traced code branches at (dense()'s kernels
-    by row
-    count, parallel/linear.py: 2-8, 9-15, 16-64, more, and 2-3 and 4 up where weights are packed;
-    model/compiled.py),
-    each range one dynamic graph, whose last is open-ended: past WARM_MOST tokens nothing is traced
-    that a shorter
-    step did not."""
+    (the whole stack in one graph), then both ends of each range the traced code branches at
+    (dense()'s kernels by row count, parallel/linear.py: 2-8, 9-15, 16-64, more, and 2-3 and 4 up
+    where weights are packed; model/compiled.py), each range one dynamic graph, whose last is
+    open-ended: past WARM_MOST tokens nothing is traced that a shorter step did not."""
     ends = {1, 2, 3, 4, 8, 9, 15, 16, 64, 65, min(max_tokens, WARM_MOST)}
     return sorted(c for c in ends if c <= max_tokens)
 

@@ -315,8 +315,7 @@ class Sampler:
 
     def target_probs(self, logits: torch.Tensor, seq_id: str) -> torch.Tensor:
         """The distribution [rows, vocab] one unpenalized sampled request draws from at each row of
-        logits
-        (temperature, min_p, top_k, top_p): what a speculative draft is verified against
+        logits (temperature, min_p, top_k, top_p): what a speculative draft is verified against
         (engine/rejection.py)."""
         params = self._requests[seq_id].params
         return _warped_probs(logits.float().clone(), [params] * logits.shape[0], logits.device)
@@ -350,8 +349,7 @@ def _warped_probs(
     scores: torch.Tensor, params: list[SamplingParams], device: torch.device
 ) -> torch.Tensor:
     """Probabilities of each row of scores (penalized logits, changed in place) under its row's
-    temperature,
-    min_p, top_k and top_p."""
+    temperature, min_p, top_k and top_p."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     scores.div_(temperature.unsqueeze(1))
     if any(p.min_p > 0 for p in params):

@@ -9,51 +9,41 @@ Policy, each schedule():
   1. Running sequences first, in arrival order, so a decode is never starved by new prompts. Each
      gets min(tokens not yet computed, budget left, max_prefill_chunk): one token for a decode, the
      next slice for a prompt still being prefilled. Its block table is first trimmed to the sliding
-     window (when the model has one), then grown to cover the chunk. When the pool cannot supply
-     the blocks, the most recently arrived running sequence is preempted by recompute: its blocks go
+     window (when the model has one), then grown to cover the chunk. When the pool cannot supply the
+     blocks, the most recently arrived running sequence is preempted by recompute: its blocks go
      back, computed drops to 0 and it returns to the FRONT of the waiting queue, to be prefilled
      again (prompt and output so far; prefix caching usually makes that cheap, its full blocks
-     having
-     stayed cached). Repeat until the blocks come or the victim is the sequence itself (then it
-     waits).
+     having stayed cached). Repeat until the blocks come or the victim is the sequence itself (then
+     it waits).
   2. Then waiting sequences, in arrival order, while budget and max_running allow: look up the
      prefix cache (computed = matched blocks x block size), allocate the chunk's blocks, schedule
      min(remaining, budget left, max_prefill_chunk) tokens. Admission stops at the first sequence
-     that does not fit (strict FIFO: a big prompt is not overtaken forever by small ones).
-     A sequence that could never fit, even alone in the pool, is refused by add() (see fits_ever).
+     that does not fit (strict FIFO: a big prompt is not overtaken forever by small ones). A
+     sequence that could never fit, even alone in the pool, is refused by add() (see fits_ever).
      Under whole_prompt (a prefix LM, whose prompt attends both ways within itself) a sequence is
-     admitted
-     only when its first chunk can hold its whole prompt, and a prompt longer than a chunk is
-     refused by add().
+     admitted only when its first chunk can hold its whole prompt, and a prompt longer than a chunk
+     is refused by add().
   3. A chunk samples when it ends at the sequence's last known token: its last logits give the next
      token. A prompt's earlier slices do not sample.
 
 The engine loop around this: plan = schedule(); run the chunks; after_step(plan) (marks k/v
-computed,
-registers full blocks in the prefix cache); for each sampling chunk, append(seq, token), then
-finish(seq) when it is done (eos, stop string, max_tokens). Nothing here decides when a sequence
-ends.
-Plans in flight together (one per pipeline stage) carry disjoint sequences: schedule(busy) skips,
-and
-never preempts, a sequence a plan in flight carries; each plan's after_step comes before its
-sequences
-are scheduled again. A sequence finished or aborted while its step ran is skipped by after_step.
+computed, registers full blocks in the prefix cache); for each sampling chunk, append(seq, token),
+then finish(seq) when it is done (eos, stop string, max_tokens). Nothing here decides when a
+sequence ends. Plans in flight together (one per pipeline stage) carry disjoint sequences:
+schedule(busy) skips, and never preempts, a sequence a plan in flight carries; each plan's
+after_step comes before its sequences are scheduled again. A sequence finished or aborted while its
+step ran is skipped by after_step.
 
 Speculative decoding (engine/drafter.py): a running sequence one token behind (a decode) whose
 `drafts` is set
 gets a chunk that may carry that many draft tokens after its own: its blocks cover them and the
-budget counts
-them, but only its own token counts as computed after the step; each draft the ranks verified joins
-through
-accept_draft (its k/v already written), and the keys of refused drafts lie past `computed`, to be
-overwritten.
-The MTP layer's own keys run a step behind: after each step a drafting sequence's blocks before its
-chunk's start
-have them all written and are marked so in the pool (with the token after each), and a drafting
-sequence admitted
-shares only the leading matched blocks so marked for its own next tokens (BlockPool.drafted_prefix),
-recomputing
-the rest, so its MTP cache is a cold run's.
+budget counts them, but only its own token counts as computed after the step; each draft the ranks
+verified joins through accept_draft (its k/v already written), and the keys of refused drafts lie
+past `computed`, to be overwritten. The MTP layer's own keys run a step behind: after each step a
+drafting sequence's blocks before its chunk's start have them all written and are marked so in the
+pool (with the token after each), and a drafting sequence admitted shares only the leading matched
+blocks so marked for its own next tokens (BlockPool.drafted_prefix), recomputing the rest, so its
+MTP cache is a cold run's.
 
 Sliding window: blocks wholly before (chunk start - window) are released and their table entries
 become NULL_BLOCK; the ranks must mask those positions (they are outside the window anyway).
@@ -67,12 +57,9 @@ A waiting or finished sequence holds no blocks.
 Recurrent state (a model with Mamba, gated delta or short-convolution layers): each running sequence
 also holds a state slot (engine/state_slots.py), taken at admission and given back with its blocks
 (finish, abort, preemption). There are as many slots as running sequences allowed, so admission
-never
-waits on one. Such a model runs without prefix caching: a cached prefix's blocks hold its keys, not
-the
-state its recurrent layers reached, so a sequence always starts at position 0, and a preempted one
-is
-recomputed from there on fresh state.
+never waits on one. Such a model runs without prefix caching: a cached prefix's blocks hold its
+keys, not the state its recurrent layers reached, so a sequence always starts at position 0, and a
+preempted one is recomputed from there on fresh state.
 """
 
 from __future__ import annotations
@@ -304,11 +291,9 @@ class Scheduler:
 
     def schedule(self, busy: frozenset[str] = frozenset(), parts: int = 1) -> StepPlan:
         """The next step's chunks. `busy`: sequences a step still in flight carries (pipeline
-        micro-batches):
-        neither scheduled again nor preempted until that step is back. `parts`: micro-batches in
-        flight at
-        once; each step takes at most its share of the sequences, so the others fill the next
-        one."""
+        micro-batches): neither scheduled again nor preempted until that step is back. `parts`:
+        micro-batches in flight at once; each step takes at most its share of the sequences, so the
+        others fill the next one."""
         plan = StepPlan()
         budget = self.max_step_tokens
         cap = -(-(len(self._running) + len(self._waiting)) // parts)

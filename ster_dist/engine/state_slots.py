@@ -1,14 +1,11 @@
 """The recurrent-state slots of the paged cache: which are free, on the driver.
 
 A model with recurrent layers (Mamba, gated delta nets, short convolutions) keeps one state per
-running
-sequence beside its KV blocks, in slot `Sequence.state` of every rank's PagedCache. Like block ids,
-slot ids are the driver's and the same on every rank; the scheduler takes one when it admits a
-sequence
-and gives it back when the sequence finishes, is aborted or is preempted. A slot is not cleared on
-its
-way back: a sequence's first chunk starts at position 0, and the ranks read fresh state there
-(PagedStep.recur), so whatever the last holder left is never read.
+running sequence beside its KV blocks, in slot `Sequence.state` of every rank's PagedCache. Like
+block ids, slot ids are the driver's and the same on every rank; the scheduler takes one when it
+admits a sequence and gives it back when the sequence finishes, is aborted or is preempted. A slot
+is not cleared on its way back: a sequence's first chunk starts at position 0, and the ranks read
+fresh state there (PagedStep.recur), so whatever the last holder left is never read.
 """
 
 from __future__ import annotations

@@ -23,12 +23,10 @@ class StepWork:
     """One forward: the new tokens of every scheduled chunk, packed in chunk order.
 
     chunks[i] = (block table covering the chunk's last position, start, length, the sequence's
-    recurrent-state
-    slot or -1 when the model keeps none, the prompt length a prefix LM's chunk from position 0
-    reads both ways
-    or 0); `samples` names the chunks whose last token's logits choose their
-    sequence's next token. Steering and adapters are per chunk, by the key they were registered
-    under."""
+    recurrent-state slot or -1 when the model keeps none, the prompt length a prefix LM's chunk from
+    position 0 reads both ways or 0); `samples` names the chunks whose last token's logits choose
+    their sequence's next token. Steering and adapters are per chunk, by the key they were
+    registered under."""
 
     ids: list[int]
     chunks: list[tuple[tuple[int, ...], int, int, int, int]]

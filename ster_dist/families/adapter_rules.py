@@ -1,8 +1,6 @@
 """Families seeds/000 refuses adapters on (or some targets on), with the reason: tables that adapter
-attach,
-merge and training all check, on the config alone, before any adapter or weight is read. (Most of
-these
-families have no FamilySpec yet; when they gain one the reason can move into it.)"""
+attach, merge and training all check, on the config alone, before any adapter or weight is read.
+(Most of these families have no FamilySpec yet; when they gain one the reason can move into it.)"""
 
 _STATE_SPACE = "its state-space layers have no attention or feed-forward projection"
 _HYPER = "its hyper-connections run every sublayer over several residual streams"

@@ -1,15 +1,13 @@
 """BLOOM and Falcon, which kept BLOOM's names: biased LayerNorms, one self_attention.query_key_value
-tensor grouped
-by key-value head, a plain dense_h_to_4h / dense_4h_to_h feed-forward, ALiBi or rotation.
+tensor grouped by key-value head, a plain dense_h_to_4h / dense_4h_to_h feed-forward, ALiBi or
+rotation.
 
 - bloom: ALiBi in place of rotation, a norm after the embedding, every projection biased; residuals
-  taken after
-  the norm are refused.
+  taken after the norm are refused.
 - falcon: all three layouts: the new decoder architecture (grouped key-value heads, ln_attn and
-  ln_mlp before a
-  parallel block), Falcon-7B (multi-query, one norm before a parallel block) and Falcon-RW (ALiBi
-  added before
-  the scores are scaled, in bf16, sequential blocks); `bias` switches every projection's bias.
+  ln_mlp before a parallel block), Falcon-7B (multi-query, one norm before a parallel block) and
+  Falcon-RW (ALiBi added before the scores are scaled, in bf16, sequential blocks); `bias` switches
+  every projection's bias.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ from ster_dist.families.spec import (
 
 def _bloom_falcon_rules(embed_norm: bool) -> tuple[Rule, ...]:
     """BLOOM's names; Falcon's are the same without the embedding norm, with ln_attn / ln_mlp in its
-    new
-    architecture."""
+    new architecture."""
     h = "transformer.h.{i}."
     extra = (
         weight_and_bias("transformer.word_embeddings_layernorm", "embed_norm")
@@ -66,11 +63,9 @@ def _bloom_falcon_rules(embed_norm: bool) -> tuple[Rule, ...]:
 
 def _falcon(raw: dict) -> dict:
     """`bias` switches every projection, parallel_attn the parallel block. The new decoder
-    architecture reads
-    the stated key-value head count and gives each half of the block its own norm unless
-    num_ln_in_parallel_attn
-    is 1; the older layouts have one key-value head under multi_query, else one per head, and one
-    norm."""
+    architecture reads the stated key-value head count and gives each half of the block its own norm
+    unless num_ln_in_parallel_attn is 1; the older layouts have one key-value head under
+    multi_query, else one per head, and one norm."""
     raw = with_defaults(
         raw, {**LAYER_NORM_EPSILON_DEFAULT, "multi_query": True, "parallel_attn": True}
     )

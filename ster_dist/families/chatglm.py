@@ -1,20 +1,15 @@
 """ChatGLM (GLM-4-9B, ChatGLM2, ChatGLM3), published as remote code (model_type chatglm), as data.
 
 As seeds/000 describes it: everything below `transformer`: embedding.word_embeddings,
-encoder.layers.{i} with
-self_attention.query_key_value (queries, keys, values stacked; biased under add_qkv_bias or
-add_bias_linear)
-and self_attention.dense, mlp.dense_h_to_4h (gate rows above up rows) and dense_4h_to_h,
-encoder.final_layernorm, and output_layer as the head. Heads are kv_channels wide, with
-multi_query_group_num key-value groups under multi_query_attention; the first half of each head
-rotates at
-base 10000 * rope_ratio, as adjacent pairs under original_rope (else as halves). RMS norms under
-rmsnorm,
-LayerNorms otherwise. A residual after the norm or a missing final norm is refused. The block is
-Transformers' GLM (families/glm.py) under these names: tests/families/test_chatglm.py checks it
-against
-GlmForCausalLM on the same weights. Its tokenizer is GLM-4's tiktoken tokenizer.model
-(tokenizer_files.py).
+encoder.layers.{i} with self_attention.query_key_value (queries, keys, values stacked; biased under
+add_qkv_bias or add_bias_linear) and self_attention.dense, mlp.dense_h_to_4h (gate rows above up
+rows) and dense_4h_to_h, encoder.final_layernorm, and output_layer as the head. Heads are
+kv_channels wide, with multi_query_group_num key-value groups under multi_query_attention; the first
+half of each head rotates at base 10000 * rope_ratio, as adjacent pairs under original_rope (else as
+halves). RMS norms under rmsnorm, LayerNorms otherwise. A residual after the norm or a missing final
+norm is refused. The block is Transformers' GLM (families/glm.py) under these names:
+tests/families/test_chatglm.py checks it against GlmForCausalLM on the same weights. Its tokenizer
+is GLM-4's tiktoken tokenizer.model (tokenizer_files.py).
 """
 
 from __future__ import annotations

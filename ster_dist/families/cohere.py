@@ -1,15 +1,12 @@
 """Cohere's Command families: a parallel block (attention and feed-forward from one LayerNorm
-without bias),
-adjacent pairs rotating, a tied head scaled by logit_scale.
+without bias), adjacent pairs rotating, a tied head scaled by logit_scale.
 
 - cohere (Command R): per-head LayerNorm query/key norms when use_qk_norm is set.
 - cohere2 (Command R7B): Cohere's block without query/key norms; sliding layers by pattern, and only
   they rotate.
 - cohere2_moe: Cohere 2's block (RMS norms when rms_norm_eps is stated) whose dense prefix rotates
-  and has its
-  own width, over a softmax-of-chosen or sigmoid router whose shared experts may be averaged with
-  the routed
-  ones before the one TP all-reduce.
+  and has its own width, over a softmax-of-chosen or sigmoid router whose shared experts may be
+  averaged with the routed ones before the one TP all-reduce.
 """
 
 from __future__ import annotations
@@ -39,8 +36,8 @@ _SLIDING_DEFAULTS = {"sliding_window": 4096, "sliding_window_pattern": 4}
 
 def _cohere2_moe(raw: dict) -> dict:
     """RMS norms when rms_norm_eps is stated; the dense prefix rotates under
-    prefix_dense_sliding_window_pattern 1
-    and is prefix_dense_intermediate_size wide; the router scores by expert_selection_fn."""
+    prefix_dense_sliding_window_pattern 1 and is prefix_dense_intermediate_size wide; the router
+    scores by expert_selection_fn."""
     raw = with_defaults(
         raw,
         {

@@ -3,52 +3,35 @@
 Latent attention's decoder parameters: layers.{i}.attn.{q_a,q_a_norm,q_b,q,kv_a,kv_a_norm,kv_b,o}.
 
 - deepseek_v2: latent attention over softmax routing (greedy or group-limited) and shared experts,
-  scaled
-  without renormalising.
+  scaled without renormalising.
 - deepseek_v3: DeepSeek-V2 with a sigmoid router, a selection bias beside it and group-limited
-  noaux_tc
-  selection (`DEEPSEEK_V3_ROUTER`, which GLM-4-MoE, EXAONE MoE and Sarvam MoE reuse).
+  noaux_tc selection (`DEEPSEEK_V3_ROUTER`, which GLM-4-MoE, EXAONE MoE and Sarvam MoE reuse).
 - glm4_moe_lite (GLM-4.7-Flash): DeepSeek-V3's attention and router, its sparse layers named by
   mlp_layer_types (Transformers builds it from DeepseekV3 and Glm4Moe classes).
 - deepseek_v32 (DeepSeek-V3.2): DeepSeek-V3 (GLM-4.7-Flash's config class) with DeepSeek Sparse
-  Attention: every
-  layer's indexer (layers.{i}.attn.indexer.{wq_b,wk,k_norm,weights_proj}, model/indexer.py) keeps
-  each query's
-  index_topk best keys, rotating its own heads by halves. DeepSeek's own releases are FP8
-  (quantization_config)
-  and refused; their BF16 exports load.
+  Attention: every layer's indexer (layers.{i}.attn.indexer.{wq_b,wk,k_norm,weights_proj},
+  model/indexer.py) keeps each query's index_topk best keys, rotating its own heads by halves.
+  DeepSeek's own releases are FP8 (quantization_config) and refused; their BF16 exports load.
 - glm_moe_dsa (GLM-5): DeepSeek-V3.2 whose indexers rotate adjacent pairs (indexer_rope_interleave,
-  on unless
-  stated off) and run only on the layers indexer_types marks "full" (else derived from
-  index_topk_pattern, or
-  index_topk_freq and index_skip_topk_offset, as GlmMoeDsaConfig derives it); a "shared" layer
-  reuses the last
-  full layer's choice.
+  on unless stated off) and run only on the layers indexer_types marks "full" (else derived from
+  index_topk_pattern, or index_topk_freq and index_skip_topk_offset, as GlmMoeDsaConfig derives it);
+  a "shared" layer reuses the last full layer's choice.
 - minicpm3: DeepSeek-V2's latent attention in a dense block with MiniCPM's multipliers and a tied
   head.
 - sarvam_mla (Sarvam-105B, which Transformers runs as DeepSeek-V3): DeepSeek-V3's names, adjacent
-  pairs
-  rotating, Sarvam's own config spellings (a deepseek_yarn rope_scaling, score_function,
+  pairs rotating, Sarvam's own config spellings (a deepseek_yarn rope_scaling, score_function,
   moe_router_enable_expert_bias, moe_shared_expert_intermediate_size, a head_dim meant for vLLM)
-  read as
-  DeepSeek-V3's keys.
+  read as DeepSeek-V3's keys.
 - axk1 (A.X-K1): DeepSeek-V3's latent attention (always a compressed query) with a
-  post_mlp_layernorm over each
-  sparse layer's feed-forward output (dense layers store one too and never apply it); its
-  topk_method none is
-  group-limited greedy over sigmoid scores without a selection bias, each group ranked by its best
-  expert.
+  post_mlp_layernorm over each sparse layer's feed-forward output (dense layers store one too and
+  never apply it); its topk_method none is group-limited greedy over sigmoid scores without a
+  selection bias, each group ranked by its best expert.
 - deepseek (DeepSeek-MoE, the first DeepSeek mixture, published as remote code): Llama's attention,
-  rotating by
-  halves, with DeepSeek's experts: softmax over n_routed_experts, greedy, renormalised only under
-  norm_topk_prob
-  and never scaled, beside n_shared_experts ungated shared ones; dense before first_k_dense_replace
-  and off
-  moe_layer_freq. ster_dist never runs its remote code: it is checked against the reference written
-  in
-  tests/families/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Transformers'
-  Llama with DeepSeek-V2's
-  sparse blocks).
+  rotating by halves, with DeepSeek's experts: softmax over n_routed_experts, greedy, renormalised
+  only under norm_topk_prob and never scaled, beside n_shared_experts ungated shared ones; dense
+  before first_k_dense_replace and off moe_layer_freq. ster_dist never runs its remote code: it is
+  checked against the reference written in tests/families/test_pangu_ultra_deepseek_moe_ling.py from
+  seeds/000's description (Transformers' Llama with DeepSeek-V2's sparse blocks).
 """
 
 from __future__ import annotations
@@ -100,8 +83,7 @@ _LATENT = dict(attention=AttentionSpec(latent=True), positions=PositionSpec(inte
 
 def _latent_biases(raw: dict, defaults: dict | None = None) -> dict:
     """attention_bias switches every attention projection's bias; the feed-forward has none,
-    whatever mlp_bias
-    (which DeepseekV2Config and MiniCPM3's state) says."""
+    whatever mlp_bias (which DeepseekV2Config and MiniCPM3's state) says."""
     return {**with_defaults(raw, defaults or {}), "mlp_bias": False}
 
 
@@ -125,10 +107,9 @@ _SARVAM_MLA_DEFAULTS = {
 
 def _sarvam_mla(raw: dict) -> dict:
     """SarvamMLAConfig's defaults, and Sarvam's own spellings as DeepSeek-V3's: deepseek_yarn is
-    YaRN; the
-    selection bias (on unless moe_router_enable_expert_bias says not) chooses within groups as
-    DeepSeek-V3 does;
-    without it the experts are chosen greedily, which only one group allows."""
+    YaRN; the selection bias (on unless moe_router_enable_expert_bias says not) chooses within
+    groups as DeepSeek-V3 does; without it the experts are chosen greedily, which only one group
+    allows."""
     own = {
         "n_routed_experts": stated(raw, "n_routed_experts", "num_experts"),
         "n_shared_experts": stated(raw, "n_shared_experts", "num_shared_experts"),
@@ -179,10 +160,8 @@ _AXK1_DEFAULTS = {
 
 def _axk1(raw: dict) -> dict:
     """AXK1Config's defaults; topk_method none (A.X-K1's own) is group-limited greedy without a
-    selection bias, as
-    A.X-K1's vLLM code routes. Transformers' class ranks groups by their best two experts' sum over
-    a zero
-    bias instead: the two agree whenever topk_group keeps every group."""
+    selection bias, as A.X-K1's vLLM code routes. Transformers' class ranks groups by their best two
+    experts' sum over a zero bias instead: the two agree whenever topk_group keeps every group."""
     raw = with_defaults(raw, _AXK1_DEFAULTS)
     method = "group_limited_greedy" if raw["topk_method"] in (None, "none") else raw["topk_method"]
     return {**_latent_biases(raw), "topk_method": method, "post_mlp_norm_sparse_only": True}
@@ -213,11 +192,9 @@ _SPARSE_DEFAULTS = {
 
 def sparse_attention_keys(raw: dict, defaults: dict, kinds) -> dict:
     """DeepSeek Sparse Attention's keys over the latent families': the indexers' sizes, which layers
-    run one
-    (indexer_types) and how they rotate. Latent attention always rotates adjacent pairs here (the
-    config
-    classes drop rope_interleave) and the layer_types Transformers writes only name the cache's
-    kind."""
+    run one (indexer_types) and how they rotate. Latent attention always rotates adjacent pairs here
+    (the config classes drop rope_interleave) and the layer_types Transformers writes only name the
+    cache's kind."""
     raw = _latent_biases(raw, {**_SPARSE_DEFAULTS, **defaults})
     if not raw.get("q_lora_rank"):
         raise ConfigProblem(
@@ -250,8 +227,7 @@ def sparse_attention_keys(raw: dict, defaults: dict, kinds) -> dict:
 
 def _glm_indexer_types(raw: dict, layers: int) -> list[str]:
     """GlmMoeDsaConfig's derivation: stated, from index_topk_pattern ("F"/"S" per layer), or full on
-    every
-    index_topk_freq-th layer from index_skip_topk_offset - 1 (and every layer before it)."""
+    every index_topk_freq-th layer from index_skip_topk_offset - 1 (and every layer before it)."""
     if raw.get("indexer_types"):
         return raw["indexer_types"]
     pattern = raw.get("index_topk_pattern")
@@ -270,8 +246,7 @@ def _glm_indexer_types(raw: dict, layers: int) -> list[str]:
 
 def _deepseek(raw: dict) -> dict:
     """DeepseekConfig's defaults (every layer sparse, the chosen weights kept as scored);
-    attention_bias biases
-    every attention projection, the feed-forward never."""
+    attention_bias biases every attention projection, the feed-forward never."""
     raw = with_defaults(
         raw, {"first_k_dense_replace": 0, "moe_layer_freq": 1, "norm_topk_prob": False}
     )

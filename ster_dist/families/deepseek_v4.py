@@ -1,22 +1,16 @@
 """DeepSeek-V4 (deepseek_v4), in Transformers' tensor layout or DeepSeek's own (embed,
-layers.{i}.attn.wq_a,
-ffn.experts, hc_attn_fn, with or without a model. root).
+layers.{i}.attn.wq_a, ffn.experts, hc_attn_fn, with or without a model. root).
 
 hc_mult residual streams joined by hyper-connections of the comb form (model/hyper_connection.py)
-and collapsed
-by hc_head before the final norm. Every layer's attention is model/compressed_attention.py's kind,
-its type per
-layer from layer_types (or older configs' compress_ratios: 0, 4, 128): sliding_attention,
-compressed_sparse_attention (the compressor at the sparse rate behind the Lightning Indexer) or
-heavily_compressed_attention (the heavy rate); sliding layers rotate at rope_theta, compressed ones
-at
-compress_rope_theta with the rope_parameters' YaRN at magnitude one. Every layer routes:
-sqrtsoftplus scores, the
-choice with e_score_correction_bias added, or on the hash_moe layers (mlp_layer_types, else the
-first
-num_hash_layers) the token's row of tid2eid; renormalised, times routed_scaling_factor, beside one
-shared
-expert; every SwiGLU is silu(min(gate, swiglu_limit)) * clamp(up, +-swiglu_limit).
+and collapsed by hc_head before the final norm. Every layer's attention is
+model/compressed_attention.py's kind, its type per layer from layer_types (or older configs'
+compress_ratios: 0, 4, 128): sliding_attention, compressed_sparse_attention (the compressor at the
+sparse rate behind the Lightning Indexer) or heavily_compressed_attention (the heavy rate); sliding
+layers rotate at rope_theta, compressed ones at compress_rope_theta with the rope_parameters' YaRN
+at magnitude one. Every layer routes: sqrtsoftplus scores, the choice with e_score_correction_bias
+added, or on the hash_moe layers (mlp_layer_types, else the first num_hash_layers) the token's row
+of tid2eid; renormalised, times routed_scaling_factor, beside one shared expert; every SwiGLU is
+silu(min(gate, swiglu_limit)) * clamp(up, +-swiglu_limit).
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ def _spellings(target: str, *names: str, optional: bool = False) -> list[Rule]:
 
 def _rules() -> tuple[Rule, ...]:
     """Transformers' names and DeepSeek's own (which Transformers' writer also produces), both under
-    model.; a
-    checkpoint without that root is read through FamilySpec.optional_prefix."""
+    model.; a checkpoint without that root is read through FamilySpec.optional_prefix."""
     layer = "model.layers.{i}."
     attn = ("self_attn.", "attn.")
     # (Transformers' name, DeepSeek's) under the layer's attention -> the decoder's, after
@@ -169,8 +162,7 @@ def _rules() -> tuple[Rule, ...]:
 
 def attention_kinds(raw: dict, layers: int) -> list[str]:
     """layer_types, else older configs' compress_ratios, else DeepseekV4Config's pattern (two heavy
-    layers, then
-    sparse and heavy in turn)."""
+    layers, then sparse and heavy in turn)."""
     kinds = raw.get("v4_layer_types") or raw.get("layer_types")
     if not kinds and raw.get("compress_ratios") is not None:
         ratios = raw["compress_ratios"]
@@ -191,8 +183,7 @@ def attention_kinds(raw: dict, layers: int) -> list[str]:
 
 def _compress_rope(raw: dict) -> dict:
     """The compressed layers' rotation, as DeepseekV4Config builds it: the rope_parameters' scaling
-    (YaRN at
-    attention factor one) at compress_rope_theta."""
+    (YaRN at attention factor one) at compress_rope_theta."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if isinstance(params.get("compress"), dict):
         return dict(params["compress"])

@@ -1,11 +1,10 @@
 """Baidu's ERNIE 4.5 families: adjacent pairs rotating, use_bias switching every projection (and,
-with
-experts, the head), a tied head.
+with experts, the head), a tied head.
 
 - ernie4_5: Llama's names with those conventions.
 - ernie4_5_moe: ERNIE 4.5's block over renormalised softmax experts with biased shared experts and a
-  selection
-  bias stored as [1, experts] (moe_statics); sparse layers are an index range taken every interval.
+  selection bias stored as [1, experts] (moe_statics); sparse layers are an index range taken every
+  interval.
 """
 
 from __future__ import annotations

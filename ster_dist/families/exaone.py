@@ -2,11 +2,9 @@
 
 - exaone (EXAONE 3 / 3.5): Llama's block under its own names below transformer.h (num_layers,
   layer_norm_epsilon, activation_function); Transformers has no model class of its own and runs it
-  as
-  LlamaForCausalLM, renaming on load, which is its parity reference.
+  as LlamaForCausalLM, renaming on load, which is its parity reference.
 - exaone4: OLMo 2's post-norm block with per-head query/key norms; with a sliding window, only the
-  sliding layers
-  rotate.
+  sliding layers rotate.
 - exaone_moe: EXAONE 4's attention in a pre-norm block over DeepSeek-V3's router and shared experts.
 """
 

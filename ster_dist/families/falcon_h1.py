@@ -1,34 +1,23 @@
 """Falcon-H1: Llama's block whose token mixer is attention and Mamba-2 side by side (the
-"attention_mamba2"
-kind, model/side_by_side.py) on every layer: both read input_layernorm's output and their sum joins
-the
-residual stream; pre_ff_layernorm and the feed_forward follow, final_layernorm closes the stack.
-Names as
-Bamba's: self_attn, mamba, feed_forward.
+"attention_mamba2" kind, model/side_by_side.py) on every layer: both read input_layernorm's output
+and their sum joins the residual stream; pre_ff_layernorm and the feed_forward follow,
+final_layernorm closes the stack. Names as Bamba's: self_attn, mamba, feed_forward.
 
 Its muP multipliers are all applied in forward, the checkpoint's tensors kept as stored:
-embedding_multiplier
-(ModelConfig.embed_scale), lm_head_multiplier (logit_multiplier), attention_in/out_multiplier and
-ssm_in/out_multiplier (the side-by-side kind's parts), ssm_multipliers (the Mamba-2 mixer's five
-in_proj
-parts), mlp_multipliers (the dense feed-forward's gate and output), and key_multiplier, which scales
-every
-key and so every attention score: it multiplies the attention scale (1 / sqrt(head_dim)), which is
-the same
-product without a pass over the keys.
+embedding_multiplier (ModelConfig.embed_scale), lm_head_multiplier (logit_multiplier),
+attention_in/out_multiplier and ssm_in/out_multiplier (the side-by-side kind's parts),
+ssm_multipliers (the Mamba-2 mixer's five in_proj parts), mlp_multipliers (the dense feed-forward's
+gate and output), and key_multiplier, which scales every key and so every attention score: it
+multiplies the attention scale (1 / sqrt(head_dim)), which is the same product without a pass over
+the keys.
 
 The mixer's options map onto the Mamba-2 kind's settings: mamba_d_ssm (else mamba_expand x
-hidden_size) is
-the scan's width, mamba_d_head "auto" that width over mamba_n_heads; projectors_bias is out_proj's
-bias and
-mamba_proj_bias in_proj's; mamba_rms_norm false leaves the gated norm out; mamba_norm_before_gate
-norms before
-the gate; the conv's activation is hidden_act. Transformers' single-token step does not clamp dt to
-time_step_limit while its prompt pass does; ster_dist clamps both (the published configs state no
-bound).
-attn_layer_indices and mamba_use_mlp false (options of Falcon-H1's original code that Transformers
-ignores)
-are refused.
+hidden_size) is the scan's width, mamba_d_head "auto" that width over mamba_n_heads; projectors_bias
+is out_proj's bias and mamba_proj_bias in_proj's; mamba_rms_norm false leaves the gated norm out;
+mamba_norm_before_gate norms before the gate; the conv's activation is hidden_act. Transformers'
+single-token step does not clamp dt to time_step_limit while its prompt pass does; ster_dist clamps
+both (the published configs state no bound). attn_layer_indices and mamba_use_mlp false (options of
+Falcon-H1's original code that Transformers ignores) are refused.
 """
 
 from __future__ import annotations

@@ -3,26 +3,19 @@
 `attn_output_gate`) before the output projection, with Transformers classes of their own.
 
 - afmoe (Arcee Trinity): norms around both sublayers (post_attention_layernorm over attention's
-  output,
-  pre_mlp_layernorm / post_mlp_layernorm around the feed-forward), per-head query/key norms, the
-  gate from
-  self_attn.gate_proj, and only the sliding-window layers of layer_types rotating (written as
-  no_rope_layers).
-  Layers from num_dense_layers route by score_func scores (sigmoid unless stated) that
-  mlp.expert_bias moves to
-  choose, renormalised under route_norm when they are sigmoids, scaled by route_scale, beside
-  num_shared_experts
-  shared experts; mup_enabled multiplies the embedding by sqrt(hidden_size).
+  output, pre_mlp_layernorm / post_mlp_layernorm around the feed-forward), per-head query/key norms,
+  the gate from self_attn.gate_proj, and only the sliding-window layers of layer_types rotating
+  (written as no_rope_layers). Layers from num_dense_layers route by score_func scores (sigmoid
+  unless stated) that mlp.expert_bias moves to choose, renormalised under route_norm when they are
+  sigmoids, scaled by route_scale, beside num_shared_experts shared experts; mup_enabled multiplies
+  the embedding by sqrt(hidden_size).
 - muse_glimmer_text (Muse Glimmer; also the text decoder inside the muse_glimmer wrapper): Gemma 2's
-  sandwich
-  block with scales stored as offsets from one and the output norms at post_norm_eps, a weightless
-  norm after
-  the embedding, a final norm storing its scale as is, weightless per-head query/key norms with the
-  query
-  multiplied (scale_query_by, else qk_scale_factor), the gate from self_attn.gate_proj (unless
-  use_attn_output_gate is false), sliding layers per layer_types, a base per layer
-  (layer_rope_theta, zero
-  unrotated), and logits times output_multiplier under final_logit_softcapping.
+  sandwich block with scales stored as offsets from one and the output norms at post_norm_eps, a
+  weightless norm after the embedding, a final norm storing its scale as is, weightless per-head
+  query/key norms with the query multiplied (scale_query_by, else qk_scale_factor), the gate from
+  self_attn.gate_proj (unless use_attn_output_gate is false), sliding layers per layer_types, a base
+  per layer (layer_rope_theta, zero unrotated), and logits times output_multiplier under
+  final_logit_softcapping.
 """
 
 from __future__ import annotations
@@ -63,9 +56,8 @@ _AFMOE_DEFAULTS = {
 
 def _afmoe(raw: dict) -> dict:
     """AfmoeConfig's defaults and layer pattern, its router keys under the generic names.
-    Transformers' class
-    always scores by sigmoid and renormalises; Arcee's code reads score_func and route_norm, which
-    it follows."""
+    Transformers' class always scores by sigmoid and renormalises; Arcee's code reads score_func and
+    route_norm, which it follows."""
     raw = with_defaults(raw, _AFMOE_DEFAULTS)
     every = int(stated(raw, "global_attn_every_n_layers", default=4))
     kinds = raw.get("layer_types") or [
@@ -116,12 +108,9 @@ _MUSE_DEFAULTS = {
 
 def _muse_glimmer_text(raw: dict) -> dict:
     """MuseGlimmerTextConfig's defaults and layer pattern (every fourth layer from the last attends
-    fully and
-    unrotated), and the seed's switches Transformers' class lacks (use_qk_norm,
-    use_attn_output_gate,
-    scale_query_by). The query multiplier joins the score scale; a qk_scale_factor of at least
-    sqrt(head_dim)
-    is the native schema's, which already holds it."""
+    fully and unrotated), and the seed's switches Transformers' class lacks (use_qk_norm,
+    use_attn_output_gate, scale_query_by). The query multiplier joins the score scale; a
+    qk_scale_factor of at least sqrt(head_dim) is the native schema's, which already holds it."""
     raw = with_defaults(raw, _MUSE_DEFAULTS)
     n, root = int(raw["num_hidden_layers"]), math.sqrt(raw["head_dim"])
     full = [(n - 1 - i) % 4 == 0 for i in range(n)]

@@ -1,14 +1,11 @@
 """Gemma and its descendants: RMS norms stored as an offset from one, the embedding scaled by
-sqrt(hidden),
-a tied head and no biases.
+sqrt(hidden), a tied head and no biases.
 
 - gemma: Llama's names with a GELU-tanh gated feed-forward.
 - gemma2: a norm over each sublayer's output as well as before it, every other layer sliding,
-  soft-capped scores
-  and logits.
+  soft-capped scores and logits.
 - gemma3_text: Gemma 2 with per-head query/key norms, sliding layers by pattern and a local rotation
-  base of
-  their own; image-text configs leave most of text_config to Gemma3TextConfig's defaults.
+  base of their own; image-text configs leave most of text_config to Gemma3TextConfig's defaults.
 - vaultgemma: Gemma 2 without the norms over each sublayer's output.
 """
 

@@ -1,28 +1,22 @@
 """Gemma 3n's text decoder (gemma3n_text; the gemma3n image-audio-text wrapper's language model).
 
 Gemma 3's sliding and full layers (layer_types, sliding layers rotating at rope_local_base_freq)
-with per-head
-query and key norms, a scale-free norm over each value head, scores left undivided, and:
+with per-head query and key norms, a scale-free norm over each value head, scores left undivided,
+and:
 
 - KV sharing: the last num_kv_shared_layers layers make no keys or values of their own; each attends
-  those
-  of the last earlier layer of its own kind (sliding or full). Releases store k/v projections and
-  key norms
-  for those layers too, which nothing reads (Transformers ignores them as well).
+  those of the last earlier layer of its own kind (sliding or full). Releases store k/v projections
+  and key norms for those layers too, which nothing reads (Transformers ignores them as well).
 - AltUp (model/altup.py): altup_num_inputs copies of the hidden state, predicted and corrected
-  around each
-  block, with per-layer inputs (embed_tokens_per_layer, per_layer_model_projection;
-  model/per_layer_input.py,
-  shared with Gemma 4) added to all but the first.
+  around each block, with per-layer inputs (embed_tokens_per_layer, per_layer_model_projection;
+  model/per_layer_input.py, shared with Gemma 4) added to all but the first.
 - Laurel (model/laurel.py): a low-rank residual beside attention, averaged with attention's (divided
   by sqrt 2).
 - Activation sparsity: on layers whose activation_sparsity_pattern entry p is above zero, the gate
-  keeps only
-  what lies above its mean plus Phi^-1(p) standard deviations (layers/mlp.py).
+  keeps only what lies above its mean plus Phi^-1(p) standard deviations (layers/mlp.py).
 
 Its norms scale by their stored weight (no offset from one, unlike Gemma's), and the embedding is
-scaled by
-sqrt(hidden) and tied to the head, whose logits are soft-capped.
+scaled by sqrt(hidden) and tied to the head, whose logits are soft-capped.
 """
 
 from __future__ import annotations

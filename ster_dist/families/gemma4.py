@@ -1,34 +1,26 @@
 """Gemma 4's text decoders: Gemma 3's block (norms around both sublayers, per-head query and key
-norms, the
-embedding times sqrt(hidden), a tied head), with every norm scaling by its weight itself, scores not
-divided by
-the head width, each value head through a scale-free RMS norm and each layer's output times its
-stored
-layer_scalar.
+norms, the embedding times sqrt(hidden), a tied head), with every norm scaling by its weight itself,
+scores not divided by the head width, each value head through a scale-free RMS norm and each layer's
+output times its stored layer_scalar.
 
 - gemma4_unified_text: layers slide or attend fully as layer_types lists (the last always fully, as
   Transformers forces it). Full layers' heads are global_head_dim wide; under attention_k_eq_v they
-  have
-  num_global_key_value_heads key-value heads and no v_proj, the value being the key projection
-  before its
-  norm. Sliding layers rotate by the sliding_attention base over their head; full layers by the
-  full_attention rotation over theirs, which for rope_type proportional turns only the first
+  have num_global_key_value_heads key-value heads and no v_proj, the value being the key projection
+  before its norm. Sliding layers rotate by the sliding_attention base over their head; full layers
+  by the full_attention rotation over theirs, which for rope_type proportional turns only the first
   partial_rotary_factor share of the frequency pairs. With num_kv_shared_layers, the last that many
-  layers
-  project only their queries and attend the keys and values of the last earlier layer of their kind.
+  layers project only their queries and attend the keys and values of the last earlier layer of
+  their kind.
 - gemma4_text: the same, with per-layer inputs where hidden_size_per_layer_input is set (the E
-  models,
-  model/per_layer_input.py) and, under enable_moe_block, experts beside the dense feed-forward in
-  every
-  layer (model/experts_beside_dense.py): softmax top_k_experts of num_experts, renormalised, times
-  router.per_expert_scale,
-  the router reading the residual through a scale-free norm times router.scale and 1/sqrt(hidden).
+  models, model/per_layer_input.py) and, under enable_moe_block, experts beside the dense
+  feed-forward in every layer (model/experts_beside_dense.py): softmax top_k_experts of num_experts,
+  renormalised, times router.per_expert_scale, the router reading the residual through a scale-free
+  norm times router.scale and 1/sqrt(hidden).
 
 Their image-text wrappers (gemma4, gemma4_unified) are read as these decoders
-(config_file.TEXT_WRAPPERS).
-Transformers 5 saves a config's per-layer head sizes as per_layer_config (layer -> head_dim,
-num_key_value_heads) rather than global_head_dim and num_global_key_value_heads, which the published
-checkpoints state: either is read.
+(config_file.TEXT_WRAPPERS). Transformers 5 saves a config's per-layer head sizes as
+per_layer_config (layer -> head_dim, num_key_value_heads) rather than global_head_dim and
+num_global_key_value_heads, which the published checkpoints state: either is read.
 """
 
 from __future__ import annotations

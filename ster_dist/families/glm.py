@@ -4,11 +4,9 @@
   head.
 - glm4 (GLM-4-0414): GLM with a norm over each sublayer's output as well as before it.
 - glm4_moe: Llama's names with optional per-head query/key norms, half of each head rotated by
-  halves, over
-  DeepSeek-V3's router and shared experts.
+  halves, over DeepSeek-V3's router and shared experts.
 - sarvam_moe: Ling 2.0's layout (a fused query_key_value, per-head query/key norms, the router's
-  expert_bias)
-  over GLM-4-MoE's router; Glm4MoeForCausalLM is its parity reference.
+  expert_bias) over GLM-4-MoE's router; Glm4MoeForCausalLM is its parity reference.
 
 GLM-4.7-Flash (glm4_moe_lite) is DeepSeek-V3's latent attention and lives in deepseek.py.
 """
@@ -52,8 +50,7 @@ def _glm4_moe(raw: dict) -> dict:
 
 def _sarvam_moe(raw: dict) -> dict:
     """Query/key/value biased under attention_bias or use_qkv_bias; the query/key norms on unless
-    use_qk_norm says
-    not."""
+    use_qk_norm says not."""
     raw = with_defaults(
         raw, {**_GLM4_MOE_DEFAULTS, "use_qk_norm": True, "routed_scaling_factor": 2.5}
     )

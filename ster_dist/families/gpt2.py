@@ -1,12 +1,10 @@
 """GPT-2 and GPT-BigCode: learned positions, biased LayerNorms, one fused c_attn, a plain c_fc /
-c_proj
-feed-forward, a tied head, everything biased.
+c_proj feed-forward, a tied head, everything biased.
 
 - gpt2: the layout stored inputs-first (Conv1D); attention scaled by the inverse layer index is
   refused.
 - gpt_bigcode (StarCoder 1, SantaCoder): GPT-2's block with ordinary linear weights; c_attn grouped
-  by key-value
-  head (one when multi_query).
+  by key-value head (one when multi_query).
 
 StarCoder2 follows Mistral's classes and lives in llama.py.
 """

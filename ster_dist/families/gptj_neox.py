@@ -1,16 +1,12 @@
 """EleutherAI's rotary decoders and StableLM, which grew from GPT-NeoX: LayerNorms, a plain
-feed-forward, a
-parallel residual, part of each head rotated.
+feed-forward, a parallel residual, part of each head rotated.
 
 - gptj: one norm before a parallel block, unbiased attention, adjacent pairs rotating over
-  rotary_dim, a biased
-  head, names below transformer.h.
+  rotary_dim, a biased head, names below transformer.h.
 - gpt_neox: a parallel block with a norm per branch (use_parallel_residual, sequential when off),
-  one
-  query_key_value tensor grouped head by head, a quarter of each head rotated unless stated.
+  one query_key_value tensor grouped head by head, a quarter of each head rotated unless stated.
 - stablelm: Llama's names under LayerNorms, GPT-NeoX's use_parallel_residual and quarter rotation,
-  optional
-  per-head LayerNorm query/key norms stored one tensor per head.
+  optional per-head LayerNorm query/key norms stored one tensor per head.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """IBM's Granite families, dense and sparse, and HyperCLOVA X, which Transformers builds from
-Granite's classes.
-All carry Granite's multipliers (embedding, residual, attention, logits_scaling dividing the
-logits).
+Granite's classes. All carry Granite's multipliers (embedding, residual, attention, logits_scaling
+dividing the logits).
 
 - granite: Llama's block with those multipliers.
 - granite_swa: Granite with a learned sink per head (GPT-OSS's), sliding layers (all but the first
-  of each four
-  when layer_types is unstated) and layer_rope_theta, where zero leaves a layer unrotated.
+  of each four when layer_types is unstated) and layer_rope_theta, where zero leaves a layer
+  unrotated.
 - hyperclovax: Granite with a norm over each sublayer's output (use_post_norm) and logits_scaling
   multiplying.
 - granitemoe: Granite's attention over renormalised top-k experts stored stacked (input_linear /
@@ -14,14 +13,10 @@ logits).
 - granitemoeshared: GraniteMoE plus a fused shared_mlp as wide as shared_intermediate_size.
 - granitemoe_swa: GraniteMoE shared with Granite SWA's sinks, layer_types and layer_rope_theta.
 - granitemoehybrid (Granite 4.0): GraniteMoE shared whose token mixer is Mamba-2 (mamba, Bamba's
-  mamba_* keys) on
-  the layers layer_types calls mamba and attention (rotating only under position_embedding_type
-  rope) on the
-  rest. Without experts (num_local_experts 0) it is a dense model whose shared_mlp is the
-  feed-forward:
-  shared_mlp's tensors then fill mlp.gate / up / down, which the shard plan prefers when the model
-  has them
-  (shard/names.py NameMatcher).
+  mamba_* keys) on the layers layer_types calls mamba and attention (rotating only under
+  position_embedding_type rope) on the rest. Without experts (num_local_experts 0) it is a dense
+  model whose shared_mlp is the feed-forward: shared_mlp's tensors then fill mlp.gate / up / down,
+  which the shard plan prefers when the model has them (shard/names.py NameMatcher).
 """
 
 from __future__ import annotations
@@ -82,8 +77,7 @@ def _granitemoeshared_rules() -> tuple[Rule, ...]:
 
 def _hyperclovax(raw: dict) -> dict:
     """The post norms on unless use_post_norm says not; logits_scaling multiplies the logits
-    (Granite's divides),
-    so it is read as logit_scale."""
+    (Granite's divides), so it is read as logit_scale."""
     raw = with_defaults(raw, {"use_post_norm": True})
     if stated(raw, "logits_scaling") is None:
         return raw

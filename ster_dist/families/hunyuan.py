@@ -1,19 +1,15 @@
 """Tencent's HunYuan families: per-head query/key norms (query_layernorm, key_layernorm) applied
-after the
-rotation, and refusals of cross-layer and latent attention.
+after the rotation, and refusals of cross-layer and latent attention.
 
 - hunyuan_v1_dense: Llama's names with those norms; Transformers always builds them, so unstated is
   on.
 - hunyuan_v1_moe: the same attention over renormalised softmax experts (router under gate.wg) and a
-  shared mlp
-  as wide as num_shared_expert x intermediate_size.
+  shared mlp as wide as num_shared_expert x intermediate_size.
 - hy_v3 (Hy3): Llama's block with per-head query/key norms before the rotation (Apertus's
-  attention), the layers
-  mlp_layer_types calls sparse routing by sigmoid scores plus mlp.expert_bias (to choose only),
-  greedy over all
-  experts, renormalised under route_norm and scaled by router_scaling_factor, beside
-  num_shared_experts
-  moe_intermediate_size-wide shared experts under mlp.shared_mlp.
+  attention), the layers mlp_layer_types calls sparse routing by sigmoid scores plus mlp.expert_bias
+  (to choose only), greedy over all experts, renormalised under route_norm and scaled by
+  router_scaling_factor, beside num_shared_experts moe_intermediate_size-wide shared experts under
+  mlp.shared_mlp.
 """
 
 from __future__ import annotations
@@ -54,8 +50,8 @@ def _hunyuan_v1_dense(raw: dict) -> dict:
 
 def _hy_v3(raw: dict) -> dict:
     """HYV3Config's defaults, its router keys under the generic names. Transformers always
-    renormalises the chosen
-    weights; Hy3's own code does so under route_norm (true unless stated)."""
+    renormalises the chosen weights; Hy3's own code does so under route_norm (true unless
+    stated)."""
     raw = with_defaults(
         raw,
         {

@@ -1,40 +1,28 @@
 """Families whose residual is several hyper-connected streams (model/hyper_connection.py).
 
 - hy_v4 (Tencent's HY V4, Hy4), read as vLLM serves it: DeepSeek-V3's latent attention rotating
-  adjacent pairs,
-  a learned sink logit per head (learnable_sink), its output gated elementwise by
-  sigmoid(linear_gate(x))
-  (gated_mla), DeepSeek Sparse Attention whose "shared" layers reuse the last indexed layer's choice
-  and whose
-  indexer rotates the last qk_rope_head_dim channels of each head by halves; under enable_ihc
-  hc_mult
-  independent hyper-connections (sigmoid pre and post, no stream mixing) and hc_head's collapse
-  before the
-  final norm. Dense layers where mlp_layer_types says, elsewhere DeepSeek-V3's sigmoid router with a
-  selection
-  bias over stacked SwiGLU experts clamped by swiglu_limit, beside shared experts.
+  adjacent pairs, a learned sink logit per head (learnable_sink), its output gated elementwise by
+  sigmoid(linear_gate(x)) (gated_mla), DeepSeek Sparse Attention whose "shared" layers reuse the
+  last indexed layer's choice and whose indexer rotates the last qk_rope_head_dim channels of each
+  head by halves; under enable_ihc hc_mult independent hyper-connections (sigmoid pre and post, no
+  stream mixing) and hc_head's collapse before the final norm. Dense layers where mlp_layer_types
+  says, elsewhere DeepSeek-V3's sigmoid router with a selection bias over stacked SwiGLU experts
+  clamped by swiglu_limit, beside shared experts.
 
   Both spellings of its tensors are read, as Transformers' hy_v4 renames read them: the release's
   (hc_attn_layer.hc_pre.hc_fn, hc_head.hc_head_fn, learnable_sink_param, linear_gate) and those
-  Transformers'
-  own writer produces (hc_pre.hc_attn_layer.hc_fn, hc_pre.hc_head.hc_head_fn, mlp.linear_gate). The
-  mtp_layers
-  are never mapped.
+  Transformers' own writer produces (hc_pre.hc_attn_layer.hc_fn, hc_pre.hc_head.hc_head_fn,
+  mlp.linear_gate). The mtp_layers are never mapped.
 - glm5_next_text (GLM-5-Next; also the text decoder inside the glm5_next wrapper, below
-  model.language_model):
-  hc_mult streams mixed by hyper-connections of the comb form (attn_hc and ffn_hc, or the release's
-  hc_attn_fn,
-  hc_attn_base, hc_attn_scale and hc_ffn_*), averaged before the final norm. The layers layer_types
-  marks
-  linear_attention run Kimi delta attention (model/kimi_delta.py: one conv1d over q, k and v,
-  forget_gate's
-  narrow pair, A_log a number a head, the decay bounded under safe_gate); the others latent
-  attention with
-  qk_rope_head_dim 0 (nothing rotates; positions come from the causal order alone) behind the pooled
-  indexer
+  model.language_model): hc_mult streams mixed by hyper-connections of the comb form (attn_hc and
+  ffn_hc, or the release's hc_attn_fn, hc_attn_base, hc_attn_scale and hc_ffn_*), averaged before
+  the final norm. The layers layer_types marks linear_attention run Kimi delta attention
+  (model/kimi_delta.py: one conv1d over q, k and v, forget_gate's narrow pair, A_log a number a
+  head, the decay bounded under safe_gate); the others latent attention with qk_rope_head_dim 0
+  (nothing rotates; positions come from the causal order alone) behind the pooled indexer
   (model/pooled_indexer.py). mlp_layer_types' sparse layers route DeepSeek-V3's way beside shared
-  experts; every
-  SwiGLU (dense, shared and routed) is silu(min(gate, swiglu_limit)) * clamp(up, +-swiglu_limit).
+  experts; every SwiGLU (dense, shared and routed) is silu(min(gate, swiglu_limit)) * clamp(up,
+  +-swiglu_limit).
 """
 
 from __future__ import annotations
@@ -193,8 +181,7 @@ _ATTN, _MIXER = f"{_LAYER}self_attn", "layers.{i}.mixer"
 
 def _glm5_delta_rules() -> tuple[Rule, ...]:
     """The release's names (as Transformers writes them too), and optionally its in-memory ones:
-    forget_gate.*
-    and one conv1d over q, k and v."""
+    forget_gate.* and one conv1d over q, k and v."""
     names = (
         ("q_proj.weight", "q.weight"),
         ("k_proj.weight", "k.weight"),

@@ -1,35 +1,22 @@
 """Inkling (Thinking Machines; inkling_text, the text decoder inside inkling_mm_model), read as
-Thinking
-Machines stores it below model.llm (and as Transformers' InklingForCausalLM saves it, under its own
-names): embed and its RMS norm embed_norm, layers.{i} with attn_norm and
-mlp_norm, the final norm, and the head unembed, which reads the final norm's output divided by
+Thinking Machines stores it below model.llm (and as Transformers' InklingForCausalLM saves it, under
+its own names): embed and its RMS norm embed_norm, layers.{i} with attn_norm and mlp_norm, the final
+norm, and the head unembed, which reads the final norm's output divided by
 logits_mup_width_multiplier (ModelConfig.logit_multiplier) and scores only the first
-unpadded_vocab_size
-tokens (scored_vocab).
+unpadded_vocab_size tokens (scored_vocab).
 
 Every layer's token mixer is the "inkling_attention" kind (model/inkling.py: the distance bias,
-per-head
-norms, k_sconv and v_sconv); layer_types marks the sliding ones ("hybrid_sliding"; else
-local_layer_ids,
-else all but every sixth). Attention's and the feed-forward's outputs pass residual short
-convolutions
-(attn_sconv, mlp_sconv: ModelConfig.sublayer_conv). The dense feed-forward stores gate and up
-interleaved
-row by row in mlp.w13_dn and multiplies its output by mlp.global_scale. The routed one
-(mlp_layer_types
-"sparse", else every layer from dense_mlp_idx) scores n_routed_experts + n_shared_experts logits
-with
-mlp.gate, chooses the top num_experts_per_tok routed experts by sigmoid + mlp.gate.bias, and weighs
-every
-chosen and shared expert by its sigmoid over the sum of theirs, times route_scale and
-mlp.gate.global_scale
-(moe/router.py route_with_shared); experts and shared experts store gate and up interleaved too
-(w13_weight,
-shared_w13_weight). Thinking Machines' own config is read as Transformers reads it:
-dense_intermediate_size
-is the dense width, intermediate_size the experts', sconv_kernel_size the convolutions',
-model_max_length
-the context.
+per-head norms, k_sconv and v_sconv); layer_types marks the sliding ones ("hybrid_sliding"; else
+local_layer_ids, else all but every sixth). Attention's and the feed-forward's outputs pass residual
+short convolutions (attn_sconv, mlp_sconv: ModelConfig.sublayer_conv). The dense feed-forward stores
+gate and up interleaved row by row in mlp.w13_dn and multiplies its output by mlp.global_scale. The
+routed one (mlp_layer_types "sparse", else every layer from dense_mlp_idx) scores n_routed_experts +
+n_shared_experts logits with mlp.gate, chooses the top num_experts_per_tok routed experts by sigmoid
++ mlp.gate.bias, and weighs every chosen and shared expert by its sigmoid over the sum of theirs,
+times route_scale and mlp.gate.global_scale (moe/router.py route_with_shared); experts and shared
+experts store gate and up interleaved too (w13_weight, shared_w13_weight). Thinking Machines' own
+config is read as Transformers reads it: dense_intermediate_size is the dense width,
+intermediate_size the experts', sconv_kernel_size the convolutions', model_max_length the context.
 
 Decoder parameters beyond the common ones: layers.{i}.attn.{r,rel,k_sconv,v_sconv},
 layers.{i}.{attn_sconv,mlp_sconv}, layers.{i}.mlp.scale, layers.{i}.mlp.router.scale,

@@ -1,14 +1,12 @@
 """Shanghai AI Laboratory's InternLM families, published as remote code on the Hub (no Transformers
-model class):
-Llama's block under InternLM's names and bias rules, as data.
+model class): Llama's block under InternLM's names and bias rules, as data.
 
 - internlm2: Llama's block under InternLM2's names; attention.wqkv holds each key-value group's
-  query heads,
-  then its key and value; `bias` (on unless stated) biases wqkv and wo, never the feed-forward.
+  query heads, then its key and value; `bias` (on unless stated) biases wqkv and wo, never the
+  feed-forward.
 - internlm3: Llama's names; `qkv_bias` biases query, key and value, `bias` the output projection.
-  Transformers'
-  config class aliases them as attention_bias and mlp_bias, so a config it rewrote is read under
-  those names.
+  Transformers' config class aliases them as attention_bias and mlp_bias, so a config it rewrote is
+  read under those names.
 
 ster_dist never runs their remote code: each is checked against the plain-torch reference written in
 tests/families/test_internlm_minicpm_orion_solar.py from seeds/000's description.

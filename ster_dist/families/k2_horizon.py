@@ -1,23 +1,17 @@
 """K2-Horizon, as data.
 
 - k2_horizon (K2-Horizon, IFM's, published as remote code): Llama's block whose hidden-width RMS
-  norms normalise
-  layernorm_num_groups equal groups apart (norm_groups), every attention projection biased under
-  attention_bias, and
-  under attention_gate_func attention's output times silu or log2(1 + 2^g) of self_attn.gate_proj
-  (output_gate_func). The layers neither in mlp_only_layers nor off decoder_sparse_step route over
-  num_experts
-  experts by router_score_func scores, which mlp.gate.bias moves only to choose under moe_gate_bias
-  (noaux_tc over
-  one group), renormalised under norm_topk_prob and scaled by router_scaling_factor, beside
-  num_shared_experts
-  shared ones. Under mova_num_experts those layers' values come from value experts
-  (value_expert_keys:
+  norms normalise layernorm_num_groups equal groups apart (norm_groups), every attention projection
+  biased under attention_bias, and under attention_gate_func attention's output times silu or log2(1
+  + 2^g) of self_attn.gate_proj (output_gate_func). The layers neither in mlp_only_layers nor off
+  decoder_sparse_step route over num_experts experts by router_score_func scores, which
+  mlp.gate.bias moves only to choose under moe_gate_bias (noaux_tc over one group), renormalised
+  under norm_topk_prob and scaled by router_scaling_factor, beside num_shared_experts shared ones.
+  Under mova_num_experts those layers' values come from value experts (value_expert_keys:
   model/value_experts.py), routed by self_attn.v_router the same way except that their weights are
-  renormalised
-  whenever mova_num_experts_per_tok > 1 (as K2-Horizon's own code does); they have no v_proj, so no
-  value adapter
-  has a place there. Unstated keys take K2HorizonConfig's defaults (num_experts 0: a dense model).
+  renormalised whenever mova_num_experts_per_tok > 1 (as K2-Horizon's own code does); they have no
+  v_proj, so no value adapter has a place there. Unstated keys take K2HorizonConfig's defaults
+  (num_experts 0: a dense model).
 
 ster_dist never runs its remote code: it is checked against the reference written in
 tests/families/test_step1_nemotron_nas_k2_horizon.py from seeds/000's description.

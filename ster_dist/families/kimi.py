@@ -1,33 +1,22 @@
 """Kimi-Linear: Kimi delta attention beside DeepSeek's latent attention, over DeepSeek-V3's experts.
 
 - kimi_linear: the layers linear_attn_config.kda_layers names (counted from one) run Kimi delta
-  attention
-  (model/kimi_delta.py, its tensors under self_attn: q/k/v_proj, q/k/v_conv1d, f_a/f_b_proj, A_log,
-  dt_bias,
-  b_proj, g_a/g_b_proj, o_norm, o_proj); the rest run latent attention (model/mla.py), unrotated
-  when
-  mla_use_nope holds. After first_k_dense_replace dense layers the feed-forward is block_sparse_moe:
-  experts
-  {e}.w1/w3/w2, a sigmoid router (moe_router_activation_func) with e_score_correction_bias, grouped
-  top-k
-  under use_grouped_topk, renormalised under moe_renormalize, scaled by routed_scaling_factor,
-  beside
-  shared_experts. The checkpoint's q_proj and o_proj names are latent attention's in attention
-  layers and
-  the delta attention's in the others: shard/plan.py picks the rule whose parameter the layer has.
-  Kimi-K3's switches (kimi_k3 wraps this decoder) are refused until they are built.
+  attention (model/kimi_delta.py, its tensors under self_attn: q/k/v_proj, q/k/v_conv1d,
+  f_a/f_b_proj, A_log, dt_bias, b_proj, g_a/g_b_proj, o_norm, o_proj); the rest run latent attention
+  (model/mla.py), unrotated when mla_use_nope holds. After first_k_dense_replace dense layers the
+  feed-forward is block_sparse_moe: experts {e}.w1/w3/w2, a sigmoid router
+  (moe_router_activation_func) with e_score_correction_bias, grouped top-k under use_grouped_topk,
+  renormalised under moe_renormalize, scaled by routed_scaling_factor, beside shared_experts. The
+  checkpoint's q_proj and o_proj names are latent attention's in attention layers and the delta
+  attention's in the others: shard/plan.py picks the rule whose parameter the layer has. Kimi-K3's
+  switches (kimi_k3 wraps this decoder) are refused until they are built.
 - bailing_hybrid (Ling 3.0): layer_types (by default the last layer of every layer_group_size a
-  latent attention
-  layer, the rest Kimi delta attention), all under `attention` as Ling publishes them
-  (word_embeddings, dense as
-  the output projection, q/k/v_conv1d; Transformers fuses the three convolutions only in memory).
-  Its delta
-  attention has full-rank f_proj and g_proj and the bounded decay under kda_safe_gate; its latent
-  attention gates
-  each head by sigmoid(g_proj(x)). After first_k_dense_replace dense layers (or as mlp_layer_types
-  says),
-  DeepSeek-V3's experts whose selection bias is gate.expert_bias, under Ling's names for the routing
-  keys.
+  latent attention layer, the rest Kimi delta attention), all under `attention` as Ling publishes
+  them (word_embeddings, dense as the output projection, q/k/v_conv1d; Transformers fuses the three
+  convolutions only in memory). Its delta attention has full-rank f_proj and g_proj and the bounded
+  decay under kda_safe_gate; its latent attention gates each head by sigmoid(g_proj(x)). After
+  first_k_dense_replace dense layers (or as mlp_layer_types says), DeepSeek-V3's experts whose
+  selection bias is gate.expert_bias, under Ling's names for the routing keys.
 """
 
 from __future__ import annotations
@@ -130,8 +119,7 @@ def _kda_layers(raw: dict, num_layers: int) -> set[int]:
 
 def _normalize(raw: dict) -> dict:
     """Kimi's spellings under the names the shared reader knows, the layer types kda_layers states,
-    and every
-    attention layer unrotated under mla_use_nope."""
+    and every attention layer unrotated under mla_use_nope."""
     out = dict(raw, mlp_bias=False)  # no feed-forward bias, whatever mlp_bias says
     for key in _K3_SWITCHES + ("use_full_rank_gate",):
         if out.get(key) or (out.get("linear_attn_config") or {}).get(key):

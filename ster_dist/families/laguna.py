@@ -1,26 +1,17 @@
 """Laguna (Poolside): Qwen2-MoE's block with per-head query/key norms, a softplus gate per head and
-layers
-that differ in head count, attention kind and rotation.
+layers that differ in head count, attention kind and rotation.
 
 - laguna: queries and keys are normed per head (q_norm / k_norm) before the rotation; each head's
-  output is
-  multiplied by the softplus of its own self_attn.g_proj logit (gating true or "per-head";
-  "per-element": one
-  logit per channel). Layer i has num_attention_heads_per_layer[i] query heads over
-  num_key_value_heads; its
-  layer_types kind (full_attention, or sliding_attention through sliding_window positions) picks its
-  rotation
-  from the per-kind rope_parameters (by default the full layers' half share at base 500000, the
-  sliding ones'
-  whole head at 10000), and under swa_attention_sink_enabled the sliding layers carry a learned sink
-  per head
-  (self_attn.sink). The layers mlp_layer_types calls sparse (by default all but the first) route
-  over
-  num_experts experts by sigmoid scores that e_score_correction_bias moves to choose, renormalised
-  and scaled
-  by moe_routed_scaling_factor (applied to the experts' input under
-  moe_apply_router_weight_on_input), beside
-  mlp.shared_expert, shared_expert_intermediate_size wide.
+  output is multiplied by the softplus of its own self_attn.g_proj logit (gating true or "per-head";
+  "per-element": one logit per channel). Layer i has num_attention_heads_per_layer[i] query heads
+  over num_key_value_heads; its layer_types kind (full_attention, or sliding_attention through
+  sliding_window positions) picks its rotation from the per-kind rope_parameters (by default the
+  full layers' half share at base 500000, the sliding ones' whole head at 10000), and under
+  swa_attention_sink_enabled the sliding layers carry a learned sink per head (self_attn.sink). The
+  layers mlp_layer_types calls sparse (by default all but the first) route over num_experts experts
+  by sigmoid scores that e_score_correction_bias moves to choose, renormalised and scaled by
+  moe_routed_scaling_factor (applied to the experts' input under moe_apply_router_weight_on_input),
+  beside mlp.shared_expert, shared_expert_intermediate_size wide.
 
 A router logit cap (moe_router_logit_softcapping) is refused.
 """

@@ -1,8 +1,7 @@
 """LFM2 (Liquid AI): short-convolution layers (model/short_conv.py) and attention layers with
-per-head
-query/key norms, picked per layer by `layer_types` ("conv" / "full_attention"), each followed by a
-gated
-SiLU feed-forward (w1, w3, w2); the norm Transformers calls embedding_norm is the final norm.
+per-head query/key norms, picked per layer by `layer_types` ("conv" / "full_attention"), each
+followed by a gated SiLU feed-forward (w1, w3, w2); the norm Transformers calls embedding_norm is
+the final norm.
 
 - lfm2: a dense feed-forward on every layer, its width derived from intermediate_size as
   block_auto_adjust_ff_dim, block_ffn_dim_multiplier and block_multiple_of say.
@@ -83,8 +82,7 @@ def _normalize(raw: dict) -> dict:
 
 def _dense_width(raw: dict) -> dict:
     """LFM2's feed-forward width: two thirds of intermediate_size, times the multiplier, rounded up
-    to
-    block_multiple_of, when block_auto_adjust_ff_dim (the default) asks."""
+    to block_multiple_of, when block_auto_adjust_ff_dim (the default) asks."""
     raw = _normalize(raw)
     inner = _stated(raw, "intermediate_size", 12288)
     if _stated(raw, "block_auto_adjust_ff_dim", True) and isinstance(inner, int):

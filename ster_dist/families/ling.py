@@ -1,30 +1,22 @@
 """inclusionAI's Ling mixtures (and Param2-MoE, built on Ling 2.0), published as remote code on the
-Hub (no
-Transformers class), as data. Sarvam MoE, which keeps Ling's layout under GLM-4-MoE's router, is in
-glm.py beside
+Hub (no Transformers class), as data. Sarvam MoE, which keeps Ling's layout under GLM-4-MoE's
+router, is in glm.py beside
 `ling_rules`.
 
 - bailing_moe (Ling 1.x and Ling 2.0): Llama's block under Ling's names (glm.ling_rules:
-  word_embeddings, one
-  attention.query_key_value biased under use_qkv_bias, per-head query/key norms under use_qk_norm,
-  attention.dense biased under use_bias), the first first_k_dense_replace layers dense, the rest
-  routing
-  beside num_shared_experts shared experts. Ling 1.x scores by softmax, greedy, renormalised under
-  norm_topk_prob; Ling 2.0's score_function sigmoid chooses by the scores plus mlp.gate.expert_bias
-  (under
-  moe_router_enable_expert_bias) within its best topk_group of n_group groups, always renormalised
-  and
-  scaled by routed_scaling_factor.
+  word_embeddings, one attention.query_key_value biased under use_qkv_bias, per-head query/key norms
+  under use_qk_norm, attention.dense biased under use_bias), the first first_k_dense_replace layers
+  dense, the rest routing beside num_shared_experts shared experts. Ling 1.x scores by softmax,
+  greedy, renormalised under norm_topk_prob; Ling 2.0's score_function sigmoid chooses by the scores
+  plus mlp.gate.expert_bias (under moe_router_enable_expert_bias) within its best topk_group of
+  n_group groups, always renormalised and scaled by routed_scaling_factor.
 - param2moe (Param2-MoE): Ling 2.0's block and router under Ling's names, its sigmoid scores stated
-  or not,
-  with Param2MoEConfig's defaults (query/key norms on, first_k_dense_replace 1,
-  routed_scaling_factor 2.5,
-  rope_theta 1e6, a tied head).
+  or not, with Param2MoEConfig's defaults (query/key norms on, first_k_dense_replace 1,
+  routed_scaling_factor 2.5, rope_theta 1e6, a tied head).
 
 ster_dist never runs their remote code: each is checked against the reference written in
 tests/families/test_pangu_ultra_deepseek_moe_ling.py from seeds/000's description (Ling 2.0:
-Transformers' GLM-4-MoE on renamed
-weights; Ling 1.x: Llama with DeepSeek-V2's sparse blocks).
+Transformers' GLM-4-MoE on renamed weights; Ling 1.x: Llama with DeepSeek-V2's sparse blocks).
 """
 
 from __future__ import annotations
@@ -45,10 +37,8 @@ _REFERENCE = "tests/families/test_pangu_ultra_deepseek_moe_ling.py"
 
 def _bailing_moe(raw: dict) -> dict:
     """Ling 1.x (softmax: greedy, renormalised under norm_topk_prob, unscaled) or Ling 2.0
-    (score_function
-    sigmoid: grouped selection by the biased scores, always renormalised, scaled); use_qkv_bias
-    biases query,
-    key and value, use_bias the output projection."""
+    (score_function sigmoid: grouped selection by the biased scores, always renormalised, scaled);
+    use_qkv_bias biases query, key and value, use_bias the output projection."""
     scoring = stated(raw, "score_function", default="softmax")
     # BailingMoeConfig (Ling 1.x, which states no score_function) biases the output projection
     # unless told not;

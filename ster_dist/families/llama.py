@@ -1,6 +1,6 @@
 """Llama, the families Transformers builds from Llama's or Mistral's classes with Llama's names, and
-the remote-code
-families (no Transformers class) that are Llama's block with Llama's names and a switch or two.
+the remote-code families (no Transformers class) that are Llama's block with Llama's names and a
+switch or two.
 
 - llama: the reference block (RMS norms, gated SiLU feed-forward, rotated halves).
 - mistral: Llama with a sliding window on every layer.
@@ -9,26 +9,20 @@ families (no Transformers class) that are Llama's block with Llama's names and a
   a tied head.
 - seed_oss: Llama with query/key/value biased by default and the output's bias under its own key.
 - iquestcoder: Llama with mlp_bias, clip_qkv and Qwen2's max_window_layers window; Transformers has
-  no model
-  class of its own and runs it as LlamaForCausalLM, its parity reference.
+  no model class of its own and runs it as LlamaForCausalLM, its parity reference.
 - starcoder2: Mistral's block with biased LayerNorms and a plain c_fc / c_proj feed-forward.
 - minicpm (remote code): a tied head by default, the embedding times scale_emb, each sublayer's
-  output times
-  scale_depth / sqrt(layers) and the logits times dim_model_base / hidden_size (config.from_hf reads
-  these three
-  keys for every family). MiniCPM-MoE's experts, and MiniCPM 4's use_mup false, are refused.
-  MiniCPM3's latent
-  attention is in deepseek.py.
+  output times scale_depth / sqrt(layers) and the logits times dim_model_base / hidden_size
+  (config.from_hf reads these three keys for every family). MiniCPM-MoE's experts, and MiniCPM 4's
+  use_mup false, are refused. MiniCPM3's latent attention is in deepseek.py.
 - orion (remote code): biased LayerNorms (epsilon under rms_norm_eps).
 - solar (Solar Pro, remote code): block skip connections: the hidden state kept before the layers
-  bskcn_1 (and
-  bskcn_2) list is mixed back in before those bskcn_3 (and bskcn_4) list, weighted by bskcn_tv's
-  second number
-  (the inference weight; the first is training's), written as the generic block_skips.
+  bskcn_1 (and bskcn_2) list is mixed back in before those bskcn_3 (and bskcn_4) list, weighted by
+  bskcn_tv's second number (the inference weight; the first is training's), written as the generic
+  block_skips.
 
 ster_dist never runs remote code: the remote families are checked against the plain-torch reference
-written in
-tests/families/test_internlm_minicpm_orion_solar.py from seeds/000's description.
+written in tests/families/test_internlm_minicpm_orion_solar.py from seeds/000's description.
 
 Mistral's own checkpoint format (params.json) is mistral_format.py; Mixtral is mixtral.py.
 """

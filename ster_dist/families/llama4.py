@@ -2,21 +2,15 @@
 layers.
 
 - llama4_text: layers no_rope_layers marks 0 (every no_rope_layer_interval-th by default) do not
-  rotate and
-  attend fully; the others rotate by adjacent pairs and, where attention_chunk_size is stated,
-  attend by
-  chunks of that many positions (layer_types' chunked_attention). Under use_qk_norm the rotating
-  layers'
-  queries and keys pass a weightless RMS (L2) norm after the rotation; under attn_temperature_tuning
-  the
-  unrotated layers' queries at position p are multiplied by 1 + attn_scale * ln(1 + floor((p + 1) /
-  floor_scale)). The layers moe_layers lists (else every interleave_moe_layer_step-th) route each
-  token by
-  sigmoid scores to num_experts_per_tok of num_local_experts experts (stacked inputs-first in
-  feed_forward.experts.gate_up_proj and down_proj), each reading its input already multiplied by its
-  score,
-  beside feed_forward.shared_expert (intermediate_size wide, as the experts are); the other layers
-  are
+  rotate and attend fully; the others rotate by adjacent pairs and, where attention_chunk_size is
+  stated, attend by chunks of that many positions (layer_types' chunked_attention). Under
+  use_qk_norm the rotating layers' queries and keys pass a weightless RMS (L2) norm after the
+  rotation; under attn_temperature_tuning the unrotated layers' queries at position p are multiplied
+  by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)). The layers moe_layers lists (else every
+  interleave_moe_layer_step-th) route each token by sigmoid scores to num_experts_per_tok of
+  num_local_experts experts (stacked inputs-first in feed_forward.experts.gate_up_proj and
+  down_proj), each reading its input already multiplied by its score, beside
+  feed_forward.shared_expert (intermediate_size wide, as the experts are); the other layers are
   dense, intermediate_size_mlp wide. Its image-text wrapper (llama4) is read as its text decoder
   (config_file.text_weight_names: below language_model; the vision tower is skipped).
 

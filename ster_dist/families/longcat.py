@@ -1,43 +1,29 @@
 """LongCat-Flash (Meituan): DeepSeek's latent attention in stored layers that each run as two
-decoder layers,
-with shortcut-connected experts between them.
+decoder layers, with shortcut-connected experts between them.
 
 - longcat_flash: stored layer k (num_layers of them) is decoder layers 2k and 2k + 1
-  (FamilySpec.halved_layers),
-  so --layer, hook sites and the key-value cache count halves. Half h is input_layernorm.{h}, latent
-  attention
-  self_attn.{h} rotating adjacent pairs, post_attention_layernorm.{h} and a dense mlps.{h}
-  ffn_hidden_size wide.
-  Beside them, the experts (model/shortcut.py) read the first half's feed-forward input and join the
-  residual
-  at the end of the second: mlp.router.classifier scores n_routed_experts experts
-  expert_ffn_hidden_size wide
-  and zero_expert_num identity experts by softmax, mlp.router.e_score_correction_bias moves the
-  choice of
-  moe_topk, and the chosen weights are multiplied by routed_scaling_factor (no renormalisation); an
-  identity
-  expert returns its input (moe/layer.py). Under mla_scale_q_lora and mla_scale_kv_lora
-  (Transformers applies
-  both whatever the config says, so an unstated switch is on) the query and the normed latent are
-  multiplied
-  by sqrt(hidden_size / q_lora_rank) and sqrt(hidden_size / kv_lora_rank) (model/mla.py). The
-  multi-token-prediction tensors (model.mtp.*) are never read. No adapter is trained on it
-  (families/adapter_rules.py).
+  (FamilySpec.halved_layers), so --layer, hook sites and the key-value cache count halves. Half h is
+  input_layernorm.{h}, latent attention self_attn.{h} rotating adjacent pairs,
+  post_attention_layernorm.{h} and a dense mlps.{h} ffn_hidden_size wide. Beside them, the experts
+  (model/shortcut.py) read the first half's feed-forward input and join the residual at the end of
+  the second: mlp.router.classifier scores n_routed_experts experts expert_ffn_hidden_size wide and
+  zero_expert_num identity experts by softmax, mlp.router.e_score_correction_bias moves the choice
+  of moe_topk, and the chosen weights are multiplied by routed_scaling_factor (no renormalisation);
+  an identity expert returns its input (moe/layer.py). Under mla_scale_q_lora and mla_scale_kv_lora
+  (Transformers applies both whatever the config says, so an unstated switch is on) the query and
+  the normed latent are multiplied by sqrt(hidden_size / q_lora_rank) and sqrt(hidden_size /
+  kv_lora_rank) (model/mla.py). The multi-token-prediction tensors (model.mtp.*) are never read. No
+  adapter is trained on it (families/adapter_rules.py).
 - longcat_flash_ngram (LongCat-Flash-Lite): longcat_flash with hashed n-gram embeddings beside the
-  token
-  embedding (model/ngram_embedding.py); a config naming only LongcatFlashNgramForCausalLM in
-  architectures is
-  read as it (config_file.py). For orders 2 .. emb_neighbor_num and emb_split_num tables each, table
-  index =
-  (order - 2) * emb_split_num + j is ngram_vocab_size_ratio * vocab_size + 2 * index + 1 rows tall
-  (model.ngram_embeddings.embedders.{index}) and hidden_size / (emb_split_num * (emb_neighbor_num -
-  1)) wide, as
-  vLLM's and mlx-lm's implementations build it (the seed states no width); its post projection
-  (model.ngram_embeddings.post_projs.{index}, [hidden, width]) has no bias. Runs restart after each
-  of the
-  config's eos_token_id. The token embedding may also be stored as
-  model.ngram_embeddings.word_embeddings. No
-  adapter is trained on it.
+  token embedding (model/ngram_embedding.py); a config naming only LongcatFlashNgramForCausalLM in
+  architectures is read as it (config_file.py). For orders 2 .. emb_neighbor_num and emb_split_num
+  tables each, table index = (order - 2) * emb_split_num + j is ngram_vocab_size_ratio * vocab_size
+  + 2 * index + 1 rows tall (model.ngram_embeddings.embedders.{index}) and hidden_size /
+  (emb_split_num * (emb_neighbor_num - 1)) wide, as vLLM's and mlx-lm's implementations build it
+  (the seed states no width); its post projection (model.ngram_embeddings.post_projs.{index},
+  [hidden, width]) has no bias. Runs restart after each of the config's eos_token_id. The token
+  embedding may also be stored as model.ngram_embeddings.word_embeddings. No adapter is trained on
+  it.
 """
 
 from __future__ import annotations

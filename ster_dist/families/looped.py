@@ -1,46 +1,33 @@
 """Looped models: families whose stored layers run on several passes (model/loop.py), as data.
 
 - hrm_text: HRM-Text's two stacks of Llama layers, model.L_module.layers (low) and
-  model.H_module.layers (high),
-  num_layers_per_stack each (else num_hidden_layers). Each layer's attn.gqkv_proj holds the
-  attention gate's rows,
-  then the query's, key's and value's (every head attending: no grouped keys); the gate's sigmoid
-  multiplies
-  attention's output before attn.o_proj, the feed-forward is one mlp.gate_up_proj, and every norm is
-  an RMS norm
-  without a scale. The stacks run H_cycles times as L_cycles passes of the low stack and one of the
+  model.H_module.layers (high), num_layers_per_stack each (else num_hidden_layers). Each layer's
+  attn.gqkv_proj holds the attention gate's rows, then the query's, key's and value's (every head
+  attending: no grouped keys); the gate's sigmoid multiplies attention's output before attn.o_proj,
+  the feed-forward is one mlp.gate_up_proj, and every norm is an RMS norm without a scale. The
+  stacks run H_cycles times as L_cycles passes of the low stack and one of the
   high:
   the high state starts as the embedding times embedding_scale (else 1 / initializer_range), the low
-  state as
-  model.z_L_init; a pass reads both states summed, ends in its stack's norm (the final norm,
-  scale-free like
-  it) and replaces its own state; the last high state is what the head reads. Every pass is its own
-  run of
-  layers with its own cache slots and hook sites, num_layers_per_stack x H_cycles x (L_cycles + 1)
-  in all.
+  state as model.z_L_init; a pass reads both states summed, ends in its stack's norm (the final
+  norm, scale-free like it) and replaces its own state; the last high state is what the head reads.
+  Every pass is its own run of layers with its own cache slots and hook sites, num_layers_per_stack
+  x H_cycles x (L_cycles + 1) in all.
 
 - iquestloopcoder: IQuest-LoopCoder, Llama's block (IQuest-Coder's defaults) whose num_hidden_layers
-  stored
-  layers run loop_num times (default 2), with no norm between passes. On every later pass a layer's
-  attention
-  (model/loop_attention.py) is g * global + (1 - g) * local: global over the first pass's keys and
-  values of the
-  same layer, local over its own pass's within loop_window_size (default 64) positions, g =
-  sigmoid(w_h . q_h +
-  b_h) per head of the rotated query, w and b from model.gate_projections.{layer}.
+  stored layers run loop_num times (default 2), with no norm between passes. On every later pass a
+  layer's attention (model/loop_attention.py) is g * global + (1 - g) * local: global over the first
+  pass's keys and values of the same layer, local over its own pass's within loop_window_size
+  (default 64) positions, g = sigmoid(w_h . q_h + b_h) per head of the rotated query, w and b from
+  model.gate_projections.{layer}.
 
 - nanbeige: Llama with per-head q_layernorm and k_layernorm under qk_layernorm, a looped model whose
-  stored
-  layers run num_loops times (num_hidden_layers counts every pass's), the final norm closing every
-  pass unless
-  skip_loop_final_norm.
+  stored layers run num_loops times (num_hidden_layers counts every pass's), the final norm closing
+  every pass unless skip_loop_final_norm.
 
 hrm_text's reference is Transformers' HrmTextForCausalLM (tests/tiny/looped.py,
-tests/families/test_looped.py);
-iquestloopcoder, which Transformers lacks, is checked against the reference
-tests/families/test_looped.py writes from
-the seed's text, nanbeige against the one tests/families/test_telechat_mimo_pangu_nanbeige.py
-writes.
+tests/families/test_looped.py); iquestloopcoder, which Transformers lacks, is checked against the
+reference tests/families/test_looped.py writes from the seed's text, nanbeige against the one
+tests/families/test_telechat_mimo_pangu_nanbeige.py writes.
 """
 
 from __future__ import annotations
@@ -120,8 +107,7 @@ def _count(raw: dict, key: str) -> int:
 
 def _hrm_text(raw: dict) -> dict:
     """The two stacks' passes as the generic loop keys; every head its own keys; the output gate;
-    the
-    embedding scale."""
+    the embedding scale."""
     out = with_defaults(raw, _HRM_DEFAULTS)
     high, low = _count(out, "H_cycles"), _count(out, "L_cycles")
     per_stack = stated(out, "num_layers_per_stack", "num_hidden_layers")
@@ -162,8 +148,7 @@ _LOOPCODER = llama_rules(q_norm=None, k_norm=None) + weight_and_bias(
 
 def _loopcoder(raw: dict) -> dict:
     """loop_num passes over the stored layers, the later passes' local reads within loop_window_size
-    (their
-    layers' sliding window)."""
+    (their layers' sliding window)."""
     out = with_defaults(raw, _LOOPCODER_DEFAULTS)
     loops, stored, window = out["loop_num"], out.get("num_hidden_layers"), out["loop_window_size"]
     if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:

@@ -1,24 +1,18 @@
 """The Mamba-1 lineage (Transformers' MambaMixer, model/mamba.py):
 
 - mamba, falcon_mamba: every block a norm, the Mamba mixer and the residual, with no attention and
-  no
-  feed-forward; names below backbone., the head tied to the embedding unless stated otherwise.
-  Falcon
-  Mamba RMS-norms dt, B and C without weights.
+  no feed-forward; names below backbone., the head tied to the embedding unless stated otherwise.
+  Falcon Mamba RMS-norms dt, B and C without weights.
 - jamba: Mamba layers with one attention layer (no positions) every attn_layer_period from
   attn_layer_offset, each followed by a dense feed-forward or, every expert_layer_period from
   expert_layer_offset, a top-k softmax mixture of experts left unnormalised; its Mamba layers
-  RMS-norm
-  dt, B and C with weights.
+  RMS-norm dt, B and C with weights.
 
 Normalisation restates each family's mixer settings under the keys the mixer reads (Jamba's names:
 mamba_d_state, mamba_d_conv, mamba_dt_rank, ...) with Transformers' defaults, checking them under
-the
-names the config states them by, and the inner width as Transformers reads it: a stated
-intermediate_size
-(every config Transformers saves states it, and its MambaConfig keeps a stated one over its own),
-else
-expand x hidden_size.
+the names the config states them by, and the inner width as Transformers reads it: a stated
+intermediate_size (every config Transformers saves states it, and its MambaConfig keeps a stated one
+over its own), else expand x hidden_size.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ def mamba_mixer_rules(
     layer: str, module: str = "mixer", target: str = "layers.{i}.mixer"
 ) -> tuple[Rule, ...]:
     """A MambaMixer's tensors below `layer` (a template ending in ".") at `module`: in_proj holds x,
-    then z;
-    Jamba's norms of dt, B and C (Falcon Mamba's carry no weights)."""
+    then z; Jamba's norms of dt, B and C (Falcon Mamba's carry no weights)."""
     in_proj = Fused(
         (
             (f"{target}.in_x.weight", "mamba_intermediate"),
@@ -189,9 +182,8 @@ def _normalize_jamba(raw: dict) -> dict:
 
 def _jamba_layers(raw: dict, num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Transformers' layers_block_type and layers_num_experts: attention where i % attn_layer_period
-    is
-    attn_layer_offset, experts where i % expert_layer_period is expert_layer_offset (and there are
-    several)."""
+    is attn_layer_offset, experts where i % expert_layer_period is expert_layer_offset (and there
+    are several)."""
     mixers = tuple(
         "attention" if i % raw["attn_layer_period"] == raw["attn_layer_offset"] else "mamba"
         for i in range(num_layers)

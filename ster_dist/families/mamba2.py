@@ -1,39 +1,29 @@
 """Mamba-2 and the hybrids Transformers builds from its mixer (model/mamba2.py): each normalisation
-maps the
-family's own names for the mixer's settings onto Bamba's (mamba_n_heads, mamba_d_head, ...), which
-the
-mixer reads.
+maps the family's own names for the mixer's settings onto Bamba's (mamba_n_heads, mamba_d_head,
+...), which the mixer reads.
 
 - mamba2: every layer a norm and a Mamba-2 mixer, no feed-forward (state-spaces' Mamba-2, Codestral
   Mamba).
 - bamba: Llama's blocks whose token mixer is Mamba-2 except at attn_layer_indices, where it is
-  attention
-  rotating half of each head.
+  attention rotating half of each head.
 - nemotron_h: one norm and one sublayer per layer, as hybrid_override_pattern (or layers_block_type)
   says:
   M a Mamba-2 mixer, * attention without rotation, - a plain squared-ReLU feed-forward, E experts
-  without a
-  gate (moe/experts.py, activation "ungated") routed by sigmoid scores over groups (noaux_tc: groups
-  ranked by their best
-  two, e_score_correction_bias added only to choose), renormalised under norm_topk_prob and scaled
-  by
-  routed_scaling_factor, beside one ungated shared expert moe_shared_expert_intermediate_size wide;
-  under
-  moe_latent_size the routed experts work on fc1_latent_proj(x) and return through fc2_latent_proj.
-  Its dt is
-  clamped below at time_step_min, as Transformers does.
+  without a gate (moe/experts.py, activation "ungated") routed by sigmoid scores over groups
+  (noaux_tc: groups ranked by their best two, e_score_correction_bias added only to choose),
+  renormalised under norm_topk_prob and scaled by routed_scaling_factor, beside one ungated shared
+  expert moe_shared_expert_intermediate_size wide; under moe_latent_size the routed experts work on
+  fc1_latent_proj(x) and return through fc2_latent_proj. Its dt is clamped below at time_step_min,
+  as Transformers does.
 
 - nemotron_h_puzzle (Nemotron Puzzle): Nemotron-H below `model` rather than `backbone`, its layers
-  listed in
-  block_configs (block_type mamba, attention, mlp, moe; or layers_block_type), each moe block
-  stating its own
-  experts (n_routed_experts, num_experts_per_tok, moe_intermediate_size, moe_latent_size, ...),
-  which its
-  layer builds (ModelConfig.layer_moe). Any other per-block key is refused.
+  listed in block_configs (block_type mamba, attention, mlp, moe; or layers_block_type), each moe
+  block stating its own experts (n_routed_experts, num_experts_per_tok, moe_intermediate_size,
+  moe_latent_size, ...), which its layer builds (ModelConfig.layer_moe). Any other per-block key is
+  refused.
 
 Codestral's config states norm_before_gate true; Transformers ignores it (the gate always multiplies
-before
-the norm), and so does ster_dist.
+before the norm), and so does ster_dist.
 """
 
 from __future__ import annotations

@@ -1,55 +1,39 @@
 """Xiaomi's MiMo decoders, as data.
 
 - mimo: Qwen2 whose multi-token-prediction layers (model.mtp_layers.{k}: token_layernorm,
-  hidden_layernorm,
-  input_proj over [hidden; embedding], a Qwen2 block, final_layernorm, the model's lm_head) are
-  recognised and
-  never read for decoding; --speculative mtp drafts with the first (model/mtp.py).
-  Checked against Transformers' Qwen2 beside random MTP tensors
+  hidden_layernorm, input_proj over [hidden; embedding], a Qwen2 block, final_layernorm, the model's
+  lm_head) are recognised and never read for decoding; --speculative mtp drafts with the first
+  (model/mtp.py). Checked against Transformers' Qwen2 beside random MTP tensors
   (tests/families/test_telechat_mimo_pangu_nanbeige.py).
 
 - MiMo-V2-Flash: Llama's block whose sliding and full-attention layers differ in key-value heads and
-  sinks, over
-  DeepSeek-V3's router.
+  sinks, over DeepSeek-V3's router.
 
 - mimo_v2_flash: the layers layer_types calls sliding_attention (hybrid_layer_pattern's 1s in
-  Xiaomi's own
-  config; Transformers' rule without either: the first and every sixth layer attend fully) attend
-  through
-  sliding_window positions (sliding_window_size + 1 where that is stated) with
-  swa_num_key_value_heads
-  key-value heads (Transformers: twice num_key_value_heads) and a learned sink per head
-  (self_attn.sinks, or attention_sink_bias; on by add_swa_attention_sink_bias, and on the full
-  layers by
-  add_full_attention_sink_bias); each kind rotates by its own rope_parameters (or rope_theta /
-  swa_rope_theta)
-  over its partial_rotary_factor share (0.334 when unstated), by halves. Query and key heads are
-  head_dim
-  wide, value heads v_head_dim, and every value is multiplied by attention_value_scale. The layers
-  mlp_layer_types calls sparse (moe_layer_freq's 1s; by default all but the first) route by
-  DeepSeek-V3's
-  sigmoid scores with a selection bias (mlp.gate.e_score_correction_bias) over n_routed_experts
-  experts,
-  renormalised under norm_topk_prob and scaled by routed_scaling_factor, with no shared expert. Its
+  Xiaomi's own config; Transformers' rule without either: the first and every sixth layer attend
+  fully) attend through sliding_window positions (sliding_window_size + 1 where that is stated) with
+  swa_num_key_value_heads key-value heads (Transformers: twice num_key_value_heads) and a learned
+  sink per head (self_attn.sinks, or attention_sink_bias; on by add_swa_attention_sink_bias, and on
+  the full layers by add_full_attention_sink_bias); each kind rotates by its own rope_parameters (or
+  rope_theta / swa_rope_theta) over its partial_rotary_factor share (0.334 when unstated), by
+  halves. Query and key heads are head_dim wide, value heads v_head_dim, and every value is
+  multiplied by attention_value_scale. The layers mlp_layer_types calls sparse (moe_layer_freq's 1s;
+  by default all but the first) route by DeepSeek-V3's sigmoid scores with a selection bias
+  (mlp.gate.e_score_correction_bias) over n_routed_experts experts, renormalised under
+  norm_topk_prob and scaled by routed_scaling_factor, with no shared expert. Its
   multi-token-prediction layers (model.mtp.*) are never read.
 
 - mimo_v2 (MiMo-V2.5): the same model under Xiaomi's own config (layernorm_epsilon for the norms'
-  epsilon),
-  whose releases store query, key and value in one self_attn.qkv_proj under
-  attention_projection_layout
-  fused_qkv. That tensor is cut into num_key_value_heads groups, as the TP=num_key_value_heads ranks
-  Xiaomi's
-  SGLang loader expects: group g holds its share of the query heads, then of the layer's key heads,
-  then of its
-  value heads (a sliding layer's twice as many key-value heads, two to a group). Both families read
-  either
-  layout.
+  epsilon), whose releases store query, key and value in one self_attn.qkv_proj under
+  attention_projection_layout fused_qkv. That tensor is cut into num_key_value_heads groups, as the
+  TP=num_key_value_heads ranks Xiaomi's SGLang loader expects: group g holds its share of the query
+  heads, then of the layer's key heads, then of its value heads (a sliding layer's twice as many
+  key-value heads, two to a group). Both families read either layout.
 
 Sliding layers whose query heads differ in count or width from the full ones
-(swa_num_attention_heads,
-swa_head_dim, swa_v_head_dim) are refused, and so is a fused layout whose key-value heads do not
-divide into
-num_key_value_heads groups, or an attention_projection_layout other than split or fused_qkv.
+(swa_num_attention_heads, swa_head_dim, swa_v_head_dim) are refused, and so is a fused layout whose
+key-value heads do not divide into num_key_value_heads groups, or an attention_projection_layout
+other than split or fused_qkv.
 """
 
 from __future__ import annotations
@@ -196,9 +180,8 @@ def _mimo_v2_flash(raw: dict) -> dict:
 
 def _fused_qkv() -> tuple[Rule, ...]:
     """qkv_proj in num_key_value_heads groups, each its queries, keys and values, counted per layer
-    (a sliding
-    layer's key-value heads differ from the full layers') and in rows (values are narrower than
-    keys)."""
+    (a sliding layer's key-value heads differ from the full layers') and in rows (values are
+    narrower than keys)."""
     parts = (
         ("layers.{i}.attn.q.weight", "layer_query_rows_per_group"),
         ("layers.{i}.attn.k.weight", "layer_key_rows_per_group"),

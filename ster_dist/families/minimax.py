@@ -1,36 +1,25 @@
 """MiniMax-Text-01: lightning attention beside softmax attention, over Mixtral's experts, each
-sublayer weighed
-against its residual.
+sublayer weighed against its residual.
 
 - minimax (Transformers' MiniMax): the layers layer_types calls linear_attention run lightning
-  attention
-  (model/lightning.py; self_attn.qkv_proj, output_gate, norm, out_proj), the full_attention ones
-  Llama's
-  attention (q/k/v/o_proj, rotating whole heads at rope_theta); without layer_types every second
-  layer from the
-  second is linear, as MiniMaxConfig fills it. Every layer's feed-forward is Mixtral's experts: a
-  softmax
-  router, top num_experts_per_tok renormalised, stored under mlp (Transformers 5's stacked experts)
-  or
-  block_sparse_moe (experts.{e}.w1/w3/w2). Each sublayer joins the residual as residual * alpha +
-  output * beta,
-  the residual its normed input (Transformers' decoder layer always reads it so), with the alpha and
-  beta of
-  linear_attn_*_factor or full_attn_*_factor, then mlp_*_factor. The slope and decay buffers
-  Transformers saves
-  are recomputed, not read.
+  attention (model/lightning.py; self_attn.qkv_proj, output_gate, norm, out_proj), the
+  full_attention ones Llama's attention (q/k/v/o_proj, rotating whole heads at rope_theta); without
+  layer_types every second layer from the second is linear, as MiniMaxConfig fills it. Every layer's
+  feed-forward is Mixtral's experts: a softmax router, top num_experts_per_tok renormalised, stored
+  under mlp (Transformers 5's stacked experts) or block_sparse_moe (experts.{e}.w1/w3/w2). Each
+  sublayer joins the residual as residual * alpha + output * beta, the residual its normed input
+  (Transformers' decoder layer always reads it so), with the alpha and beta of linear_attn_*_factor
+  or full_attn_*_factor, then mlp_*_factor. The slope and decay buffers Transformers saves are
+  recomputed, not read.
 - minimax_text_01 (MiniMax's own release of the same model): attn_type_list marks each layer 0
-  (lightning) or 1
-  (softmax attention), the factors are layernorm_linear_attention_*, layernorm_full_attention_* and
-  layernorm_mlp_*, and the residual is the normed input only under postnorm.
+  (lightning) or 1 (softmax attention), the factors are layernorm_linear_attention_*,
+  layernorm_full_attention_* and layernorm_mlp_*, and the residual is the normed input only under
+  postnorm.
 Attention in both rotates rotary_dim of each head where the config states it (MiniMax-Text-01 states
-64 of 128),
-as MiniMax's own code and vLLM do; Transformers' MiniMax ignores rotary_dim and rotates whole heads,
-so the two
-agree only where rotary_dim is the head width (as in the tiny parity checkpoints).
-Shared experts (shared_intermediate_size above zero) and a sliding window are refused; adapters are
-refused
-for both (families/adapter_rules.py).
+64 of 128), as MiniMax's own code and vLLM do; Transformers' MiniMax ignores rotary_dim and rotates
+whole heads, so the two agree only where rotary_dim is the head width (as in the tiny parity
+checkpoints). Shared experts (shared_intermediate_size above zero) and a sliding window are refused;
+adapters are refused for both (families/adapter_rules.py).
 """
 
 from __future__ import annotations
@@ -131,8 +120,7 @@ def _normalize_minimax(raw: dict) -> dict:
 
 def _normalize_text_01(raw: dict) -> dict:
     """MiniMax's own config: attn_type_list (0 lightning, 1 softmax attention) as layer_types, the
-    layernorm_*
-    factors, postnorm as the residual read."""
+    layernorm_* factors, postnorm as the residual read."""
     out = never_biased(with_defaults(raw, _DEFAULTS))
     # read here; the shared reader refuses it for MiniMax-M2
     kinds = out.pop("attn_type_list", None)

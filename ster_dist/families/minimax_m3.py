@@ -1,30 +1,22 @@
 """MiniMax-M3's text decoder (minimax_m3_vl_text), read from a minimax_m3_vl checkpoint's
-text_config below
-language_model (its vision tower never mapped), as Transformers' MiniMaxM3VLTextModel runs it.
+text_config below language_model (its vision tower never mapped), as Transformers'
+MiniMaxM3VLTextModel runs it.
 
 Every norm scales by its weight plus one, queries and keys are normed per head before rotating over
-the
-rotated share of each head, and every feed-forward is SwiGLU-OAI: (clamp(up, +-limit) + 1) * g *
-sigmoid(alpha g)
-with g = min(gate, limit) (the routed experts' clamped_swiglu, the dense and shared ones'
-swiglu_oai). Layers
-moe_layer_freq (Transformers: mlp_layer_types) marks dense keep an mlp dense_intermediate_size wide;
-the rest
-route sigmoid scores with e_score_correction_bias to choose, renormalise, scale by
-routed_scaling_factor and add
-one shared expert shared_intermediate_size wide. The layers sparse_attention_freq (Transformers:
-layer_types
-"minimax_m3_sparse") marks run MiniMax Sparse Attention (model/block_sparse.py).
+the rotated share of each head, and every feed-forward is SwiGLU-OAI: (clamp(up, +-limit) + 1) * g *
+sigmoid(alpha g) with g = min(gate, limit) (the routed experts' clamped_swiglu, the dense and shared
+ones' swiglu_oai). Layers moe_layer_freq (Transformers: mlp_layer_types) marks dense keep an mlp
+dense_intermediate_size wide; the rest route sigmoid scores with e_score_correction_bias to choose,
+renormalise, scale by routed_scaling_factor and add one shared expert shared_intermediate_size wide.
+The layers sparse_attention_freq (Transformers: layer_types "minimax_m3_sparse") marks run MiniMax
+Sparse Attention (model/block_sparse.py).
 
 Both spellings are read: the release's (block_sparse_moe.experts.{e}.w1/w3/w2, gate_proj/up_proj,
 self_attn.index_q_proj, sparse_attention_config, hidden_act swigluoai) and what Transformers writes
 (mlp.experts.gate_up_proj, one gate_up_proj, self_attn.indexer.q_proj, flat index_* keys, and
-hidden_act
-"silu", which Transformers' config writes whatever the release states and runs as SwiGLU-OAI). The
-rotated
-share is rope_parameters' partial_rotary_factor where stated (Transformers reads only it; its
-rotary_dim is a
-default it never uses), else rotary_dim over head_dim.
+hidden_act "silu", which Transformers' config writes whatever the release states and runs as
+SwiGLU-OAI). The rotated share is rope_parameters' partial_rotary_factor where stated (Transformers
+reads only it; its rotary_dim is a default it never uses), else rotary_dim over head_dim.
 """
 
 from __future__ import annotations

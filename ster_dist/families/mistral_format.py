@@ -1,26 +1,22 @@
 """Mistral's own checkpoint format (params.json beside consolidated*.safetensors): name maps.
 
 The tensors are Transformers' mistral ones under Mistral's names (tok_embeddings,
-layers.{i}.attention.wq,
-feed_forward.w1 = gate, w3 = up, w2 = down, ffn_norm, norm, output). Their query and key rows keep
-Mistral's native order, each head's rotation pairs adjacent, where Transformers' conversion script
-permutes them into halves; so, as vLLM does, this spec rotates adjacent pairs and loads every tensor
-as stored: no tensor is permuted on the way in, and a rank reads its heads' rows as they lie.
+layers.{i}.attention.wq, feed_forward.w1 = gate, w3 = up, w2 = down, ffn_norm, norm, output). Their
+query and key rows keep Mistral's native order, each head's rotation pairs adjacent, where
+Transformers' conversion script permutes them into halves; so, as vLLM does, this spec rotates
+adjacent pairs and loads every tensor as stored: no tensor is permuted on the way in, and a rank
+reads its heads' rows as they lie.
 
 Adapters name Transformers' modules (q_proj, ...) in Transformers' row order: they are placed
-through
-the family's Transformers spec, and their query and key B rows put in pair order (`pair_rows`).
+through the family's Transformers spec, and their query and key B rows put in pair order
+(`pair_rows`).
 
 Mistral Large 3 (deepseek_v3 in this format, as vLLM's MistralLarge3ForCausalLM reads it): latent
-attention
-under attention.wq_a, q_a_norm, wq_b, wkv_a_with_mqa, kv_a_norm, wkv_b and wo, dense layers'
-feed_forward,
-and experts.{e}.w1/w3/w2 beside gate and shared_experts on sparse ones. Its router scores by
-softmax,
-renormalises the chosen weights and scales them by routed_scaling_factor, with no correction bias;
-its
-queries take Llama 4's temperature. The latent rows are stored as DeepSeek's are (rotated parts in
-adjacent pairs), so they too load as stored.
+attention under attention.wq_a, q_a_norm, wq_b, wkv_a_with_mqa, kv_a_norm, wkv_b and wo, dense
+layers' feed_forward, and experts.{e}.w1/w3/w2 beside gate and shared_experts on sparse ones. Its
+router scores by softmax, renormalises the chosen weights and scales them by routed_scaling_factor,
+with no correction bias; its queries take Llama 4's temperature. The latent rows are stored as
+DeepSeek's are (rotated parts in adjacent pairs), so they too load as stored.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Mixtral and the sparse families Transformers builds from its classes: Llama's attention over a
-top-k softmax
-router whose experts sit under block_sparse_moe (Transformers 5 saves them stacked under mlp).
+top-k softmax router whose experts sit under block_sparse_moe (Transformers 5 saves them stacked
+under mlp).
 
 - mixtral: Mistral's block (a sliding window on every layer) over renormalised top-k experts.
 - phimoe: Mixtral's tensors (the router also saved as mlp.router) under biased LayerNorms, biased
-  attention, an
-  optional head bias, LongRoPE with short_mscale / long_mscale, and SparseMixer's eval-time routing.
+  attention, an optional head bias, LongRoPE with short_mscale / long_mscale, and SparseMixer's
+  eval-time routing.
 - minimax_m2: Mixtral's names with whole-projection query/key norms and a sigmoid router whose
-  selection bias
-  sits beside the gate.
+  selection bias sits beside the gate.
 - gpt_oss: Mixtral's router over biased, clamped-SwiGLU experts stored inputs-first with gate and up
   interleaved, and a learned sink per head.
 """
@@ -78,8 +77,7 @@ def _gpt_oss_rules() -> tuple[Rule, ...]:
 
 def _minimax_m2(raw: dict) -> dict:
     """No projection biased; the query/key norms on unless use_qk_norm says not (Transformers always
-    norms, and
-    MiniMax's configs leave the key out)."""
+    norms, and MiniMax's configs leave the key out)."""
     raw = never_biased(with_defaults(raw, {"use_qk_norm": True}))
     return {**raw, "use_qk_norm": switch(raw, "use_qk_norm")}
 

@@ -57,6 +57,5 @@ def router_rules(checkpoint: str) -> tuple[Rule, ...]:
 
 def deepseek_moe_rules(mlp: str = "model.layers.{i}.mlp") -> tuple[Rule, ...]:
     """DeepSeek's sparse layer names (experts, gate, shared_experts), which GLM-4-MoE, EXAONE MoE,
-    Cohere 2 MoE
-    and Sarvam MoE keep."""
+    Cohere 2 MoE and Sarvam MoE keep."""
     return expert_rules(mlp) + router_rules(f"{mlp}.gate") + shared_rules(f"{mlp}.shared_experts")

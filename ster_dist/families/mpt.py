@@ -1,13 +1,10 @@
 """MosaicML's decoders: names below transformer.blocks, one fused Wqkv, settings nested in
-attn_config (and
-ffn_config), unbiased.
+attn_config (and ffn_config), unbiased.
 
 - mpt: ALiBi (attn_config.alibi, on unless stated off) or a learned wpe, LayerNorms without bias, a
-  plain
-  up_proj / down_proj feed-forward, a tied head; MPT's other attention options are refused.
+  plain up_proj / down_proj feed-forward, a tied head; MPT's other attention options are refused.
 - dbrx: MPT's successor: grouped-query attention with clip_qkv under unbiased LayerNorms, over
-  softmax experts
-  stored flat (w1 / v1 / w2, all experts in one tensor).
+  softmax experts stored flat (w1 / v1 / w2, all experts in one tensor).
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ def _dbrx_rules() -> tuple[Rule, ...]:
 
 def _flattened(raw: dict, *names: str) -> dict:
     """The attention and feed-forward settings MPT and DBRX keep in attn_config / ffn_config, read
-    beside the
-    top-level keys (a top-level key wins)."""
+    beside the top-level keys (a top-level key wins)."""
     out = dict(raw)
     for name in names:
         if raw.get(name) is not None and not isinstance(raw[name], dict):

@@ -1,32 +1,23 @@
 """Nemotron and the families Transformers builds from its feed-forward (Llama's attention over a
-plain
-down(act(up(x))) with no gate), and NVIDIA's Nemotron-NAS.
+plain down(act(up(x))) with no gate), and NVIDIA's Nemotron-NAS.
 
 - nemotron: LayerNorm1P (a biased LayerNorm whose scale is stored as an offset from one), squared
-  ReLU, half of
-  each head rotated.
+  ReLU, half of each head rotated.
 - arcee: Nemotron's squared-ReLU feed-forward under Llama's RMS norms.
 - jais2: Arcee's feed-forward under biased LayerNorms, every projection biased by default.
 - nemotron-nas (DeciLM: Llama-3.3-Nemotron Super and Ultra, remote code): Llama's block in which
-  every layer follows
-  its own block_configs entry: num_attention_heads / n_heads_in_group key-value heads and a
-  feed-forward
-  2 * ffn_mult * hidden_size / 3 wide rounded up to a multiple of 256 (or the entry's
-  intermediate_size), as the
-  per-layer keys layer_kv_heads and layer_intermediate_size. An entry whose attention or ffn is
-  no_op has no such
-  half (no norm, no weights: the layer-kind "none"), and the residual passes through it; its
-  feed-forward's
-  norm, post_attention_layernorm, is then the block's only norm. Checked against the reference
-  written in
+  every layer follows its own block_configs entry: num_attention_heads / n_heads_in_group key-value
+  heads and a feed-forward 2 * ffn_mult * hidden_size / 3 wide rounded up to a multiple of 256 (or
+  the entry's intermediate_size), as the per-layer keys layer_kv_heads and layer_intermediate_size.
+  An entry whose attention or ffn is no_op has no such half (no norm, no weights: the layer-kind
+  "none"), and the residual passes through it; its feed-forward's norm, post_attention_layernorm, is
+  then the block's only norm. Checked against the reference written in
   tests/families/test_step1_nemotron_nas_k2_horizon.py from seeds/000's description.
 - apertus: an xIELU feed-forward (four stored numbers per layer) without biases, per-head query/key
-  norms, norms
-  named for their sublayers.
+  norms, norms named for their sublayers.
 
 InternLM3 has no spec: the installed Transformers ships only its config class, so there is no
-reference to check
-parity against.
+reference to check parity against.
 """
 
 from __future__ import annotations

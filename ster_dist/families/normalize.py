@@ -124,8 +124,7 @@ KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_head_kv"
 
 class ConfigProblem(Exception):
     """A value a normaliser cannot read: one line naming the key and the fix. from_hf refuses it
-    with the
-    config's path (normalisers see the config, not where it came from)."""
+    with the config's path (normalisers see the config, not where it came from)."""
 
 
 def stated(raw: dict, *names: str, default=None):
@@ -138,8 +137,7 @@ def stated(raw: dict, *names: str, default=None):
 
 def with_defaults(raw: dict, defaults: dict) -> dict:
     """raw over what the family's Transformers config class assumes for keys a config leaves out (a
-    stated
-    null stays null, as Transformers reads it)."""
+    stated null stays null, as Transformers reads it)."""
     return {**defaults, **raw}
 
 
@@ -150,10 +148,8 @@ def defaults(values: dict):
 
 def shared_kv_sources(kinds: list, shared: int) -> list[int | None]:
     """kv_source_layers for num_kv_shared_layers (Gemma 3n, Gemma 4): each of the last `shared`
-    layers attends
-    the keys and values of the last earlier layer of its own kind (`kinds`: the layer_types), None
-    for a layer
-    with its own."""
+    layers attends the keys and values of the last earlier layer of its own kind (`kinds`: the
+    layer_types), None for a layer with its own."""
     first = len(kinds) - shared
     sources: list[int | None] = [None] * len(kinds)
     for i in range(max(first, 0), len(kinds)):
@@ -169,8 +165,7 @@ def shared_kv_sources(kinds: list, shared: int) -> list[int | None]:
 
 def biases(raw: dict, attention: bool, out: bool | None = None, mlp: bool = False) -> dict:
     """raw with every projection's bias fixed by the family: the attention's (its output's too
-    unless `out`
-    differs) and the feed-forward's."""
+    unless `out` differs) and the feed-forward's."""
     return {
         **raw,
         "attention_bias": attention,
@@ -191,8 +186,7 @@ def never_biased(raw: dict) -> dict:
 
 def biases_from(raw: dict, key: str, default: bool = False, head: bool = False) -> dict:
     """Every projection's bias (and the head's too when `head`) switched by one config key of the
-    family's own
-    (StarCoder2 and ERNIE's use_bias, Falcon's bias, OPT's enable_bias)."""
+    family's own (StarCoder2 and ERNIE's use_bias, Falcon's bias, OPT's enable_bias)."""
     on = bool(stated(raw, key, default=default))
     out = biases(raw, on, mlp=on)
     return {**out, "lm_head_bias": on} if head else out

@@ -3,26 +3,21 @@
 - olmo (OLMo 1): LayerNorms with neither scale nor bias at Transformers' fixed epsilon; clip_qkv
   clamps q, k, v.
 - olmo2: no norm before a sublayer, one over each sublayer's output, a norm over the whole query and
-  key
-  projections.
+  key projections.
 - olmo3: OLMo 2 with sliding-window layers (every fourth layer full when layer_types is unstated), a
-  top-level
-  rope_scaling kept off the sliding layers as Olmo3Config does.
+  top-level rope_scaling kept off the sliding layers as Olmo3Config does.
 - olmoe: Llama's pre-norm block with whole-projection query/key norms, over unrenormalised softmax
   experts.
 - flex_olmo: OLMo 2's post-norm block over OLMoE's experts.
 - olmo_hybrid: Gated DeltaNet (model/gated_delta.py) on the layers layer_types calls
-  linear_attention (each
-  fourth from the fourth attending when it lists none) in a pre-norm block (input_layernorm, then
-  post_attention_layernorm before the feed-forward, or OLMo-core's attention_layer_norm and
-  feedforward_layer_norm); separate q/k/v_proj through OLMo-core's q/k/v_conv1d, as Transformers
-  saves them
-  (or Transformers' joined conv1d, split back into the three), g_proj the SiLU gate, write strength
-  doubled under linear_allow_neg_eigval, o_norm at
+  linear_attention (each fourth from the fourth attending when it lists none) in a pre-norm block
+  (input_layernorm, then post_attention_layernorm before the feed-forward, or OLMo-core's
+  attention_layer_norm and feedforward_layer_norm); separate q/k/v_proj through OLMo-core's
+  q/k/v_conv1d, as Transformers saves them (or Transformers' joined conv1d, split back into the
+  three), g_proj the SiLU gate, write strength doubled under linear_allow_neg_eigval, o_norm at
   epsilon 1e-5. Its other layers are OLMo 3's post-norm attention, unrotated when rope_parameters
-  states
-  rope_theta null (Transformers rotates at 10000 when it states none). post_attention_layernorm is a
-  post-norm in attention layers and a pre-norm in the others: the
+  states rope_theta null (Transformers rotates at 10000 when it states none).
+  post_attention_layernorm is a post-norm in attention layers and a pre-norm in the others: the
   loader takes the rule whose parameter the layer has (shard/plan.py).
 """
 
@@ -120,9 +115,8 @@ def _hybrid_types(raw: dict, num_layers: int) -> list[str]:
 
 def _hybrid_normalize(raw: dict) -> dict:
     """Transformers' defaults for OLMo Hybrid: the linear layers' sizes from the attention's,
-    negative
-    eigenvalues allowed, o_norm's fixed epsilon, pre-norm linear layers, and no rotation where
-    rope_parameters states rope_theta null."""
+    negative eigenvalues allowed, o_norm's fixed epsilon, pre-norm linear layers, and no rotation
+    where rope_parameters states rope_theta null."""
     out = dict(raw)
     heads, hidden, layers = (
         out.get("num_attention_heads"),

@@ -1,9 +1,7 @@
 """Meta's OPT, a lineage of its own: names below model.decoder, learned positions read two rows in,
-a plain
-fc1 / fc2 feed-forward, enable_bias on every projection, LayerNorms at Transformers' fixed epsilon,
-and a
-projection of the embedding width (word_embed_proj_dim). Its post-norm and norm-less variants are
-refused.
+a plain fc1 / fc2 feed-forward, enable_bias on every projection, LayerNorms at Transformers' fixed
+epsilon, and a projection of the embedding width (word_embed_proj_dim). Its post-norm and norm-less
+variants are refused.
 """
 
 from __future__ import annotations

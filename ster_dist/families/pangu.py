@@ -2,28 +2,22 @@
 data.
 
 - PanguEmbedded: Llama with biased attention projections (qkv_bias for query, key and value),
-  mlp_bias, and
-  under sandwich_norm a norm over each sublayer's output beside pre_mlp_layernorm before the
-  feed-forward.
+  mlp_bias, and under sandwich_norm a norm over each sublayer's output beside pre_mlp_layernorm
+  before the feed-forward.
 - pangu_ultra_moe (openPangu-Ultra-MoE): DeepSeek-V3's latent attention, rotating adjacent pairs,
-  under
-  Pangu's own config keys (attention_q_lora_dim, num_routed_experts, num_dense_layers, ...); a
-  sigmoid router
-  with no selection bias, renormalised (norm_topk_prob, true unless stated) and scaled by
-  routed_scaling_factor, beside shared experts. Under sandwich_norm each sublayer's output passes
-  post_attention_layernorm or post_mlp_layernorm and the feed-forward reads pre_mlp_layernorm;
-  without it
-  post_attention_layernorm is the feed-forward's input norm (the matcher gives a name two rules
-  match to
-  the one whose parameter the model has).
+  under Pangu's own config keys (attention_q_lora_dim, num_routed_experts, num_dense_layers, ...); a
+  sigmoid router with no selection bias, renormalised (norm_topk_prob, true unless stated) and
+  scaled by routed_scaling_factor, beside shared experts. Under sandwich_norm each sublayer's output
+  passes post_attention_layernorm or post_mlp_layernorm and the feed-forward reads
+  pre_mlp_layernorm; without it post_attention_layernorm is the feed-forward's input norm (the
+  matcher gives a name two rules match to the one whose parameter the model has).
 
 ster_dist never runs their remote code: each is checked against the reference written from
-seeds/000's
-description in the test file its spec names: PanguEmbedded in
-tests/families/test_telechat_mimo_pangu_nanbeige.py
-(Transformers' Llama on renamed weights without sandwich_norm, a plain-torch forward with it),
-pangu_ultra_moe in tests/families/test_pangu_ultra_deepseek_moe_ling.py (Transformers' DeepSeek-V3
-with one expert group).
+seeds/000's description in the test file its spec names: PanguEmbedded in
+tests/families/test_telechat_mimo_pangu_nanbeige.py (Transformers' Llama on renamed weights without
+sandwich_norm, a plain-torch forward with it), pangu_ultra_moe in
+tests/families/test_pangu_ultra_deepseek_moe_ling.py (Transformers' DeepSeek-V3 with one expert
+group).
 """
 
 from __future__ import annotations
@@ -61,8 +55,7 @@ _PANGU_ULTRA = (
 
 def _pangu(raw: dict) -> dict:
     """Every attention projection biased (query, key and value as qkv_bias says, when it does);
-    sandwich_norm
-    as the generic post-norm switch."""
+    sandwich_norm as the generic post-norm switch."""
     qkv = bool(stated(raw, "qkv_bias", default=True))
     return {
         **biases(raw, qkv, out=True, mlp=switch(raw, "mlp_bias")),
@@ -85,10 +78,8 @@ _PANGU_KEYS = (
 
 def _pangu_ultra_moe(raw: dict) -> dict:
     """Pangu's key names read as DeepSeek-V3's (its own win where both are stated); the router
-    sigmoid and
-    greedy over every expert, renormalised unless norm_topk_prob says not; sandwich_norm as the
-    generic
-    post-norm switch; no projection biased but attention's under attention_bias."""
+    sigmoid and greedy over every expert, renormalised unless norm_topk_prob says not; sandwich_norm
+    as the generic post-norm switch; no projection biased but attention's under attention_bias."""
     own = {theirs: raw[ours] for ours, theirs in _PANGU_KEYS if raw.get(ours) is not None}
     raw = with_defaults({**raw, **own}, {"norm_topk_prob": True, "first_k_dense_replace": 0})
     return {

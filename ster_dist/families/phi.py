@@ -1,8 +1,8 @@
 """Microsoft's Phi dense families (PhiMoE follows Mixtral's classes and lives in mixtral.py).
 
 - phi (Phi-1/2): a parallel block under one biased LayerNorm, a plain feed-forward, every projection
-  and the head
-  biased, optional per-head LayerNorm query/key norms, half of each head rotated unless stated.
+  and the head biased, optional per-head LayerNorm query/key norms, half of each head rotated unless
+  stated.
 - phi3: Llama's block with fused qkv_proj and gate_up_proj tensors, a sliding window on every layer,
   no biases.
 """

@@ -2,22 +2,17 @@
 data.
 
 Llama's block under its own names, as seeds/000 describes it: model.layers.layers.{i} with
-mixer.qkv_proj
-(queries, keys, values stacked), mixer.o_proj and mlp.gate_up_proj (gate rows above up rows), and
-sandwich
-norms whose stored scales are offsets: from one for pre_mixer_norm, pre_mlp_norm, the final norm and
-the
-per-head q_norm / k_norm, from 1/5 for post_mixer_norm and from 5^-1.5 for post_mlp_norm (as
-modeling_plamo.py fixes them). Every sliding_window_pattern-th layer attends fully and rotates at
-rope_theta, by YaRN over initial_context_length positions (beta 32 to 1, bounds not rounded) when
-rope_scaling_factor is not one; the others attend through window_size and rotate at
-rope_local_theta.
-Under scale_embedding the embedding is multiplied by sqrt(hidden_size). Its tokenizer is the
-tokenizer.jsonl tokenizer_files.py reads.
+mixer.qkv_proj (queries, keys, values stacked), mixer.o_proj and mlp.gate_up_proj (gate rows above
+up rows), and sandwich norms whose stored scales are offsets: from one for pre_mixer_norm,
+pre_mlp_norm, the final norm and the per-head q_norm / k_norm, from 1/5 for post_mixer_norm and from
+5^-1.5 for post_mlp_norm (as modeling_plamo.py fixes them). Every sliding_window_pattern-th layer
+attends fully and rotates at rope_theta, by YaRN over initial_context_length positions (beta 32 to
+1, bounds not rounded) when rope_scaling_factor is not one; the others attend through window_size
+and rotate at rope_local_theta. Under scale_embedding the embedding is multiplied by
+sqrt(hidden_size). Its tokenizer is the tokenizer.jsonl tokenizer_files.py reads.
 
 ster_dist never runs its remote code: tests/families/test_plamo3.py checks it against Transformers'
-Gemma 3 on the
-same weights (Gemma 3's block with the post norms' offsets moved into their weights).
+Gemma 3 on the same weights (Gemma 3's block with the post norms' offsets moved into their weights).
 """
 
 from __future__ import annotations
@@ -82,9 +77,8 @@ _DEFAULTS = {
 
 def _plamo3(raw: dict) -> dict:
     """Plamo3Config's reading: the legacy rope_global_theta and sliding_window (one size, or one per
-    layer
-    with None on the full layers) spellings, the layer pattern, and the two rotations as the generic
-    keys."""
+    layer with None on the full layers) spellings, the layer pattern, and the two rotations as the
+    generic keys."""
     out = never_biased(with_defaults(raw, _DEFAULTS))
     if out.get("linear_type") != "normal":
         raise ConfigProblem(

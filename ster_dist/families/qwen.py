@@ -5,8 +5,7 @@
 - qwen2_moe: Qwen2 over routed experts plus one shared expert scaled by its own sigmoid gate.
 - qwen3_moe: Qwen3's attention over routed experts, no shared expert.
 - mellum: Qwen3-MoE whose layer kinds (layer_types, mlp_layer_types) and per-kind rope_parameters
-  the shared
-  config reading already covers; its multi-token-prediction tensors are ignored.
+  the shared config reading already covers; its multi-token-prediction tensors are ignored.
 """
 
 from __future__ import annotations

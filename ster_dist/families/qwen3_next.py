@@ -3,24 +3,17 @@
 - qwen3_next: every norm stores its scale as an offset from one; full-attention layers (per-head
   query/key norms, a partial rotation) gate their output by the sigmoid of rows q_proj yields after
   each head's query rows; the layers layer_types calls linear_attention (without layer_types, all
-  but
-  each full_attention_interval-th) run the gated delta rule (model/gated_delta.py), whose
-  in_proj_qkvz
-  and in_proj_ba group rows by key head; the experts are Qwen2-MoE's with a sigmoid-gated shared
-  expert.
-  Its multi-token-prediction tensors (mtp.*) are ignored.
+  but each full_attention_interval-th) run the gated delta rule (model/gated_delta.py), whose
+  in_proj_qkvz and in_proj_ba group rows by key head; the experts are Qwen2-MoE's with a
+  sigmoid-gated shared expert. Its multi-token-prediction tensors (mtp.*) are ignored.
 - qwen3_5_text: Qwen3-Next's attention and dense feed-forward with the linear attention's
-  projections stored
-  apart (in_proj_qkv: every query, then key, then value, as the convolution orders them; in_proj_z,
-  in_proj_b,
-  in_proj_a); the output gate follows attn_output_gate (on by default); the multimodal rotation
-  sections
-  rotate text as the plain rotation does. Its image-text wrapper (qwen3_5) is read as its text
-  decoder
-  (config_file.text_weight_names: below model.language_model; the vision tower is skipped).
+  projections stored apart (in_proj_qkv: every query, then key, then value, as the convolution
+  orders them; in_proj_z, in_proj_b, in_proj_a); the output gate follows attn_output_gate (on by
+  default); the multimodal rotation sections rotate text as the plain rotation does. Its image-text
+  wrapper (qwen3_5) is read as its text decoder (config_file.text_weight_names: below
+  model.language_model; the vision tower is skipped).
 - qwen3_5_moe_text: qwen3_5_text over Qwen3-Next's experts, renormalised unless norm_topk_prob is
-  false (its
-  wrapper qwen3_5_moe likewise).
+  false (its wrapper qwen3_5_moe likewise).
 """
 
 from __future__ import annotations
@@ -58,8 +51,8 @@ def _gated_query(checkpoint: str) -> tuple[Rule, ...]:
 
 def _delta_rules(linear: str) -> tuple[Rule, ...]:
     """Qwen3-Next's linear_attn: in_proj_qkvz and in_proj_ba hold one group of rows per key head
-    (its query and key,
-    then its value heads' values and output gates; its value heads' b, then their a)."""
+    (its query and key, then its value heads' values and output gates; its value heads' b, then
+    their a)."""
     qkvz = Fused(
         (
             (f"{_MIXER}.q.weight", "linear_key_head_dim"),
@@ -86,8 +79,8 @@ def _delta_rules(linear: str) -> tuple[Rule, ...]:
 
 def _split_delta_rules(linear: str) -> tuple[Rule, ...]:
     """Qwen3.5's linear_attn: in_proj_qkv holds every query, then every key, then every value (the
-    convolution's
-    channel order); in_proj_z, in_proj_b and in_proj_a one row per value-head row each."""
+    convolution's channel order); in_proj_z, in_proj_b and in_proj_a one row per value-head row
+    each."""
     qkv = Fused(
         (
             (f"{_MIXER}.q.weight", "linear_key_dim"),
@@ -137,10 +130,8 @@ def _rules(root: str, delta, sparse: bool) -> tuple[Rule, ...]:
 
 def _normalize(raw: dict, gate_key: bool = False, renormalize: bool = False) -> dict:
     """Transformers' defaults the shared reader does not know: the attention output gate (always on,
-    or where
-    gate_key, on unless attn_output_gate says otherwise), a quarter of each head rotated, and
-    (Qwen3.5-MoE)
-    renormalised expert weights unless norm_topk_prob says otherwise."""
+    or where gate_key, on unless attn_output_gate says otherwise), a quarter of each head rotated,
+    and (Qwen3.5-MoE) renormalised expert weights unless norm_topk_prob says otherwise."""
     out = dict(raw, mlp_bias=False)  # no feed-forward bias, whatever mlp_bias says
     if not gate_key or out.get("attn_output_gate") is None:
         out["attn_output_gate"] = True

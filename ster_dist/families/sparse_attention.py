@@ -2,24 +2,16 @@
 attention.
 
 - dots3_note (Dots3-Note): DeepSeek-V3.2's block (families/deepseek.py) with two latent attentions
-  picked by
-  layer_types. full_attention layers keep the model's latent sizes and DeepSeek Sparse Attention's
-  indexer
-  (model/indexer.py, adjacent pairs rotating unless indexer_rope_interleave is false);
-  sliding_attention layers
-  run a dense latent attention of their own swa_* sizes and heads, scored over their own head width,
-  rotated by
-  swa_rope_theta and attending within sliding_window_size. Every layer norms the shared rotated key
-  part before
-  it rotates (k_rope_only_layernorm), multiplies both bottlenecks' normed outputs by sqrt(hidden /
-  rank) under
+  picked by layer_types. full_attention layers keep the model's latent sizes and DeepSeek Sparse
+  Attention's indexer (model/indexer.py, adjacent pairs rotating unless indexer_rope_interleave is
+  false); sliding_attention layers run a dense latent attention of their own swa_* sizes and heads,
+  scored over their own head width, rotated by swa_rope_theta and attending within
+  sliding_window_size. Every layer norms the shared rotated key part before it rotates
+  (k_rope_only_layernorm), multiplies both bottlenecks' normed outputs by sqrt(hidden / rank) under
   apply_mla_qkv_lora_rescale, and gates each head's output by sigmoid(g_proj(x)) (model/mla.py reads
-  these
-  switches). DeepSeek-V3's experts over one group unless stated, after first_k_dense_replace dense
-  layers.
-  Rotations use their plain base whatever rope_scaling states, as vLLM does. The image and audio
-  towers and
-  the MTP layer are never mapped.
+  these switches). DeepSeek-V3's experts over one group unless stated, after first_k_dense_replace
+  dense layers. Rotations use their plain base whatever rope_scaling states, as vLLM does. The image
+  and audio towers and the MTP layer are never mapped.
 """
 
 from __future__ import annotations
@@ -75,8 +67,7 @@ _LATENT_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head
 
 def _layer_types(raw: dict, layers: int) -> list[str]:
     """Dots3NoteTextConfig's derivation when unstated: full attention on the first two layers and
-    every fourth
-    from the second, the rest sliding (all full without use_sliding_window)."""
+    every fourth from the second, the rest sliding (all full without use_sliding_window)."""
     kinds = raw.get("layer_types")
     if kinds:
         return list(kinds)
@@ -89,8 +80,7 @@ def _layer_types(raw: dict, layers: int) -> list[str]:
 
 def _theta(raw: dict, key: str, kinds: tuple[str, ...], default: float) -> float:
     """A layer kind's base: Transformers' per-kind rope_parameters where saved so, else the
-    top-level key (the
-    released config's), else a flat rope_parameters' (the full layers'), else
+    top-level key (the released config's), else a flat rope_parameters' (the full layers'), else
     Dots3NoteTextConfig's."""
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     for kind in kinds:

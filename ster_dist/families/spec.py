@@ -9,14 +9,12 @@ and its checkpoint name map. The map is two-way: the loader reads checkpoint
 tensors into decoder parameters through it, and the merge writer walks it
 backwards.
 
-Name templates use {i} for the layer, {s} for a numbered submodule carried
-into the target's name as is (Zamba2's adapter slots), {h} for an index stacked
-along the parameter's first dimension (per-head norms), {half} for one of the two decoder layers a
-stored
-layer holds (FamilySpec.halved_layers) and {e} for an expert: a tensor
-named per expert fills that expert's row of a stacked [experts, ...]
-parameter, and only the rank holding that expert reads it. `Stacked` describes
-checkpoint tensors that hold every expert at once.
+Name templates use {i} for the layer, {s} for a numbered submodule carried into the target's name as
+is (Zamba2's adapter slots), {h} for an index stacked along the parameter's first dimension
+(per-head norms), {half} for one of the two decoder layers a stored layer holds
+(FamilySpec.halved_layers) and {e} for an expert: a tensor named per expert fills that expert's row
+of a stacked [experts, ...] parameter, and only the rank holding that expert reads it. `Stacked`
+describes checkpoint tensors that hold every expert at once.
 """
 
 from __future__ import annotations
@@ -111,8 +109,7 @@ class FeedForwardSpec:
 @dataclass(frozen=True)
 class NormSpec:
     """The block and final norms, and where the block places them: before or over each sublayer, or
-    before a
-    parallel block."""
+    before a parallel block."""
 
     # "rms" | "layer" (the generic key norm_kind, when stated, wins)
     kind: str = "rms"
@@ -224,9 +221,8 @@ class MoESpec:
 @dataclass(frozen=True)
 class MTPSpec:
     """Where a family stores its multi-token-prediction layers and how one is wired (model/mtp.py):
-    DeepSeek-V3's
-    by default (GLM-4.5 stores its own the same way), MiMo's (model.mtp_layers.{k}) as the other
-    layout."""
+    DeepSeek-V3's by default (GLM-4.5 stores its own the same way), MiMo's (model.mtp_layers.{k}) as
+    the other layout."""
 
     # the prefix of MTP layer k's tensors: "{i}" the decoder index it follows as (num_hidden_layers
     # + k), or
@@ -276,10 +272,8 @@ def _compile(template: str) -> re.Pattern:
 
 def halved(groups: dict) -> dict:
     """A match in a family whose stored layer k holds decoder layers 2k and 2k + 1
-    (FamilySpec.halved_layers),
-    with {i} made the decoder's layer: the {half} the name states, or the first half for what the
-    stored
-    layer holds once (LongCat-Flash's shortcut experts)."""
+    (FamilySpec.halved_layers), with {i} made the decoder's layer: the {half} the name states, or
+    the first half for what the stored layer holds once (LongCat-Flash's shortcut experts)."""
     if groups.get("i") is None:
         return groups
     return {**groups, "i": str(2 * int(groups["i"]) + int(groups.get("half") or 0))}
@@ -299,8 +293,7 @@ class FamilySpec:
     normalisation.
 
     A family that is Llama's block under other names states `name`, `rules` and `parity_reference`;
-    every other
-    difference is one sub-spec argument or a line of its `normalize`.
+    every other difference is one sub-spec argument or a line of its `normalize`.
     """
 
     name: str

@@ -1,65 +1,43 @@
 """StepFun's decoders, as data.
 
 - step1 (Step1, Step-Audio's language model): Llama's block with num_attention_groups key-value
-  heads and no
-  rotation; each head adds -slope * sqrt(query position - key position) to its scaled scores, with
-  ALiBi's
-  slopes (PositionSpec.alibi_sqrt).
+  heads and no rotation; each head adds -slope * sqrt(query position - key position) to its scaled
+  scores, with ALiBi's slopes (PositionSpec.alibi_sqrt).
 
 - step3_text (Step3's text decoder; a step3_vl checkpoint's text_config, its text weights at the
-  root and its
-  vision tower never read: config_file.TEXT_WRAPPERS): Llama's block whose query passes a bottleneck
-  (model/query_bottleneck.py): self_attn.q_proj narrows the hidden state to share_q_dim, the RMS
-  norm
-  self_attn.inter_norm norms it there and self_attn.wq widens it to every head, beside
-  num_attention_groups
-  key-value heads (k_proj, v_proj), rotated over the whole head by halves. The layers
-  moe_layers_enum lists
-  (a comma-separated string or a list, counted from zero; every layer but the first when absent)
-  route by a
-  softmax over moe_num_experts experts (moe.gate), the best moe_top_k renormalised under
-  norm_expert_weight,
-  whose projections are stacked one slice per expert under moe.gate_proj / moe.up_proj /
-  moe.down_proj, beside
-  the shared expert share_expert (share_expert_dim wide); the others keep the dense mlp. Config
-  defaults are
-  vLLM's Step3TextConfig's. A config without share_q_dim, or with a moe_layers_enum entry that names
-  no layer,
-  is refused; an adapter on query is refused (adapters/targets.py), because q reads the bottleneck
-  rather than
-  the hidden state.
+  root and its vision tower never read: config_file.TEXT_WRAPPERS): Llama's block whose query passes
+  a bottleneck (model/query_bottleneck.py): self_attn.q_proj narrows the hidden state to
+  share_q_dim, the RMS norm self_attn.inter_norm norms it there and self_attn.wq widens it to every
+  head, beside num_attention_groups key-value heads (k_proj, v_proj), rotated over the whole head by
+  halves. The layers moe_layers_enum lists (a comma-separated string or a list, counted from zero;
+  every layer but the first when absent) route by a softmax over moe_num_experts experts (moe.gate),
+  the best moe_top_k renormalised under norm_expert_weight, whose projections are stacked one slice
+  per expert under moe.gate_proj / moe.up_proj / moe.down_proj, beside the shared expert
+  share_expert (share_expert_dim wide); the others keep the dense mlp. Config defaults are vLLM's
+  Step3TextConfig's. A config without share_q_dim, or with a moe_layers_enum entry that names no
+  layer, is refused; an adapter on query is refused (adapters/targets.py), because q reads the
+  bottleneck rather than the hidden state.
 
 - step3p5 (Step 3.5): Llama's block under RMS norms scaled by 1 + weight throughout, per-head query
-  and key
-  norms, and each head's output times the sigmoid of its self_attn.g_proj logit
-  (use_head_wise_attn_gate).
-  layer_types alternates full and sliding_window attention (vLLM's rule without it: the even layers
-  slide);
-  the layers of attention_other_setting's attention_type take its num_attention_heads and
-  num_attention_groups, the others num_attention_heads and num_attention_groups. Each kind rotates
-  its
-  partial_rotary_factors share by halves at its own base from the per-layer rope_theta, rope_scaling
-  only
-  where yarn_only_types lists the kind, and use_rope_layers' false entries leave layers unrotated.
-  The layers
-  moe_layers_enum lists route by moe_router_activation scores (sigmoid unless stated) that
-  moe.router_bias
-  moves to choose, renormalised under norm_expert_weight and scaled by moe_router_scaling_factor,
-  over stacked
+  and key norms, and each head's output times the sigmoid of its self_attn.g_proj logit
+  (use_head_wise_attn_gate). layer_types alternates full and sliding_window attention (vLLM's rule
+  without it: the even layers slide); the layers of attention_other_setting's attention_type take
+  its num_attention_heads and num_attention_groups, the others num_attention_heads and
+  num_attention_groups. Each kind rotates its partial_rotary_factors share by halves at its own base
+  from the per-layer rope_theta, rope_scaling only where yarn_only_types lists the kind, and
+  use_rope_layers' false entries leave layers unrotated. The layers moe_layers_enum lists route by
+  moe_router_activation scores (sigmoid unless stated) that moe.router_bias moves to choose,
+  renormalised under norm_expert_weight and scaled by moe_router_scaling_factor, over stacked
   experts (as step3_text's) beside share_expert; swiglu_limits / swiglu_limits_shared clamp the
-  routed /
-  shared expert of a layer to min(silu(gate), L) * clamp(up, +-L). Per-layer lists longer than
-  num_hidden_layers also cover the multi-token-prediction layers, which are never read. A kind whose
-  layers
-  list different rotated shares or bases, rotation scaling on sliding-window layers, a clamped dense
-  layer, a
-  second kind with its own head_dim, or use_moe_router_bias false is refused.
+  routed / shared expert of a layer to min(silu(gate), L) * clamp(up, +-L). Per-layer lists longer
+  than num_hidden_layers also cover the multi-token-prediction layers, which are never read. A kind
+  whose layers list different rotated shares or bases, rotation scaling on sliding-window layers, a
+  clamped dense layer, a second kind with its own head_dim, or use_moe_router_bias false is refused.
 
 ster_dist never runs StepFun's remote code: step1 is checked against the reference written in
 tests/families/test_step1_nemotron_nas_k2_horizon.py, the two Step3 against the one in
-tests/families/test_step3.py, from
-seeds/000's description (and step3p5 also against Transformers' Step-3.7 text model
-where their configs overlap).
+tests/families/test_step3.py, from seeds/000's description (and step3p5 also against Transformers'
+Step-3.7 text model where their configs overlap).
 """
 
 from __future__ import annotations
@@ -99,8 +77,7 @@ _DEFAULTS = {
 
 def _sparse_layers(raw: dict, layers: int, beyond: int = 0) -> set[int]:
     """The layers moe_layers_enum lists; entries naming the `beyond` layers after the decoder's
-    (Step 3.5's
-    multi-token-prediction layers) are dropped."""
+    (Step 3.5's multi-token-prediction layers) are dropped."""
     listed = raw.get("moe_layers_enum")
     if listed is None:
         return set(range(1, layers))
@@ -184,8 +161,8 @@ def _numbers(raw: dict, key: str, layers: int, default: float, low: float = 0.0)
 
 def _step3p5_rotations(raw: dict, kinds: list[str], layers: int) -> dict:
     """rope_parameters per kind from the per-layer rope_theta and partial_rotary_factors, each
-    kind's layers
-    agreeing; rope_scaling on the kinds yarn_only_types names (every kind when it is unstated)."""
+    kind's layers agreeing; rope_scaling on the kinds yarn_only_types names (every kind when it is
+    unstated)."""
     # config_ranges checks each is above zero
     thetas = _per_layer(raw, "rope_theta", layers, 10000.0)
     shares = _numbers(raw, "partial_rotary_factors", layers, 1.0)

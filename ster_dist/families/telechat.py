@@ -1,14 +1,11 @@
 """TeleAI's decoders (TeleChat, TeleChat3, Tele-FLM), published as remote code on the Hub (no
-Transformers class),
-as data.
+Transformers class), as data.
 
 - telechat: TeleChat2 and TeleChat2.5, Llama's block under transformer.h with one key_value matrix
-  whose rows
-  hold each key-value head's key and then its value, a biased output projection and a biased
-  down_proj only.
+  whose rows hold each key-value head's key and then its value, a biased output projection and a
+  biased down_proj only.
 - telechat3: Llama with attention_bias and mlp_bias; its rope_type telechat3-yarn is YaRN whose
-  temperature
-  grows by 0.07 ln(factor), read as YaRN with that attention_factor.
+  temperature grows by 0.07 ln(factor), read as YaRN with that attention_factor.
 - TeleFLM: Llama whose muP (use_mup) multiplies the embeddings by input_mult and the logits by
   output_mult / mup_scale_factor.
 

@@ -1,26 +1,20 @@
 """Zamba2: Mamba-2 layers, and at the layers layers_block_type marks "hybrid" a transformer block
-that several
-layers share, fed the hidden state beside the embeddings (model/shared_block.py, the
+that several layers share, fed the hidden state beside the embeddings (model/shared_block.py, the
 "mamba2_shared_block" kind).
 
 The normalisation maps Zamba2Config's names for the Mamba-2 layer onto Bamba's (model/mamba2.py),
-with
-Transformers' fixed choices: the conv1d always biased, the gated norm's epsilon 1e-5, dt clamped
-below at
-time_step_min (Transformers clamps it when it reads a prompt, not in its one-token step; the two
-agree unless
-softplus(dt) falls below time_step_min). The shared attention's heads are 2 * hidden / heads wide,
-its scores
-scaled by (head width / 2)^-1/2 (query_pre_attn_scalar), rotated only under use_mem_rope;
-add_bias_linear
-biases the Mamba-2 and feed-forward projections, never attention's.
+with Transformers' fixed choices: the conv1d always biased, the gated norm's epsilon 1e-5, dt
+clamped below at time_step_min (Transformers clamps it when it reads a prompt, not in its one-token
+step; the two agree unless softplus(dt) falls below time_step_min). The shared attention's heads are
+2 * hidden / heads wide, its scores scaled by (head width / 2)^-1/2 (query_pre_attn_scalar), rotated
+only under use_mem_rope; add_bias_linear biases the Mamba-2 and feed-forward projections, never
+attention's.
 
 Checkpoint names: a block's weights (and every adapter slot of it) are stored under its first hybrid
-layer,
-model.layers.{i}.shared_transformer; a checkpoint that also stores the tied copies has them skipped
-(shard/plan.py), so each rank reads the block once. Transformers ties the blocks only under
-tie_word_embeddings;
-a config with it false has a block per hybrid layer, each stored and read under its own layer.
+layer, model.layers.{i}.shared_transformer; a checkpoint that also stores the tied copies has them
+skipped (shard/plan.py), so each rank reads the block once. Transformers ties the blocks only under
+tie_word_embeddings; a config with it false has a block per hybrid layer, each stored and read under
+its own layer.
 """
 
 from __future__ import annotations

@@ -8,11 +8,9 @@ length, type or offset that does not fit inside the file, so the reader only eve
 that describes bytes the file holds.
 
 The walk also hands back what loading needs of the header (`Header`: its scalar and string metadata,
-each tensor's
-name, type, dimensions and absolute offset), so a model directory's .gguf loads without GGUFReader,
-which builds
-a numpy view for every token of the vocabulary: 20 s of a SmolLM2 load on 2 busy cores, against
-about 1 s here.
+each tensor's name, type, dimensions and absolute offset), so a model directory's .gguf loads
+without GGUFReader, which builds a numpy view for every token of the vocabulary: 20 s of a SmolLM2
+load on 2 busy cores, against about 1 s here.
 """
 
 from __future__ import annotations
@@ -101,8 +99,7 @@ class _Walk:
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor as the header lists it, in GGUFReader's terms: dimensions innermost first (ggml's
-    order), the
-    storage type's number, and where its bytes start in the file."""
+    order), the storage type's number, and where its bytes start in the file."""
 
     name: str
     tensor_type: GGMLQuantizationType

@@ -1,13 +1,11 @@
 """GGUFSource: a llama.cpp .gguf file seen as a TensorSource under Transformers names.
 
-Opening the source checks every tensor in the file against config.json (name
-rule, layer count, storage type, shape) before any data is read. A read
-dequantizes only the rows asked for (and only the blocks covering the columns
-asked for) and, for families llama.cpp converted with permuted q/k rows, undoes
-that permutation, touching only the heads the asked rows fall in. `read_blocks` hands out the stored
-bytes of
-a window instead (the loader keeping Q8_0/Q4_0/Q4_1 blocks as stored, shard/ggml_kept.py), rows
-permuted alike.
+Opening the source checks every tensor in the file against config.json (name rule, layer count,
+storage type, shape) before any data is read. A read dequantizes only the rows asked for (and only
+the blocks covering the columns asked for) and, for families llama.cpp converted with permuted q/k
+rows, undoes that permutation, touching only the heads the asked rows fall in. `read_blocks` hands
+out the stored bytes of a window instead (the loader keeping Q8_0/Q4_0/Q4_1 blocks as stored,
+shard/ggml_kept.py), rows permuted alike.
 """
 
 from __future__ import annotations
@@ -244,8 +242,7 @@ class GGUFSource:
 
     def read_blocks(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
         """The stored bytes of a window of whole blocks, uint8 [rows, blocks * block bytes]: a
-        window whose
-        columns start or end inside a block is refused, naming the block size."""
+        window whose columns start or end inside a block is refused, naming the block size."""
         entry = self._entry(name)
         want = self._stored_rows(entry, np.arange(*(rows or slice(None)).indices(entry.shape[0])))
         start, stop, _ = (cols or slice(None)).indices(entry.shape[1])

@@ -71,10 +71,8 @@ def anchor(specs: list[dict], base: Path) -> list[dict]:
 
 def check_uploaded(specs: list[dict], base: Path) -> None:
     """Refuse a relative input path that is not in the job's working directory because Ray left it
-    out
-    of the upload (it skips what the tree's .gitignore lists: models/ here), rather than read it as
-    a
-    Hub id there."""
+    out of the upload (it skips what the tree's .gitignore lists: models/ here), rather than read it
+    as a Hub id there."""
     ignored = _ignored_patterns(base)
     if not ignored:
         return

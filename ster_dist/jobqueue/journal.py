@@ -7,15 +7,15 @@ job is never run again. Records are fsynced (once per batch of them) before the 
 on them, and a caller learns of an accepted job only after that. One queue owns a state
 directory at a time (an flock the kernel drops when the process dies).
 
-Each record is a frame: MAGIC, the payload's length, a CRC32 of length and payload, then the
-msgpack payload. A frame that does not check out (a torn last write, a corrupt byte anywhere) is
-skipped and replay resynchronises on the next MAGIC whose frame checks out, so one bad byte loses
-one record, never the rest of the log. A job whose accepted record was lost so is never dropped
-silently: the job ids still legible in the unreadable bytes, and not in any readable record, are
-named at restart and by `ster queue journal` (their specs are lost: they must be submitted again).
-Before a journal with unreadable bytes is compacted, the
-whole file is kept aside as journal.msgpack.corrupt-<time>. A journal of plain msgpack records
-(before the frames) is still read, and rewritten in frames on open.
+Each record is a frame: MAGIC, the payload's length, a CRC32 of length and payload, then the msgpack
+payload. A frame that does not check out (a torn last write, a corrupt byte anywhere) is skipped and
+replay resynchronises on the next MAGIC whose frame checks out, so one bad byte loses one record,
+never the rest of the log. A job whose accepted record was lost so is never dropped silently: the
+job ids still legible in the unreadable bytes, and not in any readable record, are named at restart
+and by `ster queue journal` (their specs are lost: they must be submitted again). Before a journal
+with unreadable bytes is compacted, the whole file is kept aside as journal.msgpack.corrupt-<time>.
+A journal of plain msgpack records (before the frames) is still read, and rewritten in frames on
+open.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The job queue's worker groups: one session (a loaded model) per (model, revision, precision,
 device, tp, ep, weights), reused by every later job with that key, released after an idle timeout
-(or
-sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted when
-one of its workers has died, and dropped when a job on it ran past its timeout.
+(or sooner, when idle, for an operation whose own Ray work needs the CPUs it reserves), restarted
+when one of its workers has died, and dropped when a job on it ran past its timeout.
 
 A session is handed out unloaded: its operation checks its inputs first and loads the model on
 first use, so a refused input never costs a load. Without a cluster address a one-rank group runs
@@ -80,8 +79,7 @@ class GroupPool:
 
     def _loaded(self, key: tuple, session: Session) -> None:
         """A session's ranks hold the model: count the start and note where its ranks run (for
-        stats,
-        and for an operator who needs the processes)."""
+        stats, and for an operator who needs the processes)."""
         workers = session.group.call("whereabouts")
         with self._lock:
             pooled = self.groups.get(key)
@@ -122,13 +120,12 @@ class GroupPool:
 
     def abandon(self, session: Session) -> bool:
         """Drop the group a job ran past its timeout on: it was mid-operation and cannot be trusted,
-        and
-        the next job on its model gets a fresh session. Closed on a thread of its own, never waited
+        and the next job on its model gets a fresh session. Closed on a thread of its own, never
+        waited
         for:
         closing may block on what is stuck (a token engine paused by the stuck operation, a rank
-        that
-        answers nothing). False when the session is pinned (a server's model stays: the server owns
-        it)."""
+        that answers nothing). False when the session is pinned (a server's model stays: the server
+        owns it)."""
         with self._lock:
             pooled = next((p for p in self.groups.values() if p.session is session), None)
             if pooled is not None and pooled.pinned:
@@ -167,12 +164,10 @@ class GroupPool:
         """Release idle groups (least recently used first; never a pinned one) until the Ray cluster
         has
         `cpus` CPUs that no group reserves: the job queue calls it, with no job on the pool's
-        groups,
-        before an operation that brings Ray work of its own (a batch merge's shard tasks each need a
-        CPU), which would otherwise wait for the idle timeout. Each group leaves a CPU unreserved
-        (workers/ray_group.py cpus_per_rank), so this only releases where several groups fill a
-        small
-        cluster. The keys released."""
+        groups, before an operation that brings Ray work of its own (a batch merge's shard tasks
+        each need a CPU), which would otherwise wait for the idle timeout. Each group leaves a CPU
+        unreserved (workers/ray_group.py cpus_per_rank), so this only releases where several groups
+        fill a small cluster. The keys released."""
         ray = sys.modules.get("ray")
         if ray is None or not ray.is_initialized():
             return []  # no cluster: nothing of this pool's holds a CPU another operation could need

@@ -1,20 +1,19 @@
 """The central queue: the one owner of worker groups, and the queue every job goes through.
 
-Jobs of every kind (generate, extract, steer train/evaluate/optimize, decide, merge, parity,
-tune) are validated on arrival (ster_dist.protocol: a typed request per job), journaled
+Jobs of every kind (generate, extract, steer train/evaluate/optimize, decide, merge, parity, tune)
+are validated on arrival (ster_dist.protocol: a typed request per job), journaled
 (jobqueue/journal.py), queued by priority (higher first, then arrival order) and run one at a time
-by one executor thread, each as its operation (ster_dist.ops) over a session from the pool of
-worker groups (jobqueue/pool.py), so a model is loaded once and reused by every later job on the
-same group key. Generate jobs run in lanes beside the executor, each its own job, all feeding the
-one token engine of their group (their engine request ids carry their job ids:
-ster_dist/running.py),
-so a generate job arriving mid-generation joins the running batch at the next step, and continuous
+by one executor thread, each as its operation (ster_dist.ops) over a session from the pool of worker
+groups (jobqueue/pool.py), so a model is loaded once and reused by every later job on the same group
+key. Generate jobs run in lanes beside the executor, each its own job, all feeding the one token
+engine of their group (their engine request ids carry their job ids: ster_dist/running.py), so a
+generate job arriving mid-generation joins the running batch at the next step, and continuous
 batching shares the forwards; other kinds wait for the lanes and run alone. A job is cancelled
 (`cancel`) at its next engine step, or dropped from the queue if it has not started. A job whose
 worker died is retried on a restarted group up to `max_retries` times, then fails with the worker's
 error. Finished jobs stay in memory up to `keep_finished` of them (the oldest dropped first); the
-journal keeps them. Every attempt runs on a thread of its own
-(jobqueue/watch.py), so a job that runs past its timeout (its spec's `timeout_s`, else the queue's
+journal keeps them. Every attempt runs on a thread of its own (jobqueue/watch.py), so a job that
+runs past its timeout (its spec's `timeout_s`, else the queue's
 `job_timeout`) is failed and abandoned with its worker group, and the next job runs. Progress
 events are kept per job (jobqueue/events.py) for callers to stream; results are protocol result
 records.
@@ -231,8 +230,7 @@ class JobQueue:
 
     def poll(self, job_id: str, cursor: int = 0, timeout: float = 0.0) -> dict:
         """The job's state, its events from `cursor` on, and its result once finished. With a
-        timeout,
-        waits up to that long for something new."""
+        timeout, waits up to that long for something new."""
         return self.poll_many({job_id: cursor}, timeout)[job_id]
 
     def poll_many(self, cursors: dict[str, int], timeout: float = 0.0) -> dict[str, dict]:
@@ -273,9 +271,8 @@ class JobQueue:
 
     def cancel(self, job_id: str, reason: str = "cancelled on request") -> dict:
         """Cancel a job: a queued one never runs; a running one stops at its next step (a generate
-        job's
-        engine requests are aborted and their KV blocks freed; its output is not written) and is
-        journaled `cancelled`; a finished one stays as it finished. Its state after the call."""
+        job's engine requests are aborted and their KV blocks freed; its output is not written) and
+        is journaled `cancelled`; a finished one stays as it finished. Its state after the call."""
         with self._cond:
             job = self._job(job_id)
             if job.result is None:
@@ -402,8 +399,8 @@ class JobQueue:
 
     def _report_lost(self, lost: list[str]) -> None:
         """Jobs whose accepted record was unreadable (their ids legible in its bytes): failed,
-        journaled
-        again with their error, so a client waiting on one hears why instead of 'no such job'."""
+        journaled again with their error, so a client waiting on one hears why instead of 'no such
+        job'."""
         for job_id in lost:
             if job_id in self.jobs:
                 continue
@@ -687,13 +684,11 @@ class JobQueue:
         self, batch: list[Job], attempt: Attempt, started: float, deadline: float
     ) -> None:
         """The attempt ran past its deadline and was abandoned: its thread may run on (Python cannot
-        stop
-        it; nothing it does reaches a job now), the group it was using is dropped (mid-operation, it
-        cannot be trusted: the next job on the model gets a fresh session), the jobs whose own time
-        ran
-        out fail, and their batch-mates run again alone. A timed-out job is not retried: unlike a
-        lost
-        worker, a job that ran out of time would most likely run out of it again."""
+        stop it; nothing it does reaches a job now), the group it was using is dropped
+        (mid-operation, it cannot be trusted: the next job on the model gets a fresh session), the
+        jobs whose own time ran out fail, and their batch-mates run again alone. A timed-out job is
+        not retried: unlike a lost worker, a job that ran out of time would most likely run out of
+        it again."""
         dropped = kept = False
         if attempt.session is not None:
             kept = self.pool.pinned(attempt.session)
@@ -734,10 +729,8 @@ class JobQueue:
 
     def _abandon_sharers(self, late: Attempt, late_ids: str) -> None:
         """Other attempts on the group being dropped (generate lanes on its token engine, a group
-        being
-        warmed): closing it would end their requests early, as if answered. Abandoned too, their
-        jobs
-        run again, on a fresh group; they were not at fault."""
+        being warmed): closing it would end their requests early, as if answered. Abandoned too,
+        their jobs run again, on a fresh group; they were not at fault."""
         with self._cond:
             for other, batch in list(self._running.items()):
                 if other is late or other.abandoned or other.session is not late.session:

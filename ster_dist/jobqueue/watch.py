@@ -39,15 +39,13 @@ class Attempt:
 
     def wait(self, deadline: float | None) -> bool:
         """True once the work ended (returned or raised); False when the deadline (monotonic) passed
-        or
-        the attempt was abandoned first."""
+        or the attempt was abandoned first."""
         self._settled.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._done.is_set()
 
     def abandon(self) -> None:
         """Nothing the thread does from here reaches a job; whoever waits stops waiting. (Under the
-        job
-        queue's lock, which the thread's callbacks take before they read `abandoned`.)"""
+        job queue's lock, which the thread's callbacks take before they read `abandoned`.)"""
         self.abandoned = True
         self._settled.set()
 

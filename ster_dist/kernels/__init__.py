@@ -1,70 +1,51 @@
 """Kernels of our own, in C++ for the CPU, where torch's are slow on the shapes of a decode step:
 
 - `few_rows(x, weight, bias)` (few_rows.cpp): x W^T (+ b) for one to eight rows of f32 or bf16
-  (dense() in
-  parallel/linear.py sends those rows here).
+  (dense() in parallel/linear.py sends those rows here).
 - `paged_decode(q, keys, values, table, starts, ends, scale, softcap=0)` (paged_decode.cpp): one
-  query per
-  sequence attending its keys where they lie in a paged cache, each score soft-capped where a cap is
-  given
-  (model/paged_step.py's decodes).
+  query per sequence attending its keys where they lie in a paged cache, each score soft-capped
+  where a cap is given (model/paged_step.py's decodes).
 - `causal_attend(q, keys, values, table, starts, window, scale, softcap=0)` (causal_attend.cpp): a
-  prompt's
-  queries attending the keys before them (within a window, each score soft-capped where a cap is
-  given) where a
-  cache holds them (model/paged_step.py's and
-  model/step.py's prefills).
+  prompt's queries attending the keys before them (within a window, each score soft-capped where a
+  cap is given) where a cache holds them (model/paged_step.py's and model/step.py's prefills).
 - `swiglu_experts(x, ids, gate, up, down)` (experts.cpp): rows through their SwiGLU experts, eight
-  of an
-  expert's rows at a time (moe/experts.py's decodes and, in bf16 or up to 512 rows, prefills; eager
-  or inside a
-  compiled step).
+  of an expert's rows at a time (moe/experts.py's decodes and, in bf16 or up to 512 rows, prefills;
+  eager or inside a compiled step).
 - `pack_panels(weight, out)`, `panel_bytes(weight)`, `panel_product(x, panels, bias, N)`
-  (panels.cpp): a weight
-  laid out in panels of 32 outputs (16 with AVX2; into `out` where given), the bytes that takes, and
-  x W^T (+ b)
-  over it for any number of rows (f32; bf16 with AVX512_BF16 or with AVX2 alone);
+  (panels.cpp): a weight laid out in panels of 32 outputs (16 with AVX2; into `out` where given),
+  the bytes that takes, and x W^T (+ b) over it for any number of rows (f32; bf16 with AVX512_BF16
+  or with AVX2 alone);
   `hold_panels(weight, panels)`,
   `hold_onednn(weight, reordered, widened)`, `drop_held(address)` and `packed_product(x, weight,
-  bias)`: the
-  packed weights of parallel/packed.py (panels, or oneDNN's reorder where there are none), found by
-  the weight
-  itself.
+  bias)`: the packed weights of parallel/packed.py (panels, or oneDNN's reorder where there are
+  none), found by the weight itself.
 - `push_plan(...)`, `attend_planned(q, k, v, layer)`, `pop_plan()` (paged_decode.cpp): a compiled
-  decode step's
-  attention stored and computed without calling back into Python each layer, each layer within its
-  sliding
-  window or chunk and under its soft cap where it has one (model/compiled.py).
+  decode step's attention stored and computed without calling back into Python each layer, each
+  layer within its sliding window or chunk and under its soft cap where it has one
+  (model/compiled.py).
 - `stack_step(h, weights, layers, numbers, shape, cos, sin, rotations)` (stack.cpp): a decode step
-  through plain
-  Llama- or Gemma-shaped layers in one call, over the plan pushed (model/native_stack.py);
+  through plain Llama- or Gemma-shaped layers in one call, over the plan pushed
+  (model/native_stack.py);
   `stack_lanes()`: the
   floats a vector of its loops, which must be inductor's for the graph's bits.
 - `block_product(x, weight, bias, kind, cols)` (blocks.cpp): x W^T (+ b) for 1 to 64 rows over a
-  weight kept in
-  GGML blocks (Q8_0, Q4_0, Q4_1; parallel/ggml.py), x quantized to 8 bits per block as llama.cpp
-  does.
+  weight kept in GGML blocks (Q8_0, Q4_0, Q4_1; parallel/ggml.py), x quantized to 8 bits per block
+  as llama.cpp does.
 - `argmax_rows(x)` (argmax.cpp): each row's first largest element, as torch.argmax(x, -1) picks it
-  (`argmax`
-  below: what greedy steps and the sampler pick tokens with).
+  (`argmax` below: what greedy steps and the sampler pick tokens with).
 
 They are compiled together, for the CPU they run on, the first time a process needs one (torch's
-extension builder
-with the compiler torch.compile uses; 15-30 s once, then loaded from the build cache in a fraction
-of a second, by
-any copy of the same sources: `_build_or_find`), and called as torch.ops.ster_kernels.*. Where they
-cannot be built
-(no compiler, no AVX2) one line on stderr says so and callers keep torch's own operations.
-STER_NATIVE_KERNELS=0
-leaves them out; STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what
+extension builder with the compiler torch.compile uses; 15-30 s once, then loaded from the build
+cache in a fraction of a second, by any copy of the same sources: `_build_or_find`), and called as
+torch.ops.ster_kernels.*. Where they cannot be built (no compiler, no AVX2) one line on stderr says
+so and callers keep torch's own operations. STER_NATIVE_KERNELS=0 leaves them out;
+STER_KERNELS_ISA=avx2 builds their AVX2 loops on a CPU with AVX-512 (what
 tests/kernels/test_kernels_avx2.py checks them with there; native steps then stay off, their loops
-no longer inductor's
-width).
+no longer inductor's width).
 
 `ready()` is what callers ask: it builds on the first eager call and, inside a graph being traced,
-answers
-what an eager call already found (model/compiled.py asks once before it compiles), so tracing never
-builds.
+answers what an eager call already found (model/compiled.py asks once before it compiles), so
+tracing never builds.
 """
 
 from __future__ import annotations
@@ -114,8 +95,7 @@ def ready() -> bool:
 
 def allow(allowed: bool) -> None:
     """Let callers use these kernels (the default) or not (`--kernels torch`: torch's operations
-    only,
-    kernels/select.py); allowing again restores what loading found."""
+    only, kernels/select.py); allowing again restores what loading found."""
     global _tried, _ready, _held
     if not allowed and _held is None:
         _held = (_tried, _ready)
@@ -126,8 +106,7 @@ def allow(allowed: bool) -> None:
 
 def panels(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` can be laid out in panels and multiplied there (panels.cpp: f32
-    with AVX2 or
-    AVX-512; bf16 with AVX512_BF16, or with AVX2 on a CPU without AVX-512)."""
+    with AVX2 or AVX-512; bf16 with AVX512_BF16, or with AVX2 on a CPU without AVX-512)."""
     # compared, not looked up in a table keyed by dtype: a graph that reuses one layer's region for the next
     # (the one-token stack, model/compiled.py) cannot rebuild a guard on such a table's entry
     bit = 1 if dtype == torch.float32 else 2 if dtype == torch.bfloat16 else 0
@@ -136,9 +115,8 @@ def panels(dtype: torch.dtype) -> bool:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1), the same indices (the first largest, or the first NaN), through
-    argmax.cpp where it
-    takes x: torch's CPU argmax over a 49152-token vocabulary took 42 us a row in f32 and 177 us in
-    bf16."""
+    argmax.cpp where it takes x: torch's CPU argmax over a 49152-token vocabulary took 42 us a row
+    in f32 and 177 us in bf16."""
     if (
         x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
@@ -197,19 +175,13 @@ def _build_or_find(avx2: bool) -> None:
     """Loads the build of these sources for this CPU, building it first where none is finished.
 
     The build is named by what it is made of (the sources' bytes, the flags, this CPU, torch and
-    Python), not by
-    where the sources lie, and built from a copy of them beside it: a copy of the package elsewhere
-    (a Ray job's
-    uploaded working directory, a second clone) finds the same build rather than rebuilding over it,
-    and two
-    versions of the sources never share a build directory. A finished build is loaded without
-    running the
-    builder, whose ninja (PATH's, which differs between a virtualenv and the system) would otherwise
-    rebuild
-    everything over a log another ninja wrote. Builders take turns under a lock the kernel drops
-    with its holder,
-    so one killed mid-build (a rank killed, a job past its timeout) leaves nothing that later ones
-    wait on."""
+    Python), not by where the sources lie, and built from a copy of them beside it: a copy of the
+    package elsewhere (a Ray job's uploaded working directory, a second clone) finds the same build
+    rather than rebuilding over it, and two versions of the sources never share a build directory. A
+    finished build is loaded without running the builder, whose ninja (PATH's, which differs between
+    a virtualenv and the system) would otherwise rebuild everything over a log another ninja wrote.
+    Builders take turns under a lock the kernel drops with its holder, so one killed mid-build (a
+    rank killed, a job past its timeout) leaves nothing that later ones wait on."""
     from torch.utils.cpp_extension import load
 
     directory = build_directory(avx2)

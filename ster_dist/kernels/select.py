@@ -1,6 +1,6 @@
 """Which kernels a rank's layers run (`--kernels triton|native|torch`), chosen once per process when
-its engine
-starts (engine/runner.py), read by the layers where a step picks its path (model/paged_step.py):
+its engine starts (engine/runner.py), read by the layers where a step picks its path
+(model/paged_step.py):
 
 - `native`: today's CPU path, our C++ kernels where they are built (kernels/__init__.py), else
   torch's;
@@ -10,10 +10,8 @@ starts (engine/runner.py), read by the layers where a step picks its path (model
   said once.
 
 The default is `triton` on CUDA where triton is installed and `native` elsewhere. A kernel that
-cannot take a
-layer's shape says so once per (kernel, reason) as a progress event and the layer runs torch's path:
-never a
-silently different answer.
+cannot take a layer's shape says so once per (kernel, reason) as a progress event and the layer runs
+torch's path: never a silently different answer.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def default_for(device_type: str) -> str:
 
 def choose(choice: str | None, device_type: str) -> str:
     """Set this process's kernels (None: the default for `device_type`); refused in one line where
-    they
-    cannot run here. Returns the choice made."""
+    they cannot run here. Returns the choice made."""
     global _chosen
     choice = choice or default_for(device_type)
     if choice not in CHOICES:

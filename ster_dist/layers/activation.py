@@ -12,8 +12,7 @@ from ster_dist.parallel.linear import ShardedModule
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU by its tanh approximation (Gemma's gelu_pytorch_tanh): a function of its own, so a
-    caller can tell it
-    by identity (model/native_stack.py)."""
+    caller can tell it by identity (model/native_stack.py)."""
     return F.gelu(x, approximate="tanh")
 
 
@@ -34,8 +33,7 @@ def activation(name: str):
 class XIELU(ShardedModule):
     """xIELU as Transformers' XIELUActivation computes it: alpha_p x^2 + beta x above zero, else
     (expm1(min(x, eps)) - x) alpha_n + beta x, with alpha_p = softplus(stored), alpha_n = beta +
-    softplus(stored).
-    Every rank holds the four stored numbers whole."""
+    softplus(stored). Every rank holds the four stored numbers whole."""
 
     def __init__(self):
         super().__init__()

@@ -1,6 +1,6 @@
 """The depthwise causal convolution that Mamba, Mamba-2, gated delta nets and LFM2's short
-convolution
-run over their channels, continued across steps by a state of the last kernel - 1 inputs.
+convolution run over their channels, continued across steps by a state of the last kernel - 1
+inputs.
 
 Each channel has its own kernel, so tensor parallelism splits it by channel with nothing to
 exchange:
@@ -20,10 +20,9 @@ def causal_conv(
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """y [n, t, channels] and the new state for inputs x [n, t, channels], kernels weight [channels,
-    kernel]
-    (Transformers stores [channels, 1, kernel]: pass it flattened), bias [channels] and state
-    [n, channels, kernel - 1], the inputs before x (zeros for a fresh sequence). Tokens where valid
-    [n, t] is False are left padding: their inputs count as zeros, as a fresh sequence's past
+    kernel] (Transformers stores [channels, 1, kernel]: pass it flattened), bias [channels] and
+    state [n, channels, kernel - 1], the inputs before x (zeros for a fresh sequence). Tokens where
+    valid [n, t] is False are left padding: their inputs count as zeros, as a fresh sequence's past
     does."""
     if valid is not None:
         x = x * valid.unsqueeze(-1).to(x.dtype)

@@ -1,13 +1,11 @@
 """The tensor-parallel feed-forward: gated (act(gate) * up, or MiniMax-M3's SwiGLU-OAI) or plain
-(act(up)),
-column- then row-parallel. The decoder's dense layers and the experts' shared feed-forward both
-build it.
+(act(up)), column- then row-parallel. The decoder's dense layers and the experts' shared
+feed-forward both build it.
 
 Gemma 3n's activation sparsity keeps, of the gate's output, only what lies above its mean plus
-Phi^-1(p)
-standard deviations (p the layer's sparsity), shifted down by that cutoff; mean and deviation are
-over the
-whole intermediate width, so under tensor parallelism their sums are reduced over the ranks."""
+Phi^-1(p) standard deviations (p the layer's sparsity), shifted down by that cutoff; mean and
+deviation are over the whole intermediate width, so under tensor parallelism their sums are reduced
+over the ranks."""
 
 from __future__ import annotations
 
@@ -96,8 +94,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """token_ids: never read; taken so that a block hands a dense layer what it hands experts,
-        which may route
-        by them (moe/layer.py)."""
+        which may route by them (moe/layer.py)."""
         y = self._scaled(self.down(self.hidden(x)), self.down_multiplier)
         return y * self.scale.weight if self.scale is not None else y
 

@@ -1,7 +1,6 @@
 """The state-space scan of Mamba-2 (SSD): per head a scalar decay and a state [head_dim, state_size]
 updated by each token, read by chunks of tokens so a long prompt costs a few matrix products per
-chunk
-rather than a step per token. Everything here is f32; the caller casts.
+chunk rather than a step per token. Everything here is f32; the caller casts.
 
 Per head h and token t, with dt the (already positive) time step and A_h < 0:
     S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T        (S: [head_dim, state_size])
@@ -26,10 +25,8 @@ def ssd_scan(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """y [n, t, heads, head_dim] and the final state [n, heads, head_dim, state_size] for x [n, t,
-    heads,
-    head_dim], dt [n, t, heads], a [heads] (negative), b and c [n, t, heads, state_size] (already
-    one per
-    head), d [heads] and the state before the first token."""
+    heads, head_dim], dt [n, t, heads], a [heads] (negative), b and c [n, t, heads, state_size]
+    (already one per head), d [heads] and the state before the first token."""
     outs = []
     for start in range(0, x.shape[1], CHUNK):
         part = slice(start, start + CHUNK)
@@ -41,10 +38,8 @@ def ssd_scan(
 
 def _chunk(x, dt, a, b, c, state):
     """One chunk of L tokens in closed form: cum[t] = sum_{s<=t} dt_s a is the log decay from the
-    chunk's
-    start to t, so token s reaches t (s <= t) scaled by exp(cum[t] - cum[s]) and the carried state
-    by
-    exp(cum[t])."""
+    chunk's start to t, so token s reaches t (s <= t) scaled by exp(cum[t] - cum[s]) and the carried
+    state by exp(cum[t])."""
     log_decay = dt * a  # [n, L, h]
     cum = torch.cumsum(log_decay, dim=1)
     length = x.shape[1]

@@ -1,6 +1,5 @@
 """Loading a model on one rank: ModelConfig -> the decoder built on the meta device -> filled from
-its
-checkpoint shard by shard (model_loader.py); a model's MTP layer on a rank that holds the model
+its checkpoint shard by shard (model_loader.py); a model's MTP layer on a rank that holds the model
 (mtp.py); and tiny random checkpoints with a real tokenizer (toy.py).
 """
 

@@ -1,7 +1,6 @@
 """Loading a model on one rank: ModelConfig -> the decoder built on the meta device -> filled from
-its
-weight source by the streaming loader (shard/loader.py), plus the checks that come first (device,
-precision, expert-parallel split, the weights mode).
+its weight source by the streaming loader (shard/loader.py), plus the checks that come first
+(device, precision, expert-parallel split, the weights mode).
 
 `--weights dequantize` (the default) holds an FP8 checkpoint's weights dequantized to --precision;
 `--weights fp8` keeps its projections and experts in FP8 beside their block scales
@@ -80,8 +79,8 @@ def check_weights(
     device: str = "cpu",
 ) -> None:
     """--weights fp8 needs FP8 weights to keep, --weights blocks a .gguf on the CPU: refused, before
-    any
-    weight is read, on anything else (a format not known yet, as ster plan's, is not checked)."""
+    any weight is read, on anything else (a format not known yet, as ster plan's, is not
+    checked)."""
     if weights not in WEIGHTS:
         raise Refusal(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     if weights == "dequantize":

@@ -1,12 +1,9 @@
 """Loading a model's MTP layer (model/mtp.py) on a rank that holds the model already: the same
-checkpoint read
-again through a name map that adds the layer's own tensors, every tensor of the model proper skipped
-(the
-decoder holds it), the layer's copy of the embedding never read (the decoder's is shared). A family
-that stores
-the layer apart from the decoder's (MiMo's model.mtp_layers.{k}) has its tensors presented at the
-index the layer
-runs as (model.layers.{num_hidden_layers + k}), so one name map serves every layout."""
+checkpoint read again through a name map that adds the layer's own tensors, every tensor of the
+model proper skipped (the decoder holds it), the layer's copy of the embedding never read (the
+decoder's is shared). A family that stores the layer apart from the decoder's (MiMo's
+model.mtp_layers.{k}) has its tensors presented at the index the layer runs as
+(model.layers.{num_hidden_layers + k}), so one name map serves every layout."""
 
 from __future__ import annotations
 

@@ -1,24 +1,19 @@
 """AltUp (Gemma 3n): the residual stream as `copies` versions of the hidden state, [copies, batch,
-seq,
-hidden], of which each block computes on the first alone, and the per-layer inputs added to the
+seq, hidden], of which each block computes on the first alone, and the per-layer inputs added to the
 others.
 
 - AltUpStream (the decoder's): the extra copies made from the embedding, and at the end the copies
-  brought
-  back and averaged (the per-layer inputs are model/per_layer_input.py's, shared with Gemma 4). Each
-  made or brought-back copy is rescaled to the first's root-mean-square.
+  brought back and averaged (the per-layer inputs are model/per_layer_input.py's, shared with Gemma
+  4). Each made or brought-back copy is rescaled to the first's root-mean-square.
 - AltUpLayer (each block's): every copy predicted from all of them by coefficients a router picks
-  from the
-  first copy; the block runs on the first prediction; every prediction corrected by the block's
-  change; the
-  per-layer input, gated by the first corrected copy, added to every copy but the first.
+  from the first copy; the block runs on the first prediction; every prediction corrected by the
+  block's change; the per-layer input, gated by the first corrected copy, added to every copy but
+  the first.
 
 The operations follow Transformers' Gemma3nTextAltUp and Gemma3nTextModel step for step, so that
-rounding
-agrees. Everything here is token-wise: the cached, paged and whole reads agree. The per-layer table
-is split
-over ranks by vocabulary like the embedding; every other weight is small and held whole on every
-rank.
+rounding agrees. Everything here is token-wise: the cached, paged and whole reads agree. The
+per-layer table is split over ranks by vocabulary like the embedding; every other weight is small
+and held whole on every rank.
 """
 
 from __future__ import annotations

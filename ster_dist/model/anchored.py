@@ -1,8 +1,6 @@
 """Anchored: a module whose dtype and device are those of an empty buffer moved and cast with it, so
-they are
-known whichever of its parameters this rank holds (a pipeline stage without the embedding, an MTP
-draft that
-borrows the decoder's)."""
+they are known whichever of its parameters this rank holds (a pipeline stage without the embedding,
+an MTP draft that borrows the decoder's)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,19 @@
 """Grouped-query attention over this rank's heads: q/k/v projections (column-parallel) with this
-layer's
-own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), optional query/key
-norms
-(before or after the rotation, with or without a scale, in the layers the config marks), rotation,
-Llama 4's
-query temperature, clipping, value scaling, masks (causal, padding, sliding window, chunks),
-soft-capping,
-learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM, MPT, Falcon; Step1's by the square root
-of the
-distance), an output gate (Qwen3-Next's sigmoid, Laguna's softplus, Step 3.5's sigmoid per head,
-K2-Horizon's
-silu or base-2 softplus), value experts in place of the value projection (K2-Horizon's MoVA,
-model/value_experts.py), and the row-parallel output projection.
+layer's own head counts and values as wide as the config says (Laguna, MiMo-V2-Flash), optional
+query/key norms (before or after the rotation, with or without a scale, in the layers the config
+marks), rotation, Llama 4's query temperature, clipping, value scaling, masks (causal, padding,
+sliding window, chunks), soft-capping, learned sinks (GPT-OSS, MiMo-V2-Flash), ALiBi biases (BLOOM,
+MPT, Falcon; Step1's by the square root of the distance), an output gate (Qwen3-Next's sigmoid,
+Laguna's softplus, Step 3.5's sigmoid per head, K2-Horizon's silu or base-2 softplus), value experts
+in place of the value projection (K2-Horizon's MoVA, model/value_experts.py), and the row-parallel
+output projection.
 
 A layer may norm each value head without a scale (Gemma 3n's and Gemma 4's value_norm), and may read
-an
-earlier layer's keys and values rather than make its own (the shared layers of Gemma 3n and Gemma 4,
+an earlier layer's keys and values rather than make its own (the shared layers of Gemma 3n and Gemma
+4,
 `layer_kv_source`): such a layer has no key or value projection and keeps nothing in the cache; the
-step hands
-it the source layer's. Gemma 4's layers may also have heads of their own width (`layer_head_dim`)
-and take
-their values from the key projection (`layer_value_from_key`).
+step hands it the source layer's. Gemma 4's layers may also have heads of their own width
+(`layer_head_dim`) and take their values from the key projection (`layer_value_from_key`).
 """
 
 from __future__ import annotations
@@ -50,9 +43,8 @@ class HeadScalars(ShardedModule):
 
 def alibi_slopes(heads: int) -> list[float]:
     """ALiBi's slope of every head, by global head index, as BLOOM computes them in f32 (MPT's are
-    the same):
-    2^(-8i/n) for a power of two n, else those of the power below followed by every other one of the
-    next."""
+    the same): 2^(-8i/n) for a power of two n, else those of the power below followed by every other
+    one of the next."""
     closest = 2 ** math.floor(math.log2(heads))
     # the decoder is built under the meta device; these are numbers, never weights
     cpu = dict(device="cpu")
@@ -76,13 +68,10 @@ def one_query_grouped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Unmasked attention of one query per row [batch, heads, 1, width] over keys and values shared
-    by groups of
-    query heads [batch, kv heads, keys, width]: each group's queries read as rows of one query block
-    over its
-    key head, which is what enable_gqa computes. On a CPU in bf16 / f16, SDPA's grouped-query path
-    costs about
-    twice this for a decode step (60 against 100-130 us a layer on SmolLM2's shapes); in f32 it is
-    the faster."""
+    by groups of query heads [batch, kv heads, keys, width]: each group's queries read as rows of
+    one query block over its key head, which is what enable_gqa computes. On a CPU in bf16 / f16,
+    SDPA's grouped-query path costs about twice this for a decode step (60 against 100-130 us a
+    layer on SmolLM2's shapes); in f32 it is the faster."""
     batch, heads, _, _ = q.shape
     out = F.scaled_dot_product_attention(
         q.reshape(batch, k.shape[1], heads // k.shape[1], q.shape[-1]), k, v, scale=scale
@@ -212,12 +201,9 @@ class Attention(nn.Module):
 
     def kernel_terms(self, fn) -> tuple[float, float] | None:
         """(scale, soft cap or 0) when `fn` (what this layer hands its step to attend with) is
-        Attention's own
-        softmax(cap tanh(q k^T scale / cap)) v over the keys its mask allows and nothing more (no
-        sinks or
-        position biases), so the decode and causal kernels may compute it in its place
-        (model/step.py,
-        model/paged_step.py); None otherwise."""
+        Attention's own softmax(cap tanh(q k^T scale / cap)) v over the keys its mask allows and
+        nothing more (no sinks or position biases), so the decode and causal kernels may compute it
+        in its place (model/step.py, model/paged_step.py); None otherwise."""
         own = (
             getattr(fn, "__func__", None) is Attention._attend_at
             and type(self)._attend is Attention._attend
@@ -250,8 +236,7 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor, pos: StepState):
         """(queries, keys, values [batch, heads, seq, width], the output gate's logits or None):
-        projected,
-        normed, clipped and rotated as the config says."""
+        projected, normed, clipped and rotated as the config says."""
         b, t, _ = x.shape
         q, k, v, gate = self.project(x)
         if self.value_experts is not None:
@@ -286,8 +271,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, pos: StepState
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A layer attending its source layer's keys and values: its own queries only, normed and
-        rotated as
-        the source's keys were, and the output gate's logits."""
+        rotated as the source's keys were, and the output gate's logits."""
         b, t, _ = x.shape
         q, _, _, gate = self.qkv(x)
         if self.q_norm is not None and not self.per_head_norm:
@@ -332,10 +316,8 @@ class Attention(nn.Module):
 
     def _alibi_sqrt(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """[batch, local heads, queries, keys]: -slope x sqrt(query position - key position)
-        (Step1), from
-        absolute positions, so a cached step adds what the whole read does. Keys after the query are
-        masked;
-        their distance is clamped only to keep the root finite."""
+        (Step1), from absolute positions, so a cached step adds what the whole read does. Keys after
+        the query are masked; their distance is clamped only to keep the root finite."""
         slopes = torch.tensor(self.alibi, dtype=torch.float32, device=key_pos.device).view(
             1, -1, 1, 1
         )
@@ -351,8 +333,7 @@ class Attention(nn.Module):
 
     def _alibi(self, key_pos: torch.Tensor) -> torch.Tensor:
         """[batch, local heads, 1, keys]: slope x absolute key position, so a cached step adds what
-        the whole read
-        does (a per-query offset would cancel in the softmax)."""
+        the whole read does (a per-query offset would cancel in the softmax)."""
         slopes = torch.tensor(self.alibi, dtype=torch.float32, device=key_pos.device).view(
             1, -1, 1, 1
         )

@@ -1,7 +1,6 @@
 """One decoder layer: a token mixer and a feed-forward of the kinds the config picks for the layer
 (model/kinds.py), each behind its norms, joined to the residual stream as the family's block joins
-them
-(pre- or post-norm, parallel, weighted, hyper-connected, inside AltUp's predict and correct).
+them (pre- or post-norm, parallel, weighted, hyper-connected, inside AltUp's predict and correct).
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from ster_dist.parallel.linear import Replicated
 
 class Block(nn.Module):
     """One layer: a token mixer (attention, or a recurrent kind) and a feed-forward (dense, experts
-    or
-    none), each behind its norms, of the kinds the config picks for this layer (model/kinds.py)."""
+    or none), each behind its norms, of the kinds the config picks for this layer
+    (model/kinds.py)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()
@@ -122,14 +121,12 @@ class Block(nn.Module):
     @property
     def token_mixer(self) -> nn.Module | None:
         """The layer's attention or recurrent mixer, whichever site it sits at, or its side-by-side
-        parts
-        (None: the feed-forward alone)."""
+        parts (None: the feed-forward alone)."""
         return self.side_by_side if self.side_by_side is not None else getattr(self, self.site)
 
     def forward(self, x: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         """x: the residual stream [batch, seq, hidden], AltUp's copies of it [copies, batch, seq,
-        hidden], or
-        hyper-connected streams [..., streams, hidden]."""
+        hidden], or hyper-connected streams [..., streams, hidden]."""
         if self.altup is not None:
             return self.altup(x, step, self._block)
         if self.attn_hc is not None:
@@ -180,8 +177,7 @@ class Block(nn.Module):
 
     def _hyper(self, streams: torch.Tensor, step: StepState | PagedStep) -> torch.Tensor:
         """A pre-norm block over hyper-connected streams [..., streams, hidden]: each sublayer reads
-        their
-        collapse and its output is spread back over them."""
+        their collapse and its output is spread back over them."""
         a_in, weights = self.attn_hc(streams)
         streams = self.attn_hc.join(streams, self.token_mixer(self.attn_norm(a_in), step), weights)
         m_in, weights = self.mlp_hc(streams)
@@ -194,8 +190,7 @@ class Block(nn.Module):
 
     def _weighted(self, x: torch.Tensor, a_in: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """MiniMax's block: each sublayer's output weighed against its residual (model/kinds.py's
-        mixer, then
-        the feed-forward behind mlp_norm)."""
+        mixer, then the feed-forward behind mlp_norm)."""
         mixer_alpha, mixer_beta, mlp_alpha, mlp_beta = self.factors
         h = (a_in if self.residual_from_norm else x) * mixer_alpha + a * mixer_beta
         m_in = self.mlp_norm(h)

@@ -1,30 +1,23 @@
 """MiniMax Sparse Attention (minimax_m3_vl_text): grouped-query attention whose every query attends
-only the
-blocks of keys its own small indexer chooses.
+only the blocks of keys its own small indexer chooses.
 
 index_q makes index_n_heads index queries (index_head_dim wide), each choosing for a run of
 num_attention_heads / index_n_heads consecutive query heads (Transformers' grouping, whatever the
-key-value
-heads), index_k one index key they all share; both are normed per head (index_q_norm, index_k_norm)
-and rotated like the layer's own heads. A key
-scores as the plain product of the two, in f32 as Transformers computes it; a block of
-index_block_size keys
-scores as its best key the query may see. Each query of a key-value group keeps its group's
-index_topk_blocks
-best blocks (the group of its index head), its own block and the index_local_blocks - 1 blocks
-before it always among them (their score made
-infinite), and attends every allowed key of those blocks. Blocks are counted by key position, which
-equals the
-key's slot in an unpadded sequence (Transformers' count) and keeps a left-padded row in a batch
-choosing as it
-does alone. While a sequence holds no more blocks than a query keeps, the layer is dense.
+key-value heads), index_k one index key they all share; both are normed per head (index_q_norm,
+index_k_norm) and rotated like the layer's own heads. A key scores as the plain product of the two,
+in f32 as Transformers computes it; a block of index_block_size keys scores as its best key the
+query may see. Each query of a key-value group keeps its group's index_topk_blocks best blocks (the
+group of its index head), its own block and the index_local_blocks - 1 blocks before it always among
+them (their score made infinite), and attends every allowed key of those blocks. Blocks are counted
+by key position, which equals the key's slot in an unpadded sequence (Transformers' count) and keeps
+a left-padded row in a batch choosing as it does alone. While a sequence holds no more blocks than a
+query keeps, the layer is dense.
 
 The index key rides in the cache behind each key-value head's value (the value slot is
-index_head_dim wider),
-so a step continued from a static or paged cache scores the same keys as the whole read. Under
-tensor
-parallelism a rank holds the index heads its query heads read (neighbouring ranks may share one)
-and index_k whole: each rank chooses the blocks of its own heads without an exchange.
+index_head_dim wider), so a step continued from a static or paged cache scores the same keys as the
+whole read. Under tensor parallelism a rank holds the index heads its query heads read (neighbouring
+ranks may share one) and index_k whole: each rank chooses the blocks of its own heads without an
+exchange.
 """
 
 from __future__ import annotations
@@ -99,11 +92,9 @@ class BlockSparseAttention(Attention):
         reach: int,
     ) -> torch.Tensor:
         """[b, local heads, t, s]: the allowed pairs (`mask` [b, 1, t, s], None for all) narrowed to
-        the keys of
-        the blocks each query's index head keeps. index_q [b, groups, t, d], index_k [b, 1, s, d],
-        query_pos [b, t],
-        key_pos [b, s]; reach: one past the largest key position (the step's key_reach, known on the
-        host)."""
+        the keys of the blocks each query's index head keeps. index_q [b, groups, t, d], index_k [b,
+        1, s, d], query_pos [b, t], key_pos [b, s]; reach: one past the largest key position (the
+        step's key_reach, known on the host)."""
         b, groups, t, _ = index_q.shape
         s = index_k.shape[2]
         allowed = (

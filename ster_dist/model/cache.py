@@ -8,8 +8,7 @@ attended and positions skip it. A recurrent layer (Mamba, gated delta, short
 convolution) keeps no slots, only the state its scan left (`states`), row by row.
 
 The positions and validity of the slots are bookkeeping, kept on the host whatever device holds the
-keys: a step
-decides its masks and kernels from them without reading the device (model/host.py).
+keys: a step decides its masks and kernels from them without reading the device (model/host.py).
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ class KVCache:
 
     def kernel_views(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Every layer's keys and values [batch, capacity, heads, width], as the decode kernel reads
-        a paged
-        cache (a block a row); views of the slots, made once."""
+        a paged cache (a block a row); views of the slots, made once."""
         if self._kernel_views is None:
             self._kernel_views = (
                 [k.transpose(1, 2) if k is not None else None for k in self.keys],

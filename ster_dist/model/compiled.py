@@ -1,79 +1,54 @@
 """The compiled step (issue 18): each layer's token-wise work traced once by torch.compile and
-reused by every
-layer of the same shape, attention left to the live step as one opaque operator.
+reused by every layer of the same shape, attention left to the live step as one opaque operator.
 
 Between two attention calls a decode step is a chain of small products and elementwise work (norms,
 rotations, residual sums, activations): about seventy eager operator calls a layer, each a few
-microseconds
-of dispatch and, on a CPU with several threads, a fork and join of the thread pool. Compiled, the
-elementwise work between two products becomes one generated loop.
+microseconds of dispatch and, on a CPU with several threads, a fork and join of the thread pool.
+Compiled, the elementwise work between two products becomes one generated loop.
 
 Attention is not traced: how it reaches its keys is the step's business (a static cache's slots, a
-paged
-cache's block tables, masks by window) and its key count grows every step. As vLLM's piecewise
-graphs do,
-it is a custom operator, `ster_dist::attend(q, k, v, layer)`, whose body runs the layer's own
-attention through
-the live step, outside the graph. The graph sees only the operator's output shape, which follows
-from the
-step's token count, so one graph serves every step whatever the cache holds; the token count is a
-dynamic
-dimension, so one graph also serves a range of counts. The ranges are where the traced code branches
-on the
-row count: 2-8 (dense()'s few-row kernel), 9-15 (on f32 weights oneDNN's products) and 16 up (a
-bound inductor
-adds), each compiled on its first use; a mixture of experts adds one where its (token, expert) rows
-pass the
-experts kernel's limit (moe/experts.py: past it the experts run eagerly inside an opaque operator).
+paged cache's block tables, masks by window) and its key count grows every step. As vLLM's piecewise
+graphs do, it is a custom operator, `ster_dist::attend(q, k, v, layer)`, whose body runs the layer's
+own attention through the live step, outside the graph. The graph sees only the operator's output
+shape, which follows from the step's token count, so one graph serves every step whatever the cache
+holds; the token count is a dynamic dimension, so one graph also serves a range of counts. The
+ranges are where the traced code branches on the row count: 2-8 (dense()'s few-row kernel), 9-15 (on
+f32 weights oneDNN's products) and 16 up (a bound inductor adds), each compiled on its first use; a
+mixture of experts adds one where its (token, expert) rows pass the experts kernel's limit
+(moe/experts.py: past it the experts run eagerly inside an opaque operator).
 
 One compiled function runs every layer: the layer's parameters are its inputs (torch.compile's
-inlining of
-nn.Modules), and nothing layer-specific reaches the graph as a constant: the operator's `layer` is
-the
-layer's index as a 0-d tensor, an input like the parameters, and the step is in the context this
-module
-keeps. Layers that differ in structure (a sliding window, another head count) get a graph of their
-own,
-traced on first use.
+inlining of nn.Modules), and nothing layer-specific reaches the graph as a constant: the operator's
+`layer` is the layer's index as a 0-d tensor, an input like the parameters, and the step is in the
+context this module keeps. Layers that differ in structure (a sliding window, another head count)
+get a graph of their own, traced on first use.
 
 Where every layer is plain Llama- or Gemma-shaped, a step of decodes only skips the graphs:
-model/native_stack.py
-runs it as one call into C++ with the graph's bits (on the tests' shapes; bench/README.md). A step
-of one token (one
-sequence decoding: a chat's every step) of other models runs the whole stack in one graph instead,
-static in shape:
-each layer is a call of a `nested_compile_region` traced once per layer structure, so the step
-enters compiled
-code once rather than once a layer (guards and wrappers, about 50 us a layer). If that graph cannot
-be built,
+model/native_stack.py runs it as one call into C++ with the graph's bits (on the tests' shapes;
+bench/README.md). A step of one token (one sequence decoding: a chat's every step) of other models
+runs the whole stack in one graph instead, static in shape: each layer is a call of a
+`nested_compile_region` traced once per layer structure, so the step enters compiled code once
+rather than once a layer (guards and wrappers, about 50 us a layer). If that graph cannot be built,
 one-token steps go layer by layer like the others.
 
 Without the few-row kernel (kernels/), the head of a one-token step with bf16 / f16 weights runs
-through a
-compiled `dense` (its one-row widening loop, parallel/linear.py), set as the model's
+through a compiled `dense` (its one-row widening loop, parallel/linear.py), set as the model's
 `VocabHead.product`.
 
 Inside the graph the layers see a TracedStep instead of the live step: the token positions, the
-layer's
-rotary tables (looked up by the live step beforehand), its own input where the model gives each
-layer one
-(Gemma 3n, Gemma 4's E models: a graph input beside h) and `attend`. A layer that reads an earlier
-layer's keys
-and values (their shared layers) attends through `ster_dist::attend_shared`, whose body asks the
-live step for
-what the source layer stored or kept; neither kind of layer is planned for the kernels, the live
-step holding
-their keys. Gemma 3n's stream is AltUp's copies of h, [copies, batch, tokens, width] to each layer's
-graph, made
-before the layers and collapsed after them outside the graphs. Models whose layers need more of the
-step
+layer's rotary tables (looked up by the live step beforehand), its own input where the model gives
+each layer one (Gemma 3n, Gemma 4's E models: a graph input beside h) and `attend`. A layer that
+reads an earlier layer's keys and values (their shared layers) attends through
+`ster_dist::attend_shared`, whose body asks the live step for what the source layer stored or kept;
+neither kind of layer is planned for the kernels, the live step holding their keys. Gemma 3n's
+stream is AltUp's copies of h, [copies, batch, tokens, width] to each layer's graph, made before the
+layers and collapsed after them outside the graphs. Models whose layers need more of the step
 (recurrent states, state handed between layers, hooks, routed adapters) run eagerly: `why_eager`
-says why.
-Routed experts trace as one operator, the experts kernel where it takes them and otherwise
+says why. Routed experts trace as one operator, the experts kernel where it takes them and otherwise
 `ster_dist::routed_experts` (moe/experts.py), whose body runs their eager branches; a MoE layer over
 expert-parallel ranks or with identity experts is one operator whole, `ster_dist::moe_layer`
-(moe/layer.py), its
-collectives inside; experts chosen by token id keep a model eager (`_experts_eager`).
+(moe/layer.py), its collectives inside; experts chosen by token id keep a model eager
+(`_experts_eager`).
 """
 
 from __future__ import annotations
@@ -121,9 +96,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tenso
 
 def attend_shared(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     """A layer without keys of its own (Gemma 3n's and Gemma 4's shared layers): its queries over
-    the keys and
-    values its source layer stored or kept earlier in the step, which the graph reaches through the
-    residual."""
+    the keys and values its source layer stored or kept earlier in the step, which the graph reaches
+    through the residual."""
     step, model = _RUNNING[-1]
     mixer = model.layers[int(layer)].token_mixer
     return step.attend(
@@ -148,10 +122,9 @@ def _(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
 
 class TracedStep:
     """What a compiled layer reads of its step: positions, its rotary tables, its own input (Gemma
-    3n, Gemma 4's
-    E models; None elsewhere) and attention. `layer` is the layer's index as a 0-d tensor, an input
-    of the graph
-    rather than a constant of it, so every layer of one structure shares the graph."""
+    3n, Gemma 4's E models; None elsewhere) and attention. `layer` is the layer's index as a 0-d
+    tensor, an input of the graph rather than a constant of it, so every layer of one structure
+    shares the graph."""
 
     def __init__(
         self,
@@ -198,19 +171,16 @@ def _kernel_terms(model) -> list[tuple[float, float] | None]:
 
 def decode_plans(model) -> list[float]:
     """Per layer, the decode kernel's scale where a planned step (kernels/paged_decode.cpp's
-    attend_planned) may
-    take the layer's attention: softmax attention, soft-capped or not, over a range of its keys
-    (every earlier
-    one, or a sliding window's or a chunk's, `decode_ranges`); 0 elsewhere."""
+    attend_planned) may take the layer's attention: softmax attention, soft-capped or not, over a
+    range of its keys (every earlier one, or a sliding window's or a chunk's, `decode_ranges`); 0
+    elsewhere."""
     return [terms[0] if terms is not None else 0.0 for terms in _kernel_terms(model)]
 
 
 def decode_ranges(model) -> tuple[list[int], list[int], list[float]]:
     """Per layer, the sliding window and the chunk a planned step's attention keeps to and the soft
-    cap of its
-    scores (push_plan's windows, chunks and softcaps; 0 where a layer has none), each list empty
-    where no layer
-    has one: nothing for push_plan to read each step."""
+    cap of its scores (push_plan's windows, chunks and softcaps; 0 where a layer has none), each
+    list empty where no layer has one: nothing for push_plan to read each step."""
     mixers = [block.token_mixer for block in model.layers]
     windows, chunks = (
         [getattr(m, name, None) or 0 for m in mixers] for name in ("window", "chunk")
@@ -298,14 +268,11 @@ def why_eager(model) -> str | None:
 
 def _experts_eager(model, block) -> str | None:
     """Why `block`'s routed experts keep its steps eager (None: they trace). A step's experts trace
-    as one kernel
-    operator where it takes them (moe/experts.py's `fused`), and every other way through them as one
-    opaque operator
-    (`routed_experts`); a layer over expert-parallel ranks or with identity experts is one opaque
-    operator whole
-    (moe/layer.py's `moe_layer`), so no graph splits around them. Routing by token id needs the
-    step's ids, which a
-    traced step does not hand on."""
+    as one kernel operator where it takes them (moe/experts.py's `fused`), and every other way
+    through them as one opaque operator (`routed_experts`); a layer over expert-parallel ranks or
+    with identity experts is one opaque operator whole (moe/layer.py's `moe_layer`), so no graph
+    splits around them. Routing by token id needs the step's ids, which a traced step does not hand
+    on."""
     if not any(isinstance(m, Experts) for m in block.modules()):
         return None
     if any(m.hash_routed for m in block.modules() if isinstance(m, MoE)):
@@ -430,8 +397,7 @@ class CompiledLayers:
 
     def _own_inputs(self, step, layers: range, rows: int) -> list[torch.Tensor | None]:
         """Each layer's own input of the step, flat [rows, width] as the graphs take h (Gemma 4's E
-        models), or
-        None for every layer where the model has none."""
+        models), or None for every layer where the model has none."""
         if self.model.per_layer_inputs is None:
             return [None] * len(layers)
         return [step.layer_input(i).reshape(rows, -1) for i in layers]

@@ -2,30 +2,22 @@
 layer):
 
 - every layer: queries from a latent (q_a_proj, q_a_norm, q_b_proj), each head RMS-normed without a
-  scale; one
-  key-value head (kv_proj, kv_norm) that is both key and value; the trailing rope_dim channels of
-  each head turn
-  by adjacent pairs; a learned sink logit per head joins every softmax; every key within `window`
-  positions is
-  seen; the output's turned channels are turned back at the query's position, then o_a_proj projects
-  each of
-  o_groups head groups to o_lora_rank and o_b_proj mixes them;
+  scale; one key-value head (kv_proj, kv_norm) that is both key and value; the trailing rope_dim
+  channels of each head turn by adjacent pairs; a learned sink logit per head joins every softmax;
+  every key within `window` positions is seen; the output's turned channels are turned back at the
+  query's position, then o_a_proj projects each of o_groups head groups to o_lora_rank and o_b_proj
+  mixes them;
 - "heavily_compressed_attention": a window compressor (model/window_compressor.py) at the heavy
-  rate; a query also
-  sees every entry whose window closed at or before it;
+  rate; a query also sees every entry whose window closed at or before it;
 - "compressed_sparse_attention": the compressor at the sparse rate with two overlapping series, and
-  a query sees
-  only the entries the Lightning Indexer (model/compressed_indexer.py) keeps for it.
+  a query sees only the entries the Lightning Indexer (model/compressed_indexer.py) keeps for it.
 
 The cache keeps the key-value head in the key slot and, on compressed layers, the compressor's and
-the indexer's
-raw projections in the value slot (sliding layers one zero channel there), from which the entries
-are rebuilt at every step: both caches carry the state
-across decode calls without a store of their own. Under tensor parallelism the query heads (whole
-head groups,
-with their sinks and o_a_proj rows) are split and o_b_proj's columns with them; the key-value head,
-the
-compressor and the indexer are small and held whole on every rank (as vLLM replicates them).
+the indexer's raw projections in the value slot (sliding layers one zero channel there), from which
+the entries are rebuilt at every step: both caches carry the state across decode calls without a
+store of their own. Under tensor parallelism the query heads (whole head groups, with their sinks
+and o_a_proj rows) are split and o_b_proj's columns with them; the key-value head, the compressor
+and the indexer are small and held whole on every rank (as vLLM replicates them).
 """
 
 from __future__ import annotations
@@ -168,10 +160,9 @@ class CompressedAttention(nn.Module):
 
     def _entries(self, tables, reach: int, queries, raw, causal, key_pos, query_pos):
         """(entries [n, windows, d], which each query sees [n, t, windows]) from the keys' raw
-        projections, or
-        (None, None) before the first window closes. reach: one past the largest key position (the
-        step's
-        key_reach, from the host): windows past a query's own position are built but never seen."""
+        projections, or (None, None) before the first window closes. reach: one past the largest key
+        position (the step's key_reach, from the host): windows past a query's own position are
+        built but never seen."""
         real = causal[:, -1]  # the last query (a real token) sees every real key up to it
         rate = self.v4.rate
         windows = reach // rate

@@ -1,17 +1,12 @@
 """DeepSeek-V4's Lightning Indexer: which compressed entries each query of a compressed sparse
-attention layer
-sees.
+attention layer sees.
 
 It runs its own window compressor (model/window_compressor.py, two series, index_head_dim wide) over
-the same
-windows as the layer's, and queries from the layer's query latent (q_b_proj, index_n_heads heads,
-the trailing
-rotated channels turned at the query's position). A query scores every entry whose window closed at
-or before it
-by sum_h w_h * relu(q_h . k) / sqrt(index_head_dim), w = weights_proj(x) / sqrt(index_n_heads), in
-f32, and keeps
-its index_topk best. Held whole on every rank (as vLLM replicates it): every rank chooses the same
-entries.
+the same windows as the layer's, and queries from the layer's query latent (q_b_proj, index_n_heads
+heads, the trailing rotated channels turned at the query's position). A query scores every entry
+whose window closed at or before it by sum_h w_h * relu(q_h . k) / sqrt(index_head_dim), w =
+weights_proj(x) / sqrt(index_n_heads), in f32, and keeps its index_topk best. Held whole on every
+rank (as vLLM replicates it): every rank chooses the same entries.
 """
 
 from __future__ import annotations
@@ -47,8 +42,7 @@ class CompressedIndexer(torch.nn.Module):
 
     def choose(self, queries, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """[n, t, entries] of the entries each query keeps: its index_topk best of those `visible`
-        to it, from the
-        indexer's entries keys [n, entries, width]."""
+        to it, from the indexer's entries keys [n, entries, width]."""
         q, weights = queries
         scores = (
             F.relu(torch.matmul(q, keys.float().transpose(-1, -2).unsqueeze(1))) * self.width**-0.5

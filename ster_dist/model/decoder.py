@@ -1,10 +1,9 @@
 """The decoder: one stack of blocks, each of the layer kinds the config picks, with switches from
 ModelConfig, for every family.
 
-Named hook sites sit on the residual stream after every layer ("layers.{i}"):
-capture and steering attach there through add_hook, and nowhere else. Where the stream is AltUp's
-copies
-(Gemma 3n, model/altup.py), the site is the first copy, the one each block computes on.
+Named hook sites sit on the residual stream after every layer ("layers.{i}"): capture and steering
+attach there through add_hook, and nowhere else. Where the stream is AltUp's copies (Gemma 3n,
+model/altup.py), the site is the first copy, the one each block computes on.
 """
 
 from __future__ import annotations
@@ -48,10 +47,9 @@ Hook = Callable[[torch.Tensor], torch.Tensor | None]
 
 def stage_layers(cfg: ModelConfig, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """[start, end) of the layers pipeline stage `pp_rank` of `pp_size` holds, balanced by parameter
-    count
-    (each layer built on the meta device: nothing allocated). The first stage counts the embedding,
-    the
-    last the norm and head (the embedding again when tied: the last stage holds it as its head)."""
+    count (each layer built on the meta device: nothing allocated). The first stage counts the
+    embedding, the last the norm and head (the embedding again when tied: the last stage holds it as
+    its head)."""
     if pp_size == 1:
         return 0, cfg.num_layers
     held, sizes = _LAYER_SIZES
@@ -178,8 +176,7 @@ class Decoder(Anchored):
 
     def elsewhere(self, param: str) -> bool:
         """Whether parameter `param` (the decoder's name) belongs to another pipeline stage: its
-        tensor is
-        not read here."""
+        tensor is not read here."""
         if self.ctx.pp_size == 1:
             return False
         top, _, rest = param.partition(".")
@@ -211,8 +208,7 @@ class Decoder(Anchored):
 
     def compile_layers(self) -> str | None:
         """Run the layers through compiled graphs from now on (model/compiled.py); returns why not
-        instead
-        where they cannot be."""
+        instead where they cannot be."""
         reason = why_eager(self)
         if reason is None and self.compiled is None:
             self.compiled = CompiledLayers(self)
@@ -232,10 +228,9 @@ class Decoder(Anchored):
         last_only: bool = False,
     ) -> torch.Tensor | None:
         """Logits [batch, seq (or 1), vocab] for token ids [batch, seq]; None on a pipeline stage
-        but the last,
-        which hands its output on instead. positions and valid are the host's (model/host.py); ids
-        may lie on
-        either side (a decode's are the last step's sampled tokens, on the device)."""
+        but the last, which hands its output on instead. positions and valid are the host's
+        (model/host.py); ids may lie on either side (a decode's are the last step's sampled tokens,
+        on the device)."""
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
@@ -253,8 +248,7 @@ class Decoder(Anchored):
 
     def final_hidden(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The final norm's output [batch, seq, hidden] for right-padded ids: what the head reads,
-        and what a
-        reward head (tune/preference.py) reads instead of it."""
+        and what a reward head (tune/preference.py) reads instead of it."""
         positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
         step = StepState(positions, valid, self.tables, None, device=self.device)
         h = self._layers(self._embed(ids, step.positions, step), step, ids)
@@ -264,12 +258,9 @@ class Decoder(Anchored):
         self, ids: torch.Tensor, chunks: list[Chunk], cache: PagedCache, eager: bool = False
     ) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] of each chunk's last token, for ids [tokens]: every chunk's
-        new tokens,
-        concatenated in chunk order. Token-wise layers run on the packed tokens; only attention
-        splits them
-        by sequence (PagedStep). None on a pipeline stage but the last. `eager`: not through
-        compiled layers
-        (a step whose rows carry their own adapters)."""
+        new tokens, concatenated in chunk order. Token-wise layers run on the packed tokens; only
+        attention splits them by sequence (PagedStep). None on a pipeline stage but the last.
+        `eager`: not through compiled layers (a step whose rows carry their own adapters)."""
         step = PagedStep(chunks, cache, self.tables, ids, self.device)
         h = self._stage(upload(ids, self.device).unsqueeze(0), step.positions, step, eager)
         return None if h is None else self._logits(h[:, step.last_tokens])[0]
@@ -283,9 +274,8 @@ class Decoder(Anchored):
         eager: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_paged's step, with logits [len(rows), vocab] at the given packed rows and the
-        final norm's
-        output over every token [tokens, hidden] (what an MTP draft reads, model/mtp.py). One stage
-        only."""
+        final norm's output over every token [tokens, hidden] (what an MTP draft reads,
+        model/mtp.py). One stage only."""
         step = PagedStep(chunks, cache, self.tables, ids, self.device)
         h = self._stage(upload(ids, self.device).unsqueeze(0), step.positions, step, eager)
         normed = self.final_norm(h).to(self.dtype)[0]
@@ -299,8 +289,8 @@ class Decoder(Anchored):
         eager: bool = False,
     ) -> torch.Tensor | None:
         """This stage's layers over the embedding (the first stage) or the previous stage's output;
-        the
-        output goes on to the next stage (None here) or, on the last, is returned for the head."""
+        the output goes on to the next stage (None here) or, on the last, is returned for the
+        head."""
         ctx = self.ctx
         if ctx.first_stage:
             h = self._embed(ids, positions, step)
@@ -334,10 +324,8 @@ class Decoder(Anchored):
         self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor
     ) -> torch.Tensor:
         """The layers through their compiled graphs where they are compiled and no hook reads them,
-        else eagerly.
-        A layer that cannot be compiled turns compiling off for good; its step runs again eagerly
-        (every key it
-        wrote goes to the same slots again)."""
+        else eagerly. A layer that cannot be compiled turns compiling off for good; its step runs
+        again eagerly (every key it wrote goes to the same slots again)."""
         if self.compiled is None or any(self.hooks.values()):
             return self._layers(h, step, ids)
         stream = self._into_stream(h, step, ids)
@@ -357,8 +345,8 @@ class Decoder(Anchored):
         self, h: torch.Tensor, step: StepState | PagedStep, ids: torch.Tensor
     ) -> torch.Tensor:
         """The stream the layers take from the embedding h, eager or compiled: AltUp's copies of h
-        (Gemma 3n) or h
-        itself; first the step is given every layer's own input (Gemma 3n, Gemma 4's E models)."""
+        (Gemma 3n) or h itself; first the step is given every layer's own input (Gemma 3n, Gemma 4's
+        E models)."""
         if self.per_layer_inputs is not None:
             step.per_layer_inputs = self.per_layer_inputs(ids, h)
         return self.altup.expand(h) if self.altup is not None else h
@@ -402,8 +390,7 @@ class Decoder(Anchored):
 
     def _hooked(self, hook: Hook, h: torch.Tensor) -> torch.Tensor:
         """h after `hook`, which reads (and may replace) the residual stream: AltUp's first copy,
-        where the
-        stream is its copies; the streams' mean, where they are hyper-connected
+        where the stream is its copies; the streams' mean, where they are hyper-connected
         (model/hyper_connection.py)."""
         if self.cfg.hyper_streams:
             return hooked(h, hook)
@@ -414,8 +401,7 @@ class Decoder(Anchored):
 
     def _skip(self, layer: int, h: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
         """Before `layer`: every skip keeping here keeps h, then every skip mixing here mixes its
-        kept state in.
-        Token-wise, so the cached and paged reads match the whole one."""
+        kept state in. Token-wise, so the cached and paged reads match the whole one."""
         for slot, (keep, _, _) in enumerate(self.cfg.block_skips):
             if layer in keep:
                 kept[slot] = h

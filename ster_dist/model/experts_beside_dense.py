@@ -1,14 +1,11 @@
 """Experts beside a dense feed-forward (Gemma 4's enable_moe_block): the dense feed-forward reads
-the block's
-normed input as usual; the experts read the residual through a norm of their own, and the router
-reads the
-residual itself; each output passes its own norm, and the two are summed.
+the block's normed input as usual; the experts read the residual through a norm of their own, and
+the router reads the residual itself; each output passes its own norm, and the two are summed.
 
 It is the dense feed-forward (its parameters at the usual names, so a layer's dense part loads,
-merges and
-takes adapters as any dense layer's) with an MoE layer (`moe`: router and experts, split and
-dispatched as
-there) and three norms beside it. The block hands it the residual (`reads_residual`).
+merges and takes adapters as any dense layer's) with an MoE layer (`moe`: router and experts, split
+and dispatched as there) and three norms beside it. The block hands it the residual
+(`reads_residual`).
 """
 
 from __future__ import annotations

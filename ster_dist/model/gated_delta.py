@@ -3,21 +3,18 @@
 Per token: query, key and value pass a depthwise causal convolution and SiLU; query and key are
 L2-normalised and the query scaled by one over the square root of its width. Each value head keeps a
 [key width, value width] state that decays by exp(g), g = -exp(A_log) * softplus(a + dt_bias), and
-is
-corrected toward the value with strength beta = sigmoid(b) (the delta rule); the query reads it out.
-The read-out is RMS-normalised per head, scaled, gated by SiLU(z) and projected back.
+is corrected toward the value with strength beta = sigmoid(b) (the delta rule); the query reads it
+out. The read-out is RMS-normalised per head, scaled, gated by SiLU(z) and projected back.
 
 Key heads group the value heads they serve (linear_num_value_heads / linear_num_key_heads each), and
 tensor parallelism splits those groups as vLLM does: each rank holds whole key heads with their
-value
-heads, so its projections are column shares, its convolution its own channels, its state its own
-heads,
-and only the output projection reduces across ranks.
+value heads, so its projections are column shares, its convolution its own channels, its state its
+own heads, and only the output projection reduces across ranks.
 
 The scan runs in f32: token by token for short reads (decoding), in blocks of 64 tokens for longer
-ones
-(each block's corrections one triangular solve, the state carried from block to block). Both are the
-same sum in another order, and agree with Transformers' chunked and recurrent forms to rounding.
+ones (each block's corrections one triangular solve, the state carried from block to block). Both
+are the same sum in another order, and agree with Transformers' chunked and recurrent forms to
+rounding.
 """
 
 from __future__ import annotations
@@ -80,8 +77,7 @@ def gated_delta_rule(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs [n, t, value heads, value width] and the new state [n, value heads, key width, value
-    width]
-    for queries and keys [n, t, key heads, key width] (already normalised and scaled), values
+    width] for queries and keys [n, t, key heads, key width] (already normalised and scaled), values
     [n, t, value heads, value width], log-decays g [n, t, value heads] (one per head, Qwen3-Next) or
     [n, t, value heads, key width] (one per key channel, Kimi's delta attention) and strengths beta
     [n, t, value heads], all f32. A token with g = 0 and beta = 0 leaves the state as it was."""
@@ -111,16 +107,14 @@ def delta_rule_recurrent(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.T
 
 def delta_rule_chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule a block of CHUNK tokens at a time. Within a block, with G_i the decay from the
-    block's start
-    to token i and S the state before it, each token's correction d_i = beta_i (v_i - G_i S^T k_i
+    block's start to token i and S the state before it, each token's correction d_i = beta_i (v_i -
+    G_i S^T k_i
     - sum_{j<i} G_i/G_j (k_i . k_j) d_j) is a unit lower-triangular system, solved for every block
       at once;
     only the step from block to block (through S) is sequential. A decay per key channel makes
-    G_i/G_j a
-    diagonal, inside the dot product (k_i . G_i/G_j k_j); its pairs are formed one block at a time,
-    as a
-    [CHUNK, CHUNK, key width] tensor of every block at once would be large. Trailing padding tokens
-    (g = beta = 0) leave the state alone."""
+    G_i/G_j a diagonal, inside the dot product (k_i . G_i/G_j k_j); its pairs are formed one block
+    at a time, as a [CHUNK, CHUNK, key width] tensor of every block at once would be large. Trailing
+    padding tokens (g = beta = 0) leave the state alone."""
     t = v.shape[1]
     pad = -t % CHUNK
     per_channel = g.dim() == 4
@@ -164,8 +158,7 @@ def delta_rule_chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Ten
 
 def _block_pairs(q, k, v, beta, log_decay, k_from_start, causal, per_channel):
     """Within blocks: the corrections written from the values alone, what each correction takes from
-    the
-    state before the block (both through the triangular system), and each query's reads of the
+    the state before the block (both through the triangular system), and each query's reads of the
     block's keys."""
     if per_channel:  # G_i/G_j per key channel, zero above the diagonal: [..., CHUNK, CHUNK, key]
         between = (

@@ -2,27 +2,22 @@
 form).
 
 The residual is hyper_streams copies of the hidden state, [..., streams, hidden]. Before each
-sublayer a
-hyper-connection reads the streams flattened and RMS-normed without a scale, and one small product
-(`fn`, then `scale` and `base` per part) yields:
+sublayer a hyper-connection reads the streams flattened and RMS-normed without a scale, and one
+small product (`fn`, then `scale` and `base` per part) yields:
 
 - pre: sigmoid(.) + eps per stream, which collapses the streams into the sublayer's input;
 - post: post_scale * sigmoid(.) (+ eps in HY V4's form), which spreads the sublayer's output over
   the streams;
 - comb (mixing form only): a softmax per row made doubly stochastic by hyper_sinkhorn_iters
-  Sinkhorn-Knopp
-  rounds, which mixes the incoming streams into the outgoing ones (HY V4's independent form has
-  none: each
-  stream keeps itself).
+  Sinkhorn-Knopp rounds, which mixes the incoming streams into the outgoing ones (HY V4's
+  independent form has none: each stream keeps itself).
 
 After the last layer the streams become one hidden state again before the final norm: through the
-head's
-own pre weights (hc_head) or as their plain mean (GLM-5-Next). Capture and steering see one hidden
-state
-per token: a hook reads the streams' mean, and what it adds to that mean is added to every stream
-(model/decoder.py). Everything here is token-wise, so cached, paged and whole reads agree; the
-weights are
-small and held whole on every rank. The weights are computed in f32, as the releases compute them.
+head's own pre weights (hc_head) or as their plain mean (GLM-5-Next). Capture and steering see one
+hidden state per token: a hook reads the streams' mean, and what it adds to that mean is added to
+every stream (model/decoder.py). Everything here is token-wise, so cached, paged and whole reads
+agree; the weights are small and held whole on every rank. The weights are computed in f32, as the
+releases compute them.
 """
 
 from __future__ import annotations
@@ -92,8 +87,7 @@ class HyperConnection(ShardedModule):
 
     def join(self, streams: torch.Tensor, out: torch.Tensor, weights) -> torch.Tensor:
         """The outgoing streams: the sublayer's output `out` [..., hidden] spread by post, over the
-        incoming
-        streams (mixed by comb: outgoing k = sum_j comb[j, k] * incoming j)."""
+        incoming streams (mixed by comb: outgoing k = sum_j comb[j, k] * incoming j)."""
         post, comb = weights
         residual = streams.float()
         if comb is not None:
@@ -131,8 +125,7 @@ def spread(h: torch.Tensor, streams: int) -> torch.Tensor:
 
 def hooked(streams: torch.Tensor, hook) -> torch.Tensor:
     """Run a residual hook on the streams' mean; what it changes in the mean (by returning a new
-    tensor or in
-    place, as the engine's per-row steering does) is added to every stream."""
+    tensor or in place, as the engine's per-row steering does) is added to every stream."""
     mean = streams.float().mean(dim=-2).to(streams.dtype)
     before = mean.clone()
     replaced = hook(mean)

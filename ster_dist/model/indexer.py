@@ -1,25 +1,19 @@
 """DeepSeek Sparse Attention's indexer (deepseek_v32, glm_moe_dsa, hy_v4): which index_topk keys
-each query of a
-latent-attention layer may attend.
+each query of a latent-attention layer may attend.
 
 Its own small projections score every query against every key the layer sees: wq_b turns the query's
 normed latent (q_a_layernorm's output) into index_n_heads heads of index_head_dim, wk and k_norm (a
 LayerNorm with bias) turn the input into one key shared by those heads, the first qk_rope_head_dim
 channels of both rotate (halves for DeepSeek-V3.2, adjacent pairs for GLM-DSA; HY V4 rotates the
-last
-qk_rope_head_dim channels by halves, index_rope_tail) on the layer's rotary table, and weights_proj
-weighs
-the heads per query. A query's score for a key is
-sum_h weight_h * relu(q_h . k / sqrt(index_head_dim)), in f32 as Transformers computes it; the query
-keeps its index_topk best keys among those causality allows, so a sequence no longer than index_topk
-attends densely.
+last qk_rope_head_dim channels by halves, index_rope_tail) on the layer's rotary table, and
+weights_proj weighs the heads per query. A query's score for a key is sum_h weight_h * relu(q_h . k
+/ sqrt(index_head_dim)), in f32 as Transformers computes it; the query keeps its index_topk best
+keys among those causality allows, so a sequence no longer than index_topk attends densely.
 
 The indexer's keys are cached beside the layer's own (model/mla.py widens its cache slot), so a step
 continued from a static or paged cache scores the same keys as the whole read. Under tensor
-parallelism
-every projection is held whole on every rank (vLLM's convention): each rank chooses the same keys
-for its
-own attention heads without an exchange.
+parallelism every projection is held whole on every rank (vLLM's convention): each rank chooses the
+same keys for its own attention heads without an exchange.
 """
 
 from __future__ import annotations
@@ -91,8 +85,8 @@ class Indexer(nn.Module):
         key_pos: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The allowed pairs [n, 1, t, s] narrowed to each query's index_topk best keys (`mask`:
-        those
-        causality allows, None for all); `mask` itself when no query sees more keys than that."""
+        those causality allows, None for all); `mask` itself when no query sees more keys than
+        that."""
         q, weights = queries
         n, _, t, _ = q.shape
         s = keys.shape[2]

@@ -1,25 +1,19 @@
 """Inkling's attention (the "inkling_attention" kind): no rotation; each query's score for a key
-carries a
-bias by their distance, which the query's own relative state (r, d_rel wide per head) mixes from the
-layer's profiles ([d_rel, extent], zero at a distance of extent or more). Keys and values pass
-residual
-short convolutions (k_sconv, v_sconv, model/residual_conv.py) before the per-head RMS norms of
-queries and
-keys; scores are divided by the head width. Sliding layers (layer_types "hybrid_sliding") use the
-swa_*
-head shapes and attend inside sliding_window_size, which is also their extent; the others attend
-fully with
-rel_extent and, under log_scaling_n_floor, have their queries and bias at position p multiplied by
-1 + log_scaling_alpha * ln(max((p + 1) / floor, 1)).
+carries a bias by their distance, which the query's own relative state (r, d_rel wide per head)
+mixes from the layer's profiles ([d_rel, extent], zero at a distance of extent or more). Keys and
+values pass residual short convolutions (k_sconv, v_sconv, model/residual_conv.py) before the
+per-head RMS norms of queries and keys; scores are divided by the head width. Sliding layers
+(layer_types "hybrid_sliding") use the swa_* head shapes and attend inside sliding_window_size,
+which is also their extent; the others attend fully with rel_extent and, under log_scaling_n_floor,
+have their queries and bias at position p multiplied by 1 + log_scaling_alpha * ln(max((p + 1) /
+floor, 1)).
 
 Settings are read from the normalised config (families/inkling.py). Tensor parallelism splits the
 heads:
 q, k, v and r by their heads' rows, the convolutions' channels with k and v, o by columns (reduced);
-the
-profiles and the norms' scales are whole on every rank. The keys go through `step.attend` like every
-attention's, with the relative states and query positions beside the queries, so the bias is built
-over
-whichever keys a step attends (static or paged cache).
+the profiles and the norms' scales are whole on every rank. The keys go through `step.attend` like
+every attention's, with the relative states and query positions beside the queries, so the bias is
+built over whichever keys a step attends (static or paged cache).
 """
 
 from __future__ import annotations

@@ -1,32 +1,24 @@
 """Kimi delta attention (Kimi-Linear's KDA layers), a recurrent token mixer.
 
 Qwen3-Next's gated delta rule (model/gated_delta.py) with three differences: query, key and value
-come from
-separate q_proj, k_proj and v_proj, each through its own depthwise causal convolution (q_conv1d,
-k_conv1d,
-v_conv1d) and SiLU; the state decays per key channel, g = -exp(A_log) *
-softplus(f_b_proj(f_a_proj(x)) +
-dt_bias), A_log one number per head and dt_bias one per channel; and the read-out is RMS-normalised
-per head
-(o_norm) and gated by sigmoid(g_b_proj(g_a_proj(x))) before o_proj. Every head has its own key,
-value and
-state (num_heads of head_dim each); the write strength is sigmoid(b_proj(x)).
+come from separate q_proj, k_proj and v_proj, each through its own depthwise causal convolution
+(q_conv1d, k_conv1d, v_conv1d) and SiLU; the state decays per key channel, g = -exp(A_log) *
+softplus(f_b_proj(f_a_proj(x)) + dt_bias), A_log one number per head and dt_bias one per channel;
+and the read-out is RMS-normalised per head (o_norm) and gated by sigmoid(g_b_proj(g_a_proj(x)))
+before o_proj. Every head has its own key, value and state (num_heads of head_dim each); the write
+strength is sigmoid(b_proj(x)).
 
 GLM-5-Next keeps the narrow pairs but stores A_log [heads] (kda_a_log_per_head) and bounds the decay
-as below
-(kda_safe_gate). Ling 3.0 (bailing_hybrid; its normalisation sets kda_full_rank_gates) differs in
-three ways: the decay and the
-output gate come from one full-width projection each (f_proj, g_proj) instead of a narrow pair;
-A_log is stored
-[heads]; and under kda_safe_gate the decay is bounded, g = kda_lower_bound * sigmoid(exp(A_log) * (f
+as below (kda_safe_gate). Ling 3.0 (bailing_hybrid; its normalisation sets kda_full_rank_gates)
+differs in three ways: the decay and the output gate come from one full-width projection each
+(f_proj, g_proj) instead of a narrow pair; A_log is stored [heads]; and under kda_safe_gate the
+decay is bounded, g = kda_lower_bound * sigmoid(exp(A_log) * (f
 + dt_bias)).
 
 Tensor parallelism splits the heads as vLLM does: q/k/v, f_b, g_b and b projections are column
-shares by head,
-each convolution its own channels, dt_bias its heads' entries, o_proj its columns (the one
-reduction); the narrow f_a and g_a projections, the norm's scale and A_log (a number a head) are
-held
-whole.
+shares by head, each convolution its own channels, dt_bias its heads' entries, o_proj its columns
+(the one reduction); the narrow f_a and g_a projections, the norm's scale and A_log (a number a
+head) are held whole.
 """
 
 from __future__ import annotations

@@ -14,17 +14,13 @@ block looks the kind up here and builds it. A mixer is one of two sorts:
 - none: no token mixer, the block is its feed-forward alone behind its first norm (Nemotron-H's "-"
   layers);
 - both (Zamba2's hybrid layers, model/shared_block.py): keys and values of a shared attention block,
-  and a
-  Mamba-2 state, under the same layer index.
+  and a Mamba-2 state, under the same layer index.
 - Inkling's attention (model/inkling.py): keys and values like attention, and the windows of its
-  short
-  convolutions, each a state of its own under a (layer, name) key (model/residual_conv.py).
+  short convolutions, each a state of its own under a (layer, name) key (model/residual_conv.py).
 - side by side (`parts`): several of the kinds above on the same input, summed, each times the
-  multipliers
-  the config states under the part's keys (Falcon-H1's attention beside Mamba-2;
-  model/side_by_side.py).
-  Each part lives at its own site, so the layer keeps the keys of its attention and the state of its
-  scan.
+  multipliers the config states under the part's keys (Falcon-H1's attention beside Mamba-2;
+  model/side_by_side.py). Each part lives at its own site, so the layer keeps the keys of its
+  attention and the state of its scan.
 
 Every mixer takes global sizes and the ParallelCtx, and returns the full hidden width (its output
 projection reduces across tensor-parallel ranks). Its parameters live at the block's site for its

@@ -1,29 +1,21 @@
 """Lightning attention (MiniMax-Text-01's linear-attention layers), a recurrent token mixer.
 
 Per token: one projection (qkv_proj) through the activation gives each head its query, key and
-value, stored
-head by head (a head's query, key, value rows in turn). Each head keeps a [head_dim, head_dim] state
-S that
-decays by exp(-slope) per position and gains k^T v; the query reads it, o = q S. The slope of head h
-(from one)
-is 2^(-8 / heads)^h, scaled by 1 - layer / (layers - 1) + 1e-5 as Transformers computes it. The
-read-out of
-every head is RMS-normalised together (one norm over the whole width, epsilon 1e-6), multiplied by
-the
-sigmoid of output_gate(x) and projected back by out_proj.
+value, stored head by head (a head's query, key, value rows in turn). Each head keeps a [head_dim,
+head_dim] state S that decays by exp(-slope) per position and gains k^T v; the query reads it, o = q
+S. The slope of head h (from one) is 2^(-8 / heads)^h, scaled by 1 - layer / (layers - 1) + 1e-5 as
+Transformers computes it. The read-out of every head is RMS-normalised together (one norm over the
+whole width, epsilon 1e-6), multiplied by the sigmoid of output_gate(x) and projected back by
+out_proj.
 
 Tensor parallelism splits the heads as vLLM does: qkv_proj and output_gate are column shares by head
-(a head's
-rows are contiguous), the norm's scale its heads' entries, out_proj its columns (the one reduction
-of the
-output); the norm's statistic is a sum of squares over every head, so its local sums are all-reduced
-first.
+(a head's rows are contiguous), the norm's scale its heads' entries, out_proj its columns (the one
+reduction of the output); the norm's statistic is a sum of squares over every head, so its local
+sums are all-reduced first.
 
 The scan runs in f32 in blocks of block_size tokens (Transformers' intra- and inter-block form:
-within a
-block the decayed products q k^T, across blocks the state), a decode step being a block of one. Left
-padding
-reads as zeros and decays nothing, so a fresh row's state stays zero through it.
+within a block the decayed products q k^T, across blocks the state), a decode step being a block of
+one. Left padding reads as zeros and decays nothing, so a fresh row's state stays zero through it.
 """
 
 from __future__ import annotations
@@ -58,14 +50,11 @@ def lightning_scan(
     state: torch.Tensor,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs [n, heads, t, d] and the new state [n, heads, d, d] for queries, keys and values
-    [n, heads, t, d], log-decays [n, heads, t] (-slope, zero where a token leaves the state alone)
-    and the
-    state before them, all f32. Within a block of L tokens, with G_i the summed log-decay from its
-    start through
-    token i and S the state before it: o_i = exp(G_i) q_i S + sum_{j<=i} exp(G_i - G_j) (q_i . k_j)
-    v_j, and
-    the state after it exp(G_L) S + sum_j exp(G_L - G_j) k_j^T v_j."""
+    """Outputs [n, heads, t, d] and the new state [n, heads, d, d] for queries, keys and values [n,
+    heads, t, d], log-decays [n, heads, t] (-slope, zero where a token leaves the state alone) and
+    the state before them, all f32. Within a block of L tokens, with G_i the summed log-decay from
+    its start through token i and S the state before it: o_i = exp(G_i) q_i S + sum_{j<=i} exp(G_i -
+    G_j) (q_i . k_j) v_j, and the state after it exp(G_L) S + sum_j exp(G_L - G_j) k_j^T v_j."""
     t = v.shape[2]
     out = torch.empty_like(v)
     causal = torch.ones(min(block, t), min(block, t), dtype=torch.bool, device=v.device).tril()

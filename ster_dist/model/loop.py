@@ -2,16 +2,12 @@
 loop_schedule).
 
 A looped model's layers are every pass's, so each has its own cache slots and its own hook site
-(capture and
-steering), while its weights are a stored layer's, read once and held once (`tie_parameters`).
-Nanbeige's passes
-run its one stack again on the hidden state, the first pass's layers holding the weights. HRM-Text's
-run two
-stacks (low and high) on two states: a pass reads the states summed and its output replaces one of
-them. Its
-stacks are held apart from the layers (`Decoder.stacks`, `stacks.{stack}.{j}`), so the name map
-reads them
-whatever the schedule. The plan below is that schedule as per-layer data the decoder walks.
+(capture and steering), while its weights are a stored layer's, read once and held once
+(`tie_parameters`). Nanbeige's passes run its one stack again on the hidden state, the first pass's
+layers holding the weights. HRM-Text's run two stacks (low and high) on two states: a pass reads the
+states summed and its output replaces one of them. Its stacks are held apart from the layers
+(`Decoder.stacks`, `stacks.{stack}.{j}`), so the name map reads them whatever the schedule. The plan
+below is that schedule as per-layer data the decoder walks.
 """
 
 from __future__ import annotations

@@ -2,19 +2,14 @@
 queries.
 
 A looped model's layer of the first pass attends as plain attention. The same stored layer on a
-later pass
-(model/loop.py: loop_layers stored layers, every pass its own layers and cache slots) reads twice:
-globally,
-over the keys and values the first pass's layer stored (its cache, `attend_again`; no keys of its
-own go there),
-and locally, over its own pass's keys within the config's window (the layer's sliding window). Per
-head, a
-gate g = sigmoid(w_h . q_h + b_h) of the rotated query weighs them, g * global + (1 - g) * local,
-before the
-output projection. The gate's weight ([heads, head_dim]) and bias ([heads]) are the stored layer's,
-held by
-every pass's layer (the first never uses them) so passes tie alike, and split by heads under tensor
-parallelism like the queries.
+later pass (model/loop.py: loop_layers stored layers, every pass its own layers and cache slots)
+reads twice: globally, over the keys and values the first pass's layer stored (its cache,
+`attend_again`; no keys of its own go there), and locally, over its own pass's keys within the
+config's window (the layer's sliding window). Per head, a gate g = sigmoid(w_h . q_h + b_h) of the
+rotated query weighs them, g * global + (1 - g) * local, before the output projection. The gate's
+weight ([heads, head_dim]) and bias ([heads]) are the stored layer's, held by every pass's layer
+(the first never uses them) so passes tie alike, and split by heads under tensor parallelism like
+the queries.
 """
 
 from __future__ import annotations

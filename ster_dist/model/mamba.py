@@ -2,22 +2,17 @@
 Transformers' MambaMixer computes it on its torch path.
 
 One sequence's state is the causal convolution's last kernel - 1 inputs [channels, kernel - 1] and
-the
-scan's state [channels, state_size]. Every channel of the inner width runs its own recurrence, so
-tensor
-parallelism splits the inner width by channel as vLLM's MambaMixer does: the input projection's x
-and z
-halves are column-split, the convolution, dt_proj, A_log and D follow the rank's channels, x_proj is
-row-split over them (dt, B and C are summed across ranks, every channel needs them whole) and
-out_proj is
-row-split. Nothing else is exchanged.
+the scan's state [channels, state_size]. Every channel of the inner width runs its own recurrence,
+so tensor parallelism splits the inner width by channel as vLLM's MambaMixer does: the input
+projection's x and z halves are column-split, the convolution, dt_proj, A_log and D follow the
+rank's channels, x_proj is row-split over them (dt, B and C are summed across ranks, every channel
+needs them whole) and out_proj is row-split. Nothing else is exchanged.
 
 Settings are read from the family's normalised config (cfg.raw), under Jamba's key names:
 mamba_intermediate_size (the inner width), mamba_d_state, mamba_d_conv, mamba_dt_rank,
-mamba_conv_bias,
-mamba_proj_bias, and mamba_dt_norm: "none", "weightless" (Falcon Mamba's RMS norms of dt, B and C,
-at
-mixer_rms_eps) or "weighted" (Jamba's, at rms_norm_eps), with mamba_norm_eps their epsilon.
+mamba_conv_bias, mamba_proj_bias, and mamba_dt_norm: "none", "weightless" (Falcon Mamba's RMS norms
+of dt, B and C, at mixer_rms_eps) or "weighted" (Jamba's, at rms_norm_eps), with mamba_norm_eps
+their epsilon.
 """
 
 from __future__ import annotations

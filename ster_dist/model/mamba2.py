@@ -1,33 +1,22 @@
 """The Mamba-2 token mixer (Mamba2, Bamba, Nemotron-H's "M" layers), as Transformers' Mamba2Mixer
-computes it:
-in_proj to z, x, B, C and dt; a causal depthwise conv1d and SiLU over x, B and C; the SSD scan
-(layers/ssd_scan.py) with dt = clamp(softplus(dt + dt_bias)) and A = -exp(A_log); a gated RMS norm
-(x * silu(z), statistics per group of intermediate / n_groups channels); out_proj.
+computes it: in_proj to z, x, B, C and dt; a causal depthwise conv1d and SiLU over x, B and C; the
+SSD scan (layers/ssd_scan.py) with dt = clamp(softplus(dt + dt_bias)) and A = -exp(A_log); a gated
+RMS norm (x * silu(z), statistics per group of intermediate / n_groups channels); out_proj.
 
 Settings come from the normalised config under Bamba's names (each family's normalisation maps its
-own):
-mamba_n_heads, mamba_d_head, mamba_d_state, mamba_n_groups, mamba_d_conv, mamba_expand,
-mamba_conv_bias,
-mamba_proj_bias, mamba_hidden_act, time_step_limit, mamba_norm_eps (the gated norm's epsilon;
-default the
-model's). Falcon-H1's mixer
-adds four, which no other family states: mamba_out_proj_bias (out_proj's bias apart from in_proj's;
-default
-mamba_proj_bias), mamba_rms_norm false (no gated norm: the scan's output times silu(z)),
-mamba_norm_before_gate
-(the norm before the gate, norm(y) * silu(z); default false) and ssm_multipliers (five muP scales of
-in_proj's
-z, x, B, C and dt rows, applied to its output in forward so the checkpoint's in_proj stays as
-stored).
+own): mamba_n_heads, mamba_d_head, mamba_d_state, mamba_n_groups, mamba_d_conv, mamba_expand,
+mamba_conv_bias, mamba_proj_bias, mamba_hidden_act, time_step_limit, mamba_norm_eps (the gated
+norm's epsilon; default the model's). Falcon-H1's mixer adds four, which no other family states:
+mamba_out_proj_bias (out_proj's bias apart from in_proj's; default mamba_proj_bias), mamba_rms_norm
+false (no gated norm: the scan's output times silu(z)), mamba_norm_before_gate (the norm before the
+gate, norm(y) * silu(z); default false) and ssm_multipliers (five muP scales of in_proj's z, x, B, C
+and dt rows, applied to its output in forward so the checkpoint's in_proj stays as stored).
 
 Tensor parallelism splits as vLLM's MambaMixer2: heads (z, x, dt, A_log, D, dt_bias, the norm's
-scale) and
-their groups (B, C) go to ranks together, so with at least as many groups as ranks each rank holds
-whole
-groups. With fewer, every group is replicated on tp / n_groups ranks which split its heads; the
-gated norm's
-statistics of a group then add up the shares of the ranks holding it (one small all-reduce).
-The conv1d's channels follow x, B and C; out_proj is row-split.
+scale) and their groups (B, C) go to ranks together, so with at least as many groups as ranks each
+rank holds whole groups. With fewer, every group is replicated on tp / n_groups ranks which split
+its heads; the gated norm's statistics of a group then add up the shares of the ranks holding it
+(one small all-reduce). The conv1d's channels follow x, B and C; out_proj is row-split.
 """
 
 from __future__ import annotations
@@ -141,8 +130,7 @@ class Mamba2Settings:
 
 class Mamba2Shares:
     """This rank's heads [h0, h1) and groups [g0, g1) of one Mamba-2 layer, whole groups where there
-    are
-    enough (see the module docstring), else a share of one replicated group's heads."""
+    are enough (see the module docstring), else a share of one replicated group's heads."""
 
     def __init__(self, s: Mamba2Settings, ctx: ParallelCtx):
         tp, per_group = ctx.tp_size, s.heads // s.groups
@@ -275,8 +263,8 @@ class Mamba2Mixer(RecurrentMixer, ShardedModule):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMS norm of y * silu(z) over each group of inner / n_groups channels, times the scale
-        (or, as the
-        settings say, y * silu(z) alone, or the norm of y times the scale, then times silu(z))."""
+        (or, as the settings say, y * silu(z) alone, or the norm of y times the scale, then times
+        silu(z))."""
         s = self.settings
         gate = F.silu(z.float())
         if self.norm is None:

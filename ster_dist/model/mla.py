@@ -1,22 +1,17 @@
 """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) over this rank's heads, and its cache.
 
-The query comes from q_a_proj -> q_a_layernorm -> q_b_proj (or one q_proj without
-a query rank). kv_a_proj_with_mqa yields a kv_lora_rank-wide latent and a
-qk_rope_head_dim-wide key part shared by every head; the latent passes
-kv_a_layernorm and kv_b_proj, which yields each head's position-free key part
-and its value. Only the shared part and each query's last qk_rope_head_dim
-channels rotate (adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies
-every query by Llama 4's temperature at its absolute position. Ling 3.0 gates each head's output by
-sigmoid(g_proj(x)) (one number a head, split with the heads); HY V4 every output channel by
-sigmoid(linear_gate(x)), and adds a learned sink logit per head to every softmax (its share
-dropped).
-LongCat-Flash multiplies the query and the normed latent by sqrt(hidden_size / rank) of their
-bottlenecks.
+The query comes from q_a_proj -> q_a_layernorm -> q_b_proj (or one q_proj without a query rank).
+kv_a_proj_with_mqa yields a kv_lora_rank-wide latent and a qk_rope_head_dim-wide key part shared by
+every head; the latent passes kv_a_layernorm and kv_b_proj, which yields each head's position-free
+key part and its value. Only the shared part and each query's last qk_rope_head_dim channels rotate
+(adjacent pairs for DeepSeek, halves for MiniCPM3). Mistral Large 3 multiplies every query by Llama
+4's temperature at its absolute position. Ling 3.0 gates each head's output by sigmoid(g_proj(x))
+(one number a head, split with the heads); HY V4 every output channel by sigmoid(linear_gate(x)),
+and adds a learned sink logit per head to every softmax (its share dropped). LongCat-Flash
+multiplies the query and the normed latent by sqrt(hidden_size / rank) of their bottlenecks.
 DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa, hy_v4) narrows each query's keys to those its
-indexer
-chooses (model/indexer.py); "shared" layers have no indexer and reuse the choice of the last layer
-that has
-one, handed on through the step.
+indexer chooses (model/indexer.py); "shared" layers have no indexer and reuse the choice of the last
+layer that has one, handed on through the step.
 
 Under tensor parallelism the heads are split: q_b_proj (or q_proj) and kv_b_proj
 by their head rows, o_proj by its columns; the latent projections and norms are
@@ -30,18 +25,14 @@ step costs heads * slots * kv_lora_rank instead of slots * kv_lora_rank * heads 
 (qk_nope + v) (DeepSeek's own inference form; equal up to rounding).
 
 Dots3-Note's layers (its normalisation states the switches in the config) differ per layer: sliding
-layers have
-their own sizes (ModelConfig.mla_of), heads and scale and attend within their window; every layer
-norms the
-shared key part before it rotates (k_rope_norm), scales both normed latents by sqrt(hidden / rank)
-(mla_lora_rescale; the indexer reads the scaled query latent) and norms its latents with the
-config's epsilon.
+layers have their own sizes (ModelConfig.mla_of), heads and scale and attend within their window;
+every layer norms the shared key part before it rotates (k_rope_norm), scales both normed latents by
+sqrt(hidden / rank) (mla_lora_rescale; the indexer reads the scaled query latent) and norms its
+latents with the config's epsilon.
 
 A layer with an indexer caches the indexer's key (index_head_dim wide, whole on every rank;
-GLM-5-Next's pooled
-indexer also its gate logits, model/pooled_indexer.py) after the shared
-rotated key part in its value slot: both caches keep it without a store of their own, in the same
-blocks.
+GLM-5-Next's pooled indexer also its gate logits, model/pooled_indexer.py) after the shared rotated
+key part in its value slot: both caches keep it without a store of their own, in the same blocks.
 """
 
 from __future__ import annotations
@@ -204,8 +195,7 @@ class LatentAttention(nn.Module):
 
     def _attend_latent(self, pos, q, latent, k_rot, mask, key_pos) -> torch.Tensor:
         """[b, heads, t, v_head_dim]: one-token steps in the latent space (no per-key expansion),
-        longer ones
-        with each key's heads expanded from the latent."""
+        longer ones with each key's heads expanded from the latent."""
         q_nope, q_rot = q[:2]
         if self.indexer is not None:
             k_rot, index_keys = k_rot.split([self.rope_dim, self.indexer.cache_width], dim=-1)
@@ -234,9 +224,8 @@ class LatentAttention(nn.Module):
 
     def latent_terms(self) -> tuple | None:
         """(scale, kv_b's key half [heads, nope, rank], its value half [heads, v, rank], sinks or
-        None) where the
-        Triton MLA decode (model/triton_attend.py) may attend in this layer's place: no indexer
-        choosing keys."""
+        None) where the Triton MLA decode (model/triton_attend.py) may attend in this layer's place:
+        no indexer choosing keys."""
         if self.indexer is not None or self.shares_choice:
             return None
         w = self.kv_b.plain().view(self.local_heads, self.nope + self.v_dim, self.rank)
@@ -264,8 +253,7 @@ class LatentAttention(nn.Module):
 
     def _probs(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The softmax over each query's allowed keys in f32, with the head's sink logit beside them
-        when it has
-        one (its share dropped)."""
+        when it has one (its share dropped)."""
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         if self.sinks is None:

@@ -1,33 +1,25 @@
 """Multi-token-prediction (MTP) layers, as a draft model over the decoder they follow.
 
 DeepSeek-V3's MTP layer k (stored as layer num_layers + k: enorm, hnorm, eh_proj, a whole decoder
-layer,
-shared_head.norm and shared_head.head; its embed_tokens is a copy of the model's, never read)
-predicts token t+2
-from the model's hidden state at t and the embedding of token t+1:
+layer, shared_head.norm and shared_head.head; its embed_tokens is a copy of the model's, never read)
+predicts token t+2 from the model's hidden state at t and the embedding of token t+1:
 
     x = eh_proj([enorm(embed(t+1)); hnorm(h_t)]);  y = block(x);  logits =
     shared_head.head(shared_head.norm(y))
 
 GLM-4.5 stores and runs its layer the same way. MiMo's (model.mtp_layers.{k}: token_layernorm,
-hidden_layernorm,
-input_proj, a Qwen2 block, final_layernorm) reads [h; e] in that order, ends in its final_layernorm
-and scores
-with the model's own lm_head (vLLM's mimo_mtp); the family's MTPSpec (families/spec.py) says which.
-Here the
-parts keep DeepSeek's names whatever the checkpoint calls them.
+hidden_layernorm, input_proj, a Qwen2 block, final_layernorm) reads [h; e] in that order, ends in
+its final_layernorm and scores with the model's own lm_head (vLLM's mimo_mtp); the family's MTPSpec
+(families/spec.py) says which. Here the parts keep DeepSeek's names whatever the checkpoint calls
+them.
 
 h_t is the model's final-norm output (what its head reads), as vLLM reads it, and the embedding of
-the row at
-position 0 is zeroed, as vLLM and SGLang run the layer; chaining a second draft feeds the layer's
-output back as
-h (after the out norm where the layer ends in it, MiMo). The layer is sharded like any decoder layer
-(its Block
-built with the same ParallelCtx) and keeps its own paged cache: `layers` lists num_layers absent
-layers before
-it, so its attention writes the cache slot of its own index, and PagedCache sizes only its keys.
-Only the first
-MTP layer drafts (DeepSeek-V3 publishes one); later ones are refused where the config states them.
+the row at position 0 is zeroed, as vLLM and SGLang run the layer; chaining a second draft feeds the
+layer's output back as h (after the out norm where the layer ends in it, MiMo). The layer is sharded
+like any decoder layer (its Block built with the same ParallelCtx) and keeps its own paged cache:
+`layers` lists num_layers absent layers before it, so its attention writes the cache slot of its own
+index, and PagedCache sizes only its keys. Only the first MTP layer drafts (DeepSeek-V3 publishes
+one); later ones are refused where the config states them.
 """
 
 from __future__ import annotations
@@ -55,8 +47,7 @@ from ster_dist.parallel.linear import Replicated, VocabHead, module_shards
 
 def mtp_rules(mtp: MTPSpec) -> tuple[Rule, ...]:
     """The MTP layer's own tensors, as the loader presents them (at model.layers.{i}, shard/mtp.py),
-    under the
-    family's part names; its decoder layer's follow the family's rules at index {i}."""
+    under the family's part names; its decoder layer's follow the family's rules at index {i}."""
     parts = {
         "enorm": mtp.token_norm,
         "hnorm": mtp.hidden_norm,
@@ -79,8 +70,8 @@ _MTP_LAYER_KINDS = {"layer_types": "full_attention", "mlp_layer_types": "sparse"
 
 def mtp_config(cfg: ModelConfig, raw: dict) -> ModelConfig:
     """The model's config read with its MTP layer counted as a decoder layer, so that the layer's
-    kinds, rotation
-    and experts are those its index states (DeepSeek-V3's: latent attention and routed experts)."""
+    kinds, rotation and experts are those its index states (DeepSeek-V3's: latent attention and
+    routed experts)."""
     if cfg.mtp_layers != 1:
         raise Refusal(
             f"the config states {cfg.mtp_layers} MTP layers; speculative decoding drafts with exactly one "
@@ -124,8 +115,7 @@ class _Head(nn.Module):
 
 class MTPDraft(Anchored):
     """The first MTP layer of a model on this rank; `main` (the loaded Decoder) lends its embedding
-    and rotary
-    tables. forward_paged runs it over a packed step like the decoder's."""
+    and rotary tables. forward_paged runs it over a packed step like the decoder's."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelCtx, index: int):
         super().__init__()
@@ -153,8 +143,8 @@ class MTPDraft(Anchored):
         cache: PagedCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's output [tokens, hidden], logits [len(chunks), vocab] at each chunk's last
-        token) for
-        packed ids [tokens] (token t+1 of each position) and hidden [tokens, hidden] (h_t there)."""
+        token) for packed ids [tokens] (token t+1 of each position) and hidden [tokens, hidden] (h_t
+        there)."""
         head, layout = self.mtp[str(self.index)], self.cfg.spec.mtp
         step = PagedStep(chunks, cache, main.tables, ids, main.device)
         ids = upload(ids, main.device)

@@ -1,40 +1,28 @@
 """A decode step of plain Llama- or Gemma-shaped layers as one call into C++ (kernels/stack.cpp), in
-place of the
-compiled graph's, where every layer of the model is that shape.
+place of the compiled graph's, where every layer of the model is that shape.
 
 Compiled, a one-token step's products read at copy bandwidth, yet between them the graph's Python
-wrapper, the
-dispatcher and allocations took a quarter of a step (bench/README.md): per layer four generated
-loops, four product
-calls, attention and a dozen views. `stack_step` runs the same chain in C++: the same product and
-attention
-functions the graph calls, and the elementwise work as inductor generates it, so a row's logits are
-the same bits
-either way (a request does not read other logits for having stepped alone rather than beside a
-prompt's chunk).
+wrapper, the dispatcher and allocations took a quarter of a step (bench/README.md): per layer four
+generated loops, four product calls, attention and a dozen views. `stack_step` runs the same chain
+in C++: the same product and attention functions the graph calls, and the elementwise work as
+inductor generates it, so a row's logits are the same bits either way (a request does not read other
+logits for having stepped alone rather than beside a prompt's chunk).
 
 Plain means: an RMS norm over a scale (or over an offset from one, Gemma's) before attention and
-before the
-feed-forward, and after both or neither (Gemma 3's and GLM-4's sandwich, no bias or multiplier
-before those), or
-only after both (OLMo 2's); attention with q, k and v fused into one product, rotated (by halves or
-pairs, each
-layer by its own tables) or not (SmolLM3's unrotated layers), queries and keys normed before the
-rotation head by
-head (Qwen3, Gemma 3), over each whole projection (OLMo 2) or not at all (Llama), no gate, clipping,
-temperature or shared keys, and the decode plan covering it
-(model/compiled.py's `decode_plans`: softmax, soft-capped or not (Gemma 2), over every earlier key,
-a sliding
-window's or a chunk's); a SiLU- or GELU(tanh)-gated feed-forward with gate and up fused, nothing
-clamped or scaled
-inside; each sublayer's output biased or not, scaled or not (Granite's residual multiplier); f32 or
-bf16 weights
-on one rank; inductor's vectors as wide as this build's. `why_not(model)` says which layer fails and
-why.
+before the feed-forward, and after both or neither (Gemma 3's and GLM-4's sandwich, no bias or
+multiplier before those), or only after both (OLMo 2's); attention with q, k and v fused into one
+product, rotated (by halves or pairs, each layer by its own tables) or not (SmolLM3's unrotated
+layers), queries and keys normed before the rotation head by head (Qwen3, Gemma 3), over each whole
+projection (OLMo 2) or not at all (Llama), no gate, clipping, temperature or shared keys, and the
+decode plan covering it (model/compiled.py's `decode_plans`: softmax, soft-capped or not (Gemma 2),
+over every earlier key, a sliding window's or a chunk's); a SiLU- or GELU(tanh)-gated feed-forward
+with gate and up fused, nothing clamped or scaled inside; each sublayer's output biased or not,
+scaled or not (Granite's residual multiplier); f32 or bf16 weights on one rank; inductor's vectors
+as wide as this build's. `why_not(model)` says which layer fails and why.
 
 A step takes this way only when the compiled step has a decode plan (every row decodes one token)
-covering every
-layer and no projection carries an adapter; anything else runs through the graphs as before.
+covering every layer and no projection carries an adapter; anything else runs through the graphs as
+before.
 """
 
 from __future__ import annotations
@@ -72,10 +60,8 @@ _NONE = torch.empty(0)  # an absent bias, as the operator's Tensor[] takes it
 
 def _plain_norm(norm, heads: bool = False, whole: bool = False) -> bool:
     """An RMS norm over a scale in the model's dtype, or over an offset from one (Gemma's): over the
-    hidden
-    width, (`heads`) over each head's width with one scale for every head, or (`whole`) over a whole
-    projection
-    (on one rank, where it is not split)."""
+    hidden width, (`heads`) over each head's width with one scale for every head, or (`whole`) over
+    a whole projection (on one rank, where it is not split)."""
     return (
         type(norm) is Norm
         and norm.kind == "rms"
@@ -91,8 +77,7 @@ def _plain_norm(norm, heads: bool = False, whole: bool = False) -> bool:
 
 def _plain_head_norms(attn) -> bool:
     """No query or key norms, or Qwen3's and Gemma 3's (each head normed before its rotation) or
-    OLMo 2's (each
-    whole projection normed before it), the keys' like the queries'."""
+    OLMo 2's (each whole projection normed before it), the keys' like the queries'."""
     if attn.q_norm is None:
         return True
     q, k, per_head = attn.q_norm, attn.k_norm, attn.per_head_norm
@@ -148,8 +133,7 @@ def _why_not_mlp(mlp) -> str | None:
 
 def _why_not_post_norms(block) -> str | None:
     """None where the block norms neither sublayer's output, or both by plain norms of one eps
-    (Gemma 3's
-    sandwich) without a bias or multiplier before them."""
+    (Gemma 3's sandwich) without a bias or multiplier before them."""
     post = (block.post_attn_norm, block.post_mlp_norm)
     if post == (None, None):
         return None
@@ -231,8 +215,7 @@ def why_not(model) -> str | None:
 
 def _source(block, path: str, name: str) -> tuple[dict, str] | None:
     """Where the tensor `name` of the module at `path` from the block lives: (its module's parameter
-    or buffer
-    dict, name), or None where there is no such module (no q norm) or tensor (no bias)."""
+    or buffer dict, name), or None where there is no such module (no q norm) or tensor (no bias)."""
     module = block
     for part in path.split("."):
         module = getattr(module, part, None)
@@ -261,10 +244,8 @@ def _inductor_lanes() -> int:
 
 def _numbers(block) -> tuple[float, ...]:
     """stack_step's numbers of a layer: eps and offset of its norm before attention, before the
-    feed-forward and
-    of the heads'; the multiplier of each sublayer's output; eps of the norms after the sublayers
-    and the offset of
-    each (0 where a layer has no such norm)."""
+    feed-forward and of the heads'; the multiplier of each sublayer's output; eps of the norms after
+    the sublayers and the offset of each (0 where a layer has no such norm)."""
     heads, post = block.token_mixer.q_norm, (block.post_attn_norm, block.post_mlp_norm)
     pre = (block.attn_norm, block.mlp_norm)
     return (
@@ -325,8 +306,7 @@ class NativeStack:
 
     def takes(self, planned: list[float]) -> bool:
         """Whether this step may run here: its decode plan (push_plan's scales) covers every layer
-        and no
-        projection carries an adapter (attached since the stack was built)."""
+        and no projection carries an adapter (attached since the stack was built)."""
         return all(planned[i] > 0 for i in self.layers) and not any(self.adapters)
 
     def run(self, h: torch.Tensor, step) -> torch.Tensor:

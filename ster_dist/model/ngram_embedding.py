@@ -1,25 +1,18 @@
 """Hashed n-gram embeddings beside the token embedding (LongCat-Flash-Lite's ngram_embeddings).
 
 For each n-gram order o from 2 to `neighbors` and each of `splits` tables, the token and the o - 1
-tokens before
-it hash to (token + sum_d previous_d * (vocab^d mod rows)) mod rows in table (o - 2) * splits + j,
-whose rows
-the config states (NgramConfig.rows); the row found passes that table's post projection (width ->
-hidden), and
-the token embedding and every projection are averaged. A token before the start of its run counts as
-zero: a run
-starts at a sequence's first token and after each of NgramConfig.breaks (the config's eos_token_id).
+tokens before it hash to (token + sum_d previous_d * (vocab^d mod rows)) mod rows in table (o - 2) *
+splits + j, whose rows the config states (NgramConfig.rows); the row found passes that table's post
+projection (width -> hidden), and the token embedding and every projection are averaged. A token
+before the start of its run counts as zero: a run starts at a sequence's first token and after each
+of NgramConfig.breaks (the config's eos_token_id).
 
 Across steps each sequence keeps its last neighbors - 1 tokens as a recurrent state of its own
-(`state_key`),
-which the static cache and the paged cache's state slots hold like a recurrent layer's
-(model/paged.py gathers
-every module that has one). The state holds token + 1 (0: before the run) as three base-256 digits,
-so any float
-dtype the cache keeps holds it exactly. Under tensor parallelism each table's rows are split like
-the vocab
-embedding's; the projections are replicated, and the projected sum of the rank's rows is all-reduced
-once.
+(`state_key`), which the static cache and the paged cache's state slots hold like a recurrent
+layer's (model/paged.py gathers every module that has one). The state holds token + 1 (0: before the
+run) as three base-256 digits, so any float dtype the cache keeps holds it exactly. Under tensor
+parallelism each table's rows are split like the vocab embedding's; the projections are replicated,
+and the projected sum of the rank's rows is all-reduced once.
 """
 
 from __future__ import annotations
@@ -100,8 +93,7 @@ class NgramEmbedding(torch.nn.Module):
 
     def _local(self, table: VocabEmbedding, ids: torch.Tensor) -> torch.Tensor:
         """This rank's rows of `table` for ids (zero where another rank holds the row): the
-        all-reduce of the
-        projected sum completes them."""
+        all-reduce of the projected sum completes them."""
         if self.ctx.tp_size == 1:
             return F.embedding(ids, table.weight)
         local = ids - table.start
@@ -117,10 +109,9 @@ class NgramEmbedding(torch.nn.Module):
         self, x: torch.Tensor, valid: torch.Tensor | None, state: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """x: token + 1 as digits [rows, seq, 3]; returns each token and the neighbors - 1 tokens
-        before it
-        [rows, seq, neighbors] (zero before its run), and the last neighbors - 1 of them as the new
-        state. A
-        padding token (left padding, before a row's first) counts as before the run."""
+        before it [rows, seq, neighbors] (zero before its run), and the last neighbors - 1 of them
+        as the new state. A padding token (left padding, before a row's first) counts as before the
+        run."""
         current = _decode(x)
         if valid is not None:
             current = current.masked_fill(~valid, 0)

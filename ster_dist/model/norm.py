@@ -1,15 +1,11 @@
 """Norms: RMSNorm and LayerNorm, with or without bias, scales stored as-is or as an offset from one.
 
 An RMS norm scales in the input's dtype after casting back (Llama), or in f32 before it
-(`scale_f32`:
-Gemma 3n; a scale stored as an offset from one is always applied in f32). `heads` > 0 normalises
-each head_dim
-slice separately (per-head query/key norms); `groups` > 1 normalises each of that many equal slices
-of the
-width apart before the one stored scale (K2-Horizon's grouped norms);
-per_head_weight gives each head its own scale ([heads, head_dim]). A norm over a
-projection split across ranks (OLMo 2's whole-projection query/key norm) sums its
-statistics over the ranks.
+(`scale_f32`: Gemma 3n; a scale stored as an offset from one is always applied in f32). `heads` > 0
+normalises each head_dim slice separately (per-head query/key norms); `groups` > 1 normalises each
+of that many equal slices of the width apart before the one stored scale (K2-Horizon's grouped
+norms); per_head_weight gives each head its own scale ([heads, head_dim]). A norm over a projection
+split across ranks (OLMo 2's whole-projection query/key norm) sums its statistics over the ranks.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The paged KV cache: per layer, this rank's keys and values in fixed-size blocks that the driver
-hands
-to sequences, and Chunk, one sequence's share of a paged step.
+hands to sequences, and Chunk, one sequence's share of a paged step.
 
 A sequence's keys live in the blocks of its block table, position p in block p // block_size at
-offset
-p % block_size, so a key's slot within the gathered table is its position. Block ids are the
-driver's and
-the same on every rank; each rank stores only its own key-value heads (or, for latent attention, the
-latent and the shared rotated key part, which every rank holds whole), so tensor parallelism needs
-no
-exchange of keys. `model` is a Decoder, typed as a module: the decoder imports this one.
+offset p % block_size, so a key's slot within the gathered table is its position. Block ids are the
+driver's and the same on every rank; each rank stores only its own key-value heads (or, for latent
+attention, the latent and the shared rotated key part, which every rank holds whole), so tensor
+parallelism needs no exchange of keys. `model` is a Decoder, typed as a module: the decoder imports
+this one.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ class Chunk:
 
 def _slot_shapes(model: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
     """Per layer, the (heads, width) one position's key and value take on this rank; None where the
-    layer
-    keeps no keys (a recurrent layer)."""
+    layer keeps no keys (a recurrent layer)."""
     return [getattr(block.token_mixer, "kv_shape", None) for block in model.layers]
 
 
@@ -49,8 +45,7 @@ def state_shapes(model: nn.Module) -> dict[int | tuple[int, str], tuple[tuple[in
     """Per recurrent layer (its index), and per module keeping a state of its own within a layer
     (its
     `state_key`: Inkling's short convolutions, model/residual_conv.py), the shapes of one sequence's
-    state
-    on this rank."""
+    state on this rank."""
     shapes = {
         i: block.token_mixer.state_shapes()
         for i, block in enumerate(model.layers)
@@ -65,10 +60,9 @@ def state_shapes(model: nn.Module) -> dict[int | tuple[int, str], tuple[tuple[in
 
 class PagedCache:
     """Per attention layer, this rank's keys and values in fixed-size blocks: [num_blocks,
-    block_size, local_kv_heads,
-    head_dim] (latent attention: the normed latent [num_blocks, block_size, 1, kv_lora_rank] and the
-    rotated shared
-    key part [num_blocks, block_size, 1, rope_dim], one shared "head" each); per recurrent layer,
+    block_size, local_kv_heads, head_dim] (latent attention: the normed latent [num_blocks,
+    block_size, 1, kv_lora_rank] and the rotated shared key part [num_blocks, block_size, 1,
+    rope_dim], one shared "head" each); per recurrent layer,
     `state_slots`
     sequences' states, [state_slots, *shape] each, a slot per running sequence (Chunk.state)."""
 
@@ -132,8 +126,7 @@ class PagedCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the keys and values [1, heads, tokens, width] of packed tokens at flat slots
-        [tokens]
-        (block * block_size + offset)."""
+        [tokens] (block * block_size + offset)."""
         for store, x in ((self.keys[layer], k), (self.values[layer], v)):
             flat = store.view(-1, *store.shape[2:])
             flat.index_copy_(
@@ -142,8 +135,7 @@ class PagedCache:
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [sequences, heads, blocks * block_size, width] of block tables
-        [sequences, blocks];
-        slot i of a row holds that sequence's position i."""
+        [sequences, blocks]; slot i of a row holds that sequence's position i."""
         return self._read(self.keys[layer], table), self._read(self.values[layer], table)
 
     @staticmethod

@@ -1,19 +1,13 @@
 """PagedStep: what every layer of one packed step over a PagedCache shares, as StepState is for the
-static
-cache: positions of the packed tokens, their cache slots, rotary tables, and how attention splits
-the
-packed tokens by sequence.
+static cache: positions of the packed tokens, their cache slots, rotary tables, and how attention
+splits the packed tokens by sequence.
 
 Token-wise layers see the step's tokens packed as [1, tokens, hidden], so no sequence is padded to
-the
-longest. Only attention needs them by sequence: each attend call gathers its sequences' keys from
-their
-block tables and runs the layer's own attention over them. One-token chunks (decodes) share one
-call,
-one query each, their tables padded with the null block to the longest; every longer chunk (prefill)
-gets
-its own call, so no query is padding and the key padding is bounded by the decodes' spread of
-lengths.
+the longest. Only attention needs them by sequence: each attend call gathers its sequences' keys
+from their block tables and runs the layer's own attention over them. One-token chunks (decodes)
+share one call, one query each, their tables padded with the null block to the longest; every longer
+chunk (prefill) gets its own call, so no query is padding and the key padding is bounded by the
+decodes' spread of lengths.
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ from ster_dist.model.triton_attend import attend_group, triton_terms
 
 class _AttendGroup:
     """Sequences that share one attend call: their queries' packed indices and block tables [n,
-    blocks] (on the
-    device), query positions [n, queries] (the host's, model/host.py); masks by window, built on
-    first use."""
+    blocks] (on the device), query positions [n, queries] (the host's, model/host.py); masks by
+    window, built on first use."""
 
     def __init__(
         self,
@@ -93,10 +86,8 @@ class _AttendGroup:
 
     def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor | None:
         """[n, 1, queries, keys] of allowed pairs (causal within the sequence, inside the window and
-        the
-        query's chunk), or None when every key is allowed. Causality alone excludes the padding
-        slots: they
-        lie past every query."""
+        the query's chunk), or None when every key is allowed. Causality alone excludes the padding
+        slots: they lie past every query."""
         if (window, chunk) not in self._masks:
             key_pos = self._key_pos[:, None, :]
             distance = self.query_pos.unsqueeze(2) - key_pos
@@ -116,8 +107,7 @@ class _AttendGroup:
         self, window: int | None, chunk: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For sequences of one query each: [n] first and [n] one-past-last positions of the keys
-        its mask
-        allows (causal, inside the window and the query's chunk), the mask as a range."""
+        its mask allows (causal, inside the window and the query's chunk), the mask as a range."""
         if (window, chunk) not in self._ranges:
             pos = self.query_pos[:, 0]
             first = torch.zeros_like(pos)
@@ -142,8 +132,7 @@ class PagedStep:
         device: torch.device | None = None,
     ):
         """Everything is built from the chunks on the host and what the layers read goes to `device`
-        (ids' own
-        by default) once: no decision here reads the device (model/host.py)."""
+        (ids' own by default) once: no decision here reads the device (model/host.py)."""
         if not chunks:
             raise ValueError("a paged step needs at least one chunk")
         total = sum(c.length for c in chunks)
@@ -229,8 +218,7 @@ class PagedStep:
         chunks: list[Chunk], offsets: list[int], device
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Chunks of one length scan together: (packed token indices [n, length], state slots [n],
-        which of
-        them start their sequence [n], or None where none does)."""
+        which of them start their sequence [n], or None where none does)."""
         by_length: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             if c.state < 0:
@@ -254,12 +242,10 @@ class PagedStep:
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for packed x [1, tokens, hidden]: scan(x, None, state) -> (y,
-        state) per
-        group of sequences with as many new tokens, each sequence's state read from and written back
-        to its
-        slot (a sequence's first chunk starts from fresh state). No token is padding. y may be of
-        another
-        width and dtype than x (the n-gram embedding's scan turns token digits into token ids)."""
+        state) per group of sequences with as many new tokens, each sequence's state read from and
+        written back to its slot (a sequence's first chunk starts from fresh state). No token is
+        padding. y may be of another width and dtype than x (the n-gram embedding's scan turns token
+        digits into token ids)."""
         stored = self.cache.states[layer]
         out = None
         for tokens, slots, starts in self._scans:
@@ -289,12 +275,12 @@ class PagedStep:
         keep: bool = False,
     ) -> torch.Tensor:
         """Store the packed tokens' keys and values [1, heads, tokens, width], then fn(q, keys,
-        values, mask,
-        key_positions) per group over its sequences' gathered keys (within `window` and the query's
+        values, mask, key_positions) per group over its sequences' gathered keys (within `window`
+        and the query's
         `chunk`);
         outputs packed [1, heads, tokens, width]. k and v None: attend `layer`'s stored keys and
-        values
-        (Gemma 3n's shared layers); `keep` needs nothing here, the cache holding every layer's."""
+        values (Gemma 3n's shared layers); `keep` needs nothing here, the cache holding every
+        layer's."""
         if k is not None:
             self.cache.write(layer, self.slots, k, v)
         return self._each_group(layer, q, fn, window, chunk, (k if k is not None else q).dtype)
@@ -305,9 +291,8 @@ class PagedStep:
 
     def attend_again(self, layer: int, q: torch.Tensor, fn, fresh=None) -> torch.Tensor:
         """fn(q, keys, values, causal mask, key_positions) per group over the keys an earlier layer
-        of this step
-        stored in the cache (a looped model's first pass, model/loop_attention.py); outputs packed
-        like attend's."""
+        of this step stored in the cache (a looped model's first pass, model/loop_attention.py);
+        outputs packed like attend's."""
         return self._each_group(layer, q, fn, None, None, q.dtype)
 
     def _each_group(
@@ -390,8 +375,8 @@ class PagedStep:
     @functools.cached_property
     def key_reach(self) -> int:
         """One past the largest key position any attend call of this step sees (a group's gathered
-        table, padding
-        included, holds positions 0 .. its width in slots): StepState.key_reach, from the host."""
+        table, padding included, holds positions 0 .. its width in slots): StepState.key_reach, from
+        the host."""
         return max(group.table.shape[1] for group in self.groups) * self.cache.block_size
 
     def decode_plan(
@@ -400,8 +385,7 @@ class PagedStep:
         """ster_kernels::push_plan's arguments where this step is decodes only, the cache in
         `dtype`: layer i
         planned where scales[i] > 0 (compiled.decode_plans), within its window and chunk and under
-        its soft cap
-        (`ranges`, compiled.decode_ranges); None otherwise."""
+        its soft cap (`ranges`, compiled.decode_ranges); None otherwise."""
         if len(self.groups) != 1:
             return None
         group = self.groups[0]

@@ -1,27 +1,20 @@
 """Per-layer inputs (Gemma 3n; Gemma 4's E models): a second, narrow input for every layer, made
-once per step
-from the tokens and their embedding, and the gate through which a Gemma 4 layer adds its own to its
-output
-(Gemma 3n adds it to AltUp's copies instead, model/altup.py).
+once per step from the tokens and their embedding, and the gate through which a Gemma 4 layer adds
+its own to its output (Gemma 3n adds it to AltUp's copies instead, model/altup.py).
 
 PerLayerInputs (the decoder's, for both families): the token's row of embed_tokens_per_layer (ids
-past the
-table read row 0) times sqrt(width), plus per_layer_model_projection of the scaled embedding times
-1/sqrt(hidden) through per_layer_projection_norm, the sum times 2^-0.5: [..., layers, width], as
-Transformers' Gemma3nTextModel and Gemma4TextModel round them. Token-wise, so the whole read, the
-cached and
-the paged steps compute the same; the step carries the result (`step.per_layer_inputs`) and hands
-each layer its
-own (`step.layer_input(layer)`; a compiled step's TracedStep holds its layer's alone,
-model/compiled.py). The
-token table is split over tensor-parallel ranks by rows, as the embedding is.
+past the table read row 0) times sqrt(width), plus per_layer_model_projection of the scaled
+embedding times 1/sqrt(hidden) through per_layer_projection_norm, the sum times 2^-0.5: [...,
+layers, width], as Transformers' Gemma3nTextModel and Gemma4TextModel round them. Token-wise, so the
+whole read, the cached and the paged steps compute the same; the step carries the result
+(`step.per_layer_inputs`) and hands each layer its own (`step.layer_input(layer)`; a compiled step's
+TracedStep holds its layer's alone, model/compiled.py). The token table is split over
+tensor-parallel ranks by rows, as the embedding is.
 
 PerLayerGate (a Gemma 4 block's): per_layer_input_gate, the activation, times the layer's input,
 per_layer_projection and post_per_layer_input_norm, added to the block's output. The gate's width is
-split
-over tensor-parallel ranks like a feed-forward's (column- then row-parallel), each rank reading its
-share of
-the layer's input.
+split over tensor-parallel ranks like a feed-forward's (column- then row-parallel), each rank
+reading its share of the layer's input.
 """
 
 from __future__ import annotations

@@ -2,25 +2,18 @@
 single keys.
 
 Every index_kpool consecutive positions (from a sequence's first token) form one pool. A pool's key
-is the
-softmax-weighted sum of its tokens' indexer keys, the weights per channel
+is the softmax-weighted sum of its tokens' indexer keys, the weights per channel
 softmax(index_kpool_compress_gate . x
 + index_kpool_compress_ape[offset in the pool]) over the pool's tokens. A query scores every pool
-that has
-closed at or before it as model/indexer.py scores single keys (sum_h weight_h * relu(q_h . key /
-sqrt(d)), in
-f32) and keeps its index_topk / index_kpool best; under index_kpool_always_select_tail it also sees
-every key of
-its own unfinished pool. The layer then attends those keys only. With qk_rope_head_dim 0 nothing
-rotates here.
+that has closed at or before it as model/indexer.py scores single keys (sum_h weight_h * relu(q_h .
+key / sqrt(d)), in f32) and keeps its index_topk / index_kpool best; under
+index_kpool_always_select_tail it also sees every key of its own unfinished pool. The layer then
+attends those keys only. With qk_rope_head_dim 0 nothing rotates here.
 
 Each token's indexer key and its gate logits ride in the latent attention's cache slot
-(model/mla.py), so both
-caches keep them and the pools are rebuilt from them at every step: a decode step chooses as the
-whole read
-does. Pools follow key positions, so the static cache's left padding and the paged cache's unused
-slots
-(positions no query has reached) never join one.
+(model/mla.py), so both caches keep them and the pools are rebuilt from them at every step: a decode
+step chooses as the whole read does. Pools follow key positions, so the static cache's left padding
+and the paged cache's unused slots (positions no query has reached) never join one.
 """
 
 from __future__ import annotations

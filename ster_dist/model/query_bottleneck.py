@@ -1,14 +1,10 @@
 """Attention whose query passes a bottleneck (Step3's text decoder): the hidden state is narrowed
-through
-q_down to `ModelConfig.query_bottleneck` channels, RMS-normed there, and widened by q to every head;
-keys and
-values are projected from the hidden state as in plain attention.
+through q_down to `ModelConfig.query_bottleneck` channels, RMS-normed there, and widened by q to
+every head; keys and values are projected from the hidden state as in plain attention.
 
 The narrow projection and its norm are small and feed every head, so each tensor-parallel rank holds
-them
-whole; q is column-parallel over the rank's heads like plain attention's. The rest of the layer
-(rotation,
-cache, masks, output) is model/attention.py's.
+them whole; q is column-parallel over the rank's heads like plain attention's. The rest of the layer
+(rotation, cache, masks, output) is model/attention.py's.
 """
 
 from __future__ import annotations

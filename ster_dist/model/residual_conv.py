@@ -1,16 +1,12 @@
 """The residual short convolution (Inkling's k_sconv, v_sconv, attn_sconv, mlp_sconv): its input
-plus a
-depthwise causal convolution of it, computed in f32, continued across steps by each sequence's
-window of
-its last kernel - 1 inputs.
+plus a depthwise causal convolution of it, computed in f32, continued across steps by each
+sequence's window of its last kernel - 1 inputs.
 
 Each one keeps its window as a recurrent state of its own under `state_key` ((layer, name)), which
-the
-static cache and the paged cache's state slots hold beside the layer's keys (model/paged.py gathers
-every
-module that has one), so one layer may convolve at several points of its block. Channels are split
-with
-the projection they convolve (`rows`), or held whole where the input is the full hidden state.
+the static cache and the paged cache's state slots hold beside the layer's keys (model/paged.py
+gathers every module that has one), so one layer may convolve at several points of its block.
+Channels are split with the projection they convolve (`rows`), or held whole where the input is the
+full hidden state.
 """
 
 from __future__ import annotations

@@ -1,37 +1,26 @@
 """Zamba2's hybrid layer (the "mamba2_shared_block" kind): a transformer block several layers share,
-then a
-Mamba-2 layer (model/mamba2.py), as Transformers' Zamba2HybridLayer computes them.
+then a Mamba-2 layer (model/mamba2.py), as Transformers' Zamba2HybridLayer computes them.
 
 The shared block reads the hidden state beside the token embeddings ([h, embeddings], twice the
-hidden width):
-an RMS norm over that width, attention (model/attention.py) over it, an RMS norm and the gated
-feed-forward
-(layers/mlp.py), with no residual of its own. Its output, through this layer's own linear, is added
-to the
-Mamba-2 layer's input before that layer's norm, not to the residual stream.
+hidden width): an RMS norm over that width, attention (model/attention.py) over it, an RMS norm and
+the gated feed-forward (layers/mlp.py), with no residual of its own. Its output, through this
+layer's own linear, is added to the Mamba-2 layer's input before that layer's norm, not to the
+residual stream.
 
 num_mem_blocks blocks serve the hybrid layers round-robin (hybrid layer k uses block k %
-num_mem_blocks). The
-first layer using a block holds its weights; the later ones are tied to them (where
-tie_word_embeddings is true:
-Transformers ties nothing otherwise, and every layer then holds a block of its own) (`shares_with`:
-the decoder calls
-parallel/linear.py tie_parameters), so the checkpoint's one copy is read once and held once, while
-each layer
-keeps its own keys and values in the cache. Each hybrid layer k has its own low-rank adapters (slot
-k of its
-block), on the feed-forward's gate_up projection and, under use_shared_attention_adapter, on q, k
-and v; they
-are stored in the block, as Transformers stores them, and each layer attaches its slot's to its own
-copies of
-the projections (ColumnLinear.adapters), so they add to the projection's output as Transformers adds
-them.
+num_mem_blocks). The first layer using a block holds its weights; the later ones are tied to them
+(where tie_word_embeddings is true: Transformers ties nothing otherwise, and every layer then holds
+a block of its own) (`shares_with`: the decoder calls parallel/linear.py tie_parameters), so the
+checkpoint's one copy is read once and held once, while each layer keeps its own keys and values in
+the cache. Each hybrid layer k has its own low-rank adapters (slot k of its block), on the
+feed-forward's gate_up projection and, under use_shared_attention_adapter, on q, k and v; they are
+stored in the block, as Transformers stores them, and each layer attaches its slot's to its own
+copies of the projections (ColumnLinear.adapters), so they add to the projection's output as
+Transformers adds them.
 
 Tensor parallelism: attention and feed-forward split as everywhere else; an adapter's A is whole on
-every rank
-and its B split like the rows it adds to; the per-layer linear is whole on every rank (it reads the
-reduced
-block output).
+every rank and its B split like the rows it adds to; the per-layer linear is whole on every rank (it
+reads the reduced block output).
 """
 
 from __future__ import annotations
@@ -108,8 +97,7 @@ class SharedSettings:
 
 class SharedBlock(nn.Module):
     """The shared transformer block as this layer holds it (tied to its block's first layer) and its
-    block's
-    adapter slots; `attach(slot)` hangs that slot's adapters on this copy's projections."""
+    block's adapter slots; `attach(slot)` hangs that slot's adapters on this copy's projections."""
 
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx, s: SharedSettings):
         super().__init__()
@@ -161,11 +149,9 @@ class SharedBlock(nn.Module):
 
 class Mamba2SharedBlock(nn.Module):
     """One hybrid layer: the shared block over the un-normed input and the embeddings, this layer's
-    linear, then
-    the Mamba-2 layer behind its own norm over the input plus that. The block adds the residual
-    (input only).
-    It keeps keys and values (kv_shape) and a recurrent state (state_shapes) under its layer
-    index."""
+    linear, then the Mamba-2 layer behind its own norm over the input plus that. The block adds the
+    residual (input only). It keeps keys and values (kv_shape) and a recurrent state (state_shapes)
+    under its layer index."""
 
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelCtx):
         super().__init__()

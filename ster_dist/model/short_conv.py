@@ -3,10 +3,9 @@ convolution over B * x, then C times its output through out_proj. Its state per 
 kernel - 1 inputs of the convolution.
 
 Every channel is its own: tensor parallelism gives each rank a share of the channels, its rows of
-each of
-B, C and x in in_proj (column-split), their kernels, and their columns of out_proj (row-split,
-reduced).
-Settings come from the config itself: conv_L_cache (the kernel width) and conv_bias.
+each of B, C and x in in_proj (column-split), their kernels, and their columns of out_proj
+(row-split, reduced). Settings come from the config itself: conv_L_cache (the kernel width) and
+conv_bias.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from ster_dist.parallel.linear import ColumnLinear, RowLinear, ShardedModule
 
 class _DepthwiseKernels(ShardedModule):
     """One kernel per channel, stored as Transformers' Conv1d keeps it ([channels, 1, kernel]); this
-    rank's
-    channels only."""
+    rank's channels only."""
 
     def __init__(self, channels: int, kernel: int, rows: tuple[int, int], bias: bool):
         super().__init__()

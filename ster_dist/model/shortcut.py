@@ -1,15 +1,12 @@
 """Shortcut-connected experts (LongCat-Flash): a mixture of experts that reads one layer's
-feed-forward input
-and joins the residual at the end of the next layer, beside that layer's own feed-forward.
+feed-forward input and joins the residual at the end of the next layer, beside that layer's own
+feed-forward.
 
 The config's `shortcut_experts` (set by the family's normalisation) turns it on: each even layer 2k
-holds the
-experts (`layers.{2k}.shortcut.*`, moe/layer.py's MoE under the model's MoEConfig) and runs them on
-its
-normed feed-forward input; the step hands their output on, and layer 2k + 1 adds it after its own
-feed-forward, as LongCat's stored layer k does with its two halves. The experts are token-wise, so
-the static
-cache, the paged engine and expert parallelism see nothing new.
+holds the experts (`layers.{2k}.shortcut.*`, moe/layer.py's MoE under the model's MoEConfig) and
+runs them on its normed feed-forward input; the step hands their output on, and layer 2k + 1 adds it
+after its own feed-forward, as LongCat's stored layer k does with its two halves. The experts are
+token-wise, so the static cache, the paged engine and expert parallelism see nothing new.
 """
 
 from __future__ import annotations

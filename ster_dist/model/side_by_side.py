@@ -1,18 +1,14 @@
 """Token mixers side by side (Falcon-H1's layers): several kinds read the same normed input, each
-scaled
-by its own input multiplier, and their outputs, each scaled by its own output multiplier, are
+scaled by its own input multiplier, and their outputs, each scaled by its own output multiplier, are
 summed.
 
 The parts are the existing kinds, built by their own builders and placed by the block at their own
-sites
-(`layers.{i}.attn.*` for attention, `layers.{i}.mixer.*` for a recurrent kind), so their parameters,
-shards,
-name maps, keys and states are exactly theirs. This object is not a module: it holds the built parts
-and
-the multipliers, and shows the cache what the parts keep (attention's `kv_shape`, a recurrent kind's
+sites (`layers.{i}.attn.*` for attention, `layers.{i}.mixer.*` for a recurrent kind), so their
+parameters, shards, name maps, keys and states are exactly theirs. This object is not a module: it
+holds the built parts and the multipliers, and shows the cache what the parts keep (attention's
+`kv_shape`, a recurrent kind's
 `state_shapes()`), so a layer keeps its keys and its scan state side by side. The multipliers (muP)
-are
-applied in forward; the checkpoint's tensors stay as stored.
+are applied in forward; the checkpoint's tensors stay as stored.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """StepState: what every layer of one forward step shares (positions, cache slots, masks by window
-and
-chunk, rotary tables by rope and dtype). Built once per step by the decoder, read by every attention
-kind;
-it sits in its own module so attention need not import the decoder.
+and chunk, rotary tables by rope and dtype). Built once per step by the decoder, read by every
+attention kind; it sits in its own module so attention need not import the decoder.
 
 Attention reaches its keys only through `attend`, so a step over a paged cache (PagedStep) can
 store and gather them its own way while the attention math stays the layer's."""
@@ -34,8 +32,8 @@ class StepState:
         device: torch.device | None = None,
     ):
         """positions and valid [batch, seq] as the caller built them, on the host (model/host.py:
-        every
-        decision here reads them there); the layers read them, the masks and the rotary tables on
+        every decision here reads them there); the layers read them, the masks and the rotary tables
+        on
         `device`
         (positions' own by default)."""
         device = positions.device if device is None else device
@@ -90,8 +88,8 @@ class StepState:
 
     def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor | None:
         """[batch, 1, queries, keys] of allowed pairs, or None when every key is allowed. `chunk`: a
-        query
-        sees only keys whose position lies in its own chunk of that many positions (Llama 4)."""
+        query sees only keys whose position lies in its own chunk of that many positions (Llama
+        4)."""
         if (window, chunk) not in self._masks:
             near = None
             if window is not None:
@@ -110,10 +108,8 @@ class StepState:
     @functools.cached_property
     def _base(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[batch, queries, keys] the causal pairs between real keys (or, for a prompt read both
-        ways, every real
-        key), and [1, queries, keys] each query's own slot: what every mask starts from, built only
-        where a layer
-        asks for a mask (a decode step over real keys never does)."""
+        ways, every real key), and [1, queries, keys] each query's own slot: what every mask starts
+        from, built only where a layer asks for a mask (a decode step over real keys never does)."""
         t, s = self._positions.shape[1], self._key_pos.shape[1]
         query_slot = torch.arange(self._start, self._start + t).view(1, t, 1)
         key_slot = torch.arange(s).view(1, 1, s)
@@ -137,12 +133,10 @@ class StepState:
         keep: bool = False,
     ):
         """fn(q, keys, values, mask, key_positions) over every key this step sees (within `window`
-        positions
-        and the query's `chunk`, where stated): this step's keys and values [batch, heads, seq,
-        width] are
-        stored in the cache first, where there is one. `keep`: a later layer reads these keys and
-        values, which
-        the step holds for it; k and v None: attend what `layer` kept (Gemma 3n's shared layers)."""
+        positions and the query's `chunk`, where stated): this step's keys and values [batch, heads,
+        seq, width] are stored in the cache first, where there is one. `keep`: a later layer reads
+        these keys and values, which the step holds for it; k and v None: attend what `layer` kept
+        (Gemma 3n's shared layers)."""
         if k is None:
             k, v = self.handed_on["kv", layer]
         else:
@@ -213,12 +207,10 @@ class StepState:
 
     def _kernel_rows(self, window: int | None, chunk: int | None) -> tuple | None:
         """(table, first keys, ends) of the decode kernel for a one-token step's layer with this
-        window and chunk,
-        each row one block of the cache: the keys its mask allows, where they are one run ending at
-        its own
-        (left padding, as model/cache.left_pad pads a ragged batch, comes before a row's first key,
-        and a window
-        or a chunk cuts from the front); None where a row's allowed keys are not one such run."""
+        window and chunk, each row one block of the cache: the keys its mask allows, where they are
+        one run ending at its own (left padding, as model/cache.left_pad pads a ragged batch, comes
+        before a row's first key, and a window or a chunk cuts from the front); None where a row's
+        allowed keys are not one such run."""
         if (window, chunk) not in self._rows:
             batch, keys = self._key_pos.shape
             mask = self.mask(window, chunk)
@@ -244,12 +236,9 @@ class StepState:
         self, scales: list[float], dtype: torch.dtype, ranges: tuple[list, list, list]
     ) -> tuple | None:
         """ster_kernels::push_plan's arguments where every row of this step decodes one token over
-        one run of the
-        keys of a static cache in `dtype` (all of them, or after a row's left padding): layer i
-        planned where
-        scales[i] > 0 (compiled.decode_plans), within its window and chunk and under its soft cap
-        (`ranges`,
-        compiled.decode_ranges); None otherwise."""
+        one run of the keys of a static cache in `dtype` (all of them, or after a row's left
+        padding): layer i planned where scales[i] > 0 (compiled.decode_plans), within its window and
+        chunk and under its soft cap (`ranges`, compiled.decode_ranges); None otherwise."""
         if (
             self.cache is None
             or self._positions.shape[1] != 1
@@ -295,22 +284,17 @@ class StepState:
         self, layer: int, q: torch.Tensor, fn, fresh: tuple[torch.Tensor, torch.Tensor] | None
     ):
         """fn(q, keys, values, causal mask, key_positions) over the keys an earlier layer of this
-        step stored
-        (a looped model's first pass, model/loop_attention.py): its cache, or without one the keys
-        and values
-        it handed on (`fresh`)."""
+        step stored (a looped model's first pass, model/loop_attention.py): its cache, or without
+        one the keys and values it handed on (`fresh`)."""
         k, v = self.cache.read(layer, self.slots.stop) if self.cache is not None else fresh
         return fn(q, k, v, self.mask(None), self.key_positions)
 
     def recur(self, layer: int, x: torch.Tensor, scan, fresh) -> torch.Tensor:
         """A recurrent layer's output for x [batch, seq, hidden]: scan(x, valid, state) -> (y,
-        state) over the
-        whole batch, state being each row's (fresh(batch) at the first step, else what the last step
-        left in
-        the cache). valid [batch, seq] is None when every token is real; a padding token must leave
-        a row's
-        state as it was (left padding comes before a row's first token, and its output is never
-        read)."""
+        state) over the whole batch, state being each row's (fresh(batch) at the first step, else
+        what the last step left in the cache). valid [batch, seq] is None when every token is real;
+        a padding token must leave a row's state as it was (left padding comes before a row's first
+        token, and its output is never read)."""
         state = self.cache.states.get(layer) if self.cache is not None else None
         if state is None:
             state = fresh(x.shape[0])
@@ -322,8 +306,7 @@ class StepState:
     @functools.cached_property
     def key_reach(self) -> int:
         """One past the largest key position any attend call of this step sees, from the host's
-        copy: what a layer
-        sizes by the keys' positions asks instead of reading them from the device
+        copy: what a layer sizes by the keys' positions asks instead of reading them from the device
         (model/host.py)."""
         return int(self._key_pos.max()) + 1
 
@@ -345,8 +328,7 @@ def planned_scales(
     scales: list[float], keys: list[torch.Tensor | None], dtype: torch.dtype
 ) -> list[float] | None:
     """The scales of the layers a decode plan covers (an attention cache in `dtype`; 0 for the
-    rest), or None
-    when it covers none."""
+    rest), or None when it covers none."""
     planned = [s if k is not None and k.dtype == dtype else 0.0 for s, k in zip(scales, keys)]
     return planned if any(planned) else None
 
@@ -358,11 +340,9 @@ def or_empty(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
 
 def causal_kernel_fits(q, keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
     """Whether kernels/causal_attend.cpp reads these queries, keys and values as they are: several
-    queries a
-    row, each query's, key's and value's channels contiguous, values a multiple of 16 wide (its
-    registers', AVX2's or
-    AVX-512's), and no gradient asked of them (the kernel has no backward: training reads take
-    SDPA)."""
+    queries a row, each query's, key's and value's channels contiguous, values a multiple of 16 wide
+    (its registers', AVX2's or AVX-512's), and no gradient asked of them (the kernel has no
+    backward: training reads take SDPA)."""
     if not (
         isinstance(q, torch.Tensor)
         and q.dim() == 4
@@ -382,10 +362,9 @@ def causal_kernel_fits(q, keys: torch.Tensor | None, values: torch.Tensor | None
 
 def decode_kernel_terms(fn, q, key_dtype: torch.dtype) -> tuple[float, float] | None:
     """(scale, soft cap or 0) of `fn`'s attention where the decode kernel (kernels/paged_decode.cpp)
-    may compute
-    it in fn's place: fn is a layer's own softmax attention, soft-capped or not
-    (Attention.kernel_terms), q a CPU
-    tensor in f32 or bf16 with keys of its dtype, and the kernels are built; None otherwise."""
+    may compute it in fn's place: fn is a layer's own softmax attention, soft-capped or not
+    (Attention.kernel_terms), q a CPU tensor in f32 or bf16 with keys of its dtype, and the kernels
+    are built; None otherwise."""
     if (
         not isinstance(q, torch.Tensor)
         or q.device.type != "cpu"

@@ -1,12 +1,9 @@
 """A paged step's attention through the Triton kernels (`--kernels triton`, kernels/select.py):
-decodes through
-the split-KV decode kernel (an MLA layer's through the latent one), a prompt's chunk through the
-extend kernel,
-all reading the cache where its blocks hold it. What they cannot take (a layer's own attention
-beyond softmax with scale and cap, Llama 4's chunks, a
-prefix LM's two-way prompt, a cache of another dtype, a gradient asked for) is said once and left to
-torch's
-path (model/paged_step.py)."""
+decodes through the split-KV decode kernel (an MLA layer's through the latent one), a prompt's chunk
+through the extend kernel, all reading the cache where its blocks hold it. What they cannot take (a
+layer's own attention beyond softmax with scale and cap, Llama 4's chunks, a prefix LM's two-way
+prompt, a cache of another dtype, a gradient asked for) is said once and left to torch's path
+(model/paged_step.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +14,9 @@ from ster_dist.kernels import select
 
 def triton_terms(fn, q) -> tuple | None:
     """(scale, soft cap or 0) where the Triton kernels may compute `fn`'s attention of q: Triton
-    chosen and fn a
-    layer's plain softmax attention (Attention.kernel_terms); ("latent", MLA's latent_terms) for an
-    MLA layer's
-    attention; None otherwise (said once where Triton is chosen)."""
+    chosen and fn a layer's plain softmax attention (Attention.kernel_terms); ("latent", MLA's
+    latent_terms) for an MLA layer's attention; None otherwise (said once where Triton is
+    chosen)."""
     if select.chosen() != "triton":
         return None
     # MLA hands a partial of its _attend_latent
@@ -100,8 +96,8 @@ def _latent_decode(
     terms: tuple,
 ) -> torch.Tensor | None:
     """An MLA layer's decodes through the Triton MLA decode: queries absorbed through kv_b's key
-    half, the
-    latent sums through its value half (model/mla.py's _absorbed, without gathering the cache)."""
+    half, the latent sums through its value half (model/mla.py's _absorbed, without gathering the
+    cache)."""
     from ster_dist.kernels.triton.mla import mla_decode
 
     if group.query_pos.shape[1] != 1 or group.prefix or chunk is not None:

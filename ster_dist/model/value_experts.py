@@ -1,14 +1,10 @@
 """Value experts (K2-Horizon's MoVA): in place of a value projection, each token's value is the
-weighted sum of
-the SiLU outputs of the few value experts its own router chooses.
+weighted sum of the SiLU outputs of the few value experts its own router chooses.
 
 The router is whole on every rank and routes as the feed-forward's experts do (moe/router.py route:
-scores,
-a selection bias added only to choose, renormalisation, scaling). Every rank holds every expert,
-each one's
-rows split like the value projection's (this rank's key-value heads), so a rank computes its own
-value heads
-with no exchange.
+scores, a selection bias added only to choose, renormalisation, scaling). Every rank holds every
+expert, each one's rows split like the value projection's (this rank's key-value heads), so a rank
+computes its own value heads with no exchange.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """This rank's experts, stacked: gate and up [local experts, intermediate share, hidden], down
 [local experts, hidden, intermediate share] (no gate for Nemotron-H's ungated experts), and
-GPT-OSS's
-biases; and the one grouped computation
-that runs every row through its expert.
+GPT-OSS's biases; and the one grouped computation that runs every row through its expert.
 
 Experts are split in contiguous blocks over the expert-parallel group; within
 each expert the matrices are split over the tensor-parallel group like a dense
@@ -38,16 +36,13 @@ loop and no host sync (the offsets stay a tensor). The size rule, measured with
   past the gather's size those layouts run the per-expert loop, which takes
   any shape.
 - Before that rule: where the rows (on a CPU, at most KERNEL_ROWS_MAX in f32, any number in bf16
-  without bf16
-  products) go to plain SwiGLU experts of f32 or bf16 and the package's kernels are built, the whole
-  feed-forward is one call of `swiglu_experts` (kernels/experts.cpp): each busy expert's rows
-  together, eight at
-  a time, through gate, up, silu and down in C++, with no sort, loop or scatter in Python
-  (KERNEL_ROWS_MAX's
-  comment has the measurements). Its output's shape follows from x's whatever the routing, so a
-  compiled step traces it (model/compiled.py); every other branch reaches a compiled step as one
-  opaque
-  operator, `ster_dist::routed_experts` (end of this module), and runs eagerly inside it.
+  without bf16 products) go to plain SwiGLU experts of f32 or bf16 and the package's kernels are
+  built, the whole feed-forward is one call of `swiglu_experts` (kernels/experts.cpp): each busy
+  expert's rows together, eight at a time, through gate, up, silu and down in C++, with no sort,
+  loop or scatter in Python (KERNEL_ROWS_MAX's comment has the measurements). Its output's shape
+  follows from x's whatever the routing, so a compiled step traces it (model/compiled.py); every
+  other branch reaches a compiled step as one opaque operator, `ster_dist::routed_experts` (end of
+  this module), and runs eagerly inside it.
 - Experts kept in FP8 (`--weights fp8`) always run the per-expert loop: each
   busy expert's matrices go through `dense` as FP8 with their block scales,
   so only the experts a step uses are dequantized (or multiplied in FP8),
@@ -194,8 +189,8 @@ class Experts(ShardedModule):
 
     def kernel_takes(self) -> bool:
         """Whether the experts kernel takes these experts: plain SwiGLU (silu, no biases or clamps,
-        not kept in FP8),
-        contiguous weights of one dtype, f32 or bf16, on a CPU, with the package's kernels built."""
+        not kept in FP8), contiguous weights of one dtype, f32 or bf16, on a CPU, with the package's
+        kernels built."""
         if self.fp8 or self.gate is None or self.gate_bias is not None or self.act is not F.silu:
             return False
         if self.clamped or self.limited or self.glu_limit:
@@ -211,9 +206,9 @@ class Experts(ShardedModule):
 
     def groupable(self, x: torch.Tensor) -> bool:
         """Whether grouped_mm takes this layout: its devices and dtypes, and every non-unit stride
-        of
-        its operands and outputs a multiple of 16 bytes (the rows and outputs are contiguous [rows,
-        hidden or inner share]; each weight is read transposed, so its two outer strides count)."""
+        of its operands and outputs a multiple of 16 bytes (the rows and outputs are contiguous
+        [rows, hidden or inner share]; each weight is read transposed, so its two outer strides
+        count)."""
         # meta: shapes only, as a CUDA device would run them
         if x.device.type not in ("cpu", "cuda", "meta"):
             return False

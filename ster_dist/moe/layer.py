@@ -1,31 +1,22 @@
 """The mixture-of-experts feed-forward: router, dispatch, this rank's experts, combine, shared
 experts.
 
-The residual stream is replicated over the expert-parallel group (attention is
-split over tensor-parallel ranks only), so each expert-parallel rank takes a
-contiguous share of the batch's tokens, routes it, sends each (token, expert)
-pair to the expert's rank, weighs what comes back, adds the shared experts, and
-the shares are gathered again. Under tensor parallelism the routed and shared
-outputs are partial sums, all-reduced once on the share before the gather.
-Nemotron-H's experts may work in a latent width (moe_latent_size): the share is
-projected in before dispatch and the weighed sum projected out after combine. Llama 4 weighs each
-expert's input instead (moe_apply_router_weight_on_input): every (token, expert) pair travels as its
-own
-row, already scaled, and what comes back is summed as is.
-Inkling's shared experts are weighed by the router (moe/router.py route_with_shared).
-LongCat-Flash's
-identity experts (moe.identity_experts) are chosen like routed ones but never dispatched: each
-returns its
-input, times its weight.
-A small step (at most REPLICATED_BYTES of hidden states: a decode's) skips the dispatch: every rank
-routes every
+The residual stream is replicated over the expert-parallel group (attention is split over
+tensor-parallel ranks only), so each expert-parallel rank takes a contiguous share of the batch's
+tokens, routes it, sends each (token, expert) pair to the expert's rank, weighs what comes back,
+adds the shared experts, and the shares are gathered again. Under tensor parallelism the routed and
+shared outputs are partial sums, all-reduced once on the share before the gather. Nemotron-H's
+experts may work in a latent width (moe_latent_size): the share is projected in before dispatch and
+the weighed sum projected out after combine. Llama 4 weighs each expert's input instead
+(moe_apply_router_weight_on_input): every (token, expert) pair travels as its own row, already
+scaled, and what comes back is summed as is. Inkling's shared experts are weighed by the router
+(moe/router.py route_with_shared). LongCat-Flash's identity experts (moe.identity_experts) are
+chosen like routed ones but never dispatched: each returns its input, times its weight. A small step
+(at most REPLICATED_BYTES of hidden states: a decode's) skips the dispatch: every rank routes every
 token, runs the pairs its own experts hold and the shared experts of its own share, and one gather
-adds the
-ranks' partial sums (MoE.replicated; 1.6x EP=2 decode at batch 4, 1.9x at batch 1, on bench/moe.py's
-model).
-In a compiled step a layer over expert-parallel ranks or with identity experts is one opaque
-operator
-(`moe_layer`, at the end of this module), run eagerly inside.
+adds the ranks' partial sums (MoE.replicated; 1.6x EP=2 decode at batch 4, 1.9x at batch 1, on
+bench/moe.py's model). In a compiled step a layer over expert-parallel ranks or with identity
+experts is one opaque operator (`moe_layer`, at the end of this module), run eagerly inside.
 """
 
 from __future__ import annotations
@@ -113,22 +104,18 @@ class MoE(nn.Module):
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The experts' output for x; `route_from`: what the router reads where that is not x (Gemma
-        4's router
-        reads the residual, its experts a norm of it); token_ids (x's shape less the hidden width):
-        what a
-        hash-routed router chooses by."""
+        4's router reads the residual, its experts a norm of it); token_ids (x's shape less the
+        hidden width): what a hash-routed router chooses by."""
         if torch.compiler.is_compiling() and self.opaque():
             return torch.ops.ster_dist.moe_layer(x, route_from, self.experts.up)
         return self._forward(x, route_from, token_ids)
 
     def opaque(self) -> bool:
         """Whether a compiled step runs this layer as one operator, eagerly inside it (`moe_layer`,
-        below): an
-        expert-parallel rank's dispatch reads its split sizes on the host, and a rank whose share of
-        a step's tokens
-        is empty would see its all-to-alls cut from its graph (no output of theirs is read) and hang
-        its peers;
-        identity experts pick their routed pairs by a data-dependent mask."""
+        below): an expert-parallel rank's dispatch reads its split sizes on the host, and a rank
+        whose share of a step's tokens is empty would see its all-to-alls cut from its graph (no
+        output of theirs is read) and hang its peers; identity experts pick their routed pairs by a
+        data-dependent mask."""
         return self.ctx.ep_size > 1 or bool(self.identity_experts)
 
     def _forward(
@@ -184,17 +171,13 @@ class MoE(nn.Module):
 
     def replicated(self, tokens: int, item_bytes: int) -> bool:
         """Whether a step of `tokens` tokens skips the dispatch over expert-parallel ranks: every
-        rank routes every
-        token (the residual is replicated already) and runs the pairs its own experts hold, and the
-        ranks' partial
-        sums are added by one collective (ctx.ep_sum) instead of the dispatch's three and the gather
-        of the shares
-        (vLLM's all-gather / reduce-scatter exchange, less the all-gather: each rank holds every
-        token). The
-        experts' work is the same (each pair runs once, on the rank holding its expert); what grows
-        is the bytes
-        of the sum (ep x tokens x hidden), so only steps of at most REPLICATED_BYTES a rank take it:
-        a decode's."""
+        rank routes every token (the residual is replicated already) and runs the pairs its own
+        experts hold, and the ranks' partial sums are added by one collective (ctx.ep_sum) instead
+        of the dispatch's three and the gather of the shares (vLLM's all-gather / reduce-scatter
+        exchange, less the all-gather: each rank holds every token). The experts' work is the same
+        (each pair runs once, on the rank holding its expert); what grows is the bytes of the sum
+        (ep x tokens x hidden), so only steps of at most REPLICATED_BYTES a rank take it: a
+        decode's."""
         # identity experts: their own path, by shares
         if self.ctx.ep_size == 1 or self.identity_experts:
             return False
@@ -202,8 +185,8 @@ class MoE(nn.Module):
 
     def _held_pairs(self, inputs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every (token, slot) pair's output from this rank's experts [pairs, width], zero where
-        another rank holds
-        the pair's expert; inputs: [tokens, width], or a row per pair with weight_input."""
+        another rank holds the pair's expert; inputs: [tokens, width], or a row per pair with
+        weight_input."""
         flat = ids.reshape(-1)
         first, last = self.ctx.experts(self.num_experts)
         held = ((flat >= first) & (flat < last)).nonzero(as_tuple=True)[0]
@@ -229,10 +212,8 @@ class MoE(nn.Module):
         tokens: int,
     ) -> torch.Tensor:
         """LongCat-Flash's experts: only the pairs choosing a routed expert are dispatched; an
-        identity expert
-        returns its input, weighed here, on every rank alike, and joins after the routed partial
-        sums are
-        reduced (it is whole on each tensor-parallel rank)."""
+        identity expert returns its input, weighed here, on every rank alike, and joins after the
+        routed partial sums are reduced (it is whole on each tensor-parallel rank)."""
         routed = ids < self.num_experts
         if self.every_pair(share):
             out = self._every_pair(share, weights, ids, routed)
@@ -253,13 +234,10 @@ class MoE(nn.Module):
 
     def every_pair(self, share: torch.Tensor) -> bool:
         """Whether identity experts' steps send every (token, slot) pair through the routed experts,
-        an identity
-        pair to the last routed expert at weight zero: off the CPU on one expert-parallel rank,
-        where picking the
-        routed pairs out (`nonzero`) would read the device every layer (model/host.py). On a CPU the
-        pick is free
-        and saves the identity pairs' work; over expert-parallel ranks the dispatch reads its counts
-        anyway."""
+        an identity pair to the last routed expert at weight zero: off the CPU on one
+        expert-parallel rank, where picking the routed pairs out (`nonzero`) would read the device
+        every layer (model/host.py). On a CPU the pick is free and saves the identity pairs' work;
+        over expert-parallel ranks the dispatch reads its counts anyway."""
         return share.device.type != "cpu" and self.ctx.ep_size == 1
 
     def _every_pair(
@@ -273,8 +251,7 @@ class MoE(nn.Module):
 
     def _routed_shared(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         """Every token through every shared expert, weighed by the router's gammas [tokens, shared]
-        (a partial sum
-        under TP, like the routed experts')."""
+        (a partial sum under TP, like the routed experts')."""
         n, s = gammas.shape
         ids = torch.arange(s, device=x.device).repeat(n)  # token t's row for expert j is t * s + j
         y = self.shared_experts(x.repeat_interleave(s, dim=0), ids)

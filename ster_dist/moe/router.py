@@ -35,8 +35,8 @@ def route(
     hashed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, top_k] f32, expert ids [tokens, top_k]) from router logits [tokens,
-    experts]; `hashed`:
-    the experts already chosen (DeepSeek-V4's hash layers), which the scores only weigh."""
+    experts]; `hashed`: the experts already chosen (DeepSeek-V4's hash layers), which the scores
+    only weigh."""
     logits = logits.float()
     if moe.sparsemixer_eps is not None:
         return _sparsemixer(logits, moe.sparsemixer_eps)
@@ -69,10 +69,8 @@ def route_with_shared(
     """Inkling's routing, for logits [tokens, experts + shared] whose last columns score the shared
     experts:
     the top_k routed experts by sigmoid + correction, then every chosen and shared expert weighed by
-    its
-    sigmoid over the sum of theirs, times scaling_factor. (weights [tokens, top_k + shared] f32, the
-    chosen
-    experts first; expert ids [tokens, top_k])."""
+    its sigmoid over the sum of theirs, times scaling_factor. (weights [tokens, top_k + shared] f32,
+    the chosen experts first; expert ids [tokens, top_k])."""
     logits = logits.float()
     routed, shared = logits[:, : moe.num_experts], logits[:, moe.num_experts :]
     scores = torch.sigmoid(routed)
@@ -89,10 +87,8 @@ def route_with_shared(
 
 def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PhiMoE's SparseMixer outside training: two rounds, each choosing the best logit not yet
-    chosen and
-    weighing it by its softmax over the experts whose logit lies within 2 * eps of that best,
-    relative to
-    max(|logit|, best)."""
+    chosen and weighing it by its softmax over the experts whose logit lies within 2 * eps of that
+    best, relative to max(|logit|, best)."""
     weights, ids = [], []
     remaining = logits
     for _ in range(2):
@@ -141,10 +137,8 @@ class Router(ShardedModule):
         self, x: torch.Tensor, token_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids): weights [tokens, top_k], or [tokens, top_k + shared] where the
-        router scores
-        shared experts too (route_with_shared); an id from num_experts on is an identity expert.
-        token_ids
-        [tokens]: what a hash-routed router (tid2eid) chooses by."""
+        router scores shared experts too (route_with_shared); an id from num_experts on is an
+        identity expert. token_ids [tokens]: what a hash-routed router (tid2eid) chooses by."""
         bias = self.bias.float() if self.bias is not None else None
         if self.input_scale is not None:
             x = self._normed(x)
@@ -160,8 +154,7 @@ class Router(ShardedModule):
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         """Gemma 4's router input: a scale-free RMS norm (back in x's dtype), times the stored scale
-        and
-        1/sqrt(hidden), as Transformers rounds them."""
+        and 1/sqrt(hidden), as Transformers rounds them."""
         h = x.float()
         h = (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
         return h * self.input_scale * (x.shape[-1] ** -0.5)

@@ -1,12 +1,9 @@
 """A rank's experts through the Triton fused experts (`--kernels triton`, kernels/triton/moe.py):
-the rows the MoE
-layer dispatched here, each with its one local expert (the router's weights are applied by the
-layer), plain
-SwiGLU experts in the rows' dtype or kept in FP8 in whole scale blocks ([128, 128] in DeepSeek's).
-What the kernel does not take
-(another activation, biases, clamps, an FP8 share cut inside a block by the TP split) is said once
-and runs the
-torch path (moe/experts.py)."""
+the rows the MoE layer dispatched here, each with its one local expert (the router's weights are
+applied by the layer), plain SwiGLU experts in the rows' dtype or kept in FP8 in whole scale blocks
+([128, 128] in DeepSeek's). What the kernel does not take (another activation, biases, clamps, an
+FP8 share cut inside a block by the TP split) is said once and runs the torch path
+(moe/experts.py)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ def decide(session: Session, request: DecideRequest) -> dict:
     """Every rendering is a request of the session's token engine, so the state is read once and
     served from the prefix cache after; --adapter is registered with the engine and routed to these
     requests alone (nothing attached on the ranks for the whole operation); --calibration divides
-    the
-    option logits by the temperature its artifact holds."""
+    the option logits by the temperature its artifact holds."""
     from ster_dist.decide import calibration
     from ster_dist.decide.request import load_request
     from ster_dist.decide.run import decide as run_decide

@@ -1,12 +1,11 @@
 """generate and parity as plain functions over a session.
 
-Every prompt is a request of the session's token engine (engine/loop.py): it joins the running
-batch at the next step, samples by its own settings and seed, and carries its own steering vector
-and adapter, so requests of different settings share forwards: jobs on one worker group share its
-one engine (their request ids carry their job ids, ster_dist/running.py), and each gets exactly
-what it would have got alone. A prompts file is fed to the engine a window at a time and its answers
-are written as
-they finish, so memory does not grow with the number of prompts.
+Every prompt is a request of the session's token engine (engine/loop.py): it joins the running batch
+at the next step, samples by its own settings and seed, and carries its own steering vector and
+adapter, so requests of different settings share forwards: jobs on one worker group share its one
+engine (their request ids carry their job ids, ster_dist/running.py), and each gets exactly what it
+would have got alone. A prompts file is fed to the engine a window at a time and its answers are
+written as they finish, so memory does not grow with the number of prompts.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ def check_inputs(request: GenerateRequest) -> tuple[list[str], str | None]:
 
 def generate_inputs(request: GenerateRequest) -> None:
     """What a generate request refuses before its model is touched: its inputs and its sampling
-    settings
-    (the job queue checks them before it loads the group the job will run on)."""
+    settings (the job queue checks them before it loads the group the job will run on)."""
     check_inputs(request)
     sampling_params(request)
 
@@ -151,8 +149,7 @@ def _completion(tokenizer, prompt: str, stream, stream_text: bool = False) -> Co
     """A finished stream as its prompt's answer (its text sent on as events while it comes, for
     --stream);
     each logprob's token, and each of its alternatives, with its text beside its id (one token
-    decoded
-    alone, special tokens shown, as the server's logprobs show them)."""
+    decoded alone, special tokens shown, as the server's logprobs show them)."""
     done = stream.result(
         on_delta=(lambda delta: delta.text and text_delta(delta.text)) if stream_text else None
     )
@@ -232,8 +229,7 @@ def _prepare(
 
 def register_vector(session: Session, engine, request) -> tuple[tuple[str, float], dict]:
     """`request.vector` checked against the session's model and registered with the engine under a
-    key
-    digesting its content (nothing is attached globally); (key, strength) for
+    key digesting its content (nothing is attached globally); (key, strength) for
     `engine.submit(steering=...)`
     and the vector's provenance."""
     from ster_dist.steer.attach import prepare
@@ -278,8 +274,7 @@ def _digest(parts) -> str:
 
 def _file_answers(session: Session, engine, item: _Prepared, live: dict) -> Iterator[Completion]:
     """A prompts file's answers in order, at most a window of its prompts in the engine at once
-    (kept
-    in `live` while there, for a cancel to stop them)."""
+    (kept in `live` while there, for a cancel to stop them)."""
     window = max(64, 4 * engine.config.max_running)
     job = running.current()
     pending: collections.deque = collections.deque()

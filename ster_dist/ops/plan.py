@@ -1,12 +1,11 @@
 """ster plan: how a model would sit on tp x ep x pp ranks over nodes, from its config.json and its
 weights' headers alone (a local directory's .safetensors headers or its one .gguf's, whose tensors
-count
-at their block types' bytes as stored, or a Hub repository's safetensors headers read by range
-requests):
-each rank's parameter and read bytes from the real shard plan (shard/footprint.py), its KV cache per
-token, how many tokens of KV fit beside its weights, where each rank runs, and a one-line verdict.
-A directory holding a config.json and no weights is planned from the config alone: each rank's
-meta-device decoder gives its parameters and KV cache, and the report says it is an estimate.
+count at their block types' bytes as stored, or a Hub repository's safetensors headers read by range
+requests): each rank's parameter and read bytes from the real shard plan (shard/footprint.py), its
+KV cache per token, how many tokens of KV fit beside its weights, where each rank runs, and a
+one-line verdict. A directory holding a config.json and no weights is planned from the config alone:
+each rank's meta-device decoder gives its parameters and KV cache, and the report says it is an
+estimate.
 
 A plan that does not fit is still an answer (exit status 0); only inputs that cannot be planned
 (a placement that breaks a TP group across nodes, more ranks than GPUs, a config or checkpoint
@@ -197,10 +196,9 @@ def _stored_types(tensors: dict[str, Tensor]) -> dict[str, int] | None:
 
 def place(tp: int, ep: int, nodes: int, gpus_per_node: int, pp: int = 1) -> list[tuple[int, int]]:
     """(node, GPU) of every rank: whole TP groups (tp consecutive ranks) packed into nodes, since a
-    TP
-    group all-reduces in every layer and must not cross the slower link between nodes; expert groups
-    and
-    pipeline stages fill the nodes after (a stage boundary sends one hidden state per token)."""
+    TP group all-reduces in every layer and must not cross the slower link between nodes; expert
+    groups and pipeline stages fill the nodes after (a stage boundary sends one hidden state per
+    token)."""
     world, gpus = tp * ep * pp, nodes * gpus_per_node
     if tp > gpus_per_node:
         raise Refusal(
@@ -257,10 +255,8 @@ def read_model(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor
 
 def _other_weights(directory: Path, names: set[str], raw: dict) -> dict[str, Tensor] | None:
     """With no .safetensors: the tensors of the directory's one .gguf as its header states them
-    (under
-    Transformers names, each checked against the config by GGUFSource), or None for a directory that
-    holds
-    a config and no weights at all (planned from the config alone)."""
+    (under Transformers names, each checked against the config by GGUFSource), or None for a
+    directory that holds a config and no weights at all (planned from the config alone)."""
     ggufs = sorted(n for n in names if n.endswith(".gguf"))
     if len(ggufs) > 1:
         raise Refusal(
@@ -290,8 +286,7 @@ def _stored(source: GGUFSource, name: str) -> tuple[str, tuple[int, ...], int]:
 
 def _read_hub(model: str, revision: str | None) -> tuple[dict, dict[str, Tensor], str]:
     """The config and every header of a Hub repository; huggingface_hub reads each header with a
-    range
-    request, so no weight is downloaded."""
+    range request, so no weight is downloaded."""
     endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
     try:
@@ -341,8 +336,7 @@ def _free(memory: int, rank: RankFootprint) -> int:
 def _sequences(memory: int, rank: RankFootprint, max_len: int) -> int:
     """Sequences of max_len tokens the rank holds at once: each takes its keys and values for every
     position and, in a model with recurrent layers, one state slot (the engine takes slots from the
-    same
-    budget as blocks)."""
+    same budget as blocks)."""
     each = max_len * rank.kv_bytes_per_token + rank.state_bytes_per_sequence
     return _free(memory, rank) // each if each else 0
 
@@ -364,8 +358,8 @@ def _indexer_keys(cfg: ModelConfig) -> str:
 
 def kv_summary(cfg: ModelConfig, ranks: list[RankFootprint], precision: str) -> dict:
     """The KV cache per token: the largest rank's at the top level (what sizes a GPU), and each
-    rank's
-    where they differ (3 key-value heads over --tp 2 leave rank 0 one head and rank 1 two)."""
+    rank's where they differ (3 key-value heads over --tp 2 leave rank 0 one head and rank 1
+    two)."""
     rank = max(ranks, key=lambda r: r.kv_bytes_per_token)
     sliding = [i for i, w in enumerate(cfg.layer_window) if w is not None]
     if cfg.mla is not None:
@@ -401,8 +395,8 @@ def kv_summary(cfg: ModelConfig, ranks: list[RankFootprint], precision: str) -> 
 
 def state_summary(cfg: ModelConfig, rank: RankFootprint, precision: str) -> dict | None:
     """A model with recurrent layers keeps, per running sequence, a state whose size does not grow
-    with
-    its length: the conv window and the scan state of every recurrent layer, this rank's share."""
+    with its length: the conv window and the scan state of every recurrent layer, this rank's
+    share."""
     if not rank.state_bytes_per_sequence:
         return None
     recurrent = [kind for kind in cfg.mixers if kind not in STATELESS_MIXERS]

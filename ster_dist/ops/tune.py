@@ -1,10 +1,7 @@
 """tune sft | dpo | reward | grpo | evaluate: LoRA adapters trained across dp x tp ranks with
-DeepSpeed (the
-base frozen, loaded by the streaming loader), and loss over completion tokens. sft, dpo and grpo
-write a
-PEFT adapter directory, reward a PEFT sequence-classification adapter (kind "reward"), each
-returning the
-run's report; evaluate writes nothing."""
+DeepSpeed (the base frozen, loaded by the streaming loader), and loss over completion tokens. sft,
+dpo and grpo write a PEFT adapter directory, reward a PEFT sequence-classification adapter (kind
+"reward"), each returning the run's report; evaluate writes nothing."""
 
 from __future__ import annotations
 
@@ -104,10 +101,9 @@ def grpo(request: TuneGrpoRequest) -> dict:
 
 def _engine_rollouts(request: TuneGrpoRequest):
     """--rollout engine: a token engine on --rollout-tp ranks of its own, beside the training ranks
-    (on the same
-    Ray cluster, which the training group has joined or started by the time this runs); for
-    conversations with
-    another checkpoint as --user-model, a second engine on --rollout-tp ranks holding it."""
+    (on the same Ray cluster, which the training group has joined or started by the time this runs);
+    for conversations with another checkpoint as --user-model, a second engine on --rollout-tp ranks
+    holding it."""
     from ster_dist.tune.engine_rollouts import EngineRollouts, needs_user_group
     from ster_dist.workers.group import open_group
 
@@ -221,8 +217,7 @@ def _train(request, prepare, extra: dict | None = None, rollouts=None) -> dict:
 
 def _last_metrics(result: dict) -> dict:
     """A preference or grpo run's reward numbers (margin, accuracy, mean reward, KL, ...) of its
-    first and final
-    steps."""
+    first and final steps."""
     from ster_dist.tune.grpo import METRICS as GRPO
     from ster_dist.tune.preference import METRICS as PREFERENCE
 

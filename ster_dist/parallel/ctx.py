@@ -1,6 +1,5 @@
 """ParallelCtx: which tensor-, expert- and pipeline-parallel rank this process is, passed explicitly
-to every
-layer.
+to every layer.
 
 Layers take global sizes and ask the context for their local share; nothing
 reads a global rank. World size 1 runs the same code with no process group.
@@ -14,10 +13,8 @@ matrices over the tp group like a dense feed-forward.
 
 Under pipeline parallelism the world is pp stages of tp x ep ranks each, stage s holding world ranks
 s*tp*ep .. (s+1)*tp*ep - 1: a stage's tensor- and expert-parallel groups are the ones above within
-it, and
-each rank passes its activations to the rank of the same position in the next stage
-(parallel/pipeline.py
-splits the layers between stages).
+it, and each rank passes its activations to the rank of the same position in the next stage
+(parallel/pipeline.py splits the layers between stages).
 """
 
 from __future__ import annotations
@@ -166,8 +163,8 @@ class ParallelCtx:
 
     def ep_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every expert-parallel rank's x (partial sums of one shape), added in f32: one
-        gather (gloo's
-        all_gather_single took 0.6 ms between two processes here, its all_reduce 1.65 ms)."""
+        gather (gloo's all_gather_single took 0.6 ms between two processes here, its all_reduce 1.65
+        ms)."""
         if self.ep_size == 1:
             return x
         # gloo gathers into the concatenation

@@ -1,23 +1,17 @@
 """FP8 weights kept as stored (`--weights fp8`): a rank's float8_e4m3fn share of a matrix beside the
-scale
-entries of the checkpoint blocks that cover it, and the product through them.
+scale entries of the checkpoint blocks that cover it, and the product through them.
 
 A kept matrix W [..., rows, cols] carries `scale` [..., row groups, col groups] and the sizes of
-those groups:
-the rows (and columns) of the rank's share cut wherever a checkpoint block or a read piece starts,
-so each
-group lies inside one block and one scale entry serves it. A share that starts inside a block (a TP
-split at
-row 24 of blocks of 16) starts with a short group; the scale held is exactly the entries covering
-the share.
+those groups: the rows (and columns) of the rank's share cut wherever a checkpoint block or a read
+piece starts, so each group lies inside one block and one scale entry serves it. A share that starts
+inside a block (a TP split at row 24 of blocks of 16) starts with a short group; the scale held is
+exactly the entries covering the share.
 
 The product: on a CUDA device whose torch has blockwise `scaled_mm` (SM90, 128 x 128 weight blocks
-aligned
-with the share) the activations are quantized per 1 x 128 group and multiplied in FP8; everywhere
-else the
-matrix is dequantized for the one product (in float32, then cast, the same rounding as dequantizing
-while
-loading) and nothing is cached, so the dequantized copy lives for one matmul only.
+aligned with the share) the activations are quantized per 1 x 128 group and multiplied in FP8;
+everywhere else the matrix is dequantized for the one product (in float32, then cast, the same
+rounding as dequantizing while loading) and nothing is cached, so the dequantized copy lives for one
+matmul only.
 """
 
 from __future__ import annotations
@@ -76,8 +70,7 @@ class Fp8Weight:
 
 def blockwise_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
     """Whether this product can run through blockwise scaled_mm: SM90, 128 x 128 groups from the
-    first row and
-    column (a share split inside a block is not), and shapes its kernel takes."""
+    first row and column (a share split inside a block is not), and shapes its kernel takes."""
     if x.device.type != "cuda" or not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or w.q.dim() != 2:

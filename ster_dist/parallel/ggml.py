@@ -1,22 +1,19 @@
 """GGML block-quantized weights kept as a .gguf stores them (Q8_0, Q4_0, Q4_1): a rank's rows of
-blocks, and
-the products and embedding lookups through them.
+blocks, and the products and embedding lookups through them.
 
 A kept matrix W [rows, cols] is held as its stored bytes, uint8 [rows, cols / 32 * block bytes]:
-GGML quantizes
-each row in blocks of 32 along the input dimension, so a rank's output rows are whole rows of bytes
-and its
-input columns (a row-parallel share) whole runs of blocks. The layouts, per block of 32 values:
+GGML quantizes each row in blocks of 32 along the input dimension, so a rank's output rows are whole
+rows of bytes and its input columns (a row-parallel share) whole runs of blocks. The layouts, per
+block of 32 values:
 
 - Q8_0: f16 d, 32 int8 q; value = d * q
 - Q4_0: f16 d, 16 bytes; low nibbles values 0-15, high nibbles 16-31; value = d * (q - 8)
 - Q4_1: f16 d, f16 m, 16 bytes as Q4_0; value = d * q + m
 
 The product: up to BLOCK_ROWS_MAX rows of x (decode) through kernels/blocks.cpp, which quantizes x
-to 8 bits per
-block of 32 as llama.cpp does for its dot products and multiplies in integers (AVX-512 VNNI); more
-rows (prefill)
-through tiles of the weight dequantized to x's dtype, one tile at a time, into the dense product.
+to 8 bits per block of 32 as llama.cpp does for its dot products and multiplies in integers (AVX-512
+VNNI); more rows (prefill) through tiles of the weight dequantized to x's dtype, one tile at a time,
+into the dense product.
 """
 
 from __future__ import annotations

@@ -6,12 +6,10 @@ time (adapters/attach.py), each already cut to this rank's share: a column-paral
 holds A whole and its own rows of B, a row-parallel one its own columns of A and B whole.
 
 A module names the parameters it can hold as FP8 (`fp8_params`); under `--weights fp8` the loader
-keeps
-those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the pair.
-Those it names
-in `ggml_params` may be kept in a .gguf's own blocks (parallel/ggml.py): `matrix(name)` then hands
-over a
-BlockWeight, which `dense` multiplies through and the embedding looks rows up in.
+keeps those in FP8 beside their block scales (parallel/fp8.py) and `matrix(name)` hands `dense` the
+pair. Those it names in `ggml_params` may be kept in a .gguf's own blocks (parallel/ggml.py):
+`matrix(name)` then hands over a BlockWeight, which `dense` multiplies through and the embedding
+looks rows up in.
 """
 
 from __future__ import annotations
@@ -85,8 +83,7 @@ class ShardedModule(nn.Module):
 
     def plain(self, name: str = "weight") -> torch.Tensor:
         """The parameter as a tensor of its compute dtype (a kept FP8 one dequantized: for uses
-        other than
-        a product, such as MLA's absorbed key and value halves)."""
+        other than a product, such as MLA's absorbed key and value halves)."""
         held = self.matrix(name)
         return held.dequantize() if isinstance(held, (Fp8Weight, BlockWeight)) else held
 
@@ -111,10 +108,8 @@ def fused_runs(root: nn.Module) -> list[list[nn.Parameter]]:
 
 def module_shards(root: nn.Module) -> dict[str, Shard]:
     """Every parameter's name (as root.named_parameters() names it) and Shard, over root's
-    ShardedModules.
-    A parameter tied to another (tie_parameters) is listed once, under its first name, as
-    named_parameters
-    lists it."""
+    ShardedModules. A parameter tied to another (tie_parameters) is listed once, under its first
+    name, as named_parameters lists it."""
     out: dict[str, Shard] = {}
     seen: set[int] = set()
     for prefix, module in root.named_modules():
@@ -131,9 +126,8 @@ def module_shards(root: nn.Module) -> dict[str, Shard]:
 
 def tie_parameters(module: nn.Module, owner: nn.Module) -> None:
     """Make every parameter of `module` the very tensor of the same name in `owner`, a module built
-    alike
-    (Zamba2's shared transformer block, one set of weights used by several layers): read once, held
-    once."""
+    alike (Zamba2's shared transformer block, one set of weights used by several layers): read once,
+    held once."""
     mine, theirs = dict(module.named_modules()), dict(owner.named_modules())
     for name, sub in mine.items():
         if isinstance(sub, ShardedModule):
@@ -283,10 +277,8 @@ def dense(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b) through the kernel that streams W fastest for x's shape; a kept FP8 W through
-    blockwise
-    scaled_mm where the device has it, else dequantized for this product alone (parallel/fp8.py);
-    kept GGML
-    blocks through their own kernel (parallel/ggml.py)."""
+    blockwise scaled_mm where the device has it, else dequantized for this product alone
+    (parallel/fp8.py); kept GGML blocks through their own kernel (parallel/ggml.py)."""
     if isinstance(weight, BlockWeight):
         return block_product(x, weight, bias)
     if isinstance(weight, Fp8Weight):
@@ -454,8 +446,7 @@ class ColumnLinear(ShardedModule):
 
 def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors concatenated along their first dimension: a view where they already lie back to
-    back in
-    one storage (the loader's arena lays fused parts out so), a copy otherwise."""
+    back in one storage (the loader's arena lays fused parts out so), a copy otherwise."""
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
@@ -476,16 +467,11 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 class FusedColumns(nn.Module):
     """Column-parallel projections of one input (q, k, v; gate, up) as one product over a weight
-    holding
-    their rows one part after another. Each part keeps its own parameters as views of the fused
-    ones,
-    so the loader, the name map, adapters and capture still see the parts; before fuse() (a model on
-    the
-    meta device, or one being filled) each part runs alone. Parts kept in FP8 stay unfused: each
-    runs its
-    own product through its own scales (rows of parts concatenate, but their scale groups would line
-    up
-    only where every part's rows are whole blocks)."""
+    holding their rows one part after another. Each part keeps its own parameters as views of the
+    fused ones, so the loader, the name map, adapters and capture still see the parts; before fuse()
+    (a model on the meta device, or one being filled) each part runs alone. Parts kept in FP8 stay
+    unfused: each runs its own product through its own scales (rows of parts concatenate, but their
+    scale groups would line up only where every part's rows are whole blocks)."""
 
     def __init__(self, *parts: ColumnLinear | None):
         super().__init__()
@@ -498,8 +484,7 @@ class FusedColumns(nn.Module):
 
     def runs(self) -> list[list[nn.Parameter]]:
         """The parameters fuse() joins, each list in order: laid out back to back (shard/arena.py),
-        they join
-        as a view rather than a copy."""
+        they join as a view rather than a copy."""
         parts = [p for p in self.parts if p is not None]
         if len(parts) < 2:
             return []
@@ -511,8 +496,7 @@ class FusedColumns(nn.Module):
         """Put the parts' weights (and biases) into one tensor and make each part's a view of it.
         `done`
         maps parts already fused elsewhere (a block several layers share, tie_parameters) to their
-        fused
-        module, whose tensors this one then shares: tied parts stay one tensor."""
+        fused module, whose tensors this one then shares: tied parts stay one tensor."""
         parts = [p for p in self.parts if p is not None]
         if self.weight is not None or len(parts) < 2 or any(p.weight.is_meta for p in parts):
             return
@@ -601,8 +585,7 @@ class RowLinear(ShardedModule):
 
 class VocabEmbedding(ShardedModule):
     """Embedding rows split over ranks (vocab padded to a multiple of tp); lookups all-reduced. Kept
-    in GGML
-    blocks, the rows looked up are dequantized (and no others)."""
+    in GGML blocks, the rows looked up are dequantized (and no others)."""
 
     ggml_params = ("weight",)
 
@@ -669,11 +652,9 @@ class Replicated(ShardedModule):
 
 def product_weights(root: nn.Module) -> list[torch.Tensor]:
     """The weights `dense` multiplies by in root's projections, each once, as dense is handed them:
-    a fused
-    group's joined weight (its parts then run no product of their own), every other column- or
-    row-parallel
-    weight, the head's (the embedding's, where tied). Kept FP8 weights and GGML blocks are not among
-    them."""
+    a fused group's joined weight (its parts then run no product of their own), every other column-
+    or row-parallel weight, the head's (the embedding's, where tied). Kept FP8 weights and GGML
+    blocks are not among them."""
     fused = {
         id(p)
         for m in root.modules()

@@ -1,39 +1,25 @@
 """Weights packed ahead for a CPU's products: a token engine's choice (engine/runner.py), as vLLM's
-CPU backend
-packs its linear layers' weights at load.
+CPU backend packs its linear layers' weights at load.
 
 Where this package's kernels were built with AVX-512 (and AVX512_BF16 for bf16), a weight is laid
-out in panels
-of 32 outputs (kernels/panels.cpp) and every product over it, of any number of rows, runs there: on
-SmolLM2's
-shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal at 512, as fast as the
-few-row
-kernel at one row (bench/README.md); and a row's product is the same bits in any batch. With AVX2
-(and FMA) an
-f32 or bf16 weight is laid out in panels of 16 outputs: on a Zen 3 CPU, f32, 1.06x the few-row
-kernel at one row,
-1.24x at 8, 1.2-1.4x oneDNN's packed product at 12-32 rows, 1.06-1.12x at 256; bf16 1.6x the few-row
-kernel at 8
-rows. Elsewhere (bf16 on AVX-512 without AVX512_BF16, or no kernels built) the weight is reordered
-once into
-oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise makes on
-every call:
-products of ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at 512), and
-the few-row
+out in panels of 32 outputs (kernels/panels.cpp) and every product over it, of any number of rows,
+runs there: on SmolLM2's shapes, 2 threads, 1.2-1.9x oneDNN's own packed product at 4-64 rows, equal
+at 512, as fast as the few-row kernel at one row (bench/README.md); and a row's product is the same
+bits in any batch. With AVX2 (and FMA) an f32 or bf16 weight is laid out in panels of 16 outputs: on
+a Zen 3 CPU, f32, 1.06x the few-row kernel at one row, 1.24x at 8, 1.2-1.4x oneDNN's packed product
+at 12-32 rows, 1.06-1.12x at 256; bf16 1.6x the few-row kernel at 8 rows. Elsewhere (bf16 on AVX-512
+without AVX512_BF16, or no kernels built) the weight is reordered once into oneDNN's blocked layout
+(`mkldnn._reorder_linear_weight`), which oneDNN's matmul otherwise makes on every call: products of
+ROWS_MIN rows or more then take it (1.13-1.28x at 32 f32 rows, 1.04-1.15x at 512), and the few-row
 kernel keeps fewer. A bf16 weight on a CPU without native bf16 products and without panels, where
-oneDNN refuses
-to reorder bf16, is reordered as an f32 copy instead (widened()).
+oneDNN refuses to reorder bf16, is reordered as an f32 copy instead (widened()).
 
 The packed copy sits beside the parameter, which everything else keeps reading (capture, adapters,
-merges,
-saving): the price is a second copy of each packed weight, which the engine pays only where it fits
-(`--pack-weights`). A packed copy is found by the address, shape and strides of the weight a product
-is handed,
-so a compiled step's graph (whose inputs are the parameters themselves) finds it too. An entry holds
-its weight
-weakly and lives no longer than it; a weight changed in place since it was packed (a tuning step) is
-read plain
-again.
+merges, saving): the price is a second copy of each packed weight, which the engine pays only where
+it fits (`--pack-weights`). A packed copy is found by the address, shape and strides of the weight a
+product is handed, so a compiled step's graph (whose inputs are the parameters themselves) finds it
+too. An entry holds its weight weakly and lives no longer than it; a weight changed in place since
+it was packed (a tuning step) is read plain again.
 """
 
 from __future__ import annotations
@@ -86,15 +72,13 @@ NATIVE_HALF_PRODUCTS = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT"
 
 def available() -> bool:
     """Whether weights can be packed here: in panels (this package's kernels, AVX2 or AVX-512), or
-    for oneDNN (a torch
-    built with it, the reorder operator present)."""
+    for oneDNN (a torch built with it, the reorder operator present)."""
     return kernels.panels(torch.float32) or _onednn(torch.float32)
 
 
 def _onednn(dtype: torch.dtype) -> bool:
     """Whether oneDNN can reorder a `dtype` weight here (f32 anywhere it is built in, bf16 where the
-    CPU has
-    native half products)."""
+    CPU has native half products)."""
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -104,11 +88,9 @@ def _onednn(dtype: torch.dtype) -> bool:
 
 def active() -> bool:
     """Whether any weight of this process is packed: dense() then sends products of a dtype laid out
-    in panels,
-    and of ROWS_MIN rows or more, to ster_kernels::packed_product, which takes the packed copy where
-    it finds one
-    (ster_dist::cpu_linear without the kernels, or where gradients flow). A constant to a compiled
-    step, guarded."""
+    in panels, and of ROWS_MIN rows or more, to ster_kernels::packed_product, which takes the packed
+    copy where it finds one (ster_dist::cpu_linear without the kernels, or where gradients flow). A
+    constant to a compiled step, guarded."""
     return _ANY
 
 
@@ -125,11 +107,9 @@ def _version(weight: torch.Tensor) -> int | None:
 
 def widened(dtype: torch.dtype) -> bool:
     """Whether a `dtype` weight is packed as an f32 copy: bf16 on a CPU without native bf16 products
-    (AVX2), where
-    torch's bf16 kernel is 5x slower than f32 and widening the weight on every product (linear.py's
-    _upcast) costs
-    as much as the product. The copy takes twice the bf16 weight; products of 1-8 rows still read
-    the bf16 one."""
+    (AVX2), where torch's bf16 kernel is 5x slower than f32 and widening the weight on every product
+    (linear.py's _upcast) costs as much as the product. The copy takes twice the bf16 weight;
+    products of 1-8 rows still read the bf16 one."""
     return (
         dtype == torch.bfloat16
         and not kernels.panels(dtype)
@@ -162,8 +142,8 @@ def copy_bytes(weight: torch.Tensor) -> int:
 
 def pack(weight: torch.Tensor, into: torch.Tensor | None = None) -> int:
     """Pack `weight` (once: a weight already packed is left); returns the bytes its packed copy
-    takes. Panels
-    are written `into` where given (bytes, panel_bytes of them), else into memory of their own."""
+    takes. Panels are written `into` where given (bytes, panel_bytes of them), else into memory of
+    their own."""
     key = _key(weight)
     if key in _TABLE:
         return 0

@@ -2,9 +2,8 @@
 
 The first stage also holds the embedding, the last the final norm and the head (the embedding again
 when the head is tied to it), so those count in the balance. Each stage reads only its layers'
-tensors;
-activations pass stage to stage point to point (ParallelCtx.send_next / recv_prev). The decoder
-(model/decoder.py stage_layers) measures its layers and asks stage_bounds for its share.
+tensors; activations pass stage to stage point to point (ParallelCtx.send_next / recv_prev). The
+decoder (model/decoder.py stage_layers) measures its layers and asks stage_bounds for its share.
 
 A family whose layers read more than the one hidden state the previous layer hands on cannot be cut
 between layers this way, and is refused before any weight is read.
@@ -53,8 +52,8 @@ def stage_bounds(
     layer_sizes: list[int], first_extra: int, last_extra: int, pp: int
 ) -> list[tuple[int, int]]:
     """[start, end) of each stage's layers: contiguous, every stage at least one layer, the largest
-    stage
-    (its layers plus the first stage's embedding or the last one's head) as small as it can be."""
+    stage (its layers plus the first stage's embedding or the last one's head) as small as it can
+    be."""
     n = len(layer_sizes)
     if not 1 <= pp <= n:
         raise ValueError(f"{pp} stages for {n} layers")

@@ -1,11 +1,8 @@
 """A kept FP8 matrix's product through the Triton block-scaled GEMM (`--kernels triton`,
-kernels/triton/fp8.py):
-activations quantized per token and group of a block's width, the weight's block scales ([128, 128]
-in
-DeepSeek's checkpoints) applied in the f32 sum,
-on any device Triton runs on (where blockwise scaled_mm wants SM90). A share cut inside a block (a
-TP split off a
-block's edge) is said once and left to parallel/linear.py's dense path."""
+kernels/triton/fp8.py): activations quantized per token and group of a block's width, the weight's
+block scales ([128, 128] in DeepSeek's checkpoints) applied in the f32 sum, on any device Triton
+runs on (where blockwise scaled_mm wants SM90). A share cut inside a block (a TP split off a block's
+edge) is said once and left to parallel/linear.py's dense path."""
 
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ from ster_dist.parallel.fp8 import Fp8Weight
 
 def uniform_block(weight: Fp8Weight) -> tuple[int, int] | None:
     """The [rows, columns] of weight's scale blocks where every group but the last of each axis is
-    that size (the
-    share starts on a block), else None."""
+    that size (the share starts on a block), else None."""
     b0, b1 = weight.rows[0], weight.cols[0]
     if (
         all(g == b0 for g in weight.rows[:-1])

@@ -113,10 +113,8 @@ class EngineFields(Request):
 
     def engine_options(self) -> tuple:
         """(KV cache bytes or None, max step tokens, draft tokens per decode or 0, enforce eager,
-        pack weights,
-        kernels or None):
-        what the session's token engine is built with (requests with other options rebuild an idle
-        one)."""
+        pack weights, kernels or None): what the session's token engine is built with (requests with
+        other options rebuild an idle one)."""
         memory = (
             memory_bytes(self.kv_cache_memory, "kv_cache_memory") if self.kv_cache_memory else None
         )

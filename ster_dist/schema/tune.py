@@ -1,6 +1,5 @@
 """tune sft | dpo | reward | grpo | evaluate: LoRA adapters (and reward models) trained across
-ranks, and
-completion-token evaluation.
+ranks, and completion-token evaluation.
 
 The training numbers keep their range checks in ster_dist/tune/spec.py (Ster's wording); the
 schema states their types, defaults and help."""

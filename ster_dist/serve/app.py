@@ -2,14 +2,12 @@
 
 Routes: OpenAI's (serve/openai_api.py), vLLM's /tokenize and /detokenize (serve/tokenize.py), Ster's
 serve API (serve/ster_api.py), `/health` and `/metrics`. Around them one plain ASGI layer (cheaper
-than Starlette's BaseHTTPMiddleware, and it
-never buffers a stream) checks, in this order: the bearer key (or, on a keyless server, that the
-request is not a web page's), the server draining, the body size, and the limit of requests in
-flight, OpenAI's and Ster's endpoints that run work alike (429 with Retry-After); it counts every
-answer by endpoint and status for /metrics. The two completion endpoints it answers itself, below
-FastAPI, through
-openai_api.answer: their time on the event loop delays the first token. Every error body is
-OpenAI's shape.
+than Starlette's BaseHTTPMiddleware, and it never buffers a stream) checks, in this order: the
+bearer key (or, on a keyless server, that the request is not a web page's), the server draining, the
+body size, and the limit of requests in flight, OpenAI's and Ster's endpoints that run work alike
+(429 with Retry-After); it counts every answer by endpoint and status for /metrics. The two
+completion endpoints it answers itself, below FastAPI, through openai_api.answer: their time on the
+event loop delays the first token. Every error body is OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -203,8 +201,7 @@ class _Guard:
 
     async def _body(self, receive) -> bytes | None:
         """The whole request body, or None once it grows past the limit (a body sent in chunks,
-        without
-        a content-length, is counted as it comes)."""
+        without a content-length, is counted as it comes)."""
         parts, size = [], 0
         while True:
             message = await receive()
@@ -221,12 +218,10 @@ class _Guard:
 
 def _foreign(headers: dict) -> tuple[str, str] | None:
     """("Origin" | "Host", value) when a keyless server is asked by another site: a web page's
-    request
-    (a browser sends its Origin, and a form or text/plain POST needs no CORS approval) or DNS
-    rebinding
-    (a foreign name that resolves to 127.0.0.1). Such a page could otherwise run jobs that write
-    files
-    where the body says. Clients off a browser send no Origin and name the address they dialled."""
+    request (a browser sends its Origin, and a form or text/plain POST needs no CORS approval) or
+    DNS rebinding (a foreign name that resolves to 127.0.0.1). Such a page could otherwise run jobs
+    that write files where the body says. Clients off a browser send no Origin and name the address
+    they dialled."""
     # an Origin is a URL; a Host is the authority alone, read as one by putting "//" before it
     for header, name, lead in ((b"origin", "Origin", ""), (b"host", "Host", "//")):
         value = headers.get(header)

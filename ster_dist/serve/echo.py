@@ -1,11 +1,8 @@
 """/v1/completions' `echo`: the prompt before each choice's text and, with `logprobs`, the prompt's
-own
-tokens in the choice's logprobs, each with its log-probability given the tokens before it (the first
-null: nothing comes before it), as OpenAI's legacy completions and vLLM answer.
-lm-evaluation-harness's
-loglikelihood tasks read exactly these (`echo: true, logprobs: 1`, often `max_tokens: 0` or 1):
-without
-them its scores fall silently to chance.
+own tokens in the choice's logprobs, each with its log-probability given the tokens before it (the
+first null: nothing comes before it), as OpenAI's legacy completions and vLLM answer.
+lm-evaluation-harness's loglikelihood tasks read exactly these (`echo: true, logprobs: 1`, often
+`max_tokens: 0` or 1): without them its scores fall silently to chance.
 
 The prompt's log-probabilities come from one forward pass over the whole prompt on the served
 model's ranks (steer/evaluate.token_logprobs), run while the token engine waits between two of its

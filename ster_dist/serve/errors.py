@@ -2,8 +2,7 @@
 fits.
 
 A Refusal raised below (the engine's, the steering artifact's, the adapter's) keeps its sentence:
-the
-server adds the status and the field it concerns, never a traceback.
+the server adds the status and the field it concerns, never a traceback.
 """
 
 from __future__ import annotations

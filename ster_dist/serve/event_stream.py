@@ -3,14 +3,11 @@ event.
 
 Why not Starlette's StreamingResponse: it sends the headers at once, so the client wakes, reads them
 and waits again while the engine computes the first token, and on a machine with as many cores as
-the
-engine's threads that client takes a core from the step it is waiting for. Here the client wakes
-once,
-for the first token, and the answer runs as one coroutine beside one task that waits for the
-client's
-disconnect (no task group per answer). An `ApiError` raised before the first event (a refusal at
-submission) is answered as the plain error it is, with its status; after it, the events generator
-reports failures in the stream itself.
+the engine's threads that client takes a core from the step it is waiting for. Here the client wakes
+once, for the first token, and the answer runs as one coroutine beside one task that waits for the
+client's disconnect (no task group per answer). An `ApiError` raised before the first event (a
+refusal at submission) is answered as the plain error it is, with its status; after it, the events
+generator reports failures in the stream itself.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ async def until_disconnect(receive) -> None:
 
 async def send_events(events: AsyncGenerator[str, None], receive, send) -> None:
     """Each text `events` yields as one event; a client that leaves stops the wait for the next one,
-    and the
-    generator is closed either way (its own cleanup cancels its engine requests)."""
+    and the generator is closed either way (its own cleanup cancels its engine requests)."""
     answer = asyncio.current_task()
     left = asyncio.Event()
 

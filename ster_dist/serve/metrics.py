@@ -4,10 +4,9 @@ several).
 Counted as requests go: requests by endpoint and status, prompt and generated tokens, time to first
 token, inter-token latency and whole-request latency. Read from the engine at each scrape: requests
 running and waiting, KV blocks in use and in all, the prefix cache's hit rate, and speculative
-decoding's draft
-and accepted tokens. Names follow
-vLLM's with the prefix `ster_` (a colon is for Prometheus' recording rules, never an exporter's
-names), so its dashboards need only the prefix changed.
+decoding's draft and accepted tokens. Names follow vLLM's with the prefix `ster_` (a colon is for
+Prometheus' recording rules, never an exporter's names), so its dashboards need only the prefix
+changed.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ cancels its engine requests, which frees their KV blocks at once.
 
 The two completion endpoints are answered below FastAPI (serve/app.py hands them their body), and a
 streamed answer is submitted only once it is set up (serve/event_stream.py says why); /v1/models is
-a
-FastAPI route.
+a FastAPI route.
 """
 
 from __future__ import annotations
@@ -93,9 +92,8 @@ def router(state) -> APIRouter:
 
 async def answer(state, path: str, raw: bytes, receive, send) -> None:
     """POST /v1/chat/completions or /v1/completions as a plain ASGI answer: the event loop's work
-    for a
-    request is time its first token waits for, and FastAPI's routing and middleware were most of
-    it."""
+    for a request is time its first token waits for, and FastAPI's routing and middleware were most
+    of it."""
     model, prepare = (
         (ChatCompletionRequest, _prepare_chat)
         if path == CHAT
@@ -160,8 +158,7 @@ _ON_LOOP_BYTES = 16 << 10
 
 async def _prepared(prepare, state, body, size: int) -> _Prepared:
     """prepare(state, body); off the event loop when the body is large, or when a steering vector
-    must
-    be read and registered (registering waits for the engine's step to end)."""
+    must be read and registered (registering waits for the engine's step to end)."""
     if body.steering is not None or size > _ON_LOOP_BYTES:
         return await asyncio.to_thread(prepare, state, body)
     return prepare(state, body)
@@ -565,8 +562,8 @@ async def _whole(state, prep: _Prepared, streams: list, watcher: asyncio.Future)
 
 async def _events(state, prep: _Prepared):
     """The answer's events; the requests are submitted when the first is asked for (a refusal then
-    is an
-    ApiError before any event), and a chat's opening role chunks go out with the first token."""
+    is an ApiError before any event), and a chat's opening role chunks go out with the first
+    token."""
     chunk_object = "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
     tokenizer = state.session.tokenizer
     streams = _submit(state, prep)

@@ -5,8 +5,7 @@ completions). vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, stop_
 as vLLM reads them. Ours: `steering` (a vector per request). Unknown fields are ignored, as OpenAI's
 own server and vLLM do; fields that would change the answer and are not served (tools, a streamed
 echo, suffix, best_of, logit_bias, response_format, vLLM's guided decoding, non-text content parts)
-are refused
-rather than ignored.
+are refused rather than ignored.
 """
 
 from __future__ import annotations

@@ -74,11 +74,10 @@ def _bind_replica_grpc_to_node() -> None:
     """Make this replica's inter-deployment gRPC server listen on its node's cluster address.
 
     Serve starts that server in every replica, after the constructor, on "[::]:0": every interface,
-    unauthenticated, although nothing here calls it (the proxy talks to replicas over Ray). Bound
-    to the node address (127.0.0.1 on a local cluster) it stays where the rest of the cluster is.
+    unauthenticated, although nothing here calls it (the proxy talks to replicas over Ray). Bound to
+    the node address (127.0.0.1 on a local cluster) it stays where the rest of the cluster is.
     tests/serve/test_serve_replicas.py reads every listener of a served cluster, so a Serve that
-    changes
-    this is caught."""
+    changes this is caught."""
     import ray
     from ray.serve._private import replica
 

@@ -1,12 +1,10 @@
 """Deadlines on what a client sends: a connection that has not sent a whole request head within the
-deadline is
-closed, and a body not whole within it again is answered 408 (serve/app.py's guard).
+deadline is closed, and a body not whole within it again is answered 408 (serve/app.py's guard).
 
 uvicorn's HTTP/1.1 protocols time a connection only between requests (its keep-alive timeout,
-restarted by every
-byte), so a client that sends a head a byte at a time, or never finishes it, held its connection for
-ever: a few
-thousand such clients use up the process's file descriptors, and no request is answered after that.
+restarted by every byte), so a client that sends a head a byte at a time, or never finishes it, held
+its connection for ever: a few thousand such clients use up the process's file descriptors, and no
+request is answered after that.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 def head_deadline(seconds: float) -> type[asyncio.Protocol]:
     """The protocol uvicorn would pick (httptools' parser where it is installed, else h11's),
-    closing a
-    connection whose request head is not whole `seconds` after the connection opened or its last
-    answer ended."""
+    closing a connection whose request head is not whole `seconds` after the connection opened or
+    its last answer ended."""
 
     class HeadDeadline(AutoHTTPProtocol):
         head_timer: asyncio.TimerHandle | None = None

@@ -1,6 +1,5 @@
 """What one server holds: the job queue (Ster's endpoints run through it), the served model's
-session
-pinned in its pool, that session's token engine, the adapters served as model names, and the
+session pinned in its pool, that session's token engine, the adapters served as model names, and the
 steering vectors requests name.
 
 The model loads and the adapters register before the server says it is ready, so a bad --adapter
@@ -148,8 +147,7 @@ _DROPPING = ("Whitespace", "Bert", "Strip", "CharDelimiterSplit")
 def prompt_char_bound(tokenizer, max_position: int) -> int | None:
     """The most characters `max_position` tokens can cover: no token covers more characters than its
     vocabulary string has (a byte-level token has one character per byte, a SentencePiece one its
-    own
-    text, a byte-fallback token more than its one byte), doubled for normalizers that compose
+    own text, a byte-fallback token more than its one byte), doubled for normalizers that compose
     characters. None when the tokenizer may drop characters."""
     backend = tokenizer.backend
     if any(

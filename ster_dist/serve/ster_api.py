@@ -126,8 +126,7 @@ class SterApi:
     # -- a job through the queue -------------------------------------------------------------------
     def spec(self, cls, body: dict) -> dict:
         """The body as a job spec: its kind, the served model's settings the body leaves out (when
-        it
-        names no other model), then the body itself."""
+        it names no other model), then the body itself."""
         if "kind" in body:
             raise Refused(400, f"/v1/{cls.command[-1]} runs {cls.kind} jobs; drop the field 'kind'")
         spelled = protocol.names(cls)

@@ -1,22 +1,16 @@
 """A rank's parameters in one block of memory, in 2 MiB pages where the kernel allows.
 
 `allocate` takes the place of `Module.to_empty` on the CPU. Decoding one token reads every weight
-once, so
-how the weights lie in memory sets the step's speed: spread over 4 KiB pages, each page costs a TLB
-miss
-and stops the hardware prefetcher at its end. On this project's 2-core test machine, SmolLM2's
-compiled
-one-token step ran 13-16% faster with its weights in transparent huge pages (bench/README.md);
-llama.cpp gets them from
-the page cache of its mapped GGUF. One block also lets a fused product's parts be laid out one after
-another,
-so `FusedColumns.fuse` can take a view of them instead of a second, concatenated copy.
+once, so how the weights lie in memory sets the step's speed: spread over 4 KiB pages, each page
+costs a TLB miss and stops the hardware prefetcher at its end. On this project's 2-core test
+machine, SmolLM2's compiled one-token step ran 13-16% faster with its weights in transparent huge
+pages (bench/README.md); llama.cpp gets them from the page cache of its mapped GGUF. One block also
+lets a fused product's parts be laid out one after another, so `FusedColumns.fuse` can take a view
+of them instead of a second, concatenated copy.
 
 Huge pages are asked for with madvise(MADV_HUGEPAGE) before the loader writes any byte (Linux only;
-where
-the system disallows them the block simply stays in 4 KiB pages). The block is an anonymous memory
-map, freed
-when the last parameter over it goes.
+where the system disallows them the block simply stays in 4 KiB pages). The block is an anonymous
+memory map, freed when the last parameter over it goes.
 """
 
 from __future__ import annotations
@@ -37,15 +31,12 @@ def allocate(
 ) -> None:
     """Give every parameter and buffer of `model` fresh, uninitialised memory on `device`, as
     `model.to_empty(device)` does; on the CPU the parameters lie in one block. Each of `runs`
-    (parameters a
-    product joins, in order) is laid out back to back, without padding, where all its members are
-    held.
+    (parameters a product joins, in order) is laid out back to back, without padding, where all its
+    members are held.
 
     Each run, and each parameter outside one, gets a storage of its own over its bytes of the block:
-    torch
-    takes tensors of one storage for aliases, and torch.compile will not pass aliased inputs into a
-    region
-    several layers share (the one-token stack, model/compiled.py)."""
+    torch takes tensors of one storage for aliases, and torch.compile will not pass aliased inputs
+    into a region several layers share (the one-token stack, model/compiled.py)."""
     device = torch.device(device)
     if device.type != "cpu":
         model.to_empty(device=device)
@@ -81,8 +72,7 @@ def _nbytes(param: torch.Tensor) -> int:
 
 def _layout(params: list[nn.Parameter], runs) -> tuple[list[tuple[int, list[nn.Parameter]]], int]:
     """([(byte offset, parameters laid out from it)], block size): parameters in order, a run's
-    members
-    together at its first."""
+    members together at its first."""
     held = {id(p) for p in params}
     run_of = {}
     for run in runs:
@@ -111,8 +101,7 @@ def _layout(params: list[nn.Parameter], runs) -> tuple[list[tuple[int, list[nn.P
 
 class Block:
     """`nbytes` of anonymous memory; a large block starts on a huge page and is advised to use them
-    before
-    anything is written. Freed when the last tensor over it goes (each holds the mapping)."""
+    before anything is written. Freed when the last tensor over it goes (each holds the mapping)."""
 
     def __init__(self, nbytes: int):
         huge = nbytes >= 4 * HUGE_PAGE and sys.platform.startswith("linux")

@@ -1,6 +1,5 @@
 """A checkpoint's weights fingerprint: what a steering artifact records of the model it was fitted
-on,
-so it is matched to a model by its weights' layout, not by the text of a path.
+on, so it is matched to a model by its weights' layout, not by the text of a path.
 
 The fingerprint is a SHA-256 over the config (less the keys that only say how or where it was
 written) and every tensor's name, shape and dtype, read from the safetensors headers (never the

@@ -1,6 +1,5 @@
 """What one rank of a tp x ep run holds and reads, from a checkpoint's tensor names, dtypes and
-shapes
-alone (its safetensors headers): no weight byte is read.
+shapes alone (its safetensors headers): no weight byte is read.
 
 The rank's decoder is built on the meta device with that rank's ParallelCtx and the real shard plan
 (shard/plan.py) is run over the headers' shapes, exactly as the loader runs it, so the figures are
@@ -9,8 +8,7 @@ vocabulary padding included), read bytes are the windows its pieces read, in the
 
 Some checkpoint tensors are set aside or renamed before the plan sees them:
 - multi-token-prediction layers (config `num_nextn_predict_layers`, a wrapper's text_config's too:
-  where the
-  family stores them, `model.layers.{N..}` past the decoder's layers or MiMo's
+  where the family stores them, `model.layers.{N..}` past the decoder's layers or MiMo's
   `model.mtp_layers.{k}`), which
   plain decoding never reads; they are counted apart;
 - FP8 scales (`X.weight_scale_inv` beside a float8 `X.weight` for quant_method fp8, `X.weight_scale`
@@ -310,10 +308,9 @@ def estimated_footprint(
 ) -> RankFootprint:
     """What one rank holds, from the config alone (a directory with config.json and no weights): its
     meta-device decoder's parameters and KV cache are the loader's (the same shard plan of every
-    layer), while
-    what it would read is estimated as those parameters at the config's torch_dtype, there being no
-    headers
-    to say how the weights are stored (a quantized checkpoint stores less)."""
+    layer), while what it would read is estimated as those parameters at the config's torch_dtype,
+    there being no headers to say how the weights are stored (a quantized checkpoint stores
+    less)."""
     model = meta_decoder(cfg, ctx, dtype)
     stored = STORED_DTYPES.get(str(cfg.torch_dtype), torch.bfloat16).itemsize
     params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,29 +1,21 @@
 """FP8 weights read as plain ones: a TensorSource over a checkpoint's source that dequantizes each
-window it
-is asked for. Two layouts: block-scaled FP8 (quant_method fp8: `W_scale_inv` beside W) and
-compressed-tensors
-FP8 (`W_scale` beside W, per output channel, per tensor or per block).
+window it is asked for. Two layouts: block-scaled FP8 (quant_method fp8: `W_scale_inv` beside W) and
+compressed-tensors FP8 (`W_scale` beside W, per output channel, per tensor or per block).
 
 A quantized tensor W (float8_e4m3fn, [..., rows, cols]) has a companion scale S ([..., ceil(rows /
-b0),
-ceil(cols / b1)]): the value at (r, c) is W[r, c] times S at block (r // b0, c // b1). Block FP8
-states
-(b0, b1) in its config; a compressed-tensors scale's shape says its strategy: [rows, 1] per channel
-(b = (1, cols)), one entry per tensor (b = (rows, cols)), else the config's block_structure. A
-window of W
-is read as its own FP8 bytes plus the scale entries of the blocks that cover it (a window starting
-or
-ending inside a block reads that block's scale), so a rank reads its share of the weights and of the
-scales and nothing more. The companions are consumed here: the name map never sees them. Which
-tensors
-are quantized is what the files say (a companion beside it), as in the published checkpoints, whose
-norms, embeddings, routers and head stay BF16. compressed-tensors' activation scales (`input_scale`)
-are
-set aside: activation schemes are not applied (shard/quantized.py says so once).
+b0), ceil(cols / b1)]): the value at (r, c) is W[r, c] times S at block (r // b0, c // b1). Block
+FP8 states (b0, b1) in its config; a compressed-tensors scale's shape says its strategy: [rows, 1]
+per channel (b = (1, cols)), one entry per tensor (b = (rows, cols)), else the config's
+block_structure. A window of W is read as its own FP8 bytes plus the scale entries of the blocks
+that cover it (a window starting or ending inside a block reads that block's scale), so a rank reads
+its share of the weights and of the scales and nothing more. The companions are consumed here: the
+name map never sees them. Which tensors are quantized is what the files say (a companion beside it),
+as in the published checkpoints, whose norms, embeddings, routers and head stay BF16.
+compressed-tensors' activation scales (`input_scale`) are set aside: activation schemes are not
+applied (shard/quantized.py says so once).
 
 Under `--weights fp8` the loader reads the tensors it keeps through `read_kept` instead: the same
-window's
-FP8 bytes and covering scale entries, as stored (shard/fp8_kept.py places them).
+window's FP8 bytes and covering scale entries, as stored (shard/fp8_kept.py places them).
 """
 
 from __future__ import annotations
@@ -165,8 +157,7 @@ class Fp8Source:
 
     def read_kept(self, name: str, window: tuple[slice, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """A window of quantized tensor `name` as stored: its FP8 values, and the scale entries of
-        the blocks
-        covering it [..., block rows, block cols] in float32."""
+        the blocks covering it [..., block rows, block cols] in float32."""
         values, scale, _ = self._window(name, window)
         return values, scale
 

@@ -1,22 +1,16 @@
 """Which parameters `--weights fp8` keeps in FP8, and the scale groups each one holds: one rule,
-read by the
-loader (which fills them) and by `ster plan` (which counts their bytes).
+read by the loader (which fills them) and by `ster plan` (which counts their bytes).
 
 A parameter is kept when its module can compute through FP8 (ShardedModule.fp8_params: the column-
-and
-row-parallel projections and the stacked experts), it is nobody's tied copy, and every piece the
-shard plan
-fills it from is a plain window of an FP8 checkpoint tensor (no transposed or interleaved source).
-Anything
-else (norms, embeddings, routers, heads, which the published checkpoints store in BF16 anyway) loads
-dequantized to --precision as in the default mode.
+and row-parallel projections and the stacked experts), it is nobody's tied copy, and every piece the
+shard plan fills it from is a plain window of an FP8 checkpoint tensor (no transposed or interleaved
+source). Anything else (norms, embeddings, routers, heads, which the published checkpoints store in
+BF16 anyway) loads dequantized to --precision as in the default mode.
 
 A kept parameter's rows are cut into groups wherever one of its pieces starts or ends and wherever a
 checkpoint block starts inside a piece; columns alike. Each group then lies inside one block of one
-source
-tensor, so one scale entry serves it. A share read as one window (a TP rank's rows, an expert's
-matrix)
-gets exactly the entries of the blocks covering it, as it read them.
+source tensor, so one scale entry serves it. A share read as one window (a TP rank's rows, an
+expert's matrix) gets exactly the entries of the blocks covering it, as it read them.
 """
 
 from __future__ import annotations
@@ -34,8 +28,8 @@ from ster_dist.shard.plan import Piece, Plan
 @dataclass(frozen=True)
 class Span:
     """Where one piece of a kept parameter comes from and lands: the source window (one slice per
-    source
-    dimension), and the parameter's leading index (experts) and local rows and columns it fills."""
+    source dimension), and the parameter's leading index (experts) and local rows and columns it
+    fills."""
 
     window: tuple[slice, ...]
     lead: tuple[int | slice, ...]

@@ -2,19 +2,13 @@
 them.
 
 A parameter is kept in blocks when its module names it in `ggml_params` (column- and row-parallel
-projections,
-the embedding, the head), every piece the shard plan fills it from is a plain window (no transposed,
-interleaved
-or stacked source) of a tensor the source stores in one kept kind, all of the same kind, and it is
-nobody's
-tied copy. Its rows are then the stored rows of bytes (q/k rows unpermuted as the source reads them)
-and its
-columns whole runs of blocks: a rank's column share that starts or ends inside a block (a
-row-parallel split
-of 96 columns over 2 ranks of Q4 blocks of 32 would not, one of 80 would) is refused before anything
-is read,
-naming the block size. Everything else (norms, F32/F16 tensors, kinds without a kernel) loads
-dequantized.
+projections, the embedding, the head), every piece the shard plan fills it from is a plain window
+(no transposed, interleaved or stacked source) of a tensor the source stores in one kept kind, all
+of the same kind, and it is nobody's tied copy. Its rows are then the stored rows of bytes (q/k rows
+unpermuted as the source reads them) and its columns whole runs of blocks: a rank's column share
+that starts or ends inside a block (a row-parallel split of 96 columns over 2 ranks of Q4 blocks of
+32 would not, one of 80 would) is refused before anything is read, naming the block size. Everything
+else (norms, F32/F16 tensors, kinds without a kernel) loads dequantized.
 """
 
 from __future__ import annotations

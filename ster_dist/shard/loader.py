@@ -8,9 +8,8 @@ tensor must be consumed (or ignored by rule, or held by another rank) and every 
 or loading fails naming it.
 
 With `keep_fp8` (`--weights fp8`) the parameters shard/fp8_kept.py keeps are allocated as
-float8_e4m3fn and
-filled with the stored bytes of the same windows, their covering scale entries gathered beside them.
-With
+float8_e4m3fn and filled with the stored bytes of the same windows, their covering scale entries
+gathered beside them. With
 `keep_blocks` a .gguf's Q8_0/Q4_0/Q4_1 tensors fill the parameters shard/ggml_kept.py keeps with
 their stored bytes.
 """
@@ -42,11 +41,9 @@ def fill_module(
 ) -> Plan:
     """Allocate `model` on `device` (built on the meta device: shapes only) and fill every parameter
     from `source` through cfg's name map; returns the plan it read by. `keep_fp8`: a quantized
-    source's
-    FP8 tensors stay FP8 where the module docstring says. `spec`: a name map in place of the
-    family's (an MTP
-    layer's, shard/mtp.py). `keep_blocks`: a .gguf source's Q8_0/Q4_0/Q4_1 tensors stay in their
-    blocks."""
+    source's FP8 tensors stay FP8 where the module docstring says. `spec`: a name map in place of
+    the family's (an MTP layer's, shard/mtp.py). `keep_blocks`: a .gguf source's Q8_0/Q4_0/Q4_1
+    tensors stay in their blocks."""
     shards = module_shards(model)
     # a tied copy (a tensor several layers use) is listed once, under its first name; the copies are
     # dropped

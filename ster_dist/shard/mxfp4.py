@@ -1,16 +1,14 @@
 """MXFP4 weights read as plain ones: a TensorSource over a checkpoint's source that presents each
-packed
-pair `X_blocks` / `X_scales` as the tensor X, dequantized window by window.
+packed pair `X_blocks` / `X_scales` as the tensor X, dequantized window by window.
 
 gpt-oss stores each expert matrix outputs-first and quantized along its inputs: X_blocks is uint8
 [experts, rows, groups, 16], two e2m1 values a byte (the low nibble first), 32 values a group, and
 X_scales is uint8 [experts, rows, groups], one e8m0 exponent a group (2 ** (s - 127)). Transformers'
 dequantizer (integrations/mxfp4.py, convert_moe_packed_tensors) hands X on inputs-first, [experts,
 groups * 32, rows], the layout the gpt_oss name map reads, so X is presented in that shape. A window
-of
-X reads only the bytes and exponents of its experts, rows and groups; a window that starts or ends
-inside a 32-value group is refused naming --tp (check_window), since no split of whole ranks' inputs
-would need it.
+of X reads only the bytes and exponents of its experts, rows and groups; a window that starts or
+ends inside a 32-value group is refused naming --tp (check_window), since no split of whole ranks'
+inputs would need it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which rule of a family's spec owns a checkpoint tensor, by its name: the one matching the plan,
-the merge writer
-and adapter placement all use, so they agree on it, and what follows from the name alone (Owner).
+the merge writer and adapter placement all use, so they agree on it, and what follows from the name
+alone (Owner).
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ from ster_dist.families.spec import FamilySpec, Rule, halved, target_name
 @dataclass(frozen=True)
 class Owner:
     """A checkpoint name's rule and what follows from the name alone, the same on every rank: the
-    matched
-    template's groups, the layer, the parameter the tensor fills first (where it belongs: a pipeline
-    stage's
-    question), and for a rule with one target the parameter, the expert ({e}) or stacked row ({h})
-    it fills."""
+    matched template's groups, the layer, the parameter the tensor fills first (where it belongs: a
+    pipeline stage's question), and for a rule with one target the parameter, the expert ({e}) or
+    stacked row ({h}) it fills."""
 
     rule: Rule
     groups: dict
@@ -32,14 +30,13 @@ class Owner:
 
 class NameMatcher:
     """A checkpoint name -> the spec's first rule whose template matches it (trying the name with
-    the
-    spec's optional prefix too), and whether the spec ignores the name. The plan, the merge writer
-    and
-    adapter placement all match names through it, so they agree on which rule owns a tensor.
+    the spec's optional prefix too), and whether the spec ignores the name. The plan, the merge
+    writer and adapter placement all match names through it, so they agree on which rule owns a
+    tensor.
 
     Inside a text wrapper (`wrapper`, ModelConfig.wrapper) a name is matched as the text model's
-    names
-    for it (config_file.text_weight_names), and a tensor of the wrapper's towers is ignored. A name
+    names for it (config_file.text_weight_names), and a tensor of the wrapper's towers is ignored. A
+    name
     `set_aside` matches (the plan's multi-token-prediction layers) is ignored too."""
 
     def __init__(
@@ -73,11 +70,9 @@ class NameMatcher:
 
     def match(self, name: str) -> tuple[Rule, dict] | None:
         """The first rule matching `name`; given the model's parameters, the first whose parameter
-        the model
-        has, where several match (Kimi-Linear's self_attn.q_proj is latent attention's query in some
-        layers and
-        the delta attention's in others; Granite 4.0's shared_mlp the dense feed-forward without
-        experts)."""
+        the model has, where several match (Kimi-Linear's self_attn.q_proj is latent attention's
+        query in some layers and the delta attention's in others; Granite 4.0's shared_mlp the dense
+        feed-forward without experts)."""
         if name not in self._matched:
             self._matched[name] = self._match(name)
         return self._matched[name]
@@ -129,8 +124,7 @@ class NameMatcher:
 
 def _literal_tail(template: str) -> str:
     """What a checkpoint template ends in after its last placeholder ({i}, {e}, ...): every name it
-    matches
-    ends so (the whole template when it has none)."""
+    matches ends so (the whole template when it has none)."""
     return template[template.rfind("}") + 1 :]
 
 

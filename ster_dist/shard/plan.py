@@ -93,8 +93,8 @@ def _linear_size(name: str, cfg: ModelConfig) -> int:
 def _layer_size(name: str, cfg: ModelConfig, layer: int | None) -> int:
     """Rows one key-value group of `layer` holds in a fused qkv_proj whose groups are the config's
     num_key_value_heads while the layer's own key-value heads differ (MiMo-V2's sliding layers hold
-    two per
-    group), so query, key and value rows are counted per layer, values at their own width."""
+    two per group), so query, key and value rows are counted per layer, values at their own
+    width."""
     if layer is None:
         raise ValueError(f"size {name} is per layer, and no layer was given")
     groups = cfg.num_kv_heads
@@ -140,11 +140,9 @@ def fused_rows_total(layout: Fused, cfg: ModelConfig, layer: int | None = None) 
 
 def mtp_layer_pattern(cfg: ModelConfig) -> re.Pattern | None:
     """The tensors of the multi-token-prediction layers, where the family stores them
-    (FamilySpec.mtp: DeepSeek-V3's
-    layer 61 after the decoder's, eh_proj, enorm, hnorm, shared_head and a whole decoder layer;
-    MiMo's
-    model.mtp_layers.{k}), below a wrapper's prefix too: recognised, and never loaded for
-    decoding."""
+    (FamilySpec.mtp: DeepSeek-V3's layer 61 after the decoder's, eh_proj, enorm, hnorm, shared_head
+    and a whole decoder layer; MiMo's model.mtp_layers.{k}), below a wrapper's prefix too:
+    recognised, and never loaded for decoding."""
     if not cfg.mtp_layers:
         return None
     prefix = cfg.spec.mtp.prefix
@@ -321,17 +319,15 @@ def build_plan(
     matchers: dict | None = None,
 ) -> Plan:
     """`tied_copies`: parameters that are tied copies of another (parallel/linear.py
-    tie_parameters); a checkpoint
-    that stores their tensor too has it skipped, so the shared tensor is read once.
+    tie_parameters); a checkpoint that stores their tensor too has it skipped, so the shared tensor
+    is read once.
     `elsewhere(param)`: whether
     a parameter belongs to another pipeline stage (Decoder.elsewhere); its tensors are skipped,
     never read.
     `matchers`: NameMatchers by parameter names, kept by a caller planning several ranks, so ranks
-    with the same
-    parameter names (every tensor-parallel rank) match each checkpoint name once between them, and
-    work out its
-    rule's parameter names once (NameMatcher.owner): what is left per rank is its shards'
-    arithmetic."""
+    with the same parameter names (every tensor-parallel rank) match each checkpoint name once
+    between them, and work out its rule's parameter names once (NameMatcher.owner): what is left per
+    rank is its shards' arithmetic."""
     params = frozenset(shards)
     matchers = {} if matchers is None else matchers
     matcher = matchers.get(params) or matchers.setdefault(

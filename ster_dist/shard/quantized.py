@@ -1,6 +1,5 @@
 """The source a quantized checkpoint is read through: its quantization's dequantizing TensorSource
-around
-the file source, and the one note that activation schemes are not applied.
+around the file source, and the one note that activation schemes are not applied.
 """
 
 from __future__ import annotations

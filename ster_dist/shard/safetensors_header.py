@@ -157,8 +157,7 @@ def _is_int(value) -> bool:
 
 def _check_entry(path, name: str, info, data_size: int) -> tuple[int, int]:
     """One tensor's entry: a known dtype, a shape of sizes, offsets inside the data that fit the
-    shape.
-    Returns its (begin, end) relative to the data's start."""
+    shape. Returns its (begin, end) relative to the data's start."""
     where = f"tensor {_shown(name)}"
     if not isinstance(info, dict):
         raise _refusal(

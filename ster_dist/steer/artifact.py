@@ -1,14 +1,13 @@
 """Ster's steering artifact, schema 1: a model-bound set of unit directions, one per layer.
 
 Wire shape (compact JSON, byte for byte as Ster writes it, floats as f32: ster_json):
-schema_version,
-product "ster", model (the --model string it was fitted with), model_revision, trait_name, method,
-hidden_size, vectors [{layer, values, train_margin, train_accuracy}], metadata (string to string),
-precision, chat_template (applied / absent / off: how its pairs were encoded). precision and
-chat_template may be null or absent (files written before Ster recorded them), and then nothing is
-compared. metadata["weights_fingerprint"] (written here, absent from Ster's files) names the
-weights the vector was read from (shard/fingerprint.py): where both sides have one, it decides
-whether a model matches, whatever path either was loaded from.
+schema_version, product "ster", model (the --model string it was fitted with), model_revision,
+trait_name, method, hidden_size, vectors [{layer, values, train_margin, train_accuracy}], metadata
+(string to string), precision, chat_template (applied / absent / off: how its pairs were encoded).
+precision and chat_template may be null or absent (files written before Ster recorded them), and
+then nothing is compared. metadata["weights_fingerprint"] (written here, absent from Ster's files)
+names the weights the vector was read from (shard/fingerprint.py): where both sides have one, it
+decides whether a model matches, whatever path either was loaded from.
 
 Refusals are Ster's sentences: schema, product, no vectors, width, non-finite; for a run: another
 model, another width, a layer the model lacks; and a LoRA adapter handed over as a vector.
@@ -357,8 +356,7 @@ def check_for_run(
 ) -> None:
     """Refuse an artifact fitted for another model, width or depth, before it touches a rank. The
     model is the same when the artifact's weights fingerprint is the loaded one's (another path to
-    the
-    same weights, a copy, an export), or, for an artifact without one, when the path names the
+    the same weights, a copy, an export), or, for an artifact without one, when the path names the
     same."""
     recorded = artifact.metadata.get(FINGERPRINT)
     if recorded is not None and fingerprint is not None:

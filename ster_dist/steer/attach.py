@@ -32,8 +32,7 @@ def payload(artifact: SteeringArtifact) -> list[tuple[int, torch.Tensor]]:
 
 def add_steering(model, vectors: list[tuple[int, torch.Tensor]], strength: float) -> list:
     """Steer every forward of `model` (one rank's decoder) by strength x vector after each vector's
-    layer;
-    returns the removers."""
+    layer; returns the removers."""
     return [steer_every_row(model, vectors, strength)]
 
 

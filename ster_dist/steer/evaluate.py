@@ -40,8 +40,7 @@ def score_layers(
 @torch.inference_mode()
 def sequence_logprobs(model, rows: list[list[int]], pad_id: int = 0) -> list[float] | None:
     """Per row, the log-probability of its tokens after the first given the ones before them (None
-    on a
-    pipeline stage but the last: it holds no logits)."""
+    on a pipeline stage but the last: it holds no logits)."""
     ids, pos, valid = left_pad(rows, pad_id)
     logits = model(ids, pos, valid)
     if logits is None:
@@ -58,8 +57,7 @@ def token_logprobs(
 ) -> list[tuple[float, list[tuple[int, float]]]] | None:
     """For each token of `row` after the first: its log-probability given the ones before, and the
     `top` most likely (id, log-probability) there (None on a pipeline stage but the last). One row
-    at
-    a time: the logits of a whole batch of long prompts would be rows x length x vocabulary
+    at a time: the logits of a whole batch of long prompts would be rows x length x vocabulary
     floats."""
     ids, pos, valid = left_pad([row], 0)
     logits = model(ids, pos, valid)

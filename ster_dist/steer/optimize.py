@@ -1,6 +1,5 @@
 """`steer optimize`: fit every layer x method on the first pairs, rank the candidates on the
-held-out
-rest, publish the whole ranking, and refit the winner on every pair.
+held-out rest, publish the whole ranking, and refit the winner on every pair.
 
 Ranking prefers holdout accuracy and breaks ties on holdout margin (the first candidate walked
 wins an exact tie). Rows stay in the order the search walked them (layer, then caa / pca /

@@ -58,8 +58,7 @@ def build_artifact(
     fingerprint: str | None = None,
 ) -> SteeringArtifact:
     """`fingerprint`: the model's weights fingerprint (shard/fingerprint.py), recorded in the
-    metadata
-    so the artifact is matched to those weights wherever they are loaded from."""
+    metadata so the artifact is matched to those weights wherever they are loaded from."""
     metadata = {FINGERPRINT: fingerprint} if fingerprint else {}
     return SteeringArtifact(
         model=model,

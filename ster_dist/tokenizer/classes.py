@@ -1,17 +1,12 @@
 """Which tokenizer class Transformers 5's `AutoTokenizer` builds for a checkpoint, and the two
-classes whose
-pipeline differs from what tokenizer.json describes, rebuilt as they build it.
+classes whose pipeline differs from what tokenizer.json describes, rebuilt as they build it.
 
 LlamaTokenizer (SentencePiece-style files: a Metaspace pre-tokenizer with prepend_scheme "first"
-unless
-legacy=true, so text after a special token gets no "▁") and GPTNeoXTokenizer (tokenizer.json's
-post-processor
-dropped: no BOS/EOS) rebuild the pipeline. Every other class Transformers picks (GPT2Tokenizer,
-Qwen2Tokenizer, GemmaTokenizer, CohereTokenizer...) rebuilds the pipeline its tokenizer.json already
-describes;
-only its constructor's default special tokens (CLASS_DEFAULT_TOKENS) apply. tokenizer.py reads the
-files and
-asks this module what to build.
+unless legacy=true, so text after a special token gets no "▁") and GPTNeoXTokenizer
+(tokenizer.json's post-processor dropped: no BOS/EOS) rebuild the pipeline. Every other class
+Transformers picks (GPT2Tokenizer, Qwen2Tokenizer, GemmaTokenizer, CohereTokenizer...) rebuilds the
+pipeline its tokenizer.json already describes; only its constructor's default special tokens
+(CLASS_DEFAULT_TOKENS) apply. tokenizer.py reads the files and asks this module what to build.
 """
 
 from __future__ import annotations

@@ -2,26 +2,22 @@
 
 seeds/000's "Local directory" list: tokenizer.json; or else PLaMo's tokenizer.jsonl; or else a
 tokenizer.model that tokenizer_config.json names ChatGLM4Tokenizer (GLM-4); or else a tiktoken.model
-it
-names TikTokenTokenizer (Kimi). Those two are tiktoken rank files: one `base64(bytes) rank` line per
-token id. Any other tokenizer.model (SentencePiece's, named LlamaTokenizer and the like) is refused
-by
-its class.
+it names TikTokenTokenizer (Kimi). Those two are tiktoken rank files: one `base64(bytes) rank` line
+per token id. Any other tokenizer.model (SentencePiece's, named LlamaTokenizer and the like) is
+refused by its class.
 
 A rank file becomes the `tokenizers` pipeline tiktoken runs, as Transformers' TikTokenConverter
-builds
-it: the class's split pattern, then byte-level BPE whose merges are recovered from the ranks (a
-token
-is the merge of the two shorter tokens that spell it, ordered by its own rank, then theirs); a piece
-that is itself a token stays whole (ignore_merges). The special tokens take the ids after the ranks.
+builds it: the class's split pattern, then byte-level BPE whose merges are recovered from the ranks
+(a token is the merge of the two shorter tokens that spell it, ordered by its own rank, then
+theirs); a piece that is itself a token stays whole (ignore_merges). The special tokens take the ids
+after the ranks.
 
 PLaMo's tokenizer.jsonl (plamo_backend) is one `[piece, score, kind]` JSON row per token id, a
-unigram
-model: each stretch of text split into the pieces whose scores sum highest (`tokenizers`' Unigram,
-the
-same Viterbi search), a character no piece covers spelled as its UTF-8 byte tokens `<0xXX>`.
-Transformers reads the file only through the checkpoint's own code, which ster_dist never runs; the
-tests check this reader against a split search written in the test from the seed's description.
+unigram model: each stretch of text split into the pieces whose scores sum highest (`tokenizers`'
+Unigram, the same Viterbi search), a character no piece covers spelled as its UTF-8 byte tokens
+`<0xXX>`. Transformers reads the file only through the checkpoint's own code, which ster_dist never
+runs; the tests check this reader against a split search written in the test from the seed's
+description.
 """
 
 from __future__ import annotations
@@ -156,8 +152,7 @@ def read_ranks(path: Path) -> dict[bytes, int]:
 
 def _byte_table() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte (ByteLevel's alphabet), as a str.translate table
-    over the
-    bytes read as latin-1."""
+    over the bytes read as latin-1."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
@@ -242,15 +237,12 @@ def plamo_backend(path: Path, config: dict) -> _BackendTokenizer:
     """The `tokenizers` pipeline of PLaMo's tokenizer.jsonl, as the seed describes it.
 
     Every CONTROL and UNKNOWN piece is a special token (the UNKNOWN one is the unigram's unknown
-    id).
-    Scores are rounded to 1e-4, as PLaMo's own tokenizer keeps them. A BYTE piece `<0xXX>` is only
-    ever the fallback spelling of a character no piece covers, never a piece matching its own
-    spelling
-    in the text: PLaMo leaves the byte rows out of its pieces and charges an unknown character 1,000
-    (-1e7 at its 1e4 scale), so the byte rows here score 1,000 below the lowest piece (the seed's
-    "the
-    lowest score any piece has" would let a spelled-out `<0x41>` beat six cheaper pieces of text),
-    and
+    id). Scores are rounded to 1e-4, as PLaMo's own tokenizer keeps them. A BYTE piece `<0xXX>` is
+    only ever the fallback spelling of a character no piece covers, never a piece matching its own
+    spelling in the text: PLaMo leaves the byte rows out of its pieces and charges an unknown
+    character 1,000 (-1e7 at its 1e4 scale), so the byte rows here score 1,000 below the lowest
+    piece (the seed's "the lowest score any piece has" would let a spelled-out `<0x41>` beat six
+    cheaper pieces of text), and
     `tokenizers` charges an unknown character 10 below that. Before the split, runs of one character
     repeated break_around_repeated_chars_threshold times or more, or of
     break_around_consecutive_spaces_threshold spaces or more (tokenizer_config.json), are cut out as
@@ -374,8 +366,7 @@ def _threshold(config: dict, key: str, path: Path) -> int:
 
 def _prefixed(backend: _BackendTokenizer, prefix: list[str]) -> _BackendTokenizer:
     """`backend` with `prefix` before every sequence. The template is written as JSON pieces, since
-    its
-    text form reads a `:` inside a token (PLaMo's `<|plamo:bos|>`) as a type-id separator."""
+    its text form reads a `:` inside a token (PLaMo's `<|plamo:bos|>`) as a type-id separator."""
     pieces = [{"SpecialToken": {"id": t, "type_id": 0}} for t in prefix]
     single = [*pieces, {"Sequence": {"id": "A", "type_id": 0}}]
     pair = [*single, {"Sequence": {"id": "B", "type_id": 1}}]

@@ -1,15 +1,11 @@
 """A chat template's limits: time, size and nesting, checked where Jinja's sandbox intercepts.
 
 A chat template is code from the checkpoint. Rendering runs on the token engine's and the server's
-threads, so
-no signal can stop it: the clock and the sizes are checked inside the sandbox's interception points
-instead
-(every call, filter, operator, attribute and item lookup, every step of a for-loop, every output).
-Operations
-that can grow a value many times over in one step (repetition, padding, formatting widths, joins)
-are projected
-before they run. chat_template.py compiles templates in `bounded_environment_class()` and renders
-each under
+threads, so no signal can stop it: the clock and the sizes are checked inside the sandbox's
+interception points instead (every call, filter, operator, attribute and item lookup, every step of
+a for-loop, every output). Operations that can grow a value many times over in one step (repetition,
+padding, formatting widths, joins) are projected before they run. chat_template.py compiles
+templates in `bounded_environment_class()` and renders each under
 `budget_for(inputs)`; a limit reached raises TemplateLimit, which it refuses in one line.
 """
 
@@ -384,8 +380,7 @@ def _bits(bits: int) -> None:
 
 def _bounded_filter(name: str, func):
     """`func` with its result (and, for filters that can grow a value, its inputs) held to the
-    budget;
-    it takes the context, so Jinja never runs it at compile time, outside any budget."""
+    budget; it takes the context, so Jinja never runs it at compile time, outside any budget."""
     import jinja2
 
     passed = getattr(getattr(func, "jinja_pass_arg", None), "name", None)

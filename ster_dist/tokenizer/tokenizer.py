@@ -11,14 +11,13 @@ This module owns turning text and chat messages into token ids (and ids back int
 
 What it reads: tokenizer.json (through the `tokenizers` library), or where there is none PLaMo's
 tokenizer.jsonl or the tiktoken rank file tokenizer_config.json's class reads (GLM-4's
-tokenizer.model,
-Kimi's tiktoken.model); tokenizer_files.py builds those into the same `tokenizers` pipeline. Also
-tokenizer_config.json,
-special_tokens_map.json (only when Transformers would: no added_tokens_decoder in the config),
-config.json (model_type / tokenizer_class, to pick the class Transformers would build), and the chat
-template from chat_template.jinja + additional_chat_templates/*.jinja, else tokenizer_config.json,
-else chat_template.json (Transformers' AutoTokenizer ignores that last file; processors read it, so
-ster_dist uses it only when nothing else names a template).
+tokenizer.model, Kimi's tiktoken.model); tokenizer_files.py builds those into the same `tokenizers`
+pipeline. Also tokenizer_config.json, special_tokens_map.json (only when Transformers would: no
+added_tokens_decoder in the config), config.json (model_type / tokenizer_class, to pick the class
+Transformers would build), and the chat template from chat_template.jinja +
+additional_chat_templates/*.jinja, else tokenizer_config.json, else chat_template.json
+(Transformers' AutoTokenizer ignores that last file; processors read it, so ster_dist uses it only
+when nothing else names a template).
 
 Rendering is bounded (ster_dist/template_limits.py): a template that loops, grows a value, recurses
 or floods its output is refused in one line within a time budget, on any thread.
@@ -28,10 +27,8 @@ the tokenizer), read pickles or SentencePiece .model files.
 
 How Transformers 5 decides special tokens: with a tokenizer.json present it drops add_bos_token /
 add_eos_token from the config and keeps tokenizer.json's post-processor (TokenizersBackend). Which
-class
-it builds, and the two classes (LlamaTokenizer, GPTNeoXTokenizer) that rebuild the pipeline because
-their
-output differs from tokenizer.json's, are tokenizer_classes.py.
+class it builds, and the two classes (LlamaTokenizer, GPTNeoXTokenizer) that rebuild the pipeline
+because their output differs from tokenizer.json's, are tokenizer_classes.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """LoRA adapter training across ranks (`ster tune sft`, preference tuning with `ster tune dpo`,
-reward
-models with `ster tune reward`, GRPO with `ster tune grpo`) and completion-token evaluation
+reward models with `ster tune reward`, GRPO with `ster tune grpo`) and completion-token evaluation
 (`ster tune evaluate`).
 
 spec.py      the run's settings and every refusal that needs only the config and the arguments

@@ -1,39 +1,31 @@
 """Multi-turn GRPO rollouts (`tune grpo --turns N --user-model M`): a conversation between the
-policy and a
-user model, N policy turns, sampled on the training rank or by the token engine
+policy and a user model, N policy turns, sampled on the training rank or by the token engine
 (tune/engine_rollouts.py).
 
 The prompt is the user's first message. The policy answers it (its tokens as sampled, ended by a
-stop
-token or --max-new-tokens); the user model answers that, and so on until the policy has had N turns.
-The policy's sequence is one token row: its prompt, its turns exactly as sampled, and between them
-the
-user's turns as the policy's chat template writes them (the end of the assistant's turn, the user's
-message, the start of the next assistant turn). That text comes from rendering the conversation with
-a marker in place of the last answer and taking what follows the marker; the stop token the answer
-already ended with is not written twice. Only the policy's own tokens carry loss (Rollout.user_spans
-are masked); the reward reads the whole conversation, `length` counting the policy's tokens.
+stop token or --max-new-tokens); the user model answers that, and so on until the policy has had N
+turns. The policy's sequence is one token row: its prompt, its turns exactly as sampled, and between
+them the user's turns as the policy's chat template writes them (the end of the assistant's turn,
+the user's message, the start of the next assistant turn). That text comes from rendering the
+conversation with a marker in place of the last answer and taking what follows the marker; the stop
+token the answer already ended with is not written twice. Only the policy's own tokens carry loss
+(Rollout.user_spans are masked); the reward reads the whole conversation, `length` counting the
+policy's tokens.
 
 The user model sees the conversation from its side: its own messages (the prompt first) as the
 assistant's, the policy's as the user's, through its own chat template, without the policy's
-factors.
-Where each side's turns are drawn is the caller's (a `Side`'s draw): on the training ranks, another
-checkpoint loaded beside the policy (its tensor-parallel shards, frozen) or, when --user-model names
-the
-policy's base, the same decoder with the factors skipped; with --rollout engine, the policy's turns
-by
-the engine under the pushed factors, the user's as requests without the adapter on the same engine
-(the
-base) or on a second engine holding the other checkpoint. The turns are taken in the same order and
-drawn from the same seeds wherever they are drawn, so where the logits agree the conversations do.
-Texts
-pass between the two as decoded text, so the two may have different tokenizers.
+factors. Where each side's turns are drawn is the caller's (a `Side`'s draw): on the training ranks,
+another checkpoint loaded beside the policy (its tensor-parallel shards, frozen) or, when
+--user-model names the policy's base, the same decoder with the factors skipped; with --rollout
+engine, the policy's turns by the engine under the pushed factors, the user's as requests without
+the adapter on the same engine (the base) or on a second engine holding the other checkpoint. The
+turns are taken in the same order and drawn from the same seeds wherever they are drawn, so where
+the logits agree the conversations do. Texts pass between the two as decoded text, so the two may
+have different tokenizers.
 
 A conversation that would pass --max-sequence (or the user model's positions) ends after the last
-turn
-that fits. Each turn draws from its own seed (tune/rollout.turn_seed): the same conversations
-however
-dp and accumulation split a step, and turn 0 draws as a single-turn rollout does.
+turn that fits. Each turn draws from its own seed (tune/rollout.turn_seed): the same conversations
+however dp and accumulation split a step, and turn 0 draws as a single-turn rollout does.
 """
 
 from __future__ import annotations
@@ -68,8 +60,7 @@ Draw = Callable[[list[list[int]], list[int], list[int]], list[list[int]]]
 @dataclass(frozen=True)
 class Side:
     """One speaker: how its turns are drawn, the tokenizer that reads and writes them, the tokens
-    that end
-    them, and how long its sequence may grow (the policy: --max-sequence; the user: its
+    that end them, and how long its sequence may grow (the policy: --max-sequence; the user: its
     positions)."""
 
     draw: Draw
@@ -82,9 +73,8 @@ def bridge_ids(
     tokenizer, messages: list[dict], user_text: str, ended_with: int | None
 ) -> list[int]:
     """The policy's tokens from the end of its last answer to the start of its next: the template's
-    text after
-    the answer (messages[-1], an assistant message) with the user's message and the generation
-    prompt."""
+    text after the answer (messages[-1], an assistant message) with the user's message and the
+    generation prompt."""
     marked = [
         *messages[:-1],
         {**messages[-1], "content": MARK},

@@ -2,12 +2,10 @@
 
 An example is a prompt and the completion the model should answer it with (and optionally its own
 system message). The prompt is encoded exactly as `ster generate` encodes it (Tokenizer.prompt_ids:
-a
-user turn through the chat template awaiting the answer, or plain text with the tokenizer's special
-tokens), so what the model learns to continue is what generation will hand it. The completion
-follows
-as its plain tokens and one end-of-sequence token, the token generation stops at: a trained adapter
-answers, then stops. Only completion tokens carry loss.
+a user turn through the chat template awaiting the answer, or plain text with the tokenizer's
+special tokens), so what the model learns to continue is what generation will hand it. The
+completion follows as its plain tokens and one end-of-sequence token, the token generation stops at:
+a trained adapter answers, then stops. Only completion tokens carry loss.
 
 The examples file is JSON: {"examples": [{"prompt": "...", "completion": "...", "system": "..."}]}
 (or the bare list).
@@ -141,8 +139,7 @@ def micro_batches(
     is short).
 
     The step's examples are laid out in dp x accumulation slots of batch_size, rank-major, so the
-    same
-    step is the same set of examples whatever dp and accumulation split it."""
+    same step is the same set of examples whatever dp and accumulation split it."""
     slots = [step[i * batch_size : (i + 1) * batch_size] for i in range(dp * accumulation)]
     return slots[dp_rank * accumulation : (dp_rank + 1) * accumulation]
 

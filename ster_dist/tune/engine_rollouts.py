@@ -17,12 +17,10 @@ the training ranks run, turn by turn: the policy's turns are requests under the 
 are requests without it on the same engine when the user model is the policy's base (its factors
 skipped, as on the ranks), or on a second engine over a group of its own holding the user model's
 checkpoint. Every turn draws from its turn's seed, so the conversations are the ranks' token for
-token
-where the logits agree; the prefix cache serves each turn the conversation read so far.
+token where the logits agree; the prefix cache serves each turn the conversation read so far.
 
 The groups go to the training ranks with the step (Prompt.completions, Prompt.conversations);
-rewards,
-advantages and the loss are computed there as for in-process rollouts.
+rewards, advantages and the loss are computed there as for in-process rollouts.
 """
 
 from __future__ import annotations
@@ -44,11 +42,9 @@ def needs_user_group(plan) -> bool:
 
 class EngineRollouts:
     """A token engine over `group` (already opened: tp ranks, in this process or on the Ray cluster)
-    sampling
-    the groups of a GRPO plan, and for conversations with another checkpoint as the user model a
-    second one
-    over `user_group` (needs_user_group); close() stops the engines, the caller closes the
-    groups."""
+    sampling the groups of a GRPO plan, and for conversations with another checkpoint as the user
+    model a second one over `user_group` (needs_user_group); close() stops the engines, the caller
+    closes the groups."""
 
     def __init__(self, group, plan, kv_cache_memory: int | None = None, user_group=None):
         from ster_dist.tokenizer import Tokenizer

@@ -27,8 +27,7 @@ class LossesOnRank(RankExtension):
         self, examples: list[Example], pad_id: int, batch_size: int
     ) -> list[tuple[float, int]] | None:
         """(summed NLL, completion tokens) per example, from the lead rank (every rank of the last
-        pipeline
-        stage computes the same logits; an earlier stage only hands its output on)."""
+        pipeline stage computes the same logits; an earlier stage only hands its output on)."""
         out = []
         for start in range(0, len(examples), batch_size):
             inputs, valid, targets = collate(examples[start : start + batch_size], pad_id)

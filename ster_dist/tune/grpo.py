@@ -2,27 +2,21 @@
 shared loop.
 
 Each step's items are prompts. On the rank, before the step's forward, every prompt gets a group of
-G
-completions sampled from the current policy (base plus the factors as they stand; tune/rollout.py),
-or,
-with --turns > 1, G conversations with a user model whose turns carry no loss
-(tune/conversation.py);
-either sampled here or brought with the step when the token engine sampled them
-(tune/engine_rollouts.py);
-then their rewards. Each completion's advantage is its reward against its group's:
-A = (r - mean_group) / (std_group + 1e-4), std the unbiased one, as TRL's GRPOTrainer takes it.
+G completions sampled from the current policy (base plus the factors as they stand;
+tune/rollout.py), or, with --turns > 1, G conversations with a user model whose turns carry no loss
+(tune/conversation.py); either sampled here or brought with the step when the token engine sampled
+them (tune/engine_rollouts.py); then their rewards. Each completion's advantage is its reward
+against its group's: A = (r - mean_group) / (std_group + 1e-4), std the unbiased one, as TRL's
+GRPOTrainer takes it.
 
 The loss of a completion is the mean over its tokens of -(ratio - 1) * A + beta * k3, and a step's
-loss
-the mean over its completions (the paper's 1/G sum_i 1/|o_i| sum_t). ratio = exp(logp -
-logp.detach())
-is one on-policy (one update per sampled batch) and carries the policy gradient; the -1 changes no
-gradient and removes only -mean(A) from the value, which the group-mean-zero advantage makes zero,
-so the value is not left with its rounding. k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman's
-estimator of KL(policy || ref)), ref the same decoder with the factors skipped (Attached.skipped),
-as
-DPO's reference. At the first step B is zero, so logp == ref bit for bit: every k3 is zero and the
-loss is exactly zero, Ster's identity check.
+loss the mean over its completions (the paper's 1/G sum_i 1/|o_i| sum_t). ratio = exp(logp -
+logp.detach()) is one on-policy (one update per sampled batch) and carries the policy gradient; the
+-1 changes no gradient and removes only -mean(A) from the value, which the group-mean-zero advantage
+makes zero, so the value is not left with its rounding. k3 = exp(ref - logp) - (ref - logp) - 1
+(Schulman's estimator of KL(policy || ref)), ref the same decoder with the factors skipped
+(Attached.skipped), as DPO's reference. At the first step B is zero, so logp == ref bit for bit:
+every k3 is zero and the loss is exactly zero, Ster's identity check.
 
 The report holds the step's loss, mean reward, mean KL (k3 per token, averaged per completion) and
 mean completion length in tokens.
@@ -164,8 +158,8 @@ class Grpo(Objective):
         self, decoder, attached, items: list[Prompt], step: int
     ) -> list[list[Rollout]]:
         """Each prompt's group of conversations: as the token engine drew them before the step
-        (--rollout engine),
-        or sampled here, the policy under the factors as they stand and the user model beside it."""
+        (--rollout engine), or sampled here, the policy under the factors as they stand and the user
+        model beside it."""
         if all(p.conversations is not None for p in items):
             return [list(p.conversations) for p in items]
         ctx = attached.ctx
@@ -199,8 +193,8 @@ class Grpo(Objective):
 
     def _speakers(self, ctx) -> tuple:
         """The policy's tokenizer, the user model's decoder on this rank (None: the policy's base,
-        its factors
-        skipped) and the user's tokenizer, read on the rank's first conversation step and kept."""
+        its factors skipped) and the user's tokenizer, read on the rank's first conversation step
+        and kept."""
         if self._speakers_read is None:
             from ster_dist.load import load_model
             from ster_dist.tokenizer import Tokenizer

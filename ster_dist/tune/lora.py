@@ -4,11 +4,10 @@ A runtime adapter (adapters/attach.py, engine/modifiers.py) is a LowRank on a Co
 RowLinear:
 this rank's share of A and B, cut from the projection's Shard by parallel.linear.low_rank_share.
 Training attaches plain LowRank objects; what changes is where their factors come from. The
-trainable parameters are the
-global factors, every rank holding them whole, and before each forward `refresh` cuts each rank's
-share from them again, through TrainCtx.sum_grad, so the cut is differentiable and each factor's
-gradient is summed over the tensor-parallel ranks (tune/parallel.py says why that sum is the
-gradient).
+trainable parameters are the global factors, every rank holding them whole, and before each forward
+`refresh` cuts each rank's share from them again, through TrainCtx.sum_grad, so the cut is
+differentiable and each factor's gradient is summed over the tensor-parallel ranks (tune/parallel.py
+says why that sum is the gradient).
 
 Sites are planned from the checkpoint's own tensor names (shard/writer.placements, the merge's
 inverse of the loader), because the adapter is written under them: the parts of a fused tensor
@@ -103,8 +102,7 @@ class LoraFactors(nn.Module):
     """The global factors: A [rank, inputs] per checkpoint module, B [outputs, rank] per site.
 
     A starts as PEFT's (Kaiming-uniform, bound 1 / sqrt(inputs)), B at zero, so the adapter starts
-    as
-    no change; both from one generator seeded by the run's seed, the same on every rank."""
+    as no change; both from one generator seeded by the run's seed, the same on every rank."""
 
     def __init__(self, sites: list[TrainSite], rank: int, seed: int, b_init_std: float = 0.0):
         super().__init__()

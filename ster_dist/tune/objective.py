@@ -36,8 +36,7 @@ class Objective:
         self, decoder, attached, items: list, pad_id: int, step: int
     ) -> tuple[torch.Tensor, ...]:
         """A micro-batch's tensors on the rank, before its forward: the items collated, or, for an
-        objective
-        that samples them (grpo), drawn from the policy as it stands at step `step`."""
+        objective that samples them (grpo), drawn from the policy as it stands at step `step`."""
         return self.collate(items, pad_id)
 
     def head(self, hidden_size: int, seed: int, std: float) -> nn.Module | None:

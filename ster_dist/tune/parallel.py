@@ -2,10 +2,9 @@
 
 World rank r of dp x tp ranks is tensor-parallel rank r % tp and data-parallel rank r // tp, as
 parallel/ctx.py lays out tp x ep: a tensor-parallel group is tp consecutive ranks, a data-parallel
-group
-the ranks of one tensor-parallel position across them. Every rank creates every group, in the same
-order, as torch.distributed requires; the groups are kept per process, so a rank that trains twice
-reuses them.
+group the ranks of one tensor-parallel position across them. Every rank creates every group, in the
+same order, as torch.distributed requires; the groups are kept per process, so a rank that trains
+twice reuses them.
 
 Why gradients come out right across tensor-parallel ranks: every rank runs the same replicated
 computation (norms, residual stream, loss) around its own shards, so each holds an identical copy of

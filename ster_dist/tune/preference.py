@@ -1,14 +1,13 @@
 """Preference objectives over pairs (tune/pairs.py): DPO, IPO, and a Bradley-Terry reward model.
 
 DPO (Rafailov et al.): loss = -log sigmoid(beta * h), h = (pi_c - ref_c) - (pi_r - ref_r), with pi
-and ref
-each completion's summed log-probability under the trained model and under the frozen reference. The
-reference is the same decoder with the adapters skipped (Attached.skipped), not a second copy, and
-since LoRA's B starts at zero the first step has pi == ref exactly: h = 0 and the loss is ln 2.
+and ref each completion's summed log-probability under the trained model and under the frozen
+reference. The reference is the same decoder with the adapters skipped (Attached.skipped), not a
+second copy, and since LoRA's B starts at zero the first step has pi == ref exactly: h = 0 and the
+loss is ln 2.
 
 IPO (Azar et al.): loss = (h - 1 / (2 beta))^2 with pi and ref each completion's mean
-log-probability
-per token, as TRL's IPO takes them; the first step's loss is 1 / (4 beta^2).
+log-probability per token, as TRL's IPO takes them; the first step's loss is 1 / (4 beta^2).
 
 Both report what TRL's DPOTrainer logs: the implicit rewards beta * (pi - ref) of the chosen and the
 rejected completion, their margin, and the share of pairs whose chosen reward is the higher.
@@ -18,8 +17,7 @@ models hold it (`score`), reads the final hidden state of each sequence's last t
 end-of-sequence token) and loss = -log sigmoid(r_c - r_r). The head starts at zero, so every reward
 starts at zero and the first loss is ln 2; it is trained with the factors and written with them
 (tune/writer.py). Its input is replicated on every tensor-parallel rank, so its gradient is summed
-over
-them as a factor's is (tune/parallel.py).
+over them as a factor's is (tune/parallel.py).
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 refuse, plan, tokenize.
 
 Everything here reads the config, the safetensors headers, the tokenizer and the examples (pairs,
-prompts,
-a reward model's factors), never a base weight: a run that would be refused is refused before a rank
-is
-started or a byte of base weights is read.
+prompts, a reward model's factors), never a base weight: a run that would be refused is refused
+before a rank is started or a byte of base weights is read.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def prepare(
     output: str | Path | None = None,
 ) -> tuple[TrainPlan, dict]:
     """`tune sft`'s (the plan, the report's header: model, revision, targets, layers, examples,
-    steps,
-    chat_template, ...)."""
+    steps, chat_template, ...)."""
     from ster_dist.tune.data import encode_examples, read_examples
 
     rows = read_examples(examples)
@@ -96,9 +93,8 @@ def prepare_prompts(
     output: str | Path | None = None,
 ) -> tuple[TrainPlan, dict]:
     """`tune grpo`'s plan and header: the prompts, and the objective that samples and scores their
-    groups
-    (rollout: group_size, max_new_tokens, temperature, beta, reward: "length" or a reward model
-    directory)."""
+    groups (rollout: group_size, max_new_tokens, temperature, beta, reward: "length" or a reward
+    model directory)."""
     from ster_dist.tune.grpo import Grpo
     from ster_dist.tune.rollout import encode_prompts, open_reward, read_prompts, reward_config
 
@@ -160,8 +156,8 @@ def prepare_prompts(
 
 def _user_model(base: _Base, model: str, user_model: str, chat_template: str):
     """The model playing the user (resolved, its config and tokenizer read; no weight), refused
-    unless both sides
-    can hold a conversation: the policy and the user each through a chat template."""
+    unless both sides can hold a conversation: the policy and the user each through a chat
+    template."""
     from ster_dist.config.load import model_config
     from ster_dist.resolve import resolve
     from ster_dist.tokenizer import Tokenizer
@@ -217,8 +213,7 @@ def _base(
     output: str | Path | None,
 ) -> _Base:
     """What every objective's run needs: the settings and output refused, the model resolved and
-    refused,
-    the sites planned, the tokenizer read."""
+    refused, the sites planned, the tokenizer read."""
     from ster_dist.config.load import model_config
     from ster_dist.load import check_device
     from ster_dist.resolve import resolve

@@ -12,15 +12,13 @@ engine samples them on its own ranks (tune/engine_rollouts.py), conversations to
 exactly as the engine's sampler does (engine/sampling.py: temperature, then the exponential race
 argmax(p / q)), each completion from its own generator seeded by (run seed, step, prompt index,
 completion index): a step samples the same completions however dp and accumulation split it, and
-where
-the two places compute the same logits they draw the same tokens. The tensor-parallel ranks take
-tensor-parallel rank 0's tokens, so their sequences never part.
+where the two places compute the same logits they draw the same tokens. The tensor-parallel ranks
+take tensor-parallel rank 0's tokens, so their sequences never part.
 
 Rewards: `length` is the number of completion tokens before the stop token (a completion cut at
 --max-new-tokens counts all of them); a reward model written by `ster tune reward` scores prompt
-plus
-completion as it was trained to, its factors attached in place of the policy's and its head reading
-the last token's final hidden state (tune/preference.rewards).
+plus completion as it was trained to, its factors attached in place of the policy's and its head
+reading the last token's final hidden state (tune/preference.rewards).
 """
 
 from __future__ import annotations
@@ -95,8 +93,7 @@ def completion_seed(seed: int, step: int, index: int, completion: int) -> int:
 
 def _mix(*parts) -> int:
     """A seed hashed from `parts`: every bit depends on every part (a CPU generator keeps only the
-    low 32 bits, and
-    a linear mix of small numbers gives two turns the same ones)."""
+    low 32 bits, and a linear mix of small numbers gives two turns the same ones)."""
     return int.from_bytes(
         hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little"
     ) % (1 << 62)
@@ -119,8 +116,7 @@ def turn_seed(
     seed: int, step: int, index: int, completion: int, turn: int, user: bool = False
 ) -> int:
     """The seed of one turn of a conversation (tune/conversation.py); the policy's first turn draws
-    as a
-    single-turn completion does."""
+    as a single-turn completion does."""
     base = completion_seed(seed, step, index, completion)
     return base if turn == 0 and not user else _mix("turn", base, turn, user)
 
@@ -155,10 +151,9 @@ def sample_rows(
     stops: frozenset[int],
 ) -> list[list[int]]:
     """A continuation of each row, row i drawn from a generator seeded by seeds[i], at most
-    max_new_tokens (or
-    max_new_tokens[i]) tokens. Rows of different lengths are right-padded, each read at its own last
-    token (the
-    decoder is causal: what follows a row's end changes none of its logits)."""
+    max_new_tokens (or max_new_tokens[i]) tokens. Rows of different lengths are right-padded, each
+    read at its own last token (the decoder is causal: what follows a row's end changes none of its
+    logits)."""
     from ster_dist.engine.sampling import Sampler
 
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
@@ -218,8 +213,7 @@ class RewardArtifact:
 
 def reward_config(path: str) -> dict:
     """The adapter_config.json of the reward model at `path`, refused unless `tune reward` wrote it;
-    the
-    base's config is not needed yet, so this comes before the model is read."""
+    the base's config is not needed yet, so this comes before the model is read."""
     from ster_dist.tune.writer import CONFIG
 
     config_path = Path(path) / CONFIG

@@ -144,8 +144,7 @@ def check_beta(beta: float) -> float:
 
 def refuse_checkpoint(checkpoint: Checkpoint, targets: tuple[str, ...]) -> None:
     """Before the config is even normalised: the families that take no adapter (or not these
-    targets),
-    and the weight format."""
+    targets), and the weight format."""
     from ster_dist.config.file import family_of
     from ster_dist.resolve import gate_view
 

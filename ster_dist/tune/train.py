@@ -1,34 +1,28 @@
 """Training LoRA factors with DeepSpeed on dp x tp ranks.
 
 The driver (tune/prepare.py, then `train` here) resolves the model, runs every refusal, tokenizes
-the
-examples and fixes the seeded order of steps, then drives the ranks one optimizer step per call, so
-it can draw the
-progress bar with each step's loss whether the ranks are Ray actors or spawned processes. Each rank
-(`TrainingOnRank`, a rank extension: setup, step, finish) loads its tensor-parallel shard
-of the frozen base with the same streaming loader as inference (load.load_model under a TrainCtx),
-attaches the factors (tune/lora.py) and hands DeepSpeed a module whose only parameters are the
+the examples and fixes the seeded order of steps, then drives the ranks one optimizer step per call,
+so it can draw the progress bar with each step's loss whether the ranks are Ray actors or spawned
+processes. Each rank (`TrainingOnRank`, a rank extension: setup, step, finish) loads its
+tensor-parallel shard of the frozen base with the same streaming loader as inference
+(load.load_model under a TrainCtx), attaches the factors (tune/lora.py) and hands DeepSpeed a module
+whose only parameters are the
 factors:
 DeepSpeed averages their gradients over the data-parallel group, partitions the optimizer state over
 it (ZeRO stage 1 or 2), accumulates micro-batches and keeps f32 master factors under bf16.
 
 What is minimised is the plan's objective (tune/objective.py: sft's completion NLL,
-tune/preference.py:
-DPO, IPO and the reward model's Bradley-Terry loss, tune/grpo.py: GRPO over completions it samples
-on the rank); the loop is theirs in common. The loss is weighted
-over each whole step: every micro-batch's summed loss is scaled by dp x accumulation / (step units x
-tp),
-the units being the objective's (completion tokens, pairs, or sampled completions), so after
-DeepSpeed's 1 / accumulation,
-its data-parallel mean and the tensor-parallel sum, the gradient is that of the mean loss over every
-unit of the step, however dp, tp and accumulation split it.
+tune/preference.py: DPO, IPO and the reward model's Bradley-Terry loss, tune/grpo.py: GRPO over
+completions it samples on the rank); the loop is theirs in common. The loss is weighted over each
+whole step: every micro-batch's summed loss is scaled by dp x accumulation / (step units x tp), the
+units being the objective's (completion tokens, pairs, or sampled completions), so after DeepSpeed's
+1 / accumulation, its data-parallel mean and the tensor-parallel sum, the gradient is that of the
+mean loss over every unit of the step, however dp, tp and accumulation split it.
 
 DeepSpeed on CPU: its TorchBackend builds the shared-memory all-reduce op (a 34 s JIT compile on
-first
-use, ~66 MB per rank left in /dev/shm) for inference_all_reduce alone, which training never calls;
-the
-op is marked incompatible before the backend starts, so no op is built and nothing is left in
-/dev/shm.
+first use, ~66 MB per rank left in /dev/shm) for inference_all_reduce alone, which training never
+calls; the op is marked incompatible before the backend starts, so no op is built and nothing is
+left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -78,14 +72,11 @@ def train(
     group, plan: TrainPlan, on_step=None, gradients_at: int | None = None, rollouts=None
 ) -> dict:
     """Run the plan on `group` (world = dp x tp ranks). Returns {"factors": {"a.i"/"b.j" (and the
-    objective's
-    head, "score.weight"): f32 global values}, "ranks": every rank's, "losses", "tokens" and "units"
-    per step,
-    "steps": each step's report, "gradients": the full gradients of step `gradients_at` (before its
-    update)
-    when asked}. `rollouts` (grpo's tune/engine_rollouts.EngineRollouts), when given, samples each
-    step's
-    items before the step, under the factors as they stand, in place of the ranks."""
+    objective's head, "score.weight"): f32 global values}, "ranks": every rank's, "losses", "tokens"
+    and "units" per step, "steps": each step's report, "gradients": the full gradients of step
+    `gradients_at` (before its update) when asked}. `rollouts` (grpo's
+    tune/engine_rollouts.EngineRollouts), when given, samples each step's items before the step,
+    under the factors as they stand, in place of the ranks."""
     world = plan.settings.dp * plan.settings.tp
     training = group.on(TrainingOnRank)
     setup = training.setup(plan)
@@ -131,10 +122,8 @@ def train(
 
 class _Objective(nn.Module):
     """What DeepSpeed wraps: only the factors (and the objective's head, if it has one) are its
-    parameters,
-    so only they are broadcast, cast to bf16 and partitioned; the frozen decoder is held beside
-    them,
-    unregistered. What is minimised is the plan's Objective (tune/objective.py)."""
+    parameters, so only they are broadcast, cast to bf16 and partitioned; the frozen decoder is held
+    beside them, unregistered. What is minimised is the plan's Objective (tune/objective.py)."""
 
     def __init__(
         self,
@@ -245,8 +234,8 @@ def ds_config(s: TrainSettings) -> dict:
 
 class TrainingOnRank(RankExtension):
     """The training runs set up on one rank: token -> its DeepSpeed engine, factors and layout.
-    Closing
-    the rank abandons any run left (a driver that died mid-run), releasing its process group."""
+    Closing the rank abandons any run left (a driver that died mid-run), releasing its process
+    group."""
 
     def __init__(self, rank):
         super().__init__(rank)
@@ -291,11 +280,9 @@ class TrainingOnRank(RankExtension):
         self, token: str, index: int, gradients: bool = False, drawn: list | None = None
     ) -> dict:
         """One optimizer step: this rank's micro-batches of step `index`; the step's report (its
-        loss
-        weighted by the objective's units: tokens or pairs). `drawn`: the step's items as the driver
-        sampled
-        them (grpo's prompts with their completions), in the step's order, in place of the
-        plan's."""
+        loss weighted by the objective's units: tokens or pairs). `drawn`: the step's items as the
+        driver sampled them (grpo's prompts with their completions), in the step's order, in place
+        of the plan's."""
         from deepspeed.utils import safe_get_full_grad
 
         run = self._run(token)
@@ -331,8 +318,7 @@ class TrainingOnRank(RankExtension):
 
     def factors(self, token: str) -> dict[str, torch.Tensor]:
         """The global factors and head as they stand (the f32 masters), gathered over the
-        data-parallel ranks
-        (every rank must be asked)."""
+        data-parallel ranks (every rank must be asked)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         run = self._run(token)

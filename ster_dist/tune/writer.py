@@ -1,26 +1,21 @@
 """The trained factors written as a PEFT LoRA adapter directory, with Ster's sidecar fields.
 
 adapter_model.safetensors holds base_model.model.<module>.lora_A.weight [r, inputs] and
-.lora_B.weight
-[outputs, r] under the checkpoint's own module names (q_proj, qkv_proj, c_attn, query_key_value,
-...),
-so PEFT, vLLM, `ster merge` and `ster generate --adapter` read it as any PEFT adapter: a fused
-module's
-lora_B stacks its parts' rows where the family's layout puts them (the rows shard/writer.placements
-gives the merge), and a part that was not trained keeps zero rows, which add nothing.
+.lora_B.weight [outputs, r] under the checkpoint's own module names (q_proj, qkv_proj, c_attn,
+query_key_value, ...), so PEFT, vLLM, `ster merge` and `ster generate --adapter` read it as any PEFT
+adapter: a fused module's lora_B stacks its parts' rows where the family's layout puts them (the
+rows shard/writer.placements gives the merge), and a part that was not trained keeps zero rows,
+which add nothing.
 
 adapter_config.json is PEFT's LoraConfig (r, lora_alpha, target_modules, layers_to_transform, scale
 alpha / r, no rsLoRA) plus the fields adapters/format.py checks when the adapter is attached or
-merged
-(schema_version, product, kind, model, model_revision, hidden_size) and the run's report under
-"train".
-PEFT ignores keys it does not know, with a warning.
+merged (schema_version, product, kind, model, model_revision, hidden_size) and the run's report
+under "train". PEFT ignores keys it does not know, with a warning.
 
 A reward model (`tune reward`) is written as PEFT writes a sequence-classification LoRA: its head as
 base_model.model.score.weight [1, hidden] (what modules_to_save=["score"] saves; `score` is the head
-of
-Transformers' *ForSequenceClassification models, loaded with num_labels=1), task_type SEQ_CLS, and
-Ster's kind "reward", which `--adapter` refuses for generation (adapters/format.py).
+of Transformers' *ForSequenceClassification models, loaded with num_labels=1), task_type SEQ_CLS,
+and Ster's kind "reward", which `--adapter` refuses for generation (adapters/format.py).
 
 The directory is written beside its final name and renamed into place when complete.
 """
@@ -72,10 +67,8 @@ def peft_tensors(
 
 def target_modules(sites: list[TrainSite]) -> list[str]:
     """Each module's path after its layer index (self_attn.q_proj, attn.c_proj): PEFT matches a
-    target by
-    suffix, and the short name alone would also take a same-named module the run did not train
-    (GPT-2's
-    attn.c_proj and mlp.c_proj)."""
+    target by suffix, and the short name alone would also take a same-named module the run did not
+    train (GPT-2's attn.c_proj and mlp.c_proj)."""
     out = []
     for module in modules_of(sites):
         m = re.fullmatch(r".*?\.\d+\.(.+)", module)

@@ -34,16 +34,14 @@ class RankExtension:
 
     def first_rank_only(self, value):
         """`value` on the group's lead rank (Rank.lead: rank 0, or the last pipeline stage's first),
-        None
-        elsewhere: for results every rank of a stage holds alike (the residual and the gathered
-        logits are
-        replicated), so only one copy travels back to the driver (group.lead_result picks it)."""
+        None elsewhere: for results every rank of a stage holds alike (the residual and the gathered
+        logits are replicated), so only one copy travels back to the driver (group.lead_result picks
+        it)."""
         return value if self.rank.lead else None
 
     def stage_lead_only(self, value):
         """`value` on each pipeline stage's first rank, None elsewhere: for what each stage holds of
-        its own
-        (the residual after its layers); the driver merges the stages' parts."""
+        its own (the residual after its layers); the driver merges the stages' parts."""
         return value if self.rank.stage_lead else None
 
     def close(self) -> None:
@@ -57,8 +55,7 @@ def check_extension(cls) -> None:
 
 def check_method(cls: type, method: str) -> None:
     """Refuse, in one line naming both, a method the driver may not call on `cls`: an unknown name,
-    a
-    private one, or close (the rank calls that itself)."""
+    a private one, or close (the rank calls that itself)."""
     check_extension(cls)
     if method.startswith("_") or method == "close" or not callable(getattr(cls, method, None)):
         raise Refusal(f"rank extension {cls.__name__} has no method {method!r} the driver can call")

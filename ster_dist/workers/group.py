@@ -1,6 +1,5 @@
 """Driving a model across ranks: load once per rank, then logits / parity / rank extensions (the
-token
-engine's ModelRunner among them).
+token engine's ModelRunner among them).
 
 `open_group` picks the group: a single in-process Rank for one rank (no Ray, no
 process group: the embedded default), Ray actors (or spawned processes) for tp x ep x pp ranks.

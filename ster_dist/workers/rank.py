@@ -37,11 +37,9 @@ def rendezvous_store(
     """The group's rendezvous store, rank 0 listening on host alone.
 
     init_method="tcp://HOST:PORT" makes rank 0's TCPStore listen on every interface (*:PORT)
-    whatever
-    HOST is, so anyone who can reach the node could join or poison the group. TCPStore cannot be
-    told
-    an address to bind, but it takes a listening socket: rank 0 binds host:port itself and hands the
-    descriptor over (master_listen_fd); the other ranks connect as before."""
+    whatever HOST is, so anyone who can reach the node could join or poison the group. TCPStore
+    cannot be told an address to bind, but it takes a listening socket: rank 0 binds host:port
+    itself and hands the descriptor over (master_listen_fd); the other ranks connect as before."""
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -85,8 +83,7 @@ def peak_rss_bytes() -> int:
 class Rank:
     def __init__(self, rank: int, world: int, threads: int | None = None, ep: int = 1, pp: int = 1):
         """world = pp stages of tp x ep ranks; within its stage this one is tensor-parallel rank r %
-        tp and
-        expert-parallel rank r // tp (parallel/ctx.py)."""
+        tp and expert-parallel rank r // tp (parallel/ctx.py)."""
         if ep < 1 or pp < 1 or world % (ep * pp):
             raise ValueError(
                 f"{world} ranks do not split into {pp} stages of {ep} expert-parallel groups"
@@ -126,8 +123,8 @@ class Rank:
 
     def _subgroups(self) -> ParallelCtx:
         """Per stage, tensor-parallel groups of tp consecutive ranks and expert-parallel groups
-        across them.
-        Every rank creates every group, in the same order, as torch.distributed requires."""
+        across them. Every rank creates every group, in the same order, as torch.distributed
+        requires."""
         per_stage = self.world // self.pp
         tp = per_stage // self.ep
         stage, local = divmod(self.rank, per_stage)
@@ -183,15 +180,13 @@ class Rank:
     @property
     def lead(self) -> bool:
         """Whether this rank answers for the group: the one whose logits choose the tokens (rank 0,
-        or the
-        last pipeline stage's first rank)."""
+        or the last pipeline stage's first rank)."""
         return self.rank == self._ctx.sampler
 
     @property
     def stage_lead(self) -> bool:
         """Whether this rank answers for its pipeline stage (its first rank): what a stage alone
-        holds, such
-        as the residual after its layers, travels back from it."""
+        holds, such as the residual after its layers, travels back from it."""
         return self.rank % (self.world // self.pp) == 0
 
     @torch.inference_mode()
@@ -213,8 +208,7 @@ class Rank:
 
     def whereabouts(self) -> dict:
         """Where this rank's process is, so a test or an operator can find it: its Ray node too,
-        when it is
-        an actor (several nodes may share one host)."""
+        when it is an actor (several nodes may share one host)."""
         out = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
         try:
             import ray
@@ -241,8 +235,7 @@ class Rank:
 
     def close(self) -> None:
         """Close the extensions (newest first: a later one may use an earlier one's state), then
-        leave
-        the process group; an extension failing to close stops neither."""
+        leave the process group; an extension failing to close stops neither."""
         failure = None
         extensions, self._extensions = list(self._extensions.values()), {}
         for made in reversed(extensions):

@@ -3,9 +3,8 @@ NCCL on CUDA) at an address rank 0 chooses.
 
 Placement follows the traffic: a tensor-parallel group all-reduces in every layer, so each one is a
 placement group of its own, STRICT_PACK (all its ranks on one node); pipeline stages and
-expert-parallel
-groups, which exchange far less, are free to land on other nodes. A cluster without a node able to
-host a whole tensor-parallel group is refused in one line.
+expert-parallel groups, which exchange far less, are free to land on other nodes. A cluster without
+a node able to host a whole tensor-parallel group is refused in one line.
 
 `ray.init()` starts an embedded local cluster when no --address / RAY_ADDRESS is
 given, bound to 127.0.0.1. Any rank failing surfaces as one Refusal naming it,
@@ -84,18 +83,14 @@ def _loopback_node():
 
 def cpus_per_rank(world: int, cluster_cpus: float) -> float:
     """The CPUs each rank of a CPU group reserves in Ray: one where the cluster has CPUs to spare,
-    else
-    an even share of all its CPUs but one. Why never all of them: a pooled group stays loaded, idle,
-    for
-    the next job (for its idle timeout; a served one for good), and Ray work queued behind it (a
-    batch
-    merge's shard tasks, num_cpus=1 each) would wait for a CPU that whole time. Releasing idle
-    groups
-    instead (the job queue also does that, jobqueue/pool.py make_room) cannot free a pinned group or
-    one in use, and costs the next job a reload; a reservation is only Ray's bookkeeping (an idle
-    rank
-    uses no CPU, a busy one its threads), so leaving one CPU unreserved costs nothing. (On a one-CPU
-    cluster no share leaves a whole CPU: there only released groups make room.)"""
+    else an even share of all its CPUs but one. Why never all of them: a pooled group stays loaded,
+    idle, for the next job (for its idle timeout; a served one for good), and Ray work queued behind
+    it (a batch merge's shard tasks, num_cpus=1 each) would wait for a CPU that whole time.
+    Releasing idle groups instead (the job queue also does that, jobqueue/pool.py make_room) cannot
+    free a pinned group or one in use, and costs the next job a reload; a reservation is only Ray's
+    bookkeeping (an idle rank uses no CPU, a busy one its threads), so leaving one CPU unreserved
+    costs nothing. (On a one-CPU cluster no share leaves a whole CPU: there only released groups
+    make room.)"""
     return max(0.01, min(1.0, (cluster_cpus - 1) / world))
 
 
@@ -201,8 +196,7 @@ class RayGroup(WorkerGroup):
 
     def submit(self, method: str, *args) -> tuple[list, str]:
         """Start a call on every rank without waiting (its handle for collect); each actor runs its
-        calls
-        one at a time, in the order they were made."""
+        calls one at a time, in the order they were made."""
         import ray
 
         shared = [ray.put(a) if _large(a) else a for a in args]

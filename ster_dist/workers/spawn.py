@@ -42,8 +42,7 @@ class SpawnGroup(WorkerGroup):
         pp: int = 1,
     ):
         """world ranks: pp pipeline stages of world / (ep x pp) tensor-parallel ranks times ep
-        expert-parallel
-        ranks, meeting at host."""
+        expert-parallel ranks, meeting at host."""
         if ep < 1 or pp < 1 or world % (ep * pp):
             raise Refusal(
                 f"{world} ranks do not split into --pp {pp} stages of --ep {ep} expert-parallel groups"
@@ -70,8 +69,7 @@ class SpawnGroup(WorkerGroup):
 
     def submit(self, method: str, *args) -> str:
         """Send a call to every rank without waiting (its handle for collect). Ranks answer calls in
-        the
-        order they were sent: collect them in that order, and call nothing else in between."""
+        the order they were sent: collect them in that order, and call nothing else in between."""
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))

@@ -1,11 +1,10 @@
 """WorkerGroup: what every group of ranks offers the driver, whoever runs the ranks.
 
 Three classes implement it: LocalGroup (one Rank in this process, workers/group.py), SpawnGroup
-(processes over pipes, workers/spawn.py) and RayGroup (actors, workers/ray_group.py). A caller
-holds a WorkerGroup and never asks which one it has. `call` runs one of Rank's own methods on every
-rank and returns their answers in rank order; `submit` and `collect` are the same call in two
-halves,
-so several can be in flight (pipeline stages then work on different ones); `on(cls)` reaches a rank
+(processes over pipes, workers/spawn.py) and RayGroup (actors, workers/ray_group.py). A caller holds
+a WorkerGroup and never asks which one it has. `call` runs one of Rank's own methods on every rank
+and returns their answers in rank order; `submit` and `collect` are the same call in two halves, so
+several can be in flight (pipeline stages then work on different ones); `on(cls)` reaches a rank
 extension (workers/extension.py); `lead` is the index of the rank whose answer is the group's.
 """
 
@@ -26,8 +25,7 @@ class WorkerGroup(Protocol):
 
     def submit(self, method: str, *args) -> Any:
         """Send the call to every rank without waiting; the handle `collect` takes. Calls are
-        answered in the
-        order they were sent."""
+        answered in the order they were sent."""
         ...
 
     def collect(self, handle: Any) -> list:

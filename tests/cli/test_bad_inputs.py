@@ -191,8 +191,7 @@ def _set_u32(raw: bytes, key: bytes, value: int) -> bytes:
 
 def _architecture_as_a_list(raw: bytes) -> bytes:
     """general.architecture "llama" (type, length, 5 bytes) rewritten as a one-item uint8 array,
-    which
-    takes the same 17 bytes, so every later offset stays where it was."""
+    which takes the same 17 bytes, so every later offset stays where it was."""
     old = struct.pack("<I", 8) + _s(b"llama")
     new = struct.pack("<IIQ", 9, 0, 1) + b"l"
     assert len(old) == len(new)

@@ -1,11 +1,9 @@
 """bench/llama_cpp.py's logic that needs no llama.cpp build: the converter's view of a staged
-checkpoint,
-the GGUF cache key, the build-directory check and the KV-cache types.
+checkpoint, the GGUF cache key, the build-directory check and the KV-cache types.
 
 The staged tokenizer is read by gguf-py's own LlamaHfVocab (the class convert_hf_to_gguf.py uses for
-a
-Llama BPE vocabulary), so the test fails if the converter would reject it. Nothing is downloaded or
-built.
+a Llama BPE vocabulary), so the test fails if the converter would reject it. Nothing is downloaded
+or built.
 """
 
 from __future__ import annotations

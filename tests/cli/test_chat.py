@@ -1,10 +1,9 @@
 """`ster chat` end to end: a real `python -m ster_dist.cli chat` process on the toy checkpoint (its
-chat
-template is ChatML), its turns piped on stdin. The first answer is `ster generate`'s with the chat
-template on; a later turn is Transformers' greedy generation over the whole conversation rendered by
-its own tokenizer; /reset, --system, --vector and --adapter answer as `ster generate` with the same
-settings; a turn past the model's positions and a model with no chat template are refused in one
-line."""
+chat template is ChatML), its turns piped on stdin. The first answer is `ster generate`'s with the
+chat template on; a later turn is Transformers' greedy generation over the whole conversation
+rendered by its own tokenizer; /reset, --system, --vector and --adapter answer as `ster generate`
+with the same settings; a turn past the model's positions and a model with no chat template are
+refused in one line."""
 
 from __future__ import annotations
 

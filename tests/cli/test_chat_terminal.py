@@ -1,6 +1,6 @@
 """`ster chat` as a person at a terminal meets it: its progress as one line that updates in place
-(no
-JSON), left standing above the prompt, and its totals in words at the end; JSON events again with
+(no JSON), left standing above the prompt, and its totals in words at the end; JSON events again
+with
 --events. Run in a pseudo-terminal (python's pty module), against a toy model. The stream that draws
 the line (events.ProgressLine) is checked on its own too."""
 

@@ -1,11 +1,8 @@
 """What a person mistypes, refused in one line that names the fix, before anything starts: an
-unknown
-flag with the closest known one, a bare model name that is no directory here with the closest
-directory
-(no Hub request), a `serve --host` beyond loopback without a key; each in a fresh interpreter that
-never imports torch or Ray, timed (CPU seconds, which a busy machine does not inflate) with a
-generous
-bound."""
+unknown flag with the closest known one, a bare model name that is no directory here with the
+closest directory (no Hub request), a `serve --host` beyond loopback without a key; each in a fresh
+interpreter that never imports torch or Ray, timed (CPU seconds, which a busy machine does not
+inflate) with a generous bound."""
 
 from __future__ import annotations
 

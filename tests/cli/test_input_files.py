@@ -1,8 +1,6 @@
 """Input files (inputs.read_bytes / read_text, issue 60): only regular files are read, and their
-size
-is counted as they are read, not taken from st_size, so a device, a FIFO or a file past the bound is
-a
-one-line refusal in bounded time and memory."""
+size is counted as they are read, not taken from st_size, so a device, a FIFO or a file past the
+bound is a one-line refusal in bounded time and memory."""
 
 from __future__ import annotations
 

@@ -8,10 +8,8 @@ the test with its command and stderr.
 
 `.venv/bin/ster` is tests/forked_cli.py's client: each command line runs `python -m ster_dist.cli`'s
 module in a process of its own, forked from one that imported the command line once, so the
-thirty-odd
-commands do not each spend seconds importing torch (`python -m ster_dist.cli` as a new interpreter
-runs
-in test_cli.py, test_ray_group.py, test_submit_local.py and others)."""
+thirty-odd commands do not each spend seconds importing torch (`python -m ster_dist.cli` as a new
+interpreter runs in test_cli.py, test_ray_group.py, test_submit_local.py and others)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """JSON files past json.loads' limits or of the wrong shape are refused in one line: a checkpoint's
-side
-files, a prompts file, an adapter's config.
+side files, a prompts file, an adapter's config.
 
 json.loads raises RecursionError on arrays nested past Python's recursion limit and ValueError on an
 integer of over 4300 digits; neither is a JSONDecodeError, so each reader names them itself.
 generation_config.json's eos_token_id is what the token engine stops on: a value it could not stop
-on
-is refused, as config.json's is, rather than crashing or being dropped.
+on is refused, as config.json's is, rather than crashing or being dropped.
 """
 
 from __future__ import annotations

@@ -6,14 +6,12 @@ StableLM 2, StarCoder2, Command R, OLMo 2, GPT-2, Pythia, SmolLM3), configs
 Transformers 5 wrote itself (tf5-*.json, rope_parameters), a Mamba-2 config with
 Python's Infinity, and one with NaN / -Infinity.
 
-Every expectation is computed independently of ster_dist: each fixture is loaded
-with Transformers' own config class and a CausalLM is built from it on the meta
-device (no weights, no download); the expected ModelConfig fields are read off
-that model (module shapes, biases, norm epsilons, attention scaling, sliding
-windows, activation functions, rotary inverse frequencies), never off
-ster_dist. The rotary scalings are compared with
-transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS, HunYuan's fixed-alpha NTK
-with Transformers' HunYuan rotary embedding and a hand-computed base. The
+Every expectation is computed independently of ster_dist: each fixture is loaded with Transformers'
+own config class and a CausalLM is built from it on the meta device (no weights, no download); the
+expected ModelConfig fields are read off that model (module shapes, biases, norm epsilons, attention
+scaling, sliding windows, activation functions, rotary inverse frequencies), never off ster_dist.
+The rotary scalings are compared with transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS,
+HunYuan's fixed-alpha NTK with Transformers' HunYuan rotary embedding and a hand-computed base. The
 architecture gate is compared with the seed's refusal message.
 
 Tests marked xfail(strict=True) pin a disagreement between ster_dist/config.py
@@ -534,9 +532,8 @@ def test_tie_word_embeddings_unstated_reads_the_transformers_default(family):
 )
 def test_rotated_share_unstated_reads_the_transformers_default(family):
     """A config that leaves partial_rotary_factor (rotary_pct) out rotates the share of each head
-    that
-    Transformers' class defaults to: all of it for most families, half for GLM-4-MoE, a quarter for
-    GPT-NeoX. Latent-attention families rotate their own qk_rope_head_dim, which they always
+    that Transformers' class defaults to: all of it for most families, half for GLM-4-MoE, a quarter
+    for GPT-NeoX. Latent-attention families rotate their own qk_rope_head_dim, which they always
     state."""
     raw = {
         "model_type": family,

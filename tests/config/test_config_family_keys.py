@@ -1,6 +1,5 @@
 """Dense families' own config keys that the tiny parity checkpoints cannot reach (keys Transformers
-writes itself
-or refuses), each against Transformers' config class where it has one; sections follow
+writes itself or refuses), each against Transformers' config class where it has one; sections follow
 ster_dist/families/."""
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Mixture-of-experts config rules the tiny parity checkpoints do not vary: which layers are sparse
-(ERNIE's
-index range, HunYuan's skipped layers, GLM-4.7-Flash's mlp_layer_types), sizes stated once per
-layer, shared-expert
-widths, and the refusals; sections follow ster_dist/families/."""
+(ERNIE's index range, HunYuan's skipped layers, GLM-4.7-Flash's mlp_layer_types), sizes stated once
+per layer, shared-expert widths, and the refusals; sections follow ster_dist/families/."""
 
 from __future__ import annotations
 

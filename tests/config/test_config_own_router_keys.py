@@ -1,8 +1,6 @@
 """Routing, layer-pattern and attention keys of Hy3, AFMoE, Sarvam-105B, A.X-K1 and Muse Glimmer
-that their tiny
-parity checkpoints cannot reach (keys Transformers' classes ignore or rewrite when saving), read
-from
-hand-written configs."""
+that their tiny parity checkpoints cannot reach (keys Transformers' classes ignore or rewrite when
+saving), read from hand-written configs."""
 
 from __future__ import annotations
 

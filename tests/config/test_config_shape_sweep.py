@@ -1,15 +1,10 @@
 """Every family Transformers builds reads its config as Transformers does: each size-like key of a
-tiny
-config varied on its own (tests/shape_sweep.py), Transformers' checkpoint built on the meta device,
-and
-ster_dist's shard plan for the same config.json mapping every tensor at Transformers' shape and
-filling every
-parameter, or refusing the config exactly where Transformers refuses it (its config class or its
-model), or
-where Transformers builds the model but its own forward fails
-(REFUSED_WHERE_TRANSFORMERS_CANNOT_RUN, each
-checked by running that forward). A divergence is named in one line: family, key, value, and what
-differs.
+tiny config varied on its own (tests/shape_sweep.py), Transformers' checkpoint built on the meta
+device, and ster_dist's shard plan for the same config.json mapping every tensor at Transformers'
+shape and filling every parameter, or refusing the config exactly where Transformers refuses it (its
+config class or its model), or where Transformers builds the model but its own forward fails
+(REFUSED_WHERE_TRANSFORMERS_CANNOT_RUN, each checked by running that forward). A divergence is named
+in one line: family, key, value, and what differs.
 """
 
 from __future__ import annotations

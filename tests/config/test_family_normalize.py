@@ -1,8 +1,7 @@
 """Family config normalisation (FamilySpec.normalize, families/normalize.py): every family's
-normaliser returns a
-new dict and leaves the config it was given as it was (config.from_hf checks the values a normaliser
-replaced
-against the config as written), and its switches reach ModelConfig through the generic keys."""
+normaliser returns a new dict and leaves the config it was given as it was (config.from_hf checks
+the values a normaliser replaced against the config as written), and its switches reach ModelConfig
+through the generic keys."""
 
 from __future__ import annotations
 

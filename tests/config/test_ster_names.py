@@ -1,7 +1,6 @@
 """Ster's own command names (`ster train`, `optimize`, `evaluate`, `inspect`) beside ster_dist's
-grouped
-ones (`ster steer ...`): the same request, flags and result, and the names Ster's serve API routes
-by."""
+grouped ones (`ster steer ...`): the same request, flags and result, and the names Ster's serve API
+routes by."""
 
 from __future__ import annotations
 

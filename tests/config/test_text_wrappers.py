@@ -1,14 +1,11 @@
 """Text wrappers (config_file.TEXT_WRAPPERS): an image-text checkpoint loads as its text family
-whenever that
-family runs, from each layout wrapped weights are stored in, with its towers never mapped; a wrapper
-whose
-text family does not run yet is refused naming that family.
+whenever that family runs, from each layout wrapped weights are stored in, with its towers never
+mapped; a wrapper whose text family does not run yet is refused naming that family.
 
 The references are Transformers' own image-text models (Mistral3ForConditionalGeneration,
 Kimi_K25ForConditionalGeneration over a DeepSeek-V3 decoder whose text_config says kimi_k2, as
-Kimi-K2.5's
-does, and Llama4ForConditionalGeneration over a llama4_text decoder), built tiny here and run on
-text alone.
+Kimi-K2.5's does, and Llama4ForConditionalGeneration over a llama4_text decoder), built tiny here
+and run on text alone.
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ def _rename(name: str, layout: str) -> str:
 
 def _as_transformers5(name: str) -> str:
     """A state-dict name of a model that keeps its text model whole below language_model (Llama 4's)
-    as
-    Transformers 5's other wrappers name it."""
+    as Transformers 5's other wrappers name it."""
     if name.startswith("language_model.model."):
         return "model.language_model." + name[len("language_model.model.") :]
     if name.startswith("language_model.lm_head."):
@@ -161,8 +157,7 @@ def _tiny_llama4():
 
 def _tiny_gemma4():
     """Gemma 4's image-text model (a vision tower, never mapped) over the tiny gemma4_text decoder
-    (per-layer
-    inputs, shared keys and values)."""
+    (per-layer inputs, shared keys and values)."""
     import transformers
 
     _, _, kwargs = GEMMA4_TINY["gemma4_text"]
@@ -285,8 +280,7 @@ def test_towers_are_never_mapped_and_the_text_model_always_is():
 @pytest.mark.parametrize("wrapper", sorted(TEXT_WRAPPERS))
 def test_every_wrapper_unwraps_and_waits_for_its_text_family(wrapper):
     """Each wrapper reads as its text family; one whose family does not run is refused naming that
-    family,
-    and unwraps with no further change once the family gains a spec."""
+    family, and unwraps with no further change once the family gains a spec."""
     text_family = family_of({"model_type": wrapper, "text_config": {}})
     assert text_family == {"kimi_k2": "deepseek_v3"}.get(
         TEXT_WRAPPERS[wrapper].text_family, TEXT_WRAPPERS[wrapper].text_family

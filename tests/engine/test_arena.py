@@ -1,6 +1,6 @@
 """The loader's arena (shard/arena.py): a CPU rank's parameters lie in one block, fused parts back
-to back
-so fusing takes a view rather than a second copy, and a large block is advised to use huge pages."""
+to back so fusing takes a view rather than a second copy, and a large block is advised to use huge
+pages."""
 
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ def test_parameters_lie_in_one_block_and_fusing_copies_nothing(loaded):
 
 def test_each_run_has_a_storage_of_its_own(loaded):
     """One storage under every parameter would make them aliases to torch.compile, which then
-    refuses the
-    one-token stack (test_compiled_step); a run's members share one, so its fused product is a
-    view."""
+    refuses the one-token stack (test_compiled_step); a run's members share one, so its fused
+    product is a view."""
     storages = {}
     for param in loaded.parameters():
         storages.setdefault(param.untyped_storage().data_ptr(), []).append(param)

@@ -32,8 +32,7 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(llama):
     """The same checkpoint on one rank, read whole at every token (engine_checks.alone): what each
-    request
-    alone must equal."""
+    request alone must equal."""
     return load_model(resolve(str(llama)), "f32")
 
 
@@ -123,8 +122,8 @@ def test_prefix_cached_request_equals_cold_and_counts_the_hit(llama, reference):
 
 def test_logits_of_reports_the_raw_logits_at_each_sampled_position(llama, reference):
     """A request asking logits_of gets those ids' logits, unchanged by its sampling, at every
-    sampled
-    position; a request beside it that asks nothing gets none (and its step result carries none)."""
+    sampled position; a request beside it that asks nothing gets none (and its step result carries
+    none)."""
     prompt, ids = prompts(1, seed=7, lo=9, hi=10)[0], (5, 0, 250, 5)
     with open_engine(llama) as engine:
         scored = engine.submit(
@@ -262,8 +261,8 @@ def test_a_stream_reads_with_async_for(llama, reference):
 @pytest.mark.parametrize("variant, tp, ep", [("llama", 2, 1), ("qwen3_moe", 1, 2)])
 def test_continuous_batching_across_ranks_equals_one_rank(tmp_path, variant, tp, ep):
     """Every request alone on one rank, read whole per token, equals its row of one batch across
-    ranks: plain,
-    steered, and with an adapter on the attention projections (cut per rank as the loader cuts)."""
+    ranks: plain, steered, and with an adapter on the attention projections (cut per rank as the
+    loader cuts)."""
     from ster_dist.adapters.attach import attach
 
     make_tiny(variant, tmp_path)

@@ -260,8 +260,7 @@ def test_pool_size_checked():
 
 def test_drafted_blocks_count_only_with_the_same_next_token_and_lose_their_mark_when_handed_out_again():
     """Speculative decoding's MTP keys: a drafting sequence shares a block only when its MTP keys
-    were all
-    written and the last one read the token this sequence has after it."""
+    were all written and the last one read the token this sequence has after it."""
     pool = BlockPool(num_blocks=4, block_size=2)
     tokens = [10, 11, 12, 13, 14, 15]
     blocks = pool.allocate(3)

@@ -1,7 +1,6 @@
 """A prompts file of many short prompts goes through the token engine a window at a time: peak
-memory
-does not grow with the prompt count (the static batch ran 100,000 one-token prompts as one 6.7 GB
-forward). Measured in a fresh process, as its peak RSS growth over the generate call."""
+memory does not grow with the prompt count (the static batch ran 100,000 one-token prompts as one
+6.7 GB forward). Measured in a fresh process, as its peak RSS growth over the generate call."""
 
 from __future__ import annotations
 

@@ -502,8 +502,7 @@ def test_random_workloads_keep_the_books_and_finish(seed):
 
 def test_micro_batches_take_disjoint_shares_and_never_preempt_a_step_in_flight():
     """Two steps in flight (pipeline stages): each takes half the sequences, the second none of the
-    first's;
-    when blocks run out, only a sequence outside every step in flight is preempted."""
+    first's; when blocks run out, only a sequence outside every step in flight is preempted."""
     sched = Scheduler(BlockPool(num_blocks=40, block_size=4), max_step_tokens=64, max_running=8)
     seqs = [make_seq(f"s{i}", 6, 5) for i in range(6)]
     for seq in seqs:

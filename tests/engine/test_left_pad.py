@@ -1,6 +1,5 @@
 """Left padding of a whole-batch forward (model/cache.py): positions skip the padding; an empty
-prompt is
-refused. Sampling's rules are the engine's (tests/engine/test_engine_sampling.py)."""
+prompt is refused. Sampling's rules are the engine's (tests/engine/test_engine_sampling.py)."""
 
 from __future__ import annotations
 

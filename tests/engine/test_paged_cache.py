@@ -1,13 +1,9 @@
 """The paged KV cache and the packed forward: every step's logits equal the static path's over the
-whole
-sequence so far, for families that exercise each attention switch (grouped and multi-query heads,
-sliding
-windows, soft-capping, sinks, ALiBi, learned positions, Llama 4's query temperature, experts, latent
-attention) and a recurrent kind's state slots (LFM2's short convolutions); a mixed step equals its
-chunks
-run one by one; released sliding-window blocks may be reused; block_bytes is what the cache
-allocates;
-tensor- and expert-parallel ranks agree with one."""
+whole sequence so far, for families that exercise each attention switch (grouped and multi-query
+heads, sliding windows, soft-capping, sinks, ALiBi, learned positions, Llama 4's query temperature,
+experts, latent attention) and a recurrent kind's state slots (LFM2's short convolutions); a mixed
+step equals its chunks run one by one; released sliding-window blocks may be reused; block_bytes is
+what the cache allocates; tensor- and expert-parallel ranks agree with one."""
 
 from __future__ import annotations
 
@@ -252,8 +248,7 @@ def test_bad_chunks_are_refused(models):
 
 def test_tensor_parallel_ranks_keep_their_own_heads_and_agree_with_one_rank(checkpoints, models):
     """Each rank caches only its key-value heads (latent attention: the whole latent) under the same
-    block
-    ids; the gathered logits equal one rank's."""
+    block ids; the gathered logits equal one rank's."""
     tokens = _tokens(6)
     with SpawnGroup(2) as group:
         for variant in ("llama", "gpt_oss", "deepseek_v3"):

@@ -1,13 +1,9 @@
 """The token engine on a model with recurrent layers (a tiny LFM2: short convolutions around
-attention):
-every request of a continuous batch equals its greedy tokens alone by whole re-reads, with prompts
-read
-in chunks under a small token budget, under preemption by recompute (few blocks), steered beside a
-plain request, and across two tensor-parallel ranks; each running request holds a state slot, given
-back when it finishes, is
-cancelled or is preempted; slots share the cache budget with blocks; prefix caching is off and
-reported
-so."""
+attention): every request of a continuous batch equals its greedy tokens alone by whole re-reads,
+with prompts read in chunks under a small token budget, under preemption by recompute (few blocks),
+steered beside a plain request, and across two tensor-parallel ranks; each running request holds a
+state slot, given back when it finishes, is cancelled or is preempted; slots share the cache budget
+with blocks; prefix caching is off and reported so."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ from tests.tiny_models import make_tiny
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """variant -> (checkpoint directory, the model on one rank, read whole per token: what each
-    request alone
-    must equal), each made once."""
+    request alone must equal), each made once."""
     cache = {}
 
     def get(variant: str):

@@ -1,9 +1,7 @@
 """The speculative verifier alone (engine/rejection.py): greedy keeps exactly the agreeing prefix,
-and the
-rejection sampler's first token is distributed as the model's own distribution, counted over many
-draws on a
-small vocabulary, for a point-mass draft (as the MTP drafter proposes) and for a drafter with a
-distribution."""
+and the rejection sampler's first token is distributed as the model's own distribution, counted over
+many draws on a small vocabulary, for a point-mass draft (as the MTP drafter proposes) and for a
+drafter with a distribution."""
 
 from __future__ import annotations
 
@@ -44,9 +42,8 @@ def test_the_first_token_follows_the_target_for_a_point_mass_draft():
 
 def test_every_position_follows_the_target_with_a_drafter_distribution():
     """Two drafts drawn from q; the kept tokens and the draw after them, position by position,
-    follow p (the
-    second position given the first: here p's rows do not depend on it, so its marginal is p's
-    second row)."""
+    follow p (the second position given the first: here p's rows do not depend on it, so its
+    marginal is p's second row)."""
     g = torch.Generator().manual_seed(1)
     target = torch.softmax(torch.randn(3, 4, generator=g) * 2, -1)
     q = torch.softmax(torch.randn(2, 4, generator=g) * 2, -1)

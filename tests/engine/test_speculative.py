@@ -1,15 +1,10 @@
 """MTP speculative decoding in the token engine (engine/drafter.py, engine/rejection.py) on a tiny
-DeepSeek-V3
-with one MTP layer, made here from the tiny path as published checkpoints store it: greedy output
-with drafts
-equals greedy output without them, token for token, for prompts of mixed length batched together
-(TP=2 and EP=2
-in tests/engine/test_speculative_ranks.py); the draft counters add up; an MTP layer built to echo
-its input token gets
-drafts accepted where the model repeats itself; requests that never draft, steered and adapted ones,
-preemption
-under a tiny block budget, an FP8 checkpoint in both weight modes; `ster generate --speculative mtp`
-answers as
+DeepSeek-V3 with one MTP layer, made here from the tiny path as published checkpoints store it:
+greedy output with drafts equals greedy output without them, token for token, for prompts of mixed
+length batched together (TP=2 and EP=2 in tests/engine/test_speculative_ranks.py); the draft
+counters add up; an MTP layer built to echo its input token gets drafts accepted where the model
+repeats itself; requests that never draft, steered and adapted ones, preemption under a tiny block
+budget, an FP8 checkpoint in both weight modes; `ster generate --speculative mtp` answers as
 `ster generate`; and where drafting cannot work it is refused in one line."""
 
 from __future__ import annotations
@@ -40,13 +35,11 @@ LENGTHS = [6, 3, 9, 4, 12]
 
 def with_mtp(directory: Path, echo: bool = False, family: str = "deepseek_v3") -> Path:
     """A tiny checkpoint of `family` (one that stores its MTP layer as DeepSeek-V3 does) with one
-    MTP layer after
-    its decoder's (tests/load/test_fp8.py's: a copy of its last layer, random), or
+    MTP layer after its decoder's (tests/load/test_fp8.py's: a copy of its last layer, random), or
     one whose MTP layer echoes the token it reads: eh_proj passes the normed embedding alone, the
-    layer's
-    attention and feed-forward add nothing (their output projections zero), and its head is the
-    embedding, so
-    the draft is the last token again, right wherever the model repeats a token."""
+    layer's attention and feed-forward add nothing (their output projections zero), and its head is
+    the embedding, so the draft is the last token again, right wherever the model repeats a
+    token."""
     make_tiny(family, directory)
     tensors = load_file(str(directory / "model.safetensors"))
     config = json.loads((directory / "config.json").read_text())
@@ -118,8 +111,7 @@ def counted(stats: dict) -> None:
 
 def drafts_keep_greedy(directory, drafts: int, accepted: bool) -> None:
     """Greedy output with `drafts` per decode equals it without, every draft counted; `accepted`:
-    some were
-    accepted (an echoing MTP layer)."""
+    some were accepted (an echoing MTP layer)."""
     plain, _ = run(directory, 0)
     got, stats = run(directory, drafts)
     assert got == plain
@@ -152,8 +144,7 @@ def test_an_echoing_mtp_layer_gets_drafts_accepted(echo):
 
 def test_rejection_sampling_at_a_near_zero_temperature_draws_the_greedy_tokens(echo):
     """The sampled path (engine/rejection.py through the engine) with drafts both kept and refused:
-    a
-    distribution all but one-hot keeps exactly the drafts greedy keeps and draws greedy's token
+    a distribution all but one-hot keeps exactly the drafts greedy keeps and draws greedy's token
     after them."""
     plain, _ = run(echo, 0)
     got, stats = run(echo, 2, temperature=1e-4, seed=3)
@@ -236,9 +227,8 @@ def test_a_seeded_sampled_request_with_drafts_repeats_and_counts(deepseek):
 @pytest.mark.parametrize("weights", ["dequantize", "fp8"])
 def test_an_fp8_checkpoints_mtp_layer_drafts_in_both_weight_modes(tmp_path, weights):
     """DeepSeek-V3 as published in FP8 (tests/load/test_fp8.py's block scheme, the MTP layer's
-    projections, eh_proj
-    among them, quantized): the layer loads dequantized or kept FP8 and greedy output is
-    unchanged."""
+    projections, eh_proj among them, quantized): the layer loads dequantized or kept FP8 and greedy
+    output is unchanged."""
     source = with_mtp(tmp_path / "source")
     write_fp8(
         load_file(str(source / "model.safetensors")),

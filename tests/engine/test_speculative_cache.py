@@ -1,14 +1,10 @@
 """The MTP layer's own paged cache after a prefix-cache hit and after a preemption
-(engine/drafter.py,
-engine/scheduler.py): each first draft a sequence gets equals the one a cold run's MTP layer makes
-at that
-position, computed here in one forward of the layer over the sequence's final tokens (its attention
-reads every
-earlier position's MTP keys, so a stale entry shows as another draft); a request after a prefix hit
-gets the same
-tokens, drafts and drafted/accepted counts as the same request in a fresh engine; and a preempted
-sequence's
-drafts after its recompute are a cold run's too."""
+(engine/drafter.py, engine/scheduler.py): each first draft a sequence gets equals the one a cold
+run's MTP layer makes at that position, computed here in one forward of the layer over the
+sequence's final tokens (its attention reads every earlier position's MTP keys, so a stale entry
+shows as another draft); a request after a prefix hit gets the same tokens, drafts and
+drafted/accepted counts as the same request in a fresh engine; and a preempted sequence's drafts
+after its recompute are a cold run's too."""
 
 from __future__ import annotations
 
@@ -35,8 +31,7 @@ BLOCK = 4  # open_engine's block size
 
 def attentive(directory: Path) -> Path:
     """tests/engine/test_speculative.py's random MTP layer with its attention output made large, so
-    that its drafts turn
-    on the keys it reads: a stale MTP key shows as another draft."""
+    that its drafts turn on the keys it reads: a stale MTP key shows as another draft."""
     with_mtp(directory)
     tensors = load_file(str(directory / "model.safetensors"))
     layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
@@ -59,12 +54,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cold_drafts(checkpoints):
     """(kind, tokens, position, k) -> the k drafts a cold run makes at a decode of token `position`:
-    the MTP
-    rows of every earlier position over a fresh cache (the row at q reads the model's hidden state
-    at q and token
-    q + 1), the last one's argmax, then as engine/drafter.py chains them (the layer's output and the
-    last draft
-    as the next row)."""
+    the MTP rows of every earlier position over a fresh cache (the row at q reads the model's hidden
+    state at q and token q + 1), the last one's argmax, then as engine/drafter.py chains them (the
+    layer's output and the last draft as the next row)."""
     layers = {}
 
     def drafts(kind: str, tokens: list[int], position: int, k: int) -> list[int]:
@@ -100,8 +92,7 @@ def cold_drafts(checkpoints):
 @pytest.fixture
 def proposed(monkeypatch):
     """seq id -> [(the decode's position, its drafts)], as the rank's drafter proposed them
-    (recorded, not
-    replaced)."""
+    (recorded, not replaced)."""
     seen = defaultdict(list)
     real = MTPDrafter.propose
 
@@ -126,10 +117,8 @@ def test_a_request_after_a_prefix_hit_drafts_as_it_would_cold(
     checkpoints, cold_drafts, proposed, kind, first_tokens
 ):
     """A first request shares three blocks with the second; it stops after one token (its MTP keys
-    never written:
-    they wait for a next step) or after six (written, but the third block's last one read the first
-    request's
-    next token, not the second's)."""
+    never written: they wait for a next step) or after six (written, but the third block's last one
+    read the first request's next token, not the second's)."""
     g = torch.Generator().manual_seed(16)  # a second request the model repeats itself in
     shared = torch.randint(3, 300, (3 * BLOCK,), generator=g).tolist()
     first = shared + torch.randint(3, 300, (5,), generator=g).tolist()
@@ -166,8 +155,8 @@ def test_a_request_after_a_prefix_hit_drafts_as_it_would_cold(
 
 def test_drafts_after_a_preemption_are_a_cold_runs(checkpoints, cold_drafts, proposed):
     """Under a tiny block budget sequences are preempted and recomputed, their own full blocks
-    served from the
-    prefix cache; every draft they get, before and after, is the one a cold run makes there."""
+    served from the prefix cache; every draft they get, before and after, is the one a cold run
+    makes there."""
     ps = prompts(6, seed=7, lo=8, hi=16)
 
     def tokens(drafts: int) -> tuple[list[list[int]], dict]:

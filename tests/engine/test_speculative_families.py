@@ -1,23 +1,18 @@
 """MTP drafts beyond DeepSeek-V3 (model/mtp.py's layouts), in the token engine: greedy output with
-drafts equals
-greedy output without, and an MTP layer made to echo its input token gets drafts accepted.
+drafts equals greedy output without, and an MTP layer made to echo its input token gets drafts
+accepted.
 
 - GLM-4.5 (glm4_moe) stores its MTP layer as DeepSeek-V3 does (model.layers.{num_hidden_layers}:
-  enorm, hnorm,
-  eh_proj, shared_head and a sparse decoder layer); tests/engine/test_speculative.py writes it. So
-  does GLM-4.7-Flash
-  (glm4_moe_lite), whose mlp_layer_types, like a layer_types list, gains the MTP layer's entry.
+  enorm, hnorm, eh_proj, shared_head and a sparse decoder layer); tests/engine/test_speculative.py
+  writes it. So does GLM-4.7-Flash (glm4_moe_lite), whose mlp_layer_types, like a layer_types list,
+  gains the MTP layer's entry.
 - MiMo (mimo) stores its own apart (model.mtp_layers.0: token_layernorm, hidden_layernorm,
-  input_proj over
-  [hidden; embedding], a Qwen2 block, final_layernorm; the model's lm_head scores it). Its draft
-  logits, and a
-  chained draft's, are checked against a forward written here from the same tensors, Transformers'
-  Qwen2
-  decoder layer as its block.
+  input_proj over [hidden; embedding], a Qwen2 block, final_layernorm; the model's lm_head scores
+  it). Its draft logits, and a chained draft's, are checked against a forward written here from the
+  same tensors, Transformers' Qwen2 decoder layer as its block.
 - A text wrapper (Kimi-K2.5's kimi_k25 around a DeepSeek-V3 text_config) states its MTP count inside
   text_config: `ster inspect-model` and `ster plan` report it and --speculative mtp drafts with the
-  layer, stored
-  below language_model; a wrapper whose text_config states none is still refused.
+  layer, stored below language_model; a wrapper whose text_config states none is still refused.
 """
 
 from __future__ import annotations
@@ -64,8 +59,8 @@ def test_glm4_moes_mtp_layer_is_a_sparse_layer(glm_echo):
 
 def test_per_layer_lists_gain_the_mtp_layer():
     """A config listing its layers' kinds (Transformers writes layer_types into re-saved Qwen2
-    configs, GLM-4.7-Flash
-    states mlp_layer_types) is read with the MTP layer a full-attention, sparse one."""
+    configs, GLM-4.7-Flash states mlp_layer_types) is read with the MTP layer a full-attention,
+    sparse one."""
     from ster_dist.config import from_hf
 
     mimo = {
@@ -100,10 +95,9 @@ def test_glm4_moes_echoing_mtp_layer_drafts_and_keeps_greedy_output(glm_echo):
 
 def with_mimo_mtp(directory: Path, echo: bool = False) -> Path:
     """A tiny MiMo: Transformers' Qwen2 under model_type mimo, one MTP layer (a copy of its last
-    layer as the
-    block, random norms and input_proj); `echo`: input_proj passes the normed embedding alone, the
-    block adds
-    nothing, and the head (the model's, tied to the embedding here) reads the token again."""
+    layer as the block, random norms and input_proj); `echo`: input_proj passes the normed embedding
+    alone, the block adds nothing, and the head (the model's, tied to the embedding here) reads the
+    token again."""
     import transformers
 
     torch.manual_seed(0)
@@ -161,10 +155,8 @@ def mimo_reference(
     directory: Path, hidden: torch.Tensor, ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MiMo's MTP layer over one sequence from position 0 (vLLM's mimo_mtp), from the checkpoint's
-    tensors: rows
-    q read the model's hidden state hidden[q] and token ids[q] (the one after q), the embedding zero
-    at position
-    0; (the layer's output [n, hidden], logits [n, vocab])."""
+    tensors: rows q read the model's hidden state hidden[q] and token ids[q] (the one after q), the
+    embedding zero at position 0; (the layer's output [n, hidden], logits [n, vocab])."""
     import transformers
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
@@ -247,10 +239,9 @@ def test_mimos_echoing_mtp_layer_gets_drafts_accepted(mimo_echo):
 
 def wrapped(directory: Path, mtp: bool = True) -> Path:
     """tests/engine/test_speculative.py's DeepSeek-V3 with an echoing MTP layer, saved as Kimi-K2.5
-    saves its text model:
-    the config under text_config (model_type kimi_k2), every tensor below language_model; `mtp`
-    False: the
-    text_config states no MTP layer and the checkpoint holds none."""
+    saves its text model: the config under text_config (model_type kimi_k2), every tensor below
+    language_model; `mtp` False: the text_config states no MTP layer and the checkpoint holds
+    none."""
     with_mtp(directory, echo=True)
     config = json.loads((directory / "config.json").read_text())
     tensors = load_file(str(directory / "model.safetensors"))

@@ -1,12 +1,9 @@
 """MTP speculative decoding across ranks: greedy output with drafts at TP=2 and EP=2 (the MTP layer
-sharded like
-any decoder layer, drafts made alike on every rank) equals greedy output without drafts on one rank,
-token for
-token, for prompts of mixed length batched together (tests/engine/test_speculative.py has the
-checkpoint); likewise
-MiMo's layer (stored apart, the model's head scoring it) at TP=2 and GLM-4.5's sparse one at EP=2,
-echoing layers
-whose drafts are accepted (tests/engine/test_speculative_families.py has those)."""
+sharded like any decoder layer, drafts made alike on every rank) equals greedy output without drafts
+on one rank, token for token, for prompts of mixed length batched together
+(tests/engine/test_speculative.py has the checkpoint); likewise MiMo's layer (stored apart, the
+model's head scoring it) at TP=2 and GLM-4.5's sparse one at EP=2, echoing layers whose drafts are
+accepted (tests/engine/test_speculative_families.py has those)."""
 
 from __future__ import annotations
 

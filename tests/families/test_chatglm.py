@@ -1,15 +1,10 @@
 """ChatGLM (families/chatglm.py, remote code) against Transformers' GLM on the same weights, written
-under
-ChatGLM's names (transformer.encoder.layers.{i}.self_attention.query_key_value, mlp.dense_h_to_4h,
-...) with
-its own config keys (num_layers, ffn_hidden_size, kv_channels, multi_query_group_num, rope_ratio,
-...).
-GLM-4-9B's original_rope turns adjacent pairs as GLM does; without it ChatGLM turns halves, checked
-against
-the same GLM with each head's rotated query and key rows reordered in the checkpoint (pairs (2j,
-2j+1) to
-(j, j + r/2)), which leaves every attention score unchanged. GLM-4's tiktoken tokenizer.model is
-checked in
+under ChatGLM's names (transformer.encoder.layers.{i}.self_attention.query_key_value,
+mlp.dense_h_to_4h, ...) with its own config keys (num_layers, ffn_hidden_size, kv_channels,
+multi_query_group_num, rope_ratio, ...). GLM-4-9B's original_rope turns adjacent pairs as GLM does;
+without it ChatGLM turns halves, checked against the same GLM with each head's rotated query and key
+rows reordered in the checkpoint (pairs (2j, 2j+1) to (j, j + r/2)), which leaves every attention
+score unchanged. GLM-4's tiktoken tokenizer.model is checked in
 tests/tokenizer/test_tokenizer_formats.py.
 """
 

@@ -1,10 +1,8 @@
 """DeepSeek-V4's attention layer kinds (model/compressed_attention.py, window_compressor.py,
-compressed_indexer.py)
-against Transformers' own DeepseekV4Attention on the same weights: the sliding, heavily compressed
-and compressed
-sparse layers, read whole, and read through the static cache as a prompt then one token at a time
-across window
-closings (Transformers' own cache carrying its compressor state alongside)."""
+compressed_indexer.py) against Transformers' own DeepseekV4Attention on the same weights: the
+sliding, heavily compressed and compressed sparse layers, read whole, and read through the static
+cache as a prompt then one token at a time across window closings (Transformers' own cache carrying
+its compressor state alongside)."""
 
 from __future__ import annotations
 
@@ -134,8 +132,7 @@ def _pair(cfg, layer: int, seed: int):
 
 def _theirs_forward(theirs, cfg, rotary, x, start: int, cache):
     """Transformers' layer as its model calls it, the additive sliding-window mask over the keys its
-    cache keeps
-    (the last sliding_window - 1 positions before this call's)."""
+    cache keeps (the last sliding_window - 1 positions before this call's)."""
     t, window = x.shape[1], cfg.sliding_window
     kept = min(start, window - 1) if cache is not None else 0
     positions = torch.arange(start, start + t).unsqueeze(0).expand(x.shape[0], -1)

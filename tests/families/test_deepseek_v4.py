@@ -1,12 +1,9 @@
 """DeepSeek-V4 (deepseek_v4, ster_dist/families/deepseek_v4.py) beyond the parity checks every
-family takes
-(tests/tiny/deepseek_v4.py: logits, greedy, static cache across window closings, batching against
-Transformers;
-TP=2 and EP=2 in their own files): the indexer's choice and the hash routing bite, decodes continued
-from the
-paged cache and the token engine equal the whole read, Transformers' in-memory layout and DeepSeek's
-own without
-the model. root read alike, older configs' keys, and the refusals."""
+family takes (tests/tiny/deepseek_v4.py: logits, greedy, static cache across window closings,
+batching against Transformers; TP=2 and EP=2 in their own files): the indexer's choice and the hash
+routing bite, decodes continued from the paged cache and the token engine equal the whole read,
+Transformers' in-memory layout and DeepSeek's own without the model. root read alike, older configs'
+keys, and the refusals."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ def v4(tmp_path_factory):
 
 def test_the_indexer_choice_and_hash_routing_bite(v4, tmp_path):
     """Keeping every entry, or routing the hash layer by another table, reads otherwise than the
-    tiny does (which
-    matches Transformers: tests/families/test_parity.py)."""
+    tiny does (which matches Transformers: tests/families/test_parity.py)."""
     directory, _, ours = v4
     dense = load_model(
         resolve(str(with_config(directory, tmp_path / "dense", {"index_topk": 64}))), "f32"
@@ -79,8 +75,8 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(v4):
 @pytest.mark.slow
 def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(v4, tp2):
     """Query heads by whole output groups, their sinks and o_a_proj rows split over two ranks; the
-    key-value head,
-    compressors and indexer whole on each: two ranks' paged steps equal one rank's."""
+    key-value head, compressors and indexer whole on each: two ranks' paged steps equal one
+    rank's."""
     directory, _, model = v4
     check_ranks_equal_one(tp2, directory, model, random_sequences(4), SCHEDULE)
 
@@ -105,10 +101,8 @@ def _rewritten(directory: Path, target: Path, names) -> Path:
 
 def test_transformers_in_memory_layout_and_the_release_without_root_read_alike(v4, tmp_path):
     """Transformers' module names (stacked experts, attn_hc, compressor.indexer) and DeepSeek's own
-    release names
-    without the model. root (embed, head, hc_head_fn, layers.{i}.attn.wq_a, ffn.experts.{e}.w1) load
-    to the same
-    model."""
+    release names without the model. root (embed, head, hc_head_fn, layers.{i}.attn.wq_a,
+    ffn.experts.{e}.w1) load to the same model."""
     directory, reference, ours = v4
     in_memory = {k: v.contiguous() for k, v in reference.state_dict().items() if "rotary" not in k}
     saved = {}

@@ -1,14 +1,10 @@
 """Dots3-Note (families/sparse_attention.py) beyond the parity checks every family takes: past
-index_topk keys
-the full layers follow their indexers' choice (Transformers' sparse reading is matched, its dense
-reading of
-the same weights is not); decodes continued from the paged cache, on one rank and on two, and the
-token engine
-equal the whole read; the layer kinds Transformers derives, and the refusals the seed states
-(attention adapters
-included). The tiny checkpoint (tests/tiny/sparse_attention.py) runs indexed, sliding, indexed
-layers with
-index_topk 12 and a window of 8."""
+index_topk keys the full layers follow their indexers' choice (Transformers' sparse reading is
+matched, its dense reading of the same weights is not); decodes continued from the paged cache, on
+one rank and on two, and the token engine equal the whole read; the layer kinds Transformers
+derives, and the refusals the seed states (attention adapters included). The tiny checkpoint
+(tests/tiny/sparse_attention.py) runs indexed, sliding, indexed layers with index_topk 12 and a
+window of 8."""
 
 from __future__ import annotations
 
@@ -41,9 +37,8 @@ def tiny(tmp_path_factory):
 
 def test_more_keys_than_index_topk_follow_the_indexers_choice(tiny, tmp_path):
     """Transformers' dense reading (index_topk above the length) of the same weights agrees up to
-    index_topk keys
-    and differs past them, where ours follows the sparse one: ignoring the choice would fail
-    here."""
+    index_topk keys and differs past them, where ours follows the sparse one: ignoring the choice
+    would fail here."""
     directory, reference, ours = tiny
     dense_dir = tmp_path / "dense"
     shutil.copytree(directory, dense_dir)
@@ -108,8 +103,7 @@ def test_the_token_engine_answers_as_ster_generate(tiny):
 
 def test_an_attention_adapter_is_refused_at_attach(tiny, tmp_path):
     """The output projection exists on both kinds of layer, but in two shapes: seeds/000 refuses
-    attention
-    targets (training refuses them too, tune/spec.py)."""
+    attention targets (training refuses them too, tune/spec.py)."""
     from ster_dist.adapters.format import open_adapter
     from ster_dist.adapters.targets import sites_for
     from tests.steer.test_merge import ster_adapter

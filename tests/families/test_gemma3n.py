@@ -1,12 +1,9 @@
 """Gemma 3n beyond tests/families/test_parity.py: the gemma3n wrapper's checkpoints (text model
-below
-model.language_model, towers beside it, the unused keys and values of shared layers that releases
-store),
-capture and steering on AltUp's first copy against Transformers' own decoder layers, and the
-refusals of
-configs the text decoder cannot run. The reference is Transformers' Gemma3nForCausalLM on the tiny
-checkpoint
-of tests/tiny/gemma3n.py (Transformers' image-audio-text model needs timm for its vision tower)."""
+below model.language_model, towers beside it, the unused keys and values of shared layers that
+releases store), capture and steering on AltUp's first copy against Transformers' own decoder
+layers, and the refusals of configs the text decoder cannot run. The reference is Transformers'
+Gemma3nForCausalLM on the tiny checkpoint of tests/tiny/gemma3n.py (Transformers' image-audio-text
+model needs timm for its vision tower)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Gemma 4's configs (families/gemma4.py): what the seed refuses, each in one line, and the two ways
-a config
-states its full layers' head sizes (the published checkpoints' global_head_dim and
-num_global_key_value_heads,
-Transformers 5's per_layer_config) read alike. Logits, caches, batches, TP=2 and EP=2 are checked
-against
-Transformers through tests/tiny/gemma4.py (test_parity, test_paged_cache, test_tensor_parallel,
-test_moe,
-test_text_wrappers)."""
+a config states its full layers' head sizes (the published checkpoints' global_head_dim and
+num_global_key_value_heads, Transformers 5's per_layer_config) read alike. Logits, caches, batches,
+TP=2 and EP=2 are checked against Transformers through tests/tiny/gemma4.py (test_parity,
+test_paged_cache, test_tensor_parallel, test_moe, test_text_wrappers)."""
 
 from __future__ import annotations
 
@@ -97,8 +93,8 @@ def test_published_and_transformers_per_layer_sizes_read_alike():
 
 def test_per_layer_config_keys_zero_padded_as_transformers_writes_them_read_as_layer_numbers():
     """Of ten layers or more Transformers 5 writes per_layer_config's keys padded to one width ("05"
-    of twelve):
-    read as layer numbers, layer 5 is as wide as global_head_dim says, as layer 11 is."""
+    of twelve): read as layer numbers, layer 5 is as wide as global_head_dim says, as layer 11
+    is."""
     kinds = (["sliding_attention"] * 5 + ["full_attention"]) * 2
     published = from_hf(_with(num_hidden_layers=12, layer_types=kinds, num_kv_shared_layers=0))
     padded = {

@@ -1,12 +1,8 @@
 """GLM-5-Next (glm5_next_text, ster_dist/families/hyper.py) beyond the parity checks every family
-takes
-(tests/tiny/hyper.py: logits, greedy, static cache, batching against Transformers; TP=2 and EP=2 in
-their own
-files): the pooled indexer's choice bites, decodes continued from the paged cache and the token
-engine equal
-the whole read, Transformers' in-memory spellings read as the release's, the release's
-linear_attn_config, and
-the refusals."""
+takes (tests/tiny/hyper.py: logits, greedy, static cache, batching against Transformers; TP=2 and
+EP=2 in their own files): the pooled indexer's choice bites, decodes continued from the paged cache
+and the token engine equal the whole read, Transformers' in-memory spellings read as the release's,
+the release's linear_attn_config, and the refusals."""
 
 from __future__ import annotations
 
@@ -36,9 +32,8 @@ def glm5(tmp_path_factory):
 
 def test_the_pooled_choice_narrows_attention(glm5, tmp_path):
     """With pools enough for every key the layers attend densely; the tiny's two pools a query
-    differ from
-    that (and match Transformers: tests/families/test_parity.py), so the choice is what the parity
-    checks see."""
+    differ from that (and match Transformers: tests/families/test_parity.py), so the choice is what
+    the parity checks see."""
     directory, reference, ours = glm5
     dense = load_model(
         resolve(str(with_config(directory, tmp_path / "dense", {"index_topk": 64}, text=True))),

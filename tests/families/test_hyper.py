@@ -1,12 +1,8 @@
 """Hyper-connected families (ster_dist/families/hyper.py) beyond the parity checks every family
-takes
-(tests/tiny/hyper.py: logits, greedy, static cache, batching; TP=2 and EP=2 in their own files):
-capture and
-steering on the streams against Transformers' own streams, both spellings of the tensors, decodes
-continued
-from the paged cache and the token engine equal to the whole read, the logit cap, the configs'
-defaults and
-refusals; TP=2 over paged caches under -m slow."""
+takes (tests/tiny/hyper.py: logits, greedy, static cache, batching; TP=2 and EP=2 in their own
+files): capture and steering on the streams against Transformers' own streams, both spellings of the
+tensors, decodes continued from the paged cache and the token engine equal to the whole read, the
+logit cap, the configs' defaults and refusals; TP=2 over paged caches under -m slow."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ def hy_v4(tmp_path_factory):
 
 def test_capture_reads_the_streams_mean_and_steering_shifts_every_stream(hy_v4):
     """Against Transformers' streams: the residual a hook reads after layer 1 is the mean of its
-    streams, and a
-    vector steered in there is added to each of them."""
+    streams, and a vector steered in there is added to each of them."""
     _, reference, ours = hy_v4
     ids, layer = random_ids(16), 1
     vector = torch.randn(ours.cfg.hidden_size, generator=torch.Generator().manual_seed(5)) * 0.5
@@ -243,8 +238,7 @@ def test_the_mixing_form_equals_transformers_hyper_connection(module):
 @pytest.mark.slow
 def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
     """Heads, sinks and the output gate split across two ranks, the streams and their weights whole
-    on each:
-    two ranks' paged steps equal one rank's."""
+    on each: two ranks' paged steps equal one rank's."""
 
     directory, _, model = hy_v4
     check_ranks_equal_one(tp2, directory, model, random_sequences(4), SCHEDULE)
@@ -252,10 +246,9 @@ def test_tensor_parallel_ranks_over_paged_caches_equal_one_rank(hy_v4, tp2):
 
 def test_the_rotated_rows_are_read_in_pair_order(hy_v4, tmp_path):
     """The seed's convention: the release's rotated rows are in pair order, which vLLM (and
-    Transformers since
-    5.25) rotate by adjacent pairs. The same weights with those rows by halves read differently
-    here, so the
-    match with Transformers is not one that any row order would pass."""
+    Transformers since 5.25) rotate by adjacent pairs. The same weights with those rows by halves
+    read differently here, so the match with Transformers is not one that any row order would
+    pass."""
     directory, reference, ours = hy_v4
     halves_dir = tmp_path / "by_halves"
     shutil.copytree(directory, halves_dir)

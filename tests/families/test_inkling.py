@@ -1,16 +1,11 @@
 """Inkling (ster_dist/families/inkling.py, model/inkling.py) beyond tests/families/test_parity.py: a
-long prompt read in
-chunks (static cache, and paged steps with a state slot per sequence) equals one pass and
-Transformers; every
-layer keeps its keys and its four short convolutions' windows; left padding leaves the windows as a
-fresh
-sequence's; `ster generate` (the paged token engine) answers as Transformers and the engine's
-continuous batch
-equals each request alone; at TP=2 each rank holds its heads' share (and their convolution channels)
-of both
-layer shapes; Thinking Machines' own config keys are read as Transformers reads them; bad config
-values are
-refused in one line naming the key."""
+long prompt read in chunks (static cache, and paged steps with a state slot per sequence) equals one
+pass and Transformers; every layer keeps its keys and its four short convolutions' windows; left
+padding leaves the windows as a fresh sequence's; `ster generate` (the paged token engine) answers
+as Transformers and the engine's continuous batch equals each request alone; at TP=2 each rank holds
+its heads' share (and their convolution channels) of both layer shapes; Thinking Machines' own
+config keys are read as Transformers reads them; bad config values are refused in one line naming
+the key."""
 
 from __future__ import annotations
 
@@ -74,10 +69,8 @@ def test_left_padding_leaves_every_window_as_a_fresh_sequences(tiny):
 
 def test_paged_steps_carry_each_sequences_windows_beside_its_keys(tiny):
     """Prefill chunks of two sequences in their own state slots, packed with each other's decodes,
-    equal whole
-    reads; the paged cache holds blocks of keys and a window per slot for every convolution (the
-    variant with
-    a dense layer and routed ones)."""
+    equal whole reads; the paged cache holds blocks of keys and a window per slot for every
+    convolution (the variant with a dense layer and routed ones)."""
     variant = "inkling_text_moe"
     model = tiny[variant][1]
     cache = check_paged_steps(model, paged_tokens(), variant)
@@ -159,8 +152,8 @@ def test_tensor_parallel_paged_steps_agree_with_one_rank(tiny):
 
 def test_thinking_machines_config_keys_read_as_transformers_reads_them(tiny, tmp_path):
     """dense_intermediate_size is the dense width and intermediate_size then the experts';
-    sconv_kernel_size the
-    convolutions' kernel; model_max_length the context: the same model, the same logits."""
+    sconv_kernel_size the convolutions' kernel; model_max_length the context: the same model, the
+    same logits."""
     directory, model = tiny["inkling_text_moe"][3], tiny["inkling_text_moe"][1]
     edited = tmp_path / "edited"
     shutil.copytree(directory, edited)

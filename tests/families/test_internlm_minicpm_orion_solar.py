@@ -1,16 +1,13 @@
 """Dense families Transformers has no model class for (families/internlm.py, and minicpm, orion and
-solar in
-families/llama.py), each against a plain-torch reference written here from the seed's description: a
-tiny random
-checkpoint in the family's real tensor names and config keys, then logits, greedy generation,
-decoding from the
-cache, batched generation, TP=2, the token engine and a PEFT adapter on InternLM2's fused wqkv.
+solar in families/llama.py), each against a plain-torch reference written here from the seed's
+description: a tiny random checkpoint in the family's real tensor names and config keys, then
+logits, greedy generation, decoding from the cache, batched generation, TP=2, the token engine and a
+PEFT adapter on InternLM2's fused wqkv.
 
 The reference reads canonical weights (the `_canonical` dict below, never ster_dist's names); each
-family's writer
-stores them under the family's own names and layout (InternLM2's wqkv grouped by key-value head), so
-a wrong name
-map, fused layout, bias rule, norm kind or scale shows as a logits mismatch.
+family's writer stores them under the family's own names and layout (InternLM2's wqkv grouped by
+key-value head), so a wrong name map, fused layout, bias rule, norm kind or scale shows as a logits
+mismatch.
 """
 
 from __future__ import annotations
@@ -471,10 +468,8 @@ def test_minicpm_it_cannot_run_is_refused_before_any_weight(tmp_path, change, me
 
 def test_a_peft_adapter_on_internlm2s_fused_wqkv_equals_the_reference_merged_by_hand(tmp_path):
     """A PEFT adapter names InternLM2's own modules (attention.wqkv, feed_forward.w2); its B rows on
-    wqkv split
-    into query, key and value by the same grouped layout the loader reads. The reference merges W +
-    s * B @ A
-    into the stored tensors and un-fuses them itself."""
+    wqkv split into query, key and value by the same grouped layout the loader reads. The reference
+    merges W + s * B @ A into the stored tensors and un-fuses them itself."""
     from ster_dist.adapters.attach import attach
     from ster_dist.adapters.format import open_adapter
     from ster_dist.adapters.targets import sites_for

@@ -1,12 +1,10 @@
 """LongCat-Flash (longcat_flash) beyond the parity checks every family takes
-(tests/families/test_parity.py at TP=1,
-tests/parallel/test_tensor_parallel.py at TP=2, tests/model/test_moe.py at EP=2): each stored layer
-runs as two decoder layers,
-so layer indices, hook sites and the cache count halves; decodes continued from the paged cache
-equal the whole
-read on one rank and on two expert-parallel ranks (identity experts never dispatched, a rank's token
-share empty
-at some steps); the token engine answers as `ster generate`; the config's refusals and switches."""
+(tests/families/test_parity.py at TP=1, tests/parallel/test_tensor_parallel.py at TP=2,
+tests/model/test_moe.py at EP=2): each stored layer runs as two decoder layers, so layer indices,
+hook sites and the cache count halves; decodes continued from the paged cache equal the whole read
+on one rank and on two expert-parallel ranks (identity experts never dispatched, a rank's token
+share empty at some steps); the token engine answers as `ster generate`; the config's refusals and
+switches."""
 
 from __future__ import annotations
 

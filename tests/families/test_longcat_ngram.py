@@ -1,16 +1,11 @@
 """LongCat-Flash-Lite (longcat_flash_ngram), which Transformers lacks: the reference is a
-plain-torch n-gram
-embedding written here from seeds/000's paragraph (with the table width and numbering vLLM's and
-mlx-lm's
-implementations build), feeding Transformers' LongcatFlashForCausalLM its inputs_embeds for the
-rest. Logits
-and greedy tokens equal it, runs restarting after each eos; decoding from the static cache and from
-the paged
-cache equals the whole read (the last tokens carried across steps, an eos inside a prompt and inside
-a decode);
-batches equal one at a time; TP=2 equals TP=1; the token engine answers as `ster generate`; a config
-without
-model_type is read by its architectures; what the config cannot state is refused."""
+plain-torch n-gram embedding written here from seeds/000's paragraph (with the table width and
+numbering vLLM's and mlx-lm's implementations build), feeding Transformers' LongcatFlashForCausalLM
+its inputs_embeds for the rest. Logits and greedy tokens equal it, runs restarting after each eos;
+decoding from the static cache and from the paged cache equals the whole read (the last tokens
+carried across steps, an eos inside a prompt and inside a decode); batches equal one at a time; TP=2
+equals TP=1; the token engine answers as `ster generate`; a config without model_type is read by its
+architectures; what the config cannot state is refused."""
 
 from __future__ import annotations
 
@@ -41,11 +36,9 @@ NEIGHBORS, SPLITS, RATIO, EOS = 3, 2, 0.37, 2
 
 def _reference_embedding(model, tables, projections, ids: torch.Tensor) -> torch.Tensor:
     """seeds/000 literally: for order n in 2..NEIGHBORS and table j, table (n - 2) * SPLITS + j
-    hashes the token
-    and the n - 1 before it (zero before its run, which restarts after each eos) to (token + sum
-    previous_d *
-    (vocab^d mod rows)) mod rows; each row through its projection; all averaged with the token
-    embedding."""
+    hashes the token and the n - 1 before it (zero before its run, which restarts after each eos) to
+    (token + sum previous_d * (vocab^d mod rows)) mod rows; each row through its projection; all
+    averaged with the token embedding."""
     vocab = model.config.vocab_size
     out = model.get_input_embeddings()(ids)
     for b in range(ids.shape[0]):

@@ -1,21 +1,15 @@
 """Looped models' own checks (ster_dist/model/loop.py, families/looped.py): HRM-Text (hrm_text)
-under prefix_lm,
-against Transformers' HrmTextForCausalLM given the prompt as token_type_ids of ones. A prompt read
-whole from
-position zero attends both ways within itself, in the static cache and in the token engine (which
-reads each
-prompt in one chunk and shares no prefix), later tokens and reads without a cache causally; every
-pass is its
-own layer (cache slots, hook site) over weights held once. HRM-Text's causal parity, cache, batch
-and TP=2 checks
-run in tests/families/test_parity.py and tests/parallel/test_tensor_parallel.py
-(tests/tiny/looped.py).
+under prefix_lm, against Transformers' HrmTextForCausalLM given the prompt as token_type_ids of
+ones. A prompt read whole from position zero attends both ways within itself, in the static cache
+and in the token engine (which reads each prompt in one chunk and shares no prefix), later tokens
+and reads without a cache causally; every pass is its own layer (cache slots, hook site) over
+weights held once. HRM-Text's causal parity, cache, batch and TP=2 checks run in
+tests/families/test_parity.py and tests/parallel/test_tensor_parallel.py (tests/tiny/looped.py).
 
 IQuest-LoopCoder (iquestloopcoder), which Transformers lacks, against a plain-torch reference
-written here from the
-seed's text: logits and greedy tokens, the cache equal to the whole read, batches equal to one at a
-time, the token
-engine equal to the static cache, and TP=2 equal to one rank."""
+written here from the seed's text: logits and greedy tokens, the cache equal to the whole read,
+batches equal to one at a time, the token engine equal to the static cache, and TP=2 equal to one
+rank."""
 
 from __future__ import annotations
 
@@ -253,10 +247,9 @@ def _attend(q, k, v, window=None):
 
 def loopcoder_reference(t: dict, ids: torch.Tensor) -> torch.Tensor:
     """IQuest-LoopCoder from the seed: Llama's block over the stored layers loop_num times, no norm
-    between
-    passes; on later passes g * global (the first pass's keys and values of the layer) + (1 - g) *
-    local (the
-    pass's own within loop_window_size), g = sigmoid(w_h . q_h + b_h) of the rotated query."""
+    between passes; on later passes g * global (the first pass's keys and values of the layer) + (1
+    - g) * local (the pass's own within loop_window_size), g = sigmoid(w_h . q_h + b_h) of the
+    rotated query."""
     b, n = ids.shape
     d, heads, kv = LOOP["head_dim"], LOOP["num_attention_heads"], LOOP["num_key_value_heads"]
     inv = 1.0 / (LOOP["rope_parameters"]["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
@@ -300,8 +293,7 @@ def loopcoder_reference(t: dict, ids: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def loopcoder(tmp_path_factory):
     """(checkpoint directory, its tensors, ours loaded) of a tiny IQuest-LoopCoder: three passes
-    over two layers,
-    a local window shorter than the prompts."""
+    over two layers, a local window shorter than the prompts."""
     from safetensors.torch import save_file
 
     directory = tmp_path_factory.mktemp("iquestloopcoder")

@@ -1,14 +1,10 @@
 """MiniMax-M3's text decoder (families/minimax_m3.py, model/block_sparse.py) beyond the parity
-checks every family
-takes: past index_topk_blocks blocks the sparse layers follow their indexers' choice (Transformers'
-sparse
-reading is matched, its dense reading of the same weights is not); decodes continued from the paged
-cache (on one
-rank and, marked slow, on two) and the token engine equal the whole read; the release's config and
-tensor names
-read as Transformers' do, also below a minimax_m3_vl wrapper; the refusals the seed states. The tiny
-checkpoint
-(tests/tiny/minimax_m3.py) keeps three blocks of four keys per query, two of them local."""
+checks every family takes: past index_topk_blocks blocks the sparse layers follow their indexers'
+choice (Transformers' sparse reading is matched, its dense reading of the same weights is not);
+decodes continued from the paged cache (on one rank and, marked slow, on two) and the token engine
+equal the whole read; the release's config and tensor names read as Transformers' do, also below a
+minimax_m3_vl wrapper; the refusals the seed states. The tiny checkpoint (tests/tiny/minimax_m3.py)
+keeps three blocks of four keys per query, two of them local."""
 
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ def tiny(tmp_path_factory):
 
 def test_more_blocks_than_topk_follow_the_indexers_choice(tiny, tmp_path):
     """Transformers' dense reading (index_topk_blocks above the blocks) of the same weights agrees
-    while every
-    block is kept and differs past that, where ours follows the sparse one: ignoring the choice
-    would fail here."""
+    while every block is kept and differs past that, where ours follows the sparse one: ignoring the
+    choice would fail here."""
     directory, reference, ours = tiny
     dense_dir = tmp_path / "dense"
     shutil.copytree(directory, dense_dir)
@@ -114,8 +109,8 @@ _SHARED = ".block_sparse_moe.shared_experts."
 
 def _as_release(directory, target) -> None:
     """The tiny checkpoint as MiniMax publishes it, below a minimax_m3_vl wrapper: the release's
-    config keys and
-    tensor names (per-expert w1/w3/w2, separate gate and up projections, index_* projections)."""
+    config keys and tensor names (per-expert w1/w3/w2, separate gate and up projections, index_*
+    projections)."""
     shutil.copytree(directory, target)
     text = json.loads((target / "config.json").read_text())
     kinds = [t == "minimax_m3_sparse" for t in text.pop("layer_types")]

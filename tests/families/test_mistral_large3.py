@@ -1,11 +1,9 @@
 """Mistral Large 3 in Mistral's own format (params.json + consolidated.safetensors) loads as
-deepseek_v3 with
-Llama 4's query temperature (config_params._large3, families/mistral_format.py). The reference is
-Transformers' Mistral4ForCausalLM (the same block: latent attention, softmax experts renormalised
-beside a
-shared one, YaRN, llama_4_scaling_beta), built tiny here and written in Mistral's names as vLLM's
-MistralLarge3ForCausalLM reads them; the sequence runs past original_max_position_embeddings, so the
-temperature is exercised.
+deepseek_v3 with Llama 4's query temperature (config_params._large3, families/mistral_format.py).
+The reference is Transformers' Mistral4ForCausalLM (the same block: latent attention, softmax
+experts renormalised beside a shared one, YaRN, llama_4_scaling_beta), built tiny here and written
+in Mistral's names as vLLM's MistralLarge3ForCausalLM reads them; the sequence runs past
+original_max_position_embeddings, so the temperature is exercised.
 """
 
 from __future__ import annotations

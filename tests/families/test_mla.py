@@ -1,7 +1,6 @@
 """Multi-head latent attention: its variants against Transformers (query bottleneck or not,
-adjacent-pair or
-halves rotation, biased projections, YaRN's score temperature), the compressed cache, and how its
-heads split under tensor parallelism."""
+adjacent-pair or halves rotation, biased projections, YaRN's score temperature), the compressed
+cache, and how its heads split under tensor parallelism."""
 
 from __future__ import annotations
 

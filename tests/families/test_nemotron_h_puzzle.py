@@ -1,12 +1,10 @@
 """Nemotron Puzzle (nemotron_h_puzzle), which Transformers lacks, against a reference built from
-Transformers'
-own Nemotron-H modules: a tiny Nemotron-H whose expert layers are rebuilt, each from its block's
-settings
-(expert count, experts per token, widths, a latent width in one), saved as Puzzle stores it (below
+Transformers' own Nemotron-H modules: a tiny Nemotron-H whose expert layers are rebuilt, each from
+its block's settings (expert count, experts per token, widths, a latent width in one), saved as
+Puzzle stores it (below
 `model`,
 block_configs). Logits, greedy generation, a long prompt read in chunks, TP=2 and EP=2 equal to one
-rank, and
-the refusal of a per-block key it does not build."""
+rank, and the refusal of a per-block key it does not build."""
 
 from __future__ import annotations
 

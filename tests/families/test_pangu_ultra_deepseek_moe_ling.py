@@ -1,27 +1,18 @@
 """pangu_ultra_moe, deepseek, bailing_moe and param2moe (families/pangu.py, deepseek.py and ling.py)
-against
-references written here from seeds/000's description, since Transformers (as installed) has none of
-their classes.
+against references written here from seeds/000's description, since Transformers (as installed) has
+none of their classes.
 
 openPangu-Ultra-MoE is DeepSeek-V3 (latent attention, adjacent pairs rotating) under Pangu's key
-names, its
-router sigmoid without a selection bias: the reference is Transformers' DeepseekV3 with one expert
-group and
-its zero correction bias (greedy over sigmoid scores), renormalised and scaled. Under sandwich_norm
-two norms
-DeepSeek-V3 lacks (over attention's and the feed-forward's outputs) are added to it by forward
-hooks, and
-its post_attention_layernorm is stored as Pangu's pre_mlp_layernorm. DeepSeek-MoE (deepseek) is
-Llama's
-attention with DeepSeek's experts: the reference is Transformers' Llama whose sparse layers'
-feed-forward is
-Transformers' DeepseekV2Moe (softmax, greedy, routed_scaling_factor 1, ungated shared experts). Ling
-2.0
-(bailing_moe with score_function sigmoid) and Param2-MoE (Ling 2.0 under Param2MoEConfig's defaults)
-are
-Transformers' GLM-4-MoE block (as Sarvam MoE is); Ling 1.x is Llama with DeepSeek-V2's sparse
-blocks. Each
-is written to the checkpoint under the family's own tensor names and config keys by the maps below.
+names, its router sigmoid without a selection bias: the reference is Transformers' DeepseekV3 with
+one expert group and its zero correction bias (greedy over sigmoid scores), renormalised and scaled.
+Under sandwich_norm two norms DeepSeek-V3 lacks (over attention's and the feed-forward's outputs)
+are added to it by forward hooks, and its post_attention_layernorm is stored as Pangu's
+pre_mlp_layernorm. DeepSeek-MoE (deepseek) is Llama's attention with DeepSeek's experts: the
+reference is Transformers' Llama whose sparse layers' feed-forward is Transformers' DeepseekV2Moe
+(softmax, greedy, routed_scaling_factor 1, ungated shared experts). Ling 2.0 (bailing_moe with
+score_function sigmoid) and Param2-MoE (Ling 2.0 under Param2MoEConfig's defaults) are Transformers'
+GLM-4-MoE block (as Sarvam MoE is); Ling 1.x is Llama with DeepSeek-V2's sparse blocks. Each is
+written to the checkpoint under the family's own tensor names and config keys by the maps below.
 """
 
 from __future__ import annotations
@@ -185,9 +176,8 @@ def _pangu_config(extra: dict) -> dict:
 
 def _pangu(directory, extra: dict):
     """Transformers' DeepseekV3 as openPangu-Ultra-MoE routes (one group, zero correction bias),
-    with hooks
-    adding the sandwich norms; its weights written under Pangu's names. Returns the reference
-    forward."""
+    with hooks adding the sandwich norms; its weights written under Pangu's names. Returns the
+    reference forward."""
     import transformers
 
     torch.manual_seed(0)
@@ -279,9 +269,8 @@ def _deepseek_config(extra: dict) -> dict:
 
 def _llama_with_experts(sparse: list[int], seed: int, n_shared: int, **config):
     """Transformers' Llama whose `sparse` layers' feed-forward is Transformers' DeepseekV2Moe
-    (softmax, greedy,
-    unscaled, ungated shared experts), and its state with each expert's tensors apart, as DeepSeek
-    names them."""
+    (softmax, greedy, unscaled, ungated shared experts), and its state with each expert's tensors
+    apart, as DeepSeek names them."""
     import transformers
 
     torch.manual_seed(seed)
@@ -322,8 +311,7 @@ def _llama_with_experts(sparse: list[int], seed: int, n_shared: int, **config):
 
 def _deepseek(directory, extra: dict):
     """Llama with DeepSeek-V2's sparse blocks from first_k_dense_replace, every moe_layer_freq-th
-    layer, written
-    under DeepSeek-MoE's names. Returns the reference forward."""
+    layer, written under DeepSeek-MoE's names. Returns the reference forward."""
     sparse = [
         i
         for i in range(DEEPSEEK_LAYERS)
@@ -395,10 +383,8 @@ def _ling_config(family: str, extra: dict) -> dict:
 
 def _ling(directory, extra: dict, family: str = "bailing_moe"):
     """Ling 2.0: Transformers' GLM-4-MoE (per-head query/key norms, half of each head rotated,
-    biased query, key
-    and value, grouped sigmoid routing over a selection bias); Ling 1.x: Llama with DeepSeek-V2's
-    sparse blocks.
-    Written under Ling's names. Returns the reference forward."""
+    biased query, key and value, grouped sigmoid routing over a selection bias); Ling 1.x: Llama
+    with DeepSeek-V2's sparse blocks. Written under Ling's names. Returns the reference forward."""
     import transformers
 
     if extra.get("score_function") != "sigmoid" and family != "param2moe":

@@ -29,8 +29,7 @@ def _hand_checked(specs) -> set[str]:
 
 def test_every_parity_checked_family_has_a_tiny_checkpoint():
     """Against Transformers here, or, for a family Transformers lacks, in the test file its spec
-    names (which
-    must exist and name the family)."""
+    names (which must exist and name the family)."""
     hand = _hand_checked(SPECS.values())
     checked = {name for name, spec in SPECS.items() if spec.parity_reference} - hand
     covered = {family_of_variant(v) for v in VARIANTS}

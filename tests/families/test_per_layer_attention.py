@@ -1,9 +1,7 @@
 """Attention that differs from layer to layer (llama4_text, mimo_v2_flash, laguna) beyond the shared
-parity, TP,
-EP and paged checks their tiny checkpoints join: a chunked prefill across Llama 4's attention
-chunks, Xiaomi's own
-MiMo-V2-Flash config and tensor names read as Transformers' are, Laguna's sliding-layer sinks, and
-the refusals."""
+parity, TP, EP and paged checks their tiny checkpoints join: a chunked prefill across Llama 4's
+attention chunks, Xiaomi's own MiMo-V2-Flash config and tensor names read as Transformers' are,
+Laguna's sliding-layer sinks, and the refusals."""
 
 from __future__ import annotations
 
@@ -73,9 +71,8 @@ def test_a_prefill_in_pieces_across_chunk_boundaries_equals_one_pass(tiny):
 
 def test_xiaomi_config_and_names_read_as_transformers(tiny, tmp_path):
     """MiMo-V2-Flash as Xiaomi publishes it: hybrid_layer_pattern, swa_num_key_value_heads,
-    sliding_window_size,
-    the sink switches, rope_theta / swa_rope_theta, moe_layer_freq, attention_sink_bias and an MTP
-    layer."""
+    sliding_window_size, the sink switches, rope_theta / swa_rope_theta, moe_layer_freq,
+    attention_sink_bias and an MTP layer."""
     directory, reference = tiny("mimo_v2_flash")
     config = read_config(directory)
     kinds = config.pop("layer_types")
@@ -109,8 +106,7 @@ def test_xiaomi_config_and_names_read_as_transformers(tiny, tmp_path):
 
 def test_laguna_sinks_sit_on_the_sliding_layers_and_take_their_share(tiny, tmp_path):
     """Transformers' Laguna has no sinks: with sinks far below every score the model is
-    Transformers', and with
-    sinks at zero the sliding layers' attention gives them a share."""
+    Transformers', and with sinks at zero the sliding layers' attention gives them a share."""
     directory, reference = tiny("laguna")
     config = {**read_config(directory), "swa_attention_sink_enabled": True}
     sliding = [i for i, kind in enumerate(config["layer_types"]) if kind == "sliding_attention"]
@@ -176,9 +172,8 @@ def test_a_list_of_sparse_layers_under_moe_layer_freq_is_refused_where_it_is_an_
 
 def test_the_merge_writer_puts_each_projection_back_where_mimo_v2s_fused_qkv_holds_it(tiny):
     """MiMo-V2.5's qkv_proj groups rows by the full layers' key-value heads while its sliding layers
-    hold twice as
-    many: the rows the writer names for each query, key and value parameter are Transformers' own
-    weights."""
+    hold twice as many: the rows the writer names for each query, key and value parameter are
+    Transformers' own weights."""
     directory, reference = tiny("mimo_v2")
     cfg = from_hf(read_config(directory))
     tensors = load_file(str(directory / "model.safetensors"))

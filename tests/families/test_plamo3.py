@@ -1,17 +1,12 @@
 """PLaMo 3 (families/plamo.py) against Transformers' Gemma 3 on the same weights: Gemma 3's block is
-PLaMo 3's
-(sandwich norms stored as offsets, per-head query/key norms, every pattern-th layer attending fully
-at its own
-base, the others through a window at a local base), except that PLaMo's post-sublayer norms count
-from 1/5 and
-5^-1.5 where Gemma's count from one: the map below moves that difference into the weights, and
-writes the
-checkpoint under PLaMo's names (model.layers.layers.{i}, mixer.qkv_proj, mlp.gate_up_proj). Under
-scale_embedding the embedding is multiplied by sqrt(hidden) as Gemma's always is; without it the
-reference
-is handed the unscaled rows. The tokenizer is PLaMo's tokenizer.jsonl
-(tests/tokenizer/test_tokenizer_plamo.py).
-Transformers has no PLaMo class, and ster_dist never runs the checkpoint's own code.
+PLaMo 3's (sandwich norms stored as offsets, per-head query/key norms, every pattern-th layer
+attending fully at its own base, the others through a window at a local base), except that PLaMo's
+post-sublayer norms count from 1/5 and 5^-1.5 where Gemma's count from one: the map below moves that
+difference into the weights, and writes the checkpoint under PLaMo's names (model.layers.layers.{i},
+mixer.qkv_proj, mlp.gate_up_proj). Under scale_embedding the embedding is multiplied by sqrt(hidden)
+as Gemma's always is; without it the reference is handed the unscaled rows. The tokenizer is PLaMo's
+tokenizer.jsonl (tests/tokenizer/test_tokenizer_plamo.py). Transformers has no PLaMo class, and
+ster_dist never runs the checkpoint's own code.
 """
 
 from __future__ import annotations

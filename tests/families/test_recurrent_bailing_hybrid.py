@@ -1,11 +1,8 @@
 """Ling 3.0 (bailing_hybrid: Kimi delta attention with full-rank gates and a bounded decay,
-head-gated latent
-attention, DeepSeek-V3's experts) on a tiny checkpoint: the layer kinds its config states, a long
-prompt read in
-chunks (static cache and paged state slots) equal to one pass and to Transformers, the unbounded
-decay
-(kda_safe_gate false) against Transformers, each tensor-parallel rank's rows of the gates, and
-refusals."""
+head-gated latent attention, DeepSeek-V3's experts) on a tiny checkpoint: the layer kinds its config
+states, a long prompt read in chunks (static cache and paged state slots) equal to one pass and to
+Transformers, the unbounded decay (kda_safe_gate false) against Transformers, each tensor-parallel
+rank's rows of the gates, and refusals."""
 
 from __future__ import annotations
 

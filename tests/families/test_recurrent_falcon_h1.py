@@ -1,14 +1,10 @@
 """Falcon-H1's side-by-side layers (attention beside Mamba-2, model/side_by_side.py) beyond
-tests/families/test_parity.py:
-a long prompt read in chunks (static cache, and paged steps with a state slot per sequence) equals
-one pass and
-Transformers; every layer keeps keys and a scan state; the token engine's continuous batch equals
-each request
-alone, with prefix caching off; at TP=2 each rank holds its heads' share of both parts (whole Mamba
-groups, or a
-share of a replicated one) and agrees with one rank; the checkpoint's tensors are loaded as stored
-(the muP
-multipliers act in forward); bad config values are refused in one line naming the key."""
+tests/families/test_parity.py: a long prompt read in chunks (static cache, and paged steps with a
+state slot per sequence) equals one pass and Transformers; every layer keeps keys and a scan state;
+the token engine's continuous batch equals each request alone, with prefix caching off; at TP=2 each
+rank holds its heads' share of both parts (whole Mamba groups, or a share of a replicated one) and
+agrees with one rank; the checkpoint's tensors are loaded as stored (the muP multipliers act in
+forward); bad config values are refused in one line naming the key."""
 
 from __future__ import annotations
 
@@ -57,8 +53,7 @@ def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
 
 def test_paged_steps_carry_each_sequences_state_beside_its_keys(tiny):
     """Prefill chunks of two sequences in their own state slots, packed with each other's decodes,
-    equal whole
-    reads; the paged cache holds blocks of keys and a state per slot for every layer."""
+    equal whole reads; the paged cache holds blocks of keys and a state per slot for every layer."""
     variant = "falcon_h1"
     model = tiny[variant][1]
     cache = check_paged_steps(model, paged_tokens(), variant)
@@ -124,10 +119,9 @@ def test_each_rank_holds_its_share_of_both_parts(tiny, variant, expected):
 @pytest.mark.slow  # two spawned ranks: about a minute on two shared cores
 def test_tensor_parallel_ranks_keep_their_states_and_agree_with_one_rank(tiny):
     """Paged steps at TP=2 with Falcon-H1's one group split over the ranks (its B and C replicated,
-    its gated
-    norm's statistics summed across them) equal one rank's; each rank's state slots hold its own
-    heads' states.
-    (Whole groups at TP=2: tests/parallel/test_tensor_parallel.py and the shapes above.)"""
+    its gated norm's statistics summed across them) equal one rank's; each rank's state slots hold
+    its own heads' states. (Whole groups at TP=2: tests/parallel/test_tensor_parallel.py and the
+    shapes above.)"""
     variant, tokens = "falcon_h1_normed", paged_tokens()
     with SpawnGroup(2) as group:
         group.call("load", resolve(str(tiny[variant][3])), "f32", "cpu")

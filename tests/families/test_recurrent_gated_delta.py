@@ -1,10 +1,8 @@
 """The gated delta-rule layer kind (model/gated_delta.py) on tiny Qwen3-Next and Qwen3.5
-checkpoints: its scan against
-Transformers' own delta-rule functions, a long prompt read in chunks (static cache and paged state
-slots)
-equal to one pass, left padding leaving the state alone, each tensor-parallel rank's share of heads,
-channels
-and checkpoint rows, and refusals of configs it cannot run."""
+checkpoints: its scan against Transformers' own delta-rule functions, a long prompt read in chunks
+(static cache and paged state slots) equal to one pass, left padding leaving the state alone, each
+tensor-parallel rank's share of heads, channels and checkpoint rows, and refusals of configs it
+cannot run."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
     """Two sequences through state slots: one read in uneven chunks beside the other's prompt and
-    decoding;
-    each step's last-token logits equal the whole read's at that position."""
+    decoding; each step's last-token logits equal the whole read's at that position."""
     tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
     schedule = [
         [("long", 23), ("short", 9)],
@@ -150,8 +147,7 @@ def test_tensor_parallel_ranks_hold_whole_key_head_groups_and_read_only_their_ro
 
 def test_qwen3_5_ranks_read_their_rows_of_each_part_of_in_proj_qkv(tmp_path):
     """Qwen3.5 stores every query, then every key, then every value: a rank's query, key and value
-    rows are
-    three runs of that tensor, each its own key head's (or its value heads') share."""
+    rows are three runs of that tensor, each its own key head's (or its value heads') share."""
     make_tiny("qwen3_5_text", tmp_path)
     cfg = from_hf(read_config(tmp_path))
     dk, dv, per_key = 8, 10, 3

@@ -1,10 +1,8 @@
 """The Kimi delta attention layer kind (model/kimi_delta.py) on a tiny Kimi-Linear checkpoint: the
-delta-rule scan
-with a decay per key channel against Transformers' own KDA functions, a long prompt read in chunks
-(static
-cache and paged state slots) equal to one pass, left padding leaving the state alone, each
-tensor-parallel
-rank's share of heads, channels and checkpoint rows, and refusals of configs it cannot run."""
+delta-rule scan with a decay per key channel against Transformers' own KDA functions, a long prompt
+read in chunks (static cache and paged state slots) equal to one pass, left padding leaving the
+state alone, each tensor-parallel rank's share of heads, channels and checkpoint rows, and refusals
+of configs it cannot run."""
 
 from __future__ import annotations
 
@@ -76,8 +74,7 @@ def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
     """Two sequences through state slots: one read in uneven chunks beside the other's prompt and
-    decoding;
-    each step's last-token logits equal the whole read's at that position."""
+    decoding; each step's last-token logits equal the whole read's at that position."""
     tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
     schedule = [
         [("long", 23), ("short", 9)],

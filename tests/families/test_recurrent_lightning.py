@@ -1,12 +1,8 @@
 """The lightning-attention layer kind (model/lightning.py) on tiny MiniMax checkpoints: its block
-scan against
-Transformers' lightning attention (its block form and its recurrent decode form), a long prompt read
-in chunks
-(static cache and paged state slots, and the token engine's continuous batch) equal to one pass,
-left padding
-leaving the state alone, each tensor-parallel rank's share of heads and checkpoint rows,
-MiniMax-Text-01's own
-config, and refusals of configs it cannot run."""
+scan against Transformers' lightning attention (its block form and its recurrent decode form), a
+long prompt read in chunks (static cache and paged state slots, and the token engine's continuous
+batch) equal to one pass, left padding leaving the state alone, each tensor-parallel rank's share of
+heads and checkpoint rows, MiniMax-Text-01's own config, and refusals of configs it cannot run."""
 
 from __future__ import annotations
 
@@ -39,9 +35,8 @@ tiny, loaded = checkpoint_fixtures("minimax")
 @pytest.mark.parametrize("length", [1, 7, 8, 29])
 def test_the_scan_equals_transformers_block_form_and_its_decode_form(length):
     """Transformers' MiniMaxLightningAttention on its identity projections and norm reads the scan's
-    outputs: in
-    one call (its blocks) and one token at a time from its cache (its recurrent form), state
-    included."""
+    outputs: in one call (its blocks) and one token at a time from its cache (its recurrent form),
+    state included."""
     from transformers import MiniMaxConfig
     from transformers.models.minimax.modeling_minimax import MiniMaxCache, MiniMaxLightningAttention
 
@@ -92,8 +87,7 @@ def test_a_long_prompt_read_in_chunks_equals_one_pass(loaded):
 
 def test_paged_chunks_continue_each_sequences_state_in_its_slot(loaded):
     """Two sequences through state slots: one read in uneven chunks beside the other's prompt and
-    decoding;
-    each step's last-token logits equal the whole read's at that position."""
+    decoding; each step's last-token logits equal the whole read's at that position."""
     tokens = {"long": random_ids(60, seed=4)[0], "short": random_ids(12, seed=5)[0]}
     schedule = [
         [("long", 23), ("short", 9)],
@@ -230,8 +224,7 @@ def test_without_postnorm_the_residual_is_the_sublayers_input(text_01, tmp_path)
 
 def test_the_token_engine_reads_prompts_in_chunks_beside_decodes_as_each_alone(tiny, loaded):
     """A continuous batch on MiniMax (lightning state slots beside attention blocks), six tokens a
-    step, equals
-    each request's greedy tokens alone; prefix caching is off."""
+    step, equals each request's greedy tokens alone; prefix caching is off."""
     from tests.engine.test_recurrent_engine import alone, open_engine, prompts, run_all
 
     ps = prompts(4, seed=8, lo=3, hi=25)

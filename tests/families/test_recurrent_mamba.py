@@ -1,9 +1,7 @@
 """The Mamba-1 layer kind beyond the shared parity tests: a long prompt read in chunks through the
-cache
-equals one pass (static cache and paged state slots), a left-padded batch leaves each row's state as
-its
-unpadded read does, tensor-parallel ranks hold uneven channel shares of the state, and bad mixer
-settings are refused naming the key."""
+cache equals one pass (static cache and paged state slots), a left-padded batch leaves each row's
+state as its unpadded read does, tensor-parallel ranks hold uneven channel shares of the state, and
+bad mixer settings are refused naming the key."""
 
 from __future__ import annotations
 
@@ -73,9 +71,8 @@ def test_a_long_prompt_read_in_chunks_equals_one_pass(models, variant):
 @pytest.mark.parametrize("variant", ["falcon_mamba", "jamba"])
 def test_paged_state_slots_continue_each_sequence(models, variant):
     """Sequences read in chunks of different lengths through the packed forward, each with its own
-    state slot
-    (slots out of order) and, for Jamba's attention layer, its own blocks, equal each sequence read
-    whole."""
+    state slot (slots out of order) and, for Jamba's attention layer, its own blocks, equal each
+    sequence read whole."""
     model = models(variant)
     tokens = {name: _ids(1, 30, seed)[0] for seed, name in enumerate("ABC")}
     slots = {"A": 2, "B": 0, "C": 1}
@@ -130,8 +127,7 @@ def test_left_padding_leaves_the_state_unchanged(models):
 @pytest.mark.parametrize("variant", ["mamba", "jamba"])
 def test_the_parity_report_lines_up_every_layer_with_transformers(checkpoints, variant):
     """Transformers' Mamba lists no embedding state before the layers' (Jamba does): `ster parity`
-    pairs
-    each layer with its own output either way."""
+    pairs each layer with its own output either way."""
     loaded = load_model(resolve(str(checkpoints(variant))), "f32")
     result = run_parity(loaded)
     assert result["passed"] and len(result["layers"]) == loaded.cfg.num_layers, result

@@ -1,10 +1,8 @@
 """The Mamba-2 layer kind beyond tests/families/test_parity.py, for every family of the kind: a long
-prompt read in
-chunks (static cache, and paged steps with a state slot per sequence) equals one pass and
-Transformers; each
-tensor-parallel rank holds whole groups or a share of a replicated one, and its state is its heads'
-only; bad
-config values and a tensor parallelism that would split a group unevenly are refused in one line."""
+prompt read in chunks (static cache, and paged steps with a state slot per sequence) equals one pass
+and Transformers; each tensor-parallel rank holds whole groups or a share of a replicated one, and
+its state is its heads' only; bad config values and a tensor parallelism that would split a group
+unevenly are refused in one line."""
 
 from __future__ import annotations
 
@@ -40,8 +38,8 @@ tiny = variants_fixture(VARIANTS)
 
 def test_chunked_scan_equals_the_recurrence_token_by_token():
     """The closed form over 64-token chunks equals S_t = exp(dt_t a) S_{t-1} + dt_t x_t B_t^T, y_t =
-    S_t C_t + D x_t
-    stepped token by token; a token with dt = 0 and x = 0 leaves the state as it was."""
+    S_t C_t + D x_t stepped token by token; a token with dt = 0 and x = 0 leaves the state as it
+    was."""
     gen = torch.Generator().manual_seed(0)
     n, t, h, p, k = 2, 150, 3, 4, 5
 
@@ -89,8 +87,7 @@ def test_paged_steps_carry_each_sequences_state_in_its_slot(tiny, variant):
 
 def test_tensor_parallel_ranks_keep_their_heads_states_and_agree_with_one_rank(tiny):
     """Paged steps at TP=2 (two whole groups, and one group split over the ranks) equal one rank's;
-    each rank's
-    state slots hold its own heads' states."""
+    each rank's state slots hold its own heads' states."""
     tokens = paged_tokens()
     with SpawnGroup(2) as group:
         for variant in ("mamba2", "bamba"):

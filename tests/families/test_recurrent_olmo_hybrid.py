@@ -1,10 +1,8 @@
 """OLMo Hybrid on a tiny checkpoint: Gated DeltaNet layers (model/gated_delta.py) in pre-norm blocks
-beside
-OLMo 3's post-norm attention. A long prompt read in chunks (static cache and paged state slots)
-equals one
-pass, each tensor-parallel rank reads its heads' rows of the separate convolutions, the layer
-pattern and
-norms each layer kind gets, and refusals of configs it cannot run."""
+beside OLMo 3's post-norm attention. A long prompt read in chunks (static cache and paged state
+slots) equals one pass, each tensor-parallel rank reads its heads' rows of the separate
+convolutions, the layer pattern and norms each layer kind gets, and refusals of configs it cannot
+run."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The short convolution (LFM2): a long prompt read in chunks through the cache equals one pass, the
-state
-each tensor-parallel rank keeps, the family's config rules (layer kinds, the derived feed-forward
-width) and
-the refusals of a bad kernel width and of an LFM2-MoE selection bias of the wrong length. Parity
-with Transformers is tests/families/test_parity.py's (variants lfm2*)."""
+state each tensor-parallel rank keeps, the family's config rules (layer kinds, the derived
+feed-forward width) and the refusals of a bad kernel width and of an LFM2-MoE selection bias of the
+wrong length. Parity with Transformers is tests/families/test_parity.py's (variants lfm2*)."""
 
 from __future__ import annotations
 

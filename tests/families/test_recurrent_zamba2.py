@@ -1,9 +1,7 @@
 """Zamba2's hybrid layer kind (a shared transformer block, then Mamba-2) beyond
-tests/families/test_parity.py: a long
-prompt read in chunks (static cache, and paged steps with a state slot per sequence) equals one pass
-and
-Transformers, and so does the token engine's continuous batch; a block several layers share is one
-tensor on every rank, read once even where the checkpoint
+tests/families/test_parity.py: a long prompt read in chunks (static cache, and paged steps with a
+state slot per sequence) equals one pass and Transformers, and so does the token engine's continuous
+batch; a block several layers share is one tensor on every rank, read once even where the checkpoint
 stores every copy; TP=2 equals one rank; bad config values are refused in one line."""
 
 from __future__ import annotations
@@ -50,15 +48,13 @@ def test_long_prompt_in_chunks_equals_one_pass_and_transformers(tiny, variant):
 )
 def test_paged_steps_carry_each_sequences_state_and_keys(tiny, variant):
     """Prefill chunks of two sequences, packed with each other's decodes, equal whole reads: each
-    hybrid layer
-    keeps its keys in the paged cache and its Mamba-2 state in the sequence's slot."""
+    hybrid layer keeps its keys in the paged cache and its Mamba-2 state in the sequence's slot."""
     check_paged_steps(tiny[variant][1], paged_tokens(), variant)
 
 
 def test_the_token_engine_reads_prompts_in_chunks_beside_decodes_as_each_alone(tiny):
     """Continuous batching with chunked prefill: each hybrid layer's keys in blocks and its state in
-    the request's
-    slot; prefix caching off."""
+    the request's slot; prefix caching off."""
     directory, reference = tiny["zamba2_plain"][3], tiny["zamba2_plain"][1]
     ps = prompts(4, seed=1, lo=3, hi=30)
     lengths = [9, 4, 12, 7]

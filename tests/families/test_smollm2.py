@@ -45,9 +45,8 @@ def chat_ids(imported):
 
 def test_logits_equal_transformers_gguf_loading(loaded, reference, chat_ids, imported):
     """Dequantized (the default), the weights are Transformers' own; kept in their Q4_1/Q8_0 blocks
-    (--weights
-    blocks), the products round each activation block to 8 bits as llama.cpp does, and only that
-    differs."""
+    (--weights blocks), the products round each activation block to 8 bits as llama.cpp does, and
+    only that differs."""
     ids = torch.tensor([chat_ids])
     with torch.no_grad():
         theirs = reference(ids).logits

@@ -1,12 +1,9 @@
 """DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa) beyond the parity checks every family
-takes: with more
-keys than index_topk the indexer's choice shapes the output (Transformers' sparse reading is
-matched, its dense
-reading of the same weights is not); no longer than index_topk, the layers equal dense latent
-attention (the
-same weights read as deepseek_v3); decodes continued from the paged cache, and the token engine,
-equal the whole
-read. The tiny checkpoints keep index_topk at 12 (tests/tiny/deepseek.py)."""
+takes: with more keys than index_topk the indexer's choice shapes the output (Transformers' sparse
+reading is matched, its dense reading of the same weights is not); no longer than index_topk, the
+layers equal dense latent attention (the same weights read as deepseek_v3); decodes continued from
+the paged cache, and the token engine, equal the whole read. The tiny checkpoints keep index_topk at
+12 (tests/tiny/deepseek.py)."""
 
 from __future__ import annotations
 
@@ -68,8 +65,7 @@ def _rewrite(source: Path, target: Path, config_change, drop_indexer: bool = Fal
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_more_keys_than_index_topk_follow_the_indexers_choice(tiny, tmp_path, variant):
     """Transformers' sparse reading is matched; its dense reading (index_topk above the length)
-    differs past
-    index_topk keys, so ignoring the choice would fail here."""
+    differs past index_topk keys, so ignoring the choice would fail here."""
     directory, reference, ours = tiny(variant)
     dense_dir = _rewrite(directory, tmp_path / "dense", lambda c: {**c, "index_topk": 1000})
     dense_reference = type(reference).from_pretrained(dense_dir, dtype=torch.float32).eval()
@@ -85,8 +81,7 @@ def test_more_keys_than_index_topk_follow_the_indexers_choice(tiny, tmp_path, va
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_longer_than_index_topk_equals_dense_latent_attention(tiny, tmp_path, variant):
     """The same weights without their indexers, read as deepseek_v3: equal while a query sees at
-    most
-    index_topk keys, apart once it sees more."""
+    most index_topk keys, apart once it sees more."""
     directory, _, ours = tiny(variant)
 
     def as_deepseek_v3(config: dict) -> dict:
@@ -132,8 +127,7 @@ def test_decodes_from_the_paged_cache_equal_the_whole_read(tiny, variant):
 
 def test_tensor_parallel_ranks_choose_alike_from_their_paged_caches(tiny, tp2):
     """Each rank holds the whole indexer and caches its keys whole: two ranks' paged steps (GLM-5's
-    shared
-    layer included) equal one rank's."""
+    shared layer included) equal one rank's."""
     directory, _, model = tiny("glm_moe_dsa")
     gen = torch.Generator().manual_seed(4)
     tokens = {name: torch.randint(3, 300, (30,), generator=gen) for name in "ABC"}

@@ -1,29 +1,20 @@
 """step1, nemotron-nas and k2_horizon (families/step3.py, nemotron.py and k2_horizon.py) against
-references written
-here from seeds/000's description, since Transformers has none of their classes.
+references written here from seeds/000's description, since Transformers has none of their classes.
 
 The reference is Llama's block written out in plain torch with what seeds/000 adds. Step1: no
-rotation;
-each head adds -slope * sqrt(query position - key position) to its scaled scores, ALiBi's slopes
-(2^(-8i/n)
-for the n heads of the largest power of two, then the odd powers of 2^(-4/n)); num_attention_groups
-key-value
-heads. DeciLM (nemotron-nas): each layer's block_configs entry gives its key-value heads
-(num_attention_heads / n_heads_in_group) and its feed-forward width (2 * ffn_mult * hidden / 3
-rounded up to a
-multiple of 256, or intermediate_size); a no_op half has no norm and no weights and the residual
-passes.
-K2-Horizon: RMS norms over each of layernorm_num_groups groups apart, then the scale; every
-attention
-projection biased; attention's output times silu or log2(1 + 2^g) of gate_proj; experts on the
-layers neither
-in mlp_only_layers nor off decoder_sparse_step, chosen by score + mlp.gate.bias (under
-moe_gate_bias), weighed
-by the scores, renormalised under norm_topk_prob, times router_scaling_factor, plus the shared
-experts; under
+rotation; each head adds -slope * sqrt(query position - key position) to its scaled scores, ALiBi's
+slopes (2^(-8i/n) for the n heads of the largest power of two, then the odd powers of 2^(-4/n));
+num_attention_groups key-value heads. DeciLM (nemotron-nas): each layer's block_configs entry gives
+its key-value heads (num_attention_heads / n_heads_in_group) and its feed-forward width (2 *
+ffn_mult * hidden / 3 rounded up to a multiple of 256, or intermediate_size); a no_op half has no
+norm and no weights and the residual passes. K2-Horizon: RMS norms over each of layernorm_num_groups
+groups apart, then the scale; every attention projection biased; attention's output times silu or
+log2(1 + 2^g) of gate_proj; experts on the layers neither in mlp_only_layers nor off
+decoder_sparse_step, chosen by score + mlp.gate.bias (under moe_gate_bias), weighed by the scores,
+renormalised under norm_topk_prob, times router_scaling_factor, plus the shared experts; under
 mova_num_experts those layers' values are the weighted sum of SiLU(v_experts.{e}(x)) routed by
-v_router alike,
-renormalised whenever it chooses more than one (K2-Horizon's code; the seed says "the same way").
+v_router alike, renormalised whenever it chooses more than one (K2-Horizon's code; the seed says
+"the same way").
 """
 
 from __future__ import annotations
@@ -504,10 +495,8 @@ def test_decoding_from_the_paged_cache_equals_the_whole_read(built, family):
 
 def test_tp2_equals_tp1(built, tp2):
     """Every variant on a spawned gloo group of two ranks: Step1's slopes taken by global head
-    index, DeciLM's
-    layers split by their own key-value heads (one key-value head replicated), K2-Horizon's value
-    experts
-    split by key-value head with the router whole on each rank."""
+    index, DeciLM's layers split by their own key-value heads (one key-value head replicated),
+    K2-Horizon's value experts split by key-value head with the router whole on each rank."""
     check_group_equals_one_rank(
         tp2, {family: (directory, loaded) for family, (directory, _, loaded) in built.items()}
     )

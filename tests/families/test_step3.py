@@ -1,14 +1,9 @@
 """Step3's text decoder (step3_text) and Step 3.5 (step3p5), families/step3.py, against references
-written here
-from seeds/000's description: tiny checkpoints under StepFun's own tensor names and config keys,
-logits, greedy
-tokens, decoding from the static and the paged cache equal to the whole read, batches equal to one
-at a time,
-TP=2 and EP=2 equal to one rank, the step3_vl wrapper, and the refusals the seed states. Step 3.5 is
-also
-checked against Transformers' Step-3.7 text model (its text config is model_type step3p5) where
-their configs
-overlap."""
+written here from seeds/000's description: tiny checkpoints under StepFun's own tensor names and
+config keys, logits, greedy tokens, decoding from the static and the paged cache equal to the whole
+read, batches equal to one at a time, TP=2 and EP=2 equal to one rank, the step3_vl wrapper, and the
+refusals the seed states. Step 3.5 is also checked against Transformers' Step-3.7 text model (its
+text config is model_type step3p5) where their configs overlap."""
 
 from __future__ import annotations
 
@@ -291,8 +286,7 @@ def _step3p5_sparse(config: dict) -> list[int]:
 
 def _step3p5_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Step 3.5's tensors: every norm stored as an offset from one, and the MTP layer's tensors
-    after the
-    decoder's (layer num_hidden_layers), which nothing reads."""
+    after the decoder's (layer num_hidden_layers), which nothing reads."""
     gen = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=0.08):
@@ -495,11 +489,9 @@ def _step3p7_name(name: str) -> str:
 
 def test_step3p5_equals_transformers_step3p7_text_model_where_their_configs_overlap(tmp_path):
     """Transformers' Step-3.7 text model (model_type step3p5) on the same weights under its own
-    names: every layer
-    rotating, yarn on the full-attention layers, sigmoid routing always renormalised. Its config
-    cannot state
-    use_rope_layers, a softmax router or weights left unnormalised, which the reference above
-    covers."""
+    names: every layer rotating, yarn on the full-attention layers, sigmoid routing always
+    renormalised. Its config cannot state use_rope_layers, a softmax router or weights left
+    unnormalised, which the reference above covers."""
     import transformers
 
     scaling = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}

@@ -1,24 +1,16 @@
 """telechat, telechat3, TeleFLM, mimo, PanguEmbedded and nanbeige (families/telechat.py, mimo.py,
-pangu.py and
-looped.py) against references written here from seeds/000's description, since Transformers has none
-of their
-classes.
+pangu.py and looped.py) against references written here from seeds/000's description, since
+Transformers has none of their classes.
 
 Where the block is Transformers' own, the reference is that class on the same weights, written into
-the
-checkpoint under the family's names by a map below: TeleChat is Llama with zero
-query/key/value/gate/up
-biases (its key_value rows interleaved per key-value head), TeleChat3 is Llama whose YaRN
-temperature is
-0.07 ln(factor) + 1 (passed to Transformers as attention_factor, the checkpoint stating
-telechat3-yarn),
-TeleFLM is Llama with its embeddings and logits multiplied here, MiMo is Qwen2 beside random MTP
-tensors,
-openPangu-Embedded without sandwich_norm is Llama with every attention projection biased.
-openPangu-Embedded
-under sandwich_norm and Nanbeige (a looped model: its stored layers run num_loops times) have no
-Transformers
-counterpart, so a plain-torch forward below is their reference.
+the checkpoint under the family's names by a map below: TeleChat is Llama with zero
+query/key/value/gate/up biases (its key_value rows interleaved per key-value head), TeleChat3 is
+Llama whose YaRN temperature is 0.07 ln(factor) + 1 (passed to Transformers as attention_factor, the
+checkpoint stating telechat3-yarn), TeleFLM is Llama with its embeddings and logits multiplied here,
+MiMo is Qwen2 beside random MTP tensors, openPangu-Embedded without sandwich_norm is Llama with
+every attention projection biased. openPangu-Embedded under sandwich_norm and Nanbeige (a looped
+model: its stored layers run num_loops times) have no Transformers counterpart, so a plain-torch
+forward below is their reference.
 """
 
 from __future__ import annotations
@@ -178,14 +170,11 @@ def _plain_forward(
     state: dict, ids: torch.Tensor, sandwich: bool = False, loops: int = 1, pass_norm: bool = False
 ) -> torch.Tensor:
     """Llama's block written out, with what seeds/000 adds. openPangu-Embedded under sandwich_norm:
-    biased
-    attention projections and mlp_bias, attention's output normed by post_attention_layernorm, the
-    feed-forward
-    reading pre_mlp_layernorm and its output normed by post_mlp_layernorm. Nanbeige: each head's
-    query and key
-    RMS-normed by q_layernorm and k_layernorm before the rotation, the stored layers run `loops`
-    times, the
-    final norm closing every pass under `pass_norm`."""
+    biased attention projections and mlp_bias, attention's output normed by
+    post_attention_layernorm, the feed-forward reading pre_mlp_layernorm and its output normed by
+    post_mlp_layernorm. Nanbeige: each head's query and key RMS-normed by q_layernorm and
+    k_layernorm before the rotation, the stored layers run `loops` times, the final norm closing
+    every pass under `pass_norm`."""
     heads, kv, hd, eps = 4, 2, 8, SIZES["rms_norm_eps"]
 
     def rms(x, name):
@@ -408,8 +397,7 @@ def test_decoding_from_cache_equals_reading_whole_and_batches_equal_one_by_one(b
 
 def test_tp2_equals_tp1(built):
     """Every variant on a spawned gloo group of two ranks: the key-value heads split one per rank,
-    TeleChat's
-    interleaved key_value rows read per head."""
+    TeleChat's interleaved key_value rows read per head."""
     check_tp2_equals_tp1(
         {variant: (directory, loaded) for variant, (directory, _, loaded) in built.items()}
     )

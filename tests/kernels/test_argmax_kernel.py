@@ -1,8 +1,6 @@
 """kernels.argmax (kernels/argmax.cpp) against torch.argmax(x, -1), the index greedy steps and the
-sampler pick a
-token by: the first largest element of each row, or its first NaN; f32 and bf16; rows of any width,
-ties,
-infinities, non-contiguous and batched inputs."""
+sampler pick a token by: the first largest element of each row, or its first NaN; f32 and bf16; rows
+of any width, ties, infinities, non-contiguous and batched inputs."""
 
 from __future__ import annotations
 

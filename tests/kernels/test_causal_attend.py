@@ -1,12 +1,8 @@
 """The causal prefill attention kernel (kernels/causal_attend.cpp): a prompt's queries over the keys
-before them
-(within a window) read where a cache holds them equal masked softmax attention in f64 over the same
-keys
-gathered, for grouped heads, chunks that start mid-sequence, scattered blocks, f32 and bf16; a
-sequence's
-output does not depend on its batch or the thread count; and paged and static-cache prefills take
-it, one call
-a layer, equal to the whole read."""
+before them (within a window) read where a cache holds them equal masked softmax attention in f64
+over the same keys gathered, for grouped heads, chunks that start mid-sequence, scattered blocks,
+f32 and bf16; a sequence's output does not depend on its batch or the thread count; and paged and
+static-cache prefills take it, one call a layer, equal to the whole read."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ def kernel():
 
 def _reference(q, keys, values, table, starts, window, scale, softcap=0.0):
     """Gather each sequence's keys from its blocks, then masked softmax(q k^T scale) v in f64, each
-    score s taken
-    as cap tanh(s / cap) where a soft cap is given (Gemma 2)."""
+    score s taken as cap tanh(s / cap) where a soft cap is given (Gemma 2)."""
     n, heads, t, _ = q.shape
     block, group = keys.shape[1], heads // keys.shape[2]
     out = []
@@ -92,8 +87,7 @@ def test_equals_masked_softmax_attention_over_the_gathered_keys(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_soft_capped_scores_equal_the_capped_masked_softmax(kernel, dtype):
     """Gemma 2's scores capped (cap tanh(s / cap)) before the softmax, over a whole prompt and a
-    windowed chunk
-    that starts mid-sequence: the capped reference, which the uncapped one is not."""
+    windowed chunk that starts mid-sequence: the capped reference, which the uncapped one is not."""
     gen = torch.Generator().manual_seed(21)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for n, t, start, window in ((1, 70, 0, 0), (2, 40, 9, 16)):
@@ -160,9 +154,8 @@ def test_a_paged_prefill_reads_keys_in_place_and_equals_the_whole_read(
     kernel, tmp_path, monkeypatch, variant, change
 ):
     """Two prompts in one step, then one continued from mid-sequence beside a decode: every prompt
-    chunk takes
-    the kernel (one call a layer each), and each sequence's logits equal the whole read's without
-    the kernel."""
+    chunk takes the kernel (one call a layer each), and each sequence's logits equal the whole
+    read's without the kernel."""
     from torch.profiler import profile
 
     from ster_dist.load import load_model
@@ -198,9 +191,8 @@ def test_a_static_cache_prefill_takes_the_kernel_unless_rows_hold_padding(
     kernel, tmp_path, monkeypatch
 ):
     """generate's prefill over a static cache (and a second chunk after it) takes the kernel, one
-    call a layer;
-    a batch whose rows hold padding keeps the masked softmax; all equal the whole read without the
-    kernel."""
+    call a layer; a batch whose rows hold padding keeps the masked softmax; all equal the whole read
+    without the kernel."""
     from torch.profiler import profile
 
     from ster_dist.load import load_model
@@ -227,8 +219,7 @@ def test_a_read_that_trains_keeps_the_masked_softmax_and_its_gradients(
     kernel, tmp_path, monkeypatch
 ):
     """The kernel has no backward: where a gradient is asked of the queries, keys or values
-    (tuning's forward),
-    attention stays torch's, and the gradient is the one without the kernel."""
+    (tuning's forward), attention stays torch's, and the gradient is the one without the kernel."""
     from torch.profiler import profile
 
     from ster_dist.load import load_model

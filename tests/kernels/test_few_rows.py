@@ -1,10 +1,7 @@
 """The few-row product kernel (kernels/few_rows.cpp), built here for this CPU: its products equal
-F.linear's
-in f64 within the sums' rounding, dense() takes it for one to eight rows of f32 and bf16 and leaves
-it for more
-rows and for products that need gradients, and a process where it cannot be built says so in one
-line and
-computes the same products through the library."""
+F.linear's in f64 within the sums' rounding, dense() takes it for one to eight rows of f32 and bf16
+and leaves it for more rows and for products that need gradients, and a process where it cannot be
+built says so in one line and computes the same products through the library."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """GGUF Q8_0/Q4_0/Q4_1 weights run as stored (parallel/ggml.py, kernels/blocks.cpp,
-shard/ggml_kept.py): the
-kernel against gguf.quants, the loader keeping each rank's blocks, and greedy tokens against the
-dequantized model.
+shard/ggml_kept.py): the kernel against gguf.quants, the loader keeping each rank's blocks, and
+greedy tokens against the dequantized model.
 
 The references are the gguf package's own: `dequantize` of the stored blocks for the weights, and,
-where the
-kernel quantizes activations to 8 bits per block as llama.cpp does, `quantize(x, Q8_0)` then
+where the kernel quantizes activations to 8 bits per block as llama.cpp does, `quantize(x, Q8_0)`
+then
 `dequantize` for
 the activations, multiplied in float64."""
 
@@ -105,8 +104,7 @@ def test_many_rows_go_through_dequantized_tiles_and_refusals_name_the_problem():
 
 def reference_dense(x, weight, bias=None):
     """The dequantized model's product with x rounded to Q8_0 blocks by the gguf package, where the
-    block kernel
-    takes x (up to 64 rows): what the kept blocks compute, without their code."""
+    block kernel takes x (up to 64 rows): what the kept blocks compute, without their code."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= 64:
         rounded = dequantize(quantize(rows.float().numpy(), Q.Q8_0), Q.Q8_0).reshape(rows.shape)

@@ -1,8 +1,6 @@
 """bench/gpu_check.py --dry-run: every step of the prepared device check runs on the CPU under
-Triton's
-interpreter (kernels against references, greedy parity under each --kernels, the decode and FP8 GEMM
-drives)
-and its one JSON report says all passed."""
+Triton's interpreter (kernels against references, greedy parity under each --kernels, the decode and
+FP8 GEMM drives) and its one JSON report says all passed."""
 
 import json
 import os

@@ -1,8 +1,7 @@
 """One query per row over grouped key heads (model/attention.one_query_grouped), the path a bf16 /
-f16 decode
-step takes instead of SDPA's enable_gqa: the attention a reference computes with every key head
-repeated for
-its query heads, and, in a real bf16 model, decode steps from the cache equal to the whole read."""
+f16 decode step takes instead of SDPA's enable_gqa: the attention a reference computes with every
+key head repeated for its query heads, and, in a real bf16 model, decode steps from the cache equal
+to the whole read."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The kernels' AVX2 loops on a CPU with AVX-512.
 
 ster_dist/kernels builds for the CPU it runs on, so on an AVX-512 CPU (as CI's may be) no test
-compiled, let alone
-ran, the AVX2 loops an AVX2-only CPU runs: panels of 16 outputs, bf16 widened as read, the 256-bit
-lanes. Here they
-are built as such a CPU builds them (STER_KERNELS_ISA=avx2) and the kernels' own tests run over them
-in a child
-process, against the same references.
+compiled, let alone ran, the AVX2 loops an AVX2-only CPU runs: panels of 16 outputs, bf16 widened as
+read, the 256-bit lanes. Here they are built as such a CPU builds them (STER_KERNELS_ISA=avx2) and
+the kernels' own tests run over them in a child process, against the same references.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Where the kernels' build is found: by what it is made of, not by where its sources lie.
 
 A Ray job runs from an uploaded copy of its working directory, a new path each submission; a build
-named by the
-sources' path rebuilt the kernels (tens of seconds on two cores) in every such job and then again in
-every process
-of the original tree. Here a copy of the package elsewhere finds the finished build with the
-compiler taken away,
-and a copy whose sources differ by one byte does not: it tries to build its own. And a builder
-killed mid-build
-leaves nothing the next one waits on.
+named by the sources' path rebuilt the kernels (tens of seconds on two cores) in every such job and
+then again in every process of the original tree. Here a copy of the package elsewhere finds the
+finished build with the compiler taken away, and a copy whose sources differ by one byte does not:
+it tries to build its own. And a builder killed mid-build leaves nothing the next one waits on.
 """
 
 from __future__ import annotations
@@ -73,12 +69,10 @@ def test_a_copy_elsewhere_finds_the_build_and_other_sources_do_not(tmp_path):
 @pytest.mark.slow  # 20-80 s on 2 cores (issue 57: the default suite's budget)
 def test_a_builder_killed_mid_build_leaves_no_lock_that_the_next_waits_on(tmp_path):
     """torch's builder locks a build with a file it deletes when done; a builder killed mid-build
-    (SIGKILL: a rank
-    killed, a job past its timeout) leaves it, and every later build of that directory waited on it
-    forever. Here
-    the build is unfinished again and torch's lock is left as such a builder leaves it: the next
-    process builds
-    (a no-op for ninja: every object is there) and loads, in bounded time."""
+    (SIGKILL: a rank killed, a job past its timeout) leaves it, and every later build of that
+    directory waited on it forever. Here the build is unfinished again and torch's lock is left as
+    such a builder leaves it: the next process builds (a no-op for ninja: every object is there) and
+    loads, in bounded time."""
     built("few_rows", "nothing to build")
     with _unfinished() as directory:
         stale = directory / "lock"
@@ -133,8 +127,7 @@ def _unfinished():
 
 def _lines_until(child: subprocess.Popen, text: str, seconds: float) -> list[str]:
     """The child's stderr lines up to the first holding `text`; the child killed and the test failed
-    at the
-    deadline, so a child that never says it fails rather than hangs."""
+    at the deadline, so a child that never says it fails rather than hangs."""
     lines, deadline = [], time.monotonic() + seconds
     while not lines or text not in lines[-1]:
         ready, _, _ = select.select([child.stderr], [], [], max(0.0, deadline - time.monotonic()))

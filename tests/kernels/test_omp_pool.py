@@ -1,15 +1,12 @@
 """Releasing a thread's idle OpenMP workers (engine/omp_pool.py): a parallel region opened by a
-thread leaves it a
-team of workers, release_idle_workers() ends them (the process's thread count drops back), and the
-token engine
-releases the workers that its callers' threads make when they work on in-process ranks (loading,
-warming up,
-registering), so that they do not throttle the engine thread's own team. Each check runs in a fresh
+thread leaves it a team of workers, release_idle_workers() ends them (the process's thread count
+drops back), and the token engine releases the workers that its callers' threads make when they work
+on in-process ranks (loading, warming up, registering), so that they do not throttle the engine
+thread's own team. Each check runs in a fresh
 process:
 a thread count is only meaningful where nothing else made threads first. A released worker leaves
 /proc/self/task a moment after the call returns (it exits on its own), so a count expected to change
-is read
-once it has, or after ten seconds (a loaded CI machine once read it too soon)."""
+is read once it has, or after ten seconds (a loaded CI machine once read it too soon)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The paged-decode attention kernel (kernels/paged_decode.cpp): one query per sequence over its
-keys read in
-place from a paged cache equals softmax attention in f64 over the same keys gathered, for grouped
-heads,
-windows and chunks, scattered and shared blocks, f32 and bf16; and a paged engine step that takes it
-equals
-one that gathers."""
+keys read in place from a paged cache equals softmax attention in f64 over the same keys gathered,
+for grouped heads, windows and chunks, scattered and shared blocks, f32 and bf16; and a paged engine
+step that takes it equals one that gathers."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ def kernel():
 
 def _reference(q, keys, values, table, first, end, scale, softcap=0.0):
     """Gather each sequence's keys from its blocks, then softmax(q k^T scale) v in f64, each score s
-    taken as
-    cap tanh(s / cap) where a soft cap is given (Gemma 2)."""
+    taken as cap tanh(s / cap) where a soft cap is given (Gemma 2)."""
     block = keys.shape[1]
     out = []
     for i in range(q.shape[0]):
@@ -104,10 +100,8 @@ def test_long_sequences_read_in_pieces_equal_softmax_attention(kernel, dtype):
 
 def test_a_sequences_output_does_not_depend_on_its_batch_or_the_threads(kernel):
     """A sequence's attention is the same bits alone, beside others of other lengths, and on one
-    thread or two:
-    where its keys are cut into pieces depends on its own length only (a request's logits must not
-    depend on
-    what shares its step)."""
+    thread or two: where its keys are cut into pieces depends on its own length only (a request's
+    logits must not depend on what shares its step)."""
     gen = torch.Generator().manual_seed(8)
     lengths = [600, 40, 1000, 257]
     keys, values, table, q = _scattered_cache(gen, lengths, 8, 3, 64, 64, torch.float32, 9)
@@ -146,11 +140,9 @@ def test_keys_outside_the_table_are_refused(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_planned_step_stores_each_rows_key_then_attends_as_the_kernel(kernel, dtype):
     """attend_planned (a compiled decode step's attention, model/compiled.py) with packed rows [1,
-    heads, rows, d]:
-    each row's new key and value land at its slot, and the output is paged_decode's over the updated
-    cache, laid
-    out as q; a layer the plan leaves out (scale 0) and a step with no plan go to ster_dist::attend
-    instead."""
+    heads, rows, d]: each row's new key and value land at its slot, and the output is paged_decode's
+    over the updated cache, laid out as q; a layer the plan leaves out (scale 0) and a step with no
+    plan go to ster_dist::attend instead."""
     from ster_dist.model import compiled  # noqa: F401  (defines ster_dist::attend, where unplanned layers go)
 
     gen = torch.Generator().manual_seed(9)
@@ -196,11 +188,9 @@ def test_a_planned_step_stores_each_rows_key_then_attends_as_the_kernel(kernel, 
 
 def test_a_planned_layer_keeps_to_its_window_and_its_chunk(kernel):
     """A plan's windowed layer (Mistral's, Gemma's local ones) reads each row's last `window` keys,
-    a chunked one
-    (Llama 4's) those of the new token's own chunk, both where both are set: the first key of each
-    row as the
-    eager mask has it (a key at distance < window, in the query's chunk), and the reference's
-    softmax over them."""
+    a chunked one (Llama 4's) those of the new token's own chunk, both where both are set: the first
+    key of each row as the eager mask has it (a key at distance < window, in the query's chunk), and
+    the reference's softmax over them."""
     gen = torch.Generator().manual_seed(12)
     lengths = [3, 9, 70, 130]
     keys, values, table, _ = _scattered_cache(gen, lengths, 4, 2, 16, 16, torch.float32, 4)
@@ -260,10 +250,9 @@ def test_a_planned_layer_keeps_to_its_window_and_its_chunk(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_soft_capped_scores_equal_the_capped_softmax_read_directly_or_planned(kernel, dtype):
     """Gemma 2's attention logits capped (cap tanh(s / cap)) before the softmax: the kernel called
-    directly and a
-    plan's capped layer both equal the f64 reference, over several pieces of keys and within a
-    window; a layer
-    without a cap beside it stays uncapped; a cap list of the wrong length is refused."""
+    directly and a plan's capped layer both equal the f64 reference, over several pieces of keys and
+    within a window; a layer without a cap beside it stays uncapped; a cap list of the wrong length
+    is refused."""
     gen = torch.Generator().manual_seed(13)
     lengths = [5, 70, 300]
     keys, values, table, _ = _scattered_cache(gen, lengths, 8, 2, 16, 16, dtype, 4)
@@ -392,8 +381,8 @@ def test_a_paged_decode_step_reads_keys_in_place_and_equals_the_whole_read(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_static_cache_seen_as_one_block_a_row_is_read_through_its_strides(kernel, dtype):
     """A static cache [batch, kv_heads, capacity, d] viewed [batch, capacity, kv_heads, d] (not
-    contiguous) is a
-    paged cache of one block a row: read in place, it equals the same keys copied contiguous."""
+    contiguous) is a paged cache of one block a row: read in place, it equals the same keys copied
+    contiguous."""
     gen = torch.Generator().manual_seed(3)
     batch, kv_heads, capacity, d, used = 3, 2, 32, 16, 21
     keys = torch.randn(batch, kv_heads, capacity, d, generator=gen).to(dtype)[:, :, :used]
@@ -432,10 +421,9 @@ def test_a_static_cache_seen_as_one_block_a_row_is_read_through_its_strides(kern
 
 def test_a_static_cache_decode_step_reads_keys_in_place_and_equals_the_whole_read(kernel, tmp_path):
     """One token a row over the keys of a static cache (generate's decode steps) takes the kernel,
-    one call a
-    layer, whether every key is real or a row is left-padded (a ragged batch: it reads from its
-    first real key);
-    a row with padding between its keys keeps the masked softmax; all equal the whole read."""
+    one call a layer, whether every key is real or a row is left-padded (a ragged batch: it reads
+    from its first real key); a row with padding between its keys keeps the masked softmax; all
+    equal the whole read."""
     from torch.profiler import profile
 
     from ster_dist.load import load_model

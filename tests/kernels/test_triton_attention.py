@@ -1,9 +1,7 @@
 """The Triton attention kernels (ster_dist/kernels/triton) against their torch references, run on
-the CPU
-under Triton's interpreter: shapes that cross the cache's blocks and the decode's splits (ragged
-sequences, a
-window shorter than the context that starts mid-block, GQA), with soft caps, sinks and per-layer
-scales."""
+the CPU under Triton's interpreter: shapes that cross the cache's blocks and the decode's splits
+(ragged sequences, a window shorter than the context that starts mid-block, GQA), with soft caps,
+sinks and per-layer scales."""
 
 import os
 
@@ -126,8 +124,8 @@ def test_paged_extend(dtype, starts, window, softcap, sinks):
 @pytest.mark.parametrize("dtype,sinks", [(torch.float32, False), (torch.bfloat16, True)])
 def test_mla_decode(dtype, sinks):
     """DeepSeek-V3's MLA shape scaled down: rank 64 (512), rope 16 (64), 20 heads (128: two head
-    tiles, the
-    second partial), ragged sequences over blocks of 4, a window's first key mid-block."""
+    tiles, the second partial), ragged sequences over blocks of 4, a window's first key
+    mid-block."""
     page, heads, rank, rope = 4, 20, 64, 16
     lengths = [2, 11, 18]
     latents, rotated = (

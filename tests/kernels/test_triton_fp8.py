@@ -1,8 +1,6 @@
 """The Triton FP8 kernels (kernels/triton/fp8.py) under Triton's interpreter: the per-token-group
-quantizer
-gives torch's FP8 bits (round to nearest even, values that cross a binade when rounded included),
-and the
-block-scaled product equals the product of the dequantized operands."""
+quantizer gives torch's FP8 bits (round to nearest even, values that cross a binade when rounded
+included), and the block-scaled product equals the product of the dequantized operands."""
 
 import os
 

@@ -1,10 +1,8 @@
 """Whole-model greedy decoding with `--kernels triton` (the Triton attention kernels, under Triton's
 interpreter on the CPU) against the default path, through `ster generate`'s operation: a prompt's
-prefill goes
-through the extend kernel, every later token through the split-KV decode kernel (MLA's through the
-latent one),
-experts through the fused kernel, kept FP8 products through the block GEMM. And the selection's
-refusals."""
+prefill goes through the extend kernel, every later token through the split-KV decode kernel (MLA's
+through the latent one), experts through the fused kernel, kept FP8 products through the block GEMM.
+And the selection's refusals."""
 
 import json
 import os
@@ -69,8 +67,8 @@ def test_triton_kernels_decode_as_the_default_path(toy, monkeypatch):
 @pytest.mark.slow  # about 10 s here
 def test_triton_mla_and_experts_decode_as_the_default_path(tmp_path, monkeypatch):
     """A tiny DeepSeek-V3: its MLA decodes through the latent kernel (its prompt through torch's
-    expanded path)
-    and its SwiGLU experts through the fused kernel; the greedy tokens are the default path's."""
+    expanded path) and its SwiGLU experts through the fused kernel; the greedy tokens are the
+    default path's."""
     from ster_dist.kernels.triton import mla, moe
     from ster_dist.load.toy import make_toy_model
 
@@ -103,9 +101,8 @@ def test_triton_refused_off_cuda_without_the_interpreter(monkeypatch, toy):
 @pytest.mark.slow  # about 60 s here (two loads of an FP8 checkpoint, every product interpreted)
 def test_triton_fp8_products_and_experts_decode_as_the_default_path(tmp_path, monkeypatch):
     """A tiny DeepSeek-V3 kept in FP8 (16 x 16 scale blocks, test_fp8's builder): its dense FP8
-    products go through
-    the block GEMM, its experts through the fused kernel in FP8, greedy tokens equal to the default
-    path's."""
+    products go through the block GEMM, its experts through the fused kernel in FP8, greedy tokens
+    equal to the default path's."""
     from safetensors.torch import load_file
 
     from ster_dist.kernels.triton import fp8, moe
@@ -140,8 +137,8 @@ def test_triton_fp8_products_and_experts_decode_as_the_default_path(tmp_path, mo
 @pytest.mark.slow  # about 70 s on this loaded machine (Transformers builds the checkpoint)
 def test_triton_qwen3_moe_decodes_as_the_default_path(tmp_path, monkeypatch):
     """A tiny qwen3_moe (GQA attention with q/k norms, SwiGLU experts): attention through the extend
-    and decode
-    kernels, experts through the fused kernel, greedy tokens equal to the default path's."""
+    and decode kernels, experts through the fused kernel, greedy tokens equal to the default
+    path's."""
     from ster_dist.kernels.triton import decode, moe
     from tests.tiny_models import make_tiny
 

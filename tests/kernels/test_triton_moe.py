@@ -1,8 +1,7 @@
 """The Triton fused experts (kernels/triton/moe.py) under Triton's interpreter against a
-token-by-token
-reference: tokens sorted by expert and padded to the block, runs longer than a block, an expert no
-token
-chose, router weights applied; f32, bf16 and FP8 experts with [128, 128] block scales."""
+token-by-token reference: tokens sorted by expert and padded to the block, runs longer than a block,
+an expert no token chose, router weights applied; f32, bf16 and FP8 experts with [128, 128] block
+scales."""
 
 import os
 
@@ -27,8 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _routing(tokens, topk, experts, seed):
     """Each token's distinct experts, never expert 2 (one expert with no tokens), expert 0 chosen by
-    most (a
-    run longer than a block of 16), and softmax router weights."""
+    most (a run longer than a block of 16), and softmax router weights."""
     g = torch.Generator().manual_seed(seed)
     choices = [e for e in range(experts) if e != 2]
     ids = torch.stack(

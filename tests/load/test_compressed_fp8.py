@@ -4,16 +4,14 @@ while loading.
 A tiny llama and a tiny qwen3_moe are quantized here as llm-compressor writes FP8 (per output
 channel:
 scale [rows, 1]; per tensor: scale [1]; per block: scale [ceil(rows / b0), ceil(cols / b1)]; in
-each,
-scale = amax / 448 and the weight stored as float8_e4m3fn of w / scale, beside
+each, scale = amax / 448 and the weight stored as float8_e4m3fn of w / scale, beside
 `<module>.weight_scale`),
 with config groups mixing strategies, an `ignore` list (the head and the routers) and activation
-schemes
-(dynamic per token on the llama; static with `input_scale` tensors on the MoE). The reference is the
-same
-bytes dequantized here, saved as float32 and run by Transformers: logits compared at TP=1, TP=2 and
-(the MoE) EP=2 over real gloo groups, and each rank's bytes read equal its planned share of the FP8
-weights plus the scale entries covering it, and what `ster plan` says it reads.
+schemes (dynamic per token on the llama; static with `input_scale` tensors on the MoE). The
+reference is the same bytes dequantized here, saved as float32 and run by Transformers: logits
+compared at TP=1, TP=2 and (the MoE) EP=2 over real gloo groups, and each rank's bytes read equal
+its planned share of the FP8 weights plus the scale entries covering it, and what `ster plan` says
+it reads.
 """
 
 from __future__ import annotations
@@ -177,8 +175,8 @@ def checkpoints(tmp_path_factory):
 
 def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
     """One rank's share: its planned window of every tensor in the stored dtype and, for an FP8
-    weight, the
-    scale entries of every block its window touches (a per-tensor scale whole, once per window)."""
+    weight, the scale entries of every block its window touches (a per-tensor scale whole, once per
+    window)."""
     checkpoint = resolve(str(directory))
     cfg = model_config(checkpoint)
     stored = {}

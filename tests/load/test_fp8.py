@@ -2,18 +2,13 @@
 loading.
 
 Tiny deepseek_v3 and qwen3_moe checkpoints are quantized here with the real scheme (per block: scale
-=
-amax / 448, q = w / scale as float8_e4m3fn, beside <name>_scale_inv), in blocks that straddle the
+= amax / 448, q = w / scale as float8_e4m3fn, beside <name>_scale_inv), in blocks that straddle the
 tensor-parallel boundaries and do not divide every shape. The reference is the same bytes
-dequantized
-here, saved as float32 and run by Transformers: logits compared at TP=1, TP=2 and EP=2 over real
-gloo
-groups, and each rank's bytes read equal its planned share of the FP8 weights plus the scale blocks
-that
-cover it. The DeepSeek-V3 checkpoint carries a multi-token-prediction layer
-(num_nextn_predict_layers),
-which is skipped at load as Transformers skips it. Refusals: per-tensor FP8, fmt e5m2, a merge onto
-FP8.
+dequantized here, saved as float32 and run by Transformers: logits compared at TP=1, TP=2 and EP=2
+over real gloo groups, and each rank's bytes read equal its planned share of the FP8 weights plus
+the scale blocks that cover it. The DeepSeek-V3 checkpoint carries a multi-token-prediction layer
+(num_nextn_predict_layers), which is skipped at load as Transformers skips it. Refusals: per-tensor
+FP8, fmt e5m2, a merge onto FP8.
 """
 
 from __future__ import annotations
@@ -86,8 +81,8 @@ def mtp_tensors(
     tensors: dict[str, torch.Tensor], layers: int, hidden: int, vocab: int
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's multi-token-prediction layer as published (layer 61 of 61): the last decoder
-    layer's
-    tensors under the next index, plus its embedding, enorm / hnorm, eh_proj and shared head."""
+    layer's tensors under the next index, plus its embedding, enorm / hnorm, eh_proj and shared
+    head."""
     gen = torch.Generator().manual_seed(7)
     last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
     out = {mtp + n[len(last) :]: t.clone() for n, t in tensors.items() if n.startswith(last)}
@@ -175,8 +170,7 @@ def checkpoints(tmp_path_factory):
 
 def expected_bytes(directory: Path, ctx: ParallelCtx) -> int:
     """What one rank must read: its planned window of every tensor, in the stored dtype, and for an
-    FP8
-    tensor the scale entries of every block its window touches."""
+    FP8 tensor the scale entries of every block its window touches."""
     checkpoint = resolve(str(directory))
     cfg = model_config(checkpoint)
     stored = {}
@@ -248,9 +242,8 @@ def test_fp8_under_tp2_and_ep2_reads_its_share_of_weights_and_scales(
 
 def _stacked_fp8(reference, block, source: Path, root: Path):
     """Qwen3-MoE with its experts stacked as Transformers 5 holds them (experts.gate_up_proj
-    [experts,
-    2 x inner, hidden], experts.down_proj), quantized in blocks over each expert's matrix; returns
-    Transformers holding the same bytes dequantized."""
+    [experts, 2 x inner, hidden], experts.down_proj), quantized in blocks over each expert's matrix;
+    returns Transformers holding the same bytes dequantized."""
     state = {k: v.contiguous() for k, v in reference.state_dict().items() if "rotary_emb" not in k}
     config = json.loads((source / "config.json").read_text())
     dequantized = write_fp8(state, block, source, root / "fp8", root / "ref", config)

@@ -3,15 +3,12 @@ dequantized while loading (the default, which tests/load/test_fp8.py holds to Tr
 
 Tiny deepseek_v3 and qwen3_moe checkpoints are quantized here with the real block scheme (test_fp8's
 builders: blocks that straddle the tensor-parallel splits and leave partial blocks). Kept logits
-equal the
-dequantized ones at TP=1, TP=2 and EP=2 over real gloo groups; each rank holds its share's FP8 bytes
-plus
-the scale entries covering it (counted from the model's own tensors against the plan's windows) and
-reads what it read before; `ster plan --weights fp8` states those held bytes. Greedy generation
-through
-the token engine (decode steps: MLA's absorbed path) and an unmerged adapter agree across the two
-modes.
-Refusals: fp8 on a checkpoint with no FP8 weights, on MXFP4, and merge onto an FP8 base.
+equal the dequantized ones at TP=1, TP=2 and EP=2 over real gloo groups; each rank holds its share's
+FP8 bytes plus the scale entries covering it (counted from the model's own tensors against the
+plan's windows) and reads what it read before; `ster plan --weights fp8` states those held bytes.
+Greedy generation through the token engine (decode steps: MLA's absorbed path) and an unmerged
+adapter agree across the two modes. Refusals: fp8 on a checkpoint with no FP8 weights, on MXFP4, and
+merge onto an FP8 base.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ FP8 = torch.float8_e4m3fn
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """variant -> a directory holding fp8/ and its float32 twin ref/; qwen3_moe also stacked/fp8,
-    its experts
-    stacked as Transformers 5 holds them (experts.gate_up_proj [experts, 2 x inner, hidden]) and
-    quantized in
-    blocks over each expert's matrix."""
+    its experts stacked as Transformers 5 holds them (experts.gate_up_proj [experts, 2 x inner,
+    hidden]) and quantized in blocks over each expert's matrix."""
     out = {}
     for variant in ("deepseek_v3", "qwen3_moe"):
         root = tmp_path_factory.mktemp(variant)
@@ -102,8 +97,7 @@ def held_fp8_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def share_of_quantized(directory: Path, ctx: ParallelCtx) -> tuple[int, int, int]:
     """(FP8 elements, covering scale entries, parameters filled) of this rank's windows of the
-    quantized
-    tensors, from the shard plan's pieces and the files' headers."""
+    quantized tensors, from the shard plan's pieces and the files' headers."""
     checkpoint = resolve(str(directory))
     cfg = model_config(checkpoint)
     stored = {
@@ -311,8 +305,7 @@ def test_fp8_is_refused_without_fp8_weights_and_on_mxfp4(checkpoints, tmp_path):
 
 def test_a_merge_onto_an_fp8_base_is_refused_whatever_the_weights_mode(checkpoints, tmp_path):
     """Chosen: merge refuses an FP8 base in one line (writing FP8 back would mean requantizing);
-    merge into a
-    BF16 export, or run the adapter unmerged on the kept FP8 model (test above)."""
+    merge into a BF16 export, or run the adapter unmerged on the kept FP8 model (test above)."""
     from ster_dist.adapters.merge import prepare
 
     fp8_dir = checkpoints["qwen3_moe"] / "fp8"

@@ -1,8 +1,7 @@
 """Fused projections (q/k/v, gate/up as one product once loaded) and the kernel `dense` picks per
 shape:
 a loaded model runs each fused product once, its parts' parameters are views of it, and the logits
-equal
-those of the same weights run part by part; the row-block batched product equals F.linear."""
+equal those of the same weights run part by part; the row-block batched product equals F.linear."""
 
 from __future__ import annotations
 
@@ -116,8 +115,7 @@ def test_parts_that_cannot_share_one_product_stay_apart():
 
 def test_half_precision_prefill_products_run_upcast_block_by_block(monkeypatch):
     """The f32 route of bf16 products of many rows, in blocks of weight rows smaller than the weight
-    (the
-    last block partial), equals the product computed in f32 and rounded once."""
+    (the last block partial), equals the product computed in f32 and rounded once."""
     from ster_dist.parallel import linear
 
     monkeypatch.setattr(linear, "NATIVE_HALF_PRODUCTS", False)
@@ -139,8 +137,8 @@ def test_half_precision_prefill_products_run_upcast_block_by_block(monkeypatch):
 
 def test_f32_products_of_many_rows_through_onednn_take_any_strides_and_give_linear_s_gradients():
     """Rows past ONEDNN_ROWS_MIN go to oneDNN's matmul through an operator of ours
-    (parallel/linear.py), with the
-    backward F.linear would give for the input, the weight and the bias."""
+    (parallel/linear.py), with the backward F.linear would give for the input, the weight and the
+    bias."""
     from ster_dist.parallel.linear import ONEDNN_ROWS_MIN
 
     weight, bias = torch.randn(96, 40), torch.randn(96)

@@ -1,23 +1,16 @@
 """A decode step reads nothing back from the device (issue 18's fifth item, model/host.py): every
-decision a step
-takes (masks, kernels, how far the rotary tables reach, which pairs go to which expert) comes from
-what the host
-built, and only the sampled tokens come back.
+decision a step takes (masks, kernels, how far the rotary tables reach, which pairs go to which
+expert) comes from what the host built, and only the sampled tokens come back.
 
 No GPU runs here, so the model runs on the meta device: tensors with shapes and no data, on which
-any read of a
-value (`int(t)`, `bool(t.all())`, `t.tolist()`, `nonzero`) raises, where on CUDA it would wait for
-every queued
-kernel. Host tensors handed to a meta model where the device was meant raise too ("not on the
-expected
-device"), as on CUDA. A step that completes on meta with logits of the right shape on meta is a step
-that never
-read the device and kept its inputs where its layers are. The static cache's path (a left-padded
-prompt, then decodes whose ids are the sampled tokens, on the device) and the paged one (the token
-engine's:
-prefill chunks, then mixed and all-decode steps, ids from the host) are both stepped. Mixtures of
-experts run in
-bf16, the one dtype of CUDA's grouped products.
+any read of a value (`int(t)`, `bool(t.all())`, `t.tolist()`, `nonzero`) raises, where on CUDA it
+would wait for every queued kernel. Host tensors handed to a meta model where the device was meant
+raise too ("not on the expected device"), as on CUDA. A step that completes on meta with logits of
+the right shape on meta is a step that never read the device and kept its inputs where its layers
+are. The static cache's path (a left-padded prompt, then decodes whose ids are the sampled tokens,
+on the device) and the paged one (the token engine's: prefill chunks, then mixed and all-decode
+steps, ids from the host) are both stepped. Mixtures of experts run in bf16, the one dtype of CUDA's
+grouped products.
 """
 
 from __future__ import annotations
@@ -124,10 +117,9 @@ def test_identity_experts_run_every_pair_off_the_cpu_as_they_pick_pairs_on_it(
     monkeypatch, tmp_path
 ):
     """LongCat's identity experts off the CPU send every pair through the routed experts, an
-    identity pair at
-    weight zero (MoE.every_pair: picking the routed pairs out would read the device); on the CPU,
-    where the pick
-    is free, the same layer with that path forced gives the picked path's logits."""
+    identity pair at weight zero (MoE.every_pair: picking the routed pairs out would read the
+    device); on the CPU, where the pick is free, the same layer with that path forced gives the
+    picked path's logits."""
     make_tiny("longcat_flash", tmp_path)
     model = load_model(resolve(str(tmp_path))).model
     ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -1,13 +1,9 @@
 """Mistral's own format (params.json + consolidated.safetensors), dense: a tiny Transformers mistral
-is
-converted to it at test time (Mistral's names, query/key rows back in Mistral's native pair order,
-the
-inverse of Transformers' conversion permute), then ster_dist on the converted directory is compared
-with
-Transformers on the original: config, logits and greedy tokens at TP=1 and TP=2 on real gloo ranks,
-an
-adapter merged (written back as consolidated.safetensors) and attached, and the refusals of the
-rest."""
+is converted to it at test time (Mistral's names, query/key rows back in Mistral's native pair
+order, the inverse of Transformers' conversion permute), then ster_dist on the converted directory
+is compared with Transformers on the original: config, logits and greedy tokens at TP=1 and TP=2 on
+real gloo ranks, an adapter merged (written back as consolidated.safetensors) and attached, and the
+refusals of the rest."""
 
 from __future__ import annotations
 

@@ -2,15 +2,12 @@
 
 A tiny gpt_oss checkpoint is quantized here from the format's definition (per 32 values of an expert
 matrix's input dimension: one e8m0 exponent, floor(log2(amax)) - 2 biased by 127, and the values
-divided
-by 2 ** exponent rounded to the nearest e2m1 value, two 4-bit codes a byte, the low nibble first),
-stored
-as `*_blocks` / `*_scales` with quant_method mxfp4. The reference is Transformers loading that same
-checkpoint through its own dequantizer (Mxfp4Config(dequantize=True), on CPU): logits compared at
-TP=1,
-TP=2 and EP=2 over real gloo groups, and each rank's bytes read equal its planned share of the
-blocks and
-exponents (counted here from the shard plan) and what `ster plan` says it reads.
+divided by 2 ** exponent rounded to the nearest e2m1 value, two 4-bit codes a byte, the low nibble
+first), stored as `*_blocks` / `*_scales` with quant_method mxfp4. The reference is Transformers
+loading that same checkpoint through its own dequantizer (Mxfp4Config(dequantize=True), on CPU):
+logits compared at TP=1, TP=2 and EP=2 over real gloo groups, and each rank's bytes read equal its
+planned share of the blocks and exponents (counted here from the shard plan) and what `ster plan`
+says it reads.
 """
 
 from __future__ import annotations
@@ -52,8 +49,7 @@ NOT_CONVERT = [
 
 def pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An inputs-first expert stack [experts, inputs, rows] -> (blocks [experts, rows, inputs / 32,
-    16] uint8,
-    scales [experts, rows, inputs / 32] uint8), as gpt-oss stores it."""
+    16] uint8, scales [experts, rows, inputs / 32] uint8), as gpt-oss stores it."""
     w = w.transpose(1, 2).float()
     experts, rows, inputs = w.shape
     groups = w.reshape(experts, rows, inputs // 32, 32)
@@ -94,8 +90,7 @@ def make_gpt_oss(directory: Path, intermediate: int = SIZES["intermediate_size"]
 
 def write_mxfp4(source: Path, target: Path) -> dict[str, torch.Tensor]:
     """The MXFP4 checkpoint of `source` (expert matrices packed, the rest as saved); returns the
-    experts as
-    this test's own unpacking reads them."""
+    experts as this test's own unpacking reads them."""
     tensors, out, unpacked = load_file(str(source / "model.safetensors")), {}, {}
     for name, t in tensors.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -132,10 +127,8 @@ def checkpoint(tmp_path_factory):
 
 def planned_bytes(directory: Path, ctx: ParallelCtx) -> int:
     """One rank's share, counted from the shard plan: its window of every plain tensor in the stored
-    dtype, and
-    of every packed expert stack 16 bytes and one exponent per 32-value group of its experts, rows
-    and inputs
-    (the interleaved gate and up share one window, read once)."""
+    dtype, and of every packed expert stack 16 bytes and one exponent per 32-value group of its
+    experts, rows and inputs (the interleaved gate and up share one window, read once)."""
     from ster_dist.config.load import model_config
     from ster_dist.model.decoder import meta_decoder
     from ster_dist.parallel.linear import module_shards

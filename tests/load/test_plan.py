@@ -1,9 +1,8 @@
 """ster plan: per-rank bytes from the real shard plan on the published configs of DeepSeek-V3,
-Kimi-K2
-and Qwen3-235B-A22B (tests/data/configs) over sparse checkpoints (headers with the real tensor
-names,
-shapes and dtypes; the data sections are holes, never written nor read), checked against each rank's
-slices computed here from the split rules; a toy model's plan against a real load; placement.
+Kimi-K2 and Qwen3-235B-A22B (tests/data/configs) over sparse checkpoints (headers with the real
+tensor names, shapes and dtypes; the data sections are holes, never written nor read), checked
+against each rank's slices computed here from the split rules; a toy model's plan against a real
+load; placement.
 
 The expected slices below are this file's own statement of the rules (vocabulary rows padded to a
 multiple of tp, heads and widths balanced over tp, experts in contiguous blocks over ep, norms, the
@@ -148,8 +147,7 @@ def tensors_of(plain: dict, linear: dict, fp8: bool) -> dict[str, Tensor]:
 
 def write_sparse(directory: Path, config: dict, tensors: dict[str, Tensor], files: int = 3) -> None:
     """safetensors files whose headers carry the tensors and whose data sections are holes:
-    truncate()
-    sets the size, nothing is written there."""
+    truncate() sets the size, nothing is written there."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     names = sorted(tensors)
@@ -604,9 +602,8 @@ def test_placement_refusals_are_one_line_naming_the_fix(capsys, tmp_path, argv, 
 
 def test_plan_reads_the_weight_files_generate_loads(tmp_path_factory, tmp_path, capsys):
     """Resolve's rule, not every *.safetensors: consolidated* beside config.json and optimizer state
-    are not
-    the model's, and a shard whose link is broken is refused by name, not as a header that is not
-    JSON."""
+    are not the model's, and a shard whose link is broken is refused by name, not as a header that
+    is not JSON."""
     toy = Path(make_toy(tmp_path_factory))
     d = tmp_path / "m"
     shutil.copytree(toy, d)
@@ -642,10 +639,8 @@ def test_other_quantizations_are_refused(tmp_path, capsys):
 @pytest.mark.parametrize("variant, tp", [("mamba", 2), ("jamba", 1)])
 def test_recurrent_state_per_sequence_equals_the_engine_cache_slot(tmp_path, capsys, variant, tp):
     """A pure state-space model keeps no keys: the plan sizes sequences by one state slot each (a
-    plan that
-    counted KV alone would call it unfit); a hybrid pays both. The state bytes equal what a real
-    paged
-    cache allocates for one slot on each rank of a real load."""
+    plan that counted KV alone would call it unfit); a hybrid pays both. The state bytes equal what
+    a real paged cache allocates for one slot on each rank of a real load."""
     from ster_dist.model.paged import PagedCache
     from tests.tiny_models import make_tiny
 

@@ -1,11 +1,8 @@
 """ster plan over the other things a newcomer points it at: a directory `ster gguf-import` made (its
-.gguf's
-header read under Transformers names, each tensor at its block type's bytes as stored), and a
-directory
-holding a published config.json alone (planned from the config, marked as an estimate). The expected
-figures are computed here from the gguf package's own reader and from test_plan's statement of the
-split
-rules, not by the plan's code."""
+.gguf's header read under Transformers names, each tensor at its block type's bytes as stored), and
+a directory holding a published config.json alone (planned from the config, marked as an estimate).
+The expected figures are computed here from the gguf package's own reader and from test_plan's
+statement of the split rules, not by the plan's code."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ def run(capsys, *argv) -> tuple[int, dict | None, str]:
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> tuple[Path, Path]:
     """(the .gguf, the directory gguf-import made of it): SmolLM2's shape of attention (9 query
-    heads,
-    3 key-value heads) in Q4_1, as the main job's file is stored."""
+    heads, 3 key-value heads) in Q4_1, as the main job's file is stored."""
     where = tmp_path_factory.mktemp("gguf")
     path = where / "smol.gguf"
     write_llama(path, hidden=288, heads=9, kv_heads=3, inter=96, layers=4, qtype=Q.Q4_1)
@@ -107,8 +103,7 @@ def test_the_estimate_allocates_what_the_checkpoint_would_fill(
     name, tensors_of_config, tmp_path, capsys
 ):
     """Per rank, the config-alone parameter bytes equal those the split rules give over the
-    published
-    checkpoint's tensors (test_plan's statement of them), at tp 8."""
+    published checkpoint's tensors (test_plan's statement of them), at tp 8."""
     raw = {k: v for k, v in published(name).items() if k != "quantization_config"}
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))

@@ -1,9 +1,7 @@
 """A tensor a checkpoint stores in layers that never apply it (a rule marked optional): A.X-K1's
-releases keep a
-post_mlp_layernorm in their dense layers, which only the sparse layers apply. The loader skips it
-there, and
-the model is the one read without it; the same tensor where its layer does apply it is still
-read."""
+releases keep a post_mlp_layernorm in their dense layers, which only the sparse layers apply. The
+loader skips it there, and the model is the one read without it; the same tensor where its layer
+does apply it is still read."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Compiled layers (model/compiled.py) against the eager ones they replace: the same logits within
-f32
-rounding, the same greedy tokens, one graph shared by every layer, attention and the cache left to
-the
-live step (static and paged), hooks and routed adapters running eagerly, a model that cannot compile
-staying eager, mixture-of-experts models with their experts inside the graph, and TP=2 through the
-collectives
-inside the graph.
+f32 rounding, the same greedy tokens, one graph shared by every layer, attention and the cache left
+to the live step (static and paged), hooks and routed adapters running eagerly, a model that cannot
+compile staying eager, mixture-of-experts models with their experts inside the graph, and TP=2
+through the collectives inside the graph.
 
 Compiling costs seconds on these 2 cores, so each model here is compiled once per module; the rest
-of
-the suite runs eager (tests/conftest.py sets STER_ENFORCE_EAGER) and these tests lift that
+of the suite runs eager (tests/conftest.py sets STER_ENFORCE_EAGER) and these tests lift that
 setting."""
 
 from __future__ import annotations
@@ -111,8 +107,7 @@ def test_compiled_layers_give_the_eager_logits_and_share_one_graph(models):
 
 def _stacked_as_eager(directory, capfd, seed: int):
     """A compiled model of `directory` whose one-token steps ran as one stacked graph and gave the
-    eager model's
-    logits and greedy tokens for a 7-token prompt; returns it and the prompt."""
+    eager model's logits and greedy tokens for a 7-token prompt; returns it and the prompt."""
     eager = load_model(resolve(str(directory))).model
     compiled = load_model(resolve(str(directory))).model
     assert compiled.compile_layers() is None
@@ -141,9 +136,8 @@ def test_one_token_steps_stack_over_weights_packed_in_panels(
     toy, compiling, capfd, precision, monkeypatch
 ):
     """The products of a packed model ask kernels.panels(dtype) inside the graph: the one-token
-    stack, which reuses
-    one layer's region for the next, must still build (a guard on a dtype-keyed table once broke it
-    in bf16)."""
+    stack, which reuses one layer's region for the next, must still build (a guard on a dtype-keyed
+    table once broke it in bf16)."""
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[precision]
     if not kernels.panels(dtype):
         pytest.skip(f"this CPU's kernels lay out no {precision} panels")
@@ -178,8 +172,7 @@ def _counting(monkeypatch, cls) -> list[int]:
 
 def _decodes_planned_as_eager(eager, compiled, prompt: torch.Tensor, monkeypatch) -> None:
     """The compiled model decodes `prompt` with the eager logits and tokens, and only its prefill's
-    layers call
-    back into Python for attention."""
+    layers call back into Python for attention."""
     want, want_tokens = decode(eager, prompt, NEW)
     calls = _counting(monkeypatch, StepState)
     got, got_tokens = decode(compiled, prompt, NEW)
@@ -190,8 +183,7 @@ def _decodes_planned_as_eager(eager, compiled, prompt: torch.Tensor, monkeypatch
 
 def test_planned_decode_steps_attend_in_the_kernel_and_give_the_eager_logits(models, monkeypatch):
     """A decode step states its cache to the kernels once (push_plan) and no layer's attention calls
-    back
-    into Python; the prefill, which is not planned, does."""
+    back into Python; the prefill, which is not planned, does."""
     eager, compiled = models
     prompt = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
     _decodes_planned_as_eager(eager, compiled, prompt, monkeypatch)
@@ -199,10 +191,8 @@ def test_planned_decode_steps_attend_in_the_kernel_and_give_the_eager_logits(mod
 
 def test_a_decode_step_over_real_keys_builds_no_mask(models, monkeypatch):
     """Issue 18's fifth item: a step of one token a row over keys that are all real reads no mask,
-    so it builds
-    none (StepState._base: the causal pairs and the diagonal every mask starts from); a step over a
-    left-padded
-    row's keys still does, and masks the padding."""
+    so it builds none (StepState._base: the causal pairs and the diagonal every mask starts from); a
+    step over a left-padded row's keys still does, and masks the padding."""
     _, compiled = models
     steps: list[StepState] = []
     original = StepState.__init__
@@ -238,8 +228,8 @@ def test_a_windowed_mixture_of_experts_model_attends_in_the_kernel_within_its_wi
     tmp_path, compiling, monkeypatch
 ):
     """Mixtral's sliding window (6, below the 9-token prompt plus its decodes): its planned decode
-    steps keep to each
-    row's last keys in the kernel, never calling back into Python, and give the eager logits."""
+    steps keep to each row's last keys in the kernel, never calling back into Python, and give the
+    eager logits."""
     from tests.tiny_models import make_tiny
 
     make_tiny("mixtral", tmp_path / "mixtral")
@@ -293,8 +283,7 @@ def _eager_and_compiled_answers(
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
     """A tiny Gemma 4 E model: each layer's own input added through its gate, and its last two
-    layers reading the
-    keys and values of the last earlier layer of their kind."""
+    layers reading the keys and values of the last earlier layer of their kind."""
     from tests.tiny_models import make_tiny
 
     directory = tmp_path_factory.mktemp("compiled") / "gemma4_text"
@@ -307,11 +296,9 @@ def test_per_layer_inputs_and_shared_keys_compile_and_give_the_eager_logits(
     gemma4, compiling, capfd
 ):
     """Gemma 4's E models compile: each layer's graph takes the layer's own input beside h, and a
-    shared layer's
-    attention is one `attend_shared` operator over what its source layer kept in the live step. A
-    prompt and the
-    one-token stack give the eager logits and tokens, without a graph break (steps of several rows:
-    below)."""
+    shared layer's attention is one `attend_shared` operator over what its source layer kept in the
+    live step. A prompt and the one-token stack give the eager logits and tokens, without a graph
+    break (steps of several rows: below)."""
     from torch._dynamo.utils import counters
 
     breaks = sum(counters["graph_break"].values())
@@ -328,11 +315,9 @@ def test_per_layer_inputs_and_shared_keys_compile_and_give_the_eager_logits(
 @pytest.mark.slow
 def test_altup_copies_compile_and_give_the_eager_logits(tmp_path, compiling, capfd):
     """Gemma 3n compiles: its graphs run over AltUp's copies of the stream [copies, batch, tokens,
-    width] (the decoder
-    makes them before the layers and collapses them after), each layer given its own input, its last
-    layers
-    reading earlier layers' keys. A prompt and the one-token stack give the eager logits and
-    tokens."""
+    width] (the decoder makes them before the layers and collapses them after), each layer given its
+    own input, its last layers reading earlier layers' keys. A prompt and the one-token stack give
+    the eager logits and tokens."""
     from tests.tiny_models import make_tiny
 
     make_tiny("gemma3n_text", tmp_path / "gemma3n")
@@ -432,9 +417,8 @@ def test_enforce_eager_is_an_engine_option_of_generate_chat_and_serve():
 @pytest.mark.parametrize("which", ["toy", "moe", "gemma4"])
 def test_tp2_compiled_layers_give_the_eager_logits(which, request, compiling):
     """The row-parallel all-reduce runs inside each rank's graph (a functional collective over
-    gloo); a MoE layer's
-    too, once for its experts' and shared expert's partial sums; a Gemma 4 E layer's once more, for
-    its gate's."""
+    gloo); a MoE layer's too, once for its experts' and shared expert's partial sums; a Gemma 4 E
+    layer's once more, for its gate's."""
     checkpoint = resolve(str(request.getfixturevalue(which)))
     prompt = torch.tensor([[5, 9, 30, 7, 2, 11]])
     with SpawnGroup(2) as group:
@@ -462,12 +446,10 @@ def test_a_mixture_of_experts_model_compiles_with_its_experts_inside_the_graph(
     moe, compiling, capfd, monkeypatch
 ):
     """A step's routed experts trace as one operator whose output's shape does not depend on the
-    routing: the
-    experts kernel (kernels/experts.cpp), and past its 512 f32 rows (a prefill of 3 x 100 tokens,
-    top-2)
+    routing: the experts kernel (kernels/experts.cpp), and past its 512 f32 rows (a prefill of 3 x
+    100 tokens, top-2)
     `routed_experts`, which runs the eager branches inside. The one-token stack and steps of several
-    rows
-    give the eager logits and tokens, and no graph splits around the experts."""
+    rows give the eager logits and tokens, and no graph splits around the experts."""
     from torch._dynamo.utils import counters
 
     from ster_dist.moe.experts import Experts
@@ -548,12 +530,9 @@ def test_a_moe_layer_run_whole_behind_its_operator_gives_the_eager_logits(
     moe, compiling, monkeypatch
 ):
     """Expert-parallel layers (and identity experts) reach a compiled step as one `moe_layer`
-    operator that runs the
-    whole layer eagerly, collectives and all (moe/layer.py); here on one rank with every layer made
-    such: the
-    one-token stack and steps of several rows give the eager logits and tokens, through the
-    operator, no graph
-    split around it."""
+    operator that runs the whole layer eagerly, collectives and all (moe/layer.py); here on one rank
+    with every layer made such: the one-token stack and steps of several rows give the eager logits
+    and tokens, through the operator, no graph split around it."""
     from torch._dynamo.utils import counters
 
     from ster_dist.moe.layer import MoE
@@ -595,12 +574,9 @@ def test_a_moe_layer_run_whole_behind_its_operator_gives_the_eager_logits(
 @pytest.mark.slow  # two ranks compiling at once: about 40 s here
 def test_ep2_compiled_layers_give_the_eager_logits(moe, compiling):
     """Over two expert-parallel ranks each compiled rank runs its MoE layers through `moe_layer`,
-    the dispatch's
-    all-to-alls and the gather of the ranks' token shares inside it. A one-token step leaves one
-    rank's share empty:
-    with the collectives in the graph, that rank's all-to-alls were cut from it (nothing read their
-    output) and the
-    other rank hung."""
+    the dispatch's all-to-alls and the gather of the ranks' token shares inside it. A one-token step
+    leaves one rank's share empty: with the collectives in the graph, that rank's all-to-alls were
+    cut from it (nothing read their output) and the other rank hung."""
     checkpoint = resolve(str(moe))
     prompts = [
         torch.tensor([[5, 9, 30, 7, 2, 11]]),
@@ -634,9 +610,8 @@ def test_the_paged_engine_over_ep2_ranks_compiled_answers_as_the_eager_one(moe, 
 
 def test_the_operators_find_registered_layers_only_while_they_live(moe):
     """routed_experts and moe_layer find their modules by the experts' `up` stack in weak
-    registries: a stack never
-    registered (or replaced since) is refused in one line, and a model's entries go with the
-    model."""
+    registries: a stack never registered (or replaced since) is refused in one line, and a model's
+    entries go with the model."""
     import gc
 
     from ster_dist.moe import experts as experts_module, layer as layer_module

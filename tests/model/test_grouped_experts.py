@@ -111,10 +111,8 @@ def test_each_branch_equals_per_expert_reference(dtype, branch, rows, kind):
 
 def test_the_size_rule_gathers_few_rows_of_small_experts_only():
     """The default thresholds of the eager branches (the experts kernel, where it takes the experts,
-    comes before
-    them): one row of 64-wide experts gathers; a CPU decode step of 512 x 512 experts (the bench's)
-    runs expert by
-    expert through dense, and prefill rows are grouped."""
+    comes before them): one row of 64-wide experts gathers; a CPU decode step of 512 x 512 experts
+    (the bench's) runs expert by expert through dense, and prefill rows are grouped."""
     small = _experts(*ALIGNED, 8, torch.float32, biased=False, clamped=False)
     wide = _experts(512, 512, 4, torch.float32, biased=False, clamped=False)
     assert small.branch(torch.zeros(1, ALIGNED[0])) == "gathered"
@@ -159,8 +157,7 @@ def test_few_rows_of_swiglu_experts_run_in_the_kernel_as_the_python_loop_does(
     """Rows to plain SwiGLU experts go to kernels/experts.cpp in one call: the per-expert loop's
     result (each product, the activation and the gating rounded to the dtype as the loop rounds
     them), rows sharing an expert or not, an expert's rows eight at a time (40 rows give expert 5
-    fifteen); a biased
-    or clamped kind keeps the loop."""
+    fifteen); a biased or clamped kind keeps the loop."""
     built("swiglu_experts", "the loop runs")
     experts = _experts(*ALIGNED, 8, dtype, biased=False, clamped=False, seed=rows)
     experts.gather_bytes = 0  # past the gather: the CPU's few-row branch
@@ -195,9 +192,8 @@ def test_few_rows_of_swiglu_experts_run_in_the_kernel_as_the_python_loop_does(
 
 def test_the_experts_kernel_takes_f32_rows_up_to_its_limit_and_bf16_rows_where_the_cpu_widens_them():
     """Past KERNEL_ROWS_MAX f32 rows grouped_mm's blocked products are ahead; bf16 rows go to the
-    kernel at any count
-    on a CPU without bf16 products (grouped_mm widens every matrix on every call there), the limit
-    elsewhere."""
+    kernel at any count on a CPU without bf16 products (grouped_mm widens every matrix on every call
+    there), the limit elsewhere."""
     from ster_dist.moe.experts import KERNEL_ROWS_MAX
     from ster_dist.parallel.linear import NATIVE_HALF_PRODUCTS
 

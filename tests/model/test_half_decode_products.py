@@ -1,8 +1,7 @@
 """A bf16 / f16 product of one row inside a compiled step (parallel/linear.dense's widening loop)
-and the
-compiled head of a one-token step (model/compiled.CompiledLayers.head_product): the product computed
-in f32
-and rounded once, and a real bf16 model's compiled decode steps equal to its eager ones."""
+and the compiled head of a one-token step (model/compiled.CompiledLayers.head_product): the product
+computed in f32 and rounded once, and a real bf16 model's compiled decode steps equal to its eager
+ones."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from tests.model.test_compiled_step import compiling, decode  # noqa: F401  (a f
 
 def _as_if_not_built(monkeypatch) -> None:
     """dense() as in a process where the few-row kernel could not be built (kernels/__init__.py):
-    bf16 rows
-    take the widening loop then, f16 rows always do."""
+    bf16 rows take the widening loop then, f16 rows always do."""
     monkeypatch.setattr(kernels, "_tried", True)
     monkeypatch.setattr(kernels, "_ready", False)
     torch._dynamo.reset()  # graphs traced while the kernel was there hold it

@@ -1,8 +1,7 @@
 """Expert parallelism on real gloo groups: token dispatch with all_to_all_single (uneven splits,
-ranks
-that send or receive nothing, uneven expert blocks), every MoE family at EP=2 equal to EP=1 and to
-Transformers, TP=2 x EP=2 on four ranks, each rank reading only its experts' bytes from per-expert
-and stacked layouts, the refusals, and `ster generate --ep 2` through Ray."""
+ranks that send or receive nothing, uneven expert blocks), every MoE family at EP=2 equal to EP=1
+and to Transformers, TP=2 x EP=2 on four ranks, each rank reading only its experts' bytes from
+per-expert and stacked layouts, the refusals, and `ster generate --ep 2` through Ray."""
 
 from __future__ import annotations
 
@@ -170,10 +169,8 @@ def expected_bytes(
     directory, num_experts: int, ep: int, ignored: tuple[str, ...] = (), wrapper: str | None = None
 ) -> list[int]:
     """What each expert-parallel rank (tp 1) must read: every dense tensor whole but those the
-    family ignores
-    (`ignored`: its spec's patterns, such as MiniMax's saved decay buffers) and a wrapper's towers,
-    and only its
-    experts."""
+    family ignores (`ignored`: its spec's patterns, such as MiniMax's saved decay buffers) and a
+    wrapper's towers, and only its experts."""
     skip = [re.compile(pattern) for pattern in ignored]
     out = []
     for rank in range(ep):
@@ -199,8 +196,7 @@ def expected_bytes(
 
 def _dispatched_pairs(model, ids: torch.Tensor) -> list[int]:
     """Per MoE layer, in order, the (token, expert) pairs one forward dispatches: every pair but
-    those choosing an
-    identity expert (LongCat-Flash's), which never travel."""
+    those choosing an identity expert (LongCat-Flash's), which never travel."""
     counts: list[int] = []
     hooks = [
         module.register_forward_hook(

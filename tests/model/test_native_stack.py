@@ -1,26 +1,18 @@
 """Decode steps of plain Llama- and Gemma-shaped layers as one native call (model/native_stack.py,
-kernels/stack.cpp)
-against the compiled graph they replace and the eager layers: the graph's very bits for every row,
-static and paged;
-the same logprobs for a request alone or among others, whichever way each of its steps went; the
-graph again
-wherever a step or a model is not plain (a layer out of the plan, an adapter attached, clipped
-queries, layer
-norms, sinks). In bf16 the graph's bits are its rounding: where a loop stores, as inductor writes it
-for one row
-and for several.
+kernels/stack.cpp) against the compiled graph they replace and the eager layers: the graph's very
+bits for every row, static and paged; the same logprobs for a request alone or among others,
+whichever way each of its steps went; the graph again wherever a step or a model is not plain (a
+layer out of the plan, an adapter attached, clipped queries, layer norms, sinks). In bf16 the
+graph's bits are its rounding: where a loop stores, as inductor writes it for one row and for
+several.
 
 Each model here compiles its prefill graphs once (seconds on these 2 cores): the fast suite runs the
-Llama toy
-(rotation by halves), GLM (interleaved pairs over part of each head, biased q, k and v), Qwen3
-(query and key
-heads normed), Granite (each sublayer's output scaled), Gemma 3 (norms over offsets before and after
-each
-sublayer, heads normed, GELU, a sliding window and its own rotation on alternate layers) and OLMo 2
-(norms only
-after each sublayer, queries and keys normed over each whole projection); the other plain families,
-Gemma 2's
-soft-capped attention among them, are slow."""
+Llama toy (rotation by halves), GLM (interleaved pairs over part of each head, biased q, k and v),
+Qwen3 (query and key heads normed), Granite (each sublayer's output scaled), Gemma 3 (norms over
+offsets before and after each sublayer, heads normed, GELU, a sliding window and its own rotation on
+alternate layers) and OLMo 2 (norms only after each sublayer, queries and keys normed over each
+whole projection); the other plain families, Gemma 2's soft-capped attention among them, are
+slow."""
 
 from __future__ import annotations
 
@@ -191,9 +183,8 @@ def toy(tmp_path_factory):
 
 def _answers(directory, batch: list[list[int]], params: SamplingParams):
     """What a warmed (compiled from its first step) paged engine answers: `batch[0]` alone, then all
-    of `batch`
-    submitted together (prompts' chunks beside other rows' decodes: mixed steps through the
-    graphs)."""
+    of `batch` submitted together (prompts' chunks beside other rows' decodes: mixed steps through
+    the graphs)."""
     with open_engine(
         directory, max_step_tokens=32, compile_after=COMPILE_AFTER, prefix_caching=False
     ) as engine:
@@ -207,9 +198,8 @@ def test_a_request_reads_the_same_logprobs_alone_or_among_others(
     toy, compiling, monkeypatch, native_calls
 ):
     """Decode-only steps of the engine go native, steps that also read a prompt's chunk go through
-    the graphs:
-    a request's logprobs are the same bits either way, and the same as an engine that never steps
-    natively."""
+    the graphs: a request's logprobs are the same bits either way, and the same as an engine that
+    never steps natively."""
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
     batch = prompts(9, seed=11, lo=3, hi=40)
     alone, together = _answers(toy, batch, params)
@@ -231,8 +221,7 @@ def test_a_windowed_request_reads_the_same_logprobs_alone_or_among_others(
     tmp_path, compiling, monkeypatch, native_calls
 ):
     """Mistral's sliding window (5) over a paged cache whose blocks behind the window are given
-    back: its native
-    decodes read each row's last keys as the graph's do, alone or among others."""
+    back: its native decodes read each row's last keys as the graph's do, alone or among others."""
     make_tiny("mistral", tmp_path / "mistral")
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
     batch = prompts(6, seed=12, lo=3, hi=30)
@@ -259,10 +248,8 @@ def test_a_ragged_batch_left_padded_as_generate_pads_it_steps_natively(
     variant, toy, tmp_path, compiling, monkeypatch, native_calls
 ):
     """Prompts of 3, 9 and 6 tokens left-padded to one width (left_pad's ragged batch): each row's
-    decode
-    steps read its keys from its first real one (within Mistral's window of 5 past it), natively,
-    with the graph's
-    bits and the eager layers' logits."""
+    decode steps read its keys from its first real one (within Mistral's window of 5 past it),
+    natively, with the graph's bits and the eager layers' logits."""
     directory = toy
     if variant != "toy":
         directory = tmp_path / variant
@@ -377,8 +364,8 @@ def test_a_model_that_is_not_plain_says_why_it_steps_through_the_graph(
 )
 def test_stack_step_refuses_norms_it_cannot_pair_before_any_layer_runs(norms, refusal):
     """Two query heads of 4 over one key head of 4: the shape checks come before any work, so a bad
-    layer fails
-    the call (and the step goes through the graph) before a layer has written the cache."""
+    layer fails the call (and the step goes through the graph) before a layer has written the
+    cache."""
     from ster_dist import kernels
 
     assert kernels.ready()
@@ -394,8 +381,7 @@ def test_stack_step_refuses_norms_it_cannot_pair_before_any_layer_runs(norms, re
 
 def _bytes_allocated_inside(event) -> int:
     """What the operators under a profiled operator allocated, in bytes: the sum over the innermost
-    ones (aten::empty
-    and its kin), as an outer operator's figure counts its inner ones' again."""
+    ones (aten::empty and its kin), as an outer operator's figure counts its inner ones' again."""
     return sum(
         _bytes_allocated_inside(child) if child.cpu_children else max(child.cpu_memory_usage, 0)
         for child in event.cpu_children
@@ -407,11 +393,9 @@ def test_a_native_step_allocates_nothing_but_its_output(
     toy, compiling, monkeypatch, native_calls, dtype, pack
 ):
     """Issue 18's fifth item: once a batch size was seen, a step's layers write into room the thread
-    keeps (the
-    products' outputs, the heads, attention's output, the normed rows); only the hidden states it
-    returns are
-    new. Through the few-row kernel (unpacked) and through panels (packed, bf16 widening its
-    rows)."""
+    keeps (the products' outputs, the heads, attention's output, the normed rows); only the hidden
+    states it returns are new. Through the few-row kernel (unpacked) and through panels (packed,
+    bf16 widening its rows)."""
     if pack and not kernels.panels(torch.bfloat16):
         pytest.skip(
             "no bf16 panels in this build: oneDNN's products over packed copies allocate their own output"

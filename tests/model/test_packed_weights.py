@@ -1,9 +1,7 @@
 """Weights packed ahead (parallel/packed.py): products over a packed weight equal the plain
-weight's, a row's
-product over panels is the same bits in any batch, a weight changed in place or freed is never read
-packed, and
-an engine packs where asked, says so, answers as one that does not, and releases the copies when it
-closes."""
+weight's, a row's product over panels is the same bits in any batch, a weight changed in place or
+freed is never read packed, and an engine packs where asked, says so, answers as one that does not,
+and releases the copies when it closes."""
 
 from __future__ import annotations
 
@@ -178,9 +176,8 @@ def test_a_packed_engine_answers_as_an_unpacked_one_and_releases_its_copies(llam
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pack_on_packs_either_dtype_on_any_cpu_and_its_logits_are_the_unpacked_ones(llama, dtype):  # noqa: F811
     """--pack-weights on in either dtype on any CPU packs the weights (in panels, for oneDNN, or,
-    bf16 where oneDNN
-    refuses to reorder it, on AVX2, as an f32 copy) and the engine's logits are the unpacked
-    engine's."""
+    bf16 where oneDNN refuses to reorder it, on AVX2, as an f32 copy) and the engine's logits are
+    the unpacked engine's."""
     name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
     ids = tuple(range(0, 300, 7))
     params = SamplingParams(max_tokens=3, ignore_eos=True, logits_of=ids)
@@ -210,9 +207,8 @@ def test_auto_packs_only_where_the_copies_fit_in_their_share_of_free_memory(llam
 
 def test_over_panels_a_request_reads_the_same_logprobs_alone_or_in_a_batch(llama):  # noqa: F811
     """Products over panels, the paged attention kernels and the engine's row-wise steps are each
-    the same sums
-    for a row whatever shares its step: a request's logprobs are the same bits alone or among
-    others."""
+    the same sums for a row whatever shares its step: a request's logprobs are the same bits alone
+    or among others."""
     if not kernels.panels(torch.float32):
         pytest.skip("this CPU's kernels lay out no panels (AVX-512)")
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)

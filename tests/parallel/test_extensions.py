@@ -131,8 +131,8 @@ def test_workers_import_none_of_the_packages_above_them():
 
 def test_every_group_implements_the_worker_group_protocol_itself():
     """The three groups subclass WorkerGroup so a reader sees the seam; a method one of them lacked
-    would be
-    the Protocol's empty stub, answering None, so each must define every method of its own."""
+    would be the Protocol's empty stub, answering None, so each must define every method of its
+    own."""
     from ster_dist.workers.ray_group import RayGroup
     from ster_dist.workers.worker_group import WorkerGroup
 

@@ -1,10 +1,7 @@
 """Pipeline parallelism on real gloo process groups: --pp 2 alone, TP2 x PP2 and PP2 x EP2 on four
-ranks
-equal one rank and Transformers (logits and greedy tokens); each stage reads only its layers'
-tensors;
-capture and steering reach layers on either stage; the stage split balances parameter bytes;
-families
-whose layers cannot be cut are refused before any weight is read."""
+ranks equal one rank and Transformers (logits and greedy tokens); each stage reads only its layers'
+tensors; capture and steering reach layers on either stage; the stage split balances parameter
+bytes; families whose layers cannot be cut are refused before any weight is read."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Node-aware placement on a real two-node Ray cluster on this machine (`ray start --head` and a
-second
-raylet joined with --address, each with its own --resources): each tensor-parallel group of a TP2 x
-PP2
-group sits inside one node, the stages on different nodes, and the text equals one rank's; a group
-no
-node can hold is refused at once; a killed stage fails the call as WorkerLost, and the job queue
-retries a job
-whose stage died on a restarted group."""
+second raylet joined with --address, each with its own --resources): each tensor-parallel group of a
+TP2 x PP2 group sits inside one node, the stages on different nodes, and the text equals one rank's;
+a group no node can hold is refused at once; a killed stage fails the call as WorkerLost, and the
+job queue retries a job whose stage died on a restarted group."""
 
 from __future__ import annotations
 
@@ -226,8 +222,7 @@ def test_a_killed_stage_fails_the_call_as_worker_lost(two_nodes, llama):
 @pytest.mark.slow
 def test_a_job_whose_stage_dies_is_retried_on_a_restarted_group(two_nodes, llama, tmp_path):
     """The job queue's own retry: a generate job at --pp 2 held mid-attempt, its second stage's rank
-    killed;
-    the job runs again on a new group and answers as one rank does."""
+    killed; the job runs again on a new group and answers as one rank does."""
     from ster_dist.jobqueue.queue import JobQueue
     from tests.cli_run import cli_generate
     from tests.held_vector import HeldVector

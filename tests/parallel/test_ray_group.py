@@ -98,10 +98,8 @@ def one_rank(gemma2):
 @pytest.mark.slow
 def test_cli_generate_with_tp2_on_a_local_ray_cluster_equals_tp1(gemma2, one_rank):
     """The default run's twin is the next test: the same `ster generate --tp 2` on an embedded
-    cluster,
-    answering (text and token count) as one rank does; test_readme.py runs `ster generate --tp 2` as
-    the
-    README writes it, every stderr line a JSON event."""
+    cluster, answering (text and token count) as one rank does; test_readme.py runs `ster generate
+    --tp 2` as the README writes it, every stderr line a JSON event."""
     args = _generate_args(gemma2)
     one = one_rank
     two = _ster(*args, "--tp", "2")

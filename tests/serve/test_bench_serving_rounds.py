@@ -1,8 +1,7 @@
 """bench/serving.py's reading of alternating rounds: which round stands for a backend, and the
-engine's ratio to
-each other backend taken round by round (the machine's speed drifts between rounds, so a ratio of
-two
-figures from the same round is the steadier reading of issue 15's ratio targets)."""
+engine's ratio to each other backend taken round by round (the machine's speed drifts between
+rounds, so a ratio of two figures from the same round is the steadier reading of issue 15's ratio
+targets)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Issue 19: what ster_dist starts listens only where it was told to (127.0.0.1 locally), never on
-every
-interface.
+every interface.
 
 init_method="tcp://127.0.0.1:PORT" made rank 0's rendezvous store listen on *:PORT, and gloo's peer
 sockets bound whatever address the hostname resolves to; the group and an embedded Ray cluster are

@@ -353,8 +353,7 @@ def test_bad_requests_get_openai_shaped_errors(server, client, toy):
 
 def test_a_streamed_request_is_refused_before_its_stream_starts(server, client, toy):
     """The stream is submitted once the answer is set up (serve/event_stream.py), yet a refusal is
-    still
-    OpenAI's 400, not a 200 stream with an error in it."""
+    still OpenAI's 400, not a 200 stream with an error in it."""
     with pytest.raises(openai.BadRequestError) as long_prompt:
         client.completions.create(model=toy, prompt="word " * 600, max_tokens=4, stream=True)
     assert long_prompt.value.body["code"] == "context_length_exceeded"
@@ -438,8 +437,7 @@ def test_a_non_loopback_address_needs_a_key(toy):
 @pytest.mark.parametrize("key", ["clé"])
 def test_a_key_no_header_can_carry_is_refused_at_start(toy, key):
     """A header carries the key as ASCII bytes: a key with other characters could never match, and
-    the
-    server would answer every request 401. It is refused before the model loads."""
+    the server would answer every request 401. It is refused before the model loads."""
     done = subprocess.run(
         [sys.executable, "-m", "ster_dist.cli", "serve", "--model", toy],
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "STER_API_KEY": key},
@@ -454,8 +452,8 @@ def test_a_key_no_header_can_carry_is_refused_at_start(toy, key):
 
 def test_a_dead_rank_stops_the_engine_and_later_requests_are_503(toy):
     """A rank that dies mid-stream ends that stream with an error event and [DONE]; /health and
-    every
-    later request then say 503 engine_stopped (the server's fault), not a 400 blaming the prompt."""
+    every later request then say 503 engine_stopped (the server's fault), not a 400 blaming the
+    prompt."""
     import os
 
     proc = ServeProcess("--model", toy, "--tp", "2", env={"STER_API_KEY": KEY}, timeout=300)
@@ -563,8 +561,7 @@ def test_key_queue_limit_body_limit_and_drain(toy):
 def test_ster_endpoints_share_the_server_and_pause_its_engine_between_steps(server, toy, tmp_path):
     """Ster's /v1/extract on the served model runs while an OpenAI stream is generating: the stream
     waits between steps (the ranks are the extract's alone meanwhile) and still gives its exact
-    text;
-    /v1/generate joins the server's own engine (no second model load, no rebuilt engine)."""
+    text; /v1/generate joins the server's own engine (no second model load, no rebuilt engine)."""
     import threading
 
     expected = cli_generate(
@@ -713,8 +710,7 @@ def test_inline_vectors_are_bounded_per_server(client, toy, modifiers, monkeypat
 
 def test_a_keyless_server_refuses_a_web_pages_requests(server, toy, tmp_path):
     """A page in the user's browser may POST to 127.0.0.1 (a text/plain body needs no CORS approval)
-    or
-    reach it by a name it rebinds there: a keyless server refuses both, before a job writes any
+    or reach it by a name it rebinds there: a keyless server refuses both, before a job writes any
     file."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["one"]}))
@@ -777,8 +773,7 @@ def test_a_keyless_server_refuses_a_web_pages_requests(server, toy, tmp_path):
 )
 def test_fields_not_served_are_refused_not_ignored(client, toy, fields, param):
     """What would change the answer and is not served is a 400 naming it (not silently dropped), and
-    a
-    chat_template_kwargs key that clashes with the request's own field is a 400, not a 500."""
+    a chat_template_kwargs key that clashes with the request's own field is a 400, not a 500."""
     body = {
         "model": toy,
         "messages": [{"role": "user", "content": "hi"}],
@@ -835,8 +830,7 @@ def test_a_client_too_slow_to_send_its_request_is_cut_off(toy):
     """A head never finished (a byte now and then) is closed, a body never finished is answered 408,
     both after
     --read-seconds; meanwhile, and after, other clients are answered. Before, both held their
-    connections (and
-    the body its task) for ever."""
+    connections (and the body its task) for ever."""
     proc = ServeProcess("--model", toy, "--read-seconds", "1", env={"STER_ENFORCE_EAGER": "1"})
     try:
         head = socket.create_connection(("127.0.0.1", proc.port), timeout=10)

@@ -1,10 +1,7 @@
 """/v1/completions for lm-evaluation-harness (serve/echo.py, issue 60): `echo` with `logprobs`
-returns
-the prompt's token log-probabilities (the first null), `max_tokens: 0` scores the prompt alone,
-prompts
-come batched, as text or token ids; each log-probability is checked against Transformers' on the
-same
-toy checkpoint."""
+returns the prompt's token log-probabilities (the first null), `max_tokens: 0` scores the prompt
+alone, prompts come batched, as text or token ids; each log-probability is checked against
+Transformers' on the same toy checkpoint."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`ster serve --speculative mtp` as a user starts it: a real server on 127.0.0.1 port 0 over a tiny
-DeepSeek-V3
-whose MTP layer echoes its token (tests/engine/test_speculative.py), the real openai client; greedy
-completions equal
+DeepSeek-V3 whose MTP layer echoes its token (tests/engine/test_speculative.py), the real openai
+client; greedy completions equal
 `ster generate` without drafts, and /metrics counts the drafts and those accepted."""
 
 from __future__ import annotations

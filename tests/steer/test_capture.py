@@ -47,8 +47,7 @@ def hf_layers(model):
 @torch.no_grad()
 def hf_residual(model, ids: list[int]) -> list[torch.Tensor]:
     """Transformers' residual after every decoder layer for one unpadded prompt: hidden_states[i +
-    1]
-    for all but the last layer (whose entry is after the final norm), a forward hook for the
+    1] for all but the last layer (whose entry is after the final norm), a forward hook for the
     last."""
     layers = hf_layers(model)
     last = {}

@@ -1,9 +1,8 @@
 """LoRA merges against PEFT: merged tensors equal PEFT's merge_and_unload() on tiny bases of the
 five layouts (plain, Conv1D, fused head-by-head, fused qkv / gate_up, Granite 4.0's shared_mlp) with
-rsLoRA and rank /
-alpha patterns; Ster-format adapters land on the rows their projections live in; the merged
-directory loads in Transformers with PEFT's logits; a killed merge leaves no output and resumes;
-peak memory stays a small multiple of the largest tensor; a batch merges over a local Ray
+rsLoRA and rank / alpha patterns; Ster-format adapters land on the rows their projections live in;
+the merged directory loads in Transformers with PEFT's logits; a killed merge leaves no output and
+resumes; peak memory stays a small multiple of the largest tensor; a batch merges over a local Ray
 cluster; every refusal names its problem before weights are read."""
 
 from __future__ import annotations
@@ -547,8 +546,7 @@ def test_a_side_file_linking_out_of_the_model_directory_is_refused_before_anythi
     llama, tmp_path, capsys
 ):
     """Issue 19: a merge copied a symlinked tokenizer_config.json's target (any file the user can
-    read)
-    into its output."""
+    read) into its output."""
     secret = tmp_path / "elsewhere" / "secret"
     secret.parent.mkdir()
     secret.write_text("not the model's")
@@ -889,8 +887,7 @@ def test_a_batch_of_merges_over_local_ray_produces_every_output(llama, tmp_path)
 @pytest.mark.slow
 def test_jobs_merge_runs_under_ray_job_submit(llama, tmp_path):
     """`ray job submit -- python jobs/merge.py SPEC` against a head node this test starts (and stops
-    by its
-    own process, never `ray stop`, which would stop every Ray cluster of the machine)."""
+    by its own process, never `ray stop`, which would stop every Ray cluster of the machine)."""
     from ster_dist.workers.rank import free_port
 
     spec = tmp_path / "spec.json"

@@ -1,8 +1,8 @@
 """A steering vector is matched to a model by its weights fingerprint (shard/fingerprint.py, issue
 60), not by the text of the path it was trained with: the same weights under another directory,
-split
-into other files, with a rewritten config's cosmetic keys, take it; a model whose config differs is
-refused by its fingerprint; a vector without a fingerprint is matched by its path as before."""
+split into other files, with a rewritten config's cosmetic keys, take it; a model whose config
+differs is refused by its fingerprint; a vector without a fingerprint is matched by its path as
+before."""
 
 from __future__ import annotations
 

@@ -221,10 +221,8 @@ TINY: dict[str, tuple[str, str, dict]] = {
 
 def _as_axk1_release(directory: Path) -> None:
     """Rewrite the saved checkpoint as A.X-K1 publishes it: topk_method none and no selection bias
-    (Transformers
-    saves its zero bias). Its releases also keep a post_mlp_layernorm in the dense layers, which
-    nothing applies:
-    tests/load/test_unused_layer_tensors.py adds one."""
+    (Transformers saves its zero bias). Its releases also keep a post_mlp_layernorm in the dense
+    layers, which nothing applies: tests/load/test_unused_layer_tensors.py adds one."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     config.update(topk_method="none", scoring_func="sigmoid")
@@ -240,10 +238,8 @@ def _as_axk1_release(directory: Path) -> None:
 
 def _as_sarvam_release(directory: Path) -> None:
     """Rewrite the saved config as sarvamai/sarvam-105b states it: a deepseek_yarn rope_scaling
-    beside a top-level
-    rope_theta, num_experts / num_shared_experts, score_function, the expert-bias switch and the
-    head_dim vLLM's
-    latent attention reads (kv_lora_rank + qk_rope_head_dim)."""
+    beside a top-level rope_theta, num_experts / num_shared_experts, score_function, the expert-bias
+    switch and the head_dim vLLM's latent attention reads (kv_lora_rank + qk_rope_head_dim)."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     rope = config.pop("rope_parameters")

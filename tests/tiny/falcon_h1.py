@@ -1,7 +1,6 @@
 """Tiny checkpoints of ster_dist/families/falcon_h1.py: every muP multiplier unlike one (and unlike
-the others),
-chunk sizes below the test prompts' lengths so Transformers' chunked scan carries its state across
-chunks."""
+the others), chunk sizes below the test prompts' lengths so Transformers' chunked scan carries its
+state across chunks."""
 
 from __future__ import annotations
 

@@ -127,8 +127,8 @@ def _rotated_rows_by_halves(
     directory: Path, per_head: str, heads_key: str, once: tuple[str, ...]
 ) -> None:
     """Rewrite the checkpoint's tensors named `...per_head` (the last qk_rope_head_dim rows of each
-    of
-    config[heads_key] heads) and `...once` (their last ones) from pair order into halves order."""
+    of config[heads_key] heads) and `...once` (their last ones) from pair order into halves
+    order."""
     config = json.loads((directory / "config.json").read_text())
     rope, heads = config["qk_rope_head_dim"], config[heads_key]
     for file in directory.glob("*.safetensors"):
@@ -143,12 +143,9 @@ def _rotated_rows_by_halves(
 
 def as_rotated_by_halves(directory: Path) -> None:
     """Rewrite a HY V4 checkpoint's rotated rows of latent attention (each head's last
-    qk_rope_head_dim of
-    q_b_proj, the last ones of kv_a_proj_with_mqa) from the release's pair order (Megatron's layout,
-    which vLLM
-    and Transformers since 5.25 rotate by adjacent pairs) to halves order, the layout a reader
-    rotating halves
-    would need."""
+    qk_rope_head_dim of q_b_proj, the last ones of kv_a_proj_with_mqa) from the release's pair order
+    (Megatron's layout, which vLLM and Transformers since 5.25 rotate by adjacent pairs) to halves
+    order, the layout a reader rotating halves would need."""
     _rotated_rows_by_halves(
         directory,
         "self_attn.q_b_proj.weight",
@@ -159,12 +156,10 @@ def as_rotated_by_halves(directory: Path) -> None:
 
 def _as_hy_v4_release(directory: Path) -> None:
     """The indexer as HY V4 publishes it: Transformers 5.25 rotates the indexer's tail by adjacent
-    pairs too,
-    where the release's readers (vLLM, SGLang's HY V4 port, Transformers up to 5.24: "split-half
-    RoPE") rotate
-    it by halves, so its rows (wq_b per head, wk and k_norm once) go from pair order into halves
-    order, which
-    rotated by halves equal Transformers' pairs rotating on its own."""
+    pairs too, where the release's readers (vLLM, SGLang's HY V4 port, Transformers up to 5.24:
+    "split-half RoPE") rotate it by halves, so its rows (wq_b per head, wk and k_norm once) go from
+    pair order into halves order, which rotated by halves equal Transformers' pairs rotating on its
+    own."""
     _rotated_rows_by_halves(
         directory,
         "indexer.wq_b.weight",

@@ -1,14 +1,11 @@
 """Tiny checkpoints of ster_dist/families/inkling.py, saved as Thinking Machines stores Inkling
-(_as_inkling):
-an inkling_mm_model config around the text config, every text tensor below model.llm under its own
-names,
-gate and up interleaved row by row, and a vision tensor the text map must leave alone.
+(_as_inkling): an inkling_mm_model config around the text config, every text tensor below model.llm
+under its own names, gate and up interleaved row by row, and a vision tensor the text map must leave
+alone.
 
 Sliding layers with their own head shapes and a window below the test prompts' lengths; the full
-layer's
-extent (rel_extent) below them too, so the bias's zero beyond it is read; log scaling from a low
-floor; a
-padded head (unpadded_vocab_size below vocab_size)."""
+layer's extent (rel_extent) below them too, so the bias's zero beyond it is read; log scaling from a
+low floor; a padded head (unpadded_vocab_size below vocab_size)."""
 
 from __future__ import annotations
 

@@ -43,9 +43,9 @@ UNSTATED_BASE: dict[str, tuple[str, ...]] = {
 
 def _as_longcat_release(directory: Path) -> None:
     """Drop the gate and up projections Transformers saves for the identity experts (its stacked
-    gate_up_proj
-    has a row block for every scored expert); LongCat's releases store the routed experts only, as
-    mla_scale_q_lora / mla_scale_kv_lora state the scales Transformers always applies."""
+    gate_up_proj has a row block for every scored expert); LongCat's releases store the routed
+    experts only, as mla_scale_q_lora / mla_scale_kv_lora state the scales Transformers always
+    applies."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     config.update(mla_scale_q_lora=True, mla_scale_kv_lora=True, zero_expert_type="identity")

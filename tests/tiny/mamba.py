@@ -1,8 +1,7 @@
 """Tiny checkpoints of ster_dist/families/mamba.py's families: no attention heads, an odd inner
-width
-(tensor-parallel ranks hold uneven channel shares), a stated time_step_rank beside the "auto"
-default,
-biased projections, tied and untied heads; a Jamba of Mamba, attention and expert layers."""
+width (tensor-parallel ranks hold uneven channel shares), a stated time_step_rank beside the "auto"
+default, biased projections, tied and untied heads; a Jamba of Mamba, attention and expert
+layers."""
 
 from __future__ import annotations
 

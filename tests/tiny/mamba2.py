@@ -1,6 +1,5 @@
 """Tiny checkpoints of ster_dist/families/mamba2.py's families: chunk sizes below the test prompts'
-lengths, so
-Transformers' chunked scan carries its state across chunks."""
+lengths, so Transformers' chunked scan carries its state across chunks."""
 
 from __future__ import annotations
 

@@ -58,10 +58,9 @@ _BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 def _as_minimax_text_01(directory: Path) -> None:
     """Rewrite a saved Transformers MiniMax checkpoint as MiniMax-Text-01's own: its config keys
-    (attn_type_list,
-    layernorm_* factors, postnorm, rotary_dim over the whole head) and its tensors without the decay
-    buffers
-    Transformers saves (it already saves the experts as block_sparse_moe.experts.{e}.w1/w3/w2)."""
+    (attn_type_list, layernorm_* factors, postnorm, rotary_dim over the whole head) and its tensors
+    without the decay buffers Transformers saves (it already saves the experts as
+    block_sparse_moe.experts.{e}.w1/w3/w2)."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     config["model_type"], config["architectures"] = "minimax_text_01", ["MiniMaxText01ForCausalLM"]

@@ -49,10 +49,9 @@ TINY: dict[str, tuple[str, str, dict]] = {
 
 def _as_dots3_note_release(directory: Path) -> None:
     """Rewrite the saved config as Dots3-Note publishes it: the text config at the top level under
-    model_type
-    dots3_note, the sliding layers' sizes as swa_* keys (not Transformers' per_layer_config),
-    full_attention
-    for the indexed layers, and the two bases as rope_theta and swa_rope_theta."""
+    model_type dots3_note, the sliding layers' sizes as swa_* keys (not Transformers'
+    per_layer_config), full_attention for the indexed layers, and the two bases as rope_theta and
+    swa_rope_theta."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     per_layer = config.pop("per_layer_config")

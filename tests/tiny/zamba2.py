@@ -1,8 +1,6 @@
 """Tiny checkpoints of ster_dist/families/zamba2.py: two shared blocks over three hybrid layers (the
-third ties
-to the first, and its adapter slot is stored under the first's block), one Mamba-2 group per two
-heads (TP=2
-keeps each group whole), and a Mamba-2 chunk below the test prompts' lengths."""
+third ties to the first, and its adapter slot is stored under the first's block), one Mamba-2 group
+per two heads (TP=2 keeps each group whole), and a Mamba-2 chunk below the test prompts' lengths."""
 
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 trainer, against Transformers' TikTokenConverter over the same file and the class's pattern, and
 against tiktoken itself: ids, decoded text and chat template renders. Then a Kimi-K2 checkpoint
 (model_type kimi_k2, read as deepseek_v3) with such a tokenizer, whose `ster generate` answer
-through
-its chat template equals Transformers' greedy output. Resolution takes the rank file its class reads
-and refuses every other tokenizer file by name.
+through its chat template equals Transformers' greedy output. Resolution takes the rank file its
+class reads and refuses every other tokenizer file by name.
 """
 
 from __future__ import annotations
@@ -149,8 +148,7 @@ def transformers_reference(
     directory: Path, kind, specials: list[str], prefix: tuple[str, ...] = ()
 ):
     """Transformers' tokenizer over the same rank file: TikTokenConverter with the class's pattern
-    and
-    special tokens, the config's named tokens and chat template."""
+    and special tokens, the config's named tokens and chat template."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter

@@ -1,12 +1,9 @@
 """PLaMo's tokenizer.jsonl (tokenizer_files.plamo_backend) against a split search written here from
-the
-seed's description: each stretch of text split into the pieces whose scores sum highest, a character
-no
-piece covers spelled as its UTF-8 byte tokens, CONTROL and UNKNOWN pieces special, the
+the seed's description: each stretch of text split into the pieces whose scores sum highest, a
+character no piece covers spelled as its UTF-8 byte tokens, CONTROL and UNKNOWN pieces special, the
 break_around_* stretches cut out first, BOS prepended under add_bos_token. The vocabulary is made
-here
-with random scores (so no two splits tie), and texts mix covered and uncovered characters, runs of
-repeats and spaces, special tokens and a spelled-out byte token. Transformers reads the file only
+here with random scores (so no two splits tie), and texts mix covered and uncovered characters, runs
+of repeats and spaces, special tokens and a spelled-out byte token. Transformers reads the file only
 through the checkpoint's own code, which ster_dist never runs.
 """
 

@@ -1,11 +1,11 @@
 """`ster tune`: LoRA training across ranks with DeepSpeed, against PEFT and Transformers.
 
 On a tiny llama the loss falls on a memorisation set and `ster generate --adapter` then answers with
-the
-trained completions; the same seed writes the same bytes; one step's factor gradients at TP=2, at
+the trained completions; the same seed writes the same bytes; one step's factor gradients at TP=2,
+at
 --dp 2 (ZeRO 1 and 2) and with accumulation equal TP=1's on real gloo ranks; the written adapter
-loads
-in PEFT with the logits the runtime attach gives (fused and Conv1D layouts included) and merges;
+loads in PEFT with the logits the runtime attach gives (fused and Conv1D layouts included) and
+merges;
 `ster tune evaluate` equals a direct Transformers + PEFT loss; every refusal comes before a weight
 is read.
 """

@@ -1,19 +1,14 @@
 """`ster tune grpo`: group-relative policy optimisation on the shared training loop, completions
-sampled on
-the ranks from the policy being trained.
+sampled on the ranks from the policy being trained.
 
 On a tiny llama planted to stop early (its end-of-sequence row of the head pushed along the mean
-final
-hidden state, so many completions end well before --max-new-tokens): the first step's loss is
-exactly zero and
-its KL zero (B starts at zero, so policy and reference agree bit for bit); the mean `length` reward
-rises
-over a few steps; one step's gradients at TP=2 equal TP=1's on real gloo ranks for the same seeded
-sampled batch; the adapter loads in PEFT with the logits the runtime attach gives; a reward model
-from
+final hidden state, so many completions end well before --max-new-tokens): the first step's loss is
+exactly zero and its KL zero (B starts at zero, so policy and reference agree bit for bit); the mean
+`length` reward rises over a few steps; one step's gradients at TP=2 equal TP=1's on real gloo ranks
+for the same seeded sampled batch; the adapter loads in PEFT with the logits the runtime attach
+gives; a reward model from
 `ster tune reward` scores completions as PEFT's sequence-classification model scores them and drives
-a
-run; every refusal comes before a weight is read.
+a run; every refusal comes before a weight is read.
 """
 
 from __future__ import annotations

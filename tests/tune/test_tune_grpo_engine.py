@@ -1,20 +1,16 @@
 """`ster tune grpo --rollout engine`: GRPO's groups sampled by the token engine on its own ranks,
-the trained
-factors pushed to it as a per-request adapter before every step.
+the trained factors pushed to it as a per-request adapter before every step.
 
 On the tiny llama planted to stop early (as tests/tune/test_tune_grpo.py): the engine draws, token
-for token,
-the completions the in-process sampler draws from the same factors (B at zero, B away from zero, and
-after the adapter's tensors are replaced in place); two training steps with engine rollouts report
-the numbers in-process rollouts report (the first loss and KL exactly zero, the same rewards and
-lengths, the second step sampled under the factors the first step trained); the same with the engine
-on two tensor-parallel ranks (--rollout-tp 2, spawned gloo ranks: through the API and the command),
-and
-with a reward model from `ster tune reward` scoring the engine's completions and conversations; and
-on
-a local Ray cluster (127.0.0.1, started and shut down here) the training rank and the engine's rank,
-two
-groups on one cluster, give the first step's numbers of a run in one process.
+for token, the completions the in-process sampler draws from the same factors (B at zero, B away
+from zero, and after the adapter's tensors are replaced in place); two training steps with engine
+rollouts report the numbers in-process rollouts report (the first loss and KL exactly zero, the same
+rewards and lengths, the second step sampled under the factors the first step trained); the same
+with the engine on two tensor-parallel ranks (--rollout-tp 2, spawned gloo ranks: through the API
+and the command), and with a reward model from `ster tune reward` scoring the engine's completions
+and conversations; and on a local Ray cluster (127.0.0.1, started and shut down here) the training
+rank and the engine's rank, two groups on one cluster, give the first step's numbers of a run in one
+process.
 """
 
 from __future__ import annotations
@@ -119,8 +115,7 @@ def _state(factors: LoraFactors) -> dict:
 
 def _draws_as_the_rank(rollouts: EngineRollouts, decoder) -> None:
     """The engine's groups are the rank's, token for token, under B at zero, B away from zero and
-    after the
-    adapter's tensors are replaced in place, at two steps."""
+    after the adapter's tensors are replaced in place, at two steps."""
     plan = rollouts.plan
     start = LoraFactors(plan.sites, 4, 0)  # B at zero: the base
     moved = LoraFactors(plan.sites, 4, 0, b_init_std=0.3)  # B away from zero: another policy
@@ -157,11 +152,9 @@ def test_engine_rollouts_train_as_rank_rollouts(llama):
 
 def test_an_engine_on_two_ranks_samples_as_the_rank(llama, tp2):
     """--rollout-tp 2: the engine's ranks each hold half of every head and projection (the adapter's
-    factors
-    split as the base's rows are), and the rank-0 draw is every rank's; on the tiny llama its paged
-    TP=2 logits
-    and the rank's whole re-read draw the same tokens, so the equality checks of TP=1 hold as they
-    stand."""
+    factors split as the base's rows are), and the rank-0 draw is every rank's; on the tiny llama
+    its paged TP=2 logits and the rank's whole re-read draw the same tokens, so the equality checks
+    of TP=1 hold as they stand."""
     plan = _plan(llama, 2)
     reference = train(LocalGroup(), _plan(llama, 2))
     rollouts = EngineRollouts(tp2, plan)
@@ -203,10 +196,8 @@ def reward_model(llama) -> Path:
 @pytest.mark.parametrize("turns", [1, 2])
 def test_a_reward_model_scores_the_engines_rollouts_as_the_ranks(llama, reward_model, turns):
     """--reward DIR with engine rollouts: the reward model scores on the training rank what the
-    engine drew, the
-    same rewards as for the rank's own draws, single turns and conversations with the policy's base
-    as the user
-    (its turns drawn on the same engine without the adapter)."""
+    engine drew, the same rewards as for the rank's own draws, single turns and conversations with
+    the policy's base as the user (its turns drawn on the same engine without the adapter)."""
     rollout = {"reward": str(reward_model)}
     if turns > 1:
         rollout |= {
@@ -250,8 +241,8 @@ def one_process(llama) -> dict:
 
 def test_the_command_runs_an_engine_on_two_spawned_ranks(llama, one_process):
     """`--rollout engine --rollout-tp 2 --launcher spawn`: the one training rank here, the engine's
-    two ranks spawned
-    processes; the report names them and has the numbers of rollouts on the rank."""
+    two ranks spawned processes; the report names them and has the numbers of rollouts on the
+    rank."""
     got = _quiet_cli(
         *_argv(llama, "tp2", "--rollout", "engine", "--rollout-tp", "2", "--launcher", "spawn")
     )

@@ -1,23 +1,15 @@
 """`ster tune grpo --turns N --user-model M`: conversations between the policy and a user model, the
-loss over
-the policy's tokens alone.
+loss over the policy's tokens alone.
 
 On the tiny llama planted to stop early (tests/tune/test_tune_grpo.py) as the policy and another
-tiny llama (another
-seed) as the user: the first step's loss and KL are exactly zero; every conversation's row is its
-prompt, then
-the policy's turns as sampled and the user's turns as the policy's chat template writes them, and
-only the
-policy's tokens are targets (the length reward counts them); the policy's own base as the user model
-speaks
-with the factors skipped; one step's gradients at TP=2 (the user model sharded too) equal TP=1's for
-the
-same seeded conversations; with --rollout engine the token engine holds the same conversations token
-for
-token (the user's turns on a second engine, or on the same engine without the adapter when the user
-model is the
-policy's base) and two training steps give the rank's numbers, in this process and (-m slow) as
-three groups on a
+tiny llama (another seed) as the user: the first step's loss and KL are exactly zero; every
+conversation's row is its prompt, then the policy's turns as sampled and the user's turns as the
+policy's chat template writes them, and only the policy's tokens are targets (the length reward
+counts them); the policy's own base as the user model speaks with the factors skipped; one step's
+gradients at TP=2 (the user model sharded too) equal TP=1's for the same seeded conversations; with
+--rollout engine the token engine holds the same conversations token for token (the user's turns on
+a second engine, or on the same engine without the adapter when the user model is the policy's base)
+and two training steps give the rank's numbers, in this process and (-m slow) as three groups on a
 local Ray cluster; every refusal comes before a weight is read.
 """
 
@@ -128,10 +120,8 @@ def _batch(models: Path, user: str):
 @pytest.mark.parametrize("user", ["user", "base"])
 def test_only_the_policys_tokens_are_targets(models, batches, user):
     """Each row: the prompt, then three policy turns (targets) with two user turns between them (not
-    targets),
-    each written as ChatML writes a user message after the policy's end of turn; the length reward
-    counts the
-    policy's tokens less the stop tokens that ended its turns."""
+    targets), each written as ChatML writes a user message after the policy's end of turn; the
+    length reward counts the policy's tokens less the stop tokens that ended its turns."""
     plan, (inputs, valid, targets, _, rewards) = _sampled(models, batches, user)
     tokenizer = Tokenizer.from_directory(models / "base")
     for row in range(len(inputs)):
@@ -264,10 +254,9 @@ def _state(factors: LoraFactors) -> dict:
 @pytest.mark.parametrize("user", ["user", "base"])
 def test_the_engine_holds_the_conversations_the_rank_holds(models, user):
     """Token for token, user's turns and spans included: the policy's turns under the pushed factors
-    (B at zero,
-    B away from zero, then replaced in place), the user's on a second engine holding the user model,
-    or on the
-    same engine without the adapter when the user model is the policy's base."""
+    (B at zero, B away from zero, then replaced in place), the user's on a second engine holding the
+    user model, or on the same engine without the adapter when the user model is the policy's
+    base."""
     plan, _ = _plan(models, user)
     decoder = load_model(plan.checkpoint).model
     start = LoraFactors(plan.sites, 4, 0)
@@ -297,9 +286,8 @@ def test_the_engine_holds_the_conversations_the_rank_holds(models, user):
 
 def test_engine_conversations_train_as_rank_conversations(models):
     """Two steps of conversations with another user model: the first the identity (loss and KL
-    exactly zero)
-    either way, the same rewards and lengths, the second sampled under the factors the first
-    trained."""
+    exactly zero) either way, the same rewards and lengths, the second sampled under the factors the
+    first trained."""
     reference = train(LocalGroup(), _plan(models, turns=2, epochs=2)[0])
     plan, _ = _plan(models, turns=2, epochs=2)
     with LocalGroup() as group, LocalGroup() as user_group:
@@ -313,8 +301,7 @@ def test_engine_conversations_train_as_rank_conversations(models):
 
 def test_the_command_runs_conversations_on_the_engine(models, tmp_path):
     """`--rollout engine` with `--turns`: the rollout engine and the user model's engine beside the
-    training rank,
-    the first step's numbers those of conversations sampled on the rank."""
+    training rank, the first step's numbers those of conversations sampled on the rank."""
     common = ("--turns", "2", "--user-model", str(models / "user"))
     on_rank = _quiet_cli(*_argv(models, tmp_path / "rank", *common))
     on_engine = _quiet_cli(*_argv(models, tmp_path / "engine", *common, "--rollout", "engine"))
@@ -327,10 +314,9 @@ def test_the_command_runs_conversations_on_the_engine(models, tmp_path):
 @pytest.mark.slow
 def test_on_a_local_ray_cluster_three_groups_hold_the_conversations(models, tmp_path):
     """The training rank, the rollout engine's and the user model's engine's as three groups on one
-    Ray cluster
-    (loopback, this test's own): the conversations reach the training actor with the step, and the
-    first step's
-    numbers are those of conversations sampled on the rank in this process."""
+    Ray cluster (loopback, this test's own): the conversations reach the training actor with the
+    step, and the first step's numbers are those of conversations sampled on the rank in this
+    process."""
     import ray
 
     from ster_dist.workers.ray_group import start_ray

@@ -1,17 +1,13 @@
 """`ster tune dpo` (DPO, IPO) and `ster tune reward` (Bradley-Terry): the preference objectives on
-the
-sft training loop, against PEFT and Transformers.
+the sft training loop, against PEFT and Transformers.
 
 On a tiny llama: the first step's loss is the identity each objective starts at (DPO and the reward
 model ln 2, IPO 1 / (4 beta^2)), since LoRA's B and the reward head start at zero; the loss falls on
-a
-planted preference (the chosen completion always the same words); one step's gradients (factors and
-head) at TP=2 equal TP=1's on real gloo ranks (--dp 2, accumulation and IPO's marked slow); the DPO
-adapter loads in PEFT with the
-logits the runtime attach gives, the reward model loads in PEFT as a sequence-classification adapter
-with the rewards the run's head gives; `--adapter` refuses a reward model; every refusal of the
-pairs
-and the settings comes before a weight is read.
+a planted preference (the chosen completion always the same words); one step's gradients (factors
+and head) at TP=2 equal TP=1's on real gloo ranks (--dp 2, accumulation and IPO's marked slow); the
+DPO adapter loads in PEFT with the logits the runtime attach gives, the reward model loads in PEFT
+as a sequence-classification adapter with the rewards the run's head gives; `--adapter` refuses a
+reward model; every refusal of the pairs and the settings comes before a weight is read.
 """
 
 from __future__ import annotations

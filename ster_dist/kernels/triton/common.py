@@ -1,7 +1,6 @@
 """What the Triton kernels share: the dot that works under the interpreter and on a GPU alike, tanh,
-and the
-checks every entry point makes of its tensors before a launch (refused by name, never read as
-garbage)."""
+and the checks every entry point makes of its tensors before a launch (refused by name, never read
+as garbage)."""
 
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def dot(a, b, UPCAST: tl.constexpr):
     """a @ b accumulated in f32. UPCAST: both tiles in f32 first, multiplied exactly ("ieee", not
-    TF32) - what
-    f32 inputs need to equal torch's f32 products, and what the interpreter needs for bf16 (its bf16
-    dot is
-    wrong); otherwise the tiles' own dtype on the tensor cores."""
+    TF32) - what f32 inputs need to equal torch's f32 products, and what the interpreter needs for
+    bf16 (its bf16 dot is wrong); otherwise the tiles' own dtype on the tensor cores."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)

@@ -1,22 +1,17 @@
 """Paged decode attention in Triton: one query per sequence over its keys where a paged cache holds
-them
-(model/paged.py: [blocks, block_size, kv_heads, width]), read through its block table, never
+them (model/paged.py: [blocks, block_size, kv_heads, width]), read through its block table, never
 gathered.
 
 Split over the key axis in two stages (SGLang's decode_attention.py, FlashDecoding): stage 1 gives
-each
-(sequence, key head, split) program a contiguous share of the sequence's keys and all the query
-heads that
-share that key head (GQA: the keys are read once for the group), and leaves a partial output and its
-log-sum-exp; stage 2 merges a head's splits, with its attention sink's logit where it has one. So
-one long
-sequence keeps many programs busy where one program per sequence would leave the GPU idle.
+each (sequence, key head, split) program a contiguous share of the sequence's keys and all the query
+heads that share that key head (GQA: the keys are read once for the group), and leaves a partial
+output and its log-sum-exp; stage 2 merges a head's splits, with its attention sink's logit where it
+has one. So one long sequence keeps many programs busy where one program per sequence would leave
+the GPU idle.
 
 A sequence attends positions [first, end): its window's first key (a window shorter than the context
-starts
-mid-block) to its own position; scores are scaled by the layer's scale and soft-capped (cap tanh(s /
-cap))
-where a cap is given.
+starts mid-block) to its own position; scores are scaled by the layer's scale and soft-capped (cap
+tanh(s / cap)) where a cap is given.
 """
 
 from __future__ import annotations
@@ -179,8 +174,7 @@ def _merge_splits(
 
 def splits_for(keys_reach: int) -> int:
     """Splits of a step whose tables reach `keys_reach` positions: about KEYS_PER_SPLIT keys each,
-    at most
-    MAX_SPLITS (from the host's table width, so choosing never reads the device)."""
+    at most MAX_SPLITS (from the host's table width, so choosing never reads the device)."""
     return max(1, min(MAX_SPLITS, -(-keys_reach // KEYS_PER_SPLIT)))
 
 
@@ -197,9 +191,9 @@ def paged_decode(
     splits: int | None = None,
 ) -> torch.Tensor:
     """[n, heads, dv]: q [n, heads, d] attending, per sequence i, positions first[i] .. end[i] - 1
-    of its keys
-    and values ([blocks, block_size, kv_heads, d or dv]) through table[i] ([n, columns] block ids);
-    softmax(cap tanh(q k^T scale / cap)) v, with sinks [heads] as extra logits where given."""
+    of its keys and values ([blocks, block_size, kv_heads, d or dv]) through table[i] ([n, columns]
+    block ids); softmax(cap tanh(q k^T scale / cap)) v, with sinks [heads] as extra logits where
+    given."""
     check("q", q, 3)
     check("keys", keys, 4, (q.dtype,))
     check("values", values, 4, (q.dtype,))

@@ -1,17 +1,13 @@
 """Paged prefill/extend attention in Triton: a chunk's queries over the keys a paged cache holds for
-their
-sequence, its cached prefix (a prefix-cache hit, earlier chunks of a chunked prefill) and the
-chunk's own keys,
-already written (model/paged_step.py stores a step's keys before it attends), causal inside the new
-part.
+their sequence, its cached prefix (a prefix-cache hit, earlier chunks of a chunked prefill) and the
+chunk's own keys, already written (model/paged_step.py stores a step's keys before it attends),
+causal inside the new part.
 
 SGLang's extend_attention.py reads the prefix from the pool and the new keys from their own buffer;
-here both
-lie in the cache, so one loop over the block table does: each program takes BLOCK_M queries of one
-head, reads
-only the keys its queries may see (from the window's first to the last query's own position) and
-keeps an
-online softmax; the masked upper triangle past the last query is never read.
+here both lie in the cache, so one loop over the block table does: each program takes BLOCK_M
+queries of one head, reads only the keys its queries may see (from the window's first to the last
+query's own position) and keeps an online softmax; the masked upper triangle past the last query is
+never read.
 """
 
 from __future__ import annotations
@@ -149,10 +145,9 @@ def paged_extend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[n, heads, queries, dv]: q [n, heads, queries, d], query j of sequence i at position
-    starts[i] + j,
-    over that sequence's keys and values at positions <= its own (within `window` of it, 0: no
-    window) through
-    table[i]; the keys of the queries' own positions must be in the cache already."""
+    starts[i] + j, over that sequence's keys and values at positions <= its own (within `window` of
+    it, 0: no window) through table[i]; the keys of the queries' own positions must be in the cache
+    already."""
     check("q", q, 4)
     check("keys", keys, 4, (q.dtype,))
     check("values", values, 4, (q.dtype,))

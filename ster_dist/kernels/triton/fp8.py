@@ -1,18 +1,12 @@
 """FP8 (e4m3) products in Triton, DeepSeek-V3's recipe: activations quantized per token and group of
-128
-channels (one scale per row and group, the group's largest magnitude mapped to 448), weights stored
-in
-[128, 128] blocks with one scale each (parallel/fp8.py's Fp8Weight with whole blocks), and the
-product
-accumulated in f32 block by block of the reduction, each partial product scaled by its row's and
-block's
-scales (DeepSeek's fp8_gemm, vLLM's w8a8_block_fp8_matmul).
+128 channels (one scale per row and group, the group's largest magnitude mapped to 448), weights
+stored in [128, 128] blocks with one scale each (parallel/fp8.py's Fp8Weight with whole blocks), and
+the product accumulated in f32 block by block of the reduction, each partial product scaled by its
+row's and block's scales (DeepSeek's fp8_gemm, vLLM's w8a8_block_fp8_matmul).
 
 `quantize_groups` rounds each value to FP8's grid itself (to nearest, ties to even, as torch's cast)
-and then
-casts a value the cast keeps exactly: the interpreter's own f32 -> fp8 cast truncates, a GPU's
-rounds, and so
-one code path gives torch's bits on both.
+and then casts a value the cast keeps exactly: the interpreter's own f32 -> fp8 cast truncates, a
+GPU's rounds, and so one code path gives torch's bits on both.
 """
 
 from __future__ import annotations
@@ -119,8 +113,8 @@ def _block_gemm(
 
 def refuses_block(block: tuple[int, int]) -> str | None:
     """Why block_gemm cannot take weight blocks of [rows, columns], or None: the columns are a K
-    tile (a power of
-    two of at least 16, tl.dot's least) and the rows a whole number of output tiles of 16 to 64."""
+    tile (a power of two of at least 16, tl.dot's least) and the rows a whole number of output tiles
+    of 16 to 64."""
     b0, b1 = block
     if b1 & (b1 - 1) or b1 < 16:
         return f"a block of {b1} columns is not a power of two of at least 16"
@@ -137,9 +131,8 @@ def block_gemm(
     block: tuple[int, int] = (GROUP, GROUP),
 ) -> torch.Tensor:
     """x [rows, K] (any float, quantized here per 1 x block[1] group) times weight^T, weight [N, K]
-    FP8 with one
-    scale per [block[0], block[1]] block (weight_scale [ceil(N / b0), ceil(K / b1)]): [rows, N] in
-    out_dtype."""
+    FP8 with one scale per [block[0], block[1]] block (weight_scale [ceil(N / b0), ceil(K / b1)]):
+    [rows, N] in out_dtype."""
     check("x", x, 2)
     check("weight", weight, 2, (FP8,))
     check("weight_scale", weight_scale, 2, (torch.float32,))

@@ -1,17 +1,12 @@
 """MLA decode in Triton over the latent cache (model/mla.py: per position the normed latent
-[kv_lora_rank] and
-the rotated shared key part [rope dim], one "head" each), with kv_b's key half absorbed into the
-queries and its
-value half applied after (DeepSeek-V3/R1, Kimi-K2, GLM-4.7-Flash: rank 512, rope 64, up to 128 heads
-a rank).
+[kv_lora_rank] and the rotated shared key part [rope dim], one "head" each), with kv_b's key half
+absorbed into the queries and its value half applied after (DeepSeek-V3/R1, Kimi-K2, GLM-4.7-Flash:
+rank 512, rope 64, up to 128 heads a rank).
 
 Scores are q_latent . latent + q_rot . k_rot; the output is the softmax's sum of latents, which the
-caller maps
-through the value half. Each key tile's latent is read once and serves as both key and value
-(FlashMLA's
-point), for BLOCK_H heads at a time; the key axis is split in two stages as in decode.py, whose
-merge (with
-sinks) is reused.
+caller maps through the value half. Each key tile's latent is read once and serves as both key and
+value (FlashMLA's point), for BLOCK_H heads at a time; the key axis is split in two stages as in
+decode.py, whose merge (with sinks) is reused.
 """
 
 from __future__ import annotations
@@ -134,11 +129,9 @@ def mla_decode(
     splits: int | None = None,
 ) -> torch.Tensor:
     """[n, heads, rank]: the softmax-weighted sum of each sequence's latents at positions first ..
-    end - 1, for
-    q_latent [n, heads, rank] (q_nope through kv_b's key half) and q_rot [n, heads, rope]; latents
-    [blocks,
-    block_size, 1, rank] and rotated [blocks, block_size, 1, rope] read through table [n,
-    columns]."""
+    end - 1, for q_latent [n, heads, rank] (q_nope through kv_b's key half) and q_rot [n, heads,
+    rope]; latents [blocks, block_size, 1, rank] and rotated [blocks, block_size, 1, rope] read
+    through table [n, columns]."""
     check("q_latent", q_latent, 3)
     for name, t in (("q_rot", q_rot), ("latents", latents), ("rotated", rotated)):
         check(name, t, t.dim() if name == "q_rot" else 4, (q_latent.dtype,))

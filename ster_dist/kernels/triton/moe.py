@@ -1,20 +1,17 @@
 """Fused mixture-of-experts feed-forward in Triton (the fused_moe design of vLLM and SGLang): each
-token's
-(token, choice) pairs sorted by expert and each expert's run padded to BLOCK_M, so a program
-multiplies
-BLOCK_M rows by one expert's weights; one kernel computes gate and up (read from their own stacks)
-and applies SwiGLU, the next the down
-projection, scaled by each pair's router weight; the pairs of a token are then summed.
+token's (token, choice) pairs sorted by expert and each expert's run padded to BLOCK_M, so a program
+multiplies BLOCK_M rows by one expert's weights; one kernel computes gate and up (read from their
+own stacks) and applies SwiGLU, the next the down projection, scaled by each pair's router weight;
+the pairs of a token are then summed.
 
 Weights are stacked [experts, out, in] (moe/experts.py), in f32/bf16/f16 or FP8 e4m3 with one scale
-per
-[128, 128] block (DeepSeek-V3's), the activations then quantized per token and group of 128 channels
-(fp8.quantize_groups) before each product. An expert no pair chose gets no program work: its blocks
-never exist.
+per [128, 128] block (DeepSeek-V3's), the activations then quantized per token and group of 128
+channels (fp8.quantize_groups) before each product. An expert no pair chose gets no program work:
+its blocks never exist.
 
 The sort is torch's on the device with no read back to the host: the padded layout is sized for the
-worst case
-(every expert's run padded by BLOCK_M - 1), and programs past the real blocks return at once.
+worst case (every expert's run padded by BLOCK_M - 1), and programs past the real blocks return at
+once.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ def align_by_expert(
     ids: torch.Tensor, experts: int, block: int = BLOCK_M
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair ids [worst-case padded length], each block's expert [blocks] or -1 past the last) for
-    ids [pairs]
-    (each pair's expert): pair ids grouped by expert, each expert's run padded with `pairs` (no
-    pair) to a
-    multiple of `block`."""
+    ids [pairs] (each pair's expert): pair ids grouped by expert, each expert's run padded with
+    `pairs` (no pair) to a multiple of `block`."""
     pairs = ids.numel()
     ids = ids.reshape(-1).long()
     counts = torch.bincount(ids, minlength=experts)[:experts]
@@ -96,9 +91,8 @@ def _expert_product(
     UPCAST: tl.constexpr,
 ):
     """Out[pair] = A[row] W_e^T for one block of pairs and BLOCK_N outputs; GATED: W is the gate and
-    U the up
-    projection (the same strides), out silu(A W_e^T) * A U_e^T; ROUTED: times the pair's router
-    weight."""
+    U the up projection (the same strides), out silu(A W_e^T) * A U_e^T; ROUTED: times the pair's
+    router weight."""
     block, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + block)
     if e < 0:
@@ -236,14 +230,10 @@ def fused_experts(
     block: tuple[int, int] = (GROUP, GROUP),
 ) -> torch.Tensor:
     """[tokens, hidden] = sum over each token's k choices of weight * down_e(silu(gate_e x) * up_e
-    x).
-    x [tokens, hidden]; topk_ids, topk_weights [tokens, k]; gate, up [experts, inner, hidden] and
-    down
-    [experts, hidden, inner] of x's dtype, or FP8 with `scales` (gate's, up's, down's) [experts, out
-    / 128,
-    in / 128], one per [128, 128] block (or `block`: [rows, columns], columns a power of two of at
-    least 16,
-    the activations then quantized per group of as many channels)."""
+    x). x [tokens, hidden]; topk_ids, topk_weights [tokens, k]; gate, up [experts, inner, hidden]
+    and down [experts, hidden, inner] of x's dtype, or FP8 with `scales` (gate's, up's, down's)
+    [experts, out / 128, in / 128], one per [128, 128] block (or `block`: [rows, columns], columns a
+    power of two of at least 16, the activations then quantized per group of as many channels)."""
     check("x", x, 2)
     fp8 = gate.dtype == FP8
     dtypes = (FP8,) if fp8 else (x.dtype,)

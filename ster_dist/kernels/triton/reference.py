@@ -1,6 +1,5 @@
 """Torch references the Triton kernels must equal, written for clarity, one sequence at a time (the
-tests and
-bench/gpu_check.py compare each kernel with these)."""
+tests and bench/gpu_check.py compare each kernel with these)."""
 
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ def attend_reference(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[heads, queries, dv] for q [heads, queries, d] over k, v [kv_heads, keys, d or dv] and
-    allowed
-    [queries, keys], in f32: softmax over the allowed keys (and a sink logit per head) of cap tanh(q
-    k^T scale /
-    cap)."""
+    allowed [queries, keys], in f32: softmax over the allowed keys (and a sink logit per head) of
+    cap tanh(q k^T scale / cap)."""
     group = q.shape[0] // k.shape[0]
     k, v = k.float().repeat_interleave(group, 0), v.float().repeat_interleave(group, 0)
     s = q.float() @ k.transpose(1, 2) * scale
@@ -56,8 +53,7 @@ def paged_decode_reference(
 
 def paged_extend_reference(q, keys, values, table, starts, window, scale, softcap=0.0, sinks=None):
     """What kernels/triton/extend.py's paged_extend computes: [n, heads, queries, dv] in f32, query
-    j of
-    sequence i at position starts[i] + j over the keys at or before it (within `window`, 0:
+    j of sequence i at position starts[i] + j over the keys at or before it (within `window`, 0:
     none)."""
     outs = []
     for i in range(q.shape[0]):
@@ -74,8 +70,7 @@ def paged_extend_reference(q, keys, values, table, starts, window, scale, softca
 
 def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 [rows, cols], f32 scales [rows, groups]): each group of `group` columns scaled so its
-    largest
-    magnitude is 448, then cast (torch's rounding, to nearest even)."""
+    largest magnitude is 448, then cast (torch's rounding, to nearest even)."""
     rows, cols = x.shape
     groups = -(-cols // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - cols)).view(
@@ -99,8 +94,8 @@ def experts_reference(
     x, topk_ids, topk_weights, gate_up, down, fp8_inner: bool = False
 ) -> torch.Tensor:
     """What kernels/triton/moe.py's fused_experts computes, token by token in f32 (weights already
-    widened);
-    fp8_inner: SwiGLU's output through FP8 groups of 128 before down, as FP8 experts take it."""
+    widened); fp8_inner: SwiGLU's output through FP8 groups of 128 before down, as FP8 experts take
+    it."""
     inner = gate_up.shape[1] // 2
     out = torch.zeros(x.shape[0], down.shape[1])
     for t in range(x.shape[0]):
@@ -115,8 +110,7 @@ def experts_reference(
 
 def mla_decode_reference(q_latent, q_rot, latents, rotated, table, first, end, scale, sinks=None):
     """What kernels/triton/mla.py's mla_decode computes: [n, heads, rank] in f32, as attention whose
-    keys are
-    [latent, rotated] and whose values are the latents, one key head for all."""
+    keys are [latent, rotated] and whose values are the latents, one key head for all."""
     q = torch.cat((q_latent, q_rot), dim=-1)
     keys = torch.cat((latents, rotated), dim=-1)
     return paged_decode_reference(q, keys, latents, table, first, end, scale, 0.0, sinks)
